@@ -1,0 +1,276 @@
+"""A batch of steps in columnar form: what one ingest task carries and commits."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.codec import CodecError, frame, packb, unframe, unpackb
+from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError
+
+STR_META = ("agent_id", "task_id", "skill_tag", "reward_source")
+FORMAT_VERSION = 1
+
+
+@dataclass
+class StrColumn:
+    """Strings as a small vocabulary plus a per-row index into it (-1 = missing)."""
+
+    values: list[str]
+    index: np.ndarray
+
+    @classmethod
+    def of(cls, items: Sequence[Any]) -> StrColumn:
+        vocab: dict[str, int] = {}
+        index = np.fromiter(
+            (-1 if v is None else vocab.setdefault(str(v), len(vocab)) for v in items),
+            dtype=np.int32,
+            count=len(items),
+        )
+        return cls(list(vocab), index)
+
+    @classmethod
+    def constant(cls, value: Any, n: int) -> StrColumn:
+        if value is None:
+            return cls([], np.full(n, -1, np.int32))
+        return cls([str(value)], np.zeros(n, np.int32))
+
+    def take(self, rows: np.ndarray) -> StrColumn:
+        return StrColumn(self.values, self.index[rows])
+
+    def strings(self) -> list[str | None]:
+        return [None if i < 0 else self.values[i] for i in self.index.tolist()]
+
+
+@dataclass
+class Ragged:
+    """Variable-length rows: ``values`` concatenated along axis 0, ``lengths`` per row."""
+
+    values: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, rows: Sequence[np.ndarray], dtype: Any = None) -> Ragged:
+        arrays = [np.asarray(r, dtype=dtype) for r in rows]
+        lengths = np.fromiter((a.shape[0] if a.ndim else 1 for a in arrays), np.int32, len(arrays))
+        if not arrays:
+            return cls(np.zeros(0, dtype or np.float32), lengths)
+        return cls(np.concatenate([np.atleast_1d(a) for a in arrays]), lengths)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        out = np.zeros(len(self.lengths) + 1, np.int64)
+        np.cumsum(self.lengths, out=out[1:])
+        return out
+
+    def row(self, i: int) -> np.ndarray:
+        off = self.offsets
+        return self.values[off[i] : off[i + 1]]
+
+    def take(self, rows: np.ndarray) -> Ragged:
+        off = self.offsets
+        parts = [self.values[off[i] : off[i + 1]] for i in rows.tolist()]
+        vals = np.concatenate(parts) if parts else self.values[:0]
+        return Ragged(vals, self.lengths[rows])
+
+    def row_nbytes(self) -> np.ndarray:
+        per = self.values.itemsize * int(np.prod(self.values.shape[1:], dtype=np.int64))
+        return self.lengths.astype(np.int64) * per
+
+
+FieldValue = np.ndarray | Ragged
+
+
+def _frame_field(v: FieldValue) -> Any:
+    if isinstance(v, Ragged):
+        return {"values": frame(v.values), "lengths": frame(v.lengths, compress=False)}
+    return frame(v)
+
+
+def _unframe_field(f: Any) -> FieldValue:
+    if isinstance(f, dict):
+        return Ragged(unframe(f["values"]), unframe(f["lengths"]))
+    return unframe(f)
+
+
+def _take(v: FieldValue, rows: np.ndarray) -> FieldValue:
+    return v.take(rows) if isinstance(v, Ragged) else v[rows]
+
+
+@dataclass
+class StepBatch:
+    """Columns of ``n`` steps. String metadata travels as vocabulary + index."""
+
+    episode: StrColumn
+    step_index: np.ndarray
+    reward: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    fields: dict[str, FieldValue]
+    priority: np.ndarray | None = None  # NaN = unset
+    policy_version: np.ndarray | None = None
+    strs: dict[str, StrColumn] = field(default_factory=dict)  # STR_META and string tags
+    nums: dict[str, np.ndarray] = field(default_factory=dict)  # numeric tags, NaN = missing
+    next_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    next_obs: FieldValue | None = None  # explicit next_obs for ``next_rows``
+    info_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    info: list[dict[str, Any]] = field(default_factory=list)
+    batch_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def n(self) -> int:
+        return len(self.step_index)
+
+    def tag_kinds(self) -> dict[str, str]:
+        kinds = {k[2:]: "str" for k in self.strs if k.startswith("t:")}
+        kinds.update({k[2:]: "num" for k in self.nums})
+        return kinds
+
+    def schema(self) -> Schema:
+        """The schema this batch implies (fields from dtypes and shapes, tags by kind)."""
+        fields = {}
+        for name, v in self.fields.items():
+            if isinstance(v, Ragged):
+                fields[name] = FieldSpec(v.values.dtype.str, (None, *v.values.shape[1:]))
+            else:
+                fields[name] = FieldSpec(v.dtype.str, tuple(v.shape[1:]))
+        schema = Schema(fields=fields, tags=self.tag_kinds())  # type: ignore[arg-type]
+        schema.check_self()
+        return schema
+
+    def row_nbytes(self) -> np.ndarray:
+        total = np.zeros(self.n, np.int64)
+        for v in self.fields.values():
+            total += v.row_nbytes() if isinstance(v, Ragged) else v[0].nbytes if self.n else 0
+        return total
+
+    def describe_row(self, i: int) -> str:
+        ep = self.episode.index[i]
+        ep_name = self.episode.values[ep] if ep >= 0 else "?"
+        return f"step {i} (episode {ep_name!r}, step_index {int(self.step_index[i])})"
+
+    def row_errors(self, max_step_bytes: int = MAX_STEP_BYTES) -> dict[int, str]:
+        """Per-step problems: non-finite reward, oversize step, missing episode."""
+        errors: dict[int, str] = {}
+        for i in np.flatnonzero(~np.isfinite(self.reward)).tolist():
+            errors[i] = f"{self.describe_row(i)}: reward is {self.reward[i]} (must be finite)"
+        sizes = self.row_nbytes()
+        for i in np.flatnonzero(sizes > max_step_bytes).tolist():
+            errors.setdefault(
+                i, f"{self.describe_row(i)}: {sizes[i]} payload bytes > limit {max_step_bytes}"
+            )
+        for i in np.flatnonzero(self.episode.index < 0).tolist():
+            errors.setdefault(i, f"step {i}: episode_id is missing")
+        return errors
+
+    def check_columns(self) -> None:
+        """Column-level consistency: every column has ``n`` rows of a numeric type."""
+        n = self.n
+        cols: dict[str, Any] = {
+            "episode_id": self.episode.index, "reward": self.reward,
+            "terminated": self.terminated, "truncated": self.truncated,
+        }
+        for k, v in self.strs.items():
+            cols[f"tag '{k[2:]}'" if k.startswith("t:") else k] = v.index
+        cols.update({f"tag '{k[2:]}'": v for k, v in self.nums.items()})
+        for name, v in self.fields.items():
+            cols[f"field '{name}'"] = v.lengths if isinstance(v, Ragged) else v
+        for name, v in cols.items():
+            if len(v) != n:
+                raise SchemaError(f"{name} has {len(v)} rows, batch has {n}")
+        for name, v in self.fields.items():
+            if isinstance(v, Ragged) and int(v.lengths.sum()) != len(v.values):
+                raise SchemaError(f"field '{name}': ragged lengths do not add up to the values")
+
+    def take(self, rows: np.ndarray) -> StepBatch:
+        """The sub-batch of ``rows`` (sorted positions); explicit next_obs/info follow."""
+        rows = np.asarray(rows, np.int64)
+        remap = np.full(self.n, -1, np.int64)
+        remap[rows] = np.arange(len(rows))
+        nx_keep = np.flatnonzero(remap[self.next_rows] >= 0) if len(self.next_rows) else []
+        info_keep = np.flatnonzero(remap[self.info_rows] >= 0) if len(self.info_rows) else []
+        return StepBatch(
+            episode=self.episode.take(rows),
+            step_index=self.step_index[rows],
+            reward=self.reward[rows],
+            terminated=self.terminated[rows],
+            truncated=self.truncated[rows],
+            fields={k: _take(v, rows) for k, v in self.fields.items()},
+            priority=None if self.priority is None else self.priority[rows],
+            policy_version=None if self.policy_version is None else self.policy_version[rows],
+            strs={k: v.take(rows) for k, v in self.strs.items()},
+            nums={k: v[rows] for k, v in self.nums.items()},
+            next_rows=remap[self.next_rows[nx_keep]].astype(np.int32)
+            if len(nx_keep)
+            else np.zeros(0, np.int32),
+            next_obs=_take(self.next_obs, np.asarray(nx_keep, np.int64))
+            if len(nx_keep) and self.next_obs is not None
+            else None,
+            info_rows=remap[self.info_rows[info_keep]].astype(np.int32)
+            if len(info_keep)
+            else np.zeros(0, np.int32),
+            info=[self.info[i] for i in np.asarray(info_keep, np.int64).tolist()],
+            batch_id=self.batch_id,
+        )
+
+    def encode(self) -> bytes:
+        opt = {
+            "priority": None if self.priority is None else frame(self.priority),
+            "policy_version": None if self.policy_version is None else frame(self.policy_version),
+        }
+        return packb(
+            {
+                "v": FORMAT_VERSION,
+                "id": self.batch_id,
+                "episode": [self.episode.values, frame(self.episode.index)],
+                "step_index": frame(self.step_index),
+                "reward": frame(self.reward),
+                "terminated": frame(self.terminated),
+                "truncated": frame(self.truncated),
+                **opt,
+                "strs": {k: [v.values, frame(v.index)] for k, v in self.strs.items()},
+                "nums": {k: frame(v) for k, v in self.nums.items()},
+                "fields": {k: _frame_field(v) for k, v in self.fields.items()},
+                "next_rows": frame(self.next_rows),
+                "next_obs": None if self.next_obs is None else _frame_field(self.next_obs),
+                "info_rows": frame(self.info_rows),
+                "info": self.info,
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> StepBatch:
+        try:
+            d = unpackb(data)
+            if d.get("v") != FORMAT_VERSION:
+                raise CodecError(f"unknown batch format version {d.get('v')!r}")
+            opt = {
+                k: None if d.get(k) is None else unframe(d[k])
+                for k in ("priority", "policy_version")
+            }
+            batch = cls(
+                episode=StrColumn(d["episode"][0], unframe(d["episode"][1])),
+                step_index=unframe(d["step_index"]),
+                reward=unframe(d["reward"]),
+                terminated=unframe(d["terminated"]),
+                truncated=unframe(d["truncated"]),
+                **opt,
+                strs={k: StrColumn(v[0], unframe(v[1])) for k, v in d["strs"].items()},
+                nums={k: unframe(v) for k, v in d["nums"].items()},
+                fields={k: _unframe_field(v) for k, v in d["fields"].items()},
+                next_rows=unframe(d["next_rows"]),
+                next_obs=None if d["next_obs"] is None else _unframe_field(d["next_obs"]),
+                info_rows=unframe(d["info_rows"]),
+                info=list(d["info"]),
+                batch_id=str(d["id"]),
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            if isinstance(e, CodecError):
+                raise
+            raise CodecError(f"malformed batch: {type(e).__name__}: {e}") from None
+        batch.check_columns()
+        return batch

@@ -1,0 +1,142 @@
+-- Commit one shard's part of a batch atomically over its allocated slot range.
+-- KEYS: 1 batch marker, 2 seq counter, 3 change log, 4 episode links hash,
+--       5 episode names hash, 6 alive bitmap
+-- ARGV: 1 shard prefix, 2 n, 3 cap, 4 marker ttl, 5 seq0, 6 shard, 7 n_shards,
+--       8 meta chunk slots, 9 spec (msgpack), 10.. blobs (columns, then sparse rows)
+-- spec = {cols = {{base, itemsize, chunk_slots}...}, sparse = {{base, chunk_slots, rows}...},
+--         clear = {{base, chunk_slots}...}, eps = {{code, first_rel, first_idx, last_rel,
+--         last_idx, ended, name}...}, loglen = n}
+-- Returns {seq0, state}: "done" (committed now or before) or "expired" (slots reused).
+local marker = redis.call('GET', KEYS[1])
+local seq0 = tonumber(ARGV[5])
+if marker and string.sub(marker, 1, 5) ~= 'alloc' then
+  return {seq0, string.match(marker, '^(%a+)')}
+end
+local prefix = ARGV[1]
+local n, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local shard, n_shards, mc = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local spec = cmsgpack.unpack(ARGV[9])
+
+-- Slots reused by newer seqs since allocation: these steps are already past capacity.
+local seq_now = tonumber(redis.call('GET', KEYS[2]) or '0')
+if seq_now - seq0 + 1 > cap then
+  redis.call('SET', KEYS[1], 'expired:' .. seq0, 'EX', ttl)
+  return {seq0, 'expired'}
+end
+
+local slot0 = (seq0 - 1) % cap
+
+-- Runs of slots [slot, slot + len) inside one chunk of cs slots, without ring wrap.
+local function runs(cs, fn)
+  local i = 0
+  while i < n do
+    local slot = (slot0 + i) % cap
+    local inchunk = slot % cs
+    local len = math.min(n - i, cs - inchunk, cap - slot)
+    fn(i, slot, math.floor(slot / cs), inchunk, len)
+    i = i + len
+  end
+end
+
+-- The ring overwrote older steps in these slots: drop their sparse entries.
+if seq0 + n - 1 > cap then
+  for _, c in ipairs(spec.clear) do
+    local base, cs = c[1], c[2]
+    runs(cs, function(i, slot, chunk, inchunk, len)
+      local key = prefix .. base .. ':' .. chunk
+      if redis.call('EXISTS', key) == 1 then
+        local f = {}
+        for s = slot, slot + len - 1 do f[#f + 1] = s end
+        for j = 1, #f, 4000 do
+          redis.call('HDEL', key, unpack(f, j, math.min(j + 3999, #f)))
+        end
+      end
+    end)
+  end
+end
+
+local argi = 10
+for _, c in ipairs(spec.cols) do
+  local base, size, cs = c[1], c[2], c[3]
+  local blob = ARGV[argi]
+  argi = argi + 1
+  runs(cs, function(i, slot, chunk, inchunk, len)
+    local key = prefix .. base .. ':' .. chunk
+    if redis.call('EXISTS', key) == 0 then
+      -- Size the chunk once: later writes never reallocate (no greedy slack).
+      local slots = math.min(cs, cap - chunk * cs)
+      redis.call('SETRANGE', key, slots * size - 1, '\0')
+    end
+    local piece = blob
+    if len ~= n then piece = string.sub(blob, i * size + 1, (i + len) * size) end
+    redis.call('SETRANGE', key, inchunk * size, piece)
+  end)
+end
+
+for _, sp in ipairs(spec.sparse) do
+  local base, cs, rows = sp[1], sp[2], sp[3]
+  for _, rel in ipairs(rows) do
+    local slot = (slot0 + rel) % cap
+    redis.call('HSET', prefix .. base .. ':' .. math.floor(slot / cs), slot, ARGV[argi])
+    argi = argi + 1
+  end
+end
+
+-- Alive bits over the range (byte-wide where aligned).
+local alive = KEYS[6]
+local nbytes = math.ceil(cap / 8)
+if redis.call('STRLEN', alive) < nbytes then redis.call('SETRANGE', alive, nbytes - 1, '\0') end
+local function set_bits(s, e)
+  while s < e and s % 8 ~= 0 do redis.call('SETBIT', alive, s, 1); s = s + 1 end
+  local full = math.floor((e - s) / 8)
+  if full > 0 then
+    redis.call('SETRANGE', alive, s / 8, string.rep('\255', full))
+    s = s + full * 8
+  end
+  while s < e do redis.call('SETBIT', alive, s, 1); s = s + 1 end
+end
+runs(cap, function(i, slot, chunk, inchunk, len) set_bits(slot, slot + len) end)
+
+-- Episode links across batches: a run's first step finds its predecessor's tail, a run's
+-- last step finds its successor's head (batches of one episode may commit out of order).
+local linked = {}
+local function link(from_seq, to_seq)
+  local slot = (from_seq - 1) % cap
+  local chunk, off = math.floor(slot / mc), slot % mc
+  local id = redis.call('GETRANGE', prefix .. 'm:id:' .. chunk, off * 8, off * 8 + 7)
+  if id ~= struct.pack('<i8', from_seq * n_shards + shard) then return end
+  redis.call('SETRANGE', prefix .. 'm:next:' .. chunk, off * 4, struct.pack('<i4', to_seq - from_seq))
+  linked[#linked + 1] = from_seq .. ':' .. (to_seq - from_seq)
+end
+local links = KEYS[4]
+for _, ep in ipairs(spec.eps) do
+  local code, first_rel, first_idx, last_rel, last_idx, ended, name =
+    ep[1], ep[2], ep[3], ep[4], ep[5], ep[6], ep[7]
+  local first_seq, last_seq = seq0 + first_rel, seq0 + last_rel
+  if first_idx > 0 then
+    local tkey = 't:' .. code .. ':' .. (first_idx - 1)
+    local prev = redis.call('HGET', links, tkey)
+    if prev then
+      link(tonumber(prev), first_seq)
+      redis.call('HDEL', links, tkey)
+    else
+      redis.call('HSET', links, 'h:' .. code .. ':' .. first_idx, first_seq)
+    end
+  end
+  if not ended then
+    local hkey = 'h:' .. code .. ':' .. (last_idx + 1)
+    local nxt = redis.call('HGET', links, hkey)
+    if nxt then
+      link(last_seq, tonumber(nxt))
+      redis.call('HDEL', links, hkey)
+    else
+      redis.call('HSET', links, 't:' .. code .. ':' .. last_idx, last_seq)
+    end
+  end
+  redis.call('HSETNX', KEYS[5], code, name)
+end
+
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', spec.loglen, '*',
+  'op', 'ins', 'seq', seq0, 'n', n, 'links', table.concat(linked, ','))
+redis.call('SET', KEYS[1], 'done:' .. seq0, 'EX', ttl)
+return {seq0, 'done'}

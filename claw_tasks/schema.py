@@ -1,0 +1,118 @@
+"""Namespace schema: payload fields (dtype, shape, ragged leading dim) and free tags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from claw_tasks.codec import check_dtype
+
+TagKind = Literal["str", "num"]
+
+# Metadata that is not a payload field; names a user may not reuse for fields or tags.
+RESERVED = frozenset(
+    {
+        "reward", "terminated", "truncated", "info", "next_obs", "episode_id", "step_index",
+        "agent_id", "task_id", "skill_tag", "reward_source", "policy_version", "timestamp",
+        "priority", "quality", "trainable", "id", "ids", "weights",
+    }
+)
+
+MAX_STEP_BYTES = 16 * 1024 * 1024
+MAX_BATCH_BYTES = 512 * 1024 * 1024
+
+
+class SchemaError(ValueError):
+    """A batch does not match the namespace schema, or a schema is malformed."""
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One payload field. ``shape[0] is None`` marks a ragged (variable-length) field."""
+
+    dtype: str
+    shape: tuple[int | None, ...]
+
+    @property
+    def ragged(self) -> bool:
+        return bool(self.shape) and self.shape[0] is None
+
+    @property
+    def row_items(self) -> int:
+        """Items per row (fixed) or per element of the ragged dimension."""
+        dims = self.shape[1:] if self.ragged else self.shape
+        return int(np.prod(dims, dtype=np.int64)) if dims else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_items * np.dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        dims = ", ".join("*" if d is None else str(d) for d in self.shape)
+        return f"{np.dtype(self.dtype).name}[{dims}]"
+
+
+@dataclass
+class Schema:
+    """Fields and tags of a namespace. Declared, or taken from the first batch."""
+
+    fields: dict[str, FieldSpec]
+    tags: dict[str, TagKind] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fields": {
+                k: {"dtype": v.dtype, "shape": list(v.shape)} for k, v in self.fields.items()
+            },
+            "tags": dict(self.tags),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Schema:
+        try:
+            fields = {
+                k: FieldSpec(np.dtype(v["dtype"]).str, tuple(v["shape"]))
+                for k, v in d["fields"].items()
+            }
+        except (KeyError, TypeError) as e:
+            raise SchemaError(f"malformed schema: missing {e}") from None
+        schema = cls(fields=fields, tags=dict(d.get("tags", {})))
+        schema.check_self()
+        return schema
+
+    def check_self(self) -> None:
+        for name, spec in self.fields.items():
+            if name in RESERVED:
+                raise SchemaError(f"field '{name}' is reserved metadata, not a payload field")
+            check_dtype(np.dtype(spec.dtype), f"field '{name}'")
+            if any(d is None for d in spec.shape[1:]):
+                raise SchemaError(f"field '{name}': only the leading dimension may be ragged")
+        for name, kind in self.tags.items():
+            if kind not in ("str", "num"):
+                raise SchemaError(f"tag '{name}': kind must be 'str' or 'num', not {kind!r}")
+            if name in RESERVED:
+                raise SchemaError(f"tag '{name}' is reserved metadata")
+
+    def merged(self, other: Schema) -> Schema:
+        """This schema plus the new tags of ``other``; a conflict is a SchemaError."""
+        for name, spec in other.fields.items():
+            mine = self.fields.get(name)
+            if mine is None:
+                raise SchemaError(
+                    f"field '{name}' is not in the namespace schema "
+                    f"(fields: {', '.join(sorted(self.fields))})"
+                )
+            if mine != spec:
+                raise SchemaError(
+                    f"field '{name}' is {spec.describe()}, schema says {mine.describe()}"
+                )
+        missing = set(self.fields) - set(other.fields)
+        if missing:
+            raise SchemaError(f"batch lacks schema field(s): {', '.join(sorted(missing))}")
+        tags = dict(self.tags)
+        for name, kind in other.tags.items():
+            if tags.setdefault(name, kind) != kind:
+                raise SchemaError(f"tag '{name}' is {kind}, schema says {tags[name]}")
+        return Schema(fields=dict(self.fields), tags=tags)

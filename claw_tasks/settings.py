@@ -1,0 +1,36 @@
+"""Settings from the environment (``CLAW_*``), read once per process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process-wide configuration.
+
+    ``redis_url`` is the data store; ``broker_url`` the Celery broker (a standalone
+    Redis or RabbitMQ; defaults to the data store's server).
+    """
+
+    redis_url: str
+    broker_url: str
+    namespace: str
+    visibility_timeout: int
+    stage_ttl: int
+
+
+def load_settings() -> Settings:
+    redis_url = os.environ.get("CLAW_REDIS_URL") or DEFAULT_REDIS_URL
+    visibility = int(os.environ.get("CLAW_VISIBILITY_TIMEOUT", "600"))
+    return Settings(
+        redis_url=redis_url,
+        broker_url=os.environ.get("CLAW_BROKER_URL") or redis_url,
+        namespace=os.environ.get("CLAW_NAMESPACE", "default"),
+        visibility_timeout=visibility,
+        # A claim-check payload must outlive every redelivery of its message.
+        stage_ttl=int(os.environ.get("CLAW_STAGE_TTL", str(max(86400, 4 * visibility)))),
+    )

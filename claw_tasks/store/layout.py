@@ -1,0 +1,105 @@
+"""Key names and the fixed-width column layout of the Redis store."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+# Metadata columns: name -> dtype. Zero bytes always mean "missing".
+META: dict[str, np.dtype] = {
+    "id": np.dtype("<i8"),
+    "episode": np.dtype("<i8"),
+    "step_index": np.dtype("<i4"),
+    "agent_id": np.dtype("<i4"),
+    "task_id": np.dtype("<i4"),
+    "skill_tag": np.dtype("<i4"),
+    "reward_source": np.dtype("<i4"),
+    "quality": np.dtype("<i4"),
+    "policy_version": np.dtype("<i4"),
+    "timestamp": np.dtype("<f8"),
+    "reward": np.dtype("<f4"),
+    "priority": np.dtype("<f4"),
+    "next": np.dtype("<i4"),
+    "flags": np.dtype("u1"),
+}
+STR_TAG_DTYPE = np.dtype("<i4")
+NUM_TAG_DTYPE = np.dtype("<f8")
+DICT_COLUMNS = ("agent_id", "task_id", "skill_tag", "reward_source", "quality")
+
+# flags bits
+TERMINATED, TRUNCATED, EXPLICIT_NEXT, UNTRAINABLE = 1, 2, 4, 8
+
+META_CHUNK_SLOTS = 65536
+PAYLOAD_CHUNK_BYTES = 4 * 1024 * 1024 - 64  # stays inside one jemalloc size class
+SPARSE_CHUNK_SLOTS = 4096
+
+_F4_NAN = np.frombuffer(np.float32(np.nan).tobytes(), np.uint32)[0]
+_F8_NAN = np.frombuffer(np.float64(np.nan).tobytes(), np.uint64)[0]
+
+
+def nan_xor(values: np.ndarray) -> np.ndarray:
+    """Encode/decode floats so that zero bytes read as NaN (the operation is its own inverse)."""
+    if values.dtype == np.float32:
+        return (values.view(np.uint32) ^ _F4_NAN).view(np.float32)
+    return (values.astype(np.float64).view(np.uint64) ^ _F8_NAN).view(np.float64)
+
+
+def payload_chunk_slots(row_bytes: int) -> int:
+    return max(1, PAYLOAD_CHUNK_BYTES // max(1, row_bytes))
+
+
+def episode_code(episode_id: str) -> int:
+    """Stable positive 63-bit code of an episode id."""
+    digest = hashlib.blake2b(episode_id.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF) or 1
+
+
+class Keys:
+    """Key names of one namespace. Shard keys share the hash tag ``{ns:shard}``."""
+
+    def __init__(self, namespace: str) -> None:
+        if not namespace or any(c in namespace for c in "{}: \n"):
+            raise ValueError(f"namespace {namespace!r}: use letters, digits, '-', '_' or '.'")
+        self.ns = namespace
+        self.base = f"claw:{{{namespace}}}:"
+
+    @property
+    def config(self) -> str:
+        return self.base + "config"
+
+    @property
+    def dead(self) -> str:
+        return self.base + "dead"
+
+    def dict(self, column: str) -> str:
+        return f"{self.base}dict:{column}"
+
+    def rdict(self, column: str) -> str:
+        return f"{self.base}rdict:{column}"
+
+    def stage(self, batch_id: str) -> str:
+        return f"{self.base}stage:{batch_id}"
+
+    def done(self, batch_id: str) -> str:
+        return f"{self.base}done:{batch_id}"
+
+    def shard(self, shard: int) -> str:
+        """Prefix of one shard's keys."""
+        return f"claw:{{{self.ns}:{shard}}}:"
+
+    def shard_key(self, shard: int, name: str) -> str:
+        return self.shard(shard) + name
+
+    def meta(self, shard: int, col: str, chunk: int) -> str:
+        return f"{self.shard(shard)}m:{col}:{chunk}"
+
+    def field(self, shard: int, name: str, chunk: int) -> str:
+        return f"{self.shard(shard)}f:{name}:{chunk}"
+
+    def ragged(self, shard: int, name: str, chunk: int) -> str:
+        return f"{self.shard(shard)}r:{name}:{chunk}"
+
+    def sparse(self, shard: int, kind: str, chunk: int) -> str:
+        """``kind`` is ``nx`` (explicit next_obs) or ``info``."""
+        return f"{self.shard(shard)}{kind}:{chunk}"
