@@ -1,0 +1,246 @@
+"""Batch wire format: a msgpack header that frames raw, aligned array bytes.
+
+Layout of an encoded batch::
+
+    b"CLAW" | u32 header length (little endian) | msgpack header | pad | array bytes ...
+
+The header names each array as ``[dtype.str, shape, offset]``; every array body starts at an
+offset that is a multiple of ``ALIGN`` from the start of the buffer, so :func:`decode_batch`
+returns ``np.frombuffer`` views of the input buffer: no array byte is copied. Arrays decoded
+from ``bytes`` are read-only; decode a writable buffer (``bytearray``, ``mmap``) to get
+writable arrays. Never pickle.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+from numpy.typing import ArrayLike
+
+MAGIC = b"CLAW"
+VERSION = 1
+ALIGN = 64
+_PREFIX = struct.Struct("<4sI")
+_RESERVED = ("ids", "weights", "source_index")
+
+ArraySpec = list[Any]  # [dtype str, shape list, offset]
+
+
+class Batch(Mapping[str, np.ndarray]):
+    """A decoded batch: a mapping of field name to array, plus per-row bookkeeping.
+
+    ``ids`` are int64 step ids, ``weights`` float32 importance weights, ``source_index`` the
+    int16 index of each row's source in ``sources``.
+    """
+
+    __slots__ = ("_fields", "ids", "meta", "recipe_version", "source_index", "sources", "weights")
+
+    def __init__(
+        self,
+        fields: dict[str, np.ndarray],
+        ids: np.ndarray,
+        weights: np.ndarray,
+        source_index: np.ndarray,
+        sources: tuple[str, ...],
+        recipe_version: int,
+        meta: dict[str, Any],
+    ) -> None:
+        self._fields = fields
+        self.ids = ids
+        self.weights = weights
+        self.source_index = source_index
+        self.sources = sources
+        self.recipe_version = recipe_version
+        self.meta = meta
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._fields[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return len(self.ids)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self._fields.items())
+        return f"Batch(n={self.batch_size}, v{self.recipe_version}, {{{shapes}}})"
+
+
+class Frame:
+    """A batch laid out for the wire but not yet copied anywhere.
+
+    ``nbytes`` is the encoded size; ``chunks()`` yields the buffers whose concatenation is the
+    encoding, so a writer can stream them into a socket, a file or shared memory directly.
+    """
+
+    __slots__ = ("_chunks", "nbytes")
+
+    def __init__(self, chunks: list[memoryview], nbytes: int) -> None:
+        self._chunks = chunks
+        self.nbytes = nbytes
+
+    def chunks(self) -> list[memoryview]:
+        """The buffers to concatenate, in order."""
+        return list(self._chunks)
+
+    def tobytes(self) -> bytes:
+        """The whole encoding as one ``bytes`` object."""
+        return b"".join(self._chunks)
+
+
+def _check_array(name: str, arr: np.ndarray, n: int) -> None:
+    if arr.dtype.hasobject or arr.dtype.fields is not None:
+        raise ValueError(f"field {name!r}: dtype {arr.dtype} cannot be framed (object/structured)")
+    if arr.ndim == 0 or arr.shape[0] != n:
+        raise ValueError(f"field {name!r}: leading dimension {arr.shape[:1]} != batch size {n}")
+
+
+def _row_array(name: str, value: ArrayLike | None, dtype: type, n: int, fill: int) -> np.ndarray:
+    if value is None:
+        return np.full(n, fill, dtype=dtype)
+    arr = np.asarray(value)
+    if arr.shape != (n,):
+        raise ValueError(f"{name}: shape {arr.shape} != ({n},)")
+    if not np.can_cast(arr.dtype, dtype, casting="same_kind"):
+        raise ValueError(f"{name}: dtype {arr.dtype} cannot be cast to {np.dtype(dtype)}")
+    return arr.astype(dtype, copy=False)
+
+
+def frame_batch(
+    fields: Mapping[str, ArrayLike],
+    ids: ArrayLike,
+    *,
+    weights: ArrayLike | None = None,
+    source_index: ArrayLike | None = None,
+    sources: Sequence[str] = ("default",),
+    recipe_version: int = 0,
+    meta: Mapping[str, Any] | None = None,
+) -> Frame:
+    """Lay a batch out for the wire. Arrays are referenced, not copied (unless not contiguous).
+
+    ``weights`` default to ones, ``source_index`` to zeros; ``meta`` must be msgpack-able.
+    """
+    ids_arr = np.asarray(ids)
+    if ids_arr.ndim != 1 or (ids_arr.size and ids_arr.dtype.kind not in "iu"):
+        raise ValueError(f"ids: expected a 1-d integer array, got {ids_arr.dtype}{ids_arr.shape}")
+    if ids_arr.dtype == np.uint64:
+        raise ValueError("ids: uint64 does not fit int64")
+    n = len(ids_arr)
+    rows = {
+        "ids": ids_arr.astype(np.int64, copy=False),
+        "weights": _row_array("weights", weights, np.float32, n, 1),
+        "source_index": _row_array("source_index", source_index, np.int16, n, 0),
+    }
+    names = [str(s) for s in sources]
+    si = rows["source_index"]
+    if n and (si.min() < 0 or si.max() >= len(names)):
+        raise ValueError(f"source_index out of range for {len(names)} sources")
+
+    arrays: list[tuple[str, np.ndarray]] = []
+    for name, value in fields.items():
+        arr = np.asarray(value)
+        _check_array(name, arr, n)
+        arrays.append((name, arr))
+    arrays += [(k, rows[k]) for k in _RESERVED]
+
+    # Offsets are relative to the data start: the first ALIGN boundary after the header.
+    bodies, specs, pos = [], [], 0
+    for _, arr in arrays:
+        bodies.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+        specs.append([arr.dtype.str, list(arr.shape), pos])
+        pos += -(-arr.nbytes // ALIGN) * ALIGN
+    named = [[name, *spec] for (name, _), spec in zip(arrays, specs, strict=True)]
+    n_fields = len(arrays) - len(_RESERVED)
+    header = {
+        "v": VERSION,
+        "fields": named[:n_fields],
+        **{row[0]: row[1:] for row in named[n_fields:]},
+        "sources": names,
+        "recipe_version": int(recipe_version),
+        "meta": dict(meta or {}),
+    }
+    try:
+        head = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"batch metadata is not msgpack-serializable: {exc}") from exc
+    base = -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN
+    chunks = [_PREFIX.pack(MAGIC, len(head)), head, bytes(base - _PREFIX.size - len(head))]
+    for body in bodies:
+        chunks.append(body)
+        if body.nbytes % ALIGN:
+            chunks.append(bytes(ALIGN - body.nbytes % ALIGN))
+    return Frame([memoryview(c) for c in chunks], base + pos)
+
+
+def encode_batch(
+    fields: Mapping[str, ArrayLike],
+    ids: ArrayLike,
+    *,
+    weights: ArrayLike | None = None,
+    source_index: ArrayLike | None = None,
+    sources: Sequence[str] = ("default",),
+    recipe_version: int = 0,
+    meta: Mapping[str, Any] | None = None,
+) -> bytes:
+    """Encode a batch to bytes (see :func:`frame_batch` for the arguments)."""
+    return frame_batch(
+        fields,
+        ids,
+        weights=weights,
+        source_index=source_index,
+        sources=sources,
+        recipe_version=recipe_version,
+        meta=meta,
+    ).tobytes()
+
+
+def is_batch(buf: Any) -> bool:
+    """Whether ``buf`` starts like an encoded batch."""
+    return bytes(memoryview(buf)[:4]) == MAGIC
+
+
+def decode_batch(buf: Any) -> Batch:
+    """Decode a batch from any buffer (bytes, bytearray, memoryview, mmap) without copying arrays.
+
+    The returned arrays are views of ``buf`` and keep it alive.
+    """
+    mv = memoryview(buf).cast("B")
+    if len(mv) < _PREFIX.size:
+        raise ValueError("not a Claw batch: too short")
+    magic, head_len = _PREFIX.unpack_from(mv)
+    if magic != MAGIC:
+        raise ValueError(f"not a Claw batch: bad magic {magic!r}")
+    end = _PREFIX.size + head_len
+    header = msgpack.unpackb(mv[_PREFIX.size : end], raw=False)
+    if header.get("v") != VERSION:
+        raise ValueError(f"unsupported batch wire version {header.get('v')!r}")
+    base = -(-end // ALIGN) * ALIGN
+
+    def view(spec: ArraySpec) -> np.ndarray:
+        dtype, shape, off = np.dtype(spec[0]), tuple(spec[1]), base + spec[2]
+        if any(d < 0 for d in shape):
+            raise ValueError(f"corrupt batch: negative shape {shape}")
+        count = int(np.prod(shape, dtype=np.int64))
+        if off + count * dtype.itemsize > len(mv):
+            raise ValueError("truncated batch: array body past end of buffer")
+        return np.frombuffer(mv, dtype=dtype, count=count, offset=off).reshape(shape)
+
+    return Batch(
+        fields={f[0]: view(f[1:]) for f in header["fields"]},
+        ids=view(header["ids"]),
+        weights=view(header["weights"]),
+        source_index=view(header["source_index"]),
+        sources=tuple(header["sources"]),
+        recipe_version=header["recipe_version"],
+        meta=header["meta"],
+    )
