@@ -70,8 +70,9 @@ class RedisServer:
     """A private redis-server process; a context manager that stops it and removes its temp dir.
 
     `options` are redis.conf directives (name → value) laid over `--save "" --appendonly no`;
-    `maxmemory-policy noeviction` always wins. `port=None` picks a free port, `dir=None` a
-    temp dir that is removed on exit; `restart()` keeps both.
+    `maxmemory-policy noeviction` always wins, and so do the port, bind address, dir and
+    logfile this class manages. `port=None` picks a free port, `dir=None` a temp dir that is
+    removed on exit; `restart()` keeps both.
     """
 
     def __init__(
@@ -192,16 +193,17 @@ class RedisServer:
         return f"RedisServer({self.url}, dir={str(self._dir)!r}, {state})"
 
     def _argv(self) -> list[str]:
-        argv = [
-            self.executable,
+        argv = [self.executable]
+        for name, value in self.options.items():
+            argv += [f"--{name}", value]
+        # Last, so that they win over the same directives in `options`.
+        argv += [
             "--port", str(self._port),
             "--bind", self.host,
             "--dir", str(self._dir),
             "--logfile", str(self.log_path),
             "--daemonize", "no",
         ]  # fmt: skip
-        for name, value in self.options.items():
-            argv += [f"--{name}", value]
         return argv
 
     def _spawn(self) -> None:
