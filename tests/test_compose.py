@@ -111,13 +111,13 @@ def test_workers_consume_known_queues(services: dict[str, Any]) -> None:
         assert "-E" in args or "--events" in args or "--task-events" in args, name
         consumed |= set(queues.split(","))
     assert consumed == QUEUES
+    assert option(argv(services["worker-ingest"]), "-c", "--concurrency") == "2"
 
 
 def test_queue_set_matches_the_celery_app() -> None:
     from claw_tasks.app import app
 
     assert {queue.name for queue in app.conf.task_queues} == QUEUES
-    assert option(argv(services["worker-ingest"]), "-c", "--concurrency") == "2"
 
 
 def test_beat_uses_redbeat(services: dict[str, Any]) -> None:
