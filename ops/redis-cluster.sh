@@ -71,13 +71,16 @@ up() {
 }
 
 down() {
-  local port pid
+  local cli port
+  cli=${REDIS_CLI:-$(find_bin redis-cli)}
   for port in "${ports[@]}"; do
-    [[ -f "$dir/$port/redis.pid" ]] || continue
-    pid=$(<"$dir/$port/redis.pid")
-    kill "$pid" 2>/dev/null || true
+    [[ -f "$dir/$port/redis.pid" ]] && kill "$(<"$dir/$port/redis.pid")" 2>/dev/null || true
+  done
+  # Wait for the ports to close (the exited daemons may linger as zombies until reaped).
+  answers() { "$cli" -p "$1" ping >/dev/null 2>&1; }
+  for port in "${ports[@]}"; do
     for _ in $(seq 50); do
-      kill -0 "$pid" 2>/dev/null || break
+      answers "$port" || break
       sleep 0.1
     done
   done

