@@ -2,46 +2,58 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 from celery import Celery
 from kombu import Queue
 
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import Settings, load_settings
+
+QUEUES = ("ingest", "prefetch", "maintenance")
+# Task modules by string only: orchestrator imports claw_tasks, never the reverse.
+TASK_MODULES = ["claw_tasks.tasks"]
+
+
+def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
+    """A configured Claw Celery app (workers use ``app``; clients may aim elsewhere)."""
+    app = Celery("claw", broker=broker_url or settings.broker_url, include=TASK_MODULES)
+    app.conf.update(
+        task_serializer="msgpack",
+        result_serializer="msgpack",
+        accept_content=["msgpack", "json"],  # json for events and beat only; never pickle
+        result_accept_content=["msgpack", "json"],
+        event_serializer="json",
+        task_ignore_result=True,
+        result_backend=None,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        # Unacked messages come back after this long if a worker dies outright. Ingest
+        # tasks take well under a second; long maintenance work is chunked below it.
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout},
+        task_queues=[Queue(q) for q in QUEUES],
+        task_default_queue="maintenance",
+        task_routes={
+            "claw_tasks.ingest": {"queue": "ingest"},
+            "claw.prefetch.*": {"queue": "prefetch"},
+            "claw.maintenance.*": {"queue": "maintenance"},
+        },
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        redbeat_redis_url=settings.redis_url,
+        redbeat_key_prefix="claw:redbeat:",
+        beat_scheduler="redbeat.RedBeatScheduler",
+        timezone="UTC",
+    )
+    return app
+
+
+@cache
+def client_app(broker_url: str) -> Celery:
+    """A sending-only app for ``broker_url`` (cached per URL)."""
+    return make_app(load_settings(), broker_url)
+
 
 settings = load_settings()
-
-app = Celery(
-    "claw",
-    broker=settings.broker_url,
-    # Task modules by string only: orchestrator imports claw_tasks, never the reverse.
-    include=["claw_tasks.tasks"],
-)
-
-app.conf.update(
-    task_serializer="msgpack",
-    result_serializer="msgpack",
-    accept_content=["msgpack", "json"],  # json only for events/beat; never pickle
-    result_accept_content=["msgpack", "json"],
-    event_serializer="json",
-    task_ignore_result=True,
-    result_backend=None,
-    task_acks_late=True,
-    task_reject_on_worker_lost=True,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    # Unacked messages come back after this many seconds if a worker dies outright.
-    # Ingest tasks take well under a second; long maintenance work is chunked below it.
-    broker_transport_options={"visibility_timeout": settings.visibility_timeout},
-    task_queues=[Queue("ingest"), Queue("prefetch"), Queue("maintenance")],
-    task_default_queue="maintenance",
-    task_routes={
-        "claw_tasks.ingest": {"queue": "ingest"},
-        "claw.prefetch.*": {"queue": "prefetch"},
-        "claw.maintenance.*": {"queue": "maintenance"},
-    },
-    worker_send_task_events=True,
-    task_send_sent_event=True,
-    redbeat_redis_url=settings.redis_url,
-    redbeat_key_prefix="claw:redbeat:",
-    beat_scheduler="redbeat.RedBeatScheduler",
-    timezone="UTC",
-)
+app = make_app(settings)

@@ -171,8 +171,10 @@ class StepBatch:
         """Column-level consistency: every column has ``n`` rows of a numeric type."""
         n = self.n
         cols: dict[str, Any] = {
-            "episode_id": self.episode.index, "reward": self.reward,
-            "terminated": self.terminated, "truncated": self.truncated,
+            "episode_id": self.episode.index,
+            "reward": self.reward,
+            "terminated": self.terminated,
+            "truncated": self.truncated,
         }
         for k, v in self.strs.items():
             cols[f"tag '{k[2:]}'" if k.startswith("t:") else k] = v.index

@@ -14,9 +14,25 @@ TagKind = Literal["str", "num"]
 # Metadata that is not a payload field; names a user may not reuse for fields or tags.
 RESERVED = frozenset(
     {
-        "reward", "terminated", "truncated", "info", "next_obs", "episode_id", "step_index",
-        "agent_id", "task_id", "skill_tag", "reward_source", "policy_version", "timestamp",
-        "priority", "quality", "trainable", "id", "ids", "weights",
+        "reward",
+        "terminated",
+        "truncated",
+        "info",
+        "next_obs",
+        "episode_id",
+        "step_index",
+        "agent_id",
+        "task_id",
+        "skill_tag",
+        "reward_source",
+        "policy_version",
+        "timestamp",
+        "priority",
+        "quality",
+        "trainable",
+        "id",
+        "ids",
+        "weights",
     }
 )
 

@@ -30,8 +30,8 @@ DICT_COLUMNS = ("agent_id", "task_id", "skill_tag", "reward_source", "quality")
 # flags bits
 TERMINATED, TRUNCATED, EXPLICIT_NEXT, UNTRAINABLE = 1, 2, 4, 8
 
-META_CHUNK_SLOTS = 65536
-PAYLOAD_CHUNK_BYTES = 4 * 1024 * 1024 - 64  # stays inside one jemalloc size class
+META_CHUNK_SLOTS = 16384
+PAYLOAD_CHUNK_BYTES = 1024 * 1024 - 64  # chunks stay inside one jemalloc size class
 SPARSE_CHUNK_SLOTS = 4096
 
 _F4_NAN = np.frombuffer(np.float32(np.nan).tobytes(), np.uint32)[0]
@@ -46,7 +46,8 @@ def nan_xor(values: np.ndarray) -> np.ndarray:
 
 
 def payload_chunk_slots(row_bytes: int) -> int:
-    return max(1, PAYLOAD_CHUNK_BYTES // max(1, row_bytes))
+    """Slots per payload chunk: about 1 MiB, and never more slots than a metadata chunk."""
+    return max(1, min(META_CHUNK_SLOTS, PAYLOAD_CHUNK_BYTES // max(1, row_bytes)))
 
 
 def episode_code(episode_id: str) -> int:

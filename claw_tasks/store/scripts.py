@@ -22,3 +22,4 @@ class Scripts:
         self.commit: Script = client.register_script(lua_source("commit"))
         self.update: Script = client.register_script(lua_source("update"))
         self.dict: Script = client.register_script(lua_source("dict"))
+        self.deadletter: Script = client.register_script(lua_source("deadletter"))

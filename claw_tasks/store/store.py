@@ -13,7 +13,7 @@ import redis
 
 from claw_tasks.batch import STR_META, Ragged, StepBatch
 from claw_tasks.codec import packb, unpackb
-from claw_tasks.schema import FieldSpec, Schema, SchemaError
+from claw_tasks.schema import FieldSpec, Schema
 from claw_tasks.store.layout import (
     DICT_COLUMNS,
     EXPLICIT_NEXT,
@@ -300,8 +300,8 @@ class Store:
     ) -> dict[str, Any]:
         """Payload fields at (shard, slot) pairs in one pipelined round trip.
 
-        ``next_obs`` is read from ``next_slots`` (the next step's slot; -1 = read the
-        explicit next_obs stored with the step). Ragged fields come back as lists.
+        ``next_obs`` is read from ``next_slots`` (the next step's slot; -1 = the explicit
+        next_obs stored with the step; -2 = none, zeros). Ragged fields come back as lists.
         """
         cfg = self.config()
         schema = cfg.schema
@@ -349,7 +349,9 @@ class Store:
         size = spec.row_bytes
         cs = payload_chunk_slots(size)
         for j, (sh, sl) in enumerate(zip(shards.tolist(), at.tolist(), strict=True)):
-            if sl < 0:  # explicit next_obs, stored with the step itself
+            if sl == -2:  # no next_obs known: an empty reply reads as zeros
+                pipe.getrange(self.keys.field(sh, name, 0), 1, 0)
+            elif sl == -1:  # explicit next_obs, stored with the step itself
                 slot = int(own[j])  # type: ignore[index]
                 pipe.hget(self.keys.sparse(sh, "nx", slot // SPARSE_CHUNK_SLOTS), slot)
             elif spec.ragged:
@@ -359,8 +361,9 @@ class Store:
                 pipe.getrange(self.keys.field(sh, name, sl // cs), off, off + size - 1)
 
     def get(self, ids: Sequence[int] | np.ndarray, fields: Sequence[str] | None = None) -> dict:
-        """Steps by id: metadata and payload fields (``next_obs`` resolved). Raises
-        KeyError naming ids that were evicted or never written."""
+        """Steps by id: metadata and payload fields. ``next_obs`` is resolved (the next
+        step's obs or the explicit one); ``has_next_obs`` marks rows that have one (zeros
+        elsewhere). Raises KeyError naming ids that were evicted or never written."""
         ids = np.asarray(ids, np.int64)
         cfg = self.config(refresh=self._config is None or self._config.schema is None)
         shards, slots = self.locate(ids)
@@ -369,14 +372,17 @@ class Store:
         alive = self._alive_at(shards, slots)
         missing = ids[(meta["id"] != ids) | ~alive]
         if len(missing):
-            raise KeyError(f"step ids not in the store (evicted or never written): {missing[:20].tolist()}")
+            raise KeyError(
+                f"step ids not in the store (evicted or never written): {missing[:20].tolist()}"
+            )
         if fields is None:
             fields = [*cfg.schema.fields, "next_obs"] if cfg.schema else []
+        out = self._public_meta(meta, cfg)
         next_slots = None
         if "next_obs" in fields:
             next_slots = self._next_slots(shards, slots, ids, meta)
-        payload = self.read_fields(shards, slots, fields, next_slots)
-        return {**self._public_meta(meta, cfg), **payload}
+            out["has_next_obs"] = next_slots != -2
+        return {**out, **self.read_fields(shards, slots, fields, next_slots)}
 
     def _alive_at(self, shards: np.ndarray, slots: np.ndarray) -> np.ndarray:
         with self.r.pipeline(transaction=False) as pipe:
@@ -387,7 +393,8 @@ class Store:
     def _next_slots(
         self, shards: np.ndarray, slots: np.ndarray, ids: np.ndarray, meta: dict[str, np.ndarray]
     ) -> np.ndarray:
-        """Slot holding each step's next_obs: the next step's slot, or -1 (explicit)."""
+        """Slot holding each step's next_obs: the next step's slot, -1 (explicit next_obs
+        stored with the step) or -2 (none known: no successor stored yet, none given)."""
         cfg = self.config()
         delta = meta["next"].astype(np.int64)
         explicit = (meta["flags"] & EXPLICIT_NEXT) != 0
@@ -398,13 +405,7 @@ class Store:
             want = ids[linked] + delta[linked] * cfg.n_shards
             got = self.read_meta(shards[linked], nxt[linked], ["id"])["id"]
             ok[np.flatnonzero(linked)[got == want]] = True
-        bad = ~explicit & ~ok
-        if bad.any():
-            raise KeyError(
-                f"next_obs unavailable for step ids {ids[bad][:20].tolist()} "
-                "(no successor stored and no explicit next_obs)"
-            )
-        return np.where(explicit, -1, nxt)
+        return np.where(explicit, -1, np.where(ok, nxt, -2))
 
     def _public_meta(self, meta: dict[str, np.ndarray], cfg: NamespaceConfig) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -447,11 +448,6 @@ class Store:
             raise KeyError(f"episode {episode_id!r} has no stored steps")
         order = np.argsort(cols["step_index"][slots], kind="stable")
         ids = cols["id"][slots[order]]
-        if fields is None and cfg.schema is not None:
-            fields = list(cfg.schema.fields)
-            self_next = self.read_meta(np.full(len(ids), shard), slots[order], ["next", "flags"])
-            if np.all((self_next["next"] != 0) | ((self_next["flags"] & EXPLICIT_NEXT) != 0)):
-                fields.append("next_obs")
         return self.get(ids, fields)
 
     def count(self, where: Mapping[str, Any] | None = None) -> int:
@@ -545,13 +541,17 @@ class Store:
         done = 0
         if quality is not None:
             code = self.encode_strings("quality", [quality])
-            done = self._update(ids, "quality", np.repeat(code, len(ids)).tobytes(), 4, "set", "cur")
+            done = self._update(
+                ids, "quality", np.repeat(code, len(ids)).tobytes(), 4, "set", "cur"
+            )
         if trainable is not None:
             mode = "bits_off" if trainable else "bits_on"
             done = self._update(ids, "flags", bytes([UNTRAINABLE]), 1, mode, "cur")
         return done
 
-    def _update(self, ids: np.ndarray, col: str, values: bytes, size: int, mode: str, op: str) -> int:
+    def _update(
+        self, ids: np.ndarray, col: str, values: bytes, size: int, mode: str, op: str
+    ) -> int:
         cfg = self.config()
         shards = ids % cfg.n_shards
         vals = np.frombuffer(values, np.uint8)
@@ -562,8 +562,18 @@ class Store:
                 self.scripts.update(
                     keys=[self.keys.shard_key(shard, "log")],
                     args=[
-                        self.keys.shard(shard), cfg.cap, cfg.n_shards, shard, META_CHUNK_SLOTS,
-                        col, size, mode, ids[sel].tobytes(), part_vals.tobytes(), LOG_MAXLEN, op,
+                        self.keys.shard(shard),
+                        cfg.cap,
+                        cfg.n_shards,
+                        shard,
+                        META_CHUNK_SLOTS,
+                        col,
+                        size,
+                        mode,
+                        ids[sel].tobytes(),
+                        part_vals.tobytes(),
+                        LOG_MAXLEN,
+                        op,
                     ],
                     client=pipe,
                 )
@@ -615,12 +625,24 @@ class CommitPart:
         cols, blobs, sparse, clear, eps = self._payload(int(seq0))
         spec = {"cols": cols, "sparse": sparse, "clear": clear, "eps": eps, "loglen": LOG_MAXLEN}
         keys = [
-            marker, seq_key, k.shard_key(self.shard, "log"), k.shard_key(self.shard, "links"),
-            k.shard_key(self.shard, "epname"), k.shard_key(self.shard, "alive"),
+            marker,
+            seq_key,
+            k.shard_key(self.shard, "log"),
+            k.shard_key(self.shard, "links"),
+            k.shard_key(self.shard, "epname"),
+            k.shard_key(self.shard, "alive"),
         ]
         args = [
-            k.shard(self.shard), n, self.cfg.cap, MARKER_TTL, int(seq0), self.shard,
-            self.cfg.n_shards, META_CHUNK_SLOTS, packb(spec), *blobs,
+            k.shard(self.shard),
+            n,
+            self.cfg.cap,
+            MARKER_TTL,
+            int(seq0),
+            self.shard,
+            self.cfg.n_shards,
+            META_CHUNK_SLOTS,
+            packb(spec),
+            *blobs,
         ]
         _, state = self.s.scripts.commit(keys=keys, args=args)
         state = state.decode() if isinstance(state, bytes) else state
@@ -718,10 +740,17 @@ class CommitPart:
         eps = []
         for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
             first, last = int(order[s]), int(order[e])
-            eps.append([
-                str(int(ep_s[s])), first, int(idx_s[s]), last, int(idx_s[e]),
-                bool(ended[last]), names[ep_index[first]],
-            ])
+            eps.append(
+                [
+                    str(int(ep_s[s])),
+                    first,
+                    int(idx_s[s]),
+                    last,
+                    int(idx_s[e]),
+                    bool(ended[last]),
+                    names[ep_index[first]],
+                ]
+            )
         return nxt, eps
 
     def _explicit_rows(self) -> np.ndarray:

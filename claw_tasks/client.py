@@ -1,0 +1,511 @@
+"""The client SDK: ``Ingestor`` buffers steps and ships them as Celery ingest tasks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.app import client_app
+from claw_tasks.batch import STR_META, Ragged, StepBatch, StrColumn
+from claw_tasks.codec import CodecError, check_dtype
+from claw_tasks.ingest import IngestOutcome
+from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError
+from claw_tasks.settings import load_settings
+from claw_tasks.store import Store
+from claw_tasks.store.store import DEFAULT_CAPACITY
+
+_STEP_KEYS = ("obs", "action")
+
+
+class IngestError(RuntimeError):
+    """Batches were rejected or not confirmed in time; ``result`` says which."""
+
+    def __init__(self, message: str, result: FlushResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class FlushResult:
+    """What the store confirmed for the batches sent so far."""
+
+    committed: int = 0
+    rejected: int = 0
+    expired: int = 0
+    pending: int = 0  # batches not confirmed before the timeout
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    episode_id: str
+    step_index: int
+    fields: dict[str, np.ndarray]
+    reward: float
+    terminated: bool
+    truncated: bool
+    next_obs: np.ndarray | None
+    info: dict[str, Any] | None
+    meta: dict[str, Any]
+    tags: dict[str, Any]
+    priority: float | None
+
+
+class Episode:
+    """Steps of one episode, added in order. Use as a context manager."""
+
+    def __init__(
+        self, ingestor: Ingestor, episode_id: str, meta: dict[str, Any], tags: dict[str, Any]
+    ):
+        self.ingestor = ingestor
+        self.episode_id = episode_id
+        self.meta = meta
+        self.tags = tags
+        self.step_index = 0
+
+    def __enter__(self) -> Episode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add(
+        self,
+        obs: Any,
+        action: Any,
+        reward: float,
+        next_obs: Any = None,
+        terminated: bool = False,
+        truncated: bool = False,
+        info: Mapping[str, Any] | None = None,
+        skill_tag: str | None = None,
+        priority: float | None = None,
+        **fields_and_tags: Any,
+    ) -> None:
+        """Add the next step. Extra keyword arrays are payload fields (e.g. ``prompt_ids``);
+        extra scalars (str/int/float) are tags. Raises before buffering on bad input."""
+        fields = {"obs": obs, "action": action}
+        tags = dict(self.tags)
+        for k, v in fields_and_tags.items():
+            if isinstance(v, str | int | float | bool | np.generic) and not isinstance(
+                v, np.ndarray
+            ):
+                tags[k] = v
+            else:
+                fields[k] = v
+        meta = self.meta if skill_tag is None else {**self.meta, "skill_tag": skill_tag}
+        step = self.ingestor._check_step(
+            self.episode_id, self.step_index, fields, reward, next_obs, info, meta, tags,
+            priority, terminated, truncated,
+        )  # fmt: skip
+        self.ingestor._buffer(step)
+        self.step_index += 1
+
+
+class Ingestor:
+    """Buffers steps and sends them in batches (by count and by time) to ``ingest``.
+
+    Batches above ``claim_check_bytes`` travel by claim check: the payload goes to a
+    staging key with a TTL and the task message carries the key.
+    """
+
+    def __init__(
+        self,
+        namespace: str | None = None,
+        redis_url: str | None = None,
+        *,
+        broker_url: str | None = None,
+        flush_steps: int = 4096,
+        flush_interval: float | None = 1.0,
+        claim_check_bytes: int = 128 * 1024,
+        capacity: int | None = None,
+        n_shards: int | None = None,
+        schema: Schema | None = None,
+        max_step_bytes: int = MAX_STEP_BYTES,
+        ragged: Sequence[str] = (),
+    ) -> None:
+        settings = load_settings()
+        self.namespace = namespace or settings.namespace
+        self.redis_url = redis_url or settings.redis_url
+        self.app = client_app(
+            broker_url or (settings.broker_url if redis_url is None else redis_url)
+        )
+        self.store = Store(self.redis_url, self.namespace)
+        if capacity is not None or n_shards is not None or not self.store.exists():
+            self.store.create(capacity or DEFAULT_CAPACITY, n_shards or 1, schema)
+        elif schema is not None:
+            self.store.ensure_schema(schema)
+        self.schema: Schema | None = self.store.config(refresh=True).schema
+        self.flush_steps = flush_steps
+        self.flush_interval = flush_interval
+        self.claim_check_bytes = claim_check_bytes
+        self.max_step_bytes = max_step_bytes
+        self.ragged = tuple(ragged)  # fields with a variable leading dimension
+        self._ttl = settings.stage_ttl
+        self._steps: list[_Step] = []
+        self._first_at = 0.0
+        self._sent: list[str] = []
+        self._lock = threading.RLock()
+        self._closed = threading.Event()
+        self._episodes = 0
+        self._timer: threading.Thread | None = None
+        if flush_interval:
+            self._timer = threading.Thread(target=self._tick, name="claw-ingest-flush", daemon=True)
+            self._timer.start()
+
+    # ---- producing -----------------------------------------------------------------
+    def episode(
+        self,
+        episode_id: str | None = None,
+        *,
+        task_id: str | None = None,
+        agent_id: str | None = None,
+        skill_tag: str | None = None,
+        reward_source: str | None = None,
+        policy_version: int | None = None,
+        **tags: Any,
+    ) -> Episode:
+        """A new episode writer; ``episode_id`` defaults to a fresh unique id."""
+        if episode_id is None:
+            with self._lock:
+                self._episodes += 1
+                episode_id = f"{time.time_ns():x}-{id(self):x}-{self._episodes}"
+        meta = {
+            "task_id": task_id, "agent_id": agent_id, "skill_tag": skill_tag,
+            "reward_source": reward_source, "policy_version": policy_version,
+        }  # fmt: skip
+        return Episode(self, str(episode_id), meta, tags)
+
+    def add_batch(self, columns: Mapping[str, Any]) -> int:
+        """Add many steps at once from columns (vectorized producers).
+
+        Required: ``obs``, ``action``, ``reward``, ``episode_id`` (one id or one per row),
+        ``step_index``. Optional: ``terminated``, ``truncated``, ``priority``,
+        ``policy_version``, ``agent_id``/``task_id``/``skill_tag``/``reward_source`` (one
+        value or one per row), ``tags`` (name -> value or column), further payload arrays
+        under ``fields``. Raises before sending anything if any row is bad.
+        """
+        cols = dict(columns)
+        missing = [
+            k for k in ("obs", "action", "reward", "episode_id", "step_index") if k not in cols
+        ]
+        if missing:
+            raise ValueError(f"add_batch: missing column(s) {', '.join(missing)}")
+        n = len(cols["reward"])
+        fields: dict[str, Any] = {"obs": cols.pop("obs"), "action": cols.pop("action")}
+        fields.update(cols.pop("fields", {}))
+        batch = StepBatch(
+            episode=_str_column(cols.pop("episode_id"), n, "episode_id"),
+            step_index=_column(cols.pop("step_index"), n, np.int64, "step_index"),
+            reward=_column(cols.pop("reward"), n, np.float32, "reward"),
+            terminated=_column(cols.pop("terminated", False), n, bool, "terminated"),
+            truncated=_column(cols.pop("truncated", False), n, bool, "truncated"),
+            fields={k: self._field_column(k, v, n) for k, v in fields.items()},
+            priority=_opt_column(cols.pop("priority", None), n, np.float32),
+            policy_version=_opt_column(cols.pop("policy_version", None), n, np.int32),
+        )
+        for k in STR_META:
+            if k in cols:
+                batch.strs[k] = _str_column(cols.pop(k), n, k)
+        for name, v in dict(cols.pop("tags", {})).items():
+            _add_tag(batch, name, v, n)
+        if cols:
+            raise ValueError(f"add_batch: unknown column(s) {', '.join(sorted(cols))}")
+        self._check_batch(batch)
+        for start in range(0, n, self.flush_steps):
+            rows = np.arange(start, min(n, start + self.flush_steps))
+            part = batch if len(rows) == n else batch.take(rows)
+            part.batch_id = f"{batch.batch_id}.{start}"
+            self._send(part)
+        return n
+
+    def _field_column(self, name: str, v: Any, n: int) -> np.ndarray | Ragged:
+        spec = self.schema.fields.get(name) if self.schema else None
+        if isinstance(v, Ragged):
+            return v
+        if (spec is not None and spec.ragged) or name in self.ragged:
+            return Ragged.of(list(v))
+        arr = _as_array(v, f"field '{name}'")
+        if arr.ndim == 0 or arr.shape[0] != n:
+            raise SchemaError(f"field '{name}' has {arr.shape[:1]} rows, expected {n}")
+        return arr
+
+    # ---- validation ----------------------------------------------------------------
+    def _check_step(
+        self, episode_id: str, step_index: int, raw: dict[str, Any], reward: Any, next_obs: Any,
+        info: Mapping[str, Any] | None, meta: dict[str, Any], tags: dict[str, Any],
+        priority: float | None, terminated: bool, truncated: bool,
+    ) -> _Step:  # fmt: skip
+        where = f"step {step_index} of episode {episode_id!r}"
+        fields = {k: _as_array(v, f"field '{k}' of {where}") for k, v in raw.items()}
+        schema = self.schema
+        if schema is None:
+            schema = self.schema = _schema_of_step(fields, tags, self.ragged)
+        _check_fields(schema, fields, where)
+        r = float(reward)
+        if not np.isfinite(r):
+            raise SchemaError(f"{where}: reward is {r} (must be finite)")
+        nbytes = sum(a.nbytes for a in fields.values())
+        if nbytes > self.max_step_bytes:
+            raise SchemaError(f"{where}: {nbytes} payload bytes > limit {self.max_step_bytes}")
+        nx = None
+        if next_obs is not None:
+            nx = _as_array(next_obs, f"next_obs of {where}")
+            _check_fields(schema, {"obs": nx}, where, label="next_obs")
+        for k, v in tags.items():
+            kind = "str" if isinstance(v, str) else "num"
+            if schema.tags.setdefault(k, kind) != kind:
+                raise SchemaError(f"{where}: tag '{k}' is {kind}, schema says {schema.tags[k]}")
+        if info:
+            _check_info(info, where)
+        return _Step(
+            episode_id, step_index, fields, r, bool(terminated), bool(truncated), nx,
+            dict(info) if info else None, meta, tags, priority,
+        )  # fmt: skip
+
+    def _check_batch(self, batch: StepBatch) -> None:
+        batch.check_columns()
+        implied = batch.schema()
+        if self.schema is None:
+            self.schema = implied
+        self.schema = self.schema.merged(implied)
+        errors = batch.row_errors(self.max_step_bytes)
+        if errors:
+            first = sorted(errors)[:5]
+            more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+            raise SchemaError("; ".join(errors[i] for i in first) + more)
+
+    # ---- buffering and sending -----------------------------------------------------
+    def _buffer(self, step: _Step) -> None:
+        with self._lock:
+            if not self._steps:
+                self._first_at = time.monotonic()
+            self._steps.append(step)
+            if len(self._steps) >= self.flush_steps:
+                self._send_buffer()
+
+    def _send_buffer(self) -> None:
+        with self._lock:
+            steps, self._steps = self._steps, []
+        if steps:
+            assert self.schema is not None
+            self._send(_steps_to_batch(steps, self.schema))
+
+    def _send(self, batch: StepBatch) -> None:
+        payload = batch.encode()
+        if len(payload) > self.claim_check_bytes:
+            key = self.store.keys.stage(batch.batch_id)
+            self.store.r.set(key, payload, ex=self._ttl)
+            args = [self.namespace, batch.batch_id, None, key]
+        else:
+            args = [self.namespace, batch.batch_id, payload, None]
+        with self.app.producer_or_acquire() as producer:
+            self.app.send_task("claw_tasks.ingest", args=args, queue="ingest", producer=producer)
+        with self._lock:
+            self._sent.append(batch.batch_id)
+
+    def _tick(self) -> None:
+        assert self.flush_interval
+        while not self._closed.wait(self.flush_interval / 4):
+            with self._lock:
+                due = self._steps and time.monotonic() - self._first_at >= self.flush_interval
+            if due:
+                self._send_buffer()
+
+    def flush(self, wait: bool = True, timeout: float = 60.0) -> FlushResult:
+        """Send what is buffered; with ``wait``, block until the store confirms every batch
+        sent so far and return what was committed (and rejected) since the last flush."""
+        self._send_buffer()
+        result = FlushResult()
+        if not wait:
+            return result
+        with self._lock:
+            sent, self._sent = self._sent, []
+        keys = [self.store.keys.done(b) for b in sent]
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while keys:
+            replies = self.store.r.mget(keys)
+            left = []
+            for key, raw in zip(keys, replies, strict=True):
+                if raw is None:
+                    left.append(key)
+                    continue
+                out = IngestOutcome.from_bytes(raw)
+                result.committed += out.committed + out.replayed
+                result.rejected += out.rejected
+                result.expired += out.expired
+                result.errors += out.errors
+            keys = left
+            if keys and time.monotonic() > deadline:
+                result.pending = len(keys)
+                with self._lock:  # keep waiting for them on the next flush
+                    self._sent[:0] = [k.rsplit(":", 1)[1] for k in keys]
+                raise IngestError(
+                    f"{len(keys)} batch(es) not confirmed within {timeout}s: are ingest "
+                    "workers running (celery -A claw_tasks.app worker -Q ingest)?",
+                    result,
+                )
+            if keys:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        return result
+
+    def close(self, timeout: float = 60.0) -> FlushResult:
+        """Flush, wait for confirmation, stop the timer."""
+        self._closed.set()
+        if self._timer is not None:
+            self._timer.join()
+        return self.flush(wait=True, timeout=timeout)
+
+    def __enter__(self) -> Ingestor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- helpers -------------------------------------------------------------------------
+def _as_array(v: Any, what: str) -> np.ndarray:
+    try:
+        arr = np.asarray(v)
+    except (TypeError, ValueError) as e:
+        raise SchemaError(f"{what}: cannot be an array ({e})") from None
+    try:
+        check_dtype(arr.dtype, what)
+    except CodecError as e:
+        raise SchemaError(str(e)) from None
+    return arr
+
+
+def _schema_of_step(
+    fields: dict[str, np.ndarray], tags: dict[str, Any], ragged: Sequence[str]
+) -> Schema:
+    def shape(k: str, a: np.ndarray) -> tuple[int | None, ...]:
+        return (None, *a.shape[1:]) if k in ragged else tuple(a.shape)
+
+    schema = Schema(
+        fields={k: FieldSpec(a.dtype.str, shape(k, a)) for k, a in fields.items()},
+        tags={k: "str" if isinstance(v, str) else "num" for k, v in tags.items()},
+    )
+    schema.check_self()
+    return schema
+
+
+def _check_fields(
+    schema: Schema, fields: dict[str, np.ndarray], where: str, label: str = ""
+) -> None:
+    if not label:
+        unknown = set(fields) - set(schema.fields)
+        if unknown:
+            raise SchemaError(f"{where}: field(s) {', '.join(sorted(unknown))} not in the schema")
+        missing = set(schema.fields) - set(fields)
+        if missing:
+            raise SchemaError(f"{where}: missing field(s) {', '.join(sorted(missing))}")
+    for k, a in fields.items():
+        spec = schema.fields[k]
+        name = label or k
+        if a.dtype.str != np.dtype(spec.dtype).str:
+            raise SchemaError(
+                f"{where}: field '{name}' has dtype {a.dtype.name}, schema says "
+                f"{np.dtype(spec.dtype).name} (no silent casts)"
+            )
+        ok = (
+            a.ndim == len(spec.shape) and tuple(a.shape[1:]) == tuple(spec.shape[1:])
+            if spec.ragged
+            else tuple(a.shape) == tuple(spec.shape)
+        )
+        if not ok:
+            raise SchemaError(
+                f"{where}: field '{name}' has shape {tuple(a.shape)}, schema says {spec.describe()}"
+            )
+
+
+def _check_info(info: Mapping[str, Any], where: str) -> None:
+    for k, v in info.items():
+        if not isinstance(k, str) or not isinstance(v, str | int | float | bool | None):
+            raise SchemaError(
+                f"{where}: info[{k!r}] is {type(v).__name__}; info holds str/int/float/bool only"
+            )
+
+
+def _column(v: Any, n: int, dtype: Any, name: str) -> np.ndarray:
+    arr = np.asarray(v)
+    if arr.ndim == 0:
+        return np.full(n, arr, dtype)
+    if arr.shape != (n,):
+        raise SchemaError(f"column '{name}' has shape {arr.shape}, expected ({n},)")
+    if dtype is bool or np.dtype(dtype).kind == arr.dtype.kind or arr.dtype.kind in "biu":
+        return arr.astype(dtype, copy=False)
+    if np.dtype(dtype).kind == "f" and arr.dtype.kind == "f":
+        return arr.astype(dtype, copy=False)
+    raise SchemaError(f"column '{name}' has dtype {arr.dtype}, expected {np.dtype(dtype).name}")
+
+
+def _opt_column(v: Any, n: int, dtype: Any) -> np.ndarray | None:
+    return None if v is None else np.asarray(np.broadcast_to(np.asarray(v, dtype), (n,)))
+
+
+def _str_column(v: Any, n: int, name: str) -> StrColumn:
+    if isinstance(v, str | int) or v is None:
+        return StrColumn.constant(v, n)
+    if len(v) != n:
+        raise SchemaError(f"column '{name}' has {len(v)} rows, expected {n}")
+    return StrColumn.of(list(v))
+
+
+def _add_tag(batch: StepBatch, name: str, v: Any, n: int) -> None:
+    sample = v if np.ndim(v) == 0 else next(iter(v), None)
+    if isinstance(sample, str):
+        batch.strs[f"t:{name}"] = _str_column(v, n, f"tags.{name}")
+    else:
+        batch.nums[f"t:{name}"] = np.asarray(np.broadcast_to(np.asarray(v, np.float64), (n,)))
+
+
+def _steps_to_batch(steps: Sequence[_Step], schema: Schema) -> StepBatch:
+    n = len(steps)
+    fields: dict[str, np.ndarray | Ragged] = {}
+    for k, spec in schema.fields.items():
+        rows = [s.fields[k] for s in steps]
+        fields[k] = Ragged.of(rows, spec.dtype) if spec.ragged else np.stack(rows)
+    nx_rows = [i for i, s in enumerate(steps) if s.next_obs is not None]
+    nx_vals = [steps[i].next_obs for i in nx_rows]
+    next_obs: np.ndarray | Ragged | None = None
+    if nx_vals:
+        ragged = schema.fields["obs"].ragged
+        next_obs = Ragged.of(nx_vals) if ragged else np.stack(nx_vals)  # type: ignore[arg-type]
+    info_rows = [i for i, s in enumerate(steps) if s.info]
+    batch = StepBatch(
+        episode=StrColumn.of([s.episode_id for s in steps]),
+        step_index=np.fromiter((s.step_index for s in steps), np.int64, n),
+        reward=np.fromiter((s.reward for s in steps), np.float32, n),
+        terminated=np.fromiter((s.terminated for s in steps), bool, n),
+        truncated=np.fromiter((s.truncated for s in steps), bool, n),
+        fields=fields,
+        priority=None
+        if all(s.priority is None for s in steps)
+        else np.array([np.nan if s.priority is None else s.priority for s in steps], np.float32),
+        policy_version=np.array([s.meta.get("policy_version") or 0 for s in steps], np.int32),
+        next_rows=np.array(nx_rows, np.int32),
+        next_obs=next_obs,
+        info_rows=np.array(info_rows, np.int32),
+        info=[steps[i].info for i in info_rows],  # type: ignore[misc]
+    )
+    for k in STR_META:
+        if any(s.meta.get(k) is not None for s in steps):
+            batch.strs[k] = StrColumn.of([s.meta.get(k) for s in steps])
+    tag_names = dict.fromkeys(k for s in steps for k in s.tags)
+    for name in tag_names:
+        vals = [s.tags.get(name) for s in steps]
+        if any(isinstance(v, str) for v in vals):
+            batch.strs[f"t:{name}"] = StrColumn.of(vals)
+        else:
+            batch.nums[f"t:{name}"] = np.array(
+                [np.nan if v is None else v for v in vals], np.float64
+            )
+    return batch

@@ -1,0 +1,111 @@
+"""Server side of ingest: validate a batch, commit the good steps, dead-letter the rest."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.batch import StepBatch
+from claw_tasks.codec import CodecError, packb, unpackb
+from claw_tasks.schema import MAX_BATCH_BYTES, SchemaError
+from claw_tasks.store import Store
+
+DONE_TTL = 86400
+DEAD_MAXLEN = 100_000
+
+
+@dataclass
+class IngestOutcome:
+    """What became of one batch (also stored under the batch's ``done`` key)."""
+
+    batch_id: str
+    committed: int = 0
+    replayed: int = 0
+    expired: int = 0
+    rejected: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def to_bytes(self) -> bytes:
+        return packb(asdict(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> IngestOutcome:
+        return cls(**unpackb(data))
+
+
+def dead_letter(
+    store: Store, batch_id: str, reason: str, payload: bytes | None, rows: list[int] | None
+) -> None:
+    """Record a rejected batch (or rows of it) with the reason, once per batch."""
+    fields: list[Any] = ["batch_id", batch_id, "reason", reason, "at", repr(time.time())]
+    if rows is not None:
+        fields += ["rows", packb(rows)]
+    if payload is not None:
+        fields += ["payload", payload]
+    store.scripts.deadletter(
+        keys=[store.keys.dead, store.keys.base + f"dl:{batch_id}"],
+        args=[DONE_TTL, DEAD_MAXLEN, *fields],
+    )
+
+
+def process(
+    store: Store, batch_id: str, payload: bytes | None, stage_key: str | None
+) -> IngestOutcome:
+    """Validate and commit one batch. Idempotent: a redelivery writes nothing twice."""
+    done_key = store.keys.done(batch_id)
+    prior = store.r.get(done_key)
+    if prior is not None:
+        return IngestOutcome.from_bytes(prior)
+    outcome = IngestOutcome(batch_id)
+    if payload is None:
+        payload = store.r.get(stage_key) if stage_key else None
+        if payload is None:
+            reason = f"claim check {stage_key!r} is gone (expired before the batch was processed)"
+            return _finish(store, outcome, reason, None, stage_key)
+    if len(payload) > MAX_BATCH_BYTES:
+        reason = f"batch of {len(payload)} bytes > limit {MAX_BATCH_BYTES}"
+        return _finish(store, outcome, reason, None, stage_key)
+    try:
+        batch = StepBatch.decode(payload)
+    except (CodecError, SchemaError) as e:
+        return _finish(store, outcome, f"undecodable batch: {e}", payload, stage_key)
+    try:
+        if store.exists():
+            store.ensure_schema(batch.schema())
+    except SchemaError as e:
+        outcome.rejected = batch.n
+        return _finish(store, outcome, f"schema mismatch: {e}", payload, stage_key)
+    errors = batch.row_errors()
+    good = batch
+    if errors:
+        bad = sorted(errors)
+        outcome.rejected = len(bad)
+        outcome.errors = [errors[i] for i in bad]
+        dead_letter(
+            store, batch_id, "; ".join(outcome.errors[:20]), batch.take(np.array(bad)).encode(), bad
+        )
+        good = batch.take(np.setdiff1d(np.arange(batch.n), bad))
+    res = store.commit(good)
+    outcome.committed, outcome.replayed, outcome.expired = res.committed, res.replayed, res.expired
+    return _finish(store, outcome, None, None, stage_key)
+
+
+def _finish(
+    store: Store,
+    outcome: IngestOutcome,
+    reason: str | None,
+    payload: bytes | None,
+    stage_key: str | None,
+) -> IngestOutcome:
+    if reason is not None:
+        outcome.errors.insert(0, reason)
+        dead_letter(store, outcome.batch_id, reason, payload, None)
+    with store.r.pipeline() as pipe:
+        pipe.set(store.keys.done(outcome.batch_id), outcome.to_bytes(), ex=DONE_TTL)
+        if stage_key:
+            pipe.delete(stage_key)
+        pipe.execute()
+    return outcome

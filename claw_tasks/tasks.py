@@ -1,0 +1,40 @@
+"""Celery tasks of claw_tasks: ``claw_tasks.ingest``."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import redis
+
+from claw_tasks.app import app, settings
+from claw_tasks.ingest import process
+from claw_tasks.store import Store
+
+
+@cache
+def _client() -> redis.Redis:
+    # Created lazily, so each prefork child gets its own connection pool.
+    return redis.Redis.from_url(settings.redis_url)
+
+
+@cache
+def store_for(namespace: str) -> Store:
+    return Store(_client(), namespace)
+
+
+@app.task(
+    name="claw_tasks.ingest",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    autoretry_for=(redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError),
+    retry_backoff=True,
+    retry_backoff_max=30,
+    max_retries=None,
+)
+def ingest(
+    namespace: str, batch_id: str, payload: bytes | None = None, stage_key: str | None = None
+) -> dict[str, Any]:
+    """Commit one batch of steps (inline ``payload`` or a claim-check ``stage_key``)."""
+    outcome = process(store_for(namespace), batch_id, payload, stage_key)
+    return {"committed": outcome.committed, "rejected": outcome.rejected}

@@ -1,0 +1,108 @@
+"""Real services for the tests: a private redis-server and real Celery worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from claw_tasks.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def r(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+class Worker:
+    """A real ``celery worker`` process (its own process group, so it can be SIGKILLed)."""
+
+    def __init__(self, redis_url: str, queues: str, concurrency: int, log: Path, env: dict) -> None:
+        self.log = log
+        full_env = {
+            **os.environ,
+            "CLAW_REDIS_URL": redis_url,
+            "CLAW_BROKER_URL": redis_url,
+            "PYTHONUNBUFFERED": "1",
+            **env,
+        }
+        cmd = [
+            sys.executable, "-m", "celery", "-A", "claw_tasks.app", "worker",
+            "-Q", queues, "-c", str(concurrency), "-P", "prefork", "-l", "INFO",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "-n", f"w{uuid.uuid4().hex[:6]}@%h",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=full_env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while b"ready." not in log.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"worker did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its pool children at once."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def start_worker(redis_url: str, tmp_path: Path) -> Iterator:
+    workers: list[Worker] = []
+
+    def start(queues: str = "ingest", concurrency: int = 1, **env: str) -> Worker:
+        log = tmp_path / f"worker-{len(workers)}.log"
+        w = Worker(redis_url, queues, concurrency, log, env)
+        workers.append(w)
+        return w
+
+    yield start
+    for w in workers:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def ingest_worker(redis_server: RedisServer, tmp_path_factory) -> Iterator[Worker]:
+    """One shared ingest worker (2 pool processes) per test module."""
+    log = tmp_path_factory.mktemp("worker") / "ingest.log"
+    w = Worker(redis_server.url, "ingest", 2, log, {})
+    yield w
+    w.stop()

@@ -1,0 +1,141 @@
+"""Ingest end to end: Ingestor -> Celery task in a real worker -> Redis store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from claw_tasks.client import Ingestor
+from claw_tasks.store import Store
+
+
+def _ingestor(redis_url: str, namespace: str, **kw) -> Ingestor:
+    kw.setdefault("flush_interval", None)
+    return Ingestor(namespace, redis_url, **kw)
+
+
+def test_vector_round_trip_bit_exact(redis_url, namespace, ingest_worker):
+    rng = np.random.default_rng(0)
+    ing = _ingestor(redis_url, namespace, flush_steps=64)
+    obs = rng.standard_normal((3, 50, 8)).astype(np.float32)
+    for e in range(3):
+        with ing.episode(episode_id=f"ep{e}", task_id="reach", agent_id="a1", level=e) as ep:
+            for t in range(50):
+                last = t == 49
+                ep.add(obs[e, t], np.int64(t % 4), float(t), terminated=last,
+                       next_obs=obs[e, t] + 1 if last else None, skill_tag="s")  # fmt: skip
+    res = ing.close()
+    assert res.committed == 150 and res.rejected == 0
+    store = Store(redis_url, namespace)
+    assert store.count() == 150
+    got = store.episode("ep1")
+    np.testing.assert_array_equal(got["obs"], obs[1])
+    np.testing.assert_array_equal(got["next_obs"][:-1], obs[1, 1:])
+    np.testing.assert_array_equal(got["next_obs"][-1], obs[1, -1] + 1)
+    np.testing.assert_array_equal(got["action"], np.arange(50) % 4)
+    np.testing.assert_array_equal(got["reward"], np.arange(50, dtype=np.float32))
+    assert got["terminated"].tolist() == [False] * 49 + [True]
+    assert set(got["task_id"]) == {"reach"} and set(got["skill_tag"]) == {"s"}
+    assert set(got["tags.level"].tolist()) == {1.0}
+    assert store.count({"task_id": "reach", "tags.level": 2}) == 50
+
+
+def test_image_round_trip_and_next_obs_stored_once(redis_url, namespace, ingest_worker, r):
+    n = 400
+    rng = np.random.default_rng(1)
+    frames = rng.integers(0, 256, (n + 1, 84, 84, 3), dtype=np.uint8)
+    ing = _ingestor(redis_url, namespace, flush_steps=100)
+    with ing.episode(episode_id="img") as ep:
+        for t in range(n):
+            last = t == n - 1
+            ep.add(frames[t], np.int64(1), 0.5, next_obs=frames[t + 1] if last else None,
+                   truncated=last)  # fmt: skip
+    assert ing.close().committed == n
+    used = sum(r.memory_usage(k) for k in r.scan_iter(f"claw:{{{namespace}*"))
+    # Stored once: ~21,168 bytes a step (plus part-filled chunks), not twice that.
+    assert n * 84 * 84 * 3 < used < 1.5 * n * 84 * 84 * 3
+    got = Store(redis_url, namespace).episode("img")
+    np.testing.assert_array_equal(got["obs"], frames[:n])
+    np.testing.assert_array_equal(got["next_obs"], frames[1:])
+    assert got["obs"].dtype == np.uint8 and got["obs"].shape == (n, 84, 84, 3)
+
+
+def test_ragged_token_steps_round_trip(redis_url, namespace, ingest_worker):
+    rng = np.random.default_rng(2)
+    ing = _ingestor(redis_url, namespace, ragged=("prompt_ids", "logprobs"))
+    lens = rng.integers(0, 40, 30)
+    prompts = [rng.integers(0, 50_000, k, dtype=np.int32) for k in lens]
+    logps = [rng.standard_normal(k).astype(np.float32) for k in lens[::-1]]
+    with ing.episode(episode_id="chat", task_id="math", reward_source="verifier") as ep:
+        for t in range(30):
+            ep.add(np.zeros(4, np.float32), np.int64(0), float(t % 2), prompt_ids=prompts[t],
+                   logprobs=logps[t], terminated=t == 29,
+                   next_obs=np.zeros(4, np.float32) if t == 29 else None)  # fmt: skip
+    assert ing.close().committed == 30
+    store = Store(redis_url, namespace)
+    assert store.schema().fields["prompt_ids"].ragged
+    got = store.episode("chat")
+    for t in range(30):
+        np.testing.assert_array_equal(got["prompt_ids"][t], prompts[t])
+        np.testing.assert_array_equal(got["logprobs"][t], logps[t])
+    assert got["reward_source"] == ["verifier"] * 30
+
+
+def test_add_batch_vectorized_and_claim_check(redis_url, namespace, ingest_worker, r):
+    n = 5000
+    rng = np.random.default_rng(3)
+    obs = rng.standard_normal((n, 8)).astype(np.float32)
+    ing = _ingestor(redis_url, namespace, flush_steps=2048, claim_check_bytes=16 * 1024)
+    ing.add_batch({
+        "obs": obs, "action": rng.integers(0, 4, n), "reward": rng.standard_normal(n),
+        "episode_id": np.repeat(np.arange(10).astype(str), n // 10),
+        "step_index": np.tile(np.arange(n // 10), 10), "task_id": "t",
+        "terminated": np.tile(np.arange(n // 10) == n // 10 - 1, 10),
+        "tags": {"difficulty": 0.5},
+    })  # fmt: skip
+    assert ing.close().committed == n
+    assert not list(r.scan_iter(f"claw:{{{namespace}}}:stage:*"))  # claim checks cleaned up
+    store = Store(redis_url, namespace)
+    got = store.episode("3")
+    np.testing.assert_array_equal(got["obs"], obs[1500:2000])
+    np.testing.assert_array_equal(got["next_obs"][:-1], obs[1501:2000])
+
+
+def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker):
+    ing = _ingestor(redis_url, namespace)
+    with ing.episode(episode_id="dup") as ep:
+        for t in range(10):
+            ep.add(np.full(8, t, np.float32), np.int64(0), 1.0)
+    ing.flush()
+    from claw_tasks.batch import StepBatch, StrColumn
+
+    batch = StepBatch(
+        episode=StrColumn.constant("x", 20), step_index=np.arange(20),
+        reward=np.ones(20, np.float32), terminated=np.zeros(20, bool),
+        truncated=np.zeros(20, bool),
+        fields={"obs": np.ones((20, 8), np.float32), "action": np.zeros(20, np.int64)},
+    )  # fmt: skip
+    for _ in range(2):
+        ing._send(batch)
+    res = ing.flush()
+    assert res.committed == 40  # both deliveries confirm the same 20 steps
+    store = Store(redis_url, namespace)
+    assert store.count() == 30
+    assert store.count({"episode_id": "x"}) == 20
+
+
+@pytest.mark.parametrize("n_shards", [3])
+def test_sharded_namespace(redis_url, namespace, ingest_worker, n_shards):
+    ing = _ingestor(redis_url, namespace, n_shards=n_shards, capacity=3000)
+    for e in range(12):
+        with ing.episode(episode_id=f"e{e}") as ep:
+            for t in range(20):
+                ep.add(np.full(2, e * 100 + t, np.float32), np.int64(e), 0.0,
+                       terminated=t == 19, next_obs=np.zeros(2, np.float32) if t == 19 else None)  # fmt: skip
+    assert ing.close().committed == 240
+    store = Store(redis_url, namespace)
+    assert store.count() == 240
+    for e in (0, 7, 11):
+        got = store.episode(f"e{e}")
+        np.testing.assert_array_equal(got["obs"][:, 0], e * 100 + np.arange(20))
+        np.testing.assert_array_equal(got["next_obs"][:-1, 0], e * 100 + np.arange(1, 20))
