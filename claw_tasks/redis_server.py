@@ -226,13 +226,25 @@ class RedisServer:
                     f"redis-server exited with code {self._proc.returncode} on port "
                     f"{self._port}; log tail:\n{self._log_tail()}"
                 )
-            if redis_answers(self.url, timeout=0.2):
+            if self._ready_pid() == self._proc.pid:  # not another server on the port
                 return
             time.sleep(0.02)
         raise RuntimeError(
             f"redis-server on port {self._port} did not answer PING within "
             f"{self.startup_timeout:.0f}s; log tail:\n{self._log_tail()}"
         )
+
+    def _ready_pid(self) -> int | None:
+        """Process id of the server answering on the port, once it has loaded its data."""
+        client = self.client(socket_timeout=0.2, socket_connect_timeout=0.2)
+        try:
+            info = client.info()
+        except (redis.RedisError, OSError):
+            return None
+        else:
+            return None if info["loading"] else int(info["process_id"])
+        finally:
+            client.close()
 
     def _log_tail(self, lines: int = 20) -> str:
         try:
