@@ -1,0 +1,220 @@
+"""The recipe model: a declarative description of the batches a trainer wants (DESIGN §6)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Protocol, Self
+
+import numpy as np
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+from orchestrator.filters import FIXED, FilterError, parse_where, resolve
+
+RECORD_FIELDS = frozenset(
+    {"obs", "action", "reward", "next_obs", "terminated", "truncated", "info"}
+)
+"""Fields every step record has, whatever the namespace schema."""
+
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)]
+Scalar = StrictStr | StrictInt | StrictFloat | StrictBool
+
+
+def allocate(weights: Sequence[float], total: int) -> list[int]:
+    """Split ``total`` by ``weights``: floors, then +1 by largest remainder (ties: first)."""
+    w = np.asarray(weights, dtype=np.float64)
+    quotas = w / w.sum() * total
+    counts = np.floor(quotas).astype(np.int64)
+    order = np.argsort(-(quotas - counts), kind="stable")
+    counts[order[: total - int(counts.sum())]] += 1
+    return counts.tolist()
+
+
+class RecipeError(ValueError):
+    """A recipe that does not fit the namespace schema; lists every offending key."""
+
+
+class SchemaLike(Protocol):
+    """What :meth:`Recipe.validate_against` needs from a namespace schema."""
+
+    @property
+    def fields(self) -> Mapping[str, Any]: ...  # payload field name -> spec
+
+    @property
+    def tags(self) -> Mapping[str, str]: ...  # free tag name -> 'str' | 'num'
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Window(_Model):
+    """Restrict a source to its newest candidates: exactly one of the two keys."""
+
+    last_steps: PositiveInt | None = None
+    max_age_s: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        if (self.last_steps is None) == (self.max_age_s is None):
+            raise ValueError("window takes exactly one of last_steps, max_age_s")
+        return self
+
+
+class SamplerSpec(_Model):
+    """How a source draws its rows; ``alpha``/``beta`` apply to ``priority`` only."""
+
+    kind: Literal["uniform", "priority", "recent"] = "uniform"
+    alpha: NonNegativeFloat = 0.6
+    beta: NonNegativeFloat = 0.4
+
+    @model_validator(mode="after")
+    def _priority_only(self) -> Self:
+        extra = {"alpha", "beta"} & self.model_fields_set
+        if extra and self.kind != "priority":
+            raise ValueError(f"{', '.join(sorted(extra))}: only for kind: priority")
+        return self
+
+
+class Source(_Model):
+    """One component of the mixture."""
+
+    name: Name
+    weight: PositiveFloat = 1.0
+    where: dict[str, Any] = {}
+    window: Window | None = None
+    sampler: SamplerSpec = SamplerSpec()
+
+    @field_validator("where")
+    @classmethod
+    def _where(cls, where: dict[str, Any]) -> dict[str, Any]:
+        try:
+            parse_where(where)
+        except FilterError as e:
+            raise ValueError(str(e)) from None
+        return where
+
+
+class Prefetch(_Model):
+    """Queue depth, and the level below which a pop asks for a refill (default depth/2)."""
+
+    depth: PositiveInt = 8
+    low_water: NonNegativeInt | None = None
+
+    @model_validator(mode="after")
+    def _low_water(self) -> Self:
+        if self.low_water is None:
+            self.low_water = self.depth // 2
+        elif self.low_water >= self.depth:
+            raise ValueError(f"low_water ({self.low_water}) must be below depth ({self.depth})")
+        return self
+
+
+class RateLimit(_Model):
+    """Samples per inserted step, with slack ``error_buffer``, once ``min_size`` steps exist."""
+
+    samples_per_insert: PositiveFloat
+    error_buffer: NonNegativeFloat = 100.0
+    min_size: PositiveInt = 1
+
+
+class Recipe(_Model):
+    """A validated recipe. Build with :meth:`from_yaml` or :meth:`model_validate`."""
+
+    name: Name
+    batch_size: PositiveInt
+    fields: list[str] = Field(min_length=1)
+    sources: list[Source] = Field(min_length=1)
+    params: dict[str, Scalar | list[Scalar]] = {}
+    n_step: PositiveInt = 1
+    gamma: float = Field(0.99, gt=0.0, le=1.0)
+    sequence_length: PositiveInt = 1
+    augment: dict[str, list[dict[str, dict[str, Any] | None]] | Literal["same"]] = {}
+    prefetch: Prefetch = Prefetch()
+    rate_limit: RateLimit | None = None
+    seed: int | None = None
+    version: PositiveInt = 1
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Recipe:
+        """Load and validate a recipe from a YAML file."""
+        data = yaml.safe_load(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a recipe is a YAML mapping")
+        return cls.model_validate(data)
+
+    @field_validator("fields")
+    @classmethod
+    def _unique_fields(cls, fields: list[str]) -> list[str]:
+        dup = sorted({f for f in fields if fields.count(f) > 1})
+        if dup:
+            raise ValueError(f"duplicate fields: {dup}")
+        return fields
+
+    @field_validator("augment")
+    @classmethod
+    def _augment(cls, augment: dict[str, Any]) -> dict[str, Any]:
+        for field, steps in augment.items():
+            for i, step in enumerate([] if steps == "same" else steps):
+                if len(step) != 1:
+                    raise ValueError(f"{field}[{i}]: one transform per entry, got {list(step)}")
+        if augment and all(v == "same" for v in augment.values()):
+            raise ValueError("'same' needs a field with its own transforms")
+        return augment
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        names = [s.name for s in self.sources]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"sources: duplicate names {dup}")
+        for key in self.augment:
+            if key not in self.fields:
+                raise ValueError(f"augment.{key}: not one of the recipe's fields")
+        for i, src in enumerate(self.sources):
+            try:
+                resolve(parse_where(src.where), self.params)
+            except FilterError as e:
+                raise ValueError(f"sources[{i}] ({src.name}).where.{e}") from None
+        for src, n in zip(self.sources, self.counts, strict=True):
+            if n == 0:
+                raise ValueError(
+                    f"sources: {src.name!r} gets 0 of {self.batch_size} rows at weight "
+                    f"{src.weight}; raise its weight or the batch size"
+                )
+        return self
+
+    @property
+    def counts(self) -> list[int]:
+        """Rows per source in every batch (largest-remainder rounding of the weights)."""
+        return allocate([s.weight for s in self.sources], self.batch_size)
+
+    def validate_against(self, schema: SchemaLike) -> None:
+        """Check fields, ``where`` keys and param types against a namespace schema."""
+        known = RECORD_FIELDS | set(FIXED) | set(schema.fields) | set(schema.tags)
+        problems = [
+            f"fields: {f!r} is not a field of the namespace" for f in self.fields if f not in known
+        ]
+        for i, src in enumerate(self.sources):
+            try:
+                resolve(parse_where(src.where, schema.tags), self.params)
+            except FilterError as e:
+                problems.append(f"sources[{i}] ({src.name}).where.{e}")
+        if problems:
+            raise RecipeError(f"recipe {self.name!r}: " + "; ".join(problems))

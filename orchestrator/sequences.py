@@ -1,0 +1,112 @@
+"""Follow episodes through the ``next`` column: n-step returns and sequence windows.
+
+``next`` (int32) holds, for each slot, the slot of the next step of the same episode + 1
+within the same shard (0 = unknown), so a global row ``r`` links to
+``(r // cap) * cap + next[r] - 1``. A link counts only while the target is alive and
+belongs to the same episode (a ring slot may have been reused since). Rows are -1 where
+there is no row; every function takes and returns int64 global rows and loops over the
+n steps (or the window length) only, never over rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from orchestrator.filters import FLAG_BITS
+
+_END = FLAG_BITS["terminated"] | FLAG_BITS["truncated"]
+
+
+class NStep(NamedTuple):
+    """n-step transitions starting at the given rows.
+
+    The target is ``returns + discount * (1 - done) * V(next_obs of bootstrap)``.
+    """
+
+    returns: np.ndarray  # float64: sum_{k<m} gamma^k r_{t+k}
+    bootstrap: np.ndarray  # int64: row t+m-1, whose next_obs bootstraps the target
+    discount: np.ndarray  # float64: gamma^m
+    done: np.ndarray  # bool: terminated within the m steps
+    ready: np.ndarray  # bool: done, or the bootstrap row's next_obs exists
+
+
+def follow(columns: Mapping[str, np.ndarray], rows: np.ndarray, cap: int) -> np.ndarray:
+    """Global row of the next step of each row's episode; -1 where unknown (or rows is -1)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    has = rows >= 0
+    src = np.where(has, rows, 0)
+    nxt = columns["next"][src].astype(np.int64)
+    out = (src // cap) * cap + nxt - 1
+    has &= nxt > 0
+    tgt = np.where(has, out, 0)
+    has &= columns["alive"][tgt] & (columns["episode"][tgt] == columns["episode"][src])
+    return np.where(has, out, -1)
+
+
+def next_row(columns: Mapping[str, np.ndarray], cap: int) -> np.ndarray:
+    """:func:`follow` for every row of the columns."""
+    return follow(columns, np.arange(len(columns["next"]), dtype=np.int64), cap)
+
+
+def has_next_obs(columns: Mapping[str, np.ndarray], rows: np.ndarray, cap: int) -> np.ndarray:
+    """Whether each row's ``next_obs`` exists: given explicitly, or the next step's ``obs``."""
+    explicit = (columns["flags"][rows] & FLAG_BITS["next_obs"]) != 0
+    return explicit | (follow(columns, rows, cap) >= 0)
+
+
+def n_step(
+    columns: Mapping[str, np.ndarray], rows: np.ndarray, n: int, gamma: float, cap: int
+) -> NStep:
+    """n-step returns from ``rows``, within each row's episode.
+
+    Accumulation stops after a terminated step (``done``), after a truncated step (the
+    episode's data ends; not ``done``) and where the next step is not stored (yet).
+    """
+    reward, flags = columns["reward"], columns["flags"]
+    rows = np.asarray(rows, dtype=np.int64)
+    returns = np.zeros(len(rows))
+    discount = np.ones(len(rows))
+    done = np.zeros(len(rows), dtype=bool)
+    active = np.ones(len(rows), dtype=bool)
+    cur = bootstrap = rows
+    for k in range(n):
+        returns += np.where(active, discount * reward[cur], 0.0)
+        bootstrap = np.where(active, cur, bootstrap)
+        discount = np.where(active, discount * gamma, discount)
+        f = flags[cur]
+        done |= active & ((f & FLAG_BITS["terminated"]) != 0)
+        active &= (f & _END) == 0
+        if k + 1 < n:
+            nxt = follow(columns, cur, cap)
+            active &= nxt >= 0
+            cur = np.where(active, nxt, cur)
+    ready = done | has_next_obs(columns, bootstrap, cap)
+    return NStep(returns, bootstrap, discount, done, ready)
+
+
+def windows(
+    columns: Mapping[str, np.ndarray], starts: np.ndarray, length: int, cap: int
+) -> np.ndarray:
+    """``(len(starts), length)`` rows of consecutive steps; -1 past the episode's stored end.
+
+    A window never continues past a terminated or truncated step, so it never crosses an
+    episode boundary; one that ends on the episode's last step is complete.
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    out = np.empty((len(starts), length), dtype=np.int64)
+    out[:, 0] = cur = starts
+    for j in range(1, length):
+        ended = (columns["flags"][np.maximum(cur, 0)] & _END) != 0
+        cur = np.where(ended, -1, follow(columns, cur, cap))
+        out[:, j] = cur
+    return out
+
+
+def valid_starts(
+    columns: Mapping[str, np.ndarray], starts: np.ndarray, length: int, cap: int
+) -> np.ndarray:
+    """Whether the whole window of ``length`` steps from each start is stored."""
+    return windows(columns, starts, length, cap)[:, -1] >= 0
