@@ -222,8 +222,9 @@ def decode_batch(buf: Any) -> Batch:
         raise ValueError(f"not a Claw batch: bad magic {magic!r}")
     end = _PREFIX.size + head_len
     header = msgpack.unpackb(mv[_PREFIX.size : end], raw=False)
-    if header.get("v") != VERSION:
-        raise ValueError(f"unsupported batch wire version {header.get('v')!r}")
+    if not isinstance(header, dict) or header.get("v") != VERSION:
+        version = header.get("v") if isinstance(header, dict) else None
+        raise ValueError(f"unsupported batch wire version {version!r}")
     base = -(-end // ALIGN) * ALIGN
 
     def view(spec: ArraySpec) -> np.ndarray:
@@ -235,12 +236,15 @@ def decode_batch(buf: Any) -> Batch:
             raise ValueError("truncated batch: array body past end of buffer")
         return np.frombuffer(mv, dtype=dtype, count=count, offset=off).reshape(shape)
 
-    return Batch(
-        fields={f[0]: view(f[1:]) for f in header["fields"]},
-        ids=view(header["ids"]),
-        weights=view(header["weights"]),
-        source_index=view(header["source_index"]),
-        sources=tuple(header["sources"]),
-        recipe_version=header["recipe_version"],
-        meta=header["meta"],
-    )
+    try:
+        return Batch(
+            fields={f[0]: view(f[1:]) for f in header["fields"]},
+            ids=view(header["ids"]),
+            weights=view(header["weights"]),
+            source_index=view(header["source_index"]),
+            sources=tuple(header["sources"]),
+            recipe_version=header["recipe_version"],
+            meta=header["meta"],
+        )
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"corrupt batch header: {exc!r}") from exc

@@ -1,0 +1,132 @@
+"""Batch wire format: bit-exact round trips and zero-copy decoding."""
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from orchestrator.wire import ALIGN, decode_batch, encode_batch, frame_batch, is_batch
+
+DTYPES = [
+    "bool", "int8", "uint8", "<i2", ">i2", "<u4", "<i8", "<f2", "<f4", ">f8", "<c8", "<c16",
+    "S5", "<U3", "<M8[ns]", "<m8[s]",
+]  # fmt: skip
+
+
+def as_bytes_view(buf) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def assert_bit_exact(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert np.ascontiguousarray(a).tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5,), (5, 3), (5, 0), (5, 2, 3, 1)])
+def test_round_trip_dtypes_and_shapes(dtype, shape):
+    raw = np.random.default_rng(0).integers(0, 256, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    arr = np.frombuffer(raw.astype(np.uint8).tobytes(), dtype=dtype).reshape(shape)
+    buf = encode_batch({"x": arr}, ids=np.arange(5) * 10)
+    out = decode_batch(buf)
+    assert_bit_exact(arr, out["x"])
+    assert np.shares_memory(out["x"], as_bytes_view(buf)) or arr.size == 0
+
+
+def test_empty_batch_and_no_fields():
+    out = decode_batch(encode_batch({"obs": np.zeros((0, 84, 84, 3), np.uint8)}, ids=[]))
+    assert out.batch_size == 0 and out["obs"].shape == (0, 84, 84, 3)
+    assert out.ids.dtype == np.int64 and out.weights.dtype == np.float32
+    assert len(decode_batch(encode_batch({}, ids=[1, 2]))) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrays=st.dictionaries(
+        st.text(min_size=1, max_size=8),
+        hnp.arrays(
+            dtype=st.one_of(
+                hnp.scalar_dtypes(), hnp.byte_string_dtypes(), hnp.unicode_string_dtypes()
+            ),
+            shape=hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=5).map(
+                lambda s: (4, *s[1:])
+            ),
+        ),
+        max_size=4,
+    ),
+    meta=st.dictionaries(st.text(max_size=5), st.integers(-(2**40), 2**40) | st.text(), max_size=3),
+)
+def test_round_trip_property(arrays, meta):
+    ids = np.array([3, 1, 4, 1], np.int64)
+    weights = np.array([0.5, 1.0, 2.0, 0.25], np.float32)
+    buf = encode_batch(
+        arrays, ids=ids, weights=weights, source_index=[1, 0, 1, 1], sources=["a", "b"],
+        recipe_version=7, meta=meta,
+    )  # fmt: skip
+    out = decode_batch(buf)
+    assert list(out) == list(arrays)
+    for name, arr in arrays.items():
+        assert_bit_exact(arr, out[name])
+    assert_bit_exact(ids, out.ids)
+    assert_bit_exact(weights, out.weights)
+    assert out.source_index.tolist() == [1, 0, 1, 1] and out.source_index.dtype == np.int16
+    assert out.sources == ("a", "b") and out.recipe_version == 7 and out.meta == meta
+
+
+def test_decode_is_zero_copy_and_aligned():
+    obs = np.random.default_rng(0).integers(0, 256, (8, 84, 84, 3), dtype=np.uint8)
+    fields = {"obs": obs, "reward": np.arange(8, dtype=np.float32), "odd": np.ones((8, 3), "u1")}
+    buf = bytearray(encode_batch(fields, ids=np.arange(8)))
+    out = decode_batch(buf)
+    base = as_bytes_view(buf)
+    for arr in [*out.values(), out.ids, out.weights, out.source_index]:
+        assert np.shares_memory(arr, base)
+        assert (arr.ctypes.data - base.ctypes.data) % ALIGN == 0
+    out["reward"][0] = 42.0  # a writable buffer gives writable views of itself
+    assert decode_batch(buf)["reward"][0] == 42.0
+    assert not decode_batch(bytes(buf))["obs"].flags.writeable
+
+
+def test_frame_chunks_concatenate_to_the_encoding():
+    strided = np.arange(60, dtype=np.int32).reshape(6, 10)[:, ::3]
+    frame = frame_batch({"s": strided, "t": np.eye(6)}, ids=range(6), meta={"k": [1, 2]})
+    blob = b"".join(bytes(c) for c in frame.chunks())
+    assert blob == frame.tobytes() and len(blob) == frame.nbytes and is_batch(blob)
+    out = decode_batch(blob)
+    assert_bit_exact(strided, out["s"])
+    assert out.meta == {"k": [1, 2]} and out.weights.tolist() == [1.0] * 6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"fields": {"x": np.zeros(3)}, "ids": [1, 2]}, "leading dimension"),
+        ({"fields": {"x": np.array([None] * 2)}, "ids": [1, 2]}, "object"),
+        ({"fields": {}, "ids": [1.5, 2.0]}, "integer"),
+        ({"fields": {}, "ids": np.array([1, 2], np.uint64)}, "uint64"),
+        ({"fields": {}, "ids": [1, 2], "weights": [1.0]}, "weights"),
+        ({"fields": {}, "ids": [1, 2], "source_index": [0, 1]}, "out of range"),
+        ({"fields": {}, "ids": [1, 2], "meta": {"x": object()}}, "msgpack"),
+    ],
+)
+def test_encode_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        encode_batch(**kwargs)
+
+
+def test_decode_rejects_garbage_and_truncation():
+    buf = encode_batch({"x": np.arange(100)}, ids=range(100))
+    with pytest.raises(ValueError, match="magic"):
+        decode_batch(b"PKL!" + buf[4:])
+    with pytest.raises(ValueError, match="truncated"):
+        decode_batch(buf[:-64])
+    with pytest.raises(ValueError, match="short"):
+        decode_batch(b"CL")
+    for header in (7, {"v": 1}, {"v": 2}):
+        head = msgpack.packb(header)
+        with pytest.raises(ValueError, match=r"version|corrupt"):
+            decode_batch(struct.pack("<4sI", b"CLAW", len(head)) + head)
