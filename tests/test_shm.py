@@ -1,0 +1,146 @@
+"""Same-host shared-memory path: cross-process round trip, reclamation, orphan reaping."""
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from orchestrator import shm
+from orchestrator.wire import decode_batch, frame_batch, is_batch
+
+pytestmark = pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="needs /dev/shm")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MAKE_BATCH = """
+import numpy as np
+from orchestrator.wire import frame_batch
+rng = np.random.default_rng(5)
+frame = frame_batch(
+    {"obs": rng.integers(0, 256, (64, 84, 84, 3), dtype=np.uint8),
+     "reward": rng.normal(size=64).astype(np.float32)},
+    ids=np.arange(64) + 1000, weights=rng.random(64), source_index=np.arange(64) % 2,
+    sources=["hard", "easy"], recipe_version=3, meta={"worker": "w1"},
+)
+"""
+
+
+def expected_batch():
+    scope: dict = {}
+    exec(MAKE_BATCH, scope)
+    return scope["frame"]
+
+
+def run_python(code: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, **kwargs)
+
+
+def ref_name(msg: bytes) -> str:
+    return msgpack.unpackb(msg[len(shm.REF_MAGIC) :])["name"]
+
+
+def test_round_trip_through_another_process_and_segment_reclaimed():
+    writer = MAKE_BATCH + (
+        "import sys\nfrom orchestrator import shm\n"
+        "sys.stdout.buffer.write(shm.to_message(frame, reader_host=shm.host_id(), threshold=0))\n"
+    )
+    proc = run_python(writer, stdout=subprocess.PIPE)
+    msg, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and not is_batch(msg)  # a reference, not the batch
+    name = ref_name(msg)
+    assert (shm.SHM_DIR / name).exists()  # survives its (exited) creator until read
+
+    batch = shm.from_message(msg)
+    assert not (shm.SHM_DIR / name).exists()  # unlinked as soon as it is mapped
+    gc.collect()
+    reference = decode_batch(expected_batch().tobytes())
+    for field in ("obs", "reward"):
+        np.testing.assert_array_equal(batch[field], reference[field])
+    np.testing.assert_array_equal(batch.ids, reference.ids)
+    np.testing.assert_array_equal(batch.weights, reference.weights)
+    assert batch.sources == ("hard", "easy") and batch.recipe_version == 3
+    assert batch.meta == {"worker": "w1"}
+    batch["reward"][0] = 1.0  # writable private view of the (now anonymous) segment
+    with pytest.raises(shm.SegmentMissing):
+        shm.from_message(msg)
+
+
+def test_host_id_is_stable_across_processes():
+    proc = run_python("from orchestrator import shm; print(shm.host_id())", stdout=subprocess.PIPE)
+    out, _ = proc.communicate(timeout=30)
+    assert out.decode().strip() == shm.host_id()
+
+
+def test_inline_when_small_or_other_host():
+    frame = frame_batch({"x": np.arange(10)}, ids=range(10))
+    for msg in (
+        shm.to_message(frame, reader_host=shm.host_id()),  # below the threshold
+        shm.to_message(frame, reader_host="elsewhere", threshold=0),
+        shm.to_message(frame, reader_host=None, threshold=0),
+    ):
+        assert is_batch(msg)
+        np.testing.assert_array_equal(shm.from_message(msg)["x"], np.arange(10))
+
+
+def test_reference_from_another_host_is_rejected():
+    frame = frame_batch({"x": np.arange(10)}, ids=range(10))
+    msg = shm.to_message(frame, reader_host=shm.host_id(), threshold=0)
+    ref = msgpack.unpackb(msg[len(shm.REF_MAGIC) :])
+    forged = shm.REF_MAGIC + msgpack.packb({**ref, "host": "other"})
+    try:
+        with pytest.raises(ValueError, match="from host other"):
+            shm.from_message(forged)
+    finally:
+        shm.from_message(msg)
+    with pytest.raises(ValueError, match="not a Claw"):
+        shm.from_message(b"garbage")
+
+
+def test_reaper_removes_segment_of_sigkilled_creator():
+    writer = MAKE_BATCH + (
+        "import sys, time\nfrom orchestrator import shm\n"
+        "print(shm.write_segment(frame), flush=True)\ntime.sleep(60)\n"
+    )
+    proc = run_python(writer, stdout=subprocess.PIPE)
+    name = proc.stdout.readline().decode().strip()
+    assert (shm.SHM_DIR / name).exists()
+    assert name not in shm.reap_orphans(max_age_s=3600, dead_grace_s=0)  # creator alive
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    assert name in shm.reap_orphans(max_age_s=3600, dead_grace_s=0)
+    assert not (shm.SHM_DIR / name).exists()
+
+
+def test_reaper_ttl_and_grace():
+    frame = frame_batch({"x": np.arange(10)}, ids=range(10))
+    name = shm.write_segment(frame)
+    path = shm.SHM_DIR / name
+    try:
+        assert name not in shm.reap_orphans(max_age_s=60)  # our own, fresh
+        old = time.time() - 120
+        os.utime(path, (old, old))
+        assert name in shm.reap_orphans(max_age_s=60)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_failed_write_leaves_nothing(monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    mine = f"{shm.PREFIX}*-{os.getpid()}-*"
+    before = set(shm.SHM_DIR.glob(mine))
+    frame = frame_batch({"x": np.arange(10)}, ids=range(10))
+    msg = shm.to_message(frame, reader_host=shm.host_id(), threshold=0)
+    assert is_batch(msg)  # fell back to inline
+    assert set(shm.SHM_DIR.glob(mine)) == before
