@@ -13,9 +13,9 @@ writes into its input: stored data stays untouched.
 
 Both image ops beat albumentations 2.0.8 per-image loops on one core (``bench/augment.py``),
 so neither calls it: ``random_shift`` is one gather from a ``sliding_window_view`` of the
-edge-padded batch (~3x), ``color_jitter`` computes all random factors vectorized and applies
-fused per-image colour matrices with OpenCV, the library albumentations itself calls
-(~1.7x with hue, 2-5x without).
+edge-padded batch (~2.6x), ``color_jitter`` computes all random factors vectorized and
+applies fused per-image colour matrices with OpenCV, the library albumentations itself calls
+(~1.8x with hue, 2.5-6x without).
 """
 
 from __future__ import annotations
