@@ -78,17 +78,22 @@ class Window(_Model):
 
 
 class SamplerSpec(_Model):
-    """How a source draws its rows; ``alpha``/``beta`` apply to ``priority`` only."""
+    """How a source draws its rows; ``alpha`` (default 0.6) and ``beta`` (default 0.4) are
+    for ``priority`` only."""
 
     kind: Literal["uniform", "priority", "recent"] = "uniform"
-    alpha: NonNegativeFloat = 0.6
-    beta: NonNegativeFloat = 0.4
+    alpha: NonNegativeFloat | None = None
+    beta: NonNegativeFloat | None = None
 
     @model_validator(mode="after")
     def _priority_only(self) -> Self:
-        extra = {"alpha", "beta"} & self.model_fields_set
-        if extra and self.kind != "priority":
-            raise ValueError(f"{', '.join(sorted(extra))}: only for kind: priority")
+        if self.kind == "priority":
+            self.alpha = 0.6 if self.alpha is None else self.alpha
+            self.beta = 0.4 if self.beta is None else self.beta
+            return self
+        extra = [k for k in ("alpha", "beta") if getattr(self, k) is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)}: only for kind: priority")
         return self
 
 

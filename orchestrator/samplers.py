@@ -11,8 +11,9 @@ source's candidates are the rows that are alive, trainable and match its ``where
   weight 1. Deterministic: the same data gives the same rows.
 
 Windows: ``last_steps: n`` keeps the n newest candidates by step id; ``max_age_s: s``
-keeps the candidates with ``timestamp >= now - s``. A source needs at least as many
-candidates (in its window) as it has rows in the batch, otherwise :class:`InsufficientData`.
+keeps the candidates with ``timestamp >= now - s``. A source that cannot fill its rows
+raises :class:`InsufficientData` (a batch is never smaller): ``recent`` needs as many
+candidates (in its window) as it has rows, the samplers with replacement need one.
 
 When the recipe needs transitions (``next_obs`` in its fields, or ``n_step > 1``) a row is
 drawn only if its n-step bootstrap row has its ``next_obs`` (or the episode terminated);
@@ -108,8 +109,9 @@ class SourceIndex:
             self._build(columns, params, key)
         pool = self._pool(columns, now)
         n = self.n if pool is None else len(pool)
-        if n < k:
-            raise InsufficientData(self.source.name, n, k)
+        need = k if self.kind == "recent" else 1
+        if n < need:
+            raise InsufficientData(self.source.name, n, need)
         if self.kind == "recent":
             pool = self._candidates(columns)[0] if pool is None else pool
             return self._newest(columns, pool, k, accept), np.ones(k, dtype=np.float32)
@@ -223,8 +225,9 @@ class SourceIndex:
             return rows
         bad = np.flatnonzero(~accept(columns, rows))
         tries, good = k, k - len(bad)
+        limit = min(_MAX_TRIES, 64 * (k + n))
         while len(bad):
-            if tries >= _MAX_TRIES:
+            if tries >= limit:
                 raise InsufficientData(
                     self.source.name, n, k, f"only {good} of {tries} draws were complete"
                 )

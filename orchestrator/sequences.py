@@ -1,11 +1,12 @@
 """Follow episodes through the ``next`` column: n-step returns and sequence windows.
 
-``next`` (int32) holds, for each slot, the slot of the next step of the same episode + 1
-within the same shard (0 = unknown), so a global row ``r`` links to
-``(r // cap) * cap + next[r] - 1``. A link counts only while the target is alive and
-belongs to the same episode (a ring slot may have been reused since). Rows are -1 where
-there is no row; every function takes and returns int64 global rows and loops over the
-n steps (or the window length) only, never over rows.
+``next`` (int32) is what the store's commit writes: the seq distance from a step to the
+next step of its episode (0 = unknown; negative when the successor was committed first).
+A row ``r = shard * cap + slot`` with distance ``d`` links to
+``shard * cap + (slot + d) % cap``, and the link holds only while that row is alive and
+still has the id ``id[r] + d * n_shards`` (a ring slot may have been reused since).
+Every function takes and returns int64 global rows (-1 = no row) and loops over the n
+steps (or the window length) only, never over rows.
 """
 
 from __future__ import annotations
@@ -35,14 +36,16 @@ class NStep(NamedTuple):
 
 def follow(columns: Mapping[str, np.ndarray], rows: np.ndarray, cap: int) -> np.ndarray:
     """Global row of the next step of each row's episode; -1 where unknown (or rows is -1)."""
+    ids = columns["id"]
+    n_shards = len(ids) // cap
     rows = np.asarray(rows, dtype=np.int64)
     has = rows >= 0
     src = np.where(has, rows, 0)
-    nxt = columns["next"][src].astype(np.int64)
-    out = (src // cap) * cap + nxt - 1
-    has &= nxt > 0
+    delta = columns["next"][src].astype(np.int64)
+    out = src - src % cap + (src + delta) % cap
+    has &= delta != 0
     tgt = np.where(has, out, 0)
-    has &= columns["alive"][tgt] & (columns["episode"][tgt] == columns["episode"][src])
+    has &= columns["alive"][tgt] & (ids[tgt] == ids[src] + delta * n_shards)
     return np.where(has, out, -1)
 
 

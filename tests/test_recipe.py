@@ -1,0 +1,202 @@
+"""The recipe model: DESIGN §6's YAML, defaults, and errors that name the offending key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from pydantic import ValidationError
+
+from orchestrator.recipe import Recipe, RecipeError
+
+DESIGN_YAML = """
+name: grasp-hard
+batch_size: 256
+fields: [obs, action, reward, next_obs, terminated]
+sources:                      # a mixture; per-batch counts are exact
+  - name: hard
+    weight: 0.8
+    where:                    # AND of conditions on metadata
+      task_id: grasp
+      skill_tag: {in: [reach, grasp]}
+      reward: {gt: 0.5}       # gt ge lt le, between: [a, b]
+    window: {last_steps: 1000000}        # or {max_age_s: 3600}
+    sampler: {kind: priority, alpha: 0.6, beta: 0.4}   # uniform | priority | recent
+  - name: early-low
+    weight: 0.2
+    where: {reward: {lt: 0}, step_index: {lt: $early_cutoff}}
+    sampler: {kind: uniform}
+params: {early_cutoff: 100}   # live-updatable: curriculum thresholds
+n_step: 3                     # n-step returns within an episode
+gamma: 0.99
+sequence_length: 1            # >1: windows of consecutive steps of one episode
+augment:
+  obs: [{random_shift: {pad: 4}}, {color_jitter: {brightness: 0.2, p: 0.8}}]
+  next_obs: same
+prefetch: {depth: 8}
+rate_limit: {samples_per_insert: 4.0, error_buffer: 100, min_size: 1000}
+"""
+
+
+@dataclass
+class Schema:
+    fields: dict = field(default_factory=lambda: {"obs": None, "action": None, "prompt_ids": None})
+    tags: dict = field(default_factory=lambda: {"color": "str", "difficulty": "num"})
+
+
+def minimal(**kw) -> dict:
+    return {"name": "r", "batch_size": 8, "fields": ["obs"], "sources": [{"name": "a"}], **kw}
+
+
+def error(data: dict) -> str:
+    with pytest.raises(ValidationError) as e:
+        Recipe.model_validate(data)
+    return str(e.value)
+
+
+def test_design_yaml(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(DESIGN_YAML)
+    r = Recipe.from_yaml(path)
+    assert r.name == "grasp-hard" and r.batch_size == 256
+    hard, early = r.sources
+    assert hard.window.last_steps == 1_000_000 and hard.window.max_age_s is None
+    assert (hard.sampler.kind, hard.sampler.alpha, hard.sampler.beta) == ("priority", 0.6, 0.4)
+    assert early.where == {"reward": {"lt": 0}, "step_index": {"lt": "$early_cutoff"}}
+    assert r.params == {"early_cutoff": 100}
+    assert (r.n_step, r.gamma, r.sequence_length) == (3, 0.99, 1)
+    assert r.augment["next_obs"] == "same"
+    assert r.augment["obs"][1] == {"color_jitter": {"brightness": 0.2, "p": 0.8}}
+    assert (r.prefetch.depth, r.prefetch.low_water) == (8, 4)
+    assert r.rate_limit.min_size == 1000
+    assert (r.seed, r.version) == (None, 1)
+    assert r.counts == [205, 51]
+    assert Recipe.model_validate(r.model_dump()) == r
+    r.validate_against(Schema())
+
+
+def test_defaults():
+    r = Recipe.model_validate(minimal())
+    src = r.sources[0]
+    assert (src.weight, src.where, src.window, src.sampler.kind) == (1.0, {}, None, "uniform")
+    assert (r.n_step, r.sequence_length, r.augment, r.rate_limit) == (1, 1, {}, None)
+    assert r.counts == [8]
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="a recipe is a YAML mapping"):
+        Recipe.from_yaml(path)
+
+
+@pytest.mark.parametrize(
+    ("data", "where", "message"),
+    [
+        (minimal(colour=1), "colour", "Extra inputs are not permitted"),
+        (
+            minimal(sources=[{"name": "a", "wieght": 1}]),
+            "sources.0.wieght",
+            "Extra inputs are not permitted",
+        ),
+        (minimal(prefetch={"depth": 4, "lowwater": 1}), "prefetch.lowwater", "Extra inputs"),
+        (minimal(batch_size=0), "batch_size", "greater than 0"),
+        (minimal(fields=[]), "fields", "at least 1 item"),
+        (minimal(fields=["obs", "obs"]), "fields", "duplicate fields: ['obs']"),
+        (minimal(sources=[]), "sources", "at least 1 item"),
+        (minimal(name="a b"), "name", "should match pattern"),
+        (minimal(gamma=1.5), "gamma", "less than or equal to 1"),
+        (
+            minimal(sources=[{"name": "a", "where": {"task": "x"}}]),
+            "sources.0.where",
+            "task: unknown metadata key",
+        ),
+        (
+            minimal(sources=[{"name": "a", "where": {"reward": {"between": [1, 2, 3]}}}]),
+            "sources.0.where",
+            r"reward: between takes [low, high]",
+        ),
+        (
+            minimal(sources=[{"name": "a", "where": {"reward": {"gt": "$cut"}}}]),
+            "",
+            "sources[0] (a).where.reward: param $cut is not defined",
+        ),
+        (
+            minimal(
+                sources=[{"name": "a", "where": {"reward": {"gt": "$cut"}}}], params={"cut": "x"}
+            ),
+            "",
+            "sources[0] (a).where.reward: gt: expected a number, got 'x'",
+        ),
+        (
+            minimal(sources=[{"name": "a", "sampler": {"kind": "uniform", "beta": 1}}]),
+            "sources.0.sampler",
+            "beta: only for kind: priority",
+        ),
+        (
+            minimal(sources=[{"name": "a", "sampler": {"kind": "prio"}}]),
+            "sources.0.sampler.kind",
+            "'uniform', 'priority' or 'recent'",
+        ),
+        (
+            minimal(sources=[{"name": "a", "window": {"last_steps": 5, "max_age_s": 3}}]),
+            "sources.0.window",
+            "exactly one of last_steps, max_age_s",
+        ),
+        (
+            minimal(sources=[{"name": "a", "window": {}}]),
+            "sources.0.window",
+            "exactly one",
+        ),
+        (minimal(sources=[{"name": "a"}, {"name": "a"}]), "", "duplicate names ['a']"),
+        (
+            minimal(sources=[{"name": "a", "weight": 100}, {"name": "b", "weight": 1}]),
+            "",
+            "'b' gets 0 of 8 rows",
+        ),
+        (minimal(prefetch={"depth": 4, "low_water": 4}), "prefetch", "below depth"),
+        (minimal(augment={"action": [{"noise": {}}]}), "", "augment.action: not one of"),
+        (minimal(augment={"obs": [{"a": {}, "b": {}}]}), "augment", "one transform per entry"),
+        (minimal(augment={"obs": "same"}), "augment", "'same' needs a field"),
+        (minimal(rate_limit={"error_buffer": 1}), "rate_limit.samples_per_insert", "required"),
+        (minimal(params={"x": {"a": 1}}), "params.x", "valid"),
+    ],
+)
+def test_errors_name_the_key(data, where, message):
+    text = error(data)
+    assert message in text
+    assert where in text
+
+
+def test_validate_against_schema():
+    r = Recipe.model_validate(
+        minimal(
+            fields=["obs", "next_obs", "prompt_ids", "color", "episode_id"],
+            sources=[
+                {"name": "a", "where": {"tags.color": "red", "tags.difficulty": {"ge": "$d"}}},
+            ],
+            params={"d": 2},
+        )
+    )
+    r.validate_against(Schema())
+
+
+def test_validate_against_lists_every_problem():
+    r = Recipe.model_validate(
+        minimal(
+            fields=["obs", "pixels"],
+            sources=[
+                {"name": "a", "where": {"tags.shape": "round"}},
+                {"name": "b", "where": {"tags.color": {"gt": 1}}},
+                {"name": "c", "where": {"tags.difficulty": "$level"}},
+            ],
+            params={"level": "hard"},
+        )
+    )
+    with pytest.raises(RecipeError) as e:
+        r.validate_against(Schema())
+    text = str(e.value)
+    assert "fields: 'pixels' is not a field of the namespace" in text
+    assert "sources[0] (a).where.tags.shape: no tag 'shape'" in text
+    assert "sources[1] (b).where.tags.color: operator 'gt' does not apply" in text
+    assert "sources[2] (c).where.tags.difficulty: eq: expected a number, got 'hard'" in text
