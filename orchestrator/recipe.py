@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from orchestrator.filters import FIXED, FilterError, parse_where, resolve
+from orchestrator.filters import FIXED, TAG_PREFIX, FilterError, parse_where, resolve
 
 RECORD_FIELDS = frozenset(
     {"obs", "action", "reward", "next_obs", "terminated", "truncated", "info"}
@@ -212,7 +212,8 @@ class Recipe(_Model):
 
     def validate_against(self, schema: SchemaLike) -> None:
         """Check fields, ``where`` keys and param types against a namespace schema."""
-        known = RECORD_FIELDS | set(FIXED) | set(schema.fields) | set(schema.tags)
+        known = RECORD_FIELDS | set(FIXED) | set(schema.fields)
+        known |= {f"{TAG_PREFIX}{t}" for t in schema.tags}
         problems = [
             f"fields: {f!r} is not a field of the namespace" for f in self.fields if f not in known
         ]

@@ -68,6 +68,9 @@ class SourceIndex:
     def __init__(self, source: Source, where: Where):
         self.source, self.where = source, where
         self.kind, self.alpha = source.sampler.kind, source.sampler.alpha
+        window = source.window
+        # Trees serve draws over all candidates: not for recent, nor an age window.
+        self._trees = self.kind != "recent" and (window is None or window.max_age_s is None)
         self.n = 0  # candidates
         self.version = 0  # bumps on every change of the candidates or their priorities
         self._params: Mapping[str, Any] = {}
@@ -130,6 +133,8 @@ class SourceIndex:
         self.n = int(self._cand.sum())
         self._cache.clear()
         self.version += 1
+        if not self._trees:
+            return
         if self.kind == "uniform":
             self._count = SumTree(self._cand.astype(np.float64))
         elif self.kind == "priority":
@@ -142,6 +147,8 @@ class SourceIndex:
             self._count = SumTree((self._cand & unset).astype(np.float64))
 
     def _update_trees(self, columns: Columns, rows: np.ndarray, cand: np.ndarray) -> None:
+        if not self._trees:
+            return
         if self.kind == "uniform":
             self._count.update(rows, cand.astype(np.float64))
         elif self.kind == "priority":
@@ -190,8 +197,10 @@ class SourceIndex:
                 u = rng.random(m) * total
                 hit = (u < set_total) | (unset_total == 0)
                 out = np.empty(m, dtype=np.int64)
-                out[hit] = mass.find(u[hit])
-                out[~hit] = count.find((u[~hit] - set_total) / unset_mass)
+                if hit.any():
+                    out[hit] = mass.find(u[hit])
+                if not hit.all():
+                    out[~hit] = count.find((u[~hit] - set_total) / unset_mass)
                 return out
 
             return sample, total

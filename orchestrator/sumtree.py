@@ -42,15 +42,17 @@ class _Tree:
         return self.levels[0][: self.n]
 
     def update(self, idx: np.ndarray, values: np.ndarray) -> None:
-        """Set leaves ``idx`` (unique) to ``values`` and recompute their ancestors."""
+        """Set leaves ``idx`` (sorted, unique) to ``values`` and recompute their ancestors."""
+        changed = self.levels[0][idx] != values
+        idx, values = idx[changed], values[changed]
+        if not len(idx):
+            return
         self.levels[0][idx] = values
         for lower, upper in zip(self.levels, self.levels[1:], strict=False):
-            idx = np.unique(idx // B)
-            upper[idx] = self._reduce(lower[((idx * B)[:, None] + _BLOCK).ravel()])
+            idx //= B
+            idx = idx[np.concatenate(([True], idx[1:] != idx[:-1]))]
+            upper[idx] = self._reduce(lower.reshape(-1, B).take(idx, axis=0).ravel())
         self.root = self._ufunc.reduce(self.levels[-1])
-
-
-_BLOCK = np.arange(B)
 
 
 class SumTree(_Tree):
@@ -73,10 +75,11 @@ class SumTree(_Tree):
         node = np.zeros(len(u), dtype=np.int64)
         pick = np.arange(len(u))
         for level in reversed(self.levels):
-            cs = np.cumsum(level[(node * B)[:, None] + _BLOCK], axis=1)
+            blocks = level.reshape(-1, B)
+            cs = np.cumsum(blocks.take(node, axis=0), axis=1)
             np.minimum(u, np.nextafter(cs[:, -1], 0.0), out=u)  # rounding at the top edge
-            j = (cs <= u[:, None]).sum(axis=1)
-            u -= np.where(j > 0, cs[pick, j - 1], 0.0)
+            j = np.argmax(cs > u[:, None], axis=1)
+            u -= np.where(j > 0, cs[pick, j - 1], 0.0)  # stays >= 0: cs[j-1] <= u
             node = node * B + j
         return node
 

@@ -192,14 +192,14 @@ def test_compare_is_exact(dtype, op, t, offsets):
     """Values near t (and at the dtype's edges) compare as the exact reals they store."""
     dt = np.dtype(dtype)
     if dt.kind == "f":
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore"):  # thresholds beyond the dtype's range
             base = dt.type(t)
-        vals = [base]
-        for o in offsets:
-            v = base
-            for _ in range(abs(o)):
-                v = np.nextafter(v, dt.type(np.inf if o > 0 else -np.inf))
-            vals.append(v)
+            vals = [base]
+            for o in offsets:
+                v = base
+                for _ in range(abs(o)):
+                    v = np.nextafter(v, dt.type(np.inf if o > 0 else -np.inf))
+                vals.append(v)
         vals += [dt.type(np.inf), dt.type(-np.inf), dt.type(np.nan), np.finfo(dt).max]
     else:
         info = np.iinfo(dt)

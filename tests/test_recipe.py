@@ -171,7 +171,7 @@ def test_errors_name_the_key(data, where, message):
 def test_validate_against_schema():
     r = Recipe.model_validate(
         minimal(
-            fields=["obs", "next_obs", "prompt_ids", "color", "episode_id"],
+            fields=["obs", "next_obs", "prompt_ids", "tags.color", "episode_id"],
             sources=[
                 {"name": "a", "where": {"tags.color": "red", "tags.difficulty": {"ge": "$d"}}},
             ],
@@ -184,7 +184,7 @@ def test_validate_against_schema():
 def test_validate_against_lists_every_problem():
     r = Recipe.model_validate(
         minimal(
-            fields=["obs", "pixels"],
+            fields=["obs", "pixels", "color"],
             sources=[
                 {"name": "a", "where": {"tags.shape": "round"}},
                 {"name": "b", "where": {"tags.color": {"gt": 1}}},
@@ -197,6 +197,19 @@ def test_validate_against_lists_every_problem():
         r.validate_against(Schema())
     text = str(e.value)
     assert "fields: 'pixels' is not a field of the namespace" in text
+    assert "fields: 'color' is not a field" in text  # tags are fields as tags.<name>
     assert "sources[0] (a).where.tags.shape: no tag 'shape'" in text
     assert "sources[1] (b).where.tags.color: operator 'gt' does not apply" in text
     assert "sources[2] (c).where.tags.difficulty: eq: expected a number, got 'hard'" in text
+
+
+def test_validate_against_the_store_schema():
+    from claw_tasks.schema import FieldSpec
+    from claw_tasks.schema import Schema as StoreSchema
+
+    schema = StoreSchema(fields={"obs": FieldSpec("<f4", (8,))}, tags={"color": "str"})
+    r = Recipe.model_validate(minimal(sources=[{"name": "a", "where": {"tags.color": "red"}}]))
+    r.validate_against(schema)
+    bad = Recipe.model_validate(minimal(fields=["obs", "action_ids"]))
+    with pytest.raises(RecipeError, match="'action_ids' is not a field"):
+        bad.validate_against(schema)
