@@ -180,7 +180,7 @@ class Where:
         if cond.kind == "code":
             strings = [value] if cond.op == "eq" else list(value)
             codes = np.asarray(self.encode(cond.column, strings), dtype=np.int64)
-            return _isin(col, codes[codes > 0])
+            return _isin(col, codes[codes > 0].astype(col.dtype))
         if cond.op == "between":
             return compare(col, "ge", value[0]) & compare(col, "le", value[1])
         if cond.op == "in":

@@ -191,7 +191,7 @@ class SourceIndex:
             unset_mass = max_p**self.alpha
             set_total, unset_total = mass.total, count.total * unset_mass
             total = set_total + unset_total
-            self._check_mass(total)
+            self._check_mass(total, self.n)
 
             def sample(m: int) -> np.ndarray:
                 u = rng.random(m) * total
@@ -207,7 +207,7 @@ class SourceIndex:
         p = columns["priority"][pool].astype(np.float64)
         cs = np.cumsum(np.where(np.isnan(p), max_p, p) ** self.alpha)
         total = float(cs[-1]) if len(cs) else 0.0
-        self._check_mass(total)
+        self._check_mass(total, len(pool))
         top = np.nextafter(total, 0.0)
 
         def sample_pool(m: int) -> np.ndarray:
@@ -216,9 +216,9 @@ class SourceIndex:
 
         return sample_pool, total
 
-    def _check_mass(self, total: float) -> None:
+    def _check_mass(self, total: float, n: int) -> None:
         if not total > 0:
-            raise InsufficientData(self.source.name, self.n, 1, "every candidate has priority 0")
+            raise InsufficientData(self.source.name, n, 1, "every candidate has priority 0")
 
     def _accepted(
         self,
