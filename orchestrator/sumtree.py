@@ -19,7 +19,6 @@ class _Tree:
 
     def __init__(self, leaves: np.ndarray, dtype: type = np.float64):
         x = np.asarray(leaves, dtype=dtype)
-        self.n = len(x)
         self.levels: list[np.ndarray] = []
         while True:
             level = np.full(-(-max(len(x), 1) // B) * B, self._fill, dtype=dtype)
@@ -35,11 +34,6 @@ class _Tree:
         for _ in range(B.bit_length() - 1):
             level = self._ufunc(level[0::2], level[1::2])
         return level
-
-    @property
-    def leaves(self) -> np.ndarray:
-        """The leaf values (a view; change them through :meth:`update`)."""
-        return self.levels[0][: self.n]
 
     def update(self, idx: np.ndarray, values: np.ndarray) -> None:
         """Set leaves ``idx`` (sorted, unique) to ``values`` and recompute their ancestors."""
