@@ -31,7 +31,12 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
         broker_connection_retry_on_startup=True,
         # Unacked messages come back after this long if a worker dies outright. Ingest
         # tasks take well under a second; long maintenance work is chunked below it.
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout},
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout,
+            # Sweep for abandoned (unacked) messages every few seconds, not every 100 s.
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 4)),
+            "unacked_restore_throttle": 1,
+        },
         task_queues=[Queue(q) for q in QUEUES],
         task_default_queue="maintenance",
         task_routes={

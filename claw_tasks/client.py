@@ -42,6 +42,13 @@ class FlushResult:
 
 
 @dataclass
+class _Inflight:
+    args: list[Any]
+    sent_at: float
+    resent: int = 0
+
+
+@dataclass
 class _Step:
     episode_id: str
     step_index: int
@@ -128,6 +135,7 @@ class Ingestor:
         schema: Schema | None = None,
         max_step_bytes: int = MAX_STEP_BYTES,
         ragged: Sequence[str] = (),
+        resend_after: float = 30.0,
     ) -> None:
         settings = load_settings()
         self.namespace = namespace or settings.namespace
@@ -149,7 +157,9 @@ class Ingestor:
         self._ttl = settings.stage_ttl
         self._steps: list[_Step] = []
         self._first_at = 0.0
-        self._sent: list[str] = []
+        self.resend_after = resend_after
+        self._inflight: dict[str, _Inflight] = {}  # sent, not yet confirmed by the store
+        self._confirmed = FlushResult()
         self._lock = threading.RLock()
         self._closed = threading.Event()
         self._episodes = 0
@@ -304,56 +314,80 @@ class Ingestor:
             args = [self.namespace, batch.batch_id, None, key]
         else:
             args = [self.namespace, batch.batch_id, payload, None]
+        self._publish(args)
+        with self._lock:
+            self._inflight[batch.batch_id] = _Inflight(args, time.monotonic())
+
+    def _publish(self, args: list[Any]) -> None:
         with self.app.producer_or_acquire() as producer:
             self.app.send_task("claw_tasks.ingest", args=args, queue="ingest", producer=producer)
+
+    def _poll(self) -> int:
+        """Collect confirmations; re-send batches unconfirmed for ``resend_after`` seconds
+        (a message can be lost if a worker dies between taking and registering it; the
+        commit is idempotent, so a duplicate is harmless). Returns how many are in flight."""
         with self._lock:
-            self._sent.append(batch.batch_id)
+            pending = list(self._inflight)
+        if not pending:
+            return 0
+        replies = self.store.r.mget([self.store.keys.done(b) for b in pending])
+        now = time.monotonic()
+        for batch_id, raw in zip(pending, replies, strict=True):
+            with self._lock:
+                entry = self._inflight.get(batch_id)
+                if entry is None:
+                    continue
+                if raw is not None:
+                    del self._inflight[batch_id]
+                    out = IngestOutcome.from_bytes(raw)
+                    res = self._confirmed
+                    res.committed += out.committed + out.replayed
+                    res.rejected += out.rejected
+                    res.expired += out.expired
+                    res.errors += out.errors
+                    continue
+                stale = now - entry.sent_at > self.resend_after
+                if stale:
+                    entry.sent_at = now
+                    entry.resent += 1
+            if stale:
+                self._publish(entry.args)
+        with self._lock:
+            return len(self._inflight)
 
     def _tick(self) -> None:
         assert self.flush_interval
+        last_poll = time.monotonic()
         while not self._closed.wait(self.flush_interval / 4):
             with self._lock:
                 due = self._steps and time.monotonic() - self._first_at >= self.flush_interval
             if due:
                 self._send_buffer()
+            if time.monotonic() - last_poll > max(1.0, self.flush_interval):
+                last_poll = time.monotonic()
+                self._poll()
 
     def flush(self, wait: bool = True, timeout: float = 60.0) -> FlushResult:
         """Send what is buffered; with ``wait``, block until the store confirms every batch
         sent so far and return what was committed (and rejected) since the last flush."""
         self._send_buffer()
-        result = FlushResult()
         if not wait:
-            return result
-        with self._lock:
-            sent, self._sent = self._sent, []
-        keys = [self.store.keys.done(b) for b in sent]
+            return FlushResult()
         deadline = time.monotonic() + timeout
         delay = 0.002
-        while keys:
-            replies = self.store.r.mget(keys)
-            left = []
-            for key, raw in zip(keys, replies, strict=True):
-                if raw is None:
-                    left.append(key)
-                    continue
-                out = IngestOutcome.from_bytes(raw)
-                result.committed += out.committed + out.replayed
-                result.rejected += out.rejected
-                result.expired += out.expired
-                result.errors += out.errors
-            keys = left
-            if keys and time.monotonic() > deadline:
-                result.pending = len(keys)
-                with self._lock:  # keep waiting for them on the next flush
-                    self._sent[:0] = [k.rsplit(":", 1)[1] for k in keys]
-                raise IngestError(
-                    f"{len(keys)} batch(es) not confirmed within {timeout}s: are ingest "
-                    "workers running (celery -A claw_tasks.app worker -Q ingest)?",
-                    result,
-                )
-            if keys:
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+        while (left := self._poll()) and time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        with self._lock:
+            result, self._confirmed = self._confirmed, FlushResult()
+        if left:
+            result.pending = left
+            raise IngestError(
+                f"{left} batch(es) not confirmed within {timeout}s: are ingest workers "
+                "running (celery -A claw_tasks.app worker -Q ingest)? They stay in flight and "
+                "are re-sent; flush again to keep waiting.",
+                result,
+            )
         return result
 
     def close(self, timeout: float = 60.0) -> FlushResult:

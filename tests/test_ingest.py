@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -101,7 +103,7 @@ def test_add_batch_vectorized_and_claim_check(redis_url, namespace, ingest_worke
     np.testing.assert_array_equal(got["next_obs"][:-1], obs[1501:2000])
 
 
-def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker):
+def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker, r):
     ing = _ingestor(redis_url, namespace)
     with ing.episode(episode_id="dup") as ep:
         for t in range(10):
@@ -115,10 +117,12 @@ def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker):
         truncated=np.zeros(20, bool),
         fields={"obs": np.ones((20, 8), np.float32), "action": np.zeros(20, np.int64)},
     )  # fmt: skip
-    for _ in range(2):
-        ing._send(batch)
-    res = ing.flush()
-    assert res.committed == 40  # both deliveries confirm the same 20 steps
+    ing._send(batch)
+    ing._publish(ing._inflight[batch.batch_id].args)  # the same message, delivered twice
+    assert ing.flush().committed == 20
+    deadline = time.monotonic() + 30
+    while (r.llen("ingest") or r.hlen("unacked")) and time.monotonic() < deadline:
+        time.sleep(0.02)  # let the duplicate delivery run too
     store = Store(redis_url, namespace)
     assert store.count() == 30
     assert store.count({"episode_id": "x"}) == 20
@@ -130,8 +134,10 @@ def test_sharded_namespace(redis_url, namespace, ingest_worker, n_shards):
     for e in range(12):
         with ing.episode(episode_id=f"e{e}") as ep:
             for t in range(20):
-                ep.add(np.full(2, e * 100 + t, np.float32), np.int64(e), 0.0,
-                       terminated=t == 19, next_obs=np.zeros(2, np.float32) if t == 19 else None)  # fmt: skip
+                last = t == 19
+                nx = np.zeros(2, np.float32) if last else None
+                ep.add(np.full(2, e * 100 + t, np.float32), np.int64(e), 0.0, terminated=last,
+                       next_obs=nx)  # fmt: skip
     assert ing.close().committed == 240
     store = Store(redis_url, namespace)
     assert store.count() == 240
