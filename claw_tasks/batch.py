@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codec import CodecError, frame, packb, unframe, unpackb
+from claw_tasks.codec import CodecError, check_dtype, frame, packb, unframe, unpackb
 from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError
 
 STR_META = ("agent_id", "task_id", "skill_tag", "reward_source")
@@ -82,7 +82,25 @@ class Ragged:
         return self.lengths.astype(np.int64) * per
 
 
-FieldValue = np.ndarray | Ragged
+@dataclass
+class Staged:
+    """A fixed-shape field left in a claim-check value at ``offset`` (``nbytes`` long):
+    the commit copies it inside Redis, so the worker never downloads it."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
+
+
+FieldValue = np.ndarray | Ragged | Staged
+_HEAD_LEN = 8  # a staged value starts with the header length (u64 little endian)
 
 
 def _frame_field(v: FieldValue) -> Any:
@@ -95,6 +113,12 @@ def _unframe_field(f: Any) -> FieldValue:
     if isinstance(f, dict):
         return Ragged(unframe(f["values"]), unframe(f["lengths"]))
     return unframe(f)
+
+
+def _staged(name: str, dtype: str, shape: list[int], offset: int) -> Staged:
+    dt = np.dtype(dtype)
+    check_dtype(dt, f"field '{name}'")
+    return Staged(dt, tuple(shape), int(offset))
 
 
 def _take(v: FieldValue, rows: np.ndarray) -> FieldValue:
@@ -136,6 +160,8 @@ class StepBatch:
         for name, v in self.fields.items():
             if isinstance(v, Ragged):
                 fields[name] = FieldSpec(v.values.dtype.str, (None, *v.values.shape[1:]))
+            elif isinstance(v, Staged):
+                fields[name] = FieldSpec(v.dtype.str, tuple(v.shape[1:]))
             else:
                 fields[name] = FieldSpec(v.dtype.str, tuple(v.shape[1:]))
         schema = Schema(fields=fields, tags=self.tag_kinds())  # type: ignore[arg-type]
@@ -145,7 +171,10 @@ class StepBatch:
     def row_nbytes(self) -> np.ndarray:
         total = np.zeros(self.n, np.int64)
         for v in self.fields.values():
-            total += v.row_nbytes() if isinstance(v, Ragged) else v[0].nbytes if self.n else 0
+            if isinstance(v, Ragged):
+                total += v.row_nbytes()
+            elif self.n:
+                total += v.row_bytes if isinstance(v, Staged) else v[0].nbytes
         return total
 
     def describe_row(self, i: int) -> str:
@@ -219,7 +248,58 @@ class StepBatch:
             batch_id=self.batch_id,
         )
 
-    def encode(self) -> bytes:
+    def slice(self, start: int, stop: int) -> StepBatch:
+        """Rows ``[start, stop)``: views, no copies of fixed fields."""
+        return (
+            self.take(np.arange(start, stop))
+            if self._has_extras()
+            else StepBatch(
+                episode=StrColumn(self.episode.values, self.episode.index[start:stop]),
+                step_index=self.step_index[start:stop],
+                reward=self.reward[start:stop],
+                terminated=self.terminated[start:stop],
+                truncated=self.truncated[start:stop],
+                fields={
+                    k: v.take(np.arange(start, stop)) if isinstance(v, Ragged) else v[start:stop]
+                    for k, v in self.fields.items()
+                },
+                priority=None if self.priority is None else self.priority[start:stop],
+                policy_version=None
+                if self.policy_version is None
+                else self.policy_version[start:stop],
+                strs={k: StrColumn(v.values, v.index[start:stop]) for k, v in self.strs.items()},
+                nums={k: v[start:stop] for k, v in self.nums.items()},
+                batch_id=self.batch_id,
+            )
+        )
+
+    def _has_extras(self) -> bool:
+        return bool(len(self.next_rows) or len(self.info_rows))
+
+    def encode_staged(self, min_field_bytes: int = 64 * 1024) -> list[bytes | memoryview]:
+        """The claim-check form: header, then large fixed fields as raw bytes that the
+        commit copies inside Redis. Returns the parts to concatenate (or APPEND)."""
+        staged = {
+            k: v for k, v in self.fields.items()
+            if isinstance(v, np.ndarray) and v.nbytes >= min_field_bytes
+        }  # fmt: skip
+        inline = StepBatch(**{**self.__dict__, "fields": {
+            k: v for k, v in self.fields.items() if k not in staged
+        }})  # fmt: skip
+        arrays = [np.ascontiguousarray(staged[k]) for k in staged]
+        refs: dict[str, list[Any]] = {}
+        head = inline.encode(refs)  # sized without refs first
+        for _ in range(2):  # offsets depend on the header length, which depends on offsets
+            offset = _HEAD_LEN + len(head)
+            for k, a in zip(staged, arrays, strict=True):
+                refs[k] = [a.dtype.str, list(a.shape), offset]
+                offset += a.nbytes
+            head = inline.encode(refs)
+        parts: list[bytes | memoryview] = [len(head).to_bytes(_HEAD_LEN, "little") + head]
+        parts += [a.data.cast("B") for a in arrays if a.nbytes]
+        return parts
+
+    def encode(self, staged: dict[str, list[Any]] | None = None) -> bytes:
         opt = {
             "priority": None if self.priority is None else frame(self.priority),
             "policy_version": None if self.policy_version is None else frame(self.policy_version),
@@ -241,11 +321,32 @@ class StepBatch:
                 "next_obs": None if self.next_obs is None else _frame_field(self.next_obs),
                 "info_rows": frame(self.info_rows),
                 "info": self.info,
+                "staged": staged or {},
             }
         )
 
     @classmethod
-    def decode(cls, data: bytes) -> StepBatch:
+    def decode_staged(cls, head: bytes) -> StepBatch:
+        """Decode a claim-check value's header (the first bytes of it, at least the
+        header); staged fields come back as ``Staged`` references."""
+        n = int.from_bytes(head[:_HEAD_LEN], "little")
+        if len(head) < _HEAD_LEN + n:
+            raise CodecError("staged header is truncated")
+        return cls.decode(memoryview(head)[_HEAD_LEN : _HEAD_LEN + n])
+
+    @staticmethod
+    def staged_head_len(head: bytes) -> int:
+        return _HEAD_LEN + int.from_bytes(head[:_HEAD_LEN], "little")
+
+    def load_staged(self, value: bytes) -> None:
+        """Replace ``Staged`` references by views into the full claim-check ``value``."""
+        for k, v in self.fields.items():
+            if isinstance(v, Staged):
+                count = int(np.prod(v.shape, dtype=np.int64))
+                self.fields[k] = np.frombuffer(value, v.dtype, count, v.offset).reshape(v.shape)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> StepBatch:
         try:
             d = unpackb(data)
             if d.get("v") != FORMAT_VERSION:
@@ -263,7 +364,10 @@ class StepBatch:
                 **opt,
                 strs={k: StrColumn(v[0], unframe(v[1])) for k, v in d["strs"].items()},
                 nums={k: unframe(v) for k, v in d["nums"].items()},
-                fields={k: _unframe_field(v) for k, v in d["fields"].items()},
+                fields={
+                    **{k: _unframe_field(v) for k, v in d["fields"].items()},
+                    **{k: _staged(k, *ref) for k, ref in d.get("staged", {}).items()},
+                },
                 next_rows=unframe(d["next_rows"]),
                 next_obs=None if d["next_obs"] is None else _unframe_field(d["next_obs"]),
                 info_rows=unframe(d["info_rows"]),

@@ -229,7 +229,7 @@ class Ingestor:
         self._check_batch(batch)
         for start in range(0, n, self.flush_steps):
             rows = np.arange(start, min(n, start + self.flush_steps))
-            part = batch if len(rows) == n else batch.take(rows)
+            part = batch if len(rows) == n else batch.slice(start, start + len(rows))
             part.batch_id = f"{batch.batch_id}.{start}"
             self._send(part)
         return n
@@ -307,13 +307,18 @@ class Ingestor:
             self._send(_steps_to_batch(steps, self.schema))
 
     def _send(self, batch: StepBatch) -> None:
-        payload = batch.encode()
-        if len(payload) > self.claim_check_bytes:
+        nbytes = int(batch.row_nbytes().sum())
+        if nbytes > self.claim_check_bytes:
             key = self.store.keys.stage(batch.batch_id)
-            self.store.r.set(key, payload, ex=self._ttl)
+            parts = batch.encode_staged()
+            with self.store.r.pipeline(transaction=False) as pipe:
+                pipe.set(key, parts[0], ex=self._ttl)
+                for part in parts[1:]:
+                    pipe.append(key, part)
+                pipe.execute()
             args = [self.namespace, batch.batch_id, None, key]
         else:
-            args = [self.namespace, batch.batch_id, payload, None]
+            args = [self.namespace, batch.batch_id, batch.encode(), None]
         self._publish(args)
         with self._lock:
             self._inflight[batch.batch_id] = _Inflight(args, time.monotonic())

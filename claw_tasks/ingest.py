@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.batch import StepBatch
+from claw_tasks.batch import Staged, StepBatch
 from claw_tasks.codec import CodecError, packb, unpackb
 from claw_tasks.schema import MAX_BATCH_BYTES, SchemaError
 from claw_tasks.store import Store
@@ -60,16 +60,10 @@ def process(
     if prior is not None:
         return IngestOutcome.from_bytes(prior)
     outcome = IngestOutcome(batch_id)
-    if payload is None:
-        payload = store.r.get(stage_key) if stage_key else None
-        if payload is None:
-            reason = f"claim check {stage_key!r} is gone (expired before the batch was processed)"
-            return _finish(store, outcome, reason, None, stage_key)
-    if len(payload) > MAX_BATCH_BYTES:
-        reason = f"batch of {len(payload)} bytes > limit {MAX_BATCH_BYTES}"
-        return _finish(store, outcome, reason, None, stage_key)
     try:
-        batch = StepBatch.decode(payload)
+        batch = _load(store, payload, stage_key)
+    except _Gone as e:
+        return _finish(store, outcome, str(e), None, stage_key)
     except (CodecError, SchemaError) as e:
         return _finish(store, outcome, f"undecodable batch: {e}", payload, stage_key)
     try:
@@ -77,20 +71,48 @@ def process(
             store.ensure_schema(batch.schema())
     except SchemaError as e:
         outcome.rejected = batch.n
-        return _finish(store, outcome, f"schema mismatch: {e}", payload, stage_key)
+        full = payload if payload is not None else store.r.get(stage_key)  # type: ignore[arg-type]
+        return _finish(store, outcome, f"schema mismatch: {e}", full, stage_key)
     errors = batch.row_errors()
+    staged = any(isinstance(v, Staged) for v in batch.fields.values())
+    if staged and (errors or not _one_shard(store)):
+        batch.load_staged(store.r.get(stage_key))  # type: ignore[arg-type]
+        staged = False
     good = batch
     if errors:
         bad = sorted(errors)
         outcome.rejected = len(bad)
         outcome.errors = [errors[i] for i in bad]
-        dead_letter(
-            store, batch_id, "; ".join(outcome.errors[:20]), batch.take(np.array(bad)).encode(), bad
-        )
+        rejected = batch.take(np.array(bad)).encode()
+        dead_letter(store, batch_id, "; ".join(outcome.errors[:20]), rejected, bad)
         good = batch.take(np.setdiff1d(np.arange(batch.n), bad))
-    res = store.commit(good)
+    res = store.commit(good, stage_key=stage_key if staged else None)
     outcome.committed, outcome.replayed, outcome.expired = res.committed, res.replayed, res.expired
     return _finish(store, outcome, None, None, stage_key)
+
+
+class _Gone(LookupError):
+    pass
+
+
+def _load(store: Store, payload: bytes | None, stage_key: str | None) -> StepBatch:
+    """Decode an inline payload, or a claim check's header only (large fixed fields stay
+    in Redis and are copied there by the commit)."""
+    if payload is not None:
+        if len(payload) > MAX_BATCH_BYTES:
+            raise SchemaError(f"batch of {len(payload)} bytes > limit {MAX_BATCH_BYTES}")
+        return StepBatch.decode(payload)
+    head = store.r.getrange(stage_key, 0, 65535) if stage_key else b""
+    if not head:
+        raise _Gone(f"claim check {stage_key!r} is gone (expired before the batch was processed)")
+    want = StepBatch.staged_head_len(head)
+    if want > len(head):
+        head = store.r.getrange(stage_key, 0, want - 1)  # type: ignore[arg-type]
+    return StepBatch.decode_staged(head)
+
+
+def _one_shard(store: Store) -> bool:
+    return not store.exists() or store.config().n_shards == 1
 
 
 def _finish(

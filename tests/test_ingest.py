@@ -96,7 +96,7 @@ def test_add_batch_vectorized_and_claim_check(redis_url, namespace, ingest_worke
         "tags": {"difficulty": 0.5},
     })  # fmt: skip
     assert ing.close().committed == n
-    assert not list(r.scan_iter(f"claw:{{{namespace}}}:stage:*"))  # claim checks cleaned up
+    assert not list(r.scan_iter(f"claw:{{{namespace}:0}}:stage:*"))  # claim checks cleaned up
     store = Store(redis_url, namespace)
     got = store.episode("3")
     np.testing.assert_array_equal(got["obs"], obs[1500:2000])

@@ -113,16 +113,20 @@ def _raw_batch(n: int, obs: np.ndarray, reward: np.ndarray) -> StepBatch:
     )  # fmt: skip
 
 
-def test_worker_dead_letters_bad_rows_and_commits_the_rest(ing, redis_url, namespace, r):
-    reward = np.arange(10, dtype=np.float32)
+@pytest.mark.parametrize("n", [10, 3000])  # inline message, and claim check with staged obs
+def test_worker_dead_letters_bad_rows_and_commits_the_rest(ing, redis_url, namespace, r, n):
+    reward = np.arange(n, dtype=np.float32)
     reward[[2, 7]] = [np.nan, np.inf]
-    batch = _raw_batch(10, np.zeros((10, 8), np.float32), reward)
+    obs = np.arange(n * 8, dtype=np.float32).reshape(n, 8)
+    batch = _raw_batch(n, obs, reward)
     ing._send(batch)  # bypasses client validation: the worker must catch it
     res = ing.flush()
-    assert res.committed == 8 and res.rejected == 2
+    assert res.committed == n - 2 and res.rejected == 2
+    got = Store(redis_url, namespace).episode("raw")
+    np.testing.assert_array_equal(got["obs"], np.delete(obs, [2, 7], axis=0))
     assert "step 2 (episode 'raw', step_index 2): reward is nan" in res.errors[0]
     store = Store(redis_url, namespace)
-    assert store.count() == 13
+    assert store.count() == 5 + n - 2
     dead = r.xrange(store.keys.dead)
     assert len(dead) == 1
     entry = dead[0][1]

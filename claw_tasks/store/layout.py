@@ -30,7 +30,9 @@ DICT_COLUMNS = ("agent_id", "task_id", "skill_tag", "reward_source", "quality")
 # flags bits
 TERMINATED, TRUNCATED, EXPLICIT_NEXT, UNTRAINABLE = 1, 2, 4, 8
 
-META_CHUNK_SLOTS = 16384
+# 16376 slots: a chunk of 1-, 4- or 8-byte items plus its sds header stays just inside a
+# jemalloc size class (16 KiB, 64 KiB, 128 KiB); 16384 would round up by 25 %.
+META_CHUNK_SLOTS = 16376
 PAYLOAD_CHUNK_BYTES = 1024 * 1024 - 64  # chunks stay inside one jemalloc size class
 SPARSE_CHUNK_SLOTS = 4096
 
@@ -46,8 +48,8 @@ def nan_xor(values: np.ndarray) -> np.ndarray:
 
 
 def payload_chunk_slots(row_bytes: int) -> int:
-    """Slots per payload chunk: about 1 MiB, and never more slots than a metadata chunk."""
-    return max(1, min(META_CHUNK_SLOTS, PAYLOAD_CHUNK_BYTES // max(1, row_bytes)))
+    """Slots per payload chunk: just under 1 MiB (one jemalloc size class)."""
+    return max(1, PAYLOAD_CHUNK_BYTES // max(1, row_bytes))
 
 
 def episode_code(episode_id: str) -> int:
@@ -80,7 +82,8 @@ class Keys:
         return f"{self.base}rdict:{column}"
 
     def stage(self, batch_id: str) -> str:
-        return f"{self.base}stage:{batch_id}"
+        """Claim-check value; in shard 0's slot so a single-shard commit can copy from it."""
+        return f"{self.shard(0)}stage:{batch_id}"
 
     def done(self, batch_id: str) -> str:
         return f"{self.base}done:{batch_id}"

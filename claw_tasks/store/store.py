@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from claw_tasks.batch import STR_META, Ragged, StepBatch
+from claw_tasks.batch import STR_META, Ragged, Staged, StepBatch
 from claw_tasks.codec import packb, unpackb
 from claw_tasks.schema import FieldSpec, Schema
 from claw_tasks.store.layout import (
@@ -180,8 +180,11 @@ class Store:
         return [None if c <= 0 or names[c] is None else names[c].decode() for c in codes]
 
     # ---- commit --------------------------------------------------------------------
-    def commit(self, batch: StepBatch, now: float | None = None) -> CommitResult:
-        """Commit a validated batch: one atomic, idempotent Lua commit per shard part."""
+    def commit(
+        self, batch: StepBatch, now: float | None = None, stage_key: str | None = None
+    ) -> CommitResult:
+        """Commit a validated batch: one atomic, idempotent Lua commit per shard part.
+        ``Staged`` fields are copied from the claim-check value at ``stage_key``."""
         if not self.exists():
             self.create()
         schema = self.ensure_schema(batch.schema())
@@ -198,6 +201,7 @@ class Store:
         for shard in np.unique(shards).tolist():
             rows = np.arange(n) if cfg.n_shards == 1 else np.flatnonzero(shards == shard)
             part = CommitPart(self, cfg, schema, batch, rows, int(shard), ep_codes, str_cols, now)
+            part.stage_key = stage_key
             state, count = part.run()
             if state == "done":
                 result.committed += count
@@ -607,6 +611,7 @@ class CommitPart:
         self.rows, self.shard, self.now = rows, shard, now
         self.ep = ep_codes if self.whole else ep_codes[rows]
         self.str_cols = str_cols
+        self.stage_key: str | None = None
 
     def _sel(self, arr: np.ndarray) -> np.ndarray:
         return arr if self.whole else arr[self.rows]
@@ -631,6 +636,7 @@ class CommitPart:
             k.shard_key(self.shard, "links"),
             k.shard_key(self.shard, "epname"),
             k.shard_key(self.shard, "alive"),
+            self.stage_key or k.shard_key(self.shard, "nostage"),
         ]
         args = [
             k.shard(self.shard),
@@ -688,30 +694,34 @@ class CommitPart:
             else:
                 vals = self._sel(b.nums[tc]) if tc in b.nums else np.full(n, np.nan)
                 meta[tc] = nan_xor(vals.astype(np.float64))
-        cols, blobs = [], []
+        cols: list[list[Any]] = []
+        col_blobs: list[Any] = []  # one per column without a staged source, in order
+        sparse_blobs: list[Any] = []  # then the sparse rows, in spec order
         for col, arr in meta.items():
             dtype = META.get(col) or (STR_TAG_DTYPE if arr.dtype.kind == "i" else NUM_TAG_DTYPE)
             cols.append([f"m:{col}", dtype.itemsize, ms])
-            blobs.append(np.ascontiguousarray(arr, dtype).data.cast("B"))
-        sparse, clear = [], []
+            col_blobs.append(np.ascontiguousarray(arr, dtype).data.cast("B"))
+        sparse: list[list[Any]] = []
+        clear: list[list[Any]] = []
         for name, spec in self.schema.fields.items():
             v = b.fields[name]
             if spec.ragged:
                 rg = v.take(self.rows) if not self.whole else v  # type: ignore[union-attr]
                 off = rg.offsets
-                vals = np.ascontiguousarray(rg.values)
                 rb = spec.row_bytes
                 sparse.append([f"r:{name}", SPARSE_CHUNK_SLOTS, list(range(n))])
-                raw = vals.data.cast("B")
-                blobs.extend(raw[off[i] * rb : off[i + 1] * rb] for i in range(n))
+                raw = np.ascontiguousarray(rg.values).data.cast("B")
+                sparse_blobs.extend(raw[off[i] * rb : off[i + 1] * rb] for i in range(n))
                 clear.append([f"r:{name}", SPARSE_CHUNK_SLOTS])
+                continue
+            col = [f"f:{name}", spec.row_bytes, payload_chunk_slots(spec.row_bytes)]
+            if isinstance(v, Staged):  # copied from the claim-check value inside Redis
+                assert self.whole, "staged fields are committed whole"
+                col.append(v.offset)
             else:
                 arr = np.ascontiguousarray(self._sel(v))  # type: ignore[arg-type]
-                cols.append([f"f:{name}", spec.row_bytes, payload_chunk_slots(spec.row_bytes)])
-                blobs.append(arr.data.cast("B") if arr.size else b"")
-        # Sparse blobs must follow all column blobs, in spec order.
-        col_blobs = blobs[: len(cols)]
-        sparse_blobs = blobs[len(cols) :]
+                col_blobs.append(arr.data.cast("B") if arr.size else b"")
+            cols.append(col)
         if len(nx_rows):
             sparse.append(["nx", SPARSE_CHUNK_SLOTS, nx_rows.tolist()])
             sparse_blobs.extend(self._explicit_blobs(nx_rows))
