@@ -83,13 +83,12 @@ class Ragged:
 
 
 @dataclass
-class Staged:
-    """A fixed-shape field left in a claim-check value at ``offset`` (``nbytes`` long):
-    the commit copies it inside Redis, so the worker never downloads it."""
+class Placed:
+    """A fixed-shape field the client already wrote into its slots (see ``Store.place``);
+    only its dtype and shape travel with the batch."""
 
     dtype: np.dtype
     shape: tuple[int, ...]
-    offset: int
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -99,8 +98,7 @@ class Staged:
         return self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
 
 
-FieldValue = np.ndarray | Ragged | Staged
-_HEAD_LEN = 8  # a staged value starts with the header length (u64 little endian)
+FieldValue = np.ndarray | Ragged | Placed
 
 
 def _frame_field(v: FieldValue) -> Any:
@@ -115,13 +113,15 @@ def _unframe_field(f: Any) -> FieldValue:
     return unframe(f)
 
 
-def _staged(name: str, dtype: str, shape: list[int], offset: int) -> Staged:
+def _placed(name: str, dtype: str, shape: list[int]) -> Placed:
     dt = np.dtype(dtype)
     check_dtype(dt, f"field '{name}'")
-    return Staged(dt, tuple(shape), int(offset))
+    return Placed(dt, tuple(int(d) for d in shape))
 
 
 def _take(v: FieldValue, rows: np.ndarray) -> FieldValue:
+    if isinstance(v, Placed):
+        return Placed(v.dtype, (len(rows), *v.shape[1:]))
     return v.take(rows) if isinstance(v, Ragged) else v[rows]
 
 
@@ -160,7 +160,7 @@ class StepBatch:
         for name, v in self.fields.items():
             if isinstance(v, Ragged):
                 fields[name] = FieldSpec(v.values.dtype.str, (None, *v.values.shape[1:]))
-            elif isinstance(v, Staged):
+            elif isinstance(v, Placed):
                 fields[name] = FieldSpec(v.dtype.str, tuple(v.shape[1:]))
             else:
                 fields[name] = FieldSpec(v.dtype.str, tuple(v.shape[1:]))
@@ -174,7 +174,7 @@ class StepBatch:
             if isinstance(v, Ragged):
                 total += v.row_nbytes()
             elif self.n:
-                total += v.row_bytes if isinstance(v, Staged) else v[0].nbytes
+                total += v.row_bytes if isinstance(v, Placed) else v[0].nbytes
         return total
 
     def describe_row(self, i: int) -> str:
@@ -276,30 +276,8 @@ class StepBatch:
     def _has_extras(self) -> bool:
         return bool(len(self.next_rows) or len(self.info_rows))
 
-    def encode_staged(self, min_field_bytes: int = 64 * 1024) -> list[bytes | memoryview]:
-        """The claim-check form: header, then large fixed fields as raw bytes that the
-        commit copies inside Redis. Returns the parts to concatenate (or APPEND)."""
-        staged = {
-            k: v for k, v in self.fields.items()
-            if isinstance(v, np.ndarray) and v.nbytes >= min_field_bytes
-        }  # fmt: skip
-        inline = StepBatch(**{**self.__dict__, "fields": {
-            k: v for k, v in self.fields.items() if k not in staged
-        }})  # fmt: skip
-        arrays = [np.ascontiguousarray(staged[k]) for k in staged]
-        refs: dict[str, list[Any]] = {}
-        head = inline.encode(refs)  # sized without refs first
-        for _ in range(2):  # offsets depend on the header length, which depends on offsets
-            offset = _HEAD_LEN + len(head)
-            for k, a in zip(staged, arrays, strict=True):
-                refs[k] = [a.dtype.str, list(a.shape), offset]
-                offset += a.nbytes
-            head = inline.encode(refs)
-        parts: list[bytes | memoryview] = [len(head).to_bytes(_HEAD_LEN, "little") + head]
-        parts += [a.data.cast("B") for a in arrays if a.nbytes]
-        return parts
-
-    def encode(self, staged: dict[str, list[Any]] | None = None) -> bytes:
+    def encode(self) -> bytes:
+        """msgpack bytes; ``Placed`` fields travel as dtype and shape only."""
         opt = {
             "priority": None if self.priority is None else frame(self.priority),
             "policy_version": None if self.policy_version is None else frame(self.policy_version),
@@ -316,34 +294,20 @@ class StepBatch:
                 **opt,
                 "strs": {k: [v.values, frame(v.index)] for k, v in self.strs.items()},
                 "nums": {k: frame(v) for k, v in self.nums.items()},
-                "fields": {k: _frame_field(v) for k, v in self.fields.items()},
+                "fields": {
+                    k: _frame_field(v) for k, v in self.fields.items() if not isinstance(v, Placed)
+                },
                 "next_rows": frame(self.next_rows),
                 "next_obs": None if self.next_obs is None else _frame_field(self.next_obs),
                 "info_rows": frame(self.info_rows),
                 "info": self.info,
-                "staged": staged or {},
+                "placed": {
+                    k: [v.dtype.str, list(v.shape)]
+                    for k, v in self.fields.items()
+                    if isinstance(v, Placed)
+                },
             }
         )
-
-    @classmethod
-    def decode_staged(cls, head: bytes) -> StepBatch:
-        """Decode a claim-check value's header (the first bytes of it, at least the
-        header); staged fields come back as ``Staged`` references."""
-        n = int.from_bytes(head[:_HEAD_LEN], "little")
-        if len(head) < _HEAD_LEN + n:
-            raise CodecError("staged header is truncated")
-        return cls.decode(memoryview(head)[_HEAD_LEN : _HEAD_LEN + n])
-
-    @staticmethod
-    def staged_head_len(head: bytes) -> int:
-        return _HEAD_LEN + int.from_bytes(head[:_HEAD_LEN], "little")
-
-    def load_staged(self, value: bytes) -> None:
-        """Replace ``Staged`` references by views into the full claim-check ``value``."""
-        for k, v in self.fields.items():
-            if isinstance(v, Staged):
-                count = int(np.prod(v.shape, dtype=np.int64))
-                self.fields[k] = np.frombuffer(value, v.dtype, count, v.offset).reshape(v.shape)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> StepBatch:
@@ -366,7 +330,7 @@ class StepBatch:
                 nums={k: unframe(v) for k, v in d["nums"].items()},
                 fields={
                     **{k: _unframe_field(v) for k, v in d["fields"].items()},
-                    **{k: _staged(k, *ref) for k, ref in d.get("staged", {}).items()},
+                    **{k: _placed(k, *ref) for k, ref in d.get("placed", {}).items()},
                 },
                 next_rows=unframe(d["next_rows"]),
                 next_obs=None if d["next_obs"] is None else _unframe_field(d["next_obs"]),

@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.batch import Staged, StepBatch
+from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.codec import CodecError, packb, unpackb
 from claw_tasks.schema import MAX_BATCH_BYTES, SchemaError
 from claw_tasks.store import Store
+from claw_tasks.store.layout import episode_code
 
 DONE_TTL = 86400
 DEAD_MAXLEN = 100_000
@@ -74,21 +75,33 @@ def process(
         full = payload if payload is not None else store.r.get(stage_key)  # type: ignore[arg-type]
         return _finish(store, outcome, f"schema mismatch: {e}", full, stage_key)
     errors = batch.row_errors()
-    staged = any(isinstance(v, Staged) for v in batch.fields.values())
-    if staged and (errors or not _one_shard(store)):
-        batch.load_staged(store.r.get(stage_key))  # type: ignore[arg-type]
-        staged = False
-    good = batch
-    if errors:
-        bad = sorted(errors)
+    placed = [k for k, v in batch.fields.items() if isinstance(v, Placed)]
+    bad = sorted(errors)
+    good, dead = batch, []
+    if bad:
         outcome.rejected = len(bad)
         outcome.errors = [errors[i] for i in bad]
-        rejected = batch.take(np.array(bad)).encode()
-        dead_letter(store, batch_id, "; ".join(outcome.errors[:20]), rejected, bad)
-        good = batch.take(np.setdiff1d(np.arange(batch.n), bad))
-    res = store.commit(good, stage_key=stage_key if staged else None)
+        rejected = batch.take(np.array(bad))
+        if placed:  # rows written in place: commit them not alive, keep their data here
+            rejected.fields.update(_read_back(store, batch, bad, placed))
+            dead = bad
+        else:
+            good = batch.take(np.setdiff1d(np.arange(batch.n), bad))
+        reason = "; ".join(outcome.errors[:20])
+        dead_letter(store, batch_id, reason, rejected.encode(), bad)
+    res = store.commit(good, dead_rows=dead)
     outcome.committed, outcome.replayed, outcome.expired = res.committed, res.replayed, res.expired
     return _finish(store, outcome, None, None, stage_key)
+
+
+def _read_back(
+    store: Store, batch: StepBatch, rows: list[int], names: list[str]
+) -> dict[str, np.ndarray]:
+    """Payload of ``rows`` of a batch written in place (for its dead letter)."""
+    shard = episode_code(batch.episode.values[batch.episode.index[0]]) % store.config().n_shards
+    seq0, _ = store.allocate(shard, batch.batch_id, batch.n)  # idempotent: the same seq0
+    slots = (seq0 - 1 + np.asarray(rows, np.int64)) % store.config().cap
+    return store.read_fields(np.full(len(rows), shard), slots, names)
 
 
 class _Gone(LookupError):
@@ -96,23 +109,16 @@ class _Gone(LookupError):
 
 
 def _load(store: Store, payload: bytes | None, stage_key: str | None) -> StepBatch:
-    """Decode an inline payload, or a claim check's header only (large fixed fields stay
-    in Redis and are copied there by the commit)."""
-    if payload is not None:
-        if len(payload) > MAX_BATCH_BYTES:
-            raise SchemaError(f"batch of {len(payload)} bytes > limit {MAX_BATCH_BYTES}")
-        return StepBatch.decode(payload)
-    head = store.r.getrange(stage_key, 0, 65535) if stage_key else b""
-    if not head:
-        raise _Gone(f"claim check {stage_key!r} is gone (expired before the batch was processed)")
-    want = StepBatch.staged_head_len(head)
-    if want > len(head):
-        head = store.r.getrange(stage_key, 0, want - 1)  # type: ignore[arg-type]
-    return StepBatch.decode_staged(head)
-
-
-def _one_shard(store: Store) -> bool:
-    return not store.exists() or store.config().n_shards == 1
+    """Decode an inline payload or a claim check's."""
+    if payload is None:
+        payload = store.r.get(stage_key) if stage_key else None
+        if payload is None:
+            raise _Gone(
+                f"claim check {stage_key!r} is gone (expired before the batch was processed)"
+            )
+    if len(payload) > MAX_BATCH_BYTES:
+        raise SchemaError(f"batch of {len(payload)} bytes > limit {MAX_BATCH_BYTES}")
+    return StepBatch.decode(payload)
 
 
 def _finish(

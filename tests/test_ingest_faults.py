@@ -113,7 +113,7 @@ def _raw_batch(n: int, obs: np.ndarray, reward: np.ndarray) -> StepBatch:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("n", [10, 3000])  # inline message, and claim check with staged obs
+@pytest.mark.parametrize("n", [10, 5000])  # inline message, and payload written in place
 def test_worker_dead_letters_bad_rows_and_commits_the_rest(ing, redis_url, namespace, r, n):
     reward = np.arange(n, dtype=np.float32)
     reward[[2, 7]] = [np.nan, np.inf]
@@ -133,6 +133,7 @@ def test_worker_dead_letters_bad_rows_and_commits_the_rest(ing, redis_url, names
     assert unpackb(entry[b"rows"]) == [2, 7]
     bad = StepBatch.decode(entry[b"payload"])  # the rejected steps are kept, not lost
     assert bad.n == 2 and np.isnan(bad.reward[0])
+    np.testing.assert_array_equal(bad.fields["obs"], obs[[2, 7]])
 
 
 def test_worker_dead_letters_schema_mismatch_whole_batch(ing, redis_url, namespace, r):

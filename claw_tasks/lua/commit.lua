@@ -1,11 +1,12 @@
 -- Commit one shard's part of a batch atomically over its allocated slot range.
 -- KEYS: 1 batch marker, 2 seq counter, 3 change log, 4 episode links hash,
---       5 episode names hash, 6 alive bitmap, 7 claim-check value (staged columns)
+--       5 episode names hash, 6 alive bitmap
 -- ARGV: 1 shard prefix, 2 n, 3 cap, 4 marker ttl, 5 seq0, 6 shard, 7 n_shards,
 --       8 meta chunk slots, 9 spec (msgpack), 10.. blobs (columns, then sparse rows)
--- spec = {cols = {{base, itemsize, chunk_slots[, stage_offset]}...}, sparse = {{base, chunk_slots, rows}...},
+-- spec = {cols = {{base, itemsize, chunk_slots}...}, sparse = {{base, chunk_slots, rows}...},
 --         clear = {{base, chunk_slots}...}, eps = {{code, first_rel, first_idx, last_rel,
---         last_idx, ended, name}...}, loglen = n}
+--         last_idx, ended, name}...}, dead = {rel rows left not alive}, loglen = n}
+-- Payload fields the client wrote in place (see alloc.lua) are not in cols.
 -- Returns {seq0, state}: "done" (committed now or before) or "expired" (slots reused).
 local marker = redis.call('GET', KEYS[1])
 local seq0 = tonumber(ARGV[5])
@@ -57,12 +58,9 @@ end
 
 local argi = 10
 for _, c in ipairs(spec.cols) do
-  local base, size, cs, src = c[1], c[2], c[3], c[4]
-  local blob
-  if not src then
-    blob = ARGV[argi]
-    argi = argi + 1
-  end
+  local base, size, cs = c[1], c[2], c[3]
+  local blob = ARGV[argi]
+  argi = argi + 1
   runs(cs, function(i, slot, chunk, inchunk, len)
     local key = prefix .. base .. ':' .. chunk
     if redis.call('EXISTS', key) == 0 then
@@ -71,11 +69,7 @@ for _, c in ipairs(spec.cols) do
       redis.call('SETRANGE', key, slots * size - 1, '\0')
     end
     local piece = blob
-    if src then
-      piece = redis.call('GETRANGE', KEYS[7], src + i * size, src + (i + len) * size - 1)
-    elseif len ~= n then
-      piece = string.sub(blob, i * size + 1, (i + len) * size)
-    end
+    if len ~= n then piece = string.sub(blob, i * size + 1, (i + len) * size) end
     redis.call('SETRANGE', key, inchunk * size, piece)
   end)
 end
@@ -103,6 +97,9 @@ local function set_bits(s, e)
   while s < e do redis.call('SETBIT', alive, s, 1); s = s + 1 end
 end
 runs(cap, function(i, slot, chunk, inchunk, len) set_bits(slot, slot + len) end)
+for _, rel in ipairs(spec.dead) do  -- rejected rows of a batch written in place
+  redis.call('SETBIT', alive, (slot0 + rel) % cap, 0)
+end
 
 -- Episode links across batches: a run's first step finds its predecessor's tail, a run's
 -- last step finds its successor's head (batches of one episode may commit out of order).

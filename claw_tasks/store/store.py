@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from claw_tasks.batch import STR_META, Ragged, Staged, StepBatch
+from claw_tasks.batch import STR_META, Placed, Ragged, StepBatch
 from claw_tasks.codec import packb, unpackb
 from claw_tasks.schema import FieldSpec, Schema
 from claw_tasks.store.layout import (
@@ -181,10 +181,12 @@ class Store:
 
     # ---- commit --------------------------------------------------------------------
     def commit(
-        self, batch: StepBatch, now: float | None = None, stage_key: str | None = None
+        self, batch: StepBatch, now: float | None = None, dead_rows: Sequence[int] = ()
     ) -> CommitResult:
         """Commit a validated batch: one atomic, idempotent Lua commit per shard part.
-        ``Staged`` fields are copied from the claim-check value at ``stage_key``."""
+
+        A batch with ``Placed`` fields (written in place after ``allocate``) lies in one
+        shard; its ``dead_rows`` (rejected) are committed but never made alive."""
         if not self.exists():
             self.create()
         schema = self.ensure_schema(batch.schema())
@@ -201,10 +203,9 @@ class Store:
         for shard in np.unique(shards).tolist():
             rows = np.arange(n) if cfg.n_shards == 1 else np.flatnonzero(shards == shard)
             part = CommitPart(self, cfg, schema, batch, rows, int(shard), ep_codes, str_cols, now)
-            part.stage_key = stage_key
-            state, count = part.run()
+            state, count = part.run(list(dead_rows))
             if state == "done":
-                result.committed += count
+                result.committed += count - len(dead_rows)
             elif state == "replayed":
                 result.replayed += count
             else:
@@ -227,6 +228,45 @@ class Store:
             vocab = np.concatenate([np.asarray(codes, np.int32), np.zeros(1, np.int32)])
             out[k] = vocab[batch.strs[k].index]  # index -1 picks the trailing 0
         return out
+
+    def allocate(
+        self, shard: int, batch_id: str, n: int, placed: Mapping[str, int] | None = None
+    ) -> tuple[int, str]:
+        """Take (idempotently, per batch id) ``n`` slots of a shard: returns ``(seq0,
+        state)``. The older steps in those slots are evicted now, and the chunks of the
+        ``placed`` fields (name -> row bytes) are sized for writing in place."""
+        cfg = self.config()
+        k = self.keys
+        args: list[Any] = [n, MARKER_TTL, k.shard(shard), cfg.cap, LOG_MAXLEN]
+        for name, row_bytes in (placed or {}).items():
+            args += [f"f:{name}", row_bytes, payload_chunk_slots(row_bytes)]
+        seq0, state = self.scripts.alloc(
+            keys=[
+                k.shard_key(shard, f"b:{batch_id}"), k.shard_key(shard, "seq"),
+                k.shard_key(shard, "log"), k.shard_key(shard, "alive"),
+            ],
+            args=args,
+        )  # fmt: skip
+        return int(seq0), state.decode() if isinstance(state, bytes) else state
+
+    def place(self, shard: int, seq0: int, fields: Mapping[str, np.ndarray]) -> None:
+        """Write fixed-shape payload rows into the slots of ``seq0..`` (after ``allocate``):
+        one pipelined SETRANGE per chunk run, straight from the arrays' memory."""
+        cfg = self.config()
+        with self.r.pipeline(transaction=False) as pipe:
+            for name, arr in fields.items():
+                arr = np.ascontiguousarray(arr)
+                n, rb = len(arr), arr.nbytes // max(1, len(arr))
+                raw = arr.data.cast("B") if arr.size else memoryview(b"")
+                cs = payload_chunk_slots(rb)
+                i = 0
+                while i < n:
+                    slot = (seq0 - 1 + i) % cfg.cap
+                    run = min(n - i, cs - slot % cs, cfg.cap - slot)
+                    key = self.keys.field(shard, name, slot // cs)
+                    pipe.setrange(key, (slot % cs) * rb, raw[i * rb : (i + run) * rb])
+                    i += run
+            pipe.execute()
 
     # ---- reads ---------------------------------------------------------------------
     def locate(self, ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -611,45 +651,35 @@ class CommitPart:
         self.rows, self.shard, self.now = rows, shard, now
         self.ep = ep_codes if self.whole else ep_codes[rows]
         self.str_cols = str_cols
-        self.stage_key: str | None = None
 
     def _sel(self, arr: np.ndarray) -> np.ndarray:
         return arr if self.whole else arr[self.rows]
 
-    def run(self) -> tuple[str, int]:
+    def run(self, dead: list[int]) -> tuple[str, int]:
         k = self.s.keys
         n = len(self.rows)
-        marker = k.shard_key(self.shard, f"b:{self.b.batch_id}")
-        seq_key = k.shard_key(self.shard, "seq")
-        seq0, state = self.s.scripts.alloc(keys=[marker, seq_key], args=[n, MARKER_TTL])
-        state = state.decode() if isinstance(state, bytes) else state
-        if state == "done":
-            return "replayed", n
-        if state == "expired":
-            return "expired", n
-        cols, blobs, sparse, clear, eps = self._payload(int(seq0))
-        spec = {"cols": cols, "sparse": sparse, "clear": clear, "eps": eps, "loglen": LOG_MAXLEN}
+        placed = any(isinstance(v, Placed) for v in self.b.fields.values())
+        seq0, state = self.s.allocate(self.shard, self.b.batch_id, n)
+        if state in ("done", "expired"):
+            return ("replayed" if state == "done" else state), n
+        if placed and state == "new":
+            raise NamespaceError(
+                f"batch {self.b.batch_id}: its payload was written in place but its slots "
+                "were never allocated (or the allocation expired)"
+            )
+        cols, blobs, sparse, clear, eps = self._payload(seq0)
+        spec = {
+            "cols": cols, "sparse": sparse, "clear": clear, "eps": eps, "dead": dead,
+            "loglen": LOG_MAXLEN,
+        }  # fmt: skip
         keys = [
-            marker,
-            seq_key,
-            k.shard_key(self.shard, "log"),
-            k.shard_key(self.shard, "links"),
-            k.shard_key(self.shard, "epname"),
-            k.shard_key(self.shard, "alive"),
-            self.stage_key or k.shard_key(self.shard, "nostage"),
+            k.shard_key(self.shard, name)
+            for name in (f"b:{self.b.batch_id}", "seq", "log", "links", "epname", "alive")
         ]
         args = [
-            k.shard(self.shard),
-            n,
-            self.cfg.cap,
-            MARKER_TTL,
-            int(seq0),
-            self.shard,
-            self.cfg.n_shards,
-            META_CHUNK_SLOTS,
-            packb(spec),
-            *blobs,
-        ]
+            k.shard(self.shard), n, self.cfg.cap, MARKER_TTL, seq0, self.shard,
+            self.cfg.n_shards, META_CHUNK_SLOTS, packb(spec), *blobs,
+        ]  # fmt: skip
         _, state = self.s.scripts.commit(keys=keys, args=args)
         state = state.decode() if isinstance(state, bytes) else state
         return ("done", n) if state == "done" else (state, n)
@@ -714,14 +744,11 @@ class CommitPart:
                 sparse_blobs.extend(raw[off[i] * rb : off[i + 1] * rb] for i in range(n))
                 clear.append([f"r:{name}", SPARSE_CHUNK_SLOTS])
                 continue
-            col = [f"f:{name}", spec.row_bytes, payload_chunk_slots(spec.row_bytes)]
-            if isinstance(v, Staged):  # copied from the claim-check value inside Redis
-                assert self.whole, "staged fields are committed whole"
-                col.append(v.offset)
-            else:
-                arr = np.ascontiguousarray(self._sel(v))  # type: ignore[arg-type]
-                col_blobs.append(arr.data.cast("B") if arr.size else b"")
-            cols.append(col)
+            if isinstance(v, Placed):  # already written in place by the client
+                continue
+            cols.append([f"f:{name}", spec.row_bytes, payload_chunk_slots(spec.row_bytes)])
+            arr = np.ascontiguousarray(self._sel(v))  # type: ignore[arg-type]
+            col_blobs.append(arr.data.cast("B") if arr.size else b"")
         if len(nx_rows):
             sparse.append(["nx", SPARSE_CHUNK_SLOTS, nx_rows.tolist()])
             sparse_blobs.extend(self._explicit_blobs(nx_rows))
