@@ -11,7 +11,7 @@ from claw_tasks.settings import Settings, load_settings
 
 QUEUES = ("ingest", "prefetch", "maintenance")
 # Task modules by string only: orchestrator imports claw_tasks, never the reverse.
-TASK_MODULES = ["claw_tasks.tasks"]
+TASK_MODULES = ["claw_tasks.tasks", "orchestrator.prefetch", "orchestrator.maintenance"]
 
 
 def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
@@ -49,6 +49,13 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
         redbeat_redis_url=settings.redis_url,
         redbeat_key_prefix="claw:redbeat:",
         beat_scheduler="redbeat.RedBeatScheduler",
+        beat_schedule={
+            "claw-refill": {
+                "task": "claw.maintenance.refill",
+                "schedule": 1.0,
+                "options": {"queue": "maintenance", "expires": 5},
+            },
+        },
         timezone="UTC",
     )
     return app

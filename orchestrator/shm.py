@@ -141,6 +141,17 @@ def from_message(msg: Any) -> Batch:
     return read_segment(ref["name"], ref["size"])
 
 
+def discard(msg: Any) -> None:
+    """Reclaim a queue item that will never be read (unlink its segment, if it has one)."""
+    mv = memoryview(msg)
+    if bytes(mv[: len(REF_MAGIC)]) != REF_MAGIC:
+        return
+    ref = msgpack.unpackb(mv[len(REF_MAGIC) :], raw=False)
+    name = ref.get("name", "")
+    if name.startswith(PREFIX) and "/" not in name:
+        (SHM_DIR / name).unlink(missing_ok=True)
+
+
 def _creator_alive(name: str) -> bool | None:
     """Whether a segment's creator runs; None when unknown (another pid namespace)."""
     try:

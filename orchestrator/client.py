@@ -1,0 +1,191 @@
+"""``BatchClient``: the trainer's side. Register recipes, pop ready batches."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.app import client_app
+from claw_tasks.settings import load_settings
+from claw_tasks.store import Store
+from orchestrator import ratelimit, shm
+from orchestrator.recipe import Recipe
+from orchestrator.registry import REFILL_LOCK_S, Entry, Registry
+from orchestrator.wire import Batch
+
+RecipeLike = Recipe | Mapping[str, Any] | str | Path
+
+
+class BatchClient:
+    """Pops prefetched, augmented batches of registered recipes from Redis queues.
+
+    Workers on the ``prefetch`` queue fill each recipe's bounded queue; a pop that leaves
+    the queue under its low-water mark asks for a refill (one at a time per recipe), and a
+    beat task tops up every queue each second as a safety net.
+    """
+
+    def __init__(
+        self, namespace: str | None = None, redis_url: str | None = None, *,
+        broker_url: str | None = None,
+    ) -> None:  # fmt: skip
+        settings = load_settings()
+        self.namespace = namespace or settings.namespace
+        url = redis_url or settings.redis_url
+        self.store = Store(url, self.namespace)
+        self.registry = Registry(self.store)
+        self.app = client_app(broker_url or (settings.broker_url if redis_url is None else url))
+        self.host = shm.host_id()
+        self._recipes: dict[str, Recipe] = {}
+
+    # ---- recipes -------------------------------------------------------------------
+    def register(self, recipe: RecipeLike) -> Recipe:
+        """Validate ``recipe`` against the namespace schema and start prefetching it.
+
+        Registering an identical recipe again is a no-op; a changed one gets the next
+        ``version`` and its queued batches (of the old version) are dropped.
+        """
+        recipe = _as_recipe(recipe)
+        if self.store.exists() and (schema := self.store.schema()) is not None:
+            recipe.validate_against(schema)
+        old = self.registry.get(recipe.name)
+        if old is not None and _same(old.recipe, recipe) and old.reader_host == self.host:
+            self._recipes[recipe.name] = old.recipe
+            self._trigger(recipe.name)
+            return old.recipe
+        version = 1 if old is None else old.recipe.version + 1
+        recipe = recipe.model_copy(update={"version": version})
+        self._install(recipe, reset=old is None or not _same(old.recipe, recipe))
+        return recipe
+
+    def set_params(self, name: str, **params: Any) -> Recipe:
+        """Change live params (e.g. curriculum thresholds): the next batches use them."""
+        entry = self._entry(name)
+        data = entry.recipe.model_dump()
+        data["params"] = {**data["params"], **params}
+        data["version"] = entry.recipe.version + 1
+        recipe = Recipe.model_validate(data)
+        self._install(recipe, reset=False)
+        return recipe
+
+    def unregister(self, name: str) -> None:
+        for item in self.registry.remove(name):
+            shm.discard(item)
+        self._recipes.pop(name, None)
+
+    def _install(self, recipe: Recipe, reset: bool) -> None:
+        self.registry.put(recipe, self.host)
+        for item in self.registry.drain(recipe.name):
+            shm.discard(item)
+        if reset:
+            self.store.r.delete(self.registry.counters(recipe.name))
+        self._recipes[recipe.name] = recipe
+        self._trigger(recipe.name, force=True)
+
+    def _entry(self, name: str) -> Entry:
+        entry = self.registry.get(name)
+        if entry is None:
+            raise KeyError(f"recipe {name!r} is not registered in namespace {self.namespace!r}")
+        return entry
+
+    # ---- batches -------------------------------------------------------------------
+    def pop(self, name: str, timeout: float | None = 30.0) -> Batch:
+        """The next ready batch of recipe ``name``; raises TimeoutError after ``timeout``
+        seconds (None waits forever) with the recipe's prefetch state in the message."""
+        recipe = self._recipes.get(name) or self._entry(name).recipe
+        self._recipes[name] = recipe
+        queue = self.registry.queue(name)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        r = self.store.r
+        while True:
+            with r.pipeline(transaction=False) as pipe:
+                pipe.lpop(queue)
+                pipe.llen(queue)
+                item, left = pipe.execute()
+            if left < (recipe.prefetch.low_water or 0) + (item is None):
+                self._trigger(name)
+            if item is None:
+                wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if wait <= 0:
+                    raise TimeoutError(self._why_empty(name, timeout))
+                got = r.blpop([queue], timeout=max(wait, 0.01))
+                if got is None:
+                    continue
+                item = got[1]
+            try:
+                batch = shm.from_message(item)
+            except shm.SegmentMissing:
+                continue  # reclaimed (its producer died long ago): take the next one
+            r.hincrby(self.registry.counters(name), "popped", 1)
+            return batch
+
+    def _trigger(self, name: str, force: bool = False) -> None:
+        """Ask for a refill unless one is already on its way."""
+        lock = self.registry.refill_lock(name)
+        if force:
+            self.store.r.delete(lock)
+        if self.store.r.set(lock, 1, nx=True, ex=REFILL_LOCK_S):
+            self.app.send_task("claw.prefetch.fill", args=[self.namespace, name], queue="prefetch")
+
+    def _why_empty(self, name: str, timeout: float | None) -> str:
+        state = self.stats(name)[name]
+        return (
+            f"no batch of recipe {name!r} within {timeout}s (prefetch state: "
+            f"{state.get('state') or 'nothing produced yet'}); is a worker consuming the "
+            "'prefetch' queue (celery -A claw_tasks.app worker -Q prefetch)?"
+        )
+
+    def update_priorities(self, ids: Sequence[int] | np.ndarray, priorities: Any) -> int:
+        """Set step priorities (e.g. |TD error|); ids evicted or overwritten are skipped."""
+        return self.store.update_priorities(ids, priorities)
+
+    def stats(self, name: str | None = None) -> dict[str, dict[str, Any]]:
+        """Per recipe: queue depth and bound, batches produced and popped, rows sampled,
+        steps inserted, the rate limiter's verdict and the last prefetch state."""
+        names = [name] if name is not None else self.registry.names()
+        inserted = self.registry.inserted() if self.store.exists() else 0
+        out: dict[str, dict[str, Any]] = {}
+        for n in names:
+            entry = self._entry(n)
+            c = self.registry.counts(n)
+            rec = entry.recipe
+            sampled = float(c.get("sampled", 0))
+            verdict = ratelimit.check(rec.rate_limit, inserted, sampled, rec.batch_size)
+            out[n] = {
+                "version": rec.version,
+                "depth": int(self.store.r.llen(self.registry.queue(n))),
+                "max_depth": rec.prefetch.depth,
+                "produced": int(c.get("produced", 0)),
+                "popped": int(c.get("popped", 0)),
+                "sampled_rows": int(sampled),
+                "inserted_steps": inserted,
+                "rate_limited": not verdict,
+                "rate_limit": verdict.reason,
+                "state": c.get("state", ""),
+            }
+        return out
+
+    def close(self) -> None:
+        self.store.r.close()
+
+    def __enter__(self) -> BatchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_recipe(recipe: RecipeLike) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str | Path):
+        return Recipe.from_yaml(recipe)
+    return Recipe.model_validate(dict(recipe))
+
+
+def _same(a: Recipe, b: Recipe) -> bool:
+    strip = {"version"}
+    return a.model_dump(exclude=strip) == b.model_dump(exclude=strip)

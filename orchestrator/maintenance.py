@@ -1,0 +1,31 @@
+"""Maintenance tasks (queue ``maintenance``), driven by Celery beat (RedBeat)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from claw_tasks.app import app
+from claw_tasks.tasks import store_for
+from orchestrator import shm
+from orchestrator.registry import ACTIVE, REFILL_LOCK_S, Registry
+
+ORPHAN_SEGMENT_AGE_S = 600.0
+
+
+@app.task(name="claw.maintenance.refill", acks_late=False, ignore_result=True, expires=5)
+def refill() -> dict[str, Any]:
+    """Safety net for demand-driven refill: every second, ask for a fill of each queue
+    below its depth that has no fill on its way."""
+    store = store_for("_")  # any namespace: only its client is used here
+    sent = 0
+    for raw_ns in store.r.smembers(ACTIVE):
+        reg = Registry(store_for(raw_ns.decode()))
+        for name in reg.names():
+            entry = reg.get(name)
+            if entry is None or reg.r.llen(reg.queue(name)) >= entry.recipe.prefetch.depth:
+                continue
+            if reg.r.set(reg.refill_lock(name), 1, nx=True, ex=REFILL_LOCK_S):
+                app.send_task("claw.prefetch.fill", args=[reg.ns, name], queue="prefetch")
+                sent += 1
+    reaped = shm.reap_orphans(ORPHAN_SEGMENT_AGE_S)
+    return {"fills": sent, "reaped_segments": len(reaped)}

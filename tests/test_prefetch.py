@@ -1,0 +1,196 @@
+"""Prefetch end to end: ingest and prefetch workers, a trainer popping augmented batches."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from claw_tasks.client import Ingestor
+from claw_tasks.store import Store
+from orchestrator import ratelimit
+from orchestrator.client import BatchClient
+from orchestrator.recipe import RateLimit
+
+
+@pytest.fixture(scope="module")
+def workers(redis_server, tmp_path_factory):
+    from conftest import Worker
+
+    log = tmp_path_factory.mktemp("pw") / "worker.log"
+    w = Worker(redis_server.url, "ingest,prefetch", 2, log, {})
+    yield w
+    w.stop()
+
+
+def _frames(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, 84, 84, 3), dtype=np.uint8)
+
+
+def _ingest_images(url: str, ns: str, frames: np.ndarray, episodes: int) -> None:
+    ing = Ingestor(ns, url, flush_interval=None, flush_steps=128)
+    per = len(frames) // episodes
+    for e in range(episodes):
+        with ing.episode(episode_id=f"e{e}", task_id="grasp") as ep:
+            for t in range(per):
+                i = e * per + t
+                last = t == per - 1
+                ep.add(frames[i], np.int64(t % 3), float(t), terminated=last,
+                       next_obs=frames[i] if last else None)  # fmt: skip
+    assert ing.close().committed == per * episodes
+
+
+def _is_replicate_shift(aug: np.ndarray, orig: np.ndarray, pad: int) -> bool:
+    padded = np.pad(orig, ((pad, pad), (pad, pad), (0, 0)), mode="edge")
+    h, w = orig.shape[:2]
+    return any(
+        np.array_equal(aug, padded[dy : dy + h, dx : dx + w])
+        for dy in range(2 * pad + 1)
+        for dx in range(2 * pad + 1)
+    )
+
+
+def test_batches_arrive_augmented_and_consistent(redis_url, namespace, workers):
+    frames = _frames(240)
+    _ingest_images(redis_url, namespace, frames, episodes=4)
+    client = BatchClient(namespace, redis_url)
+    recipe = client.register({
+        "name": "drq", "batch_size": 32,
+        "fields": ["obs", "action", "reward", "next_obs", "terminated"],
+        "sources": [{"name": "all", "where": {"task_id": "grasp"}}],
+        "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"},
+        "prefetch": {"depth": 3},
+    })  # fmt: skip
+    assert recipe.version == 1
+    store = Store(redis_url, namespace)
+    shifted = 0
+    for _ in range(3):
+        batch = client.pop("drq", timeout=60)
+        assert batch["obs"].shape == (32, 84, 84, 3) and batch["obs"].dtype == np.uint8
+        assert batch["action"].dtype == np.int64 and batch["reward"].shape == (32,)
+        assert batch.recipe_version == 1 and np.all(batch.weights == 1)
+        stored = store.get(batch.ids)
+        np.testing.assert_array_equal(batch["action"], stored["action"])
+        np.testing.assert_array_equal(batch["reward"], stored["reward"])
+        for i in range(32):
+            assert _is_replicate_shift(batch["obs"][i], stored["obs"][i], 4)
+            assert _is_replicate_shift(batch["next_obs"][i], stored["next_obs"][i], 4)
+            shifted += not np.array_equal(batch["obs"][i], stored["obs"][i])
+    assert shifted > 80  # most rows really moved
+    # Stored data untouched by augmentation.
+    ep = store.episode("e1")
+    np.testing.assert_array_equal(ep["obs"], frames[60:120])
+
+
+def _ingest_vectors(url: str, ns: str, n: int, start: int = 0) -> None:
+    ing = Ingestor(ns, url, flush_interval=None, flush_steps=4096)
+    ing.add_batch({
+        "obs": np.arange(start, start + n, dtype=np.float32)[:, None].repeat(8, 1),
+        "action": np.zeros(n, np.int64), "reward": np.ones(n, np.float32),
+        "episode_id": f"v{start}", "step_index": np.arange(n),
+    })  # fmt: skip
+    assert ing.close().committed == n
+
+
+def _vector_recipe(name: str, **extra) -> dict:
+    return {
+        "name": name, "batch_size": 64, "fields": ["obs", "reward"],
+        "sources": [{"name": "all"}], "prefetch": {"depth": 2}, **extra,
+    }  # fmt: skip
+
+
+def test_update_priorities_changes_what_is_sampled(redis_url, namespace, workers):
+    _ingest_vectors(redis_url, namespace, 200)
+    client = BatchClient(namespace, redis_url)
+    sampler = {"kind": "priority", "alpha": 1.0, "beta": 0.5}
+    client.register(_vector_recipe("prio", sources=[{"name": "all", "sampler": sampler}]))
+    first = client.pop("prio", timeout=60)
+    ids = Store(redis_url, namespace).episode("v0", fields=[])["id"]
+    favoured = ids[:10]
+    pr = np.full(len(ids), 1e-6, np.float32)
+    pr[:10] = 1.0
+    assert client.update_priorities(ids, pr) == 200
+    version = client.set_params("prio").version  # drop batches sampled before the update
+    rows = []
+    while len(rows) < 10:
+        b = client.pop("prio", timeout=60)
+        if b.recipe_version == version:
+            rows.append(b.ids)
+    drawn = np.concatenate(rows)
+    assert np.isin(drawn, favoured).mean() > 0.95
+    assert np.isin(first.ids, favoured).mean() < 0.5
+    assert np.all(np.isfinite(b.weights)) and b.weights.max() == pytest.approx(1.0)
+
+
+def test_stalled_trainer_keeps_queue_at_its_bound(redis_url, namespace, workers, r):
+    _ingest_vectors(redis_url, namespace, 300)
+    client = BatchClient(namespace, redis_url)
+    client.register(_vector_recipe("stall", prefetch={"depth": 3}))
+    client.pop("stall", timeout=60)  # starts the refill cycle
+    queue = client.registry.queue("stall")
+    deadline = time.monotonic() + 30
+    while r.llen(queue) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for _ in range(5):  # the trainer stalls; more refill requests arrive
+        client._trigger("stall", force=True)
+        time.sleep(0.2)
+        assert r.llen(queue) <= 3
+    assert r.llen(queue) == 3
+    s = client.stats("stall")["stall"]
+    assert s["depth"] == 3 and s["produced"] == 4 and s["popped"] == 1
+
+
+def test_rate_limiter_waits_then_resumes(redis_url, namespace, workers):
+    _ingest_vectors(redis_url, namespace, 80)
+    client = BatchClient(namespace, redis_url)
+    rl = {"samples_per_insert": 1.0, "min_size": 100, "error_buffer": 0}
+    client.register(_vector_recipe("rl", rate_limit=rl, prefetch={"depth": 8}))
+    with pytest.raises(TimeoutError, match="waiting for min_size: 80 of 100"):
+        client.pop("rl", timeout=2)
+    assert client.stats("rl")["rl"]["rate_limited"]
+    _ingest_vectors(redis_url, namespace, 220, start=1000)  # 300 inserted: 200 rows allowed
+    got = [client.pop("rl", timeout=60) for _ in range(3)]
+    assert all(len(b.ids) == 64 for b in got)
+    with pytest.raises(TimeoutError, match=r"samples_per_insert 1\.0 reached"):
+        client.pop("rl", timeout=2)
+    s = client.stats("rl")["rl"]
+    assert s["produced"] == 3 and s["sampled_rows"] == 192 and s["rate_limited"]
+    _ingest_vectors(redis_url, namespace, 100, start=5000)
+    assert len(client.pop("rl", timeout=60).ids) == 64
+
+
+def test_seeded_recipe_is_reproducible(redis_url, namespace, workers):
+    _ingest_vectors(redis_url, namespace, 500)
+    client = BatchClient(namespace, redis_url)
+    aug = {"obs": [{"gaussian_noise": {"std": 0.1}}]}
+    a = client.register(_vector_recipe("a", seed=7, augment=aug))
+    b = client.register(_vector_recipe("b", seed=7, augment=aug))
+    assert a.version == b.version == 1
+    for _ in range(2):
+        x, y = client.pop("a", timeout=60), client.pop("b", timeout=60)
+        np.testing.assert_array_equal(x.ids, y.ids)
+        np.testing.assert_array_equal(x["obs"], y["obs"])
+    c = client.register(_vector_recipe("c", seed=8, augment=aug))
+    assert c.version == 1
+    assert not np.array_equal(client.pop("c", timeout=60).ids, x.ids)
+
+
+def test_unregister_and_timeout_message(redis_url, namespace, workers):
+    _ingest_vectors(redis_url, namespace, 100)
+    client = BatchClient(namespace, redis_url)
+    client.register(_vector_recipe("gone"))
+    client.pop("gone", timeout=60)
+    client.unregister("gone")
+    with pytest.raises(KeyError, match="not registered"):
+        client.pop("gone", timeout=1)
+
+
+def test_rate_limit_rule():
+    rl = RateLimit(samples_per_insert=2.0, error_buffer=10, min_size=100)
+    assert not ratelimit.check(rl, 99, 0, 1)
+    assert ratelimit.check(rl, 100, 0, 10)  # 200 - 10 >= 200 - 10
+    assert not ratelimit.check(rl, 100, 0, 11)
+    assert ratelimit.check(rl, 150, 100, 10)  # 300 - 110 >= 190
+    assert not ratelimit.check(rl, 150, 100, 11)
+    assert ratelimit.check(None, 0, 1e9, 1)
