@@ -1,0 +1,445 @@
+"""The `claw` command line: dev stack, demo, and tools to look into the step store."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from importlib.metadata import version as dist_version
+from pathlib import Path
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import click
+import redis
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from claw_tasks.app import QUEUES
+from claw_tasks.redis_server import ensure_redis
+from claw_tasks.schema import Schema
+from claw_tasks.settings import load_settings
+from claw_tasks.store import NamespaceError, Store
+from orchestrator import demo as demo_run
+from orchestrator import metrics as metrics_server
+from orchestrator.devstack import (
+    DevStack,
+    beat_service,
+    default_log_dir,
+    flower_service,
+    worker_service,
+)
+from orchestrator.doctor import CHECKS, Report, check_namespace
+from orchestrator.namespaces import (
+    NamespaceStats,
+    UnreadableNamespace,
+    list_namespaces,
+    memory_by_namespace,
+    namespace_stats,
+    scan_keys,
+)
+from orchestrator.steplog import dead_letters, newest_ids, parse_ids, step_lines
+
+app = typer.Typer(
+    name="claw",
+    help="Claw: step-level RL experience middleware on Redis and Celery.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+err = Console(stderr=True)
+P = ParamSpec("P")
+R = TypeVar("R")
+_MAX_PROBLEMS = 50
+
+LogDir = Annotated[
+    Path | None, typer.Option(help="Service logs (default: ~/.cache/claw/logs)", show_default=False)
+]
+
+
+def _friendly(func: Callable[P, R]) -> Callable[P, R]:
+    """Expected failures (Redis down, unknown namespace, bad input) exit 1 with one line."""
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return func(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except (redis.RedisError, OSError, LookupError, ValueError, RuntimeError) as e:
+            message = e.args[0] if isinstance(e, KeyError) and e.args else e
+            err.print(f"[bold red]error:[/] {message}", highlight=False)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="CLAW_REDIS_URL",
+            help="The step store. Unset: redis://127.0.0.1:6379/0 if it answers, else an "
+            "embedded redis-server with its data in ~/.cache/claw/redis.",
+        ),
+    ] = None,
+) -> None:
+    ctx.obj = redis_url
+
+
+@contextmanager
+def _redis(ctx: typer.Context) -> Iterator[tuple[str, redis.Redis]]:
+    """The store's URL and a client; an embedded server started here is stopped after."""
+    url, server = ensure_redis(ctx.obj)
+    client = redis.Redis.from_url(url)
+    try:
+        yield url, client
+    finally:
+        client.close()
+        if server is not None:
+            server.stop()
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (docker stop, kill) shuts down like Ctrl-C."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+# ---- services -------------------------------------------------------------------------
+@app.command()
+@_friendly
+def up(
+    ctx: typer.Context,
+    concurrency: Annotated[int, typer.Option(min=1, help="Pool processes per worker")] = 1,
+    per_queue: Annotated[
+        bool, typer.Option(help="One worker per queue instead of one for all three")
+    ] = False,
+    beat: Annotated[bool, typer.Option(help="Run Celery beat (RedBeat)")] = True,
+    flower: Annotated[bool, typer.Option(help="Run Flower")] = True,
+    flower_port: int = 5555,
+    metrics: Annotated[bool, typer.Option(help="Serve Prometheus metrics")] = True,
+    metrics_port: int = 9808,
+    log_dir: LogDir = None,
+) -> None:
+    """Run the dev stack: Redis, Celery workers, beat, Flower, metrics. Ctrl-C stops it."""
+    logs = log_dir or default_log_dir()
+    console = Console()
+    _stop_on_sigterm()
+    with DevStack(logs) as stack:
+        try:
+            with console.status("starting the stack…"):
+                stack.start_redis(ctx.obj)
+                if metrics:
+                    server = metrics_server.serve(
+                        metrics_port, stack.redis_url, stack.broker_url, "127.0.0.1"
+                    )
+                    stack.on_stop(server.shutdown)
+                groups = [[q] for q in QUEUES] if per_queue else [list(QUEUES)]
+                services = [worker_service(logs, g, concurrency) for g in groups]
+                services += [beat_service(logs)] if beat else []
+                services += [flower_service(logs, flower_port)] if flower else []
+                stack.start(services)
+            console.print(_stack_table(stack, metrics_port if metrics else None))
+            console.print("[dim]Ctrl-C stops everything.[/]")
+            stack.watch()
+        except KeyboardInterrupt:
+            console.print("stopping…")
+    console.print("stopped.")
+
+
+def _stack_table(stack: DevStack, metrics_port: int | None) -> Table:
+    table = Table(title="claw dev stack")
+    for col in ("service", "pid", "where", "log"):
+        table.add_column(col, overflow="fold")
+    server = stack.redis_server
+    table.add_row(
+        "redis",
+        "embedded" if server else "external",
+        stack.redis_url,
+        str(server.log_path) if server else "",
+    )
+    if stack.broker_url != stack.redis_url:
+        table.add_row("broker", "external", stack.broker_url, "")
+    for svc in stack.services:
+        table.add_row(svc.name, str(svc.pid), svc.where, str(svc.log))
+    if metrics_port is not None:
+        table.add_row("metrics", str(os.getpid()), f"http://127.0.0.1:{metrics_port}/metrics", "")
+    return table
+
+
+@app.command()
+@_friendly
+def demo(
+    ctx: typer.Context,
+    steps: Annotated[
+        int, typer.Option(min=1, help="Steps to record (episodes run to the end)")
+    ] = 5000,
+    namespace: str = "demo",
+    seed: int = 0,
+    log_dir: LogDir = None,
+) -> None:
+    """End to end: Redis, an ingest worker, CartPole-v1 episodes recorded and read back."""
+    cfg = demo_run.DemoConfig(
+        log_dir=log_dir or default_log_dir(),
+        namespace=namespace,
+        steps=steps,
+        seed=seed,
+        redis_url=ctx.obj,
+    )
+    demo_run.run(cfg, Console())
+
+
+@app.command()
+@_friendly
+def metrics(
+    ctx: typer.Context,
+    port: int = 9808,
+    address: Annotated[str, typer.Option(help="Address to bind")] = "0.0.0.0",
+) -> None:
+    """Serve Prometheus metrics of the store and the Celery queues at /metrics."""
+    url = ctx.obj or load_settings().redis_url
+    broker = os.environ.get("CLAW_BROKER_URL") or url
+    server = metrics_server.serve(port, url, broker, address)
+    Console().print(
+        f"serving http://{address}:{port}/metrics (store {url}, broker {broker}); Ctrl-C stops"
+    )
+    _stop_on_sigterm()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+
+
+@app.command()
+def version() -> None:
+    """Print the versions of Claw and what it runs on."""
+    parts = [f"{name} {dist_version(name)}" for name in ("celery", "redis", "numpy")]
+    typer.echo(
+        f"claw {dist_version('claw')} ({', '.join(parts)}, python {platform.python_version()})"
+    )
+
+
+# ---- store tools ----------------------------------------------------------------------
+@app.command()
+@_friendly
+def stats(
+    ctx: typer.Context,
+    namespace: Annotated[
+        str | None, typer.Option("--namespace", "-n", help="One namespace (default: all)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Steps, capacity, memory, dead letters, schema and counts per namespace."""
+    with _redis(ctx) as (url, r):
+        names = [namespace] if namespace else list_namespaces(r)
+        if namespace and not Store(r, namespace).exists():
+            raise NamespaceError(f"namespace {namespace!r} does not exist at {url}")
+        memory = memory_by_namespace(r, namespace)
+        found, unreadable = [], {}
+        for n in names:
+            try:
+                found.append(namespace_stats(Store(r, n), memory.get(n, 0)))
+            except UnreadableNamespace as e:
+                if namespace:
+                    raise
+                unreadable[n] = str(e)
+        used = int(r.info("memory")["used_memory"])
+    if as_json:
+        doc = {
+            "redis": {"url": url, "used_memory": used},
+            "namespaces": [s.to_json() for s in found],
+            "unreadable": unreadable,
+        }
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    console = Console()
+    if not names:
+        console.print(f"no namespaces at {url}")
+        return
+    console.print(_summary_table(found, url, used))
+    for message in unreadable.values():
+        err.print(f"[bold red]unreadable:[/] {message}", highlight=False)
+    if len(found) == 1 and not unreadable:
+        _print_details(console, found[0])
+
+
+def _summary_table(found: list[NamespaceStats], url: str, used: int) -> Table:
+    table = Table(title=f"{url} · Redis used memory {_mib(used)}")
+    heads = ("namespace", "steps", "capacity", "shards", "committed", "episodes", "dead letters",
+             "memory", "B/step", "reward mean ± std")  # fmt: skip
+    for h in heads:
+        table.add_column(h, justify="left" if h == "namespace" else "right")
+    for s in found:
+        i = s.info
+        per_step = "-" if s.bytes_per_step is None else f"{s.bytes_per_step:,.0f}"
+        reward = "-" if s.reward_mean is None else f"{s.reward_mean:.4g} ± {s.reward_std:.4g}"
+        dead = f"[red]{i['dead_letters']:,}[/]" if i["dead_letters"] else "0"
+        table.add_row(
+            s.namespace, f"{i['steps']:,}", f"{i['capacity']:,}", str(i["n_shards"]),
+            f"{i['committed_total']:,}", f"{s.episodes:,}", dead, _mib(s.memory_bytes),
+            per_step, reward,
+        )  # fmt: skip
+    return table
+
+
+def _print_details(console: Console, s: NamespaceStats) -> None:
+    schema = Schema.from_dict(s.info["schema"]) if s.info["schema"] else Schema(fields={})
+    table = Table(title=f"schema of {s.namespace!r}")
+    table.add_column("name")
+    table.add_column("kind")
+    table.add_column("type")
+    for name, spec in schema.fields.items():
+        table.add_row(name, "field", spec.describe())
+    for name, kind in schema.tags.items():
+        table.add_row(f"tags.{name}", "tag", kind)
+    console.print(table)
+    for column, counts in (("task_id", s.by_task_id), ("agent_id", s.by_agent_id)):
+        t = Table(title=f"steps per {column}")
+        t.add_column(column)
+        t.add_column("steps", justify="right")
+        for value, n in counts.items():
+            t.add_row("[dim](none)[/]" if value is None else value, f"{n:,}")
+        console.print(t)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+@app.command("inspect")
+@_friendly
+def inspect_steps(
+    ctx: typer.Context,
+    namespace: str,
+    episode: Annotated[str | None, typer.Option(help="All steps of this episode id")] = None,
+    ids: Annotated[str | None, typer.Option(help="Step ids, e.g. 1,2,3")] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(min=1, help="Steps to show (default: the newest 20, or a whole episode)"),
+    ] = None,
+) -> None:
+    """Steps as log lines: metadata, field shapes and dtypes, small previews."""
+    if episode is not None and ids is not None:
+        raise typer.BadParameter("give --episode or --ids, not both")
+    with _redis(ctx) as (_, r):
+        store = Store(r, namespace)
+        schema = store.schema()
+        if schema is None:
+            Console().print(f"namespace {namespace!r} has no steps yet")
+            return
+        fields = [*schema.fields, "next_obs"]
+        if episode is not None:
+            steps = store.episode(episode, fields)
+        elif ids is not None:
+            steps = store.get(parse_ids(ids), fields)
+        else:
+            steps = store.get(newest_ids(store, limit or 20), fields)
+    total = len(steps["id"])
+    shown = min(total, limit) if limit else total
+    console = Console()
+    described = ", ".join(f"{k} {v.describe()}" for k, v in schema.fields.items())
+    console.print(f"[bold]{namespace}[/] · {described}", highlight=False)
+    for line in step_lines(_head(steps, shown), fields):
+        console.print(line, soft_wrap=True, highlight=False)
+    if shown < total:
+        console.print(f"[dim]… {total - shown} more (raise --limit)[/]")
+
+
+def _head(steps: dict[str, Any], n: int) -> dict[str, Any]:
+    return {k: v[:n] for k, v in steps.items()}
+
+
+@app.command()
+@_friendly
+def dead(
+    ctx: typer.Context,
+    namespace: str,
+    limit: Annotated[int, typer.Option(min=1, help="Newest entries to show")] = 20,
+) -> None:
+    """Dead letters: rejected batches and steps, with the reason."""
+    with _redis(ctx) as (_, r):
+        store = Store(r, namespace)
+        total, letters = dead_letters(store, limit)
+        if not total and not store.exists():
+            raise NamespaceError(f"namespace {namespace!r} does not exist")
+    console = Console()
+    if not total:
+        console.print(f"no dead letters in {namespace!r}")
+        return
+    table = Table(title=f"dead letters of {namespace!r}: {total:,} (newest {len(letters)})")
+    for col in ("time (UTC)", "batch", "rows", "steps", "payload", "reason"):
+        table.add_column(col, overflow="fold")
+    for d in letters:
+        table.add_row(
+            d.when, d.batch_id, d.rows_text, "-" if d.steps is None else str(d.steps),
+            f"{d.payload_bytes:,} B", d.reason,
+        )  # fmt: skip
+    console.print(table)
+
+
+@app.command(
+    help="Check the store and its indexes for consistency; exit 1 on problems.\n\n"
+    + "\n\n".join(f"{name}: {what}" for name, what in CHECKS.items())
+)
+@_friendly
+def doctor(
+    ctx: typer.Context,
+    namespace: Annotated[
+        str | None, typer.Argument(help="One namespace (default: every namespace)")
+    ] = None,
+) -> None:
+    with _redis(ctx) as (url, r):
+        names = [namespace] if namespace else sorted({k.namespace for k in scan_keys(r)})
+        if namespace and not any(True for _ in scan_keys(r, namespace)):
+            raise NamespaceError(f"namespace {namespace!r} has no keys at {url}")
+        reports = [check_namespace(r, n) for n in names]
+    console = Console()
+    if not reports:
+        console.print(f"no namespaces at {url}")
+        return
+    console.print(_checks_table(reports))
+    problems = [(rep.namespace, p) for rep in reports for p in rep.problems]
+    if not problems:
+        console.print("[green]no problems found.[/]")
+        return
+    table = Table(title=f"{len(problems):,} problem(s)")
+    for col in ("namespace", "check", "where", "problem"):
+        table.add_column(col, overflow="fold")
+    for ns, p in problems[:_MAX_PROBLEMS]:
+        table.add_row(ns, p.check, p.where, p.detail)
+    console.print(table)
+    if len(problems) > _MAX_PROBLEMS:
+        console.print(f"[dim]… and {len(problems) - _MAX_PROBLEMS:,} more[/]")
+    raise typer.Exit(1)
+
+
+def _checks_table(reports: list[Report]) -> Table:
+    """A row per namespace, a column per check (`claw doctor --help` says what each is)."""
+    table = Table(title="claw doctor")
+    table.add_column("namespace")
+    for check in CHECKS:
+        table.add_column(check, justify="center")
+    for rep in reports:
+        cells = []
+        for check in CHECKS:
+            failed = rep.failed(check)
+            if check not in rep.checked:
+                cells.append("[dim]-[/]")
+            else:
+                cells.append(f"[red]✗ {failed}[/]" if failed else "[green]✓[/]")
+        table.add_row(rep.namespace, *cells)
+    return table
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,251 @@
+"""Local process management for `claw up` and `claw demo`: Redis, Celery workers, beat, Flower.
+
+Every child runs in its own process group (and, on Linux, gets SIGTERM if this process
+dies), so stopping a service stops its pool children too and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from claw_tasks.app import QUEUES
+from claw_tasks.redis_server import RedisServer, embedded_dir, ensure_redis
+
+_PR_SET_PDEATHSIG = 1
+
+
+class DevStackError(RuntimeError):
+    """A service did not start, or stopped on its own."""
+
+
+def default_log_dir() -> Path:
+    """Logs of local services: next to the embedded Redis data (`~/.cache/claw/logs`)."""
+    return embedded_dir().parent / "logs"
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec hook that asks Linux to SIGTERM the child when this process dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not after fork
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return hook
+
+
+def log_contains(text: str) -> Callable[[Service], bool]:
+    """Readiness probe: the service's log contains `text`."""
+    return lambda svc: text.encode() in svc.log.read_bytes()
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> Callable[[Service], bool]:
+    """Readiness probe: something accepts TCP connections on `host:port`."""
+
+    def probe(_: Service) -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    return probe
+
+
+@dataclass
+class Service:
+    """A child process with a log file and a readiness probe."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    where: str  # what it serves, for the status table
+    ready: Callable[[Service], bool]
+    env: Mapping[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def spawn(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(),
+            )
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the service's process group (its pool children included)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def failure(self, what: str) -> DevStackError:
+        return DevStackError(f"{self.name} {what} (log {self.log}):\n{self.log_tail()}")
+
+
+def worker_service(
+    log_dir: Path, queues: Sequence[str], concurrency: int, *, quick: bool = False
+) -> Service:
+    """A Celery worker for `queues`. `quick` skips mingle/gossip (a lone throwaway worker)."""
+    name = "-".join(queues) if len(queues) < len(QUEUES) else "all"
+    argv = [
+        sys.executable, "-m", "celery", "-A", "claw_tasks.app", "worker",
+        "-Q", ",".join(queues), "-c", str(concurrency), "-P", "prefork",
+        "-n", f"{name}@%h", "-E", "-l", "INFO",
+    ]  # fmt: skip
+    if quick:
+        argv += ["--without-mingle", "--without-gossip"]
+    return Service(
+        f"worker ({name})",
+        argv,
+        log_dir / f"worker-{name}.log",
+        f"queues {','.join(queues)} · concurrency {concurrency}",
+        log_contains(" ready."),
+    )
+
+
+def beat_service(log_dir: Path) -> Service:
+    argv = [
+        sys.executable, "-m", "celery", "-A", "claw_tasks.app", "beat",
+        "-S", "redbeat.RedBeatScheduler", "-l", "INFO",
+    ]  # fmt: skip
+    return Service(
+        "beat", argv, log_dir / "beat.log", "RedBeat scheduler", log_contains("beat: Starting")
+    )
+
+
+def flower_service(log_dir: Path, port: int) -> Service:
+    argv = [
+        sys.executable, "-m", "celery", "-A", "claw_tasks.app", "flower",
+        f"--port={port}", "--address=127.0.0.1",
+    ]  # fmt: skip
+    return Service(
+        "flower", argv, log_dir / "flower.log", f"http://127.0.0.1:{port}", port_open(port)
+    )
+
+
+class DevStack:
+    """Redis plus child services; a context manager that stops all of them on exit."""
+
+    def __init__(self, log_dir: Path, startup_timeout: float = 60.0) -> None:
+        self.log_dir = log_dir
+        self.startup_timeout = startup_timeout
+        self.services: list[Service] = []
+        self.redis_url = ""
+        self.broker_url = ""
+        self.redis_server: RedisServer | None = None
+        self._cleanups: list[Callable[[], None]] = []
+
+    def start_redis(self, url: str | None = None) -> str:
+        """Use the Redis at `url` / CLAW_REDIS_URL / the local default, else start one."""
+        self.redis_url, self.redis_server = ensure_redis(url)
+        self.broker_url = os.environ.get("CLAW_BROKER_URL") or self.redis_url
+        return self.redis_url
+
+    @property
+    def child_env(self) -> dict[str, str]:
+        return {"CLAW_REDIS_URL": self.redis_url, "CLAW_BROKER_URL": self.broker_url}
+
+    def start(self, services: Sequence[Service]) -> None:
+        """Spawn `services` together, then wait until each is ready."""
+        if not self.redis_url:
+            raise DevStackError("start Redis before the services that use it")
+        for svc in services:
+            svc.env = {**self.child_env, **svc.env}
+            svc.spawn()
+            self.services.append(svc)
+        deadline = time.monotonic() + self.startup_timeout
+        for svc in services:
+            while not svc.ready(svc):
+                if not svc.running:
+                    raise svc.failure("exited during startup")
+                if time.monotonic() > deadline:
+                    raise svc.failure(f"was not ready within {self.startup_timeout:.0f}s")
+                time.sleep(0.1)
+
+    def on_stop(self, cleanup: Callable[[], None]) -> None:
+        """Run `cleanup` on stop, after the services and before Redis."""
+        self._cleanups.append(cleanup)
+
+    def watch(self, interval: float = 0.5) -> None:
+        """Block until a service stops on its own (raises DevStackError) or Ctrl-C."""
+        while True:
+            for svc in self.services:
+                if not svc.running:
+                    raise svc.failure("stopped unexpectedly")
+            time.sleep(interval)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM every service group, SIGKILL what is left after `timeout`, stop Redis."""
+        for svc in self.services:
+            if svc.running:
+                svc.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for svc in self.services:
+            assert svc.proc is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                svc.proc.wait(max(0.1, deadline - time.monotonic()))
+            svc.signal_group(signal.SIGKILL)  # leftovers: pool children, a hung main
+            svc.proc.wait()
+        self.services.clear()
+        while self._cleanups:
+            self._cleanups.pop()()
+        if self.redis_server is not None:
+            self.redis_server.stop()
+            self.redis_server = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self.stop()
+            return
+        # A second Ctrl-C while stopping must not leave children behind.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self.stop()
+        finally:
+            signal.signal(signal.SIGINT, previous)

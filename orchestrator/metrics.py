@@ -1,0 +1,131 @@
+"""Prometheus metrics of the step store and the Celery queues, computed on each scrape."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+import redis
+from kombu import Connection
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from claw_tasks.app import QUEUES
+from claw_tasks.store import Store
+from orchestrator.namespaces import (
+    UnreadableNamespace,
+    list_namespaces,
+    memory_by_namespace,
+    namespace_stats,
+)
+
+log = logging.getLogger(__name__)
+_TIMEOUT = 5.0
+
+
+def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+class ClawCollector(Collector):
+    """Reads Redis (the store) and the broker on every `collect()`; never raises."""
+
+    def __init__(self, redis_url: str, broker_url: str) -> None:
+        self.redis_url = redis_url
+        self.broker_url = broker_url
+        self._r = redis.Redis.from_url(
+            redis_url, socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT
+        )
+        self._lock = threading.Lock()  # scrapes may overlap; one Redis walk at a time
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            up = _gauge("claw_up", "1 if the component answered this scrape", ["component"])
+            out: list[Metric] = []
+            try:
+                out += self._store_metrics()
+                up.add_metric(["store"], 1)
+            except (redis.RedisError, OSError) as e:
+                log.warning("claw metrics: store at %s: %s", self.redis_url, e)
+                up.add_metric(["store"], 0)
+            try:
+                out.append(self._queue_depths())
+                up.add_metric(["broker"], 1)
+            except Exception as e:  # kombu raises transport-specific errors
+                log.warning("claw metrics: broker at %s: %s", self.broker_url, e)
+                up.add_metric(["broker"], 0)
+        yield from out
+        yield up
+
+    def _store_metrics(self) -> list[Metric]:
+        used = _gauge("claw_redis_used_memory_bytes", "used_memory of the store's Redis")
+        used.add_metric([], float(self._r.info("memory")["used_memory"]))
+        ns = ["namespace"]
+        fams = {
+            "steps": _gauge("claw_steps", "live steps stored", ns),
+            "capacity": _gauge("claw_capacity_steps", "namespace capacity in steps", ns),
+            "dead": _gauge("claw_dead_letters", "entries in the dead-letter stream", ns),
+            "memory": _gauge("claw_namespace_memory_bytes", "Redis memory of the keys", ns),
+            "episodes": _gauge("claw_episodes", "episodes with live steps", ns),
+            "mean": _gauge("claw_reward_mean", "mean reward of the live steps", ns),
+            "std": _gauge("claw_reward_std", "reward standard deviation", ns),
+            "task": _gauge("claw_steps_by_task", "live steps per task_id", [*ns, "task_id"]),
+            "agent": _gauge("claw_steps_by_agent", "live steps per agent_id", [*ns, "agent_id"]),
+        }
+        committed = CounterMetricFamily(
+            "claw_steps_committed", "steps committed since the namespace was created", labels=ns
+        )
+        readable = _gauge("claw_namespace_readable", "0 if the namespace does not decode", ns)
+        memory = memory_by_namespace(self._r)
+        for name in list_namespaces(self._r):
+            try:
+                s = namespace_stats(Store(self._r, name), memory.get(name, 0))
+            except UnreadableNamespace as e:
+                log.warning("claw metrics: %s", e)
+                readable.add_metric([name], 0)
+                continue
+            readable.add_metric([name], 1)
+            fams["steps"].add_metric([name], s.info["steps"])
+            fams["capacity"].add_metric([name], s.info["capacity"])
+            fams["dead"].add_metric([name], s.info["dead_letters"])
+            fams["memory"].add_metric([name], s.memory_bytes)
+            fams["episodes"].add_metric([name], s.episodes)
+            committed.add_metric([name], s.info["committed_total"])
+            if s.reward_mean is not None and s.reward_std is not None:
+                fams["mean"].add_metric([name], s.reward_mean)
+                fams["std"].add_metric([name], s.reward_std)
+            for task, n in s.by_task_id.items():
+                fams["task"].add_metric([name, task or ""], n)
+            for agent, n in s.by_agent_id.items():
+                fams["agent"].add_metric([name, agent or ""], n)
+        return [used, committed, readable, *fams.values()]
+
+    def _queue_depths(self) -> Metric:
+        """Messages waiting per Celery queue (all priority levels; Redis or RabbitMQ)."""
+        depth = _gauge("claw_queue_depth", "messages waiting in the Celery queue", ["queue"])
+        with Connection(self.broker_url, connect_timeout=_TIMEOUT) as conn:
+            for queue in QUEUES:
+                # A channel per queue: AMQP closes the channel on a failed passive declare.
+                with conn.channel() as channel:
+                    try:
+                        waiting = channel.queue_declare(queue=queue, passive=True).message_count
+                    except conn.channel_errors:  # not declared yet: nothing waiting
+                        waiting = 0
+                depth.add_metric([queue], waiting)
+        return depth
+
+
+def registry_for(redis_url: str, broker_url: str) -> CollectorRegistry:
+    """A registry holding only Claw's collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClawCollector(redis_url, broker_url))
+    return registry
+
+
+def serve(port: int, redis_url: str, broker_url: str, addr: str = "0.0.0.0") -> WSGIServer:
+    """Serve /metrics on `addr:port` from a daemon thread; returns the server (`.shutdown()`)."""
+    server, _thread = start_http_server(port, addr, registry_for(redis_url, broker_url))
+    return server

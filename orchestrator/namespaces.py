@@ -1,0 +1,160 @@
+"""Namespaces found in a Redis: discovery, their keys, memory use and summary statistics."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis
+
+from claw_tasks.store import Store
+
+# claw:{<ns>}:<rest> (namespace level) or claw:{<ns>:<shard>}:<rest> (shard level)
+_KEY = re.compile(rb"^claw:\{([^{}:]+)(?::(\d+))?\}:(.*)$", re.S)
+_SCAN_COUNT = 1000
+
+
+@dataclass(frozen=True)
+class NamespaceKey:
+    namespace: str
+    shard: int | None  # None: a namespace-level key
+    name: str  # the part after the hash tag, e.g. "m:id:0" or "config"
+    key: bytes
+
+
+def parse_key(key: bytes) -> NamespaceKey | None:
+    """The namespace, shard and name of a Claw key; None for other keys."""
+    m = _KEY.match(key)
+    if m is None:
+        return None
+    shard = None if m.group(2) is None else int(m.group(2))
+    return NamespaceKey(m.group(1).decode(), shard, m.group(3).decode(errors="replace"), key)
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def list_namespaces(r: redis.Redis) -> list[str]:
+    """Every namespace with a config key, sorted."""
+    found = set()
+    for key in r.scan_iter(match="claw:{*}:config", count=_SCAN_COUNT):
+        parsed = parse_key(key)
+        if parsed and parsed.shard is None and parsed.name == "config":
+            found.add(parsed.namespace)
+    return sorted(found)
+
+
+def scan_keys(r: redis.Redis, namespace: str | None = None) -> Iterator[NamespaceKey]:
+    """Keys of `namespace` (all shards), or of every namespace when it is None."""
+    match = "claw:{*" if namespace is None else f"claw:{{{_glob_escape(namespace)}*"
+    for key in r.scan_iter(match=match, count=_SCAN_COUNT):
+        parsed = parse_key(key)
+        if parsed and (namespace is None or parsed.namespace == namespace):
+            yield parsed
+
+
+def memory_by_namespace(r: redis.Redis, namespace: str | None = None) -> dict[str, int]:
+    """Bytes Redis uses for the keys of each namespace (MEMORY USAGE, sampled for hashes)."""
+    totals: dict[str, int] = defaultdict(int)
+    batch: list[NamespaceKey] = []
+
+    def flush() -> None:
+        with r.pipeline(transaction=False) as pipe:
+            for k in batch:
+                pipe.memory_usage(k.key)
+            for k, used in zip(batch, pipe.execute(), strict=True):
+                totals[k.namespace] += int(used or 0)  # None: the key expired meanwhile
+        batch.clear()
+
+    for k in scan_keys(r, namespace):
+        batch.append(k)
+        if len(batch) >= _SCAN_COUNT:
+            flush()
+    if batch:
+        flush()
+    return dict(totals)
+
+
+@dataclass
+class NamespaceStats:
+    """What `claw stats` and the metrics endpoint report for one namespace."""
+
+    info: dict[str, Any]  # Store.info()
+    memory_bytes: int
+    episodes: int
+    reward_mean: float | None
+    reward_std: float | None
+    by_task_id: dict[str | None, int]
+    by_agent_id: dict[str | None, int]
+
+    @property
+    def namespace(self) -> str:
+        return self.info["namespace"]
+
+    @property
+    def bytes_per_step(self) -> float | None:
+        steps = self.info["steps"]
+        return self.memory_bytes / steps if steps else None
+
+    def to_json(self) -> dict[str, Any]:
+        def counts(column: str, d: dict[str | None, int]) -> list[dict[str, Any]]:
+            return [{column: k, "steps": v} for k, v in d.items()]
+
+        return {
+            **self.info,
+            "memory_bytes": self.memory_bytes,
+            "bytes_per_step": self.bytes_per_step,
+            "episodes": self.episodes,
+            "reward": {"mean": self.reward_mean, "std": self.reward_std},
+            "by_task_id": counts("task_id", self.by_task_id),
+            "by_agent_id": counts("agent_id", self.by_agent_id),
+        }
+
+
+class UnreadableNamespace(ValueError):
+    """A namespace's keys do not decode (`claw doctor` says why)."""
+
+
+def namespace_stats(store: Store, memory_bytes: int) -> NamespaceStats:
+    """Counts per task and agent, episodes and reward moments over the live steps."""
+    try:
+        return _namespace_stats(store, memory_bytes)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UnreadableNamespace(
+            f"namespace {store.namespace!r} cannot be read ({type(e).__name__}: {e}); "
+            f"run `claw doctor {store.namespace}`"
+        ) from e
+
+
+def _namespace_stats(store: Store, memory_bytes: int) -> NamespaceStats:
+    info = store.info()
+    codes: dict[str, list[np.ndarray]] = {"task_id": [], "agent_id": []}
+    rewards, episodes = [], 0
+    for shard in range(info["n_shards"]):
+        cols = store.meta_columns(shard, ["task_id", "agent_id", "reward", "episode"])
+        alive = cols["alive"]
+        for column, parts in codes.items():
+            parts.append(cols[column][alive])
+        rewards.append(cols["reward"][alive].astype(np.float64))
+        episodes += len(np.unique(cols["episode"][alive]))  # an episode lives on one shard
+    reward = np.concatenate(rewards) if rewards else np.zeros(0)
+    by: dict[str, dict[str | None, int]] = {}
+    for column, parts in codes.items():
+        values, counts = np.unique(np.concatenate(parts), return_counts=True)
+        names = store.decode_codes(column, values)
+        order = np.argsort(-counts, kind="stable")
+        by[column] = {names[i]: int(counts[i]) for i in order.tolist()}
+    return NamespaceStats(
+        info=info,
+        memory_bytes=memory_bytes,
+        episodes=episodes,
+        reward_mean=float(reward.mean()) if len(reward) else None,
+        reward_std=float(reward.std()) if len(reward) else None,
+        by_task_id=by["task_id"],
+        by_agent_id=by["agent_id"],
+    )

@@ -1,0 +1,242 @@
+"""The `claw` CLI against a real Redis: stats, inspect, dead, doctor, metrics, demo, up."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+from typer.testing import CliRunner
+
+from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.ingest import process
+from claw_tasks.store import Store
+from claw_tasks.store.layout import META_CHUNK_SLOTS
+from orchestrator.cli import app
+from orchestrator.metrics import registry_for, serve
+
+CLAW = str(Path(sys.executable).with_name("claw"))
+LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}  #(\d+)", re.M)
+EPISODES = {"e0": ("reach", "a1", 5), "e1": ("reach", "a2", 7), "e2": ("grasp", "a1", 4)}
+
+
+def batch(episode: str, n: int, task: str, agent: str, seed: int) -> StepBatch:
+    rng = np.random.default_rng(seed)
+    end = np.zeros(n, bool)
+    end[-1] = True
+    return StepBatch(
+        episode=StrColumn.constant(episode, n),
+        step_index=np.arange(n),
+        reward=rng.standard_normal(n).astype(np.float32),
+        terminated=end,
+        truncated=np.zeros(n, bool),
+        fields={
+            "obs": rng.standard_normal((n, 4)).astype(np.float32),
+            "action": rng.integers(0, 3, n),
+        },
+        strs={"task_id": StrColumn.constant(task, n), "agent_id": StrColumn.constant(agent, n)},
+        nums={"t:level": np.full(n, float(seed))},
+        next_rows=np.array([n - 1], np.int32),
+        next_obs=np.ones((1, 4), np.float32),
+    )
+
+
+def fill(url: str, namespace: str) -> Store:
+    """Three episodes over two shards, and one dead-lettered step (NaN reward)."""
+    store = Store(url, namespace)
+    store.create(capacity=1000, n_shards=2)
+    for seed, (ep, (task, agent, n)) in enumerate(EPISODES.items()):
+        store.commit(batch(ep, n, task, agent, seed))
+    bad = batch("e3", 3, "reach", "a1", 9)
+    bad.reward[1] = np.nan
+    process(store, bad.batch_id, bad.encode(), None)
+    return store
+
+
+@pytest.fixture(scope="module")
+def filled(redis_server) -> tuple[str, Store]:
+    ns = f"cli-{uuid.uuid4().hex[:8]}"
+    return ns, fill(redis_server.url, ns)
+
+
+@pytest.fixture
+def claw(redis_url):
+    runner = CliRunner()
+
+    def invoke(*args: str, code: int = 0):
+        result = runner.invoke(app, list(args), env={"CLAW_REDIS_URL": redis_url, "COLUMNS": "250"})
+        assert result.exit_code == code, result.output
+        return result
+
+    return invoke
+
+
+def test_stats_json_and_tables(claw, filled):
+    ns, _ = filled
+    doc = json.loads(claw("stats", "--namespace", ns, "--json").stdout)
+    (s,) = doc["namespaces"]
+    parts = [batch(e, n, t, a, i).reward for i, (e, (t, a, n)) in enumerate(EPISODES.items())]
+    rewards = np.concatenate([*parts, batch("e3", 3, "reach", "a1", 9).reward[[0, 2]]])
+    assert s["steps"] == 18 and s["capacity"] == 1000 and s["n_shards"] == 2
+    assert s["dead_letters"] == 1 and s["episodes"] == 4
+    assert {d["task_id"]: d["steps"] for d in s["by_task_id"]} == {"reach": 14, "grasp": 4}
+    assert {d["agent_id"]: d["steps"] for d in s["by_agent_id"]} == {"a1": 11, "a2": 7}
+    assert s["reward"]["mean"] == pytest.approx(rewards.mean(), rel=1e-5)
+    assert s["reward"]["std"] == pytest.approx(rewards.std(), rel=1e-5)
+    assert s["memory_bytes"] > 0 and s["schema"]["tags"] == {"level": "num"}
+    out = claw("stats", "--namespace", ns).stdout
+    assert ns in out and "grasp" in out and "float32[4]" in out and "tags.level" in out
+    assert ns in claw("stats").stdout
+    claw("stats", "--namespace", "no-such-ns", code=1)
+
+
+def test_inspect_newest_episode_and_ids(claw, filled):
+    ns, store = filled
+    out = claw("inspect", ns, "--limit", "3").stdout
+    ids = [int(i) for i in LINE.findall(out)]
+    assert len(ids) == 3 and "obs=float32[4](" in out and "action=int64[](" in out
+    out = claw("inspect", ns, "--episode", "e1").stdout
+    lines = LINE.findall(out)
+    assert len(lines) == 7 and "e1:6" in out and out.count("TERMINATED") == 1
+    assert "next_obs=float32[4](1, 1, 1, 1)" in out and "agent_id=a2" in out
+    some = store.episode("e0", fields=[])["id"][:2].tolist()
+    out = claw("inspect", ns, "--ids", ",".join(map(str, some))).stdout
+    assert [int(i) for i in LINE.findall(out)] == some and "tags.level=0" in out
+    assert "not in the store" in claw("inspect", ns, "--ids", "999999", code=1).output
+    assert "comma-separated" in claw("inspect", ns, "--ids", "x", code=1).output
+    assert "has no stored steps" in claw("inspect", ns, "--episode", "nope", code=1).output
+
+
+def test_dead_letters(claw, filled):
+    ns, _ = filled
+    out = claw("dead", ns).stdout
+    assert "dead letters of" in out and "step 1 (episode 'e3', step_index 1)" in out
+    assert "reward is nan" in out and "whole batch" not in out
+    assert "does not exist" in claw("dead", ns + "-x", code=1).output
+
+
+def test_doctor_clean_then_corrupt_link(claw, redis_url, r):
+    ns = f"doc-{uuid.uuid4().hex[:8]}"
+    store = fill(redis_url, ns)
+    out = claw("doctor", ns).stdout
+    assert "no problems found" in out
+    ids = store.episode("e1", fields=[])["id"]
+    shard, slot = (int(v[0]) for v in store.locate(ids[2:3]))
+    chunk, off = divmod(slot, META_CHUNK_SLOTS)
+    key = store.keys.meta(shard, "next", chunk)
+    r.setrange(key, off * 4, np.int32(-2).tobytes())  # points back two steps
+    r.append(store.keys.meta(shard, "reward", chunk), b"xx")
+    r.set(store.keys.stage("orphan"), b"payload")  # no TTL
+    try:
+        out = claw("doctor", ns, code=1).stdout
+        assert "step_index 0, expected 3" in out
+        assert "the layout says" in out and "has no TTL" in out
+        assert "3 problem(s)" in out
+        assert "claw doctor" in claw("stats", "--namespace", ns, code=1).output
+        assert ns in json.loads(claw("stats", "--json").stdout)["unreadable"]
+        text = generate_latest(registry_for(redis_url, redis_url)).decode()
+        assert f'claw_namespace_readable{{namespace="{ns}"}} 0.0' in text
+    finally:
+        r.delete(*r.scan_iter(f"claw:{{{ns}*"))
+
+
+def test_doctor_unknown_namespace(claw):
+    assert "has no keys" in claw("doctor", "nothing-here", code=1).output
+
+
+def test_metrics_collector_and_endpoint(filled, redis_url, r):
+    ns, _ = filled
+    r.rpush("ingest", b"m1", b"m2")
+    try:
+        text = generate_latest(registry_for(redis_url, redis_url)).decode()
+        port = _free_port()
+        server = serve(port, redis_url, redis_url, "127.0.0.1")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+                served = resp.read().decode()
+        finally:
+            server.shutdown()
+    finally:
+        r.delete("ingest")
+    for metrics in (text, served):
+        assert f'claw_steps{{namespace="{ns}"}} 18.0' in metrics
+        assert f'claw_capacity_steps{{namespace="{ns}"}} 1000.0' in metrics
+        assert f'claw_dead_letters{{namespace="{ns}"}} 1.0' in metrics
+        assert f'claw_steps_by_task{{namespace="{ns}",task_id="grasp"}} 4.0' in metrics
+        assert 'claw_queue_depth{queue="ingest"} 2.0' in metrics
+        assert 'claw_queue_depth{queue="maintenance"} 0.0' in metrics
+        assert "claw_redis_used_memory_bytes " in metrics
+        assert 'claw_up{component="store"} 1.0' in metrics
+
+
+def test_metrics_report_down_components():
+    text = generate_latest(registry_for("redis://127.0.0.1:1/0", "redis://127.0.0.1:1/0"))
+    assert b'claw_up{component="store"} 0.0' in text
+    assert b'claw_up{component="broker"} 0.0' in text
+
+
+def test_demo_end_to_end(redis_url, tmp_path):
+    ns = f"demo-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "COLUMNS": "200"}
+    args = [CLAW, "demo", "--steps", "500", "--namespace", ns, "--log-dir", str(tmp_path)]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "steps committed" in proc.stdout and "read back" in proc.stdout
+    assert Store(redis_url, ns).count() >= 500
+    pid = int(re.search(r"ingest worker pid (\d+)", proc.stdout).group(1))
+    assert not Path(f"/proc/{pid}").exists()  # stopped, not orphaned
+
+
+def test_demo_fails_clearly_without_redis(tmp_path):
+    result = CliRunner().invoke(
+        app, ["demo", "--log-dir", str(tmp_path)], env={"CLAW_REDIS_URL": "redis://127.0.0.1:1/0"}
+    )
+    assert result.exit_code == 1
+    assert "does not answer PING" in result.output
+
+
+def test_up_runs_the_stack_and_stops_it(redis_url, tmp_path):
+    metrics_port, flower_port = _free_port(), _free_port()
+    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "COLUMNS": "250"}
+    args = [CLAW, "up", "--metrics-port", str(metrics_port), "--flower-port", str(flower_port),
+            "--log-dir", str(tmp_path)]  # fmt: skip
+    log = tmp_path / "up.out"
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while "Ctrl-C stops everything" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        table = log.read_text()
+        for name in ("worker (all)", "beat", "flower", "metrics"):
+            assert name in table
+        pids = [int(p) for p in re.findall(r"│ (?:worker \(all\)|beat|flower)\s+│ (\d+)", table)]
+        assert len(pids) == 3
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert b"claw_queue_depth" in resp.read()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "stopped." in log.read_text()
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
