@@ -22,7 +22,7 @@ from orchestrator.recipe import Recipe
 from orchestrator.registry import Registry
 from orchestrator.samplers import InsufficientData
 from orchestrator.sampling import sample
-from orchestrator.scripts import register
+from orchestrator.scripts import lua_source
 from orchestrator.wire import frame_batch
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
         return {"made": 0, "state": "unregistered"}
     recipe = entry.recipe
     plan = _plan(reg.ns, recipe)
-    push = register(reg.r, "push")
+    push = reg.r.register_script(lua_source("push"))
     queue, depth = reg.queue(name), recipe.prefetch.depth
     made, state = 0, "full"
     while made < depth and reg.r.llen(queue) < depth:

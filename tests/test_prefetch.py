@@ -127,8 +127,9 @@ def test_stalled_trainer_keeps_queue_at_its_bound(redis_url, namespace, workers,
     _ingest_vectors(redis_url, namespace, 300)
     client = BatchClient(namespace, redis_url)
     client.register(_vector_recipe("stall", prefetch={"depth": 3}))
-    client.pop("stall", timeout=60)  # starts the refill cycle
+    client.pop("stall", timeout=60)  # above low water (1): no refill asked for yet
     queue = client.registry.queue("stall")
+    client._trigger("stall", force=True)  # as the beat safety net would
     deadline = time.monotonic() + 30
     while r.llen(queue) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
