@@ -22,7 +22,6 @@ from orchestrator.recipe import Recipe
 from orchestrator.registry import Registry
 from orchestrator.samplers import InsufficientData
 from orchestrator.sampling import sample
-from orchestrator.scripts import lua_source
 from orchestrator.wire import frame_batch
 
 log = logging.getLogger(__name__)
@@ -62,6 +61,18 @@ def _rng_for(reg: Registry, recipe: Recipe) -> np.random.Generator:
     return np.random.default_rng([recipe.seed, recipe.version, k])
 
 
+def _push(reg: Registry, queue: str, depth: int, item: bytes) -> bool:
+    """Append unless the queue is at its bound (one fill per recipe runs at a time; should
+    a second slip in, the item that went over is taken back). No Lua: a script's arguments
+    cost ~2 ms per MB here, plain RPUSH ~0.1 ms."""
+    if reg.r.rpush(queue, item) <= depth:
+        return True
+    back = reg.r.rpop(queue)
+    if back is not None:
+        shm.discard(back)
+    return False
+
+
 def run_fill(reg: Registry, name: str) -> dict[str, Any]:
     """Top up ``name``'s queue; returns what happened (also recorded in its counters)."""
     entry = reg.get(name)
@@ -69,7 +80,6 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
         return {"made": 0, "state": "unregistered"}
     recipe = entry.recipe
     plan = _plan(reg.ns, recipe)
-    push = reg.r.register_script(lua_source("push"))
     queue, depth = reg.queue(name), recipe.prefetch.depth
     made, state = 0, "full"
     while made < depth and reg.r.llen(queue) < depth:
@@ -96,8 +106,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
             sources=batch.sources, recipe_version=recipe.version,
         )  # fmt: skip
         item = shm.to_message(frame, reader_host=entry.reader_host)
-        if not push(keys=[queue], args=[depth, item]):
-            shm.discard(item)
+        if not _push(reg, queue, depth, item):
             break
         made += 1
         reg.bump(name, produced=1, sampled=recipe.batch_size)

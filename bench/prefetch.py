@@ -1,0 +1,96 @@
+"""Prefetch throughput: augmented images per second of one worker process.
+
+    .venv/bin/python bench/prefetch.py [--steps 20000] [--batches 60]
+
+Fills a private redis-server with uint8 84x84x3 image steps (Store.commit, no Celery),
+registers a DrQ recipe (batch 256, obs and next_obs, random shift pad 4) and runs the
+prefetch fill loop in this process (what a prefetch worker's task does): sample, fetch
+payloads, augment, collate, encode, push. Counts obs and next_obs images. A second row
+times the same loop without augmentation, to show what the shift itself costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import cv2
+import numpy as np
+
+from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.redis_server import RedisServer
+from claw_tasks.store import Store
+from orchestrator.prefetch import run_fill
+from orchestrator.recipe import Recipe
+from orchestrator.registry import Registry
+
+
+def fill_store(store: Store, n: int) -> None:
+    rng = np.random.default_rng(0)
+    ep_len = 500
+    for start in range(0, n, 1000):
+        k = min(1000, n - start)
+        idx = np.arange(start, start + k)
+        store.commit(
+            StepBatch(
+                episode=StrColumn.of([f"e{i // ep_len}" for i in idx]),
+                step_index=idx % ep_len,
+                reward=np.ones(k, np.float32),
+                terminated=(idx % ep_len) == ep_len - 1,
+                truncated=np.zeros(k, bool),
+                fields={
+                    "obs": rng.integers(0, 256, (k, 84, 84, 3), dtype=np.uint8),
+                    "action": np.zeros(k, np.int64),
+                },
+                next_rows=np.flatnonzero((idx % ep_len) == ep_len - 1).astype(np.int32),
+                next_obs=np.zeros((int(((idx % ep_len) == ep_len - 1).sum()), 84, 84, 3), np.uint8),
+            )
+        )
+
+
+def run(reg: Registry, recipe: Recipe, batches: int) -> float:
+    reg.put(recipe, None)
+    made, t0 = 0, time.perf_counter()
+    while made < batches:
+        made += run_fill(reg, recipe.name)["made"]
+        reg.r.delete(reg.queue(recipe.name))  # the trainer takes everything
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20_000)
+    ap.add_argument("--batches", type=int, default=60)
+    args = ap.parse_args()
+    cv2.setNumThreads(1)
+    base = {
+        "batch_size": 256, "fields": ["obs", "next_obs", "action", "reward"],
+        "sources": [{"name": "all"}], "prefetch": {"depth": 8}, "seed": 1,
+    }  # fmt: skip
+    with RedisServer() as srv:
+        store = Store(srv.client(), "bench")
+        store.create(capacity=args.steps)
+        fill_store(store, args.steps)
+        reg = Registry(store)
+        drq = Recipe.model_validate(
+            {**base, "name": "drq",
+             "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"}}
+        )  # fmt: skip
+        plain = Recipe.model_validate({**base, "name": "plain"})
+        run(reg, drq, 4)  # warm up: index, caches
+        run(reg, plain, 4)
+        t_aug = run(reg, drq, args.batches)
+        t_plain = run(reg, plain, args.batches)
+    images = args.batches * 256 * 2
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, one prefetch process\n")
+    print("| figure | value | size |\n|---|---:|---|")
+    print(f"| augmented images/s (random shift, obs + next_obs) | {images / t_aug:,.0f} | "
+          f"{args.batches} batches of 256, {args.steps:,} stored steps |")  # fmt: skip
+    print(f"| same loop without augmentation, images/s | {images / t_plain:,.0f} | same |")
+    print(f"| time per 256-step batch, with shift | {t_aug / args.batches * 1000:.1f} ms | same |")
+
+
+if __name__ == "__main__":
+    main()
