@@ -17,7 +17,7 @@ column               dtype        meaning
 ``timestamp``        float64      commit time, seconds
 ``reward``           float32
 ``priority``         float32      decoded: NaN = unset
-``next``             int32        slot of the next step of the episode + 1 (0 = none)
+``next``             int32        seq distance to the episode's next step (0 = unknown)
 ``flags``            uint8        :data:`FLAG_BITS`
 ``t:<tag>``          int32        string tag (dictionary codes) …
                      float64      … or numeric tag (NaN = missing)

@@ -1,0 +1,188 @@
+"""Read sampled rows' payloads in one pipelined round trip.
+
+Reads of one key family (a field at the drawn rows and at their successors, a window's
+steps) are merged into sorted unique rows, so consecutive slots come back in one
+GETRANGE. Small rows are read inside ``lua/fetch.lua``, one call per shard: a Lua
+``redis.call`` costs ~1 µs where a client command costs several. Big rows (and ragged
+ones) are plain pipelined GETRANGE / HGET commands: Lua strings cost ~2 ms per MB.
+
+Every shard's script call first checks that the rows still hold the steps the index
+expects: the shard's seq has not gone a whole ring past the oldest of them (a slot is
+reused only then) and their alive bits are set (evictions clear them). It runs after the
+plain reads of the same pipeline, so it validates them too: a writer allocates (seq up,
+alive bits cleared) before it writes a slot's payload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from claw_tasks.schema import FieldSpec
+from claw_tasks.store import Store
+from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
+from orchestrator.scripts import Lua, execute
+
+PLAIN_ROW_BYTES = 2048
+"""Fixed rows of at least this many bytes are read by plain commands, not in Lua."""
+
+Lookup = Callable[[Any], None]
+"""Queues one command on the pipeline it is given."""
+
+
+@dataclass(frozen=True)
+class Read:
+    """One field at global ``rows``: ``kind`` ``'f'`` reads ``size`` bytes per row from the
+    chunked strings ``<base>:<chunk>``; ``'h'`` one value per row from the hashes
+    ``<base>:<chunk>`` (field = slot). ``plain``: by client commands, not in Lua."""
+
+    kind: str
+    base: str
+    size: int
+    chunk: int
+    rows: np.ndarray
+    plain: bool = False
+
+
+def payload_read(name: str, spec: FieldSpec, rows: np.ndarray) -> Read:
+    """The payload field ``name`` at ``rows``."""
+    if spec.ragged:
+        return Read("h", f"r:{name}", 0, SPARSE_CHUNK_SLOTS, rows, plain=True)
+    size = spec.row_bytes
+    return Read("f", f"f:{name}", size, payload_chunk_slots(size), rows, size >= PLAIN_ROW_BYTES)
+
+
+def explicit_next_obs_read(obs: FieldSpec, rows: np.ndarray) -> Read:
+    """The ``next_obs`` stored with the steps at ``rows`` (raw bytes)."""
+    plain = obs.ragged or obs.row_bytes >= PLAIN_ROW_BYTES
+    return Read("h", "nx", 0, SPARSE_CHUNK_SLOTS, rows, plain)
+
+
+def info_read(rows: np.ndarray) -> Read:
+    """The ``info`` dicts at ``rows`` (msgpack; None where empty)."""
+    return Read("h", "info", 0, SPARSE_CHUNK_SLOTS, rows)
+
+
+class Fetcher:
+    """Reads rows of one namespace; ``cap`` is the slots per shard."""
+
+    def __init__(self, store: Store, cap: int) -> None:
+        self.store, self.cap = store, cap
+        self._script = Lua("fetch")
+        self._n_shards = store.config().n_shards
+
+    def __call__(
+        self,
+        check: np.ndarray,
+        expect: np.ndarray,
+        reads: Sequence[Read],
+        lookups: Sequence[Lookup] = (),
+    ) -> tuple[list[Any], list[Any]] | None:
+        """Results of ``reads`` in row order (a fixed read: uint8 ``(rows, size)``; a hash
+        read: a list of bytes or None) and the replies of ``lookups``; None when a row of
+        ``check`` no longer holds its step id in ``expect``."""
+        cap = self.cap
+        families: dict[tuple[Any, ...], list[int]] = {}
+        for j, r in enumerate(reads):
+            families.setdefault((r.kind, r.base, r.size, r.chunk, r.plain), []).append(j)
+        merged, inverse = [], []
+        for (kind, base, size, chunk, plain), members in families.items():
+            uniq, inv = np.unique(
+                np.concatenate([reads[j].rows for j in members]), return_inverse=True
+            )
+            merged.append(Read(kind, base, size, chunk, uniq, plain))
+            inverse.append((members, inv))
+        in_lua = [m for m in merged if not m.plain]
+        shards = np.unique(np.concatenate([check // cap, *(m.rows // cap for m in merged)]))
+        seqs = expect // self._n_shards
+        plain_runs: list[np.ndarray] = []
+
+        def queue(pipe: Any) -> None:
+            plain_runs.extend(self._queue_plain(pipe, m) for m in merged if m.plain)
+            for shard in shards.tolist():
+                on = check // cap == shard
+                oldest = int(seqs[on].min()) if on.any() else 1 << 52
+                args: list[Any] = [
+                    self.store.keys.shard(shard),
+                    cap,
+                    oldest,
+                    _pack(check[on] % cap),
+                ]
+                for m in in_lua:
+                    lo, hi = np.searchsorted(m.rows, [shard * cap, (shard + 1) * cap])
+                    args += [m.kind, m.base, m.size, m.chunk, _pack(m.rows[lo:hi] % cap)]
+                keys = [self.store.keys.shard_key(shard, k) for k in ("alive", "seq")]
+                self._script.queue(pipe, keys, args)
+            for lookup in lookups:
+                lookup(pipe)
+
+        replies = execute(self.store.r, [self._script], queue)
+        n_plain = sum(len(runs) for runs in plain_runs)
+        per_shard = replies[n_plain : n_plain + len(shards)]
+        if any(reply[0] for reply in per_shard):
+            return None
+        got, plain_at, lua_at, runs_of = [], 0, 1, iter(plain_runs)
+        for m in merged:
+            if m.plain:
+                runs = next(runs_of)
+                got.append(_plain_result(m, runs, replies[plain_at : plain_at + len(runs)]))
+                plain_at += len(runs)
+            else:
+                parts = [reply[lua_at] for reply in per_shard]  # shards in order: rows in order
+                got.append(_joined(m, parts))
+                lua_at += 1
+        out: list[Any] = [None] * len(reads)
+        for m, res, (members, inv) in zip(merged, got, inverse, strict=True):
+            start = 0
+            for j in members:
+                k = inv[start : start + len(reads[j].rows)]
+                out[j] = res[k] if m.kind == "f" else [res[x] for x in k.tolist()]
+                start += len(k)
+        return out, replies[n_plain + len(shards) :]
+
+    def _queue_plain(self, pipe: Any, m: Read) -> np.ndarray:
+        """Queue ``m`` as plain commands: one HGET per row, or one GETRANGE per run of
+        consecutive slots in one chunk. Returns the rows per command."""
+        keys, cap = self.store.keys, self.cap
+        shard, slot = m.rows // cap, m.rows % cap
+        chunk = slot // m.chunk
+        if not len(m.rows):
+            return np.zeros(0, np.int64)
+        if m.kind == "h":
+            for sh, c, sl in zip(shard.tolist(), chunk.tolist(), slot.tolist(), strict=True):
+                pipe.hget(keys.shard_key(sh, f"{m.base}:{c}"), sl)
+            return np.ones(len(m.rows), np.int64)
+        cut = np.flatnonzero((np.diff(m.rows) != 1) | (np.diff(chunk) != 0) | (np.diff(shard) != 0))
+        starts = np.concatenate([[0], cut + 1]).astype(np.int64)
+        runs = np.diff(np.concatenate([starts, [len(m.rows)]]))
+        for s, n in zip(starts.tolist(), runs.tolist(), strict=True):
+            off = int(slot[s] % m.chunk) * m.size
+            pipe.getrange(
+                keys.shard_key(int(shard[s]), f"{m.base}:{chunk[s]}"), off, off + n * m.size - 1
+            )
+        return runs
+
+
+def _pack(slots: np.ndarray) -> bytes:
+    return msgpack.packb(slots.tolist())
+
+
+def _joined(m: Read, parts: list[Any]) -> Any:
+    if m.kind == "f":
+        return np.frombuffer(b"".join(parts), np.uint8).reshape(-1, m.size)
+    return [v for part in parts for v in part]
+
+
+def _plain_result(m: Read, runs: np.ndarray, replies: list[Any]) -> Any:
+    if m.kind == "h":
+        return replies
+    size = m.size
+    padded = [
+        b if len(b) == n * size else b.ljust(n * size, b"\0")
+        for b, n in zip(replies, runs.tolist(), strict=True)
+    ]
+    return np.frombuffer(b"".join(padded), np.uint8).reshape(-1, size)

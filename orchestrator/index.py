@@ -1,0 +1,247 @@
+"""The sampling index: a numpy mirror of one namespace's metadata columns (DESIGN §4).
+
+``columns`` maps every metadata column (``id``, ``episode``, …, ``t:<tag>``, see
+:mod:`orchestrator.filters`) and ``alive`` to one array over the global rows
+``shard * cap + slot``, priorities and numeric tags decoded (NaN = unset). Redis stays the
+only source of truth: the index is built cold from the shards' ``m:<col>`` strings and
+``alive`` bitmaps, then kept current from the shards' change logs (``lua/log_since.lua``):
+
+- events with ``seq``/``n`` (``ins``: a committed slot range; ``evict``: slots freed for
+  a ring overwrite): the range is read again, every column plus its alive bits, with one
+  GETRANGE per column and chunk run, so an overwritten step's row is replaced whole;
+  ``links`` (``next`` distances a commit set on older rows) are applied directly;
+- events with ``col``/``ids``/``values`` (``prio``, ``cur``): applied from the payload to
+  the rows that still hold those ids;
+- anything else, a log that lost entries the index had not applied yet (trimmed past it:
+  the index counts the entries it applied against the log's ``entries-added``), or an
+  error half-way through a sync: the index is rebuilt cold.
+
+A new free tag in the schema adds its column, read whole from Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.schema import Schema
+from claw_tasks.store import NamespaceConfig, Store
+from claw_tasks.store.layout import META, META_CHUNK_SLOTS, NUM_TAG_DTYPE, STR_TAG_DTYPE
+from claw_tasks.store.store import decode_meta, tag_column
+from orchestrator.scripts import Lua, execute
+
+LOG_PAGE = 10_000
+"""Change-log entries read per shard and round trip."""
+
+
+class _Rebuild(Exception):
+    """The change log cannot be applied incrementally."""
+
+
+class SamplingIndex:
+    """The metadata columns of ``store``'s namespace, current as of the last :meth:`sync`."""
+
+    def __init__(self, store: Store) -> None:
+        cfg = store.config(refresh=True)
+        self.store = store
+        self.n_shards, self.cap = cfg.n_shards, cfg.cap
+        self.schema: Schema | None = cfg.schema
+        self.columns: dict[str, np.ndarray] = {}
+        self._last = ["0-0"] * self.n_shards  # last change-log entry applied, per shard
+        self._seen = [0] * self.n_shards  # entries the log had added up to that one
+        self._config_raw: bytes | None = None
+        self._logs = [store.keys.shard_key(s, "log") for s in range(self.n_shards)]
+        self._log_since = Lua("log_since")
+        self.attached: dict[str, Any] = {}
+        """State kept with the index by code that samples from it (lives as long as it)."""
+        self._listeners: list[Callable[[np.ndarray | None], None]] = []
+
+    def __len__(self) -> int:
+        return self.n_shards * self.cap
+
+    def subscribe(self, listener: Callable[[np.ndarray | None], None]) -> None:
+        """Call ``listener`` with what every later :meth:`sync` returns (e.g. a sampler's
+        ``refresh``), whoever calls it."""
+        self._listeners.append(listener)
+
+    def rebuild(self) -> None:
+        """Read every column of every shard from Redis (a cold start)."""
+        self.columns = {}
+        with self.store.r.pipeline(transaction=False) as pipe:
+            for key in self._logs:
+                pipe.xinfo_stream(key)
+            infos = pipe.execute(raise_on_error=False)
+        # The log positions are taken first: whatever commits after them is replayed.
+        tails = [i if isinstance(i, dict) else {} for i in infos]  # an error: no log yet
+        last = [t.get("last-generated-id", b"0-0").decode() for t in tails]
+        seen = [int(t.get("entries-added", 0)) for t in tails]
+        cfg = self.store.config(refresh=True)
+        self.schema, self._config_raw = cfg.schema, None
+        cols = [*META, *(tag_column(t) for t in self._tags())]
+        parts = [self.store.meta_columns(s, cols) for s in range(self.n_shards)]
+        self.columns = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        self._last, self._seen = last, seen
+
+    def sync(self) -> np.ndarray | None:
+        """Apply the change logs since the last call. Returns the global rows whose metadata
+        changed (sorted, unique), or None when the index was (re)built from scratch."""
+        rows = self._sync()
+        for listener in self._listeners:
+            listener(rows)
+        return rows
+
+    def _sync(self) -> np.ndarray | None:
+        if not self.columns:
+            self.rebuild()
+            return None
+        changed: list[np.ndarray] = []
+        try:
+            while self._apply_page(changed):
+                pass
+        except _Rebuild:
+            self.rebuild()
+            return None
+        except BaseException:
+            self.columns = {}  # half applied: the next sync starts cold
+            raise
+        return np.unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
+
+    # ---- change log ----------------------------------------------------------------
+    def _apply_page(self, changed: list[np.ndarray]) -> bool:
+        """Apply up to LOG_PAGE entries per shard; True if a shard may have more."""
+
+        def queue(pipe: Any) -> None:
+            for key, last, seen in zip(self._logs, self._last, self._seen, strict=True):
+                self._log_since.queue(pipe, [key], [last, seen, LOG_PAGE])
+
+        replies = execute(self.store.r, [self._log_since], queue)
+        if any(int(lost) for lost, _ in replies):
+            raise _Rebuild
+        inserted: dict[int, list[tuple[int, int]]] = {}
+        for shard, (_, entries) in enumerate(replies):
+            for _, kv in entries:
+                event = dict(zip(kv[::2], kv[1::2], strict=True))
+                if b"seq" in event and b"n" in event:  # ins, evict: a slot range
+                    inserted.setdefault(shard, []).append((int(event[b"seq"]), int(event[b"n"])))
+                    changed.append(self._links(shard, event.get(b"links", b"")))
+                elif {b"col", b"ids", b"values"} <= event.keys():
+                    changed.append(self._set(shard, event))
+                else:
+                    raise _Rebuild
+        if inserted:
+            changed.extend(self._reread(inserted))
+        for shard, (_, entries) in enumerate(replies):
+            if entries:
+                self._last[shard] = entries[-1][0].decode()
+                self._seen[shard] += len(entries)
+        return any(len(entries) >= LOG_PAGE for _, entries in replies)
+
+    def _rows(self, shard: int, seqs: np.ndarray) -> np.ndarray:
+        return shard * self.cap + (seqs - 1) % self.cap
+
+    def _set(self, shard: int, event: dict[bytes, bytes]) -> np.ndarray:
+        """A column update (priority, curation) on the rows that still hold its ids."""
+        col = event[b"col"].decode()
+        if col not in self.columns:
+            raise _Rebuild
+        ids = np.frombuffer(event[b"ids"], "<i8")
+        values = decode_meta(col, np.frombuffer(event[b"values"], self._dtype(col)), self.schema)
+        rows = self._rows(shard, ids // self.n_shards)
+        held = self.columns["id"][rows] == ids
+        rows = rows[held]
+        self.columns[col][rows] = values[held]
+        return rows
+
+    def _links(self, shard: int, links: bytes) -> np.ndarray:
+        """``next`` distances a commit set on older rows (``seq:delta,...``)."""
+        if not links:
+            return np.zeros(0, np.int64)
+        pairs = np.array(links.replace(b":", b",").split(b","), np.int64).reshape(-1, 2)
+        seqs, delta = pairs[:, 0], pairs[:, 1]
+        rows = self._rows(shard, seqs)
+        held = self.columns["id"][rows] == seqs * self.n_shards + shard
+        self.columns["next"][rows[held]] = delta[held]
+        return rows[held]
+
+    # ---- reading slot ranges -------------------------------------------------------
+    def _runs(self, inserts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Slot runs [start, stop) covered by inserts (seq0, n): merged, split at chunks."""
+        cap, spans = self.cap, []
+        for seq0, n in inserts:
+            start, n = (seq0 - 1) % cap, min(n, cap)
+            spans += (
+                [(start, start + n)] if start + n <= cap else [(start, cap), (0, start + n - cap)]
+            )
+        merged: list[list[int]] = []
+        for start, stop in sorted(spans):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], stop)
+            else:
+                merged.append([start, stop])
+        runs = []
+        for start, stop in merged:
+            while start < stop:
+                end = min(stop, (start // META_CHUNK_SLOTS + 1) * META_CHUNK_SLOTS)
+                runs.append((start, end))
+                start = end
+        return runs
+
+    def _reread(self, inserted: dict[int, list[tuple[int, int]]]) -> list[np.ndarray]:
+        """Read the inserted slot ranges again, every column and the alive bits, in one
+        round trip (with the config, for new tags)."""
+        keys = self.store.keys
+        cols = [c for c in self.columns if c != "alive"]
+        plan = [(s, run) for s, ins in inserted.items() for run in self._runs(ins)]
+        with self.store.r.pipeline(transaction=False) as pipe:
+            pipe.get(keys.config)
+            for shard, (start, stop) in plan:
+                chunk, off = divmod(start, META_CHUNK_SLOTS)
+                for col in cols:
+                    size = self.columns[col].itemsize
+                    pipe.getrange(
+                        keys.meta(shard, col, chunk), off * size, (off + stop - start) * size - 1
+                    )
+                pipe.getrange(keys.shard_key(shard, "alive"), start // 8, (stop - 1) // 8)
+            config_raw, *replies = pipe.execute()
+        changed, i = [], 0
+        for shard, (start, stop) in plan:
+            n, base = stop - start, shard * self.cap
+            for col in cols:
+                dtype = self._dtype(col)
+                raw = np.zeros(n, dtype)
+                got = np.frombuffer(replies[i], dtype)
+                raw[: len(got)] = got
+                self.columns[col][base + start : base + stop] = decode_meta(col, raw, self.schema)
+                i += 1
+            bits = np.unpackbits(np.frombuffer(replies[i], np.uint8))[start % 8 : start % 8 + n]
+            alive = self.columns["alive"][base + start : base + stop]
+            alive[:] = False
+            alive[: len(bits)] = bits.astype(bool)
+            i += 1
+            changed.append(np.arange(base + start, base + stop, dtype=np.int64))
+        self._check_config(config_raw)
+        return changed
+
+    def _check_config(self, raw: bytes | None) -> None:
+        """Add the columns of free tags that appeared in the schema, read whole."""
+        if raw is None or raw == self._config_raw:
+            return
+        old = set(self._tags())
+        self.schema, self._config_raw = NamespaceConfig.from_bytes(raw).schema, raw
+        new = [tag_column(t) for t in self._tags() if t not in old]
+        if not new:
+            return
+        self.store.config(refresh=True)
+        parts = [self.store.meta_columns(s, new) for s in range(self.n_shards)]
+        for col in new:
+            self.columns[col] = np.concatenate([p[col] for p in parts])
+
+    def _tags(self) -> dict[str, str]:
+        return dict(self.schema.tags) if self.schema else {}
+
+    def _dtype(self, col: str) -> np.dtype:
+        if col in META:
+            return META[col]
+        return STR_TAG_DTYPE if self._tags()[col[2:]] == "str" else NUM_TAG_DTYPE

@@ -1,0 +1,353 @@
+"""Direct, synchronous sampling by recipe: :func:`sample` and :func:`update_priorities`.
+
+Each process keeps one session per namespace: its :class:`~orchestrator.index.SamplingIndex`,
+one :class:`~orchestrator.samplers.RecipeSampler` per recipe (replaced when the recipe's
+version or content changes) and the string caches. A call syncs the index from the change
+logs, refreshes the samplers with the changed rows, draws the rows, and reads their
+payloads with one pipelined round trip (:mod:`orchestrator.fetch`). A drawn row whose slot
+was reused between the sync and the read makes the batch be drawn again: a batch never
+holds a step that is gone.
+
+Batch fields, in the recipe's order:
+
+- payload fields (``obs``, ``action``, …): as stored; ragged fields as lists of arrays;
+- ``next_obs``: the ``next_obs`` of the n-step bootstrap row (the next step's ``obs`` or
+  the one stored with the step); zeros where the episode terminated without one;
+- ``reward``: the step's reward, or with ``n_step > 1`` the n-step return
+  ``sum_{k<m} gamma^k r_{t+k}``; then ``discount`` (``gamma^m``) and ``done``
+  (terminated within the m steps) are added: the target is
+  ``reward + discount * (1 - done) * V(next_obs)``;
+- ``terminated``, ``truncated``: the step's own flags; ``info``: a dict per row;
+- metadata keys (``step_index``, ``task_id``, ``tags.<name>``, …): from the index, strings
+  decoded into object arrays (None = missing).
+
+With ``sequence_length`` L > 1 each field has shape ``(B, L, …)`` (lists nest ``[B][L]``):
+windows of consecutive steps of one episode. ``ids``, ``weights`` and ``source_index`` are
+per drawn row (a window's first step), the rows priorities apply to.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis
+
+from claw_tasks.codec import unpackb
+from claw_tasks.schema import FieldSpec
+from claw_tasks.settings import load_settings
+from claw_tasks.store import Store
+from claw_tasks.store.layout import EXPLICIT_NEXT
+from orchestrator.fetch import Fetcher, Read, explicit_next_obs_read, info_read, payload_read
+from orchestrator.filters import FIXED, FLAG_BITS, TAG_PREFIX
+from orchestrator.index import SamplingIndex
+from orchestrator.recipe import Recipe
+from orchestrator.samplers import Draw, InsufficientData, RecipeSampler
+from orchestrator.sequences import follow, n_step, windows
+from orchestrator.strings import Strings
+
+_ATTEMPTS = 8  # draws per call before giving up on rows overwritten under us
+
+
+class StoreChangingError(RuntimeError):
+    """Every draw of a call hit rows that were overwritten before their payloads were read."""
+
+
+@dataclass(frozen=True)
+class SampledBatch:
+    """One batch of a recipe (see the module docstring for its fields)."""
+
+    fields: dict[str, Any]
+    ids: np.ndarray  # int64 (B,): the drawn steps
+    weights: np.ndarray  # float32 (B,): importance weights (1 but for priority sources)
+    source_index: np.ndarray  # int16 (B,): index into ``sources``
+    sources: tuple[str, ...]
+    recipe_version: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+
+def sample(
+    namespace_or_store: str | Store,
+    recipe: Recipe,
+    *,
+    redis_url: str | None = None,
+    rng: np.random.Generator | None = None,
+    params: Mapping[str, Any] | None = None,
+    index: SamplingIndex | None = None,
+) -> SampledBatch:
+    """Draw one batch of ``recipe`` from a namespace.
+
+    ``redis_url`` defaults to ``CLAW_REDIS_URL``; ``rng`` to the recipe's own stream (seeded
+    with ``recipe.seed``); ``params`` override the recipe's live params; ``index`` replaces
+    the process's cached index of the namespace. Raises
+    :class:`~orchestrator.samplers.InsufficientData` when a source cannot fill its rows.
+    """
+    session = _session(namespace_or_store, redis_url, index)
+    with session.lock:
+        return session.sample(recipe, rng, params)
+
+
+def update_priorities(
+    namespace_or_store: str | Store,
+    ids: Sequence[int] | np.ndarray,
+    priorities: Any,
+    *,
+    redis_url: str | None = None,
+) -> int:
+    """Set the priorities of steps, one script call per shard; ids evicted or overwritten
+    are skipped (their slot's new step keeps its own priority). Returns how many were set."""
+    return _store(namespace_or_store, redis_url).update_priorities(ids, priorities)
+
+
+# ---- sessions ------------------------------------------------------------------------
+_lock = threading.Lock()
+_clients: dict[tuple[str, int], redis.Redis] = {}
+_stores: dict[tuple[Any, ...], Store] = {}
+_sessions: dict[tuple[Any, ...], _Session] = {}
+
+
+def _store(target: str | Store, redis_url: str | None) -> Store:
+    if isinstance(target, Store):
+        return target
+    url = redis_url or load_settings().redis_url
+    pid = os.getpid()
+    with _lock:
+        client = _clients.get((url, pid))
+        if client is None:
+            client = _clients[url, pid] = redis.Redis.from_url(url)
+        store = _stores.get((url, target, pid))
+        if store is None:
+            store = _stores[url, target, pid] = Store(client, target)
+        return store
+
+
+def _session(target: str | Store, redis_url: str | None, index: SamplingIndex | None) -> _Session:
+    if index is not None:
+        with _lock:
+            if "session" not in index.attached:
+                index.attached["session"] = _Session(index)
+            return index.attached["session"]
+    store = _store(target, redis_url)
+    kw = store.r.connection_pool.connection_kwargs
+    key = (kw.get("host"), kw.get("port"), kw.get("path"), kw.get("db"), store.namespace)
+    key += (os.getpid(),)  # a forked child builds its own (own locks and random streams)
+    with _lock:
+        if key not in _sessions:
+            _sessions[key] = _Session(SamplingIndex(store))
+        return _sessions[key]
+
+
+@dataclass
+class _Bound:
+    recipe: Recipe
+    sampler: RecipeSampler
+    rng: np.random.Generator
+
+
+class _Session:
+    """A namespace's index and the samplers bound to it."""
+
+    def __init__(self, index: SamplingIndex) -> None:
+        self.index, self.store = index, index.store
+        self.lock = threading.Lock()
+        self.strings = Strings(self.store, index)
+        self.fetch = Fetcher(self.store, index.cap)
+        self.bound: dict[str, _Bound] = {}
+        index.subscribe(self._changed)
+
+    def _changed(self, rows: np.ndarray | None) -> None:
+        self.strings.observe(rows)
+        if rows is None or len(rows):
+            for b in self.bound.values():
+                b.sampler.refresh(self.index.columns, rows)
+
+    def bind(self, recipe: Recipe) -> _Bound:
+        """The recipe's sampler, made on first use and when the recipe changed."""
+        b = self.bound.get(recipe.name)
+        if b is not None and (b.recipe is recipe or _same(b.recipe, recipe)):
+            return b
+        schema = self.index.schema
+        if schema is None:
+            src = recipe.sources[0]
+            raise InsufficientData(src.name, 0, recipe.counts[0], "the namespace has no steps")
+        recipe.validate_against(schema)
+        sampler = RecipeSampler(recipe, self.strings.encode, schema.tags, self.index.cap)
+        b = self.bound[recipe.name] = _Bound(recipe, sampler, np.random.default_rng(recipe.seed))
+        return b
+
+    def sample(
+        self,
+        recipe: Recipe,
+        rng: np.random.Generator | None,
+        params: Mapping[str, Any] | None,
+    ) -> SampledBatch:
+        live = {**recipe.params, **(params or {})}
+        for _ in range(_ATTEMPTS):
+            self.index.sync()
+            b = self.bind(recipe)
+            draw = b.sampler.sample(self.index.columns, b.rng if rng is None else rng, live)
+            batch = _Assembly(self, recipe, draw).run()
+            if batch is not None:
+                return batch
+        raise StoreChangingError(
+            f"recipe {recipe.name!r}: {_ATTEMPTS} draws in a row hit overwritten steps; "
+            "the namespace's capacity is too small for its ingest rate"
+        )
+
+
+def _same(a: Recipe, b: Recipe) -> bool:
+    """Equal but for the live params (passed on every draw)."""
+    skip = {"params"}
+    return a.version == b.version and a.model_dump(exclude=skip) == b.model_dump(exclude=skip)
+
+
+# ---- assembling a batch --------------------------------------------------------------
+Finish = Callable[[list[Any]], Any]
+
+
+class _Assembly:
+    """The reads a draw needs, and how their results become the batch's fields."""
+
+    def __init__(self, session: _Session, recipe: Recipe, draw: Draw) -> None:
+        self.s, self.recipe, self.draw = session, recipe, draw
+        cols, cap = session.index.columns, session.index.cap
+        self.cols, self.cap = cols, cap
+        length = recipe.sequence_length
+        b = recipe.batch_size
+        self.shape = (b, length) if length > 1 else (b,)
+        self.rows = windows(cols, draw.rows, length, cap).ravel() if length > 1 else draw.rows
+        self.reads: list[Read] = []
+        self.check = [self.rows]
+        self.lookups: list[tuple[str, list[int], Callable[[Any], None]]] = []
+
+    def run(self) -> SampledBatch | None:
+        recipe, cols, rows = self.recipe, self.cols, self.rows
+        extra: dict[str, Finish] = {}
+        reward, boot = cols["reward"][rows], rows
+        if recipe.n_step > 1:
+            ns = n_step(cols, rows, recipe.n_step, recipe.gamma, self.cap)
+            reward, boot = ns.returns, ns.bootstrap
+            self.check.append(boot)
+            discount, done = ns.discount.astype(np.float32), ns.done
+            extra = {
+                "discount": lambda _: self._shaped(discount),
+                "done": lambda _: self._shaped(done),
+            }
+        finish = {name: self._plan(name, reward, boot) for name in recipe.fields}
+        finish.update(extra)
+        check = np.unique(np.concatenate(self.check))
+        got = self.s.fetch(
+            check, cols["id"][check], self.reads, [lookup for *_, lookup in self.lookups]
+        )
+        if got is None:
+            return None
+        results, replies = got
+        for (column, codes, _), names in zip(self.lookups, replies, strict=True):
+            self.s.strings.learn(column, codes, names)
+        return SampledBatch(
+            fields={name: f(results) for name, f in finish.items()},
+            ids=cols["id"][self.draw.rows],
+            weights=self.draw.weights,
+            source_index=self.draw.source,
+            sources=tuple(s.name for s in recipe.sources),
+            recipe_version=recipe.version,
+        )
+
+    def _read(self, read: Read) -> int:
+        self.reads.append(read)
+        return len(self.reads) - 1
+
+    def _shaped(self, values: np.ndarray) -> np.ndarray:
+        return values.reshape(*self.shape, *values.shape[1:])
+
+    def _nested(self, items: list[Any]) -> list[Any]:
+        if len(self.shape) == 1:
+            return items
+        n = self.shape[1]
+        return [items[i : i + n] for i in range(0, len(items), n)]
+
+    def _plan(self, name: str, reward: np.ndarray, boot: np.ndarray) -> Finish:
+        """Queue what field ``name`` needs; return how to build it from the read results."""
+        cols, rows = self.cols, self.rows
+        fields = self.s.index.schema.fields  # type: ignore[union-attr]
+        if name in fields:
+            spec = fields[name]
+            i = self._read(payload_read(name, spec, rows))
+            return lambda res: self._decode(spec, res[i])
+        if name == "next_obs":
+            return self._plan_next_obs(fields["obs"], boot)
+        if name == "reward":
+            return lambda _: self._shaped(reward.astype(np.float32))
+        if name == "info":
+            i = self._read(info_read(rows))
+            return lambda res: self._nested([unpackb(b) if b else {} for b in res[i]])
+        if name in ("terminated", "truncated"):
+            return lambda _: self._shaped((cols["flags"][rows] & FLAG_BITS[name]) != 0)
+        column, kind = FIXED.get(name, (None, None))
+        if column is None:
+            tag = name.removeprefix(TAG_PREFIX)
+            column = f"t:{tag}"
+            kind = "code" if self.s.index.schema.tags[tag] == "str" else "num"  # type: ignore[union-attr]
+        values = cols[column][rows]
+        if kind == "num":
+            return lambda _: self._shaped(values)
+        self._lookup(column, values)
+        return lambda _: self._shaped(self.s.strings.decode(column, values))
+
+    def _plan_next_obs(self, spec: FieldSpec, boot: np.ndarray) -> Finish:
+        nxt = follow(self.cols, boot, self.cap)
+        explicit = (self.cols["flags"][boot] & EXPLICIT_NEXT) != 0
+        linked = (nxt >= 0) & ~explicit
+        self.check.append(nxt[linked])
+        i = self._read(payload_read("obs", spec, nxt[linked]))
+        j = self._read(explicit_next_obs_read(spec, boot[explicit]))
+
+        def finish(res: list[Any]) -> Any:
+            if spec.ragged:
+                out: list[Any] = [b""] * len(boot)
+                for p, b in zip(np.flatnonzero(linked).tolist(), res[i], strict=True):
+                    out[p] = b
+                for p, b in zip(np.flatnonzero(explicit).tolist(), res[j], strict=True):
+                    out[p] = b
+                return self._decode(spec, out)
+            raw = np.zeros((len(boot), spec.row_bytes), np.uint8)
+            raw[linked] = res[i]
+            if explicit.any():
+                raw[explicit] = np.frombuffer(b"".join(res[j]), np.uint8).reshape(
+                    -1, spec.row_bytes
+                )
+            return self._decode(spec, raw)
+
+        return finish
+
+    def _decode(self, spec: FieldSpec, got: Any) -> Any:
+        dtype = np.dtype(spec.dtype)
+        if spec.ragged:
+            tail = spec.shape[1:]
+            return self._nested([np.frombuffer(b or b"", dtype).reshape(-1, *tail) for b in got])
+        return got.view(dtype).reshape(*self.shape, *spec.shape)
+
+    def _lookup(self, column: str, codes: np.ndarray) -> None:
+        """Queue the names of codes not cached yet on the fetch's pipeline."""
+        keys, n_shards = self.s.store.keys, self.s.index.n_shards
+        missing = self.s.strings.missing(column, codes)
+        if not missing:
+            return
+        if column != "episode":
+            key = keys.rdict(column)
+            self.lookups.append((column, missing, lambda p: p.hmget(key, missing)))
+            return
+        for shard in range(n_shards):  # episode names live with their shard
+            part = [c for c in missing if c % n_shards == shard]
+            if part:
+                key = keys.shard_key(shard, "epname")
+                self.lookups.append((column, part, lambda p, k=key, c=part: p.hmget(k, c)))

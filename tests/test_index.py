@@ -1,0 +1,140 @@
+"""The sampling index follows the change log and always equals a cold rebuild from Redis."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from stepdata import batch, episode, interleave
+
+from claw_tasks.store import Store
+from orchestrator.index import SamplingIndex
+
+
+@pytest.fixture
+def store(redis_url: str, namespace: str) -> Store:
+    st = Store(redis_url, namespace)
+    st.create(capacity=300, n_shards=2)
+    return st
+
+
+def assert_cold_equal(ix: SamplingIndex) -> None:
+    cold = SamplingIndex(ix.store)
+    assert cold.sync() is None
+    assert ix.columns.keys() == cold.columns.keys()
+    for name, col in cold.columns.items():
+        np.testing.assert_array_equal(ix.columns[name], col, err_msg=name)
+
+
+def rows_of(ix: SamplingIndex, ids: np.ndarray) -> np.ndarray:
+    seq = ids // ix.n_shards
+    return np.sort(ids % ix.n_shards * ix.cap + (seq - 1) % ix.cap)
+
+
+def live_ids(ix: SamplingIndex) -> np.ndarray:
+    return ix.columns["id"][ix.columns["alive"]]
+
+
+def test_follows_inserts_updates_curation_tags_and_ring(store):
+    store.commit(batch(interleave(episode(1, 40, "terminated", task_id="a"), episode(2, 30))))
+    ix = SamplingIndex(store)
+    assert ix.sync() is None
+    assert ix.columns["alive"].sum() == 70
+    assert_cold_equal(ix)
+
+    # Episode 2 goes on in a later commit; episode 3 commits its second half first.
+    store.commit(batch(episode(2, 50, "truncated", first=30) + episode(3, 20, first=10)))
+    before = set(live_ids(ix).tolist())
+    changed = ix.sync()
+    new = np.array(sorted(set(live_ids(ix).tolist()) - before))
+    assert len(new) == 30
+    assert set(rows_of(ix, new)) <= set(changed.tolist())
+    store.commit(batch(episode(3, 10, task_id="b")))
+    ix.sync()
+    assert_cold_equal(ix)
+
+    ids = live_ids(ix)[:60]
+    prios = np.linspace(0.1, 6.0, 60).astype(np.float32)
+    assert store.update_priorities(ids, prios) == 60
+    changed = ix.sync()
+    np.testing.assert_array_equal(changed, rows_of(ix, ids))
+    by_id = dict(zip(ids.tolist(), prios.tolist(), strict=True))
+    got = ix.columns["priority"][changed]
+    assert got.tolist() == [by_id[i] for i in ix.columns["id"][changed].tolist()]
+    assert_cold_equal(ix)
+
+    store.curate(episode_id="ep1", quality="good")
+    store.curate(ids[:5], trainable=False)
+    ix.sync()
+    assert_cold_equal(ix)
+
+    store.commit(batch(episode(4, 25, "terminated", tags={"color": "red", "level": 2.0})))
+    ix.sync()
+    assert {"t:color", "t:level"} <= ix.columns.keys()
+    assert_cold_equal(ix)
+
+    # Past capacity: the ring overwrites the oldest slots of both shards.
+    steps = interleave(*(episode(e, 60, "terminated") for e in range(5, 15)))
+    for i in range(0, len(steps), 100):  # a commit bigger than a shard's ring expires
+        assert store.commit(batch(steps[i : i + 100])).committed == 100
+    changed = ix.sync()
+    assert len(changed) == 2 * ix.cap
+    assert_cold_equal(ix)
+    assert not np.isin(ids, live_ids(ix)).any()
+
+
+def test_trimmed_log_rebuilds_cold(store, r):
+    store.commit(batch(episode(1, 30, "terminated")))
+    ix = SamplingIndex(store)
+    ix.sync()
+    logs = [store.keys.shard_key(s, "log") for s in range(ix.n_shards)]
+    ids = live_ids(ix)
+    store.update_priorities(ids, np.full(len(ids), 2.0))
+    for key in logs:  # the priority events go before the index read them
+        r.xtrim(key, maxlen=0)
+    assert ix.sync() is None
+    assert (ix.columns["priority"][ix.columns["alive"]] == 2.0).all()
+    assert_cold_equal(ix)
+
+    for key in logs:  # only entries already applied go: nothing to rebuild
+        r.xtrim(key, maxlen=0)
+    assert len(ix.sync()) == 0
+    store.update_priorities(ids[:3], np.full(3, 5.0))
+    np.testing.assert_array_equal(ix.sync(), rows_of(ix, ids[:3]))
+    assert_cold_equal(ix)
+
+
+def test_evict_event_and_unknown_events(store, r):
+    store.commit(batch(episode(1, 30, "terminated")))
+    ix = SamplingIndex(store)
+    ix.sync()
+    victim = int(live_ids(ix)[0])
+    shard, seq = victim % ix.n_shards, victim // ix.n_shards
+    slot = (seq - 1) % ix.cap
+    log = store.keys.shard_key(shard, "log")
+    # What an allocation that takes back ring slots does: clear alive bits, log the range.
+    r.setbit(store.keys.shard_key(shard, "alive"), slot, 0)
+    r.xadd(log, {"op": "evict", "seq": seq, "n": 1})
+    np.testing.assert_array_equal(ix.sync(), [shard * ix.cap + slot])
+    assert not ix.columns["alive"][shard * ix.cap + slot]
+    assert_cold_equal(ix)
+
+    r.xadd(log, {"op": "something-new"})
+    assert ix.sync() is None
+    assert_cold_equal(ix)
+
+
+def test_error_half_way_leaves_the_index_cold(store, monkeypatch):
+    store.commit(batch(episode(1, 10)))
+    ix = SamplingIndex(store)
+    ix.sync()
+    store.commit(batch(episode(1, 20, first=10)))
+
+    def fail(*_):
+        raise ConnectionError("gone")
+
+    monkeypatch.setattr(ix, "_reread", fail)
+    with pytest.raises(ConnectionError):
+        ix.sync()
+    monkeypatch.undo()
+    assert ix.sync() is None
+    assert_cold_equal(ix)

@@ -1,0 +1,463 @@
+"""sample() and update_priorities() against a real Redis: distributions, curation, n-step
+returns and sequence windows on hand-built episodes, cold workers, real ingest."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+from stepdata import batch, episode, interleave, obs_of
+
+from claw_tasks.batch import Ragged
+from claw_tasks.client import Ingestor
+from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.layout import payload_chunk_slots
+from orchestrator import InsufficientData, Recipe, sample, update_priorities
+from orchestrator.fetch import Fetcher, Read
+from orchestrator.index import SamplingIndex
+
+
+def recipe(sources, fields=("obs", "action", "reward"), batch_size=256, **kw) -> Recipe:
+    return Recipe.model_validate(
+        {"name": "r", "batch_size": batch_size, "fields": list(fields), "sources": sources, **kw}
+    )
+
+
+@pytest.fixture
+def store(redis_url: str, namespace: str) -> Store:
+    st = Store(redis_url, namespace)
+    st.create(capacity=1000, n_shards=2)
+    return st
+
+
+def draw_ids(store: Store, r: Recipe, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.concatenate([sample(store, r, rng=rng).ids for _ in range(n)])
+
+
+def chi2_pvalue(drawn: np.ndarray, ids: np.ndarray, mass: np.ndarray) -> float:
+    counts = np.array([np.count_nonzero(drawn == i) for i in ids])
+    assert counts.sum() == len(drawn)
+    expected = mass / mass.sum() * len(drawn)
+    assert expected.min() > 5
+    return chisquare(counts, expected).pvalue
+
+
+def test_priority_updates_land_and_change_the_distribution(store, redis_url):
+    """Chi-square over 25,600 draws before and after an update; IS weights; a cold index
+    (another worker) draws exactly the same rows from the same random stream."""
+    steps = [s for e in range(8) for s in episode(e, 15, "terminated", task_id="ab"[e % 2])]
+    store.commit(batch(steps))
+    ids = np.sort(np.concatenate([store.episode(f"ep{e}", fields=[])["id"] for e in (0, 2, 4, 6)]))
+    prios = np.random.default_rng(0).uniform(0.05, 1.0, len(ids)).astype(np.float32)
+    prios[:6] = np.nan  # unset: counts as the namespace's max priority
+    is_set = ~np.isnan(prios)
+    assert update_priorities(store, ids[is_set], prios[is_set]) == is_set.sum()
+    alpha, beta = 0.7, 0.5
+    sampler = {"kind": "priority", "alpha": alpha, "beta": beta}
+    r = recipe([{"name": "p", "where": {"task_id": "a"}, "sampler": sampler}])
+
+    def mass(p: np.ndarray) -> np.ndarray:
+        return np.where(np.isnan(p), np.nanmax(p), p).astype(np.float64) ** alpha
+
+    before = draw_ids(store, r, 100, 1)
+    assert chi2_pvalue(before, ids, mass(prios)) > 1e-3
+
+    b = sample(store, r, rng=np.random.default_rng(2))
+    prob = mass(prios)[np.searchsorted(ids, b.ids)] / mass(prios).sum()
+    w = (len(ids) * prob) ** -beta
+    np.testing.assert_allclose(b.weights, w / w.max(), rtol=1e-5)
+    assert b.weights.dtype == np.float32 and b.ids.dtype == np.int64
+
+    prios[6:12] = 8.0  # a few steps become much more likely
+    assert update_priorities(store.namespace, ids[6:12], prios[6:12], redis_url=redis_url) == 6
+    drawn = draw_ids(store, r, 100, 3)
+    assert chi2_pvalue(drawn, ids, mass(prios)) > 1e-3
+    assert np.isin(drawn, ids[6:12]).mean() > 2 * np.isin(before, ids[6:12]).mean()
+
+    warm = sample(store, r, rng=np.random.default_rng(4))
+    cold = sample(store, r, rng=np.random.default_rng(4), index=SamplingIndex(store))
+    np.testing.assert_array_equal(warm.ids, cold.ids)
+    np.testing.assert_array_equal(warm.weights, cold.weights)
+    drawn = np.concatenate([sample(store, r, index=SamplingIndex(store)).ids for _ in range(100)])
+    assert chi2_pvalue(drawn, ids, mass(prios)) > 1e-3
+
+
+def test_updates_for_overwritten_steps_are_ignored(redis_url, namespace):
+    st_ = Store(redis_url, namespace)
+    st_.create(capacity=40)
+    st_.commit(batch(episode(1, 40, "terminated")))
+    old = st_.episode("ep1", fields=[])["id"]
+    r = recipe([{"name": "p", "sampler": {"kind": "priority"}}], ["obs", "priority"], 64)
+    sample(st_, r)  # the index knows the old steps
+    st_.commit(batch(episode(2, 15, "terminated")))  # reuses the slots of old[:15]
+    new = st_.episode("ep2", fields=[])["id"]
+    assert update_priorities(st_, old, np.full(40, 3.0)) == 25
+    assert update_priorities(st_, old, np.full(40, 3.0)) == 25  # idempotent
+    assert np.isnan(st_.get(new, fields=[])["priority"]).all()
+    for _ in range(20):
+        b = sample(st_, r)
+        assert not np.isin(b.ids, old[:15]).any()
+        is_new = np.isin(b.ids, new)
+        assert np.isnan(b["priority"][is_new]).all() and (b["priority"][~is_new] == 3.0).all()
+
+
+def test_mixture_counts_are_exact_and_rows_match_their_source(store):
+    eps = [
+        episode(e, 20, "terminated", task_id="abc"[e % 3], tags={"color": "rb"[e % 2], "level": e})
+        for e in range(6)
+    ]
+    store.commit(batch(interleave(*eps)))
+    fields = ["obs", "task_id", "tags.level", "tags.color", "episode_id", "step_index"]
+    hard = {"task_id": {"in": ["b", "c"]}, "tags.level": {"ge": "$min_level"}}
+    r = recipe(
+        [
+            {"name": "a", "weight": 3, "where": {"task_id": "a"}},
+            {"name": "rest", "weight": 1, "where": hard, "sampler": {"kind": "priority"}},
+        ],
+        fields,
+        batch_size=10,
+        params={"min_level": 2},
+    )
+    for i in range(50):
+        b = sample(store, r, params={"min_level": 4} if i % 2 else None)
+        assert b.sources == ("a", "rest") and b.recipe_version == 1 and len(b) == 10
+        assert b.source_index.tolist() == [0] * 8 + [1] * 2
+        assert (b["task_id"][:8] == "a").all()
+        assert set(b["task_id"][8:]) <= {"b", "c"}
+        assert (b["tags.level"][8:] >= (4 if i % 2 else 2)).all()
+        obs = b["obs"]
+        assert b["episode_id"].tolist() == [f"ep{int(e)}" for e in obs[:, 0]]
+        assert b["step_index"].tolist() == obs[:, 1].astype(int).tolist()
+        assert b["tags.color"].tolist() == ["rb"[int(e) % 2] for e in obs[:, 0]]
+
+
+def test_curation_trainable_and_quality(store):
+    store.commit(batch(interleave(*(episode(e, 20, "terminated") for e in range(4)))))
+    store.curate(episode_id="ep0", trainable=False)
+    store.curate(episode_id="ep1", quality="good")
+    everything = recipe([{"name": "all"}], batch_size=64)
+    for _ in range(30):
+        assert 0 not in sample(store, everything)["obs"][:, 0]
+    good = recipe([{"name": "q", "where": {"quality": "good"}}], batch_size=64)
+    assert set(sample(store, good)["obs"][:, 0]) == {1}
+    great = recipe([{"name": "q", "where": {"quality": {"in": ["great"]}}}], batch_size=64)
+    with pytest.raises(InsufficientData, match="'q': 0 candidates"):
+        sample(store, great)
+    store.curate(episode_id="ep2", quality="great")  # a string new to the dictionary
+    assert set(sample(store, great)["obs"][:, 0]) == {2}
+    store.curate(episode_id="ep0", trainable=True)
+    seen = np.concatenate([sample(store, everything)["obs"][:, 0] for _ in range(10)])
+    assert set(seen) == {0, 1, 2, 3}
+
+
+LENGTH = {1: 6, 2: 5, 3: 7, 4: 4}
+END = {1: "terminated", 2: "truncated", 3: "", 4: "terminated"}  # 3 is still running
+
+
+def commit_episodes(store: Store) -> None:
+    """Four episodes interleaved, in three commits that split them across batches."""
+    steps = interleave(*(episode(e, LENGTH[e], END[e]) for e in LENGTH))
+    for part in (steps[:7], steps[7:15], steps[15:]):
+        store.commit(batch(part))
+
+
+def reward_of(ep: int, t: int) -> float:
+    return float(np.float32(ep + t / 100))
+
+
+def transition(ep: int, t: int, n: int, gamma: float):
+    """(return, discount, done, next_obs or None if not stored) of the n-step transition."""
+    ret, k, done, last = 0.0, 0, False, LENGTH[ep] - 1
+    while k < n:
+        ret += gamma**k * reward_of(ep, t + k)
+        k += 1
+        if t + k - 1 == last:
+            done = END[ep] == "terminated"
+            break
+    boot = t + k - 1
+    if boot < last:
+        nxt = obs_of(ep, boot + 1)
+    elif END[ep] == "truncated":
+        nxt = obs_of(ep, boot + 1, explicit=True)
+    else:
+        nxt = np.zeros(4, np.float32) if done else None
+    return ret, gamma**k, done, nxt
+
+
+def test_n_step_returns_on_interleaved_episodes(store):
+    commit_episodes(store)
+    fields = ["obs", "reward", "next_obs", "terminated", "truncated"]
+    r = recipe([{"name": "u"}], fields, batch_size=64, n_step=3, gamma=0.5)
+    valid = {
+        (e, t) for e in LENGTH for t in range(LENGTH[e]) if transition(e, t, 3, 0.5)[3] is not None
+    }
+    seen = set()
+    for _ in range(30):
+        b = sample(store, r)
+        assert b["discount"].dtype == np.float32 and b["done"].dtype == bool
+        for i, (ep, t) in enumerate(b["obs"][:, :2].astype(int).tolist()):
+            ret, discount, done, nxt = transition(ep, t, 3, 0.5)
+            assert (ep, t) in valid
+            assert b["reward"][i] == pytest.approx(ret, rel=1e-6)
+            assert b["discount"][i] == discount and b["done"][i] == done
+            np.testing.assert_array_equal(b["next_obs"][i], nxt)
+            last = t == LENGTH[ep] - 1
+            assert b["terminated"][i] == (last and END[ep] == "terminated")
+            assert b["truncated"][i] == (last and END[ep] == "truncated")
+            seen.add((ep, t))
+    assert seen == valid
+
+
+def test_sequences_stay_inside_one_episode(store):
+    commit_episodes(store)
+    fields = ["obs", "reward", "next_obs", "episode_id"]
+    r = recipe([{"name": "u"}], fields, batch_size=32, sequence_length=3)
+    # Every step of a window needs its next_obs (or to terminate the episode).
+    ok = {
+        (e, t) for e in LENGTH for t in range(LENGTH[e]) if transition(e, t, 1, 1.0)[3] is not None
+    }
+    valid = {(e, t) for e, t in ok if {(e, t + 1), (e, t + 2)} <= ok}
+    assert (1, 3) in valid and (2, 2) in valid  # windows ending on an episode's last step
+    seen = set()
+    for _ in range(20):
+        b = sample(store, r)
+        obs = b["obs"]
+        assert obs.shape == (32, 3, 4) and b["reward"].shape == (32, 3) and b.ids.shape == (32,)
+        assert b["next_obs"].shape == (32, 3, 4) and b["episode_id"].shape == (32, 3)
+        for w in range(32):
+            ep, t = int(obs[w, 0, 0]), int(obs[w, 0, 1])
+            assert (ep, t) in valid
+            np.testing.assert_array_equal(obs[w], [obs_of(ep, t + j) for j in range(3)])
+            assert b["episode_id"][w].tolist() == [f"ep{ep}"] * 3
+            assert b["reward"][w].tolist() == [reward_of(ep, t + j) for j in range(3)]
+            for j in range(3):
+                np.testing.assert_array_equal(b["next_obs"][w, j], transition(ep, t + j, 1, 1.0)[3])
+            seen.add((ep, t))
+    assert seen == valid
+
+
+def test_fetch_rejects_rows_overwritten_since_the_sync(redis_url, namespace):
+    st_ = Store(redis_url, namespace)
+    st_.create(capacity=20)
+    st_.commit(batch(episode(1, 20, "terminated")))
+    ix = SamplingIndex(st_)
+    ix.sync()
+    rows = np.arange(5)
+    ids = ix.columns["id"][rows]
+    fetch = Fetcher(st_, ix.cap)
+    read = Read("f", "f:obs", 16, 16384, rows)
+    (got,), _ = fetch(rows, ids, [read])
+    np.testing.assert_array_equal(got.view(np.float32), [obs_of(1, t) for t in range(5)])
+    st_.commit(batch(episode(2, 3)))  # slots 0-2 now hold other steps
+    assert fetch(rows, ids, [read]) is None
+    r = recipe([{"name": "u"}], ["obs"], batch_size=64)
+    sample(st_, r, index=ix)
+    st_.commit(batch(episode(3, 3)))
+    assert not np.isin(sample(st_, r, index=ix).ids, ids).any()
+
+
+def test_clear_errors(redis_url, namespace, store):
+    r = recipe([{"name": "u"}], batch_size=4)
+    with pytest.raises(NamespaceError):
+        sample(f"{namespace}-missing", r, redis_url=redis_url)
+    with pytest.raises(InsufficientData, match="no steps"):
+        sample(store, r)
+    store.commit(batch(episode(1, 3, "terminated", task_id="a")))
+    with pytest.raises(InsufficientData, match="'u': 0 candidates, needs 1"):
+        sample(store, recipe([{"name": "u", "where": {"task_id": "b"}}]))
+    with pytest.raises(ValueError, match="'prompt_ids' is not a field"):
+        sample(store, recipe([{"name": "u"}], ["obs", "prompt_ids"]))
+
+
+def test_through_the_real_ingest_worker(redis_url, namespace, ingest_worker):
+    ing = Ingestor(namespace, redis_url, flush_steps=64, flush_interval=None, n_shards=2)
+    eps, t = np.repeat(np.arange(4), 50), np.tile(np.arange(50), 4)
+    obs = np.stack([eps, t, np.zeros(200), np.zeros(200)], axis=1).astype(np.float32)
+    ing.add_batch(
+        {
+            "obs": obs,
+            "action": t % 3,
+            "reward": (eps + t / 100).astype(np.float32),
+            "episode_id": [f"ep{e}" for e in eps],
+            "step_index": t,
+            "terminated": t == 49,
+            "task_id": "grasp",
+        }
+    )
+    assert ing.close().committed == 200
+    fields = ["obs", "action", "reward", "next_obs", "episode_id"]
+    r = recipe([{"name": "g", "where": {"task_id": "grasp"}}], fields, 128, n_step=2, gamma=0.9)
+    b = sample(namespace, r, redis_url=redis_url)
+    ep, step = b["obs"][:, 0].astype(int), b["obs"][:, 1].astype(int)
+    assert (b["action"] == step % 3).all()
+    assert b["episode_id"].tolist() == [f"ep{e}" for e in ep]
+    last = step == 49
+    r0 = (ep + step / 100).astype(np.float32).astype(np.float64)
+    r1 = (ep + (step + 1) / 100).astype(np.float32).astype(np.float64)
+    np.testing.assert_allclose(b["reward"], np.where(last, r0, r0 + 0.9 * r1), rtol=1e-6)
+    assert (b["done"] == (step >= 48)).all()
+    np.testing.assert_array_equal(b["next_obs"][step < 48, 1], step[step < 48] + 2)
+    assert (b["next_obs"][step >= 48] == 0).all()
+
+
+TASKS = ["a", "b", "c"]
+CONDITIONS = {
+    "task_id": st.one_of(
+        st.sampled_from([*TASKS, "zzz"]),
+        st.fixed_dictionaries({"in": st.lists(st.sampled_from(TASKS))}),
+    ),
+    "reward": st.one_of(
+        st.fixed_dictionaries({"gt": st.sampled_from([-1.0, 0.0, 0.25, 0.5])}),
+        st.fixed_dictionaries({"le": st.sampled_from([-1.0, 0.0, 0.5])}),
+        st.fixed_dictionaries({"between": st.sampled_from([[0.0, 0.5], [-1.0, 0.0]])}),
+    ),
+    "tags.color": st.sampled_from(["red", "blue"]),
+    "tags.level": st.fixed_dictionaries({"ge": st.sampled_from([0, 1, 2.5])}),
+    "step_index": st.fixed_dictionaries({"lt": st.integers(0, 5)}),
+}
+ROW = st.fixed_dictionaries(
+    {
+        "task_id": st.sampled_from([*TASKS, None]),
+        "reward": st.sampled_from([-1.0, 0.0, 0.25, 0.5, 1.0]),
+        "color": st.sampled_from(["red", "blue", None]),
+        "level": st.sampled_from([None, 0.0, 1.0, 2.5]),
+        "trainable": st.booleans(),
+    }
+)
+
+
+OPS = {
+    "eq": lambda x, v: x == v,
+    "in": lambda x, v: x in v,
+    "gt": lambda x, v: x > v,
+    "ge": lambda x, v: x >= v,
+    "le": lambda x, v: x <= v,
+    "lt": lambda x, v: x < v,
+    "between": lambda x, v: v[0] <= x <= v[1],
+}
+
+
+def holds(row: dict, where: dict) -> bool:
+    """Reference evaluation of a ``where`` on one row's values (None: missing)."""
+    for key, cond in where.items():
+        x = row[key.removeprefix("tags.")]
+        op, v = next(iter(cond.items())) if isinstance(cond, dict) else ("eq", cond)
+        if x is None or not OPS[op](x, v):
+            return False
+    return True
+
+
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.lists(ROW, min_size=1, max_size=30),
+    where=st.fixed_dictionaries({}, optional=CONDITIONS),
+    kind=st.sampled_from(["uniform", "priority"]),
+)
+def test_sampled_rows_satisfy_their_where(redis_url, rows, where, kind):
+    st_ = Store(redis_url, f"h-{uuid.uuid4().hex[:10]}")
+    st_.create(capacity=64)
+    rows = [{**rows[0], "color": "red", "level": 1.0}, *rows[1:]]  # fixes the tags' kinds
+    steps = []
+    for i, row in enumerate(rows):
+        row["step_index"] = i % 5
+        tags = {k: row[k] for k in ("color", "level") if row[k] is not None}
+        steps.append({"ep": i // 5, "step": i % 5, "reward": row["reward"], "tags": tags}
+                     | ({"task_id": row["task_id"]} if row["task_id"] else {}))  # fmt: skip
+    st_.commit(batch(steps))
+    ids = np.arange(1, len(rows) + 1)  # one shard, one commit: ids are the seqs in order
+    assert (st_.get(ids, fields=[])["step_index"] == np.arange(len(rows)) % 5).all()
+    untrainable = [i for i, row in zip(ids.tolist(), rows, strict=True) if not row["trainable"]]
+    if untrainable:
+        st_.curate(untrainable, trainable=False)
+    fields = ["obs", "task_id", "reward", "tags.color", "tags.level", "step_index"]
+    r = recipe([{"name": "s", "where": where, "sampler": {"kind": kind}}], fields, 16)
+    matching = [row["trainable"] and holds(row, where) for row in rows]
+    try:
+        b = sample(st_, r, rng=np.random.default_rng(0))
+    except InsufficientData:
+        assert not any(matching)
+        return
+    by_id = dict(zip(ids.tolist(), rows, strict=True))
+    for i, step_id in enumerate(b.ids.tolist()):
+        row = by_id[step_id]
+        assert row["trainable"] and holds(row, where)
+        assert b["task_id"][i] == row["task_id"] and b["reward"][i] == row["reward"]
+        level = b["tags.level"][i]
+        assert (math.isnan(level) and row["level"] is None) or level == row["level"]
+
+
+def test_ragged_fields_info_and_sequences_of_them(store):
+    steps = episode(1, 6, "terminated") + episode(2, 4, "truncated")
+    b = batch(steps)
+    b.fields["prompt_ids"] = Ragged.of(
+        [np.arange(s["step"] + s["ep"], dtype=np.int32) for s in steps]
+    )
+    b.info_rows = np.array([0, 7], np.int32)
+    b.info = [{"note": "first"}, {"note": "late", "k": 2}]
+    store.commit(b)
+    fields = ["prompt_ids", "info", "next_obs", "obs"]
+    out = sample(store, recipe([{"name": "u"}], fields, batch_size=64))
+    for ids, info, (ep, t) in zip(
+        out["prompt_ids"], out["info"], out["obs"][:, :2].astype(int).tolist(), strict=True
+    ):
+        np.testing.assert_array_equal(ids, np.arange(t + ep))
+        assert ids.dtype == np.int32
+        assert info == {(1, 0): {"note": "first"}, (2, 1): {"note": "late", "k": 2}}.get(
+            (ep, t), {}
+        )
+    seq = sample(store, recipe([{"name": "u"}], fields, batch_size=8, sequence_length=2))
+    assert len(seq["prompt_ids"]) == 8 and all(len(w) == 2 for w in seq["prompt_ids"])
+    for w, obs in zip(seq["prompt_ids"], seq["obs"], strict=True):
+        for ids, (ep, t) in zip(w, obs[:, :2].astype(int).tolist(), strict=True):
+            np.testing.assert_array_equal(ids, np.arange(t + ep))
+
+
+def image(ep: int, t: int, explicit: bool = False) -> np.ndarray:
+    """A 48x48x3 uint8 frame (6,912 bytes: read by plain commands) that names its step."""
+    return np.full((48, 48, 3), ep * 20 + t + 128 * explicit, np.uint8)
+
+
+def test_big_rows_through_plain_commands(store):
+    steps = interleave(*(episode(e, LENGTH[e], END[e]) for e in LENGTH))
+    for part in (steps[:9], steps[9:]):
+        b = batch(part)
+        b.fields["obs"] = np.stack([image(s["ep"], s["step"]) for s in part])
+        if b.next_obs is not None:
+            b.next_obs = np.stack(
+                [image(part[i]["ep"], part[i]["step"] + 1, True) for i in b.next_rows]
+            )
+        store.commit(b)
+    r = recipe([{"name": "u"}], ["obs", "next_obs"], batch_size=64, n_step=2, gamma=0.5)
+    for _ in range(5):
+        out = sample(store, r)
+        assert out["obs"].shape == (64, 48, 48, 3) and out["obs"].dtype == np.uint8
+        for obs, nxt in zip(out["obs"], out["next_obs"], strict=True):
+            ep, t = divmod(int(obs[0, 0, 0]), 20)
+            np.testing.assert_array_equal(obs, image(ep, t))
+            want = transition(ep, t, 2, 0.5)[3]
+            expected = (
+                np.zeros_like(obs) if not want.any() else image(ep, int(want[1]), bool(want[2]))
+            )
+            np.testing.assert_array_equal(nxt, expected)
+    seq = sample(store, recipe([{"name": "u"}], ["obs"], batch_size=16, sequence_length=3))
+    first = seq["obs"][:, :, 0, 0, 0].astype(int)
+    assert (np.diff(first, axis=1) == 1).all()  # consecutive steps of one episode
+
+    fetch = Fetcher(store, 500)
+    ix = SamplingIndex(store)
+    ix.sync()
+    rows = np.flatnonzero(ix.columns["alive"])[:4]
+    read = Read("f", "f:obs", 6912, payload_chunk_slots(6912), rows, plain=True)
+    (got,), _ = fetch(rows, ix.columns["id"][rows], [read])
+    assert got.shape == (4, 6912) and (got == got[:, :1]).all()
+    assert (got[:, 0] % 20 == ix.columns["step_index"][rows]).all()
+    earlier = ix.columns["id"][rows] - ix.cap * ix.n_shards  # the slots' previous occupants
+    assert fetch(rows, earlier, [read]) is None
