@@ -99,10 +99,12 @@ class Fetcher:
         in_lua = [m for m in merged if not m.plain]
         shards = np.unique(np.concatenate([check // cap, *(m.rows // cap for m in merged)]))
         seqs = expect // self._n_shards
-        plain_runs: list[np.ndarray] = []
+        plain = [self._plain_commands(m) for m in merged if m.plain]
 
         def queue(pipe: Any) -> None:
-            plain_runs.extend(self._queue_plain(pipe, m) for m in merged if m.plain)
+            for commands, _ in plain:
+                for name, args in commands:
+                    getattr(pipe, name)(*args)
             for shard in shards.tolist():
                 on = check // cap == shard
                 oldest = int(seqs[on].min()) if on.any() else 1 << 52
@@ -121,11 +123,11 @@ class Fetcher:
                 lookup(pipe)
 
         replies = execute(self.store.r, [self._script], queue)
-        n_plain = sum(len(runs) for runs in plain_runs)
+        n_plain = sum(len(runs) for _, runs in plain)
         per_shard = replies[n_plain : n_plain + len(shards)]
         if any(reply[0] for reply in per_shard):
             return None
-        got, plain_at, lua_at, runs_of = [], 0, 1, iter(plain_runs)
+        got, plain_at, lua_at, runs_of = [], 0, 1, iter(runs for _, runs in plain)
         for m in merged:
             if m.plain:
                 runs = next(runs_of)
@@ -144,27 +146,25 @@ class Fetcher:
                 start += len(k)
         return out, replies[n_plain + len(shards) :]
 
-    def _queue_plain(self, pipe: Any, m: Read) -> np.ndarray:
-        """Queue ``m`` as plain commands: one HGET per row, or one GETRANGE per run of
-        consecutive slots in one chunk. Returns the rows per command."""
+    def _plain_commands(self, m: Read) -> tuple[list[tuple[str, tuple[Any, ...]]], np.ndarray]:
+        """``m`` as plain commands: one HGET per row, or one GETRANGE per run of consecutive
+        slots in one chunk; and the rows each command reads."""
         keys, cap = self.store.keys, self.cap
         shard, slot = m.rows // cap, m.rows % cap
         chunk = slot // m.chunk
-        if not len(m.rows):
-            return np.zeros(0, np.int64)
         if m.kind == "h":
-            for sh, c, sl in zip(shard.tolist(), chunk.tolist(), slot.tolist(), strict=True):
-                pipe.hget(keys.shard_key(sh, f"{m.base}:{c}"), sl)
-            return np.ones(len(m.rows), np.int64)
+            rows = zip(shard.tolist(), chunk.tolist(), slot.tolist(), strict=True)
+            hget = [("hget", (keys.shard_key(sh, f"{m.base}:{c}"), sl)) for sh, c, sl in rows]
+            return hget, np.ones(len(m.rows), np.int64)
         cut = np.flatnonzero((np.diff(m.rows) != 1) | (np.diff(chunk) != 0) | (np.diff(shard) != 0))
-        starts = np.concatenate([[0], cut + 1]).astype(np.int64)
+        starts = np.concatenate([[0], cut + 1]).astype(np.int64)[: len(m.rows)]
         runs = np.diff(np.concatenate([starts, [len(m.rows)]]))
+        commands = []
         for s, n in zip(starts.tolist(), runs.tolist(), strict=True):
+            key = keys.shard_key(int(shard[s]), f"{m.base}:{chunk[s]}")
             off = int(slot[s] % m.chunk) * m.size
-            pipe.getrange(
-                keys.shard_key(int(shard[s]), f"{m.base}:{chunk[s]}"), off, off + n * m.size - 1
-            )
-        return runs
+            commands.append(("getrange", (key, off, off + n * m.size - 1)))
+        return commands, runs
 
 
 def _pack(slots: np.ndarray) -> bytes:
@@ -180,9 +180,9 @@ def _joined(m: Read, parts: list[Any]) -> Any:
 def _plain_result(m: Read, runs: np.ndarray, replies: list[Any]) -> Any:
     if m.kind == "h":
         return replies
-    size = m.size
-    padded = [
-        b if len(b) == n * size else b.ljust(n * size, b"\0")
-        for b, n in zip(replies, runs.tolist(), strict=True)
-    ]
-    return np.frombuffer(b"".join(padded), np.uint8).reshape(-1, size)
+    out = np.zeros((len(m.rows), m.size), np.uint8)
+    flat, at = out.reshape(-1), 0
+    for b, n in zip(replies, runs.tolist(), strict=True):
+        flat[at : at + len(b)] = np.frombuffer(b, np.uint8)  # short (missing key): zeros
+        at += n * m.size
+    return out

@@ -319,6 +319,8 @@ class _Assembly:
                 for p, b in zip(np.flatnonzero(explicit).tolist(), res[j], strict=True):
                     out[p] = b
                 return self._decode(spec, out)
+            if linked.all():
+                return self._decode(spec, res[i])
             raw = np.zeros((len(boot), spec.row_bytes), np.uint8)
             raw[linked] = res[i]
             if explicit.any():
