@@ -58,9 +58,6 @@ class SamplingIndex:
         """State kept with the index by code that samples from it (lives as long as it)."""
         self._listeners: list[Callable[[np.ndarray | None], None]] = []
 
-    def __len__(self) -> int:
-        return self.n_shards * self.cap
-
     def subscribe(self, listener: Callable[[np.ndarray | None], None]) -> None:
         """Call ``listener`` with what every later :meth:`sync` returns (e.g. a sampler's
         ``refresh``), whoever calls it."""
