@@ -160,7 +160,13 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
         return None
     if k.shard >= cfg.n_shards:
         raise ValueError(f"shard {k.shard} does not exist ({cfg.n_shards} shard(s))")
-    fixed = {"seq": "string", "links": "hash", "epname": "hash", "log": "stream"}
+    fixed = {
+        "seq": "string",
+        "evicted": "string",
+        "links": "hash",
+        "epname": "hash",
+        "log": "stream",
+    }
     if name in fixed:
         return _Expect(fixed[name])
     if name == "alive":

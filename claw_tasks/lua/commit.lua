@@ -100,6 +100,9 @@ runs(cap, function(i, slot, chunk, inchunk, len) set_bits(slot, slot + len) end)
 for _, rel in ipairs(spec.dead) do  -- rejected rows of a batch written in place
   redis.call('SETBIT', alive, (slot0 + rel) % cap, 0)
 end
+if #spec.dead > 0 then  -- alive bits now matter beyond the ring (see update.lua)
+  redis.call('INCRBY', prefix .. 'evicted', #spec.dead)
+end
 
 -- Episode links across batches: a run's first step finds its predecessor's tail, a run's
 -- last step finds its successor's head (batches of one episode may commit out of order).

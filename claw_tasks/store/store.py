@@ -599,29 +599,19 @@ class Store:
         cfg = self.config()
         shards = ids % cfg.n_shards
         vals = np.frombuffer(values, np.uint8)
-        with self.r.pipeline(transaction=False) as pipe:
-            for shard in np.unique(shards).tolist():
-                sel = np.flatnonzero(shards == shard)
-                part_vals = vals if mode != "set" else vals.reshape(-1, size)[sel]
-                self.scripts.update(
-                    keys=[self.keys.shard_key(shard, "log")],
-                    args=[
-                        self.keys.shard(shard),
-                        cfg.cap,
-                        cfg.n_shards,
-                        shard,
-                        META_CHUNK_SLOTS,
-                        col,
-                        size,
-                        mode,
-                        ids[sel].tobytes(),
-                        part_vals.tobytes(),
-                        LOG_MAXLEN,
-                        op,
-                    ],
-                    client=pipe,
-                )
-            return int(sum(pipe.execute()))
+        done = 0
+        # One EVALSHA per shard, straight on the client: a pipelined Script would first
+        # ask SCRIPT EXISTS, one more round trip.
+        for shard in np.unique(shards).tolist():
+            sel = np.flatnonzero(shards == shard)
+            part_vals = vals if mode != "set" else vals.reshape(-1, size)[sel]
+            keys = [self.keys.shard_key(shard, k) for k in ("log", "seq", "alive", "evicted")]
+            args = [
+                self.keys.shard(shard), cfg.cap, cfg.n_shards, shard, META_CHUNK_SLOTS, col,
+                size, mode, ids[sel].tobytes(), part_vals.tobytes(), LOG_MAXLEN, op,
+            ]  # fmt: skip
+            done += int(self.scripts.update(keys=keys, args=args))
+        return done
 
 
 def decode_meta(col: str, arr: np.ndarray, schema: Schema | None) -> np.ndarray:
