@@ -1,0 +1,125 @@
+"""The running stack: RedBeat beat drives the refill safety net; Flower sees the tasks."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, Worker
+
+from claw_tasks.client import Ingestor
+from orchestrator import shm
+from orchestrator.recipe import Recipe
+from orchestrator.registry import Registry
+
+
+def _spawn(args: list[str], redis_url: str, log: Path, **env: str) -> subprocess.Popen:
+    full = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": redis_url, **env}
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "claw_tasks.app", *args], cwd=ROOT, env=full,
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def stack_worker(redis_url, tmp_path):
+    w = Worker(redis_url, "ingest,prefetch,maintenance", 2, tmp_path / "worker.log", {})
+    yield w
+    w.stop()
+
+
+def _ingest(redis_url: str, namespace: str, n: int = 300) -> None:
+    ing = Ingestor(namespace, redis_url, flush_interval=None)
+    ing.add_batch({
+        "obs": np.zeros((n, 4), np.float32), "action": np.zeros(n, np.int64),
+        "reward": np.ones(n, np.float32), "episode_id": "e", "step_index": np.arange(n),
+    })  # fmt: skip
+    assert ing.close().committed == n
+
+
+def test_beat_refills_queues_without_any_trainer(redis_url, namespace, stack_worker, tmp_path, r):
+    _ingest(redis_url, namespace)
+    reg = Registry(Ingestor(namespace, redis_url, flush_interval=None).store)
+    recipe = Recipe.model_validate({
+        "name": "beat", "batch_size": 16, "fields": ["obs"], "sources": [{"name": "all"}],
+        "prefetch": {"depth": 4},
+    })  # fmt: skip
+    reg.put(recipe, shm.host_id())  # registered, but nobody asks for a refill
+    beat = _spawn(["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"], redis_url,
+                  tmp_path / "beat.log")  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while r.llen(reg.queue("beat")) < 4:
+            assert beat.poll() is None, (tmp_path / "beat.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "beat.log").read_text()
+            time.sleep(0.2)
+    finally:
+        _stop(beat)
+    assert r.llen(reg.queue("beat")) == 4
+    assert r.exists("claw:redbeat:claw-refill")  # the schedule lives in Redis (RedBeat)
+
+
+def test_flower_sees_ingest_tasks(redis_url, namespace, stack_worker, tmp_path):
+    port = _free_port()
+    flower = _spawn(
+        ["flower", f"--port={port}", "--address=127.0.0.1"], redis_url, tmp_path / "flower.log",
+        FLOWER_BASIC_AUTH="claw:secret",
+    )  # fmt: skip
+    auth = "Basic " + base64.b64encode(b"claw:secret").decode()
+
+    def get(path: str, with_auth: bool = True) -> tuple[int, bytes]:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+        if with_auth:
+            req.add_header("Authorization", auth)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, b""
+        except OSError:
+            return 0, b""
+
+    try:
+        deadline = time.monotonic() + 60
+        while get("/healthcheck")[0] != 200:
+            assert flower.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "flower.log"
+            ).read_text()
+            time.sleep(0.3)
+        assert get("/api/tasks", with_auth=False)[0] == 401  # basic auth is on
+        _ingest(redis_url, namespace, 50)
+        while True:
+            status, body = get("/api/tasks?taskname=claw_tasks.ingest")
+            tasks = json.loads(body) if status == 200 else {}
+            if any(t.get("state") == "SUCCESS" for t in tasks.values()):
+                break
+            assert time.monotonic() < deadline, (status, body[:500])
+            time.sleep(0.3)
+    finally:
+        _stop(flower)
