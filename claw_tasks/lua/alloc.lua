@@ -1,3 +1,4 @@
+--! include ranges
 -- Allocate a block of sequence numbers for a batch, idempotently. The slots it takes are
 -- freed at once (their older steps are evicted: alive bits cleared, logged), and the
 -- payload chunks they fall in are sized, so a client may write payloads in place before
@@ -18,31 +19,11 @@ redis.call('SET', KEYS[1], 'alloc:' .. seq0, 'EX', ttl)
 if n == 0 then return {seq0, 'new'} end
 local slot0 = (seq0 - 1) % cap
 
--- Runs of slots [slot, slot + len) inside one chunk of cs slots, without ring wrap.
-local function runs(cs, fn)
-  local i = 0
-  while i < n do
-    local slot = (slot0 + i) % cap
-    local inchunk = slot % cs
-    local len = math.min(n - i, cs - inchunk, cap - slot)
-    fn(i, slot, math.floor(slot / cs), inchunk, len)
-    i = i + len
-  end
-end
+local function runs(cs, fn) slot_runs(slot0, n, cap, cs, fn) end
 
 if seq0 + n - 1 > cap then
   -- The ring comes round: evict the older steps in these slots.
-  local alive = KEYS[4]
-  runs(cap, function(i, s, chunk, inchunk, len)
-    local e = s + len
-    while s < e and s % 8 ~= 0 do redis.call('SETBIT', alive, s, 0); s = s + 1 end
-    local full = math.floor((e - s) / 8)
-    if full > 0 then
-      redis.call('SETRANGE', alive, s / 8, string.rep('\0', full))
-      s = s + full * 8
-    end
-    while s < e do redis.call('SETBIT', alive, s, 0); s = s + 1 end
-  end)
+  runs(cap, function(i, slot, chunk, inchunk, len) fill_bits(KEYS[4], slot, slot + len, 0) end)
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', tonumber(ARGV[5]), '*',
     'op', 'evict', 'seq', seq0, 'n', n)
 end
@@ -50,11 +31,7 @@ end
 for j = 6, #ARGV, 3 do
   local base, size, cs = ARGV[j], tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
   runs(cs, function(i, slot, chunk, inchunk, len)
-    local key = prefix .. base .. ':' .. chunk
-    if redis.call('EXISTS', key) == 0 then
-      local slots = math.min(cs, cap - chunk * cs)
-      redis.call('SETRANGE', key, slots * size - 1, '\0')
-    end
+    size_chunk(prefix .. base .. ':' .. chunk, chunk, cs, cap, size)
   end)
 end
 return {seq0, 'new'}

@@ -1,3 +1,4 @@
+--! include ranges
 -- Commit one shard's part of a batch atomically over its allocated slot range.
 -- KEYS: 1 batch marker, 2 seq counter, 3 change log, 4 episode links hash,
 --       5 episode names hash, 6 alive bitmap
@@ -27,17 +28,7 @@ end
 
 local slot0 = (seq0 - 1) % cap
 
--- Runs of slots [slot, slot + len) inside one chunk of cs slots, without ring wrap.
-local function runs(cs, fn)
-  local i = 0
-  while i < n do
-    local slot = (slot0 + i) % cap
-    local inchunk = slot % cs
-    local len = math.min(n - i, cs - inchunk, cap - slot)
-    fn(i, slot, math.floor(slot / cs), inchunk, len)
-    i = i + len
-  end
-end
+local function runs(cs, fn) slot_runs(slot0, n, cap, cs, fn) end
 
 -- The ring overwrote older steps in these slots: drop their sparse entries.
 if seq0 + n - 1 > cap then
@@ -63,11 +54,7 @@ for _, c in ipairs(spec.cols) do
   argi = argi + 1
   runs(cs, function(i, slot, chunk, inchunk, len)
     local key = prefix .. base .. ':' .. chunk
-    if redis.call('EXISTS', key) == 0 then
-      -- Size the chunk once: later writes never reallocate (no greedy slack).
-      local slots = math.min(cs, cap - chunk * cs)
-      redis.call('SETRANGE', key, slots * size - 1, '\0')
-    end
+    size_chunk(key, chunk, cs, cap, size)
     local piece = blob
     if len ~= n then piece = string.sub(blob, i * size + 1, (i + len) * size) end
     redis.call('SETRANGE', key, inchunk * size, piece)
@@ -87,16 +74,7 @@ end
 local alive = KEYS[6]
 local nbytes = math.ceil(cap / 8)
 if redis.call('STRLEN', alive) < nbytes then redis.call('SETRANGE', alive, nbytes - 1, '\0') end
-local function set_bits(s, e)
-  while s < e and s % 8 ~= 0 do redis.call('SETBIT', alive, s, 1); s = s + 1 end
-  local full = math.floor((e - s) / 8)
-  if full > 0 then
-    redis.call('SETRANGE', alive, s / 8, string.rep('\255', full))
-    s = s + full * 8
-  end
-  while s < e do redis.call('SETBIT', alive, s, 1); s = s + 1 end
-end
-runs(cap, function(i, slot, chunk, inchunk, len) set_bits(slot, slot + len) end)
+runs(cap, function(i, slot, chunk, inchunk, len) fill_bits(alive, slot, slot + len, 1) end)
 for _, rel in ipairs(spec.dead) do  -- rejected rows of a batch written in place
   redis.call('SETBIT', alive, (slot0 + rel) % cap, 0)
 end

@@ -11,7 +11,15 @@ from redis.commands.core import Script
 
 @cache
 def lua_source(name: str) -> str:
-    return files("claw_tasks").joinpath("lua", f"{name}.lua").read_text()
+    """A script's source, with the files it names in ``--! include <name>`` lines first
+    (Redis scripts cannot import each other)."""
+    text = files("claw_tasks").joinpath("lua", f"{name}.lua").read_text()
+    parts = [
+        lua_source(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("--! include ")
+    ]
+    return "\n".join([*parts, text])
 
 
 class Scripts:
