@@ -1,0 +1,203 @@
+"""Trainer-side time per batch: Claw ``pop`` versus the in-loop baseline, and pop latency.
+
+    .venv/bin/python bench/trainer.py [--steps 10000] [--batches 60] [--pops 2000]
+
+Starts a private redis-server and one real Celery worker on the ``ingest`` and ``prefetch``
+queues (prefork, ``--concurrency`` processes), ingests image steps (uint8 84x84x3) and
+vector steps (float32[8]), and measures in one run:
+
+- images, 256 steps with obs and next_obs and a random shift (pad 4): the baseline samples
+  an in-process numpy replay buffer and runs albumentations 2.0.8 on every image in the
+  loop; Claw pops a batch the prefetch workers sampled, shifted and queued. Between pops
+  the trainer "trains" for ``--train-ms`` (a sleep, as a GPU step would leave the CPU free);
+  only pops that find a batch queued are timed (the figure is the pop, not a wait for
+  production, which is counted and printed);
+- pop latency p50/p99 of a 256 x float32[8] batch: alone (a queue prefetched deeper than
+  the pops, so no refill runs meanwhile) and while the worker refills (``--vector-train-ms``
+  between pops; on a small machine the worker and Redis then compete with the trainer).
+
+Prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import albumentations as A
+import cv2
+import numpy as np
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from conftest import Worker
+
+from claw_tasks.client import Ingestor
+from claw_tasks.redis_server import RedisServer
+from orchestrator.client import BatchClient
+from orchestrator.wire import Batch
+
+B, H, W, PAD = 256, 84, 84, 4
+PAGE = 4096
+
+
+def ingest(url: str, ns: str, obs: np.ndarray, episode_len: int) -> None:
+    """Episodes of ``episode_len`` steps; the last step of each terminates."""
+    n = len(obs)
+    step = np.arange(n) % episode_len
+    ing = Ingestor(ns, url, flush_interval=None, flush_steps=512, capacity=n + 1)
+    ing.add_batch({
+        "obs": obs, "action": np.zeros(n, np.int64), "reward": np.ones(n, np.float32),
+        "episode_id": (np.arange(n) // episode_len).astype(str), "step_index": step,
+        "terminated": step == episode_len - 1,
+    })  # fmt: skip
+    assert ing.close(timeout=600).committed == n
+
+
+def baseline_batch(
+    obs: np.ndarray, next_obs: np.ndarray, shift: A.Compose, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """The in-loop baseline: sample 256 rows, shift every obs and next_obs image."""
+    idx = rng.integers(0, len(obs), B)
+    return {
+        k: np.stack([shift(image=im)["image"] for im in v[idx]])
+        for k, v in (("obs", obs), ("next_obs", next_obs))
+    }
+
+
+def touch(batch: Batch) -> int:
+    """Read one byte per page of every field (what a first use of the arrays costs)."""
+    return sum(int(v.reshape(-1).view(np.uint8)[::PAGE].sum()) for v in batch.values())
+
+
+def paced_pops(
+    client: BatchClient, r: redis.Redis, name: str, n: int, train_s: float,
+    use: Callable[[Batch], Any] | None = None,
+) -> tuple[list[float], int]:  # fmt: skip
+    """Time ``n`` pops (plus ``use`` of the batch), each after a simulated train step;
+    a pop that finds the queue empty waits for a batch and is not timed. Returns the times
+    and how many pops waited."""
+    queue, times, waited = client.registry.queue(name), [], 0
+    while len(times) < n:
+        time.sleep(train_s)
+        ready = bool(r.llen(queue))
+        t0 = time.perf_counter()
+        batch = client.pop(name, timeout=60)
+        if use is not None:
+            use(batch)
+        if ready:
+            times.append(time.perf_counter() - t0)
+        else:
+            waited += 1
+    return times, waited
+
+
+def wait_full(client: BatchClient, name: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (s := client.stats(name)[name])["depth"] < s["max_depth"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"queue of {name} not full: {s}")
+        time.sleep(0.05)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10_000, help="image steps stored")
+    ap.add_argument("--batches", type=int, default=60, help="image batches per side")
+    ap.add_argument("--pops", type=int, default=2000, help="vector pops")
+    ap.add_argument("--train-ms", type=float, default=60.0, help="simulated step, images")
+    ap.add_argument("--vector-train-ms", type=float, default=2.0)
+    ap.add_argument("--concurrency", type=int, default=2)
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the worker on the way out
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (args.steps, H, W, 3), dtype=np.uint8)
+    vectors = rng.standard_normal((100_000, 8)).astype(np.float32)
+    shift = A.Compose(
+        [A.PadIfNeeded(H + 2 * PAD, W + 2 * PAD, border_mode=cv2.BORDER_REPLICATE),
+         A.RandomCrop(H, W)]
+    )  # fmt: skip
+    cv2.setNumThreads(1)  # slightly faster than the default for per-image ops here
+    with RedisServer() as srv:
+        r = srv.client()
+        worker = Worker(
+            srv.url, "ingest,prefetch", args.concurrency, Path("/tmp/claw-bench-trainer.log"), {}
+        )
+        try:
+            ingest(srv.url, "img", frames, episode_len=500)
+            ingest(srv.url, "vec", vectors, episode_len=1000)
+            img = BatchClient("img", srv.url)
+            img.register({
+                "name": "drq", "batch_size": B,
+                "fields": ["obs", "action", "reward", "next_obs", "terminated"],
+                "sources": [{"name": "all"}],
+                "augment": {"obs": [{"random_shift": {"pad": PAD}}], "next_obs": "same"},
+                "prefetch": {"depth": 8},
+            })  # fmt: skip
+            vec = BatchClient("vec", srv.url)
+            for name, depth, low in (("v8", 16, 8), ("v8-alone", args.pops + 50, 10)):
+                vec.register({"name": name, "batch_size": B, "fields": ["obs"],
+                              "sources": [{"name": "all"}],
+                              "prefetch": {"depth": depth, "low_water": low}})  # fmt: skip
+                wait_full(vec, name)
+            wait_full(img, "drq")
+
+            time.sleep(1.0)  # let the last fills finish
+            alone, _ = paced_pops(vec, r, "v8-alone", args.pops, 0.0)  # nothing else runs
+            # Baseline buffer: obs and next_obs arrays, as an SB3-style buffer keeps them.
+            nxt = np.roll(frames, -1, axis=0)
+            base = []
+            for _ in range(args.batches):
+                t0 = time.perf_counter()
+                baseline_batch(frames, nxt, shift, rng)
+                base.append(time.perf_counter() - t0)
+            train_s = args.train_ms / 1e3
+            pop_img, waited_img = paced_pops(img, r, "drq", args.batches, train_s)
+            used_img, waited_used = paced_pops(img, r, "drq", args.batches, train_s, touch)
+            pop_vec, waited_vec = paced_pops(vec, r, "v8", args.pops, args.vector_train_ms / 1e3)
+            produced = img.stats("drq")["drq"]["produced"]
+            img.close()
+            vec.close()
+        finally:
+            worker.stop()
+
+    b, c, u = (statistics.median(x) for x in (base, pop_img, used_img))
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}; worker concurrency {args.concurrency}\n")  # fmt: skip
+    print("| figure | value | size | target |\n|---|---:|---|---:|")
+    size = f"256 steps, obs+next_obs uint8 84x84x3, median of {args.batches}"
+    rows = [
+        ("baseline: numpy buffer sample + albumentations shift in the loop", ms(b), size, ""),
+        ("Claw: `pop` (prefetched, shifted, shared memory)", ms(c), size, ""),
+        ("Claw / baseline", f"1/{b / c:,.0f}", "same run", "<= 1/10"),
+        ("Claw: `pop` + first touch of every page", ms(u), size, ""),
+        ("Claw (with first touch) / baseline", f"1/{b / u:,.0f}", "same run", "<= 1/10"),
+    ]
+    refilling = f"worker refilling, {args.vector_train_ms:g} ms between pops"
+    for label, times in (("alone", alone), (refilling, pop_vec)):
+        p50, p99 = np.percentile(times, [50, 99])
+        size = f"256 x float32[8], {len(times)} pops"
+        rows.append((f"pop latency p50, {label}", ms(p50), size, "<= 0.5 ms"))
+        rows.append((f"pop latency p99, {label}", ms(p99), size, ""))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    waits = f"{waited_img + waited_used}/{2 * args.batches} image, {waited_vec}/{args.pops} vector"
+    print(f"\npops that found the queue empty (waited, untimed): {waits}; "
+          f"image batches produced: {produced}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""``ClawIterableDataset``: a PyTorch ``IterableDataset`` of prefetched Claw batches.
+
+Each item is one whole batch, a dict of tensors (the recipe's fields plus ``ids`` and
+``weights``), so use it with ``DataLoader(dataset, batch_size=None)``. Batching,
+augmentation and collation already happened in the prefetch workers; the trainer only pops.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from orchestrator.client import BatchClient
+from orchestrator.recipe import Recipe
+from orchestrator.wire import Batch
+
+Item = dict[str, Any]
+
+
+def to_tensor(arr: np.ndarray, pin_memory: bool = False) -> torch.Tensor:
+    """A tensor of ``arr``: zero-copy when it is writable, else exactly one copy (straight
+    into pinned memory when ``pin_memory``)."""
+    if pin_memory:
+        dtype = torch.from_numpy(np.empty(0, arr.dtype)).dtype
+        out = torch.empty(arr.shape, dtype=dtype, pin_memory=True)
+        np.copyto(out.numpy(), arr)
+        return out
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+
+def batch_to_tensors(
+    batch: Batch, pin_memory: bool = False, device: torch.device | None = None
+) -> Item:
+    """A batch as a dict of tensors; fields that are not numeric arrays (strings, ragged
+    lists, ``info`` dicts) are passed through unchanged."""
+    out: Item = {}
+    arrays = {**batch, "ids": batch.ids, "weights": batch.weights}
+    for name, value in arrays.items():
+        if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
+            out[name] = value
+            continue
+        t = to_tensor(value, pin_memory)
+        out[name] = t if device is None else t.to(device, non_blocking=pin_memory)
+    return out
+
+
+class ClawIterableDataset(IterableDataset):
+    """Endless (or ``num_batches`` long) stream of one recipe's batches as tensors.
+
+    ``recipe`` is a registered recipe's name, or a recipe (model or mapping) that is
+    registered here. Each iterator (each ``DataLoader`` worker) pops with its own
+    :class:`~orchestrator.client.BatchClient`; workers share the recipe's queue. ``pin_memory``
+    is ignored, with a warning, when no accelerator is available.
+    """
+
+    def __init__(
+        self,
+        recipe: str | Recipe | Mapping[str, Any],
+        namespace: str | None = None,
+        redis_url: str | None = None,
+        *,
+        broker_url: str | None = None,
+        timeout: float | None = 30.0,
+        pin_memory: bool = False,
+        device: str | torch.device | None = None,
+        num_batches: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.namespace, self.redis_url, self.broker_url = namespace, redis_url, broker_url
+        if isinstance(recipe, str):
+            self.name = recipe
+        else:
+            client = self._client()
+            try:
+                self.name = client.register(recipe).name
+            finally:
+                client.close()
+        if pin_memory and not torch.accelerator.is_available():
+            warnings.warn("pin_memory: no accelerator available; not pinning", stacklevel=2)
+            pin_memory = False
+        self.pin_memory = pin_memory
+        self.device = None if device is None else torch.device(device)
+        self.timeout = timeout
+        self.num_batches = num_batches
+        self._own: tuple[int, BatchClient] | None = None  # this process's client, for priorities
+
+    def _client(self) -> BatchClient:
+        return BatchClient(self.namespace, self.redis_url, broker_url=self.broker_url)
+
+    def __iter__(self) -> Iterator[Item]:
+        client = self._client()
+        try:
+            n = 0
+            while self.num_batches is None or n < self.num_batches:
+                batch = client.pop(self.name, timeout=self.timeout)
+                yield batch_to_tensors(batch, self.pin_memory, self.device)
+                n += 1
+        finally:
+            client.close()
+
+    def update_priorities(self, ids: Any, priorities: Any) -> int:
+        """Send new priorities (tensors or arrays) for the steps ``ids``; returns how many
+        steps were updated."""
+        if self._own is None or self._own[0] != os.getpid():
+            self._own = (os.getpid(), self._client())
+        return self._own[1].update_priorities(_numpy(ids), _numpy(priorities))
+
+    def close(self) -> None:
+        """Close this process's priority client (iterators close their own)."""
+        if self._own is not None and self._own[0] == os.getpid():
+            self._own[1].close()
+        self._own = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_own": None}  # DataLoader workers make their own clients
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)

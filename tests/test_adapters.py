@@ -1,0 +1,213 @@
+"""The PyTorch and Stable-Baselines3 adapters against real Redis, ingest and prefetch workers."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from stable_baselines3 import DQN, SAC
+from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
+from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+from torch.utils.data import DataLoader
+
+from claw_tasks.client import Ingestor
+from claw_tasks.store import Store
+from orchestrator.adapters.sb3 import ClawReplayBuffer
+from orchestrator.adapters.torch import ClawIterableDataset, to_tensor
+from orchestrator.client import BatchClient
+
+
+@pytest.fixture(scope="module")
+def workers(redis_server, tmp_path_factory):
+    from conftest import Worker
+
+    log = tmp_path_factory.mktemp("aw") / "worker.log"
+    w = Worker(redis_server.url, "ingest,prefetch", 2, log, {})
+    yield w
+    w.stop()
+
+
+# ---- PyTorch -------------------------------------------------------------------------
+def test_to_tensor_shares_writable_arrays_and_copies_readonly_ones():
+    writable = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = to_tensor(writable)
+    writable[0, 0] = 42
+    assert t[0, 0].item() == 42  # zero-copy
+    readonly = np.frombuffer(np.arange(4, dtype=np.int64).tobytes(), np.int64)
+    t = to_tensor(readonly)
+    assert t.dtype == torch.int64 and t.tolist() == [0, 1, 2, 3]
+    assert t.data_ptr() != readonly.ctypes.data
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pins when it can")
+def test_pin_memory_without_accelerator_warns():
+    with pytest.warns(UserWarning, match="pin_memory"):
+        ds = ClawIterableDataset("any", "ns", "redis://127.0.0.1:1/0", pin_memory=True)
+    assert not ds.pin_memory
+
+
+def _ingest_vectors(url: str, ns: str, episodes: int = 4, steps: int = 40) -> None:
+    rng = np.random.default_rng(0)
+    ing = Ingestor(ns, url, flush_interval=None)
+    for e in range(episodes):
+        with ing.episode(episode_id=f"e{e}") as ep:
+            for t in range(steps):
+                last = t == steps - 1
+                obs = rng.normal(size=8).astype(np.float32)
+                ep.add(obs, np.int64(t % 3), float(t), terminated=last,
+                       next_obs=obs if last else None)  # fmt: skip
+    assert ing.close().committed == episodes * steps
+
+
+def test_torch_dataset_yields_tensor_batches(redis_url, namespace, workers):
+    _ingest_vectors(redis_url, namespace)
+    recipe = {
+        "name": "vec", "batch_size": 16,
+        "fields": ["obs", "action", "reward", "next_obs", "terminated"],
+        "sources": [{"name": "all", "sampler": {"kind": "priority"}}],
+        "prefetch": {"depth": 2},
+    }  # fmt: skip
+    ds = ClawIterableDataset(recipe, namespace, redis_url, timeout=60, num_batches=3)
+    store = Store(redis_url, namespace)
+    items = list(DataLoader(ds, batch_size=None))
+    assert len(items) == 3
+    for item in items:
+        assert set(item) == {*recipe["fields"], "ids", "weights"}
+        assert item["obs"].dtype == torch.float32 and item["obs"].shape == (16, 8)
+        assert item["next_obs"].shape == (16, 8)
+        assert item["action"].dtype == torch.int64 and item["action"].shape == (16,)
+        assert item["reward"].dtype == torch.float32 and item["terminated"].dtype == torch.bool
+        assert item["ids"].dtype == torch.int64 and item["weights"].dtype == torch.float32
+        stored = store.get(item["ids"].numpy())
+        np.testing.assert_array_equal(item["obs"].numpy(), stored["obs"])
+        np.testing.assert_array_equal(item["reward"].numpy(), stored["reward"])
+    assert ds.update_priorities(items[0]["ids"], torch.full((16,), 5.0)) > 0
+    ds.close()
+
+
+def test_torch_dataset_in_dataloader_workers(redis_url, namespace, workers):
+    _ingest_vectors(redis_url, namespace, episodes=2)
+    with BatchClient(namespace, redis_url) as client:
+        client.register({"name": "v", "batch_size": 8, "fields": ["obs", "reward"],
+                         "sources": [{"name": "all"}]})  # fmt: skip
+    ds = ClawIterableDataset("v", namespace, redis_url, timeout=60, num_batches=2)
+    items = list(DataLoader(ds, batch_size=None, num_workers=2))
+    assert len(items) == 4  # num_batches per worker
+    assert all(i["obs"].shape == (8, 8) and i["ids"].shape == (8,) for i in items)
+
+
+# ---- Stable-Baselines3 ---------------------------------------------------------------
+def _rollout(buffers: list[ReplayBuffer], steps: int, n_envs: int = 2) -> None:
+    """SB3's own store loop (``_store_transition``) over random CartPole actions, adding the
+    same transitions to every buffer; a few next_obs are replaced by unrelated arrays."""
+    venv = DummyVecEnv([lambda: gym.make("CartPole-v1", max_episode_steps=16)] * n_envs)
+    venv.seed(3)
+    rng = np.random.default_rng(3)
+    last = venv.reset()
+    for t in range(steps):
+        action = rng.integers(0, 2, n_envs)
+        new_obs, reward, dones, infos = venv.step(action)
+        next_obs = new_obs.copy()
+        for i, done in enumerate(dones):
+            if done:
+                next_obs[i] = infos[i]["terminal_observation"]
+        if t % 7 == 3:
+            next_obs[0] = rng.normal(size=4)  # a next_obs that is not the next step's obs
+        for b in buffers:
+            b.add(last, next_obs, action.reshape(n_envs, 1), reward, dones, infos)
+        last = new_obs
+
+
+def _rows(samples) -> np.ndarray:
+    """Samples as rows of (obs, action, next_obs, done, reward[, discount]), sorted."""
+    parts = [samples.observations, samples.actions, samples.next_observations,
+             samples.dones, samples.rewards]  # fmt: skip
+    if samples.discounts is not None:
+        parts.append(samples.discounts)
+    rows = np.concatenate([p.numpy().astype(np.float64).reshape(len(p), -1) for p in parts], 1)
+    return rows[np.lexsort(rows.T[::-1])]
+
+
+def _all_sb3_rows(rb: ReplayBuffer, env: VecNormalize | None) -> np.ndarray:
+    """Every stored transition through SB3's own ``_get_samples`` (it draws env indices at
+    random: 30 draws per position cover both envs)."""
+    np.random.seed(0)
+    rows = _rows(rb._get_samples(np.repeat(np.arange(rb.size()), 30), env=env))
+    return np.unique(rows, axis=0)
+
+
+def test_sb3_sample_matches_sb3_replay_buffer(redis_url, namespace, workers):
+    env = gym.make("CartPole-v1")
+    spaces_ = (env.observation_space, env.action_space)
+    steps, n_envs = 60, 2
+    ref = ReplayBuffer(1000, *spaces_, device="cpu", n_envs=n_envs)
+    claw = ClawReplayBuffer(
+        1000, *spaces_, device="cpu", n_envs=n_envs, namespace=namespace, redis_url=redis_url,
+        recipe={"sources": [{"name": "all", "sampler": {"kind": "recent"}}]}, timeout=60,
+    )  # fmt: skip
+    _rollout([ref, claw], steps, n_envs)
+    assert claw.size() == ref.size() == steps and claw.pos == ref.pos
+    assert ref.timeouts.sum() > 0 and (ref.dones * (1 - ref.timeouts)).sum() > 0
+
+    stats_env = VecNormalize(DummyVecEnv([lambda: gym.make("CartPole-v1")]))
+    stats_env.reset()
+    for _ in range(200):
+        stats_env.step(np.array([stats_env.action_space.sample()]))
+    for vec_env in (None, stats_env):
+        got = claw.sample(steps * n_envs, env=vec_env)  # recent: every stored transition
+        assert got.observations.shape == (steps * n_envs, 4)
+        assert got.actions.shape == (steps * n_envs, 1) and got.actions.dtype == torch.int64
+        assert got.rewards.shape == got.dones.shape == (steps * n_envs, 1)
+        assert got.observations.dtype == got.dones.dtype == got.rewards.dtype == torch.float32
+        assert got.discounts is None and got.observations.device.type == "cpu"
+        np.testing.assert_array_equal(_rows(got), _all_sb3_rows(ref, vec_env))
+    claw.close()
+
+
+def test_sb3_n_step_matches_sb3_n_step_buffer(redis_url, namespace, workers):
+    env = gym.make("CartPole-v1")
+    spaces_ = (env.observation_space, env.action_space)
+    steps, n, gamma = 50, 3, 0.9
+    ref = NStepReplayBuffer(1000, *spaces_, device="cpu", n_steps=n, gamma=gamma)
+    claw = ClawReplayBuffer(
+        1000, *spaces_, device="cpu", namespace=namespace, redis_url=redis_url, timeout=60,
+        recipe={"n_step": n, "gamma": gamma, "sources": [{"name": "all",
+                                                          "sampler": {"kind": "recent"}}]},
+    )  # fmt: skip
+    _rollout([ref, claw], steps, n_envs=1)
+    # Both cut the windows of the newest rows short (SB3 treats the newest row as truncated;
+    # the buffer's flush stores it with its next_obs).
+    rows = np.arange(steps)
+    got = claw.sample(steps)
+    assert got.discounts.shape == (steps, 1)
+    np.testing.assert_allclose(_rows(got), _rows(ref._get_samples(rows)), rtol=1e-6)
+    claw.close()
+
+
+def test_dqn_trains_on_cartpole(redis_url, namespace, workers):
+    model = DQN(
+        "MlpPolicy", "CartPole-v1", learning_starts=200, buffer_size=10_000, batch_size=32,
+        train_freq=4, target_update_interval=100, device="cpu", seed=0,
+        replay_buffer_class=ClawReplayBuffer,
+        replay_buffer_kwargs={"namespace": namespace, "redis_url": redis_url, "timeout": 60},
+    )  # fmt: skip
+    model.learn(total_timesteps=800)
+    rb = model.replay_buffer
+    assert isinstance(rb, ClawReplayBuffer) and rb.size() == 800
+    assert rb.client.stats("sb3")["sb3"]["popped"] >= (800 - 200) // 4
+    rb.close()
+    assert Store(redis_url, namespace).count({}) == 800
+
+
+def test_sac_trains_on_pendulum(redis_url, namespace, workers):
+    model = SAC(
+        "MlpPolicy", "Pendulum-v1", learning_starts=100, buffer_size=5_000, batch_size=32,
+        device="cpu", seed=0, replay_buffer_class=ClawReplayBuffer,
+        replay_buffer_kwargs={"namespace": namespace, "redis_url": redis_url, "timeout": 60},
+    )  # fmt: skip
+    model.learn(total_timesteps=250)
+    rb = model.replay_buffer
+    got = rb.sample(32)
+    assert got.actions.shape == (32, 1) and got.actions.dtype == torch.float32
+    rb.close()
