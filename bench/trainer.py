@@ -169,6 +169,7 @@ def main() -> None:
             used_img, waited_used = paced_pops(img, r, "drq", args.batches, train_s, touch)
             pop_vec, waited_vec = paced_pops(vec, r, "v8", args.pops, args.vector_train_ms / 1e3)
             produced = img.stats("drq")["drq"]["produced"]
+            img.unregister("drq")  # reclaims the queued shared-memory segments
             img.close()
             vec.close()
         finally:
