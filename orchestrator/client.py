@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,6 +21,7 @@ from orchestrator.registry import REFILL_LOCK_S, Entry, Registry
 from orchestrator.wire import Batch
 
 RecipeLike = Recipe | Mapping[str, Any] | str | Path
+log = logging.getLogger(__name__)
 
 
 class BatchClient:
@@ -40,6 +44,12 @@ class BatchClient:
         self.app = client_app(broker_url or (settings.broker_url if redis_url is None else url))
         self.host = shm.host_id()
         self._recipes: dict[str, Recipe] = {}
+        self._popped: dict[str, int] = {}
+        self._refills: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(
+            target=self._send_refills, name="claw-refill-requests", daemon=True
+        )
+        self._sender.start()
 
     # ---- recipes -------------------------------------------------------------------
     def register(self, recipe: RecipeLike) -> Recipe:
@@ -97,21 +107,22 @@ class BatchClient:
         seconds (None waits forever) with the recipe's prefetch state in the message."""
         recipe = self._recipes.get(name) or self._entry(name).recipe
         self._recipes[name] = recipe
-        queue = self.registry.queue(name)
+        q = self.registry.queue(name)
         deadline = None if timeout is None else time.monotonic() + timeout
         r = self.store.r
         while True:
             with r.pipeline(transaction=False) as pipe:
-                pipe.lpop(queue)
-                pipe.llen(queue)
-                item, left = pipe.execute()
+                pipe.lpop(q)
+                pipe.llen(q)
+                self._report_pops(pipe)
+                item, left = pipe.execute()[:2]
             if left < (recipe.prefetch.low_water or 0) + (item is None):
-                self._trigger(name)
+                self._refills.put(name)  # sent off the trainer's path (~1 ms)
             if item is None:
                 wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
                 if wait <= 0:
                     raise TimeoutError(self._why_empty(name, timeout))
-                got = r.blpop([queue], timeout=max(wait, 0.01))
+                got = r.blpop([q], timeout=max(wait, 0.01))
                 if got is None:
                     continue
                 item = got[1]
@@ -119,8 +130,20 @@ class BatchClient:
                 batch = shm.from_message(item)
             except shm.SegmentMissing:
                 continue  # reclaimed (its producer died long ago): take the next one
-            r.hincrby(self.registry.counters(name), "popped", 1)
+            self._popped[name] = self._popped.get(name, 0) + 1  # reported with the next pop
             return batch
+
+    def _report_pops(self, pipe: Any) -> None:
+        for name, k in self._popped.items():
+            pipe.hincrby(self.registry.counters(name), "popped", k)
+        self._popped.clear()
+
+    def _send_refills(self) -> None:
+        while (name := self._refills.get()) is not None:
+            try:
+                self._trigger(name)
+            except Exception:  # the beat safety net refills anyway
+                log.warning("refill request for %r failed", name, exc_info=True)
 
     def _trigger(self, name: str, force: bool = False) -> None:
         """Ask for a refill unless one is already on its way."""
@@ -145,6 +168,10 @@ class BatchClient:
     def stats(self, name: str | None = None) -> dict[str, dict[str, Any]]:
         """Per recipe: queue depth and bound, batches produced and popped, rows sampled,
         steps inserted, the rate limiter's verdict and the last prefetch state."""
+        if self._popped:
+            with self.store.r.pipeline(transaction=False) as pipe:
+                self._report_pops(pipe)
+                pipe.execute()
         names = [name] if name is not None else self.registry.names()
         inserted = self.registry.inserted() if self.store.exists() else 0
         out: dict[str, dict[str, Any]] = {}
@@ -169,6 +196,12 @@ class BatchClient:
         return out
 
     def close(self) -> None:
+        self._refills.put(None)
+        self._sender.join(timeout=5)
+        if self._popped:
+            with self.store.r.pipeline(transaction=False) as pipe:
+                self._report_pops(pipe)
+                pipe.execute()
         self.store.r.close()
 
     def __enter__(self) -> BatchClient:

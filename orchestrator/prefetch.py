@@ -61,11 +61,20 @@ def _rng_for(reg: Registry, recipe: Recipe) -> np.random.Generator:
     return np.random.default_rng([recipe.seed, recipe.version, k])
 
 
-def _push(reg: Registry, queue: str, depth: int, item: bytes) -> bool:
+def _push(reg: Registry, name: str, depth: int, item: bytes) -> bool:
     """Append unless the queue is at its bound (one fill per recipe runs at a time; should
     a second slip in, the item that went over is taken back). No Lua: a script's arguments
     cost ~2 ms per MB here, plain RPUSH ~0.1 ms."""
-    if reg.r.rpush(queue, item) <= depth:
+    queue = reg.queue(name)
+    with reg.r.pipeline(transaction=False) as pipe:
+        pipe.rpush(queue, item)
+        pipe.exists(reg.recipe_key(name))
+        length, registered = pipe.execute()
+    if not registered:  # unregistered while we sampled: take back what is there
+        for left in reg.drain(name):
+            shm.discard(left)
+        return False
+    if length <= depth:
         return True
     back = reg.r.rpop(queue)
     if back is not None:
@@ -106,7 +115,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
             sources=batch.sources, recipe_version=recipe.version,
         )  # fmt: skip
         item = shm.to_message(frame, reader_host=entry.reader_host)
-        if not _push(reg, queue, depth, item):
+        if not _push(reg, name, depth, item):
             break
         made += 1
         reg.bump(name, produced=1, sampled=recipe.batch_size)
