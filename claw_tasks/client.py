@@ -38,6 +38,7 @@ class FlushResult:
     committed: int = 0
     rejected: int = 0
     expired: int = 0
+    resent: int = 0  # re-publications of batches whose message went missing
     pending: int = 0  # batches not confirmed before the timeout
     errors: list[str] = field(default_factory=list)
 
@@ -377,6 +378,7 @@ class Ingestor:
                     res.committed += out.committed + out.replayed
                     res.rejected += out.rejected
                     res.expired += out.expired
+                    res.resent += entry.resent
                     res.errors += out.errors
                     continue
                 stale = now - entry.sent_at > self.resend_after
