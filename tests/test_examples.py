@@ -16,9 +16,7 @@ EXAMPLES = sorted((Path(__file__).parents[1] / "examples" / "recipes").glob("*.y
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_recipe_is_valid(path):
     recipe = Recipe.from_yaml(path)
-    schema = Schema(
-        fields={"obs": FieldSpec("|u1", (84, 84, 3)), "action": FieldSpec("<f4", (4,))}
-    )
+    schema = Schema(fields={"obs": FieldSpec("|u1", (84, 84, 3)), "action": FieldSpec("<f4", (4,))})
     recipe.validate_against(schema)
     build_pipelines(recipe.augment)
     assert sum(recipe.counts) == recipe.batch_size
