@@ -77,7 +77,8 @@ def write_segment(frame: Frame) -> str:
     path = SHM_DIR / name
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
-        os.posix_fallocate(fd, 0, frame.nbytes)  # ENOSPC here, not SIGBUS on a later access
+        # write() allocates the pages (ENOSPC here when /dev/shm is full); the reader maps
+        # the file only once it is whole, so no access can fault on a missing page.
         _write_all(fd, frame.chunks())
     except BaseException:
         path.unlink(missing_ok=True)

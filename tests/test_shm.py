@@ -134,10 +134,11 @@ def test_reaper_ttl_and_grace():
 
 
 def test_failed_write_leaves_nothing(monkeypatch):
-    def full(fd, offset, length):
+    def full(fd, chunks):  # /dev/shm fills up halfway through the batch
+        os.write(fd, b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(shm, "_write_all", full)
     mine = f"{shm.PREFIX}*-{os.getpid()}-*"
     before = set(shm.SHM_DIR.glob(mine))
     frame = frame_batch({"x": np.arange(10)}, ids=range(10))
