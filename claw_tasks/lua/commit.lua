@@ -8,27 +8,36 @@
 --         clear = {{base, chunk_slots}...}, eps = {{code, first_rel, first_idx, last_rel,
 --         last_idx, ended, name}...}, dead = {rel rows left not alive}, loglen = n}
 -- Payload fields the client wrote in place (see alloc.lua) are not in cols.
--- Returns {seq0, state}: "done" (committed now or before) or "expired" (slots reused).
+-- Returns {seq0, state, skipped}: state "done" (committed now or before) or "expired";
+-- the first `skipped` rows were not committed: newer seqs took their slots in between
+-- (past capacity already; with payloads written in place, those bytes are the newer
+-- steps' now).
 local marker = redis.call('GET', KEYS[1])
 local seq0 = tonumber(ARGV[5])
 if marker and string.sub(marker, 1, 5) ~= 'alloc' then
-  return {seq0, string.match(marker, '^(%a+)')}
+  return {seq0, string.match(marker, '^(%a+)'), 0}
 end
 local prefix = ARGV[1]
 local n, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local shard, n_shards, mc = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local spec = cmsgpack.unpack(ARGV[9])
 
--- Slots reused by newer seqs since allocation: these steps are already past capacity.
+-- Rows whose slots newer seqs took since allocation are already past capacity.
 local seq_now = tonumber(redis.call('GET', KEYS[2]) or '0')
-if seq_now - seq0 + 1 > cap then
+local skip = math.max(0, seq_now - cap + 1 - seq0)
+if skip >= n then
   redis.call('SET', KEYS[1], 'expired:' .. seq0, 'EX', ttl)
-  return {seq0, 'expired'}
+  return {seq0, 'expired', n}
 end
 
 local slot0 = (seq0 - 1) % cap
 
-local function runs(cs, fn) slot_runs(slot0, n, cap, cs, fn) end
+-- Runs over the rows that are committed, [skip, n); fn gets the row index i.
+local function runs(cs, fn)
+  slot_runs((slot0 + skip) % cap, n - skip, cap, cs, function(i, slot, chunk, inchunk, len)
+    fn(i + skip, slot, chunk, inchunk, len)
+  end)
+end
 
 -- The ring overwrote older steps in these slots: drop their sparse entries.
 if seq0 + n - 1 > cap then
@@ -64,8 +73,10 @@ end
 for _, sp in ipairs(spec.sparse) do
   local base, cs, rows = sp[1], sp[2], sp[3]
   for _, rel in ipairs(rows) do
-    local slot = (slot0 + rel) % cap
-    redis.call('HSET', prefix .. base .. ':' .. math.floor(slot / cs), slot, ARGV[argi])
+    if rel >= skip then
+      local slot = (slot0 + rel) % cap
+      redis.call('HSET', prefix .. base .. ':' .. math.floor(slot / cs), slot, ARGV[argi])
+    end
     argi = argi + 1
   end
 end
@@ -76,7 +87,7 @@ local nbytes = math.ceil(cap / 8)
 if redis.call('STRLEN', alive) < nbytes then redis.call('SETRANGE', alive, nbytes - 1, '\0') end
 runs(cap, function(i, slot, chunk, inchunk, len) fill_bits(alive, slot, slot + len, 1) end)
 for _, rel in ipairs(spec.dead) do  -- rejected rows of a batch written in place
-  redis.call('SETBIT', alive, (slot0 + rel) % cap, 0)
+  if rel >= skip then redis.call('SETBIT', alive, (slot0 + rel) % cap, 0) end
 end
 if #spec.dead > 0 then  -- alive bits now matter beyond the ring (see update.lua)
   redis.call('INCRBY', prefix .. 'evicted', #spec.dead)
@@ -98,7 +109,7 @@ for _, ep in ipairs(spec.eps) do
   local code, first_rel, first_idx, last_rel, last_idx, ended, name =
     ep[1], ep[2], ep[3], ep[4], ep[5], ep[6], ep[7]
   local first_seq, last_seq = seq0 + first_rel, seq0 + last_rel
-  if first_idx > 0 then
+  if first_idx > 0 and first_rel >= skip then
     local tkey = 't:' .. code .. ':' .. (first_idx - 1)
     local prev = redis.call('HGET', links, tkey)
     if prev then
@@ -108,7 +119,7 @@ for _, ep in ipairs(spec.eps) do
       redis.call('HSET', links, 'h:' .. code .. ':' .. first_idx, first_seq)
     end
   end
-  if not ended then
+  if not ended and last_rel >= skip then
     local hkey = 'h:' .. code .. ':' .. (last_idx + 1)
     local nxt = redis.call('HGET', links, hkey)
     if nxt then
@@ -122,6 +133,6 @@ for _, ep in ipairs(spec.eps) do
 end
 
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', spec.loglen, '*',
-  'op', 'ins', 'seq', seq0, 'n', n, 'links', table.concat(linked, ','))
+  'op', 'ins', 'seq', seq0 + skip, 'n', n - skip, 'links', table.concat(linked, ','))
 redis.call('SET', KEYS[1], 'done:' .. seq0, 'EX', ttl)
-return {seq0, 'done'}
+return {seq0, 'done', skip}

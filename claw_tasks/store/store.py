@@ -74,7 +74,7 @@ class NamespaceConfig:
 class CommitResult:
     committed: int = 0
     replayed: int = 0  # already committed by an earlier delivery
-    expired: int = 0  # slots reused before the commit landed (past capacity)
+    expired: int = 0  # slots reused by newer steps before the commit landed (past capacity)
 
 
 def tag_column(name: str) -> str:
@@ -203,13 +203,7 @@ class Store:
         for shard in np.unique(shards).tolist():
             rows = np.arange(n) if cfg.n_shards == 1 else np.flatnonzero(shards == shard)
             part = CommitPart(self, cfg, schema, batch, rows, int(shard), ep_codes, str_cols, now)
-            state, count = part.run(list(dead_rows))
-            if state == "done":
-                result.committed += count - len(dead_rows)
-            elif state == "replayed":
-                result.replayed += count
-            else:
-                result.expired += count
+            part.run(list(dead_rows), result)
         return result
 
     def _encode_str_columns(self, batch: StepBatch, schema: Schema) -> dict[str, np.ndarray]:
@@ -645,13 +639,18 @@ class CommitPart:
     def _sel(self, arr: np.ndarray) -> np.ndarray:
         return arr if self.whole else arr[self.rows]
 
-    def run(self, dead: list[int]) -> tuple[str, int]:
+    def run(self, dead: list[int], result: CommitResult) -> None:
+        """Allocate (unless the client did), commit, and count the outcome in ``result``."""
         k = self.s.keys
         n = len(self.rows)
         placed = any(isinstance(v, Placed) for v in self.b.fields.values())
         seq0, state = self.s.allocate(self.shard, self.b.batch_id, n)
-        if state in ("done", "expired"):
-            return ("replayed" if state == "done" else state), n
+        if state == "done":
+            result.replayed += n
+            return
+        if state == "expired":
+            result.expired += n
+            return
         if placed and state == "new":
             raise NamespaceError(
                 f"batch {self.b.batch_id}: its payload was written in place but its slots "
@@ -670,9 +669,10 @@ class CommitPart:
             k.shard(self.shard), n, self.cfg.cap, MARKER_TTL, seq0, self.shard,
             self.cfg.n_shards, META_CHUNK_SLOTS, packb(spec), *blobs,
         ]  # fmt: skip
-        _, state = self.s.scripts.commit(keys=keys, args=args)
-        state = state.decode() if isinstance(state, bytes) else state
-        return ("done", n) if state == "done" else (state, n)
+        _, state, skipped = self.s.scripts.commit(keys=keys, args=args)
+        dead_kept = sum(r >= skipped for r in dead)
+        result.committed += n - skipped - dead_kept
+        result.expired += skipped
 
     def _payload(self, seq0: int) -> tuple[list, list, list, list, list]:
         b, n = self.b, len(self.rows)
