@@ -113,8 +113,13 @@ def test_flower_sees_ingest_tasks(redis_url, namespace, stack_worker, tmp_path):
             ).read_text()
             time.sleep(0.3)
         assert get("/api/tasks", with_auth=False)[0] == 401  # basic auth is on
-        _ingest(redis_url, namespace, 50)
+        # Flower answers before its event receiver runs: tasks sent before then go unseen,
+        # so send another batch now and then until one shows up as done.
+        deadline, sent_at = time.monotonic() + 90, 0.0
         while True:
+            if time.monotonic() - sent_at > 3:
+                _ingest(redis_url, namespace, 50)
+                sent_at = time.monotonic()
             status, body = get("/api/tasks?taskname=claw_tasks.ingest")
             tasks = json.loads(body) if status == 200 else {}
             if any(t.get("state") == "SUCCESS" for t in tasks.values()):
