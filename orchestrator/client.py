@@ -145,13 +145,15 @@ class BatchClient:
             except Exception:  # the beat safety net refills anyway
                 log.warning("refill request for %r failed", name, exc_info=True)
 
-    def _trigger(self, name: str, force: bool = False) -> None:
-        """Ask for a refill unless one is already on its way."""
+    def _trigger(self, name: str, force: bool = False) -> bool:
+        """Ask for a refill unless one is already on its way; True if this call asked."""
         lock = self.registry.refill_lock(name)
         if force:
             self.store.r.delete(lock)
-        if self.store.r.set(lock, 1, nx=True, ex=REFILL_LOCK_S):
-            self.app.send_task("claw.prefetch.fill", args=[self.namespace, name], queue="prefetch")
+        if not self.store.r.set(lock, 1, nx=True, ex=REFILL_LOCK_S):
+            return False
+        self.app.send_task("claw.prefetch.fill", args=[self.namespace, name], queue="prefetch")
+        return True
 
     def _why_empty(self, name: str, timeout: float | None) -> str:
         state = self.stats(name)[name]

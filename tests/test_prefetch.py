@@ -138,6 +138,11 @@ def test_stalled_trainer_keeps_queue_at_its_bound(redis_url, namespace, workers,
         time.sleep(0.2)
         assert r.llen(queue) <= 3
     assert r.llen(queue) == 3
+    # No thundering herd: while a fill is on its way, further requests send nothing.
+    r.set(client.registry.refill_lock("stall"), 1)  # a fill in flight
+    assert not any(client._trigger("stall") for _ in range(50))
+    r.delete(client.registry.refill_lock("stall"))
+    assert client._trigger("stall")  # none in flight: this one asks
     s = client.stats("stall")["stall"]
     assert s["depth"] == 3 and s["produced"] == 4 and s["popped"] == 1
 
