@@ -20,7 +20,8 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
     app.conf.update(
         task_serializer="msgpack",
         result_serializer="msgpack",
-        accept_content=["msgpack", "json"],  # json for events and beat only; never pickle
+        # Nothing that can run code on load: msgpack for tasks, json for events and beat.
+        accept_content=["msgpack", "json"],
         result_accept_content=["msgpack", "json"],
         event_serializer="json",
         task_ignore_result=True,

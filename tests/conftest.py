@@ -106,3 +106,12 @@ def ingest_worker(redis_server: RedisServer, tmp_path_factory) -> Iterator[Worke
     w = Worker(redis_server.url, "ingest", 2, log, {})
     yield w
     w.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(redis_server: RedisServer, tmp_path_factory) -> Iterator[Worker]:
+    """One shared worker on the ingest and prefetch queues (2 pool processes) per module."""
+    log = tmp_path_factory.mktemp("worker") / "ingest-prefetch.log"
+    w = Worker(redis_server.url, "ingest,prefetch", 2, log, {})
+    yield w
+    w.stop()

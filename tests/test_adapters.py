@@ -18,16 +18,6 @@ from orchestrator.adapters.torch import ClawIterableDataset, to_tensor
 from orchestrator.client import BatchClient
 
 
-@pytest.fixture(scope="module")
-def workers(redis_server, tmp_path_factory):
-    from conftest import Worker
-
-    log = tmp_path_factory.mktemp("aw") / "worker.log"
-    w = Worker(redis_server.url, "ingest,prefetch", 2, log, {})
-    yield w
-    w.stop()
-
-
 # ---- PyTorch -------------------------------------------------------------------------
 def test_to_tensor_shares_writable_arrays_and_copies_readonly_ones():
     writable = np.arange(6, dtype=np.float32).reshape(2, 3)

@@ -14,16 +14,6 @@ from orchestrator.client import BatchClient
 from orchestrator.recipe import RateLimit
 
 
-@pytest.fixture(scope="module")
-def workers(redis_server, tmp_path_factory):
-    from conftest import Worker
-
-    log = tmp_path_factory.mktemp("pw") / "worker.log"
-    w = Worker(redis_server.url, "ingest,prefetch", 2, log, {})
-    yield w
-    w.stop()
-
-
 def _frames(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, 84, 84, 3), dtype=np.uint8)
 
