@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, Self
 
@@ -27,10 +27,9 @@ from pydantic import (
 
 from orchestrator.filters import FIXED, TAG_PREFIX, FilterError, parse_where, resolve
 
-RECORD_FIELDS = frozenset(
-    {"obs", "action", "reward", "next_obs", "terminated", "truncated", "info"}
-)
-"""Fields every step record has, whatever the namespace schema."""
+RECORD_FIELDS = frozenset({"reward", "terminated", "truncated", "info"})
+"""Fields every step record has, whatever the namespace schema (``obs``, ``action`` and the
+other payload fields come from the schema; ``next_obs`` exists when ``obs`` does)."""
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)]
 Scalar = StrictStr | StrictInt | StrictFloat | StrictBool
@@ -181,6 +180,11 @@ class Recipe(_Model):
                     raise ValueError(f"{field}[{i}]: one transform per entry, got {list(step)}")
         if augment and all(v == "same" for v in augment.values()):
             raise ValueError("'same' needs a field with its own transforms")
+        # Build the pipelines once so an unknown op or bad params fail at registration,
+        # not in every prefetch. Imported here: augment pulls in OpenCV.
+        from orchestrator.augment import build_pipelines
+
+        build_pipelines(augment)  # ValueError naming the field, op and param
         return augment
 
     @model_validator(mode="after")
@@ -212,11 +216,16 @@ class Recipe(_Model):
 
     def validate_against(self, schema: SchemaLike) -> None:
         """Check fields, ``where`` keys and param types against a namespace schema."""
-        known = RECORD_FIELDS | set(FIXED) | set(schema.fields)
+        known = set(RECORD_FIELDS) | set(FIXED) | set(schema.fields)
         known |= {f"{TAG_PREFIX}{t}" for t in schema.tags}
-        problems = [
-            f"fields: {f!r} is not a field of the namespace" for f in self.fields if f not in known
-        ]
+        if "obs" in schema.fields:
+            known.add("next_obs")
+        problems = []
+        for f in self.fields:
+            if f == "next_obs" and f not in known:
+                problems.append("fields: 'next_obs' needs an 'obs' field in the namespace")
+            elif f not in known:
+                problems.append(f"fields: {f!r} is not a field of the namespace")
         for i, src in enumerate(self.sources):
             try:
                 resolve(parse_where(src.where, schema.tags), self.params)
@@ -224,3 +233,10 @@ class Recipe(_Model):
                 problems.append(f"sources[{i}] ({src.name}).where.{e}")
         if problems:
             raise RecipeError(f"recipe {self.name!r}: " + "; ".join(problems))
+
+
+def same_recipe(a: Recipe, b: Recipe, ignore: Iterable[str] = ("version",)) -> bool:
+    """Whether ``a`` and ``b`` are equal but for the top-level keys in ``ignore`` (e.g.
+    ``version``, or ``params``, which are live)."""
+    skip = set(ignore)
+    return a.model_dump(exclude=skip) == b.model_dump(exclude=skip)

@@ -155,7 +155,7 @@ def test_yaml_must_be_a_mapping(tmp_path):
             "'b' gets 0 of 8 rows",
         ),
         (minimal(prefetch={"depth": 4, "low_water": 4}), "prefetch", "below depth"),
-        (minimal(augment={"action": [{"noise": {}}]}), "", "augment.action: not one of"),
+        (minimal(augment={"action": [{"random_shift": None}]}), "", "augment.action: not one of"),
         (minimal(augment={"obs": [{"a": {}, "b": {}}]}), "augment", "one transform per entry"),
         (minimal(augment={"obs": "same"}), "augment", "'same' needs a field"),
         (minimal(rate_limit={"error_buffer": 1}), "rate_limit.samples_per_insert", "required"),
@@ -213,3 +213,35 @@ def test_validate_against_the_store_schema():
     bad = Recipe.model_validate(minimal(fields=["obs", "action_ids"]))
     with pytest.raises(RecipeError, match="'action_ids' is not a field"):
         bad.validate_against(schema)
+
+
+def test_validate_against_knows_obs_action_next_obs_only_from_the_schema():
+    llm = Schema(fields={"prompt_ids": None}, tags={})
+    Recipe.model_validate(minimal(fields=["prompt_ids", "reward", "info"])).validate_against(llm)
+    for name, message in [
+        ("obs", "fields: 'obs' is not a field of the namespace"),
+        ("action", "fields: 'action' is not a field of the namespace"),
+        ("next_obs", "fields: 'next_obs' needs an 'obs' field in the namespace"),
+    ]:
+        with pytest.raises(RecipeError) as e:
+            Recipe.model_validate(minimal(fields=["prompt_ids", name])).validate_against(llm)
+        assert message in str(e.value)
+    with_obs = Schema(fields={"obs": None}, tags={})
+    Recipe.model_validate(minimal(fields=["obs", "next_obs"])).validate_against(with_obs)
+
+
+@pytest.mark.parametrize(
+    ("augment", "message"),
+    [
+        ({"obs": [{"random_shfit": {"pad": 4}}]}, "augment 'obs' op #0: unknown op 'random_shfit'"),
+        ({"obs": [{"random_shift": {"pad": "4"}}]}, "random_shift: pad must be a non-negative"),
+        ({"obs": [{"random_shift": {"padding": 4}}]}, "unknown params ['padding']"),
+        (
+            {"obs": [{"random_shift": None}, {"color_jitter": {"brightness": -1}}]},
+            "augment 'obs' op #1: color_jitter: brightness",
+        ),
+    ],
+)
+def test_bad_augment_ops_fail_at_validation(augment, message):
+    text = error(minimal(fields=["obs", "next_obs"], augment=augment))
+    assert "augment" in text and message in text
