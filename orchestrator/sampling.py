@@ -1,12 +1,12 @@
 """Direct, synchronous sampling by recipe: :func:`sample` and :func:`update_priorities`.
 
 Each process keeps one session per namespace: its :class:`~orchestrator.index.SamplingIndex`,
-one :class:`~orchestrator.samplers.RecipeSampler` per recipe (replaced when the recipe's
-version or content changes) and the string caches. A call syncs the index from the change
-logs, refreshes the samplers with the changed rows, draws the rows, and reads their
-payloads with one pipelined round trip (:mod:`orchestrator.fetch`). A drawn row whose slot
-was reused between the sync and the read makes the batch be drawn again: a batch never
-holds a step that is gone.
+one :class:`~orchestrator.samplers.RecipeSampler` per recipe (replaced when the recipe
+changes in more than ``version`` and ``params``) and the string caches. A call syncs the
+index from the change logs, refreshes the samplers with the changed rows, draws the rows,
+and reads their payloads with one pipelined round trip (:mod:`orchestrator.fetch`). A
+drawn row whose slot was reused between the sync and the read makes the batch be drawn
+again: a batch never holds a step that is gone.
 
 Batch fields, in the recipe's order:
 
@@ -45,7 +45,7 @@ from claw_tasks.store.layout import EXPLICIT_NEXT
 from orchestrator.fetch import Fetcher, Read, explicit_next_obs_read, info_read, payload_read
 from orchestrator.filters import FIXED, FLAG_BITS, TAG_PREFIX
 from orchestrator.index import SamplingIndex
-from orchestrator.recipe import Recipe
+from orchestrator.recipe import Recipe, same_recipe
 from orchestrator.samplers import Draw, InsufficientData, RecipeSampler
 from orchestrator.sequences import follow, n_step, windows
 from orchestrator.strings import Strings
@@ -171,9 +171,11 @@ class _Session:
                 b.sampler.refresh(self.index.columns, rows)
 
     def bind(self, recipe: Recipe) -> _Bound:
-        """The recipe's sampler, made on first use and when the recipe changed."""
+        """The recipe's sampler, made on first use and when the recipe changed (a new
+        ``version`` or other ``params`` alone keep it: params are live)."""
         b = self.bound.get(recipe.name)
         if b is not None and (b.recipe is recipe or _same(b.recipe, recipe)):
+            b.recipe = b.sampler.recipe = recipe
             return b
         schema = self.index.schema
         if schema is None:
@@ -205,9 +207,8 @@ class _Session:
 
 
 def _same(a: Recipe, b: Recipe) -> bool:
-    """Equal but for the live params (passed on every draw)."""
-    skip = {"params"}
-    return a.version == b.version and a.model_dump(exclude=skip) == b.model_dump(exclude=skip)
+    """Equal but for the version and the live params (passed on every draw)."""
+    return same_recipe(a, b, ignore=("version", "params"))
 
 
 # ---- assembling a batch --------------------------------------------------------------

@@ -494,3 +494,21 @@ def test_big_rows_through_plain_commands(store):
     assert (got[:, 0] % 20 == ix.columns["step_index"][rows]).all()
     earlier = ix.columns["id"][rows] - ix.cap * ix.n_shards  # the slots' previous occupants
     assert fetch(rows, earlier, [read]) is None
+
+
+def test_new_version_or_params_keep_the_sampler(store):
+    from orchestrator.sampling import _session
+
+    store.commit(batch(episode(1, 20, "terminated")))
+    where = {"step_index": {"lt": "$cut"}}
+    v1 = recipe([{"name": "u", "where": where}], batch_size=8, params={"cut": 5})
+    assert (sample(store, v1)["obs"][:, 1] < 5).all()
+    bound = _session(store, None, None).bound["r"]
+    sampler = bound.sampler
+    v2 = v1.model_copy(update={"version": 2, "params": {"cut": 2}})  # as set_params makes it
+    out = sample(store, v2)
+    assert (out["obs"][:, 1] < 2).all() and out.recipe_version == 2
+    assert _session(store, None, None).bound["r"].sampler is sampler  # trees kept
+    v3 = v2.model_copy(update={"version": 3, "n_step": 2})
+    sample(store, v3)
+    assert _session(store, None, None).bound["r"].sampler is not sampler  # content changed
