@@ -61,6 +61,9 @@ class Ragged:
             return cls(np.zeros(0, dtype or np.float32), lengths)
         return cls(np.concatenate([np.atleast_1d(a) for a in arrays]), lengths)
 
+    def __len__(self) -> int:
+        return len(self.lengths)
+
     @property
     def offsets(self) -> np.ndarray:
         out = np.zeros(len(self.lengths) + 1, np.int64)
@@ -111,6 +114,13 @@ def _unframe_field(f: Any) -> FieldValue:
     if isinstance(f, dict):
         return Ragged(unframe(f["values"]), unframe(f["lengths"]))
     return unframe(f)
+
+
+def _check_rows(name: str, rows: np.ndarray, n: int) -> None:
+    if rows.ndim != 1 or (len(rows) and (rows.min() < 0 or rows.max() >= n)):
+        raise SchemaError(f"{name}: row numbers must lie in [0, {n})")
+    if len(np.unique(rows)) != len(rows):
+        raise SchemaError(f"{name}: a row appears twice")
 
 
 def _placed(name: str, dtype: str, shape: list[int]) -> Placed:
@@ -208,14 +218,33 @@ class StepBatch:
         for k, v in self.strs.items():
             cols[f"tag '{k[2:]}'" if k.startswith("t:") else k] = v.index
         cols.update({f"tag '{k[2:]}'": v for k, v in self.nums.items()})
+        if self.priority is not None:
+            cols["priority"] = self.priority
+        if self.policy_version is not None:
+            cols["policy_version"] = self.policy_version
         for name, v in self.fields.items():
             cols[f"field '{name}'"] = v.lengths if isinstance(v, Ragged) else v
         for name, v in cols.items():
-            if len(v) != n:
-                raise SchemaError(f"{name} has {len(v)} rows, batch has {n}")
+            rows = (
+                len(v)
+                if (hasattr(v, "__len__") and np.ndim(v) != 0) or isinstance(v, Placed)
+                else None
+            )
+            if rows != n:
+                raise SchemaError(f"{name} has {rows} rows, batch has {n}")
         for name, v in self.fields.items():
             if isinstance(v, Ragged) and int(v.lengths.sum()) != len(v.values):
                 raise SchemaError(f"field '{name}': ragged lengths do not add up to the values")
+        for name, col in (("episode_id", self.episode), *self.strs.items()):
+            if len(col.index) and not (col.index.min() >= -1 and col.index.max() < len(col.values)):
+                raise SchemaError(f"{name}: vocabulary index out of range")
+        _check_rows("next_rows", self.next_rows, n)
+        _check_rows("info_rows", self.info_rows, n)
+        explicit = 0 if self.next_obs is None else len(self.next_obs)
+        if explicit != len(self.next_rows):
+            raise SchemaError(f"{len(self.next_rows)} next_rows but {explicit} explicit next_obs")
+        if len(self.info) != len(self.info_rows):
+            raise SchemaError(f"{len(self.info_rows)} info_rows but {len(self.info)} info dicts")
 
     def take(self, rows: np.ndarray) -> StepBatch:
         """The sub-batch of ``rows`` (sorted positions); explicit next_obs/info follow."""

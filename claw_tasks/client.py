@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.layout import episode_code
 from claw_tasks.store.store import DEFAULT_CAPACITY
 
-_STEP_KEYS = ("obs", "action")
+log = logging.getLogger(__name__)
 
 
 class IngestError(RuntimeError):
@@ -162,6 +163,7 @@ class Ingestor:
         self.resend_after = resend_after
         self._inflight: dict[str, _Inflight] = {}  # sent, not yet confirmed by the store
         self._confirmed = FlushResult()
+        self._unsent: list[StepBatch] = []  # built, not yet handed to the broker
         self._lock = threading.RLock()
         self._closed = threading.Event()
         self._episodes = 0
@@ -233,7 +235,7 @@ class Ingestor:
             rows = np.arange(start, min(n, start + self.flush_steps))
             part = batch if len(rows) == n else batch.slice(start, start + len(rows))
             part.batch_id = f"{batch.batch_id}.{start}"
-            self._send(part)
+            self._send_or_keep(part)
         return n
 
     def _field_column(self, name: str, v: Any, n: int) -> np.ndarray | Ragged:
@@ -306,7 +308,24 @@ class Ingestor:
             steps, self._steps = self._steps, []
         if steps:
             assert self.schema is not None
-            self._send(_steps_to_batch(steps, self.schema))
+            self._send_or_keep(_steps_to_batch(steps, self.schema))
+
+    def _send_or_keep(self, batch: StepBatch) -> None:
+        """Send; if that fails (broker or Redis down), keep the batch for the next try."""
+        try:
+            self._send(batch)
+        except Exception:
+            with self._lock:
+                self._unsent.append(batch)
+            raise
+
+    def _retry_unsent(self) -> None:
+        while True:
+            with self._lock:
+                if not self._unsent:
+                    return
+                batch = self._unsent.pop(0)
+            self._send_or_keep(batch)  # same batch id: idempotent if it got through before
 
     def _send(self, batch: StepBatch) -> None:
         """Publish a batch. Large fixed-shape payloads skip the message entirely: they are
@@ -360,6 +379,7 @@ class Ingestor:
         """Collect confirmations; re-send batches unconfirmed for ``resend_after`` seconds
         (a message can be lost if a worker dies between taking and registering it; the
         commit is idempotent, so a duplicate is harmless). Returns how many are in flight."""
+        self._retry_unsent()
         with self._lock:
             pending = list(self._inflight)
         if not pending:
@@ -388,19 +408,22 @@ class Ingestor:
             if stale:
                 self._publish(entry.args)
         with self._lock:
-            return len(self._inflight)
+            return len(self._inflight) + len(self._unsent)
 
     def _tick(self) -> None:
         assert self.flush_interval
         last_poll = time.monotonic()
         while not self._closed.wait(self.flush_interval / 4):
-            with self._lock:
-                due = self._steps and time.monotonic() - self._first_at >= self.flush_interval
-            if due:
-                self._send_buffer()
-            if time.monotonic() - last_poll > max(1.0, self.flush_interval):
-                last_poll = time.monotonic()
-                self._poll()
+            try:
+                with self._lock:
+                    due = self._steps and time.monotonic() - self._first_at >= self.flush_interval
+                if due:
+                    self._send_buffer()
+                if time.monotonic() - last_poll > max(1.0, self.flush_interval):
+                    last_poll = time.monotonic()
+                    self._poll()
+            except Exception:  # kept for the next tick; this thread must not die
+                log.warning("background flush failed; will retry", exc_info=True)
 
     def flush(self, wait: bool = True, timeout: float = 60.0) -> FlushResult:
         """Send what is buffered; with ``wait``, block until the store confirms every batch
@@ -408,6 +431,7 @@ class Ingestor:
         self._send_buffer()
         if not wait:
             return FlushResult()
+        self._retry_unsent()
         deadline = time.monotonic() + timeout
         delay = 0.002
         while (left := self._poll()) and time.monotonic() < deadline:
@@ -426,11 +450,15 @@ class Ingestor:
         return result
 
     def close(self, timeout: float = 60.0) -> FlushResult:
-        """Flush, wait for confirmation, stop the timer."""
+        """Flush, wait for confirmation, stop the timer, close the connections."""
         self._closed.set()
         if self._timer is not None:
             self._timer.join()
-        return self.flush(wait=True, timeout=timeout)
+        try:
+            return self.flush(wait=True, timeout=timeout)
+        finally:
+            if not self._unsent and not self._inflight:
+                self.store.r.close()
 
     def __enter__(self) -> Ingestor:
         return self

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import redis
 
 from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.codec import CodecError, packb, unpackb
@@ -14,6 +16,7 @@ from claw_tasks.schema import MAX_BATCH_BYTES, SchemaError
 from claw_tasks.store import Store
 from claw_tasks.store.layout import episode_code
 
+log = logging.getLogger(__name__)
 DONE_TTL = 86400
 DEAD_MAXLEN = 100_000
 
@@ -61,19 +64,36 @@ def process(
     if prior is not None:
         return IngestOutcome.from_bytes(prior)
     outcome = IngestOutcome(batch_id)
+    raw = payload if payload is not None else (store.r.get(stage_key) if stage_key else None)
+    if raw is None:
+        reason = f"claim check {stage_key!r} is gone (expired before the batch was processed)"
+        return _finish(store, outcome, reason, None, stage_key)
     try:
-        batch = _load(store, payload, stage_key)
-    except _Gone as e:
-        return _finish(store, outcome, str(e), None, stage_key)
+        if len(raw) > MAX_BATCH_BYTES:
+            raise SchemaError(f"batch of {len(raw)} bytes > limit {MAX_BATCH_BYTES}")
+        batch = StepBatch.decode(raw)
     except (CodecError, SchemaError) as e:
-        return _finish(store, outcome, f"undecodable batch: {e}", payload, stage_key)
+        return _finish(store, outcome, f"undecodable batch: {e}", raw, stage_key)
+    try:
+        return _commit(store, batch, outcome, raw, stage_key)
+    except redis.RedisError:
+        raise  # transient: the task retries (the commit is idempotent)
+    except Exception as e:  # a bug must not loop forever or lose the batch: dead-letter it
+        log.exception("ingest of batch %s failed", batch_id)
+        outcome.rejected = batch.n
+        reason = f"internal error: {type(e).__name__}: {e}"
+        return _finish(store, outcome, reason, raw, stage_key)
+
+
+def _commit(
+    store: Store, batch: StepBatch, outcome: IngestOutcome, raw: bytes, stage_key: str | None
+) -> IngestOutcome:
     try:
         if store.exists():
             store.ensure_schema(batch.schema())
     except SchemaError as e:
         outcome.rejected = batch.n
-        full = payload if payload is not None else store.r.get(stage_key)  # type: ignore[arg-type]
-        return _finish(store, outcome, f"schema mismatch: {e}", full, stage_key)
+        return _finish(store, outcome, f"schema mismatch: {e}", raw, stage_key)
     errors = batch.row_errors()
     placed = [k for k, v in batch.fields.items() if isinstance(v, Placed)]
     bad = sorted(errors)
@@ -88,7 +108,7 @@ def process(
         else:
             good = batch.take(np.setdiff1d(np.arange(batch.n), bad))
         reason = "; ".join(outcome.errors[:20])
-        dead_letter(store, batch_id, reason, rejected.encode(), bad)
+        dead_letter(store, outcome.batch_id, reason, rejected.encode(), bad)
     res = store.commit(good, dead_rows=dead)
     outcome.committed, outcome.replayed, outcome.expired = res.committed, res.replayed, res.expired
     return _finish(store, outcome, None, None, stage_key)
@@ -102,23 +122,6 @@ def _read_back(
     seq0, _ = store.allocate(shard, batch.batch_id, batch.n)  # idempotent: the same seq0
     slots = (seq0 - 1 + np.asarray(rows, np.int64)) % store.config().cap
     return store.read_fields(np.full(len(rows), shard), slots, names)
-
-
-class _Gone(LookupError):
-    pass
-
-
-def _load(store: Store, payload: bytes | None, stage_key: str | None) -> StepBatch:
-    """Decode an inline payload or a claim check's."""
-    if payload is None:
-        payload = store.r.get(stage_key) if stage_key else None
-        if payload is None:
-            raise _Gone(
-                f"claim check {stage_key!r} is gone (expired before the batch was processed)"
-            )
-    if len(payload) > MAX_BATCH_BYTES:
-        raise SchemaError(f"batch of {len(payload)} bytes > limit {MAX_BATCH_BYTES}")
-    return StepBatch.decode(payload)
 
 
 def _finish(

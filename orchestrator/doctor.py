@@ -165,6 +165,8 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
         "evicted": "string",
         "links": "hash",
         "epname": "hash",
+        "eplast": "hash",
+        "prune": "hash",
         "log": "stream",
     }
     if name in fixed:

@@ -157,3 +157,21 @@ def test_worker_dead_letters_undecodable_payload(ing, redis_url, namespace, r):
     res = ing.flush()
     assert res.committed == 0 and "undecodable batch" in res.errors[0]
     assert Store(redis_url, namespace).count() == 5
+
+
+def test_broker_down_keeps_batches_until_it_answers(redis_url, namespace, ingest_worker):
+    from kombu.exceptions import OperationalError
+
+    from claw_tasks.app import client_app
+
+    ing = Ingestor(namespace, redis_url, broker_url="redis://127.0.0.1:1/0", flush_interval=None)
+    with ing.episode(episode_id="offline") as ep:
+        for t in range(5):
+            ep.add(np.full(4, t, np.float32), np.int64(0), 1.0)
+    with pytest.raises(OperationalError, match="Connection refused"):
+        ing.flush(wait=False)
+    ing.app = client_app(redis_url)  # the broker is back
+    assert ing.flush().committed == 5
+    np.testing.assert_array_equal(
+        Store(redis_url, namespace).episode("offline")["obs"][:, 0], np.arange(5)
+    )

@@ -1,7 +1,8 @@
 --! include ranges
 -- Commit one shard's part of a batch atomically over its allocated slot range.
 -- KEYS: 1 batch marker, 2 seq counter, 3 change log, 4 episode links hash,
---       5 episode names hash, 6 alive bitmap
+--       5 episode names hash, 6 alive bitmap, 7 episode -> newest seq hash,
+--       8 pruning cursors
 -- ARGV: 1 shard prefix, 2 n, 3 cap, 4 marker ttl, 5 seq0, 6 shard, 7 n_shards,
 --       8 meta chunk slots, 9 spec (msgpack), 10.. blobs (columns, then sparse rows)
 -- spec = {cols = {{base, itemsize, chunk_slots}...}, sparse = {{base, chunk_slots, rows}...},
@@ -21,6 +22,14 @@ local prefix = ARGV[1]
 local n, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local shard, n_shards, mc = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local spec = cmsgpack.unpack(ARGV[9])
+
+-- Check every column's length before writing anything (a script is not rolled back).
+for j, c in ipairs(spec.cols) do
+  if #ARGV[9 + j] ~= n * c[2] then
+    return redis.error_reply('column ' .. c[1] .. ': ' .. #ARGV[9 + j] .. ' bytes for ' .. n ..
+      ' rows of ' .. c[2])
+  end
+end
 
 -- Rows whose slots newer seqs took since allocation are already past capacity.
 local seq_now = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -61,6 +70,7 @@ for _, c in ipairs(spec.cols) do
   local base, size, cs = c[1], c[2], c[3]
   local blob = ARGV[argi]
   argi = argi + 1
+
   runs(cs, function(i, slot, chunk, inchunk, len)
     local key = prefix .. base .. ':' .. chunk
     size_chunk(key, chunk, cs, cap, size)
@@ -130,6 +140,28 @@ for _, ep in ipairs(spec.eps) do
     end
   end
   redis.call('HSETNX', KEYS[5], code, name)
+  if last_rel >= skip then redis.call('HSET', KEYS[7], code, last_seq) end
+end
+
+-- Bounded memory: a few entries per commit, drop links and episode names whose steps the
+-- ring has passed (crashed envs leave links; every episode leaves a name).
+if seq_now > cap then
+  local horizon = seq_now - cap
+  local count = math.max(32, 2 * #spec.eps)
+  local function sweep(hash, on_stale)
+    local res = redis.call('HSCAN', hash, redis.call('HGET', KEYS[8], hash) or '0',
+      'COUNT', count)
+    redis.call('HSET', KEYS[8], hash, res[1])
+    local kv = res[2]
+    for i = 1, #kv, 2 do
+      if tonumber(kv[i + 1]) <= horizon then on_stale(kv[i]) end
+    end
+  end
+  sweep(KEYS[4], function(field) redis.call('HDEL', KEYS[4], field) end)
+  sweep(KEYS[7], function(code)
+    redis.call('HDEL', KEYS[7], code)
+    redis.call('HDEL', KEYS[5], code)
+  end)
 end
 
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', spec.loglen, '*',

@@ -663,7 +663,16 @@ class CommitPart:
         }  # fmt: skip
         keys = [
             k.shard_key(self.shard, name)
-            for name in (f"b:{self.b.batch_id}", "seq", "log", "links", "epname", "alive")
+            for name in (
+                f"b:{self.b.batch_id}",
+                "seq",
+                "log",
+                "links",
+                "epname",
+                "alive",
+                "eplast",
+                "prune",
+            )
         ]
         args = [
             k.shard(self.shard), n, self.cfg.cap, MARKER_TTL, seq0, self.shard,
