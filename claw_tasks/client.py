@@ -18,7 +18,7 @@ from claw_tasks.ingest import IngestOutcome
 from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
-from claw_tasks.store.layout import episode_code
+from claw_tasks.store.layout import row_episode_codes
 from claw_tasks.store.store import DEFAULT_CAPACITY
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class IngestError(RuntimeError):
 class FlushResult:
     """What the store confirmed for the batches sent so far."""
 
-    committed: int = 0
+    committed: int = 0  # stored (including by an earlier delivery of the same batch)
     rejected: int = 0
     expired: int = 0
     resent: int = 0  # re-publications of batches whose message went missing
@@ -147,8 +147,11 @@ class Ingestor:
             broker_url or (settings.broker_url if redis_url is None else redis_url)
         )
         self.store = Store(self.redis_url, self.namespace)
-        if capacity is not None or n_shards is not None or not self.store.exists():
+        if not self.store.exists():
             self.store.create(capacity or DEFAULT_CAPACITY, n_shards or 1, schema)
+        elif capacity is not None or n_shards is not None:  # must match the namespace
+            cfg = self.store.config(refresh=True)
+            self.store.create(capacity or cfg.capacity, n_shards or cfg.n_shards, schema)
         elif schema is not None:
             self.store.ensure_schema(schema)
         self.schema: Schema | None = self.store.config(refresh=True).schema
@@ -346,8 +349,7 @@ class Ingestor:
 
     def _by_shard(self, batch: StepBatch) -> list[tuple[int, StepBatch]]:
         n_shards = self.store.config().n_shards
-        codes = np.array([episode_code(v) for v in batch.episode.values], np.int64)
-        shards = codes[batch.episode.index] % n_shards
+        shards = row_episode_codes(batch.episode.values, batch.episode.index) % n_shards
         if (shards == shards[0]).all():
             part = StepBatch(**batch.__dict__)
             part.fields = dict(batch.fields)

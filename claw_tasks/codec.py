@@ -37,7 +37,7 @@ def frame(arr: np.ndarray, *, compress: bool = True) -> Frame:
         packed = lz4.block.compress(data, store_size=True)
         if len(packed) < _KEEP_RATIO * arr.nbytes:
             return [arr.dtype.str, list(arr.shape), packed, True]
-    return [arr.dtype.str, list(arr.shape), bytes(data), False]
+    return [arr.dtype.str, list(arr.shape), data, False]  # msgpack packs the view: no copy
 
 
 def unframe(f: Frame) -> np.ndarray:

@@ -14,7 +14,7 @@ from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.codec import CodecError, packb, unpackb
 from claw_tasks.schema import MAX_BATCH_BYTES, SchemaError
 from claw_tasks.store import Store
-from claw_tasks.store.layout import episode_code
+from claw_tasks.store.layout import row_episode_codes
 
 log = logging.getLogger(__name__)
 DONE_TTL = 86400
@@ -118,7 +118,8 @@ def _read_back(
     store: Store, batch: StepBatch, rows: list[int], names: list[str]
 ) -> dict[str, np.ndarray]:
     """Payload of ``rows`` of a batch written in place (for its dead letter)."""
-    shard = episode_code(batch.episode.values[batch.episode.index[0]]) % store.config().n_shards
+    codes = row_episode_codes(batch.episode.values, batch.episode.index[:1])
+    shard = int(codes[0]) % store.config().n_shards
     seq0, _ = store.allocate(shard, batch.batch_id, batch.n)  # idempotent: the same seq0
     slots = (seq0 - 1 + np.asarray(rows, np.int64)) % store.config().cap
     return store.read_fields(np.full(len(rows), shard), slots, names)

@@ -58,6 +58,12 @@ def episode_code(episode_id: str) -> int:
     return (int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF) or 1
 
 
+def row_episode_codes(values: list[str], index: np.ndarray) -> np.ndarray:
+    """Per-row episode codes of a batch's episode column (vocabulary + index); a step's
+    shard is its code modulo the namespace's shard count."""
+    return np.array([episode_code(v) for v in values], np.int64)[index]
+
+
 class Keys:
     """Key names of one namespace. Shard keys share the hash tag ``{ns:shard}``."""
 

@@ -29,6 +29,7 @@ from claw_tasks.store.layout import (
     episode_code,
     nan_xor,
     payload_chunk_slots,
+    row_episode_codes,
 )
 from claw_tasks.store.scripts import Scripts
 
@@ -197,8 +198,7 @@ class Store:
             return result
         now = time.time() if now is None else now
         str_cols = self._encode_str_columns(batch, schema)
-        ep_codes_vocab = np.array([episode_code(v) for v in batch.episode.values], np.int64)
-        ep_codes = ep_codes_vocab[batch.episode.index]
+        ep_codes = row_episode_codes(batch.episode.values, batch.episode.index)
         shards = ep_codes % cfg.n_shards
         for shard in np.unique(shards).tolist():
             rows = np.arange(n) if cfg.n_shards == 1 else np.flatnonzero(shards == shard)
@@ -568,7 +568,8 @@ class Store:
         quality: str | None = None,
         trainable: bool | None = None,
     ) -> int:
-        """Label steps (by id, or a whole episode): ``quality`` and/or ``trainable``."""
+        """Label steps (by id, or a whole episode): ``quality`` and/or ``trainable``.
+        Returns how many live steps were labelled (evicted ids are skipped)."""
         if (ids is None) == (episode_id is None):
             raise ValueError("give either ids or episode_id")
         if quality is None and trainable is None:
@@ -584,7 +585,7 @@ class Store:
             )
         if trainable is not None:
             mode = "bits_off" if trainable else "bits_on"
-            done = self._update(ids, "flags", bytes([UNTRAINABLE]), 1, mode, "cur")
+            done = max(done, self._update(ids, "flags", bytes([UNTRAINABLE]), 1, mode, "cur"))
         return done
 
     def _update(
