@@ -16,8 +16,8 @@ from claw_tasks.app import client_app
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from orchestrator import ratelimit, shm
-from orchestrator.recipe import Recipe
-from orchestrator.registry import REFILL_LOCK_S, Entry, Registry
+from orchestrator.recipe import Recipe, same_recipe
+from orchestrator.registry import Entry, Registry
 from orchestrator.wire import Batch
 
 RecipeLike = Recipe | Mapping[str, Any] | str | Path
@@ -55,30 +55,38 @@ class BatchClient:
     def register(self, recipe: RecipeLike) -> Recipe:
         """Validate ``recipe`` against the namespace schema and start prefetching it.
 
-        Registering an identical recipe again is a no-op; a changed one gets the next
-        ``version`` and its queued batches (of the old version) are dropped.
+        Registering an identical recipe again keeps its version and queued batches (and adds
+        this host to its readers: trainers on several hosts get batches inline, not through
+        ``/dev/shm``); a changed one gets the next ``version`` and its queued batches (of
+        the old version) are dropped.
         """
         recipe = _as_recipe(recipe)
         if self.store.exists() and (schema := self.store.schema()) is not None:
             recipe.validate_against(schema)
         old = self.registry.get(recipe.name)
-        if old is not None and _same(old.recipe, recipe) and old.reader_host == self.host:
+        if old is not None and _same(old.recipe, recipe):
+            if self.host not in old.reader_hosts:
+                self.registry.add_reader(recipe.name, self.host)
             self._recipes[recipe.name] = old.recipe
             self._trigger(recipe.name)
             return old.recipe
         version = 1 if old is None else old.recipe.version + 1
         recipe = recipe.model_copy(update={"version": version})
-        self._install(recipe, reset=old is None or not _same(old.recipe, recipe))
+        live_only = old is not None and same_recipe(old.recipe, recipe, ("version", "params"))
+        self._install(recipe, reset=not live_only, reader=self.host)
         return recipe
 
     def set_params(self, name: str, **params: Any) -> Recipe:
-        """Change live params (e.g. curriculum thresholds): the next batches use them."""
+        """Change live params (e.g. curriculum thresholds): the next batches use them.
+
+        The recipe gets the next ``version``; queued batches of older versions are dropped
+        (here and by every pop); augmentation statistics and samplers are kept."""
         entry = self._entry(name)
         data = entry.recipe.model_dump()
         data["params"] = {**data["params"], **params}
         data["version"] = entry.recipe.version + 1
         recipe = Recipe.model_validate(data)
-        self._install(recipe, reset=False)
+        self._install(recipe, reset=False, reader=None)  # a curriculum process reads nothing
         return recipe
 
     def unregister(self, name: str) -> None:
@@ -86,8 +94,8 @@ class BatchClient:
             shm.discard(item)
         self._recipes.pop(name, None)
 
-    def _install(self, recipe: Recipe, reset: bool) -> None:
-        self.registry.put(recipe, self.host)
+    def _install(self, recipe: Recipe, reset: bool, reader: str | None) -> None:
+        self.registry.put(recipe, reader)
         for item in self.registry.drain(recipe.name):
             shm.discard(item)
         if reset:
@@ -104,7 +112,10 @@ class BatchClient:
     # ---- batches -------------------------------------------------------------------
     def pop(self, name: str, timeout: float | None = 30.0) -> Batch:
         """The next ready batch of recipe ``name``; raises TimeoutError after ``timeout``
-        seconds (None waits forever) with the recipe's prefetch state in the message."""
+        seconds (None waits forever) with the recipe's prefetch state in the message.
+
+        Batches of a recipe version older than the newest this client knows (made while
+        the recipe changed) are dropped; a newer version is looked up and known from then."""
         recipe = self._recipes.get(name) or self._entry(name).recipe
         self._recipes[name] = recipe
         q = self.registry.queue(name)
@@ -130,6 +141,13 @@ class BatchClient:
                 batch = shm.from_message(item)
             except shm.SegmentMissing:
                 continue  # reclaimed (its producer died long ago): take the next one
+            except shm.ForeignSegment as e:  # made for a reader on another host
+                log.warning("recipe %r: skipped a batch in another host's /dev/shm: %s", name, e)
+                continue
+            if batch.recipe_version < recipe.version:
+                continue  # stale (its segment, if any, is unlinked already): drop it
+            if batch.recipe_version > recipe.version:  # changed by another client
+                recipe = self._recipes[name] = self._entry(name).recipe
             self._popped[name] = self._popped.get(name, 0) + 1  # reported with the next pop
             return batch
 
@@ -147,12 +165,12 @@ class BatchClient:
 
     def _trigger(self, name: str, force: bool = False) -> bool:
         """Ask for a refill unless one is already on its way; True if this call asked."""
-        lock = self.registry.refill_lock(name)
-        if force:
-            self.store.r.delete(lock)
-        if not self.store.r.set(lock, 1, nx=True, ex=REFILL_LOCK_S):
+        token = self.registry.take_refill_lock(name, force=force)
+        if token is None:
             return False
-        self.app.send_task("claw.prefetch.fill", args=[self.namespace, name], queue="prefetch")
+        self.app.send_task(
+            "claw.prefetch.fill", args=[self.namespace, name, token], queue="prefetch"
+        )
         return True
 
     def _why_empty(self, name: str, timeout: float | None) -> str:
@@ -185,6 +203,7 @@ class BatchClient:
             verdict = ratelimit.check(rec.rate_limit, inserted, sampled, rec.batch_size)
             out[n] = {
                 "version": rec.version,
+                "reader_hosts": len(entry.reader_hosts),
                 "depth": int(self.store.r.llen(self.registry.queue(n))),
                 "max_depth": rec.prefetch.depth,
                 "produced": int(c.get("produced", 0)),
@@ -222,5 +241,5 @@ def _as_recipe(recipe: RecipeLike) -> Recipe:
 
 
 def _same(a: Recipe, b: Recipe) -> bool:
-    strip = {"version"}
-    return a.model_dump(exclude=strip) == b.model_dump(exclude=strip)
+    """Equal but for the version (params count: changing them makes a new version)."""
+    return same_recipe(a, b, ignore=("version",))

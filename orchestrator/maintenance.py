@@ -7,9 +7,9 @@ from typing import Any
 from claw_tasks.app import app
 from claw_tasks.tasks import store_for
 from orchestrator import shm
-from orchestrator.registry import ACTIVE, REFILL_LOCK_S, Registry
+from orchestrator.registry import ACTIVE, Registry
 
-ORPHAN_SEGMENT_AGE_S = 600.0
+ORPHAN_SEGMENT_AGE_S = shm.ORPHAN_AGE_S
 
 
 @app.task(name="claw.maintenance.refill", acks_late=False, ignore_result=True, expires=5)
@@ -24,8 +24,9 @@ def refill() -> dict[str, Any]:
             entry = reg.get(name)
             if entry is None or reg.r.llen(reg.queue(name)) >= entry.recipe.prefetch.depth:
                 continue
-            if reg.r.set(reg.refill_lock(name), 1, nx=True, ex=REFILL_LOCK_S):
-                app.send_task("claw.prefetch.fill", args=[reg.ns, name], queue="prefetch")
+            token = reg.take_refill_lock(name)
+            if token is not None:
+                app.send_task("claw.prefetch.fill", args=[reg.ns, name, token], queue="prefetch")
                 sent += 1
     reaped = shm.reap_orphans(ORPHAN_SEGMENT_AGE_S)
     return {"fills": sent, "reaped_segments": len(reaped)}

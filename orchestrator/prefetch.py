@@ -3,21 +3,29 @@
 Runs on the ``prefetch`` queue. A ``fill`` task tops one recipe's queue up to its depth,
 batch by batch, and stops early when the rate limit says wait or data is short; the state
 is kept in the recipe's counters (``BatchClient.stats``). One fill per recipe runs at a
-time (the refill lock, taken by whoever sends the task and dropped when it ends).
+time (the refill lock, taken with a token by whoever sends the task and released, if still
+its own, when it ends). Collation (:mod:`orchestrator.collate`): ragged fields become
+zero-padded arrays plus ``<name>_lengths``, strings and ``info`` go to the batch's ``meta``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import math
+import time
 from typing import Any
 
 import numpy as np
 from celery.signals import worker_process_init
 
 from claw_tasks.app import app
+from claw_tasks.store import NamespaceError
 from claw_tasks.tasks import store_for
 from orchestrator import ratelimit, shm
 from orchestrator.augment import AugmentPlan, build_pipelines
+from orchestrator.collate import collate
 from orchestrator.recipe import Recipe
 from orchestrator.registry import Registry
 from orchestrator.samplers import InsufficientData
@@ -41,15 +49,23 @@ def _seed_child(**_: Any) -> None:
         pass
 
 
-_plans: dict[tuple[str, str, int], AugmentPlan | None] = {}
+_plans: dict[tuple[str, str], tuple[str, AugmentPlan | None]] = {}
+REAP_EVERY_S = 60.0
+_last_reap = -math.inf
+
+
+def _augment_digest(augment: dict[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(augment, sort_keys=True).encode()).hexdigest()
 
 
 def _plan(namespace: str, recipe: Recipe) -> AugmentPlan | None:
-    """The recipe version's augmentation pipelines (kept per process: running stats live)."""
-    key = (namespace, recipe.name, recipe.version)
-    if key not in _plans:
-        _plans[key] = build_pipelines(recipe.augment) if recipe.augment else None
-    return _plans[key]
+    """The recipe's augmentation pipelines, kept per process while its ``augment`` section
+    stays the same (running statistics live across versions: ``set_params`` keeps them)."""
+    key, digest = (namespace, recipe.name), _augment_digest(recipe.augment)
+    cached = _plans.get(key)
+    if cached is None or cached[0] != digest:
+        cached = _plans[key] = (digest, build_pipelines(recipe.augment) if recipe.augment else None)
+    return cached[1]
 
 
 def _rng_for(reg: Registry, recipe: Recipe) -> np.random.Generator:
@@ -61,74 +77,111 @@ def _rng_for(reg: Registry, recipe: Recipe) -> np.random.Generator:
     return np.random.default_rng([recipe.seed, recipe.version, k])
 
 
-def _push(reg: Registry, name: str, depth: int, item: bytes) -> bool:
-    """Append unless the queue is at its bound (one fill per recipe runs at a time; should
-    a second slip in, the item that went over is taken back). No Lua: a script's arguments
-    cost ~2 ms per MB here, plain RPUSH ~0.1 ms."""
-    queue = reg.queue(name)
-    with reg.r.pipeline(transaction=False) as pipe:
+def _push(reg: Registry, recipe: Recipe, item: bytes) -> int | str:
+    """Append ``item`` and count it, in one transaction that also reads the recipe's current
+    version; returns the queue length, or why the item was taken back: ``"stale"`` (the
+    recipe changed while this batch was made), ``"unregistered"`` or ``"full"`` (a second
+    fill slipped in). No Lua: a script's arguments cost ~2 ms per MB here, RPUSH ~0.1 ms."""
+    name, rows = recipe.name, recipe.batch_size
+    queue, counters = reg.queue(name), reg.counters(name)
+    with reg.r.pipeline() as pipe:
         pipe.rpush(queue, item)
+        pipe.hget(reg.versions_key, name)
         pipe.exists(reg.recipe_key(name))
-        length, registered = pipe.execute()
+        pipe.hincrby(counters, "produced", 1)
+        pipe.hincrby(counters, "sampled", rows)
+        length, version, registered = pipe.execute()[:3]
     if not registered:  # unregistered while we sampled: take back what is there
         for left in reg.drain(name):
             shm.discard(left)
-        return False
-    if length <= depth:
-        return True
-    back = reg.r.rpop(queue)
-    if back is not None:
-        shm.discard(back)
-    return False
+        return "unregistered"
+    if version is not None and int(version) != recipe.version:
+        why, taken = "stale", reg.r.lrem(queue, -1, item)  # ours, wherever it is now
+    elif length > recipe.prefetch.depth:
+        why, taken = "full", reg.r.rpop(queue) is not None
+    else:
+        return int(length)
+    shm.discard(item)
+    if taken:
+        with reg.r.pipeline(transaction=False) as pipe:
+            pipe.hincrby(counters, "produced", -1)
+            pipe.hincrby(counters, "sampled", -rows)
+            pipe.execute()
+    return why
 
 
 def run_fill(reg: Registry, name: str) -> dict[str, Any]:
-    """Top up ``name``'s queue; returns what happened (also recorded in its counters)."""
-    entry = reg.get(name)
-    if entry is None:
-        return {"made": 0, "state": "unregistered"}
-    recipe = entry.recipe
-    plan = _plan(reg.ns, recipe)
-    queue, depth = reg.queue(name), recipe.prefetch.depth
-    made, state = 0, "full"
-    while made < depth and reg.r.llen(queue) < depth:
-        verdict = ratelimit.check(
-            recipe.rate_limit, reg.inserted(), float(reg.counts(name).get("sampled", 0)),
-            recipe.batch_size,
-        )  # fmt: skip
-        if not verdict:
-            state = f"rate limited: {verdict.reason}"
-            break
-        rng = _rng_for(reg, recipe)
-        try:
-            batch = sample(reg.store, recipe, rng=rng)
-        except InsufficientData as e:
-            state = f"insufficient data: {e}"
-            break
-        except Exception as e:  # recorded for stats/CLI; the beat will try again
+    """Top up ``name``'s queue; returns what happened (also recorded in its counters as
+    ``state``). Any failure ends the fill with ``state`` ``"error: ..."``, logged once."""
+    made, state, before = 0, "full", ""
+    try:
+        entry = reg.get(name)
+        if entry is None:
+            return {"made": 0, "state": "unregistered"}
+        recipe = entry.recipe
+        depth, rows = recipe.prefetch.depth, recipe.batch_size
+        # Read once per fill and tracked here; looked at again only before giving up.
+        length, inserted, sampled, before = reg.fill_state(name)
+        fresh = True
+        plan = _plan(reg.ns, recipe)
+        while made < depth and length < depth:
+            verdict = ratelimit.check(recipe.rate_limit, inserted, sampled, rows)
+            if not verdict and not fresh:
+                length, inserted, sampled, _ = reg.fill_state(name)
+                fresh = True
+                continue
+            if not verdict:
+                state = f"rate limited: {verdict.reason}"
+                break
+            fresh = False
+            rng = _rng_for(reg, recipe)
+            try:
+                batch = sample(reg.store, recipe, rng=rng)
+            except InsufficientData as e:
+                state = f"insufficient data: {e}"
+                break
+            fields = plan.apply(batch.fields, rng) if plan is not None else batch.fields
+            arrays, meta = collate(fields)
+            frame = frame_batch(
+                arrays, batch.ids, weights=batch.weights, source_index=batch.source_index,
+                sources=batch.sources, recipe_version=recipe.version, meta=meta,
+            )  # fmt: skip
+            pushed = _push(reg, recipe, shm.to_message(frame, reader_host=entry.shm_host))
+            if isinstance(pushed, str):
+                state = "full" if pushed == "full" else f"stopped: recipe {pushed}"
+                break
+            length, made, sampled, state = pushed, made + 1, sampled + rows, "ok"
+    except NamespaceError as e:
+        state = f"insufficient data: {e}"
+    except Exception as e:  # recorded for stats/CLI; the beat will try again
+        state = f"error: {type(e).__name__}: {e}"
+        if state != before:  # once, not on every retry of the same failure
             log.exception("prefetch of %s/%s failed", reg.ns, name)
-            state = f"error: {type(e).__name__}: {e}"
-            break
-        fields = plan.apply(batch.fields, rng) if plan is not None else batch.fields
-        frame = frame_batch(
-            fields, batch.ids, weights=batch.weights, source_index=batch.source_index,
-            sources=batch.sources, recipe_version=recipe.version,
-        )  # fmt: skip
-        item = shm.to_message(frame, reader_host=entry.reader_host)
-        if not _push(reg, name, depth, item):
-            break
-        made += 1
-        reg.bump(name, produced=1, sampled=recipe.batch_size)
-        state = "ok"
     reg.bump(name, state=state)
     return {"made": made, "state": state}
 
 
+def _reap_orphans() -> None:
+    """Reclaim this host's orphaned shm segments, at most every ``REAP_EVERY_S`` per
+    process (the maintenance beat may run on another host)."""
+    global _last_reap
+    now = time.monotonic()
+    if now - _last_reap < REAP_EVERY_S:
+        return
+    _last_reap = now
+    try:
+        shm.reap_orphans(shm.ORPHAN_AGE_S)
+    except OSError:
+        log.warning("reaping orphaned shm segments failed", exc_info=True)
+
+
 @app.task(name="claw.prefetch.fill", acks_late=False, ignore_result=True)
-def fill(namespace: str, name: str) -> dict[str, Any]:
-    """Fill one recipe's queue (sent by ``BatchClient.pop`` below low water, and by beat)."""
+def fill(namespace: str, name: str, token: str | None = None) -> dict[str, Any]:
+    """Fill one recipe's queue (sent by ``BatchClient.pop`` below low water, and by beat)
+    with the refill lock's ``token``: released only while still this fill's."""
     reg = Registry(store_for(namespace))
     try:
         return run_fill(reg, name)
     finally:
-        reg.r.delete(reg.refill_lock(name))
+        reg.release_refill_lock(name, "1" if token is None else token)  # "1": older senders
+        _reap_orphans()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -11,19 +12,27 @@ import redis
 from claw_tasks.codec import packb, unpackb
 from claw_tasks.store import Store
 from orchestrator.recipe import Recipe
+from orchestrator.scripts import Lua, execute
 
 ACTIVE = "claw:active"  # set of namespaces with registered recipes (for the beat refill)
 REFILL_LOCK_S = 30
+_UNLOCK = Lua("unlock")
 
 
 @dataclass(frozen=True)
 class Entry:
-    """A registered recipe: the recipe (its ``version`` bumps on every change) and the host
-    of the trainer that registered it (for the shared-memory fast path)."""
+    """A registered recipe: the recipe (its ``version`` bumps on every change) and the hosts
+    of the trainers that registered it (for the shared-memory fast path)."""
 
     recipe: Recipe
-    reader_host: str | None
+    reader_hosts: frozenset[str]
     registered: float
+
+    @property
+    def shm_host(self) -> str | None:
+        """The host batches may go to through ``/dev/shm``: the only reader host; None (the
+        queue holds the bytes) when readers are on several hosts, or none is known."""
+        return next(iter(self.reader_hosts)) if len(self.reader_hosts) == 1 else None
 
 
 class Registry:
@@ -47,24 +56,53 @@ class Registry:
     def counters(self, name: str) -> str:
         return f"{self.base}pstats:{name}"
 
+    def readers(self, name: str) -> str:
+        """Set of the host ids of the trainers that registered ``name``."""
+        return f"{self.base}readers:{name}"
+
+    @property
+    def versions_key(self) -> str:
+        """Hash: recipe name -> its current version (read by every push: small and cheap)."""
+        return f"{self.base}rversions"
+
     @property
     def names_key(self) -> str:
         return f"{self.base}recipes"
 
     def put(self, recipe: Recipe, reader_host: str | None) -> None:
+        """Store ``recipe`` (as its current version) and add ``reader_host`` to its readers;
+        readers on other hosts stay (they are dropped by :meth:`remove`)."""
         entry = {"recipe": recipe.model_dump(mode="json"), "host": reader_host, "at": time.time()}
         with self.r.pipeline() as pipe:
             pipe.set(self.recipe_key(recipe.name), packb(entry))
+            pipe.hset(self.versions_key, recipe.name, recipe.version)
+            if reader_host is not None:
+                pipe.sadd(self.readers(recipe.name), reader_host)
             pipe.sadd(self.names_key, recipe.name)
             pipe.sadd(ACTIVE, self.ns)
             pipe.execute()
 
+    def add_reader(self, name: str, host: str) -> bool:
+        """Add a reader host to a registered recipe (no new version); True if it is new."""
+        return bool(self.r.sadd(self.readers(name), host))
+
     def get(self, name: str) -> Entry | None:
-        raw = self.r.get(self.recipe_key(name))
+        with self.r.pipeline() as pipe:
+            pipe.get(self.recipe_key(name))
+            pipe.smembers(self.readers(name))
+            raw, hosts = pipe.execute()
         if raw is None:
             return None
         d = unpackb(raw)
-        return Entry(Recipe.model_validate(d["recipe"]), d["host"], d["at"])
+        readers = frozenset(h.decode() for h in hosts)
+        if not readers and d.get("host"):  # stored before reader sets
+            readers = frozenset([d["host"]])
+        return Entry(Recipe.model_validate(d["recipe"]), readers, d["at"])
+
+    def version(self, name: str) -> int | None:
+        """The recipe's current version (None when it is not registered)."""
+        v = self.r.hget(self.versions_key, name)
+        return None if v is None else int(v)
 
     def names(self) -> list[str]:
         return sorted(n.decode() for n in self.r.smembers(self.names_key))
@@ -74,7 +112,8 @@ class Registry:
         with self.r.pipeline() as pipe:
             pipe.lrange(self.queue(name), 0, -1)
             pipe.delete(self.recipe_key(name), self.queue(name), self.counters(name))
-            pipe.delete(self.refill_lock(name))
+            pipe.delete(self.refill_lock(name), self.readers(name))
+            pipe.hdel(self.versions_key, name)
             pipe.srem(self.names_key, name)
             items = pipe.execute()[0]
         if not self.r.scard(self.names_key):
@@ -88,11 +127,39 @@ class Registry:
             pipe.delete(self.queue(name))
             return pipe.execute()[0]
 
+    def take_refill_lock(self, name: str, *, force: bool = False) -> str | None:
+        """Take the recipe's refill lock (expires after ``REFILL_LOCK_S``); returns the token
+        the fill must release it with, or None when a fill is already on its way. ``force``
+        takes it even then (after a recipe change: the running fill's pushes are stale)."""
+        lock, token = self.refill_lock(name), secrets.token_hex(8)
+        if force:
+            self.r.set(lock, token, ex=REFILL_LOCK_S)
+            return token
+        return token if self.r.set(lock, token, nx=True, ex=REFILL_LOCK_S) else None
+
+    def release_refill_lock(self, name: str, token: str) -> bool:
+        """Drop the refill lock if it still holds ``token`` (not a later fill's lock)."""
+        key = self.refill_lock(name)
+        return bool(execute(self.r, [_UNLOCK], lambda p: _UNLOCK.queue(p, [key], [token]))[0])
+
     def inserted(self) -> int:
         """Steps ever committed to the namespace (sum of the shards' sequence counters)."""
+        return sum(int(v or 0) for v in self.r.mget(self._seq_keys()))
+
+    def _seq_keys(self) -> list[str]:
         cfg = self.store.config()
-        keys = [self.store.keys.shard_key(s, "seq") for s in range(cfg.n_shards)]
-        return sum(int(v or 0) for v in self.r.mget(keys))
+        return [self.store.keys.shard_key(s, "seq") for s in range(cfg.n_shards)]
+
+    def fill_state(self, name: str) -> tuple[int, int, float, str]:
+        """One round trip: queue length, steps inserted, rows sampled, last fill state."""
+        keys = self._seq_keys()
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.llen(self.queue(name))
+            pipe.mget(keys)
+            pipe.hmget(self.counters(name), ["sampled", "state"])
+            length, seqs, (sampled, state) = pipe.execute()
+        inserted = sum(int(v or 0) for v in seqs)
+        return length, inserted, float(sampled or 0), (state or b"").decode()
 
     def bump(self, name: str, **counts: int | float | str) -> None:
         with self.r.pipeline(transaction=False) as pipe:

@@ -1,8 +1,9 @@
 """The orchestrator's Lua scripts, kept as package files in ``orchestrator/lua/``.
 
-They only read, and run by EVALSHA on plain pipelines: redis-py's pipelined ``Script``
-asks SCRIPT EXISTS first, one more round trip on every call. A server that does not know
-a script (restarted, flushed) answers NOSCRIPT: :func:`execute` loads it and runs again.
+They only read (but ``unlock.lua``, a lock's compare-and-delete) and run by EVALSHA on
+plain pipelines: redis-py's pipelined ``Script`` asks SCRIPT EXISTS first, one more round
+trip on every call. A server that does not know a script (restarted, flushed) answers
+NOSCRIPT: :func:`execute` loads it and runs again.
 """
 
 from __future__ import annotations

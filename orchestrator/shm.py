@@ -30,12 +30,19 @@ SHM_DIR = Path("/dev/shm")
 PREFIX = "claw-"
 REF_MAGIC = b"CLSR"
 DEFAULT_THRESHOLD = 256 * 1024
+ORPHAN_AGE_S = 600.0
+"""Segments older than this are reaped whatever their creator (their reader is gone)."""
 
 log = logging.getLogger(__name__)
 
 
 class SegmentMissing(LookupError):
     """The referenced segment is gone (already read, or reaped after its TTL)."""
+
+
+class ForeignSegment(ValueError):
+    """The reference names a segment on another host; this process cannot read it (the
+    segment stays for a reader on its host, or for that host's reaper)."""
 
 
 def _read(path: str) -> str:
@@ -129,7 +136,8 @@ def to_message(
 def from_message(msg: Any) -> Batch:
     """Decode a queue item made by :func:`to_message` (inline batch or shm reference).
 
-    Raises :class:`SegmentMissing` when a referenced segment no longer exists.
+    Raises :class:`SegmentMissing` when a referenced segment no longer exists, and
+    :class:`ForeignSegment` when it lives on another host (it is left untouched).
     """
     if is_batch(msg):
         return decode_batch(msg)
@@ -138,7 +146,7 @@ def from_message(msg: Any) -> Batch:
         raise ValueError("not a Claw queue item")
     ref = msgpack.unpackb(mv[len(REF_MAGIC) :], raw=False)
     if ref["host"] != host_id():
-        raise ValueError(f"shm reference from host {ref['host']}, this host is {host_id()}")
+        raise ForeignSegment(f"shm reference from host {ref['host']}, this host is {host_id()}")
     return read_segment(ref["name"], ref["size"])
 
 

@@ -34,7 +34,9 @@ class Batch(Mapping[str, np.ndarray]):
     """A decoded batch: a mapping of field name to array, plus per-row bookkeeping.
 
     ``ids`` are int64 step ids, ``weights`` float32 importance weights, ``source_index`` the
-    int16 index of each row's source in ``sources``.
+    int16 index of each row's source in ``sources``. ``meta`` holds what is not an array:
+    from prefetch, string fields (``task_id``, ``episode_id``, string tags) and ``info``,
+    one list entry per row (see :mod:`orchestrator.collate`).
     """
 
     __slots__ = ("_fields", "ids", "meta", "recipe_version", "source_index", "sources", "weights")
@@ -58,7 +60,12 @@ class Batch(Mapping[str, np.ndarray]):
         self.meta = meta
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self._fields[name]
+        try:
+            return self._fields[name]
+        except KeyError:
+            if name in self.meta:
+                raise KeyError(f"{name!r} is not an array: see batch.meta[{name!r}]") from None
+            raise
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._fields)

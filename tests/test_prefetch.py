@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import numpy as np
 import pytest
 
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
-from orchestrator import ratelimit
+from orchestrator import ratelimit, shm
 from orchestrator.client import BatchClient
 from orchestrator.recipe import RateLimit
+from orchestrator.wire import is_batch as wire_is_batch
 
 
 def _frames(n: int, seed: int = 0) -> np.ndarray:
@@ -190,3 +192,92 @@ def test_rate_limit_rule():
     assert ratelimit.check(rl, 150, 100, 10)  # 300 - 110 >= 190
     assert not ratelimit.check(rl, 150, 100, 11)
     assert ratelimit.check(None, 0, 1e9, 1)
+
+
+def test_llm_namespace_ragged_and_string_fields_pop(redis_url, namespace, workers):
+    from test_prefetch_fill import llm_store
+
+    llm_store(redis_url, namespace)
+    client = BatchClient(namespace, redis_url)
+    client.register({
+        "name": "llm", "batch_size": 8, "fields": ["prompt_ids", "reward", "task_id", "info"],
+        "sources": [{"name": "all"}], "prefetch": {"depth": 2},
+    })  # fmt: skip
+    batch = client.pop("llm", timeout=60)
+    lengths = batch["prompt_ids_lengths"]
+    assert batch["prompt_ids"].shape == (8, lengths.max())
+    for i, reward in enumerate(batch["reward"].astype(int).tolist()):
+        e, t = divmod(reward, 100)
+        np.testing.assert_array_equal(
+            batch["prompt_ids"][i, : lengths[i]], 100 * e + np.arange(t + 1)
+        )
+        assert batch.meta["task_id"][i] == f"task{e}"
+        assert batch.meta["info"][i] == ({"seed": e, "note": f"start of e{e}"} if t == 0 else {})
+
+
+def _images_store(url: str, ns: str, n: int = 64) -> Store:
+    """Image steps without Celery: 16 of them make a batch big enough for /dev/shm."""
+    from claw_tasks.batch import StepBatch, StrColumn
+
+    store = Store(url, ns)
+    store.create(capacity=1000)
+    store.commit(StepBatch(
+        episode=StrColumn.constant("e", n), step_index=np.arange(n),
+        reward=np.arange(n, dtype=np.float32), terminated=np.arange(n) == n - 1,
+        truncated=np.zeros(n, bool), fields={"obs": _frames(n)},
+    ))  # fmt: skip
+    return store
+
+
+def _wait_full(r, queue: str, depth: int) -> None:
+    deadline = time.monotonic() + 60
+    while r.llen(queue) < depth:
+        assert time.monotonic() < deadline, f"{queue} never reached {depth}"
+        time.sleep(0.05)
+
+
+def test_pop_drops_batches_of_older_versions(redis_url, namespace, workers, r):
+    from orchestrator.wire import encode_batch
+
+    _images_store(redis_url, namespace)
+    client = BatchClient(namespace, redis_url)
+    client.register({"name": "v", "batch_size": 16, "fields": ["obs", "reward"],
+                     "sources": [{"name": "all"}], "prefetch": {"depth": 2}})  # fmt: skip
+    assert client.pop("v", timeout=60).recipe_version == 1
+    assert client.set_params("v", k=1).version == 2
+    # A fill that was still sampling version 1 pushes after the drain.
+    late = encode_batch({"reward": np.zeros(1, np.float32)}, [1], recipe_version=1)
+    r.lpush(client.registry.queue("v"), late, late)
+    assert [client.pop("v", timeout=60).recipe_version for _ in range(3)] == [2, 2, 2]
+    other = BatchClient(namespace, redis_url)  # another process changes it again
+    assert other.set_params("v", k=2).version == 3
+    while (b := client.pop("v", timeout=60)).recipe_version != 3:
+        assert b.recipe_version == 2  # older ones never
+    r.lpush(client.registry.queue("v"), encode_batch({}, [1], recipe_version=2))
+    assert client.pop("v", timeout=60).recipe_version == 3
+
+
+def test_readers_on_two_hosts_share_a_recipe_inline(redis_url, namespace, workers, r):
+    _images_store(redis_url, namespace)
+    spec = {"name": "mh", "batch_size": 16, "fields": ["obs"], "sources": [{"name": "all"}],
+            "prefetch": {"depth": 2}}  # fmt: skip
+    here = BatchClient(namespace, redis_url)
+    queue = here.registry.queue("mh")
+    assert here.register(spec).version == 1
+    _wait_full(r, queue, 2)
+    assert all(item.startswith(shm.REF_MAGIC) for item in r.lrange(queue, 0, -1))  # one host
+    there = BatchClient(namespace, redis_url)
+    there.host = "another-host"  # a rank of the same job on another machine
+    assert there.register(spec).version == 1  # same recipe: no new version ...
+    assert r.llen(queue) == 2  # ... and its batches stay
+    assert here.register(spec).version == 1
+    assert here.stats("mh")["mh"]["reader_hosts"] == 2
+    refs = [here.pop("mh", timeout=60) for _ in range(2)]  # the shm ones, read here
+    assert all(b["obs"].flags.writeable for b in refs)
+    here._trigger("mh", force=True)  # as the beat would, should a refill request meet a fill
+    _wait_full(r, queue, 2)
+    assert all(wire_is_batch(item) for item in r.lrange(queue, 0, -1))  # now inline
+    # A reference to another host's /dev/shm is skipped (not raised, not fatal).
+    forged = shm.REF_MAGIC + msgpack.packb({"name": "claw-1-2-x", "size": 9, "host": "other"})
+    r.lpush(queue, forged)
+    assert there.pop("mh", timeout=60)["obs"].shape == (16, 84, 84, 3)

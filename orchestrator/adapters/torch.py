@@ -37,9 +37,9 @@ def to_tensor(arr: np.ndarray, pin_memory: bool = False) -> torch.Tensor:
 def batch_to_tensors(
     batch: Batch, pin_memory: bool = False, device: torch.device | None = None
 ) -> Item:
-    """A batch as a dict of tensors; fields that are not numeric arrays (strings, ragged
-    lists, ``info`` dicts) are passed through unchanged."""
-    out: Item = {}
+    """A batch as a dict of tensors; what is not a numeric array (the batch's ``meta``:
+    strings, ``info`` dicts) is passed through unchanged."""
+    out: Item = {**batch.meta}
     arrays = {**batch, "ids": batch.ids, "weights": batch.weights}
     for name, value in arrays.items():
         if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":

@@ -1,0 +1,204 @@
+"""The prefetch fill loop in this process (no Celery): collation of ragged fields, strings
+and info, failures recorded in ``state``, stale pushes, the refill lock, shm reaping."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from claw_tasks.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.store import Store
+from orchestrator import prefetch, shm
+from orchestrator.prefetch import fill, run_fill
+from orchestrator.recipe import Recipe
+from orchestrator.registry import Registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def llm_store(url: str, ns: str, episodes: int = 3, length: int = 5) -> Store:
+    """LLM-style steps: ragged int32 ``prompt_ids`` (row of step t of episode e: 100 * e +
+    arange(t + 1)), no obs; string ``task_id`` and tag ``lang``; ``info`` on first steps;
+    reward ``100 * e + t``."""
+    store = Store(url, ns)
+    store.create(capacity=1000)
+    e, t = np.divmod(np.arange(episodes * length), length)
+    b = StepBatch(
+        episode=StrColumn.of([f"e{i}" for i in e]),
+        step_index=t,
+        reward=(100 * e + t).astype(np.float32),
+        terminated=t == length - 1,
+        truncated=np.zeros(len(t), bool),
+        fields={
+            "prompt_ids": Ragged.of(
+                [100 * i + np.arange(k + 1) for i, k in zip(e, t, strict=True)], np.int32
+            )
+        },
+        info_rows=np.flatnonzero(t == 0).astype(np.int32),
+        info=[{"seed": int(i), "note": f"start of e{i}"} for i in range(episodes)],
+    )
+    b.strs["task_id"] = StrColumn.of([f"task{i}" for i in e])
+    b.strs["t:lang"] = StrColumn.of(["en" if i % 2 else None for i in e])
+    store.commit(b)
+    return store
+
+
+def recipe(name: str, fields: list[str], **kw) -> Recipe:
+    return Recipe.model_validate(
+        {"name": name, "batch_size": 8, "fields": fields, "sources": [{"name": "all"}],
+         "prefetch": {"depth": 2}, **kw}
+    )  # fmt: skip
+
+
+def queued(reg: Registry, name: str) -> list:
+    return [shm.from_message(item) for item in reg.drain(name)]
+
+
+def test_ragged_fields_strings_and_info_are_collated(redis_url, namespace):
+    reg = Registry(llm_store(redis_url, namespace))
+    fields = ["prompt_ids", "reward", "task_id", "episode_id", "tags.lang", "info"]
+    reg.put(recipe("llm", fields), None)
+    assert run_fill(reg, "llm") == {"made": 2, "state": "ok"}
+    for batch in queued(reg, "llm"):
+        ids, lengths = batch["prompt_ids"], batch["prompt_ids_lengths"]
+        assert ids.dtype == np.int32 and lengths.dtype == np.int32 and lengths.shape == (8,)
+        assert ids.shape == (8, lengths.max())
+        for i, reward in enumerate(batch["reward"].astype(int).tolist()):
+            e, t = divmod(reward, 100)
+            np.testing.assert_array_equal(ids[i, : lengths[i]], 100 * e + np.arange(t + 1))
+            assert not ids[i, lengths[i] :].any()  # zero padding
+            assert batch.meta["task_id"][i] == f"task{e}"
+            assert batch.meta["episode_id"][i] == f"e{e}"
+            assert batch.meta["tags.lang"][i] == ("en" if e % 2 else None)
+            assert batch.meta["info"][i] == (
+                {"seed": e, "note": f"start of e{e}"} if t == 0 else {}
+            )
+        with pytest.raises(KeyError, match=r"batch.meta\['task_id'\]"):
+            batch["task_id"]
+    reg.put(recipe("seq", ["prompt_ids", "task_id", "reward"], sequence_length=2), None)
+    assert run_fill(reg, "seq")["state"] == "ok"
+    batch = queued(reg, "seq")[0]
+    lengths = batch["prompt_ids_lengths"]
+    assert lengths.shape == (8, 2) and batch["prompt_ids"].shape == (8, 2, lengths.max())
+    assert (lengths[:, 1] == lengths[:, 0] + 1).all()  # consecutive steps of one episode
+    assert [len(w) for w in batch.meta["task_id"]] == [2] * 8
+
+
+def test_any_failure_of_a_fill_is_recorded(redis_url, namespace):
+    reg = Registry(llm_store(redis_url, namespace))
+    bad = recipe("bad", ["prompt_ids"], augment={"prompt_ids": [{"gaussian_noise": {"std": 1}}]})
+    reg.put(bad, None)  # ragged rows cannot be augmented as one array
+    out = run_fill(reg, "bad")
+    assert out["made"] == 0 and out["state"].startswith("error: ValueError: augment 'prompt_ids'")
+    assert reg.counts("bad")["state"] == out["state"]
+    clash = recipe("clash", ["prompt_ids", "obs"])
+    reg.put(clash, None)  # the stored recipe no longer fits the namespace
+    assert run_fill(reg, "clash")["state"].startswith("error: RecipeError")
+    assert reg.counts("clash")["state"].startswith("error: RecipeError")
+
+
+def test_augmentation_state_survives_new_versions(redis_url, namespace):
+    store = Store(redis_url, namespace)
+    store.create(capacity=100)
+    n = 50
+    store.commit(StepBatch(
+        episode=StrColumn.constant("e", n), step_index=np.arange(n),
+        reward=np.zeros(n, np.float32), terminated=np.zeros(n, bool),
+        truncated=np.zeros(n, bool), fields={"obs": np.ones((n, 3), np.float32)},
+    ))  # fmt: skip
+    reg = Registry(store)
+    v1 = recipe("norm", ["obs"], augment={"obs": [{"running_normalize": None}]})
+    reg.put(v1, None)
+    run_fill(reg, "norm")
+    plan = prefetch._plan(namespace, v1)
+    count = plan.pipelines["obs"].running_stats()[0].count
+    assert count == 16  # two batches of 8 observed
+    for version in (2, 3):  # as set_params makes them
+        reg.put(v1.model_copy(update={"version": version, "params": {"v": version}}), None)
+        reg.drain("norm")
+        run_fill(reg, "norm")
+    assert prefetch._plan(namespace, v1) is plan
+    assert plan.pipelines["obs"].running_stats()[0].count == count + 32
+    assert [k for k in prefetch._plans if k[0] == namespace] == [(namespace, "norm")]
+    clipped = v1.model_copy(update={"augment": {"obs": [{"running_normalize": {"clip": 5}}]}})
+    assert prefetch._plan(namespace, clipped) is not plan  # another augment spec
+
+
+def test_push_of_a_stale_version_is_taken_back(redis_url, namespace):
+    reg = Registry(llm_store(redis_url, namespace))
+    v1 = recipe("r", ["prompt_ids"])
+    reg.put(v1, None)
+    assert run_fill(reg, "r")["made"] == 2
+    counts = reg.counts("r")
+    reg.put(v1.model_copy(update={"version": 2}), None)  # set_params while a fill samples
+    reg.drain("r")
+    stale = prefetch.frame_batch({}, [1], recipe_version=1).tobytes()
+    assert prefetch._push(reg, v1, stale) == "stale"
+    assert reg.r.llen(reg.queue("r")) == 0
+    assert reg.counts("r") == counts  # produced and sampled not counted
+    fresh = prefetch.frame_batch({}, [1], recipe_version=2).tobytes()
+    assert prefetch._push(reg, v1.model_copy(update={"version": 2}), fresh) == 1
+
+
+@pytest.fixture
+def in_process_fill(redis_url, monkeypatch):
+    """``prefetch.fill`` run here, against the test's Redis."""
+    monkeypatch.setattr(prefetch, "store_for", lambda ns: Store(redis_url, ns))
+    return fill
+
+
+def test_fill_releases_only_its_own_refill_lock(redis_url, namespace, in_process_fill):
+    reg = Registry(llm_store(redis_url, namespace))
+    reg.put(recipe("r", ["prompt_ids"]), None)
+    mine = reg.take_refill_lock("r")
+    assert mine is not None and reg.take_refill_lock("r") is None
+    reg.r.delete(reg.refill_lock("r"))  # expired while the fill ran ...
+    theirs = reg.take_refill_lock("r")  # ... and the next fill took it
+    in_process_fill(namespace, "r", mine)
+    assert reg.r.get(reg.refill_lock("r")).decode() == theirs
+    in_process_fill(namespace, "r", theirs)
+    assert not reg.r.exists(reg.refill_lock("r"))
+    reg.r.set(reg.refill_lock("r"), 1)  # taken by an older sender, which sends no token
+    in_process_fill(namespace, "r")
+    assert not reg.r.exists(reg.refill_lock("r"))
+
+
+def orphan_segment() -> Path:
+    """A segment whose creator has exited, written a minute ago."""
+    code = (
+        "import numpy as np\nfrom orchestrator import shm\n"
+        "from orchestrator.wire import frame_batch\n"
+        "print(shm.write_segment(frame_batch({'x': np.arange(3)}, ids=range(3))))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True)
+    path = shm.SHM_DIR / out.stdout.decode().strip()
+    old = time.time() - 60
+    os.utime(path, (old, old))
+    return path
+
+
+@pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="needs /dev/shm")
+def test_fill_reaps_orphaned_segments_at_most_once_a_minute(
+    redis_url, namespace, in_process_fill, monkeypatch
+):
+    reg = Registry(llm_store(redis_url, namespace))
+    reg.put(recipe("r", ["prompt_ids"]), None)
+    monkeypatch.setattr(prefetch, "_last_reap", -math.inf)
+    made = [orphan_segment(), orphan_segment()]
+    try:
+        in_process_fill(namespace, "r")
+        assert not any(p.exists() for p in made)
+        made.append(orphan_segment())
+        in_process_fill(namespace, "r")  # within the minute: not again
+        assert made[-1].exists()
+    finally:
+        for p in made:
+            p.unlink(missing_ok=True)
