@@ -38,7 +38,10 @@ Lookup = Callable[[Any], None]
 class Read:
     """One field at global ``rows``: ``kind`` ``'f'`` reads ``size`` bytes per row from the
     chunked strings ``<base>:<chunk>``; ``'h'`` one value per row from the hashes
-    ``<base>:<chunk>`` (field = slot). ``plain``: by client commands, not in Lua."""
+    ``<base>:<chunk>`` (field = slot). ``plain``: by client commands, not in Lua.
+
+    ``at`` (fixed reads only): row i goes to row ``at[i]`` of a result of ``n_out`` rows,
+    zeros elsewhere (e.g. ``next_obs`` where some episodes ended without one)."""
 
     kind: str
     base: str
@@ -46,14 +49,20 @@ class Read:
     chunk: int
     rows: np.ndarray
     plain: bool = False
+    at: np.ndarray | None = None
+    n_out: int = 0
 
 
-def payload_read(name: str, spec: FieldSpec, rows: np.ndarray) -> Read:
-    """The payload field ``name`` at ``rows``."""
+def payload_read(
+    name: str, spec: FieldSpec, rows: np.ndarray, at: np.ndarray | None = None, n_out: int = 0
+) -> Read:
+    """The payload field ``name`` at ``rows`` (placed at ``at`` of ``n_out`` rows, if given:
+    fixed fields only)."""
     if spec.ragged:
         return Read("h", f"r:{name}", 0, SPARSE_CHUNK_SLOTS, rows, plain=True)
     size = spec.row_bytes
-    return Read("f", f"f:{name}", size, payload_chunk_slots(size), rows, size >= PLAIN_ROW_BYTES)
+    chunk, plain = payload_chunk_slots(size), size >= PLAIN_ROW_BYTES
+    return Read("f", f"f:{name}", size, chunk, rows, plain, at, n_out)
 
 
 def explicit_next_obs_read(obs: FieldSpec, rows: np.ndarray) -> Read:
@@ -142,8 +151,13 @@ class Fetcher:
             start = 0
             for j in members:
                 k = inv[start : start + len(reads[j].rows)]
-                out[j] = res[k] if m.kind == "f" else [res[x] for x in k.tolist()]
                 start += len(k)
+                if m.kind == "h":
+                    out[j] = [res[x] for x in k.tolist()]
+                elif m.plain:
+                    out[j] = _gather_rows(reads[j], res, k)
+                else:
+                    out[j] = _placed(reads[j], res[k])
         return out, replies[n_plain + len(shards) :]
 
     def _plain_commands(self, m: Read) -> tuple[list[tuple[str, tuple[Any, ...]]], np.ndarray]:
@@ -178,11 +192,37 @@ def _joined(m: Read, parts: list[Any]) -> Any:
 
 
 def _plain_result(m: Read, runs: np.ndarray, replies: list[Any]) -> Any:
+    """Hash reads: the replies. Fixed reads: one uint8 view per row into the replies (not
+    copied here: :func:`_gather_rows` copies each row once, straight to its place)."""
     if m.kind == "h":
         return replies
-    out = np.zeros((len(m.rows), m.size), np.uint8)
-    flat, at = out.reshape(-1), 0
+    rows: list[np.ndarray] = []
     for b, n in zip(replies, runs.tolist(), strict=True):
-        flat[at : at + len(b)] = np.frombuffer(b, np.uint8)  # short (missing key): zeros
-        at += n * m.size
+        if len(b) < n * m.size:  # short (missing key): zeros
+            b = bytes(b) + bytes(n * m.size - len(b))
+        whole = np.frombuffer(b, np.uint8)
+        rows.extend([whole] if n == 1 else whole.reshape(n, m.size))
+    return rows
+
+
+def _gather_rows(read: Read, rows: list[np.ndarray], k: np.ndarray) -> np.ndarray:
+    """``read``'s result from per-row views: the rows ``k`` in order (or placed at
+    ``read.at``), copied once into a new array."""
+    if read.at is None:
+        src = [rows[x] for x in k.tolist()]
+    else:
+        src = [np.zeros(read.size, np.uint8)] * read.n_out
+        for d, x in zip(read.at.tolist(), k.tolist(), strict=True):
+            src[d] = rows[x]
+    out = np.empty((len(src), read.size), np.uint8)
+    if src:
+        np.concatenate(src, out=out.reshape(-1))
+    return out
+
+
+def _placed(read: Read, res: np.ndarray) -> np.ndarray:
+    if read.at is None:
+        return res
+    out = np.zeros((read.n_out, read.size), np.uint8)
+    out[read.at] = res
     return out

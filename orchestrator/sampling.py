@@ -309,7 +309,9 @@ class _Assembly:
         explicit = (self.cols["flags"][boot] & EXPLICIT_NEXT) != 0
         linked = (nxt >= 0) & ~explicit
         self.check.append(nxt[linked])
-        i = self._read(payload_read("obs", spec, nxt[linked]))
+        # Fixed rows land straight at their place in the (B, ...) result, zeros elsewhere.
+        at = None if spec.ragged or linked.all() else np.flatnonzero(linked)
+        i = self._read(payload_read("obs", spec, nxt[linked], at, len(boot)))
         j = self._read(explicit_next_obs_read(spec, boot[explicit]))
 
         def finish(res: list[Any]) -> Any:
@@ -320,10 +322,7 @@ class _Assembly:
                 for p, b in zip(np.flatnonzero(explicit).tolist(), res[j], strict=True):
                     out[p] = b
                 return self._decode(spec, out)
-            if linked.all():
-                return self._decode(spec, res[i])
-            raw = np.zeros((len(boot), spec.row_bytes), np.uint8)
-            raw[linked] = res[i]
+            raw = res[i]  # (B, row_bytes): linked rows in place, zeros elsewhere
             if explicit.any():
                 raw[explicit] = np.frombuffer(b"".join(res[j]), np.uint8).reshape(
                     -1, spec.row_bytes
