@@ -114,8 +114,8 @@ class BatchClient:
         """The next ready batch of recipe ``name``; raises TimeoutError after ``timeout``
         seconds (None waits forever) with the recipe's prefetch state in the message.
 
-        Batches of a recipe version older than the newest this client knows (made while
-        the recipe changed) are dropped; a newer version is looked up and known from then."""
+        Batches of a recipe version older than the current one (made while the recipe
+        changed) are dropped."""
         recipe = self._recipes.get(name) or self._entry(name).recipe
         self._recipes[name] = recipe
         q = self.registry.queue(name)
@@ -144,10 +144,10 @@ class BatchClient:
             except shm.ForeignSegment as e:  # made for a reader on another host
                 log.warning("recipe %r: skipped a batch in another host's /dev/shm: %s", name, e)
                 continue
-            if batch.recipe_version < recipe.version:
-                continue  # stale (its segment, if any, is unlinked already): drop it
-            if batch.recipe_version > recipe.version:  # changed by another client
+            if batch.recipe_version != recipe.version:  # changed here or by another client
                 recipe = self._recipes[name] = self._entry(name).recipe
+                if batch.recipe_version < recipe.version:
+                    continue  # stale (its segment, if any, is unlinked already): drop it
             self._popped[name] = self._popped.get(name, 0) + 1  # reported with the next pop
             return batch
 

@@ -255,6 +255,10 @@ def test_pop_drops_batches_of_older_versions(redis_url, namespace, workers, r):
         assert b.recipe_version == 2  # older ones never
     r.lpush(client.registry.queue("v"), encode_batch({}, [1], recipe_version=2))
     assert client.pop("v", timeout=60).recipe_version == 3
+    other.unregister("v")  # registered anew elsewhere: versions start again at 1
+    assert other.register({"name": "v", "batch_size": 16, "fields": ["obs"],
+                           "sources": [{"name": "all"}]}).version == 1  # fmt: skip
+    assert client.pop("v", timeout=60).recipe_version == 1
 
 
 def test_readers_on_two_hosts_share_a_recipe_inline(redis_url, namespace, workers, r):

@@ -202,3 +202,21 @@ def test_fill_reaps_orphaned_segments_at_most_once_a_minute(
     finally:
         for p in made:
             p.unlink(missing_ok=True)
+
+
+def test_collate_edge_cases():
+    from orchestrator.collate import collate
+    from orchestrator.wire import decode_batch, encode_batch
+
+    empty = [np.zeros((0, 2), np.float32)] * 3  # every row empty: (B, 0, 2)
+    arrays, meta = collate({"x": empty, "s": np.array(["a", None], dtype=object)})
+    assert arrays["x"].shape == (3, 0, 2) and arrays["x_lengths"].tolist() == [0, 0, 0]
+    assert meta == {"s": ["a", None]}
+    with pytest.raises(ValueError, match="'x_lengths' is a field of the recipe too"):
+        collate({"x": empty, "x_lengths": np.zeros(3)})
+    with pytest.raises(ValueError, match="differ in dtype or trailing shape"):
+        collate({"x": [np.zeros(2, np.int32), np.zeros(2, np.int64)]})
+    arrays, meta = collate({"x": [np.arange(2), np.arange(1)], "info": [{"a": 1}, {}]})
+    out = decode_batch(encode_batch(arrays, [1, 2], meta=meta))
+    assert out["x"].tolist() == [[0, 1], [0, 0]] and out["x_lengths"].tolist() == [2, 1]
+    assert out.meta["info"] == [{"a": 1}, {}]
