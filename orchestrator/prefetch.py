@@ -147,18 +147,26 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 sources=batch.sources, recipe_version=recipe.version, meta=meta,
             )  # fmt: skip
             pushed = _push(reg, recipe, shm.to_message(frame, reader_host=entry.shm_host))
-            if isinstance(pushed, str):
-                state = "full" if pushed == "full" else f"stopped: recipe {pushed}"
+            if pushed == "full":
                 break
+            if isinstance(pushed, str):  # stale or unregistered: the new fill reports state
+                return {"made": made, "state": f"stopped: recipe {pushed}"}
             length, made, sampled, state = pushed, made + 1, sampled + rows, "ok"
     except NamespaceError as e:
         state = f"insufficient data: {e}"
     except Exception as e:  # recorded for stats/CLI; the beat will try again
         state = f"error: {type(e).__name__}: {e}"
-        if state != before:  # once, not on every retry of the same failure
+        if state != (before or _last_state(reg, name)):  # once, not on every retry
             log.exception("prefetch of %s/%s failed", reg.ns, name)
     reg.bump(name, state=state)
     return {"made": made, "state": state}
+
+
+def _last_state(reg: Registry, name: str) -> str:
+    try:
+        return str(reg.counts(name).get("state", ""))
+    except Exception:  # Redis itself failing: log the error anyway
+        return ""
 
 
 def _reap_orphans() -> None:
