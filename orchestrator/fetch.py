@@ -25,7 +25,7 @@ import numpy as np
 from claw_tasks.schema import FieldSpec
 from claw_tasks.store import Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
-from orchestrator.scripts import Lua, execute
+from claw_tasks.store.scripts import Lua, execute
 
 PLAIN_ROW_BYTES = 2048
 """Fixed rows of at least this many bytes are read by plain commands, not in Lua."""
@@ -81,7 +81,7 @@ class Fetcher:
 
     def __init__(self, store: Store, cap: int) -> None:
         self.store, self.cap = store, cap
-        self._script = Lua("fetch")
+        self._script = Lua("fetch", "orchestrator")
         self._n_shards = store.config().n_shards
 
     def __call__(

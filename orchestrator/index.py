@@ -29,8 +29,8 @@ import numpy as np
 from claw_tasks.schema import Schema
 from claw_tasks.store import NamespaceConfig, Store
 from claw_tasks.store.layout import META, META_CHUNK_SLOTS, NUM_TAG_DTYPE, STR_TAG_DTYPE
+from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.store.store import decode_meta, tag_column
-from orchestrator.scripts import Lua, execute
 
 LOG_PAGE = 10_000
 """Change-log entries read per shard and round trip."""
@@ -53,7 +53,7 @@ class SamplingIndex:
         self._seen = [0] * self.n_shards  # entries the log had added up to that one
         self._config_raw: bytes | None = None
         self._logs = [store.keys.shard_key(s, "log") for s in range(self.n_shards)]
-        self._log_since = Lua("log_since")
+        self._log_since = Lua("log_since", "orchestrator")
         self.attached: dict[str, Any] = {}
         """State kept with the index by code that samples from it (lives as long as it)."""
         self._listeners: list[Callable[[np.ndarray | None], None]] = []

@@ -11,12 +11,12 @@ import redis
 
 from claw_tasks.codec import packb, unpackb
 from claw_tasks.store import Store
+from claw_tasks.store.scripts import Lua, execute
 from orchestrator.recipe import Recipe
-from orchestrator.scripts import Lua, execute
 
 ACTIVE = "claw:active"  # set of namespaces with registered recipes (for the beat refill)
 REFILL_LOCK_S = 30
-_UNLOCK = Lua("unlock")
+_UNLOCK = Lua("unlock", "orchestrator")
 
 
 @dataclass(frozen=True)

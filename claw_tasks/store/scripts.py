@@ -1,33 +1,89 @@
-"""Lua scripts, kept as package files and registered once per client."""
+"""Lua scripts, kept as package files (``<package>/lua/<name>.lua``) and run by EVALSHA.
+
+No redis-py ``Script`` objects: pipelined, they ask SCRIPT EXISTS first, one more round
+trip on every call. A server that does not know a script (restarted, flushed) answers
+NOSCRIPT; the script is then loaded and the call made again.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable, Sequence
 from functools import cache
 from importlib.resources import files
+from typing import Any
 
 import redis
-from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 
 @cache
-def lua_source(name: str) -> str:
+def lua_source(name: str, package: str = "claw_tasks") -> str:
     """A script's source, with the files it names in ``--! include <name>`` lines first
     (Redis scripts cannot import each other)."""
-    text = files("claw_tasks").joinpath("lua", f"{name}.lua").read_text()
+    text = files(package).joinpath("lua", f"{name}.lua").read_text()
     parts = [
-        lua_source(line.split()[-1])
+        lua_source(line.split()[-1], package)
         for line in text.splitlines()
         if line.startswith("--! include ")
     ]
     return "\n".join([*parts, text])
 
 
+class Lua:
+    """One script: call it on a client, or queue it on a pipeline run by :func:`execute`."""
+
+    def __init__(self, name: str, package: str = "claw_tasks") -> None:
+        self.name = name
+        self.source = lua_source(name, package)
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+    def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(self.source)
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+def execute(client: redis.Redis, scripts: Sequence[Lua], queue: Callable[[Any], None]) -> list[Any]:
+    """Run the commands ``queue`` puts on a pipeline in one round trip; on NOSCRIPT load
+    ``scripts`` and run them again (scripts only read, or are idempotent)."""
+    try:
+        return _run(client, queue)
+    except NoScriptError:
+        for script in scripts:
+            client.script_load(script.source)
+        return _run(client, queue)
+
+
+def _run(client: redis.Redis, queue: Callable[[Any], None]) -> list[Any]:
+    with client.pipeline(transaction=False) as pipe:
+        queue(pipe)
+        return pipe.execute()
+
+
+class _Bound:
+    """A script bound to a client: ``script(keys=..., args=...)``."""
+
+    def __init__(self, script: Lua, client: redis.Redis) -> None:
+        self.script, self.client = script, client
+
+    def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        return self.script(self.client, keys, args)
+
+
 class Scripts:
-    """The store's scripts bound to one client (EVALSHA, reloaded on NOSCRIPT)."""
+    """The store's scripts bound to one client."""
+
+    ALL = {name: Lua(name) for name in ("alloc", "commit", "update", "dict", "deadletter")}
 
     def __init__(self, client: redis.Redis) -> None:
-        self.alloc: Script = client.register_script(lua_source("alloc"))
-        self.commit: Script = client.register_script(lua_source("commit"))
-        self.update: Script = client.register_script(lua_source("update"))
-        self.dict: Script = client.register_script(lua_source("dict"))
-        self.deadletter: Script = client.register_script(lua_source("deadletter"))
+        self.alloc = _Bound(self.ALL["alloc"], client)
+        self.commit = _Bound(self.ALL["commit"], client)
+        self.update = _Bound(self.ALL["update"], client)
+        self.dict = _Bound(self.ALL["dict"], client)
+        self.deadletter = _Bound(self.ALL["deadletter"], client)

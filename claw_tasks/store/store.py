@@ -31,7 +31,7 @@ from claw_tasks.store.layout import (
     payload_chunk_slots,
     row_episode_codes,
 )
-from claw_tasks.store.scripts import Scripts
+from claw_tasks.store.scripts import Scripts, execute
 
 MARKER_TTL = 7 * 86400
 LOG_MAXLEN = 100_000
@@ -208,15 +208,15 @@ class Store:
 
     def _encode_str_columns(self, batch: StepBatch, schema: Schema) -> dict[str, np.ndarray]:
         """Per-row int32 codes of every string column (0 = missing)."""
-        with self.r.pipeline(transaction=False) as pipe:
-            names = [k for k, v in batch.strs.items() if v.values]
+        names = [k for k, v in batch.strs.items() if v.values]
+        script = Scripts.ALL["dict"]
+
+        def queue(pipe: Any) -> None:
             for k in names:
-                self.scripts.dict(
-                    keys=[self.keys.dict(k), self.keys.rdict(k)],
-                    args=batch.strs[k].values,
-                    client=pipe,
-                )
-            replies = pipe.execute()
+                keys = [self.keys.dict(k), self.keys.rdict(k)]
+                script.queue(pipe, keys, batch.strs[k].values)
+
+        replies = execute(self.r, [script], queue) if names else []
         out: dict[str, np.ndarray] = {}
         for k, codes in zip(names, replies, strict=True):
             vocab = np.concatenate([np.asarray(codes, np.int32), np.zeros(1, np.int32)])
