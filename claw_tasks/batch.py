@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.codec import CodecError, check_dtype, frame, packb, unframe, unpackb
-from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError
+from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError, tag_name
 
 STR_META = ("agent_id", "task_id", "skill_tag", "reward_source")
 FORMAT_VERSION = 1
@@ -160,8 +160,8 @@ class StepBatch:
         return len(self.step_index)
 
     def tag_kinds(self) -> dict[str, str]:
-        kinds = {k[2:]: "str" for k in self.strs if k.startswith("t:")}
-        kinds.update({k[2:]: "num" for k in self.nums})
+        kinds = {tag: "str" for k in self.strs if (tag := tag_name(k)) is not None}
+        kinds.update({tag_name(k) or k: "num" for k in self.nums})
         return kinds
 
     def schema(self) -> Schema:
@@ -216,8 +216,8 @@ class StepBatch:
             "truncated": self.truncated,
         }
         for k, v in self.strs.items():
-            cols[f"tag '{k[2:]}'" if k.startswith("t:") else k] = v.index
-        cols.update({f"tag '{k[2:]}'": v for k, v in self.nums.items()})
+            cols[f"tag '{tag_name(k)}'" if tag_name(k) is not None else k] = v.index
+        cols.update({f"tag '{tag_name(k)}'": v for k, v in self.nums.items()})
         if self.priority is not None:
             cols["priority"] = self.priority
         if self.policy_version is not None:

@@ -15,7 +15,7 @@ from claw_tasks.app import client_app
 from claw_tasks.batch import STR_META, Placed, Ragged, StepBatch, StrColumn
 from claw_tasks.codec import CodecError, check_dtype
 from claw_tasks.ingest import IngestOutcome
-from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError
+from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError, tag_column
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import row_episode_codes
@@ -561,9 +561,9 @@ def _str_column(v: Any, n: int, name: str) -> StrColumn:
 def _add_tag(batch: StepBatch, name: str, v: Any, n: int) -> None:
     sample = v if np.ndim(v) == 0 else next(iter(v), None)
     if isinstance(sample, str):
-        batch.strs[f"t:{name}"] = _str_column(v, n, f"tags.{name}")
+        batch.strs[tag_column(name)] = _str_column(v, n, f"tags.{name}")
     else:
-        batch.nums[f"t:{name}"] = np.asarray(np.broadcast_to(np.asarray(v, np.float64), (n,)))
+        batch.nums[tag_column(name)] = np.asarray(np.broadcast_to(np.asarray(v, np.float64), (n,)))
 
 
 def _steps_to_batch(steps: Sequence[_Step], schema: Schema) -> StepBatch:
@@ -602,9 +602,9 @@ def _steps_to_batch(steps: Sequence[_Step], schema: Schema) -> StepBatch:
     for name in tag_names:
         vals = [s.tags.get(name) for s in steps]
         if any(isinstance(v, str) for v in vals):
-            batch.strs[f"t:{name}"] = StrColumn.of(vals)
+            batch.strs[tag_column(name)] = StrColumn.of(vals)
         else:
-            batch.nums[f"t:{name}"] = np.array(
+            batch.nums[tag_column(name)] = np.array(
                 [np.nan if v is None else v for v in vals], np.float64
             )
     return batch

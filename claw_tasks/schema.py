@@ -40,6 +40,19 @@ MAX_STEP_BYTES = 16 * 1024 * 1024
 MAX_BATCH_BYTES = 512 * 1024 * 1024
 
 
+TAG_PREFIX = "t:"
+
+
+def tag_column(name: str) -> str:
+    """The metadata column (and batch column) of free tag ``name``."""
+    return TAG_PREFIX + name
+
+
+def tag_name(column: str) -> str | None:
+    """The tag a metadata column holds, or None for fixed metadata."""
+    return column[len(TAG_PREFIX) :] if column.startswith(TAG_PREFIX) else None
+
+
 class SchemaError(ValueError):
     """A batch does not match the namespace schema, or a schema is malformed."""
 

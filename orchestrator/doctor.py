@@ -10,7 +10,7 @@ import numpy as np
 import redis
 
 from claw_tasks.codec import CodecError
-from claw_tasks.schema import SchemaError
+from claw_tasks.schema import SchemaError, tag_column, tag_name
 from claw_tasks.store import NamespaceConfig, Store
 from claw_tasks.store.layout import (
     DICT_COLUMNS,
@@ -196,7 +196,8 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
 def _column_itemsize(col: str, cfg: NamespaceConfig) -> int:
     if col in META:
         return META[col].itemsize
-    kind = cfg.schema.tags.get(col[2:]) if cfg.schema and col.startswith("t:") else None
+    tag = tag_name(col)
+    kind = cfg.schema.tags.get(tag) if cfg.schema and tag is not None else None
     if kind is None:
         raise ValueError(f"metadata column {col!r} is neither built in nor a schema tag")
     return (STR_TAG_DTYPE if kind == "str" else NUM_TAG_DTYPE).itemsize
@@ -237,7 +238,7 @@ def _check_shard(
 ) -> dict[str, np.ndarray]:
     """Ids, links and explicit next_obs of one shard; returns the dictionary codes in use."""
     tags = cfg.schema.tags if cfg.schema else {}
-    str_tags = [f"t:{t}" for t, kind in tags.items() if kind == "str"]
+    str_tags = [tag_column(t) for t, kind in tags.items() if kind == "str"]
     dict_cols = [*DICT_COLUMNS, *str_tags]
     cols = store.meta_columns(shard, ["id", "episode", "step_index", "next", "flags", *dict_cols])
     seq_now = int(store.r.get(store.keys.shard_key(shard, "seq")) or 0)

@@ -41,6 +41,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from claw_tasks.schema import tag_column
+
 Kind = Literal["code", "num", "flag"]
 Encoder = Callable[[str, Sequence[str]], np.ndarray]
 """``encode(column, strings)`` → integer codes of ``strings`` in ``column`` (-1 = unknown)."""
@@ -248,10 +250,10 @@ def _column(key: Any, tags: Mapping[str, str] | None) -> tuple[str, Kind | None]
     if key.startswith(TAG_PREFIX) and len(key) > len(TAG_PREFIX):
         name = key[len(TAG_PREFIX) :]
         if tags is None:
-            return f"t:{name}", None
+            return tag_column(name), None
         if name not in tags:
             raise FilterError(f"{key}: no tag {name!r} in the namespace schema")
-        return f"t:{name}", "code" if tags[name] == "str" else "num"
+        return tag_column(name), "code" if tags[name] == "str" else "num"
     raise FilterError(
         f"{key}: unknown metadata key (fixed: {', '.join(FIXED)}; free tags: tags.<name>)"
     )

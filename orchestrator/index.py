@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.schema import Schema
+from claw_tasks.schema import Schema, tag_column, tag_name
 from claw_tasks.store import NamespaceConfig, Store
 from claw_tasks.store.layout import META, META_CHUNK_SLOTS, NUM_TAG_DTYPE, STR_TAG_DTYPE
 from claw_tasks.store.scripts import Lua, execute
-from claw_tasks.store.store import decode_meta, tag_column
+from claw_tasks.store.store import decode_meta
 
 LOG_PAGE = 10_000
 """Change-log entries read per shard and round trip."""
@@ -241,4 +241,4 @@ class SamplingIndex:
     def _dtype(self, col: str) -> np.dtype:
         if col in META:
             return META[col]
-        return STR_TAG_DTYPE if self._tags()[col[2:]] == "str" else NUM_TAG_DTYPE
+        return STR_TAG_DTYPE if self._tags()[tag_name(col)] == "str" else NUM_TAG_DTYPE

@@ -38,7 +38,7 @@ import numpy as np
 import redis
 
 from claw_tasks.codec import unpackb
-from claw_tasks.schema import FieldSpec
+from claw_tasks.schema import FieldSpec, tag_column
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import EXPLICIT_NEXT
@@ -296,7 +296,7 @@ class _Assembly:
         column, kind = FIXED.get(name, (None, None))
         if column is None:
             tag = name.removeprefix(TAG_PREFIX)
-            column = f"t:{tag}"
+            column = tag_column(tag)
             kind = "code" if self.s.index.schema.tags[tag] == "str" else "num"  # type: ignore[union-attr]
         values = cols[column][rows]
         if kind == "num":

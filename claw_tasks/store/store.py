@@ -13,7 +13,7 @@ import redis
 
 from claw_tasks.batch import STR_META, Placed, Ragged, StepBatch
 from claw_tasks.codec import packb, unpackb
-from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.schema import FieldSpec, Schema, tag_column, tag_name
 from claw_tasks.store.layout import (
     DICT_COLUMNS,
     EXPLICIT_NEXT,
@@ -76,10 +76,6 @@ class CommitResult:
     committed: int = 0
     replayed: int = 0  # already committed by an earlier delivery
     expired: int = 0  # slots reused by newer steps before the commit landed (past capacity)
-
-
-def tag_column(name: str) -> str:
-    return f"t:{name}"
 
 
 class Store:
@@ -294,7 +290,8 @@ class Store:
         if col in META:
             return META[col]
         schema = self.config().schema
-        kind = schema.tags.get(col[2:]) if schema and col.startswith("t:") else None
+        tag = tag_name(col)
+        kind = schema.tags.get(tag) if schema and tag is not None else None
         if kind is None:
             raise KeyError(f"unknown metadata column {col!r}")
         return STR_TAG_DTYPE if kind == "str" else NUM_TAG_DTYPE
@@ -524,8 +521,9 @@ class Store:
         if key == "episode_id":
             return np.isin(col, [episode_code(str(v)) for v in values])
         wcol = self._where_col(key)
-        if key in DICT_COLUMNS or (wcol.startswith("t:") and col.dtype == STR_TAG_DTYPE):
-            return np.isin(col, self.lookup_codes(wcol if wcol.startswith("t:") else key, values))
+        is_tag = tag_name(wcol) is not None
+        if key in DICT_COLUMNS or (is_tag and col.dtype == STR_TAG_DTYPE):
+            return np.isin(col, self.lookup_codes(wcol if is_tag else key, values))
         return np.isin(col, values)
 
     def info(self) -> dict[str, Any]:
@@ -611,7 +609,7 @@ class Store:
 
 def decode_meta(col: str, arr: np.ndarray, schema: Schema | None) -> np.ndarray:
     """Undo the zero-means-missing encodings (NaN-xor floats)."""
-    if col == "priority" or (col.startswith("t:") and arr.dtype == NUM_TAG_DTYPE):
+    if col == "priority" or (tag_name(col) is not None and arr.dtype == NUM_TAG_DTYPE):
         return nan_xor(arr)
     return arr
 
