@@ -592,9 +592,7 @@ class Store:
         cfg = self.config()
         shards = ids % cfg.n_shards
         vals = np.frombuffer(values, np.uint8)
-        done = 0
-        # One EVALSHA per shard, straight on the client: a pipelined Script would first
-        # ask SCRIPT EXISTS, one more round trip.
+        calls = []
         for shard in np.unique(shards).tolist():
             sel = np.flatnonzero(shards == shard)
             part_vals = vals if mode != "set" else vals.reshape(-1, size)[sel]
@@ -603,8 +601,12 @@ class Store:
                 self.keys.shard(shard), cfg.cap, cfg.n_shards, shard, META_CHUNK_SLOTS, col,
                 size, mode, ids[sel].tobytes(), part_vals.tobytes(), LOG_MAXLEN, op,
             ]  # fmt: skip
-            done += int(self.scripts.update(keys=keys, args=args))
-        return done
+            calls.append((keys, args))
+        if len(calls) == 1:  # the common case: one EVALSHA straight on the client
+            return int(self.scripts.update(*calls[0]))
+        script = Scripts.ALL["update"]  # several shards: one pipelined round trip
+        replies = execute(self.r, [script], lambda p: [script.queue(p, k, a) for k, a in calls])
+        return sum(int(v) for v in replies)
 
 
 def decode_meta(col: str, arr: np.ndarray, schema: Schema | None) -> np.ndarray:
