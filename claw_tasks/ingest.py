@@ -13,7 +13,7 @@ import redis
 from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.codec import CodecError, packb, unpackb
 from claw_tasks.schema import MAX_BATCH_BYTES, SchemaError
-from claw_tasks.store import Store
+from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import row_episode_codes
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,9 @@ def _commit(
     store: Store, batch: StepBatch, outcome: IngestOutcome, raw: bytes, stage_key: str | None
 ) -> IngestOutcome:
     try:
-        if store.exists():
-            store.ensure_schema(batch.schema())
+        store.ensure_schema(batch.schema())
+    except NamespaceError:
+        pass  # a new namespace: the commit creates it
     except SchemaError as e:
         outcome.rejected = batch.n
         return _finish(store, outcome, f"schema mismatch: {e}", raw, stage_key)

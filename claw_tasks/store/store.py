@@ -184,9 +184,11 @@ class Store:
 
         A batch with ``Placed`` fields (written in place after ``allocate``) lies in one
         shard; its ``dead_rows`` (rejected) are committed but never made alive."""
-        if not self.exists():
+        try:
+            schema = self.ensure_schema(batch.schema())  # no round trip once cached
+        except NamespaceError:
             self.create()
-        schema = self.ensure_schema(batch.schema())
+            schema = self.ensure_schema(batch.schema())
         cfg = self.config()
         n = batch.n
         result = CommitResult()
