@@ -312,6 +312,42 @@ def _print_details(console: Console, s: NamespaceStats) -> None:
         console.print(t)
 
 
+@app.command()
+@_friendly
+def recipes(
+    ctx: typer.Context,
+    namespace: Annotated[str, typer.Argument(help="Namespace")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Registered recipes and their prefetch state, rate limit included.
+
+    Queue depth, batches produced and popped, rows sampled against steps inserted, and
+    whether the rate limiter makes prefetch wait (and why)."""
+    from orchestrator.client import BatchClient
+
+    with _redis(ctx) as (url, _):
+        client = BatchClient(namespace, url)
+        try:
+            found = client.stats()
+        finally:
+            client.close()
+    if as_json:
+        typer.echo(json.dumps(found, indent=2))
+        return
+    table = Table(title=f"recipes of {namespace!r}")
+    heads = ("recipe", "version", "queue", "produced", "popped", "sampled rows",
+             "inserted steps", "state")  # fmt: skip
+    for h in heads:
+        table.add_column(h, justify="left" if h in ("recipe", "state") else "right")
+    for name, st in found.items():
+        state = f"[yellow]{st['rate_limit']}[/]" if st["rate_limited"] else st["state"] or "-"
+        table.add_row(
+            name, str(st["version"]), f"{st['depth']}/{st['max_depth']}", f"{st['produced']:,}",
+            f"{st['popped']:,}", f"{st['sampled_rows']:,}", f"{st['inserted_steps']:,}", state,
+        )  # fmt: skip
+    Console().print(table if found else f"no recipes registered in {namespace!r}")
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import msgpack
@@ -152,6 +153,16 @@ def test_rate_limiter_waits_then_resumes(redis_url, namespace, workers):
     assert all(len(b.ids) == 64 for b in got)
     with pytest.raises(TimeoutError, match=r"samples_per_insert 1\.0 reached"):
         client.pop("rl", timeout=2)
+    # The same state from the command line.
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    out = CliRunner().invoke(app, ["--redis-url", redis_url, "recipes", namespace, "--json"])
+    assert out.exit_code == 0, out.output
+    shown = json.loads(out.output)["rl"]
+    assert shown["rate_limited"] and "samples_per_insert 1.0 reached" in shown["rate_limit"]
+    assert shown["produced"] == 3
     s = client.stats("rl")["rl"]
     assert s["produced"] == 3 and s["sampled_rows"] == 192 and s["rate_limited"]
     _ingest_vectors(redis_url, namespace, 100, start=5000)
