@@ -15,12 +15,14 @@ from prometheus_client.registry import Collector
 
 from claw_tasks.app import QUEUES
 from claw_tasks.store import Store
+from orchestrator import ratelimit
 from orchestrator.namespaces import (
     UnreadableNamespace,
     list_namespaces,
     memory_by_namespace,
     namespace_stats,
 )
+from orchestrator.registry import Registry
 
 log = logging.getLogger(__name__)
 _TIMEOUT = 5.0
@@ -79,6 +81,17 @@ class ClawCollector(Collector):
             "claw_steps_committed", "steps committed since the namespace was created", labels=ns
         )
         readable = _gauge("claw_namespace_readable", "0 if the namespace does not decode", ns)
+        rl = [*ns, "recipe"]
+        prefetch = {
+            "depth": _gauge("claw_prefetch_depth", "batches ready in the recipe's queue", rl),
+            "limited": _gauge("claw_prefetch_rate_limited", "1 while prefetch waits", rl),
+            "produced": CounterMetricFamily(
+                "claw_prefetch_batches_produced", "batches made by prefetch", labels=rl
+            ),
+            "popped": CounterMetricFamily(
+                "claw_prefetch_batches_popped", "batches taken by trainers", labels=rl
+            ),
+        }
         memory = memory_by_namespace(self._r)
         for name in list_namespaces(self._r):
             try:
@@ -101,7 +114,26 @@ class ClawCollector(Collector):
                 fams["task"].add_metric([name, task or ""], n)
             for agent, n in s.by_agent_id.items():
                 fams["agent"].add_metric([name, agent or ""], n)
-        return [used, committed, readable, *fams.values()]
+            self._prefetch_metrics(Registry(Store(self._r, name)), prefetch)
+        return [used, committed, readable, *fams.values(), *prefetch.values()]
+
+    def _prefetch_metrics(self, reg: Registry, fams: dict[str, Metric]) -> None:
+        names = reg.names()
+        inserted = reg.inserted() if names else 0
+        for recipe in names:
+            entry = reg.get(recipe)
+            if entry is None:
+                continue
+            c = reg.counts(recipe)
+            r = entry.recipe
+            labels = [reg.ns, recipe]
+            waits = not ratelimit.check(
+                r.rate_limit, inserted, float(c.get("sampled", 0)), r.batch_size
+            )
+            fams["depth"].add_metric(labels, self._r.llen(reg.queue(recipe)))
+            fams["limited"].add_metric(labels, float(waits))
+            fams["produced"].add_metric(labels, float(c.get("produced", 0)))
+            fams["popped"].add_metric(labels, float(c.get("popped", 0)))
 
     def _queue_depths(self) -> Metric:
         """Messages waiting per Celery queue (all priority levels; Redis or RabbitMQ)."""

@@ -163,6 +163,18 @@ def test_rate_limiter_waits_then_resumes(redis_url, namespace, workers):
     shown = json.loads(out.output)["rl"]
     assert shown["rate_limited"] and "samples_per_insert 1.0 reached" in shown["rate_limit"]
     assert shown["produced"] == 3
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+
+    from orchestrator.metrics import ClawCollector
+
+    registry = CollectorRegistry()
+    registry.register(ClawCollector(redis_url, redis_url))
+    text = generate_latest(registry).decode()
+    assert f'claw_prefetch_rate_limited{{namespace="{namespace}",recipe="rl"}} 1.0' in text
+    assert (
+        f'claw_prefetch_batches_produced_total{{namespace="{namespace}",recipe="rl"}} 3.0' in text
+    )
     s = client.stats("rl")["rl"]
     assert s["produced"] == 3 and s["sampled_rows"] == 192 and s["rate_limited"]
     _ingest_vectors(redis_url, namespace, 100, start=5000)
