@@ -39,7 +39,7 @@ class StrColumn:
             return cls([], np.full(n, -1, np.int32))
         return cls([str(value)], np.zeros(n, np.int32))
 
-    def take(self, rows: np.ndarray) -> StrColumn:
+    def take(self, rows: np.ndarray | slice) -> StrColumn:
         return StrColumn(self.values, self.index[rows])
 
     def strings(self) -> list[str | None]:
@@ -129,10 +129,11 @@ def _placed(name: str, dtype: str, shape: list[int]) -> Placed:
     return Placed(dt, tuple(int(d) for d in shape))
 
 
-def _take(v: FieldValue, rows: np.ndarray) -> FieldValue:
+def _take(v: FieldValue, rows: np.ndarray | slice, pos: np.ndarray) -> FieldValue:
+    """``rows`` of a field (``pos``: the same rows as positions)."""
     if isinstance(v, Placed):
-        return Placed(v.dtype, (len(rows), *v.shape[1:]))
-    return v.take(rows) if isinstance(v, Ragged) else v[rows]
+        return Placed(v.dtype, (len(pos), *v.shape[1:]))
+    return v.take(pos) if isinstance(v, Ragged) else v[rows]
 
 
 @dataclass
@@ -246,64 +247,37 @@ class StepBatch:
         if len(self.info) != len(self.info_rows):
             raise SchemaError(f"{len(self.info_rows)} info_rows but {len(self.info)} info dicts")
 
-    def take(self, rows: np.ndarray) -> StepBatch:
-        """The sub-batch of ``rows`` (sorted positions); explicit next_obs/info follow."""
-        rows = np.asarray(rows, np.int64)
+    def take(self, rows: np.ndarray | slice) -> StepBatch:
+        """The sub-batch of ``rows`` (sorted positions, or a slice: then fixed-shape
+        columns are views, not copies); explicit next_obs/info follow their rows."""
+        pos = np.arange(self.n)[rows] if isinstance(rows, slice) else np.asarray(rows, np.int64)
         remap = np.full(self.n, -1, np.int64)
-        remap[rows] = np.arange(len(rows))
-        nx_keep = np.flatnonzero(remap[self.next_rows] >= 0) if len(self.next_rows) else []
-        info_keep = np.flatnonzero(remap[self.info_rows] >= 0) if len(self.info_rows) else []
+        remap[pos] = np.arange(len(pos))
+        nx_keep = np.flatnonzero(remap[self.next_rows] >= 0)
+        info_keep = np.flatnonzero(remap[self.info_rows] >= 0)
+
+        def sel(v: np.ndarray | None) -> np.ndarray | None:
+            return None if v is None else v[rows]
+
         return StepBatch(
             episode=self.episode.take(rows),
             step_index=self.step_index[rows],
             reward=self.reward[rows],
             terminated=self.terminated[rows],
             truncated=self.truncated[rows],
-            fields={k: _take(v, rows) for k, v in self.fields.items()},
-            priority=None if self.priority is None else self.priority[rows],
-            policy_version=None if self.policy_version is None else self.policy_version[rows],
+            fields={k: _take(v, rows, pos) for k, v in self.fields.items()},
+            priority=sel(self.priority),
+            policy_version=sel(self.policy_version),
             strs={k: v.take(rows) for k, v in self.strs.items()},
             nums={k: v[rows] for k, v in self.nums.items()},
-            next_rows=remap[self.next_rows[nx_keep]].astype(np.int32)
-            if len(nx_keep)
-            else np.zeros(0, np.int32),
-            next_obs=_take(self.next_obs, np.asarray(nx_keep, np.int64))
+            next_rows=remap[self.next_rows[nx_keep]].astype(np.int32),
+            next_obs=_take(self.next_obs, nx_keep, nx_keep)
             if len(nx_keep) and self.next_obs is not None
             else None,
-            info_rows=remap[self.info_rows[info_keep]].astype(np.int32)
-            if len(info_keep)
-            else np.zeros(0, np.int32),
-            info=[self.info[i] for i in np.asarray(info_keep, np.int64).tolist()],
+            info_rows=remap[self.info_rows[info_keep]].astype(np.int32),
+            info=[self.info[i] for i in info_keep.tolist()],
             batch_id=self.batch_id,
         )
-
-    def slice(self, start: int, stop: int) -> StepBatch:
-        """Rows ``[start, stop)``: views, no copies of fixed fields."""
-        return (
-            self.take(np.arange(start, stop))
-            if self._has_extras()
-            else StepBatch(
-                episode=StrColumn(self.episode.values, self.episode.index[start:stop]),
-                step_index=self.step_index[start:stop],
-                reward=self.reward[start:stop],
-                terminated=self.terminated[start:stop],
-                truncated=self.truncated[start:stop],
-                fields={
-                    k: v.take(np.arange(start, stop)) if isinstance(v, Ragged) else v[start:stop]
-                    for k, v in self.fields.items()
-                },
-                priority=None if self.priority is None else self.priority[start:stop],
-                policy_version=None
-                if self.policy_version is None
-                else self.policy_version[start:stop],
-                strs={k: StrColumn(v.values, v.index[start:stop]) for k, v in self.strs.items()},
-                nums={k: v[start:stop] for k, v in self.nums.items()},
-                batch_id=self.batch_id,
-            )
-        )
-
-    def _has_extras(self) -> bool:
-        return bool(len(self.next_rows) or len(self.info_rows))
 
     def encode(self) -> bytes:
         """msgpack bytes; ``Placed`` fields travel as dtype and shape only."""

@@ -235,8 +235,8 @@ class Ingestor:
             raise ValueError(f"add_batch: unknown column(s) {', '.join(sorted(cols))}")
         self._check_batch(batch)
         for start in range(0, n, self.flush_steps):
-            rows = np.arange(start, min(n, start + self.flush_steps))
-            part = batch if len(rows) == n else batch.slice(start, start + len(rows))
+            stop = min(n, start + self.flush_steps)
+            part = batch if stop - start == n else batch.take(slice(start, stop))  # views
             part.batch_id = f"{batch.batch_id}.{start}"
             self._send_or_keep(part)
         return n
