@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Self
 
 from claw_tasks.app import QUEUES
-from claw_tasks.redis_server import RedisServer, embedded_dir, ensure_redis
+from claw_tasks.redis_server import RedisServer, embedded_dir, ensure_redis, log_tail
 
 _PR_SET_PDEATHSIG = 1
 
@@ -103,11 +103,7 @@ class Service:
             )
 
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log, lines)
 
     def signal_group(self, sig: int) -> None:
         """Send `sig` to the service's process group (its pool children included)."""

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -99,19 +99,17 @@ def start_worker(redis_url: str, tmp_path: Path) -> Iterator:
         w.stop()
 
 
-@pytest.fixture(scope="module")
-def ingest_worker(redis_server: RedisServer, tmp_path_factory) -> Iterator[Worker]:
-    """One shared ingest worker (2 pool processes) per test module."""
-    log = tmp_path_factory.mktemp("worker") / "ingest.log"
-    w = Worker(redis_server.url, "ingest", 2, log, {})
-    yield w
-    w.stop()
+def _module_worker(queues: str) -> Callable[..., Iterator[Worker]]:
+    @pytest.fixture(scope="module")
+    def fixture(redis_server: RedisServer, tmp_path_factory) -> Iterator[Worker]:
+        log = tmp_path_factory.mktemp("worker") / f"{queues.replace(',', '-')}.log"
+        w = Worker(redis_server.url, queues, 2, log, {})
+        yield w
+        w.stop()
+
+    fixture.__doc__ = f"One shared worker on {queues} (2 pool processes) per test module."
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def workers(redis_server: RedisServer, tmp_path_factory) -> Iterator[Worker]:
-    """One shared worker on the ingest and prefetch queues (2 pool processes) per module."""
-    log = tmp_path_factory.mktemp("worker") / "ingest-prefetch.log"
-    w = Worker(redis_server.url, "ingest,prefetch", 2, log, {})
-    yield w
-    w.stop()
+ingest_worker = _module_worker("ingest")
+workers = _module_worker("ingest,prefetch")
