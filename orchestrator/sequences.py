@@ -49,11 +49,6 @@ def follow(columns: Mapping[str, np.ndarray], rows: np.ndarray, cap: int) -> np.
     return np.where(has, out, -1)
 
 
-def next_row(columns: Mapping[str, np.ndarray], cap: int) -> np.ndarray:
-    """:func:`follow` for every row of the columns."""
-    return follow(columns, np.arange(len(columns["next"]), dtype=np.int64), cap)
-
-
 def has_next_obs(columns: Mapping[str, np.ndarray], rows: np.ndarray, cap: int) -> np.ndarray:
     """Whether each row's ``next_obs`` exists: given explicitly, or the next step's ``obs``."""
     explicit = (columns["flags"][rows] & FLAG_BITS["next_obs"]) != 0
@@ -106,10 +101,3 @@ def windows(
         cur = np.where(ended, -1, follow(columns, cur, cap))
         out[:, j] = cur
     return out
-
-
-def valid_starts(
-    columns: Mapping[str, np.ndarray], starts: np.ndarray, length: int, cap: int
-) -> np.ndarray:
-    """Whether the whole window of ``length`` steps from each start is stored."""
-    return windows(columns, starts, length, cap)[:, -1] >= 0
