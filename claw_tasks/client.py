@@ -102,9 +102,7 @@ class Episode:
         fields = {"obs": obs, "action": action}
         tags = dict(self.tags)
         for k, v in fields_and_tags.items():
-            if isinstance(v, str | int | float | bool | np.generic) and not isinstance(
-                v, np.ndarray
-            ):
+            if isinstance(v, str | int | float | bool | np.generic):  # a scalar: a tag
                 tags[k] = v
             else:
                 fields[k] = v
