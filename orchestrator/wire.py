@@ -189,28 +189,6 @@ def frame_batch(
     return Frame([memoryview(c) for c in chunks], base + pos)
 
 
-def encode_batch(
-    fields: Mapping[str, ArrayLike],
-    ids: ArrayLike,
-    *,
-    weights: ArrayLike | None = None,
-    source_index: ArrayLike | None = None,
-    sources: Sequence[str] = ("default",),
-    recipe_version: int = 0,
-    meta: Mapping[str, Any] | None = None,
-) -> bytes:
-    """Encode a batch to bytes (see :func:`frame_batch` for the arguments)."""
-    return frame_batch(
-        fields,
-        ids,
-        weights=weights,
-        source_index=source_index,
-        sources=sources,
-        recipe_version=recipe_version,
-        meta=meta,
-    ).tobytes()
-
-
 def is_batch(buf: Any) -> bool:
     """Whether ``buf`` starts like an encoded batch."""
     return bytes(memoryview(buf)[:4]) == MAGIC

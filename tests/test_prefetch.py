@@ -14,7 +14,13 @@ from claw_tasks.store import Store
 from orchestrator import ratelimit, shm
 from orchestrator.client import BatchClient
 from orchestrator.recipe import RateLimit
+from orchestrator.wire import frame_batch
 from orchestrator.wire import is_batch as wire_is_batch
+
+
+def encode_batch(*args, **kwargs) -> bytes:
+    """A batch as queue bytes (what prefetch pushes when no shared memory is used)."""
+    return frame_batch(*args, **kwargs).tobytes()
 
 
 def _frames(n: int, seed: int = 0) -> np.ndarray:
@@ -260,7 +266,6 @@ def _wait_full(r, queue: str, depth: int) -> None:
 
 
 def test_pop_drops_batches_of_older_versions(redis_url, namespace, workers, r):
-    from orchestrator.wire import encode_batch
 
     _images_store(redis_url, namespace)
     client = BatchClient(namespace, redis_url)

@@ -19,8 +19,14 @@ from orchestrator import prefetch, shm
 from orchestrator.prefetch import fill, run_fill
 from orchestrator.recipe import Recipe
 from orchestrator.registry import Registry
+from orchestrator.wire import frame_batch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def encode_batch(*args, **kwargs) -> bytes:
+    """A batch as queue bytes (what prefetch pushes when no shared memory is used)."""
+    return frame_batch(*args, **kwargs).tobytes()
 
 
 def llm_store(url: str, ns: str, episodes: int = 3, length: int = 5) -> Store:
@@ -206,7 +212,7 @@ def test_fill_reaps_orphaned_segments_at_most_once_a_minute(
 
 def test_collate_edge_cases():
     from orchestrator.collate import collate
-    from orchestrator.wire import decode_batch, encode_batch
+    from orchestrator.wire import decode_batch
 
     empty = [np.zeros((0, 2), np.float32)] * 3  # every row empty: (B, 0, 2)
     arrays, meta = collate({"x": empty, "s": np.array(["a", None], dtype=object)})

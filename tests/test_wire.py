@@ -9,12 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from orchestrator.wire import ALIGN, decode_batch, encode_batch, frame_batch, is_batch
+from orchestrator.wire import ALIGN, decode_batch, frame_batch, is_batch
 
 DTYPES = [
     "bool", "int8", "uint8", "<i2", ">i2", "<u4", "<i8", "<f2", "<f4", ">f8", "<c8", "<c16",
     "S5", "<U3", "<M8[ns]", "<m8[s]",
 ]  # fmt: skip
+
+
+def encode_batch(*args, **kwargs) -> bytes:
+    """A batch as queue bytes (what prefetch pushes when no shared memory is used)."""
+    return frame_batch(*args, **kwargs).tobytes()
 
 
 def as_bytes_view(buf) -> np.ndarray:
