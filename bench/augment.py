@@ -16,9 +16,9 @@ import albumentations as A
 import cv2
 import numpy as np
 
-from orchestrator import shm
-from orchestrator.augment import build_pipelines
-from orchestrator.wire import Batch, Frame, decode_batch, frame_batch
+from orchestrator.delivery import shm
+from orchestrator.delivery.wire import Batch, Frame, decode_batch, frame_batch
+from orchestrator.transforms.augment import build_pipelines
 
 H = W = 84
 PAD = 4

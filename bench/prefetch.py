@@ -22,10 +22,10 @@ import numpy as np
 from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.redis_server import RedisServer
 from claw_tasks.store import Store
-from orchestrator import shm
-from orchestrator.prefetch import run_fill
-from orchestrator.recipe import Recipe
-from orchestrator.registry import Registry
+from orchestrator.delivery import shm
+from orchestrator.delivery.prefetch import run_fill
+from orchestrator.delivery.registry import Registry
+from orchestrator.recipe.model import Recipe
 
 
 def fill_store(store: Store, n: int) -> None:

@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 
-from orchestrator.filters import Where, eligible
-from orchestrator.recipe import Recipe
-from orchestrator.samplers import RecipeSampler
+from orchestrator.recipe.model import Recipe
+from orchestrator.recipe.where import Where, eligible
+from orchestrator.sampling.samplers import RecipeSampler
 
 CODES = {"grasp": 1, "reach": 2, "lift": 3, "push": 4, "place": 5}
 WHERE = {"task_id": "grasp", "skill_tag": {"in": ["reach", "grasp"]}, "reward": {"gt": 0.0}}

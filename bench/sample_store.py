@@ -34,9 +34,9 @@ from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.redis_server import RedisServer
 from claw_tasks.store import Store
 from orchestrator import Recipe, fetch, sample, update_priorities
-from orchestrator.index import SamplingIndex
-from orchestrator.samplers import RecipeSampler
-from orchestrator.strings import Strings
+from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.samplers import RecipeSampler
+from orchestrator.sampling.strings import Strings
 
 TASKS = ["grasp", "reach", "lift", "push"]
 EPISODE = 100

@@ -43,8 +43,8 @@ from conftest import Worker
 
 from claw_tasks.client import Ingestor
 from claw_tasks.redis_server import RedisServer
-from orchestrator.client import BatchClient
-from orchestrator.wire import Batch
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.wire import Batch
 
 B, H, W, PAD = 256, 84, 84, 4
 PAGE = 4096

@@ -11,7 +11,11 @@ from claw_tasks.settings import Settings, load_settings
 
 QUEUES = ("ingest", "prefetch", "maintenance")
 # Task modules by string only: orchestrator imports claw_tasks, never the reverse.
-TASK_MODULES = ["claw_tasks.tasks", "orchestrator.prefetch", "orchestrator.maintenance"]
+TASK_MODULES = [
+    "claw_tasks.tasks",
+    "orchestrator.delivery.prefetch",
+    "orchestrator.maintenance.refill",
+]
 
 
 def make_app(settings: Settings, broker_url: str | None = None) -> Celery:

@@ -2,12 +2,12 @@
 
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.recipe import Recipe
-from orchestrator.samplers import InsufficientData
-from orchestrator.sampling import SampledBatch, sample, update_priorities
+from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.sample import SampledBatch, sample, update_priorities
+from orchestrator.sampling.samplers import InsufficientData
 
 if TYPE_CHECKING:
-    from orchestrator.client import BatchClient
+    from orchestrator.delivery.client import BatchClient
 
 __all__ = [
     "BatchClient", "InsufficientData", "Recipe", "SampledBatch", "sample", "update_priorities",
@@ -17,7 +17,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # BatchClient pulls in the Celery app; import it only when asked for.
     if name == "BatchClient":
-        from orchestrator.client import BatchClient
+        from orchestrator.delivery.client import BatchClient
 
         return BatchClient
     raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

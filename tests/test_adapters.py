@@ -15,7 +15,7 @@ from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
 from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.adapters.torch import ClawIterableDataset, to_tensor
-from orchestrator.client import BatchClient
+from orchestrator.delivery.client import BatchClient
 
 
 # ---- PyTorch -------------------------------------------------------------------------

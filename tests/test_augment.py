@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from albumentations.augmentations.pixel import functional as fpixel
 
-from orchestrator.augment import ColorJitter, build_pipelines
+from orchestrator.transforms.augment import ColorJitter, build_pipelines
 
 PAD = 4
 

@@ -23,8 +23,8 @@ from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.ingest import process
 from claw_tasks.store import Store
 from claw_tasks.store.layout import META_CHUNK_SLOTS
-from orchestrator.cli import app
-from orchestrator.metrics import registry_for, serve
+from orchestrator.cli.main import app
+from orchestrator.cli.metrics import registry_for, serve
 
 CLAW = str(Path(sys.executable).with_name("claw"))
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}  #(\d+)", re.M)

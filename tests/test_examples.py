@@ -8,7 +8,7 @@ import pytest
 
 from claw_tasks.schema import FieldSpec, Schema
 from orchestrator import Recipe
-from orchestrator.augment import build_pipelines
+from orchestrator.transforms.augment import build_pipelines
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples" / "recipes").glob("*.yaml"))
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.filters import FilterError, Where, compare, eligible, parse_where
+from orchestrator.recipe.where import FilterError, Where, compare, eligible, parse_where
 
 TASKS = ["grasp", "reach", "lift"]
 TAGS = {"color": "str", "difficulty": "num"}

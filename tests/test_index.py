@@ -7,7 +7,7 @@ import pytest
 from stepdata import batch, episode, interleave
 
 from claw_tasks.store import Store
-from orchestrator.index import SamplingIndex
+from orchestrator.sampling.index import SamplingIndex
 
 
 @pytest.fixture

@@ -11,11 +11,11 @@ import pytest
 
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
-from orchestrator import ratelimit, shm
-from orchestrator.client import BatchClient
-from orchestrator.recipe import RateLimit
-from orchestrator.wire import frame_batch
-from orchestrator.wire import is_batch as wire_is_batch
+from orchestrator.delivery import ratelimit, shm
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.wire import frame_batch
+from orchestrator.delivery.wire import is_batch as wire_is_batch
+from orchestrator.recipe.model import RateLimit
 
 
 def encode_batch(*args, **kwargs) -> bytes:
@@ -162,7 +162,7 @@ def test_rate_limiter_waits_then_resumes(redis_url, namespace, workers):
     # The same state from the command line.
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from orchestrator.cli.main import app
 
     out = CliRunner().invoke(app, ["--redis-url", redis_url, "recipes", namespace, "--json"])
     assert out.exit_code == 0, out.output
@@ -172,7 +172,7 @@ def test_rate_limiter_waits_then_resumes(redis_url, namespace, workers):
     from prometheus_client import generate_latest
     from prometheus_client.core import CollectorRegistry
 
-    from orchestrator.metrics import ClawCollector
+    from orchestrator.cli.metrics import ClawCollector
 
     registry = CollectorRegistry()
     registry.register(ClawCollector(redis_url, redis_url))

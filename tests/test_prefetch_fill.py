@@ -15,11 +15,11 @@ import pytest
 
 from claw_tasks.batch import Ragged, StepBatch, StrColumn
 from claw_tasks.store import Store
-from orchestrator import prefetch, shm
-from orchestrator.prefetch import fill, run_fill
-from orchestrator.recipe import Recipe
-from orchestrator.registry import Registry
-from orchestrator.wire import frame_batch
+from orchestrator.delivery import prefetch, shm
+from orchestrator.delivery.prefetch import fill, run_fill
+from orchestrator.delivery.registry import Registry
+from orchestrator.delivery.wire import frame_batch
+from orchestrator.recipe.model import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,8 +179,8 @@ def test_fill_releases_only_its_own_refill_lock(redis_url, namespace, in_process
 def orphan_segment() -> Path:
     """A segment whose creator has exited, written a minute ago."""
     code = (
-        "import numpy as np\nfrom orchestrator import shm\n"
-        "from orchestrator.wire import frame_batch\n"
+        "import numpy as np\nfrom orchestrator.delivery import shm\n"
+        "from orchestrator.delivery.wire import frame_batch\n"
         "print(shm.write_segment(frame_batch({'x': np.arange(3)}, ids=range(3))))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -211,8 +211,8 @@ def test_fill_reaps_orphaned_segments_at_most_once_a_minute(
 
 
 def test_collate_edge_cases():
-    from orchestrator.collate import collate
-    from orchestrator.wire import decode_batch
+    from orchestrator.delivery.collate import collate
+    from orchestrator.delivery.wire import decode_batch
 
     empty = [np.zeros((0, 2), np.float32)] * 3  # every row empty: (B, 0, 2)
     arrays, meta = collate({"x": empty, "s": np.array(["a", None], dtype=object)})

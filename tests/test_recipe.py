@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.recipe import Recipe, RecipeError
+from orchestrator.recipe.model import Recipe, RecipeError
 
 DESIGN_YAML = """
 name: grasp-hard

@@ -9,7 +9,7 @@ import pytest
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
-from orchestrator.doctor import check_namespace
+from orchestrator.cli.doctor import check_namespace
 
 
 def test_ring_overwrite_through_ingest(redis_url, namespace, ingest_worker, r):

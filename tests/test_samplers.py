@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from orchestrator.recipe import Recipe, allocate
-from orchestrator.samplers import InsufficientData, RecipeSampler
+from orchestrator.recipe.model import Recipe, allocate
+from orchestrator.sampling.samplers import InsufficientData, RecipeSampler
 
 TASKS = [None, "grasp", "reach", "lift"]
 COLORS = [None, "red", "blue"]

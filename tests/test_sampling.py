@@ -18,8 +18,8 @@ from claw_tasks.client import Ingestor
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import payload_chunk_slots
 from orchestrator import InsufficientData, Recipe, sample, update_priorities
-from orchestrator.fetch import Fetcher, Read
-from orchestrator.index import SamplingIndex
+from orchestrator.sampling.fetch import Fetcher, Read
+from orchestrator.sampling.index import SamplingIndex
 
 
 def recipe(sources, fields=("obs", "action", "reward"), batch_size=256, **kw) -> Recipe:
@@ -497,7 +497,7 @@ def test_big_rows_through_plain_commands(store):
 
 
 def test_new_version_or_params_keep_the_sampler(store):
-    from orchestrator.sampling import _session
+    from orchestrator.sampling.sample import _session
 
     store.commit(batch(episode(1, 20, "terminated")))
     where = {"step_index": {"lt": "$cut"}}

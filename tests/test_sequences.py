@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.sequences import follow, has_next_obs, n_step, windows
+from orchestrator.sampling.sequences import follow, has_next_obs, n_step, windows
 
 TERM, TRUNC, EXPLICIT = 1, 2, 4
 CAP = 8

@@ -12,8 +12,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from orchestrator import shm
-from orchestrator.wire import decode_batch, frame_batch, is_batch
+from orchestrator.delivery import shm
+from orchestrator.delivery.wire import decode_batch, frame_batch, is_batch
 
 pytestmark = pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="needs /dev/shm")
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MAKE_BATCH = """
 import numpy as np
-from orchestrator.wire import frame_batch
+from orchestrator.delivery.wire import frame_batch
 rng = np.random.default_rng(5)
 frame = frame_batch(
     {"obs": rng.integers(0, 256, (64, 84, 84, 3), dtype=np.uint8),
@@ -49,7 +49,7 @@ def ref_name(msg: bytes) -> str:
 
 def test_round_trip_through_another_process_and_segment_reclaimed():
     writer = MAKE_BATCH + (
-        "import sys\nfrom orchestrator import shm\n"
+        "import sys\nfrom orchestrator.delivery import shm\n"
         "sys.stdout.buffer.write(shm.to_message(frame, reader_host=shm.host_id(), threshold=0))\n"
     )
     proc = run_python(writer, stdout=subprocess.PIPE)
@@ -74,7 +74,7 @@ def test_round_trip_through_another_process_and_segment_reclaimed():
 
 
 def test_host_id_is_stable_across_processes():
-    proc = run_python("from orchestrator import shm; print(shm.host_id())", stdout=subprocess.PIPE)
+    proc = run_python("from orchestrator.delivery import shm; print(shm.host_id())", stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=30)
     assert out.decode().strip() == shm.host_id()
 
@@ -106,7 +106,7 @@ def test_reference_from_another_host_is_rejected():
 
 def test_reaper_removes_segment_of_sigkilled_creator():
     writer = MAKE_BATCH + (
-        "import sys, time\nfrom orchestrator import shm\n"
+        "import sys, time\nfrom orchestrator.delivery import shm\n"
         "print(shm.write_segment(frame), flush=True)\ntime.sleep(60)\n"
     )
     proc = run_python(writer, stdout=subprocess.PIPE)

@@ -18,9 +18,9 @@ import pytest
 from conftest import ROOT, Worker
 
 from claw_tasks.client import Ingestor
-from orchestrator import shm
-from orchestrator.recipe import Recipe
-from orchestrator.registry import Registry
+from orchestrator.delivery import shm
+from orchestrator.delivery.registry import Registry
+from orchestrator.recipe.model import Recipe
 
 
 def _spawn(args: list[str], redis_url: str, log: Path, **env: str) -> subprocess.Popen:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from orchestrator.wire import ALIGN, decode_batch, frame_batch, is_batch
+from orchestrator.delivery.wire import ALIGN, decode_batch, frame_batch, is_batch
 
 DTYPES = [
     "bool", "int8", "uint8", "<i2", ">i2", "<u4", "<i8", "<f2", "<f4", ">f8", "<c8", "<c16",

@@ -36,8 +36,8 @@ from claw_tasks.client import Episode, Ingestor
 from claw_tasks.schema import FieldSpec, Schema
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
-from orchestrator.client import BatchClient
-from orchestrator.wire import Batch
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.wire import Batch
 
 FIELDS = ["obs", "action", "reward", "next_obs", "terminated", "truncated"]
 

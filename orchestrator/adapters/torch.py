@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from orchestrator.client import BatchClient
-from orchestrator.recipe import Recipe
-from orchestrator.wire import Batch
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.wire import Batch
+from orchestrator.recipe.model import Recipe
 
 Item = dict[str, Any]
 
@@ -55,8 +55,8 @@ class ClawIterableDataset(IterableDataset):
 
     ``recipe`` is a registered recipe's name, or a recipe (model or mapping) that is
     registered here. Each iterator (each ``DataLoader`` worker) pops with its own
-    :class:`~orchestrator.client.BatchClient`; workers share the recipe's queue. ``pin_memory``
-    is ignored, with a warning, when no accelerator is available.
+    :class:`~orchestrator.delivery.client.BatchClient`; workers share the recipe's queue.
+    ``pin_memory`` is ignored, with a warning, when no accelerator is available.
     """
 
     def __init__(

@@ -36,7 +36,7 @@ class Batch(Mapping[str, np.ndarray]):
     ``ids`` are int64 step ids, ``weights`` float32 importance weights, ``source_index`` the
     int16 index of each row's source in ``sources``. ``meta`` holds what is not an array:
     from prefetch, string fields (``task_id``, ``episode_id``, string tags) and ``info``,
-    one list entry per row (see :mod:`orchestrator.collate`).
+    one list entry per row (see :mod:`orchestrator.delivery.collate`).
     """
 
     __slots__ = ("_fields", "ids", "meta", "recipe_version", "source_index", "sources", "weights")

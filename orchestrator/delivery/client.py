@@ -15,10 +15,10 @@ import numpy as np
 from claw_tasks.app import client_app
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
-from orchestrator import ratelimit, shm
-from orchestrator.recipe import Recipe, same_recipe
-from orchestrator.registry import Entry, Registry
-from orchestrator.wire import Batch
+from orchestrator.delivery import ratelimit, shm
+from orchestrator.delivery.registry import Entry, Registry
+from orchestrator.delivery.wire import Batch
+from orchestrator.recipe.model import Recipe, same_recipe
 
 RecipeLike = Recipe | Mapping[str, Any] | str | Path
 log = logging.getLogger(__name__)

@@ -1,11 +1,12 @@
 """Direct, synchronous sampling by recipe: :func:`sample` and :func:`update_priorities`.
 
-Each process keeps one session per namespace: its :class:`~orchestrator.index.SamplingIndex`,
-one :class:`~orchestrator.samplers.RecipeSampler` per recipe (replaced when the recipe
+Each process keeps one session per namespace: its
+:class:`~orchestrator.sampling.index.SamplingIndex`, one
+:class:`~orchestrator.sampling.samplers.RecipeSampler` per recipe (replaced when the recipe
 changes in more than ``version`` and ``params``) and the string caches. A call syncs the
 index from the change logs, refreshes the samplers with the changed rows, draws the rows,
-and reads their payloads with one pipelined round trip (:mod:`orchestrator.fetch`). A
-drawn row whose slot was reused between the sync and the read makes the batch be drawn
+and reads their payloads with one pipelined round trip (:mod:`orchestrator.sampling.fetch`).
+A drawn row whose slot was reused between the sync and the read makes the batch be drawn
 again: a batch never holds a step that is gone.
 
 Batch fields, in the recipe's order:
@@ -42,13 +43,19 @@ from claw_tasks.schema import FieldSpec, tag_column
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import EXPLICIT_NEXT
-from orchestrator.fetch import Fetcher, Read, explicit_next_obs_read, info_read, payload_read
-from orchestrator.filters import FIXED, FLAG_BITS, TAG_PREFIX
-from orchestrator.index import SamplingIndex
-from orchestrator.recipe import Recipe, same_recipe
-from orchestrator.samplers import Draw, InsufficientData, RecipeSampler
-from orchestrator.sequences import follow, n_step, windows
-from orchestrator.strings import Strings
+from orchestrator.recipe.model import Recipe, same_recipe
+from orchestrator.recipe.where import FIXED, FLAG_BITS, TAG_PREFIX
+from orchestrator.sampling.fetch import (
+    Fetcher,
+    Read,
+    explicit_next_obs_read,
+    info_read,
+    payload_read,
+)
+from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.samplers import Draw, InsufficientData, RecipeSampler
+from orchestrator.sampling.sequences import follow, n_step, windows
+from orchestrator.sampling.strings import Strings
 
 _ATTEMPTS = 8  # draws per call before giving up on rows overwritten under us
 
@@ -89,7 +96,7 @@ def sample(
     ``redis_url`` defaults to ``CLAW_REDIS_URL``; ``rng`` to the recipe's own stream (seeded
     with ``recipe.seed``); ``params`` override the recipe's live params; ``index`` replaces
     the process's cached index of the namespace. Raises
-    :class:`~orchestrator.samplers.InsufficientData` when a source cannot fill its rows.
+    :class:`~orchestrator.sampling.samplers.InsufficientData` when a source cannot fill its rows.
     """
     session = _session(namespace_or_store, redis_url, index)
     with session.lock:

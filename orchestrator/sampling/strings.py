@@ -15,11 +15,11 @@ import numpy as np
 
 from claw_tasks.store import Store
 from claw_tasks.store.layout import episode_code
-from orchestrator.index import SamplingIndex
+from orchestrator.sampling.index import SamplingIndex
 
 
 class Strings:
-    """``encode`` for :class:`orchestrator.filters.Where`; cached ``decode`` for fields."""
+    """``encode`` for :class:`orchestrator.recipe.where.Where`; cached ``decode`` for fields."""
 
     def __init__(self, store: Store, index: SamplingIndex) -> None:
         self.store, self.index = store, index

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orchestrator.filters import FLAG_BITS
+from orchestrator.recipe.where import FLAG_BITS
 
 _END = FLAG_BITS["terminated"] | FLAG_BITS["truncated"]
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from claw_tasks.app import app
 from claw_tasks.tasks import store_for
-from orchestrator import shm
-from orchestrator.registry import ACTIVE, Registry
+from orchestrator.delivery import shm
+from orchestrator.delivery.registry import ACTIVE, Registry
 
 ORPHAN_SEGMENT_AGE_S = shm.ORPHAN_AGE_S
 

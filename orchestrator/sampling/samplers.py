@@ -34,10 +34,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from orchestrator.filters import Encoder, Where, eligible
-from orchestrator.recipe import Recipe, Source
-from orchestrator.sequences import n_step, windows
-from orchestrator.sumtree import MaxTree, SumTree
+from orchestrator.recipe.model import Recipe, Source
+from orchestrator.recipe.where import Encoder, Where, eligible
+from orchestrator.sampling.sequences import n_step, windows
+from orchestrator.sampling.sumtree import MaxTree, SumTree
 
 Columns = Mapping[str, np.ndarray]
 Accept = Callable[[Columns, np.ndarray], np.ndarray]

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from orchestrator.wire import Batch, Frame, decode_batch, is_batch
+from orchestrator.delivery.wire import Batch, Frame, decode_batch, is_batch
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "claw-"

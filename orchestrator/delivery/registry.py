@@ -12,7 +12,7 @@ import redis
 from claw_tasks.codec import packb, unpackb
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua, execute
-from orchestrator.recipe import Recipe
+from orchestrator.recipe.model import Recipe
 
 ACTIVE = "claw:active"  # set of namespaces with registered recipes (for the beat refill)
 REFILL_LOCK_S = 30

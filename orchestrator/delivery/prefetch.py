@@ -4,7 +4,7 @@ Runs on the ``prefetch`` queue. A ``fill`` task tops one recipe's queue up to it
 batch by batch, and stops early when the rate limit says wait or data is short; the state
 is kept in the recipe's counters (``BatchClient.stats``). One fill per recipe runs at a
 time (the refill lock, taken with a token by whoever sends the task and released, if still
-its own, when it ends). Collation (:mod:`orchestrator.collate`): ragged fields become
+its own, when it ends). Collation (:mod:`orchestrator.delivery.collate`): ragged fields become
 zero-padded arrays plus ``<name>_lengths``, strings and ``info`` go to the batch's ``meta``.
 """
 
@@ -23,14 +23,14 @@ from celery.signals import worker_process_init
 from claw_tasks.app import app
 from claw_tasks.store import NamespaceError
 from claw_tasks.tasks import store_for
-from orchestrator import ratelimit, shm
-from orchestrator.augment import AugmentPlan, build_pipelines
-from orchestrator.collate import collate
-from orchestrator.recipe import Recipe
-from orchestrator.registry import Registry
-from orchestrator.samplers import InsufficientData
-from orchestrator.sampling import sample
-from orchestrator.wire import frame_batch
+from orchestrator.delivery import ratelimit, shm
+from orchestrator.delivery.collate import collate
+from orchestrator.delivery.registry import Registry
+from orchestrator.delivery.wire import frame_batch
+from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.sample import sample
+from orchestrator.sampling.samplers import InsufficientData
+from orchestrator.transforms.augment import AugmentPlan, build_pipelines
 
 log = logging.getLogger(__name__)
 _rng = np.random.default_rng()

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from orchestrator.filters import FIXED, TAG_PREFIX, FilterError, parse_where, resolve
+from orchestrator.recipe.where import FIXED, TAG_PREFIX, FilterError, parse_where, resolve
 
 RECORD_FIELDS = frozenset({"reward", "terminated", "truncated", "info"})
 """Fields every step record has, whatever the namespace schema (``obs``, ``action`` and the
@@ -182,7 +182,7 @@ class Recipe(_Model):
             raise ValueError("'same' needs a field with its own transforms")
         # Build the pipelines once so an unknown op or bad params fail at registration,
         # not in every prefetch. Imported here: augment pulls in OpenCV.
-        from orchestrator.augment import build_pipelines
+        from orchestrator.transforms.augment import build_pipelines
 
         build_pipelines(augment)  # ValueError naming the field, op and param
         return augment

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.recipe import RateLimit
+from orchestrator.recipe.model import RateLimit
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ from prometheus_client.registry import Collector
 
 from claw_tasks.app import QUEUES
 from claw_tasks.store import Store
-from orchestrator import ratelimit
-from orchestrator.namespaces import (
+from orchestrator.cli.namespaces import (
     UnreadableNamespace,
     list_namespaces,
     memory_by_namespace,
     namespace_stats,
 )
-from orchestrator.registry import Registry
+from orchestrator.delivery import ratelimit
+from orchestrator.delivery.registry import Registry
 
 log = logging.getLogger(__name__)
 _TIMEOUT = 5.0

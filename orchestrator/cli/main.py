@@ -25,17 +25,17 @@ from claw_tasks.redis_server import ensure_redis
 from claw_tasks.schema import Schema
 from claw_tasks.settings import load_settings
 from claw_tasks.store import NamespaceError, Store
-from orchestrator import demo as demo_run
-from orchestrator import metrics as metrics_server
-from orchestrator.devstack import (
+from orchestrator.cli import demo as demo_run
+from orchestrator.cli import metrics as metrics_server
+from orchestrator.cli.devstack import (
     DevStack,
     beat_service,
     default_log_dir,
     flower_service,
     worker_service,
 )
-from orchestrator.doctor import CHECKS, Report, check_namespace
-from orchestrator.namespaces import (
+from orchestrator.cli.doctor import CHECKS, Report, check_namespace
+from orchestrator.cli.namespaces import (
     NamespaceStats,
     UnreadableNamespace,
     list_namespaces,
@@ -43,7 +43,7 @@ from orchestrator.namespaces import (
     namespace_stats,
     scan_keys,
 )
-from orchestrator.steplog import dead_letters, newest_ids, parse_ids, step_lines
+from orchestrator.cli.steplog import dead_letters, newest_ids, parse_ids, step_lines
 
 app = typer.Typer(
     name="claw",
@@ -323,7 +323,7 @@ def recipes(
 
     Queue depth, batches produced and popped, rows sampled against steps inserted, and
     whether the rate limiter makes prefetch wait (and why)."""
-    from orchestrator.client import BatchClient
+    from orchestrator.delivery.client import BatchClient
 
     with _redis(ctx) as (url, _):
         client = BatchClient(namespace, url)

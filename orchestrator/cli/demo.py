@@ -21,9 +21,9 @@ from claw_tasks.client import Ingestor
 from claw_tasks.gym import RecordSteps
 from claw_tasks.store import Store
 from claw_tasks.store.layout import META
-from orchestrator.devstack import DevStack, worker_service
-from orchestrator.namespaces import memory_by_namespace
-from orchestrator.steplog import describe, newest_ids, values
+from orchestrator.cli.devstack import DevStack, worker_service
+from orchestrator.cli.namespaces import memory_by_namespace
+from orchestrator.cli.steplog import describe, newest_ids, values
 
 
 class DemoError(RuntimeError):

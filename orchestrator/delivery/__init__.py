@@ -1,0 +1,2 @@
+"""How a batch reaches the trainer: augmentation and collation in the prefetch workers,
+the wire format, shared memory, the recipe registry, the rate limiter, ``BatchClient``."""

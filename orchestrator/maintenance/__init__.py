@@ -1,0 +1,1 @@
+"""What beat runs: the scheduled maintenance tasks (refill today)."""
