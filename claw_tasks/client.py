@@ -15,7 +15,14 @@ from claw_tasks.app import client_app
 from claw_tasks.batch import STR_META, Placed, Ragged, StepBatch, StrColumn
 from claw_tasks.codec import CodecError, check_dtype
 from claw_tasks.ingest import IngestOutcome
-from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError, tag_column
+from claw_tasks.schema import (
+    MAX_STEP_BYTES,
+    FieldSpec,
+    Schema,
+    SchemaError,
+    TagKind,
+    tag_column,
+)
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import row_episode_codes
@@ -272,10 +279,10 @@ class Ingestor:
         if next_obs is not None:
             nx = _as_array(next_obs, f"next_obs of {where}")
             _check_fields(schema, {"obs": nx}, where, label="next_obs")
-        for k, v in tags.items():
-            kind = "str" if isinstance(v, str) else "num"
-            if schema.tags.setdefault(k, kind) != kind:
-                raise SchemaError(f"{where}: tag '{k}' is {kind}, schema says {schema.tags[k]}")
+        try:
+            self.schema = schema.with_tags(_tag_kinds(tags))
+        except SchemaError as e:
+            raise SchemaError(f"{where}: {e}") from None
         if info:
             _check_info(info, where)
         return _Step(
@@ -488,10 +495,14 @@ def _schema_of_step(
 
     schema = Schema(
         fields={k: FieldSpec(a.dtype.str, shape(k, a)) for k, a in fields.items()},
-        tags={k: "str" if isinstance(v, str) else "num" for k, v in tags.items()},
+        tags=_tag_kinds(tags),
     )
     schema.check_self()
     return schema
+
+
+def _tag_kinds(tags: Mapping[str, Any]) -> dict[str, TagKind]:
+    return {k: "str" if isinstance(v, str) else "num" for k, v in tags.items()}
 
 
 def _check_fields(

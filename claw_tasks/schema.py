@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -64,6 +66,9 @@ class FieldSpec:
     dtype: str
     shape: tuple[int | None, ...]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+
     @property
     def ragged(self) -> bool:
         return bool(self.shape) and self.shape[0] is None
@@ -83,12 +88,19 @@ class FieldSpec:
         return f"{np.dtype(self.dtype).name}[{dims}]"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Schema:
-    """Fields and tags of a namespace. Declared, or taken from the first batch."""
+    """Fields and tags of a namespace. Declared, or taken from the first batch.
 
-    fields: dict[str, FieldSpec]
-    tags: dict[str, TagKind] = field(default_factory=dict)
+    Immutable (read-only mappings): the Store caches it and hands it out, so a change is
+    a new object (``merged``, ``with_tags``) that goes through ``Store.ensure_schema``."""
+
+    fields: Mapping[str, FieldSpec]
+    tags: Mapping[str, TagKind] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", MappingProxyType(dict(self.fields)))
+        object.__setattr__(self, "tags", MappingProxyType(dict(self.tags)))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -140,8 +152,12 @@ class Schema:
         missing = set(self.fields) - set(other.fields)
         if missing:
             raise SchemaError(f"batch lacks schema field(s): {', '.join(sorted(missing))}")
-        tags = dict(self.tags)
-        for name, kind in other.tags.items():
-            if tags.setdefault(name, kind) != kind:
-                raise SchemaError(f"tag '{name}' is {kind}, schema says {tags[name]}")
-        return Schema(fields=dict(self.fields), tags=tags)
+        return self.with_tags(other.tags)
+
+    def with_tags(self, tags: Mapping[str, TagKind]) -> Schema:
+        """This schema plus ``tags``; a tag of another kind is a SchemaError."""
+        for name, kind in tags.items():
+            if self.tags.get(name, kind) != kind:
+                raise SchemaError(f"tag '{name}' is {kind}, schema says {self.tags[name]}")
+        new = {k: v for k, v in tags.items() if k not in self.tags}
+        return Schema(fields=self.fields, tags={**self.tags, **new}) if new else self

@@ -1,0 +1,56 @@
+"""Schema is immutable: a cached schema can be shared without anyone changing it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import redis
+
+from claw_tasks.client import Ingestor
+from claw_tasks.schema import FieldSpec, Schema, SchemaError
+from claw_tasks.store import Store
+
+FIELDS = {"obs": FieldSpec("<f4", (4,)), "action": FieldSpec("<i8", ())}
+
+
+def test_schema_cannot_be_changed_in_place():
+    schema = Schema(fields=dict(FIELDS), tags={"color": "str"})
+    with pytest.raises(TypeError):
+        schema.tags["level"] = "num"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        schema.fields["extra"] = FieldSpec("<f4", ())  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        schema.tags = {}  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        schema.fields["obs"].shape = (8,)  # type: ignore[misc]
+
+
+def test_with_tags_returns_a_new_schema():
+    schema = Schema(fields=dict(FIELDS), tags={"color": "str"})
+    wider = schema.with_tags({"level": "num"})
+    assert dict(wider.tags) == {"color": "str", "level": "num"}
+    assert dict(schema.tags) == {"color": "str"}
+    assert schema.with_tags({"color": "str"}) == schema
+    with pytest.raises(SchemaError, match="tag 'color' is num, schema says str"):
+        schema.with_tags({"color": "num"})
+
+
+def test_ingestor_new_tag_reaches_redis(redis_url, namespace):
+    """The Ingestor used to add a step's new tag to the Store's cached schema in place, so
+    ``ensure_schema`` thought Redis had it and skipped the write."""
+    Store(redis_url, namespace).create(schema=Schema(fields=dict(FIELDS)))
+    broker = redis_url.rsplit("/", 1)[0] + "/1"  # no worker: keep the message off "ingest"
+    # claim_check_bytes=0: the payload is written in place, after Store.ensure_schema
+    ing = Ingestor(namespace, redis_url, broker_url=broker, flush_interval=None,
+                   claim_check_bytes=0)  # fmt: skip
+    try:
+        with ing.episode(color="red") as ep:
+            ep.add(np.zeros(4, np.float32), np.int64(1), 1.0)
+        ing.flush(wait=False)
+        assert dict(Store(redis_url, namespace).schema().tags) == {"color": "str"}
+        assert dict(ing.store.config().schema.tags) == {"color": "str"}
+    finally:
+        ing.store.r.close()
+        redis.Redis.from_url(broker).flushdb()
