@@ -25,8 +25,8 @@ from claw_tasks.schema import (
 )
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
+from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.layout import row_episode_codes
-from claw_tasks.store.store import DEFAULT_CAPACITY
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.schema import Schema, tag_column, tag_name
-from claw_tasks.store import NamespaceConfig, Store
+from claw_tasks.store import NamespaceConfig, Store, decode_meta
 from claw_tasks.store.layout import META, META_CHUNK_SLOTS, NUM_TAG_DTYPE, STR_TAG_DTYPE
 from claw_tasks.store.scripts import Lua, execute
-from claw_tasks.store.store import decode_meta
 
 LOG_PAGE = 10_000
 """Change-log entries read per shard and round trip."""

@@ -1,0 +1,246 @@
+"""One shard's part of a batch commit: the metadata columns, payload blobs and episode
+links that the commit script writes in one atomic step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from claw_tasks.batch import STR_META, Placed, Ragged, StepBatch
+from claw_tasks.codec import packb
+from claw_tasks.schema import Schema, tag_column
+from claw_tasks.store.config import LOG_MAXLEN, MARKER_TTL, NamespaceConfig, NamespaceError
+from claw_tasks.store.layout import (
+    EXPLICIT_NEXT,
+    META,
+    META_CHUNK_SLOTS,
+    NUM_TAG_DTYPE,
+    SPARSE_CHUNK_SLOTS,
+    STR_TAG_DTYPE,
+    TERMINATED,
+    TRUNCATED,
+    nan_xor,
+    payload_chunk_slots,
+)
+
+if TYPE_CHECKING:
+    from claw_tasks.store.writer import Writer
+
+
+@dataclass
+class CommitResult:
+    committed: int = 0
+    replayed: int = 0  # already committed by an earlier delivery
+    expired: int = 0  # slots reused by newer steps before the commit landed (past capacity)
+
+
+class CommitPart:
+    """One shard's part of a batch: allocation, column blobs, the Lua commit."""
+
+    def __init__(
+        self,
+        store: Writer,
+        cfg: NamespaceConfig,
+        schema: Schema,
+        batch: StepBatch,
+        rows: np.ndarray,
+        shard: int,
+        ep_codes: np.ndarray,
+        str_cols: dict[str, np.ndarray],
+        now: float,
+    ) -> None:
+        self.s, self.cfg, self.schema, self.b = store, cfg, schema, batch
+        self.whole = len(rows) == batch.n
+        self.rows, self.shard, self.now = rows, shard, now
+        self.ep = ep_codes if self.whole else ep_codes[rows]
+        self.str_cols = str_cols
+
+    def _sel(self, arr: np.ndarray) -> np.ndarray:
+        return arr if self.whole else arr[self.rows]
+
+    def run(self, dead: list[int], result: CommitResult) -> None:
+        """Allocate (unless the client did), commit, and count the outcome in ``result``."""
+        k = self.s.keys
+        n = len(self.rows)
+        placed = any(isinstance(v, Placed) for v in self.b.fields.values())
+        seq0, state = self.s.allocate(self.shard, self.b.batch_id, n)
+        if state == "done":
+            result.replayed += n
+            return
+        if state == "expired":
+            result.expired += n
+            return
+        if placed and state == "new":
+            raise NamespaceError(
+                f"batch {self.b.batch_id}: its payload was written in place but its slots "
+                "were never allocated (or the allocation expired)"
+            )
+        cols, blobs, sparse, clear, eps = self._payload(seq0)
+        spec = {
+            "cols": cols, "sparse": sparse, "clear": clear, "eps": eps, "dead": dead,
+            "loglen": LOG_MAXLEN,
+        }  # fmt: skip
+        keys = [
+            k.shard_key(self.shard, name)
+            for name in (
+                f"b:{self.b.batch_id}",
+                "seq",
+                "log",
+                "links",
+                "epname",
+                "alive",
+                "eplast",
+                "prune",
+            )
+        ]
+        args = [
+            k.shard(self.shard), n, self.cfg.cap, MARKER_TTL, seq0, self.shard,
+            self.cfg.n_shards, META_CHUNK_SLOTS, packb(spec), *blobs,
+        ]  # fmt: skip
+        _, state, skipped = self.s.scripts.commit(keys=keys, args=args)
+        dead_kept = sum(r >= skipped for r in dead)
+        result.committed += n - skipped - dead_kept
+        result.expired += skipped
+
+    def _payload(self, seq0: int) -> tuple[list, list, list, list, list]:
+        b, n = self.b, len(self.rows)
+        ms = META_CHUNK_SLOTS
+        step_index = self._sel(b.step_index).astype(np.int32)
+        term = self._sel(b.terminated).astype(bool)
+        trunc = self._sel(b.truncated).astype(bool)
+        nx_rows = self._explicit_rows()
+        flags = term * TERMINATED | trunc * TRUNCATED
+        flags = flags.astype(np.uint8)
+        if len(nx_rows):
+            flags[nx_rows] |= EXPLICIT_NEXT
+        nxt, eps = self._links(step_index, term | trunc)
+        zeros_i4 = np.zeros(n, np.int32)
+        meta: dict[str, np.ndarray] = {
+            "id": (seq0 + np.arange(n, dtype=np.int64)) * self.cfg.n_shards + self.shard,
+            "episode": self.ep,
+            "step_index": step_index,
+            "quality": zeros_i4,
+            "policy_version": zeros_i4
+            if b.policy_version is None
+            else self._sel(b.policy_version).astype(np.int32),
+            "timestamp": np.full(n, self.now, np.float64),
+            "reward": self._sel(b.reward).astype(np.float32),
+            "priority": nan_xor(
+                np.full(n, np.nan, np.float32)
+                if b.priority is None
+                else self._sel(b.priority).astype(np.float32)
+            ),
+            "next": nxt,
+            "flags": flags,
+        }
+        for col in STR_META:
+            meta[col] = self._sel(self.str_cols[col]) if col in self.str_cols else zeros_i4
+        for name, kind in self.schema.tags.items():
+            tc = tag_column(name)
+            if kind == "str":
+                meta[tc] = self._sel(self.str_cols[tc]) if tc in self.str_cols else zeros_i4
+            else:
+                vals = self._sel(b.nums[tc]) if tc in b.nums else np.full(n, np.nan)
+                meta[tc] = nan_xor(vals.astype(np.float64))
+        cols: list[list[Any]] = []
+        col_blobs: list[Any] = []  # one per column without a staged source, in order
+        sparse_blobs: list[Any] = []  # then the sparse rows, in spec order
+        for col, arr in meta.items():
+            dtype = META.get(col) or (STR_TAG_DTYPE if arr.dtype.kind == "i" else NUM_TAG_DTYPE)
+            cols.append([f"m:{col}", dtype.itemsize, ms])
+            col_blobs.append(np.ascontiguousarray(arr, dtype).data.cast("B"))
+        sparse: list[list[Any]] = []
+        clear: list[list[Any]] = []
+        for name, spec in self.schema.fields.items():
+            v = b.fields[name]
+            if spec.ragged:
+                rg = v.take(self.rows) if not self.whole else v  # type: ignore[union-attr]
+                off = rg.offsets
+                rb = spec.row_bytes
+                sparse.append([f"r:{name}", SPARSE_CHUNK_SLOTS, list(range(n))])
+                raw = np.ascontiguousarray(rg.values).data.cast("B")
+                sparse_blobs.extend(raw[off[i] * rb : off[i + 1] * rb] for i in range(n))
+                clear.append([f"r:{name}", SPARSE_CHUNK_SLOTS])
+                continue
+            if isinstance(v, Placed):  # already written in place by the client
+                continue
+            cols.append([f"f:{name}", spec.row_bytes, payload_chunk_slots(spec.row_bytes)])
+            arr = np.ascontiguousarray(self._sel(v))  # type: ignore[arg-type]
+            col_blobs.append(arr.data.cast("B") if arr.size else b"")
+        if len(nx_rows):
+            sparse.append(["nx", SPARSE_CHUNK_SLOTS, nx_rows.tolist()])
+            sparse_blobs.extend(self._explicit_blobs(nx_rows))
+        info_rows, info_blobs = self._info()
+        if info_rows:
+            sparse.append(["info", SPARSE_CHUNK_SLOTS, info_rows])
+            sparse_blobs.extend(info_blobs)
+        clear += [["nx", SPARSE_CHUNK_SLOTS], ["info", SPARSE_CHUNK_SLOTS]]
+        return cols, col_blobs + sparse_blobs, sparse, clear, eps
+
+    def _links(self, step_index: np.ndarray, ended: np.ndarray) -> tuple[np.ndarray, list]:
+        """In-part next deltas, and the runs of consecutive steps per episode (for the
+        cross-batch links made in Lua)."""
+        n = len(step_index)
+        order = np.lexsort((step_index, self.ep))
+        ep_s, idx_s = self.ep[order], step_index[order].astype(np.int64)
+        consecutive = (ep_s[1:] == ep_s[:-1]) & (idx_s[1:] == idx_s[:-1] + 1)
+        consecutive &= ~ended[order][:-1]
+        nxt = np.zeros(n, np.int32)
+        src, dst = order[:-1][consecutive], order[1:][consecutive]
+        nxt[src] = (dst - src).astype(np.int32)
+        starts = np.flatnonzero(np.concatenate([[True], ~consecutive]))
+        ends = np.concatenate([starts[1:] - 1, [n - 1]])
+        names = self.b.episode.values
+        ep_index = self._sel(self.b.episode.index)
+        eps = []
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+            first, last = int(order[s]), int(order[e])
+            eps.append(
+                [
+                    str(int(ep_s[s])),
+                    first,
+                    int(idx_s[s]),
+                    last,
+                    int(idx_s[e]),
+                    bool(ended[last]),
+                    names[ep_index[first]],
+                ]
+            )
+        return nxt, eps
+
+    def _explicit_rows(self) -> np.ndarray:
+        b = self.b
+        if not len(b.next_rows):
+            return np.zeros(0, np.int64)
+        if self.whole:
+            return b.next_rows.astype(np.int64)
+        pos = np.full(b.n, -1, np.int64)
+        pos[self.rows] = np.arange(len(self.rows))
+        return pos[b.next_rows][pos[b.next_rows] >= 0]
+
+    def _explicit_blobs(self, nx_rows: np.ndarray) -> list[bytes]:
+        b = self.b
+        idx = {int(r): j for j, r in enumerate(b.next_rows.tolist())}
+        src_rows = nx_rows if self.whole else self.rows[nx_rows]
+        out = []
+        for r in src_rows.tolist():
+            v = b.next_obs
+            j = idx[int(r)]
+            row = v.row(j) if isinstance(v, Ragged) else v[j]  # type: ignore[union-attr]
+            out.append(np.ascontiguousarray(row).tobytes())
+        return out
+
+    def _info(self) -> tuple[list[int], list[bytes]]:
+        b = self.b
+        if not b.info:
+            return [], []
+        pos = {int(r): j for j, r in enumerate(self.rows.tolist())} if not self.whole else None
+        rows, blobs = [], []
+        for r, d in zip(b.info_rows.tolist(), b.info, strict=True):
+            rel = r if pos is None else pos.get(r)
+            if rel is not None:
+                rows.append(rel)
+                blobs.append(packb(d))
+        return rows, blobs

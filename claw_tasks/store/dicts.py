@@ -1,0 +1,38 @@
+"""String dictionaries: string metadata (task ids, tags, ...) is stored as int32 codes,
+one code per distinct string, so columns stay fixed-width and filters compare ints."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.store.config import NamespaceAdmin
+
+
+class Dictionaries(NamespaceAdmin):
+    """Codes <-> strings of a column's dictionary (code 0 = missing)."""
+
+    def encode_strings(self, column: str, values: Sequence[str]) -> np.ndarray:
+        """Codes of ``values`` in the column's dictionary, adding unknown strings."""
+        if not values:
+            return np.zeros(0, np.int32)
+        codes = self.scripts.dict(
+            keys=[self.keys.dict(column), self.keys.rdict(column)], args=list(values)
+        )
+        return np.asarray(codes, np.int32)
+
+    def lookup_codes(self, column: str, values: Sequence[Any]) -> np.ndarray:
+        """Codes of known strings; unknown strings get -1 (they match nothing)."""
+        if not values:
+            return np.zeros(0, np.int32)
+        found = self.r.hmget(self.keys.dict(column), [str(v) for v in values])
+        return np.array([-1 if c is None else int(c) for c in found], np.int32)
+
+    def decode_codes(self, column: str, codes: Iterable[int]) -> list[str | None]:
+        codes = [int(c) for c in codes]
+        uniq = sorted({c for c in codes if c > 0})
+        found = self.r.hmget(self.keys.rdict(column), uniq) if uniq else []
+        names = dict(zip(uniq, found, strict=True))
+        return [None if c <= 0 or names[c] is None else names[c].decode() for c in codes]

@@ -1,0 +1,286 @@
+"""Reads: steps by id or episode, metadata and payload columns at (shard, slot) pairs,
+each in one pipelined round trip; ``next_obs`` resolved through the stored links."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.schema import FieldSpec, Schema, tag_column, tag_name
+from claw_tasks.store.config import NamespaceConfig, NamespaceError
+from claw_tasks.store.dicts import Dictionaries
+from claw_tasks.store.layout import (
+    DICT_COLUMNS,
+    EXPLICIT_NEXT,
+    META,
+    META_CHUNK_SLOTS,
+    NUM_TAG_DTYPE,
+    SPARSE_CHUNK_SLOTS,
+    STR_TAG_DTYPE,
+    TERMINATED,
+    TRUNCATED,
+    UNTRAINABLE,
+    episode_code,
+    nan_xor,
+    payload_chunk_slots,
+)
+
+
+class Reader(Dictionaries):
+    """Steps and columns as stored; ids that were evicted are reported, never guessed."""
+
+    def locate(self, ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, slot) of each id, whether or not the slot still holds it."""
+        cfg = self.config()
+        ids = np.asarray(ids, np.int64)
+        seq = ids // cfg.n_shards
+        return (ids % cfg.n_shards).astype(np.int64), (seq - 1) % cfg.cap
+
+    def read_meta(
+        self, shards: np.ndarray, slots: np.ndarray, cols: Sequence[str]
+    ) -> dict[str, np.ndarray]:
+        """Metadata columns at (shard, slot) pairs, one pipelined round trip."""
+        with self.r.pipeline(transaction=False) as pipe:
+            for col in cols:
+                size = self._col_dtype(col).itemsize
+                for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
+                    off = (sl % META_CHUNK_SLOTS) * size
+                    pipe.getrange(
+                        self.keys.meta(sh, col, sl // META_CHUNK_SLOTS), off, off + size - 1
+                    )
+            replies = pipe.execute()
+        out, k = {}, len(slots)
+        for i, col in enumerate(cols):
+            dtype = self._col_dtype(col)
+            raw = b"".join(r.ljust(dtype.itemsize, b"\0") for r in replies[i * k : (i + 1) * k])
+            out[col] = np.frombuffer(raw, dtype).copy()
+        return out
+
+    def _col_dtype(self, col: str) -> np.dtype:
+        if col in META:
+            return META[col]
+        schema = self.config().schema
+        tag = tag_name(col)
+        kind = schema.tags.get(tag) if schema and tag is not None else None
+        if kind is None:
+            raise KeyError(f"unknown metadata column {col!r}")
+        return STR_TAG_DTYPE if kind == "str" else NUM_TAG_DTYPE
+
+    def meta_columns(self, shard: int, cols: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Whole metadata columns of a shard (length ``cap``), plus ``alive`` (bool)."""
+        cfg = self.config()
+        schema = cfg.schema
+        if cols is None:
+            cols = list(META)
+            if schema is not None:
+                cols += [tag_column(t) for t in schema.tags]
+        n_chunks = math.ceil(cfg.cap / META_CHUNK_SLOTS)
+        with self.r.pipeline(transaction=False) as pipe:
+            for col in cols:
+                for c in range(n_chunks):
+                    pipe.get(self.keys.meta(shard, col, c))
+            pipe.get(self.keys.shard_key(shard, "alive"))
+            replies = pipe.execute()
+        out: dict[str, np.ndarray] = {}
+        for i, col in enumerate(cols):
+            dtype = self._col_dtype(col)
+            arr = np.zeros(cfg.cap, dtype)
+            for c in range(n_chunks):
+                raw = replies[i * n_chunks + c]
+                if raw:
+                    part = np.frombuffer(raw, dtype)
+                    arr[c * META_CHUNK_SLOTS : c * META_CHUNK_SLOTS + len(part)] = part
+            out[col] = decode_meta(col, arr, schema)
+        bits = replies[-1] or b""
+        alive = np.unpackbits(np.frombuffer(bits, np.uint8))[: cfg.cap].astype(bool)
+        out["alive"] = np.pad(alive, (0, cfg.cap - len(alive)))
+        return out
+
+    def read_fields(
+        self,
+        shards: np.ndarray,
+        slots: np.ndarray,
+        fields: Sequence[str],
+        next_slots: np.ndarray | None = None,
+    ) -> dict[str, Any]:
+        """Payload fields at (shard, slot) pairs in one pipelined round trip.
+
+        ``next_obs`` is read from ``next_slots`` (the next step's slot; -1 = the explicit
+        next_obs stored with the step; -2 = none, zeros). Ragged fields come back as lists.
+        """
+        cfg = self.config()
+        schema = cfg.schema
+        if schema is None:
+            raise NamespaceError(f"namespace {self.namespace!r} has no data yet")
+        # (output name, stored field, spec, slots to read, own slots for explicit next_obs)
+        plan: list[tuple[str, str, FieldSpec, np.ndarray, np.ndarray | None]] = []
+        for name in fields:
+            if name == "next_obs":
+                if next_slots is None:
+                    raise ValueError("next_obs needs next_slots")
+                plan.append((name, "obs", schema.fields["obs"], next_slots, slots))
+            elif name in schema.fields:
+                plan.append((name, name, schema.fields[name], slots, None))
+            else:
+                known = ", ".join(schema.fields)
+                raise KeyError(f"unknown field {name!r} (schema fields: {known})")
+        with self.r.pipeline(transaction=False) as pipe:
+            for _, stored, spec, at, own in plan:
+                self._queue_reads(pipe, spec, stored, shards, at, own)
+            replies = pipe.execute()
+        out: dict[str, Any] = {}
+        k = len(slots)
+        for i, (name, _, spec, _at, _own) in enumerate(plan):
+            chunk = replies[i * k : (i + 1) * k]
+            dtype = np.dtype(spec.dtype)
+            if spec.ragged:
+                tail = spec.shape[1:]
+                out[name] = [np.frombuffer(b or b"", dtype).reshape(-1, *tail) for b in chunk]
+            else:
+                size = spec.row_bytes
+                raw = b"".join(b if len(b) == size else b.ljust(size, b"\0") for b in chunk)
+                out[name] = np.frombuffer(raw, dtype).reshape(k, *spec.shape)
+        return out
+
+    def _queue_reads(
+        self,
+        pipe: Any,
+        spec: FieldSpec,
+        name: str,
+        shards: np.ndarray,
+        at: np.ndarray,
+        own: np.ndarray | None,
+    ) -> None:
+        size = spec.row_bytes
+        cs = payload_chunk_slots(size)
+        for j, (sh, sl) in enumerate(zip(shards.tolist(), at.tolist(), strict=True)):
+            if sl == -2:  # no next_obs known: an empty reply reads as zeros
+                pipe.getrange(self.keys.field(sh, name, 0), 1, 0)
+            elif sl == -1:  # explicit next_obs, stored with the step itself
+                slot = int(own[j])  # type: ignore[index]
+                pipe.hget(self.keys.sparse(sh, "nx", slot // SPARSE_CHUNK_SLOTS), slot)
+            elif spec.ragged:
+                pipe.hget(self.keys.ragged(sh, name, sl // SPARSE_CHUNK_SLOTS), sl)
+            else:
+                off = (sl % cs) * size
+                pipe.getrange(self.keys.field(sh, name, sl // cs), off, off + size - 1)
+
+    def get(self, ids: Sequence[int] | np.ndarray, fields: Sequence[str] | None = None) -> dict:
+        """Steps by id: metadata and payload fields. ``next_obs`` is resolved (the next
+        step's obs or the explicit one); ``has_next_obs`` marks rows that have one (zeros
+        elsewhere). Raises KeyError naming ids that were evicted or never written."""
+        ids = np.asarray(ids, np.int64)
+        cfg = self.config(refresh=self._config is None or self._config.schema is None)
+        shards, slots = self.locate(ids)
+        meta_cols = [*META, *(tag_column(t) for t in (cfg.schema.tags if cfg.schema else {}))]
+        meta = self.read_meta(shards, slots, meta_cols)
+        alive = self._alive_at(shards, slots)
+        missing = ids[(meta["id"] != ids) | ~alive]
+        if len(missing):
+            raise KeyError(
+                f"step ids not in the store (evicted or never written): {missing[:20].tolist()}"
+            )
+        if fields is None:
+            fields = [*cfg.schema.fields, "next_obs"] if cfg.schema else []
+        out = self._public_meta(meta, cfg)
+        next_slots = None
+        if "next_obs" in fields:
+            next_slots = self._next_slots(shards, slots, ids, meta)
+            out["has_next_obs"] = next_slots != -2
+        return {**out, **self.read_fields(shards, slots, fields, next_slots)}
+
+    def _alive_at(self, shards: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        with self.r.pipeline(transaction=False) as pipe:
+            for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
+                pipe.getbit(self.keys.shard_key(sh, "alive"), sl)
+            return np.array(pipe.execute(), bool)
+
+    def _next_slots(
+        self, shards: np.ndarray, slots: np.ndarray, ids: np.ndarray, meta: dict[str, np.ndarray]
+    ) -> np.ndarray:
+        """Slot holding each step's next_obs: the next step's slot, -1 (explicit next_obs
+        stored with the step) or -2 (none known: no successor stored yet, none given)."""
+        cfg = self.config()
+        delta = meta["next"].astype(np.int64)
+        explicit = (meta["flags"] & EXPLICIT_NEXT) != 0
+        nxt = (slots + delta) % cfg.cap
+        linked = (delta != 0) & ~explicit
+        ok = np.zeros(len(ids), bool)
+        if linked.any():
+            want = ids[linked] + delta[linked] * cfg.n_shards
+            got = self.read_meta(shards[linked], nxt[linked], ["id"])["id"]
+            ok[np.flatnonzero(linked)[got == want]] = True
+        return np.where(explicit, -1, np.where(ok, nxt, -2))
+
+    def _public_meta(self, meta: dict[str, np.ndarray], cfg: NamespaceConfig) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": meta["id"],
+            "step_index": meta["step_index"],
+            "policy_version": meta["policy_version"],
+            "timestamp": meta["timestamp"],
+            "reward": meta["reward"],
+            "priority": nan_xor(meta["priority"]),
+            "terminated": (meta["flags"] & TERMINATED) != 0,
+            "truncated": (meta["flags"] & TRUNCATED) != 0,
+            "trainable": (meta["flags"] & UNTRAINABLE) == 0,
+        }
+        for col in DICT_COLUMNS:
+            out[col] = self.decode_codes(col, meta[col])
+        out["episode_id"] = self._episode_names(meta["episode"], meta["id"])
+        tags = cfg.schema.tags if cfg.schema else {}
+        for name, kind in tags.items():
+            col = meta[tag_column(name)]
+            out[f"tags.{name}"] = (
+                self.decode_codes(tag_column(name), col) if kind == "str" else nan_xor(col)
+            )
+        return out
+
+    def _episode_names(self, codes: np.ndarray, ids: np.ndarray) -> list[str | None]:
+        cfg = self.config()
+        with self.r.pipeline(transaction=False) as pipe:
+            for code, i in zip(codes.tolist(), ids.tolist(), strict=True):
+                pipe.hget(self.keys.shard_key(i % cfg.n_shards, "epname"), code)
+            return [None if v is None else v.decode() for v in pipe.execute()]
+
+    def episode(self, episode_id: str, fields: Sequence[str] | None = None) -> dict:
+        """All stored steps of an episode, ordered by step_index."""
+        cfg = self.config()
+        code = episode_code(str(episode_id))
+        shard = code % cfg.n_shards
+        cols = self.meta_columns(shard, ["episode", "id", "step_index"])
+        slots = np.flatnonzero((cols["episode"] == code) & cols["alive"])
+        if len(slots) == 0:
+            raise KeyError(f"episode {episode_id!r} has no stored steps")
+        order = np.argsort(cols["step_index"][slots], kind="stable")
+        ids = cols["id"][slots[order]]
+        return self.get(ids, fields)
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.config(refresh=True)
+        with self.r.pipeline(transaction=False) as pipe:
+            for s in range(cfg.n_shards):
+                pipe.get(self.keys.shard_key(s, "seq"))
+                pipe.bitcount(self.keys.shard_key(s, "alive"))
+            pipe.xlen(self.keys.dead)
+            replies = pipe.execute()
+        seqs = [int(v or 0) for v in replies[0:-1:2]]
+        return {
+            "namespace": self.namespace,
+            "capacity": cfg.capacity,
+            "n_shards": cfg.n_shards,
+            "steps": sum(replies[1:-1:2]),
+            "committed_total": sum(seqs),
+            "dead_letters": replies[-1],
+            "schema": None if cfg.schema is None else cfg.schema.to_dict(),
+            "created": cfg.created,
+        }
+
+
+def decode_meta(col: str, arr: np.ndarray, schema: Schema | None) -> np.ndarray:
+    """Undo the zero-means-missing encodings (NaN-xor floats)."""
+    if col == "priority" or (tag_name(col) is not None and arr.dtype == NUM_TAG_DTYPE):
+        return nan_xor(arr)
+    return arr

@@ -1,0 +1,104 @@
+"""Writes: slot allocation, in-place payload writes, and the atomic per-shard commit that
+makes a batch visible (or, redelivered, recognises it as already committed)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.batch import StepBatch
+from claw_tasks.schema import Schema
+from claw_tasks.store.commit import CommitPart, CommitResult
+from claw_tasks.store.config import LOG_MAXLEN, MARKER_TTL, NamespaceAdmin, NamespaceError
+from claw_tasks.store.layout import payload_chunk_slots, row_episode_codes
+from claw_tasks.store.scripts import Scripts, execute
+
+
+class Writer(NamespaceAdmin):
+    """Commits batches; ``allocate`` + ``place`` let a client write large payloads first."""
+
+    def commit(
+        self, batch: StepBatch, now: float | None = None, dead_rows: Sequence[int] = ()
+    ) -> CommitResult:
+        """Commit a validated batch: one atomic, idempotent Lua commit per shard part.
+
+        A batch with ``Placed`` fields (written in place after ``allocate``) lies in one
+        shard; its ``dead_rows`` (rejected) are committed but never made alive."""
+        try:
+            schema = self.ensure_schema(batch.schema())  # no round trip once cached
+        except NamespaceError:
+            self.create()
+            schema = self.ensure_schema(batch.schema())
+        cfg = self.config()
+        n = batch.n
+        result = CommitResult()
+        if n == 0:
+            return result
+        now = time.time() if now is None else now
+        str_cols = self._encode_str_columns(batch, schema)
+        ep_codes = row_episode_codes(batch.episode.values, batch.episode.index)
+        shards = ep_codes % cfg.n_shards
+        for shard in np.unique(shards).tolist():
+            rows = np.arange(n) if cfg.n_shards == 1 else np.flatnonzero(shards == shard)
+            part = CommitPart(self, cfg, schema, batch, rows, int(shard), ep_codes, str_cols, now)
+            part.run(list(dead_rows), result)
+        return result
+
+    def _encode_str_columns(self, batch: StepBatch, schema: Schema) -> dict[str, np.ndarray]:
+        """Per-row int32 codes of every string column (0 = missing)."""
+        names = [k for k, v in batch.strs.items() if v.values]
+        script = Scripts.ALL["dict"]
+
+        def queue(pipe: Any) -> None:
+            for k in names:
+                keys = [self.keys.dict(k), self.keys.rdict(k)]
+                script.queue(pipe, keys, batch.strs[k].values)
+
+        replies = execute(self.r, [script], queue) if names else []
+        out: dict[str, np.ndarray] = {}
+        for k, codes in zip(names, replies, strict=True):
+            vocab = np.concatenate([np.asarray(codes, np.int32), np.zeros(1, np.int32)])
+            out[k] = vocab[batch.strs[k].index]  # index -1 picks the trailing 0
+        return out
+
+    def allocate(
+        self, shard: int, batch_id: str, n: int, placed: Mapping[str, int] | None = None
+    ) -> tuple[int, str]:
+        """Take (idempotently, per batch id) ``n`` slots of a shard: returns ``(seq0,
+        state)``. The older steps in those slots are evicted now, and the chunks of the
+        ``placed`` fields (name -> row bytes) are sized for writing in place."""
+        cfg = self.config()
+        k = self.keys
+        args: list[Any] = [n, MARKER_TTL, k.shard(shard), cfg.cap, LOG_MAXLEN]
+        for name, row_bytes in (placed or {}).items():
+            args += [f"f:{name}", row_bytes, payload_chunk_slots(row_bytes)]
+        seq0, state = self.scripts.alloc(
+            keys=[
+                k.shard_key(shard, f"b:{batch_id}"), k.shard_key(shard, "seq"),
+                k.shard_key(shard, "log"), k.shard_key(shard, "alive"),
+            ],
+            args=args,
+        )  # fmt: skip
+        return int(seq0), state.decode() if isinstance(state, bytes) else state
+
+    def place(self, shard: int, seq0: int, fields: Mapping[str, np.ndarray]) -> None:
+        """Write fixed-shape payload rows into the slots of ``seq0..`` (after ``allocate``):
+        one pipelined SETRANGE per chunk run, straight from the arrays' memory."""
+        cfg = self.config()
+        with self.r.pipeline(transaction=False) as pipe:
+            for name, arr in fields.items():
+                arr = np.ascontiguousarray(arr)
+                n, rb = len(arr), arr.nbytes // max(1, len(arr))
+                raw = arr.data.cast("B") if arr.size else memoryview(b"")
+                cs = payload_chunk_slots(rb)
+                i = 0
+                while i < n:
+                    slot = (seq0 - 1 + i) % cfg.cap
+                    run = min(n - i, cs - slot % cs, cfg.cap - slot)
+                    key = self.keys.field(shard, name, slot // cs)
+                    pipe.setrange(key, (slot % cs) * rb, raw[i * rb : (i + run) * rb])
+                    i += run
+            pipe.execute()
