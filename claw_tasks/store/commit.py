@@ -3,7 +3,7 @@ links that the commit script writes in one atomic step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,6 +36,30 @@ class CommitResult:
     expired: int = 0  # slots reused by newer steps before the commit landed (past capacity)
 
 
+@dataclass
+class Writes:
+    """What the commit script writes: dense columns (one blob each, in order), then sparse
+    rows (one blob per row, in spec order), and the sparse chunks to clear first."""
+
+    cols: list[list[Any]] = field(default_factory=list)
+    sparse: list[list[Any]] = field(default_factory=list)
+    clear: list[list[Any]] = field(default_factory=list)
+    dense_blobs: list[Any] = field(default_factory=list)
+    sparse_blobs: list[Any] = field(default_factory=list)
+
+    def dense(self, name: str, row_bytes: int, chunk_slots: int, blob: Any) -> None:
+        self.cols.append([name, row_bytes, chunk_slots])
+        self.dense_blobs.append(blob)
+
+    def rows(self, name: str, rows: list[int], blobs: Any) -> None:
+        self.sparse.append([name, SPARSE_CHUNK_SLOTS, rows])
+        self.sparse_blobs.extend(blobs)
+
+    @property
+    def blobs(self) -> list[Any]:
+        return self.dense_blobs + self.sparse_blobs
+
+
 class CommitPart:
     """One shard's part of a batch: allocation, column blobs, the Lua commit."""
 
@@ -56,6 +80,7 @@ class CommitPart:
         self.rows, self.shard, self.now = rows, shard, now
         self.ep = ep_codes if self.whole else ep_codes[rows]
         self.str_cols = str_cols
+        self.nx_rows = self._explicit_rows()  # rows (in the part) with an explicit next_obs
 
     def _sel(self, arr: np.ndarray) -> np.ndarray:
         return arr if self.whole else arr[self.rows]
@@ -77,10 +102,11 @@ class CommitPart:
                 f"batch {self.b.batch_id}: its payload was written in place but its slots "
                 "were never allocated (or the allocation expired)"
             )
-        cols, blobs, sparse, clear, eps = self._payload(seq0)
+        meta, eps = self._meta(seq0)
+        writes = self._writes(meta)
         spec = {
-            "cols": cols, "sparse": sparse, "clear": clear, "eps": eps, "dead": dead,
-            "loglen": LOG_MAXLEN,
+            "cols": writes.cols, "sparse": writes.sparse, "clear": writes.clear, "eps": eps,
+            "dead": dead, "loglen": LOG_MAXLEN,
         }  # fmt: skip
         keys = [
             k.shard_key(self.shard, name)
@@ -97,24 +123,19 @@ class CommitPart:
         ]
         args = [
             k.shard(self.shard), n, self.cfg.cap, MARKER_TTL, seq0, self.shard,
-            self.cfg.n_shards, META_CHUNK_SLOTS, packb(spec), *blobs,
+            self.cfg.n_shards, META_CHUNK_SLOTS, packb(spec), *writes.blobs,
         ]  # fmt: skip
         _, state, skipped = self.s.scripts.commit(keys=keys, args=args)
         dead_kept = sum(r >= skipped for r in dead)
         result.committed += n - skipped - dead_kept
         result.expired += skipped
 
-    def _payload(self, seq0: int) -> tuple[list, list, list, list, list]:
+    def _meta(self, seq0: int) -> tuple[dict[str, np.ndarray], list]:
+        """The metadata columns of the part's rows, and its episode runs (from ``_links``)."""
         b, n = self.b, len(self.rows)
-        ms = META_CHUNK_SLOTS
         step_index = self._sel(b.step_index).astype(np.int32)
         term = self._sel(b.terminated).astype(bool)
         trunc = self._sel(b.truncated).astype(bool)
-        nx_rows = self._explicit_rows()
-        flags = term * TERMINATED | trunc * TRUNCATED
-        flags = flags.astype(np.uint8)
-        if len(nx_rows):
-            flags[nx_rows] |= EXPLICIT_NEXT
         nxt, eps = self._links(step_index, term | trunc)
         zeros_i4 = np.zeros(n, np.int32)
         meta: dict[str, np.ndarray] = {
@@ -133,51 +154,63 @@ class CommitPart:
                 else self._sel(b.priority).astype(np.float32)
             ),
             "next": nxt,
-            "flags": flags,
+            "flags": self._flags(term, trunc),
         }
         for col in STR_META:
             meta[col] = self._sel(self.str_cols[col]) if col in self.str_cols else zeros_i4
+        meta.update(self._tag_columns())
+        return meta, eps
+
+    def _flags(self, term: np.ndarray, trunc: np.ndarray) -> np.ndarray:
+        flags = (term * TERMINATED | trunc * TRUNCATED).astype(np.uint8)
+        flags[self.nx_rows] |= EXPLICIT_NEXT
+        return flags
+
+    def _tag_columns(self) -> dict[str, np.ndarray]:
+        """One column per schema tag: string codes (0 = missing) or NaN-xor floats."""
+        b, n = self.b, len(self.rows)
+        out = {}
         for name, kind in self.schema.tags.items():
             tc = tag_column(name)
             if kind == "str":
-                meta[tc] = self._sel(self.str_cols[tc]) if tc in self.str_cols else zeros_i4
+                codes = self.str_cols.get(tc)
+                out[tc] = np.zeros(n, np.int32) if codes is None else self._sel(codes)
             else:
                 vals = self._sel(b.nums[tc]) if tc in b.nums else np.full(n, np.nan)
-                meta[tc] = nan_xor(vals.astype(np.float64))
-        cols: list[list[Any]] = []
-        col_blobs: list[Any] = []  # one per column without a staged source, in order
-        sparse_blobs: list[Any] = []  # then the sparse rows, in spec order
+                out[tc] = nan_xor(vals.astype(np.float64))
+        return out
+
+    def _writes(self, meta: dict[str, np.ndarray]) -> Writes:
+        """Metadata and payload fields as dense columns; ragged fields, explicit next_obs
+        and info as sparse rows."""
+        w = Writes()
         for col, arr in meta.items():
             dtype = META.get(col) or (STR_TAG_DTYPE if arr.dtype.kind == "i" else NUM_TAG_DTYPE)
-            cols.append([f"m:{col}", dtype.itemsize, ms])
-            col_blobs.append(np.ascontiguousarray(arr, dtype).data.cast("B"))
-        sparse: list[list[Any]] = []
-        clear: list[list[Any]] = []
+            blob = np.ascontiguousarray(arr, dtype).data.cast("B")
+            w.dense(f"m:{col}", dtype.itemsize, META_CHUNK_SLOTS, blob)
         for name, spec in self.schema.fields.items():
-            v = b.fields[name]
+            v = self.b.fields[name]
             if spec.ragged:
-                rg = v.take(self.rows) if not self.whole else v  # type: ignore[union-attr]
-                off = rg.offsets
-                rb = spec.row_bytes
-                sparse.append([f"r:{name}", SPARSE_CHUNK_SLOTS, list(range(n))])
-                raw = np.ascontiguousarray(rg.values).data.cast("B")
-                sparse_blobs.extend(raw[off[i] * rb : off[i + 1] * rb] for i in range(n))
-                clear.append([f"r:{name}", SPARSE_CHUNK_SLOTS])
-                continue
-            if isinstance(v, Placed):  # already written in place by the client
-                continue
-            cols.append([f"f:{name}", spec.row_bytes, payload_chunk_slots(spec.row_bytes)])
-            arr = np.ascontiguousarray(self._sel(v))  # type: ignore[arg-type]
-            col_blobs.append(arr.data.cast("B") if arr.size else b"")
-        if len(nx_rows):
-            sparse.append(["nx", SPARSE_CHUNK_SLOTS, nx_rows.tolist()])
-            sparse_blobs.extend(self._explicit_blobs(nx_rows))
+                self._ragged_rows(w, name, spec.row_bytes, v)  # type: ignore[arg-type]
+            elif not isinstance(v, Placed):  # Placed: already written in place by the client
+                arr = np.ascontiguousarray(self._sel(v))
+                blob = arr.data.cast("B") if arr.size else b""
+                w.dense(f"f:{name}", spec.row_bytes, payload_chunk_slots(spec.row_bytes), blob)
+        if len(self.nx_rows):
+            w.rows("nx", self.nx_rows.tolist(), self._explicit_blobs(self.nx_rows))
         info_rows, info_blobs = self._info()
         if info_rows:
-            sparse.append(["info", SPARSE_CHUNK_SLOTS, info_rows])
-            sparse_blobs.extend(info_blobs)
-        clear += [["nx", SPARSE_CHUNK_SLOTS], ["info", SPARSE_CHUNK_SLOTS]]
-        return cols, col_blobs + sparse_blobs, sparse, clear, eps
+            w.rows("info", info_rows, info_blobs)
+        w.clear += [["nx", SPARSE_CHUNK_SLOTS], ["info", SPARSE_CHUNK_SLOTS]]
+        return w
+
+    def _ragged_rows(self, w: Writes, name: str, row_bytes: int, v: Ragged) -> None:
+        n = len(self.rows)
+        rg = v if self.whole else v.take(self.rows)
+        off, raw = rg.offsets, np.ascontiguousarray(rg.values).data.cast("B")
+        blobs = [raw[off[i] * row_bytes : off[i + 1] * row_bytes] for i in range(n)]
+        w.rows(f"r:{name}", list(range(n)), blobs)
+        w.clear.append([f"r:{name}", SPARSE_CHUNK_SLOTS])
 
     def _links(self, step_index: np.ndarray, ended: np.ndarray) -> tuple[np.ndarray, list]:
         """In-part next deltas, and the runs of consecutive steps per episode (for the
