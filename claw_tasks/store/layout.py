@@ -101,6 +101,13 @@ class Keys:
     def shard_key(self, shard: int, name: str) -> str:
         return self.shard(shard) + name
 
+    def archived(self, shard: int) -> str:
+        """Archive watermark of a shard: an integer seq; every step of the shard with
+        ``seq <= watermark`` (id = seq * n_shards + shard) is in the archive, or was never
+        committed. Written only after the archive files holding those steps are durable;
+        eviction with ``--archive-before-evict`` removes no step above it."""
+        return self.shard_key(shard, "archived")
+
     def meta(self, shard: int, col: str, chunk: int) -> str:
         return f"{self.shard(shard)}m:{col}:{chunk}"
 
