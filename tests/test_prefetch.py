@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 
-import msgpack
 import numpy as np
 import pytest
 
@@ -310,6 +309,6 @@ def test_readers_on_two_hosts_share_a_recipe_inline(redis_url, namespace, worker
     _wait_full(r, queue, 2)
     assert all(wire_is_batch(item) for item in r.lrange(queue, 0, -1))  # now inline
     # A reference to another host's /dev/shm is skipped (not raised, not fatal).
-    forged = shm.REF_MAGIC + msgpack.packb({"name": "claw-1-2-x", "size": 9, "host": "other"})
+    forged = shm.reference_message("claw-1-2-x", 9, "other")
     r.lpush(queue, forged)
     assert there.pop("mh", timeout=60)["obs"].shape == (16, 84, 84, 3)

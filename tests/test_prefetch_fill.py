@@ -226,3 +226,19 @@ def test_collate_edge_cases():
     out = decode_batch(encode_batch(arrays, [1, 2], meta=meta))
     assert out["x"].tolist() == [[0, 1], [0, 0]] and out["x_lengths"].tolist() == [2, 1]
     assert out.meta["info"] == [{"a": 1}, {}]
+
+
+def test_pop_refuses_a_batch_of_an_unknown_wire_version(redis_url, namespace):
+    """A trainer older than the workers gets an error naming both versions, not a misread."""
+    from orchestrator.delivery.client import BatchClient
+    from orchestrator.delivery.wire import VERSION, WireVersionError
+
+    llm_store(redis_url, namespace)
+    with BatchClient(namespace, redis_url) as client:
+        client.registry.put(recipe("r", ["prompt_ids"]), None)  # no fill: the queue is ours
+        item = encode_batch({"reward": np.zeros(8, np.float32)}, np.arange(8), recipe_version=1)
+        newer = item[:4] + (VERSION + 1).to_bytes(4, "little") + item[8:]
+        client.store.r.rpush(client.registry.queue("r"), newer, item)
+        with pytest.raises(WireVersionError, match=f"version {VERSION + 1}, this reader reads"):
+            client.pop("r", timeout=5)
+        assert client.pop("r", timeout=5).batch_size == 8  # the next one reads fine

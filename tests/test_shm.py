@@ -3,17 +3,23 @@
 import gc
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
 
 from orchestrator.delivery import shm
-from orchestrator.delivery.wire import decode_batch, frame_batch, is_batch
+from orchestrator.delivery.wire import (
+    VERSION,
+    WireVersionError,
+    decode_batch,
+    frame_batch,
+    is_batch,
+)
 
 pytestmark = pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="needs /dev/shm")
 
@@ -44,7 +50,7 @@ def run_python(code: str, **kwargs) -> subprocess.Popen:
 
 
 def ref_name(msg: bytes) -> str:
-    return msgpack.unpackb(msg[len(shm.REF_MAGIC) :])["name"]
+    return shm.reference_of(msg)["name"]
 
 
 def test_round_trip_through_another_process_and_segment_reclaimed():
@@ -74,7 +80,8 @@ def test_round_trip_through_another_process_and_segment_reclaimed():
 
 
 def test_host_id_is_stable_across_processes():
-    proc = run_python("from orchestrator.delivery import shm; print(shm.host_id())", stdout=subprocess.PIPE)
+    code = "from orchestrator.delivery import shm; print(shm.host_id())"
+    proc = run_python(code, stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=30)
     assert out.decode().strip() == shm.host_id()
 
@@ -93,8 +100,8 @@ def test_inline_when_small_or_other_host():
 def test_reference_from_another_host_is_rejected():
     frame = frame_batch({"x": np.arange(10)}, ids=range(10))
     msg = shm.to_message(frame, reader_host=shm.host_id(), threshold=0)
-    ref = msgpack.unpackb(msg[len(shm.REF_MAGIC) :])
-    forged = shm.REF_MAGIC + msgpack.packb({**ref, "host": "other"})
+    ref = shm.reference_of(msg)
+    forged = shm.reference_message(ref["name"], ref["size"], "other")
     try:
         with pytest.raises(ValueError, match="from host other"):
             shm.from_message(forged)
@@ -102,6 +109,21 @@ def test_reference_from_another_host_is_rejected():
         shm.from_message(msg)
     with pytest.raises(ValueError, match="not a Claw"):
         shm.from_message(b"garbage")
+
+
+def test_reference_of_an_unknown_version_is_refused_and_left_to_the_reaper():
+    frame = frame_batch({"x": np.arange(10)}, ids=range(10))
+    msg = shm.to_message(frame, reader_host=shm.host_id(), threshold=0)
+    name = ref_name(msg)
+    newer = msg[:4] + struct.pack("<I", VERSION + 1) + msg[8:]
+    try:
+        with pytest.raises(WireVersionError, match=f"version {VERSION + 1}, .* version {VERSION}"):
+            shm.from_message(newer)
+        shm.discard(newer)  # cannot be read: not touched, the reaper gets it
+        assert (shm.SHM_DIR / name).exists()
+    finally:
+        shm.discard(msg)
+    assert not (shm.SHM_DIR / name).exists()
 
 
 def test_reaper_removes_segment_of_sigkilled_creator():

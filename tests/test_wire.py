@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from orchestrator.delivery.wire import ALIGN, decode_batch, frame_batch, is_batch
+from orchestrator.delivery.wire import (
+    ALIGN,
+    VERSION,
+    WireVersionError,
+    decode_batch,
+    frame_batch,
+    is_batch,
+)
 
 DTYPES = [
     "bool", "int8", "uint8", "<i2", ">i2", "<u4", "<i8", "<f2", "<f4", ">f8", "<c8", "<c16",
@@ -131,7 +138,30 @@ def test_decode_rejects_garbage_and_truncation():
         decode_batch(buf[:-64])
     with pytest.raises(ValueError, match="short"):
         decode_batch(b"CL")
-    for header in (7, {"v": 1}, {"v": 2}):
+    for header in (7, [1, 2], "x"):
         head = msgpack.packb(header)
-        with pytest.raises(ValueError, match=r"version|corrupt"):
-            decode_batch(struct.pack("<4sI", b"CLAW", len(head)) + head)
+        with pytest.raises(ValueError, match="corrupt"):
+            decode_batch(struct.pack("<4sII", b"CLAW", VERSION, len(head)) + head)
+    with pytest.raises(ValueError, match="truncated"):
+        decode_batch(struct.pack("<4sII", b"CLAW", VERSION, 1000) + b"\x80")
+
+
+def with_version(buf: bytes, version: int) -> bytes:
+    """``buf`` with the format version after the magic replaced (layout: magic, u32 version)."""
+    return buf[:4] + struct.pack("<I", version) + buf[8:]
+
+
+@pytest.mark.parametrize(
+    ("version", "fix"), [(VERSION + 1, "newer Claw: upgrade Claw where this reader runs"),
+                         (VERSION - 1, "older Claw: upgrade and restart the prefetch workers")]
+)  # fmt: skip
+def test_unknown_version_is_refused_naming_both_versions_and_the_fix(version, fix):
+    buf = encode_batch({"x": np.arange(100)}, ids=range(100))
+    assert decode_batch(with_version(buf, VERSION))["x"].sum() == 4950
+    with pytest.raises(WireVersionError) as err:
+        decode_batch(with_version(buf, version))
+    msg = str(err.value)
+    assert f"version {version}," in msg and f"reads version {VERSION}" in msg and fix in msg
+    # Refused before anything else is read: whatever follows the version is never parsed.
+    with pytest.raises(WireVersionError):
+        decode_batch(with_version(b"CLAW" + bytes(4) + b"\xc1" * 64, version))

@@ -1,9 +1,11 @@
 """Same-host fast path: large batches travel through POSIX shared memory (/dev/shm).
 
 The writer streams an encoded batch into a fresh file in ``/dev/shm`` and queues a small
-reference message instead of the batch. The reader opens the file, unlinks it at once and
-maps it: the mapping (and so the decoded arrays, which are views of it) stays valid until the
-last array is garbage collected, and nothing is left in ``/dev/shm``.
+reference message instead of the batch: ``b"CLSR" | u32 wire format version | msgpack
+{name, size, host}``, versioned with the batch encoding (:data:`wire.VERSION`). The reader
+opens the file, unlinks it at once and maps it: the mapping (and so the decoded arrays,
+which are views of it) stays valid until the last array is garbage collected, and nothing
+is left in ``/dev/shm``.
 
 Segments are named ``claw-<pid namespace>-<creator pid>-<random>`` so :func:`reap_orphans`
 can reclaim the segments of writers that crashed, or of readers that died before reading.
@@ -18,17 +20,26 @@ import logging
 import mmap
 import os
 import secrets
+import struct
 import time
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from orchestrator.delivery.wire import Batch, Frame, decode_batch, is_batch
+from orchestrator.delivery.wire import (
+    VERSION,
+    Batch,
+    Frame,
+    check_version,
+    decode_batch,
+    is_batch,
+)
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "claw-"
 REF_MAGIC = b"CLSR"
+_REF_PREFIX = struct.Struct("<4sI")  # magic, wire format version
 DEFAULT_THRESHOLD = 256 * 1024
 ORPHAN_AGE_S = 600.0
 """Segments older than this are reaped whatever their creator (their reader is gone)."""
@@ -128,9 +139,29 @@ def to_message(
         except OSError as exc:
             log.warning("shm fast path unavailable, sending the batch inline: %s", exc)
         else:
-            ref = {"name": name, "size": frame.nbytes, "host": reader_host}
-            return REF_MAGIC + msgpack.packb(ref)
+            return reference_message(name, frame.nbytes, reader_host)
     return frame.tobytes()
+
+
+def reference_message(name: str, size: int, host: str) -> bytes:
+    """The queue item referring to segment ``name`` of ``size`` bytes on ``host``."""
+    ref = {"name": name, "size": size, "host": host}
+    return _REF_PREFIX.pack(REF_MAGIC, VERSION) + msgpack.packb(ref)
+
+
+def reference_of(msg: Any) -> dict[str, Any] | None:
+    """The shm reference a queue item holds; None when it is not one. Raises
+    :class:`~orchestrator.delivery.wire.WireVersionError` for an unknown version."""
+    mv = memoryview(msg)
+    if bytes(mv[: len(REF_MAGIC)]) != REF_MAGIC:
+        return None
+    if len(mv) < _REF_PREFIX.size:
+        raise ValueError("truncated shm reference")
+    check_version(_REF_PREFIX.unpack_from(mv)[1], "shm reference")
+    ref = msgpack.unpackb(mv[_REF_PREFIX.size :], raw=False)
+    if not isinstance(ref, dict):
+        raise ValueError(f"corrupt shm reference: {type(ref).__name__}, not a map")
+    return ref
 
 
 def from_message(msg: Any) -> Batch:
@@ -141,21 +172,24 @@ def from_message(msg: Any) -> Batch:
     """
     if is_batch(msg):
         return decode_batch(msg)
-    mv = memoryview(msg)
-    if bytes(mv[: len(REF_MAGIC)]) != REF_MAGIC:
+    ref = reference_of(msg)
+    if ref is None:
         raise ValueError("not a Claw queue item")
-    ref = msgpack.unpackb(mv[len(REF_MAGIC) :], raw=False)
     if ref["host"] != host_id():
         raise ForeignSegment(f"shm reference from host {ref['host']}, this host is {host_id()}")
     return read_segment(ref["name"], ref["size"])
 
 
 def discard(msg: Any) -> None:
-    """Reclaim a queue item that will never be read (unlink its segment, if it has one)."""
-    mv = memoryview(msg)
-    if bytes(mv[: len(REF_MAGIC)]) != REF_MAGIC:
+    """Reclaim a queue item that will never be read (unlink its segment, if it has one).
+
+    A reference in a version this process does not know is left to the segment reaper."""
+    try:
+        ref = reference_of(msg)
+    except ValueError:  # an unknown version (WireVersionError) or corrupt
         return
-    ref = msgpack.unpackb(mv[len(REF_MAGIC) :], raw=False)
+    if ref is None:
+        return
     name = ref.get("name", "")
     if name.startswith(PREFIX) and "/" not in name:
         (SHM_DIR / name).unlink(missing_ok=True)

@@ -2,7 +2,12 @@
 
 Layout of an encoded batch::
 
-    b"CLAW" | u32 header length (little endian) | msgpack header | pad | array bytes ...
+    b"CLAW" | u32 format version | u32 header length | msgpack header | pad | array bytes ...
+
+(integers little endian). The magic and the version come first in every version of the
+format, so a reader checks the version before it interprets anything else and refuses a
+version it does not know (:class:`WireVersionError`) instead of misreading it. Bump
+:data:`VERSION` on any change a reader of the previous version would misread.
 
 The header names each array as ``[dtype.str, shape, offset]``; every array body starts at an
 offset that is a multiple of ``ALIGN`` from the start of the buffer, so :func:`decode_batch`
@@ -23,11 +28,36 @@ from numpy.typing import ArrayLike
 
 MAGIC = b"CLAW"
 VERSION = 1
+"""Version of the queue item format: encoded batches and shared-memory references."""
 ALIGN = 64
-_PREFIX = struct.Struct("<4sI")
+_PREFIX = struct.Struct("<4sII")  # magic, version, header length
 _RESERVED = ("ids", "weights", "source_index")
 
 ArraySpec = list[Any]  # [dtype str, shape list, offset]
+
+
+class WireVersionError(ValueError):
+    """A queue item written in a wire format version this reader does not know."""
+
+
+def check_version(version: int, what: str = "batch") -> None:
+    """Refuse ``version`` unless it is this reader's :data:`VERSION`; the error names both
+    versions and which side to upgrade."""
+    if version == VERSION:
+        return
+    if version > VERSION:
+        fix = (
+            "it was written by a newer Claw: upgrade Claw where this reader runs (the "
+            "trainer) to the version the prefetch workers run"
+        )
+    else:
+        fix = (
+            "it was written by an older Claw: upgrade and restart the prefetch workers, then "
+            "register the recipe again to drop the batches already queued"
+        )
+    raise WireVersionError(
+        f"{what} is in wire format version {version}, this reader reads version {VERSION}: {fix}"
+    )
 
 
 class Batch(Mapping[str, np.ndarray]):
@@ -169,7 +199,6 @@ def frame_batch(
     named = [[name, *spec] for (name, _), spec in zip(arrays, specs, strict=True)]
     n_fields = len(arrays) - len(_RESERVED)
     header = {
-        "v": VERSION,
         "fields": named[:n_fields],
         **{row[0]: row[1:] for row in named[n_fields:]},
         "sources": names,
@@ -181,7 +210,7 @@ def frame_batch(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"batch metadata is not msgpack-serializable: {exc}") from exc
     base = -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN
-    chunks = [_PREFIX.pack(MAGIC, len(head)), head, bytes(base - _PREFIX.size - len(head))]
+    chunks = [_PREFIX.pack(MAGIC, VERSION, len(head)), head, bytes(base - _PREFIX.size - len(head))]
     for body in bodies:
         chunks.append(body)
         if body.nbytes % ALIGN:
@@ -202,14 +231,16 @@ def decode_batch(buf: Any) -> Batch:
     mv = memoryview(buf).cast("B")
     if len(mv) < _PREFIX.size:
         raise ValueError("not a Claw batch: too short")
-    magic, head_len = _PREFIX.unpack_from(mv)
+    magic, version, head_len = _PREFIX.unpack_from(mv)
     if magic != MAGIC:
         raise ValueError(f"not a Claw batch: bad magic {magic!r}")
+    check_version(version)
     end = _PREFIX.size + head_len
+    if end > len(mv):
+        raise ValueError("truncated batch: header past end of buffer")
     header = msgpack.unpackb(mv[_PREFIX.size : end], raw=False)
-    if not isinstance(header, dict) or header.get("v") != VERSION:
-        version = header.get("v") if isinstance(header, dict) else None
-        raise ValueError(f"unsupported batch wire version {version!r}")
+    if not isinstance(header, dict):
+        raise ValueError(f"corrupt batch header: {type(header).__name__}, not a map")
     base = -(-end // ALIGN) * ALIGN
 
     def view(spec: ArraySpec) -> np.ndarray:
