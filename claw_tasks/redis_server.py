@@ -24,6 +24,8 @@ from typing import Any, Self
 
 import redis
 
+from claw_tasks.settings import redact_url
+
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_OPTIONS: dict[str, str] = {"save": "", "appendonly": "no"}
 _FORCED_OPTIONS: dict[str, str] = {"maxmemory-policy": "noeviction"}
@@ -190,7 +192,7 @@ class RedisServer:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        return f"RedisServer({self.url}, dir={str(self._dir)!r}, {state})"
+        return f"RedisServer({redact_url(self.url)}, dir={str(self._dir)!r}, {state})"
 
     def _argv(self) -> list[str]:
         argv = [self.executable]
@@ -278,7 +280,7 @@ def ensure_redis(
     configured = url or os.environ.get("CLAW_REDIS_URL")
     if configured:
         if not redis_answers(configured, timeout=2.0):
-            raise ConnectionError(f"Redis at {configured} does not answer PING")
+            raise ConnectionError(f"Redis at {redact_url(configured)} does not answer PING")
         return configured, None
     if redis_answers(DEFAULT_URL):
         return DEFAULT_URL, None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -34,3 +35,22 @@ def load_settings() -> Settings:
         # A claim-check payload must outlive every redelivery of its message.
         stage_ttl=int(os.environ.get("CLAW_STAGE_TTL", str(max(86400, 4 * visibility)))),
     )
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit to print: a password (``redis://:pw@h``, ``amqp://u:pw@h``) becomes ``***``.
+
+    Every URL the CLI, logs or errors show goes through this; secrets come from the
+    environment and are never echoed back."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

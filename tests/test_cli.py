@@ -240,3 +240,29 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_urls_are_printed_without_their_password() -> None:
+    from claw_tasks.settings import redact_url
+
+    assert redact_url("redis://:s3cret@10.0.0.1:6380/2") == "redis://:***@10.0.0.1:6380/2"
+    assert redact_url("amqp://claw:s3cret@rabbit/vh") == "amqp://claw:***@rabbit/vh"
+    assert redact_url("rediss://u:p%40ss@[::1]:6379/0") == "rediss://u:***@[::1]:6379/0"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_password_never_printed() -> None:
+    from claw_tasks.redis_server import RedisServer
+
+    runner = CliRunner()
+    with RedisServer() as server:
+        server.client().config_set("requirepass", "s3cret-pw")
+        url = server.url.replace("redis://", "redis://:s3cret-pw@")
+        for args in (["stats"], ["doctor"], ["recipes", "nope"]):
+            result = runner.invoke(app, args, env={"CLAW_REDIS_URL": url, "COLUMNS": "250"})
+            assert "s3cret-pw" not in result.output, (args, result.output)
+        down = url.rsplit(":", 1)[0] + ":1/0"
+        result = runner.invoke(app, ["stats"], env={"CLAW_REDIS_URL": down})
+        assert result.exit_code == 1 and "***" in result.output
+        assert "s3cret-pw" not in result.output
+        server.client(password="s3cret-pw").config_set("requirepass", "")

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from claw_tasks.client import Ingestor
 from claw_tasks.gym import RecordSteps
+from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
 from claw_tasks.store.layout import META
 from orchestrator.cli.devstack import DevStack, worker_service
@@ -63,7 +64,7 @@ def start_stack(stack: DevStack, cfg: DemoConfig, console: Console) -> None:
     """Redis (configured, local, or embedded) and one ingest worker."""
     url = stack.start_redis(cfg.redis_url)
     kind = "embedded, data in " + str(stack.redis_server.dir) if stack.redis_server else "running"
-    console.print(f"[bold]Redis[/] {url} ({kind})")
+    console.print(f"[bold]Redis[/] {redact_url(url)} ({kind})")
     with console.status("starting an ingest worker…"):
         stack.start([worker_service(cfg.log_dir, ["ingest"], 1, quick=True)])
     console.print(f"[bold]ingest worker[/] pid {stack.services[-1].pid}")

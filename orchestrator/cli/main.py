@@ -23,7 +23,7 @@ from rich.table import Table
 from claw_tasks.app import QUEUES
 from claw_tasks.redis_server import ensure_redis
 from claw_tasks.schema import Schema
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import load_settings, redact_url
 from claw_tasks.store import NamespaceError, Store
 from orchestrator.cli import demo as demo_run
 from orchestrator.cli import metrics as metrics_server
@@ -96,11 +96,12 @@ def _root(
 
 @contextmanager
 def _redis(ctx: typer.Context) -> Iterator[tuple[str, redis.Redis]]:
-    """The store's URL and a client; an embedded server started here is stopped after."""
+    """The store's URL (fit to print) and a client; an embedded server started here is
+    stopped after."""
     url, server = ensure_redis(ctx.obj)
     client = redis.Redis.from_url(url)
     try:
-        yield url, client
+        yield redact_url(url), client
     finally:
         client.close()
         if server is not None:
@@ -162,11 +163,11 @@ def _stack_table(stack: DevStack, metrics_port: int | None) -> Table:
     table.add_row(
         "redis",
         "embedded" if server else "external",
-        stack.redis_url,
+        redact_url(stack.redis_url),
         str(server.log_path) if server else "",
     )
     if stack.broker_url != stack.redis_url:
-        table.add_row("broker", "external", stack.broker_url, "")
+        table.add_row("broker", "external", redact_url(stack.broker_url), "")
     for svc in stack.services:
         table.add_row(svc.name, str(svc.pid), svc.where, str(svc.log))
     if metrics_port is not None:
@@ -208,7 +209,8 @@ def metrics(
     broker = os.environ.get("CLAW_BROKER_URL") or url
     server = metrics_server.serve(port, url, broker, address)
     Console().print(
-        f"serving http://{address}:{port}/metrics (store {url}, broker {broker}); Ctrl-C stops"
+        f"serving http://{address}:{port}/metrics (store {redact_url(url)}, "
+        f"broker {redact_url(broker)}); Ctrl-C stops"
     )
     _stop_on_sigterm()
     try:

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from claw_tasks.app import QUEUES
+from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
 from orchestrator.cli.namespaces import (
     UnreadableNamespace,
@@ -51,13 +52,13 @@ class ClawCollector(Collector):
                 out += self._store_metrics()
                 up.add_metric(["store"], 1)
             except (redis.RedisError, OSError) as e:
-                log.warning("claw metrics: store at %s: %s", self.redis_url, e)
+                log.warning("claw metrics: store at %s: %s", redact_url(self.redis_url), e)
                 up.add_metric(["store"], 0)
             try:
                 out.append(self._queue_depths())
                 up.add_metric(["broker"], 1)
             except Exception as e:  # kombu raises transport-specific errors
-                log.warning("claw metrics: broker at %s: %s", self.broker_url, e)
+                log.warning("claw metrics: broker at %s: %s", redact_url(self.broker_url), e)
                 up.add_metric(["broker"], 0)
         yield from out
         yield up
