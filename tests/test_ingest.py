@@ -6,7 +6,9 @@ import time
 
 import numpy as np
 import pytest
+from producer import outcome, send_unchecked
 
+from claw_tasks.app import client_app
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
 
@@ -117,9 +119,10 @@ def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker, r):
         truncated=np.zeros(20, bool),
         fields={"obs": np.ones((20, 8), np.float32), "action": np.zeros(20, np.int64)},
     )  # fmt: skip
-    ing._send(batch)
-    ing._publish(ing._inflight[batch.batch_id].args)  # the same message, delivered twice
-    assert ing.flush().committed == 20
+    store = Store(redis_url, namespace)
+    args = send_unchecked(redis_url, store, batch)
+    client_app(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")  # twice
+    assert outcome(store, batch.batch_id).committed == 20
     deadline = time.monotonic() + 30
     while (r.llen("ingest") or r.hlen("unacked")) and time.monotonic() < deadline:
         time.sleep(0.02)  # let the duplicate delivery run too

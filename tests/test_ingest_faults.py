@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+from producer import outcome, send_unchecked
 
 from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.client import Ingestor
@@ -25,20 +26,26 @@ def test_worker_sigkill_mid_stream_stores_every_step_once(redis_url, namespace, 
     ing = Ingestor(namespace, redis_url, flush_steps=50, flush_interval=None,
                    claim_check_bytes=2048, resend_after=5)  # fmt: skip
     n_eps, n_steps = 40, 100
-    for e in range(n_eps):
-        with ing.episode(episode_id=f"e{e}") as ep:
-            for t in range(n_steps):
-                ep.add(_obs(e, t), np.int64(t), float(t), terminated=t == n_steps - 1,
-                       next_obs=_obs(e, t + 1) if t == n_steps - 1 else None)  # fmt: skip
-    ing.flush(wait=False)
-    store = Store(redis_url, namespace)
     total = n_eps * n_steps
+
+    def produce(episodes: range) -> None:  # flush_steps=50: batches go out as steps arrive
+        for e in episodes:
+            with ing.episode(episode_id=f"e{e}") as ep:
+                for t in range(n_steps):
+                    ep.add(_obs(e, t), np.int64(t), float(t), terminated=t == n_steps - 1,
+                           next_obs=_obs(e, t + 1) if t == n_steps - 1 else None)  # fmt: skip
+
+    # Three quarters go out before the kill, the rest after it: the kill lands mid-stream
+    # however fast or slow the worker is (no race between this loop and the worker).
+    produce(range(n_eps * 3 // 4))
+    store = Store(redis_url, namespace)
     deadline = time.monotonic() + 60
     while store.count() < total // 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     w1.kill()
     killed_at = store.count()
-    assert 0 < killed_at < total, "the kill should land mid-stream"
+    assert 0 < killed_at <= total * 3 // 4
+    produce(range(n_eps * 3 // 4, n_eps))
     start_worker("ingest", 2, **env)
     res = ing.flush(wait=True, timeout=120)
     assert res.committed == total and res.rejected == 0
@@ -119,13 +126,13 @@ def test_worker_dead_letters_bad_rows_and_commits_the_rest(ing, redis_url, names
     reward[[2, 7]] = [np.nan, np.inf]
     obs = np.arange(n * 8, dtype=np.float32).reshape(n, 8)
     batch = _raw_batch(n, obs, reward)
-    ing._send(batch)  # bypasses client validation: the worker must catch it
-    res = ing.flush()
+    store = Store(redis_url, namespace)
+    send_unchecked(redis_url, store, batch, in_place=n > 1000)  # the worker must catch it
+    res = outcome(store, batch.batch_id)
     assert res.committed == n - 2 and res.rejected == 2
-    got = Store(redis_url, namespace).episode("raw")
+    got = store.episode("raw")
     np.testing.assert_array_equal(got["obs"], np.delete(obs, [2, 7], axis=0))
     assert "step 2 (episode 'raw', step_index 2): reward is nan" in res.errors[0]
-    store = Store(redis_url, namespace)
     assert store.count() == 5 + n - 2
     dead = r.xrange(store.keys.dead)
     assert len(dead) == 1
@@ -137,13 +144,15 @@ def test_worker_dead_letters_bad_rows_and_commits_the_rest(ing, redis_url, names
 
 
 def test_worker_dead_letters_schema_mismatch_whole_batch(ing, redis_url, namespace, r):
-    ing._send(_raw_batch(4, np.zeros((4, 3), np.float32), np.zeros(4, np.float32)))
-    ing._send(_raw_batch(4, np.zeros((4, 8), np.float64), np.zeros(4, np.float32)))
-    res = ing.flush()
-    assert res.committed == 0 and res.rejected == 8
-    assert "field 'obs' is float32[3], schema says float32[8]" in res.errors[0]
-    assert "field 'obs' is float64[8], schema says float32[8]" in res.errors[1]
     store = Store(redis_url, namespace)
+    sent = [
+        _raw_batch(4, np.zeros((4, 3), np.float32), np.zeros(4, np.float32)),
+        _raw_batch(4, np.zeros((4, 8), np.float64), np.zeros(4, np.float32)),
+    ]
+    res = [outcome(store, send_unchecked(redis_url, store, b)[1]) for b in sent]
+    assert [(o.committed, o.rejected) for o in res] == [(0, 4), (0, 4)]
+    assert "field 'obs' is float32[3], schema says float32[8]" in res[0].errors[0]
+    assert "field 'obs' is float64[8], schema says float32[8]" in res[1].errors[0]
     assert store.count() == 5
     assert r.xlen(store.keys.dead) == 2
 
@@ -151,12 +160,10 @@ def test_worker_dead_letters_schema_mismatch_whole_batch(ing, redis_url, namespa
 def test_worker_dead_letters_undecodable_payload(ing, redis_url, namespace, r):
     ing.app.send_task("claw_tasks.ingest", args=[namespace, "junk1", b"\x93garbage", None],
                       queue="ingest")  # fmt: skip
-    from claw_tasks.client import _Inflight
-
-    ing._inflight["junk1"] = _Inflight([namespace, "junk1", b"\x93garbage", None], 1e18)
-    res = ing.flush()
+    store = Store(redis_url, namespace)
+    res = outcome(store, "junk1")
     assert res.committed == 0 and "undecodable batch" in res.errors[0]
-    assert Store(redis_url, namespace).count() == 5
+    assert store.count() == 5
 
 
 def test_broker_down_keeps_batches_until_it_answers(redis_url, namespace, ingest_worker):

@@ -127,20 +127,20 @@ def test_stalled_trainer_keeps_queue_at_its_bound(redis_url, namespace, workers,
     client.register(_vector_recipe("stall", prefetch={"depth": 3}))
     client.pop("stall", timeout=60)  # above low water (1): no refill asked for yet
     queue = client.registry.queue("stall")
-    client._trigger("stall", force=True)  # as the beat safety net would
+    client.request_fill("stall", force=True)  # as the beat safety net would
     deadline = time.monotonic() + 30
     while r.llen(queue) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     for _ in range(5):  # the trainer stalls; more refill requests arrive
-        client._trigger("stall", force=True)
+        client.request_fill("stall", force=True)
         time.sleep(0.2)
         assert r.llen(queue) <= 3
     assert r.llen(queue) == 3
     # No thundering herd: while a fill is on its way, further requests send nothing.
     r.set(client.registry.refill_lock("stall"), 1)  # a fill in flight
-    assert not any(client._trigger("stall") for _ in range(50))
+    assert not any(client.request_fill("stall") for _ in range(50))
     r.delete(client.registry.refill_lock("stall"))
-    assert client._trigger("stall")  # none in flight: this one asks
+    assert client.request_fill("stall")  # none in flight: this one asks
     s = client.stats("stall")["stall"]
     assert s["depth"] == 3 and s["produced"] == 4 and s["popped"] == 1
 
@@ -305,7 +305,7 @@ def test_readers_on_two_hosts_share_a_recipe_inline(redis_url, namespace, worker
     assert here.stats("mh")["mh"]["reader_hosts"] == 2
     refs = [here.pop("mh", timeout=60) for _ in range(2)]  # the shm ones, read here
     assert all(b["obs"].flags.writeable for b in refs)
-    here._trigger("mh", force=True)  # as the beat would, should a refill request meet a fill
+    here.request_fill("mh", force=True)  # as the beat would, should a refill request meet a fill
     _wait_full(r, queue, 2)
     assert all(wire_is_batch(item) for item in r.lrange(queue, 0, -1))  # now inline
     # A reference to another host's /dev/shm is skipped (not raised, not fatal).

@@ -146,11 +146,11 @@ def test_push_of_a_stale_version_is_taken_back(redis_url, namespace):
     reg.put(v1.model_copy(update={"version": 2}), None)  # set_params while a fill samples
     reg.drain("r")
     stale = prefetch.frame_batch({}, [1], recipe_version=1).tobytes()
-    assert prefetch._push(reg, v1, stale) == "stale"
+    assert prefetch.push(reg, v1, stale) == "stale"
     assert reg.r.llen(reg.queue("r")) == 0
     assert reg.counts("r") == counts  # produced and sampled not counted
     fresh = prefetch.frame_batch({}, [1], recipe_version=2).tobytes()
-    assert prefetch._push(reg, v1.model_copy(update={"version": 2}), fresh) == 1
+    assert prefetch.push(reg, v1.model_copy(update={"version": 2}), fresh) == 1
 
 
 @pytest.fixture

@@ -84,7 +84,10 @@ def test_priority_updates_land_and_change_the_distribution(store, redis_url):
     cold = sample(store, r, rng=np.random.default_rng(4), index=SamplingIndex(store))
     np.testing.assert_array_equal(warm.ids, cold.ids)
     np.testing.assert_array_equal(warm.weights, cold.weights)
-    drawn = np.concatenate([sample(store, r, index=SamplingIndex(store)).ids for _ in range(100)])
+    rng = np.random.default_rng(5)  # fixed: a chi-square test fails 0.1 % of random streams
+    drawn = np.concatenate(
+        [sample(store, r, rng=rng, index=SamplingIndex(store)).ids for _ in range(100)]
+    )
     assert chi2_pvalue(drawn, ids, mass(prios)) > 1e-3
 
 

@@ -68,7 +68,7 @@ class BatchClient:
             if self.host not in old.reader_hosts:
                 self.registry.add_reader(recipe.name, self.host)
             self._recipes[recipe.name] = old.recipe
-            self._trigger(recipe.name)
+            self.request_fill(recipe.name)
             return old.recipe
         version = 1 if old is None else old.recipe.version + 1
         recipe = recipe.model_copy(update={"version": version})
@@ -101,7 +101,7 @@ class BatchClient:
         if reset:
             self.store.r.delete(self.registry.counters(recipe.name))
         self._recipes[recipe.name] = recipe
-        self._trigger(recipe.name, force=True)
+        self.request_fill(recipe.name, force=True)
 
     def _entry(self, name: str) -> Entry:
         entry = self.registry.get(name)
@@ -159,12 +159,14 @@ class BatchClient:
     def _send_refills(self) -> None:
         while (name := self._refills.get()) is not None:
             try:
-                self._trigger(name)
+                self.request_fill(name)
             except Exception:  # the beat safety net refills anyway
                 log.warning("refill request for %r failed", name, exc_info=True)
 
-    def _trigger(self, name: str, force: bool = False) -> bool:
-        """Ask for a refill unless one is already on its way; True if this call asked."""
+    def request_fill(self, name: str, *, force: bool = False) -> bool:
+        """Ask the prefetch workers to top up ``name``'s queue now (pops below low water and
+        the beat do this on their own); unless ``force``, nothing is sent while a fill is on
+        its way. True if this call asked."""
         token = self.registry.take_refill_lock(name, force=force)
         if token is None:
             return False

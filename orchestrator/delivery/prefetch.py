@@ -77,7 +77,7 @@ def _rng_for(reg: Registry, recipe: Recipe) -> np.random.Generator:
     return np.random.default_rng([recipe.seed, recipe.version, k])
 
 
-def _push(reg: Registry, recipe: Recipe, item: bytes) -> int | str:
+def push(reg: Registry, recipe: Recipe, item: bytes) -> int | str:
     """Append ``item`` and count it, in one transaction that also reads the recipe's current
     version; returns the queue length, or why the item was taken back: ``"stale"`` (the
     recipe changed while this batch was made), ``"unregistered"`` or ``"full"`` (a second
@@ -146,7 +146,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 arrays, batch.ids, weights=batch.weights, source_index=batch.source_index,
                 sources=batch.sources, recipe_version=recipe.version, meta=meta,
             )  # fmt: skip
-            pushed = _push(reg, recipe, shm.to_message(frame, reader_host=entry.shm_host))
+            pushed = push(reg, recipe, shm.to_message(frame, reader_host=entry.shm_host))
             if pushed == "full":
                 break
             if isinstance(pushed, str):  # stale or unregistered: the new fill reports state

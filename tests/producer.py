@@ -1,0 +1,38 @@
+"""An untrusted producer for the ingest tests: sends ``StepBatch``es the way the client does
+(inline message, or payload written in place first), without the client's checks."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from claw_tasks.app import client_app
+from claw_tasks.batch import Placed, StepBatch
+from claw_tasks.ingest import IngestOutcome
+from claw_tasks.store import Store
+
+
+def send_unchecked(redis_url: str, store: Store, batch: StepBatch, *, in_place: bool = False):
+    """Publish ``batch`` to ``claw_tasks.ingest`` (its fixed-shape fields written in place
+    first with ``in_place``: one shard); returns the task's args (to send them again)."""
+    if in_place:
+        fixed = {k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray)}
+        schema = store.ensure_schema(batch.schema())
+        seq0, _ = store.allocate(
+            0, batch.batch_id, batch.n, {k: schema.fields[k].row_bytes for k in fixed}
+        )
+        store.place(0, seq0, fixed)
+        batch.fields.update({k: Placed(v.dtype, v.shape) for k, v in fixed.items()})
+    args = [store.namespace, batch.batch_id, batch.encode(), None]
+    client_app(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")
+    return args
+
+
+def outcome(store: Store, batch_id: str, timeout: float = 60.0) -> IngestOutcome:
+    """What the worker made of a batch (waits for its ``done`` record)."""
+    deadline = time.monotonic() + timeout
+    while (raw := store.r.get(store.keys.done(batch_id))) is None:
+        assert time.monotonic() < deadline, f"batch {batch_id} not processed within {timeout}s"
+        time.sleep(0.02)
+    return IngestOutcome.from_bytes(raw)
