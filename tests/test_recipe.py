@@ -1,41 +1,24 @@
-"""The recipe model: DESIGN §6's YAML, defaults, and errors that name the offending key."""
+"""The recipe model: the reference recipe of docs/recipes.md, defaults, and errors that name
+the offending key."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from orchestrator.recipe.model import Recipe, RecipeError
 
-DESIGN_YAML = """
-name: grasp-hard
-batch_size: 256
-fields: [obs, action, reward, next_obs, terminated]
-sources:                      # a mixture; per-batch counts are exact
-  - name: hard
-    weight: 0.8
-    where:                    # AND of conditions on metadata
-      task_id: grasp
-      skill_tag: {in: [reach, grasp]}
-      reward: {gt: 0.5}       # gt ge lt le, between: [a, b]
-    window: {last_steps: 1000000}        # or {max_age_s: 3600}
-    sampler: {kind: priority, alpha: 0.6, beta: 0.4}   # uniform | priority | recent
-  - name: early-low
-    weight: 0.2
-    where: {reward: {lt: 0}, step_index: {lt: $early_cutoff}}
-    sampler: {kind: uniform}
-params: {early_cutoff: 100}   # live-updatable: curriculum thresholds
-n_step: 3                     # n-step returns within an episode
-gamma: 0.99
-sequence_length: 1            # >1: windows of consecutive steps of one episode
-augment:
-  obs: [{random_shift: {pad: 4}}, {color_jitter: {brightness: 0.2, p: 0.8}}]
-  next_obs: same
-prefetch: {depth: 8}
-rate_limit: {samples_per_insert: 4.0, error_buffer: 100, min_size: 1000}
-"""
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
+
+
+def reference_yaml() -> str:
+    """The annotated recipe of docs/recipes.md ("A complete recipe")."""
+    text = DOCS.read_text()
+    start = text.index("```yaml\n", text.index("## A complete recipe")) + len("```yaml\n")
+    return text[start : text.index("```", start)]
 
 
 @dataclass
@@ -54,9 +37,9 @@ def error(data: dict) -> str:
     return str(e.value)
 
 
-def test_design_yaml(tmp_path):
+def test_reference_recipe_of_the_docs(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text(DESIGN_YAML)
+    path.write_text(reference_yaml())
     r = Recipe.from_yaml(path)
     assert r.name == "grasp-hard" and r.batch_size == 256
     hard, early = r.sources
@@ -69,10 +52,30 @@ def test_design_yaml(tmp_path):
     assert r.augment["obs"][1] == {"color_jitter": {"brightness": 0.2, "p": 0.8}}
     assert (r.prefetch.depth, r.prefetch.low_water) == (8, 4)
     assert r.rate_limit.min_size == 1000
-    assert (r.seed, r.version) == (None, 1)
+    assert (r.seed, r.version) == (7, 1)
     assert r.counts == [205, 51]
     assert Recipe.model_validate(r.model_dump()) == r
     r.validate_against(Schema())
+    example = Recipe.from_yaml(DOCS.parents[1] / "examples" / "recipes" / "grasp-hard.yaml")
+    assert example == r.model_copy(update={"seed": None})  # the same, without the seed
+
+
+def test_the_reference_documents_every_key_and_augment_op():
+    """docs/recipes.md names every recipe key, every augment op and each op's params."""
+    import inspect
+
+    from orchestrator.recipe.model import Prefetch, RateLimit, SamplerSpec, Source, Window
+    from orchestrator.transforms.augment import OPS
+
+    text = DOCS.read_text()
+    for model in (Recipe, Source, Window, SamplerSpec, Prefetch, RateLimit):
+        missing = [k for k in model.model_fields if f"`{k}`" not in text]
+        assert not missing, f"{model.__name__} keys not in docs/recipes.md: {missing}"
+    rows = {line.split("`")[1]: line for line in text.splitlines() if line.startswith("| `")}
+    for name, op in OPS.items():
+        assert name in rows, f"augment op {name!r} has no row in docs/recipes.md"
+        params = [p for p in inspect.signature(op).parameters if f"`{p}`" not in rows[name]]
+        assert not params, f"augment op {name!r}: params {params} not in its row"
 
 
 def test_defaults():

@@ -1,4 +1,6 @@
-"""The recipe model: a declarative description of the batches a trainer wants (DESIGN §6)."""
+"""The recipe model: a declarative description of the batches a trainer wants.
+
+Every key, its default and what it produces is in ``docs/recipes.md``."""
 
 from __future__ import annotations
 

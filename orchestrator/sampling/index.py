@@ -1,4 +1,4 @@
-"""The sampling index: a numpy mirror of one namespace's metadata columns (DESIGN §4).
+"""The sampling index: a numpy mirror of one namespace's metadata columns.
 
 ``columns`` maps every metadata column (``id``, ``episode``, …, ``t:<tag>``, see
 :mod:`orchestrator.recipe.where`) and ``alive`` to one array over the global rows
