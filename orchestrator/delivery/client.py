@@ -63,30 +63,35 @@ class BatchClient:
         recipe = _as_recipe(recipe)
         if self.store.exists() and (schema := self.store.schema()) is not None:
             recipe.validate_against(schema)
-        old = self.registry.get(recipe.name)
-        if old is not None and _same(old.recipe, recipe):
-            if self.host not in old.reader_hosts:
-                self.registry.add_reader(recipe.name, self.host)
-            self._recipes[recipe.name] = old.recipe
+
+        def change(old: Entry | None) -> Recipe | None:
+            return None if old is not None and _same(old.recipe, recipe) else recipe
+
+        stored, old = self.registry.install(recipe.name, change, self.host)
+        if old is not None and stored is old.recipe:  # identical: this host is a reader now
+            self._recipes[recipe.name] = stored
             self.request_fill(recipe.name)
-            return old.recipe
-        version = 1 if old is None else old.recipe.version + 1
-        recipe = recipe.model_copy(update={"version": version})
-        live_only = old is not None and same_recipe(old.recipe, recipe, ("version", "params"))
-        self._install(recipe, reset=not live_only, reader=self.host)
-        return recipe
+            return stored
+        live_only = old is not None and same_recipe(old.recipe, stored, ("version", "params"))
+        self._installed(stored, reset=not live_only)
+        return stored
 
     def set_params(self, name: str, **params: Any) -> Recipe:
         """Change live params (e.g. curriculum thresholds): the next batches use them.
 
         The recipe gets the next ``version``; queued batches of older versions are dropped
         (here and by every pop); augmentation statistics and samplers are kept."""
-        entry = self._entry(name)
-        data = entry.recipe.model_dump()
-        data["params"] = {**data["params"], **params}
-        data["version"] = entry.recipe.version + 1
-        recipe = Recipe.model_validate(data)
-        self._install(recipe, reset=False, reader=None)  # a curriculum process reads nothing
+
+        def change(old: Entry | None) -> Recipe:
+            if old is None:
+                raise KeyError(f"recipe {name!r} is not registered in namespace {self.namespace!r}")
+            data = old.recipe.model_dump()
+            data["params"] = {**data["params"], **params}
+            return Recipe.model_validate(data)
+
+        # No reader host: a curriculum process reads nothing.
+        recipe, _ = self.registry.install(name, change, None)
+        self._installed(recipe, reset=False)
         return recipe
 
     def unregister(self, name: str) -> None:
@@ -94,8 +99,9 @@ class BatchClient:
             shm.discard(item)
         self._recipes.pop(name, None)
 
-    def _install(self, recipe: Recipe, reset: bool, reader: str | None) -> None:
-        self.registry.put(recipe, reader)
+    def _installed(self, recipe: Recipe, reset: bool) -> None:
+        """After a new version: drop the queued batches (older versions), reset the
+        counters unless only live params changed, and ask for a fill."""
         for item in self.registry.drain(recipe.name):
             shm.discard(item)
         if reset:

@@ -184,12 +184,12 @@ def _reap_orphans() -> None:
 
 
 @app.task(name="claw.prefetch.fill", acks_late=False, ignore_result=True)
-def fill(namespace: str, name: str, token: str | None = None) -> dict[str, Any]:
+def fill(namespace: str, name: str, token: str) -> dict[str, Any]:
     """Fill one recipe's queue (sent by ``BatchClient.pop`` below low water, and by beat)
     with the refill lock's ``token``: released only while still this fill's."""
     reg = Registry(store_for(namespace))
     try:
         return run_fill(reg, name)
     finally:
-        reg.release_refill_lock(name, "1" if token is None else token)  # "1": older senders
+        reg.release_refill_lock(name, token)
         _reap_orphans()

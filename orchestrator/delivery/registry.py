@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,33 +71,66 @@ class Registry:
         return f"{self.base}recipes"
 
     def put(self, recipe: Recipe, reader_host: str | None) -> None:
-        """Store ``recipe`` (as its current version) and add ``reader_host`` to its readers;
-        readers on other hosts stay (they are dropped by :meth:`remove`)."""
-        entry = {"recipe": recipe.model_dump(mode="json"), "host": reader_host, "at": time.time()}
+        """Store ``recipe`` as it is, version included (setting a registry up, as a bench
+        does); a client changing a recipe goes through :meth:`install`."""
         with self.r.pipeline() as pipe:
-            pipe.set(self.recipe_key(recipe.name), packb(entry))
-            pipe.hset(self.versions_key, recipe.name, recipe.version)
+            self._queue_put(pipe, recipe)
             if reader_host is not None:
                 pipe.sadd(self.readers(recipe.name), reader_host)
-            pipe.sadd(self.names_key, recipe.name)
-            pipe.sadd(ACTIVE, self.ns)
             pipe.execute()
 
-    def add_reader(self, name: str, host: str) -> bool:
-        """Add a reader host to a registered recipe (no new version); True if it is new."""
-        return bool(self.r.sadd(self.readers(name), host))
+    def install(
+        self, name: str, change: Callable[[Entry | None], Recipe | None], reader_host: str | None
+    ) -> tuple[Recipe, Entry | None]:
+        """Store ``change(current entry)`` as the recipe's next version and add
+        ``reader_host`` to its readers (readers on other hosts stay: :meth:`remove` drops
+        them); ``change`` returning None keeps the current recipe and version.
+
+        Read, version and write are one transaction that watches the recipe's key and runs
+        again when another client changed it in between: concurrent registrations and
+        ``set_params`` never share a version, and none is lost. Returns the stored recipe
+        and the entry it replaced."""
+        key = self.recipe_key(name)
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    old = self._entry(pipe.get(key), pipe.smembers(self.readers(name)))
+                    new = change(old)
+                    pipe.multi()
+                    if new is None:
+                        assert old is not None, "change() must make the first version"
+                        recipe = old.recipe
+                    else:
+                        version = 1 if old is None else old.recipe.version + 1
+                        recipe = new.model_copy(update={"version": version})
+                        self._queue_put(pipe, recipe)
+                    if reader_host is not None:
+                        pipe.sadd(self.readers(name), reader_host)
+                    pipe.execute()
+                    return recipe, old
+                except redis.WatchError:
+                    continue
+
+    def _queue_put(self, pipe: redis.client.Pipeline, recipe: Recipe) -> None:
+        entry = {"recipe": recipe.model_dump(mode="json"), "at": time.time()}
+        pipe.set(self.recipe_key(recipe.name), packb(entry))
+        pipe.hset(self.versions_key, recipe.name, recipe.version)
+        pipe.sadd(self.names_key, recipe.name)
+        pipe.sadd(ACTIVE, self.ns)
 
     def get(self, name: str) -> Entry | None:
         with self.r.pipeline() as pipe:
             pipe.get(self.recipe_key(name))
             pipe.smembers(self.readers(name))
-            raw, hosts = pipe.execute()
+            return self._entry(*pipe.execute())
+
+    @staticmethod
+    def _entry(raw: bytes | None, hosts: set[bytes]) -> Entry | None:
         if raw is None:
             return None
         d = unpackb(raw)
         readers = frozenset(h.decode() for h in hosts)
-        if not readers and d.get("host"):  # stored before reader sets
-            readers = frozenset([d["host"]])
         return Entry(Recipe.model_validate(d["recipe"]), readers, d["at"])
 
     def version(self, name: str) -> int | None:

@@ -1,0 +1,79 @@
+"""The recipe registry under concurrent writers (threads, each with its own client)."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from orchestrator.delivery.client import BatchClient
+from orchestrator.recipe.model import Recipe
+
+THREADS, ROUNDS = 6, 8
+
+
+def _spec(batch_size: int) -> dict:
+    return {"name": "race", "batch_size": batch_size, "fields": ["obs"],
+            "sources": [{"name": "all"}]}  # fmt: skip
+
+
+def _run(clients: list[BatchClient], work) -> list[Recipe]:
+    """``work(client, thread, round)`` on every client at once, round after round."""
+    barrier = threading.Barrier(len(clients))
+    out: list[Recipe] = []
+    errors: list[BaseException] = []
+
+    def loop(i: int, client: BatchClient) -> None:
+        try:
+            for k in range(ROUNDS):
+                barrier.wait()
+                out.append(work(client, i, k))
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=loop, args=(i, c)) for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return out
+
+
+def _one_content_per_version(recipes: list[Recipe], key) -> dict[int, set]:
+    contents: dict[int, set] = defaultdict(set)
+    for rec in recipes:
+        contents[rec.version].add(key(rec))
+    assert all(len(c) == 1 for c in contents.values()), {
+        v: c for v, c in contents.items() if len(c) > 1
+    }
+    return contents
+
+
+def test_concurrent_registrations_never_share_a_version(redis_url, namespace):
+    clients = [BatchClient(namespace, redis_url) for _ in range(THREADS)]
+    try:
+        got = _run(clients, lambda c, i, k: c.register(_spec(1 + i + THREADS * k)))
+        versions = _one_content_per_version(got, lambda rec: rec.batch_size)
+        assert len(versions) == THREADS * ROUNDS  # every registration changed the recipe
+        assert sorted(versions) == list(range(1, THREADS * ROUNDS + 1))
+        stored = clients[0].registry.get("race").recipe
+        assert stored.version == THREADS * ROUNDS
+        assert versions[stored.version] == {stored.batch_size}
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_concurrent_set_params_keep_every_change(redis_url, namespace):
+    clients = [BatchClient(namespace, redis_url) for _ in range(THREADS)]
+    try:
+        clients[0].register(_spec(8))
+        got = _run(clients, lambda c, i, k: c.set_params("race", **{f"p{i}": k}))
+        _one_content_per_version(got, lambda rec: tuple(sorted(rec.params.items())))
+        assert sorted(rec.version for rec in got) == list(range(2, THREADS * ROUNDS + 2))
+        final = clients[0].registry.get("race").recipe
+        assert final.params == {f"p{i}": ROUNDS - 1 for i in range(THREADS)}  # none lost
+    finally:
+        for c in clients:
+            c.close()
