@@ -15,6 +15,7 @@ TASK_MODULES = [
     "claw_tasks.tasks",
     "orchestrator.delivery.prefetch",
     "orchestrator.maintenance.refill",
+    "orchestrator.maintenance.evict",
 ]
 
 

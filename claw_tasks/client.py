@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.app import client_app
+from claw_tasks.backpressure import MemoryGate
 from claw_tasks.batch import STR_META, Placed, Ragged, StepBatch, StrColumn
 from claw_tasks.codec import CodecError, check_dtype
 from claw_tasks.ingest import IngestOutcome
@@ -27,6 +28,7 @@ from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.layout import row_episode_codes
+from claw_tasks.store.retention import Retention
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +128,11 @@ class Ingestor:
     """Buffers steps and sends them in batches (by count and by time) to ``ingest``.
 
     Batches above ``claim_check_bytes`` travel by claim check: the payload goes to a
-    staging key with a TTL and the task message carries the key.
+    staging key with a TTL and the task message carries the key. ``retention`` sets the
+    namespace's retention policy (:class:`~claw_tasks.store.retention.Retention` or its
+    dict form). Near Redis ``maxmemory`` (over ``memory_high_water`` of it) a send blocks
+    (``on_full="block"``, up to ``full_timeout`` s) or raises ``StoreFullError``
+    (``on_full="raise"``); the steps are kept either way (:mod:`claw_tasks.backpressure`).
     """
 
     def __init__(
@@ -144,8 +150,13 @@ class Ingestor:
         max_step_bytes: int = MAX_STEP_BYTES,
         ragged: Sequence[str] = (),
         resend_after: float = 30.0,
+        retention: Retention | Mapping[str, Any] | None = None,
+        on_full: str = "block",
+        memory_high_water: float = 0.95,
+        full_timeout: float = 300.0,
     ) -> None:
         settings = load_settings()
+        retention = Retention.of(retention)
         self.namespace = namespace or settings.namespace
         self.redis_url = redis_url or settings.redis_url
         self.app = client_app(
@@ -153,12 +164,15 @@ class Ingestor:
         )
         self.store = Store(self.redis_url, self.namespace)
         if not self.store.exists():
-            self.store.create(capacity or DEFAULT_CAPACITY, n_shards or 1, schema)
+            self.store.create(capacity or DEFAULT_CAPACITY, n_shards or 1, schema, retention)
         elif capacity is not None or n_shards is not None:  # must match the namespace
             cfg = self.store.config(refresh=True)
             self.store.create(capacity or cfg.capacity, n_shards or cfg.n_shards, schema)
         elif schema is not None:
             self.store.ensure_schema(schema)
+        if retention is not None and self.store.config().retention != retention:
+            self.store.set_retention(retention)
+        self._gate = MemoryGate(self.store.r, memory_high_water, on_full, full_timeout)
         self.schema: Schema | None = self.store.config(refresh=True).schema
         self.flush_steps = flush_steps
         self.flush_interval = flush_interval
@@ -339,6 +353,7 @@ class Ingestor:
         """Publish a batch. Large fixed-shape payloads skip the message entirely: they are
         written in place into freshly allocated slots (one SETRANGE per chunk run), and
         the task carries only metadata, which the commit makes visible atomically."""
+        self._gate.wait()
         fixed = {k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray)}
         if sum(v.nbytes for v in fixed.values()) <= self.claim_check_bytes:
             self._publish_batch(batch)

@@ -3,7 +3,8 @@
 -- freed at once (their older steps are evicted: alive bits cleared, logged), and the
 -- payload chunks they fall in are sized, so a client may write payloads in place before
 -- the commit makes the steps visible.
--- KEYS: 1 batch marker, 2 shard seq counter, 3 change log, 4 alive bitmap
+-- KEYS: 1 batch marker, 2 shard seq counter, 3 change log, 4 alive bitmap,
+--       5 evictions by reason (hash; live steps the ring overwrites count as 'ring')
 -- ARGV: 1 n, 2 marker ttl, 3 shard prefix, 4 cap, 5 log length,
 --       6.. triples (field key base, row bytes, chunk slots) of payloads written in place
 -- Returns {seq0, state}: state "new", "alloc" (allocated before, not committed), "done"
@@ -23,7 +24,12 @@ local function runs(cs, fn) slot_runs(slot0, n, cap, cs, fn) end
 
 if seq0 + n - 1 > cap then
   -- The ring comes round: evict the older steps in these slots.
-  runs(cap, function(i, slot, chunk, inchunk, len) fill_bits(KEYS[4], slot, slot + len, 0) end)
+  local live = 0
+  runs(cap, function(i, slot, chunk, inchunk, len)
+    live = live + count_bits(KEYS[4], slot, slot + len)
+    fill_bits(KEYS[4], slot, slot + len, 0)
+  end)
+  if live > 0 then redis.call('HINCRBY', KEYS[5], 'ring', live) end
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', tonumber(ARGV[5]), '*',
     'op', 'evict', 'seq', seq0, 'n', n)
 end

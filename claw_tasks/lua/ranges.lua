@@ -24,6 +24,15 @@ local function fill_bits(key, s, e, bit)
   while s < e do redis.call('SETBIT', key, s, bit); s = s + 1 end
 end
 
+-- Number of set bits in [s, e) of a bitmap (BITCOUNT counts whole bytes).
+local function count_bits(key, s, e)
+  local n = 0
+  while s < e and s % 8 ~= 0 do n = n + redis.call('GETBIT', key, s); s = s + 1 end
+  while e > s and e % 8 ~= 0 do e = e - 1; n = n + redis.call('GETBIT', key, e) end
+  if e > s then n = n + redis.call('BITCOUNT', key, s / 8, e / 8 - 1) end
+  return n
+end
+
 -- Sizes a payload chunk once, so later SETRANGEs never reallocate (no greedy slack).
 local function size_chunk(key, chunk, cs, cap, size)
   if redis.call('EXISTS', key) == 0 then

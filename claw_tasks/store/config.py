@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 
 from claw_tasks.codec import packb, unpackb
 from claw_tasks.schema import Schema
 from claw_tasks.store.layout import Keys
+from claw_tasks.store.retention import Retention
 from claw_tasks.store.scripts import Scripts
 
 MARKER_TTL = 7 * 86400
@@ -29,6 +30,7 @@ class NamespaceConfig:
     n_shards: int
     schema: Schema | None
     created: float
+    retention: Retention | None = None
 
     @property
     def cap(self) -> int:
@@ -42,6 +44,7 @@ class NamespaceConfig:
                 "n_shards": self.n_shards,
                 "schema": None if self.schema is None else self.schema.to_dict(),
                 "created": self.created,
+                "retention": None if self.retention is None else self.retention.to_dict(),
             }
         )
 
@@ -49,7 +52,8 @@ class NamespaceConfig:
     def from_bytes(cls, data: bytes) -> NamespaceConfig:
         d = unpackb(data)
         schema = None if d["schema"] is None else Schema.from_dict(d["schema"])
-        return cls(d["capacity"], d["n_shards"], schema, d["created"])
+        retention = Retention.of(d.get("retention"))
+        return cls(d["capacity"], d["n_shards"], schema, d["created"], retention)
 
 
 class NamespaceAdmin:
@@ -79,11 +83,13 @@ class NamespaceAdmin:
         capacity: int = DEFAULT_CAPACITY,
         n_shards: int = 1,
         schema: Schema | None = None,
+        retention: Retention | None = None,
     ) -> NamespaceConfig:
-        """Create the namespace, or return it when it exists with the same capacity/shards."""
+        """Create the namespace, or return it when it exists with the same capacity/shards
+        (a ``retention`` given then replaces the stored one)."""
         if capacity < 1 or n_shards < 1:
             raise ValueError("capacity and n_shards must be >= 1")
-        cfg = NamespaceConfig(capacity, n_shards, schema, time.time())
+        cfg = NamespaceConfig(capacity, n_shards, schema, time.time(), retention)
         if not self.r.set(self.keys.config, cfg.to_bytes(), nx=True):
             cfg = self.config(refresh=True)
             if (cfg.capacity, cfg.n_shards) != (capacity, n_shards):
@@ -93,6 +99,9 @@ class NamespaceAdmin:
                 )
             if schema is not None:
                 self.ensure_schema(schema)
+            if retention is not None:
+                self.set_retention(retention)
+            cfg = self.config()
         self._config = cfg
         return self.config()
 
@@ -112,7 +121,7 @@ class NamespaceAdmin:
                     cfg = NamespaceConfig.from_bytes(raw)
                     new = schema if cfg.schema is None else cfg.schema.merged(schema)
                     if cfg.schema is None or new.tags != cfg.schema.tags:
-                        cfg = NamespaceConfig(cfg.capacity, cfg.n_shards, new, cfg.created)
+                        cfg = replace(cfg, schema=new)
                         pipe.multi()
                         pipe.set(self.keys.config, cfg.to_bytes())
                         pipe.execute()
@@ -120,6 +129,24 @@ class NamespaceAdmin:
                         pipe.unwatch()
                     self._config = cfg
                     return new
+                except redis.WatchError:
+                    continue
+
+    def set_retention(self, retention: Retention | None) -> NamespaceConfig:
+        """Store the retention policy (None: keep everything the ring keeps)."""
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(self.keys.config)
+                    raw = pipe.get(self.keys.config)
+                    if raw is None:
+                        raise NamespaceError(f"namespace {self.namespace!r} does not exist")
+                    cfg = replace(NamespaceConfig.from_bytes(raw), retention=retention)
+                    pipe.multi()
+                    pipe.set(self.keys.config, cfg.to_bytes())
+                    pipe.execute()
+                    self._config = cfg
+                    return cfg
                 except redis.WatchError:
                     continue
 

@@ -79,6 +79,7 @@ class Writer(NamespaceAdmin):
             keys=[
                 k.shard_key(shard, f"b:{batch_id}"), k.shard_key(shard, "seq"),
                 k.shard_key(shard, "log"), k.shard_key(shard, "alive"),
+                k.shard_key(shard, "evictions"),
             ],
             args=args,
         )  # fmt: skip

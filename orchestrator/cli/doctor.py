@@ -163,6 +163,7 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
     fixed = {
         "seq": "string",
         "evicted": "string",
+        "evictions": "hash",
         "links": "hash",
         "epname": "hash",
         "eplast": "hash",

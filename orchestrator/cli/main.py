@@ -38,12 +38,13 @@ from orchestrator.cli.doctor import CHECKS, Report, check_namespace
 from orchestrator.cli.namespaces import (
     NamespaceStats,
     UnreadableNamespace,
-    list_namespaces,
     memory_by_namespace,
     namespace_stats,
     scan_keys,
 )
+from orchestrator.cli.retention import retention_policy
 from orchestrator.cli.steplog import dead_letters, newest_ids, parse_ids, step_lines
+from orchestrator.maintenance.lifecycle import list_namespaces
 
 app = typer.Typer(
     name="claw",
@@ -305,6 +306,17 @@ def _print_details(console: Console, s: NamespaceStats) -> None:
     for name, kind in schema.tags.items():
         table.add_row(f"tags.{name}", "tag", kind)
     console.print(table)
+    policy = "none" if s.retention is None else s.retention.describe()
+    console.print(f"retention: {policy}", highlight=False)
+    evicted = ", ".join(f"{k} {v:,}" for k, v in s.evictions.items())
+    console.print(f"evicted so far: {evicted}", highlight=False)
+    cap = s.retention.max_steps if s.retention else None
+    if s.protected is not None and cap is not None and s.protected > cap:
+        err.print(
+            f"[yellow]warning:[/] {s.protected:,} protected steps alone exceed the cap of "
+            f"{cap:,}: loosen --protect or raise --max-steps",
+            highlight=False,
+        )
     for column, counts in (("task_id", s.by_task_id), ("agent_id", s.by_agent_id)):
         t = Table(title=f"steps per {column}")
         t.add_column(column)
@@ -423,6 +435,68 @@ def dead(
             f"{d.payload_bytes:,} B", d.reason,
         )  # fmt: skip
     console.print(table)
+
+
+@app.command()
+@_friendly
+def retention(
+    ctx: typer.Context,
+    namespace: str,
+    max_age: Annotated[
+        str | None, typer.Option(help="Evict steps committed longer ago, e.g. 12h, 7d")
+    ] = None,
+    max_steps: Annotated[
+        int | None, typer.Option(min=0, help="Soft step cap below capacity")
+    ] = None,
+    max_bytes: Annotated[
+        str | None, typer.Option(help="Redis memory budget of the namespace, e.g. 2GiB")
+    ] = None,
+    evict: Annotated[
+        str, typer.Option(help="Over a cap, evict lowest-priority or oldest first")
+    ] = "lowest-priority",
+    protect: Annotated[
+        list[str] | None,
+        typer.Option(help="A filter whose steps are never evicted (repeatable)"),
+    ] = None,
+    archive_before_evict: Annotated[
+        bool, typer.Option(help="Evict only steps that are archived already")
+    ] = False,
+    clear: Annotated[bool, typer.Option(help="Remove the policy")] = False,
+) -> None:
+    """Show or set a namespace's retention policy (run by claw.maintenance.evict).
+
+    Without options it prints the policy; with options the given ones replace it."""
+    with _redis(ctx) as (_, r):
+        store = Store(r, namespace)
+        cfg = store.config()
+        given = clear or any(
+            v is not None for v in (max_age, max_steps, max_bytes, protect)
+        ) or archive_before_evict or evict != "lowest-priority"  # fmt: skip
+        if given:
+            policy = None if clear else retention_policy(
+                max_age, max_steps, max_bytes, evict, protect or [], archive_before_evict,
+                cfg.schema.tags if cfg.schema else {},
+            )  # fmt: skip
+            cfg = store.set_retention(policy)
+    text = "none" if cfg.retention is None else cfg.retention.describe()
+    Console().print(f"retention of {namespace!r}: {text}", highlight=False)
+
+
+@app.command("evict")
+@_friendly
+def evict_steps(
+    ctx: typer.Context,
+    namespace: str,
+    ids: Annotated[str, typer.Option(help="Step ids, e.g. 1,2,3")],
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask")] = False,
+) -> None:
+    """Evict steps by id now (counted as 'manual')."""
+    wanted = parse_ids(ids)
+    if not yes:
+        typer.confirm(f"evict {len(wanted)} step(s) of {namespace!r}?", abort=True)
+    with _redis(ctx) as (_, r):
+        done = Store(r, namespace).evict(wanted, "manual")
+    Console().print(f"evicted {done} of {len(wanted)} step(s) (the others were gone already)")
 
 
 @app.command(

@@ -18,12 +18,12 @@ from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
 from orchestrator.cli.namespaces import (
     UnreadableNamespace,
-    list_namespaces,
     memory_by_namespace,
     namespace_stats,
 )
 from orchestrator.delivery import ratelimit
 from orchestrator.delivery.registry import Registry
+from orchestrator.maintenance.lifecycle import list_namespaces
 
 log = logging.getLogger(__name__)
 _TIMEOUT = 5.0
@@ -81,6 +81,10 @@ class ClawCollector(Collector):
         committed = CounterMetricFamily(
             "claw_steps_committed", "steps committed since the namespace was created", labels=ns
         )
+        evictions = CounterMetricFamily(
+            "claw_evictions", "steps evicted, by reason (ttl, cap, manual, ring)",
+            labels=[*ns, "reason"],
+        )
         readable = _gauge("claw_namespace_readable", "0 if the namespace does not decode", ns)
         rl = [*ns, "recipe"]
         prefetch = {
@@ -108,6 +112,8 @@ class ClawCollector(Collector):
             fams["memory"].add_metric([name], s.memory_bytes)
             fams["episodes"].add_metric([name], s.episodes)
             committed.add_metric([name], s.info["committed_total"])
+            for reason, n in s.evictions.items():
+                evictions.add_metric([name, reason], n)
             if s.reward_mean is not None and s.reward_std is not None:
                 fams["mean"].add_metric([name], s.reward_mean)
                 fams["std"].add_metric([name], s.reward_std)
@@ -116,7 +122,7 @@ class ClawCollector(Collector):
             for agent, n in s.by_agent_id.items():
                 fams["agent"].add_metric([name, agent or ""], n)
             self._prefetch_metrics(Registry(Store(self._r, name)), prefetch)
-        return [used, committed, readable, *fams.values(), *prefetch.values()]
+        return [used, committed, evictions, readable, *fams.values(), *prefetch.values()]
 
     def _prefetch_metrics(self, reg: Registry, fams: dict[str, Metric]) -> None:
         names = reg.names()

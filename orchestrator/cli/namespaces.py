@@ -12,6 +12,8 @@ import numpy as np
 import redis
 
 from claw_tasks.store import Store
+from claw_tasks.store.retention import Retention
+from orchestrator.maintenance.retention import protected_steps
 
 # claw:{<ns>}:<rest> (namespace level) or claw:{<ns>:<shard>}:<rest> (shard level)
 _KEY = re.compile(rb"^claw:\{([^{}:]+)(?::(\d+))?\}:(.*)$", re.S)
@@ -37,16 +39,6 @@ def parse_key(key: bytes) -> NamespaceKey | None:
 
 def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-def list_namespaces(r: redis.Redis) -> list[str]:
-    """Every namespace with a config key, sorted."""
-    found = set()
-    for key in r.scan_iter(match="claw:{*}:config", count=_SCAN_COUNT):
-        parsed = parse_key(key)
-        if parsed and parsed.shard is None and parsed.name == "config":
-            found.add(parsed.namespace)
-    return sorted(found)
 
 
 def scan_keys(r: redis.Redis, namespace: str | None = None) -> Iterator[NamespaceKey]:
@@ -91,6 +83,9 @@ class NamespaceStats:
     reward_std: float | None
     by_task_id: dict[str | None, int]
     by_agent_id: dict[str | None, int]
+    evictions: dict[str, int]  # by reason
+    retention: Retention | None
+    protected: int | None  # live steps the policy protects (None: no protect filters)
 
     @property
     def namespace(self) -> str:
@@ -113,6 +108,9 @@ class NamespaceStats:
             "reward": {"mean": self.reward_mean, "std": self.reward_std},
             "by_task_id": counts("task_id", self.by_task_id),
             "by_agent_id": counts("agent_id", self.by_agent_id),
+            "evictions": self.evictions,
+            "retention": None if self.retention is None else self.retention.to_dict(),
+            "protected": self.protected,
         }
 
 
@@ -157,4 +155,7 @@ def _namespace_stats(store: Store, memory_bytes: int) -> NamespaceStats:
         reward_std=float(reward.std()) if len(reward) else None,
         by_task_id=by["task_id"],
         by_agent_id=by["agent_id"],
+        evictions=store.evictions(),
+        retention=store.config().retention,
+        protected=protected_steps(store),
     )

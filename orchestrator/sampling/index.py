@@ -11,7 +11,8 @@ only source of truth: the index is built cold from the shards' ``m:<col>`` strin
   GETRANGE per column and chunk run, so an overwritten step's row is replaced whole;
   ``links`` (``next`` distances a commit set on older rows) are applied directly;
 - events with ``col``/``ids``/``values`` (``prio``, ``cur``): applied from the payload to
-  the rows that still hold those ids;
+  the rows that still hold those ids; ``evict`` events with ``ids`` (retention, manual
+  eviction) clear those rows' alive flags;
 - anything else, a log that lost entries the index had not applied yet (trimmed past it:
   the index counts the entries it applied against the log's ``entries-added``), or an
   error half-way through a sync: the index is rebuilt cold.
@@ -124,6 +125,8 @@ class SamplingIndex:
                     changed.append(self._links(shard, event.get(b"links", b"")))
                 elif {b"col", b"ids", b"values"} <= event.keys():
                     changed.append(self._set(shard, event))
+                elif event.get(b"op") == b"evict" and b"ids" in event:  # chosen steps
+                    changed.append(self._evicted(shard, event[b"ids"]))
                 else:
                     raise _Rebuild
         if inserted:
@@ -148,6 +151,14 @@ class SamplingIndex:
         held = self.columns["id"][rows] == ids
         rows = rows[held]
         self.columns[col][rows] = values[held]
+        return rows
+
+    def _evicted(self, shard: int, packed: bytes) -> np.ndarray:
+        """Steps evicted by id (retention, manual): their rows are no longer alive."""
+        ids = np.frombuffer(packed, "<i8")
+        rows = self._rows(shard, ids // self.n_shards)
+        rows = rows[self.columns["id"][rows] == ids]
+        self.columns["alive"][rows] = False
         return rows
 
     def _links(self, shard: int, links: bytes) -> np.ndarray:

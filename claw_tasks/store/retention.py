@@ -1,0 +1,135 @@
+"""A namespace's retention policy: what the ``claw.maintenance.evict`` task may remove.
+
+Stored in the namespace config (``Store.set_retention``, ``Ingestor(retention=...)``,
+``claw retention NS ...``). Every limit is optional; an empty policy evicts nothing (the
+ring still overwrites the oldest steps at capacity):
+
+- ``max_age``: seconds; steps committed longer ago are evicted (reason ``ttl``);
+- ``max_steps``: a soft cap below capacity; the excess goes, lowest priority first
+  (``evict: lowest-priority``, unset priorities count as the current maximum, as the
+  sampler draws them) or oldest first (``evict: oldest``) (reason ``cap``);
+- ``max_bytes``: Redis memory of the namespace's keys; turned into a step cap from the
+  measured bytes per step (reason ``cap``);
+- ``protect``: ``where`` mappings (the recipe language); a step matching any is never
+  evicted, but counts against the caps;
+- ``archive_before_evict``: only steps at or below a shard's archive watermark (the
+  highest archived seq in ``claw:{ns:<shard>}:archived``) may go.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ORDERS = ("lowest-priority", "oldest")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_BYTES = {
+    "": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
+    "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+class RetentionError(ValueError):
+    """A retention policy that cannot be applied; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class Retention:
+    max_age: float | None = None
+    max_steps: int | None = None
+    max_bytes: int | None = None
+    evict: str = "lowest-priority"
+    protect: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
+    archive_before_evict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_age is not None and not self.max_age > 0:
+            raise RetentionError(f"max_age must be > 0 seconds, got {self.max_age}")
+        for name in ("max_steps", "max_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise RetentionError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.evict not in ORDERS:
+            raise RetentionError(f"evict must be one of {ORDERS}, got {self.evict!r}")
+        for p in self.protect:
+            if not isinstance(p, Mapping) or not p:
+                raise RetentionError(f"protect: each filter is a non-empty where mapping: {p!r}")
+
+    @property
+    def empty(self) -> bool:
+        return self.max_age is None and self.max_steps is None and self.max_bytes is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_age": self.max_age, "max_steps": self.max_steps, "max_bytes": self.max_bytes,
+            "evict": self.evict, "protect": [dict(p) for p in self.protect],
+            "archive_before_evict": self.archive_before_evict,
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Retention:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise RetentionError(f"unknown retention setting(s) {sorted(unknown)}")
+        d = dict(d)
+        if isinstance(d.get("max_age"), str):
+            d["max_age"] = parse_duration(d["max_age"])
+        if isinstance(d.get("max_bytes"), str):
+            d["max_bytes"] = parse_bytes(d["max_bytes"])
+        protect = d.get("protect") or ()
+        d["protect"] = tuple([protect] if isinstance(protect, Mapping) else protect)
+        return cls(**d)
+
+    @classmethod
+    def of(cls, value: Retention | Mapping[str, Any] | None) -> Retention | None:
+        """A policy from itself, its dict form (durations and sizes may be strings), or None."""
+        if value is None or isinstance(value, Retention):
+            return value
+        if not isinstance(value, Mapping):
+            raise RetentionError(f"retention must be a mapping, got {type(value).__name__}")
+        return cls.from_dict(value)
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_age is not None:
+            parts.append(f"max age {format_duration(self.max_age)}")
+        if self.max_steps is not None:
+            parts.append(f"max {self.max_steps:,} steps ({self.evict} first)")
+        if self.max_bytes is not None:
+            parts.append(f"max {self.max_bytes / 2**20:,.1f} MiB")
+        if self.protect:
+            parts.append("protect " + " or ".join(str(dict(p)) for p in self.protect))
+        if self.archive_before_evict:
+            parts.append("archive before evict")
+        return ", ".join(parts) or "none"
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from ``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` (or a sum: ``1d12h``)."""
+    if isinstance(text, int | float):
+        return float(text)
+    s = text.strip().lower()
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", s)
+    if not s or re.sub(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", "", s).strip() or not parts:
+        raise RetentionError(f"duration {text!r}: use e.g. 90s, 15m, 12h, 7d, 2w")
+    return float(sum(float(v) * _UNITS[u or "s"] for v, u in parts))
+
+
+def format_duration(seconds: float) -> str:
+    for unit in ("d", "h", "m"):
+        if seconds >= _UNITS[unit] and seconds % _UNITS[unit] == 0:
+            return f"{int(seconds // _UNITS[unit])}{unit}"
+    return f"{seconds:g}s"
+
+
+def parse_bytes(text: str | int) -> int:
+    """Bytes from ``5000000``, ``500MB``, ``2GiB`` (decimal and binary units)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _BYTES:
+        raise RetentionError(f"size {text!r}: use e.g. 500MB, 2GiB or a number of bytes")
+    return int(float(m.group(1)) * _BYTES[m.group(2).lower()])
+

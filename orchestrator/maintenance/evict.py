@@ -1,0 +1,104 @@
+"""``claw.maintenance.evict``: apply every namespace's retention policy (beat, 30 s).
+
+Per namespace the worker keeps a sampling index (synced from the change log each tick) to
+choose the steps (:mod:`orchestrator.maintenance.retention`); the store evicts them in
+bounded script calls. A namespace that fails does not stop the others; the task then
+raises, so Flower shows it FAILED with the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.app import app
+from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.evict import PLAN_COLUMNS
+from claw_tasks.tasks import store_for
+from orchestrator.maintenance.lifecycle import list_namespaces, namespace_bytes
+from orchestrator.maintenance.retention import Choice, choose, watermarks
+from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.strings import Strings
+
+log = logging.getLogger(__name__)
+_indexes: dict[str, tuple[float, SamplingIndex, Strings]] = {}
+
+
+class MaintenanceError(RuntimeError):
+    """A maintenance pass failed for some namespaces (each named with its error)."""
+
+
+def forget(namespace: str) -> None:
+    """Drop this process's cached index of ``namespace`` (it was dropped or recreated)."""
+    _indexes.pop(namespace, None)
+
+
+def synced_index(store: Store) -> tuple[SamplingIndex, Strings]:
+    """This process's index of the namespace, synced; rebuilt if the namespace was
+    recreated since (its config's creation time changed)."""
+    created = store.config(refresh=True).created
+    cached = _indexes.get(store.namespace)
+    if cached is None or cached[0] != created or cached[1].store is not store:
+        index = SamplingIndex(store)
+        strings = Strings(store, index)
+        index.subscribe(strings.observe)
+        cached = _indexes[store.namespace] = (created, index, strings)
+    cached[1].sync()
+    return cached[1], cached[2]
+
+
+def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
+    """Apply the namespace's retention policy once; returns steps evicted by reason."""
+    retention = store.config(refresh=True).retention
+    if retention is None or retention.empty:
+        return {}
+    index, strings = synced_index(store)
+    now = time.time() if now is None else now
+    marks = watermarks(store) if retention.archive_before_evict else None
+    per_step = None
+    if retention.max_bytes is not None:
+        live = int(index.columns["alive"].sum())
+        per_step = namespace_bytes(store.r, store.namespace) / live if live else None
+    choice = choose(index, strings, retention, now, watermarks=marks, bytes_per_step=per_step)
+    return {**evict_rows(store, index, choice), "protected": choice.protected}
+
+
+def evict_rows(store: Store, index: SamplingIndex, choice: Choice) -> dict[str, int]:
+    """Evict the chosen rows reason by reason (the index synced in between, so each plan
+    sees the steps the previous one removed as gone)."""
+    cap, done = index.cap, {}
+    for reason, rows in choice.rows.items():
+        done[reason] = 0
+        for shard in np.unique(rows // cap).tolist():
+            view = {c: index.columns[c][shard * cap : (shard + 1) * cap] for c in PLAN_COLUMNS}
+            view["alive"] = index.columns["alive"][shard * cap : (shard + 1) * cap]
+            slots = rows[rows // cap == shard] % cap
+            done[reason] += store.evict_slots(shard, view, slots, reason)
+        index.sync()
+    return done
+
+
+@app.task(name="claw.maintenance.evict", acks_late=False, ignore_result=True)
+def evict() -> dict[str, Any]:
+    """Apply every namespace's retention policy; raise (FAILED in Flower) if any failed."""
+    r = store_for("_").r  # any namespace: only its client is used here
+    done, failed = {}, {}
+    for ns in list_namespaces(r):
+        try:
+            counts = evict_namespace(store_for(ns))
+        except NamespaceError:  # dropped meanwhile
+            forget(ns)
+            continue
+        except Exception as e:
+            log.exception("eviction in %s failed", ns)
+            failed[ns] = f"{type(e).__name__}: {e}"
+            forget(ns)  # start cold next time
+            continue
+        if any(v for k, v in counts.items() if k != "protected"):
+            done[ns] = counts
+    if failed:
+        raise MaintenanceError(f"eviction failed in {len(failed)} namespace(s): {failed}")
+    return done

@@ -1,0 +1,245 @@
+"""Retention and eviction on a real Redis: TTL and cap choose exactly the steps they should,
+protected steps stay, transitions stay whole, every reader agrees, counters are exact."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from stepdata import batch, episode, interleave
+
+from claw_tasks.store import Store
+from claw_tasks.store.retention import Retention, RetentionError, parse_bytes, parse_duration
+from orchestrator import Recipe, sample
+from orchestrator.cli.doctor import check_namespace
+from orchestrator.maintenance.evict import evict_namespace, forget
+from orchestrator.sampling.index import SamplingIndex
+
+T0 = 1_000_000.0
+
+
+@pytest.fixture
+def store(redis_url: str, namespace: str) -> Store:
+    st = Store(redis_url, namespace)
+    st.create(capacity=2000, n_shards=2)
+    yield st
+    forget(namespace)
+
+
+def live(store: Store) -> dict[int, dict]:
+    """Live steps by id: timestamp, priority, episode code (every shard)."""
+    out = {}
+    for shard in range(store.config().n_shards):
+        cols = store.meta_columns(shard, ["id", "timestamp", "priority", "episode"])
+        for slot in np.flatnonzero(cols["alive"]).tolist():
+            out[int(cols["id"][slot])] = {k: cols[k][slot] for k in cols if k != "alive"}
+    return out
+
+
+def assert_clean(store: Store) -> None:
+    report = check_namespace(store.r, store.namespace)
+    assert report.ok, report.problems
+
+
+def test_policy_round_trips_and_names_bad_settings(store):
+    ret = Retention.of({
+        "max_age": "7d", "max_steps": 10, "max_bytes": "2GiB",
+        "protect": {"quality": "golden"}, "archive_before_evict": True,
+    })  # fmt: skip
+    assert ret.max_age == 7 * 86400 and ret.max_bytes == 2 * 2**30
+    store.set_retention(ret)
+    assert Store(store.r, store.namespace).config().retention == ret
+    assert parse_duration("1d12h") == 36 * 3600 and parse_bytes("500MB") == 500_000_000
+    with pytest.raises(RetentionError, match="evict must be one of"):
+        Retention(evict="random")
+    with pytest.raises(RetentionError, match="duration '7 days'"):
+        parse_duration("7 days")
+    with pytest.raises(RetentionError, match="unknown retention setting"):
+        Retention.of({"ttl": 5})
+
+
+def test_ttl_evicts_exactly_the_steps_older_than_the_limit(store):
+    # Three commits an hour apart; ep 1 spans the first two (links across the boundary).
+    store.commit(batch(interleave(episode(1, 30), episode(2, 20, "terminated"))), now=T0)
+    store.commit(batch(episode(1, 50, "terminated", first=30) + episode(3, 10)), now=T0 + 3600)
+    store.commit(batch(episode(4, 25, "truncated")), now=T0 + 7200)
+    before = live(store)
+    store.set_retention(Retention(max_age=5400))  # 1.5 h at T0 + 2 h: the first commit goes
+    counts = evict_namespace(store, now=T0 + 7200)
+    after = live(store)
+    old = {i for i, s in before.items() if s["timestamp"] < T0 + 1800}
+    assert len(old) == 50 and counts["ttl"] == 50
+    assert set(after) == set(before) - old
+    assert store.evictions()["ttl"] == 50
+    with pytest.raises(KeyError, match="evicted"):
+        store.get(sorted(old)[:1])
+    # Episode 2 is gone entirely: its name goes too; episode 1 keeps its name.
+    assert store.episode("ep1")["step_index"].tolist() == list(range(30, 50))
+    with pytest.raises(KeyError):
+        store.episode("ep2")
+    assert evict_namespace(store, now=T0 + 7200)["ttl"] == 0  # nothing left to do
+    assert_clean(store)
+
+
+def test_cap_evicts_lowest_priority_unprotected_first(store):
+    steps = interleave(*(episode(e, 20) for e in range(10)))
+    store.commit(batch(steps), now=T0)
+    ids = np.array(sorted(live(store)))
+    rng = np.random.default_rng(3)
+    prios = rng.permutation(len(ids)).astype(np.float32) + 1
+    store.update_priorities(ids, prios)
+    golden = ids[np.argsort(prios)[:15]]  # the 15 lowest are protected
+    store.curate(golden, quality="golden")
+    store.set_retention(Retention(max_steps=120, protect=({"quality": "golden"},)))
+    counts = evict_namespace(store, now=T0)
+    assert counts["cap"] == 80
+    kept = set(live(store))
+    by_prio = ids[np.argsort(prios)]
+    unprotected = [i for i in by_prio.tolist() if i not in set(golden.tolist())]
+    assert kept == set(golden.tolist()) | set(unprotected[80:])
+    assert store.evictions() == {"ttl": 0, "cap": 80, "manual": 0, "ring": 0}
+    # Protected steps alone over the cap: they stay, everything else goes.
+    store.set_retention(Retention(max_steps=5, protect=({"quality": "golden"},)))
+    counts = evict_namespace(store, now=T0)
+    assert counts == {"cap": 105, "protected": 15}
+    assert set(live(store)) == set(golden.tolist())
+    assert_clean(store)
+
+
+def test_oldest_first_and_evicted_successor_keeps_the_transition_whole(store):
+    store.commit(batch(episode(1, 10)), now=T0)
+    store.commit(batch(episode(1, 20, "terminated", first=10)), now=T0 + 10)
+    whole = store.episode("ep1")
+    ix = SamplingIndex(store)
+    ix.sync()
+    # Manual eviction of a middle step: its predecessor keeps next_obs (copied explicit).
+    mid = whole["id"][whole["step_index"] == 10]
+    assert store.evict(mid) == 1 and store.evict(mid) == 0
+    got = store.get(whole["id"][whole["step_index"] == 9])
+    np.testing.assert_array_equal(got["next_obs"][0], whole["obs"][whole["step_index"] == 10][0])
+    assert got["has_next_obs"][0]
+    recipe = Recipe.model_validate({
+        "name": "r", "batch_size": 64, "fields": ["obs", "next_obs"],
+        "sources": [{"name": "all", "where": {"step_index": 9}}],
+    })  # fmt: skip
+    drawn = sample(store, recipe, rng=np.random.default_rng(0))
+    np.testing.assert_array_equal(drawn["next_obs"][:, 1], np.full(64, 10))
+    store.set_retention(Retention(max_steps=12, evict="oldest"))
+    assert evict_namespace(store, now=T0 + 10)["cap"] == 7
+    left = store.episode("ep1")["step_index"].tolist()
+    assert left == [7, 8, 9, *range(11, 20)]  # the 7 oldest went; step 10 went before
+    assert store.evictions()["manual"] == 1 and store.evictions()["cap"] == 7
+    ix.sync()  # the index followed the evictions and the re-linked predecessor
+    cold = SamplingIndex(store)
+    cold.sync()
+    for name, col in cold.columns.items():
+        np.testing.assert_array_equal(ix.columns[name], col, err_msg=name)
+    assert_clean(store)
+
+
+def test_ring_overwrites_are_counted(redis_url, namespace):
+    st = Store(redis_url, namespace)
+    st.create(capacity=100)
+    st.commit(batch(episode(1, 60)))
+    st.evict(sorted(live(st))[:5])
+    st.commit(batch(episode(2, 60)))  # 20 slots come round; 5 of them were evicted already
+    assert st.evictions() == {"ttl": 0, "cap": 0, "manual": 5, "ring": 15}
+    assert_clean(st)
+
+
+def test_a_sampler_never_gets_an_evicted_step(store):
+    """One thread evicts (random victims, ring wraps from fresh commits) while another
+    samples; every batch is checked against the steps evicted before it was drawn."""
+    store.commit(batch(interleave(*(episode(e, 40) for e in range(20)))), now=T0)
+    recipe = Recipe.model_validate({
+        "name": "race", "batch_size": 128, "fields": ["obs", "next_obs"],
+        "sources": [{"name": "all"}],
+    })  # fmt: skip
+    evicted: list[int] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def evictor() -> None:
+        rng = np.random.default_rng(1)
+        try:
+            for rnd in range(60):
+                ids = np.array(sorted(live(store)))
+                victims = rng.choice(ids, size=min(len(ids), 15), replace=False)
+                store.evict(victims)
+                with lock:
+                    evicted.extend(victims.tolist())
+                if rnd % 10 == 9:  # fresh steps keep the sampler supplied
+                    store.commit(batch(episode(100 + rnd, 120)), now=T0)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            stop.set()
+
+    thread = threading.Thread(target=evictor)
+    thread.start()
+    rng, rounds = np.random.default_rng(2), 0
+    while not stop.is_set() or rounds < 5:
+        with lock:
+            gone = set(evicted)
+        drawn = sample(store, recipe, rng=rng)
+        assert not gone & set(drawn.ids.tolist())
+        rounds += 1
+    thread.join()
+    assert not errors, errors
+    assert rounds >= 5
+    assert store.evictions()["manual"] == len(set(evicted))
+    assert_clean(store)
+
+
+def test_cli_sets_policy_stats_metrics_and_manual_eviction(store, redis_url):
+    from prometheus_client import generate_latest
+    from typer.testing import CliRunner
+
+    from orchestrator.cli.main import app
+    from orchestrator.cli.metrics import registry_for
+
+    store.commit(batch(episode(1, 30, task_id="a")), now=T0)
+    ns, env = store.namespace, {"CLAW_REDIS_URL": redis_url, "COLUMNS": "250"}
+
+    def claw(*args: str, code: int = 0) -> str:
+        result = CliRunner().invoke(app, list(args), env=env)
+        assert result.exit_code == code, result.output
+        return result.output
+
+    out = claw("retention", ns, "--max-age", "7d", "--max-steps", "5", "--evict", "oldest",
+               "--protect", "{task_id: a}", "--archive-before-evict")  # fmt: skip
+    assert "max age 7d" in out and "max 5 steps (oldest first)" in out and "archive" in out
+    ret = Store(redis_url, ns).config().retention
+    assert ret.max_age == 7 * 86400 and ret.protect == ({"task_id": "a"},)
+    assert "nope" in claw("retention", ns, "--protect", "{nope: 1}", code=1)
+    out = claw("stats", "--namespace", ns)
+    assert "retention: max age 7d" in out and "30 protected steps alone exceed" in out
+    ids = sorted(live(store))[:3]
+    assert "evicted 3 of 3" in claw("evict", ns, "--ids", ",".join(map(str, ids)), "--yes")
+    stats = __import__("json").loads(claw("stats", "--namespace", ns, "--json"))
+    (s,) = stats["namespaces"]
+    assert s["evictions"]["manual"] == 3 and s["steps"] == 27 and s["protected"] == 27
+    metrics = generate_latest(registry_for(redis_url, redis_url)).decode()
+    assert f'claw_evictions_total{{namespace="{ns}",reason="manual"}} 3.0' in metrics
+    assert "retention of" in claw("retention", ns, "--clear")
+    assert Store(redis_url, ns).config().retention is None
+
+
+def test_the_evict_task_on_a_real_worker(store, start_worker, redis_url):
+    from claw_tasks.app import client_app
+
+    store.commit(batch(episode(1, 40)), now=T0)
+    store.commit(batch(episode(2, 40)))  # now
+    store.set_retention(Retention(max_age=3600))
+    start_worker("maintenance")
+    client_app(redis_url).send_task("claw.maintenance.evict", queue="maintenance")
+    deadline = time.monotonic() + 60
+    while store.evictions()["ttl"] < 40:
+        assert time.monotonic() < deadline, "the worker did not evict"
+        time.sleep(0.1)
+    assert store.evictions()["ttl"] == 40
+    assert sorted(store.get(sorted(live(store)), fields=[])["step_index"]) == list(range(40))
+    assert_clean(store)
