@@ -83,6 +83,22 @@ def test_ttl_evicts_exactly_the_steps_older_than_the_limit(store):
     assert_clean(store)
 
 
+def test_archive_before_evict_keeps_steps_above_the_watermark(store):
+    store.commit(batch(interleave(episode(1, 30), episode(2, 30))), now=T0)
+    store.set_retention(Retention(max_age=60, archive_before_evict=True))
+    assert evict_namespace(store, now=T0 + 3600)["ttl"] == 0  # nothing archived yet
+    marks = {}
+    for shard in range(2):
+        ids = sorted(i for i in live(store) if i % 2 == shard)
+        marks[shard] = ids[len(ids) // 2] // 2 if ids else 0  # half of each shard archived
+        store.r.set(store.keys.archived(shard), marks[shard])
+    before = set(live(store))
+    evicted = evict_namespace(store, now=T0 + 3600)["ttl"]
+    gone = before - set(live(store))
+    assert gone == {i for i in before if i // 2 <= marks[i % 2]} and evicted == len(gone) > 0
+    assert_clean(store)
+
+
 def test_cap_evicts_lowest_priority_unprotected_first(store):
     steps = interleave(*(episode(e, 20) for e in range(10)))
     store.commit(batch(steps), now=T0)

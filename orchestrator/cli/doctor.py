@@ -164,6 +164,7 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
         "seq": "string",
         "evicted": "string",
         "evictions": "hash",
+        "archived": "string",
         "links": "hash",
         "epname": "hash",
         "eplast": "hash",

@@ -92,7 +92,7 @@ def choose(
 def watermarks(store: Store) -> list[int | None]:
     """Per shard, the highest archived seq (``claw:{ns:<shard>}:archived``), None if none."""
     n = store.config().n_shards
-    raw = store.r.mget([store.keys.shard_key(s, "archived") for s in range(n)])
+    raw = store.r.mget([store.keys.archived(s) for s in range(n)])
     return [None if v is None else int(v) for v in raw]
 
 

@@ -1,0 +1,98 @@
+"""Priority recomputation: built-in rules exactly, a trainer's writes win over a pass, and
+a custom scorer run by a real worker changes the sampling distribution as predicted."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from stepdata import batch, episode, interleave
+
+from claw_tasks.app import client_app
+from claw_tasks.store import Store
+from orchestrator import Recipe, sample
+from orchestrator.cli.doctor import check_namespace
+from orchestrator.maintenance.lifecycle import forget
+from orchestrator.maintenance.priorities import Recompute, Rules, RulesError
+
+T0 = 1_000_000.0
+
+
+@pytest.fixture
+def store(redis_url: str, namespace: str) -> Store:
+    st = Store(redis_url, namespace)
+    st.create(capacity=40_000, n_shards=2)  # two metadata chunks per shard
+    yield st
+    forget(namespace)
+
+
+def prio(store: Store, ids: np.ndarray) -> np.ndarray:
+    return store.get(ids, fields=[])["priority"]
+
+
+def test_builtin_rules(store):
+    store.commit(batch(episode(1, 10)), now=T0)
+    store.commit(batch(episode(2, 10)), now=T0 + 3600)
+    a = store.episode("ep1", fields=[])["id"]
+    b = store.episode("ep2", fields=[])["id"]
+    store.update_priorities(a, np.full(10, 8.0))  # ep2 stays unset (never sampled)
+    rules = Rules.of({"half_life": "1h", "unsampled_boost": 2.0, "clamp": [0.5, 3.0]})
+    assert Recompute(store, rules).run(now=T0 + 7200)["finished"]
+    np.testing.assert_allclose(prio(store, a), 2.0)  # 8 decayed over two half-lives
+    np.testing.assert_allclose(prio(store, b), 3.0)  # 2 * 8 boosted, then clamped
+    # The next pass decays from the previous one only (no compounding): one half-life.
+    Recompute(store, rules).run(now=T0 + 7200 + 3600)
+    np.testing.assert_allclose(prio(store, a), 1.0)
+    np.testing.assert_allclose(prio(store, b), 1.5)
+    Recompute(store, Rules.of({"normalize": True})).run(now=T0 + 10_800)
+    np.testing.assert_allclose(prio(store, np.concatenate([a, b])).mean(), 1.0, rtol=1e-6)
+    assert check_namespace(store.r, store.namespace).ok
+    with pytest.raises(RulesError, match="not allowed on this worker"):
+        Recompute(store, Rules.of({"scorer": "os:system"}), allowed=())
+
+
+def test_a_trainer_write_after_the_pass_started_wins(store):
+    steps = interleave(*(episode(e, 30) for e in range(8)))
+    store.commit(batch(steps), now=T0)
+    ids = np.concatenate([store.episode(f"ep{e}", fields=[])["id"] for e in range(8)])
+    store.update_priorities(ids, np.full(len(ids), 4.0))
+    rules = Rules.of({"half_life": 10.0})
+    job = Recompute(store, rules)
+    assert not job.run(max_chunks=1, now=T0 + 10)["finished"]  # shard 0, chunk 0 only
+    shard1 = ids[ids % 2 == 1]
+    trainer = shard1[: len(shard1) // 2]
+    store.update_priorities(trainer, np.full(len(trainer), 7.0))
+    assert Recompute(store, rules).run(now=T0 + 10)["finished"]  # resumed from the cursor
+    np.testing.assert_allclose(prio(store, trainer), 7.0)
+    others = np.setdiff1d(ids, trainer)
+    np.testing.assert_allclose(prio(store, others), 2.0)
+    assert check_namespace(store.r, store.namespace).ok  # snapshots gone
+
+
+def test_a_custom_scorer_changes_the_sampling_distribution(store, start_worker, redis_url):
+    n_eps = 40
+    store.commit(batch(interleave(*(episode(e, 25) for e in range(n_eps)))))
+    store.set_priority_rules({"scorer": "scorers:by_obs", "fields": ["obs"],
+                              "params": {"high": 9.0}})  # fmt: skip
+    start_worker("maintenance", CLAW_SCORERS="scorers:by_obs",
+                 PYTHONPATH=f"{ROOT / 'tests'}:{ROOT}")  # fmt: skip
+    client_app(redis_url).send_task("claw.maintenance.priorities", queue="maintenance")
+    deadline = time.monotonic() + 60
+    while not store.r.hexists(store.keys.base + "prio", "last"):
+        assert time.monotonic() < deadline, "the pass did not finish"
+        time.sleep(0.1)
+    recipe = Recipe.model_validate({
+        "name": "p", "batch_size": 500, "fields": ["obs"],
+        "sources": [{"name": "all", "sampler": {"kind": "priority", "alpha": 1.0}}],
+    })  # fmt: skip
+    rng = np.random.default_rng(7)
+    odd = draws = 0
+    for _ in range(20):
+        obs = sample(store, recipe, rng=rng)["obs"]
+        odd += int((obs[:, 0] % 2 == 1).sum())
+        draws += len(obs)
+    p = 9.0 / (9.0 + 1.0)  # half the steps score 9, half 1; alpha 1: proportional
+    sd = np.sqrt(p * (1 - p) / draws)
+    assert abs(odd / draws - p) < 5 * sd  # uniform would give 0.5
