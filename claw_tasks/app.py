@@ -16,6 +16,7 @@ TASK_MODULES = [
     "orchestrator.delivery.prefetch",
     "orchestrator.maintenance.refill",
     "orchestrator.maintenance.evict",
+    "orchestrator.maintenance.priorities",
 ]
 
 

@@ -358,6 +358,7 @@ class Ingestor:
         if sum(v.nbytes for v in fixed.values()) <= self.claim_check_bytes:
             self._publish_batch(batch)
             return
+        self.store.revalidate()  # never write in place into a dropped namespace
         self.schema = self.store.ensure_schema(batch.schema())
         for shard, part in self._by_shard(batch):
             row_bytes = {k: self.schema.fields[k].row_bytes for k in fixed}

@@ -22,6 +22,9 @@ class Settings:
     namespace: str
     visibility_timeout: int
     stage_ttl: int
+    scorers: tuple[str, ...] = ()
+    """Priority scorers (``module:function``) namespaces may name (``CLAW_SCORERS``,
+    comma-separated): whoever configures a namespace must not pick code for workers."""
 
 
 def load_settings() -> Settings:
@@ -34,6 +37,7 @@ def load_settings() -> Settings:
         visibility_timeout=visibility,
         # A claim-check payload must outlive every redelivery of its message.
         stage_ttl=int(os.environ.get("CLAW_STAGE_TTL", str(max(86400, 4 * visibility)))),
+        scorers=tuple(filter(None, map(str.strip, os.environ.get("CLAW_SCORERS", "").split(",")))),
     )
 
 

@@ -14,7 +14,8 @@ from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention, RetentionError, parse_bytes, parse_duration
 from orchestrator import Recipe, sample
 from orchestrator.cli.doctor import check_namespace
-from orchestrator.maintenance.evict import evict_namespace, forget
+from orchestrator.maintenance.evict import evict_namespace
+from orchestrator.maintenance.lifecycle import forget
 from orchestrator.sampling.index import SamplingIndex
 
 T0 = 1_000_000.0

@@ -2,7 +2,7 @@
 namespace admin, string dictionaries, reads, counting, updates, eviction and writes."""
 
 from claw_tasks.store.commit import CommitResult
-from claw_tasks.store.config import NamespaceConfig, NamespaceError
+from claw_tasks.store.config import NamespaceConfig, NamespaceDropped, NamespaceError
 from claw_tasks.store.count import Counting
 from claw_tasks.store.evict import Eviction
 from claw_tasks.store.reader import decode_meta
@@ -14,4 +14,7 @@ class Store(Eviction, Updates, Counting, Writer):
     """One namespace of the step store. Cheap to construct; safe to share in a process."""
 
 
-__all__ = ["CommitResult", "NamespaceConfig", "NamespaceError", "Store", "decode_meta"]
+__all__ = [
+    "CommitResult", "NamespaceConfig", "NamespaceDropped", "NamespaceError", "Store",
+    "decode_meta",
+]  # fmt: skip

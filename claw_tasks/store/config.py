@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import redis
 
@@ -20,8 +21,21 @@ LOG_MAXLEN = 100_000
 DEFAULT_CAPACITY = 1_000_000
 
 
+DROPPED_TTL = 86400
+
+
 class NamespaceError(LookupError):
     """The namespace does not exist or is configured differently."""
+
+
+class NamespaceDropped(NamespaceError):
+    """The namespace was dropped (``claw drop``): nothing is written to it until it is
+    created again explicitly (``Store.create``, a new ``Ingestor``)."""
+
+
+def dropped_key(namespace: str) -> str:
+    """The tombstone ``claw drop`` leaves for a day; outside the namespace's keys."""
+    return f"claw:dropped:{namespace}"
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,7 @@ class NamespaceConfig:
     schema: Schema | None
     created: float
     retention: Retention | None = None
+    priorities: dict[str, Any] | None = None  # recomputation rules (orchestrator.maintenance)
 
     @property
     def cap(self) -> int:
@@ -45,6 +60,7 @@ class NamespaceConfig:
                 "schema": None if self.schema is None else self.schema.to_dict(),
                 "created": self.created,
                 "retention": None if self.retention is None else self.retention.to_dict(),
+                "priorities": self.priorities,
             }
         )
 
@@ -53,7 +69,8 @@ class NamespaceConfig:
         d = unpackb(data)
         schema = None if d["schema"] is None else Schema.from_dict(d["schema"])
         retention = Retention.of(d.get("retention"))
-        return cls(d["capacity"], d["n_shards"], schema, d["created"], retention)
+        priorities = d.get("priorities")
+        return cls(d["capacity"], d["n_shards"], schema, d["created"], retention, priorities)
 
 
 class NamespaceAdmin:
@@ -75,6 +92,22 @@ class NamespaceAdmin:
             self._config = NamespaceConfig.from_bytes(raw)
         return self._config
 
+    def revalidate(self) -> None:
+        """One round trip before writing with a cached config: raise NamespaceDropped if
+        the namespace was dropped; re-read the config if it changed (recreated, new tags
+        or retention), so a long-lived worker never writes with a stale one."""
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.exists(dropped_key(self.namespace))
+            pipe.get(self.keys.config)
+            dropped, raw = pipe.execute()
+        if dropped:
+            raise NamespaceDropped(
+                f"namespace {self.namespace!r} was dropped; create it again (a new Ingestor "
+                "or Store.create) to write to it"
+            )
+        if raw is not None and (self._config is None or raw != self._config.to_bytes()):
+            self._config = NamespaceConfig.from_bytes(raw)
+
     def exists(self) -> bool:
         return bool(self.r.exists(self.keys.config))
 
@@ -90,6 +123,7 @@ class NamespaceAdmin:
         if capacity < 1 or n_shards < 1:
             raise ValueError("capacity and n_shards must be >= 1")
         cfg = NamespaceConfig(capacity, n_shards, schema, time.time(), retention)
+        self.r.delete(dropped_key(self.namespace))  # created again on purpose
         if not self.r.set(self.keys.config, cfg.to_bytes(), nx=True):
             cfg = self.config(refresh=True)
             if (cfg.capacity, cfg.n_shards) != (capacity, n_shards):
@@ -134,6 +168,14 @@ class NamespaceAdmin:
 
     def set_retention(self, retention: Retention | None) -> NamespaceConfig:
         """Store the retention policy (None: keep everything the ring keeps)."""
+        return self._set_config(retention=retention)
+
+    def set_priority_rules(self, rules: dict[str, Any] | None) -> NamespaceConfig:
+        """Store the priority recomputation rules (checked by the orchestrator's
+        ``maintenance.priorities.Rules``; None: no recomputation)."""
+        return self._set_config(priorities=rules)
+
+    def _set_config(self, **changes: Any) -> NamespaceConfig:
         with self.r.pipeline() as pipe:
             while True:
                 try:
@@ -141,7 +183,7 @@ class NamespaceAdmin:
                     raw = pipe.get(self.keys.config)
                     if raw is None:
                         raise NamespaceError(f"namespace {self.namespace!r} does not exist")
-                    cfg = replace(NamespaceConfig.from_bytes(raw), retention=retention)
+                    cfg = replace(NamespaceConfig.from_bytes(raw), **changes)
                     pipe.multi()
                     pipe.set(self.keys.config, cfg.to_bytes())
                     pipe.execute()

@@ -26,7 +26,9 @@ class Writer(NamespaceAdmin):
         """Commit a validated batch: one atomic, idempotent Lua commit per shard part.
 
         A batch with ``Placed`` fields (written in place after ``allocate``) lies in one
-        shard; its ``dead_rows`` (rejected) are committed but never made alive."""
+        shard; its ``dead_rows`` (rejected) are committed but never made alive. A dropped
+        namespace raises NamespaceDropped (it is not created again implicitly)."""
+        self.revalidate()
         try:
             schema = self.ensure_schema(batch.schema())  # no round trip once cached
         except NamespaceError:

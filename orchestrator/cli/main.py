@@ -18,6 +18,7 @@ import click
 import redis
 import typer
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from claw_tasks.app import QUEUES
@@ -44,7 +45,7 @@ from orchestrator.cli.namespaces import (
 )
 from orchestrator.cli.retention import retention_policy
 from orchestrator.cli.steplog import dead_letters, newest_ids, parse_ids, step_lines
-from orchestrator.maintenance.lifecycle import list_namespaces
+from orchestrator.maintenance.lifecycle import drop_namespace, list_namespaces, namespace_keys
 
 app = typer.Typer(
     name="claw",
@@ -497,6 +498,33 @@ def evict_steps(
     with _redis(ctx) as (_, r):
         done = Store(r, namespace).evict(wanted, "manual")
     Console().print(f"evicted {done} of {len(wanted)} step(s) (the others were gone already)")
+
+
+@app.command()
+@_friendly
+def drop(
+    ctx: typer.Context,
+    namespace: str,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask")] = False,
+) -> None:
+    """Delete a namespace: every step, recipe, queue and counter, in bounded chunks.
+
+    Running workers stop writing to it at once (they check before every commit) and do
+    not create it again; a new Ingestor or `Store.create` does."""
+    with _redis(ctx) as (url, r):
+        if not any(True for _ in namespace_keys(r, namespace)):
+            raise NamespaceError(f"namespace {namespace!r} has no keys at {url}")
+        if not yes:
+            typer.confirm(
+                f"drop namespace {namespace!r} at {url}? This cannot be undone", abort=True
+            )
+        with Progress(
+            SpinnerColumn(), TextColumn("dropping {task.description}"),
+            TextColumn("{task.completed:,} keys"), TimeElapsedColumn(), console=err,
+        ) as progress:  # fmt: skip
+            task = progress.add_task(namespace, total=None)
+            deleted = drop_namespace(r, namespace, lambda n: progress.advance(task, n))
+    Console().print(f"dropped {namespace!r}: {deleted:,} keys deleted")
 
 
 @app.command(

@@ -18,36 +18,20 @@ from claw_tasks.app import app
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.evict import PLAN_COLUMNS
 from claw_tasks.tasks import store_for
-from orchestrator.maintenance.lifecycle import list_namespaces, namespace_bytes
+from orchestrator.maintenance.lifecycle import (
+    forget,
+    list_namespaces,
+    namespace_bytes,
+    synced_index,
+)
 from orchestrator.maintenance.retention import Choice, choose, watermarks
 from orchestrator.sampling.index import SamplingIndex
-from orchestrator.sampling.strings import Strings
 
 log = logging.getLogger(__name__)
-_indexes: dict[str, tuple[float, SamplingIndex, Strings]] = {}
 
 
 class MaintenanceError(RuntimeError):
     """A maintenance pass failed for some namespaces (each named with its error)."""
-
-
-def forget(namespace: str) -> None:
-    """Drop this process's cached index of ``namespace`` (it was dropped or recreated)."""
-    _indexes.pop(namespace, None)
-
-
-def synced_index(store: Store) -> tuple[SamplingIndex, Strings]:
-    """This process's index of the namespace, synced; rebuilt if the namespace was
-    recreated since (its config's creation time changed)."""
-    created = store.config(refresh=True).created
-    cached = _indexes.get(store.namespace)
-    if cached is None or cached[0] != created or cached[1].store is not store:
-        index = SamplingIndex(store)
-        strings = Strings(store, index)
-        index.subscribe(strings.observe)
-        cached = _indexes[store.namespace] = (created, index, strings)
-    cached[1].sync()
-    return cached[1], cached[2]
 
 
 def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:

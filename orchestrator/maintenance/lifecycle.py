@@ -1,12 +1,24 @@
-"""Namespaces as a whole: which exist, the memory they use, and dropping one."""
+"""Namespaces as a whole: which exist, the memory they use, dropping one, and the
+sampling indexes the maintenance tasks keep per namespace in each worker process."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import redis
 
+from claw_tasks.store import Store
+from claw_tasks.store.config import DROPPED_TTL, dropped_key
+from orchestrator.delivery.registry import ACTIVE
+from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.strings import Strings
+
 SCAN_COUNT = 1000
+DROP_BATCH = 500
+"""Keys per UNLINK: the values are freed in the background, so each call stays short."""
+DROP_SWEEPS = 3
+_indexes: dict[str, tuple[float, SamplingIndex, Strings]] = {}
 
 
 def list_namespaces(r: redis.Redis) -> list[str]:
@@ -45,3 +57,59 @@ def namespace_bytes(r: redis.Redis, namespace: str) -> int:
         if len(batch) >= SCAN_COUNT:
             total += flush()
     return total + (flush() if batch else 0)
+
+
+def forget(namespace: str) -> None:
+    """Drop this process's cached index of ``namespace`` (it was dropped or recreated)."""
+    _indexes.pop(namespace, None)
+
+
+def synced_index(store: Store) -> tuple[SamplingIndex, Strings]:
+    """This process's index of the namespace, synced; rebuilt if the namespace was
+    recreated since (its config's creation time changed)."""
+    created = store.config(refresh=True).created
+    cached = _indexes.get(store.namespace)
+    if cached is None or cached[0] != created or cached[1].store is not store:
+        index = SamplingIndex(store)
+        strings = Strings(store, index)
+        index.subscribe(strings.observe)
+        cached = _indexes[store.namespace] = (created, index, strings)
+    cached[1].sync()
+    return cached[1], cached[2]
+
+
+def drop_namespace(
+    r: redis.Redis, namespace: str, progress: Callable[[int], None] | None = None
+) -> int:
+    """Delete every key of ``namespace`` in bounded UNLINK batches; returns how many.
+
+    A tombstone (``claw:dropped:<ns>``, a day) goes first: workers check it before every
+    commit (``Store.revalidate``), so none writes to the namespace again (nor recreates
+    it implicitly) and their cached configs are not reused. The config goes next, then
+    the rest, swept again until a sweep finds nothing (a commit that passed its check
+    just before the tombstone may land during the first sweep)."""
+    r.set(dropped_key(namespace), repr(time.time()), ex=DROPPED_TTL)
+    r.srem(ACTIVE, namespace)
+    deleted = r.unlink(Store(r, namespace).keys.config)
+    for sweep in range(DROP_SWEEPS):
+        found = 0
+        batch: list[bytes] = []
+        for key in namespace_keys(r, namespace):
+            batch.append(key)
+            if len(batch) >= DROP_BATCH:
+                found += _unlink(r, batch, progress)
+        found += _unlink(r, batch, progress) if batch else 0
+        deleted += found
+        if not found and sweep:
+            break
+        time.sleep(0.2 * (sweep + 1))
+    forget(namespace)
+    return deleted
+
+
+def _unlink(r: redis.Redis, batch: list[bytes], progress: Callable[[int], None] | None) -> int:
+    n = int(r.unlink(*batch))
+    if progress is not None:
+        progress(len(batch))
+    batch.clear()
+    return n
