@@ -583,3 +583,7 @@ def _checks_table(reports: list[Report]) -> Table:
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()
