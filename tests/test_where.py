@@ -264,6 +264,7 @@ def test_string_values_escapes_and_durations():
         ("reward 5", 8, "expected an operator"),
         ("task_id == 'grasp", 12, "unterminated string"),
         ("age < 5y", 8, "unknown duration unit 'y'"),
+        ("age < 2w and age > 1x", 21, "unknown duration unit 'x'"),
         ("reward > 1 & x", 12, "unexpected character '&'"),
         ("terminated == 1", 15, "terminated: eq: expected true or false"),
         ("task_id in 'a'", 12, "expected a list"),

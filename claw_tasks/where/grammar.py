@@ -15,7 +15,7 @@ Grammar (keywords are lowercase)::
     value      := STRING | ["-"] NUMBER | ["-"] DURATION | "true" | "false" | PARAM
     KEY        := fixed key (task_id, reward, age, …) | "tags." tag name
     STRING     := '…' | "…"                            \\ escapes \\, ' and "
-    DURATION   := NUMBER ("s" | "m" | "h" | "d")          seconds: 90s, 1.5h, 7d
+    DURATION   := NUMBER ("s" | "m" | "h" | "d" | "w")    seconds: 90s, 1.5h, 7d, 2w
     PARAM      := "$" name                              a recipe param
 
 An empty expression matches every row.
@@ -140,7 +140,7 @@ def _number(text: str, i: int) -> tuple[Token, int]:
     unit = text[j:u]
     if unit not in DURATION_UNITS:
         raise ExpressionError(
-            f"unknown duration unit {unit!r}", text, j, "a duration unit (s, m, h or d)"
+            f"unknown duration unit {unit!r}", text, j, "a duration unit (s, m, h, d or w)"
         )
     seconds = number * DURATION_UNITS[unit]
     if isinstance(seconds, float) and seconds.is_integer():

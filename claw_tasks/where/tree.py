@@ -25,8 +25,8 @@ from claw_tasks.where.errors import FilterError
 from claw_tasks.where.keys import OPS, OPS_BY_KIND, Key, lookup
 
 BOOLEAN = ("and", "or", "not")
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-_DURATION = re.compile(r"^(-?(?:\d+(?:\.\d*)?|\.\d+))([smhd])$")
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"^(-?(?:\d+(?:\.\d*)?|\.\d+))([smhdw])$")
 _SCALAR_TYPES = "a string, number, duration or bool"
 
 
@@ -123,7 +123,7 @@ def check_item(key: Key, v: Any, where: str) -> Any:
         if isinstance(v, str) and (seconds := duration(v)) is not None:
             return seconds
         if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
-            hint = " (a duration is written 30s, 5m, 1h or 7d)" if isinstance(v, str) else ""
+            hint = " (a duration is written 30s, 5m, 1h, 7d or 2w)" if isinstance(v, str) else ""
             raise FilterError(f"{where}: expected a number, got {v!r}{hint}")
     return v
 

@@ -1,6 +1,6 @@
 """Draw a recipe's batch of global rows from the metadata columns.
 
-Filters (``where``) come from :mod:`orchestrator.recipe.where`.
+Filters (``where``) are the language of :mod:`claw_tasks.where`.
 
 Every batch holds exactly ``recipe.counts[i]`` rows of source ``i``, in source order. A
 source's candidates are the rows that are alive, trainable and match its ``where``:
