@@ -17,6 +17,7 @@ TASK_MODULES = [
     "orchestrator.maintenance.refill",
     "orchestrator.maintenance.evict",
     "orchestrator.maintenance.priorities",
+    "orchestrator.maintenance.archive",
 ]
 
 

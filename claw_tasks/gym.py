@@ -15,7 +15,9 @@ class RecordSteps(gym.Wrapper):
 
     The final observation of an episode is stored as an explicit ``next_obs``; all other
     ``next_obs`` are the next step's ``obs`` and are stored once. ``info`` scalars are kept
-    when ``record_info`` is set.
+    when ``record_info`` is set. Steps are tagged ``origin = online`` (unless ``origin`` is
+    given), and the env's observation and action spaces are recorded in the namespace
+    config (offline formats such as Minari need them).
     """
 
     def __init__(
@@ -30,7 +32,8 @@ class RecordSteps(gym.Wrapper):
     ) -> None:
         super().__init__(env)
         self.ingestor = ingestor
-        self._meta = {"task_id": task_id, "agent_id": agent_id, **tags}
+        self._meta = {"task_id": task_id, "agent_id": agent_id, "origin": "online", **tags}
+        _record_spaces(env, ingestor)
         self.record_info = record_info
         self._episode: Episode | None = None
         self._obs: Any = None
@@ -70,3 +73,14 @@ class RecordSteps(gym.Wrapper):
     def close(self) -> None:
         self.ingestor.flush(wait=False)
         super().close()
+
+
+def _record_spaces(env: gym.Env, ingestor: Ingestor) -> None:
+    """The env's spaces in Minari's serialization, into the namespace config."""
+    from minari.serialization import serialize_space
+
+    try:
+        spaces = serialize_space(env.observation_space), serialize_space(env.action_space)
+    except NotImplementedError:  # a space Minari cannot describe: nothing to record
+        return
+    ingestor.store.set_spaces(*spaces)

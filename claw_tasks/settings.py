@@ -25,6 +25,8 @@ class Settings:
     scorers: tuple[str, ...] = ()
     """Priority scorers (``module:function``) namespaces may name (``CLAW_SCORERS``,
     comma-separated): whoever configures a namespace must not pick code for workers."""
+    archive_dir: str | None = None  # where the nightly archive writes (claw.maintenance.archive)
+    archive_lock_ttl: float = 60.0  # an archive run's lock lapses this long after the run stops
 
 
 def load_settings() -> Settings:
@@ -38,6 +40,8 @@ def load_settings() -> Settings:
         # A claim-check payload must outlive every redelivery of its message.
         stage_ttl=int(os.environ.get("CLAW_STAGE_TTL", str(max(86400, 4 * visibility)))),
         scorers=tuple(filter(None, map(str.strip, os.environ.get("CLAW_SCORERS", "").split(",")))),
+        archive_dir=os.environ.get("CLAW_ARCHIVE_DIR") or None,
+        archive_lock_ttl=float(os.environ.get("CLAW_ARCHIVE_LOCK_TTL", "60")),
     )
 
 

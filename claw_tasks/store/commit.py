@@ -34,6 +34,8 @@ class CommitResult:
     committed: int = 0
     replayed: int = 0  # already committed by an earlier delivery
     expired: int = 0  # slots reused by newer steps before the commit landed (past capacity)
+    # Step id of each batch row (-1: expired, never stored); set by ``Writer.commit``.
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 @dataclass
@@ -73,7 +75,7 @@ class CommitPart:
         shard: int,
         ep_codes: np.ndarray,
         str_cols: dict[str, np.ndarray],
-        now: float,
+        now: float | np.ndarray,
     ) -> None:
         self.s, self.cfg, self.schema, self.b = store, cfg, schema, batch
         self.whole = len(rows) == batch.n
@@ -91,11 +93,12 @@ class CommitPart:
         n = len(self.rows)
         placed = any(isinstance(v, Placed) for v in self.b.fields.values())
         seq0, state = self.s.allocate(self.shard, self.b.batch_id, n)
-        if state == "done":
-            result.replayed += n
-            return
         if state == "expired":
             result.expired += n
+            return
+        result.ids[self.rows] = self._ids(seq0)
+        if state == "done":
+            result.replayed += n
             return
         if placed and state == "new":
             raise NamespaceError(
@@ -126,6 +129,7 @@ class CommitPart:
             self.cfg.n_shards, META_CHUNK_SLOTS, packb(spec), *writes.blobs,
         ]  # fmt: skip
         _, state, skipped = self.s.scripts.commit(keys=keys, args=args)
+        result.ids[self.rows[:skipped]] = -1
         dead_kept = sum(r >= skipped for r in dead)
         result.committed += n - skipped - dead_kept
         result.expired += skipped
@@ -139,14 +143,16 @@ class CommitPart:
         nxt, eps = self._links(step_index, term | trunc)
         zeros_i4 = np.zeros(n, np.int32)
         meta: dict[str, np.ndarray] = {
-            "id": (seq0 + np.arange(n, dtype=np.int64)) * self.cfg.n_shards + self.shard,
+            "id": self._ids(seq0),
             "episode": self.ep,
             "step_index": step_index,
             "quality": zeros_i4,
             "policy_version": zeros_i4
             if b.policy_version is None
             else self._sel(b.policy_version).astype(np.int32),
-            "timestamp": np.full(n, self.now, np.float64),
+            "timestamp": np.full(n, self.now, np.float64)
+            if np.ndim(self.now) == 0
+            else self._sel(self.now).astype(np.float64),
             "reward": self._sel(b.reward).astype(np.float32),
             "priority": nan_xor(
                 np.full(n, np.nan, np.float32)
@@ -160,6 +166,9 @@ class CommitPart:
             meta[col] = self._sel(self.str_cols[col]) if col in self.str_cols else zeros_i4
         meta.update(self._tag_columns())
         return meta, eps
+
+    def _ids(self, seq0: int) -> np.ndarray:
+        return (seq0 + np.arange(len(self.rows), dtype=np.int64)) * self.cfg.n_shards + self.shard
 
     def _flags(self, term: np.ndarray, trunc: np.ndarray) -> np.ndarray:
         flags = (term * TERMINATED | trunc * TRUNCATED).astype(np.uint8)

@@ -46,6 +46,8 @@ class NamespaceConfig:
     created: float
     retention: Retention | None = None
     priorities: dict[str, Any] | None = None  # recomputation rules (orchestrator.maintenance)
+    # Observation and action spaces (Minari's JSON serialization), when a recorder knew them.
+    spaces: dict[str, str] | None = None
 
     @property
     def cap(self) -> int:
@@ -61,6 +63,7 @@ class NamespaceConfig:
                 "created": self.created,
                 "retention": None if self.retention is None else self.retention.to_dict(),
                 "priorities": self.priorities,
+                "spaces": self.spaces,
             }
         )
 
@@ -70,7 +73,10 @@ class NamespaceConfig:
         schema = None if d["schema"] is None else Schema.from_dict(d["schema"])
         retention = Retention.of(d.get("retention"))
         priorities = d.get("priorities")
-        return cls(d["capacity"], d["n_shards"], schema, d["created"], retention, priorities)
+        return cls(
+            d["capacity"], d["n_shards"], schema, d["created"], retention, priorities,
+            d.get("spaces"),
+        )  # fmt: skip
 
 
 class NamespaceAdmin:
@@ -174,6 +180,11 @@ class NamespaceAdmin:
         """Store the priority recomputation rules (checked by the orchestrator's
         ``maintenance.priorities.Rules``; None: no recomputation)."""
         return self._set_config(priorities=rules)
+
+    def set_spaces(self, observation: str, action: str) -> NamespaceConfig:
+        """Record the observation and action spaces (serialized): offline formats
+        (Minari) need them to export the namespace."""
+        return self._set_config(spaces={"observation": observation, "action": action})
 
     def _set_config(self, **changes: Any) -> NamespaceConfig:
         with self.r.pipeline() as pipe:

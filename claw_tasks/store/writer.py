@@ -21,13 +21,18 @@ class Writer(NamespaceAdmin):
     """Commits batches; ``allocate`` + ``place`` let a client write large payloads first."""
 
     def commit(
-        self, batch: StepBatch, now: float | None = None, dead_rows: Sequence[int] = ()
+        self,
+        batch: StepBatch,
+        now: float | np.ndarray | None = None,
+        dead_rows: Sequence[int] = (),
     ) -> CommitResult:
         """Commit a validated batch: one atomic, idempotent Lua commit per shard part.
 
-        A batch with ``Placed`` fields (written in place after ``allocate``) lies in one
-        shard; its ``dead_rows`` (rejected) are committed but never made alive. A dropped
-        namespace raises NamespaceDropped (it is not created again implicitly)."""
+        ``now`` is the commit timestamp (per row when an array: a restore keeps the
+        original ones). A batch with ``Placed`` fields (written in place after
+        ``allocate``) lies in one shard; its ``dead_rows`` (rejected) are committed but
+        never made alive. The result has the id of every row. A dropped namespace raises
+        NamespaceDropped (it is not created again implicitly)."""
         self.revalidate()
         try:
             schema = self.ensure_schema(batch.schema())  # no round trip once cached
@@ -36,7 +41,7 @@ class Writer(NamespaceAdmin):
             schema = self.ensure_schema(batch.schema())
         cfg = self.config()
         n = batch.n
-        result = CommitResult()
+        result = CommitResult(ids=np.full(n, -1, np.int64))
         if n == 0:
             return result
         now = time.time() if now is None else now

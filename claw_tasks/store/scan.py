@@ -1,0 +1,140 @@
+"""Range reads: every stored column of a run of consecutive sequence numbers of one shard,
+chunk-wise (GETRANGE over column chunks, HGETALL/HMGET over sparse hashes). Archival reads
+a namespace this way, one bounded run at a time, never the whole of it at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.codec import unpackb
+from claw_tasks.schema import tag_column
+from claw_tasks.store.layout import (
+    EXPLICIT_NEXT,
+    META,
+    META_CHUNK_SLOTS,
+    SPARSE_CHUNK_SLOTS,
+    payload_chunk_slots,
+)
+from claw_tasks.store.reader import Reader, decode_meta
+
+
+def run_slots(reader: Reader, seq_lo: int, n: int) -> int:
+    """The first slot of the run ``seq_lo .. seq_lo + n - 1``; the run must not wrap."""
+    cap = reader.config().cap
+    slot0 = (seq_lo - 1) % cap
+    if n < 0 or slot0 + n > cap:
+        raise ValueError(f"a run of {n} slots from slot {slot0} wraps the ring of {cap}")
+    return slot0
+
+
+def _pieces(slot0: int, n: int, chunk_slots: int) -> list[tuple[int, int, int]]:
+    """(chunk, first slot in the chunk, slots) for each chunk the run touches."""
+    out, s, end = [], slot0, slot0 + n
+    while s < end:
+        chunk, inchunk = divmod(s, chunk_slots)
+        take = min(end - s, chunk_slots - inchunk)
+        out.append((chunk, inchunk, take))
+        s += take
+    return out
+
+
+def read_meta_run(
+    reader: Reader, shard: int, seq_lo: int, n: int, cols: Sequence[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Metadata columns (floats decoded) of ``n`` slots from ``seq_lo``'s, plus ``alive``,
+    in one pipelined round trip. Which step a slot holds is in its ``id``."""
+    slot0 = run_slots(reader, seq_lo, n)
+    schema = reader.config().schema
+    if cols is None:
+        cols = [*META, *(tag_column(t) for t in (schema.tags if schema else {}))]
+    pieces = _pieces(slot0, n, META_CHUNK_SLOTS)
+    with reader.r.pipeline(transaction=False) as pipe:
+        for col in cols:
+            size = reader._col_dtype(col).itemsize
+            for chunk, inchunk, take in pieces:
+                key = reader.keys.meta(shard, col, chunk)
+                pipe.getrange(key, inchunk * size, (inchunk + take) * size - 1)
+        b0, b1 = slot0 // 8, (slot0 + n - 1) // 8 if n else slot0 // 8
+        pipe.getrange(reader.keys.shard_key(shard, "alive"), b0, b1)
+        replies = pipe.execute()
+    out: dict[str, np.ndarray] = {}
+    for i, col in enumerate(cols):
+        dtype = reader._col_dtype(col)
+        parts = replies[i * len(pieces) : (i + 1) * len(pieces)]
+        sizes = [take * dtype.itemsize for _, _, take in pieces]
+        raw = b"".join(p.ljust(size, b"\0") for p, size in zip(parts, sizes, strict=True))
+        out[col] = decode_meta(col, np.frombuffer(raw, dtype).copy(), schema)
+    bits = np.unpackbits(np.frombuffer(replies[-1].ljust(b1 - b0 + 1, b"\0"), np.uint8))
+    out["alive"] = bits[slot0 - b0 * 8 : slot0 - b0 * 8 + n].astype(bool)
+    return out
+
+
+def read_payload_run(
+    reader: Reader, shard: int, seq_lo: int, n: int, rows: np.ndarray, flags: np.ndarray
+) -> tuple[dict[str, Any], dict[int, np.ndarray], dict[int, dict[str, Any]]]:
+    """Payload of ``rows`` (sorted positions in the run of ``n`` slots from ``seq_lo``'s),
+    in one pipelined round trip: fixed fields as arrays, ragged ones as lists of arrays;
+    the explicit ``next_obs`` and the ``info`` of the rows that have one, by position in
+    ``rows``. ``flags`` (the run's column) says which steps have an explicit next_obs."""
+    slot0 = run_slots(reader, seq_lo, n)
+    schema = reader.config().schema
+    if schema is None:
+        raise ValueError(f"namespace {reader.namespace!r} has no schema yet")
+    rows = np.asarray(rows, np.int64)
+    slots = (slot0 + rows).tolist()
+    nx_at = np.flatnonzero((flags[rows] & EXPLICIT_NEXT) != 0).tolist()
+    sparse_chunks = sorted({s // SPARSE_CHUNK_SLOTS for s in slots})
+    k = reader.keys
+    with reader.r.pipeline(transaction=False) as pipe:
+        counts = []
+        for name, spec in schema.fields.items():
+            if spec.ragged:
+                for c in sparse_chunks:
+                    pipe.hgetall(k.ragged(shard, name, c))
+                counts.append(len(sparse_chunks))
+                continue
+            pieces = _pieces(slot0, n, payload_chunk_slots(spec.row_bytes))
+            for chunk, inchunk, take in pieces:
+                size = spec.row_bytes
+                key = k.field(shard, name, chunk)
+                pipe.getrange(key, inchunk * size, (inchunk + take) * size - 1)
+            counts.append(len(pieces))
+        for i in nx_at:
+            pipe.hget(k.sparse(shard, "nx", slots[i] // SPARSE_CHUNK_SLOTS), slots[i])
+        for c in sparse_chunks:
+            pipe.hgetall(k.sparse(shard, "info", c))
+        replies = pipe.execute()
+    fields: dict[str, Any] = {}
+    at = 0
+    for (name, spec), count in zip(schema.fields.items(), counts, strict=True):
+        got, at = replies[at : at + count], at + count
+        dtype = np.dtype(spec.dtype)
+        if spec.ragged:
+            found = _by_slot(got)
+            fields[name] = [
+                np.frombuffer(found.get(s, b""), dtype).reshape(-1, *spec.shape[1:]) for s in slots
+            ]
+        else:
+            raw = b"".join(got).ljust(n * spec.row_bytes, b"\0")
+            arr = np.frombuffer(raw, dtype).reshape(n, *spec.shape)
+            fields[name] = arr if len(rows) == n else arr[rows]
+    obs = schema.fields.get("obs")
+    next_obs: dict[int, np.ndarray] = {}
+    for i in nx_at:
+        raw, at = replies[at] or b"", at + 1
+        if obs is not None:
+            arr = np.frombuffer(raw, np.dtype(obs.dtype))
+            shape = (-1, *obs.shape[1:]) if obs.ragged else obs.shape
+            next_obs[i] = arr.reshape(shape)
+    found = _by_slot(replies[at:])
+    pos = {s: i for i, s in enumerate(slots)}
+    info = {pos[s]: unpackb(v) for s, v in found.items() if s in pos}
+    return fields, next_obs, info
+
+
+def _by_slot(hashes: list[dict[bytes, bytes]]) -> dict[int, bytes]:
+    """Sparse hash chunks merged: slot -> value."""
+    return {int(f): v for h in hashes for f, v in h.items()}

@@ -1,0 +1,477 @@
+"""Archival to Parquet: the ``claw.maintenance.archive`` task (nightly, by beat) and
+``claw archive NS --to DIR``.
+
+Layout: ``DIR/ns=<namespace>/date=<YYYY-MM-DD>/part-<shard>-<seq_lo>-<seq_hi>.parquet``
+(the date is the steps' commit date, UTC; ``seq`` = id // n_shards) and one
+``DIR/ns=<namespace>/_manifest.json`` listing every file with its rows, id range and
+SHA-256, and the per-shard watermark the files reach.
+
+Incremental: a shard is read from its watermark (``Keys.archived``) up, a bounded run of
+slots at a time. Per run: files (temp name, fsync, rename, fsync dir), then the manifest
+(the same way), then the watermark. A crash leaves files the manifest does not list (the
+next run deletes them and writes those steps again) or a manifest ahead of the watermark
+(the next run moves the watermark up to it): no step is written twice, none is skipped.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import redis
+
+from claw_tasks.app import app, settings
+from claw_tasks.batch import Ragged, StrColumn
+from claw_tasks.schema import Schema, tag_column
+from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.layout import TERMINATED, TRUNCATED, UNTRAINABLE
+from claw_tasks.store.scan import read_meta_run, read_payload_run
+from claw_tasks.store.scripts import Lua
+from claw_tasks.tasks import store_for
+from orchestrator.maintenance.lifecycle import list_namespaces
+from orchestrator.maintenance.steptable import (
+    LABELS,
+    LIST_MAX_ITEMS,
+    TAG_PREFIX,
+    StepRows,
+    to_table,
+)
+
+MANIFEST = "_manifest.json"
+CHUNK_BYTES = 64 * 1024 * 1024  # payload read and written per file, at most
+MAX_CHUNK_ROWS = 1 << 18
+_UNLOCK = Lua("unlock", "orchestrator")
+
+Progress = Callable[[int], None]  # called with the number of seqs just covered
+
+
+class ArchiveBusy(RuntimeError):
+    """Another archive run holds the namespace's lock."""
+
+
+# ---- files ----------------------------------------------------------------------------
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes | memoryview | pa.Buffer) -> None:
+    """``path`` appears complete or not at all: temp file, fsync, rename, fsync dir."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@dataclass
+class Manifest:
+    """What an archive directory holds; written after its files, before the watermark."""
+
+    namespace: str
+    n_shards: int
+    schema: dict[str, Any] | None = None
+    spaces: dict[str, str] | None = None
+    watermarks: dict[int, int] = field(default_factory=dict)  # shard -> seq reached
+    files: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(f["rows"] for f in self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": 1,
+            "namespace": self.namespace,
+            "n_shards": self.n_shards,
+            "schema": self.schema,
+            "spaces": self.spaces,
+            "rows": self.rows,
+            "watermarks": {str(k): v for k, v in sorted(self.watermarks.items())},
+            "files": self.files,
+        }
+
+    @classmethod
+    def load(cls, ns_dir: Path) -> Manifest | None:
+        path = ns_dir / MANIFEST
+        if not path.exists():
+            return None
+        d = json.loads(path.read_text())
+        return cls(
+            namespace=d["namespace"],
+            n_shards=d["n_shards"],
+            schema=d.get("schema"),
+            spaces=d.get("spaces"),
+            watermarks={int(k): int(v) for k, v in d["watermarks"].items()},
+            files=list(d["files"]),
+        )
+
+    def save(self, ns_dir: Path) -> None:
+        write_atomic(ns_dir / MANIFEST, json.dumps(self.to_json(), indent=1).encode())
+
+
+def namespace_dir(root: Path, namespace: str) -> Path:
+    return Path(root) / f"ns={namespace}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- the lock -------------------------------------------------------------------------
+class ArchiveLock:
+    """One archive run per namespace: a token lock with a TTL, extended while it runs (a
+    killed run's lock lapses after ``ttl`` seconds)."""
+
+    def __init__(self, store: Store, ttl: float) -> None:
+        self.r, self.key, self.ttl = store.r, store.keys.archive_lock, ttl
+        self.token = secrets.token_hex(8)
+
+    def __enter__(self) -> ArchiveLock:
+        if not self.r.set(self.key, self.token, nx=True, px=int(self.ttl * 1000)):
+            raise ArchiveBusy(
+                f"another archive run holds {self.key} (it lapses {self.ttl:g}s after that "
+                "run stops); try again later"
+            )
+        return self
+
+    def extend(self) -> None:
+        """Keep the lock; raise if it lapsed and another run took it."""
+        with self.r.pipeline() as pipe:
+            try:
+                pipe.watch(self.key)
+                if pipe.get(self.key) != self.token.encode():
+                    raise ArchiveBusy(f"lost the archive lock {self.key} (the run stalled)")
+                pipe.multi()
+                pipe.pexpire(self.key, int(self.ttl * 1000))
+                pipe.execute()
+            except redis.WatchError:
+                raise ArchiveBusy(f"lost the archive lock {self.key}") from None
+
+    def __exit__(self, *exc: object) -> None:
+        _UNLOCK(self.r, [self.key], [self.token])
+
+
+# ---- archiving ------------------------------------------------------------------------
+@dataclass
+class ArchiveResult:
+    namespace: str
+    files: list[str] = field(default_factory=list)
+    rows: int = 0
+    bytes: int = 0
+    watermarks: dict[int, int] = field(default_factory=dict)
+    overwritten: int = 0  # seqs the ring reused before they were archived
+    blocked: dict[int, int] = field(default_factory=dict)  # shard -> seq still in flight
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "files": self.files,
+            "rows": self.rows,
+            "bytes": self.bytes,
+            "watermarks": {str(k): v for k, v in self.watermarks.items()},
+            "overwritten": self.overwritten,
+            "blocked": {str(k): v for k, v in self.blocked.items()},
+        }
+
+
+def pending(store: Store) -> int:
+    """Seqs above the watermarks: what an archive run would go through."""
+    cfg = store.config(refresh=True)
+    with store.r.pipeline(transaction=False) as pipe:
+        for s in range(cfg.n_shards):
+            pipe.get(store.keys.shard_key(s, "seq"))
+            pipe.get(store.keys.archived(s))
+        got = [int(v or 0) for v in pipe.execute()]
+    return sum(max(0, seq - wm) for seq, wm in zip(got[::2], got[1::2], strict=True))
+
+
+class Archiver:
+    """Archives one namespace into ``root`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        root: Path | str,
+        *,
+        grace: float | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+        progress: Progress | None = None,
+    ) -> None:
+        self.store, self.root = store, Path(root)
+        self.dir = namespace_dir(self.root, store.namespace)
+        # A seq allocated but not committed holds the watermark back, until a later seq of
+        # the shard has been committed for this long (its allocation is then abandoned).
+        self.grace = 2 * settings.visibility_timeout if grace is None else grace
+        self.chunk_bytes = chunk_bytes
+        self.progress = progress or (lambda n: None)
+
+    def run(self, lock_ttl: float | None = None) -> ArchiveResult:
+        cfg = self.store.config(refresh=True)
+        if cfg.schema is None:
+            return ArchiveResult(self.store.namespace)
+        with ArchiveLock(self.store, lock_ttl or settings.archive_lock_ttl) as lock:
+            self.lock = lock
+            manifest = self._recover(cfg.n_shards)
+            manifest.schema, manifest.spaces = cfg.schema.to_dict(), cfg.spaces
+            result = ArchiveResult(self.store.namespace)
+            for shard in range(cfg.n_shards):
+                self._shard(shard, manifest, result)
+            result.watermarks = dict(manifest.watermarks)
+            return result
+
+    def _recover(self, n_shards: int) -> Manifest:
+        """Settle what a crashed run left: files not in the manifest go, a watermark behind
+        the manifest moves up. A watermark ahead of it means another directory."""
+        manifest = Manifest.load(self.dir) or Manifest(self.store.namespace, n_shards)
+        if manifest.n_shards != n_shards:
+            raise NamespaceError(
+                f"{self.dir} holds an archive of {manifest.n_shards} shard(s), the namespace "
+                f"has {n_shards}: archive to another directory"
+            )
+        listed = {f["path"] for f in manifest.files}
+        if self.dir.exists():
+            for path in self.dir.rglob("*"):
+                rel = path.relative_to(self.dir).as_posix()
+                is_tmp = path.name.startswith(".") and path.name.endswith(".tmp")
+                if path.is_file() and (is_tmp or (path.suffix == ".parquet" and rel not in listed)):
+                    path.unlink()
+        k = self.store.keys
+        marks = [int(v or 0) for v in self.store.r.mget([k.archived(s) for s in range(n_shards)])]
+        for shard, mark in enumerate(marks):
+            have = manifest.watermarks.get(shard, 0)
+            if mark > have:
+                raise NamespaceError(
+                    f"shard {shard} of {self.store.namespace!r} is archived up to seq {mark}, "
+                    f"but {self.dir / MANIFEST} only up to {have}: its archive is in another "
+                    "directory (archive there), or delete the key "
+                    f"{k.archived(shard)} to archive again from the oldest stored step"
+                )
+            if mark < have:
+                self.store.r.set(k.archived(shard), have)
+        return manifest
+
+    def _chunk_rows(self) -> int:
+        schema = self.store.config().schema
+        assert schema is not None
+        row = 64 + sum(256 if spec.ragged else spec.row_bytes for spec in schema.fields.values())
+        return int(max(1, min(MAX_CHUNK_ROWS, self.chunk_bytes // row)))
+
+    def _shard(self, shard: int, manifest: Manifest, result: ArchiveResult) -> None:
+        cfg = self.store.config()
+        k = self.store.keys
+        mark = manifest.watermarks.get(shard, 0)
+        seq_now = int(self.store.r.get(k.shard_key(shard, "seq")) or 0)
+        lo = max(mark + 1, seq_now - cfg.cap + 1)
+        if lo > mark + 1:  # the ring passed these before they were archived
+            result.overwritten += lo - mark - 1
+            self.progress(lo - mark - 1)
+        per_chunk = self._chunk_rows()
+        while lo <= seq_now:
+            slot0 = (lo - 1) % cfg.cap
+            n = min(seq_now - lo + 1, per_chunk, cfg.cap - slot0)
+            covered, files = self._run(shard, lo, n, result)
+            if covered:
+                self.lock.extend()
+                manifest.files += files
+                manifest.watermarks[shard] = lo + covered - 1
+                manifest.save(self.dir)
+                self.store.r.set(k.archived(shard), lo + covered - 1)
+                self.progress(covered)
+            if covered < n:
+                result.blocked[shard] = lo + covered
+                return
+            lo += covered
+
+    def _run(
+        self, shard: int, lo: int, n: int, result: ArchiveResult
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """Archive the settled prefix of the run of ``n`` seqs from ``lo``; returns how
+        many seqs it covers and the files written."""
+        cfg = self.store.config()
+        meta = read_meta_run(self.store, shard, lo, n)
+        seqs = lo + np.arange(n, dtype=np.int64)
+        expected = seqs * cfg.n_shards + shard
+        stored = meta["id"] == expected
+        overwritten = meta["id"] > expected  # a newer seq took the slot meanwhile
+        old = stored & (meta["timestamp"] < time.time() - self.grace)
+        later_old = np.concatenate([np.cumsum(old[::-1])[::-1][1:], [0]]) > 0
+        settled = stored | overwritten | later_old
+        unsettled = np.flatnonzero(~settled)
+        covered = int(unsettled[0]) if len(unsettled) else n
+        rows = np.flatnonzero(stored[:covered] & meta["alive"][:covered])
+        if not len(rows):
+            return covered, []
+        fields, next_obs, info = read_payload_run(
+            self.store, shard, lo, covered, rows, meta["flags"]
+        )
+        # Steps whose slot was reused while being read are not what we read: drop them.
+        again = read_meta_run(self.store, shard, lo, covered, ["id"])
+        keep = (again["id"][rows] == expected[rows]) & again["alive"][rows]
+        result.overwritten += int((~keep).sum())
+        step_rows = self._step_rows(shard, meta, rows, fields, next_obs, info)
+        if not keep.all():
+            step_rows = step_rows.take(np.flatnonzero(keep))
+        return covered, self._write(shard, step_rows, seqs[rows][keep], result)
+
+    def _step_rows(
+        self,
+        shard: int,
+        meta: dict[str, np.ndarray],
+        rows: np.ndarray,
+        fields: dict[str, Any],
+        next_obs: dict[int, np.ndarray],
+        info: dict[int, dict[str, Any]],
+    ) -> StepRows:
+        schema = self.store.config().schema
+        assert schema is not None
+        m = {c: v[rows] for c, v in meta.items()}
+        flags = m["flags"]
+        strs = {c: self._strings(c, m[c]) for c in ("agent_id", "task_id", "skill_tag")}
+        strs["reward_source"] = self._strings("reward_source", m["reward_source"])
+        for label in LABELS:
+            strs[label] = self._strings(label, m[label])
+        nums = {}
+        for name, kind in schema.tags.items():
+            col = m[tag_column(name)]
+            if kind == "str":
+                strs[TAG_PREFIX + name] = self._strings(tag_column(name), col)
+            else:
+                nums[TAG_PREFIX + name] = col
+        for name, spec in schema.fields.items():
+            if spec.ragged:
+                fields[name] = Ragged.of(fields[name], spec.dtype)
+        return StepRows(
+            id=m["id"],
+            episode_id=self._episodes(shard, m["episode"]),
+            step_index=m["step_index"],
+            policy_version=m["policy_version"],
+            timestamp=m["timestamp"],
+            reward=m["reward"],
+            priority=m["priority"],
+            terminated=(flags & TERMINATED) != 0,
+            truncated=(flags & TRUNCATED) != 0,
+            trainable=(flags & UNTRAINABLE) == 0,
+            strs=strs,
+            nums=nums,
+            fields=fields,
+            next_obs=next_obs,
+            info=info,
+        )
+
+    def _strings(self, column: str, codes: np.ndarray) -> StrColumn:
+        uniq, index = np.unique(codes, return_inverse=True)
+        names = self.store.decode_codes(column, uniq)
+        return _vocab(names, index)
+
+    def _episodes(self, shard: int, codes: np.ndarray) -> StrColumn:
+        uniq, index = np.unique(codes, return_inverse=True)
+        key = self.store.keys.shard_key(shard, "epname")
+        found = self.store.r.hmget(key, uniq.tolist()) if len(uniq) else []
+        names = [f"#{c}" if v is None else v.decode() for c, v in zip(uniq, found, strict=True)]
+        return _vocab(names, index)
+
+    def _write(
+        self, shard: int, rows: StepRows, seqs: np.ndarray, result: ArchiveResult
+    ) -> list[dict[str, Any]]:
+        """One file per commit date of the rows."""
+        schema = self.store.config().schema
+        assert schema is not None
+        days = np.floor(rows.timestamp / 86400).astype(np.int64)
+        out = []
+        for day in np.unique(days).tolist():
+            sel = np.flatnonzero(days == day)
+            part = rows if len(sel) == rows.n else rows.take(sel)
+            date = dt.datetime.fromtimestamp(day * 86400, dt.UTC).date().isoformat()
+            lo, hi = int(seqs[sel[0]]), int(seqs[sel[-1]])
+            rel = f"date={date}/part-{shard}-{lo}-{hi}.parquet"
+            extra = {"namespace": self.store.namespace, "shard": shard, "seq_lo": lo, "seq_hi": hi}
+            table = to_table(part, schema, extra)
+            sink = pa.BufferOutputStream()
+            pq.write_table(table, sink, compression=_compression(schema))
+            buf = sink.getvalue()
+            write_atomic(self.dir / rel, buf)
+            entry = {
+                "path": rel, "date": date, "shard": shard, "seq_lo": lo, "seq_hi": hi,
+                "rows": part.n, "id_min": int(part.id.min()), "id_max": int(part.id.max()),
+                "bytes": buf.size, "sha256": hashlib.sha256(buf).hexdigest(),
+            }  # fmt: skip
+            out.append(entry)
+            result.files.append(rel)
+            result.rows += part.n
+            result.bytes += buf.size
+        return out
+
+
+def _vocab(names: list[str | None], index: np.ndarray) -> StrColumn:
+    """A StrColumn from decoded unique values (None = missing) and the per-row index."""
+    keep = [i for i, v in enumerate(names) if v is not None]
+    remap = np.full(len(names) + 1, -1, np.int32)
+    remap[keep] = np.arange(len(keep), dtype=np.int32)
+    return StrColumn([names[i] for i in keep], remap[index.reshape(-1)])  # type: ignore[misc]
+
+
+def _compression(schema: Schema) -> dict[str, str]:
+    """zstd, but snappy for large binary rows (images): near GB/s, and it gives up fast
+    on data that does not compress."""
+    codecs = {}
+    for name, spec in schema.fields.items():
+        big = not spec.ragged and spec.row_items > LIST_MAX_ITEMS
+        codecs[name] = "snappy" if big else "zstd"
+    return codecs
+
+
+def archive_namespace(
+    store: Store, root: Path | str, progress: Progress | None = None, **kw: Any
+) -> ArchiveResult:
+    """Archive what is new in ``store``'s namespace to ``root`` (see the module docstring)."""
+    return Archiver(store, root, progress=progress, **kw).run()
+
+
+@app.task(name="claw.maintenance.archive", acks_late=True, reject_on_worker_lost=True)
+def archive(
+    namespace: str | None = None, to: str | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> dict[str, Any]:
+    """Archive one namespace, or every one, to ``to`` (default ``CLAW_ARCHIVE_DIR``), in
+    files of up to ``chunk_bytes`` of payload. A namespace another run is archiving is
+    left to it; any other failure fails the task (after the other namespaces are done),
+    naming the namespace."""
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, not {chunk_bytes!r}")
+    root = to or settings.archive_dir
+    if not root:
+        raise ValueError("no archive directory: set CLAW_ARCHIVE_DIR on the workers, or pass `to`")
+    names = [namespace] if namespace else list_namespaces(store_for("_").r)
+    out: dict[str, Any] = {}
+    failed = []
+    for ns in names:
+        try:
+            out[ns] = archive_namespace(store_for(ns), root, chunk_bytes=chunk_bytes).to_json()
+        except ArchiveBusy as e:
+            out[ns] = {"busy": str(e)}
+        except Exception as e:
+            failed.append(f"{ns}: {type(e).__name__}: {e}")
+    if failed:
+        raise RuntimeError("archive failed for " + "; ".join(failed))
+    return out

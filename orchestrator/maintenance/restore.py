@@ -1,0 +1,141 @@
+"""Restore: archive files back into a namespace, bit-exact, through the store's writer.
+
+Steps get new ids; the id each had when archived is kept as the numeric tag ``orig_id``
+(kept as it is when already there: an archive of a restore names the first id), episode
+ids stay what they were. Commit timestamps, priorities and curation labels are the
+archived ones. Each batch has an id derived from the file's checksum, so a restore run
+again after a failure replays what it had committed instead of storing it twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from claw_tasks.schema import Schema
+from claw_tasks.store import Store
+from claw_tasks.store.config import DEFAULT_CAPACITY
+from orchestrator.maintenance.archive import MANIFEST, Manifest
+from orchestrator.maintenance.steptable import TAG_PREFIX, from_table, table_meta, to_batch
+
+ORIG_ID = "orig_id"
+BATCH_ROWS = 1 << 16
+BATCH_BYTES = 64 * 1024 * 1024
+
+Progress = Callable[[int, int], None]  # (rows restored, bytes read) since the last call
+
+
+class ArchiveError(ValueError):
+    """An archive directory is missing, ambiguous or damaged."""
+
+
+def find_archive(path: Path | str) -> Path:
+    """The namespace directory (holding ``_manifest.json``) that ``path`` names: itself,
+    or the one ``ns=<namespace>`` directory under it."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    found = sorted(p for p in path.glob("ns=*") if (p / MANIFEST).exists())
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ArchiveError(f"no Claw archive in {path} (no {MANIFEST} in it or in ns=*/)")
+    names = ", ".join(p.name for p in found)
+    raise ArchiveError(f"{path} holds several archives ({names}): name one, e.g. {found[0]}")
+
+
+@dataclass
+class RestoreResult:
+    namespace: str
+    rows: int = 0
+    files: int = 0
+    replayed: int = 0  # rows an earlier run of the same restore had committed already
+    expired: int = 0  # rows past the namespace's capacity (the ring passed them)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def restore(
+    archive: Path | str,
+    store: Store,
+    *,
+    capacity: int | None = None,
+    n_shards: int | None = None,
+    progress: Progress | None = None,
+) -> RestoreResult:
+    """Restore every file of an archive into ``store``'s namespace (created when missing:
+    large enough for the archive, with its shard count and spaces)."""
+    ns_dir = find_archive(archive)
+    manifest = Manifest.load(ns_dir)
+    assert manifest is not None
+    tell = progress or (lambda rows, nbytes: None)
+    if not store.exists():
+        schema = None if manifest.schema is None else _with_orig_id(manifest.schema)
+        store.create(
+            capacity or max(DEFAULT_CAPACITY, manifest.rows),
+            n_shards or manifest.n_shards,
+            schema,
+        )
+    if manifest.spaces and not store.config(refresh=True).spaces:
+        store.set_spaces(manifest.spaces["observation"], manifest.spaces["action"])
+    result = RestoreResult(store.namespace)
+    for entry in sorted(manifest.files, key=lambda f: (f["shard"], f["seq_lo"])):
+        table = _read_verified(ns_dir, entry)
+        step = max(1, min(BATCH_ROWS, BATCH_BYTES * table.num_rows // max(1, table.nbytes)))
+        for i, start in enumerate(range(0, table.num_rows, step)):
+            part = table.slice(start, step)
+            _restore_part(store, part, f"restore-{entry['sha256'][:24]}-{i}", result)
+            tell(part.num_rows, part.nbytes)
+        result.files += 1
+    return result
+
+
+def _with_orig_id(schema: dict[str, Any]) -> Schema:
+    s = Schema.from_dict(schema)
+    return s if ORIG_ID in s.tags else Schema(fields=s.fields, tags={**s.tags, ORIG_ID: "num"})
+
+
+def _read_verified(ns_dir: Path, entry: dict[str, Any]) -> pa.Table:
+    path = ns_dir / entry["path"]
+    if not path.exists():
+        raise ArchiveError(f"{path} is in the manifest but missing")
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry["sha256"]:
+        raise ArchiveError(
+            f"{path}: SHA-256 {digest} does not match the manifest's {entry['sha256']} "
+            "(the file is damaged or was replaced)"
+        )
+    table = pq.read_table(pa.BufferReader(data))
+    if table.num_rows != entry["rows"]:
+        raise ArchiveError(f"{path}: {table.num_rows} rows, the manifest says {entry['rows']}")
+    return table
+
+
+def _restore_part(store: Store, table: pa.Table, batch_id: str, result: RestoreResult) -> None:
+    rows = from_table(table)
+    if TAG_PREFIX + ORIG_ID not in rows.nums:
+        rows = replace(rows, nums={**rows.nums, TAG_PREFIX + ORIG_ID: rows.id.astype(np.float64)})
+    schema = Schema.from_dict(table_meta(table.schema)["schema"])
+    batch = to_batch(rows, schema, batch_id)
+    res = store.commit(batch, now=rows.timestamp)
+    result.rows += res.committed
+    result.replayed += res.replayed
+    result.expired += res.expired
+    stored = res.ids >= 0
+    quality = rows.strs["quality"]
+    for code, value in enumerate(quality.values):
+        sel = stored & (quality.index == code)
+        if sel.any():
+            store.curate(res.ids[sel], quality=value)
+    untrainable = stored & ~rows.trainable
+    if untrainable.any():
+        store.curate(res.ids[untrainable], trainable=False)

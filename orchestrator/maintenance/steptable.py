@@ -1,0 +1,313 @@
+"""Steps as Arrow tables: the column layout of the archive, both ways.
+
+Every value is kept exactly. Payload fields keep dtype and shape in their column metadata:
+a fixed-shape row is a fixed-size list of its flat items when small (queryable element by
+element) and one fixed-size binary value when large (an image: Parquet writes a list
+value by value, ~50 MB/s, a binary row at GB/s); a ragged row is a large list of rows.
+Strings are their values (dictionary-encoded), ``info`` its JSON text, and the explicit
+final ``next_obs`` a nullable list of the observation's flat items. Dtypes Arrow has no
+numeric type for (complex, big-endian) are raw bytes with the same metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from claw_tasks.batch import STR_META, Ragged, StepBatch, StrColumn
+from claw_tasks.schema import FieldSpec, Schema, tag_column
+
+FORMAT = 1
+META_KEY = b"claw"
+LIST_MAX_ITEMS = 256  # fixed rows up to this many items are lists; larger ones binary
+TAG_PREFIX = "tags."
+LABELS = ("quality",)
+STRING_COLUMNS = (*STR_META, *LABELS)
+
+
+@dataclass
+class StepRows:
+    """Steps column by column (as archived): what one table holds."""
+
+    id: np.ndarray  # int64, the step id in the namespace it was archived from
+    episode_id: StrColumn
+    step_index: np.ndarray  # int32
+    policy_version: np.ndarray  # int32, 0 = unset
+    timestamp: np.ndarray  # float64, commit time
+    reward: np.ndarray  # float32
+    priority: np.ndarray  # float32, NaN = unset
+    terminated: np.ndarray  # bool
+    truncated: np.ndarray  # bool
+    trainable: np.ndarray  # bool
+    strs: dict[str, StrColumn]  # STRING_COLUMNS and "tags.<name>" string tags
+    nums: dict[str, np.ndarray]  # "tags.<name>" numeric tags (float64, NaN = missing)
+    fields: dict[str, np.ndarray | Ragged]
+    next_obs: dict[int, np.ndarray] = field(default_factory=dict)  # row -> explicit next_obs
+    info: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.id)
+
+    def take(self, rows: np.ndarray) -> StepRows:
+        """The sub-table of ``rows`` (sorted positions)."""
+        remap = {int(r): i for i, r in enumerate(rows.tolist())}
+        return StepRows(
+            id=self.id[rows],
+            episode_id=self.episode_id.take(rows),
+            step_index=self.step_index[rows],
+            policy_version=self.policy_version[rows],
+            timestamp=self.timestamp[rows],
+            reward=self.reward[rows],
+            priority=self.priority[rows],
+            terminated=self.terminated[rows],
+            truncated=self.truncated[rows],
+            trainable=self.trainable[rows],
+            strs={k: v.take(rows) for k, v in self.strs.items()},
+            nums={k: v[rows] for k, v in self.nums.items()},
+            fields={
+                k: v.take(rows) if isinstance(v, Ragged) else v[rows]
+                for k, v in self.fields.items()
+            },
+            next_obs={remap[r]: v for r, v in self.next_obs.items() if r in remap},
+            info={remap[r]: v for r, v in self.info.items() if r in remap},
+        )
+
+
+# ---- payload columns ------------------------------------------------------------------
+def _numeric(dtype: np.dtype) -> pa.DataType | None:
+    """Arrow's type for a dtype, or None (complex, big-endian): then raw bytes."""
+    if dtype.kind not in "biuf" or dtype.byteorder == ">":
+        return None
+    return pa.from_numpy_dtype(dtype)
+
+
+def _flat(values: np.ndarray, dtype: np.dtype, items: int) -> pa.Array:
+    """Rows of ``items`` values each: a plain column (1), a fixed-size list, or binary."""
+    t = _numeric(dtype)
+    # (np.concatenate hands back native byte order: back to the field's own)
+    values = np.ascontiguousarray(values).astype(dtype, copy=False).reshape(-1)
+    n = len(values) // max(1, items)
+    if t is not None and items == 1:
+        return pa.array(values, t)
+    if t is not None and items <= LIST_MAX_ITEMS:
+        return pa.FixedSizeListArray.from_arrays(pa.array(values, t), items)
+    width = items * dtype.itemsize
+    return pa.Array.from_buffers(pa.binary(width), n, [None, pa.py_buffer(values)])
+
+
+def _unflat(arr: pa.Array, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of ``_flat``: ``len(arr)`` rows of ``shape``."""
+    n = len(arr)
+    if pa.types.is_fixed_size_binary(arr.type):
+        width = arr.type.byte_width
+        raw = arr.buffers()[1]
+        start = arr.offset * width
+        out = np.frombuffer(raw, dtype, count=n * width // dtype.itemsize, offset=start)
+    elif pa.types.is_fixed_size_list(arr.type):
+        out = arr.flatten().to_numpy(zero_copy_only=False)
+    else:
+        out = arr.to_numpy(zero_copy_only=False)
+    return out.astype(dtype, copy=False).reshape(n, *shape)
+
+
+def field_array(spec: FieldSpec, value: np.ndarray | Ragged) -> pa.Array:
+    dtype = np.dtype(spec.dtype)
+    if spec.ragged:
+        assert isinstance(value, Ragged)
+        tail = spec.shape[1:]
+        child = _flat(value.values, dtype, int(np.prod(tail, dtype=np.int64)))
+        return pa.LargeListArray.from_arrays(pa.array(value.offsets, pa.int64()), child)
+    assert isinstance(value, np.ndarray)
+    return _flat(value, dtype, spec.row_items)
+
+
+def field_values(spec: FieldSpec, arr: pa.Array) -> np.ndarray | Ragged:
+    dtype = np.dtype(spec.dtype)
+    if spec.ragged:
+        off = np.asarray(arr.offsets, np.int64)
+        child = arr.values.slice(int(off[0]), int(off[-1] - off[0]))
+        values = _unflat(child, dtype, tuple(spec.shape[1:]))  # type: ignore[arg-type]
+        return Ragged(values, np.diff(off).astype(np.int32))
+    return _unflat(arr, dtype, tuple(spec.shape))  # type: ignore[arg-type]
+
+
+def next_obs_array(obs: FieldSpec, n: int, rows: dict[int, np.ndarray]) -> pa.Array:
+    """Explicit next_obs: a nullable large list per row (the observation's flat items, or
+    its rows when ragged)."""
+    dtype = np.dtype(obs.dtype)
+    present = sorted(rows)
+    per_item = obs.shape[1:] if obs.ragged else ()
+    items = int(np.prod(per_item, dtype=np.int64))
+    vals = [np.asarray(rows[r], dtype).reshape(-1, *per_item) for r in present]
+    lengths = np.zeros(n, np.int64)
+    lengths[present] = [len(v) for v in vals]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    flat = np.concatenate(vals) if vals else np.zeros((0, *per_item), dtype)
+    mask = np.ones(n, bool)
+    mask[present] = False
+    child = _flat(flat, dtype, items)
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets, pa.int64()), child, mask=pa.array(mask) if n else None
+    )
+
+
+def next_obs_rows(obs: FieldSpec, arr: pa.Array) -> dict[int, np.ndarray]:
+    dtype = np.dtype(obs.dtype)
+    per_item = tuple(obs.shape[1:]) if obs.ragged else ()
+    valid = np.flatnonzero(~np.asarray(arr.is_null(), bool))
+    off = np.asarray(arr.offsets, np.int64)
+    out = {}
+    for r in valid.tolist():
+        child = arr.values.slice(int(off[r]), int(off[r + 1] - off[r]))
+        row = _unflat(child, dtype, per_item)  # type: ignore[arg-type]
+        out[r] = row if obs.ragged else row.reshape(obs.shape)
+    return out
+
+
+# ---- strings --------------------------------------------------------------------------
+def str_array(col: StrColumn) -> pa.Array:
+    index = pa.array(col.index, pa.int32(), mask=col.index < 0)
+    return pa.DictionaryArray.from_arrays(index, pa.array(col.values, pa.string()))
+
+
+def str_column(arr: pa.Array) -> StrColumn:
+    if not pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_encode()
+    index = arr.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int32)
+    return StrColumn(arr.dictionary.to_pylist(), index)
+
+
+# ---- tables ---------------------------------------------------------------------------
+def _meta(spec: Any) -> dict[bytes, bytes]:
+    return {META_KEY: json.dumps(spec).encode()}
+
+
+def to_table(rows: StepRows, schema: Schema, extra: dict[str, Any]) -> pa.Table:
+    """One table of steps; ``extra`` (namespace, shard, seq range) goes in its metadata."""
+    cols: list[tuple[pa.Field, pa.Array]] = []
+
+    def add(name: str, arr: pa.Array, meta: Any = None) -> None:
+        cols.append((pa.field(name, arr.type, metadata=None if meta is None else _meta(meta)),
+                     arr))  # fmt: skip
+
+    add("id", pa.array(rows.id, pa.int64()))
+    add("episode_id", str_array(rows.episode_id))
+    add("step_index", pa.array(rows.step_index, pa.int32()))
+    for name in STR_META:
+        add(name, str_array(rows.strs[name]))
+    add("policy_version", pa.array(rows.policy_version, pa.int32()))
+    add("timestamp", pa.array(rows.timestamp, pa.float64()))
+    add("reward", pa.array(rows.reward, pa.float32()))
+    add("priority", pa.array(rows.priority, pa.float32()))
+    add("terminated", pa.array(rows.terminated, pa.bool_()))
+    add("truncated", pa.array(rows.truncated, pa.bool_()))
+    add("trainable", pa.array(rows.trainable, pa.bool_()))
+    add("quality", str_array(rows.strs["quality"]))
+    for name, kind in schema.tags.items():
+        col = TAG_PREFIX + name
+        arr = str_array(rows.strs[col]) if kind == "str" else pa.array(rows.nums[col])
+        add(col, arr)
+    for name, spec in schema.fields.items():
+        add(name, field_array(spec, rows.fields[name]), _spec(spec))
+    if "obs" in schema.fields:
+        obs = schema.fields["obs"]
+        add("next_obs", next_obs_array(obs, rows.n, rows.next_obs), _spec(obs))
+    info = [None] * rows.n
+    for r, d in rows.info.items():
+        info[r] = json.dumps(d)
+    add("info", pa.array(info, pa.string()))
+    meta = {"format": FORMAT, "schema": schema.to_dict(), **extra}
+    return pa.Table.from_arrays(
+        [a for _, a in cols], schema=pa.schema([f for f, _ in cols], metadata=_meta(meta))
+    )
+
+
+def _spec(spec: FieldSpec) -> dict[str, Any]:
+    return {"dtype": spec.dtype, "shape": list(spec.shape)}
+
+
+def table_meta(schema: pa.Schema) -> dict[str, Any]:
+    """The Claw metadata of an archive file (format, schema, namespace, seq range)."""
+    raw = (schema.metadata or {}).get(META_KEY)
+    if raw is None:
+        raise ValueError("not a Claw archive file (no 'claw' schema metadata)")
+    meta = json.loads(raw)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"archive format {meta.get('format')!r}; this Claw reads {FORMAT}")
+    return meta
+
+
+def from_table(table: pa.Table) -> StepRows:
+    """The steps of an archive table, exactly as archived."""
+    schema = Schema.from_dict(table_meta(table.schema)["schema"])
+
+    def col(name: str) -> pa.Array:
+        return table.column(name).combine_chunks()
+
+    def num(name: str, dtype: Any) -> np.ndarray:
+        return col(name).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+    strs = {name: str_column(col(name)) for name in STRING_COLUMNS}
+    nums = {}
+    for name, kind in schema.tags.items():
+        if kind == "str":
+            strs[TAG_PREFIX + name] = str_column(col(TAG_PREFIX + name))
+        else:
+            nums[TAG_PREFIX + name] = num(TAG_PREFIX + name, np.float64)
+    info_col = col("info")
+    info = {i: json.loads(v) for i, v in enumerate(info_col.to_pylist()) if v is not None}
+    obs = schema.fields.get("obs")
+    return StepRows(
+        id=num("id", np.int64),
+        episode_id=str_column(col("episode_id")),
+        step_index=num("step_index", np.int32),
+        policy_version=num("policy_version", np.int32),
+        timestamp=num("timestamp", np.float64),
+        reward=num("reward", np.float32),
+        priority=num("priority", np.float32),
+        terminated=num("terminated", bool),
+        truncated=num("truncated", bool),
+        trainable=num("trainable", bool),
+        strs=strs,
+        nums=nums,
+        fields={name: field_values(spec, col(name)) for name, spec in schema.fields.items()},
+        next_obs={} if obs is None else next_obs_rows(obs, col("next_obs")),
+        info=info,
+    )
+
+
+def to_batch(rows: StepRows, schema: Schema, batch_id: str) -> StepBatch:
+    """A committable batch of the rows (timestamps, labels and ids travel beside it)."""
+    nx = sorted(rows.next_obs)
+    next_obs: np.ndarray | Ragged | None = None
+    if nx:
+        vals = [rows.next_obs[r] for r in nx]
+        next_obs = Ragged.of(vals) if schema.fields["obs"].ragged else np.stack(vals)
+    info_rows = sorted(rows.info)
+    tags = {
+        tag_column(k[len(TAG_PREFIX) :]): v
+        for k, v in rows.strs.items()
+        if k.startswith(TAG_PREFIX)
+    }
+    return StepBatch(
+        episode=rows.episode_id,
+        step_index=rows.step_index,
+        reward=rows.reward,
+        terminated=rows.terminated,
+        truncated=rows.truncated,
+        fields=dict(rows.fields),
+        priority=rows.priority,
+        policy_version=rows.policy_version,
+        strs={**{k: rows.strs[k] for k in STR_META}, **tags},
+        nums={tag_column(k[len(TAG_PREFIX) :]): v for k, v in rows.nums.items()},
+        next_rows=np.array(nx, np.int32),
+        next_obs=next_obs,
+        info_rows=np.array(info_rows, np.int32),
+        info=[rows.info[r] for r in info_rows],
+        batch_id=batch_id,
+    )

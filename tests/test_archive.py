@@ -1,0 +1,335 @@
+"""Archival to Parquet and restore: lossless both ways, incremental, crash-safe."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from claw_tasks.app import client_app
+from claw_tasks.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.client import Ingestor
+from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.store import Store
+from orchestrator.cli.main import app
+from orchestrator.maintenance.archive import MANIFEST, ArchiveBusy, Manifest, archive_namespace
+from orchestrator.maintenance.steptable import StepRows, from_table, to_table
+
+
+def claw(redis_url: str, *args: str) -> str:
+    result = CliRunner().invoke(
+        app, list(args), env={"CLAW_REDIS_URL": redis_url, "COLUMNS": "200"}
+    )
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def wait_until(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _record(redis_url: str, namespace: str, episodes: int = 12) -> None:
+    """Steps with a vector obs, an 84x84x3 image, ragged tokens, tags, info, explicit
+    final next_obs, priorities and every string column, through the ingest workers."""
+    rng = np.random.default_rng(7)
+    ing = Ingestor(namespace, redis_url, n_shards=2, flush_interval=None, ragged=("tokens",))
+    for e in range(episodes):
+        length = 5 + e % 7
+        ep = ing.episode(
+            f"ep{e}",
+            task_id=f"task{e % 3}",
+            agent_id="arm" if e % 2 else None,
+            reward_source="env",
+            policy_version=e,
+            color=["red", "blue"][e % 2],
+        )
+        for t in range(length):
+            last = t == length - 1
+            tokens = rng.integers(0, 50_000, rng.integers(0, 6)).astype(np.int32)
+            extra = {"temp": float(rng.random())} if t % 2 else {}
+            ep.add(
+                rng.standard_normal(5).astype(np.float32),
+                np.int64(t % 4),
+                float(rng.standard_normal()),
+                next_obs=rng.standard_normal(5).astype(np.float32) if last else None,
+                terminated=last and e % 3 != 0,
+                truncated=last and e % 3 == 0,
+                info={"lives": t, "label": f"x{t}"} if t % 3 == 0 else None,
+                skill_tag="reach" if t < 2 else None,
+                priority=float(rng.random()) if e % 4 == 0 else None,
+                image=rng.integers(0, 256, (84, 84, 3), dtype=np.uint8),
+                tokens=tokens,
+                **extra,
+            )
+    assert ing.close().committed == sum(5 + e % 7 for e in range(episodes))
+    store = Store(redis_url, namespace)
+    store.curate(episode_id="ep1", quality="golden")
+    store.curate(episode_id="ep2", quality="bad", trainable=False)
+
+
+def _steps(store: Store) -> dict[tuple[str, int], dict]:
+    """Every live step by (episode id, step index), as ``Store.get`` reads it."""
+    out = {}
+    for shard in range(store.config().n_shards):
+        cols = store.meta_columns(shard, ["id"])
+        ids = cols["id"][cols["alive"]]
+        if not len(ids):
+            continue
+        got = store.get(ids)
+        for i in range(len(ids)):
+            row = {k: v[i] for k, v in got.items()}
+            out[(row["episode_id"], int(row["step_index"]))] = row
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray | np.generic) or isinstance(b, np.ndarray | np.generic):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, float) and isinstance(b, float) and np.isnan(a) and np.isnan(b):
+        return True
+    return a == b
+
+
+def _table_by_step(ns_dir: Path) -> pa.Table:
+    manifest = Manifest.load(ns_dir)
+    assert manifest is not None
+    tables = [pq.read_table(ns_dir / f["path"]) for f in manifest.files]
+    table = pa.concat_tables(tables, promote_options="permissive")
+    keys = pa.table({"e": table["episode_id"].cast(pa.string()), "s": table["step_index"]})
+    return table.take(pc.sort_indices(keys, [("e", "ascending"), ("s", "ascending")]))
+
+
+def _check_archive(ns_dir: Path, store: Store) -> list[int]:
+    """The manifest matches the files (names, rows, checksums, id ranges), and the files
+    hold each live step exactly once; returns the archived ids."""
+    manifest = Manifest.load(ns_dir)
+    assert manifest is not None
+    on_disk = {p.relative_to(ns_dir).as_posix() for p in ns_dir.rglob("*") if p.is_file()}
+    assert on_disk == {f["path"] for f in manifest.files} | {MANIFEST}
+    ids = []
+    for f in manifest.files:
+        data = (ns_dir / f["path"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == f["sha256"]
+        got = pq.read_table(pa.BufferReader(data), columns=["id"]).column("id").to_numpy()
+        assert len(got) == f["rows"]
+        assert (got.min(), got.max()) == (f["id_min"], f["id_max"])
+        ids += got.tolist()
+    assert len(ids) == len(set(ids)), "a step is in the archive twice"
+    live = []
+    cfg = store.config()
+    for shard in range(cfg.n_shards):
+        cols = store.meta_columns(shard, ["id"])
+        live += cols["id"][cols["alive"]].tolist()
+        seq = int(store.r.get(store.keys.shard_key(shard, "seq")))
+        assert manifest.watermarks[shard] == seq
+        assert int(store.r.get(store.keys.archived(shard))) == seq
+    assert sorted(ids) == sorted(live), "archive and store hold different steps"
+    assert manifest.rows == len(ids)
+    return ids
+
+
+def test_archive_restore_every_field_label_and_tag(redis_url, namespace, tmp_path, ingest_worker):
+    _record(redis_url, namespace)
+    src = Store(redis_url, namespace)
+    out = claw(redis_url, "archive", namespace, "--to", str(tmp_path / "arch"))
+    assert "steps" in out
+    ns_dir = tmp_path / "arch" / f"ns={namespace}"
+    ids = _check_archive(ns_dir, src)
+    # Partitioned by date; the first file holds the schema's dtype and shape.
+    files = sorted(ns_dir.rglob("*.parquet"))
+    assert all(p.parent.name.startswith("date=") and p.name.startswith("part-") for p in files)
+    image = pq.read_schema(files[0]).field("image")
+    assert json.loads(image.metadata[b"claw"]) == {"dtype": "|u1", "shape": [84, 84, 3]}
+
+    # A second run finds nothing new and writes nothing.
+    before = {p: p.stat().st_mtime_ns for p in ns_dir.rglob("*")}
+    again = json.loads(claw(redis_url, "archive", namespace, "--to", str(tmp_path / "arch"),
+                            "--json").split("\n", 1)[1])  # fmt: skip
+    assert again["files"] == [] and again["rows"] == 0
+    assert {p: p.stat().st_mtime_ns for p in ns_dir.rglob("*")} == before
+
+    # Restore into a new namespace: every value equal, new ids, the old ones in orig_id.
+    dst_ns = namespace + "-back"
+    claw(redis_url, "restore", str(tmp_path / "arch"), "--namespace", dst_ns)
+    dst = Store(redis_url, dst_ns)
+    a, b = _steps(src), _steps(dst)
+    assert a.keys() == b.keys() and len(a) == len(ids)
+    for key, row in a.items():
+        back = b[key]
+        assert back["tags.orig_id"] == row["id"]
+        for col, value in row.items():
+            if col != "id":
+                assert _same(value, back[col]), (key, col, value, back[col])
+    assert {r["quality"] for r in b.values()} == {None, "golden", "bad"}
+    assert not all(r["trainable"] for r in b.values())
+    assert dst.config().schema.fields["image"] == FieldSpec("|u1", (84, 84, 3))
+
+    # The restored namespace archives to the same tables (info included), but for ids.
+    claw(redis_url, "archive", dst_ns, "--to", str(tmp_path / "arch2"))
+    t1 = _table_by_step(ns_dir)
+    t2 = _table_by_step(tmp_path / "arch2" / f"ns={dst_ns}")
+    assert t1.num_rows == t2.num_rows
+    for name in t1.column_names:
+        if name != "id":
+            # repr: floats exactly, and NaN equal to NaN
+            assert repr(t1.column(name).to_pylist()) == repr(t2.column(name).to_pylist()), name
+    assert t2.column("tags.orig_id").to_pylist() == t1.column("id").to_pylist()
+
+    # The archive reads as a plain Parquet dataset (the query of docs/architecture.md).
+    steps = ds.dataset(tmp_path / "arch" / f"ns={namespace}", partitioning="hive")
+    ended = steps.to_table(
+        columns=["episode_id", "step_index", "reward"],
+        filter=(ds.field("terminated") | ds.field("truncated")) & (ds.field("task_id") == "task0"),
+    )
+    assert ended.num_rows == src.count({"task_id": "task0", "terminated": True}) + src.count(
+        {"task_id": "task0", "truncated": True}
+    )
+
+
+def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_path, start_worker, r):
+    store = Store(redis_url, namespace)
+    store.create(100_000, n_shards=2)
+    n = 20_000
+    rng = np.random.default_rng(1)
+    store.commit(
+        StepBatch(
+            episode=StrColumn.of([f"ep{i // 50}" for i in range(n)]),
+            step_index=np.arange(n) % 50,
+            reward=rng.standard_normal(n).astype(np.float32),
+            terminated=np.arange(n) % 50 == 49,
+            truncated=np.zeros(n, bool),
+            fields={
+                "obs": rng.standard_normal((n, 4)).astype(np.float32),
+                "action": np.arange(n, dtype=np.int64),
+            },
+        )
+    )
+    root = tmp_path / "arch"
+    sender = client_app(redis_url)
+
+    def send() -> None:
+        # Small files: many runs, so the kill lands in the middle of the archive.
+        sender.send_task(
+            "claw.maintenance.archive",
+            args=[namespace, str(root)],
+            kwargs={"chunk_bytes": 8192},
+            queue="maintenance",
+        )
+
+    keys = [store.keys.archived(s) for s in range(2)]
+
+    def archived() -> int:
+        return sum(int(v or 0) for v in r.mget(keys))
+
+    worker = start_worker("maintenance", CLAW_ARCHIVE_LOCK_TTL="2")
+    send()
+    wait_until(lambda: archived() > 0, "the archive to start")
+    worker.kill()
+    assert archived() < n, "the archive finished before the kill; the test proves nothing"
+    wait_until(lambda: not r.exists(store.keys.archive_lock), "the dead run's lock to lapse")
+
+    start_worker("maintenance", CLAW_ARCHIVE_LOCK_TTL="2")
+    send()
+    wait_until(lambda: archived() == n and not r.exists(store.keys.archive_lock), "the re-run")
+    ids = _check_archive(root / f"ns={namespace}", store)
+    assert len(ids) == n
+
+
+def test_archive_busy_and_missing_directory_name_the_cause(redis_url, namespace, tmp_path):
+    store = Store(redis_url, namespace)
+    store.create(100)
+    r = store.r
+    r.set(store.keys.archive_lock, "someone")
+    store.commit(
+        StepBatch(
+            episode=StrColumn.constant("e", 1),
+            step_index=np.zeros(1, np.int64),
+            reward=np.zeros(1, np.float32),
+            terminated=np.zeros(1, bool),
+            truncated=np.zeros(1, bool),
+            fields={"obs": np.zeros((1, 2), np.float32)},
+        )
+    )
+    with pytest.raises(ArchiveBusy, match="another archive run"):
+        archive_namespace(store, tmp_path)
+    r.delete(store.keys.archive_lock)
+    archive_namespace(store, tmp_path / "a")
+    # Archiving elsewhere would split the archive: refused, with the way out.
+    with pytest.raises(LookupError, match="another directory"):
+        archive_namespace(store, tmp_path / "b")
+    result = CliRunner().invoke(
+        app, ["restore", str(tmp_path / "nowhere"), "-n", "x"], env={"CLAW_REDIS_URL": redis_url}
+    )
+    assert result.exit_code == 1 and "no Claw archive" in result.output
+
+
+@pytest.mark.parametrize(
+    "dtype, shape",
+    [("<f8", ()), ("|b1", (3,)), ("<c8", (2,)), (">i4", (2, 2)), ("<f2", (300,)),
+     ("<u2", (None,)), ("<f4", (None, 3))],
+)  # fmt: skip
+def test_table_round_trip_is_bit_exact(dtype, shape):
+    rng = np.random.default_rng(3)
+    spec = FieldSpec(dtype, shape)
+    n = 6
+
+    def random(k: int, dims: tuple) -> np.ndarray:
+        """Any bit pattern (NaN payloads, odd bools aside) of ``k`` rows of ``dims``."""
+        raw = rng.integers(0, 256, (k, spec.row_bytes), dtype=np.uint8)
+        if np.dtype(dtype).kind == "b":
+            raw %= 2
+        return raw.view(np.dtype(dtype)).reshape(k, *dims)
+
+    lengths = np.array([0, 2, 1, 3, 0, 1], np.int32)
+    if spec.ragged:
+        obs = Ragged(random(int(lengths.sum()), shape[1:]), lengths)
+    else:
+        obs = random(n, shape)
+    schema = Schema(fields={"obs": spec}, tags={"color": "str", "w": "num"})
+    next_obs = {r: obs.row(r) if spec.ragged else obs[r] for r in (2, 5)}
+    step_rows = StepRows(
+        id=np.arange(n, dtype=np.int64), episode_id=StrColumn.of(["a", "a", "b", "b", "c", "c"]),
+        step_index=np.arange(n, dtype=np.int32), policy_version=np.zeros(n, np.int32),
+        timestamp=np.full(n, 1.5), reward=np.arange(n, dtype=np.float32),
+        priority=np.array([np.nan, 1, 2, 3, 4, 5], np.float32),
+        terminated=np.arange(n) % 2 == 1, truncated=np.zeros(n, bool), trainable=np.ones(n, bool),
+        strs={"agent_id": StrColumn.of([None] * n), "task_id": StrColumn.of(["t"] * n),
+              "skill_tag": StrColumn.of([None, "s"] * 3), "reward_source": StrColumn.of([None] * n),
+              "quality": StrColumn.of([None] * n), "tags.color": StrColumn.of(["r", None] * 3)},
+        nums={"tags.w": np.array([np.nan, 1, 2, 3, 4, 5])},
+        fields={"obs": obs}, next_obs=next_obs, info={1: {"k": 1, "s": "v", "f": 0.1}},
+    )  # fmt: skip
+    back = from_table(pq.read_table(_parquet(to_table(step_rows, schema, {}))))
+    got, want = back.fields["obs"], obs
+    if spec.ragged:
+        assert np.array_equal(got.lengths, want.lengths)
+        got, want = got.values, want.values
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+    assert back.next_obs.keys() == next_obs.keys()
+    for k, v in next_obs.items():
+        assert back.next_obs[k].tobytes() == np.asarray(v).tobytes()
+        assert back.next_obs[k].shape == np.asarray(v).shape
+    assert back.info == step_rows.info
+    assert back.strs["tags.color"].strings() == step_rows.strs["tags.color"].strings()
+    assert back.priority.tobytes() == step_rows.priority.tobytes()
+
+
+def _parquet(table: pa.Table) -> pa.BufferReader:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return pa.BufferReader(sink.getvalue())
