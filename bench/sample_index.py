@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 
+from claw_tasks.where import Where
 from orchestrator.recipe.model import Recipe
-from orchestrator.recipe.where import Where, eligible
-from orchestrator.sampling.samplers import RecipeSampler
+from orchestrator.sampling.samplers import RecipeSampler, eligible
 
 CODES = {"grasp": 1, "reach": 2, "lift": 3, "push": 4, "place": 5}
 WHERE = {"task_id": "grasp", "skill_tag": {"in": ["reach", "grasp"]}, "reward": {"gt": 0.0}}
@@ -100,7 +100,7 @@ def bench(n: int, repeats: int) -> dict[str, float]:
 
     refresh = median_ms(update, repeats)
     both = median_ms(lambda: (update(), sampler.sample(cols, rng)), repeats)
-    where = Where(WHERE, encode, {})
+    where = Where(WHERE, {}, encode)
     scan = median_ms(lambda: scan_draw(cols, where, rng), max(3, repeats // 20))
     return {
         "candidates": sampler.sources[0].n,

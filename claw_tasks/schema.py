@@ -42,17 +42,33 @@ MAX_STEP_BYTES = 16 * 1024 * 1024
 MAX_BATCH_BYTES = 512 * 1024 * 1024
 
 
-TAG_PREFIX = "t:"
+# A free tag has two names: the stored column (``t:<name>``: Redis keys, batch columns,
+# the sampling index) and the key users write (``tags.<name>``: where filters, recipe
+# fields, step records). These four functions are the only place that maps between them.
+TAG_COLUMN_PREFIX = "t:"
+TAG_KEY_PREFIX = "tags."
 
 
 def tag_column(name: str) -> str:
     """The metadata column (and batch column) of free tag ``name``."""
-    return TAG_PREFIX + name
+    return TAG_COLUMN_PREFIX + name
 
 
 def tag_name(column: str) -> str | None:
     """The tag a metadata column holds, or None for fixed metadata."""
-    return column[len(TAG_PREFIX) :] if column.startswith(TAG_PREFIX) else None
+    return column[len(TAG_COLUMN_PREFIX) :] if column.startswith(TAG_COLUMN_PREFIX) else None
+
+
+def tag_key(name: str) -> str:
+    """The user-facing key of free tag ``name`` (``tags.<name>``)."""
+    return TAG_KEY_PREFIX + name
+
+
+def key_tag(key: str) -> str | None:
+    """The tag a user-facing key names, or None when it is not ``tags.<name>``."""
+    if key.startswith(TAG_KEY_PREFIX) and len(key) > len(TAG_KEY_PREFIX):
+        return key[len(TAG_KEY_PREFIX) :]
+    return None
 
 
 class SchemaError(ValueError):

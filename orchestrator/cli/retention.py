@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from claw_tasks.store.retention import Retention, parse_bytes, parse_duration
-from orchestrator.recipe.where import parse_where
+from claw_tasks.where import Where
 
 
 def protect_filter(text: str, tags: Mapping[str, str]) -> dict[str, Any]:
@@ -18,7 +18,7 @@ def protect_filter(text: str, tags: Mapping[str, str]) -> dict[str, Any]:
     where = yaml.safe_load(text)
     if not isinstance(where, dict):
         raise ValueError(f"--protect {text!r}: give a where mapping such as '{{quality: golden}}'")
-    parse_where(where, tags or None)
+    Where(where, tags or None)
     return where
 
 

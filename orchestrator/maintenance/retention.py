@@ -11,7 +11,7 @@ import numpy as np
 
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
-from orchestrator.recipe.where import Where
+from claw_tasks.where import Where
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.strings import Strings
 
@@ -36,7 +36,7 @@ def protected_mask(
     """Live rows that match any of the policy's ``protect`` filters."""
     out = np.zeros(len(columns["alive"]), bool)
     for where in retention.protect:
-        out |= Where(where, strings.encode, tags).mask(columns, {})
+        out |= Where(where, tags, strings.encode).mask(columns, {})
     return out & columns["alive"]
 
 

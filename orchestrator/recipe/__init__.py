@@ -1,5 +1,5 @@
 """The recipe: the declarative batch spec every stage reads (sampling, delivery,
-maintenance), and the ``where`` filter language it uses."""
+maintenance). Its ``where`` filters are the language of :mod:`claw_tasks.where`."""
 
 from orchestrator.recipe.model import Recipe, same_recipe
 

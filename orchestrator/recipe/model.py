@@ -27,7 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from orchestrator.recipe.where import FIXED, TAG_PREFIX, FilterError, parse_where, resolve
+from claw_tasks.schema import tag_key
+from claw_tasks.where import AGE, FIXED, FilterError, Where
 
 RECORD_FIELDS = frozenset({"reward", "terminated", "truncated", "info"})
 """Fields every step record has, whatever the namespace schema (``obs``, ``action`` and the
@@ -99,22 +100,33 @@ class SamplerSpec(_Model):
 
 
 class Source(_Model):
-    """One component of the mixture."""
+    """One component of the mixture. ``where`` is either form of the where language."""
 
     name: Name
     weight: PositiveFloat = 1.0
-    where: dict[str, Any] = {}
+    where: StrictStr | dict[str, Any] = {}
     window: Window | None = None
     sampler: SamplerSpec = SamplerSpec()
 
     @field_validator("where")
     @classmethod
-    def _where(cls, where: dict[str, Any]) -> dict[str, Any]:
+    def _where(cls, where: str | dict[str, Any]) -> str | dict[str, Any]:
         try:
-            parse_where(where)
+            keys = Where(where).keys
         except FilterError as e:
             raise ValueError(str(e)) from None
+        if AGE.name in keys:  # a sampler keeps its candidates; they must not age by the clock
+            raise ValueError("age: a source filters by age with window: {max_age_s: <seconds>}")
         return where
+
+    def where_error(self, i: int, tags: Mapping[str, str] | None, params: Mapping) -> str | None:
+        """What is wrong with the where against ``tags`` and ``params``, or None."""
+        try:
+            Where(self.where, tags).key(params)
+        except FilterError as e:
+            sep = ": " if isinstance(self.where, str) else "."
+            return f"sources[{i}] ({self.name}).where{sep}{e}"
+        return None
 
 
 class Prefetch(_Model):
@@ -199,10 +211,8 @@ class Recipe(_Model):
             if key not in self.fields:
                 raise ValueError(f"augment.{key}: not one of the recipe's fields")
         for i, src in enumerate(self.sources):
-            try:
-                resolve(parse_where(src.where), self.params)
-            except FilterError as e:
-                raise ValueError(f"sources[{i}] ({src.name}).where.{e}") from None
+            if problem := src.where_error(i, None, self.params):
+                raise ValueError(problem)
         for src, n in zip(self.sources, self.counts, strict=True):
             if n == 0:
                 raise ValueError(
@@ -219,7 +229,7 @@ class Recipe(_Model):
     def validate_against(self, schema: SchemaLike) -> None:
         """Check fields, ``where`` keys and param types against a namespace schema."""
         known = set(RECORD_FIELDS) | set(FIXED) | set(schema.fields)
-        known |= {f"{TAG_PREFIX}{t}" for t in schema.tags}
+        known |= {tag_key(t) for t in schema.tags}
         if "obs" in schema.fields:
             known.add("next_obs")
         problems = []
@@ -229,10 +239,8 @@ class Recipe(_Model):
             elif f not in known:
                 problems.append(f"fields: {f!r} is not a field of the namespace")
         for i, src in enumerate(self.sources):
-            try:
-                resolve(parse_where(src.where, schema.tags), self.params)
-            except FilterError as e:
-                problems.append(f"sources[{i}] ({src.name}).where.{e}")
+            if problem := src.where_error(i, schema.tags, self.params):
+                problems.append(problem)
         if problems:
             raise RecipeError(f"recipe {self.name!r}: " + "; ".join(problems))
 

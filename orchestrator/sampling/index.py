@@ -1,7 +1,7 @@
 """The sampling index: a numpy mirror of one namespace's metadata columns.
 
 ``columns`` maps every metadata column (``id``, ``episode``, …, ``t:<tag>``, see
-:mod:`orchestrator.recipe.where`) and ``alive`` to one array over the global rows
+:mod:`claw_tasks.where`) and ``alive`` to one array over the global rows
 ``shard * cap + slot``, priorities and numeric tags decoded (NaN = unset). Redis stays the
 only source of truth: the index is built cold from the shards' ``m:<col>`` strings and
 ``alive`` bitmaps, then kept current from the shards' change logs (``lua/log_since.lua``):

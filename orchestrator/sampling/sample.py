@@ -39,12 +39,12 @@ import numpy as np
 import redis
 
 from claw_tasks.codec import unpackb
-from claw_tasks.schema import FieldSpec, tag_column
+from claw_tasks.schema import FieldSpec
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import EXPLICIT_NEXT
+from claw_tasks.where import lookup
 from orchestrator.recipe.model import Recipe, same_recipe
-from orchestrator.recipe.where import FIXED, FLAG_BITS, TAG_PREFIX
 from orchestrator.sampling.fetch import (
     Fetcher,
     Read,
@@ -298,18 +298,14 @@ class _Assembly:
         if name == "info":
             i = self._read(info_read(rows))
             return lambda res: self._nested([unpackb(b) if b else {} for b in res[i]])
-        if name in ("terminated", "truncated"):
-            return lambda _: self._shaped((cols["flags"][rows] & FLAG_BITS[name]) != 0)
-        column, kind = FIXED.get(name, (None, None))
-        if column is None:
-            tag = name.removeprefix(TAG_PREFIX)
-            column = tag_column(tag)
-            kind = "code" if self.s.index.schema.tags[tag] == "str" else "num"  # type: ignore[union-attr]
-        values = cols[column][rows]
-        if kind == "num":
+        key = lookup(name, self.s.index.schema.tags)  # type: ignore[union-attr]
+        values = cols[key.column][rows]
+        if key.kind == "flag":
+            return lambda _: self._shaped(((values & key.bit) != 0) == key.when_set)
+        if key.kind == "num":
             return lambda _: self._shaped(values)
-        self._lookup(column, values)
-        return lambda _: self._shaped(self.s.strings.decode(column, values))
+        self._lookup(key.column, values)
+        return lambda _: self._shaped(self.s.strings.decode(key.column, values))
 
     def _plan_next_obs(self, spec: FieldSpec, boot: np.ndarray) -> Finish:
         nxt = follow(self.cols, boot, self.cap)

@@ -1,6 +1,6 @@
 """Draw a recipe's batch of global rows from the metadata columns.
 
-Filters (``where``) come from :mod:`orchestrator.recipe.where`.
+Filters (``where``) are the language of :mod:`claw_tasks.where`.
 
 Every batch holds exactly ``recipe.counts[i]`` rows of source ``i``, in source order. A
 source's candidates are the rows that are alive, trainable and match its ``where``:
@@ -36,8 +36,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from claw_tasks.store.layout import UNTRAINABLE
+from claw_tasks.where import Encoder, Where
 from orchestrator.recipe.model import Recipe, Source
-from orchestrator.recipe.where import Encoder, Where, eligible
 from orchestrator.sampling.sequences import n_step, windows
 from orchestrator.sampling.sumtree import MaxTree, SumTree
 
@@ -45,6 +46,14 @@ Columns = Mapping[str, np.ndarray]
 Accept = Callable[[Columns, np.ndarray], np.ndarray]
 _MAX_TRIES = 1 << 20  # draws per source and batch before giving up on rejections
 _MAX_ROUND = 1 << 16
+
+
+def eligible(columns: Columns, rows: np.ndarray | None = None) -> np.ndarray:
+    """Rows that may be sampled at all: alive and trainable."""
+    alive, flags = columns["alive"], columns["flags"]
+    if rows is not None:
+        alive, flags = alive[rows], flags[rows]
+    return alive & ((flags & UNTRAINABLE) == 0)
 
 
 class InsufficientData(RuntimeError):
@@ -281,7 +290,7 @@ class RecipeSampler:
 
     def __init__(self, recipe: Recipe, encode: Encoder, tags: Mapping[str, str], cap: int):
         self.recipe, self.cap = recipe, cap
-        self.sources = [SourceIndex(s, Where(s.where, encode, tags)) for s in recipe.sources]
+        self.sources = [SourceIndex(s, Where(s.where, tags, encode)) for s in recipe.sources]
         self.counts = recipe.counts
         self._accept = _acceptor(recipe, cap)
         self._needs_max = any(s.kind == "priority" for s in self.sources)

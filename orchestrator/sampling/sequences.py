@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orchestrator.recipe.where import FLAG_BITS
+from claw_tasks.store.layout import EXPLICIT_NEXT, TERMINATED, TRUNCATED
 
-_END = FLAG_BITS["terminated"] | FLAG_BITS["truncated"]
+_END = TERMINATED | TRUNCATED
 
 
 class NStep(NamedTuple):
@@ -51,7 +51,7 @@ def follow(columns: Mapping[str, np.ndarray], rows: np.ndarray, cap: int) -> np.
 
 def has_next_obs(columns: Mapping[str, np.ndarray], rows: np.ndarray, cap: int) -> np.ndarray:
     """Whether each row's ``next_obs`` exists: given explicitly, or the next step's ``obs``."""
-    explicit = (columns["flags"][rows] & FLAG_BITS["next_obs"]) != 0
+    explicit = (columns["flags"][rows] & EXPLICIT_NEXT) != 0
     return explicit | (follow(columns, rows, cap) >= 0)
 
 
@@ -75,7 +75,7 @@ def n_step(
         bootstrap = np.where(active, cur, bootstrap)
         discount = np.where(active, discount * gamma, discount)
         f = flags[cur]
-        done |= active & ((f & FLAG_BITS["terminated"]) != 0)
+        done |= active & ((f & TERMINATED) != 0)
         active &= (f & _END) == 0
         if k + 1 < n:
             nxt = follow(columns, cur, cap)

@@ -3,7 +3,8 @@
 A string's code never changes, so known codes and names are cached for good. Codes are
 allocated in increasing order, so a string not in the dictionary yet can only appear on
 rows with a code above every code the index has shown so far: it is asked for again once
-the index shows such a code. Episode ids are not a dictionary: their code is a hash.
+the index shows such a code. (Episode ids are not a dictionary: the where language hashes
+them itself.)
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.store import Store
-from claw_tasks.store.layout import episode_code
 from orchestrator.sampling.index import SamplingIndex
 
 
 class Strings:
-    """``encode`` for :class:`orchestrator.recipe.where.Where`; cached ``decode`` for fields."""
+    """``encode`` for :class:`claw_tasks.where.Where`; cached ``decode`` for fields."""
 
     def __init__(self, store: Store, index: SamplingIndex) -> None:
         self.store, self.index = store, index
@@ -30,8 +30,6 @@ class Strings:
 
     def encode(self, column: str, strings: Sequence[str]) -> np.ndarray:
         """Codes of ``strings`` in ``column`` (-1 = not in the dictionary)."""
-        if column == "episode":
-            return np.array([episode_code(str(s)) for s in strings], np.int64)
         known = self._codes.setdefault(column, {})
         unknown = self._unknown.setdefault(column, set())
         ask = [s for s in dict.fromkeys(strings) if s not in known and s not in unknown]
