@@ -76,7 +76,8 @@ class _Step:
 
 
 class Episode:
-    """Steps of one episode, added in order. Use as a context manager."""
+    """Steps of one episode, added in order. Use as a context manager: leaving the block
+    ends the episode (:meth:`end`)."""
 
     def __init__(
         self, ingestor: Ingestor, episode_id: str, meta: dict[str, Any], tags: dict[str, Any]
@@ -86,12 +87,20 @@ class Episode:
         self.meta = meta
         self.tags = tags
         self.step_index = 0
+        self.ended = False
 
     def __enter__(self) -> Episode:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        self.end()
+
+    def end(self) -> None:
+        """End the episode: a later :meth:`add` raises. Its steps go out with the
+        Ingestor's next batch (by count, by ``flush_interval``, or ``flush``/``close``):
+        batches span episodes, so ending one sends nothing by itself. The last step's
+        ``terminated``/``truncated`` are the ones it was added with; nothing is marked."""
+        self.ended = True
 
     def add(
         self,
@@ -108,6 +117,11 @@ class Episode:
     ) -> None:
         """Add the next step. Extra keyword arrays are payload fields (e.g. ``prompt_ids``);
         extra scalars (str/int/float) are tags. Raises before buffering on bad input."""
+        if self.ended:
+            raise RuntimeError(
+                f"episode {self.episode_id!r} has ended (its with block exited, or end() was "
+                "called); start the next one with ingestor.episode()"
+            )
         fields = {"obs": obs, "action": action}
         tags = dict(self.tags)
         for k, v in fields_and_tags.items():

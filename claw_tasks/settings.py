@@ -27,6 +27,10 @@ class Settings:
     comma-separated): whoever configures a namespace must not pick code for workers."""
     archive_dir: str | None = None  # where the nightly archive writes (claw.maintenance.archive)
     archive_lock_ttl: float = 60.0  # an archive run's lock lapses this long after the run stops
+    # Bounds of a worker's per-namespace caches (stores, sampling sessions with their
+    # index) and of its per-recipe augmentation plans: least recently used go first.
+    namespace_cache_size: int = 64
+    plan_cache_size: int = 256
 
 
 def load_settings() -> Settings:
@@ -42,6 +46,8 @@ def load_settings() -> Settings:
         scorers=tuple(filter(None, map(str.strip, os.environ.get("CLAW_SCORERS", "").split(",")))),
         archive_dir=os.environ.get("CLAW_ARCHIVE_DIR") or None,
         archive_lock_ttl=float(os.environ.get("CLAW_ARCHIVE_LOCK_TTL", "60")),
+        namespace_cache_size=int(os.environ.get("CLAW_NAMESPACE_CACHE_SIZE", "64")),
+        plan_cache_size=int(os.environ.get("CLAW_PLAN_CACHE_SIZE", "256")),
     )
 
 

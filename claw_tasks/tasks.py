@@ -9,18 +9,29 @@ import redis
 
 from claw_tasks.app import app, settings
 from claw_tasks.ingest import process
+from claw_tasks.lru import LRU
 from claw_tasks.store import Store
 
 
 @cache
-def _client() -> redis.Redis:
-    # Created lazily, so each prefork child gets its own connection pool.
+def redis_client() -> redis.Redis:
+    """This worker process's client of the data store (made lazily, so each prefork child
+    gets its own connection pool)."""
     return redis.Redis.from_url(settings.redis_url)
 
 
-@cache
+stores: LRU[str, Store] = LRU(settings.namespace_cache_size)
+
+
 def store_for(namespace: str) -> Store:
-    return Store(_client(), namespace)
+    """This process's ``Store`` of ``namespace`` (kept for the most recently used
+    ``namespace_cache_size`` namespaces)."""
+    return stores.get(namespace, lambda: Store(redis_client(), namespace))
+
+
+def forget_namespace(namespace: str) -> None:
+    """Drop this process's cached ``Store`` of ``namespace`` (call when it is deleted)."""
+    stores.drop(lambda ns: ns == namespace)
 
 
 @app.task(

@@ -149,3 +149,14 @@ def test_sharded_namespace(redis_url, namespace, ingest_worker, n_shards):
         got = store.episode(f"e{e}")
         np.testing.assert_array_equal(got["obs"][:, 0], e * 100 + np.arange(20))
         np.testing.assert_array_equal(got["next_obs"][:-1, 0], e * 100 + np.arange(1, 20))
+
+
+def test_leaving_the_episode_block_ends_it(redis_url, namespace, ingest_worker):
+    ing = _ingestor(redis_url, namespace)
+    with ing.episode(episode_id="closed") as ep:
+        ep.add(np.zeros(8, np.float32), np.int64(0), 1.0)
+    with pytest.raises(RuntimeError, match=r"episode .closed. has ended.*ingestor\.episode"):
+        ep.add(np.zeros(8, np.float32), np.int64(0), 2.0)
+    assert ing.close().committed == 1  # the step before the end is kept
+    got = Store(redis_url, namespace).episode("closed")
+    assert got["reward"].tolist() == [1.0] and not got["truncated"].any()

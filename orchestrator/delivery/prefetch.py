@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 from celery.signals import worker_process_init
 
-from claw_tasks.app import app
+from claw_tasks.app import app, settings
+from claw_tasks.lru import LRU
 from claw_tasks.store import NamespaceError
 from claw_tasks.tasks import store_for
 from orchestrator.delivery import ratelimit, shm
@@ -49,7 +50,7 @@ def _seed_child(**_: Any) -> None:
         pass
 
 
-_plans: dict[tuple[str, str], tuple[str, AugmentPlan | None]] = {}
+plans: LRU[tuple[str, str], tuple[str, AugmentPlan | None]] = LRU(settings.plan_cache_size)
 REAP_EVERY_S = 60.0
 _last_reap = -math.inf
 
@@ -59,13 +60,20 @@ def _augment_digest(augment: dict[str, Any]) -> str:
 
 
 def _plan(namespace: str, recipe: Recipe) -> AugmentPlan | None:
-    """The recipe's augmentation pipelines, kept per process while its ``augment`` section
-    stays the same (running statistics live across versions: ``set_params`` keeps them)."""
+    """The recipe's augmentation pipelines, kept per process (the ``plan_cache_size`` most
+    recently used recipes) while its ``augment`` section stays the same."""
     key, digest = (namespace, recipe.name), _augment_digest(recipe.augment)
-    cached = _plans.get(key)
-    if cached is None or cached[0] != digest:
-        cached = _plans[key] = (digest, build_pipelines(recipe.augment) if recipe.augment else None)
+    cached = plans.get(key, lambda: ("", None))
+    if cached[0] != digest:
+        cached = (digest, build_pipelines(recipe.augment) if recipe.augment else None)
+        plans.put(key, cached)
     return cached[1]
+
+
+def forget_namespace(namespace: str) -> None:
+    """Drop this process's augmentation plans of ``namespace``'s recipes (call when it is
+    deleted)."""
+    plans.drop(lambda key: key[0] == namespace)
 
 
 def _rng_for(reg: Registry, recipe: Recipe) -> np.random.Generator:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from claw_tasks.app import app
-from claw_tasks.tasks import store_for
+from claw_tasks.tasks import redis_client, store_for
 from orchestrator.delivery import shm
 from orchestrator.delivery.registry import ACTIVE, Registry
 
@@ -16,9 +16,8 @@ ORPHAN_SEGMENT_AGE_S = shm.ORPHAN_AGE_S
 def refill() -> dict[str, Any]:
     """Safety net for demand-driven refill: every second, ask for a fill of each queue
     below its depth that has no fill on its way."""
-    store = store_for("_")  # any namespace: only its client is used here
     sent = 0
-    for raw_ns in store.r.smembers(ACTIVE):
+    for raw_ns in redis_client().smembers(ACTIVE):
         reg = Registry(store_for(raw_ns.decode()))
         for name in reg.names():
             entry = reg.get(name)

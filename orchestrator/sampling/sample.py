@@ -39,6 +39,7 @@ import numpy as np
 import redis
 
 from claw_tasks.codec import unpackb
+from claw_tasks.lru import LRU
 from claw_tasks.schema import FieldSpec
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
@@ -116,10 +117,20 @@ def update_priorities(
 
 
 # ---- sessions ------------------------------------------------------------------------
+# Per process: a client per Redis URL (few), and, for the most recently used
+# ``namespace_cache_size`` namespaces, their ``Store`` and sampling session (the index).
 _lock = threading.Lock()
 _clients: dict[tuple[str, int], redis.Redis] = {}
-_stores: dict[tuple[Any, ...], Store] = {}
-_sessions: dict[tuple[Any, ...], _Session] = {}
+_cache_size = load_settings().namespace_cache_size
+stores: LRU[tuple[Any, ...], Store] = LRU(_cache_size)  # (url, namespace, pid)
+sessions: LRU[tuple[Any, ...], _Session] = LRU(_cache_size)  # (server..., namespace, pid)
+
+
+def forget_namespace(namespace: str) -> None:
+    """Drop this process's store and sampling session (index, samplers, string caches) of
+    ``namespace`` (call when it is deleted: a namespace made again starts cold)."""
+    stores.drop(lambda key: key[1] == namespace)
+    sessions.drop(lambda key: key[-2] == namespace)
 
 
 def _store(target: str | Store, redis_url: str | None) -> Store:
@@ -131,10 +142,7 @@ def _store(target: str | Store, redis_url: str | None) -> Store:
         client = _clients.get((url, pid))
         if client is None:
             client = _clients[url, pid] = redis.Redis.from_url(url)
-        store = _stores.get((url, target, pid))
-        if store is None:
-            store = _stores[url, target, pid] = Store(client, target)
-        return store
+    return stores.get((url, target, pid), lambda: Store(client, target))
 
 
 def _session(target: str | Store, redis_url: str | None, index: SamplingIndex | None) -> _Session:
@@ -147,10 +155,7 @@ def _session(target: str | Store, redis_url: str | None, index: SamplingIndex | 
     kw = store.r.connection_pool.connection_kwargs
     key = (kw.get("host"), kw.get("port"), kw.get("path"), kw.get("db"), store.namespace)
     key += (os.getpid(),)  # a forked child builds its own (own locks and random streams)
-    with _lock:
-        if key not in _sessions:
-            _sessions[key] = _Session(SamplingIndex(store))
-        return _sessions[key]
+    return sessions.get(key, lambda: _Session(SamplingIndex(store)))
 
 
 @dataclass

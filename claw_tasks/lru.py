@@ -1,0 +1,61 @@
+"""``LRU``: the bounded cache behind every per-namespace cache of a long-lived worker."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class LRU(Generic[K, V]):
+    """At most ``maxsize`` entries; the least recently used goes first. A worker serving
+    many namespaces (or recipes) over days keeps only the ones it uses. Thread-safe."""
+
+    def __init__(self, maxsize: int) -> None:
+        if maxsize < 1:
+            raise ValueError(f"an LRU cache needs maxsize >= 1, got {maxsize}")
+        self.maxsize = maxsize
+        self._items: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: K, make: Callable[[], V]) -> V:
+        """The entry of ``key``, made by ``make()`` (under the lock) when absent."""
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+            value = self._items[key] = make()
+            if len(self._items) > self.maxsize:
+                self._items.popitem(last=False)
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            if len(self._items) > self.maxsize:
+                self._items.popitem(last=False)
+
+    def drop(self, match: Callable[[K], bool]) -> int:
+        """Remove the entries whose key matches; returns how many."""
+        with self._lock:
+            gone = [k for k in self._items if match(k)]
+            for k in gone:
+                del self._items[k]
+            return len(gone)
+
+    def __iter__(self) -> Iterator[K]:
+        """The keys (a snapshot), least recently used first."""
+        with self._lock:
+            return iter(list(self._items))
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)

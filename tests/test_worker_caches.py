@@ -1,0 +1,106 @@
+"""Per-process caches of long-lived workers: bounded (LRU), and a namespace's entries can be
+dropped (``forget_namespace``); the beat's refill needs no namespace to reach Redis."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stepdata import batch, episode
+
+from claw_tasks import tasks
+from claw_tasks.lru import LRU
+from claw_tasks.store import Store
+from orchestrator.delivery import prefetch
+from orchestrator.delivery.registry import Registry
+from orchestrator.recipe.model import Recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+# The module (``orchestrator.sampling.sample`` the attribute is the function).
+sampling = importlib.import_module("orchestrator.sampling.sample")
+
+
+def test_lru_keeps_the_most_recently_used():
+    lru: LRU[str, int] = LRU(2)
+    assert lru.get("a", lambda: 1) == 1 and lru.get("b", lambda: 2) == 2
+    assert lru.get("a", lambda: 0) == 1  # a is now the most recent
+    lru.get("c", lambda: 3)
+    assert "b" not in lru and "a" in lru and "c" in lru and len(lru) == 2
+    assert lru.drop(lambda k: k in "ac") == 2 and len(lru) == 0
+    with pytest.raises(ValueError, match="maxsize >= 1"):
+        LRU(0)
+
+
+def _recipe(name: str = "u", **kw) -> Recipe:
+    spec = {"name": name, "batch_size": 4, "fields": ["obs"], "sources": [{"name": "all"}]}
+    return Recipe.model_validate({**spec, **kw})
+
+
+def _namespace(url: str, ns: str) -> Store:
+    store = Store(url, ns)
+    store.create(capacity=100)
+    store.commit(batch(episode(0, 10, "terminated")))
+    return store
+
+
+def test_sampling_sessions_are_bounded_and_forgotten(redis_url, namespace, monkeypatch):
+    monkeypatch.setattr(sampling.sessions, "maxsize", 2)
+    monkeypatch.setattr(sampling.stores, "maxsize", 2)
+    names = [f"{namespace}-{i}" for i in range(4)]
+    for ns in names:
+        _namespace(redis_url, ns)
+        sampling.sample(ns, _recipe(), redis_url=redis_url, rng=np.random.default_rng(0))
+    held = {key[-2] for key in sampling.sessions}
+    assert names[-1] in held and names[0] not in held and len(sampling.sessions) <= 2
+    assert len(sampling.stores) <= 2
+    sampling.forget_namespace(names[-1])
+    assert names[-1] not in {key[-2] for key in sampling.sessions}
+    assert names[-1] not in {key[1] for key in sampling.stores}
+
+
+def test_worker_stores_are_bounded_and_forgotten(monkeypatch):
+    monkeypatch.setattr(tasks.stores, "maxsize", 3)
+    for i in range(5):
+        tasks.store_for(f"ns{i}")  # no Redis traffic: a Store connects on first use
+    assert set(tasks.stores) == {"ns2", "ns3", "ns4"}
+    tasks.forget_namespace("ns3")
+    assert set(tasks.stores) == {"ns2", "ns4"}
+
+
+def test_prefetch_plans_are_bounded_and_forgotten(redis_url, namespace, monkeypatch):
+    monkeypatch.setattr(prefetch.plans, "maxsize", 2)
+    aug = {"obs": [{"gaussian_noise": {"std": 0.1}}]}
+    for name in ("a", "b", "c"):
+        assert prefetch._plan(namespace, _recipe(name, augment=aug)) is not None
+    assert set(prefetch.plans) == {(namespace, "b"), (namespace, "c")}
+    prefetch.forget_namespace(namespace)
+    assert not any(key[0] == namespace for key in prefetch.plans)
+
+
+_REFILL = """
+import json
+from claw_tasks import tasks
+from orchestrator.maintenance.refill import refill
+out = refill()
+print(json.dumps({"out": out, "cached": sorted(tasks.stores)}))
+"""
+
+
+def test_refill_reaches_redis_without_a_made_up_namespace(redis_url, namespace, r):
+    reg = Registry(_namespace(redis_url, namespace))
+    reg.put(_recipe(), None)
+    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": redis_url,
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    before = r.llen("prefetch")
+    run = subprocess.run([sys.executable, "-c", _REFILL], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["out"]["fills"] >= 1 and r.llen("prefetch") > before  # a real fill request
+    assert namespace in got["cached"] and "_" not in got["cached"]
