@@ -17,7 +17,7 @@ import numpy as np
 from claw_tasks.app import app
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.evict import PLAN_COLUMNS
-from claw_tasks.tasks import store_for
+from claw_tasks.tasks import redis_client, store_for
 from orchestrator.maintenance.lifecycle import (
     forget,
     list_namespaces,
@@ -68,7 +68,7 @@ def evict_rows(store: Store, index: SamplingIndex, choice: Choice) -> dict[str, 
 @app.task(name="claw.maintenance.evict", acks_late=False, ignore_result=True)
 def evict() -> dict[str, Any]:
     """Apply every namespace's retention policy; raise (FAILED in Flower) if any failed."""
-    r = store_for("_").r  # any namespace: only its client is used here
+    r = redis_client()
     done, failed = {}, {}
     for ns in list_namespaces(r):
         try:

@@ -39,7 +39,7 @@ from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.layout import META_CHUNK_SLOTS, nan_xor
 from claw_tasks.store.retention import parse_duration
 from claw_tasks.store.scripts import Lua
-from claw_tasks.tasks import store_for
+from claw_tasks.tasks import redis_client, store_for
 from orchestrator.maintenance.evict import MaintenanceError
 from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
 from orchestrator.sampling.index import SamplingIndex
@@ -263,7 +263,7 @@ class Recompute:
 @app.task(name="claw.maintenance.priorities", acks_late=False, ignore_result=True)
 def priorities() -> dict[str, Any]:
     """Advance every namespace's recomputation pass; raise (FAILED in Flower) on failures."""
-    r = store_for("_").r
+    r = redis_client()
     done, failed = {}, {}
     for ns in list_namespaces(r):
         try:
