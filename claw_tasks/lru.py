@@ -29,16 +29,18 @@ class LRU(Generic[K, V]):
                 self._items.move_to_end(key)
                 return self._items[key]
             value = self._items[key] = make()
-            if len(self._items) > self.maxsize:
-                self._items.popitem(last=False)
+            self._trim()
             return value
 
     def put(self, key: K, value: V) -> None:
         with self._lock:
             self._items[key] = value
             self._items.move_to_end(key)
-            if len(self._items) > self.maxsize:
-                self._items.popitem(last=False)
+            self._trim()
+
+    def _trim(self) -> None:
+        while len(self._items) > self.maxsize:
+            self._items.popitem(last=False)
 
     def drop(self, match: Callable[[K], bool]) -> int:
         """Remove the entries whose key matches; returns how many."""
