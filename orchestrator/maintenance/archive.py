@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import io
 import json
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,15 +72,22 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes | memoryview | pa.Buffer) -> None:
-    """``path`` appears complete or not at all: temp file, fsync, rename, fsync dir."""
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temp path (hidden, in ``path``'s directory) to write; once written: fsync,
+    rename onto ``path``, fsync the directory. ``path`` appears complete or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
 
 
@@ -124,11 +134,30 @@ class Manifest:
         )
 
     def save(self, ns_dir: Path) -> None:
-        write_atomic(ns_dir / MANIFEST, json.dumps(self.to_json(), indent=1).encode())
+        with atomic_path(ns_dir / MANIFEST) as tmp:
+            tmp.write_text(json.dumps(self.to_json(), indent=1))
 
 
 def namespace_dir(root: Path, namespace: str) -> Path:
     return Path(root) / f"ns={namespace}"
+
+
+class _Hashing(io.RawIOBase):
+    """A file that hashes what goes through it: the checksum without reading back."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.h, self.size = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.h.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.size
 
 
 def sha256_file(path: Path) -> str:
@@ -205,6 +234,16 @@ def pending(store: Store) -> int:
             pipe.get(store.keys.archived(s))
         got = [int(v or 0) for v in pipe.execute()]
     return sum(max(0, seq - wm) for seq, wm in zip(got[::2], got[1::2], strict=True))
+
+
+@dataclass
+class _Run:
+    """What ``Archiver._read`` found in a run of seqs."""
+
+    covered: int  # seqs settled from the run's start (the watermark may move past them)
+    rows: StepRows | None = None
+    seqs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    lost: int = 0  # steps overwritten while they were read
 
 
 class Archiver:
@@ -288,27 +327,35 @@ class Archiver:
             result.overwritten += lo - mark - 1
             self.progress(lo - mark - 1)
         per_chunk = self._chunk_rows()
-        while lo <= seq_now:
-            slot0 = (lo - 1) % cfg.cap
-            n = min(seq_now - lo + 1, per_chunk, cfg.cap - slot0)
-            covered, files = self._run(shard, lo, n, result)
-            if covered:
-                self.lock.extend()
-                manifest.files += files
-                manifest.watermarks[shard] = lo + covered - 1
-                manifest.save(self.dir)
-                self.store.r.set(k.archived(shard), lo + covered - 1)
-                self.progress(covered)
-            if covered < n:
-                result.blocked[shard] = lo + covered
-                return
-            lo += covered
 
-    def _run(
-        self, shard: int, lo: int, n: int, result: ArchiveResult
-    ) -> tuple[int, list[dict[str, Any]]]:
-        """Archive the settled prefix of the run of ``n`` seqs from ``lo``; returns how
-        many seqs it covers and the files written."""
+        def run_at(lo: int) -> int:
+            return min(seq_now - lo + 1, per_chunk, cfg.cap - (lo - 1) % cfg.cap)
+
+        # One run is read from Redis (a thread) while the one before it is written.
+        with ThreadPoolExecutor(1, thread_name_prefix="claw-archive-read") as pool:
+            ahead = pool.submit(self._read, shard, lo, run_at(lo)) if lo <= seq_now else None
+            while ahead is not None:
+                n, chunk = run_at(lo), ahead.result()
+                nxt = lo + chunk.covered
+                full = chunk.covered == n
+                more = full and nxt <= seq_now
+                ahead = pool.submit(self._read, shard, nxt, run_at(nxt)) if more else None
+                result.overwritten += chunk.lost
+                files = self._write(shard, chunk.rows, chunk.seqs, result) if chunk.rows else []
+                if chunk.covered:
+                    self.lock.extend()
+                    manifest.files += files
+                    manifest.watermarks[shard] = nxt - 1
+                    manifest.save(self.dir)
+                    self.store.r.set(k.archived(shard), nxt - 1)
+                    self.progress(chunk.covered)
+                if not full:
+                    result.blocked[shard] = nxt
+                lo = nxt
+
+    def _read(self, shard: int, lo: int, n: int) -> _Run:
+        """The settled prefix of the run of ``n`` seqs from ``lo``: how many seqs it
+        covers, and the steps stored there (alive, not overwritten while read)."""
         cfg = self.store.config()
         meta = read_meta_run(self.store, shard, lo, n)
         seqs = lo + np.arange(n, dtype=np.int64)
@@ -322,18 +369,17 @@ class Archiver:
         covered = int(unsettled[0]) if len(unsettled) else n
         rows = np.flatnonzero(stored[:covered] & meta["alive"][:covered])
         if not len(rows):
-            return covered, []
+            return _Run(covered)
         fields, next_obs, info = read_payload_run(
             self.store, shard, lo, covered, rows, meta["flags"]
         )
         # Steps whose slot was reused while being read are not what we read: drop them.
         again = read_meta_run(self.store, shard, lo, covered, ["id"])
         keep = (again["id"][rows] == expected[rows]) & again["alive"][rows]
-        result.overwritten += int((~keep).sum())
         step_rows = self._step_rows(shard, meta, rows, fields, next_obs, info)
         if not keep.all():
             step_rows = step_rows.take(np.flatnonzero(keep))
-        return covered, self._write(shard, step_rows, seqs[rows][keep], result)
+        return _Run(covered, step_rows, seqs[rows][keep], int((~keep).sum()))
 
     def _step_rows(
         self,
@@ -408,19 +454,21 @@ class Archiver:
             rel = f"date={date}/part-{shard}-{lo}-{hi}.parquet"
             extra = {"namespace": self.store.namespace, "shard": shard, "seq_lo": lo, "seq_hi": hi}
             table = to_table(part, schema, extra)
-            sink = pa.BufferOutputStream()
-            pq.write_table(table, sink, compression=_compression(schema))
-            buf = sink.getvalue()
-            write_atomic(self.dir / rel, buf)
+            with atomic_path(self.dir / rel) as tmp, open(tmp, "wb") as f:
+                sink = _Hashing(f)
+                pq.write_table(
+                    table, pa.PythonFile(sink, mode="w"), **_parquet_options(schema, table)
+                )
+                digest, size = sink.h.hexdigest(), sink.size
             entry = {
                 "path": rel, "date": date, "shard": shard, "seq_lo": lo, "seq_hi": hi,
                 "rows": part.n, "id_min": int(part.id.min()), "id_max": int(part.id.max()),
-                "bytes": buf.size, "sha256": hashlib.sha256(buf).hexdigest(),
+                "bytes": size, "sha256": digest,
             }  # fmt: skip
             out.append(entry)
             result.files.append(rel)
             result.rows += part.n
-            result.bytes += buf.size
+            result.bytes += size
         return out
 
 
@@ -432,14 +480,20 @@ def _vocab(names: list[str | None], index: np.ndarray) -> StrColumn:
     return StrColumn([names[i] for i in keep], remap[index.reshape(-1)])  # type: ignore[misc]
 
 
-def _compression(schema: Schema) -> dict[str, str]:
-    """zstd, but snappy for large binary rows (images): near GB/s, and it gives up fast
-    on data that does not compress."""
-    codecs = {}
-    for name, spec in schema.fields.items():
-        big = not spec.ragged and spec.row_items > LIST_MAX_ITEMS
-        codecs[name] = "snappy" if big else "zstd"
-    return codecs
+def _parquet_options(schema: Schema, table: pa.Table) -> dict[str, Any]:
+    """zstd, but snappy for large binary rows (images: near GB/s, and it gives up fast on
+    data that does not compress). Dictionaries for strings only, statistics for metadata
+    only: hashing or comparing payload rows costs more than the whole write."""
+    codecs, strings, stats = {}, [], []
+    for f in table.schema:
+        spec = schema.fields.get(f.name)
+        big = spec is not None and not spec.ragged and spec.row_items > LIST_MAX_ITEMS
+        codecs[f.name] = "snappy" if big else "zstd"
+        if pa.types.is_dictionary(f.type) or pa.types.is_string(f.type):
+            strings.append(f.name)
+        if spec is None and f.name not in ("next_obs", "info"):
+            stats.append(f.name)
+    return {"compression": codecs, "use_dictionary": strings, "write_statistics": stats}
 
 
 def archive_namespace(

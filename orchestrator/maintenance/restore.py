@@ -19,9 +19,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.schema import Schema
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
+from claw_tasks.store.layout import row_episode_codes
 from orchestrator.maintenance.archive import MANIFEST, Manifest
 from orchestrator.maintenance.steptable import TAG_PREFIX, from_table, table_meta, to_batch
 
@@ -126,16 +128,44 @@ def _restore_part(store: Store, table: pa.Table, batch_id: str, result: RestoreR
         rows = replace(rows, nums={**rows.nums, TAG_PREFIX + ORIG_ID: rows.id.astype(np.float64)})
     schema = Schema.from_dict(table_meta(table.schema)["schema"])
     batch = to_batch(rows, schema, batch_id)
-    res = store.commit(batch, now=rows.timestamp)
-    result.rows += res.committed
-    result.replayed += res.replayed
-    result.expired += res.expired
-    stored = res.ids >= 0
+    ids = _commit_in_place(store, batch, rows.timestamp, result)
+    stored = ids >= 0
     quality = rows.strs["quality"]
     for code, value in enumerate(quality.values):
         sel = stored & (quality.index == code)
         if sel.any():
-            store.curate(res.ids[sel], quality=value)
+            store.curate(ids[sel], quality=value)
     untrainable = stored & ~rows.trainable
     if untrainable.any():
-        store.curate(res.ids[untrainable], trainable=False)
+        store.curate(ids[untrainable], trainable=False)
+
+
+def _commit_in_place(
+    store: Store, batch: StepBatch, timestamps: np.ndarray, result: RestoreResult
+) -> np.ndarray:
+    """Commit per shard, fixed-shape payloads written in place first (pipelined SETRANGE
+    into freshly allocated slots, as the Ingestor does for large batches: copying them
+    through the commit script's arguments runs at a fraction of the speed). Returns the
+    id of each row (-1: not stored)."""
+    schema = store.ensure_schema(batch.schema())
+    fixed = {k: spec for k, spec in schema.fields.items() if not spec.ragged}
+    n_shards = store.config().n_shards
+    shards = row_episode_codes(batch.episode.values, batch.episode.index) % n_shards
+    ids = np.full(batch.n, -1, np.int64)
+    for shard in np.unique(shards).tolist():
+        rows = np.flatnonzero(shards == shard)
+        part = batch if len(rows) == batch.n else batch.take(rows)
+        part.batch_id = f"{batch.batch_id}.s{shard}"
+        sizes = {k: spec.row_bytes for k, spec in fixed.items()}
+        seq0, state = store.allocate(shard, part.batch_id, part.n, sizes)
+        if state in ("new", "alloc"):  # not committed yet (a replay finds "done")
+            store.place(shard, seq0, {k: part.fields[k] for k in fixed})
+        part.fields = dict(part.fields)
+        for k, spec in fixed.items():
+            part.fields[k] = Placed(np.dtype(spec.dtype), (part.n, *spec.shape))
+        res = store.commit(part, now=timestamps[rows])
+        ids[rows] = res.ids
+        result.rows += res.committed
+        result.replayed += res.replayed
+        result.expired += res.expired
+    return ids

@@ -247,7 +247,8 @@ def from_table(table: pa.Table) -> StepRows:
     schema = Schema.from_dict(table_meta(table.schema)["schema"])
 
     def col(name: str) -> pa.Array:
-        return table.column(name).combine_chunks()
+        chunks = table.column(name).chunks
+        return chunks[0] if len(chunks) == 1 else table.column(name).combine_chunks()
 
     def num(name: str, dtype: Any) -> np.ndarray:
         return col(name).to_numpy(zero_copy_only=False).astype(dtype, copy=False)

@@ -1,0 +1,106 @@
+"""Archive to Parquet and restore: steps/s and MB/s, vector and image steps.
+
+    .venv/bin/python bench/archive.py [--vector-steps 1000000] [--image-steps 50000]
+                                      [--dir /tmp]
+
+Starts a private redis-server, fills a namespace through ``Store.commit`` (not timed),
+then times ``claw archive``'s work (``Archiver.run``: range reads, Parquet, SHA-256,
+fsync, manifest, watermark) and ``claw restore``'s (checksum, Parquet read,
+``Store.commit`` with the archived timestamps, labels) into a new namespace. MB/s counts
+the steps' payload bytes (fields + 64 bytes of metadata per step), not the file bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.redis_server import RedisServer
+from claw_tasks.store import Store
+from orchestrator.maintenance.archive import Archiver
+from orchestrator.maintenance.restore import restore
+
+META_BYTES = 64
+BATCH = 1 << 14
+
+
+def fill(store: Store, n: int, obs_shape: tuple[int, ...], obs_dtype: str) -> int:
+    """``n`` steps in 1000-step episodes; returns the payload bytes per step."""
+    rng = np.random.default_rng(0)
+    store.create(n + 10)
+    batch_rows = max(1, min(BATCH, (64 << 20) // (int(np.prod(obs_shape)) or 1)))
+    for start in range(0, n, batch_rows):
+        k = min(batch_rows, n - start)
+        idx = np.arange(start, start + k)
+        if np.dtype(obs_dtype).kind == "u":
+            obs = rng.integers(0, 256, (k, *obs_shape), dtype=np.uint8)
+        else:
+            obs = rng.standard_normal((k, *obs_shape)).astype(obs_dtype)
+        ended = idx % 1000 == 999
+        store.commit(
+            StepBatch(
+                episode=StrColumn.of([f"ep{i // 1000}" for i in idx]),
+                step_index=idx % 1000,
+                reward=rng.standard_normal(k).astype(np.float32),
+                terminated=ended,
+                truncated=np.zeros(k, bool),
+                fields={"obs": obs, "action": rng.integers(0, 4, k)},
+                strs={"task_id": StrColumn.constant("bench", k)},
+                next_rows=np.flatnonzero(ended).astype(np.int32),
+                next_obs=obs[ended],
+            )
+        )
+    return int(np.prod(obs_shape)) * np.dtype(obs_dtype).itemsize + 8 + META_BYTES
+
+
+def run(url: str, label: str, n: int, shape: tuple[int, ...], dtype: str, root: Path) -> None:
+    ns = label.split()[0]
+    src = Store(url, f"bench-{ns}")
+    row = fill(src, n, shape, dtype)
+    t0 = time.perf_counter()
+    res = Archiver(src, root).run()
+    t_arch = time.perf_counter() - t0
+    assert res.rows == n, res
+    dst = Store(url, f"bench-{ns}-restored")
+    t0 = time.perf_counter()
+    back = restore(root, dst)
+    t_rest = time.perf_counter() - t0
+    assert back.rows == n, back
+    mb = n * row / 1e6
+    for what, dt in (("archive", t_arch), ("restore", t_rest)):
+        print(
+            f"| {label} {what} | {n / dt:,.0f} steps/s | {mb / dt:,.0f} MB/s | {dt:.2f} s | "
+            f"{n:,} steps, {len(res.files)} files, {res.bytes / 1e6:,.0f} MB on disk |"
+        )
+    src.r.flushall()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vector-steps", type=int, default=1_000_000)
+    ap.add_argument("--image-steps", type=int, default=50_000)
+    ap.add_argument("--dir", default=None, help="Where the archive goes (default: a temp dir)")
+    args = ap.parse_args()
+    print(f"# {platform.machine()}, {platform.python_version()}")
+    with RedisServer() as server:
+        for label, n, shape, dtype in (
+            ("vector float32[8]", args.vector_steps, (8,), "<f4"),
+            ("image uint8[84,84,3]", args.image_steps, (84, 84, 3), "|u1"),
+        ):
+            if n:
+                root = Path(tempfile.mkdtemp(dir=args.dir, prefix="claw-archive-"))
+                try:
+                    run(server.url, label, n, shape, dtype, root)
+                finally:
+                    shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()
