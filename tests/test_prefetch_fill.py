@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from claw_tasks.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.codec import unpackb
 from claw_tasks.store import Store
 from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import fill, run_fill
@@ -123,18 +124,27 @@ def test_augmentation_state_survives_new_versions(redis_url, namespace):
     v1 = recipe("norm", ["obs"], augment={"obs": [{"running_normalize": None}]})
     reg.put(v1, None)
     run_fill(reg, "norm")
-    plan = prefetch._plan(namespace, v1)
-    count = plan.pipelines["obs"].running_stats()[0].count
-    assert count == 16  # two batches of 8 observed
+
+    def seen() -> int:  # rows the shared statistics have observed
+        return unpackb(reg.r.hget(reg.augment_stats("norm"), "obs/0"))["count"]
+
+    assert seen() == 16  # two batches of 8 observed
     for version in (2, 3):  # as set_params makes them
         reg.put(v1.model_copy(update={"version": version, "params": {"v": version}}), None)
         reg.drain("norm")
         run_fill(reg, "norm")
-    assert prefetch._plan(namespace, v1) is plan
-    assert plan.pipelines["obs"].running_stats()[0].count == count + 32
-    assert (namespace, "norm") in prefetch.plans
+    assert seen() == 16 + 32
+    prefetch.plans.drop(lambda key: True)  # a restarted worker: nothing cached ...
+    reg.drain("norm")
+    run_fill(reg, "norm")
+    assert seen() == 16 + 32 + 16  # ... carries on from the shared statistics
     clipped = v1.model_copy(update={"augment": {"obs": [{"running_normalize": {"clip": 5}}]}})
-    assert prefetch._plan(namespace, clipped) is not plan  # another augment spec
+    reg.put(clipped.model_copy(update={"version": 4}), None)  # another augment section
+    reg.drain("norm")
+    run_fill(reg, "norm")
+    assert seen() == 16  # starts afresh
+    reg.remove("norm")
+    assert not reg.r.exists(reg.augment_stats("norm"))
 
 
 def test_push_of_a_stale_version_is_taken_back(redis_url, namespace):

@@ -76,8 +76,9 @@ def test_worker_stores_are_bounded_and_forgotten(monkeypatch):
 def test_prefetch_plans_are_bounded_and_forgotten(redis_url, namespace, monkeypatch):
     monkeypatch.setattr(prefetch.plans, "maxsize", 2)
     aug = {"obs": [{"gaussian_noise": {"std": 0.1}}]}
+    reg = Registry(Store(redis_url, namespace))
     for name in ("a", "b", "c"):
-        assert prefetch._plan(namespace, _recipe(name, augment=aug)) is not None
+        assert prefetch._plan(reg, _recipe(name, augment=aug)) is not None
     assert set(prefetch.plans) == {(namespace, "b"), (namespace, "c")}
     prefetch.forget_namespace(namespace)
     assert not any(key[0] == namespace for key in prefetch.plans)

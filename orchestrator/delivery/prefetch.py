@@ -25,6 +25,7 @@ from claw_tasks.lru import LRU
 from claw_tasks.store import NamespaceError
 from claw_tasks.tasks import store_for
 from orchestrator.delivery import ratelimit, shm
+from orchestrator.delivery.augstats import RedisStats
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.registry import Registry
 from orchestrator.delivery.wire import frame_batch
@@ -59,13 +60,17 @@ def _augment_digest(augment: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(augment, sort_keys=True).encode()).hexdigest()
 
 
-def _plan(namespace: str, recipe: Recipe) -> AugmentPlan | None:
+def _plan(reg: Registry, recipe: Recipe) -> AugmentPlan | None:
     """The recipe's augmentation pipelines, kept per process (the ``plan_cache_size`` most
-    recently used recipes) while its ``augment`` section stays the same."""
-    key, digest = (namespace, recipe.name), _augment_digest(recipe.augment)
+    recently used recipes) while its ``augment`` section stays the same. Their running
+    statistics live in Redis (:mod:`orchestrator.delivery.augstats`): every worker of the
+    recipe, and a restarted one, normalises with the same ones."""
+    key, digest = (reg.ns, recipe.name), _augment_digest(recipe.augment)
     cached = plans.get(key, lambda: ("", None))
     if cached[0] != digest:
-        cached = (digest, build_pipelines(recipe.augment) if recipe.augment else None)
+        stats = RedisStats(reg.r, reg.augment_stats(recipe.name), digest)
+        plan = build_pipelines(recipe.augment, stats=stats) if recipe.augment else None
+        cached = (digest, plan)
         plans.put(key, cached)
     return cached[1]
 
@@ -131,7 +136,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
         # Read once per fill and tracked here; looked at again only before giving up.
         length, inserted, sampled, before = reg.fill_state(name)
         fresh = True
-        plan = _plan(reg.ns, recipe)
+        plan = _plan(reg, recipe)
         while made < depth and length < depth:
             verdict = ratelimit.check(recipe.rate_limit, inserted, sampled, rows)
             if not verdict and not fresh:

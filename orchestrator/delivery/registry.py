@@ -54,6 +54,10 @@ class Registry:
     def refill_lock(self, name: str) -> str:
         return f"{self.base}refill:{name}"
 
+    def augment_stats(self, name: str) -> str:
+        """Hash: the running statistics of the recipe's augmentation (``augstats``)."""
+        return f"{self.base}astats:{name}"
+
     def counters(self, name: str) -> str:
         return f"{self.base}pstats:{name}"
 
@@ -146,7 +150,7 @@ class Registry:
         with self.r.pipeline() as pipe:
             pipe.lrange(self.queue(name), 0, -1)
             pipe.delete(self.recipe_key(name), self.queue(name), self.counters(name))
-            pipe.delete(self.refill_lock(name), self.readers(name))
+            pipe.delete(self.refill_lock(name), self.readers(name), self.augment_stats(name))
             pipe.hdel(self.versions_key, name)
             pipe.srem(self.names_key, name)
             items = pipe.execute()[0]

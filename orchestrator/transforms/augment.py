@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import cv2
 import numpy as np
@@ -252,6 +252,13 @@ class RunningStats:
         self.mean = np.zeros(())
         self.m2 = np.zeros(())
 
+    @classmethod
+    def of(cls, rows: np.ndarray) -> RunningStats:
+        """The statistics of a batch of rows (first axis: samples)."""
+        st = cls()
+        st.update(rows)
+        return st
+
     @property
     def var(self) -> np.ndarray:
         """Population variance (1 before any data)."""
@@ -286,17 +293,57 @@ class RunningStats:
             "var": np.broadcast_to(self.var, self.mean.shape).ravel().tolist(),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> RunningStats:
         """Restore from :meth:`state_dict` output."""
-        shape = tuple(state["shape"])
-        self.count = int(state["count"])
-        self.mean = np.asarray(state["mean"], dtype=np.float64).reshape(shape)
-        self.m2 = np.asarray(state["var"], dtype=np.float64).reshape(shape) * self.count
+        st, shape = cls(), tuple(state["shape"])
+        st.count = int(state["count"])
+        st.mean = np.asarray(state["mean"], dtype=np.float64).reshape(shape)
+        st.m2 = np.asarray(state["var"], dtype=np.float64).reshape(shape) * st.count
+        return st
+
+
+class StatsStore(Protocol):
+    """Where the running statistics of a plan live, by key (``<field>/<op index>``).
+
+    ``merge`` folds a batch's statistics into the stored ones and returns the result as one
+    atomic step, so processes sharing a store (prefetch workers of one recipe, a restarted
+    worker) normalise with the same statistics. The prefetch workers keep them in Redis
+    (:mod:`orchestrator.delivery.augstats`); :class:`LocalStats` keeps them in this process.
+    """
+
+    def merge(self, key: str, batch: RunningStats) -> RunningStats: ...
+
+    def get(self, key: str) -> RunningStats: ...
+
+    def put(self, key: str, stats: RunningStats) -> None: ...
+
+
+class LocalStats:
+    """A :class:`StatsStore` in this process's memory."""
+
+    def __init__(self) -> None:
+        self._stats: dict[str, RunningStats] = {}
+
+    def merge(self, key: str, batch: RunningStats) -> RunningStats:
+        st = self._stats.setdefault(key, RunningStats())
+        st.merge(batch.count, batch.mean, batch.m2)
+        return st
+
+    def get(self, key: str) -> RunningStats:
+        return self._stats.get(key) or RunningStats()
+
+    def put(self, key: str, stats: RunningStats) -> None:
+        self._stats[key] = stats
 
 
 class RunningNormalize(Op):
     """Normalize by running mean/variance of the data seen so far (per last-axis feature);
-    float32 out, optionally clipped to ``[-clip, clip]``. ``update: false`` freezes the stats."""
+    float32 out, optionally clipped to ``[-clip, clip]``. ``update: false`` freezes the stats.
+
+    The statistics live in the plan's :class:`StatsStore` under ``key`` (set by
+    :func:`build_pipelines`); ``stats`` is the snapshot the last batch was normalised with.
+    """
 
     name = "running_normalize"
 
@@ -306,11 +353,15 @@ class RunningNormalize(Op):
         if not isinstance(update, bool):
             raise ValueError(f"update must be true or false, got {update!r}")
         self.update = update
+        self.store: StatsStore = LocalStats()
+        self.key = self.name
         self.stats = RunningStats()
 
     def observe(self, x: np.ndarray) -> None:
         if self.update:
-            self.stats.update(_rows(x))
+            self.stats = self.store.merge(self.key, RunningStats.of(_rows(x)))
+        else:
+            self.stats = self.store.get(self.key)
 
     def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         st = self.stats
@@ -346,9 +397,9 @@ class Pipeline:
                 raise ValueError(f"{op.name}: {exc}") from exc
         return x
 
-    def running_stats(self) -> dict[int, RunningStats]:
-        """The running statistics of the pipeline's stateful ops, by op index."""
-        return {i: op.stats for i, op in enumerate(self.ops) if isinstance(op, RunningNormalize)}
+    def running_ops(self) -> dict[int, RunningNormalize]:
+        """The pipeline's stateful ops, by op index."""
+        return {i: op for i, op in enumerate(self.ops) if isinstance(op, RunningNormalize)}
 
 
 class AugmentPlan:
@@ -386,19 +437,23 @@ class AugmentPlan:
 
     def state_dict(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Running statistics as ``{field: {op index: state}}`` of plain dicts and lists."""
-        state = {f: p.running_stats() for f, p in self.pipelines.items()}
-        return {
-            f: {str(i): st.state_dict() for i, st in ss.items()} for f, ss in state.items() if ss
-        }
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for f, p in self.pipelines.items():
+            ops = {str(i): op.store.get(op.key).state_dict() for i, op in p.running_ops().items()}
+            if ops:
+                out[f] = ops
+        return out
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> None:
-        """Restore :meth:`state_dict` output (e.g. after a worker restart)."""
+        """Restore :meth:`state_dict` output into the plan's stats store."""
         for field, ops in state.items():
-            stats = self.pipelines[field].running_stats() if field in self.pipelines else {}
+            running = self.pipelines[field].running_ops() if field in self.pipelines else {}
             for index, op_state in ops.items():
-                if int(index) not in stats:
+                if int(index) not in running:
                     raise ValueError(f"augment state: no running_normalize at {field}[{index}]")
-                stats[int(index)].load_state_dict(op_state)
+                op = running[int(index)]
+                op.stats = RunningStats.from_state_dict(op_state)
+                op.store.put(op.key, op.stats)
 
 
 def _build_op(entry: Any) -> Op:
@@ -428,11 +483,15 @@ def _build_op(entry: Any) -> Op:
         raise ValueError(f"{name}: {exc}") from exc
 
 
-def build_pipelines(spec: Mapping[str, Any] | None) -> AugmentPlan:
-    """Build an :class:`AugmentPlan` from a recipe's ``augment`` section.
+def build_pipelines(
+    spec: Mapping[str, Any] | None, *, stats: StatsStore | None = None
+) -> AugmentPlan:
+    """Build an :class:`AugmentPlan` from a recipe's ``augment`` section; its running
+    statistics live in ``stats`` (default: this process, :class:`LocalStats`).
 
     Raises ``ValueError`` naming the field and op on an unknown op or bad params.
     """
+    stats = LocalStats() if stats is None else stats
     pipelines: dict[str, Pipeline] = {}
     aliases: dict[str, str] = {}
     for field, entries in (spec or {}).items():
@@ -453,4 +512,6 @@ def build_pipelines(spec: Mapping[str, Any] | None) -> AugmentPlan:
             except ValueError as exc:
                 raise ValueError(f"augment {field!r} op #{i}: {exc}") from exc
         pipelines[field] = Pipeline(ops)
+        for i, op in pipelines[field].running_ops().items():
+            op.store, op.key = stats, f"{field}/{i}"
     return AugmentPlan(pipelines, aliases)
