@@ -41,7 +41,7 @@ from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.store.scan import read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
-from claw_tasks.tasks import store_for
+from claw_tasks.tasks import redis_client, store_for
 from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.maintenance.steptable import (
     LABELS,
@@ -516,7 +516,7 @@ def archive(
     root = to or settings.archive_dir
     if not root:
         raise ValueError("no archive directory: set CLAW_ARCHIVE_DIR on the workers, or pass `to`")
-    names = [namespace] if namespace else list_namespaces(store_for("_").r)
+    names = [namespace] if namespace else list_namespaces(redis_client())
     out: dict[str, Any] = {}
     failed = []
     for ns in names:
