@@ -8,11 +8,14 @@ then times ``claw archive``'s work (``Archiver.run``: range reads, Parquet, SHA-
 fsync, manifest, watermark) and ``claw restore``'s (checksum, Parquet read,
 ``Store.commit`` with the archived timestamps, labels) into a new namespace. MB/s counts
 the steps' payload bytes (fields + 64 bytes of metadata per step), not the file bytes.
+Beside wall time it reports the CPU seconds of this process and of redis-server (a
+figure that does not move with the machine's load) and the 1-minute load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import shutil
 import tempfile
@@ -60,24 +63,43 @@ def fill(store: Store, n: int, obs_shape: tuple[int, ...], obs_dtype: str) -> in
     return int(np.prod(obs_shape)) * np.dtype(obs_dtype).itemsize + 8 + META_BYTES
 
 
+class Clock:
+    """Wall time, and CPU time of this process (all threads) plus the Redis server's: on
+    a shared machine the CPU figure does not depend on what else runs."""
+
+    def __init__(self, store: Store) -> None:
+        self.r = store.r
+
+    def _redis_cpu(self) -> float:
+        info = self.r.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    def __enter__(self) -> Clock:
+        self.wall, self.cpu, self.rcpu = time.perf_counter(), time.process_time(), self._redis_cpu()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu + self._redis_cpu() - self.rcpu
+
+
 def run(url: str, label: str, n: int, shape: tuple[int, ...], dtype: str, root: Path) -> None:
     ns = label.split()[0]
     src = Store(url, f"bench-{ns}")
     row = fill(src, n, shape, dtype)
-    t0 = time.perf_counter()
-    res = Archiver(src, root).run()
-    t_arch = time.perf_counter() - t0
+    with Clock(src) as arch:
+        res = Archiver(src, root).run()
     assert res.rows == n, res
     dst = Store(url, f"bench-{ns}-restored")
-    t0 = time.perf_counter()
-    back = restore(root, dst)
-    t_rest = time.perf_counter() - t0
+    with Clock(src) as rest:
+        back = restore(root, dst)
     assert back.rows == n, back
     mb = n * row / 1e6
-    for what, dt in (("archive", t_arch), ("restore", t_rest)):
+    for what, c in (("archive", arch), ("restore", rest)):
         print(
-            f"| {label} {what} | {n / dt:,.0f} steps/s | {mb / dt:,.0f} MB/s | {dt:.2f} s | "
-            f"{n:,} steps, {len(res.files)} files, {res.bytes / 1e6:,.0f} MB on disk |"
+            f"| {label} {what} | {n / c.wall:,.0f} | {mb / c.wall:,.0f} | {c.wall:.2f} s | "
+            f"{c.cpu:.2f} s | {mb / c.cpu:,.0f} | {n:,} steps, {len(res.files)} files, "
+            f"{res.bytes / 1e6:,.0f} MB | {os.getloadavg()[0]:.1f} |"
         )
     src.r.flushall()
 
@@ -88,7 +110,9 @@ def main() -> None:
     ap.add_argument("--image-steps", type=int, default=50_000)
     ap.add_argument("--dir", default=None, help="Where the archive goes (default: a temp dir)")
     args = ap.parse_args()
-    print(f"# {platform.machine()}, {platform.python_version()}")
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
+    print("| figure | steps/s | MB/s | wall | CPU (client + Redis) | MB per CPU-s | size | load |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
     with RedisServer() as server:
         for label, n, shape, dtype in (
             ("vector float32[8]", args.vector_steps, (8,), "<f4"),

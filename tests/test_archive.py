@@ -191,13 +191,21 @@ def test_archive_restore_every_field_label_and_tag(redis_url, namespace, tmp_pat
 
     # The archive reads as a plain Parquet dataset (the query of docs/architecture.md).
     steps = ds.dataset(tmp_path / "arch" / f"ns={namespace}", partitioning="hive")
-    ended = steps.to_table(
-        columns=["episode_id", "step_index", "reward"],
-        filter=(ds.field("terminated") | ds.field("truncated")) & (ds.field("task_id") == "task0"),
+    returns = (
+        steps.to_table(
+            columns=["episode_id", "reward"],
+            filter=(ds.field("date") >= "2026-11-01") & (ds.field("task_id") == "task0"),
+        )
+        .group_by("episode_id")
+        .aggregate([("reward", "sum")])
     )
-    assert ended.num_rows == src.count({"task_id": "task0", "terminated": True}) + src.count(
-        {"task_id": "task0", "truncated": True}
-    )
+    want = {}
+    for (episode, _), row in a.items():
+        if row["task_id"] == "task0":
+            want[episode] = want.get(episode, 0.0) + float(row["reward"])
+    got = dict(zip(*returns.to_pydict().values(), strict=True))
+    assert got.keys() == want.keys()
+    assert all(abs(got[e] - want[e]) < 1e-9 for e in want)
 
 
 def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_path, start_worker, r):

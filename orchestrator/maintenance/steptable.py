@@ -4,7 +4,7 @@ Every value is kept exactly. Payload fields keep dtype and shape in their column
 a fixed-shape row is a fixed-size list of its flat items when small (queryable element by
 element) and one fixed-size binary value when large (an image: Parquet writes a list
 value by value, ~50 MB/s, a binary row at GB/s); a ragged row is a large list of rows.
-Strings are their values (dictionary-encoded), ``info`` its JSON text, and the explicit
+Strings are their values (dictionary-encoded on disk), ``info`` its JSON text, and the explicit
 final ``next_obs`` a nullable list of the observation's flat items. Dtypes Arrow has no
 numeric type for (complex, big-endian) are raw bytes with the same metadata.
 """
@@ -171,8 +171,12 @@ def next_obs_rows(obs: FieldSpec, arr: pa.Array) -> dict[int, np.ndarray]:
 
 # ---- strings --------------------------------------------------------------------------
 def str_array(col: StrColumn) -> pa.Array:
+    """Plain strings (Parquet dictionary-encodes them on disk): files whose dictionaries
+    differ still filter and group together as one dataset."""
     index = pa.array(col.index, pa.int32(), mask=col.index < 0)
-    return pa.DictionaryArray.from_arrays(index, pa.array(col.values, pa.string()))
+    return pa.DictionaryArray.from_arrays(index, pa.array(col.values, pa.string())).cast(
+        pa.string()
+    )
 
 
 def str_column(arr: pa.Array) -> StrColumn:
