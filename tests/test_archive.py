@@ -22,6 +22,7 @@ from claw_tasks.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
 from orchestrator.maintenance.archive import MANIFEST, ArchiveBusy, Manifest, archive_namespace
+from orchestrator.maintenance.restore import restore
 from orchestrator.maintenance.steptable import StepRows, from_table, to_table
 
 
@@ -255,6 +256,13 @@ def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_pat
     wait_until(lambda: archived() == n and not r.exists(store.keys.archive_lock), "the re-run")
     ids = _check_archive(root / f"ns={namespace}", store)
     assert len(ids) == n
+    # Episodes span many files: restored file by file, their next_obs links come back.
+    back = Store(redis_url, namespace + "-back")
+    assert restore(root, back).rows == n
+    for e in range(0, n // 50, 20):
+        a, b = store.episode(f"ep{e}"), back.episode(f"ep{e}")
+        for col in ("obs", "next_obs", "has_next_obs", "action", "step_index"):
+            assert _same(a[col], b[col]), (e, col)
 
 
 def test_archive_busy_and_missing_directory_name_the_cause(redis_url, namespace, tmp_path):
