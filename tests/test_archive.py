@@ -22,6 +22,7 @@ from claw_tasks.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
 from orchestrator.maintenance.archive import MANIFEST, ArchiveBusy, Manifest, archive_namespace
+from orchestrator.maintenance.lifecycle import drop_namespace
 from orchestrator.maintenance.restore import restore
 from orchestrator.maintenance.steptable import StepRows, from_table, to_table
 
@@ -265,21 +266,23 @@ def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_pat
             assert _same(a[col], b[col]), (e, col)
 
 
-def test_archive_busy_and_missing_directory_name_the_cause(redis_url, namespace, tmp_path):
+def _one_step() -> StepBatch:
+    return StepBatch(
+        episode=StrColumn.constant("e", 1),
+        step_index=np.zeros(1, np.int64),
+        reward=np.zeros(1, np.float32),
+        terminated=np.zeros(1, bool),
+        truncated=np.zeros(1, bool),
+        fields={"obs": np.zeros((1, 2), np.float32)},
+    )
+
+
+def test_archive_refusals_name_the_cause(redis_url, namespace, tmp_path):
     store = Store(redis_url, namespace)
     store.create(100)
     r = store.r
     r.set(store.keys.archive_lock, "someone")
-    store.commit(
-        StepBatch(
-            episode=StrColumn.constant("e", 1),
-            step_index=np.zeros(1, np.int64),
-            reward=np.zeros(1, np.float32),
-            terminated=np.zeros(1, bool),
-            truncated=np.zeros(1, bool),
-            fields={"obs": np.zeros((1, 2), np.float32)},
-        )
-    )
+    store.commit(_one_step())
     with pytest.raises(ArchiveBusy, match="another archive run"):
         archive_namespace(store, tmp_path)
     r.delete(store.keys.archive_lock)
@@ -287,6 +290,13 @@ def test_archive_busy_and_missing_directory_name_the_cause(redis_url, namespace,
     # Archiving elsewhere would split the archive: refused, with the way out.
     with pytest.raises(LookupError, match="another directory"):
         archive_namespace(store, tmp_path / "b")
+    # Dropped and created again, its seqs start over: not mixed into the old archive.
+    drop_namespace(r, namespace)
+    again = Store(redis_url, namespace)
+    again.create(100)
+    again.commit(_one_step())
+    with pytest.raises(LookupError, match="dropped and created again"):
+        archive_namespace(again, tmp_path / "a")
     result = CliRunner().invoke(
         app, ["restore", str(tmp_path / "nowhere"), "-n", "x"], env={"CLAW_REDIS_URL": redis_url}
     )

@@ -97,6 +97,7 @@ class Manifest:
 
     namespace: str
     n_shards: int
+    created: float  # the namespace's creation time: a dropped and re-created one differs
     schema: dict[str, Any] | None = None
     spaces: dict[str, str] | None = None
     watermarks: dict[int, int] = field(default_factory=dict)  # shard -> seq reached
@@ -111,6 +112,7 @@ class Manifest:
             "format": 1,
             "namespace": self.namespace,
             "n_shards": self.n_shards,
+            "created": self.created,
             "schema": self.schema,
             "spaces": self.spaces,
             "rows": self.rows,
@@ -127,6 +129,7 @@ class Manifest:
         return cls(
             namespace=d["namespace"],
             n_shards=d["n_shards"],
+            created=d["created"],
             schema=d.get("schema"),
             spaces=d.get("spaces"),
             watermarks={int(k): int(v) for k, v in d["watermarks"].items()},
@@ -158,14 +161,6 @@ class _Hashing(io.RawIOBase):
 
     def tell(self) -> int:
         return self.size
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- the lock -------------------------------------------------------------------------
@@ -272,7 +267,7 @@ class Archiver:
             return ArchiveResult(self.store.namespace)
         with ArchiveLock(self.store, lock_ttl or settings.archive_lock_ttl) as lock:
             self.lock = lock
-            manifest = self._recover(cfg.n_shards)
+            manifest = self._recover(cfg.n_shards, cfg.created)
             manifest.schema, manifest.spaces = cfg.schema.to_dict(), cfg.spaces
             result = ArchiveResult(self.store.namespace)
             for shard in range(cfg.n_shards):
@@ -280,14 +275,17 @@ class Archiver:
             result.watermarks = dict(manifest.watermarks)
             return result
 
-    def _recover(self, n_shards: int) -> Manifest:
+    def _recover(self, n_shards: int, created: float) -> Manifest:
         """Settle what a crashed run left: files not in the manifest go, a watermark behind
-        the manifest moves up. A watermark ahead of it means another directory."""
-        manifest = Manifest.load(self.dir) or Manifest(self.store.namespace, n_shards)
-        if manifest.n_shards != n_shards:
+        the manifest moves up. A watermark ahead of it means another directory; another
+        creation time, a namespace dropped and created again (its seqs start over)."""
+        manifest = Manifest.load(self.dir) or Manifest(self.store.namespace, n_shards, created)
+        if manifest.created != created:
+            when = dt.datetime.fromtimestamp(manifest.created, dt.UTC).isoformat(timespec="seconds")
             raise NamespaceError(
-                f"{self.dir} holds an archive of {manifest.n_shards} shard(s), the namespace "
-                f"has {n_shards}: archive to another directory"
+                f"{self.dir} holds the archive of an earlier namespace {self.store.namespace!r} "
+                f"(created {when}; this one was dropped and created again since): archive it "
+                "to another directory"
             )
         listed = {f["path"] for f in manifest.files}
         if self.dir.exists():
