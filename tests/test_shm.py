@@ -167,3 +167,87 @@ def test_failed_write_leaves_nothing(monkeypatch):
     msg = shm.to_message(frame, reader_host=shm.host_id(), threshold=0)
     assert is_batch(msg)  # fell back to inline
     assert set(shm.SHM_DIR.glob(mine)) == before
+
+
+def _frame(value: int):
+    return frame_batch({"x": np.full((64, 4096), value, np.uint8)}, ids=range(64))
+
+
+def _write(value: int) -> bytes:
+    return shm.to_message(_frame(value), reader_host=shm.host_id(), threshold=0)
+
+
+def _inode(msg: bytes) -> int:
+    return (shm.SHM_DIR / ref_name(msg)).stat().st_ino
+
+
+def _taken(msg: bytes) -> Path:
+    return shm.SHM_DIR / f"{ref_name(msg)}{shm.TAKEN}"
+
+
+def test_a_segment_is_reused_only_once_its_reader_dropped_the_batch():
+    shm.release_pool()
+    first = _write(1)
+    ino = _inode(first)
+    held = shm.from_message(first)
+    later = [_write(2), _write(3)]
+    inodes = {ino, *(_inode(m) for m in later)}
+    assert len(inodes) == 3  # held by a reader: not reused
+    for value, m in zip((2, 3), later, strict=True):
+        assert (shm.from_message(m)["x"] == value).all()  # read and dropped at once
+    assert (held["x"] == 1).all()  # never written over while held
+    del held
+    gc.collect()
+    again = [_write(v) for v in (4, 5, 6)]
+    assert {_inode(m) for m in again} == inodes  # all three reused, no new segment
+    assert not {ref_name(m) for m in again} & {ref_name(m) for m in [first, *later]}
+    with pytest.raises(shm.SegmentMissing):  # fresh names: an old reference stays dead
+        shm.from_message(first)
+    for value, m in zip((4, 5, 6), again, strict=True):
+        assert (shm.from_message(m)["x"] == value).all()
+
+
+def test_a_segment_whose_reader_was_killed_is_reused():
+    shm.release_pool()
+    msg = _write(7)
+    ino = _inode(msg)
+    reader = (
+        "import sys, time\nfrom orchestrator.delivery import shm\n"
+        "batch = shm.from_message(bytes.fromhex(sys.argv[1]))\n"
+        "print(int(batch['x'].sum()), flush=True)\ntime.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", reader, msg.hex()], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE)  # fmt: skip
+    assert int(proc.stdout.readline()) == 7 * 64 * 4096  # it holds the batch
+    busy = _write(8)
+    assert _inode(busy) != ino
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    shm.discard(busy)  # gone from /dev/shm, and so from the pool
+    assert not (shm.SHM_DIR / ref_name(busy)).exists()
+    again = _write(9)
+    assert _inode(again) == ino  # the killed reader's lock went with it
+    assert (shm.from_message(again)["x"] == 9).all()
+
+
+def test_the_pool_is_bounded_and_released_at_exit(monkeypatch):
+    shm.release_pool()
+    monkeypatch.setattr(shm, "POOL_SIZE", 2)
+    msgs = [_write(i) for i in range(4)]
+    inodes = [_inode(m) for m in msgs]
+    held = [shm.from_message(m) for m in msgs]  # all taken: four segments
+    del held
+    gc.collect()
+    reused = _write(5)
+    assert _inode(reused) in inodes[2:]  # only the two newest are still tracked
+    try:
+        shm.release_pool()  # what exit does: the free one is unlinked ...
+        assert [_taken(m).exists() for m in msgs[2:]].count(True) == 0
+        assert (shm.SHM_DIR / ref_name(reused)).exists()  # ... a queued one stays
+        assert all(_taken(m).exists() for m in msgs[:2])  # forgotten: left to the reaper
+    finally:
+        shm.discard(reused)
+        for m in msgs[:2]:
+            _taken(m).unlink(missing_ok=True)

@@ -1,19 +1,35 @@
 """Same-host fast path: large batches travel through POSIX shared memory (/dev/shm).
 
-The writer streams an encoded batch into a fresh file in ``/dev/shm`` and queues a small
-reference message instead of the batch: ``b"CLSR" | u32 wire format version | msgpack
-{name, size, host}``, versioned with the batch encoding (:data:`wire.VERSION`). The reader
-opens the file, unlinks it at once and maps it: the mapping (and so the decoded arrays,
-which are views of it) stays valid until the last array is garbage collected, and nothing
-is left in ``/dev/shm``.
+The writer streams an encoded batch into a segment (a file in ``/dev/shm``) and queues a
+small reference message instead of the batch: ``b"CLSR" | u32 wire format version |
+msgpack {name, size, host}``, versioned with the batch encoding (:data:`wire.VERSION`).
 
-Segments are named ``claw-<pid namespace>-<creator pid>-<random>`` so :func:`reap_orphans`
-can reclaim the segments of writers that crashed, or of readers that died before reading.
+Segments are reused: creating a fresh file costs the writer page allocation and zeroing,
+and its reader the freeing of every page (about four times the cost of overwriting
+existing pages, ``docs/benchmarks.md``). A segment goes round:
+
+1. queued: the writer wrote it (under a fresh name) and queued its reference;
+2. taken: the reader opened it, took a shared ``flock`` on its descriptor and renamed it
+   to ``<name>.taken`` (so the name of the reference is gone: a reference is read once),
+   then mapped it; the decoded arrays are views of the mapping, and the reader keeps the
+   descriptor, and so the lock, until the last of them is garbage collected;
+3. free: the writer, which kept its own descriptor of every segment it wrote, finds the
+   ``.taken`` name with no lock on it (the reader released it, or died), renames it to a
+   fresh name and overwrites it: back to 1.
+
+A writer tracks at most :data:`POOL_SIZE` segments; a segment unlinked by anyone (a
+discarded reference, the reaper) simply drops out of its pool.
+
+Segments are named ``claw-<pid namespace>-<creator pid>-<random>[.taken]`` so
+:func:`reap_orphans` can reclaim the segments of writers that crashed, of readers that
+died before reading, and free ones nobody reused for :data:`ORPHAN_AGE_S`.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -21,7 +37,10 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 import time
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +62,9 @@ _REF_PREFIX = struct.Struct("<4sI")  # magic, wire format version
 DEFAULT_THRESHOLD = 256 * 1024
 ORPHAN_AGE_S = 600.0
 """Segments older than this are reaped whatever their creator (their reader is gone)."""
+TAKEN = ".taken"
+POOL_SIZE = 32
+"""Segments a writer process tracks for reuse (queued, taken or free)."""
 
 log = logging.getLogger(__name__)
 
@@ -86,29 +108,163 @@ def _write_all(fd: int, chunks: list[memoryview]) -> None:
             chunk = chunk[os.write(fd, chunk) :]
 
 
-def write_segment(frame: Frame) -> str:
-    """Write an encoded batch into a new segment and return its name.
+@dataclass
+class _Segment:
+    fd: int  # the writer's own descriptor: the segment's pages outlive any name
+    name: str  # the name it was queued under (``name + TAKEN`` once a reader has it)
+    size: int
 
-    Raises ``OSError`` (e.g. ENOSPC when ``/dev/shm`` is full); nothing is left behind then.
-    """
-    name = f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}"
-    path = SHM_DIR / name
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+
+class _Pool:
+    """This process's segments (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.segments: list[_Segment] = []
+        self.lock = threading.Lock()
+
+    def take(self, size: int) -> _Segment | None:
+        """A free segment, locked exclusively, preferring one of ``size`` bytes."""
+        found: _Segment | None = None
+        for seg in list(self.segments):
+            if found is not None and found.size == size:
+                break
+            state = _state(seg)
+            if state == "gone":
+                self.drop(seg)
+            elif state == "free":
+                if found is None or seg.size == size:
+                    if found is not None:
+                        fcntl.flock(found.fd, fcntl.LOCK_UN)
+                    found = seg
+                else:
+                    fcntl.flock(seg.fd, fcntl.LOCK_UN)
+        return found
+
+    def add(self, seg: _Segment) -> None:
+        self.segments.append(seg)
+        while len(self.segments) > POOL_SIZE:  # forget the oldest: unlinked if free
+            old = self.segments[0]
+            if _state(old) == "free":
+                (SHM_DIR / f"{old.name}{TAKEN}").unlink(missing_ok=True)
+            self.drop(old)
+
+    def drop(self, seg: _Segment) -> None:
+        self.segments.remove(seg)
+        os.close(seg.fd)
+
+    def release_free(self) -> None:
+        """Forget every segment, unlinking the free ones."""
+        for seg in list(self.segments):
+            if _state(seg) == "free":
+                (SHM_DIR / f"{seg.name}{TAKEN}").unlink(missing_ok=True)
+            self.drop(seg)
+
+
+def _state(seg: _Segment) -> str:
+    """``queued``, ``taken`` (a reader holds it), ``free`` (then locked by us) or ``gone``.
+
+    The queued name is looked at first: a reader renames it only after taking its lock,
+    so a segment seen under neither name was unlinked."""
+    if (SHM_DIR / seg.name).exists():
+        return "queued"
+    if not (SHM_DIR / f"{seg.name}{TAKEN}").exists():
+        return "gone"
     try:
-        # write() allocates the pages (ENOSPC here when /dev/shm is full); the reader maps
-        # the file only once it is whole, so no access can fault on a missing page.
-        _write_all(fd, frame.chunks())
+        fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return "taken"
+    return "free"
+
+
+_pool: _Pool | None = None
+_pool_lock = threading.Lock()
+
+
+def _my_pool() -> _Pool:
+    """This process's pool (a forked child starts its own and closes the inherited one's
+    descriptors, which would keep the parent's segments alive)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            atexit.register(release_pool)
+        elif _pool.pid != os.getpid():
+            for seg in _pool.segments:
+                os.close(seg.fd)
+        if _pool is None or _pool.pid != os.getpid():
+            _pool = _Pool()
+        return _pool
+
+
+def release_pool() -> None:
+    """Forget this process's segments, unlinking the free ones (queued ones stay for their
+    readers, taken ones for the reaper). Runs at exit."""
+    with _pool_lock:
+        if _pool is not None and _pool.pid == os.getpid():
+            with _pool.lock:
+                _pool.release_free()
+
+
+def _new_name() -> str:
+    return f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def write_segment(frame: Frame) -> str:
+    """Write an encoded batch into a segment (a free one of this process's, else a new
+    one) and return its name.
+
+    Raises ``OSError`` (e.g. ENOSPC when ``/dev/shm`` is full); no new file is left behind
+    then, and a reused segment goes back to the pool.
+    """
+    pool = _my_pool()
+    with pool.lock:
+        while (seg := pool.take(frame.nbytes)) is not None:
+            name = _rewrite(pool, seg, frame)
+            if name is not None:
+                return name
+        name = _new_name()
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            # write() allocates the pages (ENOSPC here when /dev/shm is full); the reader
+            # maps the file only once it is whole, so no access can fault on a missing page.
+            _write_all(fd, frame.chunks())
+        except BaseException:
+            path.unlink(missing_ok=True)
+            os.close(fd)
+            raise
+        pool.add(_Segment(fd, name, frame.nbytes))
+        return name
+
+
+def _rewrite(pool: _Pool, seg: _Segment, frame: Frame) -> str | None:
+    """Overwrite free segment ``seg`` (locked by us) with ``frame`` under a fresh name;
+    None when it was reaped meanwhile."""
+    taken, name = SHM_DIR / f"{seg.name}{TAKEN}", _new_name()
+    try:
+        os.rename(taken, SHM_DIR / name)
+    except FileNotFoundError:
+        pool.drop(seg)
+        return None
+    try:
+        if seg.size != frame.nbytes:
+            os.ftruncate(seg.fd, frame.nbytes)
+        os.lseek(seg.fd, 0, os.SEEK_SET)
+        _write_all(seg.fd, frame.chunks())
     except BaseException:
-        path.unlink(missing_ok=True)
+        os.rename(SHM_DIR / name, taken)  # free again (its bytes are rewritten on reuse)
+        seg.size = os.fstat(seg.fd).st_size
+        fcntl.flock(seg.fd, fcntl.LOCK_UN)
         raise
-    finally:
-        os.close(fd)
+    seg.name, seg.size = name, frame.nbytes
+    fcntl.flock(seg.fd, fcntl.LOCK_UN)  # before the reference is queued
     return name
 
 
 def read_segment(name: str, size: int) -> Batch:
-    """Map a segment, unlink it and decode the batch zero-copy (arrays are writable views)."""
-    if not name.startswith(PREFIX) or "/" in name:
+    """Take a segment (lock, rename to ``<name>.taken``), map it and decode the batch
+    zero-copy (arrays are writable views); the lock is held until the last array is gone."""
+    if not name.startswith(PREFIX) or "/" in name or name.endswith(TAKEN):
         raise ValueError(f"not a Claw segment name: {name!r}")
     path = SHM_DIR / name
     try:
@@ -116,12 +272,20 @@ def read_segment(name: str, size: int) -> Batch:
     except FileNotFoundError:
         raise SegmentMissing(name) from None
     try:
-        path.unlink(missing_ok=True)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # its writer is rewriting it: the reference is stale
+            raise SegmentMissing(name) from None
+        # Unlinked meanwhile (reaped)? The descriptor still reads it.
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path, SHM_DIR / f"{name}{TAKEN}")
         if os.fstat(fd).st_size != size:
             raise ValueError(f"segment {name}: size {os.fstat(fd).st_size} != {size}")
         mm = mmap.mmap(fd, size)  # lazy faults: MAP_POPULATE measured slower overall
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    weakref.finalize(mm, os.close, fd)  # releases the lock: the writer may reuse it
     return decode_batch(mm)
 
 

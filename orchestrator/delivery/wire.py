@@ -27,7 +27,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 MAGIC = b"CLAW"
-VERSION = 1
+VERSION = 2
 """Version of the queue item format: encoded batches and shared-memory references."""
 ALIGN = 64
 _PREFIX = struct.Struct("<4sII")  # magic, version, header length
