@@ -31,6 +31,10 @@ class Settings:
     # index) and of its per-recipe augmentation plans: least recently used go first.
     namespace_cache_size: int = 64
     plan_cache_size: int = 256
+    albumentations: tuple[str, ...] = ("pixel", "spatial")
+    """Albumentations transforms a recipe may name (``CLAW_ALBUMENTATIONS``, comma-separated
+    names or the groups ``pixel`` and ``spatial``; empty: none): whoever registers a recipe
+    chooses what workers run."""
 
 
 def load_settings() -> Settings:
@@ -48,7 +52,13 @@ def load_settings() -> Settings:
         archive_lock_ttl=float(os.environ.get("CLAW_ARCHIVE_LOCK_TTL", "60")),
         namespace_cache_size=int(os.environ.get("CLAW_NAMESPACE_CACHE_SIZE", "64")),
         plan_cache_size=int(os.environ.get("CLAW_PLAN_CACHE_SIZE", "256")),
+        albumentations=_names(os.environ.get("CLAW_ALBUMENTATIONS", "pixel,spatial")),
     )
+
+
+def _names(value: str) -> tuple[str, ...]:
+    """A comma-separated list setting."""
+    return tuple(filter(None, map(str.strip, value.split(","))))
 
 
 def redact_url(url: str) -> str:

@@ -28,6 +28,8 @@ import cv2
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from claw_tasks.settings import load_settings
+
 SAME = "same"
 
 # RGB -> gray weights of OpenCV (and so of albumentations).
@@ -464,8 +466,12 @@ def _build_op(entry: Any) -> Op:
         params = {} if params is None else params
     else:
         raise ValueError(f"expected {{op: params}} or an op name, got {entry!r}")
+    if name == "albumentations":  # imported here: albumentations is a heavy import
+        from orchestrator.transforms.albu import Albumentations
+
+        return Albumentations(params, load_settings().albumentations)
     if name not in OPS:
-        raise ValueError(f"unknown op {name!r}; known: {sorted(OPS)}")
+        raise ValueError(f"unknown op {name!r}; known: {sorted(OPS)} and 'albumentations'")
     if not isinstance(params, Mapping):
         raise ValueError(f"{name}: params must be a mapping, got {params!r}")
     sig = inspect.signature(OPS[name])
