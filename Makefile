@@ -4,6 +4,7 @@
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.claw-installed
+DEMO_STAMP := $(VENV)/.claw-demo-installed
 
 .PHONY: setup test demo lint
 
@@ -12,15 +13,25 @@ setup: $(STAMP)
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch==2.13.0 (dev extra) is a CPU wheel that pip finds on local disk.
+# torch==2.13.0 (demo and dev extras) is a CPU wheel that pip finds on local disk.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(VENV)/bin/python -m pip install -e '.[dev]'
+	touch $@ $(DEMO_STAMP)
+
+# The demo's weight only: the runtime, torch (CPU) and matplotlib; no test tools.
+$(DEMO_STAMP): pyproject.toml | $(VENV)/bin/python
+	@echo "== Installing Claw into $(VENV) with what the demo needs: the runtime (Celery,"
+	@echo "== Redis client, numpy, ...), torch (CPU) and matplotlib. The first time this takes"
+	@echo "== a few minutes; later runs skip it."
+	$(VENV)/bin/python -m pip install -e '.[demo]'
 	touch $@
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
+	@echo "== Running 'claw demo' (about a minute). To use 'claw' yourself afterwards:"
+	@echo "==   source $(VENV)/bin/activate   (or run $(VENV)/bin/claw)"
 	$(VENV)/bin/claw demo
 
 lint: $(STAMP)

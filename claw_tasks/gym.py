@@ -17,7 +17,9 @@ class RecordSteps(gym.Wrapper):
     ``next_obs`` are the next step's ``obs`` and are stored once. ``info`` scalars are kept
     when ``record_info`` is set. Steps are tagged ``origin = online`` (unless ``origin`` is
     given), and the env's observation and action spaces are recorded in the namespace
-    config (offline formats such as Minari need them).
+    config (offline formats such as Minari need them). ``policy_version`` (settable: an
+    actor that loads newer weights sets it) is tagged on the steps of the episodes reset
+    from then on.
     """
 
     def __init__(
@@ -28,6 +30,7 @@ class RecordSteps(gym.Wrapper):
         task_id: str | None = None,
         agent_id: str | None = None,
         record_info: bool = False,
+        policy_version: int | None = None,
         **tags: Any,
     ) -> None:
         super().__init__(env)
@@ -35,12 +38,13 @@ class RecordSteps(gym.Wrapper):
         self._meta = {"task_id": task_id, "agent_id": agent_id, "origin": "online", **tags}
         _record_spaces(env, ingestor)
         self.record_info = record_info
+        self.policy_version = policy_version
         self._episode: Episode | None = None
         self._obs: Any = None
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         obs, info = self.env.reset(**kwargs)
-        self._episode = self.ingestor.episode(**self._meta)
+        self._episode = self.ingestor.episode(**self._meta, policy_version=self.policy_version)
         self._obs = obs
         return obs, info
 

@@ -175,6 +175,12 @@ class DevStack:
         self.broker_url = os.environ.get("CLAW_BROKER_URL") or self.redis_url
         return self.redis_url
 
+    def start_own_redis(self, directory: Path) -> str:
+        """Start a private redis-server with its data in `directory` (never a shared one)."""
+        self.redis_server = RedisServer(dir=directory).start()
+        self.redis_url = self.broker_url = self.redis_server.url
+        return self.redis_url
+
     @property
     def child_env(self) -> dict[str, str]:
         return {"CLAW_REDIS_URL": self.redis_url, "CLAW_BROKER_URL": self.broker_url}
@@ -208,19 +214,24 @@ class DevStack:
                     raise svc.failure("stopped unexpectedly")
             time.sleep(interval)
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM every service group, SIGKILL what is left after `timeout`, stop Redis."""
-        for svc in self.services:
+    def stop_services(self, services: Sequence[Service], timeout: float = 20.0) -> None:
+        """SIGTERM these services' groups, SIGKILL what is left after `timeout`; the rest of
+        the stack runs on."""
+        for svc in services:
             if svc.running:
                 svc.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for svc in self.services:
+        for svc in services:
             assert svc.proc is not None
             with contextlib.suppress(subprocess.TimeoutExpired):
                 svc.proc.wait(max(0.1, deadline - time.monotonic()))
             svc.signal_group(signal.SIGKILL)  # leftovers: pool children, a hung main
             svc.proc.wait()
-        self.services.clear()
+        self.services = [s for s in self.services if s not in services]
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop every service (as `stop_services`), then the cleanups, then Redis."""
+        self.stop_services(list(self.services), timeout)
         while self._cleanups:
             self._cleanups.pop()()
         if self.redis_server is not None:

@@ -183,20 +183,41 @@ def _stack_table(stack: DevStack, metrics_port: int | None) -> Table:
 def demo(
     ctx: typer.Context,
     steps: Annotated[
-        int, typer.Option(min=1, help="Steps to record (episodes run to the end)")
-    ] = 5000,
+        int, typer.Option(min=1, help="CartPole env steps at most (it stops once solved)")
+    ] = 100_000,
+    actors: Annotated[int, typer.Option(min=1, help="Actor processes")] = 2,
+    images: Annotated[
+        bool, typer.Option("--images/--no-images", help="Run the pixel phase")
+    ] = True,
+    keep: Annotated[
+        bool, typer.Option(help="Leave the stack (with Flower) and the data up until Ctrl-C")
+    ] = False,
+    out: Annotated[
+        Path, typer.Option(help="Where the learning-curve PNG goes", show_default="current dir")
+    ] = Path("."),
     namespace: str = "demo",
     seed: int = 0,
     log_dir: LogDir = None,
 ) -> None:
-    """End to end: Redis, an ingest worker, CartPole-v1 episodes recorded and read back."""
+    """Train agents through Claw end to end: Ape-X DQN on CartPole, then pixels.
+
+    Actor processes record CartPole-v1 through RecordSteps; the learner pops prioritized
+    3-step batches made by prefetch workers, sends priorities back and publishes its
+    weights through Redis. Then pixel observations, augmented by the workers, timed against
+    augmenting in the training loop. Redis: --redis-url / CLAW_REDIS_URL, else the demo's
+    own embedded server."""
     cfg = demo_run.DemoConfig(
         log_dir=log_dir or default_log_dir(),
+        out=out,
         namespace=namespace,
         steps=steps,
+        actors=actors,
+        images=images,
+        keep=keep,
         seed=seed,
         redis_url=ctx.obj,
     )
+    _stop_on_sigterm()
     demo_run.run(cfg, Console())
 
 

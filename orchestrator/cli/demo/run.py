@@ -1,0 +1,171 @@
+"""`claw demo`: the stack, the phases, the ending; everything it started stops on return.
+
+Redis is the one given (`claw --redis-url` / CLAW_REDIS_URL) or the demo's own embedded
+server with its data under the cache dir, never whatever answers on the default port.
+Without `keep` the demo's namespaces are removed at the end (and its own server stopped);
+with it the stack stays up, with Flower, until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from rich.console import Console
+
+from claw_tasks.redis_server import embedded_dir
+from claw_tasks.store import Store
+from orchestrator.cli.devstack import DevStack, flower_service, port_open, worker_service
+from orchestrator.cli.namespaces import drop_namespace, memory_by_namespace
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    log_dir: Path
+    out: Path
+    namespace: str = "demo"
+    steps: int = 100_000  # env steps of the CartPole phase at most (it stops once solved)
+    actors: int = 2
+    images: bool = True
+    keep: bool = False
+    seed: int = 0
+    redis_url: str | None = None
+    target: float = 195.0
+
+    @property
+    def pixel_namespace(self) -> str:
+        return f"{self.namespace}-pixels"
+
+
+def demo_redis_dir() -> Path:
+    """The demo's own embedded server keeps its files here (`~/.cache/claw/demo-redis`)."""
+    return embedded_dir().parent / "demo-redis"
+
+
+def _check_deps() -> None:
+    missing = [m for m in ("torch", "matplotlib") if not _importable(m)]
+    if missing:
+        raise RuntimeError(
+            f"the demo needs {' and '.join(missing)}: run `make demo`, or "
+            "`pip install -e '.[demo]'` in your environment"
+        )
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _start(stack: DevStack, cfg: DemoConfig, console: Console) -> None:
+    if cfg.redis_url:
+        url = stack.start_redis(cfg.redis_url)
+        console.print(f"[bold]Redis[/] {url} (given)")
+    else:
+        directory = demo_redis_dir()
+        shutil.rmtree(directory, ignore_errors=True)  # the last run's files, if any
+        url = stack.start_own_redis(directory)
+        console.print(f"[bold]Redis[/] {url} (the demo's own, files in {directory})")
+    r = redis.Redis.from_url(url)
+    try:
+        for ns in (cfg.namespace, cfg.pixel_namespace):
+            if Store(r, ns).exists():
+                raise RuntimeError(
+                    f"namespace {ns!r} already exists at {url} (a `claw demo --keep` left it?): "
+                    "pick another with --namespace, or remove it"
+                )
+    finally:
+        r.close()
+    with console.status("starting a Celery worker for the ingest and prefetch queues…"):
+        stack.start([worker_service(cfg.log_dir, ["ingest", "prefetch"], 2, quick=True)])
+    pid = stack.services[-1].pid
+    console.print(f"[bold]worker[/] pid {pid} (queues ingest, prefetch; logs {cfg.log_dir})")
+
+
+def _stored(url: str, namespaces: list[str]):
+    from orchestrator.cli.demo.report import Stored
+
+    r = redis.Redis.from_url(url)
+    try:
+        memory = memory_by_namespace(r)
+        return [
+            Stored(ns, Store(r, ns).info()["steps"], memory.get(ns, 0))
+            for ns in namespaces
+            if Store(r, ns).exists()
+        ]
+    finally:
+        r.close()
+
+
+def _drop(url: str, namespaces: list[str]) -> None:
+    from orchestrator.delivery.client import BatchClient
+
+    for ns in namespaces:
+        client = BatchClient(ns, url)
+        try:
+            for name in client.registry.names():
+                client.unregister(name)  # its queued batches' shared memory too
+            drop_namespace(client.store.r, ns)
+        finally:
+            client.close()
+
+
+def run(cfg: DemoConfig, console: Console) -> None:
+    _check_deps()
+    from orchestrator.cli.demo import apex, offload, report
+
+    namespaces = [cfg.namespace] + ([cfg.pixel_namespace] if cfg.images else [])
+    started = time.monotonic()
+    with DevStack(cfg.log_dir) as stack:
+        _start(stack, cfg, console)
+        url = stack.redis_url
+        created = False
+        try:
+            created = True
+            console.rule("phase 1: Ape-X DQN on CartPole-v1")
+            res = apex.train(
+                stack, cfg.namespace, steps=cfg.steps, actors=cfg.actors, seed=cfg.seed,
+                target=cfg.target, console=console,
+            )  # fmt: skip
+            off = None
+            if cfg.images:
+                console.rule("phase 2: pixels, augmented by the prefetch workers")
+                assert res.net is not None
+                off = offload.run(
+                    stack, cfg.pixel_namespace, res.net, steps=min(3000, max(500, cfg.steps)),
+                    batches=100 if cfg.steps >= 20_000 else 20, seed=cfg.seed, console=console,
+                )  # fmt: skip
+            console.rule("summary")
+            console.print(report.summary(res, off, _stored(url, namespaces), cfg.target))
+            png = report.learning_curve(res, cfg.out, cfg.target)
+            console.print(f"learning curve: [bold]{png}[/]")
+            console.print(f"wall time: {time.monotonic() - started:.0f} s")
+            flower = None
+            if cfg.keep:
+                flower = _start_flower(stack, cfg)
+            report.print_next(console, report.next_steps(url, cfg.namespace, cfg.keep, flower))
+            if cfg.keep:
+                console.print("[dim]The stack stays up with the data: Ctrl-C stops it.[/]")
+                with contextlib.suppress(KeyboardInterrupt):
+                    stack.watch()
+        finally:
+            if created and not cfg.keep:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    _drop(url, namespaces)
+        console.print("stopping the worker" + (" and Redis" if stack.redis_server else "") + "…")
+    console.print("[green]done.[/]")
+
+
+def _start_flower(stack: DevStack, cfg: DemoConfig) -> str:
+    port = 5555
+    if port_open(port)(None):  # type: ignore[arg-type]  # taken (a `claw up`?): any free one
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+    stack.start([flower_service(cfg.log_dir, port)])
+    return f"http://127.0.0.1:{port}"
