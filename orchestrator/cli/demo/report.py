@@ -10,6 +10,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from claw_tasks.settings import redact_url
 from orchestrator.cli.demo.apex import SOLVED_WINDOW, ApexResult
 from orchestrator.cli.demo.offload import OffloadResult
 
@@ -97,8 +98,9 @@ def learning_curve(apex: ApexResult, out: Path, target: float) -> Path:
 
 
 def next_steps(url: str, namespace: str, keep: bool, flower: str | None) -> list[str]:
-    """Exact commands that reach the demo's store (its URL spelled out)."""
-    claw = f"claw --redis-url {shlex.quote(url)}"
+    """Exact commands that reach the demo's store: its URL spelled out, unless it holds a
+    password (never printed; then the commands rely on CLAW_REDIS_URL, as this run did)."""
+    claw = "claw" if redact_url(url) != url else f"claw --redis-url {shlex.quote(url)}"
     if not keep:
         return [
             "the demo removed its data; to look around afterwards run [bold]claw demo --keep[/]",

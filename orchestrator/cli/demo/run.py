@@ -19,6 +19,7 @@ import redis
 from rich.console import Console
 
 from claw_tasks.redis_server import embedded_dir
+from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
 from orchestrator.cli.devstack import DevStack, flower_service, port_open, worker_service
 from orchestrator.cli.namespaces import drop_namespace, memory_by_namespace
@@ -65,7 +66,7 @@ def _importable(module: str) -> bool:
 def _start(stack: DevStack, cfg: DemoConfig, console: Console) -> None:
     if cfg.redis_url:
         url = stack.start_redis(cfg.redis_url)
-        console.print(f"[bold]Redis[/] {url} (given)")
+        console.print(f"[bold]Redis[/] {redact_url(url)} (given)")
     else:
         directory = demo_redis_dir()
         shutil.rmtree(directory, ignore_errors=True)  # the last run's files, if any
@@ -76,7 +77,8 @@ def _start(stack: DevStack, cfg: DemoConfig, console: Console) -> None:
         for ns in (cfg.namespace, cfg.pixel_namespace):
             if Store(r, ns).exists():
                 raise RuntimeError(
-                    f"namespace {ns!r} already exists at {url} (a `claw demo --keep` left it?): "
+                    f"namespace {ns!r} already exists at {redact_url(url)} (a `claw demo --keep` "
+                    "left it?): "
                     "pick another with --namespace, or remove it"
                 )
     finally:
