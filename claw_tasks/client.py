@@ -479,9 +479,10 @@ class Ingestor:
         if left:
             result.pending = left
             raise IngestError(
-                f"{left} batch(es) not confirmed within {timeout}s: are ingest workers "
-                "running (celery -A claw_tasks.app worker -Q ingest)? They stay in flight and "
-                "are re-sent; flush again to keep waiting.",
+                f"{left} batch(es) not confirmed within {timeout}s: no ingest worker stored "
+                "them. Is the stack running? Start it with `claw up` in another terminal (it "
+                "runs the workers). The batches stay in flight and are re-sent; flush again to "
+                "keep waiting.",
                 result,
             )
         return result

@@ -6,8 +6,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,9 +17,8 @@ from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, shm
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import Batch
-from orchestrator.recipe.model import Recipe, same_recipe
+from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
 
-RecipeLike = Recipe | Mapping[str, Any] | str | Path
 log = logging.getLogger(__name__)
 
 
@@ -60,7 +58,7 @@ class BatchClient:
         ``/dev/shm``); a changed one gets the next ``version`` and its queued batches (of
         the old version) are dropped.
         """
-        recipe = _as_recipe(recipe)
+        recipe = as_recipe(recipe)
         if self.store.exists() and (schema := self.store.schema()) is not None:
             recipe.validate_against(schema)
 
@@ -182,12 +180,41 @@ class BatchClient:
         return True
 
     def _why_empty(self, name: str, timeout: float | None) -> str:
-        state = self.stats(name)[name]
+        """What the fill did: rate limited (its numbers and the rule), failed, short of
+        data, or never ran because no worker consumes ``prefetch``."""
+        st = self.stats(name)[name]
+        head = f"no batch of recipe {name!r} within {timeout}s"
+        state = str(st["state"])
+        limit = self._entry(name).recipe.rate_limit
+        if st["rate_limited"] and limit is not None:
+            return (
+                f"{head}: the rate limiter holds prefetch back ({st['rate_limit']}). Rule: "
+                "sampling waits while inserted x samples_per_insert - (sampled + batch_size) < "
+                "min_size x samples_per_insert - error_buffer, here samples_per_insert "
+                f"{limit.samples_per_insert:g}, error_buffer {limit.error_buffer:g}, min_size "
+                f"{limit.min_size}: insert more steps, or loosen rate_limit"
+            )
+        if state.startswith("error"):
+            return f"{head}: the last fill failed ({state}); the worker's log has the traceback"
+        if state.startswith("insufficient data"):
+            return f"{head}: {state}"
+        if self._prefetch_consumers() == 0:
+            return (
+                f"{head}: no worker consumes `prefetch`: run `claw up` (or a worker: "
+                "celery -A claw_tasks.app worker -Q prefetch)"
+            )
         return (
-            f"no batch of recipe {name!r} within {timeout}s (prefetch state: "
-            f"{state.get('state') or 'nothing produced yet'}); is a worker consuming the "
-            "'prefetch' queue (celery -A claw_tasks.app worker -Q prefetch)?"
+            f"{head}: the prefetch workers are busy (last fill: "
+            f"{state or 'nothing produced yet'}); pop with a longer timeout or add workers"
         )
+
+    def _prefetch_consumers(self) -> int:
+        """Workers that answer a broadcast and consume ``prefetch`` (only on a timeout)."""
+        try:
+            replies = self.app.control.inspect(timeout=1.0).active_queues() or {}
+        except Exception:  # the broker itself is unreachable: no worker consumes anything
+            return 0
+        return sum(any(q.get("name") == "prefetch" for q in qs) for qs in replies.values())
 
     def update_priorities(self, ids: Sequence[int] | np.ndarray, priorities: Any) -> int:
         """Set step priorities (e.g. |TD error|); ids evicted or overwritten are skipped."""
@@ -238,14 +265,6 @@ class BatchClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _as_recipe(recipe: RecipeLike) -> Recipe:
-    if isinstance(recipe, Recipe):
-        return recipe
-    if isinstance(recipe, str | Path):
-        return Recipe.from_yaml(recipe)
-    return Recipe.model_validate(dict(recipe))
 
 
 def _same(a: Recipe, b: Recipe) -> bool:

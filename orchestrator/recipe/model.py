@@ -241,8 +241,49 @@ class Recipe(_Model):
         for i, src in enumerate(self.sources):
             if problem := src.where_error(i, schema.tags, self.params):
                 problems.append(problem)
+        problems += self._augment_problems(schema)
         if problems:
             raise RecipeError(f"recipe {self.name!r}: " + "; ".join(problems))
+
+    def _augment_problems(self, schema: SchemaLike) -> list[str]:
+        """Run every augment op once on two zero rows of its field's stored dtype and shape:
+        an op that cannot apply (e.g. ``random_shift`` on a vector) fails at registration,
+        not in every prefetch. Ragged fields are left to the ops at run time."""
+        if not self.augment:
+            return []
+        from orchestrator.transforms.augment import build_pipelines
+
+        plan = build_pipelines(self.augment)
+        problems = []
+        for field in self.augment:
+            spec = _stored(field, schema)
+            if spec is None:
+                continue
+            dtype, shape = spec
+            rows = (2, self.sequence_length) if self.sequence_length > 1 else (2,)
+            x = np.zeros((*rows, *shape), dtype)
+            pipeline = plan.pipelines.get(field) or plan.pipelines[plan.aliases[field]]
+            for op in pipeline.ops:
+                try:
+                    op.observe(x)
+                    x = op(x, np.random.default_rng(0))
+                except ValueError as e:
+                    problems.append(
+                        f"augment.{field}: {op.name} cannot apply to field {field!r} of shape "
+                        f"{tuple(shape)} ({np.dtype(dtype).name}): {e}"
+                    )
+                    break
+        return problems
+
+
+def _stored(field: str, schema: SchemaLike) -> tuple[str, tuple[int, ...]] | None:
+    """(dtype, shape) of one row of ``field`` as a batch holds it; None when ragged or
+    unknown."""
+    name = "obs" if field == "next_obs" else field
+    if name in schema.fields:
+        spec = schema.fields[name]
+        return None if spec.ragged else (spec.dtype, tuple(spec.shape))
+    return {"reward": ("<f4", ()), "terminated": ("|b1", ()), "truncated": ("|b1", ())}.get(name)
 
 
 def same_recipe(a: Recipe, b: Recipe, ignore: Iterable[str] = ("version",)) -> bool:
@@ -250,3 +291,16 @@ def same_recipe(a: Recipe, b: Recipe, ignore: Iterable[str] = ("version",)) -> b
     ``version``, or ``params``, which are live)."""
     skip = set(ignore)
     return a.model_dump(exclude=skip) == b.model_dump(exclude=skip)
+
+
+RecipeLike = Recipe | Mapping[str, Any] | str | Path
+"""A recipe, its dict form, or the path of its YAML file."""
+
+
+def as_recipe(recipe: RecipeLike) -> Recipe:
+    """A validated :class:`Recipe` from any :data:`RecipeLike`."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str | Path):
+        return Recipe.from_yaml(recipe)
+    return Recipe.model_validate(dict(recipe))

@@ -45,7 +45,7 @@ from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import EXPLICIT_NEXT
 from claw_tasks.where import lookup
-from orchestrator.recipe.model import Recipe, same_recipe
+from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
 from orchestrator.sampling.fetch import (
     Fetcher,
     Read,
@@ -85,20 +85,22 @@ class SampledBatch:
 
 def sample(
     namespace_or_store: str | Store,
-    recipe: Recipe,
+    recipe: RecipeLike,
     *,
     redis_url: str | None = None,
     rng: np.random.Generator | None = None,
     params: Mapping[str, Any] | None = None,
     index: SamplingIndex | None = None,
 ) -> SampledBatch:
-    """Draw one batch of ``recipe`` from a namespace.
+    """Draw one batch of ``recipe`` (a :class:`Recipe`, its dict form or a YAML path, as
+    ``BatchClient.register`` takes) from a namespace.
 
     ``redis_url`` defaults to ``CLAW_REDIS_URL``; ``rng`` to the recipe's own stream (seeded
     with ``recipe.seed``); ``params`` override the recipe's live params; ``index`` replaces
     the process's cached index of the namespace. Raises
     :class:`~orchestrator.sampling.samplers.InsufficientData` when a source cannot fill its rows.
     """
+    recipe = as_recipe(recipe)
     session = _session(namespace_or_store, redis_url, index)
     with session.lock:
         return session.sample(recipe, rng, params)
