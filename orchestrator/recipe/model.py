@@ -282,7 +282,9 @@ def _stored(field: str, schema: SchemaLike) -> tuple[str, tuple[int, ...]] | Non
     name = "obs" if field == "next_obs" else field
     if name in schema.fields:
         spec = schema.fields[name]
-        return None if spec.ragged else (spec.dtype, tuple(spec.shape))
+        if getattr(spec, "dtype", None) is None or spec.ragged:  # names only, or ragged
+            return None
+        return spec.dtype, tuple(spec.shape)
     return {"reward": ("<f4", ()), "terminated": ("|b1", ()), "truncated": ("|b1", ())}.get(name)
 
 
