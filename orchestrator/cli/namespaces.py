@@ -160,12 +160,3 @@ def _namespace_stats(store: Store, memory_bytes: int) -> NamespaceStats:
         protected=protected_steps(store),
     )
 
-
-def drop_namespace(r: redis.Redis, namespace: str) -> int:
-    """Delete every key of `namespace` (all shards); returns how many there were."""
-    keys = [k.key for k in scan_keys(r, namespace)]
-    with r.pipeline(transaction=False) as pipe:
-        for key in keys:  # one by one: shard keys live in different cluster slots
-            pipe.unlink(key)
-        pipe.execute()
-    return len(keys)

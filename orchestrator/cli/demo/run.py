@@ -22,7 +22,8 @@ from claw_tasks.redis_server import embedded_dir
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
 from orchestrator.cli.devstack import DevStack, flower_service, port_open, worker_service
-from orchestrator.cli.namespaces import drop_namespace, memory_by_namespace
+from orchestrator.cli.namespaces import memory_by_namespace
+from orchestrator.maintenance.lifecycle import drop_namespace
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,7 @@ def _start(stack: DevStack, cfg: DemoConfig, console: Console) -> None:
             if Store(r, ns).exists():
                 raise RuntimeError(
                     f"namespace {ns!r} already exists at {redact_url(url)} (a `claw demo --keep` "
-                    "left it?): "
-                    "pick another with --namespace, or remove it"
+                    f"left it?): pick another with --namespace, or remove it with `claw drop {ns}`"
                 )
     finally:
         r.close()
