@@ -159,4 +159,3 @@ def _namespace_stats(store: Store, memory_bytes: int) -> NamespaceStats:
         retention=store.config().retention,
         protected=protected_steps(store),
     )
-
