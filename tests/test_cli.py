@@ -198,8 +198,11 @@ def test_demo_fails_clearly_without_redis(tmp_path):
 def test_up_runs_the_stack_and_stops_it(redis_url, tmp_path):
     metrics_port, flower_port = _free_port(), _free_port()
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "COLUMNS": "250"}
+    env.pop("FLOWER_BASIC_AUTH", None)
     args = [CLAW, "up", "--metrics-port", str(metrics_port), "--flower-port", str(flower_port),
             "--log-dir", str(tmp_path)]  # fmt: skip
+    (tmp_path / "beat.log").write_text("an earlier run\n")
+    (tmp_path / "beat.log.1").write_text("the run before\n")
     log = tmp_path / "up.out"
     with log.open("w") as out:
         proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -211,6 +214,10 @@ def test_up_runs_the_stack_and_stops_it(redis_url, tmp_path):
         table = log.read_text()
         for name in ("worker (all)", "beat", "flower", "metrics"):
             assert name in table
+        assert f"Flower on port {flower_port} runs without auth" in table
+        assert "FLOWER_BASIC_AUTH=user:password" in table
+        assert (tmp_path / "beat.log.1").read_text() == "an earlier run\n"  # rotated, kept
+        assert (tmp_path / "beat.log.2").read_text() == "the run before\n"
         pids = [int(p) for p in re.findall(r"│ (?:worker \(all\)|beat|flower)\s+│ (\d+)", table)]
         assert len(pids) == 3
         url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -255,3 +262,28 @@ def test_password_never_printed() -> None:
         assert result.exit_code == 1 and "***" in result.output
         assert "s3cret-pw" not in result.output
         server.client(password="s3cret-pw").config_set("requirepass", "")
+
+
+def test_tables_are_readable_at_80_columns(redis_url, filled):
+    """Nothing cut with an ellipsis, no line wider than the terminal."""
+    ns, store = filled
+    recipe = {"name": "a-rather-long-recipe-name", "batch_size": 4, "fields": ["obs"],
+              "sources": [{"name": "a"}],
+              "rate_limit": {"samples_per_insert": 1, "min_size": 99}}  # fmt: skip
+    from orchestrator.delivery.registry import Registry
+    from orchestrator.recipe.model import Recipe
+
+    Registry(store).put(Recipe.model_validate(recipe), None)
+    runner = CliRunner()
+    for args in (["stats"], ["stats", "-n", ns], ["recipes", ns], ["doctor", ns], ["dead", ns]):
+        out = runner.invoke(app, args, env={"CLAW_REDIS_URL": redis_url, "COLUMNS": "80"}).output
+        assert "…" not in out, (args, out)
+        assert max(len(line) for line in out.splitlines()) <= 80, (args, out)
+        assert args[0] == "doctor" or ns in out.replace("\n", "")  # doctor folds it in a cell
+    out = runner.invoke(app, ["recipes", ns], env={"CLAW_REDIS_URL": redis_url, "COLUMNS": "80"})
+    assert "a-rather-long-recipe-name: waiting for min_size:" in out.output.replace("\n", " ")
+
+
+def test_recipes_of_an_unknown_namespace_exits_1(claw):
+    out = claw("recipes", "no-such-namespace", code=1).output
+    assert "namespace 'no-such-namespace' does not exist" in out

@@ -25,6 +25,7 @@ from claw_tasks.app import QUEUES
 from claw_tasks.redis_server import RedisServer, embedded_dir, ensure_redis, log_tail
 
 _PR_SET_PDEATHSIG = 1
+KEEP_LOGS = 5  # earlier logs kept per service: x.log.1 (the last run) … x.log.5
 
 
 class DevStackError(RuntimeError):
@@ -69,6 +70,18 @@ def port_open(port: int, host: str = "127.0.0.1") -> Callable[[Service], bool]:
     return probe
 
 
+def rotate(log: Path, keep: int = KEEP_LOGS) -> None:
+    """Keep the earlier runs' logs: `x.log` becomes `x.log.1`, `x.log.1` `x.log.2`, …, the
+    oldest beyond `keep` is removed."""
+    if not log.exists() or not log.stat().st_size:
+        return
+    for i in range(keep - 1, 0, -1):
+        older = log.with_name(f"{log.name}.{i}")
+        if older.exists():
+            older.replace(log.with_name(f"{log.name}.{i + 1}"))
+    log.replace(log.with_name(f"{log.name}.1"))
+
+
 @dataclass
 class Service:
     """A child process with a log file and a readiness probe."""
@@ -91,6 +104,7 @@ class Service:
 
     def spawn(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        rotate(self.log)
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 self.argv,

@@ -151,6 +151,14 @@ def up(
                 services += [flower_service(logs, flower_port)] if flower else []
                 stack.start(services)
             console.print(_stack_table(stack, metrics_port if metrics else None))
+            if flower and not os.environ.get("FLOWER_BASIC_AUTH"):
+                console.print(
+                    f"[yellow]warning:[/] Flower on port {flower_port} runs without auth (it "
+                    "shows every task's arguments); set FLOWER_BASIC_AUTH=user:password "
+                    "before `claw up` to require a login",
+                    highlight=False,
+                )
+            console.print(f"[dim]Earlier runs' logs are kept as *.log.1 … in {logs}.[/]")
             console.print("[dim]Ctrl-C stops everything.[/]")
             stack.watch()
         except KeyboardInterrupt:
@@ -292,30 +300,52 @@ def stats(
     if not names:
         console.print(f"no namespaces at {url}")
         return
-    console.print(_summary_table(found, url, used))
+    for table in _summary_table(found, url, used, console.width):
+        console.print(table)
     for message in unreadable.values():
         err.print(f"[bold red]unreadable:[/] {message}", highlight=False)
     if len(found) == 1 and not unreadable:
         _print_details(console, found[0])
 
 
-def _summary_table(found: list[NamespaceStats], url: str, used: int) -> Table:
-    table = Table(title=f"{url} · Redis used memory {_mib(used)}")
+_WIDE = 110  # below this many columns the per-namespace summary is printed vertically
+
+
+def _summary_table(
+    found: list[NamespaceStats], url: str, used: int, width: int
+) -> list[Table]:
+    """One row per namespace on a wide terminal; on a narrow one (80 columns) one small
+    table per namespace, so that no value is cut."""
     heads = ("namespace", "steps", "capacity", "shards", "committed", "episodes", "dead letters",
              "memory", "B/step", "reward mean ± std")  # fmt: skip
-    for h in heads:
-        table.add_column(h, justify="left" if h == "namespace" else "right")
+    rows = []
     for s in found:
         i = s.info
         per_step = "-" if s.bytes_per_step is None else f"{s.bytes_per_step:,.0f}"
         reward = "-" if s.reward_mean is None else f"{s.reward_mean:.4g} ± {s.reward_std:.4g}"
         dead = f"[red]{i['dead_letters']:,}[/]" if i["dead_letters"] else "0"
-        table.add_row(
+        rows.append((
             s.namespace, f"{i['steps']:,}", f"{i['capacity']:,}", str(i["n_shards"]),
             f"{i['committed_total']:,}", f"{s.episodes:,}", dead, _mib(s.memory_bytes),
             per_step, reward,
-        )  # fmt: skip
-    return table
+        ))  # fmt: skip
+    title = f"{url} · Redis used memory {_mib(used)}"
+    if width >= _WIDE:
+        table = Table(title=title)
+        for h in heads:
+            table.add_column(h, justify="left" if h == "namespace" else "right")
+        for row in rows:
+            table.add_row(*row)
+        return [table]
+    tables = []
+    for n, row in enumerate(rows):
+        t = Table(title=title if n == 0 else None, show_header=False)
+        t.add_column(style="bold")
+        t.add_column(overflow="fold")
+        for h, v in zip(heads, row, strict=True):
+            t.add_row(h, v)
+        tables.append(t)
+    return tables
 
 
 def _print_details(console: Console, s: NamespaceStats) -> None:
@@ -362,7 +392,9 @@ def recipes(
     whether the rate limiter makes prefetch wait (and why)."""
     from orchestrator.delivery.client import BatchClient
 
-    with _redis(ctx) as (url, _):
+    with _redis(ctx) as (url, r):
+        if not Store(r, namespace).exists():
+            raise NamespaceError(f"namespace {namespace!r} does not exist at {redact_url(url)}")
         client = BatchClient(namespace, url)
         try:
             found = client.stats()
@@ -371,18 +403,24 @@ def recipes(
     if as_json:
         typer.echo(json.dumps(found, indent=2))
         return
-    table = Table(title=f"recipes of {namespace!r}")
-    heads = ("recipe", "version", "queue", "produced", "popped", "sampled rows",
-             "inserted steps", "state")  # fmt: skip
+    console = Console()
+    if not found:
+        console.print(f"no recipes registered in {namespace!r}")
+        return
+    inserted = next(iter(found.values()))["inserted_steps"]  # the namespace's, not a recipe's
+    table = Table(title=f"recipes of {namespace!r} ({inserted:,} steps inserted)")
+    heads = ("recipe", "version", "queue", "produced", "popped", "sampled rows")
     for h in heads:
-        table.add_column(h, justify="left" if h in ("recipe", "state") else "right")
+        table.add_column(h, justify="left" if h == "recipe" else "right", overflow="fold")
     for name, st in found.items():
-        state = f"[yellow]{st['rate_limit']}[/]" if st["rate_limited"] else st["state"] or "-"
         table.add_row(
             name, str(st["version"]), f"{st['depth']}/{st['max_depth']}", f"{st['produced']:,}",
-            f"{st['popped']:,}", f"{st['sampled_rows']:,}", f"{st['inserted_steps']:,}", state,
+            f"{st['popped']:,}", f"{st['sampled_rows']:,}",
         )  # fmt: skip
-    Console().print(table if found else f"no recipes registered in {namespace!r}")
+    console.print(table)
+    for name, st in found.items():  # below the table: a state is a sentence
+        state = f"[yellow]{st['rate_limit']}[/]" if st["rate_limited"] else st["state"] or "-"
+        console.print(f"[bold]{name}[/]: {state}", highlight=False)
 
 
 def _mib(n: int) -> str:
@@ -430,6 +468,51 @@ def inspect_steps(
 
 def _head(steps: dict[str, Any], n: int) -> dict[str, Any]:
     return {k: v[:n] for k, v in steps.items()}
+
+
+@app.command()
+@_friendly
+def query(
+    ctx: typer.Context,
+    namespace: str,
+    expression: Annotated[
+        str, typer.Argument(help="A where expression, e.g. \"task_id == 'grasp' and reward > 0\"")
+    ] = "",
+    group_by: Annotated[
+        str | None, typer.Option(help="Keys to group by, e.g. task_id,agent_id")
+    ] = None,
+    agg: Annotated[
+        str, typer.Option(help="Aggregates: count, mean/sum/min/max/std/pNN(key)")
+    ] = "count",
+    since: Annotated[str | None, typer.Option(help="Only steps younger than this, e.g. 1h")] = None,
+    hist: Annotated[str | None, typer.Option(help="Write a histogram of this key")] = None,
+    png: Annotated[Path | None, typer.Option(help="Where --hist writes (NS-KEY.png)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Ask questions of step metadata, answered from the sampling index.
+
+    Example: claw query grasp "task_id == 'grasp' and reward > 0.5" --group-by agent_id
+    --agg count,mean(reward),p95(reward) --since 1h"""
+    from orchestrator.cli import query as q
+
+    keys = [k.strip() for k in group_by.split(",") if k.strip()] if group_by else []
+    with _redis(ctx) as (_, r):
+        result = q.Query(Store(r, namespace)).run(
+            expression, group_by=keys, aggs=q.parse_aggs(agg), since=since,
+            keep=[hist] if hist else [],
+        )  # fmt: skip
+    if hist:
+        path = q.histogram(result, hist, png or Path(f"{namespace}-{hist}.png"))
+    if as_json:
+        typer.echo(json.dumps(result.to_json() | ({"png": str(path)} if hist else {}), indent=2))
+        return
+    console = Console()
+    if not result.matched:
+        console.print(f"no steps of {namespace!r} match ({result.steps:,} steps)")
+    else:
+        console.print(q.table(result))
+    if hist:
+        console.print(f"histogram of {hist} over {result.matched:,} steps: [bold]{path}[/]")
 
 
 @app.command()
@@ -588,7 +671,7 @@ def doctor(
 def _checks_table(reports: list[Report]) -> Table:
     """A row per namespace, a column per check (`claw doctor --help` says what each is)."""
     table = Table(title="claw doctor")
-    table.add_column("namespace")
+    table.add_column("namespace", overflow="fold")
     for check in CHECKS:
         table.add_column(check, justify="center")
     for rep in reports:
