@@ -91,3 +91,18 @@ def test_sample_takes_a_dict_a_yaml_path_or_a_recipe(redis_url, namespace, tmp_p
     for batch in got:
         assert batch["obs"].shape == (4, 4)
         np.testing.assert_array_equal(batch.ids, got[0].ids)
+
+
+def test_pop_timeout_reports_the_fills_last_error(redis_url, namespace, workers):
+    """Registered before any step (nothing to check the shift against), then vector data."""
+    recipe = {**VECTOR, "augment": {"obs": [{"random_shift": {"pad": 2}}]}}
+    with BatchClient(namespace, redis_url) as client:
+        client.register(recipe)
+        fill(redis_url, namespace)
+        client.request_fill("r", force=True)
+        with pytest.raises(TimeoutError) as e:
+            client.pop("r", timeout=5.0)
+    msg = str(e.value)
+    assert "the last fill failed (error: RecipeError: recipe 'r': augment.obs: random_shift " \
+        "cannot apply to field 'obs' of shape (4,)" in msg
+    assert "the worker's log has the traceback" in msg
