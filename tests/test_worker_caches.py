@@ -18,6 +18,7 @@ from claw_tasks import tasks
 from claw_tasks.lru import LRU
 from claw_tasks.store import Store
 from orchestrator.delivery import prefetch
+from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
 from orchestrator.recipe.model import Recipe
 
@@ -76,9 +77,10 @@ def test_worker_stores_are_bounded_and_forgotten(monkeypatch):
 def test_prefetch_plans_are_bounded_and_forgotten(redis_url, namespace, monkeypatch):
     monkeypatch.setattr(prefetch.plans, "maxsize", 2)
     aug = {"obs": [{"gaussian_noise": {"std": 0.1}}]}
-    reg = Registry(Store(redis_url, namespace))
+    reg = Registry(_namespace(redis_url, namespace))
     for name in ("a", "b", "c"):
-        assert prefetch._plan(reg, _recipe(name, augment=aug)) is not None
+        reg.put(_recipe(name, augment=aug), None)
+        assert run_fill(reg, name)["made"] > 0
     assert set(prefetch.plans) == {(namespace, "b"), (namespace, "c")}
     prefetch.forget_namespace(namespace)
     assert not any(key[0] == namespace for key in prefetch.plans)
