@@ -302,6 +302,23 @@ def test_archive_refusals_name_the_cause(redis_url, namespace, tmp_path):
     )
     assert result.exit_code == 1 and "no Claw archive" in result.output
 
+    # A damaged file, and a file whose checksum is right but whose steps are not.
+    ns_dir = tmp_path / "a" / f"ns={namespace}"
+    manifest = Manifest.load(ns_dir)
+    path = ns_dir / manifest.files[0]["path"]
+    good = path.read_bytes()
+    path.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
+    with pytest.raises(ValueError, match="does not match the manifest"):
+        restore(tmp_path / "a", Store(redis_url, namespace + "-r1"))
+    table = pq.read_table(pa.BufferReader(good))
+    bad = table.set_column(table.column_names.index("reward"), "reward",
+                           pa.array([float("nan")], pa.float32()))  # fmt: skip
+    pq.write_table(bad, path)
+    manifest.files[0]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    manifest.save(ns_dir)
+    with pytest.raises(ValueError, match="reward is nan"):
+        restore(tmp_path / "a", Store(redis_url, namespace + "-r2"))
+
 
 @pytest.mark.parametrize(
     "dtype, shape",

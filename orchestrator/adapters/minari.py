@@ -27,6 +27,7 @@ from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.schema import FieldSpec, tag_column
 from claw_tasks.store import Store
 from claw_tasks.store.layout import EXPLICIT_NEXT
+from orchestrator.maintenance.steptable import batch_problem
 
 ORIGIN_TAG = "origin"
 GROUP_STEPS = 1 << 16  # steps read or committed at a time
@@ -206,8 +207,11 @@ def load(dataset: str, root: Path | str | None = None) -> Any:
         return minari.MinariDataset(path / "data")
     if (path / "metadata.json").is_file():
         return minari.MinariDataset(path)
-    with datasets_root(root):
-        return minari.load_dataset(dataset)
+    try:
+        with datasets_root(root):
+            return minari.load_dataset(dataset)
+    except ImportError as e:  # Minari's hdf5 format needs h5py, not a Claw dependency
+        raise MinariError(f"dataset {dataset!r} needs {e.name or e}: pip install it") from None
 
 
 def import_minari(
@@ -245,6 +249,9 @@ def import_minari(
         if not pending:
             return
         batch = _batch(pending, f"minari-{tag}-{pending[0][1].id}-{pending[-1][1].id}")
+        problem = batch_problem(batch)
+        if problem:
+            raise MinariError(f"dataset {ds_id!r}: {problem}")
         res = store.commit(batch)
         result.steps += res.committed
         result.replayed += res.replayed

@@ -25,7 +25,13 @@ from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.layout import row_episode_codes
 from orchestrator.maintenance.archive import MANIFEST, Manifest
-from orchestrator.maintenance.steptable import TAG_PREFIX, from_table, table_meta, to_batch
+from orchestrator.maintenance.steptable import (
+    TAG_PREFIX,
+    batch_problem,
+    from_table,
+    table_meta,
+    to_batch,
+)
 
 ORIG_ID = "orig_id"
 BATCH_ROWS = 1 << 16
@@ -123,11 +129,17 @@ def _read_verified(ns_dir: Path, entry: dict[str, Any]) -> pa.Table:
 
 
 def _restore_part(store: Store, table: pa.Table, batch_id: str, result: RestoreResult) -> None:
-    rows = from_table(table)
+    try:
+        rows = from_table(table)
+    except (KeyError, ValueError, TypeError, pa.ArrowException) as e:
+        raise ArchiveError(f"batch {batch_id}: not a readable Claw archive table ({e})") from None
     if TAG_PREFIX + ORIG_ID not in rows.nums:
         rows = replace(rows, nums={**rows.nums, TAG_PREFIX + ORIG_ID: rows.id.astype(np.float64)})
     schema = Schema.from_dict(table_meta(table.schema)["schema"])
     batch = to_batch(rows, schema, batch_id)
+    problem = batch_problem(batch)
+    if problem:
+        raise ArchiveError(f"batch {batch_id}: {problem}")
     ids = _commit_in_place(store, batch, rows.timestamp, result)
     stored = ids >= 0
     quality = rows.strs["quality"]

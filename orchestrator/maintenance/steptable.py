@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow as pa
 
 from claw_tasks.batch import STR_META, Ragged, StepBatch, StrColumn
-from claw_tasks.schema import FieldSpec, Schema, tag_column
+from claw_tasks.codec import CodecError
+from claw_tasks.schema import FieldSpec, Schema, SchemaError, tag_column
 
 FORMAT = 1
 META_KEY = b"claw"
@@ -316,3 +317,18 @@ def to_batch(rows: StepRows, schema: Schema, batch_id: str) -> StepBatch:
         info=[rows.info[r] for r in info_rows],
         batch_id=batch_id,
     )
+
+
+def batch_problem(batch: StepBatch) -> str | None:
+    """What is wrong with a batch built from outside input (an archive file, an offline
+    dataset), by the checks ingest makes before anything is stored; None if nothing."""
+    try:
+        batch.check_columns()
+        batch.schema()
+    except (SchemaError, CodecError) as e:
+        return str(e)
+    errors = batch.row_errors()
+    if errors:
+        first = "; ".join(errors[i] for i in sorted(errors)[:3])
+        return f"{len(errors)} bad step(s), e.g. {first}"
+    return None
