@@ -7,6 +7,7 @@ from functools import cache
 from celery import Celery
 from kombu import Queue
 
+from claw_tasks.broker import broker_options
 from claw_tasks.settings import Settings, load_settings
 
 QUEUES = ("ingest", "prefetch", "maintenance")
@@ -23,8 +24,10 @@ TASK_MODULES = [
 
 def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
     """A configured Claw Celery app (workers use ``app``; clients may aim elsewhere)."""
-    app = Celery("claw", broker=broker_url or settings.broker_url, include=TASK_MODULES)
+    broker = broker_url or settings.broker_url
+    app = Celery("claw", broker=broker, include=TASK_MODULES)
     app.conf.update(
+        **broker_options(broker),  # TLS for rediss:// (importing it hardens the transport)
         task_serializer="msgpack",
         result_serializer="msgpack",
         # Nothing that can run code on load: msgpack for tasks, json for events and beat.

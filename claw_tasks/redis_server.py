@@ -115,6 +115,10 @@ class RedisServer:
         return self._dir / "redis.log"
 
     @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
