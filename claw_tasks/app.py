@@ -7,8 +7,8 @@ from functools import cache
 from celery import Celery
 from kombu import Queue
 
-from claw_tasks.broker import broker_options
 from claw_tasks.settings import Settings, load_settings
+from claw_tasks.transport import broker_options
 
 QUEUES = ("ingest", "prefetch", "maintenance")
 # Task modules by string only: orchestrator imports claw_tasks, never the reverse.

@@ -4,19 +4,28 @@ AOF, a worker is SIGKILLed. Each test ends with exact counts: every step stored 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import struct
 import time
 from collections.abc import Callable, Iterator
 
+import kombu.exceptions
+import msgpack
 import numpy as np
 import pytest
 
 from claw_tasks.client import Ingestor
 from claw_tasks.redis_server import RedisServer
 from claw_tasks.store import Store
+from orchestrator.delivery import shm, wire
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.wire import frame_batch
+from orchestrator.recipe.model import Recipe
 
 AOF_ALWAYS = {"appendonly": "yes", "appendfsync": "always"}
+DEAD_BROKER = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 
 
 def _wait(cond: Callable[[], object], what: str, timeout: float = 90.0) -> None:
@@ -92,3 +101,51 @@ def test_broker_outage_with_unacked_messages_does_not_kill_the_worker(
     assert worker.proc.poll() is None
     assert b"Unrecoverable error" not in worker.log.read_bytes()
     _assert_exact(Store(data.url, namespace), range(0, 8), 10)
+
+
+def _recipe(name: str) -> Recipe:
+    return Recipe.model_validate({"name": name, "batch_size": 4, "fields": ["obs"],
+                                  "sources": [{"name": "all"}]})  # fmt: skip
+
+
+def test_pop_skips_garbage_queue_items_counts_them_and_logs_once(
+    redis_url, namespace, r, caplog
+):
+    client = BatchClient(namespace, redis_url)
+    client.registry.put(_recipe("g"), shm.host_id())
+    good = frame_batch({"obs": np.ones((4, 2), np.float32)}, np.arange(4), recipe_version=1)
+    ref = struct.pack("<4sI", shm.REF_MAGIC, wire.VERSION)
+    garbage = [
+        b"",
+        b"junk",
+        wire._PREFIX.pack(wire.MAGIC, wire.VERSION, 10**6) + b"\x00" * 40,  # truncated batch
+        shm.reference_message("claw-x", 10, shm.host_id())[:-3],  # truncated reference
+        ref + msgpack.packb({"size": 1}),  # KeyError
+        ref + msgpack.packb({"name": 7, "size": 1, "host": shm.host_id()}),  # TypeError
+        ref + msgpack.packb([1, 2]),  # not a map
+    ]
+    r.rpush(client.registry.queue("g"), *garbage, good.tobytes(), *garbage, good.tobytes())
+    with caplog.at_level(logging.WARNING, logger="orchestrator.delivery.client"):
+        for _ in range(2):
+            batch = client.pop("g", timeout=5)
+            np.testing.assert_array_equal(batch["obs"], np.ones((4, 2), np.float32))
+    assert client.stats("g")["g"]["skipped"] == 2 * len(garbage)
+    skipped = [m for m in caplog.messages if "unreadable queue item" in m]
+    assert len(skipped) == 1, caplog.messages
+    client.close()
+
+
+def test_refill_lock_released_when_the_request_cannot_be_sent(redis_url, namespace, r):
+    """Finding 9: with the broker down, a refill request used to leave the lock held for
+    30 s, so pops after the broker came back waited for nothing."""
+    offline = BatchClient(namespace, redis_url, broker_url=DEAD_BROKER)
+    offline.registry.put(_recipe("l"), None)
+    with pytest.raises(kombu.exceptions.OperationalError):
+        offline.request_fill("l")
+    assert not r.exists(offline.registry.refill_lock("l"))
+    offline.close()
+    online = BatchClient(namespace, redis_url)  # the broker is back: the next request goes
+    assert online.request_fill("l")
+    assert r.exists(online.registry.refill_lock("l"))
+    online.unregister("l")
+    online.close()

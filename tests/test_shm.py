@@ -251,3 +251,29 @@ def test_the_pool_is_bounded_and_released_at_exit(monkeypatch):
         shm.discard(reused)
         for m in msgs[:2]:
             _taken(m).unlink(missing_ok=True)
+
+
+def test_symlinked_segment_is_refused_and_its_target_untouched(tmp_path):
+    """Finding 9: a `claw-*` symlink planted in /dev/shm must not be followed (the reader
+    would map the target read-write)."""
+    target = tmp_path / "precious"
+    target.write_bytes(b"x" * 64)
+    name = f"{shm.PREFIX}planted-{os.getpid()}"
+    link = shm.SHM_DIR / name
+    link.symlink_to(target)
+    try:
+        with pytest.raises(ValueError, match="cannot open it safely"):
+            shm.from_message(shm.reference_message(name, 64, shm.host_id()))
+    finally:
+        link.unlink(missing_ok=True)
+    assert target.read_bytes() == b"x" * 64
+
+
+def test_segment_that_is_not_a_regular_file_is_refused():
+    name = f"{shm.PREFIX}fifo-{os.getpid()}"
+    os.mkfifo(shm.SHM_DIR / name)
+    try:
+        with pytest.raises(ValueError, match="not a regular file"):
+            shm.from_message(shm.reference_message(name, 0, shm.host_id()))
+    finally:
+        (shm.SHM_DIR / name).unlink(missing_ok=True)

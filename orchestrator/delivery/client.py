@@ -16,7 +16,7 @@ from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, shm
 from orchestrator.delivery.registry import Entry, Registry
-from orchestrator.delivery.wire import Batch
+from orchestrator.delivery.wire import Batch, WireVersionError
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ class BatchClient:
         self.host = shm.host_id()
         self._recipes: dict[str, Recipe] = {}
         self._popped: dict[str, int] = {}
+        self._skipped: dict[str, int] = {}
+        self._logged_skip: set[str] = set()
         self._refills: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._sender = threading.Thread(
             target=self._send_refills, name="claw-refill-requests", daemon=True
@@ -148,6 +150,11 @@ class BatchClient:
             except shm.ForeignSegment as e:  # made for a reader on another host
                 log.warning("recipe %r: skipped a batch in another host's /dev/shm: %s", name, e)
                 continue
+            except WireVersionError:
+                raise  # not garbage: this reader or the workers need an upgrade
+            except Exception as e:  # garbage in the queue: skip it, never fail the trainer
+                self._skip(name, item, e)
+                continue
             if batch.recipe_version != recipe.version:  # changed here or by another client
                 recipe = self._recipes[name] = self._entry(name).recipe
                 if batch.recipe_version < recipe.version:
@@ -155,10 +162,23 @@ class BatchClient:
             self._popped[name] = self._popped.get(name, 0) + 1  # reported with the next pop
             return batch
 
+    def _skip(self, name: str, item: Any, error: Exception) -> None:
+        """Drop an unreadable queue item: counted (``skipped`` in :meth:`stats`), logged
+        once per recipe per client."""
+        self._skipped[name] = self._skipped.get(name, 0) + 1
+        if name not in self._logged_skip:
+            self._logged_skip.add(name)
+            log.warning(
+                "recipe %r: skipped an unreadable queue item (%d bytes): %s: %s (further "
+                "ones are counted in stats()['skipped'], not logged)",
+                name, len(item), type(error).__name__, error,
+            )  # fmt: skip
+
     def _report_pops(self, pipe: Any) -> None:
-        for name, k in self._popped.items():
-            pipe.hincrby(self.registry.counters(name), "popped", k)
-        self._popped.clear()
+        for counts, field in ((self._popped, "popped"), (self._skipped, "skipped")):
+            for name, k in counts.items():
+                pipe.hincrby(self.registry.counters(name), field, k)
+            counts.clear()
 
     def _send_refills(self) -> None:
         while (name := self._refills.get()) is not None:
@@ -174,9 +194,13 @@ class BatchClient:
         token = self.registry.take_refill_lock(name, force=force)
         if token is None:
             return False
-        self.app.send_task(
-            "claw.prefetch.fill", args=[self.namespace, name, token], queue="prefetch"
-        )
+        try:
+            self.app.send_task(
+                "claw.prefetch.fill", args=[self.namespace, name, token], queue="prefetch"
+            )
+        except BaseException:  # no fill is on its way: the next pop (or beat) may ask again
+            self.registry.release_refill_lock(name, token)
+            raise
         return True
 
     def _why_empty(self, name: str, timeout: float | None) -> str:
@@ -223,7 +247,7 @@ class BatchClient:
     def stats(self, name: str | None = None) -> dict[str, dict[str, Any]]:
         """Per recipe: queue depth and bound, batches produced and popped, rows sampled,
         steps inserted, the rate limiter's verdict and the last prefetch state."""
-        if self._popped:
+        if self._popped or self._skipped:
             with self.store.r.pipeline(transaction=False) as pipe:
                 self._report_pops(pipe)
                 pipe.execute()
@@ -243,6 +267,7 @@ class BatchClient:
                 "max_depth": rec.prefetch.depth,
                 "produced": int(c.get("produced", 0)),
                 "popped": int(c.get("popped", 0)),
+                "skipped": int(c.get("skipped", 0)),
                 "sampled_rows": int(sampled),
                 "inserted_steps": inserted,
                 "rate_limited": not verdict,
@@ -254,7 +279,7 @@ class BatchClient:
     def close(self) -> None:
         self._refills.put(None)
         self._sender.join(timeout=5)
-        if self._popped:
+        if self._popped or self._skipped:
             with self.store.r.pipeline(transaction=False) as pipe:
                 self._report_pops(pipe)
                 pipe.execute()

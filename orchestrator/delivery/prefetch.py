@@ -27,7 +27,7 @@ from claw_tasks.tasks import store_for
 from orchestrator.delivery import ratelimit, shm
 from orchestrator.delivery.augstats import RedisStats
 from orchestrator.delivery.collate import collate
-from orchestrator.delivery.registry import Registry
+from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.wire import frame_batch
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.sample import sample
@@ -202,6 +202,7 @@ def fill(namespace: str, name: str, token: str) -> dict[str, Any]:
     with the refill lock's ``token``: released only while still this fill's."""
     reg = Registry(store_for(namespace))
     try:
+        reg.r.sadd(ACTIVE, namespace)  # the beat tops this namespace up from now on
         return run_fill(reg, name)
     finally:
         reg.release_refill_lock(name, token)

@@ -15,7 +15,11 @@ from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.recipe.model import Recipe
 
-ACTIVE = "claw:active"  # set of namespaces with registered recipes (for the beat refill)
+# Namespaces that have had recipes, for the beat refill (`claw drop` removes one). Written
+# by the workers (a fill adds its namespace) and by :meth:`Registry.put` (setup with full
+# access), never by a client: it writes only its namespace's keys, so a Redis ACL can
+# confine it to them.
+ACTIVE = "claw:active"
 REFILL_LOCK_S = 30
 _UNLOCK = Lua("unlock", "orchestrator")
 
@@ -79,6 +83,7 @@ class Registry:
         does); a client changing a recipe goes through :meth:`install`."""
         with self.r.pipeline() as pipe:
             self._queue_put(pipe, recipe)
+            pipe.sadd(ACTIVE, self.ns)  # no client asks for a fill: let the beat see it
             if reader_host is not None:
                 pipe.sadd(self.readers(recipe.name), reader_host)
             pipe.execute()
@@ -121,7 +126,6 @@ class Registry:
         pipe.set(self.recipe_key(recipe.name), packb(entry))
         pipe.hset(self.versions_key, recipe.name, recipe.version)
         pipe.sadd(self.names_key, recipe.name)
-        pipe.sadd(ACTIVE, self.ns)
 
     def get(self, name: str) -> Entry | None:
         with self.r.pipeline() as pipe:
@@ -153,10 +157,7 @@ class Registry:
             pipe.delete(self.refill_lock(name), self.readers(name), self.augment_stats(name))
             pipe.hdel(self.versions_key, name)
             pipe.srem(self.names_key, name)
-            items = pipe.execute()[0]
-        if not self.r.scard(self.names_key):
-            self.r.srem(ACTIVE, self.ns)
-        return items
+            return pipe.execute()[0]
 
     def drain(self, name: str) -> list[bytes]:
         """Empty a queue (after a recipe change); returns the items."""

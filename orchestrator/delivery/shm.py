@@ -36,6 +36,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -268,10 +269,17 @@ def read_segment(name: str, size: int) -> Batch:
         raise ValueError(f"not a Claw segment name: {name!r}")
     path = SHM_DIR / name
     try:
-        fd = os.open(path, os.O_RDWR)
+        # O_NOFOLLOW: a `claw-*` symlink planted in /dev/shm must not get a file of ours
+        # mapped read-write; the file must be a regular one this user created.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         raise SegmentMissing(name) from None
+    except OSError as e:
+        raise ValueError(f"segment {name}: cannot open it safely ({e.strerror})") from None
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ValueError(f"segment {name}: not a regular file owned by this user")
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:  # its writer is rewriting it: the reference is stale
@@ -387,7 +395,7 @@ def reap_orphans(max_age_s: float, *, dead_grace_s: float = 5.0) -> list[str]:
     now = time.time()
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         try:
-            age = now - path.stat().st_mtime
+            age = now - path.lstat().st_mtime
         except FileNotFoundError:
             continue
         if age > max_age_s or (age > dead_grace_s and _creator_alive(path.name) is False):

@@ -24,8 +24,13 @@ def refill() -> dict[str, Any]:
             if entry is None or reg.r.llen(reg.queue(name)) >= entry.recipe.prefetch.depth:
                 continue
             token = reg.take_refill_lock(name)
-            if token is not None:
+            if token is None:
+                continue
+            try:
                 app.send_task("claw.prefetch.fill", args=[reg.ns, name, token], queue="prefetch")
-                sent += 1
+            except BaseException:  # no fill on its way: do not hold the lock for it
+                reg.release_refill_lock(name, token)
+                raise
+            sent += 1
     reaped = shm.reap_orphans(ORPHAN_SEGMENT_AGE_S)
     return {"fills": sent, "reaped_segments": len(reaped)}

@@ -1,4 +1,4 @@
-"""The Celery broker transport for Redis, hardened so a broker outage cannot kill a worker.
+"""kombu's Redis transport for Claw's broker, hardened: a broker outage must not kill a worker.
 
 Why: when the broker connection drops while a worker holds unacknowledged messages,
 Celery's consumer first ``collect()``s the connection and then ``close()``s it. If the
