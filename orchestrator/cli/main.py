@@ -142,8 +142,9 @@ def up(
                 stack.start_redis(ctx.obj)
                 if metrics:
                     server = metrics_server.serve(
-                        metrics_port, stack.redis_url, stack.broker_url, "127.0.0.1"
-                    )
+                        metrics_port, stack.redis_url, stack.broker_url, "127.0.0.1",
+                        os.environ.get("CLAW_METRICS_TOKEN") or None,
+                    )  # fmt: skip
                     stack.on_stop(server.shutdown)
                 groups = [[q] for q in QUEUES] if per_queue else [list(QUEUES)]
                 services = [worker_service(logs, g, concurrency) for g in groups]
@@ -236,13 +237,17 @@ def metrics(
     port: int = 9808,
     address: Annotated[str, typer.Option(help="Address to bind")] = "0.0.0.0",
 ) -> None:
-    """Serve Prometheus metrics of the store and the Celery queues at /metrics."""
+    """Serve Prometheus metrics of the store and the Celery queues at /metrics. With
+    CLAW_METRICS_TOKEN set, a scrape must send it as ``Authorization: Bearer <token>``."""
     url = ctx.obj or load_settings().redis_url
     broker = os.environ.get("CLAW_BROKER_URL") or url
-    server = metrics_server.serve(port, url, broker, address)
+    token = os.environ.get("CLAW_METRICS_TOKEN") or None
+    server = metrics_server.serve(port, url, broker, address, token)
     Console().print(
         f"serving http://{address}:{port}/metrics (store {redact_url(url)}, "
-        f"broker {redact_url(broker)}); Ctrl-C stops"
+        f"broker {redact_url(broker)}; "
+        f"{'bearer token required' if token else 'no token: set CLAW_METRICS_TOKEN'}); "
+        "Ctrl-C stops"
     )
     _stop_on_sigterm()
     try:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
-from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import WSGIApplication as WSGIApp
 
 import redis
 from kombu import Connection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -164,7 +168,38 @@ def registry_for(redis_url: str, broker_url: str) -> CollectorRegistry:
     return registry
 
 
-def serve(port: int, redis_url: str, broker_url: str, addr: str = "0.0.0.0") -> WSGIServer:
-    """Serve /metrics on `addr:port` from a daemon thread; returns the server (`.shutdown()`)."""
-    server, _thread = start_http_server(port, addr, registry_for(redis_url, broker_url))
+def require_token(app: WSGIApp, token: str) -> WSGIApp:
+    """``app`` answering only requests with ``Authorization: Bearer <token>`` (401 else)."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        given = environ.get("HTTP_AUTHORIZATION", "").encode()
+        if hmac.compare_digest(given, expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("WWW-Authenticate", 'Bearer realm="claw"'),
+                                            ("Content-Type", "text/plain")])  # fmt: skip
+        return [b"a bearer token is required (Authorization: Bearer $CLAW_METRICS_TOKEN)\n"]
+
+    return guarded
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # one line per scrape is noise
+
+
+def serve(
+    port: int, redis_url: str, broker_url: str, addr: str = "0.0.0.0", token: str | None = None
+) -> WSGIServer:
+    """Serve /metrics on `addr:port` from a daemon thread; returns the server (`.shutdown()`).
+    With ``token``, a scrape must send it as a bearer token."""
+    app = make_wsgi_app(registry_for(redis_url, broker_url))
+    if token:
+        app = require_token(app, token)
+    server = make_server(addr, port, app, _Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="claw-metrics", daemon=True).start()
     return server

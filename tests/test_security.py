@@ -1,9 +1,18 @@
-"""Per-namespace Redis ACLs: a producer and a trainer confined to their namespace's keys work
-end to end against a full-access worker, and cannot read anything else."""
+"""Security settings end to end: per-namespace Redis ACLs (a producer and a trainer confined
+to their namespace's keys work against a full-access worker and cannot read anything else),
+and the metrics endpoint's bearer token."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +24,8 @@ from claw_tasks.redis_server import RedisServer
 from claw_tasks.store.layout import Keys
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.registry import ACTIVE
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -78,3 +89,42 @@ def test_namespace_users_produce_and_train_and_see_nothing_else(server, start_wo
     assert admin.exists(b_keys.config) == 1
     a.close()
     admin.close()
+
+
+def _scrape(port: int, token: str | None) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_metrics_endpoint_requires_the_bearer_token(redis_url, tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    token = "s3cret-token-value"
+    log = tmp_path / "metrics.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli.main", "--redis-url", redis_url, "metrics",
+         "--port", str(port), "--address", "127.0.0.1"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "CLAW_METRICS_TOKEN": token},
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while b"serving" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        assert _scrape(port, None)[0] == 401
+        assert _scrape(port, "wrong")[0] == 401
+        status, body = _scrape(port, token)
+        assert status == 200 and 'claw_up{component="store"} 1.0' in body
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    assert "bearer token required" in log.read_text()
+    assert token not in log.read_text()
