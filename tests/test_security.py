@@ -5,6 +5,7 @@ and the metrics endpoint's bearer token."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -128,3 +129,49 @@ def test_metrics_endpoint_requires_the_bearer_token(redis_url, tmp_path):
         proc.wait(20)
     assert "bearer token required" in log.read_text()
     assert token not in log.read_text()
+
+
+def _certificates(tmp: Path) -> dict[str, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl)."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=tmp, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.pem", "-days", "1", "-subj", "/CN=claw-test-ca")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
+            "server.csr", "-subj", "/CN=127.0.0.1")  # fmt: skip
+    (tmp / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "1",
+            "-extfile", "san.cnf")  # fmt: skip
+    return {"ca": tmp / "ca.pem", "cert": tmp / "server.pem", "key": tmp / "server.key"}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_tls_store_and_broker_end_to_end(tmp_path, start_worker, namespace):
+    """``rediss://`` for the store and the broker: certificate paths travel in the URL's
+    query, read by redis-py (store) and by Claw's broker settings (Celery); a client that
+    does not trust the CA is refused."""
+    certs = _certificates(tmp_path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        tls_port = sock.getsockname()[1]
+    options = {"tls-port": str(tls_port), "tls-cert-file": str(certs["cert"]),
+               "tls-key-file": str(certs["key"]), "tls-ca-cert-file": str(certs["ca"]),
+               "tls-auth-clients": "no"}  # fmt: skip
+    server = RedisServer(options=options)
+    try:
+        server.start()
+    except RuntimeError as e:  # a redis-server built without TLS
+        server.close()
+        pytest.skip(f"redis-server without TLS: {e}")
+    try:
+        url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={certs['ca']}&ssl_cert_reqs=required"
+        start_worker("ingest", 1, CLAW_REDIS_URL=url, CLAW_BROKER_URL=url)
+        _produce(url, namespace, 2, 5)
+        assert server.client().exists(Keys(namespace).config) == 1
+        untrusted = redis.Redis.from_url(f"rediss://127.0.0.1:{tls_port}/0?ssl_cert_reqs=required")
+        with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
+            untrusted.ping()
+    finally:
+        server.close()
