@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import redis
 
-from claw_tasks.acl import namespace_rules
+from claw_tasks.acl import setuser_command
 from claw_tasks.client import Ingestor
 from claw_tasks.redis_server import RedisServer
 from claw_tasks.store.layout import Keys
@@ -38,8 +38,9 @@ def server() -> Iterator[RedisServer]:
 def _user(server: RedisServer, namespace: str) -> str:
     """Create the namespace's user; returns its URL."""
     admin = server.client()
-    admin.execute_command("ACL", "SETUSER", f"u-{namespace}", "reset", "on", f">pw-{namespace}",
-                          *namespace_rules(namespace))  # fmt: skip
+    # The line `claw acl` prints, then the password.
+    admin.execute_command(*setuser_command(namespace, f"u-{namespace}").split())
+    admin.execute_command("ACL", "SETUSER", f"u-{namespace}", f">pw-{namespace}")
     admin.close()
     return f"redis://u-{namespace}:pw-{namespace}@{server.host}:{server.port}/0"
 

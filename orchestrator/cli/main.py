@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from claw_tasks.acl import setuser_command
 from claw_tasks.app import QUEUES
 from claw_tasks.redis_server import ensure_redis
 from claw_tasks.schema import Schema
@@ -257,6 +258,17 @@ def metrics(
         pass
     finally:
         server.shutdown()
+
+
+@app.command()
+def acl(
+    namespace: str,
+    user: str,
+    db: Annotated[int, typer.Option(help="The broker's database number")] = 0,
+) -> None:
+    """Print the Redis ACL SETUSER line that confines USER (a producer or trainer) to
+    NAMESPACE; give it a password with `ACL SETUSER USER >password` (never printed here)."""
+    typer.echo(setuser_command(namespace, user, db=db))
 
 
 @app.command()
