@@ -11,6 +11,7 @@ import signal
 import struct
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import kombu.exceptions
 import msgpack
@@ -64,9 +65,10 @@ def servers() -> Iterator[tuple[RedisServer, RedisServer]]:
     """A data-store Redis and a separate broker Redis (AOF, fsync on every write)."""
     with RedisServer() as data, RedisServer(options=AOF_ALWAYS) as broker:
         yield data, broker
-        for server in (data, broker):  # never leave a stopped server behind
-            if server.pid is not None:
-                os.kill(server.pid, signal.SIGCONT)
+
+
+def _pool_children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def test_broker_outage_with_unacked_messages_does_not_kill_the_worker(
@@ -83,16 +85,22 @@ def test_broker_outage_with_unacked_messages_does_not_kill_the_worker(
     _produce(ing, range(0, 3), 10)
     assert ing.flush(timeout=60).committed == 30
     b = broker.client()
-    os.kill(data.pid, signal.SIGSTOP)  # the next task hangs in the pool, unacked
-    _produce(ing, range(3, 4), 10)
-    ing.flush(wait=False)
-    _wait(lambda: b.hlen("unacked") == 1, "the worker holds the message unacked")
-    _wait(lambda: any(c["cmd"] == "brpop" for c in b.client_list()), "the worker waits on BRPOP")
-    b.close()
-    broker.kill()
-    _wait(lambda: b"Connection to broker lost" in worker.log.read_bytes(), "the worker notices")
-    broker.start()
-    os.kill(data.pid, signal.SIGCONT)
+    children = _pool_children(worker.proc.pid)
+    assert len(children) == 2
+    for child in children:  # the next task waits in the pool, unacked
+        os.kill(child, signal.SIGSTOP)
+    try:
+        _produce(ing, range(3, 4), 10)
+        ing.flush(wait=False)
+        _wait(lambda: b.hlen("unacked") == 1, "the worker holds the message unacked")
+        _wait(lambda: any(c["cmd"] == "brpop" for c in b.client_list()), "it waits on BRPOP")
+        b.close()
+        broker.kill()
+        _wait(lambda: b"Connection to broker lost" in worker.log.read_bytes(), "it notices")
+        broker.start()
+    finally:
+        for child in children:
+            os.kill(child, signal.SIGCONT)
     reconnected = lambda: worker.log.read_bytes().count(b"Connected to") >= 2  # noqa: E731
     _wait(lambda: reconnected() or worker.proc.poll() is not None, "the worker reconnects")
     assert worker.proc.poll() is None, worker.log.read_text()[-3000:]
@@ -102,7 +110,6 @@ def test_broker_outage_with_unacked_messages_does_not_kill_the_worker(
     assert worker.proc.poll() is None
     assert b"Unrecoverable error" not in worker.log.read_bytes()
     _assert_exact(Store(data.url, namespace), range(0, 8), 10)
-
 
 def _send(ing: Ingestor) -> None:
     """Hand what is buffered to the broker; while it is down the batch stays in the

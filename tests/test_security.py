@@ -98,20 +98,20 @@ def _scrape(port: int, token: str | None) -> tuple[int, str]:
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
 
 
-def test_metrics_endpoint_requires_the_bearer_token(redis_url, tmp_path):
+def test_metrics_endpoint_requires_the_bearer_token(server, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     token = "s3cret-token-value"
     log = tmp_path / "metrics.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli.main", "--redis-url", redis_url, "metrics",
+        [sys.executable, "-m", "orchestrator.cli.main", "--redis-url", server.url, "metrics",
          "--port", str(port), "--address", "127.0.0.1"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "CLAW_METRICS_TOKEN": token},
         stdout=log.open("wb"), stderr=subprocess.STDOUT,
