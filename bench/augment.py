@@ -72,6 +72,15 @@ def augment_rows(batch: dict[str, np.ndarray], repeat: int) -> list[tuple[str, f
             A.Compose([*cases[0][2].transforms, A.ColorJitter(**{**off, **jitters[0]})]),
         )
     )
+    dropout = {"num_holes_range": (2, 4), "hole_height_range": (0.1, 0.3),
+               "hole_width_range": (0.1, 0.3), "p": 1.0}  # fmt: skip
+    cases.append(
+        (
+            "albumentations CoarseDropout named in the recipe (no built-in)",
+            [{"albumentations": {"CoarseDropout": dropout}}],
+            A.CoarseDropout(**dropout),
+        )
+    )
     rows = []
     for label, ops, alb in cases:
         plan = build_pipelines({"obs": ops, "next_obs": "same"})
