@@ -277,6 +277,27 @@ def _one_step() -> StepBatch:
     )
 
 
+def test_archive_across_the_ring_end(redis_url, namespace, tmp_path):
+    """Runs split where the ring wraps; steps the ring passed before a run are counted."""
+    store = Store(redis_url, namespace)
+    store.create(100)
+
+    def commit(k: int) -> None:
+        for _ in range(k):
+            store.commit(_one_step())
+
+    commit(250)  # seqs 1..250; only 151..250 are still stored
+    first = archive_namespace(store, tmp_path, chunk_bytes=64 * 30)
+    assert (first.rows, first.overwritten) == (100, 150)
+    commit(80)  # seqs 251..330 take slots 50..99, then wrap to 0..29
+    second = archive_namespace(store, tmp_path, chunk_bytes=64 * 30)
+    assert (second.rows, second.overwritten) == (80, 0)
+    ns_dir = tmp_path / f"ns={namespace}"
+    ids = [i for f in sorted(ns_dir.rglob("*.parquet")) for i in pq.read_table(f)["id"].to_pylist()]
+    assert sorted(ids) == list(range(151, 331))
+    assert Manifest.load(ns_dir).watermarks == {0: 330}
+
+
 def test_archive_refusals_name_the_cause(redis_url, namespace, tmp_path):
     store = Store(redis_url, namespace)
     store.create(100)
