@@ -298,6 +298,31 @@ def test_archive_across_the_ring_end(redis_url, namespace, tmp_path):
     assert Manifest.load(ns_dir).watermarks == {0: 330}
 
 
+def test_archive_waits_for_slots_allocated_but_not_committed(redis_url, namespace, tmp_path):
+    """A batch allocated before others and committed after them holds the watermark back
+    (its steps must not be skipped), unless abandoned longer than the grace period."""
+    store = Store(redis_url, namespace)
+    store.create(1000)
+    store.commit(_one_step())  # seq 1
+    late = _one_step()
+    late.batch_id = "late"
+    assert store.allocate(0, "late", 1) == (2, "new")  # seq 2: allocated, not committed
+    store.commit(_one_step())  # seq 3
+    first = archive_namespace(store, tmp_path)
+    assert (first.rows, first.blocked, first.watermarks) == (1, {0: 2}, {0: 1})
+    store.commit(late)  # lands in its slot, seq 2
+    second = archive_namespace(store, tmp_path)
+    assert (second.rows, second.blocked, second.watermarks) == (2, {}, {0: 3})
+    # Abandoned (grace 0: the later commit is older than that): it no longer blocks.
+    assert store.allocate(0, "never", 1) == (4, "new")
+    store.commit(_one_step())  # seq 5
+    third = archive_namespace(store, tmp_path, grace=0)
+    assert (third.rows, third.blocked, third.watermarks) == (1, {}, {0: 5})
+    ns_dir = tmp_path / f"ns={namespace}"
+    ids = [i for f in sorted(ns_dir.rglob("*.parquet")) for i in pq.read_table(f)["id"].to_pylist()]
+    assert sorted(ids) == [1, 2, 3, 5]
+
+
 def test_archive_refusals_name_the_cause(redis_url, namespace, tmp_path):
     store = Store(redis_url, namespace)
     store.create(100)
