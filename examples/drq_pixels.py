@@ -1,6 +1,6 @@
 """DrQ-style augmentation done by the prefetch workers: the trainer only pops.
 
-CartPole-v1 is rendered as 48x48 RGB images (``orchestrator.cli.demo.pixels``, numpy only)
+CartPole-v1 is rendered as 84x84 RGB images (``orchestrator.cli.demo.pixels``, numpy only)
 and recorded through ``RecordSteps``. The recipe asks for ``random_shift`` on ``obs`` and,
 with its own draws, on ``next_obs`` (``next_obs: same``); prefetch workers sample, shift
 and collate, so the training loop spends its time on the network. Needs a running stack

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import redis
 import torch
+from typer.testing import CliRunner
 
 from claw_tasks.store import Store
 from orchestrator.cli.demo import dqn, weights
 from orchestrator.cli.demo.pixels import SIZE, render
 from orchestrator.cli.demo.report import PNG_NAME
+from orchestrator.cli.main import app
 from orchestrator.cli.namespaces import scan_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,11 +73,11 @@ def test_demo_image_phase_on_a_given_redis_and_cleans_up(redis_url, tmp_path):
 def test_demo_refuses_a_namespace_that_exists(redis_url, tmp_path):
     ns = f"demo-{uuid.uuid4().hex[:8]}"
     Store(redis_url, ns).create(capacity=100, n_shards=1)
-    args = [*CLAW, "--redis-url", redis_url, "demo", "--namespace", ns, "--out", str(tmp_path),
+    args = ["--redis-url", redis_url, "demo", "--namespace", ns, "--out", str(tmp_path),
             "--log-dir", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert f"namespace {ns!r} already exists" in proc.stderr
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1
+    assert f"namespace {ns!r} already exists" in result.output.replace("\n", "")
     assert Store(redis_url, ns).exists()  # not removed: it was not the demo's
 
 

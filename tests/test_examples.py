@@ -50,7 +50,7 @@ def test_dqn_per_learns_from_popped_batches(redis_url, workers, namespace):
 def test_drq_pixels_pops_shifted_images(redis_url, workers, namespace):
     out = _run_example("drq_pixels.py", redis_url, "--namespace", namespace, "--steps", "300",
                        "--updates", "5")  # fmt: skip
-    assert "recorded 300 steps of 48x48x3 images" in out and "done: 5 updates" in out
+    assert "recorded 300 steps of 84x84x3 images" in out and "done: 5 updates" in out
 
 
 def test_multi_agent_batches_mix_70_30(redis_url, workers, namespace):

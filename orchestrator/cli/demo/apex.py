@@ -221,6 +221,7 @@ def train(
                         client.set_params(RECIPE, min_version=max(0, version - MIN_VERSION_LAG))
             mon.poll(res)
             live.update(mon.view(res, version, target))
+        console.line()
         res.seconds = time.monotonic() - started
         res.learner_steps_per_s = res.learner_steps / max(res.seconds, 1e-9)
         res.batches_popped = res.learner_steps

@@ -35,9 +35,9 @@ class ConvQ(nn.Module):
     def __init__(self, shape: tuple[int, int, int], n_actions: int) -> None:
         super().__init__()
         h, w, c = shape
-        self.body = nn.Sequential(
-            nn.Conv2d(c, 16, 5, stride=2), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2), nn.ReLU(),
+        self.body = nn.Sequential(  # the Nature DQN's first two layers, narrower
+            nn.Conv2d(c, 16, 8, stride=4), nn.ReLU(),
+            nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(),
             nn.Flatten(),
         )  # fmt: skip
         with torch.no_grad():

@@ -146,7 +146,7 @@ def run(
     stack: DevStack, namespace: str, policy: torch.nn.Module, *, steps: int, batches: int,
     seed: int, console: Console,
 ) -> OffloadResult:  # fmt: skip
-    batch_size = 32
+    batch_size = 64
     n = record(stack, namespace, policy, steps, seed, console)
     pop_ms, in_loop_ms, train_ms = measure(
         stack, namespace, batches=batches, batch_size=batch_size, seed=seed, console=console

@@ -7,7 +7,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-SIZE = 48
+SIZE = 84  # as the DrQ papers use for Atari and DeepMind Control
 _X_LIMIT = 2.4  # CartPole's track half-width
 
 
