@@ -7,6 +7,7 @@ from functools import cache
 from celery import Celery
 from kombu import Queue
 
+from claw_tasks.schedule import beat_schedule
 from claw_tasks.settings import Settings, load_settings
 from claw_tasks.transport import broker_options
 
@@ -60,13 +61,7 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
         redbeat_redis_url=settings.redis_url,
         redbeat_key_prefix="claw:redbeat:",
         beat_scheduler="redbeat.RedBeatScheduler",
-        beat_schedule={
-            "claw-refill": {
-                "task": "claw.maintenance.refill",
-                "schedule": 1.0,
-                "options": {"queue": "maintenance", "expires": 5},
-            },
-        },
+        beat_schedule=beat_schedule(),  # claw_tasks/schedule.py, CLAW_SCHEDULE
         timezone="UTC",
     )
     return app

@@ -46,6 +46,7 @@ from orchestrator.cli.namespaces import (
     scan_keys,
 )
 from orchestrator.cli.retention import retention_policy
+from orchestrator.cli.schedule import beat_entries
 from orchestrator.cli.steplog import dead_letters, newest_ids, parse_ids, step_lines
 from orchestrator.maintenance.lifecycle import drop_namespace, list_namespaces, namespace_keys
 
@@ -647,6 +648,30 @@ def drop(
             task = progress.add_task(namespace, total=None)
             deleted = drop_namespace(r, namespace, lambda n: progress.advance(task, n))
     Console().print(f"dropped {namespace!r}: {deleted:,} keys deleted")
+
+
+@app.command("schedule")
+@_friendly
+def show_schedule(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Beat's entries (maintenance tasks) with their next run (CLAW_SCHEDULE overrides)."""
+    with _redis(ctx) as (_, r):
+        found = beat_entries(r)
+    if as_json:
+        typer.echo(json.dumps([e.to_json() for e in found], indent=2))
+        return
+    table = Table(title="beat schedule (UTC)")
+    for col in ("entry", "task", "schedule", "next run", "last run", "runs"):
+        table.add_column(col, justify="right" if col == "runs" else "left")
+    for e in found:
+        nxt = e.next_run.strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(
+            e.name, e.task, e.schedule, nxt if e.scheduled else f"~{nxt} (beat not running)",
+            "-" if e.last_run is None else e.last_run.strftime("%Y-%m-%d %H:%M:%S"), str(e.runs),
+        )  # fmt: skip
+    Console().print(table)
 
 
 @app.command(

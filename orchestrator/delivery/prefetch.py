@@ -175,6 +175,10 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
     return {"made": made, "state": state}
 
 
+class FillError(RuntimeError):
+    """A fill failed (its ``state`` in the recipe's counters says the same)."""
+
+
 def _last_state(reg: Registry, name: str) -> str:
     try:
         return str(reg.counts(name).get("state", ""))
@@ -199,11 +203,15 @@ def _reap_orphans() -> None:
 @app.task(name="claw.prefetch.fill", acks_late=False, ignore_result=True)
 def fill(namespace: str, name: str, token: str) -> dict[str, Any]:
     """Fill one recipe's queue (sent by ``BatchClient.pop`` below low water, and by beat)
-    with the refill lock's ``token``: released only while still this fill's."""
+    with the refill lock's ``token``: released only while still this fill's. A failed fill
+    raises (after recording its state), so Flower lists it as FAILED."""
     reg = Registry(store_for(namespace))
     try:
         reg.r.sadd(ACTIVE, namespace)  # the beat tops this namespace up from now on
-        return run_fill(reg, name)
+        result = run_fill(reg, name)
     finally:
         reg.release_refill_lock(name, token)
         _reap_orphans()
+    if str(result["state"]).startswith("error:"):  # FAILED in Flower, not a quiet success
+        raise FillError(f"prefetch of {namespace}/{name} failed: {result['state'][7:]}")
+    return result

@@ -14,8 +14,8 @@ ORPHAN_SEGMENT_AGE_S = shm.ORPHAN_AGE_S
 
 @app.task(name="claw.maintenance.refill", acks_late=False, ignore_result=True, expires=5)
 def refill() -> dict[str, Any]:
-    """Safety net for demand-driven refill: every second, ask for a fill of each queue
-    below its depth that has no fill on its way."""
+    """Safety net for demand-driven refill (beat, every 15 s by default): ask for a fill
+    of each queue below its depth that has no fill on its way."""
     sent = 0
     for raw_ns in redis_client().smembers(ACTIVE):
         reg = Registry(store_for(raw_ns.decode()))

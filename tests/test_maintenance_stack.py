@@ -1,0 +1,128 @@
+"""Maintenance on the running stack: RedBeat beat drives eviction and recomputation on
+short intervals, `claw schedule` shows the entries (nightly archive included), and a
+failing maintenance task is FAILED in Flower's API."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from conftest import ROOT
+from stepdata import batch, episode
+from test_stack import _free_port, _spawn, _stop
+
+from claw_tasks.app import client_app
+from claw_tasks.schedule import ScheduleError, beat_schedule, entries
+from claw_tasks.store import Store
+from claw_tasks.store.retention import Retention
+from orchestrator.maintenance.lifecycle import forget
+
+FAST = "{claw-evict: {every: 1}, claw-priorities: {every: 1s}, claw-refill: {every: 1m}}"
+
+
+def _wait(cond, what: str, log, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def test_schedule_defaults_and_overrides():
+    names = entries({})
+    assert names["claw-archive"] == {"task": "claw.maintenance.archive", "cron": "0 3 * * *"}
+    assert names["claw-evict"]["every"] == 30
+    sched = beat_schedule({"CLAW_SCHEDULE": '{"claw-archive": {"cron": "30 1 * * *"}, '
+                                            '"claw-refill": null}'})  # fmt: skip
+    assert "claw-refill" not in sched
+    assert sched["claw-archive"]["schedule"].hour == {1} and sched["claw-archive"]["task"]
+    with pytest.raises(ScheduleError, match="is new: give its task"):
+        entries({"CLAW_SCHEDULE": "{mine: {every: 5}}"})
+    with pytest.raises(ScheduleError, match="every 'soon'"):
+        beat_schedule({"CLAW_SCHEDULE": "{claw-evict: {every: soon}}"})
+
+
+def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker, tmp_path):
+    store = Store(redis_url, namespace)
+    store.create(capacity=1000)
+    store.commit(batch(episode(1, 30)), now=time.time() - 7200)
+    store.commit(batch(episode(2, 20)))
+    store.set_retention(Retention(max_age=3600))
+    store.set_priority_rules({"unsampled_boost": 1.0})
+    start_worker("maintenance")
+    log = tmp_path / "beat.log"
+    beat = _spawn(["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"], redis_url, log,
+                  CLAW_SCHEDULE=FAST)  # fmt: skip
+    try:
+        _wait(lambda: store.evictions()["ttl"] == 30, "beat did not run eviction", log)
+        _wait(lambda: store.r.hexists(store.keys.base + "prio", "last"), "no recomputation", log)
+        assert store.count() == 20
+        assert (store.episode("ep2", fields=[])["priority"] == 1.0).all()  # boosted
+        env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT),
+               "CLAW_SCHEDULE": FAST}  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli.main", "schedule", "--json"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        shown = {e["name"]: e for e in json.loads(out.stdout)}
+        archive = shown["claw-archive"]
+        assert archive["task"] == "claw.maintenance.archive"
+        assert archive["schedule"] == "cron 0 3 * * *" and "T03:00:00" in archive["next_run"]
+        assert shown["claw-evict"]["scheduled"] and shown["claw-evict"]["runs"] >= 1
+        assert shown["claw-evict"]["schedule"] == "every 1s"
+    finally:
+        _stop(beat)
+        store.set_retention(None)
+        store.set_priority_rules(None)
+        forget(namespace)
+
+
+def test_a_failing_maintenance_task_is_failed_in_flower(redis_url, namespace, start_worker,
+                                                        tmp_path):  # fmt: skip
+    store = Store(redis_url, namespace)
+    store.create(capacity=1000)
+    store.commit(batch(episode(1, 10)))
+    store.set_priority_rules({"scorer": "scorers:by_obs"})  # not in this worker's CLAW_SCORERS
+    start_worker("maintenance")
+    port = _free_port()
+    log = tmp_path / "flower.log"
+    flower = _spawn(["flower", f"--port={port}", "--address=127.0.0.1"], redis_url, log,
+                    FLOWER_BASIC_AUTH="claw:secret")  # fmt: skip
+    auth = "Basic " + base64.b64encode(b"claw:secret").decode()
+
+    def get(path: str) -> dict:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+        req.add_header("Authorization", auth)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return json.loads(resp.read())
+        except OSError:
+            return {}
+
+    app = client_app(redis_url)
+    try:
+        failed: list[dict] = []
+        sent_at = 0.0
+
+        def seen() -> bool:
+            nonlocal sent_at
+            if time.monotonic() - sent_at > 3:  # Flower may start listening late
+                app.send_task("claw.maintenance.priorities", queue="maintenance")
+                sent_at = time.monotonic()
+            tasks = get("/api/tasks?taskname=claw.maintenance.priorities&state=FAILURE")
+            failed[:] = list(tasks.values())
+            return bool(failed)
+
+        _wait(seen, "no FAILED task in Flower", log)
+        assert "not allowed on this worker" in failed[0]["exception"]
+        assert namespace in failed[0]["exception"]
+    finally:
+        _stop(flower)
+        store.set_priority_rules(None)
+        forget(namespace)
