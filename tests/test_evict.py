@@ -120,7 +120,7 @@ def test_cap_evicts_lowest_priority_unprotected_first(store):
     # Protected steps alone over the cap: they stay, everything else goes.
     store.set_retention(Retention(max_steps=5, protect=({"quality": "golden"},)))
     counts = evict_namespace(store, now=T0)
-    assert counts == {"cap": 105, "protected": 15}
+    assert counts == {"cap": 105, "protected": 15, "pruned": 0}
     assert set(live(store)) == set(golden.tolist())
     assert_clean(store)
 
@@ -260,3 +260,39 @@ def test_the_evict_task_on_a_real_worker(store, start_worker, redis_url):
     assert store.evictions()["ttl"] == 40
     assert sorted(store.get(sorted(live(store)), fields=[])["step_index"]) == list(range(40))
     assert_clean(store)
+
+
+def test_dictionaries_shed_strings_no_live_step_uses(store):
+    from orchestrator.maintenance.dictprune import GRACE_S
+
+    def traj(e: int, n: int, first: int = 0) -> list[dict]:
+        return episode(e, n, first=first, task_id=f"traj-{e}", tags={"prompt": f"p{e}"})
+
+    store.commit(batch([s for e in range(20) for s in traj(e, 5)]), now=T0)
+    store.commit(batch(traj(99, 5)), now=T0 + 3600)
+    recipe = Recipe.model_validate({
+        "name": "one", "batch_size": 8, "fields": ["obs"],
+        "sources": [{"name": "t", "where": {"task_id": "traj-3"}}],
+    })  # fmt: skip
+    assert (sample(store, recipe, rng=np.random.default_rng(0))["obs"][:, 0] == 3).all()
+    size = store.r.hlen(store.keys.rdict("task_id"))
+    store.set_retention(Retention(max_age=1800))
+    first = evict_namespace(store, now=T0 + 3600)  # evicts 100 steps, marks 20 strings
+    assert first["ttl"] == 100 and first["pruned"] == 0
+    assert store.r.hlen(store.keys.dpend("task_id")) == 20
+    assert check_namespace(store.r, store.namespace).ok
+    # traj-4 comes back before the sweep: revived with its old code, never swept.
+    code4 = int(store.r.hget(store.keys.dpend("task_id"), "traj-4").split(b":")[0])
+    store.commit(batch(traj(4, 8, first=5)), now=T0 + 3600)
+    assert int(store.r.hget(store.keys.dict("task_id"), "traj-4")) == code4
+    swept = evict_namespace(store, now=T0 + 3600 + GRACE_S + 1)["pruned"]
+    assert swept == 2 * 19  # task_id and tags.prompt of the 19 gone trajectories
+    assert store.r.hlen(store.keys.rdict("task_id")) == size - 19
+    assert store.r.hlen(store.keys.dpend("task_id")) == 0
+    assert check_namespace(store.r, store.namespace).ok
+    # traj-3 comes back: a new code, and the sampler's cached code for it is forgotten.
+    store.commit(batch(traj(3, 14, first=10)), now=T0 + 3600)
+    assert int(store.r.hget(store.keys.dict("task_id"), "traj-3")) > size - 1  # (+ counter)
+    drawn = sample(store, recipe, rng=np.random.default_rng(1))
+    assert (drawn["obs"][:, 0] == 3).all() and (drawn["obs"][:, 1] >= 10).all()
+    assert check_namespace(store.r, store.namespace).ok

@@ -1,3 +1,4 @@
+--! include ranges
 -- Evict steps of one shard (retention, manual): a planned chunk of victims, each checked
 -- first (its slot still holds its id and is alive; else skipped). For each: the alive bit
 -- is cleared, its sparse payload entries (ragged fields, explicit next_obs, info) and its
@@ -7,6 +8,8 @@
 -- a predecessor checked by `claw doctor` still points at the id it linked to.
 -- Episodes left without live steps lose their name and newest-seq entries, unless a newer
 -- commit of theirs changed the newest seq since the plan was made.
+-- Commands are batched (one GETRANGE for the alive bits and one per id chunk, one HDEL
+-- per hash, alive bits cleared by runs), so a call costs a few commands plus Lua work.
 -- KEYS: 1 alive bitmap, 2 evicted counter (update.lua checks alive bits once it exists),
 --       3 evictions by reason (hash), 4 change log, 5 episode links, 6 episode names,
 --       7 episode -> newest seq, 8.. chunk keys the plan refers to by KEYS index
@@ -21,21 +24,55 @@
 local reason, loglen = ARGV[1], tonumber(ARGV[2])
 local plan = cmsgpack.unpack(ARGV[3])
 local alive = KEYS[1]
-local ids, pred_ids, pred_flags = {}, {}, {}
+local victims = plan.victims or {}
 
-local function holds(key, off, id)
-  return redis.call('GETRANGE', key, off, off + 7) == id
+-- Alive bits of all victims: one GETRANGE of the bitmap's bytes over their span.
+local bits = {}
+if #victims > 0 then
+  local lo, hi = victims[1][1], victims[1][1]
+  for _, v in ipairs(victims) do lo = math.min(lo, v[1]); hi = math.max(hi, v[1]) end
+  lo, hi = math.floor(lo / 8), math.floor(hi / 8)
+  if hi - lo < 65536 then
+    local bytes = redis.call('GETRANGE', alive, lo, hi)
+    for i, v in ipairs(victims) do
+      local b = string.byte(bytes, math.floor(v[1] / 8) - lo + 1) or 0
+      bits[i] = math.floor(b / 2 ^ (7 - v[1] % 8)) % 2
+    end
+  else
+    for i, v in ipairs(victims) do bits[i] = redis.call('GETBIT', alive, v[1]) end
+  end
 end
 
-for _, v in ipairs(plan.victims or {}) do
-  local slot, id, idk, idoff, seq, code, idx, sparse, pred =
+-- Ids: one GETRANGE per id chunk over the span the victims need.
+local span = {}
+for _, v in ipairs(victims) do
+  local s = span[v[3]]
+  if not s then span[v[3]] = {v[4], v[4]} else
+    s[1] = math.min(s[1], v[4]); s[2] = math.max(s[2], v[4])
+  end
+end
+local idbytes = {}
+for k, s in pairs(span) do
+  idbytes[k] = {s[1], redis.call('GETRANGE', KEYS[k], s[1], s[2] + 7)}
+end
+local function holds(k, off, id)
+  local got = idbytes[k]
+  if got and off >= got[1] and off + 8 <= got[1] + #got[2] then
+    return string.sub(got[2], off - got[1] + 1, off - got[1] + 8) == id
+  end
+  return redis.call('GETRANGE', KEYS[k], off, off + 7) == id
+end
+
+local ids, pred_ids, pred_flags, clear, sparse, fields, seqs = {}, {}, {}, {}, {}, {}, {}
+for i, v in ipairs(victims) do
+  local slot, id, idk, idoff, seq, code, idx, keys, pred =
     v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9]
-  if redis.call('GETBIT', alive, slot) == 1 and holds(KEYS[idk], idoff, id) then
+  if bits[i] == 1 and holds(idk, idoff, id) then
     if pred and #pred > 0 then
       local pslot, pid, pidk, pidoff, pfk, pfoff, pnk, pnoff, delta, kind, srck, srcoff, size, nxk =
         unpack(pred)
       local flags = string.byte(redis.call('GETRANGE', KEYS[pfk], pfoff, pfoff)) or 0
-      if redis.call('GETBIT', alive, pslot) == 1 and holds(KEYS[pidk], pidoff, pid) and
+      if redis.call('GETBIT', alive, pslot) == 1 and holds(pidk, pidoff, pid) and
          bit.band(flags, 7) == 0 and
          redis.call('GETRANGE', KEYS[pnk], pnoff, pnoff + 3) == struct.pack('<i4', delta) then
         local obs
@@ -52,16 +89,41 @@ for _, v in ipairs(plan.victims or {}) do
         pred_flags[#pred_flags + 1] = flags
       end
     end
-    redis.call('SETBIT', alive, slot, 0)
-    for _, k in ipairs(sparse) do redis.call('HDEL', KEYS[k], slot) end
-    for _, end_ in ipairs({'t:', 'h:'}) do
-      local field = end_ .. code .. ':' .. idx
-      if tonumber(redis.call('HGET', KEYS[5], field) or '-1') == seq then
-        redis.call('HDEL', KEYS[5], field)
-      end
+    clear[#clear + 1] = slot
+    for _, k in ipairs(keys) do
+      sparse[k] = sparse[k] or {}
+      table.insert(sparse[k], slot)
     end
+    fields[#fields + 1] = 't:' .. code .. ':' .. idx
+    fields[#fields + 1] = 'h:' .. code .. ':' .. idx
+    seqs[#seqs + 1] = seq
     ids[#ids + 1] = id
   end
+end
+
+local function each_batch(list, fn)  -- unpack() has a limit: at most 4000 at a time
+  for j = 1, #list, 4000 do fn(unpack(list, j, math.min(j + 3999, #list))) end
+end
+-- Clear the alive bits by runs of consecutive slots (byte-wide where aligned).
+table.sort(clear)
+local j = 1
+while j <= #clear do
+  local k = j
+  while k < #clear and clear[k + 1] == clear[k] + 1 do k = k + 1 end
+  fill_bits(alive, clear[j], clear[k] + 1, 0)
+  j = k + 1
+end
+for k, slots in pairs(sparse) do
+  each_batch(slots, function(...) redis.call('HDEL', KEYS[k], ...) end)
+end
+if #fields > 0 then
+  local got, stale = redis.call('HMGET', KEYS[5], unpack(fields)), {}
+  for j = 1, #fields do
+    if got[j] and tonumber(got[j]) == seqs[math.floor((j + 1) / 2)] then
+      stale[#stale + 1] = fields[j]
+    end
+  end
+  if #stale > 0 then redis.call('HDEL', KEYS[5], unpack(stale)) end
 end
 
 for _, e in ipairs(plan.episodes or {}) do

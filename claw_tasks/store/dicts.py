@@ -18,17 +18,21 @@ class Dictionaries(NamespaceAdmin):
         """Codes of ``values`` in the column's dictionary, adding unknown strings."""
         if not values:
             return np.zeros(0, np.int32)
-        codes = self.scripts.dict(
-            keys=[self.keys.dict(column), self.keys.rdict(column)], args=list(values)
-        )
+        keys = [self.keys.dict(column), self.keys.rdict(column), self.keys.dpend(column)]
+        codes = self.scripts.dict(keys=keys, args=list(values))
         return np.asarray(codes, np.int32)
 
     def lookup_codes(self, column: str, values: Sequence[Any]) -> np.ndarray:
         """Codes of known strings; unknown strings get -1 (they match nothing)."""
         if not values:
             return np.zeros(0, np.int32)
-        found = self.r.hmget(self.keys.dict(column), [str(v) for v in values])
-        return np.array([-1 if c is None else int(c) for c in found], np.int32)
+        strings = [str(v) for v in values]
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.hmget(self.keys.dict(column), strings)
+            pipe.hmget(self.keys.dpend(column), strings)  # marked for pruning: still valid
+            found, marked = pipe.execute()
+        codes = [f or (m and m.split(b":")[0]) for f, m in zip(found, marked, strict=True)]
+        return np.array([-1 if c is None else int(c) for c in codes], np.int32)
 
     def decode_codes(self, column: str, codes: Iterable[int]) -> list[str | None]:
         codes = [int(c) for c in codes]

@@ -92,6 +92,11 @@ class Keys:
     def rdict(self, column: str) -> str:
         return f"{self.base}rdict:{column}"
 
+    def dpend(self, column: str) -> str:
+        """Dictionary entries marked for pruning: string -> ``code:marked_at``; an encode of
+        the string revives it with the same code (``dict.lua``)."""
+        return f"{self.base}dpend:{column}"
+
     def stage(self, batch_id: str) -> str:
         """Claim-check value; in shard 0's slot so a single-shard commit can copy from it."""
         return f"{self.shard(0)}stage:{batch_id}"

@@ -61,7 +61,7 @@ class Writer(NamespaceAdmin):
 
         def queue(pipe: Any) -> None:
             for k in names:
-                keys = [self.keys.dict(k), self.keys.rdict(k)]
+                keys = [self.keys.dict(k), self.keys.rdict(k), self.keys.dpend(k)]
                 script.queue(pipe, keys, batch.strs[k].values)
 
         replies = execute(self.r, [script], queue) if names else []

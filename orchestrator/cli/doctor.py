@@ -333,6 +333,8 @@ def _check_episode_names(store: Store, shard: int, codes: np.ndarray, rep: Repor
 def _check_dicts(store: Store, in_use: dict[str, set[int]], rep: Report) -> None:
     for col, codes in in_use.items():
         forward = store.r.hgetall(store.keys.dict(col))
+        for text, marked in store.r.hgetall(store.keys.dpend(col)).items():  # being pruned
+            forward.setdefault(text, marked.split(b":")[0])
         reverse = store.r.hgetall(store.keys.rdict(col))
         counter = int(reverse.pop(b"0", 0))
         for text, code in forward.items():

@@ -49,12 +49,13 @@ def beat_entries(r: redis.Redis, now: datetime | None = None) -> list[Entry]:
         sched = when(spec)
         every = None if "cron" in spec else sched.run_every.total_seconds()  # type: ignore[union-attr]
         text = f"cron {spec['cron']}" if every is None else f"every {every:g}s"
-        if key in due:
-            at, scheduled = due[key], True
-        else:
-            at, scheduled = (now + sched.remaining_estimate(last or now)).timestamp(), False
+        scheduled = key in due
+        if scheduled and every is not None:
+            at = due[key]
+        else:  # RedBeat's score for a crontab is only a wake-up hint: ask the crontab
+            at = (now + sched.remaining_estimate(last or now)).timestamp()
         step = 60 if every is None else 1  # cron fires on minute boundaries
-        nxt = datetime.fromtimestamp(round(at / step) * step, UTC)  # beat's are a bit early
+        nxt = datetime.fromtimestamp(round(at / step) * step, UTC)  # estimates are ms early
         out.append(Entry(name, spec["task"], text, nxt, scheduled, last,
                          int(meta.get("total_run_count", 0))))  # fmt: skip
     return sorted(out, key=lambda e: e.next_run)

@@ -18,6 +18,7 @@ from claw_tasks.app import app
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.evict import PLAN_COLUMNS
 from claw_tasks.tasks import redis_client, store_for
+from orchestrator.maintenance.dictprune import prune_dictionaries
 from orchestrator.maintenance.lifecycle import (
     forget,
     list_namespaces,
@@ -37,17 +38,21 @@ class MaintenanceError(RuntimeError):
 def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
     """Apply the namespace's retention policy once; returns steps evicted by reason."""
     retention = store.config(refresh=True).retention
-    if retention is None or retention.empty:
+    if retention is None:
         return {}
     index, strings = synced_index(store)
     now = time.time() if now is None else now
+    if retention.empty:
+        return {"pruned": sum(prune_dictionaries(store, index, now).values())}
     marks = watermarks(store) if retention.archive_before_evict else None
     per_step = None
     if retention.max_bytes is not None:
         live = int(index.columns["alive"].sum())
         per_step = namespace_bytes(store.r, store.namespace) / live if live else None
     choice = choose(index, strings, retention, now, watermarks=marks, bytes_per_step=per_step)
-    return {**evict_rows(store, index, choice), "protected": choice.protected}
+    done = evict_rows(store, index, choice)
+    pruned = sum(prune_dictionaries(store, index, now).values())
+    return {**done, "protected": choice.protected, "pruned": pruned}
 
 
 def evict_rows(store: Store, index: SamplingIndex, choice: Choice) -> dict[str, int]:
@@ -81,7 +86,7 @@ def evict() -> dict[str, Any]:
             failed[ns] = f"{type(e).__name__}: {e}"
             forget(ns)  # start cold next time
             continue
-        if any(v for k, v in counts.items() if k != "protected"):
+        if any(v for k, v in counts.items() if k not in ("protected", "pruned")):
             done[ns] = counts
     if failed:
         raise MaintenanceError(f"eviction failed in {len(failed)} namespace(s): {failed}")

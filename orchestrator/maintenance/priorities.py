@@ -47,6 +47,8 @@ from orchestrator.sampling.index import SamplingIndex
 log = logging.getLogger(__name__)
 TICK_BUDGET_S = 5.0
 """Work per beat tick and namespace; the cursor carries the rest to the next tick."""
+WRITE_BATCH = 2048
+"""Steps per script call (a BITFIELD, three short GETRANGEs, a few SETRANGEs)."""
 _SCRIPT = Lua("reprioritize")
 Scorer = Callable[[dict[str, np.ndarray], dict[str, Any]], np.ndarray]
 
@@ -213,18 +215,23 @@ class Recompute:
         changed = before.view(np.uint32) != after.view(np.uint32)
         if not changed.any():
             return 0
-        rows = rows[changed]
+        rows, before, after = rows[changed], before[changed], after[changed]
         k = self.store.keys
         keys = [
             k.shard_key(shard, "alive"), k.meta(shard, "id", chunk),
             k.meta(shard, "priority", chunk), k.shard_key(shard, f"psnap:{chunk}"),
             k.shard_key(shard, "log"),
         ]  # fmt: skip
-        args = [
-            first, (rows % cap).astype("<i4").tobytes(), cols["id"][rows].astype("<i8").tobytes(),
-            before[changed].tobytes(), after[changed].tobytes(), LOG_MAXLEN,
-        ]  # fmt: skip
-        return int(_SCRIPT(self.store.r, keys, args))
+        written = 0
+        for s in range(0, len(rows), WRITE_BATCH):
+            part = slice(s, s + WRITE_BATCH)
+            args = [
+                first, (rows[part] % cap).astype("<i4").tobytes(),
+                cols["id"][rows[part]].astype("<i8").tobytes(), before[part].tobytes(),
+                after[part].tobytes(), LOG_MAXLEN,
+            ]  # fmt: skip
+            written += int(_SCRIPT(self.store.r, keys, args))
+        return written
 
     def _score(self, index: SamplingIndex, rows: np.ndarray) -> np.ndarray:
         cols, cap = index.columns, index.cap

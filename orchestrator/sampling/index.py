@@ -12,7 +12,8 @@ only source of truth: the index is built cold from the shards' ``m:<col>`` strin
   ``links`` (``next`` distances a commit set on older rows) are applied directly;
 - events with ``col``/``ids``/``values`` (``prio``, ``cur``): applied from the payload to
   the rows that still hold those ids; ``evict`` events with ``ids`` (retention, manual
-  eviction) clear those rows' alive flags;
+  eviction) clear those rows' alive flags; ``forget`` events (pruned dictionary codes)
+  are collected in ``forgotten`` for the string caches;
 - anything else, a log that lost entries the index had not applied yet (trimmed past it:
   the index counts the entries it applied against the log's ``entries-added``), or an
   error half-way through a sync: the index is rebuilt cold.
@@ -57,6 +58,9 @@ class SamplingIndex:
         self.attached: dict[str, Any] = {}
         """State kept with the index by code that samples from it (lives as long as it)."""
         self._listeners: list[Callable[[np.ndarray | None], None]] = []
+        self.forgotten: dict[str, set[int]] = {}
+        """Dictionary codes pruned (``forget`` events) during the last :meth:`sync`, by
+        column: string caches drop them (a pruned code is never reused)."""
 
     def subscribe(self, listener: Callable[[np.ndarray | None], None]) -> None:
         """Call ``listener`` with what every later :meth:`sync` returns (e.g. a sampler's
@@ -90,6 +94,7 @@ class SamplingIndex:
         return rows
 
     def _sync(self) -> np.ndarray | None:
+        self.forgotten = {}
         if not self.columns:
             self.rebuild()
             return None
@@ -127,6 +132,9 @@ class SamplingIndex:
                     changed.append(self._set(shard, event))
                 elif event.get(b"op") == b"evict" and b"ids" in event:  # chosen steps
                     changed.append(self._evicted(shard, event[b"ids"]))
+                elif event.get(b"op") == b"forget" and b"codes" in event:  # dict pruning
+                    codes = np.frombuffer(event[b"codes"], "<i4").tolist()
+                    self.forgotten.setdefault(event[b"col"].decode(), set()).update(codes)
                 else:
                     raise _Rebuild
         if inserted:

@@ -44,7 +44,15 @@ class Strings:
         return np.array([known.get(s, -1) for s in strings], np.int64)
 
     def observe(self, changed: np.ndarray | None) -> None:
-        """Forget unknown strings of columns where ``changed`` rows show a new code."""
+        """Forget unknown strings of columns where ``changed`` rows show a new code, and
+        codes the dictionaries pruned (all known codes after a rebuild: it may have missed
+        the pruning events)."""
+        if changed is None:
+            self._codes.clear()
+        for column, gone in self.index.forgotten.items():
+            known = self._codes.get(column, {})
+            for s in [s for s, c in known.items() if c in gone]:
+                del known[s]
         for column, unknown in self._unknown.items():
             if not unknown:
                 continue

@@ -1,0 +1,129 @@
+"""Maintenance at scale: evicting N steps by TTL, and one priority recomputation pass.
+
+A private redis-server holds N vector steps (obs float32[8], action int64, 100-step
+episodes, 4 task ids), filled with big ``Store.commit`` batches, all committed an hour
+"ago" except the newest 1 %. Then:
+
+- evict: a retention policy ``max_age 30m`` and one ``evict_namespace`` call (what one beat
+  tick of ``claw.maintenance.evict`` runs): cold index build, the choice, and every
+  ``evict.lua`` call (64 steps each). Redis records every command in SLOWLOG
+  (``slowlog-log-slower-than 0``) during it: the median, p99 and longest single call.
+- recompute: a second namespace of N steps, one whole pass of ``Recompute`` with a
+  vectorised scorer over metadata (``|reward| + 0.01``) plus half-life decay, clamp and
+  normalisation; again with the longest single Redis call.
+
+Run: ``.venv/bin/python bench/maintenance.py [--steps 1000000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import numpy as np
+
+from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.redis_server import RedisServer
+from claw_tasks.store import Store
+from claw_tasks.store.retention import Retention
+from orchestrator.maintenance.evict import evict_namespace
+from orchestrator.maintenance.lifecycle import forget
+from orchestrator.maintenance.priorities import Recompute, Rules
+
+TASKS = ["grasp", "reach", "lift", "push"]
+EPISODE = 100
+BATCH = 16376 * 4
+
+
+def steps(start: int, n: int, rng: np.random.Generator) -> StepBatch:
+    i = np.arange(start, start + n)
+    ep, t = i // EPISODE, i % EPISODE
+    first = int(ep[0])
+    return StepBatch(
+        episode=StrColumn([f"ep{e}" for e in range(first, int(ep[-1]) + 1)], ep - first),
+        step_index=t,
+        reward=rng.uniform(-1, 1, n).astype(np.float32),
+        terminated=t == EPISODE - 1,
+        truncated=np.zeros(n, bool),
+        fields={"obs": rng.standard_normal((n, 8), dtype=np.float32), "action": t % 4},
+        priority=rng.uniform(0.01, 1.0, n).astype(np.float32),
+        strs={"task_id": StrColumn(TASKS, (ep % 4).astype(np.int32))},
+    )
+
+
+def fill(url: str, ns: str, n: int, old_until: int, now: float) -> Store:
+    store = Store(url, ns)
+    store.create(capacity=n)
+    rng = np.random.default_rng(0)
+    for start in range(0, n, BATCH):
+        k = min(BATCH, n - start)
+        store.commit(steps(start, k, rng), now=now - 3600 if start < old_until else now)
+    return store
+
+
+def slowest(r) -> str:
+    """The calls SLOWLOG recorded: median, p99 and the longest (ms, with its command)."""
+    entries = sorted(r.slowlog_get(200_000), key=lambda e: -e["duration"])
+    if os.environ.get("BENCH_VERBOSE"):
+        for e in entries[:8]:
+            print("  ", e["duration"], e["command"][:150])
+    us = np.array([e["duration"] for e in entries], np.float64)
+    cmd = entries[0]["command"]
+    cmd = cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)
+    return (f"{len(us):,} calls, median {np.median(us) / 1e3:.2f} ms, p99 "
+            f"{np.percentile(us, 99) / 1e3:.2f} ms, longest {us[0] / 1e3:.2f} ms "
+            f"({cmd.split()[0]})")  # fmt: skip
+
+
+def score(chunk: dict[str, np.ndarray], params: dict) -> np.ndarray:
+    """A vectorised scorer over metadata."""
+    return np.abs(chunk["reward"].astype(np.float64)) + 0.01
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=1_000_000)
+    args = ap.parse_args()
+    n = args.steps
+    now = time.time()
+    old = (n - n // 100) // BATCH * BATCH
+    print(f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+    with RedisServer(options={"slowlog-max-len": "200000"}) as srv:
+        r = srv.client()
+        t = time.perf_counter()
+        store = fill(srv.url, "bench-evict", n, old, now)
+        print(f"filled {n:,} steps in {time.perf_counter() - t:.1f} s")
+        store.set_retention(Retention(max_age=1800))
+        r.config_set("slowlog-log-slower-than", 0)
+        r.slowlog_reset()
+        t = time.perf_counter()
+        counts = evict_namespace(store, now=now)
+        wall = time.perf_counter() - t
+        calls = slowest(r)
+        r.config_set("slowlog-log-slower-than", 10000)
+        print(f"evict: {counts['ttl']:,} steps in {wall:.2f} s "
+              f"({counts['ttl'] / wall:,.0f} steps/s); {calls}")  # fmt: skip
+        assert store.count() == n - old
+        forget("bench-evict")
+
+        rstore = fill(srv.url, "bench-prio", n, n, now)
+        rules = Rules.of({"scorer": "bench.maintenance:score", "half_life": "1h",
+                          "clamp": [0.01, 10], "normalize": True})  # fmt: skip
+        job = Recompute(rstore, rules, allowed=("bench.maintenance:score",))
+        r.config_set("slowlog-log-slower-than", 0)
+        r.slowlog_reset()
+        t = time.perf_counter()
+        out = job.run(budget_s=3600, now=now + 600)
+        wall = time.perf_counter() - t
+        calls = slowest(r)
+        r.config_set("slowlog-log-slower-than", 10000)
+        assert out["finished"]
+        print(f"recompute: {out['written']:,} priorities in {wall:.2f} s "
+              f"({out['written'] / wall:,.0f} steps/s); {calls}")
+        print(f"load average during the run: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
