@@ -118,7 +118,7 @@ def test_cap_evicts_lowest_priority_unprotected_first(store):
     assert kept == set(golden.tolist()) | set(unprotected[80:])
     assert store.evictions() == {"ttl": 0, "cap": 80, "manual": 0, "ring": 0}
     # Protected steps alone over the cap: they stay, everything else goes.
-    store.set_retention(Retention(max_steps=5, protect=({"quality": "golden"},)))
+    store.set_retention(Retention(max_steps=5, protect=("quality == 'golden'",)))
     counts = evict_namespace(store, now=T0)
     assert counts == {"cap": 105, "protected": 15, "pruned": 0}
     assert set(live(store)) == set(golden.tolist())
@@ -227,11 +227,12 @@ def test_cli_sets_policy_stats_metrics_and_manual_eviction(store, redis_url):
         return result.output
 
     out = claw("retention", ns, "--max-age", "7d", "--max-steps", "5", "--evict", "oldest",
-               "--protect", "{task_id: a}", "--archive-before-evict")  # fmt: skip
+               "--protect", "task_id == 'a'", "--archive-before-evict")  # fmt: skip
     assert "max age 7d" in out and "max 5 steps (oldest first)" in out and "archive" in out
     ret = Store(redis_url, ns).config().retention
-    assert ret.max_age == 7 * 86400 and ret.protect == ({"task_id": "a"},)
+    assert ret.max_age == 7 * 86400 and ret.protect == ("task_id == 'a'",)
     assert "nope" in claw("retention", ns, "--protect", "{nope: 1}", code=1)
+    assert "reward >" in claw("retention", ns, "--protect", "reward > ", code=1)
     out = claw("stats", "--namespace", ns)
     assert "retention: max age 7d" in out and "30 protected steps alone exceed" in out
     ids = sorted(live(store))[:3]

@@ -137,8 +137,27 @@ end
 if #ids > 0 then
   redis.call('INCRBY', KEYS[2], #ids)
   redis.call('HINCRBY', KEYS[3], reason, #ids)
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', loglen, '*', 'op', 'evict', 'reason', reason,
-    'ids', table.concat(ids))
+  -- Runs of consecutive seqs are logged as ranges (readers re-read them), the rest by id:
+  -- small events, however many steps go.
+  local id_of, order = {}, {}
+  for j, seq in ipairs(seqs) do id_of[seq] = ids[j]; order[j] = seq end
+  table.sort(order)
+  local single, j = {}, 1
+  while j <= #order do
+    local k = j
+    while k < #order and order[k + 1] == order[k] + 1 do k = k + 1 end
+    if k > j then
+      redis.call('XADD', KEYS[4], 'MAXLEN', '~', loglen, '*', 'op', 'evict', 'reason', reason,
+        'seq', order[j], 'n', k - j + 1)
+    else
+      single[#single + 1] = id_of[order[j]]
+    end
+    j = k + 1
+  end
+  if #single > 0 then
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', loglen, '*', 'op', 'evict', 'reason', reason,
+      'ids', table.concat(single))
+  end
 end
 if #pred_ids > 0 then
   local zeros = string.rep('\0', 4 * #pred_ids)

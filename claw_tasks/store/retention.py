@@ -10,8 +10,9 @@ ring still overwrites the oldest steps at capacity):
   sampler draws them) or oldest first (``evict: oldest``) (reason ``cap``);
 - ``max_bytes``: Redis memory of the namespace's keys; turned into a step cap from the
   measured bytes per step (reason ``cap``);
-- ``protect``: ``where`` mappings (the recipe language); a step matching any is never
-  evicted, but counts against the caps;
+- ``protect``: filters in the where language (:mod:`claw_tasks.where`, a mapping or a
+  string such as ``"quality == 'golden'"``); a step matching any is never evicted, but
+  counts against the caps;
 - ``archive_before_evict``: only steps at or below a shard's archive watermark (the
   highest archived seq in ``claw:{ns:<shard>}:archived``) may go.
 """
@@ -22,6 +23,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from claw_tasks.where import FilterError, Where
 
 ORDERS = ("lowest-priority", "oldest")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -41,7 +44,7 @@ class Retention:
     max_steps: int | None = None
     max_bytes: int | None = None
     evict: str = "lowest-priority"
-    protect: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
+    protect: tuple[Mapping[str, Any] | str, ...] = field(default_factory=tuple)
     archive_before_evict: bool = False
 
     def __post_init__(self) -> None:
@@ -54,8 +57,12 @@ class Retention:
         if self.evict not in ORDERS:
             raise RetentionError(f"evict must be one of {ORDERS}, got {self.evict!r}")
         for p in self.protect:
-            if not isinstance(p, Mapping) or not p:
-                raise RetentionError(f"protect: each filter is a non-empty where mapping: {p!r}")
+            if not isinstance(p, Mapping | str) or not p:
+                raise RetentionError(f"protect: each filter is a non-empty where: {p!r}")
+            try:
+                Where(p)
+            except FilterError as e:
+                raise RetentionError(f"protect {p!r}: {e}") from None
 
     @property
     def empty(self) -> bool:
@@ -64,7 +71,8 @@ class Retention:
     def to_dict(self) -> dict[str, Any]:
         return {
             "max_age": self.max_age, "max_steps": self.max_steps, "max_bytes": self.max_bytes,
-            "evict": self.evict, "protect": [dict(p) for p in self.protect],
+            "evict": self.evict,
+            "protect": [p if isinstance(p, str) else dict(p) for p in self.protect],
             "archive_before_evict": self.archive_before_evict,
         }  # fmt: skip
 
@@ -79,7 +87,7 @@ class Retention:
         if isinstance(d.get("max_bytes"), str):
             d["max_bytes"] = parse_bytes(d["max_bytes"])
         protect = d.get("protect") or ()
-        d["protect"] = tuple([protect] if isinstance(protect, Mapping) else protect)
+        d["protect"] = tuple([protect] if isinstance(protect, Mapping | str) else protect)
         return cls(**d)
 
     @classmethod
@@ -100,7 +108,8 @@ class Retention:
         if self.max_bytes is not None:
             parts.append(f"max {self.max_bytes / 2**20:,.1f} MiB")
         if self.protect:
-            parts.append("protect " + " or ".join(str(dict(p)) for p in self.protect))
+            shown = (p if isinstance(p, str) else str(dict(p)) for p in self.protect)
+            parts.append("protect " + " or ".join(shown))
         if self.archive_before_evict:
             parts.append("archive before evict")
         return ", ".join(parts) or "none"

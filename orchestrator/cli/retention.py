@@ -12,12 +12,15 @@ from claw_tasks.store.retention import Retention, parse_bytes, parse_duration
 from claw_tasks.where import Where
 
 
-def protect_filter(text: str, tags: Mapping[str, str]) -> dict[str, Any]:
-    """A ``--protect`` filter: a where mapping in YAML/JSON flow form, e.g.
-    ``"{quality: golden}"``, checked against the namespace's tags."""
-    where = yaml.safe_load(text)
-    if not isinstance(where, dict):
-        raise ValueError(f"--protect {text!r}: give a where mapping such as '{{quality: golden}}'")
+def protect_filter(text: str, tags: Mapping[str, str]) -> str | dict[str, Any]:
+    """A ``--protect`` filter: the where language's string form (``"quality == 'golden'"``)
+    or a mapping in YAML/JSON flow form (``"{quality: golden}"``), checked against the
+    namespace's tags."""
+    where: str | dict[str, Any] = text
+    if text.lstrip().startswith("{"):
+        where = yaml.safe_load(text)
+        if not isinstance(where, dict):
+            raise ValueError(f"--protect {text!r}: not a mapping")
     Where(where, tags or None)
     return where
 
