@@ -7,7 +7,8 @@ episodes, 4 task ids), filled with big ``Store.commit`` batches, all committed a
 - evict: a retention policy ``max_age 30m`` and one ``evict_namespace`` call (what one beat
   tick of ``claw.maintenance.evict`` runs): cold index build, the choice, and every
   ``evict.lua`` call (64 steps each). Redis records every command in SLOWLOG
-  (``slowlog-log-slower-than 0``) during it: the median, p99 and longest single call.
+  (``slowlog-log-slower-than 0``) during it: the script's calls (median, p99, longest)
+  and the longest single call of any kind.
 - recompute: a second namespace of N steps, one whole pass of ``Recompute`` with a
   vectorised scorer over metadata (``|reward| + 0.01``) plus half-life decay, clamp and
   normalisation; again with the longest single Redis call.
@@ -28,6 +29,7 @@ from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.redis_server import RedisServer
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
+from claw_tasks.store.scripts import Lua
 from orchestrator.maintenance.evict import evict_namespace
 from orchestrator.maintenance.lifecycle import forget
 from orchestrator.maintenance.priorities import Recompute, Rules
@@ -63,19 +65,23 @@ def fill(url: str, ns: str, n: int, old_until: int, now: float) -> Store:
     return store
 
 
-def slowest(r) -> str:
-    """The calls SLOWLOG recorded: median, p99 and the longest (ms, with its command)."""
-    entries = sorted(r.slowlog_get(200_000), key=lambda e: -e["duration"])
-    entries = [e for e in entries if not e["command"].startswith(b"SLOWLOG")]
+def calls(r, script: str) -> str:
+    """What SLOWLOG recorded since its reset: the script's calls (median, p99, longest) and
+    the longest call of any kind (with its command)."""
+    entries = [e for e in r.slowlog_get(200_000) if not e["command"].startswith(b"SLOWLOG")]
+    entries.sort(key=lambda e: -e["duration"])
     if os.environ.get("BENCH_VERBOSE"):
         for e in entries[:8]:
             print("  ", e["duration"], e["command"][:150])
-    us = np.array([e["duration"] for e in entries], np.float64)
-    cmd = entries[0]["command"]
-    cmd = cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)
-    return (f"{len(us):,} calls, median {np.median(us) / 1e3:.2f} ms, p99 "
-            f"{np.percentile(us, 99) / 1e3:.2f} ms, longest {us[0] / 1e3:.2f} ms "
-            f"({cmd.split()[0]})")  # fmt: skip
+    sha = Lua(script).sha.encode()
+    mine = np.array([e["duration"] for e in entries if sha in e["command"][:60]]) / 1e3
+    top = entries[0]
+    name = " ".join(top["command"].decode(errors="replace").split()[:1])
+    if sha in top["command"][:60]:
+        name = f"{script}.lua"
+    return (f"{script}.lua: {len(mine):,} calls, median {np.median(mine):.2f} ms, p99 "
+            f"{np.percentile(mine, 99):.2f} ms, longest {mine.max():.2f} ms; longest of all "
+            f"{len(entries):,} calls {top['duration'] / 1e3:.2f} ms ({name})")
 
 
 def score(chunk: dict[str, np.ndarray], params: dict) -> np.ndarray:
@@ -102,10 +108,10 @@ def main() -> None:
         t = time.perf_counter()
         counts = evict_namespace(store, now=now)
         wall = time.perf_counter() - t
-        calls = slowest(r)
+        seen = calls(r, "evict")
         r.config_set("slowlog-log-slower-than", 10000)
         print(f"evict: {counts['ttl']:,} steps in {wall:.2f} s "
-              f"({counts['ttl'] / wall:,.0f} steps/s); {calls}")  # fmt: skip
+              f"({counts['ttl'] / wall:,.0f} steps/s); {seen}")  # fmt: skip
         assert store.count() == n - old
         forget("bench-evict")
 
@@ -118,11 +124,11 @@ def main() -> None:
         t = time.perf_counter()
         out = job.run(budget_s=3600, now=now + 600)
         wall = time.perf_counter() - t
-        calls = slowest(r)
+        seen = calls(r, "reprioritize")
         r.config_set("slowlog-log-slower-than", 10000)
         assert out["finished"]
         print(f"recompute: {out['written']:,} priorities in {wall:.2f} s "
-              f"({out['written'] / wall:,.0f} steps/s); {calls}")
+              f"({out['written'] / wall:,.0f} steps/s); {seen}")
         print(f"load average during the run: {os.getloadavg()}")
 
 

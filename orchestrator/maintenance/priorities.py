@@ -47,7 +47,7 @@ from orchestrator.sampling.index import SamplingIndex
 log = logging.getLogger(__name__)
 TICK_BUDGET_S = 5.0
 """Work per beat tick and namespace; the cursor carries the rest to the next tick."""
-WRITE_BATCH = 2048
+WRITE_BATCH = 1024
 """Steps per script call (a BITFIELD, three short GETRANGEs, a few SETRANGEs)."""
 _SCRIPT = Lua("reprioritize")
 Scorer = Callable[[dict[str, np.ndarray], dict[str, Any]], np.ndarray]
