@@ -13,7 +13,7 @@ import redis
 from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.codec import CodecError, packb, unpackb
 from claw_tasks.schema import MAX_BATCH_BYTES, SchemaError
-from claw_tasks.store import NamespaceDropped, NamespaceError, Store
+from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import row_episode_codes
 
 log = logging.getLogger(__name__)
@@ -58,11 +58,9 @@ def dead_letter(
 def process(
     store: Store, batch_id: str, payload: bytes | None, stage_key: str | None
 ) -> IngestOutcome:
-    """Validate and commit one batch. Idempotent: a redelivery writes nothing twice."""
-    try:
-        store.revalidate()
-    except NamespaceDropped as e:  # nothing written: no done key, no dead letter
-        return IngestOutcome(batch_id, errors=[str(e)])
+    """Validate and commit one batch. Idempotent: a redelivery writes nothing twice. Raises
+    NamespaceDropped, writing nothing, if the namespace was dropped."""
+    store.revalidate()  # NamespaceDropped: nothing written (no done record, no dead letter)
     done_key = store.keys.done(batch_id)
     prior = store.r.get(done_key)
     if prior is not None:

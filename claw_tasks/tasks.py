@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from typing import Any
 
@@ -10,7 +11,7 @@ import redis
 from claw_tasks.app import app, settings
 from claw_tasks.ingest import process
 from claw_tasks.lru import LRU
-from claw_tasks.store import Store
+from claw_tasks.store import NamespaceDropped, Store
 
 
 @cache
@@ -20,6 +21,7 @@ def redis_client() -> redis.Redis:
     return redis.Redis.from_url(settings.redis_url)
 
 
+log = logging.getLogger(__name__)
 stores: LRU[str, Store] = LRU(settings.namespace_cache_size)
 
 
@@ -46,6 +48,12 @@ def forget_namespace(namespace: str) -> None:
 def ingest(
     namespace: str, batch_id: str, payload: bytes | None = None, stage_key: str | None = None
 ) -> dict[str, Any]:
-    """Commit one batch of steps (inline ``payload`` or a claim-check ``stage_key``)."""
-    outcome = process(store_for(namespace), batch_id, payload, stage_key)
+    """Commit one batch of steps (inline ``payload`` or a claim-check ``stage_key``); a batch
+    for a dropped namespace is discarded (nothing written) and the cached Store forgotten."""
+    try:
+        outcome = process(store_for(namespace), batch_id, payload, stage_key)
+    except NamespaceDropped:
+        forget_namespace(namespace)
+        log.warning("batch %s: namespace %r was dropped; discarded", batch_id, namespace)
+        return {"committed": 0, "rejected": 0, "dropped": True}
     return {"committed": outcome.committed, "rejected": outcome.rejected}

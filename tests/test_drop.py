@@ -3,6 +3,7 @@ namespaces and writes nothing to the dropped one again; creating it again is exp
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -62,3 +63,26 @@ def test_drop_while_a_worker_runs(redis_url, start_worker, r):
     again.add_batch(columns(5, "new"))
     assert again.close().committed == 5
     assert Store(redis_url, a).count() == 5
+
+
+def test_drop_forgets_this_process_caches(redis_url, namespace, r):
+    from stepdata import batch, episode
+
+    from orchestrator import Recipe, sample
+    from orchestrator.maintenance.lifecycle import drop_namespace
+
+    sampling = importlib.import_module("orchestrator.sampling.sample")  # (the package's
+    # `sample` attribute is the function)
+    st = Store(redis_url, namespace)
+    st.create(capacity=100)
+    st.commit(batch(episode(1, 10)))
+    recipe = Recipe.model_validate({"name": "r", "batch_size": 4, "fields": ["obs"],
+                                    "sources": [{"name": "all"}]})  # fmt: skip
+    sample(namespace, recipe, redis_url=redis_url)
+    assert any(key[-2] == namespace for key in sampling.sessions)
+    assert drop_namespace(r, namespace) > 0
+    assert not any(key[-2] == namespace for key in sampling.sessions)
+    assert not list(namespace_keys(r, namespace))
+    with pytest.raises(NamespaceDropped):
+        st.commit(batch(episode(2, 5)))  # the old Store's cached config is not reused
+    assert not list(namespace_keys(r, namespace))

@@ -24,8 +24,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from claw_tasks.where import FilterError, Where
-
 ORDERS = ("lowest-priority", "oldest")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _BYTES = {
@@ -56,6 +54,9 @@ class Retention:
                 raise RetentionError(f"{name} must be an integer >= 0, got {v!r}")
         if self.evict not in ORDERS:
             raise RetentionError(f"evict must be one of {ORDERS}, got {self.evict!r}")
+        # Imported here: claw_tasks.where uses the store's layout, which imports this.
+        from claw_tasks.where import FilterError, Where
+
         for p in self.protect:
             if not isinstance(p, Mapping | str) or not p:
                 raise RetentionError(f"protect: each filter is a non-empty where: {p!r}")

@@ -23,6 +23,7 @@ from celery.signals import worker_process_init
 from claw_tasks.app import app, settings
 from claw_tasks.lru import LRU
 from claw_tasks.store import NamespaceError
+from claw_tasks.tasks import forget_namespace as forget_store
 from claw_tasks.tasks import store_for
 from orchestrator.delivery import ratelimit, shm
 from orchestrator.delivery.augstats import RedisStats
@@ -30,6 +31,7 @@ from orchestrator.delivery.collate import collate
 from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.wire import frame_batch
 from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.sample import forget_namespace as forget_sessions
 from orchestrator.sampling.sample import sample
 from orchestrator.sampling.samplers import InsufficientData
 from orchestrator.transforms.augment import AugmentPlan, build_pipelines
@@ -212,6 +214,9 @@ def fill(namespace: str, name: str, token: str) -> dict[str, Any]:
     finally:
         reg.release_refill_lock(name, token)
         _reap_orphans()
+    if result["state"] == "unregistered" and not reg.store.exists():  # dropped
+        for forget in (forget_namespace, forget_sessions, forget_store):
+            forget(namespace)
     if str(result["state"]).startswith("error:"):  # FAILED in Flower, not a quiet success
         raise FillError(f"prefetch of {namespace}/{name} failed: {result['state'][7:]}")
     return result

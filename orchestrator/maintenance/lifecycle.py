@@ -10,8 +10,11 @@ import redis
 
 from claw_tasks.store import Store
 from claw_tasks.store.config import DROPPED_TTL, dropped_key
+from claw_tasks.tasks import forget_namespace as forget_store
+from orchestrator.delivery.prefetch import forget_namespace as forget_plans
 from orchestrator.delivery.registry import ACTIVE
 from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.sample import forget_namespace as forget_sessions
 from orchestrator.sampling.strings import Strings
 
 SCAN_COUNT = 1000
@@ -60,8 +63,11 @@ def namespace_bytes(r: redis.Redis, namespace: str) -> int:
 
 
 def forget(namespace: str) -> None:
-    """Drop this process's cached index of ``namespace`` (it was dropped or recreated)."""
+    """Drop every cache this process keeps of ``namespace`` (it was dropped or recreated):
+    the maintenance index, the Store, the sampling session, augmentation plans."""
     _indexes.pop(namespace, None)
+    for forget_cache in (forget_store, forget_sessions, forget_plans):
+        forget_cache(namespace)
 
 
 def synced_index(store: Store) -> tuple[SamplingIndex, Strings]:
