@@ -26,6 +26,7 @@ def store(redis_url: str, namespace: str) -> Store:
     st = Store(redis_url, namespace)
     st.create(capacity=2000, n_shards=2)
     yield st
+    st.set_retention(None)  # later maintenance tasks in this session skip it
     forget(namespace)
 
 

@@ -25,6 +25,7 @@ def store(redis_url: str, namespace: str) -> Store:
     st = Store(redis_url, namespace)
     st.create(capacity=40_000, n_shards=2)  # two metadata chunks per shard
     yield st
+    st.set_priority_rules(None)  # later maintenance tasks in this session skip it
     forget(namespace)
 
 
