@@ -9,6 +9,7 @@ raises, so Flower shows it FAILED with the error.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -29,6 +30,8 @@ from orchestrator.maintenance.retention import Choice, choose, watermarks
 from orchestrator.sampling.index import SamplingIndex
 
 log = logging.getLogger(__name__)
+PRUNE_EVERY_S = 60.0
+_pruned_at: dict[str, float] = {}
 
 
 class MaintenanceError(RuntimeError):
@@ -43,7 +46,7 @@ def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
     index, strings = synced_index(store)
     now = time.time() if now is None else now
     if retention.empty:
-        return {"pruned": sum(prune_dictionaries(store, index, now).values())}
+        return {"pruned": _prune(store, index, now)}
     marks = watermarks(store) if retention.archive_before_evict else None
     per_step = None
     if retention.max_bytes is not None:
@@ -51,8 +54,16 @@ def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
         per_step = namespace_bytes(store.r, store.namespace) / live if live else None
     choice = choose(index, strings, retention, now, watermarks=marks, bytes_per_step=per_step)
     done = evict_rows(store, index, choice)
-    pruned = sum(prune_dictionaries(store, index, now).values())
-    return {**done, "protected": choice.protected, "pruned": pruned}
+    return {**done, "protected": choice.protected, "pruned": _prune(store, index, now)}
+
+
+def _prune(store: Store, index: SamplingIndex, now: float) -> int:
+    """Dictionary pruning, at most every PRUNE_EVERY_S per namespace and process (it scans
+    whole dictionaries; its sweep waits GRACE_S anyway)."""
+    if now - _pruned_at.get(store.namespace, -math.inf) < PRUNE_EVERY_S:
+        return 0
+    _pruned_at[store.namespace] = now
+    return sum(prune_dictionaries(store, index, now).values())
 
 
 def evict_rows(store: Store, index: SamplingIndex, choice: Choice) -> dict[str, int]:
