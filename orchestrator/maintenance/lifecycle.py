@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator
 
 import redis
 
+from claw_tasks.lru import LRU
+from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DROPPED_TTL, dropped_key
 from claw_tasks.tasks import forget_namespace as forget_store
@@ -21,7 +23,9 @@ SCAN_COUNT = 1000
 DROP_BATCH = 500
 """Keys per UNLINK: the values are freed in the background, so each call stays short."""
 DROP_SWEEPS = 3
-_indexes: dict[str, tuple[float, SamplingIndex, Strings]] = {}
+_indexes: LRU[tuple[str, float], tuple[SamplingIndex, Strings]] = LRU(
+    load_settings().namespace_cache_size
+)  # (namespace, config created) -> index
 
 
 def list_namespaces(r: redis.Redis) -> list[str]:
@@ -65,7 +69,7 @@ def namespace_bytes(r: redis.Redis, namespace: str) -> int:
 def forget(namespace: str) -> None:
     """Drop every cache this process keeps of ``namespace`` (it was dropped or recreated):
     the maintenance index, the Store, the sampling session, augmentation plans."""
-    _indexes.pop(namespace, None)
+    _indexes.drop(lambda key: key[0] == namespace)
     for forget_cache in (forget_store, forget_sessions, forget_plans):
         forget_cache(namespace)
 
@@ -74,14 +78,19 @@ def synced_index(store: Store) -> tuple[SamplingIndex, Strings]:
     """This process's index of the namespace, synced; rebuilt if the namespace was
     recreated since (its config's creation time changed)."""
     created = store.config(refresh=True).created
-    cached = _indexes.get(store.namespace)
-    if cached is None or cached[0] != created or cached[1].store is not store:
+    key = (store.namespace, created)
+    if key not in _indexes and any(k[0] == store.namespace for k in _indexes):
+        forget(store.namespace)  # made again since: every cache of it starts cold
+
+    def make() -> tuple[SamplingIndex, Strings]:
         index = SamplingIndex(store)
         strings = Strings(store, index)
         index.subscribe(strings.observe)
-        cached = _indexes[store.namespace] = (created, index, strings)
-    cached[1].sync()
-    return cached[1], cached[2]
+        return index, strings
+
+    index, strings = _indexes.get(key, make)
+    index.sync()
+    return index, strings
 
 
 def drop_namespace(
