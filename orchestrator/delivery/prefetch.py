@@ -215,6 +215,7 @@ def fill(namespace: str, name: str, token: str) -> dict[str, Any]:
         reg.release_refill_lock(name, token)
         _reap_orphans()
     if result["state"] == "unregistered" and not reg.store.exists():  # dropped
+        reg.r.srem(ACTIVE, namespace)
         for forget in (forget_namespace, forget_sessions, forget_store):
             forget(namespace)
     if str(result["state"]).startswith("error:"):  # FAILED in Flower, not a quiet success
