@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.schema import tag_column
 
 OBS = 4  # obs is float32[4]: [episode number, step_index, explicit next_obs marker, 0]
 
@@ -52,9 +53,9 @@ def batch(steps: Sequence[dict[str, Any]]) -> StepBatch:
     for name in names:
         values = [s.get("tags", {}).get(name) for s in steps]
         if any(isinstance(v, str) for v in values):
-            b.strs[f"t:{name}"] = StrColumn.of(values)
+            b.strs[tag_column(name)] = StrColumn.of(values)
         else:
-            b.nums[f"t:{name}"] = np.array([math.nan if v is None else v for v in values])
+            b.nums[tag_column(name)] = np.array([math.nan if v is None else v for v in values])
     assert n == b.n
     return b
 

@@ -23,6 +23,11 @@ DEFAULT_CAPACITY = 1_000_000
 
 DROPPED_TTL = 86400
 
+FORMAT = 1
+"""Version of a namespace's stored layout (this record, its keys and columns). A Claw
+reads the format it knows and refuses any other instead of misreading it; bump this with
+any change to the layout an older Claw would misread."""
+
 
 class NamespaceError(LookupError):
     """The namespace does not exist or is configured differently."""
@@ -48,6 +53,7 @@ class NamespaceConfig:
     priorities: dict[str, Any] | None = None  # recomputation rules (orchestrator.maintenance)
     # Observation and action spaces (Minari's JSON serialization), when a recorder knew them.
     spaces: dict[str, str] | None = None
+    format: int = FORMAT
 
     @property
     def cap(self) -> int:
@@ -64,12 +70,15 @@ class NamespaceConfig:
                 "retention": None if self.retention is None else self.retention.to_dict(),
                 "priorities": self.priorities,
                 "spaces": self.spaces,
+                "format": self.format,
             }
         )
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> NamespaceConfig:
+    def from_bytes(cls, data: bytes, namespace: str = "") -> NamespaceConfig:
+        """Parse a stored config; a format this Claw does not know is a NamespaceError."""
         d = unpackb(data)
+        _check_format(d.get("format"), namespace)
         schema = None if d["schema"] is None else Schema.from_dict(d["schema"])
         retention = Retention.of(d.get("retention"))
         priorities = d.get("priorities")
@@ -77,6 +86,19 @@ class NamespaceConfig:
             d["capacity"], d["n_shards"], schema, d["created"], retention, priorities,
             d.get("spaces"),
         )  # fmt: skip
+
+
+def _check_format(found: Any, namespace: str) -> None:
+    if found == FORMAT:
+        return
+    ns = f"namespace {namespace!r}" if namespace else "the namespace"
+    if isinstance(found, int) and found > FORMAT:
+        fix = "it was written by a newer Claw: upgrade Claw (pip install -U claw) to read it"
+    else:
+        fix = "it was not written by a released Claw: recreate it (claw drop, then ingest)"
+    raise NamespaceError(
+        f"{ns} has store format {found!r}; this Claw reads format {FORMAT} only: {fix}"
+    )
 
 
 class NamespaceAdmin:
@@ -95,7 +117,7 @@ class NamespaceAdmin:
             raw = self.r.get(self.keys.config)
             if raw is None:
                 raise NamespaceError(f"namespace {self.namespace!r} does not exist")
-            self._config = NamespaceConfig.from_bytes(raw)
+            self._config = NamespaceConfig.from_bytes(raw, self.namespace)
         return self._config
 
     def revalidate(self) -> None:
@@ -112,7 +134,7 @@ class NamespaceAdmin:
                 "or Store.create) to write to it"
             )
         if raw is not None and (self._config is None or raw != self._config.to_bytes()):
-            self._config = NamespaceConfig.from_bytes(raw)
+            self._config = NamespaceConfig.from_bytes(raw, self.namespace)
 
     def exists(self) -> bool:
         return bool(self.r.exists(self.keys.config))
@@ -158,7 +180,7 @@ class NamespaceAdmin:
                     raw = pipe.get(self.keys.config)
                     if raw is None:
                         raise NamespaceError(f"namespace {self.namespace!r} does not exist")
-                    cfg = NamespaceConfig.from_bytes(raw)
+                    cfg = NamespaceConfig.from_bytes(raw, self.namespace)
                     new = schema if cfg.schema is None else cfg.schema.merged(schema)
                     if cfg.schema is None or new.tags != cfg.schema.tags:
                         cfg = replace(cfg, schema=new)
@@ -194,7 +216,7 @@ class NamespaceAdmin:
                     raw = pipe.get(self.keys.config)
                     if raw is None:
                         raise NamespaceError(f"namespace {self.namespace!r} does not exist")
-                    cfg = replace(NamespaceConfig.from_bytes(raw), **changes)
+                    cfg = replace(NamespaceConfig.from_bytes(raw, self.namespace), **changes)
                     pipe.multi()
                     pipe.set(self.keys.config, cfg.to_bytes())
                     pipe.execute()

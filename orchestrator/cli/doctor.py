@@ -11,7 +11,7 @@ import redis
 
 from claw_tasks.codec import CodecError
 from claw_tasks.schema import SchemaError, tag_column, tag_name
-from claw_tasks.store import NamespaceConfig, Store
+from claw_tasks.store import NamespaceConfig, NamespaceError, Store
 from claw_tasks.store.layout import (
     DICT_COLUMNS,
     EXPLICIT_NEXT,
@@ -96,8 +96,8 @@ def _config(r: redis.Redis, namespace: str, n_keys: int, report: Report) -> Name
         report.add("config", "config", f"missing, but {n_keys} other key(s) use the namespace")
         return None
     try:
-        cfg = NamespaceConfig.from_bytes(raw)
-    except (CodecError, SchemaError, KeyError, TypeError, ValueError) as e:
+        cfg = NamespaceConfig.from_bytes(raw, namespace)
+    except (CodecError, SchemaError, NamespaceError, KeyError, TypeError, ValueError) as e:
         report.add("config", "config", f"does not parse: {type(e).__name__}: {e}")
         return None
     if cfg.capacity < 1 or cfg.n_shards < 1:

@@ -245,7 +245,8 @@ class SamplingIndex:
         if raw is None or raw == self._config_raw:
             return
         old = set(self._tags())
-        self.schema, self._config_raw = NamespaceConfig.from_bytes(raw).schema, raw
+        cfg = NamespaceConfig.from_bytes(raw, self.store.namespace)
+        self.schema, self._config_raw = cfg.schema, raw
         new = [tag_column(t) for t in self._tags() if t not in old]
         if not new:
             return
