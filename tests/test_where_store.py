@@ -14,6 +14,7 @@ from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.config import FORMAT
 from claw_tasks.where import FilterError, parse
 from orchestrator import InsufficientData, Recipe, sample
+from orchestrator.cli.namespaces import UnreadableNamespace, namespace_stats
 
 TASKS = ["grasp", "reach", None]
 
@@ -151,9 +152,17 @@ def test_an_unknown_format_is_refused_not_misread(redis_url, namespace, found, f
     Store(redis_url, namespace).create(capacity=10)
     r = redis.Redis.from_url(redis_url)
     key = Store(redis_url, namespace).keys.config
-    d = unpackb(r.get(key))
+    good = r.get(key)
+    d = unpackb(good)
     d["format"] = found
     r.set(key, packb(d))
+    try:
+        _refused(redis_url, namespace, r, found, fix)
+    finally:  # other tests list every namespace of this server
+        r.set(key, good)
+
+
+def _refused(redis_url: str, namespace: str, r: redis.Redis, found: object, fix: str) -> None:
     before = sorted(r.scan_iter(match=f"claw:{{{namespace}*"))
     store = Store(redis_url, namespace)
     with pytest.raises(NamespaceError) as e:
@@ -168,3 +177,5 @@ def test_an_unknown_format_is_refused_not_misread(redis_url, namespace, found, f
             {"name": "r", "batch_size": 1, "fields": ["reward"], "sources": [{"name": "s"}]}
         ))  # fmt: skip
     assert sorted(r.scan_iter(match=f"claw:{{{namespace}*")) == before  # nothing written
+    with pytest.raises(UnreadableNamespace, match="store format"):  # claw stats/metrics go on
+        namespace_stats(store, 0)

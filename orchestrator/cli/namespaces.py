@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from claw_tasks.store import Store
+from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.retention import Retention
 from orchestrator.maintenance.retention import protected_steps
 
@@ -122,7 +122,7 @@ def namespace_stats(store: Store, memory_bytes: int) -> NamespaceStats:
     """Counts per task and agent, episodes and reward moments over the live steps."""
     try:
         return _namespace_stats(store, memory_bytes)
-    except (ValueError, KeyError, TypeError) as e:
+    except (NamespaceError, ValueError, KeyError, TypeError) as e:  # e.g. an unknown format
         raise UnreadableNamespace(
             f"namespace {store.namespace!r} cannot be read ({type(e).__name__}: {e}); "
             f"run `claw doctor {store.namespace}`"
