@@ -23,6 +23,7 @@ from claw_tasks.schema import (
     SchemaError,
     TagKind,
     tag_column,
+    tag_key,
 )
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
@@ -601,7 +602,7 @@ def _str_column(v: Any, n: int, name: str) -> StrColumn:
 def _add_tag(batch: StepBatch, name: str, v: Any, n: int) -> None:
     sample = v if np.ndim(v) == 0 else next(iter(v), None)
     if isinstance(sample, str):
-        batch.strs[tag_column(name)] = _str_column(v, n, f"tags.{name}")
+        batch.strs[tag_column(name)] = _str_column(v, n, tag_key(name))
     else:
         batch.nums[tag_column(name)] = np.asarray(np.broadcast_to(np.asarray(v, np.float64), (n,)))
 

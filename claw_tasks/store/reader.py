@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.schema import FieldSpec, Schema, tag_column, tag_name
+from claw_tasks.schema import FieldSpec, Schema, tag_column, tag_key, tag_name
 from claw_tasks.store.config import NamespaceConfig, NamespaceError
 from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.layout import (
@@ -233,7 +233,7 @@ class Reader(Dictionaries):
         tags = cfg.schema.tags if cfg.schema else {}
         for name, kind in tags.items():
             col = meta[tag_column(name)]
-            out[f"tags.{name}"] = (
+            out[tag_key(name)] = (
                 self.decode_codes(tag_column(name), col) if kind == "str" else nan_xor(col)
             )
         return out

@@ -100,7 +100,7 @@ class Where:
         values = iter(self.key(params))
         if now is None and "age" in self.keys:
             now = time.time()
-        n = len(rows) if rows is not None else len(next(iter(columns.values())))
+        n = len(rows) if rows is not None else len(next(iter(columns.values()), ()))
 
         def column(cond: Cond) -> np.ndarray:
             if cond.key.column not in columns:

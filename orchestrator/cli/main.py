@@ -24,7 +24,7 @@ from rich.table import Table
 from claw_tasks.acl import setuser_command
 from claw_tasks.app import QUEUES
 from claw_tasks.redis_server import ensure_redis
-from claw_tasks.schema import Schema
+from claw_tasks.schema import Schema, tag_key
 from claw_tasks.settings import load_settings, redact_url
 from claw_tasks.store import NamespaceError, Store
 from orchestrator.cli import archival
@@ -375,7 +375,7 @@ def _print_details(console: Console, s: NamespaceStats) -> None:
     for name, spec in schema.fields.items():
         table.add_row(name, "field", spec.describe())
     for name, kind in schema.tags.items():
-        table.add_row(f"tags.{name}", "tag", kind)
+        table.add_row(tag_key(name), "tag", kind)
     console.print(table)
     policy = "none" if s.retention is None else s.retention.describe()
     console.print(f"retention: {policy}", highlight=False)

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from claw_tasks.batch import StepBatch
 from claw_tasks.codec import CodecError, unpackb
-from claw_tasks.schema import SchemaError
+from claw_tasks.schema import SchemaError, key_tag
 from claw_tasks.store import Store
 from claw_tasks.store.layout import DICT_COLUMNS
 
@@ -111,7 +111,7 @@ def _meta(line: Text, steps: dict[str, Any], i: int) -> None:
     pairs.append(("reward", _num(steps["reward"][i])))
     if not math.isnan(steps["priority"][i]):
         pairs.append(("priority", _num(steps["priority"][i])))
-    for key in (k for k in steps if k.startswith("tags.")):
+    for key in (k for k in steps if key_tag(k) is not None):
         v = steps[key][i]
         if v is not None and not (isinstance(v, float) and math.isnan(v)):
             pairs.append((key, _num(v)))
