@@ -26,6 +26,7 @@ from claw_tasks.schema import FieldSpec
 from claw_tasks.store import Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute
+from orchestrator.sampling.bulk import BulkReader
 
 PLAIN_ROW_BYTES = 2048
 """Fixed rows of at least this many bytes are read by plain commands, not in Lua."""
@@ -83,6 +84,7 @@ class Fetcher:
         self.store, self.cap = store, cap
         self._script = Lua("fetch", "orchestrator")
         self._n_shards = store.config().n_shards
+        self._bulk = BulkReader.for_client(store.r)
 
     def __call__(
         self,
@@ -108,7 +110,10 @@ class Fetcher:
         in_lua = [m for m in merged if not m.plain]
         shards = np.unique(np.concatenate([check // cap, *(m.rows // cap for m in merged)]))
         seqs = expect // self._n_shards
-        plain = [self._plain_commands(m) for m in merged if m.plain]
+        # Big fixed rows straight into buffers, before the pipeline: its script calls then
+        # validate them, as they validate the plain reads queued ahead of them.
+        bulk = self._bulk_reads([m for m in merged if m.plain and m.kind == "f"])
+        plain = [self._plain_commands(m) for m in merged if m.plain and id(m) not in bulk]
 
         def queue(pipe: Any) -> None:
             for commands, _ in plain:
@@ -138,7 +143,9 @@ class Fetcher:
             return None
         got, plain_at, lua_at, runs_of = [], 0, 1, iter(runs for _, runs in plain)
         for m in merged:
-            if m.plain:
+            if id(m) in bulk:
+                got.append(bulk[id(m)])
+            elif m.plain:
                 runs = next(runs_of)
                 got.append(_plain_result(m, runs, replies[plain_at : plain_at + len(runs)]))
                 plain_at += len(runs)
@@ -154,11 +161,26 @@ class Fetcher:
                 start += len(k)
                 if m.kind == "h":
                     out[j] = [res[x] for x in k.tolist()]
-                elif m.plain:
+                elif m.plain and id(m) not in bulk:
                     out[j] = _gather_rows(reads[j], res, k)
                 else:
                     out[j] = _placed(reads[j], res[k])
         return out, replies[n_plain + len(shards) :]
+
+    def _bulk_reads(self, fixed: list[Read]) -> dict[int, np.ndarray]:
+        """Read the fixed reads ``fixed`` through the bulk reader, if there is one: by id of
+        the read, its rows as uint8 ``(rows, size)``."""
+        if self._bulk is None or not fixed:
+            return {}
+        commands = [self._plain_commands(m)[0] for m in fixed]
+        sizes = [len(m.rows) * m.size for m in fixed]
+        buf = np.empty(sum(sizes), np.uint8)
+        self._bulk.getranges([args for c in commands for _, args in c], memoryview(buf))
+        bounds = np.cumsum([0, *sizes]).tolist()
+        return {
+            id(m): buf[lo:hi].reshape(-1, m.size)
+            for m, lo, hi in zip(fixed, bounds, bounds[1:], strict=False)
+        }
 
     def _plain_commands(self, m: Read) -> tuple[list[tuple[str, tuple[Any, ...]]], np.ndarray]:
         """``m`` as plain commands: one HGET per row, or one GETRANGE per run of consecutive

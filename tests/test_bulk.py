@@ -1,0 +1,127 @@
+"""Bulk GETRANGEs straight into a buffer: the same bytes as redis-py reads, on every kind of
+connection the client may have, and the same batches when the fetch falls back."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import redis
+
+from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.redis_server import RedisServer
+from claw_tasks.store import Store
+from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.bulk import BulkReader
+from orchestrator.sampling.sample import sample
+
+
+def read(client: redis.Redis, commands: list[tuple[str, int, int]]) -> bytes:
+    reader = BulkReader.for_client(client)
+    assert reader is not None
+    out = bytearray(sum(end - start + 1 for _, start, end in commands))
+    try:
+        reader.getranges(commands, memoryview(out))
+    finally:
+        reader.close()
+    return bytes(out)
+
+
+def test_replies_fill_the_buffer_in_order_on_the_clients_database(redis_url):
+    base = redis_url.rsplit("/", 1)[0]
+    client = redis.Redis.from_url(f"{base}/3")
+    assert client.connection_pool.connection_kwargs["db"] == 3
+    key, blob = f"bulk-{uuid.uuid4().hex}", bytes(range(256)) * 1000  # 256,000 bytes
+    client.set(key, blob)
+    commands = [(key, 0, 9), (key, 250_000, 255_999), (key, 7, 7), (f"{key}-none", 0, 4),
+                (key, 255_990, 256_009)]  # fmt: skip
+    got = read(client, commands)
+    expected = blob[:10] + blob[250_000:] + blob[7:8] + bytes(5) + blob[255_990:] + bytes(10)
+    assert got == expected  # a missing key or a range past the end: zeros
+    assert read(redis.Redis.from_url(f"{base}/4"), [(key, 0, 3)]) == bytes(4)  # not in db 4
+
+
+def test_an_error_reply_raises_and_the_next_call_reconnects(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = f"bulk-{uuid.uuid4().hex}"
+    client.hset(f"{key}-h", "a", "b")
+    client.set(key, b"abcdef")
+    reader = BulkReader.for_client(client)
+    out = bytearray(6)
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        reader.getranges([(f"{key}-h", 0, 5)], memoryview(out))
+    reader.getranges([(key, 0, 5)], memoryview(out))
+    assert bytes(out) == b"abcdef"
+    reader.close()
+
+
+def test_password_user_and_unix_socket(tmp_path):
+    sock = tmp_path / "r.sock"
+    with RedisServer(options={"unixsocket": str(sock), "unixsocketperm": "700"}) as srv:
+        admin = srv.client()
+        admin.set("k", b"0123456789")
+        admin.acl_setuser("claw", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"])
+        user = redis.Redis(host=srv.host, port=srv.port, username="claw", password="pw")
+        assert read(user, [("k", 2, 4)]) == b"234"
+        over_unix = redis.Redis(unix_socket_path=str(sock))
+        assert read(over_unix, [("k", 8, 9)]) == b"89"
+        reader = BulkReader.for_client(user)
+        out = bytearray(2)
+        reader.getranges([("k", 0, 1)], memoryview(out))
+        srv.restart()  # the reader's connection breaks: replaced on the next call
+        admin.set("k", b"ab")
+        admin.acl_setuser("claw", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"])
+        reader.getranges([("k", 0, 1)], memoryview(out))
+        assert bytes(out) == b"ab"
+        reader.close()
+        wrong = redis.Redis(host=srv.host, port=srv.port, username="claw", password="no")
+        with pytest.raises(redis.ResponseError, match="WRONGPASS"):
+            read(wrong, [("k", 0, 1)])
+
+
+class _OtherConnection(redis.Connection):
+    """A connection class the bulk reader does not know (as TLS or a proxy would be)."""
+
+
+def _fallback_client(url: str) -> redis.Redis:
+    kw = redis.Redis.from_url(url).connection_pool.connection_kwargs
+    pool = redis.ConnectionPool(
+        connection_class=_OtherConnection, host=kw["host"], port=kw["port"], db=kw["db"]
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+def test_unknown_connections_fall_back_to_redis_py_with_the_same_batches(redis_url, namespace):
+    assert BulkReader.for_client(_fallback_client(redis_url)) is None
+    assert BulkReader.for_client(redis.Redis.from_url(redis_url, protocol=3)) is None
+    store = Store(redis_url, namespace)
+    store.create(capacity=400)
+    rng = np.random.default_rng(0)
+    n, length = 300, 30
+    idx = np.arange(n)
+    last = idx % length == length - 1
+    store.commit(
+        StepBatch(
+            episode=StrColumn.of([f"e{i // length}" for i in idx]),
+            step_index=idx % length,
+            reward=np.ones(n, np.float32),
+            terminated=last,
+            truncated=np.zeros(n, bool),
+            fields={"obs": rng.integers(0, 256, (n, 84, 84, 3), dtype=np.uint8)},  # plain rows
+            next_rows=np.flatnonzero(last).astype(np.int32),
+            next_obs=rng.integers(0, 256, (int(last.sum()), 84, 84, 3), dtype=np.uint8),
+        )
+    )
+    recipe = Recipe.model_validate(
+        {"name": "r", "batch_size": 64, "fields": ["obs", "next_obs"], "n_step": 3,
+         "sources": [{"name": "all"}]}
+    )  # fmt: skip
+    other = Store(_fallback_client(redis_url), namespace)
+    for seed in range(3):
+        bulk = sample(store, recipe, rng=np.random.default_rng(seed))
+        plain = sample(other, recipe, rng=np.random.default_rng(seed))
+        np.testing.assert_array_equal(bulk.ids, plain.ids)
+        np.testing.assert_array_equal(bulk["obs"], plain["obs"])
+        np.testing.assert_array_equal(bulk["next_obs"], plain["next_obs"])
+    np.testing.assert_array_equal(bulk["obs"], store.get(bulk.ids, ["obs"])["obs"])
