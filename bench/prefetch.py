@@ -1,6 +1,6 @@
 """Prefetch throughput: augmented images per second of one worker process.
 
-    .venv/bin/python bench/prefetch.py [--steps 20000] [--batches 60]
+    .venv/bin/python bench/prefetch.py [--steps 20000] [--batches 60] [--stages]
 
 Fills a private redis-server with uint8 84x84x3 image steps (Store.commit, no Celery),
 registers a DrQ recipe (batch 256, obs and next_obs, random shift pad 4) and runs the
@@ -9,7 +9,8 @@ payloads, augment, collate, encode, push. A trainer in another process (as in a 
 takes every batch the way ``BatchClient.pop`` does and holds it until the next one, so
 what the trainer's side costs (mapping, unmapping) is not counted as the worker's. Counts
 obs and next_obs images. A second row times the same loop without augmentation, to show
-what the shift itself costs.
+what the shift itself costs. ``--stages`` adds where the worker's CPU time goes per batch
+(``process_time`` around each stage of the augmented loop).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import multiprocessing as mp
 import os
 import platform
 import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import cv2
 import numpy as np
@@ -26,10 +30,12 @@ import numpy as np
 from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.redis_server import RedisServer
 from claw_tasks.store import Store
-from orchestrator.delivery import shm
+from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
 from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.fetch import Fetcher
+from orchestrator.transforms.augment import AugmentPlan
 
 
 def fill_store(store: Store, n: int) -> None:
@@ -75,10 +81,46 @@ def run(reg: Registry, recipe: Recipe, batches: int, to_trainer: mp.connection.C
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def timed(cpu: Counter, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` adding its CPU time to ``cpu[label]``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        c0 = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            cpu[label] += time.process_time() - c0
+
+    return wrapper
+
+
+def stages(reg: Registry, recipe: Recipe, batches: int, to_trainer: Any) -> Counter:
+    """CPU seconds per stage of ``batches`` batches (wrappers installed for this run only)."""
+    patches = [
+        (prefetch, "sample", "sample (sync, draw, fetch)"),
+        (Fetcher, "__call__", "of which payload fetch"),
+        (AugmentPlan, "apply", "augment"),
+        (prefetch, "frame_batch", "frame"),
+        (shm, "write_segment", "write into the segment"),
+        (prefetch, "push", "push"),
+    ]
+    cpu: Counter = Counter({label: 0.0 for *_, label in patches})
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, label in patches:
+        setattr(obj, name, timed(cpu, label, getattr(obj, name)))
+    try:
+        cpu["whole loop"] = run(reg, recipe, batches, to_trainer)[1]
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    return cpu
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20_000)
     ap.add_argument("--batches", type=int, default=60)
+    ap.add_argument("--stages", action="store_true", help="also time each stage")
     args = ap.parse_args()
     cv2.setNumThreads(1)
     base = {
@@ -103,6 +145,7 @@ def main() -> None:
         run(reg, plain, 4, send)
         t_aug = run(reg, drq, args.batches, send)
         t_plain = run(reg, plain, args.batches, send)
+        cpu = stages(reg, drq, args.batches, send) if args.stages else Counter()
         send.send_bytes(b"")
         reader.join()
     images = args.batches * 256 * 2
@@ -121,6 +164,10 @@ def main() -> None:
     ]  # fmt: skip
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    if cpu:
+        print("\n| stage (augmented loop) | worker CPU ms per batch |\n|---|---:|")
+        for label, seconds in cpu.items():
+            print(f"| {label} | {seconds / args.batches * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

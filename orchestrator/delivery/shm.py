@@ -5,8 +5,8 @@ small reference message instead of the batch: ``b"CLSR" | u32 wire format versio
 msgpack {name, size, host}``, versioned with the batch encoding (:data:`wire.VERSION`).
 
 Segments are reused: creating a fresh file costs the writer page allocation and zeroing,
-and its reader the freeing of every page (about four times the cost of overwriting
-existing pages, ``docs/benchmarks.md``). A segment goes round:
+and its reader the freeing of every page (the write of a 10.8 MB image batch took 4.3 ms
+into a fresh file, 1.8 ms into a reused one: ``docs/benchmarks.md``). A segment goes round:
 
 1. queued: the writer wrote it (under a fresh name) and queued its reference;
 2. taken: the reader opened it, took a shared ``flock`` on its descriptor and renamed it
