@@ -44,8 +44,8 @@ from claw_tasks.store.scripts import Lua
 from claw_tasks.tasks import redis_client, store_for
 from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.maintenance.steptable import (
-    LABELS,
     LIST_MAX_ITEMS,
+    STRING_COLUMNS,
     TAG_PREFIX,
     StepRows,
     to_table,
@@ -392,10 +392,7 @@ class Archiver:
         assert schema is not None
         m = {c: v[rows] for c, v in meta.items()}
         flags = m["flags"]
-        strs = {c: self._strings(c, m[c]) for c in ("agent_id", "task_id", "skill_tag")}
-        strs["reward_source"] = self._strings("reward_source", m["reward_source"])
-        for label in LABELS:
-            strs[label] = self._strings(label, m[label])
+        strs = {c: self._strings(c, m[c]) for c in STRING_COLUMNS}
         nums = {}
         for name, kind in schema.tags.items():
             col = m[tag_column(name)]

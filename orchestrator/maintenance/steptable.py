@@ -197,8 +197,8 @@ def to_table(rows: StepRows, schema: Schema, extra: dict[str, Any]) -> pa.Table:
     cols: list[tuple[pa.Field, pa.Array]] = []
 
     def add(name: str, arr: pa.Array, meta: Any = None) -> None:
-        cols.append((pa.field(name, arr.type, metadata=None if meta is None else _meta(meta)),
-                     arr))  # fmt: skip
+        field_meta = None if meta is None else _meta(meta)
+        cols.append((pa.field(name, arr.type, metadata=field_meta), arr))
 
     add("id", pa.array(rows.id, pa.int64()))
     add("episode_id", str_array(rows.episode_id))
