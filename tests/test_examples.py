@@ -61,3 +61,14 @@ def test_multi_agent_batches_mix_70_30(redis_url, workers, namespace):
     for ln in lines:  # each source's rows are that agent's steps
         assert "agents {'cautious': 70, 'random': 30}" in ln, ln
         assert "sources {'cautious': 70, 'random': 30}" in ln, ln
+
+
+def test_offline_online_mixes_restored_and_fresh_steps(redis_url, workers, namespace, tmp_path):
+    out = _run_example("offline_online.py", redis_url, "--namespace", namespace, "--archive",
+                       str(tmp_path / "archive"), "--steps", "300", "--batches", "2")  # fmt: skip
+    assert "archived 300 steps" in out and "restored 300 steps" in out, out
+    lines = [ln for ln in out.splitlines() if ln.startswith("batch of 64")]
+    assert len(lines) == 2
+    for ln in lines:  # the restored half is yesterday's agent, the fresh half today's
+        assert "sources {'offline': 32, 'online': 32}" in ln, ln
+        assert "agents {'today': 32, 'yesterday': 32}, 32 rows with an orig_id" in ln, ln
