@@ -213,7 +213,7 @@ def test_archive_restore_every_field_label_and_tag(redis_url, namespace, tmp_pat
 def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_path, start_worker, r):
     store = Store(redis_url, namespace)
     store.create(100_000, n_shards=2)
-    n = 20_000
+    n = 10_000
     rng = np.random.default_rng(1)
     store.commit(
         StepBatch(
