@@ -121,3 +121,18 @@ def test_render_draws_the_cart_where_the_state_says():
     assert left.shape == (SIZE, SIZE, 3) and left.dtype == np.uint8
     blue = lambda img: np.flatnonzero((img[..., 2] == 200).any(axis=0)).mean()  # noqa: E731
     assert blue(left) < SIZE / 3 < 2 * SIZE / 3 < blue(right)
+
+
+def test_next_steps_paste_into_a_shell_and_name_the_store():
+    from rich.text import Text
+
+    from orchestrator.cli.demo.report import next_steps
+
+    url = "redis://127.0.0.1:45678/0"
+    lines = [Text.from_markup(ln).plain for ln in next_steps(url, "demo", True, None)]
+    commands = [ln for ln in lines if ln.startswith("claw ")]
+    assert len(commands) == 4 and all(f"--redis-url {url} " in c for c in commands)
+    for c in commands:
+        assert subprocess.run(["bash", "-n", "-c", c]).returncode == 0, c
+    secret = next_steps("redis://:pw@127.0.0.1:45678/0", "demo", True, None)
+    assert not any("pw@" in ln for ln in secret)  # then the commands rely on CLAW_REDIS_URL

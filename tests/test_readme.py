@@ -58,3 +58,9 @@ def test_readme_metric_names_are_served(redis_url):
     section = README[README.index("- **Metrics**") : README.index("- **Redis Cluster**")]
     listed = set(re.findall(r"`(claw_[a-z_]+)", section))
     assert listed == served
+
+
+def test_readme_shell_blocks_are_valid_bash():
+    for body in blocks("bash"):
+        proc = subprocess.run(["bash", "-n", "-c", body], capture_output=True, text=True)
+        assert proc.returncode == 0, (body, proc.stderr)

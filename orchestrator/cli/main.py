@@ -510,7 +510,8 @@ def query(
     """Ask questions of step metadata, answered from the sampling index.
 
     Example: claw query grasp "task_id == 'grasp' and reward > 0.5" --group-by agent_id
-    --agg count,mean(reward),p95(reward) --since 1h"""
+    --agg 'count,mean(reward),p95(reward)' --since 1h (quote the aggregates: the shell
+    reads parentheses)"""
     from orchestrator.cli import query as q
 
     keys = [k.strip() for k in group_by.split(",") if k.strip()] if group_by else []
