@@ -48,6 +48,7 @@ def test_demo_runs_on_its_own_redis_and_writes_the_curve(tmp_path):
     assert "mean return of the last 20 episodes" in text and "stored in 'demo'" in text
     assert "phase 2" not in text  # --no-images
     assert str(tmp_path / "cache" / "claw" / "demo-redis") in text.replace("\n", "")
+    assert not list((tmp_path / "cache" / "claw" / "demo-redis").iterdir())  # its files too
     with pytest.raises(redis.ConnectionError):  # stopped with the demo
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
     pid = int(re.search(r"worker pid (\d+)", text).group(1))

@@ -9,6 +9,7 @@ with it the stack stays up, with Flower, until Ctrl-C.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import time
@@ -45,8 +46,9 @@ class DemoConfig:
 
 
 def demo_redis_dir() -> Path:
-    """The demo's own embedded server keeps its files here (`~/.cache/claw/demo-redis`)."""
-    return embedded_dir().parent / "demo-redis"
+    """The demo's own embedded server keeps its files here, one directory per run (demos
+    may run side by side): `~/.cache/claw/demo-redis/<pid>`, removed when it stops."""
+    return embedded_dir().parent / "demo-redis" / str(os.getpid())
 
 
 def _check_deps() -> None:
@@ -70,7 +72,7 @@ def _start(stack: DevStack, cfg: DemoConfig, console: Console) -> None:
         console.print(f"[bold]Redis[/] {redact_url(url)} (given)")
     else:
         directory = demo_redis_dir()
-        shutil.rmtree(directory, ignore_errors=True)  # the last run's files, if any
+        shutil.rmtree(directory, ignore_errors=True)  # a dead run's with the same pid
         url = stack.start_own_redis(directory)
         console.print(f"[bold]Redis[/] {url} (the demo's own, files in {directory})")
     r = redis.Redis.from_url(url)
@@ -119,48 +121,55 @@ def _drop(url: str, namespaces: list[str]) -> None:
 
 def run(cfg: DemoConfig, console: Console) -> None:
     _check_deps()
-    from orchestrator.cli.demo import apex, offload, report
-
     namespaces = [cfg.namespace] + ([cfg.pixel_namespace] if cfg.images else [])
     started = time.monotonic()
-    with DevStack(cfg.log_dir) as stack:
-        _start(stack, cfg, console)
-        url = stack.redis_url
-        created = False
-        try:
-            created = True
-            console.rule("phase 1: Ape-X DQN on CartPole-v1")
-            res = apex.train(
-                stack, cfg.namespace, steps=cfg.steps, actors=cfg.actors, seed=cfg.seed,
-                target=cfg.target, console=console,
-            )  # fmt: skip
-            off = None
-            if cfg.images:
-                console.rule("phase 2: pixels, augmented by the prefetch workers")
-                assert res.net is not None
-                off = offload.run(
-                    stack, cfg.pixel_namespace, res.net, steps=min(3000, max(500, cfg.steps)),
-                    batches=100 if cfg.steps >= 20_000 else 20, seed=cfg.seed, console=console,
-                )  # fmt: skip
-            console.rule("summary")
-            console.print(report.summary(res, off, _stored(url, namespaces), cfg.target))
-            png = report.learning_curve(res, cfg.out, cfg.target)
-            console.print(f"learning curve: [bold]{png}[/]")
-            console.print(f"wall time: {time.monotonic() - started:.0f} s")
-            flower = None
-            if cfg.keep:
-                flower = _start_flower(stack, cfg)
-            report.print_next(console, report.next_steps(url, cfg.namespace, cfg.keep, flower))
-            if cfg.keep:
-                console.print("[dim]The stack stays up with the data: Ctrl-C stops it.[/]")
-                with contextlib.suppress(KeyboardInterrupt):
-                    stack.watch()
-        finally:
-            if created and not cfg.keep:
-                with contextlib.suppress(redis.RedisError, OSError):
-                    _drop(url, namespaces)
-        console.print("stopping the worker" + (" and Redis" if stack.redis_server else "") + "…")
+    try:
+        with DevStack(cfg.log_dir) as stack:
+            _start(stack, cfg, console)
+            try:
+                _phases(stack, cfg, console, namespaces, started)
+            finally:
+                if not cfg.keep:
+                    with contextlib.suppress(redis.RedisError, OSError):
+                        _drop(stack.redis_url, namespaces)
+            own = " and Redis" if stack.redis_server else ""
+            console.print(f"stopping the worker{own}…")
+    finally:  # the demo's own server is stopped by now; its files go too
+        if not cfg.redis_url:
+            shutil.rmtree(demo_redis_dir(), ignore_errors=True)
     console.print("[green]done.[/]")
+
+
+def _phases(
+    stack: DevStack, cfg: DemoConfig, console: Console, namespaces: list[str], started: float
+) -> None:
+    from orchestrator.cli.demo import apex, offload, report
+
+    url = stack.redis_url
+    console.rule("phase 1: Ape-X DQN on CartPole-v1")
+    res = apex.train(
+        stack, cfg.namespace, steps=cfg.steps, actors=cfg.actors, seed=cfg.seed,
+        target=cfg.target, console=console,
+    )  # fmt: skip
+    off = None
+    if cfg.images:
+        console.rule("phase 2: pixels, augmented by the prefetch workers")
+        assert res.net is not None
+        off = offload.run(
+            stack, cfg.pixel_namespace, res.net, steps=min(3000, max(500, cfg.steps)),
+            batches=100 if cfg.steps >= 20_000 else 20, seed=cfg.seed, console=console,
+        )  # fmt: skip
+    console.rule("summary")
+    console.print(report.summary(res, off, _stored(url, namespaces), cfg.target))
+    png = report.learning_curve(res, cfg.out, cfg.target)
+    console.print(f"learning curve: [bold]{png}[/]")
+    console.print(f"wall time: {time.monotonic() - started:.0f} s")
+    flower = _start_flower(stack, cfg) if cfg.keep else None
+    report.print_next(console, report.next_steps(url, cfg.namespace, cfg.keep, flower))
+    if cfg.keep:
+        console.print("[dim]The stack stays up with the data: Ctrl-C stops it.[/]")
+        with contextlib.suppress(KeyboardInterrupt):
+            stack.watch()
 
 
 def _start_flower(stack: DevStack, cfg: DemoConfig) -> str:
