@@ -118,16 +118,23 @@ def _send(ing: Ingestor) -> None:
         ing.flush(wait=False)
 
 
-@pytest.mark.parametrize("how", ["shutdown", "sigkill"])
-def test_redis_restart_from_aof_and_a_worker_sigkill_lose_and_duplicate_nothing(
-    how, namespace, start_worker
+def test_redis_restarts_from_aof_and_a_worker_sigkill_lose_and_duplicate_nothing(
+    namespace, start_worker
 ):
     """The default deployment (one Redis is store and broker, AOF with fsync on every
-    write): Redis goes down mid-stream (SHUTDOWN, or SIGKILL) while producers keep adding
-    steps, comes back from its AOF; then a worker is SIGKILLed and replaced. Every step is
-    stored exactly once, every episode's step_index is exactly 0..n-1, and the workers
-    that were not killed ride it all out."""
-    n_steps = 25
+    write): Redis is shut down (SHUTDOWN) mid-stream while producers keep adding steps and
+    comes back from its AOF, then the same after a SIGKILL; then a worker is SIGKILLed and
+    replaced. Every step is stored exactly once, every episode's step_index is exactly
+    0..n-1, and the worker that was not killed rides it all out."""
+    n_steps, made = 25, 0
+
+    def produce(episodes: int) -> None:
+        nonlocal made
+        for e in range(made, made + episodes):
+            _produce(ing, range(e, e + 1), n_steps)
+            _send(ing)
+        made += episodes
+
     with RedisServer(options=AOF_ALWAYS) as server:
         env = {"CLAW_REDIS_URL": server.url, "CLAW_BROKER_URL": server.url,
                "CLAW_VISIBILITY_TIMEOUT": "3"}  # fmt: skip
@@ -136,30 +143,25 @@ def test_redis_restart_from_aof_and_a_worker_sigkill_lose_and_duplicate_nothing(
         ing = Ingestor(namespace, server.url, flush_interval=None, flush_steps=10**9,
                        resend_after=5)  # fmt: skip
         store = Store(server.url, namespace)
-        for e in range(0, 8):
-            _produce(ing, range(e, e + 1), n_steps)
-            _send(ing)
-        _wait(lambda: store.count() > 0, "the first steps are stored")
-        server.stop() if how == "shutdown" else server.kill()
-        for e in range(8, 12):  # producers keep going while Redis is down
-            _produce(ing, range(e, e + 1), n_steps)
-            _send(ing)
-        server.start()  # same port and dir: reloads the AOF
-        for e in range(12, 16):
-            _produce(ing, range(e, e + 1), n_steps)
-            _send(ing)
+        for stop in (server.stop, server.kill):  # SHUTDOWN (AOF flushed), then SIGKILL
+            produce(6)
+            before = store.count()
+            _wait(lambda: store.count() > before, "steps are being stored")  # noqa: B023
+            stop()
+            produce(3)  # producers keep going while Redis is down
+            server.start()  # same port and dir: reloads the AOF
+        produce(3)
         victim.kill()
         start_worker("ingest", 1, **env)  # the replacement
-        for e in range(16, 20):
-            _produce(ing, range(e, e + 1), n_steps)
-            _send(ing)
+        produce(3)
         res = ing.flush(timeout=180)
         assert res.rejected == 0 and res.pending == 0
         assert survivor.proc.poll() is None, survivor.log.read_text()[-3000:]
         assert b"Unrecoverable error" not in survivor.log.read_bytes()
-        _assert_exact(store, range(0, 20), n_steps)
+        _assert_exact(store, range(made), n_steps)
         ing.close()
         store.r.close()
+
 
 def _recipe(name: str) -> Recipe:
     return Recipe.model_validate({"name": name, "batch_size": 4, "fields": ["obs"],
