@@ -243,6 +243,9 @@ def test_cli_sets_policy_stats_metrics_and_manual_eviction(store, redis_url):
     assert s["evictions"]["manual"] == 3 and s["steps"] == 27 and s["protected"] == 27
     metrics = generate_latest(registry_for(redis_url, redis_url)).decode()
     assert f'claw_evictions_total{{namespace="{ns}",reason="manual"}} 3.0' in metrics
+    out = claw("retention", ns, "--max-steps", "7", "--no-archive-before-evict")
+    assert "max age 7d" in out and "max 7 steps (oldest first)" in out  # the rest kept
+    assert "archive" not in out
     assert "retention of" in claw("retention", ns, "--clear")
     assert Store(redis_url, ns).config().retention is None
 

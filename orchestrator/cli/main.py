@@ -577,32 +577,34 @@ def retention(
         str | None, typer.Option(help="Redis memory budget of the namespace, e.g. 2GiB")
     ] = None,
     evict: Annotated[
-        str, typer.Option(help="Over a cap, evict lowest-priority or oldest first")
-    ] = "lowest-priority",
+        str | None, typer.Option(help="Over a cap, evict lowest-priority or oldest first")
+    ] = None,
     protect: Annotated[
         list[str] | None,
-        typer.Option(help="A filter whose steps are never evicted (repeatable)"),
+        typer.Option(help="A filter whose steps are never evicted (repeatable; replaces)"),
     ] = None,
     archive_before_evict: Annotated[
-        bool, typer.Option(help="Evict only steps that are archived already")
-    ] = False,
+        bool | None, typer.Option(help="Evict only steps that are archived already")
+    ] = None,
     clear: Annotated[bool, typer.Option(help="Remove the policy")] = False,
 ) -> None:
     """Show or set a namespace's retention policy (run by claw.maintenance.evict).
 
-    Without options it prints the policy; with options the given ones replace it."""
+    Without options it prints the policy; options change those settings and keep the rest
+    (--clear first to start over)."""
+    changes = {
+        "max_age": max_age, "max_steps": max_steps, "max_bytes": max_bytes, "evict": evict,
+        "protect": protect, "archive_before_evict": archive_before_evict,
+    }  # fmt: skip
+    given = {k: v for k, v in changes.items() if v is not None}
     with _redis(ctx) as (_, r):
         store = Store(r, namespace)
         cfg = store.config()
-        given = clear or any(
-            v is not None for v in (max_age, max_steps, max_bytes, protect)
-        ) or archive_before_evict or evict != "lowest-priority"  # fmt: skip
+        if clear:
+            cfg = store.set_retention(None)
         if given:
-            policy = None if clear else retention_policy(
-                max_age, max_steps, max_bytes, evict, protect or [], archive_before_evict,
-                cfg.schema.tags if cfg.schema else {},
-            )  # fmt: skip
-            cfg = store.set_retention(policy)
+            tags = cfg.schema.tags if cfg.schema else {}
+            cfg = store.set_retention(retention_policy(cfg.retention, given, tags))
     text = "none" if cfg.retention is None else cfg.retention.describe()
     Console().print(f"retention of {namespace!r}: {text}", highlight=False)
 

@@ -26,19 +26,16 @@ def protect_filter(text: str, tags: Mapping[str, str]) -> str | dict[str, Any]:
 
 
 def retention_policy(
-    max_age: str | None,
-    max_steps: int | None,
-    max_bytes: str | None,
-    evict: str,
-    protect: list[str],
-    archive_before_evict: bool,
-    tags: Mapping[str, str],
+    current: Retention | None, given: Mapping[str, Any], tags: Mapping[str, str]
 ) -> Retention:
-    return Retention(
-        max_age=None if max_age is None else parse_duration(max_age),
-        max_steps=max_steps,
-        max_bytes=None if max_bytes is None else parse_bytes(max_bytes),
-        evict=evict,
-        protect=tuple(protect_filter(p, tags) for p in protect),
-        archive_before_evict=archive_before_evict,
-    )
+    """``current`` (or an empty policy) with the options ``given`` on the command line."""
+    out = (current or Retention()).to_dict()
+    for key, value in given.items():
+        if key == "max_age":
+            value = parse_duration(value)
+        elif key == "max_bytes":
+            value = parse_bytes(value)
+        elif key == "protect":
+            value = [protect_filter(p, tags) for p in value]
+        out[key] = value
+    return Retention.from_dict(out)
