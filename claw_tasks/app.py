@@ -40,6 +40,8 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
+        # Checks every message before Celery parses it (a malformed one must not stop it).
+        worker_consumer="claw_tasks.guard:GuardedConsumer",
         broker_connection_retry_on_startup=True,
         # Unacked messages come back after this long if a worker dies outright. Ingest
         # tasks take well under a second; long maintenance work is chunked below it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -9,7 +10,16 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codec import CodecError, check_dtype, frame, packb, unframe, unpackb
+from claw_tasks.codec import (
+    MAX_NDIM,
+    Budget,
+    CodecError,
+    check_dtype,
+    frame,
+    packb,
+    unframe,
+    unpackb,
+)
 from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError, tag_name
 
 STR_META = ("agent_id", "task_id", "skill_tag", "reward_source")
@@ -110,23 +120,11 @@ def _frame_field(v: FieldValue) -> Any:
     return frame(v)
 
 
-def _unframe_field(f: Any) -> FieldValue:
-    if isinstance(f, dict):
-        return Ragged(unframe(f["values"]), unframe(f["lengths"]))
-    return unframe(f)
-
-
 def _check_rows(name: str, rows: np.ndarray, n: int) -> None:
     if rows.ndim != 1 or (len(rows) and (rows.min() < 0 or rows.max() >= n)):
         raise SchemaError(f"{name}: row numbers must lie in [0, {n})")
     if len(np.unique(rows)) != len(rows):
         raise SchemaError(f"{name}: a row appears twice")
-
-
-def _placed(name: str, dtype: str, shape: list[int]) -> Placed:
-    dt = np.dtype(dtype)
-    check_dtype(dt, f"field '{name}'")
-    return Placed(dt, tuple(int(d) for d in shape))
 
 
 def _take(v: FieldValue, rows: np.ndarray | slice, pos: np.ndarray) -> FieldValue:
@@ -190,21 +188,36 @@ class StepBatch:
 
     def describe_row(self, i: int) -> str:
         ep = self.episode.index[i]
-        ep_name = self.episode.values[ep] if ep >= 0 else "?"
-        return f"step {i} (episode {ep_name!r}, step_index {int(self.step_index[i])})"
+        if ep < 0:
+            return f"step {i}"
+        return f"step {i} (episode {self.episode.values[ep]!r}, step_index {self.step_index[i]})"
 
     def row_errors(self, max_step_bytes: int = MAX_STEP_BYTES) -> dict[int, str]:
-        """Per-step problems: non-finite reward, oversize step, missing episode."""
+        """Per-step problems: non-finite reward, a priority that is not finite and >= 0,
+        step_index or policy_version outside int32's non-negative range, oversize step,
+        missing episode, a malformed info dict. The client and the worker share these."""
         errors: dict[int, str] = {}
-        for i in np.flatnonzero(~np.isfinite(self.reward)).tolist():
-            errors[i] = f"{self.describe_row(i)}: reward is {self.reward[i]} (must be finite)"
+
+        def add(rows: np.ndarray, what: Any) -> None:
+            for i in np.flatnonzero(rows).tolist():
+                errors.setdefault(i, f"{self.describe_row(i)}: {what(i)}")
+
+        add(self.episode.index < 0, lambda i: "episode_id is missing")
+        add(~np.isfinite(self.reward), lambda i: f"reward is {self.reward[i]} (must be finite)")
+        if self.priority is not None:
+            p = self.priority
+            bad = ~np.isnan(p) & ~(np.isfinite(p) & (p >= 0))
+            add(bad, lambda i: f"priority is {p[i]} (must be finite and >= 0)")
+        for name, col in (("step_index", self.step_index), ("policy_version", self.policy_version)):
+            if col is not None:
+                bad = (col < 0) | (col >= STEP_INDEX_LIMIT)
+                add(bad, lambda i, c=col, k=name: f"{k} {int(c[i])} is outside [0, 2**31)")
         sizes = self.row_nbytes()
-        for i in np.flatnonzero(sizes > max_step_bytes).tolist():
-            errors.setdefault(
-                i, f"{self.describe_row(i)}: {sizes[i]} payload bytes > limit {max_step_bytes}"
-            )
-        for i in np.flatnonzero(self.episode.index < 0).tolist():
-            errors.setdefault(i, f"step {i}: episode_id is missing")
+        add(sizes > max_step_bytes, lambda i: f"{sizes[i]} payload bytes > limit {max_step_bytes}")
+        for row, info in zip(self.info_rows.tolist(), self.info, strict=True):
+            problem = info_problem(info)
+            if problem is not None:
+                errors.setdefault(row, f"{self.describe_row(row)}: {problem}")
         return errors
 
     def check_columns(self) -> None:
@@ -313,37 +326,158 @@ class StepBatch:
         )
 
     @classmethod
-    def decode(cls, data: bytes | memoryview) -> StepBatch:
+    def decode(cls, data: bytes | memoryview, max_decompressed: int | None = None) -> StepBatch:
+        """A batch from untrusted bytes: every type, shape and length is checked (and lz4
+        frames against ``max_decompressed`` before they are inflated); CodecError or
+        SchemaError names what is wrong."""
         try:
             d = unpackb(data)
-            if d.get("v") != FORMAT_VERSION:
-                raise CodecError(f"unknown batch format version {d.get('v')!r}")
-            opt = {
-                k: None if d.get(k) is None else unframe(d[k])
-                for k in ("priority", "policy_version")
-            }
-            batch = cls(
-                episode=StrColumn(d["episode"][0], unframe(d["episode"][1])),
-                step_index=unframe(d["step_index"]),
-                reward=unframe(d["reward"]),
-                terminated=unframe(d["terminated"]),
-                truncated=unframe(d["truncated"]),
-                **opt,
-                strs={k: StrColumn(v[0], unframe(v[1])) for k, v in d["strs"].items()},
-                nums={k: unframe(v) for k, v in d["nums"].items()},
-                fields={
-                    **{k: _unframe_field(v) for k, v in d["fields"].items()},
-                    **{k: _placed(k, *ref) for k, ref in d.get("placed", {}).items()},
-                },
-                next_rows=unframe(d["next_rows"]),
-                next_obs=None if d["next_obs"] is None else _unframe_field(d["next_obs"]),
-                info_rows=unframe(d["info_rows"]),
-                info=list(d["info"]),
-                batch_id=str(d["id"]),
-            )
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            if isinstance(e, CodecError):
-                raise
-            raise CodecError(f"malformed batch: {type(e).__name__}: {e}") from None
+        except Exception as e:  # msgpack raises several types for malformed input
+            raise CodecError(f"not msgpack: {type(e).__name__}: {e}") from None
+        batch = _Decoder(Budget(max_decompressed or 2**63)).batch(d)
         batch.check_columns()
         return batch
+
+
+STEP_INDEX_LIMIT = 2**31  # step_index and policy_version are stored as int32
+_BATCH_KEYS = frozenset(
+    {
+        "v", "id", "episode", "step_index", "reward", "terminated", "truncated", "priority",
+        "policy_version", "strs", "nums", "fields", "next_rows", "next_obs", "info_rows",
+        "info", "placed",
+    }
+)  # fmt: skip
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+MAX_BATCH_ID = 128
+
+
+def check_batch_id(batch_id: Any) -> str:
+    """A batch id names keys: letters, digits, '.', '_' and '-' only."""
+    if not isinstance(batch_id, str) or not _NAME.fullmatch(batch_id):
+        raise CodecError(f"batch id {batch_id!r:.80}: use 1-128 letters, digits, '.', '_', '-'")
+    return batch_id
+
+
+def info_problem(info: Any) -> str | None:
+    """What is wrong with one step's ``info`` dict (None: nothing)."""
+    if not isinstance(info, dict):
+        return f"info is {type(info).__name__}, not a dict"
+    for k, v in info.items():
+        if not isinstance(k, str):
+            return f"info key {k!r:.40} is {type(k).__name__}; info keys must be strings"
+        if not isinstance(v, str | int | float | bool | None):
+            return f"info[{k!r}] is {type(v).__name__}; info holds str/int/float/bool only"
+    return None
+
+
+class _Decoder:
+    """Builds a StepBatch from a decoded msgpack map, checking each part's type."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+
+    def col(self, f: Any, name: str, kinds: str) -> np.ndarray:
+        arr = unframe(f, self.budget)
+        if arr.ndim != 1 or arr.dtype.kind not in kinds:
+            raise CodecError(f"{name}: a 1-D column of kind {kinds!r}, not {arr.dtype}{arr.shape}")
+        return arr
+
+    def strings(self, v: Any, name: str) -> StrColumn:
+        if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], list)):
+            raise CodecError(f"{name}: expected [vocabulary, index]")
+        if not all(isinstance(x, str) for x in v[0]):
+            raise CodecError(f"{name}: the vocabulary holds strings only")
+        return StrColumn(v[0], self.col(v[1], name, "iu"))
+
+    def mapping(self, v: Any, name: str) -> dict[str, Any]:
+        if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+            raise CodecError(f"{name}: expected a map with string keys")
+        return v
+
+    def field(self, v: Any, name: str) -> FieldValue:
+        if isinstance(v, dict):
+            if set(v) != {"values", "lengths"}:
+                raise CodecError(f"field '{name}': a ragged field has values and lengths only")
+            lengths = self.col(v["lengths"], f"field '{name}' lengths", "iu")
+            if len(lengths) and lengths.min() < 0:
+                raise CodecError(f"field '{name}': negative ragged length")
+            values = unframe(v["values"], self.budget)
+            if values.ndim == 0:
+                raise CodecError(f"field '{name}': ragged values need a leading dimension")
+            return Ragged(values, lengths)
+        arr = unframe(v, self.budget)
+        if arr.ndim == 0:
+            raise CodecError(f"field '{name}': needs a leading (row) dimension")
+        return arr
+
+    def placed(self, v: Any, name: str) -> Placed:
+        if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)):
+            raise CodecError(f"placed field '{name}': expected [dtype, shape]")
+        try:
+            dt = np.dtype(v[0])
+        except (TypeError, ValueError) as e:
+            raise CodecError(f"placed field '{name}': {e}") from None
+        check_dtype(dt, f"field '{name}'")
+        shape = v[1]
+        if not (
+            isinstance(shape, list)
+            and 1 <= len(shape) <= MAX_NDIM
+            and all(type(x) is int and 0 <= x < 2**31 for x in shape)
+        ):
+            raise CodecError(f"placed field '{name}': shape {shape!r:.80}")
+        return Placed(dt, tuple(shape))
+
+    def batch(self, d: Any) -> StepBatch:
+        if not isinstance(d, dict):
+            raise CodecError(f"a batch is a msgpack map, not {type(d).__name__}")
+        if d.get("v") != FORMAT_VERSION:
+            raise CodecError(
+                f"batch format version {d.get('v')!r:.20} is not one this worker reads "
+                f"({FORMAT_VERSION}): upgrade the worker or the client"
+            )
+        unknown = set(d) - _BATCH_KEYS
+        missing = _BATCH_KEYS - {"priority", "policy_version", "placed"} - set(d)
+        if unknown or missing:
+            raise CodecError(
+                f"batch keys: unknown {sorted(map(str, unknown))}, missing {sorted(missing)}"
+            )
+        fields = {k: self.field(v, k) for k, v in self.mapping(d["fields"], "fields").items()}
+        for k, v in self.mapping(d.get("placed") or {}, "placed").items():
+            if k in fields:
+                raise CodecError(f"field '{k}' is both sent and placed")
+            fields[k] = self.placed(v, k)
+        for k in fields:
+            if not _NAME.fullmatch(k):
+                raise CodecError(f"field name {k!r:.80}: use letters, digits, '.', '_', '-'")
+        strs = self.mapping(d["strs"], "strs")
+        for k in strs:
+            if k not in STR_META and not _NAME.fullmatch(tag_name(k) or ""):
+                raise CodecError(f"strs: {k!r:.80} is neither string metadata nor a tag column")
+        nums = self.mapping(d["nums"], "nums")
+        for k in nums:
+            if not _NAME.fullmatch(tag_name(k) or ""):
+                raise CodecError(f"nums: {k!r:.80} is not a tag column ('t:<name>')")
+        info = d["info"]
+        if not isinstance(info, list):
+            raise CodecError("info: expected a list of dicts")
+        return StepBatch(
+            episode=self.strings(d["episode"], "episode_id"),
+            step_index=self.col(d["step_index"], "step_index", "iu"),
+            reward=self.col(d["reward"], "reward", "f"),
+            terminated=self.col(d["terminated"], "terminated", "b"),
+            truncated=self.col(d["truncated"], "truncated", "b"),
+            priority=None
+            if d.get("priority") is None
+            else self.col(d["priority"], "priority", "f"),
+            policy_version=None
+            if d.get("policy_version") is None
+            else self.col(d["policy_version"], "policy_version", "iu"),
+            strs={k: self.strings(v, k) for k, v in strs.items()},
+            nums={k: self.col(v, f"tag '{tag_name(k)}'", "f") for k, v in nums.items()},
+            fields=fields,
+            next_rows=self.col(d["next_rows"], "next_rows", "iu"),
+            next_obs=None if d["next_obs"] is None else self.field(d["next_obs"], "next_obs"),
+            info_rows=self.col(d["info_rows"], "info_rows", "iu"),
+            info=info,
+            batch_id=check_batch_id(d["id"]),
+        )

@@ -13,9 +13,18 @@ import numpy as np
 
 from claw_tasks.app import client_app
 from claw_tasks.backpressure import MemoryGate
-from claw_tasks.batch import STR_META, Placed, Ragged, StepBatch, StrColumn
+from claw_tasks.batch import (
+    STEP_INDEX_LIMIT,
+    STR_META,
+    Placed,
+    Ragged,
+    StepBatch,
+    StrColumn,
+    info_problem,
+)
 from claw_tasks.codec import CodecError, check_dtype
 from claw_tasks.ingest import IngestOutcome
+from claw_tasks.message import TASK, IngestArgs
 from claw_tasks.schema import (
     MAX_STEP_BYTES,
     FieldSpec,
@@ -135,8 +144,10 @@ class Episode:
             self.episode_id, self.step_index, fields, reward, next_obs, info, meta, tags,
             priority, terminated, truncated,
         )  # fmt: skip
-        self.ingestor._buffer(step)
+        # Accepted: the step is buffered from here on, even if the send _buffer may start
+        # fails (it is kept and re-sent), so it has its index now.
         self.step_index += 1
+        self.ingestor._buffer(step)
 
 
 class Ingestor:
@@ -226,6 +237,8 @@ class Ingestor:
             with self._lock:
                 self._episodes += 1
                 episode_id = f"{time.time_ns():x}-{id(self):x}-{self._episodes}"
+        if policy_version is not None:
+            _check_int32(policy_version, "policy_version")
         meta = {
             "task_id": task_id, "agent_id": agent_id, "skill_tag": skill_tag,
             "reward_source": reward_source, "policy_version": policy_version,
@@ -258,7 +271,7 @@ class Ingestor:
             truncated=_column(cols.pop("truncated", False), n, bool, "truncated"),
             fields={k: self._field_column(k, v, n) for k, v in fields.items()},
             priority=_opt_column(cols.pop("priority", None), n, np.float32),
-            policy_version=_opt_column(cols.pop("policy_version", None), n, np.int32),
+            policy_version=_opt_column(cols.pop("policy_version", None), n, np.int64),
         )
         for k in STR_META:
             if k in cols:
@@ -301,6 +314,11 @@ class Ingestor:
         r = float(reward)
         if not np.isfinite(r):
             raise SchemaError(f"{where}: reward is {r} (must be finite)")
+        if priority is not None:
+            priority = float(priority)
+            if not (np.isfinite(priority) and priority >= 0):
+                raise SchemaError(f"{where}: priority is {priority} (must be finite and >= 0)")
+        _check_int32(step_index, f"{where}: step_index")
         nbytes = sum(a.nbytes for a in fields.values())
         if nbytes > self.max_step_bytes:
             raise SchemaError(f"{where}: {nbytes} payload bytes > limit {self.max_step_bytes}")
@@ -313,7 +331,9 @@ class Ingestor:
         except SchemaError as e:
             raise SchemaError(f"{where}: {e}") from None
         if info:
-            _check_info(info, where)
+            problem = info_problem(dict(info))
+            if problem is not None:
+                raise SchemaError(f"{where}: {problem}")
         return _Step(
             episode_id, step_index, fields, r, bool(terminated), bool(truncated), nx,
             dict(info) if info else None, meta, tags, priority,
@@ -402,16 +422,16 @@ class Ingestor:
         if len(payload) > self.claim_check_bytes:
             key = self.store.keys.stage(batch.batch_id)
             self.store.r.set(key, payload, ex=self._ttl)
-            args = [self.namespace, batch.batch_id, None, key]
+            args = IngestArgs(self.namespace, batch.batch_id, None, key).to_args()
         else:
-            args = [self.namespace, batch.batch_id, payload, None]
+            args = IngestArgs(self.namespace, batch.batch_id, payload, None).to_args()
         self._publish(args)
         with self._lock:
             self._inflight[batch.batch_id] = _Inflight(args, time.monotonic())
 
     def _publish(self, args: list[Any]) -> None:
         with self.app.producer_or_acquire() as producer:
-            self.app.send_task("claw_tasks.ingest", args=args, queue="ingest", producer=producer)
+            self.app.send_task(TASK, args=args, queue="ingest", producer=producer)
 
     def _poll(self) -> int:
         """Collect confirmations; re-send batches unconfirmed for ``resend_after`` seconds
@@ -566,12 +586,10 @@ def _check_fields(
             )
 
 
-def _check_info(info: Mapping[str, Any], where: str) -> None:
-    for k, v in info.items():
-        if not isinstance(k, str) or not isinstance(v, str | int | float | bool | None):
-            raise SchemaError(
-                f"{where}: info[{k!r}] is {type(v).__name__}; info holds str/int/float/bool only"
-            )
+def _check_int32(value: Any, what: str) -> None:
+    """Stored as int32: refuse what would wrap instead of storing it wrapped."""
+    if not isinstance(value, int | np.integer) or not 0 <= int(value) < STEP_INDEX_LIMIT:
+        raise SchemaError(f"{what} {value!r} must be an integer in [0, 2**31)")
 
 
 def _column(v: Any, n: int, dtype: Any, name: str) -> np.ndarray:

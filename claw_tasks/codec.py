@@ -7,6 +7,7 @@ refused.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lz4.block
@@ -40,21 +41,66 @@ def frame(arr: np.ndarray, *, compress: bool = True) -> Frame:
     return [arr.dtype.str, list(arr.shape), data, False]  # msgpack packs the view: no copy
 
 
-def unframe(f: Frame) -> np.ndarray:
-    """Decode a frame (zero-copy when it is not compressed; read-only then)."""
+class Budget:
+    """Bytes that decompressing may still produce for one message (a bomb stops at the
+    frame header, before any memory is taken)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = self.left = limit
+
+    def take(self, nbytes: int, what: str) -> None:
+        if nbytes > self.left:
+            raise CodecError(
+                f"{what}: decompresses to {nbytes} bytes, over the {self.limit}-byte budget "
+                "of one batch (CLAW_MAX_DECOMPRESSED_BYTES)"
+            )
+        self.left -= nbytes
+
+
+MAX_NDIM = 32
+
+
+def unframe(f: Frame, budget: Budget | None = None) -> np.ndarray:
+    """Decode a frame (zero-copy when it is not compressed; read-only then). Every length
+    is checked against the declared dtype and shape before any memory is taken."""
+    if not isinstance(f, list | tuple) or len(f) != 4:
+        raise CodecError("malformed array frame: expected [dtype, shape, data, compressed]")
+    dtype_str, shape, data, compressed = f
+    if not isinstance(dtype_str, str) or len(dtype_str) > 16:
+        raise CodecError(f"malformed array frame: dtype {dtype_str!r:.40} is not a type name")
     try:
-        dtype_str, shape, data, compressed = f
         dtype = np.dtype(dtype_str)
     except (TypeError, ValueError) as e:
         raise CodecError(f"malformed array frame: {e}") from None
     check_dtype(dtype, "frame")
+    if (
+        not isinstance(shape, list | tuple)
+        or len(shape) > MAX_NDIM
+        or not all(type(d) is int and 0 <= d < 2**31 for d in shape)
+    ):
+        raise CodecError(f"malformed array frame: shape {shape!r:.80} (integers in [0, 2**31))")
+    if not isinstance(data, bytes) or not isinstance(compressed, bool):
+        raise CodecError("malformed array frame: data must be bytes, compressed a bool")
+    nbytes = math.prod(shape) * dtype.itemsize
     if compressed:
-        data = lz4.block.decompress(data)
-    arr = np.frombuffer(data, dtype=dtype)
+        declared = int.from_bytes(data[:4], "little") if len(data) >= 4 else -1
+        if declared != nbytes:
+            raise CodecError(
+                f"lz4 frame declares {declared} bytes, its shape {list(shape)} of {dtype} "
+                f"holds {nbytes}"
+            )
+        if budget is not None:
+            budget.take(nbytes, "lz4 frame")
+        try:
+            data = lz4.block.decompress(data)
+        except lz4.block.LZ4BlockError as e:
+            raise CodecError(f"lz4 frame does not decompress: {e}") from None
+    if len(data) != nbytes:
+        raise CodecError(f"frame of {len(data)} bytes does not fit shape {list(shape)} of {dtype}")
     try:
-        return arr.reshape(shape)
-    except ValueError:
-        raise CodecError(f"frame of {arr.size} items does not fit shape {shape}") from None
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    except ValueError as e:
+        raise CodecError(f"frame of shape {list(shape)}: {e}") from None
 
 
 def packb(obj: Any) -> bytes:

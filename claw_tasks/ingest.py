@@ -1,10 +1,13 @@
-"""Server side of ingest: validate a batch, commit the good steps, dead-letter the rest."""
+"""Server side of ingest: check a message whole, then commit the good steps and dead-letter
+the rest. Nothing is allocated, read from a claim check or decompressed before the part it
+depends on is checked, and every message ends committed, dead-lettered or retried."""
 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -12,13 +15,26 @@ import redis
 
 from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.codec import CodecError, packb, unpackb
-from claw_tasks.schema import MAX_BATCH_BYTES, SchemaError
-from claw_tasks.store import NamespaceError, Store
-from claw_tasks.store.layout import row_episode_codes
+from claw_tasks.deadletter import Letter, Target, finish
+from claw_tasks.message import IngestArgs, Rejected, parse_args
+from claw_tasks.schema import SchemaError
+from claw_tasks.settings import IngestLimits
+from claw_tasks.store import NamespaceDropped, NamespaceError, Store
+from claw_tasks.store.layout import Keys, row_episode_codes
 
 log = logging.getLogger(__name__)
-DONE_TTL = 86400
-DEAD_MAXLEN = 100_000
+MAX_ERRORS = 20  # step errors kept in a done record and a dead letter's reason
+DONE_REASON = 512  # characters of a rejection's reason in its done record (the letter has all)
+
+# Worth retrying: the server is away, busy loading, or out of memory for now. Any other
+# Redis error is about this message (a size or type the server refuses): dead-lettered.
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+def is_transient(e: BaseException) -> bool:
+    return isinstance(e, TRANSIENT) or (
+        isinstance(e, redis.ResponseError) and str(e).startswith(("OOM", "LOADING", "TRYAGAIN"))
+    )
 
 
 @dataclass
@@ -40,107 +56,183 @@ class IngestOutcome:
         return cls(**unpackb(data))
 
 
-def dead_letter(
-    store: Store, batch_id: str, reason: str, payload: bytes | None, rows: list[int] | None
-) -> None:
-    """Record a rejected batch (or rows of it) with the reason, once per batch."""
-    fields: list[Any] = ["batch_id", batch_id, "reason", reason, "at", repr(time.time())]
-    if rows is not None:
-        fields += ["rows", packb(rows)]
-    if payload is not None:
-        fields += ["payload", payload]
-    store.scripts.deadletter(
-        keys=[store.keys.dead, store.keys.base + f"dl:{batch_id}"],
-        args=[DONE_TTL, DEAD_MAXLEN, *fields],
-    )
+def reject(r: redis.Redis, e: Rejected, limits: IngestLimits, **extra: Any) -> bool:
+    """Dead-letter a whole message: in its namespace when it names an existing one (with its
+    done key when the batch id is valid, so the sender learns why), else in ``claw:rejects``."""
+    namespace = e.namespace
+    try:
+        if namespace is not None and not r.exists(Keys(namespace).config):
+            namespace = None
+    except ValueError:  # not a namespace name at all
+        namespace = None
+    target = Target.of(namespace)
+    done_key = target.done_key(e.batch_id)
+    done = None
+    if done_key is not None:
+        reason = e.reason[:DONE_REASON]  # done records are one per message: kept small
+        outcome = IngestOutcome(e.batch_id or "", rejected=e.steps, errors=[reason])
+        done = (done_key, outcome.to_bytes())
+    payload = extra.pop("payload", None)
+    letter = Letter(e.code, e.reason, payload, None, e.batch_id, extra)
+    written = finish(r, target, "rejected", limits, done, letter)
+    if done is not None and e.batch_id is not None:  # its own claim check is moot now
+        r.delete(Keys(target.namespace).stage(e.batch_id))
+    return written
 
 
-def process(
-    store: Store, batch_id: str, payload: bytes | None, stage_key: str | None
+def run(
+    r: redis.Redis,
+    args: Any,
+    kwargs: Any,
+    limits: IngestLimits,
+    store_for: Callable[[str], Store] | None = None,
 ) -> IngestOutcome:
+    """Check and process one ingest message (its args as sent); ``store_for`` may cache
+    a Store (and its config) per namespace."""
+    try:
+        a = parse_args(args, kwargs, limits)
+    except Rejected as e:
+        payload = args[3] if isinstance(args, list) and len(args) > 3 else None
+        reject(r, e, limits, payload=payload if isinstance(payload, bytes) else None)
+        return IngestOutcome(e.batch_id or "", errors=[e.reason])
+    return process((store_for or partial(Store, r))(a.namespace), a, limits)
+
+
+def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
     """Validate and commit one batch. Idempotent: a redelivery writes nothing twice. Raises
-    NamespaceDropped, writing nothing, if the namespace was dropped."""
-    store.revalidate()  # NamespaceDropped: nothing written (no done record, no dead letter)
-    done_key = store.keys.done(batch_id)
-    prior = store.r.get(done_key)
+    NamespaceDropped, writing nothing to the namespace, if it was dropped."""
+    r, target = store.r, Target.of(a.namespace)
+    try:
+        store.revalidate()
+    except NamespaceDropped as e:  # nothing written to it: counted in claw:rejects
+        reject(r, Rejected("dropped", str(e)), limits)
+        raise
+    prior = r.get(store.keys.done(a.batch_id))
     if prior is not None:
+        finish(r, target, "duplicate", limits)
         return IngestOutcome.from_bytes(prior)
-    outcome = IngestOutcome(batch_id)
-    raw = payload if payload is not None else (store.r.get(stage_key) if stage_key else None)
-    if raw is None:
-        reason = f"claim check {stage_key!r} is gone (expired before the batch was processed)"
-        return _finish(store, outcome, reason, None, stage_key)
+    raw = a.payload
     try:
-        if len(raw) > MAX_BATCH_BYTES:
-            raise SchemaError(f"batch of {len(raw)} bytes > limit {MAX_BATCH_BYTES}")
-        batch = StepBatch.decode(raw)
+        try:
+            store.config()
+        except NamespaceError:
+            raise Rejected(
+                "namespace",
+                f"namespace {a.namespace!r} does not exist: create it (Ingestor does) first",
+            ) from None
+        if raw is None:
+            raw = r.get(a.stage_key)  # parse_args checked it is this batch's staging key
+            if raw is None:
+                raise Rejected("claim-check", f"claim check {a.stage_key!r} is gone (expired)")
+            if len(raw) > limits.message_bytes:
+                raise Rejected("size", f"batch of {len(raw)} bytes > limit {limits.message_bytes}")
+        outcome = _commit(store, _checked(store, a, raw, limits), a.batch_id, limits)
+    except Rejected as e:
+        e.namespace, e.batch_id = a.namespace, a.batch_id
+        reject(r, e, limits, payload=raw)
+        outcome = IngestOutcome(a.batch_id, rejected=e.steps, errors=[e.reason])
+    except Exception as e:
+        if is_transient(e):
+            raise  # the task retries with backoff (the commit is idempotent)
+        log.exception("ingest of batch %s failed", a.batch_id)
+        code = "redis" if isinstance(e, redis.RedisError) else "internal"
+        reason = f"{'Redis refused the batch' if code == 'redis' else 'internal error'}: "
+        reject(r, Rejected(code, reason + f"{type(e).__name__}: {e}", a.namespace, a.batch_id),
+               limits, payload=raw)  # fmt: skip
+        outcome = IngestOutcome(a.batch_id, errors=[reason])
+    if a.stage_key is not None:
+        r.delete(a.stage_key)
+    return outcome
+
+
+def _checked(store: Store, a: IngestArgs, raw: bytes, limits: IngestLimits) -> StepBatch:
+    """The batch, once everything that does not depend on row values is known to fit."""
+    try:
+        batch = StepBatch.decode(raw, limits.decompressed_bytes)
     except (CodecError, SchemaError) as e:
-        return _finish(store, outcome, f"undecodable batch: {e}", raw, stage_key)
-    try:
-        return _commit(store, batch, outcome, raw, stage_key)
-    except redis.RedisError:
-        raise  # transient: the task retries (the commit is idempotent)
-    except Exception as e:  # a bug must not loop forever or lose the batch: dead-letter it
-        log.exception("ingest of batch %s failed", batch_id)
-        outcome.rejected = batch.n
-        reason = f"internal error: {type(e).__name__}: {e}"
-        return _finish(store, outcome, reason, raw, stage_key)
-
-
-def _commit(
-    store: Store, batch: StepBatch, outcome: IngestOutcome, raw: bytes, stage_key: str | None
-) -> IngestOutcome:
+        raise Rejected("decode", f"undecodable batch: {e}") from None
+    if batch.batch_id != a.batch_id:
+        raise Rejected("args", f"payload of batch {batch.batch_id!r} sent as {a.batch_id!r}")
+    cap = store.config().cap
+    if batch.n > min(limits.batch_steps, cap):
+        raise _steps(
+            batch,
+            Rejected(
+                "size",
+                f"batch of {batch.n} steps > limit {min(limits.batch_steps, cap)} (a shard holds "
+                f"{cap}; CLAW_MAX_BATCH_STEPS={limits.batch_steps})",
+            ),
+        )
     try:
         store.ensure_schema(batch.schema())
-    except NamespaceError:
-        pass  # a new namespace: the commit creates it
     except SchemaError as e:
-        outcome.rejected = batch.n
-        return _finish(store, outcome, f"schema mismatch: {e}", raw, stage_key)
+        raise _steps(batch, Rejected("schema", f"schema mismatch: {e}")) from None
+    return batch
+
+
+def _steps(batch: StepBatch, e: Rejected) -> Rejected:
+    e.steps = batch.n
+    return e
+
+
+def _placed_at(store: Store, batch: StepBatch) -> tuple[int, int] | None:
+    """(shard, seq0) of a batch whose fields were written in place, checked against the
+    allocation the sender made: nothing is allocated (or evicted) here."""
+    if not any(isinstance(v, Placed) for v in batch.fields.values()):
+        return None
+    cfg = store.config()
+    codes = row_episode_codes(batch.episode.values, batch.episode.index)
+    shards = np.unique(codes % cfg.n_shards)
+    if len(shards) != 1:
+        raise _steps(batch, Rejected("placed", "fields written in place: one shard only"))
+    shard = int(shards[0])
+    marker = store.r.get(store.keys.shard_key(shard, f"b:{batch.batch_id}"))
+    parts = marker.decode().split(":") if marker else []
+    if len(parts) < 2:
+        raise _steps(
+            batch,
+            Rejected(
+                "placed",
+                f"fields written in place, but shard {shard} has no allocation for batch "
+                f"{batch.batch_id!r} (expired or never made); nothing was allocated now",
+            ),
+        )
+    if parts[0] == "alloc" and (len(parts) != 3 or int(parts[2]) != batch.n):
+        got = parts[2] if len(parts) == 3 else "?"
+        raise _steps(
+            batch,
+            Rejected(
+                "placed", f"batch declares {batch.n} steps written in place, {got} were allocated"
+            ),
+        )
+    return shard, int(parts[1])
+
+
+def _commit(store: Store, batch: StepBatch, batch_id: str, limits: IngestLimits) -> IngestOutcome:
+    outcome = IngestOutcome(batch_id)
+    at = _placed_at(store, batch)
     errors = batch.row_errors()
-    placed = [k for k, v in batch.fields.items() if isinstance(v, Placed)]
     bad = sorted(errors)
-    good, dead = batch, []
+    good, dead, letter = batch, [], None
     if bad:
         outcome.rejected = len(bad)
-        outcome.errors = [errors[i] for i in bad]
+        outcome.errors = [errors[i] for i in bad[:MAX_ERRORS]]  # the done key stays small
+        if len(bad) > MAX_ERRORS:
+            outcome.errors.append(f"... and {len(bad) - MAX_ERRORS} more rejected step(s)")
         rejected = batch.take(np.array(bad))
-        if placed:  # rows written in place: commit them not alive, keep their data here
-            rejected.fields.update(_read_back(store, batch, bad, placed))
+        placed = [k for k, v in batch.fields.items() if isinstance(v, Placed)]
+        if at is not None:  # rows written in place: commit them not alive, keep their data
+            shard, seq0 = at
+            slots = (seq0 - 1 + np.asarray(bad, np.int64)) % store.config().cap
+            rejected.fields.update(store.read_fields(np.full(len(bad), shard), slots, placed))
             dead = bad
         else:
             good = batch.take(np.setdiff1d(np.arange(batch.n), bad))
-        reason = "; ".join(outcome.errors[:20])
-        dead_letter(store, outcome.batch_id, reason, rejected.encode(), bad)
+        reason = "; ".join(outcome.errors)
+        letter = Letter("rows", reason, rejected.encode(), bad, batch_id)
     res = store.commit(good, dead_rows=dead)
     outcome.committed, outcome.replayed, outcome.expired = res.committed, res.replayed, res.expired
-    return _finish(store, outcome, None, None, stage_key)
-
-
-def _read_back(
-    store: Store, batch: StepBatch, rows: list[int], names: list[str]
-) -> dict[str, np.ndarray]:
-    """Payload of ``rows`` of a batch written in place (for its dead letter)."""
-    codes = row_episode_codes(batch.episode.values, batch.episode.index[:1])
-    shard = int(codes[0]) % store.config().n_shards
-    seq0, _ = store.allocate(shard, batch.batch_id, batch.n)  # idempotent: the same seq0
-    slots = (seq0 - 1 + np.asarray(rows, np.int64)) % store.config().cap
-    return store.read_fields(np.full(len(rows), shard), slots, names)
-
-
-def _finish(
-    store: Store,
-    outcome: IngestOutcome,
-    reason: str | None,
-    payload: bytes | None,
-    stage_key: str | None,
-) -> IngestOutcome:
-    if reason is not None:
-        outcome.errors.insert(0, reason)
-        dead_letter(store, outcome.batch_id, reason, payload, None)
-    with store.r.pipeline() as pipe:
-        pipe.set(store.keys.done(outcome.batch_id), outcome.to_bytes(), ex=DONE_TTL)
-        if stage_key:
-            pipe.delete(stage_key)
-        pipe.execute()
+    kind = "partial" if bad else "committed"
+    target = Target.of(store.namespace)
+    finish(store.r, target, kind, limits, (store.keys.done(batch_id), outcome.to_bytes()), letter)
     return outcome

@@ -39,7 +39,8 @@ RESERVED = frozenset(
 )
 
 MAX_STEP_BYTES = 16 * 1024 * 1024
-MAX_BATCH_BYTES = 512 * 1024 * 1024
+MAX_FIELDS = 64
+MAX_TAGS = 64
 
 
 # A free tag has two names: the stored column (``t:<name>``: Redis keys, batch columns,
@@ -140,6 +141,11 @@ class Schema:
         return schema
 
     def check_self(self) -> None:
+        if len(self.fields) > MAX_FIELDS or len(self.tags) > MAX_TAGS:
+            raise SchemaError(
+                f"{len(self.fields)} fields and {len(self.tags)} tags: a namespace holds at "
+                f"most {MAX_FIELDS} and {MAX_TAGS} (each is a column in every shard)"
+            )
         for name, spec in self.fields.items():
             if name in RESERVED:
                 raise SchemaError(f"field '{name}' is reserved metadata, not a payload field")
@@ -176,4 +182,8 @@ class Schema:
             if self.tags.get(name, kind) != kind:
                 raise SchemaError(f"tag '{name}' is {kind}, schema says {self.tags[name]}")
         new = {k: v for k, v in tags.items() if k not in self.tags}
-        return Schema(fields=self.fields, tags={**self.tags, **new}) if new else self
+        if not new:
+            return self
+        schema = Schema(fields=self.fields, tags={**self.tags, **new})
+        schema.check_self()
+        return schema

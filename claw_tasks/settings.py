@@ -22,6 +22,7 @@ class Settings:
     namespace: str
     visibility_timeout: int
     stage_ttl: int
+    limits: IngestLimits
     scorers: tuple[str, ...] = ()
     """Priority scorers (``module:function``) namespaces may name (``CLAW_SCORERS``,
     comma-separated): whoever configures a namespace must not pick code for workers."""
@@ -35,6 +36,49 @@ class Settings:
     """Albumentations transforms a recipe may name (``CLAW_ALBUMENTATIONS``, comma-separated
     names or the groups ``pixel`` and ``spatial``; empty: none): whoever registers a recipe
     chooses what workers run."""
+
+
+@dataclass(frozen=True)
+class IngestLimits:
+    """What one ingest message may carry and cost; the worker dead-letters a batch past
+    these before it reads a claim check, decompresses or allocates anything."""
+
+    message_bytes: int  # a batch payload, inline or claim-checked
+    decompressed_bytes: int  # all lz4 frames of one batch, once decompressed
+    batch_steps: int  # steps in one batch (and never more than a shard's capacity)
+    dead_letter_bytes: int  # dead letters kept per namespace (oldest trimmed first)
+    dead_letter_prefix: int  # payload bytes a dead letter keeps (plus the whole digest)
+    retries: int  # transient Redis errors: retries with exponential backoff
+
+
+def _int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected an integer") from None
+    if value < 0:
+        raise ValueError(f"{name}={value}: must be >= 0")
+    return value
+
+
+def load_limits() -> IngestLimits:
+    limits = IngestLimits(
+        message_bytes=_int("CLAW_MAX_MESSAGE_BYTES", 256 * 1024 * 1024),
+        decompressed_bytes=_int("CLAW_MAX_DECOMPRESSED_BYTES", 256 * 1024 * 1024),
+        batch_steps=_int("CLAW_MAX_BATCH_STEPS", 65536),
+        dead_letter_bytes=_int("CLAW_DEAD_LETTER_BYTES", 64 * 1024 * 1024),
+        dead_letter_prefix=_int("CLAW_DEAD_LETTER_PREFIX", 1024 * 1024),
+        retries=_int("CLAW_INGEST_RETRIES", 10),
+    )
+    if limits.dead_letter_prefix * 4 > limits.dead_letter_bytes:
+        raise ValueError(
+            f"CLAW_DEAD_LETTER_PREFIX={limits.dead_letter_prefix} must be at most a quarter of "
+            f"CLAW_DEAD_LETTER_BYTES={limits.dead_letter_bytes} (a dead letter must fit the cap)"
+        )
+    return limits
 
 
 def load_settings() -> Settings:
@@ -53,6 +97,7 @@ def load_settings() -> Settings:
         namespace_cache_size=int(os.environ.get("CLAW_NAMESPACE_CACHE_SIZE", "64")),
         plan_cache_size=int(os.environ.get("CLAW_PLAN_CACHE_SIZE", "256")),
         albumentations=_names(os.environ.get("CLAW_ALBUMENTATIONS", "pixel,spatial")),
+        limits=load_limits(),
     )
 
 

@@ -7,11 +7,17 @@ from functools import cache
 from typing import Any
 
 import redis
+from celery import Task
+from celery.utils.time import get_exponential_backoff_interval
 
 from claw_tasks.app import app, settings
-from claw_tasks.ingest import process
+from claw_tasks.ingest import IngestOutcome, is_transient, reject, run
 from claw_tasks.lru import LRU
+from claw_tasks.message import TASK, Rejected
 from claw_tasks.store import NamespaceDropped, Store
+
+BACKOFF_MAX = 60
+log = logging.getLogger(__name__)
 
 
 @cache
@@ -21,7 +27,6 @@ def redis_client() -> redis.Redis:
     return redis.Redis.from_url(settings.redis_url)
 
 
-log = logging.getLogger(__name__)
 stores: LRU[str, Store] = LRU(settings.namespace_cache_size)
 
 
@@ -37,23 +42,46 @@ def forget_namespace(namespace: str) -> None:
 
 
 @app.task(
-    name="claw_tasks.ingest",
+    bind=True,
+    name=TASK,
     acks_late=True,
     reject_on_worker_lost=True,
-    autoretry_for=(redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError),
-    retry_backoff=True,
-    retry_backoff_max=30,
-    max_retries=None,
+    max_retries=settings.limits.retries,
 )
-def ingest(
-    namespace: str, batch_id: str, payload: bytes | None = None, stage_key: str | None = None
-) -> dict[str, Any]:
-    """Commit one batch of steps (inline ``payload`` or a claim-check ``stage_key``); a batch
-    for a dropped namespace is discarded (nothing written) and the cached Store forgotten."""
+def ingest(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Commit one batch of steps. Args ``[version, namespace, batch_id, payload,
+    stage_key]`` (see ``claw_tasks.message``), checked here as from any sender. A batch for
+    a dropped namespace is discarded (counted in ``claw:rejects``) and its Store forgotten."""
     try:
-        outcome = process(store_for(namespace), batch_id, payload, stage_key)
+        outcome = run(redis_client(), args, kwargs, settings.limits, store_for)
     except NamespaceDropped:
-        forget_namespace(namespace)
-        log.warning("batch %s: namespace %r was dropped; discarded", batch_id, namespace)
+        forget_namespace(args[1])
+        log.warning("batch %s: namespace %r was dropped; discarded", args[2], args[1])
         return {"committed": 0, "rejected": 0, "dropped": True}
+    except Exception as e:
+        if not is_transient(e):
+            raise
+        outcome = _retry_or_give_up(self, args, e)
     return {"committed": outcome.committed, "rejected": outcome.rejected}
+
+
+def _retry_or_give_up(task: Task, args: Any, e: Exception) -> IngestOutcome:
+    """Retry a transient Redis error with exponential backoff; past ``max_retries``,
+    dead-letter this delivery without a done record, so the sender (which keeps every
+    unconfirmed batch) sends it again. If Redis cannot take even the letter, keep
+    retrying at the longest interval: the message is never dropped."""
+    retries = task.request.retries
+    if retries < task.max_retries:
+        countdown = get_exponential_backoff_interval(1, retries, BACKOFF_MAX, full_jitter=True)
+        raise task.retry(exc=e, countdown=countdown) from None
+    reason = f"Redis kept failing through {retries} retries: {type(e).__name__}: {e}"
+    namespace, batch_id = args[1], args[2]  # parse_args passed: the error came after it
+    payload = args[3] if isinstance(args[3], bytes) else None
+    try:
+        reject(redis_client(), Rejected("transient", reason, namespace), settings.limits,
+               payload=payload, batch_id=batch_id)  # fmt: skip
+    except Exception as again:
+        if not is_transient(again):
+            raise
+        raise task.retry(exc=again, countdown=BACKOFF_MAX, max_retries=None) from None
+    return IngestOutcome(str(batch_id), errors=[reason])

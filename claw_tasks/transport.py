@@ -14,6 +14,12 @@ the visibility sweep (``unacked_restore_interval``) requeues them once they are
 ``visibility_timeout`` old; the ingest commit is idempotent, so a redelivery writes
 nothing twice.
 
+And a guard where kombu turns a queued item into a message: kombu builds a ``Message``
+from the envelope before any Celery hook runs, and an envelope it cannot build one from
+(headers that are not a map, an undecodable body) raises out of the event loop and stops
+the worker too. Such an envelope is dead-lettered with its reason instead (it was already
+popped from the queue: the dead letter is its record; see ``claw_tasks.guard``).
+
 The transport is registered under kombu's own ``redis`` and ``rediss`` names
 (``TRANSPORT_ALIASES``, kombu's registry of transports by URL scheme), so URLs, TLS
 defaults and Flower's broker view stay exactly as with the stock transport.
@@ -28,6 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 import redis
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
+from kombu.utils.json import dumps
 
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
@@ -39,6 +46,30 @@ class Channel(kombu_redis.Channel):
                 "broker connection closed; its unacked messages return after the visibility timeout"
             )
         return super()._connparams(asynchronous=asynchronous)
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        ret = super().basic_consume(queue, *args, **kwargs)
+        deliver = self.connection._callbacks[queue]
+
+        def guarded(raw: Any) -> Any:
+            try:
+                self.Message(raw, channel=self)  # what kombu does first: can it?
+            except Exception as e:
+                return self._bad_envelope(queue, raw, e)
+            return deliver(raw)
+
+        self.connection._callbacks[queue] = guarded
+        return ret
+
+    def _bad_envelope(self, queue: str, raw: Any, e: Exception) -> None:
+        from claw_tasks.guard import dead_letter_raw  # worker side only
+
+        try:
+            data = dumps(raw).encode()
+        except Exception:
+            data = repr(raw).encode()
+        if not dead_letter_raw(data, f"kombu cannot read the envelope: {type(e).__name__}: {e}"):
+            self._put(queue, raw)  # Redis could not record it: back to the queue
 
 
 class Transport(kombu_redis.Transport):

@@ -10,6 +10,7 @@ import numpy as np
 from claw_tasks.app import client_app
 from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.ingest import IngestOutcome
+from claw_tasks.message import IngestArgs
 from claw_tasks.store import Store
 
 
@@ -24,7 +25,7 @@ def send_unchecked(redis_url: str, store: Store, batch: StepBatch, *, in_place: 
         )
         store.place(0, seq0, fixed)
         batch.fields.update({k: Placed(v.dtype, v.shape) for k, v in fixed.items()})
-    args = [store.namespace, batch.batch_id, batch.encode(), None]
+    args = IngestArgs(store.namespace, batch.batch_id, batch.encode(), None).to_args()
     client_app(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")
     return args
 

@@ -22,6 +22,8 @@ from typer.testing import CliRunner
 
 from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.ingest import process
+from claw_tasks.message import IngestArgs
+from claw_tasks.settings import load_limits
 from claw_tasks.store import Store
 from claw_tasks.store.layout import META_CHUNK_SLOTS
 from orchestrator.cli.main import app
@@ -61,7 +63,7 @@ def fill(url: str, namespace: str) -> Store:
         store.commit(batch(ep, n, task, agent, seed))
     bad = batch("e3", 3, "reach", "a1", 9)
     bad.reward[1] = np.nan
-    process(store, bad.batch_id, bad.encode(), None)
+    process(store, IngestArgs(namespace, bad.batch_id, bad.encode(), None), load_limits())
     return store
 
 

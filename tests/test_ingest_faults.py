@@ -149,7 +149,7 @@ def test_worker_dead_letters_schema_mismatch_whole_batch(ing, redis_url, namespa
         _raw_batch(4, np.zeros((4, 3), np.float32), np.zeros(4, np.float32)),
         _raw_batch(4, np.zeros((4, 8), np.float64), np.zeros(4, np.float32)),
     ]
-    res = [outcome(store, send_unchecked(redis_url, store, b)[1]) for b in sent]
+    res = [outcome(store, send_unchecked(redis_url, store, b)[2]) for b in sent]
     assert [(o.committed, o.rejected) for o in res] == [(0, 4), (0, 4)]
     assert "field 'obs' is float32[3], schema says float32[8]" in res[0].errors[0]
     assert "field 'obs' is float64[8], schema says float32[8]" in res[1].errors[0]
@@ -158,8 +158,10 @@ def test_worker_dead_letters_schema_mismatch_whole_batch(ing, redis_url, namespa
 
 
 def test_worker_dead_letters_undecodable_payload(ing, redis_url, namespace, r):
-    ing.app.send_task("claw_tasks.ingest", args=[namespace, "junk1", b"\x93garbage", None],
-                      queue="ingest")  # fmt: skip
+    from claw_tasks.message import IngestArgs
+
+    args = IngestArgs(namespace, "junk1", b"\x93garbage", None).to_args()
+    ing.app.send_task("claw_tasks.ingest", args=args, queue="ingest")
     store = Store(redis_url, namespace)
     res = outcome(store, "junk1")
     assert res.committed == 0 and "undecodable batch" in res.errors[0]

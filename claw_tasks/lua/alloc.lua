@@ -8,7 +8,7 @@
 -- ARGV: 1 n, 2 marker ttl, 3 shard prefix, 4 cap, 5 log length,
 --       6.. triples (field key base, row bytes, chunk slots) of payloads written in place
 -- Returns {seq0, state}: state "new", "alloc" (allocated before, not committed), "done"
--- or "expired".
+-- or "expired". The marker reads "alloc:<seq0>:<n>" until the commit.
 local marker = redis.call('GET', KEYS[1])
 if marker then
   local state, seq0 = string.match(marker, '^(%a+):(%d+)')
@@ -16,7 +16,7 @@ if marker then
 end
 local n, ttl, prefix, cap = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local seq0 = redis.call('INCRBY', KEYS[2], n) - n + 1
-redis.call('SET', KEYS[1], 'alloc:' .. seq0, 'EX', ttl)
+redis.call('SET', KEYS[1], 'alloc:' .. seq0 .. ':' .. n, 'EX', ttl)
 if n == 0 then return {seq0, 'new'} end
 local slot0 = (seq0 - 1) % cap
 

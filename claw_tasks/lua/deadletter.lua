@@ -1,8 +1,39 @@
--- Add a dead letter once per (batch, attempt key).
--- KEYS[1] dead-letter stream, KEYS[2] once-marker; ARGV[1] ttl, ARGV[2] maxlen, ARGV[3..] fields
-if redis.call('SET', KEYS[2], 1, 'NX', 'EX', tonumber(ARGV[1])) then
-  local fields = {}
-  for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
-  return redis.call('XADD', KEYS[1], 'MAXLEN', '~', tonumber(ARGV[2]), '*', unpack(fields))
+-- Finish one ingest message: count its outcome, record its done key once, and add its dead
+-- letter (if any) under a byte cap, trimming the oldest letters first.
+-- KEYS: 1 outcome counters (hash), 2 dead-letter stream,
+--       3 done key (optional: a message without a usable batch id is counted every time)
+-- ARGV: 1 outcome (the counter to add 1 to), 2 done value, 3 done ttl, 4 byte cap,
+--       5 cost (bytes charged for the letter), 6 code, 7.. letter fields (none: no letter)
+-- Counters: <outcome>, dead, dead:<code>, dead_bytes (held now), dead_trimmed.
+-- Returns 0 when the done key was already there (finished before: nothing written), else 1.
+if KEYS[3] and not redis.call('SET', KEYS[3], ARGV[2], 'NX', 'EX', tonumber(ARGV[3])) then
+  return 0
 end
-return false
+redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+if #ARGV < 7 then return 1 end
+local cap, cost, code = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local fields = {'code', code, 'cost', ARGV[5]}
+for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+redis.call('HINCRBY', KEYS[1], 'dead', 1)
+redis.call('HINCRBY', KEYS[1], 'dead:' .. code, 1)
+local held = redis.call('HINCRBY', KEYS[1], 'dead_bytes', cost)
+while held > cap do
+  local oldest = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)
+  if #oldest == 0 then
+    redis.call('HSET', KEYS[1], 'dead_bytes', 0)
+    break
+  end
+  local f, c = oldest[1][2], nil
+  for i = 1, #f - 1, 2 do
+    if f[i] == 'cost' then c = tonumber(f[i + 1]) end
+  end
+  if c == nil then  -- a letter written before costs were kept: its field bytes
+    c = 0
+    for i = 1, #f do c = c + #f[i] end
+  end
+  redis.call('XDEL', KEYS[2], oldest[1][1])
+  redis.call('HINCRBY', KEYS[1], 'dead_trimmed', 1)
+  held = redis.call('HINCRBY', KEYS[1], 'dead_bytes', -c)
+end
+return 1

@@ -86,6 +86,11 @@ class Keys:
     def dead(self) -> str:
         return self.base + "dead"
 
+    @property
+    def outcomes(self) -> str:
+        """Ingest outcome counters (hash): messages committed, partial, rejected, dead letters."""
+        return self.base + "outcomes"
+
     def dict(self, column: str) -> str:
         return f"{self.base}dict:{column}"
 

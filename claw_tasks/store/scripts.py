@@ -79,11 +79,10 @@ class _Bound:
 class Scripts:
     """The store's scripts bound to one client."""
 
-    ALL = {name: Lua(name) for name in ("alloc", "commit", "update", "dict", "deadletter")}
+    ALL = {name: Lua(name) for name in ("alloc", "commit", "update", "dict")}
 
     def __init__(self, client: redis.Redis) -> None:
         self.alloc = _Bound(self.ALL["alloc"], client)
         self.commit = _Bound(self.ALL["commit"], client)
         self.update = _Bound(self.ALL["update"], client)
         self.dict = _Bound(self.ALL["dict"], client)
-        self.deadletter = _Bound(self.ALL["deadletter"], client)

@@ -163,7 +163,7 @@ def dead_letters(store: Store, limit: int) -> tuple[int, list[DeadLetter]]:
                 reason=fields.get(b"reason", b"").decode(errors="replace"),
                 rows=rows,
                 steps=_steps_in(payload),
-                payload_bytes=len(payload or b""),
+                payload_bytes=int(fields.get(b"payload_bytes", len(payload or b""))),
             )
         )
     return total, out
