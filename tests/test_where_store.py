@@ -14,6 +14,7 @@ from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.config import FORMAT
 from claw_tasks.where import FilterError, parse
 from orchestrator import InsufficientData, Recipe, sample
+from orchestrator.cli.doctor import check_namespace
 from orchestrator.cli.namespaces import UnreadableNamespace, namespace_stats
 
 TASKS = ["grasp", "reach", None]
@@ -179,3 +180,5 @@ def _refused(redis_url: str, namespace: str, r: redis.Redis, found: object, fix:
     assert sorted(r.scan_iter(match=f"claw:{{{namespace}*")) == before  # nothing written
     with pytest.raises(UnreadableNamespace, match="store format"):  # claw stats/metrics go on
         namespace_stats(store, 0)
+    (problem,) = check_namespace(r, namespace).problems  # claw doctor names it too
+    assert problem.check == "config" and f"store format {found!r}" in problem.detail
