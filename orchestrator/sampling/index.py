@@ -33,7 +33,7 @@ from claw_tasks.store import NamespaceConfig, Store, decode_meta
 from claw_tasks.store.layout import META, META_CHUNK_SLOTS, NUM_TAG_DTYPE, STR_TAG_DTYPE
 from claw_tasks.store.scripts import Lua, execute
 
-LOG_PAGE = 2_000
+LOG_PAGE = 1_000
 """Change-log entries read per shard and round trip (a page stays a short Redis call even
 after a large eviction)."""
 
