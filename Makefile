@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
 demo: $(DEMO_STAMP)
-	@echo "== Running 'claw demo' (about a minute). To use 'claw' yourself afterwards:"
+	@echo "== Running 'claw demo' (a minute or two). To use 'claw' yourself afterwards:"
 	@echo "==   source $(VENV)/bin/activate   (or run $(VENV)/bin/claw)"
 	$(VENV)/bin/claw demo
 

@@ -157,7 +157,7 @@ def _phases(
         assert res.net is not None
         off = offload.run(
             stack, cfg.pixel_namespace, res.net, steps=min(3000, max(500, cfg.steps)),
-            batches=100 if cfg.steps >= 20_000 else 20, seed=cfg.seed, console=console,
+            batches=50 if cfg.steps >= 20_000 else 20, seed=cfg.seed, console=console,
         )  # fmt: skip
     console.rule("summary")
     console.print(report.summary(res, off, _stored(url, namespaces), cfg.target))
