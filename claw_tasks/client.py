@@ -24,6 +24,7 @@ from claw_tasks.batch import (
 )
 from claw_tasks.codec import CodecError, check_dtype
 from claw_tasks.ingest import IngestOutcome
+from claw_tasks.llm import prompt_key, turn_fields, turn_info
 from claw_tasks.message import TASK, IngestArgs
 from claw_tasks.schema import (
     MAX_STEP_BYTES,
@@ -244,6 +245,56 @@ class Ingestor:
             "reward_source": reward_source, "policy_version": policy_version,
         }  # fmt: skip
         return Episode(self, str(episode_id), meta, tags)
+
+    def llm_turn(
+        self,
+        trajectory_uid: str,
+        turn: int,
+        prompt_ids: Any,
+        response_ids: Any,
+        response_logprobs: Any,
+        *,
+        prompt_uid: str | None = None,
+        response_mask: Any = None,
+        reward: float = 0.0,
+        is_last: bool = False,
+        truncated: bool = False,
+        policy_version: int | None = None,
+        reward_source: str | None = None,
+        task_id: str | None = None,
+        agent_id: str | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tool_calls: Sequence[Mapping[str, Any]] | None = None,
+        retokenized: bool = False,
+        info: Mapping[str, Any] | None = None,
+        **tags: str | float,
+    ) -> None:
+        """Buffer one LLM agent turn (the ``Schema.llm`` preset; docs/llm.md): the
+        trajectory is the episode, ``turn`` its step_index, ``prompt_uid`` the GRPO group
+        key (stored hashed in ``tags.prompt_uid``, as written in ``info``), ``is_last``
+        the terminated flag. Rewards known only later go through ``attach_rewards``.
+        Extra keywords are free tags (task, dataset, difficulty). Raises before buffering
+        on bad input; a namespace without a schema gets ``Schema.llm``."""
+        if self.schema is None:
+            self.schema = Schema.llm(response_mask=response_mask is not None)
+        where = f"turn {turn} of trajectory {trajectory_uid!r}"
+        fields = turn_fields(
+            prompt_ids, response_ids, response_logprobs, response_mask,
+            "response_mask" in self.schema.fields, where,
+        )  # fmt: skip
+        if prompt_uid is not None:
+            tags["prompt_uid"] = prompt_key(prompt_uid)
+        tags["retokenized"] = 1.0 if retokenized else 0.0
+        meta = {
+            "task_id": task_id, "agent_id": agent_id, "skill_tag": None,
+            "reward_source": reward_source, "policy_version": policy_version,
+        }  # fmt: skip
+        step = self._check_step(
+            str(trajectory_uid), int(turn), fields, reward, None,
+            turn_info(prompt_uid, messages, tool_calls, info), meta, tags, None,
+            is_last, truncated,
+        )  # fmt: skip
+        self._buffer(step)
 
     def add_batch(self, columns: Mapping[str, Any]) -> int:
         """Add many steps at once from columns (vectorized producers).

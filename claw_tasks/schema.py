@@ -42,6 +42,18 @@ MAX_STEP_BYTES = 16 * 1024 * 1024
 MAX_FIELDS = 64
 MAX_TAGS = 64
 
+# The LLM step preset (docs/llm.md). ``prompt_uid`` is a number, the 53-bit hash of the
+# group key (``claw_tasks.llm.prompt_key``): one per prompt would grow a string dictionary
+# without bound, a number column has none. ``retokenized`` is 1 where the token ids were
+# recomputed by the recorder's tokenizer instead of returned by the inference server.
+LLM_FIELDS = {
+    "prompt_ids": ("<i4", (None,)),
+    "response_ids": ("<i4", (None,)),
+    "response_logprobs": ("<f4", (None,)),
+}
+LLM_MASK_FIELD = ("response_mask", ("|u1", (None,)))
+LLM_TAGS: dict[str, TagKind] = {"prompt_uid": "num", "final_reward": "num", "retokenized": "num"}
+
 
 # A free tag has two names: the stored column (``t:<name>``: Redis keys, batch columns,
 # the sampling index) and the key users write (``tags.<name>``: where filters, recipe
@@ -118,6 +130,25 @@ class Schema:
     def __post_init__(self) -> None:
         object.__setattr__(self, "fields", MappingProxyType(dict(self.fields)))
         object.__setattr__(self, "tags", MappingProxyType(dict(self.tags)))
+
+    @classmethod
+    def llm(
+        cls, *, response_mask: bool = False, tags: Mapping[str, TagKind] | None = None
+    ) -> Schema:
+        """The LLM step preset: one agent turn per step (docs/llm.md). Ragged ``prompt_ids``
+        and ``response_ids`` (int32), ``response_logprobs`` (float32, the behaviour
+        policy's); with ``response_mask``, a ragged uint8 marking trainable response tokens
+        (tool output spliced into a turn is 0). Tags ``prompt_uid`` (group key hash),
+        ``final_reward``, ``retokenized``, plus ``tags`` (e.g. ``{"dataset": "str"}``)."""
+        specs = dict(LLM_FIELDS)
+        if response_mask:
+            specs[LLM_MASK_FIELD[0]] = LLM_MASK_FIELD[1]
+        schema = cls(
+            fields={k: FieldSpec(d, s) for k, (d, s) in specs.items()},
+            tags={**LLM_TAGS, **(tags or {})},
+        )
+        schema.check_self()
+        return schema
 
     def to_dict(self) -> dict[str, Any]:
         return {

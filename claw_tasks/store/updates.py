@@ -3,13 +3,14 @@ skips ids whose slot was reused since, so a late update never lands on a newer s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from claw_tasks.schema import tag_column
 from claw_tasks.store.config import LOG_MAXLEN
-from claw_tasks.store.layout import META_CHUNK_SLOTS, UNTRAINABLE, nan_xor
+from claw_tasks.store.layout import META_CHUNK_SLOTS, TERMINATED, UNTRAINABLE, nan_xor
 from claw_tasks.store.reader import Reader
 from claw_tasks.store.scripts import Scripts, execute
 
@@ -27,6 +28,41 @@ class Updates(Reader):
         if not np.all(np.isfinite(pr)) or np.any(pr < 0):
             raise ValueError("priorities must be finite and >= 0")
         return self._update(ids, "priority", nan_xor(pr).tobytes(), 4, "set", "prio")
+
+    def update_rewards(
+        self,
+        ids: Sequence[int] | np.ndarray,
+        rewards: Any,
+        *,
+        tags: Mapping[str, float] | None = None,
+        reward_source: str | None = None,
+        terminated: Sequence[int] | np.ndarray = (),
+    ) -> int:
+        """Rewards that arrive after their steps were committed (LLM turns): ``reward``
+        per id, numeric ``tags`` (same value on every id), ``reward_source``, and the
+        terminated flag on the ids in ``terminated``. Logged like every update, so sampling
+        indexes see them; terminated is written last, so a reader that sees a step
+        terminated sees its rewards. Returns how many live steps got a reward."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        rw = np.asarray(rewards, np.float32).reshape(-1)
+        if len(rw) != len(ids):
+            raise ValueError(f"{len(ids)} ids but {len(rw)} rewards")
+        if not np.all(np.isfinite(rw)):
+            raise ValueError("rewards must be finite")
+        done = self._update(ids, "reward", rw.tobytes(), 4, "set", "cur")
+        if reward_source is not None:
+            code = self.encode_strings("reward_source", [reward_source])
+            codes = np.repeat(code, len(ids)).astype("<i4")
+            self._update(ids, "reward_source", codes.tobytes(), 4, "set", "cur")
+        for name, value in (tags or {}).items():
+            if not np.isfinite(value):
+                raise ValueError(f"tag '{name}' must be finite, not {value}")
+            vals = nan_xor(np.full(len(ids), value, np.float64))
+            self._update(ids, tag_column(name), vals.tobytes(), 8, "set", "cur")
+        term = np.asarray(terminated, np.int64).reshape(-1)
+        if len(term):
+            self._update(term, "flags", bytes([TERMINATED]), 1, "bits_on", "cur")
+        return done
 
     def curate(
         self,

@@ -1,0 +1,100 @@
+"""LLM turns as steps (Schema.llm, Ingestor.llm_turn) and rewards attached after the fact,
+through a real ingest worker and the change log."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from claw_tasks.client import Ingestor
+from claw_tasks.llm import attach_rewards, prompt_key, spread_rewards, turn_infos
+from claw_tasks.schema import Schema, SchemaError
+from orchestrator.sampling.index import SamplingIndex
+
+
+def test_preset_fields_and_tags():
+    s = Schema.llm(response_mask=True, tags={"dataset": "str"})
+    assert {k: (v.dtype, v.shape) for k, v in s.fields.items()} == {
+        "prompt_ids": ("<i4", (None,)),
+        "response_ids": ("<i4", (None,)),
+        "response_logprobs": ("<f4", (None,)),
+        "response_mask": ("|u1", (None,)),
+    }
+    assert dict(s.tags) == {
+        "prompt_uid": "num", "final_reward": "num", "retokenized": "num", "dataset": "str",
+    }  # fmt: skip
+    assert "response_mask" not in Schema.llm().fields
+    assert Schema.from_dict(s.to_dict()) == s
+
+
+def test_prompt_key_is_an_exact_float():
+    k = prompt_key("What is 2+2?")
+    assert k == int(k) and 0 <= k < 2**53 and np.float64(k) == k
+    assert prompt_key("What is 2+2?") == k != prompt_key("What is 2+3?")
+
+
+def test_spread_rewards_rule():
+    np.testing.assert_array_equal(spread_rewards(3, 1.0), [0, 0, 1])
+    got = spread_rewards(3, 1.0, [0.1, 0.2, 0.3])
+    np.testing.assert_array_equal(got, np.float32([0.1, 0.2, 1.3]))
+    with pytest.raises(ValueError, match="2 turn rewards for 3"):
+        spread_rewards(3, 1.0, [0.1, 0.2])
+
+
+def test_turns_round_trip_and_rewards_reach_the_index(redis_url, namespace, ingest_worker):
+    ing = Ingestor(namespace, redis_url, schema=Schema.llm(response_mask=True),
+                   flush_interval=None)  # fmt: skip
+    rng = np.random.default_rng(0)
+    sent = {}
+    for traj, group in (("a", "g1"), ("b", "g1"), ("c", "g2")):
+        for turn in range(3):
+            p = rng.integers(0, 50_000, 5 + turn).tolist()
+            r = rng.integers(0, 50_000, 4).tolist()
+            lp = (-rng.random(4)).astype(np.float32).tolist()
+            sent[traj, turn] = (p, r, lp)
+            ing.llm_turn(
+                traj, turn, p, r, lp, prompt_uid=group, response_mask=[1, 1, 0, 1],
+                policy_version=7, messages=[{"role": "user", "content": f"hi {turn}"}],
+                dataset="toy",
+            )  # fmt: skip
+    with pytest.raises(SchemaError, match="3 response_logprobs for 4 response_ids"):
+        ing.llm_turn("x", 0, [1], [1, 2, 3, 4], [-0.1] * 3)
+    with pytest.raises(SchemaError, match="finite values <= 0"):
+        ing.llm_turn("x", 0, [1], [1], [0.5])
+    assert ing.close().committed == 9
+    store = ing.store
+    got = store.episode("b", fields=[*Schema.llm(response_mask=True).fields])
+    for turn in range(3):
+        p, r, lp = sent["b", turn]
+        assert got["prompt_ids"][turn].tolist() == p
+        assert got["response_ids"][turn].tolist() == r
+        np.testing.assert_array_equal(got["response_logprobs"][turn], np.float32(lp))
+        assert got["response_mask"][turn].tolist() == [1, 1, 0, 1]
+    assert got["tags.prompt_uid"].tolist() == [prompt_key("g1")] * 3
+    assert got["policy_version"].tolist() == [7, 7, 7]
+    assert not got["terminated"].any()
+
+    ix = SamplingIndex(store)
+    ix.sync()
+    assert attach_rewards(store, "b", 1.0, [0.25, 0.0, 0.0], reward_source="verifier") == 3
+    changed = ix.sync()
+    assert len(changed) == 3
+    alive = ix.columns["alive"]
+    col = {k: v[alive] for k, v in ix.columns.items()}
+    b = col["episode"] == col["episode"][col["reward"] == 1.0][0]
+    assert sorted(col["reward"][b].tolist()) == [0.0, 0.25, 1.0]
+    assert col["t:final_reward"][b].tolist() == [1.0] * 3
+    assert np.isnan(col["t:final_reward"][~b]).all() and (col["reward"][~b] == 0).all()
+    assert (col["flags"][b] & 1).sum() == 1 and (col["flags"][~b] & 1).sum() == 0
+
+    after = store.episode("b", fields=[])
+    assert after["reward"].tolist() == [0.25, 0.0, 1.0]
+    assert after["terminated"].tolist() == [False, False, True]
+    assert after["reward_source"] == ["verifier"] * 3
+    assert turn_infos(store, after["id"][:1])[0]["messages"] == json.dumps(
+        [{"role": "user", "content": "hi 0"}], separators=(",", ":")
+    )
+    with pytest.raises(ValueError, match="has 3 stored turns, expected 4"):
+        attach_rewards(store, "a", 1.0, expect_turns=4)
