@@ -20,7 +20,7 @@ from orchestrator.cli.demo import dqn, weights
 from orchestrator.cli.demo.pixels import SIZE, render
 from orchestrator.cli.demo.report import PNG_NAME
 from orchestrator.cli.main import app
-from orchestrator.cli.namespaces import scan_keys
+from orchestrator.inspect.namespaces import scan_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAW = [sys.executable, "-m", "orchestrator.cli.main"]

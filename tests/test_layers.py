@@ -11,7 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a package may import the ones before it, never the ones after.
-LAYERS = ["transforms", "recipe", "sampling", "delivery", "maintenance", "adapters", "cli"]
+LAYERS = [
+    "transforms", "recipe", "sampling", "delivery", "maintenance", "adapters",
+    "inspect", "web", "cli",
+]
 
 
 def _imports(path: Path) -> set[str]:

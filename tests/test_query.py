@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
-from orchestrator.cli.query import Query
+from orchestrator.inspect.query import Query
 
 TASKS, AGENTS = ("grasp", "reach"), ("a1", "a2", "a3")
 EPISODE_LEN = 50

@@ -25,7 +25,7 @@ from claw_tasks.store.layout import (
     Keys,
     payload_chunk_slots,
 )
-from orchestrator.cli.namespaces import NamespaceKey, scan_keys
+from orchestrator.inspect.namespaces import NamespaceKey, scan_keys
 
 CHECKS: dict[str, str] = {
     "config": "the config key exists and parses",

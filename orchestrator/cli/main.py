@@ -38,16 +38,16 @@ from orchestrator.cli.devstack import (
     worker_service,
 )
 from orchestrator.cli.doctor import CHECKS, Report, check_namespace
-from orchestrator.cli.namespaces import (
+from orchestrator.cli.retention import retention_policy
+from orchestrator.cli.schedule import beat_entries
+from orchestrator.cli.steplog import dead_letters, newest_ids, parse_ids, step_lines
+from orchestrator.inspect.namespaces import (
     NamespaceStats,
     UnreadableNamespace,
     memory_by_namespace,
     namespace_stats,
     scan_keys,
 )
-from orchestrator.cli.retention import retention_policy
-from orchestrator.cli.schedule import beat_entries
-from orchestrator.cli.steplog import dead_letters, newest_ids, parse_ids, step_lines
 from orchestrator.maintenance.lifecycle import drop_namespace, list_namespaces, namespace_keys
 
 app = typer.Typer(
@@ -512,7 +512,7 @@ def query(
     Example: claw query grasp "task_id == 'grasp' and reward > 0.5" --group-by agent_id
     --agg 'count,mean(reward),p95(reward)' --since 1h (quote the aggregates: the shell
     reads parentheses)"""
-    from orchestrator.cli import query as q
+    from orchestrator.inspect import query as q
 
     keys = [k.strip() for k in group_by.split(",") if k.strip()] if group_by else []
     with _redis(ctx) as (_, r):

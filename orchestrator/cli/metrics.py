@@ -20,13 +20,13 @@ from prometheus_client.registry import Collector
 from claw_tasks.app import QUEUES
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
-from orchestrator.cli.namespaces import (
+from orchestrator.delivery import ratelimit
+from orchestrator.delivery.registry import Registry
+from orchestrator.inspect.namespaces import (
     UnreadableNamespace,
     memory_by_namespace,
     namespace_stats,
 )
-from orchestrator.delivery import ratelimit
-from orchestrator.delivery.registry import Registry
 from orchestrator.maintenance.lifecycle import list_namespaces
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from claw_tasks.redis_server import embedded_dir
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
 from orchestrator.cli.devstack import DevStack, flower_service, port_open, worker_service
-from orchestrator.cli.namespaces import memory_by_namespace
+from orchestrator.inspect.namespaces import memory_by_namespace
 from orchestrator.maintenance.lifecycle import drop_namespace
 
 
