@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -198,11 +199,12 @@ def test_demo_fails_clearly_without_redis(tmp_path):
 
 
 def test_up_runs_the_stack_and_stops_it(redis_url, tmp_path):
-    metrics_port, flower_port = _free_port(), _free_port()
+    metrics_port, flower_port, web_port = _free_port(), _free_port(), _free_port()
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "COLUMNS": "250"}
-    env.pop("FLOWER_BASIC_AUTH", None)
+    for name in ("FLOWER_BASIC_AUTH", "CLAW_WEB_PASSWORD", "CLAW_WEB_PASSWORD_FILE"):
+        env.pop(name, None)
     args = [CLAW, "up", "--metrics-port", str(metrics_port), "--flower-port", str(flower_port),
-            "--log-dir", str(tmp_path)]  # fmt: skip
+            "--web-port", str(web_port), "--log-dir", str(tmp_path)]  # fmt: skip
     (tmp_path / "beat.log").write_text("an earlier run\n")
     (tmp_path / "beat.log.1").write_text("the run before\n")
     log = tmp_path / "up.out"
@@ -220,8 +222,19 @@ def test_up_runs_the_stack_and_stops_it(redis_url, tmp_path):
         assert "FLOWER_BASIC_AUTH=user:password" in table
         assert (tmp_path / "beat.log.1").read_text() == "an earlier run\n"  # rotated, kept
         assert (tmp_path / "beat.log.2").read_text() == "the run before\n"
-        pids = [int(p) for p in re.findall(r"│ (?:worker \(all\)|beat|flower)\s+│ (\d+)", table)]
-        assert len(pids) == 3
+        pids = [
+            int(p) for p in re.findall(r"│ (?:worker \(all\)|beat|flower|web)\s+│ (\d+)", table)
+        ]
+        assert len(pids) == 4
+        # the inspector's password, made by `claw up`, printed once and nowhere else
+        passwords = re.findall(rf"127.0.0.1:{web_port}/ user claw, password (\S+) \(", table)
+        assert len(passwords) == 1, table
+        assert passwords[0] not in (tmp_path / "web.log").read_text()
+        login = urllib.parse.urlencode({"user": "claw", "password": passwords[0]}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{web_port}/login", data=login)
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
+        with opener.open(req, timeout=30) as resp:  # follows to the namespaces page
+            assert b'id="namespaces"' in resp.read()
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as resp:
             assert b"claw_queue_depth" in resp.read()

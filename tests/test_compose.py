@@ -22,7 +22,7 @@ from claw_tasks.redis_server import RedisServer
 ROOT = Path(__file__).resolve().parents[1]
 QUEUES = {"ingest", "prefetch", "maintenance"}
 WORKERS = {"worker-ingest", "worker-prefetch", "worker-maintenance"}
-CLAW_SERVICES = WORKERS | {"beat", "flower", "metrics"}
+CLAW_SERVICES = WORKERS | {"beat", "flower", "metrics", "web"}
 SERVICES = CLAW_SERVICES | {"redis"}
 
 
@@ -158,6 +158,16 @@ def test_metrics_service_and_prometheus_targets(services: dict[str, Any]) -> Non
         assert target.split(":")[0] in services
     mount = "./ops/prometheus.yml:/etc/prometheus/prometheus.yml:ro"
     assert mount in services["prometheus"]["volumes"]
+
+
+def test_web_service_requires_a_password_and_binds_locally(services: dict[str, Any]) -> None:
+    web = services["web"]
+    args = argv(web)
+    assert args[:2] == ["claw", "web"] and option(args, "--port") == "8808"
+    assert "--password" not in " ".join(args)  # the password never sits in argv
+    assert web["environment"]["CLAW_WEB_PASSWORD"].startswith("${CLAW_WEB_PASSWORD:?")
+    assert web["ports"] == ["127.0.0.1:8808:8808"]
+    assert "http://localhost:8808/login" in " ".join(web["healthcheck"]["test"])
 
 
 def test_redis_service_uses_ops_conf_with_noeviction(compose: dict[str, Any]) -> None:

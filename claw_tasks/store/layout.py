@@ -91,6 +91,11 @@ class Keys:
         """Ingest outcome counters (hash): messages committed, partial, rejected, dead letters."""
         return self.base + "outcomes"
 
+    @property
+    def audit(self) -> str:
+        """Stream of people's writes (curation, recipe edits): who, when, what."""
+        return self.base + "audit"
+
     def dict(self, column: str) -> str:
         return f"{self.base}dict:{column}"
 

@@ -3,6 +3,8 @@ skips ids whose slot was reused since, so a late update never lands on a newer s
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,6 +15,8 @@ from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.layout import META_CHUNK_SLOTS, TERMINATED, UNTRAINABLE, nan_xor
 from claw_tasks.store.reader import Reader
 from claw_tasks.store.scripts import Scripts, execute
+
+AUDIT_MAXLEN = 100_000
 
 
 class Updates(Reader):
@@ -71,17 +75,25 @@ class Updates(Reader):
         episode_id: str | None = None,
         quality: str | None = None,
         trainable: bool | None = None,
+        tags: Mapping[str, str | float] | None = None,
+        by: str | None = None,
     ) -> int:
-        """Label steps (by id, or a whole episode): ``quality`` and/or ``trainable``.
-        Returns how many live steps were labelled (evicted ids are skipped)."""
+        """Label steps (by id, or a whole episode): ``quality``, ``trainable`` and/or free
+        ``tags`` (names the schema declares; a str tag takes a string, a num tag a number).
+        Every label goes through the change log, so sampling indexes pick it up. ``by``
+        (who) records the change in the audit stream. Returns how many live steps were
+        labelled (evicted ids are skipped)."""
         if (ids is None) == (episode_id is None):
             raise ValueError("give either ids or episode_id")
-        if quality is None and trainable is None:
-            raise ValueError("give quality and/or trainable")
+        if quality is None and trainable is None and not tags:
+            raise ValueError("give quality, trainable and/or tags")
+        tag_values = self._tag_values(tags or {})
         if episode_id is not None:
             ids = self.episode(episode_id, fields=[])["id"]
         ids = np.asarray(ids, np.int64).reshape(-1)
         done = 0
+        for col, (raw, size) in tag_values.items():
+            done = max(done, self._update(ids, col, raw * len(ids), size, "set", "cur"))
         if quality is not None:
             code = self.encode_strings("quality", [quality])
             done = self._update(
@@ -90,7 +102,63 @@ class Updates(Reader):
         if trainable is not None:
             mode = "bits_off" if trainable else "bits_on"
             done = max(done, self._update(ids, "flags", bytes([UNTRAINABLE]), 1, mode, "cur"))
+        if by is not None:
+            what: dict[str, Any] = {"steps": done}
+            if episode_id is not None:
+                what["episode"] = episode_id
+            else:
+                what["ids"] = ids[:1000].tolist()
+            for k, v in (("quality", quality), ("trainable", trainable), ("tags", tags)):
+                if v is not None:
+                    what[k] = dict(v) if isinstance(v, Mapping) else v
+            self.audit(by, "curate", what)
         return done
+
+    def _tag_values(self, tags: Mapping[str, str | float]) -> dict[str, tuple[bytes, int]]:
+        """Column -> (stored bytes of one value, item size), checked against the schema."""
+        schema = self.config(refresh=True).schema
+        declared = dict(schema.tags) if schema else {}
+        out = {}
+        for name, value in tags.items():
+            kind = declared.get(name)
+            if kind is None:
+                known = ", ".join(sorted(declared)) or "none"
+                raise ValueError(
+                    f"tag {name!r} is not in the namespace schema (declared tags: {known}); "
+                    "free tags are declared by the steps that first carry them"
+                )
+            col = tag_column(name)
+            if kind == "str":
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"tag {name!r} holds strings: give a non-empty string")
+                out[col] = (self.encode_strings(col, [value]).astype("<i4").tobytes(), 4)
+            else:
+                try:
+                    num = float(value)
+                except (TypeError, ValueError):
+                    raise ValueError(f"tag {name!r} holds numbers: got {value!r}") from None
+                if not np.isfinite(num):
+                    raise ValueError(f"tag {name!r}: {num} is not a finite number")
+                out[col] = (nan_xor(np.array([num], np.float64)).tobytes(), 8)
+        return out
+
+    def audit(self, who: str, action: str, what: Mapping[str, Any]) -> None:
+        """Record a person's write (curation, a recipe edit) in the namespace's audit
+        stream: who, when, what (JSON)."""
+        self.r.xadd(
+            self.keys.audit,
+            {"who": who, "at": f"{time.time():.3f}", "action": action,
+             "what": json.dumps(what, sort_keys=True, default=str)},
+            maxlen=AUDIT_MAXLEN, approximate=True,
+        )  # fmt: skip
+
+    def audit_log(self, count: int = 50) -> list[dict[str, Any]]:
+        """The newest ``count`` audit entries, newest first."""
+        out = []
+        for entry_id, kv in self.r.xrevrange(self.keys.audit, count=count):
+            d = {k.decode(): v.decode() for k, v in kv.items()}
+            out.append({"id": entry_id.decode(), **d, "what": json.loads(d.get("what", "{}"))})
+        return out
 
     def _update(
         self, ids: np.ndarray, col: str, values: bytes, size: int, mode: str, op: str

@@ -171,6 +171,16 @@ def flower_service(log_dir: Path, port: int) -> Service:
     )
 
 
+def web_service(log_dir: Path, port: int, password: str | None) -> Service:
+    """The inspector (`claw web`); ``password`` (made by `claw up`) goes by environment,
+    never argv."""
+    argv = [sys.executable, "-m", "orchestrator.cli.main", "web", "--port", str(port)]
+    env = {"CLAW_WEB_PASSWORD": password} if password else {}
+    return Service(
+        "web", argv, log_dir / "web.log", f"http://127.0.0.1:{port}", port_open(port), env
+    )
+
+
 class DevStack:
     """Redis plus child services; a context manager that stops all of them on exit."""
 

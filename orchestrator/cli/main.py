@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import platform
+import secrets
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from orchestrator.cli.devstack import (
     beat_service,
     default_log_dir,
     flower_service,
+    web_service,
     worker_service,
 )
 from orchestrator.cli.doctor import CHECKS, Report, check_namespace
@@ -132,11 +134,18 @@ def up(
     flower_port: int = 5555,
     metrics: Annotated[bool, typer.Option(help="Serve Prometheus metrics")] = True,
     metrics_port: int = 9808,
+    web: Annotated[bool, typer.Option(help="Run the web inspector (claw web)")] = True,
+    web_port: int = 8808,
     log_dir: LogDir = None,
 ) -> None:
-    """Run the dev stack: Redis, Celery workers, beat, Flower, metrics. Ctrl-C stops it."""
+    """Run the dev stack: Redis, Celery workers, beat, Flower, metrics, the web inspector.
+    Ctrl-C stops it."""
     logs = log_dir or default_log_dir()
     console = Console()
+    web_password = None  # made here (and printed once) unless one is configured
+    configured = os.environ.get("CLAW_WEB_PASSWORD") or os.environ.get("CLAW_WEB_PASSWORD_FILE")
+    if web and not configured:
+        web_password = secrets.token_urlsafe(18)
     _stop_on_sigterm()
     with DevStack(logs) as stack:
         try:
@@ -152,8 +161,16 @@ def up(
                 services = [worker_service(logs, g, concurrency) for g in groups]
                 services += [beat_service(logs)] if beat else []
                 services += [flower_service(logs, flower_port)] if flower else []
+                services += [web_service(logs, web_port, web_password)] if web else []
                 stack.start(services)
             console.print(_stack_table(stack, metrics_port if metrics else None))
+            if web_password:
+                user = os.environ.get("CLAW_WEB_USER") or "claw"
+                console.print(
+                    f"web inspector: http://127.0.0.1:{web_port}/ user [bold]{user}[/], password "
+                    f"[bold]{web_password}[/] (printed once; set CLAW_WEB_PASSWORD to choose one)",
+                    highlight=False,
+                )
             if flower and not os.environ.get("FLOWER_BASIC_AUTH"):
                 console.print(
                     f"[yellow]warning:[/] Flower on port {flower_port} runs without auth (it "
@@ -167,6 +184,50 @@ def up(
         except KeyboardInterrupt:
             console.print("stopping…")
     console.print("stopped.")
+
+
+@app.command()
+@_friendly
+def web(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option(help="Port to serve on")] = 8808,
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface)")] = (
+        "127.0.0.1"
+    ),
+    read_only: Annotated[bool, typer.Option(help="Refuse every write (curation, params)")] = False,
+    password_file: Annotated[
+        Path | None,
+        typer.Option(envvar="CLAW_WEB_PASSWORD_FILE", help="File holding the password or its "
+                     "scrypt$ hash (else CLAW_WEB_PASSWORD; else one is made and printed once)"),
+    ] = None,
+    certfile: Annotated[Path | None, typer.Option(help="TLS certificate (serve HTTPS)")] = None,
+    keyfile: Annotated[Path | None, typer.Option(help="TLS private key")] = None,
+) -> None:
+    """The web inspector: namespaces, search, episodes, curation, recipes (login required)."""
+    from orchestrator.web.auth import load_credentials
+    from orchestrator.web.server import serve
+
+    credentials, generated = load_credentials(password_file)
+    url, server = ensure_redis(ctx.obj)
+    broker = os.environ.get("CLAW_BROKER_URL") or url
+    scheme = "https" if certfile else "http"
+    console = Console()
+    console.print(f"Claw inspector on {scheme}://{host}:{port}/ (store {redact_url(url)})")
+    if generated:
+        console.print(f"user [bold]{credentials.user}[/], password [bold]{generated}[/] "
+                      "(printed once; set CLAW_WEB_PASSWORD to choose one)", highlight=False)
+    else:
+        console.print(f"user [bold]{credentials.user}[/], password as configured", highlight=False)
+    _stop_on_sigterm()
+    try:
+        serve(url, broker, credentials, host=host, port=port, read_only=read_only,
+              certfile=str(certfile) if certfile else None,
+              keyfile=str(keyfile) if keyfile else None)  # fmt: skip
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def _stack_table(stack: DevStack, metrics_port: int | None) -> Table:

@@ -105,15 +105,7 @@ class Query:
         """Match, group and aggregate; ``keep`` names keys whose matched values to return
         (for a histogram)."""
         now = time.time() if now is None else now
-        cols = self.index.columns
-        rows = np.flatnonzero(cols["alive"])
-        where = Where(expression.strip() or None, self.tags, self.strings.encode)
-        hit = rows[where.mask(cols, rows=rows, now=now)]
-        if since is not None:
-            seconds = duration(since)
-            if seconds is None:
-                raise QueryError(f"--since {since!r}: write a duration such as 30s, 15m, 1h, 7d")
-            hit = hit[cols["timestamp"][hit] >= now - seconds]
+        live, hit = self.match(expression, since=since, now=now)
         groups, inverse = self._groups(list(group_by), hit)
         for a in aggs:
             if a.key is not None:
@@ -128,9 +120,34 @@ class Query:
             out.append(row)
         values = {k: self._numeric(k, hit, now) for k in keep}
         return QueryResult(
-            self.store.namespace, expression, len(rows), len(hit), list(group_by), out,
+            self.store.namespace, expression, live, len(hit), list(group_by), out,
             values, inverse,
         )  # fmt: skip
+
+    def match(
+        self, expression: str, *, since: str | None = None, now: float | None = None
+    ) -> tuple[int, np.ndarray]:
+        """Live steps in the namespace, and the index rows of those that match (ascending);
+        ``since`` keeps steps stored within that duration of ``now``."""
+        now = time.time() if now is None else now
+        cols = self.index.columns
+        rows = np.flatnonzero(cols["alive"])
+        where = Where(expression.strip() or None, self.tags, self.strings.encode)
+        hit = rows[where.mask(cols, rows=rows, now=now)]
+        if since is not None and since.strip():
+            seconds = duration(since.strip())
+            if seconds is None:
+                raise QueryError(f"--since {since!r}: write a duration such as 30s, 15m, 1h, 7d")
+            hit = hit[cols["timestamp"][hit] >= now - seconds]
+        return len(rows), hit
+
+    def counts(self, key: str, rows: np.ndarray) -> list[tuple[Any, int]]:
+        """Steps of ``rows`` per value of ``key`` (a metadata key with few values), most
+        first."""
+        groups, inverse = self._groups([key], rows)
+        n = np.bincount(inverse, minlength=len(groups)) if len(groups) else np.zeros(0, int)
+        order = np.argsort(-n, kind="stable")
+        return [(groups[i][0], int(n[i])) for i in order.tolist()]
 
     def _numeric(self, name: str, rows: np.ndarray, now: float) -> np.ndarray:
         key = self.key(name)

@@ -1,0 +1,69 @@
+"""Inline SVG charts as numbers for the templates (sparkline, histogram, curve): the
+templates draw them, so no user text ever reaches the markup unescaped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Bar:
+    x: float
+    y: float
+    w: float
+    h: float
+    lo: float
+    hi: float
+    n: int
+
+
+@dataclass(frozen=True)
+class Chart:
+    width: int
+    height: int
+    points: str = ""  # polyline points
+    bars: tuple[Bar, ...] = ()
+    lo: float = 0.0  # value range shown, for the axis labels
+    hi: float = 0.0
+
+
+def polyline(values: np.ndarray, width: int = 160, height: int = 32) -> Chart:
+    """A line through ``values`` (NaN left out), scaled to the box."""
+    v = np.asarray(values, np.float64)
+    ok = np.isfinite(v)
+    if not ok.any():
+        return Chart(width, height)
+    lo, hi = float(v[ok].min()), float(v[ok].max())
+    span = hi - lo or 1.0
+    xs = np.linspace(1, width - 1, len(v)) if len(v) > 1 else np.array([width / 2])
+    ys = height - 1 - (v - lo) / span * (height - 2)
+    pts = " ".join(f"{x:.1f},{y:.1f}" for x, y, k in zip(xs, ys, ok, strict=True) if k)
+    return Chart(width, height, points=pts, lo=lo, hi=hi)
+
+
+def histogram(values: np.ndarray, bins: int = 30, width: int = 480, height: int = 120) -> Chart:
+    """Bars of a histogram of the finite ``values``."""
+    v = np.asarray(values, np.float64)
+    v = v[np.isfinite(v)]
+    if not len(v):
+        return Chart(width, height)
+    counts, edges = np.histogram(v, bins=bins)
+    top = max(int(counts.max()), 1)
+    bw = width / bins
+    bars = tuple(
+        Bar(i * bw, height - c / top * height, max(bw - 1, 1), c / top * height,
+            float(edges[i]), float(edges[i + 1]), int(c))
+        for i, c in enumerate(counts.tolist())
+    )  # fmt: skip
+    return Chart(width, height, bars=bars, lo=float(edges[0]), hi=float(edges[-1]))
+
+
+def rate(timestamps: np.ndarray, now: float, window_s: float = 3600, bins: int = 30) -> Chart:
+    """Steps stored per bin over the last ``window_s`` seconds, as a sparkline."""
+    t = np.asarray(timestamps, np.float64)
+    t = t[(t > now - window_s) & (t <= now)]
+    counts, _ = np.histogram(t, bins=bins, range=(now - window_s, now))
+    chart = polyline(counts.astype(np.float64))
+    return Chart(chart.width, chart.height, chart.points, lo=0.0, hi=float(counts.max()))

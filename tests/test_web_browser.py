@@ -1,0 +1,181 @@
+"""The inspector in a real headless Chromium (Debian's chromium, driven by Playwright):
+log in, search, open an episode with image thumbnails, label two episodes untrainable and
+see a recipe's next batches (made by a real prefetch worker) leave them out, edit a
+recipe param and see its version change; hostile ``info`` and tags render inert.
+
+Screenshots go to ``$CLAW_ARTIFACTS`` (default ``tmp/artifacts``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orchestrator.delivery.client import BatchClient
+from tests.webdata import fill
+from tests.webserver import ROOT, WebServer
+
+CHROMIUM = os.environ.get("CLAW_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(os.environ.get("CLAW_ARTIFACTS", ROOT / "tmp" / "artifacts"))
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--no-first-run"]  # fmt: skip
+
+sync_api = pytest.importorskip("playwright.sync_api")
+if not shutil.which(CHROMIUM):
+    pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does it)")
+
+
+@pytest.fixture(scope="module")
+def ns(redis_server) -> str:
+    name = f"browse-{uuid.uuid4().hex[:8]}"
+    fill(redis_server.url, name, episodes=8, length=20, hostile=(5,))
+    return name
+
+
+@pytest.fixture(scope="module")
+def web(redis_server, tmp_path_factory) -> Iterator[WebServer]:
+    server = WebServer(redis_server.url, tmp_path_factory.mktemp("web") / "web.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, web) -> Iterator:
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    page.goto(web.url + "/")
+    assert "/login" in page.url
+    page.fill("input[name=user]", "claw")
+    page.fill("input[name=password]", "pw")
+    page.click("button[type=submit]")
+    page.wait_for_selector("#namespaces")
+    yield page
+    context.close()
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def test_search_and_episode_with_thumbnails(page, ns):
+    assert page.locator(f"#namespaces a:text-is('{ns}')").count() == 1
+    shot(page, "namespaces")
+    page.click(f"#namespaces a:text-is('{ns}')")
+    page.fill("#where", "task_id == 'grasp' and tags.level < 2")
+    page.click("#search")
+    page.wait_for_selector("#summary")
+    # grasp: even episodes 0, 2, 4, 6, at level ep % 3 = 0, 2, 1, 0: three are below 2
+    assert "60 of 160 live steps match" in page.inner_text("#summary")
+    names = page.locator("#results tbody td:nth-child(2) a").all_inner_texts()
+    assert sorted(names) == ["ep0", "ep4", "ep6"]
+    assert page.locator("svg rect").count() == 30  # the reward histogram
+    shot(page, "search")
+    page.fill("#where", "reward >")  # a mistake: the parser's message, with its caret
+    page.click("#search")
+    assert "expected a value" in page.inner_text("#problem")
+    page.fill("#where", "")
+    page.click("#search")
+    page.click("#results a:text-is('ep4')")
+    page.wait_for_selector("#steps")
+    assert page.inner_text("#episode-name") == "ep4"
+    thumbs = page.locator("img.thumb")
+    assert thumbs.count() == 20
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('img.thumb')].every(i => i.complete)"
+    )
+    widths = page.eval_on_selector_all("img.thumb", "els => els.map(e => e.naturalWidth)")
+    assert widths == [128] * 20  # 16 px frames, drawn 8x by the server
+    steps = page.locator("#steps tbody td:nth-child(2)").all_inner_texts()
+    assert steps == [str(i) for i in range(20)]
+    shot(page, "episode")
+
+
+def test_labelled_episodes_leave_the_next_batches(page, ns, redis_server, workers):
+    client = BatchClient(ns, redis_server.url)
+    try:
+        recipe = client.register({
+            "name": "curated", "batch_size": 64, "fields": ["state", "action"],
+            "sources": [{"name": "all", "where": "reward > $floor"}],
+            "params": {"floor": -2.0}, "prefetch": {"depth": 4},
+        })  # fmt: skip
+        first = client.pop("curated", timeout=60)
+        excluded = set()
+        for ep in ("ep1", "ep2"):
+            excluded |= set(client.store.episode(ep, fields=[])["id"].tolist())
+        page.goto(page.url.split("/", 3)[0] + f"//{page.url.split('/')[2]}/ns/{ns}/search")
+        page.check("#results input[value=ep1]")
+        page.check("#results input[value=ep2]")
+        page.select_option("#trainable", "false")
+        page.click("#apply")
+        page.wait_for_selector("#candidates")
+        row = page.locator("#candidates tbody tr").first.locator("td").all_inner_texts()
+        assert row[:3] == ["curated", "160", "120"]
+        assert row[3] == f"{recipe.version} → {recipe.version + 1}"
+        shot(page, "curated")
+        assert first.recipe_version == recipe.version
+        for _ in range(5):  # batches made after the labels: none holds a step of ep1/ep2
+            batch = client.pop("curated", timeout=60)
+            assert batch.recipe_version == recipe.version + 1
+            assert not excluded & set(np.asarray(batch.ids).tolist())
+        # the search page shows the labels
+        page.goto(page.url.split("/ns/")[0] + f"/ns/{ns}/search?where=not+trainable")
+        assert "40 of 160 live steps match" in page.inner_text("#summary")
+    finally:
+        client.unregister("curated")
+        client.close()
+
+
+def test_edit_param_bumps_version(page, ns, redis_server, web):
+    client = BatchClient(ns, redis_server.url)
+    try:
+        recipe = client.register({
+            "name": "curriculum", "batch_size": 8, "fields": ["state"],
+            "sources": [{"name": "all", "where": "reward > $floor"}], "params": {"floor": -2.0},
+        })  # fmt: skip
+        page.goto(f"{web.url}/ns/{ns}/recipes")
+        section = page.locator("#recipe-curriculum")
+        assert section.locator(".version").inner_text() == str(recipe.version)
+        section.locator("input[name='p.floor']").fill("'high'")
+        section.locator("button[type=submit]").click()
+        section = page.locator("#recipe-curriculum")
+        assert "floor" in section.locator(".problem").inner_text()  # shown inline
+        assert section.locator(".version").inner_text() == str(recipe.version)
+        section.locator("input[name='p.floor']").fill("0.25")
+        section.locator("button[type=submit]").click()
+        page.wait_for_selector(f"#recipe-curriculum .version:text-is('{recipe.version + 1}')")
+        assert client.registry.get("curriculum").recipe.params["floor"] == 0.25
+        shot(page, "recipes")
+    finally:
+        client.unregister("curriculum")
+        client.close()
+
+
+def test_hostile_info_renders_inert(page, ns, web):
+    page.goto(f"{web.url}/ns/{ns}/episode?e=ep5")
+    page.wait_for_selector("#steps")
+    cell = page.locator("#steps td.info").first.inner_text()
+    assert "<script>window.__xss = 1</script>" in cell  # shown as text
+    assert "onerror" in page.locator("#steps tbody").inner_text()
+    page.hover("#steps td.info >> nth=0")
+    assert page.evaluate("() => window.__xss") is None
+    assert page.locator("#steps img:not(.thumb)").count() == 0  # no injected element
+    assert page.locator("#steps svg").count() == 0
+    page.goto(f"{web.url}/ns/{ns}/search?where=" + "%3Cscript%3Ewindow.__xss%3D5%3C%2Fscript%3E")
+    assert "<script>" in page.inner_text("#problem")
+    assert page.evaluate("() => window.__xss") is None
+    shot(page, "xss")
