@@ -143,11 +143,18 @@ class Query:
 
     def counts(self, key: str, rows: np.ndarray) -> list[tuple[Any, int]]:
         """Steps of ``rows`` per value of ``key`` (a metadata key with few values), most
-        first."""
-        groups, inverse = self._groups([key], rows)
-        n = np.bincount(inverse, minlength=len(groups)) if len(groups) else np.zeros(0, int)
-        order = np.argsort(-n, kind="stable")
-        return [(groups[i][0], int(n[i])) for i in order.tolist()]
+        first. Dictionary codes are counted with one bincount (a page's worth of time on
+        a million rows)."""
+        k = self.key(key)
+        if k.kind != "code":
+            groups, inverse = self._groups([key], rows)
+            n = np.bincount(inverse, minlength=len(groups))
+            order = np.argsort(-n, kind="stable")
+            return [(groups[i][0], int(n[i])) for i in order.tolist()]
+        n = np.bincount(self.index.columns[k.column][rows].astype(np.int64))
+        codes = np.flatnonzero(n)
+        codes = codes[np.argsort(-n[codes], kind="stable")]
+        return list(zip(self._labels(k, codes), n[codes].tolist(), strict=True))
 
     def _numeric(self, name: str, rows: np.ndarray, now: float) -> np.ndarray:
         key = self.key(name)

@@ -15,6 +15,7 @@ import redis
 
 from claw_tasks.codec import unpackb
 from claw_tasks.lru import LRU
+from claw_tasks.schema import tag_column
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import (
     SPARSE_CHUNK_SLOTS,
@@ -38,6 +39,7 @@ EPISODE_PAGE = 200
 GROUP_KEYS = ("task_id", "agent_id", "skill_tag")
 INFO_CHARS = 2000
 SMALL_VECTOR = 16  # vector observations up to this many values are shown as numbers
+DECODED = ("quality", "skill_tag", "task_id", "agent_id")
 
 
 @dataclass
@@ -215,6 +217,8 @@ class Inspector:
             rows = rows + shard * cap
             rows = rows[np.argsort(cols["step_index"][rows], kind="stable")]
             rewards = cols["reward"][rows].astype(np.float64)
+            page_rows = rows[page * EPISODE_PAGE : (page + 1) * EPISODE_PAGE]
+            meta = {k: v[page_rows] for k, v in cols.items()}  # copies: the index has them all
         if not len(rows):
             raise KeyError(f"episode {name!r} has no stored steps in {ns!r}")
         store = q.store
@@ -229,28 +233,33 @@ class Inspector:
                 small.append(fname)
             else:
                 other.append((fname, spec.describe()))
-        page_rows = rows[page * EPISODE_PAGE : (page + 1) * EPISODE_PAGE]
-        ids = cols["id"][page_rows]
-        got = store.get(ids, fields=small)
+        ids = meta["id"]
+        shards, slots = page_rows // cap, page_rows % cap
+        fields = store.read_fields(shards, slots, small) if small else {}
         infos = self._infos(store, ids, n_shards, cap)
-        tag_keys = [k for k in got if k.startswith("tags.")]
+        names = {c: store.decode_codes(c, meta[c].tolist()) for c in DECODED}
+        tags = {}
+        for tag, kind in (schema.tags or {}).items():
+            col = meta[tag_column(tag)]
+            tags[tag] = store.decode_codes(tag_column(tag), col.tolist()) if kind == "str" else col
         steps = []
         for i in range(len(ids)):
+            flags = int(meta["flags"][i])
             steps.append({
-                "id": int(ids[i]), "step_index": int(got["step_index"][i]),
-                "reward": float(got["reward"][i]), "priority": float(got["priority"][i]),
-                "terminated": bool(got["terminated"][i]), "truncated": bool(got["truncated"][i]),
-                "trainable": bool(got["trainable"][i]), "quality": got["quality"][i],
-                "skill_tag": got["skill_tag"][i],
-                "tags": {k[5:]: _plain(got[k][i]) for k in tag_keys},
-                "fields": {f: _values(got[f][i]) for f in small},
+                "id": int(ids[i]), "step_index": int(meta["step_index"][i]),
+                "reward": float(meta["reward"][i]), "priority": float(meta["priority"][i]),
+                "terminated": bool(flags & TERMINATED), "truncated": bool(flags & TRUNCATED),
+                "trainable": not flags & UNTRAINABLE, "quality": names["quality"][i],
+                "skill_tag": names["skill_tag"][i],
+                "tags": {k: _plain(v[i]) for k, v in tags.items()},
+                "fields": {f: _values(fields[f][i]) for f in small},
                 "info": infos[i],
             })  # fmt: skip
         return {
             "name": name, "steps": steps, "total": len(rows), "page": page,
             "pages": max(1, -(-len(rows) // EPISODE_PAGE)),
-            "task_id": got["task_id"][0] if len(ids) else None,
-            "agent_id": got["agent_id"][0] if len(ids) else None,
+            "task_id": names["task_id"][0] if len(ids) else None,
+            "agent_id": names["agent_id"][0] if len(ids) else None,
             "curve": charts.polyline(rewards, width=640, height=120),
             "return": float(rewards.sum()), "images": images, "other": other,
         }  # fmt: skip
