@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.store import Store
 from orchestrator.sampling.index import SamplingIndex
+from orchestrator.web.views import Inspector
 from tests.webdata import fill
 from tests.webserver import WebServer
 
@@ -164,3 +166,33 @@ def test_curate_free_tags_through_the_change_log(redis_server):
         store.curate(episode_id="ep1", tags={"nope": "x"})
     with pytest.raises(ValueError, match="holds numbers"):
         store.curate(episode_id="ep1", tags={"level": "high"})
+
+
+def test_episode_table_matches_numpy_on_interleaved_rows(redis_server):
+    """Episodes whose steps interleave in the rows (runs of one step) are grouped right."""
+    ns = f"mix-{uuid.uuid4().hex[:8]}"
+    store = Store(redis_server.url, ns)
+    store.create(capacity=1000, n_shards=1)
+    rng = np.random.default_rng(3)
+    n, k = 90, 3
+    ep = np.tile(np.arange(k), n // k)  # ep0, ep1, ep2, ep0, ...
+    reward = rng.uniform(-1, 1, n).astype(np.float32)
+    store.commit(StepBatch(
+        episode=StrColumn([f"e{i}" for i in range(k)], ep.astype(np.int32)),
+        step_index=np.repeat(np.arange(n // k), k), reward=reward,
+        terminated=np.zeros(n, bool), truncated=np.zeros(n, bool),
+        fields={"x": rng.standard_normal((n, 2)).astype(np.float32)},
+    ))  # fmt: skip
+    inspector = Inspector(redis_server.url, redis_server.url)
+    try:
+        result = inspector.search(ns, "reward > 0", "", "episodes", 0)
+    finally:
+        inspector.close()
+    hit = reward > 0
+    assert result.matched == int(hit.sum())
+    got = {row["episode"]: (row["steps"], row["reward"]) for row in result.rows}
+    want = {f"e{i}": (int((hit & (ep == i)).sum()), float(reward[hit & (ep == i)].sum()))
+            for i in range(k)}  # fmt: skip
+    assert got.keys() == want.keys()
+    for name, (steps, total) in want.items():
+        assert got[name][0] == steps and got[name][1] == pytest.approx(total, rel=1e-5)

@@ -177,23 +177,30 @@ class Inspector:
         }  # fmt: skip
 
     def _episode_page(self, q: Query, hit: np.ndarray, page: int) -> tuple[list[dict], int]:
-        """The page's episodes (those with matching steps), most recent first."""
-        cols = q.index.columns
-        codes = cols["episode"][hit]
-        order = np.argsort(codes, kind="stable")
-        sorted_codes = codes[order]
-        starts = np.flatnonzero(np.r_[True, sorted_codes[1:] != sorted_codes[:-1]])
+        """The page's episodes (those with matching steps), most recent first.
+
+        An episode's steps mostly sit in a few runs of consecutive rows (they are committed
+        together), so the rows are reduced per run first in one pass and only the runs are
+        sorted by episode: O(rows + runs log runs), not a sort of every row."""
         if not len(hit):
             return [], 0
-        ts = cols["timestamp"][hit][order]
-        last = np.maximum.reduceat(ts, starts)
-        n = np.diff(np.r_[starts, len(hit)])
-        reward = np.add.reduceat(cols["reward"][hit][order].astype(np.float64), starts)
-        untrainable = np.add.reduceat(
-            (cols["flags"][hit][order] & UNTRAINABLE != 0).astype(np.int64), starts
-        )
+        cols = q.index.columns
+        codes = cols["episode"][hit]
+        starts = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]])
+        run_last = np.maximum.reduceat(cols["timestamp"][hit], starts)
+        run_n = np.diff(np.r_[starts, len(hit)])
+        run_reward = np.add.reduceat(cols["reward"][hit].astype(np.float64), starts)
+        untrainable = (cols["flags"][hit] & UNTRAINABLE != 0).astype(np.int64)
+        run_untrainable = np.add.reduceat(untrainable, starts)
+        order = np.argsort(codes[starts], kind="stable")
+        sorted_codes = codes[starts][order]
+        groups = np.flatnonzero(np.r_[True, sorted_codes[1:] != sorted_codes[:-1]])
+        last = np.maximum.reduceat(run_last[order], groups)
+        n = np.add.reduceat(run_n[order], groups)
+        reward = np.add.reduceat(run_reward[order], groups)
+        untrainable = np.add.reduceat(run_untrainable[order], groups)
         pick = np.argsort(-last, kind="stable")[page * PAGE : (page + 1) * PAGE]
-        first_rows = hit[order[starts[pick]]]
+        first_rows = hit[starts[order[groups[pick]]]]
         names = self.episode_names(q, first_rows)
         tasks = self._decode(q, "task_id", first_rows)
         agents = self._decode(q, "agent_id", first_rows)
@@ -203,7 +210,7 @@ class Inspector:
              "untrainable": int(untrainable[j])}
             for i, j in enumerate(pick.tolist())
         ]  # fmt: skip
-        return out, len(starts)
+        return out, len(groups)
 
     # ---- episode -----------------------------------------------------------------------
     def episode(self, ns: str, name: str, page: int) -> dict[str, Any]:
