@@ -44,20 +44,27 @@ def polyline(values: np.ndarray, width: int = 160, height: int = 32) -> Chart:
 
 
 def histogram(values: np.ndarray, bins: int = 30, width: int = 480, height: int = 120) -> Chart:
-    """Bars of a histogram of the finite ``values``."""
-    v = np.asarray(values, np.float64)
-    v = v[np.isfinite(v)]
+    """Bars of a histogram of the finite ``values`` (bin indices and one bincount: a
+    million rewards in a few ms)."""
+    v = np.asarray(values)
+    if v.dtype.kind != "f":
+        v = v.astype(np.float64)
+    if len(v) and not np.isfinite(v.sum()):
+        v = v[np.isfinite(v)]
     if not len(v):
         return Chart(width, height)
-    counts, edges = np.histogram(v, bins=bins)
+    lo, hi = float(v.min()), float(v.max())
+    span = (hi - lo) or 1.0
+    idx = ((v - np.float32(lo)) * np.float32(bins / span)).astype(np.int32)
+    counts = np.bincount(np.minimum(idx, bins - 1), minlength=bins)
     top = max(int(counts.max()), 1)
-    bw = width / bins
+    bw, step = width / bins, span / bins
     bars = tuple(
         Bar(i * bw, height - c / top * height, max(bw - 1, 1), c / top * height,
-            float(edges[i]), float(edges[i + 1]), int(c))
+            lo + i * step, lo + (i + 1) * step, int(c))
         for i, c in enumerate(counts.tolist())
     )  # fmt: skip
-    return Chart(width, height, bars=bars, lo=float(edges[0]), hi=float(edges[-1]))
+    return Chart(width, height, bars=bars, lo=lo, hi=lo + span)
 
 
 def rate(timestamps: np.ndarray, now: float, window_s: float = 3600, bins: int = 30) -> Chart:
