@@ -15,7 +15,7 @@ from claw_tasks.store.config import FORMAT
 from claw_tasks.where import FilterError, parse
 from orchestrator import InsufficientData, Recipe, sample
 from orchestrator.cli.doctor import check_namespace
-from orchestrator.cli.namespaces import UnreadableNamespace, namespace_stats
+from orchestrator.inspect.namespaces import UnreadableNamespace, namespace_stats
 
 TASKS = ["grasp", "reach", None]
 
