@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from orchestrator.delivery.client import BatchClient
-from tests.webdata import fill
+from tests.webdata import XSS, fill
 from tests.webserver import ROOT, WebServer
 
 CHROMIUM = os.environ.get("CLAW_CHROMIUM", "/usr/bin/chromium")
@@ -179,3 +179,41 @@ def test_hostile_info_renders_inert(page, ns, web):
     assert "<script>" in page.inner_text("#problem")
     assert page.evaluate("() => window.__xss") is None
     shot(page, "xss")
+
+
+def test_llm_trajectory_transcript_tokens_and_group(page, web, redis_server, workers):
+    from claw_tasks.client import Ingestor
+    from claw_tasks.llm import attach_rewards
+    from claw_tasks.schema import Schema
+
+    ns = f"llm-{uuid.uuid4().hex[:8]}"
+    ing = Ingestor(ns, redis_server.url, schema=Schema.llm(response_mask=True),
+                   flush_interval=None)  # fmt: skip
+    for traj, group in (("t-a", "q1"), ("t-b", "q1"), ("t-c", "q2")):
+        for turn in range(2):
+            ing.llm_turn(
+                traj, turn, [1, 2, 3], [10 + turn, 20, 30], [-0.05, -1.2, -3.0],
+                prompt_uid=group, response_mask=[1, 1, 0], is_last=turn == 1,
+                messages=[{"role": "user", "content": f"question {turn}"},
+                          {"role": "assistant", "content": XSS}],
+                tool_calls=[{"name": "calc", "arguments": {"x": "<b onclick=alert(1)>"}}],
+            )  # fmt: skip
+    assert ing.close().committed == 6
+    attach_rewards(ing.store, "t-a", 1.0)
+    attach_rewards(ing.store, "t-b", 0.0)
+    page.goto(f"{web.url}/ns/{ns}/episode?e=t-a")
+    page.wait_for_selector("#llm")
+    assert page.locator("#llm .turn").count() == 2
+    transcript = page.inner_text("#llm")
+    assert "question 0" in transcript and "<script>window.__xss = 1</script>" in transcript
+    assert '"<b onclick=alert(1)>"' in transcript  # tool call arguments, as text
+    first = page.locator("#llm .turn").first.locator(".tok")
+    assert first.all_inner_texts() == ["10", "20", "30"]
+    assert first.nth(1).get_attribute("title") == "token 20 · log-prob -1.2000"
+    assert "masked" in first.nth(2).get_attribute("class")
+    rollouts = page.locator("#group .rollout").all_inner_texts()
+    assert len(rollouts) == 2 and "t-a" in rollouts[0] and "t-b" in rollouts[1]
+    assert "final reward 1" in rollouts[0]
+    page.hover("#llm .msg.assistant >> nth=0")
+    assert page.evaluate("() => window.__xss") is None
+    shot(page, "llm")

@@ -32,7 +32,7 @@ from orchestrator.inspect.query import Query
 from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.samplers import eligible
-from orchestrator.web import charts, thumbs
+from orchestrator.web import charts, llm, thumbs
 
 PAGE = 50
 EPISODE_PAGE = 200
@@ -226,6 +226,10 @@ class Inspector:
             rewards = cols["reward"][rows].astype(np.float64)
             page_rows = rows[page * EPISODE_PAGE : (page + 1) * EPISODE_PAGE]
             meta = {k: v[page_rows] for k, v in cols.items()}  # copies: the index has them all
+            group = llm.rollouts(cols, llm.group_rows(cols, rows), code) if len(rows) else []
+            rows_of = np.array([g["row"] for g in group], np.int64)
+            for g, gname in zip(group, self.episode_names(q, rows_of), strict=True):
+                g["name"] = gname
         if not len(rows):
             raise KeyError(f"episode {name!r} has no stored steps in {ns!r}")
         store = q.store
@@ -260,10 +264,15 @@ class Inspector:
                 "skill_tag": names["skill_tag"][i],
                 "tags": {k: _plain(v[i]) for k, v in tags.items()},
                 "fields": {f: _values(fields[f][i]) for f in small},
-                "info": infos[i],
+                "info": _info_text(infos[i]),
             })  # fmt: skip
+        llm_view = None
+        if llm.is_llm(schema.fields):
+            ragged = [f for f in (*llm.LLM_FIELDS, "response_mask") if f in schema.fields]
+            got = store.read_fields(shards, slots, ragged)
+            llm_view = {"turns": llm.turns(steps, infos, got), "group": group}
         return {
-            "name": name, "steps": steps, "total": len(rows), "page": page,
+            "name": name, "steps": steps, "total": len(rows), "page": page, "llm": llm_view,
             "pages": max(1, -(-len(rows) // EPISODE_PAGE)),
             "task_id": names["task_id"][0] if len(ids) else None,
             "agent_id": names["agent_id"][0] if len(ids) else None,
@@ -271,8 +280,8 @@ class Inspector:
             "return": float(rewards.sum()), "images": images, "other": other,
         }  # fmt: skip
 
-    def _infos(self, store: Store, ids: np.ndarray, n_shards: int, cap: int) -> list[str]:
-        """Each step's ``info`` as JSON text (untrusted: shown escaped, cut short)."""
+    def _infos(self, store: Store, ids: np.ndarray, n_shards: int, cap: int) -> list[Any]:
+        """Each step's ``info`` (None: none; untrusted: shown escaped, cut short)."""
         with self.r.pipeline(transaction=False) as pipe:
             for i in ids.tolist():
                 slot = (i // n_shards - 1) % cap
@@ -280,14 +289,10 @@ class Inspector:
             raw = pipe.execute()
         out = []
         for b in raw:
-            if b is None:
-                out.append("")
-                continue
             try:
-                text = json.dumps(unpackb(b), default=str, ensure_ascii=False)
+                out.append(None if b is None else unpackb(b))
             except Exception as e:  # not ours to fail on: show why
-                text = f"(unreadable info: {type(e).__name__})"
-            out.append(text if len(text) <= INFO_CHARS else text[:INFO_CHARS] + "…")
+                out.append(f"(unreadable info: {type(e).__name__})")
         return out
 
     def thumbnail(self, ns: str, step_id: int, fname: str) -> bytes:
@@ -392,6 +397,13 @@ class Inspector:
         store.audit(who, "set_params", {"recipe": name, "params": params,
                                          "version": recipe.version})  # fmt: skip
         return recipe
+
+
+def _info_text(info: Any) -> str:
+    if info is None:
+        return ""
+    text = info if isinstance(info, str) else json.dumps(info, default=str, ensure_ascii=False)
+    return text if len(text) <= INFO_CHARS else text[:INFO_CHARS] + "…"
 
 
 def _plain(v: Any) -> Any:
