@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 from claw_tasks.client import Ingestor
 from claw_tasks.redis_server import RedisServer
 from claw_tasks.store import Store
+from orchestrator.cli.devstack import DevStack, worker_service
 from orchestrator.delivery import shm, wire
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.wire import frame_batch
@@ -161,6 +163,36 @@ def test_redis_restarts_from_aof_and_a_worker_sigkill_lose_and_duplicate_nothing
         _assert_exact(store, range(made), n_steps)
         ing.close()
         store.r.close()
+
+
+def test_the_stack_supervisor_replaces_a_dead_worker(redis_url, namespace, tmp_path):
+    """`claw up`'s watch loop (DevStack.watch): a worker that dies (SIGKILL here, the OOM
+    killer in life) is started again and serves; its previous log is kept."""
+    stack = DevStack(tmp_path)
+    stack.start_redis(redis_url)
+    worker = worker_service(tmp_path, ["ingest"], 1, quick=True)
+    stop, restarts = threading.Event(), []
+    watch = {"interval": 0.1, "stop": stop, "on_restart": lambda _, code: restarts.append(code)}
+    watcher = threading.Thread(target=stack.watch, kwargs=watch)
+    try:
+        stack.start([worker])
+        watcher.start()
+        ing = Ingestor(namespace, redis_url, flush_interval=None)
+        _produce(ing, range(0, 2), 10)
+        assert ing.flush(timeout=60).committed == 20
+        first = worker.pid
+        worker.signal_group(signal.SIGKILL)
+        _wait(lambda: worker.pid != first and worker.ready(worker), "a new worker is ready")
+        _produce(ing, range(2, 4), 10)
+        assert ing.flush(timeout=60).committed == 20
+        assert restarts == [-signal.SIGKILL]
+        assert worker.log.with_name(f"{worker.log.name}.1").exists()
+        _assert_exact(Store(redis_url, namespace), range(0, 4), 10)
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()
+        stack.stop()
 
 
 def _recipe(name: str) -> Recipe:

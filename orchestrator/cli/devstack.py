@@ -230,13 +230,38 @@ class DevStack:
         """Run `cleanup` on stop, after the services and before Redis."""
         self._cleanups.append(cleanup)
 
-    def watch(self, interval: float = 0.5) -> None:
-        """Block until a service stops on its own (raises DevStackError) or Ctrl-C."""
-        while True:
+    def watch(
+        self,
+        interval: float = 0.5,
+        *,
+        max_restarts: int = 5,
+        window: float = 300.0,
+        on_restart: Callable[[Service, int | None], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        """Supervise until Ctrl-C (or ``stop`` is set): a service that stops on its own (a
+        worker killed by the OOM killer, say) is started again, its previous log kept as
+        ``<log>.1``, and ``on_restart(service, exit code)`` is told. One that stops more
+        than ``max_restarts`` times within ``window`` seconds raises DevStackError."""
+        stopped_at: dict[str, list[float]] = {}
+        while stop is None or not stop.is_set():
             for svc in self.services:
-                if not svc.running:
-                    raise svc.failure("stopped unexpectedly")
-            time.sleep(interval)
+                if svc.running:
+                    continue
+                now = time.monotonic()
+                recent = [t for t in stopped_at.get(svc.name, []) if now - t < window]
+                stopped_at[svc.name] = [*recent, now]
+                if len(recent) >= max_restarts:
+                    raise svc.failure(f"stopped {len(recent) + 1} times within {window:.0f}s")
+                code = svc.proc.returncode if svc.proc is not None else None
+                svc.signal_group(signal.SIGKILL)  # what it left behind (pool children)
+                svc.spawn()
+                if on_restart is not None:
+                    on_restart(svc, code)
+            if stop is None:
+                time.sleep(interval)
+            else:
+                stop.wait(interval)
 
     def stop_services(self, services: Sequence[Service], timeout: float = 20.0) -> None:
         """SIGTERM these services' groups, SIGKILL what is left after `timeout`; the rest of

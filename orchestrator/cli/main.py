@@ -180,7 +180,10 @@ def up(
                 )
             console.print(f"[dim]Earlier runs' logs are kept as *.log.1 … in {logs}.[/]")
             console.print("[dim]Ctrl-C stops everything.[/]")
-            stack.watch()
+            stack.watch(on_restart=lambda svc, code: console.print(
+                f"[yellow]{svc.name} stopped (exit code {code}); started again[/] "
+                f"(its previous log: {svc.log}.1)", highlight=False,
+            ))  # fmt: skip
         except KeyboardInterrupt:
             console.print("stopping…")
     console.print("stopped.")
