@@ -13,10 +13,17 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import settings
 
 from claw_tasks.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Property tests draw the same examples on every run (a failure in CI is reproducible and
+# no run fails by luck); `HYPOTHESIS_PROFILE=explore pytest …` searches afresh.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")
