@@ -85,16 +85,7 @@ class Eviction(Reader):
 
     def evictions(self) -> dict[str, int]:
         """Steps evicted so far, by reason (every shard summed)."""
-        cfg = self.config()
-        with self.r.pipeline(transaction=False) as pipe:
-            for s in range(cfg.n_shards):
-                pipe.hgetall(self.keys.shard_key(s, "evictions"))
-            replies = pipe.execute()
-        out = dict.fromkeys(REASONS, 0)
-        for reply in replies:
-            for k, v in reply.items():
-                out[k.decode()] = out.get(k.decode(), 0) + int(v)
-        return out
+        return self.info()["evictions"]
 
 
 class _Plan:

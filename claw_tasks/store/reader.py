@@ -264,15 +264,21 @@ class Reader(Dictionaries):
             for s in range(cfg.n_shards):
                 pipe.get(self.keys.shard_key(s, "seq"))
                 pipe.bitcount(self.keys.shard_key(s, "alive"))
+                pipe.hgetall(self.keys.shard_key(s, "evictions"))
             pipe.xlen(self.keys.dead)
             replies = pipe.execute()
-        seqs = [int(v or 0) for v in replies[0:-1:2]]
+        seqs = [int(v or 0) for v in replies[0:-1:3]]
+        evictions = dict.fromkeys(("ttl", "cap", "manual", "ring"), 0)
+        for by_reason in replies[2:-1:3]:
+            for k, v in by_reason.items():
+                evictions[k.decode()] = evictions.get(k.decode(), 0) + int(v)
         return {
             "namespace": self.namespace,
             "capacity": cfg.capacity,
             "n_shards": cfg.n_shards,
-            "steps": sum(replies[1:-1:2]),
+            "steps": sum(replies[1:-1:3]),
             "committed_total": sum(seqs),
+            "evictions": evictions,
             "dead_letters": replies[-1],
             "schema": None if cfg.schema is None else cfg.schema.to_dict(),
             "created": cfg.created,

@@ -364,7 +364,7 @@ def stats(
         found, unreadable = [], {}
         for n in names:
             try:
-                found.append(namespace_stats(Store(r, n), memory.get(n, 0)))
+                found.append(namespace_stats(Store(r, n), memory.get(n, 0), bool(namespace)))
             except UnreadableNamespace as e:
                 if namespace:
                     raise

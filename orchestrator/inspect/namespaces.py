@@ -108,7 +108,6 @@ class NamespaceStats:
             "reward": {"mean": self.reward_mean, "std": self.reward_std},
             "by_task_id": counts("task_id", self.by_task_id),
             "by_agent_id": counts("agent_id", self.by_agent_id),
-            "evictions": self.evictions,
             "retention": None if self.retention is None else self.retention.to_dict(),
             "protected": self.protected,
         }
@@ -118,10 +117,11 @@ class UnreadableNamespace(ValueError):
     """A namespace's keys do not decode (`claw doctor` says why)."""
 
 
-def namespace_stats(store: Store, memory_bytes: int) -> NamespaceStats:
-    """Counts per task and agent, episodes and reward moments over the live steps."""
+def namespace_stats(store: Store, memory_bytes: int, protected: bool = False) -> NamespaceStats:
+    """Counts per task and agent, episodes and reward moments over the live steps; with
+    ``protected``, the steps the retention policy protects (it builds the sampling index)."""
     try:
-        return _namespace_stats(store, memory_bytes)
+        return _namespace_stats(store, memory_bytes, protected)
     except (NamespaceError, ValueError, KeyError, TypeError) as e:  # e.g. an unknown format
         raise UnreadableNamespace(
             f"namespace {store.namespace!r} cannot be read ({type(e).__name__}: {e}); "
@@ -129,7 +129,7 @@ def namespace_stats(store: Store, memory_bytes: int) -> NamespaceStats:
         ) from e
 
 
-def _namespace_stats(store: Store, memory_bytes: int) -> NamespaceStats:
+def _namespace_stats(store: Store, memory_bytes: int, protected: bool) -> NamespaceStats:
     info = store.info()
     codes: dict[str, list[np.ndarray]] = {"task_id": [], "agent_id": []}
     rewards, episodes = [], 0
@@ -155,7 +155,7 @@ def _namespace_stats(store: Store, memory_bytes: int) -> NamespaceStats:
         reward_std=float(reward.std()) if len(reward) else None,
         by_task_id=by["task_id"],
         by_agent_id=by["agent_id"],
-        evictions=store.evictions(),
+        evictions=info["evictions"],
         retention=store.config().retention,
-        protected=protected_steps(store),
+        protected=protected_steps(store) if protected else None,
     )
