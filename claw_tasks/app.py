@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from functools import cache
 
-from celery import Celery
+from celery import Celery, signals
 from kombu import Queue
 
+from claw_tasks import amqp
 from claw_tasks.schedule import beat_schedule
 from claw_tasks.settings import Settings, load_settings
 from claw_tasks.transport import broker_options
@@ -28,7 +29,6 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
     broker = broker_url or settings.broker_url
     app = Celery("claw", broker=broker, include=TASK_MODULES)
     app.conf.update(
-        **broker_options(broker),  # TLS for rediss:// (importing it hardens the transport)
         task_serializer="msgpack",
         result_serializer="msgpack",
         # Nothing that can run code on load: msgpack for tasks, json for events and beat.
@@ -43,15 +43,6 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
         # Checks every message before Celery parses it (a malformed one must not stop it).
         worker_consumer="claw_tasks.guard:GuardedConsumer",
         broker_connection_retry_on_startup=True,
-        # Unacked messages come back after this long if a worker dies outright. Ingest
-        # tasks take well under a second; long maintenance work is chunked below it.
-        broker_transport_options={
-            "visibility_timeout": settings.visibility_timeout,
-            # Sweep for abandoned (unacked) messages every few seconds, not every 100 s.
-            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 4)),
-            "unacked_restore_throttle": 1,
-        },
-        task_queues=[Queue(q) for q in QUEUES],
         task_default_queue="maintenance",
         task_routes={
             "claw_tasks.ingest": {"queue": "ingest"},
@@ -66,7 +57,33 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
         beat_schedule=beat_schedule(),  # claw_tasks/schedule.py, CLAW_SCHEDULE
         timezone="UTC",
     )
+    app.conf.update(_broker_specific(broker, settings))
     return app
+
+
+def _broker_specific(broker: str, settings: Settings) -> dict[str, object]:
+    """Queues and transport options for the broker at ``broker``: each broker gets only
+    the options it understands (claw_tasks/amqp.py for RabbitMQ)."""
+    if amqp.is_amqp(broker):
+        return {"task_queues": amqp.queues(QUEUES), **amqp.app_options()}
+    return {
+        **broker_options(broker),  # TLS for rediss:// (importing it hardens the transport)
+        "task_queues": [Queue(q) for q in QUEUES],
+        # Unacked messages come back after this long if a worker dies outright. Ingest
+        # tasks take well under a second; long maintenance work is chunked below it.
+        "broker_transport_options": {
+            "visibility_timeout": settings.visibility_timeout,
+            # Sweep for abandoned (unacked) messages every few seconds, not every 100 s.
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 4)),
+            "unacked_restore_throttle": 1,
+        },
+    }
+
+
+@signals.celeryd_after_setup.connect
+def _declare_amqp_queues(sender: str, instance: object, conf: object, **_: object) -> None:
+    if amqp.is_amqp(instance.app.conf.broker_url):  # type: ignore[attr-defined]
+        amqp.declare_all(instance.app)  # type: ignore[attr-defined]
 
 
 @cache

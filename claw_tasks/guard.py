@@ -21,6 +21,7 @@ from celery.utils.time import maybe_iso8601
 from celery.worker.consumer import Consumer
 from kombu.serialization import loads
 
+from claw_tasks import amqp
 from claw_tasks.ingest import reject
 from claw_tasks.message import TASK, Rejected, parse_args
 from claw_tasks.settings import IngestLimits, load_settings
@@ -143,7 +144,9 @@ class GuardedConsumer(Consumer):
                 f"content type {message.content_type!r:.60} / encoding "
                 f"{message.content_encoding!r:.30}: tasks are {CONTENT_TYPE}, binary",
             )
-        queue = (message.delivery_info or {}).get("routing_key")
+        queue = amqp.queue_of((message.delivery_info or {}).get("routing_key"))
+        if (n := amqp.delivery_count(message.headers)) >= amqp.MAX_DELIVERIES:
+            raise Rejected("poison", f"delivered {n + 1} times; each time no worker acked it")
         routes = self.app.conf.task_routes or {}
         name = check_headers(message.headers, self.app.tasks, routes, queue)
         try:
