@@ -170,6 +170,19 @@ def test_web_service_requires_a_password_and_binds_locally(services: dict[str, A
     assert "http://localhost:8808/login" in " ".join(web["healthcheck"]["test"])
 
 
+def test_rabbitmq_profile_is_optional_durable_and_local(services: dict[str, Any]) -> None:
+    rabbit = services["rabbitmq"]
+    assert rabbit["profiles"] == ["rabbitmq"]  # not started unless asked for
+    assert "rabbitmq-data:/var/lib/rabbitmq" in rabbit["volumes"]  # durable queues survive
+    assert all(p.startswith("127.0.0.1:") for p in rabbit["ports"])
+    assert rabbit["environment"]["RABBITMQ_DEFAULT_PASS"].startswith("${RABBITMQ_DEFAULT_PASS:?")
+    assert "rabbitmq-diagnostics" in rabbit["healthcheck"]["test"]
+    # The Claw services take their broker from CLAW_BROKER_URL (amqp:// selects RabbitMQ).
+    for name in CLAW_SERVICES:
+        env = services[name]["environment"]
+        assert env["CLAW_BROKER_URL"].startswith("${CLAW_BROKER_URL:-")
+
+
 def test_redis_service_uses_ops_conf_with_noeviction(compose: dict[str, Any]) -> None:
     redis = compose["services"]["redis"]
     conf_path = argv(redis)[-1]

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
-from conftest import Worker
+from conftest import ROOT, Worker
 from hostile import body, headers, ingest_body, outcomes, wait_for
 from kombu import Connection
 from producer import outcome
@@ -178,3 +181,40 @@ def test_metrics_queue_depth_on_amqp(redis_url, amqp_url, amqp_worker):
             break
         time.sleep(0.1)
     assert depths == {"ingest": 0, "prefetch": 0, "maintenance": 3}
+
+
+def test_claw_up_runs_on_rabbitmq(redis_url, amqp_url, tmp_path):
+    port = _free_port()
+    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": amqp_url,
+           "PYTHONPATH": str(ROOT), "COLUMNS": "250"}  # fmt: skip
+    args = [sys.executable, "-m", "orchestrator.cli.main", "up", "--metrics-port", str(port),
+            "--flower-port", str(_free_port()), "--web-port", str(_free_port()),
+            "--log-dir", str(tmp_path)]  # fmt: skip
+    log = tmp_path / "up.out"
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while "Ctrl-C stops everything" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert "amqp://guest:***@" in log.read_text()  # the broker row, password redacted
+        worker_log = next(tmp_path.glob("worker-*.log")).read_text()
+        assert f"transport:   amqp://guest:**@127.0.0.1:5672/{amqp_url.rsplit('/', 1)[1]}" in (
+            worker_log
+        )
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        assert 'claw_up{component="broker"} 1.0' in text
+        assert 'claw_queue_depth{queue="ingest"}' in text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
