@@ -185,7 +185,8 @@ def test_dqn_trains_on_cartpole(redis_url, namespace, workers):
     model.learn(total_timesteps=800)
     rb = model.replay_buffer
     assert isinstance(rb, ClawReplayBuffer) and rb.size() == 800
-    assert rb.client.stats("sb3")["sb3"]["popped"] >= (800 - 200) // 4
+    name = rb.recipe_name(32)
+    assert rb.client.stats(name)[name]["popped"] >= (800 - 200) // 4
     rb.close()
     assert Store(redis_url, namespace).count({}) == 800
 

@@ -36,6 +36,7 @@ class BatchClient:
     ) -> None:  # fmt: skip
         settings = load_settings()
         self.namespace = namespace or settings.namespace
+        self.redis_url, self.broker_url = redis_url, broker_url  # as given (None: environment)
         url = redis_url or settings.redis_url
         self.store = Store(url, self.namespace)
         self.registry = Registry(self.store)

@@ -1,0 +1,105 @@
+"""``ReadAhead``: decoded batches of one recipe waiting in the trainer's own memory.
+
+A background thread pops from the recipe's Redis queue (:meth:`BatchClient.pop`) into a
+local queue bounded by a count and a byte budget, so the trainer's :meth:`pop` is a local
+dequeue while batches are ready: bursts of gradient steps (SB3's ``gradient_steps``) no
+longer pay a Redis round trip and a decode each. The thread owns its own ``BatchClient``
+(its counters are not shared with the trainer's), and errors it meets are raised by the
+next :meth:`pop`, never swallowed.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.wire import Batch
+
+
+def batch_bytes(batch: Batch) -> int:
+    """Bytes held by a batch's arrays (its ids and weights included)."""
+    return int(sum(a.nbytes for a in (*batch.values(), batch.ids, batch.weights)
+                   if hasattr(a, "nbytes")))  # fmt: skip
+
+
+class ReadAhead:
+    """Keeps up to ``count`` batches (and at most ``max_bytes``; always at least one) of
+    recipe ``name`` decoded in this process. ``client`` is only read for its connection
+    settings (namespace, store URL, broker)."""
+
+    def __init__(
+        self, client: BatchClient, name: str, *, count: int = 8,
+        max_bytes: int = 64 << 20, poll: float = 1.0,
+    ) -> None:  # fmt: skip
+        if count < 1 or max_bytes < 1:
+            raise ValueError(f"read-ahead needs count >= 1 and max_bytes >= 1, got {count}, "
+                             f"{max_bytes}")  # fmt: skip
+        self.name = name
+        self.count, self.max_bytes, self.poll = count, max_bytes, poll
+        self._client = BatchClient(client.namespace, client.redis_url,
+                                   broker_url=client.broker_url)  # fmt: skip
+        self._ready: collections.deque[tuple[Batch, int]] = collections.deque()
+        self._bytes = 0
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"claw-readahead-{name}",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _has_room(self) -> bool:
+        return not self._ready or (len(self._ready) < self.count and self._bytes < self.max_bytes)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                while not self._has_room() and not self._stop.is_set():
+                    self._cond.wait()
+            if self._stop.is_set():
+                return
+            try:
+                batch = self._client.pop(self.name, timeout=self.poll)
+            except TimeoutError:
+                continue  # the trainer's pop reports a timeout with the full explanation
+            except BaseException as e:  # handed to the trainer's next pop
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            size = batch_bytes(batch)
+            with self._cond:
+                self._ready.append((batch, size))
+                self._bytes += size
+                self._cond.notify_all()
+
+    def pop(self, timeout: float | None = 30.0) -> Batch:
+        """The next batch: local when one is ready, else waits for the thread (TimeoutError
+        after ``timeout`` s, explaining why the recipe's queue stays empty)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._ready:
+                if self._error is not None:
+                    raise self._error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(self._client._why_empty(self.name, timeout))
+                self._cond.wait(left)
+            batch, size = self._ready.popleft()
+            self._bytes -= size
+            self._cond.notify_all()
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def close(self) -> None:
+        """Stop the thread and release its connections (batches still held are dropped;
+        their rows stay in the store)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=self.poll + 5)
+        self._ready.clear()
+        self._client.close()

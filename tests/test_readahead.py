@@ -1,0 +1,66 @@
+"""ReadAhead: decoded batches held in the trainer's process, bounded by count and bytes,
+over a real Redis and prefetch worker."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from claw_tasks.client import Ingestor
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.readahead import ReadAhead, batch_bytes
+
+
+def _wait(cond, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def client(redis_url, namespace, workers):
+    ing = Ingestor(namespace, redis_url, flush_interval=None)
+    with ing.episode() as ep:
+        for t in range(64):
+            ep.add(np.full(8, t, np.float32), np.int64(0), float(t), terminated=t == 63,
+                   next_obs=np.zeros(8, np.float32) if t == 63 else None)  # fmt: skip
+    ing.close()
+    c = BatchClient(namespace, redis_url)
+    c.register({"name": "ra", "batch_size": 16, "fields": ["obs", "reward"],
+                "sources": [{"name": "all"}], "prefetch": {"depth": 8}})  # fmt: skip
+    yield c
+    c.close()
+
+
+def test_readahead_holds_count_batches_and_pops_locally(client, workers):
+    ra = ReadAhead(client, "ra", count=3)
+    _wait(lambda: len(ra) == 3, "three batches read ahead")
+    queue = client.registry.queue("ra")
+    _wait(lambda: client.store.r.llen(queue) > 0, "the worker refilled the Redis queue")
+    assert len(ra) == 3  # full: it stopped taking from Redis
+    for _ in range(5):  # more than it holds: the thread keeps up
+        batch = ra.pop(timeout=60)
+        assert batch["obs"].shape == (16, 8) and batch["obs"].dtype == np.float32
+        np.testing.assert_array_equal(batch["obs"][:, 0], batch["reward"])
+    ra.close()
+
+
+def test_readahead_byte_budget_holds_one_batch(client, workers):
+    ra = ReadAhead(client, "ra", count=8, max_bytes=1)
+    _wait(lambda: len(ra) == 1, "one batch read ahead")
+    _wait(lambda: client.store.r.llen(client.registry.queue("ra")) > 0, "a refilled queue")
+    assert len(ra) == 1  # over budget after one batch: never a second
+    assert batch_bytes(ra.pop(timeout=60)) >= 16 * 8 * 4
+    ra.close()
+
+
+def test_readahead_raises_what_its_thread_met(client, workers):
+    client.unregister("ra")
+    ra = ReadAhead(client, "ra", count=2, poll=0.2)
+    with pytest.raises(KeyError, match="not registered"):
+        ra.pop(timeout=60)
+    ra.close()

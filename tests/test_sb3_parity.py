@@ -1,0 +1,294 @@
+"""ClawReplayBuffer against SB3's own ReplayBuffer: what SB3's buffer tests check (every
+space's dtypes, device, a full buffer) and one test per difference of issue 11 (reset,
+default namespace, pickling, seed and the deterministic mode, optimize_memory_usage,
+close on GC/exit), over real Redis and Celery workers."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+from stable_baselines3 import SAC
+from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.logger import Logger
+
+from claw_tasks.store import Store
+from orchestrator.adapters.sb3 import ClawReplayBuffer, _with_env_password, _without_password
+from tests.conftest import ROOT
+
+OBS_SPACES = {
+    "box": spaces.Box(-1, 1, (3,), np.float32),
+    "image": spaces.Box(0, 255, (2, 3, 3), np.uint8),
+    "discrete": spaces.Discrete(5),
+    "multidiscrete": spaces.MultiDiscrete([3, 4]),
+    "multibinary": spaces.MultiBinary(4),
+}
+ACTION_SPACES = {
+    "box": spaces.Box(-2, 2, (2,), np.float32),
+    "box64": spaces.Box(-2, 2, (1,), np.float64),
+    "discrete": spaces.Discrete(3),
+    "multidiscrete": spaces.MultiDiscrete([2, 5]),
+    "multibinary": spaces.MultiBinary(3),
+}
+
+
+def _buffer(redis_url: str, namespace: str | None, size: int = 100, **kw) -> ClawReplayBuffer:
+    obs = kw.pop("obs", OBS_SPACES["box"])
+    act = kw.pop("act", ACTION_SPACES["discrete"])
+    kw.setdefault("deterministic", True)
+    kw.setdefault("recipe", {"sources": [{"name": "all", "sampler": {"kind": "recent"}}]})
+    return ClawReplayBuffer(size, obs, act, device="cpu", namespace=namespace,
+                            redis_url=redis_url, timeout=60, **kw)  # fmt: skip
+
+
+def _add(buffers: list[ReplayBuffer], steps: int, seed: int = 0, episode: int = 7) -> None:
+    """``steps`` transitions of random spaces' samples into every buffer (a timeout and a
+    termination among them, next_obs the next step's obs as in SB3's loop)."""
+    b0 = buffers[0]
+    b0.observation_space.seed(seed)
+    b0.action_space.seed(seed)
+    obs = b0.observation_space.sample()
+    for t in range(steps):
+        nxt = b0.observation_space.sample()
+        act = np.array([b0.action_space.sample()])
+        done = np.array([t % episode == episode - 1])
+        infos = [{"TimeLimit.truncated": bool(done[0] and t % (2 * episode) == episode - 1)}]
+        for b in buffers:
+            b.add(np.array([obs]), np.array([nxt]), act, np.array([float(t)]), done, infos)
+        obs = nxt
+
+
+def _rows(samples) -> np.ndarray:
+    parts = [samples.observations, samples.actions, samples.next_observations,
+             samples.dones, samples.rewards]  # fmt: skip
+    rows = np.concatenate([p.numpy().astype(np.float64).reshape(len(p), -1) for p in parts], 1)
+    return rows[np.lexsort(rows.T[::-1])]
+
+
+@pytest.mark.parametrize("obs", OBS_SPACES)
+@pytest.mark.parametrize("act", ["box", "discrete"])
+def test_dtypes_and_rows_match_sb3_per_observation_space(redis_url, namespace, workers,
+                                                         obs, act):  # fmt: skip
+    _check_space(redis_url, namespace, OBS_SPACES[obs], ACTION_SPACES[act])
+
+
+@pytest.mark.parametrize("act", ["box64", "multidiscrete", "multibinary"])
+def test_dtypes_and_rows_match_sb3_per_action_space(redis_url, namespace, workers, act):
+    _check_space(redis_url, namespace, OBS_SPACES["box"], ACTION_SPACES[act])
+
+
+def _check_space(redis_url: str, ns: str, obs: spaces.Space, act: spaces.Space) -> None:
+    steps = 20
+    ref = ReplayBuffer(100, obs, act, device="cpu", handle_timeout_termination=True)
+    claw = _buffer(redis_url, ns, obs=obs, act=act)
+    _add([ref, claw], steps)
+    got = claw.sample(steps)  # recent: every stored transition
+    want = ref._get_samples(np.arange(steps))
+    for name in ("observations", "actions", "next_observations", "dones", "rewards"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == w.dtype and g.shape == w.shape and g.device == w.device, name
+    np.testing.assert_array_equal(_rows(got), _rows(want))
+    claw.close()
+
+
+def test_device_and_full_buffer_like_sb3(redis_url, namespace, workers):
+    size, steps = 16, 40
+    ref = ReplayBuffer(size, OBS_SPACES["box"], ACTION_SPACES["discrete"], device="cpu")
+    claw = _buffer(redis_url, namespace, size=size)
+    assert claw.device == ref.device == torch.device("cpu")
+    _add([ref, claw], steps)
+    assert (claw.size(), claw.pos, claw.full) == (ref.size(), ref.pos, ref.full) == (16, 8, True)
+    got = claw.sample(size)  # the newest `size` transitions: SB3's ring holds those
+    np.testing.assert_array_equal(_rows(got), _rows(ref._get_samples(np.arange(size))))
+    assert got.observations.device.type == "cpu"
+    claw.close()
+
+
+# ---- the numbered differences ------------------------------------------------------------
+def test_1_reset_starts_empty_and_keeps_the_old_data(redis_url, namespace, workers):
+    claw = _buffer(redis_url, namespace, recipe={})
+    _add([claw], 10, seed=1)
+    old = set(map(tuple, claw.sample(32).observations.numpy().tolist()))
+    claw.reset()
+    assert claw.size() == 0 and claw.namespace == f"{namespace}.r1"
+    _add([claw], 10, seed=2)
+    new = set(map(tuple, claw.sample(64).observations.numpy().tolist()))
+    assert new and not new & old
+    assert Store(redis_url, namespace).count({}) == 10  # not dropped unless asked
+    claw.close()
+
+    dropping = _buffer(redis_url, namespace, recipe={}, drop_on_reset=True)
+    dropping.reset()
+    assert not Store(redis_url, namespace).exists()
+    dropping.close()
+
+
+def test_2_each_buffer_gets_its_own_namespace_and_logs_it(redis_url, workers, caplog):
+    with caplog.at_level(logging.INFO, logger="orchestrator.adapters.sb3"):
+        a, b = _buffer(redis_url, None), _buffer(redis_url, None)
+    assert a.namespace != b.namespace
+    assert a.namespace in caplog.text and b.namespace in caplog.text
+    _add([a], 5)
+    assert Store(redis_url, b.namespace).count({}) == 0
+    a.close()
+    b.close()
+
+
+def test_3_pickle_and_deepcopy_keep_settings_not_data_nor_password(redis_url, namespace, workers):
+    claw = _buffer(redis_url, namespace, recipe={}, deterministic=False, seed=5)
+    _add([claw], 12)
+    blob = pickle.dumps(claw)
+    assert len(blob) < 4096  # settings, not 12 transitions' arrays
+    back = pickle.loads(blob)
+    twin = copy.deepcopy(claw)
+    for other in (back, twin):
+        assert (other.namespace, other.seed, other.size()) == (namespace, 5, 12)
+        assert other.recipe["name"] != claw.recipe["name"]  # closing one never stops another
+        got = other.sample(8)
+        assert got.observations.shape == (8, 3)
+    twin.close()
+    assert claw.sample(8).observations.shape == (8, 3)  # still served after the twin closed
+    back.close()
+    claw.close()
+
+
+def test_3_saved_urls_carry_no_password():
+    url = "redis://user:s3cret@host:6380/2"
+    saved = _without_password(url)
+    assert "s3cret" not in saved and saved == "redis://user@host:6380/2"
+    assert _without_password("redis://:s3cret@host/0") == "redis://host/0"
+    assert _with_env_password(saved, url) == url  # same server: the environment's password
+    assert _with_env_password(saved, "redis://user:x@other:6380/2") == saved
+
+
+def _env(redis_url: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "CLAW_REDIS_URL": redis_url,
+            "CLAW_BROKER_URL": redis_url}  # fmt: skip
+
+
+def test_3_save_then_load_in_a_new_process_continues_training(
+    redis_url, namespace, workers, tmp_path
+):
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        from stable_baselines3 import DQN
+        from orchestrator.adapters.sb3 import ClawReplayBuffer
+        model = DQN("MlpPolicy", "CartPole-v1", learning_starts=50, buffer_size=1000,
+                    batch_size=16, train_freq=8, policy_kwargs={{"net_arch": [16]}},
+                    device="cpu", seed=0, replay_buffer_class=ClawReplayBuffer,
+                    replay_buffer_kwargs={{"namespace": {namespace!r}, "timeout": 60}})
+        path = {str(tmp_path / "rb.pkl")!r}
+        if sys.argv[1] == "save":
+            model.learn(total_timesteps=120)
+            model.save_replay_buffer(path)
+        else:
+            model.load_replay_buffer(path)
+            rb = model.replay_buffer
+            assert rb.namespace == {namespace!r} and rb.size() == 120, rb.size()
+            before = model._n_updates
+            model.learn(total_timesteps=80)  # updates after learning_starts again
+            assert model._n_updates > before and rb.size() == 200, rb.size()
+            print("continued", model._n_updates - before)
+        model.replay_buffer.close()
+    """)
+    for phase in ("save", "load"):
+        out = subprocess.run([sys.executable, "-c", script, phase], env=_env(redis_url),
+                             capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert "continued" in out.stdout
+    assert Store(redis_url, namespace).count({}) == 200  # the saved run's steps and the new
+
+
+class _Losses(Logger):
+    def __init__(self) -> None:
+        super().__init__(None, [])
+        self.losses: list[tuple[str, float]] = []
+
+    def record(self, key, value, exclude=None) -> None:
+        if key in ("train/critic_loss", "train/actor_loss"):  # one of each per update
+            self.losses.append((key, float(value)))
+        super().record(key, value, exclude)
+
+
+def _sac_losses(redis_url: str, namespace: str, seed: int) -> list[tuple[str, float]]:
+    model = SAC("MlpPolicy", "Pendulum-v1", learning_starts=20, buffer_size=1000, batch_size=16,
+                policy_kwargs={"net_arch": [16]}, device="cpu", seed=seed,
+                replay_buffer_class=ClawReplayBuffer,
+                replay_buffer_kwargs={"namespace": namespace, "redis_url": redis_url,
+                                      "deterministic": True, "timeout": 60})  # fmt: skip
+    logger = _Losses()
+    model.set_logger(logger)
+    model.learn(total_timesteps=220)
+    model.replay_buffer.close()
+    return logger.losses
+
+
+def test_4_seeded_sac_repeats_in_the_deterministic_mode(redis_url, workers):
+    torch.set_num_threads(1)
+    ns = f"det-{os.getpid()}"
+    a = _sac_losses(redis_url, f"{ns}-a", seed=3)
+    b = _sac_losses(redis_url, f"{ns}-b", seed=3)
+    assert len(a) == 2 * 200 and a == b  # identical losses, update by update
+
+
+def test_4_the_algorithms_seed_reaches_the_recipe(redis_url, workers):
+    def seed_of(seed: int) -> int:
+        model = SAC("MlpPolicy", "Pendulum-v1", seed=seed, device="cpu",
+                    policy_kwargs={"net_arch": [8]}, replay_buffer_class=ClawReplayBuffer,
+                    replay_buffer_kwargs={"redis_url": redis_url})  # fmt: skip
+        rb = model.replay_buffer
+        rb.close()
+        assert rb.recipe["seed"] == rb.seed
+        return rb.seed
+
+    assert seed_of(1) == seed_of(1) != seed_of(2)
+
+
+def test_4_deterministic_batches_come_from_steps_added_before_the_call(
+    redis_url, namespace, workers
+):
+    claw = _buffer(redis_url, namespace, recipe={}, seed=0)
+    _add([claw], 5)
+    first = claw.sample(64).rewards.numpy()
+    _add([claw], 5)
+    assert set(first.ravel()) <= {0.0, 1.0, 2.0, 3.0, 4.0}  # all 5 added, nothing later
+    assert len(set(first.ravel())) == 5
+    claw.close()
+
+
+def test_5_optimize_memory_usage_is_accepted(redis_url, namespace, workers):
+    claw = _buffer(redis_url, namespace, optimize_memory_usage=True)
+    assert claw.optimize_memory_usage
+    _add([claw], 6)
+    assert claw.sample(6).next_observations.shape == (6, 3)
+    claw.close()
+
+
+def test_6_garbage_collection_and_exit_close_the_buffer(redis_url, namespace, workers):
+    claw = _buffer(redis_url, namespace, deterministic=False)
+    _add([claw], 9)  # the newest stays pending until the next add or a close
+    del claw
+    gc.collect()
+    assert Store(redis_url, namespace).count({}) == 9
+
+    script = textwrap.dedent(f"""
+        from tests.test_sb3_parity import _add, _buffer
+        claw = _buffer({redis_url!r}, {namespace + "-exit"!r}, deterministic=False)
+        _add([claw], 7)
+        import builtins; builtins.kept = claw  # alive until the interpreter exits
+    """)
+    out = subprocess.run([sys.executable, "-c", script], env=_env(redis_url), cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert Store(redis_url, namespace + "-exit").count({}) == 7
