@@ -72,3 +72,9 @@ def test_offline_online_mixes_restored_and_fresh_steps(redis_url, workers, names
     for ln in lines:  # the restored half is yesterday's agent, the fresh half today's
         assert "sources {'offline': 32, 'online': 32}" in ln, ln
         assert "agents {'today': 32, 'yesterday': 32}, 32 rows with an orig_id" in ln, ln
+
+
+def test_dataloader_workers_share_one_queue(redis_url, workers, namespace):
+    out = _run_example("dataloader_workers.py", redis_url, "--namespace", namespace,
+                       "--batches", "3", "--num-workers", "2")  # fmt: skip
+    assert "done: 6 batches from 2 DataLoader workers" in out

@@ -1,0 +1,162 @@
+"""SB3 DQN on CartPole with SB3's own buffer vs ClawReplayBuffer, and read-ahead pop latency.
+
+    .venv/bin/python bench/sb3_dqn.py [--steps 50000] [--pops 2000]
+
+rl-zoo hyperparameters (lr 2.3e-3, batch 64, buffer 100k, learning_starts 1000, train_freq
+256, gradient_steps 128, target_update_interval 10, net [256, 256]), seed 0, CPU, one torch
+thread. Starts a private redis-server and one real Celery worker (ingest + prefetch, 2
+processes). Reports, in one run: wall time of each, the trainer's time inside
+``sample()``, the worker's and Redis's CPU seconds during the Claw run, and the p50/p99 of a
+read-ahead ``pop`` of 256 x float32[8] when a batch is ready. Prints markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+import torch
+from stable_baselines3 import DQN
+from stable_baselines3.common.buffers import ReplayBuffer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from conftest import Worker
+
+from claw_tasks.client import Ingestor
+from claw_tasks.redis_server import RedisServer
+from orchestrator.adapters.sb3 import ClawReplayBuffer
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.readahead import ReadAhead
+
+ZOO = dict(learning_rate=2.3e-3, batch_size=64, buffer_size=100_000, learning_starts=1000,
+           gamma=0.99, target_update_interval=10, train_freq=256, gradient_steps=128,
+           exploration_fraction=0.16, exploration_final_eps=0.04,
+           policy_kwargs={"net_arch": [256, 256]})  # fmt: skip
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+class Timed:
+    """Adds up the time spent in ``sample`` (a mixin over either buffer)."""
+
+    sample_s = 0.0
+    samples = 0
+
+    def sample(self, *a, **kw):
+        t = time.perf_counter()
+        out = super().sample(*a, **kw)
+        self.sample_s += time.perf_counter() - t
+        self.samples += 1
+        return out
+
+
+class TimedSB3(Timed, ReplayBuffer):
+    pass
+
+
+class TimedClaw(Timed, ClawReplayBuffer):
+    pass
+
+
+def group_cpu(pgid: int) -> float:
+    """CPU seconds (user + system) of the live processes of a process group."""
+    total = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / TICK
+
+
+def redis_cpu(r: redis.Redis) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def run(cls: type, steps: int, kwargs: dict) -> tuple[float, ReplayBuffer]:
+    model = DQN("MlpPolicy", "CartPole-v1", seed=0, device="cpu", replay_buffer_class=cls,
+                replay_buffer_kwargs=kwargs, **ZOO)  # fmt: skip
+    t = time.perf_counter()
+    model.learn(total_timesteps=steps)
+    return time.perf_counter() - t, model.replay_buffer
+
+
+def pop_latency(url: str, pops: int) -> tuple[float, float]:
+    ns = "bench-readahead"
+    rng = np.random.default_rng(0)
+    n = 20_000
+    ing = Ingestor(ns, url, flush_interval=None, flush_steps=4096, capacity=n + 1)
+    ing.add_batch({"obs": rng.normal(size=(n, 8)).astype(np.float32),
+                   "action": np.zeros(n, np.int64), "reward": np.ones(n, np.float32),
+                   "episode_id": (np.arange(n) // 500).astype(str),
+                   "step_index": np.arange(n) % 500,
+                   "terminated": np.arange(n) % 500 == 499})  # fmt: skip
+    ing.close()
+    client = BatchClient(ns, url)
+    client.register({"name": "v", "batch_size": 256, "fields": ["obs", "reward"],
+                     "sources": [{"name": "all"}], "prefetch": {"depth": 64}})  # fmt: skip
+    ra = ReadAhead(client, "v", count=32)
+    times = []
+    for _ in range(pops):
+        while len(ra) == 0:  # time the pop, not the production
+            time.sleep(0.001)
+        t = time.perf_counter()
+        ra.pop()
+        times.append(time.perf_counter() - t)
+    ra.close()
+    client.close()
+    q = statistics.quantiles(times, n=100)
+    return q[49] * 1e3, q[98] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=50_000)
+    ap.add_argument("--pops", type=int, default=2000)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    with RedisServer() as server:
+        url = server.url
+        os.environ.update(CLAW_REDIS_URL=url, CLAW_BROKER_URL=url)
+        worker = Worker(url, "ingest,prefetch", 2, Path("/tmp/claw-bench-sb3-worker.log"), {})
+        try:
+            r = redis.Redis.from_url(url)
+            sb3_wall, sb3_rb = run(TimedSB3, a.steps, {})
+            w0, r0 = group_cpu(worker.proc.pid), redis_cpu(r)
+            claw_wall, claw_rb = run(
+                TimedClaw, a.steps, {"namespace": "bench-dqn", "gradient_steps": 128}
+            )
+            w1, r1 = group_cpu(worker.proc.pid), redis_cpu(r)
+            claw_rb.close()
+            p50, p99 = pop_latency(url, a.pops)
+        finally:
+            worker.stop()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f}; torch threads 1; {a.steps} steps, seed 0\n")  # fmt: skip
+    print("| buffer | wall s | sample() calls | time in sample() s | per call ms |")
+    print("|---|---|---|---|---|")
+    for name, wall, rb in (("SB3 ReplayBuffer", sb3_wall, sb3_rb),
+                           ("ClawReplayBuffer", claw_wall, claw_rb)):  # fmt: skip
+        per = rb.sample_s / max(rb.samples, 1) * 1e3
+        print(f"| {name} | {wall:.1f} | {rb.samples} | {rb.sample_s:.2f} | {per:.3f} |")
+    print(f"\nwall ratio Claw/SB3: {claw_wall / sb3_wall:.2f}x; sample() time ratio: "
+          f"{claw_rb.sample_s / max(sb3_rb.sample_s, 1e-9):.2f}x; during the Claw run the "
+          f"worker used {w1 - w0:.1f} CPU s and Redis {r1 - r0:.1f} CPU s")  # fmt: skip
+    print(f"\nread-ahead pop of 256 x float32[8] (a batch ready): p50 {p50:.4f} ms, "
+          f"p99 {p99:.4f} ms over {a.pops} pops")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
