@@ -19,11 +19,16 @@ import pytest
 import torch
 from gymnasium import spaces
 from stable_baselines3 import SAC
-from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.buffers import DictReplayBuffer, ReplayBuffer
 from stable_baselines3.common.logger import Logger
 
 from claw_tasks.store import Store
-from orchestrator.adapters.sb3 import ClawReplayBuffer, _with_env_password, _without_password
+from orchestrator.adapters.sb3 import (
+    ClawDictReplayBuffer,
+    ClawReplayBuffer,
+    _with_env_password,
+    _without_password,
+)
 from tests.conftest import ROOT
 
 OBS_SPACES = {
@@ -64,8 +69,13 @@ def _add(buffers: list[ReplayBuffer], steps: int, seed: int = 0, episode: int = 
         done = np.array([t % episode == episode - 1])
         infos = [{"TimeLimit.truncated": bool(done[0] and t % (2 * episode) == episode - 1)}]
         for b in buffers:
-            b.add(np.array([obs]), np.array([nxt]), act, np.array([float(t)]), done, infos)
+            b.add(_one(obs), _one(nxt), act, np.array([float(t)]), done, infos)
         obs = nxt
+
+
+def _one(obs):
+    """One env's observation as SB3 passes it (a leading env axis; per key for Dict)."""
+    return {k: np.array([v]) for k, v in obs.items()} if isinstance(obs, dict) else np.array([obs])
 
 
 def _rows(samples) -> np.ndarray:
@@ -292,3 +302,30 @@ def test_6_garbage_collection_and_exit_close_the_buffer(redis_url, namespace, wo
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert Store(redis_url, namespace + "-exit").count({}) == 7
+
+
+def test_5_dict_observations_match_sb3_dict_replay_buffer(redis_url, namespace, workers):
+    obs = spaces.Dict({k: OBS_SPACES[k] for k in ("box", "image", "discrete", "multibinary")})
+    act = ACTION_SPACES["box"]
+    steps = 15
+    ref = DictReplayBuffer(100, obs, act, device="cpu")
+    claw = ClawDictReplayBuffer(100, obs, act, device="cpu", namespace=namespace,
+                                redis_url=redis_url, timeout=60, deterministic=True,
+                                recipe={"sources": [{"name": "all",
+                                                     "sampler": {"kind": "recent"}}]})  # fmt: skip
+    with pytest.raises(TypeError, match="ClawDictReplayBuffer"):
+        ClawReplayBuffer(100, obs, act, redis_url=redis_url)
+    _add([ref, claw], steps)
+    got, want = claw.sample(steps), ref._get_samples(np.arange(steps))
+    order = np.argsort(got.rewards.numpy().ravel())  # recent: newest first; SB3: oldest
+    for name in ("observations", "next_observations"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert set(g) == set(w) == set(obs.spaces)
+        for key in g:
+            assert g[key].dtype == w[key].dtype and g[key].shape == w[key].shape, key
+            np.testing.assert_array_equal(g[key].numpy()[order], w[key].numpy())
+    for name in ("actions", "dones", "rewards"):
+        np.testing.assert_array_equal(getattr(got, name).numpy()[order],
+                                      getattr(want, name).numpy())  # fmt: skip
+    assert pickle.loads(pickle.dumps(claw)).observation_space == obs
+    claw.close()

@@ -52,7 +52,8 @@ import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import BaseBuffer, ReplayBuffer
-from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.common.preprocessing import get_obs_shape
+from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
 from claw_tasks.client import Episode, Ingestor
@@ -192,7 +193,8 @@ class ClawReplayBuffer(ReplayBuffer):
         drop_on_reset: bool = False,
     ) -> None:
         if isinstance(observation_space, spaces.Dict):
-            raise TypeError("ClawReplayBuffer takes Box/Discrete/... observations, not Dict")
+            raise TypeError("ClawReplayBuffer takes Box/Discrete/... observations; for Dict "
+                            "ones use ClawDictReplayBuffer")  # fmt: skip
         # Not ReplayBuffer.__init__: it allocates the arrays Claw replaces.
         BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs)
         self.buffer_size = max(buffer_size // n_envs, 1)
@@ -437,3 +439,77 @@ class ClawReplayBuffer(ReplayBuffer):
         self.pos, self.full, self._samples = state["pos"], state["full"], state["samples"]
         log.info("ClawReplayBuffer: reconnected to namespace %r at %s", self.namespace,
                  redact_url(kw["redis_url"] or settings.redis_url))  # fmt: skip
+
+
+class ClawDictReplayBuffer(ClawReplayBuffer):
+    """SB3's ``DictReplayBuffer`` on Claw: for ``spaces.Dict`` observations (``MultiInputPolicy``).
+
+    Each observation is stored as one uint8 row, the keys' arrays' bytes side by side (a
+    Claw step has one ``obs`` field, and ``next_obs`` is still stored once); ``sample``
+    unpacks them into SB3's ``DictReplayBufferSamples`` with every key's own dtype and shape.
+    Takes the same options as :class:`ClawReplayBuffer`.
+    """
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Dict,
+        action_space: spaces.Space,
+        device: th.device | str = "auto",
+        n_envs: int = 1,
+        optimize_memory_usage: bool = False,
+        handle_timeout_termination: bool = True,
+        **claw: Any,
+    ) -> None:
+        if not isinstance(observation_space, spaces.Dict):
+            raise TypeError("ClawDictReplayBuffer is for Dict observations; use ClawReplayBuffer")
+        self._layout: list[tuple[str, tuple[int, ...], np.dtype, int, int]] = []
+        offset = 0
+        for key, sub in observation_space.spaces.items():
+            shape, dtype = tuple(get_obs_shape(sub)), np.dtype(sub.dtype)
+            size = int(np.prod(shape)) * dtype.itemsize
+            self._layout.append((key, shape, dtype, offset, size))
+            offset += size
+        packed = spaces.Box(0, 255, (offset,), np.uint8)
+        super().__init__(buffer_size, packed, action_space, device, n_envs,
+                         optimize_memory_usage, handle_timeout_termination, **claw)  # fmt: skip
+        self.observation_space = observation_space
+        self._init_kw["observation_space"] = observation_space  # pickles as it came
+
+    def _pack(self, obs: Mapping[str, Any]) -> np.ndarray:
+        n = self.n_envs
+        parts = [np.ascontiguousarray(np.asarray(obs[key], dtype).reshape(n, *shape))
+                 .reshape(n, -1).view(np.uint8)
+                 for key, shape, dtype, _, _ in self._layout]  # fmt: skip
+        return np.concatenate(parts, axis=1)
+
+    def _unpack(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        n = len(rows)
+        return {key: np.ascontiguousarray(rows[:, off : off + size]).view(dtype).reshape(n, *shape)
+                for key, shape, dtype, off, size in self._layout}  # fmt: skip
+
+    def add(  # type: ignore[override]
+        self,
+        obs: Mapping[str, np.ndarray],
+        next_obs: Mapping[str, np.ndarray],
+        action: np.ndarray,
+        reward: np.ndarray,
+        done: np.ndarray,
+        infos: list[dict[str, Any]],
+    ) -> None:
+        super().add(self._pack(obs), self._pack(next_obs), action, reward, done, infos)
+
+    def to_samples(  # type: ignore[override]
+        self, batch: Batch, env: VecNormalize | None = None
+    ) -> DictReplayBufferSamples:
+        flat = super().to_samples(batch)  # packed observations, no normalization yet
+        obs = self._normalize_obs(self._unpack(batch["obs"]), env)
+        next_obs = self._normalize_obs(self._unpack(batch["next_obs"]), env)
+        rewards = flat.rewards
+        if env is not None:
+            rewards = self.to_torch(self._normalize_reward(flat.rewards.cpu().numpy(), env))
+        return DictReplayBufferSamples(
+            {k: self.to_torch(v) for k, v in obs.items()}, flat.actions,
+            {k: self.to_torch(v) for k, v in next_obs.items()}, flat.dones, rewards,
+            discounts=flat.discounts,
+        )  # fmt: skip

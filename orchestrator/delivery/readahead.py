@@ -31,7 +31,7 @@ class ReadAhead:
 
     def __init__(
         self, client: BatchClient, name: str, *, count: int = 8,
-        max_bytes: int = 64 << 20, poll: float = 1.0,
+        max_bytes: int = 64 << 20, poll: float = 5.0,
     ) -> None:  # fmt: skip
         if count < 1 or max_bytes < 1:
             raise ValueError(f"read-ahead needs count >= 1 and max_bytes >= 1, got {count}, "
@@ -61,7 +61,7 @@ class ReadAhead:
                 return
             try:
                 batch = self._client.pop(self.name, timeout=self.poll)
-            except TimeoutError:
+            except TimeoutError:  # (each explained at some cost: ``poll`` is not short)
                 continue  # the trainer's pop reports a timeout with the full explanation
             except BaseException as e:  # handed to the trainer's next pop
                 with self._cond:
