@@ -139,7 +139,7 @@ def test_yaml_must_be_a_mapping(tmp_path):
         (
             minimal(sources=[{"name": "a", "sampler": {"kind": "prio"}}]),
             "sources.0.sampler.kind",
-            "'uniform', 'priority' or 'recent'",
+            "'uniform', 'priority', 'recent' or 'group'",
         ),
         (
             minimal(sources=[{"name": "a", "window": {"last_steps": 5, "max_age_s": 3}}]),

@@ -29,6 +29,7 @@ from orchestrator.delivery import ratelimit, shm
 from orchestrator.delivery.augstats import RedisStats
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.registry import ACTIVE, Registry
+from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import frame_batch
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.sample import forget_namespace as forget_sessions
@@ -156,9 +157,19 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 state = f"insufficient data: {e}"
                 break
             fields = plan.apply(batch.fields, rng) if plan is not None else batch.fields
-            arrays, meta = collate(fields)
+            ids, weights, source_index = batch.ids, batch.weights, batch.source_index
+            if recipe.tokens is not None:
+                tokens = collate_tokens(fields, ids, batch.groups, recipe.tokens)
+                arrays, meta = collate(tokens.rest)
+                arrays.update(tokens.arrays)
+                ids, weights = ids[tokens.rows], weights[tokens.rows]
+                source_index = source_index[tokens.rows]
+            else:
+                arrays, meta = collate(fields)
+                if batch.groups is not None:
+                    arrays.update(group_arrays(batch.groups))
             frame = frame_batch(
-                arrays, batch.ids, weights=batch.weights, source_index=batch.source_index,
+                arrays, ids, weights=weights, source_index=source_index,
                 sources=batch.sources, recipe_version=recipe.version, meta=meta,
             )  # fmt: skip
             pushed = push(reg, recipe, shm.to_message(frame, reader_host=entry.shm_host))

@@ -14,6 +14,7 @@ from claw_tasks.codec import packb, unpackb
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.groups import claims_key
 
 # Namespaces that have had recipes, for the beat refill (`claw drop` removes one). Written
 # by the workers (a fill adds its namespace) and by :meth:`Registry.put` (setup with full
@@ -155,6 +156,7 @@ class Registry:
             pipe.lrange(self.queue(name), 0, -1)
             pipe.delete(self.recipe_key(name), self.queue(name), self.counters(name))
             pipe.delete(self.refill_lock(name), self.readers(name), self.augment_stats(name))
+            pipe.delete(claims_key(self.base, name))
             pipe.hdel(self.versions_key, name)
             pipe.srem(self.names_key, name)
             return pipe.execute()[0]

@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from claw_tasks.schema import tag_key
-from claw_tasks.where import AGE, FIXED, FilterError, Where
+from claw_tasks.where import AGE, FIXED, FilterError, Where, lookup
 
 RECORD_FIELDS = frozenset({"reward", "terminated", "truncated", "info"})
 """Fields every step record has, whatever the namespace schema (``obs``, ``action`` and the
@@ -79,24 +79,47 @@ class Window(_Model):
         return self
 
 
+GROUP_KEYS = ("group_by", "group_size", "max_wait_s", "partial", "once")
+
+
 class SamplerSpec(_Model):
     """How a source draws its rows; ``alpha`` (default 0.6) and ``beta`` (default 0.4) are
-    for ``priority`` only."""
+    for ``priority`` only, the :data:`GROUP_KEYS` for ``group`` only (``group_size``
+    required there)."""
 
-    kind: Literal["uniform", "priority", "recent"] = "uniform"
+    kind: Literal["uniform", "priority", "recent", "group"] = "uniform"
     alpha: NonNegativeFloat | None = None
     beta: NonNegativeFloat | None = None
+    group_by: StrictStr | None = None
+    group_size: PositiveInt | None = None
+    max_wait_s: PositiveFloat | None = None
+    partial: Literal["drop", "use"] | None = None
+    once: StrictBool | None = None
 
     @model_validator(mode="after")
-    def _priority_only(self) -> Self:
+    def _kind_only(self) -> Self:
         if self.kind == "priority":
             self.alpha = 0.6 if self.alpha is None else self.alpha
             self.beta = 0.4 if self.beta is None else self.beta
-            return self
-        extra = [k for k in ("alpha", "beta") if getattr(self, k) is not None]
-        if extra:
-            raise ValueError(f"{', '.join(extra)}: only for kind: priority")
+        if self.kind == "group":
+            if self.group_size is None:
+                raise ValueError("group_size: required for kind: group")
+            self.group_by = group_key(self.group_by or "prompt_uid")
+            self.partial = self.partial or "drop"
+            self.once = bool(self.once)
+        for kind, keys in (("priority", ("alpha", "beta")), ("group", GROUP_KEYS)):
+            extra = [k for k in keys if self.kind != kind and getattr(self, k) is not None]
+            if extra:
+                raise ValueError(f"{', '.join(extra)}: only for kind: {kind}")
         return self
+
+
+def group_key(name: str) -> str:
+    """The where key a ``group_by`` names: a fixed key, or a free tag with or without its
+    ``tags.`` prefix (``prompt_uid`` is ``tags.prompt_uid``)."""
+    if name in FIXED or name.startswith("tags."):
+        return name
+    return tag_key(name)
 
 
 class Source(_Model):
@@ -152,6 +175,22 @@ class RateLimit(_Model):
     min_size: PositiveInt = 1
 
 
+TOKEN_FIELDS = ("prompt_ids", "response_ids", "response_logprobs")
+"""The fields a ``tokens`` recipe must ask for (``response_mask`` is used when asked for)."""
+
+
+class Tokens(_Model):
+    """Collation of LLM turns into token batches (docs/recipes.md, "Token batches")."""
+
+    mode: Literal["transition", "trajectory"] = "transition"
+    padding_side: Literal["right", "left"] = "right"
+    pad_multiple: PositiveInt = 1
+    pad_token_id: NonNegativeInt = 0
+    max_tokens: PositiveInt | None = None
+    advantage: Literal["grpo", "dr_grpo", "none"] | None = None
+    eps: NonNegativeFloat = 1e-6
+
+
 class Recipe(_Model):
     """A validated recipe. Build with :meth:`from_yaml` or :meth:`model_validate`."""
 
@@ -166,6 +205,7 @@ class Recipe(_Model):
     augment: dict[str, list[dict[str, dict[str, Any] | None]] | Literal["same"]] = {}
     prefetch: Prefetch = Prefetch()
     rate_limit: RateLimit | None = None
+    tokens: Tokens | None = None
     seed: int | None = None
     version: PositiveInt = 1
 
@@ -213,6 +253,7 @@ class Recipe(_Model):
         for i, src in enumerate(self.sources):
             if problem := src.where_error(i, None, self.params):
                 raise ValueError(problem)
+        self._groups_consistent()
         for src, n in zip(self.sources, self.counts, strict=True):
             if n == 0:
                 raise ValueError(
@@ -220,6 +261,33 @@ class Recipe(_Model):
                     f"{src.weight}; raise its weight or the batch size"
                 )
         return self
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the recipe draws whole groups (its sources are ``kind: group``)."""
+        return self.sources[0].sampler.kind == "group"
+
+    def _groups_consistent(self) -> None:
+        kinds = {s.sampler.kind == "group" for s in self.sources}
+        if len(kinds) > 1:
+            raise ValueError("sources: kind: group cannot be mixed with other samplers")
+        if self.grouped and (self.n_step > 1 or self.sequence_length > 1):
+            raise ValueError("kind: group draws whole trajectories: n_step and sequence_length 1")
+        tok = self.tokens
+        if tok is None:
+            return
+        missing = [f for f in TOKEN_FIELDS if f not in self.fields]
+        if missing:
+            raise ValueError(f"tokens: fields must include {', '.join(missing)}")
+        if self.sequence_length > 1 or self.n_step > 1:
+            raise ValueError("tokens: collates single turns: n_step and sequence_length 1")
+        if tok.advantage is None:
+            tok.advantage = "grpo" if self.grouped else "none"
+        if not self.grouped and (tok.mode == "trajectory" or tok.advantage != "none"):
+            raise ValueError(
+                f"tokens: mode {tok.mode} with advantage {tok.advantage} needs whole groups: "
+                "give the sources sampler: {kind: group, group_size: n}"
+            )
 
     @property
     def counts(self) -> list[int]:
@@ -241,6 +309,18 @@ class Recipe(_Model):
         for i, src in enumerate(self.sources):
             if problem := src.where_error(i, schema.tags, self.params):
                 problems.append(problem)
+        for i, src in enumerate(self.sources):
+            by = src.sampler.group_by
+            if by is None:
+                continue
+            try:
+                kind = lookup(by, schema.tags).kind
+            except FilterError as e:
+                kind, why = None, str(e)
+            else:
+                why = f"{by} is a flag; group by a number, a string or episode_id"
+            if kind not in ("num", "code", "episode"):
+                problems.append(f"sources[{i}] ({src.name}).sampler.group_by: {why}")
         problems += self._augment_problems(schema)
         if problems:
             raise RecipeError(f"recipe {self.name!r}: " + "; ".join(problems))

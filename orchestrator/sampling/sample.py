@@ -44,6 +44,7 @@ from claw_tasks.schema import FieldSpec
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import EXPLICIT_NEXT
+from claw_tasks.store.scripts import Lua
 from claw_tasks.where import lookup
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
 from orchestrator.sampling.fetch import (
@@ -53,10 +54,12 @@ from orchestrator.sampling.fetch import (
     info_read,
     payload_read,
 )
+from orchestrator.sampling.groups import Claims, Groups, claims_key
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import Draw, InsufficientData, RecipeSampler
 from orchestrator.sampling.sequences import follow, n_step, windows
 from orchestrator.sampling.strings import Strings
+from orchestrator.sampling.turns import segments, sequence_tokens
 
 _ATTEMPTS = 8  # draws per call before giving up on rows overwritten under us
 
@@ -75,6 +78,7 @@ class SampledBatch:
     source_index: np.ndarray  # int16 (B,): index into ``sources``
     sources: tuple[str, ...]
     recipe_version: int
+    groups: Groups | None = None  # group recipes: each row's group and trajectory
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -207,17 +211,58 @@ class _Session:
         params: Mapping[str, Any] | None,
     ) -> SampledBatch:
         live = {**recipe.params, **(params or {})}
+        once = recipe.grouped and any(s.sampler.once for s in recipe.sources)
+        key = claims_key(self.store.keys.base, recipe.name)
         for _ in range(_ATTEMPTS):
             self.index.sync()
             b = self.bind(recipe)
-            draw = b.sampler.sample(self.index.columns, b.rng if rng is None else rng, live)
+            claims = Claims.from_hash(self.store.r.hgetall(key)) if once else None
+            draw = b.sampler.sample(
+                self.index.columns, b.rng if rng is None else rng, live, claims=claims
+            )
             batch = _Assembly(self, recipe, draw).run()
-            if batch is not None:
+            if batch is None:
+                continue
+            if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
+                batch = _within_budget(batch, recipe)
+            if not once or self._claim(key, batch.groups):  # type: ignore[arg-type]
                 return batch
         raise StoreChangingError(
-            f"recipe {recipe.name!r}: {_ATTEMPTS} draws in a row hit overwritten steps; "
-            "the namespace's capacity is too small for its ingest rate"
+            f"recipe {recipe.name!r}: {_ATTEMPTS} draws in a row hit overwritten steps or "
+            "groups claimed by another worker; the namespace's capacity is too small for its "
+            "ingest rate, or too many prefetch workers share too few groups"
         )
+
+    def _claim(self, key: str, groups: Groups) -> bool:
+        return bool(_CLAIM(self.store.r, [key], [groups.pass_no, *groups.ids]))
+
+
+_CLAIM = Lua("claim", "orchestrator")
+
+
+def _within_budget(batch: SampledBatch, recipe: Recipe) -> SampledBatch:
+    """The batch's leading groups whose sequences hold at most ``tokens.max_tokens`` tokens
+    (at least one group); the rest are left for later draws (unclaimed)."""
+    g = batch.groups
+    assert g is not None and recipe.tokens is not None
+    prompts, responses = batch.fields["prompt_ids"], batch.fields["response_ids"]
+    segs = segments(prompts, responses, g.trajectory, recipe.tokens.mode)
+    tokens = sequence_tokens(prompts, responses, segs)
+    per_group = np.bincount(g.group[[s[0] for s in segs]], tokens, minlength=len(g.ids))
+    keep = max(1, int(np.searchsorted(np.cumsum(per_group), recipe.tokens.max_tokens, "right")))
+    if keep == len(g.ids):
+        return batch
+    rows = np.flatnonzero(g.group < keep)
+    n = len(rows)
+    fields = {
+        k: (v[rows] if isinstance(v, np.ndarray) else [v[i] for i in rows.tolist()])
+        for k, v in batch.fields.items()
+    }
+    groups = Groups(g.group[:n], g.trajectory[:n], g.returns[:n], g.ids[:keep], g.pass_no)
+    return SampledBatch(
+        fields, batch.ids[:n], batch.weights[:n], batch.source_index[:n], batch.sources,
+        batch.recipe_version, groups,
+    )  # fmt: skip
 
 
 def _same(a: Recipe, b: Recipe) -> bool:
@@ -237,7 +282,7 @@ class _Assembly:
         cols, cap = session.index.columns, session.index.cap
         self.cols, self.cap = cols, cap
         length = recipe.sequence_length
-        b = recipe.batch_size
+        b = len(draw.rows)  # a group draw has as many rows as its groups have steps
         self.shape = (b, length) if length > 1 else (b,)
         self.rows = windows(cols, draw.rows, length, cap).ravel() if length > 1 else draw.rows
         self.reads: list[Read] = []
@@ -275,6 +320,7 @@ class _Assembly:
             source_index=self.draw.source,
             sources=tuple(s.name for s in recipe.sources),
             recipe_version=recipe.version,
+            groups=self.draw.groups,
         )
 
     def _read(self, read: Read) -> int:

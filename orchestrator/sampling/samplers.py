@@ -11,6 +11,10 @@ source's candidates are the rows that are alive, trainable and match its ``where
   importance weight w_i = (N * P(i))^-beta / max over the source's rows in the batch.
 - ``recent``: the newest candidates by step id, newest first, without replacement;
   weight 1. Deterministic: the same data gives the same rows.
+- ``group``: whole groups of trajectories (:mod:`orchestrator.sampling.groups`); a
+  source's count is in groups, its rows all their steps; weight 1.
+
+:data:`SAMPLERS` maps each kind to its class.
 
 Windows: ``last_steps: n`` keeps the n newest candidates by step id; ``max_age_s: s``
 keeps the candidates with ``timestamp >= now - s``. A source that cannot fill its rows
@@ -36,33 +40,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from claw_tasks.store.layout import UNTRAINABLE
 from claw_tasks.where import Encoder, Where
 from orchestrator.recipe.model import Recipe, Source
+from orchestrator.sampling.candidates import Columns, InsufficientData, eligible
+from orchestrator.sampling.groups import Claims, GroupIndex, Groups
 from orchestrator.sampling.sequences import n_step, windows
 from orchestrator.sampling.sumtree import MaxTree, SumTree
 
-Columns = Mapping[str, np.ndarray]
 Accept = Callable[[Columns, np.ndarray], np.ndarray]
 _MAX_TRIES = 1 << 20  # draws per source and batch before giving up on rejections
 _MAX_ROUND = 1 << 16
-
-
-def eligible(columns: Columns, rows: np.ndarray | None = None) -> np.ndarray:
-    """Rows that may be sampled at all: alive and trainable."""
-    alive, flags = columns["alive"], columns["flags"]
-    if rows is not None:
-        alive, flags = alive[rows], flags[rows]
-    return alive & ((flags & UNTRAINABLE) == 0)
-
-
-class InsufficientData(RuntimeError):
-    """A source cannot supply its rows of the batch."""
-
-    def __init__(self, source: str, candidates: int, need: int, detail: str = ""):
-        self.source, self.candidates, self.need = source, candidates, need
-        msg = f"source {source!r}: {candidates} candidates, needs {need}"
-        super().__init__(f"{msg} ({detail})" if detail else msg)
 
 
 class Draw(NamedTuple):
@@ -71,12 +58,13 @@ class Draw(NamedTuple):
     rows: np.ndarray  # int64 global rows
     weights: np.ndarray  # float32 importance weights (1 for uniform and recent)
     source: np.ndarray  # int16 index into recipe.sources
+    groups: Groups | None = None  # group sources: which group and trajectory each row is
 
 
 class SourceIndex:
     """One source's candidates and sampling trees, kept current from changed rows."""
 
-    def __init__(self, source: Source, where: Where):
+    def __init__(self, source: Source, where: Where, tags: Mapping[str, str] | None = None):
         self.source, self.where = source, where
         self.kind, self.alpha = source.sampler.kind, source.sampler.alpha
         window = source.window
@@ -280,6 +268,15 @@ class SourceIndex:
                 )
 
 
+SAMPLERS: dict[str, type[SourceIndex] | type[GroupIndex]] = {
+    "uniform": SourceIndex,
+    "priority": SourceIndex,
+    "recent": SourceIndex,
+    "group": GroupIndex,
+}
+"""The class behind each ``sampler.kind`` of a recipe source."""
+
+
 class RecipeSampler:
     """Draws a recipe's batches from the columns of one namespace.
 
@@ -290,7 +287,9 @@ class RecipeSampler:
 
     def __init__(self, recipe: Recipe, encode: Encoder, tags: Mapping[str, str], cap: int):
         self.recipe, self.cap = recipe, cap
-        self.sources = [SourceIndex(s, Where(s.where, tags, encode)) for s in recipe.sources]
+        self.sources = [
+            SAMPLERS[s.sampler.kind](s, Where(s.where, tags, encode), tags) for s in recipe.sources
+        ]
         self.counts = recipe.counts
         self._accept = _acceptor(recipe, cap)
         self._needs_max = any(s.kind == "priority" for s in self.sources)
@@ -322,10 +321,14 @@ class RecipeSampler:
         rng: np.random.Generator,
         params: Mapping[str, Any] | None = None,
         now: float | None = None,
+        claims: Claims | None = None,
     ) -> Draw:
-        """One batch. ``params`` override the recipe's; ``now`` defaults to the clock."""
+        """One batch. ``params`` override the recipe's; ``now`` defaults to the clock;
+        ``claims``: the groups a ``once`` recipe delivered in its current pass."""
         live = {**self.recipe.params, **(params or {})}
         now = time.time() if now is None else now
+        if self.recipe.grouped:
+            return self._groups(columns, rng, live, now, claims)
         max_p = self.max_priority(columns) if self._needs_max else 1.0
         rows, weights, source = [], [], []
         for i, (s, k) in enumerate(zip(self.sources, self.counts, strict=True)):
@@ -334,6 +337,31 @@ class RecipeSampler:
             weights.append(w)
             source.append(np.full(k, i, dtype=np.int16))
         return Draw(np.concatenate(rows), np.concatenate(weights), np.concatenate(source))
+
+    def _groups(
+        self,
+        columns: Columns,
+        rng: np.random.Generator,
+        live: Mapping[str, Any],
+        now: float,
+        claims: Claims | None,
+    ) -> Draw:
+        """Whole groups from each source (``counts`` groups each), numbered across sources."""
+        rows, group, traj, ret, ids, source = [], [], [], [], [], []
+        pass_no = 0
+        for i, (s, k) in enumerate(zip(self.sources, self.counts, strict=True)):
+            r, g = s.draw_groups(columns, live, k, rng, now, claims)
+            rows.append(r)
+            group.append(g.group + len(ids))
+            traj.append(g.trajectory + (int(traj[-1][-1]) + 1 if traj else 0))
+            ret.append(g.returns)
+            ids += g.ids
+            pass_no = max(pass_no, g.pass_no)
+            source.append(np.full(len(r), i, dtype=np.int16))
+        cat = np.concatenate
+        groups = Groups(cat(group), cat(traj), cat(ret), tuple(ids), pass_no)
+        all_rows = cat(rows)
+        return Draw(all_rows, np.ones(len(all_rows), np.float32), cat(source), groups)
 
 
 def _max_leaves(columns: Columns, rows: np.ndarray | None) -> np.ndarray:

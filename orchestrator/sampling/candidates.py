@@ -1,0 +1,29 @@
+"""What every sampler shares: which rows may be drawn at all, and the error a source raises
+when it cannot fill its share of a batch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from claw_tasks.store.layout import UNTRAINABLE
+
+Columns = Mapping[str, np.ndarray]
+
+
+def eligible(columns: Columns, rows: np.ndarray | None = None) -> np.ndarray:
+    """Rows that may be sampled at all: alive and trainable."""
+    alive, flags = columns["alive"], columns["flags"]
+    if rows is not None:
+        alive, flags = alive[rows], flags[rows]
+    return alive & ((flags & UNTRAINABLE) == 0)
+
+
+class InsufficientData(RuntimeError):
+    """A source cannot supply its rows of the batch."""
+
+    def __init__(self, source: str, candidates: int, need: int, detail: str = ""):
+        self.source, self.candidates, self.need = source, candidates, need
+        msg = f"source {source!r}: {candidates} candidates, needs {need}"
+        super().__init__(f"{msg} ({detail})" if detail else msg)

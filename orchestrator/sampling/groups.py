@@ -1,0 +1,228 @@
+"""The ``group`` sampler: whole groups of trajectories of one prompt, for GRPO.
+
+A source with ``sampler: {kind: group, group_by: prompt_uid, group_size: n}`` has the usual
+candidates (alive, trainable, matching its ``where``: a filter such as
+``policy_version >= $min_version`` applies to each step). Over them, vectorized:
+
+- a *trajectory* is the candidates of one episode (the LLM preset's ``trajectory_uid``),
+  ordered by ``step_index``; its key is its first step's ``group_by`` value (steps without
+  one are ignored), its *return* the sum of its steps' rewards (with the gateway's reward
+  rule: the final reward plus any turn rewards). It has *ended* when one of its steps is
+  terminated (``is_last``); rewards are written before that flag, so an ended trajectory
+  has its final reward;
+- the trajectories of one key, in order of their first step id, form groups of n (the first
+  n, the next n, ...: a prompt reused later makes further groups); a group is *complete*
+  when it has n trajectories and all have ended;
+- ``max_wait_s`` (clock: the group's first step's commit time): with ``partial: drop`` a
+  group not complete within it is never drawn; with ``partial: use`` a group still
+  incomplete after it is drawn with the trajectories that have ended (at least one).
+
+A draw takes the source's count of distinct ready groups, uniformly at random; its rows are
+the groups' trajectories in order, each one's steps in order. With ``once: true`` each
+group is delivered once per *pass*: the draw skips the groups claimed in the current pass
+(:class:`Claims`, read from Redis), and when fewer are left than a batch needs, the next
+pass starts (claims cleared), the groups left unclaimed first. The claim itself is made
+after the batch is read, all or nothing, by ``lua/claim.lua``, so workers that race never
+deliver a group twice in one pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from claw_tasks.store.layout import TERMINATED
+from claw_tasks.where import Where, lookup
+from orchestrator.recipe.model import Source
+from orchestrator.sampling.candidates import Columns, InsufficientData, eligible
+
+PASS_FIELD = "~pass"
+"""Field of the claims hash holding the current pass (group ids cannot start with ``~``)."""
+
+
+def claims_key(base: str, recipe: str) -> str:
+    """Hash of a ``once`` recipe's claims: group id -> the pass it was delivered in."""
+    return f"{base}claims:{recipe}"
+
+
+class Claims(NamedTuple):
+    """The current pass of a ``once`` recipe and the groups delivered in it."""
+
+    pass_no: int
+    claimed: frozenset[str]
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[bytes, bytes]) -> Claims:
+        pass_no = int(raw.get(PASS_FIELD.encode(), 0))
+        done = frozenset(k.decode() for k, v in raw.items() if int(v) == pass_no)
+        return cls(pass_no, done - {PASS_FIELD})
+
+
+class Groups(NamedTuple):
+    """A batch's group structure, per drawn row (rows of a group and of a trajectory are
+    contiguous, groups in draw order)."""
+
+    group: np.ndarray  # int32: the row's group, numbered in the batch from 0
+    trajectory: np.ndarray  # int32: the row's trajectory, numbered in the batch from 0
+    returns: np.ndarray  # float32: its trajectory's return
+    ids: tuple[str, ...]  # per group: its id (what once-claims record)
+    pass_no: int  # the pass the groups were drawn for (once); 0 otherwise
+
+
+class _Table(NamedTuple):
+    rows: np.ndarray  # candidate rows with a key, by trajectory then step_index
+    t_start: np.ndarray  # per trajectory (by key, first id): its first position in rows
+    t_len: np.ndarray
+    ended: np.ndarray  # per trajectory: bool
+    ret: np.ndarray  # per trajectory: float64 return
+    g_start: np.ndarray  # per group: its first trajectory
+    g_size: np.ndarray
+    g_ended: np.ndarray
+    g_t0: np.ndarray  # first commit time
+    g_done: np.ndarray  # last terminated step's commit time (-inf: none)
+    g_key: np.ndarray
+    g_chunk: np.ndarray
+
+
+class GroupIndex:
+    """One ``group`` source: its candidates, and the group table built from them."""
+
+    def __init__(self, source: Source, where: Where, tags: Mapping[str, str]):
+        self.source, self.where = source, where
+        spec = source.sampler
+        self.kind, self.size = spec.kind, int(spec.group_size or 1)
+        self.key = lookup(spec.group_by, tags)
+        self.n = 0
+        self.version = 0
+        self._params: Mapping[str, Any] = {}
+        self._key: tuple[Any, ...] | None = None
+        self._cand: np.ndarray | None = None
+        self._table: tuple[int, _Table] | None = None
+
+    def invalidate(self) -> None:
+        self._cand, self._table = None, None
+
+    def refresh(self, columns: Columns, rows: np.ndarray) -> None:
+        """Re-evaluate ``rows``: any change (a reward, a terminated flag) can complete a group."""
+        if self._cand is None:
+            return
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        cand = eligible(columns, rows) & self.where.mask(columns, self._params, rows)
+        self.n += int(cand.sum()) - int(self._cand[rows].sum())
+        self._cand[rows] = cand
+        self.version += 1
+
+    def draw_groups(
+        self,
+        columns: Columns,
+        params: Mapping[str, Any],
+        k: int,
+        rng: np.random.Generator,
+        now: float,
+        claims: Claims | None,
+    ) -> tuple[np.ndarray, Groups]:
+        """``k`` ready groups: their rows and structure."""
+        key = self.where.key(params)
+        if self._cand is None or key != self._key:
+            self._cand = eligible(columns) & self.where.mask(columns, params)
+            self._params, self._key = dict(params), key
+            self.n = int(self._cand.sum())
+            self.version += 1
+        t = self._groups(columns)
+        ready = np.flatnonzero(self._ready(t, now))
+        name = self.source.name
+        if len(ready) < k:
+            raise InsufficientData(name, len(ready), k, "complete groups")
+        ids = [f"{name}|{float(t.g_key[g])!r}|{int(t.g_chunk[g])}" for g in ready.tolist()]
+        pass_no = 0
+        if claims is None:
+            pick = rng.choice(len(ready), size=k, replace=False)
+        else:
+            fresh = np.array([i not in claims.claimed for i in ids], dtype=bool)
+            pass_no = claims.pass_no
+            left, done = np.flatnonzero(fresh), np.flatnonzero(~fresh)
+            if len(left) >= k:
+                pick = rng.permutation(left)[:k]
+            else:  # the pass is used up: the next starts with the groups left over
+                pass_no += 1
+                pick = np.concatenate([rng.permutation(left), rng.permutation(done)])[:k]
+        return self._rows(columns, t, ready[pick], [ids[i] for i in pick.tolist()], pass_no)
+
+    def _ready(self, t: _Table, now: float) -> np.ndarray:
+        n, spec = self.size, self.source.sampler
+        complete = (t.g_size == n) & (t.g_ended == n)
+        if spec.max_wait_s is None:
+            return complete
+        if spec.partial == "drop":
+            return complete & (t.g_done - t.g_t0 <= spec.max_wait_s)
+        return complete | ((now - t.g_t0 > spec.max_wait_s) & (t.g_ended > 0))
+
+    def _rows(
+        self, columns: Columns, t: _Table, picked: np.ndarray, ids: list[str], pass_no: int
+    ) -> tuple[np.ndarray, Groups]:
+        parts, group, traj, ret = [], [], [], []
+        j = 0
+        for g_no, g in enumerate(picked.tolist()):
+            for tr in range(t.g_start[g], t.g_start[g] + t.g_size[g]):
+                if not t.ended[tr]:
+                    continue
+                part = t.rows[t.t_start[tr] : t.t_start[tr] + t.t_len[tr]]
+                parts.append(part)
+                group.append(np.full(len(part), g_no, np.int32))
+                traj.append(np.full(len(part), j, np.int32))
+                ret.append(np.full(len(part), t.ret[tr], np.float32))
+                j += 1
+        rows = np.concatenate(parts)
+        cat = np.concatenate
+        return rows, Groups(cat(group), cat(traj), cat(ret), tuple(ids), pass_no)
+
+    def _groups(self, columns: Columns) -> _Table:
+        """The group table of the current candidates, cached per version."""
+        if self._table is not None and self._table[0] == self.version:
+            return self._table[1]
+        rows = np.flatnonzero(self._cand)
+        kv = columns[self.key.column][rows]
+        has = ~np.isnan(kv) if kv.dtype.kind == "f" else kv != 0
+        rows, kv = rows[has], kv[has].astype(np.float64)
+        ep = columns["episode"][rows]
+        order = np.lexsort((columns["step_index"][rows], ep))
+        rows, kv, ep = rows[order], kv[order], ep[order]
+        starts = _runs(ep)
+        if not len(rows):
+            empty = np.zeros(0, np.int64)
+            table = _Table(rows, *([empty] * 4), *([empty] * 7))
+            self._table = (self.version, table)
+            return table
+        term = (columns["flags"][rows] & TERMINATED) != 0
+        ts = columns["timestamp"][rows]
+        lens = np.diff(np.r_[starts, len(rows)])
+        first = np.minimum.reduceat(columns["id"][rows], starts)
+        ended = np.maximum.reduceat(term.astype(np.int8), starts).astype(bool)
+        ret = np.add.reduceat(columns["reward"][rows].astype(np.float64), starts)
+        t0 = np.minimum.reduceat(ts, starts)
+        done = np.maximum.reduceat(np.where(term, ts, -np.inf), starts)
+        key = kv[starts]
+        by = np.lexsort((first, key))  # trajectories by key, then first step id
+        key = key[by]
+        k_start = _runs(key)
+        run = np.cumsum(np.r_[True, key[1:] != key[:-1]]) - 1
+        chunk = (np.arange(len(by)) - k_start[run]) // self.size
+        g_start = np.flatnonzero(np.r_[True, (key[1:] != key[:-1]) | (chunk[1:] != chunk[:-1])])
+        table = _Table(
+            rows, starts[by], lens[by], ended[by], ret[by],
+            g_start, np.diff(np.r_[g_start, len(by)]),
+            np.add.reduceat(ended[by].astype(np.int64), g_start),
+            np.minimum.reduceat(t0[by], g_start), np.maximum.reduceat(done[by], g_start),
+            key[g_start], chunk[g_start],
+        )  # fmt: skip
+        self._table = (self.version, table)
+        return table
+
+
+def _runs(values: np.ndarray) -> np.ndarray:
+    """Start positions of the runs of equal values."""
+    if not len(values):
+        return np.zeros(0, np.int64)
+    return np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
