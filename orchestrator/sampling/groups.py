@@ -6,10 +6,10 @@ candidates (alive, trainable, matching its ``where``: a filter such as
 
 - a *trajectory* is the candidates of one episode (the LLM preset's ``trajectory_uid``),
   ordered by ``step_index``; its key is its first step's ``group_by`` value (steps without
-  one are ignored), its *return* the sum of its steps' rewards (with the gateway's reward
-  rule: the final reward plus any turn rewards). It has *ended* when one of its steps is
-  terminated (``is_last``); rewards are written before that flag, so an ended trajectory
-  has its final reward;
+  one are ignored), its *return* its ``tags.final_reward`` where set (the outcome posted
+  with ``attach_rewards``), else the sum of its steps' rewards. It has *ended* when one of
+  its steps is terminated (``is_last``); rewards are written before that flag, so an ended
+  trajectory has its final reward;
 - the trajectories of one key, in order of their first step id, form groups of n (the first
   n, the next n, ...: a prompt reused later makes further groups); a group is *complete*
   when it has n trajectories and all have ended;
@@ -33,11 +33,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from claw_tasks.schema import tag_column
 from claw_tasks.store.layout import TERMINATED
 from claw_tasks.where import Where, lookup
 from orchestrator.recipe.model import Source
 from orchestrator.sampling.candidates import Columns, InsufficientData, eligible
 
+FINAL = tag_column("final_reward")
+"""The column of the LLM preset's final (outcome) reward: a trajectory's return where set."""
 PASS_FIELD = "~pass"
 """Field of the claims hash holding the current pass (group ids cannot start with ``~``)."""
 
@@ -201,6 +204,9 @@ class GroupIndex:
         first = np.minimum.reduceat(columns["id"][rows], starts)
         ended = np.maximum.reduceat(term.astype(np.int8), starts).astype(bool)
         ret = np.add.reduceat(columns["reward"][rows].astype(np.float64), starts)
+        if FINAL in columns:  # the outcome the gateway posted, where it did
+            final = np.fmax.reduceat(columns[FINAL][rows], starts)
+            ret = np.where(np.isnan(final), ret, final)
         t0 = np.minimum.reduceat(ts, starts)
         done = np.maximum.reduceat(np.where(term, ts, -np.inf), starts)
         key = kv[starts]
