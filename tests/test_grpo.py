@@ -332,3 +332,39 @@ def test_torch_adapter_and_the_verl_and_trl_layouts(side):
     np.testing.assert_array_equal(trl["completion_mask"].numpy(), v["response_mask"].numpy())
     np.testing.assert_array_equal(trl["prompt_ids"].numpy(), v["prompts"].numpy())
     assert trl["advantages"].shape == (2,)
+
+
+def run_toy(redis_url: str, namespace: str, *args: str, timeout: float = 300) -> str:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(root)}
+    env.pop("CLAW_BROKER_URL", None)
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "grpo_toy.py"), "--namespace", namespace, *args],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_grpo_toy_loop_runs_and_groups_arrive_complete(redis_url, workers, namespace):
+    out = run_toy(redis_url, namespace, "--updates", "4", "--groups", "4", "--group-size", "4")
+    lines = [ln for ln in out.splitlines() if ln.startswith("update ")]
+    assert len(lines) == 4, out
+    assert all(" 4 groups of [4] trajectories" in ln for ln in lines), out
+    assert "done: 4 updates" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_grpo_toy_learns(redis_url, workers, namespace):
+    """With seed 0 the success rate rises by at least 30 points within the 5-minute budget."""
+    import re
+
+    out = run_toy(redis_url, namespace, "--updates", "400", "--budget-s", "300", timeout=420)
+    gain = float(re.search(r"\(([+-][\d.]+) points\)", out).group(1))
+    assert gain >= 30, out
