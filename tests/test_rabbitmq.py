@@ -36,7 +36,10 @@ AMQP = os.environ.get("CLAW_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
 
 
 def _rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
+    done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60)
+    if done.returncode:  # e.g. not root: rabbitmqctl needs the node's Erlang cookie
+        pytest.fail(f"rabbitmqctl {' '.join(args)}: {done.stderr.decode()[-500:]} (run the "
+                    "tests as a user that may run rabbitmqctl)")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
