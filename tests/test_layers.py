@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a package may import the ones before it, never the ones after.
 LAYERS = [
     "transforms", "recipe", "sampling", "delivery", "maintenance", "adapters",
-    "inspect", "web", "cli",
+    "inspect", "web", "gateway", "cli",
 ]
 
 

@@ -326,6 +326,63 @@ def metrics(
 
 
 @app.command()
+@_friendly
+def gateway(
+    ctx: typer.Context,
+    upstream: Annotated[str, typer.Option(help="The inference server's base URL (no /v1)")],
+    namespace: Annotated[str, typer.Option(help="Namespace the turns are recorded into")],
+    port: int = 8100,
+    address: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(help="tokenizer.json for upstreams that return no token ids"),
+    ] = None,
+    vllm_options: Annotated[
+        bool, typer.Option(help="Ask for token ids with vLLM's return_token_ids options")
+    ] = True,
+    max_body_bytes: int = 8 * 1024 * 1024,
+    max_turns: Annotated[int, typer.Option(help="Calls allowed per trajectory")] = 256,
+    policy_version: Annotated[
+        int | None, typer.Option(help="Recorded as each turn's policy_version")
+    ] = None,
+) -> None:
+    """OpenAI-compatible capture gateway: agents call it (base_url
+    http://HOST:PORT/t/<trajectory>/g/<group>/v1, api_key = CLAW_GATEWAY_TOKEN), it forwards
+    to UPSTREAM and records every call as a step; POST /t/<trajectory>/reward (token
+    CLAW_GATEWAY_REWARD_TOKEN, default CLAW_GATEWAY_TOKEN) attaches rewards. docs/llm.md."""
+    from orchestrator.gateway import GatewayConfig, serve
+
+    token = os.environ.get("CLAW_GATEWAY_TOKEN")
+    if not token:
+        raise ValueError(
+            "CLAW_GATEWAY_TOKEN is not set: the gateway needs a token agents send as their "
+            "API key (e.g. export CLAW_GATEWAY_TOKEN=$(openssl rand -hex 16))"
+        )
+    if tokenizer is not None and not tokenizer.is_file():
+        raise ValueError(f"--tokenizer {tokenizer}: no such file")
+    url, server = ensure_redis(ctx.obj)
+    config = GatewayConfig(
+        upstream=upstream, namespace=namespace, token=token, redis_url=url,
+        reward_token=os.environ.get("CLAW_GATEWAY_REWARD_TOKEN") or None,
+        upstream_key=os.environ.get("CLAW_UPSTREAM_API_KEY") or None,
+        tokenizer=str(tokenizer) if tokenizer else None, vllm_options=vllm_options,
+        max_body_bytes=max_body_bytes, max_turns=max_turns, policy_version=policy_version,
+    )  # fmt: skip
+    Console().print(
+        f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
+        f"(store {redact_url(url)}); Ctrl-C stops"
+    )
+    _stop_on_sigterm()
+    try:
+        serve(config, address, port)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server is not None:
+            server.stop()
+
+
+@app.command()
 def acl(
     namespace: str,
     user: str,

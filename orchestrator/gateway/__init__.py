@@ -1,0 +1,19 @@
+"""The capture gateway (``claw gateway``): OpenAI-compatible calls in, steps out."""
+
+from __future__ import annotations
+
+from orchestrator.gateway.app import GatewayConfig, create_app
+
+
+def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8100) -> None:
+    """Run the gateway until interrupted (uvicorn, one process; the recorder flushes on
+    shutdown)."""
+    import uvicorn
+
+    uvicorn.run(
+        create_app(config), host=host, port=port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=30,
+    )  # fmt: skip
+
+
+__all__ = ["GatewayConfig", "create_app", "serve"]

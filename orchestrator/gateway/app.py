@@ -1,0 +1,358 @@
+"""The capture gateway: an OpenAI-compatible HTTP server in front of an inference server.
+Agents set their client's ``base_url`` to ``http://gateway/t/<trajectory>/g/<group>/v1``
+(or send ``X-Claw-Trajectory`` / ``X-Claw-Group`` headers to ``/v1``); each call is
+forwarded, its reply passed back byte for byte, and afterwards recorded as one step.
+docs/llm.md is the reference (routes, auth, limits, the reward rule)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from claw_tasks.client import IngestError, Ingestor
+from claw_tasks.schema import Schema
+from claw_tasks.settings import load_settings
+from claw_tasks.store import Store
+from orchestrator.gateway.capture import CHAT, COMPLETION, CaptureError, Retokenizer, upstream_body
+from orchestrator.gateway.metrics import GatewayMetrics
+from orchestrator.gateway.recorder import Call, Recorder, TrajectoryError
+
+UID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
+TAG_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
+MAX_TAGS = 8
+NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
+
+
+@dataclass
+class GatewayConfig:
+    """Everything ``claw gateway`` is configured with. ``token`` authenticates agents
+    (their OpenAI API key); ``reward_token`` the reward endpoint (defaults to ``token``);
+    ``upstream_key`` is what the gateway sends upstream (agents never see it)."""
+
+    upstream: str
+    namespace: str
+    token: str
+    redis_url: str | None = None
+    reward_token: str | None = None
+    upstream_key: str | None = None
+    tokenizer: str | None = None
+    vllm_options: bool = True
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_turns: int = 256
+    upstream_timeout: float = 600.0
+    policy_version: int | None = None
+    queue_size: int = 10_000
+
+
+def error(status: int, message: str, kind: str, code: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body (what OpenAI clients parse into their exceptions)."""
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}, status
+    )
+
+
+class _Refused(Exception):
+    def __init__(self, response: JSONResponse) -> None:
+        self.response = response
+
+
+def _bearer(request: Request, expected: str) -> None:
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+        raise _Refused(
+            error(401, "missing or wrong bearer token (the gateway's token, "
+                  "CLAW_GATEWAY_TOKEN, is the agents' API key)",
+                  "authentication_error", "invalid_api_key")
+        )  # fmt: skip
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _Refused(_too_large(limit))
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise _Refused(_too_large(limit))
+    return bytes(buf)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return error(413, f"request body over {limit} bytes (claw gateway --max-body-bytes)",
+                 "invalid_request_error", "body_too_large")  # fmt: skip
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise _Refused(error(400, f"body is not JSON: {e}", "invalid_request_error")) from None
+    if not isinstance(obj, dict):
+        raise _Refused(error(400, "body must be a JSON object", "invalid_request_error"))
+    return obj
+
+
+def _identity(request: Request) -> tuple[str, str | None]:
+    traj = request.path_params.get("trajectory") or request.headers.get("x-claw-trajectory")
+    group = request.path_params.get("group") or request.headers.get("x-claw-group")
+    if not traj:
+        raise _Refused(error(
+            400, "no trajectory id: call /t/<trajectory>/g/<group>/v1/... or send an "
+            "X-Claw-Trajectory header", "invalid_request_error", "missing_trajectory",
+        ))  # fmt: skip
+    for what, v in (("trajectory", traj), ("group", group)):
+        if v is not None and not UID.match(v):
+            raise _Refused(error(
+                400, f"{what} id {v[:40]!r} must be 1-200 characters of A-Z a-z 0-9 . _ : @ + = -",
+                "invalid_request_error", f"bad_{what}",
+            ))  # fmt: skip
+    return traj, group
+
+
+def _tags(request: Request) -> dict[str, Any]:
+    """Free tags from ``X-Claw-Tags: task=math,difficulty=2`` (numbers are numeric)."""
+    raw = request.headers.get("x-claw-tags")
+    if not raw:
+        return {}
+    tags: dict[str, Any] = {}
+    for part in raw.split(","):
+        name, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not TAG_NAME.match(name) or not value or len(value) > 200:
+            raise _Refused(error(
+                400, f"X-Claw-Tags entry {part[:60]!r}: write name=value, names lower-case "
+                "a-z0-9_, values up to 200 characters", "invalid_request_error", "bad_tags",
+            ))  # fmt: skip
+        tags[name] = float(value) if NUMBER.match(value) else value
+    if len(tags) > MAX_TAGS:
+        raise _Refused(error(400, f"at most {MAX_TAGS} tags", "invalid_request_error", "bad_tags"))
+    return tags
+
+
+class Gateway:
+    """The app's state: config, upstream client, recorder, metrics."""
+
+    def __init__(self, config: GatewayConfig, ingestor: Ingestor | None = None) -> None:
+        if not config.token:
+            raise ValueError("the gateway needs a token (CLAW_GATEWAY_TOKEN)")
+        self.config = config
+        self.metrics = GatewayMetrics()
+        if ingestor is None:
+            store = Store(config.redis_url or load_settings().redis_url, config.namespace)
+            has_schema = store.exists() and store.config(refresh=True).schema is not None
+            store.r.close()
+            ingestor = Ingestor(
+                config.namespace, config.redis_url, flush_interval=0.5,
+                schema=None if has_schema else Schema.llm(),
+            )  # fmt: skip
+        retok = Retokenizer(config.tokenizer) if config.tokenizer else None
+        self.recorder = Recorder(
+            ingestor, self.metrics, retokenizer=retok, max_turns=config.max_turns,
+            queue_size=config.queue_size, policy_version=config.policy_version,
+        )  # fmt: skip
+        self.metrics.track_backlog(lambda: self.recorder.backlog)
+        headers = {"accept-encoding": "identity"}
+        if config.upstream_key:
+            headers["authorization"] = f"Bearer {config.upstream_key}"
+        self.client = httpx.AsyncClient(
+            base_url=config.upstream.rstrip("/"), headers=headers,
+            timeout=httpx.Timeout(config.upstream_timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200),
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        await run_in_threadpool(self.recorder.close)
+
+    # ---- routes -------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._forward(request, CHAT, "/v1/chat/completions")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._forward(request, COMPLETION, "/v1/completions")
+
+    async def _forward(self, request: Request, kind: str, path: str) -> Response:
+        try:
+            _bearer(request, self.config.token)
+            traj, group = _identity(request)
+            tags = _tags(request)
+            payload = _json_object(await _body(request, self.config.max_body_bytes))
+            try:
+                body = upstream_body(kind, payload, self.config.vllm_options)
+            except (CaptureError, TypeError, ValueError) as e:
+                raise _Refused(error(400, str(e), "invalid_request_error")) from None
+            try:
+                self.recorder.admit(traj)
+            except TrajectoryError as e:
+                raise _Refused(error(409, str(e), "invalid_request_error", "trajectory")) from None
+        except _Refused as r:
+            self.metrics.requests.labels(kind, r.response.status_code).inc()
+            return r.response
+        req = self.client.build_request(
+            "POST", path, content=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        with self.metrics.upstream_seconds.time():
+            try:
+                resp = await self.client.send(req, stream=True)
+            except httpx.HTTPError as e:
+                self.recorder.refund(traj)
+                self.metrics.requests.labels(kind, 502).inc()
+                return error(502, f"upstream {self.config.upstream} failed: "
+                             f"{type(e).__name__}: {e}", "upstream_error")  # fmt: skip
+        media = resp.headers.get("content-type", "application/json")
+        self.metrics.requests.labels(kind, resp.status_code).inc()
+        if resp.status_code != 200:  # passed through, recorded as nothing
+            content = await resp.aread()
+            await resp.aclose()
+            self.recorder.refund(traj)
+            return Response(content, resp.status_code, media_type=media)
+
+        def call(reply: bytes, streamed: bool) -> Call:
+            return Call(traj, group, kind, payload, reply, streamed, tags)
+
+        if not payload.get("stream"):
+            content = await resp.aread()
+            await resp.aclose()
+
+            async def record() -> None:  # after the response is sent
+                self.recorder.submit(call(content, False))
+
+            return Response(content, 200, media_type=media, background=BackgroundTask(record))
+
+        async def relay() -> AsyncIterator[bytes]:
+            # Clients close the connection once they read [DONE], which may cancel this
+            # generator at its last yield: a reply whose final event arrived is complete.
+            buf = bytearray()
+            done = False
+            try:
+                async for chunk in resp.aiter_raw():
+                    buf += chunk
+                    yield chunk
+                done = True
+            finally:
+                if done or buf.rstrip().endswith(b"data: [DONE]"):
+                    self.recorder.submit(call(bytes(buf), True))
+                else:
+                    self.recorder.refund(traj)
+                await resp.aclose()
+
+        return StreamingResponse(relay(), 200, media_type=media)
+
+    async def reward(self, request: Request) -> Response:
+        try:
+            _bearer(request, self.config.reward_token or self.config.token)
+            traj, _ = _identity(request)
+            body = _json_object(await _body(request, self.config.max_body_bytes))
+            final, turns, source = _reward_body(body)
+        except _Refused as r:
+            self.metrics.requests.labels("reward", r.response.status_code).inc()
+            return r.response
+        try:
+            n = await run_in_threadpool(self.recorder.reward, traj, final, turns, source)
+        except TrajectoryError as e:
+            return self._count("reward", error(409, str(e), "invalid_request_error", "trajectory"))
+        except (KeyError, ValueError) as e:
+            msg = e.args[0] if e.args else str(e)
+            return self._count("reward", error(409, msg, "invalid_request_error", "trajectory"))
+        except IngestError as e:
+            return self._count("reward", error(503, str(e), "store_unavailable"))
+        return self._count("reward", JSONResponse({"trajectory_uid": traj, "turns": n}))
+
+    def _count(self, route: str, response: Response) -> Response:
+        self.metrics.requests.labels(route, response.status_code).inc()
+        return response
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse(
+            {"status": "ok", "namespace": self.config.namespace,
+             "record_backlog": self.recorder.backlog}
+        )  # fmt: skip
+
+    async def metrics_page(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _reward_body(body: dict[str, Any]) -> tuple[float, list[float] | None, str | None]:
+    def number(v: Any, what: str) -> float:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise _Refused(error(400, f"{what} must be a finite number",
+                                 "invalid_request_error", "bad_reward"))  # fmt: skip
+        return float(v)
+
+    unknown = set(body) - {"final_reward", "turn_rewards", "reward_source"}
+    if unknown or "final_reward" not in body:
+        raise _Refused(error(
+            400, "reward body: {\"final_reward\": number, \"turn_rewards\": [numbers] "
+            "(optional, one per recorded turn), \"reward_source\": string (optional)}",
+            "invalid_request_error", "bad_reward",
+        ))  # fmt: skip
+    final = number(body["final_reward"], "final_reward")
+    turns = body.get("turn_rewards")
+    if turns is not None:
+        if not isinstance(turns, list):
+            raise _Refused(error(400, "turn_rewards must be a list", "invalid_request_error"))
+        turns = [number(v, "each turn reward") for v in turns]
+    source = body.get("reward_source")
+    if source is not None and (not isinstance(source, str) or not 0 < len(source) <= 64):
+        raise _Refused(error(400, "reward_source must be a string of 1-64 characters",
+                             "invalid_request_error"))  # fmt: skip
+    return final, turns, source
+
+
+def create_app(config: GatewayConfig, ingestor: Ingestor | None = None) -> Starlette:
+    """The Starlette app; the gateway (Redis connection, recorder thread, upstream
+    client) starts with the app's lifespan and is closed, flushed, with it."""
+    holder: dict[str, Gateway] = {}
+
+    def route(name: str) -> Any:
+        async def handler(request: Request) -> Response:
+            return await getattr(holder["gw"], name)(request)
+
+        return handler
+
+    routes = []
+    for prefix in ("", "/t/{trajectory}", "/t/{trajectory}/g/{group}"):
+        routes += [
+            Route(prefix + "/v1/chat/completions", route("chat"), methods=["POST"]),
+            Route(prefix + "/v1/completions", route("completions"), methods=["POST"]),
+        ]
+    routes += [
+        Route("/t/{trajectory}/reward", route("reward"), methods=["POST"]),
+        Route("/healthz", route("healthz"), methods=["GET"]),
+        Route("/metrics", route("metrics_page"), methods=["GET"]),
+    ]
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        holder["gw"] = await run_in_threadpool(Gateway, config, ingestor)
+        try:
+            yield
+        finally:
+            await holder["gw"].close()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                     "invalid_request_error")  # fmt: skip
+
+    return Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error}
+    )

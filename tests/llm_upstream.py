@@ -1,0 +1,179 @@
+"""An inference server for the gateway tests that speaks the OpenAI API the way vLLM does:
+with ``return_token_ids`` it returns ``prompt_token_ids`` (chat: top level; completions:
+per choice; streams: first chunk) and per-choice ``token_ids`` (streams: per chunk); with
+``return_tokens_as_token_ids`` log-prob tokens are ``token_id:<n>``. Token ids come from a
+real tokenizer (a tokenizer.json), log-probs from a fixed function of position and id.
+Every generation is appended to ``GET /_log`` so tests compare the store with the truth.
+
+Behaviour: a chat whose last message is a tool result answers with it; a chat that offers
+tools calls ``add`` on the two numbers in the last user message; anything else answers
+"ok". ``model="fail"`` answers 500. Run: ``python -m tests.llm_upstream PORT TOKENIZER``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from tokenizers import Tokenizer
+
+from orchestrator.gateway.capture import render_chat
+
+
+def logprob(pos: int, token_id: int) -> float:
+    return -(((token_id * 31 + pos * 17) % 997) / 250.0) - 0.001
+
+
+class Upstream:
+    def __init__(self, tokenizer_path: str) -> None:
+        self.tok = Tokenizer.from_file(tokenizer_path)
+        self.log: list[dict[str, Any]] = []
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def piece(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
+    def _reply(self, messages: list[dict[str, Any]], tools: Any) -> tuple[str, str | None, Any]:
+        """(raw text the model emits, content, tool_calls)."""
+        last = messages[-1]
+        if last.get("role") == "tool":
+            content = f"The answer is {last.get('content')}."
+            return content, content, None
+        if tools:
+            a, b = (int(x) for x in re.findall(r"\d+", str(last.get("content")))[:2])
+            args = json.dumps({"a": a, "b": b})
+            call = {"id": f"call_{a}_{b}", "type": "function",
+                    "function": {"name": "add", "arguments": args}}  # fmt: skip
+            raw = f'<tool_call>{{"name": "add", "arguments": {args}}}</tool_call>'
+            return raw, None, [call]
+        return "ok, done", "ok, done", None
+
+    async def chat(self, request: Request) -> Response:
+        body = await request.json()
+        if body.get("model") == "fail":
+            return JSONResponse({"error": {"message": "model overloaded", "type": "server_error",
+                                           "param": None, "code": None}}, 500)  # fmt: skip
+        messages = body["messages"]
+        prompt_ids = self.encode(render_chat(messages))
+        raw, content, calls = self._reply(messages, body.get("tools"))
+        ids = self.encode(raw)
+        lps = [logprob(i, t) for i, t in enumerate(ids)]
+        self.log.append({"prompt_ids": prompt_ids, "response_ids": ids, "logprobs": lps})
+        want_ids = bool(body.get("return_token_ids"))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+
+        def entry(i: int) -> dict[str, Any]:
+            tok = f"token_id:{ids[i]}" if as_ids else self.piece(ids[i])
+            return {"token": tok, "logprob": lps[i], "bytes": None, "top_logprobs": []}
+
+        head = {"id": "chatcmpl-sim", "created": int(time.time()), "model": body["model"]}
+        finish = "tool_calls" if calls else "stop"
+        if not body.get("stream"):
+            choice: dict[str, Any] = {
+                "index": 0, "finish_reason": finish,
+                "message": {"role": "assistant", "content": content, "tool_calls": calls or []},
+                "logprobs": {"content": [entry(i) for i in range(len(ids))]}
+                if body.get("logprobs") else None,
+            }  # fmt: skip
+            out = {**head, "object": "chat.completion", "choices": [choice],
+                   "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                             "total_tokens": len(prompt_ids) + len(ids)}}  # fmt: skip
+            if want_ids:
+                choice["token_ids"] = ids
+                out["prompt_token_ids"] = prompt_ids
+            return JSONResponse(out)
+
+        def events() -> Any:
+            for i in range(len(ids)):
+                delta: dict[str, Any] = {"content": self.piece(ids[i]) if content else ""}
+                if i == 0:
+                    delta["role"] = "assistant"
+                c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None,
+                                     "logprobs": {"content": [entry(i)]}}  # fmt: skip
+                if want_ids:
+                    c["token_ids"] = [ids[i]]
+                chunk = {**head, "object": "chat.completion.chunk", "choices": [c]}
+                if want_ids and i == 0:
+                    chunk["prompt_token_ids"] = prompt_ids
+                yield f"data: {json.dumps(chunk)}\n\n"
+            last: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": finish}
+            if calls:  # tool calls parsed at the end, arguments in two pieces
+                args = calls[0]["function"]["arguments"]
+                last["delta"] = {"tool_calls": [
+                    {"index": 0, "id": calls[0]["id"], "type": "function",
+                     "function": {"name": "add", "arguments": args[:5]}},
+                ]}  # fmt: skip
+                mid = {**head, "object": "chat.completion.chunk", "choices": [last]}
+                yield f"data: {json.dumps(mid)}\n\n"
+                last = {"index": 0, "finish_reason": finish, "delta": {"tool_calls": [
+                    {"index": 0, "function": {"arguments": args[5:]}}]}}  # fmt: skip
+            yield f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [last]})}\n\n"  # noqa: E501
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def completions(self, request: Request) -> Response:
+        body = await request.json()
+        prompt_ids = self.encode(body["prompt"])
+        text = " the sum is seven"
+        ids = self.encode(text)
+        lps = [logprob(i, t) for i, t in enumerate(ids)]
+        self.log.append({"prompt_ids": prompt_ids, "response_ids": ids, "logprobs": lps})
+        want_ids = bool(body.get("return_token_ids"))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        toks = [f"token_id:{t}" if as_ids else self.piece(t) for t in ids]
+        head = {"id": "cmpl-sim", "created": int(time.time()), "model": body["model"]}
+
+        def choice(sl: slice, first: bool, finish: str | None) -> dict[str, Any]:
+            c: dict[str, Any] = {
+                "index": 0, "text": "".join(self.piece(t) for t in ids[sl]),
+                "finish_reason": finish,
+                "logprobs": {"tokens": toks[sl], "token_logprobs": lps[sl],
+                             "top_logprobs": [{} for _ in toks[sl]], "text_offset": []},
+            }  # fmt: skip
+            if want_ids:
+                c["token_ids"] = ids[sl]
+                if first:
+                    c["prompt_token_ids"] = prompt_ids
+            return c
+
+        if not body.get("stream"):
+            return JSONResponse({**head, "object": "text_completion",
+                                 "choices": [choice(slice(None), True, "stop")]})  # fmt: skip
+
+        def events() -> Any:
+            for i in range(len(ids)):
+                fin = "stop" if i == len(ids) - 1 else None
+                chunk = {**head, "object": "text_completion",
+                         "choices": [choice(slice(i, i + 1), i == 0, fin)]}  # fmt: skip
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def get_log(self, request: Request) -> Response:
+        return JSONResponse(self.log)
+
+
+def app(tokenizer_path: str) -> Starlette:
+    up = Upstream(tokenizer_path)
+    return Starlette(routes=[
+        Route("/v1/chat/completions", up.chat, methods=["POST"]),
+        Route("/v1/completions", up.completions, methods=["POST"]),
+        Route("/_log", up.get_log, methods=["GET"]),
+    ])  # fmt: skip
+
+
+if __name__ == "__main__":
+    import uvicorn
+
+    uvicorn.run(app(sys.argv[2]), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
