@@ -8,6 +8,9 @@ Every generation is appended to ``GET /_log`` so tests compare the store with th
 Behaviour: a chat whose last message is a tool result answers with it; a chat that offers
 tools calls ``add`` on the two numbers in the last user message; anything else answers
 "ok". ``model="fail"`` answers 500. Run: ``python -m tests.llm_upstream PORT TOKENIZER``.
+With a third argument ``model``, chats are answered by a tiny randomly initialised GPT-2
+(``tiny_model``: built from a config, seed 0, no download) sampling 8 tokens, and the
+log-probs are the model's.
 """
 
 from __future__ import annotations
@@ -31,10 +34,40 @@ def logprob(pos: int, token_id: int) -> float:
     return -(((token_id * 31 + pos * 17) % 997) / 250.0) - 0.001
 
 
+def tiny_model(vocab_size: int) -> Any:
+    """A 2-layer GPT-2 with random weights: the same on every call (seed 0, CPU)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=vocab_size, n_positions=512, n_embd=32, n_layer=2,
+                        n_head=2, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(config).eval()
+
+
 class Upstream:
-    def __init__(self, tokenizer_path: str) -> None:
+    def __init__(self, tokenizer_path: str, model: bool = False) -> None:
         self.tok = Tokenizer.from_file(tokenizer_path)
         self.log: list[dict[str, Any]] = []
+        self.model = tiny_model(self.tok.get_vocab_size()) if model else None
+        self.calls = 0
+
+    def sample(self, prompt_ids: list[int], n: int = 8) -> tuple[list[int], list[float]]:
+        """n tokens sampled from the model, and each one's log-prob under it."""
+        import torch
+
+        gen = torch.Generator().manual_seed(self.calls)
+        self.calls += 1
+        ids: list[int] = []
+        lps: list[float] = []
+        with torch.no_grad():
+            for _ in range(n):
+                logits = self.model(torch.tensor([prompt_ids + ids])).logits[0, -1]
+                logp = torch.log_softmax(logits.double(), -1)
+                t = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                ids.append(t)
+                lps.append(float(logp[t]))
+        return ids, lps
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -64,9 +97,13 @@ class Upstream:
                                            "param": None, "code": None}}, 500)  # fmt: skip
         messages = body["messages"]
         prompt_ids = self.encode(render_chat(messages))
-        raw, content, calls = self._reply(messages, body.get("tools"))
-        ids = self.encode(raw)
-        lps = [logprob(i, t) for i, t in enumerate(ids)]
+        if self.model is not None:
+            ids, lps = self.sample(prompt_ids)
+            content, calls = self.tok.decode(ids), None
+        else:
+            raw, content, calls = self._reply(messages, body.get("tools"))
+            ids = self.encode(raw)
+            lps = [logprob(i, t) for i, t in enumerate(ids)]
         self.log.append({"prompt_ids": prompt_ids, "response_ids": ids, "logprobs": lps})
         want_ids = bool(body.get("return_token_ids"))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
@@ -164,8 +201,8 @@ class Upstream:
         return JSONResponse(self.log)
 
 
-def app(tokenizer_path: str) -> Starlette:
-    up = Upstream(tokenizer_path)
+def app(tokenizer_path: str, model: bool = False) -> Starlette:
+    up = Upstream(tokenizer_path, model)
     return Starlette(routes=[
         Route("/v1/chat/completions", up.chat, methods=["POST"]),
         Route("/v1/completions", up.completions, methods=["POST"]),
@@ -176,4 +213,5 @@ def app(tokenizer_path: str) -> Starlette:
 if __name__ == "__main__":
     import uvicorn
 
-    uvicorn.run(app(sys.argv[2]), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+    served = app(sys.argv[2], model=sys.argv[3:] == ["model"])
+    uvicorn.run(served, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

@@ -106,11 +106,11 @@ def stack(redis_server, ingest_worker, tmp_path_factory) -> Iterator[dict]:
     # the upstream has no /healthz: any HTTP answer (404) means it is up
     procs = [upstream]
 
-    def gateway(namespace: str, *extra: str) -> Proc:
+    def gateway(namespace: str, *extra: str, upstream_url: str = upstream.url) -> Proc:
         port = free_port()
         cmd = [
             sys.executable, "-m", "orchestrator.cli.main", "--redis-url", redis_server.url,
-            "gateway", "--upstream", upstream.url, "--namespace", namespace,
+            "gateway", "--upstream", upstream_url, "--namespace", namespace,
             "--port", str(port), *extra,
         ]  # fmt: skip
         env = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_REWARD_TOKEN": REWARD_TOKEN}
@@ -395,3 +395,41 @@ def test_capture_refuses_what_it_cannot_record(stack):
     reply["choices"][0]["logprobs"] = None
     with pytest.raises(CaptureError, match="no log-probs"):
         capture(CHAT, request, json.dumps(reply).encode(), False, None)
+
+
+def test_recorded_logprobs_are_the_models(stack, tmp_path):
+    """A tiny random GPT-2 (transformers, built from a config) serves the chat: the
+    log-probs recorded through the gateway are the model's own, recomputed here."""
+    import torch
+
+    from tests.llm_upstream import tiny_model
+
+    port = free_port()
+    model_upstream = Proc(
+        [sys.executable, "-m", "tests.llm_upstream", str(port), str(stack["tokenizer"]), "model"],
+        port, tmp_path / "model.log", {},
+    )  # fmt: skip
+    namespace = f"gw-model-{uuid.uuid4().hex[:8]}"
+    try:
+        gw = stack["gateway"](namespace, upstream_url=model_upstream.url)
+        c = client(gw, "m", "q")
+        messages = [{"role": "user", "content": "What is 2 plus 2?"}]
+        for _ in range(2):
+            r = c.chat.completions.create(model="tiny", messages=messages)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": "and 3 plus 4?"}]  # fmt: skip
+        got = wait_steps(Store(stack["redis_url"], namespace), "m", 2)
+    finally:
+        model_upstream.stop()
+    model = tiny_model(Tokenizer.from_file(str(stack["tokenizer"])).get_vocab_size())
+    for prompt, response, recorded in zip(
+        got["prompt_ids"], got["response_ids"], got["response_logprobs"], strict=True
+    ):
+        seq = torch.tensor([np.concatenate([prompt, response]).tolist()])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(seq).logits[0].double(), -1)
+        at = np.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
+        expected = logp[at, torch.tensor(response.tolist())].numpy()
+        assert len(response) == 8
+        np.testing.assert_allclose(recorded, expected, rtol=1e-4, atol=1e-4)
+    assert len(got["prompt_ids"][1]) > len(got["prompt_ids"][0])  # turn 2 extends turn 1
