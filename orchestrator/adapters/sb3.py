@@ -159,8 +159,8 @@ class ClawReplayBuffer(ReplayBuffer):
     """SB3 replay buffer backed by a Claw namespace (see the module docstring).
 
     ``recipe`` overrides keys of the default recipe (the fields above, one uniform source);
-    ``batch_size`` always comes from ``sample``. ``capacity`` defaults to ``buffer_size``
-    when the namespace is new. ``episode`` holds keyword arguments of
+    ``batch_size`` always comes from ``sample``. ``capacity`` defaults to ``buffer_size +
+    n_envs`` when the namespace is new. ``episode`` holds keyword arguments of
     :meth:`Ingestor.episode` (``task_id``, ``agent_id``, tags); ``ingest`` those of the
     :class:`Ingestor` (``flush_steps``, ``flush_interval``, ...). ``timeout`` bounds a pop.
     ``gradient_steps`` (the algorithm's) sizes the prefetch queue and the read-ahead in
@@ -210,7 +210,7 @@ class ClawReplayBuffer(ReplayBuffer):
         self.deterministic = deterministic
         depth = max(8, 2 * gradient_steps)
         if readahead is None:
-            readahead = 0 if deterministic else max(2, min(gradient_steps, 64))
+            readahead = 0 if deterministic else max(2, min(gradient_steps, 256))
         self._init_kw: dict[str, Any] = {
             "buffer_size": buffer_size, "observation_space": observation_space,
             "action_space": action_space, "device": str(self.device), "n_envs": n_envs,
@@ -246,8 +246,10 @@ class ClawReplayBuffer(ReplayBuffer):
         kw = self._init_kw
         redis_url, broker_url, namespace = kw["redis_url"], kw["broker_url"], self.namespace
         capacity = kw["capacity"]
-        if capacity is None and not Store(redis_url or load_settings().redis_url,
-                                          namespace).exists():  # fmt: skip
+        probe = Store(redis_url or load_settings().redis_url, namespace)
+        exists = probe.exists()
+        probe.r.close()
+        if capacity is None and not exists:
             # One spare row per env: the ring's oldest row is incomplete once it wraps.
             capacity = kw["buffer_size"] + self.n_envs
         schema = Schema(
