@@ -518,7 +518,8 @@ def _storm(
         publish(structured_case(m, rng, i, r))
     hypothesis_storm(m, publish, r, hyp)
     sent = pub.sent - 20
-    assert wait_for(r, done0 + sent, None, ns, timeout=300) == done0 + sent, "messages vanished"
+    left = done0 + sent
+    assert wait_for(r, left, None, ns, timeout=60 + sent / 20) == left, "messages vanished"
     # The worker is alive and serving: a valid batch commits after the storm.
     assert worker.proc.poll() is None
     with ing.episode(episode_id="after") as ep:
@@ -538,7 +539,12 @@ def _storm(
     done = [k for k in r.scan_iter(match=Keys(ns).done("*"), count=1000)]
     done_bytes = sum(r.memory_usage(k, samples=0) or 0 for k in done)
     assert done_bytes <= 1024 * sent and all(r.ttl(k) > 0 for k in done[:500])
-    assert mem1 - mem0 - done_bytes <= 1.1 * dead_cap, f"Redis grew {mem1 - mem0} bytes"
+    # Claim checks this test staged as the producer for messages it then mutated away from
+    # them: a producer's own writes (they expire), not the worker's.
+    staged = list(r.scan_iter(match=Keys(ns).stage("*"), count=1000))
+    staged_bytes = sum(r.memory_usage(k, samples=0) or 0 for k in staged)
+    grown = mem1 - mem0 - done_bytes - staged_bytes
+    assert grown <= 1.1 * dead_cap, f"Redis grew {mem1 - mem0} bytes ({grown} not done/staged)"
     if strict:  # a storm of CI size fits the caps + 10 % with its done records
         assert mem1 - mem0 <= 1.1 * dead_cap, f"Redis grew {mem1 - mem0} bytes"
     assert rss1 <= 2 * rss0, f"worker RSS {rss0} -> {rss1}"
@@ -548,14 +554,17 @@ def _storm(
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert doctor.returncode == 0 and "no problems found" in doctor.stdout, doctor.stdout[-3000:]
-    stats.update(mem=mem1 - mem0, done_bytes=done_bytes, rss=(rss0, rss1))
+    stats.update(
+        mem=mem1 - mem0, done_bytes=done_bytes, staged_bytes=staged_bytes, rss=(rss0, rss1)
+    )
     pub.close()
     return stats
 
 
 def _report(stats: dict) -> None:
     print(f"\nfuzz: {stats['sent']} messages; namespace {stats['ns']}; rejects {stats['rejects']};"
-          f" Redis +{stats['mem']} bytes (done records {stats['done_bytes']});"
+          f" Redis +{stats['mem']} bytes (done records {stats['done_bytes']}, staged by the"
+          f" test {stats['staged_bytes']});"
           f" worker RSS {stats['rss']}")  # fmt: skip
 
 
@@ -564,5 +573,6 @@ def test_fuzz_ingest_ci(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_fuzz_ingest_long(tmp_path):
     _report(run_storm(tmp_path, structured=30_000, hypothesis=10_000, strict=False))
