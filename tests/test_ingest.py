@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+from hostile import outcomes
 from producer import outcome, send_unchecked
 
 from claw_tasks.app import client_app
@@ -121,12 +122,13 @@ def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker, r):
     )  # fmt: skip
     store = Store(redis_url, namespace)
     args = send_unchecked(redis_url, store, batch)
-    client_app(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")  # twice
-    done = outcome(store, batch.batch_id)  # either delivery's: they may run at once
-    assert done.committed + done.replayed == 20
-    deadline = time.monotonic() + 30
-    while (r.llen("ingest") or r.hlen("unacked")) and time.monotonic() < deadline:
-        time.sleep(0.02)  # let the duplicate delivery run too
+    assert outcome(store, batch.batch_id).committed == 20
+    dups = outcomes(r, namespace).get("duplicate", 0)
+    client_app(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")  # again
+    deadline = time.monotonic() + 60
+    while outcomes(r, namespace).get("duplicate", 0) == dups:  # the redelivery has run
+        assert time.monotonic() < deadline, outcomes(r, namespace)
+        time.sleep(0.02)
     store = Store(redis_url, namespace)
     assert store.count() == 30
     assert store.count({"episode_id": "x"}) == 20
