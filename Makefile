@@ -6,7 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.claw-installed
 DEMO_STAMP := $(VENV)/.claw-demo-installed
 
-.PHONY: setup test demo lint
+.PHONY: setup test demo lint browser
 
 setup: $(STAMP)
 
@@ -26,7 +26,16 @@ $(DEMO_STAMP): pyproject.toml | $(VENV)/bin/python
 	$(VENV)/bin/python -m pip install -e '.[demo]'
 	touch $@
 
-test: $(STAMP)
+# The web inspector's browser tests drive Debian's chromium: installed here when missing
+# (as root, as in CI; otherwise the tests say which command installs it).
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
+	    && command -v apt-get >/dev/null 2>&1; then \
+	    echo "== installing chromium for the web inspector's browser tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	fi
+
+test: $(STAMP) browser
 	$(VENV)/bin/pytest -q
 
 demo: $(DEMO_STAMP)

@@ -27,7 +27,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 
 sync_api = pytest.importorskip("playwright.sync_api")
 if not shutil.which(CHROMIUM):
-    pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does it)")
+    pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (make test does it as root)")
 
 
 @pytest.fixture(scope="module")
