@@ -26,6 +26,14 @@ settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture
+def own_redis_url() -> Iterator[str]:
+    """A private, empty redis-server for one test (the session one holds every earlier
+    test's namespaces, which a whole-stack test would scan on every scrape and page)."""
+    with RedisServer() as server:
+        yield server.url
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     with RedisServer() as server:

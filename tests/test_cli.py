@@ -198,7 +198,8 @@ def test_demo_fails_clearly_without_redis(tmp_path):
     assert "does not answer PING" in result.output
 
 
-def test_up_runs_the_stack_and_stops_it(redis_url, tmp_path):
+def test_up_runs_the_stack_and_stops_it(own_redis_url, tmp_path):
+    redis_url = own_redis_url
     metrics_port, flower_port, web_port = _free_port(), _free_port(), _free_port()
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "COLUMNS": "250"}
     for name in ("FLOWER_BASIC_AUTH", "CLAW_WEB_PASSWORD", "CLAW_WEB_PASSWORD_FILE"):

@@ -188,7 +188,8 @@ def test_metrics_queue_depth_on_amqp(redis_url, amqp_url, amqp_worker):
     assert depths == {"ingest": 0, "prefetch": 0, "maintenance": 3}
 
 
-def test_claw_up_runs_on_rabbitmq(redis_url, amqp_url, tmp_path):
+def test_claw_up_runs_on_rabbitmq(own_redis_url, amqp_url, tmp_path):
+    redis_url = own_redis_url
     port = _free_port()
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": amqp_url,
            "PYTHONPATH": str(ROOT), "COLUMNS": "250"}  # fmt: skip
