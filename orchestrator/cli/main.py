@@ -116,8 +116,11 @@ def _redis(ctx: typer.Context) -> Iterator[tuple[str, redis.Redis]]:
 
 
 def _stop_on_sigterm() -> None:
-    """SIGTERM (docker stop, kill) shuts down like Ctrl-C."""
+    """SIGTERM (docker stop, kill) and SIGINT shut down like Ctrl-C. SIGINT is set too: a
+    process started in the background by a non-interactive shell (`cmd &`, CI) inherits it
+    ignored, and Python then never raises KeyboardInterrupt."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # ---- services -------------------------------------------------------------------------
