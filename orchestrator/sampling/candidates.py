@@ -4,6 +4,7 @@ when it cannot fill its share of a batch."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -18,6 +19,18 @@ def eligible(columns: Columns, rows: np.ndarray | None = None) -> np.ndarray:
     if rows is not None:
         alive, flags = alive[rows], flags[rows]
     return alive & ((flags & UNTRAINABLE) == 0)
+
+
+def recheck(
+    cand: np.ndarray, columns: Columns, rows: np.ndarray, where: Any, params: Mapping[str, Any]
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Re-evaluate ``rows`` of a candidate mask in place (their metadata changed); returns
+    the unique rows, their new values and the change in the candidate count."""
+    rows = np.unique(np.asarray(rows, dtype=np.int64))
+    new = eligible(columns, rows) & where.mask(columns, params, rows)
+    delta = int(new.sum()) - int(cand[rows].sum())
+    cand[rows] = new
+    return rows, new, delta
 
 
 class InsufficientData(RuntimeError):

@@ -37,7 +37,7 @@ from claw_tasks.schema import tag_column
 from claw_tasks.store.layout import TERMINATED
 from claw_tasks.where import Where, lookup
 from orchestrator.recipe.model import Source
-from orchestrator.sampling.candidates import Columns, InsufficientData, eligible
+from orchestrator.sampling.candidates import Columns, InsufficientData, eligible, recheck
 
 FINAL = tag_column("final_reward")
 """The column of the LLM preset's final (outcome) reward: a trajectory's return where set."""
@@ -111,10 +111,8 @@ class GroupIndex:
         """Re-evaluate ``rows``: any change (a reward, a terminated flag) can complete a group."""
         if self._cand is None:
             return
-        rows = np.unique(np.asarray(rows, dtype=np.int64))
-        cand = eligible(columns, rows) & self.where.mask(columns, self._params, rows)
-        self.n += int(cand.sum()) - int(self._cand[rows].sum())
-        self._cand[rows] = cand
+        _, _, delta = recheck(self._cand, columns, rows, self.where, self._params)
+        self.n += delta
         self.version += 1
 
     def draw_groups(

@@ -42,7 +42,7 @@ import numpy as np
 
 from claw_tasks.where import Encoder, Where
 from orchestrator.recipe.model import Recipe, Source
-from orchestrator.sampling.candidates import Columns, InsufficientData, eligible
+from orchestrator.sampling.candidates import Columns, InsufficientData, eligible, recheck
 from orchestrator.sampling.groups import Claims, GroupIndex, Groups
 from orchestrator.sampling.sequences import n_step, windows
 from orchestrator.sampling.sumtree import MaxTree, SumTree
@@ -88,10 +88,8 @@ class SourceIndex:
         """Re-evaluate ``rows`` (their metadata changed: insert, priority, eviction, curation)."""
         if self._cand is None:
             return
-        rows = np.unique(np.asarray(rows, dtype=np.int64))
-        cand = eligible(columns, rows) & self.where.mask(columns, self._params, rows)
-        self.n += int(cand.sum()) - int(self._cand[rows].sum())
-        self._cand[rows] = cand
+        rows, cand, delta = recheck(self._cand, columns, rows, self.where, self._params)
+        self.n += delta
         self._update_trees(columns, rows, cand)
         self.version += 1
 
