@@ -1,0 +1,90 @@
+"""The `claw` Typer app and what every command shares: the --redis-url option, the
+one-line error for expected failures, the Redis client, signal handling. The commands
+live in orchestrator.cli.commands and register on this app when that package is
+imported (orchestrator.cli.main does)."""
+
+from __future__ import annotations
+
+import functools
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, ParamSpec, TypeVar
+
+import click
+import redis
+import typer
+from rich.console import Console
+
+from claw_tasks.redis_server import ensure_redis
+from claw_tasks.settings import redact_url
+
+app = typer.Typer(
+    name="claw",
+    help="Claw: step-level RL experience middleware on Redis and Celery.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+err = Console(stderr=True)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+LogDir = Annotated[
+    Path | None, typer.Option(help="Service logs (default: ~/.cache/claw/logs)", show_default=False)
+]
+
+
+def friendly(func: Callable[P, R]) -> Callable[P, R]:
+    """Expected failures (Redis down, unknown namespace, bad input) exit 1 with one line."""
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return func(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except (redis.RedisError, OSError, LookupError, ValueError, RuntimeError) as e:
+            message = e.args[0] if isinstance(e, KeyError) and e.args else e
+            err.print(f"[bold red]error:[/] {message}", highlight=False)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="CLAW_REDIS_URL",
+            help="The step store. Unset: redis://127.0.0.1:6379/0 if it answers, else an "
+            "embedded redis-server with its data in ~/.cache/claw/redis.",
+        ),
+    ] = None,
+) -> None:
+    ctx.obj = redis_url
+
+
+@contextmanager
+def redis_client(ctx: typer.Context) -> Iterator[tuple[str, redis.Redis]]:
+    """The store's URL (fit to print) and a client; an embedded server started here is
+    stopped after."""
+    url, server = ensure_redis(ctx.obj)
+    client = redis.Redis.from_url(url)
+    try:
+        yield redact_url(url), client
+    finally:
+        client.close()
+        if server is not None:
+            server.stop()
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (docker stop, kill) and SIGINT shut down like Ctrl-C. SIGINT is set too: a
+    process started in the background by a non-interactive shell (`cmd &`, CI) inherits it
+    ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)

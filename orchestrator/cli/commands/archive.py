@@ -1,0 +1,86 @@
+"""Commands that move steps out of Redis and back: archive, restore, Minari export/import."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from orchestrator.cli import archival
+from orchestrator.cli.app import app, friendly, redis_client
+
+
+@app.command()
+@friendly
+def archive(
+    ctx: typer.Context,
+    namespace: Annotated[str, typer.Argument(help="Namespace to archive")],
+    to: Annotated[Path, typer.Option("--to", help="Archive directory (ns=<name>/ goes in it)")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Archive the steps not archived yet to Parquet (what the nightly task does)."""
+    with redis_client(ctx) as (_, r):
+        archival.archive(r, namespace, to, Console(), as_json)
+
+
+@app.command()
+@friendly
+def restore(
+    ctx: typer.Context,
+    archive_dir: Annotated[Path, typer.Argument(help="Archive directory (or its ns=<name>/)")],
+    namespace: Annotated[str, typer.Option("--namespace", "-n", help="Restore into this")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Bring archived steps back, bit-exact, with new ids (tags.orig_id holds the old)."""
+    with redis_client(ctx) as (_, r):
+        archival.restore_archive(r, archive_dir, namespace, Console(), as_json)
+
+
+_MinariRoot = Annotated[
+    Path | None,
+    typer.Option(
+        "--minari-root", envvar="MINARI_DATASETS_PATH", show_default=False,
+        help="Minari datasets directory (default ~/.minari/datasets)",
+    ),
+]  # fmt: skip
+
+
+def _only_minari(fmt: str) -> None:
+    if fmt != "minari":
+        raise typer.BadParameter(
+            f"format {fmt!r}: only 'minari' is supported", param_hint="--format"
+        )
+
+
+@app.command()
+@friendly
+def export(
+    ctx: typer.Context,
+    namespace: Annotated[str, typer.Argument(help="Namespace to export")],
+    to: Annotated[str, typer.Option("--to", help="Minari dataset id, e.g. claw/grasp-v0")],
+    fmt: Annotated[str, typer.Option("--format", help="Only 'minari'")] = "minari",
+    minari_root: _MinariRoot = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Export a namespace's complete episodes as an offline dataset (Minari)."""
+    _only_minari(fmt)
+    with redis_client(ctx) as (_, r):
+        archival.export(r, namespace, to, minari_root, Console(), as_json)
+
+
+@app.command("import")
+@friendly
+def import_(
+    ctx: typer.Context,
+    dataset: Annotated[str, typer.Argument(help="Minari dataset id or directory")],
+    namespace: Annotated[str, typer.Option("--namespace", "-n", help="Import into this")],
+    fmt: Annotated[str, typer.Option("--format", help="Only 'minari'")] = "minari",
+    minari_root: _MinariRoot = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Import an offline dataset (Minari) as steps tagged origin=offline."""
+    _only_minari(fmt)
+    with redis_client(ctx) as (_, r):
+        archival.import_dataset(r, dataset, namespace, minari_root, Console(), as_json)

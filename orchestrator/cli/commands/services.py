@@ -1,0 +1,319 @@
+"""Commands that run things: the dev stack (`claw up`), the web inspector, the demo, the
+metrics server, the capture gateway; and `claw acl` and `claw version`."""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import time
+from importlib.metadata import version as dist_version
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from claw_tasks.acl import setuser_command
+from claw_tasks.app import QUEUES
+from claw_tasks.redis_server import ensure_redis
+from claw_tasks.settings import load_settings, redact_url
+from orchestrator.cli import demo as demo_run
+from orchestrator.cli import metrics as metrics_server
+from orchestrator.cli.app import LogDir, app, friendly, stop_on_sigterm
+from orchestrator.cli.devstack import (
+    DevStack,
+    beat_service,
+    default_log_dir,
+    flower_service,
+    web_service,
+    worker_service,
+)
+
+
+@app.command()
+@friendly
+def up(
+    ctx: typer.Context,
+    concurrency: Annotated[int, typer.Option(min=1, help="Pool processes per worker")] = 1,
+    per_queue: Annotated[
+        bool, typer.Option(help="One worker per queue instead of one for all three")
+    ] = False,
+    beat: Annotated[bool, typer.Option(help="Run Celery beat (RedBeat)")] = True,
+    flower: Annotated[bool, typer.Option(help="Run Flower")] = True,
+    flower_port: int = 5555,
+    metrics: Annotated[bool, typer.Option(help="Serve Prometheus metrics")] = True,
+    metrics_port: int = 9808,
+    web: Annotated[bool, typer.Option(help="Run the web inspector (claw web)")] = True,
+    web_port: int = 8808,
+    log_dir: LogDir = None,
+) -> None:
+    """Run the dev stack: Redis, Celery workers, beat, Flower, metrics, the web inspector.
+    Ctrl-C stops it."""
+    logs = log_dir or default_log_dir()
+    console = Console()
+    web_password = None  # made here (and printed once) unless one is configured
+    configured = os.environ.get("CLAW_WEB_PASSWORD") or os.environ.get("CLAW_WEB_PASSWORD_FILE")
+    if web and not configured:
+        web_password = secrets.token_urlsafe(18)
+    stop_on_sigterm()
+    with DevStack(logs) as stack:
+        try:
+            with console.status("starting the stack…"):
+                stack.start_redis(ctx.obj)
+                if metrics:
+                    server = metrics_server.serve(
+                        metrics_port, stack.redis_url, stack.broker_url, "127.0.0.1",
+                        os.environ.get("CLAW_METRICS_TOKEN") or None,
+                    )  # fmt: skip
+                    stack.on_stop(server.shutdown)
+                groups = [[q] for q in QUEUES] if per_queue else [list(QUEUES)]
+                services = [worker_service(logs, g, concurrency) for g in groups]
+                services += [beat_service(logs)] if beat else []
+                services += [flower_service(logs, flower_port)] if flower else []
+                services += [web_service(logs, web_port, web_password)] if web else []
+                stack.start(services)
+            console.print(_stack_table(stack, metrics_port if metrics else None))
+            if web_password:
+                user = os.environ.get("CLAW_WEB_USER") or "claw"
+                console.print(
+                    f"web inspector: http://127.0.0.1:{web_port}/ user [bold]{user}[/], password "
+                    f"[bold]{web_password}[/] (printed once; set CLAW_WEB_PASSWORD to choose one)",
+                    highlight=False,
+                )
+            if flower and not os.environ.get("FLOWER_BASIC_AUTH"):
+                console.print(
+                    f"[yellow]warning:[/] Flower on port {flower_port} runs without auth (it "
+                    "shows every task's arguments); set FLOWER_BASIC_AUTH=user:password "
+                    "before `claw up` to require a login",
+                    highlight=False,
+                )
+            console.print(f"[dim]Earlier runs' logs are kept as *.log.1 … in {logs}.[/]")
+            console.print("[dim]Ctrl-C stops everything.[/]")
+            stack.watch(on_restart=lambda svc, code: console.print(
+                f"[yellow]{svc.name} stopped (exit code {code}); started again[/] "
+                f"(its previous log: {svc.log}.1)", highlight=False,
+            ))  # fmt: skip
+        except KeyboardInterrupt:
+            console.print("stopping…")
+    console.print("stopped.")
+
+
+@app.command()
+@friendly
+def web(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option(help="Port to serve on")] = 8808,
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface)")] = (
+        "127.0.0.1"
+    ),
+    read_only: Annotated[bool, typer.Option(help="Refuse every write (curation, params)")] = False,
+    password_file: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="CLAW_WEB_PASSWORD_FILE",
+            help="File holding the password or its "
+            "scrypt$ hash (else CLAW_WEB_PASSWORD; else one is made and printed once)",
+        ),
+    ] = None,
+    certfile: Annotated[Path | None, typer.Option(help="TLS certificate (serve HTTPS)")] = None,
+    keyfile: Annotated[Path | None, typer.Option(help="TLS private key")] = None,
+) -> None:
+    """The web inspector: namespaces, search, episodes, curation, recipes (login required)."""
+    from orchestrator.web.auth import load_credentials
+    from orchestrator.web.server import serve
+
+    credentials, generated = load_credentials(password_file)
+    url, server = ensure_redis(ctx.obj)
+    broker = os.environ.get("CLAW_BROKER_URL") or url
+    scheme = "https" if certfile else "http"
+    console = Console()
+    console.print(f"Claw inspector on {scheme}://{host}:{port}/ (store {redact_url(url)})")
+    if generated:
+        console.print(
+            f"user [bold]{credentials.user}[/], password [bold]{generated}[/] "
+            "(printed once; set CLAW_WEB_PASSWORD to choose one)",
+            highlight=False,
+        )
+    else:
+        console.print(f"user [bold]{credentials.user}[/], password as configured", highlight=False)
+    stop_on_sigterm()
+    try:
+        serve(url, broker, credentials, host=host, port=port, read_only=read_only,
+              certfile=str(certfile) if certfile else None,
+              keyfile=str(keyfile) if keyfile else None)  # fmt: skip
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _stack_table(stack: DevStack, metrics_port: int | None) -> Table:
+    table = Table(title="claw dev stack")
+    for col in ("service", "pid", "where", "log"):
+        table.add_column(col, overflow="fold")
+    server = stack.redis_server
+    table.add_row(
+        "redis",
+        "embedded" if server else "external",
+        redact_url(stack.redis_url),
+        str(server.log_path) if server else "",
+    )
+    if stack.broker_url != stack.redis_url:
+        table.add_row("broker", "external", redact_url(stack.broker_url), "")
+    for svc in stack.services:
+        table.add_row(svc.name, str(svc.pid), svc.where, str(svc.log))
+    if metrics_port is not None:
+        table.add_row("metrics", str(os.getpid()), f"http://127.0.0.1:{metrics_port}/metrics", "")
+    return table
+
+
+@app.command()
+@friendly
+def demo(
+    ctx: typer.Context,
+    steps: Annotated[
+        int, typer.Option(min=1, help="CartPole env steps at most (it stops once solved)")
+    ] = 100_000,
+    actors: Annotated[int, typer.Option(min=1, help="Actor processes")] = 2,
+    images: Annotated[
+        bool, typer.Option("--images/--no-images", help="Run the pixel phase")
+    ] = True,
+    keep: Annotated[
+        bool, typer.Option(help="Leave the stack (with Flower) and the data up until Ctrl-C")
+    ] = False,
+    out: Annotated[
+        Path, typer.Option(help="Where the learning-curve PNG goes", show_default="current dir")
+    ] = Path("."),
+    namespace: str = "demo",
+    seed: int = 0,
+    log_dir: LogDir = None,
+) -> None:
+    """Train agents through Claw end to end: Ape-X DQN on CartPole, then pixels.
+
+    Actor processes record CartPole-v1 through RecordSteps; the learner pops prioritized
+    3-step batches made by prefetch workers, sends priorities back and publishes its
+    weights through Redis. Then pixel observations, augmented by the workers, timed against
+    augmenting in the training loop. Redis: --redis-url / CLAW_REDIS_URL, else the demo's
+    own embedded server."""
+    cfg = demo_run.DemoConfig(
+        log_dir=log_dir or default_log_dir(),
+        out=out,
+        namespace=namespace,
+        steps=steps,
+        actors=actors,
+        images=images,
+        keep=keep,
+        seed=seed,
+        redis_url=ctx.obj,
+    )
+    stop_on_sigterm()
+    demo_run.run(cfg, Console())
+
+
+@app.command()
+@friendly
+def metrics(
+    ctx: typer.Context,
+    port: int = 9808,
+    address: Annotated[str, typer.Option(help="Address to bind")] = "0.0.0.0",
+) -> None:
+    """Serve Prometheus metrics of the store and the Celery queues at /metrics. With
+    CLAW_METRICS_TOKEN set, a scrape must send it as ``Authorization: Bearer <token>``."""
+    url = ctx.obj or load_settings().redis_url
+    broker = os.environ.get("CLAW_BROKER_URL") or url
+    token = os.environ.get("CLAW_METRICS_TOKEN") or None
+    server = metrics_server.serve(port, url, broker, address, token)
+    Console().print(
+        f"serving http://{address}:{port}/metrics (store {redact_url(url)}, "
+        f"broker {redact_url(broker)}; "
+        f"{'bearer token required' if token else 'no token: set CLAW_METRICS_TOKEN'}); "
+        "Ctrl-C stops"
+    )
+    stop_on_sigterm()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+
+
+@app.command()
+@friendly
+def gateway(
+    ctx: typer.Context,
+    upstream: Annotated[str, typer.Option(help="The inference server's base URL (no /v1)")],
+    namespace: Annotated[str, typer.Option(help="Namespace the turns are recorded into")],
+    port: int = 8100,
+    address: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(help="tokenizer.json for upstreams that return no token ids"),
+    ] = None,
+    vllm_options: Annotated[
+        bool, typer.Option(help="Ask for token ids with vLLM's return_token_ids options")
+    ] = True,
+    max_body_bytes: int = 8 * 1024 * 1024,
+    max_turns: Annotated[int, typer.Option(help="Calls allowed per trajectory")] = 256,
+    policy_version: Annotated[
+        int | None, typer.Option(help="Recorded as each turn's policy_version")
+    ] = None,
+) -> None:
+    """OpenAI-compatible capture gateway: agents call it (base_url
+    http://HOST:PORT/t/<trajectory>/g/<group>/v1, api_key = CLAW_GATEWAY_TOKEN), it forwards
+    to UPSTREAM and records every call as a step; POST /t/<trajectory>/reward (token
+    CLAW_GATEWAY_REWARD_TOKEN, default CLAW_GATEWAY_TOKEN) attaches rewards. docs/llm.md."""
+    from orchestrator.gateway import GatewayConfig, serve
+
+    token = os.environ.get("CLAW_GATEWAY_TOKEN")
+    if not token:
+        raise ValueError(
+            "CLAW_GATEWAY_TOKEN is not set: the gateway needs a token agents send as their "
+            "API key (e.g. export CLAW_GATEWAY_TOKEN=$(openssl rand -hex 16))"
+        )
+    if tokenizer is not None and not tokenizer.is_file():
+        raise ValueError(f"--tokenizer {tokenizer}: no such file")
+    url, server = ensure_redis(ctx.obj)
+    config = GatewayConfig(
+        upstream=upstream, namespace=namespace, token=token, redis_url=url,
+        reward_token=os.environ.get("CLAW_GATEWAY_REWARD_TOKEN") or None,
+        upstream_key=os.environ.get("CLAW_UPSTREAM_API_KEY") or None,
+        tokenizer=str(tokenizer) if tokenizer else None, vllm_options=vllm_options,
+        max_body_bytes=max_body_bytes, max_turns=max_turns, policy_version=policy_version,
+    )  # fmt: skip
+    Console().print(
+        f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
+        f"(store {redact_url(url)}); Ctrl-C stops"
+    )
+    stop_on_sigterm()
+    try:
+        serve(config, address, port)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server is not None:
+            server.stop()
+
+
+@app.command()
+def acl(
+    namespace: str,
+    user: str,
+    db: Annotated[int, typer.Option(help="The broker's database number")] = 0,
+) -> None:
+    """Print the Redis ACL SETUSER line that confines USER (a producer or trainer) to
+    NAMESPACE; give it a password with `ACL SETUSER USER >password` (never printed here)."""
+    typer.echo(setuser_command(namespace, user, db=db))
+
+
+@app.command()
+def version() -> None:
+    """Print the versions of Claw and what it runs on."""
+    parts = [f"{name} {dist_version(name)}" for name in ("celery", "redis", "numpy")]
+    typer.echo(
+        f"claw {dist_version('claw')} ({', '.join(parts)}, python {platform.python_version()})"
+    )

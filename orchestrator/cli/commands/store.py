@@ -1,0 +1,302 @@
+"""Commands that look into the step store: stats, recipes, inspect, query, dead letters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from claw_tasks.schema import Schema, tag_key
+from claw_tasks.settings import redact_url
+from claw_tasks.store import NamespaceError, Store
+from orchestrator.cli.app import app, err, friendly, redis_client
+from orchestrator.cli.steplog import dead_letters, newest_ids, parse_ids, step_lines
+from orchestrator.inspect.namespaces import (
+    NamespaceStats,
+    UnreadableNamespace,
+    memory_by_namespace,
+    namespace_stats,
+)
+from orchestrator.maintenance.lifecycle import list_namespaces
+
+
+@app.command()
+@friendly
+def stats(
+    ctx: typer.Context,
+    namespace: Annotated[
+        str | None, typer.Option("--namespace", "-n", help="One namespace (default: all)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Steps, capacity, memory, dead letters, schema and counts per namespace."""
+    with redis_client(ctx) as (url, r):
+        names = [namespace] if namespace else list_namespaces(r)
+        if namespace and not Store(r, namespace).exists():
+            raise NamespaceError(f"namespace {namespace!r} does not exist at {url}")
+        memory = memory_by_namespace(r, namespace)
+        found, unreadable = [], {}
+        for n in names:
+            try:
+                found.append(namespace_stats(Store(r, n), memory.get(n, 0), bool(namespace)))
+            except UnreadableNamespace as e:
+                if namespace:
+                    raise
+                unreadable[n] = str(e)
+        used = int(r.info("memory")["used_memory"])
+    if as_json:
+        doc = {
+            "redis": {"url": url, "used_memory": used},
+            "namespaces": [s.to_json() for s in found],
+            "unreadable": unreadable,
+        }
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    console = Console()
+    if not names:
+        console.print(f"no namespaces at {url}")
+        return
+    for table in _summary_table(found, url, used, console.width):
+        console.print(table)
+    for message in unreadable.values():
+        err.print(f"[bold red]unreadable:[/] {message}", highlight=False)
+    if len(found) == 1 and not unreadable:
+        _print_details(console, found[0])
+
+
+_WIDE = 110  # below this many columns the per-namespace summary is printed vertically
+
+
+def _summary_table(found: list[NamespaceStats], url: str, used: int, width: int) -> list[Table]:
+    """One row per namespace on a wide terminal; on a narrow one (80 columns) one small
+    table per namespace, so that no value is cut."""
+    heads = ("namespace", "steps", "capacity", "shards", "committed", "episodes", "dead letters",
+             "memory", "B/step", "reward mean ± std")  # fmt: skip
+    rows = []
+    for s in found:
+        i = s.info
+        per_step = "-" if s.bytes_per_step is None else f"{s.bytes_per_step:,.0f}"
+        reward = "-" if s.reward_mean is None else f"{s.reward_mean:.4g} ± {s.reward_std:.4g}"
+        dead = f"[red]{i['dead_letters']:,}[/]" if i["dead_letters"] else "0"
+        rows.append((
+            s.namespace, f"{i['steps']:,}", f"{i['capacity']:,}", str(i["n_shards"]),
+            f"{i['committed_total']:,}", f"{s.episodes:,}", dead, _mib(s.memory_bytes),
+            per_step, reward,
+        ))  # fmt: skip
+    title = f"{url} · Redis used memory {_mib(used)}"
+    if width >= _WIDE:
+        table = Table(title=title)
+        for h in heads:
+            table.add_column(h, justify="left" if h == "namespace" else "right")
+        for row in rows:
+            table.add_row(*row)
+        return [table]
+    tables = []
+    for n, row in enumerate(rows):
+        t = Table(title=title if n == 0 else None, show_header=False)
+        t.add_column(style="bold")
+        t.add_column(overflow="fold")
+        for h, v in zip(heads, row, strict=True):
+            t.add_row(h, v)
+        tables.append(t)
+    return tables
+
+
+def _print_details(console: Console, s: NamespaceStats) -> None:
+    schema = Schema.from_dict(s.info["schema"]) if s.info["schema"] else Schema(fields={})
+    table = Table(title=f"schema of {s.namespace!r}")
+    table.add_column("name")
+    table.add_column("kind")
+    table.add_column("type")
+    for name, spec in schema.fields.items():
+        table.add_row(name, "field", spec.describe())
+    for name, kind in schema.tags.items():
+        table.add_row(tag_key(name), "tag", kind)
+    console.print(table)
+    policy = "none" if s.retention is None else s.retention.describe()
+    console.print(f"retention: {policy}", highlight=False)
+    evicted = ", ".join(f"{k} {v:,}" for k, v in s.evictions.items())
+    console.print(f"evicted so far: {evicted}", highlight=False)
+    cap = s.retention.max_steps if s.retention else None
+    if s.protected is not None and cap is not None and s.protected > cap:
+        err.print(
+            f"[yellow]warning:[/] {s.protected:,} protected steps alone exceed the cap of "
+            f"{cap:,}: loosen --protect or raise --max-steps",
+            highlight=False,
+        )
+    for column, counts in (("task_id", s.by_task_id), ("agent_id", s.by_agent_id)):
+        t = Table(title=f"steps per {column}")
+        t.add_column(column)
+        t.add_column("steps", justify="right")
+        for value, n in counts.items():
+            t.add_row("[dim](none)[/]" if value is None else value, f"{n:,}")
+        console.print(t)
+
+
+@app.command()
+@friendly
+def recipes(
+    ctx: typer.Context,
+    namespace: Annotated[str, typer.Argument(help="Namespace")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Registered recipes and their prefetch state, rate limit included.
+
+    Queue depth, batches produced and popped, rows sampled against steps inserted, and
+    whether the rate limiter makes prefetch wait (and why)."""
+    from orchestrator.delivery.client import BatchClient
+
+    with redis_client(ctx) as (url, r):
+        if not Store(r, namespace).exists():
+            raise NamespaceError(f"namespace {namespace!r} does not exist at {redact_url(url)}")
+        client = BatchClient(namespace, url)
+        try:
+            found = client.stats()
+        finally:
+            client.close()
+    if as_json:
+        typer.echo(json.dumps(found, indent=2))
+        return
+    console = Console()
+    if not found:
+        console.print(f"no recipes registered in {namespace!r}")
+        return
+    inserted = next(iter(found.values()))["inserted_steps"]  # the namespace's, not a recipe's
+    table = Table(title=f"recipes of {namespace!r} ({inserted:,} steps inserted)")
+    heads = ("recipe", "version", "queue", "produced", "popped", "sampled rows")
+    for h in heads:
+        table.add_column(h, justify="left" if h == "recipe" else "right", overflow="fold")
+    for name, st in found.items():
+        table.add_row(
+            name, str(st["version"]), f"{st['depth']}/{st['max_depth']}", f"{st['produced']:,}",
+            f"{st['popped']:,}", f"{st['sampled_rows']:,}",
+        )  # fmt: skip
+    console.print(table)
+    for name, st in found.items():  # below the table: a state is a sentence
+        state = f"[yellow]{st['rate_limit']}[/]" if st["rate_limited"] else st["state"] or "-"
+        console.print(f"[bold]{name}[/]: {state}", highlight=False)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+@app.command("inspect")
+@friendly
+def inspect_steps(
+    ctx: typer.Context,
+    namespace: str,
+    episode: Annotated[str | None, typer.Option(help="All steps of this episode id")] = None,
+    ids: Annotated[str | None, typer.Option(help="Step ids, e.g. 1,2,3")] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(min=1, help="Steps to show (default: the newest 20, or a whole episode)"),
+    ] = None,
+) -> None:
+    """Steps as log lines: metadata, field shapes and dtypes, small previews."""
+    if episode is not None and ids is not None:
+        raise typer.BadParameter("give --episode or --ids, not both")
+    with redis_client(ctx) as (_, r):
+        store = Store(r, namespace)
+        schema = store.schema()
+        if schema is None:
+            Console().print(f"namespace {namespace!r} has no steps yet")
+            return
+        fields = [*schema.fields, "next_obs"]
+        if episode is not None:
+            steps = store.episode(episode, fields)
+        elif ids is not None:
+            steps = store.get(parse_ids(ids), fields)
+        else:
+            steps = store.get(newest_ids(store, limit or 20), fields)
+    total = len(steps["id"])
+    shown = min(total, limit) if limit else total
+    console = Console()
+    described = ", ".join(f"{k} {v.describe()}" for k, v in schema.fields.items())
+    console.print(f"[bold]{namespace}[/] · {described}", highlight=False)
+    for line in step_lines(_head(steps, shown), fields):
+        console.print(line, soft_wrap=True, highlight=False)
+    if shown < total:
+        console.print(f"[dim]… {total - shown} more (raise --limit)[/]")
+
+
+def _head(steps: dict[str, Any], n: int) -> dict[str, Any]:
+    return {k: v[:n] for k, v in steps.items()}
+
+
+@app.command()
+@friendly
+def query(
+    ctx: typer.Context,
+    namespace: str,
+    expression: Annotated[
+        str, typer.Argument(help="A where expression, e.g. \"task_id == 'grasp' and reward > 0\"")
+    ] = "",
+    group_by: Annotated[
+        str | None, typer.Option(help="Keys to group by, e.g. task_id,agent_id")
+    ] = None,
+    agg: Annotated[
+        str, typer.Option(help="Aggregates: count, mean/sum/min/max/std/pNN(key)")
+    ] = "count",
+    since: Annotated[str | None, typer.Option(help="Only steps younger than this, e.g. 1h")] = None,
+    hist: Annotated[str | None, typer.Option(help="Write a histogram of this key")] = None,
+    png: Annotated[Path | None, typer.Option(help="Where --hist writes (NS-KEY.png)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Ask questions of step metadata, answered from the sampling index.
+
+    Example: claw query grasp "task_id == 'grasp' and reward > 0.5" --group-by agent_id
+    --agg 'count,mean(reward),p95(reward)' --since 1h (quote the aggregates: the shell
+    reads parentheses)"""
+    from orchestrator.inspect import query as q
+
+    keys = [k.strip() for k in group_by.split(",") if k.strip()] if group_by else []
+    with redis_client(ctx) as (_, r):
+        result = q.Query(Store(r, namespace)).run(
+            expression, group_by=keys, aggs=q.parse_aggs(agg), since=since,
+            keep=[hist] if hist else [],
+        )  # fmt: skip
+    if hist:
+        path = q.histogram(result, hist, png or Path(f"{namespace}-{hist}.png"))
+    if as_json:
+        typer.echo(json.dumps(result.to_json() | ({"png": str(path)} if hist else {}), indent=2))
+        return
+    console = Console()
+    if not result.matched:
+        console.print(f"no steps of {namespace!r} match ({result.steps:,} steps)")
+    else:
+        console.print(q.table(result))
+    if hist:
+        console.print(f"histogram of {hist} over {result.matched:,} steps: [bold]{path}[/]")
+
+
+@app.command()
+@friendly
+def dead(
+    ctx: typer.Context,
+    namespace: str,
+    limit: Annotated[int, typer.Option(min=1, help="Newest entries to show")] = 20,
+) -> None:
+    """Dead letters: rejected batches and steps, with the reason."""
+    with redis_client(ctx) as (_, r):
+        store = Store(r, namespace)
+        total, letters = dead_letters(store, limit)
+        if not total and not store.exists():
+            raise NamespaceError(f"namespace {namespace!r} does not exist")
+    console = Console()
+    if not total:
+        console.print(f"no dead letters in {namespace!r}")
+        return
+    table = Table(title=f"dead letters of {namespace!r}: {total:,} (newest {len(letters)})")
+    for col in ("time (UTC)", "batch", "rows", "steps", "payload", "reason"):
+        table.add_column(col, overflow="fold")
+    for d in letters:
+        table.add_row(
+            d.when, d.batch_id, d.rows_text, "-" if d.steps is None else str(d.steps),
+            f"{d.payload_bytes:,} B", d.reason,
+        )  # fmt: skip
+    console.print(table)
