@@ -17,9 +17,7 @@ from orchestrator.cli.doctor import CHECKS, Report, check_namespace
 from orchestrator.cli.retention import retention_policy
 from orchestrator.cli.schedule import beat_entries
 from orchestrator.cli.steplog import parse_ids
-from orchestrator.inspect.namespaces import (
-    scan_keys,
-)
+from orchestrator.inspect.namespaces import scan_keys
 from orchestrator.maintenance.lifecycle import drop_namespace, namespace_keys
 
 _MAX_PROBLEMS = 50

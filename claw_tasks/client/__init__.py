@@ -1,0 +1,11 @@
+"""The client SDK: ``Ingestor`` buffers steps and ships them as Celery ingest tasks.
+
+``ingestor`` holds the producing API and the buffer, ``sending`` the publishing and
+confirmation, ``episode`` the per-episode writer, ``checks`` the value checks run before
+anything is buffered."""
+
+from claw_tasks.client.episode import Episode
+from claw_tasks.client.ingestor import Ingestor
+from claw_tasks.client.sending import FlushResult, IngestError
+
+__all__ = ["Episode", "FlushResult", "IngestError", "Ingestor"]

@@ -1,0 +1,76 @@
+"""``Episode``: one episode's steps, added in order, checked and buffered by its Ingestor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from claw_tasks.client.ingestor import Ingestor
+
+
+class Episode:
+    """Steps of one episode, added in order. Use as a context manager: leaving the block
+    ends the episode (:meth:`end`)."""
+
+    def __init__(
+        self, ingestor: Ingestor, episode_id: str, meta: dict[str, Any], tags: dict[str, Any]
+    ):
+        self.ingestor = ingestor
+        self.episode_id = episode_id
+        self.meta = meta
+        self.tags = tags
+        self.step_index = 0
+        self.ended = False
+
+    def __enter__(self) -> Episode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+    def end(self) -> None:
+        """End the episode: a later :meth:`add` raises. Its steps go out with the
+        Ingestor's next batch (by count, by ``flush_interval``, or ``flush``/``close``):
+        batches span episodes, so ending one sends nothing by itself. The last step's
+        ``terminated``/``truncated`` are the ones it was added with; nothing is marked."""
+        self.ended = True
+
+    def add(
+        self,
+        obs: Any,
+        action: Any,
+        reward: float,
+        next_obs: Any = None,
+        terminated: bool = False,
+        truncated: bool = False,
+        info: Mapping[str, Any] | None = None,
+        skill_tag: str | None = None,
+        priority: float | None = None,
+        **fields_and_tags: Any,
+    ) -> None:
+        """Add the next step. Extra keyword arrays are payload fields (e.g. ``prompt_ids``);
+        extra scalars (str/int/float) are tags. Raises before buffering on bad input."""
+        if self.ended:
+            raise RuntimeError(
+                f"episode {self.episode_id!r} has ended (its with block exited, or end() was "
+                "called); start the next one with ingestor.episode()"
+            )
+        fields = {"obs": obs, "action": action}
+        tags = dict(self.tags)
+        for k, v in fields_and_tags.items():
+            if isinstance(v, str | int | float | bool | np.generic):  # a scalar: a tag
+                tags[k] = v
+            else:
+                fields[k] = v
+        meta = self.meta if skill_tag is None else {**self.meta, "skill_tag": skill_tag}
+        step = self.ingestor._check_step(
+            self.episode_id, self.step_index, fields, reward, next_obs, info, meta, tags,
+            priority, terminated, truncated,
+        )  # fmt: skip
+        # Accepted: the step is buffered from here on, even if the send _buffer may start
+        # fails (it is kept and re-sent), so it has its index now.
+        self.step_index += 1
+        self.ingestor._buffer(step)

@@ -1,0 +1,364 @@
+"""``Ingestor``: the producing API (episodes, LLM turns, column batches), its checks and
+its buffer; sending and confirmation are in :mod:`claw_tasks.client.sending`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.app import client_app
+from claw_tasks.backpressure import MemoryGate
+from claw_tasks.batch import STR_META, Ragged, StepBatch, info_problem
+from claw_tasks.client.checks import (
+    Step,
+    add_tag,
+    as_array,
+    check_fields,
+    check_int32,
+    column,
+    opt_column,
+    schema_of_step,
+    steps_to_batch,
+    str_column,
+    tag_kinds,
+)
+from claw_tasks.client.episode import Episode
+from claw_tasks.client.sending import FlushResult, Inflight, IngestError, Sender
+from claw_tasks.llm import prompt_key, turn_fields, turn_info
+from claw_tasks.schema import MAX_STEP_BYTES, Schema, SchemaError
+from claw_tasks.settings import load_settings
+from claw_tasks.store import Store
+from claw_tasks.store.config import DEFAULT_CAPACITY
+from claw_tasks.store.retention import Retention
+
+log = logging.getLogger(__name__)
+
+
+class Ingestor(Sender):
+    """Buffers steps and sends them in batches (by count and by time) to ``ingest``.
+
+    Batches above ``claim_check_bytes`` travel by claim check: the payload goes to a
+    staging key with a TTL and the task message carries the key. ``retention`` sets the
+    namespace's retention policy (:class:`~claw_tasks.store.retention.Retention` or its
+    dict form). Near Redis ``maxmemory`` (over ``memory_high_water`` of it) a send blocks
+    (``on_full="block"``, up to ``full_timeout`` s) or raises ``StoreFullError``
+    (``on_full="raise"``); the steps are kept either way (:mod:`claw_tasks.backpressure`).
+    """
+
+    def __init__(
+        self,
+        namespace: str | None = None,
+        redis_url: str | None = None,
+        *,
+        broker_url: str | None = None,
+        flush_steps: int = 4096,
+        flush_interval: float | None = 1.0,
+        claim_check_bytes: int = 128 * 1024,
+        capacity: int | None = None,
+        n_shards: int | None = None,
+        schema: Schema | None = None,
+        max_step_bytes: int = MAX_STEP_BYTES,
+        ragged: Sequence[str] = (),
+        resend_after: float = 30.0,
+        retention: Retention | Mapping[str, Any] | None = None,
+        on_full: str = "block",
+        memory_high_water: float = 0.95,
+        full_timeout: float = 300.0,
+    ) -> None:
+        settings = load_settings()
+        retention = Retention.of(retention)
+        self.namespace = namespace or settings.namespace
+        self.redis_url = redis_url or settings.redis_url
+        self.app = client_app(
+            broker_url or (settings.broker_url if redis_url is None else redis_url)
+        )
+        self.store = Store(self.redis_url, self.namespace)
+        if not self.store.exists():
+            self.store.create(capacity or DEFAULT_CAPACITY, n_shards or 1, schema, retention)
+        elif capacity is not None or n_shards is not None:  # must match the namespace
+            cfg = self.store.config(refresh=True)
+            self.store.create(capacity or cfg.capacity, n_shards or cfg.n_shards, schema)
+        elif schema is not None:
+            self.store.ensure_schema(schema)
+        if retention is not None and self.store.config().retention != retention:
+            self.store.set_retention(retention)
+        self._gate = MemoryGate(self.store.r, memory_high_water, on_full, full_timeout)
+        self.schema: Schema | None = self.store.config(refresh=True).schema
+        self.flush_steps = flush_steps
+        self.flush_interval = flush_interval
+        self.claim_check_bytes = claim_check_bytes
+        self.max_step_bytes = max_step_bytes
+        self.ragged = tuple(ragged)  # fields with a variable leading dimension
+        self._ttl = settings.stage_ttl
+        self._steps: list[Step] = []
+        self._first_at = 0.0
+        self.resend_after = resend_after
+        self._inflight: dict[str, Inflight] = {}  # sent, not yet confirmed by the store
+        self._confirmed = FlushResult()
+        self._unsent: list[StepBatch] = []  # built, not yet handed to the broker
+        self._lock = threading.RLock()
+        self._closed = threading.Event()
+        self._episodes = 0
+        self._timer: threading.Thread | None = None
+        if flush_interval:
+            self._timer = threading.Thread(target=self._tick, name="claw-ingest-flush", daemon=True)
+            self._timer.start()
+
+    # ---- producing -----------------------------------------------------------------
+    def episode(
+        self,
+        episode_id: str | None = None,
+        *,
+        task_id: str | None = None,
+        agent_id: str | None = None,
+        skill_tag: str | None = None,
+        reward_source: str | None = None,
+        policy_version: int | None = None,
+        **tags: Any,
+    ) -> Episode:
+        """A new episode writer; ``episode_id`` defaults to a fresh unique id."""
+        if episode_id is None:
+            with self._lock:
+                self._episodes += 1
+                episode_id = f"{time.time_ns():x}-{id(self):x}-{self._episodes}"
+        if policy_version is not None:
+            check_int32(policy_version, "policy_version")
+        meta = {
+            "task_id": task_id, "agent_id": agent_id, "skill_tag": skill_tag,
+            "reward_source": reward_source, "policy_version": policy_version,
+        }  # fmt: skip
+        return Episode(self, str(episode_id), meta, tags)
+
+    def llm_turn(
+        self,
+        trajectory_uid: str,
+        turn: int,
+        prompt_ids: Any,
+        response_ids: Any,
+        response_logprobs: Any,
+        *,
+        prompt_uid: str | None = None,
+        response_mask: Any = None,
+        reward: float = 0.0,
+        is_last: bool = False,
+        truncated: bool = False,
+        policy_version: int | None = None,
+        reward_source: str | None = None,
+        task_id: str | None = None,
+        agent_id: str | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tool_calls: Sequence[Mapping[str, Any]] | None = None,
+        retokenized: bool = False,
+        info: Mapping[str, Any] | None = None,
+        **tags: str | float,
+    ) -> None:
+        """Buffer one LLM agent turn (the ``Schema.llm`` preset; docs/llm.md): the
+        trajectory is the episode, ``turn`` its step_index, ``prompt_uid`` the GRPO group
+        key (stored hashed in ``tags.prompt_uid``, as written in ``info``), ``is_last``
+        the terminated flag. Rewards known only later go through ``attach_rewards``.
+        Extra keywords are free tags (task, dataset, difficulty). Raises before buffering
+        on bad input; a namespace without a schema gets ``Schema.llm``."""
+        if self.schema is None:
+            self.schema = Schema.llm(response_mask=response_mask is not None)
+        where = f"turn {turn} of trajectory {trajectory_uid!r}"
+        fields = turn_fields(
+            prompt_ids, response_ids, response_logprobs, response_mask,
+            "response_mask" in self.schema.fields, where,
+        )  # fmt: skip
+        if prompt_uid is not None:
+            tags["prompt_uid"] = prompt_key(prompt_uid)
+        tags["retokenized"] = 1.0 if retokenized else 0.0
+        meta = {
+            "task_id": task_id, "agent_id": agent_id, "skill_tag": None,
+            "reward_source": reward_source, "policy_version": policy_version,
+        }  # fmt: skip
+        step = self._check_step(
+            str(trajectory_uid), int(turn), fields, reward, None,
+            turn_info(prompt_uid, messages, tool_calls, info), meta, tags, None,
+            is_last, truncated,
+        )  # fmt: skip
+        self._buffer(step)
+
+    def add_batch(self, columns: Mapping[str, Any]) -> int:
+        """Add many steps at once from columns (vectorized producers).
+
+        Required: ``obs``, ``action``, ``reward``, ``episode_id`` (one id or one per row),
+        ``step_index``. Optional: ``terminated``, ``truncated``, ``priority``,
+        ``policy_version``, ``agent_id``/``task_id``/``skill_tag``/``reward_source`` (one
+        value or one per row), ``tags`` (name -> value or column), further payload arrays
+        under ``fields``. Raises before sending anything if any row is bad.
+        """
+        cols = dict(columns)
+        missing = [
+            k for k in ("obs", "action", "reward", "episode_id", "step_index") if k not in cols
+        ]
+        if missing:
+            raise ValueError(f"add_batch: missing column(s) {', '.join(missing)}")
+        n = len(cols["reward"])
+        fields: dict[str, Any] = {"obs": cols.pop("obs"), "action": cols.pop("action")}
+        fields.update(cols.pop("fields", {}))
+        batch = StepBatch(
+            episode=str_column(cols.pop("episode_id"), n, "episode_id"),
+            step_index=column(cols.pop("step_index"), n, np.int64, "step_index"),
+            reward=column(cols.pop("reward"), n, np.float32, "reward"),
+            terminated=column(cols.pop("terminated", False), n, bool, "terminated"),
+            truncated=column(cols.pop("truncated", False), n, bool, "truncated"),
+            fields={k: self._field_column(k, v, n) for k, v in fields.items()},
+            priority=opt_column(cols.pop("priority", None), n, np.float32),
+            policy_version=opt_column(cols.pop("policy_version", None), n, np.int64),
+        )
+        for k in STR_META:
+            if k in cols:
+                batch.strs[k] = str_column(cols.pop(k), n, k)
+        for name, v in dict(cols.pop("tags", {})).items():
+            add_tag(batch, name, v, n)
+        if cols:
+            raise ValueError(f"add_batch: unknown column(s) {', '.join(sorted(cols))}")
+        self._check_batch(batch)
+        for start in range(0, n, self.flush_steps):
+            stop = min(n, start + self.flush_steps)
+            part = batch if stop - start == n else batch.take(slice(start, stop))  # views
+            part.batch_id = f"{batch.batch_id}.{start}"
+            self._send_or_keep(part)
+        return n
+
+    def _field_column(self, name: str, v: Any, n: int) -> np.ndarray | Ragged:
+        spec = self.schema.fields.get(name) if self.schema else None
+        if isinstance(v, Ragged):
+            return v
+        if (spec is not None and spec.ragged) or name in self.ragged:
+            return Ragged.of(list(v))
+        arr = as_array(v, f"field '{name}'")
+        if arr.ndim == 0 or arr.shape[0] != n:
+            raise SchemaError(f"field '{name}' has {arr.shape[:1]} rows, expected {n}")
+        return arr
+
+    # ---- validation ----------------------------------------------------------------
+    def _check_step(
+        self, episode_id: str, step_index: int, raw: dict[str, Any], reward: Any, next_obs: Any,
+        info: Mapping[str, Any] | None, meta: dict[str, Any], tags: dict[str, Any],
+        priority: float | None, terminated: bool, truncated: bool,
+    ) -> Step:  # fmt: skip
+        where = f"step {step_index} of episode {episode_id!r}"
+        fields = {k: as_array(v, f"field '{k}' of {where}") for k, v in raw.items()}
+        schema = self.schema
+        if schema is None:
+            schema = self.schema = schema_of_step(fields, tags, self.ragged)
+        check_fields(schema, fields, where)
+        r = float(reward)
+        if not np.isfinite(r):
+            raise SchemaError(f"{where}: reward is {r} (must be finite)")
+        if priority is not None:
+            priority = float(priority)
+            if not (np.isfinite(priority) and priority >= 0):
+                raise SchemaError(f"{where}: priority is {priority} (must be finite and >= 0)")
+        check_int32(step_index, f"{where}: step_index")
+        nbytes = sum(a.nbytes for a in fields.values())
+        if nbytes > self.max_step_bytes:
+            raise SchemaError(f"{where}: {nbytes} payload bytes > limit {self.max_step_bytes}")
+        nx = None
+        if next_obs is not None:
+            nx = as_array(next_obs, f"next_obs of {where}")
+            check_fields(schema, {"obs": nx}, where, label="next_obs")
+        try:
+            self.schema = schema.with_tags(tag_kinds(tags))
+        except SchemaError as e:
+            raise SchemaError(f"{where}: {e}") from None
+        if info:
+            problem = info_problem(dict(info))
+            if problem is not None:
+                raise SchemaError(f"{where}: {problem}")
+        return Step(
+            episode_id, step_index, fields, r, bool(terminated), bool(truncated), nx,
+            dict(info) if info else None, meta, tags, priority,
+        )  # fmt: skip
+
+    def _check_batch(self, batch: StepBatch) -> None:
+        batch.check_columns()
+        implied = batch.schema()
+        if self.schema is None:
+            self.schema = implied
+        self.schema = self.schema.merged(implied)
+        errors = batch.row_errors(self.max_step_bytes)
+        if errors:
+            first = sorted(errors)[:5]
+            more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+            raise SchemaError("; ".join(errors[i] for i in first) + more)
+
+    # ---- buffering and sending -----------------------------------------------------
+    def _buffer(self, step: Step) -> None:
+        with self._lock:
+            if not self._steps:
+                self._first_at = time.monotonic()
+            self._steps.append(step)
+            if len(self._steps) >= self.flush_steps:
+                self._send_buffer()
+
+    def _send_buffer(self) -> None:
+        with self._lock:
+            steps, self._steps = self._steps, []
+        if steps:
+            assert self.schema is not None
+            self._send_or_keep(steps_to_batch(steps, self.schema))
+
+    def _tick(self) -> None:
+        assert self.flush_interval
+        last_poll = time.monotonic()
+        while not self._closed.wait(self.flush_interval / 4):
+            try:
+                with self._lock:
+                    due = self._steps and time.monotonic() - self._first_at >= self.flush_interval
+                if due:
+                    self._send_buffer()
+                if time.monotonic() - last_poll > max(1.0, self.flush_interval):
+                    last_poll = time.monotonic()
+                    self._poll()
+            except Exception:  # kept for the next tick; this thread must not die
+                log.warning("background flush failed; will retry", exc_info=True)
+
+    def flush(self, wait: bool = True, timeout: float = 60.0) -> FlushResult:
+        """Send what is buffered; with ``wait``, block until the store confirms every batch
+        sent so far and return what was committed (and rejected) since the last flush."""
+        self._send_buffer()
+        if not wait:
+            return FlushResult()
+        self._retry_unsent()
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while (left := self._poll()) and time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        with self._lock:
+            result, self._confirmed = self._confirmed, FlushResult()
+        if left:
+            result.pending = left
+            raise IngestError(
+                f"{left} batch(es) not confirmed within {timeout}s: no ingest worker stored "
+                "them. Is the stack running? Start it with `claw up` in another terminal (it "
+                "runs the workers). The batches stay in flight and are re-sent; flush again to "
+                "keep waiting.",
+                result,
+            )
+        return result
+
+    def close(self, timeout: float = 60.0) -> FlushResult:
+        """Flush, wait for confirmation, stop the timer, close the connections."""
+        self._closed.set()
+        if self._timer is not None:
+            self._timer.join()
+        try:
+            return self.flush(wait=True, timeout=timeout)
+        finally:
+            if not self._unsent and not self._inflight:
+                self.store.r.close()
+
+    def __enter__(self) -> Ingestor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

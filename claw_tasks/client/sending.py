@@ -1,0 +1,166 @@
+"""The sending half of the Ingestor: publishing batches (in place or by claim check),
+keeping what could not be sent, collecting the store's confirmations and re-sending
+batches whose message went missing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.backpressure import MemoryGate
+from claw_tasks.batch import Placed, StepBatch
+from claw_tasks.ingest import IngestOutcome
+from claw_tasks.message import TASK, IngestArgs
+from claw_tasks.schema import Schema
+from claw_tasks.store import Store
+from claw_tasks.store.layout import row_episode_codes
+
+
+class IngestError(RuntimeError):
+    """Batches were rejected or not confirmed in time; ``result`` says which."""
+
+    def __init__(self, message: str, result: FlushResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class FlushResult:
+    """What the store confirmed for the batches sent so far."""
+
+    committed: int = 0  # stored (including by an earlier delivery of the same batch)
+    rejected: int = 0
+    expired: int = 0
+    resent: int = 0  # re-publications of batches whose message went missing
+    pending: int = 0  # batches not confirmed before the timeout
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Inflight:
+    args: list[Any]
+    sent_at: float
+    resent: int = 0
+
+
+class Sender:
+    """Publishes batches and tracks them until the store confirms them. A base of
+    :class:`~claw_tasks.client.Ingestor`, whose ``__init__`` sets these attributes."""
+
+    namespace: str
+    app: Any
+    store: Store
+    schema: Schema | None
+    claim_check_bytes: int
+    resend_after: float
+    _ttl: int
+    _gate: MemoryGate
+    _lock: threading.RLock
+    _inflight: dict[str, Inflight]
+    _confirmed: FlushResult
+    _unsent: list[StepBatch]
+
+    def _send_or_keep(self, batch: StepBatch) -> None:
+        """Send; if that fails (broker or Redis down), keep the batch for the next try."""
+        try:
+            self._send(batch)
+        except Exception:
+            with self._lock:
+                self._unsent.append(batch)
+            raise
+
+    def _retry_unsent(self) -> None:
+        while True:
+            with self._lock:
+                if not self._unsent:
+                    return
+                batch = self._unsent.pop(0)
+            self._send_or_keep(batch)  # same batch id: idempotent if it got through before
+
+    def _send(self, batch: StepBatch) -> None:
+        """Publish a batch. Large fixed-shape payloads skip the message entirely: they are
+        written in place into freshly allocated slots (one SETRANGE per chunk run), and
+        the task carries only metadata, which the commit makes visible atomically."""
+        self._gate.wait()
+        fixed = {k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray)}
+        if sum(v.nbytes for v in fixed.values()) <= self.claim_check_bytes:
+            self._publish_batch(batch)
+            return
+        self.store.revalidate()  # never write in place into a dropped namespace
+        self.schema = self.store.ensure_schema(batch.schema())
+        for shard, part in self._by_shard(batch):
+            row_bytes = {k: self.schema.fields[k].row_bytes for k in fixed}
+            seq0, _ = self.store.allocate(shard, part.batch_id, part.n, row_bytes)
+            self.store.place(shard, seq0, {k: part.fields[k] for k in fixed})
+            for k, v in fixed.items():
+                part.fields[k] = Placed(v.dtype, (part.n, *v.shape[1:]))
+            self._publish_batch(part)
+
+    def _by_shard(self, batch: StepBatch) -> list[tuple[int, StepBatch]]:
+        n_shards = self.store.config().n_shards
+        shards = row_episode_codes(batch.episode.values, batch.episode.index) % n_shards
+        if (shards == shards[0]).all():
+            part = StepBatch(**batch.__dict__)
+            part.fields = dict(batch.fields)
+            return [(int(shards[0]), part)]
+        parts = []
+        for shard in np.unique(shards).tolist():
+            part = batch.take(np.flatnonzero(shards == shard))
+            part.batch_id = f"{batch.batch_id}.s{shard}"
+            parts.append((shard, part))
+        return parts
+
+    def _publish_batch(self, batch: StepBatch) -> None:
+        payload = batch.encode()
+        if len(payload) > self.claim_check_bytes:
+            key = self.store.keys.stage(batch.batch_id)
+            self.store.r.set(key, payload, ex=self._ttl)
+            args = IngestArgs(self.namespace, batch.batch_id, None, key).to_args()
+        else:
+            args = IngestArgs(self.namespace, batch.batch_id, payload, None).to_args()
+        self._publish(args)
+        with self._lock:
+            self._inflight[batch.batch_id] = Inflight(args, time.monotonic())
+
+    def _publish(self, args: list[Any]) -> None:
+        with self.app.producer_or_acquire() as producer:
+            self.app.send_task(TASK, args=args, queue="ingest", producer=producer)
+
+    def _poll(self) -> int:
+        """Collect confirmations; re-send batches unconfirmed for ``resend_after`` seconds
+        (a message can be lost if a worker dies between taking and registering it; the
+        commit is idempotent, so a duplicate is harmless). Returns how many are in flight."""
+        self._retry_unsent()
+        with self._lock:
+            pending = list(self._inflight)
+        if not pending:
+            return 0
+        replies = self.store.r.mget([self.store.keys.done(b) for b in pending])
+        now = time.monotonic()
+        for batch_id, raw in zip(pending, replies, strict=True):
+            with self._lock:
+                entry = self._inflight.get(batch_id)
+                if entry is None:
+                    continue
+                if raw is not None:
+                    del self._inflight[batch_id]
+                    out = IngestOutcome.from_bytes(raw)
+                    res = self._confirmed
+                    res.committed += out.committed + out.replayed
+                    res.rejected += out.rejected
+                    res.expired += out.expired
+                    res.resent += entry.resent
+                    res.errors += out.errors
+                    continue
+                stale = now - entry.sent_at > self.resend_after
+                if stale:
+                    entry.sent_at = now
+                    entry.resent += 1
+            if stale:
+                self._publish(entry.args)
+        with self._lock:
+            return len(self._inflight) + len(self._unsent)
