@@ -16,151 +16,44 @@ next run deletes them and writes those steps again) or a manifest ahead of the w
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
-import io
-import json
-import os
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import redis
 
 from claw_tasks.app import app, settings
 from claw_tasks.batch import Ragged, StrColumn
-from claw_tasks.schema import Schema, tag_column
+from claw_tasks.schema import tag_column
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.store.scan import read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
 from claw_tasks.tasks import redis_client, store_for
+from orchestrator.maintenance.archive_files import MANIFEST, Manifest, namespace_dir, write_parquet
 from orchestrator.maintenance.lifecycle import list_namespaces
-from orchestrator.maintenance.steptable import (
-    LIST_MAX_ITEMS,
-    STRING_COLUMNS,
-    TAG_PREFIX,
-    StepRows,
-    to_table,
-)
+from orchestrator.maintenance.steptable import STRING_COLUMNS, TAG_PREFIX, StepRows
 
-MANIFEST = "_manifest.json"
 CHUNK_BYTES = 64 * 1024 * 1024  # payload read and written per file, at most
 MAX_CHUNK_ROWS = 1 << 18
 _UNLOCK = Lua("unlock", "orchestrator")
 
 Progress = Callable[[int], None]  # called with the number of seqs just covered
 
+# MANIFEST and Manifest are re-exported: the archive's public names stay importable here.
+__all__ = [
+    "CHUNK_BYTES", "MANIFEST", "ArchiveBusy", "ArchiveLock", "ArchiveResult", "Archiver",
+    "Manifest", "archive", "archive_namespace", "namespace_dir", "pending",
+]  # fmt: skip
+
 
 class ArchiveBusy(RuntimeError):
     """Another archive run holds the namespace's lock."""
-
-
-# ---- files ----------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """A temp path (hidden, in ``path``'s directory) to write; once written: fsync,
-    rename onto ``path``, fsync the directory. ``path`` appears complete or not at all."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-
-
-@dataclass
-class Manifest:
-    """What an archive directory holds; written after its files, before the watermark."""
-
-    namespace: str
-    n_shards: int
-    created: float  # the namespace's creation time: a dropped and re-created one differs
-    schema: dict[str, Any] | None = None
-    spaces: dict[str, str] | None = None
-    watermarks: dict[int, int] = field(default_factory=dict)  # shard -> seq reached
-    files: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def rows(self) -> int:
-        return sum(f["rows"] for f in self.files)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": 1,
-            "namespace": self.namespace,
-            "n_shards": self.n_shards,
-            "created": self.created,
-            "schema": self.schema,
-            "spaces": self.spaces,
-            "rows": self.rows,
-            "watermarks": {str(k): v for k, v in sorted(self.watermarks.items())},
-            "files": self.files,
-        }
-
-    @classmethod
-    def load(cls, ns_dir: Path) -> Manifest | None:
-        path = ns_dir / MANIFEST
-        if not path.exists():
-            return None
-        d = json.loads(path.read_text())
-        return cls(
-            namespace=d["namespace"],
-            n_shards=d["n_shards"],
-            created=d["created"],
-            schema=d.get("schema"),
-            spaces=d.get("spaces"),
-            watermarks={int(k): int(v) for k, v in d["watermarks"].items()},
-            files=list(d["files"]),
-        )
-
-    def save(self, ns_dir: Path) -> None:
-        with atomic_path(ns_dir / MANIFEST) as tmp:
-            tmp.write_text(json.dumps(self.to_json(), indent=1))
-
-
-def namespace_dir(root: Path, namespace: str) -> Path:
-    return Path(root) / f"ns={namespace}"
-
-
-class _Hashing(io.RawIOBase):
-    """A file that hashes what goes through it: the checksum without reading back."""
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.h, self.size = f, hashlib.sha256(), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        self.h.update(data)
-        self.size += len(data)
-        return self.f.write(data)
-
-    def tell(self) -> int:
-        return self.size
 
 
 # ---- the lock -------------------------------------------------------------------------
@@ -439,31 +332,11 @@ class Archiver:
         """One file per commit date of the rows."""
         schema = self.store.config().schema
         assert schema is not None
-        days = np.floor(rows.timestamp / 86400).astype(np.int64)
-        out = []
-        for day in np.unique(days).tolist():
-            sel = np.flatnonzero(days == day)
-            part = rows if len(sel) == rows.n else rows.take(sel)
-            date = dt.datetime.fromtimestamp(day * 86400, dt.UTC).date().isoformat()
-            lo, hi = int(seqs[sel[0]]), int(seqs[sel[-1]])
-            rel = f"date={date}/part-{shard}-{lo}-{hi}.parquet"
-            extra = {"namespace": self.store.namespace, "shard": shard, "seq_lo": lo, "seq_hi": hi}
-            table = to_table(part, schema, extra)
-            with atomic_path(self.dir / rel) as tmp, open(tmp, "wb") as f:
-                sink = _Hashing(f)
-                pq.write_table(
-                    table, pa.PythonFile(sink, mode="w"), **_parquet_options(schema, table)
-                )
-                digest, size = sink.h.hexdigest(), sink.size
-            entry = {
-                "path": rel, "date": date, "shard": shard, "seq_lo": lo, "seq_hi": hi,
-                "rows": part.n, "id_min": int(part.id.min()), "id_max": int(part.id.max()),
-                "bytes": size, "sha256": digest,
-            }  # fmt: skip
-            out.append(entry)
-            result.files.append(rel)
-            result.rows += part.n
-            result.bytes += size
+        out = write_parquet(self.dir, self.store.namespace, schema, shard, rows, seqs)
+        for entry in out:
+            result.files.append(entry["path"])
+            result.rows += entry["rows"]
+            result.bytes += entry["bytes"]
         return out
 
 
@@ -473,22 +346,6 @@ def _vocab(names: list[str | None], index: np.ndarray) -> StrColumn:
     remap = np.full(len(names) + 1, -1, np.int32)
     remap[keep] = np.arange(len(keep), dtype=np.int32)
     return StrColumn([names[i] for i in keep], remap[index.reshape(-1)])  # type: ignore[misc]
-
-
-def _parquet_options(schema: Schema, table: pa.Table) -> dict[str, Any]:
-    """zstd, but snappy for large binary rows (images: near GB/s, and it gives up fast on
-    data that does not compress). Dictionaries for strings only, statistics for metadata
-    only: hashing or comparing payload rows costs more than the whole write."""
-    codecs, strings, stats = {}, [], []
-    for f in table.schema:
-        spec = schema.fields.get(f.name)
-        big = spec is not None and not spec.ragged and spec.row_items > LIST_MAX_ITEMS
-        codecs[f.name] = "snappy" if big else "zstd"
-        if pa.types.is_dictionary(f.type) or pa.types.is_string(f.type):
-            strings.append(f.name)
-        if spec is None and f.name not in ("next_obs", "info"):
-            stats.append(f.name)
-    return {"compression": codecs, "use_dictionary": strings, "write_statistics": stats}
 
 
 def archive_namespace(

@@ -24,7 +24,7 @@ from claw_tasks.schema import Schema
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.layout import row_episode_codes
-from orchestrator.maintenance.archive import MANIFEST, Manifest
+from orchestrator.maintenance.archive_files import MANIFEST, Manifest
 from orchestrator.maintenance.steptable import (
     TAG_PREFIX,
     batch_problem,
