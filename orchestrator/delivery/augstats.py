@@ -9,13 +9,13 @@ import numpy as np
 import redis
 
 from claw_tasks.codec import packb, unpackb
-from orchestrator.transforms.augment import RunningStats
+from orchestrator.transforms.running import RunningStats
 
 _DIGEST = "digest"
 
 
 class RedisStats:
-    """A :class:`~orchestrator.transforms.augment.StatsStore` in the hash ``key``
+    """A :class:`~orchestrator.transforms.running.StatsStore` in the hash ``key``
     (``claw:{ns}:astats:<recipe>``): field ``digest`` names the ``augment`` section the
     statistics belong to (another section starts afresh), and each op's statistics are a
     field (msgpack: count, shape, float64 mean and m2).

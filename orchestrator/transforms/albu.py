@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.transforms.augment import Op, _images
+from orchestrator.transforms.base import Op, as_images
 
 GROUPS = ("pixel", "spatial")
 NEVER = frozenset({
@@ -90,7 +90,7 @@ class Albumentations(Op):
         self.label = transform
 
     def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        imgs = _images(x)
+        imgs = as_images(x)
         self.transform.set_random_seed(int(rng.integers(2**32)))
         out = [self.transform(image=im)["image"] for im in imgs]
         try:

@@ -1,0 +1,126 @@
+"""Image ops on NHWC ``uint8`` batches: DrQ's random shift and colour jitter (vectorized
+numpy and OpenCV; ``bench/augment.py`` times them against albumentations)."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from orchestrator.transforms.base import Op, as_images, check_number, jitter_range
+
+# RGB -> gray weights of OpenCV (and so of albumentations).
+_LUMA = np.array([0.299, 0.587, 0.114])
+
+
+class RandomShift(Op):
+    """DrQ random shift: replicate-pad by ``pad`` pixels, then crop back at a random offset."""
+
+    name = "random_shift"
+
+    def __init__(self, pad: int = 4, p: float = 1.0) -> None:
+        if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+            raise ValueError(f"pad must be a non-negative integer, got {pad!r}")
+        self.pad = pad
+        self.p = check_number("p", p, 0.0, 1.0)
+
+    def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        imgs, pad = as_images(x), self.pad
+        n, h, w, c = imgs.shape
+        dy = rng.integers(0, 2 * pad + 1, n)
+        dx = rng.integers(0, 2 * pad + 1, n)
+        if self.p < 1.0:
+            skip = rng.random(n) >= self.p
+            dy[skip] = dx[skip] = pad
+        padded = np.empty((n, h + 2 * pad, w + 2 * pad, c), imgs.dtype)
+        padded[:, pad : pad + h, pad : pad + w] = imgs
+        padded[:, pad : pad + h, :pad] = imgs[:, :, :1]
+        padded[:, pad : pad + h, pad + w :] = imgs[:, :, -1:]
+        padded[:, :pad] = padded[:, pad : pad + 1]
+        padded[:, pad + h :] = padded[:, pad + h - 1 : pad + h]
+        # Rows of (W + 2 pad) * C bytes: a shift of dx pixels is an offset of dx * C bytes, so
+        # each output image is one contiguous-row window of the padded image.
+        rows = padded.reshape(n, h + 2 * pad, (w + 2 * pad) * c)
+        windows = sliding_window_view(rows, (h, w * c), axis=(1, 2))
+        return windows[np.arange(n), dy, dx * c].reshape(x.shape)
+
+
+class ColorJitter(Op):
+    """Brightness, contrast, saturation and hue jitter of RGB (or gray) uint8 images, with the
+    semantics of albumentations' ``ColorJitter`` (torchvision formulas, OpenCV HSV hue).
+
+    A number ``v`` draws brightness/contrast/saturation factors from ``[max(0, 1 - v), 1 + v]``
+    and the hue shift from ``[-v, v]`` (fraction of a turn, ``v <= 0.5``); a ``[low, high]``
+    pair is used as is. Unlike albumentations, an omitted component is off (torchvision's
+    default) and ``p`` (per image) defaults to 1. Each image gets its own random order of the
+    four steps; brightness, contrast and saturation are linear and commute, so the ones before
+    the hue step and the ones after it are each fused into one affine colour transform
+    (``cv2.transform``), rounded and clipped once instead of after every step.
+    """
+
+    name = "color_jitter"
+
+    def __init__(
+        self,
+        brightness: float | list[float] = 0.0,
+        contrast: float | list[float] = 0.0,
+        saturation: float | list[float] = 0.0,
+        hue: float | list[float] = 0.0,
+        p: float = 1.0,
+    ) -> None:
+        self.brightness = jitter_range("brightness", brightness, 1.0, 0.0, np.inf)
+        self.contrast = jitter_range("contrast", contrast, 1.0, 0.0, np.inf)
+        self.saturation = jitter_range("saturation", saturation, 1.0, 0.0, np.inf)
+        self.hue = jitter_range("hue", hue, 0.0, -0.5, 0.5)
+        self.p = check_number("p", p, 0.0, 1.0)
+
+    @staticmethod
+    def _affine(bright: np.ndarray, contrast: np.ndarray, sat: np.ndarray, c: int) -> np.ndarray:
+        """Per-image ``C x (C + 1)`` matrices of brightness . contrast . saturation, with the
+        last column holding the contrast offset per unit of mean gray (filled in by callers).
+
+        contrast(x) = k x + (1 - k) mean_gray(x); brightness scales both terms and saturation
+        keeps gray levels, so the three commute.
+        """
+        n = len(bright)
+        mats = np.zeros((n, c, c + 1))
+        gray = np.outer(np.ones(3), _LUMA) if c == 3 else np.eye(1)
+        lin = sat[:, None, None] * np.eye(c) + (1 - sat)[:, None, None] * gray
+        mats[:, :, :c] = (bright * contrast)[:, None, None] * lin
+        mats[:, :, c] = (bright * (1 - contrast))[:, None]
+        return mats
+
+    def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        imgs = np.ascontiguousarray(as_images(x))
+        if imgs.dtype != np.uint8 or imgs.shape[-1] not in (1, 3):
+            raise ValueError(f"expects uint8 images with 1 or 3 channels, got {x.dtype}{x.shape}")
+        n, c = len(imgs), imgs.shape[-1]
+        apply = rng.random(n) < self.p
+        ranges = (self.brightness, self.contrast, self.saturation, self.hue)
+        factors = np.stack([rng.uniform(lo, hi, n) for lo, hi in ranges])
+        keys = rng.random((4, n))
+        with_hue = c == 3 and self.hue != (0.0, 0.0)
+        # Step j of brightness/contrast/saturation runs before hue iff its key is smaller.
+        before = keys[:3] < keys[3] if with_hue else np.ones((3, n), bool)
+        pre = self._affine(*np.where(before, factors[:3], 1.0), c)
+        post = self._affine(*np.where(before, 1.0, factors[:3]), c)
+        luma = _LUMA if c == 3 else np.ones(1)
+        if self.contrast != (1.0, 1.0):
+            pre[:, :, c] *= (np.array([cv2.mean(im)[:c] for im in imgs]) @ luma)[:, None]
+        else:
+            pre[:, :, c] = 0.0
+        # OpenCV uint8 hue is in [0, 180): albumentations' lookup table, one per image.
+        hue_luts = np.mod(np.arange(256) + 180 * factors[3][:, None], 180).astype(np.uint8)
+        post_contrast = self.contrast != (1.0, 1.0) and not before[1].all()
+
+        out = np.empty_like(imgs) if apply.all() else imgs.copy()
+        for i in np.flatnonzero(apply):
+            if not with_hue:
+                cv2.transform(imgs[i], pre[i], dst=out[i])
+                continue
+            y = cv2.cvtColor(cv2.transform(imgs[i], pre[i]), cv2.COLOR_RGB2HSV)
+            y[..., 0] = cv2.LUT(y[..., 0], hue_luts[i])
+            y = cv2.cvtColor(y, cv2.COLOR_HSV2RGB)
+            post[i, :, c] *= cv2.mean(y)[:c] @ luma if post_contrast else 0.0
+            cv2.transform(y, post[i], dst=out[i])
+        return out.reshape(x.shape)
