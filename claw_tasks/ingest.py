@@ -153,14 +153,25 @@ def _checked(store: Store, a: IngestArgs, raw: bytes, limits: IngestLimits) -> S
         raise Rejected("decode", f"undecodable batch: {e}") from None
     if batch.batch_id != a.batch_id:
         raise Rejected("args", f"payload of batch {batch.batch_id!r} sent as {a.batch_id!r}")
-    cap = store.config().cap
-    if batch.n > min(limits.batch_steps, cap):
+    cfg = store.config()
+    if batch.n > cfg.cap:
         raise _steps(
             batch,
             Rejected(
                 "size",
-                f"batch of {batch.n} steps > limit {min(limits.batch_steps, cap)} (a shard holds "
-                f"{cap}; CLAW_MAX_BATCH_STEPS={limits.batch_steps})",
+                f"batch of {batch.n} steps > the {cfg.cap} a shard of {store.namespace!r} holds "
+                f"(capacity {cfg.capacity} over {cfg.n_shards} shard(s)): its steps would "
+                "overwrite each other in the ring, so none is kept; send at most "
+                f"{cfg.cap} steps per message (the Ingestor splits its batches to fit)",
+            ),
+        )
+    if batch.n > limits.batch_steps:
+        raise _steps(
+            batch,
+            Rejected(
+                "size",
+                f"batch of {batch.n} steps > CLAW_MAX_BATCH_STEPS={limits.batch_steps} of the "
+                "ingest workers: send smaller batches (Ingestor flush_steps) or raise it",
             ),
         )
     try:

@@ -12,6 +12,7 @@ from producer import outcome, send_unchecked
 from claw_tasks.app import client_app
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
+from claw_tasks.store.layout import episode_code
 
 
 def _ingestor(redis_url: str, namespace: str, **kw) -> Ingestor:
@@ -162,3 +163,77 @@ def test_leaving_the_episode_block_ends_it(redis_url, namespace, ingest_worker):
     assert ing.close().committed == 1  # the step before the end is kept
     got = Store(redis_url, namespace).episode("closed")
     assert got["reward"].tolist() == [1.0] and not got["truncated"].any()
+
+
+@pytest.mark.parametrize(
+    ("obs_shape", "n_shards"),
+    [((8,), 1), ((64, 64, 3), 1), ((8,), 2)],
+    ids=["inline", "in-place", "two-shards"],
+)
+def test_a_batch_over_capacity_is_sent_in_parts(
+    redis_url, namespace, ingest_worker, r, obs_shape, n_shards
+):
+    """250 steps into 100 slots: the Ingestor sends messages of at most a shard's slots
+    (one message of 250 would be refused whole), so the ring fills with the batch's steps.
+    Messages commit in any order on two worker processes: a part whose slots a later one
+    took first is counted expired, as with any batches past capacity."""
+    n, capacity = 250, 100
+    ing = _ingestor(redis_url, namespace, capacity=capacity, n_shards=n_shards)
+    image = len(obs_shape) == 3
+    obs = np.arange(n, dtype=np.uint8 if image else np.float32)
+    names = {episode_code(f"e{i}") % n_shards: f"e{i}" for i in range(16)}  # one per shard
+    episodes = [names[i % n_shards] for i in range(n)]
+    ing.add_batch({
+        "obs": np.broadcast_to(obs.reshape(-1, *[1] * len(obs_shape)), (n, *obs_shape)).copy(),
+        "action": np.zeros(n, np.int64), "reward": np.arange(n, dtype=np.float32),
+        "episode_id": episodes, "step_index": np.arange(n),
+    })  # fmt: skip
+    res = ing.close()
+    assert (res.committed + res.expired, res.rejected, res.errors) == (n, 0, [])
+    store = Store(redis_url, namespace)
+    assert r.xlen(store.keys.dead) == 0
+    assert store.count() == capacity
+    kept = []
+    for e in sorted(set(episodes)):
+        got = store.episode(e)
+        rows = got["obs"].reshape(len(got["obs"]), -1)
+        assert (rows == rows[:, :1]).all()  # every element of a step's obs is its index
+        np.testing.assert_array_equal(rows[:, 0], obs[got["step_index"]])
+        np.testing.assert_array_equal(got["reward"], got["step_index"].astype(np.float32))
+        kept += got["step_index"].tolist()
+    assert len(set(kept)) == capacity
+    if image:  # written in place: slots are taken in the client's order, newest kept
+        assert sorted(kept) == list(range(n - capacity, n))
+
+
+def test_the_worker_refuses_a_batch_over_capacity_with_a_dead_letter(
+    redis_url, namespace, ingest_worker, r
+):
+    """A producer that does not split (not the Ingestor) gets its over-capacity message
+    refused whole, with a dead letter that names the cause; the stored steps stay."""
+    from claw_tasks.batch import StepBatch, StrColumn
+
+    ing = _ingestor(redis_url, namespace, capacity=100)
+    with ing.episode(episode_id="kept") as ep:
+        for t in range(10):
+            ep.add(np.full(8, t, np.float32), np.int64(0), 1.0)
+    assert ing.close().committed == 10
+    n = 250
+    batch = StepBatch(
+        episode=StrColumn.constant("big", n), step_index=np.arange(n),
+        reward=np.ones(n, np.float32), terminated=np.zeros(n, bool),
+        truncated=np.zeros(n, bool),
+        fields={"obs": np.ones((n, 8), np.float32), "action": np.zeros(n, np.int64)},
+    )  # fmt: skip
+    store = Store(redis_url, namespace)
+    send_unchecked(redis_url, store, batch)
+    got = outcome(store, batch.batch_id)
+    assert (got.committed, got.rejected) == (0, n)
+    assert "250 steps > the 100 a shard" in got.errors[0]
+    ((_, letter),) = r.xrevrange(store.keys.dead, count=1)
+    assert letter[b"batch_id"].decode() == batch.batch_id
+    reason = letter[b"reason"].decode()
+    assert "overwrite each other in the ring" in reason and "at most 100 steps" in reason
+    assert store.count() == 10 and store.count({"episode_id": "kept"}) == 10
+    with pytest.raises(ValueError, match="250 slots > the 100 a shard"):  # nor in place
+        store.allocate(0, "too-big", n, {"obs": 32})

@@ -82,9 +82,25 @@ class Sender:
             self._send_or_keep(batch)  # same batch id: idempotent if it got through before
 
     def _send(self, batch: StepBatch) -> None:
-        """Publish a batch. Large fixed-shape payloads skip the message entirely: they are
-        written in place into freshly allocated slots (one SETRANGE per chunk run), and
-        the task carries only metadata, which the commit makes visible atomically."""
+        """Publish a batch, in messages of at most a shard's capacity (``cap`` steps): a
+        message of more would take every slot of its shard's ring and overwrite its own
+        steps, so the ingest worker refuses one whole (dead letter ``size``). Split here,
+        the ring keeps the newest ``cap`` steps, as with any run of smaller batches. The
+        parts' ids derive from the batch's, so a re-send stays idempotent."""
+        cap = self.store.config().cap
+        if batch.n <= cap:
+            self._send_message(batch)
+            return
+        for start in range(0, batch.n, cap):
+            part = batch.take(slice(start, min(batch.n, start + cap)))  # views
+            part.batch_id = f"{batch.batch_id}.c{start}"
+            self._send_message(part)
+
+    def _send_message(self, batch: StepBatch) -> None:
+        """Publish a batch that fits a shard. Large fixed-shape payloads skip the message
+        entirely: they are written in place into freshly allocated slots (one SETRANGE per
+        chunk run), and the task carries only metadata, which the commit makes visible
+        atomically."""
         self._gate.wait()
         fixed = {k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray)}
         if sum(v.nbytes for v in fixed.values()) <= self.claim_check_bytes:

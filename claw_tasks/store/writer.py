@@ -78,6 +78,11 @@ class Writer(NamespaceAdmin):
         state)``. The older steps in those slots are evicted now, and the chunks of the
         ``placed`` fields (name -> row bytes) are sized for writing in place."""
         cfg = self.config()
+        if n > cfg.cap:  # the ring would evict the shard's every step, then its own
+            raise ValueError(
+                f"batch {batch_id!r}: {n} slots > the {cfg.cap} a shard of "
+                f"{self.namespace!r} holds: allocate at most {cfg.cap} per batch"
+            )
         k = self.keys
         args: list[Any] = [n, MARKER_TTL, k.shard(shard), cfg.cap, LOG_MAXLEN]
         for name, row_bytes in (placed or {}).items():
