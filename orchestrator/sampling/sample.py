@@ -65,7 +65,9 @@ _ATTEMPTS = 8  # draws per call before giving up on rows overwritten under us
 
 
 class StoreChangingError(RuntimeError):
-    """Every draw of a call hit rows that were overwritten before their payloads were read."""
+    """Every draw of a call hit rows that were overwritten or evicted before their payloads
+    were read (or groups another worker claimed): the batch is refused, never returned
+    with a step that is gone."""
 
 
 @dataclass(frozen=True)
@@ -228,9 +230,11 @@ class _Session:
             if not once or self._claim(key, batch.groups):  # type: ignore[arg-type]
                 return batch
         raise StoreChangingError(
-            f"recipe {recipe.name!r}: {_ATTEMPTS} draws in a row hit overwritten steps or "
-            "groups claimed by another worker; the namespace's capacity is too small for its "
-            "ingest rate, or too many prefetch workers share too few groups"
+            f"recipe {recipe.name!r}: {_ATTEMPTS} draws in a row hit steps overwritten or "
+            "evicted before they were read, or groups claimed by another worker; the "
+            "namespace's capacity is too small for its ingest rate, an eviction is removing "
+            "many of the steps drawn (try again), or too many prefetch workers share too few "
+            "groups"
         )
 
     def _claim(self, key: str, groups: Groups) -> bool:
