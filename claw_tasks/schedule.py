@@ -16,7 +16,6 @@ pops ask for fills when a queue runs low, so it runs every 15 s, not every secon
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,13 +23,14 @@ from typing import Any
 import yaml
 from celery.schedules import crontab, schedule
 
+from claw_tasks.durations import DurationError, parse_duration
+
 DEFAULTS: dict[str, dict[str, Any]] = {
     "claw-refill": {"task": "claw.maintenance.refill", "every": 15},
     "claw-evict": {"task": "claw.maintenance.evict", "every": 30},
     "claw-priorities": {"task": "claw.maintenance.priorities", "every": 60},
     "claw-archive": {"task": "claw.maintenance.archive", "cron": "0 3 * * *"},
 }
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class ScheduleError(ValueError):
@@ -82,12 +82,13 @@ def when(spec: Mapping[str, Any]) -> schedule | crontab:
 
 
 def _seconds(every: Any) -> float:
-    if isinstance(every, int | float) and every > 0:
-        return float(every)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(every))
-    if m is None or float(m.group(1)) <= 0:
+    try:
+        seconds = parse_duration(every)
+    except DurationError:
+        seconds = 0.0
+    if not seconds > 0:
         raise ScheduleError(f"every {every!r}: a positive number of seconds, or 30s, 5m, 1h")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    return seconds
 
 
 def beat_schedule(env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:

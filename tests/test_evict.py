@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from stepdata import batch, episode, interleave
 
+from claw_tasks.durations import DurationError, parse_duration
 from claw_tasks.store import Store
 from claw_tasks.store.layout import episode_code
-from claw_tasks.store.retention import Retention, RetentionError, parse_bytes, parse_duration
+from claw_tasks.store.retention import Retention, RetentionError, parse_bytes
 from orchestrator import Recipe, sample
 from orchestrator.cli.doctor import check_namespace
 from orchestrator.maintenance.evict import evict_namespace
@@ -58,8 +59,10 @@ def test_policy_round_trips_and_names_bad_settings(store):
     assert parse_duration("1d12h") == 36 * 3600 and parse_bytes("500MB") == 500_000_000
     with pytest.raises(RetentionError, match="evict must be one of"):
         Retention(evict="random")
-    with pytest.raises(RetentionError, match="duration '7 days'"):
+    with pytest.raises(DurationError, match="duration '7 days'"):
         parse_duration("7 days")
+    with pytest.raises(RetentionError, match="max_age: duration '7 days'"):
+        Retention.of({"max_age": "7 days"})
     with pytest.raises(RetentionError, match="unknown retention setting"):
         Retention.of({"ttl": 5})
 

@@ -12,8 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a package may import the ones before it, never the ones after.
 LAYERS = [
-    "transforms", "recipe", "sampling", "delivery", "maintenance", "adapters",
-    "inspect", "web", "gateway", "cli",
+    "transforms",
+    "recipe",
+    "sampling",
+    "delivery",
+    "maintenance",
+    "adapters",
+    "inspect",
+    "web",
+    "gateway",
+    "cli",
 ]
 
 
@@ -37,9 +45,7 @@ def _layer(module: str) -> str | None:
 
 
 def test_every_module_is_in_a_layer() -> None:
-    loose = [
-        p.name for p in (ROOT / "orchestrator").glob("*.py") if p.name != "__init__.py"
-    ]
+    loose = [p.name for p in (ROOT / "orchestrator").glob("*.py") if p.name != "__init__.py"]
     assert loose == [], f"modules outside the stage packages: {loose}"
 
 
@@ -76,3 +82,29 @@ def test_public_imports() -> None:
     from orchestrator import BatchClient, Recipe, sample  # noqa: F401
     from orchestrator.adapters.sb3 import ClawReplayBuffer  # noqa: F401
     from orchestrator.adapters.torch import ClawIterableDataset  # noqa: F401
+
+
+def test_the_where_language_never_imports_the_store() -> None:
+    """The store's settings (retention's protect filters) use the where language, so the
+    where language, and the leaf modules both read (durations, step metadata), must not
+    import the store package: that was an import cycle, worked around by a lazy import."""
+    paths = [*(ROOT / "claw_tasks" / "where").glob("*.py")]
+    paths += [ROOT / "claw_tasks" / "durations.py", ROOT / "claw_tasks" / "stepmeta.py"]
+    bad = [
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in sorted(paths)
+        for module in _imports(path)
+        if module == "claw_tasks.store" or module.startswith("claw_tasks.store.")
+    ]
+    assert bad == []
+
+
+@pytest.mark.parametrize(
+    "module", ["claw_tasks.where", "claw_tasks.store.retention", "claw_tasks.store"]
+)
+def test_imports_first_in_a_fresh_interpreter(module: str) -> None:
+    """Whichever of the two is imported first, neither finds the other half-initialized."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, check=True)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
+
+# Defined in claw_tasks.stepmeta (a leaf the where language imports); re-exported here,
+# where the store's modules and the orchestrator look for them.
+from claw_tasks.stepmeta import DICT_COLUMNS as DICT_COLUMNS
+from claw_tasks.stepmeta import EXPLICIT_NEXT as EXPLICIT_NEXT
+from claw_tasks.stepmeta import TERMINATED as TERMINATED
+from claw_tasks.stepmeta import TRUNCATED as TRUNCATED
+from claw_tasks.stepmeta import UNTRAINABLE as UNTRAINABLE
+from claw_tasks.stepmeta import episode_code as episode_code
 
 # Metadata columns: name -> dtype. Zero bytes always mean "missing".
 META: dict[str, np.dtype] = {
@@ -25,10 +32,6 @@ META: dict[str, np.dtype] = {
 }
 STR_TAG_DTYPE = np.dtype("<i4")
 NUM_TAG_DTYPE = np.dtype("<f8")
-DICT_COLUMNS = ("agent_id", "task_id", "skill_tag", "reward_source", "quality")
-
-# flags bits
-TERMINATED, TRUNCATED, EXPLICIT_NEXT, UNTRAINABLE = 1, 2, 4, 8
 
 # 16376 slots: a chunk of 1-, 4- or 8-byte items plus its sds header stays just inside a
 # jemalloc size class (16 KiB, 64 KiB, 128 KiB); 16384 would round up by 25 %.
@@ -50,12 +53,6 @@ def nan_xor(values: np.ndarray) -> np.ndarray:
 def payload_chunk_slots(row_bytes: int) -> int:
     """Slots per payload chunk: just under 1 MiB (one jemalloc size class)."""
     return max(1, PAYLOAD_CHUNK_BYTES // max(1, row_bytes))
-
-
-def episode_code(episode_id: str) -> int:
-    """Stable positive 63-bit code of an episode id."""
-    digest = hashlib.blake2b(episode_id.encode(), digest_size=8).digest()
-    return (int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF) or 1
 
 
 def row_episode_codes(values: list[str], index: np.ndarray) -> np.ndarray:

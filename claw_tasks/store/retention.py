@@ -24,8 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from claw_tasks.durations import DurationError, format_duration, parse_duration
+from claw_tasks.where import FilterError, Where
+
 ORDERS = ("lowest-priority", "oldest")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _BYTES = {
     "": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
     "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -54,9 +56,6 @@ class Retention:
                 raise RetentionError(f"{name} must be an integer >= 0, got {v!r}")
         if self.evict not in ORDERS:
             raise RetentionError(f"evict must be one of {ORDERS}, got {self.evict!r}")
-        # Imported here: claw_tasks.where uses the store's layout, which imports this.
-        from claw_tasks.where import FilterError, Where
-
         for p in self.protect:
             if not isinstance(p, Mapping | str) or not p:
                 raise RetentionError(f"protect: each filter is a non-empty where: {p!r}")
@@ -84,7 +83,10 @@ class Retention:
             raise RetentionError(f"unknown retention setting(s) {sorted(unknown)}")
         d = dict(d)
         if isinstance(d.get("max_age"), str):
-            d["max_age"] = parse_duration(d["max_age"])
+            try:
+                d["max_age"] = parse_duration(d["max_age"])
+            except DurationError as e:
+                raise RetentionError(f"max_age: {e}") from None
         if isinstance(d.get("max_bytes"), str):
             d["max_bytes"] = parse_bytes(d["max_bytes"])
         protect = d.get("protect") or ()
@@ -116,24 +118,6 @@ class Retention:
         return ", ".join(parts) or "none"
 
 
-def parse_duration(text: str | float) -> float:
-    """Seconds from ``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` (or a sum: ``1d12h``)."""
-    if isinstance(text, int | float):
-        return float(text)
-    s = text.strip().lower()
-    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", s)
-    if not s or re.sub(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", "", s).strip() or not parts:
-        raise RetentionError(f"duration {text!r}: use e.g. 90s, 15m, 12h, 7d, 2w")
-    return float(sum(float(v) * _UNITS[u or "s"] for v, u in parts))
-
-
-def format_duration(seconds: float) -> str:
-    for unit in ("d", "h", "m"):
-        if seconds >= _UNITS[unit] and seconds % _UNITS[unit] == 0:
-            return f"{int(seconds // _UNITS[unit])}{unit}"
-    return f"{seconds:g}s"
-
-
 def parse_bytes(text: str | int) -> int:
     """Bytes from ``5000000``, ``500MB``, ``2GiB`` (decimal and binary units)."""
     if isinstance(text, int):
@@ -142,4 +126,3 @@ def parse_bytes(text: str | int) -> int:
     if m is None or m.group(2).lower() not in _BYTES:
         raise RetentionError(f"size {text!r}: use e.g. 500MB, 2GiB or a number of bytes")
     return int(float(m.group(1)) * _BYTES[m.group(2).lower()])
-

@@ -10,11 +10,11 @@ Entry points: :func:`parse` (string → mapping form), :func:`compile_where` (ei
 :class:`Where`, checked), :func:`mask` (either form + columns → boolean mask).
 """
 
+from claw_tasks.durations import duration
 from claw_tasks.where.errors import ExpressionError, FilterError
 from claw_tasks.where.grammar import parse
 from claw_tasks.where.keys import AGE, FIXED, Key, lookup
 from claw_tasks.where.mask import Encoder, Where, compare, compile_where, mask, tag_kinds
-from claw_tasks.where.tree import duration
 
 __all__ = [
     "AGE",

@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from claw_tasks.durations import UNITS as DURATION_UNITS
 from claw_tasks.where.errors import ExpressionError, FilterError
 from claw_tasks.where.keys import Key, lookup
 from claw_tasks.where.tree import (
-    DURATION_UNITS,
     All,
     AnyOf,
     Node,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from claw_tasks.schema import TAG_KEY_PREFIX, key_tag, tag_column
-from claw_tasks.store.layout import DICT_COLUMNS, TERMINATED, TRUNCATED, UNTRAINABLE
+from claw_tasks.stepmeta import DICT_COLUMNS, TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.where.errors import FilterError
 
 Kind = Literal["code", "episode", "num", "flag", "age"]

@@ -16,17 +16,15 @@ string (``30s``, ``5m``, ``1h``, ``7d``): it means that many seconds.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from claw_tasks.durations import duration
 from claw_tasks.where.errors import FilterError
 from claw_tasks.where.keys import OPS, OPS_BY_KIND, Key, lookup
 
 BOOLEAN = ("and", "or", "not")
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION = re.compile(r"^(-?(?:\d+(?:\.\d*)?|\.\d+))([smhdw])$")
 _SCALAR_TYPES = "a string, number, duration or bool"
 
 
@@ -77,15 +75,6 @@ def conditions(node: Node) -> Iterator[Cond]:
     else:
         for part in node.parts:
             yield from conditions(part)
-
-
-def duration(text: str) -> int | float | None:
-    """Seconds of a duration like ``30s``, ``1.5h`` or ``7d``; None if ``text`` is not one."""
-    m = _DURATION.match(text)
-    if m is None:
-        return None
-    seconds = float(m.group(1)) * DURATION_UNITS[m.group(2)]
-    return int(seconds) if seconds.is_integer() else seconds
 
 
 def check_op(key: Key, op: object, label: str) -> str:

@@ -8,7 +8,8 @@ from typing import Any
 
 import yaml
 
-from claw_tasks.store.retention import Retention, parse_bytes, parse_duration
+from claw_tasks.durations import parse_duration
+from claw_tasks.store.retention import Retention, parse_bytes
 from claw_tasks.where import Where
 
 

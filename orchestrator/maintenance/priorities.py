@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.app import app, settings
+from claw_tasks.durations import DurationError, parse_duration
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.layout import META_CHUNK_SLOTS, nan_xor
-from claw_tasks.store.retention import parse_duration
 from claw_tasks.store.scripts import Lua
 from claw_tasks.tasks import redis_client, store_for
 from orchestrator.maintenance.evict import MaintenanceError
@@ -74,7 +74,10 @@ class Rules:
             raise RulesError(f"unknown priority rule(s) {sorted(unknown)}")
         d = dict(d)
         if isinstance(d.get("half_life"), str):
-            d["half_life"] = parse_duration(d["half_life"])
+            try:
+                d["half_life"] = parse_duration(d["half_life"])
+            except DurationError as e:
+                raise RulesError(f"half_life: {e}") from None
         d["fields"] = tuple(d.get("fields") or ())
         if d.get("clamp") is not None:
             lo, hi = d["clamp"]
@@ -198,8 +201,11 @@ class Recompute:
         cap, cols = index.cap, index.columns
         first = chunk * META_CHUNK_SLOTS
         stop = min(cap, first + META_CHUNK_SLOTS)
-        rows = shard * cap + first + np.flatnonzero(cols["alive"][shard * cap + first :
-                                                                  shard * cap + stop])
+        rows = (
+            shard * cap
+            + first
+            + np.flatnonzero(cols["alive"][shard * cap + first : shard * cap + stop])
+        )
         if not len(rows):
             return 0
         old = cols["priority"][rows].astype(np.float32)
