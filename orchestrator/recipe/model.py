@@ -29,6 +29,10 @@ from pydantic import (
 
 from claw_tasks.schema import tag_key
 from claw_tasks.where import AGE, FIXED, FilterError, Where, lookup
+from orchestrator.transforms.framestack import stacked_shape
+
+STACKED = ("obs", "next_obs")
+"""The fields ``frame_stack`` stacks."""
 
 RECORD_FIELDS = frozenset({"reward", "terminated", "truncated", "info"})
 """Fields every step record has, whatever the namespace schema (``obs``, ``action`` and the
@@ -202,6 +206,7 @@ class Recipe(_Model):
     n_step: PositiveInt = 1
     gamma: float = Field(0.99, gt=0.0, le=1.0)
     sequence_length: PositiveInt = 1
+    frame_stack: PositiveInt = 1
     augment: dict[str, list[dict[str, dict[str, Any] | None]] | Literal["same"]] = {}
     prefetch: Prefetch = Prefetch()
     rate_limit: RateLimit | None = None
@@ -273,6 +278,11 @@ class Recipe(_Model):
             raise ValueError("sources: kind: group cannot be mixed with other samplers")
         if self.grouped and (self.n_step > 1 or self.sequence_length > 1):
             raise ValueError("kind: group draws whole trajectories: n_step and sequence_length 1")
+        if self.frame_stack > 1 and (self.grouped or self.sequence_length > 1):
+            raise ValueError(
+                "frame_stack stacks one step's frames: sequence_length 1 and no group sources "
+                "(a window of L steps already holds L frames)"
+            )
         tok = self.tokens
         if tok is None:
             return
@@ -301,6 +311,11 @@ class Recipe(_Model):
         if "obs" in schema.fields:
             known.add("next_obs")
         problems = []
+        if self.frame_stack > 1 and not _stackable(schema):
+            problems.append(
+                "frame_stack: needs a fixed-shape 'obs' field in the namespace (it stacks obs "
+                "and next_obs)"
+            )
         for f in self.fields:
             if f == "next_obs" and f not in known:
                 problems.append("fields: 'next_obs' needs an 'obs' field in the namespace")
@@ -340,6 +355,8 @@ class Recipe(_Model):
             if spec is None:
                 continue
             dtype, shape = spec
+            if self.frame_stack > 1 and field in STACKED:
+                shape = stacked_shape(shape, self.frame_stack)
             rows = (2, self.sequence_length) if self.sequence_length > 1 else (2,)
             x = np.zeros((*rows, *shape), dtype)
             pipeline = plan.pipelines.get(field) or plan.pipelines[plan.aliases[field]]
@@ -354,6 +371,11 @@ class Recipe(_Model):
                     )
                     break
         return problems
+
+
+def _stackable(schema: SchemaLike) -> bool:
+    spec = schema.fields.get("obs")
+    return spec is not None and not getattr(spec, "ragged", False)
 
 
 def _stored(field: str, schema: SchemaLike) -> tuple[str, tuple[int, ...]] | None:

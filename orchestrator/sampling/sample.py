@@ -22,6 +22,9 @@ Batch fields, in the recipe's order:
 - metadata keys (``step_index``, ``task_id``, ``tags.<name>``, …): from the index, strings
   decoded into object arrays (None = missing).
 
+With ``frame_stack`` k > 1, ``obs`` and ``next_obs`` are stacks of the step's k newest
+frames (:mod:`orchestrator.transforms.framestack` has the layout); each frame is read once.
+
 With ``sequence_length`` L > 1 each field has shape ``(B, L, …)`` (lists nest ``[B][L]``):
 windows of consecutive steps of one episode. ``ids``, ``weights`` and ``source_index`` are
 per drawn row (a window's first step), the rows priorities apply to.
@@ -60,6 +63,7 @@ from orchestrator.sampling.samplers import Draw, InsufficientData, RecipeSampler
 from orchestrator.sampling.sequences import follow, n_step, windows
 from orchestrator.sampling.strings import Strings
 from orchestrator.sampling.turns import segments, sequence_tokens
+from orchestrator.transforms.framestack import stack_frames
 
 _ATTEMPTS = 8  # draws per call before giving up on rows overwritten under us
 
@@ -292,6 +296,7 @@ class _Assembly:
         self.reads: list[Read] = []
         self.check = [self.rows]
         self.lookups: list[tuple[str, list[int], Callable[[Any], None]]] = []
+        self.stacks = session.bound[recipe.name].sampler.stacks  # frame_stack > 1 only
 
     def run(self) -> SampledBatch | None:
         recipe, cols, rows = self.recipe, self.cols, self.rows
@@ -344,10 +349,21 @@ class _Assembly:
         """Queue what field ``name`` needs; return how to build it from the read results."""
         cols, rows = self.cols, self.rows
         fields = self.s.index.schema.fields  # type: ignore[union-attr]
+        k = self.recipe.frame_stack
+        if name == "obs" and k > 1:
+            frames = self._plan_frames(fields["obs"], rows, k)
+            return lambda res: stack_frames(frames(res), len(fields["obs"].shape))
         if name in fields:
             spec = fields[name]
             i = self._read(payload_read(name, spec, rows))
             return lambda res: self._decode(spec, res[i])
+        if name == "next_obs" and k > 1:  # boot's newest k - 1 frames, then its next_obs
+            older = self._plan_frames(fields["obs"], boot, k - 1)
+            last = self._plan_next_obs(fields["obs"], boot)
+            return lambda res: stack_frames(
+                np.concatenate([older(res), last(res)[:, None]], axis=1),
+                len(fields["obs"].shape),
+            )
         if name == "next_obs":
             return self._plan_next_obs(fields["obs"], boot)
         if name == "reward":
@@ -363,6 +379,17 @@ class _Assembly:
             return lambda _: self._shaped(values)
         self._lookup(key.column, values)
         return lambda _: self._shaped(self.s.strings.decode(key.column, values))
+
+    def _plan_frames(self, spec: FieldSpec, rows: np.ndarray, k: int) -> Finish:
+        """``(B, k, *shape)``: each row's k newest ``obs`` frames, oldest first, zeros
+        before its episode's first step (:mod:`orchestrator.sampling.stacks`)."""
+        assert self.stacks is not None
+        chain = self.stacks.chain(self.cols, rows, k).ravel()
+        have = chain >= 0
+        self.check.append(chain[have])
+        at = None if have.all() else np.flatnonzero(have)
+        i = self._read(payload_read("obs", spec, chain[have], at, len(chain)))
+        return lambda res: self._decode(spec, res[i], (len(rows), k))
 
     def _plan_next_obs(self, spec: FieldSpec, boot: np.ndarray) -> Finish:
         nxt = follow(self.cols, boot, self.cap)
@@ -391,12 +418,12 @@ class _Assembly:
 
         return finish
 
-    def _decode(self, spec: FieldSpec, got: Any) -> Any:
+    def _decode(self, spec: FieldSpec, got: Any, shape: tuple[int, ...] | None = None) -> Any:
         dtype = np.dtype(spec.dtype)
         if spec.ragged:
             tail = spec.shape[1:]
             return self._nested([np.frombuffer(b or b"", dtype).reshape(-1, *tail) for b in got])
-        return got.view(dtype).reshape(*self.shape, *spec.shape)
+        return got.view(dtype).reshape(*(shape or self.shape), *spec.shape)
 
     def _lookup(self, column: str, codes: np.ndarray) -> None:
         """Queue the names of codes not cached yet on the fetch's pipeline."""

@@ -23,7 +23,8 @@ candidates (in its window) as it has rows, the samplers with replacement need on
 
 When the recipe needs transitions (``next_obs`` in its fields, or ``n_step > 1``) a row is
 drawn only if its n-step bootstrap row has its ``next_obs`` (or the episode terminated);
-with ``sequence_length > 1`` only if the whole window is stored. Rejected draws are
+with ``sequence_length > 1`` only if the whole window is stored; with ``frame_stack > 1``
+only if its stack has no gap (:mod:`orchestrator.sampling.stacks`). Rejected draws are
 redrawn, which samples exactly the distribution restricted to the acceptable rows.
 
 Each source keeps sum trees over all global rows (leaf = the row's sampling mass), so a
@@ -45,6 +46,7 @@ from orchestrator.recipe.model import Recipe, Source
 from orchestrator.sampling.candidates import Columns, InsufficientData, eligible, recheck
 from orchestrator.sampling.groups import Claims, GroupIndex, Groups
 from orchestrator.sampling.sequences import n_step, windows
+from orchestrator.sampling.stacks import Predecessors
 from orchestrator.sampling.sumtree import MaxTree, SumTree
 
 Accept = Callable[[Columns, np.ndarray], np.ndarray]
@@ -289,12 +291,16 @@ class RecipeSampler:
             SAMPLERS[s.sampler.kind](s, Where(s.where, tags, encode), tags) for s in recipe.sources
         ]
         self.counts = recipe.counts
-        self._accept = _acceptor(recipe, cap)
+        self.stacks = Predecessors(cap) if recipe.frame_stack > 1 else None
+        """Each row's predecessor, for ``frame_stack`` recipes (the batch's stacks too)."""
+        self._accept = _acceptor(recipe, cap, self.stacks)
         self._needs_max = any(s.kind == "priority" for s in self.sources)
         self._max: MaxTree | None = None
 
     def refresh(self, columns: Columns, rows: np.ndarray | None = None) -> None:
         """Account for changed ``rows``; None rebuilds everything on the next draw."""
+        if self.stacks is not None:
+            self.stacks.refresh(rows)
         if rows is None:
             self._max = None
             for s in self.sources:
@@ -369,16 +375,21 @@ def _max_leaves(columns: Columns, rows: np.ndarray | None) -> np.ndarray:
     return np.where(alive & ~np.isnan(p), p, -np.inf).astype(np.float32)
 
 
-def _acceptor(recipe: Recipe, cap: int) -> Accept | None:
+def _acceptor(recipe: Recipe, cap: int, stacks: Predecessors | None) -> Accept | None:
     """The completeness check a recipe's rows must pass, if any."""
     transitions = "next_obs" in recipe.fields or recipe.n_step > 1
-    length, n = recipe.sequence_length, recipe.n_step
-    if length == 1 and not transitions:
+    length, n, k = recipe.sequence_length, recipe.n_step, recipe.frame_stack
+    if length == 1 and not transitions and stacks is None:
         return None
 
     def accept(columns: Columns, rows: np.ndarray) -> np.ndarray:
         if length == 1:
-            return n_step(columns, rows, n, 1.0, cap).ready
+            ok = np.ones(len(rows), bool)
+            if transitions:
+                ok &= n_step(columns, rows, n, 1.0, cap).ready
+            if stacks is not None:
+                ok &= stacks.complete(columns, rows, k)
+            return ok
         win = windows(columns, rows, length, cap)
         ok = win[:, -1] >= 0
         if transitions:

@@ -1,0 +1,39 @@
+"""Frame stacks as a batch holds them: k observations side by side on the last axis.
+
+The store keeps each frame once (a step's own ``obs``); a recipe with ``frame_stack: k``
+has the prefetch workers put a step's k most recent frames together
+(:mod:`orchestrator.sampling.stacks` finds them). The layout is Stable-Baselines3's
+``VecFrameStack`` for channels-last observations, so the stack is one image to the image
+ops (one ``random_shift`` offset for all its frames, as DrQ shifts a stack):
+
+- an ``(H, W)`` frame is taken as ``(H, W, 1)``: k of them make ``(H, W, k)``;
+- any other frame is concatenated on its last axis: ``(H, W, C)`` makes ``(H, W, C*k)``
+  (frame j's channels at ``[j*C, (j+1)*C)``), a vector ``(D,)`` makes ``(D*k,)``, a
+  scalar ``()`` makes ``(k,)``;
+- oldest first: the step's own frame is the last one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _frame_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a frame is stacked as (a channel axis added to ``(H, W)`` and ``()``)."""
+    return (*shape, 1) if len(shape) in (0, 2) else shape
+
+
+def stacked_shape(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """The shape of a stack of ``k`` frames of ``shape``."""
+    frame = _frame_shape(tuple(shape))
+    return (*frame[:-1], frame[-1] * k)
+
+
+def stack_frames(frames: np.ndarray, ndim: int) -> np.ndarray:
+    """``(..., k, *frame)`` frames (oldest first; ``ndim`` = the frame's own dimensions)
+    as ``(..., *stacked_shape(frame, k))``."""
+    lead = frames.shape[: frames.ndim - ndim - 1]
+    k, frame = frames.shape[len(lead)], frames.shape[len(lead) + 1 :]
+    x = frames.reshape(*lead, k, *_frame_shape(frame))
+    x = np.moveaxis(x, len(lead), -2)  # (..., *frame[:-1], k, C)
+    return np.ascontiguousarray(x).reshape(*lead, *stacked_shape(frame, k))

@@ -1,0 +1,171 @@
+"""Frame stacks (recipe ``frame_stack``): each frame stored once, stacked by the sampler.
+
+The layout (SB3's VecFrameStack, channels last), the predecessor links against a brute-force
+inverse of ``next`` (built at once and kept current from changed rows), and whole batches
+from a real Redis: each stack holds exactly its step's newest frames, zeros before the
+episode's start, ``next_obs`` shifted by one (n-step too), and a step whose stack has a gap
+(an evicted predecessor) is never drawn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from stepdata import batch, episode, interleave
+
+from claw_tasks.store import Store
+from orchestrator import Recipe, sample
+from orchestrator.recipe.model import RecipeError
+from orchestrator.sampling.sequences import follow
+from orchestrator.sampling.stacks import Predecessors
+from orchestrator.transforms.framestack import stack_frames, stacked_shape
+from tests.test_sequences import random_ring
+
+
+def test_layout_is_channels_last_oldest_first():
+    gray = np.arange(3 * 4 * 2 * 2).reshape(3, 4, 2, 2)  # (B, k, H, W)
+    out = stack_frames(gray, 2)
+    assert out.shape == (3, 2, 2, 4) == (3, *stacked_shape((2, 2), 4))
+    np.testing.assert_array_equal(out[1, :, :, 2], gray[1, 2])  # frame j is channel j
+    rgb = np.arange(2 * 4 * 2 * 2 * 3).reshape(2, 4, 2, 2, 3)
+    out = stack_frames(rgb, 3)
+    assert out.shape == (2, 2, 2, 12) == (2, *stacked_shape((2, 2, 3), 4))
+    np.testing.assert_array_equal(out[0, ..., 3:6], rgb[0, 1])  # frame j: channels 3j..3j+2
+    vec = np.arange(2 * 3 * 5).reshape(2, 3, 5)
+    assert stack_frames(vec, 1).tolist() == vec.reshape(2, 15).tolist()
+    assert stacked_shape((), 4) == (4,)
+
+
+def brute_prev(cols, cap):
+    """The live row whose next step is each row (-1: none)."""
+    n = len(cols["id"])
+    prev = np.full(n, -1)
+    nxt = follow(cols, np.arange(n), cap)
+    for r in range(n):
+        if nxt[r] >= 0 and cols["alive"][r]:
+            assert prev[nxt[r]] == -1
+            prev[nxt[r]] = r
+    return prev
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_predecessors_are_the_inverse_of_next(seed):
+    """Built at once, and kept current through later commits from the changed rows alone
+    (ring wrap-around, successor-first commits, evictions)."""
+    ring = random_ring(seed)
+    cols, cap = ring.c, ring.cap
+    early = {k: v.copy() for k, v in cols.items()}
+    n = len(cols["id"])
+    kept = Predecessors(cap)
+    assert kept.back(early, np.arange(n)).tolist() == brute_prev(early, cap).tolist()
+    more = random_ring(seed + 100)  # more commits on top: replay them onto ring
+    for (ep, step), (row, _) in sorted(more.at.items(), key=lambda kv: kv[1][1]):
+        ring.add(ep + 100, step, 0.0, int(more.c["flags"][row]))
+    changed = np.flatnonzero(
+        (cols["id"] != early["id"])
+        | (cols["next"] != early["next"])
+        | (cols["alive"] != early["alive"])
+    )
+    kept.refresh(changed)
+    want = brute_prev(cols, cap)
+    assert kept.back(cols, np.arange(n)).tolist() == want.tolist()
+    assert Predecessors(cap).back(cols, np.arange(n)).tolist() == want.tolist()
+    chain = kept.chain(cols, np.arange(n), 3)
+    assert chain[:, 2].tolist() == list(range(n))
+    assert chain[:, 1].tolist() == want.tolist()
+    assert chain[:, 0].tolist() == [-1 if p < 0 else want[p] for p in want.tolist()]
+
+
+# ---- whole batches from Redis --------------------------------------------------------
+LENGTH = {1: 9, 2: 3, 3: 6}
+K = 4
+
+
+def frame(ep: int, t: int, explicit: bool = False) -> np.ndarray:
+    """A 12x10 grayscale frame naming its step (value 1 + 20 ep + t; +100 when explicit)."""
+    return np.full((12, 10), 1 + 20 * ep + t + 100 * explicit, np.uint8)
+
+
+def commit(store: Store, color: bool) -> None:
+    steps = interleave(
+        *(episode(e, LENGTH[e], "terminated" if e == 2 else "truncated") for e in LENGTH)
+    )
+    for part in (steps[:5], steps[5:]):  # episodes span two commits
+        b = batch(part)
+        b.fields["obs"] = np.stack([frame(s["ep"], s["step"]) for s in part])
+        if len(b.next_rows):
+            b.next_obs = np.stack(
+                [frame(part[i]["ep"], part[i]["step"] + 1, True) for i in b.next_rows]
+            )
+        if color:
+            b.fields["obs"] = np.repeat(b.fields["obs"][..., None], 3, -1)
+            if b.next_obs is not None:
+                b.next_obs = np.repeat(b.next_obs[..., None], 3, -1)
+        store.commit(b)
+
+
+def frames_of(stack: np.ndarray, color: bool) -> list[int]:
+    """The step each frame of a (12, 10, k[*3]) stack names (its first pixel's value)."""
+    px = stack[0, 0]
+    return (px[::3] if color else px).astype(int).tolist()
+
+
+def want_next(ep: int, boot: int) -> int:
+    last = LENGTH[ep] - 1
+    if boot < last:
+        return 1 + 20 * ep + boot + 1
+    return 0 if ep == 2 else 1 + 20 * ep + boot + 1 + 100  # terminated: zeros; else explicit
+
+
+@pytest.mark.parametrize("color", [False, True])
+@pytest.mark.parametrize("n", [1, 3])
+def test_batches_hold_each_steps_newest_frames(redis_url, namespace, color, n):
+    store = Store(redis_url, namespace)
+    store.create(capacity=1000, n_shards=2)
+    commit(store, color)
+    r = Recipe.model_validate({
+        "name": "stack", "batch_size": 64, "fields": ["obs", "next_obs", "step_index"],
+        "sources": [{"name": "all"}], "frame_stack": K, "n_step": n, "gamma": 0.5,
+        "augment": {"obs": [{"random_shift": {"pad": 1}}], "next_obs": "same"} if n == 3 else {},
+    })  # fmt: skip
+    out = sample(store, r, rng=np.random.default_rng(n))
+    c = 3 if color else 1
+    assert out["obs"].shape == out["next_obs"].shape == (64, 12, 10, K * c)
+    seen = set()
+    for obs, nxt, t in zip(out["obs"], out["next_obs"], out["step_index"].tolist(), strict=True):
+        ep = (int(obs[0, 0, -1]) - 1) // 20
+        seen.add((ep, t))
+        want = [1 + 20 * ep + s if s >= 0 else 0 for s in range(t - K + 1, t + 1)]
+        assert frames_of(obs, color) == want
+        boot = min(t + n - 1, LENGTH[ep] - 1)
+        older = [1 + 20 * ep + s if s >= 0 else 0 for s in range(boot - K + 2, boot + 1)]
+        assert frames_of(nxt, color) == [*older, want_next(ep, boot)]
+    assert {t for _, t in seen} >= {0, 1, 5}  # episode starts are drawn, zero-padded
+
+
+def test_a_stack_with_a_gap_is_never_drawn(redis_url, namespace):
+    store = Store(redis_url, namespace)
+    store.create(capacity=1000, n_shards=1)
+    commit(store, color=False)
+    ep1 = store.episode("ep1", fields=[])
+    store.evict([int(ep1["id"][ep1["step_index"] == 2][0])])
+    r = Recipe.model_validate({
+        "name": "stack", "batch_size": 256, "fields": ["obs", "step_index", "episode_id"],
+        "sources": [{"name": "all"}], "frame_stack": K,
+    })  # fmt: skip
+    out = sample(store, r, rng=np.random.default_rng(0))
+    drawn = {(e, t) for e, t in zip(out["episode_id"], out["step_index"].tolist(), strict=True)}
+    assert not drawn & {("ep1", t) for t in range(2, 6)}  # their stacks hold step 2
+    assert {("ep1", 0), ("ep1", 1), ("ep1", 6)} <= drawn
+
+
+def test_recipe_checks(redis_url, namespace):
+    base = {"name": "s", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "a"}]}
+    with pytest.raises(ValueError, match="frame_stack stacks one step's frames"):
+        Recipe.model_validate({**base, "frame_stack": 4, "sequence_length": 2})
+    store = Store(redis_url, namespace)
+    store.create(capacity=100)
+    store.commit(batch(episode(1, 3)))  # obs float32[4]: a vector stacks too
+    assert sample(store, {**base, "frame_stack": 2})["obs"].shape == (4, 8)
+    with pytest.raises(RecipeError, match="random_shift cannot apply"):
+        sample(store, {**base, "frame_stack": 2, "augment": {"obs": [{"random_shift": {}}]}})
