@@ -34,6 +34,13 @@ def stack_frames(frames: np.ndarray, ndim: int) -> np.ndarray:
     as ``(..., *stacked_shape(frame, k))``."""
     lead = frames.shape[: frames.ndim - ndim - 1]
     k, frame = frames.shape[len(lead)], frames.shape[len(lead) + 1 :]
-    x = frames.reshape(*lead, k, *_frame_shape(frame))
-    x = np.moveaxis(x, len(lead), -2)  # (..., *frame[:-1], k, C)
-    return np.ascontiguousarray(x).reshape(*lead, *stacked_shape(frame, k))
+    shape = _frame_shape(frame)
+    f = np.ascontiguousarray(frames).reshape(-1, k, *shape)
+    # A frame's pixel (its last axis) is one opaque unit: k strided copies of whole units
+    # interleave the frames ~2x faster than a transpose of single items.
+    unit = np.dtype((np.void, shape[-1] * f.dtype.itemsize))
+    units = f.view(unit)[..., 0]  # (n, k, *shape[:-1])
+    out = np.empty((len(f), *shape[:-1], k), unit)
+    for j in range(k):
+        out[..., j] = units[:, j]
+    return out.view(frames.dtype).reshape(*lead, *stacked_shape(frame, k))

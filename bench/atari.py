@@ -1,0 +1,307 @@
+"""Real Atari frames through Claw: Redis bytes per step, ingest and prefetch, raw vs compressed.
+
+    .venv/bin/python bench/atari.py [--steps 3000] [--games Pong,Breakout,MsPacman]
+        [--parts codecs,store,ingest,prefetch] [--batches 40]
+
+Needs ale-py (the ``bench`` extra: ``pip install -e '.[bench]'``; the ROMs ship in its
+wheel). Plays each game with a random policy (``ALE/<Game>-v5``: frame skip 4, sticky
+actions 0.25, seed 0) and keeps every observation as 84x84x3 RGB and 84x84 grayscale
+(``cv2.INTER_AREA``), episode ends included (their final frame as an explicit
+``next_obs``). Then, for each game and frame kind, in one run on a private redis-server:
+
+- ``codecs``: the codecs alone on the frames, per frame, one core: compression ratio,
+  encode and decode frames/s (zstd level 3, lz4, PNG, delta to the episode's previous frame
+  then zstd).
+- ``store``: Redis bytes per step of each schema codec (``Store.commit``, no Celery):
+  ``used_memory`` before and after, divided by the steps, raw first.
+- ``ingest``: committed steps/s through a real Celery ingest worker (``Ingestor.add_batch``,
+  512-step batches), each codec.
+- ``prefetch``: the prefetch fill loop of one process (as ``bench/prefetch.py``): a DQN
+  recipe with ``frame_stack: 4`` (each frame stored once, stacked by the sampler), batch
+  256, obs and next_obs, random shift pad 4; augmented stacked images per second of worker
+  CPU time, decode included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cv2
+import lz4.block
+import numpy as np
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.prefetch import run as fill_loop
+from bench.prefetch import trainer
+from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.redis_server import RedisServer
+from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.store import Store
+from orchestrator.delivery.registry import Registry
+from orchestrator.recipe.model import Recipe
+
+GAMES = ("Pong", "Breakout", "MsPacman")
+KINDS = {"rgb": (84, 84, 3), "gray": (84, 84)}
+
+
+# ---- frames ---------------------------------------------------------------------------
+@dataclass
+class Play:
+    """A random policy's steps of one game: frames of both kinds, episode structure."""
+
+    game: str
+    frames: dict[str, np.ndarray]  # kind -> (n, *shape) uint8: each step's obs
+    last: dict[str, np.ndarray]  # kind -> (episodes ended, *shape): their final frames
+    episode: np.ndarray  # int64 episode number per step
+    step_index: np.ndarray
+    action: np.ndarray
+    reward: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return len(self.step_index)
+
+    def ends(self) -> np.ndarray:
+        return np.flatnonzero(self.terminated | self.truncated)
+
+
+def _kinds(rgb: np.ndarray) -> dict[str, np.ndarray]:
+    small = cv2.resize(rgb, (84, 84), interpolation=cv2.INTER_AREA)
+    return {"rgb": small, "gray": cv2.cvtColor(small, cv2.COLOR_RGB2GRAY)}
+
+
+def play(game: str, steps: int, seed: int = 0) -> Play:
+    import ale_py
+    import gymnasium as gym
+
+    gym.register_envs(ale_py)
+    env = gym.make(f"ALE/{game}-v5")
+    env.action_space.seed(seed)
+    obs, _ = env.reset(seed=seed)
+    frames: dict[str, list[np.ndarray]] = {k: [] for k in KINDS}
+    last: dict[str, list[np.ndarray]] = {k: [] for k in KINDS}
+    cols: dict[str, list[Any]] = {k: [] for k in ("episode", "step", "a", "r", "term", "trunc")}
+    ep = t = 0
+    for _ in range(steps):
+        for k, f in _kinds(obs).items():
+            frames[k].append(f)
+        action = env.action_space.sample()
+        obs, reward, term, trunc, _ = env.step(action)
+        for key, v in zip(cols, (ep, t, action, reward, term, trunc), strict=True):
+            cols[key].append(v)
+        t += 1
+        if term or trunc:
+            for k, f in _kinds(obs).items():
+                last[k].append(f)
+            obs, _ = env.reset()
+            ep, t = ep + 1, 0
+    env.close()
+    return Play(
+        game,
+        {k: np.stack(v) for k, v in frames.items()},
+        {k: np.stack(v) if v else np.zeros((0, *KINDS[k]), np.uint8) for k, v in last.items()},
+        np.array(cols["episode"], np.int64),
+        np.array(cols["step"], np.int64),
+        np.array(cols["a"], np.int64),
+        np.array(cols["r"], np.float32),
+        np.array(cols["term"], bool),
+        np.array(cols["trunc"], bool),
+    )
+
+
+# ---- the codecs alone -----------------------------------------------------------------
+def _per_frame(fn: Callable[[np.ndarray], Any], frames: np.ndarray) -> tuple[list[Any], float]:
+    t0 = time.process_time()
+    out = [fn(f) for f in frames]
+    return out, time.process_time() - t0
+
+
+def codec_table(p: Play, kind: str) -> list[tuple[str, float, float, float]]:
+    """(codec, ratio, encode frames/s, decode frames/s) on one core, frame by frame."""
+    frames = p.frames[kind]
+    raw, n = frames.nbytes, len(frames)
+    zc, zd = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+    size = frames[0].nbytes
+    prev = np.concatenate([np.zeros_like(frames[:1]), frames[:-1]])
+    prev[p.step_index == 0] = 0  # a key frame at each episode start
+    delta = frames - prev  # uint8, wraps: decoded as prev + delta
+    rows = []
+    for name, enc, dec, src in [
+        ("zstd level 3", lambda f: zc.compress(f.tobytes()), zd.decompress, frames),
+        (
+            "lz4",
+            lambda f: lz4.block.compress(f.tobytes(), store_size=False),
+            lambda b: lz4.block.decompress(b, uncompressed_size=size),
+            frames,
+        ),
+        (
+            "PNG (OpenCV, level 1)",
+            lambda f: cv2.imencode(".png", f, [cv2.IMWRITE_PNG_COMPRESSION, 1])[1].tobytes(),
+            lambda b: cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_UNCHANGED),
+            frames,
+        ),
+        ("delta to the previous frame, zstd 3", lambda f: zc.compress(f.tobytes()), zd.decompress,
+         delta),
+    ]:  # fmt: skip
+        packed, t_enc = _per_frame(enc, src)
+        _, t_dec = _per_frame(dec, packed)
+        rows.append((name, raw / sum(len(b) for b in packed), n / t_enc, n / t_dec))
+    return rows
+
+
+# ---- the store ------------------------------------------------------------------------
+def step_batches(p: Play, kind: str, size: int = 512) -> Iterator[StepBatch]:
+    """The play as committable batches (episodes span batches, as a producer sends them)."""
+    ends = set(p.ends().tolist())
+    last_of = {int(e): i for i, e in enumerate(p.ends().tolist())}
+    for lo in range(0, p.n, size):
+        hi = min(p.n, lo + size)
+        rows = [i for i in range(lo, hi) if i in ends]
+        yield StepBatch(
+            episode=StrColumn.of([f"{p.game}-{e}" for e in p.episode[lo:hi].tolist()]),
+            step_index=p.step_index[lo:hi],
+            reward=p.reward[lo:hi],
+            terminated=p.terminated[lo:hi],
+            truncated=p.truncated[lo:hi],
+            fields={"obs": p.frames[kind][lo:hi], "action": p.action[lo:hi]},
+            next_rows=np.array([i - lo for i in rows], np.int32),
+            next_obs=np.stack([p.last[kind][last_of[i]] for i in rows]) if rows else None,
+        )
+
+
+def schema_for(kind: str, codec: dict[str, Any] | None) -> Schema:
+    obs = FieldSpec("|u1", KINDS[kind])
+    del codec  # TODO(compress): the schema option when it lands
+    return Schema(fields={"obs": obs, "action": FieldSpec("<i8", ())})
+
+
+def used(r: Any) -> int:
+    return int(r.info("memory")["used_memory"])
+
+
+def store_bytes(srv: RedisServer, p: Play, kind: str, codec: dict[str, Any] | None) -> float:
+    """Redis bytes per stored step of a fresh namespace holding the whole play."""
+    r = srv.client()
+    r.flushdb()
+    before = used(r)
+    store = Store(r, f"{p.game}-{kind}")
+    store.create(capacity=p.n, schema=schema_for(kind, codec))
+    for b in step_batches(p, kind):
+        store.commit(b)
+    per = (used(r) - before) / p.n
+    r.flushdb()
+    return per
+
+
+CODECS: list[tuple[str, dict[str, Any] | None]] = [("none (raw)", None)]
+
+
+# ---- the prefetch fill loop -----------------------------------------------------------
+def prefetch_rates(
+    srv: RedisServer, p: Play, kind: str, codec: dict[str, Any] | None, batches: int
+) -> tuple[float, float]:
+    """Augmented stacked images/s per worker core, and wall clock, of the fill loop."""
+    r = srv.client()
+    r.flushdb()
+    store = Store(r, "fill")
+    store.create(capacity=p.n, schema=schema_for(kind, codec))
+    for b in step_batches(p, kind):
+        store.commit(b)
+    recipe = Recipe.model_validate({
+        "name": "dqn", "batch_size": 256, "fields": ["obs", "next_obs", "action", "reward"],
+        "sources": [{"name": "all"}], "frame_stack": 4, "prefetch": {"depth": 8}, "seed": 1,
+        "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"},
+    })  # fmt: skip
+    ctx = mp.get_context("spawn")
+    got, send = ctx.Pipe(duplex=False)
+    reader = ctx.Process(target=trainer, args=(got,), daemon=True)
+    reader.start()
+    reg = Registry(store)
+    fill_loop(reg, recipe, 3, send)  # warm up: index, caches
+    wall, cpu = fill_loop(reg, recipe, batches, send)
+    send.send_bytes(b"")
+    reader.join()
+    images = batches * 256 * 2
+    return images / cpu, images / wall
+
+
+# ---- report ---------------------------------------------------------------------------
+def table(head: list[str], rows: list[list[str]]) -> str:
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
+    ]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--games", default=",".join(GAMES))
+    ap.add_argument("--parts", default="codecs,store,prefetch")
+    ap.add_argument("--batches", type=int, default=40)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    cv2.setNumThreads(1)
+    plays = [play(g, args.steps) for g in args.games.split(",")]
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}; {args.steps:,} random-policy steps per game")  # fmt: skip
+    for p in plays:
+        print(f"{p.game}: {len(p.ends())} episodes ended")
+    if "codecs" in parts:
+        rows = []
+        for p in plays:
+            for kind in KINDS:
+                for name, ratio, enc, dec in codec_table(p, kind):
+                    rows.append([p.game, kind, name, f"{ratio:.1f}x", f"{enc:,.0f}", f"{dec:,.0f}"])
+        print("\nThe codecs alone, frame by frame, one core:\n")
+        print(
+            table(["game", "frame", "codec", "ratio", "encode frames/s", "decode frames/s"], rows)
+        )
+    with RedisServer() as srv:
+        if "store" in parts:
+            rows = []
+            for p in plays:
+                for kind in KINDS:
+                    raw = math.prod(KINDS[kind])
+                    base = None
+                    for name, codec in CODECS:
+                        per = store_bytes(srv, p, kind, codec)
+                        base = base or per
+                        rows.append([p.game, kind, name, f"{per:,.0f}", f"{raw / per:.1f}x",
+                                     f"{base / per:.1f}x"])  # fmt: skip
+            print(f"\nRedis bytes per stored step (load average {os.getloadavg()[0]:.1f}):\n")
+            print(
+                table(
+                    ["game", "frame", "codec", "bytes/step", "frame bytes / that", "vs raw"], rows
+                )
+            )
+        if "prefetch" in parts:
+            rows = []
+            for p in plays:
+                for kind in KINDS:
+                    for name, codec in CODECS:
+                        cpu, wall = prefetch_rates(srv, p, kind, codec, args.batches)
+                        rows.append([p.game, kind, name, f"{cpu:,.0f}", f"{wall:,.0f}"])
+            print(f"\nPrefetch fill loop, frame_stack 4, random shift, batch 256, obs + next_obs "
+                  f"(load average {os.getloadavg()[0]:.1f}):\n")  # fmt: skip
+            print(table(["game", "frame", "codec", "stacked images/s per worker core",
+                         "wall clock"], rows))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
