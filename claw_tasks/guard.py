@@ -22,6 +22,7 @@ from celery.worker.consumer import Consumer
 from kombu.serialization import loads
 
 from claw_tasks import amqp
+from claw_tasks.connect import redis_client
 from claw_tasks.ingest import reject
 from claw_tasks.message import TASK, Rejected, parse_args
 from claw_tasks.settings import IngestLimits, load_settings
@@ -118,7 +119,7 @@ def check_body(body: Any) -> tuple[list[Any], dict[str, Any]]:
 @cache
 def _claw() -> tuple[redis.Redis, IngestLimits]:
     s = load_settings()
-    return redis.Redis.from_url(s.redis_url), s.limits
+    return redis_client(s.redis_url), s.limits
 
 
 def dead_letter_raw(data: bytes, reason: str) -> bool:

@@ -23,7 +23,9 @@ from types import TracebackType
 from typing import Any, Self
 
 import redis
+from redis.exceptions import RedisClusterException
 
+from claw_tasks.connect import redis_client
 from claw_tasks.settings import redact_url
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -53,13 +55,15 @@ def find_redis_server() -> str:
 
 def redis_answers(url: str, timeout: float = 0.5) -> bool:
     """True if the Redis at `url` answers PING within `timeout` seconds."""
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = None
     try:
+        client = redis_client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         return bool(client.ping())
-    except (redis.RedisError, OSError):
+    except (redis.RedisError, RedisClusterException, OSError):
         return False
     finally:
-        client.close()
+        if client is not None:
+            client.close()
 
 
 def _free_port(host: str) -> int:

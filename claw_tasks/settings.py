@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
+from claw_tasks.connect import is_cluster_url
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -13,8 +15,12 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 class Settings:
     """Process-wide configuration.
 
-    ``redis_url`` is the data store; ``broker_url`` the Celery broker (a standalone
-    Redis or RabbitMQ; defaults to the data store's server).
+    ``redis_url`` is the data store (a Redis Cluster with ``redis+cluster://``, see
+    claw_tasks/connect.py); ``broker_url`` the Celery broker (a standalone Redis or
+    RabbitMQ; defaults to the data store's server, which a cluster cannot be);
+    ``beat_url`` the standalone Redis where RedBeat keeps the schedule
+    (``CLAW_BEAT_REDIS_URL``; defaults to the data store, or to a Redis broker when the
+    store is a cluster).
     """
 
     redis_url: str
@@ -26,6 +32,7 @@ class Settings:
     scorers: tuple[str, ...] = ()
     """Priority scorers (``module:function``) namespaces may name (``CLAW_SCORERS``,
     comma-separated): whoever configures a namespace must not pick code for workers."""
+    beat_url: str = DEFAULT_REDIS_URL
     archive_dir: str | None = None  # where the nightly archive writes (claw.maintenance.archive)
     archive_lock_ttl: float = 60.0  # an archive run's lock lapses this long after the run stops
     # Bounds of a worker's per-namespace caches (stores, sampling sessions with their
@@ -83,10 +90,12 @@ def load_limits() -> IngestLimits:
 
 def load_settings() -> Settings:
     redis_url = os.environ.get("CLAW_REDIS_URL") or DEFAULT_REDIS_URL
+    broker_url, beat_url = _broker_and_beat(redis_url)
     visibility = int(os.environ.get("CLAW_VISIBILITY_TIMEOUT", "600"))
     return Settings(
         redis_url=redis_url,
-        broker_url=os.environ.get("CLAW_BROKER_URL") or redis_url,
+        broker_url=broker_url,
+        beat_url=beat_url,
         namespace=os.environ.get("CLAW_NAMESPACE", "default"),
         visibility_timeout=visibility,
         # A claim-check payload must outlive every redelivery of its message.
@@ -99,6 +108,34 @@ def load_settings() -> Settings:
         albumentations=_names(os.environ.get("CLAW_ALBUMENTATIONS", "pixel,spatial")),
         limits=load_limits(),
     )
+
+
+def _broker_and_beat(redis_url: str) -> tuple[str, str]:
+    """The broker and RedBeat URLs: both default to the data store's server, except that
+    neither kombu nor RedBeat can use a Redis Cluster."""
+    broker = os.environ.get("CLAW_BROKER_URL") or ""
+    beat = os.environ.get("CLAW_BEAT_REDIS_URL") or ""
+    if not is_cluster_url(redis_url):
+        return broker or redis_url, beat or redis_url
+    if not broker:
+        raise ValueError(
+            f"CLAW_REDIS_URL={redact_url(redis_url)} is a Redis Cluster, which cannot be the "
+            "Celery broker: set CLAW_BROKER_URL to a standalone Redis or RabbitMQ"
+        )
+    if not beat and not broker.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(
+            "RedBeat keeps the schedule in a standalone Redis, and the store is a cluster and "
+            "the broker is not Redis: set CLAW_BEAT_REDIS_URL to a standalone Redis"
+        )
+    return broker, beat or broker
+
+
+def broker_for(redis_url: str | None, settings: Settings) -> str:
+    """The broker of a client given a data store URL and no broker: the store's server,
+    or, for a Redis Cluster (which cannot be a broker), ``CLAW_BROKER_URL`` as it is now."""
+    if redis_url is None:
+        return settings.broker_url
+    return _broker_and_beat(redis_url)[0] if is_cluster_url(redis_url) else redis_url
 
 
 def _names(value: str) -> tuple[str, ...]:

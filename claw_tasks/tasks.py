@@ -10,6 +10,7 @@ import redis
 from celery import Task
 from celery.utils.time import get_exponential_backoff_interval
 
+from claw_tasks import connect
 from claw_tasks.app import app, settings
 from claw_tasks.ingest import IngestOutcome, is_transient, reject, run
 from claw_tasks.lru import LRU
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 def redis_client() -> redis.Redis:
     """This worker process's client of the data store (made lazily, so each prefork child
     gets its own connection pool)."""
-    return redis.Redis.from_url(settings.redis_url)
+    return connect.redis_client(settings.redis_url)
 
 
 stores: LRU[str, Store] = LRU(settings.namespace_cache_size)

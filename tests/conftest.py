@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
 from hypothesis import settings
 
+from claw_tasks.connect import Client, redis_client
+from claw_tasks.redis_cluster import LocalCluster
 from claw_tasks.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,14 +41,50 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
 
 
-@pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A 3-master Redis Cluster on loopback free ports, for the tests marked ``both_stores``."""
+    with LocalCluster(3) as cluster:
+        yield cluster
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``both_stores`` runs on a standalone Redis and on a Redis Cluster
+    (the data store; the broker stays the standalone server)."""
+    if metafunc.definition.get_closest_marker("both_stores"):
+        metafunc.parametrize("backend", ["redis", "cluster"], indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def backend(request: pytest.FixtureRequest) -> str:
+    """``redis`` (standalone) or ``cluster``: which data store ``redis_url`` names."""
+    return getattr(request, "param", "redis")
+
+
+@pytest.fixture(scope="module")
+def store_url(backend: str, request: pytest.FixtureRequest) -> str:
+    server = request.getfixturevalue("redis_server")
+    if backend == "cluster":
+        return request.getfixturevalue("redis_cluster").url
+    return server.url
+
+
+@pytest.fixture(scope="module")
+def broker_url(redis_server: RedisServer) -> str:
+    """The Celery broker: always the standalone server (kombu has no cluster client)."""
     return redis_server.url
 
 
 @pytest.fixture
-def r(redis_url: str) -> redis.Redis:
-    return redis.Redis.from_url(redis_url)
+def redis_url(store_url: str, broker_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The data store. Clients given a cluster URL and no broker use CLAW_BROKER_URL."""
+    monkeypatch.setenv("CLAW_BROKER_URL", broker_url)
+    return store_url
+
+
+@pytest.fixture
+def r(redis_url: str) -> Client:
+    return redis_client(redis_url)
 
 
 @pytest.fixture
@@ -58,12 +95,15 @@ def namespace() -> str:
 class Worker:
     """A real ``celery worker`` process (its own process group, so it can be SIGKILLed)."""
 
-    def __init__(self, redis_url: str, queues: str, concurrency: int, log: Path, env: dict) -> None:
+    def __init__(
+        self, redis_url: str, queues: str, concurrency: int, log: Path, env: dict,
+        broker_url: str | None = None,
+    ) -> None:  # fmt: skip
         self.log = log
         full_env = {
             **os.environ,
             "CLAW_REDIS_URL": redis_url,
-            "CLAW_BROKER_URL": redis_url,
+            "CLAW_BROKER_URL": broker_url or redis_url,
             "PYTHONUNBUFFERED": "1",
             **env,
         }
@@ -100,12 +140,12 @@ class Worker:
 
 
 @pytest.fixture
-def start_worker(redis_url: str, tmp_path: Path) -> Iterator:
+def start_worker(redis_url: str, broker_url: str, tmp_path: Path) -> Iterator:
     workers: list[Worker] = []
 
     def start(queues: str = "ingest", concurrency: int = 1, **env: str) -> Worker:
         log = tmp_path / f"worker-{len(workers)}.log"
-        w = Worker(redis_url, queues, concurrency, log, env)
+        w = Worker(redis_url, queues, concurrency, log, env, broker_url)
         workers.append(w)
         return w
 
@@ -116,9 +156,9 @@ def start_worker(redis_url: str, tmp_path: Path) -> Iterator:
 
 def _module_worker(queues: str) -> Callable[..., Iterator[Worker]]:
     @pytest.fixture(scope="module")
-    def fixture(redis_server: RedisServer, tmp_path_factory) -> Iterator[Worker]:
+    def fixture(store_url: str, broker_url: str, tmp_path_factory) -> Iterator[Worker]:
         log = tmp_path_factory.mktemp("worker") / f"{queues.replace(',', '-')}.log"
-        w = Worker(redis_server.url, queues, 2, log, {})
+        w = Worker(store_url, queues, 2, log, {}, broker_url)
         yield w
         w.stop()
 

@@ -6,12 +6,20 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from celery import Celery
 
-from claw_tasks.app import client_app
+from claw_tasks.app import client_app, settings
 from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.ingest import IngestOutcome
 from claw_tasks.message import IngestArgs
+from claw_tasks.settings import broker_for
 from claw_tasks.store import Store
+
+
+def sender(redis_url: str) -> Celery:
+    """A sending app for the stack whose data store is ``redis_url`` (its broker is the
+    standalone server when the store is a cluster)."""
+    return client_app(broker_for(redis_url, settings))
 
 
 def send_unchecked(redis_url: str, store: Store, batch: StepBatch, *, in_place: bool = False):
@@ -26,7 +34,7 @@ def send_unchecked(redis_url: str, store: Store, batch: StepBatch, *, in_place: 
         store.place(0, seq0, fixed)
         batch.fields.update({k: Placed(v.dtype, v.shape) for k, v in fixed.items()})
     args = IngestArgs(store.namespace, batch.batch_id, batch.encode(), None).to_args()
-    client_app(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")
+    sender(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")
     return args
 
 

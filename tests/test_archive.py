@@ -13,9 +13,9 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+from producer import sender
 from typer.testing import CliRunner
 
-from claw_tasks.app import client_app
 from claw_tasks.batch import Ragged, StepBatch, StrColumn
 from claw_tasks.client import Ingestor
 from claw_tasks.schema import FieldSpec, Schema
@@ -144,6 +144,7 @@ def _check_archive(ns_dir: Path, store: Store) -> list[int]:
     return ids
 
 
+@pytest.mark.both_stores
 def test_archive_restore_every_field_label_and_tag(redis_url, namespace, tmp_path, ingest_worker):
     _record(redis_url, namespace)
     src = Store(redis_url, namespace)
@@ -229,11 +230,11 @@ def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_pat
         )
     )
     root = tmp_path / "arch"
-    sender = client_app(redis_url)
+    app = sender(redis_url)
 
     def send() -> None:
         # Small files: many runs, so the kill lands in the middle of the archive.
-        sender.send_task(
+        app.send_task(
             "claw.maintenance.archive",
             args=[namespace, str(root)],
             kwargs={"chunk_bytes": 8192},
@@ -277,6 +278,7 @@ def _one_step() -> StepBatch:
     )
 
 
+@pytest.mark.both_stores
 def test_archive_across_the_ring_end(redis_url, namespace, tmp_path):
     """Runs split where the ring wraps; steps the ring passed before a run are counted."""
     store = Store(redis_url, namespace)

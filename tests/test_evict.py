@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from producer import sender
 from stepdata import batch, episode, interleave
 
 from claw_tasks.durations import DurationError, parse_duration
@@ -67,6 +68,7 @@ def test_policy_round_trips_and_names_bad_settings(store):
         Retention.of({"ttl": 5})
 
 
+@pytest.mark.both_stores
 def test_ttl_evicts_exactly_the_steps_older_than_the_limit(store):
     # Three commits an hour apart; ep 1 spans the first two (links across the boundary).
     store.commit(batch(interleave(episode(1, 30), episode(2, 20, "terminated"))), now=T0)
@@ -106,6 +108,7 @@ def test_archive_before_evict_keeps_steps_above_the_watermark(store):
     assert_clean(store)
 
 
+@pytest.mark.both_stores
 def test_cap_evicts_lowest_priority_unprotected_first(store):
     steps = interleave(*(episode(e, 20) for e in range(10)))
     store.commit(batch(steps), now=T0)
@@ -172,6 +175,7 @@ def test_ring_overwrites_are_counted(redis_url, namespace):
     assert_clean(st)
 
 
+@pytest.mark.both_stores
 def test_a_sampler_never_gets_an_evicted_step(store):
     """One thread evicts (random victims, ring wraps from fresh commits) while another
     samples; every batch is checked against the steps evicted before it was drawn."""
@@ -295,13 +299,12 @@ def test_cli_sets_policy_stats_metrics_and_manual_eviction(store, redis_url):
 
 
 def test_the_evict_task_on_a_real_worker(store, start_worker, redis_url):
-    from claw_tasks.app import client_app
 
     store.commit(batch(episode(1, 40)), now=T0)
     store.commit(batch(episode(2, 40)))  # now
     store.set_retention(Retention(max_age=3600))
     start_worker("maintenance")
-    client_app(redis_url).send_task("claw.maintenance.evict", queue="maintenance")
+    sender(redis_url).send_task("claw.maintenance.evict", queue="maintenance")
     deadline = time.monotonic() + 60
     while store.evictions()["ttl"] < 40:
         assert time.monotonic() < deadline, "the worker did not evict"

@@ -7,9 +7,8 @@ import time
 import numpy as np
 import pytest
 from hostile import outcomes
-from producer import outcome, send_unchecked
+from producer import outcome, send_unchecked, sender
 
-from claw_tasks.app import client_app
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
 from claw_tasks.store.layout import episode_code
@@ -20,6 +19,7 @@ def _ingestor(redis_url: str, namespace: str, **kw) -> Ingestor:
     return Ingestor(namespace, redis_url, **kw)
 
 
+@pytest.mark.both_stores
 def test_vector_round_trip_bit_exact(redis_url, namespace, ingest_worker):
     rng = np.random.default_rng(0)
     ing = _ingestor(redis_url, namespace, flush_steps=64)
@@ -107,6 +107,7 @@ def test_add_batch_vectorized_and_claim_check(redis_url, namespace, ingest_worke
     np.testing.assert_array_equal(got["next_obs"][:-1], obs[1501:2000])
 
 
+@pytest.mark.both_stores
 def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker, r):
     ing = _ingestor(redis_url, namespace)
     with ing.episode(episode_id="dup") as ep:
@@ -125,7 +126,7 @@ def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker, r):
     args = send_unchecked(redis_url, store, batch)
     assert outcome(store, batch.batch_id).committed == 20
     dups = outcomes(r, namespace).get("duplicate", 0)
-    client_app(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")  # again
+    sender(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")
     deadline = time.monotonic() + 60
     while outcomes(r, namespace).get("duplicate", 0) == dups:  # the redelivery has run
         assert time.monotonic() < deadline, outcomes(r, namespace)
@@ -135,6 +136,7 @@ def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker, r):
     assert store.count({"episode_id": "x"}) == 20
 
 
+@pytest.mark.both_stores
 @pytest.mark.parametrize("n_shards", [3])
 def test_sharded_namespace(redis_url, namespace, ingest_worker, n_shards):
     ing = _ingestor(redis_url, namespace, n_shards=n_shards, capacity=3000)

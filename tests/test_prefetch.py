@@ -49,6 +49,7 @@ def _is_replicate_shift(aug: np.ndarray, orig: np.ndarray, pad: int) -> bool:
     )
 
 
+@pytest.mark.both_stores
 def test_batches_arrive_augmented_and_consistent(redis_url, namespace, workers):
     frames = _frames(240)
     _ingest_images(redis_url, namespace, frames, episodes=4)
@@ -98,6 +99,7 @@ def _vector_recipe(name: str, **extra) -> dict:
     }  # fmt: skip
 
 
+@pytest.mark.both_stores
 def test_update_priorities_changes_what_is_sampled(redis_url, namespace, workers):
     _ingest_vectors(redis_url, namespace, 200)
     client = BatchClient(namespace, redis_url)

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 from conftest import ROOT
+from producer import sender
 from stepdata import batch, episode, interleave
 
-from claw_tasks.app import client_app
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 from orchestrator.cli.doctor import check_namespace
@@ -33,6 +33,7 @@ def prio(store: Store, ids: np.ndarray) -> np.ndarray:
     return store.get(ids, fields=[])["priority"]
 
 
+@pytest.mark.both_stores
 def test_builtin_rules(store):
     store.commit(batch(episode(1, 10)), now=T0)
     store.commit(batch(episode(2, 10)), now=T0 + 3600)
@@ -79,7 +80,7 @@ def test_a_custom_scorer_changes_the_sampling_distribution(store, start_worker, 
                               "params": {"high": 9.0}})  # fmt: skip
     start_worker("maintenance", CLAW_SCORERS="scorers:by_obs",
                  PYTHONPATH=f"{ROOT / 'tests'}:{ROOT}")  # fmt: skip
-    client_app(redis_url).send_task("claw.maintenance.priorities", queue="maintenance")
+    sender(redis_url).send_task("claw.maintenance.priorities", queue="maintenance")
     deadline = time.monotonic() + 60
     while not store.r.hexists(store.keys.base + "prio", "last"):
         assert time.monotonic() < deadline, "the pass did not finish"

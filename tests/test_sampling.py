@@ -48,6 +48,7 @@ def chi2_pvalue(drawn: np.ndarray, ids: np.ndarray, mass: np.ndarray) -> float:
     return chisquare(counts, expected).pvalue
 
 
+@pytest.mark.both_stores
 def test_priority_updates_land_and_change_the_distribution(store, redis_url):
     """Chi-square over 25,600 draws before and after an update; IS weights; a cold index
     (another worker) draws exactly the same rows from the same random stream."""
@@ -141,6 +142,7 @@ def test_updates_for_overwritten_steps_are_ignored(redis_url, namespace):
         assert np.isnan(b["priority"][is_new]).all() and (b["priority"][~is_new] == 3.0).all()
 
 
+@pytest.mark.both_stores
 def test_mixture_counts_are_exact_and_rows_match_their_source(store):
     eps = [
         episode(e, 20, "terminated", task_id="abc"[e % 3], tags={"color": "rb"[e % 2], "level": e})
@@ -171,6 +173,7 @@ def test_mixture_counts_are_exact_and_rows_match_their_source(store):
         assert b["tags.color"].tolist() == ["rb"[int(e) % 2] for e in obs[:, 0]]
 
 
+@pytest.mark.both_stores
 def test_curation_trainable_and_quality(store):
     store.commit(batch(interleave(*(episode(e, 20, "terminated") for e in range(4)))))
     store.curate(episode_id="ep0", trainable=False)
@@ -224,6 +227,7 @@ def transition(ep: int, t: int, n: int, gamma: float):
     return ret, gamma**k, done, nxt
 
 
+@pytest.mark.both_stores
 def test_n_step_returns_on_interleaved_episodes(store):
     commit_episodes(store)
     fields = ["obs", "reward", "next_obs", "terminated", "truncated"]
@@ -309,6 +313,7 @@ def test_clear_errors(redis_url, namespace, store):
         sample(store, recipe([{"name": "u"}], ["obs", "prompt_ids"]))
 
 
+@pytest.mark.both_stores
 def test_through_the_real_ingest_worker(redis_url, namespace, ingest_worker):
     ing = Ingestor(namespace, redis_url, flush_steps=64, flush_interval=None, n_shards=2)
     eps, t = np.repeat(np.arange(4), 50), np.tile(np.arange(50), 4)

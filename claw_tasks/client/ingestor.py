@@ -31,7 +31,7 @@ from claw_tasks.client.episode import Episode
 from claw_tasks.client.sending import FlushResult, Inflight, IngestError, Sender
 from claw_tasks.llm import prompt_key, turn_fields, turn_info
 from claw_tasks.schema import MAX_STEP_BYTES, Schema, SchemaError
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import broker_for, load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.retention import Retention
@@ -74,9 +74,7 @@ class Ingestor(Sender):
         retention = Retention.of(retention)
         self.namespace = namespace or settings.namespace
         self.redis_url = redis_url or settings.redis_url
-        self.app = client_app(
-            broker_url or (settings.broker_url if redis_url is None else redis_url)
-        )
+        self.app = client_app(broker_url or broker_for(redis_url, settings))
         self.store = Store(self.redis_url, self.namespace)
         if not self.store.exists():
             self.store.create(capacity or DEFAULT_CAPACITY, n_shards or 1, schema, retention)

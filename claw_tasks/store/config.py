@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from claw_tasks.codec import packb, unpackb
+from claw_tasks.connect import redis_client
 from claw_tasks.schema import Schema
 from claw_tasks.store.layout import Keys
 from claw_tasks.store.retention import Retention
@@ -106,7 +107,7 @@ class NamespaceAdmin:
     namespace's lifecycle: create, config, schema."""
 
     def __init__(self, client: redis.Redis | str, namespace: str) -> None:
-        self.r = redis.Redis.from_url(client) if isinstance(client, str) else client
+        self.r = redis_client(client) if isinstance(client, str) else client
         self.keys = Keys(namespace)
         self.namespace = namespace
         self.scripts = Scripts(self.r)
@@ -173,7 +174,7 @@ class NamespaceAdmin:
         cached = self._config.schema if self._config else None
         if cached is not None and cached.merged(schema).tags == cached.tags:
             return cached
-        with self.r.pipeline() as pipe:
+        with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(self.keys.config)
@@ -209,7 +210,7 @@ class NamespaceAdmin:
         return self._set_config(spaces={"observation": observation, "action": action})
 
     def _set_config(self, **changes: Any) -> NamespaceConfig:
-        with self.r.pipeline() as pipe:
+        with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(self.keys.config)

@@ -39,7 +39,9 @@ class Lua:
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
+        # execute_command, not pipe.evalsha: redis-py's cluster pipeline refuses the
+        # method, but routes the command by its keys (all in one slot: the caller's rule).
+        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
     def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:

@@ -17,6 +17,7 @@ import redis
 import typer
 from rich.console import Console
 
+from claw_tasks import connect
 from claw_tasks.redis_server import ensure_redis
 from claw_tasks.settings import redact_url
 
@@ -73,7 +74,7 @@ def redis_client(ctx: typer.Context) -> Iterator[tuple[str, redis.Redis]]:
     """The store's URL (fit to print) and a client; an embedded server started here is
     stopped after."""
     url, server = ensure_redis(ctx.obj)
-    client = redis.Redis.from_url(url)
+    client = connect.redis_client(url)
     try:
         yield redact_url(url), client
     finally:

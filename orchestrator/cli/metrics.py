@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from claw_tasks.app import QUEUES
+from claw_tasks.connect import redis_client
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit
@@ -43,9 +44,7 @@ class ClawCollector(Collector):
     def __init__(self, redis_url: str, broker_url: str) -> None:
         self.redis_url = redis_url
         self.broker_url = broker_url
-        self._r = redis.Redis.from_url(
-            redis_url, socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT
-        )
+        self._r = redis_client(redis_url, socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT)
         self._lock = threading.Lock()  # scrapes may overlap; one Redis walk at a time
 
     def collect(self) -> Iterator[Metric]:
@@ -86,7 +85,8 @@ class ClawCollector(Collector):
             "claw_steps_committed", "steps committed since the namespace was created", labels=ns
         )
         evictions = CounterMetricFamily(
-            "claw_evictions", "steps evicted, by reason (ttl, cap, manual, ring)",
+            "claw_evictions",
+            "steps evicted, by reason (ttl, cap, manual, ring)",
             labels=[*ns, "reason"],
         )
         readable = _gauge("claw_namespace_readable", "0 if the namespace does not decode", ns)

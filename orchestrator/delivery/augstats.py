@@ -41,7 +41,7 @@ class RedisStats:
     def _update(
         self, op: str, change: Callable[[RunningStats], None], fresh: bool = False
     ) -> RunningStats:
-        with self.r.pipeline() as pipe:
+        with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(self.key)

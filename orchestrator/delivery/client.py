@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.app import client_app
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import broker_for, load_settings
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, shm
 from orchestrator.delivery.registry import Entry, Registry
@@ -40,7 +40,7 @@ class BatchClient:
         url = redis_url or settings.redis_url
         self.store = Store(url, self.namespace)
         self.registry = Registry(self.store)
-        self.app = client_app(broker_url or (settings.broker_url if redis_url is None else url))
+        self.app = client_app(broker_url or broker_for(redis_url, settings))
         self.host = shm.host_id()
         self._recipes: dict[str, Recipe] = {}
         self._popped: dict[str, int] = {}

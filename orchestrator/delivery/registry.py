@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from claw_tasks.codec import packb, unpackb
+from claw_tasks.connect import get_many
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.recipe.model import Recipe
@@ -82,12 +83,14 @@ class Registry:
     def put(self, recipe: Recipe, reader_host: str | None) -> None:
         """Store ``recipe`` as it is, version included (setting a registry up, as a bench
         does); a client changing a recipe goes through :meth:`install`."""
-        with self.r.pipeline() as pipe:
+        with self.r.pipeline(transaction=True) as pipe:
             self._queue_put(pipe, recipe)
-            pipe.sadd(ACTIVE, self.ns)  # no client asks for a fill: let the beat see it
             if reader_host is not None:
                 pipe.sadd(self.readers(recipe.name), reader_host)
             pipe.execute()
+        # Apart: the global set is in another slot than the namespace's keys (a cluster
+        # runs one transaction in one slot). Added after the recipe, so the beat finds it.
+        self.r.sadd(ACTIVE, self.ns)  # no client asks for a fill: let the beat see it
 
     def install(
         self, name: str, change: Callable[[Entry | None], Recipe | None], reader_host: str | None
@@ -101,7 +104,7 @@ class Registry:
         ``set_params`` never share a version, and none is lost. Returns the stored recipe
         and the entry it replaced."""
         key = self.recipe_key(name)
-        with self.r.pipeline() as pipe:
+        with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(key)
@@ -129,7 +132,7 @@ class Registry:
         pipe.sadd(self.names_key, recipe.name)
 
     def get(self, name: str) -> Entry | None:
-        with self.r.pipeline() as pipe:
+        with self.r.pipeline(transaction=True) as pipe:
             pipe.get(self.recipe_key(name))
             pipe.smembers(self.readers(name))
             return self._entry(*pipe.execute())
@@ -152,7 +155,7 @@ class Registry:
 
     def remove(self, name: str) -> list[bytes]:
         """Drop a recipe with its queue; returns the queued items (to reclaim)."""
-        with self.r.pipeline() as pipe:
+        with self.r.pipeline(transaction=True) as pipe:
             pipe.lrange(self.queue(name), 0, -1)
             pipe.delete(self.recipe_key(name), self.queue(name), self.counters(name))
             pipe.delete(self.refill_lock(name), self.readers(name), self.augment_stats(name))
@@ -163,7 +166,7 @@ class Registry:
 
     def drain(self, name: str) -> list[bytes]:
         """Empty a queue (after a recipe change); returns the items."""
-        with self.r.pipeline() as pipe:
+        with self.r.pipeline(transaction=True) as pipe:
             pipe.lrange(self.queue(name), 0, -1)
             pipe.delete(self.queue(name))
             return pipe.execute()[0]
@@ -185,7 +188,7 @@ class Registry:
 
     def inserted(self) -> int:
         """Steps ever committed to the namespace (sum of the shards' sequence counters)."""
-        return sum(int(v or 0) for v in self.r.mget(self._seq_keys()))
+        return sum(int(v or 0) for v in get_many(self.r, self._seq_keys()))
 
     def _seq_keys(self) -> list[str]:
         cfg = self.store.config()
@@ -196,9 +199,10 @@ class Registry:
         keys = self._seq_keys()
         with self.r.pipeline(transaction=False) as pipe:
             pipe.llen(self.queue(name))
-            pipe.mget(keys)
             pipe.hmget(self.counters(name), ["sampled", "state"])
-            length, seqs, (sampled, state) = pipe.execute()
+            for key in keys:  # one GET per shard: a cluster has them apart
+                pipe.get(key)
+            length, (sampled, state), *seqs = pipe.execute()
         inserted = sum(int(v or 0) for v in seqs)
         return length, inserted, float(sampled or 0), (state or b"").decode()
 

@@ -29,6 +29,7 @@ import redis
 
 from claw_tasks.app import app, settings
 from claw_tasks.batch import Ragged, StrColumn
+from claw_tasks.connect import get_many
 from claw_tasks.schema import tag_column
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import TERMINATED, TRUNCATED, UNTRAINABLE
@@ -75,7 +76,7 @@ class ArchiveLock:
 
     def extend(self) -> None:
         """Keep the lock; raise if it lapsed and another run took it."""
-        with self.r.pipeline() as pipe:
+        with self.r.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(self.key)
                 if pipe.get(self.key) != self.token.encode():
@@ -188,7 +189,8 @@ class Archiver:
                 if path.is_file() and (is_tmp or (path.suffix == ".parquet" and rel not in listed)):
                     path.unlink()
         k = self.store.keys
-        marks = [int(v or 0) for v in self.store.r.mget([k.archived(s) for s in range(n_shards)])]
+        raw = get_many(self.store.r, [k.archived(s) for s in range(n_shards)])
+        marks = [int(v or 0) for v in raw]
         for shard, mark in enumerate(marks):
             have = manifest.watermarks.get(shard, 0)
             if mark > have:

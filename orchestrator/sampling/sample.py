@@ -42,6 +42,7 @@ import numpy as np
 import redis
 
 from claw_tasks.codec import unpackb
+from claw_tasks.connect import redis_client
 from claw_tasks.lru import LRU
 from claw_tasks.schema import FieldSpec
 from claw_tasks.settings import load_settings
@@ -153,7 +154,7 @@ def _store(target: str | Store, redis_url: str | None) -> Store:
     with _lock:
         client = _clients.get((url, pid))
         if client is None:
-            client = _clients[url, pid] = redis.Redis.from_url(url)
+            client = _clients[url, pid] = redis_client(url)
     return stores.get((url, target, pid), lambda: Store(client, target))
 
 

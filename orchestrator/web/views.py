@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import redis
 
 from claw_tasks.codec import unpackb
+from claw_tasks.connect import redis_client
 from claw_tasks.lru import LRU
 from claw_tasks.schema import tag_column
 from claw_tasks.store import NamespaceError, Store
@@ -62,7 +62,7 @@ class Inspector:
 
     def __init__(self, redis_url: str, broker_url: str, max_namespaces: int = 8) -> None:
         self.redis_url, self.broker_url = redis_url, broker_url
-        self.r = redis.Redis.from_url(redis_url)
+        self.r = redis_client(redis_url)
         self._queries: LRU[str, Query] = LRU(max_namespaces)
         self._locks: dict[str, threading.Lock] = {}
         self._clients: dict[str, BatchClient] = {}

@@ -18,11 +18,11 @@ from types import FrameType
 
 import gymnasium as gym
 import numpy as np
-import redis
 import torch
 
 from claw_tasks.client import Ingestor
 from claw_tasks.codec import packb
+from claw_tasks.connect import redis_client
 from claw_tasks.gym import RecordSteps
 from claw_tasks.store.layout import Keys
 from orchestrator.cli.demo import dqn, weights
@@ -53,7 +53,7 @@ def run(
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     torch.set_num_threads(1)
-    r = redis.Redis.from_url(redis_url)
+    r = redis_client(redis_url)
     ingestor = Ingestor(
         namespace, redis_url, broker_url=broker_url, flush_steps=128, flush_interval=0.25
     )

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from claw_tasks.codec import unpackb
+from claw_tasks.connect import redis_client
 from claw_tasks.store import Store
 from orchestrator.cli.demo import dqn, weights
 from orchestrator.cli.demo.actors import episodes_key, epsilon
@@ -76,7 +77,10 @@ def actor_service(
         "--floor", str(actor_floor(i, n)), "--max-rate", str(rate),
     ]  # fmt: skip
     return Service(
-        f"actor {i}", argv, stack.log_dir / f"demo-actor-{i}.log", "CartPole-v1",
+        f"actor {i}",
+        argv,
+        stack.log_dir / f"demo-actor-{i}.log",
+        "CartPole-v1",
         log_contains("ready"),
     )
 
@@ -173,7 +177,7 @@ def train(
     torch.set_num_threads(1)
     net = dqn.mlp(4, 2)
     learner = dqn.DQN(net, lr=1e-3, target_every=250)
-    r = redis.Redis.from_url(stack.redis_url)
+    r = redis_client(stack.redis_url)
     store = Store(r, namespace)
     client = BatchClient(namespace, stack.redis_url, broker_url=stack.broker_url)
     res = ApexResult(net=net)

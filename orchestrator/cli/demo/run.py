@@ -19,6 +19,7 @@ from pathlib import Path
 import redis
 from rich.console import Console
 
+from claw_tasks.connect import redis_client
 from claw_tasks.redis_server import embedded_dir
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
@@ -75,7 +76,7 @@ def _start(stack: DevStack, cfg: DemoConfig, console: Console) -> None:
         shutil.rmtree(directory, ignore_errors=True)  # a dead run's with the same pid
         url = stack.start_own_redis(directory)
         console.print(f"[bold]Redis[/] {url} (the demo's own, files in {directory})")
-    r = redis.Redis.from_url(url)
+    r = redis_client(url)
     try:
         for ns in (cfg.namespace, cfg.pixel_namespace):
             if Store(r, ns).exists():
@@ -94,7 +95,7 @@ def _start(stack: DevStack, cfg: DemoConfig, console: Console) -> None:
 def _stored(url: str, namespaces: list[str]):
     from orchestrator.cli.demo.report import Stored
 
-    r = redis.Redis.from_url(url)
+    r = redis_client(url)
     try:
         memory = memory_by_namespace(r)
         return [

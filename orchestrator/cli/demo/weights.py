@@ -33,7 +33,7 @@ def version_key(namespace: str) -> str:
 def publish(r: redis.Redis, namespace: str, version: int, arrays: Mapping[str, np.ndarray]) -> None:
     """Store ``arrays`` as ``version`` (the blob first, then the version readers poll)."""
     blob = packb({"version": version, "arrays": {k: frame(v) for k, v in arrays.items()}})
-    with r.pipeline() as pipe:
+    with r.pipeline(transaction=True) as pipe:
         pipe.set(weights_key(namespace), blob)
         pipe.set(version_key(namespace), version)
         pipe.execute()

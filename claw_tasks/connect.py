@@ -1,0 +1,68 @@
+"""The one way Claw opens a client of its data store: a standalone Redis or a Redis Cluster.
+
+A Redis Cluster is named by its URL's scheme: ``redis+cluster://host:port`` (or
+``rediss+cluster://`` with TLS), any node of the cluster as the seed; the client finds the
+others and follows slot moves (redis-py's ``RedisCluster``). Everything else is a
+standalone server (``redis://``, ``rediss://``, ``unix://``). The scheme, not a separate
+setting, so that one string (``CLAW_REDIS_URL``, ``--redis-url``) says all of it and a
+process cannot pair a cluster URL with a standalone client by mistake.
+
+What runs on a cluster keeps to its rules (docs/architecture.md, "Redis Cluster"): every
+script call and every transaction touches one slot — a shard's keys share the hash tag
+``{ns:shard}``, a namespace's own keys ``{ns}`` — and reads that span shards are one
+command per shard, pipelined per node. The Celery broker and RedBeat stay on a standalone
+Redis (or RabbitMQ): kombu and RedBeat have no cluster client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.cluster import RedisCluster
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+Client: TypeAlias = redis.Redis | RedisCluster
+"""A data store client: what ``redis_client`` returns."""
+
+
+def is_cluster_url(url: str) -> bool:
+    """True if ``url`` names a Redis Cluster (``redis+cluster://``, ``rediss+cluster://``)."""
+    return urlsplit(url).scheme.lower() in CLUSTER_SCHEMES
+
+
+def is_cluster(client: Any) -> bool:
+    """True if ``client`` talks to a Redis Cluster."""
+    return isinstance(client, RedisCluster)
+
+
+def plain_url(url: str) -> str:
+    """``url`` with a cluster scheme replaced by the plain one (``redis://``), as redis-py
+    and redis-cli spell a node's address."""
+    parts = urlsplit(url)
+    scheme = CLUSTER_SCHEMES.get(parts.scheme.lower())
+    return url if scheme is None else urlunsplit(parts._replace(scheme=scheme))
+
+
+def redis_client(url: str, **kwargs: Any) -> Client:
+    """A client of the data store at ``url``: ``RedisCluster`` for a cluster URL, else
+    ``redis.Redis``. ``kwargs`` go to ``from_url`` (timeouts, protocol...)."""
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(url, **kwargs)
+    parts = urlsplit(url)
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError(
+            f"{parts.scheme}:// URL names database {parts.path.lstrip('/')!r}: a Redis "
+            "Cluster has database 0 only; drop the path"
+        )
+    return RedisCluster.from_url(plain_url(url), **kwargs)
+
+
+def get_many(client: Client, keys: list[str]) -> list[bytes | None]:
+    """GET of keys that may be in different slots (e.g. one per shard): one MGET on a
+    standalone server; on a cluster one MGET per slot, pipelined per node."""
+    if is_cluster(client):
+        return client.mget_nonatomic(keys)
+    return client.mget(keys)
