@@ -66,3 +66,12 @@ def get_many(client: Client, keys: list[str]) -> list[bytes | None]:
     if is_cluster(client):
         return client.mget_nonatomic(keys)
     return client.mget(keys)
+
+
+def identity(client: Client) -> tuple[Any, ...]:
+    """What tells data stores apart in a process's caches: the server's address and
+    database, or a cluster's seed nodes."""
+    if is_cluster(client):
+        return ("cluster", *sorted(n.name for n in client.get_nodes()))
+    kw = client.connection_pool.connection_kwargs
+    return (kw.get("host"), kw.get("port"), kw.get("path"), kw.get("db"))

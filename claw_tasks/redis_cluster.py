@@ -10,7 +10,9 @@ long-lived cluster on fixed ports.
 
 from __future__ import annotations
 
+import random
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Mapping
@@ -40,14 +42,28 @@ def find_redis_cli() -> str:
     return found
 
 
+def _free_pair() -> int:
+    """A port below 55536 that is free, with port + 10000 free too (the cluster bus)."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 55536)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+
+
 class LocalCluster:
     """``masters`` redis-server nodes forming one cluster; a context manager that stops
     them and removes their data. ``options`` go to every node (e.g. AOF settings)."""
 
     def __init__(self, masters: int = 3, options: Mapping[str, str] | None = None) -> None:
-        self.nodes = [
-            RedisServer(options={**(options or {}), **CLUSTER_OPTIONS}) for _ in range(masters)
-        ]
+        self.options = {**(options or {}), **CLUSTER_OPTIONS}
+        self.masters = masters
+        self.nodes: list[RedisServer] = []
 
     @property
     def url(self) -> str:
@@ -55,8 +71,8 @@ class LocalCluster:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
     def start(self) -> Self:
-        for node in self.nodes:
-            node.start()
+        while len(self.nodes) < self.masters:
+            self.nodes.append(self._start_node())
         addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
         subprocess.run(
             [find_redis_cli(), "--cluster", "create", *addresses, "--cluster-replicas", "0",
@@ -76,6 +92,18 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster not ok after {timeout:.0f}s: states {states}")
             time.sleep(0.05)
+
+    def _start_node(self, attempts: int = 5) -> RedisServer:
+        """A node on a free port whose bus port (+10000) is free too (so at most 55535)."""
+        for attempt in range(attempts):
+            node = RedisServer(port=_free_pair(), options=self.options)
+            try:
+                return node.start()
+            except RuntimeError:
+                node.close()
+                if attempt + 1 == attempts:
+                    raise
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _state(node: RedisServer) -> str:

@@ -191,7 +191,8 @@ class Recompute:
         snaps = [k.shard_key(s, f"psnap:{c}") for s in range(index.n_shards)
                  for c in range(per_shard)]  # fmt: skip
         with self.store.r.pipeline(transaction=False) as pipe:
-            pipe.delete(*snaps)
+            for key in snaps:  # one DEL per key: a cluster pipeline routes each to its shard
+                pipe.delete(key)
             pipe.delete(self.key)
             pipe.hset(self.key, "last", repr(state.started))
             pipe.execute()

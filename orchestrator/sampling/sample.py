@@ -42,7 +42,7 @@ import numpy as np
 import redis
 
 from claw_tasks.codec import unpackb
-from claw_tasks.connect import redis_client
+from claw_tasks.connect import identity, redis_client
 from claw_tasks.lru import LRU
 from claw_tasks.schema import FieldSpec
 from claw_tasks.settings import load_settings
@@ -165,8 +165,7 @@ def _session(target: str | Store, redis_url: str | None, index: SamplingIndex | 
                 index.attached["session"] = _Session(index)
             return index.attached["session"]
     store = _store(target, redis_url)
-    kw = store.r.connection_pool.connection_kwargs
-    key = (kw.get("host"), kw.get("port"), kw.get("path"), kw.get("db"), store.namespace)
+    key = (*identity(store.r), store.namespace)
     key += (os.getpid(),)  # a forked child builds its own (own locks and random streams)
     return sessions.get(key, lambda: _Session(SamplingIndex(store)))
 
