@@ -97,7 +97,6 @@ def watermarks(store: Store) -> list[int | None]:
     return [None if v is None else int(v) for v in raw]
 
 
-
 def protected_steps(store: Store) -> int | None:
     """Live steps the namespace's policy protects (None: no protect filters)."""
     retention = store.config(refresh=True).retention

@@ -59,9 +59,7 @@ def fetch(
     except (CodecError, KeyError, TypeError, ValueError) as e:
         raise WeightsError(f"malformed weights at {weights_key(namespace)}: {e}") from None
     if set(arrays) != set(expected):
-        raise WeightsError(
-            f"weights hold {sorted(arrays)}, the network has {sorted(expected)}"
-        )
+        raise WeightsError(f"weights hold {sorted(arrays)}, the network has {sorted(expected)}")
     for name, (dtype, shape) in expected.items():
         got = arrays[name]
         if got.dtype.str != np.dtype(dtype).str or tuple(got.shape) != tuple(shape):
