@@ -44,11 +44,12 @@ class LRU(Generic[K, V]):
 
     def drop(self, match: Callable[[K], bool]) -> int:
         """Remove the entries whose key matches; returns how many."""
+        return len(self.pop_where(match))
+
+    def pop_where(self, match: Callable[[K], bool]) -> list[V]:
+        """Remove the entries whose key matches; returns their values."""
         with self._lock:
-            gone = [k for k in self._items if match(k)]
-            for k in gone:
-                del self._items[k]
-            return len(gone)
+            return [self._items.pop(k) for k in [k for k in self._items if match(k)]]
 
     def __iter__(self) -> Iterator[K]:
         """The keys (a snapshot), least recently used first."""

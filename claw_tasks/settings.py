@@ -39,6 +39,9 @@ class Settings:
     # index) and of its per-recipe augmentation plans: least recently used go first.
     namespace_cache_size: int = 64
     plan_cache_size: int = 256
+    shared_index: bool = True
+    """Processes of a host share one sampling index per namespace in /dev/shm
+    (``CLAW_SHARED_INDEX=0``: each process builds its own)."""
     albumentations: tuple[str, ...] = ("pixel", "spatial")
     """Albumentations transforms a recipe may name (``CLAW_ALBUMENTATIONS``, comma-separated
     names or the groups ``pixel`` and ``spatial``; empty: none): whoever registers a recipe
@@ -105,6 +108,8 @@ def load_settings() -> Settings:
         archive_lock_ttl=float(os.environ.get("CLAW_ARCHIVE_LOCK_TTL", "60")),
         namespace_cache_size=int(os.environ.get("CLAW_NAMESPACE_CACHE_SIZE", "64")),
         plan_cache_size=int(os.environ.get("CLAW_PLAN_CACHE_SIZE", "256")),
+        shared_index=os.environ.get("CLAW_SHARED_INDEX", "1").strip().lower()
+        not in ("0", "false", "no", "off"),
         albumentations=_names(os.environ.get("CLAW_ALBUMENTATIONS", "pixel,spatial")),
         limits=load_limits(),
     )

@@ -1,4 +1,5 @@
-"""The sampling index follows the change log and always equals a cold rebuild from Redis."""
+"""The sampling index follows the change log and always equals a cold rebuild from Redis,
+a process's own and the host's shared one (``orchestrator.sampling.shared``) alike."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from stepdata import batch, episode, interleave
 
 from claw_tasks.store import Store
 from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.shared import SharedIndex
 
 
 @pytest.fixture
@@ -15,6 +17,20 @@ def store(redis_url: str, namespace: str) -> Store:
     st = Store(redis_url, namespace)
     st.create(capacity=300, n_shards=2)
     return st
+
+
+@pytest.fixture(params=["own", "shared"])
+def make(request):
+    made: list[SamplingIndex] = []
+
+    def new(store: Store) -> SamplingIndex:
+        made.append(SamplingIndex(store) if request.param == "own" else SharedIndex(store))
+        return made[-1]
+
+    yield new
+    for ix in made:
+        if isinstance(ix, SharedIndex):
+            ix.close()
 
 
 def assert_cold_equal(ix: SamplingIndex) -> None:
@@ -34,9 +50,9 @@ def live_ids(ix: SamplingIndex) -> np.ndarray:
     return ix.columns["id"][ix.columns["alive"]]
 
 
-def test_follows_inserts_updates_curation_tags_and_ring(store):
+def test_follows_inserts_updates_curation_tags_and_ring(store, make):
     store.commit(batch(interleave(episode(1, 40, "terminated", task_id="a"), episode(2, 30))))
-    ix = SamplingIndex(store)
+    ix = make(store)
     assert ix.sync() is None
     assert ix.columns["alive"].sum() == 70
     assert_cold_equal(ix)
@@ -82,9 +98,9 @@ def test_follows_inserts_updates_curation_tags_and_ring(store):
     assert not np.isin(ids, live_ids(ix)).any()
 
 
-def test_trimmed_log_rebuilds_cold(store, r):
+def test_trimmed_log_rebuilds_cold(store, r, make):
     store.commit(batch(episode(1, 30, "terminated")))
-    ix = SamplingIndex(store)
+    ix = make(store)
     ix.sync()
     logs = [store.keys.shard_key(s, "log") for s in range(ix.n_shards)]
     ids = live_ids(ix)
@@ -103,9 +119,9 @@ def test_trimmed_log_rebuilds_cold(store, r):
     assert_cold_equal(ix)
 
 
-def test_evict_event_and_unknown_events(store, r):
+def test_evict_event_and_unknown_events(store, r, make):
     store.commit(batch(episode(1, 30, "terminated")))
-    ix = SamplingIndex(store)
+    ix = make(store)
     ix.sync()
     victim = int(live_ids(ix)[0])
     shard, seq = victim % ix.n_shards, victim // ix.n_shards
@@ -123,9 +139,9 @@ def test_evict_event_and_unknown_events(store, r):
     assert_cold_equal(ix)
 
 
-def test_error_half_way_leaves_the_index_cold(store, monkeypatch):
+def test_error_half_way_leaves_the_index_cold(store, monkeypatch, make):
     store.commit(batch(episode(1, 10)))
-    ix = SamplingIndex(store)
+    ix = make(store)
     ix.sync()
     store.commit(batch(episode(1, 20, first=10)))
 

@@ -94,6 +94,11 @@ class SamplingIndex:
             listener(rows)
         return rows
 
+    def release(self) -> None:
+        """Done reading the columns until the next :meth:`sync` (a process's own index
+        holds nothing; :class:`~orchestrator.sampling.shared.SharedIndex` lets other
+        processes write again)."""
+
     def _sync(self) -> np.ndarray | None:
         self.forgotten = {}
         if not self.columns:

@@ -62,6 +62,8 @@ from orchestrator.sampling.groups import Claims, Groups, claims_key
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import Draw, InsufficientData, RecipeSampler
 from orchestrator.sampling.sequences import follow, n_step, windows
+from orchestrator.sampling.shared import SharedIndex
+from orchestrator.sampling.shmfiles import SHM_DIR
 from orchestrator.sampling.strings import Strings
 from orchestrator.sampling.turns import segments, sequence_tokens
 from orchestrator.transforms.framestack import stack_frames
@@ -143,7 +145,9 @@ def forget_namespace(namespace: str) -> None:
     """Drop this process's store and sampling session (index, samplers, string caches) of
     ``namespace`` (call when it is deleted: a namespace made again starts cold)."""
     stores.drop(lambda key: key[1] == namespace)
-    sessions.drop(lambda key: key[-2] == namespace)
+    for session in sessions.pop_where(lambda key: key[-2] == namespace):
+        if isinstance(session.index, SharedIndex):  # every process's next sync rebuilds
+            session.index.close(invalidate=True)
 
 
 def _store(target: str | Store, redis_url: str | None) -> Store:
@@ -167,7 +171,15 @@ def _session(target: str | Store, redis_url: str | None, index: SamplingIndex | 
     store = _store(target, redis_url)
     key = (*identity(store.r), store.namespace)
     key += (os.getpid(),)  # a forked child builds its own (own locks and random streams)
-    return sessions.get(key, lambda: _Session(SamplingIndex(store)))
+    return sessions.get(key, lambda: _Session(_new_index(store)))
+
+
+def _new_index(store: Store) -> SamplingIndex:
+    """The host's shared index of the namespace where ``/dev/shm`` exists and
+    ``CLAW_SHARED_INDEX`` does not turn it off, else one of the process's own."""
+    if load_settings().shared_index and SHM_DIR.is_dir():
+        return SharedIndex(store)
+    return SamplingIndex(store)
 
 
 @dataclass
@@ -219,6 +231,19 @@ class _Session:
         live = {**recipe.params, **(params or {})}
         once = recipe.grouped and any(s.sampler.once for s in recipe.sources)
         key = claims_key(self.store.keys.base, recipe.name)
+        try:
+            return self._sample(recipe, rng, live, once, key)
+        finally:
+            self.index.release()  # a shared index: other processes may write it again
+
+    def _sample(
+        self,
+        recipe: Recipe,
+        rng: np.random.Generator | None,
+        live: dict[str, Any],
+        once: bool,
+        key: str,
+    ) -> SampledBatch:
         for _ in range(_ATTEMPTS):
             self.index.sync()
             b = self.bind(recipe)

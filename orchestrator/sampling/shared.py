@@ -1,0 +1,442 @@
+"""One sampling index per host and namespace, in shared memory, for every process.
+
+A :class:`~orchestrator.sampling.index.SamplingIndex` of its own in every prefetch worker
+process costs ~66 bytes per slot each: 660 MB per process at 10M steps, times the pool's
+processes. :class:`SharedIndex` keeps the same columns once per host, in ``/dev/shm``, and
+every process of that host serving the namespace maps them:
+
+- ``clawidx-<key>.lock``: the columns' read-write lock (``flock``). A process holds it
+  shared from its :meth:`~SharedIndex.sync` until :meth:`~SharedIndex.release` (while it
+  draws and assembles a batch), and exclusively while it writes: a reader never sees a
+  row half written. The writer of a sync is whichever process asks first (no standing
+  leader): it applies the change logs exactly as a private index does, into the shared
+  columns. A process that asked while another one wrote skips its own sync if that one
+  started after it asked (it would read the same log entries).
+- ``clawidx-<key>.ctl``: a header of counters, the writer's state (the log positions, the
+  namespace config, the columns' layout: JSON) and a ring of the rows each sync changed,
+  from which every process refreshes its own samplers (one that fell a ring behind, or
+  any process after a rebuild or a dictionary pruning, refreshes whole).
+- ``clawidx-<key>.d<n>``: the columns, generation ``n`` of the layout (a cold rebuild or
+  a new free tag writes a new one; the old one is unlinked, its pages freed once the last
+  process has remapped).
+- ``clawidx-<key>.users``: held shared by every attached process; the last one to close
+  removes the files.
+
+A writer sets ``dirty`` in the header before it touches anything and clears it last; a
+writer killed half-way (SIGKILL, OOM) leaves it set and loses its lock with its life, so
+the next process to sync rebuilds the columns cold, and no reader uses them meanwhile.
+The files name the Redis server and namespace (``<key>``); the state records the server's
+``run_id`` and the namespace's creation time, so a restarted server or a recreated
+namespace is rebuilt rather than trusted.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.schema import tag_column
+from claw_tasks.store import NamespaceConfig, Store
+from claw_tasks.store.layout import META
+from orchestrator.sampling.index import SamplingIndex, _Rebuild
+from orchestrator.sampling.shmfiles import SHM_DIR, map_file, open_file, same_file, unlink
+
+PREFIX = "clawidx-"  # not ``claw-``: the batch segment reaper must not take these
+MAGIC = 0x3158444957414C43  # b"CLAWIDX1"
+# Header fields (int64 each) of the .ctl file.
+H_MAGIC, H_STARTED, H_GEN, H_DIRTY, H_REBUILDS, H_META, H_HEAD, H_JSON, H_RING = range(9)
+STATE_AT, STATE_MAX = 4096, 1 << 20  # the JSON state's region (sparse until written)
+RING_AT = STATE_AT + STATE_MAX
+RING_MIN, RING_MAX = 4096, 1 << 20
+"""Changed rows the ring keeps: a process more than this behind refreshes whole."""
+_ALIGN = 64
+
+
+@dataclass
+class _Files:
+    """A process's descriptors and mappings of one shared index (closed by its finalizer,
+    which also removes the files when no other process uses them)."""
+
+    base: Path
+    pid: int = field(default_factory=os.getpid)
+    lock: int = -1
+    users: int = -1
+    ctl: mmap.mmap | None = None
+    data: mmap.mmap | None = None
+    data_name: str = ""
+
+    def paths(self) -> list[Path]:
+        """Every file of this index, the lock file last."""
+        lock = self.base.with_suffix(".lock")
+        found = sorted(self.base.parent.glob(f"{self.base.name}.*"))
+        return [p for p in found if p != lock] + [lock]
+
+    def close(self, invalidate: bool = False) -> None:
+        if self.pid != os.getpid():  # a forked child's copy: the parent's locks stay
+            for fd in (self.lock, self.users):
+                if fd >= 0:
+                    os.close(fd)
+            self.lock = self.users = -1
+            return
+        if self.lock < 0:
+            return
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        if invalidate and self.ctl is not None:
+            np.frombuffer(self.ctl, np.int64, 16)[H_DIRTY] = 1
+        fcntl.flock(self.users, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(self.users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # another process still uses them
+        else:  # the last one: remove everything, the lock file last (still held)
+            unlink(*self.paths())
+        os.close(self.users)
+        os.close(self.lock)  # releases the lock
+        self.lock = self.users = -1
+
+
+def reap_unused(directory: Path = SHM_DIR) -> list[str]:
+    """Remove the files of shared indexes no process uses (their last user was killed
+    before it could); returns the names removed."""
+    removed = []
+    for users in directory.glob(f"{PREFIX}*.users"):
+        base = users.with_suffix("")
+        try:
+            ufd = open_file(users, create=False)
+        except (FileNotFoundError, ValueError):
+            continue
+        try:
+            lfd = open_file(base.with_suffix(".lock"), create=False)
+        except (FileNotFoundError, ValueError):
+            os.close(ufd)
+            continue
+        try:
+            fcntl.flock(ufd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # in use, or being attached
+        else:
+            paths = _Files(base).paths()
+            unlink(*paths)
+            removed += [p.name for p in paths]
+        finally:
+            os.close(lfd)
+            os.close(ufd)
+    return removed
+
+
+def index_key(store: Store) -> str:
+    """What names a namespace's shared index: its server, database, namespace and user."""
+    kw = store.r.connection_pool.connection_kwargs
+    ident = "|".join(
+        str(x)
+        for x in (
+            kw.get("host"),
+            kw.get("port"),
+            kw.get("path"),
+            kw.get("db"),
+            store.namespace,
+            os.geteuid(),
+        )
+    )
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+class SharedIndex(SamplingIndex):
+    """A :class:`SamplingIndex` whose columns live in shared memory (see the module
+    docstring). Between :meth:`sync` and :meth:`release` the columns are current and
+    unchanging; after :meth:`release` another process may rewrite them."""
+
+    def __init__(self, store: Store, directory: Path = SHM_DIR) -> None:
+        super().__init__(store)
+        self._f = _Files(directory / f"{PREFIX}{index_key(store)}")
+        self._finalizer = weakref.finalize(self, self._f.close)
+        self._hdr: np.ndarray | None = None
+        self._ring: np.ndarray | None = None
+        self._writable: dict[str, np.ndarray] = {}
+        self._head, self._rebuilds, self._meta = 0, -1, -1
+        self._holding = False
+        self._created: float | None = None
+        self._run_id = ""
+        self._layout: list[Any] = []
+
+    # ---- the protocol ----------------------------------------------------------------
+    def sync(self) -> np.ndarray | None:
+        """Bring the shared columns up to date (writing them if no other process is
+        doing it) and hold them shared until :meth:`release`. Returns the rows changed
+        since this process's last sync (None: refresh whole), and calls the listeners."""
+        self.release()
+        asked = int(self._hdr[H_STARTED]) if self._hdr is not None else None
+        while True:
+            self._lock(fcntl.LOCK_EX)
+            try:
+                hdr = self._attach()
+                if hdr[H_DIRTY] or asked is None or hdr[H_STARTED] <= asked:
+                    self._write()
+            except BaseException:
+                self.columns = {}
+                fcntl.flock(self._f.lock, fcntl.LOCK_UN)
+                raise
+            self.columns = self._readonly()
+            self._lock(fcntl.LOCK_SH)  # a writer may slip in between: checked below
+            self._holding = True
+            if not self._hdr[H_DIRTY]:  # type: ignore[index]
+                break
+            self.release()  # that writer died half-way: rebuild
+        try:
+            self._load_state(self._read_state())
+            rows = self._observe()
+        except BaseException:
+            self.release()
+            raise
+        for listener in self._listeners:
+            listener(rows)
+        return rows
+
+    def release(self) -> None:
+        """Let other processes write the columns again."""
+        if self._holding:
+            self._holding = False
+            fcntl.flock(self._f.lock, fcntl.LOCK_UN)
+
+    def close(self, invalidate: bool = False) -> None:
+        """Detach (``invalidate``: make the next sync of any process rebuild cold, e.g.
+        the namespace was dropped); the last process removes the files."""
+        self.release()
+        self._hdr = self._ring = None
+        self.columns, self._writable = {}, {}
+        self._f.close(invalidate)
+
+    def _lock(self, op: int) -> None:
+        if self._f.lock < 0:
+            self._open_lock()
+        fcntl.flock(self._f.lock, op)
+
+    def _open_lock(self) -> None:
+        """Open and lock the lock file, again if it was removed before we locked it."""
+        path = self._f.base.with_suffix(".lock")
+        while True:
+            fd = open_file(path, create=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if same_file(fd, path):
+                break
+            os.close(fd)
+        self._f.lock = fd
+        self._f.users = open_file(self._f.base.with_suffix(".users"), create=True)
+        fcntl.flock(self._f.users, fcntl.LOCK_SH)
+        reap_unused(self._f.base.parent)  # of other namespaces whose users were killed
+
+    def _attach(self) -> np.ndarray:
+        """The header (under the exclusive lock), mapped on first use and made when new
+        or not ours; a changed server or namespace marks it dirty."""
+        if self._hdr is not None:
+            return self._hdr
+        fd = open_file(self._f.base.with_suffix(".ctl"), create=True)
+        try:
+            size = os.fstat(fd).st_size
+            ctl = mmap.mmap(fd, size) if size >= RING_AT else None
+            hdr = None if ctl is None else np.frombuffer(ctl, np.int64, 16)
+            if hdr is None or hdr[H_MAGIC] != MAGIC or RING_AT + 8 * int(hdr[H_RING]) != size:
+                ring = int(np.clip(self.n_shards * self.cap, RING_MIN, RING_MAX))
+                os.ftruncate(fd, 0)  # not one of ours yet: nobody else maps it
+                ctl = map_file(fd, RING_AT + 8 * ring)
+                hdr = np.frombuffer(ctl, np.int64, 16)
+                hdr[:] = 0
+                hdr[H_MAGIC], hdr[H_RING], hdr[H_DIRTY] = MAGIC, ring, 1
+        finally:
+            os.close(fd)
+        self._f.ctl, self._hdr, ring = ctl, hdr, int(hdr[H_RING])
+        self._ring = np.frombuffer(self._f.ctl, np.int64, ring, RING_AT)
+        self._run_id = str(self.store.r.info("server").get("run_id", ""))
+        state = self._read_state()
+        if state.get("run_id") != self._run_id:
+            hdr[H_DIRTY] = 1
+        return hdr
+
+    # ---- writing (under the exclusive lock) --------------------------------------------
+    def _write(self) -> None:
+        hdr = self._hdr
+        assert hdr is not None
+        hdr[H_STARTED] += 1
+        state = self._read_state() if not hdr[H_DIRTY] else {}
+        hdr[H_DIRTY] = 1
+        self.columns = {}
+        if state:
+            self._load_state(state)
+            self.columns = self._writable
+            self._last, self._seen = list(state["last"]), list(state["seen"])
+        rows = SamplingIndex._sync(self)  # a failure leaves it dirty: the next one rebuilds
+        if rows is None or self.forgotten or len(rows) > len(self._ring):  # type: ignore[arg-type]
+            hdr[H_REBUILDS] += 1
+        elif len(rows):
+            head = int(hdr[H_HEAD])
+            at = np.arange(head, head + len(rows)) % len(self._ring)  # type: ignore[arg-type]
+            self._ring[at] = rows  # type: ignore[index]
+            hdr[H_HEAD] = head + len(rows)
+        self._save_state()
+        hdr[H_GEN] += 1
+        hdr[H_DIRTY] = 0
+
+    def rebuild(self) -> None:
+        """Read every column of every shard from Redis into a new data file."""
+        with self.store.r.pipeline(transaction=False) as pipe:
+            for key in self._logs:
+                pipe.xinfo_stream(key)
+            pipe.get(self.store.keys.config)
+            *infos, raw = pipe.execute(raise_on_error=False)
+        tails = [i if isinstance(i, dict) else {} for i in infos]
+        last = [t.get("last-generated-id", b"0-0").decode() for t in tails]
+        seen = [int(t.get("entries-added", 0)) for t in tails]
+        self.store.config(refresh=True)
+        self._take_config(raw if isinstance(raw, bytes) else None)
+        cols = [*META, *(tag_column(t) for t in self._tags())]
+        self._new_data(cols, {})
+        self._last, self._seen = last, seen
+
+    def _check_config(self, raw: bytes | None) -> None:
+        """A changed config: a recreated namespace is rebuilt; new free tags get a new
+        data file with their columns."""
+        if raw is None or raw == self._config_raw:
+            return
+        if NamespaceConfig.from_bytes(raw, self.store.namespace).created != self._created:
+            raise _Rebuild
+        old = set(self._tags())
+        self._take_config(raw)
+        new = [tag_column(t) for t in self._tags() if t not in old]
+        if new:
+            self.store.config(refresh=True)
+            self._new_data([*self.columns, *new], dict(self.columns))
+        self._hdr[H_META] += 1  # type: ignore[index]  # readers take the new schema
+
+    def _take_config(self, raw: bytes | None) -> None:
+        cfg = NamespaceConfig.from_bytes(raw, self.store.namespace) if raw else None
+        self.schema = cfg.schema if cfg else None
+        self._created = cfg.created if cfg else None
+        self._config_raw = raw
+
+    def _new_data(self, cols: list[str], keep: dict[str, np.ndarray]) -> None:
+        """Lay ``cols`` (and ``alive``) out in a new data file: columns in ``keep``
+        copied, the others read from Redis shard by shard; then publish it."""
+        hdr = self._hdr
+        assert hdr is not None
+        rows, layout, at = self.n_shards * self.cap, [], 0
+        for col in [c for c in cols if c != "alive"] + ["alive"]:
+            dtype = np.dtype(bool) if col == "alive" else self._dtype(col)
+            layout.append([col, dtype.str, at])
+            at += -(-rows * dtype.itemsize // _ALIGN) * _ALIGN
+        name = f"{self._f.base.name}.d{int(hdr[H_META]) + 1}"
+        path = self._f.base.parent / name
+        unlink(path)  # left by a writer that died before publishing it
+        fd = open_file(path, create=True)
+        try:
+            data = map_file(fd, max(at, 1))
+        finally:
+            os.close(fd)
+        views = _views(data, layout, rows)
+        for col, arr in keep.items():
+            views[col][:] = arr
+        read = [c for c in views if c not in keep and c != "alive"]
+        if read:
+            for shard in range(self.n_shards):
+                part = self.store.meta_columns(shard, read)
+                for col in [*read, *([] if "alive" in keep else ["alive"])]:
+                    views[col][shard * self.cap : (shard + 1) * self.cap] = part[col]
+        old = self._f.data_name
+        self._f.data, self._f.data_name, self._layout = data, name, layout
+        self._writable = self.columns = views
+        hdr[H_META] += 1
+        if old and old != name:
+            unlink(self._f.base.parent / old)
+
+    def _save_state(self) -> None:
+        raw = self._config_raw
+        blob = json.dumps(
+            {
+                "run_id": self._run_id,
+                "data": self._f.data_name,
+                "layout": self._layout,
+                "last": self._last,
+                "seen": self._seen,
+                "config": base64.b64encode(raw).decode() if raw else None,
+            }
+        ).encode()
+        if len(blob) > STATE_MAX:
+            raise ValueError(f"shared index state of {len(blob)} bytes > {STATE_MAX}")
+        ctl = self._f.ctl
+        assert ctl is not None and self._hdr is not None
+        ctl[STATE_AT : STATE_AT + len(blob)] = blob
+        self._hdr[H_JSON] = len(blob)
+
+    # ---- reading (under either lock) --------------------------------------------------
+    def _read_state(self) -> dict[str, Any]:
+        n = int(self._hdr[H_JSON]) if self._hdr is not None else 0
+        if not n or self._f.ctl is None:
+            return {}
+        return json.loads(bytes(self._f.ctl[STATE_AT : STATE_AT + n]))
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """Map the data file and take the schema the state names, when they changed."""
+        hdr = self._hdr
+        assert hdr is not None
+        if self._meta == hdr[H_META] and self._f.data_name == state.get("data"):
+            return
+        if state.get("data") != self._f.data_name:
+            rows = self.n_shards * self.cap
+            layout = state["layout"]
+            fd = open_file(self._f.base.parent / state["data"], create=False)
+            try:
+                need = max(at + rows * np.dtype(dt).itemsize for _, dt, at in layout)
+                if os.fstat(fd).st_size < need:
+                    raise ValueError(f"shared index {state['data']}: shorter than its layout")
+                data = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            self._f.data, self._f.data_name, self._layout = data, state["data"], layout
+            self._writable = _views(data, layout, rows)
+        raw = base64.b64decode(state["config"]) if state.get("config") else None
+        if raw != self._config_raw:
+            self._take_config(raw)
+        self.columns = self._readonly()
+        self._meta = int(hdr[H_META])
+
+    def _observe(self) -> np.ndarray | None:
+        """Rows changed since this process last looked (None: refresh whole)."""
+        hdr, ring = self._hdr, self._ring
+        assert hdr is not None and ring is not None
+        head, rebuilds = int(hdr[H_HEAD]), int(hdr[H_REBUILDS])
+        whole = rebuilds != self._rebuilds or head - self._head > len(ring)
+        rows = None if whole else np.unique(ring[np.arange(self._head, head) % len(ring)])
+        self._head, self._rebuilds = head, rebuilds
+        return rows
+
+    def _readonly(self) -> dict[str, np.ndarray]:
+        out = {}
+        for col, arr in self._writable.items():
+            view = arr.view()
+            view.flags.writeable = False
+            out[col] = view
+        return out
+
+    def shm_bytes(self) -> int:
+        """Bytes of this index's files in shared memory (allocated pages)."""
+        total = 0
+        for path in self._f.paths():
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(path).st_blocks * 512
+        return total
+
+
+def _views(data: mmap.mmap, layout: list[Any], rows: int) -> dict[str, np.ndarray]:
+    """The columns of a data file (writable views of its mapping)."""
+    return {col: np.frombuffer(data, np.dtype(dt), rows, at) for col, dt, at in layout}

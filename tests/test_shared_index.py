@@ -1,0 +1,191 @@
+"""One sampling index per host and namespace, shared by real processes: the same batches
+as a process's own index, no torn rows while a writer works, a writer SIGKILLed half-way
+replaced by the next process to sync, one mirror for a prefetch worker's pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stepdata import batch, episode, interleave
+
+from claw_tasks.client import Ingestor
+from claw_tasks.store import Store
+from orchestrator.delivery.client import BatchClient
+from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.shared import H_DIRTY, SharedIndex, index_key, reap_unused
+from orchestrator.sampling.shmfiles import SHM_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+PROC = Path(__file__).with_name("indexproc.py")
+
+
+def run(url: str, ns: str, mode: str, n: int = 1, **env: str) -> subprocess.Popen:
+    full = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **env}
+    return subprocess.Popen(
+        [sys.executable, str(PROC), url, ns, mode, str(n)],
+        env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def output(proc: subprocess.Popen) -> object:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out)
+
+
+def files_of(store: Store) -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob(f"clawidx-{index_key(store)}.*"))
+
+
+def assert_cold_equal(ix: SamplingIndex) -> None:
+    cold = SamplingIndex(ix.store)
+    cold.sync()
+    assert ix.columns.keys() == cold.columns.keys()
+    for name, col in cold.columns.items():
+        np.testing.assert_array_equal(ix.columns[name], col, err_msg=name)
+
+
+@pytest.fixture
+def store(redis_url: str, namespace: str) -> Store:
+    st = Store(redis_url, namespace)
+    st.create(capacity=400, n_shards=2)
+    return st
+
+
+def test_processes_sharing_one_index_draw_what_an_own_index_draws(store, redis_url, namespace):
+    store.commit(batch(interleave(*(episode(e, 30 + e, "terminated") for e in range(8)))))
+    shared = [run(redis_url, namespace, "sample", 5) for _ in range(2)]
+    own = run(redis_url, namespace, "sample", 5, CLAW_SHARED_INDEX="0")
+    a, b, c = (output(p) for p in (*shared, own))
+    assert a == b == c
+    assert len({tuple(ids) for ids in a}) == 5  # five different batches
+    assert files_of(store) == []  # the last process to close removed the files
+
+
+def test_readers_never_see_a_row_half_written(store, redis_url, namespace):
+    """Two processes sync and check every live row while this one overwrites the ring
+    (each commit rewrites slots whose old step had another step_index)."""
+    store.commit(batch(episode(0, 150)))
+    readers = [run(redis_url, namespace, "check", 300) for _ in range(2)]
+    lengths = [7, 13, 29, 41, 3]
+    for i in range(60):
+        store.commit(batch(episode(i + 1, lengths[i % 5] + i % 11, "terminated")))
+    for p in readers:
+        assert output(p) == []
+    ix = SharedIndex(store)
+    ix.sync()
+    assert_cold_equal(ix)
+    ix.close()
+
+
+def test_writer_killed_half_way_is_replaced_and_never_read(store, redis_url, namespace):
+    store.commit(batch(episode(1, 60, "terminated")))
+    ix = SharedIndex(store)
+    ix.sync()
+    ix.release()
+    store.commit(batch(interleave(episode(2, 40), episode(3, 50, "terminated"))))
+    writer = run(redis_url, namespace, "pause")
+    while _state(writer.pid) != "T":  # stopped half-way through the new rows' columns
+        assert writer.poll() is None, writer.communicate()[1][-3000:]
+        threading.Event().wait(0.02)
+    ctl = np.fromfile(SHM_DIR / f"clawidx-{index_key(store)}.ctl", np.int64, 16)
+    assert ctl[H_DIRTY] == 1
+
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(ix.sync()))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive()  # waits for the writer: it never reads a half-written row
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    reader.join(60)
+    assert got == [None]  # rebuilt cold (its samplers refresh whole)
+    assert ix.columns["alive"].sum() == 150
+    assert_cold_equal(ix)
+    ix.release()
+    store.update_priorities(ix.columns["id"][ix.columns["alive"]][:4], np.full(4, 3.0))
+    assert len(ix.sync()) == 4  # and goes on incrementally
+    ix.close()
+    assert files_of(store) == []
+
+
+def test_unused_files_are_reaped_and_symlinks_refused(store, tmp_path):
+    ix = SharedIndex(store)
+    ix.sync()
+    names = files_of(store)
+    assert len(names) == 4  # lock, users, ctl, data
+    assert not set(reap_unused()) & set(names)  # in use: kept
+    ix._f.pid = -1  # as if the process had been killed: its files stay
+    ix._f.close()
+    assert files_of(store) == names
+    assert set(names) <= set(reap_unused())  # nobody uses them any more
+    assert files_of(store) == []
+
+    other = SharedIndex(store)
+    link = SHM_DIR / f"clawidx-{index_key(store)}.lock"
+    link.symlink_to(tmp_path / "victim")
+    try:
+        with pytest.raises(ValueError, match="cannot open it safely"):
+            other.sync()
+    finally:
+        link.unlink()
+    assert not (tmp_path / "victim").exists()
+
+
+def test_prefetch_pool_of_two_maps_one_index(redis_url, namespace, start_worker):
+    worker = start_worker("ingest,prefetch", concurrency=2)
+    with Ingestor(namespace, redis_url, flush_steps=200) as ing:
+        for e in range(6):
+            with ing.episode(episode_id=f"e{e}") as ep:
+                for t in range(100):
+                    ep.add(np.full(4, t, np.float32), np.int64(t % 2), float(t))
+    client = BatchClient(namespace, redis_url)
+    for name in ("a", "b"):
+        client.register(
+            {
+                "name": name,
+                "batch_size": 32,
+                "fields": ["obs", "reward"],
+                "sources": [{"name": "all", "where": {}}],
+                "prefetch": {"depth": 4},
+            }
+        )
+    for _ in range(12):
+        for name in ("a", "b"):
+            got = client.pop(name, timeout=60)
+            np.testing.assert_array_equal(got["obs"][:, 0], got["reward"])
+    client.close()
+    store = Store(redis_url, namespace)
+    data = [n for n in files_of(store) if ".d" in n]
+    assert len(data) == 1  # one mirror on this host
+    mapped = {pid: _maps(pid, data[0]) for pid in _children(worker.proc.pid)}
+    assert len(mapped) == 2 and any(mapped.values())
+    inodes = {ino for found in mapped.values() for ino in found}
+    assert len(inodes) == 1  # every process that samples maps the same file
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(c) for c in text.split()]
+
+
+def _maps(pid: int, name: str) -> set[int]:
+    """Inodes of ``name`` mapped by ``pid``."""
+    found = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[5].endswith("/" + name):
+            found.add(int(parts[4]))
+    return found
