@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from claw_tasks.connect import identity, is_cluster
 from claw_tasks.schema import tag_column
 from claw_tasks.store import NamespaceConfig, Store
 from claw_tasks.store.layout import META
@@ -137,20 +138,17 @@ def reap_unused(directory: Path = SHM_DIR) -> list[str]:
 
 
 def index_key(store: Store) -> str:
-    """What names a namespace's shared index: its server, database, namespace and user."""
-    kw = store.r.connection_pool.connection_kwargs
-    ident = "|".join(
-        str(x)
-        for x in (
-            kw.get("host"),
-            kw.get("port"),
-            kw.get("path"),
-            kw.get("db"),
-            store.namespace,
-            os.geteuid(),
-        )
-    )
+    """What names a namespace's shared index: its data store, namespace and user."""
+    ident = "|".join(str(x) for x in (*identity(store.r), store.namespace, os.geteuid()))
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+def server_id(client: Any) -> str:
+    """The server's ``run_id`` (a restarted server has another; its data may differ); a
+    cluster's node names (its nodes' restarts are told by their change logs)."""
+    if is_cluster(client):
+        return "cluster:" + ",".join(identity(client)[1:])
+    return str(client.info("server").get("run_id", ""))
 
 
 class SharedIndex(SamplingIndex):
@@ -258,7 +256,7 @@ class SharedIndex(SamplingIndex):
             os.close(fd)
         self._f.ctl, self._hdr, ring = ctl, hdr, int(hdr[H_RING])
         self._ring = np.frombuffer(self._f.ctl, np.int64, ring, RING_AT)
-        self._run_id = str(self.store.r.info("server").get("run_id", ""))
+        self._run_id = server_id(self.store.r)
         state = self._read_state()
         if state.get("run_id") != self._run_id:
             hdr[H_DIRTY] = 1
