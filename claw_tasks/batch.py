@@ -20,6 +20,7 @@ from claw_tasks.codec import (
     unframe,
     unpackb,
 )
+from claw_tasks.encoded import Encoded
 from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError, tag_name
 
 STR_META = ("agent_id", "task_id", "skill_tag", "reward_source")
@@ -111,12 +112,14 @@ class Placed:
         return self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
 
 
-FieldValue = np.ndarray | Ragged | Placed
+FieldValue = np.ndarray | Ragged | Placed | Encoded
 
 
 def _frame_field(v: FieldValue) -> Any:
     if isinstance(v, Ragged):
         return {"values": frame(v.values), "lengths": frame(v.lengths, compress=False)}
+    if isinstance(v, Encoded):
+        return v.to_msg()
     return frame(v)
 
 
@@ -131,7 +134,7 @@ def _take(v: FieldValue, rows: np.ndarray | slice, pos: np.ndarray) -> FieldValu
     """``rows`` of a field (``pos``: the same rows as positions)."""
     if isinstance(v, Placed):
         return Placed(v.dtype, (len(pos), *v.shape[1:]))
-    return v.take(pos) if isinstance(v, Ragged) else v[rows]
+    return v.take(pos) if isinstance(v, Ragged | Encoded) else v[rows]
 
 
 @dataclass
@@ -171,6 +174,8 @@ class StepBatch:
                 fields[name] = FieldSpec(v.values.dtype.str, (None, *v.values.shape[1:]))
             elif isinstance(v, Placed):
                 fields[name] = FieldSpec(v.dtype.str, tuple(v.shape[1:]))
+            elif isinstance(v, Encoded):
+                fields[name] = v.spec
             else:
                 fields[name] = FieldSpec(v.dtype.str, tuple(v.shape[1:]))
         schema = Schema(fields=fields, tags=self.tag_kinds())  # type: ignore[arg-type]
@@ -182,6 +187,8 @@ class StepBatch:
         for v in self.fields.values():
             if isinstance(v, Ragged):
                 total += v.row_nbytes()
+            elif isinstance(v, Encoded):
+                total += np.maximum(v.declared(), 0)  # an unreadable header: its own error
             elif self.n:
                 total += v.row_bytes if isinstance(v, Placed) else v[0].nbytes
         return total
@@ -192,11 +199,23 @@ class StepBatch:
             return f"step {i}"
         return f"step {i} (episode {self.episode.values[ep]!r}, step_index {self.step_index[i]})"
 
-    def row_errors(self, max_step_bytes: int = MAX_STEP_BYTES) -> dict[int, str]:
+    def row_errors(
+        self, max_step_bytes: int = MAX_STEP_BYTES, verify_frames: bool = False
+    ) -> dict[int, str]:
         """Per-step problems: non-finite reward, a priority that is not finite and >= 0,
         step_index or policy_version outside int32's non-negative range, oversize step,
-        missing episode, a malformed info dict. The client and the worker share these."""
+        missing episode, a malformed info dict, a compressed frame whose header does not
+        declare the field's row size (``verify_frames``: or that does not decode to it).
+        The client and the worker share these."""
         errors: dict[int, str] = {}
+        for name, v in self.fields.items():
+            if isinstance(v, Encoded):
+                for i, problem in v.problems(max_step_bytes, verify_frames).items():
+                    errors.setdefault(i, f"{self.describe_row(i)}: field '{name}': {problem}")
+        if isinstance(self.next_obs, Encoded):
+            for j, problem in self.next_obs.problems(max_step_bytes, verify_frames).items():
+                i = int(self.next_rows[j])
+                errors.setdefault(i, f"{self.describe_row(i)}: next_obs: {problem}")
 
         def add(rows: np.ndarray, what: Any) -> None:
             for i in np.flatnonzero(rows).tolist():
@@ -238,12 +257,16 @@ class StepBatch:
             cols["policy_version"] = self.policy_version
         for name, v in self.fields.items():
             cols[f"field '{name}'"] = v.lengths if isinstance(v, Ragged) else v
+            if isinstance(v, Encoded) and v.shape[0] != len(v):
+                raise SchemaError(f"field '{name}': {len(v)} frames for {v.shape[0]} rows")
         for name, v in cols.items():
             rows = (
                 len(v)
                 if (hasattr(v, "__len__") and np.ndim(v) != 0) or isinstance(v, Placed)
                 else None
             )
+            if isinstance(v, Encoded):
+                rows = len(v)
             if rows != n:
                 raise SchemaError(f"{name} has {rows} rows, batch has {n}")
         for name, v in self.fields.items():
@@ -395,6 +418,9 @@ class _Decoder:
         return v
 
     def field(self, v: Any, name: str) -> FieldValue:
+        if isinstance(v, dict) and "codec" in v:
+            offsets = self.col(v.get("offsets"), f"field '{name}' offsets", "iu")
+            return Encoded.from_msg(v, offsets, name)
         if isinstance(v, dict):
             if set(v) != {"values", "lengths"}:
                 raise CodecError(f"field '{name}': a ragged field has values and lengths only")

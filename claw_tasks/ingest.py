@@ -16,8 +16,9 @@ import redis
 from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.codec import CodecError, packb, unpackb
 from claw_tasks.deadletter import Letter, Target, finish
+from claw_tasks.encoded import Encoded
 from claw_tasks.message import IngestArgs, Rejected, parse_args
-from claw_tasks.schema import SchemaError
+from claw_tasks.schema import Schema, SchemaError
 from claw_tasks.settings import IngestLimits
 from claw_tasks.store import NamespaceDropped, NamespaceError, Store
 from claw_tasks.store.layout import Keys, row_episode_codes
@@ -175,10 +176,30 @@ def _checked(store: Store, a: IngestArgs, raw: bytes, limits: IngestLimits) -> S
             ),
         )
     try:
-        store.ensure_schema(batch.schema())
+        schema = store.ensure_schema(batch.schema())
     except SchemaError as e:
         raise _steps(batch, Rejected("schema", f"schema mismatch: {e}")) from None
+    problem = compressed_problem(batch, schema)
+    if problem is not None:
+        raise _steps(batch, Rejected("schema", problem))
     return batch
+
+
+def compressed_problem(batch: StepBatch, schema: Schema) -> str | None:
+    """What a batch does wrong with the namespace's compressed fields (None: nothing): a
+    compressed field is never written in place, and an explicit next_obs sent as frames
+    must be frames of obs's codec."""
+    for name, v in batch.fields.items():
+        if isinstance(v, Placed) and schema.fields[name].codec is not None:
+            return (
+                f"field '{name}' is compressed ({schema.fields[name].codec}): it travels in "
+                "the message, never written in place"
+            )
+    nx, obs = batch.next_obs, schema.fields.get("obs")
+    if isinstance(nx, Encoded) and (obs is None or not obs.fits(nx.spec) or obs.codec is None):
+        want = "no explicit next_obs" if obs is None else obs.describe()
+        return f"next_obs sent as {nx.spec.describe()}, the namespace's obs is {want}"
+    return None
 
 
 def _steps(batch: StepBatch, e: Rejected) -> Rejected:
@@ -222,7 +243,7 @@ def _placed_at(store: Store, batch: StepBatch) -> tuple[int, int] | None:
 def _commit(store: Store, batch: StepBatch, batch_id: str, limits: IngestLimits) -> IngestOutcome:
     outcome = IngestOutcome(batch_id)
     at = _placed_at(store, batch)
-    errors = batch.row_errors()
+    errors = batch.row_errors(verify_frames=limits.verify_frames)
     bad = sorted(errors)
     good, dead, letter = batch, [], None
     if bad:

@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from claw_tasks.codec import check_dtype
+from claw_tasks.codec import CodecError, check_dtype
+from claw_tasks.codecs.spec import Codec
 
 TagKind = Literal["str", "num"]
 
@@ -90,13 +91,23 @@ class SchemaError(ValueError):
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """One payload field. ``shape[0] is None`` marks a ragged (variable-length) field."""
+    """One payload field. ``shape[0] is None`` marks a ragged (variable-length) field.
+
+    ``codec`` compresses it in the store (``"zstd"``, ``"zstd:9"``, ``"lz4"``, ``"png"``,
+    ``"jpeg:90"``, ``"delta:16"``...; :class:`claw_tasks.codecs.Codec`); None stores the
+    raw bytes. In a batch's implied schema None means "raw rows": they fit a field of
+    any codec (the ingest worker encodes them)."""
 
     dtype: str
     shape: tuple[int | None, ...]
+    codec: Codec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
+        try:
+            object.__setattr__(self, "codec", Codec.of(self.codec))  # type: ignore[arg-type]
+        except CodecError as e:
+            raise SchemaError(str(e)) from None
 
     @property
     def ragged(self) -> bool:
@@ -114,7 +125,21 @@ class FieldSpec:
 
     def describe(self) -> str:
         dims = ", ".join("*" if d is None else str(d) for d in self.shape)
-        return f"{np.dtype(self.dtype).name}[{dims}]"
+        codec = "" if self.codec is None else f" ({self.codec})"
+        return f"{np.dtype(self.dtype).name}[{dims}]{codec}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.codec is not None:
+            d["codec"] = str(self.codec)
+        return d
+
+    def fits(self, other: FieldSpec) -> bool:
+        """Whether rows of ``other`` (a batch's) belong in this field: same dtype and
+        shape, and either raw rows (codec None) or frames of this field's codec."""
+        return (self.dtype, self.shape) == (other.dtype, other.shape) and (
+            other.codec is None or other.codec == self.codec
+        )
 
 
 @dataclass(frozen=True)
@@ -152,17 +177,20 @@ class Schema:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "fields": {
-                k: {"dtype": v.dtype, "shape": list(v.shape)} for k, v in self.fields.items()
-            },
+            "fields": {k: v.to_dict() for k, v in self.fields.items()},
             "tags": dict(self.tags),
         }
+
+    @property
+    def codecs(self) -> dict[str, Codec]:
+        """The fields stored compressed, with their codec."""
+        return {k: v.codec for k, v in self.fields.items() if v.codec is not None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Schema:
         try:
             fields = {
-                k: FieldSpec(np.dtype(v["dtype"]).str, tuple(v["shape"]))
+                k: FieldSpec(np.dtype(v["dtype"]).str, tuple(v["shape"]), v.get("codec"))
                 for k, v in d["fields"].items()
             }
         except (KeyError, TypeError) as e:
@@ -183,6 +211,11 @@ class Schema:
             check_dtype(np.dtype(spec.dtype), f"field '{name}'")
             if any(d is None for d in spec.shape[1:]):
                 raise SchemaError(f"field '{name}': only the leading dimension may be ragged")
+            if spec.codec is not None:
+                try:
+                    spec.codec.check_field(spec.dtype, spec.shape, f"field '{name}'")
+                except CodecError as e:
+                    raise SchemaError(str(e)) from None
         for name, kind in self.tags.items():
             if kind not in ("str", "num"):
                 raise SchemaError(f"tag '{name}': kind must be 'str' or 'num', not {kind!r}")
@@ -198,7 +231,7 @@ class Schema:
                     f"field '{name}' is not in the namespace schema "
                     f"(fields: {', '.join(sorted(self.fields))})"
                 )
-            if mine != spec:
+            if not mine.fits(spec):
                 raise SchemaError(
                     f"field '{name}' is {spec.describe()}, schema says {mine.describe()}"
                 )
@@ -206,6 +239,20 @@ class Schema:
         if missing:
             raise SchemaError(f"batch lacks schema field(s): {', '.join(sorted(missing))}")
         return self.with_tags(other.tags)
+
+    def with_codecs(self, codecs: Mapping[str, Codec | str | None]) -> Schema:
+        """This schema with the codecs of some fields changed (at namespace creation: a
+        namespace's codecs never change once it holds steps)."""
+        unknown = set(codecs) - set(self.fields)
+        if unknown:
+            raise SchemaError(f"codecs for unknown field(s): {', '.join(sorted(unknown))}")
+        fields = {
+            k: FieldSpec(v.dtype, v.shape, codecs[k]) if k in codecs else v
+            for k, v in self.fields.items()
+        }
+        schema = Schema(fields=fields, tags=self.tags)
+        schema.check_self()
+        return schema
 
     def with_tags(self, tags: Mapping[str, TagKind]) -> Schema:
         """This schema plus ``tags``; a tag of another kind is a SchemaError."""

@@ -42,6 +42,12 @@ class Settings:
     shared_index: bool = True
     """Processes of a host share one sampling index per namespace in /dev/shm
     (``CLAW_SHARED_INDEX=0``: each process builds its own)."""
+    compress_at: str = "producer"
+    """Where an Ingestor encodes compressed fields (``CLAW_COMPRESS_AT``): ``producer``
+    (less to send: slow links) or ``worker`` (the ingest worker: busy producer CPUs)."""
+    codec_threads: int = 1
+    """Threads that encode (ingest) or decode (prefetch, reads) one batch's compressed
+    frames (``CLAW_CODEC_THREADS``); the codecs release the GIL while they work."""
     albumentations: tuple[str, ...] = ("pixel", "spatial")
     """Albumentations transforms a recipe may name (``CLAW_ALBUMENTATIONS``, comma-separated
     names or the groups ``pixel`` and ``spatial``; empty: none): whoever registers a recipe
@@ -59,6 +65,7 @@ class IngestLimits:
     dead_letter_bytes: int  # dead letters kept per namespace (oldest trimmed first)
     dead_letter_prefix: int  # payload bytes a dead letter keeps (plus the whole digest)
     retries: int  # transient Redis errors: retries with exponential backoff
+    verify_frames: bool = True  # decode a producer's compressed frames before storing them
 
 
 def _int(name: str, default: int) -> int:
@@ -82,6 +89,7 @@ def load_limits() -> IngestLimits:
         dead_letter_bytes=_int("CLAW_DEAD_LETTER_BYTES", 64 * 1024 * 1024),
         dead_letter_prefix=_int("CLAW_DEAD_LETTER_PREFIX", 1024 * 1024),
         retries=_int("CLAW_INGEST_RETRIES", 10),
+        verify_frames=bool(_int("CLAW_VERIFY_FRAMES", 1)),
     )
     if limits.dead_letter_prefix * 4 > limits.dead_letter_bytes:
         raise ValueError(
@@ -111,6 +119,8 @@ def load_settings() -> Settings:
         shared_index=os.environ.get("CLAW_SHARED_INDEX", "1").strip().lower()
         not in ("0", "false", "no", "off"),
         albumentations=_names(os.environ.get("CLAW_ALBUMENTATIONS", "pixel,spatial")),
+        compress_at=os.environ.get("CLAW_COMPRESS_AT", "producer"),
+        codec_threads=max(1, int(os.environ.get("CLAW_CODEC_THREADS", "1"))),
         limits=load_limits(),
     )
 

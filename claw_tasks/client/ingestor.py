@@ -48,6 +48,13 @@ class Ingestor(Sender):
     dict form). Near Redis ``maxmemory`` (over ``memory_high_water`` of it) a send blocks
     (``on_full="block"``, up to ``full_timeout`` s) or raises ``StoreFullError``
     (``on_full="raise"``); the steps are kept either way (:mod:`claw_tasks.backpressure`).
+
+    Compressed fields: a ``schema`` whose fields have a codec, or ``codecs`` (field ->
+    codec text, e.g. ``{"obs": "png"}``) applied to the given or inferred schema, set
+    when the namespace is created (docs/architecture.md, "Compressed fields").
+    ``compress_at`` says who encodes them: ``"producer"`` (here, in ``codec_threads``
+    threads; less to send) or ``"worker"`` (the ingest worker; spares this CPU); default
+    ``CLAW_COMPRESS_AT`` or ``producer``.
     """
 
     def __init__(
@@ -69,9 +76,19 @@ class Ingestor(Sender):
         on_full: str = "block",
         memory_high_water: float = 0.95,
         full_timeout: float = 300.0,
+        codecs: Mapping[str, str | None] | None = None,
+        compress_at: str | None = None,
+        codec_threads: int = 1,
     ) -> None:
         settings = load_settings()
         retention = Retention.of(retention)
+        self.compress_at = compress_at or settings.compress_at
+        if self.compress_at not in ("producer", "worker"):
+            raise ValueError(f"compress_at={self.compress_at!r}: 'producer' or 'worker'")
+        self.codec_threads = codec_threads
+        self.codecs = dict(codecs or {})
+        if schema is not None and self.codecs:
+            schema = schema.with_codecs(self.codecs)
         self.namespace = namespace or settings.namespace
         self.redis_url = redis_url or settings.redis_url
         self.app = client_app(broker_url or broker_for(redis_url, settings))
@@ -87,6 +104,8 @@ class Ingestor(Sender):
             self.store.set_retention(retention)
         self._gate = MemoryGate(self.store.r, memory_high_water, on_full, full_timeout)
         self.schema: Schema | None = self.store.config(refresh=True).schema
+        if self.schema is not None and self.codecs:  # the namespace's codecs must be these
+            self.schema = self.store.ensure_schema(self.schema.with_codecs(self.codecs))
         self.flush_steps = flush_steps
         self.flush_interval = flush_interval
         self.claim_check_bytes = claim_check_bytes
@@ -246,7 +265,10 @@ class Ingestor(Sender):
         fields = {k: as_array(v, f"field '{k}' of {where}") for k, v in raw.items()}
         schema = self.schema
         if schema is None:
-            schema = self.schema = schema_of_step(fields, tags, self.ragged)
+            schema = schema_of_step(fields, tags, self.ragged)
+            if self.codecs:  # stored now: the first batch's raw rows would imply none
+                schema = self.store.ensure_schema(schema.with_codecs(self.codecs))
+            self.schema = schema
         check_fields(schema, fields, where)
         r = float(reward)
         if not np.isfinite(r):
@@ -281,6 +303,8 @@ class Ingestor(Sender):
         implied = batch.schema()
         if self.schema is None:
             self.schema = implied
+            if self.codecs:
+                self.schema = self.store.ensure_schema(implied.with_codecs(self.codecs))
         self.schema = self.schema.merged(implied)
         errors = batch.row_errors(self.max_step_bytes)
         if errors:

@@ -13,6 +13,8 @@ import numpy as np
 
 from claw_tasks.backpressure import MemoryGate
 from claw_tasks.batch import Placed, StepBatch
+from claw_tasks.codecs import encode
+from claw_tasks.encoded import Encoded
 from claw_tasks.ingest import IngestOutcome
 from claw_tasks.message import TASK, IngestArgs
 from claw_tasks.schema import Schema
@@ -56,6 +58,8 @@ class Sender:
     store: Store
     schema: Schema | None
     claim_check_bytes: int
+    compress_at: str
+    codec_threads: int
     resend_after: float
     _ttl: int
     _gate: MemoryGate
@@ -102,7 +106,12 @@ class Sender:
         chunk run), and the task carries only metadata, which the commit makes visible
         atomically."""
         self._gate.wait()
-        fixed = {k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray)}
+        codecs = self.schema.codecs if self.schema is not None else {}
+        if codecs and self.compress_at == "producer":
+            batch = encode_batch(batch, self.schema, self.codec_threads)  # type: ignore[arg-type]
+        fixed = {
+            k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray) and k not in codecs
+        }  # a compressed field travels in the message (encoded here or by the worker)
         if sum(v.nbytes for v in fixed.values()) <= self.claim_check_bytes:
             self._publish_batch(batch)
             return
@@ -180,3 +189,27 @@ class Sender:
                 self._publish(entry.args)
         with self._lock:
             return len(self._inflight) + len(self._unsent)
+
+
+def encode_batch(batch: StepBatch, schema: Schema, threads: int = 1) -> StepBatch:
+    """``batch`` with its compressed fields (and an explicit next_obs of a compressed
+    obs) as frames: the producer compresses (``Ingestor(compress_at="producer")``)."""
+    codecs = schema.codecs
+    out = StepBatch(**batch.__dict__)
+    out.fields = dict(batch.fields)
+    for name, codec in codecs.items():
+        v = out.fields[name]
+        if isinstance(v, Encoded | Placed):
+            continue
+        spec = schema.fields[name]
+        rows = v if isinstance(v, np.ndarray) else [v.row(i) for i in range(len(v))]
+        out.fields[name] = Encoded(
+            codec, np.dtype(spec.dtype), (len(v), *spec.shape), encode(codec, rows, threads)
+        )
+    nx = batch.next_obs
+    if "obs" in codecs and nx is not None and not isinstance(nx, Encoded):
+        spec = schema.fields["obs"]
+        rows = nx if isinstance(nx, np.ndarray) else [nx.row(i) for i in range(len(nx))]
+        frames = encode(codecs["obs"], rows, threads)
+        out.next_obs = Encoded(codecs["obs"], np.dtype(spec.dtype), (len(nx), *spec.shape), frames)
+    return out

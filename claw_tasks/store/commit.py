@@ -10,7 +10,9 @@ import numpy as np
 
 from claw_tasks.batch import STR_META, Placed, Ragged, StepBatch
 from claw_tasks.codec import packb
+from claw_tasks.encoded import Encoded
 from claw_tasks.schema import Schema, tag_column
+from claw_tasks.store.compressed import explicit_frames, frames_of
 from claw_tasks.store.config import LOG_MAXLEN, MARKER_TTL, NamespaceConfig, NamespaceError
 from claw_tasks.store.layout import (
     EXPLICIT_NEXT,
@@ -199,7 +201,12 @@ class CommitPart:
             w.dense(f"m:{col}", dtype.itemsize, META_CHUNK_SLOTS, blob)
         for name, spec in self.schema.fields.items():
             v = self.b.fields[name]
-            if spec.ragged:
+            if spec.codec is not None:
+                part = v if self.whole else v.take(self.rows)  # type: ignore[union-attr]
+                frames = frames_of(spec, part, meta["id"], self._runs)
+                w.rows(f"z:{name}", list(range(len(self.rows))), frames)
+                w.clear.append([f"z:{name}", SPARSE_CHUNK_SLOTS])
+            elif spec.ragged:
                 self._ragged_rows(w, name, spec.row_bytes, v)  # type: ignore[arg-type]
             elif not isinstance(v, Placed):  # Placed: already written in place by the client
                 arr = np.ascontiguousarray(self._sel(v))
@@ -234,6 +241,7 @@ class CommitPart:
         nxt[src] = (dst - src).astype(np.int32)
         starts = np.flatnonzero(np.concatenate([[True], ~consecutive]))
         ends = np.concatenate([starts[1:] - 1, [n - 1]])
+        self._runs = [order[s : e + 1] for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
         names = self.b.episode.values
         ep_index = self._sel(self.b.episode.index)
         eps = []
@@ -262,10 +270,16 @@ class CommitPart:
         pos[self.rows] = np.arange(len(self.rows))
         return pos[b.next_rows][pos[b.next_rows] >= 0]
 
-    def _explicit_blobs(self, nx_rows: np.ndarray) -> list[bytes]:
+    def _explicit_blobs(self, nx_rows: np.ndarray) -> list[Any]:
         b = self.b
         idx = {int(r): j for j, r in enumerate(b.next_rows.tolist())}
         src_rows = nx_rows if self.whole else self.rows[nx_rows]
+        obs = self.schema.fields["obs"]
+        if obs.codec is not None or isinstance(b.next_obs, Encoded):
+            pos = np.array([idx[int(r)] for r in src_rows.tolist()], np.int64)
+            v = b.next_obs
+            part = v.take(pos) if isinstance(v, Ragged | Encoded) else v[pos]  # type: ignore[index]
+            return explicit_frames(obs, part)
         out = []
         for r in src_rows.tolist():
             v = b.next_obs

@@ -24,10 +24,18 @@ DEFAULT_CAPACITY = 1_000_000
 
 DROPPED_TTL = 86400
 
-FORMAT = 1
+FORMAT = 2
 """Version of a namespace's stored layout (this record, its keys and columns). A Claw
-reads the format it knows and refuses any other instead of misreading it; bump this with
-any change to the layout an older Claw would misread."""
+reads the formats it knows (:data:`READS`) and refuses any other instead of misreading
+it; bump this with any change to the layout an older Claw would misread. 2: compressed
+fields (a field with a codec, its frames in ``z:`` hashes). A namespace without one is
+still written as 1, so a Claw that reads only 1 reads it."""
+READS = (1, 2)
+
+
+def format_of(schema: Schema | None) -> int:
+    """The format a namespace with ``schema`` is written in: the oldest that holds it."""
+    return 2 if schema is not None and schema.codecs else 1
 
 
 class NamespaceError(LookupError):
@@ -54,7 +62,10 @@ class NamespaceConfig:
     priorities: dict[str, Any] | None = None  # recomputation rules (orchestrator.maintenance)
     # Observation and action spaces (Minari's JSON serialization), when a recorder knew them.
     spaces: dict[str, str] | None = None
-    format: int = FORMAT
+
+    @property
+    def format(self) -> int:
+        return format_of(self.schema)
 
     @property
     def cap(self) -> int:
@@ -81,6 +92,11 @@ class NamespaceConfig:
         d = unpackb(data)
         _check_format(d.get("format"), namespace)
         schema = None if d["schema"] is None else Schema.from_dict(d["schema"])
+        if schema is not None and format_of(schema) > d["format"]:
+            raise NamespaceError(
+                f"namespace {namespace!r}: format {d['format']} cannot hold compressed fields "
+                f"({', '.join(schema.codecs)}): recreate it (claw drop, then ingest)"
+            )
         retention = Retention.of(d.get("retention"))
         priorities = d.get("priorities")
         return cls(
@@ -90,7 +106,7 @@ class NamespaceConfig:
 
 
 def _check_format(found: Any, namespace: str) -> None:
-    if found == FORMAT:
+    if type(found) is int and found in READS:
         return
     ns = f"namespace {namespace!r}" if namespace else "the namespace"
     if isinstance(found, int) and found > FORMAT:
@@ -98,7 +114,8 @@ def _check_format(found: Any, namespace: str) -> None:
     else:
         fix = "it was not written by a released Claw: recreate it (claw drop, then ingest)"
     raise NamespaceError(
-        f"{ns} has store format {found!r}; this Claw reads format {FORMAT} only: {fix}"
+        f"{ns} has store format {found!r}; this Claw reads format "
+        f"{' and '.join(map(str, READS))} only: {fix}"
     )
 
 

@@ -99,7 +99,15 @@ class _Plan:
         self.n_shards = cfg.n_shards
         schema = cfg.schema
         fields = schema.fields if schema else {}
-        self.ragged = [name for name, spec in fields.items() if spec.ragged]
+        # Hashes a victim's entries are deleted from: ragged fields and compressed ones,
+        # except delta frames, which stay until the ring reuses their slots (an older live
+        # step of the same group may be a delta to this key; docs/architecture.md).
+        self.sparse_bases = [
+            f"z:{name}" if spec.codec is not None else f"r:{name}"
+            for name, spec in fields.items()
+            if (spec.ragged or spec.codec is not None)
+            and (spec.codec is None or spec.codec.name != "delta")
+        ] + ["nx", "info"]
         self.obs = fields.get("obs")
         victim = np.zeros(self.cap, bool)
         victim[slots] = True
@@ -143,11 +151,10 @@ class _Plan:
             return index[name]
 
         k, c, shard, mc = self.store.keys, self.cols, self.shard, META_CHUNK_SLOTS
-        sparse_bases = [f"r:{name}" for name in self.ragged] + ["nx", "info"]
         victims = []
         for slot in slots.tolist():
             sc = slot // SPARSE_CHUNK_SLOTS
-            sparse = [key(f"{k.shard(shard)}{base}:{sc}") for base in sparse_bases]
+            sparse = [key(f"{k.shard(shard)}{base}:{sc}") for base in self.sparse_bases]
             vid = int(c["id"][slot])
             entry: list[Any] = [
                 slot, np.int64(vid).tobytes(), key(k.meta(shard, "id", slot // mc)),
@@ -164,7 +171,9 @@ class _Plan:
         k, c, shard, mc = self.store.keys, self.cols, self.shard, META_CHUNK_SLOTS
         pid = int(c["id"][p])
         obs = self.obs
-        if obs.ragged:
+        if obs.codec is not None:  # the frame as stored (a delta's key outlives it)
+            source = ["h", key(k.compressed(shard, "obs", slot // SPARSE_CHUNK_SLOTS)), 0, 0]
+        elif obs.ragged:
             source = ["h", key(k.ragged(shard, "obs", slot // SPARSE_CHUNK_SLOTS)), 0, 0]
         else:
             cs = payload_chunk_slots(obs.row_bytes)

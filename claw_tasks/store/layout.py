@@ -134,6 +134,10 @@ class Keys:
     def ragged(self, shard: int, name: str, chunk: int) -> str:
         return f"{self.shard(shard)}r:{name}:{chunk}"
 
+    def compressed(self, shard: int, name: str, chunk: int) -> str:
+        """A compressed field's frames (hash: slot -> frame), ``SPARSE_CHUNK_SLOTS`` a key."""
+        return f"{self.shard(shard)}z:{name}:{chunk}"
+
     def sparse(self, shard: int, kind: str, chunk: int) -> str:
         """``kind`` is ``nx`` (explicit next_obs) or ``info``."""
         return f"{self.shard(shard)}{kind}:{chunk}"

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.schema import FieldSpec, Schema, tag_column, tag_key, tag_name
+from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.config import NamespaceConfig, NamespaceError
 from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.layout import (
@@ -133,10 +134,12 @@ class Reader(Dictionaries):
             replies = pipe.execute()
         out: dict[str, Any] = {}
         k = len(slots)
-        for i, (name, _, spec, _at, _own) in enumerate(plan):
+        for i, (name, stored, spec, _at, _own) in enumerate(plan):
             chunk = replies[i * k : (i + 1) * k]
             dtype = np.dtype(spec.dtype)
-            if spec.ragged:
+            if spec.codec is not None:
+                out[name] = decode_stored(self, stored, spec, chunk)
+            elif spec.ragged:
                 tail = spec.shape[1:]
                 out[name] = [np.frombuffer(b or b"", dtype).reshape(-1, *tail) for b in chunk]
             else:
@@ -162,11 +165,26 @@ class Reader(Dictionaries):
             elif sl == -1:  # explicit next_obs, stored with the step itself
                 slot = int(own[j])  # type: ignore[index]
                 pipe.hget(self.keys.sparse(sh, "nx", slot // SPARSE_CHUNK_SLOTS), slot)
+            elif spec.codec is not None:
+                pipe.hget(self.keys.compressed(sh, name, sl // SPARSE_CHUNK_SLOTS), sl)
             elif spec.ragged:
                 pipe.hget(self.keys.ragged(sh, name, sl // SPARSE_CHUNK_SLOTS), sl)
             else:
                 off = (sl % cs) * size
                 pipe.getrange(self.keys.field(sh, name, sl // cs), off, off + size - 1)
+
+    def read_frames(
+        self, shards: np.ndarray, slots: np.ndarray, name: str, explicit: bool = False
+    ) -> list[bytes | None]:
+        """A compressed field's stored frames at (shard, slot) pairs, not decoded (None:
+        no frame); ``explicit``: the explicit ``next_obs`` frames stored with the steps.
+        What an archive keeps as it is (``claw_tasks.codecs.decode`` reads them)."""
+        with self.r.pipeline(transaction=False) as pipe:
+            for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
+                chunk = sl // SPARSE_CHUNK_SLOTS
+                key = self.keys.sparse(sh, "nx", chunk) if explicit else None
+                pipe.hget(key or self.keys.compressed(sh, name, chunk), sl)
+            return pipe.execute()
 
     def get(self, ids: Sequence[int] | np.ndarray, fields: Sequence[str] | None = None) -> dict:
         """Steps by id: metadata and payload fields. ``next_obs`` is resolved (the next

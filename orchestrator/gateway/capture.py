@@ -204,8 +204,10 @@ def capture(
     text = "".join(acc.text)
     messages = list(request.get("messages") or []) if kind == CHAT else None
     response_ids = acc.token_ids
-    if response_ids is None and acc.tokens and all(
-        isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in acc.tokens
+    if (
+        response_ids is None
+        and acc.tokens
+        and all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in acc.tokens)
     ):
         response_ids = [int(t[len(TOKEN_ID_PREFIX) :]) for t in acc.tokens]
     prompt_ids = acc.prompt_ids
@@ -227,9 +229,7 @@ def capture(
             if prompt_ids is None:
                 prompt_ids = retokenizer.encode(str(prompt or ""))
     if len(response_ids) != len(logprobs):
-        raise CaptureError(
-            f"{len(response_ids)} response token ids but {len(logprobs)} log-probs"
-        )
+        raise CaptureError(f"{len(response_ids)} response token ids but {len(logprobs)} log-probs")
     return Turn(
         prompt_ids=prompt_ids, response_ids=response_ids, response_logprobs=logprobs,
         retokenized=retokenized, messages=messages,

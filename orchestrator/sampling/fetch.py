@@ -59,6 +59,8 @@ def payload_read(
 ) -> Read:
     """The payload field ``name`` at ``rows`` (placed at ``at`` of ``n_out`` rows, if given:
     fixed fields only)."""
+    if spec.codec is not None:
+        return Read("h", f"z:{name}", 0, SPARSE_CHUNK_SLOTS, rows, plain=True)
     if spec.ragged:
         return Read("h", f"r:{name}", 0, SPARSE_CHUNK_SLOTS, rows, plain=True)
     size = spec.row_bytes
@@ -67,8 +69,9 @@ def payload_read(
 
 
 def explicit_next_obs_read(obs: FieldSpec, rows: np.ndarray) -> Read:
-    """The ``next_obs`` stored with the steps at ``rows`` (raw bytes)."""
-    plain = obs.ragged or obs.row_bytes >= PLAIN_ROW_BYTES
+    """The ``next_obs`` stored with the steps at ``rows`` (raw bytes, or frames of a
+    compressed obs)."""
+    plain = obs.ragged or obs.codec is not None or obs.row_bytes >= PLAIN_ROW_BYTES
     return Read("h", "nx", 0, SPARSE_CHUNK_SLOTS, rows, plain)
 
 

@@ -47,6 +47,7 @@ from claw_tasks.lru import LRU
 from claw_tasks.schema import FieldSpec
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
+from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.layout import EXPLICIT_NEXT
 from claw_tasks.store.scripts import Lua
 from claw_tasks.where import lookup
@@ -381,7 +382,7 @@ class _Assembly:
         if name in fields:
             spec = fields[name]
             i = self._read(payload_read(name, spec, rows))
-            return lambda res: self._decode(spec, res[i])
+            return lambda res: self._decode(spec, res[i], stored=name)
         if name == "next_obs" and k > 1:  # boot's newest k - 1 frames, then its next_obs
             older = self._plan_frames(fields["obs"], boot, k - 1)
             last = self._plan_next_obs(fields["obs"], boot)
@@ -414,6 +415,15 @@ class _Assembly:
         self.check.append(chain[have])
         at = None if have.all() else np.flatnonzero(have)
         i = self._read(payload_read("obs", spec, chain[have], at, len(chain)))
+        if spec.codec is not None:  # frames of the rows that have one; zeros elsewhere
+
+            def frames(res: list[Any]) -> Any:
+                out: list[Any] = [b""] * len(chain)
+                for p, b in zip(np.flatnonzero(have).tolist(), res[i], strict=True):
+                    out[p] = b
+                return self._decode(spec, out, (len(rows), k))
+
+            return frames
         return lambda res: self._decode(spec, res[i], (len(rows), k))
 
     def _plan_next_obs(self, spec: FieldSpec, boot: np.ndarray) -> Finish:
@@ -422,12 +432,13 @@ class _Assembly:
         linked = (nxt >= 0) & ~explicit
         self.check.append(nxt[linked])
         # Fixed rows land straight at their place in the (B, ...) result, zeros elsewhere.
-        at = None if spec.ragged or linked.all() else np.flatnonzero(linked)
+        sparse = spec.ragged or spec.codec is not None  # one hash entry per row
+        at = None if sparse or linked.all() else np.flatnonzero(linked)
         i = self._read(payload_read("obs", spec, nxt[linked], at, len(boot)))
         j = self._read(explicit_next_obs_read(spec, boot[explicit]))
 
         def finish(res: list[Any]) -> Any:
-            if spec.ragged:
+            if sparse:
                 out: list[Any] = [b""] * len(boot)
                 for p, b in zip(np.flatnonzero(linked).tolist(), res[i], strict=True):
                     out[p] = b
@@ -443,8 +454,15 @@ class _Assembly:
 
         return finish
 
-    def _decode(self, spec: FieldSpec, got: Any, shape: tuple[int, ...] | None = None) -> Any:
+    def _decode(
+        self, spec: FieldSpec, got: Any, shape: tuple[int, ...] | None = None, stored: str = "obs"
+    ) -> Any:
         dtype = np.dtype(spec.dtype)
+        if spec.codec is not None:  # decoded here, in the fill, before augmentation
+            rows = decode_stored(self.s.store, stored, spec, got)
+            if spec.ragged:
+                return self._nested(rows)
+            return rows.reshape(*(shape or self.shape), *spec.shape)
         if spec.ragged:
             tail = spec.shape[1:]
             return self._nested([np.frombuffer(b or b"", dtype).reshape(-1, *tail) for b in got])

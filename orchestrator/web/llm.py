@@ -84,9 +84,7 @@ def group_rows(cols: Mapping[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
     return np.flatnonzero((col == key) & cols["alive"])
 
 
-def rollouts(
-    cols: Mapping[str, np.ndarray], rows: np.ndarray, this: int
-) -> list[dict[str, Any]]:
+def rollouts(cols: Mapping[str, np.ndarray], rows: np.ndarray, this: int) -> list[dict[str, Any]]:
     """The group's trajectories (``this`` is the viewed one's episode code) with their
     turns, return and final reward; the viewed one first, then by final reward."""
     codes = cols["episode"][rows]

@@ -111,7 +111,7 @@ def next_steps(url: str, namespace: str, keep: bool, flower: str | None) -> list
         f"[bold]{claw} stats -n {namespace}[/]",
         f"[bold]{claw} inspect {namespace} --limit 5[/]",
         f"[bold]{claw} recipes {namespace}[/]",
-        f"[bold]{claw} query {namespace} \"reward > 0\" --group-by agent_id "
+        f'[bold]{claw} query {namespace} "reward > 0" --group-by agent_id '
         "--agg 'count,mean(policy_version)'[/]",
     ]
     if flower:

@@ -1,0 +1,18 @@
+"""Payload codecs: compressed fields, chosen per field in the schema.
+
+``Codec.of("zstd:3")`` parses a codec; ``encode(codec, rows)`` gives the ``Frames`` of a
+batch of one field (one frame per row), ``decode(codec, frames, dtype, shape)`` the rows
+back; ``frame_problem`` is the ingest worker's check of a producer's frame. Where each
+step happens (producer or ingest worker, prefetch workers) and how frames are stored:
+docs/architecture.md, "Compressed fields".
+"""
+
+from claw_tasks.codec import CodecError
+from claw_tasks.codecs.frames import Frames
+from claw_tasks.codecs.rows import decode, encode, engine_for, frame_problem
+from claw_tasks.codecs.spec import LOSSLESS, LOSSY, NAMES, Codec, image_layout
+
+__all__ = [
+    "LOSSLESS", "LOSSY", "NAMES", "Codec", "CodecError", "Frames", "decode", "encode",
+    "engine_for", "frame_problem", "image_layout",
+]  # fmt: skip

@@ -1,0 +1,147 @@
+"""Each codec on one row: encode, the decoded size a frame declares (read from its header,
+nothing inflated), and a decode bounded by the size the field allows.
+
+zstd frames are standard zstd frames with the content size written (``zstd -d`` reads
+them); lz4 frames are lz4 blocks behind a little-endian u32 of the decoded size (python-lz4's
+``store_size``); png/jpeg/webp frames are the image files. zstd, lz4 and Pillow's codecs
+release the GIL while they work, so rows decode in threads side by side.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import lz4.block
+import numpy as np
+import zstandard
+from PIL import Image
+
+from claw_tasks.codec import CodecError
+from claw_tasks.codecs.spec import Codec, image_layout
+
+_PIL_FORMAT = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+_CHANNELS = {"L": 1, "RGB": 3, "RGBA": 4}
+
+
+class Engine:
+    """The row-level operations of one codec (stateless but for cached contexts)."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+
+    def encode(self, row: np.ndarray) -> bytes:
+        raise NotImplementedError
+
+    def declared(self, frame: bytes | memoryview) -> int:
+        """Decoded bytes the frame's header declares; CodecError when it has none."""
+        raise NotImplementedError
+
+    def decode(self, frame: bytes | memoryview, nbytes: int, shape: tuple[int, ...]) -> Any:
+        """The row's bytes (or a uint8 array), exactly ``nbytes`` long: a frame that
+        would inflate past it stops there with a CodecError."""
+        raise NotImplementedError
+
+
+class Zstd(Engine):
+    def __init__(self, codec: Codec) -> None:
+        super().__init__(codec)
+        self._c = zstandard.ZstdCompressor(level=codec.level, write_content_size=True)
+        self._d = zstandard.ZstdDecompressor()
+
+    def encode(self, row: np.ndarray) -> bytes:
+        return self._c.compress(np.ascontiguousarray(row).data.cast("B"))
+
+    def declared(self, frame: bytes | memoryview) -> int:
+        try:
+            size = zstandard.frame_content_size(frame)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"not a zstd frame: {e}") from None
+        if size < 0:
+            raise CodecError("zstd frame without its content size")
+        return size
+
+    def decode(self, frame: bytes | memoryview, nbytes: int, shape: tuple[int, ...]) -> Any:
+        try:
+            out = self._d.decompress(frame, max_output_size=nbytes)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"zstd frame does not decode: {e}") from None
+        if len(out) != nbytes:
+            raise CodecError(f"zstd frame decodes to {len(out)} bytes, not {nbytes}")
+        return out
+
+
+class Lz4(Engine):
+    def encode(self, row: np.ndarray) -> bytes:
+        return lz4.block.compress(np.ascontiguousarray(row).data.cast("B"), store_size=True)
+
+    def declared(self, frame: bytes | memoryview) -> int:
+        if len(frame) < 4:
+            raise CodecError("lz4 frame shorter than its 4-byte size")
+        return int.from_bytes(bytes(frame[:4]), "little")
+
+    def decode(self, frame: bytes | memoryview, nbytes: int, shape: tuple[int, ...]) -> Any:
+        if self.declared(frame) != nbytes:
+            raise CodecError(f"lz4 frame declares {self.declared(frame)} bytes, not {nbytes}")
+        try:
+            out = lz4.block.decompress(frame)
+        except lz4.block.LZ4BlockError as e:
+            raise CodecError(f"lz4 frame does not decode: {e}") from None
+        if len(out) != nbytes:
+            raise CodecError(f"lz4 frame decodes to {len(out)} bytes, not {nbytes}")
+        return out
+
+
+class Picture(Engine):
+    """png (lossless), jpeg and webp (lossy, with a quality) through Pillow."""
+
+    def encode(self, row: np.ndarray) -> bytes:
+        mode, (w, h) = image_layout(row.shape)
+        row = np.ascontiguousarray(row)
+        img = Image.fromarray(row.reshape(h, w) if mode == "L" else row.reshape(h, w, -1), mode)
+        out = io.BytesIO()
+        c = self.codec
+        if c.name == "png":
+            img.save(out, "PNG", compress_level=c.level)
+        elif c.name == "jpeg":
+            img.save(out, "JPEG", quality=c.param, subsampling=0 if c.param >= 90 else 2)
+        else:
+            img.save(out, "WEBP", quality=c.param, method=4)
+        return out.getvalue()
+
+    def _open(self, frame: bytes | memoryview) -> Image.Image:
+        try:
+            img = Image.open(io.BytesIO(frame), formats=[_PIL_FORMAT[self.codec.name]])
+        except Exception as e:  # Pillow raises several types for a malformed header
+            raise CodecError(f"not a {self.codec.name} image: {type(e).__name__}: {e}") from None
+        if img.mode not in _CHANNELS:
+            raise CodecError(f"{self.codec.name} image of mode {img.mode} (L, RGB or RGBA only)")
+        return img
+
+    def declared(self, frame: bytes | memoryview) -> int:
+        img = self._open(frame)
+        w, h = img.size
+        channels = _CHANNELS[img.mode]
+        return w * h * channels
+
+    def decode(self, frame: bytes | memoryview, nbytes: int, shape: tuple[int, ...]) -> Any:
+        img = self._open(frame)
+        mode, size = image_layout(shape)
+        if img.size != size or img.mode != mode:
+            raise CodecError(
+                f"{self.codec.name} image is {img.mode} {img.size[0]}x{img.size[1]}, the field "
+                f"holds {mode} {size[0]}x{size[1]}"
+            )
+        try:
+            arr = np.asarray(img)
+        except Exception as e:  # a truncated or corrupt body
+            raise CodecError(f"{self.codec.name} image does not decode: {e}") from None
+        return arr.reshape(-1)
+
+
+def engine(codec: Codec) -> Engine:
+    if codec.name in ("zstd", "delta"):
+        return Zstd(codec)
+    if codec.name == "lz4":
+        return Lz4(codec)
+    return Picture(codec)
