@@ -54,7 +54,7 @@ def encode_groups(
     from claw_tasks.codecs.rows import engine_for
 
     n = len(rows)
-    flat = np.ascontiguousarray(rows).reshape(n, -1).view(np.uint8)
+    flat = np.ascontiguousarray(rows).reshape(n, -1).view(np.uint8).reshape(n, -1)
     key_of = np.arange(n)
     k = codec.key_every
     for run in runs:

@@ -24,6 +24,11 @@ _PIL_FORMAT = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 _CHANNELS = {"L": 1, "RGB": 3, "RGBA": 4}
 
 
+def _raw(row: np.ndarray) -> Any:
+    """A row's bytes without a copy (an empty row: b"")."""
+    return np.ascontiguousarray(row).data.cast("B") if row.size else b""
+
+
 class Engine:
     """The row-level operations of one codec (stateless but for cached contexts)."""
 
@@ -50,7 +55,7 @@ class Zstd(Engine):
         self._d = zstandard.ZstdDecompressor()
 
     def encode(self, row: np.ndarray) -> bytes:
-        return self._c.compress(np.ascontiguousarray(row).data.cast("B"))
+        return self._c.compress(_raw(row))
 
     def declared(self, frame: bytes | memoryview) -> int:
         try:
@@ -73,7 +78,7 @@ class Zstd(Engine):
 
 class Lz4(Engine):
     def encode(self, row: np.ndarray) -> bytes:
-        return lz4.block.compress(np.ascontiguousarray(row).data.cast("B"), store_size=True)
+        return lz4.block.compress(_raw(row), store_size=True)
 
     def declared(self, frame: bytes | memoryview) -> int:
         if len(frame) < 4:

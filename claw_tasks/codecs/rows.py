@@ -58,6 +58,10 @@ def encode(codec: Codec, values: np.ndarray | Sequence[np.ndarray], threads: int
 
     A ``delta`` codec encodes each row as a key frame here; the store turns an episode's
     steps into key frames and deltas when it commits them (``claw_tasks.codecs.delta``)."""
+    if isinstance(values, np.ndarray):  # rows as arrays (a scalar row would lose its byte order)
+        shape = values.shape[1:]
+        flat = np.ascontiguousarray(values).reshape(len(values), -1)
+        values = [flat[i].reshape(shape) for i in range(len(flat))]
     if codec.name == "delta":
         from claw_tasks.codecs.delta import key_frame
 

@@ -70,12 +70,9 @@ class Codec:
             return None
         name, _, param = text.partition(":")
         if param:
-            try:
-                return cls(name, int(param))
-            except ValueError:
-                raise CodecError(
-                    f"codec {value!r}: parameter {param!r} is not an integer"
-                ) from None
+            if not param.isdigit():
+                raise CodecError(f"codec {value!r}: parameter {param!r} is not an integer")
+            return cls(name, int(param))
         return cls(name)
 
     def __str__(self) -> str:
