@@ -202,7 +202,7 @@ class CommitPart:
         for name, spec in self.schema.fields.items():
             v = self.b.fields[name]
             if spec.codec is not None:
-                part = v if self.whole else v.take(self.rows)  # type: ignore[union-attr]
+                part = _rows_of(v, self.rows) if not self.whole else v
                 frames = frames_of(spec, part, meta["id"], self._runs)
                 w.rows(f"z:{name}", list(range(len(self.rows))), frames)
                 w.clear.append([f"z:{name}", SPARSE_CHUNK_SLOTS])
@@ -277,9 +277,7 @@ class CommitPart:
         obs = self.schema.fields["obs"]
         if obs.codec is not None or isinstance(b.next_obs, Encoded):
             pos = np.array([idx[int(r)] for r in src_rows.tolist()], np.int64)
-            v = b.next_obs
-            part = v.take(pos) if isinstance(v, Ragged | Encoded) else v[pos]  # type: ignore[index]
-            return explicit_frames(obs, part)
+            return explicit_frames(obs, _rows_of(b.next_obs, pos))  # type: ignore[arg-type]
         out = []
         for r in src_rows.tolist():
             v = b.next_obs
@@ -300,3 +298,8 @@ class CommitPart:
                 rows.append(rel)
                 blobs.append(packb(d))
         return rows, blobs
+
+
+def _rows_of(v: Any, rows: np.ndarray) -> Any:
+    """``rows`` of a field value (an array's ``take`` would index it flattened)."""
+    return v.take(rows) if isinstance(v, Ragged | Encoded) else v[rows]

@@ -1,0 +1,197 @@
+"""Compressed fields in the store: every codec round-trips through Store.commit, get,
+episode and sample (fixed and ragged fields, one and two shards), next_obs at episode
+ends, delta frames across ring wrap-around and eviction (a step whose key frame was
+evicted still decodes), eviction freeing frames, and the config's format version."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis
+
+from claw_tasks.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.codec import unpackb
+from claw_tasks.codecs import Codec, encode
+from claw_tasks.encoded import Encoded
+from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.store import Store
+from orchestrator import Recipe, sample
+
+SHAPE = (12, 10, 3)
+EP_LEN = 10
+
+
+def _obs(n: int, seed: int) -> np.ndarray:
+    """Game-like frames: a fixed background with a moving block, so deltas are small."""
+    rng = np.random.default_rng(seed)
+    bg = (rng.integers(0, 4, SHAPE) * 60).astype(np.uint8)
+    out = np.repeat(bg[None], n, 0)
+    for i in range(n):
+        out[i, i % 10 : i % 10 + 2, (3 * i) % 8 : (3 * i) % 8 + 2] = 255 - i % 7
+    return out
+
+
+def _batch(first_ep: int, n_eps: int, obs: np.ndarray, tokens: list[np.ndarray] | None = None,
+           batch_id: str | None = None, shuffle: int | None = None,
+           action0: int = 0) -> StepBatch:  # fmt: skip
+    """Episodes of EP_LEN steps (truncated, with an explicit next_obs = obs of step 0
+    plus 1), rows optionally shuffled (a batch's rows need not be in step order)."""
+    n = n_eps * EP_LEN
+    step = np.arange(n) % EP_LEN
+    b = StepBatch(
+        episode=StrColumn.of([f"e{first_ep + i // EP_LEN}" for i in range(n)]),
+        step_index=step,
+        reward=np.arange(n, dtype=np.float32),
+        terminated=np.zeros(n, bool),
+        truncated=step == EP_LEN - 1,
+        fields={"obs": obs, "action": action0 + np.arange(n, dtype=np.int64)},
+        next_rows=np.flatnonzero(step == EP_LEN - 1).astype(np.int32),
+        next_obs=obs[step == 0] + 1,
+    )
+    if tokens is not None:
+        b.fields["tokens"] = Ragged.of(tokens, "<i4")
+    if batch_id:
+        b.batch_id = batch_id
+    if shuffle is not None:
+        b = b.take(np.random.default_rng(shuffle).permutation(n))
+    return b
+
+
+def _want_next(obs: np.ndarray, action: np.ndarray) -> np.ndarray:
+    """The next_obs of each action (row of the unshuffled batch)."""
+    last = action % EP_LEN == EP_LEN - 1
+    nxt = np.where(last, action - (EP_LEN - 1), action + 1)
+    return np.where(last[:, None, None, None], obs[nxt] + 1, obs[nxt])
+
+
+def _schema(codec: str, ragged: str | None = None) -> Schema:
+    fields = {"obs": FieldSpec("|u1", SHAPE, codec), "action": FieldSpec("<i8", ())}
+    if ragged is not None:
+        fields["tokens"] = FieldSpec("<i4", (None, 2), ragged)
+    return Schema(fields=fields)
+
+
+CODECS = ["zstd", "zstd:1", "lz4", "png", "delta:4", "delta"]
+
+
+@pytest.mark.parametrize("n_shards", [1, 2])
+@pytest.mark.parametrize("codec", CODECS)
+def test_round_trip_through_the_store(redis_url, namespace, codec, n_shards):
+    store = Store(redis_url, namespace)
+    store.create(capacity=400, n_shards=n_shards, schema=_schema(codec, "zstd"))
+    n = 6 * EP_LEN
+    obs = _obs(n, 1)
+    tokens = [np.full((i % 4, 2), i, np.int32) for i in range(n)]
+    res = store.commit(_batch(0, 6, obs, tokens, shuffle=3))
+    assert res.committed == n
+    got = store.get(res.ids)
+    order = got["action"]
+    np.testing.assert_array_equal(got["obs"], obs[order])
+    np.testing.assert_array_equal(got["next_obs"], _want_next(obs, order))
+    for i, a in enumerate(order.tolist()):
+        np.testing.assert_array_equal(got["tokens"][i], tokens[a])
+    ep = store.episode("e2")
+    np.testing.assert_array_equal(ep["obs"], obs[2 * EP_LEN : 3 * EP_LEN])
+    recipe = Recipe.model_validate({
+        "name": "r", "batch_size": 48, "fields": ["obs", "next_obs", "action", "tokens"],
+        "sources": [{"name": "all"}],
+    })  # fmt: skip
+    sb = sample(store, recipe, rng=np.random.default_rng(0))
+    np.testing.assert_array_equal(sb["obs"], obs[sb["action"]])
+    np.testing.assert_array_equal(sb["next_obs"], _want_next(obs, sb["action"]))
+    for i, a in enumerate(sb["action"].tolist()):
+        np.testing.assert_array_equal(sb["tokens"][i], tokens[a])  # collated by delivery
+    r = redis.Redis.from_url(redis_url)
+    assert unpackb(r.get(store.keys.config))["format"] == 2
+    assert not list(r.scan_iter(f"claw:{{{namespace}:*}}:f:obs:*"))  # no fixed chunks
+
+
+@pytest.mark.parametrize("codec", ["zstd", "png", "delta:4"])
+def test_producer_frames_are_stored_as_sent(redis_url, namespace, codec):
+    """A batch carrying frames (a compressing producer, an archive) stores them as they
+    are (delta frames are made again at commit: they name step ids)."""
+    store = Store(redis_url, namespace)
+    store.create(capacity=100, schema=_schema(codec))
+    obs = _obs(2 * EP_LEN, 2)
+    c = Codec.of(codec)
+    b = _batch(0, 2, obs)
+    b.fields["obs"] = Encoded(c, np.dtype("|u1"), (len(obs), *SHAPE), encode(c, obs))
+    b.next_obs = Encoded(c, np.dtype("|u1"), (2, *SHAPE), encode(c, b.next_obs))
+    res = store.commit(b)
+    got = store.get(res.ids)
+    np.testing.assert_array_equal(got["obs"], obs)
+    np.testing.assert_array_equal(got["next_obs"], _want_next(obs, got["action"]))
+    stored = store.read_frames(*store.locate(res.ids), "obs")
+    if c.name != "delta":
+        assert [bytes(f) for f in stored] == [bytes(f) for f in b.fields["obs"].frames]
+
+
+def test_delta_chains_across_ring_wraparound_and_eviction(redis_url, namespace):
+    """Keys are the newest step of their group, so the ring (oldest first) never takes a
+    key before its deltas; eviction keeps delta frames until the ring reuses their slots,
+    so a step whose key frame was evicted still decodes, and so does the explicit
+    next_obs a predecessor gets from an evicted step."""
+    cap = 75  # not a multiple of the episode length: the ring cuts groups in the middle
+    store = Store(redis_url, namespace)
+    store.create(capacity=cap, schema=_schema("delta:4"))
+    obs = _obs(400, 4)
+    ids = []
+    for k in range(8):  # 8 batches of 5 episodes: the ring wraps 5 times
+        part = obs[k * 50 : (k + 1) * 50]
+        b = _batch(5 * k, 5, part, batch_id=f"b{k}", shuffle=k, action0=50 * k)
+        ids.append(store.commit(b).ids)
+    live = np.concatenate(ids)[-cap:]
+    got = store.get(live)
+    np.testing.assert_array_equal(got["obs"], obs[got["action"]])  # action: the obs row
+    has = got["has_next_obs"]  # not where the ring took a successor (rows were shuffled)
+    want = _want_next(obs[: 8 * 50], got["action"] % 50 + 50 * (got["action"] // 50))
+    assert has.sum() > cap // 2
+    np.testing.assert_array_equal(got["next_obs"][has], want[has])
+    # Evict the key frames of the newest batch's first two episodes (groups of 4: steps 3,
+    # 7 and 9 are keys) and step 5, a delta whose predecessor gets its frame as next_obs.
+    newest = store.get(ids[-1])
+    keys = ids[-1][np.isin(newest["step_index"], [3, 5, 7, 9]) & (newest["action"] < 370)]
+    assert store.evict(keys) == len(keys) == 8
+    rest = np.setdiff1d(ids[-1], keys)
+    got = store.get(rest)
+    rows = got["action"]
+    np.testing.assert_array_equal(got["obs"], obs[rows])
+    nxt_rows = np.where(got["step_index"] == EP_LEN - 1, rows - (EP_LEN - 1), rows + 1)
+    want = obs[nxt_rows] + (got["step_index"] == EP_LEN - 1)[:, None, None, None]
+    np.testing.assert_array_equal(got["next_obs"], want)  # step 2's next_obs: evicted step 3
+    recipe = Recipe.model_validate({"name": "r", "batch_size": 64, "fields": ["obs", "next_obs"],
+                                    "sources": [{"name": "all"}]})  # fmt: skip
+    sb = sample(store, recipe, rng=np.random.default_rng(1))
+    assert sb["obs"].shape == (64, *SHAPE)
+    # More batches: the ring passes the evicted keys and the deltas that needed them.
+    for k in range(8, 10):
+        ids.append(store.commit(_batch(5 * k, 5, obs[:50], batch_id=f"b{k}")).ids)
+    got = store.get(np.concatenate(ids)[-50:])
+    np.testing.assert_array_equal(got["obs"], obs[:50])
+
+
+@pytest.mark.parametrize("codec", ["zstd", "delta:4"])
+def test_eviction_frees_frames_except_deltas_until_the_ring(redis_url, namespace, codec):
+    store = Store(redis_url, namespace)
+    store.create(capacity=40, schema=_schema(codec))
+    res = store.commit(_batch(0, 2, _obs(20, 5)))
+    r = redis.Redis.from_url(redis_url)
+    key = store.keys.compressed(0, "obs", 0)
+    assert r.hlen(key) == 20
+    store.evict(res.ids[:5])
+    assert r.hlen(key) == (20 if codec.startswith("delta") else 15)
+    store.commit(_batch(2, 4, _obs(40, 6), batch_id="wrap"))  # the ring reuses every slot
+    assert r.hlen(key) == 40
+
+
+def test_an_older_claw_reads_uncompressed_namespaces_and_the_format_records_it(
+    redis_url, namespace
+):
+    store = Store(redis_url, namespace)
+    store.create(capacity=10, schema=_schema("zstd"))
+    r = redis.Redis.from_url(redis_url)
+    assert unpackb(r.get(store.keys.config))["format"] == 2
+    plain = Store(redis_url, namespace + "p")
+    plain.create(capacity=10, schema=Schema(fields={"obs": FieldSpec("|u1", SHAPE)}))
+    assert unpackb(r.get(plain.keys.config))["format"] == 1
+    assert store.config(refresh=True).schema.codecs == {"obs": Codec("zstd")}
