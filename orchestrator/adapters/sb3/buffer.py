@@ -4,9 +4,8 @@ Use it as ``replay_buffer_class=ClawReplayBuffer`` of DQN, SAC or TD3, with Claw
 ``replay_buffer_kwargs`` (``namespace``, ``redis_url``, ``recipe`` overrides, ...).
 
 ``add`` ingests transitions through an :class:`~claw_tasks.client.Ingestor` (one episode
-per env index, a new one after each ``done``). A transition is written when the env's next
-one arrives: if its ``next_obs`` is that transition's ``obs`` (always, in SB3's own loop) it
-is stored once, as Claw does; otherwise, and at episode ends, it is stored explicitly.
+per env index, a new one after each ``done``; next_obs stored once, see
+:mod:`orchestrator.adapters.experience`).
 ``sample`` pops a prefetched batch of a recipe registered on first use (uniform over the
 namespace unless overridden) and returns SB3's ``ReplayBufferSamples``: ``dones`` are the
 terminations (timeouts bootstrap, as SB3's ``dones * (1 - timeouts)``), ``rewards`` have
@@ -29,8 +28,7 @@ Where it differs from SB3's buffer, and why:
   ``drop_on_reset``.
 - Pickling (``save_replay_buffer``, ``deepcopy``) keeps the connection settings, namespace,
   recipe and counters, never the data (it stays in Redis: keep the namespace) nor a
-  password (URLs are saved without it; on load it comes from ``CLAW_REDIS_URL`` /
-  ``CLAW_BROKER_URL`` when they name the same server). Loading reconnects.
+  password (see :mod:`orchestrator.adapters.sb3.state`). Loading reconnects.
 - The seed of the recipe is ``seed``, else derived from numpy's global state, which SB3's
   ``set_random_seed`` sets before it builds the buffer: the algorithm's seed reaches it.
 - Connections and threads are released by ``close()``, or when the buffer is garbage
@@ -44,25 +42,23 @@ import logging
 import uuid
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import BaseBuffer, ReplayBuffer
-from stable_baselines3.common.preprocessing import get_obs_shape
-from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from claw_tasks.client import Episode, Ingestor
+from claw_tasks.client import Ingestor
 from claw_tasks.schema import FieldSpec, Schema
-from claw_tasks.settings import load_settings, redact_url
+from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
+from orchestrator.adapters.experience import Connection, Transitions, close_quietly
+from orchestrator.adapters.sb3.state import SavedState
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.collate import collate
-from orchestrator.delivery.readahead import ReadAhead
 from orchestrator.delivery.wire import Batch
 from orchestrator.maintenance.lifecycle import drop_namespace
 from orchestrator.recipe.model import as_recipe
@@ -73,40 +69,6 @@ log = logging.getLogger(__name__)
 FIELDS = ["obs", "action", "reward", "next_obs", "terminated", "truncated"]
 
 
-@dataclass
-class _Pending:
-    """An env's newest transition, held until its successor shows how to store next_obs."""
-
-    episode: Episode
-    obs: np.ndarray
-    action: np.ndarray
-    reward: float
-    next_obs: np.ndarray
-
-    def write(self, explicit_next: bool) -> None:
-        nxt = self.next_obs if explicit_next else None
-        self.episode.add(self.obs, self.action, self.reward, next_obs=nxt)
-
-
-def _without_password(url: str | None) -> str | None:
-    """``url`` with its password removed (what a pickle may keep)."""
-    if url is None:
-        return None
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = (parts.username or "") + "@" + parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=netloc if parts.username else netloc[1:]))
-
-
-def _with_env_password(url: str | None, env_url: str) -> str | None:
-    """A saved ``url`` again, with the environment's password when it names the same
-    server (the password never travels in the pickle)."""
-    if url is None or _without_password(env_url) != url:
-        return url
-    return env_url
-
-
 def _global_seed() -> int:
     """A seed from numpy's global state without drawing from it: SB3 seeds that state
     before building the buffer, so the algorithm's seed decides this one."""
@@ -115,47 +77,7 @@ def _global_seed() -> int:
     return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
 
 
-@dataclass(eq=False)
-class _Connection:
-    """What a buffer holds open on one namespace; closed once (``close``, reset, GC or exit)."""
-
-    ingestor: Ingestor
-    client: BatchClient
-    episodes: list[Episode]
-    pending: list[_Pending | None]
-    names: dict[int, str] = field(default_factory=dict)  # batch size -> recipe name
-    readaheads: dict[str, ReadAhead] = field(default_factory=dict)
-
-    def write_pending(self) -> None:
-        for i, held in enumerate(self.pending):
-            if held is not None:
-                held.write(explicit_next=True)
-                self.pending[i] = None
-
-    def close(self, timeout: float = 60.0) -> None:
-        """Write what is pending, unregister this buffer's recipes, release connections."""
-        try:
-            self.write_pending()
-            self.ingestor.close(timeout=timeout)
-        finally:
-            for ra in self.readaheads.values():
-                ra.close()
-            for name in self.names.values():
-                self.client.unregister(name)
-            self.client.close()
-
-
-def _close_quietly(conn: _Connection) -> None:
-    """The garbage-collection / exit path: bounded, and never raising at interpreter exit."""
-    try:
-        conn.close(timeout=10.0)
-    except Exception as e:
-        log.warning("closing a Claw replay buffer of namespace %r: %s: %s (steps not yet "
-                    "committed may be lost; call close() to see it fail)",
-                    conn.ingestor.namespace, type(e).__name__, e)  # fmt: skip
-
-
-class ClawReplayBuffer(ReplayBuffer):
+class ClawReplayBuffer(SavedState, ReplayBuffer):
     """SB3 replay buffer backed by a Claw namespace (see the module docstring).
 
     ``recipe`` overrides keys of the default recipe (the fields above, one uniform source);
@@ -271,12 +193,8 @@ class ClawReplayBuffer(ReplayBuffer):
             **ingest_kw,
         )  # fmt: skip
         client = BatchClient(namespace, redis_url, broker_url=broker_url)
-        self._episode_kw = kw["episode"]
-        self._conn = _Connection(
-            ingestor, client, [ingestor.episode(**self._episode_kw) for _ in range(self.n_envs)],
-            [None] * self.n_envs,
-        )  # fmt: skip
-        self._finalizer = weakref.finalize(self, _close_quietly, self._conn)
+        self._conn = Connection(ingestor, client, Transitions(ingestor, kw["episode"]))
+        self._finalizer = weakref.finalize(self, close_quietly, self._conn)
 
     @property
     def ingestor(self) -> Ingestor:
@@ -305,22 +223,11 @@ class ClawReplayBuffer(ReplayBuffer):
         reward = np.asarray(reward, dtype=np.float32).reshape(self.n_envs)
         done = np.asarray(done).reshape(self.n_envs)
         for i in range(self.n_envs):
-            held = conn.pending[i]
-            if held is not None:
-                held.write(explicit_next=not np.array_equal(held.next_obs, obs[i]))
-            episode = conn.episodes[i]
-            if not done[i]:
-                conn.pending[i] = _Pending(
-                    episode, obs[i], action[i], float(reward[i]), next_obs[i]
-                )
-                continue
-            conn.pending[i] = None
-            timeout = bool(infos[i].get("TimeLimit.truncated", False))
-            episode.add(
-                obs[i], action[i], float(reward[i]), next_obs=next_obs[i],
-                terminated=not timeout, truncated=timeout,
+            timeout = bool(done[i] and infos[i].get("TimeLimit.truncated", False))
+            conn.transitions.add(
+                i, obs[i], action[i], float(reward[i]), next_obs[i],
+                terminated=bool(done[i]) and not timeout, truncated=timeout,
             )  # fmt: skip
-            conn.episodes[i] = conn.ingestor.episode(**self._episode_kw)
         self._unflushed += self.n_envs
         if self.deterministic and self._unflushed >= self._chunk:
             self.flush()  # in order: concurrent messages may commit in any order
@@ -331,8 +238,7 @@ class ClawReplayBuffer(ReplayBuffer):
     def flush(self, timeout: float = 60.0) -> None:
         """Write every transition added so far (each env's newest with its next_obs) and
         wait until the store has committed them."""
-        self._conn.write_pending()
-        self._conn.ingestor.flush(wait=True, timeout=timeout)
+        self._conn.flush(timeout)
         self._unflushed = 0
 
     def reset(self) -> None:
@@ -358,10 +264,7 @@ class ClawReplayBuffer(ReplayBuffer):
         self._samples += 1
         if self.deterministic:
             return self.to_samples(self._sample_here(batch_size), env)
-        name = self.recipe_name(batch_size)
-        ra = self._conn.readaheads.get(name)
-        batch = ra.pop(self.timeout) if ra is not None else self.client.pop(name, self.timeout)
-        return self.to_samples(batch, env)
+        return self.to_samples(self._conn.pop(self.recipe_name(batch_size), self.timeout), env)
 
     def _sample_here(self, batch_size: int) -> Batch:
         """The k-th batch from the steps added before this k-th call, seeded by (seed, k)."""
@@ -377,21 +280,14 @@ class ClawReplayBuffer(ReplayBuffer):
         """The recipe serving ``batch_size``, registered on first use (after a flush, so
         everything added so far can be drawn), with its read-ahead thread."""
         conn = self._conn
-        name = conn.names.get(batch_size)
-        if name is None:
-            self.flush()
-            base = str(self.recipe["name"])
-            name = f"{base}-{batch_size}" if conn.names else base
-            spec = {**self.recipe, "name": name, "batch_size": batch_size}
-            conn.names[batch_size] = name = self.client.register(spec).name
-            if self.readahead:
-                conn.readaheads[name] = ReadAhead(
-                    self.client, name, count=self.readahead, max_bytes=self.readahead_bytes
-                )
-        return name
+        base = str(self.recipe["name"])
+        name = f"{base}-{batch_size}" if conn.names and batch_size not in conn.names else base
+        spec = {**self.recipe, "name": name, "batch_size": batch_size}
+        return conn.recipe(batch_size, spec, self.readahead, self.readahead_bytes)
 
     def to_samples(self, batch: Batch, env: VecNormalize | None = None) -> ReplayBufferSamples:
-        """SB3's view of a Claw batch."""
+        """SB3's view of a Claw batch (:class:`ClawDictReplayBuffer` changes only how
+        observations are turned into tensors)."""
         if "done" in batch:  # n-step: termination within the m steps, discount gamma^m
             dones = batch["done"]
             discounts = self.to_torch(batch["discount"].reshape(-1, 1))
@@ -400,14 +296,20 @@ class ClawReplayBuffer(ReplayBuffer):
             if not self.handle_timeout_termination:
                 dones = dones | batch["truncated"]
             discounts = None
-        data = (
-            self._normalize_obs(batch["obs"], env),
-            batch["action"],
-            self._normalize_obs(batch["next_obs"], env),
-            dones.astype(np.float32).reshape(-1, 1),
-            self._normalize_reward(batch["reward"].reshape(-1, 1), env),
+        return self._samples_type(
+            self._observations(batch["obs"], env),
+            self.to_torch(batch["action"]),
+            self._observations(batch["next_obs"], env),
+            self.to_torch(dones.astype(np.float32).reshape(-1, 1)),
+            self.to_torch(self._normalize_reward(batch["reward"].reshape(-1, 1), env)),
+            discounts=discounts,
         )
-        return ReplayBufferSamples(*map(self.to_torch, data), discounts=discounts)
+
+    _samples_type: Any = ReplayBufferSamples
+
+    def _observations(self, rows: np.ndarray, env: VecNormalize | None) -> Any:
+        """A batch's observation rows as SB3 returns them (normalized, on the device)."""
+        return self.to_torch(self._normalize_obs(rows, env))
 
     def close(self) -> None:
         """Flush, unregister this buffer's recipes, release connections (also done on
@@ -415,103 +317,3 @@ class ClawReplayBuffer(ReplayBuffer):
         if self._finalizer.alive:
             self._finalizer.detach()
             self._conn.close()
-
-    # ---- pickling (save_replay_buffer, deepcopy) ------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        """Settings, namespace, recipe (overrides and seed) and counters; never the data nor
-        a password."""
-        self.flush()  # what was added is in the store before anyone loads this
-        kw = dict(self._init_kw)
-        kw["redis_url"] = _without_password(kw["redis_url"])
-        kw["broker_url"] = _without_password(kw["broker_url"])
-        return {"init": kw, "generation": self.generation, "pos": self.pos,
-                "full": self.full, "samples": self._samples}  # fmt: skip
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        kw = dict(state["init"])
-        settings = load_settings()
-        kw["redis_url"] = _with_env_password(kw["redis_url"], settings.redis_url)
-        kw["broker_url"] = _with_env_password(kw["broker_url"], settings.broker_url)
-        generation = state["generation"]
-        self.__init__(**kw)  # type: ignore[misc]  # own recipe names: see __init__
-        if generation:  # reconnect to the generation the buffer was saved in
-            self._finalizer()
-            self.generation = generation
-            self._connect()
-        self.pos, self.full, self._samples = state["pos"], state["full"], state["samples"]
-        log.info("ClawReplayBuffer: reconnected to namespace %r at %s", self.namespace,
-                 redact_url(kw["redis_url"] or settings.redis_url))  # fmt: skip
-
-
-class ClawDictReplayBuffer(ClawReplayBuffer):
-    """SB3's ``DictReplayBuffer`` on Claw: for ``spaces.Dict`` observations (``MultiInputPolicy``).
-
-    Each observation is stored as one uint8 row, the keys' arrays' bytes side by side (a
-    Claw step has one ``obs`` field, and ``next_obs`` is still stored once); ``sample``
-    unpacks them into SB3's ``DictReplayBufferSamples`` with every key's own dtype and shape.
-    Takes the same options as :class:`ClawReplayBuffer`.
-    """
-
-    def __init__(
-        self,
-        buffer_size: int,
-        observation_space: spaces.Dict,
-        action_space: spaces.Space,
-        device: th.device | str = "auto",
-        n_envs: int = 1,
-        optimize_memory_usage: bool = False,
-        handle_timeout_termination: bool = True,
-        **claw: Any,
-    ) -> None:
-        if not isinstance(observation_space, spaces.Dict):
-            raise TypeError("ClawDictReplayBuffer is for Dict observations; use ClawReplayBuffer")
-        self._layout: list[tuple[str, tuple[int, ...], np.dtype, int, int]] = []
-        offset = 0
-        for key, sub in observation_space.spaces.items():
-            shape, dtype = tuple(get_obs_shape(sub)), np.dtype(sub.dtype)
-            size = int(np.prod(shape)) * dtype.itemsize
-            self._layout.append((key, shape, dtype, offset, size))
-            offset += size
-        packed = spaces.Box(0, 255, (offset,), np.uint8)
-        super().__init__(buffer_size, packed, action_space, device, n_envs,
-                         optimize_memory_usage, handle_timeout_termination, **claw)  # fmt: skip
-        self.observation_space = observation_space
-        self._init_kw["observation_space"] = observation_space  # pickles as it came
-
-    def _pack(self, obs: Mapping[str, Any]) -> np.ndarray:
-        n = self.n_envs
-        parts = [np.ascontiguousarray(np.asarray(obs[key], dtype).reshape(n, *shape))
-                 .reshape(n, -1).view(np.uint8)
-                 for key, shape, dtype, _, _ in self._layout]  # fmt: skip
-        return np.concatenate(parts, axis=1)
-
-    def _unpack(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        n = len(rows)
-        return {key: np.ascontiguousarray(rows[:, off : off + size]).view(dtype).reshape(n, *shape)
-                for key, shape, dtype, off, size in self._layout}  # fmt: skip
-
-    def add(  # type: ignore[override]
-        self,
-        obs: Mapping[str, np.ndarray],
-        next_obs: Mapping[str, np.ndarray],
-        action: np.ndarray,
-        reward: np.ndarray,
-        done: np.ndarray,
-        infos: list[dict[str, Any]],
-    ) -> None:
-        super().add(self._pack(obs), self._pack(next_obs), action, reward, done, infos)
-
-    def to_samples(  # type: ignore[override]
-        self, batch: Batch, env: VecNormalize | None = None
-    ) -> DictReplayBufferSamples:
-        flat = super().to_samples(batch)  # packed observations, no normalization yet
-        obs = self._normalize_obs(self._unpack(batch["obs"]), env)
-        next_obs = self._normalize_obs(self._unpack(batch["next_obs"]), env)
-        rewards = flat.rewards
-        if env is not None:
-            rewards = self.to_torch(self._normalize_reward(flat.rewards.cpu().numpy(), env))
-        return DictReplayBufferSamples(
-            {k: self.to_torch(v) for k, v in obs.items()}, flat.actions,
-            {k: self.to_torch(v) for k, v in next_obs.items()}, flat.dones, rewards,
-            discounts=flat.discounts,
-        )  # fmt: skip

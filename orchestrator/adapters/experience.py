@@ -1,0 +1,171 @@
+"""What every replay-buffer adapter (SB3, TorchRL) holds open on a Claw namespace.
+
+- :class:`Transitions` turns ``(obs, action, reward, next_obs, done)`` rows of parallel
+  streams (SB3's envs, TorchRL's trajectories) into Claw episodes. A transition is written
+  when its stream's next one arrives: if its ``next_obs`` is that transition's ``obs``
+  (always, in a rollout loop) it is stored once, as Claw does; otherwise, and at episode
+  ends, it is stored explicitly.
+- :class:`Connection` holds the :class:`Ingestor`, the :class:`BatchClient`, the recipes
+  this buffer registered (one per batch size and sampler) with their read-ahead threads,
+  and closes all of it once (``close``, a reset, garbage collection or exit).
+- :func:`without_password` / :func:`with_env_password`: what a saved buffer keeps of its
+  URLs (never a password: it comes from the environment again on load).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from claw_tasks.client import Episode, Ingestor
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.readahead import ReadAhead
+from orchestrator.delivery.wire import Batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """A stream's newest transition, held until its successor shows how to store next_obs."""
+
+    episode: Episode
+    obs: np.ndarray
+    action: np.ndarray
+    reward: float
+    next_obs: np.ndarray
+    priority: float | None
+
+    def write(self, explicit_next: bool) -> None:
+        nxt = self.next_obs if explicit_next else None
+        self.episode.add(self.obs, self.action, self.reward, next_obs=nxt,
+                         priority=self.priority)  # fmt: skip
+
+
+class Transitions:
+    """Transitions of parallel streams, each a run of Claw episodes (a new one after each
+    end). ``episode`` holds keyword arguments of :meth:`Ingestor.episode`."""
+
+    def __init__(self, ingestor: Ingestor, episode: Mapping[str, Any] | None = None) -> None:
+        self.ingestor = ingestor
+        self.episode_kw = dict(episode or {})
+        self._episodes: dict[Hashable, Episode] = {}
+        self._pending: dict[Hashable, _Pending] = {}
+
+    def add(
+        self, stream: Hashable, obs: np.ndarray, action: np.ndarray, reward: float,
+        next_obs: np.ndarray, *, terminated: bool = False, truncated: bool = False,
+        priority: float | None = None,
+    ) -> None:  # fmt: skip
+        """The next transition of ``stream``; ``terminated`` or ``truncated`` ends its
+        episode (next_obs stored explicitly; a timeout bootstraps)."""
+        held = self._pending.pop(stream, None)
+        if held is not None:
+            held.write(explicit_next=not np.array_equal(held.next_obs, obs))
+        episode = self._episodes.get(stream)
+        if episode is None:
+            episode = self._episodes[stream] = self.ingestor.episode(**self.episode_kw)
+        if not (terminated or truncated):
+            self._pending[stream] = _Pending(episode, obs, action, reward, next_obs, priority)
+            return
+        episode.add(obs, action, reward, next_obs=next_obs, terminated=terminated,
+                    truncated=truncated, priority=priority)  # fmt: skip
+        del self._episodes[stream]
+
+    def write_pending(self) -> None:
+        """Write each stream's held transition with its next_obs (before a flush: a held
+        one would otherwise wait for a successor that may never come)."""
+        for held in self._pending.values():
+            held.write(explicit_next=True)
+        self._pending.clear()
+
+    def end_stream(self, stream: Hashable) -> None:
+        """Forget ``stream`` (its held transition is written first); its next add starts
+        a new episode."""
+        held = self._pending.pop(stream, None)
+        if held is not None:
+            held.write(explicit_next=True)
+        self._episodes.pop(stream, None)
+
+
+@dataclass(eq=False)
+class Connection:
+    """What a buffer holds open on one namespace; closed once."""
+
+    ingestor: Ingestor
+    client: BatchClient
+    transitions: Transitions
+    names: dict[Hashable, str] = field(default_factory=dict)  # key -> registered recipe
+    readaheads: dict[str, ReadAhead] = field(default_factory=dict)
+
+    def recipe(
+        self, key: Hashable, spec: Mapping[str, Any], readahead: int, readahead_bytes: int
+    ) -> str:
+        """The recipe serving ``key`` (e.g. a batch size), registered from ``spec`` on first
+        use after a flush (everything added so far can be drawn), with ``readahead``
+        batches decoded ahead in this process (0: none)."""
+        name = self.names.get(key)
+        if name is None:
+            self.flush()
+            name = self.names[key] = self.client.register(spec).name
+            if readahead:
+                self.readaheads[name] = ReadAhead(
+                    self.client, name, count=readahead, max_bytes=readahead_bytes
+                )
+        return name
+
+    def pop(self, name: str, timeout: float | None) -> Batch:
+        """The next batch of recipe ``name``: from the read-ahead when it has one."""
+        ra = self.readaheads.get(name)
+        return ra.pop(timeout) if ra is not None else self.client.pop(name, timeout)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Write every transition added so far and wait until the store committed them."""
+        self.transitions.write_pending()
+        self.ingestor.flush(wait=True, timeout=timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Write what is pending, unregister this buffer's recipes, release connections."""
+        try:
+            self.transitions.write_pending()
+            self.ingestor.close(timeout=timeout)
+        finally:
+            for ra in self.readaheads.values():
+                ra.close()
+            for name in self.names.values():
+                self.client.unregister(name)
+            self.client.close()
+
+
+def close_quietly(conn: Connection) -> None:
+    """The garbage-collection / exit path: bounded, and never raising at interpreter exit."""
+    try:
+        conn.close(timeout=10.0)
+    except Exception as e:
+        log.warning("closing a Claw replay buffer of namespace %r: %s: %s (steps not yet "
+                    "committed may be lost; call close() to see it fail)",
+                    conn.ingestor.namespace, type(e).__name__, e)  # fmt: skip
+
+
+def without_password(url: str | None) -> str | None:
+    """``url`` with its password removed (what a saved buffer may keep)."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = (parts.username or "") + "@" + parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=netloc if parts.username else netloc[1:]))
+
+
+def with_env_password(url: str | None, env_url: str) -> str | None:
+    """A saved ``url`` again, with the environment's password when it names the same
+    server (the password never travels in a saved buffer)."""
+    if url is None or without_password(env_url) != url:
+        return url
+    return env_url

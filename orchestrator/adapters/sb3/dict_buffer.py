@@ -1,0 +1,82 @@
+"""``ClawDictReplayBuffer``: SB3's ``DictReplayBuffer`` on Claw, for ``spaces.Dict``
+observations (``MultiInputPolicy``).
+
+A Claw step has one ``obs`` field (and ``next_obs`` is still stored once), so each
+observation is stored as one uint8 row, the keys' arrays' bytes side by side; ``sample``
+unpacks them into SB3's ``DictReplayBufferSamples`` with every key's own dtype and shape.
+Everything else is :class:`~orchestrator.adapters.sb3.buffer.ClawReplayBuffer`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.preprocessing import get_obs_shape
+from stable_baselines3.common.type_aliases import DictReplayBufferSamples
+from stable_baselines3.common.vec_env import VecNormalize
+
+from orchestrator.adapters.sb3.buffer import ClawReplayBuffer
+
+
+class ClawDictReplayBuffer(ClawReplayBuffer):
+    """SB3's ``DictReplayBuffer`` on Claw (see the module docstring); takes the same
+    options as :class:`ClawReplayBuffer`."""
+
+    _samples_type: Any = DictReplayBufferSamples
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Dict,
+        action_space: spaces.Space,
+        device: th.device | str = "auto",
+        n_envs: int = 1,
+        optimize_memory_usage: bool = False,
+        handle_timeout_termination: bool = True,
+        **claw: Any,
+    ) -> None:
+        if not isinstance(observation_space, spaces.Dict):
+            raise TypeError("ClawDictReplayBuffer is for Dict observations; use ClawReplayBuffer")
+        self._layout: list[tuple[str, tuple[int, ...], np.dtype, int, int]] = []
+        offset = 0
+        for key, sub in observation_space.spaces.items():
+            shape, dtype = tuple(get_obs_shape(sub)), np.dtype(sub.dtype)
+            size = int(np.prod(shape)) * dtype.itemsize
+            self._layout.append((key, shape, dtype, offset, size))
+            offset += size
+        packed = spaces.Box(0, 255, (offset,), np.uint8)
+        super().__init__(buffer_size, packed, action_space, device, n_envs,
+                         optimize_memory_usage, handle_timeout_termination, **claw)  # fmt: skip
+        self.observation_space = observation_space
+        self._init_kw["observation_space"] = observation_space  # pickles as it came
+
+    def _pack(self, obs: Mapping[str, Any]) -> np.ndarray:
+        n = self.n_envs
+        parts = [np.ascontiguousarray(np.asarray(obs[key], dtype).reshape(n, *shape))
+                 .reshape(n, -1).view(np.uint8)
+                 for key, shape, dtype, _, _ in self._layout]  # fmt: skip
+        return np.concatenate(parts, axis=1)
+
+    def _unpack(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        n = len(rows)
+        return {key: np.ascontiguousarray(rows[:, off : off + size]).view(dtype).reshape(n, *shape)
+                for key, shape, dtype, off, size in self._layout}  # fmt: skip
+
+    def add(  # type: ignore[override]
+        self,
+        obs: Mapping[str, np.ndarray],
+        next_obs: Mapping[str, np.ndarray],
+        action: np.ndarray,
+        reward: np.ndarray,
+        done: np.ndarray,
+        infos: list[dict[str, Any]],
+    ) -> None:
+        super().add(self._pack(obs), self._pack(next_obs), action, reward, done, infos)
+
+    def _observations(self, rows: np.ndarray, env: VecNormalize | None) -> dict[str, th.Tensor]:
+        obs = self._normalize_obs(self._unpack(rows), env)
+        return {k: self.to_torch(v) for k, v in obs.items()}
