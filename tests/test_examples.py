@@ -78,3 +78,11 @@ def test_dataloader_workers_share_one_queue(redis_url, workers, namespace):
     out = _run_example("dataloader_workers.py", redis_url, "--namespace", namespace,
                        "--batches", "3", "--num-workers", "2")  # fmt: skip
     assert "done: 6 batches from 2 DataLoader workers" in out
+
+
+def test_torchrl_dqn_trains_through_claw(redis_url, workers, namespace):
+    out = _run_example("torchrl_dqn.py", redis_url, "--namespace", namespace, "--frames",
+                       "1024", "--init", "512", "--gradient-steps", "8", "--eval-episodes",
+                       "1")  # fmt: skip
+    assert re.search(r"done: 1024 frames, 24 updates in \d+ s; 1024 rows", out), out
+    assert Store(redis_url, namespace).count() == 1024

@@ -142,6 +142,15 @@ class Connection:
             self.client.close()
 
 
+def ingest_options(ingest: Mapping[str, Any], capacity: int) -> dict[str, Any]:
+    """Ingestor options for a buffer of ``capacity`` rows: ``ingest`` over the adapters'
+    defaults, never flushing more than half the ring at once (a commit of more steps than
+    the ring holds keeps none of them)."""
+    options = {"flush_steps": 256, "flush_interval": 0.25, **ingest}
+    options["flush_steps"] = min(options["flush_steps"], max(1, capacity // 2))
+    return options
+
+
 def close_quietly(conn: Connection) -> None:
     """The garbage-collection / exit path: bounded, and never raising at interpreter exit."""
     try:

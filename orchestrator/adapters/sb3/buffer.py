@@ -55,7 +55,12 @@ from claw_tasks.client import Ingestor
 from claw_tasks.schema import FieldSpec, Schema
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
-from orchestrator.adapters.experience import Connection, Transitions, close_quietly
+from orchestrator.adapters.experience import (
+    Connection,
+    Transitions,
+    close_quietly,
+    ingest_options,
+)
 from orchestrator.adapters.sb3.state import SavedState
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.collate import collate
@@ -180,11 +185,8 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
                 "action": FieldSpec(self.action_dtype.str, (self.action_dim,)),
             }
         )
-        ingest_kw = {"flush_steps": 256, "flush_interval": 0.25, **kw["ingest"]}
-        # A commit of more steps than the ring holds keeps none of them (seen on main):
-        # never send one.
         self._chunk = max(1, (capacity or kw["buffer_size"]) // 2)
-        ingest_kw["flush_steps"] = min(ingest_kw["flush_steps"], self._chunk)
+        ingest_kw = ingest_options(kw["ingest"], capacity or kw["buffer_size"])
         if self.deterministic:  # only this buffer flushes, and waits: one commit order
             ingest_kw.update(flush_steps=1 << 30, flush_interval=None)
         self._unflushed = 0

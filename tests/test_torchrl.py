@@ -1,0 +1,215 @@
+"""TorchRL's ReplayBuffer over ClawStorage and the Claw samplers, against real Redis and
+Celery workers: batches flow as TensorDicts with the keys, dtypes and shapes they were
+extended with, priorities reach Claw and change what is drawn, the state is kept without
+the data, and TorchRL's own samplers are refused with the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data import RandomSampler, ReplayBuffer, TensorDictReplayBuffer
+
+from claw_tasks.store import Store
+from orchestrator.adapters.torchrl import ClawPrioritizedSampler, ClawSampler, ClawStorage
+from tests.conftest import ROOT
+
+OBS = 4
+
+
+def _transitions(n: int, trajs: int = 2, seed: int = 0, special_every: int = 0) -> TensorDict:
+    """``n`` rows as a collector gives them (flattened): ``trajs`` interleaved trajectories
+    with their ids, next observation = the trajectory's next observation, one-hot int64
+    actions, rewards and done flags of shape (n, 1); every 9th step of a trajectory ends
+    it (odd ones as timeouts). With ``special_every``, every such row has reward 1."""
+    rng = np.random.default_rng(seed)
+    obs = np.zeros((n, OBS), np.float32)
+    nxt = np.zeros((n, OBS), np.float32)
+    traj = np.zeros(n, np.int64)
+    term = np.zeros((n, 1), bool)
+    trunc = np.zeros((n, 1), bool)
+    current = [rng.normal(size=OBS).astype(np.float32) for _ in range(trajs)]
+    steps, ids = [0] * trajs, list(range(trajs))
+    for i in range(n):
+        k = i % trajs
+        obs[i], traj[i] = current[k], ids[k]
+        nxt[i] = rng.normal(size=OBS).astype(np.float32)
+        steps[k] += 1
+        if steps[k] % 9 == 0:
+            (trunc if ids[k] % 2 else term)[i] = True
+            ids[k] += trajs
+            current[k] = rng.normal(size=OBS).astype(np.float32)
+        else:
+            current[k] = nxt[i]
+    action = np.eye(2, dtype=np.int64)[rng.integers(0, 2, n)]
+    reward = np.zeros((n, 1), np.float32)
+    if special_every:
+        reward[::special_every] = 1.0
+    else:
+        reward[:] = rng.normal(size=(n, 1))
+    return TensorDict(
+        {
+            "observation": torch.from_numpy(obs),
+            "action": torch.from_numpy(action),
+            "collector": {"traj_ids": torch.from_numpy(traj)},
+            "next": {
+                "observation": torch.from_numpy(nxt),
+                "reward": torch.from_numpy(reward),
+                "terminated": torch.from_numpy(term),
+                "truncated": torch.from_numpy(trunc),
+                "done": torch.from_numpy(term | trunc),
+            },
+        },
+        batch_size=[n],
+    )
+
+
+def _row_keys(td: TensorDict) -> set[tuple]:
+    parts = [td["observation"], td["action"].float(), td["next", "observation"],
+             td["next", "reward"], td["next", "terminated"].float(),
+             td["next", "truncated"].float()]  # fmt: skip
+    rows = torch.cat([p.reshape(len(td), -1).float() for p in parts], 1).numpy()
+    return {tuple(np.round(r, 5)) for r in rows}
+
+
+def test_batches_flow_as_tensordicts_with_the_extended_layout(redis_url, namespace, workers):
+    data = _transitions(120)
+    storage = ClawStorage(1000, namespace, redis_url, timeout=60)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=32)
+    try:
+        rb.extend(data)
+        assert len(rb) == 120
+        batch = rb.sample()
+        assert batch.batch_size == torch.Size([32])
+        for key in ["observation", "action", ("next", "observation"), ("next", "reward"),
+                    ("next", "done"), ("next", "terminated"), ("next", "truncated")]:  # fmt: skip
+            assert batch[key].dtype == data[key].dtype, key
+            assert batch[key].shape[1:] == data[key].shape[1:], key
+        assert batch["index"].dtype == torch.int64
+        assert _row_keys(batch) <= _row_keys(data)  # every sampled row is an extended one
+        assert (batch["next", "done"] == (batch["next", "terminated"] |
+                                          batch["next", "truncated"])).all()  # fmt: skip
+        # next_obs was stored once for the rows inside an episode, explicitly at its end
+        assert Store(redis_url, namespace).count() == 120
+    finally:
+        storage.close()
+
+
+def test_priorities_reach_claw_and_change_the_sampling_distribution(redis_url, namespace, workers):
+    data = _transitions(200, special_every=10)  # 20 rows with reward 1
+    data["td_error"] = torch.ones(200)  # priorities given at extend: none unset
+    storage = ClawStorage(1000, namespace, redis_url, timeout=60, readahead=2)
+    sampler = ClawPrioritizedSampler(alpha=1.0, beta=0.4)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=64)
+    try:
+        rb.extend(data)
+        first = rb.sample()
+        assert "priority_weight" in first.keys()  # noqa: SIM118  (TensorDict has no `in`)
+        shares, uneven = [], 0
+        for _ in range(80):
+            batch = rb.sample()
+            weights = batch["priority_weight"]
+            assert weights.dtype == torch.float32 and weights.shape == (64,)
+            uneven += not torch.all(weights == weights[0])  # rows of unequal priority
+            special = batch["next", "reward"].reshape(-1) == 1.0
+            shares.append(special.float().mean().item())
+            batch["td_error"] = torch.where(special, 1.0, 1e-4)
+            rb.update_tensordict_priority(batch)
+        assert np.mean(shares[:5]) < 0.4  # ~10% before any update
+        assert np.mean(shares[-10:]) > 0.9  # the others' priorities went to 1e-4
+        assert uneven > 0
+    finally:
+        storage.close()
+
+
+def test_update_priority_skips_indices_the_sampler_never_returned(redis_url, namespace, workers):
+    storage = ClawStorage(1000, namespace, redis_url, timeout=60)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=ClawPrioritizedSampler(), batch_size=8)
+    try:
+        rb.extend(_transitions(50))
+        batch = rb.sample()
+        with pytest.warns(UserWarning, match="did not return"):
+            rb.update_priority(batch["index"] + 10_000, torch.ones(8))
+    finally:
+        storage.close()
+
+
+def test_state_is_kept_without_the_data_and_reconnects(redis_url, namespace, workers, tmp_path):
+    storage = ClawStorage(1000, namespace, redis_url, timeout=60)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=16)
+    data = _transitions(80)
+    rb.extend(data)
+    state = storage.state_dict()
+    json.dumps(state)  # plain values only
+    assert state["claw"]["namespace"] == namespace and state["added"] == 80
+    rb.dumps(tmp_path / "rb")
+    copy = pickle.loads(pickle.dumps(storage))  # a process of its own gets the settings
+    storage.close()
+    assert len(copy) == 80 and copy.namespace == namespace
+    copy.close()
+
+    again = TensorDictReplayBuffer(storage=ClawStorage(10, "elsewhere", redis_url),
+                                   sampler=ClawSampler(), batch_size=16)  # fmt: skip
+    again.loads(tmp_path / "rb")
+    try:
+        assert again.storage.namespace == namespace and len(again) == 80
+        assert _row_keys(again.sample()) <= _row_keys(data)  # the data stayed in Redis
+    finally:
+        again.storage.close()
+
+
+def test_empty_moves_to_a_new_generation_and_keeps_the_old_data(redis_url, namespace, workers):
+    storage = ClawStorage(1000, namespace, redis_url, timeout=60)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=8)
+    try:
+        rb.extend(_transitions(40, seed=1))
+        storage.flush()
+        rb.empty()
+        assert len(rb) == 0 and storage.namespace == f"{namespace}.r1"
+        new = _transitions(30, seed=2)
+        rb.extend(new)
+        assert _row_keys(rb.sample()) <= _row_keys(new)
+        assert Store(redis_url, namespace).count() == 40
+    finally:
+        storage.close()
+
+
+def test_torchrls_own_sampler_and_other_data_are_refused_with_the_fix(redis_url, namespace,
+                                                                        workers):  # fmt: skip
+    storage = ClawStorage(1000, namespace, redis_url, timeout=60)
+    try:
+        rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=4)
+        rb.extend(_transitions(20))
+        with pytest.raises(KeyError, match="ClawSampler"):
+            rb.sample()
+        plain = ReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=4)
+        with pytest.raises(TypeError, match="extend a TensorDict"):
+            plain.extend(torch.zeros(4, 3))
+        with pytest.raises(KeyError, match="obs_key"):
+            rb.extend(TensorDict({"pixels": torch.zeros(2, 3)}, batch_size=[2]))
+    finally:
+        storage.close()
+
+
+@pytest.mark.slow
+def test_torchrl_dqn_on_cartpole_reaches_a_mean_return_of_150(redis_url, namespace, workers):
+    """examples/torchrl_dqn.py at full length (50k frames, seed 0) learns
+    CartPole through ClawStorage and ClawPrioritizedSampler."""
+    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    env.pop("CLAW_BROKER_URL", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "torchrl_dqn.py"), "--namespace", namespace,
+         "--seed", "0"], env=env, capture_output=True, text=True, timeout=3000,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    print(proc.stdout)
+    mean = float(re.search(r"greedy mean return over 10 episodes: ([\d.]+)", proc.stdout)[1])
+    assert mean >= 150, proc.stdout
