@@ -13,9 +13,11 @@ from torch.utils.data import DataLoader
 
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
+from orchestrator.adapters.experience import split
 from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.adapters.torch import ClawIterableDataset, to_tensor
 from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.wire import Batch
 
 
 # ---- PyTorch -------------------------------------------------------------------------
@@ -202,3 +204,41 @@ def test_sac_trains_on_pendulum(redis_url, namespace, workers):
     got = rb.sample(32)
     assert got.actions.shape == (32, 1) and got.actions.dtype == torch.float32
     rb.close()
+
+
+def test_sb3_one_prefetched_batch_serves_several_samples(redis_url, namespace, workers):
+    """``gradient_steps=64``: each popped batch of 4 x 8 rows serves four ``sample(8)``
+    calls (converted in the read-ahead thread), each of stored transitions only."""
+    env = gym.make("CartPole-v1")
+    spaces_ = (env.observation_space, env.action_space)
+    ref = ReplayBuffer(1000, *spaces_, device="cpu", n_envs=2)
+    sources = [{"name": "first", "weight": 0.5, "where": "step_index < 8"},
+               {"name": "later", "weight": 0.5, "where": "step_index >= 8"}]  # fmt: skip
+    claw = ClawReplayBuffer(1000, *spaces_, device="cpu", n_envs=2, namespace=namespace,
+                            redis_url=redis_url, recipe={"sources": sources}, timeout=60,
+                            gradient_steps=64)  # fmt: skip
+    assert claw.batches_per_pop == 4
+    _rollout([ref, claw], 60)
+    stored = _all_sb3_rows(ref, None)
+    name = claw.recipe_name(8)
+    assert claw.client.registry.get(name).recipe.batch_size == 32
+    for _ in range(12):
+        got = claw.sample(8)
+        assert got.observations.shape == (8, 4) and got.rewards.shape == (8, 1)
+        rows = _rows(got)
+        assert all((stored == row).all(1).any() for row in rows)
+    claw.close()
+
+
+def test_split_parts_keep_each_sources_share_and_every_row_once():
+    n = 32
+    batch = Batch({"x": np.arange(n) * 10}, np.arange(n), np.ones(n, np.float32),
+                  np.repeat([0, 1], [24, 8]).astype(np.int16), ("a", "b"), 1,
+                  {"task_id": [f"t{i}" for i in range(n)]})  # fmt: skip
+    parts = split(batch, 4)
+    assert [p.batch_size for p in parts] == [8] * 4
+    for p in parts:
+        assert np.bincount(p.source_index).tolist() == [6, 2]  # the batch's 3:1 mix
+        assert (p["x"] == p.ids * 10).all()
+        assert p.meta["task_id"] == [f"t{i}" for i in p.ids]
+    assert sorted(np.concatenate([p.ids for p in parts]).tolist()) == list(range(n))

@@ -7,7 +7,12 @@
   ends, it is stored explicitly.
 - :class:`Connection` holds the :class:`Ingestor`, the :class:`BatchClient`, the recipes
   this buffer registered (one per batch size and sampler) with their read-ahead threads,
-  and closes all of it once (``close``, a reset, garbage collection or exit).
+  and closes all of it once (``close``, a reset, garbage collection or exit). A recipe may
+  be registered ``parts`` times larger than what the trainer asks for: each popped batch
+  then serves ``parts`` samples (see :func:`split`), so the workers and the read-ahead
+  thread pay their per-batch costs (a task, a Redis round trip, a decode) once per
+  ``parts`` samples — in a burst of gradient steps those costs, not the rows, are what
+  the trainer waits for.
 - :func:`without_password` / :func:`with_env_password`: what a saved buffer keeps of its
   URLs (never a password: it comes from the environment again on load).
 """
@@ -15,7 +20,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Mapping
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -102,27 +108,45 @@ class Connection:
     transitions: Transitions
     names: dict[Hashable, str] = field(default_factory=dict)  # key -> registered recipe
     readaheads: dict[str, ReadAhead] = field(default_factory=dict)
+    _prepare: dict[str, Callable[[Batch], list[Any]]] = field(default_factory=dict)
+    _left: dict[str, deque[Any]] = field(default_factory=dict)  # parts not served yet
 
     def recipe(
-        self, key: Hashable, spec: Mapping[str, Any], readahead: int, readahead_bytes: int
-    ) -> str:
+        self, key: Hashable, spec: Mapping[str, Any], readahead: int, readahead_bytes: int,
+        parts: int = 1, convert: Callable[[Batch], Any] | None = None,
+    ) -> str:  # fmt: skip
         """The recipe serving ``key`` (e.g. a batch size), registered from ``spec`` on first
         use after a flush (everything added so far can be drawn), with ``readahead``
-        batches decoded ahead in this process (0: none)."""
+        batches decoded ahead in this process (0: none). Each of its batches serves
+        ``parts`` pops (``spec``'s batch size is ``parts`` times a pop's), each part
+        passed through ``convert`` — in the read-ahead thread when there is one."""
         name = self.names.get(key)
         if name is None:
             self.flush()
             name = self.names[key] = self.client.register(spec).name
+
+            def prepare(batch: Batch) -> list[Any]:
+                got = split(batch, parts) if parts > 1 else [batch]
+                return got if convert is None else [convert(b) for b in got]
+
+            self._prepare[name] = prepare
             if readahead:
                 self.readaheads[name] = ReadAhead(
-                    self.client, name, count=readahead, max_bytes=readahead_bytes
-                )
+                    self.client, name, count=readahead, max_bytes=readahead_bytes,
+                    convert=prepare,
+                )  # fmt: skip
         return name
 
-    def pop(self, name: str, timeout: float | None) -> Batch:
-        """The next batch of recipe ``name``: from the read-ahead when it has one."""
-        ra = self.readaheads.get(name)
-        return ra.pop(timeout) if ra is not None else self.client.pop(name, timeout)
+    def pop(self, name: str, timeout: float | None) -> Any:
+        """The next part (converted) of recipe ``name``'s batches: from the read-ahead when
+        it has one."""
+        left = self._left.get(name)
+        if not left:
+            ra = self.readaheads.get(name)
+            parts = ra.pop(timeout) if ra is not None else self._prepare[name](
+                self.client.pop(name, timeout))  # fmt: skip
+            left = self._left[name] = deque(parts)
+        return left.popleft()
 
     def flush(self, timeout: float = 60.0) -> None:
         """Write every transition added so far and wait until the store committed them."""
@@ -140,6 +164,21 @@ class Connection:
             for name in self.names.values():
                 self.client.unregister(name)
             self.client.close()
+
+
+def split(batch: Batch, parts: int) -> list[Batch]:
+    """``batch`` as ``parts`` batches of rows ``j::parts`` (views, no copy). Strided, not
+    contiguous: a recipe lays its sources' rows out one source after another, so each part
+    keeps the mix of sources. Rows are independent draws, so each part is a batch of the
+    same recipe; importance weights stay normalized over the whole batch."""
+    out = []
+    for j in range(parts):
+        rows = slice(j, None, parts)
+        meta = {k: v[rows] if isinstance(v, list) else v for k, v in batch.meta.items()}
+        out.append(Batch({k: v[rows] for k, v in batch.items()}, batch.ids[rows],
+                         batch.weights[rows], batch.source_index[rows], batch.sources,
+                         batch.recipe_version, meta))  # fmt: skip
+    return out
 
 
 def ingest_options(ingest: Mapping[str, Any], capacity: int) -> dict[str, Any]:

@@ -5,7 +5,9 @@ local queue bounded by a count and a byte budget, so the trainer's :meth:`pop` i
 dequeue while batches are ready: bursts of gradient steps (SB3's ``gradient_steps``) no
 longer pay a Redis round trip and a decode each. The thread owns its own ``BatchClient``
 (its counters are not shared with the trainer's), and errors it meets are raised by the
-next :meth:`pop`, never swallowed.
+next :meth:`pop`, never swallowed. ``convert`` turns each batch into what the trainer
+wants (e.g. tensors) in the thread too: the trainer's GIL-holding time per batch is then a
+dequeue, and the conversion overlaps the trainer's own GIL-free work (torch kernels).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.wire import Batch
@@ -27,20 +31,23 @@ def batch_bytes(batch: Batch) -> int:
 class ReadAhead:
     """Keeps up to ``count`` batches (and at most ``max_bytes``; always at least one) of
     recipe ``name`` decoded in this process. ``client`` is only read for its connection
-    settings (namespace, store URL, broker)."""
+    settings (namespace, store URL, broker). With ``convert``, :meth:`pop` returns
+    ``convert(batch)``, computed in the thread."""
 
     def __init__(
         self, client: BatchClient, name: str, *, count: int = 8,
         max_bytes: int = 64 << 20, poll: float = 5.0,
+        convert: Callable[[Batch], Any] | None = None,
     ) -> None:  # fmt: skip
         if count < 1 or max_bytes < 1:
             raise ValueError(f"read-ahead needs count >= 1 and max_bytes >= 1, got {count}, "
                              f"{max_bytes}")  # fmt: skip
         self.name = name
         self.count, self.max_bytes, self.poll = count, max_bytes, poll
+        self.convert = convert
         self._client = BatchClient(client.namespace, client.redis_url,
                                    broker_url=client.broker_url)  # fmt: skip
-        self._ready: collections.deque[tuple[Batch, int]] = collections.deque()
+        self._ready: collections.deque[tuple[Any, int]] = collections.deque()
         self._bytes = 0
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -61,6 +68,8 @@ class ReadAhead:
                 return
             try:
                 batch = self._client.pop(self.name, timeout=self.poll)
+                size = batch_bytes(batch)
+                item = batch if self.convert is None else self.convert(batch)
             except TimeoutError:  # (each explained at some cost: ``poll`` is not short)
                 continue  # the trainer's pop reports a timeout with the full explanation
             except BaseException as e:  # handed to the trainer's next pop
@@ -68,15 +77,15 @@ class ReadAhead:
                     self._error = e
                     self._cond.notify_all()
                 return
-            size = batch_bytes(batch)
             with self._cond:
-                self._ready.append((batch, size))
+                self._ready.append((item, size))
                 self._bytes += size
                 self._cond.notify_all()
 
-    def pop(self, timeout: float | None = 30.0) -> Batch:
-        """The next batch: local when one is ready, else waits for the thread (TimeoutError
-        after ``timeout`` s, explaining why the recipe's queue stays empty)."""
+    def pop(self, timeout: float | None = 30.0) -> Any:
+        """The next batch (converted, with ``convert``): local when one is ready, else waits
+        for the thread (TimeoutError after ``timeout`` s, explaining why the recipe's queue
+        stays empty)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while not self._ready:

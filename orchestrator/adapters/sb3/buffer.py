@@ -91,7 +91,11 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     :meth:`Ingestor.episode` (``task_id``, ``agent_id``, tags); ``ingest`` those of the
     :class:`Ingestor` (``flush_steps``, ``flush_interval``, ...). ``timeout`` bounds a pop.
     ``gradient_steps`` (the algorithm's) sizes the prefetch queue and the read-ahead in
-    this process (``readahead`` batches, bounded by ``readahead_bytes``; 0 turns it off).
+    this process (``readahead`` batches, bounded by ``readahead_bytes``; 0 turns it off),
+    and how many ``sample()`` calls one prefetched batch serves (``batches_per_pop``,
+    ``gradient_steps // 16`` capped at 16: the recipe draws that many times ``batch_size``
+    rows and each call takes every ``batches_per_pop``-th of them, so the workers'
+    and the read-ahead's per-batch costs are paid once per that many calls).
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         gradient_steps: int = 1,
         readahead: int | None = None,
         readahead_bytes: int = 64 << 20,
+        batches_per_pop: int | None = None,
         drop_on_reset: bool = False,
     ) -> None:
         if isinstance(observation_space, spaces.Dict):
@@ -135,9 +140,12 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
             log.info("ClawReplayBuffer: namespace %r (pass namespace= to choose one)", namespace)
         self.seed = _global_seed() if seed is None else int(seed)
         self.deterministic = deterministic
-        depth = max(8, 2 * gradient_steps)
+        if batches_per_pop is None:  # a part of one burst: a batch is never long queued
+            batches_per_pop = 1 if deterministic else max(1, min(16, gradient_steps // 16))
+        per = batches_per_pop
+        depth = max(4, -(-max(8, 2 * gradient_steps) // per))
         if readahead is None:
-            readahead = 0 if deterministic else max(2, min(gradient_steps, 256))
+            readahead = 0 if deterministic else max(2, -(-min(gradient_steps, 256) // per))
         self._init_kw: dict[str, Any] = {
             "buffer_size": buffer_size, "observation_space": observation_space,
             "action_space": action_space, "device": str(self.device), "n_envs": n_envs,
@@ -147,7 +155,8 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
             "capacity": capacity, "episode": dict(episode or {}), "ingest": dict(ingest or {}),
             "timeout": timeout, "seed": self.seed, "deterministic": deterministic,
             "gradient_steps": gradient_steps, "readahead": readahead,
-            "readahead_bytes": readahead_bytes, "drop_on_reset": drop_on_reset,
+            "readahead_bytes": readahead_bytes, "batches_per_pop": batches_per_pop,
+            "drop_on_reset": drop_on_reset,
         }  # fmt: skip
         self.base_namespace = namespace
         self.generation = 0
@@ -161,6 +170,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         }
         self.timeout = timeout
         self.readahead, self.readahead_bytes = readahead, readahead_bytes
+        self.batches_per_pop = batches_per_pop
         self._samples = 0  # sample() calls: the k of the deterministic stream
         self._connect()
 
@@ -266,7 +276,8 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         self._samples += 1
         if self.deterministic:
             return self.to_samples(self._sample_here(batch_size), env)
-        return self.to_samples(self._conn.pop(self.recipe_name(batch_size), self.timeout), env)
+        part, ready = self._conn.pop(self.recipe_name(batch_size), self.timeout)
+        return ready if env is None else self.to_samples(part, env)
 
     def _sample_here(self, batch_size: int) -> Batch:
         """The k-th batch from the steps added before this k-th call, seeded by (seed, k)."""
@@ -284,8 +295,16 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         conn = self._conn
         base = str(self.recipe["name"])
         name = f"{base}-{batch_size}" if conn.names and batch_size not in conn.names else base
-        spec = {**self.recipe, "name": name, "batch_size": batch_size}
-        return conn.recipe(batch_size, spec, self.readahead, self.readahead_bytes)
+        per = self.batches_per_pop
+        spec = {**self.recipe, "name": name, "batch_size": batch_size * per}
+        return conn.recipe(batch_size, spec, self.readahead, self.readahead_bytes, per,
+                           convert=self._ready_samples)  # fmt: skip
+
+    def _ready_samples(self, part: Batch) -> tuple[Batch, ReplayBufferSamples]:
+        """A part and its samples without ``VecNormalize`` (made in the read-ahead thread,
+        so the trainer's ``sample()`` is a dequeue; with an env, ``sample`` converts the
+        part itself, with the env's statistics of that moment)."""
+        return part, self.to_samples(part)
 
     def to_samples(self, batch: Batch, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """SB3's view of a Claw batch (:class:`ClawDictReplayBuffer` changes only how
