@@ -2,8 +2,8 @@
 (no client, no Celery sender) against a real worker on a private Redis.
 
 Cases come from structured mutations of valid messages (every layer: envelope, headers,
-body, args, batch map, array frames) and from hypothesis (arbitrary msgpack where each
-part goes). Afterwards: the worker is alive and commits a valid batch; every message has
+body, args, batch map, array frames, a compressed field's frames: bombs, lying sizes) and
+from hypothesis (arbitrary msgpack where each part goes). Afterwards: the worker is alive and commits a valid batch; every message has
 exactly one outcome (committed, partial, rejected with a reason, duplicate) — none
 vanishes; Redis grew by at most the dead letters' byte caps plus 10 %; the worker's RSS at
 most doubled; other namespaces are byte-for-byte unchanged; ``claw doctor`` is clean.
@@ -30,15 +30,19 @@ import numpy as np
 import psutil
 import pytest
 import redis
+import zstandard
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.client import Ingestor
 from claw_tasks.codec import frame, packb
+from claw_tasks.codecs import Codec, Frames, encode
 from claw_tasks.deadletter import REJECTS
+from claw_tasks.encoded import Encoded
 from claw_tasks.message import MESSAGE_VERSION
 from claw_tasks.redis_server import RedisServer
+from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
 from tests.conftest import Worker
 from tests.hostile import (
@@ -58,6 +62,8 @@ CAP = 4 << 20  # CLAW_DEAD_LETTER_BYTES: per namespace, and for claw:rejects
 PREFIX = 16 << 10  # CLAW_DEAD_LETTER_PREFIX
 CAPACITY = 256  # the fuzzed namespace's slots: the storm cannot grow its columns
 OBS = 8
+IMG = (8, 8)  # a compressed field (zstd) of the fuzzed namespace: frames from the producer
+ZSTD = Codec.of("zstd")
 
 
 # ---- valid material -------------------------------------------------------------------
@@ -69,13 +75,56 @@ def valid_batch(rng: random.Random, batch_id: str) -> StepBatch:
         reward=np.array([rng.random() for _ in range(n)], np.float32),
         terminated=np.zeros(n, bool), truncated=np.zeros(n, bool),
         fields={"obs": np.full((n, OBS), rng.random(), np.float32),
-                "action": np.arange(n, dtype=np.int64)},
+                "action": np.arange(n, dtype=np.int64),
+                "img": _img(n, rng.random() < 0.5)},
         priority=np.full(n, rng.random(), np.float32) if rng.random() < 0.3 else None,
         batch_id=batch_id,
     )  # fmt: skip
     if rng.random() < 0.3:
         b.info_rows, b.info = np.array([0], np.int32), [{"k": rng.randrange(9), "s": "x"}]
     return b
+
+
+def _img(n: int, encoded: bool) -> np.ndarray | Encoded:
+    """Rows of the compressed field: raw (the worker encodes) or frames (the producer did)."""
+    rows = np.arange(n * 64, dtype=np.uint8).reshape(n, *IMG)
+    return Encoded(ZSTD, np.dtype("|u1"), (n, *IMG), encode(ZSTD, rows)) if encoded else rows
+
+
+def m_codec(d: dict, rng: random.Random, m: Material) -> None:
+    """Hostile frames of the compressed field: bombs, lying or missing sizes, garbage,
+    offsets that do not cover the data, another codec, a malformed map."""
+    n = _n(d)
+    good = encode(ZSTD, np.zeros((max(n, 1), *IMG), np.uint8))
+    frames = [good[0].tobytes()] * n
+    bad = rng.choice(
+        [
+            m.zstd_bomb,
+            m.zstd_nosize,
+            m.zstd_liar,
+            b"",
+            rng.randbytes(30),
+            good[0].tobytes()[:-3],
+            b"\x28\xb5\x2f\xfd" + rng.randbytes(12),
+        ]
+    )
+    for i in rng.sample(range(n), k=rng.randint(1, n)) if n else []:
+        frames[i] = bad
+    enc = Encoded(ZSTD, np.dtype("|u1"), (n, *IMG), Frames.of(frames)).to_msg()
+    what = rng.randrange(8)
+    if what == 1:
+        enc["offsets"] = frame(np.array([0, 5, 2, 10**9][: n + 1], np.int64))
+    elif what == 2:
+        enc["codec"] = rng.choice(["lz4", "png", "jpeg", "gzip", 5, None, "zstd:99"])
+    elif what == 3:
+        enc["row"] = rng.choice([[9, 9], [None, 8], [-1], "x", [8, 8, 1000000]])
+    elif what == 4:
+        enc["dtype"] = rng.choice(["<f4", "|O", "V8", None, "xyz"])
+    elif what == 5:
+        enc[rng.choice(["extra", "data"])] = rng.choice(GARBAGE)
+    elif what == 6:
+        enc = {"codec": "zstd", "values": frame(np.zeros(n, np.uint8))}
+    d.setdefault("fields", {})["img"] = enc
 
 
 def _bomb(declared: int) -> list[Any]:
@@ -91,6 +140,10 @@ class Material:
         self.other_keys = [k for o in others for k in (Keys(o).config, Keys(o).dead,
                            Keys(o).shard_key(0, "seq"), Keys(o).stage("x"))]  # fmt: skip
         self.bomb = _bomb(300 << 20)  # over the 256 MiB default budget
+        zc = zstandard.ZstdCompressor()
+        self.zstd_bomb = zc.compress(bytes(1 << 27))  # 128 MiB of zeros in ~4 KiB
+        self.zstd_nosize = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(64))
+        self.zstd_liar = zc.compress(bytes(65))  # one byte more than the field's row
         self.n_big = 70_000  # rows, over CLAW_MAX_BATCH_STEPS' 65536
         z = frame(np.zeros(self.n_big, np.int64))
         self.big_cols = {"step_index": z, "reward": frame(np.zeros(self.n_big, np.float32)),
@@ -255,7 +308,7 @@ def m_schema(d: dict, rng: random.Random, m: Material) -> None:
 
 PAYLOAD_OPS: list[Callable[[dict, random.Random, Material], None]] = [
     m_frame, m_frame, m_frame, m_key, m_value, m_version, m_id, m_episode, m_info, m_values,
-    m_values, m_rows, m_ragged, m_placed, m_tags, m_strs, m_huge_n, m_schema,
+    m_values, m_rows, m_ragged, m_placed, m_tags, m_strs, m_huge_n, m_schema, m_codec, m_codec,
 ]  # fmt: skip
 
 
@@ -493,10 +546,11 @@ def _storm(
                 ep.add(np.full(OBS, t, np.float32), np.int64(t), 1.0)
         assert ing.close().committed == 20
         r.set(Keys(o).stage("x"), b"staged", ex=3600)
-    ing = Ingestor(ns, url, flush_interval=None, capacity=CAPACITY)
+    ing = Ingestor(ns, url, flush_interval=None, capacity=CAPACITY, codecs={"img": "zstd"})
     with ing.episode(episode_id="warm") as ep:
         for t in range(8):
-            ep.add(np.zeros(OBS, np.float32), np.int64(t), 1.0, priority=0.5, info={"k": 1})
+            ep.add(np.zeros(OBS, np.float32), np.int64(t), 1.0, priority=0.5, info={"k": 1},
+                   img=np.zeros(IMG, np.uint8))  # fmt: skip
     assert ing.flush().committed == 8
     pub = Publisher(url)
     m = Material(ns, others)
@@ -523,8 +577,13 @@ def _storm(
     # The worker is alive and serving: a valid batch commits after the storm.
     assert worker.proc.poll() is None
     with ing.episode(episode_id="after") as ep:
-        ep.add(np.ones(OBS, np.float32), np.int64(0), 1.0)
+        ep.add(np.ones(OBS, np.float32), np.int64(0), 1.0, img=np.ones(IMG, np.uint8))
     assert ing.close().committed == 1
+    # Every stored frame decodes to its row: none of the hostile ones got in.
+    store = Store(url, ns)
+    live = np.flatnonzero(store.meta_columns(0, ["id"])["alive"])
+    ids = store.meta_columns(0, ["id"])["id"][live]
+    assert store.get(ids, fields=["img"])["img"].shape == (len(ids), *IMG)
     while r.llen("ingest") or r.hlen("unacked"):
         time.sleep(0.05)
     mem1, rss1 = int(r.info("memory")["used_memory"]), _rss(proc)

@@ -188,10 +188,13 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
         itemsize = _column_itemsize(base, cfg)
         return _Expect("string", _chunk_slots(chunk, META_CHUNK_SLOTS, cap) * itemsize)
     spec = schema.fields.get(base) if schema else None
-    if kind == "f" and spec is not None and not spec.ragged:
+    if kind == "f" and spec is not None and not spec.ragged and spec.codec is None:
         cs = payload_chunk_slots(spec.row_bytes)
         return _Expect("string", _chunk_slots(chunk, cs, cap) * spec.row_bytes)
-    if (kind == "r" and spec is not None and spec.ragged) or (kind in ("nx", "info") and not base):
+    sparse = spec is not None and (
+        (kind == "r" and spec.ragged and spec.codec is None) or (kind == "z" and spec.codec)
+    )
+    if sparse or (kind in ("nx", "info") and not base):
         _chunk_slots(chunk, SPARSE_CHUNK_SLOTS, cap)
         return _Expect("hash")
     raise ValueError(f"no {kind!r} key for {base!r} in the schema")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import redis
 
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 from claw_tasks.store.retention import Retention
 from orchestrator.maintenance.retention import protected_steps
 
@@ -86,6 +87,9 @@ class NamespaceStats:
     evictions: dict[str, int]  # by reason
     retention: Retention | None
     protected: int | None  # live steps the policy protects (None: no protect filters)
+    # Per payload field, measured on up to PAYLOAD_SAMPLE live steps: mean bytes a step's
+    # value takes in Redis (its frame, for a compressed field) and decoded ("raw").
+    payload: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def namespace(self) -> str:
@@ -110,6 +114,7 @@ class NamespaceStats:
             "by_agent_id": counts("agent_id", self.by_agent_id),
             "retention": None if self.retention is None else self.retention.to_dict(),
             "protected": self.protected,
+            "payload": self.payload,
         }
 
 
@@ -133,9 +138,11 @@ def _namespace_stats(store: Store, memory_bytes: int, protected: bool) -> Namesp
     info = store.info()
     codes: dict[str, list[np.ndarray]] = {"task_id": [], "agent_id": []}
     rewards, episodes = [], 0
+    live = []
     for shard in range(info["n_shards"]):
         cols = store.meta_columns(shard, ["task_id", "agent_id", "reward", "episode"])
         alive = cols["alive"]
+        live.append(np.flatnonzero(alive))
         for column, parts in codes.items():
             parts.append(cols[column][alive])
         rewards.append(cols["reward"][alive].astype(np.float64))
@@ -158,4 +165,60 @@ def _namespace_stats(store: Store, memory_bytes: int, protected: bool) -> Namesp
         evictions=info["evictions"],
         retention=store.config().retention,
         protected=protected_steps(store) if protected else None,
+        payload=payload_bytes(store, live),
     )
+
+
+PAYLOAD_SAMPLE = 512
+
+
+def payload_bytes(store: Store, live: list[np.ndarray]) -> dict[str, dict[str, Any]]:
+    """Per field: ``codec``, mean ``stored`` and ``raw`` bytes per step and their
+    ``ratio``, from up to :data:`PAYLOAD_SAMPLE` live steps (evenly spaced): a fixed
+    uncompressed field takes its row size; a compressed one its frames' lengths
+    (``HSTRLEN``), decoded sizes from the frames' headers for a ragged one."""
+    schema = store.config().schema
+    total = sum(len(x) for x in live)
+    if schema is None or not total:
+        return {}
+    pick = np.linspace(0, total - 1, min(total, PAYLOAD_SAMPLE)).astype(np.int64)
+    shards = np.concatenate([np.full(len(x), s) for s, x in enumerate(live)])[pick]
+    slots = np.concatenate(live)[pick]
+    out: dict[str, dict[str, Any]] = {}
+    for name, spec in schema.fields.items():
+        codec = None if spec.codec is None else str(spec.codec)
+        if spec.codec is None and not spec.ragged:
+            stored = raw = float(spec.row_bytes)
+        else:
+            stored, raw = _sparse_sizes(store, name, spec, shards, slots)
+        ratio = raw / stored if stored else None
+        out[name] = {"codec": codec, "stored": stored, "raw": raw, "ratio": ratio}
+    return out
+
+
+def _sparse_sizes(
+    store: Store, name: str, spec: Any, shards: np.ndarray, slots: np.ndarray
+) -> tuple[float, float]:
+    """Mean stored and decoded bytes of a hash-stored field at (shard, slot) pairs."""
+    from claw_tasks.codecs import engine_for
+    from claw_tasks.codecs.delta import key_body
+
+    keys = store.keys
+    base = keys.compressed if spec.codec is not None else keys.ragged
+    with store.r.pipeline(transaction=False) as pipe:
+        for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
+            key = base(sh, name, sl // SPARSE_CHUNK_SLOTS)
+            if spec.codec is not None and spec.ragged:
+                pipe.hget(key, sl)
+            else:
+                pipe.hstrlen(key, sl)
+        replies = pipe.execute()
+    if spec.codec is None:  # ragged, raw
+        return float(np.mean(replies)), float(np.mean(replies))
+    if not spec.ragged:
+        return float(np.mean(replies)), float(spec.row_bytes)
+    eng = engine_for(spec.codec)
+    frames = [f or b"" for f in replies]
+    raw = [eng.declared(key_body(f) if spec.codec.name == "delta" else f) if f else 0
+           for f in frames]  # fmt: skip
+    return float(np.mean([len(f) for f in frames])), float(np.mean(raw))

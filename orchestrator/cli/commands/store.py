@@ -112,8 +112,15 @@ def _print_details(console: Console, s: NamespaceStats) -> None:
     table.add_column("name")
     table.add_column("kind")
     table.add_column("type")
+    for head in ("stored B/step", "raw B/step", "ratio"):
+        table.add_column(head, justify="right")
     for name, spec in schema.fields.items():
-        table.add_row(name, "field", spec.describe())
+        size = s.payload.get(name)
+        cells = ("", "", "") if size is None else (
+            f"{size['stored']:,.0f}", f"{size['raw']:,.0f}",
+            "-" if size["ratio"] is None else f"{size['ratio']:.1f}x",
+        )  # fmt: skip
+        table.add_row(name, "field", spec.describe(), *cells)
     for name, kind in schema.tags.items():
         table.add_row(tag_key(name), "tag", kind)
     console.print(table)
