@@ -3,10 +3,11 @@
 
 Cases come from structured mutations of valid messages (every layer: envelope, headers,
 body, args, batch map, array frames, a compressed field's frames: bombs, lying sizes) and
-from hypothesis (arbitrary msgpack where each part goes). Afterwards: the worker is alive and commits a valid batch; every message has
-exactly one outcome (committed, partial, rejected with a reason, duplicate) — none
-vanishes; Redis grew by at most the dead letters' byte caps plus 10 %; the worker's RSS at
-most doubled; other namespaces are byte-for-byte unchanged; ``claw doctor`` is clean.
+from hypothesis (arbitrary msgpack where each part goes). Afterwards: the worker is alive
+and commits a valid batch; every message has exactly one outcome (committed, partial,
+rejected with a reason, duplicate) — none vanishes; every stored frame decodes; Redis
+grew by at most the dead letters' byte caps plus 10 %; the worker's RSS at most doubled;
+other namespaces are byte-for-byte unchanged; ``claw doctor`` is clean.
 
 CI runs a fixed seed; ``pytest -m slow tests/test_fuzz_ingest.py`` runs a longer storm
 (``CLAW_FUZZ_SEED`` picks another seed).
