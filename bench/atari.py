@@ -42,14 +42,19 @@ import numpy as np
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from conftest import Worker
 
 from bench.prefetch import run as fill_loop
 from bench.prefetch import trainer
 from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.client import Ingestor
 from claw_tasks.redis_server import RedisServer
 from claw_tasks.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.delivery.registry import Registry
+from orchestrator.inspect.namespaces import scan_keys
 from orchestrator.recipe.model import Recipe
 
 GAMES = ("Pong", "Breakout", "MsPacman")
@@ -183,47 +188,94 @@ def step_batches(p: Play, kind: str, size: int = 512) -> Iterator[StepBatch]:
         )
 
 
-def schema_for(kind: str, codec: dict[str, Any] | None) -> Schema:
+def schema_for(kind: str, codec: str | None) -> Schema:
     obs = FieldSpec("|u1", KINDS[kind])
     del codec  # TODO(compress): the schema option when it lands
     return Schema(fields={"obs": obs, "action": FieldSpec("<i8", ())})
 
 
-def used(r: Any) -> int:
-    return int(r.info("memory")["used_memory"])
+def key_bytes(r: Any, namespace: str) -> tuple[int, int]:
+    """(bytes of the namespace's obs payload keys, bytes of all its keys): ``MEMORY USAGE
+    ... SAMPLES 0`` (every element of a hash counted, not a sample)."""
+    obs = total = 0
+    keys = [k.key for k in scan_keys(r, namespace)]
+    with r.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.execute_command("MEMORY", "USAGE", key, "SAMPLES", "0")
+        sizes = pipe.execute()
+    for key, size in zip(keys, sizes, strict=True):
+        name = key.decode() if isinstance(key, bytes) else key
+        total += int(size or 0)
+        if ":obs:" in name or ":nx:" in name:  # the field's chunks, explicit next_obs
+            obs += int(size or 0)
+    return obs, total
 
 
-def store_bytes(srv: RedisServer, p: Play, kind: str, codec: dict[str, Any] | None) -> float:
-    """Redis bytes per stored step of a fresh namespace holding the whole play."""
-    r = srv.client()
-    r.flushdb()
-    before = used(r)
-    store = Store(r, f"{p.game}-{kind}")
+def fill(r: Any, namespace: str, p: Play, kind: str, codec: str | None) -> Store:
+    store = Store(r, namespace)
     store.create(capacity=p.n, schema=schema_for(kind, codec))
     for b in step_batches(p, kind):
         store.commit(b)
-    per = (used(r) - before) / p.n
+    return store
+
+
+def store_bytes(srv: RedisServer, p: Play, kind: str, codec: str | None) -> tuple[float, float]:
+    """Redis bytes per stored step of a namespace holding the whole play: its obs payload
+    keys, and all its keys."""
+    r = srv.client()
     r.flushdb()
-    return per
+    fill(r, "bytes", p, kind, codec)
+    obs, total = key_bytes(r, "bytes")
+    r.flushdb()
+    return obs / p.n, total / p.n
 
 
-CODECS: list[tuple[str, dict[str, Any] | None]] = [("none (raw)", None)]
+CODECS: list[str | None] = [None]
+"""The obs field's codec in each namespace (None: raw bytes, as before codecs)."""
+
+
+# ---- ingest ---------------------------------------------------------------------------
+def ingest_rate(url: str, p: Play, kind: str, codec: str | None, flush: int = 512) -> float:
+    """Committed steps/s through the real ingest worker, first add to last confirmation."""
+    namespace = f"ingest-{p.game}-{kind}-{codec}"
+    ing = Ingestor(
+        namespace, url, flush_steps=flush, flush_interval=None, capacity=p.n + 10,
+        schema=schema_for(kind, codec),
+    )  # fmt: skip
+    cols = {
+        "obs": p.frames[kind], "action": p.action, "reward": p.reward,
+        "episode_id": np.array([f"{p.game}-{e}" for e in p.episode.tolist()]),
+        "step_index": p.step_index, "terminated": p.terminated, "truncated": p.truncated,
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    ing.add_batch(cols)
+    res = ing.close(timeout=600)
+    dt = time.perf_counter() - t0
+    assert res.committed == p.n, res
+    return p.n / dt
 
 
 # ---- the prefetch fill loop -----------------------------------------------------------
+LOOPS = {
+    # bench/prefetch.py's loop (the >= 20,000 goal): 84x84x3 obs and next_obs, DrQ shift
+    "drq": ("rgb", 1),
+    # DQN on Atari: 84x84 grayscale, stacks of 4 frames stored once
+    "dqn-stack4": ("gray", 4),
+}
+
+
 def prefetch_rates(
-    srv: RedisServer, p: Play, kind: str, codec: dict[str, Any] | None, batches: int
+    srv: RedisServer, p: Play, loop: str, codec: str | None, batches: int
 ) -> tuple[float, float]:
-    """Augmented stacked images/s per worker core, and wall clock, of the fill loop."""
+    """Augmented images/s (obs and next_obs; a stack counts once) per worker core, and wall
+    clock, of the fill loop."""
+    kind, k = LOOPS[loop]
     r = srv.client()
     r.flushdb()
-    store = Store(r, "fill")
-    store.create(capacity=p.n, schema=schema_for(kind, codec))
-    for b in step_batches(p, kind):
-        store.commit(b)
+    store = fill(r, "fill", p, kind, codec)
     recipe = Recipe.model_validate({
-        "name": "dqn", "batch_size": 256, "fields": ["obs", "next_obs", "action", "reward"],
-        "sources": [{"name": "all"}], "frame_stack": 4, "prefetch": {"depth": 8}, "seed": 1,
+        "name": loop, "batch_size": 256, "fields": ["obs", "next_obs", "action", "reward"],
+        "sources": [{"name": "all"}], "frame_stack": k, "prefetch": {"depth": 8}, "seed": 1,
         "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"},
     })  # fmt: skip
     ctx = mp.get_context("spawn")
@@ -235,6 +287,7 @@ def prefetch_rates(
     wall, cpu = fill_loop(reg, recipe, batches, send)
     send.send_bytes(b"")
     reader.join()
+    r.flushdb()
     images = batches * 256 * 2
     return images / cpu, images / wall
 
@@ -252,7 +305,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--games", default=",".join(GAMES))
-    ap.add_argument("--parts", default="codecs,store,prefetch")
+    ap.add_argument("--parts", default="codecs,store,ingest,prefetch")
     ap.add_argument("--batches", type=int, default=40)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -277,30 +330,53 @@ def main() -> None:
             rows = []
             for p in plays:
                 for kind in KINDS:
-                    raw = math.prod(KINDS[kind])
+                    frame = math.prod(KINDS[kind])
                     base = None
-                    for name, codec in CODECS:
-                        per = store_bytes(srv, p, kind, codec)
-                        base = base or per
-                        rows.append([p.game, kind, name, f"{per:,.0f}", f"{raw / per:.1f}x",
-                                     f"{base / per:.1f}x"])  # fmt: skip
-            print(f"\nRedis bytes per stored step (load average {os.getloadavg()[0]:.1f}):\n")
-            print(
-                table(
-                    ["game", "frame", "codec", "bytes/step", "frame bytes / that", "vs raw"], rows
-                )
-            )
+                    for codec in CODECS:
+                        obs, total = store_bytes(srv, p, kind, codec)
+                        base = base or (obs, total)
+                        rows.append([p.game, kind, codec or "none", f"{obs:,.0f}",
+                                     f"{frame / obs:.1f}x", f"{total:,.0f}",
+                                     f"{base[1] / total:.1f}x"])  # fmt: skip
+            print(f"\nRedis bytes per stored step, {args.steps:,} steps a namespace (load "
+                  f"average {os.getloadavg()[0]:.1f}):\n")  # fmt: skip
+            head = ["game", "frame", "obs codec", "obs bytes/step", "frame bytes / obs bytes",
+                    "all keys bytes/step", "vs raw (all keys)"]  # fmt: skip
+            print(table(head, rows))
+        if "ingest" in parts:
+            rows = []
+            log = Path("/tmp/claw-bench-atari-worker.log")
+            worker = Worker(srv.url, "ingest", 2, log, {})
+            try:
+                for p in plays:
+                    for kind in KINDS:
+                        base = None
+                        for codec in CODECS:
+                            rate = ingest_rate(srv.url, p, kind, codec)
+                            base = base or rate
+                            rows.append([p.game, kind, codec or "none", f"{rate:,.0f}",
+                                         f"{rate / base:.2f}"])  # fmt: skip
+                            srv.client().flushdb()
+            finally:
+                worker.stop()
+            print(f"\nIngest through one Celery worker (prefork, 2 processes), 512-step "
+                  f"batches (load average {os.getloadavg()[0]:.1f}):\n")  # fmt: skip
+            print(table(["game", "frame", "obs codec", "committed steps/s", "vs raw"], rows))
         if "prefetch" in parts:
             rows = []
             for p in plays:
-                for kind in KINDS:
-                    for name, codec in CODECS:
-                        cpu, wall = prefetch_rates(srv, p, kind, codec, args.batches)
-                        rows.append([p.game, kind, name, f"{cpu:,.0f}", f"{wall:,.0f}"])
-            print(f"\nPrefetch fill loop, frame_stack 4, random shift, batch 256, obs + next_obs "
+                for loop in LOOPS:
+                    base = None
+                    for codec in CODECS:
+                        cpu, wall = prefetch_rates(srv, p, loop, codec, args.batches)
+                        base = base or cpu
+                        rows.append([p.game, loop, codec or "none", f"{cpu:,.0f}",
+                                     f"{cpu / base:.2f}", f"{wall:,.0f}"])  # fmt: skip
+            print(f"\nPrefetch fill loop, batch 256, obs + next_obs, random shift pad 4 "
                   f"(load average {os.getloadavg()[0]:.1f}):\n")  # fmt: skip
-            print(table(["game", "frame", "codec", "stacked images/s per worker core",
-                         "wall clock"], rows))  # fmt: skip
+            head = ["game", "loop", "obs codec", "augmented images/s per worker core",
+                    "vs raw", "wall clock images/s"]  # fmt: skip
+            print(table(head, rows))
 
 
 if __name__ == "__main__":
