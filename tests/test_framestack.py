@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from stepdata import batch, episode, interleave
 
+from claw_tasks.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 from orchestrator.recipe.model import RecipeError
@@ -117,11 +118,17 @@ def want_next(ep: int, boot: int) -> int:
     return 0 if ep == 2 else 1 + 20 * ep + boot + 1 + 100  # terminated: zeros; else explicit
 
 
-@pytest.mark.parametrize("color", [False, True])
-@pytest.mark.parametrize("n", [1, 3])
-def test_batches_hold_each_steps_newest_frames(redis_url, namespace, color, n):
+@pytest.mark.parametrize(
+    ("color", "n", "codec"),
+    [(False, 1, None), (True, 1, None), (False, 3, None), (True, 3, None),
+     (False, 3, "zstd"), (True, 1, "png"), (False, 3, "delta:4")],
+)  # fmt: skip
+def test_batches_hold_each_steps_newest_frames(redis_url, namespace, color, n, codec):
+    """Raw and compressed obs (each frame stored once, compressed or not)."""
     store = Store(redis_url, namespace)
-    store.create(capacity=1000, n_shards=2)
+    obs = FieldSpec("|u1", (12, 10, 3) if color else (12, 10), codec=codec)
+    schema = Schema(fields={"obs": obs, "action": FieldSpec("<i8", ())})
+    store.create(capacity=1000, n_shards=2, schema=schema)
     commit(store, color)
     r = Recipe.model_validate({
         "name": "stack", "batch_size": 64, "fields": ["obs", "next_obs", "step_index"],

@@ -1,6 +1,10 @@
 """Range reads: every stored column of a run of consecutive sequence numbers of one shard,
 chunk-wise (GETRANGE over column chunks, HGETALL/HMGET over sparse hashes). Archival reads
-a namespace this way, one bounded run at a time, never the whole of it at once."""
+a namespace this way, one bounded run at a time, never the whole of it at once.
+
+A compressed field comes back as the frames the store holds (:class:`Encoded`: no decode,
+so an archive keeps them bit for bit), but for ``delta``: its frames name other steps' ids
+(their keys), which a restore does not keep, so those are decoded here."""
 
 from __future__ import annotations
 
@@ -10,7 +14,10 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.codec import unpackb
-from claw_tasks.schema import tag_column
+from claw_tasks.codecs import Frames
+from claw_tasks.encoded import Encoded
+from claw_tasks.schema import FieldSpec, tag_column
+from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.layout import (
     EXPLICIT_NEXT,
     META,
@@ -76,8 +83,9 @@ def read_payload_run(
     reader: Reader, shard: int, seq_lo: int, n: int, rows: np.ndarray, flags: np.ndarray
 ) -> tuple[dict[str, Any], dict[int, np.ndarray], dict[int, dict[str, Any]]]:
     """Payload of ``rows`` (sorted positions in the run of ``n`` slots from ``seq_lo``'s),
-    in one pipelined round trip: fixed fields as arrays, ragged ones as lists of arrays;
-    the explicit ``next_obs`` and the ``info`` of the rows that have one, by position in
+    in one pipelined round trip: fixed fields as arrays, ragged ones as lists of arrays,
+    compressed ones as stored (see the module docstring); the explicit ``next_obs`` (a frame
+    of a compressed obs) and the ``info`` of the rows that have one, by position in
     ``rows``. ``flags`` (the run's column) says which steps have an explicit next_obs."""
     slot0 = run_slots(reader, seq_lo, n)
     schema = reader.config().schema
@@ -87,10 +95,18 @@ def read_payload_run(
     slots = (slot0 + rows).tolist()
     nx_at = np.flatnonzero((flags[rows] & EXPLICIT_NEXT) != 0).tolist()
     sparse_chunks = sorted({s // SPARSE_CHUNK_SLOTS for s in slots})
+    by_chunk: dict[int, list[int]] = {c: [] for c in sparse_chunks}
+    for s in slots:
+        by_chunk[s // SPARSE_CHUNK_SLOTS].append(s)
     k = reader.keys
     with reader.r.pipeline(transaction=False) as pipe:
         counts = []
         for name, spec in schema.fields.items():
+            if spec.codec is not None:  # a frame in every slot: the run's, by HMGET
+                for c in sparse_chunks:
+                    pipe.hmget(k.compressed(shard, name, c), by_chunk[c])
+                counts.append(len(sparse_chunks))
+                continue
             if spec.ragged:
                 for c in sparse_chunks:
                     pipe.hgetall(k.ragged(shard, name, c))
@@ -112,7 +128,10 @@ def read_payload_run(
     for (name, spec), count in zip(schema.fields.items(), counts, strict=True):
         got, at = replies[at : at + count], at + count
         dtype = np.dtype(spec.dtype)
-        if spec.ragged:
+        if spec.codec is not None:
+            frames = [f or b"" for part in got for f in part]  # chunks in order: slots too
+            fields[name] = _stored_frames(reader, name, spec, frames)
+        elif spec.ragged:
             found = _by_slot(got)
             fields[name] = [
                 np.frombuffer(found.get(s, b""), dtype).reshape(-1, *spec.shape[1:]) for s in slots
@@ -122,10 +141,13 @@ def read_payload_run(
             arr = np.frombuffer(raw, dtype).reshape(n, *spec.shape)
             fields[name] = arr if len(rows) == n else arr[rows]
     obs = schema.fields.get("obs")
-    next_obs: dict[int, np.ndarray] = {}
+    next_obs: dict[int, Any] = {}
     for i in nx_at:
         raw, at = replies[at] or b"", at + 1
-        if obs is not None:
+        if obs is not None and obs.codec is not None:  # a frame of obs's codec
+            got = _stored_frames(reader, "obs", obs, [raw])
+            next_obs[i] = bytes(got.frames[0]) if isinstance(got, Encoded) else got[0]
+        elif obs is not None:
             arr = np.frombuffer(raw, np.dtype(obs.dtype))
             shape = (-1, *obs.shape[1:]) if obs.ragged else obs.shape
             next_obs[i] = arr.reshape(shape)
@@ -133,6 +155,16 @@ def read_payload_run(
     pos = {s: i for i, s in enumerate(slots)}
     info = {pos[s]: unpackb(v) for s, v in found.items() if s in pos}
     return fields, next_obs, info
+
+
+def _stored_frames(reader: Reader, name: str, spec: FieldSpec, frames: list[bytes]) -> Any:
+    """A compressed field's frames as stored (``Encoded``), or ``delta`` rows decoded (an
+    array, a list for a ragged field): see the module docstring."""
+    assert spec.codec is not None
+    if spec.codec.name == "delta":
+        return decode_stored(reader, name, spec, frames)
+    shape = (len(frames), *spec.shape)
+    return Encoded(spec.codec, np.dtype(spec.dtype), shape, Frames.of(frames))
 
 
 def _by_slot(hashes: list[dict[bytes, bytes]]) -> dict[int, bytes]:

@@ -117,6 +117,24 @@ def export(
         )
 
 
+def export_plain(namespace: str, archive: Path, to: Path, console: Console, as_json: bool) -> None:
+    from orchestrator.maintenance.archive_files import namespace_dir
+    from orchestrator.maintenance.plaincopy import plain_copy
+    from orchestrator.maintenance.restore import ArchiveError, find_archive
+
+    src = find_archive(archive)
+    if src.name != namespace_dir(Path(), namespace).name:
+        raise ArchiveError(f"{src} is not an archive of {namespace!r} (its ns=<name> differs)")
+    result = plain_copy(src, to)
+    if as_json:
+        console.print_json(json.dumps(result.to_json()))
+        return
+    console.print(
+        f"{len(result.files)} file(s), {result.rows:,} steps, {result.bytes / 2**20:,.1f} MiB, "
+        f"compressed fields decoded -> {result.directory}"
+    )
+
+
 def import_dataset(
     r: redis.Redis, dataset: str, namespace: str, root: Path | None, console: Console,
     as_json: bool,

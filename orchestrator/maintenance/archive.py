@@ -296,7 +296,7 @@ class Archiver:
             else:
                 nums[TAG_PREFIX + name] = col
         for name, spec in schema.fields.items():
-            if spec.ragged:
+            if spec.ragged and isinstance(fields[name], list):  # not kept frames (Encoded)
                 fields[name] = Ragged.of(fields[name], spec.dtype)
         return StepRows(
             id=m["id"],

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from claw_tasks.schema import Schema
-from orchestrator.maintenance.steptable import LIST_MAX_ITEMS, StepRows, to_table
+from orchestrator.maintenance.steptable import LIST_MAX_ITEMS, StepRows, keeps_frames, to_table
 
 MANIFEST = "_manifest.json"
 
@@ -139,11 +139,7 @@ def write_parquet(
         lo, hi = int(seqs[sel[0]]), int(seqs[sel[-1]])
         rel = f"date={date}/part-{shard}-{lo}-{hi}.parquet"
         extra = {"namespace": namespace, "shard": shard, "seq_lo": lo, "seq_hi": hi}
-        table = to_table(part, schema, extra)
-        with atomic_path(ns_dir / rel) as tmp, open(tmp, "wb") as f:
-            sink = _Hashing(f)
-            pq.write_table(table, pa.PythonFile(sink, mode="w"), **_parquet_options(schema, table))
-            digest, size = sink.h.hexdigest(), sink.size
+        digest, size = write_table(ns_dir / rel, to_table(part, schema, extra), schema)
         entry = {
             "path": rel, "date": date, "shard": shard, "seq_lo": lo, "seq_hi": hi,
             "rows": part.n, "id_min": int(part.id.min()), "id_max": int(part.id.max()),
@@ -153,15 +149,28 @@ def write_parquet(
     return out
 
 
+def write_table(path: Path, table: pa.Table, schema: Schema) -> tuple[str, int]:
+    """Write ``table`` to ``path`` atomically; its SHA-256 and size, computed on the way."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        sink = _Hashing(f)
+        pq.write_table(table, pa.PythonFile(sink, mode="w"), **_parquet_options(schema, table))
+        return sink.h.hexdigest(), sink.size
+
+
 def _parquet_options(schema: Schema, table: pa.Table) -> dict[str, Any]:
     """zstd, but snappy for large binary rows (images: near GB/s, and it gives up fast on
-    data that does not compress). Dictionaries for strings only, statistics for metadata
-    only: hashing or comparing payload rows costs more than the whole write."""
+    data that does not compress) and none for the frames of compressed fields (compressed
+    already). Dictionaries for strings only, statistics for metadata only: hashing or
+    comparing payload rows costs more than the whole write."""
     codecs, strings, stats = {}, [], []
+    obs = schema.fields.get("obs")
     for f in table.schema:
         spec = schema.fields.get(f.name)
         big = spec is not None and not spec.ragged and spec.row_items > LIST_MAX_ITEMS
         codecs[f.name] = "snappy" if big else "zstd"
+        framed = obs if f.name == "next_obs" else spec
+        if framed is not None and keeps_frames(framed):
+            codecs[f.name] = "none"
         if pa.types.is_dictionary(f.type) or pa.types.is_string(f.type):
             strings.append(f.name)
         if spec is None and f.name not in ("next_obs", "info"):

@@ -5,6 +5,8 @@ Steps get new ids; the id each had when archived is kept as the numeric tag ``or
 ids stay what they were. Commit timestamps, priorities and curation labels are the
 archived ones. Each batch has an id derived from the file's checksum, so a restore run
 again after a failure replays what it had committed instead of storing it twice.
+Compressed fields come back as the frames archived (checked as ingest checks a producer's
+frames, then stored as they are); ``delta`` rows, archived decoded, are encoded again.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def restore(
         store.set_spaces(manifest.spaces["observation"], manifest.spaces["action"])
     result = RestoreResult(store.namespace)
     for entry in sorted(manifest.files, key=lambda f: (f["shard"], f["seq_lo"])):
-        table = _read_verified(ns_dir, entry)
+        table = read_verified(ns_dir, entry)
         step = max(1, min(BATCH_ROWS, BATCH_BYTES * table.num_rows // max(1, table.nbytes)))
         for i, start in enumerate(range(0, table.num_rows, step)):
             part = table.slice(start, step)
@@ -111,7 +113,7 @@ def _with_orig_id(schema: dict[str, Any]) -> Schema:
     return s if ORIG_ID in s.tags else Schema(fields=s.fields, tags={**s.tags, ORIG_ID: "num"})
 
 
-def _read_verified(ns_dir: Path, entry: dict[str, Any]) -> pa.Table:
+def read_verified(ns_dir: Path, entry: dict[str, Any]) -> pa.Table:
     path = ns_dir / entry["path"]
     if not path.exists():
         raise ArchiveError(f"{path} is in the manifest but missing")
@@ -160,7 +162,9 @@ def _commit_in_place(
     through the commit script's arguments runs at a fraction of the speed). Returns the
     id of each row (-1: not stored)."""
     schema = store.ensure_schema(batch.schema())
-    fixed = {k: spec for k, spec in schema.fields.items() if not spec.ragged}
+    fixed = {  # compressed fields are frames in hashes: the commit stores them as they are
+        k: spec for k, spec in schema.fields.items() if not spec.ragged and spec.codec is None
+    }
     n_shards = store.config().n_shards
     shards = row_episode_codes(batch.episode.values, batch.episode.index) % n_shards
     ids = np.full(batch.n, -1, np.int64)

@@ -7,11 +7,19 @@ value by value, ~50 MB/s, a binary row at GB/s); a ragged row is a large list of
 Strings are their values (dictionary-encoded on disk), ``info`` its JSON text, and the explicit
 final ``next_obs`` a nullable list of the observation's flat items. Dtypes Arrow has no
 numeric type for (complex, big-endian) are raw bytes with the same metadata.
+
+A compressed field keeps the store's frames as they are: one binary value per row, its
+codec in the column metadata (``codec``), read back as :class:`Encoded` and committed
+without a decode/encode round trip; the explicit ``next_obs`` of a compressed ``obs`` is
+frames too. ``delta`` is the exception (:func:`keeps_frames`): its frames name other
+steps' ids, so its rows are archived decoded (the codec still recorded) and encoded again
+when restored. :func:`plain` turns a table into one without frames, for other tools.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +28,8 @@ import pyarrow as pa
 
 from claw_tasks.batch import STR_META, Ragged, StepBatch, StrColumn
 from claw_tasks.codec import CodecError
+from claw_tasks.codecs import Frames, decode
+from claw_tasks.encoded import Encoded
 from claw_tasks.schema import FieldSpec, Schema, SchemaError, tag_column
 
 FORMAT = 1
@@ -46,8 +56,8 @@ class StepRows:
     trainable: np.ndarray  # bool
     strs: dict[str, StrColumn]  # STRING_COLUMNS and "tags.<name>" string tags
     nums: dict[str, np.ndarray]  # "tags.<name>" numeric tags (float64, NaN = missing)
-    fields: dict[str, np.ndarray | Ragged]
-    next_obs: dict[int, np.ndarray] = field(default_factory=dict)  # row -> explicit next_obs
+    fields: dict[str, np.ndarray | Ragged | Encoded]
+    next_obs: dict[int, Any] = field(default_factory=dict)  # row -> explicit (array or frame)
     info: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -71,7 +81,7 @@ class StepRows:
             strs={k: v.take(rows) for k, v in self.strs.items()},
             nums={k: v[rows] for k, v in self.nums.items()},
             fields={
-                k: v.take(rows) if isinstance(v, Ragged) else v[rows]
+                k: v.take(rows) if isinstance(v, Ragged | Encoded) else v[rows]
                 for k, v in self.fields.items()
             },
             next_obs={remap[r]: v for r, v in self.next_obs.items() if r in remap},
@@ -80,6 +90,20 @@ class StepRows:
 
 
 # ---- payload columns ------------------------------------------------------------------
+def keeps_frames(spec: FieldSpec) -> bool:
+    """Whether the archive keeps the field's stored frames (every codec but ``delta``)."""
+    return spec.codec is not None and spec.codec.name != "delta"
+
+
+def _frames_array(frames: Sequence[bytes | memoryview | None]) -> pa.Array:
+    """One binary value per frame (None: null)."""
+    return pa.array([None if f is None else bytes(f) for f in frames], pa.large_binary())
+
+
+def _frames(arr: pa.Array) -> list[bytes | None]:
+    return arr.to_pylist()
+
+
 def _numeric(dtype: np.dtype) -> pa.DataType | None:
     """Arrow's type for a dtype, or None (complex, big-endian): then raw bytes."""
     if dtype.kind not in "biuf" or dtype.byteorder == ">":
@@ -116,8 +140,10 @@ def _unflat(arr: pa.Array, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarra
     return out.astype(dtype, copy=False).reshape(n, *shape)
 
 
-def field_array(spec: FieldSpec, value: np.ndarray | Ragged) -> pa.Array:
+def field_array(spec: FieldSpec, value: np.ndarray | Ragged | Encoded) -> pa.Array:
     dtype = np.dtype(spec.dtype)
+    if isinstance(value, Encoded):
+        return _frames_array(list(value.frames))
     if spec.ragged:
         assert isinstance(value, Ragged)
         tail = spec.shape[1:]
@@ -127,8 +153,12 @@ def field_array(spec: FieldSpec, value: np.ndarray | Ragged) -> pa.Array:
     return _flat(value, dtype, spec.row_items)
 
 
-def field_values(spec: FieldSpec, arr: pa.Array) -> np.ndarray | Ragged:
+def field_values(spec: FieldSpec, arr: pa.Array) -> np.ndarray | Ragged | Encoded:
     dtype = np.dtype(spec.dtype)
+    if keeps_frames(spec):
+        assert spec.codec is not None
+        frames = Frames.of([f or b"" for f in _frames(arr)])
+        return Encoded(spec.codec, dtype, (len(arr), *spec.shape), frames)
     if spec.ragged:
         off = np.asarray(arr.offsets, np.int64)
         child = arr.values.slice(int(off[0]), int(off[-1] - off[0]))
@@ -137,9 +167,11 @@ def field_values(spec: FieldSpec, arr: pa.Array) -> np.ndarray | Ragged:
     return _unflat(arr, dtype, tuple(spec.shape))  # type: ignore[arg-type]
 
 
-def next_obs_array(obs: FieldSpec, n: int, rows: dict[int, np.ndarray]) -> pa.Array:
+def next_obs_array(obs: FieldSpec, n: int, rows: dict[int, Any]) -> pa.Array:
     """Explicit next_obs: a nullable large list per row (the observation's flat items, or
-    its rows when ragged)."""
+    its rows when ragged); a nullable frame per row for a compressed obs."""
+    if keeps_frames(obs):
+        return _frames_array([rows.get(r) for r in range(n)])
     dtype = np.dtype(obs.dtype)
     present = sorted(rows)
     per_item = obs.shape[1:] if obs.ragged else ()
@@ -157,7 +189,9 @@ def next_obs_array(obs: FieldSpec, n: int, rows: dict[int, np.ndarray]) -> pa.Ar
     )
 
 
-def next_obs_rows(obs: FieldSpec, arr: pa.Array) -> dict[int, np.ndarray]:
+def next_obs_rows(obs: FieldSpec, arr: pa.Array) -> dict[int, Any]:
+    if keeps_frames(obs):
+        return {r: f for r, f in enumerate(_frames(arr)) if f is not None}
     dtype = np.dtype(obs.dtype)
     per_item = tuple(obs.shape[1:]) if obs.ragged else ()
     valid = np.flatnonzero(~np.asarray(arr.is_null(), bool))
@@ -233,7 +267,7 @@ def to_table(rows: StepRows, schema: Schema, extra: dict[str, Any]) -> pa.Table:
 
 
 def _spec(spec: FieldSpec) -> dict[str, Any]:
-    return {"dtype": spec.dtype, "shape": list(spec.shape)}
+    return spec.to_dict()  # dtype, shape, and the codec of a compressed field
 
 
 def table_meta(schema: pa.Schema) -> dict[str, Any]:
@@ -290,10 +324,16 @@ def from_table(table: pa.Table) -> StepRows:
 def to_batch(rows: StepRows, schema: Schema, batch_id: str) -> StepBatch:
     """A committable batch of the rows (timestamps, labels and ids travel beside it)."""
     nx = sorted(rows.next_obs)
-    next_obs: np.ndarray | Ragged | None = None
+    next_obs: np.ndarray | Ragged | Encoded | None = None
     if nx:
+        obs = schema.fields["obs"]
         vals = [rows.next_obs[r] for r in nx]
-        next_obs = Ragged.of(vals) if schema.fields["obs"].ragged else np.stack(vals)
+        if keeps_frames(obs):
+            assert obs.codec is not None
+            shape = (len(vals), *obs.shape)
+            next_obs = Encoded(obs.codec, np.dtype(obs.dtype), shape, Frames.of(vals))
+        else:
+            next_obs = Ragged.of(vals) if obs.ragged else np.stack(vals)
     info_rows = sorted(rows.info)
     tags = {
         tag_column(k[len(TAG_PREFIX) :]): v
@@ -327,8 +367,46 @@ def batch_problem(batch: StepBatch) -> str | None:
         batch.schema()
     except (SchemaError, CodecError) as e:
         return str(e)
-    errors = batch.row_errors()
+    errors = batch.row_errors(verify_frames=True)  # frames must decode, as at ingest
     if errors:
         first = "; ".join(errors[i] for i in sorted(errors)[:3])
         return f"{len(errors)} bad step(s), e.g. {first}"
     return None
+
+
+# ---- plain tables ---------------------------------------------------------------------
+def plain_schema(schema: Schema) -> Schema:
+    """The schema with every field's codec dropped (the same dtypes and shapes)."""
+    fields = {k: FieldSpec(v.dtype, v.shape) for k, v in schema.fields.items()}
+    return Schema(fields=fields, tags=schema.tags)
+
+
+def _decoded(spec: FieldSpec, codec: Any, frames: list[Any]) -> np.ndarray | list[np.ndarray]:
+    return decode(codec, frames, np.dtype(spec.dtype), tuple(spec.shape))
+
+
+def decoded(rows: StepRows, schema: Schema) -> StepRows:
+    """The rows with every kept frame decoded (fields and explicit next_obs)."""
+    fields: dict[str, np.ndarray | Ragged | Encoded] = {}
+    for name, v in rows.fields.items():
+        if isinstance(v, Encoded):
+            out = _decoded(schema.fields[name], v.codec, list(v.frames))
+            fields[name] = Ragged.of(out, v.dtype) if isinstance(out, list) else out
+        else:
+            fields[name] = v
+    next_obs = rows.next_obs
+    obs = schema.fields.get("obs")
+    if obs is not None and keeps_frames(obs) and next_obs:
+        at = sorted(next_obs)
+        out = _decoded(obs, obs.codec, [next_obs[r] for r in at])
+        next_obs = {r: out[i] for i, r in enumerate(at)}
+    return StepRows(**{**rows.__dict__, "fields": fields, "next_obs": next_obs})
+
+
+def plain(table: pa.Table) -> pa.Table:
+    """An archive table as one without frames: compressed fields decoded into the columns
+    raw fields have, so DuckDB, Polars or pandas read the values themselves."""
+    meta = table_meta(table.schema)
+    schema = Schema.from_dict(meta["schema"])
+    extra = {k: v for k, v in meta.items() if k not in ("format", "schema")}
+    return to_table(decoded(from_table(table), schema), plain_schema(schema), extra)

@@ -59,12 +59,33 @@ def _only_minari(fmt: str) -> None:
 def export(
     ctx: typer.Context,
     namespace: Annotated[str, typer.Argument(help="Namespace to export")],
-    to: Annotated[str, typer.Option("--to", help="Minari dataset id, e.g. claw/grasp-v0")],
-    fmt: Annotated[str, typer.Option("--format", help="Only 'minari'")] = "minari",
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to", help="Minari dataset id (e.g. claw/grasp-v0), or a directory for parquet"
+        ),
+    ],
+    fmt: Annotated[str, typer.Option("--format", help="'minari' or 'parquet'")] = "minari",
+    archive_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--archive", help="parquet: the namespace's archive (claw archive NS --to DIR)"
+        ),
+    ] = None,
     minari_root: _MinariRoot = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
-    """Export a namespace's complete episodes as an offline dataset (Minari)."""
+    """Export for other tools, compressed fields decoded: the namespace's complete episodes
+    as a Minari dataset, or its archive as plain Parquet (--format parquet --archive DIR)."""
+    if fmt == "parquet":
+        if archive_dir is None:
+            raise typer.BadParameter(
+                "--format parquet copies the namespace's archive: give --archive DIR "
+                "(`claw archive NS --to DIR` writes it)",
+                param_hint="--archive",
+            )
+        archival.export_plain(namespace, archive_dir, Path(to), Console(), as_json)
+        return
     _only_minari(fmt)
     with redis_client(ctx) as (_, r):
         archival.export(r, namespace, to, minari_root, Console(), as_json)
