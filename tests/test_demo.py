@@ -68,6 +68,9 @@ def test_demo_image_phase_on_a_given_redis_and_cleans_up(redis_url, tmp_path):
     row = re.search(r"([\d.]+) ms popped \(in-loop: ([\d.]+) ms\)", text)
     assert row and float(row.group(1)) > 0 and float(row.group(2)) > 0, text
     assert f"stored in '{ns}-pixels'" in text
+    # the pixel steps' obs is compressed in Redis: a step takes less than its raw frame
+    under = re.search(r"obs stored zstd: ([\d.,]+)x", text)
+    assert under and float(under.group(1).replace(",", "")) > 1.0, text
     assert (tmp_path / PNG_NAME).exists()
     r = redis.Redis.from_url(redis_url)
     assert not list(scan_keys(r, ns)) and not list(scan_keys(r, f"{ns}-pixels"))  # removed

@@ -1,6 +1,8 @@
 """Phase 2: pixels, augmented by the prefetch workers instead of the training loop.
 
-The learned policy plays CartPole rendered as small RGB images (:mod:`.pixels`); a recipe
+The learned policy plays CartPole rendered as small RGB images (:mod:`.pixels`), stored
+compressed (``obs`` with the ``zstd`` codec: the producer encodes, the prefetch workers
+decode before they augment); a recipe
 asks for DrQ's ``random_shift`` on ``obs`` and ``next_obs``. A conv Q-network then trains
 on the same recipe twice in one run, timing only the trainer's wait for data per batch:
 popping what the prefetch workers sampled, shifted and queued, and the in-loop
@@ -32,6 +34,7 @@ from orchestrator.sampling.sample import sample
 from orchestrator.transforms.augment import build_pipelines
 
 RECIPE = "pixels-drq"
+CODEC = "zstd"  # the obs field's codec: a rendered frame is mostly background
 
 
 def recipe(batch_size: int) -> dict[str, Any]:
@@ -49,6 +52,7 @@ def recipe(batch_size: int) -> dict[str, Any]:
 
 @dataclass
 class OffloadResult:
+    namespace: str
     steps: int
     batches: int
     batch_size: int
@@ -66,7 +70,10 @@ def record(
     console: Console,
 ) -> int:  # fmt: skip
     """Episodes of the learned policy (epsilon 0.1) as images, until ``steps``."""
-    ingestor = Ingestor(namespace, stack.redis_url, broker_url=stack.broker_url, flush_steps=256)
+    ingestor = Ingestor(
+        namespace, stack.redis_url, broker_url=stack.broker_url, flush_steps=256,
+        codecs={"obs": CODEC},
+    )  # fmt: skip
     env = RecordSteps(Pixels(gym.make("CartPole-v1")), ingestor, task_id="cartpole-pixels",
                       agent_id="learner")  # fmt: skip
     rng = np.random.default_rng(seed)
@@ -151,4 +158,4 @@ def run(
     pop_ms, in_loop_ms, train_ms = measure(
         stack, namespace, batches=batches, batch_size=batch_size, seed=seed, console=console
     )
-    return OffloadResult(n, batches, batch_size, pop_ms, in_loop_ms, train_ms)
+    return OffloadResult(namespace, n, batches, batch_size, pop_ms, in_loop_ms, train_ms)

@@ -12,7 +12,10 @@ from rich.table import Table
 
 from claw_tasks.settings import redact_url
 from orchestrator.cli.demo.apex import SOLVED_WINDOW, ApexResult
-from orchestrator.cli.demo.offload import OffloadResult
+from orchestrator.cli.demo.offload import CODEC, OffloadResult
+from orchestrator.cli.demo.pixels import SIZE
+
+FRAME_BYTES = SIZE * SIZE * 3  # one raw RGB frame
 
 PNG_NAME = "claw-demo-learning-curve.png"
 
@@ -56,16 +59,17 @@ def summary(
         )
     for s in stored:
         per = s.memory_bytes / s.steps if s.steps else 0
+        note = ""
+        if off is not None and s.namespace == off.namespace and per:
+            note = f"; obs stored {CODEC}: {FRAME_BYTES / per:,.1f}x under a raw frame"
         table.add_row(
             f"stored in {s.namespace!r}",
-            f"{s.steps:,} steps, {s.memory_bytes / 2**20:,.1f} MiB = {per:,.0f} B/step",
+            f"{s.steps:,} steps, {s.memory_bytes / 2**20:,.1f} MiB = {per:,.0f} B/step{note}",
         )
     return table
 
 
 def _px(off: OffloadResult) -> str:
-    from orchestrator.cli.demo.pixels import SIZE
-
     return f"{SIZE}x{SIZE}x3 obs"
 
 
