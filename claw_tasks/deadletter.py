@@ -21,7 +21,8 @@ from claw_tasks.store.scripts import Lua
 
 DONE_TTL = 86400
 REJECTS = "claw:rejects"  # dead letters of messages that name no existing namespace
-REJECTS_OUTCOMES = "claw:rejects:outcomes"
+# In claw:rejects's slot (hash tag of the whole name): deadletter.lua updates both at once.
+REJECTS_OUTCOMES = "{claw:rejects}:outcomes"
 MAX_REASON = 4096
 _SCRIPT = Lua("deadletter")
 _ENTRY_OVERHEAD = 160  # stream node, radix tree and listpack headers of one entry

@@ -12,6 +12,12 @@ from typing import Any
 
 import numpy as np
 import redis
+from redis.exceptions import (
+    ClusterError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from claw_tasks.batch import Placed, StepBatch
 from claw_tasks.codec import CodecError, packb, unpackb
@@ -27,12 +33,18 @@ log = logging.getLogger(__name__)
 MAX_ERRORS = 20  # step errors kept in a done record and a dead letter's reason
 DONE_REASON = 512  # characters of a rejection's reason in its done record (the letter has all)
 
-# Worth retrying: the server is away, busy loading, or out of memory for now. Any other
+# Worth retrying: the server is away, busy loading, or out of memory for now; on a Redis
+# Cluster also a master down or its slots not served yet (a restart, a failover). Any other
 # Redis error is about this message (a size or type the server refuses): dead-lettered.
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+TRANSIENT = (
+    redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
+    ClusterError, TryAgainError, SlotNotCoveredError,
+)  # fmt: skip
 
 
 def is_transient(e: BaseException) -> bool:
+    if isinstance(e, RedisClusterException):  # also a caller's error (e.g. cross-slot)
+        return "cannot be connected" in str(e) or isinstance(e, SlotNotCoveredError)
     return isinstance(e, TRANSIENT) or (
         isinstance(e, redis.ResponseError) and str(e).startswith(("OOM", "LOADING", "TRYAGAIN"))
     )

@@ -1,0 +1,201 @@
+"""The data store on a real 3-master Redis Cluster (claw_tasks/connect.py): a namespace with
+more shards than masters gives the same results as on one Redis, step for step; a master
+SIGKILLed mid-ingest and restarted from its AOF loses no acknowledged step. (Most of the
+store's tests also run on the cluster: the ``both_stores`` marker, tests/conftest.py.)"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from stepdata import batch, episode, interleave
+
+from claw_tasks.client import Ingestor
+from claw_tasks.connect import is_cluster, redis_client
+from claw_tasks.deadletter import REJECTS, REJECTS_OUTCOMES
+from claw_tasks.redis_cluster import LocalCluster
+from claw_tasks.redis_server import RedisServer
+from claw_tasks.settings import broker_for, load_settings
+from claw_tasks.store import Store
+from claw_tasks.store.retention import Retention
+from orchestrator import Recipe, sample, update_priorities
+from orchestrator.delivery.registry import ACTIVE, Registry
+from orchestrator.maintenance.archive import archive_namespace
+from orchestrator.maintenance.evict import evict_namespace
+from orchestrator.maintenance.priorities import Recompute, Rules
+from orchestrator.maintenance.retention import watermarks
+
+SHARDS = 5  # more shards than the cluster's 3 masters
+T0 = 1_000_000.0
+
+
+def _wait(cond: Callable[[], object], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+def _masters_of(store: Store) -> set[str]:
+    return {store.r.get_node_from_key(store.keys.shard_key(s, "seq")).name for s in range(SHARDS)}
+
+
+def _run_everything(url: str, namespace: str, archive_dir: Path) -> dict[str, object]:
+    """One script of store work; returns everything it observed, to compare across stores."""
+    store = Store(url, namespace)
+    store.create(capacity=1000, n_shards=SHARDS)
+    steps = interleave(
+        *(episode(e, 30, "terminated", task_id="ab"[e % 2], skill_tag=f"s{e % 3}")
+          for e in range(12))
+    )  # fmt: skip
+    store.commit(batch(steps), now=T0)
+    out: dict[str, object] = {"count": store.count()}
+    ids = np.sort(np.concatenate([store.episode(f"ep{e}", fields=[])["id"] for e in range(12)]))
+    prios = np.random.default_rng(0).uniform(0.1, 2.0, len(ids)).astype(np.float32)
+    out["updated"] = update_priorities(store, ids, prios)
+    sampler = {"kind": "priority", "alpha": 0.7, "beta": 0.5}
+    recipe = Recipe.model_validate({
+        "name": "r", "batch_size": 64, "fields": ["obs", "action", "reward"],
+        "sources": [{"name": "a", "where": "task_id == 'a' and reward > 2", "sampler": sampler},
+                    {"name": "b", "where": {"skill_tag": "s1"}, "weight": 1.0}],
+    })  # fmt: skip
+    drawn = sample(store, recipe, rng=np.random.default_rng(1))
+    out["sample"] = (drawn.ids.tolist(), drawn.weights.tolist(), drawn["obs"].tobytes())
+    store.curate(episode_id="ep3", quality="good")
+    store.curate(episode_id="ep4", trainable=False)
+    good = Recipe.model_validate(
+        {
+            "name": "g",
+            "batch_size": 32,
+            "fields": ["obs"],
+            "sources": [{"name": "q", "where": {"quality": "good"}}],
+        }
+    )
+    out["good"] = sorted(set(sample(store, good, rng=np.random.default_rng(2))["obs"][:, 0]))
+    rules = {"half_life": "1h", "unsampled_boost": 2.0}
+    out["recomputed"] = Recompute(store, Rules.of(rules)).run(now=T0 + 3600)["finished"]
+    out["prio_after"] = store.get(ids, fields=[])["priority"].tobytes()
+    out["archived"] = archive_namespace(store, archive_dir, chunk_bytes=4096).rows
+    out["marks"] = watermarks(store)
+    store.set_retention(Retention(max_steps=200, protect=({"quality": "good"},)))
+    out["evicted"] = evict_namespace(store, now=T0 + 7200)
+    out["left"] = store.count()
+    out["live_ids"] = sorted(
+        i for s in range(SHARDS) for i in (lambda c: c["id"][c["alive"]].tolist())(
+            store.meta_columns(s, ["id"]))
+    )  # fmt: skip
+    tables = [pq.read_table(f) for f in sorted(archive_dir.rglob("*.parquet"))]
+    table = pa.concat_tables(tables, promote_options="permissive")
+    out["archive"] = sorted(zip(table["id"].to_pylist(), table["reward"].to_pylist(), strict=True))
+    reg = Registry(store)
+    reg.put(recipe, None)
+    out["inserted"] = reg.inserted()
+    out["active"] = bool(store.r.sismember(ACTIVE, namespace))
+    store.set_retention(None)
+    return out
+
+
+def test_a_namespace_with_more_shards_than_masters_gives_the_same_results(
+    redis_cluster, redis_server, namespace, tmp_path
+):
+    """Commit, priorities, sampling with filters and priorities, curation, the priority
+    recomputation, archival, eviction and the registry: identical on a standalone Redis and
+    on the 3-master cluster, where the 5 shards spread over every master."""
+    single = _run_everything(redis_server.url, namespace, tmp_path / "single")
+    clustered = _run_everything(redis_cluster.url, namespace, tmp_path / "cluster")
+    store = Store(redis_cluster.url, namespace)
+    assert is_cluster(store.r) and len(_masters_of(store)) == 3
+    assert single["count"] == 360 and single["archived"] == 360
+    assert single["evicted"]["cap"] > 0 and single["good"] == [3.0]
+    for key, value in single.items():
+        assert clustered[key] == value, key
+
+
+def test_dead_letters_of_unknown_namespaces_stay_in_one_slot(redis_cluster):
+    """``claw:rejects`` and its counters are updated by one script: one slot."""
+    r = redis_cluster.client()
+    assert r.keyslot(REJECTS) == r.keyslot(REJECTS_OUTCOMES)
+
+
+def test_a_cluster_store_needs_a_broker_of_its_own(redis_cluster, monkeypatch):
+    """kombu and RedBeat cannot use a cluster: no broker named is a clear error."""
+    monkeypatch.delenv("CLAW_BROKER_URL", raising=False)
+    settings = load_settings()
+    with pytest.raises(ValueError, match="cannot be the Celery broker: set CLAW_BROKER_URL"):
+        broker_for(redis_cluster.url, settings)
+    monkeypatch.setenv("CLAW_REDIS_URL", redis_cluster.url)
+    with pytest.raises(ValueError, match="cannot be the Celery broker: set CLAW_BROKER_URL"):
+        load_settings()
+    monkeypatch.setenv("CLAW_BROKER_URL", "amqp://guest:guest@127.0.0.1//")
+    with pytest.raises(ValueError, match="set CLAW_BEAT_REDIS_URL"):
+        load_settings()
+    monkeypatch.setenv("CLAW_BROKER_URL", "redis://127.0.0.1:1/0")
+    assert load_settings().beat_url == "redis://127.0.0.1:1/0"
+
+
+def _produce(ing: Ingestor, episodes: range, n_steps: int) -> None:
+    for e in episodes:
+        with ing.episode(episode_id=f"e{e}") as ep:
+            for t in range(n_steps):
+                ep.add(np.full(4, e * 10_000 + t, np.float32), np.int64(t), float(t),
+                       terminated=t == n_steps - 1)  # fmt: skip
+    ing.flush(wait=False)
+
+
+def _stored(store: Store, e: int) -> np.ndarray:
+    """The ids stored of episode ``e`` (none yet: empty)."""
+    try:
+        return store.episode(f"e{e}", fields=[])["id"]
+    except KeyError:
+        return np.zeros(0, np.int64)
+
+
+def test_a_master_sigkilled_mid_ingest_restarts_from_its_aof_losing_nothing(
+    namespace, broker_url, start_worker
+):
+    """Ingest through a real worker into a 5-shard namespace; the master holding shard 0
+    is SIGKILLed while batches flow, and restarted from its AOF (fsync on every write).
+    Every step acknowledged before the kill is there after it, and in the end every step
+    is stored exactly once, in order."""
+    n_steps, made = 20, 0
+    aof = {"appendonly": "yes", "appendfsync": "always"}
+    with LocalCluster(3, options=aof) as cluster:
+        start_worker("ingest", 1, CLAW_REDIS_URL=cluster.url, CLAW_BROKER_URL=broker_url,
+                     CLAW_VISIBILITY_TIMEOUT="5")  # fmt: skip
+        ing = Ingestor(namespace, cluster.url, broker_url=broker_url, n_shards=SHARDS,
+                       flush_interval=None, flush_steps=10**9, resend_after=10)  # fmt: skip
+        store = Store(cluster.url, namespace)
+        victim = cluster.node_of(store.keys.shard_key(0, "seq"))
+        _produce(ing, range(0, 8), n_steps)
+        made = 8
+        _wait(lambda: store.count() >= 4 * n_steps, "steps are being stored")
+        acknowledged = {e: _stored(store, e) for e in range(made)}
+        acknowledged = {e: ids for e, ids in acknowledged.items() if len(ids) == n_steps}
+        assert acknowledged
+        _produce(ing, range(8, 12), n_steps)  # in flight as the master dies
+        victim.kill()
+        _produce(ing, range(12, 16), n_steps)  # producers keep going while it is down
+        victim.start()  # same port and dir: reloads the AOF and rejoins
+        cluster.wait_ok()
+        made = 16
+        res = ing.flush(timeout=180)
+        assert (res.committed, res.rejected, res.pending) == (made * n_steps, 0, 0), res
+        store = Store(redis_client(cluster.url), namespace)
+        for e, ids in acknowledged.items():
+            np.testing.assert_array_equal(store.episode(f"e{e}", fields=[])["id"], ids)
+        counts = {e: len(_stored(store, e)) for e in range(made)}
+        assert store.count() == made * n_steps, (counts, res, store.r.xrange(store.keys.dead))
+        for e in range(made):
+            got = store.episode(f"e{e}")
+            np.testing.assert_array_equal(got["step_index"], np.arange(n_steps))
+            np.testing.assert_array_equal(got["obs"][:, 0], e * 10_000 + np.arange(n_steps))
+        ing.close()
+
+
+def test_a_redis_server_is_not_a_cluster(redis_server: RedisServer):
+    assert not is_cluster(redis_client(redis_server.url))
