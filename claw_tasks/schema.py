@@ -104,6 +104,10 @@ class FieldSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
+        try:  # one spelling per dtype ("uint8" is "|u1"): specs compare as written
+            object.__setattr__(self, "dtype", np.dtype(self.dtype).str)
+        except TypeError as e:
+            raise SchemaError(f"dtype {self.dtype!r}: {e}") from None
         try:
             object.__setattr__(self, "codec", Codec.of(self.codec))  # type: ignore[arg-type]
         except CodecError as e:

@@ -16,6 +16,13 @@ import numpy as np
 from claw_tasks.codec import CodecError
 
 KEY, DELTA = b"K", b"D"
+
+
+class KeyFrameGone(CodecError):
+    """A delta's key frame was not where its id says: its slot was reused between the
+    read of the delta and the read of the key (the ring passed both); read again."""
+
+
 HEADER = 9
 
 
@@ -99,10 +106,10 @@ def decode_with_keys(
     def key_row(i: int, frame: Any) -> np.ndarray:
         if i not in raw:
             if not frame:
-                raise CodecError(f"the key frame of step {i} is gone")
+                raise KeyFrameGone(f"the key frame of step {i} is gone")
             k, own = kind(frame)
             if k != KEY or own != i:
-                raise CodecError(f"the key frame of step {i} was replaced (step {own} holds it)")
+                raise KeyFrameGone(f"the key frame of step {i} was replaced (step {own} holds it)")
             raw[i] = np.frombuffer(eng.decode(key_body(frame), nbytes, shape), np.uint8)
         return raw[i]
 

@@ -42,6 +42,7 @@ import numpy as np
 import redis
 
 from claw_tasks.codec import unpackb
+from claw_tasks.codecs.delta import KeyFrameGone
 from claw_tasks.connect import identity, redis_client
 from claw_tasks.lru import LRU
 from claw_tasks.schema import FieldSpec
@@ -348,8 +349,12 @@ class _Assembly:
         results, replies = got
         for (column, codes, _), names in zip(self.lookups, replies, strict=True):
             self.s.strings.learn(column, codes, names)
+        try:
+            fields = {name: f(results) for name, f in finish.items()}
+        except KeyFrameGone:  # the ring passed a delta and its key since the fetch: redraw
+            return None
         return SampledBatch(
-            fields={name: f(results) for name, f in finish.items()},
+            fields=fields,
             ids=cols["id"][self.draw.rows],
             weights=self.draw.weights,
             source_index=self.draw.source,
