@@ -3,8 +3,9 @@ nothing inflated), and a decode bounded by the size the field allows.
 
 zstd frames are standard zstd frames with the content size written (``zstd -d`` reads
 them); lz4 frames are lz4 blocks behind a little-endian u32 of the decoded size (python-lz4's
-``store_size``); png/jpeg/webp frames are the image files. zstd, lz4 and Pillow's codecs
-release the GIL while they work, so rows decode in threads side by side.
+``store_size``); png/jpeg/webp frames are the image files (png through OpenCV, jpeg and
+webp through Pillow). All of them release the GIL while they work, so rows decode in
+threads side by side.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import cv2
 import lz4.block
 import numpy as np
 import zstandard
@@ -20,7 +22,7 @@ from PIL import Image
 from claw_tasks.codec import CodecError
 from claw_tasks.codecs.spec import Codec, image_layout
 
-_PIL_FORMAT = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+_PIL_FORMAT = {"jpeg": "JPEG", "webp": "WEBP"}
 _CHANNELS = {"L": 1, "RGB": 3, "RGBA": 4}
 
 
@@ -97,8 +99,61 @@ class Lz4(Engine):
         return out
 
 
+class Png(Engine):
+    """Lossless PNG through OpenCV (2-3x faster than Pillow here, and it releases the GIL);
+    the header is read by hand (signature, IHDR), so a frame is sized before any decoder
+    sees it. Colour rows are stored RGB(A), as any PNG reader expects."""
+
+    _MODES = {0: "L", 2: "RGB", 6: "RGBA"}  # IHDR colour types this codec writes
+
+    def encode(self, row: np.ndarray) -> bytes:
+        mode, (w, h) = image_layout(row.shape)
+        img = np.ascontiguousarray(row).reshape(h, w, -1)
+        if mode == "RGB":
+            img = img[..., ::-1]
+        elif mode == "RGBA":
+            img = cv2.cvtColor(img, cv2.COLOR_RGBA2BGRA)
+        ok, out = cv2.imencode(".png", img, [cv2.IMWRITE_PNG_COMPRESSION, self.codec.level])
+        if not ok:
+            raise CodecError("png: OpenCV could not encode the row")
+        return out.tobytes()
+
+    def header(self, frame: bytes | memoryview) -> tuple[str, tuple[int, int]]:
+        """(mode, (width, height)) from the PNG signature and IHDR chunk."""
+        head = bytes(frame[:29])
+        if len(head) < 29 or head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+            raise CodecError("not a png image (no PNG signature and IHDR chunk)")
+        w, h = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        depth, colour = head[24], head[25]
+        if depth != 8 or colour not in self._MODES:
+            raise CodecError(f"png image of bit depth {depth}, colour type {colour} (8-bit "
+                             "gray, RGB or RGBA only)")  # fmt: skip
+        return self._MODES[colour], (w, h)
+
+    def declared(self, frame: bytes | memoryview) -> int:
+        mode, (w, h) = self.header(frame)
+        return w * h * _CHANNELS[mode]
+
+    def decode(self, frame: bytes | memoryview, nbytes: int, shape: tuple[int, ...]) -> Any:
+        mode, size = self.header(frame)
+        want = image_layout(shape)
+        if (mode, size) != want:
+            raise CodecError(
+                f"png image is {mode} {size[0]}x{size[1]}, the field holds "
+                f"{want[0]} {want[1][0]}x{want[1][1]}"
+            )
+        img = cv2.imdecode(np.frombuffer(frame, np.uint8), cv2.IMREAD_UNCHANGED)
+        if img is None or img.size != nbytes or img.dtype != np.uint8:
+            raise CodecError("png image does not decode")
+        if mode == "RGB":
+            img = img[..., ::-1]
+        elif mode == "RGBA":
+            img = cv2.cvtColor(img, cv2.COLOR_BGRA2RGBA)
+        return np.ascontiguousarray(img).reshape(-1)
+
+
 class Picture(Engine):
-    """png (lossless), jpeg and webp (lossy, with a quality) through Pillow."""
+    """jpeg and webp (lossy, with a quality) through Pillow."""
 
     def encode(self, row: np.ndarray) -> bytes:
         mode, (w, h) = image_layout(row.shape)
@@ -106,9 +161,7 @@ class Picture(Engine):
         img = Image.fromarray(row.reshape(h, w) if mode == "L" else row.reshape(h, w, -1), mode)
         out = io.BytesIO()
         c = self.codec
-        if c.name == "png":
-            img.save(out, "PNG", compress_level=c.level)
-        elif c.name == "jpeg":
+        if c.name == "jpeg":
             img.save(out, "JPEG", quality=c.param, subsampling=0 if c.param >= 90 else 2)
         else:
             img.save(out, "WEBP", quality=c.param, method=4)
@@ -126,8 +179,7 @@ class Picture(Engine):
     def declared(self, frame: bytes | memoryview) -> int:
         img = self._open(frame)
         w, h = img.size
-        channels = _CHANNELS[img.mode]
-        return w * h * channels
+        return w * h * _CHANNELS[img.mode]
 
     def decode(self, frame: bytes | memoryview, nbytes: int, shape: tuple[int, ...]) -> Any:
         img = self._open(frame)
@@ -149,4 +201,6 @@ def engine(codec: Codec) -> Engine:
         return Zstd(codec)
     if codec.name == "lz4":
         return Lz4(codec)
+    if codec.name == "png":
+        return Png(codec)
     return Picture(codec)
