@@ -33,7 +33,8 @@ import numpy as np
 from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.redis_server import RedisServer
 from claw_tasks.store import Store
-from orchestrator import Recipe, fetch, sample, update_priorities
+from orchestrator import Recipe, sample, update_priorities
+from orchestrator.sampling import fetch
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import RecipeSampler
 from orchestrator.sampling.strings import Strings

@@ -1,8 +1,9 @@
 """Run a private Redis Cluster of a few masters on loopback free ports (tests, benchmarks).
 
-Each node is a :class:`~claw_tasks.redis_server.RedisServer` with ``cluster-enabled yes``;
-``redis-cli --cluster create`` spreads the 16384 slots over them. No replicas: what a
-failover does to acknowledged writes is described in docs/reliability.md. Nodes can be
+Each node is a :class:`~claw_tasks.redis_server.RedisServer` with ``cluster-enabled yes``
+and an even share of the 16384 slots (as ``redis-cli --cluster create`` gives, but for
+any number of masters). No replicas: what a failover does to acknowledged writes is
+described in docs/reliability.md. Nodes can be
 SIGKILLed and restarted on the same port and directory (with AOF, ``appendfsync always``,
 they come back with every acknowledged write). ops/redis-cluster.sh does the same for a
 long-lived cluster on fixed ports.
@@ -11,19 +12,17 @@ long-lived cluster on fixed ports.
 from __future__ import annotations
 
 import random
-import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from redis.cluster import RedisCluster
 
-from claw_tasks.redis_server import RedisServer, find_redis_server
+from claw_tasks.redis_server import RedisServer
 
+SLOTS = 16384
 CLUSTER_OPTIONS = {
     "cluster-enabled": "yes",
     "cluster-config-file": "nodes.conf",
@@ -31,15 +30,6 @@ CLUSTER_OPTIONS = {
     # A restarted master must serve its slots at once, even before it hears the others.
     "cluster-require-full-coverage": "no",
 }
-
-
-def find_redis_cli() -> str:
-    """redis-cli next to the redis-server in use, else on PATH."""
-    beside = Path(find_redis_server()).with_name("redis-cli")
-    found = str(beside) if beside.exists() else shutil.which("redis-cli")
-    if not found:
-        raise FileNotFoundError("no redis-cli found: install Redis (apt-get install redis-tools)")
-    return found
 
 
 def _free_pair() -> int:
@@ -73,17 +63,23 @@ class LocalCluster:
     def start(self) -> Self:
         while len(self.nodes) < self.masters:
             self.nodes.append(self._start_node())
-        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        subprocess.run(
-            [find_redis_cli(), "--cluster", "create", *addresses, "--cluster-replicas", "0",
-             "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
+        # What `redis-cli --cluster create` does, for any number of masters (it wants 3+):
+        # each node takes an even share of the slots and its own config epoch, then meets
+        # the first node.
+        share = -(-SLOTS // len(self.nodes))
+        for i, node in enumerate(self.nodes):
+            client = node.client()
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share,
+                                   min(SLOTS, (i + 1) * share) - 1)  # fmt: skip
+            client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+            if i:
+                client.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
+            client.close()
         self.wait_ok()
         return self
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Wait until every node reports ``cluster_state:ok`` and agrees on the slots."""
+        """Wait until every node reports ``cluster_state:ok`` and knows every other node."""
         deadline = time.monotonic() + timeout
         while True:
             states = [self._state(n) for n in self.nodes]
@@ -105,12 +101,14 @@ class LocalCluster:
                     raise
         raise AssertionError("unreachable")
 
-    @staticmethod
-    def _state(node: RedisServer) -> str:
+    def _state(self, node: RedisServer) -> str:
         try:
             info = node.client(socket_timeout=1).cluster("info")
         except Exception:  # a node still starting: not ok yet
             return "down"
+        known, slots = int(info.get("cluster_known_nodes", 0)), info.get("cluster_slots_assigned")
+        if known < len(self.nodes) or int(slots or 0) != SLOTS:
+            return "joining"
         return str(info.get("cluster_state", "?"))
 
     def client(self) -> RedisCluster:
