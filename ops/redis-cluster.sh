@@ -67,7 +67,8 @@ up() {
   "$cli" --cluster create "${ports[@]/#/127.0.0.1:}" --cluster-replicas 0 --cluster-yes >/dev/null
   cluster_ok() { "$cli" -p "${ports[0]}" cluster info | grep -q 'cluster_state:ok'; }
   wait_for "${ports[0]}" cluster_ok
-  echo "Redis Cluster up: redis://127.0.0.1:${ports[0]} (nodes ${ports[*]}, data in $dir)"
+  echo "Redis Cluster up: CLAW_REDIS_URL=redis+cluster://127.0.0.1:${ports[0]} (nodes ${ports[*]}, data in $dir)"
+  echo "The Celery broker stays a standalone Redis or RabbitMQ: set CLAW_BROKER_URL too"
 }
 
 down() {

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
+import redis
 import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from claw_tasks.connect import is_cluster
+from claw_tasks.settings import load_settings
 from claw_tasks.store import NamespaceError, Store
 from orchestrator.cli.app import app, err, friendly, redis_client
 from orchestrator.cli.doctor import CHECKS, Report, check_namespace
@@ -122,7 +125,12 @@ def show_schedule(
 ) -> None:
     """Beat's entries (maintenance tasks) with their next run (CLAW_SCHEDULE overrides)."""
     with redis_client(ctx) as (_, r):
-        found = beat_entries(r)
+        if is_cluster(r):  # RedBeat keeps the schedule on a standalone Redis (settings.py)
+            beat = redis.Redis.from_url(load_settings().beat_url)
+            found = beat_entries(beat)
+            beat.close()
+        else:
+            found = beat_entries(r)
     if as_json:
         typer.echo(json.dumps([e.to_json() for e in found], indent=2))
         return
