@@ -194,6 +194,21 @@ def _checked(store: Store, a: IngestArgs, raw: bytes, limits: IngestLimits) -> S
     problem = compressed_problem(batch, schema)
     if problem is not None:
         raise _steps(batch, Rejected("schema", problem))
+    declared = sum(
+        int(np.maximum(v.declared(), 0).sum())
+        for v in (*batch.fields.values(), batch.next_obs)
+        if isinstance(v, Encoded)
+    )
+    if declared > limits.decompressed_bytes:
+        raise _steps(
+            batch,
+            Rejected(
+                "size",
+                f"compressed frames declare {declared} decoded bytes > "
+                f"CLAW_MAX_DECOMPRESSED_BYTES={limits.decompressed_bytes}: send fewer steps "
+                "per message (Ingestor flush_steps)",
+            ),
+        )
     return batch
 
 

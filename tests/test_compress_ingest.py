@@ -120,6 +120,14 @@ def test_hostile_frames_are_dead_lettered_before_they_are_stored(redis_url, name
     got = store.episode("h")
     assert sorted(got["action"].tolist()) == [0, 4, 6, 7]
     np.testing.assert_array_equal(got["obs"], frames[[0, 4, 6, 7]])
+    # frames declaring more than CLAW_MAX_DECOMPRESSED_BYTES (256 MiB) in all: refused whole
+    b3 = _batch(frames, "h3")
+    b3.fields["obs"] = Encoded(zstd, np.dtype("|u1"), (8, *SHAPE), Frames.of([bomb] * 8))
+    b3.next_obs = None
+    b3.next_rows = np.zeros(0, np.int32)
+    send_unchecked(redis_url, store, b3)
+    out = outcome(store, b3.batch_id)
+    assert out.committed == 0 and "CLAW_MAX_DECOMPRESSED_BYTES" in out.errors[0]
     # a frame of another codec than the namespace's is a schema mismatch: refused whole
     b2 = _batch(frames, "h2")
     lz4c = Codec.of("lz4")
