@@ -1,8 +1,10 @@
 """The one way Claw opens a client of its data store: a standalone Redis or a Redis Cluster.
 
 A Redis Cluster is named by its URL's scheme: ``redis+cluster://host:port`` (or
-``rediss+cluster://`` with TLS), any node of the cluster as the seed; the client finds the
-others and follows slot moves (redis-py's ``RedisCluster``). Everything else is a
+``rediss+cluster://`` with TLS), any node of the cluster as the seed, or several
+comma-separated (``redis+cluster://h1:7000,h2:7000``) so that a client made while one is
+down still connects; the client finds the others and follows slot moves (redis-py's
+``RedisCluster``). Everything else is a
 standalone server (``redis://``, ``rediss://``, ``unix://``). The scheme, not a separate
 setting, so that one string (``CLAW_REDIS_URL``, ``--redis-url``) says all of it and a
 process cannot pair a cluster URL with a standalone client by mistake.
@@ -20,7 +22,7 @@ from typing import Any, TypeAlias
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -57,7 +59,21 @@ def redis_client(url: str, **kwargs: Any) -> Client:
             f"{parts.scheme}:// URL names database {parts.path.lstrip('/')!r}: a Redis "
             "Cluster has database 0 only; drop the path"
         )
-    return RedisCluster.from_url(plain_url(url), **kwargs)
+    # Several seeds, comma-separated (redis+cluster://h1:7000,h2:7001): a client made
+    # while the first one is down still finds the cluster.
+    auth, _, hosts = parts.netloc.rpartition("@")
+    first, *more = hosts.split(",")
+    seeds = [ClusterNode(*_host_port(h)) for h in more]
+    netloc = f"{auth}@{first}" if auth else first
+    plain = plain_url(urlunsplit(parts._replace(netloc=netloc)))
+    return RedisCluster.from_url(plain, **({"startup_nodes": seeds} if seeds else {}), **kwargs)
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"cluster seed {address!r}: expected host:port")
+    return host.strip("[]"), int(port)
 
 
 def get_many(client: Client, keys: list[str]) -> list[bytes | None]:

@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Self
 
-from redis.cluster import RedisCluster
+from redis.exceptions import ResponseError
 
+from claw_tasks.connect import Client, redis_client
 from claw_tasks.redis_server import RedisServer
 
 SLOTS = 16384
@@ -47,18 +48,22 @@ def _free_pair() -> int:
 
 
 class LocalCluster:
-    """``masters`` redis-server nodes forming one cluster; a context manager that stops
-    them and removes their data. ``options`` go to every node (e.g. AOF settings)."""
+    """``masters`` redis-server nodes forming one cluster, each with ``replicas`` replicas;
+    a context manager that stops them and removes their data. ``options`` go to every node
+    (AOF settings, ``cluster-node-timeout``...)."""
 
-    def __init__(self, masters: int = 3, options: Mapping[str, str] | None = None) -> None:
-        self.options = {**(options or {}), **CLUSTER_OPTIONS}
-        self.masters = masters
-        self.nodes: list[RedisServer] = []
+    def __init__(
+        self, masters: int = 3, options: Mapping[str, str] | None = None, replicas: int = 0
+    ) -> None:
+        self.options = {**CLUSTER_OPTIONS, **(options or {}), "cluster-enabled": "yes"}
+        self.masters, self.replicas = masters, replicas
+        self.nodes: list[RedisServer] = []  # the masters first, then the replicas
 
     @property
     def url(self) -> str:
-        """The data store URL (``redis+cluster://`` of the first node as the seed)."""
-        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+        """The data store URL (``redis+cluster://``, every master a seed)."""
+        seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[: self.masters])
+        return f"redis+cluster://{seeds}"
 
     def start(self) -> Self:
         while len(self.nodes) < self.masters:
@@ -76,13 +81,37 @@ class LocalCluster:
                 client.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
             client.close()
         self.wait_ok()
+        for i in range(self.masters * self.replicas):
+            self._add_replica(self.nodes[i % self.masters])
+        self.wait_ok()
         return self
 
+    def _add_replica(self, master: RedisServer, timeout: float = 30.0) -> None:
+        node = self._start_node()
+        self.nodes.append(node)
+        master_id = master.client().execute_command("CLUSTER", "MYID")
+        client = node.client()
+        client.execute_command("CLUSTER", "MEET", "127.0.0.1", master.port)
+        deadline = time.monotonic() + timeout
+        while True:  # REPLICATE needs the master known first (gossip takes a moment)
+            try:
+                client.execute_command("CLUSTER", "REPLICATE", master_id)
+                break
+            except ResponseError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        while client.info("replication").get("master_link_status") != "up":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replica on port {node.port} did not sync with its master")
+            time.sleep(0.05)
+        client.close()
+
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Wait until every node reports ``cluster_state:ok`` and knows every other node."""
+        """Wait until every running node reports ``cluster_state:ok`` and knows the others."""
         deadline = time.monotonic() + timeout
         while True:
-            states = [self._state(n) for n in self.nodes]
+            states = [self._state(n) for n in self.nodes if n.running]
             if all(s == "ok" for s in states):
                 return
             if time.monotonic() > deadline:
@@ -111,12 +140,14 @@ class LocalCluster:
             return "joining"
         return str(info.get("cluster_state", "?"))
 
-    def client(self) -> RedisCluster:
-        return RedisCluster(host="127.0.0.1", port=self.nodes[0].port)
+    def client(self) -> Client:
+        return redis_client(self.url)
 
     def node_of(self, key: str) -> RedisServer:
-        """The node that serves ``key``."""
-        port = self.client().get_node_from_key(key).port
+        """The master that serves ``key``."""
+        client = self.client()
+        port = client.get_node_from_key(key).port
+        client.close()
         return next(n for n in self.nodes if n.port == port)
 
     def close(self) -> None:

@@ -170,8 +170,5 @@ def redact_url(url: str) -> str:
     if parts.password is None:
         return url
     user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    hosts = parts.netloc.rpartition("@")[2]  # as written: IPv6, several cluster seeds
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))

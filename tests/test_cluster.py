@@ -24,6 +24,7 @@ from claw_tasks.settings import broker_for, load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from orchestrator import Recipe, sample, update_priorities
+from orchestrator.cli.doctor import check_namespace
 from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.maintenance.archive import archive_namespace
 from orchestrator.maintenance.evict import evict_namespace
@@ -199,3 +200,55 @@ def test_a_master_sigkilled_mid_ingest_restarts_from_its_aof_losing_nothing(
 
 def test_a_redis_server_is_not_a_cluster(redis_server: RedisServer):
     assert not is_cluster(redis_client(redis_server.url))
+
+
+@pytest.mark.slow
+def test_replica_failover_mid_ingest_keeps_the_store_consistent(
+    namespace, broker_url, start_worker
+):
+    """Opt-in (``-m slow``). 3 masters with a replica each; the master of shard 0 is
+    SIGKILLed while a real worker ingests, and its replica takes over. Replication is
+    asynchronous, so steps acknowledged just before the kill may be gone
+    (docs/reliability.md); what must hold: ingest goes on, every batch sent after the
+    failover is stored whole, no step is stored twice, and the namespace passes
+    ``claw doctor``'s checks."""
+    n_steps = 20
+    options = {"cluster-node-timeout": "1000", "appendonly": "yes", "appendfsync": "always"}
+    with LocalCluster(3, options=options, replicas=1) as cluster:
+        start_worker("ingest", 1, CLAW_REDIS_URL=cluster.url, CLAW_BROKER_URL=broker_url,
+                     CLAW_VISIBILITY_TIMEOUT="5")  # fmt: skip
+        ing = Ingestor(namespace, cluster.url, broker_url=broker_url, n_shards=SHARDS,
+                       flush_interval=None, flush_steps=10**9, resend_after=10)  # fmt: skip
+        store = Store(cluster.url, namespace)
+        victim = cluster.node_of(store.keys.shard_key(0, "seq"))
+        _produce(ing, range(0, 8), n_steps)
+        _wait(lambda: store.count() >= 4 * n_steps, "steps are being stored")
+        victim.kill()
+
+        def promoted() -> bool:
+            client = redis_client(cluster.url)
+            try:
+                port = client.get_node_from_key(store.keys.shard_key(0, "seq")).port
+                return (
+                    port != victim.port and client.get(store.keys.shard_key(0, "seq")) is not None
+                )
+            except Exception:  # topology still moving
+                return False
+            finally:
+                client.close()
+
+        _wait(promoted, "a replica serves shard 0")
+        _produce(ing, range(8, 16), n_steps)
+        res = ing.flush(timeout=180)
+        assert res.rejected == 0 and res.pending == 0, res
+        store = Store(redis_client(cluster.url), namespace)
+        for e in range(8, 16):
+            got = store.episode(f"e{e}")
+            np.testing.assert_array_equal(got["step_index"], np.arange(n_steps))
+        stored = [len(_stored(store, e)) for e in range(16)]
+        assert all(n <= n_steps for n in stored), stored
+        for e in range(8):
+            idx = _stored(store, e)
+            assert len(np.unique(idx)) == len(idx)
+        assert check_namespace(store.r, namespace).ok
+        ing.close()
