@@ -189,8 +189,7 @@ def step_batches(p: Play, kind: str, size: int = 512) -> Iterator[StepBatch]:
 
 
 def schema_for(kind: str, codec: str | None) -> Schema:
-    obs = FieldSpec("|u1", KINDS[kind])
-    del codec  # TODO(compress): the schema option when it lands
+    obs = FieldSpec("|u1", KINDS[kind], codec=codec)
     return Schema(fields={"obs": obs, "action": FieldSpec("<i8", ())})
 
 
@@ -230,17 +229,24 @@ def store_bytes(srv: RedisServer, p: Play, kind: str, codec: str | None) -> tupl
     return obs / p.n, total / p.n
 
 
-CODECS: list[str | None] = [None]
-"""The obs field's codec in each namespace (None: raw bytes, as before codecs)."""
+CODECS: list[str | None] = [None, "zstd", "lz4", "png", "delta", "delta:64"]
+"""The obs field's codec in each namespace (None: raw bytes, as before codecs); ``delta``
+keeps a key frame every 16 steps of an episode, ``delta:64`` every 64."""
+INGEST = [(None, "producer"), ("zstd", "producer"), ("zstd", "worker"), ("png", "producer"),
+          ("delta", "producer")]  # fmt: skip
+"""(codec, who encodes) of the ingest runs."""
 
 
 # ---- ingest ---------------------------------------------------------------------------
-def ingest_rate(url: str, p: Play, kind: str, codec: str | None, flush: int = 512) -> float:
-    """Committed steps/s through the real ingest worker, first add to last confirmation."""
-    namespace = f"ingest-{p.game}-{kind}-{codec}"
+def ingest_rate(
+    url: str, p: Play, kind: str, codec: str | None, at: str, flush: int = 512
+) -> float:
+    """Committed steps/s through the real ingest worker, first add to last confirmation
+    (the producer's encoding included when ``at`` is ``producer``)."""
+    namespace = f"ingest-{p.game}-{kind}-{codec}-{at}"
     ing = Ingestor(
         namespace, url, flush_steps=flush, flush_interval=None, capacity=p.n + 10,
-        schema=schema_for(kind, codec),
+        schema=schema_for(kind, codec), compress_at=at,
     )  # fmt: skip
     cols = {
         "obs": p.frames[kind], "action": p.action, "reward": p.reward,
@@ -351,10 +357,11 @@ def main() -> None:
                 for p in plays:
                     for kind in KINDS:
                         base = None
-                        for codec in CODECS:
-                            rate = ingest_rate(srv.url, p, kind, codec)
+                        for codec, at in INGEST:
+                            rate = ingest_rate(srv.url, p, kind, codec, at)
                             base = base or rate
-                            rows.append([p.game, kind, codec or "none", f"{rate:,.0f}",
+                            who = f"{codec}, encoded by the {at}" if codec else "none"
+                            rows.append([p.game, kind, who, f"{rate:,.0f}",
                                          f"{rate / base:.2f}"])  # fmt: skip
                             srv.client().flushdb()
             finally:
