@@ -50,7 +50,7 @@ from claw_tasks.connect import identity, is_cluster
 from claw_tasks.schema import tag_column
 from claw_tasks.store import NamespaceConfig, Store
 from claw_tasks.store.layout import META
-from orchestrator.sampling.index import SamplingIndex, _Rebuild
+from orchestrator.sampling.index import SamplingIndex, _Rebuild, release_heap
 from orchestrator.sampling.shmfiles import SHM_DIR, map_file, open_file, same_file, unlink
 
 PREFIX = "clawidx-"  # not ``claw-``: the batch segment reaper must not take these
@@ -301,6 +301,7 @@ class SharedIndex(SamplingIndex):
         cols = [*META, *(tag_column(t) for t in self._tags())]
         self._new_data(cols, {})
         self._last, self._seen = last, seen
+        release_heap()
 
     def _check_config(self, raw: bytes | None) -> None:
         """A changed config: a recreated namespace is rebuilt; new free tags get a new
