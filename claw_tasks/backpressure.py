@@ -11,6 +11,8 @@ import time
 
 import redis
 
+from claw_tasks.connect import memory
+
 ON_FULL = ("block", "raise")
 CHECK_EVERY_S = 0.5  # INFO memory is read at most this often while under the mark
 
@@ -34,9 +36,9 @@ class MemoryGate:
         self._next_check = 0.0
 
     def usage(self) -> tuple[int, int]:
-        """(used_memory, maxmemory); maxmemory 0 means no limit."""
-        info = self.r.info("memory")
-        return int(info["used_memory"]), int(info.get("maxmemory", 0))
+        """(used_memory, maxmemory) of the fullest master (a cluster refuses a write when
+        the master of its slot is full); maxmemory 0 means no limit."""
+        return max(memory(self.r), key=lambda m: m[0] / m[1] if m[1] else 0.0)
 
     def wait(self) -> None:
         """Return once there is room; raise StoreFullError per the policy."""

@@ -84,6 +84,16 @@ def get_many(client: Client, keys: list[str]) -> list[bytes | None]:
     return client.mget(keys)
 
 
+def memory(client: Client) -> list[tuple[int, int]]:
+    """``(used_memory, maxmemory)`` of the server, or of every master of a cluster (INFO
+    on a cluster client asks one node only)."""
+    if is_cluster(client):
+        infos = list(client.info("memory", target_nodes=RedisCluster.PRIMARIES).values())
+    else:
+        infos = [client.info("memory")]
+    return [(int(i["used_memory"]), int(i.get("maxmemory", 0))) for i in infos]
+
+
 def identity(client: Client) -> tuple[Any, ...]:
     """What tells data stores apart in a process's caches: the server's address and
     database, or a cluster's seed nodes."""

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from claw_tasks import connect
 from claw_tasks.app import QUEUES
 from claw_tasks.connect import redis_client
 from claw_tasks.settings import redact_url
@@ -68,7 +69,7 @@ class ClawCollector(Collector):
 
     def _store_metrics(self) -> list[Metric]:
         used = _gauge("claw_redis_used_memory_bytes", "used_memory of the store's Redis")
-        used.add_metric([], float(self._r.info("memory")["used_memory"]))
+        used.add_metric([], float(sum(u for u, _ in connect.memory(self._r))))  # every master
         ns = ["namespace"]
         fams = {
             "steps": _gauge("claw_steps", "live steps stored", ns),

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from claw_tasks import connect
 from claw_tasks.schema import Schema, tag_key
 from claw_tasks.settings import redact_url
 from claw_tasks.store import NamespaceError, Store
@@ -47,7 +48,7 @@ def stats(
                 if namespace:
                     raise
                 unreadable[n] = str(e)
-        used = int(r.info("memory")["used_memory"])
+        used = sum(u for u, _ in connect.memory(r))  # every master of a cluster
     if as_json:
         doc = {
             "redis": {"url": url, "used_memory": used},
