@@ -1,15 +1,19 @@
-"""Real services for the tests: a private redis-server and real Celery worker processes."""
+"""Real services for the tests: a private redis-server (or a 3-master Redis Cluster), real
+Celery worker processes, and a vhost of this machine's RabbitMQ as the other broker."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from hypothesis import settings
@@ -50,9 +54,24 @@ def redis_cluster() -> Iterator[LocalCluster]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test marked ``both_stores`` runs on a standalone Redis and on a Redis Cluster
-    (the data store; the broker stays the standalone server)."""
-    if metafunc.definition.get_closest_marker("both_stores"):
-        metafunc.parametrize("backend", ["redis", "cluster"], indirect=True, scope="module")
+    (the data store); one marked ``both_brokers`` with the Celery broker on Redis and on
+    RabbitMQ (``both_brokers(brokers=["redis"])``: Redis only, in a module whose other
+    tests run on both, so it shares their worker). RabbitMQ runs with the standalone store
+    only: a cluster with RabbitMQ would start a worker per module more for what the two
+    runs already cover apart."""
+    stores = ["redis", "cluster"] if metafunc.definition.get_closest_marker("both_stores") else []
+    marker = metafunc.definition.get_closest_marker("both_brokers")
+    if marker and "broker" in metafunc.fixturenames:
+        brokers = marker.kwargs.get("brokers", ["redis", "amqp"])
+        combos = [
+            (s, b) for s in stores or ["redis"] for b in brokers if s == "redis" or b == "redis"
+        ]
+        metafunc.parametrize(
+            ("backend", "broker"), combos, indirect=True, scope="module",
+            ids=[s if b == "redis" else f"{s}-{b}" for s, b in combos],
+        )  # fmt: skip
+    elif stores:
+        metafunc.parametrize("backend", stores, indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +89,19 @@ def store_url(backend: str, request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def broker_url(redis_server: RedisServer) -> str:
-    """The Celery broker: always the standalone server (kombu has no cluster client)."""
-    return redis_server.url
+def broker(request: pytest.FixtureRequest) -> str:
+    """``redis`` (the standalone server) or ``amqp`` (RabbitMQ): which broker
+    ``broker_url`` names."""
+    return getattr(request, "param", "redis")
+
+
+@pytest.fixture(scope="module")
+def broker_url(broker: str, request: pytest.FixtureRequest) -> str:
+    """The Celery broker: the standalone server (kombu has no cluster client), or a
+    RabbitMQ vhost of this run for the tests marked ``both_brokers``."""
+    if broker == "amqp":
+        return request.getfixturevalue("broker_vhost")
+    return request.getfixturevalue("redis_server").url
 
 
 @pytest.fixture
@@ -156,9 +185,14 @@ def start_worker(redis_url: str, broker_url: str, tmp_path: Path) -> Iterator:
 
 def _module_worker(queues: str) -> Callable[..., Iterator[Worker]]:
     @pytest.fixture(scope="module")
-    def fixture(store_url: str, broker_url: str, tmp_path_factory) -> Iterator[Worker]:
+    def fixture(
+        store_url: str, broker_url: str, redis_server: RedisServer, tmp_path_factory
+    ) -> Iterator[Worker]:
         log = tmp_path_factory.mktemp("worker") / f"{queues.replace(',', '-')}.log"
-        w = Worker(store_url, queues, 2, log, {}, broker_url)
+        # A cluster store with RabbitMQ as the broker keeps RedBeat's keys in a standalone
+        # Redis: the settings refuse to load without one, even in a worker that runs no beat.
+        env = {"CLAW_BEAT_REDIS_URL": redis_server.url}
+        w = Worker(store_url, queues, 2, log, env, broker_url)
         yield w
         w.stop()
 
@@ -168,3 +202,46 @@ def _module_worker(queues: str) -> Callable[..., Iterator[Worker]]:
 
 ingest_worker = _module_worker("ingest")
 workers = _module_worker("ingest,prefetch")
+
+
+# ---- RabbitMQ ---------------------------------------------------------------------------
+AMQP = os.environ.get("CLAW_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
+
+
+def _rabbitmqctl(*args: str) -> None:
+    done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60)
+    if done.returncode:  # e.g. not root: rabbitmqctl needs the node's Erlang cookie
+        pytest.fail(f"rabbitmqctl {' '.join(args)}: {done.stderr.decode()[-500:]} (run the "
+                    "tests as a user that may run rabbitmqctl)")  # fmt: skip
+
+
+def _vhost() -> Iterator[str]:
+    """A fresh vhost on the local RabbitMQ, deleted after use, so durable quorum queues
+    carry nothing over between runs (skips if no RabbitMQ runs here)."""
+    host = urlsplit(AMQP)
+    try:
+        socket.create_connection((host.hostname, host.port or 5672), timeout=2).close()
+    except OSError as e:
+        pytest.skip(f"no RabbitMQ at {host.hostname}:{host.port or 5672} ({e}); set "
+                    "CLAW_TEST_AMQP to one")  # fmt: skip
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl not on PATH: the tests need it to make a vhost of their own")
+    vhost = f"claw-test-{uuid.uuid4().hex[:8]}"
+    _rabbitmqctl("add_vhost", vhost)
+    try:
+        _rabbitmqctl("set_permissions", "-p", vhost, host.username or "guest", ".*", ".*", ".*")
+        yield f"{AMQP.rstrip('/')}/{vhost}"
+    finally:
+        _rabbitmqctl("delete_vhost", vhost)
+
+
+@pytest.fixture(scope="module")
+def amqp_url() -> Iterator[str]:
+    """A vhost of its own for one test module (test_rabbitmq counts its queues' depths)."""
+    yield from _vhost()
+
+
+@pytest.fixture(scope="session")
+def broker_vhost() -> Iterator[str]:
+    """One vhost for every ``both_brokers`` test's amqp run (a vhost costs seconds)."""
+    yield from _vhost()

@@ -22,9 +22,13 @@ def sender(redis_url: str) -> Celery:
     return client_app(broker_for(redis_url, settings))
 
 
-def send_unchecked(redis_url: str, store: Store, batch: StepBatch, *, in_place: bool = False):
+def send_unchecked(
+    redis_url: str, store: Store, batch: StepBatch, *, in_place: bool = False,
+    broker_url: str | None = None,
+):  # fmt: skip
     """Publish ``batch`` to ``claw_tasks.ingest`` (its fixed-shape fields written in place
-    first with ``in_place``: one shard); returns the task's args (to send them again)."""
+    first with ``in_place``: one shard) through ``broker_url`` (default: the stack's, see
+    :func:`sender`); returns the task's args (to send them again)."""
     if in_place:
         fixed = {k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray)}
         schema = store.ensure_schema(batch.schema())
@@ -34,7 +38,8 @@ def send_unchecked(redis_url: str, store: Store, batch: StepBatch, *, in_place: 
         store.place(0, seq0, fixed)
         batch.fields.update({k: Placed(v.dtype, v.shape) for k, v in fixed.items()})
     args = IngestArgs(store.namespace, batch.batch_id, batch.encode(), None).to_args()
-    sender(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")
+    app = client_app(broker_url) if broker_url else sender(redis_url)
+    app.send_task("claw_tasks.ingest", args=args, queue="ingest")
     return args
 
 

@@ -1,4 +1,5 @@
-"""Ingest end to end: Ingestor -> Celery task in a real worker -> Redis store."""
+"""Ingest end to end: Ingestor -> Celery task in a real worker -> Redis store, with the
+broker on Redis and on RabbitMQ (``both_brokers``)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,26 @@ import time
 import numpy as np
 import pytest
 from hostile import outcomes
-from producer import outcome, send_unchecked, sender
+from producer import outcome, send_unchecked
 
+from claw_tasks.app import client_app
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
 from claw_tasks.store.layout import episode_code
 
+# Every test here runs with the broker on Redis and on RabbitMQ.
+pytestmark = pytest.mark.both_brokers
 
-def _ingestor(redis_url: str, namespace: str, **kw) -> Ingestor:
+
+def _ingestor(redis_url: str, broker_url: str, namespace: str, **kw) -> Ingestor:
     kw.setdefault("flush_interval", None)
-    return Ingestor(namespace, redis_url, **kw)
+    return Ingestor(namespace, redis_url, broker_url=broker_url, **kw)
 
 
 @pytest.mark.both_stores
-def test_vector_round_trip_bit_exact(redis_url, namespace, ingest_worker):
+def test_vector_round_trip_bit_exact(redis_url, broker_url, namespace, ingest_worker):
     rng = np.random.default_rng(0)
-    ing = _ingestor(redis_url, namespace, flush_steps=64)
+    ing = _ingestor(redis_url, broker_url, namespace, flush_steps=64)
     obs = rng.standard_normal((3, 50, 8)).astype(np.float32)
     for e in range(3):
         with ing.episode(episode_id=f"ep{e}", task_id="reach", agent_id="a1", level=e) as ep:
@@ -46,11 +51,13 @@ def test_vector_round_trip_bit_exact(redis_url, namespace, ingest_worker):
     assert store.count({"task_id": "reach", "tags.level": 2}) == 50
 
 
-def test_image_round_trip_and_next_obs_stored_once(redis_url, namespace, ingest_worker, r):
+def test_image_round_trip_and_next_obs_stored_once(
+    redis_url, broker_url, namespace, ingest_worker, r
+):
     n = 400
     rng = np.random.default_rng(1)
     frames = rng.integers(0, 256, (n + 1, 84, 84, 3), dtype=np.uint8)
-    ing = _ingestor(redis_url, namespace, flush_steps=100)
+    ing = _ingestor(redis_url, broker_url, namespace, flush_steps=100)
     with ing.episode(episode_id="img") as ep:
         for t in range(n):
             last = t == n - 1
@@ -66,9 +73,9 @@ def test_image_round_trip_and_next_obs_stored_once(redis_url, namespace, ingest_
     assert got["obs"].dtype == np.uint8 and got["obs"].shape == (n, 84, 84, 3)
 
 
-def test_ragged_token_steps_round_trip(redis_url, namespace, ingest_worker):
+def test_ragged_token_steps_round_trip(redis_url, broker_url, namespace, ingest_worker):
     rng = np.random.default_rng(2)
-    ing = _ingestor(redis_url, namespace, ragged=("prompt_ids", "logprobs"))
+    ing = _ingestor(redis_url, broker_url, namespace, ragged=("prompt_ids", "logprobs"))
     lens = rng.integers(0, 40, 30)
     prompts = [rng.integers(0, 50_000, k, dtype=np.int32) for k in lens]
     logps = [rng.standard_normal(k).astype(np.float32) for k in lens[::-1]]
@@ -87,11 +94,11 @@ def test_ragged_token_steps_round_trip(redis_url, namespace, ingest_worker):
     assert got["reward_source"] == ["verifier"] * 30
 
 
-def test_add_batch_vectorized_and_claim_check(redis_url, namespace, ingest_worker, r):
+def test_add_batch_vectorized_and_claim_check(redis_url, broker_url, namespace, ingest_worker, r):
     n = 5000
     rng = np.random.default_rng(3)
     obs = rng.standard_normal((n, 8)).astype(np.float32)
-    ing = _ingestor(redis_url, namespace, flush_steps=2048, claim_check_bytes=16 * 1024)
+    ing = _ingestor(redis_url, broker_url, namespace, flush_steps=2048, claim_check_bytes=16 * 1024)
     ing.add_batch({
         "obs": obs, "action": rng.integers(0, 4, n), "reward": rng.standard_normal(n),
         "episode_id": np.repeat(np.arange(10).astype(str), n // 10),
@@ -108,8 +115,8 @@ def test_add_batch_vectorized_and_claim_check(redis_url, namespace, ingest_worke
 
 
 @pytest.mark.both_stores
-def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker, r):
-    ing = _ingestor(redis_url, namespace)
+def test_same_message_twice_stores_once(redis_url, broker_url, namespace, ingest_worker, r):
+    ing = _ingestor(redis_url, broker_url, namespace)
     with ing.episode(episode_id="dup") as ep:
         for t in range(10):
             ep.add(np.full(8, t, np.float32), np.int64(0), 1.0)
@@ -123,10 +130,10 @@ def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker, r):
         fields={"obs": np.ones((20, 8), np.float32), "action": np.zeros(20, np.int64)},
     )  # fmt: skip
     store = Store(redis_url, namespace)
-    args = send_unchecked(redis_url, store, batch)
+    args = send_unchecked(redis_url, store, batch, broker_url=broker_url)
     assert outcome(store, batch.batch_id).committed == 20
     dups = outcomes(r, namespace).get("duplicate", 0)
-    sender(redis_url).send_task("claw_tasks.ingest", args=args, queue="ingest")
+    client_app(broker_url).send_task("claw_tasks.ingest", args=args, queue="ingest")
     deadline = time.monotonic() + 60
     while outcomes(r, namespace).get("duplicate", 0) == dups:  # the redelivery has run
         assert time.monotonic() < deadline, outcomes(r, namespace)
@@ -138,8 +145,8 @@ def test_same_message_twice_stores_once(redis_url, namespace, ingest_worker, r):
 
 @pytest.mark.both_stores
 @pytest.mark.parametrize("n_shards", [3])
-def test_sharded_namespace(redis_url, namespace, ingest_worker, n_shards):
-    ing = _ingestor(redis_url, namespace, n_shards=n_shards, capacity=3000)
+def test_sharded_namespace(redis_url, broker_url, namespace, ingest_worker, n_shards):
+    ing = _ingestor(redis_url, broker_url, namespace, n_shards=n_shards, capacity=3000)
     for e in range(12):
         with ing.episode(episode_id=f"e{e}") as ep:
             for t in range(20):
@@ -156,8 +163,8 @@ def test_sharded_namespace(redis_url, namespace, ingest_worker, n_shards):
         np.testing.assert_array_equal(got["next_obs"][:-1, 0], e * 100 + np.arange(1, 20))
 
 
-def test_leaving_the_episode_block_ends_it(redis_url, namespace, ingest_worker):
-    ing = _ingestor(redis_url, namespace)
+def test_leaving_the_episode_block_ends_it(redis_url, broker_url, namespace, ingest_worker):
+    ing = _ingestor(redis_url, broker_url, namespace)
     with ing.episode(episode_id="closed") as ep:
         ep.add(np.zeros(8, np.float32), np.int64(0), 1.0)
     with pytest.raises(RuntimeError, match=r"episode .closed. has ended.*ingestor\.episode"):
@@ -173,14 +180,14 @@ def test_leaving_the_episode_block_ends_it(redis_url, namespace, ingest_worker):
     ids=["inline", "in-place", "two-shards"],
 )
 def test_a_batch_over_capacity_is_sent_in_parts(
-    redis_url, namespace, ingest_worker, r, obs_shape, n_shards
+    redis_url, broker_url, namespace, ingest_worker, r, obs_shape, n_shards
 ):
     """250 steps into 100 slots: the Ingestor sends messages of at most a shard's slots
     (one message of 250 would be refused whole), so the ring fills with the batch's steps.
     Messages commit in any order on two worker processes: a part whose slots a later one
     took first is counted expired, as with any batches past capacity."""
     n, capacity = 250, 100
-    ing = _ingestor(redis_url, namespace, capacity=capacity, n_shards=n_shards)
+    ing = _ingestor(redis_url, broker_url, namespace, capacity=capacity, n_shards=n_shards)
     image = len(obs_shape) == 3
     obs = np.arange(n, dtype=np.uint8 if image else np.float32)
     names = {episode_code(f"e{i}") % n_shards: f"e{i}" for i in range(16)}  # one per shard
@@ -209,13 +216,13 @@ def test_a_batch_over_capacity_is_sent_in_parts(
 
 
 def test_the_worker_refuses_a_batch_over_capacity_with_a_dead_letter(
-    redis_url, namespace, ingest_worker, r
+    redis_url, broker_url, namespace, ingest_worker, r
 ):
     """A producer that does not split (not the Ingestor) gets its over-capacity message
     refused whole, with a dead letter that names the cause; the stored steps stay."""
     from claw_tasks.batch import StepBatch, StrColumn
 
-    ing = _ingestor(redis_url, namespace, capacity=100)
+    ing = _ingestor(redis_url, broker_url, namespace, capacity=100)
     with ing.episode(episode_id="kept") as ep:
         for t in range(10):
             ep.add(np.full(8, t, np.float32), np.int64(0), 1.0)
@@ -228,7 +235,7 @@ def test_the_worker_refuses_a_batch_over_capacity_with_a_dead_letter(
         fields={"obs": np.ones((n, 8), np.float32), "action": np.zeros(n, np.int64)},
     )  # fmt: skip
     store = Store(redis_url, namespace)
-    send_unchecked(redis_url, store, batch)
+    send_unchecked(redis_url, store, batch, broker_url=broker_url)
     got = outcome(store, batch.batch_id)
     assert (got.committed, got.rejected) == (0, n)
     assert "250 steps > the 100 a shard" in got.errors[0]

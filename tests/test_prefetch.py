@@ -1,4 +1,5 @@
-"""Prefetch end to end: ingest and prefetch workers, a trainer popping augmented batches."""
+"""Prefetch end to end: ingest and prefetch workers, a trainer popping augmented batches;
+most with the broker (fill requests, ingest) on Redis and on RabbitMQ (``both_brokers``)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def _frames(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, 84, 84, 3), dtype=np.uint8)
 
 
-def _ingest_images(url: str, ns: str, frames: np.ndarray, episodes: int) -> None:
-    ing = Ingestor(ns, url, flush_interval=None, flush_steps=128)
+def _ingest_images(url: str, broker: str, ns: str, frames: np.ndarray, episodes: int) -> None:
+    ing = Ingestor(ns, url, broker_url=broker, flush_interval=None, flush_steps=128)
     per = len(frames) // episodes
     for e in range(episodes):
         with ing.episode(episode_id=f"e{e}", task_id="grasp") as ep:
@@ -50,10 +51,11 @@ def _is_replicate_shift(aug: np.ndarray, orig: np.ndarray, pad: int) -> bool:
 
 
 @pytest.mark.both_stores
-def test_batches_arrive_augmented_and_consistent(redis_url, namespace, workers):
+@pytest.mark.both_brokers
+def test_batches_arrive_augmented_and_consistent(redis_url, broker_url, namespace, workers):
     frames = _frames(240)
-    _ingest_images(redis_url, namespace, frames, episodes=4)
-    client = BatchClient(namespace, redis_url)
+    _ingest_images(redis_url, broker_url, namespace, frames, episodes=4)
+    client = BatchClient(namespace, redis_url, broker_url=broker_url)
     recipe = client.register({
         "name": "drq", "batch_size": 32,
         "fields": ["obs", "action", "reward", "next_obs", "terminated"],
@@ -82,14 +84,20 @@ def test_batches_arrive_augmented_and_consistent(redis_url, namespace, workers):
     np.testing.assert_array_equal(ep["obs"], frames[60:120])
 
 
-def _ingest_vectors(url: str, ns: str, n: int, start: int = 0) -> None:
-    ing = Ingestor(ns, url, flush_interval=None, flush_steps=4096)
+def _ingest_vectors(url: str, broker: str, ns: str, n: int, start: int = 0) -> None:
+    ing = Ingestor(ns, url, broker_url=broker, flush_interval=None, flush_steps=4096)
     ing.add_batch({
         "obs": np.arange(start, start + n, dtype=np.float32)[:, None].repeat(8, 1),
         "action": np.zeros(n, np.int64), "reward": np.ones(n, np.float32),
         "episode_id": f"v{start}", "step_index": np.arange(n),
     })  # fmt: skip
     assert ing.close().committed == n
+
+
+# The two slowest tests here check what Redis does (priorities, the rate limiter's counts),
+# not the broker, whose fill requests every other test sends through RabbitMQ too (and
+# test_rabbitmq's update_priorities): Redis only, sharing the module's worker on it.
+REDIS_BROKER = pytest.mark.both_brokers(brokers=["redis"])
 
 
 def _vector_recipe(name: str, **extra) -> dict:
@@ -100,9 +108,10 @@ def _vector_recipe(name: str, **extra) -> dict:
 
 
 @pytest.mark.both_stores
-def test_update_priorities_changes_what_is_sampled(redis_url, namespace, workers):
-    _ingest_vectors(redis_url, namespace, 200)
-    client = BatchClient(namespace, redis_url)
+@REDIS_BROKER
+def test_update_priorities_changes_what_is_sampled(redis_url, broker_url, namespace, workers):
+    _ingest_vectors(redis_url, broker_url, namespace, 200)
+    client = BatchClient(namespace, redis_url, broker_url=broker_url)
     sampler = {"kind": "priority", "alpha": 1.0, "beta": 0.5}
     client.register(_vector_recipe("prio", sources=[{"name": "all", "sampler": sampler}]))
     first = client.pop("prio", timeout=60)
@@ -123,9 +132,10 @@ def test_update_priorities_changes_what_is_sampled(redis_url, namespace, workers
     assert np.all(np.isfinite(b.weights)) and b.weights.max() == pytest.approx(1.0)
 
 
-def test_stalled_trainer_keeps_queue_at_its_bound(redis_url, namespace, workers, r):
-    _ingest_vectors(redis_url, namespace, 300)
-    client = BatchClient(namespace, redis_url)
+@pytest.mark.both_brokers
+def test_stalled_trainer_keeps_queue_at_its_bound(redis_url, broker_url, namespace, workers, r):
+    _ingest_vectors(redis_url, broker_url, namespace, 300)
+    client = BatchClient(namespace, redis_url, broker_url=broker_url)
     client.register(_vector_recipe("stall", prefetch={"depth": 3}))
     client.pop("stall", timeout=60)  # above low water (1): no refill asked for yet
     queue = client.registry.queue("stall")
@@ -147,15 +157,18 @@ def test_stalled_trainer_keeps_queue_at_its_bound(redis_url, namespace, workers,
     assert s["depth"] == 3 and s["produced"] == 4 and s["popped"] == 1
 
 
-def test_rate_limiter_waits_then_resumes(redis_url, namespace, workers):
-    _ingest_vectors(redis_url, namespace, 80)
-    client = BatchClient(namespace, redis_url)
+@REDIS_BROKER
+def test_rate_limiter_waits_then_resumes(redis_url, broker_url, namespace, workers):
+    _ingest_vectors(redis_url, broker_url, namespace, 80)
+    client = BatchClient(namespace, redis_url, broker_url=broker_url)
     rl = {"samples_per_insert": 1.0, "min_size": 100, "error_buffer": 0}
     client.register(_vector_recipe("rl", rate_limit=rl, prefetch={"depth": 8}))
     with pytest.raises(TimeoutError, match="waiting for min_size: 80 of 100"):
         client.pop("rl", timeout=2)
     assert client.stats("rl")["rl"]["rate_limited"]
-    _ingest_vectors(redis_url, namespace, 220, start=1000)  # 300 inserted: 200 rows allowed
+    _ingest_vectors(
+        redis_url, broker_url, namespace, 220, start=1000
+    )  # 300 inserted: 200 rows allowed
     got = [client.pop("rl", timeout=60) for _ in range(3)]
     assert all(len(b.ids) == 64 for b in got)
     with pytest.raises(TimeoutError, match=r"samples_per_insert 1\.0 reached"):
@@ -184,13 +197,14 @@ def test_rate_limiter_waits_then_resumes(redis_url, namespace, workers):
     )
     s = client.stats("rl")["rl"]
     assert s["produced"] == 3 and s["sampled_rows"] == 192 and s["rate_limited"]
-    _ingest_vectors(redis_url, namespace, 100, start=5000)
+    _ingest_vectors(redis_url, broker_url, namespace, 100, start=5000)
     assert len(client.pop("rl", timeout=60).ids) == 64
 
 
-def test_seeded_recipe_is_reproducible(redis_url, namespace, workers):
-    _ingest_vectors(redis_url, namespace, 500)
-    client = BatchClient(namespace, redis_url)
+@pytest.mark.both_brokers
+def test_seeded_recipe_is_reproducible(redis_url, broker_url, namespace, workers):
+    _ingest_vectors(redis_url, broker_url, namespace, 500)
+    client = BatchClient(namespace, redis_url, broker_url=broker_url)
     aug = {"obs": [{"gaussian_noise": {"std": 0.1}}]}
     a = client.register(_vector_recipe("a", seed=7, augment=aug))
     b = client.register(_vector_recipe("b", seed=7, augment=aug))
@@ -204,9 +218,10 @@ def test_seeded_recipe_is_reproducible(redis_url, namespace, workers):
     assert not np.array_equal(client.pop("c", timeout=60).ids, x.ids)
 
 
-def test_unregister_and_timeout_message(redis_url, namespace, workers):
-    _ingest_vectors(redis_url, namespace, 100)
-    client = BatchClient(namespace, redis_url)
+@pytest.mark.both_brokers
+def test_unregister_and_timeout_message(redis_url, broker_url, namespace, workers):
+    _ingest_vectors(redis_url, broker_url, namespace, 100)
+    client = BatchClient(namespace, redis_url, broker_url=broker_url)
     client.register(_vector_recipe("gone"))
     client.pop("gone", timeout=60)
     client.unregister("gone")
@@ -238,11 +253,12 @@ def test_rate_limit_worked_example_of_the_docs():
     assert not ratelimit.check(rl, 1_000_000, 256 * 15_609, 256)
 
 
-def test_llm_namespace_ragged_and_string_fields_pop(redis_url, namespace, workers):
+@pytest.mark.both_brokers
+def test_llm_namespace_ragged_and_string_fields_pop(redis_url, broker_url, namespace, workers):
     from test_prefetch_fill import llm_store
 
     llm_store(redis_url, namespace)
-    client = BatchClient(namespace, redis_url)
+    client = BatchClient(namespace, redis_url, broker_url=broker_url)
     client.register({
         "name": "llm", "batch_size": 8, "fields": ["prompt_ids", "reward", "task_id", "info"],
         "sources": [{"name": "all"}], "prefetch": {"depth": 2},
@@ -280,10 +296,11 @@ def _wait_full(r, queue: str, depth: int) -> None:
         time.sleep(0.05)
 
 
-def test_pop_drops_batches_of_older_versions(redis_url, namespace, workers, r):
+@pytest.mark.both_brokers
+def test_pop_drops_batches_of_older_versions(redis_url, broker_url, namespace, workers, r):
 
     _images_store(redis_url, namespace)
-    client = BatchClient(namespace, redis_url)
+    client = BatchClient(namespace, redis_url, broker_url=broker_url)
     client.register({"name": "v", "batch_size": 16, "fields": ["obs", "reward"],
                      "sources": [{"name": "all"}], "prefetch": {"depth": 2}})  # fmt: skip
     assert client.pop("v", timeout=60).recipe_version == 1
@@ -292,7 +309,9 @@ def test_pop_drops_batches_of_older_versions(redis_url, namespace, workers, r):
     late = encode_batch({"reward": np.zeros(1, np.float32)}, [1], recipe_version=1)
     r.lpush(client.registry.queue("v"), late, late)
     assert [client.pop("v", timeout=60).recipe_version for _ in range(3)] == [2, 2, 2]
-    other = BatchClient(namespace, redis_url)  # another process changes it again
+    other = BatchClient(
+        namespace, redis_url, broker_url=broker_url
+    )  # another process changes it again
     assert other.set_params("v", k=2).version == 3
     while (b := client.pop("v", timeout=60)).recipe_version != 3:
         assert b.recipe_version == 2  # older ones never
@@ -304,16 +323,17 @@ def test_pop_drops_batches_of_older_versions(redis_url, namespace, workers, r):
     assert client.pop("v", timeout=60).recipe_version == 1
 
 
-def test_readers_on_two_hosts_share_a_recipe_inline(redis_url, namespace, workers, r):
+@pytest.mark.both_brokers
+def test_readers_on_two_hosts_share_a_recipe_inline(redis_url, broker_url, namespace, workers, r):
     _images_store(redis_url, namespace)
     spec = {"name": "mh", "batch_size": 16, "fields": ["obs"], "sources": [{"name": "all"}],
             "prefetch": {"depth": 2}}  # fmt: skip
-    here = BatchClient(namespace, redis_url)
+    here = BatchClient(namespace, redis_url, broker_url=broker_url)
     queue = here.registry.queue("mh")
     assert here.register(spec).version == 1
     _wait_full(r, queue, 2)
     assert all(item.startswith(shm.REF_MAGIC) for item in r.lrange(queue, 0, -1))  # one host
-    there = BatchClient(namespace, redis_url)
+    there = BatchClient(namespace, redis_url, broker_url=broker_url)
     there.host = "another-host"  # a rank of the same job on another machine
     assert there.register(spec).version == 1  # same recipe: no new version ...
     assert r.llen(queue) == 2  # ... and its batches stay

@@ -1,21 +1,20 @@
 """The Celery broker on RabbitMQ (``amqp://``): ingest and prefetch end to end, with
 workers, the Ingestor, BatchClient fill requests and ``claw metrics`` on this machine's
-RabbitMQ. Each module run gets its own vhost (``rabbitmqctl``), deleted afterwards, so
-the durable quorum queues carry nothing over between runs."""
+RabbitMQ: what is RabbitMQ's own (quorum queues, delayed delivery, hostile headers, queue
+depths, `claw up`). Each module run gets its own vhost (``rabbitmqctl``, conftest's
+``amqp_url``), deleted afterwards, so the durable quorum queues carry nothing over between
+runs. The tests of test_ingest and test_prefetch marked ``both_brokers`` run on both."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
-from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -31,35 +30,6 @@ from claw_tasks.message import IngestArgs
 from claw_tasks.store import Store
 from orchestrator.cli.metrics import ClawCollector
 from orchestrator.delivery.client import BatchClient
-
-AMQP = os.environ.get("CLAW_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
-
-
-def _rabbitmqctl(*args: str) -> None:
-    done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60)
-    if done.returncode:  # e.g. not root: rabbitmqctl needs the node's Erlang cookie
-        pytest.fail(f"rabbitmqctl {' '.join(args)}: {done.stderr.decode()[-500:]} (run the "
-                    "tests as a user that may run rabbitmqctl)")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def amqp_url() -> Iterator[str]:
-    """A fresh vhost on the local RabbitMQ (skips if none runs here)."""
-    host = urlsplit(AMQP)
-    try:
-        socket.create_connection((host.hostname, host.port or 5672), timeout=2).close()
-    except OSError as e:
-        pytest.skip(f"no RabbitMQ at {host.hostname}:{host.port or 5672} ({e}); set "
-                    "CLAW_TEST_AMQP to one")  # fmt: skip
-    if shutil.which("rabbitmqctl") is None:
-        pytest.skip("rabbitmqctl not on PATH: the tests need it to make a vhost of their own")
-    vhost = f"claw-test-{uuid.uuid4().hex[:8]}"
-    _rabbitmqctl("add_vhost", vhost)
-    try:
-        _rabbitmqctl("set_permissions", "-p", vhost, host.username or "guest", ".*", ".*", ".*")
-        yield f"{AMQP.rstrip('/')}/{vhost}"
-    finally:
-        _rabbitmqctl("delete_vhost", vhost)
 
 
 @pytest.fixture(scope="module")
