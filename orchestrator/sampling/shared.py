@@ -138,8 +138,13 @@ def reap_unused(directory: Path = SHM_DIR) -> list[str]:
 
 
 def index_key(store: Store) -> str:
-    """What names a namespace's shared index: its data store, namespace and user."""
-    ident = "|".join(str(x) for x in (*identity(store.r), store.namespace, os.geteuid()))
+    """What names a namespace's shared index: its data store, the namespace and when it
+    was created (a namespace made again gets files of its own: its shards and capacity
+    may differ), and the user."""
+    created = store.config().created
+    ident = "|".join(
+        str(x) for x in (*identity(store.r), store.namespace, repr(created), os.geteuid())
+    )
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
