@@ -90,6 +90,50 @@ def child(url: str, namespace: str, mode: str) -> None:
         ix.close()
 
 
+def sampler(url: str, namespace: str, n: int) -> None:
+    """``n`` batches of a priority recipe; prints the median and p95 ms per batch."""
+    from orchestrator.sampling.sample import sample
+
+    recipe = {"name": "p", "batch_size": 256, "fields": ["obs", "reward"],
+              "sources": [{"name": "all", "where": {"task_id": "grasp"},
+                           "sampler": {"kind": "priority"}}]}  # fmt: skip
+    sample(namespace, recipe, redis_url=url)  # the index and the sampler's trees built
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        sample(namespace, recipe, redis_url=url)
+        times.append(time.perf_counter() - t)
+    print(json.dumps([float(np.median(times)) * 1e3, float(np.percentile(times, 95)) * 1e3]))
+
+
+def contention(url: str, namespace: str, total: int, batches: int) -> list[str]:
+    """Two processes sample while this one commits 256-step batches: every sync has
+    something to apply, and with the shared index one process writes while the other
+    waits for its lock."""
+    store = Store(url, namespace)
+    rng = np.random.default_rng(1)
+    out = []
+    for mode in ("own", "shared", "own", "shared"):
+        env = {**os.environ, "PYTHONPATH": str(ROOT),
+               "CLAW_SHARED_INDEX": "1" if mode == "shared" else "0"}  # fmt: skip
+        procs = [
+            subprocess.Popen([sys.executable, __file__, "--sampler", url, namespace,
+                              str(batches)], env=env, stdout=subprocess.PIPE, text=True)
+            for _ in range(2)
+        ]  # fmt: skip
+        t, committed = time.perf_counter(), 0
+        while any(p.poll() is None for p in procs):
+            store.commit(steps(total + committed, 256, rng))
+            committed += 256
+            time.sleep(0.005)
+        wall = time.perf_counter() - t
+        res = [json.loads(p.communicate()[0]) for p in procs]
+        total += committed
+        out.append(f"| {mode} | " + " / ".join(f"{m:.2f} ({q:.2f})" for m, q in res)
+                   + f" | {wall:.1f} | {committed:,} |")  # fmt: skip
+    return out
+
+
 def shm_bytes(namespace: str, url: str) -> float:
     from orchestrator.sampling.shared import index_key
     from orchestrator.sampling.shmfiles import SHM_DIR
@@ -166,10 +210,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10_000_000)
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--celery", action="store_true")
+    ap.add_argument("--contention", type=int, default=0, help="batches per sampler")
     ap.add_argument("--child", nargs=3)
+    ap.add_argument("--sampler", nargs=3)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
+        return
+    if args.sampler:
+        sampler(args.sampler[0], args.sampler[1], int(args.sampler[2]))
         return
     rng = np.random.default_rng(0)
     with RedisServer() as server:
@@ -177,9 +226,17 @@ def main() -> None:
         store = Store(server.url, ns)
         store.create(capacity=args.steps, n_shards=args.shards)
         t = time.perf_counter()
-        for start in range(0, args.steps, 100_000):
-            store.commit(steps(start, min(100_000, args.steps - start), rng))
+        chunk = min(100_000, args.steps // args.shards // 2)  # a shard's part fits its ring
+        for start in range(0, args.steps, chunk):
+            store.commit(steps(start, min(chunk, args.steps - start), rng))
         print(f"filled {args.steps:,} steps in {time.perf_counter() - t:.0f} s", flush=True)
+        if args.contention:
+            lines = contention(server.url, ns, args.steps, args.contention)
+            print(f"{args.steps:,} steps, {args.shards} shards; load {os.getloadavg()[0]:.1f}")
+            print("| index | sample ms per process: median (p95) | wall s | steps committed |")
+            print("|---|---|---:|---:|")
+            print("\n".join(lines))
+            return
         rows = [run_mode(server.url, ns, "own"), run_mode(server.url, ns, "shared")]
         if args.celery:
             log = Path(tempfile.mkdtemp()) / "worker.log"

@@ -11,7 +11,9 @@ every process of that host serving the namespace maps them:
   row half written. The writer of a sync is whichever process asks first (no standing
   leader): it applies the change logs exactly as a private index does, into the shared
   columns. A process that asked while another one wrote skips its own sync if that one
-  started after it asked (it would read the same log entries).
+  started after it asked (it would read the same log entries); one that finds others
+  reading columns written less than ``MAX_LAG_S`` ago reads them too instead of waiting
+  to write (else the pool's processes would sample one at a time).
 - ``clawidx-<key>.ctl``: a header of counters, the writer's state (the log positions, the
   namespace config, the columns' layout: JSON) and a ring of the rows each sync changed,
   from which every process refreshes its own samplers (one that fell a ring behind, or
@@ -39,6 +41,7 @@ import hashlib
 import json
 import mmap
 import os
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +59,10 @@ from orchestrator.sampling.shmfiles import SHM_DIR, map_file, open_file, same_fi
 PREFIX = "clawidx-"  # not ``claw-``: the batch segment reaper must not take these
 MAGIC = 0x3158444957414C43  # b"CLAWIDX1"
 # Header fields (int64 each) of the .ctl file.
-H_MAGIC, H_STARTED, H_GEN, H_DIRTY, H_REBUILDS, H_META, H_HEAD, H_JSON, H_RING = range(9)
+H_MAGIC, H_STARTED, H_GEN, H_DIRTY, H_REBUILDS, H_META, H_HEAD, H_JSON, H_RING, H_WROTE = range(10)
+MAX_LAG_S = 0.05
+"""How far behind the change logs a process may draw when another one is reading the
+columns: it then skips writing them if they were written less than this long ago."""
 STATE_AT, STATE_MAX = 4096, 1 << 20  # the JSON state's region (sparse until written)
 RING_AT = STATE_AT + STATE_MAX
 RING_MIN, RING_MAX = 4096, 1 << 20
@@ -176,22 +182,32 @@ class SharedIndex(SamplingIndex):
 
     # ---- the protocol ----------------------------------------------------------------
     def sync(self) -> np.ndarray | None:
-        """Bring the shared columns up to date (writing them if no other process is
-        doing it) and hold them shared until :meth:`release`. Returns the rows changed
-        since this process's last sync (None: refresh whole), and calls the listeners."""
+        """Bring the shared columns up to date and hold them shared until
+        :meth:`release`. Returns the rows changed since this process's last sync (None:
+        refresh whole), and calls the listeners.
+
+        This process writes the columns unless another one is reading them and they were
+        written less than :data:`MAX_LAG_S` ago: then it reads them as they are (waiting
+        for the readers would make the pool's processes sample one at a time)."""
         self.release()
-        asked = int(self._hdr[H_STARTED]) if self._hdr is not None else None
         while True:
-            self._lock(fcntl.LOCK_EX)
-            try:
-                hdr = self._attach()
-                if hdr[H_DIRTY] or asked is None or hdr[H_STARTED] <= asked:
-                    self._write()
-            except BaseException:
-                self.columns = {}
-                fcntl.flock(self._f.lock, fcntl.LOCK_UN)
-                raise
-            self.columns = self._readonly()
+            hdr = self._hdr
+            asked = int(hdr[H_STARTED]) if hdr is not None else None
+            recent = (
+                hdr is not None
+                and not hdr[H_DIRTY]
+                and time.monotonic_ns() - int(hdr[H_WROTE]) < MAX_LAG_S * 1e9
+            )
+            if self._exclusive(wait=not recent):
+                try:
+                    hdr = self._attach()
+                    if hdr[H_DIRTY] or asked is None or hdr[H_STARTED] <= asked:
+                        self._write()
+                except BaseException:
+                    self.columns = {}
+                    fcntl.flock(self._f.lock, fcntl.LOCK_UN)
+                    raise
+                self.columns = self._readonly()
             self._lock(fcntl.LOCK_SH)  # a writer may slip in between: checked below
             self._holding = True
             if not self._hdr[H_DIRTY]:  # type: ignore[index]
@@ -220,6 +236,17 @@ class SharedIndex(SamplingIndex):
         self._hdr = self._ring = None
         self.columns, self._writable = {}, {}
         self._f.close(invalidate)
+
+    def _exclusive(self, wait: bool) -> bool:
+        """Take the lock exclusively; without ``wait``, only if nobody holds it."""
+        if self._f.lock < 0:
+            self._open_lock()  # returns it held exclusively
+            return True
+        try:
+            fcntl.flock(self._f.lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        return True
 
     def _lock(self, op: int) -> None:
         if self._f.lock < 0:
@@ -272,6 +299,7 @@ class SharedIndex(SamplingIndex):
         hdr = self._hdr
         assert hdr is not None
         hdr[H_STARTED] += 1
+        hdr[H_WROTE] = time.monotonic_ns()  # the columns are as of the logs read after this
         state = self._read_state() if not hdr[H_DIRTY] else {}
         hdr[H_DIRTY] = 1
         self.columns = {}
