@@ -15,7 +15,9 @@ actions 0.25, seed 0) and keeps every observation as 84x84x3 RGB and 84x84 grays
 - ``store``: Redis bytes per step of each schema codec (``Store.commit``, no Celery):
   ``used_memory`` before and after, divided by the steps, raw first.
 - ``ingest``: committed steps/s through a real Celery ingest worker (``Ingestor.add_batch``,
-  512-step batches), each codec.
+  512-step batches), each codec, encoded by the producer or the worker; and steps per
+  CPU-second of the producer, the worker (pool included) and redis-server together, which
+  a loaded machine does not skew the way it skews wall time.
 - ``prefetch``: the prefetch fill loop of one process (as ``bench/prefetch.py``): a DQN
   recipe with ``frame_stack: 4`` (each frame stored once, stacked by the sampler), batch
   256, obs and next_obs, random shift pad 4; augmented stacked images per second of worker
@@ -39,6 +41,7 @@ from typing import Any
 import cv2
 import lz4.block
 import numpy as np
+import psutil
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -238,11 +241,26 @@ INGEST = [(None, "producer"), ("zstd", "producer"), ("zstd", "worker"), ("png", 
 
 
 # ---- ingest ---------------------------------------------------------------------------
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system) so far of these processes and all their children."""
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                t = proc.cpu_times()
+                total += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
 def ingest_rate(
-    url: str, p: Play, kind: str, codec: str | None, at: str, flush: int = 512
-) -> float:
+    url: str, p: Play, kind: str, codec: str | None, at: str, pids: list[int], flush: int = 512
+) -> tuple[float, float]:
     """Committed steps/s through the real ingest worker, first add to last confirmation
-    (the producer's encoding included when ``at`` is ``producer``)."""
+    (the producer's encoding included when ``at`` is ``producer``), and steps per CPU
+    second of everything involved (``pids``: this process, the worker, redis-server)."""
     namespace = f"ingest-{p.game}-{kind}-{codec}-{at}"
     ing = Ingestor(
         namespace, url, flush_steps=flush, flush_interval=None, capacity=p.n + 10,
@@ -253,12 +271,12 @@ def ingest_rate(
         "episode_id": np.array([f"{p.game}-{e}" for e in p.episode.tolist()]),
         "step_index": p.step_index, "terminated": p.terminated, "truncated": p.truncated,
     }  # fmt: skip
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(pids), time.perf_counter()
     ing.add_batch(cols)
     res = ing.close(timeout=600)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, cpu_seconds(pids) - c0
     assert res.committed == p.n, res
-    return p.n / dt
+    return p.n / dt, p.n / cpu
 
 
 # ---- the prefetch fill loop -----------------------------------------------------------
@@ -353,22 +371,27 @@ def main() -> None:
             rows = []
             log = Path("/tmp/claw-bench-atari-worker.log")
             worker = Worker(srv.url, "ingest", 2, log, {})
+            redis_pid = int(srv.client().info("server")["process_id"])
+            pids = [os.getpid(), worker.proc.pid, redis_pid]
             try:
                 for p in plays:
                     for kind in KINDS:
                         base = None
                         for codec, at in INGEST:
-                            rate = ingest_rate(srv.url, p, kind, codec, at)
-                            base = base or rate
+                            rate, per_cpu = ingest_rate(srv.url, p, kind, codec, at, pids)
+                            base = base or (rate, per_cpu)
                             who = f"{codec}, encoded by the {at}" if codec else "none"
                             rows.append([p.game, kind, who, f"{rate:,.0f}",
-                                         f"{rate / base:.2f}"])  # fmt: skip
+                                         f"{rate / base[0]:.2f}", f"{per_cpu:,.0f}",
+                                         f"{per_cpu / base[1]:.2f}"])  # fmt: skip
                             srv.client().flushdb()
             finally:
                 worker.stop()
             print(f"\nIngest through one Celery worker (prefork, 2 processes), 512-step "
                   f"batches (load average {os.getloadavg()[0]:.1f}):\n")  # fmt: skip
-            print(table(["game", "frame", "obs codec", "committed steps/s", "vs raw"], rows))
+            head = ["game", "frame", "obs codec", "committed steps/s (wall)", "vs raw",
+                    "steps per CPU-second (all processes)", "vs raw"]  # fmt: skip
+            print(table(head, rows))
         if "prefetch" in parts:
             rows = []
             for p in plays:

@@ -113,18 +113,21 @@ def decode_with_keys(
             raw[i] = np.frombuffer(eng.decode(key_body(frame), nbytes, shape), np.uint8)
         return raw[i]
 
+    heads = [kind(f) if f else None for f in frames]
+    present: dict[int, Any] = {}  # key frames among ``frames`` by their step id (one pass)
+    for f, head in zip(frames, heads, strict=True):
+        if head is not None and head[0] == KEY and head[1] > 0:
+            present.setdefault(head[1], f)
     for j, f in enumerate(frames):
-        if not f:
+        if heads[j] is None:
             continue
-        k, i = kind(f)
+        k, i = heads[j]  # type: ignore[misc]
         if k == KEY and i > 0:  # a step's own key frame: maybe another row's key too
             out[j] = key_row(i, f)
         elif k == KEY:  # a self-contained copy (explicit next_obs): id 0
             out[j] = np.frombuffer(eng.decode(key_body(f), nbytes, shape), np.uint8)
         else:
-            found = keys.get(i)
-            if i not in raw:
-                found = next((g for g in frames if g and kind(g) == (KEY, i)), found)
+            found = present.get(i, keys.get(i))
             body = np.frombuffer(eng.decode(memoryview(f)[HEADER:], nbytes, shape), np.uint8)
             out[j] = body ^ key_row(i, found)
     return out.view(dt).reshape(len(frames), *shape)
