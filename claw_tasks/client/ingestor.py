@@ -119,6 +119,7 @@ class Ingestor(Sender):
         self._confirmed = FlushResult()
         self._unsent: list[StepBatch] = []  # built, not yet handed to the broker
         self._lock = threading.RLock()
+        self._sending = 0  # batches taken from the buffer (or the unsent list) not yet sent
         self._closed = threading.Event()
         self._episodes = 0
         self._timer: threading.Thread | None = None
@@ -324,9 +325,15 @@ class Ingestor(Sender):
     def _send_buffer(self) -> None:
         with self._lock:
             steps, self._steps = self._steps, []
-        if steps:
+            if not steps:
+                return
+            self._sending += 1  # a concurrent flush waits for this send too
+        try:
             assert self.schema is not None
             self._send_or_keep(steps_to_batch(steps, self.schema))
+        finally:
+            with self._lock:
+                self._sending -= 1
 
     def _tick(self) -> None:
         assert self.flush_interval
@@ -352,9 +359,12 @@ class Ingestor(Sender):
         self._retry_unsent()
         deadline = time.monotonic() + timeout
         delay = 0.002
-        while (left := self._poll()) and time.monotonic() < deadline:
+        # Another thread (the timer, a concurrent flush) may hold steps it took from the
+        # buffer and is still publishing: wait for those too, they were "sent so far".
+        while ((left := self._poll()) or self._sending) and time.monotonic() < deadline:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+        left = left or self._sending
         with self._lock:
             result, self._confirmed = self._confirmed, FlushResult()
         if left:

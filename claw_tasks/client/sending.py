@@ -67,6 +67,7 @@ class Sender:
     _inflight: dict[str, Inflight]
     _confirmed: FlushResult
     _unsent: list[StepBatch]
+    _sending: int
 
     def _send_or_keep(self, batch: StepBatch) -> None:
         """Send; if that fails (broker or Redis down), keep the batch for the next try."""
@@ -83,7 +84,12 @@ class Sender:
                 if not self._unsent:
                     return
                 batch = self._unsent.pop(0)
-            self._send_or_keep(batch)  # same batch id: idempotent if it got through before
+                self._sending += 1
+            try:
+                self._send_or_keep(batch)  # same batch id: idempotent if it got through before
+            finally:
+                with self._lock:
+                    self._sending -= 1
 
     def _send(self, batch: StepBatch) -> None:
         """Publish a batch, in messages of at most a shard's capacity (``cap`` steps): a
