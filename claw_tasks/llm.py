@@ -97,6 +97,18 @@ def spread_rewards(
     return per_turn.astype(np.float32)
 
 
+def trajectory_step_ids(
+    store: Store, trajectory_uid: str, expect_turns: int | None = None
+) -> np.ndarray:
+    """A trajectory's stored turn ids by turn: from the episode index when the namespace
+    keeps one and it holds every turn (``expect_turns`` when given; O(turns)), else from
+    the shard's episode column (a full-column read). Raises KeyError when none is stored."""
+    ids = store.trajectory_ids(trajectory_uid)
+    if ids is not None and len(ids) and (expect_turns is None or len(ids) == expect_turns):
+        return ids
+    return np.asarray(store.episode(trajectory_uid, fields=[])["id"], np.int64)
+
+
 def attach_rewards(
     store: Store,
     trajectory_uid: str,
@@ -109,8 +121,7 @@ def attach_rewards(
     """Apply :func:`spread_rewards` to a trajectory's committed turns and mark its last
     turn terminated (``is_last``). ``expect_turns`` guards against rewarding a trajectory
     whose turns are not all committed yet. Returns how many turns were updated."""
-    steps = store.episode(trajectory_uid, fields=[])
-    ids = np.asarray(steps["id"], np.int64)
+    ids = trajectory_step_ids(store, trajectory_uid, expect_turns)
     if expect_turns is not None and len(ids) != expect_turns:
         raise ValueError(
             f"trajectory {trajectory_uid!r} has {len(ids)} stored turns, expected {expect_turns}"

@@ -98,3 +98,43 @@ def test_turns_round_trip_and_rewards_reach_the_index(redis_url, namespace, inge
     )
     with pytest.raises(ValueError, match="has 3 stored turns, expected 4"):
         attach_rewards(store, "a", 1.0, expect_turns=4)
+
+
+def test_episode_index_finds_turns_without_the_column(own_redis_url, namespace, tmp_path):
+    """With ``episode_index`` a trajectory's turns come from its index entry (no read of the
+    shard's episode column: no GET of a column chunk), in turn order, evicted and
+    overwritten steps left out, and the entry goes with the trajectory's last step."""
+    from claw_tasks.llm import trajectory_step_ids
+    from claw_tasks.store.layout import episode_code
+    from tests.conftest import Worker
+
+    worker = Worker(own_redis_url, "ingest", 1, tmp_path / "worker.log", {})
+    try:
+        ing = Ingestor(namespace, own_redis_url, schema=Schema.llm(), capacity=16,
+                       flush_interval=None)  # fmt: skip
+        store = ing.store
+        store.set_episode_index()
+        for turn in (1, 0, 2):  # committed out of order, interleaved with other trajectories
+            for traj in "abc":
+                ing.llm_turn(traj, turn, [1, 2], [3 + turn], [-0.5], prompt_uid="g")
+            ing.flush()
+        ing.close()
+    finally:
+        worker.stop()
+    column = {t: store.episode(t, fields=[])["id"].tolist() for t in "abc"}
+    store.r.config_resetstat()
+    got = {t: trajectory_step_ids(store, t, 3).tolist() for t in "abc"}
+    assert "cmdstat_get" not in store.r.info("commandstats")  # no column chunk read
+    assert got == column
+    assert [store.get(got["b"], fields=[])["step_index"].tolist()] == [[0, 1, 2]]
+
+    store.evict(got["b"][1:2])
+    assert store.trajectory_ids("b").tolist() == [got["b"][0], got["b"][2]]
+    store.evict(got["c"])
+    assert store.trajectory_ids("c").tolist() == []
+    key = store.keys.shard_key(0, "eptraj")
+    assert not store.r.hexists(key, str(episode_code("c"))) and store.r.hexists(
+        key, str(episode_code("a"))
+    )
+    with pytest.raises(KeyError, match="no stored steps"):
+        trajectory_step_ids(store, "c")

@@ -2,12 +2,13 @@
 -- Commit one shard's part of a batch atomically over its allocated slot range.
 -- KEYS: 1 batch marker, 2 seq counter, 3 change log, 4 episode links hash,
 --       5 episode names hash, 6 alive bitmap, 7 episode -> newest seq hash,
---       8 pruning cursors
+--       8 pruning cursors, 9 episode index (code -> (step_index <i4, id <i8) entries)
 -- ARGV: 1 shard prefix, 2 n, 3 cap, 4 marker ttl, 5 seq0, 6 shard, 7 n_shards,
 --       8 meta chunk slots, 9 spec (msgpack), 10.. blobs (columns, then sparse rows)
 -- spec = {cols = {{base, itemsize, chunk_slots}...}, sparse = {{base, chunk_slots, rows}...},
 --         clear = {{base, chunk_slots}...}, eps = {{code, first_rel, first_idx, last_rel,
---         last_idx, ended, name}...}, dead = {rel rows left not alive}, loglen = n}
+--         last_idx, ended, name[, {step_index, id, ...}]}...}, dead = {rel rows left not alive},
+--         loglen = n}
 -- Payload fields the client wrote in place (see alloc.lua) are not in cols.
 -- Returns {seq0, state, skipped}: state "done" (committed now or before) or "expired";
 -- the first `skipped` rows were not committed: newer seqs took their slots in between
@@ -140,6 +141,12 @@ for _, ep in ipairs(spec.eps) do
     end
   end
   redis.call('HSETNX', KEYS[5], code, name)
+  if ep[8] then  -- episode index: entries of skipped rows are dropped by readers (id check)
+    local e, parts = ep[8], {}
+    for j = 1, #e, 2 do parts[#parts + 1] = struct.pack('<i4i8', e[j], e[j + 1]) end
+    redis.call('HSET', KEYS[9], code, (redis.call('HGET', KEYS[9], code) or '') ..
+      table.concat(parts))
+  end
   if last_rel >= skip then redis.call('HSET', KEYS[7], code, last_seq) end
 end
 
@@ -161,6 +168,7 @@ if seq_now > cap then
   sweep(KEYS[7], function(code)
     redis.call('HDEL', KEYS[7], code)
     redis.call('HDEL', KEYS[5], code)
+    redis.call('HDEL', KEYS[9], code)
   end)
 end
 

@@ -6,13 +6,14 @@
 -- a copy of it as its explicit next_obs first (a transition stays whole). Fixed-size
 -- payload and metadata bytes stay in their preallocated chunks (the ring reuses them), so
 -- a predecessor checked by `claw doctor` still points at the id it linked to.
--- Episodes left without live steps lose their name and newest-seq entries, unless a newer
+-- Episodes left without live steps lose their name, newest-seq and index entries, unless a newer
 -- commit of theirs changed the newest seq since the plan was made.
 -- Commands are batched (one GETRANGE for the alive bits and one per id chunk, one HDEL
 -- per hash, alive bits cleared by runs), so a call costs a few commands plus Lua work.
 -- KEYS: 1 alive bitmap, 2 evicted counter (update.lua checks alive bits once it exists),
 --       3 evictions by reason (hash), 4 change log, 5 episode links, 6 episode names,
---       7 episode -> newest seq, 8.. chunk keys the plan refers to by KEYS index
+--       7 episode -> newest seq, 8 episode index, 9.. chunk keys the plan refers to by
+--       KEYS index
 -- ARGV: 1 reason, 2 log length, 3 plan (msgpack):
 --   {victims = {{slot, id (<i8 bytes), id key, id offset (bytes), seq, episode code
 --                (string), step_index, {sparse keys}, pred}...},
@@ -131,6 +132,7 @@ for _, e in ipairs(plan.episodes or {}) do
   if (redis.call('HGET', KEYS[7], code) or '') == planned then
     redis.call('HDEL', KEYS[7], code)
     redis.call('HDEL', KEYS[6], code)
+    redis.call('HDEL', KEYS[8], code)
   end
 end
 

@@ -124,6 +124,7 @@ class CommitPart:
                 "alive",
                 "eplast",
                 "prune",
+                "eptraj",
             )
         ]
         args = [
@@ -142,7 +143,7 @@ class CommitPart:
         step_index = self._sel(b.step_index).astype(np.int32)
         term = self._sel(b.terminated).astype(bool)
         trunc = self._sel(b.truncated).astype(bool)
-        nxt, eps = self._links(step_index, term | trunc)
+        nxt, eps = self._links(step_index, term | trunc, seq0)
         zeros_i4 = np.zeros(n, np.int32)
         meta: dict[str, np.ndarray] = {
             "id": self._ids(seq0),
@@ -228,9 +229,11 @@ class CommitPart:
         w.rows(f"r:{name}", list(range(n)), blobs)
         w.clear.append([f"r:{name}", SPARSE_CHUNK_SLOTS])
 
-    def _links(self, step_index: np.ndarray, ended: np.ndarray) -> tuple[np.ndarray, list]:
+    def _links(
+        self, step_index: np.ndarray, ended: np.ndarray, seq0: int
+    ) -> tuple[np.ndarray, list]:
         """In-part next deltas, and the runs of consecutive steps per episode (for the
-        cross-batch links made in Lua)."""
+        cross-batch links made in Lua; with ``episode_index``, each run's index entries)."""
         n = len(step_index)
         order = np.lexsort((step_index, self.ep))
         ep_s, idx_s = self.ep[order], step_index[order].astype(np.int64)
@@ -258,6 +261,10 @@ class CommitPart:
                     names[ep_index[first]],
                 ]
             )
+            if self.cfg.episode_index:  # the run's step_index, id pairs, packed in Lua
+                rows = order[s : e + 1]
+                ids = (seq0 + rows) * self.cfg.n_shards + self.shard
+                eps[-1].append(np.column_stack([idx_s[s : e + 1], ids]).ravel().tolist())
         return nxt, eps
 
     def _explicit_rows(self) -> np.ndarray:

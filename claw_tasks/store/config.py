@@ -62,6 +62,9 @@ class NamespaceConfig:
     priorities: dict[str, Any] | None = None  # recomputation rules (orchestrator.maintenance)
     # Observation and action spaces (Minari's JSON serialization), when a recorder knew them.
     spaces: dict[str, str] | None = None
+    # Index each episode's step ids at commit (``Store.trajectory_ids``): the capture
+    # gateway turns it on, so a reward post finds its turns without a column scan.
+    episode_index: bool = False
 
     @property
     def format(self) -> int:
@@ -83,6 +86,7 @@ class NamespaceConfig:
                 "priorities": self.priorities,
                 "spaces": self.spaces,
                 "format": self.format,
+                "episode_index": self.episode_index,
             }
         )
 
@@ -101,7 +105,7 @@ class NamespaceConfig:
         priorities = d.get("priorities")
         return cls(
             d["capacity"], d["n_shards"], schema, d["created"], retention, priorities,
-            d.get("spaces"),
+            d.get("spaces"), episode_index=bool(d.get("episode_index", False)),
         )  # fmt: skip
 
 
@@ -215,6 +219,13 @@ class NamespaceAdmin:
     def set_retention(self, retention: Retention | None) -> NamespaceConfig:
         """Store the retention policy (None: keep everything the ring keeps)."""
         return self._set_config(retention=retention)
+
+    def set_episode_index(self, on: bool = True) -> NamespaceConfig:
+        """Index each episode's step ids at commit from now on (``Store.trajectory_ids``).
+        Steps committed before (or by a worker whose cached config predates this) are not
+        in the index: readers fall back to the episode column (``Store.episode``)."""
+        cfg = self.config(refresh=True)
+        return cfg if cfg.episode_index == on else self._set_config(episode_index=on)
 
     def set_priority_rules(self, rules: dict[str, Any] | None) -> NamespaceConfig:
         """Store the priority recomputation rules (checked by the orchestrator's

@@ -34,7 +34,7 @@ REASONS = ("ttl", "cap", "manual", "ring")
 PLAN_COLUMNS = ("id", "episode", "step_index", "next", "flags")
 """The metadata columns (plus ``alive``) an eviction plan reads."""
 _SCRIPT = Lua("evict")
-_FIXED_KEYS = ("alive", "evicted", "evictions", "log", "links", "epname", "eplast")
+_FIXED_KEYS = ("alive", "evicted", "evictions", "log", "links", "epname", "eplast", "eptraj")
 
 
 class Eviction(Reader):

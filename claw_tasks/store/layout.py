@@ -31,6 +31,9 @@ META: dict[str, np.dtype] = {
     "flags": np.dtype("u1"),
 }
 STR_TAG_DTYPE = np.dtype("<i4")
+EPISODE_INDEX_ENTRY = np.dtype([("step_index", "<i4"), ("id", "<i8")])
+"""One step in a shard's ``eptraj`` hash (episode code -> these entries, appended at commit
+when the namespace has ``episode_index``): what ``Store.trajectory_ids`` reads."""
 NUM_TAG_DTYPE = np.dtype("<f8")
 
 # 16376 slots: a chunk of 1-, 4- or 8-byte items plus its sds header stays just inside a

@@ -15,6 +15,7 @@ from claw_tasks.store.config import NamespaceConfig, NamespaceError
 from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.layout import (
     DICT_COLUMNS,
+    EPISODE_INDEX_ENTRY,
     EXPLICIT_NEXT,
     META,
     META_CHUNK_SLOTS,
@@ -262,6 +263,37 @@ class Reader(Dictionaries):
             for code, i in zip(codes.tolist(), ids.tolist(), strict=True):
                 pipe.hget(self.keys.shard_key(i % cfg.n_shards, "epname"), code)
             return [None if v is None else v.decode() for v in pipe.execute()]
+
+    def trajectory_ids(self, episode_id: str) -> np.ndarray | None:
+        """The live step ids of an episode, by step_index, from the episode index (what a
+        reward post reads: O(the episode's steps), not the shard's episode column). None
+        when the namespace has no ``episode_index``. Entries of steps since evicted or
+        overwritten by the ring, or committed twice, are dropped here."""
+        cfg = self.config()
+        if not cfg.episode_index:
+            return None
+        code = episode_code(str(episode_id))
+        shard = code % cfg.n_shards
+        raw = self.r.hget(self.keys.shard_key(shard, "eptraj"), str(code))
+        entries = np.frombuffer(raw or b"", EPISODE_INDEX_ENTRY)
+        ids = np.unique(entries["id"])
+        if len(ids):
+            ids = ids[self._live(ids)]
+        by_id = dict(zip(entries["id"].tolist(), entries["step_index"].tolist(), strict=True))
+        order = np.argsort([by_id[i] for i in ids.tolist()], kind="stable")
+        return ids[order]
+
+    def _live(self, ids: np.ndarray) -> np.ndarray:
+        """Whether each id is stored: its slot holds it and is alive (one round trip)."""
+        shards, slots = self.locate(ids)
+        with self.r.pipeline(transaction=False) as pipe:
+            for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
+                off = (sl % META_CHUNK_SLOTS) * 8
+                pipe.getrange(self.keys.meta(sh, "id", sl // META_CHUNK_SLOTS), off, off + 7)
+                pipe.getbit(self.keys.shard_key(sh, "alive"), sl)
+            replies = pipe.execute()
+        held = np.frombuffer(b"".join(r.ljust(8, b"\0") for r in replies[0::2]), "<i8")
+        return (held == ids) & np.asarray(replies[1::2], bool)
 
     def episode(self, episode_id: str, fields: Sequence[str] | None = None) -> dict:
         """All stored steps of an episode, ordered by step_index."""

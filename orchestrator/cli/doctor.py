@@ -168,6 +168,7 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
         "links": "hash",
         "epname": "hash",
         "eplast": "hash",
+        "eptraj": "hash",
         "prune": "hash",
         "log": "stream",
     }
