@@ -83,7 +83,7 @@ class Window(_Model):
         return self
 
 
-GROUP_KEYS = ("group_by", "group_size", "max_wait_s", "partial", "once")
+GROUP_KEYS = ("group_by", "group_size", "max_wait_s", "partial", "once", "passes")
 
 
 class SamplerSpec(_Model):
@@ -99,6 +99,7 @@ class SamplerSpec(_Model):
     max_wait_s: PositiveFloat | None = None
     partial: Literal["drop", "use"] | None = None
     once: StrictBool | None = None
+    passes: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _kind_only(self) -> Self:
@@ -111,6 +112,8 @@ class SamplerSpec(_Model):
             self.group_by = group_key(self.group_by or "prompt_uid")
             self.partial = self.partial or "drop"
             self.once = bool(self.once)
+            if self.passes is not None and not self.once:
+                raise ValueError("passes: only with once: true")
         for kind, keys in (("priority", ("alpha", "beta")), ("group", GROUP_KEYS)):
             extra = [k for k in keys if self.kind != kind and getattr(self, k) is not None]
             if extra:

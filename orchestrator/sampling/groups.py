@@ -21,7 +21,11 @@ A draw takes the source's count of distinct ready groups, uniformly at random; i
 the groups' trajectories in order, each one's steps in order. With ``once: true`` each
 group is delivered once per *pass*: the draw skips the groups claimed in the current pass
 (:class:`Claims`, read from Redis), and when fewer are left than a batch needs, the next
-pass starts (claims cleared), the groups left unclaimed first. The claim itself is made
+pass starts (claims cleared), the groups left unclaimed first; with ``passes: p`` no pass
+after the p-th starts: the draw waits for new groups instead (``passes: 1`` is on-policy
+GRPO: each rollout trained on once). Claims of groups no longer among the candidates
+(evicted, or filtered out by the ``where``) are pruned when they outnumber the groups
+present (the last pass of a ``passes`` recipe never clears them). The claim itself is made
 after the batch is read, all or nothing, by ``lua/claim.lua``, so workers that race never
 deliver a group twice in one pass.
 """
@@ -72,6 +76,7 @@ class Groups(NamedTuple):
     returns: np.ndarray  # float32: its trajectory's return
     ids: tuple[str, ...]  # per group: its id (what once-claims record)
     pass_no: int  # the pass the groups were drawn for (once); 0 otherwise
+    stale: tuple[str, ...] = ()  # claims of groups no longer present: to be pruned
 
 
 class _Table(NamedTuple):
@@ -136,20 +141,32 @@ class GroupIndex:
         name = self.source.name
         if len(ready) < k:
             raise InsufficientData(name, len(ready), k, "complete groups")
-        ids = [f"{name}|{float(t.g_key[g])!r}|{int(t.g_chunk[g])}" for g in ready.tolist()]
-        pass_no = 0
+        ids = [self._id(t, g) for g in ready.tolist()]
+        pass_no, stale = 0, ()
         if claims is None:
             pick = rng.choice(len(ready), size=k, replace=False)
         else:
             fresh = np.array([i not in claims.claimed for i in ids], dtype=bool)
             pass_no = claims.pass_no
             left, done = np.flatnonzero(fresh), np.flatnonzero(~fresh)
+            passes = self.source.sampler.passes
             if len(left) >= k:
                 pick = rng.permutation(left)[:k]
+            elif passes is not None and pass_no + 1 >= passes:
+                raise InsufficientData(
+                    name, len(left), k, f"complete groups not delivered yet (passes: {passes})"
+                )
             else:  # the pass is used up: the next starts with the groups left over
                 pass_no += 1
                 pick = np.concatenate([rng.permutation(left), rng.permutation(done)])[:k]
-        return self._rows(columns, t, ready[pick], [ids[i] for i in pick.tolist()], pass_no)
+            if len(claims.claimed) > 2 * len(t.g_start) + 1024:
+                stale = tuple(claims.claimed - {self._id(t, g) for g in range(len(t.g_start))})
+        rows, groups = self._rows(columns, t, ready[pick], [ids[i] for i in pick.tolist()], pass_no)
+        return rows, groups._replace(stale=stale)
+
+    def _id(self, t: _Table, g: int) -> str:
+        """A group's id, what ``once`` claims record: source, key, chunk."""
+        return f"{self.source.name}|{float(t.g_key[g])!r}|{int(t.g_chunk[g])}"
 
     def _ready(self, t: _Table, now: float) -> np.ndarray:
         n, spec = self.size, self.source.sampler

@@ -269,7 +269,11 @@ class _Session:
         )
 
     def _claim(self, key: str, groups: Groups) -> bool:
-        return bool(_CLAIM(self.store.r, [key], [groups.pass_no, *groups.ids]))
+        if not _CLAIM(self.store.r, [key], [groups.pass_no, *groups.ids]):
+            return False
+        if groups.stale:  # groups gone from the candidates: their claims can go too
+            self.store.r.hdel(key, *groups.stale)
+        return True
 
 
 _CLAIM = Lua("claim", "orchestrator")
