@@ -98,6 +98,34 @@ def test_once_each_group_exactly_once_per_pass_across_workers(store):
         assert sorted(keys) == list(range(1000, 1008)) and passes == {p}
 
 
+def test_passes_1_delivers_each_group_once_then_waits(store):
+    """once + passes: 1 (on-policy): 8 groups in 4 batches, then the source waits instead of
+    starting a second pass; a new complete group is drawn; claims of groups gone from the
+    candidates are pruned once they outnumber the groups present."""
+    store.commit(turns_batch(rollouts(8, 4, 2, seed=5)))
+    r = recipe(once=True, passes=1)
+    ended = dict.fromkeys(range(1000, 1010), 4)
+    keys = []
+    for b in range(4):
+        keys += check_whole_groups(sample(store, r, rng=np.random.default_rng(b)), ended)
+    assert sorted(keys) == list(range(1000, 1008))
+    with pytest.raises(InsufficientData, match=r"not delivered yet \(passes: 1\)"):
+        sample(store, r, rng=np.random.default_rng(9))
+    more = [e for e in rollouts(10, 4, 2, seed=6) if e["key"] >= 1008]
+    store.commit(turns_batch(more))
+    got = check_whole_groups(sample(store, r, rng=np.random.default_rng(11)), ended)
+    assert sorted(got) == [1008.0, 1009.0]
+    key = claims_key(store.keys.base, "grpo")
+    store.r.hset(key, mapping={f"s|{k}.0|0": 0 for k in range(5000, 7100)})  # gone groups
+    with pytest.raises(InsufficientData):
+        sample(store, r, rng=np.random.default_rng(12))  # no claim made: nothing pruned yet
+    more = [e for e in rollouts(12, 4, 2, seed=7) if e["key"] >= 1010]
+    store.commit(turns_batch(more))
+    check_whole_groups(sample(store, r, rng=np.random.default_rng(13)), {1010: 4, 1011: 4})
+    left = {k.decode() for k in store.r.hkeys(key)} - {"~pass"}
+    assert len(left) == 12 and all(k.startswith("s|10") for k in left), sorted(left)[:5]
+
+
 def test_a_claim_is_all_or_nothing(store):
     key = claims_key(store.keys.base, "r")
     claim = Lua("claim", "orchestrator")
@@ -284,6 +312,8 @@ def test_pop_returns_token_batches_within_the_staleness_bound(redis_url, workers
         ({"sources": [{"name": "s", "sampler": {"kind": "group"}}]}, "group_size: required"),
         ({"sources": [{"name": "s", "sampler": {"kind": "uniform", "once": True}}]},
          "once: only for kind: group"),
+        ({"sources": [{"name": "s", "sampler": {"kind": "group", "group_size": 2,
+                                                "passes": 1}}]}, "passes: only with once"),
         ({"sources": [{"name": "s", "sampler": {"kind": "group", "group_size": 2}},
                       {"name": "u"}]}, "cannot be mixed"),
         ({"fields": ["prompt_ids"], "tokens": {}}, "fields must include response_ids"),

@@ -297,7 +297,7 @@ def _within_budget(batch: SampledBatch, recipe: Recipe) -> SampledBatch:
         k: (v[rows] if isinstance(v, np.ndarray) else [v[i] for i in rows.tolist()])
         for k, v in batch.fields.items()
     }
-    groups = Groups(g.group[:n], g.trajectory[:n], g.returns[:n], g.ids[:keep], g.pass_no)
+    groups = Groups(g.group[:n], g.trajectory[:n], g.returns[:n], g.ids[:keep], g.pass_no, g.stale)
     return SampledBatch(
         fields, batch.ids[:n], batch.weights[:n], batch.source_index[:n], batch.sources,
         batch.recipe_version, groups,

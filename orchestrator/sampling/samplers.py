@@ -351,7 +351,7 @@ class RecipeSampler:
         claims: Claims | None,
     ) -> Draw:
         """Whole groups from each source (``counts`` groups each), numbered across sources."""
-        rows, group, traj, ret, ids, source = [], [], [], [], [], []
+        rows, group, traj, ret, ids, source, stale = [], [], [], [], [], [], []
         pass_no = 0
         for i, (s, k) in enumerate(zip(self.sources, self.counts, strict=True)):
             r, g = s.draw_groups(columns, live, k, rng, now, claims)
@@ -360,10 +360,11 @@ class RecipeSampler:
             traj.append(g.trajectory + (int(traj[-1][-1]) + 1 if traj else 0))
             ret.append(g.returns)
             ids += g.ids
+            stale += g.stale
             pass_no = max(pass_no, g.pass_no)
             source.append(np.full(len(r), i, dtype=np.int16))
         cat = np.concatenate
-        groups = Groups(cat(group), cat(traj), cat(ret), tuple(ids), pass_no)
+        groups = Groups(cat(group), cat(traj), cat(ret), tuple(ids), pass_no, tuple(stale))
         all_rows = cat(rows)
         return Draw(all_rows, np.ones(len(all_rows), np.float32), cat(source), groups)
 
