@@ -106,15 +106,17 @@ def stack(redis_server, ingest_worker, tmp_path_factory) -> Iterator[dict]:
     # the upstream has no /healthz: any HTTP answer (404) means it is up
     procs = [upstream]
 
-    def gateway(namespace: str, *extra: str, upstream_url: str = upstream.url) -> Proc:
+    def gateway(
+        namespace: str, *extra: str, upstream_url: str = upstream.url, env: dict | None = None
+    ) -> Proc:
         port = free_port()
         cmd = [
             sys.executable, "-m", "orchestrator.cli.main", "--redis-url", redis_server.url,
             "gateway", "--upstream", upstream_url, "--namespace", namespace,
             "--port", str(port), *extra,
         ]  # fmt: skip
-        env = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_REWARD_TOKEN": REWARD_TOKEN}
-        p = Proc(cmd, port, tmp / f"gateway-{port}.log", env)
+        tokens = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_REWARD_TOKEN": REWARD_TOKEN}
+        p = Proc(cmd, port, tmp / f"gateway-{port}.log", {**tokens, **(env or {})})
         procs.append(p)
         return p
 
@@ -234,8 +236,59 @@ def test_agent_loops_record_what_the_upstream_returned(stack):
         assert "tool_calls" not in infos[1]
         msgs = json.loads(infos[1]["messages"])
         assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool"]
-    metrics = httpx.get(gw.url + "/metrics").text
+    assert httpx.get(gw.url + "/metrics").status_code == 401  # never open
+    wrong = httpx.get(gw.url + "/metrics", headers={"Authorization": f"Bearer {REWARD_TOKEN}"})
+    assert wrong.status_code == 401 and "CLAW_GATEWAY_TOKEN" in wrong.json()["error"]["message"]
+    metrics = httpx.get(gw.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert "claw_gateway_recorded_turns_total 6.0" in metrics
+
+
+def test_metrics_token(stack):
+    """With CLAW_METRICS_TOKEN set, /metrics takes that token and no other."""
+    gw = stack["gateway"](f"gw-{uuid.uuid4().hex[:8]}", env={"CLAW_METRICS_TOKEN": "scrape-789"})
+    for key, status in ((None, 401), (TOKEN, 401), ("scrape-789", 200)):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        assert httpx.get(gw.url + "/metrics", headers=headers).status_code == status, key
+
+
+def scrape(gw: Proc) -> str:
+    return httpx.get(gw.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+
+
+def test_turn_indices_shared_by_gateways_and_restarts(stack):
+    """Two gateway processes serve one trajectory alternately, one is restarted midway:
+    the turns are numbered 0..5 without gaps, and a reward posted to either covers all."""
+    namespace = f"gw-{uuid.uuid4().hex[:8]}"
+    a, b = stack["gateway"](namespace), stack["gateway"](namespace)
+    store = Store(stack["redis_url"], namespace)
+    ask = [{"role": "user", "content": "hello"}]
+    seen = []
+    for gw in (a, b, a, b):
+        resp = client(gw, "shared", "q").chat.completions.create(model="sim", messages=ask)
+        seen.append(getattr(resp.choices[0], "token_ids", None))
+    a.stop()  # its Ingestor flushes on the way out; the next gateway starts from Redis
+    c = stack["gateway"](namespace)
+    for gw in (c, b):
+        resp = client(gw, "shared", "q").chat.completions.create(model="sim", messages=ask)
+        seen.append(getattr(resp.choices[0], "token_ids", None))
+    auth = {"Authorization": f"Bearer {REWARD_TOKEN}"}
+    r = httpx.post(c.url + "/t/shared/reward", json={"final_reward": 2.0}, headers=auth)
+    assert r.status_code == 200, r.text
+    assert r.json()["turns"] == 6
+    got = store.episode("shared", fields=["response_ids"])
+    assert got["step_index"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert [x.tolist() for x in got["response_ids"]] == seen
+    assert got["terminated"].tolist() == [False] * 5 + [True]
+    assert got["reward"].tolist() == [0.0] * 5 + [2.0]
+    # b does not know the reward was posted through c: it answers, but records nothing
+    client(b, "shared", "q").chat.completions.create(model="sim", messages=ask)
+    deadline = time.monotonic() + 30
+    while 'claw_gateway_unrecorded_calls_total{reason="finished"} 1.0' not in scrape(b):
+        assert time.monotonic() < deadline, scrape(b)
+        time.sleep(0.05)
+    again = httpx.post(b.url + "/t/shared/reward", json={"final_reward": 0.0}, headers=auth)
+    assert again.status_code == 409 and "already has its reward" in again.text
+    assert len(store.episode("shared", fields=[])["id"]) == 6
 
 
 def test_stream_and_plain_record_the_same_step(stack):

@@ -31,7 +31,7 @@ from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from orchestrator.gateway.capture import CHAT, COMPLETION, CaptureError, Retokenizer, upstream_body
 from orchestrator.gateway.metrics import GatewayMetrics
-from orchestrator.gateway.recorder import Call, Recorder, TrajectoryError
+from orchestrator.gateway.recorder import POLICY_VERSION_HEADER, Call, Recorder, TrajectoryError
 
 UID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
 TAG_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
@@ -43,6 +43,8 @@ NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
 class GatewayConfig:
     """Everything ``claw gateway`` is configured with. ``token`` authenticates agents
     (their OpenAI API key); ``reward_token`` the reward endpoint (defaults to ``token``);
+    ``metrics_token`` ``/metrics`` (CLAW_METRICS_TOKEN, as for ``claw metrics``; defaults
+    to ``token``: the page names trajectories' traffic, so it is never open);
     ``upstream_key`` is what the gateway sends upstream (agents never see it)."""
 
     upstream: str
@@ -50,6 +52,7 @@ class GatewayConfig:
     token: str
     redis_url: str | None = None
     reward_token: str | None = None
+    metrics_token: str | None = None
     upstream_key: str | None = None
     tokenizer: str | None = None
     vllm_options: bool = True
@@ -72,13 +75,13 @@ class _Refused(Exception):
         self.response = response
 
 
-def _bearer(request: Request, expected: str) -> None:
+def _bearer(request: Request, expected: str, which: str = "CLAW_GATEWAY_TOKEN") -> None:
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
         raise _Refused(
-            error(401, "missing or wrong bearer token (the gateway's token, "
-                  "CLAW_GATEWAY_TOKEN, is the agents' API key)",
+            error(401, f"missing or wrong bearer token (Authorization: Bearer ${which}; "
+                  "the gateway's token, CLAW_GATEWAY_TOKEN, is the agents' API key)",
                   "authentication_error", "invalid_api_key")
         )  # fmt: skip
 
@@ -162,6 +165,7 @@ class Gateway:
                 config.namespace, config.redis_url, flush_interval=0.5,
                 schema=None if has_schema else Schema.llm(),
             )  # fmt: skip
+        ingestor.store.set_episode_index()  # a reward post reads its turns in O(turns)
         retok = Retokenizer(config.tokenizer) if config.tokenizer else None
         self.recorder = Recorder(
             ingestor, self.metrics, retokenizer=retok, max_turns=config.max_turns,
@@ -225,8 +229,10 @@ class Gateway:
             self.recorder.refund(traj)
             return Response(content, resp.status_code, media_type=media)
 
+        version = resp.headers.get(POLICY_VERSION_HEADER)
+
         def call(reply: bytes, streamed: bool) -> Call:
-            return Call(traj, group, kind, payload, reply, streamed, tags)
+            return Call(traj, group, kind, payload, reply, streamed, tags, version)
 
         if not payload.get("stream"):
             content = await resp.aread()
@@ -287,6 +293,12 @@ class Gateway:
         )  # fmt: skip
 
     async def metrics_page(self, request: Request) -> Response:
+        token = self.config.metrics_token
+        try:
+            _bearer(request, token or self.config.token,
+                    "CLAW_METRICS_TOKEN" if token else "CLAW_GATEWAY_TOKEN")  # fmt: skip
+        except _Refused as r:
+            return r.response
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

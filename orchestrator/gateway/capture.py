@@ -34,6 +34,7 @@ class Turn:
     tool_calls: list[Any] | None = None
     finish_reason: str | None = None
     model: str | None = None
+    policy_version: int | None = None
 
 
 def upstream_body(kind: str, body: dict[str, Any], vllm_options: bool) -> dict[str, Any]:

@@ -30,7 +30,8 @@ class GatewayMetrics:
         self.unrecorded = Counter(
             "claw_gateway_unrecorded_calls",
             "Successful calls not recorded, by reason (uncapturable: no log-probs or ids; "
-            "queue_full; error)", ["reason"], registry=r,
+            "queue_full; finished: the reward was posted through another gateway; error)",
+            ["reason"], registry=r,
         )  # fmt: skip
         self.rewarded = Counter(
             "claw_gateway_rewarded_trajectories", "Trajectories given a reward", registry=r

@@ -8,17 +8,26 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from claw_tasks.client import Ingestor
-from claw_tasks.llm import attach_rewards
+from claw_tasks.llm import attach_rewards, turn_fields
 from claw_tasks.lru import LRU
 from claw_tasks.schema import SchemaError
-from orchestrator.gateway.capture import CaptureError, Retokenizer, capture
+from claw_tasks.store.scripts import Lua, execute
+from orchestrator.gateway.capture import CaptureError, Retokenizer, Turn, capture
 from orchestrator.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
+
+_TURN = Lua("turn", "orchestrator")
+_DRAIN = 256  # calls numbered in one round trip at most
+
+POLICY_VERSION_HEADER = "x-claw-policy-version"
+"""A reply header the upstream may set: the policy version that generated the reply (an
+inference server whose weights a trainer updates knows it; the gateway does not)."""
 
 
 class TrajectoryError(ValueError):
@@ -36,19 +45,25 @@ class Call:
     reply: bytes
     streamed: bool
     tags: dict[str, str]
+    policy_version: str | None = None  # the upstream's X-Claw-Policy-Version, unchecked
 
 
 @dataclass
 class _Trajectory:
-    calls: int = 0  # accepted by a handler (the turn budget counts these)
-    recorded: int = 0  # committed or buffered as steps
+    calls: int = 0  # accepted by this process's handlers (the turn budget counts these)
     dropped: int = 0  # accepted but not recordable (no log-probs, queue full, ...)
     finished: bool = False
 
 
 class Recorder:
-    """Owns the Ingestor and the per-trajectory state (bounded: an LRU of
-    ``max_trajectories``; a trajectory evicted from it starts counting its turns again)."""
+    """Owns the Ingestor and the trajectories' state. Turn indices and the finished mark
+    live in Redis (``orchestrator/lua/turn.lua``: a hash per trajectory with a TTL), so
+    every gateway process serving a trajectory, and a gateway restarted mid-trajectory,
+    number its turns 0, 1, 2, ... without gaps; the recorder thread asks for them, several
+    calls in one round trip, never the handlers. The turn budget and the quick refusal of
+    a finished trajectory are this process's (an LRU of ``max_trajectories``), so they stay
+    off Redis on the response path; a call another process finished is refused when it is
+    recorded (``reason="finished"``)."""
 
     def __init__(
         self,
@@ -60,17 +75,24 @@ class Recorder:
         queue_size: int = 10_000,
         max_trajectories: int = 100_000,
         policy_version: int | None = None,
+        trajectory_ttl: int = 7 * 86400,
     ) -> None:
         self.ingestor = ingestor
+        self.store = ingestor.store
         self.metrics = metrics
         self.retokenizer = retokenizer
         self.max_turns = max_turns
         self.policy_version = policy_version
+        self.ttl = trajectory_ttl
         self._queue: queue.Queue[Call | None] = queue.Queue(queue_size)
         self._trajectories: LRU[str, _Trajectory] = LRU(max_trajectories)
         self._lock = threading.Lock()
+        self.store.r.script_load(_TURN.source)
         self._thread = threading.Thread(target=self._run, name="claw-gateway-recorder")
         self._thread.start()
+
+    def _key(self, trajectory_uid: str) -> str:
+        return f"{self.store.keys.base}gw:{trajectory_uid}"
 
     # ---- handler side (event loop; must not block) ------------------------------------
     def admit(self, trajectory_uid: str) -> None:
@@ -107,39 +129,96 @@ class Recorder:
 
     # ---- recorder thread ------------------------------------------------------------
     def _run(self) -> None:
-        while (call := self._queue.get()) is not None:
+        stop = False
+        while not stop:
+            calls = [self._queue.get()]
+            while len(calls) < _DRAIN:  # what queued up meanwhile, in the same round trip
+                try:
+                    calls.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if calls[-1] is None:
+                stop = True
+                calls.pop()
             try:
-                self._record(call)
+                self._record_all(calls)  # type: ignore[arg-type]
+            finally:
+                for _ in range(len(calls) + stop):
+                    self._queue.task_done()
+
+    def _record_all(self, calls: list[Call]) -> None:
+        turns: list[Turn | None] = []
+        for call in calls:
+            try:
+                turns.append(self._capture(call))
+            except CaptureError as e:
+                log.info("call of trajectory %r not recorded: %s", call.trajectory_uid, e)
+                self._drop(call.trajectory_uid, "uncapturable")
+                turns.append(None)
+        todo = [(c, t) for c, t in zip(calls, turns, strict=True) if t is not None]
+        if not todo:
+            return
+        try:
+            indices = execute(self.store.r, [_TURN], lambda pipe: [
+                _TURN.queue(pipe, [self._key(c.trajectory_uid)], ["turn", self.ttl])
+                for c, _ in todo
+            ])  # fmt: skip
+        except Exception:
+            log.exception("numbering %d recorded calls failed (Redis)", len(todo))
+            for c, _ in todo:
+                self._drop(c.trajectory_uid, "error")
+            return
+        for (call, turn), index in zip(todo, indices, strict=True):
+            if int(index) < 0:
+                self._drop(call.trajectory_uid, "finished")
+                continue
+            try:
+                self._record(call, turn, int(index))
             except CaptureError as e:
                 log.info("call of trajectory %r not recorded: %s", call.trajectory_uid, e)
                 self._drop(call.trajectory_uid, "uncapturable")
             except Exception:
                 log.exception("recording a call of trajectory %r failed", call.trajectory_uid)
                 self._drop(call.trajectory_uid, "error")
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
 
-    def _record(self, call: Call) -> None:
+    def _version(self, call: Call) -> int | None:
+        """The upstream's policy version header if it sent one, else ``--policy-version``."""
+        raw = call.policy_version
+        if raw is None:
+            return self.policy_version
+        if not raw.isdigit() or int(raw) > 2**31 - 1:
+            raise CaptureError(
+                f"the upstream's {POLICY_VERSION_HEADER} header {raw[:20]!r} is not an "
+                "integer in 0..2^31-1"
+            )
+        return int(raw)
+
+    def _capture(self, call: Call) -> Turn:
+        """The call's turn, checked as ``llm_turn`` will check it, before it is given a
+        turn index (an index handed out and never recorded would be a gap)."""
         turn = capture(call.kind, call.request, call.reply, call.streamed, self.retokenizer)
-        with self._lock:
-            t = self._trajectories.get(call.trajectory_uid, _Trajectory)
-            index = t.recorded
+        turn.policy_version = self._version(call)
+        try:
+            turn_fields(turn.prompt_ids, turn.response_ids, turn.response_logprobs, None,
+                        False, f"a call of trajectory {call.trajectory_uid!r}")  # fmt: skip
+        except SchemaError as e:
+            raise CaptureError(str(e)) from None
+        return turn
+
+    def _record(self, call: Call, turn: Turn, index: int) -> None:
         try:
             self.ingestor.llm_turn(
                 call.trajectory_uid, index, turn.prompt_ids, turn.response_ids,
                 turn.response_logprobs, prompt_uid=call.prompt_uid,
-                policy_version=self.policy_version, messages=turn.messages,
+                policy_version=turn.policy_version, messages=turn.messages,
                 tool_calls=turn.tool_calls, retokenized=turn.retokenized,
                 info={"finish_reason": turn.finish_reason, "model": turn.model},
                 **call.tags,
             )  # fmt: skip
-        except SchemaError as e:  # refused before buffering: not a step
+        except SchemaError as e:  # refused before buffering: not a step (its index is a gap)
             raise CaptureError(str(e)) from None
         except Exception:  # buffered, but the send it started failed: kept and re-sent
             log.warning("sending recorded turns failed; they are kept and re-sent", exc_info=True)
-        with self._lock:
-            t.recorded += 1
         self.metrics.recorded.inc()
         if turn.retokenized:
             self.metrics.retokenized.inc()
@@ -158,17 +237,23 @@ class Recorder:
         reward_source: str | None,
         timeout: float = 60.0,
     ) -> int:
-        """Finish a trajectory: wait until its calls are recorded and committed, then
-        attach the rewards (``claw_tasks.llm.attach_rewards``). Returns its turn count."""
+        """Finish a trajectory: wait until its calls are recorded and committed (this
+        process's, then any other gateway's: the turns handed out in Redis), then attach
+        the rewards (``claw_tasks.llm.attach_rewards``). Returns its turn count."""
         with self._lock:
             t = self._trajectories.get(trajectory_uid, _Trajectory)
             if t.finished:
                 raise TrajectoryError(f"trajectory {trajectory_uid!r} already has its reward")
             t.finished = True  # no new calls from here on
+        key = self._key(trajectory_uid)
+        finished = False
         try:
-            self._queue.join()  # every call accepted so far is recorded (or dropped)
-            self.ingestor.flush(wait=True, timeout=timeout)
-            if t.recorded == 0:
+            self._queue.join()  # every call accepted so far is numbered (or dropped)
+            turns = int(_TURN(self.store.r, [key], ["finish", self.ttl]))
+            if turns < 0:
+                raise TrajectoryError(f"trajectory {trajectory_uid!r} already has its reward")
+            finished = True
+            if turns == 0:
                 raise TrajectoryError(
                     f"trajectory {trajectory_uid!r} has no recorded turns to reward"
                 )
@@ -178,16 +263,37 @@ class Recorder:
                     "recorded, so per-turn rewards cannot be matched to turns; post only "
                     "final_reward"
                 )
+            self.ingestor.flush(wait=True, timeout=timeout)
+            self._committed(trajectory_uid, turns, time.monotonic() + timeout)
             attach_rewards(
-                self.ingestor.store, trajectory_uid, final_reward, turn_rewards,
-                reward_source=reward_source, expect_turns=t.recorded,
+                self.store, trajectory_uid, final_reward, turn_rewards,
+                reward_source=reward_source, expect_turns=turns,
             )  # fmt: skip
         except Exception:
             with self._lock:
                 t.finished = False  # the reward may be posted again
+            if finished:
+                _TURN(self.store.r, [key], ["reopen", self.ttl])
             raise
         self.metrics.rewarded.inc()
-        return t.recorded
+        return turns
+
+    def _committed(self, trajectory_uid: str, turns: int, deadline: float) -> None:
+        """Wait until the store holds ``turns`` turns of the trajectory (another gateway's
+        Ingestor may still be sending some); a TrajectoryError after the deadline."""
+        delay = 0.002
+        while True:
+            found = self.store.trajectory_ids(trajectory_uid)
+            if found is None or len(found) >= turns:
+                return  # no index: attach_rewards counts (and refuses) on the column
+            if time.monotonic() > deadline:
+                raise TrajectoryError(
+                    f"trajectory {trajectory_uid!r}: {len(found)} of its {turns} turns are "
+                    "stored; the rest were not committed in time (are the ingest workers "
+                    "running?); post the reward again"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def close(self, timeout: float = 60.0) -> None:
         self._queue.put(None)

@@ -266,7 +266,8 @@ def gateway(
     """OpenAI-compatible capture gateway: agents call it (base_url
     http://HOST:PORT/t/<trajectory>/g/<group>/v1, api_key = CLAW_GATEWAY_TOKEN), it forwards
     to UPSTREAM and records every call as a step; POST /t/<trajectory>/reward (token
-    CLAW_GATEWAY_REWARD_TOKEN, default CLAW_GATEWAY_TOKEN) attaches rewards. docs/llm.md."""
+    CLAW_GATEWAY_REWARD_TOKEN, default CLAW_GATEWAY_TOKEN) attaches rewards; /metrics needs
+    CLAW_METRICS_TOKEN (default CLAW_GATEWAY_TOKEN). docs/llm.md."""
     from orchestrator.gateway import GatewayConfig, serve
 
     token = os.environ.get("CLAW_GATEWAY_TOKEN")
@@ -281,6 +282,7 @@ def gateway(
     config = GatewayConfig(
         upstream=upstream, namespace=namespace, token=token, redis_url=url,
         reward_token=os.environ.get("CLAW_GATEWAY_REWARD_TOKEN") or None,
+        metrics_token=os.environ.get("CLAW_METRICS_TOKEN") or None,
         upstream_key=os.environ.get("CLAW_UPSTREAM_API_KEY") or None,
         tokenizer=str(tokenizer) if tokenizer else None, vllm_options=vllm_options,
         max_body_bytes=max_body_bytes, max_turns=max_turns, policy_version=policy_version,
