@@ -1,15 +1,18 @@
 """GRPO end to end on a toy task: a tiny torch policy learns to add two digits.
 
-The policy (about 3,500 parameters, its own 15-token vocabulary, nothing downloaded) is
+The policy (about 3,200 parameters, its own 15-token vocabulary, nothing downloaded) is
 served by a small OpenAI-compatible server of this script's own (``/v1/completions``,
-returning token ids and log-probs the way vLLM does). Agent threads ask it for rollouts:
-for each prompt ``a+b=`` (a, b in 0..4) a group of ``--group-size`` completions, each
-rewarded 1 when its digit is the sum. Each rollout is recorded as one LLM turn with
-``Ingestor.llm_turn`` (trajectory = rollout, ``prompt_uid`` = the group, ``is_last``, the
-policy version). The trainer pops group batches (``sampler: {kind: group, once: true}``,
-``tokens`` collation, GRPO advantages computed by the prefetch workers), takes a clipped
-policy-gradient step, publishes the new policy version, and bounds staleness with the live
-param ``min_version``. Needs a running stack:
+returning token ids and log-probs the way vLLM does, and the policy version that sampled
+each reply in an ``X-Claw-Policy-Version`` header). This script starts ``claw gateway``
+in front of it (a subprocess), and agent threads roll out through the gateway with the
+real ``openai`` client: for each prompt ``a+b=`` (a, b in 0..4) a group of
+``--group-size`` trajectories, each one call to ``base_url=<gateway>/t/<trajectory>/g/<group>/v1``
+(the gateway records it as one LLM turn: token ids, log-probs, policy version), then its
+reward (1 when the digit is the sum) posted to the gateway's ``/t/<trajectory>/reward``,
+which ends the trajectory. The trainer pops group batches from Claw
+(``sampler: {kind: group, once: true}``, ``tokens`` collation, GRPO advantages computed
+by the prefetch workers), takes a clipped policy-gradient step, publishes the new policy
+version, and bounds staleness with the live param ``min_version``. Needs the workers:
 
     claw up                                   # in another terminal
     python examples/grpo_toy.py --updates 150
@@ -19,19 +22,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
 import threading
 import time
-import urllib.request
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
+import openai
 import torch
 from torch import nn
 
-from claw_tasks.client import Ingestor
-from claw_tasks.schema import Schema
 from orchestrator import BatchClient
 from orchestrator.adapters.llm import token_tensors
 
@@ -51,12 +60,15 @@ class Policy(nn.Module):
     def forward(self, windows: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.embed(windows).flatten(-2))
 
-    def token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
-        """(S, T) log-prob of each token given the tokens before it (position 0: 0)."""
+    def token_logprobs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, T) log-prob of each token given the tokens before it (position 0: 0), and
+        (S, T) the entropy of the distribution it was drawn from."""
         padded = torch.nn.functional.pad(ids, (WINDOW, 0), value=PAD)
         win = padded.unfold(1, WINDOW, 1)[:, :-1]  # (S, T, WINDOW): the context of token t
-        logp = torch.log_softmax(self(win), -1).gather(-1, ids[..., None])[..., 0]
-        return torch.cat([torch.zeros_like(logp[:, :1]), logp[:, 1:]], 1)
+        dist = torch.log_softmax(self(win), -1)
+        logp = dist.gather(-1, ids[..., None])[..., 0]
+        logp = torch.cat([torch.zeros_like(logp[:, :1]), logp[:, 1:]], 1)
+        return logp, -(dist.exp() * dist).sum(-1)
 
 
 def prompt_of(a: int, b: int) -> list[int]:
@@ -79,7 +91,8 @@ def success_rate(policy: Policy) -> float:
 class Server:
     """An OpenAI-compatible ``/v1/completions`` endpoint for the policy: ``prompt`` is a list
     of token ids; the reply carries ``prompt_token_ids``, ``token_ids`` and
-    ``logprobs.token_logprobs`` per choice (vLLM's fields)."""
+    ``logprobs.token_logprobs`` per choice (vLLM's fields), and the policy version in the
+    ``X-Claw-Policy-Version`` header (which the gateway records)."""
 
     def __init__(self, policy: Policy, lock: threading.Lock, seed: int) -> None:
         self.policy, self.lock, self.version = policy, lock, 0
@@ -87,23 +100,31 @@ class Server:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: the gateway reuses its connections
+
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                reply = json.dumps(server.complete(body)).encode()
+                out, version = server.complete(body)
+                reply = json.dumps(out).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(reply)))
+                self.send_header("X-Claw-Policy-Version", str(version))
                 self.end_headers()
                 self.wfile.write(reply)
 
             def log_message(self, *_: Any) -> None:
                 pass
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
+        class HTTPServer(ThreadingHTTPServer):
+            daemon_threads = True
+            request_queue_size = 1024  # the gateway opens a connection per concurrent call
+
+        self.http = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
-    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    def complete(self, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
         ids = [int(t) for t in body["prompt"]]
         choices = []
         with self.lock, torch.no_grad():
@@ -119,16 +140,60 @@ class Server:
             version = self.version
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": "toy",
-            "prompt_token_ids": ids, "choices": choices, "policy_version": version,
-        }  # fmt: skip
+            "prompt_token_ids": ids, "choices": choices,
+        }, version  # fmt: skip
 
 
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())
+# ---- the gateway ---------------------------------------------------------------------------
+class Gateway:
+    """``claw gateway`` in front of the server, as a subprocess: same Redis
+    (CLAW_REDIS_URL), fresh random tokens for the agents and for the reward endpoint."""
+
+    def __init__(self, upstream: str, namespace: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.token, self.reward_token = secrets.token_hex(16), secrets.token_hex(16)
+        env = {**os.environ, "CLAW_GATEWAY_TOKEN": self.token,
+               "CLAW_GATEWAY_REWARD_TOKEN": self.reward_token}  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli.main", "gateway", "--upstream", upstream,
+             "--namespace", namespace, "--port", str(port), "--max-turns", "4"],
+            cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{self.url}/healthz", timeout=1).raise_for_status()
+                return
+            except httpx.HTTPError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        "claw gateway did not start (see its output above)"
+                    ) from None
+                time.sleep(0.2)
+
+    def counts(self) -> dict[str, float]:
+        """Its Prometheus counters (``/metrics`` takes the agents' token when no
+        CLAW_METRICS_TOKEN is set)."""
+        page = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {self.token}"})
+        page.raise_for_status()
+        return {
+            name: float(value)
+            for name, _, value in (ln.partition(" ") for ln in page.text.splitlines())
+            if name.startswith("claw_gateway_") and name.endswith("_total")
+        }
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 # ---- agents ------------------------------------------------------------------------------
@@ -152,24 +217,44 @@ class Pace:
             self.cond.notify_all()
 
 
-def agents(url: str, ingestor: Ingestor, group_size: int, seed: int, stop: threading.Event,
-           pace: Pace) -> None:  # fmt: skip
-    """Rollout groups until ``stop``: each is ``group_size`` trajectories of one prompt."""
+def rollout(http: httpx.Client, gw: Gateway, group: str, j: int, a: int, b: int) -> float:
+    """One trajectory: a call through the gateway with the OpenAI client, then its reward
+    posted to the gateway (the gateway ends the trajectory and attaches it)."""
+    traj = f"{group}-{j}"
+    client = openai.OpenAI(
+        base_url=f"{gw.url}/t/{traj}/g/{group}/v1", api_key=gw.token, http_client=http,
+        max_retries=0,
+    )  # fmt: skip
+    out = client.completions.create(model="toy", prompt=prompt_of(a, b), max_tokens=1)
+    reward = float(out.choices[0].text == str(a + b))
+    r = http.post(
+        f"{gw.url}/t/{traj}/reward", json={"final_reward": reward, "reward_source": "exact"},
+        headers={"Authorization": f"Bearer {gw.reward_token}"},
+    )  # fmt: skip
+    if r.status_code != 200:
+        raise RuntimeError(f"reward of {traj}: {r.status_code} {r.text}")
+    return reward
+
+
+def agents(gw: Gateway, group_size: int, seed: int, stop: threading.Event, pace: Pace,
+           errors: list[BaseException], threads: int) -> None:  # fmt: skip
+    """Rollout groups until ``stop``: each is ``group_size`` trajectories of one prompt,
+    run by a pool of agent threads (a reward post waits for the turn's commit)."""
     rng = np.random.default_rng(seed)
-    while pace.wait_turn(stop):
-        a, b = PROMPTS[rng.integers(len(PROMPTS))]
-        group = uuid.uuid4().hex
-        prompt = prompt_of(a, b)
-        for j in range(group_size):
-            out = post(f"{url}/completions", {"model": "toy", "prompt": prompt, "max_tokens": 1,
-                                              "logprobs": 1})  # fmt: skip
-            choice = out["choices"][0]
-            reward = float(choice["token_ids"][0] == DIGIT + a + b)
-            ingestor.llm_turn(
-                f"{group}-{j}", 0, out["prompt_token_ids"], choice["token_ids"],
-                choice["logprobs"]["token_logprobs"], prompt_uid=group, reward=reward,
-                is_last=True, policy_version=out["policy_version"], reward_source="exact",
-            )  # fmt: skip
+
+    def check(f: Future) -> None:
+        if not f.cancelled() and f.exception() is not None and not stop.is_set():
+            errors.append(f.exception())
+            stop.set()
+
+    limits = httpx.Limits(max_connections=threads, max_keepalive_connections=threads)
+    with httpx.Client(timeout=120, limits=limits) as http, ThreadPoolExecutor(threads) as pool:
+        while pace.wait_turn(stop):
+            a, b = PROMPTS[rng.integers(len(PROMPTS))]
+            group = uuid.uuid4().hex
+            for j in range(group_size):
+                pool.submit(rollout, http, gw, group, j, a, b).add_done_callback(check)
+        pool.shutdown(cancel_futures=True)
 
 
 # ---- the trainer -------------------------------------------------------------------------
@@ -183,24 +268,35 @@ def recipe(groups: int, group_size: int) -> dict[str, Any]:
             "name": "rollouts",
             "where": "policy_version >= $min_version",
             "sampler": {"kind": "group", "group_by": "prompt_uid", "group_size": group_size,
-                        "once": True},
+                        "once": True, "passes": 1},
         }],
         "tokens": {"mode": "transition", "advantage": "grpo"},
         "prefetch": {"depth": 4},
     }  # fmt: skip
 
 
-def grpo_step(policy: Policy, opt: torch.optim.Optimizer, batch: Any, clip: float = 0.2) -> float:
+def grpo_step(
+    policy: Policy,
+    opt: torch.optim.Optimizer,
+    batch: Any,
+    epochs: int,
+    entropy_coef: float,
+    clip: float = 0.2,
+) -> float:
+    """``epochs`` clipped policy-gradient steps on one batch (GRPO's inner iterations: the
+    ratio to the behaviour policy's log-probs, recorded by the gateway, keeps them close),
+    with an entropy bonus (a prompt whose answers all agree gives no signal again)."""
     t = token_tensors(batch)
-    new = policy.token_logprobs(t["input_ids"])
-    mask = t["loss_mask"]
-    ratio = torch.exp(new - t["old_logprobs"])
-    adv = t["advantages"]
-    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
-    loss = -(surrogate * mask).sum() / mask.sum().clamp(min=1)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    mask, adv = t["loss_mask"], t["advantages"]
+    for _ in range(epochs):
+        new, entropy = policy.token_logprobs(t["input_ids"])
+        ratio = torch.exp(new - t["old_logprobs"])
+        surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+        surrogate = surrogate + entropy_coef * entropy
+        loss = -(surrogate * mask).sum() / mask.sum().clamp(min=1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
     return loss.item()
 
 
@@ -210,9 +306,12 @@ def main() -> None:
     p.add_argument("--updates", type=int, default=150)
     p.add_argument("--groups", type=int, default=8, help="groups (prompts) per batch")
     p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--agents", type=int, default=32, help="agent threads")
     p.add_argument("--lag", type=int, default=8, help="policy versions a rollout may lag")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--epochs", type=int, default=4, help="gradient steps per batch")
+    p.add_argument("--entropy", type=float, default=0.02, help="entropy bonus coefficient")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop after this long")
     args = p.parse_args()
     torch.manual_seed(args.seed)
@@ -221,26 +320,35 @@ def main() -> None:
     n_params = sum(x.numel() for x in policy.parameters())
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
     server = Server(policy, lock, args.seed)
+    gw = Gateway(server.url, args.namespace)
     start = success_rate(policy)
-    print(f"policy of {n_params} parameters at {server.url}; success {start:.1%}", flush=True)
-    stop = threading.Event()
-    ingestor = Ingestor(args.namespace, schema=Schema.llm(), flush_interval=0.2)
+    print(f"policy of {n_params} parameters at {server.url}, agents call it through "
+          f"claw gateway at {gw.url}; success {start:.1%}", flush=True)  # fmt: skip
+    stop, errors = threading.Event(), []
     pace = Pace(2 * args.groups)
     agent = threading.Thread(
-        target=agents, args=(server.url, ingestor, args.group_size, args.seed, stop, pace),
+        target=agents, args=(gw, args.group_size, args.seed, stop, pace, errors, args.agents),
         daemon=True,
     )  # fmt: skip
     agent.start()
     t0 = time.monotonic()
-    rate = start
+    rate, update = start, 0
     try:
         with BatchClient(args.namespace) as client:
             client.register(recipe(args.groups, args.group_size))
             for update in range(1, args.updates + 1):
-                batch = client.pop("grpo-toy", timeout=120)
+                while True:
+                    try:
+                        batch = client.pop("grpo-toy", timeout=5)
+                        break
+                    except TimeoutError:
+                        if errors:
+                            raise RuntimeError(f"an agent failed: {errors[0]!r}") from errors[0]
+                        if time.monotonic() - t0 > args.budget_s + 120:
+                            raise
                 sizes = np.bincount(batch["group_index"])
                 with lock:
-                    loss = grpo_step(policy, opt, batch)
+                    loss = grpo_step(policy, opt, batch, args.epochs, args.entropy)
                     server.version = update
                 pace.consumed(len(sizes))
                 rate = success_rate(policy)
@@ -255,10 +363,15 @@ def main() -> None:
                     break
     finally:
         stop.set()
-        agent.join(timeout=30)
-        ingestor.close()
+        agent.join(timeout=60)
+        counts = gw.counts()
+        gw.stop()
         server.http.shutdown()
     took = time.monotonic() - t0
+    print(
+        f"gateway: {counts['claw_gateway_recorded_turns_total']:.0f} turns recorded, "
+        f"{counts['claw_gateway_rewarded_trajectories_total']:.0f} trajectories rewarded"
+    )
     print(f"done: {update} updates in {took:.0f} s; success {start:.1%} -> {rate:.1%} "
           f"({(rate - start) * 100:+.1f} points)")  # fmt: skip
 

@@ -382,11 +382,28 @@ def run_toy(redis_url: str, namespace: str, *args: str, timeout: float = 300) ->
 
 
 def test_grpo_toy_loop_runs_and_groups_arrive_complete(redis_url, workers, namespace):
-    out = run_toy(redis_url, namespace, "--updates", "4", "--groups", "4", "--group-size", "4")
+    """The example's agents call its policy server through `claw gateway`, which records
+    every turn and takes every reward; the trainer pops complete groups from Claw."""
+    import re
+
+    out = run_toy(redis_url, namespace, "--updates", "4", "--groups", "4", "--group-size", "4",
+                  "--agents", "8")  # fmt: skip
     lines = [ln for ln in out.splitlines() if ln.startswith("update ")]
     assert len(lines) == 4, out
     assert all(" 4 groups of [4] trajectories" in ln for ln in lines), out
     assert "done: 4 updates" in out
+    turns, rewarded = map(
+        int, re.search(r"gateway: (\d+) turns recorded, (\d+) traj", out).groups()
+    )
+    assert turns == rewarded >= 64, out  # 4 batches of 16 trajectories, one turn each
+    store = Store(redis_url, namespace)
+    cols = store.meta_columns(0, ["episode", "flags", "policy_version", "t:final_reward"])
+    alive = cols["alive"]
+    assert alive.sum() == turns
+    assert (cols["flags"][alive] & 1).all()  # every trajectory ended by its reward post
+    assert np.isin(cols["t:final_reward"][alive], [0.0, 1.0]).all()
+    assert len(np.unique(cols["episode"][alive])) == turns
+    assert cols["policy_version"][alive].max() >= 1  # from the server's header, via the gateway
 
 
 @pytest.mark.slow
