@@ -11,9 +11,8 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.codec import MAX_NDIM, CodecError, check_dtype, frame
-from claw_tasks.codecs import Codec, Frames, frame_problem
+from claw_tasks.codecs import Codec, Frames, engine_for, frame_problem
 from claw_tasks.codecs.delta import key_body
-from claw_tasks.codecs.rows import engine_for
 from claw_tasks.schema import FieldSpec
 
 MSG_KEYS = frozenset({"codec", "dtype", "row", "data", "offsets"})

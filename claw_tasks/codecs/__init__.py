@@ -8,8 +8,9 @@ docs/architecture.md, "Compressed fields".
 """
 
 from claw_tasks.codec import CodecError
+from claw_tasks.codecs.engines import engine_for
 from claw_tasks.codecs.frames import Frames
-from claw_tasks.codecs.rows import decode, encode, engine_for, frame_problem
+from claw_tasks.codecs.rows import decode, encode, frame_problem
 from claw_tasks.codecs.spec import LOSSLESS, LOSSY, NAMES, Codec, image_layout
 
 __all__ = [

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.codec import CodecError
+from claw_tasks.codecs.engines import engine_for
 
 KEY, DELTA = b"K", b"D"
 
@@ -50,7 +51,7 @@ def key_body(frame: bytes | memoryview) -> memoryview:
 
 
 def encode_groups(
-    codec: Any, rows: np.ndarray, ids: np.ndarray, runs: list[np.ndarray], threads: int = 1
+    codec: Any, rows: np.ndarray, ids: np.ndarray, runs: list[np.ndarray]
 ) -> list[bytes]:
     """Frames of ``rows`` (raw, ``(n, ...)``) with step ``ids``: each run (the rows of one
     episode's consecutive steps, in step order) is cut into groups of ``key_every``; a
@@ -58,8 +59,6 @@ def encode_groups(
     newest step of its group (the highest row: rows are committed in seq order, whatever
     their step order), so the ring (which overwrites oldest first) never takes a key
     before the deltas that need it."""
-    from claw_tasks.codecs.rows import engine_for
-
     n = len(rows)
     flat = np.ascontiguousarray(rows).reshape(n, -1).view(np.uint8).reshape(n, -1)
     key_of = np.arange(n)
@@ -95,8 +94,6 @@ def decode_with_keys(
     """Rows of delta-codec ``frames`` (empty: zeros), ``keys`` holding the key frames by
     step id that are not among them. A key frame that is gone or is another step's raises
     CodecError (the store's design keeps keys while their deltas live)."""
-    from claw_tasks.codecs.rows import engine_for
-
     eng = engine_for(codec)
     dt = np.dtype(dtype)
     nbytes = dt.itemsize * int(np.prod(shape, dtype=np.int64))

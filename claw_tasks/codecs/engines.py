@@ -11,6 +11,7 @@ threads side by side.
 from __future__ import annotations
 
 import io
+import threading
 from typing import Any
 
 import cv2
@@ -194,6 +195,20 @@ class Picture(Engine):
         except Exception as e:  # a truncated or corrupt body
             raise CodecError(f"{self.codec.name} image does not decode: {e}") from None
         return arr.reshape(-1)
+
+
+_local = threading.local()
+
+
+def engine_for(codec: Codec) -> Engine:
+    """This thread's engine of ``codec`` (cached: zstandard's contexts are not thread safe)."""
+    cache = getattr(_local, "engines", None)
+    if cache is None:
+        cache = _local.engines = {}
+    eng = cache.get(codec)
+    if eng is None:
+        eng = cache[codec] = engine(codec)
+    return eng
 
 
 def engine(codec: Codec) -> Engine:

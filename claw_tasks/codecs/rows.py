@@ -18,25 +18,14 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.codec import CodecError
-from claw_tasks.codecs.engines import Engine, engine
+from claw_tasks.codecs.delta import key_body, key_frame
+from claw_tasks.codecs.engines import Engine, engine_for
 from claw_tasks.codecs.frames import Frames
 from claw_tasks.codecs.spec import Codec
 
-_local = threading.local()
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 MIN_ROWS_PER_THREAD = 16
-
-
-def engine_for(codec: Codec) -> Engine:
-    """This thread's engine of ``codec`` (cached)."""
-    cache = getattr(_local, "engines", None)
-    if cache is None:
-        cache = _local.engines = {}
-    eng = cache.get(codec)
-    if eng is None:
-        eng = cache[codec] = engine(codec)
-    return eng
 
 
 def _parallel(n: int, threads: int, work: Callable[[int, int], Any]) -> list[Any]:
@@ -63,7 +52,6 @@ def encode(codec: Codec, values: np.ndarray | Sequence[np.ndarray], threads: int
         flat = np.ascontiguousarray(values).reshape(len(values), -1)
         values = [flat[i].reshape(shape) for i in range(len(flat))]
     if codec.name == "delta":
-        from claw_tasks.codecs.delta import key_frame
 
         def work(lo: int, hi: int) -> list[bytes]:
             eng = engine_for(codec)
@@ -110,7 +98,7 @@ def decode(
 
     def fixed(lo: int, hi: int) -> None:
         eng = engine_for(codec)
-        strip = _strip_key if codec.name == "delta" else None
+        strip = key_body if codec.name == "delta" else None
         for i in range(lo, hi):
             f = frames[i]
             if f:
@@ -119,12 +107,6 @@ def decode(
 
     _parallel(n, threads, fixed)
     return out.view(dt).reshape(n, *fixed_shape)
-
-
-def _strip_key(f: bytes | memoryview) -> memoryview:
-    from claw_tasks.codecs.delta import key_body
-
-    return key_body(f)
 
 
 def _ragged_size(eng: Engine, frame: bytes | memoryview, item: int) -> int:
@@ -153,11 +135,7 @@ def frame_problem(
     item = dt.itemsize * math.prod(dims)
     eng = engine_for(codec)
     try:
-        body = frame
-        if codec.name == "delta":
-            from claw_tasks.codecs.delta import key_body
-
-            body = key_body(frame)
+        body = key_body(frame) if codec.name == "delta" else frame
         declared = eng.declared(body)
         if ragged:
             if (item and declared % item) or declared > max_bytes:

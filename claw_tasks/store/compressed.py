@@ -56,7 +56,7 @@ def frames_of(
     codec = spec.codec
     assert codec is not None
     if codec.name == "delta":
-        return encode_groups(codec, raw_rows(spec, v), ids, runs, codec_threads())  # type: ignore[arg-type]
+        return encode_groups(codec, raw_rows(spec, v), ids, runs)  # type: ignore[arg-type]
     if isinstance(v, Encoded):
         return list(v.frames)  # stored as sent: no decode/encode round trip
     return list(encode(codec, raw_rows(spec, v), codec_threads()))

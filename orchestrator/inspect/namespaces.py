@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import redis
 
+from claw_tasks.codecs import engine_for
+from claw_tasks.codecs.delta import key_body
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 from claw_tasks.store.retention import Retention
@@ -200,9 +202,6 @@ def _sparse_sizes(
     store: Store, name: str, spec: Any, shards: np.ndarray, slots: np.ndarray
 ) -> tuple[float, float]:
     """Mean stored and decoded bytes of a hash-stored field at (shard, slot) pairs."""
-    from claw_tasks.codecs import engine_for
-    from claw_tasks.codecs.delta import key_body
-
     keys = store.keys
     base = keys.compressed if spec.codec is not None else keys.ragged
     with store.r.pipeline(transaction=False) as pipe:
