@@ -122,8 +122,10 @@ def test_producer_frames_are_stored_as_sent(redis_url, namespace, codec):
     np.testing.assert_array_equal(got["obs"], obs)
     np.testing.assert_array_equal(got["next_obs"], _want_next(obs, got["action"]))
     stored = store.read_frames(*store.locate(res.ids), "obs")
+    explicit = store.read_frames(*store.locate(res.ids[b.next_rows]), "obs", explicit=True)
     if c.name != "delta":
         assert [bytes(f) for f in stored] == [bytes(f) for f in b.fields["obs"].frames]
+        assert [bytes(f) for f in explicit] == [bytes(f) for f in b.next_obs.frames]
 
 
 @pytest.mark.both_stores
@@ -196,3 +198,25 @@ def test_an_older_claw_reads_uncompressed_namespaces_and_the_format_records_it(
     plain.create(capacity=10, schema=Schema(fields={"obs": FieldSpec("|u1", SHAPE)}))
     assert unpackb(r.get(plain.keys.config))["format"] == 1
     assert store.config(refresh=True).schema.codecs == {"obs": Codec("zstd")}
+
+
+def test_stats_show_each_fields_codec_and_stored_vs_raw_bytes(redis_url, namespace):
+    from orchestrator.inspect.namespaces import memory_by_namespace, namespace_stats
+
+    store = Store(redis_url, namespace)
+    store.create(capacity=200, schema=_schema("zstd", "lz4"))
+    n = 6 * EP_LEN
+    tokens = [np.full((i % 4, 2), i, np.int32) for i in range(n)]
+    store.commit(_batch(0, 6, _obs(n, 1), tokens))
+    memory = memory_by_namespace(store.r, namespace)[namespace]
+    payload = namespace_stats(store, memory).to_json()["payload"]
+    obs, action, tok = payload["obs"], payload["action"], payload["tokens"]
+    assert obs["codec"] == "zstd" and obs["raw"] == np.prod(SHAPE)
+    r = redis.Redis.from_url(redis_url)
+    frames = r.hgetall(store.keys.compressed(0, "obs", 0))
+    assert obs["stored"] == pytest.approx(np.mean([len(v) for v in frames.values()]))
+    assert obs["ratio"] == pytest.approx(obs["raw"] / obs["stored"]) and obs["ratio"] > 1.5
+    assert action == {"codec": None, "stored": 8.0, "raw": 8.0, "ratio": 1.0}
+    assert tok["codec"] == "lz4" and tok["raw"] == pytest.approx(
+        np.mean([len(t) * 8 for t in tokens])
+    )
