@@ -220,3 +220,25 @@ def test_stats_show_each_fields_codec_and_stored_vs_raw_bytes(redis_url, namespa
     assert tok["codec"] == "lz4" and tok["raw"] == pytest.approx(
         np.mean([len(t) * 8 for t in tokens])
     )
+
+
+@pytest.mark.parametrize("codec", ["zstd", "png", "delta:4"])
+def test_an_episode_that_ends_without_next_obs_reads_zeros(redis_url, namespace, codec):
+    store = Store(redis_url, namespace)
+    store.create(capacity=100, schema=_schema(codec))
+    obs = _obs(EP_LEN, 7)
+    b = _batch(0, 1, obs)
+    b.terminated = b.truncated.copy()  # terminated, not truncated: no explicit next_obs
+    b.truncated = np.zeros(EP_LEN, bool)
+    b.next_rows, b.next_obs = np.zeros(0, np.int32), None
+    res = store.commit(b)
+    got = store.get(res.ids)
+    assert got["has_next_obs"].tolist() == [True] * (EP_LEN - 1) + [False]
+    np.testing.assert_array_equal(got["next_obs"][:-1], obs[1:])
+    assert not got["next_obs"][-1].any()
+    recipe = Recipe.model_validate({"name": "r", "batch_size": 30, "fields": ["obs", "next_obs",
+                                    "action"], "sources": [{"name": "all"}]})  # fmt: skip
+    sb = sample(store, recipe, rng=np.random.default_rng(2))
+    last = sb["action"] == EP_LEN - 1
+    assert last.any() and not sb["next_obs"][last].any()
+    np.testing.assert_array_equal(sb["next_obs"][~last], obs[sb["action"][~last] + 1])
