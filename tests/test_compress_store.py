@@ -11,7 +11,7 @@ import redis
 
 from claw_tasks.batch import Ragged, StepBatch, StrColumn
 from claw_tasks.codec import unpackb
-from claw_tasks.codecs import Codec, encode
+from claw_tasks.codecs import Codec, Frames, encode
 from claw_tasks.encoded import Encoded
 from claw_tasks.schema import FieldSpec, Schema
 from claw_tasks.store import Store
@@ -242,3 +242,25 @@ def test_an_episode_that_ends_without_next_obs_reads_zeros(redis_url, namespace,
     last = sb["action"] == EP_LEN - 1
     assert last.any() and not sb["next_obs"][last].any()
     np.testing.assert_array_equal(sb["next_obs"][~last], obs[sb["action"][~last] + 1])
+
+
+def test_a_delta_fields_check_keeps_the_rows_it_decoded_for_the_commit(redis_url, namespace):
+    """The ingest check decodes a producer's delta key frames once; the commit makes its
+    delta frames from those rows. A bad frame is named and its row dropped."""
+    c = Codec.of("delta:4")
+    obs = _obs(EP_LEN, 8)
+    frames = [bytes(f) for f in encode(c, obs)]
+    frames[4] = frames[4][:-4]  # truncated
+    enc = Encoded(c, np.dtype("|u1"), (EP_LEN, *SHAPE), Frames.of(frames))
+    problems = enc.problems(1 << 20)
+    assert list(problems) == [4] and "does not decode" in problems[4]
+    good = np.setdiff1d(np.arange(EP_LEN), [4])
+    part = enc.take(good)
+    np.testing.assert_array_equal(part.decoded.reshape(-1, *SHAPE), obs[good])
+    store = Store(redis_url, namespace)
+    store.create(capacity=100, schema=_schema("delta:4"))
+    b = _batch(0, 1, obs)
+    b.fields["obs"] = enc
+    b = b.take(good)
+    got = store.get(store.commit(b).ids)
+    np.testing.assert_array_equal(got["obs"], obs[good])
