@@ -241,11 +241,17 @@ class ClawStorage(StoreStorage):
             "sources": [{"name": "all", "sampler": dict(source)}],
             "prefetch": {"depth": 8}, **self._kw["recipe"],
         }  # fmt: skip
-        name = conn.recipe(key, spec, self._kw["readahead"], self._kw["readahead_bytes"])
-        batch = conn.pop(name, self.timeout)
+        name = conn.recipe(key, spec, self._kw["readahead"], self._kw["readahead_bytes"],
+                           convert=self._drawable)  # fmt: skip
+        ids, weights, td = conn.pop(name, self.timeout)
+        self._drawn = (ids, td)
+        return ids, weights
+
+    def _drawable(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, TensorDict]:
+        """A batch's ids, weights and TensorDict (made in the read-ahead thread, so the
+        trainer's sample is a dequeue)."""
         ids = torch.from_numpy(batch.ids.astype(np.int64))
-        self._drawn = (ids, self._tensordict(batch))
-        return ids, _tensor(batch.weights)
+        return ids, _tensor(batch.weights), self._tensordict(batch)
 
     def _tensordict(self, batch: Batch) -> TensorDict:
         n = batch.batch_size
