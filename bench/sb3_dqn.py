@@ -7,7 +7,9 @@ rl-zoo hyperparameters (lr 2.3e-3, batch 64, buffer 100k, learning_starts 1000, 
 thread. Starts a private redis-server and one real Celery worker (ingest + prefetch, 2
 processes). Reports, in one run: wall time of each, the trainer's time inside
 ``sample()``, the worker's and Redis's CPU seconds during the Claw run, and the p50/p99 of a
-read-ahead ``pop`` of 256 x float32[8] when a batch is ready. Prints markdown.
+read-ahead ``pop`` of 256 x float32[8] when a batch is ready. Prints markdown. The Claw
+buffer runs with its defaults for ``gradient_steps=128``: 8 ``sample()`` calls per
+prefetched batch, converted to tensors in the read-ahead thread.
 """
 
 from __future__ import annotations

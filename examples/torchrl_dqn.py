@@ -10,7 +10,7 @@ refreshed once per round, net [256, 256], epsilon 1 -> 0.04 over 16% of the fram
 Needs a running stack and torchrl (``pip install -e '.[torchrl]'``):
 
     claw up                                       # in another terminal
-    python examples/torchrl_dqn.py                # 50k frames; greedy evaluation at the end
+    python examples/torchrl_dqn.py                # 30k frames; greedy evaluation at the end
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def evaluate(actor: nn.Module, episodes: int, seed: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--namespace", default="torchrl-dqn")
-    p.add_argument("--frames", type=int, default=50_000)
+    p.add_argument("--frames", type=int, default=30_000)
     p.add_argument("--init", type=int, default=1000, help="random frames before learning")
     p.add_argument("--frames-per-batch", type=int, default=256)
     p.add_argument("--gradient-steps", type=int, default=128)
@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # small nets: more threads only spin against the workers
 
     env = make_env(args.seed)
     net = MLP(in_features=4, out_features=2, num_cells=[256, 256], activation_class=nn.ReLU)

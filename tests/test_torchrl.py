@@ -202,7 +202,7 @@ def test_torchrls_own_sampler_and_other_data_are_refused_with_the_fix(redis_url,
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_torchrl_dqn_on_cartpole_reaches_a_mean_return_of_150(redis_url, namespace, workers):
-    """examples/torchrl_dqn.py at full length (50k frames, seed 0) learns
+    """examples/torchrl_dqn.py at full length (30k frames, seed 0) learns
     CartPole through ClawStorage and ClawPrioritizedSampler."""
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
     env.pop("CLAW_BROKER_URL", None)
