@@ -106,7 +106,7 @@ def test_batches_flow_as_tensordicts_with_the_extended_layout(redis_url, namespa
 def test_priorities_reach_claw_and_change_the_sampling_distribution(redis_url, namespace, workers):
     data = _transitions(200, special_every=10)  # 20 rows with reward 1
     data["td_error"] = torch.ones(200)  # priorities given at extend: none unset
-    storage = ClawStorage(1000, namespace, redis_url, timeout=60, readahead=2)
+    storage = ClawStorage(1000, namespace, redis_url, timeout=60, readahead=2, batches_per_pop=1)
     sampler = ClawPrioritizedSampler(alpha=1.0, beta=0.4)
     rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=64)
     try:

@@ -60,7 +60,11 @@ class ClawStorage(StoreStorage):
     ``max_size`` plus a spare row per trajectory when the namespace is new. ``episode`` holds
     keyword arguments of :meth:`Ingestor.episode` (``task_id``, tags), ``ingest`` those of
     the :class:`Ingestor`. ``readahead`` batches (at most ``readahead_bytes``) wait decoded
-    in this process; ``timeout`` bounds a pop. Samples are put on ``device``.
+    in this process, each drawn ``batches_per_pop`` times as large as a sample and split
+    into that many samples (every ``batches_per_pop``-th row): the workers' and the
+    read-ahead's per-batch costs are paid once per that many samples, at the price of
+    priorities reaching the draws that much later. ``timeout`` bounds a pop. Samples are
+    put on ``device``.
 
     It subclasses TorchRL's Redis-backed ``StoreStorage`` only so that replay buffers pass
     its samples through as they are (no collate); none of that class's code runs.
@@ -80,8 +84,9 @@ class ClawStorage(StoreStorage):
         capacity: int | None = None,
         episode: Mapping[str, Any] | None = None,
         ingest: Mapping[str, Any] | None = None,
-        readahead: int = 8,
+        readahead: int = 4,
         readahead_bytes: int = 64 << 20,
+        batches_per_pop: int = 8,
         timeout: float | None = 30.0,
         device: str | torch.device = "cpu",
         drop_on_empty: bool = False,
@@ -95,7 +100,8 @@ class ClawStorage(StoreStorage):
             "broker_url": broker_url, "obs_key": obs_key, "action_key": action_key,
             "priority_key": priority_key, "recipe": dict(recipe or {}), "capacity": capacity,
             "episode": dict(episode or {}), "ingest": dict(ingest or {}),
-            "readahead": readahead, "readahead_bytes": readahead_bytes, "timeout": timeout,
+            "readahead": readahead, "readahead_bytes": readahead_bytes,
+            "batches_per_pop": batches_per_pop, "timeout": timeout,
             "device": str(device), "drop_on_empty": drop_on_empty,
         }  # fmt: skip
         self._setup(generation=0, added=0)
@@ -233,16 +239,16 @@ class ClawStorage(StoreStorage):
         """Pop the next prefetched batch of ``batch_size`` rows drawn with ``source``'s
         sampler; returns its step ids and importance weights (the batch waits for
         :meth:`get`)."""
-        conn = self._connect(None)
+        conn, kw = self._connect(None), self._kw
         key: Hashable = (json.dumps(source, sort_keys=True), batch_size)
         name = f"{self.recipe_base}-{len(conn.names)}" if key not in conn.names else None
         spec = {
-            "name": name, "batch_size": batch_size, "fields": FIELDS,
+            "name": name, "batch_size": batch_size * kw["batches_per_pop"], "fields": FIELDS,
             "sources": [{"name": "all", "sampler": dict(source)}],
-            "prefetch": {"depth": 8}, **self._kw["recipe"],
+            "prefetch": {"depth": 8}, **kw["recipe"],
         }  # fmt: skip
-        name = conn.recipe(key, spec, self._kw["readahead"], self._kw["readahead_bytes"],
-                           convert=self._drawable)  # fmt: skip
+        name = conn.recipe(key, spec, kw["readahead"], kw["readahead_bytes"],
+                           kw["batches_per_pop"], convert=self._drawable)  # fmt: skip
         ids, weights, td = conn.pop(name, self.timeout)
         self._drawn = (ids, td)
         return ids, weights
