@@ -264,3 +264,24 @@ def test_a_delta_fields_check_keeps_the_rows_it_decoded_for_the_commit(redis_url
     b = b.take(good)
     got = store.get(store.commit(b).ids)
     np.testing.assert_array_equal(got["obs"], obs[good])
+
+
+def test_metrics_serve_stored_and_raw_bytes_per_step(redis_url, namespace):
+    from prometheus_client import generate_latest
+
+    from orchestrator.cli.metrics import registry_for
+
+    store = Store(redis_url, namespace)
+    store.create(capacity=100, schema=_schema("zstd"))
+    store.commit(_batch(0, 2, _obs(2 * EP_LEN, 9)))
+    text = generate_latest(registry_for(redis_url, redis_url)).decode()
+    values = {
+        kind: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        for kind in ("stored", "raw")
+        if line.startswith("claw_payload_bytes_per_step{")
+        and f'namespace="{namespace}"' in line
+        and 'field="obs"' in line
+        and f'kind="{kind}"' in line
+    }
+    assert values["raw"] == np.prod(SHAPE) and 0 < values["stored"] < values["raw"] / 1.5

@@ -81,6 +81,12 @@ class ClawCollector(Collector):
             "std": _gauge("claw_reward_std", "reward standard deviation", ns),
             "task": _gauge("claw_steps_by_task", "live steps per task_id", [*ns, "task_id"]),
             "agent": _gauge("claw_steps_by_agent", "live steps per agent_id", [*ns, "agent_id"]),
+            "payload": _gauge(
+                "claw_payload_bytes_per_step",
+                "mean bytes of a payload field per step, stored (its frame, when compressed) "
+                "and raw (decoded), over up to 512 live steps",
+                [*ns, "field", "kind"],
+            ),
         }
         committed = CounterMetricFamily(
             "claw_steps_committed", "steps committed since the namespace was created", labels=ns
@@ -126,6 +132,9 @@ class ClawCollector(Collector):
                 fams["task"].add_metric([name, task or ""], n)
             for agent, n in s.by_agent_id.items():
                 fams["agent"].add_metric([name, agent or ""], n)
+            for field, size in s.payload.items():
+                fams["payload"].add_metric([name, field, "stored"], size["stored"])
+                fams["payload"].add_metric([name, field, "raw"], size["raw"])
             self._prefetch_metrics(Registry(Store(self._r, name)), prefetch)
         return [used, committed, evictions, readable, *fams.values(), *prefetch.values()]
 
