@@ -64,8 +64,7 @@ from orchestrator.sampling.groups import Claims, Groups, claims_key
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import Draw, InsufficientData, RecipeSampler
 from orchestrator.sampling.sequences import follow, n_step, windows
-from orchestrator.sampling.shared import SharedIndex
-from orchestrator.sampling.shmfiles import SHM_DIR
+from orchestrator.sampling.shared import SharedIndex, make_index
 from orchestrator.sampling.strings import Strings
 from orchestrator.sampling.turns import segments, sequence_tokens
 from orchestrator.transforms.framestack import stack_frames
@@ -173,15 +172,7 @@ def _session(target: str | Store, redis_url: str | None, index: SamplingIndex | 
     store = _store(target, redis_url)
     key = (*identity(store.r), store.namespace)
     key += (os.getpid(),)  # a forked child builds its own (own locks and random streams)
-    return sessions.get(key, lambda: _Session(_new_index(store)))
-
-
-def _new_index(store: Store) -> SamplingIndex:
-    """The host's shared index of the namespace where ``/dev/shm`` exists and
-    ``CLAW_SHARED_INDEX`` does not turn it off, else one of the process's own."""
-    if load_settings().shared_index and SHM_DIR.is_dir():
-        return SharedIndex(store)
-    return SamplingIndex(store)
+    return sessions.get(key, lambda: _Session(make_index(store)))
 
 
 @dataclass

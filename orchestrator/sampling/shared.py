@@ -39,11 +39,11 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import mmap
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +51,35 @@ import numpy as np
 
 from claw_tasks.connect import identity, is_cluster
 from claw_tasks.schema import tag_column
+from claw_tasks.settings import load_settings
 from claw_tasks.store import NamespaceConfig, Store
 from claw_tasks.store.layout import META
 from orchestrator.sampling.index import SamplingIndex, _Rebuild, release_heap
-from orchestrator.sampling.shmfiles import SHM_DIR, map_file, open_file, same_file, unlink
+from orchestrator.sampling.shmfiles import (
+    H_DIRTY,
+    H_GEN,
+    H_HEAD,
+    H_JSON,
+    H_MAGIC,
+    H_META,
+    H_REBUILDS,
+    H_RING,
+    H_STARTED,
+    H_WROTE,
+    INDEX_PREFIX,
+    SHM_DIR,
+    IndexFiles,
+    free_bytes,
+    map_file,
+    open_file,
+    reap_unused,
+    same_file,
+    unlink,
+)
 
-PREFIX = "clawidx-"  # not ``claw-``: the batch segment reaper must not take these
+log = logging.getLogger(__name__)
 MAGIC = 0x3158444957414C43  # b"CLAWIDX1"
 # Header fields (int64 each) of the .ctl file.
-H_MAGIC, H_STARTED, H_GEN, H_DIRTY, H_REBUILDS, H_META, H_HEAD, H_JSON, H_RING, H_WROTE = range(10)
 MAX_LAG_S = 0.05
 """How far behind the change logs a process may draw when another one is reading the
 columns: it then skips writing them if they were written less than this long ago."""
@@ -68,79 +88,6 @@ RING_AT = STATE_AT + STATE_MAX
 RING_MIN, RING_MAX = 4096, 1 << 20
 """Changed rows the ring keeps: a process more than this behind refreshes whole."""
 _ALIGN = 64
-
-
-@dataclass
-class _Files:
-    """A process's descriptors and mappings of one shared index (closed by its finalizer,
-    which also removes the files when no other process uses them)."""
-
-    base: Path
-    pid: int = field(default_factory=os.getpid)
-    lock: int = -1
-    users: int = -1
-    ctl: mmap.mmap | None = None
-    data: mmap.mmap | None = None
-    data_name: str = ""
-
-    def paths(self) -> list[Path]:
-        """Every file of this index, the lock file last."""
-        lock = self.base.with_suffix(".lock")
-        found = sorted(self.base.parent.glob(f"{self.base.name}.*"))
-        return [p for p in found if p != lock] + [lock]
-
-    def close(self, invalidate: bool = False) -> None:
-        if self.pid != os.getpid():  # a forked child's copy: the parent's locks stay
-            for fd in (self.lock, self.users):
-                if fd >= 0:
-                    os.close(fd)
-            self.lock = self.users = -1
-            return
-        if self.lock < 0:
-            return
-        fcntl.flock(self.lock, fcntl.LOCK_EX)
-        if invalidate and self.ctl is not None:
-            np.frombuffer(self.ctl, np.int64, 16)[H_DIRTY] = 1
-        fcntl.flock(self.users, fcntl.LOCK_UN)
-        try:
-            fcntl.flock(self.users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pass  # another process still uses them
-        else:  # the last one: remove everything, the lock file last (still held)
-            unlink(*self.paths())
-        os.close(self.users)
-        os.close(self.lock)  # releases the lock
-        self.lock = self.users = -1
-
-
-def reap_unused(directory: Path = SHM_DIR) -> list[str]:
-    """Remove the files of shared indexes no process uses (their last user was killed
-    before it could); returns the names removed."""
-    removed = []
-    for users in directory.glob(f"{PREFIX}*.users"):
-        base = users.with_suffix("")
-        try:
-            ufd = open_file(users, create=False)
-        except (FileNotFoundError, ValueError):
-            continue
-        try:
-            lfd = open_file(base.with_suffix(".lock"), create=False)
-        except (FileNotFoundError, ValueError):
-            os.close(ufd)
-            continue
-        try:
-            fcntl.flock(ufd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pass  # in use, or being attached
-        else:
-            paths = _Files(base).paths()
-            unlink(*paths)
-            removed += [p.name for p in paths]
-        finally:
-            os.close(lfd)
-            os.close(ufd)
-    return removed
 
 
 def index_key(store: Store) -> str:
@@ -169,7 +116,7 @@ class SharedIndex(SamplingIndex):
 
     def __init__(self, store: Store, directory: Path = SHM_DIR) -> None:
         super().__init__(store)
-        self._f = _Files(directory / f"{PREFIX}{index_key(store)}")
+        self._f = IndexFiles(directory / f"{INDEX_PREFIX}{index_key(store)}")
         self._finalizer = weakref.finalize(self, self._f.close)
         self._hdr: np.ndarray | None = None
         self._ring: np.ndarray | None = None
@@ -472,3 +419,25 @@ class SharedIndex(SamplingIndex):
 def _views(data: mmap.mmap, layout: list[Any], rows: int) -> dict[str, np.ndarray]:
     """The columns of a data file (writable views of its mapping)."""
     return {col: np.frombuffer(data, np.dtype(dt), rows, at) for col, dt, at in layout}
+
+
+def make_index(store: Store) -> SamplingIndex:
+    """The host's shared index of the namespace where ``/dev/shm`` exists, has room for
+    two generations of its columns, and ``CLAW_SHARED_INDEX`` does not turn it off; else
+    one of the process's own."""
+    if not (load_settings().shared_index and SHM_DIR.is_dir()):
+        return SamplingIndex(store)
+    cfg = store.config(refresh=True)
+    need = 2 * cfg.n_shards * cfg.cap * _BYTES_PER_SLOT
+    if free_bytes(SHM_DIR) < need:
+        log.warning(
+            "namespace %r: %s has %d MB free, its shared sampling index needs %d MB; "
+            "this process builds its own (enlarge /dev/shm, e.g. Docker's --shm-size, "
+            "or set CLAW_SHARED_INDEX=0 to silence this)",
+            store.namespace, SHM_DIR, free_bytes(SHM_DIR) >> 20, need >> 20,
+        )  # fmt: skip
+        return SamplingIndex(store)
+    return SharedIndex(store)
+
+
+_BYTES_PER_SLOT = 128  # 66 of metadata columns, free tags and the ring, with room
