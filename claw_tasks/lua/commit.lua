@@ -7,7 +7,8 @@
 --       8 meta chunk slots, 9 spec (msgpack), 10.. blobs (columns, then sparse rows)
 -- spec = {cols = {{base, itemsize, chunk_slots}...}, sparse = {{base, chunk_slots, rows}...},
 --         clear = {{base, chunk_slots}...}, eps = {{code, first_rel, first_idx, last_rel,
---         last_idx, ended, name[, {step_index, id, ...}]}...}, dead = {rel rows left not alive},
+--         last_idx, ended, name, newest_rel[, {step_index, id, ...}]}...} (newest_rel: the
+--         episode's highest row in the part), dead = {rel rows left not alive},
 --         loglen = n}
 -- Payload fields the client wrote in place (see alloc.lua) are not in cols.
 -- Returns {seq0, state, skipped}: state "done" (committed now or before) or "expired";
@@ -116,6 +117,7 @@ local function link(from_seq, to_seq)
   linked[#linked + 1] = from_seq .. ':' .. (to_seq - from_seq)
 end
 local links = KEYS[4]
+local newest_of, touched = {}, {}  -- episode code -> its newest seq committed now
 for _, ep in ipairs(spec.eps) do
   local code, first_rel, first_idx, last_rel, last_idx, ended, name =
     ep[1], ep[2], ep[3], ep[4], ep[5], ep[6], ep[7]
@@ -140,14 +142,37 @@ for _, ep in ipairs(spec.eps) do
       redis.call('HSET', links, 't:' .. code .. ':' .. last_idx, last_seq)
     end
   end
-  redis.call('HSETNX', KEYS[5], code, name)
-  if ep[8] then  -- episode index: entries of skipped rows are dropped by readers (id check)
-    local e, parts = ep[8], {}
-    for j = 1, #e, 2 do parts[#parts + 1] = struct.pack('<i4i8', e[j], e[j + 1]) end
-    redis.call('HSET', KEYS[9], code, (redis.call('HGET', KEYS[9], code) or '') ..
-      table.concat(parts))
+  -- Name, newest seq and index only for an episode with a committed row (its newest row,
+  -- ep[8], is past the skipped ones): entries of an episode without one would never be
+  -- swept.
+  if ep[8] >= skip then
+    redis.call('HSETNX', KEYS[5], code, name)
+    if ep[9] then  -- episode index: entries of skipped rows are dropped by readers (id check)
+      local e, parts = ep[9], {}
+      for j = 1, #e, 2 do parts[#parts + 1] = struct.pack('<i4i8', e[j], e[j + 1]) end
+      redis.call('HSET', KEYS[9], code, (redis.call('HGET', KEYS[9], code) or '') ..
+        table.concat(parts))
+    end
+    if not newest_of[code] then
+      newest_of[code] = seq0 + ep[8]
+      touched[#touched + 1] = code
+    end
   end
-  if last_rel >= skip then redis.call('HSET', KEYS[7], code, last_seq) end
+end
+
+-- An episode's newest seq is the highest of its committed steps, whatever their step order
+-- or commit order: the sweep below drops its name and index once the ring passes it. When
+-- an older part lands late, the number stays but its spelling changes ('N' <-> 'N.0', the
+-- same number to tonumber), so that an eviction planned before this commit sees a change
+-- and keeps the name (evict.lua).
+for _, code in ipairs(touched) do
+  local newest, had = newest_of[code], redis.call('HGET', KEYS[7], code)
+  local value = string.format('%d', newest)
+  if had and tonumber(had) >= newest then
+    value = string.format('%d', tonumber(had))
+    if had == value then value = value .. '.0' end
+  end
+  redis.call('HSET', KEYS[7], code, value)
 end
 
 -- Bounded memory: a few entries per commit, drop links and episode names whose steps the

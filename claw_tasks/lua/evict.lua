@@ -6,8 +6,9 @@
 -- a copy of it as its explicit next_obs first (a transition stays whole). Fixed-size
 -- payload and metadata bytes stay in their preallocated chunks (the ring reuses them), so
 -- a predecessor checked by `claw doctor` still points at the id it linked to.
--- Episodes left without live steps lose their name, newest-seq and index entries, unless a newer
--- commit of theirs changed the newest seq since the plan was made.
+-- Episodes left without live steps lose their name, newest-seq and index entries, unless a
+-- commit of theirs landed since the plan was made (every commit changes the `eplast` value:
+-- a newer seq, or an older part's late commit respells the same one, see commit.lua).
 -- Commands are batched (one GETRANGE for the alive bits and one per id chunk, one HDEL
 -- per hash, alive bits cleared by runs), so a call costs a few commands plus Lua work.
 -- KEYS: 1 alive bitmap, 2 evicted counter (update.lua checks alive bits once it exists),

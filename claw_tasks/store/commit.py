@@ -247,6 +247,10 @@ class CommitPart:
         self._runs = [order[s : e + 1] for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
         names = self.b.episode.values
         ep_index = self._sel(self.b.episode.index)
+        # Each episode's newest row (its highest seq), whatever the rows' step order: the
+        # name and index of an episode live until the ring passes its newest step.
+        new_ep = np.concatenate([[True], ep_s[1:] != ep_s[:-1]])
+        newest = np.maximum.reduceat(order, np.flatnonzero(new_ep))[np.cumsum(new_ep) - 1]
         eps = []
         for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
             first, last = int(order[s]), int(order[e])
@@ -259,6 +263,7 @@ class CommitPart:
                     int(idx_s[e]),
                     bool(ended[last]),
                     names[ep_index[first]],
+                    int(newest[s]),
                 ]
             )
             if self.cfg.episode_index:  # the run's step_index, id pairs, packed in Lua
