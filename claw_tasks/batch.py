@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,99 +19,17 @@ from claw_tasks.codec import (
     unframe,
     unpackb,
 )
+
+# The column types live in claw_tasks.columns; re-exported here, where callers look for them.
+from claw_tasks.columns import FieldValue as FieldValue
+from claw_tasks.columns import Placed as Placed
+from claw_tasks.columns import Ragged as Ragged
+from claw_tasks.columns import StrColumn as StrColumn
 from claw_tasks.encoded import Encoded
 from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError, tag_name
 
 STR_META = ("agent_id", "task_id", "skill_tag", "reward_source")
 FORMAT_VERSION = 1
-
-
-@dataclass
-class StrColumn:
-    """Strings as a small vocabulary plus a per-row index into it (-1 = missing)."""
-
-    values: list[str]
-    index: np.ndarray
-
-    @classmethod
-    def of(cls, items: Sequence[Any]) -> StrColumn:
-        vocab: dict[str, int] = {}
-        index = np.fromiter(
-            (-1 if v is None else vocab.setdefault(str(v), len(vocab)) for v in items),
-            dtype=np.int32,
-            count=len(items),
-        )
-        return cls(list(vocab), index)
-
-    @classmethod
-    def constant(cls, value: Any, n: int) -> StrColumn:
-        if value is None:
-            return cls([], np.full(n, -1, np.int32))
-        return cls([str(value)], np.zeros(n, np.int32))
-
-    def take(self, rows: np.ndarray | slice) -> StrColumn:
-        return StrColumn(self.values, self.index[rows])
-
-    def strings(self) -> list[str | None]:
-        return [None if i < 0 else self.values[i] for i in self.index.tolist()]
-
-
-@dataclass
-class Ragged:
-    """Variable-length rows: ``values`` concatenated along axis 0, ``lengths`` per row."""
-
-    values: np.ndarray
-    lengths: np.ndarray
-
-    @classmethod
-    def of(cls, rows: Sequence[np.ndarray], dtype: Any = None) -> Ragged:
-        arrays = [np.asarray(r, dtype=dtype) for r in rows]
-        lengths = np.fromiter((a.shape[0] if a.ndim else 1 for a in arrays), np.int32, len(arrays))
-        if not arrays:
-            return cls(np.zeros(0, dtype or np.float32), lengths)
-        return cls(np.concatenate([np.atleast_1d(a) for a in arrays]), lengths)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def offsets(self) -> np.ndarray:
-        out = np.zeros(len(self.lengths) + 1, np.int64)
-        np.cumsum(self.lengths, out=out[1:])
-        return out
-
-    def row(self, i: int) -> np.ndarray:
-        off = self.offsets
-        return self.values[off[i] : off[i + 1]]
-
-    def take(self, rows: np.ndarray) -> Ragged:
-        off = self.offsets
-        parts = [self.values[off[i] : off[i + 1]] for i in rows.tolist()]
-        vals = np.concatenate(parts) if parts else self.values[:0]
-        return Ragged(vals, self.lengths[rows])
-
-    def row_nbytes(self) -> np.ndarray:
-        per = self.values.itemsize * int(np.prod(self.values.shape[1:], dtype=np.int64))
-        return self.lengths.astype(np.int64) * per
-
-
-@dataclass
-class Placed:
-    """A fixed-shape field the client already wrote into its slots (see ``Store.place``);
-    only its dtype and shape travel with the batch."""
-
-    dtype: np.dtype
-    shape: tuple[int, ...]
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    @property
-    def row_bytes(self) -> int:
-        return self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
-
-
-FieldValue = np.ndarray | Ragged | Placed | Encoded
 
 
 def _frame_field(v: FieldValue) -> Any:
