@@ -8,13 +8,16 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+import msgpack
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stepdata import batch
+from stepdata import batch, episode
 
 from claw_tasks.batch import StepBatch
 from claw_tasks.store import Store
+from claw_tasks.store.config import LOG_MAXLEN
+from claw_tasks.store.evict import _FIXED_KEYS, _SCRIPT, PLAN_COLUMNS, _Plan
 from claw_tasks.store.layout import row_episode_codes
 from orchestrator.maintenance.lifecycle import drop_namespace, forget
 
@@ -144,3 +147,24 @@ def test_a_name_lives_while_any_step_lives(redis_url, cap, n_shards, episode_ind
     finally:
         drop_namespace(store.r, store.namespace)
         forget(store.namespace)
+
+
+def test_an_eviction_planned_before_a_late_commit_keeps_the_name(redis_url, namespace):
+    """Plan: evict every live step of an episode; before the plan runs, an older part of
+    it (allocated first) lands. Its newest seq is unchanged, yet the name must stay."""
+    store = Store(redis_url, namespace)
+    store.create(capacity=100)
+    store.set_episode_index(True)
+    older, newer = batch(episode(0, 2)), batch(episode(0, 4, first=2))
+    store.allocate(0, older.batch_id, older.n)  # seqs 1, 2
+    assert store.commit(newer).ids.tolist() == [3, 4]
+    cols = store.meta_columns(0, PLAN_COLUMNS)
+    plan = _Plan(store, 0, cols, np.array([2, 3]))
+    fixed = [store.keys.shard_key(0, k) for k in _FIXED_KEYS]
+    keys, victims = plan.chunk(np.array([2, 3]), fixed)
+    assert _SCRIPT(store.r, keys, ["manual", LOG_MAXLEN, victims])[0] == 2
+    assert store.commit(older).ids.tolist() == [1, 2]  # lands between the plan's two calls
+    gone = msgpack.packb({"episodes": plan.gone}, use_bin_type=False)
+    _SCRIPT(store.r, fixed, ["manual", LOG_MAXLEN, gone])
+    assert store.get([1, 2], fields=[])["episode_id"] == ["ep0", "ep0"]
+    assert store.trajectory_ids("ep0").tolist() == [1, 2]
