@@ -18,7 +18,7 @@ from claw_tasks.batch import StepBatch
 from claw_tasks.store import Store
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.evict import _FIXED_KEYS, _SCRIPT, PLAN_COLUMNS, _Plan
-from claw_tasks.store.layout import row_episode_codes
+from claw_tasks.store.layout import EPISODE_INDEX_ENTRY, episode_code, row_episode_codes
 from orchestrator.maintenance.lifecycle import drop_namespace, forget
 
 
@@ -168,3 +168,17 @@ def test_an_eviction_planned_before_a_late_commit_keeps_the_name(redis_url, name
     _SCRIPT(store.r, fixed, ["manual", LOG_MAXLEN, gone])
     assert store.get([1, 2], fields=[])["episode_id"] == ["ep0", "ep0"]
     assert store.trajectory_ids("ep0").tolist() == [1, 2]
+
+
+def test_the_index_of_an_endless_episode_stays_bounded(redis_url, namespace):
+    """An episode that never ends keeps committing past the ring: its index drops the
+    entries of steps the ring passed (else it grows by every step ever committed)."""
+    store = Store(redis_url, namespace)
+    store.create(capacity=20)
+    store.set_episode_index(True)
+    ids = []
+    for k in range(30):
+        ids += store.commit(batch(episode(0, 5 * k + 5, first=5 * k))).ids.tolist()
+    raw = store.r.hget(store.keys.shard_key(0, "eptraj"), str(episode_code("ep0")))
+    assert len(raw) // EPISODE_INDEX_ENTRY.itemsize <= 20
+    assert store.trajectory_ids("ep0").tolist() == ids[-20:]

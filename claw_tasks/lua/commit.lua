@@ -150,8 +150,15 @@ for _, ep in ipairs(spec.eps) do
     if ep[9] then  -- episode index: entries of skipped rows are dropped by readers (id check)
       local e, parts = ep[9], {}
       for j = 1, #e, 2 do parts[#parts + 1] = struct.pack('<i4i8', e[j], e[j + 1]) end
-      redis.call('HSET', KEYS[9], code, (redis.call('HGET', KEYS[9], code) or '') ..
-        table.concat(parts))
+      -- Leading entries of steps the ring passed go (entries are in commit order, so an
+      -- episode that never ends keeps about its live steps' worth, not every step it had).
+      local old, from = redis.call('HGET', KEYS[9], code) or '', 1
+      while from + 11 <= #old do
+        local _, id = struct.unpack('<i4i8', old, from)
+        if math.floor(id / n_shards) > seq_now - cap then break end
+        from = from + 12
+      end
+      redis.call('HSET', KEYS[9], code, string.sub(old, from) .. table.concat(parts))
     end
     if not newest_of[code] then
       newest_of[code] = seq0 + ep[8]
