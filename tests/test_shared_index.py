@@ -170,6 +170,8 @@ def test_prefetch_pool_of_two_maps_one_index(redis_url, namespace, start_worker)
     assert len(mapped) == 2 and any(mapped.values())
     inodes = {ino for found in mapped.values() for ino in found}
     assert len(inodes) == 1  # every process that samples maps the same file
+    worker.stop()  # SIGTERM: the pool processes detach, the last removes the files
+    assert files_of(store) == []
 
 
 def _state(pid: int) -> str:

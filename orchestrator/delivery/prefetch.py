@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 import numpy as np
-from celery.signals import worker_process_init
+from celery.signals import worker_process_init, worker_process_shutdown
 
 from claw_tasks.app import app, settings
 from claw_tasks.lru import LRU
@@ -32,9 +32,10 @@ from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import frame_batch
 from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.sample import close_shared, sample
 from orchestrator.sampling.sample import forget_namespace as forget_sessions
-from orchestrator.sampling.sample import sample
 from orchestrator.sampling.samplers import InsufficientData
+from orchestrator.sampling.shared import reap_unused
 from orchestrator.transforms.augment import AugmentPlan, build_pipelines
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,13 @@ def _seed_child(**_: Any) -> None:
         cv2.setNumThreads(1)
     except ImportError:  # pragma: no cover - cv2 comes with albumentations
         pass
+
+
+@worker_process_shutdown.connect
+def _detach_indexes(**_: Any) -> None:
+    """A pool process stopping detaches from the host's shared sampling indexes, so the
+    last one removes their files (a process killed outright leaves them to the reaper)."""
+    close_shared()
 
 
 plans: LRU[tuple[str, str], tuple[str, AugmentPlan | None]] = LRU(settings.plan_cache_size)
@@ -200,8 +208,8 @@ def _last_state(reg: Registry, name: str) -> str:
 
 
 def _reap_orphans() -> None:
-    """Reclaim this host's orphaned shm segments, at most every ``REAP_EVERY_S`` per
-    process (the maintenance beat may run on another host)."""
+    """Reclaim this host's orphaned shm segments and unused index files, at most every
+    ``REAP_EVERY_S`` per process (the maintenance beat may run on another host)."""
     global _last_reap
     now = time.monotonic()
     if now - _last_reap < REAP_EVERY_S:
@@ -209,6 +217,7 @@ def _reap_orphans() -> None:
     _last_reap = now
     try:
         shm.reap_orphans(shm.ORPHAN_AGE_S)
+        reap_unused()  # shared sampling indexes whose processes were all killed
     except OSError:
         log.warning("reaping orphaned shm segments failed", exc_info=True)
 

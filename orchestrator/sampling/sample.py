@@ -121,6 +121,14 @@ def forget_namespace(namespace: str) -> None:
             session.index.close(invalidate=True)
 
 
+def close_shared() -> None:
+    """Detach this process from every shared index it uses (a worker process exiting):
+    the last process of a host to detach removes the index's files from /dev/shm."""
+    for session in sessions.pop_where(lambda key: True):
+        if isinstance(session.index, SharedIndex):
+            session.index.close()
+
+
 def _store(target: str | Store, redis_url: str | None) -> Store:
     if isinstance(target, Store):
         return target
