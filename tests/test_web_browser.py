@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from claw_tasks.redis_server import RedisServer
 from orchestrator.delivery.client import BatchClient
 from tests.webdata import XSS, fill
 from tests.webserver import ROOT, WebServer
@@ -28,6 +29,14 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 sync_api = pytest.importorskip("playwright.sync_api")
 if not shutil.which(CHROMIUM):
     pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (make test does it as root)")
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A private server: the inspector's front page lists the namespaces it finds (the
+    session server holds every earlier test's)."""
+    with RedisServer() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

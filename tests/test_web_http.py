@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.redis_server import RedisServer
 from claw_tasks.store import Store
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.web.views import Inspector
@@ -59,6 +60,14 @@ class Browser:
 
 
 @pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A private server: the inspector's front page lists the namespaces it finds (the
+    session server holds every earlier test's)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def ns(redis_server) -> str:
     name = f"web-{uuid.uuid4().hex[:8]}"
     fill(redis_server.url, name, episodes=4, length=10)
@@ -89,6 +98,25 @@ def test_pages_need_a_login(web, ns):
     csp = headers["Content-Security-Policy"]
     assert "script-src 'self'" in csp and "unsafe-inline" not in csp
     assert headers["X-Content-Type-Options"] == "nosniff"
+
+
+def test_front_page_pages_and_filters_namespaces(web, redis_server):
+    prefix = f"pg-{uuid.uuid4().hex[:6]}-"
+    for k in range(30):
+        fill(redis_server.url, f"{prefix}{k:02d}", episodes=1, length=2, n_shards=1)
+    b = Browser(web.url)
+    b.login()
+    listed = lambda html: re.findall(rf'href="/ns/({re.escape(prefix)}\d+)/search"', html)  # noqa: E731
+    status, _, html = b.request("/?" + urllib.parse.urlencode({"prefix": prefix}))
+    assert status == 200 and "30 namespaces" in html and "page 1 of 2" in html
+    first = listed(html)
+    assert first == [f"{prefix}{k:02d}" for k in range(25)]
+    _, _, html = b.request("/?" + urllib.parse.urlencode({"prefix": prefix, "page": 1}))
+    assert listed(html) == [f"{prefix}{k:02d}" for k in range(25, 30)]
+    _, _, html = b.request("/?" + urllib.parse.urlencode({"prefix": prefix, "page": 99}))
+    assert listed(html) == [f"{prefix}{k:02d}" for k in range(25, 30)]  # the last page
+    _, _, html = b.request("/?" + urllib.parse.urlencode({"prefix": prefix + "x"}))
+    assert "No namespace starts with" in html and not listed(html)
 
 
 def test_writes_need_session_and_csrf(web, ns, redis_server):

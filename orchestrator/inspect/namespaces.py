@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +53,11 @@ def scan_keys(r: redis.Redis, namespace: str | None = None) -> Iterator[Namespac
             yield parsed
 
 
-def memory_by_namespace(r: redis.Redis, namespace: str | None = None) -> dict[str, int]:
-    """Bytes Redis uses for the keys of each namespace (MEMORY USAGE, sampled for hashes)."""
+def memory_by_namespace(
+    r: redis.Redis, namespace: str | None = None, among: Collection[str] | None = None
+) -> dict[str, int]:
+    """Bytes Redis uses for the keys of each namespace (MEMORY USAGE, sampled for hashes);
+    with ``among``, of those namespaces only (one SCAN, MEMORY USAGE of their keys)."""
     totals: dict[str, int] = defaultdict(int)
     batch: list[NamespaceKey] = []
 
@@ -67,6 +70,8 @@ def memory_by_namespace(r: redis.Redis, namespace: str | None = None) -> dict[st
         batch.clear()
 
     for k in scan_keys(r, namespace):
+        if among is not None and k.namespace not in among:
+            continue
         batch.append(k)
         if len(batch) >= _SCAN_COUNT:
             flush()

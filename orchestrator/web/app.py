@@ -179,8 +179,10 @@ class WebApp:
 
     # ---- pages -------------------------------------------------------------------------
     async def home(self, request: Request, session: Session) -> Response:
-        rows = await _run(self.inspector.namespaces)
-        return self.render(request, session, "namespaces.html", {"namespaces": rows})
+        p = request.query_params
+        prefix, page = p.get("prefix", ""), _int(p.get("page"), 0)
+        result = await _run(self.inspector.namespaces, prefix, page)
+        return self.render(request, session, "namespaces.html", {"result": result})
 
     async def search(self, request: Request, session: Session) -> Response:
         ns = request.path_params["ns"]

@@ -35,6 +35,7 @@ from orchestrator.sampling.samplers import eligible
 from orchestrator.web import charts, llm, thumbs
 
 PAGE = 50
+NAMESPACE_PAGE = 25  # namespaces a page shows: each costs its stats and an index sync
 EPISODE_PAGE = 200
 GROUP_KEYS = ("task_id", "agent_id", "skill_tag")
 INFO_CHARS = 2000
@@ -54,6 +55,15 @@ class SearchResult:
     rows: list[dict[str, Any]]
     histogram: charts.Chart
     counts: dict[str, list[tuple[Any, int]]] = field(default_factory=dict)
+
+
+@dataclass
+class NamespacePage:
+    prefix: str  # only namespaces whose name starts with it
+    page: int
+    pages: int
+    total: int  # namespaces with the prefix
+    rows: list[dict[str, Any]]
 
 
 class Inspector:
@@ -107,11 +117,17 @@ class Inspector:
         return q.store.decode_codes(column, q.index.columns[column][rows].tolist())
 
     # ---- namespaces --------------------------------------------------------------------
-    def namespaces(self) -> list[dict[str, Any]]:
+    def namespaces(self, prefix: str = "", page: int = 0) -> NamespacePage:
+        """One page of namespaces, by name: a Redis of many namespaces (a buffer per SB3
+        run makes one each) costs a page's stats and index syncs, not every namespace's."""
         now = time.time()
-        memory = memory_by_namespace(self.r)
+        names = [ns for ns in list_namespaces(self.r) if ns.startswith(prefix)]
+        pages = max(1, -(-len(names) // NAMESPACE_PAGE))
+        page = min(page, pages - 1)
+        shown = names[page * NAMESPACE_PAGE : (page + 1) * NAMESPACE_PAGE]
+        memory = memory_by_namespace(self.r, among=set(shown))
         out = []
-        for ns in list_namespaces(self.r):
+        for ns in shown:
             store = Store(self.redis_url, ns)
             st = namespace_stats(store, memory.get(ns, 0))
             with self.lock(ns):
@@ -130,7 +146,7 @@ class Inspector:
                 "dead_letters": st.info["dead_letters"], "evictions": st.evictions,
                 "archived": archived, "rate": charts.rate(ts, now),
             })  # fmt: skip
-        return out
+        return NamespacePage(prefix, page, pages, len(names), out)
 
     # ---- search ------------------------------------------------------------------------
     def search(self, ns: str, expression: str, since: str, view: str, page: int) -> SearchResult:
