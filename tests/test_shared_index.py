@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
 from orchestrator.delivery.client import BatchClient
 from orchestrator.sampling.index import SamplingIndex
-from orchestrator.sampling.shared import H_DIRTY, SharedIndex, index_key, reap_unused
+from orchestrator.sampling.shared import H_DIRTY, H_WROTE, SharedIndex, index_key, reap_unused
 from orchestrator.sampling.shmfiles import SHM_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,3 +192,34 @@ def _maps(pid: int, name: str) -> set[int]:
         if len(parts) >= 6 and parts[5].endswith("/" + name):
             found.add(int(parts[4]))
     return found
+
+
+def test_a_sync_reads_recent_columns_others_read_and_waits_for_old_ones(store):
+    """While another holder reads, a sync draws from columns written within MAX_LAG_S
+    instead of waiting to write (the pool keeps sampling in parallel); older ones it
+    brings up to date once the reader is done."""
+    store.commit(batch(episode(1, 40, "terminated")))
+    a, b = SharedIndex(store), SharedIndex(store)
+    for ix in (a, b):
+        ix.sync()
+        ix.release()
+    a.sync()  # a reads (holds the columns shared)
+    store.commit(batch(episode(2, 30, "terminated")))
+    hdr = a._hdr
+    hdr[H_WROTE] = time.monotonic_ns() + 60 * 10**9  # as if written just now, for a minute
+    assert len(b.sync()) == 0  # did not wait for a: the columns as they were
+    assert b.columns["alive"].sum() == 40
+    b.release()
+
+    hdr[H_WROTE] = 0  # written long ago: b waits for a, then writes
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(b.sync()))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()
+    a.release()
+    waiter.join(60)
+    assert len(got[0]) == 30 and b.columns["alive"].sum() == 70
+    assert_cold_equal(b)
+    b.close()
+    a.close()
