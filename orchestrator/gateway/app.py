@@ -7,15 +7,15 @@ docs/llm.md is the reference (routes, auth, limits, the reward rule)."""
 from __future__ import annotations
 
 import hmac
-import json
 import math
 import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -32,6 +32,7 @@ from claw_tasks.store import Store
 from orchestrator.gateway.capture import CHAT, COMPLETION, CaptureError, Retokenizer, upstream_body
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.recorder import POLICY_VERSION_HEADER, Call, Recorder, TrajectoryError
+from orchestrator.gateway.upstream import Upstream, UpstreamError
 
 UID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
 TAG_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
@@ -105,8 +106,8 @@ def _too_large(limit: int) -> JSONResponse:
 
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
-        obj = json.loads(raw)
-    except ValueError as e:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
         raise _Refused(error(400, f"body is not JSON: {e}", "invalid_request_error")) from None
     if not isinstance(obj, dict):
         raise _Refused(error(400, "body must be a JSON object", "invalid_request_error"))
@@ -175,14 +176,12 @@ class Gateway:
         headers = {"accept-encoding": "identity"}
         if config.upstream_key:
             headers["authorization"] = f"Bearer {config.upstream_key}"
-        self.client = httpx.AsyncClient(
-            base_url=config.upstream.rstrip("/"), headers=headers,
-            timeout=httpx.Timeout(config.upstream_timeout, connect=10.0),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200),
-        )  # fmt: skip
+        self.upstream = Upstream(
+            config.upstream, headers, timeout=config.upstream_timeout, connect_timeout=10.0
+        )
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.upstream.aclose()
         await run_in_threadpool(self.recorder.close)
 
     # ---- routes -------------------------------------------------------------------------
@@ -209,25 +208,23 @@ class Gateway:
         except _Refused as r:
             self.metrics.requests.labels(kind, r.response.status_code).inc()
             return r.response
-        req = self.client.build_request(
-            "POST", path, content=json.dumps(body).encode(),
-            headers={"content-type": "application/json"},
-        )  # fmt: skip
-        with self.metrics.upstream_seconds.time():
-            try:
-                resp = await self.client.send(req, stream=True)
-            except httpx.HTTPError as e:
-                self.recorder.refund(traj)
-                self.metrics.requests.labels(kind, 502).inc()
-                return error(502, f"upstream {self.config.upstream} failed: "
-                             f"{type(e).__name__}: {e}", "upstream_error")  # fmt: skip
-        media = resp.headers.get("content-type", "application/json")
-        self.metrics.requests.labels(kind, resp.status_code).inc()
-        if resp.status_code != 200:  # passed through, recorded as nothing
-            content = await resp.aread()
-            await resp.aclose()
+        t0 = time.perf_counter()
+        try:
+            resp = await self.upstream.post(path, orjson.dumps(body), "application/json")
+            if resp.status != 200 or not payload.get("stream"):
+                content = await resp.read()
+                await resp.close()
+        except UpstreamError as e:
             self.recorder.refund(traj)
-            return Response(content, resp.status_code, media_type=media)
+            self.metrics.requests.labels(kind, 502).inc()
+            return error(502, f"upstream {self.config.upstream} failed: {e}",
+                         "upstream_error")  # fmt: skip
+        self.metrics.upstream_seconds.observe(time.perf_counter() - t0)
+        media = resp.headers.get("content-type", "application/json")
+        self.metrics.requests.labels(kind, resp.status).inc()
+        if resp.status != 200:  # passed through, recorded as nothing
+            self.recorder.refund(traj)
+            return Response(content, resp.status, media_type=media)
 
         version = resp.headers.get(POLICY_VERSION_HEADER)
 
@@ -235,8 +232,6 @@ class Gateway:
             return Call(traj, group, kind, payload, reply, streamed, tags, version)
 
         if not payload.get("stream"):
-            content = await resp.aread()
-            await resp.aclose()
 
             async def record() -> None:  # after the response is sent
                 self.recorder.submit(call(content, False))
@@ -249,7 +244,7 @@ class Gateway:
             buf = bytearray()
             done = False
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.chunks():
                     buf += chunk
                     yield chunk
                 done = True
@@ -258,7 +253,7 @@ class Gateway:
                     self.recorder.submit(call(bytes(buf), True))
                 else:
                     self.recorder.refund(traj)
-                await resp.aclose()
+                await resp.close()
 
         return StreamingResponse(relay(), 200, media_type=media)
 

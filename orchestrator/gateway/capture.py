@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 CHAT = "chat"
 COMPLETION = "completion"
 TOKEN_ID_PREFIX = "token_id:"
@@ -138,8 +140,8 @@ def read_stream(kind: str, raw: bytes) -> _Acc:
 
 def _json(raw: bytes, what: str) -> dict[str, Any]:
     try:
-        obj = json.loads(raw)
-    except ValueError as e:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
         raise CaptureError(f"{what} is not JSON ({e})") from None
     if not isinstance(obj, dict):
         raise CaptureError(f"{what} is not a JSON object")
