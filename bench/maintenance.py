@@ -79,9 +79,11 @@ def calls(r, script: str) -> str:
     name = " ".join(top["command"].decode(errors="replace").split()[:1])
     if sha in top["command"][:60]:
         name = f"{script}.lua"
-    return (f"{script}.lua: {len(mine):,} calls, median {np.median(mine):.2f} ms, p99 "
-            f"{np.percentile(mine, 99):.2f} ms, longest {mine.max():.2f} ms; longest of all "
-            f"{len(entries):,} calls {top['duration'] / 1e3:.2f} ms ({name})")
+    return (
+        f"{script}.lua: {len(mine):,} calls, median {np.median(mine):.2f} ms, p99 "
+        f"{np.percentile(mine, 99):.2f} ms, longest {mine.max():.2f} ms; longest of all "
+        f"{len(entries):,} calls {top['duration'] / 1e3:.2f} ms ({name})"
+    )
 
 
 def score(chunk: dict[str, np.ndarray], params: dict) -> np.ndarray:
@@ -92,9 +94,12 @@ def score(chunk: dict[str, np.ndarray], params: dict) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=1_000_000)
-    ap.add_argument("--realtime", action="store_true",
-                    help="run redis-server SCHED_FIFO (needs root): its calls' durations are "
-                    "then their own work, not time spent waiting for a core on a busy host")
+    ap.add_argument(
+        "--realtime",
+        action="store_true",
+        help="run redis-server SCHED_FIFO (needs root): its calls' durations are "
+        "then their own work, not time spent waiting for a core on a busy host",
+    )
     args = ap.parse_args()
     n = args.steps
     now = time.time()
@@ -134,8 +139,10 @@ def main() -> None:
         seen = calls(r, "reprioritize")
         r.config_set("slowlog-log-slower-than", 10000)
         assert out["finished"]
-        print(f"recompute: {out['written']:,} priorities in {wall:.2f} s "
-              f"({out['written'] / wall:,.0f} steps/s); {seen}")
+        print(
+            f"recompute: {out['written']:,} priorities in {wall:.2f} s "
+            f"({out['written'] / wall:,.0f} steps/s); {seen}"
+        )
         print(f"load average during the run: {os.getloadavg()}")
 
 

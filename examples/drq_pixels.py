@@ -47,16 +47,18 @@ def main() -> None:
     print(f"recorded {args.steps} steps of {SIZE}x{SIZE}x3 images")
 
     client = BatchClient(args.namespace)
-    client.register({
-        "name": "drq",
-        "batch_size": 32,
-        "fields": ["obs", "action", "reward", "next_obs"],
-        "sources": [{"name": "all"}],
-        "n_step": 3,
-        "gamma": 0.99,
-        "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"},
-        "prefetch": {"depth": 8},
-    })
+    client.register(
+        {
+            "name": "drq",
+            "batch_size": 32,
+            "fields": ["obs", "action", "reward", "next_obs"],
+            "sources": [{"name": "all"}],
+            "n_step": 3,
+            "gamma": 0.99,
+            "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"},
+            "prefetch": {"depth": 8},
+        }
+    )
     learner = dqn.DQN(dqn.ConvQ((SIZE, SIZE, 3), 2), lr=3e-4, target_every=100)
     waits = []
     for _ in range(args.updates):

@@ -46,15 +46,17 @@ def main() -> None:
                     obs, _ = env.reset()
 
     client = BatchClient(args.namespace)
-    client.register({
-        "name": "mix",
-        "batch_size": 100,
-        "fields": ["obs", "action", "reward", "agent_id"],
-        "sources": [
-            {"name": "cautious", "weight": 0.7, "where": "agent_id == 'cautious'"},
-            {"name": "random", "weight": 0.3, "where": "agent_id == 'random'"},
-        ],
-    })
+    client.register(
+        {
+            "name": "mix",
+            "batch_size": 100,
+            "fields": ["obs", "action", "reward", "agent_id"],
+            "sources": [
+                {"name": "cautious", "weight": 0.7, "where": "agent_id == 'cautious'"},
+                {"name": "random", "weight": 0.3, "where": "agent_id == 'random'"},
+            ],
+        }
+    )
     for _ in range(args.batches):
         batch = client.pop("mix", timeout=60.0)
         by_agent = Counter(batch.meta["agent_id"])

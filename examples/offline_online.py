@@ -57,15 +57,17 @@ def main() -> None:
     record(args.namespace, "today", args.steps, seed=1)
 
     client = BatchClient(args.namespace)
-    client.register({
-        "name": "half-half",
-        "batch_size": 64,
-        "fields": ["obs", "action", "reward", "next_obs", "agent_id", "tags.orig_id"],
-        "sources": [
-            {"name": "offline", "weight": 0.5, "where": "tags.orig_id >= 0"},
-            {"name": "online", "weight": 0.5, "where": "not tags.orig_id >= 0"},
-        ],
-    })
+    client.register(
+        {
+            "name": "half-half",
+            "batch_size": 64,
+            "fields": ["obs", "action", "reward", "next_obs", "agent_id", "tags.orig_id"],
+            "sources": [
+                {"name": "offline", "weight": 0.5, "where": "tags.orig_id >= 0"},
+                {"name": "online", "weight": 0.5, "where": "not tags.orig_id >= 0"},
+            ],
+        }
+    )
     for _ in range(args.batches):
         batch = client.pop("half-half", timeout=60.0)
         by_source = Counter(batch.sources[i] for i in batch.source_index.tolist())

@@ -113,6 +113,7 @@ def test_broker_outage_with_unacked_messages_does_not_kill_the_worker(
     assert b"Unrecoverable error" not in worker.log.read_bytes()
     _assert_exact(Store(data.url, namespace), range(0, 8), 10)
 
+
 def _send(ing: Ingestor) -> None:
     """Hand what is buffered to the broker; while it is down the batch stays in the
     Ingestor (sent with the next flush that waits)."""
@@ -200,9 +201,7 @@ def _recipe(name: str) -> Recipe:
                                   "sources": [{"name": "all"}]})  # fmt: skip
 
 
-def test_pop_skips_garbage_queue_items_counts_them_and_logs_once(
-    redis_url, namespace, r, caplog
-):
+def test_pop_skips_garbage_queue_items_counts_them_and_logs_once(redis_url, namespace, r, caplog):
     client = BatchClient(namespace, redis_url)
     client.registry.put(_recipe("g"), shm.host_id())
     good = frame_batch({"obs": np.ones((4, 2), np.float32)}, np.arange(4), recipe_version=1)

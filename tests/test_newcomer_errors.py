@@ -103,6 +103,8 @@ def test_pop_timeout_reports_the_fills_last_error(redis_url, namespace, workers)
         with pytest.raises(TimeoutError) as e:
             client.pop("r", timeout=5.0)
     msg = str(e.value)
-    assert "the last fill failed (error: RecipeError: recipe 'r': augment.obs: random_shift " \
+    assert (
+        "the last fill failed (error: RecipeError: recipe 'r': augment.obs: random_shift "
         "cannot apply to field 'obs' of shape (4,)" in msg
+    )
     assert "the worker's log has the traceback" in msg

@@ -134,6 +134,7 @@ def test_metrics_endpoint_requires_the_bearer_token(server, tmp_path):
 
 def _certificates(tmp: Path) -> dict[str, Path]:
     """A throwaway CA and a server certificate for 127.0.0.1 (openssl)."""
+
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=tmp, check=True, capture_output=True)
 
