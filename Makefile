@@ -45,3 +45,4 @@ demo: $(DEMO_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
