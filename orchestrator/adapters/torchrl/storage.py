@@ -114,8 +114,10 @@ class ClawStorage(StoreStorage):
         self.obs_key, self.action_key = kw["obs_key"], kw["action_key"]
         self.priority_key = kw["priority_key"]
         self.timeout = kw["timeout"]
-        self.recipe_base = f"torchrl-{uuid.uuid4().hex[:8]}"  # closing never unregisters
-        self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # another's
+        # Own recipe names: closing this storage never unregisters another's.
+        self.recipe_base = f"torchrl-{uuid.uuid4().hex[:8]}"
+        # Dtypes and trailing shapes a sample gives back: those the rows were extended with.
+        self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._conn: Connection | None = None
         self._finalizer: weakref.finalize | None = None
         self._drawn: tuple[torch.Tensor, TensorDict] | None = None
