@@ -91,16 +91,26 @@ def unframe(f: Frame, budget: Budget | None = None) -> np.ndarray:
             )
         if budget is not None:
             budget.take(nbytes, "lz4 frame")
-        try:
-            data = lz4.block.decompress(data)
-        except lz4.block.LZ4BlockError as e:
-            raise CodecError(f"lz4 frame does not decompress: {e}") from None
+        data = lz4_inflate(data, nbytes)
     if len(data) != nbytes:
         raise CodecError(f"frame of {len(data)} bytes does not fit shape {list(shape)} of {dtype}")
     try:
         return np.frombuffer(data, dtype=dtype).reshape(shape)
     except ValueError as e:
         raise CodecError(f"frame of shape {list(shape)}: {e}") from None
+
+
+def lz4_inflate(frame: bytes | memoryview, nbytes: int) -> bytes:
+    """An lz4 block frame (python-lz4's ``store_size``) whose declared size the caller
+    checked to be ``nbytes``, decompressed: the one lz4 decoder of message frames and of
+    compressed fields."""
+    try:
+        out = lz4.block.decompress(frame)
+    except lz4.block.LZ4BlockError as e:
+        raise CodecError(f"lz4 frame does not decode: {e}") from None
+    if len(out) != nbytes:
+        raise CodecError(f"lz4 frame decodes to {len(out)} bytes, not {nbytes}")
+    return out
 
 
 def packb(obj: Any) -> bytes:

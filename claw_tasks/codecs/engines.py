@@ -20,7 +20,7 @@ import numpy as np
 import zstandard
 from PIL import Image
 
-from claw_tasks.codec import CodecError
+from claw_tasks.codec import CodecError, lz4_inflate
 from claw_tasks.codecs.spec import Codec, image_layout
 
 _PIL_FORMAT = {"jpeg": "JPEG", "webp": "WEBP"}
@@ -91,13 +91,7 @@ class Lz4(Engine):
     def decode(self, frame: bytes | memoryview, nbytes: int, shape: tuple[int, ...]) -> Any:
         if self.declared(frame) != nbytes:
             raise CodecError(f"lz4 frame declares {self.declared(frame)} bytes, not {nbytes}")
-        try:
-            out = lz4.block.decompress(frame)
-        except lz4.block.LZ4BlockError as e:
-            raise CodecError(f"lz4 frame does not decode: {e}") from None
-        if len(out) != nbytes:
-            raise CodecError(f"lz4 frame decodes to {len(out)} bytes, not {nbytes}")
-        return out
+        return lz4_inflate(frame, nbytes)
 
 
 class Png(Engine):
