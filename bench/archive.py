@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from claw_tasks.batch import StepBatch, StrColumn
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
+from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.store import Store
 from orchestrator.maintenance.archive import Archiver
 from orchestrator.maintenance.restore import restore

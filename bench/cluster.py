@@ -39,9 +39,9 @@ from conftest import Worker
 from sample_store import RECIPE, image_steps, steps, timed
 
 from claw_tasks.client import Ingestor
-from claw_tasks.connect import is_cluster
-from claw_tasks.redis_cluster import LocalCluster
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.client import is_cluster
+from claw_tasks.connection.cluster import LocalCluster
+from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
 from orchestrator import sample
 from orchestrator.sampling.index import SamplingIndex

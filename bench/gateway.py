@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import Worker
 from test_gateway import TOKEN, TOOLS, Proc, free_port, train_tokenizer
 
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
 
 BODY = {

@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from claw_tasks.batch import StepBatch, StrColumn
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
+from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +175,8 @@ def celery_mode(
         **os.environ, "PYTHONPATH": str(ROOT), "CLAW_REDIS_URL": url, "CLAW_BROKER_URL": url,
         "CLAW_SHARED_INDEX": "1" if mode == "shared" else "0",
     }  # fmt: skip
-    cmd = [sys.executable, "-m", "celery", "-A", "claw_tasks.app", "worker", "-Q", "prefetch",
+    cmd = [sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", "worker",
+           "-Q", "prefetch",
            "-c", "2", "-P", "prefork", "-l", "INFO", "--without-gossip", "--without-mingle",
            "--without-heartbeat", "-n", f"b{uuid.uuid4().hex[:6]}@%h"]  # fmt: skip
     worker = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import Worker
 
 from claw_tasks.client import Ingestor
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
 
 
 def used(r: redis.Redis) -> int:

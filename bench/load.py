@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.client import Ingestor
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
 from orchestrator.cli.devstack import DevStack, worker_service
 from orchestrator.delivery.client import BatchClient

@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-from claw_tasks.batch import StepBatch, StrColumn
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
+from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from claw_tasks.store.scripts import Lua

@@ -27,8 +27,8 @@ from typing import Any
 import cv2
 import numpy as np
 
-from claw_tasks.batch import StepBatch, StrColumn
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
+from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.store import Store
 from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import run_fill

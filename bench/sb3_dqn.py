@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import Worker
 
 from claw_tasks.client import Ingestor
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
 from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.readahead import ReadAhead

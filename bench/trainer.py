@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import Worker
 
 from claw_tasks.client import Ingestor
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.wire import Batch
 

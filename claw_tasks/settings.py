@@ -6,9 +6,10 @@ import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-from claw_tasks.connect import is_cluster_url
-
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+"""URL schemes that name a Redis Cluster, and the scheme of each one's nodes
+(claw_tasks/connection/client.py)."""
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class Settings:
     """Process-wide configuration.
 
     ``redis_url`` is the data store (a Redis Cluster with ``redis+cluster://``, see
-    claw_tasks/connect.py); ``broker_url`` the Celery broker (a standalone Redis or
+    claw_tasks/connection/client.py); ``broker_url`` the Celery broker (a standalone Redis or
     RabbitMQ; defaults to the data store's server, which a cluster cannot be);
     ``beat_url`` the standalone Redis where RedBeat keeps the schedule
     (``CLAW_BEAT_REDIS_URL``; defaults to the data store, or to a Redis broker when the
@@ -172,3 +173,8 @@ def redact_url(url: str) -> str:
     user = parts.username or ""
     hosts = parts.netloc.rpartition("@")[2]  # as written: IPv6, several cluster seeds
     return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
+
+
+def is_cluster_url(url: str) -> bool:
+    """True if ``url`` names a Redis Cluster (``redis+cluster://``, ``rediss+cluster://``)."""
+    return urlsplit(url).scheme.lower() in CLUSTER_SCHEMES

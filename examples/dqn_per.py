@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from claw_tasks.client import Ingestor
-from claw_tasks.gym import RecordSteps
+from claw_tasks.client.gym import RecordSteps
 from orchestrator import BatchClient
 from orchestrator.cli.demo import dqn
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from claw_tasks.client import Ingestor
-from claw_tasks.gym import RecordSteps
+from claw_tasks.client.gym import RecordSteps
 from orchestrator import BatchClient
 from orchestrator.cli.demo import dqn
 from orchestrator.cli.demo.pixels import SIZE, Pixels

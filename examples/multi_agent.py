@@ -18,7 +18,7 @@ import gymnasium as gym
 import numpy as np
 
 from claw_tasks.client import Ingestor
-from claw_tasks.gym import RecordSteps
+from claw_tasks.client.gym import RecordSteps
 from orchestrator import BatchClient
 
 

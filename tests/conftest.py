@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 import pytest
 from hypothesis import settings
 
-from claw_tasks.connect import Client, redis_client
-from claw_tasks.redis_cluster import LocalCluster
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.client import Client, redis_client
+from claw_tasks.connection.cluster import LocalCluster
+from claw_tasks.connection.server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ class Worker:
             **env,
         }
         cmd = [
-            sys.executable, "-m", "celery", "-A", "claw_tasks.app", "worker",
+            sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", "worker",
             "-Q", queues, "-c", str(concurrency), "-P", "prefork", "-l", "INFO",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"w{uuid.uuid4().hex[:6]}@%h",

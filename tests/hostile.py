@@ -12,10 +12,10 @@ import numpy as np
 import redis
 from kombu import Connection, Exchange, Producer, Queue
 
-from claw_tasks.batch import StepBatch, StrColumn
-from claw_tasks.deadletter import REJECTS_OUTCOMES
-from claw_tasks.message import TASK, IngestArgs
+from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.message import TASK, IngestArgs
 from claw_tasks.store.layout import Keys
+from claw_tasks.worker.deadletter import REJECTS_OUTCOMES
 
 MSGPACK = "application/x-msgpack"
 OUTCOMES = ("committed", "partial", "rejected", "duplicate")

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.batch import Ragged, StepBatch, StrColumn
-from claw_tasks.schema import tag_column
+from claw_tasks.format.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.format.schema import tag_column
 
 
 def turns_batch(turns: Sequence[dict[str, Any]]) -> StepBatch:

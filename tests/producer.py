@@ -8,12 +8,12 @@ import time
 import numpy as np
 from celery import Celery
 
-from claw_tasks.app import client_app, settings
-from claw_tasks.batch import Placed, StepBatch
-from claw_tasks.ingest import IngestOutcome
-from claw_tasks.message import IngestArgs
+from claw_tasks.broker.app import client_app
+from claw_tasks.format.batch import Placed, StepBatch
+from claw_tasks.format.message import IngestArgs, IngestOutcome
 from claw_tasks.settings import broker_for
 from claw_tasks.store import Store
+from claw_tasks.worker.app import settings
 
 
 def sender(redis_url: str) -> Celery:
@@ -26,7 +26,7 @@ def send_unchecked(
     redis_url: str, store: Store, batch: StepBatch, *, in_place: bool = False,
     broker_url: str | None = None,
 ):  # fmt: skip
-    """Publish ``batch`` to ``claw_tasks.ingest`` (its fixed-shape fields written in place
+    """Publish ``batch`` to the ``claw_tasks.ingest`` task (its fixed-shape fields written in place
     first with ``in_place``: one shard) through ``broker_url`` (default: the stack's, see
     :func:`sender`); returns the task's args (to send them again)."""
     if in_place:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 from orchestrator.delivery.client import BatchClient

@@ -16,9 +16,9 @@ import pytest
 from producer import sender
 from typer.testing import CliRunner
 
-from claw_tasks.batch import Ragged, StepBatch, StrColumn
 from claw_tasks.client import Ingestor
-from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.format.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
 from orchestrator.maintenance.archive import MANIFEST, ArchiveBusy, Manifest, archive_namespace

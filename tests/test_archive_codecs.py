@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from claw_tasks.app import client_app
+from claw_tasks.broker.app import client_app
 from claw_tasks.client import Ingestor
 from claw_tasks.codecs import Codec, decode
-from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
 from orchestrator.maintenance.archive import Manifest

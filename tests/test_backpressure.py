@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import Worker
 
-from claw_tasks.backpressure import StoreFullError
 from claw_tasks.client import Ingestor
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.client.backpressure import StoreFullError
+from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
 
 

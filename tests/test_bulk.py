@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import redis
 
-from claw_tasks.batch import StepBatch, StrColumn
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
+from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.store import Store
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.bulk import BulkReader

@@ -21,12 +21,12 @@ import pytest
 from prometheus_client import generate_latest
 from typer.testing import CliRunner
 
-from claw_tasks.batch import StepBatch, StrColumn
-from claw_tasks.ingest import process
-from claw_tasks.message import IngestArgs
+from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.message import IngestArgs
 from claw_tasks.settings import load_limits
 from claw_tasks.store import Store
 from claw_tasks.store.layout import META_CHUNK_SLOTS
+from claw_tasks.worker.ingest import process
 from orchestrator.cli.main import app
 from orchestrator.cli.metrics import registry_for, serve
 
@@ -264,7 +264,7 @@ def test_urls_are_printed_without_their_password() -> None:
 
 
 def test_password_never_printed() -> None:
-    from claw_tasks.redis_server import RedisServer
+    from claw_tasks.connection.server import RedisServer
 
     runner = CliRunner()
     with RedisServer() as server:

@@ -1,7 +1,8 @@
-"""The data store on a real 3-master Redis Cluster (claw_tasks/connect.py): a namespace with
-more shards than masters gives the same results as on one Redis, step for step; a master
-SIGKILLed mid-ingest and restarted from its AOF loses no acknowledged step. (Most of the
-store's tests also run on the cluster: the ``both_stores`` marker, tests/conftest.py.)"""
+"""The data store on a real 3-master Redis Cluster (claw_tasks/connection/client.py): a
+namespace with more shards than masters gives the same results as on one Redis, step for
+step; a master SIGKILLed mid-ingest and restarted from its AOF loses no acknowledged step.
+(Most of the store's tests also run on the cluster: the ``both_stores`` marker,
+tests/conftest.py.)"""
 
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ import pytest
 from stepdata import batch, episode, interleave
 
 from claw_tasks.client import Ingestor
-from claw_tasks.connect import is_cluster, redis_client
-from claw_tasks.deadletter import REJECTS, REJECTS_OUTCOMES
-from claw_tasks.redis_cluster import LocalCluster
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.client import is_cluster, redis_client
+from claw_tasks.connection.cluster import LocalCluster
+from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import broker_for, load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
+from claw_tasks.worker.deadletter import REJECTS, REJECTS_OUTCOMES
 from orchestrator import Recipe, sample, update_priorities
 from orchestrator.cli.doctor import check_namespace
 from orchestrator.delivery.registry import ACTIVE, Registry

@@ -11,9 +11,8 @@ import pytest
 import zstandard
 from PIL import Image
 
-from claw_tasks.codec import CodecError
-from claw_tasks.codecs import Codec, decode, encode, frame_problem
-from claw_tasks.schema import FieldSpec, Schema, SchemaError
+from claw_tasks.codecs import Codec, CodecError, decode, encode, frame_problem
+from claw_tasks.format.schema import FieldSpec, Schema, SchemaError
 
 DTYPES = ["|u1", "|i1", "<u2", "<i4", ">i4", "<i8", "<f2", "<f4", "<f8", ">f8", "<c8", "|b1"]
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from flower.options import options as flower_options
 
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 QUEUES = {"ingest", "prefetch", "maintenance"}
@@ -103,7 +103,7 @@ def test_workers_consume_known_queues(services: dict[str, Any]) -> None:
     consumed: set[str] = set()
     for name in WORKERS:
         args = argv(services[name])
-        assert args[:4] == ["celery", "-A", "claw_tasks.app", "worker"], name
+        assert args[:4] == ["celery", "-A", "claw_tasks.worker.app", "worker"], name
         queues = option(args, "-Q", "--queues")
         assert queues, f"{name} names no queue"
         assert set(queues.split(",")) <= QUEUES, name
@@ -115,14 +115,14 @@ def test_workers_consume_known_queues(services: dict[str, Any]) -> None:
 
 
 def test_queue_set_matches_the_celery_app() -> None:
-    from claw_tasks.app import app
+    from claw_tasks.worker.app import app
 
     assert {queue.name for queue in app.conf.task_queues} == QUEUES
 
 
 def test_beat_uses_redbeat(services: dict[str, Any]) -> None:
     args = argv(services["beat"])
-    assert args[:4] == ["celery", "-A", "claw_tasks.app", "beat"]
+    assert args[:4] == ["celery", "-A", "claw_tasks.worker.app", "beat"]
     scheduler = option(args, "-S", "--scheduler")
     assert scheduler == "redbeat.RedBeatScheduler"
     module, cls = scheduler.rsplit(".", 1)
@@ -132,7 +132,7 @@ def test_beat_uses_redbeat(services: dict[str, Any]) -> None:
 def test_flower_has_basic_auth_and_events(services: dict[str, Any]) -> None:
     flower = services["flower"]
     args = argv(flower)
-    assert args[:4] == ["celery", "-A", "claw_tasks.app", "flower"]
+    assert args[:4] == ["celery", "-A", "claw_tasks.worker.app", "flower"]
     # Basic auth from the environment, required (`:?`): no default password is committed.
     assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")
     env = read_env_file(ROOT / flower["env_file"])

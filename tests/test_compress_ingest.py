@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import zstandard
 
-from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.client import Ingestor
 from claw_tasks.client.sending import encode_batch
 from claw_tasks.codecs import Codec, Frames, encode
-from claw_tasks.encoded import Encoded
-from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.delivery.client import BatchClient
 from tests.producer import outcome, send_unchecked

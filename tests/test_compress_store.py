@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import redis
 
-from claw_tasks.batch import Ragged, StepBatch, StrColumn
-from claw_tasks.codec import unpackb
 from claw_tasks.codecs import Codec, Frames, encode
-from claw_tasks.encoded import Encoded
-from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.format.arrays import unpackb
+from claw_tasks.format.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 

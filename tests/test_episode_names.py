@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from stepdata import batch, episode
 
-from claw_tasks.batch import StepBatch
+from claw_tasks.format.batch import StepBatch
 from claw_tasks.store import Store
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.evict import _FIXED_KEYS, _SCRIPT, PLAN_COLUMNS, _Plan

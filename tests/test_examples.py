@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator import Recipe
 from orchestrator.transforms.augment import build_pipelines

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from claw_tasks.client import Ingestor
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
 from orchestrator.cli.devstack import DevStack, worker_service
 from orchestrator.delivery import shm, wire

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from stepdata import batch, episode, interleave
 
-from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 from orchestrator.recipe.model import RecipeError

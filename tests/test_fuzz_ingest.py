@@ -35,16 +35,16 @@ import zstandard
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.client import Ingestor
-from claw_tasks.codec import frame, packb
 from claw_tasks.codecs import Codec, Frames, encode
-from claw_tasks.deadletter import REJECTS
-from claw_tasks.encoded import Encoded
-from claw_tasks.message import MESSAGE_VERSION
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
+from claw_tasks.format.arrays import frame, packb
+from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.message import MESSAGE_VERSION
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
+from claw_tasks.worker.deadletter import REJECTS
 from tests.conftest import Worker
 from tests.hostile import (
     MSGPACK,

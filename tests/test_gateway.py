@@ -20,8 +20,9 @@ import openai
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from claw_tasks.llm import prompt_key, turn_infos
+from claw_tasks.format.turns import prompt_key
 from claw_tasks.store import Store
+from claw_tasks.store.turns import turn_infos
 from orchestrator.gateway.capture import CHAT, CaptureError, Retokenizer, capture
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -327,7 +327,7 @@ def test_recipe_errors_name_the_cause(change, message):
 
 
 def test_group_by_must_be_a_value_of_the_schema():
-    from claw_tasks.schema import FieldSpec, Schema
+    from claw_tasks.format.schema import FieldSpec, Schema
     from orchestrator.recipe.model import RecipeError
 
     schema = Schema({"prompt_ids": FieldSpec("<i4", (None,))}, {"prompt_uid": "num"})

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from producer import outcome, send_unchecked
 
-from claw_tasks.batch import StepBatch, StrColumn
 from claw_tasks.client import Ingestor
-from claw_tasks.codec import unpackb
-from claw_tasks.schema import SchemaError
+from claw_tasks.format.arrays import unpackb
+from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.schema import SchemaError
 from claw_tasks.store import Store
 
 
@@ -158,7 +158,7 @@ def test_worker_dead_letters_schema_mismatch_whole_batch(ing, redis_url, namespa
 
 
 def test_worker_dead_letters_undecodable_payload(ing, redis_url, namespace, r):
-    from claw_tasks.message import IngestArgs
+    from claw_tasks.format.message import IngestArgs
 
     args = IngestArgs(namespace, "junk1", b"\x93garbage", None).to_args()
     ing.app.send_task("claw_tasks.ingest", args=args, queue="ingest")
@@ -171,7 +171,7 @@ def test_worker_dead_letters_undecodable_payload(ing, redis_url, namespace, r):
 def test_broker_down_keeps_batches_until_it_answers(redis_url, namespace, ingest_worker):
     from kombu.exceptions import OperationalError
 
-    from claw_tasks.app import client_app
+    from claw_tasks.broker.app import client_app
 
     ing = Ingestor(namespace, redis_url, broker_url="redis://127.0.0.1:1/0", flush_interval=None)
     with ing.episode(episode_id="offline") as ep:

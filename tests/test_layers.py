@@ -1,5 +1,6 @@
-"""The orchestrator's subpackages import only downward, and claw_tasks never imports the
-orchestrator: the tree shows the data flow, and no cycle can form."""
+"""The packages of both halves import only downward — the orchestrator's stages and
+claw_tasks' layers — and claw_tasks never imports the orchestrator: the tree shows the data
+flow, and no cycle can form between packages."""
 
 from __future__ import annotations
 
@@ -84,19 +85,85 @@ def test_public_imports() -> None:
     from orchestrator.adapters.torch import ClawIterableDataset  # noqa: F401
 
 
-def test_the_where_language_never_imports_the_store() -> None:
-    """The store's settings (retention's protect filters) use the where language, so the
-    where language, and the leaf modules both read (durations, step metadata), must not
-    import the store package: that was an import cycle, worked around by a lazy import."""
-    paths = [*(ROOT / "claw_tasks" / "where").glob("*.py")]
-    paths += [ROOT / "claw_tasks" / "durations.py", ROOT / "claw_tasks" / "stepmeta.py"]
-    bad = [
-        f"{path.relative_to(ROOT)}: {module}"
-        for path in sorted(paths)
-        for module in _imports(path)
-        if module == "claw_tasks.store" or module.startswith("claw_tasks.store.")
-    ]
+# claw_tasks' layers, lowest first (claw_tasks/__init__.py describes each). ``client`` and
+# ``worker`` are siblings: neither imports the other (the SDK must not build a worker app).
+TASK_LAYERS = [
+    "codecs",
+    "settings",
+    "durations",
+    "format",
+    "where",
+    "connection",
+    "store",
+    "broker",
+    "client",
+    "worker",
+]
+ALIASES = {"app", "gym"}  # old import paths kept until 0.3; nothing in the repo uses them
+SIBLINGS = {("worker", "client"), ("client", "worker")}
+
+
+def _task_layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "claw_tasks" or len(parts) == 1:
+        return None
+    return parts[1]
+
+
+def test_claw_tasks_top_level_is_small() -> None:
+    modules = sorted(p.stem for p in (ROOT / "claw_tasks").glob("*.py") if p.stem != "__init__")
+    assert len(modules) <= 8, modules
+    assert set(modules) <= set(TASK_LAYERS) | ALIASES, modules
+    packages = sorted(p.parent.name for p in (ROOT / "claw_tasks").glob("*/__init__.py"))
+    assert set(packages) <= set(TASK_LAYERS), packages
+    for package in packages:  # each says what it holds and what it may import
+        assert ast.get_docstring(
+            ast.parse((ROOT / "claw_tasks" / package / "__init__.py").read_text())
+        )
+
+
+@pytest.mark.parametrize("layer", TASK_LAYERS)
+def test_claw_tasks_imports_point_down(layer: str) -> None:
+    rank = {name: i for i, name in enumerate(TASK_LAYERS)}
+    base = ROOT / "claw_tasks"
+    paths = (
+        sorted((base / layer).rglob("*.py")) if (base / layer).is_dir() else [base / f"{layer}.py"]
+    )
+    bad = []
+    for path in paths:
+        for module in _imports(path):
+            target = _task_layer(module)
+            if target is None or target == layer:
+                continue
+            if target in ALIASES or target not in rank:
+                bad.append(f"{path.relative_to(ROOT)} imports {module} (an alias or no layer)")
+            elif rank[target] > rank[layer] or (layer, target) in SIBLINGS:
+                bad.append(f"{path.relative_to(ROOT)} imports {module} (up: {target})")
     assert bad == []
+
+
+def test_nothing_in_the_repo_uses_the_old_import_paths() -> None:
+    bad = []
+    for top in ("claw_tasks", "orchestrator", "tests", "bench", "examples"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path.parent == ROOT / "claw_tasks" and path.stem in ALIASES:
+                continue
+            for module in _imports(path):
+                if module in {f"claw_tasks.{a}" for a in ALIASES}:
+                    bad.append(f"{path.relative_to(ROOT)}: {module}")
+    assert bad == []
+
+
+def test_the_client_sdk_builds_no_worker_app() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, claw_tasks.client, claw_tasks.client.gym\n"
+        "loaded = [m for m in sys.modules if m.startswith('claw_tasks.worker')]\n"
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
 @pytest.mark.parametrize(

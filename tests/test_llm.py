@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from claw_tasks.client import Ingestor
-from claw_tasks.llm import attach_rewards, prompt_key, spread_rewards, turn_infos
-from claw_tasks.schema import Schema, SchemaError
+from claw_tasks.format.schema import Schema, SchemaError
+from claw_tasks.format.turns import prompt_key, spread_rewards
+from claw_tasks.store.turns import attach_rewards, turn_infos
 from orchestrator.sampling.index import SamplingIndex
 
 
@@ -104,8 +105,8 @@ def test_episode_index_finds_turns_without_the_column(own_redis_url, namespace, 
     """With ``episode_index`` a trajectory's turns come from its index entry (no read of the
     shard's episode column: no GET of a column chunk), in turn order, evicted and
     overwritten steps left out, and the entry goes with the trajectory's last step."""
-    from claw_tasks.llm import trajectory_step_ids
     from claw_tasks.store.layout import episode_code
+    from claw_tasks.store.turns import trajectory_step_ids
     from tests.conftest import Worker
 
     worker = Worker(own_redis_url, "ingest", 1, tmp_path / "worker.log", {})

@@ -17,8 +17,8 @@ from conftest import ROOT
 from stepdata import batch, episode
 from test_stack import _free_port, _spawn, _stop
 
-from claw_tasks.app import client_app
-from claw_tasks.schedule import ScheduleError, beat_schedule, entries
+from claw_tasks.broker.app import client_app
+from claw_tasks.broker.schedule import ScheduleError, beat_schedule, entries
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from orchestrator.maintenance.lifecycle import forget

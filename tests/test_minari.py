@@ -9,7 +9,7 @@ import numpy as np
 from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
-from claw_tasks.gym import RecordSteps
+from claw_tasks.client.gym import RecordSteps
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
 

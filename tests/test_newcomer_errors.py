@@ -10,7 +10,7 @@ import yaml
 
 import orchestrator
 from claw_tasks.client import IngestError, Ingestor
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
 from orchestrator.delivery.client import BatchClient
 from orchestrator.recipe.model import Recipe, RecipeError
 from tests.test_cli import fill

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from claw_tasks.batch import Ragged, StepBatch, StrColumn
-from claw_tasks.codec import unpackb
+from claw_tasks.format.arrays import unpackb
+from claw_tasks.format.batch import Ragged, StepBatch, StrColumn
 from claw_tasks.store import Store
 from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import fill, run_fill

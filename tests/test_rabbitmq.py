@@ -23,10 +23,10 @@ from hostile import body, headers, ingest_body, messages_done, outcomes, wait_fo
 from kombu import Connection
 from producer import outcome
 
-from claw_tasks.app import client_app
-from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.broker.app import client_app
 from claw_tasks.client import Ingestor
-from claw_tasks.message import IngestArgs
+from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.message import IngestArgs
 from claw_tasks.store import Store
 from orchestrator.cli.metrics import ClawCollector
 from orchestrator.delivery.client import BatchClient

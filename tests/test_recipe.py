@@ -207,8 +207,8 @@ def test_validate_against_lists_every_problem():
 
 
 def test_validate_against_the_store_schema():
-    from claw_tasks.schema import FieldSpec
-    from claw_tasks.schema import Schema as StoreSchema
+    from claw_tasks.format.schema import FieldSpec
+    from claw_tasks.format.schema import Schema as StoreSchema
 
     schema = StoreSchema(fields={"obs": FieldSpec("<f4", (8,))}, tags={"color": "str"})
     r = Recipe.model_validate(minimal(sources=[{"name": "a", "where": {"tags.color": "red"}}]))

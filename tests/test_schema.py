@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from claw_tasks.client import Ingestor
-from claw_tasks.schema import FieldSpec, Schema, SchemaError
+from claw_tasks.format.schema import FieldSpec, Schema, SchemaError
 from claw_tasks.store import Store
 
 FIELDS = {"obs": FieldSpec("<f4", (4,)), "action": FieldSpec("<i8", ())}

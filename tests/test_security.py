@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import redis
 
-from claw_tasks.acl import setuser_command
 from claw_tasks.client import Ingestor
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
+from claw_tasks.store.acl import setuser_command
 from claw_tasks.store.layout import Keys
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.registry import ACTIVE

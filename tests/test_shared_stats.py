@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from claw_tasks.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.store import Store
 from orchestrator.delivery.client import BatchClient
 

@@ -26,7 +26,7 @@ from orchestrator.recipe.model import Recipe
 def _spawn(args: list[str], redis_url: str, log: Path, **env: str) -> subprocess.Popen:
     full = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": redis_url, **env}
     return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "claw_tasks.app", *args], cwd=ROOT, env=full,
+        [sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", *args], cwd=ROOT, env=full,
         stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 

@@ -9,13 +9,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from claw_tasks.batch import Placed
 from claw_tasks.client import Ingestor
-from claw_tasks.codec import packb
-from claw_tasks.deadletter import REJECTS
-from claw_tasks.schema import SchemaError
+from claw_tasks.format.arrays import packb
+from claw_tasks.format.batch import Placed
+from claw_tasks.format.schema import SchemaError
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
+from claw_tasks.worker.deadletter import REJECTS
 from tests.hostile import (
     MSGPACK,
     Publisher,
@@ -284,7 +284,7 @@ def test_worker_refuses_out_of_range_rows_the_client_would(redis_url, namespace,
 def test_failed_send_does_not_shift_step_index(redis_url, namespace, ingest_worker):
     from kombu.exceptions import OperationalError
 
-    from claw_tasks.app import client_app
+    from claw_tasks.broker.app import client_app
 
     ing = Ingestor(namespace, redis_url, broker_url="redis://127.0.0.1:1/0", flush_interval=None,
                    flush_steps=3)  # fmt: skip

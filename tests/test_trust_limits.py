@@ -8,7 +8,7 @@ import hashlib
 import msgpack
 import numpy as np
 
-from claw_tasks.codec import packb
+from claw_tasks.format.arrays import packb
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
 from tests.hostile import (

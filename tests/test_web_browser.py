@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
 from orchestrator.delivery.client import BatchClient
 from tests.webdata import XSS, fill
 from tests.webserver import ROOT, WebServer
@@ -192,8 +192,8 @@ def test_hostile_info_renders_inert(page, ns, web):
 
 def test_llm_trajectory_transcript_tokens_and_group(page, web, redis_server, workers):
     from claw_tasks.client import Ingestor
-    from claw_tasks.llm import attach_rewards
-    from claw_tasks.schema import Schema
+    from claw_tasks.format.schema import Schema
+    from claw_tasks.store.turns import attach_rewards
 
     ns = f"llm-{uuid.uuid4().hex[:8]}"
     ing = Ingestor(ns, redis_server.url, schema=Schema.llm(response_mask=True),

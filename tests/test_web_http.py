@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from claw_tasks.batch import StepBatch, StrColumn
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.server import RedisServer
+from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.store import Store
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.web.views import Inspector

@@ -9,7 +9,7 @@ import pytest
 import redis
 from stepdata import batch
 
-from claw_tasks.codec import packb, unpackb
+from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.config import FORMAT, READS
 from claw_tasks.where import FilterError, parse

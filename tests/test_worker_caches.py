@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from stepdata import batch, episode
 
-from claw_tasks import tasks
-from claw_tasks.lru import LRU
 from claw_tasks.store import Store
+from claw_tasks.worker import tasks
+from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import prefetch
 from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
@@ -88,7 +88,7 @@ def test_prefetch_plans_are_bounded_and_forgotten(redis_url, namespace, monkeypa
 
 _REFILL = """
 import json
-from claw_tasks import tasks
+from claw_tasks.worker import tasks
 from orchestrator.maintenance.refill import refill
 out = refill()
 print(json.dumps({"out": out, "cached": sorted(tasks.stores)}))

@@ -2,7 +2,10 @@
 
 ``ingestor`` holds the producing API and the buffer, ``sending`` the publishing and
 confirmation, ``episode`` the per-episode writer, ``checks`` the value checks run before
-anything is buffered."""
+anything is buffered, ``backpressure`` the wait on a full Redis, ``gym`` the
+``RecordSteps`` wrapper (import it from ``claw_tasks.client.gym``: gymnasium is loaded only
+then). Builds no worker app: it sends through ``claw_tasks.broker.app.client_app``. May
+import every layer below ``worker``; never ``worker``."""
 
 from claw_tasks.client.episode import Episode
 from claw_tasks.client.ingestor import Ingestor

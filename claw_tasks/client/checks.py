@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.batch import STEP_INDEX_LIMIT, STR_META, Ragged, StepBatch, StrColumn
-from claw_tasks.codec import CodecError, check_dtype
-from claw_tasks.schema import FieldSpec, Schema, SchemaError, TagKind, tag_column, tag_key
+from claw_tasks.codecs import CodecError
+from claw_tasks.format.arrays import check_dtype
+from claw_tasks.format.batch import STEP_INDEX_LIMIT, STR_META, Ragged, StepBatch, StrColumn
+from claw_tasks.format.schema import FieldSpec, Schema, SchemaError, TagKind, tag_column, tag_key
 
 
 @dataclass

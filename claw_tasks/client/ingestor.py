@@ -11,9 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.app import client_app
-from claw_tasks.backpressure import MemoryGate
-from claw_tasks.batch import STR_META, Ragged, StepBatch, info_problem
+from claw_tasks.broker.app import client_app
+from claw_tasks.client.backpressure import MemoryGate
 from claw_tasks.client.checks import (
     Step,
     add_tag,
@@ -29,8 +28,9 @@ from claw_tasks.client.checks import (
 )
 from claw_tasks.client.episode import Episode
 from claw_tasks.client.sending import FlushResult, Inflight, IngestError, Sender
-from claw_tasks.llm import prompt_key, turn_fields, turn_info
-from claw_tasks.schema import MAX_STEP_BYTES, Schema, SchemaError
+from claw_tasks.format.batch import STR_META, Ragged, StepBatch, info_problem
+from claw_tasks.format.schema import MAX_STEP_BYTES, Schema, SchemaError
+from claw_tasks.format.turns import prompt_key, turn_fields, turn_info
 from claw_tasks.settings import broker_for, load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
@@ -47,7 +47,7 @@ class Ingestor(Sender):
     namespace's retention policy (:class:`~claw_tasks.store.retention.Retention` or its
     dict form). Near Redis ``maxmemory`` (over ``memory_high_water`` of it) a send blocks
     (``on_full="block"``, up to ``full_timeout`` s) or raises ``StoreFullError``
-    (``on_full="raise"``); the steps are kept either way (:mod:`claw_tasks.backpressure`).
+    (``on_full="raise"``); the steps are kept either way (:mod:`claw_tasks.client.backpressure`).
 
     Compressed fields: a ``schema`` whose fields have a codec, or ``codecs`` (field ->
     codec text, e.g. ``{"obs": "png"}``) applied to the given or inferred schema, set

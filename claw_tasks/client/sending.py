@@ -11,13 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.backpressure import MemoryGate
-from claw_tasks.batch import Placed, StepBatch
+from claw_tasks.client.backpressure import MemoryGate
 from claw_tasks.codecs import encode
-from claw_tasks.encoded import Encoded
-from claw_tasks.ingest import IngestOutcome
-from claw_tasks.message import TASK, IngestArgs
-from claw_tasks.schema import Schema
+from claw_tasks.format.batch import Placed, StepBatch
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.message import TASK, IngestArgs, IngestOutcome
+from claw_tasks.format.schema import Schema
 from claw_tasks.store import Store
 from claw_tasks.store.layout import row_episode_codes
 

@@ -7,13 +7,23 @@ step happens (producer or ingest worker, prefetch workers) and how frames are st
 docs/architecture.md, "Compressed fields".
 """
 
-from claw_tasks.codec import CodecError
 from claw_tasks.codecs.engines import engine_for
+from claw_tasks.codecs.errors import CodecError, lz4_inflate
 from claw_tasks.codecs.frames import Frames
 from claw_tasks.codecs.rows import decode, encode, frame_problem
 from claw_tasks.codecs.spec import LOSSLESS, LOSSY, NAMES, Codec, image_layout
 
 __all__ = [
-    "LOSSLESS", "LOSSY", "NAMES", "Codec", "CodecError", "Frames", "decode", "encode",
-    "engine_for", "frame_problem", "image_layout",
+    "LOSSLESS",
+    "LOSSY",
+    "NAMES",
+    "Codec",
+    "CodecError",
+    "Frames",
+    "decode",
+    "encode",
+    "engine_for",
+    "frame_problem",
+    "image_layout",
+    "lz4_inflate",
 ]  # fmt: skip

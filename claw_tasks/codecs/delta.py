@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codec import CodecError
 from claw_tasks.codecs.engines import engine_for
+from claw_tasks.codecs.errors import CodecError
 
 KEY, DELTA = b"K", b"D"
 

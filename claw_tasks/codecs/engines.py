@@ -20,7 +20,7 @@ import numpy as np
 import zstandard
 from PIL import Image
 
-from claw_tasks.codec import CodecError, lz4_inflate
+from claw_tasks.codecs.errors import CodecError, lz4_inflate
 from claw_tasks.codecs.spec import Codec, image_layout
 
 _PIL_FORMAT = {"jpeg": "JPEG", "webp": "WEBP"}

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codec import CodecError
 from claw_tasks.codecs.delta import key_body, key_frame
 from claw_tasks.codecs.engines import Engine, engine_for
+from claw_tasks.codecs.errors import CodecError
 from claw_tasks.codecs.frames import Frames
 from claw_tasks.codecs.spec import Codec
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codec import CodecError
+from claw_tasks.codecs.errors import CodecError
 
 LOSSLESS = ("zstd", "lz4", "png", "delta")
 LOSSY = ("jpeg", "webp")

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from claw_tasks.batch import STR_META, Placed, Ragged, StepBatch
-from claw_tasks.codec import packb
-from claw_tasks.encoded import Encoded
-from claw_tasks.schema import Schema, tag_column
+from claw_tasks.format.arrays import packb
+from claw_tasks.format.batch import STR_META, Placed, Ragged, StepBatch
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.schema import Schema, tag_column
 from claw_tasks.store.compressed import explicit_frames, frames_of
 from claw_tasks.store.config import LOG_MAXLEN, MARKER_TTL, NamespaceConfig, NamespaceError
 from claw_tasks.store.layout import (

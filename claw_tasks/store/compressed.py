@@ -2,7 +2,7 @@
 (``z:<field>:<chunk>``, slot -> frame), and how stored frames read back.
 
 Rows arrive raw (the ingest worker encodes them: ``Ingestor(compress_at="worker")``) or as
-frames a producer encoded (:class:`~claw_tasks.encoded.Encoded`, checked before the
+frames a producer encoded (:class:`~claw_tasks.format.encoded.Encoded`, checked before the
 commit by ``StepBatch.row_errors``). ``delta`` frames are made here, where the steps'
 episode runs and ids are known.
 """
@@ -14,9 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.batch import FieldValue, Placed, Ragged
-from claw_tasks.codec import CodecError
-from claw_tasks.codecs import decode, encode
+from claw_tasks.codecs import CodecError, decode, encode
 from claw_tasks.codecs.delta import (
     decode_with_keys,
     encode_groups,
@@ -24,8 +22,9 @@ from claw_tasks.codecs.delta import (
     key_frame,
     needed_keys,
 )
-from claw_tasks.encoded import Encoded
-from claw_tasks.schema import FieldSpec
+from claw_tasks.format.batch import FieldValue, Placed, Ragged
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.schema import FieldSpec
 from claw_tasks.settings import load_settings
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 

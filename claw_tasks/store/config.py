@@ -10,9 +10,9 @@ from typing import Any
 
 import redis
 
-from claw_tasks.codec import packb, unpackb
-from claw_tasks.connect import redis_client
-from claw_tasks.schema import Schema
+from claw_tasks.connection.client import redis_client
+from claw_tasks.format.arrays import packb, unpackb
+from claw_tasks.format.schema import Schema
 from claw_tasks.store.layout import Keys
 from claw_tasks.store.retention import Retention
 from claw_tasks.store.scripts import Scripts

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-# Defined in claw_tasks.stepmeta (a leaf the where language imports); re-exported here,
+# Defined in claw_tasks.format.stepmeta (a leaf the where language imports); re-exported here,
 # where the store's modules and the orchestrator look for them.
-from claw_tasks.stepmeta import DICT_COLUMNS as DICT_COLUMNS
-from claw_tasks.stepmeta import EXPLICIT_NEXT as EXPLICIT_NEXT
-from claw_tasks.stepmeta import TERMINATED as TERMINATED
-from claw_tasks.stepmeta import TRUNCATED as TRUNCATED
-from claw_tasks.stepmeta import UNTRAINABLE as UNTRAINABLE
-from claw_tasks.stepmeta import episode_code as episode_code
+from claw_tasks.format.names import check_namespace
+from claw_tasks.format.stepmeta import DICT_COLUMNS as DICT_COLUMNS
+from claw_tasks.format.stepmeta import EXPLICIT_NEXT as EXPLICIT_NEXT
+from claw_tasks.format.stepmeta import TERMINATED as TERMINATED
+from claw_tasks.format.stepmeta import TRUNCATED as TRUNCATED
+from claw_tasks.format.stepmeta import UNTRAINABLE as UNTRAINABLE
+from claw_tasks.format.stepmeta import episode_code as episode_code
 
 # Metadata columns: name -> dtype. Zero bytes always mean "missing".
 META: dict[str, np.dtype] = {
@@ -68,8 +69,7 @@ class Keys:
     """Key names of one namespace. Shard keys share the hash tag ``{ns:shard}``."""
 
     def __init__(self, namespace: str) -> None:
-        if not namespace or any(c in namespace for c in "{}: \n"):
-            raise ValueError(f"namespace {namespace!r}: use letters, digits, '-', '_' or '.'")
+        check_namespace(namespace)
         self.ns = namespace
         self.base = f"claw:{{{namespace}}}:"
 

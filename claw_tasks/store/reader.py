@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.schema import FieldSpec, Schema, tag_column, tag_key, tag_name
+from claw_tasks.format.schema import FieldSpec, Schema, tag_column, tag_key, tag_name
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.config import NamespaceConfig, NamespaceError
 from claw_tasks.store.dicts import Dictionaries

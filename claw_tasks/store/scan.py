@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codec import unpackb
 from claw_tasks.codecs import Frames
-from claw_tasks.encoded import Encoded
-from claw_tasks.schema import FieldSpec, tag_column
+from claw_tasks.format.arrays import unpackb
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.schema import FieldSpec, tag_column
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.layout import (
     EXPLICIT_NEXT,

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.schema import tag_column
+from claw_tasks.format.schema import tag_column
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.layout import META_CHUNK_SLOTS, TERMINATED, UNTRAINABLE, nan_xor
 from claw_tasks.store.reader import Reader

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.batch import StepBatch
-from claw_tasks.schema import Schema
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.schema import Schema
 from claw_tasks.store.commit import CommitPart, CommitResult
 from claw_tasks.store.config import LOG_MAXLEN, MARKER_TTL, NamespaceAdmin, NamespaceError
 from claw_tasks.store.layout import payload_chunk_slots, row_episode_codes

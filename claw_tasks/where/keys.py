@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from claw_tasks.schema import TAG_KEY_PREFIX, key_tag, tag_column
-from claw_tasks.stepmeta import DICT_COLUMNS, TERMINATED, TRUNCATED, UNTRAINABLE
+from claw_tasks.format.schema import TAG_KEY_PREFIX, key_tag, tag_column
+from claw_tasks.format.stepmeta import DICT_COLUMNS, TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.where.errors import FilterError
 
 Kind = Literal["code", "episode", "num", "flag", "age"]

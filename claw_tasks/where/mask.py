@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.schema import tag_name
-from claw_tasks.stepmeta import episode_code
+from claw_tasks.format.schema import tag_name
+from claw_tasks.format.stepmeta import episode_code
 from claw_tasks.where.errors import ExpressionError, FilterError
 from claw_tasks.where.grammar import parse_tree
 from claw_tasks.where.tree import (

@@ -23,8 +23,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from claw_tasks.batch import StepBatch, StrColumn
-from claw_tasks.schema import FieldSpec, tag_column
+from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.schema import FieldSpec, tag_column
 from claw_tasks.store import Store
 from claw_tasks.store.layout import EXPLICIT_NEXT
 from orchestrator.maintenance.steptable import batch_problem

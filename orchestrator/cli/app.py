@@ -17,8 +17,8 @@ import redis
 import typer
 from rich.console import Console
 
-from claw_tasks import connect
-from claw_tasks.redis_server import ensure_redis
+from claw_tasks.connection import client as connect
+from claw_tasks.connection.server import ensure_redis
 from claw_tasks.settings import redact_url
 
 app = typer.Typer(

@@ -21,8 +21,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from claw_tasks.app import QUEUES
-from claw_tasks.redis_server import RedisServer, embedded_dir, ensure_redis, log_tail
+from claw_tasks.broker.app import QUEUES
+from claw_tasks.connection.server import RedisServer, embedded_dir, ensure_redis, log_tail
 
 _PR_SET_PDEATHSIG = 1
 KEEP_LOGS = 5  # earlier logs kept per service: x.log.1 (the last run) … x.log.5
@@ -136,7 +136,7 @@ def worker_service(
     """A Celery worker for `queues`. `quick` skips mingle/gossip (a lone throwaway worker)."""
     name = "-".join(queues) if len(queues) < len(QUEUES) else "all"
     argv = [
-        sys.executable, "-m", "celery", "-A", "claw_tasks.app", "worker",
+        sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", "worker",
         "-Q", ",".join(queues), "-c", str(concurrency), "-P", "prefork",
         "-n", f"{name}@%h", "-E", "-l", "INFO",
     ]  # fmt: skip
@@ -153,7 +153,7 @@ def worker_service(
 
 def beat_service(log_dir: Path) -> Service:
     argv = [
-        sys.executable, "-m", "celery", "-A", "claw_tasks.app", "beat",
+        sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", "beat",
         "-S", "redbeat.RedBeatScheduler", "-l", "INFO",
     ]  # fmt: skip
     return Service(
@@ -163,7 +163,7 @@ def beat_service(log_dir: Path) -> Service:
 
 def flower_service(log_dir: Path, port: int) -> Service:
     argv = [
-        sys.executable, "-m", "celery", "-A", "claw_tasks.app", "flower",
+        sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", "flower",
         f"--port={port}", "--address=127.0.0.1",
     ]  # fmt: skip
     return Service(

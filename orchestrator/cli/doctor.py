@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
-from claw_tasks.codec import CodecError
-from claw_tasks.schema import SchemaError, tag_column, tag_name
+from claw_tasks.codecs import CodecError
+from claw_tasks.format.schema import SchemaError, tag_column, tag_name
 from claw_tasks.store import NamespaceConfig, NamespaceError, Store
 from claw_tasks.store.layout import (
     DICT_COLUMNS,

@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from claw_tasks import connect
-from claw_tasks.app import QUEUES
-from claw_tasks.connect import redis_client
+from claw_tasks.broker.app import QUEUES
+from claw_tasks.connection import client as connect
+from claw_tasks.connection.client import redis_client
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit

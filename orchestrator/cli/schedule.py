@@ -1,4 +1,4 @@
-"""`claw schedule`: the beat entries (claw_tasks/schedule.py plus CLAW_SCHEDULE) with their
+"""`claw schedule`: the beat entries (claw_tasks/broker/schedule.py plus CLAW_SCHEDULE) with their
 next run, as RedBeat keeps it in Redis once beat runs (estimated from now before that)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 import redis
 from redbeat.schedulers import RedBeatSchedulerEntry
 
-from claw_tasks.schedule import entries, when
+from claw_tasks.broker.schedule import entries, when
 
-PREFIX = "claw:redbeat:"  # redbeat_key_prefix in claw_tasks/app.py
+PREFIX = "claw:redbeat:"  # redbeat_key_prefix in claw_tasks/broker/app.py
 
 
 @dataclass(frozen=True)

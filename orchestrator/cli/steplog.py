@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 from rich.text import Text
 
-from claw_tasks.batch import StepBatch
-from claw_tasks.codec import CodecError, unpackb
-from claw_tasks.schema import SchemaError, key_tag
+from claw_tasks.codecs import CodecError
+from claw_tasks.format.arrays import unpackb
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.schema import SchemaError, key_tag
 from claw_tasks.store import Store
 from claw_tasks.store.layout import DICT_COLUMNS
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import redis
 
-from claw_tasks.codec import packb, unpackb
+from claw_tasks.format.arrays import packb, unpackb
 from orchestrator.transforms.running import RunningStats
 
 _DIGEST = "digest"

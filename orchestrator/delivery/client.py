@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.app import client_app
+from claw_tasks.broker.app import client_app
 from claw_tasks.settings import broker_for, load_settings
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, shm
@@ -226,7 +226,7 @@ class BatchClient:
         if self._prefetch_consumers() == 0:
             return (
                 f"{head}: no worker consumes `prefetch`: run `claw up` (or a worker: "
-                "celery -A claw_tasks.app worker -Q prefetch)"
+                "celery -A claw_tasks.worker.app worker -Q prefetch)"
             )
         return (
             f"{head}: the prefetch workers are busy (last fill: "

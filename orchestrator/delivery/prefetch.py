@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 from celery.signals import worker_process_init, worker_process_shutdown
 
-from claw_tasks.app import app, settings
-from claw_tasks.lru import LRU
 from claw_tasks.store import NamespaceError
-from claw_tasks.tasks import forget_namespace as forget_store
-from claw_tasks.tasks import store_for
+from claw_tasks.worker.app import app, settings
+from claw_tasks.worker.caches import forget_namespace as forget_store
+from claw_tasks.worker.caches import store_for
+from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import ratelimit, shm
 from orchestrator.delivery.augstats import RedisStats
 from orchestrator.delivery.collate import collate

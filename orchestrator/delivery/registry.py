@@ -10,8 +10,8 @@ from typing import Any
 
 import redis
 
-from claw_tasks.codec import packb, unpackb
-from claw_tasks.connect import get_many
+from claw_tasks.connection.client import get_many
+from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.recipe.model import Recipe

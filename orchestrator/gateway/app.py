@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from claw_tasks.client import IngestError, Ingestor
-from claw_tasks.schema import Schema
+from claw_tasks.format.schema import Schema
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from orchestrator.gateway.capture import CHAT, COMPLETION, CaptureError, Retokenizer, upstream_body

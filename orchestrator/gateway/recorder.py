@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from claw_tasks.client import Ingestor
-from claw_tasks.llm import attach_rewards, turn_fields
-from claw_tasks.lru import LRU
-from claw_tasks.schema import SchemaError
+from claw_tasks.format.schema import SchemaError
+from claw_tasks.format.turns import turn_fields
 from claw_tasks.store.scripts import Lua, execute
+from claw_tasks.store.turns import attach_rewards
+from claw_tasks.worker.lru import LRU
 from orchestrator.gateway.capture import CaptureError, Retokenizer, Turn, capture
 from orchestrator.gateway.metrics import GatewayMetrics
 
@@ -239,7 +240,7 @@ class Recorder:
     ) -> int:
         """Finish a trajectory: wait until its calls are recorded and committed (this
         process's, then any other gateway's: the turns handed out in Redis), then attach
-        the rewards (``claw_tasks.llm.attach_rewards``). Returns its turn count."""
+        the rewards (``claw_tasks.format.turns.attach_rewards``). Returns its turn count."""
         with self._lock:
             t = self._trajectories.get(trajectory_uid, _Trajectory)
             if t.finished:

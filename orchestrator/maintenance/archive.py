@@ -27,15 +27,15 @@ from typing import Any
 import numpy as np
 import redis
 
-from claw_tasks.app import app, settings
-from claw_tasks.batch import Ragged, StrColumn
-from claw_tasks.connect import get_many
-from claw_tasks.schema import tag_column
+from claw_tasks.connection.client import get_many
+from claw_tasks.format.batch import Ragged, StrColumn
+from claw_tasks.format.schema import tag_column
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.store.scan import read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
-from claw_tasks.tasks import redis_client, store_for
+from claw_tasks.worker.app import app, settings
+from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.maintenance.archive_files import MANIFEST, Manifest, namespace_dir, write_parquet
 from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.maintenance.steptable import STRING_COLUMNS, TAG_PREFIX, StepRows

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from claw_tasks.schema import Schema
+from claw_tasks.format.schema import Schema
 from orchestrator.maintenance.steptable import LIST_MAX_ITEMS, StepRows, keeps_frames, to_table
 
 MANIFEST = "_manifest.json"

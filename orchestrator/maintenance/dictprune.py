@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from claw_tasks.schema import tag_column
+from claw_tasks.format.schema import tag_column
 from claw_tasks.store import Store
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.layout import DICT_COLUMNS

@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.app import app
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.evict import PLAN_COLUMNS
-from claw_tasks.tasks import redis_client, store_for
+from claw_tasks.worker.app import app
+from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.maintenance.dictprune import prune_dictionaries
 from orchestrator.maintenance.lifecycle import (
     forget,

@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from claw_tasks.lru import LRU
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DROPPED_TTL, dropped_key
-from claw_tasks.tasks import forget_namespace as forget_store
+from claw_tasks.worker.caches import forget_namespace as forget_store
+from claw_tasks.worker.lru import LRU
 from orchestrator.delivery.prefetch import forget_namespace as forget_plans
 from orchestrator.delivery.registry import ACTIVE
 from orchestrator.sampling.index import SamplingIndex

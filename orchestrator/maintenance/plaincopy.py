@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from claw_tasks.schema import Schema
+from claw_tasks.format.schema import Schema
 from orchestrator.maintenance.archive_files import MANIFEST, Manifest, namespace_dir, write_table
 from orchestrator.maintenance.restore import ArchiveError, find_archive, read_verified
 from orchestrator.maintenance.steptable import plain, plain_schema

@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.app import app, settings
 from claw_tasks.durations import DurationError, parse_duration
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.layout import META_CHUNK_SLOTS, nan_xor
 from claw_tasks.store.scripts import Lua
-from claw_tasks.tasks import redis_client, store_for
+from claw_tasks.worker.app import app, settings
+from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.maintenance.evict import MaintenanceError
 from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
 from orchestrator.sampling.index import SamplingIndex

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from claw_tasks.connect import get_many
+from claw_tasks.connection.client import get_many
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from claw_tasks.where import Where

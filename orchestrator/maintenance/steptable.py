@@ -26,11 +26,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from claw_tasks.batch import STR_META, Ragged, StepBatch, StrColumn
-from claw_tasks.codec import CodecError
-from claw_tasks.codecs import Frames, decode
-from claw_tasks.encoded import Encoded
-from claw_tasks.schema import FieldSpec, Schema, SchemaError, tag_column
+from claw_tasks.codecs import CodecError, Frames, decode
+from claw_tasks.format.batch import STR_META, Ragged, StepBatch, StrColumn
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.schema import FieldSpec, Schema, SchemaError, tag_column
 
 FORMAT = 1
 META_KEY = b"claw"

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from claw_tasks.schema import tag_key
+from claw_tasks.format.schema import tag_key
 from claw_tasks.where import AGE, FIXED, FilterError, Where, lookup
 from orchestrator.transforms.framestack import stacked_shape
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from claw_tasks.codec import unpackb
 from claw_tasks.codecs.delta import KeyFrameGone
-from claw_tasks.schema import FieldSpec
+from claw_tasks.format.arrays import unpackb
+from claw_tasks.format.schema import FieldSpec
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.layout import EXPLICIT_NEXT
 from claw_tasks.where import lookup

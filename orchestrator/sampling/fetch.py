@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from claw_tasks.schema import FieldSpec
+from claw_tasks.format.schema import FieldSpec
 from claw_tasks.store import Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from claw_tasks.schema import tag_column
+from claw_tasks.format.schema import tag_column
 from claw_tasks.store.layout import TERMINATED
 from claw_tasks.where import Where, lookup
 from orchestrator.recipe.model import Source

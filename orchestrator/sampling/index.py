@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.schema import Schema, tag_column, tag_name
+from claw_tasks.format.schema import Schema, tag_column, tag_name
 from claw_tasks.store import NamespaceConfig, Store, decode_meta
 from claw_tasks.store.layout import META, META_CHUNK_SLOTS, NUM_TAG_DTYPE, STR_TAG_DTYPE
 from claw_tasks.store.scripts import Lua, execute

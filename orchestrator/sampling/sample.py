@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 import redis
 
-from claw_tasks.connect import identity, redis_client
-from claw_tasks.lru import LRU
+from claw_tasks.connection.client import identity, redis_client
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua
+from claw_tasks.worker.lru import LRU
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
 from orchestrator.sampling.assembly import Assembly, SampledBatch
 from orchestrator.sampling.fetch import (

@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.connect import identity, is_cluster
-from claw_tasks.schema import tag_column
+from claw_tasks.connection.client import identity, is_cluster
+from claw_tasks.format.schema import tag_column
 from claw_tasks.settings import load_settings
 from claw_tasks.store import NamespaceConfig, Store
 from claw_tasks.store.layout import META

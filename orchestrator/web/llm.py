@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.schema import LLM_FIELDS, tag_column
+from claw_tasks.format.schema import LLM_FIELDS, tag_column
 
 ROLES = ("system", "user", "assistant", "tool")
 TOKENS_SHOWN = 400  # per turn

@@ -12,10 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codec import unpackb
-from claw_tasks.connect import redis_client
-from claw_tasks.lru import LRU
-from claw_tasks.schema import tag_column
+from claw_tasks.connection.client import redis_client
+from claw_tasks.format.arrays import unpackb
+from claw_tasks.format.schema import tag_column
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import (
     SPARSE_CHUNK_SLOTS,
@@ -25,6 +24,7 @@ from claw_tasks.store.layout import (
     episode_code,
 )
 from claw_tasks.where import Where
+from claw_tasks.worker.lru import LRU
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.registry import Registry
 from orchestrator.inspect.namespaces import memory_by_namespace, namespace_stats

@@ -52,7 +52,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
 from claw_tasks.client import Ingestor
-from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.experience import (

@@ -17,7 +17,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 
 from claw_tasks.client import Ingestor
-from claw_tasks.schema import FieldSpec, Schema
+from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.settings import load_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.experience import (

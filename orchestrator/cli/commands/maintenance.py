@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from claw_tasks.connect import is_cluster
+from claw_tasks.connection.client import is_cluster
 from claw_tasks.settings import load_settings
 from claw_tasks.store import NamespaceError, Store
 from orchestrator.cli.app import app, err, friendly, redis_client

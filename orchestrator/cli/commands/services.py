@@ -15,10 +15,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from claw_tasks.acl import setuser_command
-from claw_tasks.app import QUEUES
-from claw_tasks.redis_server import ensure_redis
+from claw_tasks.broker.app import QUEUES
+from claw_tasks.connection.server import ensure_redis
 from claw_tasks.settings import load_settings, redact_url
+from claw_tasks.store.acl import setuser_command
 from orchestrator.cli import demo as demo_run
 from orchestrator.cli import metrics as metrics_server
 from orchestrator.cli.app import LogDir, app, friendly, stop_on_sigterm

@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from claw_tasks import connect
-from claw_tasks.schema import Schema, tag_key
+from claw_tasks.connection import client as connect
+from claw_tasks.format.schema import Schema, tag_key
 from claw_tasks.settings import redact_url
 from claw_tasks.store import NamespaceError, Store
 from orchestrator.cli.app import app, err, friendly, redis_client

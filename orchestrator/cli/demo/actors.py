@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from claw_tasks.client import Ingestor
-from claw_tasks.codec import packb
-from claw_tasks.connect import redis_client
-from claw_tasks.gym import RecordSteps
+from claw_tasks.client.gym import RecordSteps
+from claw_tasks.connection.client import redis_client
+from claw_tasks.format.arrays import packb
 from claw_tasks.store.layout import Keys
 from orchestrator.cli.demo import dqn, weights
 

@@ -23,8 +23,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from claw_tasks.codec import unpackb
-from claw_tasks.connect import redis_client
+from claw_tasks.connection.client import redis_client
+from claw_tasks.format.arrays import unpackb
 from claw_tasks.store import Store
 from orchestrator.cli.demo import dqn, weights
 from orchestrator.cli.demo.actors import episodes_key, epsilon

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from claw_tasks.client import Ingestor
-from claw_tasks.gym import RecordSteps
+from claw_tasks.client.gym import RecordSteps
 from claw_tasks.store import Store
 from orchestrator.cli.demo import dqn
 from orchestrator.cli.demo.pixels import SIZE, Pixels

@@ -19,8 +19,8 @@ from pathlib import Path
 import redis
 from rich.console import Console
 
-from claw_tasks.connect import redis_client
-from claw_tasks.redis_server import embedded_dir
+from claw_tasks.connection.client import redis_client
+from claw_tasks.connection.server import embedded_dir
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
 from orchestrator.cli.devstack import DevStack, flower_service, port_open, worker_service

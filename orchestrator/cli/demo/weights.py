@@ -1,7 +1,7 @@
 """A learner's weights through Redis, for its actors: raw arrays with dtype and shape.
 
 One key per namespace holds the newest ``version`` and its arrays, msgpack-framed by
-:mod:`claw_tasks.codec` (never pickle, so never ``torch.save``); actors poll the version,
+:mod:`claw_tasks.format.arrays` (never pickle, so never ``torch.save``); actors poll the version,
 a small GET, and read the arrays only when it changed. What an actor reads is checked
 against its own network (names, dtypes, shapes) before it is loaded.
 """
@@ -13,7 +13,8 @@ from collections.abc import Mapping
 import numpy as np
 import redis
 
-from claw_tasks.codec import CodecError, frame, packb, unframe, unpackb
+from claw_tasks.codecs import CodecError
+from claw_tasks.format.arrays import frame, packb, unframe, unpackb
 from claw_tasks.store.layout import Keys
 
 

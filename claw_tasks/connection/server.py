@@ -25,7 +25,7 @@ from typing import Any, Self
 import redis
 from redis.exceptions import RedisClusterException
 
-from claw_tasks.connect import redis_client
+from claw_tasks.connection.client import redis_client
 from claw_tasks.settings import redact_url
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"

@@ -4,7 +4,7 @@ Celery takes some malformed messages (a body that is not ``[args, kwargs, embed]
 non-numeric ``timelimit``, ...) for an unrecoverable error and exits, and the message,
 redelivered, kills the next worker too. ``GuardedConsumer`` (``worker_consumer``) checks
 the envelope, headers and body shape first and dead-letters what fails, with a reason
-and a count (``claw_tasks.deadletter``), then acks it: the worker never sees it.
+and a count (``claw_tasks.worker.deadletter``), then acks it: the worker never sees it.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from celery.utils.time import maybe_iso8601
 from celery.worker.consumer import Consumer
 from kombu.serialization import loads
 
-from claw_tasks import amqp
-from claw_tasks.connect import redis_client
-from claw_tasks.ingest import reject
-from claw_tasks.message import TASK, Rejected, parse_args
+from claw_tasks.broker import rabbitmq as amqp
+from claw_tasks.connection.client import redis_client
+from claw_tasks.format.message import TASK, Rejected
 from claw_tasks.settings import IngestLimits, load_settings
+from claw_tasks.worker.ingest import parse_message, reject
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class GuardedConsumer(Consumer):
             raise Rejected("body", f"body does not decode: {type(e).__name__}: {e}") from None
         args, kwargs = check_body(body)
         if name == TASK:
-            parse_args(args, kwargs, _claw()[1])
+            parse_message(args, kwargs, _claw()[1])
 
     def create_task_handler(self, *a: Any, **kw: Any) -> Any:
         handle = super().create_task_handler(*a, **kw)

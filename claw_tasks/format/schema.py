@@ -9,8 +9,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from claw_tasks.codec import CodecError, check_dtype
+from claw_tasks.codecs import CodecError
 from claw_tasks.codecs.spec import Codec
+from claw_tasks.format.arrays import check_dtype
 
 TagKind = Literal["str", "num"]
 
@@ -44,7 +45,7 @@ MAX_FIELDS = 64
 MAX_TAGS = 64
 
 # The LLM step preset (docs/llm.md). ``prompt_uid`` is a number, the 53-bit hash of the
-# group key (``claw_tasks.llm.prompt_key``): one per prompt would grow a string dictionary
+# group key (``claw_tasks.format.turns.prompt_key``): one per prompt would grow a string dictionary
 # without bound, a number column has none. ``retokenized`` is 1 where the token ids were
 # recomputed by the recorder's tokenizer instead of returned by the inference server.
 LLM_FIELDS = {

@@ -24,15 +24,10 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+from claw_tasks.settings import CLUSTER_SCHEMES, is_cluster_url
 
 Client: TypeAlias = redis.Redis | RedisCluster
 """A data store client: what ``redis_client`` returns."""
-
-
-def is_cluster_url(url: str) -> bool:
-    """True if ``url`` names a Redis Cluster (``redis+cluster://``, ``rediss+cluster://``)."""
-    return urlsplit(url).scheme.lower() in CLUSTER_SCHEMES
 
 
 def is_cluster(client: Any) -> bool:

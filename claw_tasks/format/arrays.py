@@ -14,14 +14,12 @@ import lz4.block
 import msgpack
 import numpy as np
 
+from claw_tasks.codecs.errors import CodecError, lz4_inflate
+
 COMPRESS_MIN_BYTES = 64 * 1024
 _KEEP_RATIO = 0.9
 
 Frame = list[Any]
-
-
-class CodecError(ValueError):
-    """A value cannot be framed or a frame is malformed."""
 
 
 def check_dtype(dtype: np.dtype, what: str) -> None:
@@ -98,19 +96,6 @@ def unframe(f: Frame, budget: Budget | None = None) -> np.ndarray:
         return np.frombuffer(data, dtype=dtype).reshape(shape)
     except ValueError as e:
         raise CodecError(f"frame of shape {list(shape)}: {e}") from None
-
-
-def lz4_inflate(frame: bytes | memoryview, nbytes: int) -> bytes:
-    """An lz4 block frame (python-lz4's ``store_size``) whose declared size the caller
-    checked to be ``nbytes``, decompressed: the one lz4 decoder of message frames and of
-    compressed fields."""
-    try:
-        out = lz4.block.decompress(frame)
-    except lz4.block.LZ4BlockError as e:
-        raise CodecError(f"lz4 frame does not decode: {e}") from None
-    if len(out) != nbytes:
-        raise CodecError(f"lz4 frame decodes to {len(out)} bytes, not {nbytes}")
-    return out
 
 
 def packb(obj: Any) -> bytes:

@@ -1,45 +1,21 @@
-"""Celery tasks of claw_tasks: ``claw_tasks.ingest``."""
+"""The ingest task (Celery name ``claw_tasks.ingest``: the producers' contract, kept as is)."""
 
 from __future__ import annotations
 
 import logging
-from functools import cache
 from typing import Any
 
-import redis
 from celery import Task
 from celery.utils.time import get_exponential_backoff_interval
 
-from claw_tasks import connect
-from claw_tasks.app import app, settings
-from claw_tasks.ingest import IngestOutcome, is_transient, reject, run
-from claw_tasks.lru import LRU
-from claw_tasks.message import TASK, Rejected
-from claw_tasks.store import NamespaceDropped, Store
+from claw_tasks.format.message import TASK, IngestOutcome, Rejected
+from claw_tasks.store import NamespaceDropped
+from claw_tasks.worker.app import app, settings
+from claw_tasks.worker.caches import forget_namespace, redis_client, store_for
+from claw_tasks.worker.ingest import is_transient, reject, run
 
 BACKOFF_MAX = 60
 log = logging.getLogger(__name__)
-
-
-@cache
-def redis_client() -> redis.Redis:
-    """This worker process's client of the data store (made lazily, so each prefork child
-    gets its own connection pool)."""
-    return connect.redis_client(settings.redis_url)
-
-
-stores: LRU[str, Store] = LRU(settings.namespace_cache_size)
-
-
-def store_for(namespace: str) -> Store:
-    """This process's ``Store`` of ``namespace`` (kept for the most recently used
-    ``namespace_cache_size`` namespaces)."""
-    return stores.get(namespace, lambda: Store(redis_client(), namespace))
-
-
-def forget_namespace(namespace: str) -> None:
-    """Drop this process's cached ``Store`` of ``namespace`` (call when it is deleted)."""
-    stores.drop(lambda ns: ns == namespace)
 
 
 @app.task(
@@ -51,7 +27,7 @@ def forget_namespace(namespace: str) -> None:
 )
 def ingest(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Commit one batch of steps. Args ``[version, namespace, batch_id, payload,
-    stage_key]`` (see ``claw_tasks.message``), checked here as from any sender. A batch for
+    stage_key]`` (see ``claw_tasks.format.message``), checked here as from any sender. A batch for
     a dropped namespace is discarded (counted in ``claw:rejects``) and its Store forgotten."""
     try:
         outcome = run(redis_client(), args, kwargs, settings.limits, store_for)
@@ -76,7 +52,7 @@ def _retry_or_give_up(task: Task, args: Any, e: Exception) -> IngestOutcome:
         countdown = get_exponential_backoff_interval(1, retries, BACKOFF_MAX, full_jitter=True)
         raise task.retry(exc=e, countdown=countdown) from None
     reason = f"Redis kept failing through {retries} retries: {type(e).__name__}: {e}"
-    namespace, batch_id = args[1], args[2]  # parse_args passed: the error came after it
+    namespace, batch_id = args[1], args[2]  # parse_message passed: the error came after it
     payload = args[3] if isinstance(args[3], bytes) else None
     try:
         reject(redis_client(), Rejected("transient", reason, namespace), settings.limits,

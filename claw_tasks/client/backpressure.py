@@ -11,7 +11,7 @@ import time
 
 import redis
 
-from claw_tasks.connect import memory
+from claw_tasks.connection.client import memory
 
 ON_FULL = ("block", "raise")
 CHECK_EVERY_S = 0.5  # INFO memory is read at most this often while under the mark

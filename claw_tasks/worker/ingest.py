@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -19,15 +18,15 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from claw_tasks.batch import Placed, StepBatch
-from claw_tasks.codec import CodecError, packb, unpackb
-from claw_tasks.deadletter import Letter, Target, finish
-from claw_tasks.encoded import Encoded
-from claw_tasks.message import IngestArgs, Rejected, parse_args
-from claw_tasks.schema import Schema, SchemaError
+from claw_tasks.codecs import CodecError
+from claw_tasks.format.batch import Placed, StepBatch
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.message import IngestArgs, IngestOutcome, Rejected, parse_args
+from claw_tasks.format.schema import Schema, SchemaError
 from claw_tasks.settings import IngestLimits
 from claw_tasks.store import NamespaceDropped, NamespaceError, Store
 from claw_tasks.store.layout import Keys, row_episode_codes
+from claw_tasks.worker.deadletter import Letter, Target, finish
 
 log = logging.getLogger(__name__)
 MAX_ERRORS = 20  # step errors kept in a done record and a dead letter's reason
@@ -50,23 +49,20 @@ def is_transient(e: BaseException) -> bool:
     )
 
 
-@dataclass
-class IngestOutcome:
-    """What became of one batch (also stored under the batch's ``done`` key)."""
-
-    batch_id: str
-    committed: int = 0
-    replayed: int = 0
-    expired: int = 0
-    rejected: int = 0
-    errors: list[str] = field(default_factory=list)
-
-    def to_bytes(self) -> bytes:
-        return packb(asdict(self))
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> IngestOutcome:
-        return cls(**unpackb(data))
+def parse_message(args: Any, kwargs: Any, limits: IngestLimits) -> IngestArgs:
+    """:func:`~claw_tasks.format.message.parse_args`, and a claim check must be this
+    batch's own staging key (a message may not read another batch's or namespace's)."""
+    a = parse_args(args, kwargs, limits)
+    expected = Keys(a.namespace).stage(a.batch_id)
+    if a.stage_key is not None and a.stage_key != expected:
+        raise Rejected(
+            "claim-check",
+            f"claim check {a.stage_key!r:.120} is not this batch's staging key {expected!r}: a "
+            "message may name only its own namespace's staging key for its batch id",
+            a.namespace,
+            a.batch_id,
+        )
+    return a
 
 
 def reject(r: redis.Redis, e: Rejected, limits: IngestLimits, **extra: Any) -> bool:
@@ -103,7 +99,7 @@ def run(
     """Check and process one ingest message (its args as sent); ``store_for`` may cache
     a Store (and its config) per namespace."""
     try:
-        a = parse_args(args, kwargs, limits)
+        a = parse_message(args, kwargs, limits)
     except Rejected as e:
         payload = args[3] if isinstance(args, list) and len(args) > 3 else None
         reject(r, e, limits, payload=payload if isinstance(payload, bytes) else None)
@@ -134,7 +130,7 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
                 f"namespace {a.namespace!r} does not exist: create it (Ingestor does) first",
             ) from None
         if raw is None:
-            raw = r.get(a.stage_key)  # parse_args checked it is this batch's staging key
+            raw = r.get(a.stage_key)  # parse_message checked it is this batch's staging key
             if raw is None:
                 raise Rejected("claim-check", f"claim check {a.stage_key!r} is gone (expired)")
             if len(raw) > limits.message_bytes:

@@ -1,6 +1,7 @@
-"""LLM agent turns as steps (the ``Schema.llm`` preset): the group key's hash, the checks
-a turn passes before it is buffered, and the rule that spreads a trajectory's rewards over
-its turns. docs/llm.md is the reference."""
+"""LLM agent turns as steps (the ``Schema.llm`` preset), as data: the group key's hash, the
+checks a turn passes before it is buffered, and the rule that spreads a trajectory's rewards
+over its turns. What reads and rewards stored turns is :mod:`claw_tasks.store.turns`;
+docs/llm.md is the reference."""
 
 from __future__ import annotations
 
@@ -11,10 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codec import unpackb
-from claw_tasks.schema import SchemaError
-from claw_tasks.store import Store
-from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
+from claw_tasks.format.schema import SchemaError
 
 
 def prompt_key(prompt_uid: str) -> float:
@@ -95,49 +93,3 @@ def spread_rewards(
         per_turn[:] = turn_rewards
     per_turn[-1] += final_reward
     return per_turn.astype(np.float32)
-
-
-def trajectory_step_ids(
-    store: Store, trajectory_uid: str, expect_turns: int | None = None
-) -> np.ndarray:
-    """A trajectory's stored turn ids by turn: from the episode index when the namespace
-    keeps one and it holds every turn (``expect_turns`` when given; O(turns)), else from
-    the shard's episode column (a full-column read). Raises KeyError when none is stored."""
-    ids = store.trajectory_ids(trajectory_uid)
-    if ids is not None and len(ids) and (expect_turns is None or len(ids) == expect_turns):
-        return ids
-    return np.asarray(store.episode(trajectory_uid, fields=[])["id"], np.int64)
-
-
-def attach_rewards(
-    store: Store,
-    trajectory_uid: str,
-    final_reward: float,
-    turn_rewards: Sequence[float] | None = None,
-    *,
-    reward_source: str | None = None,
-    expect_turns: int | None = None,
-) -> int:
-    """Apply :func:`spread_rewards` to a trajectory's committed turns and mark its last
-    turn terminated (``is_last``). ``expect_turns`` guards against rewarding a trajectory
-    whose turns are not all committed yet. Returns how many turns were updated."""
-    ids = trajectory_step_ids(store, trajectory_uid, expect_turns)
-    if expect_turns is not None and len(ids) != expect_turns:
-        raise ValueError(
-            f"trajectory {trajectory_uid!r} has {len(ids)} stored turns, expected {expect_turns}"
-        )
-    rewards = spread_rewards(len(ids), final_reward, turn_rewards)
-    return store.update_rewards(
-        ids, rewards, tags={"final_reward": float(final_reward)},
-        reward_source=reward_source, terminated=ids[-1:],
-    )  # fmt: skip
-
-
-def turn_infos(store: Store, ids: Sequence[int] | np.ndarray) -> list[dict[str, Any] | None]:
-    """The ``info`` dicts of steps by id (None where a step has none), messages and tool
-    calls still JSON text. Ids must be live (``Store.get`` checks that)."""
-    shards, slots = store.locate(ids)
-    with store.r.pipeline(transaction=False) as pipe:
-        for shard, slot in zip(shards.tolist(), slots.tolist(), strict=True):
-            pipe.hget(store.keys.sparse(shard, "info", slot // SPARSE_CHUNK_SLOTS), slot)
-        return [None if raw is None else unpackb(raw) for raw in pipe.execute()]

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codec import MAX_NDIM, CodecError, check_dtype, frame
-from claw_tasks.codecs import Codec, Frames, engine_for, frame_problem
+from claw_tasks.codecs import Codec, CodecError, Frames, engine_for, frame_problem
 from claw_tasks.codecs.delta import key_body
-from claw_tasks.schema import FieldSpec
+from claw_tasks.format.arrays import MAX_NDIM, check_dtype, frame
+from claw_tasks.format.schema import FieldSpec
 
 MSG_KEYS = frozenset({"codec", "dtype", "row", "data", "offsets"})
 

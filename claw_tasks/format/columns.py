@@ -1,5 +1,6 @@
-"""Column types of a step batch: strings as a vocabulary plus a per-row index, variable-length
-(ragged) rows, and fields the client wrote in place; ``claw_tasks.batch`` puts them together."""
+"""Column types of a step batch: strings as a vocabulary plus a per-row index,
+variable-length (ragged) rows, and fields the client wrote in place;
+``claw_tasks.format.batch`` puts them together."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.encoded import Encoded
+from claw_tasks.format.encoded import Encoded
 
 
 @dataclass

@@ -3,13 +3,14 @@ before it touches Redis (the sender is not trusted)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from claw_tasks.batch import check_batch_id
-from claw_tasks.codec import CodecError
+from claw_tasks.codecs import CodecError
+from claw_tasks.format.arrays import packb, unpackb
+from claw_tasks.format.batch import check_batch_id
+from claw_tasks.format.names import check_namespace
 from claw_tasks.settings import IngestLimits
-from claw_tasks.store.layout import Keys
 
 TASK = "claw_tasks.ingest"
 MESSAGE_VERSION = 1  # args: [version, namespace, batch_id, payload, stage_key]
@@ -59,7 +60,7 @@ def parse_args(args: Any, kwargs: Any, limits: IngestLimits) -> IngestArgs:
     try:
         if not isinstance(namespace, str):
             raise ValueError(f"namespace is {type(namespace).__name__}")
-        keys = Keys(namespace)
+        check_namespace(namespace)
     except ValueError as e:
         raise Rejected("args", f"namespace {namespace!r:.80}: {e}") from None
     try:
@@ -79,13 +80,23 @@ def parse_args(args: Any, kwargs: Any, limits: IngestLimits) -> IngestArgs:
                 namespace,
                 batch_id,
             )
-    expected = keys.stage(batch_id)
-    if stage_key is not None and stage_key != expected:
-        raise Rejected(
-            "claim-check",
-            f"claim check {stage_key!r:.120} is not this batch's staging key {expected!r}: a "
-            "message may name only its own namespace's staging key for its batch id",
-            namespace,
-            batch_id,
-        )
     return IngestArgs(namespace, batch_id, payload, stage_key)
+
+
+@dataclass
+class IngestOutcome:
+    """What became of one batch (also stored under the batch's ``done`` key)."""
+
+    batch_id: str
+    committed: int = 0
+    replayed: int = 0
+    expired: int = 0
+    rejected: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def to_bytes(self) -> bytes:
+        return packb(asdict(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> IngestOutcome:
+        return cls(**unpackb(data))

@@ -9,24 +9,16 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codec import (
-    MAX_NDIM,
-    Budget,
-    CodecError,
-    check_dtype,
-    frame,
-    packb,
-    unframe,
-    unpackb,
-)
+from claw_tasks.codecs import CodecError
+from claw_tasks.format.arrays import MAX_NDIM, Budget, check_dtype, frame, packb, unframe, unpackb
 
-# The column types live in claw_tasks.columns; re-exported here, where callers look for them.
-from claw_tasks.columns import FieldValue as FieldValue
-from claw_tasks.columns import Placed as Placed
-from claw_tasks.columns import Ragged as Ragged
-from claw_tasks.columns import StrColumn as StrColumn
-from claw_tasks.encoded import Encoded
-from claw_tasks.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError, tag_name
+# The column types live in claw_tasks.format.columns; re-exported here, where callers look for them.
+from claw_tasks.format.columns import FieldValue as FieldValue
+from claw_tasks.format.columns import Placed as Placed
+from claw_tasks.format.columns import Ragged as Ragged
+from claw_tasks.format.columns import StrColumn as StrColumn
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError, tag_name
 
 STR_META = ("agent_id", "task_id", "skill_tag", "reward_source")
 FORMAT_VERSION = 1

@@ -18,25 +18,24 @@ And a guard where kombu turns a queued item into a message: kombu builds a ``Mes
 from the envelope before any Celery hook runs, and an envelope it cannot build one from
 (headers that are not a map, an undecodable body) raises out of the event loop and stops
 the worker too. Such an envelope is dead-lettered with its reason instead (it was already
-popped from the queue: the dead letter is its record; see ``claw_tasks.guard``).
+popped from the queue: the dead letter is its record; see ``claw_tasks.worker.guard``).
 
 The transport is registered under kombu's own ``redis`` and ``rediss`` names
-(``TRANSPORT_ALIASES``, kombu's registry of transports by URL scheme), so URLs, TLS
-defaults and Flower's broker view stay exactly as with the stock transport.
+(``TRANSPORT_ALIASES``, kombu's registry of transports by URL scheme) when the worker app
+is built (``claw_tasks.worker.app``), so URLs, TLS defaults and Flower's broker view stay
+exactly as with the stock transport. Clients only publish: they keep kombu's own.
 """
 
 from __future__ import annotations
 
-import ssl
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import redis
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
-_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+from claw_tasks.worker.guard import dead_letter_raw
 
 
 class Channel(kombu_redis.Channel):
@@ -62,8 +61,6 @@ class Channel(kombu_redis.Channel):
         return ret
 
     def _bad_envelope(self, queue: str, raw: Any, e: Exception) -> None:
-        from claw_tasks.guard import dead_letter_raw  # worker side only
-
         try:
             data = dumps(raw).encode()
         except Exception:
@@ -77,24 +74,3 @@ class Transport(kombu_redis.Transport):
 
 
 TRANSPORT_ALIASES.update(redis=f"{__name__}:Transport", rediss=f"{__name__}:Transport")
-
-
-def broker_options(url: str) -> dict[str, Any]:
-    """Celery settings for the broker at ``url``: for ``rediss://``, the TLS options
-    from the URL's query (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
-    ``ssl_cert_reqs`` — the same query redis-py reads for the data store). Certificates are
-    verified unless ``ssl_cert_reqs=none``."""
-    parts = urlsplit(url)
-    if parts.scheme != "rediss":
-        return {}
-    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    reqs = query.get("ssl_cert_reqs", "required").lower().removeprefix("cert_")
-    if reqs not in _CERT_REQS:
-        raise ValueError(
-            f"ssl_cert_reqs={reqs!r} in the broker URL: use required, optional or none"
-        )
-    tls: dict[str, Any] = {"ssl_cert_reqs": _CERT_REQS[reqs]}
-    for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-        if key in query:
-            tls[key] = query[key]
-    return {"broker_use_ssl": tls}

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from claw_tasks.codec import packb
+from claw_tasks.format.arrays import packb
 from claw_tasks.settings import IngestLimits
 from claw_tasks.store.layout import Keys
 from claw_tasks.store.scripts import Lua

@@ -1,6 +1,6 @@
 """Run a private Redis Cluster of a few masters on loopback free ports (tests, benchmarks).
 
-Each node is a :class:`~claw_tasks.redis_server.RedisServer` with ``cluster-enabled yes``
+Each node is a :class:`~claw_tasks.connection.server.RedisServer` with ``cluster-enabled yes``
 and an even share of the 16384 slots (as ``redis-cli --cluster create`` gives, but for
 any number of masters). No replicas: what a failover does to acknowledged writes is
 described in docs/reliability.md. Nodes can be
@@ -20,8 +20,8 @@ from typing import Self
 
 from redis.exceptions import ResponseError
 
-from claw_tasks.connect import Client, redis_client
-from claw_tasks.redis_server import RedisServer
+from claw_tasks.connection.client import Client, redis_client
+from claw_tasks.connection.server import RedisServer
 
 SLOTS = 16384
 CLUSTER_OPTIONS = {

@@ -1,0 +1,88 @@
+"""The Celery app factory: msgpack only, late acks, three routed queues. ``make_app`` is
+what the worker app (``claw_tasks.worker.app``) and every sending-only client app
+(``client_app``) are built from, so both agree on serializers, routes and queues."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from celery import Celery
+from kombu import Queue
+
+from claw_tasks.broker import rabbitmq as amqp
+from claw_tasks.broker.schedule import beat_schedule
+from claw_tasks.broker.tls import broker_options
+from claw_tasks.settings import Settings, load_settings
+
+QUEUES = ("ingest", "prefetch", "maintenance")
+# Task modules by string only: orchestrator imports claw_tasks, never the reverse.
+TASK_MODULES = [
+    "claw_tasks.worker.tasks",
+    "orchestrator.delivery.prefetch",
+    "orchestrator.maintenance.refill",
+    "orchestrator.maintenance.evict",
+    "orchestrator.maintenance.priorities",
+    "orchestrator.maintenance.archive",
+]
+
+
+def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
+    """A configured Claw Celery app (workers use ``app``; clients may aim elsewhere)."""
+    broker = broker_url or settings.broker_url
+    app = Celery("claw", broker=broker, include=TASK_MODULES)
+    app.conf.update(
+        task_serializer="msgpack",
+        result_serializer="msgpack",
+        # Nothing that can run code on load: msgpack for tasks, json for events and beat.
+        accept_content=["msgpack", "json"],
+        result_accept_content=["msgpack", "json"],
+        event_serializer="json",
+        task_ignore_result=True,
+        result_backend=None,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        # Checks every message before Celery parses it (a malformed one must not stop it).
+        worker_consumer="claw_tasks.worker.guard:GuardedConsumer",
+        broker_connection_retry_on_startup=True,
+        task_default_queue="maintenance",
+        task_routes={
+            "claw_tasks.ingest": {"queue": "ingest"},
+            "claw.prefetch.*": {"queue": "prefetch"},
+            "claw.maintenance.*": {"queue": "maintenance"},
+        },
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        redbeat_redis_url=settings.beat_url,  # never a cluster (settings.py)
+        redbeat_key_prefix="claw:redbeat:",
+        beat_scheduler="redbeat.RedBeatScheduler",
+        beat_schedule=beat_schedule(),  # claw_tasks/broker/schedule.py, CLAW_SCHEDULE
+        timezone="UTC",
+    )
+    app.conf.update(_broker_specific(broker, settings))
+    return app
+
+
+def _broker_specific(broker: str, settings: Settings) -> dict[str, object]:
+    """Queues and transport options for the broker at ``broker``: each broker gets only
+    the options it understands (claw_tasks/broker/rabbitmq.py for RabbitMQ)."""
+    if amqp.is_amqp(broker):
+        return {"task_queues": amqp.queues(QUEUES), **amqp.app_options()}
+    return {
+        **broker_options(broker),  # TLS for rediss://
+        "task_queues": [Queue(q) for q in QUEUES],
+        # Unacked messages come back after this long if a worker dies outright. Ingest
+        # tasks take well under a second; long maintenance work is chunked below it.
+        "broker_transport_options": {
+            "visibility_timeout": settings.visibility_timeout,
+            # Sweep for abandoned (unacked) messages every few seconds, not every 100 s.
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 4)),
+            "unacked_restore_throttle": 1,
+        },
+    }
+
+
+@cache
+def client_app(broker_url: str) -> Celery:
+    """A sending-only app for ``broker_url`` (cached per URL)."""
+    return make_app(load_settings(), broker_url)

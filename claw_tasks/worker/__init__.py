@@ -1,0 +1,6 @@
+"""What runs in a Celery worker of the write path: the app (``app``, the ``-A`` target),
+the ingest task (``tasks``) and its checks and commit (``ingest``), the message guard that
+runs before Celery parses a message (``guard``), dead letters (``deadletter``), the
+hardened Redis transport (``transport``) and per-process caches (``caches``, ``lru``).
+Importing this package builds nothing; importing ``worker.app`` builds the app. May import
+every layer below it; the client never imports it."""
