@@ -162,9 +162,13 @@ def codec_table(p: Play, kind: str) -> list[tuple[str, float, float, float]]:
             lambda b: cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_UNCHANGED),
             frames,
         ),
-        ("delta to the previous frame, zstd 3", lambda f: zc.compress(f.tobytes()), zd.decompress,
-         delta),
-    ]:  # fmt: skip
+        (
+            "delta to the previous frame, zstd 3",
+            lambda f: zc.compress(f.tobytes()),
+            zd.decompress,
+            delta,
+        ),
+    ]:
         packed, t_enc = _per_frame(enc, src)
         _, t_dec = _per_frame(dec, packed)
         rows.append((name, raw / sum(len(b) for b in packed), n / t_enc, n / t_dec))
@@ -235,8 +239,13 @@ def store_bytes(srv: RedisServer, p: Play, kind: str, codec: str | None) -> tupl
 CODECS: list[str | None] = [None, "zstd", "lz4", "png", "delta", "delta:64"]
 """The obs field's codec in each namespace (None: raw bytes, as before codecs); ``delta``
 keeps a key frame every 16 steps of an episode, ``delta:64`` every 64."""
-INGEST = [(None, "producer"), ("zstd", "producer"), ("zstd", "worker"), ("png", "producer"),
-          ("delta", "producer")]  # fmt: skip
+INGEST = [
+    (None, "producer"),
+    ("zstd", "producer"),
+    ("zstd", "worker"),
+    ("png", "producer"),
+    ("delta", "producer"),
+]
 """(codec, who encodes) of the ingest runs."""
 
 
@@ -263,14 +272,23 @@ def ingest_rate(
     second of everything involved (``pids``: this process, the worker, redis-server)."""
     namespace = f"ingest-{p.game}-{kind}-{codec}-{at}"
     ing = Ingestor(
-        namespace, url, flush_steps=flush, flush_interval=None, capacity=p.n + 10,
-        schema=schema_for(kind, codec), compress_at=at,
-    )  # fmt: skip
+        namespace,
+        url,
+        flush_steps=flush,
+        flush_interval=None,
+        capacity=p.n + 10,
+        schema=schema_for(kind, codec),
+        compress_at=at,
+    )
     cols = {
-        "obs": p.frames[kind], "action": p.action, "reward": p.reward,
+        "obs": p.frames[kind],
+        "action": p.action,
+        "reward": p.reward,
         "episode_id": np.array([f"{p.game}-{e}" for e in p.episode.tolist()]),
-        "step_index": p.step_index, "terminated": p.terminated, "truncated": p.truncated,
-    }  # fmt: skip
+        "step_index": p.step_index,
+        "terminated": p.terminated,
+        "truncated": p.truncated,
+    }
     c0, t0 = cpu_seconds(pids), time.perf_counter()
     ing.add_batch(cols)
     res = ing.close(timeout=600)
@@ -297,11 +315,18 @@ def prefetch_rates(
     r = srv.client()
     r.flushdb()
     store = fill(r, "fill", p, kind, codec)
-    recipe = Recipe.model_validate({
-        "name": loop, "batch_size": 256, "fields": ["obs", "next_obs", "action", "reward"],
-        "sources": [{"name": "all"}], "frame_stack": k, "prefetch": {"depth": 8}, "seed": 1,
-        "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"},
-    })  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": loop,
+            "batch_size": 256,
+            "fields": ["obs", "next_obs", "action", "reward"],
+            "sources": [{"name": "all"}],
+            "frame_stack": k,
+            "prefetch": {"depth": 8},
+            "seed": 1,
+            "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"},
+        }
+    )
     ctx = mp.get_context("spawn")
     got, send = ctx.Pipe(duplex=False)
     reader = ctx.Process(target=trainer, args=(got,), daemon=True)
@@ -335,8 +360,10 @@ def main() -> None:
     parts = set(args.parts.split(","))
     cv2.setNumThreads(1)
     plays = [play(g, args.steps) for g in args.games.split(",")]
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}; {args.steps:,} random-policy steps per game")  # fmt: skip
+    print(
+        f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}; {args.steps:,} random-policy steps per game"
+    )
     for p in plays:
         print(f"{p.game}: {len(p.ends())} episodes ended")
     if "codecs" in parts:
@@ -359,13 +386,30 @@ def main() -> None:
                     for codec in CODECS:
                         obs, total = store_bytes(srv, p, kind, codec)
                         base = base or (obs, total)
-                        rows.append([p.game, kind, codec or "none", f"{obs:,.0f}",
-                                     f"{frame / obs:.1f}x", f"{total:,.0f}",
-                                     f"{base[1] / total:.1f}x"])  # fmt: skip
-            print(f"\nRedis bytes per stored step, {args.steps:,} steps a namespace (load "
-                  f"average {os.getloadavg()[0]:.1f}):\n")  # fmt: skip
-            head = ["game", "frame", "obs codec", "obs bytes/step", "frame bytes / obs bytes",
-                    "all keys bytes/step", "vs raw (all keys)"]  # fmt: skip
+                        rows.append(
+                            [
+                                p.game,
+                                kind,
+                                codec or "none",
+                                f"{obs:,.0f}",
+                                f"{frame / obs:.1f}x",
+                                f"{total:,.0f}",
+                                f"{base[1] / total:.1f}x",
+                            ]
+                        )
+            print(
+                f"\nRedis bytes per stored step, {args.steps:,} steps a namespace (load "
+                f"average {os.getloadavg()[0]:.1f}):\n"
+            )
+            head = [
+                "game",
+                "frame",
+                "obs codec",
+                "obs bytes/step",
+                "frame bytes / obs bytes",
+                "all keys bytes/step",
+                "vs raw (all keys)",
+            ]
             print(table(head, rows))
         if "ingest" in parts:
             rows = []
@@ -381,16 +425,33 @@ def main() -> None:
                             rate, per_cpu = ingest_rate(srv.url, p, kind, codec, at, pids)
                             base = base or (rate, per_cpu)
                             who = f"{codec}, encoded by the {at}" if codec else "none"
-                            rows.append([p.game, kind, who, f"{rate:,.0f}",
-                                         f"{rate / base[0]:.2f}", f"{per_cpu:,.0f}",
-                                         f"{per_cpu / base[1]:.2f}"])  # fmt: skip
+                            rows.append(
+                                [
+                                    p.game,
+                                    kind,
+                                    who,
+                                    f"{rate:,.0f}",
+                                    f"{rate / base[0]:.2f}",
+                                    f"{per_cpu:,.0f}",
+                                    f"{per_cpu / base[1]:.2f}",
+                                ]
+                            )
                             srv.client().flushdb()
             finally:
                 worker.stop()
-            print(f"\nIngest through one Celery worker (prefork, 2 processes), 512-step "
-                  f"batches (load average {os.getloadavg()[0]:.1f}):\n")  # fmt: skip
-            head = ["game", "frame", "obs codec", "committed steps/s (wall)", "vs raw",
-                    "steps per CPU-second (all processes)", "vs raw"]  # fmt: skip
+            print(
+                f"\nIngest through one Celery worker (prefork, 2 processes), 512-step "
+                f"batches (load average {os.getloadavg()[0]:.1f}):\n"
+            )
+            head = [
+                "game",
+                "frame",
+                "obs codec",
+                "committed steps/s (wall)",
+                "vs raw",
+                "steps per CPU-second (all processes)",
+                "vs raw",
+            ]
             print(table(head, rows))
         if "prefetch" in parts:
             rows = []
@@ -400,12 +461,28 @@ def main() -> None:
                     for codec in CODECS:
                         cpu, wall = prefetch_rates(srv, p, loop, codec, args.batches)
                         base = base or cpu
-                        rows.append([p.game, loop, codec or "none", f"{cpu:,.0f}",
-                                     f"{cpu / base:.2f}", f"{wall:,.0f}"])  # fmt: skip
-            print(f"\nPrefetch fill loop, batch 256, obs + next_obs, random shift pad 4 "
-                  f"(load average {os.getloadavg()[0]:.1f}):\n")  # fmt: skip
-            head = ["game", "loop", "obs codec", "augmented images/s per worker core",
-                    "vs raw", "wall clock images/s"]  # fmt: skip
+                        rows.append(
+                            [
+                                p.game,
+                                loop,
+                                codec or "none",
+                                f"{cpu:,.0f}",
+                                f"{cpu / base:.2f}",
+                                f"{wall:,.0f}",
+                            ]
+                        )
+            print(
+                f"\nPrefetch fill loop, batch 256, obs + next_obs, random shift pad 4 "
+                f"(load average {os.getloadavg()[0]:.1f}):\n"
+            )
+            head = [
+                "game",
+                "loop",
+                "obs codec",
+                "augmented images/s per worker core",
+                "vs raw",
+                "wall clock images/s",
+            ]
             print(table(head, rows))
 
 

@@ -72,8 +72,12 @@ def augment_rows(batch: dict[str, np.ndarray], repeat: int) -> list[tuple[str, f
             A.Compose([*cases[0][2].transforms, A.ColorJitter(**{**off, **jitters[0]})]),
         )
     )
-    dropout = {"num_holes_range": (2, 4), "hole_height_range": (0.1, 0.3),
-               "hole_width_range": (0.1, 0.3), "p": 1.0}  # fmt: skip
+    dropout = {
+        "num_holes_range": (2, 4),
+        "hole_height_range": (0.1, 0.3),
+        "hole_width_range": (0.1, 0.3),
+        "p": 1.0,
+    }
     cases.append(
         (
             "albumentations CoarseDropout named in the recipe (no built-in)",

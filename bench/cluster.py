@@ -50,9 +50,12 @@ from orchestrator.sampling.index import SamplingIndex
 def ingest(url: str, broker: str, ns: str, b, shards: int, flush: int) -> float:
     """Committed steps/s of batch ``b`` sent through the worker."""
     cols = {
-        "obs": b.fields["obs"], "action": b.fields["action"], "reward": b.reward,
-        "episode_id": np.array(b.episode.values)[b.episode.index], "step_index": b.step_index,
-    }  # fmt: skip
+        "obs": b.fields["obs"],
+        "action": b.fields["action"],
+        "reward": b.reward,
+        "episode_id": np.array(b.episode.values)[b.episode.index],
+        "step_index": b.step_index,
+    }
     ing = Ingestor(
         ns,
         url,
@@ -61,7 +64,7 @@ def ingest(url: str, broker: str, ns: str, b, shards: int, flush: int) -> float:
         flush_interval=None,
         capacity=3 * b.n,
         n_shards=shards,
-    )  # fmt: skip  (episodes spread unevenly)
+    )  # episodes spread unevenly
     t0 = time.perf_counter()
     ing.add_batch(cols)
     res = ing.close(timeout=900)
@@ -76,10 +79,12 @@ def measure(url: str, broker: str, args: argparse.Namespace, tmp: Path) -> dict[
     log = tmp / f"worker-{time.monotonic_ns()}.log"
     worker = Worker(url, "ingest", 2, log, {}, broker)
     try:
-        out["ingest vector"] = ingest(url, broker, "vec", steps(0, args.steps, rng), args.shards,
-                                      16384)  # fmt: skip
-        out["ingest image"] = ingest(url, broker, "img", image_steps(0, args.images, rng),
-                                     args.shards, 512)  # fmt: skip
+        out["ingest vector"] = ingest(
+            url, broker, "vec", steps(0, args.steps, rng), args.shards, 16384
+        )
+        out["ingest image"] = ingest(
+            url, broker, "img", image_steps(0, args.images, rng), args.shards, 512
+        )
     finally:
         worker.stop()
     store = Store(url, "smp")
@@ -120,31 +125,45 @@ def main() -> None:
             rows.append(("redis (standalone)", measure(plain.url, broker.url, args, Path(tmp))))
         for m in args.masters:
             with LocalCluster(m) as cluster:
-                rows.append((f"cluster, {m} master(s)", measure(cluster.url, broker.url, args,
-                                                                Path(tmp))))  # fmt: skip
+                rows.append(
+                    (f"cluster, {m} master(s)", measure(cluster.url, broker.url, args, Path(tmp)))
+                )
     py = platform.python_version()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python {py}, "
-          f"load average {load}; {args.shards} shards, {args.steps:,} vector steps, "
-          f"{args.images:,} image steps\n")  # fmt: skip
+    print(
+        f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python {py}, "
+        f"load average {load}; {args.shards} shards, {args.steps:,} vector steps, "
+        f"{args.images:,} image steps\n"
+    )
     base = rows[0][1]
-    print("| store | shards per master | ingest vector steps/s | ingest image steps/s | "
-          "Store.commit steps/s | cold index ms | sample(256) ms median (p95) |")  # fmt: skip
+    print(
+        "| store | shards per master | ingest vector steps/s | ingest image steps/s | "
+        "Store.commit steps/s | cold index ms | sample(256) ms median (p95) |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, o in rows:
         med, p95 = o["batch ms"]  # type: ignore[misc]
-        cells = [f"{o[k]:,.0f} ({o[k] / base[k]:.2f}x)"  # type: ignore[operator]
-                 for k in ("ingest vector", "ingest image", "commit")]  # fmt: skip
-        print(f"| {name} | {o['shards per master']} | " + " | ".join(cells)
-              + f" | {o['cold ms']:,.0f} | {med:.2f} ({p95:.2f}) |")  # fmt: skip
+        cells = [
+            f"{o[k]:,.0f} ({o[k] / base[k]:.2f}x)"  # type: ignore[operator]
+            for k in ("ingest vector", "ingest image", "commit")
+        ]
+        print(
+            f"| {name} | {o['shards per master']} | "
+            + " | ".join(cells)
+            + f" | {o['cold ms']:,.0f} | {med:.2f} ({p95:.2f}) |"
+        )
     print("\nPer shard (the whole figure divided by the shards, each shard's share):")
-    print("| store | vector steps/s per shard | image steps/s per shard | commit steps/s per shard "
-          "| cold index ms per shard |")  # fmt: skip
+    print(
+        "| store | vector steps/s per shard | image steps/s per shard | commit steps/s per shard "
+        "| cold index ms per shard |"
+    )
     print("|---|---:|---:|---:|---:|")
     n = args.shards
     for name, o in rows:
-        print(f"| {name} | {o['ingest vector'] / n:,.0f} | {o['ingest image'] / n:,.0f} | "
-              f"{o['commit'] / n:,.0f} | {o['cold ms'] / n:,.1f} |")  # fmt: skip
+        print(
+            f"| {name} | {o['ingest vector'] / n:,.0f} | {o['ingest image'] / n:,.0f} | "
+            f"{o['commit'] / n:,.0f} | {o['cold ms'] / n:,.1f} |"
+        )
 
 
 if __name__ == "__main__":

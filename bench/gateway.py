@@ -101,46 +101,78 @@ def main() -> None:
     with RedisServer() as server:
         worker = Worker(server.url, "ingest", 2, tmp / "worker.log", {})
         up_port, gw_port = free_port(), free_port()
-        upstream = Proc([sys.executable, "-m", "tests.llm_upstream", str(up_port),
-                         str(tokenizer)], up_port, tmp / "upstream.log", {})  # fmt: skip
+        upstream = Proc(
+            [sys.executable, "-m", "tests.llm_upstream", str(up_port), str(tokenizer)],
+            up_port,
+            tmp / "upstream.log",
+            {},
+        )
         ns = "bench-gw"
         gw = Proc(
-            [sys.executable, "-m", "orchestrator.cli.main", "--redis-url", server.url,
-             "gateway", "--upstream", upstream.url, "--namespace", ns, "--port", str(gw_port),
-             "--max-turns", "100000"],
-            gw_port, tmp / "gateway.log", {"CLAW_GATEWAY_TOKEN": TOKEN},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli.main",
+                "--redis-url",
+                server.url,
+                "gateway",
+                "--upstream",
+                upstream.url,
+                "--namespace",
+                ns,
+                "--port",
+                str(gw_port),
+                "--max-turns",
+                "100000",
+            ],
+            gw_port,
+            tmp / "gateway.log",
+            {"CLAW_GATEWAY_TOKEN": TOKEN},
+        )
         try:
             store = Store(server.url, ns)
             with httpx.Client(timeout=60) as c:
-                latency(c, upstream.url + "/v1/chat/completions",
-                        gw.url + "/t/warm/g/q/v1/chat/completions", 50)  # fmt: skip
+                latency(
+                    c,
+                    upstream.url + "/v1/chat/completions",
+                    gw.url + "/t/warm/g/q/v1/chat/completions",
+                    50,
+                )
                 cpu0 = cpu_seconds(gw.proc.pid), cpu_seconds(upstream.proc.pid)
                 lat = latency(
-                    c, upstream.url + "/v1/chat/completions",
-                    gw.url + "/t/lat/g/q/v1/chat/completions", args.calls,
-                )  # fmt: skip
+                    c,
+                    upstream.url + "/v1/chat/completions",
+                    gw.url + "/t/lat/g/q/v1/chat/completions",
+                    args.calls,
+                )
                 while store.info()["steps"] < args.calls:  # recording included
                     time.sleep(0.02)
-                cpu = (cpu_seconds(gw.proc.pid) - cpu0[0],
-                       cpu_seconds(upstream.proc.pid) - cpu0[1])  # fmt: skip
+                cpu = (cpu_seconds(gw.proc.pid) - cpu0[0], cpu_seconds(upstream.proc.pid) - cpu0[1])
             elapsed, sent, n = load(gw, store, args.load_calls, args.threads)
         finally:
             gw.stop()
             upstream.stop()
             worker.stop()
     d, g = lat["direct"], lat["gateway"]
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"load {os.getloadavg()[0]:.1f}; python {platform.python_version()}")  # fmt: skip
-    print(f"latency over {args.calls} calls each (ms): direct p50 {np.median(d):.2f} "
-          f"p99 {np.percentile(d, 99):.2f}; gateway p50 {np.median(g):.2f} "
-          f"p99 {np.percentile(g, 99):.2f}; added p50 {np.median(g) - np.median(d):.2f} "
-          f"p99 {np.percentile(g, 99) - np.percentile(d, 99):.2f}")  # fmt: skip
-    print(f"CPU per call: gateway {cpu[0] / args.calls * 1e3:.2f} ms (forwarding and "
-          f"recording), upstream {cpu[1] / (2 * args.calls) * 1e3:.2f} ms")  # fmt: skip
-    print(f"load: {n} calls from {args.threads} threads answered in {sent:.2f} s "
-          f"({n / sent:.0f} calls/s), all recorded after {elapsed:.2f} s: "
-          f"{n / elapsed:.0f} recorded turns/s")  # fmt: skip
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"load {os.getloadavg()[0]:.1f}; python {platform.python_version()}"
+    )
+    print(
+        f"latency over {args.calls} calls each (ms): direct p50 {np.median(d):.2f} "
+        f"p99 {np.percentile(d, 99):.2f}; gateway p50 {np.median(g):.2f} "
+        f"p99 {np.percentile(g, 99):.2f}; added p50 {np.median(g) - np.median(d):.2f} "
+        f"p99 {np.percentile(g, 99) - np.percentile(d, 99):.2f}"
+    )
+    print(
+        f"CPU per call: gateway {cpu[0] / args.calls * 1e3:.2f} ms (forwarding and "
+        f"recording), upstream {cpu[1] / (2 * args.calls) * 1e3:.2f} ms"
+    )
+    print(
+        f"load: {n} calls from {args.threads} threads answered in {sent:.2f} s "
+        f"({n / sent:.0f} calls/s), all recorded after {elapsed:.2f} s: "
+        f"{n / elapsed:.0f} recorded turns/s"
+    )
 
 
 if __name__ == "__main__":

@@ -94,9 +94,14 @@ def sampler(url: str, namespace: str, n: int) -> None:
     """``n`` batches of a priority recipe; prints the median and p95 ms per batch."""
     from orchestrator.sampling.sample import sample
 
-    recipe = {"name": "p", "batch_size": 256, "fields": ["obs", "reward"],
-              "sources": [{"name": "all", "where": {"task_id": "grasp"},
-                           "sampler": {"kind": "priority"}}]}  # fmt: skip
+    recipe = {
+        "name": "p",
+        "batch_size": 256,
+        "fields": ["obs", "reward"],
+        "sources": [
+            {"name": "all", "where": {"task_id": "grasp"}, "sampler": {"kind": "priority"}}
+        ],
+    }
     sample(namespace, recipe, redis_url=url)  # the index and the sampler's trees built
     times = []
     for _ in range(n):
@@ -114,13 +119,20 @@ def contention(url: str, namespace: str, total: int, batches: int) -> list[str]:
     rng = np.random.default_rng(1)
     out = []
     for mode in ("own", "shared", "own", "shared"):
-        env = {**os.environ, "PYTHONPATH": str(ROOT),
-               "CLAW_SHARED_INDEX": "1" if mode == "shared" else "0"}  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "CLAW_SHARED_INDEX": "1" if mode == "shared" else "0",
+        }
         procs = [
-            subprocess.Popen([sys.executable, __file__, "--sampler", url, namespace,
-                              str(batches)], env=env, stdout=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [sys.executable, __file__, "--sampler", url, namespace, str(batches)],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             for _ in range(2)
-        ]  # fmt: skip
+        ]
         t, committed = time.perf_counter(), 0
         while any(p.poll() is None for p in procs):
             store.commit(steps(total + committed, 256, rng))
@@ -129,8 +141,11 @@ def contention(url: str, namespace: str, total: int, batches: int) -> list[str]:
         wall = time.perf_counter() - t
         res = [json.loads(p.communicate()[0]) for p in procs]
         total += committed
-        out.append(f"| {mode} | " + " / ".join(f"{m:.2f} ({q:.2f})" for m, q in res)
-                   + f" | {wall:.1f} | {committed:,} |")  # fmt: skip
+        out.append(
+            f"| {mode} | "
+            + " / ".join(f"{m:.2f} ({q:.2f})" for m, q in res)
+            + f" | {wall:.1f} | {committed:,} |"
+        )
     return out
 
 
@@ -147,9 +162,11 @@ def run_mode(url: str, namespace: str, mode: str) -> dict[str, object]:
     for _ in range(2):  # one after the other: the second attaches to what the first built
         p = subprocess.Popen(
             [sys.executable, __file__, "--child", url, namespace, mode],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )  # fmt: skip
+        )
         reports.append(json.loads(p.stdout.readline()))  # type: ignore[union-attr]
         procs.append(p)
     after = [mem(p.pid) for p in procs]
@@ -172,15 +189,36 @@ def celery_mode(
     from orchestrator.delivery.client import BatchClient
 
     env = {
-        **os.environ, "PYTHONPATH": str(ROOT), "CLAW_REDIS_URL": url, "CLAW_BROKER_URL": url,
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CLAW_REDIS_URL": url,
+        "CLAW_BROKER_URL": url,
         "CLAW_SHARED_INDEX": "1" if mode == "shared" else "0",
-    }  # fmt: skip
-    cmd = [sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", "worker",
-           "-Q", "prefetch",
-           "-c", "2", "-P", "prefork", "-l", "INFO", "--without-gossip", "--without-mingle",
-           "--without-heartbeat", "-n", f"b{uuid.uuid4().hex[:6]}@%h"]  # fmt: skip
-    worker = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                              start_new_session=True)  # fmt: skip
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "claw_tasks.worker.app",
+        "worker",
+        "-Q",
+        "prefetch",
+        "-c",
+        "2",
+        "-P",
+        "prefork",
+        "-l",
+        "INFO",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+        "-n",
+        f"b{uuid.uuid4().hex[:6]}@%h",
+    ]
+    worker = subprocess.Popen(
+        cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         while b"ready." not in log.read_bytes():
             time.sleep(0.2)
@@ -188,9 +226,15 @@ def celery_mode(
         children = psutil.Process(worker.pid).children()
         names = [f"{mode}-a", f"{mode}-b"]
         for name in names:
-            client.register({"name": name, "batch_size": 256, "fields": ["obs", "reward"],
-                             "sources": [{"name": "all", "where": {"task_id": "grasp"}}],
-                             "prefetch": {"depth": 2}})  # fmt: skip
+            client.register(
+                {
+                    "name": name,
+                    "batch_size": 256,
+                    "fields": ["obs", "reward"],
+                    "sources": [{"name": "all", "where": {"task_id": "grasp"}}],
+                    "prefetch": {"depth": 2},
+                }
+            )
         # Both queues at once: with one fill each, the two pool processes take one each.
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda n: BatchClient(namespace, url).pop(n, timeout=900), names))
@@ -243,8 +287,10 @@ def main() -> None:
             log = Path(tempfile.mkdtemp()) / "worker.log"
             index_mb = args.steps * 66 / MB
             rows += [celery_mode(server.url, ns, m, log, index_mb) for m in ("own", "shared")]
-    print(f"{args.steps:,} steps, {args.shards} shards; {platform.node()}, "
-          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(
+        f"{args.steps:,} steps, {args.shards} shards; {platform.node()}, "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    )
     print(
         "| mode | RSS per process MB | PSS per process MB | USS per process MB "
         "| index per process (PSS) MB | shm MB | host total (sum PSS) MB |"
@@ -266,8 +312,10 @@ def main() -> None:
         )
         total = sum(a["pss"] for a in after)
         busy = f" ({row['busy']} of 2 held an index)" if "busy" in row else ""
-        print(f"| {row['mode']}{busy} | {fmt('rss')} | {fmt('pss')} | {fmt('uss')} | {index} "
-              f"| {row['shm_mb']:.0f} | {total:.0f} |")  # fmt: skip
+        print(
+            f"| {row['mode']}{busy} | {fmt('rss')} | {fmt('pss')} | {fmt('uss')} | {index} "
+            f"| {row['shm_mb']:.0f} | {total:.0f} |"
+        )
         if reports:
             made = " / ".join(f"{r['seconds']:.1f}" for r in reports)
             print(f"|   (index made in {made} s) |")

@@ -49,9 +49,13 @@ def run_claw(
     url: str, ns: str, cols: dict, flush_steps: int, claim_check_bytes: int = 128 * 1024
 ) -> tuple[float, int]:
     ing = Ingestor(
-        ns, url, flush_steps=flush_steps, flush_interval=None,
-        capacity=len(cols["obs"]) + 10, claim_check_bytes=claim_check_bytes,
-    )  # fmt: skip
+        ns,
+        url,
+        flush_steps=flush_steps,
+        flush_interval=None,
+        capacity=len(cols["obs"]) + 10,
+        claim_check_bytes=claim_check_bytes,
+    )
     t0 = time.perf_counter()
     ing.add_batch(cols)
     res = ing.close(timeout=600)
@@ -70,12 +74,19 @@ def hash_per_step(r: redis.Redis, obs: np.ndarray) -> tuple[float, int]:
             p.hset(
                 f"naive:step:{i:08d}",
                 mapping={
-                    "obs": obs[i].tobytes(), "next_obs": obs[min(i + 1, n - 1)].tobytes(),
-                    "action": 1, "reward": 0.5, "episode_id": f"ep-{i // 1000}",
-                    "step_index": i % 1000, "task_id": "bench", "agent_id": "a0",
-                    "timestamp": time.time(), "priority": 1.0, "terminated": 0,
+                    "obs": obs[i].tobytes(),
+                    "next_obs": obs[min(i + 1, n - 1)].tobytes(),
+                    "action": 1,
+                    "reward": 0.5,
+                    "episode_id": f"ep-{i // 1000}",
+                    "step_index": i % 1000,
+                    "task_id": "bench",
+                    "agent_id": "a0",
+                    "timestamp": time.time(),
+                    "priority": 1.0,
+                    "terminated": 0,
                 },
-            )  # fmt: skip
+            )
             if i % 1000 == 999:
                 p.execute()
         p.execute()

@@ -42,8 +42,13 @@ from orchestrator.delivery.client import BatchClient
 NAMESPACE = "load"
 CAPACITY = 1 << 20
 EPISODE_LEN = 100
-RECIPE = {"name": "load", "batch_size": 256, "fields": ["obs", "action", "reward"],
-          "sources": [{"name": "all"}], "prefetch": {"depth": 8}}  # fmt: skip
+RECIPE = {
+    "name": "load",
+    "batch_size": 256,
+    "fields": ["obs", "action", "reward"],
+    "sources": [{"name": "all"}],
+    "prefetch": {"depth": 8},
+}
 
 
 def produce(url: str, index: int, start: Any, duration: float) -> dict[str, int]:
@@ -62,8 +67,12 @@ def produce(url: str, index: int, start: Any, duration: float) -> dict[str, int]
         produced += EPISODE_LEN
         episodes += 1
     res = ing.close(timeout=600)
-    return {"produced": produced, "committed": res.committed, "rejected": res.rejected,
-            "pending": res.pending}  # fmt: skip
+    return {
+        "produced": produced,
+        "committed": res.committed,
+        "rejected": res.rejected,
+        "pending": res.pending,
+    }
 
 
 def train(url: str, start: Any, duration: float) -> dict[str, Any]:
@@ -87,8 +96,12 @@ def train(url: str, start: Any, duration: float) -> dict[str, Any]:
 def check_ring(store: Store, produced: int) -> list[str]:
     """Exactness of the ring after the run: what is wrong (empty when all is right)."""
     errors = []
-    inserted = sum(int(v or 0) for v in store.r.mget(
-        [store.keys.shard_key(s, "seq") for s in range(store.config().n_shards)]))  # fmt: skip
+    inserted = sum(
+        int(v or 0)
+        for v in store.r.mget(
+            [store.keys.shard_key(s, "seq") for s in range(store.config().n_shards)]
+        )
+    )
     if inserted != produced:
         errors.append(f"{inserted} steps inserted, {produced} produced")
     cols = store.meta_columns(0, ["episode", "step_index"])
@@ -118,8 +131,12 @@ def _memory_sampler(store: Store, out: list[tuple[float, int]], stop: threading.
 def run(duration: float, producers: int, trainers: int, log_dir: Path) -> dict[str, Any]:
     with RedisServer() as server, DevStack(log_dir) as stack:
         stack.start_redis(server.url)
-        stack.start([worker_service(log_dir, ["ingest"], 2, quick=True),
-                     worker_service(log_dir, ["prefetch"], 1, quick=True)])  # fmt: skip
+        stack.start(
+            [
+                worker_service(log_dir, ["ingest"], 2, quick=True),
+                worker_service(log_dir, ["prefetch"], 1, quick=True),
+            ]
+        )
         Ingestor(NAMESPACE, server.url, capacity=CAPACITY, flush_interval=None).close()
         store = Store(server.url, NAMESPACE)
         memory: list[tuple[float, int]] = []
@@ -131,8 +148,7 @@ def run(duration: float, producers: int, trainers: int, log_dir: Path) -> dict[s
             ProcessPoolExecutor(producers + trainers, mp_context=ctx) as pool,
         ):
             start = manager.Barrier(producers + trainers + 1)
-            made = [pool.submit(produce, server.url, i, start, duration)
-                    for i in range(producers)]  # fmt: skip
+            made = [pool.submit(produce, server.url, i, start, duration) for i in range(producers)]
             popped = [pool.submit(train, server.url, start, duration) for _ in range(trainers)]
             start.wait(timeout=300)
             load_before = os.getloadavg()

@@ -122,14 +122,22 @@ def main() -> None:
         wall = time.perf_counter() - t
         seen = calls(r, "evict")
         r.config_set("slowlog-log-slower-than", 10000)
-        print(f"evict: {counts['ttl']:,} steps in {wall:.2f} s "
-              f"({counts['ttl'] / wall:,.0f} steps/s); {seen}")  # fmt: skip
+        print(
+            f"evict: {counts['ttl']:,} steps in {wall:.2f} s "
+            f"({counts['ttl'] / wall:,.0f} steps/s); {seen}"
+        )
         assert store.count() == n - old
         forget("bench-evict")
 
         rstore = fill(srv.url, "bench-prio", n, n, now)
-        rules = Rules.of({"scorer": "bench.maintenance:score", "half_life": "1h",
-                          "clamp": [0.01, 10], "normalize": True})  # fmt: skip
+        rules = Rules.of(
+            {
+                "scorer": "bench.maintenance:score",
+                "half_life": "1h",
+                "clamp": [0.01, 10],
+                "normalize": True,
+            }
+        )
         job = Recompute(rstore, rules, allowed=("bench.maintenance:score",))
         r.config_set("slowlog-log-slower-than", 0)
         r.slowlog_reset()

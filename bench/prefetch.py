@@ -69,8 +69,9 @@ def trainer(items: mp.connection.Connection) -> None:
     del held
 
 
-def run(reg: Registry, recipe: Recipe, batches: int, to_trainer: mp.connection.Connection
-        ) -> tuple[float, float]:  # fmt: skip
+def run(
+    reg: Registry, recipe: Recipe, batches: int, to_trainer: mp.connection.Connection
+) -> tuple[float, float]:
     """Wall seconds and this process's CPU seconds for ``batches`` batches."""
     reg.put(recipe, shm.host_id())  # a trainer on this host: batches go through /dev/shm
     made, t0, c0 = 0, time.perf_counter(), time.process_time()
@@ -124,9 +125,12 @@ def main() -> None:
     args = ap.parse_args()
     cv2.setNumThreads(1)
     base = {
-        "batch_size": 256, "fields": ["obs", "next_obs", "action", "reward"],
-        "sources": [{"name": "all"}], "prefetch": {"depth": 8}, "seed": 1,
-    }  # fmt: skip
+        "batch_size": 256,
+        "fields": ["obs", "next_obs", "action", "reward"],
+        "sources": [{"name": "all"}],
+        "prefetch": {"depth": 8},
+        "seed": 1,
+    }
     ctx = mp.get_context("spawn")
     got, send = ctx.Pipe(duplex=False)
     reader = ctx.Process(target=trainer, args=(got,), daemon=True)
@@ -137,9 +141,12 @@ def main() -> None:
         fill_store(store, args.steps)
         reg = Registry(store)
         drq = Recipe.model_validate(
-            {**base, "name": "drq",
-             "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"}}
-        )  # fmt: skip
+            {
+                **base,
+                "name": "drq",
+                "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"},
+            }
+        )
         plain = Recipe.model_validate({**base, "name": "plain"})
         run(reg, drq, 4, send)  # warm up: index, caches
         run(reg, plain, 4, send)
@@ -150,18 +157,29 @@ def main() -> None:
         reader.join()
     images = args.batches * 256 * 2
     size = f"{args.batches} batches of 256, {args.steps:,} stored steps"
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, one prefetch process, "
-          f"load average {os.getloadavg()[0]:.1f}\n")  # fmt: skip
+    print(
+        f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, one prefetch process, "
+        f"load average {os.getloadavg()[0]:.1f}\n"
+    )
     print("| figure | value | size |\n|---|---:|---|")
     rows = [
-        ("augmented images/s per worker core (CPU time, shift, obs + next_obs)",
-         f"{images / t_aug[1]:,.0f}", size),
-        ("augmented images/s, wall clock (Redis on the other core)", f"{images / t_aug[0]:,.0f}",
-         "same"),
+        (
+            "augmented images/s per worker core (CPU time, shift, obs + next_obs)",
+            f"{images / t_aug[1]:,.0f}",
+            size,
+        ),
+        (
+            "augmented images/s, wall clock (Redis on the other core)",
+            f"{images / t_aug[0]:,.0f}",
+            "same",
+        ),
         ("without augmentation: images/s per worker core", f"{images / t_plain[1]:,.0f}", "same"),
-        ("time per 256-step batch with shift, wall", f"{t_aug[0] / args.batches * 1e3:.1f} ms",
-         "same"),
-    ]  # fmt: skip
+        (
+            "time per 256-step batch with shift, wall",
+            f"{t_aug[0] / args.batches * 1e3:.1f} ms",
+            "same",
+        ),
+    ]
     for row in rows:
         print("| " + " | ".join(row) + " |")
     if cpu:

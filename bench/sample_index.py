@@ -117,8 +117,10 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10**4, 10**5, 10**6, 10**7])
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"numpy {np.__version__}\n")  # fmt: skip
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"numpy {np.__version__}\n"
+    )
     print("| rows | candidates | build ms | draw ms | refresh(256) ms | update+draw ms | scan ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for n in args.sizes:

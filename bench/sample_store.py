@@ -176,8 +176,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--images", type=int, default=20_000, help="image steps (0: skip)")
     args = parser.parse_args()
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"numpy {np.__version__}\n")  # fmt: skip
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"numpy {np.__version__}\n"
+    )
     print(
         "| steps | candidates | index MB | cold ms | batch ms | draw ms | sync(256) ms "
         "| update(256) ms |"
@@ -194,8 +196,10 @@ def main() -> None:
             )
         if args.images:
             r = bench_images(server.url, args.images, max(10, args.repeats // 10))
-            print(f"\n256 image transitions from {args.images:,} steps: plain commands "
-                  f"{fmt(r['plain'])} ms, inside the fetch script {fmt(r['lua'])} ms")  # fmt: skip
+            print(
+                f"\n256 image transitions from {args.images:,} steps: plain commands "
+                f"{fmt(r['plain'])} ms, inside the fetch script {fmt(r['lua'])} ms"
+            )
 
 
 if __name__ == "__main__":

@@ -38,10 +38,19 @@ from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.readahead import ReadAhead
 
-ZOO = dict(learning_rate=2.3e-3, batch_size=64, buffer_size=100_000, learning_starts=1000,
-           gamma=0.99, target_update_interval=10, train_freq=256, gradient_steps=128,
-           exploration_fraction=0.16, exploration_final_eps=0.04,
-           policy_kwargs={"net_arch": [256, 256]})  # fmt: skip
+ZOO = dict(
+    learning_rate=2.3e-3,
+    batch_size=64,
+    buffer_size=100_000,
+    learning_starts=1000,
+    gamma=0.99,
+    target_update_interval=10,
+    train_freq=256,
+    gradient_steps=128,
+    exploration_fraction=0.16,
+    exploration_final_eps=0.04,
+    policy_kwargs={"net_arch": [256, 256]},
+)
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -88,8 +97,15 @@ def redis_cpu(r: redis.Redis) -> float:
 
 
 def run(cls: type, steps: int, kwargs: dict) -> tuple[float, ReplayBuffer]:
-    model = DQN("MlpPolicy", "CartPole-v1", seed=0, device="cpu", replay_buffer_class=cls,
-                replay_buffer_kwargs=kwargs, **ZOO)  # fmt: skip
+    model = DQN(
+        "MlpPolicy",
+        "CartPole-v1",
+        seed=0,
+        device="cpu",
+        replay_buffer_class=cls,
+        replay_buffer_kwargs=kwargs,
+        **ZOO,
+    )
     t = time.perf_counter()
     model.learn(total_timesteps=steps)
     return time.perf_counter() - t, model.replay_buffer
@@ -100,15 +116,27 @@ def pop_latency(url: str, pops: int) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     n = 20_000
     ing = Ingestor(ns, url, flush_interval=None, flush_steps=4096, capacity=n + 1)
-    ing.add_batch({"obs": rng.normal(size=(n, 8)).astype(np.float32),
-                   "action": np.zeros(n, np.int64), "reward": np.ones(n, np.float32),
-                   "episode_id": (np.arange(n) // 500).astype(str),
-                   "step_index": np.arange(n) % 500,
-                   "terminated": np.arange(n) % 500 == 499})  # fmt: skip
+    ing.add_batch(
+        {
+            "obs": rng.normal(size=(n, 8)).astype(np.float32),
+            "action": np.zeros(n, np.int64),
+            "reward": np.ones(n, np.float32),
+            "episode_id": (np.arange(n) // 500).astype(str),
+            "step_index": np.arange(n) % 500,
+            "terminated": np.arange(n) % 500 == 499,
+        }
+    )
     ing.close()
     client = BatchClient(ns, url)
-    client.register({"name": "v", "batch_size": 256, "fields": ["obs", "reward"],
-                     "sources": [{"name": "all"}], "prefetch": {"depth": 64}})  # fmt: skip
+    client.register(
+        {
+            "name": "v",
+            "batch_size": 256,
+            "fields": ["obs", "reward"],
+            "sources": [{"name": "all"}],
+            "prefetch": {"depth": 64},
+        }
+    )
     ra = ReadAhead(client, "v", count=32)
     times = []
     for _ in range(pops):
@@ -145,19 +173,27 @@ def main() -> None:
             p50, p99 = pop_latency(url, a.pops)
         finally:
             worker.stop()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f}; torch threads 1; {a.steps} steps, seed 0\n")  # fmt: skip
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.1f}; torch threads 1; {a.steps} steps, seed 0\n"
+    )
     print("| buffer | wall s | sample() calls | time in sample() s | per call ms |")
     print("|---|---|---|---|---|")
-    for name, wall, rb in (("SB3 ReplayBuffer", sb3_wall, sb3_rb),
-                           ("ClawReplayBuffer", claw_wall, claw_rb)):  # fmt: skip
+    for name, wall, rb in (
+        ("SB3 ReplayBuffer", sb3_wall, sb3_rb),
+        ("ClawReplayBuffer", claw_wall, claw_rb),
+    ):
         per = rb.sample_s / max(rb.samples, 1) * 1e3
         print(f"| {name} | {wall:.1f} | {rb.samples} | {rb.sample_s:.2f} | {per:.3f} |")
-    print(f"\nwall ratio Claw/SB3: {claw_wall / sb3_wall:.2f}x; sample() time ratio: "
-          f"{claw_rb.sample_s / max(sb3_rb.sample_s, 1e-9):.2f}x; during the Claw run the "
-          f"worker used {w1 - w0:.1f} CPU s and Redis {r1 - r0:.1f} CPU s")  # fmt: skip
-    print(f"\nread-ahead pop of 256 x float32[8] (a batch ready): p50 {p50:.4f} ms, "
-          f"p99 {p99:.4f} ms over {a.pops} pops")  # fmt: skip
+    print(
+        f"\nwall ratio Claw/SB3: {claw_wall / sb3_wall:.2f}x; sample() time ratio: "
+        f"{claw_rb.sample_s / max(sb3_rb.sample_s, 1e-9):.2f}x; during the Claw run the "
+        f"worker used {w1 - w0:.1f} CPU s and Redis {r1 - r0:.1f} CPU s"
+    )
+    print(
+        f"\nread-ahead pop of 256 x float32[8] (a batch ready): p50 {p50:.4f} ms, "
+        f"p99 {p99:.4f} ms over {a.pops} pops"
+    )
 
 
 if __name__ == "__main__":

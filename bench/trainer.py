@@ -55,11 +55,16 @@ def ingest(url: str, ns: str, obs: np.ndarray, episode_len: int) -> None:
     n = len(obs)
     step = np.arange(n) % episode_len
     ing = Ingestor(ns, url, flush_interval=None, flush_steps=512, capacity=n + 1)
-    ing.add_batch({
-        "obs": obs, "action": np.zeros(n, np.int64), "reward": np.ones(n, np.float32),
-        "episode_id": (np.arange(n) // episode_len).astype(str), "step_index": step,
-        "terminated": step == episode_len - 1,
-    })  # fmt: skip
+    ing.add_batch(
+        {
+            "obs": obs,
+            "action": np.zeros(n, np.int64),
+            "reward": np.ones(n, np.float32),
+            "episode_id": (np.arange(n) // episode_len).astype(str),
+            "step_index": step,
+            "terminated": step == episode_len - 1,
+        }
+    )
     assert ing.close(timeout=600).committed == n
 
 
@@ -80,9 +85,13 @@ def touch(batch: Batch) -> int:
 
 
 def paced_pops(
-    client: BatchClient, r: redis.Redis, name: str, n: int, train_s: float,
+    client: BatchClient,
+    r: redis.Redis,
+    name: str,
+    n: int,
+    train_s: float,
     use: Callable[[Batch], Any] | None = None,
-) -> tuple[list[float], int]:  # fmt: skip
+) -> tuple[list[float], int]:
     """Time ``n`` pops (plus ``use`` of the batch), each after a simulated train step;
     a pop that finds the queue empty waits for a batch and is not timed. Returns the times
     and how many pops waited."""
@@ -127,9 +136,11 @@ def main() -> None:
     frames = rng.integers(0, 256, (args.steps, H, W, 3), dtype=np.uint8)
     vectors = rng.standard_normal((100_000, 8)).astype(np.float32)
     shift = A.Compose(
-        [A.PadIfNeeded(H + 2 * PAD, W + 2 * PAD, border_mode=cv2.BORDER_REPLICATE),
-         A.RandomCrop(H, W)]
-    )  # fmt: skip
+        [
+            A.PadIfNeeded(H + 2 * PAD, W + 2 * PAD, border_mode=cv2.BORDER_REPLICATE),
+            A.RandomCrop(H, W),
+        ]
+    )
     cv2.setNumThreads(1)  # slightly faster than the default for per-image ops here
     with RedisServer() as srv:
         r = srv.client()
@@ -140,18 +151,27 @@ def main() -> None:
             ingest(srv.url, "img", frames, episode_len=500)
             ingest(srv.url, "vec", vectors, episode_len=1000)
             img = BatchClient("img", srv.url)
-            img.register({
-                "name": "drq", "batch_size": B,
-                "fields": ["obs", "action", "reward", "next_obs", "terminated"],
-                "sources": [{"name": "all"}],
-                "augment": {"obs": [{"random_shift": {"pad": PAD}}], "next_obs": "same"},
-                "prefetch": {"depth": 8},
-            })  # fmt: skip
+            img.register(
+                {
+                    "name": "drq",
+                    "batch_size": B,
+                    "fields": ["obs", "action", "reward", "next_obs", "terminated"],
+                    "sources": [{"name": "all"}],
+                    "augment": {"obs": [{"random_shift": {"pad": PAD}}], "next_obs": "same"},
+                    "prefetch": {"depth": 8},
+                }
+            )
             vec = BatchClient("vec", srv.url)
             for name, depth, low in (("v8", 16, 8), ("v8-alone", args.pops + 50, 10)):
-                vec.register({"name": name, "batch_size": B, "fields": ["obs"],
-                              "sources": [{"name": "all"}],
-                              "prefetch": {"depth": depth, "low_water": low}})  # fmt: skip
+                vec.register(
+                    {
+                        "name": name,
+                        "batch_size": B,
+                        "fields": ["obs"],
+                        "sources": [{"name": "all"}],
+                        "prefetch": {"depth": depth, "low_water": low},
+                    }
+                )
                 wait_full(vec, name)
             wait_full(img, "drq")
 
@@ -176,8 +196,10 @@ def main() -> None:
             worker.stop()
 
     b, c, u = (statistics.median(x) for x in (base, pop_img, used_img))
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}; worker concurrency {args.concurrency}\n")  # fmt: skip
+    print(
+        f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}; worker concurrency {args.concurrency}\n"
+    )
     print("| figure | value | size | target |\n|---|---:|---|---:|")
     size = f"256 steps, obs+next_obs uint8 84x84x3, median of {args.batches}"
     rows = [
@@ -196,8 +218,10 @@ def main() -> None:
     for row in rows:
         print("| " + " | ".join(row) + " |")
     waits = f"{waited_img + waited_used}/{2 * args.batches} image, {waited_vec}/{args.pops} vector"
-    print(f"\npops that found the queue empty (waited, untimed): {waits}; "
-          f"image batches produced: {produced}")  # fmt: skip
+    print(
+        f"\npops that found the queue empty (waited, untimed): {waits}; "
+        f"image batches produced: {produced}"
+    )
 
 
 if __name__ == "__main__":

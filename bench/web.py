@@ -51,19 +51,27 @@ def fill(store: Store, steps: int, length: int) -> None:
         names = [f"ep{e}" for e in eps]
         info_rows = np.arange(0, n, 5, dtype=np.int32)
         ep_of_row = np.repeat(np.array(eps, np.int32), length)
-        store.commit(StepBatch(
-            episode=StrColumn(names, np.repeat(np.arange(len(eps), dtype=np.int32), length)),
-            step_index=np.tile(np.arange(length), len(eps)),
-            reward=rng.uniform(-1, 1, n).astype(np.float32), terminated=end,
-            truncated=np.zeros(n, bool),
-            fields={"obs": np.tile(frame, (len(eps), 1, 1)),
+        store.commit(
+            StepBatch(
+                episode=StrColumn(names, np.repeat(np.arange(len(eps), dtype=np.int32), length)),
+                step_index=np.tile(np.arange(length), len(eps)),
+                reward=rng.uniform(-1, 1, n).astype(np.float32),
+                terminated=end,
+                truncated=np.zeros(n, bool),
+                fields={
+                    "obs": np.tile(frame, (len(eps), 1, 1)),
                     "state": rng.standard_normal((n, 4)).astype(np.float32),
-                    "action": rng.integers(0, 4, n)},
-            strs={"task_id": StrColumn(["grasp", "reach"], ep_of_row % 2),
-                  "agent_id": StrColumn(["a0", "a1", "a2"], ep_of_row % 3)},
-            nums={"t:level": (ep_of_row % 5).astype(np.float64)},
-            info_rows=info_rows, info=[{"note": f"row {i}"} for i in info_rows.tolist()],
-        ))  # fmt: skip
+                    "action": rng.integers(0, 4, n),
+                },
+                strs={
+                    "task_id": StrColumn(["grasp", "reach"], ep_of_row % 2),
+                    "agent_id": StrColumn(["a0", "a1", "a2"], ep_of_row % 3),
+                },
+                nums={"t:level": (ep_of_row % 5).astype(np.float64)},
+                info_rows=info_rows,
+                info=[{"note": f"row {i}"} for i in info_rows.tolist()],
+            )
+        )
         print(f"\r  filled {min(episodes, first + BATCH_EPISODES) * length:,} steps", end="")
     print()
 
@@ -86,12 +94,18 @@ def main() -> None:
         fill(store, args.steps, args.episode_len)
         print(f"fill: {time.perf_counter() - t0:.1f} s, {store.info()['steps']:,} steps")
         port = free_port()
-        env = {**os.environ, "CLAW_REDIS_URL": server.url, "CLAW_WEB_PASSWORD": "bench",
-               "PYTHONPATH": str(ROOT)}  # fmt: skip
+        env = {
+            **os.environ,
+            "CLAW_REDIS_URL": server.url,
+            "CLAW_WEB_PASSWORD": "bench",
+            "PYTHONPATH": str(ROOT),
+        }
         proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.cli.main", "web", "--port", str(port)],
-            env=env, stdout=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            env=env,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             run(f"http://127.0.0.1:{port}", args)
         finally:
@@ -100,8 +114,9 @@ def main() -> None:
 
 
 def run(base: str, args: argparse.Namespace) -> None:
-    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(
-        http.cookiejar.CookieJar()))  # fmt: skip
+    opener = urllib.request.build_opener(
+        urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar())
+    )
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -124,17 +139,22 @@ def run(base: str, args: argparse.Namespace) -> None:
 
     q = urllib.parse.quote
     mid = args.steps // args.episode_len // 2
+    steps_where = q("task_id == 'grasp' and reward > 0.5")
+    level_where = q("tags.level >= 3")
     pages = {
         "namespaces page (stats read from Redis, memory sampled)": "/",
         "search, all steps, episodes view": "/ns/bench/search",
-        "search, where task_id == 'grasp' and reward > 0.5, steps view":
-            "/ns/bench/search?view=steps&where=" + q("task_id == 'grasp' and reward > 0.5"),
-        "search, where tags.level >= 3, since 1h, page 5":
-            f"/ns/bench/search?where={q('tags.level >= 3')}&since=1h&page=5",
-        f"episode view (ep{mid}: {args.episode_len} steps, page of 200)":
-            f"/ns/bench/episode?e=ep{mid}",
+        "search, where task_id == 'grasp' and reward > 0.5, steps view": (
+            f"/ns/bench/search?view=steps&where={steps_where}"
+        ),
+        "search, where tags.level >= 3, since 1h, page 5": (
+            f"/ns/bench/search?where={level_where}&since=1h&page=5"
+        ),
+        f"episode view (ep{mid}: {args.episode_len} steps, page of 200)": (
+            f"/ns/bench/episode?e=ep{mid}"
+        ),
         "thumbnail (cached after the first)": f"/ns/bench/thumb/{mid * 4}/obs.png",
-    }  # fmt: skip
+    }
     print(f"login + namespaces page, the sampling index built cold: {cold:.0f} ms")
     print(f"{'page':<70} {'p50':>7} {'p95':>7} {'max':>7}  (ms, {args.repeat} requests)")
     for name, path in pages.items():
@@ -143,8 +163,10 @@ def run(base: str, args: argparse.Namespace) -> None:
         p50, p95 = np.percentile(t, [50, 95])
         print(f"{name:<70} {p50:7.1f} {p95:7.1f} {t.max():7.1f}")
     load = os.getloadavg()[0]
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"load (1 min) {load:.1f}, Python {platform.python_version()}")  # fmt: skip
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"load (1 min) {load:.1f}, Python {platform.python_version()}"
+    )
 
 
 if __name__ == "__main__":

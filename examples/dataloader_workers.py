@@ -47,10 +47,19 @@ def main() -> None:
                 next_obs=np.zeros(8, np.float32) if t == 499 else None,
             )
     ing.close()
-    recipe = {"name": "loader", "batch_size": 64, "fields": ["obs", "action", "reward"],
-              "sources": [{"name": "all"}]}  # fmt: skip
-    ds = ClawIterableDataset(recipe, args.namespace, timeout=120, num_batches=args.batches,
-                             pin_memory=torch.accelerator.is_available())  # fmt: skip
+    recipe = {
+        "name": "loader",
+        "batch_size": 64,
+        "fields": ["obs", "action", "reward"],
+        "sources": [{"name": "all"}],
+    }
+    ds = ClawIterableDataset(
+        recipe,
+        args.namespace,
+        timeout=120,
+        num_batches=args.batches,
+        pin_memory=torch.accelerator.is_available(),
+    )
     loader = DataLoader(ds, batch_size=None, num_workers=args.num_workers)
     seen = 0
     for batch in loader:

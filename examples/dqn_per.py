@@ -83,11 +83,16 @@ def main() -> None:
         client.update_priorities(batch.ids, td + 1e-3)
         updates += 1
         if updates % 500 == 0:
-            print(f"{updates} updates, {steps} env steps, mean return of the last 20 "
-                  f"episodes {np.mean(returns[-20:]):.1f}", flush=True)  # fmt: skip
+            print(
+                f"{updates} updates, {steps} env steps, mean return of the last 20 "
+                f"episodes {np.mean(returns[-20:]):.1f}",
+                flush=True,
+            )
     mean = float(np.mean(returns[-20:])) if returns else 0.0
-    print(f"done: {updates} updates in {time.monotonic() - started:.0f} s, {steps} env steps, "
-          f"{len(returns)} episodes, mean return of the last 20 {mean:.1f}")  # fmt: skip
+    print(
+        f"done: {updates} updates in {time.monotonic() - started:.0f} s, {steps} env steps, "
+        f"{len(returns)} episodes, mean return of the last 20 {mean:.1f}"
+    )
     client.close()
     ingestor.close()
 

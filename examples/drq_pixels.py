@@ -67,8 +67,10 @@ def main() -> None:
         waits.append(time.perf_counter() - t0)
         learner.update(batch, batch.weights)
     median_ms = np.median(waits) * 1e3
-    print(f"done: {args.updates} updates; data time per batch median {median_ms:.2f} ms "
-          "(the workers did the sampling and the shifts)")  # fmt: skip
+    print(
+        f"done: {args.updates} updates; data time per batch median {median_ms:.2f} ms "
+        "(the workers did the sampling and the shifts)"
+    )
     client.close()
 
 

@@ -132,16 +132,23 @@ class Server:
                 ctx = torch.tensor([ids[-WINDOW:]])
                 logp = torch.log_softmax(self.policy(ctx)[0], -1)
                 tok = int(torch.multinomial(logp.exp(), 1, generator=self.rng))
-                choices.append({
-                    "index": i, "text": str(tok - DIGIT), "token_ids": [tok],
-                    "logprobs": {"token_logprobs": [float(logp[tok])]},
-                    "finish_reason": "length",
-                })  # fmt: skip
+                choices.append(
+                    {
+                        "index": i,
+                        "text": str(tok - DIGIT),
+                        "token_ids": [tok],
+                        "logprobs": {"token_logprobs": [float(logp[tok])]},
+                        "finish_reason": "length",
+                    }
+                )
             version = self.version
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": "toy",
-            "prompt_token_ids": ids, "choices": choices,
-        }, version  # fmt: skip
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "model": "toy",
+            "prompt_token_ids": ids,
+            "choices": choices,
+        }, version
 
 
 # ---- the gateway ---------------------------------------------------------------------------
@@ -155,13 +162,30 @@ class Gateway:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.token, self.reward_token = secrets.token_hex(16), secrets.token_hex(16)
-        env = {**os.environ, "CLAW_GATEWAY_TOKEN": self.token,
-               "CLAW_GATEWAY_REWARD_TOKEN": self.reward_token}  # fmt: skip
+        env = {
+            **os.environ,
+            "CLAW_GATEWAY_TOKEN": self.token,
+            "CLAW_GATEWAY_REWARD_TOKEN": self.reward_token,
+        }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli.main", "gateway", "--upstream", upstream,
-             "--namespace", namespace, "--port", str(port), "--max-turns", "4"],
-            cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli.main",
+                "gateway",
+                "--upstream",
+                upstream,
+                "--namespace",
+                namespace,
+                "--port",
+                str(port),
+                "--max-turns",
+                "4",
+            ],
+            cwd=Path(__file__).resolve().parents[1],
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -222,22 +246,32 @@ def rollout(http: httpx.Client, gw: Gateway, group: str, j: int, a: int, b: int)
     posted to the gateway (the gateway ends the trajectory and attaches it)."""
     traj = f"{group}-{j}"
     client = openai.OpenAI(
-        base_url=f"{gw.url}/t/{traj}/g/{group}/v1", api_key=gw.token, http_client=http,
+        base_url=f"{gw.url}/t/{traj}/g/{group}/v1",
+        api_key=gw.token,
+        http_client=http,
         max_retries=0,
-    )  # fmt: skip
+    )
     out = client.completions.create(model="toy", prompt=prompt_of(a, b), max_tokens=1)
     reward = float(out.choices[0].text == str(a + b))
     r = http.post(
-        f"{gw.url}/t/{traj}/reward", json={"final_reward": reward, "reward_source": "exact"},
+        f"{gw.url}/t/{traj}/reward",
+        json={"final_reward": reward, "reward_source": "exact"},
         headers={"Authorization": f"Bearer {gw.reward_token}"},
-    )  # fmt: skip
+    )
     if r.status_code != 200:
         raise RuntimeError(f"reward of {traj}: {r.status_code} {r.text}")
     return reward
 
 
-def agents(gw: Gateway, group_size: int, seed: int, stop: threading.Event, pace: Pace,
-           errors: list[BaseException], threads: int) -> None:  # fmt: skip
+def agents(
+    gw: Gateway,
+    group_size: int,
+    seed: int,
+    stop: threading.Event,
+    pace: Pace,
+    errors: list[BaseException],
+    threads: int,
+) -> None:
     """Rollout groups until ``stop``: each is ``group_size`` trajectories of one prompt,
     run by a pool of agent threads (a reward post waits for the turn's commit)."""
     rng = np.random.default_rng(seed)
@@ -264,15 +298,22 @@ def recipe(groups: int, group_size: int) -> dict[str, Any]:
         "batch_size": groups,
         "fields": ["prompt_ids", "response_ids", "response_logprobs"],
         "params": {"min_version": 0},
-        "sources": [{
-            "name": "rollouts",
-            "where": "policy_version >= $min_version",
-            "sampler": {"kind": "group", "group_by": "prompt_uid", "group_size": group_size,
-                        "once": True, "passes": 1},
-        }],
+        "sources": [
+            {
+                "name": "rollouts",
+                "where": "policy_version >= $min_version",
+                "sampler": {
+                    "kind": "group",
+                    "group_by": "prompt_uid",
+                    "group_size": group_size,
+                    "once": True,
+                    "passes": 1,
+                },
+            }
+        ],
         "tokens": {"mode": "transition", "advantage": "grpo"},
         "prefetch": {"depth": 4},
-    }  # fmt: skip
+    }
 
 
 def grpo_step(
@@ -322,14 +363,18 @@ def main() -> None:
     server = Server(policy, lock, args.seed)
     gw = Gateway(server.url, args.namespace)
     start = success_rate(policy)
-    print(f"policy of {n_params} parameters at {server.url}, agents call it through "
-          f"claw gateway at {gw.url}; success {start:.1%}", flush=True)  # fmt: skip
+    print(
+        f"policy of {n_params} parameters at {server.url}, agents call it through "
+        f"claw gateway at {gw.url}; success {start:.1%}",
+        flush=True,
+    )
     stop, errors = threading.Event(), []
     pace = Pace(2 * args.groups)
     agent = threading.Thread(
-        target=agents, args=(gw, args.group_size, args.seed, stop, pace, errors, args.agents),
+        target=agents,
+        args=(gw, args.group_size, args.seed, stop, pace, errors, args.agents),
         daemon=True,
-    )  # fmt: skip
+    )
     agent.start()
     t0 = time.monotonic()
     rate, update = start, 0
@@ -372,8 +417,10 @@ def main() -> None:
         f"gateway: {counts['claw_gateway_recorded_turns_total']:.0f} turns recorded, "
         f"{counts['claw_gateway_rewarded_trajectories_total']:.0f} trajectories rewarded"
     )
-    print(f"done: {update} updates in {took:.0f} s; success {start:.1%} -> {rate:.1%} "
-          f"({(rate - start) * 100:+.1f} points)")  # fmt: skip
+    print(
+        f"done: {update} updates in {took:.0f} s; success {start:.1%} -> {rate:.1%} "
+        f"({(rate - start) * 100:+.1f} points)"
+    )
 
 
 if __name__ == "__main__":

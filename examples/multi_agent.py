@@ -61,8 +61,10 @@ def main() -> None:
         batch = client.pop("mix", timeout=60.0)
         by_agent = Counter(batch.meta["agent_id"])
         by_source = Counter(batch.sources[i] for i in batch.source_index.tolist())
-        print(f"batch of {len(batch.ids)}: agents {dict(sorted(by_agent.items()))}, "
-              f"sources {dict(sorted(by_source.items()))}")  # fmt: skip
+        print(
+            f"batch of {len(batch.ids)}: agents {dict(sorted(by_agent.items()))}, "
+            f"sources {dict(sorted(by_source.items()))}"
+        )
     client.close()
 
 

@@ -73,8 +73,10 @@ def main() -> None:
         by_source = Counter(batch.sources[i] for i in batch.source_index.tolist())
         agents = Counter(batch.meta["agent_id"])
         restored_rows = int(np.isfinite(batch["tags.orig_id"]).sum())
-        print(f"batch of {len(batch.ids)}: sources {dict(sorted(by_source.items()))}, agents "
-              f"{dict(sorted(agents.items()))}, {restored_rows} rows with an orig_id")  # fmt: skip
+        print(
+            f"batch of {len(batch.ids)}: sources {dict(sorted(by_source.items()))}, agents "
+            f"{dict(sorted(agents.items()))}, {restored_rows} rows with an orig_id"
+        )
     client.close()
 
 

@@ -67,8 +67,9 @@ def main() -> None:
     env = make_env(args.seed)
     net = MLP(in_features=4, out_features=2, num_cells=[256, 256], activation_class=nn.ReLU)
     actor = QValueActor(net, in_keys=["observation"], spec=env.action_spec)
-    greedy = EGreedyModule(env.action_spec, eps_init=1.0, eps_end=0.04,
-                           annealing_num_steps=int(0.16 * args.frames))  # fmt: skip
+    greedy = EGreedyModule(
+        env.action_spec, eps_init=1.0, eps_end=0.04, annealing_num_steps=int(0.16 * args.frames)
+    )
     explore = TensorDictSequential(actor, greedy)
     loss = DQNLoss(actor, loss_function="smooth_l1", delay_value=True, action_space="one-hot")
     loss.make_value_estimator(gamma=0.99)
@@ -76,11 +77,19 @@ def main() -> None:
     optim = torch.optim.Adam(loss.parameters(), lr=2.3e-3)
 
     storage = ClawStorage(100_000, args.namespace, timeout=120)
-    sampler = ClawPrioritizedSampler(alpha=0.6, beta=0.4) if args.sampler == "priority" else (
-        ClawSampler())  # fmt: skip
+    sampler = (
+        ClawPrioritizedSampler(alpha=0.6, beta=0.4)
+        if args.sampler == "priority"
+        else (ClawSampler())
+    )
     rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=args.batch_size)
-    collector = Collector(env, explore, frames_per_batch=args.frames_per_batch,
-                          total_frames=args.frames, init_random_frames=args.init)  # fmt: skip
+    collector = Collector(
+        env,
+        explore,
+        frames_per_batch=args.frames_per_batch,
+        total_frames=args.frames,
+        init_random_frames=args.init,
+    )
 
     started, frames, updates, returns = time.monotonic(), 0, 0, []
     for data in collector:
@@ -104,13 +113,18 @@ def main() -> None:
         recent = returns[-20:]
         if recent and frames % (20 * args.frames_per_batch) < args.frames_per_batch:
             mean = sum(recent) / len(recent)
-            print(f"frames {frames}: {updates} updates, mean return of the last "
-                  f"{len(recent)} episodes {mean:.1f}", flush=True)  # fmt: skip
+            print(
+                f"frames {frames}: {updates} updates, mean return of the last "
+                f"{len(recent)} episodes {mean:.1f}",
+                flush=True,
+            )
     collector.shutdown()
     mean = evaluate(actor, args.eval_episodes, args.seed)
-    print(f"done: {frames} frames, {updates} updates in {time.monotonic() - started:.0f} s; "
-          f"{len(rb)} rows in namespace {storage.namespace}; greedy mean return over "
-          f"{args.eval_episodes} episodes: {mean:.1f}")  # fmt: skip
+    print(
+        f"done: {frames} frames, {updates} updates in {time.monotonic() - started:.0f} s; "
+        f"{len(rb)} rows in namespace {storage.namespace}; greedy mean return over "
+        f"{args.eval_episodes} episodes: {mean:.1f}"
+    )
     storage.close()
 
 

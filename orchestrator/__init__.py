@@ -10,8 +10,13 @@ if TYPE_CHECKING:
     from orchestrator.delivery.client import BatchClient
 
 __all__ = [
-    "BatchClient", "InsufficientData", "Recipe", "SampledBatch", "sample", "update_priorities",
-]  # fmt: skip
+    "BatchClient",
+    "InsufficientData",
+    "Recipe",
+    "SampledBatch",
+    "sample",
+    "update_priorities",
+]
 
 
 def __getattr__(name: str) -> Any:

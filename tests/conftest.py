@@ -67,9 +67,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             (s, b) for s in stores or ["redis"] for b in brokers if s == "redis" or b == "redis"
         ]
         metafunc.parametrize(
-            ("backend", "broker"), combos, indirect=True, scope="module",
+            ("backend", "broker"),
+            combos,
+            indirect=True,
+            scope="module",
             ids=[s if b == "redis" else f"{s}-{b}" for s, b in combos],
-        )  # fmt: skip
+        )
     elif stores:
         metafunc.parametrize("backend", stores, indirect=True, scope="module")
 
@@ -125,9 +128,14 @@ class Worker:
     """A real ``celery worker`` process (its own process group, so it can be SIGKILLed)."""
 
     def __init__(
-        self, redis_url: str, queues: str, concurrency: int, log: Path, env: dict,
+        self,
+        redis_url: str,
+        queues: str,
+        concurrency: int,
+        log: Path,
+        env: dict,
         broker_url: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.log = log
         full_env = {
             **os.environ,
@@ -137,15 +145,34 @@ class Worker:
             **env,
         }
         cmd = [
-            sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", "worker",
-            "-Q", queues, "-c", str(concurrency), "-P", "prefork", "-l", "INFO",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "-n", f"w{uuid.uuid4().hex[:6]}@%h",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "claw_tasks.worker.app",
+            "worker",
+            "-Q",
+            queues,
+            "-c",
+            str(concurrency),
+            "-P",
+            "prefork",
+            "-l",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-n",
+            f"w{uuid.uuid4().hex[:6]}@%h",
+        ]
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=full_env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+            cmd,
+            cwd=ROOT,
+            env=full_env,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + 60
         while b"ready." not in log.read_bytes():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -211,8 +238,10 @@ AMQP = os.environ.get("CLAW_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
 def _rabbitmqctl(*args: str) -> None:
     done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60)
     if done.returncode:  # e.g. not root: rabbitmqctl needs the node's Erlang cookie
-        pytest.fail(f"rabbitmqctl {' '.join(args)}: {done.stderr.decode()[-500:]} (run the "
-                    "tests as a user that may run rabbitmqctl)")  # fmt: skip
+        pytest.fail(
+            f"rabbitmqctl {' '.join(args)}: {done.stderr.decode()[-500:]} (run the "
+            "tests as a user that may run rabbitmqctl)"
+        )
 
 
 def _vhost() -> Iterator[str]:
@@ -222,8 +251,9 @@ def _vhost() -> Iterator[str]:
     try:
         socket.create_connection((host.hostname, host.port or 5672), timeout=2).close()
     except OSError as e:
-        pytest.skip(f"no RabbitMQ at {host.hostname}:{host.port or 5672} ({e}); set "
-                    "CLAW_TEST_AMQP to one")  # fmt: skip
+        pytest.skip(
+            f"no RabbitMQ at {host.hostname}:{host.port or 5672} ({e}); set CLAW_TEST_AMQP to one"
+        )
     if shutil.which("rabbitmqctl") is None:
         pytest.skip("rabbitmqctl not on PATH: the tests need it to make a vhost of their own")
     vhost = f"claw-test-{uuid.uuid4().hex[:8]}"

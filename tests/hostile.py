@@ -25,12 +25,26 @@ def headers(task_id: str | None = None, **over: Any) -> dict[str, Any]:
     """Protocol-2 headers as Celery writes them."""
     task_id = task_id or uuid.uuid4().hex
     h = {
-        "lang": "py", "task": TASK, "id": task_id, "shadow": None, "eta": None,
-        "expires": None, "group": None, "group_index": None, "retries": 0,
-        "timelimit": [None, None], "root_id": task_id, "parent_id": None, "argsrepr": "()",
-        "kwargsrepr": "{}", "origin": "hostile@test", "ignore_result": False,
-        "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
-    }  # fmt: skip
+        "lang": "py",
+        "task": TASK,
+        "id": task_id,
+        "shadow": None,
+        "eta": None,
+        "expires": None,
+        "group": None,
+        "group_index": None,
+        "retries": 0,
+        "timelimit": [None, None],
+        "root_id": task_id,
+        "parent_id": None,
+        "argsrepr": "()",
+        "kwargsrepr": "{}",
+        "origin": "hostile@test",
+        "ignore_result": False,
+        "replaced_task_nesting": 0,
+        "stamped_headers": None,
+        "stamps": {},
+    }
     h.update(over)
     return h
 
@@ -61,14 +75,24 @@ class Publisher:
         self.sent = 0
 
     def publish(
-        self, data: Any, hdrs: Any = None, content_type: str = MSGPACK,
-        content_encoding: str = "binary", routing_key: str = "ingest",
-    ) -> None:  # fmt: skip
+        self,
+        data: Any,
+        hdrs: Any = None,
+        content_type: str = MSGPACK,
+        content_encoding: str = "binary",
+        routing_key: str = "ingest",
+    ) -> None:
         self.producer.publish(
-            data, exchange=self.exchange, routing_key=routing_key, headers=hdrs or headers(),
-            content_type=content_type, content_encoding=content_encoding, serializer=None,
-            declare=[self.queue], retry=True,
-        )  # fmt: skip
+            data,
+            exchange=self.exchange,
+            routing_key=routing_key,
+            headers=hdrs or headers(),
+            content_type=content_type,
+            content_encoding=content_encoding,
+            serializer=None,
+            declare=[self.queue],
+            retry=True,
+        )
         self.sent += 1
 
     def close(self) -> None:
@@ -100,13 +124,18 @@ def wait_for(r: redis.Redis, count: int, *namespaces: str | None, timeout: float
 
 def raw_batch(n: int, episode: str = "raw", **over: Any) -> StepBatch:
     fields = over.pop("fields", None) or {
-        "obs": np.zeros((n, 8), np.float32), "action": np.zeros(n, np.int64),
-    }  # fmt: skip
+        "obs": np.zeros((n, 8), np.float32),
+        "action": np.zeros(n, np.int64),
+    }
     return StepBatch(
-        episode=StrColumn.constant(episode, n), step_index=np.arange(n),
-        reward=np.zeros(n, np.float32), terminated=np.zeros(n, bool),
-        truncated=np.zeros(n, bool), fields=fields, **over,
-    )  # fmt: skip
+        episode=StrColumn.constant(episode, n),
+        step_index=np.arange(n),
+        reward=np.zeros(n, np.float32),
+        terminated=np.zeros(n, bool),
+        truncated=np.zeros(n, bool),
+        fields=fields,
+        **over,
+    )
 
 
 def dump_keys(r: redis.Redis, namespace: str) -> dict[bytes, bytes]:

@@ -40,8 +40,15 @@ def tiny_model(vocab_size: int) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=vocab_size, n_positions=512, n_embd=32, n_layer=2,
-                        n_head=2, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=512,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config).eval()
 
 
@@ -84,8 +91,11 @@ class Upstream:
         if tools:
             a, b = (int(x) for x in re.findall(r"\d+", str(last.get("content")))[:2])
             args = json.dumps({"a": a, "b": b})
-            call = {"id": f"call_{a}_{b}", "type": "function",
-                    "function": {"name": "add", "arguments": args}}  # fmt: skip
+            call = {
+                "id": f"call_{a}_{b}",
+                "type": "function",
+                "function": {"name": "add", "arguments": args},
+            }
             raw = f'<tool_call>{{"name": "add", "arguments": {args}}}</tool_call>'
             return raw, None, [call]
         return "ok, done", "ok, done", None
@@ -93,8 +103,17 @@ class Upstream:
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         if body.get("model") == "fail":
-            return JSONResponse({"error": {"message": "model overloaded", "type": "server_error",
-                                           "param": None, "code": None}}, 500)  # fmt: skip
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "model overloaded",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                500,
+            )
         messages = body["messages"]
         prompt_ids = self.encode(render_chat(messages))
         if self.model is not None:
@@ -116,14 +135,23 @@ class Upstream:
         finish = "tool_calls" if calls else "stop"
         if not body.get("stream"):
             choice: dict[str, Any] = {
-                "index": 0, "finish_reason": finish,
+                "index": 0,
+                "finish_reason": finish,
                 "message": {"role": "assistant", "content": content, "tool_calls": calls or []},
                 "logprobs": {"content": [entry(i) for i in range(len(ids))]}
-                if body.get("logprobs") else None,
-            }  # fmt: skip
-            out = {**head, "object": "chat.completion", "choices": [choice],
-                   "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                             "total_tokens": len(prompt_ids) + len(ids)}}  # fmt: skip
+                if body.get("logprobs")
+                else None,
+            }
+            out = {
+                **head,
+                "object": "chat.completion",
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": len(ids),
+                    "total_tokens": len(prompt_ids) + len(ids),
+                },
+            }
             if want_ids:
                 choice["token_ids"] = ids
                 out["prompt_token_ids"] = prompt_ids
@@ -134,8 +162,12 @@ class Upstream:
                 delta: dict[str, Any] = {"content": self.piece(ids[i]) if content else ""}
                 if i == 0:
                     delta["role"] = "assistant"
-                c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None,
-                                     "logprobs": {"content": [entry(i)]}}  # fmt: skip
+                c: dict[str, Any] = {
+                    "index": 0,
+                    "delta": delta,
+                    "finish_reason": None,
+                    "logprobs": {"content": [entry(i)]},
+                }
                 if want_ids:
                     c["token_ids"] = [ids[i]]
                 chunk = {**head, "object": "chat.completion.chunk", "choices": [c]}
@@ -145,14 +177,23 @@ class Upstream:
             last: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": finish}
             if calls:  # tool calls parsed at the end, arguments in two pieces
                 args = calls[0]["function"]["arguments"]
-                last["delta"] = {"tool_calls": [
-                    {"index": 0, "id": calls[0]["id"], "type": "function",
-                     "function": {"name": "add", "arguments": args[:5]}},
-                ]}  # fmt: skip
+                last["delta"] = {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": calls[0]["id"],
+                            "type": "function",
+                            "function": {"name": "add", "arguments": args[:5]},
+                        },
+                    ]
+                }
                 mid = {**head, "object": "chat.completion.chunk", "choices": [last]}
                 yield f"data: {json.dumps(mid)}\n\n"
-                last = {"index": 0, "finish_reason": finish, "delta": {"tool_calls": [
-                    {"index": 0, "function": {"arguments": args[5:]}}]}}  # fmt: skip
+                last = {
+                    "index": 0,
+                    "finish_reason": finish,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": args[5:]}}]},
+                }
             yield f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [last]})}\n\n"  # noqa: E501
             yield "data: [DONE]\n\n"
 
@@ -172,11 +213,16 @@ class Upstream:
 
         def choice(sl: slice, first: bool, finish: str | None) -> dict[str, Any]:
             c: dict[str, Any] = {
-                "index": 0, "text": "".join(self.piece(t) for t in ids[sl]),
+                "index": 0,
+                "text": "".join(self.piece(t) for t in ids[sl]),
                 "finish_reason": finish,
-                "logprobs": {"tokens": toks[sl], "token_logprobs": lps[sl],
-                             "top_logprobs": [{} for _ in toks[sl]], "text_offset": []},
-            }  # fmt: skip
+                "logprobs": {
+                    "tokens": toks[sl],
+                    "token_logprobs": lps[sl],
+                    "top_logprobs": [{} for _ in toks[sl]],
+                    "text_offset": [],
+                },
+            }
             if want_ids:
                 c["token_ids"] = ids[sl]
                 if first:
@@ -184,14 +230,22 @@ class Upstream:
             return c
 
         if not body.get("stream"):
-            return JSONResponse({**head, "object": "text_completion",
-                                 "choices": [choice(slice(None), True, "stop")]})  # fmt: skip
+            return JSONResponse(
+                {
+                    **head,
+                    "object": "text_completion",
+                    "choices": [choice(slice(None), True, "stop")],
+                }
+            )
 
         def events() -> Any:
             for i in range(len(ids)):
                 fin = "stop" if i == len(ids) - 1 else None
-                chunk = {**head, "object": "text_completion",
-                         "choices": [choice(slice(i, i + 1), i == 0, fin)]}  # fmt: skip
+                chunk = {
+                    **head,
+                    "object": "text_completion",
+                    "choices": [choice(slice(i, i + 1), i == 0, fin)],
+                }
                 yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -203,11 +257,13 @@ class Upstream:
 
 def app(tokenizer_path: str, model: bool = False) -> Starlette:
     up = Upstream(tokenizer_path, model)
-    return Starlette(routes=[
-        Route("/v1/chat/completions", up.chat, methods=["POST"]),
-        Route("/v1/completions", up.completions, methods=["POST"]),
-        Route("/_log", up.get_log, methods=["GET"]),
-    ])  # fmt: skip
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", up.chat, methods=["POST"]),
+            Route("/v1/completions", up.completions, methods=["POST"]),
+            Route("/_log", up.get_log, methods=["GET"]),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -46,12 +46,17 @@ def rollouts(n_prompts: int, n_rollouts: int, n_turns: int, seed: int) -> list[d
             turns, context = [], [1, i + 2]
             for t in range(n_turns):
                 response = [5 + t, 6 + j]
-                turns.append({
-                    "traj": f"p{i}r{j}", "turn": t, "key": 1000 + i,
-                    "prompt": list(context), "response": response,
-                    "reward": (i + j / 10) if t == n_turns - 1 else 0.0,
-                    "last": t == n_turns - 1,
-                })  # fmt: skip
+                turns.append(
+                    {
+                        "traj": f"p{i}r{j}",
+                        "turn": t,
+                        "key": 1000 + i,
+                        "prompt": list(context),
+                        "response": response,
+                        "reward": (i + j / 10) if t == n_turns - 1 else 0.0,
+                        "last": t == n_turns - 1,
+                    }
+                )
                 context += [*response, 3, 4]  # the tool's answer
             trajs.append(turns)
     order = rng.permutation(np.repeat(np.arange(len(trajs)), n_turns))

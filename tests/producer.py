@@ -23,9 +23,13 @@ def sender(redis_url: str) -> Celery:
 
 
 def send_unchecked(
-    redis_url: str, store: Store, batch: StepBatch, *, in_place: bool = False,
+    redis_url: str,
+    store: Store,
+    batch: StepBatch,
+    *,
+    in_place: bool = False,
     broker_url: str | None = None,
-):  # fmt: skip
+):
     """Publish ``batch`` to the ``claw_tasks.ingest`` task (its fixed-shape fields written in place
     first with ``in_place``: one shard) through ``broker_url`` (default: the stack's, see
     :func:`sender`); returns the task's args (to send them again)."""

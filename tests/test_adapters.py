@@ -47,19 +47,21 @@ def _ingest_vectors(url: str, ns: str, episodes: int = 4, steps: int = 40) -> No
             for t in range(steps):
                 last = t == steps - 1
                 obs = rng.normal(size=8).astype(np.float32)
-                ep.add(obs, np.int64(t % 3), float(t), terminated=last,
-                       next_obs=obs if last else None)  # fmt: skip
+                ep.add(
+                    obs, np.int64(t % 3), float(t), terminated=last, next_obs=obs if last else None
+                )
     assert ing.close().committed == episodes * steps
 
 
 def test_torch_dataset_yields_tensor_batches(redis_url, namespace, workers):
     _ingest_vectors(redis_url, namespace)
     recipe = {
-        "name": "vec", "batch_size": 16,
+        "name": "vec",
+        "batch_size": 16,
         "fields": ["obs", "action", "reward", "next_obs", "terminated"],
         "sources": [{"name": "all", "sampler": {"kind": "priority"}}],
         "prefetch": {"depth": 2},
-    }  # fmt: skip
+    }
     ds = ClawIterableDataset(recipe, namespace, redis_url, timeout=60, num_batches=3)
     store = Store(redis_url, namespace)
     items = list(DataLoader(ds, batch_size=None))
@@ -81,8 +83,14 @@ def test_torch_dataset_yields_tensor_batches(redis_url, namespace, workers):
 def test_torch_dataset_in_dataloader_workers(redis_url, namespace, workers):
     _ingest_vectors(redis_url, namespace, episodes=2)
     with BatchClient(namespace, redis_url) as client:
-        client.register({"name": "v", "batch_size": 8, "fields": ["obs", "reward"],
-                         "sources": [{"name": "all"}]})  # fmt: skip
+        client.register(
+            {
+                "name": "v",
+                "batch_size": 8,
+                "fields": ["obs", "reward"],
+                "sources": [{"name": "all"}],
+            }
+        )
     ds = ClawIterableDataset("v", namespace, redis_url, timeout=60, num_batches=2)
     items = list(DataLoader(ds, batch_size=None, num_workers=2))
     assert len(items) == 4  # num_batches per worker
@@ -113,8 +121,13 @@ def _rollout(buffers: list[ReplayBuffer], steps: int, n_envs: int = 2) -> None:
 
 def _rows(samples) -> np.ndarray:
     """Samples as rows of (obs, action, next_obs, done, reward[, discount]), sorted."""
-    parts = [samples.observations, samples.actions, samples.next_observations,
-             samples.dones, samples.rewards]  # fmt: skip
+    parts = [
+        samples.observations,
+        samples.actions,
+        samples.next_observations,
+        samples.dones,
+        samples.rewards,
+    ]
     if samples.discounts is not None:
         parts.append(samples.discounts)
     rows = np.concatenate([p.numpy().astype(np.float64).reshape(len(p), -1) for p in parts], 1)
@@ -135,9 +148,15 @@ def test_sb3_sample_matches_sb3_replay_buffer(redis_url, namespace, workers):
     steps, n_envs = 60, 2
     ref = ReplayBuffer(1000, *spaces_, device="cpu", n_envs=n_envs)
     claw = ClawReplayBuffer(
-        1000, *spaces_, device="cpu", n_envs=n_envs, namespace=namespace, redis_url=redis_url,
-        recipe={"sources": [{"name": "all", "sampler": {"kind": "recent"}}]}, timeout=60,
-    )  # fmt: skip
+        1000,
+        *spaces_,
+        device="cpu",
+        n_envs=n_envs,
+        namespace=namespace,
+        redis_url=redis_url,
+        recipe={"sources": [{"name": "all", "sampler": {"kind": "recent"}}]},
+        timeout=60,
+    )
     _rollout([ref, claw], steps, n_envs)
     assert claw.size() == ref.size() == steps and claw.pos == ref.pos
     assert ref.timeouts.sum() > 0 and (ref.dones * (1 - ref.timeouts)).sum() > 0
@@ -163,10 +182,18 @@ def test_sb3_n_step_matches_sb3_n_step_buffer(redis_url, namespace, workers):
     steps, n, gamma = 50, 3, 0.9
     ref = NStepReplayBuffer(1000, *spaces_, device="cpu", n_steps=n, gamma=gamma)
     claw = ClawReplayBuffer(
-        1000, *spaces_, device="cpu", namespace=namespace, redis_url=redis_url, timeout=60,
-        recipe={"n_step": n, "gamma": gamma, "sources": [{"name": "all",
-                                                          "sampler": {"kind": "recent"}}]},
-    )  # fmt: skip
+        1000,
+        *spaces_,
+        device="cpu",
+        namespace=namespace,
+        redis_url=redis_url,
+        timeout=60,
+        recipe={
+            "n_step": n,
+            "gamma": gamma,
+            "sources": [{"name": "all", "sampler": {"kind": "recent"}}],
+        },
+    )
     _rollout([ref, claw], steps, n_envs=1)
     # Both cut the windows of the newest rows short (SB3 treats the newest row as truncated;
     # the buffer's flush stores it with its next_obs).
@@ -179,11 +206,18 @@ def test_sb3_n_step_matches_sb3_n_step_buffer(redis_url, namespace, workers):
 
 def test_dqn_trains_on_cartpole(redis_url, namespace, workers):
     model = DQN(
-        "MlpPolicy", "CartPole-v1", learning_starts=200, buffer_size=10_000, batch_size=32,
-        train_freq=4, target_update_interval=100, device="cpu", seed=0,
+        "MlpPolicy",
+        "CartPole-v1",
+        learning_starts=200,
+        buffer_size=10_000,
+        batch_size=32,
+        train_freq=4,
+        target_update_interval=100,
+        device="cpu",
+        seed=0,
         replay_buffer_class=ClawReplayBuffer,
         replay_buffer_kwargs={"namespace": namespace, "redis_url": redis_url, "timeout": 60},
-    )  # fmt: skip
+    )
     model.learn(total_timesteps=800)
     rb = model.replay_buffer
     assert isinstance(rb, ClawReplayBuffer) and rb.size() == 800
@@ -195,10 +229,16 @@ def test_dqn_trains_on_cartpole(redis_url, namespace, workers):
 
 def test_sac_trains_on_pendulum(redis_url, namespace, workers):
     model = SAC(
-        "MlpPolicy", "Pendulum-v1", learning_starts=100, buffer_size=5_000, batch_size=32,
-        device="cpu", seed=0, replay_buffer_class=ClawReplayBuffer,
+        "MlpPolicy",
+        "Pendulum-v1",
+        learning_starts=100,
+        buffer_size=5_000,
+        batch_size=32,
+        device="cpu",
+        seed=0,
+        replay_buffer_class=ClawReplayBuffer,
         replay_buffer_kwargs={"namespace": namespace, "redis_url": redis_url, "timeout": 60},
-    )  # fmt: skip
+    )
     model.learn(total_timesteps=250)
     rb = model.replay_buffer
     got = rb.sample(32)
@@ -212,11 +252,21 @@ def test_sb3_one_prefetched_batch_serves_several_samples(redis_url, namespace, w
     env = gym.make("CartPole-v1")
     spaces_ = (env.observation_space, env.action_space)
     ref = ReplayBuffer(1000, *spaces_, device="cpu", n_envs=2)
-    sources = [{"name": "first", "weight": 0.5, "where": "step_index < 8"},
-               {"name": "later", "weight": 0.5, "where": "step_index >= 8"}]  # fmt: skip
-    claw = ClawReplayBuffer(1000, *spaces_, device="cpu", n_envs=2, namespace=namespace,
-                            redis_url=redis_url, recipe={"sources": sources}, timeout=60,
-                            gradient_steps=64)  # fmt: skip
+    sources = [
+        {"name": "first", "weight": 0.5, "where": "step_index < 8"},
+        {"name": "later", "weight": 0.5, "where": "step_index >= 8"},
+    ]
+    claw = ClawReplayBuffer(
+        1000,
+        *spaces_,
+        device="cpu",
+        n_envs=2,
+        namespace=namespace,
+        redis_url=redis_url,
+        recipe={"sources": sources},
+        timeout=60,
+        gradient_steps=64,
+    )
     assert claw.batches_per_pop == 4
     _rollout([ref, claw], 60)
     stored = _all_sb3_rows(ref, None)
@@ -232,9 +282,15 @@ def test_sb3_one_prefetched_batch_serves_several_samples(redis_url, namespace, w
 
 def test_split_parts_keep_each_sources_share_and_every_row_once():
     n = 32
-    batch = Batch({"x": np.arange(n) * 10}, np.arange(n), np.ones(n, np.float32),
-                  np.repeat([0, 1], [24, 8]).astype(np.int16), ("a", "b"), 1,
-                  {"task_id": [f"t{i}" for i in range(n)]})  # fmt: skip
+    batch = Batch(
+        {"x": np.arange(n) * 10},
+        np.arange(n),
+        np.ones(n, np.float32),
+        np.repeat([0, 1], [24, 8]).astype(np.int16),
+        ("a", "b"),
+        1,
+        {"task_id": [f"t{i}" for i in range(n)]},
+    )
     parts = split(batch, 4)
     assert [p.batch_size for p in parts] == [8] * 4
     for p in parts:

@@ -15,8 +15,13 @@ from orchestrator import Recipe, sample
 from orchestrator.delivery.client import BatchClient
 from orchestrator.transforms.augment import build_pipelines
 
-DROPOUT = {"num_holes_range": [2, 4], "hole_height_range": [0.1, 0.3],
-           "hole_width_range": [0.1, 0.3], "fill": 0, "p": 1.0}  # fmt: skip
+DROPOUT = {
+    "num_holes_range": [2, 4],
+    "hole_height_range": [0.1, 0.3],
+    "hole_width_range": [0.1, 0.3],
+    "fill": 0,
+    "p": 1.0,
+}
 
 
 def _direct(images: np.ndarray, seed: int) -> np.ndarray:
@@ -47,18 +52,29 @@ def test_prefetched_batch_matches_albumentations_with_the_recipe_seed(
     store = Store(redis_url, namespace)
     store.create(capacity=100)
     frames = _images(n)
-    store.commit(StepBatch(
-        episode=StrColumn.constant("e", n), step_index=np.arange(n),
-        reward=np.zeros(n, np.float32), terminated=np.zeros(n, bool),
-        truncated=np.zeros(n, bool), fields={"obs": frames},
-    ))  # fmt: skip
+    store.commit(
+        StepBatch(
+            episode=StrColumn.constant("e", n),
+            step_index=np.arange(n),
+            reward=np.zeros(n, np.float32),
+            terminated=np.zeros(n, bool),
+            truncated=np.zeros(n, bool),
+            fields={"obs": frames},
+        )
+    )
     start_worker("prefetch", 1)
     client = BatchClient(namespace, redis_url)
-    recipe = client.register({
-        "name": "drop", "batch_size": 8, "fields": ["obs"], "sources": [{"name": "all"}],
-        "seed": 11, "prefetch": {"depth": 1},
-        "augment": {"obs": [{"albumentations": {"CoarseDropout": DROPOUT}}]},
-    })  # fmt: skip
+    recipe = client.register(
+        {
+            "name": "drop",
+            "batch_size": 8,
+            "fields": ["obs"],
+            "sources": [{"name": "all"}],
+            "seed": 11,
+            "prefetch": {"depth": 1},
+            "augment": {"obs": [{"albumentations": {"CoarseDropout": DROPOUT}}]},
+        }
+    )
     batch = client.pop("drop", timeout=60)
     client.close()
     # Batch k of a seeded recipe draws from default_rng([seed, version, k]): first the
@@ -72,10 +88,15 @@ def test_prefetched_batch_matches_albumentations_with_the_recipe_seed(
 
 
 def _recipe(transform: str, params: dict | None = None) -> Recipe:
-    return Recipe.model_validate({
-        "name": "r", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "all"}],
-        "augment": {"obs": [{"albumentations": {transform: params or {}}}]},
-    })  # fmt: skip
+    return Recipe.model_validate(
+        {
+            "name": "r",
+            "batch_size": 4,
+            "fields": ["obs"],
+            "sources": [{"name": "all"}],
+            "augment": {"obs": [{"albumentations": {transform: params or {}}}]},
+        }
+    )
 
 
 def test_only_allowlisted_transforms_are_accepted(monkeypatch):

@@ -160,8 +160,11 @@ def test_archive_restore_every_field_label_and_tag(redis_url, namespace, tmp_pat
 
     # A second run finds nothing new and writes nothing.
     before = {p: p.stat().st_mtime_ns for p in ns_dir.rglob("*")}
-    again = json.loads(claw(redis_url, "archive", namespace, "--to", str(tmp_path / "arch"),
-                            "--json").split("\n", 1)[1])  # fmt: skip
+    again = json.loads(
+        claw(redis_url, "archive", namespace, "--to", str(tmp_path / "arch"), "--json").split(
+            "\n", 1
+        )[1]
+    )
     assert again["files"] == [] and again["rows"] == 0
     assert {p: p.stat().st_mtime_ns for p in ns_dir.rglob("*")} == before
 
@@ -359,8 +362,9 @@ def test_archive_refusals_name_the_cause(redis_url, namespace, tmp_path):
     with pytest.raises(ValueError, match="does not match the manifest"):
         restore(tmp_path / "a", Store(redis_url, namespace + "-r1"))
     table = pq.read_table(pa.BufferReader(good))
-    bad = table.set_column(table.column_names.index("reward"), "reward",
-                           pa.array([float("nan")], pa.float32()))  # fmt: skip
+    bad = table.set_column(
+        table.column_names.index("reward"), "reward", pa.array([float("nan")], pa.float32())
+    )
     pq.write_table(bad, path)
     manifest.files[0]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
     manifest.save(ns_dir)
@@ -370,9 +374,16 @@ def test_archive_refusals_name_the_cause(redis_url, namespace, tmp_path):
 
 @pytest.mark.parametrize(
     "dtype, shape",
-    [("<f8", ()), ("|b1", (3,)), ("<c8", (2,)), (">i4", (2, 2)), ("<f2", (300,)),
-     ("<u2", (None,)), ("<f4", (None, 3))],
-)  # fmt: skip
+    [
+        ("<f8", ()),
+        ("|b1", (3,)),
+        ("<c8", (2,)),
+        (">i4", (2, 2)),
+        ("<f2", (300,)),
+        ("<u2", (None,)),
+        ("<f4", (None, 3)),
+    ],
+)
 def test_table_round_trip_is_bit_exact(dtype, shape):
     rng = np.random.default_rng(3)
     spec = FieldSpec(dtype, shape)
@@ -393,17 +404,29 @@ def test_table_round_trip_is_bit_exact(dtype, shape):
     schema = Schema(fields={"obs": spec}, tags={"color": "str", "w": "num"})
     next_obs = {r: obs.row(r) if spec.ragged else obs[r] for r in (2, 5)}
     step_rows = StepRows(
-        id=np.arange(n, dtype=np.int64), episode_id=StrColumn.of(["a", "a", "b", "b", "c", "c"]),
-        step_index=np.arange(n, dtype=np.int32), policy_version=np.zeros(n, np.int32),
-        timestamp=np.full(n, 1.5), reward=np.arange(n, dtype=np.float32),
+        id=np.arange(n, dtype=np.int64),
+        episode_id=StrColumn.of(["a", "a", "b", "b", "c", "c"]),
+        step_index=np.arange(n, dtype=np.int32),
+        policy_version=np.zeros(n, np.int32),
+        timestamp=np.full(n, 1.5),
+        reward=np.arange(n, dtype=np.float32),
         priority=np.array([np.nan, 1, 2, 3, 4, 5], np.float32),
-        terminated=np.arange(n) % 2 == 1, truncated=np.zeros(n, bool), trainable=np.ones(n, bool),
-        strs={"agent_id": StrColumn.of([None] * n), "task_id": StrColumn.of(["t"] * n),
-              "skill_tag": StrColumn.of([None, "s"] * 3), "reward_source": StrColumn.of([None] * n),
-              "quality": StrColumn.of([None] * n), "tags.color": StrColumn.of(["r", None] * 3)},
+        terminated=np.arange(n) % 2 == 1,
+        truncated=np.zeros(n, bool),
+        trainable=np.ones(n, bool),
+        strs={
+            "agent_id": StrColumn.of([None] * n),
+            "task_id": StrColumn.of(["t"] * n),
+            "skill_tag": StrColumn.of([None, "s"] * 3),
+            "reward_source": StrColumn.of([None] * n),
+            "quality": StrColumn.of([None] * n),
+            "tags.color": StrColumn.of(["r", None] * 3),
+        },
         nums={"tags.w": np.array([np.nan, 1, 2, 3, 4, 5])},
-        fields={"obs": obs}, next_obs=next_obs, info={1: {"k": 1, "s": "v", "f": 0.1}},
-    )  # fmt: skip
+        fields={"obs": obs},
+        next_obs=next_obs,
+        info={1: {"k": 1, "s": "v", "f": 0.1}},
+    )
     back = from_table(pq.read_table(_parquet(to_table(step_rows, schema, {}))))
     got, want = back.fields["obs"], obs
     if spec.ragged:

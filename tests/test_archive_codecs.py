@@ -63,10 +63,14 @@ def record(redis_url: str, namespace: str, codec: str) -> Store:
             for t in range(length):
                 last = t == length - 1
                 ep.add(
-                    frame_of(e, t, rng), np.int64(t % 4), float(t), terminated=False,
-                    truncated=last, next_obs=frame_of(e, t + 1, rng) if last else None,
+                    frame_of(e, t, rng),
+                    np.int64(t % 4),
+                    float(t),
+                    terminated=False,
+                    truncated=last,
+                    next_obs=frame_of(e, t + 1, rng) if last else None,
                     tokens=rng.integers(0, 1000, t % 5).astype(np.int32),
-                )  # fmt: skip
+                )
                 n += 1
     assert ing.close().committed == n
     return Store(redis_url, namespace)
@@ -170,8 +174,17 @@ def test_exports_decode(redis_url, namespace, tmp_path, ingest_worker):
     before = live(src)
     root, plain = tmp_path / "arch", tmp_path / "plain"
     claw(redis_url, "archive", namespace, "--to", str(root))
-    out = claw(redis_url, "export", namespace, "--format", "parquet", "--archive", str(root),
-               "--to", str(plain))  # fmt: skip
+    out = claw(
+        redis_url,
+        "export",
+        namespace,
+        "--format",
+        "parquet",
+        "--archive",
+        str(root),
+        "--to",
+        str(plain),
+    )
     assert str(plain / f"ns={namespace}") in out.replace("\n", "")
 
     # A plain Parquet dataset: fixed-size binary pixels, no codec anywhere.
@@ -226,7 +239,11 @@ def test_frames_decode_with_the_recorded_codec(redis_url, namespace, tmp_path, i
     path = ns_dir / Manifest.load(ns_dir).files[0]["path"]
     table = pq.read_table(path)
     meta = json.loads(table.schema.field("obs").metadata[b"claw"])
-    rows = decode(Codec.of(meta["codec"]), table.column("obs").to_pylist(), np.dtype(meta["dtype"]),
-                  tuple(meta["shape"]))  # fmt: skip
+    rows = decode(
+        Codec.of(meta["codec"]),
+        table.column("obs").to_pylist(),
+        np.dtype(meta["dtype"]),
+        tuple(meta["shape"]),
+    )
     got = src.get(table.column("id").to_pylist(), ["obs"])["obs"]
     assert same(rows, got)

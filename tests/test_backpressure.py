@@ -15,9 +15,13 @@ from claw_tasks.store import Store
 
 
 def columns(n: int) -> dict:
-    return {"obs": np.ones((n, 4), np.float32), "action": np.zeros(n, np.int64),
-            "reward": np.ones(n, np.float32), "episode_id": "e",
-            "step_index": np.arange(n)}  # fmt: skip
+    return {
+        "obs": np.ones((n, 4), np.float32),
+        "action": np.zeros(n, np.int64),
+        "reward": np.ones(n, np.float32),
+        "episode_id": "e",
+        "step_index": np.arange(n),
+    }
 
 
 def test_ingestor_raises_or_blocks_near_maxmemory(namespace, tmp_path):
@@ -34,8 +38,9 @@ def test_ingestor_raises_or_blocks_near_maxmemory(namespace, tmp_path):
                 r.config_set("maxmemory", int(int(r.info("memory")["used_memory"]) / 0.8))
 
             nearly_full()
-            ing = Ingestor(namespace, server.url, flush_interval=None, on_full="raise",
-                           memory_high_water=0.5)  # fmt: skip
+            ing = Ingestor(
+                namespace, server.url, flush_interval=None, on_full="raise", memory_high_water=0.5
+            )
             with pytest.raises(StoreFullError, match="raise maxmemory"):
                 ing.add_batch(columns(100))
                 ing.flush()
@@ -44,8 +49,9 @@ def test_ingestor_raises_or_blocks_near_maxmemory(namespace, tmp_path):
             r.config_set("maxmemory", 0)
             assert ing.flush().committed == 100
 
-            blocking = Ingestor(namespace, server.url, flush_interval=None, full_timeout=60,
-                                memory_high_water=0.5)  # fmt: skip
+            blocking = Ingestor(
+                namespace, server.url, flush_interval=None, full_timeout=60, memory_high_water=0.5
+            )
             nearly_full()
             sent = threading.Event()
 

@@ -34,8 +34,13 @@ def test_replies_fill_the_buffer_in_order_on_the_clients_database(redis_url):
     assert client.connection_pool.connection_kwargs["db"] == 3
     key, blob = f"bulk-{uuid.uuid4().hex}", bytes(range(256)) * 1000  # 256,000 bytes
     client.set(key, blob)
-    commands = [(key, 0, 9), (key, 250_000, 255_999), (key, 7, 7), (f"{key}-none", 0, 4),
-                (key, 255_990, 256_009)]  # fmt: skip
+    commands = [
+        (key, 0, 9),
+        (key, 250_000, 255_999),
+        (key, 7, 7),
+        (f"{key}-none", 0, 4),
+        (key, 255_990, 256_009),
+    ]
     got = read(client, commands)
     expected = blob[:10] + blob[250_000:] + blob[7:8] + bytes(5) + blob[255_990:] + bytes(10)
     assert got == expected  # a missing key or a range past the end: zeros
@@ -114,9 +119,14 @@ def test_unknown_connections_fall_back_to_redis_py_with_the_same_batches(redis_u
         )
     )
     recipe = Recipe.model_validate(
-        {"name": "r", "batch_size": 64, "fields": ["obs", "next_obs"], "n_step": 3,
-         "sources": [{"name": "all"}]}
-    )  # fmt: skip
+        {
+            "name": "r",
+            "batch_size": 64,
+            "fields": ["obs", "next_obs"],
+            "n_step": 3,
+            "sources": [{"name": "all"}],
+        }
+    )
     other = Store(_fallback_client(redis_url), namespace)
     for seed in range(3):
         bulk = sample(store, recipe, rng=np.random.default_rng(seed))

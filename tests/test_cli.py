@@ -204,8 +204,18 @@ def test_up_runs_the_stack_and_stops_it(own_redis_url, tmp_path):
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "COLUMNS": "250"}
     for name in ("FLOWER_BASIC_AUTH", "CLAW_WEB_PASSWORD", "CLAW_WEB_PASSWORD_FILE"):
         env.pop(name, None)
-    args = [CLAW, "up", "--metrics-port", str(metrics_port), "--flower-port", str(flower_port),
-            "--web-port", str(web_port), "--log-dir", str(tmp_path)]  # fmt: skip
+    args = [
+        CLAW,
+        "up",
+        "--metrics-port",
+        str(metrics_port),
+        "--flower-port",
+        str(flower_port),
+        "--web-port",
+        str(web_port),
+        "--log-dir",
+        str(tmp_path),
+    ]
     (tmp_path / "beat.log").write_text("an earlier run\n")
     (tmp_path / "beat.log.1").write_text("the run before\n")
     log = tmp_path / "up.out"
@@ -283,9 +293,13 @@ def test_password_never_printed() -> None:
 def test_tables_are_readable_at_80_columns(redis_url, filled):
     """Nothing cut with an ellipsis, no line wider than the terminal."""
     ns, store = filled
-    recipe = {"name": "a-rather-long-recipe-name", "batch_size": 4, "fields": ["obs"],
-              "sources": [{"name": "a"}],
-              "rate_limit": {"samples_per_insert": 1, "min_size": 99}}  # fmt: skip
+    recipe = {
+        "name": "a-rather-long-recipe-name",
+        "batch_size": 4,
+        "fields": ["obs"],
+        "sources": [{"name": "a"}],
+        "rate_limit": {"samples_per_insert": 1, "min_size": 99},
+    }
     from orchestrator.delivery.registry import Registry
     from orchestrator.recipe.model import Recipe
 

@@ -52,20 +52,28 @@ def _run_everything(url: str, namespace: str, archive_dir: Path) -> dict[str, ob
     store = Store(url, namespace)
     store.create(capacity=1000, n_shards=SHARDS)
     steps = interleave(
-        *(episode(e, 30, "terminated", task_id="ab"[e % 2], skill_tag=f"s{e % 3}")
-          for e in range(12))
-    )  # fmt: skip
+        *(
+            episode(e, 30, "terminated", task_id="ab"[e % 2], skill_tag=f"s{e % 3}")
+            for e in range(12)
+        )
+    )
     store.commit(batch(steps), now=T0)
     out: dict[str, object] = {"count": store.count()}
     ids = np.sort(np.concatenate([store.episode(f"ep{e}", fields=[])["id"] for e in range(12)]))
     prios = np.random.default_rng(0).uniform(0.1, 2.0, len(ids)).astype(np.float32)
     out["updated"] = update_priorities(store, ids, prios)
     sampler = {"kind": "priority", "alpha": 0.7, "beta": 0.5}
-    recipe = Recipe.model_validate({
-        "name": "r", "batch_size": 64, "fields": ["obs", "action", "reward"],
-        "sources": [{"name": "a", "where": "task_id == 'a' and reward > 2", "sampler": sampler},
-                    {"name": "b", "where": {"skill_tag": "s1"}, "weight": 1.0}],
-    })  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": "r",
+            "batch_size": 64,
+            "fields": ["obs", "action", "reward"],
+            "sources": [
+                {"name": "a", "where": "task_id == 'a' and reward > 2", "sampler": sampler},
+                {"name": "b", "where": {"skill_tag": "s1"}, "weight": 1.0},
+            ],
+        }
+    )
     drawn = sample(store, recipe, rng=np.random.default_rng(1))
     out["sample"] = (drawn.ids.tolist(), drawn.weights.tolist(), drawn["obs"].tobytes())
     store.curate(episode_id="ep3", quality="good")
@@ -88,9 +96,10 @@ def _run_everything(url: str, namespace: str, archive_dir: Path) -> dict[str, ob
     out["evicted"] = evict_namespace(store, now=T0 + 7200)
     out["left"] = store.count()
     out["live_ids"] = sorted(
-        i for s in range(SHARDS) for i in (lambda c: c["id"][c["alive"]].tolist())(
-            store.meta_columns(s, ["id"]))
-    )  # fmt: skip
+        i
+        for s in range(SHARDS)
+        for i in (lambda c: c["id"][c["alive"]].tolist())(store.meta_columns(s, ["id"]))
+    )
     tables = [pq.read_table(f) for f in sorted(archive_dir.rglob("*.parquet"))]
     table = pa.concat_tables(tables, promote_options="permissive")
     out["archive"] = sorted(zip(table["id"].to_pylist(), table["reward"].to_pylist(), strict=True))
@@ -144,8 +153,12 @@ def _produce(ing: Ingestor, episodes: range, n_steps: int) -> None:
     for e in episodes:
         with ing.episode(episode_id=f"e{e}") as ep:
             for t in range(n_steps):
-                ep.add(np.full(4, e * 10_000 + t, np.float32), np.int64(t), float(t),
-                       terminated=t == n_steps - 1)  # fmt: skip
+                ep.add(
+                    np.full(4, e * 10_000 + t, np.float32),
+                    np.int64(t),
+                    float(t),
+                    terminated=t == n_steps - 1,
+                )
     ing.flush(wait=False)
 
 
@@ -167,10 +180,22 @@ def test_a_master_sigkilled_mid_ingest_restarts_from_its_aof_losing_nothing(
     n_steps, made = 20, 0
     aof = {"appendonly": "yes", "appendfsync": "always"}
     with LocalCluster(3, options=aof) as cluster:
-        start_worker("ingest", 1, CLAW_REDIS_URL=cluster.url, CLAW_BROKER_URL=broker_url,
-                     CLAW_VISIBILITY_TIMEOUT="5")  # fmt: skip
-        ing = Ingestor(namespace, cluster.url, broker_url=broker_url, n_shards=SHARDS,
-                       flush_interval=None, flush_steps=10**9, resend_after=10)  # fmt: skip
+        start_worker(
+            "ingest",
+            1,
+            CLAW_REDIS_URL=cluster.url,
+            CLAW_BROKER_URL=broker_url,
+            CLAW_VISIBILITY_TIMEOUT="5",
+        )
+        ing = Ingestor(
+            namespace,
+            cluster.url,
+            broker_url=broker_url,
+            n_shards=SHARDS,
+            flush_interval=None,
+            flush_steps=10**9,
+            resend_after=10,
+        )
         store = Store(cluster.url, namespace)
         victim = cluster.node_of(store.keys.shard_key(0, "seq"))
         _produce(ing, range(0, 8), n_steps)
@@ -216,10 +241,22 @@ def test_replica_failover_mid_ingest_keeps_the_store_consistent(
     n_steps = 20
     options = {"cluster-node-timeout": "1000", "appendonly": "yes", "appendfsync": "always"}
     with LocalCluster(3, options=options, replicas=1) as cluster:
-        start_worker("ingest", 1, CLAW_REDIS_URL=cluster.url, CLAW_BROKER_URL=broker_url,
-                     CLAW_VISIBILITY_TIMEOUT="5")  # fmt: skip
-        ing = Ingestor(namespace, cluster.url, broker_url=broker_url, n_shards=SHARDS,
-                       flush_interval=None, flush_steps=10**9, resend_after=10)  # fmt: skip
+        start_worker(
+            "ingest",
+            1,
+            CLAW_REDIS_URL=cluster.url,
+            CLAW_BROKER_URL=broker_url,
+            CLAW_VISIBILITY_TIMEOUT="5",
+        )
+        ing = Ingestor(
+            namespace,
+            cluster.url,
+            broker_url=broker_url,
+            n_shards=SHARDS,
+            flush_interval=None,
+            flush_steps=10**9,
+            resend_after=10,
+        )
         store = Store(cluster.url, namespace)
         victim = cluster.node_of(store.keys.shard_key(0, "seq"))
         _produce(ing, range(0, 8), n_steps)

@@ -59,8 +59,9 @@ def test_png_is_lossless_for_uint8_images_and_stacks(codec, shape):
     Image.open(io.BytesIO(frames[0])).verify()
 
 
-@pytest.mark.parametrize(("codec", "shape"), [("jpeg:95", (32, 32, 3)), ("jpeg:90", (32, 32)),
-                                              ("webp:90", (32, 32, 3))])  # fmt: skip
+@pytest.mark.parametrize(
+    ("codec", "shape"), [("jpeg:95", (32, 32, 3)), ("jpeg:90", (32, 32)), ("webp:90", (32, 32, 3))]
+)
 def test_lossy_codecs_are_close_not_exact(codec, shape):
     y, x = np.mgrid[:32, :32]
     img = ((x * 8 + y * 4) % 256).astype(np.uint8)
@@ -75,9 +76,13 @@ def test_text_forms_and_refusals():
     assert Codec.of(None) is None and Codec.of("none") is None
     assert Codec.of("delta").key_every == 16 and Codec.of("delta:4").key_every == 4
     for bad, match in [
-        ("jpeg", "lossy: give its quality"), ("gzip", "known codecs"), ("zstd:30", "outside"),
-        ("lz4:3", "takes no parameter"), ("png:x", "not an integer"), ("delta:1", "outside"),
-    ]:  # fmt: skip
+        ("jpeg", "lossy: give its quality"),
+        ("gzip", "known codecs"),
+        ("zstd:30", "outside"),
+        ("lz4:3", "takes no parameter"),
+        ("png:x", "not an integer"),
+        ("delta:1", "outside"),
+    ]:
         with pytest.raises(CodecError, match=match):
             Codec.of(bad)
     for spec, match in [
@@ -94,8 +99,9 @@ def test_text_forms_and_refusals():
 
 
 def test_schema_persists_codecs_and_raw_rows_fit_them():
-    schema = Schema(fields={"obs": FieldSpec("|u1", (84, 84, 3), "png"),
-                            "action": FieldSpec("<i8", ())})  # fmt: skip
+    schema = Schema(
+        fields={"obs": FieldSpec("|u1", (84, 84, 3), "png"), "action": FieldSpec("<i8", ())}
+    )
     again = Schema.from_dict(schema.to_dict())
     assert again == schema and again.codecs == {"obs": Codec("png")}
     assert "codec" not in again.to_dict()["fields"]["action"]

@@ -39,8 +39,13 @@ def _record(ing: Ingestor, frames: np.ndarray, episodes: int) -> None:
             for t in range(per):
                 i = e * per + t
                 last = t == per - 1
-                ep.add(frames[i], np.int64(i), float(t), terminated=last,
-                       next_obs=255 - frames[i] if last else None)  # fmt: skip
+                ep.add(
+                    frames[i],
+                    np.int64(i),
+                    float(t),
+                    terminated=last,
+                    next_obs=255 - frames[i] if last else None,
+                )
 
 
 def _check_stored(store: Store, frames: np.ndarray, episodes: int) -> None:
@@ -52,18 +57,31 @@ def _check_stored(store: Store, frames: np.ndarray, episodes: int) -> None:
         np.testing.assert_array_equal(ep["next_obs"][-1], 255 - frames[(e + 1) * per - 1])
 
 
-@pytest.mark.parametrize(("codec", "where", "claim_check"), [
-    ("zstd", "producer", 4096), ("zstd", "worker", 4096), ("png", "producer", 4096),
-    ("delta:8", "worker", 4096), ("zstd", "worker", 256), ("delta:8", "producer", 256),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("codec", "where", "claim_check"),
+    [
+        ("zstd", "producer", 4096),
+        ("zstd", "worker", 4096),
+        ("png", "producer", 4096),
+        ("delta:8", "worker", 4096),
+        ("zstd", "worker", 256),
+        ("delta:8", "producer", 256),
+    ],
+)
 def test_ingest_through_a_real_worker(redis_url, namespace, workers, codec, where, claim_check):
     frames = _frames(120)
     # Over claim_check bytes of fixed-shape payload a batch writes it in place (256: the
     # 50 actions of 8 bytes are); a compressed field never is: it travels in the message,
     # encoded or not, beside the fields written in place.
-    ing = Ingestor(namespace, redis_url, flush_interval=None, flush_steps=50,
-                   claim_check_bytes=claim_check, codecs={"obs": codec},
-                   compress_at=where)  # fmt: skip
+    ing = Ingestor(
+        namespace,
+        redis_url,
+        flush_interval=None,
+        flush_steps=50,
+        claim_check_bytes=claim_check,
+        codecs={"obs": codec},
+        compress_at=where,
+    )
     _record(ing, frames, episodes=3)
     assert ing.close().committed == 120
     store = Store(redis_url, namespace)
@@ -85,11 +103,15 @@ def test_the_producer_sends_frames_the_worker_sends_raw_rows(redis_url, namespac
 def _batch(frames: np.ndarray, ep: str = "h") -> StepBatch:
     n = len(frames)
     return StepBatch(
-        episode=StrColumn.of([ep] * n), step_index=np.arange(n), reward=np.zeros(n, np.float32),
-        terminated=np.arange(n) == n - 1, truncated=np.zeros(n, bool),
+        episode=StrColumn.of([ep] * n),
+        step_index=np.arange(n),
+        reward=np.zeros(n, np.float32),
+        terminated=np.arange(n) == n - 1,
+        truncated=np.zeros(n, bool),
         fields={"obs": frames, "action": np.arange(n, dtype=np.int64)},
-        next_rows=np.array([n - 1], np.int32), next_obs=frames[-1:],
-    )  # fmt: skip
+        next_rows=np.array([n - 1], np.int32),
+        next_obs=frames[-1:],
+    )
 
 
 def test_hostile_frames_are_dead_lettered_before_they_are_stored(redis_url, namespace, workers):
@@ -144,17 +166,20 @@ def test_hostile_frames_are_dead_lettered_before_they_are_stored(redis_url, name
 
 def test_prefetch_decodes_in_the_fill_before_augmentation(redis_url, namespace, workers):
     frames = _frames(120, seed=1)
-    ing = Ingestor(namespace, redis_url, flush_interval=None, flush_steps=60,
-                   codecs={"obs": "png"})  # fmt: skip
+    ing = Ingestor(namespace, redis_url, flush_interval=None, flush_steps=60, codecs={"obs": "png"})
     _record(ing, frames, episodes=2)
     assert ing.close().committed == 120
     client = BatchClient(namespace, redis_url)
-    client.register({
-        "name": "pix", "batch_size": 32, "fields": ["obs", "action", "next_obs"],
-        "sources": [{"name": "all"}],
-        "augment": {"obs": [{"random_shift": {"pad": 2}}], "next_obs": "same"},
-        "prefetch": {"depth": 2},
-    })  # fmt: skip
+    client.register(
+        {
+            "name": "pix",
+            "batch_size": 32,
+            "fields": ["obs", "action", "next_obs"],
+            "sources": [{"name": "all"}],
+            "augment": {"obs": [{"random_shift": {"pad": 2}}], "next_obs": "same"},
+            "prefetch": {"depth": 2},
+        }
+    )
     store = Store(redis_url, namespace)
     for _ in range(2):
         batch = client.pop("pix", timeout=60)

@@ -31,9 +31,15 @@ def _obs(n: int, seed: int) -> np.ndarray:
     return out
 
 
-def _batch(first_ep: int, n_eps: int, obs: np.ndarray, tokens: list[np.ndarray] | None = None,
-           batch_id: str | None = None, shuffle: int | None = None,
-           action0: int = 0) -> StepBatch:  # fmt: skip
+def _batch(
+    first_ep: int,
+    n_eps: int,
+    obs: np.ndarray,
+    tokens: list[np.ndarray] | None = None,
+    batch_id: str | None = None,
+    shuffle: int | None = None,
+    action0: int = 0,
+) -> StepBatch:
     """Episodes of EP_LEN steps (truncated, with an explicit next_obs = obs of step 0
     plus 1), rows optionally shuffled (a batch's rows need not be in step order)."""
     n = n_eps * EP_LEN
@@ -93,10 +99,14 @@ def test_round_trip_through_the_store(redis_url, namespace, codec, n_shards):
         np.testing.assert_array_equal(got["tokens"][i], tokens[a])
     ep = store.episode("e2")
     np.testing.assert_array_equal(ep["obs"], obs[2 * EP_LEN : 3 * EP_LEN])
-    recipe = Recipe.model_validate({
-        "name": "r", "batch_size": 48, "fields": ["obs", "next_obs", "action", "tokens"],
-        "sources": [{"name": "all"}],
-    })  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": "r",
+            "batch_size": 48,
+            "fields": ["obs", "next_obs", "action", "tokens"],
+            "sources": [{"name": "all"}],
+        }
+    )
     sb = sample(store, recipe, rng=np.random.default_rng(0))
     np.testing.assert_array_equal(sb["obs"], obs[sb["action"]])
     np.testing.assert_array_equal(sb["next_obs"], _want_next(obs, sb["action"]))
@@ -162,8 +172,9 @@ def test_delta_chains_across_ring_wraparound_and_eviction(redis_url, namespace):
     nxt_rows = np.where(got["step_index"] == EP_LEN - 1, rows - (EP_LEN - 1), rows + 1)
     want = obs[nxt_rows] + (got["step_index"] == EP_LEN - 1)[:, None, None, None]
     np.testing.assert_array_equal(got["next_obs"], want)  # step 2's next_obs: evicted step 3
-    recipe = Recipe.model_validate({"name": "r", "batch_size": 64, "fields": ["obs", "next_obs"],
-                                    "sources": [{"name": "all"}]})  # fmt: skip
+    recipe = Recipe.model_validate(
+        {"name": "r", "batch_size": 64, "fields": ["obs", "next_obs"], "sources": [{"name": "all"}]}
+    )
     sb = sample(store, recipe, rng=np.random.default_rng(1))
     assert sb["obs"].shape == (64, *SHAPE)
     # More batches: the ring passes the evicted keys and the deltas that needed them.
@@ -236,8 +247,14 @@ def test_an_episode_that_ends_without_next_obs_reads_zeros(redis_url, namespace,
     assert got["has_next_obs"].tolist() == [True] * (EP_LEN - 1) + [False]
     np.testing.assert_array_equal(got["next_obs"][:-1], obs[1:])
     assert not got["next_obs"][-1].any()
-    recipe = Recipe.model_validate({"name": "r", "batch_size": 30, "fields": ["obs", "next_obs",
-                                    "action"], "sources": [{"name": "all"}]})  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": "r",
+            "batch_size": 30,
+            "fields": ["obs", "next_obs", "action"],
+            "sources": [{"name": "all"}],
+        }
+    )
     sb = sample(store, recipe, rng=np.random.default_rng(2))
     last = sb["action"] == EP_LEN - 1
     assert last.any() and not sb["next_obs"][last].any()

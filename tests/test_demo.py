@@ -34,12 +34,25 @@ def _env(**extra: str) -> dict[str, str]:
 def test_demo_runs_on_its_own_redis_and_writes_the_curve(tmp_path):
     """No Redis given: the demo starts its own (never the shared default port) and stops it."""
     out = tmp_path / "out"
-    args = [*CLAW, "demo", "--steps", "1500", "--no-images", "--out", str(out),
-            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    args = [
+        *CLAW,
+        "demo",
+        "--steps",
+        "1500",
+        "--no-images",
+        "--out",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     proc = subprocess.run(
-        args, env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")), capture_output=True, text=True,
-        timeout=240, cwd=tmp_path,
-    )  # fmt: skip
+        args,
+        env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     assert (out / PNG_NAME).stat().st_size > 10_000
@@ -60,8 +73,22 @@ def test_demo_runs_on_its_own_redis_and_writes_the_curve(tmp_path):
 
 def test_demo_image_phase_on_a_given_redis_and_cleans_up(redis_url, tmp_path):
     ns = f"demo-{uuid.uuid4().hex[:8]}"
-    args = [*CLAW, "--redis-url", redis_url, "demo", "--steps", "800", "--namespace", ns,
-            "--actors", "1", "--out", str(tmp_path), "--log-dir", str(tmp_path)]  # fmt: skip
+    args = [
+        *CLAW,
+        "--redis-url",
+        redis_url,
+        "demo",
+        "--steps",
+        "800",
+        "--namespace",
+        ns,
+        "--actors",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--log-dir",
+        str(tmp_path),
+    ]
     proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=240)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
@@ -80,8 +107,17 @@ def test_demo_image_phase_on_a_given_redis_and_cleans_up(redis_url, tmp_path):
 def test_demo_refuses_a_namespace_that_exists(redis_url, tmp_path):
     ns = f"demo-{uuid.uuid4().hex[:8]}"
     Store(redis_url, ns).create(capacity=100, n_shards=1)
-    args = ["--redis-url", redis_url, "demo", "--namespace", ns, "--out", str(tmp_path),
-            "--log-dir", str(tmp_path)]  # fmt: skip
+    args = [
+        "--redis-url",
+        redis_url,
+        "demo",
+        "--namespace",
+        ns,
+        "--out",
+        str(tmp_path),
+        "--log-dir",
+        str(tmp_path),
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1
     assert f"namespace {ns!r} already exists" in result.output.replace("\n", "")
@@ -93,9 +129,12 @@ def test_demo_learns_cartpole(tmp_path):
     """The full default run: mean return of the last 20 episodes >= 195."""
     args = [*CLAW, "demo", "--out", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
     proc = subprocess.run(
-        args, env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")), capture_output=True, text=True,
+        args,
+        env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")),
+        capture_output=True,
+        text=True,
         timeout=900,
-    )  # fmt: skip
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     mean = float(re.search(r"last 20 episodes ([\d.]+)", text).group(1))

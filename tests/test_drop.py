@@ -20,9 +20,12 @@ from orchestrator.maintenance.lifecycle import namespace_keys
 
 def columns(n: int, episode: str) -> dict:
     return {
-        "obs": np.ones((n, 4), np.float32), "action": np.zeros(n, np.int64),
-        "reward": np.ones(n, np.float32), "episode_id": episode, "step_index": np.arange(n),
-    }  # fmt: skip
+        "obs": np.ones((n, 4), np.float32),
+        "action": np.zeros(n, np.int64),
+        "reward": np.ones(n, np.float32),
+        "episode_id": episode,
+        "step_index": np.arange(n),
+    }
 
 
 def test_drop_while_a_worker_runs(redis_url, start_worker, r):
@@ -38,8 +41,11 @@ def test_drop_while_a_worker_runs(redis_url, start_worker, r):
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli.main", "drop", a, "--yes"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert f"dropped {a!r}" in out.stdout
     assert not list(namespace_keys(r, a))
@@ -76,8 +82,9 @@ def test_drop_forgets_this_process_caches(redis_url, namespace, r):
     st = Store(redis_url, namespace)
     st.create(capacity=100)
     st.commit(batch(episode(1, 10)))
-    recipe = Recipe.model_validate({"name": "r", "batch_size": 4, "fields": ["obs"],
-                                    "sources": [{"name": "all"}]})  # fmt: skip
+    recipe = Recipe.model_validate(
+        {"name": "r", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "all"}]}
+    )
     sample(namespace, recipe, redis_url=redis_url)
     assert any(key[-2] == namespace for key in sampling.sessions)
     assert drop_namespace(r, namespace) > 0

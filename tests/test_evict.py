@@ -50,10 +50,15 @@ def assert_clean(store: Store) -> None:
 
 
 def test_policy_round_trips_and_names_bad_settings(store):
-    ret = Retention.of({
-        "max_age": "7d", "max_steps": 10, "max_bytes": "2GiB",
-        "protect": {"quality": "golden"}, "archive_before_evict": True,
-    })  # fmt: skip
+    ret = Retention.of(
+        {
+            "max_age": "7d",
+            "max_steps": 10,
+            "max_bytes": "2GiB",
+            "protect": {"quality": "golden"},
+            "archive_before_evict": True,
+        }
+    )
     assert ret.max_age == 7 * 86400 and ret.max_bytes == 2 * 2**30
     store.set_retention(ret)
     assert Store(store.r, store.namespace).config().retention == ret
@@ -146,10 +151,14 @@ def test_oldest_first_and_evicted_successor_keeps_the_transition_whole(store):
     got = store.get(whole["id"][whole["step_index"] == 9])
     np.testing.assert_array_equal(got["next_obs"][0], whole["obs"][whole["step_index"] == 10][0])
     assert got["has_next_obs"][0]
-    recipe = Recipe.model_validate({
-        "name": "r", "batch_size": 64, "fields": ["obs", "next_obs"],
-        "sources": [{"name": "all", "where": {"step_index": 9}}],
-    })  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": "r",
+            "batch_size": 64,
+            "fields": ["obs", "next_obs"],
+            "sources": [{"name": "all", "where": {"step_index": 9}}],
+        }
+    )
     drawn = sample(store, recipe, rng=np.random.default_rng(0))
     np.testing.assert_array_equal(drawn["next_obs"][:, 1], np.full(64, 10))
     store.set_retention(Retention(max_steps=12, evict="oldest"))
@@ -180,10 +189,14 @@ def test_a_sampler_never_gets_an_evicted_step(store):
     """One thread evicts (random victims, ring wraps from fresh commits) while another
     samples; every batch is checked against the steps evicted before it was drawn."""
     store.commit(batch(interleave(*(episode(e, 40) for e in range(20)))), now=T0)
-    recipe = Recipe.model_validate({
-        "name": "race", "batch_size": 128, "fields": ["obs", "next_obs"],
-        "sources": [{"name": "all"}],
-    })  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": "race",
+            "batch_size": 128,
+            "fields": ["obs", "next_obs"],
+            "sources": [{"name": "all"}],
+        }
+    )
     evicted: list[int] = []
     lock = threading.Lock()
     stop = threading.Event()
@@ -248,10 +261,14 @@ def test_a_step_evicted_after_the_index_sync_is_never_sampled(store):
             assert store.evict(victims) == 30  # all but ep0, now
 
     index.subscribe(evict_on_first_sync)
-    recipe = Recipe.model_validate({
-        "name": "race", "batch_size": 32, "fields": ["obs", "next_obs"],
-        "sources": [{"name": "all"}],
-    })  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": "race",
+            "batch_size": 32,
+            "fields": ["obs", "next_obs"],
+            "sources": [{"name": "all"}],
+        }
+    )
     drawn = sample(store, recipe, rng=np.random.default_rng(0), index=index)
     assert len(syncs) >= 2  # the first draw was read, found stale, and drawn again
     assert not set(drawn.ids.tolist()) & set(victims.tolist())
@@ -275,8 +292,19 @@ def test_cli_sets_policy_stats_metrics_and_manual_eviction(store, redis_url):
         assert result.exit_code == code, result.output
         return result.output
 
-    out = claw("retention", ns, "--max-age", "7d", "--max-steps", "5", "--evict", "oldest",
-               "--protect", "task_id == 'a'", "--archive-before-evict")  # fmt: skip
+    out = claw(
+        "retention",
+        ns,
+        "--max-age",
+        "7d",
+        "--max-steps",
+        "5",
+        "--evict",
+        "oldest",
+        "--protect",
+        "task_id == 'a'",
+        "--archive-before-evict",
+    )
     assert "max age 7d" in out and "max 5 steps (oldest first)" in out and "archive" in out
     ret = Store(redis_url, ns).config().retention
     assert ret.max_age == 7 * 86400 and ret.protect == ("task_id == 'a'",)
@@ -322,10 +350,14 @@ def test_dictionaries_shed_strings_no_live_step_uses(store):
 
     store.commit(batch([s for e in range(20) for s in traj(e, 5)]), now=T0)
     store.commit(batch(traj(99, 5)), now=T0 + 3600)
-    recipe = Recipe.model_validate({
-        "name": "one", "batch_size": 8, "fields": ["obs"],
-        "sources": [{"name": "t", "where": {"task_id": "traj-3"}}],
-    })  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": "one",
+            "batch_size": 8,
+            "fields": ["obs"],
+            "sources": [{"name": "t", "where": {"task_id": "traj-3"}}],
+        }
+    )
     assert (sample(store, recipe, rng=np.random.default_rng(0))["obs"][:, 0] == 3).all()
     size = store.r.hlen(store.keys.rdict("task_id"))
     store.set_retention(Retention(max_age=1800))

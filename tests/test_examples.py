@@ -33,29 +33,35 @@ def _run_example(name: str, redis_url: str, *args: str) -> str:
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
     env.pop("CLAW_BROKER_URL", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args], env=env, capture_output=True,
-        text=True, timeout=240,
-    )  # fmt: skip
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return proc.stdout
 
 
 def test_dqn_per_learns_from_popped_batches(redis_url, workers, namespace):
-    out = _run_example("dqn_per.py", redis_url, "--namespace", namespace, "--updates", "30",
-                       "--warmup", "200")  # fmt: skip
+    out = _run_example(
+        "dqn_per.py", redis_url, "--namespace", namespace, "--updates", "30", "--warmup", "200"
+    )
     assert re.search(r"done: 30 updates in \d+ s, \d+ env steps", out), out
     assert Store(redis_url, namespace).count() >= 200
 
 
 def test_drq_pixels_pops_shifted_images(redis_url, workers, namespace):
-    out = _run_example("drq_pixels.py", redis_url, "--namespace", namespace, "--steps", "300",
-                       "--updates", "5")  # fmt: skip
+    out = _run_example(
+        "drq_pixels.py", redis_url, "--namespace", namespace, "--steps", "300", "--updates", "5"
+    )
     assert "recorded 300 steps of 84x84x3 images" in out and "done: 5 updates" in out
 
 
 def test_multi_agent_batches_mix_70_30(redis_url, workers, namespace):
-    out = _run_example("multi_agent.py", redis_url, "--namespace", namespace, "--steps", "300",
-                       "--batches", "3")  # fmt: skip
+    out = _run_example(
+        "multi_agent.py", redis_url, "--namespace", namespace, "--steps", "300", "--batches", "3"
+    )
     lines = [ln for ln in out.splitlines() if ln.startswith("batch of 100")]
     assert len(lines) == 3
     for ln in lines:  # each source's rows are that agent's steps
@@ -64,8 +70,18 @@ def test_multi_agent_batches_mix_70_30(redis_url, workers, namespace):
 
 
 def test_offline_online_mixes_restored_and_fresh_steps(redis_url, workers, namespace, tmp_path):
-    out = _run_example("offline_online.py", redis_url, "--namespace", namespace, "--archive",
-                       str(tmp_path / "archive"), "--steps", "300", "--batches", "2")  # fmt: skip
+    out = _run_example(
+        "offline_online.py",
+        redis_url,
+        "--namespace",
+        namespace,
+        "--archive",
+        str(tmp_path / "archive"),
+        "--steps",
+        "300",
+        "--batches",
+        "2",
+    )
     assert "archived 300 steps" in out and "restored 300 steps" in out, out
     lines = [ln for ln in out.splitlines() if ln.startswith("batch of 64")]
     assert len(lines) == 2
@@ -75,14 +91,33 @@ def test_offline_online_mixes_restored_and_fresh_steps(redis_url, workers, names
 
 
 def test_dataloader_workers_share_one_queue(redis_url, workers, namespace):
-    out = _run_example("dataloader_workers.py", redis_url, "--namespace", namespace,
-                       "--batches", "3", "--num-workers", "2")  # fmt: skip
+    out = _run_example(
+        "dataloader_workers.py",
+        redis_url,
+        "--namespace",
+        namespace,
+        "--batches",
+        "3",
+        "--num-workers",
+        "2",
+    )
     assert "done: 6 batches from 2 DataLoader workers" in out
 
 
 def test_torchrl_dqn_trains_through_claw(redis_url, workers, namespace):
-    out = _run_example("torchrl_dqn.py", redis_url, "--namespace", namespace, "--frames",
-                       "1024", "--init", "512", "--gradient-steps", "8", "--eval-episodes",
-                       "1")  # fmt: skip
+    out = _run_example(
+        "torchrl_dqn.py",
+        redis_url,
+        "--namespace",
+        namespace,
+        "--frames",
+        "1024",
+        "--init",
+        "512",
+        "--gradient-steps",
+        "8",
+        "--eval-episodes",
+        "1",
+    )
     assert re.search(r"done: 1024 frames, 24 updates in \d+ s; 1024 rows", out), out
     assert Store(redis_url, namespace).count() == 1024

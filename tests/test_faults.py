@@ -80,10 +80,14 @@ def test_broker_outage_with_unacked_messages_does_not_kill_the_worker(
     waits on BRPOP. Stock kombu then dies in ``restore_unacked`` ('NoneType' object has no
     attribute 'hostname'); the worker must ride the outage out and lose nothing."""
     data, broker = servers
-    worker = start_worker("ingest", 2, CLAW_REDIS_URL=data.url, CLAW_BROKER_URL=broker.url,
-                          CLAW_VISIBILITY_TIMEOUT="3")  # fmt: skip
-    ing = Ingestor(namespace, data.url, broker_url=broker.url, flush_interval=None,
-                   flush_steps=10)  # fmt: skip
+    worker = start_worker(
+        "ingest",
+        2,
+        CLAW_REDIS_URL=data.url,
+        CLAW_BROKER_URL=broker.url,
+        CLAW_VISIBILITY_TIMEOUT="3",
+    )
+    ing = Ingestor(namespace, data.url, broker_url=broker.url, flush_interval=None, flush_steps=10)
     _produce(ing, range(0, 3), 10)
     assert ing.flush(timeout=60).committed == 30
     b = broker.client()
@@ -139,12 +143,16 @@ def test_redis_restarts_from_aof_and_a_worker_sigkill_lose_and_duplicate_nothing
         made += episodes
 
     with RedisServer(options=AOF_ALWAYS) as server:
-        env = {"CLAW_REDIS_URL": server.url, "CLAW_BROKER_URL": server.url,
-               "CLAW_VISIBILITY_TIMEOUT": "3"}  # fmt: skip
+        env = {
+            "CLAW_REDIS_URL": server.url,
+            "CLAW_BROKER_URL": server.url,
+            "CLAW_VISIBILITY_TIMEOUT": "3",
+        }
         survivor = start_worker("ingest", 1, **env)
         victim = start_worker("ingest", 1, **env)
-        ing = Ingestor(namespace, server.url, flush_interval=None, flush_steps=10**9,
-                       resend_after=5)  # fmt: skip
+        ing = Ingestor(
+            namespace, server.url, flush_interval=None, flush_steps=10**9, resend_after=5
+        )
         store = Store(server.url, namespace)
         for stop in (server.stop, server.kill):  # SHUTDOWN (AOF flushed), then SIGKILL
             produce(6)
@@ -197,8 +205,9 @@ def test_the_stack_supervisor_replaces_a_dead_worker(redis_url, namespace, tmp_p
 
 
 def _recipe(name: str) -> Recipe:
-    return Recipe.model_validate({"name": name, "batch_size": 4, "fields": ["obs"],
-                                  "sources": [{"name": "all"}]})  # fmt: skip
+    return Recipe.model_validate(
+        {"name": name, "batch_size": 4, "fields": ["obs"], "sources": [{"name": "all"}]}
+    )
 
 
 def test_pop_skips_garbage_queue_items_counts_them_and_logs_once(redis_url, namespace, r, caplog):

@@ -120,9 +120,16 @@ def want_next(ep: int, boot: int) -> int:
 
 @pytest.mark.parametrize(
     ("color", "n", "codec"),
-    [(False, 1, None), (True, 1, None), (False, 3, None), (True, 3, None),
-     (False, 3, "zstd"), (True, 1, "png"), (False, 3, "delta:4")],
-)  # fmt: skip
+    [
+        (False, 1, None),
+        (True, 1, None),
+        (False, 3, None),
+        (True, 3, None),
+        (False, 3, "zstd"),
+        (True, 1, "png"),
+        (False, 3, "delta:4"),
+    ],
+)
 def test_batches_hold_each_steps_newest_frames(redis_url, namespace, color, n, codec):
     """Raw and compressed obs (each frame stored once, compressed or not)."""
     store = Store(redis_url, namespace)
@@ -130,11 +137,20 @@ def test_batches_hold_each_steps_newest_frames(redis_url, namespace, color, n, c
     schema = Schema(fields={"obs": obs, "action": FieldSpec("<i8", ())})
     store.create(capacity=1000, n_shards=2, schema=schema)
     commit(store, color)
-    r = Recipe.model_validate({
-        "name": "stack", "batch_size": 64, "fields": ["obs", "next_obs", "step_index"],
-        "sources": [{"name": "all"}], "frame_stack": K, "n_step": n, "gamma": 0.5,
-        "augment": {"obs": [{"random_shift": {"pad": 1}}], "next_obs": "same"} if n == 3 else {},
-    })  # fmt: skip
+    r = Recipe.model_validate(
+        {
+            "name": "stack",
+            "batch_size": 64,
+            "fields": ["obs", "next_obs", "step_index"],
+            "sources": [{"name": "all"}],
+            "frame_stack": K,
+            "n_step": n,
+            "gamma": 0.5,
+            "augment": {"obs": [{"random_shift": {"pad": 1}}], "next_obs": "same"}
+            if n == 3
+            else {},
+        }
+    )
     out = sample(store, r, rng=np.random.default_rng(n))
     c = 3 if color else 1
     assert out["obs"].shape == out["next_obs"].shape == (64, 12, 10, K * c)
@@ -156,10 +172,15 @@ def test_a_stack_with_a_gap_is_never_drawn(redis_url, namespace):
     commit(store, color=False)
     ep1 = store.episode("ep1", fields=[])
     store.evict([int(ep1["id"][ep1["step_index"] == 2][0])])
-    r = Recipe.model_validate({
-        "name": "stack", "batch_size": 256, "fields": ["obs", "step_index", "episode_id"],
-        "sources": [{"name": "all"}], "frame_stack": K,
-    })  # fmt: skip
+    r = Recipe.model_validate(
+        {
+            "name": "stack",
+            "batch_size": 256,
+            "fields": ["obs", "step_index", "episode_id"],
+            "sources": [{"name": "all"}],
+            "frame_stack": K,
+        }
+    )
     out = sample(store, r, rng=np.random.default_rng(0))
     drawn = {(e, t) for e, t in zip(out["episode_id"], out["step_index"].tolist(), strict=True)}
     assert not drawn & {("ep1", t) for t in range(2, 6)}  # their stacks hold step 2

@@ -74,13 +74,16 @@ def valid_batch(rng: random.Random, batch_id: str) -> StepBatch:
         episode=StrColumn.constant(f"ep{rng.randrange(4)}", n),
         step_index=np.arange(n, dtype=np.int64) + rng.randrange(1000),
         reward=np.array([rng.random() for _ in range(n)], np.float32),
-        terminated=np.zeros(n, bool), truncated=np.zeros(n, bool),
-        fields={"obs": np.full((n, OBS), rng.random(), np.float32),
-                "action": np.arange(n, dtype=np.int64),
-                "img": _img(n, rng.random() < 0.5)},
+        terminated=np.zeros(n, bool),
+        truncated=np.zeros(n, bool),
+        fields={
+            "obs": np.full((n, OBS), rng.random(), np.float32),
+            "action": np.arange(n, dtype=np.int64),
+            "img": _img(n, rng.random() < 0.5),
+        },
         priority=np.full(n, rng.random(), np.float32) if rng.random() < 0.3 else None,
         batch_id=batch_id,
-    )  # fmt: skip
+    )
     if rng.random() < 0.3:
         b.info_rows, b.info = np.array([0], np.int32), [{"k": rng.randrange(9), "s": "x"}]
     return b
@@ -138,8 +141,11 @@ class Material:
 
     def __init__(self, ns: str, others: list[str]) -> None:
         self.ns, self.keys = ns, Keys(ns)
-        self.other_keys = [k for o in others for k in (Keys(o).config, Keys(o).dead,
-                           Keys(o).shard_key(0, "seq"), Keys(o).stage("x"))]  # fmt: skip
+        self.other_keys = [
+            k
+            for o in others
+            for k in (Keys(o).config, Keys(o).dead, Keys(o).shard_key(0, "seq"), Keys(o).stage("x"))
+        ]
         self.bomb = _bomb(300 << 20)  # over the 256 MiB default budget
         zc = zstandard.ZstdCompressor()
         self.zstd_bomb = zc.compress(bytes(1 << 27))  # 128 MiB of zeros in ~4 KiB
@@ -147,19 +153,60 @@ class Material:
         self.zstd_liar = zc.compress(bytes(65))  # one byte more than the field's row
         self.n_big = 70_000  # rows, over CLAW_MAX_BATCH_STEPS' 65536
         z = frame(np.zeros(self.n_big, np.int64))
-        self.big_cols = {"step_index": z, "reward": frame(np.zeros(self.n_big, np.float32)),
-                         "terminated": frame(np.zeros(self.n_big, bool)),
-                         "truncated": frame(np.zeros(self.n_big, bool)),
-                         "episode": [["e"], frame(np.zeros(self.n_big, np.int32))]}  # fmt: skip
+        self.big_cols = {
+            "step_index": z,
+            "reward": frame(np.zeros(self.n_big, np.float32)),
+            "terminated": frame(np.zeros(self.n_big, bool)),
+            "truncated": frame(np.zeros(self.n_big, bool)),
+            "episode": [["e"], frame(np.zeros(self.n_big, np.int32))],
+        }
 
 
 # ---- structured mutations ---------------------------------------------------------------
-GARBAGE = [None, True, -1, 2**40, 1.5, float("inf"), "", "x" * 300, "a:b{c}", b"\x00\xff",
-           [], [1, 2], {}, {"a": 1}, {1: 2}]  # fmt: skip
-DTYPES = ["|O", "<c8", "V8", "S4", "<U2", "f4,f4", "", "xyz", "(2,)f4", "M8[s]", "<f2", "|b1",
-          5, None, "x" * 40]  # fmt: skip
-FRAME_KEYS = ["step_index", "reward", "terminated", "truncated", "next_rows", "info_rows",
-              "priority", "policy_version"]  # fmt: skip
+GARBAGE = [
+    None,
+    True,
+    -1,
+    2**40,
+    1.5,
+    float("inf"),
+    "",
+    "x" * 300,
+    "a:b{c}",
+    b"\x00\xff",
+    [],
+    [1, 2],
+    {},
+    {"a": 1},
+    {1: 2},
+]
+DTYPES = [
+    "|O",
+    "<c8",
+    "V8",
+    "S4",
+    "<U2",
+    "f4,f4",
+    "",
+    "xyz",
+    "(2,)f4",
+    "M8[s]",
+    "<f2",
+    "|b1",
+    5,
+    None,
+    "x" * 40,
+]
+FRAME_KEYS = [
+    "step_index",
+    "reward",
+    "terminated",
+    "truncated",
+    "next_rows",
+    "info_rows",
+    "priority",
+    "policy_version",
+]
 
 
 def _n(d: dict) -> int:
@@ -227,34 +274,43 @@ def m_id(d: dict, rng: random.Random, m: Material) -> None:
 
 def m_episode(d: dict, rng: random.Random, m: Material) -> None:
     n = _n(d)
-    d["episode"] = rng.choice([
-        [[1, 2], frame(np.zeros(n, np.int32))], [["a"], frame(np.full(n, 5, np.int32))],
-        [["a"], frame(np.full(n, -2, np.int32))], [["a"]], "ep",
-        [["a"], frame(np.zeros(n + 3, np.int32))],
-    ])  # fmt: skip
+    d["episode"] = rng.choice(
+        [
+            [[1, 2], frame(np.zeros(n, np.int32))],
+            [["a"], frame(np.full(n, 5, np.int32))],
+            [["a"], frame(np.full(n, -2, np.int32))],
+            [["a"]],
+            "ep",
+            [["a"], frame(np.zeros(n + 3, np.int32))],
+        ]
+    )
 
 
 def m_info(d: dict, rng: random.Random, m: Material) -> None:
     d["info_rows"] = frame(np.array([0], np.int32))
-    d["info"] = rng.choice([[{1: "x"}], [{"a": [1, 2]}], "str", [[1]], [{"a": {"b": 1}}],
-                            [None], [{"a": 1}, {"b": 2}]])  # fmt: skip
+    d["info"] = rng.choice(
+        [[{1: "x"}], [{"a": [1, 2]}], "str", [[1]], [{"a": {"b": 1}}], [None], [{"a": 1}, {"b": 2}]]
+    )
 
 
 def m_values(d: dict, rng: random.Random, m: Material) -> None:
     """Rows the client would refuse: priorities, step_index and policy_version ranges."""
     n = _n(d)
-    col, arr = rng.choice([
-        ("priority", np.full(n, rng.choice([-3.0, np.inf, -np.inf]), np.float32)),
-        ("step_index", np.full(n, rng.choice([2**31, 2**40, -5]), np.int64)),
-        ("policy_version", np.full(n, rng.choice([2**31, -1]), np.int64)),
-        ("reward", np.full(n, rng.choice([np.nan, np.inf]), np.float32)),
-    ])  # fmt: skip
+    col, arr = rng.choice(
+        [
+            ("priority", np.full(n, rng.choice([-3.0, np.inf, -np.inf]), np.float32)),
+            ("step_index", np.full(n, rng.choice([2**31, 2**40, -5]), np.int64)),
+            ("policy_version", np.full(n, rng.choice([2**31, -1]), np.int64)),
+            ("reward", np.full(n, rng.choice([np.nan, np.inf]), np.float32)),
+        ]
+    )
     d[col] = frame(arr)
 
 
 def m_rows(d: dict, rng: random.Random, m: Material) -> None:
-    d[rng.choice(["next_rows", "info_rows"])] = frame(np.array(rng.choice([[0, 0], [99], [-1]]),
-                                                               np.int32))  # fmt: skip
+    d[rng.choice(["next_rows", "info_rows"])] = frame(
+        np.array(rng.choice([[0, 0], [99], [-1]]), np.int32)
+    )
 
 
 def m_ragged(d: dict, rng: random.Random, m: Material) -> None:
@@ -274,8 +330,16 @@ def m_placed(d: dict, rng: random.Random, m: Material) -> None:
 
 def m_tags(d: dict, rng: random.Random, m: Material) -> None:
     n = _n(d)
-    names = rng.choice([[f"t:tag{i}" for i in range(100)], ["t:reward"], ["t:"], ["bad"],
-                        ["t:a:b"], ["t:" + "x" * 200]])  # fmt: skip
+    names = rng.choice(
+        [
+            [f"t:tag{i}" for i in range(100)],
+            ["t:reward"],
+            ["t:"],
+            ["bad"],
+            ["t:a:b"],
+            ["t:" + "x" * 200],
+        ]
+    )
     d["nums"] = {k: frame(np.zeros(n, np.float64)) for k in names}
 
 
@@ -308,9 +372,27 @@ def m_schema(d: dict, rng: random.Random, m: Material) -> None:
 
 
 PAYLOAD_OPS: list[Callable[[dict, random.Random, Material], None]] = [
-    m_frame, m_frame, m_frame, m_key, m_value, m_version, m_id, m_episode, m_info, m_values,
-    m_values, m_rows, m_ragged, m_placed, m_tags, m_strs, m_huge_n, m_schema, m_codec, m_codec,
-]  # fmt: skip
+    m_frame,
+    m_frame,
+    m_frame,
+    m_key,
+    m_value,
+    m_version,
+    m_id,
+    m_episode,
+    m_info,
+    m_values,
+    m_values,
+    m_rows,
+    m_ragged,
+    m_placed,
+    m_tags,
+    m_strs,
+    m_huge_n,
+    m_schema,
+    m_codec,
+    m_codec,
+]
 
 
 class Case:
@@ -380,8 +462,17 @@ def o_args(c: Case) -> None:
         c.args[3], c.args[4] = c.args[4], c.args[3]
     elif i == 4:
         c.args[3] = None
-        c.args[4] = c.rng.choice([*c.m.other_keys, c.m.keys.config, c.m.keys.stage("c0"),
-                                  c.m.keys.dead, "ingest", "unacked", 7])  # fmt: skip
+        c.args[4] = c.rng.choice(
+            [
+                *c.m.other_keys,
+                c.m.keys.config,
+                c.m.keys.stage("c0"),
+                c.m.keys.dead,
+                "ingest",
+                "unacked",
+                7,
+            ]
+        )
     elif i == 5:
         c.args = c.args[: c.rng.randrange(5)] + ([1] if c.rng.random() < 0.3 else [])
     else:
@@ -424,12 +515,44 @@ def o_envelope(c: Case) -> None:
     elif i == 2:
         c.headers = c.rng.choice(["str", [1, 2], 5, None])
     else:
-        key = c.rng.choice(["task", "id", "timelimit", "retries", "eta", "expires", "argsrepr",
-                            "shadow", "stamps", "stamped_headers", "group_index", "root_id",
-                            "ignore_result", "replaced_task_nesting"])  # fmt: skip
-        val = c.rng.choice([None, 5, -1, "x", "soon", [1], ["a", "b"], [1, 1], {"a": 1},
-                            "celery.chain", "claw.maintenance.refill", "claw.nope",
-                            "9999-01-01T00:00:00", "2000-01-01T00:00:00", True, 1.5])  # fmt: skip
+        key = c.rng.choice(
+            [
+                "task",
+                "id",
+                "timelimit",
+                "retries",
+                "eta",
+                "expires",
+                "argsrepr",
+                "shadow",
+                "stamps",
+                "stamped_headers",
+                "group_index",
+                "root_id",
+                "ignore_result",
+                "replaced_task_nesting",
+            ]
+        )
+        val = c.rng.choice(
+            [
+                None,
+                5,
+                -1,
+                "x",
+                "soon",
+                [1],
+                ["a", "b"],
+                [1, 1],
+                {"a": 1},
+                "celery.chain",
+                "claw.maintenance.refill",
+                "claw.nope",
+                "9999-01-01T00:00:00",
+                "2000-01-01T00:00:00",
+                True,
+                1.5,
+            ]
+        )
         if c.headers is not None and isinstance(c.headers, dict):
             if c.rng.random() < 0.2:
                 c.headers.pop(key, None)
@@ -437,8 +560,14 @@ def o_envelope(c: Case) -> None:
                 c.headers[key] = val
 
 
-LAYER_OPS = [(o_payload, 10), (o_big_garbage, 4), (o_bytes, 2), (o_args, 4), (o_body, 3),
-             (o_envelope, 4)]  # fmt: skip
+LAYER_OPS = [
+    (o_payload, 10),
+    (o_big_garbage, 4),
+    (o_bytes, 2),
+    (o_args, 4),
+    (o_body, 3),
+    (o_envelope, 4),
+]
 PAYLOAD_LAYER = {o_payload, o_big_garbage, o_bytes}
 
 
@@ -462,8 +591,14 @@ def structured_case(m: Material, rng: random.Random, i: int, r: redis.Redis) -> 
 
 
 # ---- hypothesis -------------------------------------------------------------------------
-leaf = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
-        | st.floats(allow_nan=True) | st.text(max_size=12) | st.binary(max_size=48))  # fmt: skip
+leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=12)
+    | st.binary(max_size=48)
+)
 values = st.recursive(
     leaf,
     lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=8), c, max_size=4),
@@ -481,9 +616,25 @@ frames = values | st.tuples(
     st.binary(max_size=96),
     st.booleans() | values,
 ).map(list)
-BATCH_KEYS = ["v", "id", "episode", "step_index", "reward", "terminated", "truncated", "priority",
-              "policy_version", "strs", "nums", "fields", "next_rows", "next_obs", "info_rows",
-              "info", "placed"]  # fmt: skip
+BATCH_KEYS = [
+    "v",
+    "id",
+    "episode",
+    "step_index",
+    "reward",
+    "terminated",
+    "truncated",
+    "priority",
+    "policy_version",
+    "strs",
+    "nums",
+    "fields",
+    "next_rows",
+    "next_obs",
+    "info_rows",
+    "info",
+    "placed",
+]
 
 
 def hypothesis_storm(m: Material, publish: Callable[[Case], None], r: redis.Redis, n: int) -> None:
@@ -495,8 +646,13 @@ def hypothesis_storm(m: Material, publish: Callable[[Case], None], r: redis.Redi
         return c
 
     @seed(SEED)
-    @settings(max_examples=n, database=None, deadline=None, derandomize=False,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=n,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(kind=st.integers(0, 3), data=st.data())
     def storm(kind: int, data: st.DataObject) -> None:
         c = case()
@@ -511,8 +667,21 @@ def hypothesis_storm(m: Material, publish: Callable[[Case], None], r: redis.Redi
             c.data = packb(data.draw(values))
         else:  # headers (JSON: the Redis transport's envelope)
             _encode_payload(c)
-            key = data.draw(st.sampled_from(["task", "id", "timelimit", "retries", "eta", "expires",
-                                             "stamps", "argsrepr", "group_index"]))  # fmt: skip
+            key = data.draw(
+                st.sampled_from(
+                    [
+                        "task",
+                        "id",
+                        "timelimit",
+                        "retries",
+                        "eta",
+                        "expires",
+                        "stamps",
+                        "argsrepr",
+                        "group_index",
+                    ]
+                )
+            )
             c.headers[key] = data.draw(json_values)
         publish(c)
 
@@ -550,8 +719,14 @@ def _storm(
     ing = Ingestor(ns, url, flush_interval=None, capacity=CAPACITY, codecs={"img": "zstd"})
     with ing.episode(episode_id="warm") as ep:
         for t in range(8):
-            ep.add(np.zeros(OBS, np.float32), np.int64(t), 1.0, priority=0.5, info={"k": 1},
-                   img=np.zeros(IMG, np.uint8))  # fmt: skip
+            ep.add(
+                np.zeros(OBS, np.float32),
+                np.int64(t),
+                1.0,
+                priority=0.5,
+                info={"k": 1},
+                img=np.zeros(IMG, np.uint8),
+            )
     assert ing.flush().committed == 8
     pub = Publisher(url)
     m = Material(ns, others)
@@ -609,10 +784,13 @@ def _storm(
         assert mem1 - mem0 <= 1.1 * dead_cap, f"Redis grew {mem1 - mem0} bytes"
     assert rss1 <= 2 * rss0, f"worker RSS {rss0} -> {rss1}"
     doctor = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli.main", "doctor"], cwd=ROOT,
+        [sys.executable, "-m", "orchestrator.cli.main", "doctor"],
+        cwd=ROOT,
         env={**os.environ, "CLAW_REDIS_URL": url, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert doctor.returncode == 0 and "no problems found" in doctor.stdout, doctor.stdout[-3000:]
     stats.update(
         mem=mem1 - mem0, done_bytes=done_bytes, staged_bytes=staged_bytes, rss=(rss0, rss1)
@@ -622,10 +800,12 @@ def _storm(
 
 
 def _report(stats: dict) -> None:
-    print(f"\nfuzz: {stats['sent']} messages; namespace {stats['ns']}; rejects {stats['rejects']};"
-          f" Redis +{stats['mem']} bytes (done records {stats['done_bytes']}, staged by the"
-          f" test {stats['staged_bytes']});"
-          f" worker RSS {stats['rss']}")  # fmt: skip
+    print(
+        f"\nfuzz: {stats['sent']} messages; namespace {stats['ns']}; rejects {stats['rejects']};"
+        f" Redis +{stats['mem']} bytes (done records {stats['done_bytes']}, staged by the"
+        f" test {stats['staged_bytes']});"
+        f" worker RSS {stats['rss']}"
+    )
 
 
 def test_fuzz_ingest_ci(tmp_path):

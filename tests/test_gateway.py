@@ -29,11 +29,19 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "agent-secret-123"
 REWARD_TOKEN = "reward-secret-456"
 FIELDS = ["prompt_ids", "response_ids", "response_logprobs"]
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                    "b": {"type": "integer"}}},
-}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
 
 
 def free_port() -> int:
@@ -48,9 +56,12 @@ class Proc:
     def __init__(self, cmd: list[str], port: int, log: Path, env: dict[str, str]) -> None:
         self.port, self.log = port, log
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-            stdout=log.open("wb"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -89,9 +100,10 @@ def train_tokenizer(path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<|im_start|>", "<|im_end|>"],
+        vocab_size=500,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     tok.train_from_iterator(corpus, trainer)
     tok.save(str(path))
 
@@ -102,8 +114,12 @@ def stack(redis_server, ingest_worker, tmp_path_factory) -> Iterator[dict]:
     tokenizer = tmp / "tokenizer.json"
     train_tokenizer(tokenizer)
     up_port = free_port()
-    upstream = Proc([sys.executable, "-m", "tests.llm_upstream", str(up_port), str(tokenizer)],
-                    up_port, tmp / "upstream.log", {})  # fmt: skip
+    upstream = Proc(
+        [sys.executable, "-m", "tests.llm_upstream", str(up_port), str(tokenizer)],
+        up_port,
+        tmp / "upstream.log",
+        {},
+    )
     # the upstream has no /healthz: any HTTP answer (404) means it is up
     procs = [upstream]
 
@@ -112,10 +128,20 @@ def stack(redis_server, ingest_worker, tmp_path_factory) -> Iterator[dict]:
     ) -> Proc:
         port = free_port()
         cmd = [
-            sys.executable, "-m", "orchestrator.cli.main", "--redis-url", redis_server.url,
-            "gateway", "--upstream", upstream_url, "--namespace", namespace,
-            "--port", str(port), *extra,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "orchestrator.cli.main",
+            "--redis-url",
+            redis_server.url,
+            "gateway",
+            "--upstream",
+            upstream_url,
+            "--namespace",
+            namespace,
+            "--port",
+            str(port),
+            *extra,
+        ]
         tokens = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_REWARD_TOKEN": REWARD_TOKEN}
         p = Proc(cmd, port, tmp / f"gateway-{port}.log", {**tokens, **(env or {})})
         procs.append(p)
@@ -123,8 +149,14 @@ def stack(redis_server, ingest_worker, tmp_path_factory) -> Iterator[dict]:
 
     namespace = f"gw-{uuid.uuid4().hex[:8]}"
     main = gateway(namespace, "--max-body-bytes", "3000", "--max-turns", "2")
-    yield {"upstream": upstream, "gateway": gateway, "tokenizer": tokenizer, "main": main,
-           "redis_url": redis_server.url, "namespace": namespace}  # fmt: skip
+    yield {
+        "upstream": upstream,
+        "gateway": gateway,
+        "tokenizer": tokenizer,
+        "main": main,
+        "redis_url": redis_server.url,
+        "namespace": namespace,
+    }
     for p in reversed(procs):
         p.stop()
 
@@ -169,17 +201,25 @@ def agent(c: openai.OpenAI, question: str, stream: bool) -> dict:
             resp = c.chat.completions.create(model="sim", messages=messages, tools=TOOLS)
             msg = resp.choices[0].message
             content = msg.content or ""
-            tool_calls = [(t.id, t.function.name, t.function.arguments)
-                          for t in msg.tool_calls or []]  # fmt: skip
+            tool_calls = [
+                (t.id, t.function.name, t.function.arguments) for t in msg.tool_calls or []
+            ]
             prompt = getattr(resp, "prompt_token_ids", None)
             ids = getattr(resp.choices[0], "token_ids", None)
             lps = [e.logprob for e in resp.choices[0].logprobs.content]
         seen.append({"prompt_ids": prompt, "response_ids": ids, "logprobs": lps})
         if not tool_calls:
             return {"answer": content, "seen": seen}
-        messages.append({"role": "assistant", "content": None, "tool_calls": [
-            {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
-            for i, n, a in tool_calls]})  # fmt: skip
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                    for i, n, a in tool_calls
+                ],
+            }
+        )
         for i, _, a in tool_calls:
             args = json.loads(a)
             result = str(args["a"] + args["b"])
@@ -312,10 +352,15 @@ def test_stream_and_plain_record_the_same_step(stack):
     for traj, stream in (("cmpl-plain", False), ("cmpl-stream", True)):
         before = len(upstream_log(stack))
         resp = c.completions.create(
-            model="sim", prompt="What is 3 plus 4?", stream=stream,
-            extra_headers={"X-Claw-Trajectory": traj, "X-Claw-Group": "c",
-                           "X-Claw-Tags": "task=add,difficulty=2"},
-        )  # fmt: skip
+            model="sim",
+            prompt="What is 3 plus 4?",
+            stream=stream,
+            extra_headers={
+                "X-Claw-Trajectory": traj,
+                "X-Claw-Group": "c",
+                "X-Claw-Tags": "task=add,difficulty=2",
+            },
+        )
         text = "".join(ch.choices[0].text for ch in resp) if stream else resp.choices[0].text
         assert text == " the sum is seven"
         got = wait_steps(store, traj, 1)
@@ -332,8 +377,11 @@ def test_reward_after_the_fact_reaches_the_right_steps(stack):
         agent(client(gw, f"r{k}", "q"), f"What is {k} plus 1?", stream=k == 1)
     url = gw.url + "/t/r1/reward"
     auth = {"Authorization": f"Bearer {REWARD_TOKEN}"}
-    r = httpx.post(url, json={"final_reward": 1.0, "turn_rewards": [0.5, 0.0],
-                              "reward_source": "verifier"}, headers=auth)  # fmt: skip
+    r = httpx.post(
+        url,
+        json={"final_reward": 1.0, "turn_rewards": [0.5, 0.0], "reward_source": "verifier"},
+        headers=auth,
+    )
     assert r.status_code == 200, r.text
     assert r.json() == {"trajectory_uid": "r1", "turns": 2}
     r2 = httpx.post(gw.url + "/t/r2/reward", json={"final_reward": -1}, headers=auth)
@@ -353,8 +401,9 @@ def test_reward_after_the_fact_reaches_the_right_steps(stack):
     assert again.status_code == 409 and "already has its reward" in again.json()["error"]["message"]
     with pytest.raises(openai.ConflictError, match="is finished"):
         agent(client(gw, "r1", "q"), "What is 1 plus 1?", stream=False)
-    wrong = httpx.post(gw.url + "/t/r0/reward", json={"final_reward": 1.0, "turn_rewards": [1.0]},
-                       headers=auth)  # fmt: skip
+    wrong = httpx.post(
+        gw.url + "/t/r0/reward", json={"final_reward": 1.0, "turn_rewards": [1.0]}, headers=auth
+    )
     assert wrong.status_code == 409 and "1 turn rewards for 2" in wrong.json()["error"]["message"]
     assert store.episode("r0", fields=[])["reward"].tolist() == [0.0, 0.0]
     bad = httpx.post(gw.url + "/t/r0/reward", json={"final_reward": "1"}, headers=auth)
@@ -383,8 +432,11 @@ def test_auth_limits_and_upstream_failures(stack):
             model="sim", messages=[{"role": "user", "content": "hi"}]
         )
     # The agents' token does not open the reward endpoint, which has its own.
-    r = httpx.post(gw.url + "/t/a/reward", json={"final_reward": 1.0},
-                   headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+    r = httpx.post(
+        gw.url + "/t/a/reward",
+        json={"final_reward": 1.0},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     # An upstream error is passed through as it came and recorded as nothing.
     with pytest.raises(openai.InternalServerError, match="model overloaded"):
@@ -401,11 +453,24 @@ def test_auth_limits_and_upstream_failures(stack):
     # An upstream that does not answer: 502 in OpenAI's shape.
     down = free_port()
     gw2 = Proc(
-        [sys.executable, "-m", "orchestrator.cli.main", "--redis-url", stack["redis_url"],
-         "gateway", "--upstream", f"http://127.0.0.1:{down}", "--namespace", namespace,
-         "--port", str(p := free_port())],
-        p, stack["tokenizer"].parent / "gw-down.log", {"CLAW_GATEWAY_TOKEN": TOKEN},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli.main",
+            "--redis-url",
+            stack["redis_url"],
+            "gateway",
+            "--upstream",
+            f"http://127.0.0.1:{down}",
+            "--namespace",
+            namespace,
+            "--port",
+            str(p := free_port()),
+        ],
+        p,
+        stack["tokenizer"].parent / "gw-down.log",
+        {"CLAW_GATEWAY_TOKEN": TOKEN},
+    )
     try:
         with pytest.raises(openai.APIStatusError, match=r"upstream .* failed") as e:
             client(gw2, "d").chat.completions.create(
@@ -437,8 +502,16 @@ def test_capture_refuses_what_it_cannot_record(stack):
     answers it and counts it under claw_gateway_unrecorded_calls)."""
     retok = Retokenizer(stack["tokenizer"])
     piece = retok.tok.decode(retok.encode(" answer")[:1])  # one token of the vocabulary
-    reply = {"model": "m", "choices": [{"index": 0, "message": {"content": piece},
-             "logprobs": {"content": [{"token": piece, "logprob": -0.5}]}}]}  # fmt: skip
+    reply = {
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"content": piece},
+                "logprobs": {"content": [{"token": piece, "logprob": -0.5}]},
+            }
+        ],
+    }
     request = {"messages": [{"role": "user", "content": "hello"}]}
     raw = json.dumps(reply).encode()
     with pytest.raises(CaptureError, match="no token ids and no tokenizer"):
@@ -461,8 +534,10 @@ def test_recorded_logprobs_are_the_models(stack, tmp_path):
     port = free_port()
     model_upstream = Proc(
         [sys.executable, "-m", "tests.llm_upstream", str(port), str(stack["tokenizer"]), "model"],
-        port, tmp_path / "model.log", {},
-    )  # fmt: skip
+        port,
+        tmp_path / "model.log",
+        {},
+    )
     namespace = f"gw-model-{uuid.uuid4().hex[:8]}"
     try:
         gw = stack["gateway"](namespace, upstream_url=model_upstream.url)
@@ -470,8 +545,10 @@ def test_recorded_logprobs_are_the_models(stack, tmp_path):
         messages = [{"role": "user", "content": "What is 2 plus 2?"}]
         for _ in range(2):
             r = c.chat.completions.create(model="tiny", messages=messages)
-            messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                         {"role": "user", "content": "and 3 plus 4?"}]  # fmt: skip
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": "and 3 plus 4?"},
+            ]
         got = wait_steps(Store(stack["redis_url"], namespace), "m", 2)
     finally:
         model_upstream.stop()

@@ -24,9 +24,10 @@ async def serve(handler) -> tuple[asyncio.Server, str, list[int]]:
             except (asyncio.IncompleteReadError, ConnectionError):
                 break
             length = next(
-                int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
                 if line.lower().startswith(b"content-length")
-            )  # fmt: skip
+            )
             await reader.readexactly(length)
             reply = handler(len(conns))
             if reply is None:
@@ -44,8 +45,9 @@ async def serve(handler) -> tuple[asyncio.Server, str, list[int]]:
 
 def plain(body: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
-        len(body), body,
-    )  # fmt: skip
+        len(body),
+        body,
+    )
 
 
 CHUNKED = (
@@ -61,8 +63,10 @@ def test_keep_alive_reuse_and_chunked_bodies():
         up = Upstream(url)
         r = await up.post("/v1/x", b"{}", "application/json")
         assert (r.status, r.headers["content-type"], await r.read()) == (
-            200, "application/json", b'{"a":1}',
-        )  # fmt: skip
+            200,
+            "application/json",
+            b'{"a":1}',
+        )
         await r.close()
         r = await up.post("/v1/x", b"{}", "application/json")
         assert await r.read() == b"data: 1\ndata: 2\n"

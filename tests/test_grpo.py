@@ -23,10 +23,14 @@ FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "response_mask", "t
 
 
 def recipe(k: int = 2, n: int = 4, **sampler) -> Recipe:
-    return Recipe.model_validate({
-        "name": "grpo", "batch_size": k, "fields": FIELDS,
-        "sources": [{"name": "s", "sampler": {"kind": "group", "group_size": n, **sampler}}],
-    })  # fmt: skip
+    return Recipe.model_validate(
+        {
+            "name": "grpo",
+            "batch_size": k,
+            "fields": FIELDS,
+            "sources": [{"name": "s", "sampler": {"kind": "group", "group_size": n, **sampler}}],
+        }
+    )
 
 
 @pytest.fixture
@@ -203,8 +207,9 @@ def session(p2=P2) -> dict:
 
 
 def one_group(returns=(2.0, 2.0, 2.0), group=(0, 0, 0)) -> Groups:
-    return Groups(np.array(group, np.int32), np.zeros(3, np.int32),
-                  np.array(returns, np.float32), ("g",), 0)  # fmt: skip
+    return Groups(
+        np.array(group, np.int32), np.zeros(3, np.int32), np.array(returns, np.float32), ("g",), 0
+    )
 
 
 def test_transition_collation_equals_the_hand_built_reference():
@@ -284,11 +289,20 @@ def test_pop_returns_token_batches_within_the_staleness_bound(redis_url, workers
         e["version"] = 0 if e["key"] < 1003 else 1
     st.commit(turns_batch(events))
     spec = {
-        "name": "llm", "batch_size": 2, "fields": FIELDS, "params": {"min_version": 0},
-        "sources": [{"name": "s", "where": "policy_version >= $min_version",
-                     "sampler": {"kind": "group", "group_size": 4}}],
-        "tokens": {"mode": "trajectory", "pad_multiple": 8}, "prefetch": {"depth": 2},
-    }  # fmt: skip
+        "name": "llm",
+        "batch_size": 2,
+        "fields": FIELDS,
+        "params": {"min_version": 0},
+        "sources": [
+            {
+                "name": "s",
+                "where": "policy_version >= $min_version",
+                "sampler": {"kind": "group", "group_size": 4},
+            }
+        ],
+        "tokens": {"mode": "trajectory", "pad_multiple": 8},
+        "prefetch": {"depth": 2},
+    }
     with BatchClient(namespace, redis_url=redis_url) as client:
         client.register(spec)
         b = client.pop("llm", timeout=60)
@@ -310,16 +324,31 @@ def test_pop_returns_token_batches_within_the_staleness_bound(redis_url, workers
     ("change", "message"),
     [
         ({"sources": [{"name": "s", "sampler": {"kind": "group"}}]}, "group_size: required"),
-        ({"sources": [{"name": "s", "sampler": {"kind": "uniform", "once": True}}]},
-         "once: only for kind: group"),
-        ({"sources": [{"name": "s", "sampler": {"kind": "group", "group_size": 2,
-                                                "passes": 1}}]}, "passes: only with once"),
-        ({"sources": [{"name": "s", "sampler": {"kind": "group", "group_size": 2}},
-                      {"name": "u"}]}, "cannot be mixed"),
+        (
+            {"sources": [{"name": "s", "sampler": {"kind": "uniform", "once": True}}]},
+            "once: only for kind: group",
+        ),
+        (
+            {
+                "sources": [
+                    {"name": "s", "sampler": {"kind": "group", "group_size": 2, "passes": 1}}
+                ]
+            },
+            "passes: only with once",
+        ),
+        (
+            {
+                "sources": [
+                    {"name": "s", "sampler": {"kind": "group", "group_size": 2}},
+                    {"name": "u"},
+                ]
+            },
+            "cannot be mixed",
+        ),
         ({"fields": ["prompt_ids"], "tokens": {}}, "fields must include response_ids"),
         ({"sources": [{"name": "u"}], "tokens": {"mode": "trajectory"}}, "needs whole groups"),
     ],
-)  # fmt: skip
+)
 def test_recipe_errors_name_the_cause(change, message):
     data = {**recipe().model_dump(exclude={"version"}), **change}
     with pytest.raises(ValueError, match=message):
@@ -375,8 +404,11 @@ def run_toy(redis_url: str, namespace: str, *args: str, timeout: float = 300) ->
     env.pop("CLAW_BROKER_URL", None)
     proc = subprocess.run(
         [sys.executable, str(root / "examples" / "grpo_toy.py"), "--namespace", namespace, *args],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return proc.stdout
 
@@ -386,8 +418,18 @@ def test_grpo_toy_loop_runs_and_groups_arrive_complete(redis_url, workers, names
     every turn and takes every reward; the trainer pops complete groups from Claw."""
     import re
 
-    out = run_toy(redis_url, namespace, "--updates", "4", "--groups", "4", "--group-size", "4",
-                  "--agents", "8")  # fmt: skip
+    out = run_toy(
+        redis_url,
+        namespace,
+        "--updates",
+        "4",
+        "--groups",
+        "4",
+        "--group-size",
+        "4",
+        "--agents",
+        "8",
+    )
     lines = [ln for ln in out.splitlines() if ln.startswith("update ")]
     assert len(lines) == 4, out
     assert all(" 4 groups of [4] trajectories" in ln for ln in lines), out

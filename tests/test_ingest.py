@@ -33,8 +33,14 @@ def test_vector_round_trip_bit_exact(redis_url, broker_url, namespace, ingest_wo
         with ing.episode(episode_id=f"ep{e}", task_id="reach", agent_id="a1", level=e) as ep:
             for t in range(50):
                 last = t == 49
-                ep.add(obs[e, t], np.int64(t % 4), float(t), terminated=last,
-                       next_obs=obs[e, t] + 1 if last else None, skill_tag="s")  # fmt: skip
+                ep.add(
+                    obs[e, t],
+                    np.int64(t % 4),
+                    float(t),
+                    terminated=last,
+                    next_obs=obs[e, t] + 1 if last else None,
+                    skill_tag="s",
+                )
     res = ing.close()
     assert res.committed == 150 and res.rejected == 0
     store = Store(redis_url, namespace)
@@ -61,8 +67,13 @@ def test_image_round_trip_and_next_obs_stored_once(
     with ing.episode(episode_id="img") as ep:
         for t in range(n):
             last = t == n - 1
-            ep.add(frames[t], np.int64(1), 0.5, next_obs=frames[t + 1] if last else None,
-                   truncated=last)  # fmt: skip
+            ep.add(
+                frames[t],
+                np.int64(1),
+                0.5,
+                next_obs=frames[t + 1] if last else None,
+                truncated=last,
+            )
     assert ing.close().committed == n
     used = sum(r.memory_usage(k) for k in r.scan_iter(f"claw:{{{namespace}*"))
     # Stored once: ~21,168 bytes a step (plus part-filled chunks), not twice that.
@@ -81,9 +92,15 @@ def test_ragged_token_steps_round_trip(redis_url, broker_url, namespace, ingest_
     logps = [rng.standard_normal(k).astype(np.float32) for k in lens[::-1]]
     with ing.episode(episode_id="chat", task_id="math", reward_source="verifier") as ep:
         for t in range(30):
-            ep.add(np.zeros(4, np.float32), np.int64(0), float(t % 2), prompt_ids=prompts[t],
-                   logprobs=logps[t], terminated=t == 29,
-                   next_obs=np.zeros(4, np.float32) if t == 29 else None)  # fmt: skip
+            ep.add(
+                np.zeros(4, np.float32),
+                np.int64(0),
+                float(t % 2),
+                prompt_ids=prompts[t],
+                logprobs=logps[t],
+                terminated=t == 29,
+                next_obs=np.zeros(4, np.float32) if t == 29 else None,
+            )
     assert ing.close().committed == 30
     store = Store(redis_url, namespace)
     assert store.schema().fields["prompt_ids"].ragged
@@ -99,13 +116,18 @@ def test_add_batch_vectorized_and_claim_check(redis_url, broker_url, namespace, 
     rng = np.random.default_rng(3)
     obs = rng.standard_normal((n, 8)).astype(np.float32)
     ing = _ingestor(redis_url, broker_url, namespace, flush_steps=2048, claim_check_bytes=16 * 1024)
-    ing.add_batch({
-        "obs": obs, "action": rng.integers(0, 4, n), "reward": rng.standard_normal(n),
-        "episode_id": np.repeat(np.arange(10).astype(str), n // 10),
-        "step_index": np.tile(np.arange(n // 10), 10), "task_id": "t",
-        "terminated": np.tile(np.arange(n // 10) == n // 10 - 1, 10),
-        "tags": {"difficulty": 0.5},
-    })  # fmt: skip
+    ing.add_batch(
+        {
+            "obs": obs,
+            "action": rng.integers(0, 4, n),
+            "reward": rng.standard_normal(n),
+            "episode_id": np.repeat(np.arange(10).astype(str), n // 10),
+            "step_index": np.tile(np.arange(n // 10), 10),
+            "task_id": "t",
+            "terminated": np.tile(np.arange(n // 10) == n // 10 - 1, 10),
+            "tags": {"difficulty": 0.5},
+        }
+    )
     assert ing.close().committed == n
     assert not list(r.scan_iter(f"claw:{{{namespace}:0}}:stage:*"))  # claim checks cleaned up
     store = Store(redis_url, namespace)
@@ -124,11 +146,13 @@ def test_same_message_twice_stores_once(redis_url, broker_url, namespace, ingest
     from claw_tasks.format.batch import StepBatch, StrColumn
 
     batch = StepBatch(
-        episode=StrColumn.constant("x", 20), step_index=np.arange(20),
-        reward=np.ones(20, np.float32), terminated=np.zeros(20, bool),
+        episode=StrColumn.constant("x", 20),
+        step_index=np.arange(20),
+        reward=np.ones(20, np.float32),
+        terminated=np.zeros(20, bool),
         truncated=np.zeros(20, bool),
         fields={"obs": np.ones((20, 8), np.float32), "action": np.zeros(20, np.int64)},
-    )  # fmt: skip
+    )
     store = Store(redis_url, namespace)
     args = send_unchecked(redis_url, store, batch, broker_url=broker_url)
     assert outcome(store, batch.batch_id).committed == 20
@@ -152,8 +176,13 @@ def test_sharded_namespace(redis_url, broker_url, namespace, ingest_worker, n_sh
             for t in range(20):
                 last = t == 19
                 nx = np.zeros(2, np.float32) if last else None
-                ep.add(np.full(2, e * 100 + t, np.float32), np.int64(e), 0.0, terminated=last,
-                       next_obs=nx)  # fmt: skip
+                ep.add(
+                    np.full(2, e * 100 + t, np.float32),
+                    np.int64(e),
+                    0.0,
+                    terminated=last,
+                    next_obs=nx,
+                )
     assert ing.close().committed == 240
     store = Store(redis_url, namespace)
     assert store.count() == 240
@@ -192,11 +221,15 @@ def test_a_batch_over_capacity_is_sent_in_parts(
     obs = np.arange(n, dtype=np.uint8 if image else np.float32)
     names = {episode_code(f"e{i}") % n_shards: f"e{i}" for i in range(16)}  # one per shard
     episodes = [names[i % n_shards] for i in range(n)]
-    ing.add_batch({
-        "obs": np.broadcast_to(obs.reshape(-1, *[1] * len(obs_shape)), (n, *obs_shape)).copy(),
-        "action": np.zeros(n, np.int64), "reward": np.arange(n, dtype=np.float32),
-        "episode_id": episodes, "step_index": np.arange(n),
-    })  # fmt: skip
+    ing.add_batch(
+        {
+            "obs": np.broadcast_to(obs.reshape(-1, *[1] * len(obs_shape)), (n, *obs_shape)).copy(),
+            "action": np.zeros(n, np.int64),
+            "reward": np.arange(n, dtype=np.float32),
+            "episode_id": episodes,
+            "step_index": np.arange(n),
+        }
+    )
     res = ing.close()
     assert (res.committed + res.expired, res.rejected, res.errors) == (n, 0, [])
     store = Store(redis_url, namespace)
@@ -229,11 +262,13 @@ def test_the_worker_refuses_a_batch_over_capacity_with_a_dead_letter(
     assert ing.close().committed == 10
     n = 250
     batch = StepBatch(
-        episode=StrColumn.constant("big", n), step_index=np.arange(n),
-        reward=np.ones(n, np.float32), terminated=np.zeros(n, bool),
+        episode=StrColumn.constant("big", n),
+        step_index=np.arange(n),
+        reward=np.ones(n, np.float32),
+        terminated=np.zeros(n, bool),
         truncated=np.zeros(n, bool),
         fields={"obs": np.ones((n, 8), np.float32), "action": np.zeros(n, np.int64)},
-    )  # fmt: skip
+    )
     store = Store(redis_url, namespace)
     send_unchecked(redis_url, store, batch, broker_url=broker_url)
     got = outcome(store, batch.batch_id)

@@ -23,8 +23,14 @@ def test_worker_sigkill_mid_stream_stores_every_step_once(redis_url, namespace, 
     # A short visibility timeout so the unacked messages of the dead worker come back soon.
     env = {"CLAW_VISIBILITY_TIMEOUT": "3"}
     w1 = start_worker("ingest", 1, **env)
-    ing = Ingestor(namespace, redis_url, flush_steps=50, flush_interval=None,
-                   claim_check_bytes=2048, resend_after=5)  # fmt: skip
+    ing = Ingestor(
+        namespace,
+        redis_url,
+        flush_steps=50,
+        flush_interval=None,
+        claim_check_bytes=2048,
+        resend_after=5,
+    )
     n_eps, n_steps = 40, 100
     total = n_eps * n_steps
 
@@ -32,8 +38,13 @@ def test_worker_sigkill_mid_stream_stores_every_step_once(redis_url, namespace, 
         for e in episodes:
             with ing.episode(episode_id=f"e{e}") as ep:
                 for t in range(n_steps):
-                    ep.add(_obs(e, t), np.int64(t), float(t), terminated=t == n_steps - 1,
-                           next_obs=_obs(e, t + 1) if t == n_steps - 1 else None)  # fmt: skip
+                    ep.add(
+                        _obs(e, t),
+                        np.int64(t),
+                        float(t),
+                        terminated=t == n_steps - 1,
+                        next_obs=_obs(e, t + 1) if t == n_steps - 1 else None,
+                    )
 
     # Three quarters go out before the kill, the rest after it: the kill lands mid-stream
     # however fast or slow the worker is (no race between this loop and the worker).
@@ -97,8 +108,9 @@ def test_client_rejects_bad_steps_and_keeps_the_rest(ing, redis_url, namespace, 
 
 
 def test_client_rejects_oversize_step(redis_url, namespace, ingest_worker):
-    ing = Ingestor(namespace, redis_url, flush_interval=None, ragged=("tokens",),
-                   max_step_bytes=1000)  # fmt: skip
+    ing = Ingestor(
+        namespace, redis_url, flush_interval=None, ragged=("tokens",), max_step_bytes=1000
+    )
     with ing.episode(episode_id="long") as ep:
         ep.add(np.zeros(2, np.float32), np.int64(0), 0.0, tokens=np.arange(10, dtype=np.int32))
         with pytest.raises(
@@ -114,10 +126,13 @@ def test_client_rejects_oversize_step(redis_url, namespace, ingest_worker):
 
 def _raw_batch(n: int, obs: np.ndarray, reward: np.ndarray) -> StepBatch:
     return StepBatch(
-        episode=StrColumn.constant("raw", n), step_index=np.arange(n), reward=reward,
-        terminated=np.zeros(n, bool), truncated=np.zeros(n, bool),
+        episode=StrColumn.constant("raw", n),
+        step_index=np.arange(n),
+        reward=reward,
+        terminated=np.zeros(n, bool),
+        truncated=np.zeros(n, bool),
         fields={"obs": obs, "action": np.zeros(n, np.int64)},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("n", [10, 5000])  # inline message, and payload written in place

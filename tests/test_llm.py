@@ -24,8 +24,11 @@ def test_preset_fields_and_tags():
         "response_mask": ("|u1", (None,)),
     }
     assert dict(s.tags) == {
-        "prompt_uid": "num", "final_reward": "num", "retokenized": "num", "dataset": "str",
-    }  # fmt: skip
+        "prompt_uid": "num",
+        "final_reward": "num",
+        "retokenized": "num",
+        "dataset": "str",
+    }
     assert "response_mask" not in Schema.llm().fields
     assert Schema.from_dict(s.to_dict()) == s
 
@@ -45,8 +48,7 @@ def test_spread_rewards_rule():
 
 
 def test_turns_round_trip_and_rewards_reach_the_index(redis_url, namespace, ingest_worker):
-    ing = Ingestor(namespace, redis_url, schema=Schema.llm(response_mask=True),
-                   flush_interval=None)  # fmt: skip
+    ing = Ingestor(namespace, redis_url, schema=Schema.llm(response_mask=True), flush_interval=None)
     rng = np.random.default_rng(0)
     sent = {}
     for traj, group in (("a", "g1"), ("b", "g1"), ("c", "g2")):
@@ -56,10 +58,17 @@ def test_turns_round_trip_and_rewards_reach_the_index(redis_url, namespace, inge
             lp = (-rng.random(4)).astype(np.float32).tolist()
             sent[traj, turn] = (p, r, lp)
             ing.llm_turn(
-                traj, turn, p, r, lp, prompt_uid=group, response_mask=[1, 1, 0, 1],
-                policy_version=7, messages=[{"role": "user", "content": f"hi {turn}"}],
+                traj,
+                turn,
+                p,
+                r,
+                lp,
+                prompt_uid=group,
+                response_mask=[1, 1, 0, 1],
+                policy_version=7,
+                messages=[{"role": "user", "content": f"hi {turn}"}],
                 dataset="toy",
-            )  # fmt: skip
+            )
     with pytest.raises(SchemaError, match="3 response_logprobs for 4 response_ids"):
         ing.llm_turn("x", 0, [1], [1, 2, 3, 4], [-0.1] * 3)
     with pytest.raises(SchemaError, match="finite values <= 0"):
@@ -111,8 +120,9 @@ def test_episode_index_finds_turns_without_the_column(own_redis_url, namespace, 
 
     worker = Worker(own_redis_url, "ingest", 1, tmp_path / "worker.log", {})
     try:
-        ing = Ingestor(namespace, own_redis_url, schema=Schema.llm(), capacity=16,
-                       flush_interval=None)  # fmt: skip
+        ing = Ingestor(
+            namespace, own_redis_url, schema=Schema.llm(), capacity=16, flush_interval=None
+        )
         store = ing.store
         store.set_episode_index()
         for turn in (1, 0, 2):  # committed out of order, interleaved with other trajectories

@@ -18,11 +18,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def _load_run(duration: int, tmp_path: Path) -> dict:
     report = tmp_path / "load.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "load.py"), "--duration", str(duration),
-         "--json", str(report), "--log-dir", str(tmp_path / "logs")],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "load.py"),
+            "--duration",
+            str(duration),
+            "--json",
+            str(report),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
         timeout=duration + 900,
-    )  # fmt: skip
+    )
     assert report.exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(report.read_text())
 

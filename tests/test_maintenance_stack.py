@@ -37,8 +37,9 @@ def test_schedule_defaults_and_overrides():
     names = entries({})
     assert names["claw-archive"] == {"task": "claw.maintenance.archive", "cron": "0 3 * * *"}
     assert names["claw-evict"]["every"] == 30
-    sched = beat_schedule({"CLAW_SCHEDULE": '{"claw-archive": {"cron": "30 1 * * *"}, '
-                                            '"claw-refill": null}'})  # fmt: skip
+    sched = beat_schedule(
+        {"CLAW_SCHEDULE": '{"claw-archive": {"cron": "30 1 * * *"}, "claw-refill": null}'}
+    )
     assert "claw-refill" not in sched
     assert sched["claw-archive"]["schedule"].hour == {1} and sched["claw-archive"]["task"]
     with pytest.raises(ScheduleError, match="is new: give its task"):
@@ -56,19 +57,27 @@ def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker
     store.set_priority_rules({"unsampled_boost": 1.0})
     start_worker("maintenance")
     log = tmp_path / "beat.log"
-    beat = _spawn(["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"], redis_url, log,
-                  CLAW_SCHEDULE=FAST)  # fmt: skip
+    beat = _spawn(
+        ["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"], redis_url, log, CLAW_SCHEDULE=FAST
+    )
     try:
         _wait(lambda: store.evictions()["ttl"] == 30, "beat did not run eviction", log)
         _wait(lambda: store.r.hexists(store.keys.base + "prio", "last"), "no recomputation", log)
         assert store.count() == 20
         assert (store.episode("ep2", fields=[])["priority"] == 1.0).all()  # boosted
-        env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT),
-               "CLAW_SCHEDULE": FAST}  # fmt: skip
+        env = {
+            **os.environ,
+            "CLAW_REDIS_URL": redis_url,
+            "PYTHONPATH": str(ROOT),
+            "CLAW_SCHEDULE": FAST,
+        }
         out = subprocess.run(
             [sys.executable, "-m", "orchestrator.cli.main", "schedule", "--json"],
-            env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         shown = {e["name"]: e for e in json.loads(out.stdout)}
         archive = shown["claw-archive"]
@@ -83,8 +92,9 @@ def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker
         forget(namespace)
 
 
-def test_a_failing_maintenance_task_is_failed_in_flower(redis_url, namespace, start_worker,
-                                                        tmp_path):  # fmt: skip
+def test_a_failing_maintenance_task_is_failed_in_flower(
+    redis_url, namespace, start_worker, tmp_path
+):
     store = Store(redis_url, namespace)
     store.create(capacity=1000)
     store.commit(batch(episode(1, 10)))
@@ -92,8 +102,12 @@ def test_a_failing_maintenance_task_is_failed_in_flower(redis_url, namespace, st
     start_worker("maintenance")
     port = _free_port()
     log = tmp_path / "flower.log"
-    flower = _spawn(["flower", f"--port={port}", "--address=127.0.0.1"], redis_url, log,
-                    FLOWER_BASIC_AUTH="claw:secret")  # fmt: skip
+    flower = _spawn(
+        ["flower", f"--port={port}", "--address=127.0.0.1"],
+        redis_url,
+        log,
+        FLOWER_BASIC_AUTH="claw:secret",
+    )
     auth = "Basic " + base64.b64encode(b"claw:secret").decode()
 
     def get(path: str) -> dict:

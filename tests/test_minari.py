@@ -60,8 +60,16 @@ def test_minari_round_trip(redis_url, namespace, tmp_path, ingest_worker, monkey
     for ep in dataset:
         name = dataset.storage.get_episode_metadata([ep.id]).__next__()["claw_episode_id"]
         a, b = src.episode(name), back.episode(name)
-        for key in ("obs", "action", "reward", "terminated", "truncated", "next_obs",
-                    "step_index", "has_next_obs"):  # fmt: skip
+        for key in (
+            "obs",
+            "action",
+            "reward",
+            "terminated",
+            "truncated",
+            "next_obs",
+            "step_index",
+            "has_next_obs",
+        ):
             assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
         assert set(a["tags.origin"]) == {"online"} and set(b["tags.origin"]) == {"offline"}
     # Imported again: nothing stored twice.

@@ -16,9 +16,11 @@ from orchestrator.recipe.model import Recipe, RecipeError
 from tests.test_cli import fill
 
 VECTOR = {
-    "name": "r", "batch_size": 4, "fields": ["obs", "action", "reward", "next_obs"],
+    "name": "r",
+    "batch_size": 4,
+    "fields": ["obs", "action", "reward", "next_obs"],
     "sources": [{"name": "all"}],
-}  # fmt: skip
+}
 
 
 def test_an_augment_op_that_cannot_apply_is_refused_at_register(redis_url, namespace):

@@ -35,8 +35,13 @@ def _ingest_images(url: str, broker: str, ns: str, frames: np.ndarray, episodes:
             for t in range(per):
                 i = e * per + t
                 last = t == per - 1
-                ep.add(frames[i], np.int64(t % 3), float(t), terminated=last,
-                       next_obs=frames[i] if last else None)  # fmt: skip
+                ep.add(
+                    frames[i],
+                    np.int64(t % 3),
+                    float(t),
+                    terminated=last,
+                    next_obs=frames[i] if last else None,
+                )
     assert ing.close().committed == per * episodes
 
 
@@ -56,13 +61,16 @@ def test_batches_arrive_augmented_and_consistent(redis_url, broker_url, namespac
     frames = _frames(240)
     _ingest_images(redis_url, broker_url, namespace, frames, episodes=4)
     client = BatchClient(namespace, redis_url, broker_url=broker_url)
-    recipe = client.register({
-        "name": "drq", "batch_size": 32,
-        "fields": ["obs", "action", "reward", "next_obs", "terminated"],
-        "sources": [{"name": "all", "where": {"task_id": "grasp"}}],
-        "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"},
-        "prefetch": {"depth": 3},
-    })  # fmt: skip
+    recipe = client.register(
+        {
+            "name": "drq",
+            "batch_size": 32,
+            "fields": ["obs", "action", "reward", "next_obs", "terminated"],
+            "sources": [{"name": "all", "where": {"task_id": "grasp"}}],
+            "augment": {"obs": [{"random_shift": {"pad": 4}}], "next_obs": "same"},
+            "prefetch": {"depth": 3},
+        }
+    )
     assert recipe.version == 1
     store = Store(redis_url, namespace)
     shifted = 0
@@ -86,11 +94,15 @@ def test_batches_arrive_augmented_and_consistent(redis_url, broker_url, namespac
 
 def _ingest_vectors(url: str, broker: str, ns: str, n: int, start: int = 0) -> None:
     ing = Ingestor(ns, url, broker_url=broker, flush_interval=None, flush_steps=4096)
-    ing.add_batch({
-        "obs": np.arange(start, start + n, dtype=np.float32)[:, None].repeat(8, 1),
-        "action": np.zeros(n, np.int64), "reward": np.ones(n, np.float32),
-        "episode_id": f"v{start}", "step_index": np.arange(n),
-    })  # fmt: skip
+    ing.add_batch(
+        {
+            "obs": np.arange(start, start + n, dtype=np.float32)[:, None].repeat(8, 1),
+            "action": np.zeros(n, np.int64),
+            "reward": np.ones(n, np.float32),
+            "episode_id": f"v{start}",
+            "step_index": np.arange(n),
+        }
+    )
     assert ing.close().committed == n
 
 
@@ -102,9 +114,13 @@ REDIS_BROKER = pytest.mark.both_brokers(brokers=["redis"])
 
 def _vector_recipe(name: str, **extra) -> dict:
     return {
-        "name": name, "batch_size": 64, "fields": ["obs", "reward"],
-        "sources": [{"name": "all"}], "prefetch": {"depth": 2}, **extra,
-    }  # fmt: skip
+        "name": name,
+        "batch_size": 64,
+        "fields": ["obs", "reward"],
+        "sources": [{"name": "all"}],
+        "prefetch": {"depth": 2},
+        **extra,
+    }
 
 
 @pytest.mark.both_stores
@@ -259,10 +275,15 @@ def test_llm_namespace_ragged_and_string_fields_pop(redis_url, broker_url, names
 
     llm_store(redis_url, namespace)
     client = BatchClient(namespace, redis_url, broker_url=broker_url)
-    client.register({
-        "name": "llm", "batch_size": 8, "fields": ["prompt_ids", "reward", "task_id", "info"],
-        "sources": [{"name": "all"}], "prefetch": {"depth": 2},
-    })  # fmt: skip
+    client.register(
+        {
+            "name": "llm",
+            "batch_size": 8,
+            "fields": ["prompt_ids", "reward", "task_id", "info"],
+            "sources": [{"name": "all"}],
+            "prefetch": {"depth": 2},
+        }
+    )
     batch = client.pop("llm", timeout=60)
     lengths = batch["prompt_ids_lengths"]
     assert batch["prompt_ids"].shape == (8, lengths.max())
@@ -281,11 +302,16 @@ def _images_store(url: str, ns: str, n: int = 64) -> Store:
 
     store = Store(url, ns)
     store.create(capacity=1000)
-    store.commit(StepBatch(
-        episode=StrColumn.constant("e", n), step_index=np.arange(n),
-        reward=np.arange(n, dtype=np.float32), terminated=np.arange(n) == n - 1,
-        truncated=np.zeros(n, bool), fields={"obs": _frames(n)},
-    ))  # fmt: skip
+    store.commit(
+        StepBatch(
+            episode=StrColumn.constant("e", n),
+            step_index=np.arange(n),
+            reward=np.arange(n, dtype=np.float32),
+            terminated=np.arange(n) == n - 1,
+            truncated=np.zeros(n, bool),
+            fields={"obs": _frames(n)},
+        )
+    )
     return store
 
 
@@ -301,8 +327,15 @@ def test_pop_drops_batches_of_older_versions(redis_url, broker_url, namespace, w
 
     _images_store(redis_url, namespace)
     client = BatchClient(namespace, redis_url, broker_url=broker_url)
-    client.register({"name": "v", "batch_size": 16, "fields": ["obs", "reward"],
-                     "sources": [{"name": "all"}], "prefetch": {"depth": 2}})  # fmt: skip
+    client.register(
+        {
+            "name": "v",
+            "batch_size": 16,
+            "fields": ["obs", "reward"],
+            "sources": [{"name": "all"}],
+            "prefetch": {"depth": 2},
+        }
+    )
     assert client.pop("v", timeout=60).recipe_version == 1
     assert client.set_params("v", k=1).version == 2
     # A fill that was still sampling version 1 pushes after the drain.
@@ -318,16 +351,25 @@ def test_pop_drops_batches_of_older_versions(redis_url, broker_url, namespace, w
     r.lpush(client.registry.queue("v"), encode_batch({}, [1], recipe_version=2))
     assert client.pop("v", timeout=60).recipe_version == 3
     other.unregister("v")  # registered anew elsewhere: versions start again at 1
-    assert other.register({"name": "v", "batch_size": 16, "fields": ["obs"],
-                           "sources": [{"name": "all"}]}).version == 1  # fmt: skip
+    assert (
+        other.register(
+            {"name": "v", "batch_size": 16, "fields": ["obs"], "sources": [{"name": "all"}]}
+        ).version
+        == 1
+    )
     assert client.pop("v", timeout=60).recipe_version == 1
 
 
 @pytest.mark.both_brokers
 def test_readers_on_two_hosts_share_a_recipe_inline(redis_url, broker_url, namespace, workers, r):
     _images_store(redis_url, namespace)
-    spec = {"name": "mh", "batch_size": 16, "fields": ["obs"], "sources": [{"name": "all"}],
-            "prefetch": {"depth": 2}}  # fmt: skip
+    spec = {
+        "name": "mh",
+        "batch_size": 16,
+        "fields": ["obs"],
+        "sources": [{"name": "all"}],
+        "prefetch": {"depth": 2},
+    }
     here = BatchClient(namespace, redis_url, broker_url=broker_url)
     queue = here.registry.queue("mh")
     assert here.register(spec).version == 1

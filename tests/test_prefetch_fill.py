@@ -59,9 +59,15 @@ def llm_store(url: str, ns: str, episodes: int = 3, length: int = 5) -> Store:
 
 def recipe(name: str, fields: list[str], **kw) -> Recipe:
     return Recipe.model_validate(
-        {"name": name, "batch_size": 8, "fields": fields, "sources": [{"name": "all"}],
-         "prefetch": {"depth": 2}, **kw}
-    )  # fmt: skip
+        {
+            "name": name,
+            "batch_size": 8,
+            "fields": fields,
+            "sources": [{"name": "all"}],
+            "prefetch": {"depth": 2},
+            **kw,
+        }
+    )
 
 
 def queued(reg: Registry, name: str) -> list:
@@ -115,11 +121,16 @@ def test_augmentation_state_survives_new_versions(redis_url, namespace):
     store = Store(redis_url, namespace)
     store.create(capacity=100)
     n = 50
-    store.commit(StepBatch(
-        episode=StrColumn.constant("e", n), step_index=np.arange(n),
-        reward=np.zeros(n, np.float32), terminated=np.zeros(n, bool),
-        truncated=np.zeros(n, bool), fields={"obs": np.ones((n, 3), np.float32)},
-    ))  # fmt: skip
+    store.commit(
+        StepBatch(
+            episode=StrColumn.constant("e", n),
+            step_index=np.arange(n),
+            reward=np.zeros(n, np.float32),
+            terminated=np.zeros(n, bool),
+            truncated=np.zeros(n, bool),
+            fields={"obs": np.ones((n, 3), np.float32)},
+        )
+    )
     reg = Registry(store)
     v1 = recipe("norm", ["obs"], augment={"obs": [{"running_normalize": None}]})
     reg.put(v1, None)

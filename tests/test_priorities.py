@@ -76,19 +76,25 @@ def test_a_trainer_write_after_the_pass_started_wins(store):
 def test_a_custom_scorer_changes_the_sampling_distribution(store, start_worker, redis_url):
     n_eps = 40
     store.commit(batch(interleave(*(episode(e, 25) for e in range(n_eps)))))
-    store.set_priority_rules({"scorer": "scorers:by_obs", "fields": ["obs"],
-                              "params": {"high": 9.0}})  # fmt: skip
-    start_worker("maintenance", CLAW_SCORERS="scorers:by_obs",
-                 PYTHONPATH=f"{ROOT / 'tests'}:{ROOT}")  # fmt: skip
+    store.set_priority_rules(
+        {"scorer": "scorers:by_obs", "fields": ["obs"], "params": {"high": 9.0}}
+    )
+    start_worker(
+        "maintenance", CLAW_SCORERS="scorers:by_obs", PYTHONPATH=f"{ROOT / 'tests'}:{ROOT}"
+    )
     sender(redis_url).send_task("claw.maintenance.priorities", queue="maintenance")
     deadline = time.monotonic() + 60
     while not store.r.hexists(store.keys.base + "prio", "last"):
         assert time.monotonic() < deadline, "the pass did not finish"
         time.sleep(0.1)
-    recipe = Recipe.model_validate({
-        "name": "p", "batch_size": 500, "fields": ["obs"],
-        "sources": [{"name": "all", "sampler": {"kind": "priority", "alpha": 1.0}}],
-    })  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": "p",
+            "batch_size": 500,
+            "fields": ["obs"],
+            "sources": [{"name": "all", "sampler": {"kind": "priority", "alpha": 1.0}}],
+        }
+    )
     rng = np.random.default_rng(7)
     odd = draws = 0
     for _ in range(20):

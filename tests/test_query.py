@@ -35,16 +35,27 @@ def data(redis_server) -> tuple[str, dict[str, np.ndarray]]:
         reward = rng.uniform(-1, 1, n).astype(np.float32)
         end = np.zeros(n, bool)
         end[-1] = True
-        store.commit(StepBatch(
-            episode=StrColumn.constant(f"ep{e}", n), step_index=np.arange(n), reward=reward,
-            terminated=end, truncated=np.zeros(n, bool),
-            fields={"obs": rng.standard_normal((n, 3)).astype(np.float32),
-                    "action": rng.integers(0, 2, n)},
-            policy_version=np.full(n, version, np.int32),
-            strs={"task_id": StrColumn.constant(task, n), "agent_id": StrColumn.constant(agent, n)},
-            nums={"t:level": np.full(n, float(e % 4))},
-            next_rows=np.array([n - 1], np.int32), next_obs=np.zeros((1, 3), np.float32),
-        ))  # fmt: skip
+        store.commit(
+            StepBatch(
+                episode=StrColumn.constant(f"ep{e}", n),
+                step_index=np.arange(n),
+                reward=reward,
+                terminated=end,
+                truncated=np.zeros(n, bool),
+                fields={
+                    "obs": rng.standard_normal((n, 3)).astype(np.float32),
+                    "action": rng.integers(0, 2, n),
+                },
+                policy_version=np.full(n, version, np.int32),
+                strs={
+                    "task_id": StrColumn.constant(task, n),
+                    "agent_id": StrColumn.constant(agent, n),
+                },
+                nums={"t:level": np.full(n, float(e % 4))},
+                next_rows=np.array([n - 1], np.int32),
+                next_obs=np.zeros((1, 3), np.float32),
+            )
+        )
         cols["task"] += [task] * n
         cols["agent"] += [agent] * n
         cols["version"] += [version] * n
@@ -68,9 +79,16 @@ def claw(redis_url):
 
 def test_grouped_aggregates_match_numpy(claw, data):
     ns, d = data
-    out = claw("query", ns, "task_id == 'grasp' and reward > 0.5", "--group-by",
-               "task_id,agent_id", "--agg", "count,mean(reward),p95(reward),max(step_index)",
-               "--json")  # fmt: skip
+    out = claw(
+        "query",
+        ns,
+        "task_id == 'grasp' and reward > 0.5",
+        "--group-by",
+        "task_id,agent_id",
+        "--agg",
+        "count,mean(reward),p95(reward),max(step_index)",
+        "--json",
+    )
     doc = json.loads(out.stdout)
     hit = (d["task"] == "grasp") & (d["reward"] > np.float32(0.5))
     assert doc["matched"] == int(hit.sum()) and doc["steps"] == len(d["reward"])
@@ -87,8 +105,17 @@ def test_grouped_aggregates_match_numpy(claw, data):
 
 def test_everything_by_a_numeric_key_and_a_tag(claw, data):
     ns, d = data
-    doc = json.loads(claw("query", ns, "--group-by", "policy_version,tags.level", "--agg",
-                          "count,sum(reward),std(reward)", "--json").stdout)  # fmt: skip
+    doc = json.loads(
+        claw(
+            "query",
+            ns,
+            "--group-by",
+            "policy_version,tags.level",
+            "--agg",
+            "count,sum(reward),std(reward)",
+            "--json",
+        ).stdout
+    )
     assert doc["matched"] == len(d["reward"])
     assert sum(g["count"] for g in doc["groups"]) == len(d["reward"])
     for g in doc["groups"]:
@@ -102,8 +129,17 @@ def test_everything_by_a_numeric_key_and_a_tag(claw, data):
 def test_table_at_80_columns_and_the_histogram(claw, data, tmp_path):
     ns, d = data
     png = tmp_path / "h.png"
-    args = ["policy_version >= 2 and not terminated", "--group-by", "task_id", "--agg",
-            "count,mean(reward)", "--hist", "reward", "--png", str(png)]  # fmt: skip
+    args = [
+        "policy_version >= 2 and not terminated",
+        "--group-by",
+        "task_id",
+        "--agg",
+        "count,mean(reward)",
+        "--hist",
+        "reward",
+        "--png",
+        str(png),
+    ]
     out = claw("query", ns, *args).stdout
     assert png.stat().st_size > 5_000
     assert max(len(line) for line in out.splitlines()) <= 80

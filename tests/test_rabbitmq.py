@@ -42,11 +42,13 @@ def amqp_worker(redis_server, amqp_url, tmp_path_factory) -> Iterator[Worker]:
 
 def _batch(n: int, episode: str) -> StepBatch:
     return StepBatch(
-        episode=StrColumn.constant(episode, n), step_index=np.arange(n),
-        reward=np.ones(n, np.float32), terminated=np.zeros(n, bool),
+        episode=StrColumn.constant(episode, n),
+        step_index=np.arange(n),
+        reward=np.ones(n, np.float32),
+        terminated=np.zeros(n, bool),
         truncated=np.zeros(n, bool),
         fields={"obs": np.ones((n, 8), np.float32), "action": np.zeros(n, np.int64)},
-    )  # fmt: skip
+    )
 
 
 def test_queues_are_durable_quorum_queues(amqp_url, amqp_worker):
@@ -94,10 +96,16 @@ def test_ingest_commit_duplicate_and_hostile(redis_url, namespace, amqp_url, amq
     queue = app.amqp.queues["ingest"]
     with app.producer_or_acquire() as producer:
         publish = lambda data, hdrs: producer.publish(  # noqa: E731
-            data, exchange=queue.exchange, routing_key="ingest", headers=hdrs,
-            content_type="application/x-msgpack", content_encoding="binary", serializer=None,
-            declare=[queue], retry=True,
-        )  # fmt: skip
+            data,
+            exchange=queue.exchange,
+            routing_key="ingest",
+            headers=hdrs,
+            content_type="application/x-msgpack",
+            content_encoding="binary",
+            serializer=None,
+            declare=[queue],
+            retry=True,
+        )
         publish(b"\xc1not msgpack", headers())
         publish(body("not a list"), headers(timelimit="soon"))
         # A message redelivered MAX_DELIVERIES times (forged count: RabbitMQ adds the header
@@ -108,27 +116,42 @@ def test_ingest_commit_duplicate_and_hostile(redis_url, namespace, amqp_url, amq
     assert any(b"delivered 6 times" in x for x in reasons)
     assert amqp_worker.proc.poll() is None
     ing = Ingestor(namespace, redis_url, broker_url=amqp_url, flush_interval=None)
-    ing.add_batch({"obs": np.zeros((5, 8), np.float32), "action": np.zeros(5, np.int64),
-                   "reward": np.ones(5, np.float32), "episode_id": "after",
-                   "step_index": np.arange(5)})  # fmt: skip
+    ing.add_batch(
+        {
+            "obs": np.zeros((5, 8), np.float32),
+            "action": np.zeros(5, np.int64),
+            "reward": np.ones(5, np.float32),
+            "episode_id": "after",
+            "step_index": np.arange(5),
+        }
+    )
     assert ing.close().committed == 5
     assert store.count() == 82
 
 
 def test_prefetch_register_pop_update_priorities(redis_url, namespace, amqp_url, amqp_worker):
     ing = Ingestor(namespace, redis_url, broker_url=amqp_url, flush_interval=None)
-    ing.add_batch({
-        "obs": np.arange(200, dtype=np.float32)[:, None].repeat(8, 1),
-        "action": np.zeros(200, np.int64), "reward": np.ones(200, np.float32),
-        "episode_id": "v", "step_index": np.arange(200),
-    })  # fmt: skip
+    ing.add_batch(
+        {
+            "obs": np.arange(200, dtype=np.float32)[:, None].repeat(8, 1),
+            "action": np.zeros(200, np.int64),
+            "reward": np.ones(200, np.float32),
+            "episode_id": "v",
+            "step_index": np.arange(200),
+        }
+    )
     assert ing.close().committed == 200
     client = BatchClient(namespace, redis_url, broker_url=amqp_url)
     sampler = {"kind": "priority", "alpha": 1.0, "beta": 0.5}
-    client.register({
-        "name": "prio", "batch_size": 64, "fields": ["obs", "reward"],
-        "sources": [{"name": "all", "sampler": sampler}], "prefetch": {"depth": 2},
-    })  # fmt: skip
+    client.register(
+        {
+            "name": "prio",
+            "batch_size": 64,
+            "fields": ["obs", "reward"],
+            "sources": [{"name": "all", "sampler": sampler}],
+            "prefetch": {"depth": 2},
+        }
+    )
     assert client.pop("prio", timeout=60)["obs"].shape == (64, 8)
     ids = Store(redis_url, namespace).episode("v", fields=[])["id"]
     pr = np.full(len(ids), 1e-6, np.float32)
@@ -161,11 +184,27 @@ def test_metrics_queue_depth_on_amqp(redis_url, amqp_url, amqp_worker):
 def test_claw_up_runs_on_rabbitmq(own_redis_url, amqp_url, tmp_path):
     redis_url = own_redis_url
     port = _free_port()
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": amqp_url,
-           "PYTHONPATH": str(ROOT), "COLUMNS": "250"}  # fmt: skip
-    args = [sys.executable, "-m", "orchestrator.cli.main", "up", "--metrics-port", str(port),
-            "--flower-port", str(_free_port()), "--web-port", str(_free_port()),
-            "--log-dir", str(tmp_path)]  # fmt: skip
+    env = {
+        **os.environ,
+        "CLAW_REDIS_URL": redis_url,
+        "CLAW_BROKER_URL": amqp_url,
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "250",
+    }
+    args = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli.main",
+        "up",
+        "--metrics-port",
+        str(port),
+        "--flower-port",
+        str(_free_port()),
+        "--web-port",
+        str(_free_port()),
+        "--log-dir",
+        str(tmp_path),
+    ]
     log = tmp_path / "up.out"
     with log.open("w") as out:
         proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -26,12 +26,24 @@ def client(redis_url, namespace, workers):
     ing = Ingestor(namespace, redis_url, flush_interval=None)
     with ing.episode() as ep:
         for t in range(64):
-            ep.add(np.full(8, t, np.float32), np.int64(0), float(t), terminated=t == 63,
-                   next_obs=np.zeros(8, np.float32) if t == 63 else None)  # fmt: skip
+            ep.add(
+                np.full(8, t, np.float32),
+                np.int64(0),
+                float(t),
+                terminated=t == 63,
+                next_obs=np.zeros(8, np.float32) if t == 63 else None,
+            )
     ing.close()
     c = BatchClient(namespace, redis_url)
-    c.register({"name": "ra", "batch_size": 16, "fields": ["obs", "reward"],
-                "sources": [{"name": "all"}], "prefetch": {"depth": 8}})  # fmt: skip
+    c.register(
+        {
+            "name": "ra",
+            "batch_size": 16,
+            "fields": ["obs", "reward"],
+            "sources": [{"name": "all"}],
+            "prefetch": {"depth": 8},
+        }
+    )
     yield c
     c.close()
 

@@ -40,9 +40,13 @@ def test_readme_python_blocks_run_as_written(redis_url, workers, tmp_path):
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
     env.pop("CLAW_BROKER_URL", None)
     proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=240,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "'popped': 5" in proc.stdout  # client.stats after the five pops
     assert "(4, 4)" in proc.stdout  # orchestrator.sample's obs

@@ -12,8 +12,12 @@ THREADS, ROUNDS = 6, 8
 
 
 def _spec(batch_size: int) -> dict:
-    return {"name": "race", "batch_size": batch_size, "fields": ["obs"],
-            "sources": [{"name": "all"}]}  # fmt: skip
+    return {
+        "name": "race",
+        "batch_size": batch_size,
+        "fields": ["obs"],
+        "sources": [{"name": "all"}],
+    }
 
 
 def _run(clients: list[BatchClient], work) -> list[Recipe]:

@@ -116,8 +116,11 @@ def test_a_new_worker_process_samples_the_same(store, redis_url):
     warm = sample(store, r, rng=np.random.default_rng(4))
     out = subprocess.run(
         [sys.executable, "-c", _COLD_PROCESS, store.namespace, redis_url, r.model_dump_json()],
-        capture_output=True, text=True, check=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     cold = json.loads(out.stdout)
     np.testing.assert_array_equal(warm.ids, cold["ids"])
     np.testing.assert_allclose(warm.weights, cold["weights"], rtol=1e-6)
@@ -408,8 +411,10 @@ def test_sampled_rows_satisfy_their_where(redis_url, rows, where, kind):
     for i, row in enumerate(rows):
         row["step_index"] = i % 5
         tags = {k: row[k] for k in ("color", "level") if row[k] is not None}
-        steps.append({"ep": i // 5, "step": i % 5, "reward": row["reward"], "tags": tags}
-                     | ({"task_id": row["task_id"]} if row["task_id"] else {}))  # fmt: skip
+        steps.append(
+            {"ep": i // 5, "step": i % 5, "reward": row["reward"], "tags": tags}
+            | ({"task_id": row["task_id"]} if row["task_id"] else {})
+        )
     st_.commit(batch(steps))
     ids = np.arange(1, len(rows) + 1)  # one shard, one commit: ids are the seqs in order
     assert (st_.get(ids, fields=[])["step_index"] == np.arange(len(rows)) % 5).all()

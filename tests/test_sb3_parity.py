@@ -48,8 +48,9 @@ def _buffer(redis_url: str, namespace: str | None, size: int = 100, **kw) -> Cla
     act = kw.pop("act", ACTION_SPACES["discrete"])
     kw.setdefault("deterministic", True)
     kw.setdefault("recipe", {"sources": [{"name": "all", "sampler": {"kind": "recent"}}]})
-    return ClawReplayBuffer(size, obs, act, device="cpu", namespace=namespace,
-                            redis_url=redis_url, timeout=60, **kw)  # fmt: skip
+    return ClawReplayBuffer(
+        size, obs, act, device="cpu", namespace=namespace, redis_url=redis_url, timeout=60, **kw
+    )
 
 
 def _add(buffers: list[ReplayBuffer], steps: int, seed: int = 0, episode: int = 7) -> None:
@@ -75,16 +76,20 @@ def _one(obs):
 
 
 def _rows(samples) -> np.ndarray:
-    parts = [samples.observations, samples.actions, samples.next_observations,
-             samples.dones, samples.rewards]  # fmt: skip
+    parts = [
+        samples.observations,
+        samples.actions,
+        samples.next_observations,
+        samples.dones,
+        samples.rewards,
+    ]
     rows = np.concatenate([p.numpy().astype(np.float64).reshape(len(p), -1) for p in parts], 1)
     return rows[np.lexsort(rows.T[::-1])]
 
 
 @pytest.mark.parametrize("obs", OBS_SPACES)
 @pytest.mark.parametrize("act", ["box", "discrete"])
-def test_dtypes_and_rows_match_sb3_per_observation_space(redis_url, namespace, workers,
-                                                         obs, act):  # fmt: skip
+def test_dtypes_and_rows_match_sb3_per_observation_space(redis_url, namespace, workers, obs, act):
     _check_space(redis_url, namespace, OBS_SPACES[obs], ACTION_SPACES[act])
 
 
@@ -178,8 +183,12 @@ def test_3_saved_urls_carry_no_password():
 
 
 def _env(redis_url: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "CLAW_REDIS_URL": redis_url,
-            "CLAW_BROKER_URL": redis_url}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CLAW_REDIS_URL": redis_url,
+        "CLAW_BROKER_URL": redis_url,
+    }
 
 
 def test_3_save_then_load_in_a_new_process_continues_training(
@@ -209,8 +218,13 @@ def test_3_save_then_load_in_a_new_process_continues_training(
         model.replay_buffer.close()
     """)
     for phase in ("save", "load"):
-        out = subprocess.run([sys.executable, "-c", script, phase], env=_env(redis_url),
-                             capture_output=True, text=True, timeout=240)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", script, phase],
+            env=_env(redis_url),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
     assert "continued" in out.stdout
     assert Store(redis_url, namespace).count({}) == 200  # the saved run's steps and the new
@@ -228,11 +242,23 @@ class _Losses(Logger):
 
 
 def _sac_losses(redis_url: str, namespace: str, seed: int) -> list[tuple[str, float]]:
-    model = SAC("MlpPolicy", "Pendulum-v1", learning_starts=20, buffer_size=1000, batch_size=16,
-                policy_kwargs={"net_arch": [16]}, device="cpu", seed=seed,
-                replay_buffer_class=ClawReplayBuffer,
-                replay_buffer_kwargs={"namespace": namespace, "redis_url": redis_url,
-                                      "deterministic": True, "timeout": 60})  # fmt: skip
+    model = SAC(
+        "MlpPolicy",
+        "Pendulum-v1",
+        learning_starts=20,
+        buffer_size=1000,
+        batch_size=16,
+        policy_kwargs={"net_arch": [16]},
+        device="cpu",
+        seed=seed,
+        replay_buffer_class=ClawReplayBuffer,
+        replay_buffer_kwargs={
+            "namespace": namespace,
+            "redis_url": redis_url,
+            "deterministic": True,
+            "timeout": 60,
+        },
+    )
     logger = _Losses()
     model.set_logger(logger)
     model.learn(total_timesteps=220)
@@ -250,9 +276,15 @@ def test_4_seeded_sac_repeats_in_the_deterministic_mode(redis_url, workers):
 
 def test_4_the_algorithms_seed_reaches_the_recipe(redis_url, workers):
     def seed_of(seed: int) -> int:
-        model = SAC("MlpPolicy", "Pendulum-v1", seed=seed, device="cpu",
-                    policy_kwargs={"net_arch": [8]}, replay_buffer_class=ClawReplayBuffer,
-                    replay_buffer_kwargs={"redis_url": redis_url})  # fmt: skip
+        model = SAC(
+            "MlpPolicy",
+            "Pendulum-v1",
+            seed=seed,
+            device="cpu",
+            policy_kwargs={"net_arch": [8]},
+            replay_buffer_class=ClawReplayBuffer,
+            replay_buffer_kwargs={"redis_url": redis_url},
+        )
         rb = model.replay_buffer
         rb.close()
         assert rb.recipe["seed"] == rb.seed
@@ -294,8 +326,14 @@ def test_6_garbage_collection_and_exit_close_the_buffer(redis_url, namespace, wo
         _add([claw], 7)
         import builtins; builtins.kept = claw  # alive until the interpreter exits
     """)
-    out = subprocess.run([sys.executable, "-c", script], env=_env(redis_url), cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=_env(redis_url),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert Store(redis_url, namespace + "-exit").count({}) == 7
 
@@ -305,10 +343,17 @@ def test_5_dict_observations_match_sb3_dict_replay_buffer(redis_url, namespace, 
     act = ACTION_SPACES["box"]
     steps = 15
     ref = DictReplayBuffer(100, obs, act, device="cpu")
-    claw = ClawDictReplayBuffer(100, obs, act, device="cpu", namespace=namespace,
-                                redis_url=redis_url, timeout=60, deterministic=True,
-                                recipe={"sources": [{"name": "all",
-                                                     "sampler": {"kind": "recent"}}]})  # fmt: skip
+    claw = ClawDictReplayBuffer(
+        100,
+        obs,
+        act,
+        device="cpu",
+        namespace=namespace,
+        redis_url=redis_url,
+        timeout=60,
+        deterministic=True,
+        recipe={"sources": [{"name": "all", "sampler": {"kind": "recent"}}]},
+    )
     with pytest.raises(TypeError, match="ClawDictReplayBuffer"):
         ClawReplayBuffer(100, obs, act, redis_url=redis_url)
     _add([ref, claw], steps)
@@ -321,7 +366,8 @@ def test_5_dict_observations_match_sb3_dict_replay_buffer(redis_url, namespace, 
             assert g[key].dtype == w[key].dtype and g[key].shape == w[key].shape, key
             np.testing.assert_array_equal(g[key].numpy()[order], w[key].numpy())
     for name in ("actions", "dones", "rewards"):
-        np.testing.assert_array_equal(getattr(got, name).numpy()[order],
-                                      getattr(want, name).numpy())  # fmt: skip
+        np.testing.assert_array_equal(
+            getattr(got, name).numpy()[order], getattr(want, name).numpy()
+        )
     assert pickle.loads(pickle.dumps(claw)).observation_space == obs
     claw.close()

@@ -43,8 +43,9 @@ def test_ingestor_new_tag_reaches_redis(redis_url, namespace):
     Store(redis_url, namespace).create(schema=Schema(fields=dict(FIELDS)))
     broker = redis_url.rsplit("/", 1)[0] + "/1"  # no worker: keep the message off "ingest"
     # claim_check_bytes=0: the payload is written in place, after Store.ensure_schema
-    ing = Ingestor(namespace, redis_url, broker_url=broker, flush_interval=None,
-                   claim_check_bytes=0)  # fmt: skip
+    ing = Ingestor(
+        namespace, redis_url, broker_url=broker, flush_interval=None, claim_check_bytes=0
+    )
     try:
         with ing.episode(color="red") as ep:
             ep.add(np.zeros(4, np.float32), np.int64(1), 1.0)

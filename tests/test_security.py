@@ -62,8 +62,15 @@ def test_namespace_users_produce_and_train_and_see_nothing_else(server, start_wo
     _produce(url_a, "a", 3, 20)
 
     trainer = BatchClient("a", url_a)
-    trainer.register({"name": "r", "batch_size": 8, "fields": ["obs", "reward"],
-                      "sources": [{"name": "all"}], "prefetch": {"depth": 2}})  # fmt: skip
+    trainer.register(
+        {
+            "name": "r",
+            "batch_size": 8,
+            "fields": ["obs", "reward"],
+            "sources": [{"name": "all"}],
+            "prefetch": {"depth": 2},
+        }
+    )
     batch = trainer.pop("r", timeout=60)
     assert len(batch.ids) == 8 and batch["obs"].shape == (8, 4)
     assert trainer.update_priorities(batch.ids, np.full(8, 5.0)) == 8
@@ -111,11 +118,23 @@ def test_metrics_endpoint_requires_the_bearer_token(server, tmp_path):
     token = "s3cret-token-value"
     log = tmp_path / "metrics.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli.main", "--redis-url", server.url, "metrics",
-         "--port", str(port), "--address", "127.0.0.1"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "CLAW_METRICS_TOKEN": token},
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli.main",
+            "--redis-url",
+            server.url,
+            "metrics",
+            "--port",
+            str(port),
+            "--address",
+            "127.0.0.1",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CLAW_METRICS_TOKEN": token},
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 60
         while b"serving" not in log.read_bytes():
@@ -138,14 +157,51 @@ def _certificates(tmp: Path) -> dict[str, Path]:
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=tmp, check=True, capture_output=True)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-            "ca.pem", "-days", "1", "-subj", "/CN=claw-test-ca")  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
-            "server.csr", "-subj", "/CN=127.0.0.1")  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=claw-test-ca",
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    )
     (tmp / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", "server.pem", "-days", "1",
-            "-extfile", "san.cnf")  # fmt: skip
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+    )
     return {"ca": tmp / "ca.pem", "cert": tmp / "server.pem", "key": tmp / "server.key"}
 
 
@@ -158,9 +214,13 @@ def test_tls_store_and_broker_end_to_end(tmp_path, start_worker, namespace):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         tls_port = sock.getsockname()[1]
-    options = {"tls-port": str(tls_port), "tls-cert-file": str(certs["cert"]),
-               "tls-key-file": str(certs["key"]), "tls-ca-cert-file": str(certs["ca"]),
-               "tls-auth-clients": "no"}  # fmt: skip
+    options = {
+        "tls-port": str(tls_port),
+        "tls-cert-file": str(certs["cert"]),
+        "tls-key-file": str(certs["key"]),
+        "tls-ca-cert-file": str(certs["ca"]),
+        "tls-auth-clients": "no",
+    }
     server = RedisServer(options=options)
     try:
         server.start()

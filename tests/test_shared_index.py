@@ -32,8 +32,11 @@ def run(url: str, ns: str, mode: str, n: int = 1, **env: str) -> subprocess.Pope
     full = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **env}
     return subprocess.Popen(
         [sys.executable, str(PROC), url, ns, mode, str(n)],
-        env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def output(proc: subprocess.Popen) -> object:

@@ -20,11 +20,16 @@ def _store(url: str, ns: str, n: int = 400) -> Store:
     store = Store(url, ns)
     store.create(capacity=1000)
     obs = np.random.default_rng(0).normal([5, -2, 0, 100], [3, 1, 0.1, 20], (n, 4))
-    store.commit(StepBatch(
-        episode=StrColumn.constant("e", n), step_index=np.arange(n),
-        reward=np.zeros(n, np.float32), terminated=np.zeros(n, bool),
-        truncated=np.zeros(n, bool), fields={"obs": obs.astype(np.float32)},
-    ))  # fmt: skip
+    store.commit(
+        StepBatch(
+            episode=StrColumn.constant("e", n),
+            step_index=np.arange(n),
+            reward=np.zeros(n, np.float32),
+            terminated=np.zeros(n, bool),
+            truncated=np.zeros(n, bool),
+            fields={"obs": obs.astype(np.float32)},
+        )
+    )
     return store
 
 
@@ -45,11 +50,16 @@ def _made_batches(log) -> bool:
 def test_workers_share_running_normalize_statistics(redis_url, namespace, start_worker):
     store = _store(redis_url, namespace)
     client = BatchClient(namespace, redis_url)
-    client.register({
-        "name": "norm", "batch_size": 16, "fields": ["obs"], "sources": [{"name": "all"}],
-        "augment": {"obs": [{"running_normalize": {}}]},
-        "prefetch": {"depth": DEPTH, "low_water": 1},
-    })  # fmt: skip
+    client.register(
+        {
+            "name": "norm",
+            "batch_size": 16,
+            "fields": ["obs"],
+            "sources": [{"name": "all"}],
+            "augment": {"obs": [{"running_normalize": {}}]},
+            "prefetch": {"depth": DEPTH, "low_water": 1},
+        }
+    )
     popped = []
     first = start_worker("prefetch", 1)
     popped += [client.pop("norm", timeout=60) for _ in range(3)]
@@ -74,5 +84,6 @@ def test_workers_share_running_normalize_statistics(redis_url, namespace, start_
         data = np.concatenate(seen)
         mean, var = data.mean(axis=0), data.var(axis=0)
         expected = (raw - mean.astype(np.float32)) * (1 / np.sqrt(var + 1e-8)).astype(np.float32)
-        np.testing.assert_allclose(batch["obs"], expected, rtol=1e-4, atol=1e-4,
-                                   err_msg=f"batch {k}")  # fmt: skip
+        np.testing.assert_allclose(
+            batch["obs"], expected, rtol=1e-4, atol=1e-4, err_msg=f"batch {k}"
+        )

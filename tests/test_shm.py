@@ -217,8 +217,9 @@ def test_a_segment_whose_reader_was_killed_is_reused():
         "print(int(batch['x'].sum()), flush=True)\ntime.sleep(60)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", reader, msg.hex()], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", reader, msg.hex()], env=env, cwd=ROOT, stdout=subprocess.PIPE
+    )
     assert int(proc.stdout.readline()) == 7 * 64 * 4096  # it holds the batch
     busy = _write(8)
     assert _inode(busy) != ino

@@ -26,9 +26,13 @@ from orchestrator.recipe.model import Recipe
 def _spawn(args: list[str], redis_url: str, log: Path, **env: str) -> subprocess.Popen:
     full = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": redis_url, **env}
     return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", *args], cwd=ROOT, env=full,
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", *args],
+        cwd=ROOT,
+        env=full,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -56,23 +60,34 @@ def stack_worker(redis_url, tmp_path):
 
 def _ingest(redis_url: str, namespace: str, n: int = 300) -> None:
     ing = Ingestor(namespace, redis_url, flush_interval=None)
-    ing.add_batch({
-        "obs": np.zeros((n, 4), np.float32), "action": np.zeros(n, np.int64),
-        "reward": np.ones(n, np.float32), "episode_id": "e", "step_index": np.arange(n),
-    })  # fmt: skip
+    ing.add_batch(
+        {
+            "obs": np.zeros((n, 4), np.float32),
+            "action": np.zeros(n, np.int64),
+            "reward": np.ones(n, np.float32),
+            "episode_id": "e",
+            "step_index": np.arange(n),
+        }
+    )
     assert ing.close().committed == n
 
 
 def test_beat_refills_queues_without_any_trainer(redis_url, namespace, stack_worker, tmp_path, r):
     _ingest(redis_url, namespace)
     reg = Registry(Ingestor(namespace, redis_url, flush_interval=None).store)
-    recipe = Recipe.model_validate({
-        "name": "beat", "batch_size": 16, "fields": ["obs"], "sources": [{"name": "all"}],
-        "prefetch": {"depth": 4},
-    })  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": "beat",
+            "batch_size": 16,
+            "fields": ["obs"],
+            "sources": [{"name": "all"}],
+            "prefetch": {"depth": 4},
+        }
+    )
     reg.put(recipe, shm.host_id())  # registered, but nobody asks for a refill
-    beat = _spawn(["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"], redis_url,
-                  tmp_path / "beat.log")  # fmt: skip
+    beat = _spawn(
+        ["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"], redis_url, tmp_path / "beat.log"
+    )
     try:
         deadline = time.monotonic() + 60
         while r.llen(reg.queue("beat")) < 4:
@@ -88,9 +103,11 @@ def test_beat_refills_queues_without_any_trainer(redis_url, namespace, stack_wor
 def test_flower_sees_ingest_tasks(redis_url, namespace, stack_worker, tmp_path):
     port = _free_port()
     flower = _spawn(
-        ["flower", f"--port={port}", "--address=127.0.0.1"], redis_url, tmp_path / "flower.log",
+        ["flower", f"--port={port}", "--address=127.0.0.1"],
+        redis_url,
+        tmp_path / "flower.log",
         FLOWER_BASIC_AUTH="claw:secret",
-    )  # fmt: skip
+    )
     auth = "Basic " + base64.b64encode(b"claw:secret").decode()
 
     def get(path: str, with_auth: bool = True) -> tuple[int, bytes]:

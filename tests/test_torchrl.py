@@ -73,9 +73,14 @@ def _transitions(n: int, trajs: int = 2, seed: int = 0, special_every: int = 0) 
 
 
 def _row_keys(td: TensorDict) -> set[tuple]:
-    parts = [td["observation"], td["action"].float(), td["next", "observation"],
-             td["next", "reward"], td["next", "terminated"].float(),
-             td["next", "truncated"].float()]  # fmt: skip
+    parts = [
+        td["observation"],
+        td["action"].float(),
+        td["next", "observation"],
+        td["next", "reward"],
+        td["next", "terminated"].float(),
+        td["next", "truncated"].float(),
+    ]
     rows = torch.cat([p.reshape(len(td), -1).float() for p in parts], 1).numpy()
     return {tuple(np.round(r, 5)) for r in rows}
 
@@ -89,14 +94,22 @@ def test_batches_flow_as_tensordicts_with_the_extended_layout(redis_url, namespa
         assert len(rb) == 120
         batch = rb.sample()
         assert batch.batch_size == torch.Size([32])
-        for key in ["observation", "action", ("next", "observation"), ("next", "reward"),
-                    ("next", "done"), ("next", "terminated"), ("next", "truncated")]:  # fmt: skip
+        for key in [
+            "observation",
+            "action",
+            ("next", "observation"),
+            ("next", "reward"),
+            ("next", "done"),
+            ("next", "terminated"),
+            ("next", "truncated"),
+        ]:
             assert batch[key].dtype == data[key].dtype, key
             assert batch[key].shape[1:] == data[key].shape[1:], key
         assert batch["index"].dtype == torch.int64
         assert _row_keys(batch) <= _row_keys(data)  # every sampled row is an extended one
-        assert (batch["next", "done"] == (batch["next", "terminated"] |
-                                          batch["next", "truncated"])).all()  # fmt: skip
+        assert (
+            batch["next", "done"] == (batch["next", "terminated"] | batch["next", "truncated"])
+        ).all()
         # next_obs was stored once for the rows inside an episode, explicitly at its end
         assert Store(redis_url, namespace).count() == 120
     finally:
@@ -156,8 +169,9 @@ def test_state_is_kept_without_the_data_and_reconnects(redis_url, namespace, wor
     assert len(copy) == 80 and copy.namespace == namespace
     copy.close()
 
-    again = TensorDictReplayBuffer(storage=ClawStorage(10, "elsewhere", redis_url),
-                                   sampler=ClawSampler(), batch_size=16)  # fmt: skip
+    again = TensorDictReplayBuffer(
+        storage=ClawStorage(10, "elsewhere", redis_url), sampler=ClawSampler(), batch_size=16
+    )
     again.loads(tmp_path / "rb")
     try:
         assert again.storage.namespace == namespace and len(again) == 80
@@ -182,8 +196,9 @@ def test_empty_moves_to_a_new_generation_and_keeps_the_old_data(redis_url, names
         storage.close()
 
 
-def test_torchrls_own_sampler_and_other_data_are_refused_with_the_fix(redis_url, namespace,
-                                                                        workers):  # fmt: skip
+def test_torchrls_own_sampler_and_other_data_are_refused_with_the_fix(
+    redis_url, namespace, workers
+):
     storage = ClawStorage(1000, namespace, redis_url, timeout=60)
     try:
         rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=4)
@@ -207,9 +222,19 @@ def test_torchrl_dqn_on_cartpole_reaches_a_mean_return_of_150(redis_url, namespa
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
     env.pop("CLAW_BROKER_URL", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "torchrl_dqn.py"), "--namespace", namespace,
-         "--seed", "0"], env=env, capture_output=True, text=True, timeout=3000,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "examples" / "torchrl_dqn.py"),
+            "--namespace",
+            namespace,
+            "--seed",
+            "0",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     print(proc.stdout)
     mean = float(re.search(r"greedy mean return over 10 episodes: ([\d.]+)", proc.stdout)[1])

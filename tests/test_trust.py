@@ -110,9 +110,15 @@ def test_claim_check_cannot_name_another_key(redis_url, namespace, r, ingest_wor
     secret = r.get(vk.config)
     r.set(own.stage("b-other"), raw_batch(2).encode(), ex=600)  # a real stage key, not its own
     names = [
-        vk.config, vk.shard_key(0, "seq"), vk.stage("b1"), own.config, own.shard_key(0, "seq"),
-        own.stage("b-other"), "ingest", "unacked",
-    ]  # fmt: skip
+        vk.config,
+        vk.shard_key(0, "seq"),
+        vk.stage("b1"),
+        own.config,
+        own.shard_key(0, "seq"),
+        own.stage("b-other"),
+        "ingest",
+        "unacked",
+    ]
     start = messages_done(r, None, namespace)
     for i, key in enumerate(names):
         pub.publish(ingest_body(namespace, f"b{i}", None, key))
@@ -257,9 +263,12 @@ def test_client_refuses_bad_priorities_and_info_keys(redis_url, namespace, kwarg
 def test_add_batch_checks_ranges_instead_of_wrapping(redis_url, namespace, column, value, message):
     ing = _ingestor(redis_url, namespace)
     cols = {
-        "obs": np.zeros((3, 8), np.float32), "action": np.zeros(3, np.int64),
-        "reward": np.zeros(3), "episode_id": "e", "step_index": np.arange(3),
-    }  # fmt: skip
+        "obs": np.zeros((3, 8), np.float32),
+        "action": np.zeros(3, np.int64),
+        "reward": np.zeros(3),
+        "episode_id": "e",
+        "step_index": np.arange(3),
+    }
     cols[column] = np.array([0, 1, value], np.float64 if column == "priority" else np.int64)
     with pytest.raises(SchemaError, match=message):
         ing.add_batch(cols)
@@ -286,8 +295,9 @@ def test_failed_send_does_not_shift_step_index(redis_url, namespace, ingest_work
 
     from claw_tasks.broker.app import client_app
 
-    ing = Ingestor(namespace, redis_url, broker_url="redis://127.0.0.1:1/0", flush_interval=None,
-                   flush_steps=3)  # fmt: skip
+    ing = Ingestor(
+        namespace, redis_url, broker_url="redis://127.0.0.1:1/0", flush_interval=None, flush_steps=3
+    )
     ep = ing.episode(episode_id="e")
     for t in range(3):
         try:

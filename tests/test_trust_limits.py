@@ -37,8 +37,9 @@ def test_decompression_bomb_is_refused_before_inflating(redis_url, namespace, r,
     enc = msgpack.unpackb(forged.encode(), raw=False)
     enc["fields"]["obs"] = ["<f4", [2, 8], (600 << 20).to_bytes(4, "little") + b"\0" * 16, True]
     start = messages_done(r, namespace)
-    pub.publish(ingest_body(namespace, bomb.batch_id, None, Keys(namespace).stage(bomb.batch_id)),
-                headers())  # fmt: skip
+    pub.publish(
+        ingest_body(namespace, bomb.batch_id, None, Keys(namespace).stage(bomb.batch_id)), headers()
+    )
     r.set(Keys(namespace).stage(bomb.batch_id), data, ex=600)
     pub.publish(ingest_body(namespace, forged.batch_id, packb(enc)))
     assert wait_for(r, start + 2, namespace) == start + 2

@@ -23,8 +23,14 @@ from tests.webserver import ROOT, WebServer
 
 CHROMIUM = os.environ.get("CLAW_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("CLAW_ARTIFACTS", ROOT / "tmp" / "artifacts"))
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--no-first-run"]  # fmt: skip
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 
 sync_api = pytest.importorskip("playwright.sync_api")
 if not shutil.which(CHROMIUM):
@@ -117,11 +123,16 @@ def test_search_and_episode_with_thumbnails(page, ns):
 def test_labelled_episodes_leave_the_next_batches(page, ns, redis_server, workers):
     client = BatchClient(ns, redis_server.url)
     try:
-        recipe = client.register({
-            "name": "curated", "batch_size": 64, "fields": ["state", "action"],
-            "sources": [{"name": "all", "where": "reward > $floor"}],
-            "params": {"floor": -2.0}, "prefetch": {"depth": 4},
-        })  # fmt: skip
+        recipe = client.register(
+            {
+                "name": "curated",
+                "batch_size": 64,
+                "fields": ["state", "action"],
+                "sources": [{"name": "all", "where": "reward > $floor"}],
+                "params": {"floor": -2.0},
+                "prefetch": {"depth": 4},
+            }
+        )
         first = client.pop("curated", timeout=60)
         excluded = set()
         for ep in ("ep1", "ep2"):
@@ -152,10 +163,15 @@ def test_labelled_episodes_leave_the_next_batches(page, ns, redis_server, worker
 def test_edit_param_bumps_version(page, ns, redis_server, web):
     client = BatchClient(ns, redis_server.url)
     try:
-        recipe = client.register({
-            "name": "curriculum", "batch_size": 8, "fields": ["state"],
-            "sources": [{"name": "all", "where": "reward > $floor"}], "params": {"floor": -2.0},
-        })  # fmt: skip
+        recipe = client.register(
+            {
+                "name": "curriculum",
+                "batch_size": 8,
+                "fields": ["state"],
+                "sources": [{"name": "all", "where": "reward > $floor"}],
+                "params": {"floor": -2.0},
+            }
+        )
         page.goto(f"{web.url}/ns/{ns}/recipes")
         section = page.locator("#recipe-curriculum")
         assert section.locator(".version").inner_text() == str(recipe.version)
@@ -196,17 +212,24 @@ def test_llm_trajectory_transcript_tokens_and_group(page, web, redis_server, wor
     from claw_tasks.store.turns import attach_rewards
 
     ns = f"llm-{uuid.uuid4().hex[:8]}"
-    ing = Ingestor(ns, redis_server.url, schema=Schema.llm(response_mask=True),
-                   flush_interval=None)  # fmt: skip
+    ing = Ingestor(ns, redis_server.url, schema=Schema.llm(response_mask=True), flush_interval=None)
     for traj, group in (("t-a", "q1"), ("t-b", "q1"), ("t-c", "q2")):
         for turn in range(2):
             ing.llm_turn(
-                traj, turn, [1, 2, 3], [10 + turn, 20, 30], [-0.05, -1.2, -3.0],
-                prompt_uid=group, response_mask=[1, 1, 0], is_last=turn == 1,
-                messages=[{"role": "user", "content": f"question {turn}"},
-                          {"role": "assistant", "content": XSS}],
+                traj,
+                turn,
+                [1, 2, 3],
+                [10 + turn, 20, 30],
+                [-0.05, -1.2, -3.0],
+                prompt_uid=group,
+                response_mask=[1, 1, 0],
+                is_last=turn == 1,
+                messages=[
+                    {"role": "user", "content": f"question {turn}"},
+                    {"role": "assistant", "content": XSS},
+                ],
                 tool_calls=[{"name": "calc", "arguments": {"x": "<b onclick=alert(1)>"}}],
-            )  # fmt: skip
+            )
     assert ing.close().committed == 6
     attach_rewards(ing.store, "t-a", 1.0)
     attach_rewards(ing.store, "t-b", 0.0)

@@ -205,12 +205,16 @@ def test_episode_table_matches_numpy_on_interleaved_rows(redis_server):
     n, k = 90, 3
     ep = np.tile(np.arange(k), n // k)  # ep0, ep1, ep2, ep0, ...
     reward = rng.uniform(-1, 1, n).astype(np.float32)
-    store.commit(StepBatch(
-        episode=StrColumn([f"e{i}" for i in range(k)], ep.astype(np.int32)),
-        step_index=np.repeat(np.arange(n // k), k), reward=reward,
-        terminated=np.zeros(n, bool), truncated=np.zeros(n, bool),
-        fields={"x": rng.standard_normal((n, 2)).astype(np.float32)},
-    ))  # fmt: skip
+    store.commit(
+        StepBatch(
+            episode=StrColumn([f"e{i}" for i in range(k)], ep.astype(np.int32)),
+            step_index=np.repeat(np.arange(n // k), k),
+            reward=reward,
+            terminated=np.zeros(n, bool),
+            truncated=np.zeros(n, bool),
+            fields={"x": rng.standard_normal((n, 2)).astype(np.float32)},
+        )
+    )
     inspector = Inspector(redis_server.url, redis_server.url)
     try:
         result = inspector.search(ns, "reward > 0", "", "episodes", 0)
@@ -219,8 +223,10 @@ def test_episode_table_matches_numpy_on_interleaved_rows(redis_server):
     hit = reward > 0
     assert result.matched == int(hit.sum())
     got = {row["episode"]: (row["steps"], row["reward"]) for row in result.rows}
-    want = {f"e{i}": (int((hit & (ep == i)).sum()), float(reward[hit & (ep == i)].sum()))
-            for i in range(k)}  # fmt: skip
+    want = {
+        f"e{i}": (int((hit & (ep == i)).sum()), float(reward[hit & (ep == i)].sum()))
+        for i in range(k)
+    }
     assert got.keys() == want.keys()
     for name, (steps, total) in want.items():
         assert got[name][0] == steps and got[name][1] == pytest.approx(total, rel=1e-5)

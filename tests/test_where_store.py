@@ -49,8 +49,18 @@ def table(redis_url: str, namespace: str) -> tuple[Store, list[dict]]:
     store.curate(ids[::5], trainable=False)
     store.curate(ids[1::7], quality="golden")
     meta = store.get(np.sort(ids), fields=[])
-    keys = ["id", "episode_id", "step_index", "task_id", "quality", "reward", "terminated",
-            "trainable", "tags.color", "tags.level"]  # fmt: skip
+    keys = [
+        "id",
+        "episode_id",
+        "step_index",
+        "task_id",
+        "quality",
+        "reward",
+        "terminated",
+        "trainable",
+        "tags.color",
+        "tags.level",
+    ]
     rows = [{k: meta[k][i] for k in keys} for i in range(len(ids))]
     return store, rows
 
@@ -175,9 +185,12 @@ def _refused(redis_url: str, namespace: str, r: redis.Redis, found: object, fix:
     with pytest.raises(NamespaceError, match="store format"):
         store.commit(batch([{"ep": 0, "step": 0}]))
     with pytest.raises(NamespaceError, match="store format"):
-        sample(store, Recipe.model_validate(
-            {"name": "r", "batch_size": 1, "fields": ["reward"], "sources": [{"name": "s"}]}
-        ))  # fmt: skip
+        sample(
+            store,
+            Recipe.model_validate(
+                {"name": "r", "batch_size": 1, "fields": ["reward"], "sources": [{"name": "s"}]}
+            ),
+        )
     assert sorted(r.scan_iter(match=f"claw:{{{namespace}*")) == before  # nothing written
     with pytest.raises(UnreadableNamespace, match="store format"):  # claw stats/metrics go on
         namespace_stats(store, 0)

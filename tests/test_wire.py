@@ -19,9 +19,23 @@ from orchestrator.delivery.wire import (
 )
 
 DTYPES = [
-    "bool", "int8", "uint8", "<i2", ">i2", "<u4", "<i8", "<f2", "<f4", ">f8", "<c8", "<c16",
-    "S5", "<U3", "<M8[ns]", "<m8[s]",
-]  # fmt: skip
+    "bool",
+    "int8",
+    "uint8",
+    "<i2",
+    ">i2",
+    "<u4",
+    "<i8",
+    "<f2",
+    "<f4",
+    ">f8",
+    "<c8",
+    "<c16",
+    "S5",
+    "<U3",
+    "<M8[ns]",
+    "<m8[s]",
+]
 
 
 def encode_batch(*args, **kwargs) -> bytes:
@@ -76,9 +90,14 @@ def test_round_trip_property(arrays, meta):
     ids = np.array([3, 1, 4, 1], np.int64)
     weights = np.array([0.5, 1.0, 2.0, 0.25], np.float32)
     buf = encode_batch(
-        arrays, ids=ids, weights=weights, source_index=[1, 0, 1, 1], sources=["a", "b"],
-        recipe_version=7, meta=meta,
-    )  # fmt: skip
+        arrays,
+        ids=ids,
+        weights=weights,
+        source_index=[1, 0, 1, 1],
+        sources=["a", "b"],
+        recipe_version=7,
+        meta=meta,
+    )
     out = decode_batch(buf)
     assert list(out) == list(arrays)
     for name, arr in arrays.items():
@@ -152,9 +171,12 @@ def with_version(buf: bytes, version: int) -> bytes:
 
 
 @pytest.mark.parametrize(
-    ("version", "fix"), [(VERSION + 1, "newer Claw: upgrade Claw where this reader runs"),
-                         (VERSION - 1, "older Claw: upgrade and restart the prefetch workers")]
-)  # fmt: skip
+    ("version", "fix"),
+    [
+        (VERSION + 1, "newer Claw: upgrade Claw where this reader runs"),
+        (VERSION - 1, "older Claw: upgrade and restart the prefetch workers"),
+    ],
+)
 def test_unknown_version_is_refused_naming_both_versions_and_the_fix(version, fix):
     buf = encode_batch({"x": np.arange(100)}, ids=range(100))
     assert decode_batch(with_version(buf, VERSION))["x"].sum() == 4950

@@ -98,11 +98,21 @@ print(json.dumps({"out": out, "cached": sorted(tasks.stores)}))
 def test_refill_reaches_redis_without_a_made_up_namespace(redis_url, namespace, r):
     reg = Registry(_namespace(redis_url, namespace))
     reg.put(_recipe(), None)
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": redis_url,
-           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    env = {
+        **os.environ,
+        "CLAW_REDIS_URL": redis_url,
+        "CLAW_BROKER_URL": redis_url,
+        "PYTHONPATH": str(ROOT),
+    }
     before = r.llen("prefetch")
-    run = subprocess.run([sys.executable, "-c", _REFILL], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", _REFILL],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["out"]["fills"] >= 1 and r.llen("prefetch") > before  # a real fill request

@@ -24,18 +24,34 @@ class WebServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        env = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": redis_url,
-               "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}  # fmt: skip
+        env = {
+            **os.environ,
+            "CLAW_REDIS_URL": redis_url,
+            "CLAW_BROKER_URL": redis_url,
+            "PYTHONUNBUFFERED": "1",
+            "COLUMNS": "200",
+        }
         env.pop("CLAW_WEB_PASSWORD", None)
         env.pop("CLAW_WEB_PASSWORD_FILE", None)
         if password is not None:
             env["CLAW_WEB_PASSWORD"] = password
-        cmd = [sys.executable, "-m", "orchestrator.cli.main", "web", "--port", str(self.port),
-               *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "orchestrator.cli.main",
+            "web",
+            "--port",
+            str(self.port),
+            *args,
+        ]
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + 60
         while True:
             failed = False

@@ -25,9 +25,12 @@ class MemoryGate:
     """Checks Redis memory against ``high_water * maxmemory`` before a batch is sent."""
 
     def __init__(
-        self, r: redis.Redis, high_water: float = 0.95, on_full: str = "block",
+        self,
+        r: redis.Redis,
+        high_water: float = 0.95,
+        on_full: str = "block",
         timeout: float = 300.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if on_full not in ON_FULL:
             raise ValueError(f"on_full must be one of {ON_FULL}, got {on_full!r}")
         if not 0 < high_water <= 1:

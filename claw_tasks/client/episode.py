@@ -67,9 +67,18 @@ class Episode:
                 fields[k] = v
         meta = self.meta if skill_tag is None else {**self.meta, "skill_tag": skill_tag}
         step = self.ingestor._check_step(
-            self.episode_id, self.step_index, fields, reward, next_obs, info, meta, tags,
-            priority, terminated, truncated,
-        )  # fmt: skip
+            self.episode_id,
+            self.step_index,
+            fields,
+            reward,
+            next_obs,
+            info,
+            meta,
+            tags,
+            priority,
+            terminated,
+            truncated,
+        )
         # Accepted: the step is buffered from here on, even if the send _buffer may start
         # fails (it is kept and re-sent), so it has its index now.
         self.step_index += 1

@@ -147,9 +147,12 @@ class Ingestor(Sender):
         if policy_version is not None:
             check_int32(policy_version, "policy_version")
         meta = {
-            "task_id": task_id, "agent_id": agent_id, "skill_tag": skill_tag,
-            "reward_source": reward_source, "policy_version": policy_version,
-        }  # fmt: skip
+            "task_id": task_id,
+            "agent_id": agent_id,
+            "skill_tag": skill_tag,
+            "reward_source": reward_source,
+            "policy_version": policy_version,
+        }
         return Episode(self, str(episode_id), meta, tags)
 
     def llm_turn(
@@ -185,21 +188,36 @@ class Ingestor(Sender):
             self.schema = Schema.llm(response_mask=response_mask is not None)
         where = f"turn {turn} of trajectory {trajectory_uid!r}"
         fields = turn_fields(
-            prompt_ids, response_ids, response_logprobs, response_mask,
-            "response_mask" in self.schema.fields, where,
-        )  # fmt: skip
+            prompt_ids,
+            response_ids,
+            response_logprobs,
+            response_mask,
+            "response_mask" in self.schema.fields,
+            where,
+        )
         if prompt_uid is not None:
             tags["prompt_uid"] = prompt_key(prompt_uid)
         tags["retokenized"] = 1.0 if retokenized else 0.0
         meta = {
-            "task_id": task_id, "agent_id": agent_id, "skill_tag": None,
-            "reward_source": reward_source, "policy_version": policy_version,
-        }  # fmt: skip
+            "task_id": task_id,
+            "agent_id": agent_id,
+            "skill_tag": None,
+            "reward_source": reward_source,
+            "policy_version": policy_version,
+        }
         step = self._check_step(
-            str(trajectory_uid), int(turn), fields, reward, None,
-            turn_info(prompt_uid, messages, tool_calls, info), meta, tags, None,
-            is_last, truncated,
-        )  # fmt: skip
+            str(trajectory_uid),
+            int(turn),
+            fields,
+            reward,
+            None,
+            turn_info(prompt_uid, messages, tool_calls, info),
+            meta,
+            tags,
+            None,
+            is_last,
+            truncated,
+        )
         self._buffer(step)
 
     def add_batch(self, columns: Mapping[str, Any]) -> int:
@@ -258,10 +276,19 @@ class Ingestor(Sender):
 
     # ---- validation ----------------------------------------------------------------
     def _check_step(
-        self, episode_id: str, step_index: int, raw: dict[str, Any], reward: Any, next_obs: Any,
-        info: Mapping[str, Any] | None, meta: dict[str, Any], tags: dict[str, Any],
-        priority: float | None, terminated: bool, truncated: bool,
-    ) -> Step:  # fmt: skip
+        self,
+        episode_id: str,
+        step_index: int,
+        raw: dict[str, Any],
+        reward: Any,
+        next_obs: Any,
+        info: Mapping[str, Any] | None,
+        meta: dict[str, Any],
+        tags: dict[str, Any],
+        priority: float | None,
+        terminated: bool,
+        truncated: bool,
+    ) -> Step:
         where = f"step {step_index} of episode {episode_id!r}"
         fields = {k: as_array(v, f"field '{k}' of {where}") for k, v in raw.items()}
         schema = self.schema
@@ -295,9 +322,18 @@ class Ingestor(Sender):
             if problem is not None:
                 raise SchemaError(f"{where}: {problem}")
         return Step(
-            episode_id, step_index, fields, r, bool(terminated), bool(truncated), nx,
-            dict(info) if info else None, meta, tags, priority,
-        )  # fmt: skip
+            episode_id,
+            step_index,
+            fields,
+            r,
+            bool(terminated),
+            bool(truncated),
+            nx,
+            dict(info) if info else None,
+            meta,
+            tags,
+            priority,
+        )
 
     def _check_batch(self, batch: StepBatch) -> None:
         batch.check_columns()

@@ -26,4 +26,4 @@ __all__ = [
     "frame_problem",
     "image_layout",
     "lz4_inflate",
-]  # fmt: skip
+]

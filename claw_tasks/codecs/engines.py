@@ -121,8 +121,10 @@ class Png(Engine):
         w, h = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
         depth, colour = head[24], head[25]
         if depth != 8 or colour not in self._MODES:
-            raise CodecError(f"png image of bit depth {depth}, colour type {colour} (8-bit "
-                             "gray, RGB or RGBA only)")  # fmt: skip
+            raise CodecError(
+                f"png image of bit depth {depth}, colour type {colour} (8-bit "
+                "gray, RGB or RGBA only)"
+            )
         return self._MODES[colour], (w, h)
 
     def declared(self, frame: bytes | memoryview) -> int:

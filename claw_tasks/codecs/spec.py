@@ -43,9 +43,12 @@ class Codec:
         if p is not None and (type(p) is not int):
             raise CodecError(f"codec {self.name}: parameter {p!r} is not an integer")
         bounds = {
-            "zstd": (1, 22), "png": (0, 9), "jpeg": (1, 100), "webp": (1, 100),
+            "zstd": (1, 22),
+            "png": (0, 9),
+            "jpeg": (1, 100),
+            "webp": (1, 100),
             "delta": (2, MAX_KEY_EVERY),
-        }  # fmt: skip
+        }
         if self.name in LOSSY and p is None:
             raise CodecError(
                 f"codec {self.name} is lossy: give its quality explicitly ({self.name}:90), "

@@ -74,8 +74,9 @@ class LocalCluster:
         share = -(-SLOTS // len(self.nodes))
         for i, node in enumerate(self.nodes):
             client = node.client()
-            client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share,
-                                   min(SLOTS, (i + 1) * share) - 1)  # fmt: skip
+            client.execute_command(
+                "CLUSTER", "ADDSLOTSRANGE", i * share, min(SLOTS, (i + 1) * share) - 1
+            )
             client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
             if i:
                 client.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)

@@ -208,12 +208,17 @@ class RedisServer:
             argv += [f"--{name}", value]
         # Last, so that they win over the same directives in `options`.
         argv += [
-            "--port", str(self._port),
-            "--bind", self.host,
-            "--dir", str(self._dir),
-            "--logfile", str(self.log_path),
-            "--daemonize", "no",
-        ]  # fmt: skip
+            "--port",
+            str(self._port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self._dir),
+            "--logfile",
+            str(self.log_path),
+            "--daemonize",
+            "no",
+        ]
         return argv
 
     def _spawn(self) -> None:

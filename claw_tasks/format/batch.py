@@ -274,11 +274,25 @@ class StepBatch:
 STEP_INDEX_LIMIT = 2**31  # step_index and policy_version are stored as int32
 _BATCH_KEYS = frozenset(
     {
-        "v", "id", "episode", "step_index", "reward", "terminated", "truncated", "priority",
-        "policy_version", "strs", "nums", "fields", "next_rows", "next_obs", "info_rows",
-        "info", "placed",
+        "v",
+        "id",
+        "episode",
+        "step_index",
+        "reward",
+        "terminated",
+        "truncated",
+        "priority",
+        "policy_version",
+        "strs",
+        "nums",
+        "fields",
+        "next_rows",
+        "next_obs",
+        "info_rows",
+        "info",
+        "placed",
     }
-)  # fmt: skip
+)
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 MAX_BATCH_ID = 128
 

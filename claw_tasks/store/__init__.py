@@ -15,6 +15,10 @@ class Store(Eviction, Updates, Counting, Writer):
 
 
 __all__ = [
-    "CommitResult", "NamespaceConfig", "NamespaceDropped", "NamespaceError", "Store",
+    "CommitResult",
+    "NamespaceConfig",
+    "NamespaceDropped",
+    "NamespaceError",
+    "Store",
     "decode_meta",
-]  # fmt: skip
+]

@@ -36,11 +36,15 @@ def namespace_rules(namespace: str, *, db: int = 0) -> list[str]:
         f"~{_literal(shard_prefix)}*",
         f"~{_literal(dropped_key(namespace))}",
         # Every command on those keys; nothing that lists or flushes the keyspace.
-        "+@all", "-@dangerous", "+info", "-scan", "-randomkey",
+        "+@all",
+        "-@dangerous",
+        "+info",
+        "-scan",
+        "-randomkey",
         f"&/{db}.celeryev/*",  # task-sent events, for Flower
         "(" + " ".join(f"~{q}*" for q in CLIENT_QUEUES) + " +lpush +llen)",
         "(~_kombu.binding* +sadd +smembers)",
-    ]  # fmt: skip
+    ]
 
 
 def setuser_command(namespace: str, user: str, *, db: int = 0) -> str:

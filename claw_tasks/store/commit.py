@@ -110,9 +110,13 @@ class CommitPart:
         meta, eps = self._meta(seq0)
         writes = self._writes(meta)
         spec = {
-            "cols": writes.cols, "sparse": writes.sparse, "clear": writes.clear, "eps": eps,
-            "dead": dead, "loglen": LOG_MAXLEN,
-        }  # fmt: skip
+            "cols": writes.cols,
+            "sparse": writes.sparse,
+            "clear": writes.clear,
+            "eps": eps,
+            "dead": dead,
+            "loglen": LOG_MAXLEN,
+        }
         keys = [
             k.shard_key(self.shard, name)
             for name in (
@@ -128,9 +132,17 @@ class CommitPart:
             )
         ]
         args = [
-            k.shard(self.shard), n, self.cfg.cap, MARKER_TTL, seq0, self.shard,
-            self.cfg.n_shards, META_CHUNK_SLOTS, packb(spec), *writes.blobs,
-        ]  # fmt: skip
+            k.shard(self.shard),
+            n,
+            self.cfg.cap,
+            MARKER_TTL,
+            seq0,
+            self.shard,
+            self.cfg.n_shards,
+            META_CHUNK_SLOTS,
+            packb(spec),
+            *writes.blobs,
+        ]
         _, state, skipped = self.s.scripts.commit(keys=keys, args=args)
         result.ids[self.rows[:skipped]] = -1
         dead_kept = sum(r >= skipped for r in dead)

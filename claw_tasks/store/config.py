@@ -104,9 +104,15 @@ class NamespaceConfig:
         retention = Retention.of(d.get("retention"))
         priorities = d.get("priorities")
         return cls(
-            d["capacity"], d["n_shards"], schema, d["created"], retention, priorities,
-            d.get("spaces"), episode_index=bool(d.get("episode_index", False)),
-        )  # fmt: skip
+            d["capacity"],
+            d["n_shards"],
+            schema,
+            d["created"],
+            retention,
+            priorities,
+            d.get("spaces"),
+            episode_index=bool(d.get("episode_index", False)),
+        )
 
 
 def _check_format(found: Any, namespace: str) -> None:

@@ -157,10 +157,16 @@ class _Plan:
             sparse = [key(f"{k.shard(shard)}{base}:{sc}") for base in self.sparse_bases]
             vid = int(c["id"][slot])
             entry: list[Any] = [
-                slot, np.int64(vid).tobytes(), key(k.meta(shard, "id", slot // mc)),
-                (slot % mc) * 8, vid // self.n_shards, str(int(c["episode"][slot])),
-                int(c["step_index"][slot]), sparse, self._pred(slot, key),
-            ]  # fmt: skip
+                slot,
+                np.int64(vid).tobytes(),
+                key(k.meta(shard, "id", slot // mc)),
+                (slot % mc) * 8,
+                vid // self.n_shards,
+                str(int(c["episode"][slot])),
+                int(c["step_index"][slot]),
+                sparse,
+                self._pred(slot, key),
+            ]
             victims.append(entry)
         return keys, msgpack.packb({"victims": victims}, use_bin_type=False)
 
@@ -180,8 +186,15 @@ class _Plan:
             fk = key(k.field(shard, "obs", slot // cs))
             source = ["f", fk, (slot % cs) * obs.row_bytes, obs.row_bytes]
         return [
-            p, np.int64(pid).tobytes(), key(k.meta(shard, "id", p // mc)), (p % mc) * 8,
-            key(k.meta(shard, "flags", p // mc)), p % mc,
-            key(k.meta(shard, "next", p // mc)), (p % mc) * 4, int(c["next"][p]),
-            *source, key(k.sparse(shard, "nx", p // SPARSE_CHUNK_SLOTS)),
-        ]  # fmt: skip
+            p,
+            np.int64(pid).tobytes(),
+            key(k.meta(shard, "id", p // mc)),
+            (p % mc) * 8,
+            key(k.meta(shard, "flags", p // mc)),
+            p % mc,
+            key(k.meta(shard, "next", p // mc)),
+            (p % mc) * 4,
+            int(c["next"][p]),
+            *source,
+            key(k.sparse(shard, "nx", p // SPARSE_CHUNK_SLOTS)),
+        ]

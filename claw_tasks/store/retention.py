@@ -29,9 +29,21 @@ from claw_tasks.where import FilterError, Where
 
 ORDERS = ("lowest-priority", "oldest")
 _BYTES = {
-    "": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
-    "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 class RetentionError(ValueError):
@@ -70,11 +82,13 @@ class Retention:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "max_age": self.max_age, "max_steps": self.max_steps, "max_bytes": self.max_bytes,
+            "max_age": self.max_age,
+            "max_steps": self.max_steps,
+            "max_bytes": self.max_bytes,
             "evict": self.evict,
             "protect": [p if isinstance(p, str) else dict(p) for p in self.protect],
             "archive_before_evict": self.archive_before_evict,
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Retention:

@@ -45,9 +45,12 @@ def attach_rewards(
         )
     rewards = spread_rewards(len(ids), final_reward, turn_rewards)
     return store.update_rewards(
-        ids, rewards, tags={"final_reward": float(final_reward)},
-        reward_source=reward_source, terminated=ids[-1:],
-    )  # fmt: skip
+        ids,
+        rewards,
+        tags={"final_reward": float(final_reward)},
+        reward_source=reward_source,
+        terminated=ids[-1:],
+    )
 
 
 def turn_infos(store: Store, ids: Sequence[int] | np.ndarray) -> list[dict[str, Any] | None]:

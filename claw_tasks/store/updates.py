@@ -147,10 +147,15 @@ class Updates(Reader):
         stream: who, when, what (JSON)."""
         self.r.xadd(
             self.keys.audit,
-            {"who": who, "at": f"{time.time():.3f}", "action": action,
-             "what": json.dumps(what, sort_keys=True, default=str)},
-            maxlen=AUDIT_MAXLEN, approximate=True,
-        )  # fmt: skip
+            {
+                "who": who,
+                "at": f"{time.time():.3f}",
+                "action": action,
+                "what": json.dumps(what, sort_keys=True, default=str),
+            },
+            maxlen=AUDIT_MAXLEN,
+            approximate=True,
+        )
 
     def audit_log(self, count: int = 50) -> list[dict[str, Any]]:
         """The newest ``count`` audit entries, newest first."""
@@ -172,9 +177,19 @@ class Updates(Reader):
             part_vals = vals if mode != "set" else vals.reshape(-1, size)[sel]
             keys = [self.keys.shard_key(shard, k) for k in ("log", "seq", "alive", "evicted")]
             args = [
-                self.keys.shard(shard), cfg.cap, cfg.n_shards, shard, META_CHUNK_SLOTS, col,
-                size, mode, ids[sel].tobytes(), part_vals.tobytes(), LOG_MAXLEN, op,
-            ]  # fmt: skip
+                self.keys.shard(shard),
+                cfg.cap,
+                cfg.n_shards,
+                shard,
+                META_CHUNK_SLOTS,
+                col,
+                size,
+                mode,
+                ids[sel].tobytes(),
+                part_vals.tobytes(),
+                LOG_MAXLEN,
+                op,
+            ]
             calls.append((keys, args))
         if len(calls) == 1:  # the common case: one EVALSHA straight on the client
             return int(self.scripts.update(*calls[0]))

@@ -89,12 +89,14 @@ class Writer(NamespaceAdmin):
             args += [f"f:{name}", row_bytes, payload_chunk_slots(row_bytes)]
         seq0, state = self.scripts.alloc(
             keys=[
-                k.shard_key(shard, f"b:{batch_id}"), k.shard_key(shard, "seq"),
-                k.shard_key(shard, "log"), k.shard_key(shard, "alive"),
+                k.shard_key(shard, f"b:{batch_id}"),
+                k.shard_key(shard, "seq"),
+                k.shard_key(shard, "log"),
+                k.shard_key(shard, "alive"),
                 k.shard_key(shard, "evictions"),
             ],
             args=args,
-        )  # fmt: skip
+        )
         return int(seq0), state.decode() if isinstance(state, bytes) else state
 
     def place(self, shard: int, seq0: int, fields: Mapping[str, np.ndarray]) -> None:

@@ -18,8 +18,11 @@ class ExpressionError(FilterError):
         self, message: str, expression: str, position: int, expected: str | None = None
     ) -> None:
         self.reason, self.expression, self.position, self.expected = (
-            message, expression, position, expected,
-        )  # fmt: skip
+            message,
+            expression,
+            position,
+            expected,
+        )
         shown = expression.replace("\n", " ").replace("\t", " ")
         super().__init__(f"{message} (column {position + 1})\n  {shown}\n  {' ' * position}^")
 

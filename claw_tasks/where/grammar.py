@@ -263,8 +263,10 @@ class _Parser:
                 return make_cond(key, "eq", True, key.name, tok.pos, tok.pos)
             raise ExpressionError(
                 f"{key.name} is not a flag (terminated, truncated, trainable): compare it",
-                self.text, nxt.pos, _OPERATOR_HINT,
-            )  # fmt: skip
+                self.text,
+                nxt.pos,
+                _OPERATOR_HINT,
+            )
         self.fail(nxt, f"{_OPERATOR_HINT} after {tok.text!r}")
 
     def cond(self, key: Key, ktok: Token, otok: Token, op: str, value: Any, vpos: int) -> Node:

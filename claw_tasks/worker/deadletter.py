@@ -46,9 +46,13 @@ class Letter:
         if self.payload is not None:
             p = self.payload
             out += [
-                "payload", p[:prefix], "payload_bytes", len(p),
-                "digest", "sha256:" + hashlib.sha256(p).hexdigest(),
-            ]  # fmt: skip
+                "payload",
+                p[:prefix],
+                "payload_bytes",
+                len(p),
+                "digest",
+                "sha256:" + hashlib.sha256(p).hexdigest(),
+            ]
         for k, v in self.extra.items():
             out += [k, str(v)[:256]]
         return out

@@ -32,8 +32,16 @@ log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/x-msgpack"
 MAX_ETA = timedelta(minutes=10)  # retries wait at most a minute; nothing else sets an eta
 _STR_HEADERS = (
-    "id", "root_id", "parent_id", "group", "shadow", "argsrepr", "kwargsrepr", "origin", "lang",
-)  # fmt: skip
+    "id",
+    "root_id",
+    "parent_id",
+    "group",
+    "shadow",
+    "argsrepr",
+    "kwargsrepr",
+    "origin",
+    "lang",
+)
 _EMBED = frozenset({"callbacks", "errbacks", "chain", "chord"})
 
 

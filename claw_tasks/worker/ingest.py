@@ -36,9 +36,13 @@ DONE_REASON = 512  # characters of a rejection's reason in its done record (the 
 # Cluster also a master down or its slots not served yet (a restart, a failover). Any other
 # Redis error is about this message (a size or type the server refuses): dead-lettered.
 TRANSIENT = (
-    redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
-    ClusterError, TryAgainError, SlotNotCoveredError,
-)  # fmt: skip
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.BusyLoadingError,
+    ClusterError,
+    TryAgainError,
+    SlotNotCoveredError,
+)
 
 
 def is_transient(e: BaseException) -> bool:
@@ -146,8 +150,12 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
         log.exception("ingest of batch %s failed", a.batch_id)
         code = "redis" if isinstance(e, redis.RedisError) else "internal"
         reason = f"{'Redis refused the batch' if code == 'redis' else 'internal error'}: "
-        reject(r, Rejected(code, reason + f"{type(e).__name__}: {e}", a.namespace, a.batch_id),
-               limits, payload=raw)  # fmt: skip
+        reject(
+            r,
+            Rejected(code, reason + f"{type(e).__name__}: {e}", a.namespace, a.batch_id),
+            limits,
+            payload=raw,
+        )
         outcome = IngestOutcome(a.batch_id, errors=[reason])
     if a.stage_key is not None:
         r.delete(a.stage_key)

@@ -55,8 +55,13 @@ def _retry_or_give_up(task: Task, args: Any, e: Exception) -> IngestOutcome:
     namespace, batch_id = args[1], args[2]  # parse_message passed: the error came after it
     payload = args[3] if isinstance(args[3], bytes) else None
     try:
-        reject(redis_client(), Rejected("transient", reason, namespace), settings.limits,
-               payload=payload, batch_id=batch_id)  # fmt: skip
+        reject(
+            redis_client(),
+            Rejected("transient", reason, namespace),
+            settings.limits,
+            payload=payload,
+            batch_id=batch_id,
+        )
     except Exception as again:
         if not is_transient(again):
             raise

@@ -49,8 +49,7 @@ class _Pending:
 
     def write(self, explicit_next: bool) -> None:
         nxt = self.next_obs if explicit_next else None
-        self.episode.add(self.obs, self.action, self.reward, next_obs=nxt,
-                         priority=self.priority)  # fmt: skip
+        self.episode.add(self.obs, self.action, self.reward, next_obs=nxt, priority=self.priority)
 
 
 class Transitions:
@@ -64,10 +63,17 @@ class Transitions:
         self._pending: dict[Hashable, _Pending] = {}
 
     def add(
-        self, stream: Hashable, obs: np.ndarray, action: np.ndarray, reward: float,
-        next_obs: np.ndarray, *, terminated: bool = False, truncated: bool = False,
+        self,
+        stream: Hashable,
+        obs: np.ndarray,
+        action: np.ndarray,
+        reward: float,
+        next_obs: np.ndarray,
+        *,
+        terminated: bool = False,
+        truncated: bool = False,
         priority: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """The next transition of ``stream``; ``terminated`` or ``truncated`` ends its
         episode (next_obs stored explicitly; a timeout bootstraps)."""
         held = self._pending.pop(stream, None)
@@ -79,8 +85,15 @@ class Transitions:
         if not (terminated or truncated):
             self._pending[stream] = _Pending(episode, obs, action, reward, next_obs, priority)
             return
-        episode.add(obs, action, reward, next_obs=next_obs, terminated=terminated,
-                    truncated=truncated, priority=priority)  # fmt: skip
+        episode.add(
+            obs,
+            action,
+            reward,
+            next_obs=next_obs,
+            terminated=terminated,
+            truncated=truncated,
+            priority=priority,
+        )
         del self._episodes[stream]
 
     def write_pending(self) -> None:
@@ -112,9 +125,14 @@ class Connection:
     _left: dict[str, deque[Any]] = field(default_factory=dict)  # parts not served yet
 
     def recipe(
-        self, key: Hashable, spec: Mapping[str, Any], readahead: int, readahead_bytes: int,
-        parts: int = 1, convert: Callable[[Batch], Any] | None = None,
-    ) -> str:  # fmt: skip
+        self,
+        key: Hashable,
+        spec: Mapping[str, Any],
+        readahead: int,
+        readahead_bytes: int,
+        parts: int = 1,
+        convert: Callable[[Batch], Any] | None = None,
+    ) -> str:
         """The recipe serving ``key`` (e.g. a batch size), registered from ``spec`` on first
         use after a flush (everything added so far can be drawn), with ``readahead``
         batches decoded ahead in this process (0: none). Each of its batches serves
@@ -132,9 +150,12 @@ class Connection:
             self._prepare[name] = prepare
             if readahead:
                 self.readaheads[name] = ReadAhead(
-                    self.client, name, count=readahead, max_bytes=readahead_bytes,
+                    self.client,
+                    name,
+                    count=readahead,
+                    max_bytes=readahead_bytes,
                     convert=prepare,
-                )  # fmt: skip
+                )
         return name
 
     def pop(self, name: str, timeout: float | None) -> Any:
@@ -143,8 +164,11 @@ class Connection:
         left = self._left.get(name)
         if not left:
             ra = self.readaheads.get(name)
-            parts = ra.pop(timeout) if ra is not None else self._prepare[name](
-                self.client.pop(name, timeout))  # fmt: skip
+            parts = (
+                ra.pop(timeout)
+                if ra is not None
+                else self._prepare[name](self.client.pop(name, timeout))
+            )
             left = self._left[name] = deque(parts)
         return left.popleft()
 
@@ -175,9 +199,17 @@ def split(batch: Batch, parts: int) -> list[Batch]:
     for j in range(parts):
         rows = slice(j, None, parts)
         meta = {k: v[rows] if isinstance(v, list) else v for k, v in batch.meta.items()}
-        out.append(Batch({k: v[rows] for k, v in batch.items()}, batch.ids[rows],
-                         batch.weights[rows], batch.source_index[rows], batch.sources,
-                         batch.recipe_version, meta))  # fmt: skip
+        out.append(
+            Batch(
+                {k: v[rows] for k, v in batch.items()},
+                batch.ids[rows],
+                batch.weights[rows],
+                batch.source_index[rows],
+                batch.sources,
+                batch.recipe_version,
+                meta,
+            )
+        )
     return out
 
 
@@ -195,9 +227,13 @@ def close_quietly(conn: Connection) -> None:
     try:
         conn.close(timeout=10.0)
     except Exception as e:
-        log.warning("closing a Claw replay buffer of namespace %r: %s: %s (steps not yet "
-                    "committed may be lost; call close() to see it fail)",
-                    conn.ingestor.namespace, type(e).__name__, e)  # fmt: skip
+        log.warning(
+            "closing a Claw replay buffer of namespace %r: %s: %s (steps not yet "
+            "committed may be lost; call close() to see it fail)",
+            conn.ingestor.namespace,
+            type(e).__name__,
+            e,
+        )
 
 
 def without_password(url: str | None) -> str | None:

@@ -134,10 +134,15 @@ def export_minari(
     with warnings.catch_warnings(), datasets_root(root):
         warnings.simplefilter("ignore")  # Minari warns about every credit field left unset
         dataset = minari.create_dataset_from_buffers(
-            dataset_id, [], observation_space=obs_space, action_space=act_space,
-            data_format="arrow", jpeg_encoding=False, author="claw",
+            dataset_id,
+            [],
+            observation_space=obs_space,
+            action_space=act_space,
+            data_format="arrow",
+            jpeg_encoding=False,
+            author="claw",
             description=f"Exported from Claw namespace {store.namespace!r}",
-        )  # fmt: skip
+        )
     storage = dataset.storage
     # Minari re-measures the whole dataset directory after every episode it writes
     # (quadratic: 200 episodes take seconds, thousands hours); measure once at the end.

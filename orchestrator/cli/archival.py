@@ -29,9 +29,12 @@ from claw_tasks.store import NamespaceError, Store
 def _bar(console: Console, what: str, total: int | None) -> Iterator[Any]:
     """A progress bar; yields ``advance(n)``."""
     columns = (
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), TimeRemainingColumn(),
-    )  # fmt: skip
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task(what, total=total)
         yield lambda n, *_: progress.advance(task, n)
@@ -136,9 +139,13 @@ def export_plain(namespace: str, archive: Path, to: Path, console: Console, as_j
 
 
 def import_dataset(
-    r: redis.Redis, dataset: str, namespace: str, root: Path | None, console: Console,
+    r: redis.Redis,
+    dataset: str,
+    namespace: str,
+    root: Path | None,
+    console: Console,
     as_json: bool,
-) -> None:  # fmt: skip
+) -> None:
     from orchestrator.adapters.minari import import_minari
 
     store = Store(r, namespace)

@@ -136,10 +136,24 @@ def worker_service(
     """A Celery worker for `queues`. `quick` skips mingle/gossip (a lone throwaway worker)."""
     name = "-".join(queues) if len(queues) < len(QUEUES) else "all"
     argv = [
-        sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", "worker",
-        "-Q", ",".join(queues), "-c", str(concurrency), "-P", "prefork",
-        "-n", f"{name}@%h", "-E", "-l", "INFO",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "claw_tasks.worker.app",
+        "worker",
+        "-Q",
+        ",".join(queues),
+        "-c",
+        str(concurrency),
+        "-P",
+        "prefork",
+        "-n",
+        f"{name}@%h",
+        "-E",
+        "-l",
+        "INFO",
+    ]
     if quick:
         argv += ["--without-mingle", "--without-gossip"]
     return Service(
@@ -153,9 +167,17 @@ def worker_service(
 
 def beat_service(log_dir: Path) -> Service:
     argv = [
-        sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", "beat",
-        "-S", "redbeat.RedBeatScheduler", "-l", "INFO",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "claw_tasks.worker.app",
+        "beat",
+        "-S",
+        "redbeat.RedBeatScheduler",
+        "-l",
+        "INFO",
+    ]
     return Service(
         "beat", argv, log_dir / "beat.log", "RedBeat scheduler", log_contains("beat: Starting")
     )
@@ -163,9 +185,15 @@ def beat_service(log_dir: Path) -> Service:
 
 def flower_service(log_dir: Path, port: int) -> Service:
     argv = [
-        sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", "flower",
-        f"--port={port}", "--address=127.0.0.1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "claw_tasks.worker.app",
+        "flower",
+        f"--port={port}",
+        "--address=127.0.0.1",
+    ]
     return Service(
         "flower", argv, log_dir / "flower.log", f"http://127.0.0.1:{port}", port_open(port)
     )

@@ -186,8 +186,10 @@ def require_token(app: WSGIApp, token: str) -> WSGIApp:
         given = environ.get("HTTP_AUTHORIZATION", "").encode()
         if hmac.compare_digest(given, expected):
             return app(environ, start_response)
-        start_response("401 Unauthorized", [("WWW-Authenticate", 'Bearer realm="claw"'),
-                                            ("Content-Type", "text/plain")])  # fmt: skip
+        start_response(
+            "401 Unauthorized",
+            [("WWW-Authenticate", 'Bearer realm="claw"'), ("Content-Type", "text/plain")],
+        )
         return [b"a bearer token is required (Authorization: Bearer $CLAW_METRICS_TOKEN)\n"]
 
     return guarded

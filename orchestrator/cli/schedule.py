@@ -26,11 +26,14 @@ class Entry:
 
     def to_json(self) -> dict:
         return {
-            "name": self.name, "task": self.task, "schedule": self.schedule,
-            "next_run": self.next_run.isoformat(), "scheduled": self.scheduled,
+            "name": self.name,
+            "task": self.task,
+            "schedule": self.schedule,
+            "next_run": self.next_run.isoformat(),
+            "scheduled": self.scheduled,
             "last_run": None if self.last_run is None else self.last_run.isoformat(),
             "runs": self.runs,
-        }  # fmt: skip
+        }
 
 
 def beat_entries(r: redis.Redis, now: datetime | None = None) -> list[Entry]:
@@ -56,6 +59,9 @@ def beat_entries(r: redis.Redis, now: datetime | None = None) -> list[Entry]:
             at = (now + sched.remaining_estimate(last or now)).timestamp()
         step = 60 if every is None else 1  # cron fires on minute boundaries
         nxt = datetime.fromtimestamp(round(at / step) * step, UTC)  # estimates are ms early
-        out.append(Entry(name, spec["task"], text, nxt, scheduled, last,
-                         int(meta.get("total_run_count", 0))))  # fmt: skip
+        out.append(
+            Entry(
+                name, spec["task"], text, nxt, scheduled, last, int(meta.get("total_run_count", 0))
+            )
+        )
     return sorted(out, key=lambda e: e.next_run)

@@ -72,5 +72,6 @@ class RedisStats:
 
 def _encode(st: RunningStats) -> bytes:
     mean, m2 = np.asarray(st.mean, "<f8"), np.asarray(st.m2, "<f8")
-    return packb({"count": st.count, "shape": list(mean.shape),
-                  "mean": mean.tobytes(), "m2": m2.tobytes()})  # fmt: skip
+    return packb(
+        {"count": st.count, "shape": list(mean.shape), "mean": mean.tobytes(), "m2": m2.tobytes()}
+    )

@@ -31,9 +31,12 @@ class BatchClient:
     """
 
     def __init__(
-        self, namespace: str | None = None, redis_url: str | None = None, *,
+        self,
+        namespace: str | None = None,
+        redis_url: str | None = None,
+        *,
         broker_url: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         settings = load_settings()
         self.namespace = namespace or settings.namespace
         self.redis_url, self.broker_url = redis_url, broker_url  # as given (None: environment)
@@ -172,8 +175,11 @@ class BatchClient:
             log.warning(
                 "recipe %r: skipped an unreadable queue item (%d bytes): %s: %s (further "
                 "ones are counted in stats()['skipped'], not logged)",
-                name, len(item), type(error).__name__, error,
-            )  # fmt: skip
+                name,
+                len(item),
+                type(error).__name__,
+                error,
+            )
 
     def _report_pops(self, pipe: Any) -> None:
         for counts, field in ((self._popped, "popped"), (self._skipped, "skipped")):

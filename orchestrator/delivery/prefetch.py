@@ -177,9 +177,14 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 if batch.groups is not None:
                     arrays.update(group_arrays(batch.groups))
             frame = frame_batch(
-                arrays, ids, weights=weights, source_index=source_index,
-                sources=batch.sources, recipe_version=recipe.version, meta=meta,
-            )  # fmt: skip
+                arrays,
+                ids,
+                weights=weights,
+                source_index=source_index,
+                sources=batch.sources,
+                recipe_version=recipe.version,
+                meta=meta,
+            )
             pushed = push(reg, recipe, shm.to_message(frame, reader_host=entry.shm_host))
             if pushed == "full":
                 break

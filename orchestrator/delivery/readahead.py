@@ -24,8 +24,9 @@ from orchestrator.delivery.wire import Batch
 
 def batch_bytes(batch: Batch) -> int:
     """Bytes held by a batch's arrays (its ids and weights included)."""
-    return int(sum(a.nbytes for a in (*batch.values(), batch.ids, batch.weights)
-                   if hasattr(a, "nbytes")))  # fmt: skip
+    return int(
+        sum(a.nbytes for a in (*batch.values(), batch.ids, batch.weights) if hasattr(a, "nbytes"))
+    )
 
 
 class ReadAhead:
@@ -35,25 +36,31 @@ class ReadAhead:
     ``convert(batch)``, computed in the thread."""
 
     def __init__(
-        self, client: BatchClient, name: str, *, count: int = 8,
-        max_bytes: int = 64 << 20, poll: float = 5.0,
+        self,
+        client: BatchClient,
+        name: str,
+        *,
+        count: int = 8,
+        max_bytes: int = 64 << 20,
+        poll: float = 5.0,
         convert: Callable[[Batch], Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if count < 1 or max_bytes < 1:
-            raise ValueError(f"read-ahead needs count >= 1 and max_bytes >= 1, got {count}, "
-                             f"{max_bytes}")  # fmt: skip
+            raise ValueError(
+                f"read-ahead needs count >= 1 and max_bytes >= 1, got {count}, {max_bytes}"
+            )
         self.name = name
         self.count, self.max_bytes, self.poll = count, max_bytes, poll
         self.convert = convert
-        self._client = BatchClient(client.namespace, client.redis_url,
-                                   broker_url=client.broker_url)  # fmt: skip
+        self._client = BatchClient(client.namespace, client.redis_url, broker_url=client.broker_url)
         self._ready: collections.deque[tuple[Any, int]] = collections.deque()
         self._bytes = 0
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"claw-readahead-{name}",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._run, name=f"claw-readahead-{name}", daemon=True
+        )
         self._thread.start()
 
     def _has_room(self) -> bool:

@@ -11,9 +11,13 @@ def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8100) -> N
     import uvicorn
 
     uvicorn.run(
-        create_app(config), host=host, port=port, log_level="warning", access_log=False,
+        create_app(config),
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
         timeout_graceful_shutdown=30,
-    )  # fmt: skip
+    )
 
 
 __all__ = ["GatewayConfig", "create_app", "serve"]

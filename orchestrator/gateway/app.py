@@ -81,10 +81,14 @@ def _bearer(request: Request, expected: str, which: str = "CLAW_GATEWAY_TOKEN") 
     scheme, _, token = given.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
         raise _Refused(
-            error(401, f"missing or wrong bearer token (Authorization: Bearer ${which}; "
-                  "the gateway's token, CLAW_GATEWAY_TOKEN, is the agents' API key)",
-                  "authentication_error", "invalid_api_key")
-        )  # fmt: skip
+            error(
+                401,
+                f"missing or wrong bearer token (Authorization: Bearer ${which}; "
+                "the gateway's token, CLAW_GATEWAY_TOKEN, is the agents' API key)",
+                "authentication_error",
+                "invalid_api_key",
+            )
+        )
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -100,8 +104,12 @@ async def _body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(limit: int) -> JSONResponse:
-    return error(413, f"request body over {limit} bytes (claw gateway --max-body-bytes)",
-                 "invalid_request_error", "body_too_large")  # fmt: skip
+    return error(
+        413,
+        f"request body over {limit} bytes (claw gateway --max-body-bytes)",
+        "invalid_request_error",
+        "body_too_large",
+    )
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -118,16 +126,25 @@ def _identity(request: Request) -> tuple[str, str | None]:
     traj = request.path_params.get("trajectory") or request.headers.get("x-claw-trajectory")
     group = request.path_params.get("group") or request.headers.get("x-claw-group")
     if not traj:
-        raise _Refused(error(
-            400, "no trajectory id: call /t/<trajectory>/g/<group>/v1/... or send an "
-            "X-Claw-Trajectory header", "invalid_request_error", "missing_trajectory",
-        ))  # fmt: skip
+        raise _Refused(
+            error(
+                400,
+                "no trajectory id: call /t/<trajectory>/g/<group>/v1/... or send an "
+                "X-Claw-Trajectory header",
+                "invalid_request_error",
+                "missing_trajectory",
+            )
+        )
     for what, v in (("trajectory", traj), ("group", group)):
         if v is not None and not UID.match(v):
-            raise _Refused(error(
-                400, f"{what} id {v[:40]!r} must be 1-200 characters of A-Z a-z 0-9 . _ : @ + = -",
-                "invalid_request_error", f"bad_{what}",
-            ))  # fmt: skip
+            raise _Refused(
+                error(
+                    400,
+                    f"{what} id {v[:40]!r} must be 1-200 characters of A-Z a-z 0-9 . _ : @ + = -",
+                    "invalid_request_error",
+                    f"bad_{what}",
+                )
+            )
     return traj, group
 
 
@@ -140,10 +157,15 @@ def _tags(request: Request) -> dict[str, Any]:
     for part in raw.split(","):
         name, sep, value = (s.strip() for s in part.partition("="))
         if not sep or not TAG_NAME.match(name) or not value or len(value) > 200:
-            raise _Refused(error(
-                400, f"X-Claw-Tags entry {part[:60]!r}: write name=value, names lower-case "
-                "a-z0-9_, values up to 200 characters", "invalid_request_error", "bad_tags",
-            ))  # fmt: skip
+            raise _Refused(
+                error(
+                    400,
+                    f"X-Claw-Tags entry {part[:60]!r}: write name=value, names lower-case "
+                    "a-z0-9_, values up to 200 characters",
+                    "invalid_request_error",
+                    "bad_tags",
+                )
+            )
         tags[name] = float(value) if NUMBER.match(value) else value
     if len(tags) > MAX_TAGS:
         raise _Refused(error(400, f"at most {MAX_TAGS} tags", "invalid_request_error", "bad_tags"))
@@ -163,15 +185,21 @@ class Gateway:
             has_schema = store.exists() and store.config(refresh=True).schema is not None
             store.r.close()
             ingestor = Ingestor(
-                config.namespace, config.redis_url, flush_interval=0.5,
+                config.namespace,
+                config.redis_url,
+                flush_interval=0.5,
                 schema=None if has_schema else Schema.llm(),
-            )  # fmt: skip
+            )
         ingestor.store.set_episode_index()  # a reward post reads its turns in O(turns)
         retok = Retokenizer(config.tokenizer) if config.tokenizer else None
         self.recorder = Recorder(
-            ingestor, self.metrics, retokenizer=retok, max_turns=config.max_turns,
-            queue_size=config.queue_size, policy_version=config.policy_version,
-        )  # fmt: skip
+            ingestor,
+            self.metrics,
+            retokenizer=retok,
+            max_turns=config.max_turns,
+            queue_size=config.queue_size,
+            policy_version=config.policy_version,
+        )
         self.metrics.track_backlog(lambda: self.recorder.backlog)
         headers = {"accept-encoding": "identity"}
         if config.upstream_key:
@@ -217,8 +245,7 @@ class Gateway:
         except UpstreamError as e:
             self.recorder.refund(traj)
             self.metrics.requests.labels(kind, 502).inc()
-            return error(502, f"upstream {self.config.upstream} failed: {e}",
-                         "upstream_error")  # fmt: skip
+            return error(502, f"upstream {self.config.upstream} failed: {e}", "upstream_error")
         self.metrics.upstream_seconds.observe(time.perf_counter() - t0)
         media = resp.headers.get("content-type", "application/json")
         self.metrics.requests.labels(kind, resp.status).inc()
@@ -283,15 +310,21 @@ class Gateway:
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse(
-            {"status": "ok", "namespace": self.config.namespace,
-             "record_backlog": self.recorder.backlog}
-        )  # fmt: skip
+            {
+                "status": "ok",
+                "namespace": self.config.namespace,
+                "record_backlog": self.recorder.backlog,
+            }
+        )
 
     async def metrics_page(self, request: Request) -> Response:
         token = self.config.metrics_token
         try:
-            _bearer(request, token or self.config.token,
-                    "CLAW_METRICS_TOKEN" if token else "CLAW_GATEWAY_TOKEN")  # fmt: skip
+            _bearer(
+                request,
+                token or self.config.token,
+                "CLAW_METRICS_TOKEN" if token else "CLAW_GATEWAY_TOKEN",
+            )
         except _Refused as r:
             return r.response
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -300,17 +333,22 @@ class Gateway:
 def _reward_body(body: dict[str, Any]) -> tuple[float, list[float] | None, str | None]:
     def number(v: Any, what: str) -> float:
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise _Refused(error(400, f"{what} must be a finite number",
-                                 "invalid_request_error", "bad_reward"))  # fmt: skip
+            raise _Refused(
+                error(400, f"{what} must be a finite number", "invalid_request_error", "bad_reward")
+            )
         return float(v)
 
     unknown = set(body) - {"final_reward", "turn_rewards", "reward_source"}
     if unknown or "final_reward" not in body:
-        raise _Refused(error(
-            400, "reward body: {\"final_reward\": number, \"turn_rewards\": [numbers] "
-            "(optional, one per recorded turn), \"reward_source\": string (optional)}",
-            "invalid_request_error", "bad_reward",
-        ))  # fmt: skip
+        raise _Refused(
+            error(
+                400,
+                'reward body: {"final_reward": number, "turn_rewards": [numbers] '
+                '(optional, one per recorded turn), "reward_source": string (optional)}',
+                "invalid_request_error",
+                "bad_reward",
+            )
+        )
     final = number(body["final_reward"], "final_reward")
     turns = body.get("turn_rewards")
     if turns is not None:
@@ -319,8 +357,9 @@ def _reward_body(body: dict[str, Any]) -> tuple[float, list[float] | None, str |
         turns = [number(v, "each turn reward") for v in turns]
     source = body.get("reward_source")
     if source is not None and (not isinstance(source, str) or not 0 < len(source) <= 64):
-        raise _Refused(error(400, "reward_source must be a string of 1-64 characters",
-                             "invalid_request_error"))  # fmt: skip
+        raise _Refused(
+            error(400, "reward_source must be a string of 1-64 characters", "invalid_request_error")
+        )
     return final, turns, source
 
 
@@ -357,8 +396,11 @@ def create_app(config: GatewayConfig, ingestor: Ingestor | None = None) -> Starl
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                     "invalid_request_error")  # fmt: skip
+        return error(
+            exc.status_code,
+            f"{request.method} {request.url.path}: {exc.detail}",
+            "invalid_request_error",
+        )
 
     return Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error}

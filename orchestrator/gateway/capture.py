@@ -234,8 +234,12 @@ def capture(
     if len(response_ids) != len(logprobs):
         raise CaptureError(f"{len(response_ids)} response token ids but {len(logprobs)} log-probs")
     return Turn(
-        prompt_ids=prompt_ids, response_ids=response_ids, response_logprobs=logprobs,
-        retokenized=retokenized, messages=messages,
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        response_logprobs=logprobs,
+        retokenized=retokenized,
+        messages=messages,
         tool_calls=[acc.tool_calls[i] for i in sorted(acc.tool_calls)] or None,
-        finish_reason=acc.finish_reason, model=acc.model,
-    )  # fmt: skip
+        finish_reason=acc.finish_reason,
+        model=acc.model,
+    )

@@ -13,26 +13,32 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "claw_gateway_requests", "Calls answered, by route and HTTP status",
-            ["route", "status"], registry=r,
-        )  # fmt: skip
+            "claw_gateway_requests",
+            "Calls answered, by route and HTTP status",
+            ["route", "status"],
+            registry=r,
+        )
         self.upstream_seconds = Histogram(
-            "claw_gateway_upstream_seconds", "Time to the upstream's response headers",
-            registry=r, buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60),
-        )  # fmt: skip
+            "claw_gateway_upstream_seconds",
+            "Time to the upstream's response headers",
+            registry=r,
+            buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60),
+        )
         self.recorded = Counter(
             "claw_gateway_recorded_turns", "Calls recorded as steps", registry=r
         )
         self.retokenized = Counter(
             "claw_gateway_retokenized_turns",
-            "Recorded turns whose token ids came from the gateway's tokenizer", registry=r,
-        )  # fmt: skip
+            "Recorded turns whose token ids came from the gateway's tokenizer",
+            registry=r,
+        )
         self.unrecorded = Counter(
             "claw_gateway_unrecorded_calls",
             "Successful calls not recorded, by reason (uncapturable: no log-probs or ids; "
             "queue_full; finished: the reward was posted through another gateway; error)",
-            ["reason"], registry=r,
-        )  # fmt: skip
+            ["reason"],
+            registry=r,
+        )
         self.rewarded = Counter(
             "claw_gateway_rewarded_trajectories", "Trajectories given a reward", registry=r
         )

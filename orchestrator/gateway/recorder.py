@@ -160,10 +160,14 @@ class Recorder:
         if not todo:
             return
         try:
-            indices = execute(self.store.r, [_TURN], lambda pipe: [
-                _TURN.queue(pipe, [self._key(c.trajectory_uid)], ["turn", self.ttl])
-                for c, _ in todo
-            ])  # fmt: skip
+            indices = execute(
+                self.store.r,
+                [_TURN],
+                lambda pipe: [
+                    _TURN.queue(pipe, [self._key(c.trajectory_uid)], ["turn", self.ttl])
+                    for c, _ in todo
+                ],
+            )
         except Exception:
             log.exception("numbering %d recorded calls failed (Redis)", len(todo))
             for c, _ in todo:
@@ -200,8 +204,14 @@ class Recorder:
         turn = capture(call.kind, call.request, call.reply, call.streamed, self.retokenizer)
         turn.policy_version = self._version(call)
         try:
-            turn_fields(turn.prompt_ids, turn.response_ids, turn.response_logprobs, None,
-                        False, f"a call of trajectory {call.trajectory_uid!r}")  # fmt: skip
+            turn_fields(
+                turn.prompt_ids,
+                turn.response_ids,
+                turn.response_logprobs,
+                None,
+                False,
+                f"a call of trajectory {call.trajectory_uid!r}",
+            )
         except SchemaError as e:
             raise CaptureError(str(e)) from None
         return turn
@@ -209,13 +219,19 @@ class Recorder:
     def _record(self, call: Call, turn: Turn, index: int) -> None:
         try:
             self.ingestor.llm_turn(
-                call.trajectory_uid, index, turn.prompt_ids, turn.response_ids,
-                turn.response_logprobs, prompt_uid=call.prompt_uid,
-                policy_version=turn.policy_version, messages=turn.messages,
-                tool_calls=turn.tool_calls, retokenized=turn.retokenized,
+                call.trajectory_uid,
+                index,
+                turn.prompt_ids,
+                turn.response_ids,
+                turn.response_logprobs,
+                prompt_uid=call.prompt_uid,
+                policy_version=turn.policy_version,
+                messages=turn.messages,
+                tool_calls=turn.tool_calls,
+                retokenized=turn.retokenized,
                 info={"finish_reason": turn.finish_reason, "model": turn.model},
                 **call.tags,
-            )  # fmt: skip
+            )
         except SchemaError as e:  # refused before buffering: not a step (its index is a gap)
             raise CaptureError(str(e)) from None
         except Exception:  # buffered, but the send it started failed: kept and re-sent
@@ -267,9 +283,13 @@ class Recorder:
             self.ingestor.flush(wait=True, timeout=timeout)
             self._committed(trajectory_uid, turns, time.monotonic() + timeout)
             attach_rewards(
-                self.store, trajectory_uid, final_reward, turn_rewards,
-                reward_source=reward_source, expect_turns=turns,
-            )  # fmt: skip
+                self.store,
+                trajectory_uid,
+                final_reward,
+                turn_rewards,
+                reward_source=reward_source,
+                expect_turns=turns,
+            )
         except Exception:
             with self._lock:
                 t.finished = False  # the reward may be posted again

@@ -223,6 +223,7 @@ def _sparse_sizes(
         return float(np.mean(replies)), float(spec.row_bytes)
     eng = engine_for(spec.codec)
     frames = [f or b"" for f in replies]
-    raw = [eng.declared(key_body(f) if spec.codec.name == "delta" else f) if f else 0
-           for f in frames]  # fmt: skip
+    raw = [
+        eng.declared(key_body(f) if spec.codec.name == "delta" else f) if f else 0 for f in frames
+    ]
     return float(np.mean([len(f) for f in frames])), float(np.mean(raw))

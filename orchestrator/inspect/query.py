@@ -78,9 +78,13 @@ class QueryResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "namespace": self.namespace, "where": self.expression, "steps": self.steps,
-            "matched": self.matched, "group_by": self.group_by, "groups": self.groups,
-        }  # fmt: skip
+            "namespace": self.namespace,
+            "where": self.expression,
+            "steps": self.steps,
+            "matched": self.matched,
+            "group_by": self.group_by,
+            "groups": self.groups,
+        }
 
 
 class Query:
@@ -99,9 +103,15 @@ class Query:
         return lookup(name, self.tags)
 
     def run(
-        self, expression: str, *, group_by: Sequence[str] = (), aggs: Sequence[Agg] = (),
-        since: str | None = None, keep: Sequence[str] = (), now: float | None = None,
-    ) -> QueryResult:  # fmt: skip
+        self,
+        expression: str,
+        *,
+        group_by: Sequence[str] = (),
+        aggs: Sequence[Agg] = (),
+        since: str | None = None,
+        keep: Sequence[str] = (),
+        now: float | None = None,
+    ) -> QueryResult:
         """Match, group and aggregate; ``keep`` names keys whose matched values to return
         (for a histogram)."""
         now = time.time() if now is None else now
@@ -120,9 +130,15 @@ class Query:
             out.append(row)
         values = {k: self._numeric(k, hit, now) for k in keep}
         return QueryResult(
-            self.store.namespace, expression, live, len(hit), list(group_by), out,
-            values, inverse,
-        )  # fmt: skip
+            self.store.namespace,
+            expression,
+            live,
+            len(hit),
+            list(group_by),
+            out,
+            values,
+            inverse,
+        )
 
     def match(
         self, expression: str, *, since: str | None = None, now: float | None = None
@@ -210,8 +226,12 @@ def _aggregate(a: Agg, values: np.ndarray | None, n: int) -> float | int | None:
     if not len(values):
         return None
     fn = {
-        "mean": np.mean, "sum": np.sum, "min": np.min, "max": np.max, "std": np.std,
-    }.get(a.fn)  # fmt: skip
+        "mean": np.mean,
+        "sum": np.sum,
+        "min": np.min,
+        "max": np.max,
+        "std": np.std,
+    }.get(a.fn)
     result = np.percentile(values, a.q) if fn is None else fn(values)
     return float(result)
 
@@ -257,8 +277,10 @@ def table(result: QueryResult) -> Table:
         title=f"{result.namespace}: {where}",
         caption=f"{result.matched:,} of {result.steps:,} steps match",
     )
-    heads = [*result.group_by, *(k for k in (result.groups[0] if result.groups else {})
-                                 if k not in result.group_by)]  # fmt: skip
+    heads = [
+        *result.group_by,
+        *(k for k in (result.groups[0] if result.groups else {}) if k not in result.group_by),
+    ]
     for h in heads:
         t.add_column(h, justify="left" if h in result.group_by else "right", overflow="fold")
     for row in result.groups:

@@ -48,9 +48,18 @@ Progress = Callable[[int], None]  # called with the number of seqs just covered
 
 # MANIFEST and Manifest are re-exported: the archive's public names stay importable here.
 __all__ = [
-    "CHUNK_BYTES", "MANIFEST", "ArchiveBusy", "ArchiveLock", "ArchiveResult", "Archiver",
-    "Manifest", "archive", "archive_namespace", "namespace_dir", "pending",
-]  # fmt: skip
+    "CHUNK_BYTES",
+    "MANIFEST",
+    "ArchiveBusy",
+    "ArchiveLock",
+    "ArchiveResult",
+    "Archiver",
+    "Manifest",
+    "archive",
+    "archive_namespace",
+    "namespace_dir",
+    "pending",
+]
 
 
 class ArchiveBusy(RuntimeError):

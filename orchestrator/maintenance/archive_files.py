@@ -141,10 +141,17 @@ def write_parquet(
         extra = {"namespace": namespace, "shard": shard, "seq_lo": lo, "seq_hi": hi}
         digest, size = write_table(ns_dir / rel, to_table(part, schema, extra), schema)
         entry = {
-            "path": rel, "date": date, "shard": shard, "seq_lo": lo, "seq_hi": hi,
-            "rows": part.n, "id_min": int(part.id.min()), "id_max": int(part.id.max()),
-            "bytes": size, "sha256": digest,
-        }  # fmt: skip
+            "path": rel,
+            "date": date,
+            "shard": shard,
+            "seq_lo": lo,
+            "seq_hi": hi,
+            "rows": part.n,
+            "id_min": int(part.id.min()),
+            "id_max": int(part.id.max()),
+            "bytes": size,
+            "sha256": digest,
+        }
         out.append(entry)
     return out
 

@@ -70,6 +70,10 @@ def _announce(store: Store, index: SamplingIndex, col: str, codes: list[int]) ->
     packed = np.asarray(codes, "<i4").tobytes()
     with store.r.pipeline(transaction=False) as pipe:
         for shard in range(index.n_shards):
-            pipe.xadd(store.keys.shard_key(shard, "log"), {"op": "forget", "col": col,
-                      "codes": packed}, maxlen=LOG_MAXLEN, approximate=True)  # fmt: skip
+            pipe.xadd(
+                store.keys.shard_key(shard, "log"),
+                {"op": "forget", "col": col, "codes": packed},
+                maxlen=LOG_MAXLEN,
+                approximate=True,
+            )
         pipe.execute()

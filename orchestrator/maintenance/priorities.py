@@ -93,9 +93,10 @@ class Rules:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {
-            "fields": list(self.fields), "params": dict(self.params),
+            "fields": list(self.fields),
+            "params": dict(self.params),
             "clamp": None if self.clamp is None else list(self.clamp),
-        }  # fmt: skip
+        }
 
 
 def load_scorer(name: str, allowed: tuple[str, ...]) -> Scorer:
@@ -121,16 +122,26 @@ class Pass:
 
     def to_redis(self) -> dict[str, str]:
         prev = "" if self.previous is None else repr(self.previous)
-        return {"started": repr(self.started), "previous": prev, "cursor": str(self.cursor),
-                "top": repr(self.top), "scale": repr(self.scale)}  # fmt: skip
+        return {
+            "started": repr(self.started),
+            "previous": prev,
+            "cursor": str(self.cursor),
+            "top": repr(self.top),
+            "scale": repr(self.scale),
+        }
 
     @classmethod
     def from_redis(cls, h: Mapping[bytes, bytes]) -> Pass | None:
         if b"cursor" not in h:
             return None
         prev = h.get(b"previous") or b""
-        return cls(float(h[b"started"]), float(prev) if prev else None, int(h[b"cursor"]),
-                   float(h[b"top"]), float(h[b"scale"]))  # fmt: skip
+        return cls(
+            float(h[b"started"]),
+            float(prev) if prev else None,
+            int(h[b"cursor"]),
+            float(h[b"top"]),
+            float(h[b"scale"]),
+        )
 
 
 class Recompute:
@@ -141,8 +152,12 @@ class Recompute:
         self.scorer = None if rules.scorer is None else load_scorer(rules.scorer, allowed)
         self.key = store.keys.base + "prio"
 
-    def run(self, budget_s: float = TICK_BUDGET_S, max_chunks: int | None = None,
-            now: float | None = None) -> dict[str, Any]:  # fmt: skip
+    def run(
+        self,
+        budget_s: float = TICK_BUDGET_S,
+        max_chunks: int | None = None,
+        now: float | None = None,
+    ) -> dict[str, Any]:
         """Advance the pass (starting one if none is under way) for up to ``budget_s`` or
         ``max_chunks`` chunks. Returns steps written and whether the pass finished."""
         index, _ = synced_index(self.store)
@@ -188,8 +203,9 @@ class Recompute:
 
     def _finish(self, index: SamplingIndex, state: Pass, per_shard: int) -> None:
         k = self.store.keys
-        snaps = [k.shard_key(s, f"psnap:{c}") for s in range(index.n_shards)
-                 for c in range(per_shard)]  # fmt: skip
+        snaps = [
+            k.shard_key(s, f"psnap:{c}") for s in range(index.n_shards) for c in range(per_shard)
+        ]
         with self.store.r.pipeline(transaction=False) as pipe:
             for key in snaps:  # one DEL per key: a cluster pipeline routes each to its shard
                 pipe.delete(key)
@@ -197,8 +213,7 @@ class Recompute:
             pipe.hset(self.key, "last", repr(state.started))
             pipe.execute()
 
-    def _chunk(self, index: SamplingIndex, state: Pass, shard: int, chunk: int,
-               now: float) -> int:  # fmt: skip
+    def _chunk(self, index: SamplingIndex, state: Pass, shard: int, chunk: int, now: float) -> int:
         cap, cols = index.cap, index.columns
         first = chunk * META_CHUNK_SLOTS
         stop = min(cap, first + META_CHUNK_SLOTS)
@@ -225,18 +240,23 @@ class Recompute:
         rows, before, after = rows[changed], before[changed], after[changed]
         k = self.store.keys
         keys = [
-            k.shard_key(shard, "alive"), k.meta(shard, "id", chunk),
-            k.meta(shard, "priority", chunk), k.shard_key(shard, f"psnap:{chunk}"),
+            k.shard_key(shard, "alive"),
+            k.meta(shard, "id", chunk),
+            k.meta(shard, "priority", chunk),
+            k.shard_key(shard, f"psnap:{chunk}"),
             k.shard_key(shard, "log"),
-        ]  # fmt: skip
+        ]
         written = 0
         for s in range(0, len(rows), WRITE_BATCH):
             part = slice(s, s + WRITE_BATCH)
             args = [
-                first, (rows[part] % cap).astype("<i4").tobytes(),
-                cols["id"][rows[part]].astype("<i8").tobytes(), before[part].tobytes(),
-                after[part].tobytes(), LOG_MAXLEN,
-            ]  # fmt: skip
+                first,
+                (rows[part] % cap).astype("<i4").tobytes(),
+                cols["id"][rows[part]].astype("<i8").tobytes(),
+                before[part].tobytes(),
+                after[part].tobytes(),
+                LOG_MAXLEN,
+            ]
             written += int(_SCRIPT(self.store.r, keys, args))
         return written
 
@@ -253,8 +273,9 @@ class Recompute:
             )
         return scores
 
-    def _rules(self, index: SamplingIndex, rows: np.ndarray, p: np.ndarray, state: Pass,
-               now: float) -> np.ndarray:  # fmt: skip
+    def _rules(
+        self, index: SamplingIndex, rows: np.ndarray, p: np.ndarray, state: Pass, now: float
+    ) -> np.ndarray:
         r, p = self.rules, np.array(p, np.float64)
         if r.half_life is not None:
             since = index.columns["timestamp"][rows]
@@ -293,6 +314,7 @@ def priorities() -> dict[str, Any]:
             failed[ns] = f"{type(e).__name__}: {e}"
             forget(ns)
     if failed:
-        raise MaintenanceError(f"priority recomputation failed in {len(failed)} namespace(s): "
-                               f"{failed}")  # fmt: skip
+        raise MaintenanceError(
+            f"priority recomputation failed in {len(failed)} namespace(s): {failed}"
+        )
     return done

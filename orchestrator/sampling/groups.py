@@ -232,12 +232,19 @@ class GroupIndex:
         chunk = (np.arange(len(by)) - k_start[run]) // self.size
         g_start = np.flatnonzero(np.r_[True, (key[1:] != key[:-1]) | (chunk[1:] != chunk[:-1])])
         table = _Table(
-            rows, starts[by], lens[by], ended[by], ret[by],
-            g_start, np.diff(np.r_[g_start, len(by)]),
+            rows,
+            starts[by],
+            lens[by],
+            ended[by],
+            ret[by],
+            g_start,
+            np.diff(np.r_[g_start, len(by)]),
             np.add.reduceat(ended[by].astype(np.int64), g_start),
-            np.minimum.reduceat(t0[by], g_start), np.maximum.reduceat(done[by], g_start),
-            key[g_start], chunk[g_start],
-        )  # fmt: skip
+            np.minimum.reduceat(t0[by], g_start),
+            np.maximum.reduceat(done[by], g_start),
+            key[g_start],
+            chunk[g_start],
+        )
         self._table = (self.version, table)
         return table
 

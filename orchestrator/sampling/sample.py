@@ -268,9 +268,14 @@ def _within_budget(batch: SampledBatch, recipe: Recipe) -> SampledBatch:
     }
     groups = Groups(g.group[:n], g.trajectory[:n], g.returns[:n], g.ids[:keep], g.pass_no, g.stale)
     return SampledBatch(
-        fields, batch.ids[:n], batch.weights[:n], batch.source_index[:n], batch.sources,
-        batch.recipe_version, groups,
-    )  # fmt: skip
+        fields,
+        batch.ids[:n],
+        batch.weights[:n],
+        batch.source_index[:n],
+        batch.sources,
+        batch.recipe_version,
+        groups,
+    )
 
 
 def _same(a: Recipe, b: Recipe) -> bool:

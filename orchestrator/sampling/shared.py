@@ -434,8 +434,11 @@ def make_index(store: Store) -> SamplingIndex:
             "namespace %r: %s has %d MB free, its shared sampling index needs %d MB; "
             "this process builds its own (enlarge /dev/shm, e.g. Docker's --shm-size, "
             "or set CLAW_SHARED_INDEX=0 to silence this)",
-            store.namespace, SHM_DIR, free_bytes(SHM_DIR) >> 20, need >> 20,
-        )  # fmt: skip
+            store.namespace,
+            SHM_DIR,
+            free_bytes(SHM_DIR) >> 20,
+            need >> 20,
+        )
         return SamplingIndex(store)
     return SharedIndex(store)
 

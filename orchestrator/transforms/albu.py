@@ -25,17 +25,34 @@ import numpy as np
 from orchestrator.transforms.base import Op, as_images
 
 GROUPS = ("pixel", "spatial")
-NEVER = frozenset({
-    # other targets or metadata
-    "AtLeastOneBBoxRandomCrop", "BBoxSafeRandomCrop", "RandomSizedBBoxSafeCrop",
-    "RandomCropNearBBox", "CropNonEmptyMaskIfExists", "MaskDropout", "ConstrainedCoarseDropout",
-    "OverlayElements", "Mosaic",
-    # volumes
-    "CenterCrop3D", "CoarseDropout3D", "Pad3D", "PadIfNeeded3D", "RandomCrop3D",
-    "CubicSymmetry", "Transform3D",
-    # reference images or fonts read from files, callables
-    "FDA", "HistogramMatching", "PixelDistributionAdaptation", "TextImage", "Lambda",
-})  # fmt: skip
+NEVER = frozenset(
+    {
+        # other targets or metadata
+        "AtLeastOneBBoxRandomCrop",
+        "BBoxSafeRandomCrop",
+        "RandomSizedBBoxSafeCrop",
+        "RandomCropNearBBox",
+        "CropNonEmptyMaskIfExists",
+        "MaskDropout",
+        "ConstrainedCoarseDropout",
+        "OverlayElements",
+        "Mosaic",
+        # volumes
+        "CenterCrop3D",
+        "CoarseDropout3D",
+        "Pad3D",
+        "PadIfNeeded3D",
+        "RandomCrop3D",
+        "CubicSymmetry",
+        "Transform3D",
+        # reference images or fonts read from files, callables
+        "FDA",
+        "HistogramMatching",
+        "PixelDistributionAdaptation",
+        "TextImage",
+        "Lambda",
+    }
+)
 
 
 @cache
@@ -43,10 +60,14 @@ def _group(group: str) -> frozenset[str]:
     import albumentations as A
 
     base = {"pixel": A.ImageOnlyTransform, "spatial": A.DualTransform}[group]
-    return frozenset(
-        name for name, obj in vars(A).items()
-        if inspect.isclass(obj) and issubclass(obj, base) and obj is not base
-    ) - NEVER  # fmt: skip
+    return (
+        frozenset(
+            name
+            for name, obj in vars(A).items()
+            if inspect.isclass(obj) and issubclass(obj, base) and obj is not base
+        )
+        - NEVER
+    )
 
 
 def allowed(entries: Iterable[str]) -> frozenset[str]:

@@ -33,10 +33,21 @@ from orchestrator.transforms.image import ColorJitter, RandomShift
 from orchestrator.transforms.running import LocalStats, RunningNormalize, RunningStats, StatsStore
 
 __all__ = [
-    "OPS", "SAME", "AugmentPlan", "ColorJitter", "GaussianNoise", "LocalStats", "Normalize",
-    "Op", "Pipeline", "RandomShift", "RunningNormalize", "RunningStats", "StatsStore",
+    "OPS",
+    "SAME",
+    "AugmentPlan",
+    "ColorJitter",
+    "GaussianNoise",
+    "LocalStats",
+    "Normalize",
+    "Op",
+    "Pipeline",
+    "RandomShift",
+    "RunningNormalize",
+    "RunningStats",
+    "StatsStore",
     "build_pipelines",
-]  # fmt: skip
+]
 
 SAME = "same"
 

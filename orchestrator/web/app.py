@@ -150,15 +150,22 @@ class WebApp:
                 token, _ = self.sessions.new(user)
                 response = RedirectResponse(nxt, 303)
                 response.set_cookie(
-                    COOKIE, token, httponly=True, samesite="strict",
-                    secure=request.url.scheme == "https", path="/",
-                )  # fmt: skip
+                    COOKIE,
+                    token,
+                    httponly=True,
+                    samesite="strict",
+                    secure=request.url.scheme == "https",
+                    path="/",
+                )
                 return response
             error = "wrong user or password"
         return self.render(
-            request, None, "login.html", {"error": error, "next": nxt},
+            request,
+            None,
+            "login.html",
+            {"error": error, "next": nxt},
             status=401 if error else 200,
-        )  # fmt: skip
+        )
 
     async def logout(self, request: Request, session: Session) -> Response:
         self.sessions.end(request.cookies.get(COOKIE))
@@ -168,9 +175,13 @@ class WebApp:
 
     # ---- rendering ---------------------------------------------------------------------
     def render(
-        self, request: Request, session: Session | None, name: str, ctx: dict[str, Any],
+        self,
+        request: Request,
+        session: Session | None,
+        name: str,
+        ctx: dict[str, Any],
         status: int = 200,
-    ) -> HTMLResponse:  # fmt: skip
+    ) -> HTMLResponse:
         base = {"session": session, "read_only": self.read_only, "ns": None}
         return self.templates.TemplateResponse(request, name, {**base, **ctx}, status_code=status)
 
@@ -196,10 +207,12 @@ class WebApp:
         except NamespaceError as e:
             return self.error(request, session, 404, str(e))
         except (FilterError, QueryError) as e:
-            return self.render(request, session, "search.html",
-                               {**ctx, "result": None, "problem": str(e)}, 400)  # fmt: skip
-        return self.render(request, session, "search.html",
-                           {**ctx, "result": result, "problem": None})  # fmt: skip
+            return self.render(
+                request, session, "search.html", {**ctx, "result": None, "problem": str(e)}, 400
+            )
+        return self.render(
+            request, session, "search.html", {**ctx, "result": result, "problem": None}
+        )
 
     async def episode(self, request: Request, session: Session) -> Response:
         ns, name = request.path_params["ns"], request.query_params.get("e", "")
@@ -237,15 +250,24 @@ class WebApp:
             return self.error(request, session, 400, "choose a label: trainable, quality or a tag")
         try:
             done = await _run(
-                self.inspector.curate, ns, session.user, episodes=episodes, ids=ids,
-                trainable=trainable, quality=quality, tags=tags,
-            )  # fmt: skip
+                self.inspector.curate,
+                ns,
+                session.user,
+                episodes=episodes,
+                ids=ids,
+                trainable=trainable,
+                quality=quality,
+                tags=tags,
+            )
         except (NamespaceError, KeyError, ValueError) as e:
             return self.error(request, session, 400, _message(e))
         labels = {"trainable": trainable, "quality": quality, "tags": tags}
-        return self.render(request, session, "curated.html",
-                           {"ns": ns, "done": done, "labels": labels,
-                            "episodes": episodes, "ids": ids})  # fmt: skip
+        return self.render(
+            request,
+            session,
+            "curated.html",
+            {"ns": ns, "done": done, "labels": labels, "episodes": episodes, "ids": ids},
+        )
 
     async def recipes(self, request: Request, session: Session, errors=None, status=200):
         ns = request.path_params["ns"]
@@ -253,8 +275,13 @@ class WebApp:
             rows = await _run(self.inspector.recipes, ns)
         except NamespaceError as e:
             return self.error(request, session, 404, str(e))
-        return self.render(request, session, "recipes.html",
-                           {"ns": ns, "recipes": rows, "errors": errors or {}}, status)  # fmt: skip
+        return self.render(
+            request,
+            session,
+            "recipes.html",
+            {"ns": ns, "recipes": rows, "errors": errors or {}},
+            status,
+        )
 
     async def edit_recipe(self, request: Request, session: Session) -> Response:
         ns, name = request.path_params["ns"], request.path_params["name"]

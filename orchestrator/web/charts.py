@@ -60,10 +60,17 @@ def histogram(values: np.ndarray, bins: int = 30, width: int = 480, height: int 
     top = max(int(counts.max()), 1)
     bw, step = width / bins, span / bins
     bars = tuple(
-        Bar(i * bw, height - c / top * height, max(bw - 1, 1), c / top * height,
-            lo + i * step, lo + (i + 1) * step, int(c))
+        Bar(
+            i * bw,
+            height - c / top * height,
+            max(bw - 1, 1),
+            c / top * height,
+            lo + i * step,
+            lo + (i + 1) * step,
+            int(c),
+        )
         for i, c in enumerate(counts.tolist())
-    )  # fmt: skip
+    )
     return Chart(width, height, bars=bars, lo=lo, hi=lo + span)
 
 

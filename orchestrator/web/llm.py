@@ -47,8 +47,9 @@ def messages(info: Any) -> list[dict[str, str]]:
             text = content if isinstance(content, str) else json.dumps(content, default=str)
         else:
             role, text = "", str(m)
-        out.append({"role": role or "?", "kind": role if role in ROLES else "other",
-                    "content": _cut(text)})  # fmt: skip
+        out.append(
+            {"role": role or "?", "kind": role if role in ROLES else "other", "content": _cut(text)}
+        )
     return out
 
 
@@ -94,12 +95,16 @@ def rollouts(cols: Mapping[str, np.ndarray], rows: np.ndarray, this: int) -> lis
         sel = rows[codes == code]
         last = sel[np.argmax(cols["step_index"][sel])]
         final = cols[final_col][last] if final_col in cols else np.nan
-        out.append({
-            "code": int(code), "row": int(last), "turns": len(sel),
-            "return": float(cols["reward"][sel].astype(np.float64).sum()),
-            "final": None if not np.isfinite(final) else float(final),
-            "this": code == this,
-        })  # fmt: skip
+        out.append(
+            {
+                "code": int(code),
+                "row": int(last),
+                "turns": len(sel),
+                "return": float(cols["reward"][sel].astype(np.float64).sum()),
+                "final": None if not np.isfinite(final) else float(final),
+                "this": code == this,
+            }
+        )
     out.sort(key=lambda r: (not r["this"], -(r["final"] if r["final"] is not None else -np.inf)))
     return out[: GROUP_SHOWN + 1]
 
@@ -111,12 +116,19 @@ def turns(
     out = []
     for i, step in enumerate(steps):
         info = infos[i]
-        out.append({
-            "step_index": step["step_index"], "reward": step["reward"],
-            "final_reward": step["tags"].get("final_reward"),
-            "prompt_tokens": len(fields["prompt_ids"][i]),
-            "messages": messages(info), "tool_calls": tool_calls(info),
-            "tokens": tokens(fields["response_ids"][i], fields["response_logprobs"][i],
-                             None if mask is None else mask[i]),
-        })  # fmt: skip
+        out.append(
+            {
+                "step_index": step["step_index"],
+                "reward": step["reward"],
+                "final_reward": step["tags"].get("final_reward"),
+                "prompt_tokens": len(fields["prompt_ids"][i]),
+                "messages": messages(info),
+                "tool_calls": tool_calls(info),
+                "tokens": tokens(
+                    fields["response_ids"][i],
+                    fields["response_logprobs"][i],
+                    None if mask is None else mask[i],
+                ),
+            }
+        )
     return out

@@ -9,16 +9,28 @@ DEFAULT_PORT = 8808
 
 
 def serve(
-    redis_url: str, broker_url: str, credentials: Credentials, *, host: str = "127.0.0.1",
-    port: int = DEFAULT_PORT, read_only: bool = False, certfile: str | None = None,
+    redis_url: str,
+    broker_url: str,
+    credentials: Credentials,
+    *,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    read_only: bool = False,
+    certfile: str | None = None,
     keyfile: str | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Run until interrupted. With ``certfile``/``keyfile`` it serves HTTPS and session
     cookies are marked Secure."""
     import uvicorn
 
     app = create_app(redis_url, broker_url, credentials, read_only=read_only)
     uvicorn.run(
-        app, host=host, port=port, log_level="warning", access_log=False,
-        ssl_certfile=certfile, ssl_keyfile=keyfile, server_header=False,
-    )  # fmt: skip
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        ssl_certfile=certfile,
+        ssl_keyfile=keyfile,
+        server_header=False,
+    )

@@ -138,14 +138,23 @@ class Inspector:
                 for s in range(cfg.n_shards):
                     pipe.get(store.keys.archived(s))
                 archived = sum(int(v or 0) for v in pipe.execute())
-            out.append({
-                "name": ns, "steps": st.info["steps"], "capacity": st.info["capacity"],
-                "committed": st.info["committed_total"], "episodes": st.episodes,
-                "memory_bytes": st.memory_bytes, "bytes_per_step": st.bytes_per_step,
-                "reward_mean": st.reward_mean, "reward_std": st.reward_std,
-                "dead_letters": st.info["dead_letters"], "evictions": st.evictions,
-                "archived": archived, "rate": charts.rate(ts, now),
-            })  # fmt: skip
+            out.append(
+                {
+                    "name": ns,
+                    "steps": st.info["steps"],
+                    "capacity": st.info["capacity"],
+                    "committed": st.info["committed_total"],
+                    "episodes": st.episodes,
+                    "memory_bytes": st.memory_bytes,
+                    "bytes_per_step": st.bytes_per_step,
+                    "reward_mean": st.reward_mean,
+                    "reward_std": st.reward_std,
+                    "dead_letters": st.info["dead_letters"],
+                    "evictions": st.evictions,
+                    "archived": archived,
+                    "rate": charts.rate(ts, now),
+                }
+            )
         return NamespacePage(prefix, page, pages, len(names), out)
 
     # ---- search ------------------------------------------------------------------------
@@ -183,14 +192,17 @@ class Inspector:
         cols, row = q.index.columns, int(rows[i])
         flags = int(cols["flags"][row])
         return {
-            "id": int(cols["id"][row]), "step_index": int(cols["step_index"][row]),
-            "reward": float(cols["reward"][row]), "priority": float(cols["priority"][row]),
+            "id": int(cols["id"][row]),
+            "step_index": int(cols["step_index"][row]),
+            "reward": float(cols["reward"][row]),
+            "priority": float(cols["priority"][row]),
             "timestamp": float(cols["timestamp"][row]),
             "task_id": q.store.decode_codes("task_id", [int(cols["task_id"][row])])[0],
             "agent_id": q.store.decode_codes("agent_id", [int(cols["agent_id"][row])])[0],
-            "terminated": bool(flags & TERMINATED), "truncated": bool(flags & TRUNCATED),
+            "terminated": bool(flags & TERMINATED),
+            "truncated": bool(flags & TRUNCATED),
             "trainable": not flags & UNTRAINABLE,
-        }  # fmt: skip
+        }
 
     def _episode_page(self, q: Query, hit: np.ndarray, page: int) -> tuple[list[dict], int]:
         """The page's episodes (those with matching steps), most recent first.
@@ -221,11 +233,17 @@ class Inspector:
         tasks = self._decode(q, "task_id", first_rows)
         agents = self._decode(q, "agent_id", first_rows)
         out = [
-            {"episode": names[i], "steps": int(n[j]), "reward": float(reward[j]),
-             "last": float(last[j]), "task_id": tasks[i], "agent_id": agents[i],
-             "untrainable": int(untrainable[j])}
+            {
+                "episode": names[i],
+                "steps": int(n[j]),
+                "reward": float(reward[j]),
+                "last": float(last[j]),
+                "task_id": tasks[i],
+                "agent_id": agents[i],
+                "untrainable": int(untrainable[j]),
+            }
             for i, j in enumerate(pick.tolist())
-        ]  # fmt: skip
+        ]
         return out, len(groups)
 
     # ---- episode -----------------------------------------------------------------------
@@ -272,29 +290,41 @@ class Inspector:
         steps = []
         for i in range(len(ids)):
             flags = int(meta["flags"][i])
-            steps.append({
-                "id": int(ids[i]), "step_index": int(meta["step_index"][i]),
-                "reward": float(meta["reward"][i]), "priority": float(meta["priority"][i]),
-                "terminated": bool(flags & TERMINATED), "truncated": bool(flags & TRUNCATED),
-                "trainable": not flags & UNTRAINABLE, "quality": names["quality"][i],
-                "skill_tag": names["skill_tag"][i],
-                "tags": {k: _plain(v[i]) for k, v in tags.items()},
-                "fields": {f: _values(fields[f][i]) for f in small},
-                "info": _info_text(infos[i]),
-            })  # fmt: skip
+            steps.append(
+                {
+                    "id": int(ids[i]),
+                    "step_index": int(meta["step_index"][i]),
+                    "reward": float(meta["reward"][i]),
+                    "priority": float(meta["priority"][i]),
+                    "terminated": bool(flags & TERMINATED),
+                    "truncated": bool(flags & TRUNCATED),
+                    "trainable": not flags & UNTRAINABLE,
+                    "quality": names["quality"][i],
+                    "skill_tag": names["skill_tag"][i],
+                    "tags": {k: _plain(v[i]) for k, v in tags.items()},
+                    "fields": {f: _values(fields[f][i]) for f in small},
+                    "info": _info_text(infos[i]),
+                }
+            )
         llm_view = None
         if llm.is_llm(schema.fields):
             ragged = [f for f in (*llm.LLM_FIELDS, "response_mask") if f in schema.fields]
             got = store.read_fields(shards, slots, ragged)
             llm_view = {"turns": llm.turns(steps, infos, got), "group": group}
         return {
-            "name": name, "steps": steps, "total": len(rows), "page": page, "llm": llm_view,
+            "name": name,
+            "steps": steps,
+            "total": len(rows),
+            "page": page,
+            "llm": llm_view,
             "pages": max(1, -(-len(rows) // EPISODE_PAGE)),
             "task_id": names["task_id"][0] if len(ids) else None,
             "agent_id": names["agent_id"][0] if len(ids) else None,
             "curve": charts.polyline(rewards, width=640, height=120),
-            "return": float(rewards.sum()), "images": images, "other": other,
-        }  # fmt: skip
+            "return": float(rewards.sum()),
+            "images": images,
+            "other": other,
+        }
 
     def _infos(self, store: Store, ids: np.ndarray, n_shards: int, cap: int) -> list[Any]:
         """Each step's ``info`` (None: none; untrusted: shown escaped, cut short)."""
@@ -339,9 +369,16 @@ class Inspector:
         return total
 
     def curate(
-        self, ns: str, who: str, *, episodes: list[str], ids: list[int],
-        trainable: bool | None, quality: str | None, tags: dict[str, str | float],
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        ns: str,
+        who: str,
+        *,
+        episodes: list[str],
+        ids: list[int],
+        trainable: bool | None,
+        quality: str | None,
+        tags: dict[str, str | float],
+    ) -> dict[str, Any]:
         """Label the episodes and steps, then move every recipe of the namespace to a new
         version (so batches queued before the labels are dropped, here and at pop).
         Returns the steps labelled and each recipe's candidates before and after."""
@@ -368,11 +405,16 @@ class Inspector:
         return {
             "steps": done,
             "recipes": [
-                {"name": r.name, "before": before[r.name], "after": after[r.name],
-                 "old_version": r.version, "version": versions[r.name]}
+                {
+                    "name": r.name,
+                    "before": before[r.name],
+                    "after": after[r.name],
+                    "old_version": r.version,
+                    "version": versions[r.name],
+                }
                 for r in recipes
             ],
-        }  # fmt: skip
+        }
 
     def recipes(self, ns: str) -> list[dict[str, Any]]:
         store = self.store(ns)
@@ -384,10 +426,14 @@ class Inspector:
             entry = registry.get(n)
             if entry is None or n not in stats:
                 continue
-            out.append({
-                "name": n, "recipe": entry.recipe, **stats[n],
-                "params": {k: json.dumps(v) for k, v in entry.recipe.params.items()},
-            })  # fmt: skip
+            out.append(
+                {
+                    "name": n,
+                    "recipe": entry.recipe,
+                    **stats[n],
+                    "params": {k: json.dumps(v) for k, v in entry.recipe.params.items()},
+                }
+            )
         return out
 
     def set_params(self, ns: str, who: str, name: str, raw: dict[str, str]) -> Recipe:
@@ -410,8 +456,9 @@ class Inspector:
         if schema is not None:
             candidate.validate_against(schema)
         recipe = self.client(ns).set_params(name, **params)
-        store.audit(who, "set_params", {"recipe": name, "params": params,
-                                         "version": recipe.version})  # fmt: skip
+        store.audit(
+            who, "set_params", {"recipe": name, "params": params, "version": recipe.version}
+        )
         return recipe
 
 

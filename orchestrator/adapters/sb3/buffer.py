@@ -125,8 +125,10 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         drop_on_reset: bool = False,
     ) -> None:
         if isinstance(observation_space, spaces.Dict):
-            raise TypeError("ClawReplayBuffer takes Box/Discrete/... observations; for Dict "
-                            "ones use ClawDictReplayBuffer")  # fmt: skip
+            raise TypeError(
+                "ClawReplayBuffer takes Box/Discrete/... observations; for Dict "
+                "ones use ClawDictReplayBuffer"
+            )
         # Not ReplayBuffer.__init__: it allocates the arrays Claw replaces.
         BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs)
         self.buffer_size = max(buffer_size // n_envs, 1)
@@ -147,17 +149,29 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         if readahead is None:
             readahead = 0 if deterministic else max(2, -(-min(gradient_steps, 256) // per))
         self._init_kw: dict[str, Any] = {
-            "buffer_size": buffer_size, "observation_space": observation_space,
-            "action_space": action_space, "device": str(self.device), "n_envs": n_envs,
+            "buffer_size": buffer_size,
+            "observation_space": observation_space,
+            "action_space": action_space,
+            "device": str(self.device),
+            "n_envs": n_envs,
             "optimize_memory_usage": optimize_memory_usage,
-            "handle_timeout_termination": handle_timeout_termination, "namespace": namespace,
-            "redis_url": redis_url, "broker_url": broker_url, "recipe": dict(recipe or {}),
-            "capacity": capacity, "episode": dict(episode or {}), "ingest": dict(ingest or {}),
-            "timeout": timeout, "seed": self.seed, "deterministic": deterministic,
-            "gradient_steps": gradient_steps, "readahead": readahead,
-            "readahead_bytes": readahead_bytes, "batches_per_pop": batches_per_pop,
+            "handle_timeout_termination": handle_timeout_termination,
+            "namespace": namespace,
+            "redis_url": redis_url,
+            "broker_url": broker_url,
+            "recipe": dict(recipe or {}),
+            "capacity": capacity,
+            "episode": dict(episode or {}),
+            "ingest": dict(ingest or {}),
+            "timeout": timeout,
+            "seed": self.seed,
+            "deterministic": deterministic,
+            "gradient_steps": gradient_steps,
+            "readahead": readahead,
+            "readahead_bytes": readahead_bytes,
+            "batches_per_pop": batches_per_pop,
             "drop_on_reset": drop_on_reset,
-        }  # fmt: skip
+        }
         self.base_namespace = namespace
         self.generation = 0
         self.recipe = {
@@ -176,8 +190,11 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
 
     @property
     def namespace(self) -> str:
-        return self.base_namespace if not self.generation else (
-            f"{self.base_namespace}.r{self.generation}")  # fmt: skip
+        return (
+            self.base_namespace
+            if not self.generation
+            else (f"{self.base_namespace}.r{self.generation}")
+        )
 
     def _connect(self) -> None:
         kw = self._init_kw
@@ -201,9 +218,13 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
             ingest_kw.update(flush_steps=1 << 30, flush_interval=None)
         self._unflushed = 0
         ingestor = Ingestor(
-            namespace, redis_url, broker_url=broker_url, capacity=capacity, schema=schema,
+            namespace,
+            redis_url,
+            broker_url=broker_url,
+            capacity=capacity,
+            schema=schema,
             **ingest_kw,
-        )  # fmt: skip
+        )
         client = BatchClient(namespace, redis_url, broker_url=broker_url)
         self._conn = Connection(ingestor, client, Transitions(ingestor, kw["episode"]))
         self._finalizer = weakref.finalize(self, close_quietly, self._conn)
@@ -237,9 +258,14 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         for i in range(self.n_envs):
             timeout = bool(done[i] and infos[i].get("TimeLimit.truncated", False))
             conn.transitions.add(
-                i, obs[i], action[i], float(reward[i]), next_obs[i],
-                terminated=bool(done[i]) and not timeout, truncated=timeout,
-            )  # fmt: skip
+                i,
+                obs[i],
+                action[i],
+                float(reward[i]),
+                next_obs[i],
+                terminated=bool(done[i]) and not timeout,
+                truncated=timeout,
+            )
         self._unflushed += self.n_envs
         if self.deterministic and self._unflushed >= self._chunk:
             self.flush()  # in order: concurrent messages may commit in any order
@@ -286,8 +312,9 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         rng = np.random.default_rng([self.seed, self._samples])
         got = sample_here(self.client.store, as_recipe(spec), rng=rng)
         arrays, meta = collate(got.fields)
-        return Batch(arrays, got.ids, got.weights, got.source_index, got.sources,
-                     got.recipe_version, meta)  # fmt: skip
+        return Batch(
+            arrays, got.ids, got.weights, got.source_index, got.sources, got.recipe_version, meta
+        )
 
     def recipe_name(self, batch_size: int) -> str:
         """The recipe serving ``batch_size``, registered on first use (after a flush, so
@@ -297,8 +324,9 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         name = f"{base}-{batch_size}" if conn.names and batch_size not in conn.names else base
         per = self.batches_per_pop
         spec = {**self.recipe, "name": name, "batch_size": batch_size * per}
-        return conn.recipe(batch_size, spec, self.readahead, self.readahead_bytes, per,
-                           convert=self._ready_samples)  # fmt: skip
+        return conn.recipe(
+            batch_size, spec, self.readahead, self.readahead_bytes, per, convert=self._ready_samples
+        )
 
     def _ready_samples(self, part: Batch) -> tuple[Batch, ReplayBufferSamples]:
         """A part and its samples without ``VecNormalize`` (made in the read-ahead thread,

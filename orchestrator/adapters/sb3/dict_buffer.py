@@ -49,22 +49,35 @@ class ClawDictReplayBuffer(ClawReplayBuffer):
             self._layout.append((key, shape, dtype, offset, size))
             offset += size
         packed = spaces.Box(0, 255, (offset,), np.uint8)
-        super().__init__(buffer_size, packed, action_space, device, n_envs,
-                         optimize_memory_usage, handle_timeout_termination, **claw)  # fmt: skip
+        super().__init__(
+            buffer_size,
+            packed,
+            action_space,
+            device,
+            n_envs,
+            optimize_memory_usage,
+            handle_timeout_termination,
+            **claw,
+        )
         self.observation_space = observation_space
         self._init_kw["observation_space"] = observation_space  # pickles as it came
 
     def _pack(self, obs: Mapping[str, Any]) -> np.ndarray:
         n = self.n_envs
-        parts = [np.ascontiguousarray(np.asarray(obs[key], dtype).reshape(n, *shape))
-                 .reshape(n, -1).view(np.uint8)
-                 for key, shape, dtype, _, _ in self._layout]  # fmt: skip
+        parts = [
+            np.ascontiguousarray(np.asarray(obs[key], dtype).reshape(n, *shape))
+            .reshape(n, -1)
+            .view(np.uint8)
+            for key, shape, dtype, _, _ in self._layout
+        ]
         return np.concatenate(parts, axis=1)
 
     def _unpack(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         n = len(rows)
-        return {key: np.ascontiguousarray(rows[:, off : off + size]).view(dtype).reshape(n, *shape)
-                for key, shape, dtype, off, size in self._layout}  # fmt: skip
+        return {
+            key: np.ascontiguousarray(rows[:, off : off + size]).view(dtype).reshape(n, *shape)
+            for key, shape, dtype, off, size in self._layout
+        }
 
     def add(  # type: ignore[override]
         self,

@@ -31,8 +31,13 @@ class SavedState:
         kw = dict(self._init_kw)
         kw["redis_url"] = without_password(kw["redis_url"])
         kw["broker_url"] = without_password(kw["broker_url"])
-        return {"init": kw, "generation": self.generation, "pos": self.pos,  # type: ignore[attr-defined]
-                "full": self.full, "samples": self._samples}  # type: ignore[attr-defined]  # fmt: skip
+        return {
+            "init": kw,
+            "generation": self.generation,
+            "pos": self.pos,  # type: ignore[attr-defined]
+            "full": self.full,
+            "samples": self._samples,
+        }  # type: ignore[attr-defined]
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         kw = dict(state["init"])
@@ -47,5 +52,9 @@ class SavedState:
             buf.generation = generation
             buf._connect()
         buf.pos, buf.full, buf._samples = state["pos"], state["full"], state["samples"]
-        log.info("%s: reconnected to namespace %r at %s", type(self).__name__, buf.namespace,
-                 redact_url(kw["redis_url"] or settings.redis_url))  # fmt: skip
+        log.info(
+            "%s: reconnected to namespace %r at %s",
+            type(self).__name__,
+            buf.namespace,
+            redact_url(kw["redis_url"] or settings.redis_url),
+        )

@@ -26,8 +26,10 @@ from orchestrator.adapters.torchrl.storage import ClawStorage, numpy_of
 
 def _claw(storage: Storage | None) -> ClawStorage:
     if not isinstance(storage, ClawStorage):
-        raise TypeError(f"Claw samplers draw from a ClawStorage, got {type(storage).__name__}: "
-                        "build the buffer with storage=ClawStorage(...)")  # fmt: skip
+        raise TypeError(
+            f"Claw samplers draw from a ClawStorage, got {type(storage).__name__}: "
+            "build the buffer with storage=ClawStorage(...)"
+        )
     return storage
 
 
@@ -72,8 +74,15 @@ class ClawPrioritizedSampler(PrioritizedSampler):
     indices from others (extend's slot positions, an initial fill), which are skipped.
     ``reduction`` reduces a row's multi-element priority (TorchRL's: max, min, mean, median)."""
 
-    def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-8, *,
-                 reduction: str = "max", memory: int = 64) -> None:  # fmt: skip
+    def __init__(
+        self,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        eps: float = 1e-8,
+        *,
+        reduction: str = "max",
+        memory: int = 64,
+    ) -> None:
         # Not PrioritizedSampler.__init__: it builds TorchRL's sum trees.
         if alpha < 0 or beta < 0:
             raise ValueError(f"alpha and beta must be >= 0, got alpha={alpha}, beta={beta}")
@@ -93,8 +102,10 @@ class ClawPrioritizedSampler(PrioritizedSampler):
 
     @alpha.setter
     def alpha(self, value: float) -> None:
-        raise AttributeError("a Claw recipe's alpha is fixed when it is registered: build a "
-                             "new ClawPrioritizedSampler to change it")  # fmt: skip
+        raise AttributeError(
+            "a Claw recipe's alpha is fixed when it is registered: build a "
+            "new ClawPrioritizedSampler to change it"
+        )
 
     @property
     def beta(self) -> float:
@@ -102,8 +113,10 @@ class ClawPrioritizedSampler(PrioritizedSampler):
 
     @beta.setter
     def beta(self, value: float) -> None:
-        raise AttributeError("a Claw recipe's beta is fixed when it is registered: build a "
-                             "new ClawPrioritizedSampler to change it")  # fmt: skip
+        raise AttributeError(
+            "a Claw recipe's beta is fixed when it is registered: build a "
+            "new ClawPrioritizedSampler to change it"
+        )
 
     @property
     def max_size(self) -> int:
@@ -146,10 +159,12 @@ class ClawPrioritizedSampler(PrioritizedSampler):
             ids, pr = ids[known], pr[known]
             if not self._warned:
                 self._warned = True
-                warnings.warn("ClawPrioritizedSampler.update_priority: indices this sampler "
-                              "did not return (or returned more than `memory` batches ago) "
-                              "are skipped: Claw's indices are step ids",
-                              stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    "ClawPrioritizedSampler.update_priority: indices this sampler "
+                    "did not return (or returned more than `memory` batches ago) "
+                    "are skipped: Claw's indices are step ids",
+                    stacklevel=2,
+                )
         target = storage if isinstance(storage, ClawStorage) else self._storage
         if len(ids) and target is not None:
             target.update_priorities(ids, pr + self._eps)

@@ -96,14 +96,24 @@ class ClawStorage(StoreStorage):
             namespace = f"{load_settings().namespace}-torchrl-{uuid.uuid4().hex[:10]}"
             log.info("ClawStorage: namespace %r (pass namespace= to choose one)", namespace)
         self._kw: dict[str, Any] = {
-            "max_size": max_size, "namespace": namespace, "redis_url": redis_url,
-            "broker_url": broker_url, "obs_key": obs_key, "action_key": action_key,
-            "priority_key": priority_key, "recipe": dict(recipe or {}), "capacity": capacity,
-            "episode": dict(episode or {}), "ingest": dict(ingest or {}),
-            "readahead": readahead, "readahead_bytes": readahead_bytes,
-            "batches_per_pop": batches_per_pop, "timeout": timeout,
-            "device": str(device), "drop_on_empty": drop_on_empty,
-        }  # fmt: skip
+            "max_size": max_size,
+            "namespace": namespace,
+            "redis_url": redis_url,
+            "broker_url": broker_url,
+            "obs_key": obs_key,
+            "action_key": action_key,
+            "priority_key": priority_key,
+            "recipe": dict(recipe or {}),
+            "capacity": capacity,
+            "episode": dict(episode or {}),
+            "ingest": dict(ingest or {}),
+            "readahead": readahead,
+            "readahead_bytes": readahead_bytes,
+            "batches_per_pop": batches_per_pop,
+            "timeout": timeout,
+            "device": str(device),
+            "drop_on_empty": drop_on_empty,
+        }
         self._setup(generation=0, added=0)
 
     def _setup(self, generation: int, added: int) -> None:
@@ -139,9 +149,13 @@ class ClawStorage(StoreStorage):
                 capacity = self.max_size + 64
             probe.r.close()
         ingestor = Ingestor(
-            namespace, kw["redis_url"], broker_url=kw["broker_url"], capacity=capacity,
-            schema=schema, **ingest_options(kw["ingest"], capacity or self.max_size),
-        )  # fmt: skip
+            namespace,
+            kw["redis_url"],
+            broker_url=kw["broker_url"],
+            capacity=capacity,
+            schema=schema,
+            **ingest_options(kw["ingest"], capacity or self.max_size),
+        )
         client = BatchClient(namespace, kw["redis_url"], broker_url=kw["broker_url"])
         self._conn = Connection(ingestor, client, Transitions(ingestor, kw["episode"]))
         self._finalizer = weakref.finalize(self, close_quietly, self._conn)
@@ -166,9 +180,11 @@ class ClawStorage(StoreStorage):
         """Ingest ``data`` (a TensorDict of transitions; the writer's ``cursor`` is not a
         Claw id and is ignored)."""
         if not isinstance(data, TensorDictBase):
-            raise TypeError(f"ClawStorage stores TensorDicts of transitions, got "
-                            f"{type(data).__name__}: extend a TensorDict (e.g. a collector's "
-                            "batch)")  # fmt: skip
+            raise TypeError(
+                f"ClawStorage stores TensorDicts of transitions, got "
+                f"{type(data).__name__}: extend a TensorDict (e.g. a collector's "
+                "batch)"
+            )
         if data.ndim == 0:
             data = data.unsqueeze(0)
         data = data.reshape(-1)
@@ -177,10 +193,15 @@ class ClawStorage(StoreStorage):
         obs, act, rew, nxt, term, trunc, streams, prio = rows
         for i in range(len(obs)):
             conn.transitions.add(
-                streams[i], obs[i], act[i], float(rew[i]), nxt[i], terminated=bool(term[i]),
+                streams[i],
+                obs[i],
+                act[i],
+                float(rew[i]),
+                nxt[i],
+                terminated=bool(term[i]),
                 truncated=bool(trunc[i]) and not term[i],
                 priority=None if prio is None else float(prio[i]),
-            )  # fmt: skip
+            )
         self._added += len(obs)
         if set_cursor:
             self._set_last_cursor(cursor)
@@ -192,9 +213,11 @@ class ClawStorage(StoreStorage):
         def get(key: NestedKey, name: str) -> torch.Tensor:
             value = data.get(key, None)
             if value is None:
-                raise KeyError(f"ClawStorage: the extended TensorDict has no {key!r} ({name}); "
-                               f"its keys: {sorted(map(str, data.keys(True, True)))}. Pass "
-                               "obs_key=/action_key= to name yours")  # fmt: skip
+                raise KeyError(
+                    f"ClawStorage: the extended TensorDict has no {key!r} ({name}); "
+                    f"its keys: {sorted(map(str, data.keys(True, True)))}. Pass "
+                    "obs_key=/action_key= to name yours"
+                )
             return value
 
         n = data.shape[0]
@@ -206,17 +229,21 @@ class ClawStorage(StoreStorage):
         done = data.get(("next", "done"), None)
         term = data.get(("next", "terminated"), done)
         if term is None:
-            raise KeyError("ClawStorage: the extended TensorDict has neither ('next', "
-                           "'terminated') nor ('next', 'done')")  # fmt: skip
+            raise KeyError(
+                "ClawStorage: the extended TensorDict has neither ('next', "
+                "'terminated') nor ('next', 'done')"
+            )
         trunc = data.get(("next", "truncated"), None)
         if trunc is None:
             trunc = torch.zeros_like(term) if done is None else (done & ~term)
         if rew[0].numel() != 1:
-            raise ValueError(f"ClawStorage stores one scalar reward per row, got shape "
-                             f"{tuple(rew.shape)}")  # fmt: skip
-        self._layout = {name: (t.dtype, tuple(t.shape[1:]))
-                        for name, t in (("obs", obs), ("action", act), ("reward", rew),
-                                        ("done", term))}  # fmt: skip
+            raise ValueError(
+                f"ClawStorage stores one scalar reward per row, got shape {tuple(rew.shape)}"
+            )
+        self._layout = {
+            name: (t.dtype, tuple(t.shape[1:]))
+            for name, t in (("obs", obs), ("action", act), ("reward", rew), ("done", term))
+        }
         streams: Any = (
             numpy_of(data.get(TRAJ_KEY)).reshape(n, -1)[:, 0].tolist()
             if TRAJ_KEY in data.keys(True)
@@ -227,14 +254,26 @@ class ClawStorage(StoreStorage):
         act_np = numpy_of(act)
         if act_np.dtype == np.bool_:  # one-hot booleans: Claw stores bytes
             act_np = act_np.astype(np.uint8)
-        return (numpy_of(obs), act_np, numpy_of(rew).reshape(n), numpy_of(nxt),
-                numpy_of(term).reshape(n), numpy_of(trunc).reshape(n), streams, prio)  # fmt: skip
+        return (
+            numpy_of(obs),
+            act_np,
+            numpy_of(rew).reshape(n),
+            numpy_of(nxt),
+            numpy_of(term).reshape(n),
+            numpy_of(trunc).reshape(n),
+            streams,
+            prio,
+        )
 
     @staticmethod
     def _schema(rows: tuple[Any, ...]) -> Schema:
         obs, act = rows[0], rows[1]
-        return Schema(fields={"obs": FieldSpec(obs.dtype.str, obs.shape[1:]),
-                              "action": FieldSpec(act.dtype.str, act.shape[1:])})  # fmt: skip
+        return Schema(
+            fields={
+                "obs": FieldSpec(obs.dtype.str, obs.shape[1:]),
+                "action": FieldSpec(act.dtype.str, act.shape[1:]),
+            }
+        )
 
     # ---- reading -------------------------------------------------------------------
     def draw(self, source: Mapping[str, Any], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,12 +284,21 @@ class ClawStorage(StoreStorage):
         key: Hashable = (json.dumps(source, sort_keys=True), batch_size)
         name = f"{self.recipe_base}-{len(conn.names)}" if key not in conn.names else None
         spec = {
-            "name": name, "batch_size": batch_size * kw["batches_per_pop"], "fields": FIELDS,
+            "name": name,
+            "batch_size": batch_size * kw["batches_per_pop"],
+            "fields": FIELDS,
             "sources": [{"name": "all", "sampler": dict(source)}],
-            "prefetch": {"depth": 8}, **kw["recipe"],
-        }  # fmt: skip
-        name = conn.recipe(key, spec, kw["readahead"], kw["readahead_bytes"],
-                           kw["batches_per_pop"], convert=self._drawable)  # fmt: skip
+            "prefetch": {"depth": 8},
+            **kw["recipe"],
+        }
+        name = conn.recipe(
+            key,
+            spec,
+            kw["readahead"],
+            kw["readahead_bytes"],
+            kw["batches_per_pop"],
+            convert=self._drawable,
+        )
         ids, weights, td = conn.pop(name, self.timeout)
         self._drawn = (ids, td)
         return ids, weights
@@ -288,9 +336,11 @@ class ClawStorage(StoreStorage):
     def get(self, index: Any) -> TensorDict:
         """The batch the Claw sampler just drew (``index`` is its step ids)."""
         drawn = self._drawn
-        if drawn is not None and isinstance(index, torch.Tensor) and (
-            index is drawn[0] or torch.equal(index.to(drawn[0].device), drawn[0])
-        ):  # fmt: skip
+        if (
+            drawn is not None
+            and isinstance(index, torch.Tensor)
+            and (index is drawn[0] or torch.equal(index.to(drawn[0].device), drawn[0]))
+        ):
             return drawn[1]
         raise KeyError(
             "ClawStorage serves the batches its Claw sampler draws (Claw has no slots to "
@@ -303,8 +353,9 @@ class ClawStorage(StoreStorage):
         return self._connect(None).client.update_priorities(ids, priorities)
 
     def contains(self, item: Any) -> bool:
-        raise NotImplementedError("ClawStorage has no slots to test; steps are found by id "
-                                  "with claw_tasks.store.Store")  # fmt: skip
+        raise NotImplementedError(
+            "ClawStorage has no slots to test; steps are found by id with claw_tasks.store.Store"
+        )
 
     def __len__(self) -> int:
         return min(self._added, self.max_size)
@@ -313,8 +364,11 @@ class ClawStorage(StoreStorage):
     def state_dict(self) -> dict[str, Any]:
         """Namespace, settings and counters (plain values: never the data nor a password)."""
         self.flush()
-        kw = {**self._kw, "redis_url": without_password(self._kw["redis_url"]),
-              "broker_url": without_password(self._kw["broker_url"])}  # fmt: skip
+        kw = {
+            **self._kw,
+            "redis_url": without_password(self._kw["redis_url"]),
+            "broker_url": without_password(self._kw["broker_url"]),
+        }
         return {"claw": kw, "generation": self.generation, "added": self._added}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

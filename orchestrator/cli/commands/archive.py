@@ -41,10 +41,12 @@ def restore(
 _MinariRoot = Annotated[
     Path | None,
     typer.Option(
-        "--minari-root", envvar="MINARI_DATASETS_PATH", show_default=False,
+        "--minari-root",
+        envvar="MINARI_DATASETS_PATH",
+        show_default=False,
         help="Minari datasets directory (default ~/.minari/datasets)",
     ),
-]  # fmt: skip
+]
 
 
 def _only_minari(fmt: str) -> None:

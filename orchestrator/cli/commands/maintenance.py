@@ -57,9 +57,13 @@ def retention(
     Without options it prints the policy; options change those settings and keep the rest
     (--clear first to start over)."""
     changes = {
-        "max_age": max_age, "max_steps": max_steps, "max_bytes": max_bytes, "evict": evict,
-        "protect": protect, "archive_before_evict": archive_before_evict,
-    }  # fmt: skip
+        "max_age": max_age,
+        "max_steps": max_steps,
+        "max_bytes": max_bytes,
+        "evict": evict,
+        "protect": protect,
+        "archive_before_evict": archive_before_evict,
+    }
     given = {k: v for k, v in changes.items() if v is not None}
     with redis_client(ctx) as (_, r):
         store = Store(r, namespace)
@@ -109,9 +113,12 @@ def drop(
                 f"drop namespace {namespace!r} at {url}? This cannot be undone", abort=True
             )
         with Progress(
-            SpinnerColumn(), TextColumn("dropping {task.description}"),
-            TextColumn("{task.completed:,} keys"), TimeElapsedColumn(), console=err,
-        ) as progress:  # fmt: skip
+            SpinnerColumn(),
+            TextColumn("dropping {task.description}"),
+            TextColumn("{task.completed:,} keys"),
+            TimeElapsedColumn(),
+            console=err,
+        ) as progress:
             task = progress.add_task(namespace, total=None)
             deleted = drop_namespace(r, namespace, lambda n: progress.advance(task, n))
     Console().print(f"dropped {namespace!r}: {deleted:,} keys deleted")
@@ -140,9 +147,13 @@ def show_schedule(
     for e in found:
         nxt = e.next_run.strftime("%Y-%m-%d %H:%M:%S")
         table.add_row(
-            e.name, e.task, e.schedule, nxt if e.scheduled else f"~{nxt} (beat not running)",
-            "-" if e.last_run is None else e.last_run.strftime("%Y-%m-%d %H:%M:%S"), str(e.runs),
-        )  # fmt: skip
+            e.name,
+            e.task,
+            e.schedule,
+            nxt if e.scheduled else f"~{nxt} (beat not running)",
+            "-" if e.last_run is None else e.last_run.strftime("%Y-%m-%d %H:%M:%S"),
+            str(e.runs),
+        )
     Console().print(table)
 
 

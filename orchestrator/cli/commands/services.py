@@ -64,9 +64,12 @@ def up(
                 stack.start_redis(ctx.obj)
                 if metrics:
                     server = metrics_server.serve(
-                        metrics_port, stack.redis_url, stack.broker_url, "127.0.0.1",
+                        metrics_port,
+                        stack.redis_url,
+                        stack.broker_url,
+                        "127.0.0.1",
                         os.environ.get("CLAW_METRICS_TOKEN") or None,
-                    )  # fmt: skip
+                    )
                     stack.on_stop(server.shutdown)
                 groups = [[q] for q in QUEUES] if per_queue else [list(QUEUES)]
                 services = [worker_service(logs, g, concurrency) for g in groups]
@@ -91,10 +94,13 @@ def up(
                 )
             console.print(f"[dim]Earlier runs' logs are kept as *.log.1 … in {logs}.[/]")
             console.print("[dim]Ctrl-C stops everything.[/]")
-            stack.watch(on_restart=lambda svc, code: console.print(
-                f"[yellow]{svc.name} stopped (exit code {code}); started again[/] "
-                f"(its previous log: {svc.log}.1)", highlight=False,
-            ))  # fmt: skip
+            stack.watch(
+                on_restart=lambda svc, code: console.print(
+                    f"[yellow]{svc.name} stopped (exit code {code}); started again[/] "
+                    f"(its previous log: {svc.log}.1)",
+                    highlight=False,
+                )
+            )
         except KeyboardInterrupt:
             console.print("stopping…")
     console.print("stopped.")
@@ -140,9 +146,16 @@ def web(
         console.print(f"user [bold]{credentials.user}[/], password as configured", highlight=False)
     stop_on_sigterm()
     try:
-        serve(url, broker, credentials, host=host, port=port, read_only=read_only,
-              certfile=str(certfile) if certfile else None,
-              keyfile=str(keyfile) if keyfile else None)  # fmt: skip
+        serve(
+            url,
+            broker,
+            credentials,
+            host=host,
+            port=port,
+            read_only=read_only,
+            certfile=str(certfile) if certfile else None,
+            keyfile=str(keyfile) if keyfile else None,
+        )
     except KeyboardInterrupt:
         pass
     finally:
@@ -280,13 +293,19 @@ def gateway(
         raise ValueError(f"--tokenizer {tokenizer}: no such file")
     url, server = ensure_redis(ctx.obj)
     config = GatewayConfig(
-        upstream=upstream, namespace=namespace, token=token, redis_url=url,
+        upstream=upstream,
+        namespace=namespace,
+        token=token,
+        redis_url=url,
         reward_token=os.environ.get("CLAW_GATEWAY_REWARD_TOKEN") or None,
         metrics_token=os.environ.get("CLAW_METRICS_TOKEN") or None,
         upstream_key=os.environ.get("CLAW_UPSTREAM_API_KEY") or None,
-        tokenizer=str(tokenizer) if tokenizer else None, vllm_options=vllm_options,
-        max_body_bytes=max_body_bytes, max_turns=max_turns, policy_version=policy_version,
-    )  # fmt: skip
+        tokenizer=str(tokenizer) if tokenizer else None,
+        vllm_options=vllm_options,
+        max_body_bytes=max_body_bytes,
+        max_turns=max_turns,
+        policy_version=policy_version,
+    )
     Console().print(
         f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
         f"(store {redact_url(url)}); Ctrl-C stops"

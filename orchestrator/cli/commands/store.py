@@ -75,19 +75,38 @@ _WIDE = 110  # below this many columns the per-namespace summary is printed vert
 def _summary_table(found: list[NamespaceStats], url: str, used: int, width: int) -> list[Table]:
     """One row per namespace on a wide terminal; on a narrow one (80 columns) one small
     table per namespace, so that no value is cut."""
-    heads = ("namespace", "steps", "capacity", "shards", "committed", "episodes", "dead letters",
-             "memory", "B/step", "reward mean ± std")  # fmt: skip
+    heads = (
+        "namespace",
+        "steps",
+        "capacity",
+        "shards",
+        "committed",
+        "episodes",
+        "dead letters",
+        "memory",
+        "B/step",
+        "reward mean ± std",
+    )
     rows = []
     for s in found:
         i = s.info
         per_step = "-" if s.bytes_per_step is None else f"{s.bytes_per_step:,.0f}"
         reward = "-" if s.reward_mean is None else f"{s.reward_mean:.4g} ± {s.reward_std:.4g}"
         dead = f"[red]{i['dead_letters']:,}[/]" if i["dead_letters"] else "0"
-        rows.append((
-            s.namespace, f"{i['steps']:,}", f"{i['capacity']:,}", str(i["n_shards"]),
-            f"{i['committed_total']:,}", f"{s.episodes:,}", dead, _mib(s.memory_bytes),
-            per_step, reward,
-        ))  # fmt: skip
+        rows.append(
+            (
+                s.namespace,
+                f"{i['steps']:,}",
+                f"{i['capacity']:,}",
+                str(i["n_shards"]),
+                f"{i['committed_total']:,}",
+                f"{s.episodes:,}",
+                dead,
+                _mib(s.memory_bytes),
+                per_step,
+                reward,
+            )
+        )
     title = f"{url} · Redis used memory {_mib(used)}"
     if width >= _WIDE:
         table = Table(title=title)
@@ -117,10 +136,15 @@ def _print_details(console: Console, s: NamespaceStats) -> None:
         table.add_column(head, justify="right")
     for name, spec in schema.fields.items():
         size = s.payload.get(name)
-        cells = ("", "", "") if size is None else (
-            f"{size['stored']:,.0f}", f"{size['raw']:,.0f}",
-            "-" if size["ratio"] is None else f"{size['ratio']:.1f}x",
-        )  # fmt: skip
+        cells = (
+            ("", "", "")
+            if size is None
+            else (
+                f"{size['stored']:,.0f}",
+                f"{size['raw']:,.0f}",
+                "-" if size["ratio"] is None else f"{size['ratio']:.1f}x",
+            )
+        )
         table.add_row(name, "field", spec.describe(), *cells)
     for name, kind in schema.tags.items():
         table.add_row(tag_key(name), "tag", kind)
@@ -180,9 +204,13 @@ def recipes(
         table.add_column(h, justify="left" if h == "recipe" else "right", overflow="fold")
     for name, st in found.items():
         table.add_row(
-            name, str(st["version"]), f"{st['depth']}/{st['max_depth']}", f"{st['produced']:,}",
-            f"{st['popped']:,}", f"{st['sampled_rows']:,}",
-        )  # fmt: skip
+            name,
+            str(st["version"]),
+            f"{st['depth']}/{st['max_depth']}",
+            f"{st['produced']:,}",
+            f"{st['popped']:,}",
+            f"{st['sampled_rows']:,}",
+        )
     console.print(table)
     for name, st in found.items():  # below the table: a state is a sentence
         state = f"[yellow]{st['rate_limit']}[/]" if st["rate_limited"] else st["state"] or "-"
@@ -265,9 +293,12 @@ def query(
     keys = [k.strip() for k in group_by.split(",") if k.strip()] if group_by else []
     with redis_client(ctx) as (_, r):
         result = q.Query(Store(r, namespace)).run(
-            expression, group_by=keys, aggs=q.parse_aggs(agg), since=since,
+            expression,
+            group_by=keys,
+            aggs=q.parse_aggs(agg),
+            since=since,
             keep=[hist] if hist else [],
-        )  # fmt: skip
+        )
     if hist:
         path = q.histogram(result, hist, png or Path(f"{namespace}-{hist}.png"))
     if as_json:
@@ -304,7 +335,11 @@ def dead(
         table.add_column(col, overflow="fold")
     for d in letters:
         table.add_row(
-            d.when, d.batch_id, d.rows_text, "-" if d.steps is None else str(d.steps),
-            f"{d.payload_bytes:,} B", d.reason,
-        )  # fmt: skip
+            d.when,
+            d.batch_id,
+            d.rows_text,
+            "-" if d.steps is None else str(d.steps),
+            f"{d.payload_bytes:,} B",
+            d.reason,
+        )
     console.print(table)

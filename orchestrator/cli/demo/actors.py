@@ -46,9 +46,16 @@ class _Stop:
 
 
 def run(
-    redis_url: str, broker_url: str, namespace: str, actor: int, *, seed: int,
-    anneal_versions: int, floor: float, max_rate: float,
-) -> None:  # fmt: skip
+    redis_url: str,
+    broker_url: str,
+    namespace: str,
+    actor: int,
+    *,
+    seed: int,
+    anneal_versions: int,
+    floor: float,
+    max_rate: float,
+) -> None:
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -103,9 +110,15 @@ def main() -> None:
     p.add_argument("--max-rate", type=float, default=0.0, help="steps/s; 0: unlimited")
     a = p.parse_args()
     run(
-        a.redis_url, a.broker_url, a.namespace, a.actor, seed=a.seed,
-        anneal_versions=a.anneal_versions, floor=a.floor, max_rate=a.max_rate,
-    )  # fmt: skip
+        a.redis_url,
+        a.broker_url,
+        a.namespace,
+        a.actor,
+        seed=a.seed,
+        anneal_versions=a.anneal_versions,
+        floor=a.floor,
+        max_rate=a.max_rate,
+    )
 
 
 if __name__ == "__main__":

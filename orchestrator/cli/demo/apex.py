@@ -70,12 +70,26 @@ def actor_service(
     stack: DevStack, namespace: str, i: int, n: int, seed: int, rate: float
 ) -> Service:
     argv = [
-        sys.executable, "-m", "orchestrator.cli.demo.actors",
-        "--redis-url", stack.redis_url, "--broker-url", stack.broker_url,
-        "--namespace", namespace, "--actor", str(i), "--seed", str(seed + i),
-        "--anneal-versions", str(ANNEAL_STEPS // PUBLISH_EVERY),
-        "--floor", str(actor_floor(i, n)), "--max-rate", str(rate),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "orchestrator.cli.demo.actors",
+        "--redis-url",
+        stack.redis_url,
+        "--broker-url",
+        stack.broker_url,
+        "--namespace",
+        namespace,
+        "--actor",
+        str(i),
+        "--seed",
+        str(seed + i),
+        "--anneal-versions",
+        str(ANNEAL_STEPS // PUBLISH_EVERY),
+        "--floor",
+        str(actor_floor(i, n)),
+        "--max-rate",
+        str(rate),
+    ]
     return Service(
         f"actor {i}",
         argv,
@@ -118,9 +132,11 @@ class _Monitor:
         self.r, self.store, self.client = r, store, client
         self.started = time.monotonic()
         self.progress = Progress(
-            TextColumn("[bold]CartPole[/] env steps"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("[bold]CartPole[/] env steps"),
+            BarColumn(),
+            MofNCompleteColumn(),
             TimeElapsedColumn(),
-        )  # fmt: skip
+        )
         self.bar = self.progress.add_task("steps", total=total)
         self._seen = 0
         self._rates: deque[tuple[float, int, int]] = deque(maxlen=8)  # (t, committed, steps)
@@ -158,20 +174,28 @@ class _Monitor:
         last = res.episodes[-1].ret if res.episodes else 0.0
         mean = res.mean_last()
         table.add_row(
-            f"{ingest:,.0f} steps/s", self.depth, f"{learn:,.0f} steps/s",
+            f"{ingest:,.0f} steps/s",
+            self.depth,
+            f"{learn:,.0f} steps/s",
             f"v{version} ε {epsilon(version, ANNEAL_STEPS // PUBLISH_EVERY, 0.1):.2f}",
             f"{len(res.episodes):,}",
             (f"[green]{mean:.0f}[/]" if mean >= target else f"{mean:.0f}")
             + f" mean of {SOLVED_WINDOW} (last {last:.0f})",
-        )  # fmt: skip
+        )
         table.caption = f"prefetch: {self.state}"
         return Group(self.progress, table)
 
 
 def train(
-    stack: DevStack, namespace: str, *, steps: int, actors: int, seed: int, target: float,
+    stack: DevStack,
+    namespace: str,
+    *,
+    steps: int,
+    actors: int,
+    seed: int,
+    target: float,
     console: Console,
-) -> ApexResult:  # fmt: skip
+) -> ApexResult:
     """Run the actors and learn until the target return or ``steps`` env steps."""
     torch.manual_seed(seed)
     torch.set_num_threads(1)

@@ -23,10 +23,12 @@ from orchestrator.adapters.torch import to_tensor
 def mlp(obs_dim: int, n_actions: int, hidden: int = 128) -> nn.Module:
     """Q-network for vector observations."""
     return nn.Sequential(
-        nn.Linear(obs_dim, hidden), nn.ReLU(),
-        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(obs_dim, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
         nn.Linear(hidden, n_actions),
-    )  # fmt: skip
+    )
 
 
 class ConvQ(nn.Module):
@@ -36,10 +38,12 @@ class ConvQ(nn.Module):
         super().__init__()
         h, w, c = shape
         self.body = nn.Sequential(  # the Nature DQN's first two layers, narrower
-            nn.Conv2d(c, 16, 8, stride=4), nn.ReLU(),
-            nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(),
+            nn.Conv2d(c, 16, 8, stride=4),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 4, stride=2),
+            nn.ReLU(),
             nn.Flatten(),
-        )  # fmt: skip
+        )
         with torch.no_grad():
             n = self.body(torch.zeros(1, c, h, w)).shape[1]
         self.head = nn.Sequential(nn.Linear(n, 64), nn.ReLU(), nn.Linear(64, n_actions))

@@ -66,20 +66,32 @@ class OffloadResult:
 
 
 def record(
-    stack: DevStack, namespace: str, policy: torch.nn.Module, steps: int, seed: int,
+    stack: DevStack,
+    namespace: str,
+    policy: torch.nn.Module,
+    steps: int,
+    seed: int,
     console: Console,
-) -> int:  # fmt: skip
+) -> int:
     """Episodes of the learned policy (epsilon 0.1) as images, until ``steps``."""
     ingestor = Ingestor(
-        namespace, stack.redis_url, broker_url=stack.broker_url, flush_steps=256,
+        namespace,
+        stack.redis_url,
+        broker_url=stack.broker_url,
+        flush_steps=256,
         codecs={"obs": CODEC},
-    )  # fmt: skip
-    env = RecordSteps(Pixels(gym.make("CartPole-v1")), ingestor, task_id="cartpole-pixels",
-                      agent_id="learner")  # fmt: skip
+    )
+    env = RecordSteps(
+        Pixels(gym.make("CartPole-v1")), ingestor, task_id="cartpole-pixels", agent_id="learner"
+    )
     rng = np.random.default_rng(seed)
     done, n, episode = True, 0, 0
-    columns = (TextColumn("[bold]pixels[/] recording"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())  # fmt: skip
+    columns = (
+        TextColumn("[bold]pixels[/] recording"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("record", total=steps)
         while n < steps:
@@ -104,9 +116,14 @@ def record(
 
 
 def measure(
-    stack: DevStack, namespace: str, *, batches: int, batch_size: int, seed: int,
+    stack: DevStack,
+    namespace: str,
+    *,
+    batches: int,
+    batch_size: int,
+    seed: int,
     console: Console,
-) -> tuple[list[float], list[float], list[float]]:  # fmt: skip
+) -> tuple[list[float], list[float], list[float]]:
     """Data time per batch popped, then in the loop; train time per batch."""
     torch.manual_seed(seed)
     learner = dqn.DQN(dqn.ConvQ((SIZE, SIZE, 3), 2), lr=3e-4, target_every=100)
@@ -115,8 +132,12 @@ def measure(
     pop_ms: list[float] = []
     in_loop_ms: list[float] = []
     train_ms: list[float] = []
-    columns = (TextColumn("[bold]pixels[/] {task.description}"), BarColumn(),
-               MofNCompleteColumn(), TimeElapsedColumn())  # fmt: skip
+    columns = (
+        TextColumn("[bold]pixels[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     try:
         client.register(spec)
         with Progress(*columns, console=console) as progress:
@@ -150,9 +171,15 @@ def measure(
 
 
 def run(
-    stack: DevStack, namespace: str, policy: torch.nn.Module, *, steps: int, batches: int,
-    seed: int, console: Console,
-) -> OffloadResult:  # fmt: skip
+    stack: DevStack,
+    namespace: str,
+    policy: torch.nn.Module,
+    *,
+    steps: int,
+    batches: int,
+    seed: int,
+    console: Console,
+) -> OffloadResult:
     batch_size = 64
     n = record(stack, namespace, policy, steps, seed, console)
     pop_ms, in_loop_ms, train_ms = measure(

@@ -39,9 +39,9 @@ def summary(
         else f"not solved (target {target:g}; raise --steps)"
     )
     table.add_row(
-        "CartPole", f"mean return of the last {SOLVED_WINDOW} episodes "
-        f"{apex.mean_last():.1f}: {solved}",
-    )  # fmt: skip
+        "CartPole",
+        f"mean return of the last {SOLVED_WINDOW} episodes {apex.mean_last():.1f}: {solved}",
+    )
     table.add_row(
         "learner",
         f"{apex.learner_steps:,} steps, {apex.learner_steps_per_s:,.0f}/s; "

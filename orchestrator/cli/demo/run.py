@@ -149,17 +149,27 @@ def _phases(
     url = stack.redis_url
     console.rule("phase 1: Ape-X DQN on CartPole-v1")
     res = apex.train(
-        stack, cfg.namespace, steps=cfg.steps, actors=cfg.actors, seed=cfg.seed,
-        target=cfg.target, console=console,
-    )  # fmt: skip
+        stack,
+        cfg.namespace,
+        steps=cfg.steps,
+        actors=cfg.actors,
+        seed=cfg.seed,
+        target=cfg.target,
+        console=console,
+    )
     off = None
     if cfg.images:
         console.rule("phase 2: pixels, augmented by the prefetch workers")
         assert res.net is not None
         off = offload.run(
-            stack, cfg.pixel_namespace, res.net, steps=min(3000, max(500, cfg.steps)),
-            batches=50 if cfg.steps >= 20_000 else 20, seed=cfg.seed, console=console,
-        )  # fmt: skip
+            stack,
+            cfg.pixel_namespace,
+            res.net,
+            steps=min(3000, max(500, cfg.steps)),
+            batches=50 if cfg.steps >= 20_000 else 20,
+            seed=cfg.seed,
+            console=console,
+        )
     console.rule("summary")
     console.print(report.summary(res, off, _stored(url, namespaces), cfg.target))
     png = report.learning_curve(res, cfg.out, cfg.target)
