@@ -1,4 +1,33 @@
-"""Claw's orchestrator: recipes, the sampling index and samplers, augmentation, delivery."""
+"""Claw's read path: a recipe turned into the batches a trainer pops, and what runs around it.
+
+The stages, each importing only those above it in this list (and any layer of
+``claw_tasks``, the write path, which never imports this package; ``tests/test_layers.py``
+checks both):
+
+- ``transforms``  augmentation ops a recipe names: numpy only, no Redis, no Celery
+- ``recipe``      the recipe model: the declarative batch spec every stage below reads
+- ``sampling``    what to draw: the sampling index (a numpy mirror of the store's metadata,
+                  one per host in ``/dev/shm``), samplers, n-step and sequence windows,
+                  frame stacks, the payload fetch, ``sample()``
+- ``delivery``    how a batch reaches the trainer: the prefetch task, collation, the wire
+                  format, shared memory, the recipe registry, the rate limiter, read-ahead,
+                  ``BatchClient``
+- ``maintenance`` what beat runs: refill, retention and eviction, priority recomputation,
+                  dictionary pruning, archive and restore; namespace drop
+- ``adapters``    other libraries' interfaces: PyTorch, Stable-Baselines3, TorchRL, Minari,
+                  LLM trainers' tensors (each imported on its own: torch and TorchRL are
+                  extras)
+- ``inspect``     read-only views for people: namespace statistics and the query engine
+- ``web``         the web inspector (``claw web``)
+- ``gateway``     the OpenAI-compatible capture gateway (``claw gateway``)
+- ``cli``         the ``claw`` command, its dev tools (dev stack, doctor, metrics) and the
+                  demo
+
+``orchestrator/lua/`` holds the read path's Redis scripts (package data). This module sits
+on top of every stage, and no stage imports it: it is the public facade (``Recipe``,
+``sample``, ``update_priorities``, ``SampledBatch``, ``InsufficientData``, and
+``BatchClient``, imported lazily so that ``import orchestrator`` builds no Celery app).
+"""
 
 from typing import TYPE_CHECKING, Any
 

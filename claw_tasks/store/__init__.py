@@ -1,5 +1,7 @@
 """The Redis step store. ``Store`` is one namespace, composed of one part per concern:
-namespace admin, string dictionaries, reads, counting, updates, eviction and writes."""
+namespace admin, string dictionaries, reads, counting, updates, eviction and writes. Its
+Lua scripts are package data in ``claw_tasks/lua/``. Imports ``format``, ``where``,
+``connection``, ``codecs``, ``settings`` and ``durations``."""
 
 from claw_tasks.store.commit import CommitResult
 from claw_tasks.store.config import NamespaceConfig, NamespaceDropped, NamespaceError

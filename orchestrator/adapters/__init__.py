@@ -1,2 +1,4 @@
-"""Adapters from Claw batches to training libraries (PyTorch, Stable-Baselines3); each needs
-the ``torch`` extra and is imported on its own."""
+"""Other libraries' interfaces over Claw: PyTorch datasets (``torch``), Stable-Baselines3
+replay buffers (``sb3``), TorchRL storage and samplers (``torchrl``), what those buffers
+share (``experience``), LLM trainers' token tensors (``llm``) and Minari datasets
+(``minari``). Each is imported on its own: ``torch`` and ``torchrl`` are extras."""
