@@ -1,5 +1,6 @@
-"""README.md as written: its Python blocks run against a real stack, and the metric names it
-lists are the ones /metrics serves."""
+"""README.md as written: its Python blocks, then docs/adapters.md's (the TorchRL example moved
+there), run against a real stack, and the metric names it lists are the ones /metrics
+serves."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from tests.test_cli import fill
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+ADAPTERS = (ROOT / "docs" / "adapters.md").read_text()
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
 
-def blocks(lang: str) -> list[str]:
-    return [body for kind, body in BLOCK.findall(README) if kind == lang]
+def blocks(lang: str, text: str = README) -> list[str]:
+    return [body for kind, body in BLOCK.findall(text) if kind == lang]
 
 
 def test_readme_says_what_to_start_before_the_python_blocks():
@@ -36,7 +38,9 @@ def test_readme_python_blocks_run_as_written(redis_url, workers, tmp_path):
     on `ingest` and `prefetch`, as `claw up` runs)."""
     code = blocks("python")
     assert len(code) >= 4
-    script = "\n".join(code)
+    torchrl = blocks("python", ADAPTERS)
+    assert len(torchrl) == 1
+    script = "\n".join(code + torchrl)
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
     env.pop("CLAW_BROKER_URL", None)
     proc = subprocess.run(
@@ -65,6 +69,6 @@ def test_readme_metric_names_are_served(redis_url):
 
 
 def test_readme_shell_blocks_are_valid_bash():
-    for body in blocks("bash"):
+    for body in blocks("bash") + blocks("bash", ADAPTERS):
         proc = subprocess.run(["bash", "-n", "-c", body], capture_output=True, text=True)
         assert proc.returncode == 0, (body, proc.stderr)
