@@ -15,7 +15,7 @@ import pytest
 from stepdata import batch, episode
 
 from claw_tasks.store import Store
-from claw_tasks.worker import tasks
+from claw_tasks.worker import caches
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import prefetch
 from orchestrator.delivery.prefetch import run_fill
@@ -66,12 +66,12 @@ def test_sampling_sessions_are_bounded_and_forgotten(redis_url, namespace, monke
 
 
 def test_worker_stores_are_bounded_and_forgotten(monkeypatch):
-    monkeypatch.setattr(tasks.stores, "maxsize", 3)
+    monkeypatch.setattr(caches.stores, "maxsize", 3)
     for i in range(5):
-        tasks.store_for(f"ns{i}")  # no Redis traffic: a Store connects on first use
-    assert set(tasks.stores) == {"ns2", "ns3", "ns4"}
-    tasks.forget_namespace("ns3")
-    assert set(tasks.stores) == {"ns2", "ns4"}
+        caches.store_for(f"ns{i}")  # no Redis traffic: a Store connects on first use
+    assert set(caches.stores) == {"ns2", "ns3", "ns4"}
+    caches.forget_namespace("ns3")
+    assert set(caches.stores) == {"ns2", "ns4"}
 
 
 def test_prefetch_plans_are_bounded_and_forgotten(redis_url, namespace, monkeypatch):
@@ -88,10 +88,10 @@ def test_prefetch_plans_are_bounded_and_forgotten(redis_url, namespace, monkeypa
 
 _REFILL = """
 import json
-from claw_tasks.worker import tasks
+from claw_tasks.worker import caches
 from orchestrator.maintenance.refill import refill
 out = refill()
-print(json.dumps({"out": out, "cached": sorted(tasks.stores)}))
+print(json.dumps({"out": out, "cached": sorted(caches.stores)}))
 """
 
 
