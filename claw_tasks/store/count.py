@@ -15,8 +15,8 @@ class Counting:
     """``count(where=...)`` over whole metadata columns (``Reader.meta_columns``), shard by
     shard; string values are looked up in the core's dictionaries."""
 
-    def __init__(self, core: StoreCore, reader: Reader) -> None:
-        self.core, self.reader = core, reader
+    def __init__(self, core: StoreCore) -> None:
+        self.core, self.reader = core, Reader(core)
 
     def count(
         self,

@@ -42,8 +42,8 @@ class Eviction:
     """Evict steps by id or by slot; read the counts by reason. Plans read the shard's
     columns through the reader (``meta_columns``, ``info``)."""
 
-    def __init__(self, core: StoreCore, reader: Reader) -> None:
-        self.core, self.reader = core, reader
+    def __init__(self, core: StoreCore) -> None:
+        self.core, self.reader = core, Reader(core)
 
     def evict(self, ids: Sequence[int] | np.ndarray, reason: str = "manual") -> int:
         """Evict live steps by id (ids already gone are skipped); returns how many went."""

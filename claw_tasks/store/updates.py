@@ -24,8 +24,8 @@ class Updates:
     """Priorities and curation labels of live steps, by id; the audit stream. Uses the
     reader only to find an episode's steps (``curate(episode_id=...)``)."""
 
-    def __init__(self, core: StoreCore, reader: Reader) -> None:
-        self.core, self.reader = core, reader
+    def __init__(self, core: StoreCore) -> None:
+        self.core, self.reader = core, Reader(core)
 
     def update_priorities(self, ids: Sequence[int] | np.ndarray, priorities: Any) -> int:
         """Set priorities of live steps; ids evicted or overwritten are skipped. Returns

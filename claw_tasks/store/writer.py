@@ -23,8 +23,8 @@ class Writer:
     """Commits batches; ``allocate`` + ``place`` let a client write large payloads first.
     A commit creates the namespace or adds the batch's tags through ``admin``."""
 
-    def __init__(self, core: StoreCore, admin: Admin) -> None:
-        self.core, self.admin = core, admin
+    def __init__(self, core: StoreCore) -> None:
+        self.core, self.admin = core, Admin(core)
 
     def commit(
         self,
