@@ -2,10 +2,10 @@
 each other's state — the client, the namespace's keys and scripts, its string
 dictionaries, and the cached config record.
 
-A part (``Admin``, ``Reader``, ``Writer``, ...) receives a core, plus the few other parts it
-calls, in its constructor; ``Store`` is a core that composes them. Functions that read
-the store directly (``scan``, ``compressed.decode_stored``, ``turns``) take a core too, so
-a ``Store`` passes as one.
+A part (``Admin``, ``Reader``, ``Writer``, ...) is made over a core and keeps no state of
+its own; ``Store`` is a core whose methods are its parts' (``claw_tasks.store``). Functions
+that read the store directly (``scan``, ``compressed.decode_stored``, ``turns``) take a
+core too, so a ``Store`` passes as one.
 """
 
 from __future__ import annotations
