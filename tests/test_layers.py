@@ -1,6 +1,7 @@
 """The packages of both halves import only downward — the orchestrator's stages and
 claw_tasks' layers — and claw_tasks never imports the orchestrator: the tree shows the data
-flow, and no cycle can form between packages."""
+flow, and no cycle can form between packages. Within them no two modules import each
+other, and none uses another's ``_private`` names."""
 
 from __future__ import annotations
 
@@ -175,3 +176,193 @@ def test_imports_first_in_a_fresh_interpreter(module: str) -> None:
     import sys
 
     subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, check=True)
+
+
+# ---- no cycles, no borrowed privates ----------------------------------------------------
+PROJECT = ("claw_tasks", "orchestrator")
+ALLOWED_CYCLES: list[set[str]] = [
+    # Being removed on the sampling branch (issue 19, item 4): assembly and sample import
+    # each other. Drop this entry when that lands; the test fails while it is stale.
+    {"orchestrator.sampling.assembly", "orchestrator.sampling.sample"},
+]
+ALLOWED_PRIVATE: set[tuple[str, str]] = {
+    # Being removed on the sampling branch (issue 19, item 4), as above.
+    ("orchestrator/sampling/assembly.py", "orchestrator.sampling.sample._Session"),
+    ("orchestrator/sampling/shared.py", "orchestrator.sampling.index._Rebuild"),
+    ("orchestrator/sampling/shared.py", "orchestrator.sampling.index.SamplingIndex._sync"),
+}
+
+
+def _modules(tops: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted name -> file of every module under ``tops`` (a package is its __init__)."""
+    out = {}
+    for top in tops:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imported(tree: ast.AST, package: str) -> tuple[set[str], dict[str, str]]:
+    """Every dotted name an import in ``tree`` (a module of ``package``) names, nested and
+    ``TYPE_CHECKING`` ones included, relative ones resolved; and local name -> the dotted
+    name it binds."""
+    names: set[str] = set()
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                names.add(alias.name)
+                local = alias.asname or alias.name.partition(".")[0]
+                bound[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            for alias in node.names:
+                names.add(f"{base}.{alias.name}")
+                bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+    return names, bound
+
+
+def _parsed(module: str, path: Path) -> tuple[ast.AST, str]:
+    """A module's syntax tree and the package its relative imports start from."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    return ast.parse(path.read_text()), package
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (``from m import name`` counts as m, or as
+    the submodule m.name when there is one; a package's own __init__ is not implied)."""
+    modules = _modules(PROJECT)
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        targets = {resolve(name) for name in _imported(*_parsed(module, path))[0]}
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.add(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert _cycles(graph) == [{"a", "b", "c"}]
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """No two modules of claw_tasks/ or orchestrator/ import each other, directly or round
+    a loop, by any import (lazy and ``TYPE_CHECKING`` ones too): what a module needs sits
+    below it, so it can be read, tested and imported first on its own."""
+    cycles = _cycles(_import_graph())
+    unexpected = [sorted(c) for c in cycles if c not in ALLOWED_CYCLES]
+    stale = [sorted(c) for c in ALLOWED_CYCLES if c not in cycles]
+    assert unexpected == [], f"import cycles: {unexpected}"
+    assert stale == [], f"no longer cycles: remove them from ALLOWED_CYCLES: {stale}"
+
+
+OURS = ("claw_tasks", "orchestrator", "bench", "examples", "tests")
+
+
+def _private_uses(tree: ast.AST, package: str) -> set[str]:
+    """Dotted names of the ``_private`` names of our modules that ``tree`` uses: imported
+    (``from m import _x``) or reached through an imported module or name (``m._x``,
+    ``SomeClass._y``)."""
+    names, bindings = _imported(tree, package)
+    found = {n for n in names if n.split(".")[0] in OURS and _is_private(n.rpartition(".")[2])}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+            continue
+        chain = [node.attr]
+        value = node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in bindings:
+            dotted = bindings[value.id]
+            if dotted.split(".")[0] in OURS:
+                found.add(".".join([dotted, *reversed(chain)]))
+    return found
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_the_private_finder_finds_borrowed_privates() -> None:
+    source = """
+from claw_tasks.x import _a, b
+from . import _z
+import orchestrator.y as y
+import claw_tasks.w
+import os
+y._c, b._d, b.e._f, claw_tasks.w._g, os._exit, self._h, b.public, __name__
+"""
+    found = _private_uses(ast.parse(source), "orchestrator.m")
+    assert found == {
+        "claw_tasks.x._a",
+        "orchestrator.m._z",
+        "orchestrator.y._c",
+        "claw_tasks.x.b._d",
+        "claw_tasks.x.b.e._f",
+        "claw_tasks.w._g",
+    }
+
+
+def test_no_private_name_is_used_across_modules() -> None:
+    """What another module needs is public and documented: a ``_name`` is free to change
+    without reading the rest of the tree. Tests are exempt."""
+    found = {
+        (str(path.relative_to(ROOT)), name)
+        for module, path in _modules(("claw_tasks", "orchestrator", "bench", "examples")).items()
+        for name in _private_uses(*_parsed(module, path))
+    }
+    assert sorted(found - ALLOWED_PRIVATE) == []
+    stale = sorted(ALLOWED_PRIVATE - found)
+    assert stale == [], f"no longer used: remove them from ALLOWED_PRIVATE: {stale}"

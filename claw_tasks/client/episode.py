@@ -1,24 +1,37 @@
-"""``Episode``: one episode's steps, added in order, checked and buffered by its Ingestor."""
+"""``Episode``: one episode's steps, added in order, checked and buffered by its Ingestor
+(``Ingestor.episode`` makes one; it knows only the two callables it is given)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from claw_tasks.client.ingestor import Ingestor
+from claw_tasks.client.checks import Step
+
+CheckStep = Callable[..., Step]
+"""Checks one step against the schema and builds it, raising on bad input: called as
+``check(episode_id, step_index, fields, reward, next_obs, info, meta, tags, priority,
+terminated, truncated)``."""
 
 
 class Episode:
     """Steps of one episode, added in order. Use as a context manager: leaving the block
-    ends the episode (:meth:`end`)."""
+    ends the episode (:meth:`end`). ``check`` builds a step (:data:`CheckStep`),
+    ``buffer`` takes it (and may send the buffer); ``meta`` (``task_id``, ``agent_id``,
+    ``skill_tag``, ``reward_source``, ``policy_version``) and ``tags`` go on every step."""
 
     def __init__(
-        self, ingestor: Ingestor, episode_id: str, meta: dict[str, Any], tags: dict[str, Any]
+        self,
+        check: CheckStep,
+        buffer: Callable[[Step], None],
+        episode_id: str,
+        meta: dict[str, Any],
+        tags: dict[str, Any],
     ):
-        self.ingestor = ingestor
+        self.check = check
+        self.buffer = buffer
         self.episode_id = episode_id
         self.meta = meta
         self.tags = tags
@@ -66,7 +79,7 @@ class Episode:
             else:
                 fields[k] = v
         meta = self.meta if skill_tag is None else {**self.meta, "skill_tag": skill_tag}
-        step = self.ingestor._check_step(
+        step = self.check(
             self.episode_id,
             self.step_index,
             fields,
@@ -79,7 +92,7 @@ class Episode:
             terminated,
             truncated,
         )
-        # Accepted: the step is buffered from here on, even if the send _buffer may start
+        # Accepted: the step is buffered from here on, even if the send ``buffer`` may start
         # fails (it is kept and re-sent), so it has its index now.
         self.step_index += 1
-        self.ingestor._buffer(step)
+        self.buffer(step)

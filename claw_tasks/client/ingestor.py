@@ -42,19 +42,55 @@ log = logging.getLogger(__name__)
 class Ingestor(Sender):
     """Buffers steps and sends them in batches (by count and by time) to ``ingest``.
 
-    Batches above ``claim_check_bytes`` travel by claim check: the payload goes to a
-    staging key with a TTL and the task message carries the key. ``retention`` sets the
-    namespace's retention policy (:class:`~claw_tasks.store.retention.Retention` or its
-    dict form). Near Redis ``maxmemory`` (over ``memory_high_water`` of it) a send blocks
-    (``on_full="block"``, up to ``full_timeout`` s) or raises ``StoreFullError``
-    (``on_full="raise"``); the steps are kept either way (:mod:`claw_tasks.client.backpressure`).
+    Where the steps go:
 
-    Compressed fields: a ``schema`` whose fields have a codec, or ``codecs`` (field ->
-    codec text, e.g. ``{"obs": "png"}``) applied to the given or inferred schema, set
-    when the namespace is created (docs/architecture.md, "Compressed fields").
-    ``compress_at`` says who encodes them: ``"producer"`` (here, in ``codec_threads``
-    threads; less to send) or ``"worker"`` (the ingest worker; spares this CPU); default
-    ``CLAW_COMPRESS_AT`` or ``producer``.
+    - ``namespace``: the namespace written to (default ``CLAW_NAMESPACE``); created on
+      first use with ``capacity``, ``n_shards``, ``schema`` and ``retention``.
+    - ``redis_url``: the data store (default ``CLAW_REDIS_URL``).
+    - ``broker_url``: the Celery broker the ingest tasks are published to (default: the
+      rule of :func:`claw_tasks.settings.broker_for`, from ``redis_url``); the ingest
+      workers must listen on the same one.
+
+    The namespace, when this Ingestor creates it (an existing one keeps its own):
+
+    - ``capacity``: steps the ring keeps (default 1,000,000); ``n_shards``: shards they
+      are spread over by episode (default 1). Given for an existing namespace, both
+      must match it (NamespaceError otherwise).
+    - ``schema``: the fields and tags (default: inferred from the first step or batch);
+      for an existing namespace it is checked against the stored one (new tags added).
+    - ``retention``: the retention policy
+      (:class:`~claw_tasks.store.retention.Retention` or its dict form); replaces the
+      stored one when it differs.
+    - ``codecs``: field -> codec text (e.g. ``{"obs": "png"}``), applied to the given or
+      inferred schema (docs/architecture.md, "Compressed fields").
+
+    Batching and sending:
+
+    - ``flush_steps``: buffered steps that make a batch (and the most ``add_batch`` puts
+      in one message).
+    - ``flush_interval``: seconds after which a non-empty buffer is sent anyway, by a
+      background thread that also collects confirmations; None: no thread (send on
+      ``flush_steps``, ``flush`` and ``close`` only).
+    - ``claim_check_bytes``: above this many fixed-shape payload bytes a batch's payload
+      is written in place (``Store.allocate``/``place``) and the message carries only its
+      metadata; a message still above it travels by claim check (a staging key with a
+      TTL, ``CLAW_STAGE_TTL``, named in the message).
+    - ``resend_after``: seconds without a confirmation after which a batch is published
+      again (its message may have been lost with a worker; commits are idempotent).
+    - ``compress_at``: who encodes compressed fields, ``"producer"`` (here: less to send)
+      or ``"worker"`` (the ingest worker: spares this CPU); default ``CLAW_COMPRESS_AT``,
+      else ``"producer"``. A ``schema`` may carry codecs itself.
+    - ``codec_threads``: threads this process encodes frames in (``compress_at="producer"``).
+
+    Checks and backpressure:
+
+    - ``max_step_bytes``: payload bytes a step may have (default 16 MiB); a larger one
+      raises SchemaError before it is buffered.
+    - ``ragged``: fields whose leading dimension varies from step to step (token ids).
+    - ``on_full``, ``memory_high_water``, ``full_timeout``: above ``memory_high_water`` of
+      Redis ``maxmemory`` a send blocks (``on_full="block"``, up to ``full_timeout`` s,
+      then StoreFullError) or raises StoreFullError at once (``on_full="raise"``); the
+      steps are kept either way (:mod:`claw_tasks.client.backpressure`).
     """
 
     def __init__(
@@ -153,7 +189,7 @@ class Ingestor(Sender):
             "reward_source": reward_source,
             "policy_version": policy_version,
         }
-        return Episode(self, str(episode_id), meta, tags)
+        return Episode(self._check_step, self._buffer, str(episode_id), meta, tags)
 
     def llm_turn(
         self,

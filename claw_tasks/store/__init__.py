@@ -1,19 +1,112 @@
-"""The Redis step store. ``Store`` is one namespace, composed of one part per concern:
-namespace admin, string dictionaries, reads, counting, updates, eviction and writes. Its
-Lua scripts are package data in ``claw_tasks/lua/``. Imports ``format``, ``where``,
-``connection``, ``codecs``, ``settings`` and ``durations``."""
+"""The Redis step store. ``Store`` is one namespace: a :class:`StoreCore` (client, keys,
+scripts, dictionaries, the cached config) whose methods each belong to one part, in its
+own module. A part holds no state of its own: it is made over the core for the call, and
+uses only the core's API and the few parts it names in its constructor.
 
+=============  ==============================================================================
+module         ``Store`` methods
+=============  ==============================================================================
+``core``       ``config``, ``revalidate``; attributes ``r``, ``keys``, ``namespace``,
+               ``scripts``, ``dicts``
+``admin``      ``exists``, ``create``, ``ensure_schema``, ``schema``, ``set_retention``,
+               ``set_episode_index``, ``set_priority_rules``, ``set_spaces``
+``dicts``      ``encode_strings``, ``lookup_codes``, ``decode_codes``
+``reader``     ``locate``, ``get``, ``episode``, ``trajectory_ids``, ``read_meta``,
+               ``meta_columns``, ``read_fields``, ``read_frames``, ``info``
+``count``      ``count``
+``updates``    ``update_priorities``, ``update_rewards``, ``curate``, ``audit``, ``audit_log``
+``evict``      ``evict``, ``evict_slots``, ``evictions``
+``writer``     ``commit`` (one shard's part of it: ``commit.CommitPart``), ``allocate``,
+               ``place``
+=============  ==============================================================================
+
+Range reads for archival (``scan``) and stored LLM turns (``turns``) are functions over a
+core. The store's modules import only downward: ``layout``, ``scripts``, ``config``,
+``dicts``, ``core``, the parts, then this package. Its Lua scripts are package data in
+``claw_tasks/lua/``. Imports ``format``, ``where``, ``connection``, ``codecs``,
+``settings`` and ``durations``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Concatenate, ParamSpec, TypeVar
+
+from claw_tasks.store.admin import Admin
 from claw_tasks.store.commit import CommitResult
 from claw_tasks.store.config import NamespaceConfig, NamespaceDropped, NamespaceError
+from claw_tasks.store.core import StoreCore
 from claw_tasks.store.count import Counting
+from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.evict import Eviction
-from claw_tasks.store.reader import decode_meta
+from claw_tasks.store.reader import Reader, decode_meta
 from claw_tasks.store.updates import Updates
 from claw_tasks.store.writer import Writer
 
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
 
-class Store(Eviction, Updates, Counting, Writer):
+
+def _on(
+    part: Callable[[StoreCore], T], method: Callable[Concatenate[T, P], R]
+) -> Callable[Concatenate[StoreCore, P], R]:
+    """A ``Store`` method: ``method`` of the ``part`` made over the store (its signature,
+    docstring and ``__qualname__``, which names the part: ``Updates.curate``)."""
+
+    @functools.wraps(method)
+    def call(store: StoreCore, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(part(store), *args, **kwargs)
+
+    return call
+
+
+def _dicts(core: StoreCore) -> Dictionaries:
+    return core.dicts
+
+
+class Store(StoreCore):
     """One namespace of the step store. Cheap to construct; safe to share in a process."""
+
+    exists = _on(Admin, Admin.exists)
+    create = _on(Admin, Admin.create)
+    ensure_schema = _on(Admin, Admin.ensure_schema)
+    schema = _on(Admin, Admin.schema)
+    set_retention = _on(Admin, Admin.set_retention)
+    set_episode_index = _on(Admin, Admin.set_episode_index)
+    set_priority_rules = _on(Admin, Admin.set_priority_rules)
+    set_spaces = _on(Admin, Admin.set_spaces)
+
+    encode_strings = _on(_dicts, Dictionaries.encode_strings)
+    lookup_codes = _on(_dicts, Dictionaries.lookup_codes)
+    decode_codes = _on(_dicts, Dictionaries.decode_codes)
+
+    locate = _on(Reader, Reader.locate)
+    get = _on(Reader, Reader.get)
+    episode = _on(Reader, Reader.episode)
+    trajectory_ids = _on(Reader, Reader.trajectory_ids)
+    read_meta = _on(Reader, Reader.read_meta)
+    meta_columns = _on(Reader, Reader.meta_columns)
+    read_fields = _on(Reader, Reader.read_fields)
+    read_frames = _on(Reader, Reader.read_frames)
+    info = _on(Reader, Reader.info)
+
+    count = _on(Counting, Counting.count)
+
+    update_priorities = _on(Updates, Updates.update_priorities)
+    update_rewards = _on(Updates, Updates.update_rewards)
+    curate = _on(Updates, Updates.curate)
+    audit = _on(Updates, Updates.audit)
+    audit_log = _on(Updates, Updates.audit_log)
+
+    evict = _on(Eviction, Eviction.evict)
+    evict_slots = _on(Eviction, Eviction.evict_slots)
+    evictions = _on(Eviction, Eviction.evictions)
+
+    commit = _on(Writer, Writer.commit)
+    allocate = _on(Writer, Writer.allocate)
+    place = _on(Writer, Writer.place)
 
 
 __all__ = [
@@ -22,5 +115,6 @@ __all__ = [
     "NamespaceDropped",
     "NamespaceError",
     "Store",
+    "StoreCore",
     "decode_meta",
 ]

@@ -4,7 +4,7 @@ links that the commit script writes in one atomic step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import Schema, tag_column
 from claw_tasks.store.compressed import explicit_frames, frames_of
 from claw_tasks.store.config import LOG_MAXLEN, MARKER_TTL, NamespaceConfig, NamespaceError
+from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import (
     EXPLICIT_NEXT,
     META,
@@ -26,9 +27,6 @@ from claw_tasks.store.layout import (
     nan_xor,
     payload_chunk_slots,
 )
-
-if TYPE_CHECKING:
-    from claw_tasks.store.writer import Writer
 
 
 @dataclass
@@ -65,11 +63,12 @@ class Writes:
 
 
 class CommitPart:
-    """One shard's part of a batch: allocation, column blobs, the Lua commit."""
+    """One shard's part of a batch: its column blobs and the Lua commit, into the slots
+    ``Writer.allocate`` took for it."""
 
     def __init__(
         self,
-        store: Writer,
+        store: StoreCore,
         cfg: NamespaceConfig,
         schema: Schema,
         batch: StepBatch,
@@ -89,12 +88,12 @@ class CommitPart:
     def _sel(self, arr: np.ndarray) -> np.ndarray:
         return arr if self.whole else arr[self.rows]
 
-    def run(self, dead: list[int], result: CommitResult) -> None:
-        """Allocate (unless the client did), commit, and count the outcome in ``result``."""
+    def run(self, seq0: int, state: str, dead: list[int], result: CommitResult) -> None:
+        """Commit into the slots from ``seq0`` (``state``: what the allocation found, as
+        ``Writer.allocate`` returns it) and count the outcome in ``result``."""
         k = self.s.keys
         n = len(self.rows)
         placed = any(isinstance(v, Placed) for v in self.b.fields.values())
-        seq0, state = self.s.allocate(self.shard, self.b.batch_id, n)
         if state == "expired":
             result.expired += n
             return

@@ -26,6 +26,7 @@ from claw_tasks.format.batch import FieldValue, Placed, Ragged
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec
 from claw_tasks.settings import load_settings
+from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 
 
@@ -77,7 +78,7 @@ def explicit_frames(spec: FieldSpec, v: FieldValue) -> list[bytes | memoryview]:
     return list(encode(codec, raw_rows(spec, v), codec_threads()))
 
 
-def decode_stored(store: Any, name: str, spec: FieldSpec, frames: list[Any]) -> Any:
+def decode_stored(store: StoreCore, name: str, spec: FieldSpec, frames: list[Any]) -> Any:
     """Stored frames of field ``name`` (``None``/empty: zeros) as rows: an ``(n, ...)``
     array, or a list for a ragged field. A ``delta`` field's key frames not among
     ``frames`` are read in one more round trip (random access reads at most a key and

@@ -1,21 +1,15 @@
-"""Namespace admin: the config record in Redis (capacity, shards, schema), and the base
-every part of a ``Store`` builds on (client, keys, scripts, the cached config)."""
+"""A namespace's config record in Redis (capacity, shards, schema, ...): its format, its
+errors, and the limits every part of a ``Store`` shares (``LOG_MAXLEN``, ``MARKER_TTL``)."""
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-import redis
-
-from claw_tasks.connection.client import redis_client
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.format.schema import Schema
-from claw_tasks.store.layout import Keys
 from claw_tasks.store.retention import Retention
-from claw_tasks.store.scripts import Scripts
 
 MARKER_TTL = 7 * 86400
 LOG_MAXLEN = 100_000
@@ -127,138 +121,3 @@ def _check_format(found: Any, namespace: str) -> None:
         f"{ns} has store format {found!r}; this Claw reads format "
         f"{' and '.join(map(str, READS))} only: {fix}"
     )
-
-
-class NamespaceAdmin:
-    """The state a ``Store`` shares (client, keys, scripts, cached config), and the
-    namespace's lifecycle: create, config, schema."""
-
-    def __init__(self, client: redis.Redis | str, namespace: str) -> None:
-        self.r = redis_client(client) if isinstance(client, str) else client
-        self.keys = Keys(namespace)
-        self.namespace = namespace
-        self.scripts = Scripts(self.r)
-        self._config: NamespaceConfig | None = None
-
-    def config(self, refresh: bool = False) -> NamespaceConfig:
-        if self._config is None or refresh:
-            raw = self.r.get(self.keys.config)
-            if raw is None:
-                raise NamespaceError(f"namespace {self.namespace!r} does not exist")
-            self._config = NamespaceConfig.from_bytes(raw, self.namespace)
-        return self._config
-
-    def revalidate(self) -> None:
-        """One round trip before writing with a cached config: raise NamespaceDropped if
-        the namespace was dropped; re-read the config if it changed (recreated, new tags
-        or retention), so a long-lived worker never writes with a stale one."""
-        with self.r.pipeline(transaction=False) as pipe:
-            pipe.exists(dropped_key(self.namespace))
-            pipe.get(self.keys.config)
-            dropped, raw = pipe.execute()
-        if dropped:
-            raise NamespaceDropped(
-                f"namespace {self.namespace!r} was dropped; create it again (a new Ingestor "
-                "or Store.create) to write to it"
-            )
-        if raw is not None and (self._config is None or raw != self._config.to_bytes()):
-            self._config = NamespaceConfig.from_bytes(raw, self.namespace)
-
-    def exists(self) -> bool:
-        return bool(self.r.exists(self.keys.config))
-
-    def create(
-        self,
-        capacity: int = DEFAULT_CAPACITY,
-        n_shards: int = 1,
-        schema: Schema | None = None,
-        retention: Retention | None = None,
-    ) -> NamespaceConfig:
-        """Create the namespace, or return it when it exists with the same capacity/shards
-        (a ``retention`` given then replaces the stored one)."""
-        if capacity < 1 or n_shards < 1:
-            raise ValueError("capacity and n_shards must be >= 1")
-        cfg = NamespaceConfig(capacity, n_shards, schema, time.time(), retention)
-        self.r.delete(dropped_key(self.namespace))  # created again on purpose
-        if not self.r.set(self.keys.config, cfg.to_bytes(), nx=True):
-            cfg = self.config(refresh=True)
-            if (cfg.capacity, cfg.n_shards) != (capacity, n_shards):
-                raise NamespaceError(
-                    f"namespace {self.namespace!r} exists with capacity {cfg.capacity} and "
-                    f"{cfg.n_shards} shard(s), not {capacity} and {n_shards}"
-                )
-            if schema is not None:
-                self.ensure_schema(schema)
-            if retention is not None:
-                self.set_retention(retention)
-            cfg = self.config()
-        self._config = cfg
-        return self.config()
-
-    def ensure_schema(self, schema: Schema) -> Schema:
-        """Set the schema if there is none; otherwise check ``schema`` against it (new tags
-        are added). A field mismatch raises SchemaError naming the field."""
-        cached = self._config.schema if self._config else None
-        if cached is not None and cached.merged(schema).tags == cached.tags:
-            return cached
-        with self.r.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(self.keys.config)
-                    raw = pipe.get(self.keys.config)
-                    if raw is None:
-                        raise NamespaceError(f"namespace {self.namespace!r} does not exist")
-                    cfg = NamespaceConfig.from_bytes(raw, self.namespace)
-                    new = schema if cfg.schema is None else cfg.schema.merged(schema)
-                    if cfg.schema is None or new.tags != cfg.schema.tags:
-                        cfg = replace(cfg, schema=new)
-                        pipe.multi()
-                        pipe.set(self.keys.config, cfg.to_bytes())
-                        pipe.execute()
-                    else:
-                        pipe.unwatch()
-                    self._config = cfg
-                    return new
-                except redis.WatchError:
-                    continue
-
-    def set_retention(self, retention: Retention | None) -> NamespaceConfig:
-        """Store the retention policy (None: keep everything the ring keeps)."""
-        return self._set_config(retention=retention)
-
-    def set_episode_index(self, on: bool = True) -> NamespaceConfig:
-        """Index each episode's step ids at commit from now on (``Store.trajectory_ids``).
-        Steps committed before (or by a worker whose cached config predates this) are not
-        in the index: readers fall back to the episode column (``Store.episode``)."""
-        cfg = self.config(refresh=True)
-        return cfg if cfg.episode_index == on else self._set_config(episode_index=on)
-
-    def set_priority_rules(self, rules: dict[str, Any] | None) -> NamespaceConfig:
-        """Store the priority recomputation rules (checked by the orchestrator's
-        ``maintenance.priorities.Rules``; None: no recomputation)."""
-        return self._set_config(priorities=rules)
-
-    def set_spaces(self, observation: str, action: str) -> NamespaceConfig:
-        """Record the observation and action spaces (serialized): offline formats
-        (Minari) need them to export the namespace."""
-        return self._set_config(spaces={"observation": observation, "action": action})
-
-    def _set_config(self, **changes: Any) -> NamespaceConfig:
-        with self.r.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(self.keys.config)
-                    raw = pipe.get(self.keys.config)
-                    if raw is None:
-                        raise NamespaceError(f"namespace {self.namespace!r} does not exist")
-                    cfg = replace(NamespaceConfig.from_bytes(raw, self.namespace), **changes)
-                    pipe.multi()
-                    pipe.set(self.keys.config, cfg.to_bytes())
-                    pipe.execute()
-                    self._config = cfg
-                    return cfg
-                except redis.WatchError:
-                    continue
-
-    def schema(self) -> Schema | None:
-        return self.config(refresh=True).schema

@@ -7,12 +7,18 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import redis
 
-from claw_tasks.store.config import NamespaceAdmin
+from claw_tasks.store.layout import Keys
+from claw_tasks.store.scripts import Scripts
 
 
-class Dictionaries(NamespaceAdmin):
-    """Codes <-> strings of a column's dictionary (code 0 = missing)."""
+class Dictionaries:
+    """Codes <-> strings of a column's dictionary (code 0 = missing): the ``dict`` script
+    adds strings; lookups are plain hash reads."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, scripts: Scripts) -> None:
+        self.r, self.keys, self.scripts = client, keys, scripts
 
     def encode_strings(self, column: str, values: Sequence[str]) -> np.ndarray:
         """Codes of ``values`` in the column's dictionary, adding unknown strings."""

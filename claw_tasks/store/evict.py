@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 
 from claw_tasks.store.config import LOG_MAXLEN
+from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import (
     EXPLICIT_NEXT,
     META_CHUNK_SLOTS,
@@ -37,16 +38,20 @@ _SCRIPT = Lua("evict")
 _FIXED_KEYS = ("alive", "evicted", "evictions", "log", "links", "epname", "eplast", "eptraj")
 
 
-class Eviction(Reader):
-    """Evict steps by id or by slot; read the counts by reason."""
+class Eviction:
+    """Evict steps by id or by slot; read the counts by reason. Plans read the shard's
+    columns through the reader (``meta_columns``, ``info``)."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self.core, self.reader = core, Reader(core)
 
     def evict(self, ids: Sequence[int] | np.ndarray, reason: str = "manual") -> int:
         """Evict live steps by id (ids already gone are skipped); returns how many went."""
-        cfg = self.config()
+        cfg = self.core.config()
         ids = np.asarray(ids, np.int64).reshape(-1)
         total = 0
         for shard in np.unique(ids % cfg.n_shards).tolist():
-            cols = self.meta_columns(shard, PLAN_COLUMNS)
+            cols = self.reader.meta_columns(shard, PLAN_COLUMNS)
             mine = ids[ids % cfg.n_shards == shard]
             slots = (mine // cfg.n_shards - 1) % cfg.cap
             total += self.evict_slots(shard, cols, slots[cols["id"][slots] == mine], reason)
@@ -68,31 +73,31 @@ class Eviction(Reader):
         slots = slots[cols["alive"][slots]]
         if not len(slots):
             return 0
-        plan = _Plan(self, shard, cols, slots)
-        fixed = [self.keys.shard_key(shard, k) for k in _FIXED_KEYS]
+        plan = _Plan(self.core, shard, cols, slots)
+        fixed = [self.core.keys.shard_key(shard, k) for k in _FIXED_KEYS]
         done = 0
         for start in range(0, len(slots), EVICT_CHUNK):
             keys, spec = plan.chunk(slots[start : start + EVICT_CHUNK], fixed)
-            evicted, _ = _SCRIPT(self.r, keys, [reason, LOG_MAXLEN, spec])
+            evicted, _ = _SCRIPT(self.core.r, keys, [reason, LOG_MAXLEN, spec])
             done += int(evicted)
             if progress is not None:
                 progress(min(EVICT_CHUNK, len(slots) - start))
         for start in range(0, len(plan.gone), EVICT_CHUNK):
             episodes = plan.gone[start : start + EVICT_CHUNK]
             spec = msgpack.packb({"episodes": episodes}, use_bin_type=False)
-            _SCRIPT(self.r, fixed, [reason, LOG_MAXLEN, spec])
+            _SCRIPT(self.core.r, fixed, [reason, LOG_MAXLEN, spec])
         return done
 
     def evictions(self) -> dict[str, int]:
         """Steps evicted so far, by reason (every shard summed)."""
-        return self.info()["evictions"]
+        return self.reader.info()["evictions"]
 
 
 class _Plan:
     """What evicting some slots of a shard involves: keys, predecessors, episodes."""
 
     def __init__(
-        self, store: Eviction, shard: int, cols: Mapping[str, np.ndarray], slots: np.ndarray
+        self, store: StoreCore, shard: int, cols: Mapping[str, np.ndarray], slots: np.ndarray
     ) -> None:
         cfg = store.config()
         self.store, self.shard, self.cols, self.cap = store, shard, cols, cfg.cap

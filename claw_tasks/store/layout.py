@@ -7,6 +7,7 @@ import numpy as np
 # Defined in claw_tasks.format.stepmeta (a leaf the where language imports); re-exported here,
 # where the store's modules and the orchestrator look for them.
 from claw_tasks.format.names import check_namespace
+from claw_tasks.format.schema import Schema, tag_name
 from claw_tasks.format.stepmeta import DICT_COLUMNS as DICT_COLUMNS
 from claw_tasks.format.stepmeta import EXPLICIT_NEXT as EXPLICIT_NEXT
 from claw_tasks.format.stepmeta import TERMINATED as TERMINATED
@@ -57,6 +58,18 @@ def nan_xor(values: np.ndarray) -> np.ndarray:
 def payload_chunk_slots(row_bytes: int) -> int:
     """Slots per payload chunk: just under 1 MiB (one jemalloc size class)."""
     return max(1, PAYLOAD_CHUNK_BYTES // max(1, row_bytes))
+
+
+def column_dtype(col: str, schema: Schema | None) -> np.dtype:
+    """The stored dtype of metadata column ``col``: a fixed column of :data:`META`, or a
+    tag column of ``schema`` (string codes or NaN-xor floats). KeyError for any other."""
+    if col in META:
+        return META[col]
+    tag = tag_name(col)
+    kind = schema.tags.get(tag) if schema and tag is not None else None
+    if kind is None:
+        raise KeyError(f"unknown metadata column {col!r}")
+    return STR_TAG_DTYPE if kind == "str" else NUM_TAG_DTYPE
 
 
 def row_episode_codes(values: list[str], index: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 from claw_tasks.format.schema import FieldSpec, Schema, tag_column, tag_key, tag_name
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.config import NamespaceConfig, NamespaceError
-from claw_tasks.store.dicts import Dictionaries
+from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import (
     DICT_COLUMNS,
     EPISODE_INDEX_ENTRY,
@@ -21,22 +21,26 @@ from claw_tasks.store.layout import (
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
     SPARSE_CHUNK_SLOTS,
-    STR_TAG_DTYPE,
     TERMINATED,
     TRUNCATED,
     UNTRAINABLE,
+    column_dtype,
     episode_code,
     nan_xor,
     payload_chunk_slots,
 )
 
 
-class Reader(Dictionaries):
+class Reader:
     """Steps and columns as stored; ids that were evicted are reported, never guessed."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self.core = core
+        self.r, self.keys = core.r, core.keys  # the core's, for brevity
 
     def locate(self, ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(shard, slot) of each id, whether or not the slot still holds it."""
-        cfg = self.config()
+        cfg = self.core.config()
         ids = np.asarray(ids, np.int64)
         seq = ids // cfg.n_shards
         return (ids % cfg.n_shards).astype(np.int64), (seq - 1) % cfg.cap
@@ -47,7 +51,7 @@ class Reader(Dictionaries):
         """Metadata columns at (shard, slot) pairs, one pipelined round trip."""
         with self.r.pipeline(transaction=False) as pipe:
             for col in cols:
-                size = self._col_dtype(col).itemsize
+                size = self._dtype(col).itemsize
                 for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
                     off = (sl % META_CHUNK_SLOTS) * size
                     pipe.getrange(
@@ -56,24 +60,18 @@ class Reader(Dictionaries):
             replies = pipe.execute()
         out, k = {}, len(slots)
         for i, col in enumerate(cols):
-            dtype = self._col_dtype(col)
+            dtype = self._dtype(col)
             raw = b"".join(r.ljust(dtype.itemsize, b"\0") for r in replies[i * k : (i + 1) * k])
             out[col] = np.frombuffer(raw, dtype).copy()
         return out
 
-    def _col_dtype(self, col: str) -> np.dtype:
-        if col in META:
-            return META[col]
-        schema = self.config().schema
-        tag = tag_name(col)
-        kind = schema.tags.get(tag) if schema and tag is not None else None
-        if kind is None:
-            raise KeyError(f"unknown metadata column {col!r}")
-        return STR_TAG_DTYPE if kind == "str" else NUM_TAG_DTYPE
+    def _dtype(self, col: str) -> np.dtype:
+        """``column_dtype`` of ``col``; the config is read only for a tag column."""
+        return META[col] if col in META else column_dtype(col, self.core.config().schema)
 
     def meta_columns(self, shard: int, cols: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Whole metadata columns of a shard (length ``cap``), plus ``alive`` (bool)."""
-        cfg = self.config()
+        cfg = self.core.config()
         schema = cfg.schema
         if cols is None:
             cols = list(META)
@@ -88,7 +86,7 @@ class Reader(Dictionaries):
             replies = pipe.execute()
         out: dict[str, np.ndarray] = {}
         for i, col in enumerate(cols):
-            dtype = self._col_dtype(col)
+            dtype = self._dtype(col)
             arr = np.zeros(cfg.cap, dtype)
             for c in range(n_chunks):
                 raw = replies[i * n_chunks + c]
@@ -113,10 +111,10 @@ class Reader(Dictionaries):
         ``next_obs`` is read from ``next_slots`` (the next step's slot; -1 = the explicit
         next_obs stored with the step; -2 = none, zeros). Ragged fields come back as lists.
         """
-        cfg = self.config()
+        cfg = self.core.config()
         schema = cfg.schema
         if schema is None:
-            raise NamespaceError(f"namespace {self.namespace!r} has no data yet")
+            raise NamespaceError(f"namespace {self.core.namespace!r} has no data yet")
         # (output name, stored field, spec, slots to read, own slots for explicit next_obs)
         plan: list[tuple[str, str, FieldSpec, np.ndarray, np.ndarray | None]] = []
         for name in fields:
@@ -139,7 +137,7 @@ class Reader(Dictionaries):
             chunk = replies[i * k : (i + 1) * k]
             dtype = np.dtype(spec.dtype)
             if spec.codec is not None:
-                out[name] = decode_stored(self, stored, spec, chunk)
+                out[name] = decode_stored(self.core, stored, spec, chunk)
             elif spec.ragged:
                 tail = spec.shape[1:]
                 out[name] = [np.frombuffer(b or b"", dtype).reshape(-1, *tail) for b in chunk]
@@ -192,7 +190,9 @@ class Reader(Dictionaries):
         step's obs or the explicit one); ``has_next_obs`` marks rows that have one (zeros
         elsewhere). Raises KeyError naming ids that were evicted or never written."""
         ids = np.asarray(ids, np.int64)
-        cfg = self.config(refresh=self._config is None or self._config.schema is None)
+        cfg = self.core.config(
+            refresh=self.core.cached_config is None or self.core.cached_config.schema is None
+        )
         shards, slots = self.locate(ids)
         meta_cols = [*META, *(tag_column(t) for t in (cfg.schema.tags if cfg.schema else {}))]
         meta = self.read_meta(shards, slots, meta_cols)
@@ -222,7 +222,7 @@ class Reader(Dictionaries):
     ) -> np.ndarray:
         """Slot holding each step's next_obs: the next step's slot, -1 (explicit next_obs
         stored with the step) or -2 (none known: no successor stored yet, none given)."""
-        cfg = self.config()
+        cfg = self.core.config()
         delta = meta["next"].astype(np.int64)
         explicit = (meta["flags"] & EXPLICIT_NEXT) != 0
         nxt = (slots + delta) % cfg.cap
@@ -247,18 +247,20 @@ class Reader(Dictionaries):
             "trainable": (meta["flags"] & UNTRAINABLE) == 0,
         }
         for col in DICT_COLUMNS:
-            out[col] = self.decode_codes(col, meta[col])
+            out[col] = self.core.dicts.decode_codes(col, meta[col])
         out["episode_id"] = self._episode_names(meta["episode"], meta["id"])
         tags = cfg.schema.tags if cfg.schema else {}
         for name, kind in tags.items():
             col = meta[tag_column(name)]
             out[tag_key(name)] = (
-                self.decode_codes(tag_column(name), col) if kind == "str" else nan_xor(col)
+                self.core.dicts.decode_codes(tag_column(name), col)
+                if kind == "str"
+                else nan_xor(col)
             )
         return out
 
     def _episode_names(self, codes: np.ndarray, ids: np.ndarray) -> list[str | None]:
-        cfg = self.config()
+        cfg = self.core.config()
         with self.r.pipeline(transaction=False) as pipe:
             for code, i in zip(codes.tolist(), ids.tolist(), strict=True):
                 pipe.hget(self.keys.shard_key(i % cfg.n_shards, "epname"), code)
@@ -269,7 +271,7 @@ class Reader(Dictionaries):
         reward post reads: O(the episode's steps), not the shard's episode column). None
         when the namespace has no ``episode_index``. Entries of steps since evicted or
         overwritten by the ring, or committed twice, are dropped here."""
-        cfg = self.config()
+        cfg = self.core.config()
         if not cfg.episode_index:
             return None
         code = episode_code(str(episode_id))
@@ -297,7 +299,7 @@ class Reader(Dictionaries):
 
     def episode(self, episode_id: str, fields: Sequence[str] | None = None) -> dict:
         """All stored steps of an episode, ordered by step_index."""
-        cfg = self.config()
+        cfg = self.core.config()
         code = episode_code(str(episode_id))
         shard = code % cfg.n_shards
         cols = self.meta_columns(shard, ["episode", "id", "step_index"])
@@ -309,7 +311,7 @@ class Reader(Dictionaries):
         return self.get(ids, fields)
 
     def info(self) -> dict[str, Any]:
-        cfg = self.config(refresh=True)
+        cfg = self.core.config(refresh=True)
         with self.r.pipeline(transaction=False) as pipe:
             for s in range(cfg.n_shards):
                 pipe.get(self.keys.shard_key(s, "seq"))
@@ -323,7 +325,7 @@ class Reader(Dictionaries):
             for k, v in by_reason.items():
                 evictions[k.decode()] = evictions.get(k.decode(), 0) + int(v)
         return {
-            "namespace": self.namespace,
+            "namespace": self.core.namespace,
             "capacity": cfg.capacity,
             "n_shards": cfg.n_shards,
             "steps": sum(replies[1:-1:3]),

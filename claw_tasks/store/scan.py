@@ -18,19 +18,21 @@ from claw_tasks.format.arrays import unpackb
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec, tag_column
 from claw_tasks.store.compressed import decode_stored
+from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import (
     EXPLICIT_NEXT,
     META,
     META_CHUNK_SLOTS,
     SPARSE_CHUNK_SLOTS,
+    column_dtype,
     payload_chunk_slots,
 )
-from claw_tasks.store.reader import Reader, decode_meta
+from claw_tasks.store.reader import decode_meta
 
 
-def run_slots(reader: Reader, seq_lo: int, n: int) -> int:
+def run_slots(store: StoreCore, seq_lo: int, n: int) -> int:
     """The first slot of the run ``seq_lo .. seq_lo + n - 1``; the run must not wrap."""
-    cap = reader.config().cap
+    cap = store.config().cap
     slot0 = (seq_lo - 1) % cap
     if n < 0 or slot0 + n > cap:
         raise ValueError(f"a run of {n} slots from slot {slot0} wraps the ring of {cap}")
@@ -49,27 +51,27 @@ def _pieces(slot0: int, n: int, chunk_slots: int) -> list[tuple[int, int, int]]:
 
 
 def read_meta_run(
-    reader: Reader, shard: int, seq_lo: int, n: int, cols: Sequence[str] | None = None
+    store: StoreCore, shard: int, seq_lo: int, n: int, cols: Sequence[str] | None = None
 ) -> dict[str, np.ndarray]:
     """Metadata columns (floats decoded) of ``n`` slots from ``seq_lo``'s, plus ``alive``,
     in one pipelined round trip. Which step a slot holds is in its ``id``."""
-    slot0 = run_slots(reader, seq_lo, n)
-    schema = reader.config().schema
+    slot0 = run_slots(store, seq_lo, n)
+    schema = store.config().schema
     if cols is None:
         cols = [*META, *(tag_column(t) for t in (schema.tags if schema else {}))]
     pieces = _pieces(slot0, n, META_CHUNK_SLOTS)
-    with reader.r.pipeline(transaction=False) as pipe:
+    with store.r.pipeline(transaction=False) as pipe:
         for col in cols:
-            size = reader._col_dtype(col).itemsize
+            size = column_dtype(col, schema).itemsize
             for chunk, inchunk, take in pieces:
-                key = reader.keys.meta(shard, col, chunk)
+                key = store.keys.meta(shard, col, chunk)
                 pipe.getrange(key, inchunk * size, (inchunk + take) * size - 1)
         b0, b1 = slot0 // 8, (slot0 + n - 1) // 8 if n else slot0 // 8
-        pipe.getrange(reader.keys.shard_key(shard, "alive"), b0, b1)
+        pipe.getrange(store.keys.shard_key(shard, "alive"), b0, b1)
         replies = pipe.execute()
     out: dict[str, np.ndarray] = {}
     for i, col in enumerate(cols):
-        dtype = reader._col_dtype(col)
+        dtype = column_dtype(col, schema)
         parts = replies[i * len(pieces) : (i + 1) * len(pieces)]
         sizes = [take * dtype.itemsize for _, _, take in pieces]
         raw = b"".join(p.ljust(size, b"\0") for p, size in zip(parts, sizes, strict=True))
@@ -80,17 +82,17 @@ def read_meta_run(
 
 
 def read_payload_run(
-    reader: Reader, shard: int, seq_lo: int, n: int, rows: np.ndarray, flags: np.ndarray
+    store: StoreCore, shard: int, seq_lo: int, n: int, rows: np.ndarray, flags: np.ndarray
 ) -> tuple[dict[str, Any], dict[int, np.ndarray], dict[int, dict[str, Any]]]:
     """Payload of ``rows`` (sorted positions in the run of ``n`` slots from ``seq_lo``'s),
     in one pipelined round trip: fixed fields as arrays, ragged ones as lists of arrays,
     compressed ones as stored (see the module docstring); the explicit ``next_obs`` (a frame
     of a compressed obs) and the ``info`` of the rows that have one, by position in
     ``rows``. ``flags`` (the run's column) says which steps have an explicit next_obs."""
-    slot0 = run_slots(reader, seq_lo, n)
-    schema = reader.config().schema
+    slot0 = run_slots(store, seq_lo, n)
+    schema = store.config().schema
     if schema is None:
-        raise ValueError(f"namespace {reader.namespace!r} has no schema yet")
+        raise ValueError(f"namespace {store.namespace!r} has no schema yet")
     rows = np.asarray(rows, np.int64)
     slots = (slot0 + rows).tolist()
     nx_at = np.flatnonzero((flags[rows] & EXPLICIT_NEXT) != 0).tolist()
@@ -98,8 +100,8 @@ def read_payload_run(
     by_chunk: dict[int, list[int]] = {c: [] for c in sparse_chunks}
     for s in slots:
         by_chunk[s // SPARSE_CHUNK_SLOTS].append(s)
-    k = reader.keys
-    with reader.r.pipeline(transaction=False) as pipe:
+    k = store.keys
+    with store.r.pipeline(transaction=False) as pipe:
         counts = []
         for name, spec in schema.fields.items():
             if spec.codec is not None:  # a frame in every slot: the run's, by HMGET
@@ -130,7 +132,7 @@ def read_payload_run(
         dtype = np.dtype(spec.dtype)
         if spec.codec is not None:
             frames = [f or b"" for part in got for f in part]  # chunks in order: slots too
-            fields[name] = _stored_frames(reader, name, spec, frames)
+            fields[name] = _stored_frames(store, name, spec, frames)
         elif spec.ragged:
             found = _by_slot(got)
             fields[name] = [
@@ -145,7 +147,7 @@ def read_payload_run(
     for i in nx_at:
         raw, at = replies[at] or b"", at + 1
         if obs is not None and obs.codec is not None:  # a frame of obs's codec
-            got = _stored_frames(reader, "obs", obs, [raw])
+            got = _stored_frames(store, "obs", obs, [raw])
             next_obs[i] = bytes(got.frames[0]) if isinstance(got, Encoded) else got[0]
         elif obs is not None:
             arr = np.frombuffer(raw, np.dtype(obs.dtype))
@@ -157,12 +159,12 @@ def read_payload_run(
     return fields, next_obs, info
 
 
-def _stored_frames(reader: Reader, name: str, spec: FieldSpec, frames: list[bytes]) -> Any:
+def _stored_frames(store: StoreCore, name: str, spec: FieldSpec, frames: list[bytes]) -> Any:
     """A compressed field's frames as stored (``Encoded``), or ``delta`` rows decoded (an
     array, a list for a ragged field): see the module docstring."""
     assert spec.codec is not None
     if spec.codec.name == "delta":
-        return decode_stored(reader, name, spec, frames)
+        return decode_stored(store, name, spec, frames)
     shape = (len(frames), *spec.shape)
     return Encoded(spec.codec, np.dtype(spec.dtype), shape, Frames.of(frames))
 

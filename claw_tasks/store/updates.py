@@ -12,6 +12,7 @@ import numpy as np
 
 from claw_tasks.format.schema import tag_column
 from claw_tasks.store.config import LOG_MAXLEN
+from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import META_CHUNK_SLOTS, TERMINATED, UNTRAINABLE, nan_xor
 from claw_tasks.store.reader import Reader
 from claw_tasks.store.scripts import Scripts, execute
@@ -19,8 +20,12 @@ from claw_tasks.store.scripts import Scripts, execute
 AUDIT_MAXLEN = 100_000
 
 
-class Updates(Reader):
-    """Priorities and curation labels of live steps, by id."""
+class Updates:
+    """Priorities and curation labels of live steps, by id; the audit stream. Uses the
+    reader only to find an episode's steps (``curate(episode_id=...)``)."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self.core, self.reader = core, Reader(core)
 
     def update_priorities(self, ids: Sequence[int] | np.ndarray, priorities: Any) -> int:
         """Set priorities of live steps; ids evicted or overwritten are skipped. Returns
@@ -55,7 +60,7 @@ class Updates(Reader):
             raise ValueError("rewards must be finite")
         done = self._update(ids, "reward", rw.tobytes(), 4, "set", "cur")
         if reward_source is not None:
-            code = self.encode_strings("reward_source", [reward_source])
+            code = self.core.dicts.encode_strings("reward_source", [reward_source])
             codes = np.repeat(code, len(ids)).astype("<i4")
             self._update(ids, "reward_source", codes.tobytes(), 4, "set", "cur")
         for name, value in (tags or {}).items():
@@ -89,13 +94,13 @@ class Updates(Reader):
             raise ValueError("give quality, trainable and/or tags")
         tag_values = self._tag_values(tags or {})
         if episode_id is not None:
-            ids = self.episode(episode_id, fields=[])["id"]
+            ids = self.reader.episode(episode_id, fields=[])["id"]
         ids = np.asarray(ids, np.int64).reshape(-1)
         done = 0
         for col, (raw, size) in tag_values.items():
             done = max(done, self._update(ids, col, raw * len(ids), size, "set", "cur"))
         if quality is not None:
-            code = self.encode_strings("quality", [quality])
+            code = self.core.dicts.encode_strings("quality", [quality])
             done = self._update(
                 ids, "quality", np.repeat(code, len(ids)).tobytes(), 4, "set", "cur"
             )
@@ -116,7 +121,7 @@ class Updates(Reader):
 
     def _tag_values(self, tags: Mapping[str, str | float]) -> dict[str, tuple[bytes, int]]:
         """Column -> (stored bytes of one value, item size), checked against the schema."""
-        schema = self.config(refresh=True).schema
+        schema = self.core.config(refresh=True).schema
         declared = dict(schema.tags) if schema else {}
         out = {}
         for name, value in tags.items():
@@ -131,7 +136,7 @@ class Updates(Reader):
             if kind == "str":
                 if not isinstance(value, str) or not value:
                     raise ValueError(f"tag {name!r} holds strings: give a non-empty string")
-                out[col] = (self.encode_strings(col, [value]).astype("<i4").tobytes(), 4)
+                out[col] = (self.core.dicts.encode_strings(col, [value]).astype("<i4").tobytes(), 4)
             else:
                 try:
                     num = float(value)
@@ -145,8 +150,8 @@ class Updates(Reader):
     def audit(self, who: str, action: str, what: Mapping[str, Any]) -> None:
         """Record a person's write (curation, a recipe edit) in the namespace's audit
         stream: who, when, what (JSON)."""
-        self.r.xadd(
-            self.keys.audit,
+        self.core.r.xadd(
+            self.core.keys.audit,
             {
                 "who": who,
                 "at": f"{time.time():.3f}",
@@ -160,7 +165,7 @@ class Updates(Reader):
     def audit_log(self, count: int = 50) -> list[dict[str, Any]]:
         """The newest ``count`` audit entries, newest first."""
         out = []
-        for entry_id, kv in self.r.xrevrange(self.keys.audit, count=count):
+        for entry_id, kv in self.core.r.xrevrange(self.core.keys.audit, count=count):
             d = {k.decode(): v.decode() for k, v in kv.items()}
             out.append({"id": entry_id.decode(), **d, "what": json.loads(d.get("what", "{}"))})
         return out
@@ -168,16 +173,16 @@ class Updates(Reader):
     def _update(
         self, ids: np.ndarray, col: str, values: bytes, size: int, mode: str, op: str
     ) -> int:
-        cfg = self.config()
+        cfg = self.core.config()
         shards = ids % cfg.n_shards
         vals = np.frombuffer(values, np.uint8)
         calls = []
         for shard in np.unique(shards).tolist():
             sel = np.flatnonzero(shards == shard)
             part_vals = vals if mode != "set" else vals.reshape(-1, size)[sel]
-            keys = [self.keys.shard_key(shard, k) for k in ("log", "seq", "alive", "evicted")]
+            keys = [self.core.keys.shard_key(shard, k) for k in ("log", "seq", "alive", "evicted")]
             args = [
-                self.keys.shard(shard),
+                self.core.keys.shard(shard),
                 cfg.cap,
                 cfg.n_shards,
                 shard,
@@ -192,7 +197,9 @@ class Updates(Reader):
             ]
             calls.append((keys, args))
         if len(calls) == 1:  # the common case: one EVALSHA straight on the client
-            return int(self.scripts.update(*calls[0]))
+            return int(self.core.scripts.update(*calls[0]))
         script = Scripts.ALL["update"]  # several shards: one pipelined round trip
-        replies = execute(self.r, [script], lambda p: [script.queue(p, k, a) for k, a in calls])
+        replies = execute(
+            self.core.r, [script], lambda p: [script.queue(p, k, a) for k, a in calls]
+        )
         return sum(int(v) for v in replies)

@@ -11,14 +11,20 @@ import numpy as np
 
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.schema import Schema
+from claw_tasks.store.admin import Admin
 from claw_tasks.store.commit import CommitPart, CommitResult
-from claw_tasks.store.config import LOG_MAXLEN, MARKER_TTL, NamespaceAdmin, NamespaceError
+from claw_tasks.store.config import LOG_MAXLEN, MARKER_TTL, NamespaceError
+from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import payload_chunk_slots, row_episode_codes
 from claw_tasks.store.scripts import Scripts, execute
 
 
-class Writer(NamespaceAdmin):
-    """Commits batches; ``allocate`` + ``place`` let a client write large payloads first."""
+class Writer:
+    """Commits batches; ``allocate`` + ``place`` let a client write large payloads first.
+    A commit creates the namespace or adds the batch's tags through ``admin``."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self.core, self.admin = core, Admin(core)
 
     def commit(
         self,
@@ -33,13 +39,13 @@ class Writer(NamespaceAdmin):
         ``allocate``) lies in one shard; its ``dead_rows`` (rejected) are committed but
         never made alive. The result has the id of every row. A dropped namespace raises
         NamespaceDropped (it is not created again implicitly)."""
-        self.revalidate()
+        self.core.revalidate()
         try:
-            schema = self.ensure_schema(batch.schema())  # no round trip once cached
+            schema = self.admin.ensure_schema(batch.schema())  # no round trip once cached
         except NamespaceError:
-            self.create()
-            schema = self.ensure_schema(batch.schema())
-        cfg = self.config()
+            self.admin.create()
+            schema = self.admin.ensure_schema(batch.schema())
+        cfg = self.core.config()
         n = batch.n
         result = CommitResult(ids=np.full(n, -1, np.int64))
         if n == 0:
@@ -50,8 +56,11 @@ class Writer(NamespaceAdmin):
         shards = ep_codes % cfg.n_shards
         for shard in np.unique(shards).tolist():
             rows = np.arange(n) if cfg.n_shards == 1 else np.flatnonzero(shards == shard)
-            part = CommitPart(self, cfg, schema, batch, rows, int(shard), ep_codes, str_cols, now)
-            part.run(list(dead_rows), result)
+            part = CommitPart(
+                self.core, cfg, schema, batch, rows, int(shard), ep_codes, str_cols, now
+            )
+            seq0, state = self.allocate(int(shard), batch.batch_id, len(rows))
+            part.run(seq0, state, list(dead_rows), result)
         return result
 
     def _encode_str_columns(self, batch: StepBatch, schema: Schema) -> dict[str, np.ndarray]:
@@ -61,10 +70,10 @@ class Writer(NamespaceAdmin):
 
         def queue(pipe: Any) -> None:
             for k in names:
-                keys = [self.keys.dict(k), self.keys.rdict(k), self.keys.dpend(k)]
+                keys = [self.core.keys.dict(k), self.core.keys.rdict(k), self.core.keys.dpend(k)]
                 script.queue(pipe, keys, batch.strs[k].values)
 
-        replies = execute(self.r, [script], queue) if names else []
+        replies = execute(self.core.r, [script], queue) if names else []
         out: dict[str, np.ndarray] = {}
         for k, codes in zip(names, replies, strict=True):
             vocab = np.concatenate([np.asarray(codes, np.int32), np.zeros(1, np.int32)])
@@ -77,17 +86,17 @@ class Writer(NamespaceAdmin):
         """Take (idempotently, per batch id) ``n`` slots of a shard: returns ``(seq0,
         state)``. The older steps in those slots are evicted now, and the chunks of the
         ``placed`` fields (name -> row bytes) are sized for writing in place."""
-        cfg = self.config()
+        cfg = self.core.config()
         if n > cfg.cap:  # the ring would evict the shard's every step, then its own
             raise ValueError(
                 f"batch {batch_id!r}: {n} slots > the {cfg.cap} a shard of "
-                f"{self.namespace!r} holds: allocate at most {cfg.cap} per batch"
+                f"{self.core.namespace!r} holds: allocate at most {cfg.cap} per batch"
             )
-        k = self.keys
+        k = self.core.keys
         args: list[Any] = [n, MARKER_TTL, k.shard(shard), cfg.cap, LOG_MAXLEN]
         for name, row_bytes in (placed or {}).items():
             args += [f"f:{name}", row_bytes, payload_chunk_slots(row_bytes)]
-        seq0, state = self.scripts.alloc(
+        seq0, state = self.core.scripts.alloc(
             keys=[
                 k.shard_key(shard, f"b:{batch_id}"),
                 k.shard_key(shard, "seq"),
@@ -102,8 +111,8 @@ class Writer(NamespaceAdmin):
     def place(self, shard: int, seq0: int, fields: Mapping[str, np.ndarray]) -> None:
         """Write fixed-shape payload rows into the slots of ``seq0..`` (after ``allocate``):
         one pipelined SETRANGE per chunk run, straight from the arrays' memory."""
-        cfg = self.config()
-        with self.r.pipeline(transaction=False) as pipe:
+        cfg = self.core.config()
+        with self.core.r.pipeline(transaction=False) as pipe:
             for name, arr in fields.items():
                 arr = np.ascontiguousarray(arr)
                 n, rb = len(arr), arr.nbytes // max(1, len(arr))
@@ -113,7 +122,7 @@ class Writer(NamespaceAdmin):
                 while i < n:
                     slot = (seq0 - 1 + i) % cfg.cap
                     run = min(n - i, cs - slot % cs, cfg.cap - slot)
-                    key = self.keys.field(shard, name, slot // cs)
+                    key = self.core.keys.field(shard, name, slot // cs)
                     pipe.setrange(key, (slot % cs) * rb, raw[i * rb : (i + run) * rb])
                     i += run
             pipe.execute()

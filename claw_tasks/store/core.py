@@ -1,0 +1,72 @@
+"""``StoreCore``: what every part of a ``Store`` shares, and the only API the parts use of
+each other's state — the client, the namespace's keys and scripts, its string
+dictionaries, and the cached config record.
+
+A part (``Admin``, ``Reader``, ``Writer``, ...) is made over a core and keeps no state of
+its own; ``Store`` is a core whose methods are its parts' (``claw_tasks.store``). Functions
+that read the store directly (``scan``, ``compressed.decode_stored``, ``turns``) take a
+core too, so a ``Store`` passes as one.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from claw_tasks.connection.client import redis_client
+from claw_tasks.store.config import NamespaceConfig, NamespaceDropped, NamespaceError, dropped_key
+from claw_tasks.store.dicts import Dictionaries
+from claw_tasks.store.layout import Keys
+from claw_tasks.store.scripts import Scripts
+
+
+class StoreCore:
+    """A namespace's client, keys, scripts and dictionaries, and its config, cached.
+
+    ``r``: the Redis client (a URL is connected); ``keys``: the namespace's key names;
+    ``scripts``: the store's Lua scripts bound to ``r``; ``dicts``: its string
+    dictionaries. ``config()`` reads the config record once and then answers from the
+    cache; a part that writes the record hands the new one to :meth:`remember`.
+    """
+
+    def __init__(self, client: redis.Redis | str, namespace: str) -> None:
+        self.r = redis_client(client) if isinstance(client, str) else client
+        self.keys = Keys(namespace)
+        self.namespace = namespace
+        self.scripts = Scripts(self.r)
+        self.dicts = Dictionaries(self.r, self.keys, self.scripts)
+        self._config: NamespaceConfig | None = None
+
+    @property
+    def cached_config(self) -> NamespaceConfig | None:
+        """The config as last read or written (None: not yet), without a round trip."""
+        return self._config
+
+    def remember(self, cfg: NamespaceConfig) -> None:
+        """Cache ``cfg``: the config record as just read or written."""
+        self._config = cfg
+
+    def config(self, refresh: bool = False) -> NamespaceConfig:
+        """The namespace's config: cached after the first read (``refresh``: read again).
+        Raises NamespaceError when the namespace does not exist."""
+        if self._config is None or refresh:
+            raw = self.r.get(self.keys.config)
+            if raw is None:
+                raise NamespaceError(f"namespace {self.namespace!r} does not exist")
+            self._config = NamespaceConfig.from_bytes(raw, self.namespace)
+        return self._config
+
+    def revalidate(self) -> None:
+        """One round trip before writing with a cached config: raise NamespaceDropped if
+        the namespace was dropped; re-read the config if it changed (recreated, new tags
+        or retention), so a long-lived worker never writes with a stale one."""
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.exists(dropped_key(self.namespace))
+            pipe.get(self.keys.config)
+            dropped, raw = pipe.execute()
+        if dropped:
+            raise NamespaceDropped(
+                f"namespace {self.namespace!r} was dropped; create it again (a new Ingestor "
+                "or Store.create) to write to it"
+            )
+        if raw is not None and (self._config is None or raw != self._config.to_bytes()):
+            self._config = NamespaceConfig.from_bytes(raw, self.namespace)
