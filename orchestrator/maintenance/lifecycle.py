@@ -54,8 +54,9 @@ def key_bytes(r: redis.Redis, keys: Sequence[bytes]) -> list[int]:
     5, and a compressed field's hash (a frame a step, 4,096 a key; a large key frame every
     16 steps under ``delta``) came out 0.25-3x off. What it leaves out is Redis's own
     bookkeeping per key and entry: the total stays within 2% of the growth of
-    ``used_memory`` (test_compress_store). Cost: O(entries), 0.25-0.37 s of Redis time
-    per million steps of a compressed field, at most ~1.3 ms a call (docs/benchmarks.md)."""
+    ``used_memory`` (test_compress_store). Cost: O(entries), 0.25-1.3 s of Redis time
+    per million steps of a compressed field on 2 loaded cores, at most ~1.3 ms a call
+    (docs/benchmarks.md)."""
     with r.pipeline(transaction=False) as pipe:
         for k in keys:
             pipe.memory_usage(k, samples=0)
