@@ -302,3 +302,62 @@ def test_metrics_serve_stored_and_raw_bytes_per_step(redis_url, namespace):
         and f'kind="{kind}"' in line
     }
     assert values["raw"] == np.prod(SHAPE) and 0 < values["stored"] < values["raw"] / 1.5
+
+
+def _keyed_frames(n: int, seed: int) -> np.ndarray:
+    """Noise frames with a small changing patch: under ``delta:16`` every 16th step is a
+    ~21 kB key frame and the others deltas of tens of bytes (the spread of Atari frames)."""
+    rng = np.random.default_rng(seed)
+    out = np.repeat(rng.integers(0, 256, (84, 84, 3), np.uint8)[None], n, 0)
+    for i in range(n):
+        k = 1 + i % 9
+        y, x = (7 * i) % 70, (3 * i) % 60
+        out[i, y : y + k, x : x + 2 * k] = rng.integers(0, 256, (k, 2 * k, 3))
+    return out
+
+
+def test_memory_of_compressed_frames_is_exact_not_sampled(own_redis_url):
+    """What stats, the metrics and max_bytes eviction report grows by what Redis allocates
+    (its used_memory) as frames of very different sizes arrive; a 5-entry sample of each
+    frame hash was off by 0.25-3x here."""
+    from prometheus_client import generate_latest
+
+    from orchestrator.cli.metrics import registry_for
+    from orchestrator.inspect.namespaces import memory_by_namespace
+    from orchestrator.maintenance.lifecycle import namespace_bytes
+
+    r = redis.Redis.from_url(own_redis_url)
+    store = Store(own_redis_url, "frames")
+    obs = FieldSpec("|u1", (84, 84, 3), "delta:16")
+    store.create(capacity=10_000, n_shards=2, schema=Schema(fields={"obs": obs}))
+
+    def commit(episode: str, frames: np.ndarray) -> None:
+        n = len(frames)
+        store.commit(
+            StepBatch(
+                episode=StrColumn.constant(episode, n),
+                step_index=np.arange(n),
+                reward=np.zeros(n, np.float32),
+                terminated=np.arange(n) == n - 1,
+                truncated=np.zeros(n, bool),
+                fields={"obs": frames},
+            )
+        )
+
+    def reported() -> list[int]:
+        text = generate_latest(registry_for(own_redis_url, own_redis_url)).decode()
+        (scraped,) = (
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith('claw_namespace_memory_bytes{namespace="frames"}')
+        )
+        return [memory_by_namespace(r)["frames"], namespace_bytes(r, "frames"), int(scraped)]
+
+    commit("warm-up", _keyed_frames(16, 99))  # scripts loaded, every key of a shard made
+    used, before = r.info("memory")["used_memory"], reported()
+    for e in range(6):
+        commit(f"e{e}", _keyed_frames(500, e))
+    grown = r.info("memory")["used_memory"] - used
+    assert grown > 5_000_000
+    for measure, was in zip(reported(), before, strict=True):
+        assert measure - was == pytest.approx(grown, rel=0.05)

@@ -7,11 +7,13 @@ import json
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import Schema, SchemaError
 from claw_tasks.format.turns import prompt_key, spread_rewards
 from claw_tasks.store.turns import attach_rewards, turn_infos
+from orchestrator.cli.main import app
 from orchestrator.sampling.index import SamplingIndex
 
 
@@ -83,6 +85,20 @@ def test_turns_round_trip_and_rewards_reach_the_index(redis_url, namespace, inge
         np.testing.assert_array_equal(got["response_logprobs"][turn], np.float32(lp))
         assert got["response_mask"][turn].tolist() == [1, 1, 0, 1]
     assert got["tags.prompt_uid"].tolist() == [prompt_key("g1")] * 3
+    # default fields on a namespace without obs: every field, no next_obs (was KeyError 'obs')
+    default = store.episode("b")
+    assert "next_obs" not in default and "has_next_obs" not in default
+    assert default["response_ids"][2].tolist() == sent["b", 2][1]
+    assert set(store.get(default["id"][:1])) == set(default)
+    with pytest.raises(KeyError, match="next_obs needs an 'obs' field"):
+        store.get(default["id"][:1], ["next_obs"])
+    cli = CliRunner(env={"CLAW_REDIS_URL": redis_url})
+    out = cli.invoke(app, ["inspect", store.namespace, "--episode", "b"])
+    assert out.exit_code == 0, out.output
+    assert "response_ids=int32[4]" in out.output and "next_obs" not in out.output
+    out = cli.invoke(app, ["query", store.namespace, "step_index > 0", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["matched"] == 6  # 3 trajectories, turns 1 and 2
     assert got["policy_version"].tolist() == [7, 7, 7]
     assert not got["terminated"].any()
 

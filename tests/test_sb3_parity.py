@@ -125,6 +125,63 @@ def test_device_and_full_buffer_like_sb3(redis_url, namespace, workers):
     claw.close()
 
 
+def _sb3_rows(ref: ReplayBuffer) -> np.ndarray:
+    """Every transition SB3's ``ref`` can sample (all positions x envs once full), as
+    ``_rows`` lays them out."""
+    upper = ref.buffer_size if ref.full else ref.pos
+    parts = [
+        ref.observations[:upper],
+        ref.actions[:upper],
+        ref.next_observations[:upper],
+        ref.dones[:upper] * (1 - ref.timeouts[:upper]),
+        ref.rewards[:upper],
+    ]
+    n = upper * ref.n_envs
+    flat = [p.astype(np.float32).astype(np.float64).reshape(n, -1) for p in parts]
+    rows = np.concatenate(flat, 1)
+    return rows[np.lexsort(rows.T[::-1])]
+
+
+@pytest.mark.parametrize("n_envs", [1, 2, 4])
+@pytest.mark.parametrize("size", [64, 67])
+def test_the_ring_holds_what_sb3_holds_with_several_envs(
+    redis_url, namespace, workers, n_envs, size
+):
+    """SB3's loop over a vectorized env (terminal observations, timeouts), well past full:
+    what the Claw buffer can sample is exactly what SB3's can, ``buffer_size // n_envs``
+    positions of every env (67 with 4 envs: 64 transitions)."""
+    import gymnasium as gym
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    env = DummyVecEnv([lambda: gym.make("CartPole-v1", max_episode_steps=9)] * n_envs)
+    env.seed(3)
+    ref = ReplayBuffer(size, env.observation_space, env.action_space, "cpu", n_envs=n_envs)
+    claw = _buffer(
+        redis_url, namespace, size, obs=env.observation_space, act=env.action_space, n_envs=n_envs
+    )
+    claw.recipe["sources"] = [{"name": "all", "sampler": {"kind": "uniform"}}]
+    rng = np.random.default_rng(0)
+    obs = env.reset()
+    for t in range(3 * size // n_envs + 5):
+        actions = rng.integers(0, 2, n_envs)
+        new_obs, rewards, dones, infos = env.step(actions)
+        rewards = rewards + t  # tell the rows apart
+        next_obs = new_obs.copy()  # as OffPolicyAlgorithm._store_transition
+        for i in np.flatnonzero(dones):
+            next_obs[i] = infos[i]["terminal_observation"]
+        for b in (ref, claw):
+            b.add(obs, next_obs, actions, rewards, dones, infos)
+        obs = new_obs
+        if t in (size // n_envs + 1, 2 * size // n_envs + 2, 3 * size // n_envs + 4):
+            want = _sb3_rows(ref)
+            assert len(want) == size // n_envs * n_envs or not ref.full
+            got = np.unique(_rows(claw.sample(4096)), axis=0)  # uniform: every row, w.h.p.
+            assert (claw.size(), claw.pos, claw.full) == (ref.size(), ref.pos, ref.full)
+            assert len(got) == len(want), f"step {t}: {len(got)} rows, SB3 has {len(want)}"
+            np.testing.assert_array_equal(got, want)
+    claw.close()
+
+
 # ---- the numbered differences ------------------------------------------------------------
 def test_1_reset_starts_empty_and_keeps_the_old_data(redis_url, namespace, workers):
     claw = _buffer(redis_url, namespace, recipe={})

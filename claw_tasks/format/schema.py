@@ -187,6 +187,12 @@ class Schema:
         }
 
     @property
+    def default_fields(self) -> list[str]:
+        """What a read returns when asked for no fields in particular: every field, and
+        ``next_obs`` only where there is an ``obs`` to take it from (not an LLM namespace)."""
+        return [*self.fields, "next_obs"] if "obs" in self.fields else list(self.fields)
+
+    @property
     def codecs(self) -> dict[str, Codec]:
         """The fields stored compressed, with their codec."""
         return {k: v.codec for k, v in self.fields.items() if v.codec is not None}

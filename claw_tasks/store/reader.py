@@ -121,6 +121,9 @@ class Reader:
             if name == "next_obs":
                 if next_slots is None:
                     raise ValueError("next_obs needs next_slots")
+                if "obs" not in schema.fields:
+                    known = ", ".join(schema.fields)
+                    raise KeyError(f"next_obs needs an 'obs' field (schema fields: {known})")
                 plan.append((name, "obs", schema.fields["obs"], next_slots, slots))
             elif name in schema.fields:
                 plan.append((name, name, schema.fields[name], slots, None))
@@ -203,7 +206,7 @@ class Reader:
                 f"step ids not in the store (evicted or never written): {missing[:20].tolist()}"
             )
         if fields is None:
-            fields = [*cfg.schema.fields, "next_obs"] if cfg.schema else []
+            fields = cfg.schema.default_fields if cfg.schema else []
         out = self._public_meta(meta, cfg)
         next_slots = None
         if "next_obs" in fields:

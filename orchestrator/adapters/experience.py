@@ -76,9 +76,7 @@ class Transitions:
     ) -> None:
         """The next transition of ``stream``; ``terminated`` or ``truncated`` ends its
         episode (next_obs stored explicitly; a timeout bootstraps)."""
-        held = self._pending.pop(stream, None)
-        if held is not None:
-            held.write(explicit_next=not np.array_equal(held.next_obs, obs))
+        self.release(stream, obs)
         episode = self._episodes.get(stream)
         if episode is None:
             episode = self._episodes[stream] = self.ingestor.episode(**self.episode_kw)
@@ -95,6 +93,14 @@ class Transitions:
             priority=priority,
         )
         del self._episodes[stream]
+
+    def release(self, stream: Hashable, obs: np.ndarray) -> None:
+        """Write ``stream``'s held transition, ``obs`` being its successor's (``add`` does
+        it first). A caller adding a time step of several streams releases them all before
+        adding: steps are then stored, and the ring evicts them, time step by time step."""
+        held = self._pending.pop(stream, None)
+        if held is not None:
+            held.write(explicit_next=not np.array_equal(held.next_obs, obs))
 
     def write_pending(self) -> None:
         """Write each stream's held transition with its next_obs (before a flush: a held

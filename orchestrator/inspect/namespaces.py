@@ -16,6 +16,7 @@ from claw_tasks.codecs.delta import key_body
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 from claw_tasks.store.retention import Retention
+from orchestrator.maintenance.lifecycle import key_bytes
 from orchestrator.maintenance.retention import protected_steps
 
 # claw:{<ns>}:<rest> (namespace level) or claw:{<ns>:<shard>}:<rest> (shard level)
@@ -56,17 +57,15 @@ def scan_keys(r: redis.Redis, namespace: str | None = None) -> Iterator[Namespac
 def memory_by_namespace(
     r: redis.Redis, namespace: str | None = None, among: Collection[str] | None = None
 ) -> dict[str, int]:
-    """Bytes Redis uses for the keys of each namespace (MEMORY USAGE, sampled for hashes);
-    with ``among``, of those namespaces only (one SCAN, MEMORY USAGE of their keys)."""
+    """Bytes Redis uses for the keys of each namespace (exact: ``key_bytes``); with
+    ``among``, of those namespaces only (one SCAN, MEMORY USAGE of their keys)."""
     totals: dict[str, int] = defaultdict(int)
     batch: list[NamespaceKey] = []
 
     def flush() -> None:
-        with r.pipeline(transaction=False) as pipe:
-            for k in batch:
-                pipe.memory_usage(k.key)
-            for k, used in zip(batch, pipe.execute(), strict=True):
-                totals[k.namespace] += int(used or 0)  # None: the key expired meanwhile
+        used = key_bytes(r, [k.key for k in batch])
+        for k, n in zip(batch, used, strict=True):
+            totals[k.namespace] += n
         batch.clear()
 
     for k in scan_keys(r, namespace):

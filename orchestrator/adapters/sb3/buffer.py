@@ -15,7 +15,12 @@ recipe (``n_step > 1``) yields the n-step return, its ``done`` and ``discounts``
 Where it differs from SB3's buffer, and why:
 
 - The parent's numpy arrays are never allocated; ``pos``, ``full`` and ``size()`` count the
-  transitions this buffer added, capped at ``buffer_size`` like SB3's ring.
+  transitions this buffer added, capped at ``buffer_size`` like SB3's ring. The namespace's
+  ring is SB3's (``buffer_size // n_envs`` positions of every env, stored time step by
+  time step), so the rows it can sample are those SB3's buffer holds: exactly, in the
+  deterministic mode; in the default one, those SB3's held when the newest committed add
+  was made (ingest messages in flight at once may commit out of order, moving that edge
+  by a few rows).
   ``optimize_memory_usage`` is accepted and changes nothing: Claw stores next_obs once.
 - Batches are drawn from what the store has committed, which trails ``add`` by the ingest
   flush interval plus the prefetch and read-ahead queues. ``deterministic=True`` instead
@@ -86,10 +91,11 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     """SB3 replay buffer backed by a Claw namespace (see the module docstring).
 
     ``recipe`` overrides keys of the default recipe (the fields above, one uniform source);
-    ``batch_size`` always comes from ``sample``. ``capacity`` defaults to ``buffer_size +
-    n_envs`` when the namespace is new. ``episode`` holds keyword arguments of
-    :meth:`Ingestor.episode` (``task_id``, ``agent_id``, tags); ``ingest`` those of the
-    :class:`Ingestor` (``flush_steps``, ``flush_interval``, ...). ``timeout`` bounds a pop.
+    ``batch_size`` always comes from ``sample``. ``capacity`` defaults to SB3's window,
+    ``buffer_size // n_envs * n_envs``, when the namespace is new. ``episode`` holds
+    keyword arguments of :meth:`Ingestor.episode` (``task_id``, ``agent_id``, tags);
+    ``ingest`` those of the :class:`Ingestor` (``flush_steps``, ``flush_interval``, ...).
+    ``timeout`` bounds a pop.
     ``gradient_steps`` (the algorithm's) sizes the prefetch queue and the read-ahead in
     this process (``readahead`` batches, bounded by ``readahead_bytes``; 0 turns it off),
     and how many ``sample()`` calls one prefetched batch serves (``batches_per_pop``,
@@ -204,8 +210,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         exists = probe.exists()
         probe.r.close()
         if capacity is None and not exists:
-            # One spare row per env: the ring's oldest row is incomplete once it wraps.
-            capacity = kw["buffer_size"] + self.n_envs
+            capacity = self.buffer_size * self.n_envs  # SB3's ring: positions x envs
         schema = Schema(
             fields={
                 "obs": FieldSpec(self.obs_dtype.str, tuple(self.obs_shape)),
@@ -255,6 +260,8 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         action = np.array(action, dtype=self.action_dtype).reshape(self.n_envs, self.action_dim)
         reward = np.asarray(reward, dtype=np.float32).reshape(self.n_envs)
         done = np.asarray(done).reshape(self.n_envs)
+        for i in range(self.n_envs):  # the previous time step first: the ring's order is SB3's
+            conn.transitions.release(i, obs[i])
         for i in range(self.n_envs):
             timeout = bool(done[i] and infos[i].get("TimeLimit.truncated", False))
             conn.transitions.add(

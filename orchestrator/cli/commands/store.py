@@ -242,7 +242,7 @@ def inspect_steps(
         if schema is None:
             Console().print(f"namespace {namespace!r} has no steps yet")
             return
-        fields = [*schema.fields, "next_obs"]
+        fields = schema.default_fields
         if episode is not None:
             steps = store.episode(episode, fields)
         elif ids is not None:
