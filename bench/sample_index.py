@@ -23,7 +23,8 @@ import numpy as np
 
 from claw_tasks.where import Where
 from orchestrator.recipe.model import Recipe
-from orchestrator.sampling.samplers import RecipeSampler, eligible
+from orchestrator.sampling.candidates import eligible
+from orchestrator.sampling.samplers import RecipeSampler
 
 CODES = {"grasp": 1, "reach": 2, "lift": 3, "push": 4, "place": 5}
 WHERE = {"task_id": "grasp", "skill_tag": {"in": ["reach", "grasp"]}, "reward": {"gt": 0.0}}

@@ -32,8 +32,8 @@ on top of every stage, and no stage imports it: it is the public facade (``Recip
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.sample import SampledBatch, sample, update_priorities
-from orchestrator.sampling.samplers import InsufficientData
 
 if TYPE_CHECKING:
     from orchestrator.delivery.client import BatchClient

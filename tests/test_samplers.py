@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from orchestrator.recipe.model import Recipe, allocate
-from orchestrator.sampling.samplers import InsufficientData, RecipeSampler
+from orchestrator.sampling.candidates import InsufficientData
+from orchestrator.sampling.samplers import RecipeSampler
 
 TASKS = [None, "grasp", "reach", "lift"]
 COLORS = [None, "red", "blue"]

@@ -32,9 +32,9 @@ from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import frame_batch
 from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.sample import close_shared, sample
 from orchestrator.sampling.sample import forget_namespace as forget_sessions
-from orchestrator.sampling.samplers import InsufficientData
 from orchestrator.sampling.shared import reap_unused
 from orchestrator.transforms.augment import AugmentPlan, build_pipelines
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol, Self
+from typing import Annotated, Any, ClassVar, Literal, Protocol, Self
 
 import numpy as np
 import yaml
@@ -18,17 +18,20 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    SerializeAsAny,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
     StringConstraints,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from claw_tasks.format.schema import tag_key
-from claw_tasks.where import AGE, FIXED, FilterError, Where, lookup
+from claw_tasks.where import AGE, FIXED, FilterError, Where
 from orchestrator.transforms.framestack import stacked_shape
 
 STACKED = ("obs", "next_obs")
@@ -83,50 +86,66 @@ class Window(_Model):
         return self
 
 
-GROUP_KEYS = ("group_by", "group_size", "max_wait_s", "partial", "once", "passes")
+DEFAULT_SAMPLER = "uniform"
+"""The ``sampler.kind`` of a source that names none."""
+
+SAMPLER_KINDS: dict[str, type[SamplerSpec]] = {}
+"""The keys of each ``sampler.kind``, in registration order. The recipe names no kind
+itself: each sampler of :mod:`orchestrator.sampling.samplers` registers its spec with its
+class (the ``orchestrator`` package imports every sampler before any recipe is read), so a
+new sampler is one new file there."""
 
 
 class SamplerSpec(_Model):
-    """How a source draws its rows; ``alpha`` (default 0.6) and ``beta`` (default 0.4) are
-    for ``priority`` only, the :data:`GROUP_KEYS` for ``group`` only (``group_size``
-    required there)."""
+    """How a source draws its rows: ``kind`` and that kind's keys. Each kind is a subclass
+    (its ``kind`` a one-value ``Literal``) registered in :data:`SAMPLER_KINDS`; a key left
+    out or null takes the kind's default, a key of another kind is an error."""
 
-    kind: Literal["uniform", "priority", "recent", "group"] = "uniform"
-    alpha: NonNegativeFloat | None = None
-    beta: NonNegativeFloat | None = None
-    group_by: StrictStr | None = None
-    group_size: PositiveInt | None = None
-    max_wait_s: PositiveFloat | None = None
-    partial: Literal["drop", "use"] | None = None
-    once: StrictBool | None = None
-    passes: PositiveInt | None = None
+    kind: str = DEFAULT_SAMPLER
+    draws_groups: ClassVar[bool] = False
+    """Whether a source's count is in whole groups (its rows: every step of them)."""
 
-    @model_validator(mode="after")
-    def _kind_only(self) -> Self:
-        if self.kind == "priority":
-            self.alpha = 0.6 if self.alpha is None else self.alpha
-            self.beta = 0.4 if self.beta is None else self.beta
-        if self.kind == "group":
-            if self.group_size is None:
-                raise ValueError("group_size: required for kind: group")
-            self.group_by = group_key(self.group_by or "prompt_uid")
-            self.partial = self.partial or "drop"
-            self.once = bool(self.once)
-            if self.passes is not None and not self.once:
-                raise ValueError("passes: only with once: true")
-        for kind, keys in (("priority", ("alpha", "beta")), ("group", GROUP_KEYS)):
-            extra = [k for k in keys if self.kind != kind and getattr(self, k) is not None]
-            if extra:
-                raise ValueError(f"{', '.join(extra)}: only for kind: {kind}")
-        return self
+    @field_validator("kind")
+    @classmethod
+    def _known(cls, kind: str) -> str:
+        if kind not in SAMPLER_KINDS:
+            names = [repr(k) for k in SAMPLER_KINDS]
+            expected = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+            raise PydanticCustomError(
+                "literal_error", "Input should be {expected}", {"expected": expected}
+            )
+        return kind
+
+    def problems(self, tags: Mapping[str, str]) -> list[str]:
+        """What is wrong with the keys against a namespace's free ``tags`` (``key: why``)."""
+        return []
 
 
-def group_key(name: str) -> str:
-    """The where key a ``group_by`` names: a fixed key, or a free tag with or without its
-    ``tags.`` prefix (``prompt_uid`` is ``tags.prompt_uid``)."""
-    if name in FIXED or name.startswith("tags."):
-        return name
-    return tag_key(name)
+def parse_sampler(data: Mapping[str, Any]) -> SamplerSpec:
+    """The spec of ``data``'s kind, validated (a null key is an absent one)."""
+    kind = data.get("kind", DEFAULT_SAMPLER)
+    spec = SAMPLER_KINDS.get(kind) if isinstance(kind, str) else None
+    if spec is None:
+        return SamplerSpec.model_validate({"kind": kind})  # raises, naming the kinds
+    given = {k: v for k, v in data.items() if v is not None}
+    for other, keys in SAMPLER_KINDS.items():
+        extra = [k for k in keys.model_fields if k in given and k not in spec.model_fields]
+        if extra:
+            raise ValueError(f"{', '.join(extra)}: only for kind: {other}")
+    return spec.model_validate(given)
+
+
+def register_kind(spec: type[SamplerSpec]) -> str:
+    """Make ``spec`` the keys of its ``kind`` (its ``kind`` field's default); returns it."""
+    kind = spec.model_fields["kind"].default
+    if kind in SAMPLER_KINDS and SAMPLER_KINDS[kind] is not spec:
+        raise ValueError(f"sampler kind {kind!r} is registered twice")
+    SAMPLER_KINDS[kind] = spec
+    return kind
+
+
+def _default_sampler() -> SamplerSpec:
+    return SAMPLER_KINDS[DEFAULT_SAMPLER]()
 
 
 class Source(_Model):
@@ -136,7 +155,7 @@ class Source(_Model):
     weight: PositiveFloat = 1.0
     where: StrictStr | dict[str, Any] = {}
     window: Window | None = None
-    sampler: SamplerSpec = SamplerSpec()
+    sampler: SerializeAsAny[SamplerSpec] = Field(default_factory=_default_sampler)
 
     @field_validator("where")
     @classmethod
@@ -148,6 +167,11 @@ class Source(_Model):
         if AGE.name in keys:  # a sampler keeps its candidates; they must not age by the clock
             raise ValueError("age: a source filters by age with window: {max_age_s: <seconds>}")
         return where
+
+    @field_validator("sampler", mode="wrap")
+    @classmethod
+    def _sampler(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> SamplerSpec:
+        return parse_sampler(value) if isinstance(value, Mapping) else handler(value)
 
     def where_error(self, i: int, tags: Mapping[str, str] | None, params: Mapping) -> str | None:
         """What is wrong with the where against ``tags`` and ``params``, or None."""
@@ -273,10 +297,10 @@ class Recipe(_Model):
     @property
     def grouped(self) -> bool:
         """Whether the recipe draws whole groups (its sources are ``kind: group``)."""
-        return self.sources[0].sampler.kind == "group"
+        return self.sources[0].sampler.draws_groups
 
     def _groups_consistent(self) -> None:
-        kinds = {s.sampler.kind == "group" for s in self.sources}
+        kinds = {s.sampler.draws_groups for s in self.sources}
         if len(kinds) > 1:
             raise ValueError("sources: kind: group cannot be mixed with other samplers")
         if self.grouped and (self.n_step > 1 or self.sequence_length > 1):
@@ -328,17 +352,9 @@ class Recipe(_Model):
             if problem := src.where_error(i, schema.tags, self.params):
                 problems.append(problem)
         for i, src in enumerate(self.sources):
-            by = src.sampler.group_by
-            if by is None:
-                continue
-            try:
-                kind = lookup(by, schema.tags).kind
-            except FilterError as e:
-                kind, why = None, str(e)
-            else:
-                why = f"{by} is a flag; group by a number, a string or episode_id"
-            if kind not in ("num", "code", "episode"):
-                problems.append(f"sources[{i}] ({src.name}).sampler.group_by: {why}")
+            problems += [
+                f"sources[{i}] ({src.name}).sampler.{p}" for p in src.sampler.problems(schema.tags)
+            ]
         problems += self._augment_problems(schema)
         if problems:
             raise RecipeError(f"recipe {self.name!r}: " + "; ".join(problems))

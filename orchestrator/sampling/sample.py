@@ -48,12 +48,13 @@ from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.lru import LRU
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
 from orchestrator.sampling.assembly import Assembly, SampledBatch
+from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.fetch import (
     Fetcher,
 )
 from orchestrator.sampling.groups import Claims, Groups, claims_key
 from orchestrator.sampling.index import SamplingIndex
-from orchestrator.sampling.samplers import InsufficientData, RecipeSampler
+from orchestrator.sampling.samplers import RecipeSampler
 from orchestrator.sampling.shared import SharedIndex, make_index
 from orchestrator.sampling.strings import Strings
 from orchestrator.sampling.turns import segments, sequence_tokens

@@ -31,7 +31,7 @@ from orchestrator.inspect.namespaces import memory_by_namespace, namespace_stats
 from orchestrator.inspect.query import Query
 from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.recipe.model import Recipe
-from orchestrator.sampling.samplers import eligible
+from orchestrator.sampling.candidates import eligible
 from orchestrator.web import charts, llm, thumbs
 
 PAGE = 50

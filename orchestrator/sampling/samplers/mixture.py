@@ -1,0 +1,147 @@
+"""A recipe's batch of global rows, drawn from its sources' samplers.
+
+Every batch holds exactly ``recipe.counts[i]`` rows of source ``i`` (group sources:
+``counts[i]`` groups), in source order. The samplers keep their state current from the
+changed rows: :meth:`RecipeSampler.refresh` costs O(changed · log N) for the samplers
+with sum trees.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from claw_tasks.where import Encoder, Where
+from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.candidates import Columns
+from orchestrator.sampling.groups import Claims, Groups
+from orchestrator.sampling.samplers.base import SAMPLERS, Accept, Context, Part
+from orchestrator.sampling.sequences import n_step, windows
+from orchestrator.sampling.stacks import Predecessors
+from orchestrator.sampling.sumtree import MaxTree
+
+
+class Draw(NamedTuple):
+    """A batch's rows, in source order."""
+
+    rows: np.ndarray  # int64 global rows
+    weights: np.ndarray  # float32 importance weights (1 but for priority sources)
+    source: np.ndarray  # int16 index into recipe.sources
+    groups: Groups | None = None  # group sources: which group and trajectory each row is
+
+
+class RecipeSampler:
+    """Draws a recipe's batches from the columns of one namespace.
+
+    ``encode`` maps strings to dictionary codes, ``tags`` is the schema's free tags
+    (name -> 'str' | 'num'), ``cap`` the slots per shard. Call :meth:`refresh` with the rows
+    whose metadata changed since the last call (or None when unknown) before sampling.
+    """
+
+    def __init__(self, recipe: Recipe, encode: Encoder, tags: Mapping[str, str], cap: int):
+        self.recipe, self.cap = recipe, cap
+        self.sources = [
+            SAMPLERS[s.sampler.kind](s, Where(s.where, tags, encode), tags) for s in recipe.sources
+        ]
+        self.counts = recipe.counts
+        self.stacks = Predecessors(cap) if recipe.frame_stack > 1 else None
+        """Each row's predecessor, for ``frame_stack`` recipes (the batch's stacks too)."""
+        self._accept = _acceptor(recipe, cap, self.stacks)
+        self._needs_max = any(s.needs_max_priority for s in self.sources)
+        self._max: MaxTree | None = None
+
+    def refresh(self, columns: Columns, rows: np.ndarray | None = None) -> None:
+        """Account for changed ``rows``; None rebuilds everything on the next draw."""
+        if self.stacks is not None:
+            self.stacks.refresh(rows)
+        if rows is None:
+            self._max = None
+            for s in self.sources:
+                s.invalidate()
+            return
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        if self._max is not None:
+            self._max.update(rows, _max_leaves(columns, rows))
+        for s in self.sources:
+            s.refresh(columns, rows)
+
+    def max_priority(self, columns: Columns) -> float:
+        """Largest priority set on a live step (1.0 when none is): what unset steps count as."""
+        if self._max is None:
+            self._max = MaxTree(_max_leaves(columns, None), np.float32)
+        m = self._max.max
+        return m if m > -np.inf else 1.0
+
+    def sample(
+        self,
+        columns: Columns,
+        rng: np.random.Generator,
+        params: Mapping[str, Any] | None = None,
+        now: float | None = None,
+        claims: Claims | None = None,
+    ) -> Draw:
+        """One batch. ``params`` override the recipe's; ``now`` defaults to the clock;
+        ``claims``: the groups a ``once`` recipe delivered in its current pass."""
+        live = {**self.recipe.params, **(params or {})}
+        now = time.time() if now is None else now
+        max_p = self.max_priority(columns) if self._needs_max else 1.0
+        ctx = Context(live, rng, now, max_p, self._accept, claims)
+        parts = [s.draw(columns, k, ctx) for s, k in zip(self.sources, self.counts, strict=True)]
+        cat = np.concatenate
+        source = [np.full(len(p.rows), i, dtype=np.int16) for i, p in enumerate(parts)]
+        groups = _numbered(parts) if self.recipe.grouped else None
+        return Draw(
+            cat([p.rows for p in parts]), cat([p.weights for p in parts]), cat(source), groups
+        )
+
+
+def _numbered(parts: list[Part]) -> Groups:
+    """The sources' groups as one batch's: groups and trajectories numbered across them."""
+    group, traj, ret, ids, stale = [], [], [], [], []
+    pass_no = 0
+    for p in parts:
+        g = p.groups
+        assert g is not None
+        group.append(g.group + len(ids))
+        traj.append(g.trajectory + (int(traj[-1][-1]) + 1 if traj else 0))
+        ret.append(g.returns)
+        ids += g.ids
+        stale += g.stale
+        pass_no = max(pass_no, g.pass_no)
+    cat = np.concatenate
+    return Groups(cat(group), cat(traj), cat(ret), tuple(ids), pass_no, tuple(stale))
+
+
+def _max_leaves(columns: Columns, rows: np.ndarray | None) -> np.ndarray:
+    p, alive = columns["priority"], columns["alive"]
+    if rows is not None:
+        p, alive = p[rows], alive[rows]
+    return np.where(alive & ~np.isnan(p), p, -np.inf).astype(np.float32)
+
+
+def _acceptor(recipe: Recipe, cap: int, stacks: Predecessors | None) -> Accept | None:
+    """The completeness check a recipe's rows must pass, if any."""
+    transitions = "next_obs" in recipe.fields or recipe.n_step > 1
+    length, n, k = recipe.sequence_length, recipe.n_step, recipe.frame_stack
+    if length == 1 and not transitions and stacks is None:
+        return None
+
+    def accept(columns: Columns, rows: np.ndarray) -> np.ndarray:
+        if length == 1:
+            ok = np.ones(len(rows), bool)
+            if transitions:
+                ok &= n_step(columns, rows, n, 1.0, cap).ready
+            if stacks is not None:
+                ok &= stacks.complete(columns, rows, k)
+            return ok
+        win = windows(columns, rows, length, cap)
+        ok = win[:, -1] >= 0
+        if transitions:
+            flat = np.where(ok[:, None], win, rows[:, None]).ravel()
+            ok &= n_step(columns, flat, n, 1.0, cap).ready.reshape(-1, length).all(axis=1)
+        return ok
+
+    return accept
