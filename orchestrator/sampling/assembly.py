@@ -7,25 +7,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from claw_tasks.codecs.delta import KeyFrameGone
 from claw_tasks.format.arrays import unpackb
 from claw_tasks.format.schema import FieldSpec
+from claw_tasks.store import Store
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.layout import EXPLICIT_NEXT
 from claw_tasks.where import lookup
 from orchestrator.recipe.model import Recipe
-from orchestrator.sampling.fetch import Read, explicit_next_obs_read, info_read, payload_read
+from orchestrator.sampling.fetch import (
+    Fetcher,
+    Read,
+    explicit_next_obs_read,
+    info_read,
+    payload_read,
+)
 from orchestrator.sampling.groups import Groups
+from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import Draw
 from orchestrator.sampling.sequences import follow, n_step, windows
+from orchestrator.sampling.stacks import Predecessors
+from orchestrator.sampling.strings import Strings
 from orchestrator.transforms.framestack import stack_frames
-
-if TYPE_CHECKING:  # the session that runs an assembly (no import at run time: a cycle)
-    from orchestrator.sampling.sample import _Session
 
 
 @dataclass(frozen=True)
@@ -50,10 +57,24 @@ class SampledBatch:
 Finish = Callable[[list[Any]], Any]
 
 
-class Assembly:
-    """The reads a draw needs, and how their results become the batch's fields."""
+class Reader(Protocol):
+    """What an assembly reads with: the index the rows were drawn from (its columns are
+    current until the batch is read), its store, string cache and payload fetcher (the
+    sampling session of :mod:`orchestrator.sampling.sample`)."""
 
-    def __init__(self, session: _Session, recipe: Recipe, draw: Draw) -> None:
+    index: SamplingIndex
+    store: Store
+    strings: Strings
+    fetch: Fetcher
+
+
+class Assembly:
+    """The reads a draw needs, and how their results become the batch's fields.
+    ``stacks``: the recipe sampler's frame predecessors (``frame_stack > 1`` only)."""
+
+    def __init__(
+        self, session: Reader, recipe: Recipe, draw: Draw, stacks: Predecessors | None = None
+    ) -> None:
         self.s, self.recipe, self.draw = session, recipe, draw
         cols, cap = session.index.columns, session.index.cap
         self.cols, self.cap = cols, cap
@@ -64,7 +85,7 @@ class Assembly:
         self.reads: list[Read] = []
         self.check = [self.rows]
         self.lookups: list[tuple[str, list[int], Callable[[Any], None]]] = []
-        self.stacks = session.bound[recipe.name].sampler.stacks  # frame_stack > 1 only
+        self.stacks = stacks
 
     def run(self) -> SampledBatch | None:
         recipe, cols, rows = self.recipe, self.cols, self.rows

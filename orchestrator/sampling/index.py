@@ -56,12 +56,23 @@ def release_heap() -> None:
         libc.malloc_trim(0)
 
 
-class _Rebuild(Exception):
-    """The change log cannot be applied incrementally."""
+class RebuildNeeded(Exception):
+    """The change log cannot be applied incrementally: raised while applying it (by the
+    index, or by a subclass's :meth:`SamplingIndex.check_config`), :meth:`apply_logs`
+    rebuilds the columns cold."""
 
 
 class SamplingIndex:
-    """The metadata columns of ``store``'s namespace, current as of the last :meth:`sync`."""
+    """The metadata columns of ``store``'s namespace, current as of the last :meth:`sync`.
+
+    For subclasses that keep the columns elsewhere (:class:`~orchestrator.sampling.shared.
+    SharedIndex`: shared memory, written by one process at a time): :meth:`apply_logs`
+    brings ``columns`` up to date without telling anyone, :meth:`notify` tells the
+    listeners, :meth:`rebuild` and :meth:`check_config` may be overridden, and
+    ``log_last``/``log_seen`` (per shard: the last change-log entry applied and the
+    entries the log had added up to it) and ``config_raw`` are the state to persist
+    with the columns.
+    """
 
     def __init__(self, store: Store) -> None:
         cfg = store.config(refresh=True)
@@ -69,10 +80,10 @@ class SamplingIndex:
         self.n_shards, self.cap = cfg.n_shards, cfg.cap
         self.schema: Schema | None = cfg.schema
         self.columns: dict[str, np.ndarray] = {}
-        self._last = ["0-0"] * self.n_shards  # last change-log entry applied, per shard
-        self._seen = [0] * self.n_shards  # entries the log had added up to that one
-        self._config_raw: bytes | None = None
-        self._logs = [store.keys.shard_key(s, "log") for s in range(self.n_shards)]
+        self.log_last = ["0-0"] * self.n_shards  # last change-log entry applied, per shard
+        self.log_seen = [0] * self.n_shards  # entries the log had added up to that one
+        self.config_raw: bytes | None = None
+        self.log_keys = [store.keys.shard_key(s, "log") for s in range(self.n_shards)]
         self._log_since = Lua("log_since", "orchestrator")
         self.attached: dict[str, Any] = {}
         """State kept with the index by code that samples from it (lives as long as it)."""
@@ -90,7 +101,7 @@ class SamplingIndex:
         """Read every column of every shard from Redis (a cold start)."""
         self.columns = {}
         with self.store.r.pipeline(transaction=False) as pipe:
-            for key in self._logs:
+            for key in self.log_keys:
                 pipe.xinfo_stream(key)
             infos = pipe.execute(raise_on_error=False)
         # The log positions are taken first: whatever commits after them is replayed.
@@ -98,28 +109,35 @@ class SamplingIndex:
         last = [t.get("last-generated-id", b"0-0").decode() for t in tails]
         seen = [int(t.get("entries-added", 0)) for t in tails]
         cfg = self.store.config(refresh=True)
-        self.schema, self._config_raw = cfg.schema, None
-        cols = [*META, *(tag_column(t) for t in self._tags())]
+        self.schema, self.config_raw = cfg.schema, None
+        cols = [*META, *(tag_column(t) for t in self.free_tags())]
         parts = [self.store.meta_columns(s, cols) for s in range(self.n_shards)]
         self.columns = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        self._last, self._seen = last, seen
+        self.log_last, self.log_seen = last, seen
         del parts
         release_heap()
 
     def sync(self) -> np.ndarray | None:
         """Apply the change logs since the last call. Returns the global rows whose metadata
         changed (sorted, unique), or None when the index was (re)built from scratch."""
-        rows = self._sync()
+        rows = self.apply_logs()
+        self.notify(rows)
+        return rows
+
+    def notify(self, rows: np.ndarray | None) -> None:
+        """Call the listeners with what a sync returned."""
         for listener in self._listeners:
             listener(rows)
-        return rows
 
     def release(self) -> None:
         """Done reading the columns until the next :meth:`sync` (a process's own index
         holds nothing; :class:`~orchestrator.sampling.shared.SharedIndex` lets other
         processes write again)."""
 
-    def _sync(self) -> np.ndarray | None:
+    def apply_logs(self) -> np.ndarray | None:
+        """Apply the change logs to ``columns`` (cold when empty or when the logs cannot be
+        applied) without calling the listeners: what :meth:`sync` returns. A failure
+        half-way empties ``columns``: the next call starts cold."""
         self.forgotten = {}
         if not self.columns:
             self.rebuild()
@@ -128,7 +146,7 @@ class SamplingIndex:
         try:
             while self._apply_page(changed):
                 pass
-        except _Rebuild:
+        except RebuildNeeded:
             self.rebuild()
             return None
         except BaseException:
@@ -141,12 +159,12 @@ class SamplingIndex:
         """Apply up to LOG_PAGE entries per shard; True if a shard may have more."""
 
         def queue(pipe: Any) -> None:
-            for key, last, seen in zip(self._logs, self._last, self._seen, strict=True):
+            for key, last, seen in zip(self.log_keys, self.log_last, self.log_seen, strict=True):
                 self._log_since.queue(pipe, [key], [last, seen, LOG_PAGE])
 
         replies = execute(self.store.r, [self._log_since], queue)
         if any(int(lost) for lost, _ in replies):
-            raise _Rebuild
+            raise RebuildNeeded
         inserted: dict[int, list[tuple[int, int]]] = {}
         for shard, (_, entries) in enumerate(replies):
             for _, kv in entries:
@@ -162,13 +180,13 @@ class SamplingIndex:
                     codes = np.frombuffer(event[b"codes"], "<i4").tolist()
                     self.forgotten.setdefault(event[b"col"].decode(), set()).update(codes)
                 else:
-                    raise _Rebuild
+                    raise RebuildNeeded
         if inserted:
             changed.extend(self._reread(inserted))
         for shard, (_, entries) in enumerate(replies):
             if entries:
-                self._last[shard] = entries[-1][0].decode()
-                self._seen[shard] += len(entries)
+                self.log_last[shard] = entries[-1][0].decode()
+                self.log_seen[shard] += len(entries)
         return any(len(entries) >= LOG_PAGE for _, entries in replies)
 
     def _rows(self, shard: int, seqs: np.ndarray) -> np.ndarray:
@@ -178,9 +196,11 @@ class SamplingIndex:
         """A column update (priority, curation) on the rows that still hold its ids."""
         col = event[b"col"].decode()
         if col not in self.columns:
-            raise _Rebuild
+            raise RebuildNeeded
         ids = np.frombuffer(event[b"ids"], "<i8")
-        values = decode_meta(col, np.frombuffer(event[b"values"], self._dtype(col)), self.schema)
+        values = decode_meta(
+            col, np.frombuffer(event[b"values"], self.column_dtype(col)), self.schema
+        )
         rows = self._rows(shard, ids // self.n_shards)
         held = self.columns["id"][rows] == ids
         rows = rows[held]
@@ -250,7 +270,7 @@ class SamplingIndex:
         for shard, (start, stop) in plan:
             n, base = stop - start, shard * self.cap
             for col in cols:
-                dtype = self._dtype(col)
+                dtype = self.column_dtype(col)
                 raw = np.zeros(n, dtype)
                 got = np.frombuffer(replies[i], dtype)
                 raw[: len(got)] = got
@@ -262,17 +282,19 @@ class SamplingIndex:
             alive[: len(bits)] = bits.astype(bool)
             i += 1
             changed.append(np.arange(base + start, base + stop, dtype=np.int64))
-        self._check_config(config_raw)
+        self.check_config(config_raw)
         return changed
 
-    def _check_config(self, raw: bytes | None) -> None:
-        """Add the columns of free tags that appeared in the schema, read whole."""
-        if raw is None or raw == self._config_raw:
+    def check_config(self, raw: bytes | None) -> None:
+        """Called with the namespace config read by every incremental sync that reread
+        slots: add the columns of free tags that appeared in the schema, read whole. May
+        raise :class:`RebuildNeeded`."""
+        if raw is None or raw == self.config_raw:
             return
-        old = set(self._tags())
+        old = set(self.free_tags())
         cfg = NamespaceConfig.from_bytes(raw, self.store.namespace)
-        self.schema, self._config_raw = cfg.schema, raw
-        new = [tag_column(t) for t in self._tags() if t not in old]
+        self.schema, self.config_raw = cfg.schema, raw
+        new = [tag_column(t) for t in self.free_tags() if t not in old]
         if not new:
             return
         self.store.config(refresh=True)
@@ -280,10 +302,12 @@ class SamplingIndex:
         for col in new:
             self.columns[col] = np.concatenate([p[col] for p in parts])
 
-    def _tags(self) -> dict[str, str]:
+    def free_tags(self) -> dict[str, str]:
+        """The schema's free tags (name -> 'str' | 'num'); none before the first step."""
         return dict(self.schema.tags) if self.schema else {}
 
-    def _dtype(self, col: str) -> np.dtype:
+    def column_dtype(self, col: str) -> np.dtype:
+        """How ``col`` is stored in Redis (``m:<col>`` strings)."""
         if col in META:
             return META[col]
-        return STR_TAG_DTYPE if self._tags()[tag_name(col)] == "str" else NUM_TAG_DTYPE
+        return STR_TAG_DTYPE if self.free_tags()[tag_name(col)] == "str" else NUM_TAG_DTYPE

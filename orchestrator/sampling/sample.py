@@ -223,7 +223,7 @@ class _Session:
             draw = b.sampler.sample(
                 self.index.columns, b.rng if rng is None else rng, live, claims=claims
             )
-            batch = Assembly(self, recipe, draw).run()
+            batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
             if batch is None:
                 continue
             if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:

@@ -54,7 +54,7 @@ from claw_tasks.format.schema import tag_column
 from claw_tasks.settings import load_settings
 from claw_tasks.store import NamespaceConfig, Store
 from claw_tasks.store.layout import META
-from orchestrator.sampling.index import SamplingIndex, _Rebuild, release_heap
+from orchestrator.sampling.index import RebuildNeeded, SamplingIndex, release_heap
 from orchestrator.sampling.shmfiles import (
     H_DIRTY,
     H_GEN,
@@ -166,8 +166,7 @@ class SharedIndex(SamplingIndex):
         except BaseException:
             self.release()
             raise
-        for listener in self._listeners:
-            listener(rows)
+        self.notify(rows)
         return rows
 
     def release(self) -> None:
@@ -253,8 +252,8 @@ class SharedIndex(SamplingIndex):
         if state:
             self._load_state(state)
             self.columns = self._writable
-            self._last, self._seen = list(state["last"]), list(state["seen"])
-        rows = SamplingIndex._sync(self)  # a failure leaves it dirty: the next one rebuilds
+            self.log_last, self.log_seen = list(state["last"]), list(state["seen"])
+        rows = self.apply_logs()  # a failure leaves it dirty: the next one rebuilds
         if rows is None or self.forgotten or len(rows) > len(self._ring):  # type: ignore[arg-type]
             hdr[H_REBUILDS] += 1
         elif len(rows):
@@ -269,7 +268,7 @@ class SharedIndex(SamplingIndex):
     def rebuild(self) -> None:
         """Read every column of every shard from Redis into a new data file."""
         with self.store.r.pipeline(transaction=False) as pipe:
-            for key in self._logs:
+            for key in self.log_keys:
                 pipe.xinfo_stream(key)
             pipe.get(self.store.keys.config)
             *infos, raw = pipe.execute(raise_on_error=False)
@@ -278,21 +277,21 @@ class SharedIndex(SamplingIndex):
         seen = [int(t.get("entries-added", 0)) for t in tails]
         self.store.config(refresh=True)
         self._take_config(raw if isinstance(raw, bytes) else None)
-        cols = [*META, *(tag_column(t) for t in self._tags())]
+        cols = [*META, *(tag_column(t) for t in self.free_tags())]
         self._new_data(cols, {})
-        self._last, self._seen = last, seen
+        self.log_last, self.log_seen = last, seen
         release_heap()
 
-    def _check_config(self, raw: bytes | None) -> None:
+    def check_config(self, raw: bytes | None) -> None:
         """A changed config: a recreated namespace is rebuilt; new free tags get a new
         data file with their columns."""
-        if raw is None or raw == self._config_raw:
+        if raw is None or raw == self.config_raw:
             return
         if NamespaceConfig.from_bytes(raw, self.store.namespace).created != self._created:
-            raise _Rebuild
-        old = set(self._tags())
+            raise RebuildNeeded
+        old = set(self.free_tags())
         self._take_config(raw)
-        new = [tag_column(t) for t in self._tags() if t not in old]
+        new = [tag_column(t) for t in self.free_tags() if t not in old]
         if new:
             self.store.config(refresh=True)
             self._new_data([*self.columns, *new], dict(self.columns))
@@ -302,7 +301,7 @@ class SharedIndex(SamplingIndex):
         cfg = NamespaceConfig.from_bytes(raw, self.store.namespace) if raw else None
         self.schema = cfg.schema if cfg else None
         self._created = cfg.created if cfg else None
-        self._config_raw = raw
+        self.config_raw = raw
 
     def _new_data(self, cols: list[str], keep: dict[str, np.ndarray]) -> None:
         """Lay ``cols`` (and ``alive``) out in a new data file: columns in ``keep``
@@ -311,7 +310,7 @@ class SharedIndex(SamplingIndex):
         assert hdr is not None
         rows, layout, at = self.n_shards * self.cap, [], 0
         for col in [c for c in cols if c != "alive"] + ["alive"]:
-            dtype = np.dtype(bool) if col == "alive" else self._dtype(col)
+            dtype = np.dtype(bool) if col == "alive" else self.column_dtype(col)
             layout.append([col, dtype.str, at])
             at += -(-rows * dtype.itemsize // _ALIGN) * _ALIGN
         name = f"{self._f.base.name}.d{int(hdr[H_META]) + 1}"
@@ -339,14 +338,14 @@ class SharedIndex(SamplingIndex):
             unlink(self._f.base.parent / old)
 
     def _save_state(self) -> None:
-        raw = self._config_raw
+        raw = self.config_raw
         blob = json.dumps(
             {
                 "run_id": self._run_id,
                 "data": self._f.data_name,
                 "layout": self._layout,
-                "last": self._last,
-                "seen": self._seen,
+                "last": self.log_last,
+                "seen": self.log_seen,
                 "config": base64.b64encode(raw).decode() if raw else None,
             }
         ).encode()
@@ -384,7 +383,7 @@ class SharedIndex(SamplingIndex):
             self._f.data, self._f.data_name, self._layout = data, state["data"], layout
             self._writable = _views(data, layout, rows)
         raw = base64.b64decode(state["config"]) if state.get("config") else None
-        if raw != self._config_raw:
+        if raw != self.config_raw:
             self._take_config(raw)
         self.columns = self._readonly()
         self._meta = int(hdr[H_META])
