@@ -83,7 +83,7 @@ def sample(
     ``redis_url`` defaults to ``CLAW_REDIS_URL``; ``rng`` to the recipe's own stream (seeded
     with ``recipe.seed``); ``params`` override the recipe's live params; ``index`` replaces
     the process's cached index of the namespace. Raises
-    :class:`~orchestrator.sampling.samplers.InsufficientData` when a source cannot fill its rows.
+    :class:`~orchestrator.sampling.candidates.InsufficientData` when a source cannot fill its rows.
     """
     recipe = as_recipe(recipe)
     session = _session(namespace_or_store, redis_url, index)
