@@ -27,6 +27,8 @@ checks both):
 on top of every stage, and no stage imports it: it is the public facade (``Recipe``,
 ``sample``, ``update_priorities``, ``SampledBatch``, ``InsufficientData``, and
 ``BatchClient``, imported lazily so that ``import orchestrator`` builds no Celery app).
+Importing it also registers the sampler kinds (``sampling.samplers``) whose names and keys
+the recipe accepts: Python runs it before any ``orchestrator.recipe`` import.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.sample import SampledBatch, sample, update_priorities
+from orchestrator.sampling.samplers import SAMPLERS  # noqa: F401  (registers the recipe's kinds)
 
 if TYPE_CHECKING:
     from orchestrator.delivery.client import BatchClient

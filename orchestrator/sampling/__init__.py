@@ -1,5 +1,9 @@
 """What to draw: the in-process sampling index, samplers, n-step and sequence windows,
-and ``sample()``, which turns a recipe into one batch of rows read from the store."""
+and ``sample()``, which turns a recipe into one batch of rows read from the store.
+
+``samplers/`` holds one module per ``sampler.kind``: its recipe keys and its class behind
+the one :class:`~orchestrator.sampling.samplers.base.Sampler` contract, added with
+``@register`` (which also gives the recipe the kind's name and keys)."""
 
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.sample import SampledBatch, sample, update_priorities
