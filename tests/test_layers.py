@@ -180,17 +180,8 @@ def test_imports_first_in_a_fresh_interpreter(module: str) -> None:
 
 # ---- no cycles, no borrowed privates ----------------------------------------------------
 PROJECT = ("claw_tasks", "orchestrator")
-ALLOWED_CYCLES: list[set[str]] = [
-    # Being removed on the sampling branch (issue 19, item 4): assembly and sample import
-    # each other. Drop this entry when that lands; the test fails while it is stale.
-    {"orchestrator.sampling.assembly", "orchestrator.sampling.sample"},
-]
-ALLOWED_PRIVATE: set[tuple[str, str]] = {
-    # Being removed on the sampling branch (issue 19, item 4), as above.
-    ("orchestrator/sampling/assembly.py", "orchestrator.sampling.sample._Session"),
-    ("orchestrator/sampling/shared.py", "orchestrator.sampling.index._Rebuild"),
-    ("orchestrator/sampling/shared.py", "orchestrator.sampling.index.SamplingIndex._sync"),
-}
+ALLOWED_CYCLES: list[set[str]] = []
+ALLOWED_PRIVATE: set[tuple[str, str]] = set()
 
 
 def _modules(tops: tuple[str, ...]) -> dict[str, Path]:
