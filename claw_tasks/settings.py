@@ -1,136 +1,429 @@
-"""Settings from the environment (``CLAW_*``), read once per process."""
+"""Claw's configuration: every ``CLAW_*`` variable, declared once, read once per process.
+
+``VARIABLES`` is the table (name, type, default, one line of doc), the way Celery's
+``celery/app/defaults.py`` declares its settings; ``Settings.from_env`` reads it and
+``get_settings()`` keeps the result for the process. This module is the only reader of
+``CLAW_*`` in Claw (``tests/test_settings.py`` greps for others): a component that reads a
+variable itself is how it ends up on a different broker from the workers.
+
+Rebuilding: ``Settings.from_env(mapping)`` reads any mapping (tests, a CLI flag merged into
+the environment); ``use_settings(settings)`` installs one as the process's settings, and
+``use_settings()`` makes the next ``get_settings()`` read ``os.environ`` again (tests call
+it after changing the environment). ``python -m claw_tasks.settings`` prints the table
+the README's "Configuration" section holds.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+WEB_PORT = 8808
+"""Where ``claw web`` (and ``claw up``'s inspector, and Compose's) listens by default."""
+METRICS_PORT = 9808
+"""Where ``claw metrics`` (and ``claw up``'s endpoint, and Compose's) listens by default."""
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 """URL schemes that name a Redis Cluster, and the scheme of each one's nodes
 (claw_tasks/connection/client.py)."""
+MIB = 1024 * 1024
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r}: expected an integer") from None
+    if value < 0:
+        raise ValueError(f"{value}: must be >= 0")
+    return value
+
+
+def _flag(text: str) -> bool:
+    return text.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list."""
+    return tuple(filter(None, map(str.strip, text.split(","))))
+
+
+def _compress_at(text: str) -> str:
+    if text not in ("producer", "worker"):
+        raise ValueError(f"{text!r}: 'producer' or 'worker'")
+    return text
 
 
 @dataclass(frozen=True)
-class Settings:
-    """Process-wide configuration.
+class Variable:
+    """One ``CLAW_*`` variable: the ``Settings`` attribute it sets (``limits.x``: an
+    ``IngestLimits`` one), how its text is read, its default and what it means.
 
-    ``redis_url`` is the data store (a Redis Cluster with ``redis+cluster://``, see
-    claw_tasks/connection/client.py); ``broker_url`` the Celery broker (a standalone Redis or
-    RabbitMQ; defaults to the data store's server, which a cluster cannot be);
-    ``beat_url`` the standalone Redis where RedBeat keeps the schedule
-    (``CLAW_BEAT_REDIS_URL``; defaults to the data store, or to a Redis broker when the
-    store is a cluster).
-    """
+    Unset or empty means the default, except for lists, where empty is the empty list."""
 
-    redis_url: str
-    broker_url: str
-    namespace: str
-    visibility_timeout: int
-    stage_ttl: int
-    limits: IngestLimits
-    scorers: tuple[str, ...] = ()
-    """Priority scorers (``module:function``) namespaces may name (``CLAW_SCORERS``,
-    comma-separated): whoever configures a namespace must not pick code for workers."""
-    beat_url: str = DEFAULT_REDIS_URL
-    archive_dir: str | None = None  # where the nightly archive writes (claw.maintenance.archive)
-    archive_lock_ttl: float = 60.0  # an archive run's lock lapses this long after the run stops
-    # Bounds of a worker's per-namespace caches (stores, sampling sessions with their
-    # index) and of its per-recipe augmentation plans: least recently used go first.
-    namespace_cache_size: int = 64
-    plan_cache_size: int = 256
-    shared_index: bool = True
-    """Processes of a host share one sampling index per namespace in /dev/shm
-    (``CLAW_SHARED_INDEX=0``: each process builds its own)."""
-    compress_at: str = "producer"
-    """Where an Ingestor encodes compressed fields (``CLAW_COMPRESS_AT``): ``producer``
-    (less to send: slow links) or ``worker`` (the ingest worker: busy producer CPUs)."""
-    codec_threads: int = 1
-    """Threads that encode (ingest) or decode (prefetch, reads) one batch's compressed
-    frames (``CLAW_CODEC_THREADS``); the codecs release the GIL while they work."""
-    albumentations: tuple[str, ...] = ("pixel", "spatial")
-    """Albumentations transforms a recipe may name (``CLAW_ALBUMENTATIONS``, comma-separated
-    names or the groups ``pixel`` and ``spatial``; empty: none): whoever registers a recipe
-    chooses what workers run."""
+    name: str
+    attr: str
+    read: Callable[[str], Any]
+    default: Any
+    doc: str
+    shown: str | None = None
+    """The default as the docs show it, when it is derived or a size."""
+
+    @property
+    def default_text(self) -> str:
+        if self.shown is not None:
+            return self.shown
+        if self.default is None or self.default == "":
+            return "none"
+        if isinstance(self.default, tuple):
+            return f"`{','.join(self.default)}`"
+        if isinstance(self.default, bool):
+            return f"`{int(self.default)}`"
+        return f"`{self.default}`"
+
+
+VARIABLES: tuple[Variable, ...] = (
+    # ---- where things are
+    Variable(
+        "CLAW_REDIS_URL",
+        "redis_url",
+        str,
+        DEFAULT_REDIS_URL,
+        "the data store: a Redis, or a Redis Cluster with `redis+cluster://host:port`; "
+        "`rediss://…?ssl_ca_certs=…` for TLS (docs/reliability.md)",
+    ),
+    Variable(
+        "CLAW_BROKER_URL",
+        "broker_url",
+        str,
+        None,
+        "the Celery broker of workers and clients alike (`Settings.broker_for`): a standalone "
+        "Redis, or RabbitMQ with `amqp://user:pw@host:5672/vhost` (durable quorum queues, "
+        "publisher confirms; Compose profile `rabbitmq`; docs/architecture.md, Delivery)",
+        shown="the store's server (required when that is a cluster)",
+    ),
+    Variable(
+        "CLAW_BEAT_REDIS_URL",
+        "beat_url",
+        str,
+        None,
+        "the standalone Redis where beat (RedBeat) keeps the schedule",
+        shown="`CLAW_REDIS_URL`, or the broker when the store is a cluster",
+    ),
+    Variable("CLAW_NAMESPACE", "namespace", str, "default", "the namespace clients and tools use"),
+    # ---- delivery and maintenance
+    Variable(
+        "CLAW_VISIBILITY_TIMEOUT",
+        "visibility_timeout",
+        _count,
+        600,
+        "seconds before an unacknowledged task is redelivered (Redis broker; RabbitMQ "
+        "redelivers when the worker's connection closes)",
+    ),
+    Variable(
+        "CLAW_STAGE_TTL",
+        "stage_ttl",
+        _count,
+        None,
+        "TTL of claim-check staging keys for large ingest batches (it must outlive every "
+        "redelivery)",
+        shown="`max(86400, 4 x CLAW_VISIBILITY_TIMEOUT)`",
+    ),
+    Variable(
+        "CLAW_SCHEDULE",
+        "schedule",
+        str,
+        "",
+        "beat schedule overrides: a YAML file, or inline YAML such as `{claw-evict: {every: "
+        '10s}, claw-archive: {cron: "30 1 * * *"}}` (docs/architecture.md, Maintenance)',
+    ),
+    Variable(
+        "CLAW_ARCHIVE_DIR",
+        "archive_dir",
+        str,
+        None,
+        "where `claw.maintenance.archive` writes (workers)",
+    ),
+    Variable(
+        "CLAW_ARCHIVE_LOCK_TTL",
+        "archive_lock_ttl",
+        float,
+        60.0,
+        "seconds an archive run's lock outlives a killed run",
+        shown="`60`",
+    ),
+    Variable(
+        "CLAW_SCORERS",
+        "scorers",
+        _names,
+        (),
+        "priority scorers (`module:function`, comma-separated) that namespaces may name: "
+        "whoever configures a namespace must not pick code for workers",
+    ),
+    Variable(
+        "CLAW_ALBUMENTATIONS",
+        "albumentations",
+        _names,
+        ("pixel", "spatial"),
+        "Albumentations transforms a recipe may name (comma-separated names, or the groups "
+        "`pixel` and `spatial`; empty: none)",
+    ),
+    # ---- per-process resources
+    Variable(
+        "CLAW_NAMESPACE_CACHE_SIZE",
+        "namespace_cache_size",
+        _count,
+        64,
+        "namespaces a worker keeps a `Store` and sampling session for (least recently used "
+        "go first)",
+    ),
+    Variable(
+        "CLAW_PLAN_CACHE_SIZE",
+        "plan_cache_size",
+        _count,
+        256,
+        "recipes' augmentation plans a prefetch worker keeps (least recently used go first)",
+    ),
+    Variable(
+        "CLAW_SHARED_INDEX",
+        "shared_index",
+        _flag,
+        True,
+        "prefetch processes of a host share one sampling index per namespace in `/dev/shm`; "
+        "`0`: each builds its own (docs/architecture.md, Sampling index)",
+    ),
+    Variable(
+        "CLAW_COMPRESS_AT",
+        "compress_at",
+        _compress_at,
+        "producer",
+        "who encodes compressed fields: the `Ingestor` (`producer`: less to send) or the "
+        "ingest workers (`worker`: spares busy producer CPUs)",
+    ),
+    Variable(
+        "CLAW_CODEC_THREADS",
+        "codec_threads",
+        lambda t: max(1, _count(t)),
+        1,
+        "threads a process encodes or decodes one batch's compressed frames in",
+    ),
+    # ---- what one ingest message may carry and cost (workers; docs/reliability.md)
+    Variable(
+        "CLAW_MAX_MESSAGE_BYTES",
+        "limits.message_bytes",
+        _count,
+        256 * MIB,
+        "bytes of one ingest batch's payload, inline or claim-checked",
+        shown="256 MiB",
+    ),
+    Variable(
+        "CLAW_MAX_DECOMPRESSED_BYTES",
+        "limits.decompressed_bytes",
+        _count,
+        256 * MIB,
+        "bytes of one batch's lz4 frames once decompressed",
+        shown="256 MiB",
+    ),
+    Variable(
+        "CLAW_MAX_BATCH_STEPS",
+        "limits.batch_steps",
+        _count,
+        65536,
+        "steps in one ingest batch (and never more than a shard's capacity)",
+    ),
+    Variable(
+        "CLAW_VERIFY_FRAMES",
+        "limits.verify_frames",
+        _flag,
+        True,
+        "`0`: the ingest worker checks a producer's frame headers but does not trial-decode them",
+    ),
+    Variable(
+        "CLAW_DEAD_LETTER_BYTES",
+        "limits.dead_letter_bytes",
+        _count,
+        64 * MIB,
+        "dead letters kept per namespace (oldest trimmed first)",
+        shown="64 MiB",
+    ),
+    Variable(
+        "CLAW_DEAD_LETTER_PREFIX",
+        "limits.dead_letter_prefix",
+        _count,
+        MIB,
+        "payload bytes one dead letter keeps (at most a quarter of `CLAW_DEAD_LETTER_BYTES`)",
+        shown="1 MiB",
+    ),
+    Variable(
+        "CLAW_INGEST_RETRIES",
+        "limits.retries",
+        _count,
+        10,
+        "retries of a transient Redis error in ingest (exponential backoff)",
+    ),
+    # ---- secrets of the services (never printed)
+    Variable(
+        "CLAW_METRICS_TOKEN",
+        "metrics_token",
+        str,
+        None,
+        "when set, `claw metrics` (and `claw up`'s endpoint) require `Authorization: Bearer "
+        "<token>`; `claw gateway`'s `/metrics` requires it, else the gateway's token",
+    ),
+    Variable(
+        "CLAW_GATEWAY_TOKEN",
+        "gateway_token",
+        str,
+        None,
+        "`claw gateway`: the bearer token agents send as their API key (required)",
+    ),
+    Variable(
+        "CLAW_GATEWAY_REWARD_TOKEN",
+        "gateway_reward_token",
+        str,
+        None,
+        "`claw gateway`: the reward endpoint's token",
+        shown="`CLAW_GATEWAY_TOKEN`",
+    ),
+    Variable(
+        "CLAW_UPSTREAM_API_KEY",
+        "upstream_api_key",
+        str,
+        None,
+        "`claw gateway`: the key sent to the inference server",
+    ),
+    Variable("CLAW_WEB_USER", "web_user", str, "claw", "the inspector's login name"),
+    Variable(
+        "CLAW_WEB_PASSWORD",
+        "web_password",
+        str,
+        None,
+        "the inspector's password (none: `claw web` and `claw up` make one and print it "
+        "once; Compose requires one)",
+    ),
+    Variable(
+        "CLAW_WEB_PASSWORD_FILE",
+        "web_password_file",
+        str,
+        None,
+        "a file with the inspector's password or its `scrypt$` hash",
+    ),
+)
+BY_NAME: dict[str, Variable] = {v.name: v for v in VARIABLES}
 
 
 @dataclass(frozen=True)
 class IngestLimits:
     """What one ingest message may carry and cost; the worker dead-letters a batch past
-    these before it reads a claim check, decompresses or allocates anything."""
+    these before it reads a claim check, decompresses or allocates anything (the
+    ``CLAW_MAX_*``, ``CLAW_DEAD_LETTER_*``, ``CLAW_INGEST_RETRIES`` and
+    ``CLAW_VERIFY_FRAMES`` variables)."""
 
-    message_bytes: int  # a batch payload, inline or claim-checked
-    decompressed_bytes: int  # all lz4 frames of one batch, once decompressed
-    batch_steps: int  # steps in one batch (and never more than a shard's capacity)
-    dead_letter_bytes: int  # dead letters kept per namespace (oldest trimmed first)
-    dead_letter_prefix: int  # payload bytes a dead letter keeps (plus the whole digest)
-    retries: int  # transient Redis errors: retries with exponential backoff
-    verify_frames: bool = True  # decode a producer's compressed frames before storing them
-
-
-def _int(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected an integer") from None
-    if value < 0:
-        raise ValueError(f"{name}={value}: must be >= 0")
-    return value
+    message_bytes: int
+    decompressed_bytes: int
+    batch_steps: int
+    dead_letter_bytes: int
+    dead_letter_prefix: int
+    retries: int
+    verify_frames: bool = True
 
 
-def load_limits() -> IngestLimits:
-    limits = IngestLimits(
-        message_bytes=_int("CLAW_MAX_MESSAGE_BYTES", 256 * 1024 * 1024),
-        decompressed_bytes=_int("CLAW_MAX_DECOMPRESSED_BYTES", 256 * 1024 * 1024),
-        batch_steps=_int("CLAW_MAX_BATCH_STEPS", 65536),
-        dead_letter_bytes=_int("CLAW_DEAD_LETTER_BYTES", 64 * 1024 * 1024),
-        dead_letter_prefix=_int("CLAW_DEAD_LETTER_PREFIX", 1024 * 1024),
-        retries=_int("CLAW_INGEST_RETRIES", 10),
-        verify_frames=bool(_int("CLAW_VERIFY_FRAMES", 1)),
-    )
-    if limits.dead_letter_prefix * 4 > limits.dead_letter_bytes:
-        raise ValueError(
-            f"CLAW_DEAD_LETTER_PREFIX={limits.dead_letter_prefix} must be at most a quarter of "
-            f"CLAW_DEAD_LETTER_BYTES={limits.dead_letter_bytes} (a dead letter must fit the cap)"
+@dataclass(frozen=True)
+class Settings:
+    """Process-wide configuration; one attribute per ``VARIABLES`` entry (its doc is there).
+
+    ``redis_url`` is the data store (a Redis Cluster with ``redis+cluster://``);
+    ``broker_url`` this process's Celery broker (``broker_for`` says which);
+    ``beat_url`` the standalone Redis where RedBeat keeps the schedule. ``given`` holds
+    the names of the variables the environment set (the rest are defaults).
+    """
+
+    redis_url: str
+    broker_url: str
+    beat_url: str
+    namespace: str
+    visibility_timeout: int
+    stage_ttl: int
+    schedule: str
+    archive_dir: str | None
+    archive_lock_ttl: float
+    scorers: tuple[str, ...]
+    albumentations: tuple[str, ...]
+    namespace_cache_size: int
+    plan_cache_size: int
+    shared_index: bool
+    compress_at: str
+    codec_threads: int
+    limits: IngestLimits
+    metrics_token: str | None = field(default=None, repr=False)
+    gateway_token: str | None = field(default=None, repr=False)
+    gateway_reward_token: str | None = field(default=None, repr=False)
+    upstream_api_key: str | None = field(default=None, repr=False)
+    web_user: str = "claw"
+    web_password: str | None = field(default=None, repr=False)
+    web_password_file: str | None = None
+    given: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """The settings ``env`` (default ``os.environ``) describes; ``ValueError`` names the
+        variable whose text cannot be used."""
+        env = os.environ if env is None else env
+        top: dict[str, Any] = {}
+        limits: dict[str, Any] = {}
+        given = set()
+        for var in VARIABLES:
+            text = env.get(var.name)
+            value = var.default
+            if text is not None and (text.strip() or var.read is _names):
+                try:
+                    value = var.read(text)
+                except ValueError as e:
+                    raise ValueError(f"{var.name}={text!r}: {e}") from None
+                given.add(var.name)
+            group, _, attr = var.attr.rpartition(".")
+            (limits if group else top)[attr] = value
+        top["broker_url"], top["beat_url"] = _broker_and_beat(
+            top["redis_url"], top["broker_url"], top["beat_url"]
         )
-    return limits
+        if top["stage_ttl"] is None:  # a claim-check payload must outlive every redelivery
+            top["stage_ttl"] = max(86400, 4 * top["visibility_timeout"])
+        top["limits"] = IngestLimits(**limits)
+        if limits["dead_letter_prefix"] * 4 > limits["dead_letter_bytes"]:
+            raise ValueError(
+                f"CLAW_DEAD_LETTER_PREFIX={limits['dead_letter_prefix']} must be at most a "
+                f"quarter of CLAW_DEAD_LETTER_BYTES={limits['dead_letter_bytes']} (a dead "
+                "letter must fit the cap)"
+            )
+        return cls(**top, given=frozenset(given))
+
+    def is_set(self, name: str) -> bool:
+        """True if the environment set variable ``name`` (else its default applies)."""
+        return name in self.given
+
+    def broker_for(self, redis_url: str | None = None) -> str:
+        """The Celery broker a client of the data store at ``redis_url`` (None:
+        ``CLAW_REDIS_URL``) sends to, unless it is given a broker URL itself.
+
+        The rule, the one every client, command, adapter, the gateway and the web app
+        follow: ``CLAW_BROKER_URL`` when it is set, whatever store the client was given
+        (a deployment has one broker, the one its workers listen on; the Compose file puts
+        it on its own Redis db, or RabbitMQ); otherwise the store's own server (the
+        ``redis_url`` given, else ``CLAW_REDIS_URL``), except that a Redis Cluster cannot
+        be a broker: without ``CLAW_BROKER_URL`` that is an error.
+        """
+        if self.is_set("CLAW_BROKER_URL") or redis_url is None:
+            return self.broker_url
+        return _broker_and_beat(redis_url, None, None)[0]
 
 
-def load_settings() -> Settings:
-    redis_url = os.environ.get("CLAW_REDIS_URL") or DEFAULT_REDIS_URL
-    broker_url, beat_url = _broker_and_beat(redis_url)
-    visibility = int(os.environ.get("CLAW_VISIBILITY_TIMEOUT", "600"))
-    return Settings(
-        redis_url=redis_url,
-        broker_url=broker_url,
-        beat_url=beat_url,
-        namespace=os.environ.get("CLAW_NAMESPACE", "default"),
-        visibility_timeout=visibility,
-        # A claim-check payload must outlive every redelivery of its message.
-        stage_ttl=int(os.environ.get("CLAW_STAGE_TTL", str(max(86400, 4 * visibility)))),
-        scorers=tuple(filter(None, map(str.strip, os.environ.get("CLAW_SCORERS", "").split(",")))),
-        archive_dir=os.environ.get("CLAW_ARCHIVE_DIR") or None,
-        archive_lock_ttl=float(os.environ.get("CLAW_ARCHIVE_LOCK_TTL", "60")),
-        namespace_cache_size=int(os.environ.get("CLAW_NAMESPACE_CACHE_SIZE", "64")),
-        plan_cache_size=int(os.environ.get("CLAW_PLAN_CACHE_SIZE", "256")),
-        shared_index=os.environ.get("CLAW_SHARED_INDEX", "1").strip().lower()
-        not in ("0", "false", "no", "off"),
-        albumentations=_names(os.environ.get("CLAW_ALBUMENTATIONS", "pixel,spatial")),
-        compress_at=os.environ.get("CLAW_COMPRESS_AT", "producer"),
-        codec_threads=max(1, int(os.environ.get("CLAW_CODEC_THREADS", "1"))),
-        limits=load_limits(),
-    )
-
-
-def _broker_and_beat(redis_url: str) -> tuple[str, str]:
+def _broker_and_beat(redis_url: str, broker: str | None, beat: str | None) -> tuple[str, str]:
     """The broker and RedBeat URLs: both default to the data store's server, except that
     neither kombu nor RedBeat can use a Redis Cluster."""
-    broker = os.environ.get("CLAW_BROKER_URL") or ""
-    beat = os.environ.get("CLAW_BEAT_REDIS_URL") or ""
     if not is_cluster_url(redis_url):
         return broker or redis_url, beat or redis_url
     if not broker:
@@ -146,17 +439,29 @@ def _broker_and_beat(redis_url: str) -> tuple[str, str]:
     return broker, beat or broker
 
 
-def broker_for(redis_url: str | None, settings: Settings) -> str:
-    """The broker of a client given a data store URL and no broker: the store's server,
-    or, for a Redis Cluster (which cannot be a broker), ``CLAW_BROKER_URL`` as it is now."""
-    if redis_url is None:
-        return settings.broker_url
-    return _broker_and_beat(redis_url)[0] if is_cluster_url(redis_url) else redis_url
+_current: Settings | None = None
 
 
-def _names(value: str) -> tuple[str, ...]:
-    """A comma-separated list setting."""
-    return tuple(filter(None, map(str.strip, value.split(","))))
+def get_settings() -> Settings:
+    """This process's settings: read from ``os.environ`` at the first call, then kept."""
+    global _current
+    if _current is None:
+        _current = Settings.from_env()
+    return _current
+
+
+def use_settings(settings: Settings | None = None) -> None:
+    """Make ``settings`` this process's (the CLI, with its flags merged in), or with none
+    have the next ``get_settings()`` read the environment again (tests that change it)."""
+    global _current
+    _current = settings
+
+
+def markdown_table() -> str:
+    """The README's configuration table, one row per variable in ``VARIABLES``' order."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.default_text} | {v.doc} |" for v in VARIABLES]
+    return "\n".join(rows) + "\n"
 
 
 def redact_url(url: str) -> str:
@@ -178,3 +483,7 @@ def redact_url(url: str) -> str:
 def is_cluster_url(url: str) -> bool:
     """True if ``url`` names a Redis Cluster (``redis+cluster://``, ``rediss+cluster://``)."""
     return urlsplit(url).scheme.lower() in CLUSTER_SCHEMES
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table())
