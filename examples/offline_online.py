@@ -21,7 +21,7 @@ import numpy as np
 
 from claw_tasks.client import Ingestor
 from claw_tasks.client.gym import RecordSteps
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator import BatchClient
 from orchestrator.maintenance.archive import archive_namespace
@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2000, help="steps recorded each day")
     p.add_argument("--batches", type=int, default=3)
     args = p.parse_args()
-    url = load_settings().redis_url
+    url = get_settings().redis_url
 
     yesterday = f"{args.namespace}-yesterday"
     record(yesterday, "yesterday", args.steps, seed=0)

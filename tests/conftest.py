@@ -21,6 +21,7 @@ from hypothesis import settings
 from claw_tasks.connection.client import Client, redis_client
 from claw_tasks.connection.cluster import LocalCluster
 from claw_tasks.connection.server import RedisServer
+from claw_tasks.settings import use_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,6 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings() -> Iterator[None]:
+    """Each test reads the settings from its own environment (``get_settings()`` keeps
+    them per process): once before, and again after its monkeypatches are undone."""
+    use_settings()
+    yield
+    use_settings()
 
 
 @pytest.fixture
@@ -111,6 +121,7 @@ def broker_url(broker: str, request: pytest.FixtureRequest) -> str:
 def redis_url(store_url: str, broker_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """The data store. Clients given a cluster URL and no broker use CLAW_BROKER_URL."""
     monkeypatch.setenv("CLAW_BROKER_URL", broker_url)
+    use_settings()
     return store_url
 
 

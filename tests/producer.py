@@ -11,15 +11,14 @@ from celery import Celery
 from claw_tasks.broker.app import client_app
 from claw_tasks.format.batch import Placed, StepBatch
 from claw_tasks.format.message import IngestArgs, IngestOutcome
-from claw_tasks.settings import broker_for
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
-from claw_tasks.worker.app import settings
 
 
 def sender(redis_url: str) -> Celery:
     """A sending app for the stack whose data store is ``redis_url`` (its broker is the
     standalone server when the store is a cluster)."""
-    return client_app(broker_for(redis_url, settings))
+    return client_app(get_settings().broker_for(redis_url))
 
 
 def send_unchecked(

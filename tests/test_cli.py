@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.format.message import IngestArgs
-from claw_tasks.settings import load_limits
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import META_CHUNK_SLOTS
 from claw_tasks.worker.ingest import process
@@ -64,7 +64,7 @@ def fill(url: str, namespace: str) -> Store:
         store.commit(batch(ep, n, task, agent, seed))
     bad = batch("e3", 3, "reach", "a1", 9)
     bad.reward[1] = np.nan
-    process(store, IngestArgs(namespace, bad.batch_id, bad.encode(), None), load_limits())
+    process(store, IngestArgs(namespace, bad.batch_id, bad.encode(), None), get_settings().limits)
     return store
 
 

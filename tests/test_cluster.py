@@ -20,7 +20,7 @@ from claw_tasks.client import Ingestor
 from claw_tasks.connection.client import is_cluster, redis_client
 from claw_tasks.connection.cluster import LocalCluster
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.settings import broker_for, load_settings
+from claw_tasks.settings import Settings
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from claw_tasks.worker.deadletter import REJECTS, REJECTS_OUTCOMES
@@ -136,17 +136,17 @@ def test_dead_letters_of_unknown_namespaces_stay_in_one_slot(redis_cluster):
 def test_a_cluster_store_needs_a_broker_of_its_own(redis_cluster, monkeypatch):
     """kombu and RedBeat cannot use a cluster: no broker named is a clear error."""
     monkeypatch.delenv("CLAW_BROKER_URL", raising=False)
-    settings = load_settings()
+    settings = Settings.from_env()
     with pytest.raises(ValueError, match="cannot be the Celery broker: set CLAW_BROKER_URL"):
-        broker_for(redis_cluster.url, settings)
+        settings.broker_for(redis_cluster.url)
     monkeypatch.setenv("CLAW_REDIS_URL", redis_cluster.url)
     with pytest.raises(ValueError, match="cannot be the Celery broker: set CLAW_BROKER_URL"):
-        load_settings()
+        Settings.from_env()
     monkeypatch.setenv("CLAW_BROKER_URL", "amqp://guest:guest@127.0.0.1//")
     with pytest.raises(ValueError, match="set CLAW_BEAT_REDIS_URL"):
-        load_settings()
+        Settings.from_env()
     monkeypatch.setenv("CLAW_BROKER_URL", "redis://127.0.0.1:1/0")
-    assert load_settings().beat_url == "redis://127.0.0.1:1/0"
+    assert Settings.from_env().beat_url == "redis://127.0.0.1:1/0"
 
 
 def _produce(ing: Ingestor, episodes: range, n_steps: int) -> None:

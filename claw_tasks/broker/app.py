@@ -12,7 +12,7 @@ from kombu import Queue
 from claw_tasks.broker import rabbitmq as amqp
 from claw_tasks.broker.schedule import beat_schedule
 from claw_tasks.broker.tls import broker_options
-from claw_tasks.settings import Settings, load_settings
+from claw_tasks.settings import Settings, get_settings
 
 QUEUES = ("ingest", "prefetch", "maintenance")
 # Task modules by string only: orchestrator imports claw_tasks, never the reverse.
@@ -56,7 +56,7 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
         redbeat_redis_url=settings.beat_url,  # never a cluster (settings.py)
         redbeat_key_prefix="claw:redbeat:",
         beat_scheduler="redbeat.RedBeatScheduler",
-        beat_schedule=beat_schedule(),  # claw_tasks/broker/schedule.py, CLAW_SCHEDULE
+        beat_schedule=beat_schedule(settings.schedule),  # claw_tasks/broker/schedule.py
         timezone="UTC",
     )
     app.conf.update(_broker_specific(broker, settings))
@@ -85,4 +85,4 @@ def _broker_specific(broker: str, settings: Settings) -> dict[str, object]:
 @cache
 def client_app(broker_url: str) -> Celery:
     """A sending-only app for ``broker_url`` (cached per URL)."""
-    return make_app(load_settings(), broker_url)
+    return make_app(get_settings(), broker_url)

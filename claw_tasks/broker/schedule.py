@@ -15,7 +15,6 @@ pops ask for fills when a queue runs low, so it runs every 15 s, not every secon
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import yaml
 from celery.schedules import crontab, schedule
 
 from claw_tasks.durations import DurationError, parse_duration
+from claw_tasks.settings import get_settings
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "claw-refill": {"task": "claw.maintenance.refill", "every": 15},
@@ -37,9 +37,10 @@ class ScheduleError(ValueError):
     """A schedule override that cannot be used; the message names the entry."""
 
 
-def overrides(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The deployment's overrides from ``CLAW_SCHEDULE`` (empty if unset)."""
-    text = (os.environ if env is None else env).get("CLAW_SCHEDULE", "").strip()
+def overrides(text: str | None = None) -> dict[str, Any]:
+    """The deployment's overrides: ``text`` in ``CLAW_SCHEDULE``'s form, default that
+    setting's (empty: none)."""
+    text = (get_settings().schedule if text is None else text).strip()
     if not text:
         return {}
     if not text.startswith("{"):
@@ -53,10 +54,11 @@ def overrides(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return doc
 
 
-def entries(env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """The defaults with the deployment's overrides applied (name -> settings)."""
+def entries(text: str | None = None) -> dict[str, dict[str, Any]]:
+    """The defaults with the overrides ``text`` (default ``CLAW_SCHEDULE``) applied (name ->
+    settings)."""
     out = {k: dict(v) for k, v in DEFAULTS.items()}
-    for name, spec in overrides(env).items():
+    for name, spec in overrides(text).items():
         if spec is None:
             out.pop(name, None)
             continue
@@ -91,11 +93,11 @@ def _seconds(every: Any) -> float:
     return seconds
 
 
-def beat_schedule(env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+def beat_schedule(text: str | None = None) -> dict[str, dict[str, Any]]:
     """Celery's ``beat_schedule``: every entry on the maintenance queue (or its own
     ``queue``), expiring if not started within its interval (no pile-up after downtime)."""
     out = {}
-    for name, spec in entries(env).items():
+    for name, spec in entries(text).items():
         sched = when(spec)
         options: dict[str, Any] = {"queue": spec.get("queue", "maintenance")}
         if isinstance(sched, schedule):

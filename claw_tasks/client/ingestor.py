@@ -31,7 +31,7 @@ from claw_tasks.client.sending import FlushResult, Inflight, IngestError, Sender
 from claw_tasks.format.batch import STR_META, Ragged, StepBatch, info_problem
 from claw_tasks.format.schema import MAX_STEP_BYTES, Schema, SchemaError
 from claw_tasks.format.turns import prompt_key, turn_fields, turn_info
-from claw_tasks.settings import broker_for, load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.retention import Retention
@@ -116,7 +116,7 @@ class Ingestor(Sender):
         compress_at: str | None = None,
         codec_threads: int = 1,
     ) -> None:
-        settings = load_settings()
+        settings = get_settings()
         retention = Retention.of(retention)
         self.compress_at = compress_at or settings.compress_at
         if self.compress_at not in ("producer", "worker"):
@@ -127,7 +127,7 @@ class Ingestor(Sender):
             schema = schema.with_codecs(self.codecs)
         self.namespace = namespace or settings.namespace
         self.redis_url = redis_url or settings.redis_url
-        self.app = client_app(broker_url or broker_for(redis_url, settings))
+        self.app = client_app(broker_url or settings.broker_for(redis_url))
         self.store = Store(self.redis_url, self.namespace)
         if not self.store.exists():
             self.store.create(capacity or DEFAULT_CAPACITY, n_shards or 1, schema, retention)

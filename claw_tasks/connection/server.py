@@ -26,9 +26,8 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from claw_tasks.connection.client import redis_client
-from claw_tasks.settings import redact_url
+from claw_tasks.settings import DEFAULT_REDIS_URL, get_settings, redact_url
 
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_OPTIONS: dict[str, str] = {"save": "", "appendonly": "no"}
 _FORCED_OPTIONS: dict[str, str] = {"maxmemory-policy": "noeviction"}
 _URL_FILE = "claw-server.url"
@@ -286,17 +285,18 @@ def ensure_redis(
     """The Redis URL to use, and the embedded server if one was started here (caller stops it).
 
     An explicit `url`, else CLAW_REDIS_URL, must answer. With neither, the local default
-    (redis://127.0.0.1:6379/0) is used when it answers; otherwise an embedded redis-server
+    (``DEFAULT_REDIS_URL``) is used when it answers; otherwise an embedded redis-server
     with AOF persistence runs in `data_dir` (default `embedded_dir()`). An embedded server
     that another process already runs in that dir is reused (and not returned).
     """
-    configured = url or os.environ.get("CLAW_REDIS_URL")
+    settings = get_settings()
+    configured = url or (settings.redis_url if settings.is_set("CLAW_REDIS_URL") else None)
     if configured:
         if not redis_answers(configured, timeout=2.0):
             raise ConnectionError(f"Redis at {redact_url(configured)} does not answer PING")
         return configured, None
-    if redis_answers(DEFAULT_URL):
-        return DEFAULT_URL, None
+    if redis_answers(DEFAULT_REDIS_URL):
+        return DEFAULT_REDIS_URL, None
     directory = Path(data_dir) if data_dir is not None else embedded_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with _locked(directory / "claw-server.lock"):

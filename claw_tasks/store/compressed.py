@@ -25,7 +25,7 @@ from claw_tasks.codecs.delta import (
 from claw_tasks.format.batch import FieldValue, Placed, Ragged
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 
@@ -33,7 +33,7 @@ from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 @functools.cache
 def codec_threads() -> int:
     """Threads a batch's frames are encoded or decoded in (``CLAW_CODEC_THREADS``)."""
-    return load_settings().codec_threads
+    return get_settings().codec_threads
 
 
 def raw_rows(spec: FieldSpec, v: FieldValue) -> np.ndarray | list[np.ndarray]:

@@ -10,7 +10,7 @@ from celery import signals
 
 from claw_tasks.broker import rabbitmq as amqp
 from claw_tasks.broker.app import make_app
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.worker import transport
 
 TRANSPORT = transport.Transport  # registered for redis:// and rediss:// by the import
@@ -22,5 +22,4 @@ def _declare_amqp_queues(sender: str, instance: object, conf: object, **_: objec
         amqp.declare_all(instance.app)  # type: ignore[attr-defined]
 
 
-settings = load_settings()
-app = make_app(settings)
+app = make_app(get_settings())

@@ -8,7 +8,7 @@ from functools import cache
 
 from claw_tasks.connection import client as connect
 from claw_tasks.connection.client import Client
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.worker.lru import LRU
 
@@ -17,10 +17,10 @@ from claw_tasks.worker.lru import LRU
 def redis_client() -> Client:
     """This worker process's client of the data store (made lazily, so each prefork child
     gets its own connection pool)."""
-    return connect.redis_client(load_settings().redis_url)
+    return connect.redis_client(get_settings().redis_url)
 
 
-stores: LRU[str, Store] = LRU(load_settings().namespace_cache_size)
+stores: LRU[str, Store] = LRU(get_settings().namespace_cache_size)
 
 
 def store_for(namespace: str) -> Store:

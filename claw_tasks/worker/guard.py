@@ -24,7 +24,7 @@ from kombu.serialization import loads
 from claw_tasks.broker import rabbitmq as amqp
 from claw_tasks.connection.client import redis_client
 from claw_tasks.format.message import TASK, Rejected
-from claw_tasks.settings import IngestLimits, load_settings
+from claw_tasks.settings import IngestLimits, get_settings
 from claw_tasks.worker.ingest import parse_message, reject
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def check_body(body: Any) -> tuple[list[Any], dict[str, Any]]:
 
 @cache
 def _claw() -> tuple[redis.Redis, IngestLimits]:
-    s = load_settings()
+    s = get_settings()
     return redis_client(s.redis_url), s.limits
 
 

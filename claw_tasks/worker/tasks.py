@@ -9,8 +9,9 @@ from celery import Task
 from celery.utils.time import get_exponential_backoff_interval
 
 from claw_tasks.format.message import TASK, IngestOutcome, Rejected
+from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceDropped
-from claw_tasks.worker.app import app, settings
+from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import forget_namespace, redis_client, store_for
 from claw_tasks.worker.ingest import is_transient, reject, run
 
@@ -23,14 +24,14 @@ log = logging.getLogger(__name__)
     name=TASK,
     acks_late=True,
     reject_on_worker_lost=True,
-    max_retries=settings.limits.retries,
+    max_retries=get_settings().limits.retries,
 )
 def ingest(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Commit one batch of steps. Args ``[version, namespace, batch_id, payload,
     stage_key]`` (see ``claw_tasks.format.message``), checked here as from any sender. A batch for
     a dropped namespace is discarded (counted in ``claw:rejects``) and its Store forgotten."""
     try:
-        outcome = run(redis_client(), args, kwargs, settings.limits, store_for)
+        outcome = run(redis_client(), args, kwargs, get_settings().limits, store_for)
     except NamespaceDropped:
         forget_namespace(args[1])
         log.warning("batch %s: namespace %r was dropped; discarded", args[2], args[1])
@@ -58,7 +59,7 @@ def _retry_or_give_up(task: Task, args: Any, e: Exception) -> IngestOutcome:
         reject(
             redis_client(),
             Rejected("transient", reason, namespace),
-            settings.limits,
+            get_settings().limits,
             payload=payload,
             batch_id=batch_id,
         )

@@ -1,11 +1,12 @@
-"""The `claw` Typer app and what every command shares: the --redis-url option, the
-one-line error for expected failures, the Redis client, signal handling. The commands
-live in orchestrator.cli.commands and register on this app when that package is
-imported (orchestrator.cli.main does)."""
+"""The `claw` Typer app and what every command shares: the --redis-url option (the one
+place a flag overrides the settings), the one-line error for expected failures, the Redis
+client, signal handling. The commands live in orchestrator.cli.commands and register on
+this app when that package is imported (orchestrator.cli.main does)."""
 
 from __future__ import annotations
 
 import functools
+import os
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from rich.console import Console
 
 from claw_tasks.connection import client as connect
 from claw_tasks.connection.server import ensure_redis
-from claw_tasks.settings import redact_url
+from claw_tasks.settings import DEFAULT_REDIS_URL, Settings, redact_url, use_settings
 
 app = typer.Typer(
     name="claw",
@@ -60,13 +61,18 @@ def _root(
     redis_url: Annotated[
         str | None,
         typer.Option(
-            envvar="CLAW_REDIS_URL",
-            help="The step store. Unset: redis://127.0.0.1:6379/0 if it answers, else an "
-            "embedded redis-server with its data in ~/.cache/claw/redis.",
+            help=f"The step store (default CLAW_REDIS_URL). Unset: {DEFAULT_REDIS_URL} if "
+            "it answers, else an embedded redis-server with its data in ~/.cache/claw/redis.",
         ),
     ] = None,
 ) -> None:
-    ctx.obj = redis_url
+    """Every command reads this process's settings (claw_tasks/settings.py): the
+    environment, with ``--redis-url`` standing for ``CLAW_REDIS_URL`` (so the broker
+    and beat defaults follow it). ``ctx.obj`` is the store URL configured, if any."""
+    env = dict(os.environ) if redis_url is None else {**os.environ, "CLAW_REDIS_URL": redis_url}
+    settings = Settings.from_env(env)
+    use_settings(settings)
+    ctx.obj = settings.redis_url if settings.is_set("CLAW_REDIS_URL") else None
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from typing import Self
 
 from claw_tasks.broker.app import QUEUES
 from claw_tasks.connection.server import RedisServer, embedded_dir, ensure_redis, log_tail
+from claw_tasks.settings import get_settings
 
 _PR_SET_PDEATHSIG = 1
 KEEP_LOGS = 5  # earlier logs kept per service: x.log.1 (the last run) … x.log.5
@@ -224,7 +225,7 @@ class DevStack:
     def start_redis(self, url: str | None = None) -> str:
         """Use the Redis at `url` / CLAW_REDIS_URL / the local default, else start one."""
         self.redis_url, self.redis_server = ensure_redis(url)
-        self.broker_url = os.environ.get("CLAW_BROKER_URL") or self.redis_url
+        self.broker_url = get_settings().broker_for(self.redis_url)
         return self.redis_url
 
     def start_own_redis(self, directory: Path) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.broker.app import client_app
-from claw_tasks.settings import broker_for, load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, shm
 from orchestrator.delivery.registry import Entry, Registry
@@ -37,13 +37,13 @@ class BatchClient:
         *,
         broker_url: str | None = None,
     ) -> None:
-        settings = load_settings()
+        settings = get_settings()
         self.namespace = namespace or settings.namespace
         self.redis_url, self.broker_url = redis_url, broker_url  # as given (None: environment)
         url = redis_url or settings.redis_url
         self.store = Store(url, self.namespace)
         self.registry = Registry(self.store)
-        self.app = client_app(broker_url or broker_for(redis_url, settings))
+        self.app = client_app(broker_url or settings.broker_for(redis_url))
         self.host = shm.host_id()
         self._recipes: dict[str, Recipe] = {}
         self._popped: dict[str, int] = {}

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 from celery.signals import worker_process_init, worker_process_shutdown
 
+from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError
-from claw_tasks.worker.app import app, settings
+from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import forget_namespace as forget_store
 from claw_tasks.worker.caches import store_for
 from claw_tasks.worker.lru import LRU
@@ -62,7 +63,7 @@ def _detach_indexes(**_: Any) -> None:
     close_shared()
 
 
-plans: LRU[tuple[str, str], tuple[str, AugmentPlan | None]] = LRU(settings.plan_cache_size)
+plans: LRU[tuple[str, str], tuple[str, AugmentPlan | None]] = LRU(get_settings().plan_cache_size)
 REAP_EVERY_S = 60.0
 _last_reap = -math.inf
 

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from claw_tasks.client import IngestError, Ingestor
 from claw_tasks.format.schema import Schema
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.gateway.capture import CHAT, COMPLETION, CaptureError, Retokenizer, upstream_body
 from orchestrator.gateway.metrics import GatewayMetrics
@@ -46,12 +46,15 @@ class GatewayConfig:
     (their OpenAI API key); ``reward_token`` the reward endpoint (defaults to ``token``);
     ``metrics_token`` ``/metrics`` (CLAW_METRICS_TOKEN, as for ``claw metrics``; defaults
     to ``token``: the page names trajectories' traffic, so it is never open);
-    ``upstream_key`` is what the gateway sends upstream (agents never see it)."""
+    ``upstream_key`` is what the gateway sends upstream (agents never see it).
+    ``redis_url`` and ``broker_url`` default as every client's do
+    (``Settings.broker_for``: the workers' broker, ``CLAW_BROKER_URL``, when it is set)."""
 
     upstream: str
     namespace: str
     token: str
     redis_url: str | None = None
+    broker_url: str | None = None
     reward_token: str | None = None
     metrics_token: str | None = None
     upstream_key: str | None = None
@@ -181,12 +184,13 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         if ingestor is None:
-            store = Store(config.redis_url or load_settings().redis_url, config.namespace)
+            store = Store(config.redis_url or get_settings().redis_url, config.namespace)
             has_schema = store.exists() and store.config(refresh=True).schema is not None
             store.r.close()
             ingestor = Ingestor(
                 config.namespace,
                 config.redis_url,
+                broker_url=config.broker_url,
                 flush_interval=0.5,
                 schema=None if has_schema else Schema.llm(),
             )

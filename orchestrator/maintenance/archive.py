@@ -30,11 +30,12 @@ import redis
 from claw_tasks.connection.client import get_many
 from claw_tasks.format.batch import Ragged, StrColumn
 from claw_tasks.format.schema import tag_column
+from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.store.scan import read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
-from claw_tasks.worker.app import app, settings
+from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.maintenance.archive_files import MANIFEST, Manifest, namespace_dir, write_parquet
 from orchestrator.maintenance.lifecycle import list_namespaces
@@ -160,7 +161,7 @@ class Archiver:
         self.dir = namespace_dir(self.root, store.namespace)
         # A seq allocated but not committed holds the watermark back, until a later seq of
         # the shard has been committed for this long (its allocation is then abandoned).
-        self.grace = 2 * settings.visibility_timeout if grace is None else grace
+        self.grace = 2 * get_settings().visibility_timeout if grace is None else grace
         self.chunk_bytes = chunk_bytes
         self.progress = progress or (lambda n: None)
 
@@ -168,7 +169,7 @@ class Archiver:
         cfg = self.store.config(refresh=True)
         if cfg.schema is None:
             return ArchiveResult(self.store.namespace)
-        with ArchiveLock(self.store, lock_ttl or settings.archive_lock_ttl) as lock:
+        with ArchiveLock(self.store, lock_ttl or get_settings().archive_lock_ttl) as lock:
             self.lock = lock
             manifest = self._recover(cfg.n_shards, cfg.created)
             manifest.schema, manifest.spaces = cfg.schema.to_dict(), cfg.spaces
@@ -376,7 +377,7 @@ def archive(
     naming the namespace."""
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int, not {chunk_bytes!r}")
-    root = to or settings.archive_dir
+    root = to or get_settings().archive_dir
     if not root:
         raise ValueError("no archive directory: set CLAW_ARCHIVE_DIR on the workers, or pass `to`")
     names = [namespace] if namespace else list_namespaces(redis_client())

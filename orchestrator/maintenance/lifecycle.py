@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import redis
 
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DROPPED_TTL, dropped_key
 from claw_tasks.worker.caches import forget_namespace as forget_store
@@ -24,7 +24,7 @@ DROP_BATCH = 500
 """Keys per UNLINK: the values are freed in the background, so each call stays short."""
 DROP_SWEEPS = 3
 _indexes: LRU[tuple[str, float], tuple[SamplingIndex, Strings]] = LRU(
-    load_settings().namespace_cache_size
+    get_settings().namespace_cache_size
 )  # (namespace, config created) -> index
 
 

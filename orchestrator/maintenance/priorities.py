@@ -34,11 +34,12 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.durations import DurationError, parse_duration
+from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.layout import META_CHUNK_SLOTS, nan_xor
 from claw_tasks.store.scripts import Lua
-from claw_tasks.worker.app import app, settings
+from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.maintenance.evict import MaintenanceError
 from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
@@ -306,7 +307,7 @@ def priorities() -> dict[str, Any]:
             raw = store.config(refresh=True).priorities
             if not raw:
                 continue
-            done[ns] = Recompute(store, Rules.of(raw), settings.scorers).run()
+            done[ns] = Recompute(store, Rules.of(raw), get_settings().scorers).run()
         except NamespaceError:
             forget(ns)
         except Exception as e:

@@ -42,7 +42,7 @@ import numpy as np
 import redis
 
 from claw_tasks.connection.client import identity, redis_client
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.lru import LRU
@@ -108,7 +108,7 @@ def update_priorities(
 # ``namespace_cache_size`` namespaces, their ``Store`` and sampling session (the index).
 _lock = threading.Lock()
 _clients: dict[tuple[str, int], redis.Redis] = {}
-_cache_size = load_settings().namespace_cache_size
+_cache_size = get_settings().namespace_cache_size
 stores: LRU[tuple[Any, ...], Store] = LRU(_cache_size)  # (url, namespace, pid)
 sessions: LRU[tuple[Any, ...], _Session] = LRU(_cache_size)  # (server..., namespace, pid)
 
@@ -133,7 +133,7 @@ def close_shared() -> None:
 def _store(target: str | Store, redis_url: str | None) -> Store:
     if isinstance(target, Store):
         return target
-    url = redis_url or load_settings().redis_url
+    url = redis_url or get_settings().redis_url
     pid = os.getpid()
     with _lock:
         client = _clients.get((url, pid))

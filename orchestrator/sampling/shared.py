@@ -51,7 +51,7 @@ import numpy as np
 
 from claw_tasks.connection.client import identity, is_cluster
 from claw_tasks.format.schema import tag_column
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceConfig, Store
 from claw_tasks.store.layout import META
 from orchestrator.sampling.index import RebuildNeeded, SamplingIndex, release_heap
@@ -424,7 +424,7 @@ def make_index(store: Store) -> SamplingIndex:
     """The host's shared index of the namespace where ``/dev/shm`` exists, has room for
     two generations of its columns, and ``CLAW_SHARED_INDEX`` does not turn it off; else
     one of the process's own."""
-    if not (load_settings().shared_index and SHM_DIR.is_dir()):
+    if not (get_settings().shared_index and SHM_DIR.is_dir()):
         return SamplingIndex(store)
     cfg = store.config(refresh=True)
     need = 2 * cfg.n_shards * cfg.cap * _BYTES_PER_SLOT

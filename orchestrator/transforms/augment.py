@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from orchestrator.transforms.base import Op
 from orchestrator.transforms.features import GaussianNoise, Normalize
 from orchestrator.transforms.image import ColorJitter, RandomShift
@@ -143,7 +143,7 @@ def _build_op(entry: Any) -> Op:
     if name == "albumentations":  # imported here: albumentations is a heavy import
         from orchestrator.transforms.albu import Albumentations
 
-        return Albumentations(params, load_settings().albumentations)
+        return Albumentations(params, get_settings().albumentations)
     if name not in OPS:
         raise ValueError(f"unknown op {name!r}; known: {sorted(OPS)} and 'albumentations'")
     if not isinstance(params, Mapping):

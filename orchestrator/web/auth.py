@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from claw_tasks.settings import Settings, get_settings
 
 SESSION_TTL_S = 12 * 3600
 _N, _R, _P = 2**14, 8, 1  # scrypt cost: ~50 ms, 16 MiB per check
@@ -47,23 +48,23 @@ class Credentials:
 
 
 def load_credentials(
-    password_file: str | Path | None = None, env: dict[str, str] | None = None
+    password_file: str | Path | None = None, settings: Settings | None = None
 ) -> tuple[Credentials, str | None]:
     """The login from ``CLAW_WEB_USER`` (default ``claw``) and ``CLAW_WEB_PASSWORD``, or a
     password file (``--password-file`` / ``CLAW_WEB_PASSWORD_FILE``: the password, or a
     ``scrypt$…`` line from :func:`hash_password`). With neither, a random password is made;
     it is returned (second item) so the caller prints it once. Only the hash is kept."""
-    env = dict(os.environ) if env is None else env
-    user = env.get("CLAW_WEB_USER") or "claw"
-    path = password_file or env.get("CLAW_WEB_PASSWORD_FILE")
+    settings = settings or get_settings()
+    user = settings.web_user
+    path = password_file or settings.web_password_file
     if path:
         text = Path(path).read_text().strip()
         if not text:
             raise ValueError(f"password file {path} is empty: write a password or a scrypt$ hash")
         hashed = text if text.startswith("scrypt$") else hash_password(text)
         return Credentials(user, hashed), None
-    if env.get("CLAW_WEB_PASSWORD"):
-        return Credentials(user, hash_password(env["CLAW_WEB_PASSWORD"])), None
+    if settings.web_password:
+        return Credentials(user, hash_password(settings.web_password)), None
     generated = secrets.token_urlsafe(18)
     return Credentials(user, hash_password(generated)), generated
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from claw_tasks.settings import WEB_PORT
 from orchestrator.web.app import create_app
 from orchestrator.web.auth import Credentials
-
-DEFAULT_PORT = 8808
 
 
 def serve(
@@ -14,7 +13,7 @@ def serve(
     credentials: Credentials,
     *,
     host: str = "127.0.0.1",
-    port: int = DEFAULT_PORT,
+    port: int = WEB_PORT,
     read_only: bool = False,
     certfile: str | None = None,
     keyfile: str | None = None,

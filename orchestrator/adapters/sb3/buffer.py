@@ -58,7 +58,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import FieldSpec, Schema
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.experience import (
     Connection,
@@ -142,7 +142,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         self.handle_timeout_termination = handle_timeout_termination
         self.obs_dtype = np.dtype(observation_space.dtype)
         self.action_dtype = np.dtype(self._maybe_cast_dtype(action_space.dtype))
-        settings = load_settings()
+        settings = get_settings()
         if namespace is None:
             namespace = f"{settings.namespace}-sb3-{uuid.uuid4().hex[:10]}"
             log.info("ClawReplayBuffer: namespace %r (pass namespace= to choose one)", namespace)
@@ -206,7 +206,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         kw = self._init_kw
         redis_url, broker_url, namespace = kw["redis_url"], kw["broker_url"], self.namespace
         capacity = kw["capacity"]
-        probe = Store(redis_url or load_settings().redis_url, namespace)
+        probe = Store(redis_url or get_settings().redis_url, namespace)
         exists = probe.exists()
         probe.r.close()
         if capacity is None and not exists:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from claw_tasks.settings import load_settings, redact_url
+from claw_tasks.settings import get_settings, redact_url
 from orchestrator.adapters.experience import with_env_password, without_password
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class SavedState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         kw = dict(state["init"])
-        settings = load_settings()
+        settings = get_settings()
         kw["redis_url"] = with_env_password(kw["redis_url"], settings.redis_url)
         kw["broker_url"] = with_env_password(kw["broker_url"], settings.broker_url)
         generation = state["generation"]

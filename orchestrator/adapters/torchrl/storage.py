@@ -18,7 +18,7 @@ from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import FieldSpec, Schema
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.experience import (
     Connection,
@@ -93,7 +93,7 @@ class ClawStorage(StoreStorage):
     ) -> None:
         Storage.__init__(self, max_size)  # not StoreStorage's: it opens its own Redis store
         if namespace is None:
-            namespace = f"{load_settings().namespace}-torchrl-{uuid.uuid4().hex[:10]}"
+            namespace = f"{get_settings().namespace}-torchrl-{uuid.uuid4().hex[:10]}"
             log.info("ClawStorage: namespace %r (pass namespace= to choose one)", namespace)
         self._kw: dict[str, Any] = {
             "max_size": max_size,
@@ -144,7 +144,7 @@ class ClawStorage(StoreStorage):
         kw, namespace = self._kw, self.namespace
         capacity = kw["capacity"]
         if capacity is None:
-            probe = Store(kw["redis_url"] or load_settings().redis_url, namespace)
+            probe = Store(kw["redis_url"] or get_settings().redis_url, namespace)
             if not probe.exists():  # spare rows: a ring's oldest rows may be incomplete
                 capacity = self.max_size + 64
             probe.r.close()
@@ -374,7 +374,7 @@ class ClawStorage(StoreStorage):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Reconnect to the namespace (and generation) a :meth:`state_dict` was taken on."""
         kw = dict(state_dict["claw"])
-        settings = load_settings()
+        settings = get_settings()
         kw["redis_url"] = with_env_password(kw["redis_url"], settings.redis_url)
         kw["broker_url"] = with_env_password(kw["broker_url"], settings.broker_url)
         self.close()
@@ -395,7 +395,7 @@ class ClawStorage(StoreStorage):
     def _empty(self) -> None:
         """Start empty (``ReplayBuffer.empty``): move to a new namespace generation; the old
         one is dropped only with ``drop_on_empty``."""
-        old, url = self.namespace, self._kw["redis_url"] or load_settings().redis_url
+        old, url = self.namespace, self._kw["redis_url"] or get_settings().redis_url
         self.close()
         if self._kw["drop_on_empty"]:
             r = Store(url, old).r

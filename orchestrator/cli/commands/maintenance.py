@@ -13,7 +13,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from claw_tasks.connection.client import is_cluster
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
 from orchestrator.cli.app import app, err, friendly, redis_client
 from orchestrator.cli.doctor import CHECKS, Report, check_namespace
@@ -133,7 +133,7 @@ def show_schedule(
     """Beat's entries (maintenance tasks) with their next run (CLAW_SCHEDULE overrides)."""
     with redis_client(ctx) as (_, r):
         if is_cluster(r):  # RedBeat keeps the schedule on a standalone Redis (settings.py)
-            beat = redis.Redis.from_url(load_settings().beat_url)
+            beat = redis.Redis.from_url(get_settings().beat_url)
             found = beat_entries(beat)
             beat.close()
         else:

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from claw_tasks.broker.app import QUEUES
 from claw_tasks.connection.server import ensure_redis
-from claw_tasks.settings import load_settings, redact_url
+from claw_tasks.settings import METRICS_PORT, WEB_PORT, get_settings, redact_url
 from claw_tasks.store.acl import setuser_command
 from orchestrator.cli import demo as demo_run
 from orchestrator.cli import metrics as metrics_server
@@ -44,17 +44,18 @@ def up(
     flower: Annotated[bool, typer.Option(help="Run Flower")] = True,
     flower_port: int = 5555,
     metrics: Annotated[bool, typer.Option(help="Serve Prometheus metrics")] = True,
-    metrics_port: int = 9808,
+    metrics_port: int = METRICS_PORT,
     web: Annotated[bool, typer.Option(help="Run the web inspector (claw web)")] = True,
-    web_port: int = 8808,
+    web_port: int = WEB_PORT,
     log_dir: LogDir = None,
 ) -> None:
     """Run the dev stack: Redis, Celery workers, beat, Flower, metrics, the web inspector.
     Ctrl-C stops it."""
     logs = log_dir or default_log_dir()
     console = Console()
+    settings = get_settings()
     web_password = None  # made here (and printed once) unless one is configured
-    configured = os.environ.get("CLAW_WEB_PASSWORD") or os.environ.get("CLAW_WEB_PASSWORD_FILE")
+    configured = settings.web_password or settings.web_password_file
     if web and not configured:
         web_password = secrets.token_urlsafe(18)
     stop_on_sigterm()
@@ -68,7 +69,7 @@ def up(
                         stack.redis_url,
                         stack.broker_url,
                         "127.0.0.1",
-                        os.environ.get("CLAW_METRICS_TOKEN") or None,
+                        settings.metrics_token,
                     )
                     stack.on_stop(server.shutdown)
                 groups = [[q] for q in QUEUES] if per_queue else [list(QUEUES)]
@@ -79,7 +80,7 @@ def up(
                 stack.start(services)
             console.print(_stack_table(stack, metrics_port if metrics else None))
             if web_password:
-                user = os.environ.get("CLAW_WEB_USER") or "claw"
+                user = settings.web_user
                 console.print(
                     f"web inspector: http://127.0.0.1:{web_port}/ user [bold]{user}[/], password "
                     f"[bold]{web_password}[/] (printed once; set CLAW_WEB_PASSWORD to choose one)",
@@ -110,7 +111,7 @@ def up(
 @friendly
 def web(
     ctx: typer.Context,
-    port: Annotated[int, typer.Option(help="Port to serve on")] = 8808,
+    port: Annotated[int, typer.Option(help="Port to serve on")] = WEB_PORT,
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface)")] = (
         "127.0.0.1"
     ),
@@ -118,9 +119,8 @@ def web(
     password_file: Annotated[
         Path | None,
         typer.Option(
-            envvar="CLAW_WEB_PASSWORD_FILE",
-            help="File holding the password or its "
-            "scrypt$ hash (else CLAW_WEB_PASSWORD; else one is made and printed once)",
+            help="File holding the password or its scrypt$ hash (default "
+            "CLAW_WEB_PASSWORD_FILE; else CLAW_WEB_PASSWORD; else one is made and printed once)",
         ),
     ] = None,
     certfile: Annotated[Path | None, typer.Option(help="TLS certificate (serve HTTPS)")] = None,
@@ -132,7 +132,7 @@ def web(
 
     credentials, generated = load_credentials(password_file)
     url, server = ensure_redis(ctx.obj)
-    broker = os.environ.get("CLAW_BROKER_URL") or url
+    broker = get_settings().broker_for(url)
     scheme = "https" if certfile else "http"
     console = Console()
     console.print(f"Claw inspector on {scheme}://{host}:{port}/ (store {redact_url(url)})")
@@ -230,14 +230,15 @@ def demo(
 @friendly
 def metrics(
     ctx: typer.Context,
-    port: int = 9808,
+    port: int = METRICS_PORT,
     address: Annotated[str, typer.Option(help="Address to bind")] = "0.0.0.0",
 ) -> None:
     """Serve Prometheus metrics of the store and the Celery queues at /metrics. With
     CLAW_METRICS_TOKEN set, a scrape must send it as ``Authorization: Bearer <token>``."""
-    url = ctx.obj or load_settings().redis_url
-    broker = os.environ.get("CLAW_BROKER_URL") or url
-    token = os.environ.get("CLAW_METRICS_TOKEN") or None
+    settings = get_settings()
+    url = ctx.obj or settings.redis_url
+    broker = settings.broker_for(url)
+    token = settings.metrics_token
     server = metrics_server.serve(port, url, broker, address, token)
     Console().print(
         f"serving http://{address}:{port}/metrics (store {redact_url(url)}, "
@@ -283,7 +284,8 @@ def gateway(
     CLAW_METRICS_TOKEN (default CLAW_GATEWAY_TOKEN). docs/llm.md."""
     from orchestrator.gateway import GatewayConfig, serve
 
-    token = os.environ.get("CLAW_GATEWAY_TOKEN")
+    settings = get_settings()
+    token = settings.gateway_token
     if not token:
         raise ValueError(
             "CLAW_GATEWAY_TOKEN is not set: the gateway needs a token agents send as their "
@@ -297,9 +299,10 @@ def gateway(
         namespace=namespace,
         token=token,
         redis_url=url,
-        reward_token=os.environ.get("CLAW_GATEWAY_REWARD_TOKEN") or None,
-        metrics_token=os.environ.get("CLAW_METRICS_TOKEN") or None,
-        upstream_key=os.environ.get("CLAW_UPSTREAM_API_KEY") or None,
+        broker_url=settings.broker_for(url),
+        reward_token=settings.gateway_reward_token,
+        metrics_token=settings.metrics_token,
+        upstream_key=settings.upstream_api_key,
         tokenizer=str(tokenizer) if tokenizer else None,
         vllm_options=vllm_options,
         max_body_bytes=max_body_bytes,
@@ -308,7 +311,7 @@ def gateway(
     )
     Console().print(
         f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
-        f"(store {redact_url(url)}); Ctrl-C stops"
+        f"(store {redact_url(url)}, broker {redact_url(config.broker_url or url)}); Ctrl-C stops"
     )
     stop_on_sigterm()
     try:

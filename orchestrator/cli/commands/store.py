@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from claw_tasks.connection import client as connect
+from claw_tasks.connection.server import ensure_redis
 from claw_tasks.format.schema import Schema, tag_key
 from claw_tasks.settings import redact_url
 from claw_tasks.store import NamespaceError, Store
@@ -182,14 +183,18 @@ def recipes(
     whether the rate limiter makes prefetch wait (and why)."""
     from orchestrator.delivery.client import BatchClient
 
-    with redis_client(ctx) as (url, r):
-        if not Store(r, namespace).exists():
-            raise NamespaceError(f"namespace {namespace!r} does not exist at {redact_url(url)}")
+    url, server = ensure_redis(ctx.obj)  # the URL itself: a client must log in with it
+    try:
         client = BatchClient(namespace, url)
         try:
+            if not client.store.exists():
+                raise NamespaceError(f"namespace {namespace!r} does not exist at {redact_url(url)}")
             found = client.stats()
         finally:
             client.close()
+    finally:
+        if server is not None:
+            server.stop()
     if as_json:
         typer.echo(json.dumps(found, indent=2))
         return

@@ -107,11 +107,11 @@ def _stored(url: str, namespaces: list[str]):
         r.close()
 
 
-def _drop(url: str, namespaces: list[str]) -> None:
+def _drop(stack: DevStack, namespaces: list[str]) -> None:
     from orchestrator.delivery.client import BatchClient
 
     for ns in namespaces:
-        client = BatchClient(ns, url)
+        client = BatchClient(ns, stack.redis_url, broker_url=stack.broker_url)
         try:
             for name in client.registry.names():
                 client.unregister(name)  # its queued batches' shared memory too
@@ -132,7 +132,7 @@ def run(cfg: DemoConfig, console: Console) -> None:
             finally:
                 if not cfg.keep:
                     with contextlib.suppress(redis.RedisError, OSError):
-                        _drop(stack.redis_url, namespaces)
+                        _drop(stack, namespaces)
             own = " and Redis" if stack.redis_server else ""
             console.print(f"stopping the worker{own}…")
     finally:  # the demo's own server is stopped by now; its files go too
