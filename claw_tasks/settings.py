@@ -77,7 +77,7 @@ class Variable:
     def default_text(self) -> str:
         if self.shown is not None:
             return self.shown
-        if self.default is None or self.default == "":
+        if self.default is None or self.default in ("", ()):
             return "none"
         if isinstance(self.default, tuple):
             return f"`{','.join(self.default)}`"
@@ -320,8 +320,7 @@ BY_NAME: dict[str, Variable] = {v.name: v for v in VARIABLES}
 class IngestLimits:
     """What one ingest message may carry and cost; the worker dead-letters a batch past
     these before it reads a claim check, decompresses or allocates anything (the
-    ``CLAW_MAX_*``, ``CLAW_DEAD_LETTER_*``, ``CLAW_INGEST_RETRIES`` and
-    ``CLAW_VERIFY_FRAMES`` variables)."""
+    ``limits.*`` entries of ``VARIABLES``)."""
 
     message_bytes: int
     decompressed_bytes: int

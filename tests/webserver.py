@@ -20,14 +20,21 @@ def free_port() -> int:
 
 
 class WebServer:
-    def __init__(self, redis_url: str, log: Path, *args: str, password: str | None = "pw"):
+    def __init__(
+        self,
+        redis_url: str,
+        log: Path,
+        *args: str,
+        password: str | None = "pw",
+        broker_url: str | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {
             **os.environ,
             "CLAW_REDIS_URL": redis_url,
-            "CLAW_BROKER_URL": redis_url,
+            "CLAW_BROKER_URL": broker_url or redis_url,
             "PYTHONUNBUFFERED": "1",
             "COLUMNS": "200",
         }

@@ -69,8 +69,8 @@ def _root(
     """Every command reads this process's settings (claw_tasks/settings.py): the
     environment, with ``--redis-url`` standing for ``CLAW_REDIS_URL`` (so the broker
     and beat defaults follow it). ``ctx.obj`` is the store URL configured, if any."""
-    env = dict(os.environ) if redis_url is None else {**os.environ, "CLAW_REDIS_URL": redis_url}
-    settings = Settings.from_env(env)
+    flag = None if redis_url is None else {**os.environ, "CLAW_REDIS_URL": redis_url}
+    settings = Settings.from_env(flag)
     use_settings(settings)
     ctx.obj = settings.redis_url if settings.is_set("CLAW_REDIS_URL") else None
 
