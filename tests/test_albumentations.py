@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.settings import use_settings
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 from orchestrator.delivery.client import BatchClient
@@ -106,10 +107,12 @@ def test_only_allowlisted_transforms_are_accepted(monkeypatch):
         with pytest.raises(ValidationError, match=f"transform '{refused}' is not allowed"):
             _recipe(refused)
     monkeypatch.setenv("CLAW_ALBUMENTATIONS", "GaussianBlur")
+    use_settings()
     assert _recipe("GaussianBlur").augment
     with pytest.raises(ValidationError, match="'CoarseDropout' is not allowed on these workers"):
         _recipe("CoarseDropout", DROPOUT)
     monkeypatch.setenv("CLAW_ALBUMENTATIONS", "")
+    use_settings()
     with pytest.raises(ValidationError, match="'GaussianBlur' is not allowed"):
         _recipe("GaussianBlur")
 
