@@ -151,7 +151,12 @@ def test_redis_restarts_from_aof_and_a_worker_sigkill_lose_and_duplicate_nothing
         survivor = start_worker("ingest", 1, **env)
         victim = start_worker("ingest", 1, **env)
         ing = Ingestor(
-            namespace, server.url, flush_interval=None, flush_steps=10**9, resend_after=5
+            namespace,
+            server.url,
+            broker_url=server.url,
+            flush_interval=None,
+            flush_steps=10**9,
+            resend_after=5,
         )
         store = Store(server.url, namespace)
         for stop in (server.stop, server.kill):  # SHUTDOWN (AOF flushed), then SIGKILL

@@ -46,7 +46,7 @@ def _user(server: RedisServer, namespace: str) -> str:
 
 
 def _produce(url: str, namespace: str, episodes: int, steps: int) -> None:
-    ing = Ingestor(namespace, url, flush_interval=None)
+    ing = Ingestor(namespace, url, broker_url=url, flush_interval=None)  # the user's login
     for e in range(episodes):
         with ing.episode(episode_id=f"e{e}") as ep:
             for t in range(steps):
@@ -61,7 +61,7 @@ def test_namespace_users_produce_and_train_and_see_nothing_else(server, start_wo
     _produce(url_b, "b", 2, 10)
     _produce(url_a, "a", 3, 20)
 
-    trainer = BatchClient("a", url_a)
+    trainer = BatchClient("a", url_a, broker_url=url_a)
     trainer.register(
         {
             "name": "r",
