@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from orchestrator import BatchClient
-from orchestrator.adapters.llm import token_tensors
+from orchestrator.adapters.llm_trainers import token_tensors
 
 PAD, BOS, EOS, PLUS, EQ = 0, 1, 2, 3, 4
 DIGIT = 5  # tokens 5..14 are the digits 0..9

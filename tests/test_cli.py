@@ -27,8 +27,8 @@ from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import META_CHUNK_SLOTS
 from claw_tasks.worker.ingest import process
+from orchestrator.cli.exporter import registry_for, serve
 from orchestrator.cli.main import app
-from orchestrator.cli.metrics import registry_for, serve
 
 CLAW = str(Path(sys.executable).with_name("claw"))
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}  #(\d+)", re.M)

@@ -29,8 +29,8 @@ from orchestrator.cli.doctor import check_namespace
 from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.maintenance.archive import archive_namespace
 from orchestrator.maintenance.evict import evict_namespace
+from orchestrator.maintenance.eviction_choice import watermarks
 from orchestrator.maintenance.priorities import Recompute, Rules
-from orchestrator.maintenance.retention import watermarks
 
 SHARDS = 5  # more shards than the cluster's 3 masters
 T0 = 1_000_000.0

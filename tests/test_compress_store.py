@@ -286,7 +286,7 @@ def test_a_delta_fields_check_keeps_the_rows_it_decoded_for_the_commit(redis_url
 def test_metrics_serve_stored_and_raw_bytes_per_step(redis_url, namespace):
     from prometheus_client import generate_latest
 
-    from orchestrator.cli.metrics import registry_for
+    from orchestrator.cli.exporter import registry_for
 
     store = Store(redis_url, namespace)
     store.create(capacity=100, schema=_schema("zstd"))
@@ -322,7 +322,7 @@ def test_memory_of_compressed_frames_is_exact_not_sampled(own_redis_url):
     frame hash was off by 0.25-3x here."""
     from prometheus_client import generate_latest
 
-    from orchestrator.cli.metrics import registry_for
+    from orchestrator.cli.exporter import registry_for
     from orchestrator.inspect.namespaces import memory_by_namespace
     from orchestrator.maintenance.lifecycle import namespace_bytes
 

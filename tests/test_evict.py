@@ -281,8 +281,8 @@ def test_cli_sets_policy_stats_metrics_and_manual_eviction(store, redis_url):
     from prometheus_client import generate_latest
     from typer.testing import CliRunner
 
+    from orchestrator.cli.exporter import registry_for
     from orchestrator.cli.main import app
-    from orchestrator.cli.metrics import registry_for
 
     store.commit(batch(episode(1, 30, task_id="a")), now=T0)
     ns, env = store.namespace, {"CLAW_REDIS_URL": redis_url, "COLUMNS": "250"}

@@ -370,7 +370,7 @@ def test_group_by_must_be_a_value_of_the_schema():
 def test_torch_adapter_and_the_verl_and_trl_layouts(side):
     """The trajectory batch of the 3-turn session: token tensors, and the prompt/response
     split verl and TRL use (prompt left-padded, response right-padded)."""
-    from orchestrator.adapters.llm import token_tensors, trl_inputs, verl_fields
+    from orchestrator.adapters.llm_trainers import token_tensors, trl_inputs, verl_fields
 
     spec = Tokens(mode="trajectory", pad_multiple=8, padding_side=side, pad_token_id=99)
     fields = session(p2=[*P0, 50, 22])

@@ -202,7 +202,7 @@ def test_rate_limiter_waits_then_resumes(redis_url, broker_url, namespace, worke
     from prometheus_client import generate_latest
     from prometheus_client.core import CollectorRegistry
 
-    from orchestrator.cli.metrics import ClawCollector
+    from orchestrator.cli.exporter import ClawCollector
 
     registry = CollectorRegistry()
     registry.register(ClawCollector(redis_url, redis_url))

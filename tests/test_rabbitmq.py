@@ -28,7 +28,7 @@ from claw_tasks.client import Ingestor
 from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.format.message import IngestArgs
 from claw_tasks.store import Store
-from orchestrator.cli.metrics import ClawCollector
+from orchestrator.cli.exporter import ClawCollector
 from orchestrator.delivery.client import BatchClient
 
 

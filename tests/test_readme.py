@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from orchestrator.cli.metrics import registry_for
+from orchestrator.cli.exporter import registry_for
 from orchestrator.delivery.registry import Registry
 from orchestrator.recipe.model import Recipe
 from tests.test_cli import fill

@@ -16,8 +16,8 @@ from claw_tasks.codecs.delta import key_body
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 from claw_tasks.store.retention import Retention
+from orchestrator.maintenance.eviction_choice import protected_steps
 from orchestrator.maintenance.lifecycle import key_bytes
-from orchestrator.maintenance.retention import protected_steps
 
 # claw:{<ns>}:<rest> (namespace level) or claw:{<ns>:<shard>}:<rest> (shard level)
 _KEY = re.compile(rb"^claw:\{([^{}:]+)(?::(\d+))?\}:(.*)$", re.S)

@@ -1,7 +1,7 @@
 """``claw.maintenance.evict``: apply every namespace's retention policy (beat, 30 s).
 
 Per namespace the worker keeps a sampling index (synced from the change log each tick) to
-choose the steps (:mod:`orchestrator.maintenance.retention`); the store evicts them in
+choose the steps (:mod:`orchestrator.maintenance.eviction_choice`); the store evicts them in
 bounded script calls. A namespace that fails does not stop the others; the task then
 raises, so Flower shows it FAILED with the error.
 """
@@ -20,13 +20,13 @@ from claw_tasks.store.evict import PLAN_COLUMNS
 from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.maintenance.dictprune import prune_dictionaries
+from orchestrator.maintenance.eviction_choice import Choice, choose, watermarks
 from orchestrator.maintenance.lifecycle import (
     forget,
     list_namespaces,
     namespace_bytes,
     synced_index,
 )
-from orchestrator.maintenance.retention import Choice, choose, watermarks
 from orchestrator.sampling.index import SamplingIndex
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import numpy as np
 
 from claw_tasks.connection.client import redis_client
 from claw_tasks.format.arrays import unpackb
-from claw_tasks.format.schema import tag_column
+from claw_tasks.format.schema import LLM_FIELDS, tag_column
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import (
     SPARSE_CHUNK_SLOTS,
@@ -32,7 +32,7 @@ from orchestrator.inspect.query import Query
 from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.candidates import eligible
-from orchestrator.web import charts, llm, thumbs
+from orchestrator.web import charts, thumbs, transcript
 
 PAGE = 50
 NAMESPACE_PAGE = 25  # namespaces a page shows: each costs its stats and an index sync
@@ -260,7 +260,11 @@ class Inspector:
             rewards = cols["reward"][rows].astype(np.float64)
             page_rows = rows[page * EPISODE_PAGE : (page + 1) * EPISODE_PAGE]
             meta = {k: v[page_rows] for k, v in cols.items()}  # copies: the index has them all
-            group = llm.rollouts(cols, llm.group_rows(cols, rows), code) if len(rows) else []
+            group = (
+                transcript.rollouts(cols, transcript.group_rows(cols, rows), code)
+                if len(rows)
+                else []
+            )
             rows_of = np.array([g["row"] for g in group], np.int64)
             for g, gname in zip(group, self.episode_names(q, rows_of), strict=True):
                 g["name"] = gname
@@ -307,10 +311,10 @@ class Inspector:
                 }
             )
         llm_view = None
-        if llm.is_llm(schema.fields):
-            ragged = [f for f in (*llm.LLM_FIELDS, "response_mask") if f in schema.fields]
+        if transcript.is_llm(schema.fields):
+            ragged = [f for f in (*LLM_FIELDS, "response_mask") if f in schema.fields]
             got = store.read_fields(shards, slots, ragged)
-            llm_view = {"turns": llm.turns(steps, infos, got), "group": group}
+            llm_view = {"turns": transcript.turns(steps, infos, got), "group": group}
         return {
             "name": name,
             "steps": steps,

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from orchestrator.cli import archival
+from orchestrator.cli import archive_progress
 from orchestrator.cli.app import app, friendly, redis_client
 
 
@@ -22,7 +22,7 @@ def archive(
 ) -> None:
     """Archive the steps not archived yet to Parquet (what the nightly task does)."""
     with redis_client(ctx) as (_, r):
-        archival.archive(r, namespace, to, Console(), as_json)
+        archive_progress.archive(r, namespace, to, Console(), as_json)
 
 
 @app.command()
@@ -35,7 +35,7 @@ def restore(
 ) -> None:
     """Bring archived steps back, bit-exact, with new ids (tags.orig_id holds the old)."""
     with redis_client(ctx) as (_, r):
-        archival.restore_archive(r, archive_dir, namespace, Console(), as_json)
+        archive_progress.restore_archive(r, archive_dir, namespace, Console(), as_json)
 
 
 _MinariRoot = Annotated[
@@ -86,11 +86,11 @@ def export(
                 "(`claw archive NS --to DIR` writes it)",
                 param_hint="--archive",
             )
-        archival.export_plain(namespace, archive_dir, Path(to), Console(), as_json)
+        archive_progress.export_plain(namespace, archive_dir, Path(to), Console(), as_json)
         return
     _only_minari(fmt)
     with redis_client(ctx) as (_, r):
-        archival.export(r, namespace, to, minari_root, Console(), as_json)
+        archive_progress.export(r, namespace, to, minari_root, Console(), as_json)
 
 
 @app.command("import")
@@ -106,4 +106,4 @@ def import_(
     """Import an offline dataset (Minari) as steps tagged origin=offline."""
     _only_minari(fmt)
     with redis_client(ctx) as (_, r):
-        archival.import_dataset(r, dataset, namespace, minari_root, Console(), as_json)
+        archive_progress.import_dataset(r, dataset, namespace, minari_root, Console(), as_json)

@@ -17,7 +17,7 @@ from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
 from orchestrator.cli.app import app, err, friendly, redis_client
 from orchestrator.cli.doctor import CHECKS, Report, check_namespace
-from orchestrator.cli.retention import retention_policy
+from orchestrator.cli.retention_options import retention_policy
 from orchestrator.cli.schedule import beat_entries
 from orchestrator.cli.steplog import parse_ids
 from orchestrator.inspect.namespaces import scan_keys

@@ -20,7 +20,7 @@ from claw_tasks.connection.server import ensure_redis
 from claw_tasks.settings import METRICS_PORT, WEB_PORT, get_settings, redact_url
 from claw_tasks.store.acl import setuser_command
 from orchestrator.cli import demo as demo_run
-from orchestrator.cli import metrics as metrics_server
+from orchestrator.cli import exporter as metrics_server
 from orchestrator.cli.app import LogDir, app, friendly, stop_on_sigterm
 from orchestrator.cli.devstack import (
     DevStack,
