@@ -17,7 +17,7 @@ import cv2
 import numpy as np
 
 from orchestrator.delivery import shm
-from orchestrator.delivery.wire import Batch, Frame, decode_batch, frame_batch
+from orchestrator.delivery.wire import Batch, WireBatch, decode_batch, to_wire
 from orchestrator.transforms.augment import build_pipelines
 
 H = W = 84
@@ -94,8 +94,10 @@ def augment_rows(batch: dict[str, np.ndarray], repeat: int) -> list[tuple[str, f
     return rows
 
 
-def decode_rows(frame: Frame, batch: dict[str, np.ndarray], repeat: int) -> list[tuple[str, float]]:
-    blob = frame.tobytes()
+def decode_rows(
+    wire: WireBatch, batch: dict[str, np.ndarray], repeat: int
+) -> list[tuple[str, float]]:
+    blob = wire.tobytes()
     host = shm.host_id()
     sink = {k: np.empty_like(v) for k, v in batch.items()}
 
@@ -109,7 +111,7 @@ def decode_rows(frame: Frame, batch: dict[str, np.ndarray], repeat: int) -> list
     def from_shm(copy_out: bool) -> float:
         times = []
         for _ in range(repeat):
-            msg = shm.to_message(frame, reader_host=host, threshold=0)
+            msg = shm.to_message(wire, reader_host=host, threshold=0)
             start = time.perf_counter()
             decoded = shm.from_message(msg)
             if copy_out:
@@ -119,14 +121,14 @@ def decode_rows(frame: Frame, batch: dict[str, np.ndarray], repeat: int) -> list
         return statistics.median(times)
 
     def shm_round_trip() -> None:
-        shm.from_message(shm.to_message(frame, reader_host=host, threshold=0))
+        shm.from_message(shm.to_message(wire, reader_host=host, threshold=0))
 
     return [
         ("reader: decode from bytes in memory", median_s(lambda: decode_batch(blob), repeat)),
         ("reader: map + decode from shm", from_shm(copy_out=False)),
         ("reader: decode from bytes + copy every array out", median_s(copy_from_bytes, repeat)),
         ("reader: map + decode from shm + copy every array out", from_shm(copy_out=True)),
-        ("writer: encode to bytes", median_s(frame.tobytes, repeat)),
+        ("writer: encode to bytes", median_s(wire.tobytes, repeat)),
         ("writer + reader: shm write, map, decode", median_s(shm_round_trip, repeat)),
     ]
 
@@ -152,13 +154,13 @@ def main() -> None:
     for label, claw, alb in augment_rows(batch, args.repeat):
         print(f"| {label} | {claw:,.0f} | {alb:,.0f} | {claw / alb:.1f}x |")
     n = args.batch
-    frame = frame_batch(
+    wire = to_wire(
         {**batch, "reward": np.zeros(n, np.float32)}, ids=np.arange(n), weights=np.ones(n)
     )
-    print(f"\n## One {frame.nbytes / 1e6:.1f} MB batch (obs + next_obs + reward): wire cost\n")
+    print(f"\n## One {wire.nbytes / 1e6:.1f} MB batch (obs + next_obs + reward): wire cost\n")
     print("| step | median ms |")
     print("|---|---:|")
-    for label, seconds in decode_rows(frame, batch, args.repeat):
+    for label, seconds in decode_rows(wire, batch, args.repeat):
         print(f"| {label} | {seconds * 1e3:.3f} |")
 
 

@@ -101,7 +101,7 @@ def stages(reg: Registry, recipe: Recipe, batches: int, to_trainer: Any) -> Coun
         (prefetch, "sample", "sample (sync, draw, fetch)"),
         (Fetcher, "__call__", "of which payload fetch"),
         (AugmentPlan, "apply", "augment"),
-        (prefetch, "frame_batch", "frame"),
+        (prefetch, "to_wire", "lay out for the wire"),
         (shm, "write_segment", "write into the segment"),
         (prefetch, "push", "push"),
     ]

@@ -11,7 +11,7 @@ import zstandard
 
 from claw_tasks.client import Ingestor
 from claw_tasks.client.sending import encode_batch
-from claw_tasks.codecs import Codec, Frames, encode
+from claw_tasks.codecs import Codec, CodecFrames, encode
 from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec, Schema
@@ -132,7 +132,7 @@ def test_hostile_frames_are_dead_lettered_before_they_are_stored(redis_url, name
     }
     sent = [hostile.get(i, f) for i, f in enumerate(good)]
     b = _batch(frames)
-    b.fields["obs"] = Encoded(zstd, np.dtype("|u1"), (8, *SHAPE), Frames.of(sent))
+    b.fields["obs"] = Encoded(zstd, np.dtype("|u1"), (8, *SHAPE), CodecFrames.of(sent))
     b.next_obs = Encoded(zstd, np.dtype("|u1"), (1, *SHAPE), encode(zstd, frames[-1:]))
     send_unchecked(redis_url, store, b)
     out = outcome(store, b.batch_id)
@@ -147,7 +147,7 @@ def test_hostile_frames_are_dead_lettered_before_they_are_stored(redis_url, name
     np.testing.assert_array_equal(got["obs"], frames[[0, 4, 6, 7]])
     # frames declaring more than CLAW_MAX_DECOMPRESSED_BYTES (256 MiB) in all: refused whole
     b3 = _batch(frames, "h3")
-    b3.fields["obs"] = Encoded(zstd, np.dtype("|u1"), (8, *SHAPE), Frames.of([bomb] * 8))
+    b3.fields["obs"] = Encoded(zstd, np.dtype("|u1"), (8, *SHAPE), CodecFrames.of([bomb] * 8))
     b3.next_obs = None
     b3.next_rows = np.zeros(0, np.int32)
     send_unchecked(redis_url, store, b3)

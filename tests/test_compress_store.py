@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import redis
 
-from claw_tasks.codecs import Codec, Frames, encode
+from claw_tasks.codecs import Codec, CodecFrames, encode
 from claw_tasks.format.arrays import unpackb
 from claw_tasks.format.batch import Ragged, StepBatch, StrColumn
 from claw_tasks.format.encoded import Encoded
@@ -268,7 +268,7 @@ def test_a_delta_fields_check_keeps_the_rows_it_decoded_for_the_commit(redis_url
     obs = _obs(EP_LEN, 8)
     frames = [bytes(f) for f in encode(c, obs)]
     frames[4] = frames[4][:-4]  # truncated
-    enc = Encoded(c, np.dtype("|u1"), (EP_LEN, *SHAPE), Frames.of(frames))
+    enc = Encoded(c, np.dtype("|u1"), (EP_LEN, *SHAPE), CodecFrames.of(frames))
     problems = enc.problems(1 << 20)
     assert list(problems) == [4] and "does not decode" in problems[4]
     good = np.setdiff1d(np.arange(EP_LEN), [4])

@@ -25,7 +25,7 @@ from claw_tasks.store import Store
 from orchestrator.cli.devstack import DevStack, worker_service
 from orchestrator.delivery import shm, wire
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.wire import frame_batch
+from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
 
 AOF_ALWAYS = {"appendonly": "yes", "appendfsync": "always"}
@@ -218,7 +218,7 @@ def _recipe(name: str) -> Recipe:
 def test_pop_skips_garbage_queue_items_counts_them_and_logs_once(redis_url, namespace, r, caplog):
     client = BatchClient(namespace, redis_url)
     client.registry.put(_recipe("g"), shm.host_id())
-    good = frame_batch({"obs": np.ones((4, 2), np.float32)}, np.arange(4), recipe_version=1)
+    good = to_wire({"obs": np.ones((4, 2), np.float32)}, np.arange(4), recipe_version=1)
     ref = struct.pack("<4sI", shm.REF_MAGIC, wire.VERSION)
     garbage = [
         b"",

@@ -2,7 +2,7 @@
 (no client, no Celery sender) against a real worker on a private Redis.
 
 Cases come from structured mutations of valid messages (every layer: envelope, headers,
-body, args, batch map, array frames, a compressed field's frames: bombs, lying sizes) and
+body, args, batch map, packed arrays, a compressed field's frames: bombs, lying sizes) and
 from hypothesis (arbitrary msgpack where each part goes). Afterwards: the worker is alive
 and commits a valid batch; every message has exactly one outcome (committed, partial,
 rejected with a reason, duplicate) — none vanishes; every stored frame decodes; Redis
@@ -36,9 +36,9 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from claw_tasks.client import Ingestor
-from claw_tasks.codecs import Codec, Frames, encode
+from claw_tasks.codecs import Codec, CodecFrames, encode
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.format.arrays import frame, packb
+from claw_tasks.format.arrays import pack_array, packb
 from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.message import MESSAGE_VERSION
@@ -114,10 +114,10 @@ def m_codec(d: dict, rng: random.Random, m: Material) -> None:
     )
     for i in rng.sample(range(n), k=rng.randint(1, n)) if n else []:
         frames[i] = bad
-    enc = Encoded(ZSTD, np.dtype("|u1"), (n, *IMG), Frames.of(frames)).to_msg()
+    enc = Encoded(ZSTD, np.dtype("|u1"), (n, *IMG), CodecFrames.of(frames)).to_msg()
     what = rng.randrange(8)
     if what == 1:
-        enc["offsets"] = frame(np.array([0, 5, 2, 10**9][: n + 1], np.int64))
+        enc["offsets"] = pack_array(np.array([0, 5, 2, 10**9][: n + 1], np.int64))
     elif what == 2:
         enc["codec"] = rng.choice(["lz4", "png", "jpeg", "gzip", 5, None, "zstd:99"])
     elif what == 3:
@@ -127,7 +127,7 @@ def m_codec(d: dict, rng: random.Random, m: Material) -> None:
     elif what == 5:
         enc[rng.choice(["extra", "data"])] = rng.choice(GARBAGE)
     elif what == 6:
-        enc = {"codec": "zstd", "values": frame(np.zeros(n, np.uint8))}
+        enc = {"codec": "zstd", "values": pack_array(np.zeros(n, np.uint8))}
     d.setdefault("fields", {})["img"] = enc
 
 
@@ -152,13 +152,13 @@ class Material:
         self.zstd_nosize = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(64))
         self.zstd_liar = zc.compress(bytes(65))  # one byte more than the field's row
         self.n_big = 70_000  # rows, over CLAW_MAX_BATCH_STEPS' 65536
-        z = frame(np.zeros(self.n_big, np.int64))
+        z = pack_array(np.zeros(self.n_big, np.int64))
         self.big_cols = {
             "step_index": z,
-            "reward": frame(np.zeros(self.n_big, np.float32)),
-            "terminated": frame(np.zeros(self.n_big, bool)),
-            "truncated": frame(np.zeros(self.n_big, bool)),
-            "episode": [["e"], frame(np.zeros(self.n_big, np.int32))],
+            "reward": pack_array(np.zeros(self.n_big, np.float32)),
+            "terminated": pack_array(np.zeros(self.n_big, bool)),
+            "truncated": pack_array(np.zeros(self.n_big, bool)),
+            "episode": [["e"], pack_array(np.zeros(self.n_big, np.int32))],
         }
 
 
@@ -197,7 +197,7 @@ DTYPES = [
     None,
     "x" * 40,
 ]
-FRAME_KEYS = [
+PACKED_KEYS = [
     "step_index",
     "reward",
     "terminated",
@@ -210,16 +210,16 @@ FRAME_KEYS = [
 
 
 def _n(d: dict) -> int:
-    """The batch's step count as its reward frame declares it (1 if that is garbage)."""
+    """The batch's step count as its packed reward array declares it (1 if that is garbage)."""
     try:
         return max(0, min(int(d["reward"][1][0]), 64))
     except (KeyError, TypeError, ValueError, IndexError):
         return 1
 
 
-def _frame_ref(d: dict, rng: random.Random) -> tuple[Any, Any]:
-    """(container, key) of a random array frame in a batch map."""
-    choices: list[tuple[Any, Any]] = [(d, k) for k in FRAME_KEYS if isinstance(d.get(k), list)]
+def _packed_ref(d: dict, rng: random.Random) -> tuple[Any, Any]:
+    """(container, key) of a random packed array in a batch map."""
+    choices: list[tuple[Any, Any]] = [(d, k) for k in PACKED_KEYS if isinstance(d.get(k), list)]
     if isinstance(d.get("episode"), list) and len(d["episode"]) == 2:
         choices.append((d["episode"], 1))
     if isinstance(d.get("fields"), dict):
@@ -227,8 +227,8 @@ def _frame_ref(d: dict, rng: random.Random) -> tuple[Any, Any]:
     return rng.choice(choices) if choices else (d, "reward")
 
 
-def m_frame(d: dict, rng: random.Random, m: Material) -> None:
-    box, key = _frame_ref(d, rng)
+def m_packed(d: dict, rng: random.Random, m: Material) -> None:
+    box, key = _packed_ref(d, rng)
     f = box[key]
     f = list(f) if isinstance(f, list) and len(f) == 4 else ["<f4", [1], b"\0" * 4, False]
     what = rng.randrange(9)
@@ -276,18 +276,18 @@ def m_episode(d: dict, rng: random.Random, m: Material) -> None:
     n = _n(d)
     d["episode"] = rng.choice(
         [
-            [[1, 2], frame(np.zeros(n, np.int32))],
-            [["a"], frame(np.full(n, 5, np.int32))],
-            [["a"], frame(np.full(n, -2, np.int32))],
+            [[1, 2], pack_array(np.zeros(n, np.int32))],
+            [["a"], pack_array(np.full(n, 5, np.int32))],
+            [["a"], pack_array(np.full(n, -2, np.int32))],
             [["a"]],
             "ep",
-            [["a"], frame(np.zeros(n + 3, np.int32))],
+            [["a"], pack_array(np.zeros(n + 3, np.int32))],
         ]
     )
 
 
 def m_info(d: dict, rng: random.Random, m: Material) -> None:
-    d["info_rows"] = frame(np.array([0], np.int32))
+    d["info_rows"] = pack_array(np.array([0], np.int32))
     d["info"] = rng.choice(
         [[{1: "x"}], [{"a": [1, 2]}], "str", [[1]], [{"a": {"b": 1}}], [None], [{"a": 1}, {"b": 2}]]
     )
@@ -304,11 +304,11 @@ def m_values(d: dict, rng: random.Random, m: Material) -> None:
             ("reward", np.full(n, rng.choice([np.nan, np.inf]), np.float32)),
         ]
     )
-    d[col] = frame(arr)
+    d[col] = pack_array(arr)
 
 
 def m_rows(d: dict, rng: random.Random, m: Material) -> None:
-    d[rng.choice(["next_rows", "info_rows"])] = frame(
+    d[rng.choice(["next_rows", "info_rows"])] = pack_array(
         np.array(rng.choice([[0, 0], [99], [-1]]), np.int32)
     )
 
@@ -316,8 +316,8 @@ def m_rows(d: dict, rng: random.Random, m: Material) -> None:
 def m_ragged(d: dict, rng: random.Random, m: Material) -> None:
     lengths = rng.choice([[-1, 5], [1000], [0], [1, 1, 1, 1, 1, 1, 1, 1, 1]])
     d.setdefault("fields", {})["obs"] = {
-        "values": frame(np.zeros((2, OBS), np.float32)),
-        "lengths": frame(np.array(lengths, np.int32)),
+        "values": pack_array(np.zeros((2, OBS), np.float32)),
+        "lengths": pack_array(np.array(lengths, np.int32)),
     }
 
 
@@ -340,7 +340,7 @@ def m_tags(d: dict, rng: random.Random, m: Material) -> None:
             ["t:" + "x" * 200],
         ]
     )
-    d["nums"] = {k: frame(np.zeros(n, np.float64)) for k in names}
+    d["nums"] = {k: pack_array(np.zeros(n, np.float64)) for k in names}
 
 
 def m_strs(d: dict, rng: random.Random, m: Material) -> None:
@@ -348,7 +348,7 @@ def m_strs(d: dict, rng: random.Random, m: Material) -> None:
     d["strs"] = {
         rng.choice(["agent_id", "nope", "t:s"]): [
             [rng.choice(GARBAGE)],
-            frame(np.zeros(n, np.int32)),
+            pack_array(np.zeros(n, np.int32)),
         ]
     }
 
@@ -364,17 +364,17 @@ def m_schema(d: dict, rng: random.Random, m: Material) -> None:
     f = d.setdefault("fields", {})
     choice = rng.randrange(3)
     if choice == 0:
-        f["obs"] = frame(np.zeros((n, OBS + 1), np.float32))
+        f["obs"] = pack_array(np.zeros((n, OBS + 1), np.float32))
     elif choice == 1:
-        f["reward"] = frame(np.zeros(n, np.float32))  # reserved name
+        f["reward"] = pack_array(np.zeros(n, np.float32))  # reserved name
     else:
-        f["new{field}"] = frame(np.zeros(n, np.float32))
+        f["new{field}"] = pack_array(np.zeros(n, np.float32))
 
 
 PAYLOAD_OPS: list[Callable[[dict, random.Random, Material], None]] = [
-    m_frame,
-    m_frame,
-    m_frame,
+    m_packed,
+    m_packed,
+    m_packed,
     m_key,
     m_value,
     m_version,
@@ -656,7 +656,7 @@ def hypothesis_storm(m: Material, publish: Callable[[Case], None], r: redis.Redi
     @given(kind=st.integers(0, 3), data=st.data())
     def storm(kind: int, data: st.DataObject) -> None:
         c = case()
-        if kind == 0:  # the batch map: values (or frame-like lists) where its parts go
+        if kind == 0:  # the batch map: values (or packed-array-like lists) where its parts go
             for key in data.draw(st.lists(st.sampled_from(BATCH_KEYS), min_size=1, max_size=3)):
                 c.payload[key] = data.draw(frames if key not in ("v", "id") else values)
             _encode_payload(c)

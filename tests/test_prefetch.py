@@ -13,14 +13,14 @@ from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, shm
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.wire import frame_batch
 from orchestrator.delivery.wire import is_batch as wire_is_batch
+from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import RateLimit
 
 
-def encode_batch(*args, **kwargs) -> bytes:
+def wire_bytes(*args, **kwargs) -> bytes:
     """A batch as queue bytes (what prefetch pushes when no shared memory is used)."""
-    return frame_batch(*args, **kwargs).tobytes()
+    return to_wire(*args, **kwargs).tobytes()
 
 
 def _frames(n: int, seed: int = 0) -> np.ndarray:
@@ -339,7 +339,7 @@ def test_pop_drops_batches_of_older_versions(redis_url, broker_url, namespace, w
     assert client.pop("v", timeout=60).recipe_version == 1
     assert client.set_params("v", k=1).version == 2
     # A fill that was still sampling version 1 pushes after the drain.
-    late = encode_batch({"reward": np.zeros(1, np.float32)}, [1], recipe_version=1)
+    late = wire_bytes({"reward": np.zeros(1, np.float32)}, [1], recipe_version=1)
     r.lpush(client.registry.queue("v"), late, late)
     assert [client.pop("v", timeout=60).recipe_version for _ in range(3)] == [2, 2, 2]
     other = BatchClient(
@@ -348,7 +348,7 @@ def test_pop_drops_batches_of_older_versions(redis_url, broker_url, namespace, w
     assert other.set_params("v", k=2).version == 3
     while (b := client.pop("v", timeout=60)).recipe_version != 3:
         assert b.recipe_version == 2  # older ones never
-    r.lpush(client.registry.queue("v"), encode_batch({}, [1], recipe_version=2))
+    r.lpush(client.registry.queue("v"), wire_bytes({}, [1], recipe_version=2))
     assert client.pop("v", timeout=60).recipe_version == 3
     other.unregister("v")  # registered anew elsewhere: versions start again at 1
     assert (

@@ -19,15 +19,15 @@ from claw_tasks.store import Store
 from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import fill, run_fill
 from orchestrator.delivery.registry import Registry
-from orchestrator.delivery.wire import frame_batch
+from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def encode_batch(*args, **kwargs) -> bytes:
+def wire_bytes(*args, **kwargs) -> bytes:
     """A batch as queue bytes (what prefetch pushes when no shared memory is used)."""
-    return frame_batch(*args, **kwargs).tobytes()
+    return to_wire(*args, **kwargs).tobytes()
 
 
 def llm_store(url: str, ns: str, episodes: int = 3, length: int = 5) -> Store:
@@ -166,11 +166,11 @@ def test_push_of_a_stale_version_is_taken_back(redis_url, namespace):
     counts = reg.counts("r")
     reg.put(v1.model_copy(update={"version": 2}), None)  # set_params while a fill samples
     reg.drain("r")
-    stale = prefetch.frame_batch({}, [1], recipe_version=1).tobytes()
+    stale = prefetch.to_wire({}, [1], recipe_version=1).tobytes()
     assert prefetch.push(reg, v1, stale) == "stale"
     assert reg.r.llen(reg.queue("r")) == 0
     assert reg.counts("r") == counts  # produced and sampled not counted
-    fresh = prefetch.frame_batch({}, [1], recipe_version=2).tobytes()
+    fresh = prefetch.to_wire({}, [1], recipe_version=2).tobytes()
     assert prefetch.push(reg, v1.model_copy(update={"version": 2}), fresh) == 1
 
 
@@ -198,8 +198,8 @@ def orphan_segment() -> Path:
     """A segment whose creator has exited, written a minute ago."""
     code = (
         "import numpy as np\nfrom orchestrator.delivery import shm\n"
-        "from orchestrator.delivery.wire import frame_batch\n"
-        "print(shm.write_segment(frame_batch({'x': np.arange(3)}, ids=range(3))))"
+        "from orchestrator.delivery.wire import to_wire\n"
+        "print(shm.write_segment(to_wire({'x': np.arange(3)}, ids=range(3))))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True)
@@ -241,7 +241,7 @@ def test_collate_edge_cases():
     with pytest.raises(ValueError, match="differ in dtype or trailing shape"):
         collate({"x": [np.zeros(2, np.int32), np.zeros(2, np.int64)]})
     arrays, meta = collate({"x": [np.arange(2), np.arange(1)], "info": [{"a": 1}, {}]})
-    out = decode_batch(encode_batch(arrays, [1, 2], meta=meta))
+    out = decode_batch(wire_bytes(arrays, [1, 2], meta=meta))
     assert out["x"].tolist() == [[0, 1], [0, 0]] and out["x_lengths"].tolist() == [2, 1]
     assert out.meta["info"] == [{"a": 1}, {}]
 
@@ -254,7 +254,7 @@ def test_pop_refuses_a_batch_of_an_unknown_wire_version(redis_url, namespace):
     llm_store(redis_url, namespace)
     with BatchClient(namespace, redis_url) as client:
         client.registry.put(recipe("r", ["prompt_ids"]), None)  # no fill: the queue is ours
-        item = encode_batch({"reward": np.zeros(8, np.float32)}, np.arange(8), recipe_version=1)
+        item = wire_bytes({"reward": np.zeros(8, np.float32)}, np.arange(8), recipe_version=1)
         newer = item[:4] + (VERSION + 1).to_bytes(4, "little") + item[8:]
         client.store.r.rpush(client.registry.queue("r"), newer, item)
         with pytest.raises(WireVersionError, match=f"version {VERSION + 1}, this reader reads"):

@@ -17,8 +17,8 @@ from orchestrator.delivery.wire import (
     VERSION,
     WireVersionError,
     decode_batch,
-    frame_batch,
     is_batch,
+    to_wire,
 )
 
 pytestmark = pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="needs /dev/shm")
@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MAKE_BATCH = """
 import numpy as np
-from orchestrator.delivery.wire import frame_batch
+from orchestrator.delivery.wire import to_wire
 rng = np.random.default_rng(5)
-frame = frame_batch(
+wire = to_wire(
     {"obs": rng.integers(0, 256, (64, 84, 84, 3), dtype=np.uint8),
      "reward": rng.normal(size=64).astype(np.float32)},
     ids=np.arange(64) + 1000, weights=rng.random(64), source_index=np.arange(64) % 2,
@@ -41,7 +41,7 @@ frame = frame_batch(
 def expected_batch():
     scope: dict = {}
     exec(MAKE_BATCH, scope)
-    return scope["frame"]
+    return scope["wire"]
 
 
 def run_python(code: str, **kwargs) -> subprocess.Popen:
@@ -56,7 +56,7 @@ def ref_name(msg: bytes) -> str:
 def test_round_trip_through_another_process_and_segment_reclaimed():
     writer = MAKE_BATCH + (
         "import sys\nfrom orchestrator.delivery import shm\n"
-        "sys.stdout.buffer.write(shm.to_message(frame, reader_host=shm.host_id(), threshold=0))\n"
+        "sys.stdout.buffer.write(shm.to_message(wire, reader_host=shm.host_id(), threshold=0))\n"
     )
     proc = run_python(writer, stdout=subprocess.PIPE)
     msg, _ = proc.communicate(timeout=30)
@@ -87,19 +87,19 @@ def test_host_id_is_stable_across_processes():
 
 
 def test_inline_when_small_or_other_host():
-    frame = frame_batch({"x": np.arange(10)}, ids=range(10))
+    wire = to_wire({"x": np.arange(10)}, ids=range(10))
     for msg in (
-        shm.to_message(frame, reader_host=shm.host_id()),  # below the threshold
-        shm.to_message(frame, reader_host="elsewhere", threshold=0),
-        shm.to_message(frame, reader_host=None, threshold=0),
+        shm.to_message(wire, reader_host=shm.host_id()),  # below the threshold
+        shm.to_message(wire, reader_host="elsewhere", threshold=0),
+        shm.to_message(wire, reader_host=None, threshold=0),
     ):
         assert is_batch(msg)
         np.testing.assert_array_equal(shm.from_message(msg)["x"], np.arange(10))
 
 
 def test_reference_from_another_host_is_rejected():
-    frame = frame_batch({"x": np.arange(10)}, ids=range(10))
-    msg = shm.to_message(frame, reader_host=shm.host_id(), threshold=0)
+    wire = to_wire({"x": np.arange(10)}, ids=range(10))
+    msg = shm.to_message(wire, reader_host=shm.host_id(), threshold=0)
     ref = shm.reference_of(msg)
     forged = shm.reference_message(ref["name"], ref["size"], "other")
     try:
@@ -112,8 +112,8 @@ def test_reference_from_another_host_is_rejected():
 
 
 def test_reference_of_an_unknown_version_is_refused_and_left_to_the_reaper():
-    frame = frame_batch({"x": np.arange(10)}, ids=range(10))
-    msg = shm.to_message(frame, reader_host=shm.host_id(), threshold=0)
+    wire = to_wire({"x": np.arange(10)}, ids=range(10))
+    msg = shm.to_message(wire, reader_host=shm.host_id(), threshold=0)
     name = ref_name(msg)
     newer = msg[:4] + struct.pack("<I", VERSION + 1) + msg[8:]
     try:
@@ -129,7 +129,7 @@ def test_reference_of_an_unknown_version_is_refused_and_left_to_the_reaper():
 def test_reaper_removes_segment_of_sigkilled_creator():
     writer = MAKE_BATCH + (
         "import sys, time\nfrom orchestrator.delivery import shm\n"
-        "print(shm.write_segment(frame), flush=True)\ntime.sleep(60)\n"
+        "print(shm.write_segment(wire), flush=True)\ntime.sleep(60)\n"
     )
     proc = run_python(writer, stdout=subprocess.PIPE)
     name = proc.stdout.readline().decode().strip()
@@ -143,8 +143,8 @@ def test_reaper_removes_segment_of_sigkilled_creator():
 
 
 def test_reaper_ttl_and_grace():
-    frame = frame_batch({"x": np.arange(10)}, ids=range(10))
-    name = shm.write_segment(frame)
+    wire = to_wire({"x": np.arange(10)}, ids=range(10))
+    name = shm.write_segment(wire)
     path = shm.SHM_DIR / name
     try:
         assert name not in shm.reap_orphans(max_age_s=60)  # our own, fresh
@@ -163,14 +163,14 @@ def test_failed_write_leaves_nothing(monkeypatch):
     monkeypatch.setattr(shm, "_write_all", full)
     mine = f"{shm.PREFIX}*-{os.getpid()}-*"
     before = set(shm.SHM_DIR.glob(mine))
-    frame = frame_batch({"x": np.arange(10)}, ids=range(10))
-    msg = shm.to_message(frame, reader_host=shm.host_id(), threshold=0)
+    wire = to_wire({"x": np.arange(10)}, ids=range(10))
+    msg = shm.to_message(wire, reader_host=shm.host_id(), threshold=0)
     assert is_batch(msg)  # fell back to inline
     assert set(shm.SHM_DIR.glob(mine)) == before
 
 
 def _frame(value: int):
-    return frame_batch({"x": np.full((64, 4096), value, np.uint8)}, ids=range(64))
+    return to_wire({"x": np.full((64, 4096), value, np.uint8)}, ids=range(64))
 
 
 def _write(value: int) -> bytes:

@@ -14,8 +14,8 @@ from orchestrator.delivery.wire import (
     VERSION,
     WireVersionError,
     decode_batch,
-    frame_batch,
     is_batch,
+    to_wire,
 )
 
 DTYPES = [
@@ -38,9 +38,9 @@ DTYPES = [
 ]
 
 
-def encode_batch(*args, **kwargs) -> bytes:
+def wire_bytes(*args, **kwargs) -> bytes:
     """A batch as queue bytes (what prefetch pushes when no shared memory is used)."""
-    return frame_batch(*args, **kwargs).tobytes()
+    return to_wire(*args, **kwargs).tobytes()
 
 
 def as_bytes_view(buf) -> np.ndarray:
@@ -57,17 +57,17 @@ def assert_bit_exact(a: np.ndarray, b: np.ndarray) -> None:
 def test_round_trip_dtypes_and_shapes(dtype, shape):
     raw = np.random.default_rng(0).integers(0, 256, int(np.prod(shape)) * np.dtype(dtype).itemsize)
     arr = np.frombuffer(raw.astype(np.uint8).tobytes(), dtype=dtype).reshape(shape)
-    buf = encode_batch({"x": arr}, ids=np.arange(5) * 10)
+    buf = wire_bytes({"x": arr}, ids=np.arange(5) * 10)
     out = decode_batch(buf)
     assert_bit_exact(arr, out["x"])
     assert np.shares_memory(out["x"], as_bytes_view(buf)) or arr.size == 0
 
 
 def test_empty_batch_and_no_fields():
-    out = decode_batch(encode_batch({"obs": np.zeros((0, 84, 84, 3), np.uint8)}, ids=[]))
+    out = decode_batch(wire_bytes({"obs": np.zeros((0, 84, 84, 3), np.uint8)}, ids=[]))
     assert out.batch_size == 0 and out["obs"].shape == (0, 84, 84, 3)
     assert out.ids.dtype == np.int64 and out.weights.dtype == np.float32
-    assert len(decode_batch(encode_batch({}, ids=[1, 2]))) == 0
+    assert len(decode_batch(wire_bytes({}, ids=[1, 2]))) == 0
 
 
 @settings(max_examples=60, deadline=None)
@@ -89,7 +89,7 @@ def test_empty_batch_and_no_fields():
 def test_round_trip_property(arrays, meta):
     ids = np.array([3, 1, 4, 1], np.int64)
     weights = np.array([0.5, 1.0, 2.0, 0.25], np.float32)
-    buf = encode_batch(
+    buf = wire_bytes(
         arrays,
         ids=ids,
         weights=weights,
@@ -111,7 +111,7 @@ def test_round_trip_property(arrays, meta):
 def test_decode_is_zero_copy_and_aligned():
     obs = np.random.default_rng(0).integers(0, 256, (8, 84, 84, 3), dtype=np.uint8)
     fields = {"obs": obs, "reward": np.arange(8, dtype=np.float32), "odd": np.ones((8, 3), "u1")}
-    buf = bytearray(encode_batch(fields, ids=np.arange(8)))
+    buf = bytearray(wire_bytes(fields, ids=np.arange(8)))
     out = decode_batch(buf)
     base = as_bytes_view(buf)
     for arr in [*out.values(), out.ids, out.weights, out.source_index]:
@@ -122,11 +122,11 @@ def test_decode_is_zero_copy_and_aligned():
     assert not decode_batch(bytes(buf))["obs"].flags.writeable
 
 
-def test_frame_chunks_concatenate_to_the_encoding():
+def test_wire_chunks_concatenate_to_the_encoding():
     strided = np.arange(60, dtype=np.int32).reshape(6, 10)[:, ::3]
-    frame = frame_batch({"s": strided, "t": np.eye(6)}, ids=range(6), meta={"k": [1, 2]})
-    blob = b"".join(bytes(c) for c in frame.chunks())
-    assert blob == frame.tobytes() and len(blob) == frame.nbytes and is_batch(blob)
+    wire = to_wire({"s": strided, "t": np.eye(6)}, ids=range(6), meta={"k": [1, 2]})
+    blob = b"".join(bytes(c) for c in wire.chunks())
+    assert blob == wire.tobytes() and len(blob) == wire.nbytes and is_batch(blob)
     out = decode_batch(blob)
     assert_bit_exact(strided, out["s"])
     assert out.meta == {"k": [1, 2]} and out.weights.tolist() == [1.0] * 6
@@ -146,11 +146,11 @@ def test_frame_chunks_concatenate_to_the_encoding():
 )
 def test_encode_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        encode_batch(**kwargs)
+        wire_bytes(**kwargs)
 
 
 def test_decode_rejects_garbage_and_truncation():
-    buf = encode_batch({"x": np.arange(100)}, ids=range(100))
+    buf = wire_bytes({"x": np.arange(100)}, ids=range(100))
     with pytest.raises(ValueError, match="magic"):
         decode_batch(b"PKL!" + buf[4:])
     with pytest.raises(ValueError, match="truncated"):
@@ -178,7 +178,7 @@ def with_version(buf: bytes, version: int) -> bytes:
     ],
 )
 def test_unknown_version_is_refused_naming_both_versions_and_the_fix(version, fix):
-    buf = encode_batch({"x": np.arange(100)}, ids=range(100))
+    buf = wire_bytes({"x": np.arange(100)}, ids=range(100))
     assert decode_batch(with_version(buf, VERSION))["x"].sum() == 4950
     with pytest.raises(WireVersionError) as err:
         decode_batch(with_version(buf, version))

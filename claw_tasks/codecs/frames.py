@@ -15,14 +15,14 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Frames:
+class CodecFrames:
     """``data[offsets[i]:offsets[i + 1]]`` is row i's frame."""
 
     data: bytes
     offsets: np.ndarray
 
     @classmethod
-    def of(cls, frames: Sequence[bytes | memoryview]) -> Frames:
+    def of(cls, frames: Sequence[bytes | memoryview]) -> CodecFrames:
         offsets = np.zeros(len(frames) + 1, np.int64)
         np.cumsum([len(f) for f in frames], out=offsets[1:])
         return cls(b"".join(frames), offsets)
@@ -45,5 +45,5 @@ class Frames:
     def nbytes(self) -> int:
         return len(self.data)
 
-    def take(self, rows: np.ndarray | Sequence[int]) -> Frames:
-        return Frames.of([self[int(i)] for i in np.asarray(rows).tolist()])
+    def take(self, rows: np.ndarray | Sequence[int]) -> CodecFrames:
+        return CodecFrames.of([self[int(i)] for i in np.asarray(rows).tolist()])

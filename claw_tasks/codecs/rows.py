@@ -20,7 +20,7 @@ import numpy as np
 from claw_tasks.codecs.delta import key_body, key_frame
 from claw_tasks.codecs.engines import Engine, engine_for
 from claw_tasks.codecs.errors import CodecError
-from claw_tasks.codecs.frames import Frames
+from claw_tasks.codecs.frames import CodecFrames
 from claw_tasks.codecs.spec import Codec
 
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -42,7 +42,9 @@ def _parallel(n: int, threads: int, work: Callable[[int, int], Any]) -> list[Any
     return [f.result() for f in futures]
 
 
-def encode(codec: Codec, values: np.ndarray | Sequence[np.ndarray], threads: int = 1) -> Frames:
+def encode(
+    codec: Codec, values: np.ndarray | Sequence[np.ndarray], threads: int = 1
+) -> CodecFrames:
     """One frame per row of ``values`` (an ``(n, ...)`` array, or ragged rows).
 
     A ``delta`` codec encodes each row as a key frame here; the store turns an episode's
@@ -62,7 +64,7 @@ def encode(codec: Codec, values: np.ndarray | Sequence[np.ndarray], threads: int
             eng = engine_for(codec)
             return [eng.encode(values[i]) for i in range(lo, hi)]
 
-    return Frames.of([f for part in _parallel(len(values), threads, work) for f in part])
+    return CodecFrames.of([f for part in _parallel(len(values), threads, work) for f in part])
 
 
 def decode(

@@ -1,6 +1,6 @@
-"""Array framing for msgpack: dtype, shape and raw bytes, lz4 above a threshold.
+"""Packed arrays for msgpack: dtype, shape and raw bytes, lz4 above a threshold.
 
-A frame is the list ``[dtype, shape, data, compressed]``. Decoding an uncompressed frame
+A packed array is the list ``[dtype, shape, data, compressed]``. Unpacking an uncompressed one
 is zero-copy (``np.frombuffer`` over the message bytes). Never pickle: object arrays are
 refused.
 """
@@ -19,7 +19,7 @@ from claw_tasks.codecs.errors import CodecError, lz4_inflate
 COMPRESS_MIN_BYTES = 64 * 1024
 _KEEP_RATIO = 0.9
 
-Frame = list[Any]
+PackedArray = list[Any]
 
 
 def check_dtype(dtype: np.dtype, what: str) -> None:
@@ -27,8 +27,8 @@ def check_dtype(dtype: np.dtype, what: str) -> None:
         raise CodecError(f"{what}: unsupported type {dtype} (numeric arrays only)")
 
 
-def frame(arr: np.ndarray, *, compress: bool = True) -> Frame:
-    """Frame an array; lz4-compress it when large and it pays off."""
+def pack_array(arr: np.ndarray, *, compress: bool = True) -> PackedArray:
+    """Pack an array; lz4-compress it when large and it pays off."""
     check_dtype(arr.dtype, "array")
     arr = np.ascontiguousarray(arr)
     data = arr.data.cast("B") if arr.size else b""
@@ -41,7 +41,7 @@ def frame(arr: np.ndarray, *, compress: bool = True) -> Frame:
 
 class Budget:
     """Bytes that decompressing may still produce for one message (a bomb stops at the
-    frame header, before any memory is taken)."""
+    lz4 header, before any memory is taken)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = self.left = limit
@@ -58,27 +58,27 @@ class Budget:
 MAX_NDIM = 32
 
 
-def unframe(f: Frame, budget: Budget | None = None) -> np.ndarray:
-    """Decode a frame (zero-copy when it is not compressed; read-only then). Every length
+def unpack_array(f: PackedArray, budget: Budget | None = None) -> np.ndarray:
+    """Unpack an array (zero-copy when it is not compressed; read-only then). Every length
     is checked against the declared dtype and shape before any memory is taken."""
     if not isinstance(f, list | tuple) or len(f) != 4:
-        raise CodecError("malformed array frame: expected [dtype, shape, data, compressed]")
+        raise CodecError("malformed packed array: expected [dtype, shape, data, compressed]")
     dtype_str, shape, data, compressed = f
     if not isinstance(dtype_str, str) or len(dtype_str) > 16:
-        raise CodecError(f"malformed array frame: dtype {dtype_str!r:.40} is not a type name")
+        raise CodecError(f"malformed packed array: dtype {dtype_str!r:.40} is not a type name")
     try:
         dtype = np.dtype(dtype_str)
     except (TypeError, ValueError) as e:
-        raise CodecError(f"malformed array frame: {e}") from None
-    check_dtype(dtype, "frame")
+        raise CodecError(f"malformed packed array: {e}") from None
+    check_dtype(dtype, "packed array")
     if (
         not isinstance(shape, list | tuple)
         or len(shape) > MAX_NDIM
         or not all(type(d) is int and 0 <= d < 2**31 for d in shape)
     ):
-        raise CodecError(f"malformed array frame: shape {shape!r:.80} (integers in [0, 2**31))")
+        raise CodecError(f"malformed packed array: shape {shape!r:.80} (integers in [0, 2**31))")
     if not isinstance(data, bytes) or not isinstance(compressed, bool):
-        raise CodecError("malformed array frame: data must be bytes, compressed a bool")
+        raise CodecError("malformed packed array: data must be bytes, compressed a bool")
     nbytes = math.prod(shape) * dtype.itemsize
     if compressed:
         declared = int.from_bytes(data[:4], "little") if len(data) >= 4 else -1
@@ -91,11 +91,13 @@ def unframe(f: Frame, budget: Budget | None = None) -> np.ndarray:
             budget.take(nbytes, "lz4 frame")
         data = lz4_inflate(data, nbytes)
     if len(data) != nbytes:
-        raise CodecError(f"frame of {len(data)} bytes does not fit shape {list(shape)} of {dtype}")
+        raise CodecError(
+            f"packed array of {len(data)} bytes does not fit shape {list(shape)} of {dtype}"
+        )
     try:
         return np.frombuffer(data, dtype=dtype).reshape(shape)
     except ValueError as e:
-        raise CodecError(f"frame of shape {list(shape)}: {e}") from None
+        raise CodecError(f"packed array of shape {list(shape)}: {e}") from None
 
 
 def packb(obj: Any) -> bytes:

@@ -10,7 +10,15 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.codecs import CodecError
-from claw_tasks.format.arrays import MAX_NDIM, Budget, check_dtype, frame, packb, unframe, unpackb
+from claw_tasks.format.arrays import (
+    MAX_NDIM,
+    Budget,
+    check_dtype,
+    pack_array,
+    packb,
+    unpack_array,
+    unpackb,
+)
 
 # The column types live in claw_tasks.format.columns; re-exported here, where callers look for them.
 from claw_tasks.format.columns import FieldValue as FieldValue
@@ -24,12 +32,12 @@ STR_META = ("agent_id", "task_id", "skill_tag", "reward_source")
 FORMAT_VERSION = 1
 
 
-def _frame_field(v: FieldValue) -> Any:
+def _pack_field(v: FieldValue) -> Any:
     if isinstance(v, Ragged):
-        return {"values": frame(v.values), "lengths": frame(v.lengths, compress=False)}
+        return {"values": pack_array(v.values), "lengths": pack_array(v.lengths, compress=False)}
     if isinstance(v, Encoded):
         return v.to_msg()
-    return frame(v)
+    return pack_array(v)
 
 
 def _check_rows(name: str, rows: np.ndarray, n: int) -> None:
@@ -227,27 +235,29 @@ class StepBatch:
     def encode(self) -> bytes:
         """msgpack bytes; ``Placed`` fields travel as dtype and shape only."""
         opt = {
-            "priority": None if self.priority is None else frame(self.priority),
-            "policy_version": None if self.policy_version is None else frame(self.policy_version),
+            "priority": None if self.priority is None else pack_array(self.priority),
+            "policy_version": None
+            if self.policy_version is None
+            else pack_array(self.policy_version),
         }
         return packb(
             {
                 "v": FORMAT_VERSION,
                 "id": self.batch_id,
-                "episode": [self.episode.values, frame(self.episode.index)],
-                "step_index": frame(self.step_index),
-                "reward": frame(self.reward),
-                "terminated": frame(self.terminated),
-                "truncated": frame(self.truncated),
+                "episode": [self.episode.values, pack_array(self.episode.index)],
+                "step_index": pack_array(self.step_index),
+                "reward": pack_array(self.reward),
+                "terminated": pack_array(self.terminated),
+                "truncated": pack_array(self.truncated),
                 **opt,
-                "strs": {k: [v.values, frame(v.index)] for k, v in self.strs.items()},
-                "nums": {k: frame(v) for k, v in self.nums.items()},
+                "strs": {k: [v.values, pack_array(v.index)] for k, v in self.strs.items()},
+                "nums": {k: pack_array(v) for k, v in self.nums.items()},
                 "fields": {
-                    k: _frame_field(v) for k, v in self.fields.items() if not isinstance(v, Placed)
+                    k: _pack_field(v) for k, v in self.fields.items() if not isinstance(v, Placed)
                 },
-                "next_rows": frame(self.next_rows),
-                "next_obs": None if self.next_obs is None else _frame_field(self.next_obs),
-                "info_rows": frame(self.info_rows),
+                "next_rows": pack_array(self.next_rows),
+                "next_obs": None if self.next_obs is None else _pack_field(self.next_obs),
+                "info_rows": pack_array(self.info_rows),
                 "info": self.info,
                 "placed": {
                     k: [v.dtype.str, list(v.shape)]
@@ -323,7 +333,7 @@ class _Decoder:
         self.budget = budget
 
     def col(self, f: Any, name: str, kinds: str) -> np.ndarray:
-        arr = unframe(f, self.budget)
+        arr = unpack_array(f, self.budget)
         if arr.ndim != 1 or arr.dtype.kind not in kinds:
             raise CodecError(f"{name}: a 1-D column of kind {kinds!r}, not {arr.dtype}{arr.shape}")
         return arr
@@ -350,11 +360,11 @@ class _Decoder:
             lengths = self.col(v["lengths"], f"field '{name}' lengths", "iu")
             if len(lengths) and lengths.min() < 0:
                 raise CodecError(f"field '{name}': negative ragged length")
-            values = unframe(v["values"], self.budget)
+            values = unpack_array(v["values"], self.budget)
             if values.ndim == 0:
                 raise CodecError(f"field '{name}': ragged values need a leading dimension")
             return Ragged(values, lengths)
-        arr = unframe(v, self.budget)
+        arr = unpack_array(v, self.budget)
         if arr.ndim == 0:
             raise CodecError(f"field '{name}': needs a leading (row) dimension")
         return arr

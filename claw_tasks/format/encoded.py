@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codecs import Codec, CodecError, Frames, engine_for, frame_problem
+from claw_tasks.codecs import Codec, CodecError, CodecFrames, engine_for, frame_problem
 from claw_tasks.codecs.delta import key_body
-from claw_tasks.format.arrays import MAX_NDIM, check_dtype, frame
+from claw_tasks.format.arrays import MAX_NDIM, check_dtype, pack_array
 from claw_tasks.format.schema import FieldSpec
 
 MSG_KEYS = frozenset({"codec", "dtype", "row", "data", "offsets"})
@@ -28,7 +28,7 @@ class Encoded:
     codec: Codec
     dtype: np.dtype
     shape: tuple[int | None, ...]
-    frames: Frames
+    frames: CodecFrames
     # Rows a delta field's check decoded (uint8, one row each; never sent): the commit
     # makes the delta frames from them instead of decoding the frames a second time.
     decoded: np.ndarray | None = field(default=None, repr=False, compare=False)
@@ -82,12 +82,12 @@ class Encoded:
             "dtype": self.dtype.str,
             "row": list(self.shape[1:]),
             "data": self.frames.data,
-            "offsets": frame(self.frames.offsets, compress=False),
+            "offsets": pack_array(self.frames.offsets, compress=False),
         }
 
     @classmethod
     def from_msg(cls, v: dict[str, Any], offsets: np.ndarray, name: str) -> Encoded:
-        """From a producer's message (``offsets`` already unframed): every part checked;
+        """From a producer's message (``offsets`` already unpacked): every part checked;
         the frames themselves are checked by :meth:`problems`."""
         if set(v) != MSG_KEYS:
             raise CodecError(
@@ -121,5 +121,5 @@ class Encoded:
             or (len(offsets) > 1 and np.diff(offsets).min() < 0)
         ):
             raise CodecError(f"field '{name}': frame offsets do not cover the data in order")
-        frames = Frames(data, offsets)
+        frames = CodecFrames(data, offsets)
         return cls(codec, dt, (len(frames), *row), frames)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.codecs import Frames
+from claw_tasks.codecs import CodecFrames
 from claw_tasks.format.arrays import unpackb
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec, tag_column
@@ -166,7 +166,7 @@ def _stored_frames(store: StoreCore, name: str, spec: FieldSpec, frames: list[by
     if spec.codec.name == "delta":
         return decode_stored(store, name, spec, frames)
     shape = (len(frames), *spec.shape)
-    return Encoded(spec.codec, np.dtype(spec.dtype), shape, Frames.of(frames))
+    return Encoded(spec.codec, np.dtype(spec.dtype), shape, CodecFrames.of(frames))
 
 
 def _by_slot(hashes: list[dict[bytes, bytes]]) -> dict[int, bytes]:

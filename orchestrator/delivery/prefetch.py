@@ -31,7 +31,7 @@ from orchestrator.delivery.augstats import RedisStats
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
-from orchestrator.delivery.wire import frame_batch
+from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.sample import close_shared, sample
@@ -177,7 +177,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 arrays, meta = collate(fields)
                 if batch.groups is not None:
                     arrays.update(group_arrays(batch.groups))
-            frame = frame_batch(
+            wire = to_wire(
                 arrays,
                 ids,
                 weights=weights,
@@ -186,7 +186,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 recipe_version=recipe.version,
                 meta=meta,
             )
-            pushed = push(reg, recipe, shm.to_message(frame, reader_host=entry.shm_host))
+            pushed = push(reg, recipe, shm.to_message(wire, reader_host=entry.shm_host))
             if pushed == "full":
                 break
             if isinstance(pushed, str):  # stale or unregistered: the new fill reports state

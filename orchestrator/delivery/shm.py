@@ -50,7 +50,7 @@ import msgpack
 from orchestrator.delivery.wire import (
     VERSION,
     Batch,
-    Frame,
+    WireBatch,
     check_version,
     decode_batch,
     is_batch,
@@ -210,7 +210,7 @@ def _new_name() -> str:
     return f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
-def write_segment(frame: Frame) -> str:
+def write_segment(wire: WireBatch) -> str:
     """Write an encoded batch into a segment (a free one of this process's, else a new
     one) and return its name.
 
@@ -219,8 +219,8 @@ def write_segment(frame: Frame) -> str:
     """
     pool = _my_pool()
     with pool.lock:
-        while (seg := pool.take(frame.nbytes)) is not None:
-            name = _rewrite(pool, seg, frame)
+        while (seg := pool.take(wire.nbytes)) is not None:
+            name = _rewrite(pool, seg, wire)
             if name is not None:
                 return name
         name = _new_name()
@@ -229,17 +229,17 @@ def write_segment(frame: Frame) -> str:
         try:
             # write() allocates the pages (ENOSPC here when /dev/shm is full); the reader
             # maps the file only once it is whole, so no access can fault on a missing page.
-            _write_all(fd, frame.chunks())
+            _write_all(fd, wire.chunks())
         except BaseException:
             path.unlink(missing_ok=True)
             os.close(fd)
             raise
-        pool.add(_Segment(fd, name, frame.nbytes))
+        pool.add(_Segment(fd, name, wire.nbytes))
         return name
 
 
-def _rewrite(pool: _Pool, seg: _Segment, frame: Frame) -> str | None:
-    """Overwrite free segment ``seg`` (locked by us) with ``frame`` under a fresh name;
+def _rewrite(pool: _Pool, seg: _Segment, wire: WireBatch) -> str | None:
+    """Overwrite free segment ``seg`` (locked by us) with ``wire`` under a fresh name;
     None when it was reaped meanwhile."""
     taken, name = SHM_DIR / f"{seg.name}{TAKEN}", _new_name()
     try:
@@ -248,16 +248,16 @@ def _rewrite(pool: _Pool, seg: _Segment, frame: Frame) -> str | None:
         pool.drop(seg)
         return None
     try:
-        if seg.size != frame.nbytes:
-            os.ftruncate(seg.fd, frame.nbytes)
+        if seg.size != wire.nbytes:
+            os.ftruncate(seg.fd, wire.nbytes)
         os.lseek(seg.fd, 0, os.SEEK_SET)
-        _write_all(seg.fd, frame.chunks())
+        _write_all(seg.fd, wire.chunks())
     except BaseException:
         os.rename(SHM_DIR / name, taken)  # free again (its bytes are rewritten on reuse)
         seg.size = os.fstat(seg.fd).st_size
         fcntl.flock(seg.fd, fcntl.LOCK_UN)
         raise
-    seg.name, seg.size = name, frame.nbytes
+    seg.name, seg.size = name, wire.nbytes
     fcntl.flock(seg.fd, fcntl.LOCK_UN)  # before the reference is queued
     return name
 
@@ -298,21 +298,21 @@ def read_segment(name: str, size: int) -> Batch:
 
 
 def to_message(
-    frame: Frame, *, reader_host: str | None, threshold: int = DEFAULT_THRESHOLD
+    wire: WireBatch, *, reader_host: str | None, threshold: int = DEFAULT_THRESHOLD
 ) -> bytes:
     """The queue item for a batch: a shm reference when the reader shares this host and the
     batch is at least ``threshold`` bytes, else the encoded batch itself.
 
     Falls back to the inline encoding if the segment cannot be written.
     """
-    if reader_host is not None and frame.nbytes >= threshold and reader_host == host_id():
+    if reader_host is not None and wire.nbytes >= threshold and reader_host == host_id():
         try:
-            name = write_segment(frame)
+            name = write_segment(wire)
         except OSError as exc:
             log.warning("shm fast path unavailable, sending the batch inline: %s", exc)
         else:
-            return reference_message(name, frame.nbytes, reader_host)
-    return frame.tobytes()
+            return reference_message(name, wire.nbytes, reader_host)
+    return wire.tobytes()
 
 
 def reference_message(name: str, size: int, host: str) -> bytes:

@@ -1,4 +1,4 @@
-"""Batch wire format: a msgpack header that frames raw, aligned array bytes.
+"""Batch wire format: a msgpack header that describes raw, aligned array bytes.
 
 Layout of an encoded batch::
 
@@ -113,7 +113,7 @@ class Batch(Mapping[str, np.ndarray]):
         return f"Batch(n={self.batch_size}, v{self.recipe_version}, {{{shapes}}})"
 
 
-class Frame:
+class WireBatch:
     """A batch laid out for the wire but not yet copied anywhere.
 
     ``nbytes`` is the encoded size; ``chunks()`` yields the buffers whose concatenation is the
@@ -137,7 +137,9 @@ class Frame:
 
 def _check_array(name: str, arr: np.ndarray, n: int) -> None:
     if arr.dtype.hasobject or arr.dtype.fields is not None:
-        raise ValueError(f"field {name!r}: dtype {arr.dtype} cannot be framed (object/structured)")
+        raise ValueError(
+            f"field {name!r}: dtype {arr.dtype} cannot go on the wire (object/structured)"
+        )
     if arr.ndim == 0 or arr.shape[0] != n:
         raise ValueError(f"field {name!r}: leading dimension {arr.shape[:1]} != batch size {n}")
 
@@ -153,7 +155,7 @@ def _row_array(name: str, value: ArrayLike | None, dtype: type, n: int, fill: in
     return arr.astype(dtype, copy=False)
 
 
-def frame_batch(
+def to_wire(
     fields: Mapping[str, ArrayLike],
     ids: ArrayLike,
     *,
@@ -162,7 +164,7 @@ def frame_batch(
     sources: Sequence[str] = ("default",),
     recipe_version: int = 0,
     meta: Mapping[str, Any] | None = None,
-) -> Frame:
+) -> WireBatch:
     """Lay a batch out for the wire. Arrays are referenced, not copied (unless not contiguous).
 
     ``weights`` default to ones, ``source_index`` to zeros; ``meta`` must be msgpack-able.
@@ -215,7 +217,7 @@ def frame_batch(
         chunks.append(body)
         if body.nbytes % ALIGN:
             chunks.append(bytes(ALIGN - body.nbytes % ALIGN))
-    return Frame([memoryview(c) for c in chunks], base + pos)
+    return WireBatch([memoryview(c) for c in chunks], base + pos)
 
 
 def is_batch(buf: Any) -> bool:

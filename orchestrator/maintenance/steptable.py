@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from claw_tasks.codecs import CodecError, Frames, decode
+from claw_tasks.codecs import CodecError, CodecFrames, decode
 from claw_tasks.format.batch import STR_META, Ragged, StepBatch, StrColumn
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec, Schema, SchemaError, tag_column
@@ -156,7 +156,7 @@ def field_values(spec: FieldSpec, arr: pa.Array) -> np.ndarray | Ragged | Encode
     dtype = np.dtype(spec.dtype)
     if keeps_frames(spec):
         assert spec.codec is not None
-        frames = Frames.of([f or b"" for f in _frames(arr)])
+        frames = CodecFrames.of([f or b"" for f in _frames(arr)])
         return Encoded(spec.codec, dtype, (len(arr), *spec.shape), frames)
     if spec.ragged:
         off = np.asarray(arr.offsets, np.int64)
@@ -330,7 +330,7 @@ def to_batch(rows: StepRows, schema: Schema, batch_id: str) -> StepBatch:
         if keeps_frames(obs):
             assert obs.codec is not None
             shape = (len(vals), *obs.shape)
-            next_obs = Encoded(obs.codec, np.dtype(obs.dtype), shape, Frames.of(vals))
+            next_obs = Encoded(obs.codec, np.dtype(obs.dtype), shape, CodecFrames.of(vals))
         else:
             next_obs = Ragged.of(vals) if obs.ragged else np.stack(vals)
     info_rows = sorted(rows.info)

@@ -1,6 +1,6 @@
 """A learner's weights through Redis, for its actors: raw arrays with dtype and shape.
 
-One key per namespace holds the newest ``version`` and its arrays, msgpack-framed by
+One key per namespace holds the newest ``version`` and its arrays, packed for msgpack by
 :mod:`claw_tasks.format.arrays` (never pickle, so never ``torch.save``); actors poll the version,
 a small GET, and read the arrays only when it changed. What an actor reads is checked
 against its own network (names, dtypes, shapes) before it is loaded.
@@ -14,7 +14,7 @@ import numpy as np
 import redis
 
 from claw_tasks.codecs import CodecError
-from claw_tasks.format.arrays import frame, packb, unframe, unpackb
+from claw_tasks.format.arrays import pack_array, packb, unpack_array, unpackb
 from claw_tasks.store.layout import Keys
 
 
@@ -33,7 +33,7 @@ def version_key(namespace: str) -> str:
 
 def publish(r: redis.Redis, namespace: str, version: int, arrays: Mapping[str, np.ndarray]) -> None:
     """Store ``arrays`` as ``version`` (the blob first, then the version readers poll)."""
-    blob = packb({"version": version, "arrays": {k: frame(v) for k, v in arrays.items()}})
+    blob = packb({"version": version, "arrays": {k: pack_array(v) for k, v in arrays.items()}})
     with r.pipeline(transaction=True) as pipe:
         pipe.set(weights_key(namespace), blob)
         pipe.set(version_key(namespace), version)
@@ -56,7 +56,7 @@ def fetch(
     try:
         doc = unpackb(raw)
         version, framed = int(doc["version"]), doc["arrays"]
-        arrays = {str(k): unframe(v) for k, v in framed.items()}
+        arrays = {str(k): unpack_array(v) for k, v in framed.items()}
     except (CodecError, KeyError, TypeError, ValueError) as e:
         raise WeightsError(f"malformed weights at {weights_key(namespace)}: {e}") from None
     if set(arrays) != set(expected):
