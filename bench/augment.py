@@ -17,7 +17,8 @@ import cv2
 import numpy as np
 
 from orchestrator.delivery import shm
-from orchestrator.delivery.wire import Batch, WireBatch, decode_batch, to_wire
+from orchestrator.delivery.wire import WireBatch, decode_batch, to_wire
+from orchestrator.sampling.batch import Batch
 from orchestrator.transforms.augment import build_pipelines
 
 H = W = 84

@@ -44,7 +44,7 @@ from conftest import Worker
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.server import RedisServer
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.wire import Batch
+from orchestrator.sampling.batch import Batch
 
 B, H, W, PAD = 256, 84, 84, 4
 PAGE = 4096

@@ -34,18 +34,21 @@ the recipe accepts: Python runs it before any ``orchestrator.recipe`` import.
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.candidates import InsufficientData
-from orchestrator.sampling.sample import SampledBatch, sample, update_priorities
+from orchestrator.sampling.sample import sample, update_priorities
 from orchestrator.sampling.samplers import SAMPLERS  # noqa: F401  (registers the recipe's kinds)
 
 if TYPE_CHECKING:
     from orchestrator.delivery.client import BatchClient
 
+SampledBatch = Batch  # the old name of what sample() returns; goes in 0.3
+
 __all__ = [
+    "Batch",
     "BatchClient",
     "InsufficientData",
     "Recipe",
-    "SampledBatch",
     "sample",
     "update_priorities",
 ]

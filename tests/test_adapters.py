@@ -17,7 +17,7 @@ from orchestrator.adapters.experience import split
 from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.adapters.torch import ClawIterableDataset, to_tensor
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.wire import Batch
+from orchestrator.sampling.batch import Batch
 
 
 # ---- PyTorch -------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_split_parts_keep_each_sources_share_and_every_row_once():
         {"task_id": [f"t{i}" for i in range(n)]},
     )
     parts = split(batch, 4)
-    assert [p.batch_size for p in parts] == [8] * 4
+    assert [len(p) for p in parts] == [8] * 4
     for p in parts:
         assert np.bincount(p.source_index).tolist() == [6, 2]  # the batch's 3:1 mix
         assert (p["x"] == p.ids * 10).all()

@@ -182,7 +182,9 @@ def test_a_stack_with_a_gap_is_never_drawn(redis_url, namespace):
         }
     )
     out = sample(store, r, rng=np.random.default_rng(0))
-    drawn = {(e, t) for e, t in zip(out["episode_id"], out["step_index"].tolist(), strict=True)}
+    drawn = {
+        (e, t) for e, t in zip(out.meta["episode_id"], out["step_index"].tolist(), strict=True)
+    }
     assert not drawn & {("ep1", t) for t in range(2, 6)}  # their stacks hold step 2
     assert {("ep1", 0), ("ep1", 1), ("ep1", 6)} <= drawn
 

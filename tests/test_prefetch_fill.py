@@ -104,6 +104,33 @@ def test_ragged_fields_strings_and_info_are_collated(redis_url, namespace):
     assert [len(w) for w in batch.meta["task_id"]] == [2] * 8
 
 
+def test_sample_and_pop_give_one_batch_type(redis_url, namespace):
+    """What ``orchestrator.sample`` returns and what a trainer pops are one type: ``len()``
+    is its rows, strings and ``info`` are in ``meta`` on both paths."""
+    from orchestrator import Batch, sample
+    from orchestrator.delivery.client import BatchClient
+
+    store = llm_store(redis_url, namespace)
+    spec = recipe("one", ["prompt_ids", "reward", "task_id", "info"])
+    drawn = sample(store, spec, rng=np.random.default_rng(0))
+    with BatchClient(namespace, redis_url) as client:
+        client.registry.put(spec, None)
+        assert run_fill(client.registry, "one")["state"] == "ok"
+        popped = client.pop("one", timeout=5)
+    assert list(drawn) == ["prompt_ids", "reward"]  # ragged rows as drawn: a list of arrays
+    assert list(popped) == ["prompt_ids", "prompt_ids_lengths", "reward"]  # padded
+    for b in (drawn, popped):
+        assert type(b) is Batch and len(b) == len(b.ids) == len(b.weights) == 8
+        assert b.sources == ("all",) and b.recipe_version == spec.version
+        assert set(b.meta) == {"task_id", "info"}
+        for i, reward in enumerate(b["reward"].astype(int).tolist()):
+            e, t = divmod(reward, 100)
+            assert b.meta["task_id"][i] == f"task{e}"
+            assert b.meta["info"][i] == ({"seed": e, "note": f"start of e{e}"} if t == 0 else {})
+        with pytest.raises(KeyError, match=r"batch.meta\['task_id'\]"):
+            b["task_id"]
+
+
 def test_any_failure_of_a_fill_is_recorded(redis_url, namespace):
     reg = Registry(llm_store(redis_url, namespace))
     bad = recipe("bad", ["prompt_ids"], augment={"prompt_ids": [{"gaussian_noise": {"std": 1}}]})
@@ -231,19 +258,33 @@ def test_fill_reaps_orphaned_segments_at_most_once_a_minute(
 def test_collate_edge_cases():
     from orchestrator.delivery.collate import collate
     from orchestrator.delivery.wire import decode_batch
+    from orchestrator.sampling.batch import Batch
 
     empty = [np.zeros((0, 2), np.float32)] * 3  # every row empty: (B, 0, 2)
-    arrays, meta = collate({"x": empty, "s": np.array(["a", None], dtype=object)})
+    arrays = collate({"x": empty})
     assert arrays["x"].shape == (3, 0, 2) and arrays["x_lengths"].tolist() == [0, 0, 0]
-    assert meta == {"s": ["a", None]}
     with pytest.raises(ValueError, match="'x_lengths' is a field of the recipe too"):
         collate({"x": empty, "x_lengths": np.zeros(3)})
     with pytest.raises(ValueError, match="differ in dtype or trailing shape"):
         collate({"x": [np.zeros(2, np.int32), np.zeros(2, np.int64)]})
-    arrays, meta = collate({"x": [np.arange(2), np.arange(1)], "info": [{"a": 1}, {}]})
-    out = decode_batch(wire_bytes(arrays, [1, 2], meta=meta))
+    with pytest.raises(TypeError, match="belong in meta"):
+        collate({"s": np.array(["a", None], dtype=object)})
+    drawn = Batch.drawn(
+        {
+            "x": [np.arange(2), np.arange(1)],
+            "s": np.array(["a", None], dtype=object),
+            "info": [{"a": 1}, {}],
+        },
+        np.array([1, 2]),
+        np.ones(2, np.float32),
+        np.zeros(2, np.int16),
+        ("all",),
+        1,
+    )
+    assert list(drawn) == ["x"] and drawn.meta == {"s": ["a", None], "info": [{"a": 1}, {}]}
+    out = decode_batch(wire_bytes(collate(drawn.fields), drawn.ids, meta=drawn.meta))
     assert out["x"].tolist() == [[0, 1], [0, 0]] and out["x_lengths"].tolist() == [2, 1]
-    assert out.meta["info"] == [{"a": 1}, {}]
+    assert out.meta == drawn.meta and len(out) == len(drawn) == 2
 
 
 def test_pop_refuses_a_batch_of_an_unknown_wire_version(redis_url, namespace):
@@ -259,4 +300,4 @@ def test_pop_refuses_a_batch_of_an_unknown_wire_version(redis_url, namespace):
         client.store.r.rpush(client.registry.queue("r"), newer, item)
         with pytest.raises(WireVersionError, match=f"version {VERSION + 1}, this reader reads"):
             client.pop("r", timeout=5)
-        assert client.pop("r", timeout=5).batch_size == 8  # the next one reads fine
+        assert len(client.pop("r", timeout=5)) == 8  # the next one reads fine

@@ -167,13 +167,13 @@ def test_mixture_counts_are_exact_and_rows_match_their_source(store):
         b = sample(store, r, params={"min_level": 4} if i % 2 else None)
         assert b.sources == ("a", "rest") and b.recipe_version == 1 and len(b) == 10
         assert b.source_index.tolist() == [0] * 8 + [1] * 2
-        assert (b["task_id"][:8] == "a").all()
-        assert set(b["task_id"][8:]) <= {"b", "c"}
+        assert b.meta["task_id"][:8] == ["a"] * 8
+        assert set(b.meta["task_id"][8:]) <= {"b", "c"}
         assert (b["tags.level"][8:] >= (4 if i % 2 else 2)).all()
         obs = b["obs"]
-        assert b["episode_id"].tolist() == [f"ep{int(e)}" for e in obs[:, 0]]
+        assert b.meta["episode_id"] == [f"ep{int(e)}" for e in obs[:, 0]]
         assert b["step_index"].tolist() == obs[:, 1].astype(int).tolist()
-        assert b["tags.color"].tolist() == ["rb"[int(e) % 2] for e in obs[:, 0]]
+        assert b.meta["tags.color"] == ["rb"[int(e) % 2] for e in obs[:, 0]]
 
 
 @pytest.mark.both_stores
@@ -270,12 +270,12 @@ def test_sequences_stay_inside_one_episode(store):
         b = sample(store, r)
         obs = b["obs"]
         assert obs.shape == (32, 3, 4) and b["reward"].shape == (32, 3) and b.ids.shape == (32,)
-        assert b["next_obs"].shape == (32, 3, 4) and b["episode_id"].shape == (32, 3)
+        assert b["next_obs"].shape == (32, 3, 4) and len(b) == len(b.meta["episode_id"]) == 32
         for w in range(32):
             ep, t = int(obs[w, 0, 0]), int(obs[w, 0, 1])
             assert (ep, t) in valid
             np.testing.assert_array_equal(obs[w], [obs_of(ep, t + j) for j in range(3)])
-            assert b["episode_id"][w].tolist() == [f"ep{ep}"] * 3
+            assert b.meta["episode_id"][w] == [f"ep{ep}"] * 3
             assert b["reward"][w].tolist() == [reward_of(ep, t + j) for j in range(3)]
             for j in range(3):
                 np.testing.assert_array_equal(b["next_obs"][w, j], transition(ep, t + j, 1, 1.0)[3])
@@ -338,7 +338,7 @@ def test_through_the_real_ingest_worker(redis_url, namespace, ingest_worker):
     b = sample(namespace, r, redis_url=redis_url)
     ep, step = b["obs"][:, 0].astype(int), b["obs"][:, 1].astype(int)
     assert (b["action"] == step % 3).all()
-    assert b["episode_id"].tolist() == [f"ep{e}" for e in ep]
+    assert b.meta["episode_id"] == [f"ep{e}" for e in ep]
     last = step == 49
     r0 = (ep + step / 100).astype(np.float32).astype(np.float64)
     r1 = (ep + (step + 1) / 100).astype(np.float32).astype(np.float64)
@@ -433,7 +433,7 @@ def test_sampled_rows_satisfy_their_where(redis_url, rows, where, kind):
     for i, step_id in enumerate(b.ids.tolist()):
         row = by_id[step_id]
         assert row["trainable"] and holds(row, where)
-        assert b["task_id"][i] == row["task_id"] and b["reward"][i] == row["reward"]
+        assert b.meta["task_id"][i] == row["task_id"] and b["reward"][i] == row["reward"]
         level = b["tags.level"][i]
         assert (math.isnan(level) and row["level"] is None) or level == row["level"]
 
@@ -450,7 +450,7 @@ def test_ragged_fields_info_and_sequences_of_them(store):
     fields = ["prompt_ids", "info", "next_obs", "obs"]
     out = sample(store, recipe([{"name": "u"}], fields, batch_size=64))
     for ids, info, (ep, t) in zip(
-        out["prompt_ids"], out["info"], out["obs"][:, :2].astype(int).tolist(), strict=True
+        out["prompt_ids"], out.meta["info"], out["obs"][:, :2].astype(int).tolist(), strict=True
     ):
         np.testing.assert_array_equal(ids, np.arange(t + ep))
         assert ids.dtype == np.int32

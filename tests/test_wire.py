@@ -65,9 +65,10 @@ def test_round_trip_dtypes_and_shapes(dtype, shape):
 
 def test_empty_batch_and_no_fields():
     out = decode_batch(wire_bytes({"obs": np.zeros((0, 84, 84, 3), np.uint8)}, ids=[]))
-    assert out.batch_size == 0 and out["obs"].shape == (0, 84, 84, 3)
+    assert len(out) == 0 and out["obs"].shape == (0, 84, 84, 3)
     assert out.ids.dtype == np.int64 and out.weights.dtype == np.float32
-    assert len(decode_batch(wire_bytes({}, ids=[1, 2]))) == 0
+    bare = decode_batch(wire_bytes({}, ids=[1, 2]))
+    assert len(bare) == 2 and list(bare) == []  # len() counts rows, not fields
 
 
 @settings(max_examples=60, deadline=None)

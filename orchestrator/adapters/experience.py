@@ -31,7 +31,7 @@ import numpy as np
 from claw_tasks.client import Episode, Ingestor
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.readahead import ReadAhead
-from orchestrator.delivery.wire import Batch
+from orchestrator.sampling.batch import Batch
 
 log = logging.getLogger(__name__)
 
@@ -201,22 +201,7 @@ def split(batch: Batch, parts: int) -> list[Batch]:
     contiguous: a recipe lays its sources' rows out one source after another, so each part
     keeps the mix of sources. Rows are independent draws, so each part is a batch of the
     same recipe; importance weights stay normalized over the whole batch."""
-    out = []
-    for j in range(parts):
-        rows = slice(j, None, parts)
-        meta = {k: v[rows] if isinstance(v, list) else v for k, v in batch.meta.items()}
-        out.append(
-            Batch(
-                {k: v[rows] for k, v in batch.items()},
-                batch.ids[rows],
-                batch.weights[rows],
-                batch.source_index[rows],
-                batch.sources,
-                batch.recipe_version,
-                meta,
-            )
-        )
-    return out
+    return [batch.take(slice(j, None, parts)) for j in range(parts)]
 
 
 def ingest_options(ingest: Mapping[str, Any], capacity: int) -> dict[str, Any]:

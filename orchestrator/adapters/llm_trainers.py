@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.sampling.batch import Batch
 
 _LONG = ("input_ids", "attention_mask", "position_ids")
 _FLOAT = ("loss_mask", "old_logprobs", "advantages", "rewards")

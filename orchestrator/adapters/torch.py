@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.wire import Batch
 from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.batch import Batch
 
 Item = dict[str, Any]
 

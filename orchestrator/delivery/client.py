@@ -16,8 +16,9 @@ from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, shm
 from orchestrator.delivery.registry import Entry, Registry
-from orchestrator.delivery.wire import Batch, WireVersionError
+from orchestrator.delivery.wire import WireVersionError
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
+from orchestrator.sampling.batch import Batch
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,15 @@
-"""Collation: a sampled (and augmented) batch's fields as wire arrays plus batch metadata.
+"""Collation: a sampled (and augmented) batch's fields as wire arrays.
 
-:func:`orchestrator.sample` returns numeric fields as arrays, ragged fields as lists of
-arrays, strings as object arrays and ``info`` as dicts (nested ``[B][L]`` for sequences).
-The wire format carries numeric arrays only, so prefetch collates:
+:func:`orchestrator.sample` returns numeric fields as arrays and ragged fields as lists of
+arrays (nested ``[B][L]`` for sequences); strings and ``info`` are already in the batch's
+``meta`` (:mod:`orchestrator.sampling.batch`). The wire format carries numeric arrays only,
+so prefetch collates:
 
 - numeric arrays pass through unchanged;
 - a ragged field ``x`` (e.g. ``prompt_ids``, int32[*]) becomes one zero-padded array
   ``x`` of shape ``(B, maxlen, ...)`` (``(B, L, maxlen, ...)`` with ``sequence_length`` L),
   ``maxlen`` the longest row of the batch, plus ``x_lengths``, int32 ``(B,)`` (``(B, L)``),
-  each row's true length: ``x[i, :x_lengths[i]]`` is row i;
-- strings (``task_id``, ``episode_id``, string ``tags.<name>``…; None = missing) and
-  ``info`` dicts go to the batch's ``meta`` as lists (nested for sequences):
-  ``batch.meta["task_id"][i]``.
+  each row's true length: ``x[i, :x_lengths[i]]`` is row i.
 """
 
 from __future__ import annotations
@@ -24,28 +22,23 @@ import numpy as np
 LENGTHS_SUFFIX = "_lengths"
 
 
-def collate(fields: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Split ``fields`` into wire arrays and ``meta`` (see the module docstring)."""
+def collate(fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """``fields`` as wire arrays (see the module docstring)."""
     arrays: dict[str, np.ndarray] = {}
-    meta: dict[str, Any] = {}
     for name, value in fields.items():
-        if isinstance(value, np.ndarray):
-            if value.dtype.hasobject:
-                meta[name] = value.tolist()  # decoded strings (None = missing)
-            else:
-                arrays[name] = value
+        if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+            arrays[name] = value
             continue
-        leaves, shape = _leaves(value)
-        if leaves and all(isinstance(x, np.ndarray) for x in leaves):
-            lengths_name = f"{name}{LENGTHS_SUFFIX}"
-            if lengths_name in fields:
-                raise ValueError(f"field {name!r}: {lengths_name!r} is a field of the recipe too")
-            padded, lengths = _pad(name, leaves)
-            arrays[name] = padded.reshape(*shape, *padded.shape[1:])
-            arrays[lengths_name] = lengths.reshape(shape)
-        else:
-            meta[name] = value  # info dicts (msgpack-able: str/int/float/bool values)
-    return arrays, meta
+        leaves, shape = ([], ()) if isinstance(value, np.ndarray) else _leaves(value)
+        if not (leaves and all(isinstance(x, np.ndarray) for x in leaves)):
+            raise TypeError(f"field {name!r}: not numeric (strings and info belong in meta)")
+        lengths_name = f"{name}{LENGTHS_SUFFIX}"
+        if lengths_name in fields:
+            raise ValueError(f"field {name!r}: {lengths_name!r} is a field of the recipe too")
+        padded, lengths = _pad(name, leaves)
+        arrays[name] = padded.reshape(*shape, *padded.shape[1:])
+        arrays[lengths_name] = lengths.reshape(shape)
+    return arrays
 
 
 def _leaves(value: Any) -> tuple[list[Any], tuple[int, ...]]:

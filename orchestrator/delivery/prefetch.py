@@ -33,6 +33,7 @@ from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.batch import take_rows
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.sample import close_shared, sample
 from orchestrator.sampling.sample import forget_namespace as forget_sessions
@@ -167,14 +168,16 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 break
             fields = plan.apply(batch.fields, rng) if plan is not None else batch.fields
             ids, weights, source_index = batch.ids, batch.weights, batch.source_index
-            if recipe.tokens is not None:
+            meta = batch.meta
+            if recipe.tokens is not None:  # a row per sequence: its last turn's
                 tokens = collate_tokens(fields, ids, batch.groups, recipe.tokens)
-                arrays, meta = collate(tokens.rest)
+                arrays = collate(tokens.rest)
                 arrays.update(tokens.arrays)
-                ids, weights = ids[tokens.rows], weights[tokens.rows]
-                source_index = source_index[tokens.rows]
+                rows = tokens.rows
+                ids, weights, source_index = ids[rows], weights[rows], source_index[rows]
+                meta = {k: take_rows(v, rows) for k, v in meta.items()}
             else:
-                arrays, meta = collate(fields)
+                arrays = collate(fields)
                 if batch.groups is not None:
                     arrays.update(group_arrays(batch.groups))
             wire = to_wire(

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.wire import Batch
+from orchestrator.sampling.batch import Batch
 
 
 def batch_bytes(batch: Batch) -> int:

@@ -49,12 +49,12 @@ import msgpack
 
 from orchestrator.delivery.wire import (
     VERSION,
-    Batch,
     WireBatch,
     check_version,
     decode_batch,
     is_batch,
 )
+from orchestrator.sampling.batch import Batch
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "claw-"

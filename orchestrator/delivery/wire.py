@@ -19,12 +19,14 @@ writable arrays. Never pickle.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
 import numpy as np
 from numpy.typing import ArrayLike
+
+from orchestrator.sampling.batch import Batch
 
 MAGIC = b"CLAW"
 VERSION = 2
@@ -58,59 +60,6 @@ def check_version(version: int, what: str = "batch") -> None:
     raise WireVersionError(
         f"{what} is in wire format version {version}, this reader reads version {VERSION}: {fix}"
     )
-
-
-class Batch(Mapping[str, np.ndarray]):
-    """A decoded batch: a mapping of field name to array, plus per-row bookkeeping.
-
-    ``ids`` are int64 step ids, ``weights`` float32 importance weights, ``source_index`` the
-    int16 index of each row's source in ``sources``. ``meta`` holds what is not an array:
-    from prefetch, string fields (``task_id``, ``episode_id``, string tags) and ``info``,
-    one list entry per row (see :mod:`orchestrator.delivery.collate`).
-    """
-
-    __slots__ = ("_fields", "ids", "meta", "recipe_version", "source_index", "sources", "weights")
-
-    def __init__(
-        self,
-        fields: dict[str, np.ndarray],
-        ids: np.ndarray,
-        weights: np.ndarray,
-        source_index: np.ndarray,
-        sources: tuple[str, ...],
-        recipe_version: int,
-        meta: dict[str, Any],
-    ) -> None:
-        self._fields = fields
-        self.ids = ids
-        self.weights = weights
-        self.source_index = source_index
-        self.sources = sources
-        self.recipe_version = recipe_version
-        self.meta = meta
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        try:
-            return self._fields[name]
-        except KeyError:
-            if name in self.meta:
-                raise KeyError(f"{name!r} is not an array: see batch.meta[{name!r}]") from None
-            raise
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._fields)
-
-    def __len__(self) -> int:
-        return len(self._fields)
-
-    @property
-    def batch_size(self) -> int:
-        """Number of rows."""
-        return len(self.ids)
-
-    def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self._fields.items())
-        return f"Batch(n={self.batch_size}, v{self.recipe_version}, {{{shapes}}})"
 
 
 class WireBatch:

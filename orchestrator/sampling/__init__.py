@@ -5,7 +5,8 @@ and ``sample()``, which turns a recipe into one batch of rows read from the stor
 the one :class:`~orchestrator.sampling.samplers.base.Sampler` contract, added with
 ``@register`` (which also gives the recipe the kind's name and keys)."""
 
+from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.candidates import InsufficientData
-from orchestrator.sampling.sample import SampledBatch, sample, update_priorities
+from orchestrator.sampling.sample import sample, update_priorities
 
-__all__ = ["InsufficientData", "SampledBatch", "sample", "update_priorities"]
+__all__ = ["Batch", "InsufficientData", "sample", "update_priorities"]

@@ -1,12 +1,11 @@
 """Assembling a drawn batch: the reads its fields need, in one fetch, and how the results
-become the batch's fields (:class:`SampledBatch`; what each field holds is in
+become a :class:`~orchestrator.sampling.batch.Batch` (what each field holds is in
 :mod:`orchestrator.sampling.sample`'s docstring). Compressed fields are decoded here, in
 the sampling process, before any augmentation."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -19,6 +18,7 @@ from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.layout import EXPLICIT_NEXT
 from claw_tasks.where import lookup
 from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.fetch import (
     Fetcher,
     Read,
@@ -26,33 +26,12 @@ from orchestrator.sampling.fetch import (
     info_read,
     payload_read,
 )
-from orchestrator.sampling.groups import Groups
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import Draw
 from orchestrator.sampling.sequences import follow, n_step, windows
 from orchestrator.sampling.stacks import Predecessors
 from orchestrator.sampling.strings import Strings
 from orchestrator.transforms.framestack import stack_frames
-
-
-@dataclass(frozen=True)
-class SampledBatch:
-    """One batch of a recipe (see the module docstring for its fields)."""
-
-    fields: dict[str, Any]
-    ids: np.ndarray  # int64 (B,): the drawn steps
-    weights: np.ndarray  # float32 (B,): importance weights (1 but for priority sources)
-    source_index: np.ndarray  # int16 (B,): index into ``sources``
-    sources: tuple[str, ...]
-    recipe_version: int
-    groups: Groups | None = None  # group recipes: each row's group and trajectory
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, name: str) -> Any:
-        return self.fields[name]
-
 
 Finish = Callable[[list[Any]], Any]
 
@@ -87,7 +66,7 @@ class Assembly:
         self.lookups: list[tuple[str, list[int], Callable[[Any], None]]] = []
         self.stacks = stacks
 
-    def run(self) -> SampledBatch | None:
+    def run(self) -> Batch | None:
         recipe, cols, rows = self.recipe, self.cols, self.rows
         extra: dict[str, Finish] = {}
         reward, boot = cols["reward"][rows], rows
@@ -115,8 +94,8 @@ class Assembly:
             fields = {name: f(results) for name, f in finish.items()}
         except KeyFrameGone:  # the ring passed a delta and its key since the fetch: redraw
             return None
-        return SampledBatch(
-            fields=fields,
+        return Batch.drawn(
+            fields,
             ids=cols["id"][self.draw.rows],
             weights=self.draw.weights,
             source_index=self.draw.source,

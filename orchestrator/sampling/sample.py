@@ -18,9 +18,10 @@ Batch fields, in the recipe's order:
   ``sum_{k<m} gamma^k r_{t+k}``; then ``discount`` (``gamma^m``) and ``done``
   (terminated within the m steps) are added: the target is
   ``reward + discount * (1 - done) * V(next_obs)``;
-- ``terminated``, ``truncated``: the step's own flags; ``info``: a dict per row;
-- metadata keys (``step_index``, ``task_id``, ``tags.<name>``, …): from the index, strings
-  decoded into object arrays (None = missing).
+- ``terminated``, ``truncated``: the step's own flags;
+- metadata keys (``step_index``, ``task_id``, ``tags.<name>``, …): from the index; numbers
+  are fields, strings (None = missing) and ``info`` (a dict per row) go to ``batch.meta``
+  as lists, as in a popped batch (:mod:`orchestrator.sampling.batch`).
 
 With ``frame_stack`` k > 1, ``obs`` and ``next_obs`` are stacks of the step's k newest
 frames (:mod:`orchestrator.transforms.framestack` has the layout); each frame is read once.
@@ -47,7 +48,8 @@ from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.lru import LRU
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
-from orchestrator.sampling.assembly import Assembly, SampledBatch
+from orchestrator.sampling.assembly import Assembly
+from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.fetch import (
     Fetcher,
@@ -76,7 +78,7 @@ def sample(
     rng: np.random.Generator | None = None,
     params: Mapping[str, Any] | None = None,
     index: SamplingIndex | None = None,
-) -> SampledBatch:
+) -> Batch:
     """Draw one batch of ``recipe`` (a :class:`Recipe`, its dict form or a YAML path, as
     ``BatchClient.register`` takes) from a namespace.
 
@@ -199,7 +201,7 @@ class _Session:
         recipe: Recipe,
         rng: np.random.Generator | None,
         params: Mapping[str, Any] | None,
-    ) -> SampledBatch:
+    ) -> Batch:
         live = {**recipe.params, **(params or {})}
         once = recipe.grouped and any(s.sampler.once for s in recipe.sources)
         key = claims_key(self.store.keys.base, recipe.name)
@@ -215,7 +217,7 @@ class _Session:
         live: dict[str, Any],
         once: bool,
         key: str,
-    ) -> SampledBatch:
+    ) -> Batch:
         for _ in range(_ATTEMPTS):
             self.index.sync()
             b = self.bind(recipe)
@@ -249,7 +251,7 @@ class _Session:
 _CLAIM = Lua("claim", "orchestrator")
 
 
-def _within_budget(batch: SampledBatch, recipe: Recipe) -> SampledBatch:
+def _within_budget(batch: Batch, recipe: Recipe) -> Batch:
     """The batch's leading groups whose sequences hold at most ``tokens.max_tokens`` tokens
     (at least one group); the rest are left for later draws (unclaimed)."""
     g = batch.groups
@@ -263,20 +265,8 @@ def _within_budget(batch: SampledBatch, recipe: Recipe) -> SampledBatch:
         return batch
     rows = np.flatnonzero(g.group < keep)
     n = len(rows)
-    fields = {
-        k: (v[rows] if isinstance(v, np.ndarray) else [v[i] for i in rows.tolist()])
-        for k, v in batch.fields.items()
-    }
     groups = Groups(g.group[:n], g.trajectory[:n], g.returns[:n], g.ids[:keep], g.pass_no, g.stale)
-    return SampledBatch(
-        fields,
-        batch.ids[:n],
-        batch.weights[:n],
-        batch.source_index[:n],
-        batch.sources,
-        batch.recipe_version,
-        groups,
-    )
+    return batch.take(rows, groups)
 
 
 def _same(a: Recipe, b: Recipe) -> bool:

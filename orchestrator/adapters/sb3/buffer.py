@@ -69,9 +69,9 @@ from orchestrator.adapters.experience import (
 from orchestrator.adapters.sb3.state import SavedState
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.collate import collate
-from orchestrator.delivery.wire import Batch
 from orchestrator.maintenance.lifecycle import drop_namespace
 from orchestrator.recipe.model import as_recipe
+from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.sample import sample as sample_here
 
 log = logging.getLogger(__name__)
@@ -318,9 +318,15 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         spec = {**self.recipe, "batch_size": batch_size}
         rng = np.random.default_rng([self.seed, self._samples])
         got = sample_here(self.client.store, as_recipe(spec), rng=rng)
-        arrays, meta = collate(got.fields)
+        arrays = collate(got.fields)
         return Batch(
-            arrays, got.ids, got.weights, got.source_index, got.sources, got.recipe_version, meta
+            arrays,
+            got.ids,
+            got.weights,
+            got.source_index,
+            got.sources,
+            got.recipe_version,
+            got.meta,
         )
 
     def recipe_name(self, batch_size: int) -> str:

@@ -29,8 +29,8 @@ from orchestrator.adapters.experience import (
     without_password,
 )
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.wire import Batch
 from orchestrator.maintenance.lifecycle import drop_namespace
+from orchestrator.sampling.batch import Batch
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class ClawStorage(StoreStorage):
         return ids, _tensor(batch.weights), self._tensordict(batch)
 
     def _tensordict(self, batch: Batch) -> TensorDict:
-        n = batch.batch_size
+        n = len(batch)
         layout = self._layout
 
         def col(
