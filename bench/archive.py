@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.maintenance.archive import Archiver
 from orchestrator.maintenance.restore import restore

@@ -53,7 +53,8 @@ from bench.prefetch import run as fill_loop
 from bench.prefetch import trainer
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.delivery.registry import Registry

@@ -26,7 +26,8 @@ import time
 import numpy as np
 
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from claw_tasks.store.scripts import Lua

@@ -28,7 +28,8 @@ import cv2
 import numpy as np
 
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import run_fill

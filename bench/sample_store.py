@@ -31,7 +31,8 @@ from collections.abc import Callable
 import numpy as np
 
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample, update_priorities
 from orchestrator.sampling import fetch

@@ -22,7 +22,8 @@ import numpy as np
 
 from claw_tasks.connection.client import redis_client
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.inspect.namespaces import namespace_stats, scan_keys

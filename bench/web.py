@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]

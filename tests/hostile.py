@@ -12,7 +12,8 @@ import numpy as np
 import redis
 from kombu import Connection, Exchange, Producer, Queue
 
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.message import TASK, IngestArgs
 from claw_tasks.store.layout import Keys
 from claw_tasks.worker.deadletter import REJECTS_OUTCOMES

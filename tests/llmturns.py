@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.format.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.schema import tag_column
 
 

@@ -9,7 +9,8 @@ import numpy as np
 from celery import Celery
 
 from claw_tasks.broker.app import client_app
-from claw_tasks.format.batch import Placed, StepBatch
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import Placed
 from claw_tasks.format.message import IngestArgs, IngestOutcome
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import tag_column
 
 OBS = 4  # obs is float32[4]: [episode number, step_index, explicit next_obs marker, 0]

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.settings import use_settings
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample

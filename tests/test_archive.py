@@ -17,11 +17,13 @@ from producer import sender
 from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
-from claw_tasks.format.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
-from orchestrator.maintenance.archive import MANIFEST, ArchiveBusy, Manifest, archive_namespace
+from orchestrator.maintenance.archive import ArchiveBusy, archive_namespace
+from orchestrator.maintenance.archive_files import MANIFEST, Manifest
 from orchestrator.maintenance.lifecycle import drop_namespace
 from orchestrator.maintenance.restore import restore
 from orchestrator.maintenance.steptable import StepRows, from_table, to_table

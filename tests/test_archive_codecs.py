@@ -25,7 +25,7 @@ from claw_tasks.codecs import Codec, decode
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
-from orchestrator.maintenance.archive import Manifest
+from orchestrator.maintenance.archive_files import Manifest
 
 EPISODES = 6
 

@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.bulk import BulkReader

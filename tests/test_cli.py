@@ -21,7 +21,8 @@ import pytest
 from prometheus_client import generate_latest
 from typer.testing import CliRunner
 
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.message import IngestArgs
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store

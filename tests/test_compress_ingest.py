@@ -12,7 +12,8 @@ import zstandard
 from claw_tasks.client import Ingestor
 from claw_tasks.client.sending import encode_batch
 from claw_tasks.codecs import Codec, CodecFrames, encode
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store

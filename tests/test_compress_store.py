@@ -11,7 +11,8 @@ import redis
 
 from claw_tasks.codecs import Codec, CodecFrames, encode
 from claw_tasks.format.arrays import unpackb
-from claw_tasks.format.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store

@@ -12,8 +12,8 @@ from producer import sender
 from stepdata import batch, episode, interleave
 
 from claw_tasks.durations import DurationError, parse_duration
+from claw_tasks.format.stepmeta import episode_code
 from claw_tasks.store import Store
-from claw_tasks.store.layout import episode_code
 from claw_tasks.store.retention import Retention, RetentionError, parse_bytes
 from orchestrator import Recipe, sample
 from orchestrator.cli.doctor import check_namespace

@@ -39,7 +39,8 @@ from claw_tasks.client import Ingestor
 from claw_tasks.codecs import Codec, CodecFrames, encode
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.arrays import pack_array, packb
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.message import MESSAGE_VERSION
 from claw_tasks.store import Store

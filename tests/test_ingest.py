@@ -12,8 +12,8 @@ from producer import outcome, send_unchecked
 
 from claw_tasks.broker.app import client_app
 from claw_tasks.client import Ingestor
+from claw_tasks.format.stepmeta import episode_code
 from claw_tasks.store import Store
-from claw_tasks.store.layout import episode_code
 
 # Every test here runs with the broker on Redis and on RabbitMQ.
 pytestmark = pytest.mark.both_brokers
@@ -143,7 +143,8 @@ def test_same_message_twice_stores_once(redis_url, broker_url, namespace, ingest
         for t in range(10):
             ep.add(np.full(8, t, np.float32), np.int64(0), 1.0)
     ing.flush()
-    from claw_tasks.format.batch import StepBatch, StrColumn
+    from claw_tasks.format.batch import StepBatch
+    from claw_tasks.format.columns import StrColumn
 
     batch = StepBatch(
         episode=StrColumn.constant("x", 20),
@@ -253,7 +254,8 @@ def test_the_worker_refuses_a_batch_over_capacity_with_a_dead_letter(
 ):
     """A producer that does not split (not the Ingestor) gets its over-capacity message
     refused whole, with a dead letter that names the cause; the stored steps stay."""
-    from claw_tasks.format.batch import StepBatch, StrColumn
+    from claw_tasks.format.batch import StepBatch
+    from claw_tasks.format.columns import StrColumn
 
     ing = _ingestor(redis_url, broker_url, namespace, capacity=100)
     with ing.episode(episode_id="kept") as ep:

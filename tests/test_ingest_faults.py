@@ -10,7 +10,8 @@ from producer import outcome, send_unchecked
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.arrays import unpackb
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import SchemaError
 from claw_tasks.store import Store
 

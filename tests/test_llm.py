@@ -130,7 +130,7 @@ def test_episode_index_finds_turns_without_the_column(own_redis_url, namespace, 
     """With ``episode_index`` a trajectory's turns come from its index entry (no read of the
     shard's episode column: no GET of a column chunk), in turn order, evicted and
     overwritten steps left out, and the entry goes with the trajectory's last step."""
-    from claw_tasks.store.layout import episode_code
+    from claw_tasks.format.stepmeta import episode_code
     from claw_tasks.store.turns import trajectory_step_ids
     from tests.conftest import Worker
 

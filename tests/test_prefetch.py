@@ -298,7 +298,8 @@ def test_llm_namespace_ragged_and_string_fields_pop(redis_url, broker_url, names
 
 def _images_store(url: str, ns: str, n: int = 64) -> Store:
     """Image steps without Celery: 16 of them make a batch big enough for /dev/shm."""
-    from claw_tasks.format.batch import StepBatch, StrColumn
+    from claw_tasks.format.batch import StepBatch
+    from claw_tasks.format.columns import StrColumn
 
     store = Store(url, ns)
     store.create(capacity=1000)

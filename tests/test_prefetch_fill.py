@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from claw_tasks.format.arrays import unpackb
-from claw_tasks.format.batch import Ragged, StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.store import Store
 from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import fill, run_fill

@@ -25,7 +25,8 @@ from producer import outcome
 
 from claw_tasks.broker.app import client_app
 from claw_tasks.client import Ingestor
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.message import IngestArgs
 from claw_tasks.store import Store
 from orchestrator.cli.exporter import ClawCollector

@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 from stepdata import batch, episode, interleave, obs_of
 
 from claw_tasks.client import Ingestor
-from claw_tasks.format.batch import Ragged
+from claw_tasks.format.columns import Ragged
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import payload_chunk_slots
 from orchestrator import InsufficientData, Recipe, sample, update_priorities

@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.delivery.client import BatchClient
 

@@ -11,7 +11,7 @@ import pytest
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.arrays import packb
-from claw_tasks.format.batch import Placed
+from claw_tasks.format.columns import Placed
 from claw_tasks.format.schema import SchemaError
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from claw_tasks.connection.server import RedisServer
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.web.views import Inspector

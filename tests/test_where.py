@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from claw_tasks.store.layout import TERMINATED, TRUNCATED, UNTRAINABLE, episode_code
+from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE, episode_code
 from claw_tasks.where import ExpressionError, FilterError, Where, compare, mask, parse
 
 TASKS = ["grasp", "reach", "lift"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 
 SIDE = 16

@@ -12,7 +12,8 @@ import numpy as np
 
 from claw_tasks.codecs import CodecError
 from claw_tasks.format.arrays import check_dtype
-from claw_tasks.format.batch import STEP_INDEX_LIMIT, STR_META, Ragged, StepBatch, StrColumn
+from claw_tasks.format.batch import STEP_INDEX_LIMIT, STR_META, StepBatch
+from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.schema import FieldSpec, Schema, SchemaError, TagKind, tag_column, tag_key
 
 

@@ -28,7 +28,8 @@ from claw_tasks.client.checks import (
 )
 from claw_tasks.client.episode import Episode
 from claw_tasks.client.sending import FlushResult, Inflight, IngestError, Sender
-from claw_tasks.format.batch import STR_META, Ragged, StepBatch, info_problem
+from claw_tasks.format.batch import STR_META, StepBatch, info_problem
+from claw_tasks.format.columns import Ragged
 from claw_tasks.format.schema import MAX_STEP_BYTES, Schema, SchemaError
 from claw_tasks.format.turns import prompt_key, turn_fields, turn_info
 from claw_tasks.settings import get_settings

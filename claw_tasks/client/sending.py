@@ -13,7 +13,8 @@ import numpy as np
 
 from claw_tasks.client.backpressure import MemoryGate
 from claw_tasks.codecs import encode
-from claw_tasks.format.batch import Placed, StepBatch
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import Placed
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.message import TASK, IngestArgs, IngestOutcome
 from claw_tasks.format.schema import Schema

@@ -19,12 +19,7 @@ from claw_tasks.format.arrays import (
     unpack_array,
     unpackb,
 )
-
-# The column types live in claw_tasks.format.columns; re-exported here, where callers look for them.
-from claw_tasks.format.columns import FieldValue as FieldValue
-from claw_tasks.format.columns import Placed as Placed
-from claw_tasks.format.columns import Ragged as Ragged
-from claw_tasks.format.columns import StrColumn as StrColumn
+from claw_tasks.format.columns import FieldValue, Placed, Ragged, StrColumn
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError, tag_name
 
@@ -304,7 +299,6 @@ _BATCH_KEYS = frozenset(
     }
 )
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
-MAX_BATCH_ID = 128
 
 
 def check_batch_id(batch_id: Any) -> str:

@@ -1,7 +1,7 @@
 """What a step's metadata values mean, apart from where they are stored: the flag bits,
 the dictionary-encoded columns and the episode code. A leaf module: the where language
-reads these without importing the store package (whose settings use the where language),
-and :mod:`claw_tasks.store.layout` re-exports them beside the key and column layout."""
+reads these without importing the store package (whose settings use the where language);
+:mod:`claw_tasks.store.layout` has where they are stored (keys and column layout)."""
 
 from __future__ import annotations
 

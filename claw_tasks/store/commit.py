@@ -9,21 +9,20 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.format.arrays import packb
-from claw_tasks.format.batch import STR_META, Placed, Ragged, StepBatch
+from claw_tasks.format.batch import STR_META, StepBatch
+from claw_tasks.format.columns import Placed, Ragged
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import Schema, tag_column
+from claw_tasks.format.stepmeta import EXPLICIT_NEXT, TERMINATED, TRUNCATED
 from claw_tasks.store.compressed import explicit_frames, frames_of
 from claw_tasks.store.config import LOG_MAXLEN, MARKER_TTL, NamespaceConfig, NamespaceError
 from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import (
-    EXPLICIT_NEXT,
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
     SPARSE_CHUNK_SLOTS,
     STR_TAG_DTYPE,
-    TERMINATED,
-    TRUNCATED,
     nan_xor,
     payload_chunk_slots,
 )

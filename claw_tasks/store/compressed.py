@@ -22,7 +22,7 @@ from claw_tasks.codecs.delta import (
     key_frame,
     needed_keys,
 )
-from claw_tasks.format.batch import FieldValue, Placed, Ragged
+from claw_tasks.format.columns import FieldValue, Placed, Ragged
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec
 from claw_tasks.settings import get_settings

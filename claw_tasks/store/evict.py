@@ -16,16 +16,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from claw_tasks.format.stepmeta import EXPLICIT_NEXT, TERMINATED, TRUNCATED
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.core import StoreCore
-from claw_tasks.store.layout import (
-    EXPLICIT_NEXT,
-    META_CHUNK_SLOTS,
-    SPARSE_CHUNK_SLOTS,
-    TERMINATED,
-    TRUNCATED,
-    payload_chunk_slots,
-)
+from claw_tasks.store.layout import META_CHUNK_SLOTS, SPARSE_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.reader import Reader
 from claw_tasks.store.scripts import Lua
 

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-# Defined in claw_tasks.format.stepmeta (a leaf the where language imports); re-exported here,
-# where the store's modules and the orchestrator look for them.
 from claw_tasks.format.names import check_namespace
 from claw_tasks.format.schema import Schema, tag_name
-from claw_tasks.format.stepmeta import DICT_COLUMNS as DICT_COLUMNS
-from claw_tasks.format.stepmeta import EXPLICIT_NEXT as EXPLICIT_NEXT
-from claw_tasks.format.stepmeta import TERMINATED as TERMINATED
-from claw_tasks.format.stepmeta import TRUNCATED as TRUNCATED
-from claw_tasks.format.stepmeta import UNTRAINABLE as UNTRAINABLE
-from claw_tasks.format.stepmeta import episode_code as episode_code
+from claw_tasks.format.stepmeta import episode_code
 
 # Metadata columns: name -> dtype. Zero bytes always mean "missing".
 META: dict[str, np.dtype] = {

@@ -10,22 +10,24 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.format.schema import FieldSpec, Schema, tag_column, tag_key, tag_name
+from claw_tasks.format.stepmeta import (
+    DICT_COLUMNS,
+    EXPLICIT_NEXT,
+    TERMINATED,
+    TRUNCATED,
+    UNTRAINABLE,
+    episode_code,
+)
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.config import NamespaceConfig, NamespaceError
 from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import (
-    DICT_COLUMNS,
     EPISODE_INDEX_ENTRY,
-    EXPLICIT_NEXT,
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
     SPARSE_CHUNK_SLOTS,
-    TERMINATED,
-    TRUNCATED,
-    UNTRAINABLE,
     column_dtype,
-    episode_code,
     nan_xor,
     payload_chunk_slots,
 )

@@ -17,10 +17,10 @@ from claw_tasks.codecs import CodecFrames
 from claw_tasks.format.arrays import unpackb
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec, tag_column
+from claw_tasks.format.stepmeta import EXPLICIT_NEXT
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import (
-    EXPLICIT_NEXT,
     META,
     META_CHUNK_SLOTS,
     SPARSE_CHUNK_SLOTS,

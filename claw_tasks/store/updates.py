@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.format.schema import tag_column
+from claw_tasks.format.stepmeta import TERMINATED, UNTRAINABLE
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.core import StoreCore
-from claw_tasks.store.layout import META_CHUNK_SLOTS, TERMINATED, UNTRAINABLE, nan_xor
+from claw_tasks.store.layout import META_CHUNK_SLOTS, nan_xor
 from claw_tasks.store.reader import Reader
 from claw_tasks.store.scripts import Scripts, execute
 

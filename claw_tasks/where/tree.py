@@ -24,7 +24,6 @@ from claw_tasks.durations import duration
 from claw_tasks.where.errors import FilterError
 from claw_tasks.where.keys import OPS, OPS_BY_KIND, Key, lookup
 
-BOOLEAN = ("and", "or", "not")
 _SCALAR_TYPES = "a string, number, duration or bool"
 
 

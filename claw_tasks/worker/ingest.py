@@ -19,7 +19,8 @@ from redis.exceptions import (
 )
 
 from claw_tasks.codecs import CodecError
-from claw_tasks.format.batch import Placed, StepBatch
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import Placed
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.message import IngestArgs, IngestOutcome, Rejected, parse_args
 from claw_tasks.format.schema import Schema, SchemaError

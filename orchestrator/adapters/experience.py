@@ -109,14 +109,6 @@ class Transitions:
             held.write(explicit_next=True)
         self._pending.clear()
 
-    def end_stream(self, stream: Hashable) -> None:
-        """Forget ``stream`` (its held transition is written first); its next add starts
-        a new episode."""
-        held = self._pending.pop(stream, None)
-        if held is not None:
-            held.write(explicit_next=True)
-        self._episodes.pop(stream, None)
-
 
 @dataclass(eq=False)
 class Connection:

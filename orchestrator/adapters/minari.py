@@ -23,10 +23,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from claw_tasks.format.batch import StepBatch, StrColumn
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import FieldSpec, tag_column
+from claw_tasks.format.stepmeta import EXPLICIT_NEXT
 from claw_tasks.store import Store
-from claw_tasks.store.layout import EXPLICIT_NEXT
 from orchestrator.maintenance.steptable import batch_problem
 
 ORIGIN_TAG = "origin"

@@ -75,7 +75,7 @@ def archive(r: redis.Redis, namespace: str, to: Path, console: Console, as_json:
 def restore_archive(
     r: redis.Redis, archive_dir: Path, namespace: str, console: Console, as_json: bool
 ) -> None:
-    from orchestrator.maintenance.archive import Manifest
+    from orchestrator.maintenance.archive_files import Manifest
     from orchestrator.maintenance.restore import find_archive, restore
 
     ns_dir = find_archive(archive_dir)

@@ -11,17 +11,14 @@ import redis
 
 from claw_tasks.codecs import CodecError
 from claw_tasks.format.schema import SchemaError, tag_column, tag_name
+from claw_tasks.format.stepmeta import DICT_COLUMNS, EXPLICIT_NEXT, TERMINATED, TRUNCATED
 from claw_tasks.store import NamespaceConfig, NamespaceError, Store
 from claw_tasks.store.layout import (
-    DICT_COLUMNS,
-    EXPLICIT_NEXT,
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
     SPARSE_CHUNK_SLOTS,
     STR_TAG_DTYPE,
-    TERMINATED,
-    TRUNCATED,
     Keys,
     payload_chunk_slots,
 )

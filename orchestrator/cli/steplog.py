@@ -15,8 +15,8 @@ from claw_tasks.codecs import CodecError
 from claw_tasks.format.arrays import unpackb
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.schema import SchemaError, key_tag
+from claw_tasks.format.stepmeta import DICT_COLUMNS
 from claw_tasks.store import Store
-from claw_tasks.store.layout import DICT_COLUMNS
 
 _PREVIEW_ITEMS = 6
 

@@ -28,11 +28,11 @@ import numpy as np
 import redis
 
 from claw_tasks.connection.client import get_many
-from claw_tasks.format.batch import Ragged, StrColumn
+from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.schema import tag_column
+from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
-from claw_tasks.store.layout import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.store.scan import read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.app import app
@@ -47,18 +47,14 @@ _UNLOCK = Lua("unlock", "orchestrator")
 
 Progress = Callable[[int], None]  # called with the number of seqs just covered
 
-# MANIFEST and Manifest are re-exported: the archive's public names stay importable here.
 __all__ = [
     "CHUNK_BYTES",
-    "MANIFEST",
     "ArchiveBusy",
     "ArchiveLock",
     "ArchiveResult",
     "Archiver",
-    "Manifest",
     "archive",
     "archive_namespace",
-    "namespace_dir",
     "pending",
 ]
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from claw_tasks.format.schema import tag_column
+from claw_tasks.format.stepmeta import DICT_COLUMNS
 from claw_tasks.store import Store
 from claw_tasks.store.config import LOG_MAXLEN
-from claw_tasks.store.layout import DICT_COLUMNS
 from claw_tasks.store.scripts import Lua
 from orchestrator.sampling.index import SamplingIndex
 

@@ -21,7 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from claw_tasks.format.batch import Placed, StepBatch
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import Placed
 from claw_tasks.format.schema import Schema
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY

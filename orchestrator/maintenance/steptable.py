@@ -27,7 +27,8 @@ import numpy as np
 import pyarrow as pa
 
 from claw_tasks.codecs import CodecError, CodecFrames, decode
-from claw_tasks.format.batch import STR_META, Ragged, StepBatch, StrColumn
+from claw_tasks.format.batch import STR_META, StepBatch
+from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec, Schema, SchemaError, tag_column
 

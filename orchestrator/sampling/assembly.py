@@ -13,9 +13,9 @@ import numpy as np
 from claw_tasks.codecs.delta import KeyFrameGone
 from claw_tasks.format.arrays import unpackb
 from claw_tasks.format.schema import FieldSpec
+from claw_tasks.format.stepmeta import EXPLICIT_NEXT
 from claw_tasks.store import Store
 from claw_tasks.store.compressed import decode_stored
-from claw_tasks.store.layout import EXPLICIT_NEXT
 from claw_tasks.where import lookup
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.batch import Batch

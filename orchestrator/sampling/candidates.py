@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.store.layout import UNTRAINABLE
+from claw_tasks.format.stepmeta import UNTRAINABLE
 
 Columns = Mapping[str, np.ndarray]
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from claw_tasks.store.layout import EXPLICIT_NEXT, TERMINATED, TRUNCATED
+from claw_tasks.format.stepmeta import EXPLICIT_NEXT, TERMINATED, TRUNCATED
 
 _END = TERMINATED | TRUNCATED
 

@@ -39,7 +39,7 @@ import numpy as np
 from pydantic import PositiveFloat, PositiveInt, StrictBool, StrictStr, model_validator
 
 from claw_tasks.format.schema import tag_column, tag_key
-from claw_tasks.store.layout import TERMINATED
+from claw_tasks.format.stepmeta import TERMINATED
 from claw_tasks.where import FIXED, FilterError, Where, lookup
 from orchestrator.recipe.model import SamplerSpec, Source
 from orchestrator.sampling.candidates import Columns, InsufficientData
