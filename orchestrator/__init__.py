@@ -4,14 +4,15 @@ The stages, each importing only those above it in this list (and any layer of
 ``claw_tasks``, the write path, which never imports this package; ``tests/test_layers.py``
 checks both):
 
-- ``transforms``  augmentation ops a recipe names: numpy only, no Redis, no Celery
+- ``transforms``  augmentation ops a recipe names and frame stacks: numpy and OpenCV
+                  (albumentations when a recipe names it), no Redis, no Celery
 - ``recipe``      the recipe model: the declarative batch spec every stage below reads
 - ``sampling``    what to draw: the sampling index (a numpy mirror of the store's metadata,
                   one per host in ``/dev/shm``), samplers, n-step and sequence windows,
-                  frame stacks, the payload fetch, ``sample()``
-- ``delivery``    how a batch reaches the trainer: the prefetch task, collation, the wire
-                  format, shared memory, the recipe registry, the rate limiter, read-ahead,
-                  ``BatchClient``
+                  frame stacks, the payload fetch, ``sample()`` and the ``Batch`` it returns
+- ``delivery``    how a batch reaches the trainer: the prefetch task, collation and token
+                  batches, the wire format, shared memory, the recipe registry, the rate
+                  limiter, read-ahead, ``BatchClient``
 - ``maintenance`` what beat runs: refill, retention and eviction, priority recomputation,
                   dictionary pruning, archive and restore; namespace drop
 - ``adapters``    other libraries' interfaces: PyTorch, Stable-Baselines3, TorchRL, Minari,
@@ -20,12 +21,12 @@ checks both):
 - ``inspect``     read-only views for people: namespace statistics and the query engine
 - ``web``         the web inspector (``claw web``)
 - ``gateway``     the OpenAI-compatible capture gateway (``claw gateway``)
-- ``cli``         the ``claw`` command, its dev tools (dev stack, doctor, metrics) and the
-                  demo
+- ``cli``         the ``claw`` command, its dev tools (dev stack, doctor, the Prometheus
+                  exporter) and the demo
 
 ``orchestrator/lua/`` holds the read path's Redis scripts (package data). This module sits
 on top of every stage, and no stage imports it: it is the public facade (``Recipe``,
-``sample``, ``update_priorities``, ``SampledBatch``, ``InsufficientData``, and
+``sample``, ``update_priorities``, ``Batch``, ``InsufficientData``, and
 ``BatchClient``, imported lazily so that ``import orchestrator`` builds no Celery app).
 Importing it also registers the sampler kinds (``sampling.samplers``) whose names and keys
 the recipe accepts: Python runs it before any ``orchestrator.recipe`` import.

@@ -82,10 +82,6 @@ class Codec:
         return self.name if self.param is None else f"{self.name}:{self.param}"
 
     @property
-    def lossy(self) -> bool:
-        return self.name in LOSSY
-
-    @property
     def level(self) -> int:
         """zstd level (zstd and delta) or zlib level (png)."""
         if self.name == "png":

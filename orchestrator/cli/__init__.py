@@ -1,1 +1,3 @@
-"""The ``claw`` command line and its dev tools (dev stack, demo, doctor, metrics)."""
+"""The ``claw`` command line: the app (``app``, ``main``), the commands (``commands/``, one
+module per group) and what they run that lives nowhere else: the dev stack, the demo, the
+Prometheus exporter, ``doctor``, archive runs with progress bars, retention options."""

@@ -1,3 +1,3 @@
-"""How a batch reaches the trainer: augmentation and collation in the prefetch workers,
-the wire format, shared memory, the recipe registry, the rate limiter, the trainer's
-read-ahead, ``BatchClient``."""
+"""How a batch reaches the trainer: augmentation, collation and token batches in the
+prefetch workers, the wire format, shared memory, the recipe registry, the rate limiter,
+the trainer's read-ahead, ``BatchClient``."""

@@ -1,5 +1,6 @@
-"""What to draw: the in-process sampling index, samplers, n-step and sequence windows,
-and ``sample()``, which turns a recipe into one batch of rows read from the store.
+"""What to draw: the sampling index (in-process or shared by a host's workers), samplers,
+n-step and sequence windows, frame stacks, and ``sample()``, which turns a recipe into one
+:class:`~orchestrator.sampling.batch.Batch` of rows read from the store.
 
 ``samplers/`` holds one module per ``sampler.kind``: its recipe keys and its class behind
 the one :class:`~orchestrator.sampling.samplers.base.Sampler` contract, added with

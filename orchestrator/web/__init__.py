@@ -1,5 +1,6 @@
 """`claw web`: the inspector, a login-protected web app over the same Redis: namespaces,
-search (the where language), episodes with image thumbnails, curation and recipes.
+search (the where language), episodes with image thumbnails (LLM episodes as
+transcripts), curation and recipes.
 
 Server-rendered (Starlette + Jinja2 with autoescape, a strict Content-Security-Policy and
 one small script file): step ``info`` and tags are untrusted input and are only ever
