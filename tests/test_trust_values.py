@@ -1,0 +1,213 @@
+"""The ingest trust boundary, round two (issue 20, items 1-5): values that overflow when
+stored, refused messages that still changed the schema, concurrent deliveries that lost
+their outcome, a decompression budget that was per frame, float or bool format versions.
+Hostile messages are published straight to the queue and run by a real worker, or (the
+race) handed to the ingest entry point from two threads at once against a real Redis."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import lz4.block
+import msgpack
+import numpy as np
+import psutil
+import pytest
+import zstandard
+
+from claw_tasks.codecs import Codec, Frames
+from claw_tasks.format.arrays import packb
+from claw_tasks.format.encoded import Encoded
+from claw_tasks.format.message import IngestArgs
+from claw_tasks.format.schema import FieldSpec, Schema
+from claw_tasks.settings import load_limits
+from claw_tasks.store import Store
+from claw_tasks.store.layout import Keys
+from claw_tasks.worker.ingest import run
+from tests.hostile import Publisher, headers, ingest_body, messages_done, outcomes, raw_batch
+from tests.hostile import wait_for as wait_outcomes
+from tests.test_trust import _fill, _letters
+
+
+@pytest.fixture
+def pub(redis_url):
+    p = Publisher(redis_url)
+    yield p
+    p.close()
+
+
+def _send(pub: Publisher, r, namespace: str, *payloads: tuple[str, bytes]) -> dict[str, int]:
+    """Publish inline batches and wait for their outcomes; the outcome counters after."""
+    start = messages_done(r, namespace)
+    for batch_id, payload in payloads:
+        pub.publish(ingest_body(namespace, batch_id, payload), headers())
+    assert wait_outcomes(r, start + len(payloads), namespace) == start + len(payloads)
+    return outcomes(r, namespace)
+
+
+# ---- 1: values are checked as they are stored, not as they were sent ------------------
+def test_values_that_overflow_their_stored_type_are_refused(
+    redis_url, namespace, r, ingest_worker, pub
+):
+    _fill(redis_url, namespace, 1)
+    b = raw_batch(6, episode="wide")
+    b.reward = np.array([1e300, 0.5, 0.5, -1e39, 0.5, 0.5], "<f8")  # float32 in the store
+    b.priority = np.array([0.5, 1e39, 0.5, 0.5, 0.25, 3e38], "<f8")
+    score = np.array([1, 2, "1e400", 4, 5, 6], np.longdouble)  # float64 in the store
+    b.nums = {"t:score": score}
+    before = outcomes(r, namespace)
+    stats = _send(pub, r, namespace, (b.batch_id, b.encode()))
+    assert stats.get("partial", 0) == before.get("partial", 0) + 1
+    got = Store(redis_url, namespace).episode("wide")
+    assert got["step_index"].tolist() == [4, 5]  # rows 0-3 overflow
+    assert got["reward"].tolist() == [0.5, 0.5]
+    assert got["priority"].tolist() == [0.25, np.float32(3e38)]
+    assert got["tags.score"].tolist() == [5.0, 6.0]
+    reason = _letters(r, Keys(namespace).dead)[-1][b"reason"].decode()
+    assert "reward is 1e+300" in reason and "priority is 1e+39" in reason
+    assert "tag 'score'" in reason and "float32" in reason
+
+
+# ---- 2: a refused message changes nothing but its dead letter -------------------------
+def test_an_all_refused_message_leaves_the_schema_as_it_was(
+    redis_url, namespace, r, ingest_worker, pub
+):
+    store = Store(redis_url, namespace)
+    schema = Schema(
+        fields={"obs": FieldSpec("<f4", (8,)), "action": FieldSpec("<i8", ())},
+        tags={"a": "num", "b": "str"},
+    )
+    store.create(capacity=256, schema=schema)
+    config = r.get(Keys(namespace).config)
+    bad = raw_batch(3, episode="nan")
+    bad.reward = np.full(3, np.nan, np.float32)
+    bad.nums = {f"t:x{i}": np.zeros(3) for i in range(62)}  # the schema's 64-tag limit
+    before = outcomes(r, namespace)
+    stats = _send(pub, r, namespace, (bad.batch_id, bad.encode()))
+    assert stats.get("rejected", 0) == before.get("rejected", 0) + 1, stats
+    assert stats.get("partial", 0) == before.get("partial", 0)
+    assert r.get(Keys(namespace).config) == config  # not a tag more
+    assert store.count() == 0
+    good = raw_batch(2, episode="new-tag", nums={"t:fresh": np.ones(2)})
+    stats = _send(pub, r, namespace, (good.batch_id, good.encode()))
+    assert store.count() == 2 and "fresh" in store.config(refresh=True).schema.tags
+
+
+def test_an_all_refused_message_does_not_fix_a_fresh_namespaces_schema(
+    redis_url, namespace, r, ingest_worker, pub
+):
+    store = Store(redis_url, namespace)
+    store.create(capacity=256)  # no schema yet: the first committed batch sets it
+    bad = raw_batch(
+        2, fields={"obs": np.zeros((2, 1000)), "action": np.zeros(2, np.int64)}, episode="x"
+    )
+    bad.reward = np.full(2, np.inf, np.float32)
+    stats = _send(pub, r, namespace, (bad.batch_id, bad.encode()))
+    assert stats.get("rejected") == 1 and not stats.get("partial")
+    assert store.config(refresh=True).schema is None
+    good = raw_batch(
+        3, fields={"obs": np.zeros((3, 4), np.float32), "action": np.zeros(3, np.int64)}
+    )
+    stats = _send(pub, r, namespace, (good.batch_id, good.encode()))
+    assert stats.get("committed") == 1 and store.count() == 3
+    assert store.config().schema.fields["obs"] == FieldSpec("<f4", (4,))
+
+
+# ---- 3: two deliveries of one batch at once: each counted exactly once ---------------
+@pytest.mark.parametrize("valid", [True, False], ids=["valid", "refused"])
+def test_concurrent_deliveries_each_get_one_outcome(redis_url, namespace, r, valid):
+    _fill(redis_url, namespace, 1, capacity=4096)
+    limits = load_limits()
+    pairs = 12
+    messages = []
+    for i in range(pairs):
+        b = raw_batch(4, episode=f"race{i}")
+        if not valid:
+            b.reward[:] = np.nan
+        messages.append(IngestArgs(namespace, b.batch_id, b.encode(), None).to_args())
+    before = outcomes(r, namespace)
+    for args in messages:
+        gate = threading.Barrier(2)
+        errors: list[BaseException] = []
+
+        def deliver(args=args, gate=gate, errors=errors) -> None:
+            gate.wait()
+            try:
+                run(r, list(args), {}, limits)
+            except BaseException as e:  # surfaced below, not lost in the thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=deliver) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    got = outcomes(r, namespace)
+    delta = {k: got.get(k, 0) - before.get(k, 0) for k in ("committed", "rejected", "duplicate")}
+    first = "committed" if valid else "rejected"
+    assert delta == {"committed": 0, "rejected": 0, "duplicate": pairs, first: pairs}, delta
+    assert got.get("dead", 0) - before.get("dead", 0) == (0 if valid else pairs)
+    assert Store(redis_url, namespace).count() == 1 + (4 * pairs if valid else 0)
+
+
+# ---- 4: the decompression budget holds for the whole message -------------------------
+def _peak_rss(worker) -> int:
+    """High-water RSS of the worker's pool process (the one that decodes)."""
+    (child,) = psutil.Process(worker.proc.pid).children()
+    for line in Path(f"/proc/{child.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def _lz4_zeros(nbytes: int) -> list:
+    """An lz4 array frame of ``nbytes`` of float32 zeros (~1/255 of it on the wire)."""
+    return ["<f4", [1, nbytes // 4], lz4.block.compress(bytes(nbytes)), True]
+
+
+def test_decompression_budget_is_per_message_and_counts_what_inflating_holds(
+    redis_url, namespace, r, start_worker, pub
+):
+    budget = 64 << 20
+    worker = start_worker("ingest", 1, CLAW_MAX_DECOMPRESSED_BYTES=str(budget))
+    _fill(redis_url, namespace, 1)
+    zc = zstandard.ZstdCompressor()
+    cases = {}
+    two = msgpack.unpackb(raw_batch(1, episode="two").encode(), raw=False)
+    two["fields"] = {"obs": _lz4_zeros(40 << 20), "action": _lz4_zeros(40 << 20)}
+    cases["two"] = two  # each frame fits the budget, the two do not
+    one = msgpack.unpackb(raw_batch(1, episode="one").encode(), raw=False)
+    one["fields"]["obs"] = _lz4_zeros(40 << 20)  # fits once, not with the copy inflating makes
+    cases["one"] = one
+    mixed = msgpack.unpackb(raw_batch(1, episode="mixed").encode(), raw=False)
+    mixed["fields"]["obs"] = _lz4_zeros(24 << 20)
+    mixed["fields"]["img"] = Encoded(
+        Codec.of("zstd"), np.dtype("|u1"), (1, 8, 8), Frames.of([zc.compress(bytes(30 << 20))])
+    ).to_msg()  # an lz4 array frame and a compressed field's frame: one budget
+    cases["mixed"] = mixed
+    before = outcomes(r, namespace)
+    _send(pub, r, namespace, ("warm", raw_batch(1, episode="warm", batch_id="warm").encode()))
+    peak = _peak_rss(worker)
+    _send(pub, r, namespace, *((d["id"], packb(d)) for d in cases.values()))
+    grown = _peak_rss(worker) - peak
+    assert grown < 16 << 20, f"the worker inflated a frame of a refused message (+{grown} B)"
+    stats = outcomes(r, namespace)
+    assert stats.get("dead:decode", 0) - before.get("dead:decode", 0) == len(cases)
+    letters = _letters(r, Keys(namespace).dead)[-len(cases) :]
+    for f in letters:
+        assert b"CLAW_MAX_DECOMPRESSED_BYTES" in f[b"reason"], f[b"reason"]
+
+
+# ---- 5: format versions are ints ------------------------------------------------------
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_a_float_or_bool_batch_version_is_refused(
+    redis_url, namespace, r, ingest_worker, pub, version
+):
+    _fill(redis_url, namespace, 1)
+    d = msgpack.unpackb(raw_batch(2, episode="v").encode(), raw=False)
+    d["v"] = version
+    stats = _send(pub, r, namespace, (d["id"], packb(d)))
+    assert stats.get("dead:decode") == 1 and Store(redis_url, namespace).count() == 1
+    assert b"format version" in _letters(r, Keys(namespace).dead)[-1][b"reason"]
