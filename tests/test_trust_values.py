@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from claw_tasks.format.arrays import packb
+from claw_tasks.format.batch import Ragged
 from claw_tasks.format.message import IngestArgs
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.settings import load_limits
@@ -158,3 +159,18 @@ def test_a_float_or_bool_batch_version_is_refused(
     stats = _send(pub, r, namespace, (d["id"], packb(d)))
     assert stats.get("dead:decode") == 1 and Store(redis_url, namespace).count() == 1
     assert b"format version" in _letters(r, Keys(namespace).dead)[-1][b"reason"]
+
+
+# ---- found by the widened fuzz: a ragged field whose every row is empty ---------------
+def test_a_ragged_field_of_empty_rows_commits(redis_url, namespace, r, ingest_worker, pub):
+    """Its values are a (0, 4) array: the commit failed as an internal error."""
+    Store(redis_url, namespace).create(
+        capacity=64,
+        schema=Schema(fields={"obs": FieldSpec("<f4", (None, 4)), "action": FieldSpec("<i8", ())}),
+    )
+    b = raw_batch(2, episode="empty", fields={"obs": Ragged.of([np.zeros((0, 4), np.float32)] * 2)})
+    b.fields["action"] = np.zeros(2, np.int64)
+    stats = _send(pub, r, namespace, (b.batch_id, b.encode()))
+    assert stats.get("committed") == 1 and not stats.get("dead"), stats
+    got = Store(redis_url, namespace).episode("empty")
+    assert [row.shape for row in got["obs"]] == [(0, 4), (0, 4)]
