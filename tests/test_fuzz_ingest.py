@@ -62,7 +62,7 @@ from tests.hostile import (
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("CLAW_FUZZ_SEED", "20261130"))
-CAP = 4 << 20  # CLAW_DEAD_LETTER_BYTES: per namespace, and for claw:rejects
+CAP = 1 << 20  # CLAW_DEAD_LETTER_BYTES: per namespace, and for claw:rejects
 PREFIX = 16 << 10  # CLAW_DEAD_LETTER_PREFIX
 CAPACITY = 256  # each fuzzed namespace's slots: the storm cannot grow its columns
 BUDGET = 64 << 20  # CLAW_MAX_DECOMPRESSED_BYTES: bombs cost less to build than at 256 MiB
@@ -917,6 +917,11 @@ def _rss(proc: psutil.Process) -> int:
     return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
 
 
+def _cpu(proc: psutil.Process) -> float:
+    """CPU seconds of the worker and its pool (the storm's cost, whatever the load)."""
+    return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+
+
 def _peaks(proc: psutil.Process) -> dict[int, int]:
     """High-water RSS (VmHWM) of each pool process: what decoding a message ever took."""
     out = {}
@@ -927,7 +932,7 @@ def _peaks(proc: psutil.Process) -> dict[int, int]:
     return out
 
 
-def run_storm(tmp_path: Path, structured: int, hypothesis: int, strict: bool) -> dict[str, Any]:
+def run_storm(tmp_path: Path, structured: int, hypothesis: int) -> dict[str, Any]:
     with RedisServer() as server:
         url = server.url
         r = server.client()
@@ -939,7 +944,7 @@ def run_storm(tmp_path: Path, structured: int, hypothesis: int, strict: bool) ->
         # Two pool processes: the copies of a redelivered message race each other.
         worker = Worker(url, "ingest", 2, tmp_path / "worker.log", env)
         try:
-            return _storm(url, r, worker, structured, hypothesis, strict)
+            return _storm(url, r, worker, structured, hypothesis)
         finally:
             worker.stop()
 
@@ -965,7 +970,7 @@ def check_stored(url: str, kind: Kind) -> int:
     assert not [t for t in schema.tags if t.startswith(REFUSED_TAG)], schema.tags
     cols = store.meta_columns(0, ["id"])
     ids = cols["id"][cols["alive"]]
-    got = store.get(ids)
+    got = store.get(ids, fields=list(schema.fields))  # next_obs: only with an obs field
     assert np.isfinite(got["reward"]).all()
     p = got["priority"]
     assert (np.isnan(p) | (np.isfinite(p) & (p >= 0))).all()
@@ -983,9 +988,7 @@ def check_stored(url: str, kind: Kind) -> int:
     return len(ids)
 
 
-def _storm(
-    url: str, r: redis.Redis, worker: Worker, structured: int, hyp: int, strict: bool
-) -> dict:
+def _storm(url: str, r: redis.Redis, worker: Worker, structured: int, hyp: int) -> dict:
     others = ["other-a", "other-b"]
     for o in others:  # bystanders with data, a staged claim check and a dead letter
         ing = Ingestor(o, url, flush_interval=None, capacity=64)
@@ -1015,7 +1018,7 @@ def _storm(
         for _ in range(c.copies):
             pub.publish(data, hdrs, content_type=ctype, content_encoding=enc)
 
-    started = time.monotonic()
+    started, cpu0 = time.monotonic(), _cpu(proc)
     rng = random.Random(SEED)
     for i in range(structured):
         publish(structured_case(m, rng, i, r))
@@ -1023,7 +1026,7 @@ def _storm(
     sent = pub.sent - sent0
     left = done0 + sent
     assert wait_for(r, left, *COUNTED, timeout=60 + sent / 20) == left, "messages vanished"
-    took = time.monotonic() - started
+    took, cpu = time.monotonic() - started, _cpu(proc) - cpu0
     # The worker is alive, no pool process was replaced, and every kind still commits.
     assert worker.proc.poll() is None
     peaks1 = _peaks(proc)
@@ -1043,6 +1046,7 @@ def _storm(
         "sent": sent,
         "live": live,
         "took": took,
+        "cpu": cpu,
     }
     assert {o: dump_keys(r, o) for o in others} == before, "another namespace changed"
     for key in (*(Keys(ns).dead for ns in [*NAMESPACES, FRESH]), REJECTS):  # every letter says why
@@ -1060,8 +1064,6 @@ def _storm(
     staged_bytes = sum(r.memory_usage(k, samples=0) or 0 for k in staged)
     grown = mem1 - mem0 - done_bytes - staged_bytes
     assert grown <= 1.1 * dead_cap, f"Redis grew {mem1 - mem0} bytes ({grown} not done/staged)"
-    if strict:  # a storm of CI size fits the caps + 10 % with its done records
-        assert mem1 - mem0 <= 1.1 * dead_cap, f"Redis grew {mem1 - mem0} bytes"
     assert rss1 <= 2 * rss0, f"worker RSS {rss0} -> {rss1}"
     # No message made a pool process inflate what the budget refuses.
     peak = max(peaks1[pid] - peaks0[pid] for pid in peaks0)
@@ -1088,7 +1090,8 @@ def _storm(
 
 def _report(stats: dict) -> None:
     print(
-        f"\nfuzz: {stats['sent']} deliveries in {stats['took']:.1f} s; namespaces {stats['ns']};"
+        f"\nfuzz: {stats['sent']} deliveries in {stats['took']:.1f} s (worker CPU"
+        f" {stats['cpu']:.1f} s); namespaces {stats['ns']};"
         f" rejects {stats['rejects']}; live steps {stats['live']};"
         f" Redis +{stats['mem']} bytes (done records {stats['done_bytes']}, staged by the"
         f" test {stats['staged_bytes']}); worker RSS {stats['rss']}, pool peak"
@@ -1097,10 +1100,10 @@ def _report(stats: dict) -> None:
 
 
 def test_fuzz_ingest_ci(tmp_path):
-    _report(run_storm(tmp_path, structured=2400, hypothesis=800, strict=True))
+    _report(run_storm(tmp_path, structured=2000, hypothesis=600))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_fuzz_ingest_long(tmp_path):
-    _report(run_storm(tmp_path, structured=30_000, hypothesis=10_000, strict=False))
+    _report(run_storm(tmp_path, structured=30_000, hypothesis=10_000))
