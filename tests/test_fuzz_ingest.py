@@ -1,13 +1,24 @@
 """Fuzz the ingest boundary: hostile messages published straight to the queue with kombu
-(no client, no Celery sender) against a real worker on a private Redis.
+(no client, no Celery sender) against a real worker (two pool processes) on a private Redis.
 
-Cases come from structured mutations of valid messages (every layer: envelope, headers,
-body, args, batch map, array frames, a compressed field's frames: bombs, lying sizes) and
-from hypothesis (arbitrary msgpack where each part goes). Afterwards: the worker is alive
-and commits a valid batch; every message has exactly one outcome (committed, partial,
-rejected with a reason, duplicate) — none vanishes; every stored frame decodes; Redis
-grew by at most the dead letters' byte caps plus 10 %; the worker's RSS at most doubled;
-other namespaces are byte-for-byte unchanged; ``claw doctor`` is clean.
+Cases come from structured mutations of valid current-format messages of every kind, each
+kind to its own namespace: plain vectors with a zstd image, every codec (lz4, png, delta,
+jpeg, webp), ragged fields (one zstd-compressed), the LLM preset; inline or claim-checked;
+raw rows or a producer's frames. Mutations reach every layer (envelope, headers, body,
+args, batch map, array frames, a compressed field's frames: bombs, lying sizes, per-codec
+garbage), values that overflow their stored type, messages whose every step is refused
+carrying new tags (and such messages to a namespace with no schema yet), lz4 frames that
+fit the decompression budget one by one but not together, and redeliveries racing the
+original. Hypothesis adds arbitrary msgpack where each part goes. Afterwards: the worker
+is alive, no pool process was replaced, and every kind still commits; every delivery has
+exactly one outcome (committed, partial, rejected with a reason, duplicate) — none
+vanishes, none counts twice; every live step's values are in their documented ranges
+(finite reward, priority NaN or finite >= 0, numeric tags NaN or finite) and every stored
+field decodes to its schema's shape; no schema gained a field or a refused message's tag,
+the fresh namespace has none; Redis grew by at most the dead letters' byte caps plus 10 %
+(beyond done records and the test's own claim checks); the worker's RSS at most doubled
+and no pool process's peak RSS grew by the decompression budget; other namespaces are
+byte-for-byte unchanged; ``claw doctor`` is clean.
 
 CI runs a fixed seed; ``pytest -m slow tests/test_fuzz_ingest.py`` runs a longer storm
 (``CLAW_FUZZ_SEED`` picks another seed).
