@@ -981,7 +981,7 @@ def check_stored(url: str, kind: Kind) -> int:
     assert not [t for t in schema.tags if t.startswith(REFUSED_TAG)], schema.tags
     cols = store.meta_columns(0, ["id"])
     ids = cols["id"][cols["alive"]]
-    got = store.get(ids, fields=list(schema.fields))  # next_obs: only with an obs field
+    got = store.get(ids)
     assert np.isfinite(got["reward"]).all()
     p = got["priority"]
     assert (np.isnan(p) | (np.isfinite(p) & (p >= 0))).all()

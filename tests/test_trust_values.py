@@ -17,7 +17,7 @@ from claw_tasks.format.arrays import packb
 from claw_tasks.format.batch import Ragged
 from claw_tasks.format.message import IngestArgs
 from claw_tasks.format.schema import FieldSpec, Schema
-from claw_tasks.settings import load_limits
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
 from claw_tasks.worker.ingest import run
@@ -114,7 +114,7 @@ def test_an_all_refused_message_does_not_fix_a_fresh_namespaces_schema(
 @pytest.mark.parametrize("valid", [True, False], ids=["valid", "refused"])
 def test_concurrent_deliveries_each_get_one_outcome(redis_url, namespace, r, valid):
     _fill(redis_url, namespace, 1, capacity=4096)
-    limits = load_limits()
+    limits = get_settings().limits
     pairs = 12
     messages = []
     for i in range(pairs):
