@@ -225,7 +225,8 @@ VARIABLES: tuple[Variable, ...] = (
         "limits.decompressed_bytes",
         _count,
         256 * MIB,
-        "bytes of one batch's lz4 frames once decompressed",
+        "bytes decompressing one batch may hold: all its frames' declared sizes, the "
+        "largest twice (docs/reliability.md)",
         shown="256 MiB",
     ),
     Variable(

@@ -1,14 +1,21 @@
 """Ingest limits that need a worker of their own (its settings differ): decompression
-bombs stop at the frame header; dead letters are capped in bytes."""
+bombs stop at the frame header, and the budget holds for a whole message (issue 20, item
+4); dead letters are capped in bytes."""
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
+import lz4.block
 import msgpack
 import numpy as np
+import psutil
+import zstandard
 
+from claw_tasks.codecs import Codec, CodecFrames
 from claw_tasks.format.arrays import packb
+from claw_tasks.format.encoded import Encoded
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
 from tests.hostile import (
@@ -21,6 +28,7 @@ from tests.hostile import (
     wait_for,
 )
 from tests.test_trust import _fill, _ingestor, _letters
+from tests.test_trust_values import _send
 
 
 # ---- 5: decompression bombs stop at the frame header ----------------------------------
@@ -50,6 +58,56 @@ def test_decompression_bomb_is_refused_before_inflating(redis_url, namespace, r,
     assert b"over the 33554432-byte budget" in reasons
     assert b"lz4 frame declares 629145600 bytes" in reasons
     ing.close()
+
+
+# ---- 4: the decompression budget holds for the whole message -------------------------
+def _peak_rss(worker) -> int:
+    """High-water RSS of the worker's pool process (the one that decodes)."""
+    (child,) = psutil.Process(worker.proc.pid).children()
+    for line in Path(f"/proc/{child.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def _lz4_zeros(nbytes: int) -> list:
+    """An lz4 array frame of ``nbytes`` of float32 zeros (~1/255 of it on the wire)."""
+    return ["<f4", [1, nbytes // 4], lz4.block.compress(bytes(nbytes)), True]
+
+
+def test_decompression_budget_is_per_message_and_counts_what_inflating_holds(
+    redis_url, namespace, r, start_worker
+):
+    budget = 64 << 20
+    worker = start_worker("ingest", 1, CLAW_MAX_DECOMPRESSED_BYTES=str(budget))
+    pub = Publisher(redis_url)
+    _fill(redis_url, namespace, 1)
+    zc = zstandard.ZstdCompressor()
+    cases = {}
+    two = msgpack.unpackb(raw_batch(1, episode="two").encode(), raw=False)
+    two["fields"] = {"obs": _lz4_zeros(40 << 20), "action": _lz4_zeros(40 << 20)}
+    cases["two"] = two  # each frame fits the budget, the two do not
+    one = msgpack.unpackb(raw_batch(1, episode="one").encode(), raw=False)
+    one["fields"]["obs"] = _lz4_zeros(40 << 20)  # fits once, not with the copy inflating makes
+    cases["one"] = one
+    mixed = msgpack.unpackb(raw_batch(1, episode="mixed").encode(), raw=False)
+    mixed["fields"]["obs"] = _lz4_zeros(24 << 20)
+    mixed["fields"]["img"] = Encoded(
+        Codec.of("zstd"), np.dtype("|u1"), (1, 8, 8), CodecFrames.of([zc.compress(bytes(30 << 20))])
+    ).to_msg()  # an lz4 array frame and a compressed field's frame: one budget
+    cases["mixed"] = mixed
+    before = outcomes(r, namespace)
+    _send(pub, r, namespace, ("warm", raw_batch(1, episode="warm", batch_id="warm").encode()))
+    peak = _peak_rss(worker)
+    _send(pub, r, namespace, *((d["id"], packb(d)) for d in cases.values()))
+    grown = _peak_rss(worker) - peak
+    assert grown < 16 << 20, f"the worker inflated a frame of a refused message (+{grown} B)"
+    stats = outcomes(r, namespace)
+    assert stats.get("dead:decode", 0) - before.get("dead:decode", 0) == len(cases)
+    letters = _letters(r, Keys(namespace).dead)[-len(cases) :]
+    for f in letters:
+        assert b"CLAW_MAX_DECOMPRESSED_BYTES" in f[b"reason"], f[b"reason"]
+    pub.close()
 
 
 # ---- 9 (part): dead letters keep a prefix and a digest, under a byte cap ---------------

@@ -40,27 +40,44 @@ def pack_array(arr: np.ndarray, *, compress: bool = True) -> PackedArray:
 
 
 class Budget:
-    """Bytes that decompressing may still produce for one message (a bomb stops at the
-    lz4 header, before any memory is taken)."""
+    """Decoded bytes one message may cost the worker, reserved for all its frames (lz4
+    array frames and compressed fields' frames) from their headers before any is
+    inflated: a bomb stops before any memory is taken. A frame costs its declared size,
+    and the largest costs it once more: python-lz4 inflates into a buffer of its own and
+    copies that into the bytes it returns, so the frame being inflated is held twice."""
 
     def __init__(self, limit: int) -> None:
-        self.limit = self.left = limit
+        self.limit, self.total, self.largest = limit, 0, 0
+        self.unspent = 0  # reserved lz4 bytes not inflated yet
 
-    def take(self, nbytes: int, what: str) -> None:
-        if nbytes > self.left:
+    def reserve(self, sizes: list[int], *, lz4: bool) -> None:
+        """Add frames' declared sizes (``lz4``: array frames, spent by :func:`unpack_array`)."""
+        sizes = [max(0, s) for s in sizes]
+        total, largest = self.total + sum(sizes), max([self.largest, *sizes])
+        if total + largest > self.limit:
             raise CodecError(
-                f"{what}: decompresses to {nbytes} bytes, over the {self.limit}-byte budget "
-                "of one batch (CLAW_MAX_DECOMPRESSED_BYTES)"
+                f"the frames of this batch decompress to {total} bytes, {total + largest} "
+                f"with the largest ({largest}) held twice while it inflates: over the "
+                f"{self.limit}-byte budget of one batch (CLAW_MAX_DECOMPRESSED_BYTES): send "
+                "fewer steps per message (Ingestor flush_steps) or raise it"
             )
-        self.left -= nbytes
+        self.total, self.largest = total, largest
+        if lz4:
+            self.unspent += sum(sizes)
+
+    def spend(self, nbytes: int) -> None:
+        """Inflate a reserved lz4 frame (a frame not reserved first is a decoder bug)."""
+        if nbytes > self.unspent:
+            raise CodecError(f"lz4 frame of {nbytes} bytes was not reserved before inflating")
+        self.unspent -= nbytes
 
 
 MAX_NDIM = 32
 
 
-def unpack_array(f: PackedArray, budget: Budget | None = None) -> np.ndarray:
-    """Unpack an array (zero-copy when it is not compressed; read-only then). Every length
-    is checked against the declared dtype and shape before any memory is taken."""
+def _parse(f: Any) -> tuple[np.dtype, list[int], bytes, bool, int]:
+    """A frame's parts and its decoded byte count, every length checked against the
+    declared dtype and shape (an lz4 frame's header too); nothing inflated."""
     if not isinstance(f, list | tuple) or len(f) != 4:
         raise CodecError("malformed packed array: expected [dtype, shape, data, compressed]")
     dtype_str, shape, data, compressed = f
@@ -87,8 +104,37 @@ def unpack_array(f: PackedArray, budget: Budget | None = None) -> np.ndarray:
                 f"lz4 frame declares {declared} bytes, its shape {list(shape)} of {dtype} "
                 f"holds {nbytes}"
             )
+    return dtype, list(shape), data, compressed, nbytes
+
+
+def lz4_sizes(message: Any) -> list[int]:
+    """Decoded sizes of the well-formed lz4 frames anywhere in a decoded message (headers
+    read, nothing inflated): every frame :func:`unpack_array` could inflate is one of them. A
+    malformed one is left to the decoder, which refuses it before inflating."""
+    sizes, stack = [], [message]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            if len(v) == 4 and v[3] is True:
+                try:
+                    sizes.append(_parse(v)[4])
+                    continue
+                except CodecError:
+                    pass
+            stack.extend(v)
+    return sizes
+
+
+def unpack_array(f: PackedArray, budget: Budget | None = None) -> np.ndarray:
+    """Decode a frame (zero-copy when it is not compressed; read-only then). Every length
+    is checked against the declared dtype and shape before any memory is taken; with a
+    ``budget``, an lz4 frame must have been reserved in it."""
+    dtype, shape, data, compressed, nbytes = _parse(f)
+    if compressed:
         if budget is not None:
-            budget.take(nbytes, "lz4 frame")
+            budget.spend(nbytes)
         data = lz4_inflate(data, nbytes)
     if len(data) != nbytes:
         raise CodecError(

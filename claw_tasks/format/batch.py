@@ -14,6 +14,7 @@ from claw_tasks.format.arrays import (
     MAX_NDIM,
     Budget,
     check_dtype,
+    lz4_sizes,
     pack_array,
     packb,
     unpack_array,
@@ -114,7 +115,9 @@ class StepBatch:
     def row_errors(
         self, max_step_bytes: int = MAX_STEP_BYTES, verify_frames: bool = False
     ) -> dict[int, str]:
-        """Per-step problems: non-finite reward, a priority that is not finite and >= 0,
+        """Per-step problems, of values as stored (float32 reward and priority, float64
+        numeric tags: a float64 1e300 reward is inf once stored): non-finite reward, a
+        priority that is not finite and >= 0, a numeric tag neither NaN nor finite,
         step_index or policy_version outside int32's non-negative range, oversize step,
         missing episode, a malformed info dict, a compressed frame whose header does not
         declare the field's row size (``verify_frames``: or that does not decode to it).
@@ -134,11 +137,16 @@ class StepBatch:
                 errors.setdefault(i, f"{self.describe_row(i)}: {what(i)}")
 
         add(self.episode.index < 0, lambda i: "episode_id is missing")
-        add(~np.isfinite(self.reward), lambda i: f"reward is {self.reward[i]} (must be finite)")
+        reward, sent = as_stored(self.reward, np.float32), self.reward
+        add(~np.isfinite(reward), lambda i: f"reward is {sent[i]} (must be finite as float32)")
         if self.priority is not None:
-            p = self.priority
+            p, sent_p = as_stored(self.priority, np.float32), self.priority
             bad = ~np.isnan(p) & ~(np.isfinite(p) & (p >= 0))
-            add(bad, lambda i: f"priority is {p[i]} (must be finite and >= 0)")
+            add(bad, lambda i: f"priority is {sent_p[i]} (must be finite and >= 0 as float32)")
+        for col, v in self.nums.items():
+            bad = ~np.isnan(v) & ~np.isfinite(as_stored(v, np.float64))
+            tag = tag_name(col)
+            add(bad, lambda i, v=v, t=tag: f"tag '{t}' is {v[i]} (NaN or finite as float64)")
         for name, col in (("step_index", self.step_index), ("policy_version", self.policy_version)):
             if col is not None:
                 bad = (col < 0) | (col >= STEP_INDEX_LIMIT)
@@ -264,9 +272,10 @@ class StepBatch:
 
     @classmethod
     def decode(cls, data: bytes | memoryview, max_decompressed: int | None = None) -> StepBatch:
-        """A batch from untrusted bytes: every type, shape and length is checked (and lz4
-        frames against ``max_decompressed`` before they are inflated); CodecError or
-        SchemaError names what is wrong."""
+        """A batch from untrusted bytes: every type, shape and length is checked, and the
+        declared sizes of all its frames together against ``max_decompressed`` before any
+        is inflated (:class:`~claw_tasks.format.arrays.Budget`); CodecError or SchemaError
+        names what is wrong."""
         try:
             d = unpackb(data)
         except Exception as e:  # msgpack raises several types for malformed input
@@ -301,6 +310,12 @@ _BATCH_KEYS = frozenset(
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
+def as_stored(col: np.ndarray, dtype: type[np.floating]) -> np.ndarray:
+    """A float column cast to the type it is stored as (overflow becomes inf, checked after)."""
+    with np.errstate(over="ignore"):
+        return col.astype(dtype)
+
+
 def check_batch_id(batch_id: Any) -> str:
     """A batch id names keys: letters, digits, '.', '_' and '-' only."""
     if not isinstance(batch_id, str) or not _NAME.fullmatch(batch_id):
@@ -318,6 +333,10 @@ def info_problem(info: Any) -> str | None:
         if not isinstance(v, str | int | float | bool | None):
             return f"info[{k!r}] is {type(v).__name__}; info holds str/int/float/bool only"
     return None
+
+
+def _is_encoded(v: Any) -> bool:
+    return isinstance(v, dict) and "codec" in v
 
 
 class _Decoder:
@@ -344,10 +363,14 @@ class _Decoder:
             raise CodecError(f"{name}: expected a map with string keys")
         return v
 
+    def encoded(self, v: dict[str, Any], name: str) -> Encoded:
+        """A compressed field's frames (offsets uncompressed: nothing is inflated here)."""
+        off = v.get("offsets")
+        if isinstance(off, list) and len(off) == 4 and off[3] is True:
+            raise CodecError(f"field '{name}': frame offsets travel uncompressed")
+        return Encoded.from_msg(v, self.col(off, f"field '{name}' offsets", "iu"), name)
+
     def field(self, v: Any, name: str) -> FieldValue:
-        if isinstance(v, dict) and "codec" in v:
-            offsets = self.col(v.get("offsets"), f"field '{name}' offsets", "iu")
-            return Encoded.from_msg(v, offsets, name)
         if isinstance(v, dict):
             if set(v) != {"values", "lengths"}:
                 raise CodecError(f"field '{name}': a ragged field has values and lengths only")
@@ -383,9 +406,10 @@ class _Decoder:
     def batch(self, d: Any) -> StepBatch:
         if not isinstance(d, dict):
             raise CodecError(f"a batch is a msgpack map, not {type(d).__name__}")
-        if d.get("v") != FORMAT_VERSION:
+        version = d.get("v")
+        if type(version) is not int or version != FORMAT_VERSION:  # not True, not 1.0
             raise CodecError(
-                f"batch format version {d.get('v')!r:.20} is not one this worker reads "
+                f"batch format version {version!r:.20} is not one this worker reads "
                 f"({FORMAT_VERSION}): upgrade the worker or the client"
             )
         unknown = set(d) - _BATCH_KEYS
@@ -394,7 +418,16 @@ class _Decoder:
             raise CodecError(
                 f"batch keys: unknown {sorted(map(str, unknown))}, missing {sorted(missing)}"
             )
-        fields = {k: self.field(v, k) for k, v in self.mapping(d["fields"], "fields").items()}
+        # The whole message's frames are reserved before any is inflated: lz4 array frames,
+        # then a compressed field's frames (from their headers; row checks inflate them).
+        self.budget.reserve(lz4_sizes(d), lz4=True)
+        sent = self.mapping(d["fields"], "fields")
+        encoded = {k: self.encoded(v, k) for k, v in sent.items() if _is_encoded(v)}
+        nx = d["next_obs"]
+        nx_encoded = self.encoded(nx, "next_obs") if _is_encoded(nx) else None
+        frames = [*encoded.values(), *([nx_encoded] if nx_encoded is not None else [])]
+        self.budget.reserve([int(n) for v in frames for n in v.declared()], lz4=False)
+        fields = {k: encoded[k] if k in encoded else self.field(v, k) for k, v in sent.items()}
         for k, v in self.mapping(d.get("placed") or {}, "placed").items():
             if k in fields:
                 raise CodecError(f"field '{k}' is both sent and placed")
@@ -429,7 +462,9 @@ class _Decoder:
             nums={k: self.col(v, f"tag '{tag_name(k)}'", "f") for k, v in nums.items()},
             fields=fields,
             next_rows=self.col(d["next_rows"], "next_rows", "iu"),
-            next_obs=None if d["next_obs"] is None else self.field(d["next_obs"], "next_obs"),
+            next_obs=nx_encoded
+            if nx_encoded is not None
+            else (None if nx is None else self.field(nx, "next_obs")),
             info_rows=self.col(d["info_rows"], "info_rows", "iu"),
             info=info,
             batch_id=check_batch_id(d["id"]),

@@ -5,8 +5,11 @@
 -- ARGV: 1 outcome (the counter to add 1 to), 2 done value, 3 done ttl, 4 byte cap,
 --       5 cost (bytes charged for the letter), 6 code, 7.. letter fields (none: no letter)
 -- Counters: <outcome>, dead, dead:<code>, dead_bytes (held now), dead_trimmed.
--- Returns 0 when the done key was already there (finished before: nothing written), else 1.
+-- Every call counts one outcome: when the done key was already there (another delivery of
+-- the batch finished first, e.g. a redelivery racing the original), this one is counted
+-- `duplicate` and writes nothing else (no done record, no letter); returns 0, else 1.
 if KEYS[3] and not redis.call('SET', KEYS[3], ARGV[2], 'NX', 'EX', tonumber(ARGV[3])) then
+  redis.call('HINCRBY', KEYS[1], 'duplicate', 1)
   return 0
 end
 redis.call('HINCRBY', KEYS[1], ARGV[1], 1)

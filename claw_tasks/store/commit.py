@@ -234,7 +234,8 @@ class CommitPart:
     def _ragged_rows(self, w: Writes, name: str, row_bytes: int, v: Ragged) -> None:
         n = len(self.rows)
         rg = v if self.whole else v.take(self.rows)
-        off, raw = rg.offsets, np.ascontiguousarray(rg.values).data.cast("B")
+        values = np.ascontiguousarray(rg.values)
+        off, raw = rg.offsets, values.data.cast("B") if values.size else b""  # all rows empty
         blobs = [raw[off[i] * row_bytes : off[i + 1] * row_bytes] for i in range(n)]
         w.rows(f"r:{name}", list(range(n)), blobs)
         w.clear.append([f"r:{name}", SPARSE_CHUNK_SLOTS])

@@ -101,7 +101,8 @@ def finish(
     letter: Letter | None = None,
 ) -> bool:
     """Count ``outcome``, set the ``done`` key (key, value) once and add ``letter``, in one
-    atomic step. False when the done key was already set (nothing written)."""
+    atomic step. False when the done key was already set (another delivery finished the
+    batch first): then this delivery is counted ``duplicate`` and nothing else is written."""
     keys = [target.outcomes, target.stream]
     args: list[Any] = [outcome, b"", DONE_TTL, limits.dead_letter_bytes, 0, ""]
     if done is not None:

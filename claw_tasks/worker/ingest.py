@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -143,8 +144,9 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
         outcome = _commit(store, _checked(store, a, raw, limits), a.batch_id, limits)
     except Rejected as e:
         e.namespace, e.batch_id = a.namespace, a.batch_id
-        reject(r, e, limits, payload=raw)
         outcome = IngestOutcome(a.batch_id, rejected=e.steps, errors=[e.reason])
+        if not reject(r, e, limits, payload=raw):  # another delivery finished it first
+            outcome = _recorded(r, store.keys.done(a.batch_id), outcome)
     except Exception as e:
         if is_transient(e):
             raise  # the task retries with backoff (the commit is idempotent)
@@ -192,28 +194,13 @@ def _checked(store: Store, a: IngestArgs, raw: bytes, limits: IngestLimits) -> S
                 "ingest workers: send smaller batches (Ingestor flush_steps) or raise it",
             ),
         )
-    try:
-        schema = store.ensure_schema(batch.schema())
+    try:  # checked, not stored: the commit stores it, only if a step commits
+        schema = batch.schema() if cfg.schema is None else cfg.schema.merged(batch.schema())
     except SchemaError as e:
         raise _steps(batch, Rejected("schema", f"schema mismatch: {e}")) from None
     problem = compressed_problem(batch, schema)
     if problem is not None:
         raise _steps(batch, Rejected("schema", problem))
-    declared = sum(
-        int(np.maximum(v.declared(), 0).sum())
-        for v in (*batch.fields.values(), batch.next_obs)
-        if isinstance(v, Encoded)
-    )
-    if declared > limits.decompressed_bytes:
-        raise _steps(
-            batch,
-            Rejected(
-                "size",
-                f"compressed frames declare {declared} decoded bytes > "
-                f"CLAW_MAX_DECOMPRESSED_BYTES={limits.decompressed_bytes}: send fewer steps "
-                "per message (Ingestor flush_steps)",
-            ),
-        )
     return batch
 
 
@@ -273,11 +260,16 @@ def _placed_at(store: Store, batch: StepBatch) -> tuple[int, int] | None:
 
 
 def _commit(store: Store, batch: StepBatch, batch_id: str, limits: IngestLimits) -> IngestOutcome:
+    """Commit the good steps and dead-letter the rest. A message whose every step is
+    refused is ``rejected`` and changes nothing (no schema, tag or string code of it is
+    stored) but what retires the slots a sender allocated for steps written in place."""
     outcome = IngestOutcome(batch_id)
     at = _placed_at(store, batch)
     errors = batch.row_errors(verify_frames=limits.verify_frames)
     bad = sorted(errors)
-    good, dead, letter = batch, [], None
+    good: StepBatch | None = batch
+    dead: list[int] = []
+    letter = None
     if bad:
         outcome.rejected = len(bad)
         outcome.errors = [errors[i] for i in bad[:MAX_ERRORS]]  # the done key stays small
@@ -290,13 +282,32 @@ def _commit(store: Store, batch: StepBatch, batch_id: str, limits: IngestLimits)
             slots = (seq0 - 1 + np.asarray(bad, np.int64)) % store.config().cap
             rejected.fields.update(store.read_fields(np.full(len(bad), shard), slots, placed))
             dead = bad
+            if len(bad) == batch.n:  # nothing of it but its slots: no tags, strings, info
+                good = replace(batch, strs={}, nums={}, info_rows=np.zeros(0, np.int32), info=[])
+                good.next_rows, good.next_obs = np.zeros(0, np.int32), None
+        elif len(bad) == batch.n:
+            good = None
         else:
             good = batch.take(np.setdiff1d(np.arange(batch.n), bad))
         reason = "; ".join(outcome.errors)
         letter = Letter("rows", reason, rejected.encode(), bad, batch_id)
-    res = store.commit(good, dead_rows=dead)
-    outcome.committed, outcome.replayed, outcome.expired = res.committed, res.replayed, res.expired
-    kind = "partial" if bad else "committed"
-    target = Target.of(store.namespace)
-    finish(store.r, target, kind, limits, (store.keys.done(batch_id), outcome.to_bytes()), letter)
+    if good is not None:
+        try:
+            res = store.commit(good, dead_rows=dead)
+        except SchemaError as e:  # another message set the schema since: nothing written
+            raise _steps(batch, Rejected("schema", f"schema mismatch: {e}")) from None
+        outcome.committed, outcome.replayed = res.committed, res.replayed
+        outcome.expired = res.expired
+    kind = "committed" if not bad else "rejected" if len(bad) == batch.n else "partial"
+    done = store.keys.done(batch_id)
+    if not finish(
+        store.r, Target.of(store.namespace), kind, limits, (done, outcome.to_bytes()), letter
+    ):
+        return _recorded(store.r, done, outcome)
     return outcome
+
+
+def _recorded(r: redis.Redis, done_key: str, fallback: IngestOutcome) -> IngestOutcome:
+    """The outcome another delivery of the batch recorded first (this one is a duplicate)."""
+    prior = r.get(done_key)
+    return fallback if prior is None else IngestOutcome.from_bytes(prior)
