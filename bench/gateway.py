@@ -3,7 +3,7 @@
     .venv/bin/python bench/gateway.py [--calls 2000] [--load-calls 4000] [--threads 8]
 
 Starts a private redis-server, one ingest worker (prefork, concurrency 2), the vLLM-like
-test upstream (tests/llm_upstream.py: token ids and log-probs per vLLM's fields) and
+test upstream (tests/support/llm_upstream.py: token ids and log-probs per vLLM's fields) and
 `claw gateway` in front of it, all as separate processes. Latency: one keep-alive client
 alternates the same non-streaming chat call (a 2-message prompt, a 27-token tool call
 reply) directly to the upstream and through the gateway, ``--calls`` of each; added
@@ -102,7 +102,7 @@ def main() -> None:
         worker = Worker(server.url, "ingest", 2, tmp / "worker.log", {})
         up_port, gw_port = free_port(), free_port()
         upstream = Proc(
-            [sys.executable, "-m", "tests.llm_upstream", str(up_port), str(tokenizer)],
+            [sys.executable, "-m", "tests.support.llm_upstream", str(up_port), str(tokenizer)],
             up_port,
             tmp / "upstream.log",
             {},

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,8 +19,7 @@ from claw_tasks.connection.client import Client, redis_client
 from claw_tasks.connection.cluster import LocalCluster
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import use_settings
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.worker import Worker
 
 # Property tests draw the same examples on every run (a failure in CI is reproducible and
 # no run fails by luck); `HYPOTHESIS_PROFILE=explore pytest …` searches afresh.
@@ -133,77 +129,6 @@ def r(redis_url: str) -> Client:
 @pytest.fixture
 def namespace() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
-
-
-class Worker:
-    """A real ``celery worker`` process (its own process group, so it can be SIGKILLed)."""
-
-    def __init__(
-        self,
-        redis_url: str,
-        queues: str,
-        concurrency: int,
-        log: Path,
-        env: dict,
-        broker_url: str | None = None,
-    ) -> None:
-        self.log = log
-        full_env = {
-            **os.environ,
-            "CLAW_REDIS_URL": redis_url,
-            "CLAW_BROKER_URL": broker_url or redis_url,
-            "PYTHONUNBUFFERED": "1",
-            **env,
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "claw_tasks.worker.app",
-            "worker",
-            "-Q",
-            queues,
-            "-c",
-            str(concurrency),
-            "-P",
-            "prefork",
-            "-l",
-            "INFO",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-n",
-            f"w{uuid.uuid4().hex[:6]}@%h",
-        ]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=full_env,
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 60
-        while b"ready." not in log.read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"worker did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        """SIGKILL the worker and its pool children at once."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture

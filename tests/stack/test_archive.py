@@ -13,7 +13,6 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from producer import sender
 from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
@@ -27,6 +26,7 @@ from orchestrator.maintenance.archive_files import MANIFEST, Manifest
 from orchestrator.maintenance.lifecycle import drop_namespace
 from orchestrator.maintenance.restore import restore
 from orchestrator.maintenance.steptable import StepRows, from_table, to_table
+from tests.support.producer import sender
 
 
 def claw(redis_url: str, *args: str) -> str:

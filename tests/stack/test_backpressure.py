@@ -6,12 +6,12 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import Worker
 
 from claw_tasks.client import Ingestor
 from claw_tasks.client.backpressure import StoreFullError
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
+from tests.support.worker import Worker
 
 
 def columns(n: int) -> dict:

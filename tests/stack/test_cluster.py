@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from stepdata import batch, episode, interleave
 
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.client import is_cluster, redis_client
@@ -31,6 +30,7 @@ from orchestrator.maintenance.archive import archive_namespace
 from orchestrator.maintenance.evict import evict_namespace
 from orchestrator.maintenance.eviction_choice import watermarks
 from orchestrator.maintenance.priorities import Recompute, Rules
+from tests.support.stepdata import batch, episode, interleave
 
 SHARDS = 5  # more shards than the cluster's 3 masters
 T0 = 1_000_000.0

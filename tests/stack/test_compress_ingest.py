@@ -18,8 +18,8 @@ from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator.delivery.client import BatchClient
-from tests.producer import outcome, send_unchecked
-from tests.test_prefetch import _is_replicate_shift
+from tests.stack.test_prefetch import _is_replicate_shift
+from tests.support.producer import outcome, send_unchecked
 
 SHAPE = (40, 40, 3)
 

@@ -10,12 +10,12 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
 
 from claw_tasks.client import Ingestor
 from claw_tasks.store import NamespaceDropped, Store
 from orchestrator.cli.doctor import check_namespace
 from orchestrator.maintenance.lifecycle import namespace_keys
+from tests.support.paths import ROOT
 
 
 def columns(n: int, episode: str) -> dict:
@@ -72,10 +72,9 @@ def test_drop_while_a_worker_runs(redis_url, start_worker, r):
 
 
 def test_drop_forgets_this_process_caches(redis_url, namespace, r):
-    from stepdata import batch, episode
-
     from orchestrator import Recipe, sample
     from orchestrator.maintenance.lifecycle import drop_namespace
+    from tests.support.stepdata import batch, episode
 
     sampling = importlib.import_module("orchestrator.sampling.sample")  # (the package's
     # `sample` attribute is the function)

@@ -12,7 +12,6 @@ import msgpack
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stepdata import batch, episode
 
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.stepmeta import episode_code
@@ -21,6 +20,7 @@ from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.evict import _FIXED_KEYS, _SCRIPT, PLAN_COLUMNS, _Plan
 from claw_tasks.store.layout import EPISODE_INDEX_ENTRY, row_episode_codes
 from orchestrator.maintenance.lifecycle import drop_namespace, forget
+from tests.support.stepdata import batch, episode
 
 
 @dataclass

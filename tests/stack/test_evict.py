@@ -8,8 +8,6 @@ import time
 
 import numpy as np
 import pytest
-from producer import sender
-from stepdata import batch, episode, interleave
 
 from claw_tasks.durations import DurationError, parse_duration
 from claw_tasks.format.stepmeta import episode_code
@@ -21,6 +19,8 @@ from orchestrator.maintenance.evict import evict_namespace
 from orchestrator.maintenance.lifecycle import forget
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.sample import StoreChangingError
+from tests.support.producer import sender
+from tests.support.stepdata import batch, episode, interleave
 
 T0 = 1_000_000.0
 

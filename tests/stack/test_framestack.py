@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stepdata import batch, episode, interleave
 
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
@@ -20,7 +19,8 @@ from orchestrator.recipe.model import RecipeError
 from orchestrator.sampling.sequences import follow
 from orchestrator.sampling.stacks import Predecessors
 from orchestrator.transforms.framestack import stack_frames, stacked_shape
-from tests.test_sequences import random_ring
+from tests.support.stepdata import batch, episode, interleave
+from tests.unit.orchestrator.sampling.test_sequences import random_ring
 
 
 def test_layout_is_channels_last_oldest_first():

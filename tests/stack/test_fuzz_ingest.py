@@ -20,7 +20,7 @@ the fresh namespace has none; Redis grew by at most the dead letters' byte caps 
 and no pool process's peak RSS grew by the decompression budget; other namespaces are
 byte-for-byte unchanged; ``claw doctor`` is clean.
 
-CI runs a fixed seed; ``pytest -m slow tests/test_fuzz_ingest.py`` runs a longer storm
+CI runs a fixed seed; ``pytest -m slow tests/stack/test_fuzz_ingest.py`` runs a longer storm
 (``CLAW_FUZZ_SEED`` picks another seed).
 """
 
@@ -60,8 +60,7 @@ from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
 from claw_tasks.worker.deadletter import REJECTS
-from tests.conftest import Worker
-from tests.hostile import (
+from tests.support.hostile import (
     MSGPACK,
     Publisher,
     body,
@@ -71,8 +70,9 @@ from tests.hostile import (
     outcomes,
     wait_for,
 )
+from tests.support.paths import ROOT
+from tests.support.worker import Worker
 
-ROOT = Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("CLAW_FUZZ_SEED", "20261130"))
 CAP = 1 << 20  # CLAW_DEAD_LETTER_BYTES: per namespace, and for claw:rejects
 PREFIX = 16 << 10  # CLAW_DEAD_LETTER_PREFIX

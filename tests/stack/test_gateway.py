@@ -24,8 +24,8 @@ from claw_tasks.format.turns import prompt_key
 from claw_tasks.store import Store
 from claw_tasks.store.turns import turn_infos
 from orchestrator.gateway.capture import CHAT, CaptureError, Retokenizer, capture
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "agent-secret-123"
 REWARD_TOKEN = "reward-secret-456"
 FIELDS = ["prompt_ids", "response_ids", "response_logprobs"]
@@ -115,7 +115,7 @@ def stack(redis_server, ingest_worker, tmp_path_factory) -> Iterator[dict]:
     train_tokenizer(tokenizer)
     up_port = free_port()
     upstream = Proc(
-        [sys.executable, "-m", "tests.llm_upstream", str(up_port), str(tokenizer)],
+        [sys.executable, "-m", "tests.support.llm_upstream", str(up_port), str(tokenizer)],
         up_port,
         tmp / "upstream.log",
         {},
@@ -529,11 +529,18 @@ def test_recorded_logprobs_are_the_models(stack, tmp_path):
     log-probs recorded through the gateway are the model's own, recomputed here."""
     import torch
 
-    from tests.llm_upstream import tiny_model
+    from tests.support.llm_upstream import tiny_model
 
     port = free_port()
     model_upstream = Proc(
-        [sys.executable, "-m", "tests.llm_upstream", str(port), str(stack["tokenizer"]), "model"],
+        [
+            sys.executable,
+            "-m",
+            "tests.support.llm_upstream",
+            str(port),
+            str(stack["tokenizer"]),
+            "model",
+        ],
         port,
         tmp_path / "model.log",
         {},

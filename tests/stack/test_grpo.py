@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-from llmturns import rollouts, turns_batch
 
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua
@@ -18,6 +17,7 @@ from orchestrator.recipe.model import Recipe, Tokens
 from orchestrator.sampling import InsufficientData, sample
 from orchestrator.sampling.groups import Groups, claims_key
 from orchestrator.sampling.index import SamplingIndex
+from tests.support.llmturns import rollouts, turns_batch
 
 FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "response_mask", "tags.prompt_uid"]
 
@@ -397,9 +397,9 @@ def run_toy(redis_url: str, namespace: str, *args: str, timeout: float = 300) ->
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).parents[1]
+    from tests.support.paths import ROOT as root
+
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(root)}
     env.pop("CLAW_BROKER_URL", None)
     proc = subprocess.run(

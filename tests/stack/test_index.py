@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stepdata import batch, episode, interleave
 
 from claw_tasks.store import Store
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.shared import SharedIndex
+from tests.support.stepdata import batch, episode, interleave
 
 
 @pytest.fixture

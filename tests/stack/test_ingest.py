@@ -7,13 +7,13 @@ import time
 
 import numpy as np
 import pytest
-from hostile import outcomes
-from producer import outcome, send_unchecked
 
 from claw_tasks.broker.app import client_app
 from claw_tasks.client import Ingestor
 from claw_tasks.format.stepmeta import episode_code
 from claw_tasks.store import Store
+from tests.support.hostile import outcomes
+from tests.support.producer import outcome, send_unchecked
 
 # Every test here runs with the broker on Redis and on RabbitMQ.
 pytestmark = pytest.mark.both_brokers

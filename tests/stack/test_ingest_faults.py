@@ -6,7 +6,6 @@ import time
 
 import numpy as np
 import pytest
-from producer import outcome, send_unchecked
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.arrays import unpackb
@@ -14,6 +13,7 @@ from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import SchemaError
 from claw_tasks.store import Store
+from tests.support.producer import outcome, send_unchecked
 
 
 def _obs(e: int, t: int) -> np.ndarray:

@@ -13,8 +13,6 @@ import time
 import urllib.request
 
 import pytest
-from conftest import ROOT
-from stepdata import batch, episode
 from test_stack import _free_port, _spawn, _stop
 
 from claw_tasks.broker.app import client_app
@@ -22,6 +20,8 @@ from claw_tasks.broker.schedule import ScheduleError, beat_schedule, entries
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from orchestrator.maintenance.lifecycle import forget
+from tests.support.paths import ROOT
+from tests.support.stepdata import batch, episode
 
 FAST = "{claw-evict: {every: 1}, claw-priorities: {every: 1s}, claw-refill: {every: 1m}}"
 
@@ -96,7 +96,9 @@ def test_a_failing_maintenance_task_is_failed_in_flower(
     store = Store(redis_url, namespace)
     store.create(capacity=1000)
     store.commit(batch(episode(1, 10)))
-    store.set_priority_rules({"scorer": "scorers:by_obs"})  # not in this worker's CLAW_SCORERS
+    store.set_priority_rules(
+        {"scorer": "tests.support.scorers:by_obs"}
+    )  # not in this worker's CLAW_SCORERS
     start_worker("maintenance")
     port = _free_port()
     log = tmp_path / "flower.log"

@@ -13,7 +13,7 @@ from claw_tasks.client import IngestError, Ingestor
 from claw_tasks.connection.server import RedisServer
 from orchestrator.delivery.client import BatchClient
 from orchestrator.recipe.model import Recipe, RecipeError
-from tests.test_cli import fill
+from tests.stack.test_cli import fill
 
 VECTOR = {
     "name": "r",

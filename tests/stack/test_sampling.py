@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
-from stepdata import batch, episode, interleave, obs_of
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.columns import Ragged
@@ -20,6 +19,7 @@ from claw_tasks.store.layout import payload_chunk_slots
 from orchestrator import InsufficientData, Recipe, sample, update_priorities
 from orchestrator.sampling.fetch import Fetcher, Read
 from orchestrator.sampling.index import SamplingIndex
+from tests.support.stepdata import batch, episode, interleave, obs_of
 
 
 def recipe(sources, fields=("obs", "action", "reward"), batch_size=256, **kw) -> Recipe:

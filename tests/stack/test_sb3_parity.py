@@ -25,7 +25,7 @@ from stable_baselines3.common.logger import Logger
 from claw_tasks.store import Store
 from orchestrator.adapters.experience import with_env_password, without_password
 from orchestrator.adapters.sb3 import ClawDictReplayBuffer, ClawReplayBuffer
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 OBS_SPACES = {
     "box": spaces.Box(-1, 1, (3,), np.float32),
@@ -378,7 +378,7 @@ def test_6_garbage_collection_and_exit_close_the_buffer(redis_url, namespace, wo
     assert Store(redis_url, namespace).count({}) == 9
 
     script = textwrap.dedent(f"""
-        from tests.test_sb3_parity import _add, _buffer
+        from tests.stack.test_sb3_parity import _add, _buffer
         claw = _buffer({redis_url!r}, {namespace + "-exit"!r}, deterministic=False)
         _add([claw], 7)
         import builtins; builtins.kept = claw  # alive until the interpreter exits

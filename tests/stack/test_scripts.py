@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
-from stepdata import batch, episode
 
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import lua_source
 from orchestrator import Recipe, sample
+from tests.support.stepdata import batch, episode
 
 
 def test_scripts_reload_after_script_flush(redis_url, namespace, r):

@@ -25,8 +25,7 @@ from claw_tasks.store.acl import setuser_command
 from claw_tasks.store.layout import Keys
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.registry import ACTIVE
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stepdata import batch, episode, interleave
 
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
@@ -23,13 +22,14 @@ from orchestrator.delivery.client import BatchClient
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.shared import H_DIRTY, H_WROTE, SharedIndex, index_key, reap_unused
 from orchestrator.sampling.shmfiles import SHM_DIR
+from tests.support.paths import ROOT
+from tests.support.stepdata import batch, episode, interleave
 
-ROOT = Path(__file__).resolve().parents[1]
-PROC = Path(__file__).with_name("indexproc.py")
+PROC = ROOT / "tests" / "support" / "indexproc.py"
 
 
 def run(url: str, ns: str, mode: str, n: int = 1, **env: str) -> subprocess.Popen:
-    full = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **env}
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     return subprocess.Popen(
         [sys.executable, str(PROC), url, ns, mode, str(n)],
         env=full,

@@ -20,7 +20,7 @@ from torchrl.data import RandomSampler, ReplayBuffer, TensorDictReplayBuffer
 
 from claw_tasks.store import Store
 from orchestrator.adapters.torchrl import ClawPrioritizedSampler, ClawSampler, ClawStorage
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 OBS = 4
 

@@ -16,7 +16,7 @@ from claw_tasks.format.schema import SchemaError
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
 from claw_tasks.worker.deadletter import REJECTS
-from tests.hostile import (
+from tests.support.hostile import (
     MSGPACK,
     Publisher,
     body,
@@ -193,7 +193,7 @@ def test_info_with_non_string_keys_is_dead_lettered_by_row(redis_url, namespace,
     ing = _fill(redis_url, namespace, 1)
     batch = raw_batch(3, info_rows=np.array([1], np.int32), info=[{1: "x"}])
     store = Store(redis_url, namespace)
-    from tests.producer import outcome, send_unchecked
+    from tests.support.producer import outcome, send_unchecked
 
     out = outcome(store, send_unchecked(redis_url, store, batch)[2])
     assert (out.committed, out.rejected) == (2, 1)
@@ -209,7 +209,7 @@ def test_redis_data_error_is_dead_lettered_not_retried_forever(
     store = Store(redis_url, namespace)
     r.delete(store.keys.shard_key(0, "links"))
     r.set(store.keys.shard_key(0, "links"), "not a hash")  # the commit's HSET is refused
-    from tests.producer import outcome, send_unchecked
+    from tests.support.producer import outcome, send_unchecked
 
     out = outcome(store, send_unchecked(redis_url, store, raw_batch(3))[2])
     assert out.committed == 0 and "Redis refused the batch" in out.errors[0]
@@ -281,7 +281,7 @@ def test_worker_refuses_out_of_range_rows_the_client_would(redis_url, namespace,
     store = Store(redis_url, namespace)
     batch = raw_batch(4, priority=np.array([1, -3, np.inf, np.nan], np.float32))
     batch.step_index = np.array([0, 1, 2, 2**31], np.int64)
-    from tests.producer import outcome, send_unchecked
+    from tests.support.producer import outcome, send_unchecked
 
     out = outcome(store, send_unchecked(redis_url, store, batch)[2])
     assert (out.committed, out.rejected) == (1, 3)

@@ -18,7 +18,8 @@ from claw_tasks.format.arrays import packb
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
-from tests.hostile import (
+from tests.stack.test_trust import _fill, _ingestor, _letters
+from tests.support.hostile import (
     Publisher,
     headers,
     ingest_body,
@@ -27,7 +28,6 @@ from tests.hostile import (
     raw_batch,
     wait_for,
 )
-from tests.test_trust import _fill, _ingestor, _letters
 from tests.test_trust_values import _send
 
 

@@ -22,8 +22,8 @@ from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.web.views import Inspector
-from tests.webdata import fill
-from tests.webserver import WebServer
+from tests.support.webdata import fill
+from tests.support.webserver import WebServer
 
 
 class NoRedirect(urllib.request.HTTPRedirectHandler):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import redis
-from stepdata import batch
 
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.store import NamespaceError, Store
@@ -16,6 +15,7 @@ from claw_tasks.where import FilterError, parse
 from orchestrator import InsufficientData, Recipe, sample
 from orchestrator.cli.doctor import check_namespace
 from orchestrator.inspect.namespaces import UnreadableNamespace, namespace_stats
+from tests.support.stepdata import batch
 
 TASKS = ["grasp", "reach", None]
 

@@ -8,11 +8,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from stepdata import batch, episode
 
 from claw_tasks.store import Store
 from claw_tasks.worker import caches
@@ -21,8 +19,9 @@ from orchestrator.delivery import prefetch
 from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
 from orchestrator.recipe.model import Recipe
+from tests.support.paths import ROOT
+from tests.support.stepdata import batch, episode
 
-ROOT = Path(__file__).resolve().parents[1]
 # The module (``orchestrator.sampling.sample`` the attribute is the function).
 sampling = importlib.import_module("orchestrator.sampling.sample")
 

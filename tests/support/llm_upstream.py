@@ -7,7 +7,7 @@ Every generation is appended to ``GET /_log`` so tests compare the store with th
 
 Behaviour: a chat whose last message is a tool result answers with it; a chat that offers
 tools calls ``add`` on the two numbers in the last user message; anything else answers
-"ok". ``model="fail"`` answers 500. Run: ``python -m tests.llm_upstream PORT TOKENIZER``.
+"ok". ``model="fail"`` answers 500. Run: ``python -m tests.support.llm_upstream PORT TOKENIZER``.
 With a third argument ``model``, chats are answered by a tiny randomly initialised GPT-2
 (``tiny_model``: built from a config, seed 0, no download) sampling 8 tokens, and the
 log-probs are the model's.

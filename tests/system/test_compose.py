@@ -18,8 +18,8 @@ import yaml
 from flower.options import options as flower_options
 
 from claw_tasks.connection.server import RedisServer
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 QUEUES = {"ingest", "prefetch", "maintenance"}
 WORKERS = {"worker-ingest", "worker-prefetch", "worker-maintenance"}
 CLAW_SERVICES = WORKERS | {"beat", "flower", "metrics", "web"}

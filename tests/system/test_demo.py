@@ -21,8 +21,8 @@ from orchestrator.cli.demo.pixels import SIZE, render
 from orchestrator.cli.demo.report import PNG_NAME
 from orchestrator.cli.main import app
 from orchestrator.inspect.namespaces import scan_keys
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 CLAW = [sys.executable, "-m", "orchestrator.cli.main"]
 
 

@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,8 @@ from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator import Recipe
 from orchestrator.transforms.augment import build_pipelines
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).parents[1]
 EXAMPLES = sorted((ROOT / "examples" / "recipes").glob("*.yaml"))
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 
 @pytest.mark.parametrize(

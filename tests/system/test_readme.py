@@ -9,16 +9,15 @@ import re
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 from prometheus_client import generate_latest
 
 from orchestrator.cli.exporter import registry_for
 from orchestrator.delivery.registry import Registry
 from orchestrator.recipe.model import Recipe
-from tests.test_cli import fill
+from tests.stack.test_cli import fill
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 ADAPTERS = (ROOT / "docs" / "adapters.md").read_text()
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)

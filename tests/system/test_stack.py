@@ -15,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, Worker
 
 from claw_tasks.client import Ingestor
 from orchestrator.delivery import shm
 from orchestrator.delivery.registry import Registry
 from orchestrator.recipe.model import Recipe
+from tests.support.paths import ROOT
+from tests.support.worker import Worker
 
 
 def _spawn(args: list[str], redis_url: str, log: Path, **env: str) -> subprocess.Popen:

@@ -18,8 +18,8 @@ import pytest
 
 from claw_tasks.connection.server import RedisServer
 from orchestrator.delivery.client import BatchClient
-from tests.webdata import XSS, fill
-from tests.webserver import ROOT, WebServer
+from tests.support.webdata import XSS, fill
+from tests.support.webserver import ROOT, WebServer
 
 CHROMIUM = os.environ.get("CLAW_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("CLAW_ARTIFACTS", ROOT / "tmp" / "artifacts"))

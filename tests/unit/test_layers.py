@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
+
 # Lowest first: a package may import the ones before it, never the ones after.
 LAYERS = [
     "transforms",

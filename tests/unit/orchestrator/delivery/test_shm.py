@@ -20,10 +20,10 @@ from orchestrator.delivery.wire import (
     is_batch,
     to_wire,
 )
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="needs /dev/shm")
 
-ROOT = Path(__file__).resolve().parents[1]
 
 MAKE_BATCH = """
 import numpy as np

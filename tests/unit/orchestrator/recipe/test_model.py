@@ -4,14 +4,14 @@ the offending key."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from orchestrator.recipe.model import Recipe, RecipeError
+from tests.support.paths import ROOT
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
+DOCS = ROOT / "docs" / "recipes.md"
 
 
 def reference_yaml() -> str:
@@ -56,7 +56,7 @@ def test_reference_recipe_of_the_docs(tmp_path):
     assert r.counts == [205, 51]
     assert Recipe.model_validate(r.model_dump()) == r
     r.validate_against(Schema())
-    example = Recipe.from_yaml(DOCS.parents[1] / "examples" / "recipes" / "grasp-hard.yaml")
+    example = Recipe.from_yaml(ROOT / "examples" / "recipes" / "grasp-hard.yaml")
     assert example == r.model_copy(update={"seed": None})  # the same, without the seed
 
 

@@ -1,0 +1,2 @@
+"""Helpers the tests share (data builders, hostile producers, servers they start); no test
+modules here."""
