@@ -19,7 +19,7 @@ from claw_tasks.connection.client import Client, redis_client
 from claw_tasks.connection.cluster import LocalCluster
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import use_settings
-from tests.support.worker import Worker
+from tests.support.processes import Worker
 
 # Property tests draw the same examples on every run (a failure in CI is reproducible and
 # no run fails by luck); `HYPOTHESIS_PROFILE=explore pytest …` searches afresh.

@@ -11,7 +11,7 @@ from claw_tasks.client import Ingestor
 from claw_tasks.client.backpressure import StoreFullError
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
-from tests.support.worker import Worker
+from tests.support.processes import Worker
 
 
 def columns(n: int) -> dict:

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,36 +14,7 @@ from claw_tasks.client import Ingestor
 from orchestrator.delivery import shm
 from orchestrator.delivery.registry import Registry
 from orchestrator.recipe.model import Recipe
-from tests.support.paths import ROOT
-from tests.support.worker import Worker
-
-
-def _spawn(args: list[str], redis_url: str, log: Path, **env: str) -> subprocess.Popen:
-    full = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": redis_url, **env}
-    return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", *args],
-        cwd=ROOT,
-        env=full,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.processes import Worker, celery, free_port, stop
 
 
 @pytest.fixture
@@ -86,7 +51,7 @@ def test_beat_refills_queues_without_any_trainer(redis_url, namespace, stack_wor
         }
     )
     reg.put(recipe, shm.host_id())  # registered, but nobody asks for a refill
-    beat = _spawn(
+    beat = celery(
         ["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"], redis_url, tmp_path / "beat.log"
     )
     try:
@@ -96,14 +61,14 @@ def test_beat_refills_queues_without_any_trainer(redis_url, namespace, stack_wor
             assert time.monotonic() < deadline, (tmp_path / "beat.log").read_text()
             time.sleep(0.2)
     finally:
-        _stop(beat)
+        stop(beat)
     assert r.llen(reg.queue("beat")) == 4
     assert r.exists("claw:redbeat:claw-refill")  # the schedule lives in Redis (RedBeat)
 
 
 def test_flower_sees_ingest_tasks(redis_url, namespace, stack_worker, tmp_path):
-    port = _free_port()
-    flower = _spawn(
+    port = free_port()
+    flower = celery(
         ["flower", f"--port={port}", "--address=127.0.0.1"],
         redis_url,
         tmp_path / "flower.log",
@@ -145,4 +110,4 @@ def test_flower_sees_ingest_tasks(redis_url, namespace, stack_worker, tmp_path):
             assert time.monotonic() < deadline, (status, body[:500])
             time.sleep(0.3)
     finally:
-        _stop(flower)
+        stop(flower)

@@ -71,7 +71,7 @@ from tests.support.hostile import (
     wait_for,
 )
 from tests.support.paths import ROOT
-from tests.support.worker import Worker
+from tests.support.processes import Worker
 
 SEED = int(os.environ.get("CLAW_FUZZ_SEED", "20261130"))
 CAP = 1 << 20  # CLAW_DEAD_LETTER_BYTES: per namespace, and for claw:rejects

@@ -132,7 +132,7 @@ def test_episode_index_finds_turns_without_the_column(own_redis_url, namespace, 
     overwritten steps left out, and the entry goes with the trajectory's last step."""
     from claw_tasks.format.stepmeta import episode_code
     from claw_tasks.store.turns import trajectory_step_ids
-    from tests.support.worker import Worker
+    from tests.support.processes import Worker
 
     worker = Worker(own_redis_url, "ingest", 1, tmp_path / "worker.log", {})
     try:

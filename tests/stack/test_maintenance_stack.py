@@ -13,7 +13,6 @@ import time
 import urllib.request
 
 import pytest
-from test_stack import _free_port, _spawn, _stop
 
 from claw_tasks.broker.app import client_app
 from claw_tasks.broker.schedule import ScheduleError, beat_schedule, entries
@@ -21,6 +20,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from orchestrator.maintenance.lifecycle import forget
 from tests.support.paths import ROOT
+from tests.support.processes import celery, free_port, stop
 from tests.support.stepdata import batch, episode
 
 FAST = "{claw-evict: {every: 1}, claw-priorities: {every: 1s}, claw-refill: {every: 1m}}"
@@ -55,7 +55,7 @@ def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker
     store.set_priority_rules({"unsampled_boost": 1.0})
     start_worker("maintenance")
     log = tmp_path / "beat.log"
-    beat = _spawn(
+    beat = celery(
         ["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"], redis_url, log, CLAW_SCHEDULE=FAST
     )
     try:
@@ -84,7 +84,7 @@ def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker
         assert shown["claw-evict"]["scheduled"] and shown["claw-evict"]["runs"] >= 1
         assert shown["claw-evict"]["schedule"] == "every 1s"
     finally:
-        _stop(beat)
+        stop(beat)
         store.set_retention(None)
         store.set_priority_rules(None)
         forget(namespace)
@@ -100,9 +100,9 @@ def test_a_failing_maintenance_task_is_failed_in_flower(
         {"scorer": "tests.support.scorers:by_obs"}
     )  # not in this worker's CLAW_SCORERS
     start_worker("maintenance")
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "flower.log"
-    flower = _spawn(
+    flower = celery(
         ["flower", f"--port={port}", "--address=127.0.0.1"],
         redis_url,
         log,
@@ -137,6 +137,6 @@ def test_a_failing_maintenance_task_is_failed_in_flower(
         assert "not allowed on this worker" in failed[0]["exception"]
         assert namespace in failed[0]["exception"]
     finally:
-        _stop(flower)
+        stop(flower)
         store.set_priority_rules(None)
         forget(namespace)

@@ -30,8 +30,8 @@ from orchestrator.cli.exporter import ClawCollector
 from orchestrator.delivery.client import BatchClient
 from tests.support.hostile import body, headers, ingest_body, messages_done, outcomes, wait_for
 from tests.support.paths import ROOT
+from tests.support.processes import Worker
 from tests.support.producer import outcome
-from tests.support.worker import Worker
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
-"""A real ``celery worker`` process for the tests (the fixtures in tests/conftest.py start
-them; a test that kills or restarts one starts its own)."""
+"""Processes the tests start: a real ``celery worker`` (the fixtures in tests/conftest.py
+start them; a test that kills or restarts one starts its own), other Celery commands (beat,
+Flower), and a free loopback port for a server."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -83,3 +85,34 @@ class Worker:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def celery(args: list[str], redis_url: str, log: Path, **env: str) -> subprocess.Popen:
+    """``celery -A claw_tasks.worker.app ARGS`` in its own process group (``stop`` ends it)."""
+    full = {**os.environ, "CLAW_REDIS_URL": redis_url, "CLAW_BROKER_URL": redis_url, **env}
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "claw_tasks.worker.app", *args],
+        cwd=ROOT,
+        env=full,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group; SIGKILL it after 20 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS picks it; a server binds it just after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
