@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from orchestrator.recipe.model import Recipe, RecipeError
+from tests.support.llmturns import group_recipe
 from tests.support.paths import ROOT
 
 DOCS = ROOT / "docs" / "recipes.md"
@@ -248,3 +249,49 @@ def test_validate_against_knows_obs_action_next_obs_only_from_the_schema():
 def test_bad_augment_ops_fail_at_validation(augment, message):
     text = error(minimal(fields=["obs", "next_obs"], augment=augment))
     assert "augment" in text and message in text
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"sources": [{"name": "s", "sampler": {"kind": "group"}}]}, "group_size: required"),
+        (
+            {"sources": [{"name": "s", "sampler": {"kind": "uniform", "once": True}}]},
+            "once: only for kind: group",
+        ),
+        (
+            {
+                "sources": [
+                    {"name": "s", "sampler": {"kind": "group", "group_size": 2, "passes": 1}}
+                ]
+            },
+            "passes: only with once",
+        ),
+        (
+            {
+                "sources": [
+                    {"name": "s", "sampler": {"kind": "group", "group_size": 2}},
+                    {"name": "u"},
+                ]
+            },
+            "cannot be mixed",
+        ),
+        ({"fields": ["prompt_ids"], "tokens": {}}, "fields must include response_ids"),
+        ({"sources": [{"name": "u"}], "tokens": {"mode": "trajectory"}}, "needs whole groups"),
+    ],
+)
+def test_recipe_errors_name_the_cause(change, message):
+    data = {**group_recipe().model_dump(exclude={"version"}), **change}
+    with pytest.raises(ValueError, match=message):
+        Recipe.model_validate(data)
+
+
+def test_group_by_must_be_a_value_of_the_schema():
+    from claw_tasks.format.schema import FieldSpec, Schema
+    from orchestrator.recipe.model import RecipeError
+
+    schema = Schema({"prompt_ids": FieldSpec("<i4", (None,))}, {"prompt_uid": "num"})
+    r = group_recipe(group_by="terminated").model_copy(update={"fields": ["prompt_ids"]})
+    with pytest.raises(RecipeError, match="group_by: terminated is a flag"):
+        r.validate_against(schema)
+    assert group_recipe().sources[0].sampler.group_by == "tags.prompt_uid"
