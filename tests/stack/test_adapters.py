@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gymnasium as gym
 import numpy as np
-import pytest
 import torch
 from stable_baselines3 import DQN, SAC
 from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
@@ -13,30 +12,9 @@ from torch.utils.data import DataLoader
 
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
-from orchestrator.adapters.experience import split
 from orchestrator.adapters.sb3 import ClawReplayBuffer
-from orchestrator.adapters.torch import ClawIterableDataset, to_tensor
+from orchestrator.adapters.torch import ClawIterableDataset
 from orchestrator.delivery.client import BatchClient
-from orchestrator.sampling.batch import Batch
-
-
-# ---- PyTorch -------------------------------------------------------------------------
-def test_to_tensor_shares_writable_arrays_and_copies_readonly_ones():
-    writable = np.arange(6, dtype=np.float32).reshape(2, 3)
-    t = to_tensor(writable)
-    writable[0, 0] = 42
-    assert t[0, 0].item() == 42  # zero-copy
-    readonly = np.frombuffer(np.arange(4, dtype=np.int64).tobytes(), np.int64)
-    t = to_tensor(readonly)
-    assert t.dtype == torch.int64 and t.tolist() == [0, 1, 2, 3]
-    assert t.data_ptr() != readonly.ctypes.data
-
-
-@pytest.mark.skipif(torch.accelerator.is_available(), reason="pins when it can")
-def test_pin_memory_without_accelerator_warns():
-    with pytest.warns(UserWarning, match="pin_memory"):
-        ds = ClawIterableDataset("any", "ns", "redis://127.0.0.1:1/0", pin_memory=True)
-    assert not ds.pin_memory
 
 
 def _ingest_vectors(url: str, ns: str, episodes: int = 4, steps: int = 40) -> None:
@@ -278,23 +256,3 @@ def test_sb3_one_prefetched_batch_serves_several_samples(redis_url, namespace, w
         rows = _rows(got)
         assert all((stored == row).all(1).any() for row in rows)
     claw.close()
-
-
-def test_split_parts_keep_each_sources_share_and_every_row_once():
-    n = 32
-    batch = Batch(
-        {"x": np.arange(n) * 10},
-        np.arange(n),
-        np.ones(n, np.float32),
-        np.repeat([0, 1], [24, 8]).astype(np.int16),
-        ("a", "b"),
-        1,
-        {"task_id": [f"t{i}" for i in range(n)]},
-    )
-    parts = split(batch, 4)
-    assert [len(p) for p in parts] == [8] * 4
-    for p in parts:
-        assert np.bincount(p.source_index).tolist() == [6, 2]  # the batch's 3:1 mix
-        assert (p["x"] == p.ids * 10).all()
-        assert p.meta["task_id"] == [f"t{i}" for i in p.ids]
-    assert sorted(np.concatenate([p.ids for p in parts]).tolist()) == list(range(n))

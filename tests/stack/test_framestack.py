@@ -16,66 +16,7 @@ from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 from orchestrator.recipe.model import RecipeError
-from orchestrator.sampling.sequences import follow
-from orchestrator.sampling.stacks import Predecessors
-from orchestrator.transforms.framestack import stack_frames, stacked_shape
 from tests.support.stepdata import batch, episode, interleave
-from tests.unit.orchestrator.sampling.test_sequences import random_ring
-
-
-def test_layout_is_channels_last_oldest_first():
-    gray = np.arange(3 * 4 * 2 * 2).reshape(3, 4, 2, 2)  # (B, k, H, W)
-    out = stack_frames(gray, 2)
-    assert out.shape == (3, 2, 2, 4) == (3, *stacked_shape((2, 2), 4))
-    np.testing.assert_array_equal(out[1, :, :, 2], gray[1, 2])  # frame j is channel j
-    rgb = np.arange(2 * 4 * 2 * 2 * 3).reshape(2, 4, 2, 2, 3)
-    out = stack_frames(rgb, 3)
-    assert out.shape == (2, 2, 2, 12) == (2, *stacked_shape((2, 2, 3), 4))
-    np.testing.assert_array_equal(out[0, ..., 3:6], rgb[0, 1])  # frame j: channels 3j..3j+2
-    vec = np.arange(2 * 3 * 5).reshape(2, 3, 5)
-    assert stack_frames(vec, 1).tolist() == vec.reshape(2, 15).tolist()
-    assert stacked_shape((), 4) == (4,)
-
-
-def brute_prev(cols, cap):
-    """The live row whose next step is each row (-1: none)."""
-    n = len(cols["id"])
-    prev = np.full(n, -1)
-    nxt = follow(cols, np.arange(n), cap)
-    for r in range(n):
-        if nxt[r] >= 0 and cols["alive"][r]:
-            assert prev[nxt[r]] == -1
-            prev[nxt[r]] = r
-    return prev
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_predecessors_are_the_inverse_of_next(seed):
-    """Built at once, and kept current through later commits from the changed rows alone
-    (ring wrap-around, successor-first commits, evictions)."""
-    ring = random_ring(seed)
-    cols, cap = ring.c, ring.cap
-    early = {k: v.copy() for k, v in cols.items()}
-    n = len(cols["id"])
-    kept = Predecessors(cap)
-    assert kept.back(early, np.arange(n)).tolist() == brute_prev(early, cap).tolist()
-    more = random_ring(seed + 100)  # more commits on top: replay them onto ring
-    for (ep, step), (row, _) in sorted(more.at.items(), key=lambda kv: kv[1][1]):
-        ring.add(ep + 100, step, 0.0, int(more.c["flags"][row]))
-    changed = np.flatnonzero(
-        (cols["id"] != early["id"])
-        | (cols["next"] != early["next"])
-        | (cols["alive"] != early["alive"])
-    )
-    kept.refresh(changed)
-    want = brute_prev(cols, cap)
-    assert kept.back(cols, np.arange(n)).tolist() == want.tolist()
-    assert Predecessors(cap).back(cols, np.arange(n)).tolist() == want.tolist()
-    chain = kept.chain(cols, np.arange(n), 3)
-    assert chain[:, 2].tolist() == list(range(n))
-    assert chain[:, 1].tolist() == want.tolist()
-    assert chain[:, 0].tolist() == [-1 if p < 0 else want[p] for p in want.tolist()]
-
 
 # ---- whole batches from Redis --------------------------------------------------------
 LENGTH = {1: 9, 2: 3, 3: 6}

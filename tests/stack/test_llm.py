@@ -11,42 +11,10 @@ from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import Schema, SchemaError
-from claw_tasks.format.turns import prompt_key, spread_rewards
+from claw_tasks.format.turns import prompt_key
 from claw_tasks.store.turns import attach_rewards, turn_infos
 from orchestrator.cli.main import app
 from orchestrator.sampling.index import SamplingIndex
-
-
-def test_preset_fields_and_tags():
-    s = Schema.llm(response_mask=True, tags={"dataset": "str"})
-    assert {k: (v.dtype, v.shape) for k, v in s.fields.items()} == {
-        "prompt_ids": ("<i4", (None,)),
-        "response_ids": ("<i4", (None,)),
-        "response_logprobs": ("<f4", (None,)),
-        "response_mask": ("|u1", (None,)),
-    }
-    assert dict(s.tags) == {
-        "prompt_uid": "num",
-        "final_reward": "num",
-        "retokenized": "num",
-        "dataset": "str",
-    }
-    assert "response_mask" not in Schema.llm().fields
-    assert Schema.from_dict(s.to_dict()) == s
-
-
-def test_prompt_key_is_an_exact_float():
-    k = prompt_key("What is 2+2?")
-    assert k == int(k) and 0 <= k < 2**53 and np.float64(k) == k
-    assert prompt_key("What is 2+2?") == k != prompt_key("What is 2+3?")
-
-
-def test_spread_rewards_rule():
-    np.testing.assert_array_equal(spread_rewards(3, 1.0), [0, 0, 1])
-    got = spread_rewards(3, 1.0, [0.1, 0.2, 0.3])
-    np.testing.assert_array_equal(got, np.float32([0.1, 0.2, 1.3]))
-    with pytest.raises(ValueError, match="2 turn rewards for 3"):
-        spread_rewards(3, 1.0, [0.1, 0.2])
 
 
 def test_turns_round_trip_and_rewards_reach_the_index(redis_url, namespace, ingest_worker):

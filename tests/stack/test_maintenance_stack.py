@@ -12,10 +12,7 @@ import sys
 import time
 import urllib.request
 
-import pytest
-
 from claw_tasks.broker.app import client_app
-from claw_tasks.broker.schedule import ScheduleError, beat_schedule, entries
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from orchestrator.maintenance.lifecycle import forget
@@ -31,19 +28,6 @@ def _wait(cond, what: str, log, timeout: float = 90) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"{what}\n{log.read_text()[-3000:]}"
         time.sleep(0.2)
-
-
-def test_schedule_defaults_and_overrides():
-    names = entries("")
-    assert names["claw-archive"] == {"task": "claw.maintenance.archive", "cron": "0 3 * * *"}
-    assert names["claw-evict"]["every"] == 30
-    sched = beat_schedule('{"claw-archive": {"cron": "30 1 * * *"}, "claw-refill": null}')
-    assert "claw-refill" not in sched
-    assert sched["claw-archive"]["schedule"].hour == {1} and sched["claw-archive"]["task"]
-    with pytest.raises(ScheduleError, match="is new: give its task"):
-        entries("{mine: {every: 5}}")
-    with pytest.raises(ScheduleError, match="every 'soon'"):
-        beat_schedule("{claw-evict: {every: soon}}")
 
 
 def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker, tmp_path):

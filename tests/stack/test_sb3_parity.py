@@ -23,7 +23,6 @@ from stable_baselines3.common.buffers import DictReplayBuffer, ReplayBuffer
 from stable_baselines3.common.logger import Logger
 
 from claw_tasks.store import Store
-from orchestrator.adapters.experience import with_env_password, without_password
 from orchestrator.adapters.sb3 import ClawDictReplayBuffer, ClawReplayBuffer
 from tests.support.paths import ROOT
 
@@ -228,15 +227,6 @@ def test_3_pickle_and_deepcopy_keep_settings_not_data_nor_password(redis_url, na
     assert claw.sample(8).observations.shape == (8, 3)  # still served after the twin closed
     back.close()
     claw.close()
-
-
-def test_3_saved_urls_carry_no_password():
-    url = "redis://user:s3cret@host:6380/2"
-    saved = without_password(url)
-    assert "s3cret" not in saved and saved == "redis://user@host:6380/2"
-    assert without_password("redis://:s3cret@host/0") == "redis://host/0"
-    assert with_env_password(saved, url) == url  # same server: the environment's password
-    assert with_env_password(saved, "redis://user:x@other:6380/2") == saved
 
 
 def _env(redis_url: str) -> dict[str, str]:

@@ -2,39 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
-import pytest
 import redis
 
 from claw_tasks.client import Ingestor
-from claw_tasks.format.schema import FieldSpec, Schema, SchemaError
+from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 
 FIELDS = {"obs": FieldSpec("<f4", (4,)), "action": FieldSpec("<i8", ())}
-
-
-def test_schema_cannot_be_changed_in_place():
-    schema = Schema(fields=dict(FIELDS), tags={"color": "str"})
-    with pytest.raises(TypeError):
-        schema.tags["level"] = "num"  # type: ignore[index]
-    with pytest.raises(TypeError):
-        schema.fields["extra"] = FieldSpec("<f4", ())  # type: ignore[index]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        schema.tags = {}  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        schema.fields["obs"].shape = (8,)  # type: ignore[misc]
-
-
-def test_with_tags_returns_a_new_schema():
-    schema = Schema(fields=dict(FIELDS), tags={"color": "str"})
-    wider = schema.with_tags({"level": "num"})
-    assert dict(wider.tags) == {"color": "str", "level": "num"}
-    assert dict(schema.tags) == {"color": "str"}
-    assert schema.with_tags({"color": "str"}) == schema
-    with pytest.raises(SchemaError, match="tag 'color' is num, schema says str"):
-        schema.with_tags({"color": "num"})
 
 
 def test_ingestor_new_tag_reaches_redis(redis_url, namespace):

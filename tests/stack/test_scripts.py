@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from claw_tasks.store import Store
-from claw_tasks.store.scripts import lua_source
 from orchestrator import Recipe, sample
 from tests.support.stepdata import batch, episode
 
@@ -25,8 +24,3 @@ def test_scripts_reload_after_script_flush(redis_url, namespace, r):
     r.script_flush()
     got = sample(store, recipe, rng=np.random.default_rng(1))  # log_since, fetch
     assert len(got.ids) == 8 and store.count() == 20
-
-
-def test_includes_come_first():
-    src = lua_source("commit")
-    assert src.index("local function slot_runs") < src.index("local function runs")

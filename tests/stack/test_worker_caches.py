@@ -10,11 +10,8 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from claw_tasks.store import Store
-from claw_tasks.worker import caches
-from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import prefetch
 from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
@@ -24,17 +21,6 @@ from tests.support.stepdata import batch, episode
 
 # The module (``orchestrator.sampling.sample`` the attribute is the function).
 sampling = importlib.import_module("orchestrator.sampling.sample")
-
-
-def test_lru_keeps_the_most_recently_used():
-    lru: LRU[str, int] = LRU(2)
-    assert lru.get("a", lambda: 1) == 1 and lru.get("b", lambda: 2) == 2
-    assert lru.get("a", lambda: 0) == 1  # a is now the most recent
-    lru.get("c", lambda: 3)
-    assert "b" not in lru and "a" in lru and "c" in lru and len(lru) == 2
-    assert lru.drop(lambda k: k in "ac") == 2 and len(lru) == 0
-    with pytest.raises(ValueError, match="maxsize >= 1"):
-        LRU(0)
 
 
 def _recipe(name: str = "u", **kw) -> Recipe:
@@ -62,15 +48,6 @@ def test_sampling_sessions_are_bounded_and_forgotten(redis_url, namespace, monke
     sampling.forget_namespace(names[-1])
     assert names[-1] not in {key[-2] for key in sampling.sessions}
     assert names[-1] not in {key[1] for key in sampling.stores}
-
-
-def test_worker_stores_are_bounded_and_forgotten(monkeypatch):
-    monkeypatch.setattr(caches.stores, "maxsize", 3)
-    for i in range(5):
-        caches.store_for(f"ns{i}")  # no Redis traffic: a Store connects on first use
-    assert set(caches.stores) == {"ns2", "ns3", "ns4"}
-    caches.forget_namespace("ns3")
-    assert set(caches.stores) == {"ns2", "ns4"}
 
 
 def test_prefetch_plans_are_bounded_and_forgotten(redis_url, namespace, monkeypatch):

@@ -1,5 +1,5 @@
-"""The LLM trainers adapter (adapters.llm_trainers): token tensors and the verl and TRL layouts of a collated
-trajectory batch."""
+"""The LLM trainers adapter (adapters.llm_trainers): token tensors and the verl and TRL
+layouts of a collated trajectory batch."""
 
 from __future__ import annotations
 

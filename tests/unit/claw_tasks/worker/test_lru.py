@@ -1,0 +1,18 @@
+"""The bounded LRU of the worker's per-process caches (worker.lru)."""
+
+from __future__ import annotations
+
+import pytest
+
+from claw_tasks.worker.lru import LRU
+
+
+def test_lru_keeps_the_most_recently_used():
+    lru: LRU[str, int] = LRU(2)
+    assert lru.get("a", lambda: 1) == 1 and lru.get("b", lambda: 2) == 2
+    assert lru.get("a", lambda: 0) == 1  # a is now the most recent
+    lru.get("c", lambda: 3)
+    assert "b" not in lru and "a" in lru and "c" in lru and len(lru) == 2
+    assert lru.drop(lambda k: k in "ac") == 2 and len(lru) == 0
+    with pytest.raises(ValueError, match="maxsize >= 1"):
+        LRU(0)

@@ -1,0 +1,38 @@
+"""Adapter plumbing (adapters.experience): splitting a batch by source, and URLs saved
+without their password."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orchestrator.adapters.experience import split, with_env_password, without_password
+from orchestrator.delivery.wire import Batch
+
+
+def test_split_parts_keep_each_sources_share_and_every_row_once():
+    n = 32
+    batch = Batch(
+        {"x": np.arange(n) * 10},
+        np.arange(n),
+        np.ones(n, np.float32),
+        np.repeat([0, 1], [24, 8]).astype(np.int16),
+        ("a", "b"),
+        1,
+        {"task_id": [f"t{i}" for i in range(n)]},
+    )
+    parts = split(batch, 4)
+    assert [len(p) for p in parts] == [8] * 4
+    for p in parts:
+        assert np.bincount(p.source_index).tolist() == [6, 2]  # the batch's 3:1 mix
+        assert (p["x"] == p.ids * 10).all()
+        assert p.meta["task_id"] == [f"t{i}" for i in p.ids]
+    assert sorted(np.concatenate([p.ids for p in parts]).tolist()) == list(range(n))
+
+
+def test_saved_urls_carry_no_password():
+    url = "redis://user:s3cret@host:6380/2"
+    saved = without_password(url)
+    assert "s3cret" not in saved and saved == "redis://user@host:6380/2"
+    assert without_password("redis://:s3cret@host/0") == "redis://host/0"
+    assert with_env_password(saved, url) == url  # same server: the environment's password
+    assert with_env_password(saved, "redis://user:x@other:6380/2") == saved
