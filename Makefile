@@ -6,7 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.claw-installed
 DEMO_STAMP := $(VENV)/.claw-demo-installed
 
-.PHONY: setup test demo lint browser
+.PHONY: setup test test-fast demo lint browser
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ browser:
 
 test: $(STAMP) browser
 	$(VENV)/bin/pytest -q
+
+# The fast loop: tests/unit/ only (the code alone: no redis-server, worker, browser or
+# network; tests/unit/conftest.py refuses them), well under a minute.
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q tests/unit
 
 demo: $(DEMO_STAMP)
 	@echo "== Running 'claw demo' (a minute or two). To use 'claw' yourself afterwards:"

@@ -3,6 +3,7 @@ Celery worker processes, and a vhost of this machine's RabbitMQ as the other bro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -19,6 +20,9 @@ from claw_tasks.connection.client import Client, redis_client
 from claw_tasks.connection.cluster import LocalCluster
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import use_settings
+from claw_tasks.store import Store
+from claw_tasks.store.config import NamespaceError
+from orchestrator.maintenance.lifecycle import forget
 from tests.support.processes import Worker
 
 # Property tests draw the same examples on every run (a failure in CI is reproducible and
@@ -26,6 +30,10 @@ from tests.support.processes import Worker
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# albumentations asks the network for a newer version when imported (in every worker too):
+# the tests reach no network they do not start.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -129,6 +137,25 @@ def r(redis_url: str) -> Client:
 @pytest.fixture
 def namespace() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def store(request: pytest.FixtureRequest, redis_url: str, namespace: str) -> Iterator[Store]:
+    """An empty namespace of ``namespace``'s name: 2 shards, capacity 1,000 unless the test or
+    its module says otherwise (``pytestmark = pytest.mark.store(capacity=2000)``). After the
+    test its retention and priority rules are cleared (a later maintenance pass of this
+    session skips it) and this process forgets its caches of it."""
+    marker = request.node.get_closest_marker("store")
+    st = Store(redis_url, namespace)
+    st.create(**{"capacity": 1000, "n_shards": 2, **(marker.kwargs if marker else {})})
+    yield st
+    with contextlib.suppress(NamespaceError):  # the test may have dropped it
+        cfg = st.config(refresh=True)
+        if cfg.retention is not None:
+            st.set_retention(None)
+        if cfg.priorities is not None:
+            st.set_priority_rules(None)
+    forget(namespace)
 
 
 @pytest.fixture

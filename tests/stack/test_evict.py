@@ -16,7 +16,6 @@ from claw_tasks.store.retention import Retention, RetentionError, parse_bytes
 from orchestrator import Recipe, sample
 from orchestrator.cli.doctor import check_namespace
 from orchestrator.maintenance.evict import evict_namespace
-from orchestrator.maintenance.lifecycle import forget
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.sample import StoreChangingError
 from tests.support.producer import sender
@@ -25,13 +24,7 @@ from tests.support.stepdata import batch, episode, interleave
 T0 = 1_000_000.0
 
 
-@pytest.fixture
-def store(redis_url: str, namespace: str) -> Store:
-    st = Store(redis_url, namespace)
-    st.create(capacity=2000, n_shards=2)
-    yield st
-    st.set_retention(None)  # later maintenance tasks in this session skip it
-    forget(namespace)
+pytestmark = pytest.mark.store(capacity=2000)
 
 
 def live(store: Store) -> dict[int, dict]:

@@ -19,13 +19,6 @@ from orchestrator.sampling.index import SamplingIndex
 from tests.support.llmturns import TOKEN_FIELDS, group_recipe, rollouts, turns_batch
 
 
-@pytest.fixture
-def store(redis_url: str, namespace: str) -> Store:
-    st = Store(redis_url, namespace)
-    st.create(capacity=1000, n_shards=2)
-    return st
-
-
 def check_whole_groups(batch, ended: dict[str, int], n: int = 4, turns: int = 2) -> list[float]:
     """Every group of the batch is n ended trajectories of one key, each with all its turns
     in order; returns the batch's keys."""

@@ -11,12 +11,7 @@ from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.shared import SharedIndex
 from tests.support.stepdata import batch, episode, interleave
 
-
-@pytest.fixture
-def store(redis_url: str, namespace: str) -> Store:
-    st = Store(redis_url, namespace)
-    st.create(capacity=300, n_shards=2)
-    return st
+pytestmark = pytest.mark.store(capacity=300)
 
 
 @pytest.fixture(params=["own", "shared"])

@@ -11,7 +11,6 @@ import pytest
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 from orchestrator.cli.doctor import check_namespace
-from orchestrator.maintenance.lifecycle import forget
 from orchestrator.maintenance.priorities import Recompute, Rules, RulesError
 from tests.support.paths import ROOT
 from tests.support.producer import sender
@@ -20,13 +19,7 @@ from tests.support.stepdata import batch, episode, interleave
 T0 = 1_000_000.0
 
 
-@pytest.fixture
-def store(redis_url: str, namespace: str) -> Store:
-    st = Store(redis_url, namespace)
-    st.create(capacity=40_000, n_shards=2)  # two metadata chunks per shard
-    yield st
-    st.set_priority_rules(None)  # later maintenance tasks in this session skip it
-    forget(namespace)
+pytestmark = pytest.mark.store(capacity=40_000)  # two metadata chunks per shard
 
 
 def prio(store: Store, ids: np.ndarray) -> np.ndarray:

@@ -28,13 +28,6 @@ def recipe(sources, fields=("obs", "action", "reward"), batch_size=256, **kw) ->
     )
 
 
-@pytest.fixture
-def store(redis_url: str, namespace: str) -> Store:
-    st = Store(redis_url, namespace)
-    st.create(capacity=1000, n_shards=2)
-    return st
-
-
 def draw_ids(store: Store, r: Recipe, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.concatenate([sample(store, r, rng=rng).ids for _ in range(n)])

@@ -57,11 +57,7 @@ def assert_cold_equal(ix: SamplingIndex) -> None:
         np.testing.assert_array_equal(ix.columns[name], col, err_msg=name)
 
 
-@pytest.fixture
-def store(redis_url: str, namespace: str) -> Store:
-    st = Store(redis_url, namespace)
-    st.create(capacity=400, n_shards=2)
-    return st
+pytestmark = pytest.mark.store(capacity=400)
 
 
 def test_processes_sharing_one_index_draw_what_an_own_index_draws(store, redis_url, namespace):
