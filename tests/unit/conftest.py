@@ -44,16 +44,19 @@ class ServiceInUnitTest(RuntimeError):
 
 
 def _refuse(what: str) -> None:
-    raise ServiceInUnitTest(
-        f"{what} in a unit test: move the test to tests/stack/ or tests/system/"
-    )
+    raise ServiceInUnitTest(f"{what} in a unit test: it belongs in tests/stack/ or tests/system/")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture is set up (a session-scoped redis-server would start first)."""
+    used = SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+    if used:
+        _refuse(f"fixture {', '.join(sorted(used))}")
 
 
 @pytest.fixture(autouse=True)
-def no_services(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    used = SERVICE_FIXTURES.intersection(request.fixturenames)
-    if used:
-        _refuse(f"fixture {', '.join(sorted(used))}")
+def no_services(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     def start(self: object) -> Any:
         _refuse(type(self).__name__)
