@@ -1,6 +1,6 @@
 """Claw's write path: a step from the producer's process to its committed row in Redis.
 
-The layers, each importing only those above it in this list (``tests/test_layers.py``
+The layers, each importing only those above it in this list (``tests/unit/test_layers.py``
 checks it; ``orchestrator`` — the read path — sits on top of all of them):
 
 - ``codecs``     byte encodings of payload fields (lz4, zstd, delta, png) and ``CodecError``

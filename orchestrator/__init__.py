@@ -1,7 +1,7 @@
 """Claw's read path: a recipe turned into the batches a trainer pops, and what runs around it.
 
 The stages, each importing only those above it in this list (and any layer of
-``claw_tasks``, the write path, which never imports this package; ``tests/test_layers.py``
+``claw_tasks``, the write path, which never imports this package; ``tests/unit/test_layers.py``
 checks both):
 
 - ``transforms``  augmentation ops a recipe names and frame stacks: numpy and OpenCV
