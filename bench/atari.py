@@ -45,9 +45,6 @@ import psutil
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from conftest import Worker
 
 from bench.prefetch import run as fill_loop
 from bench.prefetch import trainer
@@ -60,6 +57,7 @@ from claw_tasks.store import Store
 from orchestrator.delivery.registry import Registry
 from orchestrator.inspect.namespaces import scan_keys
 from orchestrator.recipe.model import Recipe
+from tests.support.processes import Worker
 
 GAMES = ("Pong", "Breakout", "MsPacman")
 KINDS = {"rgb": (84, 84, 3), "gray": (84, 84)}

@@ -33,9 +33,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import Worker
 from sample_store import RECIPE, image_steps, steps, timed
 
 from claw_tasks.client import Ingestor
@@ -45,6 +44,7 @@ from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
 from orchestrator import sample
 from orchestrator.sampling.index import SamplingIndex
+from tests.support.processes import Worker
 
 
 def ingest(url: str, broker: str, ns: str, b, shards: int, flush: int) -> float:

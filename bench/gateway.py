@@ -27,14 +27,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from conftest import Worker
-from test_gateway import TOKEN, TOOLS, Proc, free_port, train_tokenizer
 
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
+from tests.stack.test_gateway import TOKEN, TOOLS, Proc, free_port, train_tokenizer
+from tests.support.processes import Worker
 
 BODY = {
     "model": "sim",

@@ -21,12 +21,11 @@ from pathlib import Path
 import numpy as np
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from conftest import Worker
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.server import RedisServer
+from tests.support.processes import Worker
 
 
 def used(r: redis.Redis) -> int:

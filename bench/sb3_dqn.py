@@ -28,15 +28,14 @@ import torch
 from stable_baselines3 import DQN
 from stable_baselines3.common.buffers import ReplayBuffer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from conftest import Worker
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.server import RedisServer
 from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.readahead import ReadAhead
+from tests.support.processes import Worker
 
 ZOO = dict(
     learning_rate=2.3e-3,

@@ -37,14 +37,13 @@ import cv2
 import numpy as np
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from conftest import Worker
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.server import RedisServer
 from orchestrator.delivery.client import BatchClient
 from orchestrator.sampling.batch import Batch
+from tests.support.processes import Worker
 
 B, H, W, PAD = 256, 84, 84, 4
 PAGE = 4096
