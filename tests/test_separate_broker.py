@@ -36,9 +36,10 @@ from orchestrator.cli.demo import apex
 from orchestrator.cli.devstack import DevStack
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
-from tests.conftest import ROOT, Worker
-from tests.test_gateway import REWARD_TOKEN, TOKEN, Proc, free_port, train_tokenizer
-from tests.webserver import WebServer
+from tests.stack.test_gateway import REWARD_TOKEN, TOKEN, Proc, free_port, train_tokenizer
+from tests.support.paths import ROOT
+from tests.support.processes import Worker
+from tests.support.webserver import WebServer
 
 DEADLINE = 90.0
 
@@ -145,7 +146,7 @@ def test_gateway_turns_are_confirmed(env, tmp_path):
     train_tokenizer(tokenizer)
     up_port = free_port()
     upstream = Proc(
-        [sys.executable, "-m", "tests.llm_upstream", str(up_port), str(tokenizer)],
+        [sys.executable, "-m", "tests.support.llm_upstream", str(up_port), str(tokenizer)],
         up_port,
         tmp_path / "upstream.log",
         {},
