@@ -246,7 +246,7 @@ def test_unregister_and_timeout_message(redis_url, broker_url, namespace, worker
 
 @pytest.mark.both_brokers
 def test_llm_namespace_ragged_and_string_fields_pop(redis_url, broker_url, namespace, workers):
-    from test_prefetch_fill import llm_store
+    from tests.stack.test_prefetch_fill import llm_store
 
     llm_store(redis_url, namespace)
     client = BatchClient(namespace, redis_url, broker_url=broker_url)
