@@ -20,6 +20,7 @@ from claw_tasks.settings import (
     Settings,
     get_settings,
     markdown_table,
+    redact_url,
     use_settings,
 )
 from orchestrator.cli.main import app
@@ -202,3 +203,10 @@ def test_no_undeclared_claw_variable_is_named():
         for name in set(re.findall(r"\bCLAW_[A-Z0-9_]*[A-Z0-9]\b", text)) - allowed:
             unknown.append(f"{path.relative_to(ROOT)}: {name}")
     assert not unknown, "\n".join(sorted(unknown))
+
+
+def test_urls_are_printed_without_their_password() -> None:
+    assert redact_url("redis://:s3cret@10.0.0.1:6380/2") == "redis://:***@10.0.0.1:6380/2"
+    assert redact_url("amqp://claw:s3cret@rabbit/vh") == "amqp://claw:***@rabbit/vh"
+    assert redact_url("rediss://u:p%40ss@[::1]:6379/0") == "rediss://u:***@[::1]:6379/0"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
