@@ -3,8 +3,9 @@
 ``VARIABLES`` is the table (name, type, default, one line of doc), the way Celery's
 ``celery/app/defaults.py`` declares its settings; ``Settings.from_env`` reads it and
 ``get_settings()`` keeps the result for the process. This module is the only reader of
-``CLAW_*`` in Claw (``tests/test_settings.py`` greps for others): a component that reads a
-variable itself is how it ends up on a different broker from the workers.
+``CLAW_*`` in Claw (``tests/unit/claw_tasks/test_settings.py`` greps for others): a
+component that reads a variable itself is how it ends up on a different broker from the
+workers.
 
 Rebuilding: ``Settings.from_env(mapping)`` reads any mapping (tests, a CLI flag merged into
 the environment); ``use_settings(settings)`` installs one as the process's settings, and

@@ -24,8 +24,8 @@ from claw_tasks.settings import (
     use_settings,
 )
 from orchestrator.cli.main import app
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("claw_tasks", "orchestrator")
 STORE, BROKER = "redis://h:6379/0", "redis://h:6379/1"  # the Compose defaults
 # Variables of the repo's own tooling (tests, ops scripts, the Compose file's port), not

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -15,8 +14,7 @@ from pydantic import PositiveInt, ValidationError
 from orchestrator.recipe.model import SAMPLER_KINDS, Recipe, SamplerSpec
 from orchestrator.sampling.candidates import Columns
 from orchestrator.sampling.samplers import SAMPLERS, Context, Part, RecipeSampler, Sampler, register
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
 
 
 def recipe(sampler: dict) -> dict:
