@@ -19,6 +19,7 @@ from claw_tasks.format.encoded import Encoded
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
 from tests.stack.test_trust import _fill, _ingestor, _letters
+from tests.stack.test_trust_values import _send
 from tests.support.hostile import (
     Publisher,
     headers,
@@ -28,7 +29,6 @@ from tests.support.hostile import (
     raw_batch,
     wait_for,
 )
-from tests.test_trust_values import _send
 
 
 # ---- 5: decompression bombs stop at the frame header ----------------------------------

@@ -21,9 +21,16 @@ from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
 from claw_tasks.worker.ingest import run
-from tests.hostile import Publisher, headers, ingest_body, messages_done, outcomes, raw_batch
-from tests.hostile import wait_for as wait_outcomes
-from tests.test_trust import _fill, _letters
+from tests.stack.test_trust import _fill, _letters
+from tests.support.hostile import (
+    Publisher,
+    headers,
+    ingest_body,
+    messages_done,
+    outcomes,
+    raw_batch,
+)
+from tests.support.hostile import wait_for as wait_outcomes
 
 
 @pytest.fixture
