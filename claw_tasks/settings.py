@@ -53,6 +53,13 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(filter(None, map(str.strip, text.split(","))))
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{value}: must be a finite number of seconds > 0")
+    return value
+
+
 def _compress_at(text: str) -> str:
     if text not in ("producer", "worker"):
         raise ValueError(f"{text!r}: 'producer' or 'worker'")
@@ -267,6 +274,75 @@ VARIABLES: tuple[Variable, ...] = (
         10,
         "retries of a transient Redis error in ingest (exponential backoff)",
     ),
+    # ---- what one HTTP request may make the gateway or the inspector hold or wait for, and
+    # how deep a where may nest (docs/reliability.md, HTTP surfaces)
+    Variable(
+        "CLAW_GATEWAY_MAX_REPLY_BYTES",
+        "http.gateway_reply_bytes",
+        _count,
+        32 * MIB,
+        "`claw gateway`: bytes of one upstream reply or stream kept to record it; past them "
+        "the rest is relayed as it arrives and the call is not recorded (`too_large`)",
+        shown="32 MiB",
+    ),
+    Variable(
+        "CLAW_GATEWAY_QUEUE_BYTES",
+        "http.gateway_queue_bytes",
+        _count,
+        256 * MIB,
+        "`claw gateway`: bytes of replies waiting for the recorder, together (past them: "
+        "`queue_full`)",
+        shown="256 MiB",
+    ),
+    Variable(
+        "CLAW_GATEWAY_UPSTREAM_TIMEOUT",
+        "http.gateway_upstream_timeout",
+        _seconds,
+        300.0,
+        "`claw gateway`: seconds to wait for the upstream's headers, and between its reads "
+        "(then `502`)",
+        shown="`300`",
+    ),
+    Variable(
+        "CLAW_GATEWAY_RECORDER_STALL",
+        "http.gateway_recorder_stall",
+        _seconds,
+        120.0,
+        "`claw gateway`: seconds the recorder may spend on one batch of calls before "
+        "`/healthz` answers `503` (and rewards `503` rather than wait)",
+        shown="`120`",
+    ),
+    Variable(
+        "CLAW_WEB_LOGIN_BODY_BYTES",
+        "http.web_login_body_bytes",
+        _count,
+        4096,
+        "`claw web`: bytes of a request body without a session (the login form; `413`)",
+        shown="4 KiB",
+    ),
+    Variable(
+        "CLAW_WEB_MAX_BODY_BYTES",
+        "http.web_body_bytes",
+        _count,
+        MIB,
+        "`claw web`: bytes of a request body with a session (`413`)",
+        shown="1 MiB",
+    ),
+    Variable(
+        "CLAW_WEB_MAX_FORM_FIELDS",
+        "http.web_form_fields",
+        _count,
+        1000,
+        "`claw web`: form fields of a request with a session (16 without one; `400`)",
+    ),
+    Variable(
+        "CLAW_WHERE_MAX_DEPTH",
+        "where_max_depth",
+        lambda t: max(1, _count(t)),
+        32,
+        "how deep a `where` may nest (parentheses, `not`, `and`/`or` lists) in the "
+        "inspector, `claw query`, recipes and retention rules; deeper is refused",
+    ),
     # ---- secrets of the services (never printed)
     Variable(
         "CLAW_METRICS_TOKEN",
@@ -334,6 +410,25 @@ class IngestLimits:
 
 
 @dataclass(frozen=True)
+class HttpLimits:
+    """What one request may make the capture gateway or the web inspector hold or wait
+    for (the ``http.*`` entries of ``VARIABLES``): past a bound a request is refused
+    (4xx) or, for an upstream reply, relayed unrecorded (counted), never held whole."""
+
+    gateway_reply_bytes: int = 32 * MIB
+    gateway_queue_bytes: int = 256 * MIB
+    gateway_upstream_timeout: float = 300.0
+    gateway_recorder_stall: float = 120.0
+    web_login_body_bytes: int = 4096
+    web_body_bytes: int = MIB
+    web_form_fields: int = 1000
+
+
+GROUPS: dict[str, type] = {"limits": IngestLimits, "http": HttpLimits}
+"""The ``Settings`` attributes that group variables (``limits.x``, ``http.x``)."""
+
+
+@dataclass(frozen=True)
 class Settings:
     """Process-wide configuration; one attribute per ``VARIABLES`` entry (its doc is there).
 
@@ -360,6 +455,8 @@ class Settings:
     compress_at: str
     codec_threads: int
     limits: IngestLimits
+    http: HttpLimits = HttpLimits()
+    where_max_depth: int = 32
     metrics_token: str | None = field(default=None, repr=False)
     gateway_token: str | None = field(default=None, repr=False)
     gateway_reward_token: str | None = field(default=None, repr=False)
@@ -375,7 +472,7 @@ class Settings:
         variable whose text cannot be used."""
         env = os.environ if env is None else env
         top: dict[str, Any] = {}
-        limits: dict[str, Any] = {}
+        groups: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
         given = set()
         for var in VARIABLES:
             text = env.get(var.name)
@@ -387,13 +484,14 @@ class Settings:
                     raise ValueError(f"{var.name}={text!r}: {e}") from None
                 given.add(var.name)
             group, _, attr = var.attr.rpartition(".")
-            (limits if group else top)[attr] = value
+            (groups[group] if group else top)[attr] = value
         top["broker_url"], top["beat_url"] = _broker_and_beat(
             top["redis_url"], top["broker_url"], top["beat_url"]
         )
         if top["stage_ttl"] is None:  # a claim-check payload must outlive every redelivery
             top["stage_ttl"] = max(86400, 4 * top["visibility_timeout"])
-        top["limits"] = IngestLimits(**limits)
+        top.update({g: cls_(**groups[g]) for g, cls_ in GROUPS.items()})
+        limits = groups["limits"]
         if limits["dead_letter_prefix"] * 4 > limits["dead_letter_bytes"]:
             raise ValueError(
                 f"CLAW_DEAD_LETTER_PREFIX={limits['dead_letter_prefix']} must be at most a "

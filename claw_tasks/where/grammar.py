@@ -18,7 +18,9 @@ Grammar (keywords are lowercase)::
     DURATION   := NUMBER ("s" | "m" | "h" | "d" | "w")    seconds: 90s, 1.5h, 7d, 2w
     PARAM      := "$" name                              a recipe param
 
-An empty expression matches every row.
+An empty expression matches every row. Nesting (parentheses and ``not``) is bounded by
+``CLAW_WHERE_MAX_DEPTH`` (:func:`max_depth`): the parser recurses once per level, so an
+expression nested thousands deep would otherwise end in a ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ from claw_tasks.where.tree import (
     check_item,
     check_op,
     make_cond,
+    max_depth,
     to_mapping,
+    too_deep,
 )
 
 KEYWORDS = frozenset({"and", "or", "not", "in", "between", "true", "false"})
@@ -169,6 +173,7 @@ class _Parser:
         self.text, self.tags = text, tags
         self.toks = tokenize(text)
         self.i = 0
+        self.depth, self.max_depth = 0, max_depth()
 
     def parse(self) -> Node:
         if self.peek().kind == "end":
@@ -216,17 +221,22 @@ class _Parser:
         return parts[0] if len(parts) == 1 else All(tuple(parts))
 
     def unary(self) -> Node:
-        if self.at("not"):
-            self.take()
-            return Not(self.unary())
-        if self.at("("):
-            self.take()
+        if not self.at("not") and not self.at("("):
+            return self.condition()
+        self.depth += 1
+        if self.depth > self.max_depth:
+            tok = self.peek()
+            raise ExpressionError(too_deep(self.max_depth), self.text, tok.pos)
+        try:
+            if self.take().text == "not":
+                return Not(self.unary())
             node = self.or_expr()
             if not self.at(")"):
                 self.fail(self.peek(), "'and', 'or' or ')'")
             self.take()
             return node
-        return self.condition()
+        finally:
+            self.depth -= 1
 
     def condition(self) -> Node:
         tok = self.take()

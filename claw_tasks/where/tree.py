@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from claw_tasks.durations import duration
+from claw_tasks.settings import get_settings
 from claw_tasks.where.errors import FilterError
 from claw_tasks.where.keys import OPS, OPS_BY_KIND, Key, lookup
 
@@ -139,8 +140,26 @@ def make_cond(
     return Cond(key, op, value, label, pos, vpos)
 
 
-def from_mapping(where: Any, tags: Mapping[str, str] | None = None, path: str = "") -> Node:
-    """The tree of a mapping-form ``where``; errors name the key with its path."""
+def max_depth() -> int:
+    """How deep a ``where`` may nest (``CLAW_WHERE_MAX_DEPTH``)."""
+    return get_settings().where_max_depth
+
+
+def too_deep(limit: int) -> str:
+    """The refusal of a ``where`` nested past ``limit`` levels (both forms)."""
+    return (
+        f"nested more than {limit} levels deep (parentheses, 'not', 'and'/'or' lists; "
+        f"the limit is CLAW_WHERE_MAX_DEPTH={limit})"
+    )
+
+
+def from_mapping(
+    where: Any, tags: Mapping[str, str] | None = None, path: str = "", depth: int = 0
+) -> Node:
+    """The tree of a mapping-form ``where``; errors name the key with its path. ``and``,
+    ``or`` and ``not`` nest at most :func:`max_depth` deep (as in the string form)."""
+    if depth > max_depth():
+        raise FilterError(f"{path[:80] or 'where'}…: {too_deep(max_depth())}")
     if not isinstance(where, Mapping):
         raise FilterError(f"{path or 'where'}: expected a mapping, got {type(where).__name__}")
     parts: list[Node] = []
@@ -149,11 +168,13 @@ def from_mapping(where: Any, tags: Mapping[str, str] | None = None, path: str = 
         if name in ("and", "or"):
             if not isinstance(spec, list | tuple):
                 raise FilterError(f"{label}: takes a list of conditions, got {spec!r}")
-            subs = tuple(from_mapping(s, tags, f"{label}[{i}].") for i, s in enumerate(spec))
+            subs = tuple(
+                from_mapping(s, tags, f"{label}[{i}].", depth + 1) for i, s in enumerate(spec)
+            )
             parts.append(All(subs) if name == "and" else AnyOf(subs))
             continue
         if name == "not":
-            parts.append(Not(from_mapping(spec, tags, f"{label}.")))
+            parts.append(Not(from_mapping(spec, tags, f"{label}.", depth + 1)))
             continue
         try:
             key = lookup(name, tags)
