@@ -166,6 +166,7 @@ def test_since_counts_from_now(redis_url, data):
         (["", "--group-by", "episode_id"], "--group-by episode_id: group by a metadata key"),
         (["", "--since", "yesterday"], "--since 'yesterday': write a duration"),
         (["tags.nope > 1"], "nope"),
+        (["(" * 3000 + "reward > 0" + ")" * 3000], "CLAW_WHERE_MAX_DEPTH=32"),
     ],
 )
 def test_bad_queries_exit_1_naming_the_fix(claw, data, args, message):

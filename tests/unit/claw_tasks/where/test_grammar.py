@@ -503,3 +503,23 @@ def test_compare_is_exact(dtype, op, t, offsets):
     got = compare(col, op, t)
     want = [_reference(v.item(), op, t) for v in col]
     assert got.tolist() == want
+
+
+def test_nesting_is_bounded_by_a_named_limit():
+    """Thousands of levels (parentheses, ``not``, ``and``/``or`` lists) are refused with
+    an error naming CLAW_WHERE_MAX_DEPTH, not a RecursionError; 32 levels still compile
+    and select the same rows as the flat condition."""
+    c = columns(200)
+    for deep, column in (("(" * 3000 + "reward > 0" + ")" * 3000, 33), ("not " * 3000 + "x", 129)):
+        with pytest.raises(ExpressionError, match="CLAW_WHERE_MAX_DEPTH=32") as e:
+            Where(deep)
+        assert e.value.column == column  # the caret under the first level too many
+    nested: dict = {"reward": {"gt": 0}}
+    for k in range(3000):
+        nested = {"not": nested} if k % 2 else {"or": [nested, {"reward": {"gt": 9}}]}
+    with pytest.raises(FilterError, match="CLAW_WHERE_MAX_DEPTH=32"):
+        Where(nested)
+    ok = compiled("(" * 32 + "reward > 0" + ")" * 32)
+    np.testing.assert_array_equal(ok.mask(c), compiled("reward > 0").mask(c))
+    with pytest.raises(ExpressionError, match="CLAW_WHERE_MAX_DEPTH"):
+        Where("(" * 33 + "reward > 0" + ")" * 33)

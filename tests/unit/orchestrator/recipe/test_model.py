@@ -38,6 +38,13 @@ def error(data: dict) -> str:
     return str(e.value)
 
 
+def _nested_not(depth: int) -> dict:
+    where: dict = {"terminated": True}
+    for _ in range(depth):
+        where = {"not": where}
+    return where
+
+
 def test_reference_recipe_of_the_docs(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text(reference_yaml())
@@ -164,6 +171,16 @@ def test_yaml_must_be_a_mapping(tmp_path):
         (minimal(augment={"obs": "same"}), "augment", "'same' needs a field"),
         (minimal(rate_limit={"error_buffer": 1}), "rate_limit.samples_per_insert", "required"),
         (minimal(params={"x": {"a": 1}}), "params.x", "valid"),
+        (
+            minimal(sources=[{"name": "a", "where": "not " * 2000 + "terminated"}]),
+            "sources.0.where",
+            "CLAW_WHERE_MAX_DEPTH=32",
+        ),
+        (
+            minimal(sources=[{"name": "a", "where": _nested_not(2000)}]),
+            "sources.0.where",
+            "CLAW_WHERE_MAX_DEPTH=32",
+        ),
     ],
 )
 def test_errors_name_the_key(data, where, message):
