@@ -12,7 +12,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -31,8 +31,14 @@ from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.gateway.capture import CHAT, COMPLETION, CaptureError, Retokenizer, upstream_body
 from orchestrator.gateway.metrics import GatewayMetrics
-from orchestrator.gateway.recorder import POLICY_VERSION_HEADER, Call, Recorder, TrajectoryError
-from orchestrator.gateway.upstream import Upstream, UpstreamError
+from orchestrator.gateway.recorder import (
+    POLICY_VERSION_HEADER,
+    Call,
+    Recorder,
+    RecorderError,
+    TrajectoryError,
+)
+from orchestrator.gateway.upstream import Reply, Upstream, UpstreamError
 
 UID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
 TAG_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
@@ -48,7 +54,11 @@ class GatewayConfig:
     to ``token``: the page names trajectories' traffic, so it is never open);
     ``upstream_key`` is what the gateway sends upstream (agents never see it).
     ``redis_url`` and ``broker_url`` default as every client's do
-    (``Settings.broker_for``: the workers' broker, ``CLAW_BROKER_URL``, when it is set)."""
+    (``Settings.broker_for``: the workers' broker, ``CLAW_BROKER_URL``, when it is set).
+    The bounds left None come from the settings (``claw_tasks.settings.HttpLimits``): the
+    upstream timeout, the reply bytes kept to record one call, the bytes of replies
+    waiting for the recorder, and how long the recorder may spend on one batch before
+    /healthz fails."""
 
     upstream: str
     namespace: str
@@ -62,9 +72,23 @@ class GatewayConfig:
     vllm_options: bool = True
     max_body_bytes: int = 8 * 1024 * 1024
     max_turns: int = 256
-    upstream_timeout: float = 600.0
     policy_version: int | None = None
     queue_size: int = 10_000
+    upstream_timeout: float | None = None
+    max_reply_bytes: int | None = None
+    queue_bytes: int | None = None
+    recorder_stall: float | None = None
+
+    def resolved(self) -> GatewayConfig:
+        """This config with every bound left None taken from the settings."""
+        d = get_settings().http
+        return replace(
+            self,
+            upstream_timeout=self.upstream_timeout or d.gateway_upstream_timeout,
+            max_reply_bytes=self.max_reply_bytes or d.gateway_reply_bytes,
+            queue_bytes=self.queue_bytes or d.gateway_queue_bytes,
+            recorder_stall=self.recorder_stall or d.gateway_recorder_stall,
+        )
 
 
 def error(status: int, message: str, kind: str, code: str | None = None) -> JSONResponse:
@@ -80,9 +104,10 @@ class _Refused(Exception):
 
 
 def _bearer(request: Request, expected: str, which: str = "CLAW_GATEWAY_TOKEN") -> None:
-    given = request.headers.get("authorization", "")
+    given = request.headers.get("authorization", "")  # decoded as latin-1: any bytes
     scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+    sent = token.strip().encode("latin-1")  # compared as bytes: a str must be ASCII
+    if scheme.lower() != "bearer" or not hmac.compare_digest(sent, expected.encode()):
         raise _Refused(
             error(
                 401,
@@ -181,6 +206,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, ingestor: Ingestor | None = None) -> None:
         if not config.token:
             raise ValueError("the gateway needs a token (CLAW_GATEWAY_TOKEN)")
+        config = config.resolved()
         self.config = config
         self.metrics = GatewayMetrics()
         if ingestor is None:
@@ -202,6 +228,8 @@ class Gateway:
             retokenizer=retok,
             max_turns=config.max_turns,
             queue_size=config.queue_size,
+            queue_bytes=config.queue_bytes,
+            stall_after=config.recorder_stall,
             policy_version=config.policy_version,
         )
         self.metrics.track_backlog(lambda: self.recorder.backlog)
@@ -209,7 +237,10 @@ class Gateway:
         if config.upstream_key:
             headers["authorization"] = f"Bearer {config.upstream_key}"
         self.upstream = Upstream(
-            config.upstream, headers, timeout=config.upstream_timeout, connect_timeout=10.0
+            config.upstream,
+            headers,
+            timeout=config.upstream_timeout,
+            connect_timeout=min(10.0, config.upstream_timeout),
         )
 
     async def close(self) -> None:
@@ -240,12 +271,16 @@ class Gateway:
         except _Refused as r:
             self.metrics.requests.labels(kind, r.response.status_code).inc()
             return r.response
+        limit = self.config.max_reply_bytes
+        assert limit is not None
         t0 = time.perf_counter()
         try:
             resp = await self.upstream.post(path, orjson.dumps(body), "application/json")
+            content, whole = b"", True
             if resp.status != 200 or not payload.get("stream"):
-                content = await resp.read()
-                await resp.close()
+                content, whole = await resp.read_upto(limit)
+                if whole:
+                    await resp.close()
         except UpstreamError as e:
             self.recorder.refund(traj)
             self.metrics.requests.labels(kind, 502).inc()
@@ -253,6 +288,12 @@ class Gateway:
         self.metrics.upstream_seconds.observe(time.perf_counter() - t0)
         media = resp.headers.get("content-type", "application/json")
         self.metrics.requests.labels(kind, resp.status).inc()
+        if not whole:  # over the bound: the rest passed through as it comes, not recorded
+            return StreamingResponse(
+                self._relay_rest(traj, resp, content, resp.status == 200),
+                resp.status,
+                media_type=media,
+            )
         if resp.status != 200:  # passed through, recorded as nothing
             self.recorder.refund(traj)
             return Response(content, resp.status, media_type=media)
@@ -272,21 +313,46 @@ class Gateway:
         async def relay() -> AsyncIterator[bytes]:
             # Clients close the connection once they read [DONE], which may cancel this
             # generator at its last yield: a reply whose final event arrived is complete.
-            buf = bytearray()
+            # Past the bound the stream is relayed on and nothing more is kept.
+            buf: bytearray | None = bytearray()
+            tail = b""  # the stream's last bytes, to see a final [DONE]
             done = False
             try:
                 async for chunk in resp.chunks():
-                    buf += chunk
+                    if buf is not None:
+                        buf += chunk
+                        if len(buf) > limit:
+                            buf = None
+                    tail = (tail + chunk)[-64:]
                     yield chunk
                 done = True
             finally:
-                if done or buf.rstrip().endswith(b"data: [DONE]"):
+                complete = done or tail.rstrip().endswith(b"data: [DONE]")
+                if complete and buf is not None:
                     self.recorder.submit(call(bytes(buf), True))
+                elif complete:
+                    self.recorder.unrecorded(traj, "too_large")
                 else:
                     self.recorder.refund(traj)
                 await resp.close()
 
         return StreamingResponse(relay(), 200, media_type=media)
+
+    async def _relay_rest(
+        self, traj: str, resp: Reply, head: bytes, ok: bool
+    ) -> AsyncIterator[bytes]:
+        """A reply over ``--max-reply-bytes``: what was read, then the rest as it arrives;
+        counted unrecorded (``too_large``) if it was a 200, else refunded like any error."""
+        try:
+            yield head
+            async for chunk in resp.chunks():
+                yield chunk
+        finally:
+            if ok:
+                self.recorder.unrecorded(traj, "too_large")
+            else:
+                self.recorder.refund(traj)
+            await resp.close()
 
     async def reward(self, request: Request) -> Response:
         try:
@@ -306,6 +372,8 @@ class Gateway:
             return self._count("reward", error(409, msg, "invalid_request_error", "trajectory"))
         except IngestError as e:
             return self._count("reward", error(503, str(e), "store_unavailable"))
+        except RecorderError as e:
+            return self._count("reward", error(503, str(e), "recorder_unavailable"))
         return self._count("reward", JSONResponse({"trajectory_uid": traj, "turns": n}))
 
     def _count(self, route: str, response: Response) -> Response:
@@ -313,13 +381,17 @@ class Gateway:
         return response
 
     async def healthz(self, request: Request) -> Response:
-        return JSONResponse(
-            {
-                "status": "ok",
-                "namespace": self.config.namespace,
-                "record_backlog": self.recorder.backlog,
-            }
-        )
+        """200 while calls are recorded; 503 with the reason once the recorder is dead or
+        stuck (a gateway that answers and records nothing is not healthy)."""
+        problem = self.recorder.health()
+        body = {
+            "status": "ok" if problem is None else "failing",
+            "namespace": self.config.namespace,
+            "record_backlog": self.recorder.backlog,
+        }
+        if problem is not None:
+            body["problem"] = problem
+        return JSONResponse(body, 200 if problem is None else 503)
 
     async def metrics_page(self, request: Request) -> Response:
         token = self.config.metrics_token

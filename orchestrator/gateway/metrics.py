@@ -35,7 +35,10 @@ class GatewayMetrics:
         self.unrecorded = Counter(
             "claw_gateway_unrecorded_calls",
             "Successful calls not recorded, by reason (uncapturable: no log-probs or ids; "
-            "queue_full; finished: the reward was posted through another gateway; error)",
+            "malformed: a 200 reply that is not the API's shape; too_large: a reply over "
+            "CLAW_GATEWAY_MAX_REPLY_BYTES, passed through; queue_full: the recorder's queue "
+            "(calls or CLAW_GATEWAY_QUEUE_BYTES); finished: the reward was posted through "
+            "another gateway; error)",
             ["reason"],
             registry=r,
         )

@@ -1,7 +1,9 @@
 """The gateway's recording side: a queue the request handlers put finished calls on, and
 one thread that turns them into steps through the Ingestor. Nothing here runs on the
 response path: a handler only appends to the queue (and a full queue drops the record,
-counted, rather than delay an agent)."""
+counted, rather than delay an agent). No reply can stop the thread: whatever a call's
+recording raises, the call is counted unrecorded with a reason and the next one is
+recorded; ``health()`` says when the thread is dead or stuck (``/healthz``)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ inference server whose weights a trainer updates knows it; the gateway does not)
 
 class TrajectoryError(ValueError):
     """A call or reward the trajectory's state does not allow (the message says why)."""
+
+
+class RecorderError(RuntimeError):
+    """The recorder thread is dead or stuck: a reward cannot wait for its turns."""
 
 
 @dataclass
@@ -74,6 +80,8 @@ class Recorder:
         retokenizer: Retokenizer | None = None,
         max_turns: int = 256,
         queue_size: int = 10_000,
+        queue_bytes: int = 256 * 1024 * 1024,
+        stall_after: float = 120.0,
         max_trajectories: int = 100_000,
         policy_version: int | None = None,
         trajectory_ttl: int = 7 * 86400,
@@ -88,6 +96,14 @@ class Recorder:
         self._queue: queue.Queue[Call | None] = queue.Queue(queue_size)
         self._trajectories: LRU[str, _Trajectory] = LRU(max_trajectories)
         self._lock = threading.Lock()
+        # Progress, for rewards and /healthz: calls queued and calls done (recorded or
+        # dropped) so far, the replies' bytes waiting, and since when the thread has been on
+        # its current batch (None: waiting for one).
+        self._progress = threading.Condition(self._lock)
+        self._queued = self._done = 0
+        self._queued_bytes, self.queue_bytes = 0, queue_bytes
+        self._busy_since: float | None = None
+        self.stall_after = stall_after
         self.store.r.script_load(_TURN.source)
         self._thread = threading.Thread(target=self._run, name="claw-gateway-recorder")
         self._thread.start()
@@ -113,10 +129,20 @@ class Recorder:
             t.calls += 1
 
     def submit(self, call: Call) -> None:
-        try:
-            self._queue.put_nowait(call)
-        except queue.Full:
-            self._drop(call.trajectory_uid, "queue_full")
+        with self._lock:
+            if self._queued_bytes + len(call.reply) > self.queue_bytes:
+                full = True
+            else:
+                try:
+                    self._queue.put_nowait(call)
+                except queue.Full:
+                    full = True
+                else:
+                    full = False
+                    self._queued += 1
+                    self._queued_bytes += len(call.reply)
+        if full:
+            self.unrecorded(call.trajectory_uid, "queue_full")
 
     def refund(self, trajectory_uid: str) -> None:
         """A call admitted but not answered upstream: it does not use the turn budget."""
@@ -127,6 +153,18 @@ class Recorder:
     @property
     def backlog(self) -> int:
         return self._queue.qsize()
+
+    def health(self) -> str | None:
+        """None while the thread records; else what is wrong with it (for /healthz)."""
+        if not self._thread.is_alive():
+            return "the recorder thread is not running: calls are answered but not recorded"
+        since = self._busy_since
+        if since is not None and time.monotonic() - since > self.stall_after:
+            return (
+                f"the recorder has been on one batch of calls for over {self.stall_after:g} s "
+                "(CLAW_GATEWAY_RECORDER_STALL): is Redis answering?"
+            )
+        return None
 
     # ---- recorder thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -141,11 +179,19 @@ class Recorder:
             if calls[-1] is None:
                 stop = True
                 calls.pop()
+            self._busy_since = time.monotonic()
             try:
                 self._record_all(calls)  # type: ignore[arg-type]
+            except Exception:  # a bug: no call may stop the thread; these count as errors
+                log.exception("recording %d calls failed", len(calls))
+                for c in calls:
+                    self.unrecorded(c.trajectory_uid, "error")  # type: ignore[union-attr]
             finally:
-                for _ in range(len(calls) + stop):
-                    self._queue.task_done()
+                self._busy_since = None
+                with self._progress:
+                    self._done += len(calls)
+                    self._queued_bytes -= sum(len(c.reply) for c in calls)  # type: ignore[union-attr]
+                    self._progress.notify_all()
 
     def _record_all(self, calls: list[Call]) -> None:
         turns: list[Turn | None] = []
@@ -154,7 +200,16 @@ class Recorder:
                 turns.append(self._capture(call))
             except CaptureError as e:
                 log.info("call of trajectory %r not recorded: %s", call.trajectory_uid, e)
-                self._drop(call.trajectory_uid, "uncapturable")
+                self.unrecorded(call.trajectory_uid, "uncapturable")
+                turns.append(None)
+            except Exception as e:  # a 200 reply that is not the OpenAI shape
+                log.info(
+                    "call of trajectory %r not recorded: malformed reply (%s: %s)",
+                    call.trajectory_uid,
+                    type(e).__name__,
+                    e,
+                )
+                self.unrecorded(call.trajectory_uid, "malformed")
                 turns.append(None)
         todo = [(c, t) for c, t in zip(calls, turns, strict=True) if t is not None]
         if not todo:
@@ -171,20 +226,20 @@ class Recorder:
         except Exception:
             log.exception("numbering %d recorded calls failed (Redis)", len(todo))
             for c, _ in todo:
-                self._drop(c.trajectory_uid, "error")
+                self.unrecorded(c.trajectory_uid, "error")
             return
         for (call, turn), index in zip(todo, indices, strict=True):
             if int(index) < 0:
-                self._drop(call.trajectory_uid, "finished")
+                self.unrecorded(call.trajectory_uid, "finished")
                 continue
             try:
                 self._record(call, turn, int(index))
             except CaptureError as e:
                 log.info("call of trajectory %r not recorded: %s", call.trajectory_uid, e)
-                self._drop(call.trajectory_uid, "uncapturable")
+                self.unrecorded(call.trajectory_uid, "uncapturable")
             except Exception:
                 log.exception("recording a call of trajectory %r failed", call.trajectory_uid)
-                self._drop(call.trajectory_uid, "error")
+                self.unrecorded(call.trajectory_uid, "error")
 
     def _version(self, call: Call) -> int | None:
         """The upstream's policy version header if it sent one, else ``--policy-version``."""
@@ -240,7 +295,8 @@ class Recorder:
         if turn.retokenized:
             self.metrics.retokenized.inc()
 
-    def _drop(self, trajectory_uid: str, reason: str) -> None:
+    def unrecorded(self, trajectory_uid: str, reason: str) -> None:
+        """Count an answered call that is not recorded (per-turn rewards then refuse)."""
         with self._lock:
             self._trajectories.get(trajectory_uid, _Trajectory).dropped += 1
         self.metrics.unrecorded.labels(reason).inc()
@@ -265,7 +321,7 @@ class Recorder:
         key = self._key(trajectory_uid)
         finished = False
         try:
-            self._queue.join()  # every call accepted so far is numbered (or dropped)
+            self._wait_recorded(timeout)  # every call accepted so far is numbered (or dropped)
             turns = int(_TURN(self.store.r, [key], ["finish", self.ttl]))
             if turns < 0:
                 raise TrajectoryError(f"trajectory {trajectory_uid!r} already has its reward")
@@ -298,6 +354,23 @@ class Recorder:
             raise
         self.metrics.rewarded.inc()
         return turns
+
+    def _wait_recorded(self, timeout: float) -> None:
+        """Until the calls queued so far are done; a RecorderError if the thread is dead
+        or does not get there within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._progress:
+            target = self._queued
+            while self._done < target:
+                problem = self.health()
+                left = deadline - time.monotonic()
+                if problem is not None or left <= 0:
+                    raise RecorderError(
+                        problem
+                        or f"the recorder did not record this trajectory's calls "
+                        f"within {timeout:g} s; post the reward again"
+                    )
+                self._progress.wait(min(left, 1.0))
 
     def _committed(self, trajectory_uid: str, turns: int, deadline: float) -> None:
         """Wait until the store holds ``turns`` turns of the trajectory (another gateway's

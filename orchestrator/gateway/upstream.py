@@ -24,6 +24,7 @@ class _Parser:
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
+        self.received = 0  # body bytes so far
         self.headers_done = False
         self.keep_alive = False
         self.done = False
@@ -38,6 +39,7 @@ class _Parser:
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
+        self.received += len(body)
 
     def on_message_complete(self) -> None:
         self.done = True
@@ -102,6 +104,18 @@ class Reply:
         body = b"".join(self._state.body)
         self._state.body = []
         return body
+
+    async def read_upto(self, limit: int) -> tuple[bytes, bool]:
+        """``(body, True)`` if the whole body is at most ``limit`` bytes; else ``(what was
+        read, False)`` once past it (or nothing, if the declared length is over it) and
+        :meth:`chunks` gives the rest: a reply is never held whole past ``limit``."""
+        declared = self.headers.get("content-length", "")
+        if not (declared.isdigit() and int(declared) > limit):
+            while self._state.received <= limit and await self._more():
+                pass
+        body = b"".join(self._state.body)
+        self._state.body = []
+        return body, self._state.done and len(body) <= limit
 
     async def close(self) -> None:
         self._pool._release(self._conn, self._state.done and self._keep)

@@ -1,7 +1,10 @@
 """The inspector's routes: Starlette, Jinja2 templates (autoescaped) and security headers.
 
 Every page needs a session (``/login``); every POST needs the session's CSRF token too,
-and is refused in read-only mode. Writes are audited in the namespace's audit stream."""
+and is refused in read-only mode. Writes are audited in the namespace's audit stream.
+Every request body is bounded before anything reads it (:class:`BodyLimit`), tightest
+without a session, and so is a form's field count; a path parameter that cannot name
+anything (a namespace name no namespace can have, a step id past int64) is a 404."""
 
 from __future__ import annotations
 
@@ -16,14 +19,19 @@ from urllib.parse import quote, urlencode
 import jinja2
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
-from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from claw_tasks.format.names import check_namespace
+from claw_tasks.settings import HttpLimits, get_settings
 from claw_tasks.store import NamespaceError
 from claw_tasks.where import FilterError
 from orchestrator.inspect.query import QueryError
@@ -46,6 +54,50 @@ HEADERS = {
 }
 
 Handler = Callable[[Request, Session], Awaitable[Response]]
+LOGIN_FIELDS = 16  # form fields of a request without a session (the login form has 2)
+MAX_STEP_ID = 2**63 - 1
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit(scope)`` bytes is refused with 413 —
+    at once when its Content-Length says so, else as soon as the bytes read pass it — so
+    no handler or form parser ever holds more."""
+
+    def __init__(self, app: ASGIApp, limit: Callable[[Scope], int]) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit(scope)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await _too_large(limit)(scope, receive, send)
+            return
+        seen = 0
+
+        async def bounded() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise HTTPException(413, _over(limit))
+            return message
+
+        await self.app(scope, bounded, send)
+
+
+def _over(limit: int) -> str:
+    return (
+        f"request body over {limit} bytes (CLAW_WEB_MAX_BODY_BYTES, or "
+        "CLAW_WEB_LOGIN_BODY_BYTES before logging in)"
+    )
+
+
+def _too_large(limit: int) -> Response:
+    return PlainTextResponse(_over(limit), 413, headers={"Connection": "close"})
 
 
 def _when(ts: float | None) -> str:
@@ -85,9 +137,15 @@ class WebApp:
     """The app and its state: credentials, sessions, the data layer, read-only mode."""
 
     def __init__(
-        self, inspector: views.Inspector, credentials: Credentials, *, read_only: bool = False
+        self,
+        inspector: views.Inspector,
+        credentials: Credentials,
+        *,
+        read_only: bool = False,
+        limits: HttpLimits | None = None,
     ) -> None:
         self.inspector, self.credentials, self.read_only = inspector, credentials, read_only
+        self.limits = limits or get_settings().http
         self.sessions = Sessions()
         self.templates = make_templates()
         routes = [
@@ -109,8 +167,20 @@ class WebApp:
             yield
             inspector.close()
 
-        headers = Middleware(BaseHTTPMiddleware, dispatch=self._headers)
-        self.app = Starlette(routes=routes, middleware=[headers], lifespan=lifespan)
+        middleware = [
+            Middleware(BaseHTTPMiddleware, dispatch=self._headers),
+            Middleware(BodyLimit, limit=self._body_limit),
+        ]
+        self.app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+
+    def _body_limit(self, scope: Scope) -> int:
+        logged_in = self.sessions.get(HTTPConnection(scope).cookies.get(COOKIE)) is not None
+        return self.limits.web_body_bytes if logged_in else self.limits.web_login_body_bytes
+
+    async def form(self, request: Request, session: Session | None) -> FormData:
+        """The request's form, its field count bounded (no file uploads)."""
+        fields = self.limits.web_form_fields if session is not None else LOGIN_FIELDS
+        return await request.form(max_files=0, max_fields=fields)
 
     async def _headers(self, request: Request, call_next: Any) -> Response:
         response = await call_next(request)
@@ -128,8 +198,11 @@ class WebApp:
                 if request.method != "GET":
                     return self.error(request, None, 403, "log in first")
                 return RedirectResponse(f"/login?{urlencode({'next': request.url.path})}", 303)
+            problem = _path_problem(request)
+            if problem is not None:
+                return self.error(request, session, 404, problem)
             if request.method == "POST":
-                form = await request.form()
+                form = await self.form(request, session)
                 if form.get("csrf") != session.csrf:
                     return self.error(request, session, 403, "missing or wrong CSRF token")
                 if self.read_only and handler != self.logout:
@@ -144,7 +217,7 @@ class WebApp:
             nxt = "/"
         error = None
         if request.method == "POST":
-            form = await request.form()
+            form = await self.form(request, None)
             user, password = str(form.get("user", "")), str(form.get("password", ""))
             if self.credentials.check(user, password):
                 token, _ = self.sessions.new(user)
@@ -313,6 +386,19 @@ async def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     from starlette.concurrency import run_in_threadpool
 
     return await run_in_threadpool(fn, *args, **kwargs)
+
+
+def _path_problem(request: Request) -> str | None:
+    """Why the path's parameters cannot name anything, or None."""
+    p = request.path_params
+    if "ns" in p:
+        try:
+            check_namespace(p["ns"])
+        except ValueError as e:
+            return f"no such namespace: {e}"
+    if p.get("step_id", 0) > MAX_STEP_ID:
+        return f"no step {p['step_id']}: step ids are below 2**63"
+    return None
 
 
 def _int(text: str | None, default: int) -> int:

@@ -253,6 +253,7 @@ class Inspector:
             rows = rows + shard * cap
             rows = rows[np.argsort(cols["step_index"][rows], kind="stable")]
             rewards = cols["reward"][rows].astype(np.float64)
+            page = min(page, max(0, -(-len(rows) // EPISODE_PAGE) - 1))  # past the end: the last
             page_rows = rows[page * EPISODE_PAGE : (page + 1) * EPISODE_PAGE]
             meta = {k: v[page_rows] for k, v in cols.items()}  # copies: the index has them all
             group = (

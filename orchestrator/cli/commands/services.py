@@ -272,6 +272,23 @@ def gateway(
         bool, typer.Option(help="Ask for token ids with vLLM's return_token_ids options")
     ] = True,
     max_body_bytes: int = 8 * 1024 * 1024,
+    max_reply_bytes: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Bytes of one upstream reply kept to record it; a larger one is passed "
+            "through unrecorded",
+            show_default="CLAW_GATEWAY_MAX_REPLY_BYTES, 32 MiB",
+        ),
+    ] = None,
+    upstream_timeout: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Seconds to wait for the upstream's headers, and between its reads",
+            show_default="CLAW_GATEWAY_UPSTREAM_TIMEOUT, 300",
+        ),
+    ] = None,
     max_turns: Annotated[int, typer.Option(help="Calls allowed per trajectory")] = 256,
     policy_version: Annotated[
         int | None, typer.Option(help="Recorded as each turn's policy_version")
@@ -306,6 +323,8 @@ def gateway(
         tokenizer=str(tokenizer) if tokenizer else None,
         vllm_options=vllm_options,
         max_body_bytes=max_body_bytes,
+        max_reply_bytes=max_reply_bytes,
+        upstream_timeout=upstream_timeout,
         max_turns=max_turns,
         policy_version=policy_version,
     )
