@@ -179,12 +179,14 @@ def registry_for(redis_url: str, broker_url: str) -> CollectorRegistry:
 
 
 def require_token(app: WSGIApp, token: str) -> WSGIApp:
-    """``app`` answering only requests with ``Authorization: Bearer <token>`` (401 else)."""
-    expected = f"Bearer {token}".encode()
+    """``app`` answering only requests with ``Authorization: Bearer <token>`` (401 else;
+    the scheme is case-insensitive, as HTTP says; the token compared as bytes)."""
+    expected = token.encode()
 
     def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        given = environ.get("HTTP_AUTHORIZATION", "").encode()
-        if hmac.compare_digest(given, expected):
+        scheme, _, given = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        sent = given.strip().encode("latin-1", "replace")  # WSGI headers are latin-1 str
+        if scheme.lower() == "bearer" and hmac.compare_digest(sent, expected):
             return app(environ, start_response)
         start_response(
             "401 Unauthorized",
@@ -205,7 +207,7 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def serve(
-    port: int, redis_url: str, broker_url: str, addr: str = "0.0.0.0", token: str | None = None
+    port: int, redis_url: str, broker_url: str, addr: str = "127.0.0.1", token: str | None = None
 ) -> WSGIServer:
     """Serve /metrics on `addr:port` from a daemon thread; returns the server (`.shutdown()`).
     With ``token``, a scrape must send it as a bearer token."""

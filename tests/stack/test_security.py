@@ -99,15 +99,26 @@ def test_namespace_users_produce_and_train_and_see_nothing_else(server, start_wo
     admin.close()
 
 
-def _scrape(port: int, token: str | None) -> tuple[int, str]:
+def _scrape(port: int, token: str | None, scheme: str = "Bearer") -> tuple[int, str]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
     if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
+        req.add_header("Authorization", f"{scheme} {token}")
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def _listening(port: int) -> list[str]:
+    """The IPv4 addresses a socket listens on at ``port`` (from /proc/net/tcp)."""
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, _, hexport = local.partition(":")
+        if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+            found.append(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
+    return found
 
 
 def test_metrics_endpoint_requires_the_bearer_token(server, tmp_path):
@@ -126,8 +137,6 @@ def test_metrics_endpoint_requires_the_bearer_token(server, tmp_path):
             "metrics",
             "--port",
             str(port),
-            "--address",
-            "127.0.0.1",
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "CLAW_METRICS_TOKEN": token},
@@ -139,10 +148,13 @@ def test_metrics_endpoint_requires_the_bearer_token(server, tmp_path):
         while b"serving" not in log.read_bytes():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
+        assert _listening(port) == ["127.0.0.1"]  # loopback unless --host widens it
         assert _scrape(port, None)[0] == 401
         assert _scrape(port, "wrong")[0] == 401
+        assert _scrape(port, "s3cret-tökén")[0] == 401  # non-ASCII: refused, not a 500
         status, body = _scrape(port, token)
         assert status == 200 and 'claw_up{component="store"} 1.0' in body
+        assert _scrape(port, token, scheme="bearer")[0] == 200  # schemes are case-insensitive
     finally:
         proc.terminate()
         proc.wait(20)

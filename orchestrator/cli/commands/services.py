@@ -231,10 +231,18 @@ def demo(
 def metrics(
     ctx: typer.Context,
     port: int = METRICS_PORT,
-    address: Annotated[str, typer.Option(help="Address to bind")] = "0.0.0.0",
+    address: Annotated[
+        str,
+        typer.Option(
+            "--host",
+            "--address",
+            help="Address to bind (0.0.0.0: every interface; set CLAW_METRICS_TOKEN then)",
+        ),
+    ] = "127.0.0.1",
 ) -> None:
-    """Serve Prometheus metrics of the store and the Celery queues at /metrics. With
-    CLAW_METRICS_TOKEN set, a scrape must send it as ``Authorization: Bearer <token>``."""
+    """Serve Prometheus metrics of the store and the Celery queues at /metrics (loopback
+    unless --host widens it). With CLAW_METRICS_TOKEN set, a scrape must send it as
+    ``Authorization: Bearer <token>``."""
     settings = get_settings()
     url = ctx.obj or settings.redis_url
     broker = settings.broker_for(url)
