@@ -261,8 +261,10 @@ class Gateway:
             tags = _tags(request)
             payload = _json_object(await _body(request, self.config.max_body_bytes))
             try:
-                body = upstream_body(kind, payload, self.config.vllm_options)
-            except (CaptureError, TypeError, ValueError) as e:
+                # serialized here: a value orjson cannot write (an int past 64 bits, a
+                # non-string key) is the request's fault
+                body = orjson.dumps(upstream_body(kind, payload, self.config.vllm_options))
+            except (CaptureError, TypeError, ValueError, OverflowError) as e:
                 raise _Refused(error(400, str(e), "invalid_request_error")) from None
             try:
                 self.recorder.admit(traj)
@@ -275,7 +277,7 @@ class Gateway:
         assert limit is not None
         t0 = time.perf_counter()
         try:
-            resp = await self.upstream.post(path, orjson.dumps(body), "application/json")
+            resp = await self.upstream.post(path, body, "application/json")
             content, whole = b"", True
             if resp.status != 200 or not payload.get("stream"):
                 content, whole = await resp.read_upto(limit)

@@ -7,7 +7,8 @@ Every generation is appended to ``GET /_log`` so tests compare the store with th
 
 Behaviour: a chat whose last message is a tool result answers with it; a chat that offers
 tools calls ``add`` on the two numbers in the last user message; anything else answers
-"ok". ``model="fail"`` answers 500. Run: ``python -m tests.support.llm_upstream PORT TOKENIZER``.
+"ok". ``model="fail"`` answers 500; the hostile models (:func:`hostile`) answer garbage,
+huge, endless or never. Run: ``python -m tests.support.llm_upstream PORT TOKENIZER``.
 With a third argument ``model``, chats are answered by a tiny randomly initialised GPT-2
 (``tiny_model``: built from a config, seed 0, no download) sampling 8 tokens, and the
 log-probs are the model's.
@@ -15,6 +16,7 @@ log-probs are the model's.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
@@ -28,6 +30,61 @@ from starlette.routing import Route
 from tokenizers import Tokenizer
 
 from orchestrator.gateway.capture import render_chat
+
+GARBAGE: list[bytes] = [
+    b'{"choices": "garbage"}',
+    b'{"choices": [1, null, "x"]}',
+    b'{"choices": [{"message": 5, "logprobs": {"content": "no"}}]}',
+    b'{"choices": [{"message": {"content": 7}, "logprobs": {"content": [{"logprob": "x"}]}}]}',
+    b'{"choices": [{"token_ids": "abc", "logprobs": {"content": [[]]}}], "prompt_token_ids": 3}',
+    b'{"choices": [{"token_ids": [1e300], "logprobs": {"content": [{"logprob": -1}]}}]}',
+    b'{"prompt_token_ids": [-5], "choices": [{"token_ids": [%d], "logprobs": null}]}' % 2**70,
+    b"[1, 2, 3]",
+    b"null",
+    b"not json at all \xff\xfe",
+    b"",
+    b'{"choices": [{"message": {"tool_calls": "x"}, "logprobs": {"content": []}}]}',
+    b'data: {"choices": "garbage"}\n\ndata: [DONE]\n\n',
+    b'data: {not json}\n\ndata: {"choices": [{"delta": 3}]}\n\ndata: [DONE]\n\n',
+    b'data: [1]\n\ndata: {"choices": [{"delta": {}, "token_ids": "x"}]}\n\ndata: [DONE]\n\n',
+]
+"""200 replies that are not the OpenAI shape (``model="garbage:<i>"``)."""
+
+
+def hostile(model: str, stream: bool) -> Response | None:
+    """The reply of a hostile model name, or None for an ordinary one:
+    ``garbage:<i>`` one of :data:`GARBAGE`; ``huge:<bytes>`` a 200 of that many bytes (a
+    JSON body, or with ``stream`` an event stream that never sends ``[DONE]``);
+    ``endless`` events until the client goes; ``hang`` no reply at all."""
+    kind, _, arg = model.partition(":")
+    if kind == "garbage":
+        return Response(GARBAGE[int(arg) % len(GARBAGE)], 200, media_type="application/json")
+    if kind == "huge":
+        size, piece = int(arg), 1 << 20
+
+        def body() -> Any:
+            yield b"data: " if stream else b'{"pad": "'
+            for k in range(0, size, piece):
+                yield b"x" * min(piece, size - k)
+            yield b"\n\n" if stream else b'"}'
+
+        return StreamingResponse(body(), media_type="text/event-stream" if stream else None)
+    if kind == "endless":
+
+        async def events() -> Any:
+            while True:
+                yield b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+                await asyncio.sleep(0.001)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    if kind == "hang":
+        return StreamingResponse(_never(), media_type="application/json")
+    return None
+
+
+async def _never() -> Any:
+    await asyncio.sleep(3600)
+    yield b""
 
 
 def logprob(pos: int, token_id: int) -> float:
@@ -102,6 +159,9 @@ class Upstream:
 
     async def chat(self, request: Request) -> Response:
         body = await request.json()
+        odd = hostile(str(body.get("model")), bool(body.get("stream")))
+        if odd is not None:
+            return odd
         if body.get("model") == "fail":
             return JSONResponse(
                 {
