@@ -154,7 +154,7 @@ class WebApp:
             Route("/", self.guard(self.home)),
             Route("/ns/{ns}/search", self.guard(self.search)),
             Route("/ns/{ns}/episode", self.guard(self.episode)),
-            Route("/ns/{ns}/thumb/{step_id:int}/{field}.png", self.guard(self.thumb)),
+            Route("/ns/{ns}/thumb/{step_id}/{field}.png", self.guard(self.thumb)),
             Route("/ns/{ns}/curate", self.guard(self.curate), methods=["POST"]),
             Route("/ns/{ns}/recipes", self.guard(self.recipes)),
             Route("/ns/{ns}/recipes/{name}", self.guard(self.edit_recipe), methods=["POST"]),
@@ -299,7 +299,7 @@ class WebApp:
     async def thumb(self, request: Request, session: Session) -> Response:
         p = request.path_params
         try:
-            png = await _run(self.inspector.thumbnail, p["ns"], p["step_id"], p["field"])
+            png = await _run(self.inspector.thumbnail, p["ns"], int(p["step_id"]), p["field"])
         except (NamespaceError, KeyError, NotAnImage) as e:
             return Response(_message(e), 404, media_type="text/plain")
         cache = {"Cache-Control": "private, max-age=3600"}  # a step id never changes content
@@ -365,6 +365,8 @@ class WebApp:
             raw[new_name] = str(new_value)
         try:
             await _run(self.inspector.set_params, ns, session.user, name, raw)
+        except NamespaceError as e:
+            return self.error(request, session, 404, str(e))
         except ValidationError as e:
             problems = "; ".join(err["msg"] for err in e.errors())
             return await self.recipes(request, session, {name: problems}, 400)
@@ -396,8 +398,9 @@ def _path_problem(request: Request) -> str | None:
             check_namespace(p["ns"])
         except ValueError as e:
             return f"no such namespace: {e}"
-    if p.get("step_id", 0) > MAX_STEP_ID:
-        return f"no step {p['step_id']}: step ids are below 2**63"
+    step = p.get("step_id", "0")  # not Starlette's int: it parses 5,000 digits (and fails)
+    if not (step.isascii() and step.isdigit() and len(step) <= 19 and int(step) <= MAX_STEP_ID):
+        return f"no step {step[:40]!r}: step ids are integers in 0..2**63-1"
     return None
 
 
