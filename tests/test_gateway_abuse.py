@@ -11,6 +11,7 @@ import random
 import re
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,6 +101,15 @@ def chat(gw: Proc, traj: str, model: str, stream: bool = False, **kw) -> httpx.R
     )
 
 
+def until(get, done, timeout: float = 30):
+    """``get()`` again until ``done`` of it holds (a failed assertion after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not done(got := get()):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    return got
+
+
 def wait_steps(store: Store, traj: str, n: int) -> dict:
     return _wait_steps(store, traj, n, timeout=30)
 
@@ -144,10 +154,8 @@ def test_a_stuck_recorder_fails_healthz_and_rewards_do_not_hang(hostile):
         os.kill(pid, signal.SIGSTOP)
         try:
             assert chat(gw, "s", "sim").status_code == 200  # answered: upstream only
-            health = httpx.get(gw.url + "/healthz")
-            while health.status_code == 200:
-                health = httpx.get(gw.url + "/healthz")
-            assert health.status_code == 503 and "stuck" not in health.json()["status"]
+            health = until(lambda: httpx.get(gw.url + "/healthz"), lambda r: r.status_code != 200)
+            assert health.status_code == 503 and health.json()["status"] == "failing"
             assert "CLAW_GATEWAY_RECORDER_STALL" in health.json()["problem"]
             r = httpx.post(
                 gw.url + "/t/s/reward", json={"final_reward": 1.0}, headers=REWARD, timeout=30
@@ -155,8 +163,7 @@ def test_a_stuck_recorder_fails_healthz_and_rewards_do_not_hang(hostile):
             assert r.status_code == 503 and r.json()["error"]["type"] == "recorder_unavailable"
         finally:
             os.kill(pid, signal.SIGCONT)
-        while httpx.get(gw.url + "/healthz").status_code != 200:
-            pass
+        until(lambda: httpx.get(gw.url + "/healthz"), lambda r: r.status_code == 200)
         assert chat(gw, "s2", "sim").status_code == 200
 
 

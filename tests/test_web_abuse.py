@@ -102,7 +102,7 @@ def test_login_body_is_bounded_before_authentication(web):
 
     def fields() -> Iterator[bytes]:
         for k in range(300):
-            piece = b"f%d=" % k + b"x" * MiB + b"&"
+            piece = b"f%d=" % k + b"x" * (MiB - 16) + b"&"  # each within Starlette's 1 MiB
             yield b"%x\r\n%s\r\n" % (len(piece), piece)
         yield b"0\r\n\r\n"
 

@@ -278,10 +278,11 @@ class Gateway:
         t0 = time.perf_counter()
         try:
             resp = await self.upstream.post(path, body, "application/json")
-            content, whole = b"", True
+            content, head, whole = b"", [], True
             if resp.status != 200 or not payload.get("stream"):
-                content, whole = await resp.read_upto(limit)
+                head, whole = await resp.read_upto(limit)
                 if whole:
+                    content, head = b"".join(head), []
                     await resp.close()
         except UpstreamError as e:
             self.recorder.refund(traj)
@@ -292,7 +293,7 @@ class Gateway:
         self.metrics.requests.labels(kind, resp.status).inc()
         if not whole:  # over the bound: the rest passed through as it comes, not recorded
             return StreamingResponse(
-                self._relay_rest(traj, resp, content, resp.status == 200),
+                self._relay_rest(traj, resp, head, resp.status == 200),
                 resp.status,
                 media_type=media,
             )
@@ -341,12 +342,15 @@ class Gateway:
         return StreamingResponse(relay(), 200, media_type=media)
 
     async def _relay_rest(
-        self, traj: str, resp: Reply, head: bytes, ok: bool
+        self, traj: str, resp: Reply, head: list[bytes], ok: bool
     ) -> AsyncIterator[bytes]:
-        """A reply over ``--max-reply-bytes``: what was read, then the rest as it arrives;
-        counted unrecorded (``too_large``) if it was a 200, else refunded like any error."""
+        """A reply over ``--max-reply-bytes``: the pieces read (each let go once sent),
+        then the rest as it arrives; counted unrecorded (``too_large``) if it was a 200,
+        else refunded like any error."""
+        head.reverse()
         try:
-            yield head
+            while head:
+                yield head.pop()
             async for chunk in resp.chunks():
                 yield chunk
         finally:

@@ -105,17 +105,16 @@ class Reply:
         self._state.body = []
         return body
 
-    async def read_upto(self, limit: int) -> tuple[bytes, bool]:
-        """``(body, True)`` if the whole body is at most ``limit`` bytes; else ``(what was
-        read, False)`` once past it (or nothing, if the declared length is over it) and
+    async def read_upto(self, limit: int) -> tuple[list[bytes], bool]:
+        """``(pieces, True)``: the whole body, at most ``limit`` bytes; else ``(pieces read
+        so far, False)`` once past it (none, if the declared length is over it) and
         :meth:`chunks` gives the rest: a reply is never held whole past ``limit``."""
         declared = self.headers.get("content-length", "")
         if not (declared.isdigit() and int(declared) > limit):
             while self._state.received <= limit and await self._more():
                 pass
-        body = b"".join(self._state.body)
-        self._state.body = []
-        return body, self._state.done and len(body) <= limit
+        pieces, self._state.body = self._state.body, []
+        return pieces, self._state.done and self._state.received <= limit
 
     async def close(self) -> None:
         self._pool._release(self._conn, self._state.done and self._keep)
