@@ -400,7 +400,7 @@ def _fuzz(hostile, n: int, seed: int) -> None:
 
 
 def test_fuzz_gateway(hostile):
-    _fuzz(hostile, 300, seed=20261130)
+    _fuzz(hostile, 200, seed=20261130)
 
 
 @pytest.mark.slow
