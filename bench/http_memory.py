@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/http_memory.py [--root CHECKOUT]
 
-Starts a private redis-server and the test upstream (tests/llm_upstream.py, whose
+Starts a private redis-server and the test upstream (tests/support/llm_upstream.py, whose
 ``huge:<bytes>`` model answers that many bytes), then, each in a fresh process run from
 ``--root`` (default: this checkout; give an older one to compare) with default settings:
 a 150 MB non-streamed reply and a 150 MB stream without ``[DONE]`` through `claw
@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
 from claw_tasks.connection.server import RedisServer  # noqa: E402
-from tests.test_gateway import free_port, train_tokenizer  # noqa: E402
+from tests.stack.test_gateway import free_port, train_tokenizer  # noqa: E402
 
 MiB = 1 << 20
 SIZE = 150_000_000
@@ -63,7 +63,7 @@ def main() -> None:
     train_tokenizer(tokenizer)
     with RedisServer() as redis:
         up = free_port()
-        upstream = start(["tests.llm_upstream", str(up), str(tokenizer)], HERE, env, up)
+        upstream = start(["tests.support.llm_upstream", str(up), str(tokenizer)], HERE, env, up)
         for stream in (False, True):
             port = free_port()
             gw = start(

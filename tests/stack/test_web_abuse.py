@@ -21,8 +21,8 @@ import pytest
 
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
-from tests.webdata import fill
-from tests.webserver import WebServer
+from tests.support.webdata import fill
+from tests.support.webserver import WebServer
 
 MiB = 1 << 20
 

@@ -1,5 +1,5 @@
 """The capture gateway against hostile traffic and a hostile upstream, over real sockets:
-`claw gateway` and the vLLM-like upstream (tests/llm_upstream.py, whose hostile models
+`claw gateway` and the vLLM-like upstream (tests/support/llm_upstream.py, whose hostile models
 answer garbage, huge, endless or never) are subprocesses, the agents the `openai` client
 or raw httpx, a real ingest worker commits the turns. Every run ends by recording a valid
 call: whatever came before, recording continues."""
@@ -23,9 +23,9 @@ import redis
 
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
-from tests.llm_upstream import GARBAGE
-from tests.test_gateway import REWARD_TOKEN, TOKEN, Proc, client, free_port, train_tokenizer
-from tests.test_gateway import wait_steps as _wait_steps
+from tests.stack.test_gateway import REWARD_TOKEN, TOKEN, Proc, client, free_port, train_tokenizer
+from tests.stack.test_gateway import wait_steps as _wait_steps
+from tests.support.llm_upstream import GARBAGE
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 REWARD = {"Authorization": f"Bearer {REWARD_TOKEN}"}
@@ -40,7 +40,7 @@ def hostile(redis_server, ingest_worker, tmp_path_factory) -> Iterator[dict]:
     train_tokenizer(tokenizer)
     up_port = free_port()
     upstream = Proc(
-        [sys.executable, "-m", "tests.llm_upstream", str(up_port), str(tokenizer)],
+        [sys.executable, "-m", "tests.support.llm_upstream", str(up_port), str(tokenizer)],
         up_port,
         tmp / "upstream.log",
         {},
