@@ -62,7 +62,8 @@ class Proc:
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 60
+        # A loaded 2-core machine takes over a minute to import torch in the model server.
+        deadline = time.monotonic() + 240
         while True:
             try:
                 httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
