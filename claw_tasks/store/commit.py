@@ -236,8 +236,13 @@ class CommitPart:
         rg = v if self.whole else v.take(self.rows)
         values = np.ascontiguousarray(rg.values)
         off, raw = rg.offsets, values.data.cast("B") if values.size else b""  # all rows empty
-        blobs = [raw[off[i] * row_bytes : off[i + 1] * row_bytes] for i in range(n)]
-        w.rows(f"r:{name}", list(range(n)), blobs)
+        # An empty row is not stored (readers take a missing entry for one; the commit has
+        # cleared the slots' old entries): a field most steps leave empty, such as a joint
+        # step's global state, costs only the steps that hold it. obs keeps every entry:
+        # eviction copies it to a predecessor's next_obs.
+        rows = range(n) if name == "obs" else np.flatnonzero(rg.lengths).tolist()
+        blobs = [raw[off[i] * row_bytes : off[i + 1] * row_bytes] for i in rows]
+        w.rows(f"r:{name}", list(rows), blobs)
         w.clear.append([f"r:{name}", SPARSE_CHUNK_SLOTS])
 
     def _links(
