@@ -74,6 +74,17 @@ class RecordParallelSteps:
         self._t = 0
         self._s: np.ndarray | None = None
 
+    @property
+    def episode_id(self) -> str:
+        """The env episode being recorded (its agents' episodes are
+        ``<episode_id>/<agent>``); empty before ``reset`` and after the episode ended."""
+        return self._id
+
+    @property
+    def step_index(self) -> int:
+        """The next joint step's ``t``."""
+        return self._t
+
     def __getattr__(self, name: str) -> Any:  # the env's other attributes (agents, spaces)
         return getattr(self.env, name)
 

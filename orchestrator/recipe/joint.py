@@ -86,7 +86,8 @@ def joint_problem(recipe: JointRecipe) -> str | None:
         return "joint: no tokens section (token batches are single-agent turns)"
     for i, s in enumerate(recipe.sources):
         if s.sampler.draws_groups:
-            return f"sources[{i}] ({s.name}).sampler: kind {s.sampler.kind} draws groups, not joint steps"
+            kind = s.sampler.kind
+            return f"sources[{i}] ({s.name}).sampler: kind {kind} draws groups, not joint steps"
     for i, s in enumerate(recipe.sources):
         for k in ("any_agent", "all_agents"):
             value = getattr(s, k)

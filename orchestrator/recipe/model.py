@@ -32,6 +32,13 @@ from pydantic_core import PydanticCustomError
 
 from claw_tasks.format.schema import tag_key
 from claw_tasks.where import AGE, FIXED, FilterError, Where
+from orchestrator.recipe.joint import (
+    JOINT_FIELDS,
+    AgentWhere,
+    Joint,
+    joint_problem,
+    joint_schema_problems,
+)
 from orchestrator.transforms.framestack import stacked_shape
 
 STACKED = ("obs", "next_obs")
@@ -156,6 +163,8 @@ class Source(_Model):
     where: StrictStr | dict[str, Any] = {}
     window: Window | None = None
     sampler: SerializeAsAny[SamplerSpec] = Field(default_factory=_default_sampler)
+    any_agent: AgentWhere = None  # joint recipes: some present agent's step matches
+    all_agents: AgentWhere = None  # joint recipes: every present agent's step matches
 
     @field_validator("where")
     @classmethod
@@ -238,6 +247,7 @@ class Recipe(_Model):
     prefetch: Prefetch = Prefetch()
     rate_limit: RateLimit | None = None
     tokens: Tokens | None = None
+    joint: Joint | None = None
     seed: int | None = None
     version: PositiveInt = 1
 
@@ -286,6 +296,8 @@ class Recipe(_Model):
             if problem := src.where_error(i, None, self.params):
                 raise ValueError(problem)
         self._groups_consistent()
+        if problem := joint_problem(self):
+            raise ValueError(problem)
         for src, n in zip(self.sources, self.counts, strict=True):
             if n == 0:
                 raise ValueError(
@@ -337,7 +349,9 @@ class Recipe(_Model):
         known |= {tag_key(t) for t in schema.tags}
         if "obs" in schema.fields:
             known.add("next_obs")
-        problems = []
+        if self.joint is not None:
+            known |= JOINT_FIELDS
+        problems = joint_schema_problems(self, schema.tags)
         if self.frame_stack > 1 and not _stackable(schema):
             problems.append(
                 "frame_stack: needs a fixed-shape 'obs' field in the namespace (it stacks obs "

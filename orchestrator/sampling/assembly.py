@@ -5,7 +5,7 @@ the sampling process, before any augmentation."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -49,12 +49,20 @@ class Reader(Protocol):
 
 class Assembly:
     """The reads a draw needs, and how their results become the batch's fields.
-    ``stacks``: the recipe sampler's frame predecessors (``frame_stack > 1`` only)."""
+    ``stacks``: the recipe sampler's frame predecessors (``frame_stack > 1`` only).
+    ``extra``: label -> (payload field, rows): that field at other rows too, read and
+    checked in the same fetch, as the batch's field ``label`` (a joint batch's state)."""
 
     def __init__(
-        self, session: Reader, recipe: Recipe, draw: Draw, stacks: Predecessors | None = None
+        self,
+        session: Reader,
+        recipe: Recipe,
+        draw: Draw,
+        stacks: Predecessors | None = None,
+        extra: Mapping[str, tuple[str, np.ndarray]] | None = None,
     ) -> None:
         self.s, self.recipe, self.draw = session, recipe, draw
+        self.extra = dict(extra or {})
         cols, cap = session.index.columns, session.index.cap
         self.cols, self.cap = cols, cap
         length = recipe.sequence_length
@@ -81,6 +89,8 @@ class Assembly:
             }
         finish = {name: self._plan(name, reward, boot) for name in recipe.fields}
         finish.update(extra)
+        for label, (name, at) in self.extra.items():
+            finish[label] = self._plan_payload(name, at)
         check = np.unique(np.concatenate(self.check))
         got = self.s.fetch(
             check, cols["id"][check], self.reads, [lookup for *_, lookup in self.lookups]
@@ -151,6 +161,18 @@ class Assembly:
             return lambda _: self._shaped(values)
         self._lookup(key.column, values)
         return lambda _: self._shaped(self.s.strings.decode(key.column, values))
+
+    def _plan_payload(self, name: str, rows: np.ndarray) -> Finish:
+        """Payload field ``name`` at ``rows`` (checked with the batch's rows)."""
+        spec = self.s.index.schema.fields[name]  # type: ignore[union-attr]
+        self.check.append(rows)
+        i = self._read(payload_read(name, spec, rows))
+        if spec.ragged:
+            dtype, tail = np.dtype(spec.dtype), spec.shape[1:]
+            if spec.codec is not None:
+                return lambda res: decode_stored(self.s.store, name, spec, res[i])
+            return lambda res: [np.frombuffer(b or b"", dtype).reshape(-1, *tail) for b in res[i]]
+        return lambda res: self._decode(spec, res[i], (len(rows),), stored=name)
 
     def _plan_frames(self, spec: FieldSpec, rows: np.ndarray, k: int) -> Finish:
         """``(B, k, *shape)``: each row's k newest ``obs`` frames, oldest first, zeros

@@ -56,6 +56,7 @@ from orchestrator.sampling.fetch import (
 )
 from orchestrator.sampling.groups import Claims, Groups, claims_key
 from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.jointbatch import assemble_joint
 from orchestrator.sampling.samplers import RecipeSampler
 from orchestrator.sampling.shared import SharedIndex, make_index
 from orchestrator.sampling.strings import Strings
@@ -225,7 +226,10 @@ class _Session:
             draw = b.sampler.sample(
                 self.index.columns, b.rng if rng is None else rng, live, claims=claims
             )
-            batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
+            if b.sampler.joint is not None:
+                batch = assemble_joint(self, recipe, draw, b.sampler.joint)
+            else:
+                batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
             if batch is None:
                 continue
             if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:

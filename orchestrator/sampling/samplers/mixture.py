@@ -15,9 +15,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from claw_tasks.where import Encoder, Where
-from orchestrator.recipe.model import Recipe
+from orchestrator.recipe.model import Recipe, Source
 from orchestrator.sampling.candidates import Columns
 from orchestrator.sampling.groups import Claims, Groups
+from orchestrator.sampling.joint import JointTable, JointWhere, joint_acceptor
 from orchestrator.sampling.samplers.base import SAMPLERS, Accept, Context, Part
 from orchestrator.sampling.sequences import n_step, windows
 from orchestrator.sampling.stacks import Predecessors
@@ -43,20 +44,35 @@ class RecipeSampler:
 
     def __init__(self, recipe: Recipe, encode: Encoder, tags: Mapping[str, str], cap: int):
         self.recipe, self.cap = recipe, cap
+        agents = recipe.joint.agents if recipe.joint is not None else None
+        self.joint = JointTable(agents, encode, cap) if agents is not None else None
+        """Joint recipes: the joint steps; the sources draw their anchors."""
         self.sources = [
-            SAMPLERS[s.sampler.kind](s, Where(s.where, tags, encode), tags) for s in recipe.sources
+            SAMPLERS[s.sampler.kind](s, self._where(s, tags, encode), tags) for s in recipe.sources
         ]
         self.counts = recipe.counts
         self.stacks = Predecessors(cap) if recipe.frame_stack > 1 else None
         """Each row's predecessor, for ``frame_stack`` recipes (the batch's stacks too)."""
-        self._accept = _acceptor(recipe, cap, self.stacks)
+        if self.joint is not None:
+            self._accept = joint_acceptor(self.joint, recipe.fields, cap)
+        else:
+            self._accept = _acceptor(recipe, cap, self.stacks)
         self._needs_max = any(s.needs_max_priority for s in self.sources)
         self._max: MaxTree | None = None
+
+    def _where(self, s: Source, tags: Mapping[str, str], encode: Encoder) -> Any:
+        where = Where(s.where, tags, encode)
+        if self.joint is None:
+            return where
+        agent = [None if w is None else Where(w, tags, encode) for w in (s.any_agent, s.all_agents)]
+        return JointWhere(self.joint, where, *agent)
 
     def refresh(self, columns: Columns, rows: np.ndarray | None = None) -> None:
         """Account for changed ``rows``; None rebuilds everything on the next draw."""
         if self.stacks is not None:
             self.stacks.refresh(rows)
+        if self.joint is not None:
+            self.joint.refresh(rows)
         if rows is None:
             self._max = None
             for s in self.sources:
