@@ -6,6 +6,7 @@ priorities on joint rows, per-agent views and ``claw query`` over joint conditio
 
 from __future__ import annotations
 
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from claw_tasks.client.pettingzoo import RecordParallelSteps
 from claw_tasks.format.joint import STATE_FIELD, agent_episode
 from claw_tasks.store import Store
 from orchestrator import BatchClient, sample, update_priorities
-from orchestrator.inspect.query import Query
+from orchestrator.inspect.query import JointFilter, Query, parse_aggs
 from orchestrator.sampling import InsufficientData
 
 AGENTS = ["a0", "a1", "a2", "a3"]
@@ -41,11 +42,12 @@ def spread(state: np.ndarray) -> dict[str, float]:
     return {"spread": float(state[3])}
 
 
-def record(ns: str, url: str, episodes: int, seed: int = 0, **kw: Any) -> Log:
-    """Record ``episodes`` Crowd episodes with random actions; log every record."""
+def record(ns: str, url: str, episodes: int, seed: int = 0, broker: str | None = None, **kw) -> Log:
+    """Record ``episodes`` Crowd episodes with random actions, in one message (so ids
+    follow the order stepped); log every record."""
     env = Crowd(seed=seed)
     log = Log()
-    with Ingestor(ns, url, flush_interval=None, **kw.pop("ingestor", {})) as ing:
+    with Ingestor(ns, url, broker_url=broker, flush_interval=None, flush_steps=1 << 20) as ing:
         rec = RecordParallelSteps(env, ing, task_id="crowd", state_tags=spread, **kw)
         rng = np.random.default_rng(seed)
         for _ in range(episodes):
@@ -146,3 +148,160 @@ def test_joint_rows_are_the_recorded_steps(redis_url, workers, namespace):
     assert len(popped) == 64 and popped["obs"].shape == (64, 4, 4)
     check_aligned(popped, log)
     assert popped.meta["joint"]["partial"] == 0
+
+
+@pytest.fixture(scope="module")
+def crowd(store_url, broker_url, workers) -> tuple[str, str, Log]:
+    """200 episodes (~2,200 joint steps), recorded once for the read-only tests."""
+    ns = f"t-crowd-{uuid.uuid4().hex[:8]}"
+    return ns, store_url, record(ns, store_url, episodes=200, seed=1, broker=broker_url)
+
+
+def test_last_joint_steps_where_the_state_matches_a_numpy_reference(crowd):
+    ns, url, log = crowd
+    spread = np.array([log.spread[k] for k in log.order], np.float32)
+    hit = np.flatnonzero(spread > np.float32(0.4))  # stored as float64 of the float32 state
+    assert len(hit) > 1000
+    ref = [log.order[i] for i in hit[-1000:]]
+    where = {"name": "x", "where": "tags.spread > $cut", "sampler": {"kind": "recent"}}
+    batch = sample(
+        ns, joint_recipe(1000, where, params={"cut": float(np.float32(0.4))}), redis_url=url
+    )
+    assert joint_keys(batch) == ref[::-1]  # newest first
+    check_aligned(batch, log)
+    # The same window drawn uniformly: every row among those 1,000.
+    windowed = {**where, "sampler": {"kind": "uniform"}, "window": {"last_steps": 1000}}
+    batch = sample(
+        ns,
+        joint_recipe(256, windowed, params={"cut": float(np.float32(0.4))}, seed=1),
+        redis_url=url,
+    )
+    assert set(joint_keys(batch)) <= set(ref)
+
+
+def test_any_and_all_agent_predicates_match_a_numpy_reference(crowd):
+    ns, url, log = crowd
+    ref = [
+        k
+        for k in log.order
+        if log.spread[k] < np.float32(0.5)
+        and any(r["reward"] > 2 for r in log.agents[k].values())
+        and all(not r["terminated"] for r in log.agents[k].values())
+    ]
+    src = {
+        "name": "c",
+        "where": {"tags.spread": {"lt": float(np.float32(0.5))}},
+        "any_agent": "reward > 2",
+        "all_agents": {"terminated": False},
+        "sampler": {"kind": "recent"},
+    }
+    assert 50 < len(ref) < len(log.order) // 4
+    batch = sample(ns, joint_recipe(len(ref), src), redis_url=url)
+    assert sorted(joint_keys(batch)) == sorted(ref)
+    with pytest.raises(InsufficientData):
+        sample(ns, joint_recipe(len(ref) + 1, src, name="more"), redis_url=url)
+
+
+def test_per_agent_views_stay_as_they_are(crowd):
+    ns, url, log = crowd
+    mine = [(k, r) for k in log.order for a, r in log.agents[k].items() if a == "a3"]
+    plain = {
+        "name": "a3",
+        "batch_size": len(mine),
+        "fields": ["obs", "next_obs", "agent_id", "episode_id", "step_index"],
+        "sources": [{"name": "a3", "where": "agent_id == 'a3'", "sampler": {"kind": "recent"}}],
+    }
+    batch = sample(ns, plain, redis_url=url)
+    assert set(batch.meta["agent_id"]) == {"a3"}
+    by_key = {
+        (e.rsplit("/", 1)[0], int(t)): i
+        for i, (e, t) in enumerate(zip(batch.meta["episode_id"], batch["step_index"], strict=True))
+    }
+    assert sorted(by_key) == sorted(k for k, _ in mine)
+    for (ep, t), rec in mine:  # its own episode: next_obs is its next step's obs
+        i = by_key[ep, t]
+        assert batch["obs"][i].tobytes() == rec["obs"].tobytes()
+        nxt = log.agents.get((ep, t + 1), {}).get("a3")
+        if nxt is not None:
+            assert batch["next_obs"][i].tobytes() == nxt["obs"].tobytes()
+
+
+def test_query_groups_joint_conditions_by_agent(crowd):
+    ns, url, log = crowd
+    result = Query(Store(url, ns)).run(
+        "tags.spread > 0.6",
+        group_by=["agent_id"],
+        aggs=parse_aggs("count,mean(reward)"),
+        joint=JointFilter(any_agent="reward > 2"),
+    )
+    picked = [
+        k
+        for k in log.order
+        if log.spread[k] > 0.6 and any(r["reward"] > 2 for r in log.agents[k].values())
+    ]
+    by_agent = defaultdict(list)
+    for k in picked:
+        for a, r in log.agents[k].items():
+            by_agent[a].append(r["reward"])
+    assert result.joint == {"complete": len(log.order), "partial": 0, "matched": len(picked)}
+    got = {g["agent_id"]: g for g in result.groups}
+    assert sorted(got) == sorted(by_agent)
+    for a, rewards in by_agent.items():
+        assert got[a]["count"] == len(rewards)
+        assert got[a]["mean(reward)"] == pytest.approx(np.mean(np.float64(rewards)))
+
+
+def test_mixtures_and_priorities_on_joint_rows(redis_url, workers, namespace):
+    log = record(namespace, redis_url, episodes=20, seed=2)
+    every = sample(namespace, joint_recipe(len(log.order), name="every"), redis_url=redis_url)
+    keys = joint_keys(every)
+    # Priority 0 but on five joint steps (the anchors' priorities are the joint rows').
+    update_priorities(namespace, every.ids, np.zeros(len(every.ids)), redis_url=redis_url)
+    update_priorities(namespace, every.ids[:5], np.ones(5), redis_url=redis_url)
+    sources = (
+        {"name": "rich", "weight": 3, "any_agent": "reward > 1.5"},
+        {"name": "hot", "weight": 1, "sampler": {"kind": "priority", "alpha": 1.0, "beta": 0.5}},
+    )
+    batch = sample(namespace, joint_recipe(64, *sources, name="mix", seed=4), redis_url=redis_url)
+    assert np.bincount(batch.source_index).tolist() == [48, 16]
+    rows = joint_keys(batch)
+    for i in np.flatnonzero(batch.source_index == 0).tolist():
+        assert any(r["reward"] > 1.5 for r in log.agents[rows[i]].values())
+    hot = set(keys[:5])
+    assert {rows[i] for i in np.flatnonzero(batch.source_index == 1).tolist()} <= hot
+    assert set(batch.ids[batch.source_index == 1].tolist()) <= set(every.ids[:5].tolist())
+    check_aligned(batch, log)
+
+
+def test_a_joint_step_missing_a_record_is_not_served_and_is_counted(redis_url, workers, namespace):
+    log = record(namespace, redis_url, episodes=10, seed=3)
+    n = len(log.order)
+    every = sample(namespace, joint_recipe(n, name="every"), redis_url=redis_url)
+    keys = joint_keys(every)
+    crowded = [i for i in range(n) if every["mask"][i].sum() >= 2][:3]
+    ids = every["step_ids"]
+    victims = [  # the second agent of two joint steps, the anchor of a third
+        ids[crowded[0]][every["mask"][crowded[0]]][1],
+        ids[crowded[1]][every["mask"][crowded[1]]][1],
+        every.ids[crowded[2]],
+    ]
+    assert Store(redis_url, namespace).evict(victims) == 3
+    gone = {keys[i] for i in crowded}
+    fields = [*PER_AGENT, "state", "team_reward", "step_ids"]
+    with pytest.raises(InsufficientData):
+        sample(namespace, joint_recipe(n - 2, name="too-many", fields=fields), redis_url=redis_url)
+    batch = sample(namespace, joint_recipe(n - 3, name="left", fields=fields), redis_url=redis_url)
+    assert set(joint_keys(batch)) == set(log.order) - gone
+    assert batch.meta["joint"] == {"complete": n - 3, "partial": 3}
+    for i, key in enumerate(joint_keys(batch)):
+        assert batch["state"][i].tobytes() == log.state[key].tobytes()
+        assert batch["mask"][i].sum() == len(log.agents[key])
+    # With next_state, the joint step before the one whose anchor (and state) went is not
+    # complete either: its next state is gone.
+    ep, t = keys[crowded[2]]
+    before = {(ep, t - 1)} if t > 0 else set()
+    full = sample(namespace, joint_recipe(n - 3 - len(before), name="next"), redis_url=redis_url)
+    assert set(joint_keys(full)) == set(log.order) - gone - before
+    check_aligned(full, log)
+    result = Query(Store(redis_url, namespace)).run("", joint=JointFilter())
+    assert result.joint == {"complete": n - 3, "partial": 3, "matched": n - 3}

@@ -23,6 +23,7 @@ from rich.table import Table
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.where import Key, Where, duration, lookup
 from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.joint import JointTable, JointWhere
 from orchestrator.sampling.strings import Strings
 
 _AGG = re.compile(r"^(count|mean|sum|min|max|std|p(\d{1,2}(?:\.\d+)?|100))(?:\(([^()]+)\))?$")
@@ -75,9 +76,10 @@ class QueryResult:
     groups: list[dict[str, Any]]  # group key values, then the aggregates by label
     values: dict[str, np.ndarray] = field(default_factory=dict)  # key -> matched rows' values
     group_index: np.ndarray | None = None  # matched row -> group number
+    joint: dict[str, int] | None = None  # joint queries: complete, partial, matched joint steps
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "namespace": self.namespace,
             "where": self.expression,
             "steps": self.steps,
@@ -85,6 +87,18 @@ class QueryResult:
             "group_by": self.group_by,
             "groups": self.groups,
         }
+        return out if self.joint is None else {**out, "joint": self.joint}
+
+
+@dataclass(frozen=True)
+class JointFilter:
+    """A joint query: the expression selects joint steps by their anchor (the global
+    state's tags, what the agents share), ``any_agent``/``all_agents`` by their agents'
+    steps; the matched rows are every record of the complete joint steps selected
+    (partial ones, with a record evicted, are counted, never matched)."""
+
+    any_agent: str | None = None
+    all_agents: str | None = None
 
 
 class Query:
@@ -111,11 +125,16 @@ class Query:
         since: str | None = None,
         keep: Sequence[str] = (),
         now: float | None = None,
+        joint: JointFilter | None = None,
     ) -> QueryResult:
         """Match, group and aggregate; ``keep`` names keys whose matched values to return
-        (for a histogram)."""
+        (for a histogram); ``joint``: match joint steps, aggregate their agents' records."""
         now = time.time() if now is None else now
-        live, hit = self.match(expression, since=since, now=now)
+        counts = None
+        if joint is None:
+            live, hit = self.match(expression, since=since, now=now)
+        else:
+            live, hit, counts = self.match_joint(expression, joint, since=since, now=now)
         groups, inverse = self._groups(list(group_by), hit)
         for a in aggs:
             if a.key is not None:
@@ -138,6 +157,7 @@ class Query:
             out,
             values,
             inverse,
+            counts,
         )
 
     def match(
@@ -156,6 +176,28 @@ class Query:
                 raise QueryError(f"--since {since!r}: write a duration such as 30s, 15m, 1h, 7d")
             hit = hit[cols["timestamp"][hit] >= now - seconds]
         return len(rows), hit
+
+    def match_joint(
+        self,
+        expression: str,
+        joint: JointFilter,
+        *,
+        since: str | None = None,
+        now: float | None = None,
+    ) -> tuple[int, np.ndarray, dict[str, int]]:
+        """Live steps, the records of the complete joint steps that match (ascending), and
+        the joint steps counted: complete, partial (never matched) and matched."""
+        live, anchors = self.match(expression, since=since, now=now)
+        table = JointTable(None, None, self.index.cap, trainable=False)
+        wheres = [
+            None if w is None or not w.strip() else Where(w, self.tags, self.strings.encode)
+            for w in (joint.any_agent, joint.all_agents)
+        ]
+        cols = self.index.columns
+        ok = JointWhere(table, Where(None), *wheres).mask(cols, rows=anchors, now=now)
+        anchors = anchors[ok]
+        rows = table.records(cols, anchors)  # ``since`` applied to the anchors
+        return live, rows, {**table.counts, "matched": len(anchors)}
 
     def counts(self, key: str, rows: np.ndarray) -> list[tuple[Any, int]]:
         """Steps of ``rows`` per value of ``key`` (a metadata key with few values), most

@@ -54,10 +54,19 @@ class _Table(NamedTuple):
 
 class JointTable:
     """The joint steps of a namespace's columns, for one recipe's ``agents`` (their
-    order is the batch's); rebuilt when :meth:`refresh` saw changes."""
+    order is the batch's; None: no members, e.g. for queries); rebuilt when
+    :meth:`refresh` saw changes. ``trainable``: an anchor is drawable only while every
+    record of its joint step is trainable (sampling); False: while complete (queries)."""
 
-    def __init__(self, agents: Sequence[str] | None, encode: Encoder | None, cap: int) -> None:
+    def __init__(
+        self,
+        agents: Sequence[str] | None,
+        encode: Encoder | None,
+        cap: int,
+        trainable: bool = True,
+    ) -> None:
         self.agents, self.encode, self.cap = list(agents or ()), encode, cap
+        self.trainable = trainable
         self.version = 0
         self._table: tuple[int, _Table] | None = None
         self._reduced: dict[tuple[Any, ...], np.ndarray] = {}
@@ -110,6 +119,19 @@ class JointTable:
             self._reduced[key] = got
         return got
 
+    def records(self, columns: Columns, anchors: np.ndarray) -> np.ndarray:
+        """Every stored record of the anchors' joint steps, sorted."""
+        t = self.table(columns)
+        g = t.of_anchor[anchors]
+        g = g[g >= 0]
+        if not len(g):
+            return np.zeros(0, np.int64)
+        stop = np.r_[t.start, len(t.rows)]
+        lengths = stop[g + 1] - stop[g]
+        first = np.repeat(stop[g], lengths)
+        offset = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return np.sort(t.rows[first + offset])
+
     def next_anchor(self, columns: Columns, anchors: np.ndarray) -> np.ndarray:
         """The anchor of each anchor's next joint step (-1: none stored)."""
         t = self.table(columns)
@@ -149,7 +171,7 @@ class JointTable:
         trainable = (
             np.logical_and.reduceat((flags & UNTRAINABLE) == 0, start) if n_steps else complete
         )
-        drawable = complete & trainable
+        drawable = complete & trainable if self.trainable else complete.copy()
         ended = np.logical_and.reduceat((flags & _END) != 0, start) if n_steps else complete
         ge, gt = e[start], t[start]
         nxt = np.full(n_steps, -1, np.int64)

@@ -287,15 +287,27 @@ def query(
     hist: Annotated[str | None, typer.Option(help="Write a histogram of this key")] = None,
     png: Annotated[Path | None, typer.Option(help="Where --hist writes (NS-KEY.png)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+    joint: Annotated[
+        bool, typer.Option("--joint", help="Match joint steps; aggregate their agents' steps")
+    ] = False,
+    any_agent: Annotated[
+        str | None, typer.Option(help="Joint steps where some agent's step matches (--joint)")
+    ] = None,
+    all_agents: Annotated[
+        str | None, typer.Option(help="Joint steps where every agent's step matches (--joint)")
+    ] = None,
 ) -> None:
     """Ask questions of step metadata, answered from the sampling index.
 
     Example: claw query grasp "task_id == 'grasp' and reward > 0.5" --group-by agent_id
     --agg 'count,mean(reward),p95(reward)' --since 1h (quote the aggregates: the shell
-    reads parentheses)"""
+    reads parentheses). Multi-agent: claw query spread "tags.covered >= 2" --any-agent
+    "reward > 0" --group-by agent_id (the expression selects joint steps by their global
+    state's tags, the aggregates are over their agents' steps)"""
     from orchestrator.inspect import query as q
 
     keys = [k.strip() for k in group_by.split(",") if k.strip()] if group_by else []
+    jf = q.JointFilter(any_agent, all_agents) if joint or any_agent or all_agents else None
     with redis_client(ctx) as (_, r):
         result = q.Query(Store(r, namespace)).run(
             expression,
@@ -303,6 +315,7 @@ def query(
             aggs=q.parse_aggs(agg),
             since=since,
             keep=[hist] if hist else [],
+            joint=jf,
         )
     if hist:
         path = q.histogram(result, hist, png or Path(f"{namespace}-{hist}.png"))
@@ -314,6 +327,12 @@ def query(
         console.print(f"no steps of {namespace!r} match ({result.steps:,} steps)")
     else:
         console.print(q.table(result))
+    if result.joint is not None:
+        j = result.joint
+        console.print(
+            f"{j['matched']:,} of {j['complete']:,} complete joint steps matched; "
+            f"{j['partial']:,} partial (a record evicted) not counted"
+        )
     if hist:
         console.print(f"histogram of {hist} over {result.matched:,} steps: [bold]{path}[/]")
 
