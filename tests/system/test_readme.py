@@ -53,6 +53,7 @@ def test_readme_python_blocks_run_as_written(redis_url, workers, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "'popped': 5" in proc.stdout  # client.stats after the five pops
     assert "(4, 4)" in proc.stdout  # orchestrator.sample's obs
+    assert "(64, 3, 18) (64, 3) (64, 54)" in proc.stdout  # the joint batch of simple_spread
 
 
 def test_readme_metric_names_are_served(redis_url):
