@@ -6,6 +6,7 @@ priorities on joint rows, per-agent views and ``claw query`` over joint conditio
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -19,12 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 from marlenv import Crowd
+from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
 from claw_tasks.client.pettingzoo import RecordParallelSteps
 from claw_tasks.format.joint import STATE_FIELD, agent_episode
 from claw_tasks.store import Store
 from orchestrator import BatchClient, sample, update_priorities
+from orchestrator.cli.main import app
 from orchestrator.inspect.query import JointFilter, Query, parse_aggs
 from orchestrator.sampling import InsufficientData
 
@@ -255,6 +258,12 @@ def test_query_groups_joint_conditions_by_agent(crowd):
     for a, rewards in by_agent.items():
         assert got[a]["count"] == len(rewards)
         assert got[a]["mean(reward)"] == pytest.approx(np.mean(np.float64(rewards)))
+    args = [ns, "tags.spread > 0.6", "--any-agent", "reward > 2", "--group-by", "agent_id"]
+    cli = CliRunner().invoke(app, ["query", *args, "--json"], env={"CLAW_REDIS_URL": url})
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.stdout)["groups"] == [
+        {"agent_id": a, "count": len(by_agent[a])} for a in sorted(by_agent)
+    ]
 
 
 def test_mixtures_and_priorities_on_joint_rows(redis_url, workers, namespace):
