@@ -4,8 +4,9 @@
 confirmation, ``episode`` the per-episode writer, ``checks`` the value checks run before
 anything is buffered, ``backpressure`` the wait on a full Redis, ``gym`` the
 ``RecordSteps`` wrapper (import it from ``claw_tasks.client.gym``: gymnasium is loaded only
-then), ``pettingzoo`` the multi-agent ``RecordParallelSteps`` (likewise). Builds no worker app: it sends through ``claw_tasks.broker.app.client_app``. May
-import every layer below ``worker``; never ``worker``."""
+then), ``pettingzoo`` the multi-agent ``RecordParallelSteps`` (likewise: pettingzoo).
+Builds no worker app: it sends through ``claw_tasks.broker.app.client_app``. May import
+every layer below ``worker``; never ``worker``."""
 
 from claw_tasks.client.episode import Episode
 from claw_tasks.client.ingestor import Ingestor

@@ -3,6 +3,6 @@
 Array framing for msgpack (``arrays``), the namespace schema (``schema``), what metadata
 values mean (``stepmeta``), namespace names (``names``), batch columns (``columns``,
 ``encoded``), the batch itself (``batch``), the task message and its outcome
-(``message``), LLM turns as data (``turns``) and multi-agent joint steps (``joint``). Imports ``codecs``, ``settings`` and
-``durations`` only: both the client and the worker stand on it.
+(``message``), LLM turns as data (``turns``) and multi-agent joint steps (``joint``).
+Imports ``codecs``, ``settings`` and ``durations`` only: both the client and the worker stand on it.
 """

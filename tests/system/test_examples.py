@@ -120,3 +120,38 @@ def test_torchrl_dqn_trains_through_claw(redis_url, workers, namespace):
     )
     assert re.search(r"done: 1024 frames, 24 updates in \d+ s; 1024 rows", out), out
     assert Store(redis_url, namespace).count() == 1024
+
+
+def _run_mappo(redis_url: str, *args: str) -> str:
+    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    env.pop("CLAW_BROKER_URL", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "mappo_gather.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_the_mappo_example_trains_from_joint_batches(redis_url, workers, namespace):
+    """Short mode: every iteration's joint batch holds each joint step recorded once, each
+    agent's slice with the action it took there."""
+    args = ["--namespace", namespace, "--seeds", "1", "--iterations", "2", "--episodes", "4"]
+    out = _run_mappo(redis_url, *args, "--check")
+    assert len(re.findall(r"bookkeeping ok: \d+ joint steps, \d+ agent steps, 0 partial", out)) == 2
+
+
+@pytest.mark.slow
+def test_the_mappo_example_beats_a_random_policy(redis_url, workers, namespace, tmp_path):
+    png = tmp_path / "curve.png"
+    args = ["--namespace", namespace, "--seeds", "3", "--iterations", "25", "--png", str(png)]
+    out = _run_mappo(redis_url, *args)
+    numbers = r"(\S+) ± (\S+) \(random policy (\S+) ± (\S+)\)"
+    m = re.search(r"team return after 25 iterations: " + numbers, out)
+    assert m, out
+    trained, spread, random_mean, random_std = map(float, m.groups())
+    assert trained - 2 * spread > random_mean + 2 * random_std + 2.0, out
+    assert png.stat().st_size > 10_000

@@ -2,24 +2,19 @@
 joining), joint batches aligned bit for bit with what was recorded (sampled directly and
 popped through the prefetch workers), the global state stored once per joint step, joint
 filters against a numpy reference, partial joint steps under eviction, mixtures and
-priorities on joint rows, per-agent views and ``claw query`` over joint conditions."""
+priorities on joint rows, per-agent views and ``claw query`` over joint conditions. The
+example that learns from joint batches: tests/system/test_examples.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from marlenv import Crowd
 from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
@@ -30,8 +25,8 @@ from orchestrator import BatchClient, sample, update_priorities
 from orchestrator.cli.main import app
 from orchestrator.inspect.query import JointFilter, Query, parse_aggs
 from orchestrator.sampling import InsufficientData
+from tests.support.marlenv import Crowd
 
-ROOT = Path(__file__).resolve().parents[1]
 AGENTS = ["a0", "a1", "a2", "a3"]
 PER_AGENT = ["obs", "action", "reward", "terminated", "truncated", "step_index", "episode_id"]
 
@@ -320,38 +315,3 @@ def test_a_joint_step_missing_a_record_is_not_served_and_is_counted(redis_url, w
     check_aligned(full, log)
     result = Query(Store(redis_url, namespace)).run("", joint=JointFilter())
     assert result.joint == {"complete": n - 3, "partial": 3, "matched": n - 3}
-
-
-def _run_example(redis_url: str, *args: str) -> str:
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    env.pop("CLAW_BROKER_URL", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "mappo_gather.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    return proc.stdout
-
-
-def test_the_mappo_example_trains_from_joint_batches(redis_url, workers, namespace):
-    """Short mode: every iteration's joint batch holds each joint step recorded once, each
-    agent's slice with the action it took there."""
-    args = ["--namespace", namespace, "--seeds", "1", "--iterations", "2", "--episodes", "4"]
-    out = _run_example(redis_url, *args, "--check")
-    assert len(re.findall(r"bookkeeping ok: \d+ joint steps, \d+ agent steps, 0 partial", out)) == 2
-
-
-@pytest.mark.slow
-def test_the_mappo_example_beats_a_random_policy(redis_url, workers, namespace, tmp_path):
-    png = tmp_path / "curve.png"
-    args = ["--namespace", namespace, "--seeds", "3", "--iterations", "25", "--png", str(png)]
-    out = _run_example(redis_url, *args)
-    numbers = r"(\S+) ± (\S+) \(random policy (\S+) ± (\S+)\)"
-    m = re.search(r"team return after 25 iterations: " + numbers, out)
-    assert m, out
-    trained, spread, random_mean, random_std = map(float, m.groups())
-    assert trained - 2 * spread > random_mean + 2 * random_std + 2.0, out
-    assert png.stat().st_size > 10_000
