@@ -108,14 +108,37 @@ def mlp(n_in: int, n_out: int) -> nn.Module:
     )
 
 
+class Adam:
+    """Adam, written out: ``torch.optim`` imports torch's compiler stack on first use
+    (seconds of CPU, most of a short run)."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float, betas=(0.9, 0.999), eps=1e-8):
+        self.params, self.lr, self.betas, self.eps = params, lr, betas, eps
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.t = 0
+
+    def step(self, loss: torch.Tensor) -> None:
+        for p in self.params:
+            p.grad = None
+        loss.backward()
+        self.t += 1
+        b1, b2 = self.betas
+        with torch.no_grad():
+            for p, m, v in zip(self.params, self.m, self.v, strict=True):
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (v / (1 - b2**self.t)).sqrt_().add_(self.eps)
+                p.addcdiv_(m, denom, value=-self.lr / (1 - b1**self.t))
+
+
 class MAPPO:
     """Shared actor over (own observation, agent one-hot); critic over the global state."""
 
     def __init__(self, state_dim: int, lr: float = 3e-3, gamma: float = 0.95, lam: float = 0.9):
         self.actor = mlp(4 + len(AGENTS), len(MOVES))
         self.critic = mlp(state_dim, 1)
-        params = [*self.actor.parameters(), *self.critic.parameters()]
-        self.opt = torch.optim.Adam(params, lr=lr)
+        self.opt = Adam([*self.actor.parameters(), *self.critic.parameters()], lr)
         self.gamma, self.lam = gamma, lam
 
     def actor_in(self, obs: np.ndarray, agent_idx: np.ndarray) -> torch.Tensor:
@@ -181,9 +204,7 @@ class MAPPO:
                 pg = -((surr + 0.01 * entropy) * m).sum() / m.sum()
                 vf = ((self.critic(state[idx]).squeeze(-1) - ret_t[idx]) ** 2).mean()
                 loss = pg + 0.5 * vf
-                self.opt.zero_grad()
-                loss.backward()
-                self.opt.step()
+                self.opt.step(loss)
                 loss_sum += float(loss.detach())
         return loss_sum
 

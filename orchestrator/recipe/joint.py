@@ -100,11 +100,18 @@ def joint_problem(recipe: JointRecipe) -> str | None:
     return None
 
 
-def joint_schema_problems(recipe: JointRecipe, tags: Mapping[str, str]) -> list[str]:
-    """The joint keys against a namespace's free ``tags`` (``key: why`` each)."""
+def joint_schema_problems(
+    recipe: JointRecipe, fields: Mapping[str, Any], tags: Mapping[str, str]
+) -> list[str]:
+    """The joint keys against a namespace's payload ``fields`` and free ``tags`` (``key:
+    why`` each)."""
     if recipe.joint is None:
         return []
-    problems = []
+    problems = [
+        f"fields: {f!r} needs the global state: record with RecordParallelSteps(state=True)"
+        for f in (STATE_FIELD, "next_state")
+        if f in recipe.fields and STATE_FIELD not in fields
+    ]
     for i, s in enumerate(recipe.sources):
         for k in ("any_agent", "all_agents"):
             value = getattr(s, k)

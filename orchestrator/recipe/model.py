@@ -351,7 +351,7 @@ class Recipe(_Model):
             known.add("next_obs")
         if self.joint is not None:
             known |= JOINT_FIELDS
-        problems = joint_schema_problems(self, schema.tags)
+        problems = joint_schema_problems(self, schema.fields, schema.tags)
         if self.frame_stack > 1 and not _stackable(schema):
             problems.append(
                 "frame_stack: needs a fixed-shape 'obs' field in the namespace (it stacks obs "

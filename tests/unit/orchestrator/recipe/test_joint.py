@@ -66,6 +66,10 @@ def test_per_agent_wheres_are_checked_against_the_tags():
     r = Recipe.model_validate(recipe(sources=[{"name": "s", "any_agent": "tags.nope > 1"}]))
     with pytest.raises(RecipeError, match=r"sources\[0\] \(s\)\.any_agent"):
         r.validate_against(Schema(fields={"obs": FieldSpec("<f4", (4,))}))
+    with pytest.raises(RecipeError, match="'state' needs the global state"):
+        Recipe.model_validate(recipe()).validate_against(
+            Schema(fields={"obs": FieldSpec("<f4", (4,))})
+        )
     plain = Recipe.model_validate({**recipe(), "joint": None, "fields": ["obs"]})
     with pytest.raises(RecipeError, match="'state' is not a field"):
         plain.model_copy(update={"fields": ["state"]}).validate_against(
