@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.server import RedisServer
+from claw_tasks.settings import get_settings, use_settings
 from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.readahead import ReadAhead
@@ -173,6 +174,8 @@ def main() -> None:
     with RedisServer() as server:
         url = server.url
         os.environ.update(CLAW_REDIS_URL=url, CLAW_BROKER_URL=url)
+        use_settings()  # read again: imports above cached the default (shared) Redis URL
+        assert get_settings().redis_url == url
         worker = Worker(url, "ingest,prefetch", 2, Path("/tmp/claw-bench-sb3-worker.log"), {})
         try:
             r = redis.Redis.from_url(url)

@@ -176,9 +176,11 @@ class ClawStorage(StoreStorage):
         self._conn = self._finalizer = None
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Write every row extended so far and wait until the store has committed them."""
+        """Write every row extended and every priority submitted so far, and wait until
+        the store has them."""
         if self._conn is not None:
             self._conn.flush(timeout)
+            self._conn.client.flush_priorities(timeout)
 
     # ---- writing -------------------------------------------------------------------
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
@@ -365,6 +367,11 @@ class ClawStorage(StoreStorage):
     def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int:
         """Set Claw priorities of steps ``ids`` (skipped when evicted); returns how many."""
         return self._connect(None).client.update_priorities(ids, priorities)
+
+    def submit_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> None:
+        """Set Claw priorities of steps ``ids`` off the trainer's thread, later ones winning
+        (``BatchClient.submit_priorities``; :meth:`flush` waits for them)."""
+        self._connect(None).client.submit_priorities(ids, priorities)
 
     def contains(self, item: Any) -> bool:
         raise NotImplementedError(
