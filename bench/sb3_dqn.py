@@ -1,15 +1,18 @@
 """SB3 DQN on CartPole with SB3's own buffer vs ClawReplayBuffer, and read-ahead pop latency.
 
-    .venv/bin/python bench/sb3_dqn.py [--steps 50000] [--pops 2000]
+    .venv/bin/python bench/sb3_dqn.py [--steps 50000] [--pops 2000] [--rounds 1]
+        [--variants sb3,defaults,gs128]
 
 rl-zoo hyperparameters (lr 2.3e-3, batch 64, buffer 100k, learning_starts 1000, train_freq
 256, gradient_steps 128, target_update_interval 10, net [256, 256]), seed 0, CPU, one torch
 thread. Starts a private redis-server and one real Celery worker (ingest + prefetch, 2
 processes). Reports, in one run: wall time of each, the trainer's time inside
 ``sample()``, the worker's and Redis's CPU seconds during the Claw run, and the p50/p99 of a
-read-ahead ``pop`` of 256 x float32[8] when a batch is ready. Prints markdown. The Claw
-buffer runs with its defaults for ``gradient_steps=128``: 8 ``sample()`` calls per
-prefetched batch, converted to tensors in the read-ahead thread.
+read-ahead ``pop`` of 256 x float32[8] when a batch is ready. Prints markdown. Variants:
+``sb3`` (SB3's ``ReplayBuffer``), ``defaults`` (``ClawReplayBuffer`` with no kwargs but a
+namespace, as a new user writes it), ``gs128`` (hand-tuned: ``gradient_steps=128``); they
+run in the order given, ``--rounds`` times over (interleaved A/B under a changing load),
+and the table has one row per run with the load average at its start.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.server import RedisServer
+from claw_tasks.settings import get_settings, use_settings
 from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.readahead import ReadAhead
@@ -150,45 +154,65 @@ def pop_latency(url: str, pops: int) -> tuple[float, float]:
     return q[49] * 1e3, q[98] * 1e3
 
 
+VARIANTS = {
+    "sb3": (TimedSB3, {}),
+    "defaults": (TimedClaw, {}),
+    "gs128": (TimedClaw, {"gradient_steps": 128}),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50_000)
     ap.add_argument("--pops", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--variants", default="sb3,defaults,gs128")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    names = a.variants.split(",")
+    rows = []
     with RedisServer() as server:
         url = server.url
         os.environ.update(CLAW_REDIS_URL=url, CLAW_BROKER_URL=url)
+        use_settings()  # read again: imports above cached the default (shared) Redis URL
+        assert get_settings().redis_url == url
         worker = Worker(url, "ingest,prefetch", 2, Path("/tmp/claw-bench-sb3-worker.log"), {})
         try:
             r = redis.Redis.from_url(url)
-            sb3_wall, sb3_rb = run(TimedSB3, a.steps, {})
-            w0, r0 = group_cpu(worker.proc.pid), redis_cpu(r)
-            claw_wall, claw_rb = run(
-                TimedClaw, a.steps, {"namespace": "bench-dqn", "gradient_steps": 128}
-            )
-            w1, r1 = group_cpu(worker.proc.pid), redis_cpu(r)
-            claw_rb.close()
+            for k in range(a.rounds):
+                for name in names:
+                    cls, kw = VARIANTS[name]
+                    if cls is TimedClaw:
+                        kw = {"namespace": f"bench-dqn-{name}-{k}", **kw}
+                    load = os.getloadavg()[0]
+                    w0, r0 = group_cpu(worker.proc.pid), redis_cpu(r)
+                    c0 = time.process_time()
+                    wall, rb = run(cls, a.steps, kw)
+                    cpu = time.process_time() - c0
+                    w1, r1 = group_cpu(worker.proc.pid), redis_cpu(r)
+                    if cls is TimedClaw:
+                        rb.close()
+                    rows.append((k, name, load, wall, cpu, rb, w1 - w0, r1 - r0))
             p50, p99 = pop_latency(url, a.pops)
         finally:
             worker.stop()
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, load average "
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, load average at the end "
         f"{os.getloadavg()[0]:.1f}; torch threads 1; {a.steps} steps, seed 0\n"
     )
-    print("| buffer | wall s | sample() calls | time in sample() s | per call ms |")
-    print("|---|---|---|---|---|")
-    for name, wall, rb in (
-        ("SB3 ReplayBuffer", sb3_wall, sb3_rb),
-        ("ClawReplayBuffer", claw_wall, claw_rb),
-    ):
-        per = rb.sample_s / max(rb.samples, 1) * 1e3
-        print(f"| {name} | {wall:.1f} | {rb.samples} | {rb.sample_s:.2f} | {per:.3f} |")
     print(
-        f"\nwall ratio Claw/SB3: {claw_wall / sb3_wall:.2f}x; sample() time ratio: "
-        f"{claw_rb.sample_s / max(sb3_rb.sample_s, 1e-9):.2f}x; during the Claw run the "
-        f"worker used {w1 - w0:.1f} CPU s and Redis {r1 - r0:.1f} CPU s"
+        "| round | buffer | load | wall s | / sb3 | trainer CPU s | sample() calls "
+        "| in sample() s | per call ms | worker CPU s | Redis CPU s |"
     )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for k, name, load, wall, cpu, rb, w, rc in rows:
+        base = [x[3] for x in rows if x[0] == k and x[1] == "sb3"]
+        ratio = f"{wall / base[0]:.2f}x" if base else "-"
+        per = rb.sample_s / max(rb.samples, 1) * 1e3
+        print(
+            f"| {k} | {name} | {load:.1f} | {wall:.1f} | {ratio} | {cpu:.1f} | {rb.samples} "
+            f"| {rb.sample_s:.2f} | {per:.3f} | {w:.1f} | {rc:.1f} |"
+        )
     print(
         f"\nread-ahead pop of 256 x float32[8] (a batch ready): p50 {p50:.4f} ms, "
         f"p99 {p99:.4f} ms over {a.pops} pops"

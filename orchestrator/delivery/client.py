@@ -15,6 +15,7 @@ from claw_tasks.broker.app import client_app
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, shm
+from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import WireVersionError
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
@@ -41,7 +42,7 @@ class BatchClient:
         settings = get_settings()
         self.namespace = namespace or settings.namespace
         self.redis_url, self.broker_url = redis_url, broker_url  # as given (None: environment)
-        url = redis_url or settings.redis_url
+        url = self._url = redis_url or settings.redis_url
         self.store = Store(url, self.namespace)
         self.registry = Registry(self.store)
         self.app = client_app(broker_url or settings.broker_for(redis_url))
@@ -50,6 +51,7 @@ class BatchClient:
         self._popped: dict[str, int] = {}
         self._skipped: dict[str, int] = {}
         self._logged_skip: set[str] = set()
+        self._priorities: PriorityWriter | None = None
         self._refills: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._sender = threading.Thread(
             target=self._send_refills, name="claw-refill-requests", daemon=True
@@ -249,8 +251,22 @@ class BatchClient:
         return sum(any(q.get("name") == "prefetch" for q in qs) for qs in replies.values())
 
     def update_priorities(self, ids: Sequence[int] | np.ndarray, priorities: Any) -> int:
-        """Set step priorities (e.g. |TD error|); ids evicted or overwritten are skipped."""
+        """Set step priorities (e.g. |TD error|); ids evicted or overwritten are skipped.
+        Waits for the store (a round trip); :meth:`submit_priorities` does not."""
         return self.store.update_priorities(ids, priorities)
+
+    def submit_priorities(self, ids: Sequence[int] | np.ndarray, priorities: Any) -> None:
+        """Set step priorities off this thread: checked now, written by a background
+        :class:`~orchestrator.delivery.priorities.PriorityWriter` in submission order
+        (later submits win); :meth:`flush_priorities` waits for them."""
+        if self._priorities is None:
+            self._priorities = PriorityWriter(self.namespace, self._url)
+        self._priorities.submit(ids, priorities)
+
+    def flush_priorities(self, timeout: float | None = 30.0) -> int:
+        """Wait until every submitted priority is written; steps updated since the last
+        flush (raises the writer's error, if any)."""
+        return 0 if self._priorities is None else self._priorities.flush(timeout)
 
     def stats(self, name: str | None = None) -> dict[str, dict[str, Any]]:
         """Per recipe: queue depth and bound, batches produced and popped, rows sampled,
@@ -285,6 +301,8 @@ class BatchClient:
         return out
 
     def close(self) -> None:
+        if self._priorities is not None:
+            self._priorities.close()
         self._refills.put(None)
         self._sender.join(timeout=5)
         if self._popped or self._skipped:

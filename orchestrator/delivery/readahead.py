@@ -107,6 +107,15 @@ class ReadAhead:
             self._cond.notify_all()
         return batch
 
+    def resize(self, count: int) -> None:
+        """Keep up to ``count`` batches from now on (batches beyond it are served, not
+        dropped)."""
+        if count < 1:
+            raise ValueError(f"read-ahead needs count >= 1, got {count}")
+        with self._cond:
+            self.count = count
+            self._cond.notify_all()
+
     def __len__(self) -> int:
         return len(self._ready)
 

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
+from orchestrator.adapters.experience import plan_for
 from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.adapters.torch import ClawIterableDataset
 from orchestrator.delivery.client import BatchClient
@@ -255,4 +256,32 @@ def test_sb3_one_prefetched_batch_serves_several_samples(redis_url, namespace, w
         assert got.observations.shape == (8, 4) and got.rewards.shape == (8, 1)
         rows = _rows(got)
         assert all((stored == row).all(1).any() for row in rows)
+    claw.close()
+
+
+def test_sb3_defaults_size_themselves_from_the_bursts_of_samples(redis_url, namespace, workers):
+    """No kwargs: a burst of 64 ``sample()`` calls between adds re-sizes the buffer as
+    ``gradient_steps=64`` would (4 calls per prefetched batch of 4 x 8 rows, under a new
+    recipe; the old one is unregistered); every sample is of stored transitions."""
+    env = gym.make("CartPole-v1")
+    spaces_ = (env.observation_space, env.action_space)
+    ref = ReplayBuffer(1000, *spaces_, device="cpu", n_envs=2)
+    claw = ClawReplayBuffer(
+        1000, *spaces_, device="cpu", n_envs=2, namespace=namespace, redis_url=redis_url
+    )
+    tuned = plan_for(64)
+    assert claw.batches_per_pop == 1 and tuned.parts == 4
+    _rollout([ref, claw], 60)
+    stored = _all_sb3_rows(ref, None)
+    first = claw.recipe_name(8)
+    for _ in range(64):  # one burst: grows while it lasts
+        rows = _rows(claw.sample(8))
+        assert all((stored == row).all(1).any() for row in rows)
+    assert (claw.batches_per_pop, claw.readahead) == (tuned.parts, tuned.readahead)
+    name = claw.recipe_name(8)
+    assert name != first and claw.client.registry.get(first) is None
+    assert claw.client.registry.get(name).recipe.batch_size == 8 * tuned.parts
+    assert claw.client.registry.get(name).recipe.prefetch.depth == tuned.depth
+    _rollout([ref, claw], 1)  # the burst ended: its size is kept
+    assert claw.batches_per_pop == tuned.parts and claw.recipe_name(8) == name
     claw.close()

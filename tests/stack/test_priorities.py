@@ -11,6 +11,7 @@ import pytest
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 from orchestrator.cli.doctor import check_namespace
+from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance.priorities import Recompute, Rules, RulesError
 from tests.support.paths import ROOT
 from tests.support.producer import sender
@@ -95,3 +96,30 @@ def test_a_custom_scorer_changes_the_sampling_distribution(store, start_worker, 
     p = 9.0 / (9.0 + 1.0)  # half the steps score 9, half 1; alpha 1: proportional
     sd = np.sqrt(p * (1 - p) / draws)
     assert abs(odd / draws - p) < 5 * sd  # uniform would give 0.5
+
+
+def test_submitted_priorities_are_written_in_order_later_ones_winning(store, redis_url, namespace):
+    """``submit_priorities`` returns before the store has them; after ``flush_priorities``
+    each id holds its last submitted priority (over two shards, ids repeated across and
+    within calls), evicted ids are skipped, and bad input is refused at the call."""
+    store.commit(batch(episode(1, 30)), now=T0)
+    store.commit(batch(episode(2, 30)), now=T0)
+    ids = np.concatenate([store.episode(f"ep{e}", fields=[])["id"] for e in (1, 2)])
+    rng = np.random.default_rng(0)
+    want = dict.fromkeys(ids.tolist(), None)
+    client = BatchClient(namespace, redis_url)
+    for _ in range(40):
+        some = rng.choice(ids, 25)  # repeats within a call: its last one wins
+        pr = rng.uniform(0, 10, 25).astype(np.float32)
+        client.submit_priorities(some, pr)
+        want.update(zip(some.tolist(), pr.tolist(), strict=True))
+    with pytest.raises(ValueError, match="finite"):
+        client.submit_priorities(ids[:2], [1.0, np.nan])
+    with pytest.raises(ValueError, match="ids but"):
+        client.submit_priorities(ids[:2], [1.0])
+    gone = int(ids.max()) + 1000 * 2  # never stored: skipped, not an error
+    client.submit_priorities([gone], [5.0])
+    assert client.flush_priorities() > 0
+    set_ids = np.array([i for i, p in want.items() if p is not None])
+    np.testing.assert_allclose(prio(store, set_ids), [want[i] for i in set_ids.tolist()])
+    client.close()

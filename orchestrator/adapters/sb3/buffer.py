@@ -61,6 +61,7 @@ from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.experience import (
+    Cadence,
     Connection,
     Transitions,
     close_quietly,
@@ -96,12 +97,17 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     keyword arguments of :meth:`Ingestor.episode` (``task_id``, ``agent_id``, tags);
     ``ingest`` those of the :class:`Ingestor` (``flush_steps``, ``flush_interval``, ...).
     ``timeout`` bounds a pop.
-    ``gradient_steps`` (the algorithm's) sizes the prefetch queue and the read-ahead in
-    this process (``readahead`` batches, bounded by ``readahead_bytes``; 0 turns it off),
-    and how many ``sample()`` calls one prefetched batch serves (``batches_per_pop``,
-    ``gradient_steps // 16`` capped at 16: the recipe draws that many times ``batch_size``
-    rows and each call takes every ``batches_per_pop``-th of them, so the workers'
-    and the read-ahead's per-batch costs are paid once per that many calls).
+    The burst of ``sample()`` calls between two ``add()`` s (the algorithm's
+    ``gradient_steps``, which SB3 does not pass to its buffer) sizes the prefetch queue,
+    the read-ahead in this process (``readahead`` batches, bounded by ``readahead_bytes``;
+    0 turns it off) and how many ``sample()`` calls one prefetched batch serves
+    (``batches_per_pop``, burst // 16 capped at 16: the recipe draws that many times
+    ``batch_size`` rows and each call takes every ``batches_per_pop``-th of them, so the
+    workers' and the read-ahead's per-batch costs are paid once per that many calls); see
+    :func:`~orchestrator.adapters.experience.plan_for`. By default the buffer watches the
+    bursts and re-sizes itself when they change (the first burst runs with one batch per
+    call); ``gradient_steps`` fixes the sizes from the start, ``readahead`` and
+    ``batches_per_pop`` override them. The deterministic mode draws here: no read-ahead.
     """
 
     def __init__(
@@ -124,7 +130,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         timeout: float | None = 30.0,
         seed: int | None = None,
         deterministic: bool = False,
-        gradient_steps: int = 1,
+        gradient_steps: int | None = None,
         readahead: int | None = None,
         readahead_bytes: int = 64 << 20,
         batches_per_pop: int | None = None,
@@ -148,12 +154,11 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
             log.info("ClawReplayBuffer: namespace %r (pass namespace= to choose one)", namespace)
         self.seed = _global_seed() if seed is None else int(seed)
         self.deterministic = deterministic
-        if batches_per_pop is None:  # a part of one burst: a batch is never long queued
-            batches_per_pop = 1 if deterministic else max(1, min(16, gradient_steps // 16))
-        per = batches_per_pop
-        depth = max(4, -(-max(8, 2 * gradient_steps) // per))
-        if readahead is None:
-            readahead = 0 if deterministic else max(2, -(-min(gradient_steps, 256) // per))
+        self._cadence = (
+            Cadence(1, 1, 0)  # one batch per call, drawn here: nothing read ahead
+            if deterministic
+            else Cadence(gradient_steps, batches_per_pop, readahead)
+        )
         self._init_kw: dict[str, Any] = {
             "buffer_size": buffer_size,
             "observation_space": observation_space,
@@ -184,15 +189,23 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
             "name": f"sb3-{uuid.uuid4().hex[:8]}",  # own recipes: closing one buffer of a
             "fields": FIELDS,  # namespace never unregisters another's
             "sources": [{"name": "all", "sampler": {"kind": "uniform"}}],
-            "prefetch": {"depth": depth},
             "seed": self.seed,
             **(recipe or {}),
         }
         self.timeout = timeout
-        self.readahead, self.readahead_bytes = readahead, readahead_bytes
-        self.batches_per_pop = batches_per_pop
+        self.readahead_bytes = readahead_bytes
         self._samples = 0  # sample() calls: the k of the deterministic stream
         self._connect()
+
+    @property
+    def batches_per_pop(self) -> int:
+        """``sample()`` calls one prefetched batch serves (see the class docstring)."""
+        return self._cadence.plan.parts
+
+    @property
+    def readahead(self) -> int:
+        """Prefetched batches decoded ahead in this process."""
+        return self._cadence.plan.readahead
 
     @property
     def namespace(self) -> str:
@@ -253,6 +266,8 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         infos: list[dict[str, Any]],
     ) -> None:
         """Ingest one transition per env (SB3's shapes: obs (n_envs, *obs_shape), ...)."""
+        if (plan := self._cadence.added()) is not None:
+            self._conn.resize(plan)
         conn = self._conn
         shape = (self.n_envs, *self.obs_shape)
         obs = np.array(obs, dtype=self.obs_dtype).reshape(shape)
@@ -307,6 +322,8 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         """A batch of ``batch_size`` transitions, as SB3 samples them: prefetched and read
         ahead, or drawn here in the deterministic mode."""
         self._samples += 1
+        if (plan := self._cadence.sampled()) is not None:
+            self._conn.resize(plan)
         if self.deterministic:
             return self.to_samples(self._sample_here(batch_size), env)
         part, ready = self._conn.pop(self.recipe_name(batch_size), self.timeout)
@@ -332,13 +349,22 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     def recipe_name(self, batch_size: int) -> str:
         """The recipe serving ``batch_size``, registered on first use (after a flush, so
         everything added so far can be drawn), with its read-ahead thread."""
-        conn = self._conn
-        base = str(self.recipe["name"])
+        conn, plan = self._conn, self._cadence.plan
+        base = str(self.recipe["name"]) + (f".p{conn.replans}" if conn.replans else "")
         name = f"{base}-{batch_size}" if conn.names and batch_size not in conn.names else base
-        per = self.batches_per_pop
-        spec = {**self.recipe, "name": name, "batch_size": batch_size * per}
+        spec = {
+            "prefetch": {"depth": plan.depth},
+            **self.recipe,
+            "name": name,
+            "batch_size": batch_size * plan.parts,
+        }
         return conn.recipe(
-            batch_size, spec, self.readahead, self.readahead_bytes, per, convert=self._ready_samples
+            batch_size,
+            spec,
+            plan.readahead,
+            self.readahead_bytes,
+            plan.parts,
+            convert=self._ready_samples,
         )
 
     def _ready_samples(self, part: Batch) -> tuple[Batch, ReplayBufferSamples]:

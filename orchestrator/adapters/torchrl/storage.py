@@ -21,6 +21,7 @@ from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.experience import (
+    Cadence,
     Connection,
     Transitions,
     close_quietly,
@@ -63,7 +64,10 @@ class ClawStorage(StoreStorage):
     in this process, each drawn ``batches_per_pop`` times as large as a sample and split
     into that many samples (every ``batches_per_pop``-th row): the workers' and the
     read-ahead's per-batch costs are paid once per that many samples, at the price of
-    priorities reaching the draws that much later. ``timeout`` bounds a pop. Samples are
+    priorities reaching the draws that much later. Unless either is given, both follow
+    the trainer's bursts of samples between extends as SB3's buffer does (one per sample
+    at first, 8 for bursts of 128:
+    :func:`~orchestrator.adapters.experience.plan_for`). ``timeout`` bounds a pop. Samples are
     put on ``device``.
 
     It subclasses TorchRL's Redis-backed ``StoreStorage`` only so that replay buffers pass
@@ -84,9 +88,9 @@ class ClawStorage(StoreStorage):
         capacity: int | None = None,
         episode: Mapping[str, Any] | None = None,
         ingest: Mapping[str, Any] | None = None,
-        readahead: int = 4,
+        readahead: int | None = None,
         readahead_bytes: int = 64 << 20,
-        batches_per_pop: int = 8,
+        batches_per_pop: int | None = None,
         timeout: float | None = 30.0,
         device: str | torch.device = "cpu",
         drop_on_empty: bool = False,
@@ -124,6 +128,7 @@ class ClawStorage(StoreStorage):
         self.obs_key, self.action_key = kw["obs_key"], kw["action_key"]
         self.priority_key = kw["priority_key"]
         self.timeout = kw["timeout"]
+        self._cadence = Cadence(None, kw["batches_per_pop"], kw["readahead"])
         # Own recipe names: closing this storage never unregisters another's.
         self.recipe_base = f"torchrl-{uuid.uuid4().hex[:8]}"
         # Dtypes and trailing shapes a sample gives back: those the rows were extended with.
@@ -171,9 +176,11 @@ class ClawStorage(StoreStorage):
         self._conn = self._finalizer = None
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Write every row extended so far and wait until the store has committed them."""
+        """Write every row extended and every priority submitted so far, and wait until
+        the store has them."""
         if self._conn is not None:
             self._conn.flush(timeout)
+            self._conn.client.flush_priorities(timeout)
 
     # ---- writing -------------------------------------------------------------------
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
@@ -190,6 +197,8 @@ class ClawStorage(StoreStorage):
         data = data.reshape(-1)
         rows = self._rows(data)
         conn = self._connect(self._schema(rows))
+        if (plan := self._cadence.added()) is not None:
+            conn.resize(plan)
         obs, act, rew, nxt, term, trunc, streams, prio = rows
         for i in range(len(obs)):
             conn.transitions.add(
@@ -281,22 +290,29 @@ class ClawStorage(StoreStorage):
         sampler; returns its step ids and importance weights (the batch waits for
         :meth:`get`)."""
         conn, kw = self._connect(None), self._kw
+        if (resized := self._cadence.sampled()) is not None:
+            conn.resize(resized)
+        plan = self._cadence.plan
         key: Hashable = (json.dumps(source, sort_keys=True), batch_size)
-        name = f"{self.recipe_base}-{len(conn.names)}" if key not in conn.names else None
+        name = (
+            f"{self.recipe_base}-{conn.replans}.{len(conn.names)}"
+            if key not in conn.names
+            else None
+        )
         spec = {
             "name": name,
-            "batch_size": batch_size * kw["batches_per_pop"],
+            "batch_size": batch_size * plan.parts,
             "fields": FIELDS,
             "sources": [{"name": "all", "sampler": dict(source)}],
-            "prefetch": {"depth": 8},
+            "prefetch": {"depth": plan.depth},
             **kw["recipe"],
         }
         name = conn.recipe(
             key,
             spec,
-            kw["readahead"],
+            plan.readahead,
             kw["readahead_bytes"],
-            kw["batches_per_pop"],
+            plan.parts,
             convert=self._drawable,
         )
         ids, weights, td = conn.pop(name, self.timeout)
@@ -351,6 +367,11 @@ class ClawStorage(StoreStorage):
     def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int:
         """Set Claw priorities of steps ``ids`` (skipped when evicted); returns how many."""
         return self._connect(None).client.update_priorities(ids, priorities)
+
+    def submit_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> None:
+        """Set Claw priorities of steps ``ids`` off the trainer's thread, later ones winning
+        (``BatchClient.submit_priorities``; :meth:`flush` waits for them)."""
+        self._connect(None).client.submit_priorities(ids, priorities)
 
     def contains(self, item: Any) -> bool:
         raise NotImplementedError(

@@ -1,11 +1,18 @@
-"""Adapter plumbing (adapters.experience): splitting a batch by source, and URLs saved
-without their password."""
+"""Adapter plumbing (adapters.experience): splitting a batch by source, sizing reads from
+the trainer's bursts, and URLs saved without their password."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.adapters.experience import split, with_env_password, without_password
+from orchestrator.adapters.experience import (
+    Cadence,
+    Plan,
+    plan_for,
+    split,
+    with_env_password,
+    without_password,
+)
 from orchestrator.delivery.wire import Batch
 
 
@@ -36,3 +43,25 @@ def test_saved_urls_carry_no_password():
     assert without_password("redis://:s3cret@host/0") == "redis://host/0"
     assert with_env_password(saved, url) == url  # same server: the environment's password
     assert with_env_password(saved, "redis://user:x@other:6380/2") == saved
+
+
+def test_cadence_plans_for_the_longest_recent_burst():
+    cadence = Cadence()
+    assert cadence.auto and cadence.plan == plan_for(1) == Plan(1, 2, 8)
+    changed = [cadence.sampled() for _ in range(128)]
+    assert cadence.plan == plan_for(128) == Plan(8, 16, 32)  # the hand-tuned sizes
+    assert [i + 1 for i, p in enumerate(changed) if p is not None] == [3, 5, 9, 17, 33, 65]
+    assert cadence.added() is None and cadence.added() is None  # adds alone change nothing
+    for _ in range(7):  # shorter bursts: kept while the long one is among the last 8
+        cadence.sampled()
+        assert cadence.added() is None
+    cadence.sampled()
+    assert cadence.added() == plan_for(1)
+    for _ in range(100):  # a 100-call burst plans for 128
+        cadence.sampled()
+    assert cadence.added() is None and cadence.plan == plan_for(128)
+    fixed = Cadence(128)
+    assert not fixed.auto and fixed.plan == Plan(8, 16, 32)
+    assert all(fixed.sampled() is None for _ in range(300)) and fixed.added() is None
+    assert Cadence(None, 1, 0).plan == Plan(1, 0, 8)  # given sizes win
+    assert plan_for(10_000) == plan_for(256) == Plan(16, 16, 32)  # bounded queues
