@@ -111,7 +111,9 @@ def test_gae_is_the_papers_sum(seed, gamma, lam):
 def test_vtrace_is_impala(seed, rho_bar, c_bar):
     d = _scenario(seed)
     gamma = 0.97
-    got = vtrace(d["mu"], d["pi"], d["r"], d["v"], d["nv"], d["term"], d["end"], gamma, rho_bar, c_bar)
+    got = vtrace(
+        d["mu"], d["pi"], d["r"], d["v"], d["nv"], d["term"], d["end"], gamma, rho_bar, c_bar
+    )
     vs, adv = _vtrace_reference(d, gamma, rho_bar, c_bar)
     np.testing.assert_allclose(got.returns, vs, rtol=0, atol=1e-9)
     np.testing.assert_allclose(got.advantages, adv, rtol=0, atol=1e-9)

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.client.checks import Step
+from claw_tasks.client.checks import Step, check_int32
+from claw_tasks.format.schema import BOOTSTRAP_VALUE, VALUE, SchemaError
 
 CheckStep = Callable[..., Step]
 """Checks one step against the schema and builds it, raising on bad input: called as
@@ -62,10 +63,17 @@ class Episode:
         info: Mapping[str, Any] | None = None,
         skill_tag: str | None = None,
         priority: float | None = None,
+        policy_version: int | None = None,
         **fields_and_tags: Any,
     ) -> None:
         """Add the next step. Extra keyword arrays are payload fields (e.g. ``prompt_ids``);
-        extra scalars (str/int/float) are tags. Raises before buffering on bad input."""
+        extra scalars (str/int/float) are tags. ``policy_version`` overrides the episode's
+        for this step (an actor that loads new weights mid-episode: on-policy segments).
+        On-policy steps carry the tags ``log_prob``, ``value`` and, on a segment's last
+        step or a truncated one, ``bootstrap_value`` = V(next_obs) (``Schema.rollout``):
+        a truncated step with a ``value`` and no ``bootstrap_value`` is refused, since
+        nothing after it could say what it bootstraps with. Raises before buffering on
+        bad input."""
         if self.ended:
             raise RuntimeError(
                 f"episode {self.episode_id!r} has ended (its with block exited, or end() was "
@@ -79,6 +87,18 @@ class Episode:
             else:
                 fields[k] = v
         meta = self.meta if skill_tag is None else {**self.meta, "skill_tag": skill_tag}
+        if policy_version is not None:
+            check_int32(
+                policy_version,
+                f"step {self.step_index} of episode {self.episode_id!r}: policy_version",
+            )
+            meta = {**meta, "policy_version": int(policy_version)}
+        if truncated and not terminated and VALUE in tags and BOOTSTRAP_VALUE not in tags:
+            raise SchemaError(
+                f"step {self.step_index} of episode {self.episode_id!r}: truncated with a "
+                f"{VALUE!r} but no {BOOTSTRAP_VALUE!r}: a truncated on-policy step bootstraps "
+                f"with V(next_obs); pass {BOOTSTRAP_VALUE}=<that value>"
+            )
         step = self.check(
             self.episode_id,
             self.step_index,

@@ -56,6 +56,13 @@ LLM_FIELDS = {
 LLM_MASK_FIELD = ("response_mask", ("|u1", (None,)))
 LLM_TAGS: dict[str, TagKind] = {"prompt_uid": "num", "final_reward": "num", "retokenized": "num"}
 
+# The on-policy step convention (docs/recipes.md, "On-policy"): what the behaviour policy
+# said about each step, as numeric tags, so the prefetch workers compute advantages from
+# the metadata columns alone (no payload read). ``bootstrap_value`` is V(next_obs), given
+# where the step's successor does not carry it: a segment's last step and a truncated one.
+LOG_PROB, VALUE, BOOTSTRAP_VALUE = "log_prob", "value", "bootstrap_value"
+ROLLOUT_TAGS: dict[str, TagKind] = {LOG_PROB: "num", VALUE: "num", BOOTSTRAP_VALUE: "num"}
+
 
 # A free tag has two names: the stored column (``t:<name>``: Redis keys, batch columns,
 # the sampling index) and the key users write (``tags.<name>``: where filters, recipe
@@ -176,6 +183,31 @@ class Schema:
         schema = cls(
             fields={k: FieldSpec(d, s) for k, (d, s) in specs.items()},
             tags={**LLM_TAGS, **(tags or {})},
+        )
+        schema.check_self()
+        return schema
+
+    @classmethod
+    def rollout(
+        cls,
+        obs_shape: tuple[int, ...],
+        action_shape: tuple[int, ...] = (),
+        *,
+        obs_dtype: str = "<f4",
+        action_dtype: str = "<i8",
+        tags: Mapping[str, TagKind] | None = None,
+    ) -> Schema:
+        """The on-policy step preset (docs/recipes.md, "On-policy"): ``obs`` and
+        ``action`` payload fields, and the numeric tags ``log_prob`` (the behaviour
+        policy's log-probability of the action), ``value`` (its critic's V(obs)) and
+        ``bootstrap_value`` (V(next_obs), on a segment's last step and a truncated step),
+        plus ``tags``. ``policy_version`` is step metadata already."""
+        schema = cls(
+            fields={
+                "obs": FieldSpec(obs_dtype, obs_shape),
+                "action": FieldSpec(action_dtype, action_shape),
+            },
+            tags={**ROLLOUT_TAGS, **(tags or {})},
         )
         schema.check_self()
         return schema

@@ -22,7 +22,7 @@ from claw_tasks.connection import client as connect
 from claw_tasks.connection.client import redis_client
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
-from orchestrator.delivery import ratelimit
+from orchestrator.delivery import ratelimit, rollouts
 from orchestrator.delivery.registry import Registry
 from orchestrator.inspect.namespaces import (
     UnreadableNamespace,
@@ -107,6 +107,14 @@ class ClawCollector(Collector):
             "popped": CounterMetricFamily(
                 "claw_prefetch_batches_popped", "batches taken by trainers", labels=rl
             ),
+            "rollouts": CounterMetricFamily(
+                "claw_rollouts_formed", "rollouts formed by an on-policy recipe", labels=rl
+            ),
+            "stale": CounterMetricFamily(
+                "claw_rollout_dropped_stale",
+                "steps of an on-policy recipe older than its max_lag, never served",
+                labels=rl,
+            ),
         }
         memory = memory_by_namespace(self._r)
         for name in list_namespaces(self._r):
@@ -155,6 +163,10 @@ class ClawCollector(Collector):
             fams["limited"].add_metric(labels, float(waits))
             fams["produced"].add_metric(labels, float(c.get("produced", 0)))
             fams["popped"].add_metric(labels, float(c.get("popped", 0)))
+            if r.rollout is not None:
+                ro = rollouts.read_state(reg, recipe)
+                fams["rollouts"].add_metric(labels, float(ro.no))
+                fams["stale"].add_metric(labels, float(ro.dropped_stale))
 
     def _queue_depths(self) -> Metric:
         """Messages waiting per Celery queue (all priority levels; Redis or RabbitMQ)."""

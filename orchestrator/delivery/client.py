@@ -14,7 +14,7 @@ import numpy as np
 from claw_tasks.broker.app import client_app
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
-from orchestrator.delivery import ratelimit, shm
+from orchestrator.delivery import ratelimit, rollouts, shm
 from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import WireVersionError
@@ -270,7 +270,9 @@ class BatchClient:
 
     def stats(self, name: str | None = None) -> dict[str, dict[str, Any]]:
         """Per recipe: queue depth and bound, batches produced and popped, rows sampled,
-        steps inserted, the rate limiter's verdict and the last prefetch state."""
+        steps inserted, the rate limiter's verdict and the last prefetch state; a rollout
+        recipe's ``rollout``: rollouts formed, the policy version served, its minibatches
+        pushed of all, steps dropped stale and steps lost (docs/recipes.md, "On-policy")."""
         if self._popped or self._skipped:
             with self.store.r.pipeline(transaction=False) as pipe:
                 self._report_pops(pipe)
@@ -298,6 +300,8 @@ class BatchClient:
                 "rate_limit": verdict.reason,
                 "state": c.get("state", ""),
             }
+            if rec.rollout is not None:
+                out[n]["rollout"] = rollouts.read_state(self.registry, n).describe()
         return out
 
     def close(self) -> None:

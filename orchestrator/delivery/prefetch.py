@@ -26,7 +26,7 @@ from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import forget_namespace as forget_store
 from claw_tasks.worker.caches import store_for
 from claw_tasks.worker.lru import LRU
-from orchestrator.delivery import ratelimit, shm
+from orchestrator.delivery import ratelimit, rollouts, shm
 from orchestrator.delivery.augstats import RedisStats
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.registry import ACTIVE, Registry
@@ -145,6 +145,10 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
         if entry is None:
             return {"made": 0, "state": "unregistered"}
         recipe = entry.recipe
+        if recipe.rollout is not None:
+            made, state = rollouts.run(reg, entry, _plan(reg, recipe))
+            reg.bump(name, state=state)
+            return {"made": made, "state": state}
         depth, rows = recipe.prefetch.depth, recipe.batch_size
         # Read once per fill and tracked here; looked at again only before giving up.
         length, inserted, sampled, before = reg.fill_state(name)

@@ -71,6 +71,11 @@ class Registry:
         """Set of the host ids of the trainers that registered ``name``."""
         return f"{self.base}readers:{name}"
 
+    def rollout_keys(self, name: str) -> list[str]:
+        """A rollout recipe's state, plan and the ids its rollouts took or counted stale
+        (:mod:`orchestrator.delivery.rollouts`)."""
+        return [f"{self.base}ro:{name}", f"{self.base}ro:{name}:plan", f"{self.base}ro:{name}:seen"]
+
     @property
     def versions_key(self) -> str:
         """Hash: recipe name -> its current version (read by every push: small and cheap)."""
@@ -159,7 +164,7 @@ class Registry:
             pipe.lrange(self.queue(name), 0, -1)
             pipe.delete(self.recipe_key(name), self.queue(name), self.counters(name))
             pipe.delete(self.refill_lock(name), self.readers(name), self.augment_stats(name))
-            pipe.delete(claims_key(self.base, name))
+            pipe.delete(claims_key(self.base, name), *self.rollout_keys(name))
             pipe.hdel(self.versions_key, name)
             pipe.srem(self.names_key, name)
             return pipe.execute()[0]

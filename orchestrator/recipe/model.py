@@ -30,7 +30,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from claw_tasks.format.schema import tag_key
+from claw_tasks.format.schema import LOG_PROB, VALUE, tag_key
 from claw_tasks.where import AGE, FIXED, FilterError, Where
 from orchestrator.recipe.joint import (
     JOINT_FIELDS,
@@ -231,6 +231,40 @@ class Tokens(_Model):
     eps: NonNegativeFloat = 1e-6
 
 
+ROLLOUT_FIELDS = ("advantages", "returns", "log_prob", "value", "policy_version")
+"""What a rollout recipe's minibatches carry besides its ``fields``."""
+
+
+class Rollout(_Model):
+    """On-policy delivery: the steps of one policy version, consumed once, as ``epochs``
+    passes of shuffled minibatches with advantages (docs/recipes.md, "On-policy")."""
+
+    steps: PositiveInt
+    epochs: PositiveInt = 1
+    version_param: Name = "policy_version"
+    max_lag: NonNegativeInt = 0
+    advantage: Literal["gae", "vtrace"] = "gae"
+    gae_lambda: float = Field(0.95, ge=0.0, le=1.0)
+    normalize: StrictBool = True
+    rho_bar: PositiveFloat = 1.0
+    c_bar: PositiveFloat = 1.0
+    scorer: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.scorer is not None and ":" not in self.scorer:
+            raise ValueError(f"scorer {self.scorer!r}: name it as 'module:function'")
+        if self.advantage == "vtrace" and self.max_lag > 0 and self.scorer is None:
+            raise ValueError(
+                "advantage: vtrace with max_lag > 0 needs the target policy's log-probs and "
+                "values of the older steps: name a scorer (module:function, allowed by the "
+                "workers' CLAW_SCORERS)"
+            )
+        if self.scorer is not None and self.advantage != "vtrace":
+            raise ValueError("scorer: only with advantage: vtrace")
+        return self
+
+
 class Recipe(_Model):
     """A validated recipe. Build with :meth:`from_yaml` or :meth:`model_validate`."""
 
@@ -248,6 +282,7 @@ class Recipe(_Model):
     rate_limit: RateLimit | None = None
     tokens: Tokens | None = None
     joint: Joint | None = None
+    rollout: Rollout | None = None
     seed: int | None = None
     version: PositiveInt = 1
 
@@ -298,6 +333,7 @@ class Recipe(_Model):
         self._groups_consistent()
         if problem := joint_problem(self):
             raise ValueError(problem)
+        self._rollout_consistent()
         for src, n in zip(self.sources, self.counts, strict=True):
             if n == 0:
                 raise ValueError(
@@ -338,6 +374,44 @@ class Recipe(_Model):
                 "give the sources sampler: {kind: group, group_size: n}"
             )
 
+    def _rollout_consistent(self) -> None:
+        ro = self.rollout
+        if ro is None:
+            return
+        others = [
+            k
+            for k, off in (
+                ("n_step", self.n_step == 1),
+                ("sequence_length", self.sequence_length == 1),
+                ("frame_stack", self.frame_stack == 1),
+                ("tokens", self.tokens is None),
+                ("rate_limit", self.rate_limit is None),
+            )
+            if not off
+        ]
+        if others:
+            raise ValueError(f"rollout: serves single steps once; not with {', '.join(others)}")
+        src = self.sources[0]
+        if len(self.sources) != 1 or src.sampler.kind != DEFAULT_SAMPLER or src.window:
+            raise ValueError(
+                "rollout: one source, without a sampler or window (its where picks the "
+                "candidates; rollouts take each of them once)"
+            )
+        if ro.steps % self.batch_size:
+            raise ValueError(
+                f"rollout.steps ({ro.steps}) must be a multiple of batch_size "
+                f"({self.batch_size}): every minibatch has batch_size steps"
+            )
+        v = self.params.get(ro.version_param)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(
+                f"rollout: params.{ro.version_param} must be the policy version to serve, an "
+                f"int >= 0 (set_params moves it), not {v!r}"
+            )
+        clash = sorted(set(self.fields) & set(ROLLOUT_FIELDS[:4]))
+        if clash:
+            raise ValueError(f"fields: {clash} are added by rollout; leave them out")
+
     @property
     def counts(self) -> list[int]:
         """Rows per source in every batch (largest-remainder rounding of the weights)."""
@@ -370,6 +444,13 @@ class Recipe(_Model):
                 f"sources[{i}] ({src.name}).sampler.{p}" for p in src.sampler.problems(schema.tags)
             ]
         problems += self._augment_problems(schema)
+        if self.rollout is not None:
+            missing = [t for t in (LOG_PROB, VALUE) if schema.tags.get(t) != "num"]
+            if missing:  # bootstrap_value may not be there yet: no segment ended so far
+                problems.append(
+                    f"rollout: the namespace needs the numeric tags {', '.join(missing)} "
+                    "(Schema.rollout; actors record them with each step)"
+                )
         if problems:
             raise RecipeError(f"recipe {self.name!r}: " + "; ".join(problems))
 

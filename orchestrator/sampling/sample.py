@@ -57,7 +57,8 @@ from orchestrator.sampling.fetch import (
 from orchestrator.sampling.groups import Claims, Groups, claims_key
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.jointbatch import assemble_joint
-from orchestrator.sampling.samplers import RecipeSampler
+from orchestrator.sampling.rollouts import Selection, select
+from orchestrator.sampling.samplers import Draw, RecipeSampler
 from orchestrator.sampling.shared import SharedIndex, make_index
 from orchestrator.sampling.strings import Strings
 from orchestrator.sampling.turns import segments, sequence_tokens
@@ -92,6 +93,70 @@ def sample(
     session = _session(namespace_or_store, redis_url, index)
     with session.lock:
         return session.sample(recipe, rng, params)
+
+
+def select_rollout(
+    namespace_or_store: str | Store,
+    recipe: Recipe,
+    classified: np.ndarray,
+    window: tuple[int, int],
+    *,
+    redis_url: str | None = None,
+) -> Selection:
+    """The candidates of a ``rollout`` recipe's source not in ``classified`` (sorted ids),
+    sorted by the window ``(lo, hi)`` of policy versions, and ``recipe.rollout.steps`` of
+    them as chains when that many are ready (:mod:`orchestrator.sampling.rollouts`)."""
+    assert recipe.rollout is not None
+    session = _session(namespace_or_store, redis_url, None)
+    with session.lock:
+        try:
+            session.index.sync()
+            src = session.bind(recipe).sampler.sources[0]
+            src.candidates(session.index.columns, recipe.params)
+            assert src.cand is not None
+            lo, hi = window
+            return select(
+                session.index.columns,
+                src.cand,
+                session.index.cap,
+                classified,
+                lo,
+                hi,
+                recipe.rollout.steps,
+            )
+        finally:
+            session.index.release()
+
+
+def read_steps(
+    namespace_or_store: str | Store,
+    recipe: Recipe,
+    ids: np.ndarray,
+    fields: Sequence[str] | None = None,
+    *,
+    redis_url: str | None = None,
+) -> SampledBatch | None:
+    """The ``fields`` (default: the recipe's) of the steps ``ids``, in that order, read as
+    a batch of ``recipe`` is (decoded, ``next_obs`` followed); None when one of them is no
+    longer stored (evicted, or its slot reused)."""
+    session = _session(namespace_or_store, redis_url, None)
+    if fields is not None:
+        recipe = recipe.model_copy(update={"fields": list(fields)})
+    ids = np.asarray(ids, np.int64)
+    with session.lock:
+        try:
+            index = session.index
+            index.sync()
+            seq = ids // index.n_shards
+            rows = (ids % index.n_shards) * index.cap + (seq - 1) % index.cap
+            cols = index.columns
+            if not (cols["alive"][rows] & (cols["id"][rows] == ids)).all():
+                return None
+            ones = np.ones(len(ids), np.float32)
+            draw = Draw(rows, ones, np.zeros(len(ids), np.int16))
+            return Assembly(session, recipe, draw).run()
+        finally:
+            session.index.release()
 
 
 def update_priorities(

@@ -220,6 +220,13 @@ def recipes(
     for name, st in found.items():  # below the table: a state is a sentence
         state = f"[yellow]{st['rate_limit']}[/]" if st["rate_limited"] else st["state"] or "-"
         console.print(f"[bold]{name}[/]: {state}", highlight=False)
+        if (ro := st.get("rollout")) is not None:
+            console.print(
+                f"  rollouts {ro['rollouts']:,} (serving policy_version {ro['policy_version']}: "
+                f"{ro['minibatches_pushed']}/{ro['minibatches']} minibatches pushed), "
+                f"dropped stale {ro['dropped_stale']:,} steps, lost {ro['lost']:,}",
+                highlight=False,
+            )
 
 
 def _mib(n: int) -> str:
