@@ -1,0 +1,127 @@
+"""On-policy rollouts through the prefetch workers: consume-once by policy version over 4
+actors and several versions (allowed versions only, each step once per epoch, no step in
+two rollouts, stale steps never served and counted exactly, a learner restart resumes
+instead of receiving a rollout again), GAE and V-trace in the workers against numpy
+references of the recorded steps, and the recipe's checks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from rollout_actors import (
+    STRAGGLER,
+    Actor,
+    gae_reference,
+    keys_of,
+    pop_rollout,
+    recipe,
+    wait_state,
+)
+
+from claw_tasks.client import Ingestor
+from claw_tasks.format.schema import Schema, SchemaError
+from orchestrator import BatchClient
+from orchestrator.recipe.model import Recipe
+
+
+def test_consume_once_by_version_with_four_actors(redis_url, workers, namespace):
+    records: dict = {}
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
+    actors = [Actor(ing, k, records, seed=k) for k in range(4)]
+    slow = Actor(ing, STRAGGLER, records, seed=99)
+    client = BatchClient(namespace, redis_url)
+    client.register(recipe(max_lag=1))
+    served: set = set()
+    stale = 0
+    for v in range(5):
+        for a in actors:
+            a.segment(16, v)
+        if v in (1, 3):  # one actor runs ahead: 8 steps of v more than a rollout takes
+            actors[0].segment(8, v)
+        if v >= 3:  # a slow actor still on version 1: stale, never served
+            slow.segment(5, 1)
+            stale += 5
+        ing.flush()
+        taken = pop_rollout(client, records, (v - 1, v))
+        assert not taken & served, "a step was served in two rollouts"
+        served |= taken
+        if v == 2:  # a lagged rollout: the 8 steps of version 1 left over are in it
+            assert Counter(records[k]["version"] for k in taken) == {1: 8, 2: 56}
+        st = client.stats("ppo")["ppo"]
+        assert st["rollout"]["rollouts"] == v + 1
+        client.set_params("ppo", policy_version=v + 1)
+    st = wait_state(client, "waiting for rollout")
+    assert st["state"].startswith("waiting for rollout of policy_version 4..5: 16 of 64"), st
+    assert st["rollout"]["dropped_stale"] == stale == 10
+    assert not any(k[0] == STRAGGLER for k in served)
+    client.close()
+    ing.close()
+
+
+def test_gae_in_workers_and_a_learner_restart(redis_url, workers, namespace):
+    """Minibatch advantages and returns equal GAE of the recorded steps; a learner that
+    restarts mid-rollout gets the rest of it, not the rollout again; asked again (the same
+    version set once more) it gets all of it again; steps left over at max_lag 0 are
+    counted stale when the version moves."""
+    records: dict = {}
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
+    actors = [Actor(ing, k, records, seed=10 + k) for k in range(4)]
+    for a in actors:
+        a.segment(16, 0)
+    actors[1].segment(6, 0)  # 70 steps of version 0: 6 are left over
+    ing.flush()
+    client = BatchClient(namespace, redis_url)
+    client.register(recipe(max_lag=0))
+    first = [client.pop("ppo", timeout=60) for _ in range(5)]
+    client.close()
+    client = BatchClient(namespace, redis_url)  # a restart: the same recipe again
+    client.register(recipe(max_lag=0))
+    rest = [client.pop("ppo", timeout=60) for _ in range(7)]
+    got = [(b.meta["rollout"]["epoch"], b.meta["rollout"]["minibatch"]) for b in first + rest]
+    assert got == [divmod(k, 4) for k in range(12)]
+    taken = {key for b in first[:4] for key in keys_of(b)}
+    ref = gae_reference(taken, records)
+    for b in first + rest:
+        keys = keys_of(b)
+        adv = np.array([ref[k] for k in keys])
+        np.testing.assert_allclose(b["advantages"], adv, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(b["returns"], adv + b["value"], rtol=1e-5, atol=1e-5)
+    client.set_params("ppo", policy_version=0)  # asked again: the rollout from its start
+    again = [client.pop("ppo", timeout=60) for _ in range(4)]
+    assert {key for b in again for key in keys_of(b)} == taken
+    client.set_params("ppo", policy_version=1)
+    st = wait_state(client, "waiting for rollout")
+    assert st["rollout"]["dropped_stale"] == 6, st
+    client.close()
+    ing.close()
+
+
+def test_rollout_recipe_checks():
+    ok = Recipe.model_validate(recipe())
+    assert ok.rollout is not None and ok.rollout.steps == 64
+    bad = [
+        ({"rollout": {"steps": 60}}, "multiple of batch_size"),
+        ({"params": {}}, "params.policy_version must be the policy version"),
+        ({"n_step": 3}, "not with n_step"),
+        ({"sources": [{"name": "a", "sampler": {"kind": "priority"}}]}, "one source"),
+        ({"rollout": {"steps": 64, "advantage": "vtrace", "max_lag": 2}}, "name a scorer"),
+        ({"fields": ["obs", "advantages"]}, "added by rollout"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            Recipe.model_validate(recipe() | change)
+    schema = Schema(fields=Schema.rollout((3,)).fields)  # no log_prob/value tags
+    with pytest.raises(ValueError, match="numeric tags log_prob, value"):
+        ok.validate_against(schema)
+
+
+def test_truncated_rollout_step_needs_its_bootstrap(redis_url, workers, namespace):
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
+    ep = ing.episode()
+    obs = np.zeros(3, np.float32)
+    with pytest.raises(SchemaError, match="truncated with a 'value' but no 'bootstrap_value'"):
+        ep.add(obs, np.int64(0), 1.0, truncated=True, log_prob=-0.5, value=0.1)
+    ep.add(obs, np.int64(0), 1.0, truncated=True, log_prob=-0.5, value=0.1, bootstrap_value=0.2)
+    assert ing.close().committed == 1
