@@ -15,6 +15,8 @@ The recipe's live param ``rollout.version_param`` (``policy_version``) is the ta
    step is in exactly one minibatch of each epoch, whichever worker cuts it;
 3. once all are pushed, waits for v to move: one rollout per target.
 
+While it waits for steps, a fill looks again every ``POLL_S`` for up to ``WAIT_S``.
+
 Each sweep also counts *dropped-stale* steps: candidates of versions below the window that
 no rollout took; they are never served.
 
@@ -59,6 +61,13 @@ from orchestrator.sampling.rollouts import Chained
 from orchestrator.sampling.sample import read_steps, select_rollout
 from orchestrator.transforms.advantages import Estimate, gae, normalize, vtrace
 from orchestrator.transforms.augment import AugmentPlan
+
+WAIT_S = 2.0
+"""How long a fill waits for a rollout's steps (looking again every ``POLL_S``) before it
+ends with the waiting state: the rollout is formed within ``POLL_S`` of its last step's
+commit, not at the next fill a pop or the beat asks for (a second or more later). The
+refill lock (30 s) is held meanwhile, so no second fill starts."""
+POLL_S = 0.01
 
 Scorer = Callable[[dict[str, np.ndarray], dict[str, Any]], dict[str, np.ndarray]]
 """``scorer(fields, params)`` for V-trace: given a rollout's steps (the recipe's fields,
@@ -421,7 +430,9 @@ def run(reg: Registry, entry: Entry, augment: AugmentPlan | None) -> tuple[int, 
                 return _serve(reg, entry, augment, Plan.from_bytes(raw), st.cursor)
         got = _sweep(reg, recipe, target, form=False)
         return 0, str(got)
-    got = _sweep(reg, recipe, target, form=True)
-    if isinstance(got, str):
-        return 0, got
+    deadline = time.monotonic() + WAIT_S
+    while isinstance(got := _sweep(reg, recipe, target, form=True), str):
+        if time.monotonic() >= deadline:
+            return 0, got
+        time.sleep(POLL_S)
     return _serve(reg, entry, augment, got, 0)

@@ -3,6 +3,7 @@ against a real stack."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -155,3 +156,32 @@ def test_the_mappo_example_beats_a_random_policy(redis_url, workers, namespace, 
     trained, spread, random_mean, random_std = map(float, m.groups())
     assert trained - 2 * spread > random_mean + 2 * random_std + 2.0, out
     assert png.stat().st_size > 10_000
+
+
+def _updates(out: str) -> tuple[list[dict], dict]:
+    lines = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    return lines[:-1], lines[-1]
+
+
+def test_ppo_actors_consume_each_rollout_once(redis_url, workers, namespace):
+    """Short mode: 2 actors, 3 updates of 2 epochs; every update is the next rollout, of
+    the version just published, each step of it once per epoch, nothing dropped."""
+    args = ["--actors", "2", "--updates", "3", "--epochs", "2", "--n-steps", "16"]
+    out = _run_example(
+        "ppo_actors.py", redis_url, "--namespace", namespace, *args, "--batch-size", "64"
+    )
+    updates, summary = _updates(out)
+    assert [u["update"] for u in updates] == [1, 2, 3]
+    for u in updates:
+        assert u["rollouts"] == [u["update"]] and u["versions"] == [u["update"] - 1], u
+        assert u["steps"] == 128 and u["each_step_once_per_epoch"], u
+    assert summary["env_steps"] == 384 and summary["stats"]["rollouts"] == 3
+    assert summary["stats"]["dropped_stale"] == 0 and summary["stats"]["lost"] == 0
+
+
+@pytest.mark.slow
+def test_ppo_actors_learn_cartpole(redis_url, workers, namespace):
+    """In full: 4 actors, rl-zoo's hyperparameters, to a mean evaluation return >= 475."""
+    out = _run_example("ppo_actors.py", redis_url, "--namespace", namespace, "--actors", "4")
+    _, summary = _updates(out)
+    assert summary["eval_return"] >= 475, out[-3000:]
