@@ -122,7 +122,7 @@ def act(namespace: str, actor: int, envs: int, n_steps: int, seed: int) -> None:
     while not stop:
         got = weights.latest_version(r, namespace)
         if got is None or got == version:
-            time.sleep(0.002)
+            time.sleep(0.005)
             continue
         version, arrays = weights.fetch(r, namespace, layout)  # type: ignore[misc]
         net.load_arrays(arrays)

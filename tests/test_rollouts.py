@@ -125,3 +125,39 @@ def test_truncated_rollout_step_needs_its_bootstrap(redis_url, workers, namespac
         ep.add(obs, np.int64(0), 1.0, truncated=True, log_prob=-0.5, value=0.1)
     ep.add(obs, np.int64(0), 1.0, truncated=True, log_prob=-0.5, value=0.1, bootstrap_value=0.2)
     assert ing.close().committed == 1
+
+
+def test_record_steps_segments_and_versions(redis_url, workers, namespace):
+    """RecordSteps with value_fn and segment_steps: every 5th step (across episodes) and
+    every truncated one carries bootstrap_value = value_fn(next_obs); the policy version
+    set mid-episode applies from the next step on; log_prob and value are tags."""
+    import gymnasium as gym
+
+    from claw_tasks.client.gym import RecordSteps
+    from claw_tasks.store import Store
+    from orchestrator.sampling.index import SamplingIndex
+
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((4,)), flush_interval=None)
+    cartpole = gym.make("CartPole-v1", max_episode_steps=7)
+    env = RecordSteps(cartpole, ing, value_fn=lambda o: 100 + float(o[0]), segment_steps=5)
+    env.policy_version = 0
+    obs, _ = env.reset(seed=0)
+    flags = []
+    for t in range(23):
+        if t == 12:
+            env.policy_version = 1
+        obs, _, term, trunc, _ = env.step(t % 2, log_prob=-0.5, value=float(t))
+        flags.append((term, trunc, 100 + float(obs[0])))
+        if term or trunc:
+            obs, _ = env.reset()
+    ing.close()
+    index = SamplingIndex(Store(redis_url, namespace))
+    index.sync()
+    cols = index.columns
+    order = np.argsort(cols["id"])[-23:]
+    assert cols["t:value"][order].tolist() == [float(t) for t in range(23)]
+    boot = cols["t:bootstrap_value"][order]
+    for t, (term, trunc, v_next) in enumerate(flags):
+        due = not term and (trunc or (t + 1) % 5 == 0)
+        assert boot[t] == v_next if due else np.isnan(boot[t]), t
+    assert cols["policy_version"][order].tolist() == [0] * 12 + [1] * 11
