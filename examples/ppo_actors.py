@@ -245,9 +245,7 @@ def main() -> None:
                 ratio = torch.exp(logp - torch.tensor(b["log_prob"]))
                 adv = torch.tensor(b["advantages"])
                 pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv).mean()
-                vf = nn.functional.mse_loss(
-                    net.value(obs), torch.tensor(b["returns"])
-                )
+                vf = nn.functional.mse_loss(net.value(obs), torch.tensor(b["returns"]))
                 opt.zero_grad()
                 (pg + 0.5 * vf).backward()
                 nn.utils.clip_grad_norm_(net.parameters(), 0.5)
