@@ -232,7 +232,7 @@ def main() -> None:
             versions, rollouts = set(), set()
             asked = time.monotonic()
             for k in range(args.epochs * per_epoch):
-                b = client.pop(RECIPE, timeout=120)
+                b = client.pop(RECIPE, timeout=120 if v else 900)  # the first: actors start
                 if k == 0:
                     waits.append(time.monotonic() - asked)
                 ro = b.meta["rollout"]
