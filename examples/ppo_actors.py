@@ -43,7 +43,7 @@ from claw_tasks.client.gym import RecordSteps
 from claw_tasks.connection.client import redis_client
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.format.schema import Schema
-from claw_tasks.settings import load_settings
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
 from orchestrator import BatchClient
@@ -98,7 +98,7 @@ def act(namespace: str, actor: int, envs: int, n_steps: int, seed: int) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    r = redis_client(load_settings().redis_url)
+    r = redis_client(get_settings().redis_url)
     ingestor = Ingestor(namespace, flush_interval=0.1)
     net = ActorCritic()
     layout = net.layout()
@@ -188,7 +188,7 @@ def main() -> None:
         return
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
-    r = redis_client(load_settings().redis_url)
+    r = redis_client(get_settings().redis_url)
     store = Store(r, args.namespace)
     rollout_steps = ENVS * args.n_steps
     if not store.exists():

@@ -50,12 +50,12 @@ from typing import Any
 import numpy as np
 import redis
 
-from claw_tasks.format.arrays import frame, packb, unframe, unpackb
-from claw_tasks.settings import load_settings
+from claw_tasks.format.arrays import pack_array, packb, unpack_array, unpackb
+from claw_tasks.settings import get_settings
 from orchestrator.delivery import shm
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.registry import Entry, Registry
-from orchestrator.delivery.wire import frame_batch
+from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe, Rollout
 from orchestrator.sampling.rollouts import Chained
 from orchestrator.sampling.sample import read_steps, select_rollout
@@ -79,7 +79,7 @@ per step."""
 def load_scorer(name: str) -> Scorer:
     """The scorer ``module:function``, if the workers' allowlist (``CLAW_SCORERS``, the
     one the priority scorers use) names it."""
-    allowed = load_settings().scorers
+    allowed = get_settings().scorers
     if name not in allowed:
         raise ValueError(
             f"scorer {name!r} is not allowed on this worker: add it to CLAW_SCORERS "
@@ -123,12 +123,12 @@ class Plan:
 
     def to_bytes(self) -> bytes:
         head = {k: getattr(self, k) for k in ("no", "target", "seed", "epochs", "batch_size")}
-        return packb({**head, **{k: frame(getattr(self, k)) for k in self._ARRAYS}})
+        return packb({**head, **{k: pack_array(getattr(self, k)) for k in self._ARRAYS}})
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Plan:
         d = unpackb(raw)
-        return cls(**{k: unframe(v) if k in cls._ARRAYS else int(v) for k, v in d.items()})
+        return cls(**{k: unpack_array(v) if k in cls._ARRAYS else int(v) for k, v in d.items()})
 
 
 @dataclass(frozen=True)
@@ -361,7 +361,7 @@ def _serve(
             return made, _lost(reg, recipe, plan)
         rng = np.random.default_rng([plan.seed, plan.no, k, 1])
         fields = augment.apply(batch.fields, rng) if augment is not None else batch.fields
-        arrays, meta = collate(fields)
+        arrays, meta = collate(fields), dict(batch.meta)
         arrays.update(
             advantages=plan.advantages[pos],
             returns=plan.returns[pos],
@@ -379,10 +379,10 @@ def _serve(
             "minibatches": plan.per_epoch,
             "steps": len(plan.ids),
         }
-        framed = frame_batch(
+        wire = to_wire(
             arrays, batch.ids, sources=batch.sources, recipe_version=recipe.version, meta=meta
         )
-        pushed = _push(reg, recipe, plan, k, shm.to_message(framed, reader_host=entry.shm_host))
+        pushed = _push(reg, recipe, plan, k, shm.to_message(wire, reader_host=entry.shm_host))
         if pushed is None:
             break
         if isinstance(pushed, str):

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, tag_column
-from claw_tasks.store.layout import TERMINATED
+from claw_tasks.format.stepmeta import TERMINATED
 from orchestrator.sampling.sequences import follow
 
 Columns = Mapping[str, np.ndarray]

@@ -135,7 +135,7 @@ def read_steps(
     fields: Sequence[str] | None = None,
     *,
     redis_url: str | None = None,
-) -> SampledBatch | None:
+) -> Batch | None:
     """The ``fields`` (default: the recipe's) of the steps ``ids``, in that order, read as
     a batch of ``recipe`` is (decoded, ``next_obs`` followed); None when one of them is no
     longer stored (evicted, or its slot reused)."""
