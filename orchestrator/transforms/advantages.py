@@ -16,8 +16,9 @@ bootstrap, or the value of the episode's next step, stored outside the rollout) 
 
 Inside a chain ``next_values`` is not read: the successor's ``values`` is the next value.
 :func:`chains_from_time_major` turns Stable-Baselines3's ``(n_steps, n_envs)`` buffer into
-this layout. The recursions run once over the rows (O(N), a Python loop over floats:
-about 0.3 us a row), in float64.
+this layout. The recursions run once over the rows in float64, a Python loop over floats:
+4-5 us a row on the CI machine at load 14, 10 ms for a 2,048-step rollout (a loop
+vectorised over chains was slower: numpy's per-call cost times the longest chain).
 """
 
 from __future__ import annotations
