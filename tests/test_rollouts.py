@@ -19,10 +19,12 @@ from rollout_actors import (
     recipe,
     wait_state,
 )
+from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import Schema, SchemaError
 from orchestrator import BatchClient
+from orchestrator.cli.main import app
 from orchestrator.recipe.model import Recipe
 
 
@@ -56,6 +58,9 @@ def test_consume_once_by_version_with_four_actors(redis_url, workers, namespace)
     assert st["state"].startswith("waiting for rollout of policy_version 4..5: 16 of 64"), st
     assert st["rollout"]["dropped_stale"] == stale == 10
     assert not any(k[0] == STRAGGLER for k in served)
+    out = CliRunner().invoke(app, ["recipes", namespace], env={"CLAW_REDIS_URL": redis_url})
+    line = "rollouts 5 (serving policy_version 4: 12/12 minibatches pushed), dropped stale 10"
+    assert line in " ".join(out.output.split()), out.output
     client.close()
     ing.close()
 
