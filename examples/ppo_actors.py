@@ -17,8 +17,9 @@ lr 1e-3 and clip 0.2). It stops when 20 deterministic evaluation episodes averag
     python examples/ppo_actors.py --actors 4     # CLAW_REDIS_URL picks the Redis
 
 Each update prints one JSON line (version, rollout number, the policy versions and the
-count of distinct steps its minibatches held, the learner's wait); the last line sums up:
-env steps per second and the learner's mean wait per update.
+count of distinct steps its minibatches held, the learner's wait from publishing to its
+first minibatch, and of it the delivery: from the last actor's send to that minibatch);
+the last line sums up: env steps per second, the mean wait and delivery per update.
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ def returns_key(namespace: str) -> str:
     return f"{Keys(namespace).base}ppo:returns"
 
 
+def sent_key(namespace: str) -> str:
+    """Hash: actor -> when it sent its last segment (unix time, this host's clock)."""
+    return f"{Keys(namespace).base}ppo:sent"
+
+
 # ---- actors ------------------------------------------------------------------------------
 def act(namespace: str, actor: int, envs: int, n_steps: int, seed: int) -> None:
     """One actor: ``envs`` envs, a segment of ``n_steps`` per env for every version."""
@@ -149,6 +155,7 @@ def act(namespace: str, actor: int, envs: int, n_steps: int, seed: int) -> None:
                     o, _ = e.reset()
                 obs[i] = o
         ingestor.flush(wait=False)
+        r.hset(sent_key(namespace), str(actor), time.time())
     ingestor.close()
 
 
@@ -221,7 +228,7 @@ def main() -> None:
         subprocess.Popen([sys.executable, script, *sys.argv[1:], "--actor", str(k)], env=os.environ)
         for k in range(args.actors)
     ]
-    started, waits, steps, v = time.monotonic(), [], 0, 0
+    started, waits, deliveries, steps, v = time.monotonic(), [], [], 0, 0
     try:
         while True:
             progress = min(1.0, steps / args.timesteps)
@@ -235,6 +242,8 @@ def main() -> None:
                 b = client.pop(RECIPE, timeout=120 if v else 900)  # the first: actors start
                 if k == 0:
                     waits.append(time.monotonic() - asked)
+                    sent = r.hvals(sent_key(args.namespace))
+                    deliveries.append(time.time() - max(float(x) for x in sent))
                 ro = b.meta["rollout"]
                 seen[ro["epoch"]].update(b.ids.tolist())
                 versions.update(np.unique(b["policy_version"]).tolist())
@@ -264,6 +273,7 @@ def main() -> None:
                 "steps": len(seen[0]),
                 "each_step_once_per_epoch": once,
                 "wait_s": round(waits[-1], 4),
+                "delivery_s": round(deliveries[-1], 4),
                 "train_return": round(mean20, 1),
             }
             ev = None
@@ -285,6 +295,7 @@ def main() -> None:
         "seconds": round(elapsed, 1),
         "env_steps_per_s": round(steps / elapsed, 1),
         "mean_wait_s": round(float(np.mean(waits)), 4),
+        "mean_delivery_s": round(float(np.mean(deliveries)), 4),
         "eval_return": ev,
         "stats": client.stats(RECIPE)[RECIPE]["rollout"],
     }
