@@ -29,7 +29,7 @@ def test_example_recipe_is_valid(path):
     assert sum(recipe.counts) == recipe.batch_size
 
 
-def _run_example(name: str, redis_url: str, *args: str) -> str:
+def _run_example(name: str, redis_url: str, *args: str, timeout: float = 240) -> str:
     env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
     env.pop("CLAW_BROKER_URL", None)
     proc = subprocess.run(
@@ -37,7 +37,7 @@ def _run_example(name: str, redis_url: str, *args: str) -> str:
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return proc.stdout
@@ -182,6 +182,7 @@ def test_ppo_actors_consume_each_rollout_once(redis_url, workers, namespace):
 @pytest.mark.slow
 def test_ppo_actors_learn_cartpole(redis_url, workers, namespace):
     """In full: 4 actors, rl-zoo's hyperparameters, to a mean evaluation return >= 475."""
-    out = _run_example("ppo_actors.py", redis_url, "--namespace", namespace, "--actors", "4")
+    args = ["--namespace", namespace, "--actors", "4"]
+    out = _run_example("ppo_actors.py", redis_url, *args, timeout=3600)
     _, summary = _updates(out)
     assert summary["eval_return"] >= 475, out[-3000:]
