@@ -8,9 +8,20 @@ from __future__ import annotations
 
 from collections import Counter
 
+import gymnasium as gym
 import numpy as np
 import pytest
-from rollout_actors import (
+from typer.testing import CliRunner
+
+from claw_tasks.client import Ingestor
+from claw_tasks.client.gym import RecordSteps
+from claw_tasks.format.schema import Schema, SchemaError
+from claw_tasks.store import Store
+from orchestrator import BatchClient
+from orchestrator.cli.main import app
+from orchestrator.recipe.model import Recipe
+from orchestrator.sampling.index import SamplingIndex
+from tests.support.rollout_actors import (
     STRAGGLER,
     Actor,
     gae_reference,
@@ -19,13 +30,6 @@ from rollout_actors import (
     recipe,
     wait_state,
 )
-from typer.testing import CliRunner
-
-from claw_tasks.client import Ingestor
-from claw_tasks.format.schema import Schema, SchemaError
-from orchestrator import BatchClient
-from orchestrator.cli.main import app
-from orchestrator.recipe.model import Recipe
 
 
 def test_consume_once_by_version_with_four_actors(redis_url, workers, namespace):
@@ -136,12 +140,6 @@ def test_record_steps_segments_and_versions(redis_url, workers, namespace):
     """RecordSteps with value_fn and segment_steps: every 5th step (across episodes) and
     every truncated one carries bootstrap_value = value_fn(next_obs); the policy version
     set mid-episode applies from the next step on; log_prob and value are tags."""
-    import gymnasium as gym
-
-    from claw_tasks.client.gym import RecordSteps
-    from claw_tasks.store import Store
-    from orchestrator.sampling.index import SamplingIndex
-
     ing = Ingestor(namespace, redis_url, schema=Schema.rollout((4,)), flush_interval=None)
     cartpole = gym.make("CartPole-v1", max_episode_steps=7)
     env = RecordSteps(cartpole, ing, value_fn=lambda o: 100 + float(o[0]), segment_steps=5)

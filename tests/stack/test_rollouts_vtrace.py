@@ -4,28 +4,22 @@ the recorded steps and the scorer's numbers."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-from rollout_actors import GAMMA, LAM, Actor, keys_of, recipe
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import Schema
 from orchestrator import BatchClient
 from orchestrator.transforms.advantages import vtrace
-
-ROOT = Path(__file__).parents[1]
+from tests.support.paths import ROOT
+from tests.support.rollout_actors import GAMMA, LAM, Actor, keys_of, recipe
 
 
 def test_vtrace_with_a_scorer_for_lagged_steps(redis_url, start_worker, namespace):
-    """max_lag 1, advantage vtrace: the target numbers of the steps of version 0 come from
-    the recipe's scorer (scorers.rollout_target: log_prob -0.05 * step_index, value
-    0.1 * step_index, next_value 1); the batch equals vtrace() of them."""
-    start_worker(
-        "ingest,prefetch",
-        CLAW_SCORERS="scorers:rollout_target",
-        PYTHONPATH=f"{ROOT / 'tests'}:{ROOT}",
-    )
+    """max_lag 1, advantage vtrace: the target numbers come from the recipe's scorer
+    (tests.support.scorers.rollout_target: log_prob -0.05 and value 0.1 times the step
+    index, next_value 1); the minibatches equal vtrace() of them."""
+    scorer = "tests.support.scorers:rollout_target"
+    start_worker("ingest,prefetch", CLAW_SCORERS=scorer, PYTHONPATH=str(ROOT))
     records: dict = {}
     ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
     actors = [Actor(ing, k, records, seed=20 + k) for k in range(4)]
@@ -35,7 +29,7 @@ def test_vtrace_with_a_scorer_for_lagged_steps(redis_url, start_worker, namespac
     ing.flush()
     client = BatchClient(namespace, redis_url)
     client.register(
-        recipe(max_lag=1, advantage="vtrace", scorer="scorers:rollout_target", rho_bar=1.2)
+        recipe(max_lag=1, advantage="vtrace", scorer=scorer, rho_bar=1.2)
         | {"params": {"policy_version": 1}}
     )
     batches = [client.pop("ppo", timeout=60) for _ in range(12)]
