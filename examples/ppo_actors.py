@@ -262,8 +262,6 @@ def main() -> None:
             steps += rollout_steps
             once = all(set(c.values()) == {1} and len(c) == rollout_steps for c in seen)
             v += 1
-            weights.publish(r, args.namespace, v, net.arrays())
-            client.set_params(RECIPE, policy_version=v)
             done = [unpackb(x) for x in r.lrange(returns_key(args.namespace), -20, -1)]
             mean20 = float(np.mean([d[2] for d in done])) if done else 0.0
             line = {
@@ -281,12 +279,15 @@ def main() -> None:
                 ev = line["eval_return"] = evaluate(net, 20, seed=10_000)
             print(json.dumps(line), flush=True)
             if (args.updates and v >= args.updates) or (ev is not None and ev >= args.target):
-                break
+                break  # the actors stop before version v exists: no rollout of it forms
+            weights.publish(r, args.namespace, v, net.arrays())
+            client.set_params(RECIPE, policy_version=v)
     finally:
         for a in actors:
             a.send_signal(signal.SIGTERM)
         for a in actors:
             a.wait(30)
+    weights.publish(r, args.namespace, v, net.arrays())
     elapsed = time.monotonic() - started
     summary = {
         "done": v,
