@@ -19,7 +19,8 @@ lr 1e-3 and clip 0.2). It stops when 20 deterministic evaluation episodes averag
 Each update prints one JSON line (version, rollout number, the policy versions and the
 count of distinct steps its minibatches held, the learner's wait from publishing to its
 first minibatch, and of it the delivery: from the last actor's send to that minibatch);
-the last line sums up: env steps per second, the mean wait and delivery per update.
+the last line sums up, from the end of the first update on (the actors have started):
+env steps per second, the mean wait and delivery per update.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def main() -> None:
         subprocess.Popen([sys.executable, script, *sys.argv[1:], "--actor", str(k)], env=os.environ)
         for k in range(args.actors)
     ]
-    started, waits, deliveries, steps, v = time.monotonic(), [], [], 0, 0
+    waits, deliveries, steps, v, warm = [], [], 0, 0, 0.0
     try:
         while True:
             progress = min(1.0, steps / args.timesteps)
@@ -260,6 +261,8 @@ def main() -> None:
                 nn.utils.clip_grad_norm_(net.parameters(), 0.5)
                 opt.step()
             steps += rollout_steps
+            if v == 0:  # from here on the actors run: the steady state the summary measures
+                warm = time.monotonic()
             once = all(set(c.values()) == {1} and len(c) == rollout_steps for c in seen)
             v += 1
             done = [unpackb(x) for x in r.lrange(returns_key(args.namespace), -20, -1)]
@@ -288,15 +291,16 @@ def main() -> None:
         for a in actors:
             a.wait(30)
     weights.publish(r, args.namespace, v, net.arrays())
-    elapsed = time.monotonic() - started
+    elapsed = time.monotonic() - warm
+    steady = max(1, len(waits) - 1)  # the first update waited for the actors to start
     summary = {
         "done": v,
         "actors": args.actors,
         "env_steps": steps,
         "seconds": round(elapsed, 1),
-        "env_steps_per_s": round(steps / elapsed, 1),
-        "mean_wait_s": round(float(np.mean(waits)), 4),
-        "mean_delivery_s": round(float(np.mean(deliveries)), 4),
+        "env_steps_per_s": round((steps - rollout_steps) / elapsed, 1),
+        "mean_wait_s": round(float(np.mean(waits[-steady:])), 4),
+        "mean_delivery_s": round(float(np.mean(deliveries[-steady:])), 4),
         "eval_return": ev,
         "stats": client.stats(RECIPE)[RECIPE]["rollout"],
     }
