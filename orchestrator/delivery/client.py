@@ -143,7 +143,10 @@ class BatchClient:
             if left < (recipe.prefetch.low_water or 0) + (item is None):
                 self._refills.put(name)  # sent off the trainer's path (~1 ms)
             if item is None:
-                wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                # A rollout recipe's fill that found too few steps ends after its own wait
+                # (rollouts.WAIT_S): ask again soon, the rollout forms when its steps land.
+                tick = 0.1 if recipe.rollout is not None else 1.0
+                wait = tick if deadline is None else min(tick, deadline - time.monotonic())
                 if wait <= 0:
                     raise TimeoutError(self._why_empty(name, timeout))
                 got = r.blpop([q], timeout=max(wait, 0.01))
