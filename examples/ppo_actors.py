@@ -106,7 +106,9 @@ def act(namespace: str, actor: int, envs: int, n_steps: int, seed: int) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     r = redis_client(get_settings().redis_url)
-    ingestor = Ingestor(namespace, flush_interval=0.1)
+    # One message per segment, sent when it is complete: the actor waits for the next
+    # version anyway, so it waits for the commit too (no timer thread, nothing in flight).
+    ingestor = Ingestor(namespace, flush_interval=None, flush_steps=1 << 16)
     net = ActorCritic()
     layout = net.layout()
 
@@ -155,8 +157,9 @@ def act(namespace: str, actor: int, envs: int, n_steps: int, seed: int) -> None:
                     ret[i], length[i] = 0.0, 0
                     o, _ = e.reset()
                 obs[i] = o
-        ingestor.flush(wait=False)
-        r.hset(sent_key(namespace), str(actor), time.time())
+        sent = time.time()
+        ingestor.flush()
+        r.hset(sent_key(namespace), str(actor), sent)
     ingestor.close()
 
 
