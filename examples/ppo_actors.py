@@ -157,9 +157,8 @@ def act(namespace: str, actor: int, envs: int, n_steps: int, seed: int) -> None:
                     ret[i], length[i] = 0.0, 0
                     o, _ = e.reset()
                 obs[i] = o
-        sent = time.time()
-        ingestor.flush()
-        r.hset(sent_key(namespace), str(actor), sent)
+        r.hset(sent_key(namespace), str(actor), time.time())  # before: the rollout may
+        ingestor.flush()  # form, and the learner read the hash, before the flush returns
     ingestor.close()
 
 
