@@ -15,7 +15,7 @@ The recipe's live param ``rollout.version_param`` (``policy_version``) is the ta
    step is in exactly one minibatch of each epoch, whichever worker cuts it;
 3. once all are pushed, waits for v to move: one rollout per target.
 
-While it waits for steps, a fill looks again every ``POLL_S`` for up to ``WAIT_S``.
+While it waits for steps, a fill looks for new commits every ``POLL_S`` for up to ``WAIT_S``.
 
 Each sweep also counts *dropped-stale* steps: candidates of versions below the window that
 no rollout took; they are never served.
@@ -31,7 +31,8 @@ State per recipe, in the namespace's keys (``claw:{ns}:``, :meth:`Registry.rollo
 - ``ro:<name>:seen``: the ids every rollout took or a sweep counted stale (sorted int64;
   pruned to live steps at each formation), so that no step is taken or counted twice.
 
-Formation and the sweep are transactions watching the hash and ``seen``; a minibatch is
+Formation and the sweep are transactions watching the hash, ``seen`` and the recipe's
+version (a fill still waiting when the version moved forms nothing); a minibatch is
 pushed in a transaction that checks the cursor is still ``k`` and advances it, so workers
 that race, or a worker killed between its read and its push, never skip nor duplicate a
 minibatch. A recipe version change under the same target (``set_params`` of another
@@ -63,8 +64,9 @@ from orchestrator.transforms.advantages import Estimate, gae, normalize, vtrace
 from orchestrator.transforms.augment import AugmentPlan
 
 WAIT_S = 2.0
-"""How long a fill waits for a rollout's steps (looking again every ``POLL_S``) before it
-ends with the waiting state: the rollout is formed within ``POLL_S`` of its last step's
+"""How long a fill waits for a rollout's steps (reading the shards' sequence counters every
+``POLL_S``, selecting again when steps were committed) before it ends with the waiting
+state: the rollout is formed within ``POLL_S`` of its last step's
 commit, not at the next fill a pop or the beat asks for (a second or more later). The
 refill lock (30 s) is held meanwhile, so no second fill starts."""
 POLL_S = 0.01
@@ -246,7 +248,10 @@ def _sweep(reg: Registry, recipe: Recipe, target: int, form: bool) -> Plan | str
     with reg.r.pipeline(transaction=True) as pipe:
         while True:
             try:
-                pipe.watch(skey, seen)
+                pipe.watch(skey, seen, reg.versions_key)
+                if int(pipe.hget(reg.versions_key, name) or 0) != recipe.version:
+                    pipe.unwatch()  # moved on while this fill waited: the next fill forms
+                    return "stopped: recipe changed"
                 st = State.of(pipe.hgetall(skey))
                 classified = np.frombuffer(pipe.get(seen) or b"", np.int64)
                 sel = select_rollout(reg.store, recipe, classified, window)
@@ -431,8 +436,13 @@ def run(reg: Registry, entry: Entry, augment: AugmentPlan | None) -> tuple[int, 
         got = _sweep(reg, recipe, target, form=False)
         return 0, str(got)
     deadline = time.monotonic() + WAIT_S
+    inserted = reg.inserted()
     while isinstance(got := _sweep(reg, recipe, target, form=True), str):
-        if time.monotonic() >= deadline:
+        if got.startswith("stopped"):
             return 0, got
-        time.sleep(POLL_S)
+        while (now := reg.inserted()) == inserted and time.monotonic() < deadline:
+            time.sleep(POLL_S)  # a GET per shard: select again only once steps landed
+        if now == inserted:
+            return 0, got
+        inserted = now
     return _serve(reg, entry, augment, got, 0)

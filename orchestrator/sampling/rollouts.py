@@ -54,7 +54,7 @@ class Selection(NamedTuple):
     ready: int  # ready candidates in the window
     waiting: int  # candidates in the window whose next value is not known yet
     taken: Chained | None  # the rollout, when ``ready >= steps``
-    alive: np.ndarray  # the classified ids that are still alive (the rest can be forgotten)
+    alive: np.ndarray  # with ``taken``: the classified ids still alive (the rest can go)
 
 
 def _tag(columns: Columns, name: str, rows: np.ndarray) -> np.ndarray:
@@ -74,7 +74,6 @@ def select(
     """Sort the ``candidates`` (bool per global row) not in ``classified`` (sorted ids) by
     the window ``[lo, hi]`` of policy versions; take ``steps`` ready ones if there are."""
     ids_all = columns["id"]
-    alive = classified[np.isin(classified, ids_all[columns["alive"]])]
     rows = np.flatnonzero(candidates)
     rows = rows[~np.isnan(_tag(columns, VALUE, rows)) & ~np.isnan(_tag(columns, LOG_PROB, rows))]
     ids = ids_all[rows]
@@ -91,11 +90,12 @@ def select(
     succ_value = np.where(succ >= 0, _tag(columns, VALUE, np.maximum(succ, 0)), np.nan)
     ready = term | ~np.isnan(boot) | ~np.isnan(succ_value)
     n_ready = int(ready.sum())
-    taken = None
+    taken, alive = None, classified
     if n_ready >= steps:
         r, i, v = rows[ready], ids[ready], version[ready]
         first = np.lexsort((i, v))[:steps]
         taken = _chained(columns, r[first], cap)
+        alive = classified[np.isin(classified, ids_all[columns["alive"]])]
     return Selection(stale, n_ready, int((~ready).sum()), taken, alive)
 
 
