@@ -385,6 +385,7 @@ class Recipe(_Model):
                 ("sequence_length", self.sequence_length == 1),
                 ("frame_stack", self.frame_stack == 1),
                 ("tokens", self.tokens is None),
+                ("joint", self.joint is None),
                 ("rate_limit", self.rate_limit is None),
             )
             if not off
