@@ -33,6 +33,7 @@ from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
+from orchestrator.retrieval.query import neighbour_fields
 from orchestrator.sampling.batch import take_rows
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.sample import close_shared, sample
@@ -166,6 +167,10 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
             except InsufficientData as e:
                 state = f"insufficient data: {e}"
                 break
+            if recipe.nearest is not None:  # queried with the states as drawn
+                near = recipe.nearest
+                got = neighbour_fields(reg.store, near, batch.fields[near.query], batch.ids)
+                batch.fields.update(got)
             fields = plan.apply(batch.fields, rng) if plan is not None else batch.fields
             ids, weights, source_index = batch.ids, batch.weights, batch.source_index
             meta = batch.meta

@@ -5,10 +5,12 @@ metadata a ``where`` reads; the host's shared one where there is one), the index
 vectors (:class:`~orchestrator.retrieval.vectors.VectorIndex`) and masks kept current
 incrementally: ``valid`` (alive, trainable, and the stored vector is the one of the step
 in the row now) and one per recent ``where``. A query syncs both indexes, searches the
-rows ``valid & where`` allows, then reads the fields asked for through the sampling
-fetch, whose script checks in the same round trip that every returned row still holds
-its step (alive, not overwritten): a step evicted since the sync fails the check and the
-query runs again on the synced index, so no evicted step is ever returned.
+rows ``valid & where`` allows for ``k + SLACK`` candidates, and checks them against the
+store (``lua/live.lua``: the slot not allocated again since, the alive bit set) before
+taking the first ``k`` live ones; the fields asked for are then read through the
+sampling fetch, whose script checks the same in the round trip that reads them. A step
+evicted before the query started fails the first check, one evicted during it the
+second (the query then runs again): no evicted step is ever returned.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from claw_tasks.connection.client import identity
 from claw_tasks.format.stepmeta import UNTRAINABLE
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.where import Where
 from claw_tasks.worker.lru import LRU
-from orchestrator.recipe.model import Recipe
+from orchestrator.recipe.model import Nearest, Recipe
 from orchestrator.retrieval.spec import IndexSpec, Projection, SpecError
 from orchestrator.retrieval.storage import check_field, list_indexes
 from orchestrator.retrieval.vectors import VectorIndex
@@ -40,6 +44,9 @@ from orchestrator.sampling.strings import Strings
 
 ATTEMPTS = 8
 """Queries per call before giving up on steps evicted under it."""
+SLACK = 8
+"""Candidates asked for beyond ``k``: a few may turn out evicted since the sync."""
+_LIVE = Lua("live", "orchestrator")
 WHERE_CACHE = 8
 """Masks of this many recent ``where``s are kept (per session)."""
 
@@ -231,9 +238,12 @@ class Session:
         for _ in range(ATTEMPTS):
             self.index.sync()
             self._update_masks(self.vectors.refresh())
-            compiled = self._compile(where)
-            mask = self._where_mask(compiled, params)
-            dist, rows = self.vectors.search(queries, k, mask)
+            mask = self._where_mask(self._compile(where), params)
+            dist, rows = self.vectors.search(queries, k + SLACK, mask)
+            picked = self._live(dist, rows, k)
+            if picked is None:
+                continue
+            dist, rows = picked
             got = self._read(rows, fields)
             if got is not None:
                 ids, out, meta = got
@@ -243,6 +253,53 @@ class Session:
             "evicted or overwritten before they were read (an eviction is removing many of "
             "them: try again)"
         )
+
+    def _live(
+        self, dist: np.ndarray, rows: np.ndarray, k: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The first ``k`` candidates of each query that still hold their steps (one
+        ``lua/live.lua`` call per shard, after the search); None when some query lost
+        more than ``SLACK`` of them and had more: those rows are masked, search again."""
+        uniq = np.unique(rows[rows >= 0])
+        dead = uniq[~self._alive(uniq)] if len(uniq) else uniq
+        if len(dead):
+            self.valid[dead] = False  # until a sync says what they hold now
+        live = (rows >= 0) & ~np.isin(rows, dead)
+        short = (live.sum(axis=1) < k) & (rows[:, -1] >= 0)  # lost some, and had more
+        if short.any():
+            return None
+        order = np.argsort(~live, axis=1, kind="stable")[:, :k]  # live ones first, in order
+        rows = np.where(np.take_along_axis(live, order, 1), np.take_along_axis(rows, order, 1), -1)
+        dist = np.where(rows >= 0, np.take_along_axis(dist, order, 1), np.nan)
+        return dist.astype(np.float32), rows
+
+    def _alive(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each of ``rows`` (sorted) still holds the step the index says."""
+        cols, cap, n_shards = self.index.columns, self.index.cap, self.index.n_shards
+        seqs = cols["id"][rows] // n_shards
+        shards = rows // cap
+        keys = self.store.keys
+        parts: list[np.ndarray] = []
+
+        def queue(pipe: Any) -> None:
+            parts.clear()  # run again after a NOSCRIPT
+            for shard in np.unique(shards).tolist():
+                on = shards == shard
+                parts.append(on)
+                args = [
+                    cap,
+                    msgpack.packb((rows[on] % cap).tolist()),
+                    msgpack.packb(seqs[on].tolist()),
+                ]
+                _LIVE.queue(
+                    pipe, [keys.shard_key(shard, "alive"), keys.shard_key(shard, "seq")], args
+                )
+
+        replies = execute(self.store.r, [_LIVE], queue)
+        out = np.zeros(len(rows), bool)
+        for on, reply in zip(parts, replies, strict=True):
+            out[on] = np.frombuffer(reply, np.uint8) == ord("1")
+        return out
 
     def _read(
         self, rows: np.ndarray, fields: list[str]
@@ -286,3 +343,30 @@ class Session:
 
 def _where_key(where: str | Mapping[str, Any]) -> Any:
     return where if isinstance(where, str) else repr(sorted(where.items()))
+
+
+def neighbour_fields(
+    store: Store, near: Nearest, states: np.ndarray, ids: np.ndarray
+) -> dict[str, np.ndarray]:
+    """What a recipe's ``nearest`` section adds to a batch whose rows are the steps
+    ``ids`` with query field ``states``: ``nearest.<field>`` (B, k, ...), ``nearest.id``
+    and ``nearest.distance`` (B, k). With ``exclude_self`` a row's own step is dropped
+    from its neighbours (k + 1 are asked for)."""
+    target = store if near.namespace in (None, store.namespace) else Store(store.r, near.namespace)
+    same = target.namespace == store.namespace and near.exclude_self
+    k = near.k + 1 if same else near.k
+    got = nearest(target, states, k, index=near.index, where=near.where or None, fields=near.fields)
+    keep = np.ones(got.ids.shape, bool)
+    if same:  # each row's own step, or else its farthest neighbour, goes
+        own = got.ids == np.asarray(ids)[:, None]
+        keep = ~own
+        keep[~own.any(axis=1), -1] = False
+    order = np.argsort(~keep, axis=1, kind="stable")[:, : near.k]
+
+    def pick(a: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(a, order.reshape(*order.shape, *[1] * (a.ndim - 2)), axis=1)
+
+    out = {"nearest.id": pick(got.ids), "nearest.distance": pick(got.distances)}
+    for name, values in got.fields.items():
+        out[f"nearest.{name}"] = pick(values)
+    return out

@@ -1,11 +1,13 @@
 """A vector index's Redis keys, and reading and writing them as raw arrays (never pickled).
 
 Namespace level (``claw:{ns}:``): ``vx`` (hash: index name -> its definition as JSON),
-``vx:<name>`` (hash: ``dim``, ``nlist``, ``gen`` — 0 until the IVF quantizer is trained,
-then 1 — ``centroids`` as raw float32, ``created`` — the namespace's config creation time
-the index belongs to), ``vx:<name>:log`` (stream: one entry per write, ``rows`` the global
-rows ``shard * cap + slot`` written, as ``<i8``; ``gen`` when the quantizer was trained),
-``vx:<name>:lock`` (the writer's lock: one maintenance task at a time writes an index).
+``vx:<name>`` (hash: ``dim``; ``created``, the namespace config's creation time the index
+belongs to; ``gen``, 0 until the IVF quantizer is trained, then 1; ``nlist`` and
+``centroids`` as raw float32; ``runs`` and ``pending``, the writer's ticks and the steps
+it had left after the last), ``vx:<name>:log`` (stream: one entry per write, ``rows`` the
+global rows ``shard * cap + slot`` written, as ``<i8``; ``gen`` when the quantizer was
+trained), ``vx:<name>:lock`` (the writer's lock: one maintenance task at a time writes
+an index).
 
 Shard level (``claw:{ns:s}:vx:<name>:``), indexed by slot like the store's columns, each
 chunk sized once when first touched (``lua/vsize.lua``): ``v:<chunk>`` float32 vectors of
@@ -195,6 +197,14 @@ class Storage:
             )
             pipe.execute()
         self.r.xadd(self.keys.log, {"gen": 1}, maxlen=LOG_MAXLEN, approximate=True)
+
+    def ran(self, done: Mapping[str, Any]) -> None:
+        """Count a writer's tick in the head (``runs``, ``pending``: what ``claw stats`` and
+        the tests read)."""
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.hincrby(self.keys.head, "runs", 1)
+            pipe.hset(self.keys.head, "pending", int(done.get("pending", 0)))
+            pipe.execute()
 
     # ---- lock ------------------------------------------------------------------------
     def lock(self) -> str | None:

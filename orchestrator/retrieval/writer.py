@@ -132,7 +132,9 @@ class Writer:
         if token is None:
             return {"written": 0, "locked": True}
         try:
-            return self._run(index, strings, budget_s, max_rows)
+            done = self._run(index, strings, budget_s, max_rows)
+            self.storage.ran(done)
+            return done
         finally:
             self.storage.unlock(token)
 
