@@ -6,28 +6,35 @@ eviction runs, persisted so a restarted worker projects nothing again, a recipe'
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from claw_tasks.broker.app import client_app
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
 from orchestrator.retrieval import define_index, nearest
 from orchestrator.retrieval.query import forget_namespace
 from orchestrator.retrieval.storage import IndexKeys
+from tests.conftest import Worker
 
-ROOT = Path(__file__).resolve().parents[1]
 DIM = 8
+
+
+@pytest.fixture(scope="module")
+def worker(store_url, broker_url, redis_server, tmp_path_factory):
+    """One maintenance and prefetch worker for the module's tests (2 pool processes)."""
+    log = tmp_path_factory.mktemp("worker") / "maintenance-prefetch.log"
+    w = Worker(store_url, "maintenance,prefetch", 2, log, {}, broker_url)
+    yield w
+    w.stop()
 
 
 def steps(obs: np.ndarray, episode: str, origin: str, first_action: int = 0) -> StepBatch:
@@ -60,7 +67,7 @@ def runs(store: Store, name: str = "default") -> int:
 def built(store: Store, redis_url: str, name: str = "default", trained: bool = True) -> None:
     """Ask for ticks until the index has no pending steps (and is trained)."""
     head = IndexKeys(store, name).head
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         before = runs(store, name)
         tick(redis_url)
@@ -89,12 +96,11 @@ def expert(redis_url: str, namespace: str) -> tuple[Store, np.ndarray]:
     forget_namespace(namespace)
 
 
-def test_the_beat_task_builds_indexes_that_answer_exactly(redis_url, expert, start_worker):
+def test_the_beat_task_builds_indexes_that_answer_exactly(redis_url, expert, worker):
     store, x = expert
     # IVF forced (exact_below 0) with every list probed: the approximate path, exact answers.
     define_index(store, {"nlist": 16, "nprobe": 16, "exact_below": 0})
     define_index(store, {"name": "flat", "kind": "exact", "metric": "cosine"})
-    start_worker("maintenance")
     built(store, redis_url)
     built(store, redis_url, "flat", trained=False)
     q = x[[5, 1500, 2999]] + 0.01
@@ -121,12 +127,11 @@ def test_the_beat_task_builds_indexes_that_answer_exactly(redis_url, expert, sta
     assert (few.ids[:, :2] > 2000).all() and (few.ids[:, 2:] == -1).all()  # only 2 match
 
 
-def test_no_evicted_step_is_ever_returned(redis_url, expert, start_worker):
+def test_no_evicted_step_is_ever_returned(redis_url, expert, worker):
     """Retention-style evictions and ring overwrites run while queries run: no answer
     holds a step whose eviction had finished before the query started."""
     store, x = expert
     define_index(store, {"nlist": 16, "nprobe": 4, "exact_below": 0})
-    start_worker("maintenance")
     built(store, redis_url)
     gone: list[tuple[float, np.ndarray]] = []  # (when its eviction finished, ids)
     stop = threading.Event()
@@ -153,7 +158,7 @@ def test_no_evicted_step_is_ever_returned(redis_url, expert, start_worker):
     thread.start()
     answered, rng = 0, np.random.default_rng(3)
     try:
-        deadline = time.monotonic() + 12
+        deadline = time.monotonic() + 6
         while time.monotonic() < deadline and not errors:
             started = time.monotonic()
             q = x[rng.choice(3000, 16)] + 0.01
@@ -200,18 +205,14 @@ def test_a_worker_restart_reuses_the_persisted_index(redis_url, expert, start_wo
     assert got.fields["action"][:, 0].tolist() == [3000, 3001]
 
 
-def test_a_recipe_attaches_each_rows_nearest_expert_steps(
-    redis_url, expert, namespace, start_worker
-):
+def test_a_recipe_attaches_each_rows_nearest_expert_steps(redis_url, expert, namespace, worker):
     store, x = expert
     define_index(store, {"kind": "exact"})
-    start_worker("maintenance")
     built(store, redis_url, trained=False)
     learner = Store(redis_url, f"{namespace}-learner")
     learner.create(capacity=1000)
     states = x[:64] + 0.01
     learner.commit(steps(states, "l0", "learner"))
-    start_worker("prefetch")
     client = BatchClient(learner.namespace, redis_url)
     try:
         client.register(
@@ -239,24 +240,19 @@ def test_a_recipe_attaches_each_rows_nearest_expert_steps(
     assert np.allclose(batch["nearest.obs"], x[want])
 
 
-def test_claw_nearest_answers_from_the_shell(redis_url, expert, start_worker):
+def test_claw_nearest_answers_from_the_shell(redis_url, expert, worker):
     store, x = expert
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    cli = [sys.executable, "-m", "orchestrator.cli.main", "nearest", store.namespace]
-    done = subprocess.run(
-        [*cli, "--define", '{"kind": "exact"}'], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    start_worker("maintenance")
+    runner, env = CliRunner(), {"CLAW_REDIS_URL": redis_url, "COLUMNS": "200"}
+
+    def claw(*args: str) -> str:
+        done = runner.invoke(app, ["nearest", store.namespace, *args], env=env)
+        assert done.exit_code == 0, done.output
+        return done.output
+
+    assert "'default'" in claw("--define", '{"kind": "exact"}')
     built(store, redis_url, trained=False)
-    done = subprocess.run(
-        [*cli, "--of", "11", "--k", "3", "--fields", "action", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = json.loads(claw("--of", "11", "--k", "3", "--fields", "action", "--json"))
     assert out["ids"][0][0] == 11 and out["action"][0][0] == 10
     assert out["ids"][0] == (exact(x, x[[10]], 3) + 1).tolist()[0]
+    table = claw("--state", ",".join(map(str, x[10].tolist())), "--k", "2", "--fields", "action")
+    assert "state 0" in table and " 11 " in table
