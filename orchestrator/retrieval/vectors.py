@@ -141,22 +141,24 @@ class VectorIndex:
         rows), rows -1 (distance NaN) past the candidates. Distances are faiss's: squared
         L2 for ``l2``, inner products (larger is nearer) for ``ip`` and ``cosine``."""
         queries = np.ascontiguousarray(queries, np.float32)
-        candidates = np.flatnonzero(mask)
-        if (
-            self.ivf is None
-            or self.spec.kind == "exact"
-            or len(candidates) <= self.spec.exact_below
-        ):
-            dist, pos = exact_search(queries, self.vectors[candidates], k, self.spec.metric)
-            return dist, np.where(pos >= 0, candidates[np.maximum(pos, 0)], -1)
+        exact = self.ivf is None or self.spec.kind == "exact"
+        if exact or np.count_nonzero(mask) <= self.spec.exact_below:
+            return self._exact(queries, k, mask)
+        assert self.ivf is not None
         bits = np.packbits(mask, bitorder="little")
         sel = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits))
         params = faiss.SearchParametersIVF(sel=sel, nprobe=min(self.spec.nprobe, self.ivf.nlist))
         dist, rows = self.ivf.search(queries, k, params=params)
         short = (rows < 0).any(axis=1)
         if short.any():  # the probed lists held fewer than k candidates: scan exactly
-            d2, p2 = exact_search(queries[short], self.vectors[candidates], k, self.spec.metric)
-            dist[short] = d2
-            rows[short] = np.where(p2 >= 0, candidates[np.maximum(p2, 0)], -1)
+            dist[short], rows[short] = self._exact(queries[short], k, mask)
         dist[rows < 0] = np.nan
         return dist, rows
+
+    def _exact(
+        self, queries: np.ndarray, k: int, mask: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """An exact scan of the rows ``mask`` allows."""
+        candidates = np.flatnonzero(mask)
+        dist, pos = exact_search(queries, self.vectors[candidates], k, self.spec.metric)
+        return dist, np.where(pos >= 0, candidates[np.maximum(pos, 0)], -1)
