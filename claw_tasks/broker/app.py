@@ -24,6 +24,7 @@ TASK_MODULES = [
     "orchestrator.maintenance.priorities",
     "orchestrator.maintenance.archive",
     "orchestrator.maintenance.vectors",
+    "orchestrator.maintenance.cleaning",
 ]
 
 
