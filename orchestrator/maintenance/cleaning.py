@@ -18,7 +18,8 @@ and variance per field, one atomic merge per batch, shared by every worker; thei
 Keys (``claw:{target}:``): ``clean`` (hash: source name -> spec JSON), ``clean:cursor``
 (hash: ``<source>:<shard>`` -> last source id done), ``clean:counts`` (hash:
 ``<source>:steps`` -> steps brought in, ``<source>:<rule>`` -> steps quarantined by it),
-``nstats`` (the statistics, :class:`~orchestrator.delivery.augstats.RedisStats` layout).
+``clean:lock:<source>`` (one tick at a time), ``nstats`` (the statistics, laid out as
+:class:`~orchestrator.delivery.augstats.RedisStats` keeps them).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +48,7 @@ from orchestrator.transforms.running import RunningStats
 
 log = logging.getLogger(__name__)
 BATCH = 1024
+LOCK_TTL_S = 120
 TICK_BUDGET_S = 5.0
 QUARANTINE = "quarantine"
 
@@ -75,7 +78,20 @@ def quarantined(target: Store) -> dict[str, int]:
 def clean_source(
     target: Store, name: str, spec: CleanSpec, budget_s: float = TICK_BUDGET_S
 ) -> dict[str, int]:
-    """One tick of source ``name``: returns steps brought in and quarantined."""
+    """One tick of source ``name`` (under its lock: one tick at a time on any worker);
+    returns steps brought in and quarantined."""
+    lock = clean_key(target, f"lock:{name}")
+    token = uuid.uuid4().hex
+    if not target.r.set(lock, token, nx=True, ex=LOCK_TTL_S):
+        return {"steps": 0, "quarantined": 0, "locked": 1}
+    try:
+        return _clean_source(target, name, spec, budget_s)
+    finally:
+        if target.r.get(lock) == token.encode():
+            target.r.delete(lock)
+
+
+def _clean_source(target: Store, name: str, spec: CleanSpec, budget_s: float) -> dict[str, int]:
     src = Store(target.r, spec.namespace)
     if not src.exists():
         return {"steps": 0, "quarantined": 0}
@@ -135,6 +151,8 @@ def _bring(
     for tag, value in spec.tags.items():
         batch.strs[tag_column(tag)] = StrColumn.of([value] * n)
     result = target.commit(batch)
+    if result.replayed:  # a tick killed after its commit: counted and merged already
+        return 0
     new = result.ids
     counts = {f"{name}:steps": n}
     for rule, mask in found.items():
