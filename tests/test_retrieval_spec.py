@@ -40,6 +40,15 @@ def test_cosine_vectors_have_unit_length_and_a_zero_row_stays_zero():
     assert np.allclose(out[0], [0.6, 0.8, 0]) and (out[1] == 0).all()
 
 
+def test_weights_scale_each_feature_and_never_touch_the_callers_states():
+    p = Projection(spec_of({"weights": [2.0, 0.5], "metric": "cosine"}), (2,))
+    states = np.array([[1.0, 4.0]], np.float32)
+    assert np.allclose(p(states), [[2 / np.sqrt(8), 2 / np.sqrt(8)]])
+    assert states.tolist() == [[1.0, 4.0]]  # queried states are the caller's batch
+    with pytest.raises(SpecError, match="weights"):
+        Projection(spec_of({"weights": [1.0]}), (2,))
+
+
 def test_a_feature_function_runs_only_if_the_allowlist_names_it():
     name = "tests.test_retrieval_spec:double"
     spec = spec_of({"feature": name, "params": {"scale": 3.0}})

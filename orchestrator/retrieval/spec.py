@@ -4,8 +4,9 @@ The projection turns a batch of a fixed-shape payload field into float32 vectors
 order: ``slice`` (a ``[start, stop, step]`` per leading axis of a row, ``null`` keeps an
 axis whole), ``downscale`` (an image ``(H, W[, C])`` mean-pooled by an integer factor),
 ``feature`` (a ``"module:function"`` the workers' ``CLAW_FEATURES`` allowlist names:
-whoever defines an index does not choose code for workers to import), then flattening;
-``cosine`` normalises each vector to unit length (searched by inner product).
+whoever defines an index does not choose code for workers to import), flattening, then
+``weights`` (a factor per feature, e.g. one over its standard deviation); ``cosine``
+normalises each vector to unit length (searched by inner product).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class IndexSpec(BaseModel):
     downscale: PositiveInt = 1
     feature: StrictStr | None = None
     params: dict[str, Any] = {}
+    weights: list[float] | None = None
+    """Per projected feature, a factor (e.g. 1 / its standard deviation: features of
+    other units weigh alike in the distance)."""
     metric: Literal["l2", "ip", "cosine"] = "l2"
     kind: Literal["auto", "exact", "ivf"] = "auto"
     nlist: PositiveInt | None = None
@@ -101,6 +105,7 @@ class Projection:
         self.spec, self.shape = spec, tuple(shape)
         self.feature = None if spec.feature is None else load_feature(spec.feature, allowed)
         self.params = dict(spec.params)
+        self.weights = None if spec.weights is None else np.asarray(spec.weights, np.float32)
         self.index = (slice(None), *(slice(None) if s is None else slice(*s) for s in spec.slice))
         if spec.downscale > 1 and len(shape) < 2:
             raise SpecError(f"downscale: needs an image (H, W[, C]), the field is {shape}")
@@ -122,7 +127,11 @@ class Projection:
             x = np.asarray(self.feature(x, self.params))
             if x.ndim < 1 or len(x) != n:
                 raise SpecError(f"feature {spec.feature}: returned shape {x.shape}")
-        out = np.ascontiguousarray(x.reshape(n, -1), np.float32)
+        out = np.array(x.reshape(n, -1), np.float32, order="C")  # a copy: never the caller's
+        if self.weights is not None:
+            if out.shape[1] != len(self.weights):
+                raise SpecError(f"weights: {len(self.weights)} for {out.shape[1]} features")
+            out *= self.weights
         if spec.metric == "cosine":
             norms = np.linalg.norm(out, axis=1, keepdims=True)
             np.divide(out, norms, out=out, where=norms > 0)
