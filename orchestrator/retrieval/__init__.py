@@ -9,6 +9,7 @@ from those arrays and caught up from the index's log, and checks each answer aga
 store before returning it, so no evicted step is ever returned. docs/retrieval.md is the
 reference (keys, costs, limits).
 
+- ``engine``    Faiss, imported on first use (the ``retrieval`` extra)
 - ``spec``      the definition and the projection it names
 - ``storage``   the index's Redis keys: definitions, vectors, ids, list assignments, log
 - ``writer``    what the maintenance task runs: project new steps, train, persist

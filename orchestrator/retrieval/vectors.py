@@ -16,10 +16,10 @@ probed lists held fewer than ``k`` candidates.
 
 from __future__ import annotations
 
-import faiss
 import numpy as np
 
 from claw_tasks.store import Store
+from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import Head, Storage
 from orchestrator.retrieval.writer import assign, quantizer

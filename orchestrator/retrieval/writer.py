@@ -16,13 +16,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import faiss
 import numpy as np
 
 from claw_tasks.format.schema import FieldSpec
 from claw_tasks.store import Store
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.where import Where
+from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import IndexSpec, Projection
 from orchestrator.retrieval.storage import Head, Rows, Storage, check_field
 from orchestrator.sampling.fetch import Fetcher, payload_read
