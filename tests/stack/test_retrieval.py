@@ -23,7 +23,7 @@ from orchestrator.delivery.client import BatchClient
 from orchestrator.retrieval import define_index, nearest
 from orchestrator.retrieval.query import forget_namespace
 from orchestrator.retrieval.storage import IndexKeys
-from tests.conftest import Worker
+from tests.support.processes import Worker
 
 DIM = 8
 

@@ -50,7 +50,7 @@ def test_weights_scale_each_feature_and_never_touch_the_callers_states():
 
 
 def test_a_feature_function_runs_only_if_the_allowlist_names_it():
-    name = "tests.test_retrieval_spec:double"
+    name = "tests.unit.orchestrator.retrieval.test_spec:double"
     spec = spec_of({"feature": name, "params": {"scale": 3.0}})
     with pytest.raises(SpecError, match="CLAW_FEATURES"):
         Projection(spec, (2,), allowed=())

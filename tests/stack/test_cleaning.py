@@ -18,37 +18,14 @@ from claw_tasks.store import Store
 from orchestrator.delivery.augstats import namespace_stats
 from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance.cleaning import define_source, quarantined
-from orchestrator.transforms.cleaning import CleanSpec, map_fields, violations
-from orchestrator.transforms.running import RunningStats
-
-N = 1500  # raw steps: more than one cleaning batch (1024), so outliers meet statistics
-NAN_ROWS, RANGE_ROWS, OUTLIER_ROWS = [3, 700], [10, 1200], [1100, 1300, 1400]
-SPEC = {
-    "namespace": "",  # set per test
-    "rename": {"state": "obs", "act": "action"},
-    "fields": {
-        "obs": {"take": [3, 2, 1, 0], "scale": 0.1, "dtype": "float32"},  # mm -> cm, reversed
-        "action": {"argmax": True, "dtype": "int64"},  # one-hot -> discrete
-    },
-    "rules": [
-        {"name": "finite", "field": "obs", "finite": True},
-        {"name": "range", "field": "obs", "range": [-5, 5]},
-    ],
-    "outliers": [{"field": "obs", "z": 8, "min_count": 500}],
-    "tags": {"origin": "noisy"},
-}
-
-
-def raw_source(n: int = N) -> tuple[np.ndarray, np.ndarray]:
-    """The noisy source's own representation: float64 ``state`` in tenths, reversed;
-    ``act`` one-hot."""
-    rng = np.random.default_rng(0)
-    obs = rng.normal(0, 0.5, (n, 4))
-    obs[NAN_ROWS, 1] = np.nan
-    obs[RANGE_ROWS, 0] = 40.0  # out of [-5, 5]
-    obs[OUTLIER_ROWS, 2] = 4.9  # in range, ~10 standard deviations out
-    action = rng.integers(0, 2, n)
-    return obs[:, ::-1] * 10.0, np.eye(2, dtype=np.float32)[action]
+from tests.support.cleansource import (
+    NAN_ROWS,
+    OUTLIER_ROWS,
+    RANGE_ROWS,
+    SPEC,
+    N,
+    raw_source,
+)
 
 
 def commit_raw(store: Store, state: np.ndarray, act: np.ndarray) -> None:
@@ -63,24 +40,6 @@ def commit_raw(store: Store, state: np.ndarray, act: np.ndarray) -> None:
             fields={"state": state, "act": act},
         )
     )
-
-
-def test_rules_name_each_bad_step_and_the_mapping_reaches_the_target_representation():
-    state, act = raw_source()
-    spec = CleanSpec.model_validate({**SPEC, "namespace": "raw"})
-    fields = map_fields(spec, {"state": state, "act": act})
-    assert fields["obs"].dtype == np.float32 and fields["obs"].shape == (N, 4)
-    assert fields["action"].dtype == np.int64 and set(np.unique(fields["action"])) <= {0, 1}
-    stats = {"obs": RunningStats.of(np.nan_to_num(fields["obs"]))}
-    found = violations(spec, fields, stats)
-    assert np.flatnonzero(found["finite"]).tolist() == NAN_ROWS
-    assert np.flatnonzero(found["range"]).tolist() == RANGE_ROWS
-    assert set(OUTLIER_ROWS) <= set(np.flatnonzero(found["outlier:obs"]).tolist())
-    one_hot = map_fields(
-        CleanSpec.model_validate({"namespace": "x", "fields": {"a": {"one_hot": 3}}}),
-        {"a": np.array([0, 2, 7])},
-    )["a"]
-    assert one_hot[:2].tolist() == [[1, 0, 0], [0, 0, 1]] and np.isnan(one_hot[2]).all()
 
 
 def _tick(redis_url: str) -> None:
