@@ -173,6 +173,14 @@ VARIABLES: tuple[Variable, ...] = (
         "whoever configures a namespace must not pick code for workers",
     ),
     Variable(
+        "CLAW_FEATURES",
+        "features",
+        _names,
+        (),
+        "feature functions (`module:function`, comma-separated) that vector indexes may "
+        "name (docs/retrieval.md): whoever defines an index must not pick code for workers",
+    ),
+    Variable(
         "CLAW_ALBUMENTATIONS",
         "albumentations",
         _names,
@@ -448,6 +456,7 @@ class Settings:
     archive_dir: str | None
     archive_lock_ttl: float
     scorers: tuple[str, ...]
+    features: tuple[str, ...]
     albumentations: tuple[str, ...]
     namespace_cache_size: int
     plan_cache_size: int

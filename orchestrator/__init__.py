@@ -10,11 +10,14 @@ checks both):
 - ``sampling``    what to draw: the sampling index (a numpy mirror of the store's metadata,
                   one per host in ``/dev/shm``), samplers, n-step and sequence windows,
                   frame stacks, the payload fetch, ``sample()`` and the ``Batch`` it returns
+- ``retrieval``   nearest-neighbour search by state: vector indexes over a payload field
+                  (Faiss), kept current by the maintenance beat, ``nearest()``
 - ``delivery``    how a batch reaches the trainer: the prefetch task, collation and token
                   batches, the wire format, shared memory, the recipe registry, the rate
                   limiter, read-ahead, ``BatchClient``
 - ``maintenance`` what beat runs: refill, retention and eviction, priority recomputation,
-                  dictionary pruning, archive and restore; namespace drop
+                  dictionary pruning, vector indexes, archive and restore;
+                  namespace drop
 - ``adapters``    other libraries' interfaces: PyTorch, Stable-Baselines3, TorchRL, Minari,
                   LLM trainers' tensors (each imported on its own: torch and TorchRL are
                   extras)

@@ -23,6 +23,8 @@ TASK_MODULES = [
     "orchestrator.maintenance.evict",
     "orchestrator.maintenance.priorities",
     "orchestrator.maintenance.archive",
+    "orchestrator.maintenance.vectors",
+    "orchestrator.maintenance.cleaning",
 ]
 
 

@@ -12,6 +12,13 @@ from claw_tasks.format.arrays import packb, unpackb
 from orchestrator.transforms.running import RunningStats
 
 _DIGEST = "digest"
+NAMESPACE_DIGEST = "namespace"
+
+
+def namespace_stats(r: redis.Redis, base: str) -> RedisStats:
+    """A namespace's global normalisation statistics (``claw:{ns}:nstats``, one field per
+    payload field), kept by the cleaning pass and read by ``scope: namespace`` ops."""
+    return RedisStats(r, base + "nstats", NAMESPACE_DIGEST)
 
 
 class RedisStats:

@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import WireVersionError
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
+from orchestrator.retrieval import Neighbours, nearest
 from orchestrator.sampling.batch import Batch
 
 log = logging.getLogger(__name__)
@@ -252,6 +253,23 @@ class BatchClient:
         except Exception:  # the broker itself is unreachable: no worker consumes anything
             return 0
         return sum(any(q.get("name") == "prefetch" for q in qs) for qs in replies.values())
+
+    def nearest(
+        self,
+        states: Any,
+        k: int = 10,
+        *,
+        index: str = "default",
+        where: str | Mapping[str, Any] | None = None,
+        params: Mapping[str, Any] | None = None,
+        fields: Sequence[str] = (),
+        namespace: str | None = None,
+    ) -> Neighbours:
+        """The ``k`` nearest stored steps of each state in vector index ``index`` (of this
+        client's namespace, or ``namespace``), among those ``where`` selects, with
+        ``fields`` (e.g. the expert ``action``): :func:`orchestrator.retrieval.nearest`."""
+        store = self.store if namespace is None else Store(self.store.r, namespace)
+        return nearest(store, states, k, index=index, where=where, params=params, fields=fields)
 
     def update_priorities(self, ids: Sequence[int] | np.ndarray, priorities: Any) -> int:
         """Set step priorities (e.g. |TD error|); ids evicted or overwritten are skipped.

@@ -27,12 +27,13 @@ from claw_tasks.worker.caches import forget_namespace as forget_store
 from claw_tasks.worker.caches import store_for
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import ratelimit, rollouts, shm
-from orchestrator.delivery.augstats import RedisStats
+from orchestrator.delivery.augstats import RedisStats, namespace_stats
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
+from orchestrator.retrieval.query import neighbour_fields
 from orchestrator.sampling.batch import take_rows
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.sample import close_shared, sample
@@ -82,7 +83,12 @@ def _plan(reg: Registry, recipe: Recipe) -> AugmentPlan | None:
     cached = plans.get(key, lambda: ("", None))
     if cached[0] != digest:
         stats = RedisStats(reg.r, reg.augment_stats(recipe.name), digest)
-        plan = build_pipelines(recipe.augment, stats=stats) if recipe.augment else None
+        shared = namespace_stats(reg.r, reg.store.keys.base)
+        plan = (
+            build_pipelines(recipe.augment, stats=stats, namespace_stats=shared)
+            if recipe.augment
+            else None
+        )
         cached = (digest, plan)
         plans.put(key, cached)
     return cached[1]
@@ -170,7 +176,13 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
             except InsufficientData as e:
                 state = f"insufficient data: {e}"
                 break
+            if recipe.nearest is not None:  # queried with the states as drawn
+                near = recipe.nearest
+                got = neighbour_fields(reg.store, near, batch.fields[near.query], batch.ids)
+                batch.fields.update(got)
             fields = plan.apply(batch.fields, rng) if plan is not None else batch.fields
+            for name, version in (plan.stats_versions() if plan is not None else {}).items():
+                fields[f"stats_version.{name}"] = np.full(len(batch.ids), version, np.int64)
             ids, weights, source_index = batch.ids, batch.weights, batch.source_index
             meta = batch.meta
             if recipe.tokens is not None:  # a row per sequence: its last turn's

@@ -16,6 +16,7 @@ from claw_tasks.codecs.delta import key_body
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 from claw_tasks.store.retention import Retention
+from orchestrator.maintenance.cleaning import quarantined
 from orchestrator.maintenance.eviction_choice import protected_steps
 from orchestrator.maintenance.lifecycle import key_bytes
 
@@ -96,6 +97,9 @@ class NamespaceStats:
     # Per payload field, measured on up to PAYLOAD_SAMPLE live steps: mean bytes a step's
     # value takes in Redis (its frame, for a compressed field) and decoded ("raw").
     payload: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Cleaning: steps brought in from each declared source and quarantined by each rule
+    # (``<source>:steps``, ``<source>:<rule>``; orchestrator/maintenance/cleaning.py).
+    cleaning: dict[str, int] = field(default_factory=dict)
 
     @property
     def namespace(self) -> str:
@@ -121,6 +125,7 @@ class NamespaceStats:
             "retention": None if self.retention is None else self.retention.to_dict(),
             "protected": self.protected,
             "payload": self.payload,
+            "cleaning": self.cleaning,
         }
 
 
@@ -172,6 +177,7 @@ def _namespace_stats(store: Store, memory_bytes: int, protected: bool) -> Namesp
         retention=store.config().retention,
         protected=protected_steps(store) if protected else None,
         payload=payload_bytes(store, live),
+        cleaning=quarantined(store),
     )
 
 

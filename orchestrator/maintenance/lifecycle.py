@@ -15,6 +15,7 @@ from claw_tasks.worker.caches import forget_namespace as forget_store
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery.prefetch import forget_namespace as forget_plans
 from orchestrator.delivery.registry import ACTIVE
+from orchestrator.retrieval.query import forget_namespace as forget_retrieval
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.sample import forget_namespace as forget_sessions
 from orchestrator.sampling.strings import Strings
@@ -78,7 +79,7 @@ def forget(namespace: str) -> None:
     """Drop every cache this process keeps of ``namespace`` (it was dropped or recreated):
     the maintenance index, the Store, the sampling session, augmentation plans."""
     _indexes.drop(lambda key: key[0] == namespace)
-    for forget_cache in (forget_store, forget_sessions, forget_plans):
+    for forget_cache in (forget_store, forget_sessions, forget_plans, forget_retrieval):
         forget_cache(namespace)
 
 

@@ -265,6 +265,22 @@ class Rollout(_Model):
         return self
 
 
+class Nearest(_Model):
+    """Attach each row's ``k`` nearest steps of a vector index (docs/retrieval.md): the
+    prefetch workers query the index with the row's ``query`` field (as drawn, before
+    augmentation) and add ``nearest.<field>`` (B, k, ...), ``nearest.id`` and
+    ``nearest.distance`` (B, k) to the batch."""
+
+    index: Name = "default"
+    namespace: StrictStr | None = None  # another namespace's index (an expert dataset)
+    k: PositiveInt = 1
+    query: StrictStr = "obs"
+    where: StrictStr | dict[str, Any] = {}
+    fields: list[StrictStr] = ["action"]
+    exclude_self: StrictBool = True
+    """Drop a row's own step from its neighbours (a row drawn from the indexed steps)."""
+
+
 class Recipe(_Model):
     """A validated recipe. Build with :meth:`from_yaml` or :meth:`model_validate`."""
 
@@ -283,6 +299,7 @@ class Recipe(_Model):
     tokens: Tokens | None = None
     joint: Joint | None = None
     rollout: Rollout | None = None
+    nearest: Nearest | None = None
     seed: int | None = None
     version: PositiveInt = 1
 
@@ -334,6 +351,11 @@ class Recipe(_Model):
         if problem := joint_problem(self):
             raise ValueError(problem)
         self._rollout_consistent()
+        near = self.nearest
+        if near is not None and near.query not in self.fields:
+            raise ValueError(f"nearest.query: {near.query!r} is not one of the recipe's fields")
+        if near is not None and (self.sequence_length > 1 or self.grouped or self.frame_stack > 1):
+            raise ValueError("nearest: rows of one step each (no sequences, groups, stacks)")
         for src, n in zip(self.sources, self.counts, strict=True):
             if n == 0:
                 raise ValueError(

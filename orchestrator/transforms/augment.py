@@ -111,6 +111,16 @@ class AugmentPlan:
                 raise ValueError(f"augment {field!r}: {exc}") from exc
         return out
 
+    def stats_versions(self) -> dict[str, int]:
+        """Per field normalised by the namespace's statistics: their version (count) the
+        last batch used."""
+        return {
+            f: op.stats.count
+            for f, p in self.pipelines.items()
+            for op in p.running_ops().values()
+            if op.scope == "namespace"
+        }
+
     def state_dict(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Running statistics as ``{field: {op index: state}}`` of plain dicts and lists."""
         out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -164,10 +174,14 @@ def _build_op(entry: Any) -> Op:
 
 
 def build_pipelines(
-    spec: Mapping[str, Any] | None, *, stats: StatsStore | None = None
+    spec: Mapping[str, Any] | None,
+    *,
+    stats: StatsStore | None = None,
+    namespace_stats: StatsStore | None = None,
 ) -> AugmentPlan:
     """Build an :class:`AugmentPlan` from a recipe's ``augment`` section; its running
-    statistics live in ``stats`` (default: this process, :class:`LocalStats`).
+    statistics live in ``stats`` (default: this process, :class:`LocalStats`), those of
+    ``scope: namespace`` ops in ``namespace_stats`` under the field's name.
 
     Raises ``ValueError`` naming the field and op on an unknown op or bad params.
     """
@@ -194,4 +208,6 @@ def build_pipelines(
         pipelines[field] = Pipeline(ops)
         for i, op in pipelines[field].running_ops().items():
             op.store, op.key = stats, f"{field}/{i}"
+            if op.scope == "namespace":
+                op.store, op.key = namespace_stats or LocalStats(), field
     return AugmentPlan(pipelines, aliases)

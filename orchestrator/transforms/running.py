@@ -110,16 +110,27 @@ class RunningNormalize(Op):
 
     The statistics live in the plan's :class:`StatsStore` under ``key`` (set by
     :func:`build_pipelines`); ``stats`` is the snapshot the last batch was normalised with.
+    ``scope: namespace`` reads the namespace's global statistics of the field instead
+    (kept by the cleaning pass, never updated here; ``stats.count`` is their version).
     """
 
     name = "running_normalize"
 
-    def __init__(self, clip: float | None = None, eps: float = 1e-8, update: bool = True) -> None:
+    def __init__(
+        self,
+        clip: float | None = None,
+        eps: float = 1e-8,
+        update: bool = True,
+        scope: str = "recipe",
+    ) -> None:
         self.clip = None if clip is None else check_number("clip", clip, 0.0)
         self.eps = check_number("eps", eps, 0.0)
         if not isinstance(update, bool):
             raise ValueError(f"update must be true or false, got {update!r}")
-        self.update = update
+        if scope not in ("recipe", "namespace"):
+            raise ValueError(f"scope must be 'recipe' or 'namespace', got {scope!r}")
+        self.scope = scope
+        self.update = update and scope == "recipe"
         self.store: StatsStore = LocalStats()
         self.key = self.name
         self.stats = RunningStats()

@@ -186,3 +186,23 @@ def test_ppo_actors_learn_cartpole(redis_url, workers, namespace):
     out = _run_example("ppo_actors.py", redis_url, *args, timeout=3600)
     _, summary = _updates(out)
     assert summary["eval_return"] >= 475, out[-3000:]
+
+
+def _returns(out: str) -> tuple[float, float]:
+    bc = float(re.search(r"BC: .* return ([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    final = float(re.search(r"final return ([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    return bc, final
+
+
+def test_imitation_cartpole_clones_the_expert_from_cleaned_sources(redis_url, workers, namespace):
+    out = _run_example("imitation_cartpole.py", redis_url, "--namespace", namespace, "--short")
+    assert "'noisy:finite'" in out and "'noisy:range'" in out, out
+    _, final = _returns(out)
+    assert final >= 300, out  # CartPole-v1's best is 500; a random policy gets ~22
+
+
+@pytest.mark.slow
+def test_imitation_cartpole_full_run_balances(redis_url, workers, namespace):
+    out = _run_example("imitation_cartpole.py", redis_url, "--namespace", namespace)
+    bc, final = _returns(out)
+    assert bc >= 450 and final >= 475, out

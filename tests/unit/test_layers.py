@@ -18,6 +18,7 @@ LAYERS = [
     "transforms",
     "recipe",
     "sampling",
+    "retrieval",
     "delivery",
     "maintenance",
     "adapters",

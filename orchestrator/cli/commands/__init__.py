@@ -12,4 +12,7 @@ from orchestrator.cli.commands import maintenance
 # isort: split
 from orchestrator.cli.commands import archive
 
-__all__ = ["archive", "maintenance", "services", "store"]
+# isort: split
+from orchestrator.cli.commands import retrieval
+
+__all__ = ["archive", "maintenance", "retrieval", "services", "store"]

@@ -154,6 +154,11 @@ def _print_details(console: Console, s: NamespaceStats) -> None:
     console.print(f"retention: {policy}", highlight=False)
     evicted = ", ".join(f"{k} {v:,}" for k, v in s.evictions.items())
     console.print(f"evicted so far: {evicted}", highlight=False)
+    if s.cleaning:
+        cleaned = ", ".join(f"{k} {v:,}" for k, v in s.cleaning.items())
+        console.print(
+            f"cleaned (source:steps, quarantined source:rule): {cleaned}", highlight=False
+        )
     cap = s.retention.max_steps if s.retention else None
     if s.protected is not None and cap is not None and s.protected > cap:
         err.print(

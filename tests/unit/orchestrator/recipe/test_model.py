@@ -72,11 +72,19 @@ def test_the_reference_documents_every_key_and_augment_op():
     """docs/recipes.md names every recipe key, every augment op and each op's params."""
     import inspect
 
-    from orchestrator.recipe.model import Prefetch, RateLimit, SamplerSpec, Source, Tokens, Window
+    from orchestrator.recipe.model import (
+        Nearest,
+        Prefetch,
+        RateLimit,
+        SamplerSpec,
+        Source,
+        Tokens,
+        Window,
+    )
     from orchestrator.transforms.augment import OPS
 
     text = DOCS.read_text()
-    for model in (Recipe, Source, Window, SamplerSpec, Prefetch, RateLimit, Tokens):
+    for model in (Recipe, Source, Window, SamplerSpec, Prefetch, RateLimit, Tokens, Nearest):
         missing = [k for k in model.model_fields if f"`{k}`" not in text]
         assert not missing, f"{model.__name__} keys not in docs/recipes.md: {missing}"
     rows = {line.split("`")[1]: line for line in text.splitlines() if line.startswith("| `")}

@@ -1,0 +1,148 @@
+"""A vector index's definition (:class:`IndexSpec`) and the projection it names.
+
+The projection turns a batch of a fixed-shape payload field into float32 vectors, in this
+order: ``slice`` (a ``[start, stop, step]`` per leading axis of a row, ``null`` keeps an
+axis whole), ``downscale`` (an image ``(H, W[, C])`` mean-pooled by an integer factor),
+``feature`` (a ``"module:function"`` the workers' ``CLAW_FEATURES`` allowlist names:
+whoever defines an index does not choose code for workers to import), flattening, then
+``weights`` (a factor per feature, e.g. one over its standard deviation); ``cosine``
+normalises each vector to unit length (searched by inner product).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictStr, field_validator
+
+from orchestrator.recipe.model import Name
+
+Feature = Callable[[np.ndarray, dict[str, Any]], np.ndarray]
+METRICS = ("l2", "ip", "cosine")
+
+
+class SpecError(ValueError):
+    """An index definition that cannot be used; the message names the key."""
+
+
+class IndexSpec(BaseModel):
+    """One vector index of a namespace (docs/retrieval.md has every key)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Name = "default"
+    field: StrictStr = "obs"
+    slice: list[list[int | None] | None] = []
+    downscale: PositiveInt = 1
+    feature: StrictStr | None = None
+    params: dict[str, Any] = {}
+    weights: list[float] | None = None
+    """Per projected feature, a factor (e.g. 1 / its standard deviation: features of
+    other units weigh alike in the distance)."""
+    metric: Literal["l2", "ip", "cosine"] = "l2"
+    kind: Literal["auto", "exact", "ivf"] = "auto"
+    nlist: PositiveInt | None = None
+    """IVF lists; default ``4 * sqrt(capacity)`` rounded to a power of two, 64..65536."""
+    nprobe: PositiveInt = 16
+    exact_below: int = Field(20_000, ge=0)
+    """A query whose ``where`` leaves at most this many steps scans them exactly."""
+    where: StrictStr | dict[str, Any] = {}
+    """Which steps are indexed at all (the where language); others are never projected."""
+
+    @field_validator("slice")
+    @classmethod
+    def _slices(cls, value: list[list[int | None] | None]) -> list[list[int | None] | None]:
+        for i, s in enumerate(value):
+            if s is not None and not 1 <= len(s) <= 3:
+                raise ValueError(f"slice[{i}]: [start, stop] or [start, stop, step], got {s}")
+            if s is not None and len(s) == 3 and s[2] == 0:
+                raise ValueError(f"slice[{i}]: step 0")
+        return value
+
+    @field_validator("feature")
+    @classmethod
+    def _feature(cls, value: str | None) -> str | None:
+        if value is not None and ":" not in value:
+            raise ValueError(f"feature {value!r}: name it as 'module:function'")
+        return value
+
+    def lists(self, capacity: int) -> int:
+        """IVF lists for a namespace of ``capacity`` steps."""
+        if self.nlist is not None:
+            return self.nlist
+        return int(min(65536, max(64, 2 ** round(math.log2(4 * math.sqrt(max(capacity, 1)))))))
+
+    def train_size(self, capacity: int) -> int:
+        """Vectors the IVF quantizer is trained on (and must exist before it is): 39 per
+        list, faiss's own minimum for k-means (below it an exact scan is used)."""
+        return 39 * self.lists(capacity)
+
+
+def load_feature(name: str, allowed: tuple[str, ...]) -> Feature:
+    """The feature function ``module:function``, if the workers' allowlist names it."""
+    if name not in allowed:
+        raise SpecError(
+            f"feature {name!r} is not allowed here: add it to CLAW_FEATURES "
+            f"(now {', '.join(allowed) or 'empty'})"
+        )
+    module, _, func = name.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+class Projection:
+    """``spec``'s projection of rows of a field of shape ``shape``: ``(n, *shape)`` in,
+    float32 ``(n, dim)`` out."""
+
+    def __init__(
+        self, spec: IndexSpec, shape: tuple[int, ...], allowed: tuple[str, ...] = ()
+    ) -> None:
+        if len(spec.slice) > len(shape):
+            raise SpecError(f"slice: {len(spec.slice)} axes for a field of shape {shape}")
+        self.spec, self.shape = spec, tuple(shape)
+        self.feature = None if spec.feature is None else load_feature(spec.feature, allowed)
+        self.params = dict(spec.params)
+        self.weights = None if spec.weights is None else np.asarray(spec.weights, np.float32)
+        self.index = (slice(None), *(slice(None) if s is None else slice(*s) for s in spec.slice))
+        if spec.downscale > 1 and len(shape) < 2:
+            raise SpecError(f"downscale: needs an image (H, W[, C]), the field is {shape}")
+        self.dim = int(self(np.zeros((1, *shape), np.float32)).shape[1])
+        if self.dim == 0:
+            raise SpecError(f"the projection of a field of shape {shape} is empty")
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        spec = self.spec
+        if x.shape[1:] != self.shape:
+            raise SpecError(f"states of shape {x.shape[1:]}, the index's field is {self.shape}")
+        n, x = len(x), x[self.index]
+        if spec.downscale > 1:
+            f = spec.downscale
+            h, w = x.shape[1] // f * f, x.shape[2] // f * f
+            x = x[:, :h, :w].astype(np.float32)
+            x = x.reshape(n, h // f, f, w // f, f, *x.shape[3:]).mean(axis=(2, 4))
+        if self.feature is not None:
+            x = np.asarray(self.feature(x, self.params))
+            if x.ndim < 1 or len(x) != n:
+                raise SpecError(f"feature {spec.feature}: returned shape {x.shape}")
+        out = np.array(x.reshape(n, -1), np.float32, order="C")  # a copy: never the caller's
+        if self.weights is not None:
+            if out.shape[1] != len(self.weights):
+                raise SpecError(f"weights: {len(self.weights)} for {out.shape[1]} features")
+            out *= self.weights
+        if spec.metric == "cosine":
+            norms = np.linalg.norm(out, axis=1, keepdims=True)
+            np.divide(out, norms, out=out, where=norms > 0)
+        return out
+
+
+def spec_of(raw: Mapping[str, Any] | IndexSpec) -> IndexSpec:
+    """An :class:`IndexSpec` from its dict form (errors as :class:`SpecError`)."""
+    if isinstance(raw, IndexSpec):
+        return raw
+    try:
+        return IndexSpec.model_validate(dict(raw))
+    except ValueError as e:
+        raise SpecError(f"vector index: {e}") from None

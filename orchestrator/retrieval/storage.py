@@ -1,0 +1,344 @@
+"""A vector index's Redis keys, and reading and writing them as raw arrays (never pickled).
+
+Namespace level (``claw:{ns}:``): ``vx`` (hash: index name -> its definition as JSON),
+``vx:<name>`` (hash: ``dim``; ``created``, the namespace config's creation time the index
+belongs to; ``gen``, 0 until the IVF quantizer is trained, then 1; ``nlist`` and
+``centroids`` as raw float32; ``runs`` and ``pending``, the writer's ticks and the steps
+it had left after the last), ``vx:<name>:log`` (stream: one entry per write, ``rows`` the
+global rows ``shard * cap + slot`` written, as ``<i8``; ``gen`` when the quantizer was
+trained), ``vx:<name>:lock`` (the writer's lock: one maintenance task at a time writes
+an index).
+
+Shard level (``claw:{ns:s}:vx:<name>:``), indexed by slot like the store's columns, each
+chunk sized once when first touched (``lua/vsize.lua``): ``v:<chunk>`` float32 vectors of
+``dim`` (just under 1 MiB a chunk), ``i:<chunk>`` the ``<i8`` id of the step each vector
+was computed from (0: none; a slot whose id differs holds another step now), ``a:<chunk>``
+``<i4`` IVF list + 1 of each vector under generation ``gen`` (0: not assigned).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.store import Store
+from claw_tasks.store.config import LOG_MAXLEN
+from claw_tasks.store.layout import META_CHUNK_SLOTS, payload_chunk_slots
+from claw_tasks.store.scripts import Lua, execute
+from orchestrator.retrieval.spec import IndexSpec, Projection, SpecError, spec_of
+
+LOCK_TTL_S = 120
+_SIZE = Lua("vsize", "orchestrator")
+_LOG_SINCE = Lua("log_since", "orchestrator")
+LOG_PAGE = 1000
+
+
+def defs_key(store: Store) -> str:
+    return store.keys.base + "vx"
+
+
+def define_index(
+    store: Store, spec: IndexSpec | Mapping[str, Any], *, replace: bool = False
+) -> IndexSpec:
+    """Define a vector index of ``store``'s namespace (the maintenance beat builds it).
+
+    Defining the same index again changes nothing; another definition under the same name
+    is an error unless ``replace``, which drops the old vectors first."""
+    spec = spec_of(spec)
+    schema = store.schema() if store.exists() else None
+    if schema is not None:
+        check_field(spec, schema.fields)
+    old = store.r.hget(defs_key(store), spec.name)
+    if old is not None:
+        if spec_of(json.loads(old)) == spec:
+            return spec
+        if not replace:
+            raise SpecError(
+                f"vector index {spec.name!r} of {store.namespace!r} is defined otherwise: "
+                "pass replace=True (--replace) to drop it and build it anew"
+            )
+        drop_index(store, spec.name)
+    store.r.hset(defs_key(store), spec.name, spec.model_dump_json())
+    return spec
+
+
+def check_field(spec: IndexSpec, fields: Mapping[str, Any]) -> Projection:
+    """The projection of ``spec`` over its field in a schema's ``fields``."""
+    fs = fields.get(spec.field)
+    if fs is None:
+        raise SpecError(f"field {spec.field!r} is not a field of the namespace ({sorted(fields)})")
+    if fs.ragged:
+        raise SpecError(f"field {spec.field!r} is ragged: an index needs a fixed shape")
+    if np.dtype(fs.dtype).kind not in "biuf":
+        raise SpecError(f"field {spec.field!r} is {fs.dtype}: an index needs numbers")
+    return Projection(spec, tuple(fs.shape), allowed=(spec.feature,) if spec.feature else ())
+
+
+def list_indexes(store: Store) -> dict[str, IndexSpec]:
+    """The namespace's vector indexes by name."""
+    raw = store.r.hgetall(defs_key(store))
+    return {k.decode(): spec_of(json.loads(v)) for k, v in sorted(raw.items())}
+
+
+def drop_index(store: Store, name: str) -> int:
+    """Delete index ``name``'s definition and every key of it; returns keys deleted."""
+    keys = IndexKeys(store, name)
+    cfg = store.config(refresh=True) if store.exists() else None
+    head = store.r.hgetall(keys.head)
+    doomed = [keys.head, keys.log, keys.lock]
+    if cfg is not None and head.get(b"dim"):
+        vchunk = payload_chunk_slots(4 * int(head[b"dim"]))
+        for shard in range(cfg.n_shards):
+            doomed += [keys.chunk(shard, "v", c) for c in range(math.ceil(cfg.cap / vchunk))]
+            for kind in ("i", "a"):
+                doomed += [
+                    keys.chunk(shard, kind, c) for c in range(math.ceil(cfg.cap / META_CHUNK_SLOTS))
+                ]
+    with store.r.pipeline(transaction=False) as pipe:
+        pipe.hdel(defs_key(store), name)
+        for key in doomed:  # one DEL per key: a cluster pipeline routes each to its slot
+            pipe.delete(key)
+        return sum(int(n) for n in pipe.execute()[1:])
+
+
+class IndexKeys:
+    """Key names of one vector index."""
+
+    def __init__(self, store: Store, name: str) -> None:
+        self.keys, self.name = store.keys, name
+        self.head = store.keys.base + f"vx:{name}"
+        self.log = self.head + ":log"
+        self.lock = self.head + ":lock"
+
+    def chunk(self, shard: int, kind: str, chunk: int) -> str:
+        return self.keys.shard_key(shard, f"vx:{self.name}:{kind}:{chunk}")
+
+
+@dataclass
+class Head:
+    """What ``vx:<name>`` holds."""
+
+    dim: int
+    created: float
+    gen: int = 0
+    nlist: int = 0
+    centroids: np.ndarray | None = None
+
+
+@dataclass
+class Rows:
+    """Vectors, ids and list assignments of some rows (or of all of them)."""
+
+    vectors: np.ndarray  # float32 (n, dim)
+    ids: np.ndarray  # int64 (n,): the step each vector belongs to (0: none)
+    assign: np.ndarray  # int32 (n,): IVF list + 1 (0: none)
+
+
+class Storage:
+    """Reads and writes one index's keys; ``dim`` is its vectors' length."""
+
+    def __init__(self, store: Store, spec: IndexSpec, dim: int) -> None:
+        cfg = store.config()
+        self.store, self.r, self.spec, self.dim = store, store.r, spec, dim
+        self.keys = IndexKeys(store, spec.name)
+        self.n_shards, self.cap = cfg.n_shards, cfg.cap
+        self.created = cfg.created
+        self.vchunk = payload_chunk_slots(4 * dim)
+        self.sized: set[str] = set()
+        self.widths = {"v": 4 * dim, "i": 8, "a": 4}
+        self.slots = {"v": self.vchunk, "i": META_CHUNK_SLOTS, "a": META_CHUNK_SLOTS}
+
+    # ---- head ------------------------------------------------------------------------
+    def head(self) -> Head | None:
+        """The index's head, or None when it was never written or belongs to an older
+        namespace of the same name (another config ``created``)."""
+        h = self.r.hgetall(self.keys.head)
+        if not h or float(h[b"created"]) != self.created or int(h[b"dim"]) != self.dim:
+            return None
+        gen, nlist = int(h.get(b"gen", 0)), int(h.get(b"nlist", 0))
+        cent = None
+        if gen and h.get(b"centroids"):
+            cent = np.frombuffer(h[b"centroids"], "<f4").reshape(nlist, self.dim).copy()
+        return Head(self.dim, self.created, gen, nlist, cent)
+
+    def reset_head(self) -> None:
+        """A fresh head for this namespace: every old vector is stale (ids no longer
+        match, or the index is recreated), so the old keys go first."""
+        drop_keys = [self.keys.log]
+        for shard in range(self.n_shards):
+            for kind, per in self.slots.items():
+                drop_keys += [self.keys.chunk(shard, kind, c) for c in range(self._chunks(per))]
+        with self.r.pipeline(transaction=False) as pipe:
+            for key in drop_keys:
+                pipe.delete(key)
+            pipe.delete(self.keys.head)
+            pipe.hset(self.keys.head, mapping={"dim": self.dim, "created": repr(self.created)})
+            pipe.execute()
+        self.sized.clear()
+
+    def set_trained(self, centroids: np.ndarray) -> None:
+        """Publish the trained quantizer (generation 1) and tell readers (a ``gen`` entry:
+        they reload, the assignments having been written first)."""
+        nlist = len(centroids)
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.hset(
+                self.keys.head,
+                mapping={
+                    "gen": 1,
+                    "nlist": nlist,
+                    "centroids": np.ascontiguousarray(centroids, "<f4").tobytes(),
+                },
+            )
+            pipe.execute()
+        self.r.xadd(self.keys.log, {"gen": 1}, maxlen=LOG_MAXLEN, approximate=True)
+
+    def ran(self, done: Mapping[str, Any]) -> None:
+        """Count a writer's tick in the head (``runs``, ``pending``: what ``claw stats`` and
+        the tests read)."""
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.hincrby(self.keys.head, "runs", 1)
+            pipe.hset(self.keys.head, "pending", int(done.get("pending", 0)))
+            pipe.execute()
+
+    # ---- lock ------------------------------------------------------------------------
+    def lock(self) -> str | None:
+        token = uuid.uuid4().hex
+        return token if self.r.set(self.keys.lock, token, nx=True, ex=LOCK_TTL_S) else None
+
+    def unlock(self, token: str) -> None:
+        if self.r.get(self.keys.lock) == token.encode():
+            self.r.delete(self.keys.lock)
+
+    # ---- rows ------------------------------------------------------------------------
+    def write(self, rows: np.ndarray, data: Rows, log: bool = True) -> None:
+        """Write ``data`` at global ``rows`` (sorted), then log them (a second round trip:
+        a reader that sees the entry finds the bytes, on a cluster too)."""
+        parts = {"v": data.vectors.astype("<f4"), "i": data.ids.astype("<i8")}
+        parts["a"] = data.assign.astype("<i4")
+        self._size(rows)
+        with self.r.pipeline(transaction=False) as pipe:
+            for kind, values in parts.items():
+                for key, off, lo, hi in self._runs(rows, kind):
+                    pipe.setrange(key, off, values[lo:hi].tobytes())
+            pipe.execute()
+        if log:
+            self.r.xadd(
+                self.keys.log,
+                {"rows": rows.astype("<i8").tobytes()},
+                maxlen=LOG_MAXLEN,
+                approximate=True,
+            )
+
+    def write_assign(self, rows: np.ndarray, assign: np.ndarray) -> None:
+        """List assignments only (after training), not logged: the ``gen`` entry is."""
+        self._size(rows)
+        values = assign.astype("<i4")
+        with self.r.pipeline(transaction=False) as pipe:
+            for key, off, lo, hi in self._runs(rows, "a"):
+                pipe.setrange(key, off, values[lo:hi].tobytes())
+            pipe.execute()
+
+    def read(self, rows: np.ndarray) -> Rows:
+        """Vectors, ids and assignments at global ``rows`` (sorted): one GETRANGE per run
+        of consecutive slots of a chunk, one round trip."""
+        dtypes = {"v": "<f4", "i": "<i8", "a": "<i4"}
+        plan = {kind: list(self._runs(rows, kind)) for kind in dtypes}
+        with self.r.pipeline(transaction=False) as pipe:
+            for kind, runs in plan.items():
+                w = self.widths[kind]
+                for key, off, lo, hi in runs:
+                    pipe.getrange(key, off, off + (hi - lo) * w - 1)
+            replies = iter(pipe.execute())
+        out = {}
+        for kind, runs in plan.items():
+            w = self.widths[kind]
+            buf = b"".join(next(replies).ljust((hi - lo) * w, b"\0") for _, _, lo, hi in runs)
+            out[kind] = np.frombuffer(buf, dtypes[kind]).copy()
+        return Rows(out["v"].reshape(len(rows), self.dim), out["i"], out["a"])
+
+    def read_all(self, kinds: tuple[str, ...] = ("v", "i", "a")) -> dict[str, np.ndarray]:
+        """Whole arrays over every row (``shard * cap + slot``): a cold load, chunk by
+        chunk (one round trip per shard)."""
+        dtypes = {"v": "<f4", "i": "<i8", "a": "<i4"}
+        n = self.n_shards * self.cap
+        out = {k: np.zeros(n * (self.dim if k == "v" else 1), dtypes[k]) for k in kinds}
+        for shard in range(self.n_shards):
+            with self.r.pipeline(transaction=False) as pipe:
+                for kind in kinds:
+                    for c in range(self._chunks(self.slots[kind])):
+                        pipe.get(self.keys.chunk(shard, kind, c))
+                replies = iter(pipe.execute())
+            for kind in kinds:
+                per, w = self.slots[kind], self.widths[kind] // np.dtype(dtypes[kind]).itemsize
+                for c in range(self._chunks(per)):
+                    raw = next(replies)
+                    if not raw:
+                        continue
+                    part = np.frombuffer(raw, dtypes[kind])
+                    lo = (shard * self.cap + c * per) * w
+                    hi = min(lo + len(part), (shard + 1) * self.cap * w)
+                    out[kind][lo:hi] = part[: hi - lo]
+        if "v" in out:
+            out["v"] = out["v"].reshape(n, self.dim)
+        return out
+
+    def log_position(self) -> tuple[str, int]:
+        """The log's last entry and its count of entries added (read before a cold load:
+        whatever is written after it is replayed)."""
+        try:
+            info = self.r.xinfo_stream(self.keys.log)
+        except Exception:  # no log yet
+            return "0-0", 0
+        return info["last-generated-id"].decode(), int(info.get("entries-added", 0))
+
+    def log_since(self, last: str, seen: int) -> tuple[bool, list[tuple[bytes, dict]]]:
+        """Log entries after ``last``; True first when some were lost (trimmed)."""
+        lost, entries = _LOG_SINCE(self.r, [self.keys.log], [last, seen, LOG_PAGE])
+        parsed = [(eid, dict(zip(kv[::2], kv[1::2], strict=True))) for eid, kv in entries]
+        return bool(int(lost)), parsed
+
+    # ---- layout ----------------------------------------------------------------------
+    def _chunks(self, per: int) -> int:
+        return math.ceil(self.cap / per)
+
+    def _runs(self, rows: np.ndarray, kind: str) -> Iterator[tuple[str, int, int, int]]:
+        """(key, byte offset, lo, hi): rows[lo:hi] are consecutive slots of one chunk."""
+        if not len(rows):
+            return
+        per, w = self.slots[kind], self.widths[kind]
+        shard, slot = rows // self.cap, rows % self.cap
+        chunk = slot // per
+        cut = np.flatnonzero((np.diff(rows) != 1) | (np.diff(chunk) != 0) | (np.diff(shard) != 0))
+        starts = np.concatenate([[0], cut + 1]).tolist()
+        ends = [*starts[1:], len(rows)]
+        for lo, hi in zip(starts, ends, strict=True):
+            key = self.keys.chunk(int(shard[lo]), kind, int(chunk[lo]))
+            yield key, int(slot[lo] % per) * w, lo, hi
+
+    def _size(self, rows: np.ndarray) -> None:
+        """Size each chunk key ``rows`` touch once (per process), so a chunk's later
+        SETRANGEs never reallocate it."""
+        shards, slots = rows // self.cap, rows % self.cap
+        want: dict[int, dict[str, int]] = {}
+        for kind, per in self.slots.items():
+            for sh, c in set(zip(shards.tolist(), (slots // per).tolist(), strict=True)):
+                key = self.keys.chunk(sh, kind, c)
+                if key not in self.sized:
+                    n = min(per, self.cap - c * per) * self.widths[kind]
+                    want.setdefault(sh, {})[key] = n
+        if not want:
+            return
+
+        def queue(pipe: Any) -> None:
+            for keys in want.values():  # one call per shard: its keys share one slot
+                _SIZE.queue(pipe, list(keys), list(keys.values()))
+
+        execute(self.r, [_SIZE], queue)
+        for keys in want.values():
+            self.sized.update(keys)

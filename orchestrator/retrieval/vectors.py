@@ -1,0 +1,164 @@
+"""A process's copy of one vector index, and search under a row mask.
+
+The copy holds, per global row ``shard * cap + slot``, the stored vector and the id of the
+step it was computed from (``vid``; 0: none), and, once the quantizer is trained, a Faiss
+``IndexIVFFlat`` whose ids are those rows (a direct map makes replacing a row's entry
+O(1)). It is loaded from the index's raw arrays (no projection, no k-means, no list
+assignment: the writer stored each vector's list), then kept current from the index's log
+(:meth:`refresh`); a log trimmed past this copy, or a newly trained quantizer, reloads it.
+
+Search takes a boolean mask over rows (the caller's: alive, trainable, ``vid == id``, its
+``where``): few candidates (``exact_below``), an untrained or ``exact`` index: an exact
+scan of just those rows' vectors; otherwise the IVF searched with the mask as a Faiss
+``IDSelectorBitmap`` (``nprobe`` lists), falling back to the exact scan for queries whose
+probed lists held fewer than ``k`` candidates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from claw_tasks.store import Store
+from orchestrator.retrieval.engine import faiss
+from orchestrator.retrieval.spec import IndexSpec
+from orchestrator.retrieval.storage import Head, Storage
+from orchestrator.retrieval.writer import assign, quantizer
+
+
+def exact_search(
+    queries: np.ndarray, base: np.ndarray, k: int, metric: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact k nearest of ``queries`` in ``base``: (distances, positions), -1 past the end."""
+    m = len(queries)
+    dist = np.full((m, k), np.nan, np.float32)
+    pos = np.full((m, k), -1, np.int64)
+    if not len(base) or not m:
+        return dist, pos
+    kk = min(k, len(base))
+    fm = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+    d, p = faiss.knn(np.ascontiguousarray(queries), np.ascontiguousarray(base), kk, metric=fm)
+    dist[:, :kk], pos[:, :kk] = d, p
+    return dist, pos
+
+
+class VectorIndex:
+    """The vectors of index ``spec`` of ``store``'s namespace, as of the last :meth:`refresh`."""
+
+    def __init__(self, store: Store, spec: IndexSpec, dim: int) -> None:
+        self.store, self.spec, self.dim = store, spec, dim
+        self.storage = Storage(store, spec, dim)
+        n = self.storage.n_shards * self.storage.cap
+        self.vectors = np.zeros((n, dim), np.float32)
+        self.vid = np.zeros(n, np.int64)
+        self.lists = np.zeros(n, np.int32)  # list + 1 of the row's IVF entry (0: none)
+        self.ivf: faiss.IndexIVFFlat | None = None
+        self.q: faiss.Index | None = None
+        self.head: Head | None = None
+        self.log = ("0-0", 0)
+        self.loads = 0  # cold loads so far (tests, stats)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory this copy holds (arrays and IVF lists, not Faiss's small overheads)."""
+        ivf = 0
+        if self.ivf is not None:
+            ivf = self.ivf.ntotal * (4 * self.dim + 8) + 16 * self.ivf.ntotal  # + direct map
+        return self.vectors.nbytes + self.vid.nbytes + self.lists.nbytes + ivf
+
+    def load(self) -> None:
+        """Everything from Redis: the log position first (what is written after it is
+        replayed), then the raw arrays."""
+        self.log = self.storage.log_position()
+        self.head = self.storage.head()
+        got = self.storage.read_all()
+        self.vectors, self.vid = got["v"], got["i"]
+        self.lists = np.zeros(len(self.vid), np.int32)
+        self.ivf, self.q = None, None
+        self.loads += 1
+        if self.head is None or self.head.centroids is None:
+            return
+        self.q = quantizer(self.head.centroids, self.spec.metric)
+        metric = faiss.METRIC_L2 if self.spec.metric == "l2" else faiss.METRIC_INNER_PRODUCT
+        ivf = faiss.IndexIVFFlat(self.q, self.dim, self.head.nlist, metric)
+        ivf.is_trained = True
+        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+        self.ivf = ivf
+        rows = np.flatnonzero(self.vid != 0)
+        stored = got["a"][rows]
+        missing = stored == 0  # written before the training finished: assign here
+        stored[missing] = assign(self.q, self.vectors[rows[missing]])
+        self._add(rows, stored)
+
+    def _add(self, rows: np.ndarray, lists: np.ndarray) -> None:
+        assert self.ivf is not None
+        if not len(rows):
+            return
+        x = np.ascontiguousarray(self.vectors[rows])
+        ids = np.ascontiguousarray(rows, np.int64)
+        at = np.ascontiguousarray(lists.astype(np.int64) - 1)
+        self.ivf.add_core(len(rows), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(at))
+        self.lists[rows] = lists
+
+    def refresh(self) -> np.ndarray | None:
+        """Apply the log since the last look: returns the rows whose vector changed, or
+        None after a cold load (every row may have)."""
+        if self.head is None:
+            self.load()
+            return None
+        changed = []
+        while True:
+            lost, entries = self.storage.log_since(*self.log)
+            if lost or any(b"gen" in e for _, e in entries):
+                self.load()
+                return None
+            if not entries:
+                break
+            rows = np.unique(np.concatenate([np.frombuffer(e[b"rows"], "<i8") for _, e in entries]))
+            self._apply(rows)
+            changed.append(rows)
+            self.log = (entries[-1][0].decode(), self.log[1] + len(entries))
+        return np.unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
+
+    def _apply(self, rows: np.ndarray) -> None:
+        got = self.storage.read(rows)
+        self.vectors[rows], self.vid[rows] = got.vectors, got.ids
+        if self.ivf is None:
+            return
+        present = rows[self.lists[rows] != 0]
+        if len(present):
+            self.ivf.remove_ids(faiss.IDSelectorArray(len(present), faiss.swig_ptr(present)))
+            self.lists[present] = 0
+        lists = got.assign.copy()
+        missing = (lists == 0) & (got.ids != 0)
+        lists[missing] = assign(self.q, got.vectors[missing])
+        keep = got.ids != 0
+        self._add(rows[keep], lists[keep])
+
+    def search(
+        self, queries: np.ndarray, k: int, mask: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` nearest rows of each query among the rows ``mask`` allows: (distances,
+        rows), rows -1 (distance NaN) past the candidates. Distances are faiss's: squared
+        L2 for ``l2``, inner products (larger is nearer) for ``ip`` and ``cosine``."""
+        queries = np.ascontiguousarray(queries, np.float32)
+        exact = self.ivf is None or self.spec.kind == "exact"
+        if exact or np.count_nonzero(mask) <= self.spec.exact_below:
+            return self._exact(queries, k, mask)
+        assert self.ivf is not None
+        bits = np.packbits(mask, bitorder="little")
+        sel = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits))
+        params = faiss.SearchParametersIVF(sel=sel, nprobe=min(self.spec.nprobe, self.ivf.nlist))
+        dist, rows = self.ivf.search(queries, k, params=params)
+        short = (rows < 0).any(axis=1)
+        if short.any():  # the probed lists held fewer than k candidates: scan exactly
+            dist[short], rows[short] = self._exact(queries[short], k, mask)
+        dist[rows < 0] = np.nan
+        return dist, rows
+
+    def _exact(
+        self, queries: np.ndarray, k: int, mask: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """An exact scan of the rows ``mask`` allows."""
+        candidates = np.flatnonzero(mask)
+        dist, pos = exact_search(queries, self.vectors[candidates], k, self.spec.metric)
+        return dist, np.where(pos >= 0, candidates[np.maximum(pos, 0)], -1)

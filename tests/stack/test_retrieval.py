@@ -1,0 +1,258 @@
+"""Vector indexes end to end: built by a real maintenance worker, queried with ``nearest``
+(exact answers, where-restricted, fields read), never returning an evicted step while
+eviction runs, persisted so a restarted worker projects nothing again, a recipe's
+``nearest`` section filled by a real prefetch worker, and ``claw nearest``."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from claw_tasks.broker.app import client_app
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
+from claw_tasks.settings import get_settings
+from claw_tasks.store import Store
+from orchestrator.cli.main import app
+from orchestrator.delivery.client import BatchClient
+from orchestrator.retrieval import define_index, nearest
+from orchestrator.retrieval.query import forget_namespace
+from orchestrator.retrieval.storage import IndexKeys
+from tests.support.processes import Worker
+
+DIM = 8
+
+
+@pytest.fixture(scope="module")
+def worker(store_url, broker_url, redis_server, tmp_path_factory):
+    """One maintenance and prefetch worker for the module's tests (2 pool processes)."""
+    log = tmp_path_factory.mktemp("worker") / "maintenance-prefetch.log"
+    w = Worker(store_url, "maintenance,prefetch", 2, log, {}, broker_url)
+    yield w
+    w.stop()
+
+
+def steps(obs: np.ndarray, episode: str, origin: str, first_action: int = 0) -> StepBatch:
+    n = len(obs)
+    b = StepBatch(
+        episode=StrColumn.of([episode] * n),
+        step_index=np.arange(n),
+        reward=np.zeros(n, np.float32),
+        terminated=np.zeros(n, bool),
+        truncated=np.zeros(n, bool),
+        fields={
+            "obs": obs.astype(np.float32),
+            "action": np.arange(first_action, first_action + n, dtype=np.int64),
+        },
+    )
+    b.strs["t:origin"] = StrColumn.of([origin] * n)
+    return b
+
+
+def tick(redis_url: str) -> None:
+    """One ``claw.maintenance.vectors`` run, as beat sends it."""
+    app = client_app(get_settings().broker_for(redis_url))
+    app.send_task("claw.maintenance.vectors", queue="maintenance")
+
+
+def runs(store: Store, name: str = "default") -> int:
+    return int(store.r.hget(IndexKeys(store, name).head, "runs") or 0)
+
+
+def built(store: Store, redis_url: str, name: str = "default", trained: bool = True) -> None:
+    """Ask for ticks until the index has no pending steps (and is trained)."""
+    head = IndexKeys(store, name).head
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        before = runs(store, name)
+        tick(redis_url)
+        while runs(store, name) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        h = store.r.hgetall(head)
+        if h.get(b"pending") == b"0" and (not trained or h.get(b"gen") == b"1"):
+            return
+    raise AssertionError(f"index {name} not built: {store.r.hgetall(head)}")
+
+
+def exact(base: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+    d = ((queries[:, None, :] - base[None, :, :]) ** 2).sum(-1)
+    return np.argsort(d, axis=1, kind="stable")[:, :k]
+
+
+@pytest.fixture
+def expert(redis_url: str, namespace: str) -> tuple[Store, np.ndarray]:
+    """3,000 steps: two expert episodes and a noisy one; step i has action i, id i + 1."""
+    store = Store(redis_url, namespace)
+    store.create(capacity=4000)
+    x = np.random.default_rng(0).standard_normal((3000, DIM)).astype(np.float32)
+    for i, origin in enumerate(("expert", "expert", "noisy")):
+        store.commit(steps(x[i * 1000 : (i + 1) * 1000], f"e{i}", origin, i * 1000))
+    yield store, x
+    forget_namespace(namespace)
+
+
+def test_the_beat_task_builds_indexes_that_answer_exactly(redis_url, expert, worker):
+    store, x = expert
+    # IVF forced (exact_below 0) with every list probed: the approximate path, exact answers.
+    define_index(store, {"nlist": 16, "nprobe": 16, "exact_below": 0})
+    define_index(store, {"name": "flat", "kind": "exact", "metric": "cosine"})
+    built(store, redis_url)
+    built(store, redis_url, "flat", trained=False)
+    q = x[[5, 1500, 2999]] + 0.01
+
+    got = nearest(store, q, 5, fields=["action", "reward", "tags.origin"])
+    want = exact(x, q, 5)
+    assert (got.ids == want + 1).all()  # one shard: id = seq = row + 1
+    assert (got.fields["action"] == want).all()
+    assert got.fields["reward"].shape == (3, 5)
+    assert got.meta["tags.origin"][2][0] == "noisy"
+    assert (np.diff(got.distances, axis=1) >= 0).all()
+
+    experts = nearest(store, q, 5, where="tags.origin == 'expert'", fields=["action"])
+    assert (experts.fields["action"] < 2000).all()
+    assert (experts.ids == exact(x[:2000], q, 5) + 1).all()
+
+    unit = x / np.linalg.norm(x, axis=1, keepdims=True)
+    cos = nearest(store, q, 3, index="flat")
+    want = np.argsort(-(q / np.linalg.norm(q, axis=1, keepdims=True)) @ unit.T, axis=1)[:, :3]
+    assert (cos.ids == want + 1).all()
+    assert np.allclose(cos.distances[:, 0], 1, atol=1e-3)  # inner products of unit vectors
+
+    few = nearest(store, q, 5, where="tags.origin == 'noisy' and step_index < 2")
+    assert (few.ids[:, :2] > 2000).all() and (few.ids[:, 2:] == -1).all()  # only 2 match
+
+
+def test_no_evicted_step_is_ever_returned(redis_url, expert, worker):
+    """Retention-style evictions and ring overwrites run while queries run: no answer
+    holds a step whose eviction had finished before the query started."""
+    store, x = expert
+    define_index(store, {"nlist": 16, "nprobe": 4, "exact_below": 0})
+    built(store, redis_url)
+    gone: list[tuple[float, np.ndarray]] = []  # (when its eviction finished, ids)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def evict() -> None:
+        rng, writer = np.random.default_rng(1), Store(redis_url, store.namespace)
+        seq, more = 3000, np.random.default_rng(2)
+        try:
+            while not stop.is_set():
+                ids = rng.choice(np.arange(max(1, seq - 3900), seq + 1), 50, replace=False)
+                writer.evict(ids.tolist())
+                gone.append((time.monotonic(), ids))
+                new = more.standard_normal((200, DIM)).astype(np.float32)
+                writer.commit(steps(new, f"n{seq}", "expert", seq))
+                seq += 200  # the ring (4,000) overwrites the oldest 200 past its capacity
+                gone.append((time.monotonic(), np.arange(1, max(1, seq - 3999))))
+                tick(redis_url)
+                time.sleep(0.02)
+        except BaseException as e:  # surfaced by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=evict, daemon=True)
+    thread.start()
+    answered, rng = 0, np.random.default_rng(3)
+    try:
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline and not errors:
+            started = time.monotonic()
+            q = x[rng.choice(3000, 16)] + 0.01
+            got = nearest(store, q, 10, fields=["action"])
+            dead = [ids for t, ids in gone if t < started]
+            returned = got.ids[got.ids > 0]
+            assert not np.isin(returned, np.concatenate(dead) if dead else []).any()
+            answered += int((got.ids > 0).all())
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors, errors
+    assert answered >= 5 and len(gone) >= 10
+
+
+def test_a_worker_restart_reuses_the_persisted_index(redis_url, expert, start_worker):
+    store, _ = expert
+    define_index(store, {"nlist": 16, "nprobe": 16, "exact_below": 0})
+    first = start_worker("maintenance")
+    built(store, redis_url)
+    keys = IndexKeys(store, "default")
+    log_len, centroids = store.r.xlen(keys.log), store.r.hget(keys.head, "centroids")
+    first.kill()  # SIGKILL: nothing is flushed on the way out
+
+    second = start_worker("maintenance")
+    before = runs(store)
+    tick(redis_url)
+    deadline = time.monotonic() + 60
+    while runs(store) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runs(store) > before
+    assert store.r.xlen(keys.log) == log_len  # nothing projected or written again
+    assert store.r.hget(keys.head, "centroids") == centroids  # nor trained again
+
+    new = np.random.default_rng(9).standard_normal((10, DIM)).astype(np.float32)
+    store.commit(steps(new, "late", "expert", 3000))
+    built(store, redis_url)
+    entry = store.r.xrevrange(keys.log, count=1)[0][1]
+    assert np.frombuffer(entry[b"rows"], "<i8").tolist() == list(range(3000, 3010))
+    second.stop()
+
+    forget_namespace(store.namespace)  # a fresh reader: loads the arrays, no worker needed
+    got = nearest(store, new[:2] + 0.001, 1, fields=["action"])
+    assert got.fields["action"][:, 0].tolist() == [3000, 3001]
+
+
+def test_a_recipe_attaches_each_rows_nearest_expert_steps(redis_url, expert, namespace, worker):
+    store, x = expert
+    define_index(store, {"kind": "exact"})
+    built(store, redis_url, trained=False)
+    learner = Store(redis_url, f"{namespace}-learner")
+    learner.create(capacity=1000)
+    states = x[:64] + 0.01
+    learner.commit(steps(states, "l0", "learner"))
+    client = BatchClient(learner.namespace, redis_url)
+    try:
+        client.register(
+            {
+                "name": "dagger",
+                "batch_size": 32,
+                "fields": ["obs", "action"],
+                "sources": [{"name": "learner"}],
+                "nearest": {
+                    "namespace": store.namespace,
+                    "k": 3,
+                    "where": "tags.origin == 'expert'",
+                    "fields": ["action", "obs"],
+                },
+            }
+        )
+        batch = client.pop("dagger", timeout=60)
+    finally:
+        client.close()
+    assert batch["nearest.action"].shape == (32, 3)
+    assert batch["nearest.obs"].shape == (32, 3, DIM)
+    want = exact(x[:2000], batch["obs"], 3)
+    assert (batch["nearest.action"] == want).all()
+    assert (batch["nearest.id"] == want + 1).all()
+    assert np.allclose(batch["nearest.obs"], x[want])
+
+
+def test_claw_nearest_answers_from_the_shell(redis_url, expert, worker):
+    store, x = expert
+    runner, env = CliRunner(), {"CLAW_REDIS_URL": redis_url, "COLUMNS": "200"}
+
+    def claw(*args: str) -> str:
+        done = runner.invoke(app, ["nearest", store.namespace, *args], env=env)
+        assert done.exit_code == 0, done.output
+        return done.output
+
+    assert "'default'" in claw("--define", '{"kind": "exact"}')
+    built(store, redis_url, trained=False)
+    out = json.loads(claw("--of", "11", "--k", "3", "--fields", "action", "--json"))
+    assert out["ids"][0][0] == 11 and out["action"][0][0] == 10
+    assert out["ids"][0] == (exact(x, x[[10]], 3) + 1).tolist()[0]
+    table = claw("--state", ",".join(map(str, x[10].tolist())), "--k", "2", "--fields", "action")
+    assert "state 0" in table and " 11 " in table
