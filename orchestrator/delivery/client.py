@@ -70,6 +70,8 @@ class BatchClient:
         recipe = as_recipe(recipe)
         if self.store.exists() and (schema := self.store.schema()) is not None:
             recipe.validate_against(schema)
+        if recipe.as_of is not None:
+            self.store.snapshot_info(recipe.as_of)  # SnapshotError naming the ones there are
 
         def change(old: Entry | None) -> Recipe | None:
             return None if old is not None and _same(old.recipe, recipe) else recipe
@@ -100,6 +102,15 @@ class BatchClient:
         recipe, _ = self.registry.install(name, change, None)
         self._installed(recipe, reset=False)
         return recipe
+
+    def restore(self, recipe: Recipe) -> Recipe:
+        """Install ``recipe`` (as a snapshot recorded it) as its name's next version,
+        whatever is registered now: queued batches are dropped and a fill is forced, as
+        for any change. Adds no reader host (a rollback runs anywhere)."""
+        stored, old = self.registry.install(recipe.name, lambda _: recipe, None)
+        live_only = old is not None and same_recipe(old.recipe, stored, ("version", "params"))
+        self._installed(stored, reset=not live_only)
+        return stored
 
     def unregister(self, name: str) -> None:
         for item in self.registry.remove(name):

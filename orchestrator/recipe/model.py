@@ -249,6 +249,9 @@ class Recipe(_Model):
     tokens: Tokens | None = None
     joint: Joint | None = None
     seed: int | None = None
+    as_of: Name | None = None
+    """Sample a snapshot of the namespace (``claw snapshot NS NAME``): only its steps that
+    are still stored, with its labels, priorities and tags."""
     version: PositiveInt = 1
 
     @classmethod

@@ -18,6 +18,7 @@ from claw_tasks.format.schema import LLM_FIELDS, tag_column
 from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE, episode_code
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
+from claw_tasks.store.snapshots import diff
 from claw_tasks.where import Where
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery.client import BatchClient
@@ -356,6 +357,29 @@ class Inspector:
             return thumbs.to_png(arr, layout)
 
         return self.thumbs.get((ns, step_id, fname), make)
+
+    # ---- snapshots ---------------------------------------------------------------------
+    def snapshots(self, ns: str) -> list[dict[str, Any]]:
+        """Each snapshot with what changed since (against the namespace now)."""
+        store = self.store(ns)
+        found = store.snapshots()
+        now = store.labels() if found else None
+        out = []
+        for s in found:
+            assert now is not None
+            d = diff(store.labels(s.name), now)
+            out.append(
+                {
+                    "name": s.name,
+                    "created": s.created,
+                    "steps": s.steps,
+                    "bytes": s.bytes,
+                    "recipes": sorted(s.extra.get("recipes", {})),
+                    "diff": d,
+                    "labels": d.untrainable + d.trainable + d.quality + sum(d.tags.values()),
+                }
+            )
+        return out
 
     # ---- curation and recipes ----------------------------------------------------------
     def candidates(self, q: Query, recipe: Recipe) -> int:

@@ -7,9 +7,12 @@ from orchestrator.cli.commands import services
 from orchestrator.cli.commands import store
 
 # isort: split
+from orchestrator.cli.commands import versions
+
+# isort: split
 from orchestrator.cli.commands import maintenance
 
 # isort: split
 from orchestrator.cli.commands import archive
 
-__all__ = ["archive", "maintenance", "services", "store"]
+__all__ = ["archive", "maintenance", "services", "store", "versions"]
