@@ -67,7 +67,9 @@ class Retention:
         if self.max_age is not None and not self.max_age > 0:
             raise RetentionError(f"max_age must be > 0 seconds, got {self.max_age}")
         if self.snapshot_max_age is not None and not self.snapshot_max_age > 0:
-            raise RetentionError(f"snapshot_max_age must be > 0 seconds, got {self.snapshot_max_age}")
+            raise RetentionError(
+                f"snapshot_max_age must be > 0 seconds, got {self.snapshot_max_age}"
+            )
         for name in ("max_steps", "max_bytes", "max_snapshots"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):

@@ -232,8 +232,10 @@ class _Session:
             claims = Claims.from_hash(self.store.r.hgetall(key)) if once else None
             if b.as_of is not None:
                 b.as_of.check(recipe.sources[0].name, recipe.counts[0])
-            columns = self.index.columns if b.as_of is None else b.as_of.columns(
-                self.index.columns, np.zeros(0, np.int64)
+            columns = (
+                self.index.columns
+                if b.as_of is None
+                else b.as_of.columns(self.index.columns, np.zeros(0, np.int64))
             )
             draw = b.sampler.sample(columns, b.rng if rng is None else rng, live, claims=claims)
             if b.sampler.joint is not None:
