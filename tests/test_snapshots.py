@@ -1,21 +1,17 @@
 """Snapshots and rollback on a real Redis: labels, priorities, tags, recipes and params come
-back bit for bit; steps evicted since are counted, not restored; a recipe ``as_of`` a
-snapshot never serves a step committed after it, through a real prefetch worker, while an
-Ingestor keeps committing; diffs, the CLI, retention, the archive and the web view."""
+back bit for bit; steps evicted since are counted, not restored; diffs, the CLI, retention,
+the archive and the web view. (A recipe ``as_of`` a snapshot, served by a prefetch worker:
+tests/test_served_versions.py.)"""
 
 from __future__ import annotations
 
 import json
-import threading
-import uuid
 
 import msgpack
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from claw_tasks.client import Ingestor
-from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from claw_tasks.store.layout import UNTRAINABLE
 from claw_tasks.store.retention import Retention
@@ -171,61 +167,3 @@ def test_snapshot_cli_diff_retention_archive_and_web(redis_url, namespace, tmp_p
     claw("snapshot", namespace, "s3", "--delete")
     with pytest.raises(SnapshotError):
         store.labels("s3")
-
-
-def test_as_of_serves_only_the_snapshots_steps_while_ingest_runs(redis_url, namespace, workers):
-    schema = Schema(fields={"obs": FieldSpec("<f4", (4,)), "action": FieldSpec("<i8", ())})
-    ing = Ingestor(namespace, redis_url, schema=schema, capacity=100_000, flush_interval=None)
-    for e in range(20):
-        with ing.episode(f"e{e}") as ep:
-            for i in range(50):
-                ep.add(np.full(4, i, np.float32), 0, float(i))
-    ing.flush(wait=True)
-    store = ing.store
-    live = store.labels()
-    ids = live.ids[live.alive]
-    store.curate(ids[:100], trainable=False)
-    info = versions.take(store, "v1")
-    member = set(ids.tolist())
-    untrainable = set(ids[:100].tolist())
-    store.curate(ids[:100], trainable=True)  # after the snapshot: trainable again
-
-    stop = threading.Event()
-
-    def produce() -> None:  # commits go on while the recipe of the snapshot is served
-        k = 0
-        while not stop.is_set():
-            with ing.episode(f"late{k}") as ep:
-                for _ in range(20):
-                    ep.add(np.zeros(4, np.float32), 0, -1.0)
-            ing.flush(wait=True)
-            k += 1
-
-    thread = threading.Thread(target=produce)
-    thread.start()
-    client = BatchClient(namespace, redis_url)
-    try:
-        name = f"asof-{uuid.uuid4().hex[:6]}"
-        client.register(
-            {
-                "name": name,
-                "batch_size": 128,
-                "fields": ["obs", "reward"],
-                "sources": [{"name": "all"}],
-                "as_of": "v1",
-                "prefetch": {"depth": 2},
-            }
-        )
-        served = set()
-        for _ in range(15):
-            b = client.pop(name, timeout=60)
-            served |= set(np.asarray(b.ids).tolist())
-            assert (np.asarray(b["reward"]) >= 0).all()  # no late step (reward -1)
-        assert served <= member - untrainable and len(served) > 500
-        client.unregister(name)
-    finally:
-        stop.set()
-        thread.join()
-        client.close()
-        ing.close()
-    assert store.labels().alive.sum() > info.steps  # ingest did go on meanwhile

@@ -178,3 +178,95 @@ def diff(
     for what, n in rows:
         table.add_row(what, f"{n:,}")
     Console().print(table)
+
+
+@app.command()
+@friendly
+def lineage(
+    ctx: typer.Context,
+    namespace: str,
+    policy: Annotated[
+        str | None, typer.Option(help="Which data trained this policy/update version")
+    ] = None,
+    step: Annotated[
+        list[int] | None, typer.Option(help="Which policies trained on this step id (repeatable)")
+    ] = None,
+    episode: Annotated[
+        str | None, typer.Option(help="Which policies trained on this episode's steps")
+    ] = None,
+    ids: Annotated[bool, typer.Option("--ids", help="With --policy: print the step ids")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Which data trained which policy, from the lineage log of popped batches.
+
+    Trainers declare what a batch trains: BatchClient.pop(name, policy_version=v). Without
+    options: the policies the log holds and how many batches each."""
+    import numpy as np
+
+    from claw_tasks.store.layout import episode_code
+    from orchestrator.delivery.lineage import LineageLog
+    from orchestrator.maintenance.lifecycle import synced_index
+
+    if sum(x is not None and x != [] for x in (policy, step, episode)) > 1:
+        raise typer.BadParameter("give one of --policy, --step, --episode")
+    with redis_client(ctx) as (_, r):
+        store = _store(r, namespace)
+        log = LineageLog(store)
+        if policy is not None:
+            found = log.trained(policy)
+            all_ids = np.sort(np.concatenate([e.ids for e in found])) if found else np.zeros(0)
+            doc = {
+                "policy": policy,
+                "batches": len(found),
+                "rows": len(all_ids),
+                "steps": len(np.unique(all_ids)),
+                "recipes": sorted({f"{e.recipe}@v{e.recipe_version}" for e in found}),
+                "entries": [e.to_json() for e in found],
+            }
+            if ids:
+                doc["ids"] = all_ids.astype(np.int64).tolist()
+        elif step or episode is not None:
+            wanted = np.asarray(step or [], np.int64)
+            if episode is not None:
+                index, _ = synced_index(store)
+                cols = index.columns
+                rows = (cols["episode"] == episode_code(episode)) & (cols["id"] > 0)
+                wanted = cols["id"][rows]
+                if not len(wanted):
+                    raise NamespaceError(
+                        f"episode {episode!r} has no stored steps in {namespace!r}"
+                    )
+            per_step = log.policies(wanted)
+            policies: dict[str, int] = {}
+            for seen in per_step.values():
+                for p, n in seen.items():
+                    policies[p] = policies.get(p, 0) + n
+            doc = {
+                "episode": episode,
+                "steps": {str(k): v for k, v in per_step.items()},
+                "policies": policies,
+            }
+        else:
+            counts: dict[str, int] = {}
+            for e in log.entries():
+                counts[e.policy] = counts.get(e.policy, 0) + 1
+            doc = {"batches": sum(counts.values()), "policies": counts}
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    console = Console()
+    if policy is not None:
+        console.print(
+            f"policy {policy!r} of {namespace!r}: {doc['batches']:,} batches, {doc['rows']:,} "
+            f"rows, {doc['steps']:,} distinct steps ({', '.join(doc['recipes']) or '-'})",
+            highlight=False,
+        )
+        if ids:
+            console.print(" ".join(map(str, doc["ids"])), highlight=False, soft_wrap=True)
+        return
+    table = Table(title=f"lineage of {namespace!r}")
+    table.add_column("policy")
+    table.add_column("batches" if "batches" in doc else "rows", justify="right")
+    for p, n in sorted(doc["policies"].items()):
+        table.add_row(p or "(undeclared)", f"{n:,}")
+    console.print(table)
