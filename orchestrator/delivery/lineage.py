@@ -11,8 +11,8 @@ and ``flush_lineage`` send what is left). An entry holds:
 - ``n``, ``d``: rows, and a digest of the ids in batch order (blake2b, 8 bytes);
 - ``ids``: the batch's step ids, sorted: the first as 8 bytes, then the gaps between them
   in the narrowest of 1, 2, 4 or 8 bytes that holds the largest (a batch draws with
-  replacement: repeats are kept, gap 0). 256 ids of 1M are 2 bytes each; zstd saved a
-  fifth more for 6-8 times the trainer's time (docs/benchmarks.md). A step id is never
+  replacement: repeats are kept, gap 0). 256 ids of 1M are 2 bytes each; zstd was larger
+  and took twice the trainer's time (docs/benchmarks.md). A step id is never
   reused, so the ids name the data for as long as the log keeps the entry, evicted or not;
 - ``t``: the time.
 
