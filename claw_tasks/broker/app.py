@@ -23,6 +23,7 @@ TASK_MODULES = [
     "orchestrator.maintenance.evict",
     "orchestrator.maintenance.priorities",
     "orchestrator.maintenance.archive",
+    "orchestrator.maintenance.quality",
 ]
 
 

@@ -95,6 +95,15 @@ def sample(
         return session.sample(recipe, rng, params)
 
 
+def hit_rates(namespace_or_store: str | Store, recipe: str) -> tuple[tuple[int, ...], int]:
+    """The candidates of each source of ``recipe`` and the namespace's live steps, as this
+    process's last draw of it saw them (``((), 0)`` before one): the sample hit rate."""
+    session = _session(namespace_or_store, None, None)
+    with session.lock:
+        bound = session.bound.get(recipe)
+        return ((), 0) if bound is None else bound.hits
+
+
 def update_priorities(
     namespace_or_store: str | Store,
     ids: Sequence[int] | np.ndarray,
@@ -164,6 +173,7 @@ class _Bound:
     sampler: RecipeSampler
     rng: np.random.Generator
     as_of: AsOf | None = None  # a recipe of a snapshot: the columns it draws from
+    hits: tuple[tuple[int, ...], int] = ((), 0)  # the last draw's candidates per source, live
 
     def columns(self, cols: Mapping[str, np.ndarray], rows: np.ndarray | None) -> Any:
         return cols if self.as_of is None else self.as_of.columns(cols, rows)
@@ -244,6 +254,7 @@ class _Session:
                 batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
             if batch is None:
                 continue
+            b.hits = (tuple(s.n for s in b.sampler.sources), int(np.count_nonzero(columns["alive"])))
             if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
                 batch = _within_budget(batch, recipe)
             if not once or self._claim(key, batch.groups):  # type: ignore[arg-type]

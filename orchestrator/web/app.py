@@ -160,6 +160,7 @@ class WebApp:
             Route("/ns/{ns}/recipes/{name}", self.guard(self.edit_recipe), methods=["POST"]),
             Route("/ns/{ns}/audit", self.guard(self.audit)),
             Route("/ns/{ns}/snapshots", self.guard(self.snapshots)),
+            Route("/ns/{ns}/quality", self.guard(self.quality)),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
         ]
 
@@ -382,6 +383,14 @@ class WebApp:
         except NamespaceError as e:
             return self.error(request, session, 404, str(e))
         return self.render(request, session, "audit.html", {"ns": ns, "entries": entries})
+
+    async def quality(self, request: Request, session: Session) -> Response:
+        ns = request.path_params["ns"]
+        try:
+            q = await _run(self.inspector.quality, ns)
+        except NamespaceError as e:
+            return self.error(request, session, 404, str(e))
+        return self.render(request, session, "quality.html", {"ns": ns, "q": q})
 
     async def snapshots(self, request: Request, session: Session) -> Response:
         ns = request.path_params["ns"]
