@@ -13,11 +13,13 @@ import uuid
 from collections import Counter, defaultdict
 
 import numpy as np
+from prometheus_client import generate_latest
 from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import FieldSpec, Schema
 from orchestrator.cli.main import app
+from orchestrator.cli.metrics import registry_for
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import LineageLog, decode_ids, encode_ids, record
 from orchestrator.maintenance import snapshots as versions
@@ -86,6 +88,13 @@ def test_which_data_trained_policy_v_is_the_trainers_record(redis_url, namespace
         for i in episode_ids:
             expected.update(by_step.get(i, {}))
         assert json.loads(res.output)["policies"] == dict(expected)
+        # the fills' sampling figures, as claw metrics exports them
+        scrape = generate_latest(registry_for(redis_url, redis_url)).decode()
+        labels = f'namespace="{namespace}",recipe="train"'
+        made = client.stats("train")["train"]["produced"]
+        assert f"claw_sample_seconds_count{{{labels}}} {float(made)}" in scrape
+        assert f'claw_sample_batch_rows_bucket{{le="32",{labels}}} {float(made)}' in scrape
+        assert f'claw_sample_hit_rate{{{labels},source="all"}} 1.0' in scrape
     finally:
         client.close()
 
