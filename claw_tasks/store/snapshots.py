@@ -42,16 +42,11 @@ import zstandard
 
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.format.schema import tag_column
+from claw_tasks.format.stepmeta import UNTRAINABLE
 from claw_tasks.store.config import NamespaceConfig, NamespaceError
 from claw_tasks.store.core import StoreCore
 from claw_tasks.store.evict import Eviction
-from claw_tasks.store.layout import (
-    META_CHUNK_SLOTS,
-    NUM_TAG_DTYPE,
-    STR_TAG_DTYPE,
-    UNTRAINABLE,
-    nan_xor,
-)
+from claw_tasks.store.layout import META_CHUNK_SLOTS, NUM_TAG_DTYPE, STR_TAG_DTYPE, nan_xor
 from claw_tasks.store.updates import Updates
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")

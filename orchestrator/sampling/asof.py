@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
+from claw_tasks.format.stepmeta import UNTRAINABLE
 from claw_tasks.store import Store
-from claw_tasks.store.layout import UNTRAINABLE
 from orchestrator.sampling.candidates import Columns, InsufficientData
 
 RECHECK_S = 10.0

@@ -254,7 +254,8 @@ class _Session:
                 batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
             if batch is None:
                 continue
-            b.hits = (tuple(s.n for s in b.sampler.sources), int(np.count_nonzero(columns["alive"])))
+            live = int(np.count_nonzero(columns["alive"]))
+            b.hits = (tuple(s.n for s in b.sampler.sources), live)
             if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
                 batch = _within_budget(batch, recipe)
             if not once or self._claim(key, batch.groups):  # type: ignore[arg-type]

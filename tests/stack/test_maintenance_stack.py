@@ -16,10 +16,10 @@ from claw_tasks.broker.app import client_app
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from orchestrator.maintenance.lifecycle import forget
+from orchestrator.maintenance.quality import read_quality
 from tests.support.paths import ROOT
 from tests.support.processes import celery, free_port, stop
 from tests.support.stepdata import batch, episode
-from orchestrator.maintenance.quality import read_quality
 
 FAST = (
     "{claw-evict: {every: 1}, claw-priorities: {every: 1s}, claw-refill: {every: 1m}, "

@@ -301,8 +301,7 @@ def test_data_quality_page_and_snapshots(page, web, redis_server):
     assert page.locator("#shares-skill_tag polyline.series").count() == 3  # walk, run, jump
     assert page.locator("#rewards polyline.series").count() == 1
     assert "run" in page.inner_text("#counts-skill_tag")
-    shot(page, "quality")
-    shutil.copy(ARTIFACTS / "quality.png", ROOT / "docs" / "img" / "inspector-quality.png")
+    shot(page, "quality")  # docs/img/inspector-quality.png is this screenshot
 
     versions.take(store, "before-labels")
     store.curate(store.labels().ids[:100], trainable=False)

@@ -203,7 +203,7 @@ def lineage(
     options: the policies the log holds and how many batches each."""
     import numpy as np
 
-    from claw_tasks.store.layout import episode_code
+    from claw_tasks.format.stepmeta import episode_code
     from orchestrator.delivery.lineage import LineageLog
     from orchestrator.maintenance.lifecycle import synced_index
 

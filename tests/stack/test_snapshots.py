@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from claw_tasks.format.stepmeta import UNTRAINABLE
 from claw_tasks.store import Store
-from claw_tasks.store.layout import UNTRAINABLE
 from claw_tasks.store.retention import Retention
 from claw_tasks.store.snapshots import SnapshotError
 from orchestrator.cli.main import app
@@ -21,7 +21,7 @@ from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance import snapshots as versions
 from orchestrator.maintenance.archive import archive_namespace
 from orchestrator.web.views import Inspector
-from tests.stepdata import batch
+from tests.support.stepdata import batch
 
 MUTABLE = ("flags", "quality", "priority", "t:level")
 

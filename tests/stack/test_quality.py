@@ -10,6 +10,7 @@ import json
 import math
 
 import numpy as np
+from orchestrator.cli.metrics import registry_for
 from prometheus_client import generate_latest
 from typer.testing import CliRunner
 
@@ -18,7 +19,6 @@ from claw_tasks.format.schema import tag_column
 from claw_tasks.store import Store
 from claw_tasks.store.layout import payload_chunk_slots
 from orchestrator.cli.main import app
-from orchestrator.cli.metrics import registry_for
 from orchestrator.maintenance.archive import archive_namespace
 from orchestrator.maintenance.lifecycle import synced_index
 from orchestrator.maintenance.quality import BINS, KEYS, quality_namespace

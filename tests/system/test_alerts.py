@@ -10,21 +10,20 @@ import json
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
+from orchestrator.cli.metrics import registry_for
 
 from claw_tasks.connection.client import redis_client
 from claw_tasks.store import Store
-from orchestrator.cli.metrics import registry_for
 from orchestrator.delivery.registry import Registry
 from orchestrator.delivery.samplestats import Observed
 from orchestrator.maintenance.quality import quality_namespace
 from orchestrator.recipe.model import Recipe
-from tests.stepdata import batch
+from tests.support.paths import ROOT
+from tests.support.stepdata import batch
 
-ROOT = Path(__file__).resolve().parents[1]
 OPS = ROOT / "ops"
 PROMTOOL = shutil.which("promtool")
 NAME = re.compile(r"\b(claw_[a-z_]+|claw:threshold:[a-z0-9_]+)")
