@@ -2,7 +2,7 @@
 data: after ingest (NaN and inf in a payload field), after eviction and the ring's
 overwrites (the incremental pass recomputes only the chunks that changed), and after an
 archive is restored into another namespace; ``claw stats --quality`` and ``claw metrics``
-show them. (Beat running the task on a real worker: tests/test_maintenance_stack.py.)"""
+show them. (Beat running the task on a real worker: tests/stack/test_maintenance_stack.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import json
 import math
 
 import numpy as np
-from orchestrator.cli.metrics import registry_for
 from prometheus_client import generate_latest
 from typer.testing import CliRunner
 
@@ -18,6 +17,7 @@ from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.format.schema import tag_column
 from claw_tasks.store import Store
 from claw_tasks.store.layout import payload_chunk_slots
+from orchestrator.cli.exporter import registry_for
 from orchestrator.cli.main import app
 from orchestrator.maintenance.archive import archive_namespace
 from orchestrator.maintenance.lifecycle import synced_index

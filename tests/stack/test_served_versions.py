@@ -13,12 +13,12 @@ import uuid
 from collections import Counter, defaultdict
 
 import numpy as np
-from orchestrator.cli.metrics import registry_for
 from prometheus_client import generate_latest
 from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import FieldSpec, Schema
+from orchestrator.cli.exporter import registry_for
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import LineageLog, decode_ids, encode_ids, record

@@ -1,7 +1,7 @@
 """Snapshots and rollback on a real Redis: labels, priorities, tags, recipes and params come
 back bit for bit; steps evicted since are counted, not restored; diffs, the CLI, retention,
 the archive and the web view. (A recipe ``as_of`` a snapshot, served by a prefetch worker:
-tests/test_served_versions.py.)"""
+tests/stack/test_served_versions.py.)"""
 
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ import subprocess
 
 import pytest
 import yaml
-from orchestrator.cli.metrics import registry_for
 
 from claw_tasks.connection.client import redis_client
 from claw_tasks.store import Store
+from orchestrator.cli.exporter import registry_for
 from orchestrator.delivery.registry import Registry
 from orchestrator.delivery.samplestats import Observed
 from orchestrator.maintenance.quality import quality_namespace
