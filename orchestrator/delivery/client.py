@@ -15,8 +15,8 @@ from claw_tasks.broker.app import client_app
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, shm
-from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.lineage import LineageLog, record
+from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import WireVersionError
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
