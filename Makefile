@@ -6,7 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.claw-installed
 DEMO_STAMP := $(VENV)/.claw-demo-installed
 
-.PHONY: setup test test-fast demo lint browser
+.PHONY: setup test test-fast demo lint browser promtool
 
 setup: $(STAMP)
 
@@ -35,7 +35,16 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	fi
 
-test: $(STAMP) browser
+# The alerts' tests run Prometheus' promtool (ops/alerts.yml): Debian's prometheus package
+# ships it; installed here when missing, as chromium is.
+promtool:
+	@if ! command -v promtool >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
+	    && command -v apt-get >/dev/null 2>&1; then \
+	    echo "== installing promtool (Debian's prometheus package) for the alerts' tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	fi
+
+test: $(STAMP) browser promtool
 	$(VENV)/bin/pytest -q
 
 # The fast loop: tests/unit/ only (the code alone: no redis-server, worker, browser or

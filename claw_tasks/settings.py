@@ -188,6 +188,14 @@ VARIABLES: tuple[Variable, ...] = (
         "Albumentations transforms a recipe may name (comma-separated names, or the groups "
         "`pixel` and `spatial`; empty: none)",
     ),
+    Variable(
+        "CLAW_LINEAGE_MAXLEN",
+        "lineage_maxlen",
+        _count,
+        100_000,
+        "popped batches a namespace's lineage log keeps (the oldest trimmed first; "
+        "docs/architecture.md, Lineage)",
+    ),
     # ---- per-process resources
     Variable(
         "CLAW_NAMESPACE_CACHE_SIZE",
@@ -460,6 +468,7 @@ class Settings:
     albumentations: tuple[str, ...]
     namespace_cache_size: int
     plan_cache_size: int
+    lineage_maxlen: int
     shared_index: bool
     compress_at: str
     codec_threads: int

@@ -25,6 +25,7 @@ TASK_MODULES = [
     "orchestrator.maintenance.archive",
     "orchestrator.maintenance.vectors",
     "orchestrator.maintenance.cleaning",
+    "orchestrator.maintenance.quality",
 ]
 
 

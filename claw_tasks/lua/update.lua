@@ -21,13 +21,18 @@ for k = 1, count do
 end
 local alive = nil
 if count > 0 and redis.call('EXISTS', KEYS[4]) == 1 then
-  local get = {}
-  for k = 1, count do
-    get[#get + 1] = 'GET'
-    get[#get + 1] = 'u1'
-    get[#get + 1] = slots[k]
+  -- BITFIELD GETs in groups: unpack() takes a few thousand arguments at most
+  alive = {}
+  for first = 1, count, 1000 do
+    local get = {}
+    for k = first, math.min(count, first + 999) do
+      get[#get + 1] = 'GET'
+      get[#get + 1] = 'u1'
+      get[#get + 1] = slots[k]
+    end
+    local got = redis.call('BITFIELD', KEYS[3], unpack(get))
+    for j = 1, #got do alive[first + j - 1] = got[j] end
   end
-  alive = redis.call('BITFIELD', KEYS[3], unpack(get))
 end
 local mask = 0
 if mode ~= 'set' then mask = string.byte(values, 1) end

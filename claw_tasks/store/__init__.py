@@ -16,6 +16,9 @@ module         ``Store`` methods
 ``count``      ``count``
 ``updates``    ``update_priorities``, ``update_rewards``, ``curate``, ``audit``, ``audit_log``
 ``evict``      ``evict``, ``evict_slots``, ``evictions``
+``snapshots``  ``snapshot``, ``snapshots``, ``snapshot_info``, ``drop_snapshot``,
+               ``export_snapshot``, ``prune_snapshots``, ``labels``, ``rollback``,
+               ``as_of_columns``
 ``writer``     ``commit`` (one shard's part of it: ``commit.CommitPart``), ``allocate``,
                ``place``
 =============  ==============================================================================
@@ -41,6 +44,7 @@ from claw_tasks.store.count import Counting
 from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.evict import Eviction
 from claw_tasks.store.reader import Reader, decode_meta
+from claw_tasks.store.snapshots import Snapshots
 from claw_tasks.store.updates import Updates
 from claw_tasks.store.writer import Writer
 
@@ -103,6 +107,16 @@ class Store(StoreCore):
     evict = _on(Eviction, Eviction.evict)
     evict_slots = _on(Eviction, Eviction.evict_slots)
     evictions = _on(Eviction, Eviction.evictions)
+
+    snapshot = _on(Snapshots, Snapshots.snapshot)
+    snapshots = _on(Snapshots, Snapshots.snapshots)
+    snapshot_info = _on(Snapshots, Snapshots.snapshot_info)
+    drop_snapshot = _on(Snapshots, Snapshots.drop_snapshot)
+    export_snapshot = _on(Snapshots, Snapshots.export_snapshot)
+    prune_snapshots = _on(Snapshots, Snapshots.prune)
+    labels = _on(Snapshots, Snapshots.labels)
+    rollback = _on(Snapshots, Snapshots.rollback)
+    as_of_columns = _on(Snapshots, Snapshots.as_of_columns)
 
     commit = _on(Writer, Writer.commit)
     allocate = _on(Writer, Writer.allocate)

@@ -102,6 +102,15 @@ class Keys:
         """Stream of people's writes (curation, recipe edits): who, when, what."""
         return self.base + "audit"
 
+    @property
+    def snapshots(self) -> str:
+        """Hash: snapshot name -> its header (msgpack; ``store/snapshots.py``)."""
+        return self.base + "snapshots"
+
+    def snapshot(self, shard: int, name: str) -> str:
+        """Hash: one shard's part of a snapshot (its mutable columns, zstd)."""
+        return f"{self.shard(shard)}snap:{name}"
+
     def dict(self, column: str) -> str:
         return f"{self.base}dict:{column}"
 

@@ -14,7 +14,9 @@ ring still overwrites the oldest steps at capacity):
   string such as ``"quality == 'golden'"``); a step matching any is never evicted, but
   counts against the caps;
 - ``archive_before_evict``: only steps at or below a shard's archive watermark (the
-  highest archived seq in ``claw:{ns:<shard>}:archived``) may go.
+  highest archived seq in ``claw:{ns:<shard>}:archived``) may go;
+- ``max_snapshots``, ``snapshot_max_age``: snapshots (``claw snapshot``) kept, newest
+  first, and how old one may get (deleted by the same beat pass; steps are not affected).
 """
 
 from __future__ import annotations
@@ -58,11 +60,17 @@ class Retention:
     evict: str = "lowest-priority"
     protect: tuple[Mapping[str, Any] | str, ...] = field(default_factory=tuple)
     archive_before_evict: bool = False
+    max_snapshots: int | None = None
+    snapshot_max_age: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_age is not None and not self.max_age > 0:
             raise RetentionError(f"max_age must be > 0 seconds, got {self.max_age}")
-        for name in ("max_steps", "max_bytes"):
+        if self.snapshot_max_age is not None and not self.snapshot_max_age > 0:
+            raise RetentionError(
+                f"snapshot_max_age must be > 0 seconds, got {self.snapshot_max_age}"
+            )
+        for name in ("max_steps", "max_bytes", "max_snapshots"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise RetentionError(f"{name} must be an integer >= 0, got {v!r}")
@@ -88,6 +96,8 @@ class Retention:
             "evict": self.evict,
             "protect": [p if isinstance(p, str) else dict(p) for p in self.protect],
             "archive_before_evict": self.archive_before_evict,
+            "max_snapshots": self.max_snapshots,
+            "snapshot_max_age": self.snapshot_max_age,
         }
 
     @classmethod
@@ -96,11 +106,12 @@ class Retention:
         if unknown:
             raise RetentionError(f"unknown retention setting(s) {sorted(unknown)}")
         d = dict(d)
-        if isinstance(d.get("max_age"), str):
-            try:
-                d["max_age"] = parse_duration(d["max_age"])
-            except DurationError as e:
-                raise RetentionError(f"max_age: {e}") from None
+        for key in ("max_age", "snapshot_max_age"):
+            if isinstance(d.get(key), str):
+                try:
+                    d[key] = parse_duration(d[key])
+                except DurationError as e:
+                    raise RetentionError(f"{key}: {e}") from None
         if isinstance(d.get("max_bytes"), str):
             d["max_bytes"] = parse_bytes(d["max_bytes"])
         protect = d.get("protect") or ()
@@ -129,6 +140,10 @@ class Retention:
             parts.append("protect " + " or ".join(shown))
         if self.archive_before_evict:
             parts.append("archive before evict")
+        if self.max_snapshots is not None:
+            parts.append(f"keep {self.max_snapshots:,} snapshots")
+        if self.snapshot_max_age is not None:
+            parts.append(f"snapshots for {format_duration(self.snapshot_max_age)}")
         return ", ".join(parts) or "none"
 
 

@@ -120,6 +120,19 @@ class Updates:
             self.audit(by, "curate", what)
         return done
 
+    def write_column(
+        self, ids: np.ndarray, col: str, raw: bytes, size: int, *, op: str = "cur"
+    ) -> int:
+        """Write stored bytes (``size`` per id, the column's own encoding) to live steps'
+        metadata column ``col``: what a rollback puts back, bit for bit. Logged as ``op``
+        like every update; ids evicted or overwritten are skipped. Returns how many."""
+        return self._update(np.asarray(ids, np.int64), col, raw, size, "set", op)
+
+    def write_bits(self, ids: np.ndarray, mask: int, on: bool) -> int:
+        """Turn the ``flags`` bits of ``mask`` on or off on live steps (logged)."""
+        mode = "bits_on" if on else "bits_off"
+        return self._update(np.asarray(ids, np.int64), "flags", bytes([mask]), 1, mode, "cur")
+
     def _tag_values(self, tags: Mapping[str, str | float]) -> dict[str, tuple[bytes, int]]:
         """Column -> (stored bytes of one value, item size), checked against the schema."""
         schema = self.core.config(refresh=True).schema

@@ -11,10 +11,16 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from wsgiref.types import WSGIApplication as WSGIApp
 
+import numpy as np
 import redis
 from kombu import Connection
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from claw_tasks.broker.app import QUEUES
@@ -22,7 +28,7 @@ from claw_tasks.connection import client as connect
 from claw_tasks.connection.client import redis_client
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
-from orchestrator.delivery import ratelimit, rollouts
+from orchestrator.delivery import ratelimit, rollouts, samplestats
 from orchestrator.delivery.registry import Registry
 from orchestrator.inspect.namespaces import (
     UnreadableNamespace,
@@ -30,6 +36,7 @@ from orchestrator.inspect.namespaces import (
     namespace_stats,
 )
 from orchestrator.maintenance.lifecycle import list_namespaces
+from orchestrator.maintenance.quality import read_quality
 
 log = logging.getLogger(__name__)
 _TIMEOUT = 5.0
@@ -69,7 +76,16 @@ class ClawCollector(Collector):
 
     def _store_metrics(self) -> list[Metric]:
         used = _gauge("claw_redis_used_memory_bytes", "used_memory of the store's Redis")
-        used.add_metric([], float(sum(u for u, _ in connect.memory(self._r))))  # every master
+        nodes = connect.memory(self._r)  # every master of a cluster
+        used.add_metric([], float(sum(u for u, _ in nodes)))
+        limit = _gauge("claw_redis_maxmemory_bytes", "maxmemory of the store's Redis (0: none)")
+        limit.add_metric([], float(sum(m for _, m in nodes)))
+        ratio = _gauge(
+            "claw_redis_memory_used_ratio",
+            "used_memory / maxmemory of the fullest master that has a maxmemory",
+        )
+        if any(m for _, m in nodes):
+            ratio.add_metric([], max(u / m for u, m in nodes if m))
         ns = ["namespace"]
         fams = {
             "steps": _gauge("claw_steps", "live steps stored", ns),
@@ -115,7 +131,26 @@ class ClawCollector(Collector):
                 "steps of an on-policy recipe older than its max_lag, never served",
                 labels=rl,
             ),
+            "wait": CounterMetricFamily(
+                "claw_prefetch_wait_seconds",
+                "seconds trainers' pops waited on the recipe's empty queue",
+                labels=rl,
+            ),
+            "hit": _gauge(
+                "claw_sample_hit_rate",
+                "a source's candidates over the namespace's live steps (the last fill's)",
+                [*rl, "source"],
+            ),
+            "lat": HistogramMetricFamily(
+                "claw_sample_seconds",
+                "time to make one batch in a prefetch worker (sample, read, augment, frame)",
+                labels=rl,
+            ),
+            "rows": HistogramMetricFamily(
+                "claw_sample_batch_rows", "rows per batch made", labels=rl
+            ),
         }
+        quality = _quality_families()
         memory = memory_by_namespace(self._r)
         for name in list_namespaces(self._r):
             try:
@@ -144,7 +179,20 @@ class ClawCollector(Collector):
                 fams["payload"].add_metric([name, field, "stored"], size["stored"])
                 fams["payload"].add_metric([name, field, "raw"], size["raw"])
             self._prefetch_metrics(Registry(Store(self._r, name)), prefetch)
-        return [used, committed, evictions, readable, *fams.values(), *prefetch.values()]
+            summary = read_quality(Store(self._r, name))
+            if summary is not None:
+                _quality_metrics(name, summary, quality)
+        return [
+            used,
+            limit,
+            ratio,
+            committed,
+            evictions,
+            readable,
+            *fams.values(),
+            *prefetch.values(),
+            *quality.values(),
+        ]
 
     def _prefetch_metrics(self, reg: Registry, fams: dict[str, Metric]) -> None:
         names = reg.names()
@@ -167,6 +215,12 @@ class ClawCollector(Collector):
                 ro = rollouts.read_state(reg, recipe)
                 fams["rollouts"].add_metric(labels, float(ro.no))
                 fams["stale"].add_metric(labels, float(ro.dropped_stale))
+            fams["wait"].add_metric(labels, float(c.get("wait_s", 0)))
+            for source, rate in samplestats.hit_rates(c).items():
+                fams["hit"].add_metric([*labels, source], rate)
+            for hist in ("lat", "rows"):
+                buckets, total = samplestats.histogram(c, hist)
+                fams[hist].add_metric(labels, buckets, total)
 
     def _queue_depths(self) -> Metric:
         """Messages waiting per Celery queue (all priority levels; Redis or RabbitMQ)."""
@@ -181,6 +235,87 @@ class ClawCollector(Collector):
                         waiting = 0
                 depth.add_metric([queue], waiting)
         return depth
+
+
+def _quality_families() -> dict[str, Metric]:
+    ns, nf = ["namespace"], ["namespace", "field"]
+    return {
+        "count": _gauge("claw_quality_values", "finite values of a field in live steps", nf),
+        "nonfinite": _gauge(
+            "claw_quality_nonfinite_values", "NaN or inf values of a field", [*nf, "kind"]
+        ),
+        "min": _gauge("claw_quality_min", "a field's smallest finite value", nf),
+        "max": _gauge("claw_quality_max", "a field's largest finite value", nf),
+        "mean": _gauge("claw_quality_mean", "a field's mean", nf),
+        "std": _gauge("claw_quality_std", "a field's standard deviation", nf),
+        "hist": HistogramMetricFamily(
+            "claw_quality_field", "a field's values in its fixed bins", labels=nf
+        ),
+        "steps": _gauge(
+            "claw_quality_steps", "live steps per value of a key", [*ns, "key", "value"]
+        ),
+        "window": _gauge(
+            "claw_quality_window_steps",
+            "live steps per value of a key committed in the window (recent: the newest "
+            "window; trailing: the ones before it)",
+            [*ns, "key", "value", "window"],
+        ),
+        "share": _gauge(
+            "claw_quality_window_share",
+            "a value's share of the window's steps",
+            [*ns, "key", "value", "window"],
+        ),
+        "reward_mean": _gauge(
+            "claw_quality_reward_mean", "mean reward of the window's steps", [*ns, "window"]
+        ),
+        "reward_std": _gauge(
+            "claw_quality_reward_std", "reward standard deviation in the window", [*ns, "window"]
+        ),
+        "reward_count": _gauge("claw_quality_reward_steps", "steps in the window", [*ns, "window"]),
+        "at": _gauge("claw_quality_updated", "time of the last quality pass (unix)", ns),
+    }
+
+
+def _quality_metrics(ns: str, summary: dict[str, Any], fams: dict[str, Metric]) -> None:
+    """The last quality pass of ``ns`` (``claw.maintenance.quality``) as gauges."""
+    fams["at"].add_metric([ns], summary["at"])
+    for f, st in summary["fields"].items():
+        labels = [ns, f]
+        fams["count"].add_metric(labels, st["count"])
+        fams["nonfinite"].add_metric([*labels, "nan"], st["nan"])
+        fams["nonfinite"].add_metric([*labels, "inf"], st["inf"])
+        for k in ("min", "max", "mean", "std"):
+            if st[k] is not None:
+                fams[k].add_metric(labels, st[k])
+        if st["edges"]:
+            lo, hi = st["edges"]
+            bins = len(st["hist"]) - 2
+            width = (hi - lo) / bins
+            counts = np.cumsum(st["hist"])  # below lo, the bins, above hi
+            bounds = [lo, *(lo + width * (i + 1) for i in range(bins))]
+            buckets = [(f"{b:.6g}", float(c)) for b, c in zip(bounds, counts[:-1], strict=True)]
+            total = (st["mean"] or 0.0) * st["count"]
+            fams["hist"].add_metric(labels, [*buckets, ("+Inf", float(counts[-1]))], total)
+    for key, values in summary["counts"].items():
+        for value, n in values.items():
+            fams["steps"].add_metric([ns, key, value], n)
+    for key, values in summary["windows"].items():
+        recent = sum(v[0] for v in values.values())
+        trailing = sum(sum(v[1:]) for v in values.values())
+        for value, per in values.items():
+            for window, n, total in (
+                ("recent", per[0], recent),
+                ("trailing", sum(per[1:]), trailing),
+            ):
+                fams["window"].add_metric([ns, key, value, window], n)
+                if total:
+                    fams["share"].add_metric([ns, key, value, window], n / total)
+    windows = (("recent", summary["rewards"][0]), ("trailing", summary["reward_trailing"]))
+    for window, st in windows:
+        fams["reward_count"].add_metric([ns, window], st["count"])
+        if st["mean"] is not None:
+            fams["reward_mean"].add_metric([ns, window], st["mean"])
+            fams["reward_std"].add_metric([ns, window], st["std"])
 
 
 def registry_for(redis_url: str, broker_url: str) -> CollectorRegistry:

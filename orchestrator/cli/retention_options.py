@@ -32,7 +32,7 @@ def retention_policy(
     """``current`` (or an empty policy) with the options ``given`` on the command line."""
     out = (current or Retention()).to_dict()
     for key, value in given.items():
-        if key == "max_age":
+        if key in ("max_age", "snapshot_max_age"):
             value = parse_duration(value)
         elif key == "max_bytes":
             value = parse_bytes(value)

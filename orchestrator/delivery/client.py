@@ -15,6 +15,7 @@ from claw_tasks.broker.app import client_app
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, rollouts, shm
+from orchestrator.delivery.lineage import LineageLog, record
 from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import WireVersionError
@@ -51,6 +52,10 @@ class BatchClient:
         self._recipes: dict[str, Recipe] = {}
         self._popped: dict[str, int] = {}
         self._skipped: dict[str, int] = {}
+        self._waited: dict[str, float] = {}  # seconds pops waited on an empty queue
+        self.lineage = LineageLog(self.store)
+        """The namespace's lineage log (:mod:`orchestrator.delivery.lineage`)."""
+        self._lineage: list[dict[str, bytes | str]] = []  # entries sent with the next pop
         self._logged_skip: set[str] = set()
         self._priorities: PriorityWriter | None = None
         self._refills: queue.SimpleQueue[str | None] = queue.SimpleQueue()
@@ -71,6 +76,8 @@ class BatchClient:
         recipe = as_recipe(recipe)
         if self.store.exists() and (schema := self.store.schema()) is not None:
             recipe.validate_against(schema)
+        if recipe.as_of is not None:
+            self.store.snapshot_info(recipe.as_of)  # SnapshotError naming the ones there are
 
         def change(old: Entry | None) -> Recipe | None:
             return None if old is not None and _same(old.recipe, recipe) else recipe
@@ -102,6 +109,15 @@ class BatchClient:
         self._installed(recipe, reset=False)
         return recipe
 
+    def restore(self, recipe: Recipe) -> Recipe:
+        """Install ``recipe`` (as a snapshot recorded it) as its name's next version,
+        whatever is registered now: queued batches are dropped and a fill is forced, as
+        for any change. Adds no reader host (a rollback runs anywhere)."""
+        stored, old = self.registry.install(recipe.name, lambda _: recipe, None)
+        live_only = old is not None and same_recipe(old.recipe, stored, ("version", "params"))
+        self._installed(stored, reset=not live_only)
+        return stored
+
     def unregister(self, name: str) -> None:
         for item in self.registry.remove(name):
             shm.discard(item)
@@ -124,12 +140,13 @@ class BatchClient:
         return entry
 
     # ---- batches -------------------------------------------------------------------
-    def pop(self, name: str, timeout: float | None = 30.0) -> Batch:
+    def pop(self, name: str, timeout: float | None = 30.0, *, policy_version: Any = None) -> Batch:
         """The next ready batch of recipe ``name``; raises TimeoutError after ``timeout``
         seconds (None waits forever) with the recipe's prefetch state in the message.
 
         Batches of a recipe version older than the current one (made while the recipe
-        changed) are dropped."""
+        changed) are dropped. ``policy_version``: the update or policy this batch trains,
+        recorded in the lineage log (:meth:`trained` records a batch popped earlier)."""
         recipe = self._recipes.get(name) or self._entry(name).recipe
         self._recipes[name] = recipe
         q = self.registry.queue(name)
@@ -150,7 +167,9 @@ class BatchClient:
                 wait = tick if deadline is None else min(tick, deadline - time.monotonic())
                 if wait <= 0:
                     raise TimeoutError(self._why_empty(name, timeout))
+                began = time.monotonic()
                 got = r.blpop([q], timeout=max(wait, 0.01))
+                self._waited[name] = self._waited.get(name, 0.0) + time.monotonic() - began
                 if got is None:
                     continue
                 item = got[1]
@@ -171,6 +190,8 @@ class BatchClient:
                 if batch.recipe_version < recipe.version:
                     continue  # stale (its segment, if any, is unlinked already): drop it
             self._popped[name] = self._popped.get(name, 0) + 1  # reported with the next pop
+            if policy_version is not None:
+                self.trained(name, batch, policy_version)
             return batch
 
     def _skip(self, name: str, item: Any, error: Exception) -> None:
@@ -188,11 +209,31 @@ class BatchClient:
                 error,
             )
 
+    def trained(self, name: str, batch: Batch, policy_version: Any) -> None:
+        """Record that ``batch`` of recipe ``name`` trains ``policy_version`` (any value;
+        kept as text): one lineage entry, sent with the next pop (or :meth:`flush_lineage`,
+        :meth:`stats`, :meth:`close`). Record each batch once: here, or with ``pop``'s
+        ``policy_version``."""
+        self._lineage.append(record(name, batch.recipe_version, policy_version, batch.ids))
+
+    def flush_lineage(self) -> None:
+        """Send the lineage entries recorded since the last pop."""
+        if self._popped or self._skipped or self._lineage or self._waited:
+            with self.store.r.pipeline(transaction=False) as pipe:
+                self._report_pops(pipe)
+                pipe.execute()
+
     def _report_pops(self, pipe: Any) -> None:
         for counts, field in ((self._popped, "popped"), (self._skipped, "skipped")):
             for name, k in counts.items():
                 pipe.hincrby(self.registry.counters(name), field, k)
             counts.clear()
+        for name, seconds in self._waited.items():  # claw_prefetch_wait_seconds_total
+            pipe.hincrbyfloat(self.registry.counters(name), "wait_s", seconds)
+        self._waited.clear()
+        for entry in self._lineage:
+            self.lineage.queue(pipe, entry)
+        self._lineage.clear()
 
     def _send_refills(self) -> None:
         while (name := self._refills.get()) is not None:
@@ -294,10 +335,7 @@ class BatchClient:
         steps inserted, the rate limiter's verdict and the last prefetch state; a rollout
         recipe's ``rollout``: rollouts formed, the policy version served, its minibatches
         pushed of all, steps dropped stale and steps lost (docs/recipes.md, "On-policy")."""
-        if self._popped or self._skipped:
-            with self.store.r.pipeline(transaction=False) as pipe:
-                self._report_pops(pipe)
-                pipe.execute()
+        self.flush_lineage()
         names = [name] if name is not None else self.registry.names()
         inserted = self.registry.inserted() if self.store.exists() else 0
         out: dict[str, dict[str, Any]] = {}
@@ -330,10 +368,7 @@ class BatchClient:
             self._priorities.close()
         self._refills.put(None)
         self._sender.join(timeout=5)
-        if self._popped or self._skipped:
-            with self.store.r.pipeline(transaction=False) as pipe:
-                self._report_pops(pipe)
-                pipe.execute()
+        self.flush_lineage()
         self.store.r.close()
 
     def __enter__(self) -> BatchClient:

@@ -30,13 +30,14 @@ from orchestrator.delivery import ratelimit, rollouts, shm
 from orchestrator.delivery.augstats import RedisStats, namespace_stats
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.registry import ACTIVE, Registry
+from orchestrator.delivery.samplestats import Observed
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
 from orchestrator.retrieval.query import neighbour_fields
 from orchestrator.sampling.batch import take_rows
 from orchestrator.sampling.candidates import InsufficientData
-from orchestrator.sampling.sample import close_shared, sample
+from orchestrator.sampling.sample import close_shared, hit_rates, sample
 from orchestrator.sampling.sample import forget_namespace as forget_sessions
 from orchestrator.sampling.shared import reap_unused
 from orchestrator.transforms.augment import AugmentPlan, build_pipelines
@@ -146,6 +147,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
     """Top up ``name``'s queue; returns what happened (also recorded in its counters as
     ``state``). Any failure ends the fill with ``state`` ``"error: ..."``, logged once."""
     made, state, before = 0, "full", ""
+    seen = Observed()
     try:
         entry = reg.get(name)
         if entry is None:
@@ -171,6 +173,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 break
             fresh = False
             rng = _rng_for(reg, recipe)
+            began = time.perf_counter()
             try:
                 batch = sample(reg.store, recipe, rng=rng)
             except InsufficientData as e:
@@ -205,6 +208,8 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 recipe_version=recipe.version,
                 meta=meta,
             )
+            seen.batch(time.perf_counter() - began, len(ids))
+            seen.hit_rates(batch.sources, *hit_rates(reg.store, recipe.name))
             pushed = push(reg, recipe, shm.to_message(wire, reader_host=entry.shm_host))
             if pushed == "full":
                 break
@@ -217,7 +222,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
         state = f"error: {type(e).__name__}: {e}"
         if state != (before or _last_state(reg, name)):  # once, not on every retry
             log.exception("prefetch of %s/%s failed", reg.ns, name)
-    reg.bump(name, state=state)
+    reg.bump(name, **seen.fields(), state=state)
     return {"made": made, "state": state}
 
 

@@ -39,6 +39,7 @@ from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.maintenance.archive_files import MANIFEST, Manifest, namespace_dir, write_parquet
 from orchestrator.maintenance.lifecycle import list_namespaces
+from orchestrator.maintenance.snapshots import archive_snapshots
 from orchestrator.maintenance.steptable import STRING_COLUMNS, TAG_PREFIX, StepRows
 
 CHUNK_BYTES = 64 * 1024 * 1024  # payload read and written per file, at most
@@ -107,6 +108,7 @@ class ArchiveResult:
     watermarks: dict[int, int] = field(default_factory=dict)
     overwritten: int = 0  # seqs the ring reused before they were archived
     blocked: dict[int, int] = field(default_factory=dict)  # shard -> seq still in flight
+    snapshots: list[str] = field(default_factory=list)  # snapshot files written this run
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -117,6 +119,7 @@ class ArchiveResult:
             "watermarks": {str(k): v for k, v in self.watermarks.items()},
             "overwritten": self.overwritten,
             "blocked": {str(k): v for k, v in self.blocked.items()},
+            "snapshots": self.snapshots,
         }
 
 
@@ -173,6 +176,7 @@ class Archiver:
             for shard in range(cfg.n_shards):
                 self._shard(shard, manifest, result)
             result.watermarks = dict(manifest.watermarks)
+            result.snapshots = archive_snapshots(self.store, self.dir)
             return result
 
     def _recover(self, n_shards: int, created: float) -> Manifest:

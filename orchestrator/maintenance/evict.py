@@ -43,6 +43,8 @@ def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
     retention = store.config(refresh=True).retention
     if retention is None:
         return {}
+    if retention.max_snapshots is not None or retention.snapshot_max_age is not None:
+        store.prune_snapshots(retention.max_snapshots, retention.snapshot_max_age)
     index, strings = synced_index(store)
     now = time.time() if now is None else now
     if retention.empty:

@@ -301,6 +301,9 @@ class Recipe(_Model):
     rollout: Rollout | None = None
     nearest: Nearest | None = None
     seed: int | None = None
+    as_of: Name | None = None
+    """Sample a snapshot of the namespace (``claw snapshot NS NAME``): only its steps that
+    are still stored, with its labels, priorities and tags."""
     version: PositiveInt = 1
 
     @classmethod

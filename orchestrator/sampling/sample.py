@@ -48,6 +48,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.lru import LRU
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
+from orchestrator.sampling.asof import AsOf
 from orchestrator.sampling.assembly import Assembly
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.candidates import InsufficientData
@@ -159,6 +160,15 @@ def read_steps(
             session.index.release()
 
 
+def hit_rates(namespace_or_store: str | Store, recipe: str) -> tuple[tuple[int, ...], int]:
+    """The candidates of each source of ``recipe`` and the namespace's live steps, as this
+    process's last draw of it saw them (``((), 0)`` before one): the sample hit rate."""
+    session = _session(namespace_or_store, None, None)
+    with session.lock:
+        bound = session.bound.get(recipe)
+        return ((), 0) if bound is None else bound.hits
+
+
 def update_priorities(
     namespace_or_store: str | Store,
     ids: Sequence[int] | np.ndarray,
@@ -227,6 +237,11 @@ class _Bound:
     recipe: Recipe
     sampler: RecipeSampler
     rng: np.random.Generator
+    as_of: AsOf | None = None  # a recipe of a snapshot: the columns it draws from
+    hits: tuple[tuple[int, ...], int] = ((), 0)  # the last draw's candidates per source, live
+
+    def columns(self, cols: Mapping[str, np.ndarray], rows: np.ndarray | None) -> Any:
+        return cols if self.as_of is None else self.as_of.columns(cols, rows)
 
 
 class _Session:
@@ -244,7 +259,7 @@ class _Session:
         self.strings.observe(rows)
         if rows is None or len(rows):
             for b in self.bound.values():
-                b.sampler.refresh(self.index.columns, rows)
+                b.sampler.refresh(b.columns(self.index.columns, rows), rows)
 
     def bind(self, recipe: Recipe) -> _Bound:
         """The recipe's sampler, made on first use and when the recipe changed (a new
@@ -259,7 +274,9 @@ class _Session:
             raise InsufficientData(src.name, 0, recipe.counts[0], "the namespace has no steps")
         recipe.validate_against(schema)
         sampler = RecipeSampler(recipe, self.strings.encode, schema.tags, self.index.cap)
-        b = self.bound[recipe.name] = _Bound(recipe, sampler, np.random.default_rng(recipe.seed))
+        as_of = None if recipe.as_of is None else AsOf(self.store, recipe.as_of)
+        rng = np.random.default_rng(recipe.seed)
+        b = self.bound[recipe.name] = _Bound(recipe, sampler, rng, as_of)
         return b
 
     def sample(
@@ -288,15 +305,22 @@ class _Session:
             self.index.sync()
             b = self.bind(recipe)
             claims = Claims.from_hash(self.store.r.hgetall(key)) if once else None
-            draw = b.sampler.sample(
-                self.index.columns, b.rng if rng is None else rng, live, claims=claims
+            if b.as_of is not None:
+                b.as_of.check(recipe.sources[0].name, recipe.counts[0])
+            columns = (
+                self.index.columns
+                if b.as_of is None
+                else b.as_of.columns(self.index.columns, np.zeros(0, np.int64))
             )
+            draw = b.sampler.sample(columns, b.rng if rng is None else rng, live, claims=claims)
             if b.sampler.joint is not None:
                 batch = assemble_joint(self, recipe, draw, b.sampler.joint)
             else:
                 batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
             if batch is None:
                 continue
+            live = int(np.count_nonzero(columns["alive"]))
+            b.hits = (tuple(s.n for s in b.sampler.sources), live)
             if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
                 batch = _within_budget(batch, recipe)
             if not once or self._claim(key, batch.groups):  # type: ignore[arg-type]

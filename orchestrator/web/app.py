@@ -159,6 +159,8 @@ class WebApp:
             Route("/ns/{ns}/recipes", self.guard(self.recipes)),
             Route("/ns/{ns}/recipes/{name}", self.guard(self.edit_recipe), methods=["POST"]),
             Route("/ns/{ns}/audit", self.guard(self.audit)),
+            Route("/ns/{ns}/snapshots", self.guard(self.snapshots)),
+            Route("/ns/{ns}/quality", self.guard(self.quality)),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
         ]
 
@@ -381,6 +383,22 @@ class WebApp:
         except NamespaceError as e:
             return self.error(request, session, 404, str(e))
         return self.render(request, session, "audit.html", {"ns": ns, "entries": entries})
+
+    async def quality(self, request: Request, session: Session) -> Response:
+        ns = request.path_params["ns"]
+        try:
+            q = await _run(self.inspector.quality, ns)
+        except NamespaceError as e:
+            return self.error(request, session, 404, str(e))
+        return self.render(request, session, "quality.html", {"ns": ns, "q": q})
+
+    async def snapshots(self, request: Request, session: Session) -> Response:
+        ns = request.path_params["ns"]
+        try:
+            rows = await _run(self.inspector.snapshots, ns)
+        except NamespaceError as e:
+            return self.error(request, session, 404, str(e))
+        return self.render(request, session, "snapshots.html", {"ns": ns, "rows": rows})
 
 
 async def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

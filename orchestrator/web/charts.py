@@ -81,3 +81,62 @@ def rate(timestamps: np.ndarray, now: float, window_s: float = 3600, bins: int =
     counts, _ = np.histogram(t, bins=bins, range=(now - window_s, now))
     chart = polyline(counts.astype(np.float64))
     return Chart(chart.width, chart.height, chart.points, lo=0.0, hi=float(counts.max()))
+
+
+PALETTE = ("#2a6fdb", "#d9622b", "#2e9e5b", "#9b4dca", "#c9a227", "#d64b7f", "#3aa3b8", "#777")
+
+
+@dataclass(frozen=True)
+class Line:
+    label: str
+    color: str
+    points: str
+    last: float  # the newest value (the legend shows it)
+
+
+def bins(counts: list[int], lo: float, hi: float, width: int = 320, height: int = 90) -> Chart:
+    """Bars of counts already binned over [lo, hi] (a quality pass's fixed bins)."""
+    n = len(counts)
+    if not n or not any(counts):
+        return Chart(width, height, lo=lo, hi=hi)
+    top, bw, step = max(counts), width / n, (hi - lo) / n
+    bars = tuple(
+        Bar(
+            i * bw,
+            height - c / top * height,
+            max(bw - 1, 1),
+            c / top * height,
+            lo + i * step,
+            lo + (i + 1) * step,
+            int(c),
+        )
+        for i, c in enumerate(counts)
+    )
+    return Chart(width, height, bars=bars, lo=lo, hi=hi)
+
+
+def lines(
+    series: dict[str, list[float | None]],
+    width: int = 480,
+    height: int = 120,
+    lo: float | None = None,
+    hi: float | None = None,
+) -> tuple[Chart, list[Line]]:
+    """One polyline per series over a shared scale (None values left out), up to 8."""
+    vals = [v for s in series.values() for v in s if v is not None and np.isfinite(v)]
+    if not vals:
+        return Chart(width, height), []
+    lo = min(vals) if lo is None else lo
+    hi = max(vals) if hi is None else hi
+    span = (hi - lo) or 1.0
+    out = []
+    for k, (label, s) in enumerate(list(series.items())[: len(PALETTE)]):
+        xs = np.linspace(1, width - 1, len(s)) if len(s) > 1 else np.array([width / 2])
+        pts = " ".join(
+            f"{x:.1f},{height - 1 - (v - lo) / span * (height - 2):.1f}"
+            for x, v in zip(xs, s, strict=True)
+            if v is not None and np.isfinite(v)
+        )
+        last = next((v for v in reversed(s) if v is not None), float("nan"))
+        out.append(Line(label, PALETTE[k], pts, float(last)))
+    return Chart(width, height, lo=lo, hi=lo + span), out

@@ -14,10 +14,11 @@ import numpy as np
 
 from claw_tasks.connection.client import redis_client
 from claw_tasks.format.arrays import unpackb
-from claw_tasks.format.schema import LLM_FIELDS, tag_column
+from claw_tasks.format.schema import LLM_FIELDS, tag_column, tag_key
 from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE, episode_code
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
+from claw_tasks.store.snapshots import diff
 from claw_tasks.where import Where
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery.client import BatchClient
@@ -25,6 +26,7 @@ from orchestrator.delivery.registry import Registry
 from orchestrator.inspect.namespaces import memory_by_namespace, namespace_stats
 from orchestrator.inspect.query import Query
 from orchestrator.maintenance.lifecycle import list_namespaces
+from orchestrator.maintenance.quality import read_quality
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.candidates import eligible
 from orchestrator.web import charts, thumbs, transcript
@@ -356,6 +358,64 @@ class Inspector:
             return thumbs.to_png(arr, layout)
 
         return self.thumbs.get((ns, step_id, fname), make)
+
+    # ---- data quality ------------------------------------------------------------------
+    def quality(self, ns: str) -> dict[str, Any] | None:
+        """The last quality pass, with its charts: each field's histogram, the share of
+        each skill and task per window and the reward mean per window (oldest first)."""
+        q = read_quality(self.store(ns))
+        if q is None:
+            return None
+        fields = []
+        for name, st in q["fields"].items():
+            lo, hi = st["edges"] or (0.0, 0.0)
+            label = tag_key(name[2:]) if name.startswith("t:") else name
+            chart = charts.bins(st["hist"][1:-1], lo, hi)
+            fields.append(
+                {
+                    "name": label,
+                    **st,
+                    "chart": chart,
+                    "below": st["hist"][0],
+                    "above": st["hist"][-1],
+                }
+            )
+        shares = {}
+        for key in ("skill_tag", "task_id"):
+            per = q["windows"].get(key, {})
+            totals = [sum(v[w] for v in per.values()) for w in range(len(q["rewards"]))]
+            series = {
+                value or "(none)": [c / t if t else None for c, t in zip(v, totals, strict=True)][
+                    ::-1
+                ]
+                for value, v in sorted(per.items())
+            }
+            shares[key] = charts.lines(series, lo=0.0, hi=1.0)
+        rewards = {"mean": [w["mean"] for w in q["rewards"]][::-1]}
+        return {**q, "field_rows": fields, "shares": shares, "reward_chart": charts.lines(rewards)}
+
+    # ---- snapshots ---------------------------------------------------------------------
+    def snapshots(self, ns: str) -> list[dict[str, Any]]:
+        """Each snapshot with what changed since (against the namespace now)."""
+        store = self.store(ns)
+        found = store.snapshots()
+        now = store.labels() if found else None
+        out = []
+        for s in found:
+            assert now is not None
+            d = diff(store.labels(s.name), now)
+            out.append(
+                {
+                    "name": s.name,
+                    "created": s.created,
+                    "steps": s.steps,
+                    "bytes": s.bytes,
+                    "recipes": sorted(s.extra.get("recipes", {})),
+                    "diff": d,
+                    "labels": d.untrainable + d.trainable + d.quality + sum(d.tags.values()),
+                }
+            )
+        return out
 
     # ---- curation and recipes ----------------------------------------------------------
     def candidates(self, q: Query, recipe: Recipe) -> int:

@@ -16,11 +16,15 @@ from claw_tasks.broker.app import client_app
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from orchestrator.maintenance.lifecycle import forget
+from orchestrator.maintenance.quality import read_quality
 from tests.support.paths import ROOT
 from tests.support.processes import celery, free_port, stop
 from tests.support.stepdata import batch, episode
 
-FAST = "{claw-evict: {every: 1}, claw-priorities: {every: 1s}, claw-refill: {every: 1m}}"
+FAST = (
+    "{claw-evict: {every: 1}, claw-priorities: {every: 1s}, claw-refill: {every: 1m}, "
+    "claw-quality: {every: 1s}}"
+)
 
 
 def _wait(cond, what: str, log, timeout: float = 90) -> None:
@@ -46,6 +50,8 @@ def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker
         _wait(lambda: store.evictions()["ttl"] == 30, "beat did not run eviction", log)
         _wait(lambda: store.r.hexists(store.keys.base + "prio", "last"), "no recomputation", log)
         assert store.count() == 20
+        _wait(lambda: (read_quality(store) or {}).get("steps") == 20, "no quality pass", log)
+        assert read_quality(store)["fields"]["reward"]["count"] == 20
         assert (store.episode("ep2", fields=[])["priority"] == 1.0).all()  # boosted
         env = {
             **os.environ,

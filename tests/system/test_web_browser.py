@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -249,3 +250,63 @@ def test_llm_trajectory_transcript_tokens_and_group(page, web, redis_server, wor
     page.hover("#llm .msg.assistant >> nth=0")
     assert page.evaluate("() => window.__xss") is None
     shot(page, "llm")
+
+
+def test_data_quality_page_and_snapshots(page, web, redis_server):
+    """A namespace with an hour of steps whose skill mix drifts: the page shows each
+    field's statistics and histogram as the quality pass computed them, and the shares."""
+    from claw_tasks.format.batch import StepBatch, StrColumn
+    from claw_tasks.store import Store
+    from orchestrator.maintenance import snapshots as versions
+    from orchestrator.maintenance.quality import quality_namespace
+
+    ns = f"quality-{uuid.uuid4().hex[:8]}"
+    store = Store(redis_server.url, ns)
+    store.create(capacity=20_000)
+    rng = np.random.default_rng(5)
+    now = time.time()
+    n = 6_000
+    ts = np.sort(now - rng.uniform(0, 3500, n))
+    late = (ts - ts.min()) / (ts.max() - ts.min())  # 0 (an hour ago) .. 1 (now)
+    state = rng.normal(0, 1, (n, 4)).astype(np.float32)
+    state[rng.random((n, 4)) < 0.002] = np.nan
+    skills = np.where(
+        rng.random(n) < 0.7 - 0.5 * late, "walk", np.where(rng.random(n) < 0.5, "run", "jump")
+    )
+    b = StepBatch(
+        episode=StrColumn.of([f"q{i // 50}" for i in range(n)]),
+        step_index=np.arange(n) % 50,
+        reward=(rng.normal(1.0, 0.3, n) - 0.8 * late).astype(np.float32),
+        terminated=np.arange(n) % 50 == 49,
+        truncated=np.zeros(n, bool),
+        fields={"state": state, "action": rng.integers(0, 4, n)},
+        strs={
+            "task_id": StrColumn.of([("reach", "grasp")[i % 2] for i in range(n)]),
+            "skill_tag": StrColumn.of(skills.tolist()),
+        },
+    )
+    store.commit(b, now=ts)
+    q = quality_namespace(store)
+    page.goto(f"{web.url}/ns/{ns}/quality")
+    page.wait_for_selector("#fields")
+    names = page.locator("#fields td.name").all_inner_texts()
+    assert set(names) == {"reward", "priority", "step_index", "state", "action"}
+    st = q["fields"]["state"]
+    assert page.inner_text("#field-state td.count") == str(st["count"])
+    assert page.inner_text("#field-state td.nan") == str(st["nan"]) != "0"
+    bars = page.eval_on_selector_all(
+        "#field-state svg rect title", "els => els.map(e => e.textContent)"
+    )
+    assert len(bars) == 32 and sum(int(t.rsplit(": ", 1)[1]) for t in bars) == sum(st["hist"][1:-1])
+    assert page.locator("#shares-skill_tag polyline.series").count() == 3  # walk, run, jump
+    assert page.locator("#rewards polyline.series").count() == 1
+    assert "run" in page.inner_text("#counts-skill_tag")
+    shot(page, "quality")  # docs/img/inspector-quality.png is this screenshot
+
+    versions.take(store, "before-labels")
+    store.curate(store.labels().ids[:100], trainable=False)
+    page.goto(f"{web.url}/ns/{ns}/snapshots")
+    row = page.locator("#snapshot-before-labels")
+    assert row.locator("td.name").inner_text() == "before-labels"
+    assert row.locator("td.labels").inner_text() == "100"  # changed since
+    shot(page, "snapshots")

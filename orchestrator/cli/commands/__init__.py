@@ -7,6 +7,9 @@ from orchestrator.cli.commands import services
 from orchestrator.cli.commands import store
 
 # isort: split
+from orchestrator.cli.commands import versions
+
+# isort: split
 from orchestrator.cli.commands import maintenance
 
 # isort: split
@@ -15,4 +18,4 @@ from orchestrator.cli.commands import archive
 # isort: split
 from orchestrator.cli.commands import retrieval
 
-__all__ = ["archive", "maintenance", "retrieval", "services", "store"]
+__all__ = ["archive", "maintenance", "retrieval", "services", "store", "versions"]

@@ -50,6 +50,12 @@ def retention(
     archive_before_evict: Annotated[
         bool | None, typer.Option(help="Evict only steps that are archived already")
     ] = None,
+    max_snapshots: Annotated[
+        int | None, typer.Option(min=0, help="Snapshots kept (the oldest go first)")
+    ] = None,
+    snapshot_max_age: Annotated[
+        str | None, typer.Option(help="Delete snapshots older than this, e.g. 30d")
+    ] = None,
     clear: Annotated[bool, typer.Option(help="Remove the policy")] = False,
 ) -> None:
     """Show or set a namespace's retention policy (run by claw.maintenance.evict).
@@ -63,6 +69,8 @@ def retention(
         "evict": evict,
         "protect": protect,
         "archive_before_evict": archive_before_evict,
+        "max_snapshots": max_snapshots,
+        "snapshot_max_age": snapshot_max_age,
     }
     given = {k: v for k, v in changes.items() if v is not None}
     with redis_client(ctx) as (_, r):

@@ -34,12 +34,31 @@ def stats(
         str | None, typer.Option("--namespace", "-n", help="One namespace (default: all)")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+    quality: Annotated[
+        bool,
+        typer.Option(
+            "--quality",
+            help="Data quality instead (the last claw.maintenance.quality pass): per field "
+            "counts, NaN/inf, min/max/mean/std; steps per task/skill/agent/source and their "
+            "share in the newest window; reward per window",
+        ),
+    ] = False,
 ) -> None:
     """Steps, capacity, memory, dead letters, schema and counts per namespace."""
     with redis_client(ctx) as (url, r):
         names = [namespace] if namespace else list_namespaces(r)
         if namespace and not Store(r, namespace).exists():
             raise NamespaceError(f"namespace {namespace!r} does not exist at {url}")
+        if quality:
+            from orchestrator.maintenance.quality import read_quality
+
+            found_q = {n: read_quality(Store(r, n)) for n in names}
+            if as_json:
+                typer.echo(json.dumps(found_q, indent=2))
+            else:
+                for n, summary in found_q.items():
+                    _print_quality(Console(), n, summary)
+            return
         memory = memory_by_namespace(r, namespace)
         found, unreadable = [], {}
         for n in names:
@@ -125,6 +144,49 @@ def _summary_table(found: list[NamespaceStats], url: str, used: int, width: int)
             t.add_row(h, v)
         tables.append(t)
     return tables
+
+
+def _print_quality(console: Console, ns: str, q: dict[str, Any] | None) -> None:
+    if q is None:
+        console.print(f"{ns}: no quality pass yet (beat runs claw.maintenance.quality)")
+        return
+    table = Table(title=f"data quality of {ns!r}: {q['steps']:,} live steps")
+    for h in ("field", "count", "NaN", "inf", "min", "max", "mean", "std"):
+        table.add_column(h, justify="left" if h == "field" else "right")
+
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.4g}"
+
+    for f, st in q["fields"].items():
+        nan = f"[red]{st['nan']:,}[/]" if st["nan"] else "0"
+        inf = f"[red]{st['inf']:,}[/]" if st["inf"] else "0"
+        table.add_row(
+            tag_key(f[2:]) if f.startswith("t:") else f,
+            f"{st['count']:,}",
+            nan,
+            inf,
+            *(num(st[k]) for k in ("min", "max", "mean", "std")),
+        )
+    console.print(table)
+    minutes = q["window_s"] / 60
+    for key, values in q["counts"].items():
+        if list(values) == [""]:
+            continue  # never set
+        t = Table(title=f"steps per {key} (share of the last {minutes:g} min)")
+        for h in (key, "steps", "recent", "share"):
+            t.add_column(h, justify="left" if h == key else "right")
+        recent = sum(w[0] for w in q["windows"][key].values())
+        for value, n in values.items():
+            got = q["windows"][key][value][0]
+            share = f"{got / recent:.1%}" if recent else "-"
+            t.add_row(value or "[dim](none)[/]", f"{n:,}", f"{got:,}", share)
+        console.print(t)
+    rewards = ", ".join(
+        "-" if w["mean"] is None else f"{w['mean']:.3g}" for w in reversed(q["rewards"])
+    )
+    console.print(
+        f"reward mean per {minutes:g} min window, oldest first: {rewards}", highlight=False
+    )
 
 
 def _print_details(console: Console, s: NamespaceStats) -> None:

@@ -1,0 +1,475 @@
+"""Snapshots: immutable versions of a namespace's labels and priorities, for rollback,
+diffs and as-of sampling.
+
+After its commit a stored step changes in three places only: its labels (the trainable bit
+of ``flags``, ``quality``, free tags: curation) and its ``priority`` (trainers, the priority
+pass). Its payload and the rest of its row stay as committed until it is evicted. So a
+snapshot copies no payload and no immutable column: per shard it keeps, in the hash
+``claw:{ns:<s>}:snap:<name>``,
+
+- ``seq``: the shard's sequence counter. A slot ``s`` live at the snapshot held the step of
+  seq ``seq - (seq - 1 - s) mod cap`` (allocating a seq clears its slot's alive bit, so a
+  live slot holds the newest seq mapped to it): ids are derived, not stored;
+- ``alive``: which slots held a committed, live step: the snapshot's steps;
+- ``untrainable``, ``quality``, ``priority``, ``t:<tag>``: those columns as stored,
+
+each zstd-compressed, read in one MULTI/EXEC per shard, so no commit, eviction or update
+lands half-way through a shard's read (shards are read one after the other). The header
+(``claw:{ns}:snapshots``, name -> msgpack) holds the time, the seqs, the live steps, the
+config record (retention, schema), the string of every dictionary code the columns hold
+(a rollback re-encodes them, so a code pruned since comes back with its string), and the
+caller's ``extra`` (the orchestrator's recipes and normalisation statistics). Before
+compression that is 2 bits + 8 bytes a slot (+4 or 8 per free tag); unset priorities and
+unlabelled steps compress to almost nothing (docs/benchmarks.md, "Snapshots").
+
+A :class:`Labels` is that state over the global rows ``shard * cap + slot`` (the sampling
+index's rows), from a snapshot or read now; :func:`diff` compares two; :meth:`Snapshots.
+rollback` writes a snapshot's values back through ``update.lua`` (logged, so sampling
+indexes apply it; slots reused since are skipped). Evicted steps cannot come back.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from claw_tasks.format.arrays import packb, unpackb
+from claw_tasks.format.schema import tag_column
+from claw_tasks.format.stepmeta import UNTRAINABLE
+from claw_tasks.store.config import NamespaceConfig, NamespaceError
+from claw_tasks.store.core import StoreCore
+from claw_tasks.store.evict import Eviction
+from claw_tasks.store.layout import META_CHUNK_SLOTS, NUM_TAG_DTYPE, STR_TAG_DTYPE, nan_xor
+from claw_tasks.store.updates import Updates
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+NOW = "now"
+"""Not a snapshot name: the namespace as it is (``claw diff NS A now``)."""
+WRITE_IDS = 65_536
+"""Ids per ``update.lua`` call of a rollback (one log entry each)."""
+_DTYPES = {"flags": np.dtype("u1"), "quality": STR_TAG_DTYPE, "priority": np.dtype("<u4")}
+"""The mutable columns as a snapshot reads them: priorities (and numeric tags, ``<u8``) as
+their stored bits, so a rollback compares and writes them back bit for bit."""
+
+
+class SnapshotError(NamespaceError):
+    """No such snapshot, or a name that cannot be one."""
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A snapshot's header: what ``claw snapshots`` lists."""
+
+    name: str
+    created: float
+    seqs: tuple[int, ...]
+    steps: int  # live steps at the snapshot
+    bytes: int  # compressed columns stored
+    config: NamespaceConfig
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Labels:
+    """A namespace's mutable state at one moment, over the global rows ``shard * cap +
+    slot``: which rows held a live step (``alive``, with the id each held: :attr:`ids`),
+    and their trainable bit, quality codes, stored priorities (raw bits: NaN-xor, zero =
+    unset) and free tags (as stored). ``strings``: column -> code -> string."""
+
+    n_shards: int
+    cap: int
+    seqs: tuple[int, ...]
+    alive: np.ndarray
+    untrainable: np.ndarray
+    quality: np.ndarray
+    priority: np.ndarray
+    tags: dict[str, np.ndarray]
+    strings: dict[str, dict[int, str]]
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The id of the step each row held (0 where none was ever allocated)."""
+        out = np.zeros(self.n_shards * self.cap, np.int64)
+        slots = np.arange(self.cap, dtype=np.int64)
+        for shard, seq in enumerate(self.seqs):
+            q = seq - (seq - 1 - slots) % self.cap
+            out[shard * self.cap : (shard + 1) * self.cap] = np.where(
+                q >= 1, q * self.n_shards + shard, 0
+            )
+        return out
+
+    def same_steps(self, other: Labels) -> np.ndarray:
+        """Rows holding the same live step in both."""
+        return self.alive & other.alive & (self.ids == other.ids)
+
+
+@dataclass(frozen=True)
+class Diff:
+    """What changed from one state to another (steps counted once each)."""
+
+    added: int  # live in the second, not in the first
+    evicted: int  # live in the first, gone in the second
+    kept: int  # live in both
+    untrainable: int  # of the kept: made untrainable
+    trainable: int  # of the kept: made trainable again
+    quality: int  # of the kept: another quality
+    priority: int  # of the kept: another priority (bit for bit)
+    tags: dict[str, int]  # of the kept, per tag: another value
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """What a rollback wrote: steps per column, and the steps it could not touch."""
+
+    changed: dict[str, int]  # column -> steps written back
+    evicted: int  # steps of the snapshot gone since: they cannot come back
+    added: int  # steps committed since the snapshot (live)
+    dropped: int  # of those, evicted by ``drop_new``
+
+
+def diff(a: Labels, b: Labels, rows: np.ndarray | None = None) -> Diff:
+    """What changed from ``a`` to ``b``; ``rows`` (bool per row) restricts the count."""
+    sel = np.ones(len(a.alive), bool) if rows is None else rows
+    both = a.same_steps(b)
+    same = both & sel
+    tags = {}
+    for col in sorted(set(a.tags) | set(b.tags)):
+        va, vb = a.tags.get(col), b.tags.get(col)
+        if va is None or vb is None:
+            v = vb if va is None else va
+            tags[col] = int((same & (v.view(f"u{v.itemsize}") != 0)).sum())
+        else:
+            tags[col] = int((same & (va != vb)).sum())
+    return Diff(
+        added=int((b.alive & ~both & sel).sum()),
+        evicted=int((a.alive & ~both & sel).sum()),
+        kept=int(same.sum()),
+        untrainable=int((same & ~a.untrainable & b.untrainable).sum()),
+        trainable=int((same & a.untrainable & ~b.untrainable).sum()),
+        quality=int((same & (a.quality != b.quality)).sum()),
+        priority=int((same & (a.priority != b.priority)).sum()),
+        tags=tags,
+    )
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME.match(name) or name == NOW:
+        raise SnapshotError(
+            f"snapshot name {name!r}: letters, digits, '_', '.', '-' (up to 128, not {NOW!r})"
+        )
+    return name
+
+
+class Snapshots:
+    """Snapshots of a namespace over a :class:`StoreCore`; writes back through the
+    :class:`Updates` part and drops steps through :class:`Eviction`."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self.core = core
+
+    # ---- taking and listing -------------------------------------------------------
+    def snapshot(self, name: str, extra: Mapping[str, Any] | None = None) -> SnapshotInfo:
+        """Record the namespace's labels, priorities and tags now, as ``name`` (names are
+        never reused while the snapshot exists); ``extra`` (msgpack-able) is kept with it.
+        Then applies the retention policy's ``max_snapshots``/``snapshot_max_age``."""
+        check_name(name)
+        core = self.core
+        cfg = core.config(refresh=True)
+        if core.r.hexists(core.keys.snapshots, name):
+            raise SnapshotError(f"snapshot {name!r} of {core.namespace!r} exists: delete it first")
+        created = time.time()
+        cctx = zstandard.ZstdCompressor(level=3)
+        seqs, steps, size, strings = [], 0, 0, {}
+        codes: dict[str, set[int]] = {}
+        for shard in range(cfg.n_shards):
+            seq, cols = self._read_shard(shard, cfg)
+            n = min(cfg.cap, seq)
+            alive = cols.pop("alive")[:n]
+            stored = {"seq": str(seq).encode(), "alive": np.packbits(alive).tobytes()}
+            stored["untrainable"] = np.packbits(cols.pop("untrainable")[:n]).tobytes()
+            for col, arr in cols.items():
+                stored[col] = arr[:n].tobytes()
+                if arr.dtype == STR_TAG_DTYPE:
+                    codes.setdefault(col, set()).update(np.unique(arr[:n][alive]).tolist())
+            packed = {k: (v if k == "seq" else cctx.compress(v)) for k, v in stored.items()}
+            size += sum(len(v) for v in packed.values())
+            core.r.hset(core.keys.snapshot(shard, name), mapping=packed)
+            seqs.append(seq)
+            steps += int(alive.sum())
+        for col, found in codes.items():
+            found.discard(0)
+            names = core.dicts.decode_codes(col, sorted(found))
+            strings[col] = [[c, s] for c, s in zip(sorted(found), names, strict=True) if s]
+        header = {
+            "created": created,
+            "seqs": seqs,
+            "steps": steps,
+            "bytes": size,
+            "config": cfg.to_bytes(),
+            "strings": strings,
+            "extra": dict(extra or {}),
+        }
+        core.r.hset(core.keys.snapshots, name, packb(header))  # listed once complete
+        self.prune(cfg.retention.max_snapshots if cfg.retention else None, None, keep=name)
+        if cfg.retention is not None and cfg.retention.snapshot_max_age is not None:
+            self.prune(None, cfg.retention.snapshot_max_age, keep=name)
+        return self._info(name, header)
+
+    def _read_shard(self, shard: int, cfg: NamespaceConfig) -> tuple[int, dict[str, np.ndarray]]:
+        """The shard's seq, alive bits and mutable columns, in one MULTI/EXEC."""
+        keys = self.core.keys
+        tags = [tag_column(t) for t in (cfg.schema.tags if cfg.schema else {})]
+        cols = ["flags", "quality", "priority", *tags]
+        n_chunks = math.ceil(cfg.cap / META_CHUNK_SLOTS)
+        with self.core.r.pipeline(transaction=True) as pipe:
+            pipe.get(keys.shard_key(shard, "seq"))
+            pipe.get(keys.shard_key(shard, "alive"))
+            for col in cols:
+                for c in range(n_chunks):
+                    pipe.get(keys.meta(shard, col, c))
+            seq, bits, *chunks = pipe.execute()
+        out: dict[str, np.ndarray] = {}
+        alive = np.unpackbits(np.frombuffer(bits or b"", np.uint8))[: cfg.cap].astype(bool)
+        out["alive"] = np.pad(alive, (0, cfg.cap - len(alive)))
+        for i, col in enumerate(cols):
+            dtype = self._dtype(col, cfg)
+            arr = np.zeros(cfg.cap, dtype)
+            for c in range(n_chunks):
+                raw = chunks[i * n_chunks + c]
+                if raw:
+                    part = np.frombuffer(raw, dtype)
+                    arr[c * META_CHUNK_SLOTS : c * META_CHUNK_SLOTS + len(part)] = part
+            if col == "flags":
+                out["untrainable"] = (arr & UNTRAINABLE) != 0
+            else:
+                out[col] = arr
+        return int(seq or 0), out
+
+    @staticmethod
+    def _dtype(col: str, cfg: NamespaceConfig) -> np.dtype:
+        if col in _DTYPES:
+            return _DTYPES[col]
+        kind = cfg.schema.tags[col[2:]] if cfg.schema else "num"
+        return STR_TAG_DTYPE if kind == "str" else np.dtype("<u8")
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot of the namespace, oldest first."""
+        raw = self.core.r.hgetall(self.core.keys.snapshots)
+        found = [self._info(k.decode(), unpackb(v)) for k, v in raw.items()]
+        return sorted(found, key=lambda s: (s.created, s.name))
+
+    def snapshot_info(self, name: str) -> SnapshotInfo:
+        raw = self.core.r.hget(self.core.keys.snapshots, check_name(name))
+        if raw is None:
+            known = ", ".join(s.name for s in self.snapshots()) or "none"
+            raise SnapshotError(
+                f"namespace {self.core.namespace!r} has no snapshot {name!r} (snapshots: {known})"
+            )
+        return self._info(name, unpackb(raw))
+
+    def _info(self, name: str, h: Mapping[str, Any]) -> SnapshotInfo:
+        cfg = NamespaceConfig.from_bytes(h["config"], self.core.namespace)
+        return SnapshotInfo(
+            name, h["created"], tuple(h["seqs"]), h["steps"], h["bytes"], cfg, h["extra"]
+        )
+
+    def export_snapshot(self, name: str) -> bytes:
+        """The snapshot as one self-contained msgpack document (what the nightly archive
+        keeps): ``namespace``, ``name``, the header and each shard's hash, as stored."""
+        core = self.core
+        info = self.snapshot_info(name)
+        header = unpackb(core.r.hget(core.keys.snapshots, name))
+        shards = [
+            {k.decode(): v for k, v in core.r.hgetall(core.keys.snapshot(s, name)).items()}
+            for s in range(info.config.n_shards)
+        ]
+        doc = {"namespace": core.namespace, "name": name, "header": header, "shards": shards}
+        return packb(doc)
+
+    def drop_snapshot(self, name: str) -> bool:
+        """Delete a snapshot (its header first: it is no longer listed); True if it was."""
+        core = self.core
+        try:
+            info = self.snapshot_info(name)
+        except SnapshotError:
+            return False
+        core.r.hdel(core.keys.snapshots, name)
+        for shard in range(info.config.n_shards):
+            core.r.unlink(core.keys.snapshot(shard, name))
+        return True
+
+    def prune(
+        self, keep_count: int | None, max_age: float | None, *, keep: str | None = None
+    ) -> list[str]:
+        """Delete snapshots past ``keep_count`` (oldest first) or older than ``max_age``
+        seconds (never ``keep``); returns their names."""
+        found = self.snapshots()
+        now, gone = time.time(), []
+        for i, s in enumerate(found):
+            old = max_age is not None and now - s.created > max_age
+            extra = keep_count is not None and i < len(found) - keep_count
+            if (old or extra) and s.name != keep and self.drop_snapshot(s.name):
+                gone.append(s.name)
+        return gone
+
+    # ---- reading states -----------------------------------------------------------
+    def labels(self, name: str | None = None) -> Labels:
+        """A snapshot's state (``name``), or the namespace's now (None or ``"now"``)."""
+        core = self.core
+        if name is None or name == NOW:
+            cfg = core.config(refresh=True)
+            parts = [self._read_shard(s, cfg) for s in range(cfg.n_shards)]
+            seqs = tuple(seq for seq, _ in parts)
+            tags = [c for c in parts[0][1] if c.startswith("t:")] if parts else []
+            cat = np.concatenate
+            strings = self._strings_of(
+                {c: cat([p[c] for _, p in parts]) for c in ["quality", *tags]},
+                cat([p["alive"] for _, p in parts]),
+                cfg,
+            )
+            return Labels(
+                cfg.n_shards,
+                cfg.cap,
+                seqs,
+                cat([p["alive"] for _, p in parts]),
+                cat([p["untrainable"] for _, p in parts]),
+                cat([p["quality"] for _, p in parts]),
+                cat([p["priority"] for _, p in parts]),
+                {c: cat([p[c] for _, p in parts]) for c in tags},
+                strings,
+            )
+        info = self.snapshot_info(name)
+        h = unpackb(core.r.hget(core.keys.snapshots, name))
+        cfg = info.config
+        dctx = zstandard.ZstdDecompressor()
+        cols: dict[str, list[np.ndarray]] = {}
+        tags = [tag_column(t) for t in (cfg.schema.tags if cfg.schema else {})]
+        for shard in range(cfg.n_shards):
+            got = core.r.hgetall(core.keys.snapshot(shard, name))
+            if not got:
+                raise SnapshotError(f"snapshot {name!r}: shard {shard} is missing (deleted?)")
+            n = min(cfg.cap, info.seqs[shard])
+            for col in ("alive", "untrainable", "quality", "priority", *tags):
+                raw = dctx.decompress(got[col.encode()]) if col.encode() in got else b""
+                if col in ("alive", "untrainable"):
+                    arr = np.unpackbits(np.frombuffer(raw, np.uint8))[:n].astype(bool)
+                else:
+                    arr = np.frombuffer(raw, self._dtype(col, cfg))
+                full = np.zeros(cfg.cap, arr.dtype)
+                full[: len(arr)] = arr
+                cols.setdefault(col, []).append(full)
+        cat = np.concatenate
+        strings = {c: {int(code): s for code, s in pairs} for c, pairs in h["strings"].items()}
+        return Labels(
+            cfg.n_shards,
+            cfg.cap,
+            info.seqs,
+            cat(cols["alive"]),
+            cat(cols["untrainable"]),
+            cat(cols["quality"]),
+            cat(cols["priority"]),
+            {c: cat(cols[c]) for c in tags},
+            strings,
+        )
+
+    def _strings_of(
+        self, cols: Mapping[str, np.ndarray], alive: np.ndarray, cfg: NamespaceConfig
+    ) -> dict[str, dict[int, str]]:
+        out = {}
+        for col, arr in cols.items():
+            if arr.dtype != STR_TAG_DTYPE:
+                continue
+            codes = [c for c in np.unique(arr[alive]).tolist() if c]
+            names = self.core.dicts.decode_codes(col, codes)
+            out[col] = {c: s for c, s in zip(codes, names, strict=True) if s is not None}
+        return out
+
+    def recode(self, labels: Labels, col: str, codes: np.ndarray) -> np.ndarray:
+        """``codes`` of ``labels``' column ``col`` as the namespace's dictionary codes them
+        now (a string pruned since is encoded again); 0 stays 0 (missing)."""
+        table = labels.strings.get(col, {})
+        known = sorted(table)
+        if not known:
+            return np.zeros_like(codes)
+        now = self.core.dicts.encode_strings(col, [table[c] for c in known])
+        lut = np.zeros(max(known) + 1, STR_TAG_DTYPE)
+        lut[known] = now
+        inside = (codes >= 0) & (codes < len(lut))
+        return np.where(inside, lut[np.clip(codes, 0, len(lut) - 1)], 0).astype(STR_TAG_DTYPE)
+
+    # ---- rollback -----------------------------------------------------------------
+    def rollback(self, name: str, *, drop_new: bool = False) -> Rollback:
+        """Put the snapshot's labels, priorities and tags back on every step of it that is
+        still live, bit for bit (only values that differ are written). Steps committed
+        since stay (``drop_new``: they are evicted, reason ``manual``); steps evicted since
+        cannot come back and are counted."""
+        snap, now = self.labels(name), self.labels(None)
+        if (snap.n_shards, snap.cap) != (now.n_shards, now.cap):
+            raise SnapshotError(f"snapshot {name!r} was taken of another layout of the namespace")
+        same = snap.same_steps(now)
+        ids = now.ids
+        updates = Updates(self.core)
+        changed = {}
+
+        def write(rows: np.ndarray, col: str, values: np.ndarray, op: str = "cur") -> None:
+            sel = np.flatnonzero(rows)
+            done = 0
+            for at in range(0, len(sel), WRITE_IDS):
+                part = sel[at : at + WRITE_IDS]
+                raw = values[part].tobytes()
+                done += updates.write_column(ids[part], col, raw, values.itemsize, op=op)
+            changed[col] = changed.get(col, 0) + done
+
+        for on in (True, False):
+            rows = np.flatnonzero(same & (snap.untrainable == on) & (now.untrainable != on))
+            done = 0
+            for at in range(0, len(rows), WRITE_IDS):
+                done += updates.write_bits(ids[rows[at : at + WRITE_IDS]], UNTRAINABLE, on)
+            changed["trainable"] = changed.get("trainable", 0) + done
+        quality = self.recode(snap, "quality", snap.quality)
+        write(same & (quality != now.quality), "quality", quality.astype("<i4"))
+        write(same & (snap.priority != now.priority), "priority", snap.priority, "prio")
+        for col in sorted(set(snap.tags) | set(now.tags)):
+            cur = now.tags.get(col)
+            if cur is None:
+                continue  # a tag the namespace no longer has a column for
+            want = snap.tags.get(col)
+            if want is None:  # declared since: the snapshot's steps had no value
+                want = np.zeros_like(cur)
+            elif want.dtype == STR_TAG_DTYPE:
+                want = self.recode(snap, col, want)
+            write(same & (want != cur), col, want.astype(cur.dtype))
+        added = now.alive & ~same
+        dropped = 0
+        if drop_new and added.any():
+            dropped = Eviction(self.core).evict(ids[added], reason="manual")
+        return Rollback(
+            changed,
+            evicted=int((snap.alive & ~same).sum()),
+            added=int(added.sum()),
+            dropped=dropped,
+        )
+
+    def as_of_columns(self, labels: Labels) -> dict[str, np.ndarray]:
+        """``labels``' mutable columns as the sampling index holds them: priorities and
+        numeric tags decoded, string codes mapped to today's dictionary (:meth:`recode`)."""
+        out: dict[str, np.ndarray] = {
+            "quality": self.recode(labels, "quality", labels.quality),
+            "priority": nan_xor(labels.priority.view(np.float32)),
+        }
+        for col, arr in labels.tags.items():
+            if arr.dtype == STR_TAG_DTYPE:
+                out[col] = self.recode(labels, col, arr)
+            else:
+                out[col] = nan_xor(arr.view(NUM_TAG_DTYPE))
+        return out

@@ -1,0 +1,272 @@
+"""Commands over a namespace's versions: snapshots, rollback and diffs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Annotated
+
+import redis
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from claw_tasks.store import NamespaceError, Store
+from orchestrator.cli.app import app, friendly, redis_client
+from orchestrator.maintenance import snapshots as versions
+
+
+def _store(r: redis.Redis, namespace: str) -> Store:
+    store = Store(r, namespace)
+    if not store.exists():
+        raise NamespaceError(f"namespace {namespace!r} does not exist")
+    return store
+
+
+def _when(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@app.command()
+@friendly
+def snapshot(
+    ctx: typer.Context,
+    namespace: str,
+    name: str,
+    delete: Annotated[bool, typer.Option("--delete", help="Delete the snapshot instead")] = False,
+) -> None:
+    """Record a version of a namespace: labels, priorities, tags, recipes and params.
+
+    Cheap: no payload is copied (the mutable columns, compressed). Roll back to it with
+    `claw rollback NS --to NAME`; sample it with a recipe's `as_of: NAME`."""
+    with redis_client(ctx) as (_, r):
+        store = _store(r, namespace)
+        if delete:
+            gone = store.drop_snapshot(name)
+            Console().print(
+                f"snapshot {name!r} {'deleted' if gone else 'did not exist'}", highlight=False
+            )
+            return
+        info = versions.take(store, name)
+    Console().print(
+        f"snapshot [bold]{name}[/] of {namespace!r}: {info.steps:,} steps, "
+        f"{len(info.extra.get('recipes', {}))} recipe(s), {info.bytes:,} bytes",
+        highlight=False,
+    )
+
+
+@app.command()
+@friendly
+def snapshots(
+    ctx: typer.Context,
+    namespace: str,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """A namespace's snapshots, oldest first."""
+    with redis_client(ctx) as (_, r):
+        found = _store(r, namespace).snapshots()
+    rows = [
+        {
+            "name": s.name,
+            "created": s.created,
+            "steps": s.steps,
+            "bytes": s.bytes,
+            "recipes": sorted(s.extra.get("recipes", {})),
+            "seqs": list(s.seqs),
+        }
+        for s in found
+    ]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        Console().print(f"no snapshots of {namespace!r}")
+        return
+    table = Table(title=f"snapshots of {namespace!r}")
+    for h in ("name", "taken (UTC)", "steps", "bytes", "recipes"):
+        table.add_column(h, justify="right" if h in ("steps", "bytes") else "left")
+    for row in rows:
+        table.add_row(
+            row["name"],
+            _when(row["created"]),
+            f"{row['steps']:,}",
+            f"{row['bytes']:,}",
+            ", ".join(row["recipes"]) or "-",
+        )
+    Console().print(table)
+
+
+@app.command()
+@friendly
+def rollback(
+    ctx: typer.Context,
+    namespace: str,
+    to: Annotated[str, typer.Option("--to", help="The snapshot to go back to")],
+    drop_new: Annotated[
+        bool, typer.Option(help="Also evict the steps committed since the snapshot")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Put a snapshot's labels, priorities, tags, recipes and params back.
+
+    Steps committed since stay (unless --drop-new); steps evicted since cannot come back:
+    the command says how many."""
+    from orchestrator.delivery.client import BatchClient
+
+    with redis_client(ctx) as (url, r):
+        store = _store(r, namespace)
+        client = BatchClient(namespace, ctx.obj or url)
+        try:
+            report = versions.rollback(store, to, client, drop_new=drop_new)
+        finally:
+            client.close()
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+        return
+    lab = report.labels
+    console = Console()
+    written = ", ".join(f"{k} {v:,}" for k, v in lab.changed.items() if v) or "nothing differed"
+    console.print(f"rolled {namespace!r} back to [bold]{to}[/]: {written}", highlight=False)
+    for n, v in report.restored.items():
+        console.print(f"recipe {n}: the snapshot's, now version {v}", highlight=False)
+    for n, v in report.bumped.items():
+        console.print(f"recipe {n}: registered since, kept (version {v})", highlight=False)
+    if lab.evicted:
+        console.print(
+            f"[yellow]{lab.evicted:,} steps of the snapshot were evicted since and cannot "
+            "come back[/]",
+            highlight=False,
+        )
+    if lab.added:
+        what = f"evicted ({lab.dropped:,})" if drop_new else "kept (--drop-new evicts them)"
+        console.print(f"{lab.added:,} steps committed since: {what}", highlight=False)
+
+
+@app.command()
+@friendly
+def diff(
+    ctx: typer.Context,
+    namespace: str,
+    a: Annotated[str, typer.Argument(help="A snapshot")],
+    b: Annotated[str, typer.Argument(help="A later snapshot, or 'now'")] = "now",
+    where: Annotated[
+        str | None, typer.Option(help="Only steps matching this filter, e.g. \"task_id == 'x'\"")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """What changed between two snapshots, or one and now.
+
+    Steps added and evicted; of the steps in both, labels, priorities and tags changed."""
+    with redis_client(ctx) as (_, r):
+        d = versions.diff_states(_store(r, namespace), a, b, where)
+    if as_json:
+        typer.echo(json.dumps(d.to_json(), indent=2))
+        return
+    table = Table(title=f"{namespace!r}: {a} → {b}" + (f" where {where}" if where else ""))
+    table.add_column("what")
+    table.add_column("steps", justify="right")
+    rows = [
+        ("added", d.added),
+        ("evicted", d.evicted),
+        ("kept", d.kept),
+        ("made untrainable", d.untrainable),
+        ("made trainable", d.trainable),
+        ("quality changed", d.quality),
+        ("priority changed", d.priority),
+        *((f"tags.{c[2:]} changed", n) for c, n in d.tags.items()),
+    ]
+    for what, n in rows:
+        table.add_row(what, f"{n:,}")
+    Console().print(table)
+
+
+@app.command()
+@friendly
+def lineage(
+    ctx: typer.Context,
+    namespace: str,
+    policy: Annotated[
+        str | None, typer.Option(help="Which data trained this policy/update version")
+    ] = None,
+    step: Annotated[
+        list[int] | None, typer.Option(help="Which policies trained on this step id (repeatable)")
+    ] = None,
+    episode: Annotated[
+        str | None, typer.Option(help="Which policies trained on this episode's steps")
+    ] = None,
+    ids: Annotated[bool, typer.Option("--ids", help="With --policy: print the step ids")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Which data trained which policy, from the lineage log of popped batches.
+
+    Trainers declare what a batch trains: BatchClient.pop(name, policy_version=v). Without
+    options: the policies the log holds and how many batches each."""
+    import numpy as np
+
+    from claw_tasks.format.stepmeta import episode_code
+    from orchestrator.delivery.lineage import LineageLog
+    from orchestrator.maintenance.lifecycle import synced_index
+
+    if sum(x is not None and x != [] for x in (policy, step, episode)) > 1:
+        raise typer.BadParameter("give one of --policy, --step, --episode")
+    with redis_client(ctx) as (_, r):
+        store = _store(r, namespace)
+        log = LineageLog(store)
+        if policy is not None:
+            found = log.trained(policy)
+            all_ids = np.sort(np.concatenate([e.ids for e in found])) if found else np.zeros(0)
+            doc = {
+                "policy": policy,
+                "batches": len(found),
+                "rows": len(all_ids),
+                "steps": len(np.unique(all_ids)),
+                "recipes": sorted({f"{e.recipe}@v{e.recipe_version}" for e in found}),
+                "entries": [e.to_json() for e in found],
+            }
+            if ids:
+                doc["ids"] = all_ids.astype(np.int64).tolist()
+        elif step or episode is not None:
+            wanted = np.asarray(step or [], np.int64)
+            if episode is not None:
+                index, _ = synced_index(store)
+                cols = index.columns
+                rows = (cols["episode"] == episode_code(episode)) & (cols["id"] > 0)
+                wanted = cols["id"][rows]
+                if not len(wanted):
+                    raise NamespaceError(
+                        f"episode {episode!r} has no stored steps in {namespace!r}"
+                    )
+            per_step = log.policies(wanted)
+            policies: dict[str, int] = {}
+            for seen in per_step.values():
+                for p, n in seen.items():
+                    policies[p] = policies.get(p, 0) + n
+            doc = {
+                "episode": episode,
+                "steps": {str(k): v for k, v in per_step.items()},
+                "policies": policies,
+            }
+        else:
+            counts: dict[str, int] = {}
+            for e in log.entries():
+                counts[e.policy] = counts.get(e.policy, 0) + 1
+            doc = {"batches": sum(counts.values()), "policies": counts}
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    console = Console()
+    if policy is not None:
+        console.print(
+            f"policy {policy!r} of {namespace!r}: {doc['batches']:,} batches, {doc['rows']:,} "
+            f"rows, {doc['steps']:,} distinct steps ({', '.join(doc['recipes']) or '-'})",
+            highlight=False,
+        )
+        if ids:
+            console.print(" ".join(map(str, doc["ids"])), highlight=False, soft_wrap=True)
+        return
+    table = Table(title=f"lineage of {namespace!r}")
+    table.add_column("policy")
+    table.add_column("batches" if "batches" in doc else "rows", justify="right")
+    for p, n in sorted(doc["policies"].items()):
+        table.add_row(p or "(undeclared)", f"{n:,}")
+    console.print(table)

@@ -1,0 +1,169 @@
+"""Snapshots and rollback on a real Redis: labels, priorities, tags, recipes and params come
+back bit for bit; steps evicted since are counted, not restored; diffs, the CLI, retention,
+the archive and the web view. (A recipe ``as_of`` a snapshot, served by a prefetch worker:
+tests/stack/test_served_versions.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from claw_tasks.format.stepmeta import UNTRAINABLE
+from claw_tasks.store import Store
+from claw_tasks.store.retention import Retention
+from claw_tasks.store.snapshots import SnapshotError
+from orchestrator.cli.main import app
+from orchestrator.delivery.client import BatchClient
+from orchestrator.maintenance import snapshots as versions
+from orchestrator.maintenance.archive import archive_namespace
+from orchestrator.web.views import Inspector
+from tests.support.stepdata import batch
+
+MUTABLE = ("flags", "quality", "priority", "t:level")
+
+
+def _fill(url: str, ns: str, episodes: int = 40, length: int = 50) -> tuple[Store, np.ndarray]:
+    store = Store(url, ns)
+    store.create(capacity=4000, n_shards=2)
+    steps = [
+        {
+            "ep": e,
+            "step": i,
+            "reward": float(i % 7),
+            "task_id": ("a", "b")[e % 2],
+            "tags": {"level": str(e % 3)},
+        }
+        for e in range(episodes)
+        for i in range(length)
+    ]
+    return store, store.commit(batch(steps)).ids
+
+
+def _raw(store: Store) -> dict[str, np.ndarray]:
+    """The mutable columns as stored, every shard, plus ids and alive bits."""
+    cfg = store.config(refresh=True)
+    parts = [store.meta_columns(s, ["id", *MUTABLE]) for s in range(cfg.n_shards)]
+    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    out["priority"] = out["priority"].view(np.uint32)  # bits, NaN (unset) included
+    return out
+
+
+def _label(store: Store, ids: np.ndarray, rng: np.random.Generator) -> None:
+    """10 % untrainable, priorities, a quality and a tag on others."""
+    pick = rng.permutation(ids)
+    tenth = len(ids) // 10
+    store.curate(pick[:tenth], trainable=False)
+    store.curate(pick[tenth : 2 * tenth], quality=f"q{rng.integers(100)}", tags={"level": "9"})
+    some = pick[: len(ids) // 2]
+    store.update_priorities(some, rng.random(len(some)).astype(np.float32) + 0.01)
+
+
+def test_rollback_puts_labels_priorities_recipes_back_bit_for_bit(redis_url, namespace):
+    store, ids = _fill(redis_url, namespace)
+    rng = np.random.default_rng(7)
+    _label(store, ids, rng)
+    client = BatchClient(namespace, redis_url)
+    try:
+        client.register(
+            {
+                "name": "r",
+                "batch_size": 8,
+                "fields": ["obs"],
+                "sources": [{"name": "s", "where": "reward > $lo"}],
+                "params": {"lo": 1.0},
+            }
+        )
+        store.r.hset(client.registry.augment_stats("r"), mapping={"digest": b"d1", "op": b"\x01"})
+        info = versions.take(store, "before")
+        assert info.steps == len(ids) and info.extra["recipes"]["r"]["params"] == {"lo": 1.0}
+        want = _raw(store)
+        # ... then everything changes again, a tenth of the steps is evicted and more arrive
+        store.curate(ids, trainable=True)
+        _label(store, ids, np.random.default_rng(8))
+        store.update_priorities(ids[:100], np.full(100, 5.0, np.float32))
+        client.set_params("r", lo=3.0)
+        store.r.hset(client.registry.augment_stats("r"), "op", b"\x02")
+        client.register(
+            {"name": "late", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "s"}]}
+        )
+        gone = ids[::10]
+        assert store.evict(gone) == len(gone)
+        new = store.commit(batch([{"ep": 1000, "step": i} for i in range(30)])).ids
+        d = versions.diff_states(store, "before", "now")
+        assert (d.added, d.evicted, d.kept) == (30, len(gone), len(ids) - len(gone))
+        assert d.priority > 0 and d.untrainable + d.trainable > 0
+
+        report = versions.rollback(store, "before", client)
+        assert report.labels.evicted == len(gone) and report.labels.added == 30
+        got = _raw(store)
+        same = want["alive"] & got["alive"] & (want["id"] == got["id"])
+        assert same.sum() == len(ids) - len(gone)
+        for col in MUTABLE:  # flags: the trainable bit (eviction set others: next_obs copies)
+            g, w = (
+                (got[col], want[col])
+                if col != "flags"
+                else (got[col] & UNTRAINABLE, want[col] & UNTRAINABLE)
+            )
+            assert np.array_equal(g[same], w[same]), col
+        assert set(got["id"][got["alive"]]) >= set(new.tolist())  # committed since: kept
+        recipe = client.registry.get("r").recipe
+        assert recipe.params == {"lo": 1.0} and recipe.version == report.restored["r"]
+        assert store.r.hget(client.registry.augment_stats("r"), "op") == b"\x01"
+        assert "late" in report.bumped  # registered since: kept, new version
+        after = versions.diff_states(store, "before", "now")
+        assert (after.untrainable, after.trainable, after.quality, after.priority) == (0, 0, 0, 0)
+        assert after.tags == {"t:level": 0}
+        # --drop-new: the steps committed since go too
+        again = versions.rollback(store, "before", client, drop_new=True)
+        assert again.labels.dropped == 30 and not again.labels.changed.get("priority")
+        assert not set(_raw(store)["id"][_raw(store)["alive"]]) & set(new.tolist())
+    finally:
+        client.close()
+
+
+def test_snapshot_cli_diff_retention_archive_and_web(redis_url, namespace, tmp_path):
+    store, ids = _fill(redis_url, namespace, episodes=10, length=20)
+    runner = CliRunner()
+
+    def claw(*args: str) -> str:
+        res = runner.invoke(app, ["--redis-url", redis_url, *args])
+        assert res.exit_code == 0, res.output
+        return res.output
+
+    claw("snapshot", namespace, "s1")
+    store.curate(ids[:20], trainable=False)
+    claw("snapshot", namespace, "s2")
+    d = json.loads(claw("diff", namespace, "s1", "s2", "--json"))
+    assert d["untrainable"] == 20 and d["added"] == d["evicted"] == 0
+    for task, labelled in (("a", 20), ("b", 0)):  # ids[:20]: episode 0, of task a
+        where = f"task_id == '{task}'"
+        part = json.loads(claw("diff", namespace, "s1", "s2", "--where", where, "--json"))
+        assert (part["untrainable"], part["kept"]) == (labelled, 100)
+    listed = json.loads(claw("snapshots", namespace, "--json"))
+    assert [s["name"] for s in listed] == ["s1", "s2"]
+    res = runner.invoke(app, ["--redis-url", redis_url, "snapshot", namespace, "s1"])
+    assert res.exit_code == 1 and "exists" in res.output
+    res = runner.invoke(app, ["--redis-url", redis_url, "rollback", namespace, "--to", "nope"])
+    assert res.exit_code == 1 and "s1, s2" in res.output  # names the snapshots there are
+    out = json.loads(claw("rollback", namespace, "--to", "s1", "--json"))
+    assert out["changed"]["trainable"] == 20
+
+    result = archive_namespace(store, tmp_path)  # the nightly archive keeps each snapshot
+    assert sorted(p.split("/")[0] for p in result.snapshots) == ["_snapshots"] * 2
+    doc = msgpack.unpackb((tmp_path / f"ns={namespace}" / result.snapshots[1]).read_bytes())
+    assert doc["name"] == "s2" and doc["header"]["steps"] == len(ids)
+    assert archive_namespace(store, tmp_path).snapshots == []  # immutable: written once
+
+    rows = Inspector(redis_url, redis_url).snapshots(namespace)
+    assert [(r["name"], r["labels"]) for r in rows] == [("s1", 0), ("s2", 20)]
+
+    store.set_retention(Retention(max_snapshots=2))
+    claw("snapshot", namespace, "s3")
+    assert [s.name for s in store.snapshots()] == ["s2", "s3"]
+    claw("snapshot", namespace, "s3", "--delete")
+    with pytest.raises(SnapshotError):
+        store.labels("s3")
