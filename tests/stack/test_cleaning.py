@@ -6,15 +6,18 @@ prefetch process and a restarted one."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
+from typer.testing import CliRunner
 
 from claw_tasks.broker.app import client_app
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from orchestrator.cli.main import app
 from orchestrator.delivery.augstats import namespace_stats
 from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance.cleaning import define_source, quarantined
@@ -69,6 +72,12 @@ def test_a_noisy_source_is_cleaned_quarantined_and_normalised_alike(
     bad = target.count("not trainable")
     assert bad == target.count("quality == 'quarantine'") >= 7
     assert target.count("tags.origin == 'noisy'") == N  # quarantined, never deleted
+    env = {"CLAW_REDIS_URL": redis_url, "COLUMNS": "200"}
+    shown = CliRunner().invoke(app, ["stats", "--namespace", namespace, "--json"], env=env)
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["namespaces"][0]["cleaning"] == counts  # counts by rule
+    text = CliRunner().invoke(app, ["stats", "--namespace", namespace], env=env).output
+    assert f"noisy:finite {len(NAN_ROWS)}" in text
 
     recipe = {
         "name": "clean",
