@@ -163,6 +163,9 @@ def _updates(out: str) -> tuple[list[dict], dict]:
     return lines[:-1], lines[-1]
 
 
+# slow: three processes importing torch cost 30-130 s; tests/stack/test_rollouts.py checks the
+# same bookkeeping with 4 actor threads in CI.
+@pytest.mark.slow
 def test_ppo_actors_consume_each_rollout_once(redis_url, workers, namespace):
     """Short mode: 2 actors, 3 updates of 2 epochs; every update is the next rollout, of
     the version just published, each step of it once per epoch, nothing dropped."""
@@ -194,6 +197,8 @@ def _returns(out: str) -> tuple[float, float]:
     return bc, final
 
 
+# slow: ~60 s under load; tests/stack/test_retrieval.py and test_cleaning.py cover its parts in CI.
+@pytest.mark.slow
 def test_imitation_cartpole_clones_the_expert_from_cleaned_sources(redis_url, workers, namespace):
     out = _run_example("imitation_cartpole.py", redis_url, "--namespace", namespace, "--short")
     assert "'noisy:finite'" in out and "'noisy:range'" in out, out
