@@ -134,6 +134,38 @@ class SamplingIndex:
         holds nothing; :class:`~orchestrator.sampling.shared.SharedIndex` lets other
         processes write again)."""
 
+    def hold(self) -> bool:
+        """Hold the columns as of the last sync, without reading the change logs, until
+        :meth:`release`; ``log_last``/``log_seen`` are their positions. False when there
+        are none to hold (never synced, or a failed sync): :meth:`sync` first.
+
+        A reader that checks the logs after its reads (:class:`~orchestrator.sampling.
+        fetch.LogChecked`) then needs no round trip of its own for the sync."""
+        return bool(self.columns)
+
+    def touched(self, replies: list[Any]) -> np.ndarray | None:
+        """The global rows whose step may have changed (slots reused or freed, steps
+        evicted) by the change-log entries ``replies`` (``log_since.lua``'s, one per shard,
+        read from this index's positions); None when they cannot tell (entries lost, a
+        full page, an event this index does not know)."""
+        rows = []
+        for shard, (lost, entries) in enumerate(replies):
+            if int(lost) or len(entries) >= LOG_PAGE:
+                return None
+            for _, kv in entries:
+                event = dict(zip(kv[::2], kv[1::2], strict=True))
+                if b"seq" in event and b"n" in event:  # ins, evict: a slot range
+                    seq0, n = int(event[b"seq"]), min(int(event[b"n"]), self.cap)
+                    rows.append(self._rows(shard, np.arange(seq0, seq0 + n)))
+                elif event.get(b"op") == b"evict" and b"ids" in event:
+                    ids = np.frombuffer(event[b"ids"], "<i8")
+                    rows.append(self._rows(shard, ids // self.n_shards))
+                elif event.get(b"op") == b"forget" or {b"col", b"ids", b"values"} <= event.keys():
+                    continue  # column updates and pruned codes leave every step in place
+                else:
+                    return None
+        return np.concatenate(rows) if rows else np.zeros(0, np.int64)
+
     def apply_logs(self) -> np.ndarray | None:
         """Apply the change logs to ``columns`` (cold when empty or when the logs cannot be
         applied) without calling the listeners: what :meth:`sync` returns. A failure

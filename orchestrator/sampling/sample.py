@@ -52,9 +52,7 @@ from orchestrator.sampling.asof import AsOf
 from orchestrator.sampling.assembly import Assembly
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.candidates import InsufficientData
-from orchestrator.sampling.fetch import (
-    Fetcher,
-)
+from orchestrator.sampling.fetch import Fetcher, LogChecked
 from orchestrator.sampling.groups import Claims, Groups, claims_key
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.jointbatch import assemble_joint
@@ -251,7 +249,7 @@ class _Session:
         self.index, self.store = index, index.store
         self.lock = threading.Lock()
         self.strings = Strings(self.store, index)
-        self.fetch = Fetcher(self.store, index.cap)
+        self.fetch = LogChecked(Fetcher(self.store, index.cap), index)
         self.bound: dict[str, _Bound] = {}
         index.subscribe(self._changed)
 
@@ -291,6 +289,7 @@ class _Session:
         try:
             return self._sample(recipe, rng, live, once, key)
         finally:
+            self.fetch.exact = False
             self.index.release()  # a shared index: other processes may write it again
 
     def _sample(
@@ -301,29 +300,20 @@ class _Session:
         once: bool,
         key: str,
     ) -> Batch:
-        for _ in range(_ATTEMPTS):
-            self.index.sync()
-            b = self.bind(recipe)
-            claims = Claims.from_hash(self.store.r.hgetall(key)) if once else None
-            if b.as_of is not None:
-                b.as_of.check(recipe.sources[0].name, recipe.counts[0])
-            columns = (
-                self.index.columns
-                if b.as_of is None
-                else b.as_of.columns(self.index.columns, np.zeros(0, np.int64))
-            )
-            draw = b.sampler.sample(columns, b.rng if rng is None else rng, live, claims=claims)
-            if b.sampler.joint is not None:
-                batch = assemble_joint(self, recipe, draw, b.sampler.joint)
-            else:
-                batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
-            if batch is None:
-                continue
-            live = int(np.count_nonzero(columns["alive"]))
-            b.hits = (tuple(s.n for s in b.sampler.sources), live)
-            if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
-                batch = _within_budget(batch, recipe)
-            if not once or self._claim(key, batch.groups):  # type: ignore[arg-type]
+        for attempt in range(_ATTEMPTS):
+            # The logs were quiet at the last fetch: draw from the columns as they are and
+            # let the fetch's log check prove them current (one round trip); else sync.
+            exact = attempt == 0 and self.fetch.quiet and self.index.hold()
+            self.fetch.exact = exact
+            if not exact:
+                self.index.sync()
+            try:
+                batch = self._draw(recipe, rng, live, once, key)
+            except Exception:
+                if not exact:
+                    raise
+                continue  # e.g. too few candidates before the sync: the sync decides
+            if batch is not None:
                 return batch
         raise StoreChangingError(
             f"recipe {recipe.name!r}: {_ATTEMPTS} draws in a row hit steps overwritten or "
@@ -332,6 +322,38 @@ class _Session:
             "many of the steps drawn (try again), or too many prefetch workers share too few "
             "groups"
         )
+
+    def _draw(
+        self,
+        recipe: Recipe,
+        rng: np.random.Generator | None,
+        live: dict[str, Any],
+        once: bool,
+        key: str,
+    ) -> Batch | None:
+        """One draw and its fetch from the index's columns as they are; None: draw again."""
+        b = self.bind(recipe)
+        claims = Claims.from_hash(self.store.r.hgetall(key)) if once else None
+        if b.as_of is not None:
+            b.as_of.check(recipe.sources[0].name, recipe.counts[0])
+        columns = (
+            self.index.columns
+            if b.as_of is None
+            else b.as_of.columns(self.index.columns, np.zeros(0, np.int64))
+        )
+        draw = b.sampler.sample(columns, b.rng if rng is None else rng, live, claims=claims)
+        if b.sampler.joint is not None:
+            batch = assemble_joint(self, recipe, draw, b.sampler.joint)
+        else:
+            batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
+        if batch is None:
+            return None
+        b.hits = (tuple(s.n for s in b.sampler.sources), int(np.count_nonzero(columns["alive"])))
+        if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
+            batch = _within_budget(batch, recipe)
+        if once and not self._claim(key, batch.groups):  # type: ignore[arg-type]
+            return None
+        return batch
 
     def _claim(self, key: str, groups: Groups) -> bool:
         if not _CLAIM(self.store.r, [key], [groups.pass_no, *groups.ids]):

@@ -169,6 +169,29 @@ class SharedIndex(SamplingIndex):
         self.notify(rows)
         return rows
 
+    def hold(self) -> bool:
+        """Hold the shared columns as the last writer left them (no change-log read), with
+        the log positions they are as of, and refresh this process's listeners with the
+        rows other processes' syncs changed. False when there is nothing to hold yet
+        (never attached, or a writer died half-way): :meth:`sync` first."""
+        self.release()
+        if self._hdr is None or self._f.lock < 0:
+            return False
+        self._lock(fcntl.LOCK_SH)
+        self._holding = True
+        try:
+            state = self._read_state()
+            if self._hdr[H_DIRTY] or not state.get("data"):
+                self.release()
+                return False
+            self._load_state(state)
+            rows = self._observe()
+        except BaseException:
+            self.release()
+            raise
+        self.notify(rows)
+        return True
+
     def release(self) -> None:
         """Let other processes write the columns again."""
         if self._holding:
@@ -367,6 +390,8 @@ class SharedIndex(SamplingIndex):
         """Map the data file and take the schema the state names, when they changed."""
         hdr = self._hdr
         assert hdr is not None
+        if "last" in state:  # the positions the columns are as of (a reader checks from them)
+            self.log_last, self.log_seen = list(state["last"]), list(state["seen"])
         if self._meta == hdr[H_META] and self._f.data_name == state.get("data"):
             return
         if state.get("data") != self._f.data_name:
