@@ -291,7 +291,10 @@ class LogChecked:
     is then one from the store as it is at the fetch, one round trip in all. Otherwise
     (the columns were synced in this call) it stands unless an entry touched one of the
     checked rows, as the seq and alive checks decided. ``quiet`` tells whether the last
-    fetch found the logs without new entries (the caller then tries ``exact`` next)."""
+    fetch found the logs without new entries (the caller then tries ``exact`` next).
+
+    Fields the index mirrors (``f:<field>`` columns) come from its columns, as of the same
+    positions: a batch of only those reads nothing but the logs."""
 
     def __init__(self, fetcher: Fetcher, index: SamplingIndex) -> None:
         self.fetcher, self.index = fetcher, index
@@ -307,16 +310,24 @@ class LogChecked:
     ) -> tuple[list[Any], list[Any]] | None:
         ix = self.index
         page = 1 if self.exact else LOG_PAGE  # exact: any entry at all refuses the batch
-        out, replies, logs = self.fetcher.since(reads, lookups, ix.log_last, ix.log_seen, page)
+        mirrored = [r.kind == "f" and r.base in ix.columns for r in reads]
+        rest = [r for r, m in zip(reads, mirrored, strict=True) if not m]
+        got, replies, logs = self.fetcher.since(rest, lookups, ix.log_last, ix.log_seen, page)
         self.quiet = all(not int(lost) and not entries for lost, entries in logs)
-        if self.quiet:
-            return out, replies
-        if self.exact:
+        if not (self.quiet or (not self.exact and self._untouched(check, logs))):
             return None
-        touched = ix.touched(logs)
-        if touched is None or np.isin(check, touched).any():
-            return None
+        read = iter(got)
+        out = [
+            _placed(r, ix.columns[r.base][r.rows].view(np.uint8).reshape(-1, r.size))
+            if m
+            else next(read)
+            for r, m in zip(reads, mirrored, strict=True)
+        ]
         return out, replies
+
+    def _untouched(self, check: np.ndarray, logs: list[Any]) -> bool:
+        touched = self.index.touched(logs)
+        return touched is not None and not np.isin(check, touched).any()
 
 
 class _Recorder:
