@@ -88,7 +88,7 @@ class Fetcher:
     def __init__(self, store: Store, cap: int) -> None:
         self.store, self.cap = store, cap
         self._script = Lua("fetch", "orchestrator")
-        self._log_since = Lua("log_since", "orchestrator")
+        self.log_since = Lua("log_since", "orchestrator")
         self._n_shards = store.config().n_shards
         self._bulk = BulkReader.for_client(store.r)
 
@@ -109,19 +109,13 @@ class Fetcher:
         return out, replies
 
     def since(
-        self,
-        reads: Sequence[Read],
-        lookups: Sequence[Lookup],
-        last: Sequence[str],
-        seen: Sequence[int],
-        page: int,
+        self, reads: Sequence[Read], lookups: Sequence[Lookup], tail: Sequence[Sequence[Any]]
     ) -> tuple[list[Any], list[Any], list[Any]]:
         """Results of ``reads`` and the replies of ``lookups``, as :meth:`__call__` gives
-        them, unchecked; then every shard's change-log entries after ``last``/``seen`` (up
-        to ``page`` of them: ``log_since.lua``'s replies), read after the rows in the same
-        round trip. A step changes its slot only with a log entry written before or with
-        the change, so entries that touch none of the rows prove the reads current."""
-        got = self._fetch(np.zeros(0, np.int64), None, reads, lookups, (last, seen, page))
+        them, but unchecked; and the replies of the commands ``tail``, run after every read
+        in the same round trip (the change-log reads that check them: :class:`LogChecked`;
+        ``EVALSHA`` of :attr:`log_since` is loaded on NOSCRIPT)."""
+        got = self._fetch(np.zeros(0, np.int64), None, reads, lookups, tail)
         assert got is not None
         return got
 
@@ -131,7 +125,7 @@ class Fetcher:
         expect: np.ndarray | None,
         reads: Sequence[Read],
         lookups: Sequence[Lookup],
-        since: tuple[Sequence[str], Sequence[int], int] | None,
+        since: Sequence[Sequence[Any]] | None,
     ) -> tuple[list[Any], list[Any], list[Any]] | None:
         cap, keys = self.cap, self.store.keys
         families: dict[tuple[Any, ...], list[int]] = {}
@@ -172,12 +166,7 @@ class Fetcher:
                 args += [m.kind, m.base, m.size, m.chunk, _pack(m.rows[lo:hi] % cap)]
             shard_keys = [keys.shard_key(shard, k) for k in ("alive", "seq")]
             commands.append(["EVALSHA", self._script.sha, 2, *shard_keys, *args])
-        if since is not None:
-            last, seen, page = since
-            for shard in range(self._n_shards):
-                log = keys.shard_key(shard, "log")
-                sha = self._log_since.sha
-                commands.append(["EVALSHA", sha, 1, log, last[shard], seen[shard], page])
+        commands += [list(c) for c in since or ()]
         recorder = _Recorder()
         for lookup in lookups:
             lookup(recorder)
@@ -207,7 +196,7 @@ class Fetcher:
                 for command in commands:
                     pipe.execute_command(*command)
 
-            replies = execute(self.store.r, [self._script, self._log_since], queue)
+            replies = execute(self.store.r, [self._script, self.log_since], queue)
             fixed, at = [], 0
             for m, (c, runs) in zip(big, ranges, strict=True):
                 fixed.append(_plain_result(m, runs, replies[at : at + len(c)]))
@@ -219,7 +208,7 @@ class Fetcher:
         rest = replies[n_hash + len(shards) :]
         logs: list[Any] = []
         if since is not None:
-            logs, rest = rest[: self._n_shards], rest[self._n_shards :]
+            logs, rest = rest[: len(since)], rest[len(since) :]
         got_of, hash_at, lua_at = iter(fixed), 0, 1
         runs_of = iter(hashes)
         results: list[Any] = []
@@ -249,7 +238,7 @@ class Fetcher:
         return out, rest, logs
 
     def _load_scripts(self) -> None:
-        for script in (self._script, self._log_since):
+        for script in (self._script, self.log_since):
             self.store.r.script_load(script.source)
 
     def _plain_commands(self, m: Read) -> tuple[list[tuple[str, tuple[Any, ...]]], np.ndarray]:
@@ -287,8 +276,10 @@ class LogChecked:
     rows were drawn from, instead of per-row seq and alive checks.
 
     With ``exact`` set (a draw from columns held without a sync, :meth:`SamplingIndex.
-    hold`) the batch stands only when no log has an entry after those positions: the draw
-    is then one from the store as it is at the fetch, one round trip in all. Otherwise
+    hold`) the batch stands only when no log has an entry after those positions (each
+    log's newest entry is the index's last: entries are only ever trimmed from the head,
+    never deleted): the draw is then one from the store as it is at the fetch, one round
+    trip in all. Otherwise
     (the columns were synced in this call) it stands unless an entry touched one of the
     checked rows, as the seq and alive checks decided. ``quiet`` tells whether the last
     fetch found the logs without new entries (the caller then tries ``exact`` next).
@@ -309,13 +300,24 @@ class LogChecked:
         lookups: Sequence[Lookup] = (),
     ) -> tuple[list[Any], list[Any]] | None:
         ix = self.index
-        page = 1 if self.exact else LOG_PAGE  # exact: any entry at all refuses the batch
+        logs = [self.index.store.keys.shard_key(s, "log") for s in range(ix.n_shards)]
+        if self.exact:  # the newest entry of each log: the index's own, or the batch is redrawn
+            tail = [["XREVRANGE", key, "+", "-", "COUNT", 1] for key in logs]
+        else:
+            sha, args = self.fetcher.log_since.sha, zip(logs, ix.log_last, ix.log_seen, strict=True)
+            tail = [["EVALSHA", sha, 1, key, last, seen, LOG_PAGE] for key, last, seen in args]
         mirrored = [r.kind == "f" and r.base in ix.columns for r in reads]
         rest = [r for r, m in zip(reads, mirrored, strict=True) if not m]
-        got, replies, logs = self.fetcher.since(rest, lookups, ix.log_last, ix.log_seen, page)
-        self.quiet = all(not int(lost) and not entries for lost, entries in logs)
-        if not (self.quiet or (not self.exact and self._untouched(check, logs))):
-            return None
+        got, replies, tails = self.fetcher.since(rest, lookups, tail)
+        if self.exact:
+            newest = [reply[0][0].decode() if reply else "0-0" for reply in tails]
+            self.quiet = newest == ix.log_last
+            if not self.quiet:
+                return None
+        else:
+            self.quiet = all(not int(lost) and not entries for lost, entries in tails)
+            if not (self.quiet or self._untouched(check, tails)):
+                return None
         read = iter(got)
         out = [
             _placed(r, ix.columns[r.base][r.rows].view(np.uint8).reshape(-1, r.size))
