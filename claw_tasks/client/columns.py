@@ -131,7 +131,7 @@ class StepColumns:
                 a = np.asarray(a)
             shape, dtype = self._specs[name]
             if a.shape != shape or a.dtype != dtype:
-                check_fields(self.schema, {name: a}, where)
+                check_fields(self.schema, {name: a}, where, label=name)
             arrays.append(a)
         if next_obs is not None:
             if not isinstance(next_obs, np.ndarray):
@@ -139,11 +139,11 @@ class StepColumns:
             if (next_obs.shape, next_obs.dtype) != self._obs_spec:
                 check_fields(self.schema, {"obs": next_obs}, where, label="next_obs")
         r = float(reward)
-        if not math.isfinite(np.float32(r)):
+        if not _finite32(r):
             raise SchemaError(f"{where}: reward is {r} (must be finite as float32)")
         if priority is not None:
             priority = float(priority)
-            if not (math.isfinite(np.float32(priority)) and priority >= 0):
+            if not (_finite32(priority) and priority >= 0):
                 raise SchemaError(f"{where}: priority is {priority} (must be finite and >= 0)")
         if step_index.__class__ is not int or not 0 <= step_index < 1 << 31:
             check_int32(step_index, f"{where}: step_index")
@@ -208,3 +208,11 @@ class StepColumns:
         self._new()
         self.first_at = 0.0
         return batch
+
+
+def _finite32(x: float) -> bool:
+    """Finite once stored as float32 (what the store refuses otherwise)."""
+    if abs(x) < 3.4e38:  # the common case, without a numpy scalar
+        return True
+    with np.errstate(over="ignore"):
+        return math.isfinite(x) and bool(np.isfinite(np.float32(x)))
