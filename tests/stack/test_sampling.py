@@ -320,8 +320,8 @@ def _calls(store: Store) -> dict[str, int]:
 def test_a_quiet_store_is_sampled_in_one_round_trip_and_changes_are_seen(store):
     """Nothing committed since the last batch: the next one is drawn from the index as it
     is and proved current by the change logs' newest entries, read after it, with no sync
-    of its own and no payload read (obs and action are mirrored). A commit or a priority update made before
-    a call is in the batch that call returns."""
+    of its own and no payload read (obs and action are mirrored). A commit or a priority
+    update made before a call is in the batch that call returns."""
     store.commit(batch(interleave(*(episode(e, 10, "terminated", task_id="a") for e in range(4)))))
     r = recipe([{"name": "u", "where": {"task_id": "a"}}], ["obs", "action", "next_obs"], 64)
     sample(store, r)
@@ -380,7 +380,7 @@ def test_mirrored_fields_are_the_stored_payloads(store):
     plain.sync()
     assert "f:obs" in mirrored.columns and "f:action" in mirrored.columns
     assert not any(c.startswith("f:") for c in plain.columns)
-    for round_ in range(2):
+    for _ in range(2):
         for i, r in enumerate(recipes):
             a = sample(store, r, rng=np.random.default_rng(i), index=mirrored)
             b = sample(store, r, rng=np.random.default_rng(i), index=plain)
