@@ -5,9 +5,12 @@ Each process keeps one session per namespace: its
 :class:`~orchestrator.sampling.samplers.RecipeSampler` per recipe (replaced when the recipe
 changes in more than ``version`` and ``params``) and the string caches. A call syncs the
 index from the change logs, refreshes the samplers with the changed rows, draws the rows,
-and reads their payloads with one pipelined round trip (:mod:`orchestrator.sampling.fetch`).
-A drawn row whose slot was reused between the sync and the read makes the batch be drawn
-again: a batch never holds a step that is gone.
+and reads their payloads with one pipelined round trip (:mod:`orchestrator.sampling.fetch`),
+checked by the change-log entries read after them: a drawn row whose slot was reused
+since the sync makes the batch be drawn again, and a batch never holds a step that is
+gone. When the last fetch found the logs quiet, the call skips the sync: it draws from
+the index as it is, and the fetch's log read (each log's newest entry) proves the index
+current, one round trip in all; any new entry means a sync and a new draw.
 
 Batch fields, in the recipe's order:
 
