@@ -254,11 +254,13 @@ class _Session:
         self.strings = Strings(self.store, index)
         self.fetch = LogChecked(Fetcher(self.store, index.cap), index)
         self.bound: dict[str, _Bound] = {}
+        self._live: tuple[np.ndarray, int] | None = None  # an alive column and its count
         index.subscribe(self._changed)
 
     def _changed(self, rows: np.ndarray | None) -> None:
         self.strings.observe(rows)
         if rows is None or len(rows):
+            self._live = None
             for b in self.bound.values():
                 b.sampler.refresh(b.columns(self.index.columns, rows), rows)
 
@@ -351,12 +353,18 @@ class _Session:
             batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
         if batch is None:
             return None
-        b.hits = (tuple(s.n for s in b.sampler.sources), int(np.count_nonzero(columns["alive"])))
+        b.hits = (tuple(s.n for s in b.sampler.sources), self._count_live(columns["alive"]))
         if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
             batch = _within_budget(batch, recipe)
         if once and not self._claim(key, batch.groups):  # type: ignore[arg-type]
             return None
         return batch
+
+    def _count_live(self, alive: np.ndarray) -> int:
+        """Live steps in ``alive`` (counted again only after a sync changed rows)."""
+        if self._live is None or self._live[0] is not alive:
+            self._live = (alive, int(np.count_nonzero(alive)))
+        return self._live[1]
 
     def _claim(self, key: str, groups: Groups) -> bool:
         if not _CLAIM(self.store.r, [key], [groups.pass_no, *groups.ids]):
