@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -166,7 +165,7 @@ class Ingestor(Sender):
         self._sending = 0  # batches taken from the buffer (or the unsent list) not yet sent
         self._closed = threading.Event()
         self._episodes = 0
-        self._writers: weakref.WeakSet[StepColumns] = weakref.WeakSet()
+        self._writers: list[StepColumns] = []  # flushed with the Ingestor, as long as it lives
         self._queue: deque[StepBatch] = deque()  # full columns for the sending thread
         self._queued = threading.Condition(self._lock)
         self._sender: threading.Thread | None = None
@@ -221,7 +220,9 @@ class Ingestor(Sender):
         inferred; fixed-shape fields), ``flush_steps`` rows a batch, with these metadata
         and tags on every step: :meth:`StepColumns.append` copies a step into its columns,
         and full batches are encoded and published by this Ingestor's sending thread (a
-        failed send is kept and retried; :meth:`flush` raises if it still fails)."""
+        failed send is kept and retried; :meth:`flush` raises if it still fails). The
+        Ingestor keeps every writer it made: its rows go out with the Ingestor's flushes
+        and ``close``, whether or not the caller still holds it."""
         if self.schema is None:
             raise SchemaError(
                 "Ingestor.columns needs the namespace's schema: pass schema= (or add a "
@@ -238,7 +239,8 @@ class Ingestor(Sender):
             "policy_version": policy_version,
         }
         writer = StepColumns(self.schema, self.flush_steps, self._submit, meta, tags)
-        self._writers.add(writer)
+        with self._lock:
+            self._writers.append(writer)
         return writer
 
     def _submit(self, batch: StepBatch) -> None:
