@@ -221,6 +221,15 @@ VARIABLES: tuple[Variable, ...] = (
         "`0`: each builds its own (docs/architecture.md, Sampling index)",
     ),
     Variable(
+        "CLAW_READAHEAD",
+        "readahead",
+        _count,
+        0,
+        "batches of each recipe a `BatchClient` keeps popped and decoded in the trainer's "
+        "process, so `pop` is a local dequeue (`0`: none; the replay-buffer adapters size "
+        "their own)",
+    ),
+    Variable(
         "CLAW_INDEX_PAYLOAD_BYTES",
         "index_payload_bytes",
         _count,
@@ -478,6 +487,7 @@ class Settings:
     plan_cache_size: int
     lineage_maxlen: int
     shared_index: bool
+    readahead: int
     index_payload_bytes: int
     compress_at: str
     codec_threads: int
