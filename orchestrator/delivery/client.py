@@ -14,7 +14,7 @@ import numpy as np
 from claw_tasks.broker.app import client_app
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
-from orchestrator.delivery import ratelimit, rollouts, shm
+from orchestrator.delivery import admission, ratelimit, rollouts, shm
 from orchestrator.delivery.lineage import LineageLog, record
 from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.registry import Entry, Registry
@@ -78,6 +78,7 @@ class BatchClient:
             recipe.validate_against(schema)
         if recipe.as_of is not None:
             self.store.snapshot_info(recipe.as_of)  # SnapshotError naming the ones there are
+        admission.check_owner(self.store, recipe)
 
         def change(old: Entry | None) -> Recipe | None:
             return None if old is not None and _same(old.recipe, recipe) else recipe
@@ -95,7 +96,9 @@ class BatchClient:
         """Change live params (e.g. curriculum thresholds): the next batches use them.
 
         The recipe gets the next ``version``; queued batches of older versions are dropped
-        (here and by every pop); augmentation statistics and samplers are kept."""
+        (here and by every pop); augmentation statistics and samplers are kept. A recipe
+        with ``admission`` declares its new policy version to the gateways here
+        (``set_params(name, policy_version=v)`` after each update)."""
 
         def change(old: Entry | None) -> Recipe:
             if old is None:
@@ -121,6 +124,7 @@ class BatchClient:
     def unregister(self, name: str) -> None:
         for item in self.registry.remove(name):
             shm.discard(item)
+        admission.clear(self.store, name)
         self._recipes.pop(name, None)
 
     def _installed(self, recipe: Recipe, reset: bool) -> None:
@@ -130,6 +134,10 @@ class BatchClient:
             shm.discard(item)
         if reset:
             self.store.r.delete(self.registry.counters(recipe.name))
+        if recipe.admission is not None:
+            admission.declare(self.store, recipe, fresh=reset)
+        else:
+            admission.clear(self.store, recipe.name)  # a new version without the section
         self._recipes[recipe.name] = recipe
         self.request_fill(recipe.name, force=True)
 
@@ -334,7 +342,10 @@ class BatchClient:
         """Per recipe: queue depth and bound, batches produced and popped, rows sampled,
         steps inserted, the rate limiter's verdict and the last prefetch state; a rollout
         recipe's ``rollout``: rollouts formed, the policy version served, its minibatches
-        pushed of all, steps dropped stale and steps lost (docs/recipes.md, "On-policy")."""
+        pushed of all, steps dropped stale and steps lost (docs/recipes.md, "On-policy");
+        an ``admission`` recipe's ``admission``: the budget and its counters
+        (:func:`orchestrator.delivery.admission.state`) and ``served_staleness`` (batches,
+        mean and max staleness in versions; docs/llm.md, "Admission")."""
         self.flush_lineage()
         names = [name] if name is not None else self.registry.names()
         inserted = self.registry.inserted() if self.store.exists() else 0
@@ -361,6 +372,12 @@ class BatchClient:
             }
             if rec.rollout is not None:
                 out[n]["rollout"] = rollouts.read_state(self.registry, n).describe()
+            if rec.admission is not None:
+                budget = admission.state(self.store)
+                out[n]["admission"] = {
+                    **(budget or {}),
+                    "served_staleness": admission.served_staleness(c),
+                }
         return out
 
     def close(self) -> None:
