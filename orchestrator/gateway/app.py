@@ -62,6 +62,7 @@ CALL_ID_HEADER = "x-claw-call-id"
 """The reply header naming the call (its interaction id, for rewards by call)."""
 TRAJECTORY_HEADER = "x-claw-trajectory"
 MAX_SESSION_BODY = 4096
+_RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete")
 TAG_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
 MAX_TAGS = 8
 NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
@@ -506,18 +507,20 @@ class Gateway:
             # Past the bound the stream is relayed on and nothing more is kept.
             buf: bytearray | None = bytearray()
             tail = b""  # the stream's last bytes, to see a final [DONE]
-            done = False
+            done = ended = False  # ended: a Responses stream's final event went by
             try:
                 async for chunk in resp.chunks():
                     if buf is not None:
                         buf += chunk
                         if len(buf) > limit:
                             buf = None
+                    if kind == RESPONSES and not ended:
+                        ended = any(e in tail + chunk for e in _RESPONSE_ENDS)
                     tail = (tail + chunk)[-64:]
                     yield chunk
                 done = True
             finally:
-                complete = done or tail.rstrip().endswith(b"data: [DONE]")
+                complete = done or ended or tail.rstrip().endswith(b"data: [DONE]")
                 if complete and buf is not None:
                     self.recorder.submit(call(bytes(buf), True))
                 elif complete:
