@@ -7,6 +7,7 @@ docs/llm.md is the reference (routes, auth, limits, the reward rule)."""
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 import re
 import secrets
@@ -18,6 +19,7 @@ from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -52,6 +54,8 @@ from orchestrator.gateway.recorder import (
     choice_trajectories,
 )
 from orchestrator.gateway.upstream import Reply, Upstream, UpstreamError
+
+log = logging.getLogger(__name__)
 
 UID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
 """Trajectory and group ids agents choose."""
@@ -446,11 +450,18 @@ class Gateway:
             except _Refused:
                 self.recorder.refund(trajectories)
                 raise
-            except Exception as e:  # Redis down: the call is not forwarded unchecked
-                self.recorder.refund(trajectories)
-                raise _Refused(
-                    error(503, f"admission check failed: {type(e).__name__}", "store_unavailable")
-                ) from None
+            except (RedisError, OSError, TimeoutError) as e:
+                # The store does not answer. A session key cannot be checked: refused. A
+                # shared-token call goes on unadmitted (counted): its turns wait in the
+                # recorder like every turn then, and what is served is still bounded by
+                # the recipe's where; its next call asks the budget again.
+                if principal.session is not None:
+                    self.recorder.refund(trajectories)
+                    raise _Refused(
+                        error(503, f"session check failed: {type(e).__name__}", "store_unavailable")
+                    ) from None
+                log.warning("admission unchecked (the store does not answer): %s", e)
+                self.metrics.unchecked.inc()
         except _Refused as r:
             self.metrics.requests.labels(kind, r.response.status_code).inc()
             return r.response

@@ -33,6 +33,8 @@ the key, so a check reads that trajectory's hash and nothing else."""
 KEY_RECHECK_S = 60.0
 """How long this process trusts a session key it checked (a key outlives its trajectory's
 state by at most this)."""
+STORE_TIMEOUT_S = 2.0
+"""A check the store does not answer within this fails (the app decides what follows)."""
 _POLL_S = (0.005, 0.1)  # waiting for the budget: first and longest pause between looks
 
 
@@ -87,6 +89,7 @@ class Gate:
         enabled: bool = True,
         wait: float = 10.0,
         ttl: int = 7 * 86400,
+        store_timeout: float = STORE_TIMEOUT_S,
         max_entries: int = 100_000,
     ) -> None:
         self.store = store
@@ -95,7 +98,11 @@ class Gate:
         self.wait = wait
         self.ttl = ttl
         self.who = f"{socket.gethostname()}:{os.getpid()}"
-        self.r = async_redis_client(redis_url)
+        # Bounded: a store that does not answer must not hold calls (the app decides what
+        # a call does then).
+        self.r = async_redis_client(
+            redis_url, socket_timeout=store_timeout, socket_connect_timeout=store_timeout
+        )
         self._admitted: LRU[str, bool] = LRU(max_entries)
         self._keys: LRU[str, tuple[float, SessionInfo]] = LRU(max_entries)
         self._fixed = [admission.admission_key(store), admission.log_key(store)]

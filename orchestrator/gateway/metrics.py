@@ -77,6 +77,12 @@ class GatewayMetrics:
             "Trajectories running or accepted against the budget, as last seen",
             registry=r,
         )
+        self.unchecked = Counter(
+            "claw_gateway_admission_unchecked_calls",
+            "Shared-token calls forwarded without an admission check: the store did not "
+            "answer within 2 s",
+            registry=r,
+        )
         self.sessions = Counter(
             "claw_gateway_sessions", "Sessions created (POST /sessions)", registry=r
         )

@@ -468,7 +468,8 @@ class Upstream:
         return StreamingResponse(events(), media_type="text/event-stream", headers=self.headers())
 
     async def set_version(self, request: Request) -> Response:
-        self.version = int((await request.json())["version"])
+        v = (await request.json())["version"]
+        self.version = None if v is None else int(v)
         return JSONResponse({"version": self.version})
 
     async def get_log(self, request: Request) -> Response:
