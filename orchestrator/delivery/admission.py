@@ -172,6 +172,21 @@ def served_staleness(counts: Mapping[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def give_back(store: Store, slots: int, why: str, who: str = "") -> int:
+    """Give back the slots of trajectories accepted and then never served (the batches a
+    recipe change dropped): they are no longer counted as running or accepted."""
+    if slots <= 0:
+        return 0
+    keys = [admission_key(store), log_key(store), admission_key(store), admission_key(store)]
+    return int(SCRIPT(store.r, keys, ["give", slots, who, LOG_ENTRIES, why]))
+
+
+def trajectories_in(batch: Any) -> int:
+    """The trajectories a popped group batch holds (0 for other batches)."""
+    t = getattr(batch, "fields", {}).get("trajectory_index")
+    return 0 if t is None else len(np.unique(np.asarray(t)))
+
+
 def release_stale(
     store: Store, trajectory_uid: str, group: str, vmin: int | None, who: str = ""
 ) -> int:

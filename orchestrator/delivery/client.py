@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -130,8 +131,7 @@ class BatchClient:
     def _installed(self, recipe: Recipe, reset: bool) -> None:
         """After a new version: drop the queued batches (older versions), reset the
         counters unless only live params changed, and ask for a fill."""
-        for item in self.registry.drain(recipe.name):
-            shm.discard(item)
+        self._drop(recipe, self.registry.drain(recipe.name))
         if reset:
             self.store.r.delete(self.registry.counters(recipe.name))
         if recipe.admission is not None:
@@ -140,6 +140,18 @@ class BatchClient:
             admission.clear(self.store, recipe.name)  # a new version without the section
         self._recipes[recipe.name] = recipe
         self.request_fill(recipe.name, force=True)
+
+    def _drop(self, recipe: Recipe, items: list[bytes]) -> None:
+        """Discard queued batches; an admission recipe gives back their trajectories'
+        slots (accepted, never to be served)."""
+        slots = 0
+        for item in items:
+            if recipe.admission is not None:
+                with contextlib.suppress(Exception):  # unreadable: nothing to count
+                    slots += admission.trajectories_in(shm.from_message(item))
+            shm.discard(item)
+        if slots:
+            admission.give_back(self.store, slots, f"{recipe.name}: batches dropped")
 
     def _entry(self, name: str) -> Entry:
         entry = self.registry.get(name)
@@ -195,8 +207,11 @@ class BatchClient:
                 continue
             if batch.recipe_version != recipe.version:  # changed here or by another client
                 recipe = self._recipes[name] = self._entry(name).recipe
-                if batch.recipe_version < recipe.version:
-                    continue  # stale (its segment, if any, is unlinked already): drop it
+                if batch.recipe_version < recipe.version:  # stale: drop it (its segment,
+                    if recipe.admission is not None:  # if any, is unlinked already)
+                        n = admission.trajectories_in(batch)
+                        admission.give_back(self.store, n, f"{name}: a stale batch dropped")
+                    continue
             self._popped[name] = self._popped.get(name, 0) + 1  # reported with the next pop
             if policy_version is not None:
                 self.trained(name, batch, policy_version)

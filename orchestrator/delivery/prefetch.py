@@ -236,6 +236,9 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
             if pushed == "full":
                 break
             if isinstance(pushed, str):  # stale or unregistered: the new fill reports state
+                if pushed == "stale" and recipe.admission is not None and batch.groups:
+                    taken = len(np.unique(batch.groups.trajectory))  # claimed, never served
+                    admission.give_back(reg.store, taken, f"{recipe.name}: a stale batch")
                 return {"made": made, "state": f"stopped: recipe {pushed}"}
             length, made, sampled, state = pushed, made + 1, sampled + rows, "ok"
     except NamespaceError as e:

@@ -37,6 +37,8 @@
 --            -2 the session key does not match, -3 the call names another group than the
 --            session's (a session's calls default to its group); budget -1 when none is
 --            declared. Without trajectory ids, only the key is checked.
+--   give     ARGV: slots, who, maxlog, why. Gives back slots of trajectories accepted and
+--            then never served (batches dropped when the recipe changed). Returns them.
 --   finish   ARGV: vmin ('' none known), who, maxlog, trajectory id. A trajectory whose
 --            oldest turn is older than v - s will never be served: its reservation (its
 --            group's, once) is released. Returns the slots released.
@@ -66,6 +68,16 @@ local budget, admitted = -1, num(A, 'admitted') or 0
 local batch = num(A, 'batch')
 local version, s = num(A, 'version'), num(A, 'staleness')
 if batch then budget = (s + version + 1) * batch end
+
+if op == 'give' then
+  local slots = math.min(tonumber(ARGV[2]), admitted)
+  if batch == nil or slots <= 0 then return 0 end
+  redis.call('HSET', A, 'admitted', admitted - slots)
+  redis.call('HINCRBY', A, 'released', slots)
+  redis.call('XADD', LOG, 'MAXLEN', '~', ARGV[4], '*', 'op', 'release', 't', ARGV[5],
+    'slots', slots, 'admitted', admitted - slots, 'budget', budget, 'v', version, 'w', ARGV[3])
+  return slots
+end
 
 if op == 'finish' then
   local T = KEYS[4]
