@@ -4,8 +4,10 @@ admitted against (``orchestrator/lua/admission.lua``; the trainer declares it,
 :mod:`orchestrator.delivery.admission`). Both are one script call, made only for what this
 process has not seen yet: a trajectory it admitted and a key it checked in the last
 ``KEY_RECHECK_S`` seconds pass without a round trip, so the calls after a trajectory's
-first cost nothing here. A new trajectory over the budget waits (polling, up to ``wait``
-seconds), then is refused: the app answers 429 with ``Retry-After``."""
+first cost nothing here. A new trajectory over the budget waits up to ``wait`` seconds,
+looking again whenever the script announces a larger budget (a pub/sub channel: the
+trainer declared a new version, slots were given back) and at least every
+``_POLL_S[1]``; then it is refused: the app answers 429 with ``Retry-After``."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ KEY_RECHECK_S = 60.0
 state by at most this)."""
 STORE_TIMEOUT_S = 2.0
 """A check the store does not answer within this fails (the app decides what follows)."""
-_POLL_S = (0.005, 0.1)  # waiting for the budget: first and longest pause between looks
+_POLL_S = (0.05, 1.0)  # waiting for the budget: first and longest pause between looks
 
 
 def key_hash(key: str) -> str:
@@ -106,9 +108,42 @@ class Gate:
         self._admitted: LRU[str, bool] = LRU(max_entries)
         self._keys: LRU[str, tuple[float, SessionInfo]] = LRU(max_entries)
         self._fixed = [admission.admission_key(store), admission.log_key(store)]
+        self._url = redis_url
+        self._wake: asyncio.Event | None = None  # set (and replaced) when the budget grows
+        self._listener: asyncio.Task[None] | None = None
 
     async def aclose(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
         await self.r.aclose()
+
+    def _wakeup(self) -> asyncio.Event:
+        """The event the next budget announcement sets (listening starts with the first
+        call that waits)."""
+        if self._listener is None:
+            self._wake = asyncio.Event()
+            self._listener = asyncio.create_task(self._listen())
+        assert self._wake is not None
+        return self._wake
+
+    async def _listen(self) -> None:
+        channel = admission.admission_key(self.store) + ":wake"
+        while True:
+            sub = async_redis_client(self._url)  # no read timeout: it waits for messages
+            try:
+                async with sub.pubsub() as ps:
+                    await ps.subscribe(channel)
+                    async for message in ps.listen():
+                        if message.get("type") == "message":
+                            wake, self._wake = self._wake, asyncio.Event()
+                            if wake is not None:
+                                wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the store went away: waiters poll; listen again soon
+                await asyncio.sleep(1.0)
+            finally:
+                await sub.aclose()
 
     async def script(self, lua: Lua, keys: list[str], args: list[Any]) -> Any:
         """Run a script by its sha on the event loop's client (loaded on NOSCRIPT)."""
@@ -149,7 +184,7 @@ class Gate:
         deadline = time.monotonic() + self.wait
         pause, first = _POLL_S[0], True
         while True:
-            last = time.monotonic() + pause > deadline
+            last = time.monotonic() >= deadline
             verdict = await self._run(principal, group or "", new, first=first, last=last)
             if verdict.status != "refused":
                 if verdict.status == "ok" and first is False:
@@ -161,7 +196,13 @@ class Gate:
                 self.metrics.refused.inc()
                 return Verdict("refused", verdict.session, True, verdict.budget)
             first = False
-            await asyncio.sleep(pause * (0.5 + random.random()))
+            wake = self._wakeup()
+            left = deadline - time.monotonic()
+            try:  # jittered: waiters woken together do not all ask at once
+                await asyncio.wait_for(wake.wait(), max(0.0, min(pause, left)))
+                await asyncio.sleep(0.01 * random.random())
+            except TimeoutError:
+                pass
             pause = min(pause * 2, _POLL_S[1])
 
     async def _run(

@@ -10,6 +10,8 @@
 --           total, waited, refused, released   counters (calls that waited, calls that got
 --                          429, slots given back)
 -- KEYS[2] the admission log (a stream capped near ARGV's maxlog entries)
+-- Channel KEYS[1] .. ':wake': published when the budget grows (declare, give, finish), so
+-- gateways holding calls over the budget look again at once.
 -- KEYS[3] the group's reservation hash (`claw:{ns}:gwres:<group>`; unused without a group):
 --           round, left    the current reservation's number and slots left in it
 --           size:<r>, rel:<r>   the slots reservation r took, and 1 once they were released
@@ -44,6 +46,7 @@
 --            group's, once) is released. Returns the slots released.
 local A, LOG, RES = KEYS[1], KEYS[2], KEYS[3]
 local op = ARGV[1]
+local WAKE = A .. ':wake' -- a channel, not a key: waiting gateways look again when told
 
 local function num(key, field)
   return tonumber(redis.call('HGET', key, field) or '')
@@ -61,6 +64,7 @@ if op == 'declare' then
   if ARGV[8] == '1' or v0 == nil or version < v0 then
     redis.call('HSET', A, 'admitted', version * batch)
   end
+  redis.call('PUBLISH', WAKE, version)
   return 1
 end
 
@@ -76,6 +80,7 @@ if op == 'give' then
   redis.call('HINCRBY', A, 'released', slots)
   redis.call('XADD', LOG, 'MAXLEN', '~', ARGV[4], '*', 'op', 'release', 't', ARGV[5],
     'slots', slots, 'admitted', admitted - slots, 'budget', budget, 'v', version, 'w', ARGV[3])
+  redis.call('PUBLISH', WAKE, version)
   return slots
 end
 
@@ -100,6 +105,7 @@ if op == 'finish' then
     redis.call('XADD', LOG, 'MAXLEN', '~', ARGV[4], '*', 'op', 'release', 't', ARGV[5],
       'slots', slots, 'admitted', left, 'budget', budget, 'v', version, 'vmin', vmin,
       'w', ARGV[3])
+    redis.call('PUBLISH', WAKE, version)
   end
   return slots
 end
