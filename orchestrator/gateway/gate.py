@@ -106,7 +106,7 @@ class Gate:
             redis_url, socket_timeout=store_timeout, socket_connect_timeout=store_timeout
         )
         self._admitted: LRU[str, bool] = LRU(max_entries)
-        self._keys: LRU[str, tuple[float, SessionInfo]] = LRU(max_entries)
+        self._keys: LRU[tuple[str | None, str], tuple[float, SessionInfo]] = LRU(max_entries)
         self._fixed = [admission.admission_key(store), admission.log_key(store)]
         self._url = redis_url
         self._wake: asyncio.Event | None = None  # set (and replaced) when the budget grows
@@ -154,7 +154,7 @@ class Gate:
             return await self.r.evalsha(lua.sha, len(keys), *keys, *args)
 
     def _known_key(self, principal: Principal) -> SessionInfo | None:
-        got = self._keys.find(principal.keyhash)
+        got = self._keys.find((principal.session, principal.keyhash))
         if got is None or time.monotonic() - got[0] > KEY_RECHECK_S:
             return None
         return got[1]
@@ -240,7 +240,7 @@ class Gate:
         if principal.session is not None and status != -2:
             sgroup = reply[3].decode() if isinstance(reply[3], bytes) else str(reply[3])
             info = SessionInfo(sgroup or None, bool(int(reply[4])))
-            self._keys.put(principal.keyhash, (time.monotonic(), info))
+            self._keys.put((principal.session, principal.keyhash), (time.monotonic(), info))
         if status == -2:
             return Verdict("bad_key", None, budget=budget)
         if status == -3:
