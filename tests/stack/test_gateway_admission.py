@@ -19,9 +19,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from typer.testing import CliRunner
 
 from claw_tasks.store import Store
 from orchestrator import BatchClient
+from orchestrator.cli.main import app
 from orchestrator.delivery import admission
 from tests.stack.test_gateway import REWARD_TOKEN, TOKEN, Proc, free_port, train_tokenizer
 
@@ -213,6 +215,12 @@ def test_admission_bounds_staleness_across_two_gateways(setup, staleness):
         ss = st["served_staleness"]
         worst = max(int(s.max()) for s in served)
         assert ss["batches"] >= UPDATES and ss["max"] <= staleness and worst <= staleness
+        shown = CliRunner().invoke(
+            app, ["--redis-url", setup["url"], "recipes", setup["namespace"]]
+        )
+        assert shown.exit_code == 0, shown.output
+        assert f"max_staleness {staleness}" in shown.output
+        assert f"max {ss['max']} versions" in shown.output
     finally:
         stop.set()
         for a in agents:
