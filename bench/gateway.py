@@ -11,6 +11,12 @@ latency is the difference of the medians (and of the 99th percentiles). The gate
 time per call (from /proc, recording included) does not depend on the machine's load. Throughput:
 ``--threads`` clients send ``--load-calls`` calls through the gateway; recorded turns/s
 is counted from the first call until the store holds them all (committed by the worker).
+
+With admission and sessions on (a trainer's recipe declares a staleness budget, here one
+no call reaches): ``--calls`` more pairs each for (1) one session's trajectory called with
+its key (the key checked once, then trusted), (2) every call a new trajectory with the
+shared token (each call's admission: one script round trip), (3) every call a new
+session's first call (the key check and the admission: one script round trip).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -34,6 +41,7 @@ from claw_tasks.store import Store
 from tests.stack.test_gateway import TOKEN, TOOLS, Proc, free_port, train_tokenizer
 from tests.support.processes import Worker
 
+ADMIN = "bench-admin-token"
 BODY = {
     "model": "sim",
     "messages": [
@@ -50,16 +58,59 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def latency(client: httpx.Client, direct: str, gateway: str, n: int) -> dict[str, np.ndarray]:
+def latency(
+    client: httpx.Client,
+    direct: str,
+    gateway: str | Callable[[int], str],
+    n: int,
+    key: str | Callable[[int], str] = TOKEN,
+) -> dict[str, np.ndarray]:
+    """``n`` pairs of the call, direct and through the gateway, alternating which goes
+    first; ``gateway`` and ``key`` may depend on the call's number."""
     out: dict[str, list[float]] = {"direct": [], "gateway": []}
-    auth = {"Authorization": f"Bearer {TOKEN}"}
     for i in range(n):
-        for name, url in (("direct", direct), ("gateway", gateway))[:: 1 if i % 2 else -1]:
+        gw_url = gateway(i) if callable(gateway) else gateway
+        auth = {"Authorization": f"Bearer {key(i) if callable(key) else key}"}
+        for name, url in (("direct", direct), ("gateway", gw_url))[:: 1 if i % 2 else -1]:
             t0 = time.perf_counter()
             r = client.post(url, json=BODY, headers=auth if name == "gateway" else None)
             out[name].append(time.perf_counter() - t0)
             assert r.status_code == 200, r.text
     return {k: np.array(v) * 1e3 for k, v in out.items()}
+
+
+def added(lat: dict[str, np.ndarray]) -> str:
+    d, g = lat["direct"], lat["gateway"]
+    return (
+        f"direct p50 {np.median(d):.2f} p99 {np.percentile(d, 99):.2f}; gateway p50 "
+        f"{np.median(g):.2f} p99 {np.percentile(g, 99):.2f}; added p50 "
+        f"{np.median(g) - np.median(d):.2f} p99 {np.percentile(g, 99) - np.percentile(d, 99):.2f}"
+    )
+
+
+def declare_budget(redis_url: str, namespace: str) -> None:
+    """A trainer's recipe with admission, its budget out of reach (every call admitted,
+    every first call checked)."""
+    from orchestrator import BatchClient
+
+    recipe = {
+        "name": "bench-admission",
+        "batch_size": 64,
+        "fields": ["response_ids"],
+        "params": {"policy_version": 0},
+        "admission": {"max_staleness": 10**9},
+        "sources": [{"name": "all", "sampler": {"kind": "group", "group_size": 8}}],
+    }
+    with BatchClient(namespace, redis_url) as client:
+        client.register(recipe)
+
+
+def sessions(gw: Proc, n: int) -> list[dict]:
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    with httpx.Client(timeout=60) as c:
+        made = [c.post(gw.url + "/sessions", json={"group": "q"}, headers=auth) for _ in range(n)]
+    assert all(r.status_code == 201 for r in made), made[0].text
+    return [r.json() for r in made]
 
 
 def load(gw: Proc, store: Store, calls: int, threads: int) -> tuple[float, float, int]:
@@ -125,7 +176,7 @@ def main() -> None:
             ],
             gw_port,
             tmp / "gateway.log",
-            {"CLAW_GATEWAY_TOKEN": TOKEN},
+            {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_ADMIN_TOKEN": ADMIN},
         )
         try:
             store = Store(server.url, ns)
@@ -147,6 +198,31 @@ def main() -> None:
                     time.sleep(0.02)
                 cpu = (cpu_seconds(gw.proc.pid) - cpu0[0], cpu_seconds(upstream.proc.pid) - cpu0[1])
             elapsed, sent, n = load(gw, store, args.load_calls, args.threads)
+            declare_budget(server.url, ns)
+            one = sessions(gw, 1)[0]
+            fresh = sessions(gw, args.calls)
+            direct = upstream.url + "/v1/chat/completions"
+            runs = {
+                "one session's trajectory (key checked once)": (
+                    gw.url + one["base_path"] + "/chat/completions",
+                    one["key"],
+                ),
+                "a new trajectory per call, shared token (admission each call)": (
+                    lambda i: f"{gw.url}/t/new-{i}/g/q{i % 16}/v1/chat/completions",
+                    TOKEN,
+                ),
+                "a new session per call (key check + admission each call)": (
+                    lambda i: gw.url + fresh[i]["base_path"] + "/chat/completions",
+                    lambda i: fresh[i]["key"],
+                ),
+            }
+            modes, mode_cpu = {}, {}
+            with httpx.Client(timeout=60) as c:
+                for mode, (url, key) in runs.items():
+                    before = cpu_seconds(gw.proc.pid)
+                    modes[mode] = latency(c, direct, url, args.calls, key)
+                    mode_cpu[mode] = (cpu_seconds(gw.proc.pid) - before) / args.calls * 1e3
+            budget = store.r.hgetall(f"claw:{{{ns}}}:admission")
         finally:
             gw.stop()
             upstream.stop()
@@ -166,6 +242,13 @@ def main() -> None:
         f"CPU per call: gateway {cpu[0] / args.calls * 1e3:.2f} ms (forwarding and "
         f"recording), upstream {cpu[1] / (2 * args.calls) * 1e3:.2f} ms"
     )
+    for mode, got in modes.items():
+        print(
+            f"admission and sessions on, {mode}, over {args.calls} calls each (ms): "
+            f"{added(got)}; gateway CPU per call {mode_cpu[mode]:.2f} ms"
+        )
+    refused = int(budget.get(b"refused", 0))
+    print(f"admission counters: total {int(budget[b'total'])}, refused {refused}")
     print(
         f"load: {n} calls from {args.threads} threads answered in {sent:.2f} s "
         f"({n / sent:.0f} calls/s), all recorded after {elapsed:.2f} s: "
