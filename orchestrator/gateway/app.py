@@ -441,6 +441,8 @@ class Gateway:
                     )
                 )
             trajectories = choice_trajectories(traj, n)
+            if n > 1 and group is None and principal.session is None:
+                group = traj  # n samples of one prompt: one group, named by the call
             try:
                 self.recorder.admit(trajectories)
             except TrajectoryError as e:
