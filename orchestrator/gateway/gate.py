@@ -27,6 +27,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import admission
+from orchestrator.gateway import resp
 from orchestrator.gateway.metrics import GatewayMetrics
 
 SESSION_PREFIX = "cs~"
@@ -105,6 +106,7 @@ class Gate:
         self.r = async_redis_client(
             redis_url, socket_timeout=store_timeout, socket_connect_timeout=store_timeout
         )
+        self.fast = resp.connect(redis_url, store_timeout)  # the response path's, if it can
         self._admitted: LRU[str, bool] = LRU(max_entries)
         self._keys: LRU[tuple[str | None, str], tuple[float, SessionInfo]] = LRU(max_entries)
         self._fixed = [admission.admission_key(store), admission.log_key(store)]
@@ -115,6 +117,8 @@ class Gate:
     async def aclose(self) -> None:
         if self._listener is not None:
             self._listener.cancel()
+        if self.fast is not None:
+            await self.fast.aclose()
         await self.r.aclose()
 
     def _wakeup(self) -> asyncio.Event:
@@ -147,6 +151,14 @@ class Gate:
 
     async def script(self, lua: Lua, keys: list[str], args: list[Any]) -> Any:
         """Run a script by its sha on the event loop's client (loaded on NOSCRIPT)."""
+        if self.fast is not None:
+            try:
+                return await self.fast.call("EVALSHA", lua.sha, len(keys), *keys, *args)
+            except resp.RespError as e:
+                if not str(e).startswith("NOSCRIPT"):
+                    raise
+                await self.fast.call("SCRIPT", "LOAD", lua.source)
+                return await self.fast.call("EVALSHA", lua.sha, len(keys), *keys, *args)
         try:
             return await self.r.evalsha(lua.sha, len(keys), *keys, *args)
         except NoScriptError:
