@@ -16,7 +16,9 @@ With admission and sessions on (a trainer's recipe declares a staleness budget, 
 no call reaches): ``--calls`` more pairs each for (1) one session's trajectory called with
 its key (the key checked once, then trusted), (2) every call a new trajectory with the
 shared token (each call's admission: one script round trip), (3) every call a new
-session's first call (the key check and the admission: one script round trip).
+session's first call (the key check and the admission: one script round trip); and, to
+compare with (2), every call a new trajectory through a second gateway started with
+``--no-admission``. CPU per call is the gateway process's over the mode's calls.
 """
 
 from __future__ import annotations
@@ -157,8 +159,9 @@ def main() -> None:
             {},
         )
         ns = "bench-gw"
-        gw = Proc(
-            [
+
+        def gateway(port: int, namespace: str, *extra: str) -> Proc:
+            cmd = [
                 sys.executable,
                 "-m",
                 "orchestrator.cli.main",
@@ -168,16 +171,18 @@ def main() -> None:
                 "--upstream",
                 upstream.url,
                 "--namespace",
-                ns,
+                namespace,
                 "--port",
-                str(gw_port),
+                str(port),
                 "--max-turns",
                 "100000",
-            ],
-            gw_port,
-            tmp / "gateway.log",
-            {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_ADMIN_TOKEN": ADMIN},
-        )
+                *extra,
+            ]
+            env = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_ADMIN_TOKEN": ADMIN}
+            return Proc(cmd, port, tmp / f"gateway-{port}.log", env)
+
+        gw = gateway(gw_port, ns)
+        off = gateway(free_port(), ns + "-off", "--no-admission")
         try:
             store = Store(server.url, ns)
             with httpx.Client(timeout=60) as c:
@@ -203,6 +208,10 @@ def main() -> None:
             fresh = sessions(gw, args.calls)
             direct = upstream.url + "/v1/chat/completions"
             runs = {
+                "admission off (--no-admission), a new trajectory per call": (
+                    lambda i: f"{off.url}/t/off-{i}/g/q{i % 16}/v1/chat/completions",
+                    TOKEN,
+                ),
                 "one session's trajectory (key checked once)": (
                     gw.url + one["base_path"] + "/chat/completions",
                     one["key"],
@@ -219,11 +228,13 @@ def main() -> None:
             modes, mode_cpu = {}, {}
             with httpx.Client(timeout=60) as c:
                 for mode, (url, key) in runs.items():
-                    before = cpu_seconds(gw.proc.pid)
+                    pid = (off if mode.startswith("admission off") else gw).proc.pid
+                    before = cpu_seconds(pid)
                     modes[mode] = latency(c, direct, url, args.calls, key)
-                    mode_cpu[mode] = (cpu_seconds(gw.proc.pid) - before) / args.calls * 1e3
+                    mode_cpu[mode] = (cpu_seconds(pid) - before) / args.calls * 1e3
             budget = store.r.hgetall(f"claw:{{{ns}}}:admission")
         finally:
+            off.stop()
             gw.stop()
             upstream.stop()
             worker.stop()
@@ -244,7 +255,7 @@ def main() -> None:
     )
     for mode, got in modes.items():
         print(
-            f"admission and sessions on, {mode}, over {args.calls} calls each (ms): "
+            f"{mode}, over {args.calls} calls each (ms): "
             f"{added(got)}; gateway CPU per call {mode_cpu[mode]:.2f} ms"
         )
     refused = int(budget.get(b"refused", 0))
