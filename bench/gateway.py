@@ -107,6 +107,36 @@ def declare_budget(redis_url: str, namespace: str) -> None:
         client.register(recipe)
 
 
+def gate_cost(redis_url: str, namespace: str, n: int) -> dict[str, tuple[float, float]]:
+    """The gate's first-call check in this process, without HTTP: (wall, CPU) microseconds
+    per new trajectory, through the gateway's RESP client and through redis-py's asyncio
+    client (what a TLS or cluster URL uses)."""
+    import asyncio
+
+    from orchestrator.gateway.gate import Gate, Principal
+    from orchestrator.gateway.metrics import GatewayMetrics
+
+    async def run(fast: bool) -> tuple[float, float]:
+        gate = Gate(Store(redis_url, namespace), redis_url, GatewayMetrics())
+        if not fast:
+            gate.fast = None
+        tag = "fast" if fast else "redis-py"
+        for i in range(100):
+            await gate.enter(Principal(), (f"warm-{tag}-{i}",), "q")
+        c0, t0 = os.times(), time.perf_counter()
+        for i in range(n):
+            await gate.enter(Principal(), (f"gate-{tag}-{i}",), f"q{i % 16}")
+        c1 = os.times()
+        await gate.aclose()
+        cpu = (c1.user + c1.system) - (c0.user + c0.system)
+        return (time.perf_counter() - t0) / n * 1e6, cpu / n * 1e6
+
+    return {
+        "the gateway's RESP client": asyncio.run(run(True)),
+        "redis-py asyncio": asyncio.run(run(False)),
+    }
+
+
 def sessions(gw: Proc, n: int) -> list[dict]:
     auth = {"Authorization": f"Bearer {ADMIN}"}
     with httpx.Client(timeout=60) as c:
@@ -232,6 +262,7 @@ def main() -> None:
                     before = cpu_seconds(pid)
                     modes[mode] = latency(c, direct, url, args.calls, key)
                     mode_cpu[mode] = (cpu_seconds(pid) - before) / args.calls * 1e3
+            gate = gate_cost(server.url, ns, args.calls)
             budget = store.r.hgetall(f"claw:{{{ns}}}:admission")
         finally:
             off.stop()
@@ -257,6 +288,10 @@ def main() -> None:
         print(
             f"{mode}, over {args.calls} calls each (ms): "
             f"{added(got)}; gateway CPU per call {mode_cpu[mode]:.2f} ms"
+        )
+    for client_kind, (wall, cpu_us) in gate.items():
+        print(
+            f"gate check of a new trajectory, {client_kind}: {wall:.0f} us wall, {cpu_us:.0f} us CPU"
         )
     refused = int(budget.get(b"refused", 0))
     print(f"admission counters: total {int(budget[b'total'])}, refused {refused}")
