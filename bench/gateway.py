@@ -291,7 +291,8 @@ def main() -> None:
         )
     for client_kind, (wall, cpu_us) in gate.items():
         print(
-            f"gate check of a new trajectory, {client_kind}: {wall:.0f} us wall, {cpu_us:.0f} us CPU"
+            f"gate check of a new trajectory, {client_kind}: {wall:.0f} us wall, "
+            f"{cpu_us:.0f} us CPU"
         )
     refused = int(budget.get(b"refused", 0))
     print(f"admission counters: total {int(budget[b'total'])}, refused {refused}")
