@@ -18,7 +18,9 @@ its key (the key checked once, then trusted), (2) every call a new trajectory wi
 shared token (each call's admission: one script round trip), (3) every call a new
 session's first call (the key check and the admission: one script round trip); and, to
 compare with (2), every call a new trajectory through a second gateway started with
-``--no-admission``. CPU per call is the gateway process's over the mode's calls.
+``--no-admission``: each mode through a gateway process of its own, the four and the direct
+call interleaved, round by round, so that they see the same load. Then the gate's check
+alone, in this process.
 """
 
 from __future__ import annotations
@@ -76,6 +78,28 @@ def latency(
         for name, url in (("direct", direct), ("gateway", gw_url))[:: 1 if i % 2 else -1]:
             t0 = time.perf_counter()
             r = client.post(url, json=BODY, headers=auth if name == "gateway" else None)
+            out[name].append(time.perf_counter() - t0)
+            assert r.status_code == 200, r.text
+    return {k: np.array(v) * 1e3 for k, v in out.items()}
+
+
+def interleaved(
+    client: httpx.Client,
+    targets: dict[str, tuple[Callable[[int], str], Callable[[int], str | None]]],
+    n: int,
+) -> dict[str, np.ndarray]:
+    """``n`` rounds of one call to each target (url, key of the round), the order rotated
+    each round, so that every target sees the same load; latencies in ms."""
+    names = list(targets)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for i in range(n):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            url, key = targets[name]
+            token = key(i)
+            headers = {"Authorization": f"Bearer {token}"} if token else None
+            t0 = time.perf_counter()
+            r = client.post(url(i), json=BODY, headers=headers)
             out[name].append(time.perf_counter() - t0)
             assert r.status_code == 200, r.text
     return {k: np.array(v) * 1e3 for k, v in out.items()}
@@ -213,6 +237,10 @@ def main() -> None:
 
         gw = gateway(gw_port, ns)
         off = gateway(free_port(), ns + "-off", "--no-admission")
+        off2 = gateway(free_port(), ns + "-off2", "--no-admission")  # the noise between two
+        # one process per interleaved mode: each records as many turns, so each has the
+        # same recorder load beside its event loop
+        per_mode = [gateway(free_port(), ns) for _ in range(3)]
         try:
             store = Store(server.url, ns)
             with httpx.Client(timeout=60) as c:
@@ -234,39 +262,48 @@ def main() -> None:
                 cpu = (cpu_seconds(gw.proc.pid) - cpu0[0], cpu_seconds(upstream.proc.pid) - cpu0[1])
             elapsed, sent, n = load(gw, store, args.load_calls, args.threads)
             declare_budget(server.url, ns)
-            one = sessions(gw, 1)[0]
-            fresh = sessions(gw, args.calls)
+            one = sessions(per_mode[0], 1)[0]
+            fresh = sessions(per_mode[2], args.calls)
             direct = upstream.url + "/v1/chat/completions"
-            runs = {
+            procs = {
+                "admission off (--no-admission), a new trajectory per call": off,
+                "the same through a second such process (the noise between processes)": off2,
+            }
+            targets: dict[str, tuple[Callable[[int], str], Callable[[int], str | None]]] = {
+                "direct": (lambda i: direct, lambda i: None),
                 "admission off (--no-admission), a new trajectory per call": (
                     lambda i: f"{off.url}/t/off-{i}/g/q{i % 16}/v1/chat/completions",
-                    TOKEN,
+                    lambda i: TOKEN,
+                ),
+                "the same through a second such process (the noise between processes)": (
+                    lambda i: f"{off2.url}/t/off-{i}/g/q{i % 16}/v1/chat/completions",
+                    lambda i: TOKEN,
                 ),
                 "one session's trajectory (key checked once)": (
-                    gw.url + one["base_path"] + "/chat/completions",
-                    one["key"],
+                    lambda i: per_mode[0].url + one["base_path"] + "/chat/completions",
+                    lambda i: one["key"],
                 ),
                 "a new trajectory per call, shared token (admission each call)": (
-                    lambda i: f"{gw.url}/t/new-{i}/g/q{i % 16}/v1/chat/completions",
-                    TOKEN,
+                    lambda i: f"{per_mode[1].url}/t/new-{i}/g/q{i % 16}/v1/chat/completions",
+                    lambda i: TOKEN,
                 ),
                 "a new session per call (key check + admission each call)": (
-                    lambda i: gw.url + fresh[i]["base_path"] + "/chat/completions",
+                    lambda i: per_mode[2].url + fresh[i]["base_path"] + "/chat/completions",
                     lambda i: fresh[i]["key"],
                 ),
             }
-            modes, mode_cpu = {}, {}
+            procs.update(zip(list(targets)[3:], per_mode, strict=True))
+            cpu0 = {m: cpu_seconds(p.proc.pid) for m, p in procs.items()}
             with httpx.Client(timeout=60) as c:
-                for mode, (url, key) in runs.items():
-                    pid = (off if mode.startswith("admission off") else gw).proc.pid
-                    before = cpu_seconds(pid)
-                    modes[mode] = latency(c, direct, url, args.calls, key)
-                    mode_cpu[mode] = (cpu_seconds(pid) - before) / args.calls * 1e3
+                modes = interleaved(c, targets, args.calls)
+            mode_cpu = {
+                m: (cpu_seconds(p.proc.pid) - cpu0[m]) / args.calls * 1e3 for m, p in procs.items()
+            }
             gate = gate_cost(server.url, ns, args.calls)
             budget = store.r.hgetall(f"claw:{{{ns}}}:admission")
         finally:
-            off.stop()
-            gw.stop()
+            for p in (*per_mode, off, off2, gw):
+                p.stop()
             upstream.stop()
             worker.stop()
     d, g = lat["direct"], lat["gateway"]
@@ -284,10 +321,16 @@ def main() -> None:
         f"CPU per call: gateway {cpu[0] / args.calls * 1e3:.2f} ms (forwarding and "
         f"recording), upstream {cpu[1] / (2 * args.calls) * 1e3:.2f} ms"
     )
+    d = modes.pop("direct")
+    print(
+        f"interleaved, {args.calls} calls each (ms): direct p50 {np.median(d):.2f} "
+        f"p99 {np.percentile(d, 99):.2f}"
+    )
     for mode, got in modes.items():
         print(
-            f"{mode}, over {args.calls} calls each (ms): "
-            f"{added(got)}; gateway CPU per call {mode_cpu[mode]:.2f} ms"
+            f"  {mode}: p50 {np.median(got):.2f} p99 {np.percentile(got, 99):.2f}, added p50 "
+            f"{np.median(got) - np.median(d):.2f}; its gateway's CPU per call "
+            f"{mode_cpu[mode]:.2f} ms"
         )
     for client_kind, (wall, cpu_us) in gate.items():
         print(
