@@ -615,7 +615,13 @@ class Gateway:
             traj, _ = _identity(request, principal)
         except _Refused as r:
             return self._count("read", r.response)
-        raw = await self.gate.r.hgetall(admission.trajectory_key(self.store, traj))
+        try:
+            raw = await self.gate.r.hgetall(admission.trajectory_key(self.store, traj))
+        except (RedisError, OSError, TimeoutError) as e:
+            return self._count(
+                "read",
+                error(503, f"the store did not answer: {type(e).__name__}", "store_unavailable"),
+            )
         if not raw:
             return self._count(
                 "read",
@@ -656,11 +662,17 @@ class Gateway:
         except _Refused as r:
             return self._count("sessions", r.response)
         key = f"{SESSION_PREFIX}{traj}~{secrets.token_urlsafe(32)}"
-        made = await self.gate.script(
-            TURN,
-            [admission.trajectory_key(self.store, traj), admission.admission_key(self.store)],
-            ["session", ttl, key_hash(key), group or "", int(may_reward)],
-        )
+        try:
+            made = await self.gate.script(
+                TURN,
+                [admission.trajectory_key(self.store, traj), admission.admission_key(self.store)],
+                ["session", ttl, key_hash(key), group or "", int(may_reward)],
+            )
+        except (RedisError, OSError, TimeoutError) as e:
+            return self._count(
+                "sessions",
+                error(503, f"the store did not answer: {type(e).__name__}", "store_unavailable"),
+            )
         if not int(made):
             return self._count(
                 "sessions",
