@@ -1,8 +1,11 @@
 """The capture gateway: an OpenAI-compatible HTTP server in front of an inference server.
 Agents set their client's ``base_url`` to ``http://gateway/t/<trajectory>/g/<group>/v1``
 (or send ``X-Claw-Trajectory`` / ``X-Claw-Group`` headers to ``/v1``); each call is
-forwarded, its reply passed back byte for byte, and afterwards recorded as one step.
-docs/llm.md is the reference (routes, auth, limits, the reward rule)."""
+forwarded, its reply passed back byte for byte, and afterwards recorded as one step (n
+steps of n trajectories with n > 1). Before a new trajectory's first call is forwarded, the
+gate (:mod:`orchestrator.gateway.gate`) admits it against the trainer's staleness budget
+and checks a session key. docs/llm.md is the reference (routes, auth, sessions, admission,
+limits, the reward rule and credit)."""
 
 from __future__ import annotations
 

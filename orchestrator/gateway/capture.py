@@ -2,8 +2,10 @@
 (a JSON body, or the SSE stream of chunks): the token ids and log-probs vLLM returns when
 asked (``return_token_ids``: ``prompt_token_ids`` and per-choice ``token_ids``;
 ``logprobs``; ``return_tokens_as_token_ids``: ``token_id:<n>`` token strings), or, where
-it returns none, the ids a configured tokenizer gives (``retokenized``). Pure functions:
-the recorder thread runs them after the response went out."""
+it returns none, the ids a configured tokenizer gives (``retokenized``); one turn per
+choice of a call with n > 1 (streamed choices may interleave), and a Responses API reply's
+one generation from vLLM's ``input_messages``/``output_messages`` token ids. Pure
+functions: the recorder thread runs them after the response went out."""
 
 from __future__ import annotations
 
