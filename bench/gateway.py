@@ -18,9 +18,9 @@ its key (the key checked once, then trusted), (2) every call a new trajectory wi
 shared token (each call's admission: one script round trip), (3) every call a new
 session's first call (the key check and the admission: one script round trip); and, to
 compare with (2), every call a new trajectory through a second gateway started with
-``--no-admission``: each mode through a gateway process of its own, the four and the direct
-call interleaved, round by round, so that they see the same load. Then the gate's check
-alone, in this process.
+``--no-admission`` (which also serves one trajectory, as does the first gateway, with the
+shared token); every round one call of each, the order rotated, so that they see the same
+load. Then the gate's check alone, in this process.
 """
 
 from __future__ import annotations
@@ -237,10 +237,6 @@ def main() -> None:
 
         gw = gateway(gw_port, ns)
         off = gateway(free_port(), ns + "-off", "--no-admission")
-        off2 = gateway(free_port(), ns + "-off2", "--no-admission")  # the noise between two
-        # one process per interleaved mode: each records as many turns, so each has the
-        # same recorder load beside its event loop
-        per_mode = [gateway(free_port(), ns) for _ in range(3)]
         try:
             store = Store(server.url, ns)
             with httpx.Client(timeout=60) as c:
@@ -262,47 +258,48 @@ def main() -> None:
                 cpu = (cpu_seconds(gw.proc.pid) - cpu0[0], cpu_seconds(upstream.proc.pid) - cpu0[1])
             elapsed, sent, n = load(gw, store, args.load_calls, args.threads)
             declare_budget(server.url, ns)
-            one = sessions(per_mode[0], 1)[0]
-            fresh = sessions(per_mode[2], args.calls)
+            one = sessions(gw, 1)[0]
+            fresh = sessions(gw, args.calls)
             direct = upstream.url + "/v1/chat/completions"
-            procs = {
-                "admission off (--no-admission), a new trajectory per call": off,
-                "the same through a second such process (the noise between processes)": off2,
-            }
+            chat = "/v1/chat/completions"
             targets: dict[str, tuple[Callable[[int], str], Callable[[int], str | None]]] = {
                 "direct": (lambda i: direct, lambda i: None),
-                "admission off (--no-admission), a new trajectory per call": (
-                    lambda i: f"{off.url}/t/off-{i}/g/q{i % 16}/v1/chat/completions",
+                "--no-admission, one trajectory (shared token)": (
+                    lambda i: f"{off.url}/t/one/g/q{chat}",
                     lambda i: TOKEN,
                 ),
-                "the same through a second such process (the noise between processes)": (
-                    lambda i: f"{off2.url}/t/off-{i}/g/q{i % 16}/v1/chat/completions",
+                "--no-admission, a new trajectory per call": (
+                    lambda i: f"{off.url}/t/off-{i}/g/q{i % 16}{chat}",
                     lambda i: TOKEN,
                 ),
-                "one session's trajectory (key checked once)": (
-                    lambda i: per_mode[0].url + one["base_path"] + "/chat/completions",
+                "admission on, one trajectory (shared token)": (
+                    lambda i: f"{gw.url}/t/one-on/g/q{chat}",
+                    lambda i: TOKEN,
+                ),
+                "admission on, one session's trajectory (its key)": (
+                    lambda i: gw.url + one["base_path"] + "/chat/completions",
                     lambda i: one["key"],
                 ),
-                "a new trajectory per call, shared token (admission each call)": (
-                    lambda i: f"{per_mode[1].url}/t/new-{i}/g/q{i % 16}/v1/chat/completions",
+                "admission on, a new trajectory per call (a script call each)": (
+                    lambda i: f"{gw.url}/t/new-{i}/g/q{i % 16}{chat}",
                     lambda i: TOKEN,
                 ),
-                "a new session per call (key check + admission each call)": (
-                    lambda i: per_mode[2].url + fresh[i]["base_path"] + "/chat/completions",
+                "admission on, a new session per call (key check + admission: one call)": (
+                    lambda i: gw.url + fresh[i]["base_path"] + "/chat/completions",
                     lambda i: fresh[i]["key"],
                 ),
             }
-            procs.update(zip(list(targets)[3:], per_mode, strict=True))
-            cpu0 = {m: cpu_seconds(p.proc.pid) for m, p in procs.items()}
+            cpu0 = cpu_seconds(off.proc.pid), cpu_seconds(gw.proc.pid)
             with httpx.Client(timeout=60) as c:
                 modes = interleaved(c, targets, args.calls)
-            mode_cpu = {
-                m: (cpu_seconds(p.proc.pid) - cpu0[m]) / args.calls * 1e3 for m, p in procs.items()
-            }
+            mode_cpu = (
+                (cpu_seconds(off.proc.pid) - cpu0[0]) / (2 * args.calls) * 1e3,
+                (cpu_seconds(gw.proc.pid) - cpu0[1]) / (4 * args.calls) * 1e3,
+            )
             gate = gate_cost(server.url, ns, args.calls)
             budget = store.r.hgetall(f"claw:{{{ns}}}:admission")
         finally:
-            for p in (*per_mode, off, off2, gw):
+            for p in (off, gw):
                 p.stop()
             upstream.stop()
             worker.stop()
@@ -329,9 +326,12 @@ def main() -> None:
     for mode, got in modes.items():
         print(
             f"  {mode}: p50 {np.median(got):.2f} p99 {np.percentile(got, 99):.2f}, added p50 "
-            f"{np.median(got) - np.median(d):.2f}; its gateway's CPU per call "
-            f"{mode_cpu[mode]:.2f} ms"
+            f"{np.median(got) - np.median(d):.2f}"
         )
+    print(
+        f"  gateway CPU per call: --no-admission {mode_cpu[0]:.2f} ms (its two modes), "
+        f"admission on {mode_cpu[1]:.2f} ms (its four)"
+    )
     for client_kind, (wall, cpu_us) in gate.items():
         print(
             f"gate check of a new trajectory, {client_kind}: {wall:.0f} us wall, "
