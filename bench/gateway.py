@@ -20,7 +20,8 @@ session's first call (the key check and the admission: one script round trip); a
 compare with (2), every call a new trajectory through a second gateway started with
 ``--no-admission`` (which also serves one trajectory, as does the first gateway, with the
 shared token); every round one call of each, the order rotated, so that they see the same
-load. Then the gate's check alone, in this process.
+load. Each admission-on mode is also measured alone first, pairs with the direct call as for
+the first figure. Then the gate's check alone, in this process.
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ def main() -> None:
                     lambda i: one["key"],
                 ),
                 "admission on, a new trajectory per call (a script call each)": (
-                    lambda i: f"{gw.url}/t/new-{i}/g/q{i % 16}{chat}",
+                    lambda i: f"{gw.url}/t/new-{i}-{len(alone)}/g/q{i % 16}{chat}",
                     lambda i: TOKEN,
                 ),
                 "admission on, a new session per call (key check + admission: one call)": (
@@ -289,6 +290,14 @@ def main() -> None:
                     lambda i: fresh[i]["key"],
                 ),
             }
+            alone: dict[str, tuple[dict[str, np.ndarray], float]] = {}
+            with httpx.Client(timeout=60) as c:
+                for mode in list(targets)[4:]:  # admission on: as the first figure is made
+                    url, key = targets[mode]
+                    before = cpu_seconds(gw.proc.pid)
+                    got = latency(c, direct, url, args.calls, lambda i, k=key: k(i) or "")
+                    alone[mode] = got, (cpu_seconds(gw.proc.pid) - before) / args.calls * 1e3
+            fresh = sessions(gw, args.calls)  # the keys above have called: new ones
             cpu0 = cpu_seconds(off.proc.pid), cpu_seconds(gw.proc.pid)
             with httpx.Client(timeout=60) as c:
                 modes = interleaved(c, targets, args.calls)
@@ -318,6 +327,9 @@ def main() -> None:
         f"CPU per call: gateway {cpu[0] / args.calls * 1e3:.2f} ms (forwarding and "
         f"recording), upstream {cpu[1] / (2 * args.calls) * 1e3:.2f} ms"
     )
+    for mode, (got, cpu_ms) in alone.items():
+        print(f"{mode}, alone, {args.calls} calls each (ms): {added(got)}")
+        print(f"  gateway CPU per call {cpu_ms:.2f} ms")
     d = modes.pop("direct")
     print(
         f"interleaved, {args.calls} calls each (ms): direct p50 {np.median(d):.2f} "
