@@ -20,6 +20,7 @@ from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance import snapshots as versions
 from orchestrator.maintenance.archive import archive_namespace
+from orchestrator.sampling.sample import sample
 from orchestrator.web.views import Inspector
 from tests.support.stepdata import batch
 
@@ -123,6 +124,34 @@ def test_rollback_puts_labels_priorities_recipes_back_bit_for_bit(redis_url, nam
         assert not set(_raw(store)["id"][_raw(store)["alive"]]) & set(new.tolist())
     finally:
         client.close()
+
+
+def test_as_of_batches_carry_the_snapshots_labels(redis_url, namespace):
+    store, ids = _fill(redis_url, namespace)
+    _label(store, ids, np.random.default_rng(5))
+    versions.take(store, "then")
+    then = store.get(ids, fields=[])  # the metadata as it stood at the snapshot
+    at = {int(i): k for k, i in enumerate(then["id"])}
+    store.curate(ids, trainable=True)  # ... then every label and priority changes
+    _label(store, ids, np.random.default_rng(6))
+    store.update_priorities(ids, np.full(len(ids), 7.0, np.float32))
+    recipe = {
+        "name": "old",
+        "batch_size": 256,
+        "fields": ["reward", "quality", "tags.level", "priority", "trainable"],
+        "sources": [{"name": "s", "sampler": {"kind": "uniform"}}],
+        "as_of": "then",
+    }
+    seen = 0
+    for k in range(4):
+        b = sample(store, recipe, rng=np.random.default_rng(k))
+        rows = [at[int(i)] for i in b.ids]
+        assert b.meta["quality"] == [then["quality"][r] for r in rows]
+        assert b.meta["tags.level"] == [then["tags.level"][r] for r in rows]
+        assert np.array_equal(b["priority"], then["priority"][rows], equal_nan=True)
+        assert b["trainable"].all() and then["trainable"][rows].all()  # drawn as then
+        seen += len(rows)
+    assert seen == 1024 and not np.isin(7.0, then["priority"])  # today's would show
 
 
 def test_snapshot_cli_diff_retention_archive_and_web(redis_url, namespace, tmp_path):
