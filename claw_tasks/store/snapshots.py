@@ -14,7 +14,8 @@ snapshot copies no payload and no immutable column: per shard it keeps, in the h
 - ``untrainable``, ``quality``, ``priority``, ``t:<tag>``: those columns as stored,
 
 each zstd-compressed, read in one MULTI/EXEC per shard, so no commit, eviction or update
-lands half-way through a shard's read (shards are read one after the other). The header
+lands half-way through a shard's read (shards are read at different moments: reads,
+compression and writes of several shards overlap, :meth:`Snapshots._take_shards`). The header
 (``claw:{ns}:snapshots``, name -> msgpack) holds the time, the seqs, the live steps, the
 config record (retention, schema), the string of every dictionary code the columns hold
 (a rollback re-encodes them, so a code pruned since comes back with its string), and the
@@ -34,6 +35,7 @@ import math
 import re
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,29 @@ WRITE_IDS = 65_536
 _DTYPES = {"flags": np.dtype("u1"), "quality": STR_TAG_DTYPE, "priority": np.dtype("<u4")}
 """The mutable columns as a snapshot reads them: priorities (and numeric tags, ``<u8``) as
 their stored bits, so a rollback compares and writes them back bit for bit."""
+
+
+THREADS = 2
+"""Threads a snapshot's shard reads and column compression run on (:meth:`Snapshots.
+_take_shards`; docs/benchmarks.md, "Snapshots")."""
+
+
+ZSTD_LEVEL = 1
+"""Level 3 took 3x the time for the same size: random priorities barely compress, the
+label columns are mostly zeros either way (docs/benchmarks.md, "Snapshots")."""
+
+
+def _pack(col: str, arr: np.ndarray, alive: np.ndarray) -> tuple[bytes, list[int] | None]:
+    """A snapshot column as stored (bits packed for the bool ones, zstd-compressed), and
+    for a string column the codes its live rows hold (a rollback needs their strings)."""
+    raw = np.packbits(arr).tobytes() if arr.dtype == bool else arr.tobytes()
+    codes = None
+    if arr.dtype == STR_TAG_DTYPE:
+        held = arr[alive]
+        top = int(held.max()) if len(held) else 0
+        small = int(held.min(initial=0)) >= 0 and top <= 4 * len(held)
+        codes = np.flatnonzero(np.bincount(held)).tolist() if small else np.unique(held).tolist()
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw), codes
 
 
 class SnapshotError(NamespaceError):
@@ -188,24 +213,14 @@ class Snapshots:
         if core.r.hexists(core.keys.snapshots, name):
             raise SnapshotError(f"snapshot {name!r} of {core.namespace!r} exists: delete it first")
         created = time.time()
-        cctx = zstandard.ZstdCompressor(level=3)
         seqs, steps, size, strings = [], 0, 0, {}
         codes: dict[str, set[int]] = {}
-        for shard in range(cfg.n_shards):
-            seq, cols = self._read_shard(shard, cfg)
-            n = min(cfg.cap, seq)
-            alive = cols.pop("alive")[:n]
-            stored = {"seq": str(seq).encode(), "alive": np.packbits(alive).tobytes()}
-            stored["untrainable"] = np.packbits(cols.pop("untrainable")[:n]).tobytes()
-            for col, arr in cols.items():
-                stored[col] = arr[:n].tobytes()
-                if arr.dtype == STR_TAG_DTYPE:
-                    codes.setdefault(col, set()).update(np.unique(arr[:n][alive]).tolist())
-            packed = {k: (v if k == "seq" else cctx.compress(v)) for k, v in stored.items()}
+        for seq, alive, packed, found in self._take_shards(name, cfg):
             size += sum(len(v) for v in packed.values())
-            core.r.hset(core.keys.snapshot(shard, name), mapping=packed)
             seqs.append(seq)
-            steps += int(alive.sum())
+            steps += alive
+            for col, c in found.items():
+                codes.setdefault(col, set()).update(c)
         for col, found in codes.items():
             found.discard(0)
             names = core.dicts.decode_codes(col, sorted(found))
@@ -224,6 +239,41 @@ class Snapshots:
         if cfg.retention is not None and cfg.retention.snapshot_max_age is not None:
             self.prune(None, cfg.retention.snapshot_max_age, keep=name)
         return self._info(name, header)
+
+    def _take_shards(
+        self, name: str, cfg: NamespaceConfig
+    ) -> list[tuple[int, int, dict[str, bytes], dict[str, list[int]]]]:
+        """Each shard's part of snapshot ``name``, written: its seq, live steps, the stored
+        (compressed) columns and the string codes they hold, in shard order.
+
+        Pipelined across shards: up to ``THREADS`` shard reads (one MULTI/EXEC each, on
+        their own connections) are in flight while the columns already read are packed,
+        compressed (zstd and numpy release the GIL) and written, a column per task; so
+        Redis serves one shard's read while this process compresses another's, and at
+        most ``THREADS`` shards' columns are held at once."""
+        with ThreadPoolExecutor(THREADS, thread_name_prefix="claw-snapshot") as pool:
+            reads = {
+                s: pool.submit(self._read_shard, s, cfg) for s in range(cfg.n_shards)[:THREADS]
+            }
+            out = []
+            for shard in range(cfg.n_shards):
+                seq, cols = reads.pop(shard).result()
+                if shard + THREADS < cfg.n_shards:
+                    reads[shard + THREADS] = pool.submit(self._read_shard, shard + THREADS, cfg)
+                n = min(cfg.cap, seq)
+                alive = cols.pop("alive")[:n]
+                raw = {"alive": alive, "untrainable": cols.pop("untrainable")[:n]}
+                raw.update((col, arr[:n]) for col, arr in cols.items())
+                jobs = {col: pool.submit(_pack, col, arr, alive) for col, arr in raw.items()}
+                packed: dict[str, bytes] = {"seq": str(seq).encode()}
+                found = {}
+                for col, job in jobs.items():
+                    packed[col], held = job.result()
+                    if held is not None:
+                        found[col] = held
+                out.append((seq, int(alive.sum()), packed, found))
+                self.core.r.hset(self.core.keys.snapshot(shard, name), mapping=packed)
+            return out
 
     def _read_shard(self, shard: int, cfg: NamespaceConfig) -> tuple[int, dict[str, np.ndarray]]:
         """The shard's seq, alive bits and mutable columns, in one MULTI/EXEC."""
@@ -328,7 +378,8 @@ class Snapshots:
         core = self.core
         if name is None or name == NOW:
             cfg = core.config(refresh=True)
-            parts = [self._read_shard(s, cfg) for s in range(cfg.n_shards)]
+            with ThreadPoolExecutor(THREADS, thread_name_prefix="claw-snapshot") as pool:
+                parts = list(pool.map(lambda s: self._read_shard(s, cfg), range(cfg.n_shards)))
             seqs = tuple(seq for seq, _ in parts)
             tags = [c for c in parts[0][1] if c.startswith("t:")] if parts else []
             cat = np.concatenate
