@@ -32,7 +32,7 @@ import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import redis
@@ -47,7 +47,17 @@ from orchestrator.delivery.lineage_index import (
     encode_ids,
 )
 
-__all__ = ["Entry", "LineageLog", "decode_ids", "digest", "encode_ids", "lineage_key", "record"]
+__all__ = [
+    "Entry",
+    "LineageLog",
+    "Served",
+    "Traced",
+    "decode_ids",
+    "digest",
+    "encode_ids",
+    "lineage_key",
+    "record",
+]
 
 PAGE = 1_000
 """Entries read per round trip by a query."""
@@ -55,6 +65,25 @@ PAGE = 1_000
 
 def lineage_key(store: Store) -> str:
     return f"{store.keys.base}lineage"
+
+
+class Traced(Protocol):
+    """What a lineage entry names of a batch: its recipe version and step ids (a
+    :class:`~orchestrator.sampling.batch.Batch`, or a part of one an adapter served)."""
+
+    @property
+    def recipe_version(self) -> int: ...
+
+    @property
+    def ids(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Served:
+    """A :class:`Traced` kept without the batch's arrays (an adapter's served part)."""
+
+    recipe_version: int
+    ids: np.ndarray
 
 
 def digest(ids: np.ndarray) -> str:
