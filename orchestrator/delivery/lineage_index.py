@@ -214,7 +214,10 @@ class LineageIndex:
         parts = []
         for k, (_, kv) in enumerate(page):
             pol[k] = table.setdefault(kv.get(b"p", b""), len(table))
-            parts.append(decode_ids(kv.get(b"ids", b"")))
+            try:
+                parts.append(decode_ids(kv.get(b"ids", b"")))
+            except (ValueError, IndexError):  # not a client's entry: indexed with no rows,
+                parts.append(np.zeros(0, np.int64))  # so one bad entry never stops the pass
         lens = np.fromiter((len(p) for p in parts), np.int64, n)
         ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         owner = np.repeat(np.arange(n), lens)
