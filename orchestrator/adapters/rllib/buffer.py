@@ -118,7 +118,8 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         batches_per_pop: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(
+        EpisodeReplayBuffer.__init__(  # not the MRO's next: a prioritized one builds trees
+            self,
             capacity=capacity,
             batch_size_B=batch_size_B,
             batch_length_T=batch_length_T,
