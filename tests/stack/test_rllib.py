@@ -160,17 +160,165 @@ def test_transitions_keys_and_shapes_match_rllibs_buffer(redis_url, namespace, w
     pairs = [want[(g.id_, g.t_started)] for g in got[:8]]  # before: the connector renames
     mine = _train_batch(config, got[:8])
     theirs = _train_batch(config, pairs)
-    assert set(mine) == set(theirs) >= {
-        "obs",
-        "new_obs",
-        "actions",
-        "rewards",
-        "terminateds",
-        "truncateds",
-        "n_step",
-        "weights",
-    }
+    assert (
+        set(mine)
+        == set(theirs)
+        >= {
+            "obs",
+            "new_obs",
+            "actions",
+            "rewards",
+            "terminateds",
+            "truncateds",
+            "n_step",
+            "weights",
+        }
+    )
     for k in theirs:
         assert (mine[k].shape, mine[k].dtype) == (theirs[k].shape, theirs[k].dtype), k
     np.testing.assert_allclose(mine["new_obs"].numpy(), theirs["new_obs"].numpy())
     claw.close()
+
+
+# ---- RLlib's buffer tests, ported (rllib/utils/replay_buffers/tests/) ------------------
+def counting_episode(length: int, id_: str, rng: np.random.Generator) -> SingleAgentEpisode:
+    """RLlib's test episode: observation t, action t, reward 0.1 t after obs t; ending
+    terminated, truncated or neither (a running episode's chunk) at random."""
+    eps = SingleAgentEpisode(id_=id_, observations=[0.0], infos=[{}])
+    for t in range(length):
+        eps.add_env_step(observation=float(t + 1), action=int(t), reward=0.1 * (t + 1), infos={})
+    eps.is_terminated = bool(rng.random() > 0.5)
+    eps.is_truncated = False if eps.is_terminated else bool(rng.random() > 0.8)
+    return eps
+
+
+@pytest.mark.parametrize("cls", [ClawEpisodeReplayBuffer, ClawPrioritizedEpisodeReplayBuffer])
+def test_ported_buffer_sample_logic_1_and_3_step(redis_url, namespace, workers, cls):
+    """test_prioritized_episode_buffer.py's test_buffer_sample_logic(_with_3_step), on the
+    prefetched path: 30 episodes of up to 40 steps and 20 samples (RLlib's: 200 x 200 and
+    1000). A 3-step window cut at an episode's end reports its m steps, so the relations
+    hold with m: next_obs = obs + m, the reward the discounted sum of m rewards."""
+    rng = np.random.default_rng(0)
+    buf = _claw(redis_url, namespace, cls, capacity=10_000, deterministic=False)
+    buf.add([counting_episode(int(rng.integers(1, 40)), f"e{i}", rng) for i in range(30)])
+    for n_step in (1, 3):
+        for i in range(20):
+            before = buf.get_sampled_timesteps()
+            sample = buf.sample(batch_size_B=16, n_step=n_step, gamma=0.99, beta=0.0)
+            assert len(sample) == 16 and buf.get_sampled_timesteps() == before + 16
+            for eps in sample:
+                obs, nxt = eps.get_observations(0), eps.get_observations(-1)
+                m = eps.get_extra_model_outputs("n_step", -1)
+                assert not (eps.is_terminated and eps.is_truncated)
+                assert eps.get_actions(-1) == pytest.approx(obs)
+                assert 1 <= m <= n_step and nxt == pytest.approx(obs + m)
+                want = sum(0.99**k * 0.1 * (obs + 1 + k) for k in range(m))
+                assert eps.get_rewards(-1) == pytest.approx(want, rel=1e-6)
+                assert eps.get_extra_model_outputs("weights", -1) == pytest.approx(1.0)
+    buf.close()
+
+
+def test_ported_what_is_not_served_raises(redis_url, namespace, workers):
+    """test_buffer_sample_logic_with_random_n_step, ..._with_infos_and_extra_model_output
+    and test_episode_replay_buffer_sample_logic (B x T sequences) do not apply: each of
+    those requests raises, saying so, instead of returning something else."""
+    rng = np.random.default_rng(1)
+    buf = _claw(redis_url, namespace)
+    buf.add([counting_episode(20, "a", rng)])
+    asks = [
+        {"n_step": (1, 5)},
+        {"n_step": 1, "include_infos": True},
+        {"n_step": 1, "include_extra_model_outputs": True},
+        {"batch_length_T": 64, "n_step": 1},
+        {"sample_episodes": False},
+    ]
+    for ask in asks:
+        with pytest.raises(NotImplementedError):
+            buf.sample(batch_size_B=4, **ask)
+    buf.close()
+
+
+def test_ported_update_priorities(redis_url, namespace, workers):
+    """test_update_priorities: one 10-step episode; one step's priority made far above the
+    others' draws it in > 80 % of the rows (alpha 1). RLlib's test picks segment-tree
+    slots; here the rows of a sample are updated by their step (t_started). A mismatched
+    update raises."""
+    rng = np.random.default_rng(2)
+    buf = _claw(redis_url, namespace, ClawPrioritizedEpisodeReplayBuffer, capacity=10)
+    buf.add(counting_episode(10, "p", rng))
+    sample = buf.sample(200, n_step=1, beta=0.0)
+    assert {e.t_started for e in sample} == set(range(10))
+    high = float(rng.random()) + 0.2
+    buf.update_priorities(np.array([high if e.t_started == 1 else 0.01 for e in sample]))
+    for _ in range(3):
+        sample = buf.sample(1000, n_step=1, beta=0.0)
+        assert np.mean([e.t_started == 1 for e in sample]) > 0.8
+    buf.update_priorities(np.full(1000, 0.5))
+    buf.sample(16, n_step=1)
+    with pytest.raises(ValueError, match="16 rows"):
+        buf.update_priorities(np.ones(15))
+    buf.close()
+
+
+def test_ported_add_and_eviction_keeps_the_newest_steps(redis_url, namespace, workers):
+    """test_add_and_eviction_logic, adapted: RLlib evicts whole episodes (A's 50 steps go
+    when D's one comes: 51 left); Claw's ring evicts the oldest steps, so ``capacity``
+    steps stay (A's first step goes)."""
+    rng = np.random.default_rng(3)
+    buf = _claw(redis_url, namespace, capacity=100, recipe=RECENT)
+    for id_, length, steps in (("A", 50, 50), ("B", 25, 75), ("C", 25, 100)):
+        buf.add(counting_episode(length, id_, rng))
+        assert buf.get_num_timesteps() == steps
+        assert buf.get_num_episodes() == "ABC".index(id_) + 1
+    buf.add(counting_episode(1, "D", rng))
+    assert buf.get_num_timesteps() == 100 and buf.get_added_timesteps() == 101
+    rows = buf.sample(99, n_step=1)  # the newest 99 steps: all but A's second
+    kept = {(e.id_, e.t_started) for e in rows}
+    assert ("D", 0) in kept and ("A", 0) not in kept and ("A", 1) not in kept
+    assert {(i, t) for i, t in kept if i == "A"} == {("A", t) for t in range(2, 50)}
+    buf.close()
+
+
+def test_state_round_trip_through_a_checkpoint_restores_the_buffer(
+    redis_url, namespace, workers, r, monkeypatch, tmp_path
+):
+    """get_state -> a checkpoint file -> set_state on a new buffer: the same namespace,
+    counters and settings; no data and no password in the file; the restored buffer
+    samples what was added before and joins the next chunk of a running episode to it."""
+    parts = urlsplit(redis_url)
+    r.execute_command("ACL", "SETUSER", "rllib", "on", ">s3cret-pw", "~*", "&*", "+@all")
+    url = f"redis://rllib:s3cret-pw@{parts.hostname}:{parts.port}/0"
+    monkeypatch.setenv("CLAW_REDIS_URL", url)
+    use_settings()
+    first = SingleAgentEpisode(id_="run", observations=[0.0])  # a running episode
+    for t in range(50):
+        first.add_env_step(observation=float(t + 1), action=t, reward=1.0)
+    second = first.cut()  # its next chunk: same id_, t_started 50
+    for t in range(50, 60):
+        second.add_env_step(observation=float(t + 1), action=t, reward=1.0)
+    buf = _claw(redis_url=url, namespace=namespace, seed=7, recipe=RECENT)
+    buf.add(first)
+    assert len(buf.sample(8, n_step=3)) == 8
+    state = buf.get_state()
+    blob = msgpack.packb(state)  # as a Checkpointable writes it (or pickles it)
+    assert b"s3cret-pw" not in blob and "s3cret-pw" not in json.dumps(state)
+    assert len(blob) < 2048  # settings, not 50 steps of data
+    (tmp_path / "replay_buffer.msgpack").write_bytes(blob)
+    buf.close()
+
+    fresh = ClawEpisodeReplayBuffer(50)  # another namespace until set_state
+    assert fresh.namespace != namespace
+    fresh.set_state(msgpack.unpackb((tmp_path / "replay_buffer.msgpack").read_bytes()))
+    assert (fresh.namespace, fresh.seed, fresh.capacity) == (namespace, 7, 1000)
+    assert fresh.get_num_timesteps() == buf.get_num_timesteps() == 50
+    assert fresh.get_added_timesteps() == 50 and fresh.get_sampled_timesteps() == 8
+    assert fresh.client.store.r.connection_pool.connection_kwargs["password"] == "s3cret-pw"
+    fresh.add(second)  # from the restored buffer
+    rows = _by_key(fresh.sample(60, n_step=3))
+    assert set(rows) == {("run", t) for t in range(60)}  # before and after the restore
+    across = rows[("run", 49)]  # its window runs into the chunk added after the restore
+    assert across.get_extra_model_outputs("n_step", 0) == 3
+    assert across.get_observations(-1) == 52.0 and not across.is_truncated
+    with pytest.raises(ValueError, match="not a Claw buffer's state"):
+        fresh.set_state(PrioritizedEpisodeReplayBuffer(capacity=10).get_state())
+    fresh.close()
