@@ -17,23 +17,23 @@ import pytest
 
 pytest.importorskip("ray.rllib", reason="ray[rllib] is not installed (pip install -e '.[rllib]')")
 
-from ray.rllib.algorithms.dqn import DQNConfig  # noqa: E402
-from ray.rllib.connectors.common.add_observations_from_episodes_to_batch import (  # noqa: E402
+from ray.rllib.algorithms.dqn import DQNConfig
+from ray.rllib.connectors.common.add_observations_from_episodes_to_batch import (
     AddObservationsFromEpisodesToBatch,
 )
-from ray.rllib.connectors.learner.add_next_observations_from_episodes_to_train_batch import (  # noqa: E402
+from ray.rllib.connectors.learner.add_next_observations_from_episodes_to_train_batch import (
     AddNextObservationsFromEpisodesToTrainBatch,
 )
-from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
-from ray.rllib.utils.replay_buffers.episode_replay_buffer import (  # noqa: E402
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.utils.replay_buffers.episode_replay_buffer import (
     EpisodeReplayBuffer,
 )
-from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (  # noqa: E402
+from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
     PrioritizedEpisodeReplayBuffer,
 )
 
-from claw_tasks.settings import use_settings  # noqa: E402
-from orchestrator.adapters.rllib import (  # noqa: E402
+from claw_tasks.settings import use_settings
+from orchestrator.adapters.rllib import (
     ClawEpisodeReplayBuffer,
     ClawPrioritizedEpisodeReplayBuffer,
 )
@@ -202,7 +202,7 @@ def test_ported_buffer_sample_logic_1_and_3_step(redis_url, namespace, workers, 
     buf = _claw(redis_url, namespace, cls, capacity=10_000, deterministic=False)
     buf.add([counting_episode(int(rng.integers(1, 40)), f"e{i}", rng) for i in range(30)])
     for n_step in (1, 3):
-        for i in range(20):
+        for _ in range(20):
             before = buf.get_sampled_timesteps()
             sample = buf.sample(batch_size_B=16, n_step=n_step, gamma=0.99, beta=0.0)
             assert len(sample) == 16 and buf.get_sampled_timesteps() == before + 16
