@@ -218,15 +218,35 @@ def test_ported_buffer_sample_logic_1_and_3_step(redis_url, namespace, workers, 
     buf.close()
 
 
+def test_ported_random_n_step(redis_url, namespace, workers):
+    """test_buffer_sample_logic_with_random_n_step: n_step=(1, 5) gives each row an n in
+    1..4, varying within the batch (here the rows are split evenly over the four n's), and
+    each row's next_obs and reward are those of its own window."""
+    rng = np.random.default_rng(4)
+    buf = _claw(redis_url, namespace, ClawPrioritizedEpisodeReplayBuffer, capacity=10_000)
+    buf.add([counting_episode(int(rng.integers(10, 40)), f"r{i}", rng) for i in range(20)])
+    for _ in range(5):
+        sample = buf.sample(batch_size_B=16, n_step=(1, 5), gamma=0.99)
+        assert len(sample) == 16
+        n_steps = [eps.get_extra_model_outputs("n_step", -1) for eps in sample]
+        assert set(n_steps) <= {1, 2, 3, 4} and np.var(n_steps) > 0
+        for eps, m in zip(sample, n_steps, strict=True):
+            obs = eps.get_observations(0)
+            assert eps.get_observations(-1) == pytest.approx(obs + m)
+            want = sum(0.99**k * 0.1 * (obs + 1 + k) for k in range(m))
+            assert eps.get_rewards(-1) == pytest.approx(want, rel=1e-6)
+    buf.update_priorities(np.full(16, 0.3))  # one update for the rows of all four n's
+    buf.close()
+
+
 def test_ported_what_is_not_served_raises(redis_url, namespace, workers):
-    """test_buffer_sample_logic_with_random_n_step, ..._with_infos_and_extra_model_output
-    and test_episode_replay_buffer_sample_logic (B x T sequences) do not apply: each of
-    those requests raises, saying so, instead of returning something else."""
+    """test_buffer_sample_logic_with_infos_and_extra_model_output and
+    test_episode_replay_buffer_sample_logic (B x T sequences) do not apply: each of those
+    requests raises, saying so, instead of returning something else."""
     rng = np.random.default_rng(1)
     buf = _claw(redis_url, namespace)
     buf.add([counting_episode(20, "a", rng)])
     asks = [
-        {"n_step": (1, 5)},
         {"n_step": 1, "include_infos": True},
         {"n_step": 1, "include_extra_model_outputs": True},
         {"batch_length_T": 64, "n_step": 1},

@@ -22,7 +22,8 @@ Where it differs from RLlib's buffer, and why:
   chunk's last step), as RLlib's uniform buffer cuts them; ``n_step`` in the episode is
   the m steps the window summed, so ``gamma ** n_step`` is the target's discount exactly
   (RLlib's uniform buffer reports n for a cut window; its prioritized one draws again
-  instead). ``n_step`` as a range ``(lo, hi)``, sequences (``batch_length_T``, stateful
+  instead). ``n_step`` as a range ``(lo, hi)`` splits the rows evenly over lo..hi-1, one
+  recipe per n (RLlib draws each row's n). Sequences (``batch_length_T``, stateful
   modules), infos and extra model outputs are not supported: they raise.
 - Batches are drawn from what the store has committed, which trails ``add`` by the ingest
   flush interval and the prefetch and read-ahead queues. ``deterministic=True`` draws the
@@ -76,6 +77,20 @@ from orchestrator.recipe.model import as_recipe
 from orchestrator.sampling.sample import sample as sample_here
 
 log = logging.getLogger(__name__)
+
+
+def n_step_rows(size: int, n: int | tuple[int, int]) -> list[tuple[int, int]]:
+    """``(n, rows)`` of a sample of ``size`` rows: all at one n, or for a range ``(lo,
+    hi)`` (RLlib's: n uniform in lo..hi-1 per row) the rows split evenly over the n's, the
+    first ones taking the remainder. Stratified rather than drawn per row: each n has its
+    own recipe, and a fixed split keeps every recipe's batch size fixed."""
+    if isinstance(n, int):
+        return [(n, size)]
+    ns = range(n[0], n[1])
+    share, extra = divmod(size, len(ns))
+    rows = [(k, share + (i < extra)) for i, k in enumerate(ns)]
+    return [(k, r) for k, r in rows if r]
+
 
 STATE_FORMAT = 1
 """The layout of :meth:`ClawEpisodeReplayBuffer.get_state`'s ``"claw"`` entry."""
@@ -279,10 +294,14 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._samples += 1
         if (plan := self._cadence.sampled()) is not None:
             self._conn.resize(plan)
-        if self.deterministic:
-            drawn = self._draw_here(size, n, gamma, beta)
-        else:
-            drawn = self._conn.pop(self._recipe_name(size, n, gamma, beta), self.timeout)
+        parts = []
+        for k, rows in n_step_rows(size, n):  # one n, or a range: rows per n
+            if self.deterministic:
+                parts.append(self._draw_here(rows, k, gamma, beta))
+            else:
+                name = self._recipe_name(rows, k, gamma, beta)
+                parts.append(self._conn.pop(name, self.timeout))
+        drawn = Drawn.join(parts)
         self._last_ids = drawn.ids
         self.sampled_timesteps += size
         self._log_sample(drawn, size)
@@ -300,8 +319,9 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         include_infos: bool,
         include_extra_model_outputs: bool,
         sample_episodes: bool | None,
-    ) -> int:
-        """The n of an n-step request; raises on what these buffers do not serve."""
+    ) -> int | tuple[int, int]:
+        """The n (or range) of an n-step request; raises on what these buffers do not
+        serve."""
         if sample_episodes is False:
             raise NotImplementedError(
                 f"{type(self).__name__} returns n-step transitions as episodes "
@@ -318,10 +338,10 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
                 "include_infos / include_extra_model_outputs are not served"
             )
         if isinstance(n_step, tuple | list):
-            raise NotImplementedError(
-                f"{type(self).__name__}: n_step={tuple(n_step)}: a Claw recipe has one n; "
-                "pass an int n_step"
-            )
+            lo, hi = (int(x) for x in n_step)
+            if not 1 <= lo < hi:
+                raise ValueError(f"n_step={tuple(n_step)}: a range (lo, hi), 1 <= lo < hi")
+            return lo, hi
         n = int(n_step or 1)
         if n < 1:
             raise ValueError(f"n_step={n_step}: must be >= 1")
@@ -375,15 +395,17 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         )
 
     def _draw_here(self, size: int, n: int, gamma: float, beta: float) -> Drawn:
-        """The k-th batch from the steps added before this k-th call, seeded by (seed, k)."""
+        """The k-th batch from the steps added before this k-th call, seeded by (seed, k)
+        (and n, for each n of a range)."""
         self.flush()
-        rng = np.random.default_rng([self.seed, self._samples])
+        rng = np.random.default_rng([self.seed, self._samples, n])
         spec = self._spec(size, n, gamma, beta)
         batch = sample_here(self.client.store, as_recipe(spec), rng=rng)
         return self._convert(n, gamma)(batch)
 
     def _log_sample(self, drawn: Drawn, size: int) -> None:
-        steps, eps, mean_n = drawn.n_steps, drawn.n_episodes, drawn.mean_n_step
+        steps, eps = len(np.unique(drawn.ids)), len(set(drawn.names))
+        mean_n = float(drawn.m.mean()) if len(drawn.m) else 0.0
         self._update_sample_metrics(
             num_env_steps_sampled=size,
             num_episodes_per_sample=eps,

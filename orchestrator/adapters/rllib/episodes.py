@@ -89,13 +89,24 @@ class EpisodeWriter:
 @dataclass
 class Drawn:
     """One ``sample()``'s worth: the step ids drawn (priorities go back to them), the
-    episodes RLlib gets, and what RLlib's sample metrics count."""
+    episodes RLlib gets, each row's episode id and the m of its window."""
 
     ids: np.ndarray
     episodes: list[SingleAgentEpisode]
-    n_episodes: int  # distinct episodes among the rows
-    n_steps: int  # distinct steps among the rows
-    mean_n_step: float
+    names: list[str]
+    m: np.ndarray
+
+    @classmethod
+    def join(cls, parts: list[Drawn]) -> Drawn:
+        """The parts' rows one after the other (an n-step range: one part per n)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(
+            np.concatenate([p.ids for p in parts]),
+            [e for p in parts for e in p.episodes],
+            [x for p in parts for x in p.names],
+            np.concatenate([p.m for p in parts]),
+        )
 
 
 def steps_taken(discount: np.ndarray, gamma: float, n: int) -> np.ndarray:
@@ -154,10 +165,4 @@ def to_episodes(
                 **agent,
             )
         )
-    return Drawn(
-        np.asarray(batch.ids),
-        out,
-        len(set(names)),
-        len(np.unique(batch.ids)),
-        float(m.mean()) if len(m) else 0.0,
-    )
+    return Drawn(np.asarray(batch.ids), out, list(names), m)
