@@ -40,10 +40,13 @@ FIELDS = [
 
 
 class EpisodeWriter:
-    """Episode chunks into one Ingestor; keeps the Claw episode of each open ``id_``."""
+    """Episode chunks into one Ingestor; keeps the Claw episode of each open ``id_``, the
+    ``max_open`` newest (a chunk of one forgotten, e.g. of an EnvRunner that died, opens
+    a new writer at its ``t_started``: the store joins the steps all the same)."""
 
-    def __init__(self, ingestor: Ingestor) -> None:
+    def __init__(self, ingestor: Ingestor, max_open: int = 10_000) -> None:
         self.ingestor = ingestor
+        self.max_open = max_open
         self.open: dict[str, Episode] = {}
         self.observation_space: gym.Space | None = None
         self.action_space: gym.Space | None = None
@@ -82,7 +85,9 @@ class EpisodeWriter:
         if eps.is_done:
             writer.end()
         else:
-            self.open[eps.id_] = writer
+            self.open[eps.id_] = writer  # newest last: the oldest go first
+            while len(self.open) > self.max_open:
+                del self.open[next(iter(self.open))]
         return n
 
 
