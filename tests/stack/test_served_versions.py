@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections import Counter, defaultdict
 
@@ -89,9 +90,15 @@ def test_which_data_trained_policy_v_is_the_trainers_record(redis_url, namespace
             expected.update(by_step.get(i, {}))
         assert json.loads(res.output)["policies"] == dict(expected)
         # the fills' sampling figures, as claw metrics exports them
-        scrape = generate_latest(registry_for(redis_url, redis_url)).decode()
+        # A fill counts each batch as it pushes it and its timings when it ends: read both
+        # once no fill is midway (the queue is full, so the counts stop moving).
         labels = f'namespace="{namespace}",recipe="train"'
-        made = client.stats("train")["train"]["produced"]
+        for _ in range(100):
+            made = client.stats("train")["train"]["produced"]
+            scrape = generate_latest(registry_for(redis_url, redis_url)).decode()
+            if f"claw_sample_seconds_count{{{labels}}} {float(made)}" in scrape:
+                break
+            time.sleep(0.1)
         assert f"claw_sample_seconds_count{{{labels}}} {float(made)}" in scrape
         assert f'claw_sample_batch_rows_bucket{{le="32",{labels}}} {float(made)}' in scrape
         assert f'claw_sample_hit_rate{{{labels},source="all"}} 1.0' in scrape
