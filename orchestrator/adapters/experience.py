@@ -1,4 +1,4 @@
-"""What every replay-buffer adapter (SB3, TorchRL) holds open on a Claw namespace.
+"""What every replay-buffer adapter (SB3, TorchRL, RLlib) holds open on a Claw namespace.
 
 - :class:`Transitions` turns ``(obs, action, reward, next_obs, done)`` rows of parallel
   streams (SB3's envs, TorchRL's trajectories) into Claw episodes. A transition is written
@@ -22,11 +22,13 @@
   of that sample (:meth:`Connection.pop`), so ``claw lineage NS --policy v`` answers for
   drop-in users too.
 - :func:`without_password` / :func:`with_env_password`: what a saved buffer keeps of its
-  URLs (never a password: it comes from the environment again on load).
+  URLs (never a password: it comes from the environment again on load);
+  :func:`global_seed`: a buffer's seed when none is given, from the seed the trainer set.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
@@ -378,6 +380,14 @@ def close_quietly(conn: Connection) -> None:
             type(e).__name__,
             e,
         )
+
+
+def global_seed() -> int:
+    """A seed from numpy's global state without drawing from it: SB3 and RLlib seed that
+    state before they build their buffer, so the algorithm's seed decides this one."""
+    state = np.random.get_state()
+    digest = hashlib.blake2b(state[1].tobytes() + int(state[2]).to_bytes(4), digest_size=4)
+    return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
 
 
 def without_password(url: str | None) -> str | None:

@@ -53,7 +53,6 @@ Where it differs from SB3's buffer, and why:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import uuid
 import weakref
@@ -78,6 +77,7 @@ from orchestrator.adapters.experience import (
     Transitions,
     Versions,
     close_quietly,
+    global_seed,
     ingest_options,
 )
 from orchestrator.adapters.sb3.state import SavedState
@@ -91,14 +91,6 @@ from orchestrator.sampling.sample import sample as sample_here
 log = logging.getLogger(__name__)
 
 FIELDS = ["obs", "action", "reward", "next_obs", "terminated", "truncated"]
-
-
-def _global_seed() -> int:
-    """A seed from numpy's global state without drawing from it: SB3 seeds that state
-    before building the buffer, so the algorithm's seed decides this one."""
-    state = np.random.get_state()
-    digest = hashlib.blake2b(state[1].tobytes() + int(state[2]).to_bytes(4), digest_size=4)
-    return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
 
 
 class ClawReplayBuffer(SavedState, ReplayBuffer):
@@ -168,7 +160,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         if namespace is None:
             namespace = f"{settings.namespace}-sb3-{uuid.uuid4().hex[:10]}"
             log.info("ClawReplayBuffer: namespace %r (pass namespace= to choose one)", namespace)
-        self.seed = _global_seed() if seed is None else int(seed)
+        self.seed = global_seed() if seed is None else int(seed)
         self.deterministic = deterministic
         self._cadence = (
             Cadence(1, 1, 0)  # one batch per call, drawn here: nothing read ahead
