@@ -77,9 +77,7 @@ def test_trl_consumes_exactly_the_tokens_and_logprobs_claw_served(
     )
     assert got == truth
     # what Claw served == what TRL's loss consumed, row for row (TRL shuffles the rows)
-    as_served = Counter(
-        key({**s, "loss_mask": s["env_mask"]}) for s in served
-    )
+    as_served = Counter(key({**s, "loss_mask": s["env_mask"]}) for s in served)
     assert Counter(key(c) for c in consumed) == as_served
     assert {len(c["completion_ids"]) for c in consumed} <= {1, 2}
     # the rewards: the verifier's, posted by the agents; TRL's advantages are GRPO's of them
