@@ -82,9 +82,9 @@ def model(vocab: int, seed: int) -> GPT2LMHeadModel:
     config = GPT2Config(
         vocab_size=vocab,
         n_positions=8,
-        n_embd=32,
+        n_embd=64,
         n_layer=2,
-        n_head=2,
+        n_head=4,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
