@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 FIELDS = ["obs", "action", "reward", "next_obs", "terminated", "truncated"]
 
 
-def _global_seed() -> int:
+def global_seed() -> int:
     """A seed from numpy's global state without drawing from it: SB3 seeds that state
     before building the buffer, so the algorithm's seed decides this one."""
     state = np.random.get_state()
@@ -152,7 +152,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         if namespace is None:
             namespace = f"{settings.namespace}-sb3-{uuid.uuid4().hex[:10]}"
             log.info("ClawReplayBuffer: namespace %r (pass namespace= to choose one)", namespace)
-        self.seed = _global_seed() if seed is None else int(seed)
+        self.seed = global_seed() if seed is None else int(seed)
         self.deterministic = deterministic
         self._cadence = (
             Cadence(1, 1, 0)  # one batch per call, drawn here: nothing read ahead
