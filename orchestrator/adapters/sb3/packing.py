@@ -36,8 +36,11 @@ class DictLayout:
         return np.concatenate(parts, axis=1)
 
     def unpack(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        n = len(rows)
-        return {
-            key: np.ascontiguousarray(rows[:, off : off + size]).view(dtype).reshape(n, *shape)
-            for key, shape, dtype, off, size in self.keys
-        }
+        """Each key's ``(n, *shape)`` array, copied out of ``rows`` into fresh arrays
+        (their strides are the canonical ones torch needs, even for an axis of one)."""
+        n, out = len(rows), {}
+        for key, shape, dtype, off, size in self.keys:
+            part = np.empty((n, size), np.uint8)
+            part[:] = rows[:, off : off + size]
+            out[key] = part.view(dtype).reshape(n, *shape)
+        return out

@@ -359,10 +359,10 @@ class ClawRolloutBuffer(RolloutBuffer):
         e, self._epochs = self._epochs, self._epochs + 1
         if e:  # served position of each chain position, then epoch e in that order
             order = th.as_tensor(first[permutation(seed, no, e, self.steps)], device=self.device)
-            data = tuple(x[order] for x in data)
+            data = tuple(_take(x, order) for x in data)
         size = self.steps if batch_size is None else batch_size
         for start in range(0, self.steps, size):
-            yield self._samples_type(*(x[start : start + size] for x in data))
+            yield self._samples_type(*(_take(x, slice(start, start + size)) for x in data))
 
     def _pop_rollout(self) -> tuple[tuple[Any, ...], np.ndarray, int, int]:
         """This rollout from Claw, as tensors in its first epoch's order, with where each
@@ -394,6 +394,11 @@ class ClawRolloutBuffer(RolloutBuffer):
         """Write nothing more, unregister the recipe, release the connections (also done on
         garbage collection and at exit)."""
         self._finalizer()
+
+
+def _take(x: Any, rows: Any) -> Any:
+    """Rows of a tensor, or of each tensor of a Dict observation."""
+    return {k: v[rows] for k, v in x.items()} if isinstance(x, dict) else x[rows]
 
 
 def _close(ingestor: Ingestor, client: BatchClient, names: list[str]) -> None:
