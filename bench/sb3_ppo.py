@@ -11,7 +11,8 @@ round, the trainer's CPU, the time the trainer spent in ``get()`` (waiting for a
 converting Claw's epochs) and in ``compute_returns_and_advantage``, the worker's and
 Redis's CPU seconds during the run, and the final deterministic evaluation (mean return
 of ``--eval-episodes`` episodes). Variants run in the order given, ``--rounds`` times over
-(interleaved A/B under a changing load); the table has one row per run with the load
+(interleaved A/B under a changing load; ``claw:write_every=16`` passes integer
+kwargs to the buffer); the table has one row per run with the load
 average at its start. Prints markdown.
 """
 
@@ -143,7 +144,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--variants", default="sb3,claw")
+    ap.add_argument("--variants", default="sb3,claw", help="sb3, claw or claw:KEY=INT,... (kwargs)")
     ap.add_argument("--eval-episodes", type=int, default=20)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -155,9 +156,13 @@ def main() -> None:
     try:
         r = redis.Redis.from_url(url)
         for k in range(a.rounds):
-            for name in names:
-                cls = VARIANTS[name]
-                kw = {"namespace": f"bench-ppo-{k}"} if cls is TimedClaw else {}
+            for i, name in enumerate(names):
+                base, _, opts = name.partition(":")
+                cls = VARIANTS[base]
+                kw = {"namespace": f"bench-ppo-{k}-{i}"} if cls is TimedClaw else {}
+                for opt in filter(None, opts.split(",")):
+                    key, _, value = opt.partition("=")
+                    kw[key] = int(value)
                 load = os.getloadavg()[0]
                 w0, r0 = group_cpu(worker.proc.pid), redis_cpu(r)
                 c0 = time.process_time()

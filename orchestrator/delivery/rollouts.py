@@ -82,6 +82,8 @@ state: the rollout is formed within ``POLL_S`` of its last step's
 commit, not at the next fill a pop or the beat asks for (a second or more later). The
 refill lock (30 s) is held meanwhile, so no second fill starts."""
 POLL_S = 0.01
+WAITER_EVERY = 5
+"""Polls between two looks at whether a newer fill took over the wait."""
 READ_ONCE_BYTES = 256 << 20
 """A fill pushing more than one epoch reads a rollout of at most this many payload bytes
 once and cuts its minibatches from it (a read per minibatch otherwise)."""
@@ -523,9 +525,11 @@ def run(reg: Registry, entry: Entry, augment: AugmentPlan | None) -> tuple[int, 
     while isinstance(got := _sweep(reg, recipe, target, form=True), str):
         if got.startswith("stopped"):
             return 0, got
+        polls = 0
         while (now := reg.inserted()) == inserted and time.monotonic() < deadline:
             time.sleep(POLL_S)  # a GET per shard: select again only once steps landed
-            if reg.r.hget(skey, "waiter") != me:
+            polls += 1
+            if polls % WAITER_EVERY == 0 and reg.r.hget(skey, "waiter") != me:
                 return 0, got  # a newer fill of this recipe waits instead
         if now == inserted:
             return 0, got
