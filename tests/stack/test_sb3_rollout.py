@@ -122,6 +122,24 @@ def test_gae_and_returns_equal_sb3_with_terminated_truncated_and_running_episode
     claw.close()
 
 
+def test_a_reused_namespace_serves_each_buffer_its_own_steps(redis_url, namespace, workers):
+    """A later run on the same namespace (or two at once) writes the same policy versions:
+    each buffer's recipe takes only the steps it wrote; a namespace too small is refused."""
+    space, act = spaces.Box(-np.inf, np.inf, (4,), np.float32), spaces.Discrete(2)
+    bufs = [
+        ClawRolloutBuffer(8, space, act, "cpu", 0.9, 0.99, 2, **_kw(redis_url, namespace))
+        for _ in range(2)
+    ]
+    for k, buf in enumerate(bufs):
+        Collect(2, 0.99, seed=k).rollout([buf], 8, k)
+    for k, buf in enumerate(bufs):
+        got = _served(buf, batch_size=4)
+        assert (got["observations"][:, 2] == k).all() and len(got["t"]) == 16
+        buf.close()
+    with pytest.raises(ValueError, match=r"holds 32 steps; a rollout is 64"):
+        ClawRolloutBuffer(16, space, act, "cpu", n_envs=4, **_kw(redis_url, namespace))
+
+
 # ---- SB3's tests/test_buffers.py, rollout cases -----------------------------------------
 class DummyEnv(gym.Env):
     """SB3's test_buffers.DummyEnv: Box(1, 5, (1,)) observations and actions."""

@@ -10,20 +10,24 @@ The algorithm's own loop runs unchanged:
   behaviour's ``log_prob`` and ``value`` as tags, ``policy_version`` the rollout's
   number), one Claw episode per env episode, continued across rollouts. A row is written
   once the next ``add`` says whether its episode ended there, in one ``add_batch`` (one
-  message) per ``write_every`` time steps: a rollout is 4 messages by default, sent while
-  the loop still collects, never a round trip per step.
+  message) per ``write_every`` time steps (default a quarter of ``n_steps``: most of a
+  rollout is committed while the loop still collects), never a round trip per step.
 - ``compute_returns_and_advantage`` writes each env's last row (terminated if ``dones``,
   else with ``bootstrap_value`` = SB3's ``last_values``) and computes SB3's numbers here
   with SB3's own code (``advantages``, ``returns``: what PPO's explained variance and
   callbacks read). The prefetch workers compute the same GAE over the same chains (a
-  ``rollout`` recipe, docs/recipes.md "On-policy"; equal to 1e-6, tested) and serve it.
-- ``get(batch_size)`` (``train()``) pops one epoch of the rollout from Claw: the workers'
-  permutation of all ``n_steps * n_envs`` steps with their advantages, returns, the
-  behaviour's log-probs and values, sliced here into SB3's minibatches (each step in
-  exactly one minibatch per epoch; any ``batch_size``, A2C's ``None`` included). The
-  recipe serves ``n_epochs`` such permutations per rollout, then waits for the next
-  ``reset()`` (the next collect), which moves its ``policy_version``: each rollout is
-  consumed once and an unused epoch is dropped.
+  ``rollout`` recipe, docs/recipes.md "On-policy"; equal to 1e-6, tested) and serve the
+  rollout with it.
+- ``get(batch_size)`` (``train()``) yields one epoch of the rollout Claw served: all
+  ``n_steps * n_envs`` steps with the workers' advantages and returns and the
+  behaviour's log-probs and values, in SB3's minibatches (each step in exactly one
+  minibatch per epoch; any ``batch_size``, A2C's ``None`` included). The rollout crosses
+  Redis once, as one message holding its first epoch; epoch e is the same rows in the
+  order the rollout mode serves epoch e (its seeded permutation, ``rollouts.permutation``
+  of the seed and rollout number the message carries), so PPO's ``n_epochs`` (which SB3
+  does not tell its buffer) cost no more transfers, and any number of ``get()`` calls
+  works. The next ``reset()`` (SB3's next collect) moves the recipe's
+  ``policy_version``: each rollout is consumed once.
 
 Where it differs from SB3's buffer, and why:
 
@@ -32,20 +36,20 @@ Where it differs from SB3's buffer, and why:
   GitHub issue #633). So every episode end is stored ``terminated`` with SB3's reward,
   which makes the workers' GAE SB3's; the namespace is training data for this run, not
   a dataset with true terminal flags.
-- ``n_epochs`` is PPO's (read from the algorithm building the buffer: SB3 does not pass
-  it; A2C: 1), or ``n_epochs=``. A ``get()`` beyond the epochs served (a custom loop)
-  asks Claw for the rollout again (the permutations repeat) and the next rollouts are
-  served with that many epochs.
-- Observations and actions are not kept here (they are in Claw); ``observations`` and
-  ``actions`` are not attributes. ``reset()`` after a rollout cut short (a callback that
-  stops collecting) drops the rows not yet written; the written ones are never served
-  (counted ``dropped_stale`` when the version moves).
-- Shuffles are the recipe's (``seed``, else from numpy's global state, which SB3 seeds),
-  not ``np.random.permutation``: a seeded run repeats.
-- Without ``namespace`` each buffer gets its own (``<CLAW_NAMESPACE>-sb3-<random>``);
-  its ring holds ``capacity`` steps (default two rollouts: one served while the next is
-  written). ``close()`` (or garbage collection, exit) unregisters the recipe and closes
-  the connections; the steps stay in Redis.
+- Observations and actions are not kept here (they are in Claw): there are no
+  ``observations`` and ``actions`` attributes. ``reset()`` after a rollout cut short (a
+  callback that stops collecting) drops its rows not yet written; the written ones are
+  never served (counted ``dropped_stale`` once the version moves).
+- The epochs' shuffles are the recipe's (``seed``, else from numpy's global state, which
+  SB3 seeds), not ``np.random.permutation``; they are over the rollout's chain order,
+  which follows the run's unique episode ids, so runs do not repeat bit for bit.
+- ``get()`` before ``compute_returns_and_advantage`` (SB3 allows it) first computes with
+  zero last values and no ``dones``: a rollout reaches Claw whole.
+- Without ``namespace`` each buffer gets its own (``<CLAW_NAMESPACE>-sb3-<random>``,
+  logged); its ring holds ``capacity`` steps (default two rollouts: one served while the
+  next is written). ``close()`` (or garbage collection, exit) unregisters the recipe and
+  closes the connections; the steps stay in Redis. PPO's ``save`` leaves the rollout
+  buffer out, as for SB3's own.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, Roll
 from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
+from claw_tasks.store import Store
 from orchestrator.adapters.sb3.buffer import global_seed
 from orchestrator.adapters.sb3.packing import DictLayout
 from orchestrator.delivery.client import BatchClient
@@ -74,7 +79,10 @@ from orchestrator.sampling.batch import Batch
 log = logging.getLogger(__name__)
 
 EPISODE_META = frozenset({"task_id", "agent_id", "skill_tag", "reward_source"})
-EPISODE_TAGS = frozenset({LOG_PROB, VALUE, BOOTSTRAP_VALUE})
+RUN_TAG = "sb3_buffer"
+"""A string tag naming the buffer that wrote a step: its recipe takes only its own steps
+(a namespace reused by a later run, or shared, holds others of the same versions)."""
+EPISODE_TAGS = frozenset({LOG_PROB, VALUE, BOOTSTRAP_VALUE, RUN_TAG})
 
 
 def _numpy(x: Any, n: int) -> np.ndarray:
@@ -87,7 +95,8 @@ def _numpy(x: Any, n: int) -> np.ndarray:
 class ClawRolloutBuffer(RolloutBuffer):
     """SB3 rollout buffer backed by Claw (see the module docstring).
 
-    ``namespace``, ``redis_url``, ``broker_url`` say where; ``capacity`` the ring (steps);
+    ``namespace``, ``redis_url``, ``broker_url`` say where; ``capacity`` the ring of a new
+    namespace (steps; default two rollouts);
     ``episode`` holds keyword arguments of :meth:`Ingestor.episode` (``task_id``,
     ``agent_id``: on every step); ``ingest`` those of the :class:`Ingestor`;
     ``write_every`` the time steps per message (default a quarter of ``n_steps``);
@@ -129,41 +138,53 @@ class ClawRolloutBuffer(RolloutBuffer):
         self.timeout = timeout
         self.write_every = max(1, write_every or -(-buffer_size // 4))
         self.steps = buffer_size * n_envs
+        self.episode_kw = dict(episode or {})
+        self._meta = {k: v for k, v in self.episode_kw.items() if k in EPISODE_META}
+        self._tags = {k: v for k, v in self.episode_kw.items() if k not in EPISODE_META}
+        if "policy_version" in self.episode_kw or EPISODE_TAGS & set(self._tags):
+            raise ValueError(
+                f"episode: policy_version, {', '.join(sorted(EPISODE_TAGS))} are the "
+                "buffer's to write"
+            )
         settings = get_settings()
         if namespace is None:
             namespace = f"{settings.namespace}-sb3-{uuid.uuid4().hex[:10]}"
             log.info("ClawRolloutBuffer: namespace %r (pass namespace= to choose one)", namespace)
         self.namespace = namespace
+        if capacity is None:  # a new namespace: two rollouts; an existing one keeps its own
+            probe = Store(redis_url or settings.redis_url, namespace)
+            capacity = None if probe.exists() else 2 * self.steps
+            probe.r.close()
         schema = Schema.rollout(
             tuple(self._row_shape()),
             (self.action_dim,),
             obs_dtype=self.obs_dtype.str,
             action_dtype=self.action_dtype.str,
+            tags={RUN_TAG: "str"},
         )
         ingest_kw = {"flush_steps": max(self.steps, 256), **(ingest or {})}
         self.ingestor = Ingestor(
             namespace,
             redis_url,
             broker_url=broker_url,
-            capacity=capacity or 2 * self.steps,
+            capacity=capacity,
             schema=schema,
             **ingest_kw,
         )
+        held = self.ingestor.store.config().capacity
+        if held < self.steps:
+            self.ingestor.close()
+            raise ValueError(
+                f"namespace {namespace!r} holds {held} steps; a rollout is {self.steps} "
+                "(n_steps x n_envs): use another namespace or pass a larger capacity for a new one"
+            )
         self.client = BatchClient(namespace, redis_url, broker_url=broker_url)
         self._names: list[str] = []  # the recipe, unregistered on close
         self._finalizer = weakref.finalize(self, _close, self.ingestor, self.client, self._names)
-        self.episode_kw = dict(episode or {})
-        self._meta = {k: v for k, v in self.episode_kw.items() if k in EPISODE_META}
-        self._tags = {k: v for k, v in self.episode_kw.items() if k not in EPISODE_META}
-        if "policy_version" in self.episode_kw or EPISODE_TAGS & set(self._tags):
-            raise ValueError(
-                "episode: policy_version, log_prob, value and bootstrap_value are the "
-                "buffer's to write"
-            )
         self.seed = global_seed() if seed is None else int(seed)
         self.recipe_name = f"sb3ppo-{uuid.uuid4().hex[:8]}"
         self._overrides = dict(recipe or {})
-        self._run = uuid.uuid4().hex[:12]  # episode ids: <run>.<env>.<episode number>
+        self._run = uuid.uuid4().hex[:12]  # on every step; episode ids <run>.<env>.<number>
         self._ep_no = np.zeros(n_envs, np.int64)  # each env's current episode (from 1)
         self._open = np.zeros(n_envs, bool)  # whether it has one
         self._ep_step = np.zeros(n_envs, np.int64)  # its next step_index
@@ -195,7 +216,7 @@ class ClawRolloutBuffer(RolloutBuffer):
             "name": self.recipe_name,
             "batch_size": self.steps,  # the whole rollout in one message: its first epoch
             "fields": ["obs", "action"],
-            "sources": [{"name": "rollouts"}],
+            "sources": [{"name": "rollouts", "where": {f"tags.{RUN_TAG}": self._run}}],
             "params": {"policy_version": self.version},
             "gamma": self.gamma,
             "seed": self.seed,
@@ -315,6 +336,7 @@ class ClawRolloutBuffer(RolloutBuffer):
                 "policy_version": self.version,
                 "tags": {
                     **self._tags,
+                    RUN_TAG: self._run,
                     LOG_PROB: self.log_probs[start:stop].ravel().astype(np.float64),
                     VALUE: self.values[start:stop].ravel().astype(np.float64),
                     BOOTSTRAP_VALUE: boot.ravel(),
