@@ -10,8 +10,10 @@ The algorithm's own loop runs unchanged:
   behaviour's ``log_prob`` and ``value`` as tags, ``policy_version`` the rollout's
   number), one Claw episode per env episode, continued across rollouts. A row is written
   once the next ``add`` says whether its episode ended there, in one ``add_batch`` (one
-  message) per ``write_every`` time steps (default a quarter of ``n_steps``: most of a
-  rollout is committed while the loop still collects), never a round trip per step.
+  message) per ``write_every`` time steps (default: about ``MESSAGE_BYTES`` of payload a
+  message; a small rollout in one), never a round trip per step. The calls to Claw
+  (those messages, ``set_params``) run in a :class:`Writer` thread, in order: the loop
+  does not wait for their round trips.
 - ``compute_returns_and_advantage`` writes each env's last row (terminated if ``dones``,
   else with ``bootstrap_value`` = SB3's ``last_values``) and computes SB3's numbers here
   with SB3's own code (``advantages``, ``returns``: what PPO's explained variance and
@@ -54,10 +56,13 @@ Where it differs from SB3's buffer, and why:
 
 from __future__ import annotations
 
+import functools
 import logging
+import queue
+import threading
 import uuid
 import weakref
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import numpy as np
@@ -85,6 +90,58 @@ RUN_TAG = "sb3_buffer"
 EPISODE_TAGS = frozenset({LOG_PROB, VALUE, BOOTSTRAP_VALUE, RUN_TAG})
 
 
+MESSAGE_BYTES = 4 << 20
+"""Payload bytes per ``add_batch`` message, about: a small rollout (CartPole's 256 steps
+are 6 KB) goes in one message, a large one (Atari's) in several sent while SB3 collects."""
+
+
+class Writer:
+    """Runs a buffer's calls to Claw (``set_params``, ``add_batch``, ``request_fill``) in
+    order in one thread, off SB3's collect loop: each is a publish or a transaction whose
+    round trips the loop would otherwise wait for. :meth:`wait` returns once every call
+    submitted so far is done, raising the first error one of them met (and every later
+    :meth:`submit` raises it too)."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None]
+        self._calls = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="claw-rollout-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, args = call
+            try:
+                if self.error is None:
+                    fn(*args)
+            except BaseException as e:  # raised by the buffer's next call
+                self.error = e
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self.error is not None:
+            raise self.error
+        with self._cond:
+            self._pending += 1
+        self._calls.put((fn, args))
+
+    def wait(self, timeout: float | None = None) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pending == 0, timeout):
+                raise TimeoutError(f"{self._pending} writes to Claw not done within {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self._calls.put(None)
+        self._thread.join(timeout=60)
+
+
 def _numpy(x: Any, n: int) -> np.ndarray:
     """A tensor or array of ``n`` numbers as float32 (SB3's values and log-probs)."""
     if isinstance(x, th.Tensor):
@@ -99,7 +156,8 @@ class ClawRolloutBuffer(RolloutBuffer):
     namespace (steps; default two rollouts);
     ``episode`` holds keyword arguments of :meth:`Ingestor.episode` (``task_id``,
     ``agent_id``: on every step); ``ingest`` those of the :class:`Ingestor`;
-    ``write_every`` the time steps per message (default a quarter of ``n_steps``);
+    ``write_every`` the time steps per message (default: ``MESSAGE_BYTES`` of payload,
+    at most the rollout);
     ``recipe`` overrides keys of the rollout recipe; ``timeout`` bounds a pop.
     """
 
@@ -136,7 +194,9 @@ class ClawRolloutBuffer(RolloutBuffer):
         self.obs_dtype = np.dtype(self._row_space(observation_space).dtype)
         self.action_dtype = np.dtype(action_space.dtype)
         self.timeout = timeout
-        self.write_every = max(1, write_every or -(-buffer_size // 4))
+        row_bytes = int(np.prod(self._row_shape())) * self.obs_dtype.itemsize + 64
+        per_step = max(1, MESSAGE_BYTES // (n_envs * row_bytes))
+        self.write_every = max(1, min(write_every or per_step, buffer_size))
         self.steps = buffer_size * n_envs
         self.episode_kw = dict(episode or {})
         self._meta = {k: v for k, v in self.episode_kw.items() if k in EPISODE_META}
@@ -180,7 +240,10 @@ class ClawRolloutBuffer(RolloutBuffer):
             )
         self.client = BatchClient(namespace, redis_url, broker_url=broker_url)
         self._names: list[str] = []  # the recipe, unregistered on close
-        self._finalizer = weakref.finalize(self, _close, self.ingestor, self.client, self._names)
+        self.writer = Writer()
+        self._finalizer = weakref.finalize(
+            self, _close, self.writer, self.ingestor, self.client, self._names
+        )
         self.seed = global_seed() if seed is None else int(seed)
         self.recipe_name = f"sb3ppo-{uuid.uuid4().hex[:8]}"
         self._overrides = dict(recipe or {})
@@ -252,9 +315,9 @@ class ClawRolloutBuffer(RolloutBuffer):
 
     def reset(self) -> None:
         """Start the next rollout (SB3 calls this before collecting): its steps get the next
-        ``policy_version``, which the recipe now serves (the last rollout's unused epochs
-        are dropped). A rollout's rows not yet written are dropped (see the module
-        docstring); nothing happens if nothing was added since the last reset."""
+        ``policy_version``, which the recipe now serves. A rollout's rows not yet written
+        are dropped (see the module docstring); nothing happens if nothing was added since
+        the last reset."""
         if self.pos == 0 and not self.full:
             return
         if not self._finished:
@@ -266,7 +329,8 @@ class ClawRolloutBuffer(RolloutBuffer):
                 self.buffer_size,
             )
         self.version += 1
-        self.client.set_params(self.recipe_name, policy_version=self.version)
+        move = functools.partial(self.client.set_params, policy_version=self.version)
+        self.writer.submit(move, self.recipe_name)
         self._clear()
 
     def add(
@@ -325,14 +389,15 @@ class ClawRolloutBuffer(RolloutBuffer):
         episode = self._episode[start:stop].ravel()
         env = np.tile(np.arange(n), k)
         ids = [f"{self._run}.{i}.{e}" for i, e in zip(env.tolist(), episode.tolist(), strict=True)]
-        self.ingestor.add_batch(
+        self.writer.submit(
+            self.ingestor.add_batch,
             {
                 "obs": np.concatenate(self._obs[start:stop]),  # type: ignore[arg-type]
                 "action": np.concatenate(self._actions[start:stop]),  # type: ignore[arg-type]
-                "reward": self.rewards[start:stop].ravel(),
+                "reward": self.rewards[start:stop].ravel().copy(),
                 "terminated": ended.ravel(),
                 "episode_id": ids,
-                "step_index": self._step[start:stop].ravel(),
+                "step_index": self._step[start:stop].ravel().copy(),
                 "policy_version": self.version,
                 "tags": {
                     **self._tags,
@@ -342,7 +407,7 @@ class ClawRolloutBuffer(RolloutBuffer):
                     BOOTSTRAP_VALUE: boot.ravel(),
                 },
                 **self._meta,
-            }
+            },
         )
         self._obs[start:stop] = [None] * k
         self._actions[start:stop] = [None] * k
@@ -364,7 +429,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         done = np.asarray(dones).reshape(n).astype(bool)
         self._write(self.buffer_size, lv.astype(np.float64), done)
         self._finished = True
-        self.client.request_fill(self.recipe_name)  # a fill already waiting sees the commit
+        self.writer.submit(self.client.request_fill, self.recipe_name)  # if none waits
         super().compute_returns_and_advantage(th.as_tensor(lv), done)
 
     # ---- training ----------------------------------------------------------------------
@@ -376,6 +441,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         if not self._finished:  # SB3 allows get() without it: nothing bootstraps then
             self.compute_returns_and_advantage(th.zeros(self.n_envs), np.zeros(self.n_envs))
         if self._epoch is None:
+            self.writer.wait(self.timeout)  # the rollout's last rows are sent
             self._epoch = self._pop_rollout()
         data, first, seed, no = self._epoch
         e, self._epochs = self._epochs, self._epochs + 1
@@ -423,7 +489,8 @@ def _take(x: Any, rows: Any) -> Any:
     return {k: v[rows] for k, v in x.items()} if isinstance(x, dict) else x[rows]
 
 
-def _close(ingestor: Ingestor, client: BatchClient, names: list[str]) -> None:
+def _close(writer: Writer, ingestor: Ingestor, client: BatchClient, names: list[str]) -> None:
+    writer.close()
     try:
         ingestor.close(timeout=10.0)
     except Exception as e:  # at exit or in GC: never raise
