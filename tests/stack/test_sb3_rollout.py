@@ -26,6 +26,15 @@ from orchestrator.adapters.sb3 import ClawDictRolloutBuffer, ClawRolloutBuffer
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny networks: more threads only spin against the workers (10x slower here)."""
+    before = th.get_num_threads()
+    th.set_num_threads(1)
+    yield
+    th.set_num_threads(before)
+
+
 def _kw(redis_url: str, namespace: str, **kw) -> dict:
     return {"namespace": namespace, "redis_url": redis_url, "timeout": 60, **kw}
 
