@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -15,7 +16,7 @@ import numpy as np
 from claw_tasks.broker.app import client_app
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
-from orchestrator.delivery import ratelimit, rollouts, shm
+from orchestrator.delivery import admission, ratelimit, rollouts, shm
 from orchestrator.delivery.lineage import LineageLog, Traced, record
 from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.registry import Entry, Registry
@@ -84,6 +85,7 @@ class BatchClient:
             recipe.validate_against(schema)
         if recipe.as_of is not None:
             self.store.snapshot_info(recipe.as_of)  # SnapshotError naming the ones there are
+        admission.check_owner(self.store, recipe)
 
         def change(old: Entry | None) -> Recipe | None:
             return None if old is not None and _same(old.recipe, recipe) else recipe
@@ -101,7 +103,9 @@ class BatchClient:
         """Change live params (e.g. curriculum thresholds): the next batches use them.
 
         The recipe gets the next ``version``; queued batches of older versions are dropped
-        (here and by every pop); augmentation statistics and samplers are kept."""
+        (here and by every pop); augmentation statistics and samplers are kept. A recipe
+        with ``admission`` declares its new policy version to the gateways here
+        (``set_params(name, policy_version=v)`` after each update)."""
 
         def change(old: Entry | None) -> Recipe:
             if old is None:
@@ -127,17 +131,33 @@ class BatchClient:
     def unregister(self, name: str) -> None:
         for item in self.registry.remove(name):
             shm.discard(item)
+        admission.clear(self.store, name)
         self._recipes.pop(name, None)
 
     def _installed(self, recipe: Recipe, reset: bool) -> None:
         """After a new version: drop the queued batches (older versions), reset the
         counters unless only live params changed, and ask for a fill."""
-        for item in self.registry.drain(recipe.name):
-            shm.discard(item)
+        self._drop(recipe, self.registry.drain(recipe.name))
         if reset:
             self.store.r.delete(self.registry.counters(recipe.name))
+        if recipe.admission is not None:
+            admission.declare(self.store, recipe, fresh=reset)
+        else:
+            admission.clear(self.store, recipe.name)  # a new version without the section
         self._recipes[recipe.name] = recipe
         self.request_fill(recipe.name, force=True)
+
+    def _drop(self, recipe: Recipe, items: list[bytes]) -> None:
+        """Discard queued batches; an admission recipe gives back their trajectories'
+        slots (accepted, never to be served)."""
+        slots = 0
+        for item in items:
+            if recipe.admission is not None:
+                with contextlib.suppress(Exception):  # unreadable: nothing to count
+                    slots += admission.trajectories_in(shm.from_message(item))
+            shm.discard(item)
+        if slots:
+            admission.give_back(self.store, slots, f"{recipe.name}: batches dropped")
 
     def _entry(self, name: str) -> Entry:
         entry = self.registry.get(name)
@@ -194,8 +214,11 @@ class BatchClient:
                 continue
             if batch.recipe_version != recipe.version:  # changed here or by another client
                 recipe = self._recipes[name] = self._entry(name).recipe
-                if batch.recipe_version < recipe.version:
-                    continue  # stale (its segment, if any, is unlinked already): drop it
+                if batch.recipe_version < recipe.version:  # stale: drop it (its segment,
+                    if recipe.admission is not None:  # if any, is unlinked already)
+                        n = admission.trajectories_in(batch)
+                        admission.give_back(self.store, n, f"{name}: a stale batch dropped")
+                    continue
             with self._counting:  # reported with the next pop
                 self._popped[name] = self._popped.get(name, 0) + 1
             if policy_version is not None:
@@ -351,7 +374,10 @@ class BatchClient:
         """Per recipe: queue depth and bound, batches produced and popped, rows sampled,
         steps inserted, the rate limiter's verdict and the last prefetch state; a rollout
         recipe's ``rollout``: rollouts formed, the policy version served, its minibatches
-        pushed of all, steps dropped stale and steps lost (docs/recipes.md, "On-policy")."""
+        pushed of all, steps dropped stale and steps lost (docs/recipes.md, "On-policy");
+        an ``admission`` recipe's ``admission``: the budget and its counters
+        (:func:`orchestrator.delivery.admission.state`) and ``served_staleness`` (batches,
+        mean and max staleness in versions; docs/llm.md, "Admission")."""
         self.flush_lineage()
         names = [name] if name is not None else self.registry.names()
         inserted = self.registry.inserted() if self.store.exists() else 0
@@ -378,6 +404,12 @@ class BatchClient:
             }
             if rec.rollout is not None:
                 out[n]["rollout"] = rollouts.read_state(self.registry, n).describe()
+            if rec.admission is not None:
+                budget = admission.state(self.store)
+                out[n]["admission"] = {
+                    **(budget or {}),
+                    "served_staleness": admission.served_staleness(c),
+                }
         return out
 
     def close(self) -> None:
