@@ -19,6 +19,7 @@ from claw_tasks.store import Store
 from orchestrator.delivery import admission, ratelimit, rollouts, shm
 from orchestrator.delivery.lineage import LineageLog, Traced, record
 from orchestrator.delivery.priorities import PriorityWriter
+from orchestrator.delivery.readahead import ReadAhead
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import WireVersionError
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 LINEAGE_PENDING = 256
 """Lineage entries a client holds before it sends them without waiting for a pop."""
 
+_FLUSH = object()  # asks the sending thread to send the lineage recorded by local pops
+
 
 class BatchClient:
     """Pops prefetched, augmented batches of registered recipes from Redis queues.
@@ -36,6 +39,14 @@ class BatchClient:
     Workers on the ``prefetch`` queue fill each recipe's bounded queue; a pop that leaves
     the queue under its low-water mark asks for a refill (one at a time per recipe), and a
     beat task tops up every queue each second as a safety net.
+
+    ``readahead`` (default ``CLAW_READAHEAD``, 0: off): batches of each recipe a
+    background thread keeps popped and decoded in this process (at most
+    ``readahead_bytes`` of them), so :meth:`pop` is a local dequeue while they last
+    (:class:`~orchestrator.delivery.readahead.ReadAhead`; not for ``rollout`` recipes,
+    whose minibatches follow the policy versions). Batches then leave the Redis queue
+    before the trainer takes them (``depth`` counts them no longer; ``popped`` counts them
+    when the thread takes them).
     """
 
     def __init__(
@@ -44,8 +55,13 @@ class BatchClient:
         redis_url: str | None = None,
         *,
         broker_url: str | None = None,
+        readahead: int | None = None,
+        readahead_bytes: int = 64 << 20,
     ) -> None:
         settings = get_settings()
+        self.readahead = settings.readahead if readahead is None else readahead
+        self.readahead_bytes = readahead_bytes
+        self._ahead: dict[str, ReadAhead] = {}
         self.namespace = namespace or settings.namespace
         self.redis_url, self.broker_url = redis_url, broker_url  # as given (None: environment)
         url = self._url = redis_url or settings.redis_url
@@ -65,7 +81,7 @@ class BatchClient:
         self._lineage: collections.deque[dict[str, bytes | str]] = collections.deque()
         self._logged_skip: set[str] = set()
         self._priorities: PriorityWriter | None = None
-        self._refills: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._refills: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._sender = threading.Thread(
             target=self._send_refills, name="claw-refill-requests", daemon=True
         )
@@ -129,14 +145,31 @@ class BatchClient:
         return stored
 
     def unregister(self, name: str) -> None:
+        self._stop_ahead(name)
         for item in self.registry.remove(name):
             shm.discard(item)
         admission.clear(self.store, name)
         self._recipes.pop(name, None)
 
+    def detached(self) -> BatchClient:
+        """A new client of the same namespace, store and broker, without read-ahead (what a
+        read-ahead thread pops with)."""
+        return BatchClient(self.namespace, self.redis_url, broker_url=self.broker_url, readahead=0)
+
+    def held(self, name: str) -> int:
+        """Batches of recipe ``name`` read ahead in this process and not popped yet."""
+        ra = self._ahead.get(name)
+        return 0 if ra is None else len(ra)
+
+    def _stop_ahead(self, name: str) -> None:
+        ra = self._ahead.pop(name, None)
+        if ra is not None:
+            ra.close()  # the batches it held are dropped (their rows stay in the store)
+
     def _installed(self, recipe: Recipe, reset: bool) -> None:
-        """After a new version: drop the queued batches (older versions), reset the
-        counters unless only live params changed, and ask for a fill."""
+        """After a new version: drop the queued batches (older versions, and those read
+        ahead), reset the counters unless only live params changed, and ask for a fill."""
+        self._stop_ahead(recipe.name)
         self._drop(recipe, self.registry.drain(recipe.name))
         if reset:
             self.store.r.delete(self.registry.counters(recipe.name))
@@ -175,6 +208,8 @@ class BatchClient:
         recorded in the lineage log (:meth:`trained` records a batch popped earlier)."""
         recipe = self._recipes.get(name) or self._entry(name).recipe
         self._recipes[name] = recipe
+        if self.readahead > 0 and recipe.rollout is None:
+            return self._pop_ahead(name, timeout, policy_version)
         q = self.registry.queue(name)
         deadline = None if timeout is None else time.monotonic() + timeout
         r = self.store.r
@@ -223,6 +258,27 @@ class BatchClient:
                 self._popped[name] = self._popped.get(name, 0) + 1
             if policy_version is not None:
                 self.trained(name, batch, policy_version)
+            return batch
+
+    def _pop_ahead(self, name: str, timeout: float | None, policy_version: Any) -> Batch:
+        """:meth:`pop` from the recipe's read-ahead (started on first use)."""
+        ra = self._ahead.get(name)
+        if ra is None:
+            ra = self._ahead[name] = ReadAhead(
+                self, name, count=self.readahead, max_bytes=self.readahead_bytes
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            batch = ra.pop(left)
+            version = self._recipes[name].version
+            if batch.recipe_version > version:  # changed by another client
+                self._recipes[name] = self._entry(name).recipe
+            elif batch.recipe_version < version:
+                continue  # read ahead before this client changed the recipe: stale
+            if policy_version is not None:
+                self.trained(name, batch, policy_version)
+                self._refills.put(_FLUSH)  # sent off the trainer's path: no pop goes out
             return batch
 
     def _skip(self, name: str, item: Any, error: Exception) -> None:
@@ -278,8 +334,11 @@ class BatchClient:
     def _send_refills(self) -> None:
         while (name := self._refills.get()) is not None:
             try:
-                self.request_fill(name)
-            except Exception:  # the beat safety net refills anyway
+                if name is _FLUSH:
+                    self.flush_lineage()
+                else:
+                    self.request_fill(name)
+            except Exception:  # the beat safety net refills anyway; lineage goes next time
                 log.warning("refill request for %r failed", name, exc_info=True)
 
     def request_fill(self, name: str, *, force: bool = False) -> bool:
@@ -413,6 +472,8 @@ class BatchClient:
         return out
 
     def close(self) -> None:
+        for name in list(self._ahead):
+            self._stop_ahead(name)
         if self._priorities is not None:
             self._priorities.close()
         self._refills.put(None)

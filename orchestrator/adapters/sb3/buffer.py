@@ -266,7 +266,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
             schema=schema,
             **ingest_kw,
         )
-        client = BatchClient(namespace, redis_url, broker_url=broker_url)
+        client = BatchClient(namespace, redis_url, broker_url=broker_url, readahead=0)
         self._conn = Connection(ingestor, client, Transitions(ingestor, kw["episode"]))
         self._finalizer = weakref.finalize(self, close_quietly, self._conn)
 

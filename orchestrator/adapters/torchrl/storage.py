@@ -186,7 +186,7 @@ class ClawStorage(StoreStorage):
             schema=schema,
             **ingest_options(kw["ingest"], capacity or self.max_size),
         )
-        client = BatchClient(namespace, kw["redis_url"], broker_url=kw["broker_url"])
+        client = BatchClient(namespace, kw["redis_url"], broker_url=kw["broker_url"], readahead=0)
         self._conn = Connection(ingestor, client, Transitions(ingestor, kw["episode"]))
         self._finalizer = weakref.finalize(self, close_quietly, self._conn)
         return self._conn
