@@ -92,7 +92,7 @@ def nearest(
     keys: what a recipe's ``fields`` may name)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    session = _session(namespace_or_store, redis_url, index)
+    session = open_session(namespace_or_store, redis_url, index)
     with session.lock:
         return session.query(np.asarray(states), k, where, params or {}, list(fields), projected)
 
@@ -106,7 +106,9 @@ def forget_namespace(namespace: str) -> None:
     sessions.drop(lambda key: key[-3] == namespace)
 
 
-def _session(target: str | Store, redis_url: str | None, name: str) -> Session:
+def open_session(target: str | Store, redis_url: str | None, name: str) -> Session:
+    """This process's session of index ``name`` (made on first use, kept in ``sessions``:
+    later queries reuse its copy of the index and catch it up from the log)."""
     store = (
         target
         if isinstance(target, Store)

@@ -23,6 +23,9 @@ from orchestrator.recipe.model import Name
 
 Feature = Callable[[np.ndarray, dict[str, Any]], np.ndarray]
 METRICS = ("l2", "ip", "cosine")
+TRAIN_PER_LIST = 10
+"""k-means samples per IVF list: 16,384 lists train on 164k vectors (faiss's default
+minimum of 39 would be 639k, four times the k-means time)."""
 
 
 class SpecError(ValueError):
@@ -46,8 +49,13 @@ class IndexSpec(BaseModel):
     metric: Literal["l2", "ip", "cosine"] = "l2"
     kind: Literal["auto", "exact", "ivf"] = "auto"
     nlist: PositiveInt | None = None
-    """IVF lists; default ``4 * sqrt(capacity)`` rounded to a power of two, 64..65536."""
+    """IVF lists; default ``16 * sqrt(capacity)`` rounded to a power of two, 64..65536."""
     nprobe: PositiveInt = 16
+    quantizer: Literal["hnsw", "flat"] = "hnsw"
+    """How a query finds its ``nprobe`` lists: an HNSW graph over the centroids (built by
+    each reader from the stored centroids) or a flat scan of every centroid."""
+    quantizer_ef: PositiveInt = 16
+    """The HNSW quantizer's ``efSearch`` (at least ``nprobe`` is used)."""
     exact_below: int = Field(20_000, ge=0)
     """A query whose ``where`` leaves at most this many steps scans them exactly."""
     where: StrictStr | dict[str, Any] = {}
@@ -71,15 +79,17 @@ class IndexSpec(BaseModel):
         return value
 
     def lists(self, capacity: int) -> int:
-        """IVF lists for a namespace of ``capacity`` steps."""
+        """IVF lists for a namespace of ``capacity`` steps: many short lists (1M steps:
+        16,384 of ~61), which the HNSW quantizer finds cheaply, make a query scan few
+        vectors (docs/benchmarks.md, "Retrieval")."""
         if self.nlist is not None:
             return self.nlist
-        return int(min(65536, max(64, 2 ** round(math.log2(4 * math.sqrt(max(capacity, 1)))))))
+        return int(min(65536, max(64, 2 ** round(math.log2(16 * math.sqrt(max(capacity, 1)))))))
 
     def train_size(self, capacity: int) -> int:
-        """Vectors the IVF quantizer is trained on (and must exist before it is): 39 per
-        list, faiss's own minimum for k-means (below it an exact scan is used)."""
-        return 39 * self.lists(capacity)
+        """Vectors the IVF quantizer is trained on (and must exist before it is):
+        ``TRAIN_PER_LIST`` per list (below it an exact scan is used)."""
+        return TRAIN_PER_LIST * self.lists(capacity)
 
 
 def load_feature(name: str, allowed: tuple[str, ...]) -> Feature:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import redis
 
 from claw_tasks.store import Store
 from claw_tasks.store.config import LOG_MAXLEN
@@ -210,6 +211,20 @@ class Storage:
     def lock(self) -> str | None:
         token = uuid.uuid4().hex
         return token if self.r.set(self.keys.lock, token, nx=True, ex=LOCK_TTL_S) else None
+
+    def renew(self, token: str) -> bool:
+        """Extend the lock by ``LOCK_TTL_S`` while it is still ``token``'s."""
+        with self.r.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(self.keys.lock)
+                if pipe.get(self.keys.lock) != token.encode():
+                    return False
+                pipe.multi()
+                pipe.expire(self.keys.lock, LOCK_TTL_S)
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                return False
 
     def unlock(self, token: str) -> None:
         if self.r.get(self.keys.lock) == token.encode():

@@ -10,8 +10,9 @@ assignment: the writer stored each vector's list), then kept current from the in
 Search takes a boolean mask over rows (the caller's: alive, trainable, ``vid == id``, its
 ``where``): few candidates (``exact_below``), an untrained or ``exact`` index: an exact
 scan of just those rows' vectors; otherwise the IVF searched with the mask as a Faiss
-``IDSelectorBitmap`` (``nprobe`` lists), falling back to the exact scan for queries whose
-probed lists held fewer than ``k`` candidates.
+``IDSelectorBitmap`` (``nprobe`` lists, found by an HNSW graph over the centroids that
+this copy builds from the stored ones: ``quantizer: hnsw``), falling back to the exact
+scan for queries whose probed lists held fewer than ``k`` candidates.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from claw_tasks.store import Store
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import Head, Storage
-from orchestrator.retrieval.writer import assign, quantizer
+from orchestrator.retrieval.writer import HNSW_M, assign, quantizer
 
 
 def exact_search(
@@ -63,6 +64,7 @@ class VectorIndex:
         ivf = 0
         if self.ivf is not None:
             ivf = self.ivf.ntotal * (4 * self.dim + 8) + 16 * self.ivf.ntotal  # + direct map
+            ivf += self.ivf.nlist * (4 * self.dim + 8 * HNSW_M)  # the quantizer (and its graph)
         return self.vectors.nbytes + self.vid.nbytes + self.lists.nbytes + ivf
 
     def load(self) -> None:
@@ -77,7 +79,7 @@ class VectorIndex:
         self.loads += 1
         if self.head is None or self.head.centroids is None:
             return
-        self.q = quantizer(self.head.centroids, self.spec.metric)
+        self.q = quantizer(self.head.centroids, self.spec.metric, self.spec.quantizer)
         metric = faiss.METRIC_L2 if self.spec.metric == "l2" else faiss.METRIC_INNER_PRODUCT
         ivf = faiss.IndexIVFFlat(self.q, self.dim, self.head.nlist, metric)
         ivf.is_trained = True
@@ -147,7 +149,11 @@ class VectorIndex:
         assert self.ivf is not None
         bits = np.packbits(mask, bitorder="little")
         sel = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits))
-        params = faiss.SearchParametersIVF(sel=sel, nprobe=min(self.spec.nprobe, self.ivf.nlist))
+        nprobe = min(self.spec.nprobe, self.ivf.nlist)
+        params = faiss.SearchParametersIVF(sel=sel, nprobe=nprobe)
+        if self.spec.quantizer == "hnsw":
+            hnsw = faiss.SearchParametersHNSW(efSearch=max(self.spec.quantizer_ef, nprobe))
+            params.quantizer_params = hnsw
         dist, rows = self.ivf.search(queries, k, params=params)
         short = (rows < 0).any(axis=1)
         if short.any():  # the probed lists held fewer than k candidates: scan exactly

@@ -92,8 +92,8 @@ def test_the_field_must_be_a_fixed_numeric_field_of_the_namespace():
 
 def test_lists_grow_with_the_square_root_of_capacity():
     spec = IndexSpec()
-    assert spec.lists(1_000_000) == 4096 and spec.lists(10_000) == 512 and spec.lists(10) == 64
-    assert spec.train_size(1_000_000) == 39 * 4096
+    assert spec.lists(1_000_000) == 16384 and spec.lists(10_000) == 2048 and spec.lists(10) == 64
+    assert spec.train_size(1_000_000) == 10 * 16384
     assert IndexSpec(nlist=100).lists(10**9) == 100
 
 
