@@ -40,6 +40,10 @@ _LOG_SINCE = Lua("log_since", "orchestrator")
 LOG_PAGE = 1000
 
 
+def _parsed(entries: list[Any]) -> list[tuple[bytes, dict]]:
+    return [(eid, dict(zip(kv[::2], kv[1::2], strict=True))) for eid, kv in entries]
+
+
 def defs_key(store: Store) -> str:
     return store.keys.base + "vx"
 
@@ -315,8 +319,20 @@ class Storage:
     def log_since(self, last: str, seen: int) -> tuple[bool, list[tuple[bytes, dict]]]:
         """Log entries after ``last``; True first when some were lost (trimmed)."""
         lost, entries = _LOG_SINCE(self.r, [self.keys.log], [last, seen, LOG_PAGE])
-        parsed = [(eid, dict(zip(kv[::2], kv[1::2], strict=True))) for eid, kv in entries]
-        return bool(int(lost)), parsed
+        return bool(int(lost)), _parsed(entries)
+
+    def log_and_get(
+        self, last: str, seen: int, key: str
+    ) -> tuple[bool, list[tuple[bytes, dict]], bytes | None]:
+        """:meth:`log_since` and the value of ``key`` (a namespace-level key: the same
+        slot) in one round trip."""
+
+        def queue(pipe: Any) -> None:
+            _LOG_SINCE.queue(pipe, [self.keys.log], [last, seen, LOG_PAGE])
+            pipe.get(key)
+
+        (lost, entries), value = execute(self.r, [_LOG_SINCE], queue)
+        return bool(int(lost)), _parsed(entries), value
 
     # ---- layout ----------------------------------------------------------------------
     def _chunks(self, per: int) -> int:

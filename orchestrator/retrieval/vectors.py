@@ -17,6 +17,8 @@ scan for queries whose probed lists held fewer than ``k`` candidates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from claw_tasks.store import Store
@@ -101,15 +103,26 @@ class VectorIndex:
         self.ivf.add_core(len(rows), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(at))
         self.lists[rows] = lists
 
-    def refresh(self) -> np.ndarray | None:
+    def refresh(
+        self, watch: tuple[str, Callable[[bytes | None], None]] | None = None
+    ) -> np.ndarray | None:
         """Apply the log since the last look: returns the rows whose vector changed, or
-        None after a cold load (every row may have)."""
+        None after a cold load (every row may have). ``watch``: a namespace-level key read
+        in the same round trip as the log, and what to call with its value before
+        anything is applied (it may raise)."""
         if self.head is None:
+            if watch is not None:
+                watch[1](self.store.r.get(watch[0]))
             self.load()
             return None
         changed = []
         while True:
-            lost, entries = self.storage.log_since(*self.log)
+            if watch is not None:
+                lost, entries, value = self.storage.log_and_get(*self.log, watch[0])
+                watch, check = None, watch[1]  # its first page's round trip
+                check(value)
+            else:
+                lost, entries = self.storage.log_since(*self.log)
             if lost or any(b"gen" in e for _, e in entries):
                 self.load()
                 return None

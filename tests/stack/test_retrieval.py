@@ -20,8 +20,10 @@ from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
+from orchestrator.maintenance.lifecycle import drop_namespace
+from orchestrator.maintenance.vectors import update_indexes
 from orchestrator.retrieval import define_index, nearest
-from orchestrator.retrieval.query import forget_namespace
+from orchestrator.retrieval.query import forget_namespace, open_session, sessions
 from orchestrator.retrieval.storage import IndexKeys
 from tests.support.processes import Worker
 
@@ -256,3 +258,30 @@ def test_claw_nearest_answers_from_the_shell(redis_url, expert, worker):
     assert out["ids"][0] == (exact(x, x[[10]], 3) + 1).tolist()[0]
     table = claw("--state", ",".join(map(str, x[10].tolist())), "--k", "2", "--fields", "action")
     assert "state 0" in table and " 11 " in table
+
+
+def test_a_namespace_made_again_is_queried_afresh(redis_url, namespace):
+    """A process's session notices, in the round trip that reads the index's log, that the
+    namespace was dropped and made again (another capacity, other steps)."""
+    x = np.random.default_rng(4).standard_normal((200, DIM)).astype(np.float32)
+    store = Store(redis_url, namespace)
+    store.create(capacity=500)
+    store.commit(steps(x, "a", "expert"))
+    define_index(store, {"kind": "exact"})
+    update_indexes(store)
+    try:
+        assert nearest(store, x[:3], 1).ids[:, 0].tolist() == [1, 2, 3]
+        old = open_session(store, None, "default")
+        drop_namespace(store.r, namespace)  # forgets this process's sessions: keep the old
+        sessions.put(old.key, old)  # one, as a process that did not drop it still has it
+        again = Store(redis_url, namespace)
+        again.create(capacity=300)
+        y = x[:100] + 5
+        again.commit(steps(y, "b", "expert", 1000))
+        define_index(again, {"kind": "exact"})
+        update_indexes(again)
+        got = nearest(again, y[:2], 1, fields=["action"])  # the same session key as before
+        assert got.fields["action"][:, 0].tolist() == [1000, 1001]
+        assert open_session(again, None, "default") is not old
+    finally:
+        forget_namespace(namespace)
