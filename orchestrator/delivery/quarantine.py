@@ -14,8 +14,9 @@ a NaN state is bad data for every recipe) and the batch drawn again, up to
 ``CLEAN_ATTEMPTS`` times. The outlier statistics are the recipe's own
 (``claw:{ns}:cstats:<recipe>``: the rows it drew that passed, shared by its workers).
 
-Keys (``claw:{ns}:``): ``clean:counts`` (hash), ``clean:seen`` (sorted set: digest ->
-order first seen), ``clean:seen:n`` (its counter), ``cstats:<recipe>`` (hash, as
+Keys (``claw:{ns}:``): ``clean:counts`` (hash), ``clean:seen:1`` and ``clean:seen:2``
+(sets of digests: the current generation and the one before), ``clean:seen`` (which is
+current), ``cstats:<recipe>`` (hash, as
 :class:`~orchestrator.delivery.augstats.RedisStats` keeps statistics).
 """
 
@@ -86,7 +87,7 @@ def seen_before(store: Store, digests: Sequence[bytes], window: int) -> np.ndarr
     in this one); the new ones are recorded. One atomic script call."""
     if not digests:
         return np.zeros(0, bool)
-    keys = [clean_key(store, "seen"), clean_key(store, "seen:n")]
+    keys = [clean_key(store, "seen:1"), clean_key(store, "seen:2"), clean_key(store, "seen")]
     reply = _DEDUP(store.r, keys, [window, *digests])
     return np.frombuffer(reply, np.uint8) == ord("1")
 

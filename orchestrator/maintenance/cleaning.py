@@ -20,8 +20,8 @@ with them names) and the quartile samples its ``iqr`` outlier rules read.
 Keys (``claw:{target}:``): ``clean`` (hash: source name -> spec JSON), ``clean:cursor``
 (hash: ``<source>:<shard>`` -> last source id done), ``clean:counts`` (hash:
 ``<source>:steps`` -> steps brought in, ``<source>:<rule>`` -> steps quarantined by it),
-``clean:lock:<source>`` (one tick at a time), ``clean:seen`` and ``clean:seen:n`` (the
-dedup digests), ``nstats`` (the statistics, laid out as
+``clean:lock:<source>`` (one tick at a time), ``clean:seen``, ``clean:seen:1`` and
+``clean:seen:2`` (the dedup digests), ``nstats`` (the statistics, laid out as
 :class:`~orchestrator.delivery.augstats.RedisStats` keeps them).
 """
 

@@ -85,8 +85,8 @@ class Dedup(_Model):
 
     fields: list[str] | None = None
     window: PositiveInt | None = None
-    """Digests kept, newest first (default: the target's capacity: an older original has
-    been evicted by the ring anyway)."""
+    """Digests per generation: the newest ``window`` to ``2 * window`` are kept (default:
+    the target's capacity: an older original has been evicted by the ring anyway)."""
 
 
 class CleanSpec(_Model):

@@ -22,6 +22,7 @@ from claw_tasks.store import Store
 from orchestrator.cli.main import app
 from orchestrator.delivery.augstats import namespace_stats
 from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.quarantine import seen_before
 from orchestrator.maintenance.cleaning import clean_source, define_source, quarantined, sources
 from orchestrator.sampling.index import SamplingIndex
 from tests.support.cleansource import (
@@ -199,3 +200,13 @@ def test_a_recipes_clean_section_maps_fields_and_quarantines_what_it_draws(
     found = quarantined(store).get("recipe/cleaned:finite", 0)
     bad = untrainable(store)
     assert 1 <= found == len(bad) and set(bad.tolist()) <= {r + 1 for r in nan_rows}
+
+
+def test_dedup_remembers_the_newest_window_to_twice_the_window_of_digests(redis_url, namespace):
+    store = Store(redis_url, namespace)
+    d = [bytes([i]) * 8 for i in range(12)]
+    assert seen_before(store, [d[0], d[1], d[0]], 4).tolist() == [False, False, True]
+    assert seen_before(store, d[2:6], 4).tolist() == [False] * 4  # 4 in: a new generation
+    assert seen_before(store, [d[0], d[5]], 4).tolist() == [True, True]  # both still known
+    assert seen_before(store, d[6:10], 4).tolist() == [False] * 4  # the first generation goes
+    assert seen_before(store, [d[0], d[4], d[9]], 4).tolist() == [False, True, True]
