@@ -2,8 +2,9 @@
 
 Namespace level (``claw:{ns}:``): ``vx`` (hash: index name -> its definition as JSON),
 ``vx:<name>`` (hash: ``dim``; ``created``, the namespace config's creation time the index
-belongs to; ``gen``, 0 until the IVF quantizer is trained, then 1; ``nlist`` and
-``centroids`` as raw float32; ``runs`` and ``pending``, the writer's ticks and the steps
+belongs to; ``gen``, 0 until the IVF quantizer is trained, then 1, one more each time it
+is trained again; ``nlist`` and ``centroids`` as raw float32; ``trained``, the vectors
+there were when it was last trained; ``runs`` and ``pending``, the writer's ticks and the steps
 it had left after the last), ``vx:<name>:log`` (stream: one entry per write, ``rows`` the
 global rows ``shard * cap + slot`` written, as ``<i8``; ``gen`` when the quantizer was
 trained), ``vx:<name>:lock`` (the writer's lock: one maintenance task at a time writes
@@ -13,7 +14,7 @@ Shard level (``claw:{ns:s}:vx:<name>:``), indexed by slot like the store's colum
 chunk sized once when first touched (``lua/vsize.lua``): ``v:<chunk>`` float32 vectors of
 ``dim`` (just under 1 MiB a chunk), ``i:<chunk>`` the ``<i8`` id of the step each vector
 was computed from (0: none; a slot whose id differs holds another step now), ``a:<chunk>``
-``<i4`` IVF list + 1 of each vector under generation ``gen`` (0: not assigned).
+``<i4`` IVF list + 1 of each vector under the latest generation (0: not assigned).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class Head:
     gen: int = 0
     nlist: int = 0
     centroids: np.ndarray | None = None
+    trained: int = 0  # vectors there were when the quantizer was last trained
 
 
 @dataclass
@@ -170,7 +172,7 @@ class Storage:
         cent = None
         if gen and h.get(b"centroids"):
             cent = np.frombuffer(h[b"centroids"], "<f4").reshape(nlist, self.dim).copy()
-        return Head(self.dim, self.created, gen, nlist, cent)
+        return Head(self.dim, self.created, gen, nlist, cent, int(h.get(b"trained", 0)))
 
     def reset_head(self) -> None:
         """A fresh head for this namespace: every old vector is stale (ids no longer
@@ -187,21 +189,23 @@ class Storage:
             pipe.execute()
         self.sized.clear()
 
-    def set_trained(self, centroids: np.ndarray) -> None:
-        """Publish the trained quantizer (generation 1) and tell readers (a ``gen`` entry:
-        they reload, the assignments having been written first)."""
-        nlist = len(centroids)
+    def set_trained(self, centroids: np.ndarray, vectors: int) -> int:
+        """Publish a trained quantizer (the next generation; ``vectors`` there were) and
+        tell readers (a ``gen`` entry: they reload, the assignments having been written
+        first). Returns the generation."""
         with self.r.pipeline(transaction=False) as pipe:
+            pipe.hincrby(self.keys.head, "gen", 1)
             pipe.hset(
                 self.keys.head,
                 mapping={
-                    "gen": 1,
-                    "nlist": nlist,
+                    "nlist": len(centroids),
                     "centroids": np.ascontiguousarray(centroids, "<f4").tobytes(),
+                    "trained": vectors,
                 },
             )
-            pipe.execute()
-        self.r.xadd(self.keys.log, {"gen": 1}, maxlen=LOG_MAXLEN, approximate=True)
+            gen = int(pipe.execute()[0])
+        self.r.xadd(self.keys.log, {"gen": gen}, maxlen=LOG_MAXLEN, approximate=True)
+        return gen
 
     def ran(self, done: Mapping[str, Any]) -> None:
         """Count a writer's tick in the head (``runs``, ``pending``: what ``claw stats`` and

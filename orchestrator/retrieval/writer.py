@@ -7,8 +7,11 @@ overwritten meanwhile fails the read and waits for the next tick), projects them
 writes vectors, ids and list assignments as raw arrays, then logs the rows. Once
 ``train_size`` vectors exist (``kind`` ``auto`` or ``ivf``) it trains the IVF quantizer
 (k-means on a sample), assigns every stored vector, and publishes the centroids: readers
-reload once. Evicted steps are not removed here: readers mask rows that are not alive,
-and a reused slot gets its new step's vector on the next tick.
+reload once. It trains again, the same way, each time the vectors have doubled since
+(while the double still fits the capacity): a million-step namespace trains at 164k, 328k
+and 655k vectors, the last time on a sample of most of its steps. Evicted steps are not
+removed here: readers mask rows that are not alive, and a reused slot gets its new step's
+vector on the next tick.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.where import Where
 from orchestrator.retrieval.engine import faiss
-from orchestrator.retrieval.spec import IndexSpec, Projection
+from orchestrator.retrieval.spec import TWO_LEVEL_FROM, IndexSpec, Projection, per_list
 from orchestrator.retrieval.storage import Head, Rows, Storage, check_field
 from orchestrator.sampling.fetch import Fetcher, payload_read
 from orchestrator.sampling.index import SamplingIndex
@@ -37,8 +40,9 @@ ASSIGN_ROWS = 65536
 KMEANS_ITER = 10
 SEED = 1234
 HNSW_M = 32
+RETRAIN_GROWTH = 2
+"""The quantizer is trained again once the vectors have doubled since its last training."""
 """Links per node of the HNSW quantizer's graph."""
-TWO_LEVEL_FROM = 8192
 
 
 def quantizer(centroids: np.ndarray, metric: str, kind: str = "flat") -> faiss.Index:
@@ -207,22 +211,35 @@ class Writer:
         return {"written": written, "pending": left, "skipped": skipped, "trained": trained}
 
     def _train_if_due(self, index: SamplingIndex) -> bool:
-        """Train the IVF quantizer once enough vectors exist (kind ``auto``/``ivf``)."""
+        """Train the IVF quantizer once enough vectors exist (kind ``auto``/``ivf``), and
+        again each time they have grown ``RETRAIN_GROWTH``-fold since, while that still
+        fits the capacity: the first training sees only the first steps written (a few
+        hundred episodes of a million-step namespace), whose states cover less of the
+        space than the later ones."""
         spec, head = self.spec, self.head
-        if spec.kind == "exact" or head is None or head.gen:
+        if spec.kind == "exact" or head is None:
             return False
         cap = index.n_shards * index.cap
-        nlist, need = spec.lists(cap), spec.train_size(cap)
         cols = index.columns
         assert self.seen is not None
         have = cols["alive"] & (self.seen == cols["id"]) & (self.seen != 0)
-        if int(have.sum()) < need:
+        count = int(have.sum())
+        if head.gen and not spec.retrain:
             return False
+        if head.gen:
+            nlist, need = head.nlist, per_list(head.nlist) * head.nlist
+            again = RETRAIN_GROWTH * head.trained
+            if not head.trained or count < again or again > cap:
+                return False
+        else:
+            nlist, need = spec.lists(cap), spec.train_size(cap)
+            if count < need:
+                return False
         stored = self.storage.read_all(("v", "i"))
         rows = np.flatnonzero(have & (stored["i"] == cols["id"]))
         if len(rows) < need:
             return False
-        rng = np.random.default_rng(SEED)
+        rng = np.random.default_rng(SEED + head.gen)
         sample = stored["v"][np.sort(rng.choice(rows, need, replace=False))]
         centroids = train_centroids(sample, nlist, spec.metric == "cosine")
         self._renew()
@@ -232,7 +249,7 @@ class Writer:
             part = every[lo : lo + ASSIGN_ROWS]
             self.storage.write_assign(part, assign(q, stored["v"][part]))
             self._renew()
-        self.storage.set_trained(centroids)
+        self.storage.set_trained(centroids, len(rows))
         head = self.storage.head()
         if head is not None:
             self._use(head)

@@ -76,7 +76,7 @@ def built(store: Store, redis_url: str, name: str = "default", trained: bool = T
         while runs(store, name) == before and time.monotonic() < deadline:
             time.sleep(0.05)
         h = store.r.hgetall(head)
-        if h.get(b"pending") == b"0" and (not trained or h.get(b"gen") == b"1"):
+        if h.get(b"pending") == b"0" and (not trained or int(h.get(b"gen", 0)) >= 1):
             return
     raise AssertionError(f"index {name} not built: {store.r.hgetall(head)}")
 
@@ -283,5 +283,30 @@ def test_a_namespace_made_again_is_queried_afresh(redis_url, namespace):
         got = nearest(again, y[:2], 1, fields=["action"])  # the same session key as before
         assert got.fields["action"][:, 0].tolist() == [1000, 1001]
         assert open_session(again, None, "default") is not old
+    finally:
+        forget_namespace(namespace)
+
+
+def test_the_quantizer_is_trained_again_as_the_vectors_double(redis_url, namespace):
+    """Trained on the first 1,000 steps, again at 2,000 (a reader reloads once for it),
+    and no more (the next double, 4,000, exceeds the capacity); answers stay exact with
+    every list probed."""
+    x = np.random.default_rng(7).standard_normal((3000, DIM)).astype(np.float32)
+    store = Store(redis_url, namespace)
+    store.create(capacity=3500)
+    define_index(store, {"nlist": 16, "nprobe": 16, "exact_below": 0})
+    head = IndexKeys(store, "default").head
+    try:
+        gens = []
+        for i in range(3):
+            store.commit(steps(x[i * 1000 : (i + 1) * 1000], f"e{i}", "expert", i * 1000))
+            update_indexes(store)
+            gens.append((int(store.r.hget(head, "gen")), int(store.r.hget(head, "trained"))))
+            got = nearest(store, x[[5, 999, i * 1000 + 7]] + 0.01, 3)
+            assert (
+                got.ids == exact(x[: (i + 1) * 1000], x[[5, 999, i * 1000 + 7]] + 0.01, 3) + 1
+            ).all()
+        assert gens == [(1, 1000), (2, 2000), (2, 2000)]
+        assert open_session(store, None, "default").vectors.loads == 2  # cold, then gen 2
     finally:
         forget_namespace(namespace)
