@@ -14,10 +14,15 @@ index (``kind: auto``: Faiss IVF, ``nlist`` from the capacity), then measures:
   a restarted writer's first tick;
 - recall@10 against an exact scan of the same vectors, for held-out states of the same
   process, and latency of a 256-state batch, k=10: the search alone
-  (``VectorIndex.search`` with every row valid) and ``nearest()`` (syncs, masks, the
-  store check, the ``action`` field read), p50/p99 of wall time and of this process's CPU
-  time (on a loaded machine the wall time is mostly waiting for a core; the CPU time is
-  what a quiet core would take).
+  (``VectorIndex.search`` with every row valid) at several ``nprobe`` and ``nearest()``
+  (syncs, masks, the store check, the ``action`` field read; its stages timed one by
+  one), also with a ``where`` keeping half the steps, p50/p99 of wall time and of this
+  process's CPU time (on a loaded machine the wall time is mostly waiting for a core; the
+  CPU time is what a quiet core would take);
+
+for two definitions in one run: ``before`` (the previous default: 4,096 lists found by a
+flat scan of the centroids, ``nprobe`` 16, trained once) and ``default`` (now); the
+``where`` query for ``default`` only.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ CONFIGS = {
         "name": "before",
         "kind": "auto",
         "nlist": 4096,
+        "nprobe": 16,
         "quantizer": "flat",
         "retrain": False,
     },
@@ -112,20 +118,24 @@ STAGES = {
 }
 
 
-def build(store: Store, spec, index: SamplingIndex, strings: Strings) -> dict:
+def build(store: Store, spec, index: SamplingIndex, strings: Strings, steps: int) -> dict:
     writer = Writer(store, spec, ())
+    trainable = spec.train_size(index.n_shards * index.cap) <= steps
     t, ticks = time.perf_counter(), []
     while True:
         t0 = time.perf_counter()
         done = writer.run(index, strings, budget_s=5.0)
         ticks.append((round(time.perf_counter() - t0, 1), done))
-        if not done["pending"] and writer.head is not None and writer.head.gen:
+        trained = writer.head is not None and writer.head.gen
+        if not done["pending"] and (trained or not trainable):
             break
-    train = [s for s, d in ticks if d.get("trained")]
+    head = writer.storage.head()
     return {
         "build_s": round(time.perf_counter() - t, 1),
         "ticks": len(ticks),
-        "train_tick_s": train,
+        "train_ticks_s": [s for s, d in ticks if d.get("trained")],
+        "generations": head.gen if head else 0,
+        "trained_on": head.trained if head else 0,
     }
 
 
@@ -196,7 +206,7 @@ def main() -> None:
         for label, config in CONFIGS.items():
             spec = define_index(store, config)
             row: dict = {"nlist": spec.lists(args.steps), "quantizer": spec.quantizer}
-            row.update(build(store, spec, index, strings))
+            row.update(build(store, spec, index, strings, args.steps))
             name = spec.name
             keys = [k for k in namespace_keys(store.r, "bench") if f":vx:{name}:".encode() in k]
             keys.append(IndexKeys(store, name).head.encode())
@@ -213,9 +223,12 @@ def main() -> None:
             row["reader_bytes_per_step"] = round(reader.nbytes / args.steps, 1)
             if truth is None:
                 _, truth = exact_search(q, reader.vectors, 10, "l2")
+                kept = np.flatnonzero(np.arange(args.steps) % 500 < 250)
+                _, pos = exact_search(q, reader.vectors[kept], 10, "l2")
+                truth_half = kept[pos]
             valid = reader.vid != 0
             row["search"] = []
-            for nprobe in (8, 12, 16, 24):
+            for nprobe in (4, 8, 12, 16, 24):
                 reader.spec = spec.model_copy(update={"nprobe": nprobe})
                 found = np.concatenate([reader.search(b, 10, valid)[1] for b in batches])
                 r = {"nprobe": nprobe, "recall@10": recall(found, truth)}
@@ -234,6 +247,15 @@ def main() -> None:
             session = open_session(store, None, name)
             row["nearest_stages_ms"] = staged(session, query, repeat[:50])
             row["nearest_loads"] = session.vectors.loads  # 1: one cold load, then the log
+
+            if label == "default":  # a where keeping half the steps (step_index: i % 500)
+
+                def half(b, n=name):
+                    return nearest(store, b, 10, index=n, where="step_index < 250")
+
+                found = np.concatenate([half(b).ids - 1 for b in batches])
+                row["where_half_recall@10"] = recall(found, truth_half)
+                row["where_half_e2e"] = timed(half, repeat[:50])
             print(label, json.dumps({k: v for k, v in row.items() if k != "search"}), flush=True)
             out[label] = row
     out["load_after"] = round(os.getloadavg()[0], 1)

@@ -10,13 +10,15 @@ assignment: the writer stored each vector's list), then kept current from the in
 Search takes a boolean mask over rows (the caller's: alive, trainable, ``vid == id``, its
 ``where``): few candidates (``exact_below``), an untrained or ``exact`` index: an exact
 scan of just those rows' vectors; otherwise the IVF searched with the mask as a Faiss
-``IDSelectorBitmap`` (``nprobe`` lists, found by an HNSW graph over the centroids that
-this copy builds from the stored ones: ``quantizer: hnsw``), falling back to the exact
-scan for queries whose probed lists held fewer than ``k`` candidates.
+``IDSelectorBitmap`` (``nprobe`` lists, divided by the share of rows the mask keeps, found
+by an HNSW graph over the centroids that this copy builds from the stored ones:
+``quantizer: hnsw``), falling back to the exact scan for queries whose probed lists held
+fewer than ``k`` candidates.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -157,12 +159,16 @@ class VectorIndex:
         L2 for ``l2``, inner products (larger is nearer) for ``ip`` and ``cosine``."""
         queries = np.ascontiguousarray(queries, np.float32)
         exact = self.ivf is None or self.spec.kind == "exact"
-        if exact or np.count_nonzero(mask) <= self.spec.exact_below:
+        allowed = np.count_nonzero(mask)
+        if exact or allowed <= self.spec.exact_below:
             return self._exact(queries, k, mask)
         assert self.ivf is not None
         bits = np.packbits(mask, bitorder="little")
         sel = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits))
-        nprobe = min(self.spec.nprobe, self.ivf.nlist)
+        # A mask keeping a share f of the rows probes nprobe / f lists: about as many
+        # allowed candidates as an unrestricted query scans (each masked one costs a bit test).
+        share = min(1.0, allowed / max(self.ivf.ntotal, 1))
+        nprobe = min(self.ivf.nlist, math.ceil(self.spec.nprobe / share))
         params = faiss.SearchParametersIVF(sel=sel, nprobe=nprobe)
         if self.spec.quantizer == "hnsw":
             hnsw = faiss.SearchParametersHNSW(efSearch=max(self.spec.quantizer_ef, nprobe))
