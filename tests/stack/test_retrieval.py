@@ -310,3 +310,15 @@ def test_the_quantizer_is_trained_again_as_the_vectors_double(redis_url, namespa
         assert open_session(store, None, "default").vectors.loads == 2  # cold, then gen 2
     finally:
         forget_namespace(namespace)
+
+
+def test_a_narrow_where_probes_more_lists(redis_url, expert):
+    """``nprobe`` 2 of 16 lists, a where keeping 1/15 of the steps: it probes every list,
+    so the answers are the exact ones among those steps (2 lists would miss some)."""
+    store, x = expert
+    define_index(store, {"nlist": 16, "nprobe": 2, "exact_below": 0})
+    update_indexes(store)
+    kept = np.flatnonzero(np.arange(3000) % 1000 < 67)  # step_index < 67 in each episode
+    q = np.random.default_rng(8).standard_normal((40, DIM)).astype(np.float32)
+    got = nearest(store, q, 5, where="step_index < 67")
+    assert (got.ids == kept[exact(x[kept], q, 5)] + 1).all()
