@@ -265,6 +265,22 @@ class Rollout(_Model):
         return self
 
 
+class Admission(_Model):
+    """Staleness-bounded generation (docs/llm.md, "Admission"): the capture gateway starts
+    a new trajectory only while ``admitted <= (max_staleness + v + 1) * trajectories``,
+    v being ``params[version_param]`` (the trainer's current policy version, moved by
+    ``set_params``); ``params[min_version_param]`` is kept at ``max(0, v - max_staleness)``
+    for the sources' ``where`` (``tags.min_version >= $min_version``: nothing older is
+    served)."""
+
+    max_staleness: NonNegativeInt = 0
+    version_param: Name = "policy_version"
+    min_version_param: Name = "min_version"
+    trajectories: PositiveInt | None = None
+    """Trajectories per batch (default: ``batch_size`` x the group sampler's ``group_size``,
+    or ``batch_size``)."""
+
+
 class Nearest(_Model):
     """Attach each row's ``k`` nearest steps of a vector index (docs/retrieval.md): the
     prefetch workers query the index with the row's ``query`` field (as drawn, before
@@ -300,6 +316,7 @@ class Recipe(_Model):
     joint: Joint | None = None
     rollout: Rollout | None = None
     nearest: Nearest | None = None
+    admission: Admission | None = None
     seed: int | None = None
     as_of: Name | None = None
     """Sample a snapshot of the namespace (``claw snapshot NS NAME``): only its steps that
@@ -340,6 +357,7 @@ class Recipe(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
+        self._admission_consistent()  # first: it sets a param the sources' where may use
         names = [s.name for s in self.sources]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -437,6 +455,35 @@ class Recipe(_Model):
         clash = sorted(set(self.fields) & set(ROLLOUT_FIELDS[:4]))
         if clash:
             raise ValueError(f"fields: {clash} are added by rollout; leave them out")
+
+    def _admission_consistent(self) -> None:
+        adm = self.admission
+        if adm is None:
+            return
+        if self.rollout is not None:
+            raise ValueError("admission: not with rollout (it serves one policy version)")
+        if adm.version_param == adm.min_version_param:
+            raise ValueError("admission: version_param and min_version_param must differ")
+        v = self.params.get(adm.version_param)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(
+                f"admission: params.{adm.version_param} must be the trainer's current policy "
+                f"version, an int >= 0 (set_params moves it), not {v!r}"
+            )
+        self.params[adm.min_version_param] = max(0, v - adm.max_staleness)
+
+    @property
+    def group_size(self) -> int:
+        """Trajectories per group of a group recipe (1 otherwise)."""
+        return int(getattr(self.sources[0].sampler, "group_size", None) or 1)
+
+    @property
+    def admission_batch(self) -> int:
+        """Trajectories per batch, as admission counts them."""
+        adm = self.admission
+        if adm is not None and adm.trajectories is not None:
+            return adm.trajectories
+        return self.batch_size * (self.group_size if self.grouped else 1)
 
     @property
     def counts(self) -> list[int]:

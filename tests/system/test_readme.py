@@ -62,6 +62,7 @@ def test_readme_python_blocks_run_as_written(redis_url, workers, tmp_path):
     assert "(4, 4)" in proc.stdout  # orchestrator.sample's obs
     assert "(64, 3, 18) (64, 3) (64, 54)" in proc.stdout  # the joint batch of simple_spread
     assert "(4, 5) (4, 5)" in proc.stdout  # nearest: 5 neighbours of each of 4 states
+    assert "rollouts served: 4" in proc.stdout  # SB3 PPO with ClawRolloutBuffer
 
 
 @pytest.mark.skipif(
