@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -15,7 +16,7 @@ from claw_tasks.broker.app import client_app
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.delivery import ratelimit, rollouts, shm
-from orchestrator.delivery.lineage import LineageLog, record
+from orchestrator.delivery.lineage import LineageLog, Traced, record
 from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import WireVersionError
@@ -24,6 +25,8 @@ from orchestrator.retrieval import Neighbours, nearest
 from orchestrator.sampling.batch import Batch
 
 log = logging.getLogger(__name__)
+LINEAGE_PENDING = 256
+"""Lineage entries a client holds before it sends them without waiting for a pop."""
 
 
 class BatchClient:
@@ -53,9 +56,12 @@ class BatchClient:
         self._popped: dict[str, int] = {}
         self._skipped: dict[str, int] = {}
         self._waited: dict[str, float] = {}  # seconds pops waited on an empty queue
+        self._counting = threading.Lock()  # the counters: a pop, a flush from another thread
         self.lineage = LineageLog(self.store)
         """The namespace's lineage log (:mod:`orchestrator.delivery.lineage`)."""
-        self._lineage: list[dict[str, bytes | str]] = []  # entries sent with the next pop
+        # Entries sent with the next pop; a deque: a read-ahead's trainer declares batches
+        # from its own thread while this client's pops drain it.
+        self._lineage: collections.deque[dict[str, bytes | str]] = collections.deque()
         self._logged_skip: set[str] = set()
         self._priorities: PriorityWriter | None = None
         self._refills: queue.SimpleQueue[str | None] = queue.SimpleQueue()
@@ -169,7 +175,8 @@ class BatchClient:
                     raise TimeoutError(self._why_empty(name, timeout))
                 began = time.monotonic()
                 got = r.blpop([q], timeout=max(wait, 0.01))
-                self._waited[name] = self._waited.get(name, 0.0) + time.monotonic() - began
+                with self._counting:
+                    self._waited[name] = self._waited.get(name, 0.0) + time.monotonic() - began
                 if got is None:
                     continue
                 item = got[1]
@@ -189,7 +196,8 @@ class BatchClient:
                 recipe = self._recipes[name] = self._entry(name).recipe
                 if batch.recipe_version < recipe.version:
                     continue  # stale (its segment, if any, is unlinked already): drop it
-            self._popped[name] = self._popped.get(name, 0) + 1  # reported with the next pop
+            with self._counting:  # reported with the next pop
+                self._popped[name] = self._popped.get(name, 0) + 1
             if policy_version is not None:
                 self.trained(name, batch, policy_version)
             return batch
@@ -197,7 +205,8 @@ class BatchClient:
     def _skip(self, name: str, item: Any, error: Exception) -> None:
         """Drop an unreadable queue item: counted (``skipped`` in :meth:`stats`), logged
         once per recipe per client."""
-        self._skipped[name] = self._skipped.get(name, 0) + 1
+        with self._counting:
+            self._skipped[name] = self._skipped.get(name, 0) + 1
         if name not in self._logged_skip:
             self._logged_skip.add(name)
             log.warning(
@@ -209,12 +218,16 @@ class BatchClient:
                 error,
             )
 
-    def trained(self, name: str, batch: Batch, policy_version: Any) -> None:
-        """Record that ``batch`` of recipe ``name`` trains ``policy_version`` (any value;
-        kept as text): one lineage entry, sent with the next pop (or :meth:`flush_lineage`,
-        :meth:`stats`, :meth:`close`). Record each batch once: here, or with ``pop``'s
-        ``policy_version``."""
+    def trained(self, name: str, batch: Batch | Traced, policy_version: Any) -> None:
+        """Record that ``batch`` of recipe ``name`` (a batch, or a part of one: anything
+        with its ``recipe_version`` and ``ids``) trains ``policy_version`` (any value; kept
+        as text): one lineage entry, sent with the next pop (or :meth:`flush_lineage`,
+        :meth:`stats`, :meth:`close`; by itself once ``LINEAGE_PENDING`` wait, for a client
+        that declares batches another one pops). Record each batch once: here, or with
+        ``pop``'s ``policy_version``. Thread-safe."""
         self._lineage.append(record(name, batch.recipe_version, policy_version, batch.ids))
+        if len(self._lineage) >= LINEAGE_PENDING:
+            self.flush_lineage()
 
     def flush_lineage(self) -> None:
         """Send the lineage entries recorded since the last pop."""
@@ -224,16 +237,20 @@ class BatchClient:
                 pipe.execute()
 
     def _report_pops(self, pipe: Any) -> None:
-        for counts, field in ((self._popped, "popped"), (self._skipped, "skipped")):
+        with self._counting:
+            popped, skipped, waited = self._popped, self._skipped, self._waited
+            self._popped, self._skipped, self._waited = {}, {}, {}
+        for counts, field in ((popped, "popped"), (skipped, "skipped")):
             for name, k in counts.items():
                 pipe.hincrby(self.registry.counters(name), field, k)
-            counts.clear()
-        for name, seconds in self._waited.items():  # claw_prefetch_wait_seconds_total
+        for name, seconds in waited.items():  # claw_prefetch_wait_seconds_total
             pipe.hincrbyfloat(self.registry.counters(name), "wait_s", seconds)
-        self._waited.clear()
-        for entry in self._lineage:
+        while True:  # popleft: entries appended meanwhile wait for the next pop
+            try:
+                entry = self._lineage.popleft()
+            except IndexError:
+                return
             self.lineage.queue(pipe, entry)
-        self._lineage.clear()
 
     def _send_refills(self) -> None:
         while (name := self._refills.get()) is not None:

@@ -161,4 +161,6 @@ class VectorIndex:
         """An exact scan of the rows ``mask`` allows."""
         candidates = np.flatnonzero(mask)
         dist, pos = exact_search(queries, self.vectors[candidates], k, self.spec.metric)
+        if not len(candidates):  # every row masked (evicted or filtered out): all -1
+            return dist, pos
         return dist, np.where(pos >= 0, candidates[np.maximum(pos, 0)], -1)

@@ -211,3 +211,18 @@ def test_imitation_cartpole_full_run_balances(redis_url, workers, namespace):
     out = _run_example("imitation_cartpole.py", redis_url, "--namespace", namespace)
     bc, final = _returns(out)
     assert bc >= 450 and final >= 475, out
+
+
+# slow: Ray's start and three processes importing ray cost 30-90 s under load;
+# tests/stack/test_rllib.py covers the RLlib buffer in CI.
+@pytest.mark.slow
+def test_rllib_actors_record_into_claw_and_the_learner_trains(redis_url, workers, namespace):
+    pytest.importorskip("ray", reason="the rllib extra (ray[rllib]) is not installed")
+    out = _run_example(
+        "rllib_actors.py", redis_url, "--namespace", namespace, "--short", timeout=900
+    )
+    rounds = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["env_steps"] for r in rounds] == [200, 400, 600]
+    assert rounds[0]["batch_policy_versions"] == [0]  # the first round's steps only
+    assert re.search(r"done: 2 Ray actors recorded 600 steps .*, 60 updates from Claw", out), out
+    assert Store(redis_url, namespace).count() == 600

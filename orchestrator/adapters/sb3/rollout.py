@@ -75,7 +75,7 @@ from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
-from orchestrator.adapters.sb3.buffer import global_seed
+from orchestrator.adapters.experience import global_seed
 from orchestrator.adapters.sb3.packing import DictLayout
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.rollouts import permutation
