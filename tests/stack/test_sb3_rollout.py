@@ -21,7 +21,9 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.utils import get_device
 
+from claw_tasks.store import Store
 from orchestrator.adapters.sb3 import ClawDictRolloutBuffer, ClawRolloutBuffer
+from orchestrator.delivery.lineage import LineageLog
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 
@@ -469,6 +471,10 @@ def test_trains_as_with_sb3s_buffer(redis_url, namespace, workers, model_class, 
     ref, got = params(RolloutBuffer), params(ClawRolloutBuffer, **_kw(redis_url, namespace))
     assert (ref - params(RolloutBuffer, steps=0)).abs().max() > 1e-3  # it trained
     assert th.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+    # lineage: rollout k (all its 64 steps, once) trained the weights of version k
+    log = LineageLog(Store(redis_url, namespace))
+    assert log.counts() == {"1": 1, "2": 1, "3": 1, "4": 1}
+    assert {e.rows for e in log.entries()} == {64}
 
 
 @pytest.mark.slow

@@ -52,6 +52,12 @@ Where it differs from SB3's buffer, and why:
   next is written). ``close()`` (or garbage collection, exit) unregisters the recipe and
   closes the connections; the steps stay in Redis. PPO's ``save`` leaves the rollout
   buffer out, as for SB3's own.
+- Lineage: each rollout is recorded once, when it is popped, as training a policy
+  version (``claw lineage NS --policy v``): by default ``rollouts``, the rollouts trained
+  on so far, this one included: the weights this update makes are version v, the ones
+  that collect the next rollout (whose steps carry ``policy_version`` v). ``timesteps``
+  records the transitions added instead (SB3's ``num_timesteps``); a callable gets the
+  rollout's number and returns the version; None records nothing.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
-from orchestrator.adapters.experience import global_seed
+from orchestrator.adapters.experience import PolicyVersion, Versions, global_seed
 from orchestrator.adapters.sb3.packing import DictLayout
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.rollouts import permutation
@@ -158,7 +164,9 @@ class ClawRolloutBuffer(RolloutBuffer):
     ``agent_id``: on every step); ``ingest`` those of the :class:`Ingestor`;
     ``write_every`` the time steps per message (default: ``MESSAGE_BYTES`` of payload,
     at most the rollout);
-    ``recipe`` overrides keys of the rollout recipe; ``timeout`` bounds a pop.
+    ``recipe`` overrides keys of the rollout recipe; ``timeout`` bounds a pop;
+    ``policy_version`` what each rollout is recorded as training in the lineage log (the
+    module docstring).
     """
 
     def __init__(
@@ -181,6 +189,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         recipe: Mapping[str, Any] | None = None,
         seed: int | None = None,
         timeout: float | None = 60.0,
+        policy_version: PolicyVersion = "rollouts",
     ) -> None:
         if isinstance(self._row_space(observation_space), spaces.Dict):
             raise TypeError(
@@ -252,6 +261,11 @@ class ClawRolloutBuffer(RolloutBuffer):
         self._open = np.zeros(n_envs, bool)  # whether it has one
         self._ep_step = np.zeros(n_envs, np.int64)  # its next step_index
         self.version = 0  # the rollout being collected: its steps' policy_version
+        self.rollouts = 0  # rollouts popped (trained on) so far
+        self.timesteps = 0  # transitions added (n_envs per add), as SB3's num_timesteps
+        self._versions = Versions(
+            policy_version, {"rollouts": lambda: self.rollouts, "timesteps": lambda: self.timesteps}
+        )
         self.client.register(self._spec())
         self._names.append(self.recipe_name)
         self._clear()
@@ -362,6 +376,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         self._open[:] = True
         self._episode[t], self._step[t] = self._ep_no, self._ep_step
         self._ep_step += 1
+        self.timesteps += n
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full = True
@@ -461,6 +476,9 @@ class ClawRolloutBuffer(RolloutBuffer):
             if ro.get("policy_version") == self.version and ro.get("steps") == self.steps:
                 break
             log.debug("ClawRolloutBuffer: dropped a minibatch of another rollout: %s", ro)
+        self.rollouts += 1
+        if (version := self._versions.of(self.rollouts)) is not None:
+            self.client.trained(self.recipe_name, batch, version)
         seed, no = int(ro["seed"]), int(ro["no"])
         first = np.empty(self.steps, np.int64)  # served row i holds chain position perm0[i]
         first[permutation(seed, no, 0, self.steps)] = np.arange(self.steps)
