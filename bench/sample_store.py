@@ -6,9 +6,15 @@ The recipe filters (``task_id in [grasp, reach]`` and ``reward > 0``: ~25% of th
 and samples 256 rows by priority. Columns (medians over ``--repeats``, p95 in brackets):
 
 - cold: build the index from Redis (``SamplingIndex.sync`` on a new index); index MB: its
-  numpy columns
-- batch: ``orchestrator.sample`` with fields obs, action, reward, next_obs: index sync
-  (nothing new), draw, payload fetch (one round trip)
+  numpy columns (obs and action mirrored: ``CLAW_INDEX_PAYLOAD_BYTES``)
+- batch: ``orchestrator.sample`` with fields obs, action, reward, next_obs on a quiet store
+  (nothing committed since the last batch): draw from the index as it is, then one round
+  trip that reads each shard's newest change-log entry; with its CPU per batch, this
+  process's and redis-server's (``INFO cpu``), which the machine's load skews less
+- unmirrored: the same batch from an index that mirrors no payload field
+  (``payload_bytes=0``): the rows read by ``fetch.lua``
+- after commit: a 256-step commit before each batch (a changing store): index sync, draw,
+  fetch with the change log read after it
 - draw: the draw alone on a current index (rows and IS weights)
 - sync(256): commit 256 new steps, then time the index sync plus sampler refresh
 - update(256): ``update_priorities`` of 256 random live ids through the store
@@ -97,6 +103,20 @@ def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     return float(np.median(times)) * 1e3, float(np.percentile(times, 95)) * 1e3
 
 
+def cpu_ms(store: Store, fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """CPU milliseconds per call of this process and of redis-server."""
+
+    def server() -> float:
+        info = store.r.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    s0, c0 = server(), time.process_time()
+    for _ in range(repeats):
+        fn()
+    c1, s1 = time.process_time(), server()
+    return (c1 - c0) / repeats * 1e3, (s1 - s0) / repeats * 1e3
+
+
 def bench(url: str, n: int, repeats: int) -> dict[str, object]:
     rng = np.random.default_rng(0)
     store = Store(url, f"bench-{n}")
@@ -112,6 +132,10 @@ def bench(url: str, n: int, repeats: int) -> dict[str, object]:
 
     sample(store, RECIPE, rng=rng, index=index)  # binds the recipe: sampler trees built
     batch = timed(lambda: sample(store, RECIPE, rng=rng, index=index), repeats)
+    batch_cpu = cpu_ms(store, lambda: sample(store, RECIPE, rng=rng, index=index), repeats)
+    plain = SamplingIndex(store, payload_bytes=0)
+    sample(store, RECIPE, rng=rng, index=plain)
+    unmirrored = timed(lambda: sample(store, RECIPE, rng=rng, index=plain), repeats)
     sampler = RecipeSampler(RECIPE, Strings(store, index).encode, index.schema.tags, index.cap)
     sampler.sample(index.columns, rng)
     draw = timed(lambda: sampler.sample(index.columns, rng), repeats)
@@ -122,6 +146,12 @@ def bench(url: str, n: int, repeats: int) -> dict[str, object]:
         t = time.perf_counter()
         index.sync()
         sync.append(time.perf_counter() - t)
+    changing = []
+    for i in range(repeats):
+        store.commit(steps(n + 256 * (repeats + i), 256, rng))
+        t = time.perf_counter()
+        sample(store, RECIPE, rng=rng, index=index)
+        changing.append(time.perf_counter() - t)
     live = index.columns["id"][index.columns["alive"]]
 
     def update() -> None:
@@ -136,6 +166,9 @@ def bench(url: str, n: int, repeats: int) -> dict[str, object]:
         "cold": cold,
         "index_mb": index_mb,
         "batch": batch,
+        "batch_cpu": batch_cpu,
+        "unmirrored": unmirrored,
+        "changing": (float(np.median(changing)) * 1e3, float(np.percentile(changing, 95)) * 1e3),
         "draw": draw,
         "sync": (float(np.median(sync)) * 1e3, float(np.percentile(sync, 95)) * 1e3),
         "update": upd,
@@ -179,19 +212,21 @@ def main() -> None:
     args = parser.parse_args()
     print(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"numpy {np.__version__}\n"
+        f"numpy {np.__version__}"
     )
+    print(f"load average at the start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
     print(
-        "| steps | candidates | index MB | cold ms | batch ms | draw ms | sync(256) ms "
-        "| update(256) ms |"
+        "| steps | candidates | index MB | cold ms | batch ms | batch CPU ms (this / Redis) "
+        "| unmirrored ms | after commit ms | draw ms | sync(256) ms | update(256) ms |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     with RedisServer() as server:
         for n in args.sizes:
             r = bench(server.url, n, args.repeats)
             print(
                 f"| {n:,} | {r['candidates']:,} | {r['index_mb']:.1f} | {r['cold']:.0f} | "
-                f"{fmt(r['batch'])} | "
+                f"{fmt(r['batch'])} | {r['batch_cpu'][0]:.2f} / {r['batch_cpu'][1]:.3f} | "
+                f"{fmt(r['unmirrored'])} | {fmt(r['changing'])} | "
                 f"{fmt(r['draw'])} | {fmt(r['sync'])} | {fmt(r['update'])} |",
                 flush=True,
             )

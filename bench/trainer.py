@@ -14,7 +14,10 @@ vector steps (float32[8]), and measures in one run:
   production, which is counted and printed);
 - pop latency p50/p99 of a 256 x float32[8] batch: alone (a queue prefetched deeper than
   the pops, so no refill runs meanwhile) and while the worker refills (``--vector-train-ms``
-  between pops; on a small machine the worker and Redis then compete with the trainer).
+  between pops; on a small machine the worker and Redis then compete with the trainer);
+  then the same refilling loop with a read-ahead client (``BatchClient(readahead=8)``:
+  a thread keeps 8 batches popped and decoded in the trainer's process), where a pop is
+  timed when one is held locally.
 
 Prints markdown tables.
 """
@@ -97,7 +100,7 @@ def paced_pops(
     queue, times, waited = client.registry.queue(name), [], 0
     while len(times) < n:
         time.sleep(train_s)
-        ready = bool(r.llen(queue))
+        ready = client.held(name) > 0 if client.readahead else bool(r.llen(queue))
         t0 = time.perf_counter()
         batch = client.pop(name, timeout=60)
         if use is not None:
@@ -187,6 +190,11 @@ def main() -> None:
             pop_img, waited_img = paced_pops(img, r, "drq", args.batches, train_s)
             used_img, waited_used = paced_pops(img, r, "drq", args.batches, train_s, touch)
             pop_vec, waited_vec = paced_pops(vec, r, "v8", args.pops, args.vector_train_ms / 1e3)
+            ahead = BatchClient("vec", srv.url, readahead=8)
+            pop_ahead, waited_ahead = paced_pops(
+                ahead, r, "v8", args.pops, args.vector_train_ms / 1e3
+            )
+            ahead.close()
             produced = img.stats("drq")["drq"]["produced"]
             img.unregister("drq")  # reclaims the queued shared-memory segments
             img.close()
@@ -209,14 +217,18 @@ def main() -> None:
         ("Claw (with first touch) / baseline", f"1/{b / u:,.0f}", "same run", "<= 1/10"),
     ]
     refilling = f"worker refilling, {args.vector_train_ms:g} ms between pops"
-    for label, times in (("alone", alone), (refilling, pop_vec)):
+    ahead_label = f"read-ahead client (readahead=8), {refilling}"
+    for label, times in (("alone", alone), (refilling, pop_vec), (ahead_label, pop_ahead)):
         p50, p99 = np.percentile(times, [50, 99])
         size = f"256 x float32[8], {len(times)} pops"
         rows.append((f"pop latency p50, {label}", ms(p50), size, "<= 0.5 ms"))
         rows.append((f"pop latency p99, {label}", ms(p99), size, ""))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    waits = f"{waited_img + waited_used}/{2 * args.batches} image, {waited_vec}/{args.pops} vector"
+    waits = (
+        f"{waited_img + waited_used}/{2 * args.batches} image, {waited_vec}/{args.pops} vector, "
+        f"{waited_ahead}/{args.pops} read-ahead vector"
+    )
     print(
         f"\npops that found the queue empty (waited, untimed): {waits}; "
         f"image batches produced: {produced}"

@@ -221,6 +221,23 @@ VARIABLES: tuple[Variable, ...] = (
         "`0`: each builds its own (docs/architecture.md, Sampling index)",
     ),
     Variable(
+        "CLAW_READAHEAD",
+        "readahead",
+        _count,
+        0,
+        "batches of each recipe a `BatchClient` keeps popped and decoded in the trainer's "
+        "process, so `pop` is a local dequeue (`0`: none; the replay-buffer adapters size "
+        "their own)",
+    ),
+    Variable(
+        "CLAW_INDEX_PAYLOAD_BYTES",
+        "index_payload_bytes",
+        _count,
+        64,
+        "raw fixed-shape fields of at most this many bytes a row are kept in the sampling "
+        "index as well, so a batch of them reads no payload from Redis (`0`: none)",
+    ),
+    Variable(
         "CLAW_COMPRESS_AT",
         "compress_at",
         _compress_at,
@@ -488,6 +505,8 @@ class Settings:
     plan_cache_size: int
     lineage_maxlen: int
     shared_index: bool
+    readahead: int
+    index_payload_bytes: int
     compress_at: str
     codec_threads: int
     limits: IngestLimits

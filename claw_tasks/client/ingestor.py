@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from claw_tasks.client.checks import (
     str_column,
     tag_kinds,
 )
+from claw_tasks.client.columns import StepColumns
 from claw_tasks.client.episode import Episode
 from claw_tasks.client.sending import FlushResult, Inflight, IngestError, Sender
 from claw_tasks.format.batch import STR_META, StepBatch, info_problem
@@ -38,6 +40,10 @@ from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.retention import Retention
 
 log = logging.getLogger(__name__)
+
+QUEUED_BATCHES = 16
+"""Batches of :class:`StepColumns` waiting for the sending thread before an append that
+fills one more waits for it (the producer outpacing the broker)."""
 
 
 class Ingestor(Sender):
@@ -159,12 +165,22 @@ class Ingestor(Sender):
         self._sending = 0  # batches taken from the buffer (or the unsent list) not yet sent
         self._closed = threading.Event()
         self._episodes = 0
+        self._writers: list[StepColumns] = []  # flushed with the Ingestor, as long as it lives
+        self._queue: deque[StepBatch] = deque()  # full columns for the sending thread
+        self._queued = threading.Condition(self._lock)
+        self._sender: threading.Thread | None = None
         self._timer: threading.Thread | None = None
         if flush_interval:
             self._timer = threading.Thread(target=self._tick, name="claw-ingest-flush", daemon=True)
             self._timer.start()
 
     # ---- producing -----------------------------------------------------------------
+    def new_episode_id(self) -> str:
+        """A fresh unique episode id (what :meth:`episode` names an episode by default)."""
+        with self._lock:
+            self._episodes += 1
+            return f"{time.time_ns():x}-{id(self):x}-{self._episodes}"
+
     def episode(
         self,
         episode_id: str | None = None,
@@ -178,9 +194,7 @@ class Ingestor(Sender):
     ) -> Episode:
         """A new episode writer; ``episode_id`` defaults to a fresh unique id."""
         if episode_id is None:
-            with self._lock:
-                self._episodes += 1
-                episode_id = f"{time.time_ns():x}-{id(self):x}-{self._episodes}"
+            episode_id = self.new_episode_id()
         if policy_version is not None:
             check_int32(policy_version, "policy_version")
         meta = {
@@ -191,6 +205,75 @@ class Ingestor(Sender):
             "policy_version": policy_version,
         }
         return Episode(self._check_step, self._buffer, str(episode_id), meta, tags)
+
+    def columns(
+        self,
+        *,
+        task_id: str | None = None,
+        agent_id: str | None = None,
+        skill_tag: str | None = None,
+        reward_source: str | None = None,
+        policy_version: int | None = None,
+        **tags: Any,
+    ) -> StepColumns:
+        """A column writer of steps of this Ingestor's schema (known: given, stored or
+        inferred; fixed-shape fields), ``flush_steps`` rows a batch, with these metadata
+        and tags on every step: :meth:`StepColumns.append` copies a step into its columns,
+        and full batches are encoded and published by this Ingestor's sending thread (a
+        failed send is kept and retried; :meth:`flush` raises if it still fails). The
+        Ingestor keeps every writer it made: its rows go out with the Ingestor's flushes
+        and ``close``, whether or not the caller still holds it."""
+        if self.schema is None:
+            raise SchemaError(
+                "Ingestor.columns needs the namespace's schema: pass schema= (or add a "
+                "first step through an episode)"
+            )
+        if policy_version is not None:
+            check_int32(policy_version, "policy_version")
+        self.schema = self.schema.with_tags(tag_kinds(tags))
+        meta = {
+            "task_id": task_id,
+            "agent_id": agent_id,
+            "skill_tag": skill_tag,
+            "reward_source": reward_source,
+            "policy_version": policy_version,
+        }
+        writer = StepColumns(self.schema, self.flush_steps, self._submit, meta, tags)
+        with self._lock:
+            self._writers.append(writer)
+        return writer
+
+    def _submit(self, batch: StepBatch) -> None:
+        """Queue a writer's batch for the sending thread (started on first use)."""
+        with self._queued:
+            while len(self._queue) >= QUEUED_BATCHES and not self._closed.is_set():
+                self._queued.wait(0.1)
+            self._sending += 1  # a flush waits for it until it is sent
+            self._queue.append(batch)
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_queued, name="claw-ingest-send", daemon=True
+                )
+                self._sender.start()
+            self._queued.notify_all()
+
+    def _send_queued(self) -> None:
+        while True:
+            with self._queued:
+                while not self._queue:
+                    if self._closed.is_set():
+                        self._sender = None
+                        return
+                    self._queued.wait(0.1)
+                batch = self._queue.popleft()
+                self._queued.notify_all()
+            try:
+                self._send_or_keep(batch)
+            except Exception:  # kept in the unsent list: flush sends it again
+                log.warning("sending a batch failed; flush() retries it", exc_info=True)
+            finally:
+                with self._lock:
+                    self._sending -= 1
 
     def llm_turn(
         self,
@@ -417,6 +500,10 @@ class Ingestor(Sender):
                     due = self._steps and time.monotonic() - self._first_at >= self.flush_interval
                 if due:
                     self._send_buffer()
+                now = time.monotonic()
+                for writer in list(self._writers):
+                    if writer.first_at and now - writer.first_at >= self.flush_interval:
+                        writer.flush()
                 if time.monotonic() - last_poll > max(1.0, self.flush_interval):
                     last_poll = time.monotonic()
                     self._poll()
@@ -427,6 +514,8 @@ class Ingestor(Sender):
         """Send what is buffered; with ``wait``, block until the store confirms every batch
         sent so far and return what was committed (and rejected) since the last flush."""
         self._send_buffer()
+        for writer in list(self._writers):
+            writer.flush()
         if not wait:
             return FlushResult()
         self._retry_unsent()
@@ -452,13 +541,19 @@ class Ingestor(Sender):
         return result
 
     def close(self, timeout: float = 60.0) -> FlushResult:
-        """Flush, wait for confirmation, stop the timer, close the connections."""
+        """Flush, wait for confirmation, stop the timer and the sending thread, close the
+        connections."""
         self._closed.set()
         if self._timer is not None:
             self._timer.join()
         try:
             return self.flush(wait=True, timeout=timeout)
         finally:
+            with self._queued:
+                self._queued.notify_all()
+            sender = self._sender
+            if sender is not None:
+                sender.join(timeout)
             if not self._unsent and not self._inflight:
                 self.store.r.close()
 

@@ -43,6 +43,32 @@ def plain_url(url: str) -> str:
     return url if scheme is None else urlunsplit(parts._replace(scheme=scheme))
 
 
+def _route_scripts_by_their_keys() -> None:
+    """redis-py 8's cluster pipeline asks a node ``COMMAND GETKEYS`` for every EVAL/EVALSHA
+    it queues, one more round trip each (its static command policies lack them), where its
+    plain ``execute_command`` reads a script's keys from its arguments; registered as keyed
+    commands, they are routed as ``execute_command`` routes them. A sampled batch on a
+    cluster then costs one round trip per node, not one more per script call."""
+    try:
+        from redis.commands.policies import (
+            STATIC_POLICIES,
+            CommandPolicies,
+            RequestPolicy,
+            ResponsePolicy,
+        )
+    except ImportError:  # redis-py < 8: its pipeline routes scripts by their keys
+        return
+    keyed = CommandPolicies(
+        request_policy=RequestPolicy.DEFAULT_KEYED, response_policy=ResponsePolicy.DEFAULT_KEYED
+    )
+    core = STATIC_POLICIES.setdefault("core", {})
+    for name in ("eval", "evalsha", "eval_ro", "evalsha_ro"):
+        core.setdefault(name, keyed)
+
+
+_route_scripts_by_their_keys()
+
+
 def redis_client(url: str, **kwargs: Any) -> Client:
     """A client of the data store at ``url``: ``RedisCluster`` for a cluster URL, else
     ``redis.Redis``. ``kwargs`` go to ``from_url`` (timeouts, protocol...)."""

@@ -1,4 +1,4 @@
-"""What every replay-buffer adapter (SB3, TorchRL) holds open on a Claw namespace.
+"""What every replay-buffer adapter (SB3, TorchRL, RLlib) holds open on a Claw namespace.
 
 - :class:`Transitions` turns ``(obs, action, reward, next_obs, done)`` rows of parallel
   streams (SB3's envs, TorchRL's trajectories) into Claw episodes. A transition is written
@@ -17,12 +17,18 @@
   :func:`plan_for` turns a burst length into the read-ahead, ``parts`` and prefetch depth
   a hand-tuned buffer would use for it: the adapters size themselves from what they see
   when the trainer does not tell them (SB3 never passes ``gradient_steps`` to its buffer).
+- :class:`Versions`: the policy (update) version each served sample trains, as the
+  adapter counts it or the trainer declares it, recorded in the lineage log with the ids
+  of that sample (:meth:`Connection.pop`), so ``claw lineage NS --policy v`` answers for
+  drop-in users too.
 - :func:`without_password` / :func:`with_env_password`: what a saved buffer keeps of its
-  URLs (never a password: it comes from the environment again on load).
+  URLs (never a password: it comes from the environment again on load);
+  :func:`global_seed`: a buffer's seed when none is given, from the seed the trainer set.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
@@ -33,38 +39,53 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from claw_tasks.client import Episode, Ingestor
+from claw_tasks.client.columns import StepColumns
 from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.lineage import Served
 from orchestrator.delivery.readahead import ReadAhead
 from orchestrator.sampling.batch import Batch
 
+PolicyVersion = str | Callable[[int], Any] | None
+"""How an adapter declares what each sample trains: the name of one of its counters (e.g.
+``"updates"``), a callable given the sample's number (1, 2, ...) returning the version
+(``None``: not recorded), or None (nothing recorded)."""
+
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """A stream's current episode: its id and the index of its next step."""
+
+    episode_id: str
+    step: int = 0
 
 
 @dataclass
 class _Pending:
     """A stream's newest transition, held until its successor shows how to store next_obs."""
 
-    episode: Episode
+    episode: _Stream
     obs: np.ndarray
     action: np.ndarray
     reward: float
     next_obs: np.ndarray
     priority: float | None
 
-    def write(self, explicit_next: bool) -> None:
-        nxt = self.next_obs if explicit_next else None
-        self.episode.add(self.obs, self.action, self.reward, next_obs=nxt, priority=self.priority)
-
 
 class Transitions:
     """Transitions of parallel streams, each a run of Claw episodes (a new one after each
-    end). ``episode`` holds keyword arguments of :meth:`Ingestor.episode`."""
+    end). ``episode`` holds keyword arguments of :meth:`Ingestor.episode` (and of
+    :meth:`Ingestor.columns`, through which the steps are written once the schema is
+    known: a copy into preallocated columns, sent by the Ingestor's thread)."""
 
     def __init__(self, ingestor: Ingestor, episode: Mapping[str, Any] | None = None) -> None:
         self.ingestor = ingestor
         self.episode_kw = dict(episode or {})
-        self._episodes: dict[Hashable, Episode] = {}
+        self._streams: dict[Hashable, _Stream] = {}
         self._pending: dict[Hashable, _Pending] = {}
+        self._columns: StepColumns | None = None
+        self._episodes: dict[str, Episode] = {}  # without columns (no schema yet: inferred)
 
     def add(
         self,
@@ -81,37 +102,83 @@ class Transitions:
         """The next transition of ``stream``; ``terminated`` or ``truncated`` ends its
         episode (next_obs stored explicitly; a timeout bootstraps)."""
         self.release(stream, obs)
-        episode = self._episodes.get(stream)
+        episode = self._streams.get(stream)
         if episode is None:
-            episode = self._episodes[stream] = self.ingestor.episode(**self.episode_kw)
+            episode = self._streams[stream] = _Stream(self.ingestor.new_episode_id())
         if not (terminated or truncated):
             self._pending[stream] = _Pending(episode, obs, action, reward, next_obs, priority)
             return
-        episode.add(
-            obs,
-            action,
-            reward,
-            next_obs=next_obs,
-            terminated=terminated,
-            truncated=truncated,
-            priority=priority,
-        )
-        del self._episodes[stream]
+        self._write(episode, obs, action, reward, next_obs, terminated, truncated, priority)
+        del self._streams[stream]
+        self._episodes.pop(episode.episode_id, None)
 
     def release(self, stream: Hashable, obs: np.ndarray) -> None:
         """Write ``stream``'s held transition, ``obs`` being its successor's (``add`` does
         it first). A caller adding a time step of several streams releases them all before
-        adding: steps are then stored, and the ring evicts them, time step by time step."""
+        adding: steps are then stored, and the ring evicts them, time step by time step.
+        The held next_obs is stored once (as the successor's obs) only when the two are
+        the same bytes."""
         held = self._pending.pop(stream, None)
         if held is not None:
-            held.write(explicit_next=not np.array_equal(held.next_obs, obs))
+            nxt = held.next_obs
+            same = nxt.shape == obs.shape and nxt.dtype == obs.dtype
+            explicit = not (same and nxt.tobytes() == obs.tobytes())
+            self._write_held(held, explicit)
 
     def write_pending(self) -> None:
         """Write each stream's held transition with its next_obs (before a flush: a held
         one would otherwise wait for a successor that may never come)."""
         for held in self._pending.values():
-            held.write(explicit_next=True)
+            self._write_held(held, True)
         self._pending.clear()
+
+    def _write_held(self, held: _Pending, explicit_next: bool) -> None:
+        nxt = held.next_obs if explicit_next else None
+        h = held
+        self._write(h.episode, h.obs, h.action, h.reward, nxt, False, False, h.priority)
+
+    def _write(
+        self,
+        episode: _Stream,
+        obs: np.ndarray,
+        action: np.ndarray,
+        reward: float,
+        next_obs: np.ndarray | None,
+        terminated: bool,
+        truncated: bool,
+        priority: float | None,
+    ) -> None:
+        columns = self._columns
+        if columns is None and self.ingestor.schema is not None:
+            columns = self._columns = self.ingestor.columns(**self.episode_kw)
+        if columns is not None:
+            columns.append(
+                episode.episode_id,
+                episode.step,
+                obs,
+                action,
+                reward,
+                terminated=terminated,
+                truncated=truncated,
+                next_obs=next_obs,
+                priority=priority,
+            )
+        else:  # the first step: its Episode infers the schema
+            writer = self._episodes.get(episode.episode_id)
+            if writer is None:
+                writer = self.ingestor.episode(episode.episode_id, **self.episode_kw)
+                writer.step_index = episode.step
+                self._episodes[episode.episode_id] = writer
+            writer.add(
+                obs,
+                action,
+                reward,
+                next_obs=next_obs,
+                terminated=terminated,
+                truncated=truncated,
+                priority=priority,
+            )
+        episode.step += 1
 
 
 @dataclass(frozen=True)
@@ -199,6 +266,35 @@ class Cadence:
         return plan
 
 
+class Versions:
+    """The policy version each sample an adapter serves trains (see ``PolicyVersion``).
+
+    ``counters`` names what the adapter counts (e.g. ``updates``: its ``sample()`` calls;
+    ``timesteps``: transitions added), each read when a sample is served; ``declare``
+    picks one, or is a callable of the sample's number, or None."""
+
+    def __init__(self, declare: PolicyVersion, counters: Mapping[str, Callable[[], int]]) -> None:
+        if isinstance(declare, str) and declare not in counters:
+            raise ValueError(
+                f"policy_version={declare!r}: one of {', '.join(map(repr, counters))}, a "
+                "callable of the sample's number, or None"
+            )
+        if declare is not None and not isinstance(declare, str) and not callable(declare):
+            raise TypeError(
+                f"policy_version: a counter's name, a callable or None, not {declare!r}"
+            )
+        self.declare, self.counters = declare, counters
+
+    def of(self, number: int) -> Any:
+        """The version sample ``number`` (1, 2, ... as the adapter counts its samples)
+        trains; None: not recorded."""
+        if self.declare is None:
+            return None
+        if isinstance(self.declare, str):
+            return self.counters[self.declare]()
+        return self.declare(number)
+
+
 @dataclass(eq=False)
 class Connection:
     """What a buffer holds open on one namespace; closed once."""
@@ -208,7 +304,7 @@ class Connection:
     transitions: Transitions
     names: dict[Hashable, str] = field(default_factory=dict)  # key -> registered recipe
     readaheads: dict[str, ReadAhead] = field(default_factory=dict)
-    _prepare: dict[str, Callable[[Batch], list[Any]]] = field(default_factory=dict)
+    _prepare: dict[str, Callable[[Batch], list[tuple[Served, Any]]]] = field(default_factory=dict)
     _left: dict[str, deque[Any]] = field(default_factory=dict)  # parts not served yet
     replans: int = 0  # recipes dropped by resize(): recipe names made after one carry it
     _parts: dict[str, int] = field(default_factory=dict)
@@ -232,9 +328,12 @@ class Connection:
             self.flush()
             name = self.names[key] = self.client.register(spec).name
 
-            def prepare(batch: Batch) -> list[Any]:
+            def prepare(batch: Batch) -> list[tuple[Served, Any]]:
                 got = split(batch, parts) if parts > 1 else [batch]
-                return got if convert is None else [convert(b) for b in got]
+                return [
+                    (Served(b.recipe_version, b.ids.copy()), b if convert is None else convert(b))
+                    for b in got
+                ]
 
             self._prepare[name] = prepare
             self._parts[name] = parts
@@ -248,19 +347,27 @@ class Connection:
                 )
         return name
 
-    def pop(self, name: str, timeout: float | None) -> Any:
+    def pop(self, name: str, timeout: float | None, policy_version: Any = None) -> Any:
         """The next part (converted) of recipe ``name``'s batches: from the read-ahead when
-        it has one."""
+        it has one. ``policy_version`` (not None): recorded in the lineage log as what this
+        part's rows train, sent with the next pop of whichever client pops (the read-ahead
+        thread's, off the trainer's path)."""
         left = self._left.get(name)
+        ra = self.readaheads.get(name)
         if not left:
-            ra = self.readaheads.get(name)
             parts = (
                 ra.pop(timeout)
                 if ra is not None
                 else self._prepare[name](self.client.pop(name, timeout))
             )
             left = self._left[name] = deque(parts)
-        return left.popleft()
+        served, item = left.popleft()
+        if policy_version is not None:
+            if ra is not None:
+                ra.trained(served, policy_version)
+            else:
+                self.client.trained(name, served, policy_version)
+        return item
 
     def resize(self, plan: Plan) -> None:
         """Apply a new :class:`Plan`: read-aheads of recipes whose ``parts`` stay take the
@@ -328,6 +435,14 @@ def close_quietly(conn: Connection) -> None:
             type(e).__name__,
             e,
         )
+
+
+def global_seed() -> int:
+    """A seed from numpy's global state without drawing from it: SB3 and RLlib seed that
+    state before they build their buffer, so the algorithm's seed decides this one."""
+    state = np.random.get_state()
+    digest = hashlib.blake2b(state[1].tobytes() + int(state[2]).to_bytes(4), digest_size=4)
+    return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
 
 
 def without_password(url: str | None) -> str | None:

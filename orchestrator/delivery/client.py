@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -16,8 +17,9 @@ from claw_tasks.broker.app import client_app
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.delivery import admission, ratelimit, rollouts, shm
-from orchestrator.delivery.lineage import LineageLog, record
+from orchestrator.delivery.lineage import LineageLog, Traced, record
 from orchestrator.delivery.priorities import PriorityWriter
+from orchestrator.delivery.readahead import ReadAhead
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import WireVersionError
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
@@ -25,6 +27,10 @@ from orchestrator.retrieval import Neighbours, nearest
 from orchestrator.sampling.batch import Batch
 
 log = logging.getLogger(__name__)
+LINEAGE_PENDING = 256
+"""Lineage entries a client holds before it sends them without waiting for a pop."""
+
+_FLUSH = object()  # asks the sending thread to send the lineage recorded by local pops
 
 
 class BatchClient:
@@ -33,6 +39,14 @@ class BatchClient:
     Workers on the ``prefetch`` queue fill each recipe's bounded queue; a pop that leaves
     the queue under its low-water mark asks for a refill (one at a time per recipe), and a
     beat task tops up every queue each second as a safety net.
+
+    ``readahead`` (default ``CLAW_READAHEAD``, 0: off): batches of each recipe a
+    background thread keeps popped and decoded in this process (at most
+    ``readahead_bytes`` of them), so :meth:`pop` is a local dequeue while they last
+    (:class:`~orchestrator.delivery.readahead.ReadAhead`; not for ``rollout`` recipes,
+    whose minibatches follow the policy versions). Batches then leave the Redis queue
+    before the trainer takes them (``depth`` counts them no longer; ``popped`` counts them
+    when the thread takes them).
     """
 
     def __init__(
@@ -41,8 +55,13 @@ class BatchClient:
         redis_url: str | None = None,
         *,
         broker_url: str | None = None,
+        readahead: int | None = None,
+        readahead_bytes: int = 64 << 20,
     ) -> None:
         settings = get_settings()
+        self.readahead = settings.readahead if readahead is None else readahead
+        self.readahead_bytes = readahead_bytes
+        self._ahead: dict[str, ReadAhead] = {}
         self.namespace = namespace or settings.namespace
         self.redis_url, self.broker_url = redis_url, broker_url  # as given (None: environment)
         url = self._url = redis_url or settings.redis_url
@@ -54,12 +73,15 @@ class BatchClient:
         self._popped: dict[str, int] = {}
         self._skipped: dict[str, int] = {}
         self._waited: dict[str, float] = {}  # seconds pops waited on an empty queue
+        self._counting = threading.Lock()  # the counters: a pop, a flush from another thread
         self.lineage = LineageLog(self.store)
         """The namespace's lineage log (:mod:`orchestrator.delivery.lineage`)."""
-        self._lineage: list[dict[str, bytes | str]] = []  # entries sent with the next pop
+        # Entries sent with the next pop; a deque: a read-ahead's trainer declares batches
+        # from its own thread while this client's pops drain it.
+        self._lineage: collections.deque[dict[str, bytes | str]] = collections.deque()
         self._logged_skip: set[str] = set()
         self._priorities: PriorityWriter | None = None
-        self._refills: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._refills: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._sender = threading.Thread(
             target=self._send_refills, name="claw-refill-requests", daemon=True
         )
@@ -123,14 +145,31 @@ class BatchClient:
         return stored
 
     def unregister(self, name: str) -> None:
+        self._stop_ahead(name)
         for item in self.registry.remove(name):
             shm.discard(item)
         admission.clear(self.store, name)
         self._recipes.pop(name, None)
 
+    def detached(self) -> BatchClient:
+        """A new client of the same namespace, store and broker, without read-ahead (what a
+        read-ahead thread pops with)."""
+        return BatchClient(self.namespace, self.redis_url, broker_url=self.broker_url, readahead=0)
+
+    def held(self, name: str) -> int:
+        """Batches of recipe ``name`` read ahead in this process and not popped yet."""
+        ra = self._ahead.get(name)
+        return 0 if ra is None else len(ra)
+
+    def _stop_ahead(self, name: str) -> None:
+        ra = self._ahead.pop(name, None)
+        if ra is not None:
+            ra.close()  # the batches it held are dropped (their rows stay in the store)
+
     def _installed(self, recipe: Recipe, reset: bool) -> None:
-        """After a new version: drop the queued batches (older versions), reset the
-        counters unless only live params changed, and ask for a fill."""
+        """After a new version: drop the queued batches (older versions, and those read
+        ahead), reset the counters unless only live params changed, and ask for a fill."""
+        self._stop_ahead(recipe.name)
         self._drop(recipe, self.registry.drain(recipe.name))
         if reset:
             self.store.r.delete(self.registry.counters(recipe.name))
@@ -169,6 +208,8 @@ class BatchClient:
         recorded in the lineage log (:meth:`trained` records a batch popped earlier)."""
         recipe = self._recipes.get(name) or self._entry(name).recipe
         self._recipes[name] = recipe
+        if self.readahead > 0 and recipe.rollout is None:
+            return self._pop_ahead(name, timeout, policy_version)
         q = self.registry.queue(name)
         deadline = None if timeout is None else time.monotonic() + timeout
         r = self.store.r
@@ -189,7 +230,8 @@ class BatchClient:
                     raise TimeoutError(self._why_empty(name, timeout))
                 began = time.monotonic()
                 got = r.blpop([q], timeout=max(wait, 0.01))
-                self._waited[name] = self._waited.get(name, 0.0) + time.monotonic() - began
+                with self._counting:
+                    self._waited[name] = self._waited.get(name, 0.0) + time.monotonic() - began
                 if got is None:
                     continue
                 item = got[1]
@@ -212,15 +254,38 @@ class BatchClient:
                         n = admission.trajectories_in(batch)
                         admission.give_back(self.store, n, f"{name}: a stale batch dropped")
                     continue
-            self._popped[name] = self._popped.get(name, 0) + 1  # reported with the next pop
+            with self._counting:  # reported with the next pop
+                self._popped[name] = self._popped.get(name, 0) + 1
             if policy_version is not None:
                 self.trained(name, batch, policy_version)
+            return batch
+
+    def _pop_ahead(self, name: str, timeout: float | None, policy_version: Any) -> Batch:
+        """:meth:`pop` from the recipe's read-ahead (started on first use)."""
+        ra = self._ahead.get(name)
+        if ra is None:
+            ra = self._ahead[name] = ReadAhead(
+                self, name, count=self.readahead, max_bytes=self.readahead_bytes
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            batch = ra.pop(left)
+            version = self._recipes[name].version
+            if batch.recipe_version > version:  # changed by another client
+                self._recipes[name] = self._entry(name).recipe
+            elif batch.recipe_version < version:
+                continue  # read ahead before this client changed the recipe: stale
+            if policy_version is not None:
+                self.trained(name, batch, policy_version)
+                self._refills.put(_FLUSH)  # sent off the trainer's path: no pop goes out
             return batch
 
     def _skip(self, name: str, item: Any, error: Exception) -> None:
         """Drop an unreadable queue item: counted (``skipped`` in :meth:`stats`), logged
         once per recipe per client."""
-        self._skipped[name] = self._skipped.get(name, 0) + 1
+        with self._counting:
+            self._skipped[name] = self._skipped.get(name, 0) + 1
         if name not in self._logged_skip:
             self._logged_skip.add(name)
             log.warning(
@@ -232,12 +297,16 @@ class BatchClient:
                 error,
             )
 
-    def trained(self, name: str, batch: Batch, policy_version: Any) -> None:
-        """Record that ``batch`` of recipe ``name`` trains ``policy_version`` (any value;
-        kept as text): one lineage entry, sent with the next pop (or :meth:`flush_lineage`,
-        :meth:`stats`, :meth:`close`). Record each batch once: here, or with ``pop``'s
-        ``policy_version``."""
+    def trained(self, name: str, batch: Batch | Traced, policy_version: Any) -> None:
+        """Record that ``batch`` of recipe ``name`` (a batch, or a part of one: anything
+        with its ``recipe_version`` and ``ids``) trains ``policy_version`` (any value; kept
+        as text): one lineage entry, sent with the next pop (or :meth:`flush_lineage`,
+        :meth:`stats`, :meth:`close`; by itself once ``LINEAGE_PENDING`` wait, for a client
+        that declares batches another one pops). Record each batch once: here, or with
+        ``pop``'s ``policy_version``. Thread-safe."""
         self._lineage.append(record(name, batch.recipe_version, policy_version, batch.ids))
+        if len(self._lineage) >= LINEAGE_PENDING:
+            self.flush_lineage()
 
     def flush_lineage(self) -> None:
         """Send the lineage entries recorded since the last pop."""
@@ -247,22 +316,29 @@ class BatchClient:
                 pipe.execute()
 
     def _report_pops(self, pipe: Any) -> None:
-        for counts, field in ((self._popped, "popped"), (self._skipped, "skipped")):
+        with self._counting:
+            popped, skipped, waited = self._popped, self._skipped, self._waited
+            self._popped, self._skipped, self._waited = {}, {}, {}
+        for counts, field in ((popped, "popped"), (skipped, "skipped")):
             for name, k in counts.items():
                 pipe.hincrby(self.registry.counters(name), field, k)
-            counts.clear()
-        for name, seconds in self._waited.items():  # claw_prefetch_wait_seconds_total
+        for name, seconds in waited.items():  # claw_prefetch_wait_seconds_total
             pipe.hincrbyfloat(self.registry.counters(name), "wait_s", seconds)
-        self._waited.clear()
-        for entry in self._lineage:
+        while True:  # popleft: entries appended meanwhile wait for the next pop
+            try:
+                entry = self._lineage.popleft()
+            except IndexError:
+                return
             self.lineage.queue(pipe, entry)
-        self._lineage.clear()
 
     def _send_refills(self) -> None:
         while (name := self._refills.get()) is not None:
             try:
-                self.request_fill(name)
-            except Exception:  # the beat safety net refills anyway
+                if name is _FLUSH:
+                    self.flush_lineage()
+                else:
+                    self.request_fill(name)
+            except Exception:  # the beat safety net refills anyway; lineage goes next time
                 log.warning("refill request for %r failed", name, exc_info=True)
 
     def request_fill(self, name: str, *, force: bool = False) -> bool:
@@ -396,6 +472,8 @@ class BatchClient:
         return out
 
     def close(self) -> None:
+        for name in list(self._ahead):
+            self._stop_ahead(name)
         if self._priorities is not None:
             self._priorities.close()
         self._refills.put(None)

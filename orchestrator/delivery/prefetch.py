@@ -30,6 +30,7 @@ from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import admission, ratelimit, rollouts, shm
 from orchestrator.delivery.augstats import RedisStats, namespace_stats
 from orchestrator.delivery.collate import collate
+from orchestrator.delivery.quarantine import sample_clean
 from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.samplestats import Observed
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
@@ -38,7 +39,7 @@ from orchestrator.recipe.model import Recipe
 from orchestrator.retrieval.query import neighbour_fields
 from orchestrator.sampling.batch import take_rows
 from orchestrator.sampling.candidates import InsufficientData
-from orchestrator.sampling.sample import close_shared, hit_rates, sample
+from orchestrator.sampling.sample import close_shared, hit_rates
 from orchestrator.sampling.sample import forget_namespace as forget_sessions
 from orchestrator.sampling.shared import reap_unused
 from orchestrator.transforms.augment import AugmentPlan, build_pipelines
@@ -189,7 +190,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
             rng = _rng_for(reg, recipe)
             began = time.perf_counter()
             try:
-                batch = sample(reg.store, draw, rng=rng)
+                batch = sample_clean(reg.store, draw, rng)  # its clean rules passed
             except InsufficientData as e:
                 state = f"insufficient data: {e}"
                 break

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.lineage import Traced
 from orchestrator.sampling.batch import Batch
 
 
@@ -31,13 +31,14 @@ def batch_bytes(batch: Batch) -> int:
 
 class ReadAhead:
     """Keeps up to ``count`` batches (and at most ``max_bytes``; always at least one) of
-    recipe ``name`` decoded in this process. ``client`` is only read for its connection
-    settings (namespace, store URL, broker). With ``convert``, :meth:`pop` returns
-    ``convert(batch)``, computed in the thread."""
+    recipe ``name`` decoded in this process. ``client`` (a
+    :class:`~orchestrator.delivery.client.BatchClient`) gives the thread a client of its
+    own (``client.detached()``: same namespace, store and broker, no read-ahead). With
+    ``convert``, :meth:`pop` returns ``convert(batch)``, computed in the thread."""
 
     def __init__(
         self,
-        client: BatchClient,
+        client: Any,
         name: str,
         *,
         count: int = 8,
@@ -52,7 +53,7 @@ class ReadAhead:
         self.name = name
         self.count, self.max_bytes, self.poll = count, max_bytes, poll
         self.convert = convert
-        self._client = BatchClient(client.namespace, client.redis_url, broker_url=client.broker_url)
+        self._client = client.detached()
         self._ready: collections.deque[tuple[Any, int]] = collections.deque()
         self._bytes = 0
         self._error: BaseException | None = None
@@ -106,6 +107,12 @@ class ReadAhead:
             self._bytes -= size
             self._cond.notify_all()
         return batch
+
+    def trained(self, batch: Traced, policy_version: Any) -> None:
+        """Record that ``batch`` (one this read-ahead served, or a part of it) trains
+        ``policy_version``: the entry goes out with the thread's next pop, off the
+        trainer's path (:meth:`BatchClient.trained`)."""
+        self._client.trained(self.name, batch, policy_version)
 
     def resize(self, count: int) -> None:
         """Keep up to ``count`` batches from now on (batches beyond it are served, not

@@ -108,7 +108,7 @@ class Query:
         if not store.exists():
             raise NamespaceError(f"namespace {store.namespace!r} does not exist")
         self.store = store
-        self.index = SamplingIndex(store)
+        self.index = SamplingIndex(store, payload_bytes=0)
         self.index.sync()
         self.strings = Strings(store, self.index)
         self.tags = dict(self.index.schema.tags) if self.index.schema else {}

@@ -102,7 +102,7 @@ def protected_steps(store: Store) -> int | None:
     retention = store.config(refresh=True).retention
     if retention is None or not retention.protect:
         return None
-    index = SamplingIndex(store)
+    index = SamplingIndex(store, payload_bytes=0)
     index.sync()
     tags = index.schema.tags if index.schema else {}
     return int(protected_mask(index.columns, retention, Strings(store, index), tags).sum())

@@ -92,7 +92,7 @@ def synced_index(store: Store) -> tuple[SamplingIndex, Strings]:
         forget(store.namespace)  # made again since: every cache of it starts cold
 
     def make() -> tuple[SamplingIndex, Strings]:
-        index = SamplingIndex(store)
+        index = SamplingIndex(store, payload_bytes=0)
         strings = Strings(store, index)
         index.subscribe(strings.observe)
         return index, strings

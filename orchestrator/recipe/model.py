@@ -39,6 +39,7 @@ from orchestrator.recipe.joint import (
     joint_problem,
     joint_schema_problems,
 )
+from orchestrator.transforms.cleaning import RecipeClean
 from orchestrator.transforms.framestack import stacked_shape
 
 STACKED = ("obs", "next_obs")
@@ -317,6 +318,10 @@ class Recipe(_Model):
     rollout: Rollout | None = None
     nearest: Nearest | None = None
     admission: Admission | None = None
+    clean: RecipeClean | None = None
+    """Mapping, validity rules and outliers checked on every drawn batch in the prefetch
+    workers (docs/retrieval.md, "Cleaning"): a failing step is quarantined, the batch
+    drawn again."""
     seed: int | None = None
     as_of: Name | None = None
     """Sample a snapshot of the namespace (``claw snapshot NS NAME``): only its steps that
@@ -377,6 +382,8 @@ class Recipe(_Model):
             raise ValueError(f"nearest.query: {near.query!r} is not one of the recipe's fields")
         if near is not None and (self.sequence_length > 1 or self.grouped or self.frame_stack > 1):
             raise ValueError("nearest: rows of one step each (no sequences, groups, stacks)")
+        if self.clean is not None:
+            self._clean_consistent(self.clean)
         for src, n in zip(self.sources, self.counts, strict=True):
             if n == 0:
                 raise ValueError(
@@ -384,6 +391,15 @@ class Recipe(_Model):
                     f"{src.weight}; raise its weight or the batch size"
                 )
         return self
+
+    def _clean_consistent(self, clean: RecipeClean) -> None:
+        unknown = sorted(clean.names() - set(self.fields))
+        if unknown:
+            raise ValueError(f"clean: {unknown} are not fields of the recipe")
+        if self.sequence_length > 1 or self.grouped or self.frame_stack > 1 or self.tokens:
+            raise ValueError("clean: rows of one step each (no sequences, groups, stacks, tokens)")
+        if self.rollout is not None or self.joint is not None:
+            raise ValueError("clean: not with rollout or joint recipes")
 
     @property
     def grouped(self) -> bool:
@@ -517,6 +533,9 @@ class Recipe(_Model):
                 f"sources[{i}] ({src.name}).sampler.{p}" for p in src.sampler.problems(schema.tags)
             ]
         problems += self._augment_problems(schema)
+        for name in sorted(self.clean.names()) if self.clean is not None else []:
+            if getattr(schema.fields.get(name), "ragged", False):
+                problems.append(f"clean: {name!r} is ragged; rules read fixed-shape fields")
         if self.rollout is not None:
             missing = [t for t in (LOG_PROB, VALUE) if schema.tags.get(t) != "num"]
             if missing:  # bootstrap_value may not be there yet: no segment ended so far

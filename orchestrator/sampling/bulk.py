@@ -7,6 +7,9 @@ costs ~5 µs to queue and pack: for the ~260 GETRANGEs of a 256-step image batch
 that is about half of the fetch's CPU time (``docs/benchmarks.md``). Here the commands are
 packed in one pass and every reply's body is received into its rows of one buffer.
 
+:meth:`BulkReader.run` sends other commands (scripts, HMGETs) after the GETRANGEs, in the
+same round trip; their replies are parsed by hiredis.
+
 Only plain TCP and Unix-socket connections, with the client's password, user and database;
 for anything else (TLS, Cluster, a credential provider, RESP3) :meth:`BulkReader.for_client`
 returns None and the caller reads through redis-py.
@@ -18,8 +21,10 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
+import hiredis
 import redis
 from redis.connection import Connection, UnixDomainSocketConnection
+from redis.exceptions import NoScriptError
 
 _CHUNK = 1 << 16
 
@@ -61,6 +66,57 @@ class BulkReader:
             except (OSError, redis.ConnectionError):  # read-only: safe to send again
                 self.close()
         self._run(blob, commands, out)
+
+    def run(
+        self, ranges: Sequence[tuple[str, int, int]], out: memoryview, tail: Sequence[Sequence[Any]]
+    ) -> list[Any]:
+        """In one round trip: the GETRANGEs ``ranges`` into ``out`` (as :meth:`getranges`),
+        then the commands ``tail``, whose replies come back as hiredis parses them (errors
+        as exceptions: NOSCRIPT as redis-py's :class:`NoScriptError`, raised once every
+        reply is read). A connection found broken is replaced once, as in
+        :meth:`getranges` (reads only: safe to send again)."""
+        blob = _pack_getranges(ranges) + b"".join(_pack(args) for args in tail)
+        if self.sock is not None:
+            try:
+                return self._run_all(blob, ranges, out, len(tail))
+            except (OSError, redis.ConnectionError):
+                self.close()
+        return self._run_all(blob, ranges, out, len(tail))
+
+    def _run_all(
+        self, blob: bytes, ranges: Sequence[tuple[str, int, int]], out: memoryview, n: int
+    ) -> list[Any]:
+        try:
+            self._run(blob, ranges, out)
+            replies = self._tail(n)
+        except BaseException:
+            self.close()
+            raise
+        for reply in replies:
+            if isinstance(reply, hiredis.ReplyError):
+                text = str(reply)
+                raise (NoScriptError if text.startswith("NOSCRIPT") else redis.ResponseError)(text)
+        return replies
+
+    def _tail(self, n: int) -> list[Any]:
+        """The next ``n`` replies, parsed by hiredis (bytes, ints, lists, errors)."""
+        reader = hiredis.Reader()
+        if self.end > self.start:
+            reader.feed(bytes(self.mv[self.start : self.end]))
+        self.start = self.end = 0
+        replies: list[Any] = []
+        while len(replies) < n:
+            reply = reader.gets()
+            if reply is False:
+                got = self.sock.recv_into(self.mv)  # type: ignore[union-attr]
+                if not got:
+                    raise redis.ConnectionError("connection closed by the server")
+                reader.feed(bytes(self.mv[:got]))
+                continue
+            replies.append(reply)
+        if reader.has_data():
+            raise redis.ResponseError("more replies than commands")
+        return replies
 
     def _run(self, blob: bytes, commands: Sequence[tuple[str, int, int]], out: memoryview) -> None:
         try:

@@ -21,12 +21,14 @@ from typing import Any
 
 import msgpack
 import numpy as np
+from redis.exceptions import NoScriptError
 
 from claw_tasks.format.schema import FieldSpec
 from claw_tasks.store import Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.sampling.bulk import BulkReader
+from orchestrator.sampling.index import LOG_PAGE, SamplingIndex
 
 PLAIN_ROW_BYTES = 2048
 """Fixed rows of at least this many bytes are read by plain commands, not in Lua."""
@@ -86,6 +88,7 @@ class Fetcher:
     def __init__(self, store: Store, cap: int) -> None:
         self.store, self.cap = store, cap
         self._script = Lua("fetch", "orchestrator")
+        self.log_since = Lua("log_since", "orchestrator")
         self._n_shards = store.config().n_shards
         self._bulk = BulkReader.for_client(store.r)
 
@@ -99,7 +102,32 @@ class Fetcher:
         """Results of ``reads`` in row order (a fixed read: uint8 ``(rows, size)``; a hash
         read: a list of bytes or None) and the replies of ``lookups``; None when a row of
         ``check`` no longer holds its step id in ``expect``."""
-        cap = self.cap
+        got = self._fetch(check, expect, reads, lookups, None)
+        if got is None:
+            return None
+        out, replies, _ = got
+        return out, replies
+
+    def since(
+        self, reads: Sequence[Read], lookups: Sequence[Lookup], tail: Sequence[Sequence[Any]]
+    ) -> tuple[list[Any], list[Any], list[Any]]:
+        """Results of ``reads`` and the replies of ``lookups``, as :meth:`__call__` gives
+        them, but unchecked; and the replies of the commands ``tail``, run after every read
+        in the same round trip (the change-log reads that check them: :class:`LogChecked`;
+        ``EVALSHA`` of :attr:`log_since` is loaded on NOSCRIPT)."""
+        got = self._fetch(np.zeros(0, np.int64), None, reads, lookups, tail)
+        assert got is not None
+        return got
+
+    def _fetch(
+        self,
+        check: np.ndarray,
+        expect: np.ndarray | None,
+        reads: Sequence[Read],
+        lookups: Sequence[Lookup],
+        since: Sequence[Sequence[Any]] | None,
+    ) -> tuple[list[Any], list[Any], list[Any]] | None:
+        cap, keys = self.cap, self.store.keys
         families: dict[tuple[Any, ...], list[int]] = {}
         for j, r in enumerate(reads):
             families.setdefault((r.kind, r.base, r.size, r.chunk, r.plain), []).append(j)
@@ -110,80 +138,108 @@ class Fetcher:
             )
             merged.append(Read(kind, base, size, chunk, uniq, plain))
             inverse.append((members, inv))
+        big = [m for m in merged if m.plain and m.kind == "f"]
         in_lua = [m for m in merged if not m.plain]
-        shards = np.unique(np.concatenate([check // cap, *(m.rows // cap for m in merged)]))
-        seqs = expect // self._n_shards
-        # Big fixed rows straight into buffers, before the pipeline: its script calls then
-        # validate them, as they validate the plain reads queued ahead of them.
-        bulk = self._bulk_reads([m for m in merged if m.plain and m.kind == "f"])
-        plain = [self._plain_commands(m) for m in merged if m.plain and id(m) not in bulk]
+        # The commands after the big rows, in order: hashes, scripts per shard (their reads
+        # and checks, after every plain read: a writer frees a slot before it rewrites
+        # it), the change logs (since), the lookups.
+        commands: list[list[Any]] = []
+        hashes = []
+        for m in merged:
+            if m.plain and m.kind == "h":
+                got, runs = self._plain_commands(m)
+                commands += [["HMGET", *args[:1], *args[1]] for _, args in got]
+                hashes.append(len(runs))
+        n_hash = len(commands)
+        if since is None:  # every shard holding a row to check or read
+            parts = [check // cap, *(m.rows // cap for m in merged)]
+        else:  # only shards with rows read in Lua (the logs check the rows)
+            parts = [m.rows // cap for m in in_lua]
+        shards = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        seqs = None if expect is None else expect // self._n_shards
+        for shard in shards.tolist():
+            on = check // cap == shard
+            oldest = int(seqs[on].min()) if seqs is not None and on.any() else 1 << 52
+            args: list[Any] = [keys.shard(shard), cap, oldest, _pack(check[on] % cap)]
+            for m in in_lua:
+                lo, hi = np.searchsorted(m.rows, [shard * cap, (shard + 1) * cap])
+                args += [m.kind, m.base, m.size, m.chunk, _pack(m.rows[lo:hi] % cap)]
+            shard_keys = [keys.shard_key(shard, k) for k in ("alive", "seq")]
+            commands.append(["EVALSHA", self._script.sha, 2, *shard_keys, *args])
+        commands += [list(c) for c in since or ()]
+        recorder = _Recorder()
+        for lookup in lookups:
+            lookup(recorder)
+        commands += recorder.commands
 
-        def queue(pipe: Any) -> None:
-            for commands, _ in plain:
-                for name, args in commands:
-                    getattr(pipe, name)(*args)
-            for shard in shards.tolist():
-                on = check // cap == shard
-                oldest = int(seqs[on].min()) if on.any() else 1 << 52
-                args: list[Any] = [
-                    self.store.keys.shard(shard),
-                    cap,
-                    oldest,
-                    _pack(check[on] % cap),
-                ]
-                for m in in_lua:
-                    lo, hi = np.searchsorted(m.rows, [shard * cap, (shard + 1) * cap])
-                    args += [m.kind, m.base, m.size, m.chunk, _pack(m.rows[lo:hi] % cap)]
-                keys = [self.store.keys.shard_key(shard, k) for k in ("alive", "seq")]
-                self._script.queue(pipe, keys, args)
-            for lookup in lookups:
-                lookup(pipe)
+        ranges = [self._plain_commands(m) for m in big]
+        if self._bulk is not None:  # big rows straight into one buffer, the rest after them
+            sizes = [len(m.rows) * m.size for m in big]
+            buf = np.empty(sum(sizes), np.uint8)
+            flat = [args for c, _ in ranges for _, args in c]
+            try:
+                replies = self._bulk.run(flat, memoryview(buf), commands)
+            except NoScriptError:
+                self._load_scripts()
+                replies = self._bulk.run(flat, memoryview(buf), commands)
+            bounds = np.cumsum([0, *sizes]).tolist()
+            fixed = [
+                buf[lo:hi].reshape(-1, m.size)
+                for m, lo, hi in zip(big, bounds, bounds[1:], strict=False)
+            ]
+        else:
 
-        replies = execute(self.store.r, [self._script], queue)
-        n_plain = sum(len(runs) for _, runs in plain)
-        per_shard = replies[n_plain : n_plain + len(shards)]
+            def queue(pipe: Any) -> None:
+                for c, _ in ranges:
+                    for _, args in c:
+                        pipe.getrange(*args)
+                for command in commands:
+                    pipe.execute_command(*command)
+
+            replies = execute(self.store.r, [self._script, self.log_since], queue)
+            fixed, at = [], 0
+            for m, (c, runs) in zip(big, ranges, strict=True):
+                fixed.append(_plain_result(m, runs, replies[at : at + len(c)]))
+                at += len(c)
+            replies = replies[at:]
+        per_shard = replies[n_hash : n_hash + len(shards)]
         if any(reply[0] for reply in per_shard):
             return None
-        got, plain_at, lua_at, runs_of = [], 0, 1, iter(runs for _, runs in plain)
+        rest = replies[n_hash + len(shards) :]
+        logs: list[Any] = []
+        if since is not None:
+            logs, rest = rest[: len(since)], rest[len(since) :]
+        got_of, hash_at, lua_at = iter(fixed), 0, 1
+        runs_of = iter(hashes)
+        results: list[Any] = []
         for m in merged:
-            if id(m) in bulk:
-                got.append(bulk[id(m)])
+            if m.plain and m.kind == "f":
+                results.append(next(got_of))
             elif m.plain:
-                runs = next(runs_of)
-                got.append(_plain_result(m, runs, replies[plain_at : plain_at + len(runs)]))
-                plain_at += len(runs)
+                n = next(runs_of)
+                results.append([v for reply in replies[hash_at : hash_at + n] for v in reply])
+                hash_at += n
             else:
                 parts = [reply[lua_at] for reply in per_shard]  # shards in order: rows in order
-                got.append(_joined(m, parts))
+                results.append(_joined(m, parts))
                 lua_at += 1
         out: list[Any] = [None] * len(reads)
-        for m, res, (members, inv) in zip(merged, got, inverse, strict=True):
+        for m, res, (members, inv) in zip(merged, results, inverse, strict=True):
             start = 0
             for j in members:
                 k = inv[start : start + len(reads[j].rows)]
                 start += len(k)
                 if m.kind == "h":
                     out[j] = [res[x] for x in k.tolist()]
-                elif m.plain and id(m) not in bulk:
+                elif isinstance(res, list):  # a view per row
                     out[j] = _gather_rows(reads[j], res, k)
                 else:
                     out[j] = _placed(reads[j], res[k])
-        return out, replies[n_plain + len(shards) :]
+        return out, rest, logs
 
-    def _bulk_reads(self, fixed: list[Read]) -> dict[int, np.ndarray]:
-        """Read the fixed reads ``fixed`` through the bulk reader, if there is one: by id of
-        the read, its rows as uint8 ``(rows, size)``."""
-        if self._bulk is None or not fixed:
-            return {}
-        commands = [self._plain_commands(m)[0] for m in fixed]
-        sizes = [len(m.rows) * m.size for m in fixed]
-        buf = np.empty(sum(sizes), np.uint8)
-        self._bulk.getranges([args for c in commands for _, args in c], memoryview(buf))
-        bounds = np.cumsum([0, *sizes]).tolist()
-        return {
-            id(m): buf[lo:hi].reshape(-1, m.size)
-            for m, lo, hi in zip(fixed, bounds, bounds[1:], strict=False)
-        }
+    def _load_scripts(self) -> None:
+        for script in (self._script, self.log_since):
+            self.store.r.script_load(script.source)
 
     def _plain_commands(self, m: Read) -> tuple[list[tuple[str, tuple[Any, ...]]], np.ndarray]:
         """``m`` as plain commands: one HMGET per hash (a command per row costs the
@@ -212,6 +268,81 @@ class Fetcher:
             off = int(slot[s] % m.chunk) * m.size
             commands.append(("getrange", (key, off, off + n * m.size - 1)))
         return commands, runs
+
+
+class LogChecked:
+    """A sampling session's fetch (called as :class:`Fetcher` is): the reads and, in the
+    same round trip after them, the change logs from the positions of the ``index`` the
+    rows were drawn from, instead of per-row seq and alive checks.
+
+    With ``exact`` set (a draw from columns held without a sync, :meth:`SamplingIndex.
+    hold`) the batch stands only when no log has an entry after those positions (each
+    log's newest entry is the index's last: entries are only ever trimmed from the head,
+    never deleted): the draw is then one from the store as it is at the fetch, one round
+    trip in all. Otherwise
+    (the columns were synced in this call) it stands unless an entry touched one of the
+    checked rows, as the seq and alive checks decided. ``quiet`` tells whether the last
+    fetch found the logs without new entries (the caller then tries ``exact`` next).
+
+    Fields the index mirrors (``f:<field>`` columns) come from its columns, as of the same
+    positions: a batch of only those reads nothing but the logs."""
+
+    def __init__(self, fetcher: Fetcher, index: SamplingIndex) -> None:
+        self.fetcher, self.index = fetcher, index
+        self.exact = False
+        self.quiet = False
+
+    def __call__(
+        self,
+        check: np.ndarray,
+        expect: np.ndarray,
+        reads: Sequence[Read],
+        lookups: Sequence[Lookup] = (),
+    ) -> tuple[list[Any], list[Any]] | None:
+        ix = self.index
+        logs = [self.index.store.keys.shard_key(s, "log") for s in range(ix.n_shards)]
+        if self.exact:  # the newest entry of each log: the index's own, or the batch is redrawn
+            tail = [["XREVRANGE", key, "+", "-", "COUNT", 1] for key in logs]
+        else:
+            sha, args = self.fetcher.log_since.sha, zip(logs, ix.log_last, ix.log_seen, strict=True)
+            tail = [["EVALSHA", sha, 1, key, last, seen, LOG_PAGE] for key, last, seen in args]
+        mirrored = [r.kind == "f" and r.base in ix.columns for r in reads]
+        rest = [r for r, m in zip(reads, mirrored, strict=True) if not m]
+        got, replies, tails = self.fetcher.since(rest, lookups, tail)
+        if self.exact:
+            newest = [reply[0][0].decode() if reply else "0-0" for reply in tails]
+            self.quiet = newest == ix.log_last
+            if not self.quiet:
+                return None
+        else:
+            self.quiet = all(not int(lost) and not entries for lost, entries in tails)
+            if not (self.quiet or self._untouched(check, tails)):
+                return None
+        read = iter(got)
+        out = [
+            _placed(r, ix.columns[r.base][r.rows].view(np.uint8).reshape(-1, r.size))
+            if m
+            else next(read)
+            for r, m in zip(reads, mirrored, strict=True)
+        ]
+        return out, replies
+
+    def _untouched(self, check: np.ndarray, logs: list[Any]) -> bool:
+        touched = self.index.touched(logs)
+        return touched is not None and not np.isin(check, touched).any()
+
+
+class _Recorder:
+    """Stands for a pipeline to the lookups: records the commands they queue."""
+
+    def __init__(self) -> None:
+        self.commands: list[list[Any]] = []
+
+    def execute_command(self, *args: Any) -> None:
+        self.commands.append(list(args))
+
+    def hmget(self, key: str, fields: Sequence[Any]) -> None:
+        self.commands.append(["HMGET", key, *fields])
 
 
 def _pack(slots: np.ndarray) -> bytes:

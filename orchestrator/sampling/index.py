@@ -19,6 +19,14 @@ only source of truth: the index is built cold from the shards' ``m:<col>`` strin
   error half-way through a sync: the index is rebuilt cold.
 
 A new free tag in the schema adds its column, read whole from Redis.
+
+Small raw payload fields are mirrored too (``f:<field>``, one ``V<row bytes>`` item per
+row: fixed shape, no codec, at most ``payload_bytes`` a row; ``CLAW_INDEX_PAYLOAD_BYTES``):
+a step's payload never changes while it lives, so the same log entries keep them current,
+and a batch of them (``next_obs``, frame stacks, windows) is gathered from memory
+(:class:`~orchestrator.sampling.fetch.LogChecked`). 256 rows of float32[8] read by
+``fetch.lua`` cost Redis ~8.4M instructions (a ``redis.call`` each); mirrored, ~40 bytes
+a slot more in memory.
 """
 
 from __future__ import annotations
@@ -32,8 +40,15 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.format.schema import Schema, tag_column, tag_name
+from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceConfig, Store, decode_meta
-from claw_tasks.store.layout import META, META_CHUNK_SLOTS, NUM_TAG_DTYPE, STR_TAG_DTYPE
+from claw_tasks.store.layout import (
+    META,
+    META_CHUNK_SLOTS,
+    NUM_TAG_DTYPE,
+    STR_TAG_DTYPE,
+    payload_chunk_slots,
+)
 from claw_tasks.store.scripts import Lua, execute
 
 LOG_PAGE = 1_000
@@ -74,9 +89,13 @@ class SamplingIndex:
     with the columns.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, payload_bytes: int | None = None) -> None:
         cfg = store.config(refresh=True)
         self.store = store
+        self.payload_bytes = (
+            get_settings().index_payload_bytes if payload_bytes is None else payload_bytes
+        )
+        """Payload fields of at most this many bytes a row are mirrored (0: none)."""
         self.n_shards, self.cap = cfg.n_shards, cfg.cap
         self.schema: Schema | None = cfg.schema
         self.columns: dict[str, np.ndarray] = {}
@@ -110,8 +129,8 @@ class SamplingIndex:
         seen = [int(t.get("entries-added", 0)) for t in tails]
         cfg = self.store.config(refresh=True)
         self.schema, self.config_raw = cfg.schema, None
-        cols = [*META, *(tag_column(t) for t in self.free_tags())]
-        parts = [self.store.meta_columns(s, cols) for s in range(self.n_shards)]
+        cols = self.all_columns()
+        parts = [self.read_columns(s, cols) for s in range(self.n_shards)]
         self.columns = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         self.log_last, self.log_seen = last, seen
         del parts
@@ -133,6 +152,38 @@ class SamplingIndex:
         """Done reading the columns until the next :meth:`sync` (a process's own index
         holds nothing; :class:`~orchestrator.sampling.shared.SharedIndex` lets other
         processes write again)."""
+
+    def hold(self) -> bool:
+        """Hold the columns as of the last sync, without reading the change logs, until
+        :meth:`release`; ``log_last``/``log_seen`` are their positions. False when there
+        are none to hold (never synced, or a failed sync): :meth:`sync` first.
+
+        A reader that checks the logs after its reads (:class:`~orchestrator.sampling.
+        fetch.LogChecked`) then needs no round trip of its own for the sync."""
+        return bool(self.columns)
+
+    def touched(self, replies: list[Any]) -> np.ndarray | None:
+        """The global rows whose step may have changed (slots reused or freed, steps
+        evicted) by the change-log entries ``replies`` (``log_since.lua``'s, one per shard,
+        read from this index's positions); None when they cannot tell (entries lost, a
+        full page, an event this index does not know)."""
+        rows = []
+        for shard, (lost, entries) in enumerate(replies):
+            if int(lost) or len(entries) >= LOG_PAGE:
+                return None
+            for _, kv in entries:
+                event = dict(zip(kv[::2], kv[1::2], strict=True))
+                if b"seq" in event and b"n" in event:  # ins, evict: a slot range
+                    seq0, n = int(event[b"seq"]), min(int(event[b"n"]), self.cap)
+                    rows.append(self._rows(shard, np.arange(seq0, seq0 + n)))
+                elif event.get(b"op") == b"evict" and b"ids" in event:
+                    ids = np.frombuffer(event[b"ids"], "<i8")
+                    rows.append(self._rows(shard, ids // self.n_shards))
+                elif event.get(b"op") == b"forget" or {b"col", b"ids", b"values"} <= event.keys():
+                    continue  # column updates and pruned codes leave every step in place
+                else:
+                    return None
+        return np.concatenate(rows) if rows else np.zeros(0, np.int64)
 
     def apply_logs(self) -> np.ndarray | None:
         """Apply the change logs to ``columns`` (cold when empty or when the logs cannot be
@@ -227,8 +278,11 @@ class SamplingIndex:
         return rows[held]
 
     # ---- reading slot ranges -------------------------------------------------------
-    def _runs(self, inserts: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Slot runs [start, stop) covered by inserts (seq0, n): merged, split at chunks."""
+    def _runs(
+        self, inserts: list[tuple[int, int]], chunk: int = META_CHUNK_SLOTS
+    ) -> list[tuple[int, int]]:
+        """Slot runs [start, stop) covered by inserts (seq0, n): merged, split at chunks of
+        ``chunk`` slots."""
         cap, spans = self.cap, []
         for seq0, n in inserts:
             start, n = (seq0 - 1) % cap, min(n, cap)
@@ -244,7 +298,7 @@ class SamplingIndex:
         runs = []
         for start, stop in merged:
             while start < stop:
-                end = min(stop, (start // META_CHUNK_SLOTS + 1) * META_CHUNK_SLOTS)
+                end = min(stop, (start // chunk + 1) * chunk)
                 runs.append((start, end))
                 start = end
         return runs
@@ -253,8 +307,13 @@ class SamplingIndex:
         """Read the inserted slot ranges again, every column and the alive bits, in one
         round trip (with the config, for new tags)."""
         keys = self.store.keys
-        cols = [c for c in self.columns if c != "alive"]
+        cols = [c for c in self.columns if c != "alive" and not c.startswith("f:")]
         plan = [(s, run) for s, ins in inserted.items() for run in self._runs(ins)]
+        payload = []  # (shard, column, start, stop): runs split at the field's chunks
+        for col in [c for c in self.columns if c.startswith("f:")]:
+            per_chunk = payload_chunk_slots(self.columns[col].itemsize)
+            for shard, ins in inserted.items():
+                payload += [(shard, col, *run) for run in self._runs(ins, per_chunk)]
         with self.store.r.pipeline(transaction=False) as pipe:
             pipe.get(keys.config)
             for shard, (start, stop) in plan:
@@ -265,7 +324,19 @@ class SamplingIndex:
                         keys.meta(shard, col, chunk), off * size, (off + stop - start) * size - 1
                     )
                 pipe.getrange(keys.shard_key(shard, "alive"), start // 8, (stop - 1) // 8)
+            for shard, col, start, stop in payload:
+                size = self.columns[col].itemsize
+                chunk, off = divmod(start, payload_chunk_slots(size))
+                key = keys.shard_key(shard, f"{col}:{chunk}")
+                pipe.getrange(key, off * size, (off + stop - start) * size - 1)
             config_raw, *replies = pipe.execute()
+        for (shard, col, start, stop), raw in zip(
+            payload, replies[len(replies) - len(payload) :], strict=True
+        ):
+            base, size = shard * self.cap, self.columns[col].itemsize
+            dest = self.columns[col][base + start : base + stop].view(np.uint8)
+            dest[:] = 0
+            dest[: len(raw)] = np.frombuffer(raw, np.uint8)
         changed, i = [], 0
         for shard, (start, stop) in plan:
             n, base = stop - start, shard * self.cap
@@ -291,14 +362,13 @@ class SamplingIndex:
         raise :class:`RebuildNeeded`."""
         if raw is None or raw == self.config_raw:
             return
-        old = set(self.free_tags())
         cfg = NamespaceConfig.from_bytes(raw, self.store.namespace)
         self.schema, self.config_raw = cfg.schema, raw
-        new = [tag_column(t) for t in self.free_tags() if t not in old]
+        new = [c for c in self.all_columns() if c not in self.columns]
         if not new:
             return
         self.store.config(refresh=True)
-        parts = [self.store.meta_columns(s, new) for s in range(self.n_shards)]
+        parts = [self.read_columns(s, new) for s in range(self.n_shards)]
         for col in new:
             self.columns[col] = np.concatenate([p[col] for p in parts])
 
@@ -306,8 +376,49 @@ class SamplingIndex:
         """The schema's free tags (name -> 'str' | 'num'); none before the first step."""
         return dict(self.schema.tags) if self.schema else {}
 
+    def payload_fields(self) -> dict[str, int]:
+        """The mirrored payload columns (``f:<field>``) and their row bytes."""
+        if self.schema is None or self.payload_bytes <= 0:
+            return {}
+        return {
+            f"f:{name}": spec.row_bytes
+            for name, spec in self.schema.fields.items()
+            if spec.codec is None and not spec.ragged and spec.row_bytes <= self.payload_bytes
+        }
+
+    def all_columns(self) -> list[str]:
+        """Every column the index keeps for the schema it knows (``alive`` aside)."""
+        return [*META, *(tag_column(t) for t in self.free_tags()), *self.payload_fields()]
+
     def column_dtype(self, col: str) -> np.dtype:
-        """How ``col`` is stored in Redis (``m:<col>`` strings)."""
+        """How ``col`` is stored in Redis (``m:<col>`` strings, ``f:<field>`` chunks)."""
         if col in META:
             return META[col]
+        if col.startswith("f:"):
+            return np.dtype(f"V{self.payload_fields()[col]}")
         return STR_TAG_DTYPE if self.free_tags()[tag_name(col)] == "str" else NUM_TAG_DTYPE
+
+    def read_columns(self, shard: int, cols: list[str]) -> dict[str, np.ndarray]:
+        """Whole columns of one shard (length ``cap``) from Redis, and ``alive``."""
+        payload = [c for c in cols if c.startswith("f:")]
+        out = self.store.meta_columns(shard, [c for c in cols if not c.startswith("f:")])
+        if not payload:
+            return out
+        plan = []
+        with self.store.r.pipeline(transaction=False) as pipe:
+            for col in payload:
+                size = self.column_dtype(col).itemsize
+                per_chunk = payload_chunk_slots(size)
+                for chunk in range(-(-self.cap // per_chunk)):
+                    pipe.get(self.store.keys.shard_key(shard, f"{col}:{chunk}"))
+                    plan.append((col, size, chunk * per_chunk))
+            replies = pipe.execute()
+        for col in payload:
+            out[col] = np.zeros(self.cap, self.column_dtype(col))
+        for (col, size, slot0), raw in zip(plan, replies, strict=True):
+            if raw:
+                n = min(len(raw) // size, self.cap - slot0)
+                out[col].view(np.uint8)[slot0 * size : (slot0 + n) * size] = np.frombuffer(
+                    raw, np.uint8, n * size
+                )
+        return out

@@ -5,9 +5,12 @@ Each process keeps one session per namespace: its
 :class:`~orchestrator.sampling.samplers.RecipeSampler` per recipe (replaced when the recipe
 changes in more than ``version`` and ``params``) and the string caches. A call syncs the
 index from the change logs, refreshes the samplers with the changed rows, draws the rows,
-and reads their payloads with one pipelined round trip (:mod:`orchestrator.sampling.fetch`).
-A drawn row whose slot was reused between the sync and the read makes the batch be drawn
-again: a batch never holds a step that is gone.
+and reads their payloads with one pipelined round trip (:mod:`orchestrator.sampling.fetch`),
+checked by the change-log entries read after them: a drawn row whose slot was reused
+since the sync makes the batch be drawn again, and a batch never holds a step that is
+gone. When the last fetch found the logs quiet, the call skips the sync: it draws from
+the index as it is, and the fetch's log read (each log's newest entry) proves the index
+current, one round trip in all; any new entry means a sync and a new draw.
 
 Batch fields, in the recipe's order:
 
@@ -52,9 +55,7 @@ from orchestrator.sampling.asof import AsOf
 from orchestrator.sampling.assembly import Assembly
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.candidates import InsufficientData
-from orchestrator.sampling.fetch import (
-    Fetcher,
-)
+from orchestrator.sampling.fetch import Fetcher, LogChecked
 from orchestrator.sampling.groups import Claims, Groups, claims_key
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.jointbatch import assemble_joint
@@ -251,13 +252,15 @@ class _Session:
         self.index, self.store = index, index.store
         self.lock = threading.Lock()
         self.strings = Strings(self.store, index)
-        self.fetch = Fetcher(self.store, index.cap)
+        self.fetch = LogChecked(Fetcher(self.store, index.cap), index)
         self.bound: dict[str, _Bound] = {}
+        self._live: tuple[np.ndarray, int] | None = None  # an alive column and its count
         index.subscribe(self._changed)
 
     def _changed(self, rows: np.ndarray | None) -> None:
         self.strings.observe(rows)
         if rows is None or len(rows):
+            self._live = None
             for b in self.bound.values():
                 b.sampler.refresh(b.columns(self.index.columns, rows), rows)
 
@@ -291,6 +294,7 @@ class _Session:
         try:
             return self._sample(recipe, rng, live, once, key)
         finally:
+            self.fetch.exact = False
             self.index.release()  # a shared index: other processes may write it again
 
     def _sample(
@@ -301,29 +305,20 @@ class _Session:
         once: bool,
         key: str,
     ) -> Batch:
-        for _ in range(_ATTEMPTS):
-            self.index.sync()
-            b = self.bind(recipe)
-            claims = Claims.from_hash(self.store.r.hgetall(key)) if once else None
-            if b.as_of is not None:
-                b.as_of.check(recipe.sources[0].name, recipe.counts[0])
-            columns = (
-                self.index.columns
-                if b.as_of is None
-                else b.as_of.columns(self.index.columns, np.zeros(0, np.int64))
-            )
-            draw = b.sampler.sample(columns, b.rng if rng is None else rng, live, claims=claims)
-            if b.sampler.joint is not None:
-                batch = assemble_joint(self, recipe, draw, b.sampler.joint)
-            else:
-                batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
-            if batch is None:
-                continue
-            live = int(np.count_nonzero(columns["alive"]))
-            b.hits = (tuple(s.n for s in b.sampler.sources), live)
-            if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
-                batch = _within_budget(batch, recipe)
-            if not once or self._claim(key, batch.groups):  # type: ignore[arg-type]
+        for attempt in range(_ATTEMPTS):
+            # The logs were quiet at the last fetch: draw from the columns as they are and
+            # let the fetch's log check prove them current (one round trip); else sync.
+            exact = attempt == 0 and self.fetch.quiet and self.index.hold()
+            self.fetch.exact = exact
+            if not exact:
+                self.index.sync()
+            try:
+                batch = self._draw(recipe, rng, live, once, key)
+            except Exception:
+                if not exact:
+                    raise
+                continue  # e.g. too few candidates before the sync: the sync decides
+            if batch is not None:
                 return batch
         raise StoreChangingError(
             f"recipe {recipe.name!r}: {_ATTEMPTS} draws in a row hit steps overwritten or "
@@ -332,6 +327,44 @@ class _Session:
             "many of the steps drawn (try again), or too many prefetch workers share too few "
             "groups"
         )
+
+    def _draw(
+        self,
+        recipe: Recipe,
+        rng: np.random.Generator | None,
+        live: dict[str, Any],
+        once: bool,
+        key: str,
+    ) -> Batch | None:
+        """One draw and its fetch from the index's columns as they are; None: draw again."""
+        b = self.bind(recipe)
+        claims = Claims.from_hash(self.store.r.hgetall(key)) if once else None
+        if b.as_of is not None:
+            b.as_of.check(recipe.sources[0].name, recipe.counts[0])
+        columns = (
+            self.index.columns
+            if b.as_of is None
+            else b.as_of.columns(self.index.columns, np.zeros(0, np.int64))
+        )
+        draw = b.sampler.sample(columns, b.rng if rng is None else rng, live, claims=claims)
+        if b.sampler.joint is not None:
+            batch = assemble_joint(self, recipe, draw, b.sampler.joint, columns)
+        else:  # the batch's metadata from what was drawn from (a snapshot's labels)
+            batch = Assembly(self, recipe, draw, b.sampler.stacks, columns=columns).run()
+        if batch is None:
+            return None
+        b.hits = (tuple(s.n for s in b.sampler.sources), self._count_live(columns["alive"]))
+        if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
+            batch = _within_budget(batch, recipe)
+        if once and not self._claim(key, batch.groups):  # type: ignore[arg-type]
+            return None
+        return batch
+
+    def _count_live(self, alive: np.ndarray) -> int:
+        """Live steps in ``alive`` (counted again only after a sync changed rows)."""
+        if self._live is None or self._live[0] is not alive:
+            self._live = (alive, int(np.count_nonzero(alive)))
+        return self._live[1]
 
     def _claim(self, key: str, groups: Groups) -> bool:
         if not _CLAIM(self.store.r, [key], [groups.pass_no, *groups.ids]):

@@ -50,10 +50,8 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.connection.client import identity, is_cluster
-from claw_tasks.format.schema import tag_column
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceConfig, Store
-from claw_tasks.store.layout import META
 from orchestrator.sampling.index import RebuildNeeded, SamplingIndex, release_heap
 from orchestrator.sampling.shmfiles import (
     H_DIRTY,
@@ -169,6 +167,29 @@ class SharedIndex(SamplingIndex):
         self.notify(rows)
         return rows
 
+    def hold(self) -> bool:
+        """Hold the shared columns as the last writer left them (no change-log read), with
+        the log positions they are as of, and refresh this process's listeners with the
+        rows other processes' syncs changed. False when there is nothing to hold yet
+        (never attached, or a writer died half-way): :meth:`sync` first."""
+        self.release()
+        if self._hdr is None or self._f.lock < 0:
+            return False
+        self._lock(fcntl.LOCK_SH)
+        self._holding = True
+        try:
+            state = self._read_state()
+            if self._hdr[H_DIRTY] or not state.get("data"):
+                self.release()
+                return False
+            self._load_state(state)
+            rows = self._observe()
+        except BaseException:
+            self.release()
+            raise
+        self.notify(rows)
+        return True
+
     def release(self) -> None:
         """Let other processes write the columns again."""
         if self._holding:
@@ -277,8 +298,7 @@ class SharedIndex(SamplingIndex):
         seen = [int(t.get("entries-added", 0)) for t in tails]
         self.store.config(refresh=True)
         self._take_config(raw if isinstance(raw, bytes) else None)
-        cols = [*META, *(tag_column(t) for t in self.free_tags())]
-        self._new_data(cols, {})
+        self._new_data(self.all_columns(), {})
         self.log_last, self.log_seen = last, seen
         release_heap()
 
@@ -289,9 +309,8 @@ class SharedIndex(SamplingIndex):
             return
         if NamespaceConfig.from_bytes(raw, self.store.namespace).created != self._created:
             raise RebuildNeeded
-        old = set(self.free_tags())
         self._take_config(raw)
-        new = [tag_column(t) for t in self.free_tags() if t not in old]
+        new = [c for c in self.all_columns() if c not in self.columns]
         if new:
             self.store.config(refresh=True)
             self._new_data([*self.columns, *new], dict(self.columns))
@@ -327,7 +346,7 @@ class SharedIndex(SamplingIndex):
         read = [c for c in views if c not in keep and c != "alive"]
         if read:
             for shard in range(self.n_shards):
-                part = self.store.meta_columns(shard, read)
+                part = self.read_columns(shard, read)
                 for col in [*read, *([] if "alive" in keep else ["alive"])]:
                     views[col][shard * self.cap : (shard + 1) * self.cap] = part[col]
         old = self._f.data_name
@@ -367,6 +386,8 @@ class SharedIndex(SamplingIndex):
         """Map the data file and take the schema the state names, when they changed."""
         hdr = self._hdr
         assert hdr is not None
+        if "last" in state:  # the positions the columns are as of (a reader checks from them)
+            self.log_last, self.log_seen = list(state["last"]), list(state["seen"])
         if self._meta == hdr[H_META] and self._f.data_name == state.get("data"):
             return
         if state.get("data") != self._f.data_name:
@@ -427,7 +448,8 @@ def make_index(store: Store) -> SamplingIndex:
     if not (get_settings().shared_index and SHM_DIR.is_dir()):
         return SamplingIndex(store)
     cfg = store.config(refresh=True)
-    need = 2 * cfg.n_shards * cfg.cap * _BYTES_PER_SLOT
+    mirrored = SamplingIndex(store).payload_fields() if cfg.schema is not None else {}
+    need = 2 * cfg.n_shards * cfg.cap * (_BYTES_PER_SLOT + sum(mirrored.values()))
     if free_bytes(SHM_DIR) < need:
         log.warning(
             "namespace %r: %s has %d MB free, its shared sampling index needs %d MB; "

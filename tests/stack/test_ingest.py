@@ -3,6 +3,7 @@ broker on Redis and on RabbitMQ (``both_brokers``)."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -55,6 +56,49 @@ def test_vector_round_trip_bit_exact(redis_url, broker_url, namespace, ingest_wo
     assert set(got["task_id"]) == {"reach"} and set(got["skill_tag"]) == {"s"}
     assert set(got["tags.level"].tolist()) == {1.0}
     assert store.count({"task_id": "reach", "tags.level": 2}) == 50
+
+
+@pytest.mark.both_brokers(brokers=["redis"])
+def test_column_writer_steps_are_stored_as_episode_steps_are(
+    redis_url, broker_url, namespace, ingest_worker
+):
+    """Ingestor.columns: steps copied into columns and sent by the Ingestor's thread (in
+    batches of flush_steps, the rest at flush) are committed once each, with metadata,
+    tags, priorities and explicit next_obs, as Episode.add stores them."""
+    from claw_tasks.format.schema import FieldSpec, Schema
+
+    rng = np.random.default_rng(1)
+    schema = Schema(fields={"obs": FieldSpec("<f4", (8,)), "action": FieldSpec("<i8", ())})
+    ing = _ingestor(redis_url, broker_url, namespace, flush_steps=64, schema=schema)
+    cols = ing.columns(task_id="reach", level=3.0)
+    obs = rng.standard_normal((2, 70, 8)).astype(np.float32)
+    for e in range(2):
+        for t in range(70):
+            last = t == 69
+            cols.append(
+                f"ep{e}",
+                t,
+                obs[e, t],
+                np.int64(t % 4),
+                float(t),
+                terminated=last,
+                next_obs=obs[e, t] + 1 if last else None,
+                priority=0.5 if t == 3 else None,
+            )
+    del cols  # the Ingestor keeps its writers: their last rows go out with close()
+    gc.collect()
+    res = ing.close()
+    assert res.committed == 140 and res.rejected == 0
+    store = Store(redis_url, namespace)
+    assert store.count() == 140
+    got = store.episode("ep1")
+    np.testing.assert_array_equal(got["obs"], obs[1])
+    np.testing.assert_array_equal(got["next_obs"][:-1], obs[1, 1:])
+    np.testing.assert_array_equal(got["next_obs"][-1], obs[1, -1] + 1)
+    np.testing.assert_array_equal(got["action"], np.arange(70) % 4)
+    np.testing.assert_array_equal(got["reward"], np.arange(70, dtype=np.float32))
+    assert np.flatnonzero(~np.isnan(got["priority"])).tolist() == [3]
+    assert store.count({"task_id": "reach", "tags.level": 3}) == 140
 
 
 def test_image_round_trip_and_next_obs_stored_once(

@@ -76,3 +76,25 @@ def test_readahead_raises_what_its_thread_met(client, workers):
     with pytest.raises(KeyError, match="not registered"):
         ra.pop(timeout=60)
     ra.close()
+
+
+def test_a_client_with_readahead_pops_locally_and_drops_what_a_new_version_makes_stale(
+    client, redis_url, namespace, workers
+):
+    """BatchClient(readahead=3): pops come from a thread's local queue; the policy a
+    batch trains reaches the lineage log without a pop of its own going out; after
+    set_params no batch of the old version is returned."""
+    ahead = BatchClient(namespace, redis_url, readahead=3)
+    try:
+        first = ahead.pop("ra", timeout=60, policy_version="p1")
+        assert first["obs"].shape == (16, 8)
+        _wait(lambda: ahead.held("ra") == 3, "three batches read ahead")
+        for _ in range(4):
+            b = ahead.pop("ra", timeout=60, policy_version="p1")
+            np.testing.assert_array_equal(b["obs"][:, 0], b["reward"])
+        _wait(lambda: len(ahead.lineage.trained("p1")) == 5, "five lineage entries sent")
+        assert [e.rows for e in ahead.lineage.trained("p1")] == [16] * 5
+        v = ahead.set_params("ra", unused=1).version
+        assert all(ahead.pop("ra", timeout=60).recipe_version == v for _ in range(4))
+    finally:
+        ahead.close()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from claw_tasks.client import Ingestor
+from claw_tasks.connection.client import is_cluster
 from claw_tasks.format.columns import Ragged
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.layout import payload_chunk_slots
@@ -294,6 +295,104 @@ def test_fetch_rejects_rows_overwritten_since_the_sync(redis_url, namespace):
     sample(st_, r, index=ix)
     st_.commit(batch(episode(3, 3)))
     assert not np.isin(sample(st_, r, index=ix).ids, ids).any()
+
+
+def _calls(store: Store) -> dict[str, int]:
+    """Commands run since the last reset, summed over every node (and then reset)."""
+    if is_cluster(store.r):
+        per_node = store.r.info("commandstats", target_nodes=store.r.PRIMARIES).values()
+        store.r.config_resetstat(target_nodes=store.r.PRIMARIES)
+    else:
+        per_node = [store.r.info("commandstats")]
+        store.r.config_resetstat()
+    calls: dict[str, int] = {}
+    for stats in per_node:
+        for k, v in stats.items():
+            name = k.removeprefix("cmdstat_")
+            calls[name] = calls.get(name, 0) + v["calls"]
+    calls.pop("config|resetstat", None)
+    calls.pop("info", None)
+    return calls
+
+
+@pytest.mark.both_stores
+@pytest.mark.store(capacity=100, n_shards=2)
+def test_a_quiet_store_is_sampled_in_one_round_trip_and_changes_are_seen(store):
+    """Nothing committed since the last batch: the next one is drawn from the index as it
+    is and proved current by the change logs' newest entries, read after it, with no sync
+    of its own and no payload read (obs and action are mirrored). A commit or a priority
+    update made before a call is in the batch that call returns."""
+    store.commit(batch(interleave(*(episode(e, 10, "terminated", task_id="a") for e in range(4)))))
+    r = recipe([{"name": "u", "where": {"task_id": "a"}}], ["obs", "action", "next_obs"], 64)
+    sample(store, r)
+    sample(store, r)  # the logs were quiet at the last fetch
+    _calls(store)
+    b = sample(store, r)
+    calls = _calls(store)
+    assert calls == {"xrevrange": 2}  # each shard's newest log entry: the one round trip
+    want = store.get(b.ids, ["obs", "action", "next_obs"])
+    for field in ("obs", "action", "next_obs"):
+        np.testing.assert_array_equal(b[field], want[field])
+
+    store.commit(batch(episode(9, 5, task_id="b")))  # seen by the very next call
+    assert set(sample(store, recipe([{"name": "b", "where": {"task_id": "b"}}]))["obs"][:, 0]) == {
+        9
+    }
+    old = np.sort(b.ids)
+    for e in range(10, 14):  # the ring comes round
+        store.commit(batch(episode(e, 25, "terminated", task_id="a")))
+    after = sample(store, r, rng=np.random.default_rng(1))
+    cold = SamplingIndex(store)
+    cold.sync()
+    live = cold.columns["id"][cold.columns["alive"]]
+    assert np.isin(after.ids, live).all()
+    gone = np.setdiff1d(old, live)
+    assert len(gone) and not np.isin(after.ids, gone).any()
+    want = store.get(after.ids, ["obs", "next_obs"])
+    np.testing.assert_array_equal(after["obs"], want["obs"])
+    np.testing.assert_array_equal(after["next_obs"], want["next_obs"])
+    ids = store.episode("ep13", fields=[])["id"][:1]
+    p = recipe([{"name": "p", "where": {"task_id": "a"}, "sampler": {"kind": "priority"}}])
+    update_priorities(store, live, np.full(len(live), 1e-6))
+    sample(store, p)
+    sample(store, p)
+    update_priorities(store, ids, [1e6])  # all the mass on one step, just before the call
+    assert (sample(store, p).ids == ids[0]).mean() > 0.9
+
+
+@pytest.mark.store(capacity=120, n_shards=2)
+def test_mirrored_fields_are_the_stored_payloads(store):
+    """Batches with obs and action mirrored in the index equal those read from Redis
+    (``payload_bytes=0``), from the same random stream, across n-step returns, windows and
+    frame stacks, and again after the ring overwrote slots."""
+    store.commit(
+        batch(
+            interleave(*(episode(e, 20, ("terminated", "truncated", "")[e % 3]) for e in range(5)))
+        )
+    )
+    recipes = [
+        recipe([{"name": "u"}], ["obs", "action", "next_obs"], 64, n_step=3),
+        recipe([{"name": "u"}], ["obs", "next_obs"], 16, sequence_length=3),
+        recipe([{"name": "u"}], ["obs", "next_obs"], 32, frame_stack=3),
+    ]
+    mirrored, plain = SamplingIndex(store), SamplingIndex(store, payload_bytes=0)
+    mirrored.sync()
+    plain.sync()
+    assert "f:obs" in mirrored.columns and "f:action" in mirrored.columns
+    assert not any(c.startswith("f:") for c in plain.columns)
+    for _ in range(2):
+        for i, r in enumerate(recipes):
+            a = sample(store, r, rng=np.random.default_rng(i), index=mirrored)
+            b = sample(store, r, rng=np.random.default_rng(i), index=plain)
+            np.testing.assert_array_equal(a.ids, b.ids)
+            for field in r.fields:
+                np.testing.assert_array_equal(a[field], b[field])
+        store.commit(batch(interleave(*(episode(e, 30, "terminated") for e in (7, 8)))))
+    assert_cold = SamplingIndex(store)
+    assert_cold.sync()
+    mirrored.sync()
+    for col in ("f:obs", "f:action"):
+        np.testing.assert_array_equal(mirrored.columns[col], assert_cold.columns[col])
 
 
 def test_clear_errors(redis_url, namespace, store):
