@@ -43,10 +43,10 @@ class BatchClient:
     ``readahead`` (default ``CLAW_READAHEAD``, 0: off): batches of each recipe a
     background thread keeps popped and decoded in this process (at most
     ``readahead_bytes`` of them), so :meth:`pop` is a local dequeue while they last
-    (:class:`~orchestrator.delivery.readahead.ReadAhead`; not for ``rollout`` recipes,
-    whose minibatches follow the policy versions). Batches then leave the Redis queue
-    before the trainer takes them (``depth`` counts them no longer; ``popped`` counts them
-    when the thread takes them).
+    (:class:`~orchestrator.delivery.readahead.ReadAhead`; not for ``rollout`` nor
+    ``admission`` recipes, whose batches follow the policy versions). Batches then leave
+    the Redis queue before the trainer takes them (``depth`` counts them no longer;
+    ``popped`` counts them when the thread takes them).
     """
 
     def __init__(
@@ -208,7 +208,9 @@ class BatchClient:
         recorded in the lineage log (:meth:`trained` records a batch popped earlier)."""
         recipe = self._recipes.get(name) or self._entry(name).recipe
         self._recipes[name] = recipe
-        if self.readahead > 0 and recipe.rollout is None:
+        # Not for rollout recipes, nor admission ones: read ahead of the trainer's next
+        # set_params, a batch would be dropped by it (its data wasted)
+        if self.readahead > 0 and recipe.rollout is None and recipe.admission is None:
             return self._pop_ahead(name, timeout, policy_version)
         q = self.registry.queue(name)
         deadline = None if timeout is None else time.monotonic() + timeout
