@@ -63,7 +63,7 @@ class IndexSpec(BaseModel):
     kind: Literal["auto", "exact", "ivf"] = "auto"
     nlist: PositiveInt | None = None
     """IVF lists; default ``16 * sqrt(capacity)`` rounded to a power of two, 64..65536."""
-    nprobe: PositiveInt = 8
+    nprobe: PositiveInt = 12
     """IVF lists a query scans (divided by the share of rows its ``where`` keeps)."""
     quantizer: Literal["hnsw", "flat"] = "hnsw"
     """How a query finds its ``nprobe`` lists: an HNSW graph over the centroids (built by
