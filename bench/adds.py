@@ -10,7 +10,8 @@ the timed loop (every step committed, checked). Per step: the CPU time of the pr
 thread inside its add calls (``time.thread_time``) and of the whole producer process over
 the loop and the final flush (its sending threads included: encoding and publishing moved
 off the producer's thread is still its process's CPU). Wall time is left out: the machine
-is shared. Writers run in turn, ``--rounds`` times over.
+is shared. Writers run in turn, ``--rounds`` times over. Runs on older code too (no
+``StepColumns`` then): ``PYTHONPATH=<older tree> python bench/adds.py``.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def write(ing: Ingestor, columns: bool, data: tuple[np.ndarray, ...]) -> None:
     """The transitions as episodes: through ``Episode.add`` or ``StepColumns.append``."""
     obs, actions, rewards, dones = data
     cols = ing.columns() if columns else None
-    episode, eid, t = None, ing.new_episode_id(), 0
+    ids = iter(range(len(actions) + 1))
+    episode, eid, t = None, f"e{next(ids)}", 0
     for i in range(len(actions)):
         end = bool(dones[i, 0])
         nxt = obs[i + 1, 0] if end else None
@@ -79,7 +81,7 @@ def write(ing: Ingestor, columns: bool, data: tuple[np.ndarray, ...]) -> None:
             episode.add(obs[i, 0], actions[i], float(rewards[i, 0]), terminated=end, next_obs=nxt)
         t += 1
         if end:
-            episode, eid, t = None, ing.new_episode_id(), 0
+            episode, eid, t = None, f"e{next(ids)}", 0
 
 
 def main() -> None:
@@ -111,7 +113,10 @@ def main() -> None:
                 cpu = timed(lambda b=claw: run_buffer(b, data), claw.flush)
                 claw.close()
                 rows.append(("`ClawReplayBuffer.add` (no kwargs)", *cpu, Store(url, ns).count()))
-                for label, columns in (("`Episode.add`", False), ("`StepColumns.append`", True)):
+                writers = [("`Episode.add`", False), ("`StepColumns.append`", True)]
+                if not hasattr(Ingestor, "columns"):  # older code (run for comparison)
+                    writers = writers[:1]
+                for label, columns in writers:
                     ns = f"adds-{'cols' if columns else 'ep'}-{k}"
                     ing = Ingestor(ns, url, schema=schema, flush_steps=256, flush_interval=0.25)
 
