@@ -222,3 +222,45 @@ def test_a_sync_reads_recent_columns_others_read_and_waits_for_old_ones(store):
     assert_cold_equal(b)
     b.close()
     a.close()
+
+
+def test_a_quiet_draw_from_shared_columns_sees_what_another_process_synced(store):
+    """A process that draws without a sync (the store was quiet at its last fetch) holds
+    the shared columns at the positions their writer left them: after another index of the
+    host synced a commit, the draw has the new steps, checked against those positions."""
+    from orchestrator import Recipe, sample
+
+    store.commit(batch(episode(1, 20, "terminated", task_id="a")))
+    mine, other = SharedIndex(store), SharedIndex(store)
+    try:
+        r = Recipe.model_validate(
+            {
+                "name": "q",
+                "batch_size": 32,
+                "fields": ["obs"],
+                "sources": [{"name": "b", "where": {"task_id": "b"}}],
+            }
+        )
+        a = Recipe.model_validate(
+            {
+                "name": "a",
+                "batch_size": 32,
+                "fields": ["obs", "next_obs"],
+                "sources": [{"name": "all"}],
+            }
+        )
+        sample(store, a, index=mine)
+        sample(store, a, index=mine)  # quiet: the next call draws without a sync
+        store.commit(batch(episode(2, 10, "terminated", task_id="b")))
+        other.sync()  # writes the shared columns and their positions
+        other.release()
+        got = sample(store, r, index=mine)
+        assert set(got["obs"][:, 0]) == {2}
+        got = sample(store, a, index=mine)
+        want = store.get(got.ids, ["obs", "next_obs"])
+        np.testing.assert_array_equal(got["obs"], want["obs"])
+        np.testing.assert_array_equal(got["next_obs"], want["next_obs"])
+        assert_cold_equal(mine)
+    finally:
+        mine.close()
+        other.close()
