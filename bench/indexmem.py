@@ -43,6 +43,7 @@ from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
+from claw_tasks.worker.command import worker_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 EPISODE = 100
@@ -196,27 +197,7 @@ def celery_mode(
         "CLAW_BROKER_URL": url,
         "CLAW_SHARED_INDEX": "1" if mode == "shared" else "0",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "claw_tasks.worker.app",
-        "worker",
-        "-Q",
-        "prefetch",
-        "-c",
-        "2",
-        "-P",
-        "prefork",
-        "-l",
-        "INFO",
-        "--without-gossip",
-        "--without-mingle",
-        "--without-heartbeat",
-        "-n",
-        f"b{uuid.uuid4().hex[:6]}@%h",
-    ]
+    cmd = worker_argv("prefetch", 2, name=f"b{uuid.uuid4().hex[:6]}", lone=True, heartbeat=False)
     worker = subprocess.Popen(
         cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
     )

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from claw_tasks.client import Ingestor
 from claw_tasks.client.pettingzoo import RecordParallelSteps
 from claw_tasks.connection.client import redis_client
 from claw_tasks.connection.server import RedisServer
+from claw_tasks.worker.command import worker_argv
 from orchestrator.maintenance.lifecycle import key_bytes, namespace_bytes, namespace_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,23 +103,7 @@ def main() -> None:
         env = {**os.environ, "CLAW_REDIS_URL": server.url, "PYTHONPATH": str(ROOT)}
         env.pop("CLAW_BROKER_URL", None)
         worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "claw_tasks.worker.app",
-                "worker",
-                "-Q",
-                "ingest",
-                "-c",
-                "2",
-                "-l",
-                "WARNING",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-            ],
+            worker_argv("ingest", 2, lone=True, heartbeat=False, loglevel="WARNING"),
             env=env,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,

@@ -1,13 +1,18 @@
-"""What lineage costs per batch: the trainer's encoding, Redis memory per entry, and the
-time of the two queries over a full log.
+"""What lineage costs: per batch (the trainer's encoding, Redis memory per entry, the index
+the beat builds), and the queries with the index against a scan of the whole log.
 
     .venv/bin/python bench/lineage.py [--entries 100000] [--batch 256] [--steps 1000000]
 
 Starts a private redis-server and appends ``--entries`` entries (as ``BatchClient`` does:
 ``XADD MAXLEN ~`` queued on a pipeline) of ``--batch`` ids drawn uniformly from
-``--steps`` ids, a new policy every 100 batches. Prints the encoding time per batch (in
-the trainer), the stream's ``MEMORY USAGE`` per entry, and the time of "which data trained
-policy v" and "which policies trained on step s" over the whole log.
+``--steps`` ids (the worst case for the index's blocks: every batch spreads over the whole
+namespace), a new policy every 100 batches. Then one index pass over the whole log (what
+the beat does every 30 s, here all at once), timed, with the index's ``MEMORY USAGE``.
+Then each query, best of ``--repeat``, with the index and as a scan of the whole log (the
+code before the index, kept here as the reference): "which data trained policy v", "which
+policies trained on step s", and on an episode (40 steps of consecutive ids), with the
+Redis round trips each made (``INFO stats``' ``total_commands_processed`` is not round
+trips: pipelines are counted by the client here).
 """
 
 from __future__ import annotations
@@ -15,13 +20,85 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from claw_tasks.connection.client import redis_client
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
-from orchestrator.delivery.lineage import LineageLog, record
+from orchestrator.delivery.lineage import LineageLog, decode_ids, record
+from orchestrator.maintenance.lifecycle import key_bytes
+
+
+def scan_trained(log: LineageLog, policy: str) -> list[str]:
+    """The query before the index: every page of the log, the policy compared first."""
+    want, out, low = policy.encode(), [], "-"
+    while True:
+        page = log.r.xrange(log.key, low, "+", count=1000)
+        out += [i.decode() for i, kv in page if kv.get(b"p") == want]
+        if len(page) < 1000:
+            return out
+        low = "(" + page[-1][0].decode()
+
+
+def scan_policies(log: LineageLog, ids: np.ndarray) -> dict[int, dict[str, int]]:
+    """The query before the index: every entry decoded, a page of them per ``isin``."""
+    ids = np.unique(ids)
+    out: dict[int, dict[str, int]] = {int(i): {} for i in ids}
+    low = "-"
+    while True:
+        page = log.r.xrange(log.key, low, "+", count=1000)
+        rows = [decode_ids(kv[b"ids"]) for _, kv in page]
+        names = [kv[b"p"].decode() for _, kv in page]
+        if rows:
+            flat = np.concatenate(rows)
+            owner = np.repeat(np.arange(len(rows)), [len(x) for x in rows])
+            hit = np.flatnonzero(np.isin(flat, ids))
+            for step, k in zip(flat[hit].tolist(), owner[hit].tolist(), strict=True):
+                out[step][names[k]] = out[step].get(names[k], 0) + 1
+        if len(page) < 1000:
+            return out
+        low = "(" + page[-1][0].decode()
+
+
+class Trips:
+    """Counts round trips: every ``execute_command`` outside a pipeline, every pipeline
+    ``execute``."""
+
+    def __init__(self, r: Any) -> None:
+        self.n = 0
+        self.r = r
+        one, pipe_cls = r.execute_command, r.pipeline
+
+        def command(*a: Any, **k: Any) -> Any:
+            self.n += 1
+            return one(*a, **k)
+
+        def pipeline(*a: Any, **k: Any) -> Any:
+            p = pipe_cls(*a, **k)
+            run = p.execute
+
+            def execute(*ea: Any, **ek: Any) -> Any:
+                self.n += 1
+                return run(*ea, **ek)
+
+            p.execute = execute
+            return p
+
+        r.execute_command, r.pipeline = command, pipeline
+
+
+def best(f: Callable[[], Any], repeat: int, trips: Trips) -> tuple[float, Any, int]:
+    times, got = [], None
+    for _ in range(repeat):
+        before = trips.n
+        t = time.perf_counter()
+        got = f()
+        times.append(time.perf_counter() - t)
+        used = trips.n - before
+    return min(times), got, used
 
 
 def main() -> None:
@@ -29,6 +106,7 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=1_000_000)
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     batches = [rng.integers(1, args.steps + 1, args.batch) for _ in range(1000)]
@@ -49,23 +127,57 @@ def main() -> None:
         filled = time.time() - t
         used = int(r.memory_usage(log.key, samples=0) or 0)
         n = log.length()
-        t = time.perf_counter()
-        found = log.trained(n // 200)
-        q_policy = time.perf_counter() - t
-        t = time.perf_counter()
-        log.policies(batches[0][:1])
-        q_step = time.perf_counter() - t
-    print(
-        f"{n:,} entries of {args.batch} ids from {args.steps:,} steps "
-        f"(appended in {filled:.0f} s); load {os.getloadavg()[0]:.1f}"
-    )
-    print(f"trainer: {per_batch * 1e6:.0f} µs to encode a batch's entry")
-    print(
-        f"Redis: {used / n:,.0f} B per entry ({used / n / args.batch:.2f} B per row), "
-        f"{used / 2**20:,.1f} MiB in all"
-    )
-    print(f"which data trained policy v ({len(found)} batches): {q_policy:.2f} s")
-    print(f"which policies trained on step s: {q_step:.2f} s")
+        cpu = time.process_time()
+        built = log.build_index(force=True)
+        cpu = time.process_time() - cpu
+        index_keys = [k for k in r.scan_iter(match=f"{log.key}:*")]
+        index_bytes = sum(key_bytes(r, index_keys))
+        print(
+            f"{n:,} entries of {args.batch} ids from {args.steps:,} steps "
+            f"(appended in {filled:.0f} s); load {os.getloadavg()[0]:.1f}"
+        )
+        print(f"trainer: {per_batch * 1e6:.0f} µs to encode a batch's entry")
+        print(
+            f"Redis: {used / n:,.0f} B per entry ({used / n / args.batch:.2f} B per row), "
+            f"{used / 2**20:,.1f} MiB in all"
+        )
+        print(
+            f"index pass: {built.segments} segments, {built.seconds:.1f} s wall, {cpu:.1f} s "
+            f"CPU ({cpu / n * 1e6:.0f} µs an entry); MEMORY USAGE {index_bytes / n:,.0f} B per "
+            f"entry ({index_bytes / n / args.batch:.2f} B per row), {index_bytes / 2**20:,.1f} MiB"
+        )
+        trips = Trips(r)
+        policy = str(n // 200)
+        step = batches[0][:1]
+        episode = np.arange(int(step[0]), int(step[0]) + 40)
+        queries: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = [
+            (
+                "which data trained policy v",
+                lambda: log.trained(policy),
+                lambda: scan_trained(log, policy),
+            ),
+            (
+                "which policies trained on step s",
+                lambda: log.policies(step),
+                lambda: scan_policies(log, step),
+            ),
+            (
+                "... on an episode of 40 steps",
+                lambda: log.policies(episode),
+                lambda: scan_policies(log, episode),
+            ),
+        ]
+        for what, indexed, scan in queries:
+            t_i, got_i, rt_i = best(indexed, args.repeat, trips)
+            t_s, got_s, rt_s = best(scan, args.repeat, trips)
+            same = (
+                [e.entry_id for e in got_i] == got_s if isinstance(got_i, list) else got_i == got_s
+            )
+            assert same, what
+            print(
+                f"{what}: index {t_i * 1e3:,.1f} ms ({rt_i} round trips), whole log "
+                f"{t_s * 1e3:,.0f} ms ({rt_s} round trips): {t_s / t_i:,.0f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 read one back and roll back to it.
 
     .venv/bin/python bench/snapshot.py [--steps 1000000] [--shards 1] [--repeat 3]
+        [--threads 1,4]
 
 Starts a private redis-server and fills a namespace through ``Store.commit`` (not timed):
 ``--steps`` steps of a float32[8] obs and an int64 action (docs/benchmarks.md's smallest
 step: a snapshot is the largest fraction of a namespace of small steps), with a free
 string tag. Then labels 10 % of the steps untrainable and a quality on another 10 %, and
 gives every step a random priority (the worst case for compression: unset priorities and
-unlabelled steps cost almost nothing). Takes ``--repeat`` snapshots, timing each, and
+unlabelled steps cost almost nothing). Takes ``--repeat`` snapshots per entry of
+``--threads`` (``snapshots.THREADS``: 1 reads, packs and writes one shard after the other,
+as before the pipeline), the settings taking turns so load changes hit each alike, and
 prints the snapshot's ``MEMORY USAGE`` (every key, exact) against the namespace's
 (``namespace_bytes``, snapshots excluded); then ``Store.labels`` of one and a rollback that
 rewrites a tenth of the priorities.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import numpy as np
@@ -26,7 +30,7 @@ from claw_tasks.connection.client import redis_client
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.format.schema import FieldSpec, Schema, tag_column
-from claw_tasks.store import Store
+from claw_tasks.store import Store, snapshots
 from orchestrator.maintenance.lifecycle import key_bytes, namespace_keys
 
 BATCH = 50_000
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", default=f"1,{snapshots.THREADS}")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     with RedisServer() as server:
@@ -79,27 +84,46 @@ def main() -> None:
             f"{time.time() - t:.0f} s; namespace {ns_bytes / 2**20:,.1f} MiB "
             f"({ns_bytes / len(all_ids):.0f} B/step); load {os.getloadavg()[0]:.1f}"
         )
-        times = []
+        settings = [int(x) for x in args.threads.split(",")]
+        times: dict[int, list[float]] = {n: [] for n in settings}
+        cpus: dict[int, list[float]] = {n: [] for n in settings}
+
+        def cpu() -> float:  # this process's CPU seconds (every thread) and redis-server's
+            info = r.info("cpu")
+            return time.process_time() + info["used_cpu_user"] + info["used_cpu_sys"]
+
         for k in range(args.repeat):
-            t = time.perf_counter()
-            info = store.snapshot(f"s{k}")
-            times.append(time.perf_counter() - t)
+            for n in settings:
+                snapshots.THREADS = n
+                t, c = time.perf_counter(), cpu()
+                info = store.snapshot(f"s{k}-{n}")
+                times[n].append(time.perf_counter() - t)
+                cpus[n].append(cpu() - c)
+                if (k, n) != (0, settings[0]):
+                    store.drop_snapshot(f"s{k}-{n}")
         snap_keys = [store.keys.snapshots.encode()] + [
-            store.keys.snapshot(s, "s0").encode() for s in range(args.shards)
+            store.keys.snapshot(s, f"s0-{settings[0]}").encode() for s in range(args.shards)
         ]
         snap = sum(key_bytes(r, snap_keys))
-        runs = ", ".join(f"{x:.2f}" for x in times)
+        for n, runs in times.items():
+            med, first = statistics.median(runs), statistics.median(times[settings[0]])
+            print(
+                f"snapshot, {n} thread(s): median {med:.3f} s, best {min(runs):.3f} s of "
+                f"{args.repeat} (all {', '.join(f'{x:.2f}' for x in runs)}); CPU (client + "
+                f"Redis) median {statistics.median(cpus[n]):.3f} s; the first setting's "
+                f"median / this one's: {first / med:.2f}"
+            )
         print(
-            f"snapshot: {min(times):.2f} s (best of {args.repeat}; all {runs}), "
-            f"{info.bytes / 2**20:.2f} MiB compressed columns, MEMORY USAGE {snap / 2**20:.2f} MiB "
-            f"= {100 * snap / ns_bytes:.2f} % of the namespace ({snap / len(all_ids):.2f} B/step)"
+            f"snapshot: {info.bytes / 2**20:.2f} MiB compressed columns, MEMORY USAGE "
+            f"{snap / 2**20:.2f} MiB = {100 * snap / ns_bytes:.2f} % of the namespace "
+            f"({snap / len(all_ids):.2f} B/step)"
         )
         t = time.perf_counter()
-        store.labels("s0")
+        store.labels(f"s0-{settings[0]}")
         print(f"labels of a snapshot read back: {time.perf_counter() - t:.2f} s")
         store.update_priorities(all_ids[:tenth], np.ones(tenth, np.float32))
         t = time.perf_counter()
-        done = store.rollback("s0")
+        done = store.rollback(f"s0-{settings[0]}")
         print(
             f"rollback rewriting {done.changed.get('priority', 0):,} priorities: "
             f"{time.perf_counter() - t:.2f} s"

@@ -346,6 +346,15 @@ VARIABLES: tuple[Variable, ...] = (
         shown="`120`",
     ),
     Variable(
+        "CLAW_GATEWAY_ADMISSION_WAIT",
+        "http.gateway_admission_wait",
+        _seconds,
+        10.0,
+        "`claw gateway`: seconds a new trajectory's first call waits for the staleness budget "
+        "(docs/llm.md, Admission) before it is answered `429` with `Retry-After`",
+        shown="`10`",
+    ),
+    Variable(
         "CLAW_WEB_LOGIN_BODY_BYTES",
         "http.web_login_body_bytes",
         _count,
@@ -401,6 +410,14 @@ VARIABLES: tuple[Variable, ...] = (
         shown="`CLAW_GATEWAY_TOKEN`",
     ),
     Variable(
+        "CLAW_GATEWAY_ADMIN_TOKEN",
+        "gateway_admin_token",
+        str,
+        None,
+        "`claw gateway`: the token of `POST /sessions` (per-trajectory keys)",
+        shown="`CLAW_GATEWAY_REWARD_TOKEN`",
+    ),
+    Variable(
         "CLAW_UPSTREAM_API_KEY",
         "upstream_api_key",
         str,
@@ -452,6 +469,7 @@ class HttpLimits:
     gateway_queue_bytes: int = 256 * MIB
     gateway_upstream_timeout: float = 300.0
     gateway_recorder_stall: float = 120.0
+    gateway_admission_wait: float = 10.0
     web_login_body_bytes: int = 4096
     web_body_bytes: int = MIB
     web_form_fields: int = 1000
@@ -497,6 +515,7 @@ class Settings:
     metrics_token: str | None = field(default=None, repr=False)
     gateway_token: str | None = field(default=None, repr=False)
     gateway_reward_token: str | None = field(default=None, repr=False)
+    gateway_admin_token: str | None = field(default=None, repr=False)
     upstream_api_key: str | None = field(default=None, repr=False)
     web_user: str = "claw"
     web_password: str | None = field(default=None, repr=False)

@@ -17,8 +17,12 @@
    demonstrations and the relabelled states together (DAgger's aggregate), repeat.
 
 It prints the mean return of 10 evaluation episodes after BC and after each DAgger round
-(CartPole-v1's best is 500). Needs a running stack (``claw up``); the maintenance steps
-(cleaning, index updates) run here too, so the script does not wait for beat ticks:
+(CartPole-v1's best is 500), then a JSON line of its bookkeeping: steps recorded and bad
+by kind, the cleaning's counts by rule, batches served and how many rows of them were bad
+(none may be) or normalised by other statistics (none may be). ``--short`` (CI) runs a few
+episodes and updates: the bookkeeping, not the learning. Needs a running stack (``claw
+up``); the maintenance steps (cleaning, index updates) run here too, so the script does
+not wait for beat ticks:
 
     python examples/imitation_cartpole.py [--short]
 """
@@ -26,6 +30,8 @@ It prints the mean return of 10 evaluation episodes after BC and after each DAgg
 from __future__ import annotations
 
 import argparse
+import json
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -74,10 +80,12 @@ def record_expert(namespace: str, episodes: int) -> None:
                 done = terminated or truncated
 
 
-def record_noisy(namespace: str, episodes: int, rng: np.random.Generator) -> int:
+def record_noisy(namespace: str, episodes: int, rng: np.random.Generator) -> dict[str, int]:
     """The second demonstrator's log in its own format (committed as it is, the way an
-    import of another system's data lands), with a broken sensor; returns bad steps."""
-    env, bad, store = gym.make("CartPole-v1"), 0, Store(get_settings().redis_url, namespace)
+    import of another system's data lands), with a broken sensor; returns its steps and
+    the broken ones by kind (``nan``: a NaN reading, ``range``: a reading of 1,000)."""
+    env, store = gym.make("CartPole-v1"), Store(get_settings().redis_url, namespace)
+    bad = {"steps": 0, "nan": 0, "range": 0}
     for ep in range(episodes):
         obs, _ = env.reset(seed=1000 + ep)
         states, actions, rewards, done = [], [], [], False
@@ -86,15 +94,16 @@ def record_noisy(namespace: str, episodes: int, rng: np.random.Generator) -> int
             state = obs[::-1].astype(np.float64) * 10.0
             glitch = rng.random()
             if glitch < 0.02:
-                state[1], bad = np.nan, bad + 1
+                state[1], bad["nan"] = np.nan, bad["nan"] + 1
             elif glitch < 0.03:
-                state[0], bad = 1e3, bad + 1
+                state[0], bad["range"] = 1e3, bad["range"] + 1
             obs, reward, terminated, truncated, _ = env.step(action)
             states.append(state)
             actions.append(np.eye(2, dtype=np.float32)[action])
             rewards.append(reward)
             done = terminated or truncated
         n = len(states)
+        bad["steps"] += n
         store.commit(
             StepBatch(
                 episode=StrColumn.of([f"noisy-{ep}"] * n),
@@ -132,7 +141,7 @@ class Learner:
         return float(np.mean((p > 0.5) == (y > 0.5)))
 
 
-def evaluate(policy: Learner, episodes: int = 10) -> float:
+def evaluate(policy: Learner, episodes: int) -> float:
     env, total = gym.make("CartPole-v1"), 0.0
     for ep in range(episodes):
         obs, _ = env.reset(seed=5000 + ep)
@@ -156,17 +165,42 @@ def play(namespace: str, policy: Learner, episodes: int, seed: int) -> None:
                 done = terminated or truncated
 
 
+SIZES = {
+    # expert and noisy episodes, BC updates, DAgger rounds (of `dagger` updates each, the
+    # learner playing `plays` episodes first), evaluation episodes
+    "full": {
+        "expert": 20,
+        "noisy": 10,
+        "bc": 400,
+        "rounds": 4,
+        "dagger": 200,
+        "plays": 5,
+        "eval": 10,
+    },
+    "short": {"expert": 4, "noisy": 2, "bc": 20, "rounds": 1, "dagger": 10, "plays": 1, "eval": 3},
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--namespace", default="imitation")
-    p.add_argument("--short", action="store_true", help="a small run (CI)")
+    p.add_argument("--short", action="store_true", help="a small run (CI): the bookkeeping")
     args = p.parse_args()
     ns, url = args.namespace, get_settings().redis_url
-    expert_eps, noisy_eps, updates, rounds = (8, 3, 200, 2) if args.short else (20, 10, 400, 4)
-    rng = np.random.default_rng(0)
+    size = SIZES["short" if args.short else "full"]
+    rng, began = np.random.default_rng(0), time.monotonic()
+    summary: dict = {"mode": "short" if args.short else "full"}
+    phases: dict[str, float] = {}
 
-    record_expert(ns, expert_eps)
-    bad = record_noisy(f"{ns}-raw", noisy_eps, rng)
+    def phase(name: str, since: float) -> float:
+        now = time.monotonic()
+        phases[name] = round(phases.get(name, 0.0) + now - since, 2)
+        return now
+
+    t = began
+    record_expert(ns, size["expert"])
+    recorded = record_noisy(f"{ns}-raw", size["noisy"], rng)
+    t = phase("record", t)
     target = Store(url, ns)
     define_source(target, "noisy", {**CLEANING, "namespace": f"{ns}-raw"})
     for name, spec in sources(target).items():
@@ -176,12 +210,17 @@ def main() -> None:
     weights = (1 / np.sqrt(stats.var + 1e-8)).tolist()
     define_index(target, {"field": "obs", "kind": "exact", "weights": weights}, replace=True)
     update_indexes(target, budget_s=60)
+    t = phase("clean_and_index", t)
     counts = quarantined(target)
-    kept = counts.get("noisy:steps", 0) - target.count("tags.origin == 'noisy' and not trainable")
-    print(f"cleaning: {counts} ({bad} bad steps recorded; {kept} noisy steps kept)")
+    quarantine = target.count("tags.origin == 'noisy' and not trainable")
+    kept = counts.get("noisy:steps", 0) - quarantine
+    print(f"cleaning: {counts} ({recorded} recorded; {kept} noisy steps kept)")
+    summary["recorded"], summary["counts"], summary["quarantined"] = recorded, counts, quarantine
+    summary["expert_steps"] = target.count("tags.origin == 'expert'")
 
     learner, client = Learner(stats), BatchClient(ns)
     learner_ns = BatchClient(f"{ns}-learner")
+    served = {"bc_batches": 0, "bad_rows": 0, "other_version": 0, "dagger_batches": 0}
     try:
         client.register(
             {
@@ -193,15 +232,25 @@ def main() -> None:
                 "prefetch": {"depth": 8},
             }
         )
-        for _ in range(updates):
+
+        def bc_step() -> float:
             batch = client.pop("bc", timeout=60)
-            assert (batch["stats_version.obs"] == learner.version).all()
-            accuracy = learner.fit(batch["obs"], batch["action"])
-        print(
-            f"BC: {updates} updates, batch accuracy {accuracy:.2f}, return {evaluate(learner):.1f}"
-        )
-        for r in range(rounds):
-            play(f"{ns}-learner", learner, 2 if args.short else 5, seed=100 * (r + 1))
+            served["bc_batches"] += 1
+            served["other_version"] += int((batch["stats_version.obs"] != learner.version).sum())
+            raw = target.get(batch.ids, fields=["obs"])["obs"]  # as stored: none of them bad
+            served["bad_rows"] += int((~np.isfinite(raw) | (np.abs(raw) > 5)).any(axis=1).sum())
+            return learner.fit(batch["obs"], batch["action"])
+
+        for _ in range(size["bc"]):
+            accuracy = bc_step()
+        t = phase("bc", t)
+        bc_return = evaluate(learner, size["eval"])
+        t = phase("evaluate", t)
+        print(f"BC: {size['bc']} updates, batch accuracy {accuracy:.2f}, return {bc_return:.1f}")
+        summary["bc_return"], rounds = bc_return, []
+        for r in range(size["rounds"]):
+            play(f"{ns}-learner", learner, size["plays"], seed=100 * (r + 1))
+            t = phase("play", t)
             learner_ns.register(
                 {
                     "name": "dagger",
@@ -217,26 +266,37 @@ def main() -> None:
                     "seed": r,  # a new version each round: no batches of the last round
                 }
             )
-            agree = []
-            for _ in range(updates // 2):
+            agree, shapes = [], set()
+            for _ in range(size["dagger"]):
                 # DAgger aggregates: the demonstrations, then the learner's relabelled states.
-                demo = client.pop("bc", timeout=60)
-                learner.fit(demo["obs"], demo["action"])
+                bc_step()
                 batch = learner_ns.pop("dagger", timeout=60)
+                served["dagger_batches"] += 1
+                shapes.add(batch["nearest.action"].shape)
                 votes = batch["nearest.action"].mean(axis=1)
                 sure = (votes == 0) | (votes == 1)  # the k nearest expert steps agree
                 labels = (votes > 0.5).astype(np.int64)
                 if sure.any():
                     learner.fit(learner.normalise(batch["obs"][sure]), labels[sure], lr=0.5)
                 agree.append(np.mean(labels[sure] == (batch["obs"][sure] @ EXPERT > 0)))
+            t = phase("dagger", t)
+            ret = evaluate(learner, size["eval"])
+            t = phase("evaluate", t)
+            rounds.append({"agree": round(float(np.mean(agree)), 3), "return": ret})
+            summary["nearest_shapes"] = sorted(shapes)
             print(
                 f"DAgger round {r + 1}: the labels of states whose nearest expert steps agree "
-                f"match the expert on {np.mean(agree):.0%}; return {evaluate(learner):.1f}"
+                f"match the expert on {np.mean(agree):.0%}; return {ret:.1f}"
             )
+        summary["rounds"] = rounds
     finally:
         client.close()
         learner_ns.close()
-    print(f"final return {evaluate(learner):.1f}")
+    final = evaluate(learner, size["eval"])
+    phase("evaluate", t)
+    print(f"final return {final:.1f}")
+    summary.update(served, final_return=final, seconds=phases)
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

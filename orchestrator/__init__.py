@@ -19,8 +19,8 @@ checks both):
                   dictionary pruning, vector indexes, archive and restore;
                   namespace drop
 - ``adapters``    other libraries' interfaces: PyTorch, Stable-Baselines3, TorchRL, Minari,
-                  LLM trainers' tensors (each imported on its own: torch and TorchRL are
-                  extras)
+                  LLM trainers' tensors, TRL's GRPOTrainer rollouts (each imported on its
+                  own: torch, TorchRL and TRL are extras)
 - ``inspect``     read-only views for people: namespace statistics and the query engine
 - ``web``         the web inspector (``claw web``)
 - ``gateway``     the OpenAI-compatible capture gateway (``claw gateway``)

@@ -26,6 +26,7 @@ TASK_MODULES = [
     "orchestrator.maintenance.vectors",
     "orchestrator.maintenance.cleaning",
     "orchestrator.maintenance.quality",
+    "orchestrator.maintenance.lineage",
 ]
 
 

@@ -30,6 +30,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "claw-evict": {"task": "claw.maintenance.evict", "every": 30},
     "claw-priorities": {"task": "claw.maintenance.priorities", "every": 60},
     "claw-quality": {"task": "claw.maintenance.quality", "every": 30},
+    "claw-lineage": {"task": "claw.maintenance.lineage", "every": 30},
     "claw-archive": {"task": "claw.maintenance.archive", "cron": "0 3 * * *"},
     "claw-vectors": {"task": "claw.maintenance.vectors", "every": 10},
     "claw-clean": {"task": "claw.maintenance.clean", "every": 10},

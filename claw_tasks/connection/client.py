@@ -90,6 +90,24 @@ def redis_client(url: str, **kwargs: Any) -> Client:
     return RedisCluster.from_url(plain, **({"startup_nodes": seeds} if seeds else {}), **kwargs)
 
 
+def async_redis_client(url: str, **kwargs: Any) -> Any:
+    """The asyncio twin of :func:`redis_client` (``redis.asyncio``), for an event loop that
+    must not block on a round trip (the capture gateway's admission)."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.cluster import ClusterNode as AsyncNode
+    from redis.asyncio.cluster import RedisCluster as AsyncCluster
+
+    if not is_cluster_url(url):
+        return aioredis.Redis.from_url(url, **kwargs)
+    parts = urlsplit(url)
+    auth, _, hosts = parts.netloc.rpartition("@")
+    first, *more = hosts.split(",")
+    seeds = [AsyncNode(*_host_port(h)) for h in more]
+    netloc = f"{auth}@{first}" if auth else first
+    plain = plain_url(urlunsplit(parts._replace(netloc=netloc)))
+    return AsyncCluster.from_url(plain, **({"startup_nodes": seeds} if seeds else {}), **kwargs)
+
+
 def _host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():

@@ -54,7 +54,13 @@ LLM_FIELDS = {
     "response_logprobs": ("<f4", (None,)),
 }
 LLM_MASK_FIELD = ("response_mask", ("|u1", (None,)))
-LLM_TAGS: dict[str, TagKind] = {"prompt_uid": "num", "final_reward": "num", "retokenized": "num"}
+LLM_TAGS: dict[str, TagKind] = {
+    "prompt_uid": "num",
+    "final_reward": "num",
+    "retokenized": "num",
+    "min_version": "num",
+    "max_version": "num",
+}
 
 # The on-policy step convention (docs/recipes.md, "On-policy"): what the behaviour policy
 # said about each step, as numeric tags, so the prefetch workers compute advantages from
@@ -176,7 +182,9 @@ class Schema:
         and ``response_ids`` (int32), ``response_logprobs`` (float32, the behaviour
         policy's); with ``response_mask``, a ragged uint8 marking trainable response tokens
         (tool output spliced into a turn is 0). Tags ``prompt_uid`` (group key hash),
-        ``final_reward``, ``retokenized``, plus ``tags`` (e.g. ``{"dataset": "str"}``)."""
+        ``final_reward``, ``retokenized``, ``min_version`` and ``max_version`` (the
+        trajectory's oldest and newest turn's policy version, set with its reward), plus
+        ``tags`` (e.g. ``{"dataset": "str"}``)."""
         specs = dict(LLM_FIELDS)
         if response_mask:
             specs[LLM_MASK_FIELD[0]] = LLM_MASK_FIELD[1]

@@ -93,3 +93,15 @@ def spread_rewards(
         per_turn[:] = turn_rewards
     per_turn[-1] += final_reward
     return per_turn.astype(np.float32)
+
+
+def discount_turns(rewards: Sequence[float] | np.ndarray, gamma: float) -> np.ndarray:
+    """Turn-level credit (AReaL's interaction cache): each turn's reward plus the
+    discounted rewards after it, ``r[t] += gamma * r[t + 1]`` from the last turn back, so
+    turn t holds ``sum_k gamma^(k - t) r[k]``. Computed in float64."""
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"discount {gamma} must be in [0, 1]")
+    out = np.asarray(rewards, np.float64).copy()
+    for t in range(len(out) - 2, -1, -1):
+        out[t] += gamma * out[t + 1]
+    return out

@@ -17,8 +17,8 @@ module         ``Store`` methods
 ``updates``    ``update_priorities``, ``update_rewards``, ``curate``, ``audit``, ``audit_log``
 ``evict``      ``evict``, ``evict_slots``, ``evictions``
 ``snapshots``  ``snapshot``, ``snapshots``, ``snapshot_info``, ``drop_snapshot``,
-               ``export_snapshot``, ``prune_snapshots``, ``labels``, ``rollback``,
-               ``as_of_columns``
+               ``export_snapshot``, ``import_snapshot``, ``prune_snapshots``,
+               ``labels``, ``rollback``, ``as_of_columns``
 ``writer``     ``commit`` (one shard's part of it: ``commit.CommitPart``), ``allocate``,
                ``place``
 =============  ==============================================================================
@@ -113,6 +113,7 @@ class Store(StoreCore):
     snapshot_info = _on(Snapshots, Snapshots.snapshot_info)
     drop_snapshot = _on(Snapshots, Snapshots.drop_snapshot)
     export_snapshot = _on(Snapshots, Snapshots.export_snapshot)
+    import_snapshot = _on(Snapshots, Snapshots.import_snapshot)
     prune_snapshots = _on(Snapshots, Snapshots.prune)
     labels = _on(Snapshots, Snapshots.labels)
     rollback = _on(Snapshots, Snapshots.rollback)

@@ -14,7 +14,8 @@ snapshot copies no payload and no immutable column: per shard it keeps, in the h
 - ``untrainable``, ``quality``, ``priority``, ``t:<tag>``: those columns as stored,
 
 each zstd-compressed, read in one MULTI/EXEC per shard, so no commit, eviction or update
-lands half-way through a shard's read (shards are read one after the other). The header
+lands half-way through a shard's read (shards are read at different moments: reads,
+compression and writes of several shards overlap, :meth:`Snapshots._take_shards`). The header
 (``claw:{ns}:snapshots``, name -> msgpack) holds the time, the seqs, the live steps, the
 config record (retention, schema), the string of every dictionary code the columns hold
 (a rollback re-encodes them, so a code pruned since comes back with its string), and the
@@ -34,6 +35,7 @@ import math
 import re
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,29 @@ WRITE_IDS = 65_536
 _DTYPES = {"flags": np.dtype("u1"), "quality": STR_TAG_DTYPE, "priority": np.dtype("<u4")}
 """The mutable columns as a snapshot reads them: priorities (and numeric tags, ``<u8``) as
 their stored bits, so a rollback compares and writes them back bit for bit."""
+
+
+THREADS = 2
+"""Threads a snapshot's shard reads and column compression run on (:meth:`Snapshots.
+_take_shards`; docs/benchmarks.md, "Snapshots")."""
+
+
+ZSTD_LEVEL = 1
+"""Level 3 took 3x the time for the same size: random priorities barely compress, the
+label columns are mostly zeros either way (docs/benchmarks.md, "Snapshots")."""
+
+
+def _pack(col: str, arr: np.ndarray, alive: np.ndarray) -> tuple[bytes, list[int] | None]:
+    """A snapshot column as stored (bits packed for the bool ones, zstd-compressed), and
+    for a string column the codes its live rows hold (a rollback needs their strings)."""
+    raw = np.packbits(arr).tobytes() if arr.dtype == bool else arr.tobytes()
+    codes = None
+    if arr.dtype == STR_TAG_DTYPE:
+        held = arr[alive]
+        top = int(held.max()) if len(held) else 0
+        small = int(held.min(initial=0)) >= 0 and top <= 4 * len(held)
+        codes = np.flatnonzero(np.bincount(held)).tolist() if small else np.unique(held).tolist()
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw), codes
 
 
 class SnapshotError(NamespaceError):
@@ -170,6 +195,118 @@ def check_name(name: str) -> str:
     return name
 
 
+def _decode(h: Mapping[str, Any], cfg: NamespaceConfig, shards: list[dict[str, bytes]]) -> Labels:
+    """The :class:`Labels` of a snapshot's header and shard hashes (as stored)."""
+    dctx = zstandard.ZstdDecompressor()
+    cols: dict[str, list[np.ndarray]] = {}
+    tags = [tag_column(t) for t in (cfg.schema.tags if cfg.schema else {})]
+    for shard, got in enumerate(shards):
+        n = min(cfg.cap, h["seqs"][shard])
+        for col in ("alive", "untrainable", "quality", "priority", *tags):
+            raw = dctx.decompress(got[col]) if col in got else b""
+            if col in ("alive", "untrainable"):
+                arr = np.unpackbits(np.frombuffer(raw, np.uint8))[:n].astype(bool)
+            else:
+                arr = np.frombuffer(raw, Snapshots.dtype(col, cfg))
+            full = np.zeros(cfg.cap, arr.dtype)
+            full[: len(arr)] = arr
+            cols.setdefault(col, []).append(full)
+    cat = np.concatenate
+    strings = {c: {int(code): s for code, s in pairs} for c, pairs in h["strings"].items()}
+    return Labels(
+        cfg.n_shards,
+        cfg.cap,
+        tuple(h["seqs"]),
+        cat(cols["alive"]),
+        cat(cols["untrainable"]),
+        cat(cols["quality"]),
+        cat(cols["priority"]),
+        {c: cat(cols[c]) for c in tags},
+        strings,
+    )
+
+
+@dataclass(frozen=True)
+class Exported:
+    """A snapshot as the nightly archive keeps it (:meth:`Snapshots.export_snapshot`),
+    read back: its source namespace, name, time, state (over the source's layout and
+    ids) and ``extra``."""
+
+    namespace: str
+    name: str
+    created: float
+    labels: Labels
+    extra: dict[str, Any]
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Exported:
+        """Parse an exported document (untrusted: a file); raises SnapshotError."""
+        try:
+            doc = unpackb(raw)
+            h = doc["header"]
+            cfg = NamespaceConfig.from_bytes(h["config"], str(doc["namespace"]))
+            shards = [{str(k): v for k, v in part.items()} for part in doc["shards"]]
+            if len(shards) != cfg.n_shards or len(h["seqs"]) != cfg.n_shards:
+                raise ValueError("shard count does not match its config")
+            labels = _decode(h, cfg, shards)
+            return cls(doc["namespace"], check_name(doc["name"]), h["created"], labels, h["extra"])
+        except SnapshotError:
+            raise
+        except Exception as e:  # a damaged or foreign file: say which part, never crash
+            raise SnapshotError(f"not an exported Claw snapshot: {type(e).__name__}: {e}") from None
+
+
+def moved(old: Labels, old_ids: np.ndarray, new_ids: np.ndarray, now: Labels) -> tuple[Labels, int]:
+    """``old`` (a snapshot of another namespace, e.g. an archived one) laid over ``now``'s
+    layout: each of its steps that the pair ``old_ids -> new_ids`` maps to a step live in
+    ``now`` (a restore's ids) keeps its labels, priority and tags at its new row; the
+    rest are missing (not archived, past the new ring, ...), counted. String columns keep
+    ``old``'s codes with ``old``'s strings (a rollback or ``as_of`` re-encodes them); a
+    numeric tag ``old`` lacks takes ``now``'s values (``orig_id``, written by the
+    restore), a string one stays unset. Returns the state and the missing count."""
+    have = np.flatnonzero(old.alive)
+    ids = old.ids[have]
+    order = np.argsort(old_ids, kind="stable")
+    keys, vals = old_ids[order], new_ids[order]
+    at = np.clip(np.searchsorted(keys, ids), 0, max(len(keys) - 1, 0))
+    found = (keys[at] == ids) & (vals[at] >= 0) if len(keys) else np.zeros(len(ids), bool)
+    new = vals[at[found]] if len(keys) else np.zeros(0, np.int64)
+    seq = new // now.n_shards
+    rows = (new % now.n_shards) * now.cap + (seq - 1) % now.cap
+    live = now.alive[rows] & (now.ids[rows] == new)
+    src, rows = have[found][live], rows[live]
+    size = now.n_shards * now.cap
+
+    def laid(values: np.ndarray) -> np.ndarray:
+        out = np.zeros(size, values.dtype)
+        out[rows] = values[src]
+        return out
+
+    alive = np.zeros(size, bool)
+    alive[rows] = True
+    tags = {}
+    for col, cur in now.tags.items():
+        if col in old.tags:
+            tags[col] = laid(old.tags[col].astype(cur.dtype))
+        elif cur.dtype != STR_TAG_DTYPE:
+            tags[col] = np.where(alive, cur, 0).astype(cur.dtype)
+        else:
+            tags[col] = np.zeros_like(cur)
+    strings = {c: dict(v) for c, v in old.strings.items() if c == "quality" or c in old.tags}
+    labels = Labels(
+        now.n_shards,
+        now.cap,
+        now.seqs,
+        alive,
+        laid(old.untrainable),
+        laid(old.quality),
+        laid(old.priority),
+        tags,
+        strings,
+    )
+    return labels, int(len(ids) - len(rows))
+
+
 class Snapshots:
     """Snapshots of a namespace over a :class:`StoreCore`; writes back through the
     :class:`Updates` part and drops steps through :class:`Eviction`."""
@@ -188,24 +325,14 @@ class Snapshots:
         if core.r.hexists(core.keys.snapshots, name):
             raise SnapshotError(f"snapshot {name!r} of {core.namespace!r} exists: delete it first")
         created = time.time()
-        cctx = zstandard.ZstdCompressor(level=3)
         seqs, steps, size, strings = [], 0, 0, {}
         codes: dict[str, set[int]] = {}
-        for shard in range(cfg.n_shards):
-            seq, cols = self._read_shard(shard, cfg)
-            n = min(cfg.cap, seq)
-            alive = cols.pop("alive")[:n]
-            stored = {"seq": str(seq).encode(), "alive": np.packbits(alive).tobytes()}
-            stored["untrainable"] = np.packbits(cols.pop("untrainable")[:n]).tobytes()
-            for col, arr in cols.items():
-                stored[col] = arr[:n].tobytes()
-                if arr.dtype == STR_TAG_DTYPE:
-                    codes.setdefault(col, set()).update(np.unique(arr[:n][alive]).tolist())
-            packed = {k: (v if k == "seq" else cctx.compress(v)) for k, v in stored.items()}
+        for seq, alive, packed, found in self._take_shards(name, cfg):
             size += sum(len(v) for v in packed.values())
-            core.r.hset(core.keys.snapshot(shard, name), mapping=packed)
             seqs.append(seq)
-            steps += int(alive.sum())
+            steps += alive
+            for col, c in found.items():
+                codes.setdefault(col, set()).update(c)
         for col, found in codes.items():
             found.discard(0)
             names = core.dicts.decode_codes(col, sorted(found))
@@ -225,6 +352,83 @@ class Snapshots:
             self.prune(None, cfg.retention.snapshot_max_age, keep=name)
         return self._info(name, header)
 
+    def import_snapshot(
+        self, name: str, labels: Labels, created: float, extra: Mapping[str, Any] | None = None
+    ) -> SnapshotInfo:
+        """Record ``labels`` (over this namespace's layout, its ids: :func:`moved`) as
+        snapshot ``name`` taken at ``created``: how a restore brings an archived snapshot
+        back. Retention is not applied here (the next eviction pass does)."""
+        check_name(name)
+        core = self.core
+        cfg = core.config(refresh=True)
+        if (labels.n_shards, labels.cap) != (cfg.n_shards, cfg.cap):
+            raise SnapshotError(f"snapshot {name!r}: laid over another layout of the namespace")
+        if core.r.hexists(core.keys.snapshots, name):
+            raise SnapshotError(f"snapshot {name!r} of {core.namespace!r} exists: delete it first")
+        size, steps = 0, int(labels.alive.sum())
+        for shard, seq in enumerate(labels.seqs):
+            n, at = min(cfg.cap, seq), shard * cfg.cap
+            part = slice(at, at + n)
+            cols = {
+                "alive": labels.alive[part],
+                "untrainable": labels.untrainable[part],
+                "quality": labels.quality[part],
+                "priority": labels.priority[part],
+                **{c: v[part] for c, v in labels.tags.items()},
+            }
+            packed = {"seq": str(seq).encode()}
+            packed.update((c, _pack(c, v, cols["alive"])[0]) for c, v in cols.items())
+            size += sum(len(v) for v in packed.values())
+            core.r.hset(core.keys.snapshot(shard, name), mapping=packed)
+        header = {
+            "created": float(created),
+            "seqs": list(labels.seqs),
+            "steps": steps,
+            "bytes": size,
+            "config": cfg.to_bytes(),
+            "strings": {
+                c: [[k, v] for k, v in sorted(t.items())] for c, t in labels.strings.items()
+            },
+            "extra": dict(extra or {}),
+        }
+        core.r.hset(core.keys.snapshots, name, packb(header))  # listed once complete
+        return self._info(name, header)
+
+    def _take_shards(
+        self, name: str, cfg: NamespaceConfig
+    ) -> list[tuple[int, int, dict[str, bytes], dict[str, list[int]]]]:
+        """Each shard's part of snapshot ``name``, written: its seq, live steps, the stored
+        (compressed) columns and the string codes they hold, in shard order.
+
+        Pipelined across shards: up to ``THREADS`` shard reads (one MULTI/EXEC each, on
+        their own connections) are in flight while the columns already read are packed,
+        compressed (zstd and numpy release the GIL) and written, a column per task; so
+        Redis serves one shard's read while this process compresses another's, and at
+        most ``THREADS`` shards' columns are held at once."""
+        with ThreadPoolExecutor(THREADS, thread_name_prefix="claw-snapshot") as pool:
+            reads = {
+                s: pool.submit(self._read_shard, s, cfg) for s in range(cfg.n_shards)[:THREADS]
+            }
+            out = []
+            for shard in range(cfg.n_shards):
+                seq, cols = reads.pop(shard).result()
+                if shard + THREADS < cfg.n_shards:
+                    reads[shard + THREADS] = pool.submit(self._read_shard, shard + THREADS, cfg)
+                n = min(cfg.cap, seq)
+                alive = cols.pop("alive")[:n]
+                raw = {"alive": alive, "untrainable": cols.pop("untrainable")[:n]}
+                raw.update((col, arr[:n]) for col, arr in cols.items())
+                jobs = {col: pool.submit(_pack, col, arr, alive) for col, arr in raw.items()}
+                packed: dict[str, bytes] = {"seq": str(seq).encode()}
+                found = {}
+                for col, job in jobs.items():
+                    packed[col], held = job.result()
+                    if held is not None:
+                        found[col] = held
+                out.append((seq, int(alive.sum()), packed, found))
+                self.core.r.hset(self.core.keys.snapshot(shard, name), mapping=packed)
+            return out
+
     def _read_shard(self, shard: int, cfg: NamespaceConfig) -> tuple[int, dict[str, np.ndarray]]:
         """The shard's seq, alive bits and mutable columns, in one MULTI/EXEC."""
         keys = self.core.keys
@@ -242,7 +446,7 @@ class Snapshots:
         alive = np.unpackbits(np.frombuffer(bits or b"", np.uint8))[: cfg.cap].astype(bool)
         out["alive"] = np.pad(alive, (0, cfg.cap - len(alive)))
         for i, col in enumerate(cols):
-            dtype = self._dtype(col, cfg)
+            dtype = self.dtype(col, cfg)
             arr = np.zeros(cfg.cap, dtype)
             for c in range(n_chunks):
                 raw = chunks[i * n_chunks + c]
@@ -256,7 +460,8 @@ class Snapshots:
         return int(seq or 0), out
 
     @staticmethod
-    def _dtype(col: str, cfg: NamespaceConfig) -> np.dtype:
+    def dtype(col: str, cfg: NamespaceConfig) -> np.dtype:
+        """A snapshot column's dtype as stored."""
         if col in _DTYPES:
             return _DTYPES[col]
         kind = cfg.schema.tags[col[2:]] if cfg.schema else "num"
@@ -328,7 +533,8 @@ class Snapshots:
         core = self.core
         if name is None or name == NOW:
             cfg = core.config(refresh=True)
-            parts = [self._read_shard(s, cfg) for s in range(cfg.n_shards)]
+            with ThreadPoolExecutor(THREADS, thread_name_prefix="claw-snapshot") as pool:
+                parts = list(pool.map(lambda s: self._read_shard(s, cfg), range(cfg.n_shards)))
             seqs = tuple(seq for seq, _ in parts)
             tags = [c for c in parts[0][1] if c.startswith("t:")] if parts else []
             cat = np.concatenate
@@ -348,39 +554,17 @@ class Snapshots:
                 {c: cat([p[c] for _, p in parts]) for c in tags},
                 strings,
             )
-        info = self.snapshot_info(name)
-        h = unpackb(core.r.hget(core.keys.snapshots, name))
-        cfg = info.config
-        dctx = zstandard.ZstdDecompressor()
-        cols: dict[str, list[np.ndarray]] = {}
-        tags = [tag_column(t) for t in (cfg.schema.tags if cfg.schema else {})]
+        h = unpackb(core.r.hget(core.keys.snapshots, check_name(name)) or packb(None))
+        if h is None:
+            self.snapshot_info(name)  # the SnapshotError naming the snapshots there are
+        cfg = NamespaceConfig.from_bytes(h["config"], core.namespace)
+        shards = []
         for shard in range(cfg.n_shards):
             got = core.r.hgetall(core.keys.snapshot(shard, name))
             if not got:
                 raise SnapshotError(f"snapshot {name!r}: shard {shard} is missing (deleted?)")
-            n = min(cfg.cap, info.seqs[shard])
-            for col in ("alive", "untrainable", "quality", "priority", *tags):
-                raw = dctx.decompress(got[col.encode()]) if col.encode() in got else b""
-                if col in ("alive", "untrainable"):
-                    arr = np.unpackbits(np.frombuffer(raw, np.uint8))[:n].astype(bool)
-                else:
-                    arr = np.frombuffer(raw, self._dtype(col, cfg))
-                full = np.zeros(cfg.cap, arr.dtype)
-                full[: len(arr)] = arr
-                cols.setdefault(col, []).append(full)
-        cat = np.concatenate
-        strings = {c: {int(code): s for code, s in pairs} for c, pairs in h["strings"].items()}
-        return Labels(
-            cfg.n_shards,
-            cfg.cap,
-            info.seqs,
-            cat(cols["alive"]),
-            cat(cols["untrainable"]),
-            cat(cols["quality"]),
-            cat(cols["priority"]),
-            {c: cat(cols[c]) for c in tags},
-            strings,
-        )
+            shards.append({k.decode(): v for k, v in got.items()})
+        return _decode(h, cfg, shards)
 
     def _strings_of(
         self, cols: Mapping[str, np.ndarray], alive: np.ndarray, cfg: NamespaceConfig

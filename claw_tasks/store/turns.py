@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from claw_tasks.format.arrays import unpackb
-from claw_tasks.format.turns import spread_rewards
+from claw_tasks.format.turns import discount_turns, spread_rewards
 from claw_tasks.store import Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 
@@ -34,20 +34,28 @@ def attach_rewards(
     *,
     reward_source: str | None = None,
     expect_turns: int | None = None,
+    discount: float | None = None,
+    tags: Mapping[str, float] | None = None,
 ) -> int:
     """Apply :func:`spread_rewards` to a trajectory's committed turns and mark its last
     turn terminated (``is_last``). ``expect_turns`` guards against rewarding a trajectory
-    whose turns are not all committed yet. Returns how many turns were updated."""
+    whose turns are not all committed yet. ``discount`` (gamma) then credits each turn
+    with the discounted rewards after it (:func:`discount_turns`); ``tags`` are more
+    numeric tags set on every turn (the gateway's ``min_version``/``max_version``),
+    written with the rewards, before the terminated flag. Returns how many turns were
+    updated."""
     ids = trajectory_step_ids(store, trajectory_uid, expect_turns)
     if expect_turns is not None and len(ids) != expect_turns:
         raise ValueError(
             f"trajectory {trajectory_uid!r} has {len(ids)} stored turns, expected {expect_turns}"
         )
     rewards = spread_rewards(len(ids), final_reward, turn_rewards)
+    if discount is not None:
+        rewards = discount_turns(rewards, discount).astype(np.float32)
     return store.update_rewards(
         ids,
         rewards,
-        tags={"final_reward": float(final_reward)},
+        tags={**(tags or {}), "final_reward": float(final_reward)},
         reward_source=reward_source,
         terminated=ids[-1:],
     )

@@ -32,6 +32,14 @@ class LRU(Generic[K, V]):
             self._trim()
             return value
 
+    def find(self, key: K) -> V | None:
+        """The entry of ``key`` (now the most recently used), or None when absent."""
+        with self._lock:
+            if key not in self._items:
+                return None
+            self._items.move_to_end(key)
+            return self._items[key]
+
     def put(self, key: K, value: V) -> None:
         with self._lock:
             self._items[key] = value

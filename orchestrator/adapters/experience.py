@@ -1,4 +1,4 @@
-"""What every replay-buffer adapter (SB3, TorchRL) holds open on a Claw namespace.
+"""What every replay-buffer adapter (SB3, TorchRL, RLlib) holds open on a Claw namespace.
 
 - :class:`Transitions` turns ``(obs, action, reward, next_obs, done)`` rows of parallel
   streams (SB3's envs, TorchRL's trajectories) into Claw episodes. A transition is written
@@ -17,12 +17,18 @@
   :func:`plan_for` turns a burst length into the read-ahead, ``parts`` and prefetch depth
   a hand-tuned buffer would use for it: the adapters size themselves from what they see
   when the trainer does not tell them (SB3 never passes ``gradient_steps`` to its buffer).
+- :class:`Versions`: the policy (update) version each served sample trains, as the
+  adapter counts it or the trainer declares it, recorded in the lineage log with the ids
+  of that sample (:meth:`Connection.pop`), so ``claw lineage NS --policy v`` answers for
+  drop-in users too.
 - :func:`without_password` / :func:`with_env_password`: what a saved buffer keeps of its
-  URLs (never a password: it comes from the environment again on load).
+  URLs (never a password: it comes from the environment again on load);
+  :func:`global_seed`: a buffer's seed when none is given, from the seed the trainer set.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
@@ -35,8 +41,14 @@ import numpy as np
 from claw_tasks.client import Episode, Ingestor
 from claw_tasks.client.columns import StepColumns
 from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.lineage import Served
 from orchestrator.delivery.readahead import ReadAhead
 from orchestrator.sampling.batch import Batch
+
+PolicyVersion = str | Callable[[int], Any] | None
+"""How an adapter declares what each sample trains: the name of one of its counters (e.g.
+``"updates"``), a callable given the sample's number (1, 2, ...) returning the version
+(``None``: not recorded), or None (nothing recorded)."""
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +266,35 @@ class Cadence:
         return plan
 
 
+class Versions:
+    """The policy version each sample an adapter serves trains (see ``PolicyVersion``).
+
+    ``counters`` names what the adapter counts (e.g. ``updates``: its ``sample()`` calls;
+    ``timesteps``: transitions added), each read when a sample is served; ``declare``
+    picks one, or is a callable of the sample's number, or None."""
+
+    def __init__(self, declare: PolicyVersion, counters: Mapping[str, Callable[[], int]]) -> None:
+        if isinstance(declare, str) and declare not in counters:
+            raise ValueError(
+                f"policy_version={declare!r}: one of {', '.join(map(repr, counters))}, a "
+                "callable of the sample's number, or None"
+            )
+        if declare is not None and not isinstance(declare, str) and not callable(declare):
+            raise TypeError(
+                f"policy_version: a counter's name, a callable or None, not {declare!r}"
+            )
+        self.declare, self.counters = declare, counters
+
+    def of(self, number: int) -> Any:
+        """The version sample ``number`` (1, 2, ... as the adapter counts its samples)
+        trains; None: not recorded."""
+        if self.declare is None:
+            return None
+        if isinstance(self.declare, str):
+            return self.counters[self.declare]()
+        return self.declare(number)
+
+
 @dataclass(eq=False)
 class Connection:
     """What a buffer holds open on one namespace; closed once."""
@@ -263,7 +304,7 @@ class Connection:
     transitions: Transitions
     names: dict[Hashable, str] = field(default_factory=dict)  # key -> registered recipe
     readaheads: dict[str, ReadAhead] = field(default_factory=dict)
-    _prepare: dict[str, Callable[[Batch], list[Any]]] = field(default_factory=dict)
+    _prepare: dict[str, Callable[[Batch], list[tuple[Served, Any]]]] = field(default_factory=dict)
     _left: dict[str, deque[Any]] = field(default_factory=dict)  # parts not served yet
     replans: int = 0  # recipes dropped by resize(): recipe names made after one carry it
     _parts: dict[str, int] = field(default_factory=dict)
@@ -287,9 +328,12 @@ class Connection:
             self.flush()
             name = self.names[key] = self.client.register(spec).name
 
-            def prepare(batch: Batch) -> list[Any]:
+            def prepare(batch: Batch) -> list[tuple[Served, Any]]:
                 got = split(batch, parts) if parts > 1 else [batch]
-                return got if convert is None else [convert(b) for b in got]
+                return [
+                    (Served(b.recipe_version, b.ids.copy()), b if convert is None else convert(b))
+                    for b in got
+                ]
 
             self._prepare[name] = prepare
             self._parts[name] = parts
@@ -303,19 +347,27 @@ class Connection:
                 )
         return name
 
-    def pop(self, name: str, timeout: float | None) -> Any:
+    def pop(self, name: str, timeout: float | None, policy_version: Any = None) -> Any:
         """The next part (converted) of recipe ``name``'s batches: from the read-ahead when
-        it has one."""
+        it has one. ``policy_version`` (not None): recorded in the lineage log as what this
+        part's rows train, sent with the next pop of whichever client pops (the read-ahead
+        thread's, off the trainer's path)."""
         left = self._left.get(name)
+        ra = self.readaheads.get(name)
         if not left:
-            ra = self.readaheads.get(name)
             parts = (
                 ra.pop(timeout)
                 if ra is not None
                 else self._prepare[name](self.client.pop(name, timeout))
             )
             left = self._left[name] = deque(parts)
-        return left.popleft()
+        served, item = left.popleft()
+        if policy_version is not None:
+            if ra is not None:
+                ra.trained(served, policy_version)
+            else:
+                self.client.trained(name, served, policy_version)
+        return item
 
     def resize(self, plan: Plan) -> None:
         """Apply a new :class:`Plan`: read-aheads of recipes whose ``parts`` stay take the
@@ -383,6 +435,14 @@ def close_quietly(conn: Connection) -> None:
             type(e).__name__,
             e,
         )
+
+
+def global_seed() -> int:
+    """A seed from numpy's global state without drawing from it: SB3 and RLlib seed that
+    state before they build their buffer, so the algorithm's seed decides this one."""
+    state = np.random.get_state()
+    digest = hashlib.blake2b(state[1].tobytes() + int(state[2]).to_bytes(4), digest_size=4)
+    return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
 
 
 def without_password(url: str | None) -> str | None:

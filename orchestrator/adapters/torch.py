@@ -3,6 +3,15 @@
 Each item is one whole batch, a dict of tensors (the recipe's fields plus ``ids`` and
 ``weights``), so use it with ``DataLoader(dataset, batch_size=None)``. Batching,
 augmentation and collation already happened in the prefetch workers; the trainer only pops.
+
+Lineage: each batch is recorded as training a policy version (``claw lineage NS --policy
+v``), by default ``"batches"``: its place in the ``DataLoader``'s order, 1, 2, ... (one
+optimizer step a batch: the policy after ``v`` steps). With ``num_workers=W`` the loader
+takes batches from the workers in turn, so worker ``w``'s ``k``-th batch is number
+``k * W + w + 1``; that holds while every worker yields as many (``num_batches``, or
+endless). A callable gets that number and returns the version (e.g. ``lambda i: i //
+accumulation`` for gradient accumulation; it runs in the worker processes, so it must
+pickle); None records nothing.
 """
 
 from __future__ import annotations
@@ -14,8 +23,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
+from orchestrator.adapters.experience import PolicyVersion, Versions
 from orchestrator.delivery.client import BatchClient
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.batch import Batch
@@ -57,6 +67,7 @@ class ClawIterableDataset(IterableDataset):
     registered here. Each iterator (each ``DataLoader`` worker) pops with its own
     :class:`~orchestrator.delivery.client.BatchClient`; workers share the recipe's queue.
     ``pin_memory`` is ignored, with a warning, when no accelerator is available.
+    ``policy_version``: what each batch is recorded as training (the module docstring).
     """
 
     def __init__(
@@ -70,8 +81,11 @@ class ClawIterableDataset(IterableDataset):
         pin_memory: bool = False,
         device: str | torch.device | None = None,
         num_batches: int | None = None,
+        policy_version: PolicyVersion = "batches",
     ) -> None:
         super().__init__()
+        Versions(policy_version, {"batches": int})  # checked here, not in the workers
+        self.policy_version = policy_version
         self.namespace, self.redis_url, self.broker_url = namespace, redis_url, broker_url
         if isinstance(recipe, str):
             self.name = recipe
@@ -95,10 +109,16 @@ class ClawIterableDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Item]:
         client = self._client()
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        number = 0
+        versions = Versions(self.policy_version, {"batches": lambda: number})
         try:
             n = 0
             while self.num_batches is None or n < self.num_batches:
-                batch = client.pop(self.name, timeout=self.timeout)
+                number = n * workers + worker + 1  # in the loader's order (module docstring)
+                version = versions.of(number)
+                batch = client.pop(self.name, timeout=self.timeout, policy_version=version)
                 yield batch_to_tensors(batch, self.pin_memory, self.device)
                 n += 1
         finally:

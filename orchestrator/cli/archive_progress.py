@@ -96,6 +96,15 @@ def restore_archive(
             f"[yellow]{result.expired:,} step(s) did not fit: the namespace's capacity is "
             "smaller than the archive (restore into a new namespace)[/]"
         )
+    for snap in result.snapshots:
+        if snap.skipped:
+            console.print(f"[yellow]snapshot {snap.name!r} not restored: {snap.skipped}[/]")
+            continue
+        console.print(
+            f"snapshot {snap.name!r} restored: {snap.steps:,} steps with its labels"
+            + (f" ({snap.missing:,} of its steps were not restored)" if snap.missing else ""),
+            highlight=False,
+        )
 
 
 def export(

@@ -24,6 +24,7 @@ from typing import Self
 from claw_tasks.broker.app import QUEUES
 from claw_tasks.connection.server import RedisServer, embedded_dir, ensure_redis, log_tail
 from claw_tasks.settings import get_settings
+from claw_tasks.worker.command import celery_argv, worker_argv
 
 _PR_SET_PDEATHSIG = 1
 KEEP_LOGS = 5  # earlier logs kept per service: x.log.1 (the last run) … x.log.5
@@ -134,29 +135,9 @@ class Service:
 def worker_service(
     log_dir: Path, queues: Sequence[str], concurrency: int, *, quick: bool = False
 ) -> Service:
-    """A Celery worker for `queues`. `quick` skips mingle/gossip (a lone throwaway worker)."""
+    """A Celery worker for `queues`. `quick`: a lone throwaway worker (no mingle/gossip)."""
     name = "-".join(queues) if len(queues) < len(QUEUES) else "all"
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "claw_tasks.worker.app",
-        "worker",
-        "-Q",
-        ",".join(queues),
-        "-c",
-        str(concurrency),
-        "-P",
-        "prefork",
-        "-n",
-        f"{name}@%h",
-        "-E",
-        "-l",
-        "INFO",
-    ]
-    if quick:
-        argv += ["--without-mingle", "--without-gossip"]
+    argv = worker_argv(queues, concurrency, name=name, events=True, lone=quick)
     return Service(
         f"worker ({name})",
         argv,
@@ -167,34 +148,14 @@ def worker_service(
 
 
 def beat_service(log_dir: Path) -> Service:
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "claw_tasks.worker.app",
-        "beat",
-        "-S",
-        "redbeat.RedBeatScheduler",
-        "-l",
-        "INFO",
-    ]
+    argv = celery_argv("beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO")
     return Service(
         "beat", argv, log_dir / "beat.log", "RedBeat scheduler", log_contains("beat: Starting")
     )
 
 
 def flower_service(log_dir: Path, port: int) -> Service:
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "claw_tasks.worker.app",
-        "flower",
-        f"--port={port}",
-        "--address=127.0.0.1",
-    ]
+    argv = celery_argv("flower", f"--port={port}", "--address=127.0.0.1")
     return Service(
         "flower", argv, log_dir / "flower.log", f"http://127.0.0.1:{port}", port_open(port)
     )

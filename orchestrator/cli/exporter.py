@@ -28,7 +28,7 @@ from claw_tasks.connection import client as connect
 from claw_tasks.connection.client import redis_client
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
-from orchestrator.delivery import ratelimit, rollouts, samplestats
+from orchestrator.delivery import admission, ratelimit, rollouts, samplestats
 from orchestrator.delivery.registry import Registry
 from orchestrator.inspect.namespaces import (
     UnreadableNamespace,
@@ -149,6 +149,36 @@ class ClawCollector(Collector):
             "rows": HistogramMetricFamily(
                 "claw_sample_batch_rows", "rows per batch made", labels=rl
             ),
+            "stale_mean": _gauge(
+                "claw_served_staleness_mean",
+                "an admission recipe's batches: mean of (version - turn's policy version)",
+                rl,
+            ),
+            "stale_max": _gauge(
+                "claw_served_staleness_max",
+                "an admission recipe's batches: the oldest turn served, in versions",
+                rl,
+            ),
+        }
+        adm = {
+            "budget": _gauge(
+                "claw_admission_budget",
+                "the staleness budget (max_staleness + v + 1) x batch, in trajectories",
+                ns,
+            ),
+            "admitted": _gauge(
+                "claw_admission_admitted", "trajectories running or accepted (counted)", ns
+            ),
+            "version": _gauge("claw_admission_version", "the trainer's declared version", ns),
+            **{
+                k: CounterMetricFamily(f"claw_admission_{k}", doc, labels=ns)
+                for k, doc in (
+                    ("started", "trajectories the gateways admitted"),
+                    ("waited", "first calls of new trajectories that waited for the budget"),
+                    ("refused", "first calls refused (429) after waiting"),
+                    ("released", "slots given back (stale or dropped trajectories)"),
+                )
+            },
         }
         quality = _quality_families()
         memory = memory_by_namespace(self._r)
@@ -179,6 +209,11 @@ class ClawCollector(Collector):
                 fams["payload"].add_metric([name, field, "stored"], size["stored"])
                 fams["payload"].add_metric([name, field, "raw"], size["raw"])
             self._prefetch_metrics(Registry(Store(self._r, name)), prefetch)
+            st = admission.state(Store(self._r, name))
+            if st is not None:
+                for k in ("budget", "admitted", "version", "waited", "refused", "released"):
+                    adm[k].add_metric([name], float(st[k]))
+                adm["started"].add_metric([name], float(st["total"]))
             summary = read_quality(Store(self._r, name))
             if summary is not None:
                 _quality_metrics(name, summary, quality)
@@ -191,6 +226,7 @@ class ClawCollector(Collector):
             readable,
             *fams.values(),
             *prefetch.values(),
+            *adm.values(),
             *quality.values(),
         ]
 
@@ -216,6 +252,10 @@ class ClawCollector(Collector):
                 fams["rollouts"].add_metric(labels, float(ro.no))
                 fams["stale"].add_metric(labels, float(ro.dropped_stale))
             fams["wait"].add_metric(labels, float(c.get("wait_s", 0)))
+            served = admission.served_staleness(c) if r.admission is not None else None
+            if served is not None:
+                fams["stale_mean"].add_metric(labels, served["mean"] or 0.0)
+                fams["stale_max"].add_metric(labels, float(served["max"]))
             for source, rate in samplestats.hit_rates(c).items():
                 fams["hit"].add_metric([*labels, source], rate)
             for hist in ("lat", "rows"):

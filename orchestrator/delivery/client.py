@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -14,8 +16,8 @@ import numpy as np
 from claw_tasks.broker.app import client_app
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
-from orchestrator.delivery import ratelimit, rollouts, shm
-from orchestrator.delivery.lineage import LineageLog, record
+from orchestrator.delivery import admission, ratelimit, rollouts, shm
+from orchestrator.delivery.lineage import LineageLog, Traced, record
 from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.readahead import ReadAhead
 from orchestrator.delivery.registry import Entry, Registry
@@ -25,6 +27,8 @@ from orchestrator.retrieval import Neighbours, nearest
 from orchestrator.sampling.batch import Batch
 
 log = logging.getLogger(__name__)
+LINEAGE_PENDING = 256
+"""Lineage entries a client holds before it sends them without waiting for a pop."""
 
 _FLUSH = object()  # asks the sending thread to send the lineage recorded by local pops
 
@@ -39,10 +43,10 @@ class BatchClient:
     ``readahead`` (default ``CLAW_READAHEAD``, 0: off): batches of each recipe a
     background thread keeps popped and decoded in this process (at most
     ``readahead_bytes`` of them), so :meth:`pop` is a local dequeue while they last
-    (:class:`~orchestrator.delivery.readahead.ReadAhead`; not for ``rollout`` recipes,
-    whose minibatches follow the policy versions). Batches then leave the Redis queue
-    before the trainer takes them (``depth`` counts them no longer; ``popped`` counts them
-    when the thread takes them).
+    (:class:`~orchestrator.delivery.readahead.ReadAhead`; not for ``rollout`` nor
+    ``admission`` recipes, whose batches follow the policy versions). Batches then leave
+    the Redis queue before the trainer takes them (``depth`` counts them no longer;
+    ``popped`` counts them when the thread takes them).
     """
 
     def __init__(
@@ -58,7 +62,6 @@ class BatchClient:
         self.readahead = settings.readahead if readahead is None else readahead
         self.readahead_bytes = readahead_bytes
         self._ahead: dict[str, ReadAhead] = {}
-        self._report = threading.Lock()  # the counters and lineage sent with the next pop
         self.namespace = namespace or settings.namespace
         self.redis_url, self.broker_url = redis_url, broker_url  # as given (None: environment)
         url = self._url = redis_url or settings.redis_url
@@ -70,9 +73,12 @@ class BatchClient:
         self._popped: dict[str, int] = {}
         self._skipped: dict[str, int] = {}
         self._waited: dict[str, float] = {}  # seconds pops waited on an empty queue
+        self._counting = threading.Lock()  # the counters: a pop, a flush from another thread
         self.lineage = LineageLog(self.store)
         """The namespace's lineage log (:mod:`orchestrator.delivery.lineage`)."""
-        self._lineage: list[dict[str, bytes | str]] = []  # entries sent with the next pop
+        # Entries sent with the next pop; a deque: a read-ahead's trainer declares batches
+        # from its own thread while this client's pops drain it.
+        self._lineage: collections.deque[dict[str, bytes | str]] = collections.deque()
         self._logged_skip: set[str] = set()
         self._priorities: PriorityWriter | None = None
         self._refills: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -95,6 +101,7 @@ class BatchClient:
             recipe.validate_against(schema)
         if recipe.as_of is not None:
             self.store.snapshot_info(recipe.as_of)  # SnapshotError naming the ones there are
+        admission.check_owner(self.store, recipe)
 
         def change(old: Entry | None) -> Recipe | None:
             return None if old is not None and _same(old.recipe, recipe) else recipe
@@ -112,7 +119,9 @@ class BatchClient:
         """Change live params (e.g. curriculum thresholds): the next batches use them.
 
         The recipe gets the next ``version``; queued batches of older versions are dropped
-        (here and by every pop); augmentation statistics and samplers are kept."""
+        (here and by every pop); augmentation statistics and samplers are kept. A recipe
+        with ``admission`` declares its new policy version to the gateways here
+        (``set_params(name, policy_version=v)`` after each update)."""
 
         def change(old: Entry | None) -> Recipe:
             if old is None:
@@ -139,6 +148,7 @@ class BatchClient:
         self._stop_ahead(name)
         for item in self.registry.remove(name):
             shm.discard(item)
+        admission.clear(self.store, name)
         self._recipes.pop(name, None)
 
     def detached(self) -> BatchClient:
@@ -160,12 +170,27 @@ class BatchClient:
         """After a new version: drop the queued batches (older versions, and those read
         ahead), reset the counters unless only live params changed, and ask for a fill."""
         self._stop_ahead(recipe.name)
-        for item in self.registry.drain(recipe.name):
-            shm.discard(item)
+        self._drop(recipe, self.registry.drain(recipe.name))
         if reset:
             self.store.r.delete(self.registry.counters(recipe.name))
+        if recipe.admission is not None:
+            admission.declare(self.store, recipe, fresh=reset)
+        else:
+            admission.clear(self.store, recipe.name)  # a new version without the section
         self._recipes[recipe.name] = recipe
         self.request_fill(recipe.name, force=True)
+
+    def _drop(self, recipe: Recipe, items: list[bytes]) -> None:
+        """Discard queued batches; an admission recipe gives back their trajectories'
+        slots (accepted, never to be served)."""
+        slots = 0
+        for item in items:
+            if recipe.admission is not None:
+                with contextlib.suppress(Exception):  # unreadable: nothing to count
+                    slots += admission.trajectories_in(shm.from_message(item))
+            shm.discard(item)
+        if slots:
+            admission.give_back(self.store, slots, f"{recipe.name}: batches dropped")
 
     def _entry(self, name: str) -> Entry:
         entry = self.registry.get(name)
@@ -183,7 +208,9 @@ class BatchClient:
         recorded in the lineage log (:meth:`trained` records a batch popped earlier)."""
         recipe = self._recipes.get(name) or self._entry(name).recipe
         self._recipes[name] = recipe
-        if self.readahead > 0 and recipe.rollout is None:
+        # Not for rollout recipes, nor admission ones: read ahead of the trainer's next
+        # set_params, a batch would be dropped by it (its data wasted)
+        if self.readahead > 0 and recipe.rollout is None and recipe.admission is None:
             return self._pop_ahead(name, timeout, policy_version)
         q = self.registry.queue(name)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -205,7 +232,8 @@ class BatchClient:
                     raise TimeoutError(self._why_empty(name, timeout))
                 began = time.monotonic()
                 got = r.blpop([q], timeout=max(wait, 0.01))
-                self._waited[name] = self._waited.get(name, 0.0) + time.monotonic() - began
+                with self._counting:
+                    self._waited[name] = self._waited.get(name, 0.0) + time.monotonic() - began
                 if got is None:
                     continue
                 item = got[1]
@@ -223,9 +251,13 @@ class BatchClient:
                 continue
             if batch.recipe_version != recipe.version:  # changed here or by another client
                 recipe = self._recipes[name] = self._entry(name).recipe
-                if batch.recipe_version < recipe.version:
-                    continue  # stale (its segment, if any, is unlinked already): drop it
-            self._popped[name] = self._popped.get(name, 0) + 1  # reported with the next pop
+                if batch.recipe_version < recipe.version:  # stale: drop it (its segment,
+                    if recipe.admission is not None:  # if any, is unlinked already)
+                        n = admission.trajectories_in(batch)
+                        admission.give_back(self.store, n, f"{name}: a stale batch dropped")
+                    continue
+            with self._counting:  # reported with the next pop
+                self._popped[name] = self._popped.get(name, 0) + 1
             if policy_version is not None:
                 self.trained(name, batch, policy_version)
             return batch
@@ -254,7 +286,8 @@ class BatchClient:
     def _skip(self, name: str, item: Any, error: Exception) -> None:
         """Drop an unreadable queue item: counted (``skipped`` in :meth:`stats`), logged
         once per recipe per client."""
-        self._skipped[name] = self._skipped.get(name, 0) + 1
+        with self._counting:
+            self._skipped[name] = self._skipped.get(name, 0) + 1
         if name not in self._logged_skip:
             self._logged_skip.add(name)
             log.warning(
@@ -266,14 +299,16 @@ class BatchClient:
                 error,
             )
 
-    def trained(self, name: str, batch: Batch, policy_version: Any) -> None:
-        """Record that ``batch`` of recipe ``name`` trains ``policy_version`` (any value;
-        kept as text): one lineage entry, sent with the next pop (or :meth:`flush_lineage`,
-        :meth:`stats`, :meth:`close`). Record each batch once: here, or with ``pop``'s
-        ``policy_version``."""
-        entry = record(name, batch.recipe_version, policy_version, batch.ids)
-        with self._report:
-            self._lineage.append(entry)
+    def trained(self, name: str, batch: Batch | Traced, policy_version: Any) -> None:
+        """Record that ``batch`` of recipe ``name`` (a batch, or a part of one: anything
+        with its ``recipe_version`` and ``ids``) trains ``policy_version`` (any value; kept
+        as text): one lineage entry, sent with the next pop (or :meth:`flush_lineage`,
+        :meth:`stats`, :meth:`close`; by itself once ``LINEAGE_PENDING`` wait, for a client
+        that declares batches another one pops). Record each batch once: here, or with
+        ``pop``'s ``policy_version``. Thread-safe."""
+        self._lineage.append(record(name, batch.recipe_version, policy_version, batch.ids))
+        if len(self._lineage) >= LINEAGE_PENDING:
+            self.flush_lineage()
 
     def flush_lineage(self) -> None:
         """Send the lineage entries recorded since the last pop."""
@@ -283,17 +318,20 @@ class BatchClient:
                 pipe.execute()
 
     def _report_pops(self, pipe: Any) -> None:
-        with self._report:
-            for counts, field in ((self._popped, "popped"), (self._skipped, "skipped")):
-                for name, k in counts.items():
-                    pipe.hincrby(self.registry.counters(name), field, k)
-                counts.clear()
-            for name, seconds in self._waited.items():  # claw_prefetch_wait_seconds_total
-                pipe.hincrbyfloat(self.registry.counters(name), "wait_s", seconds)
-            self._waited.clear()
-            for entry in self._lineage:
-                self.lineage.queue(pipe, entry)
-            self._lineage.clear()
+        with self._counting:
+            popped, skipped, waited = self._popped, self._skipped, self._waited
+            self._popped, self._skipped, self._waited = {}, {}, {}
+        for counts, field in ((popped, "popped"), (skipped, "skipped")):
+            for name, k in counts.items():
+                pipe.hincrby(self.registry.counters(name), field, k)
+        for name, seconds in waited.items():  # claw_prefetch_wait_seconds_total
+            pipe.hincrbyfloat(self.registry.counters(name), "wait_s", seconds)
+        while True:  # popleft: entries appended meanwhile wait for the next pop
+            try:
+                entry = self._lineage.popleft()
+            except IndexError:
+                return
+            self.lineage.queue(pipe, entry)
 
     def _send_refills(self) -> None:
         while (name := self._refills.get()) is not None:
@@ -397,7 +435,10 @@ class BatchClient:
         """Per recipe: queue depth and bound, batches produced and popped, rows sampled,
         steps inserted, the rate limiter's verdict and the last prefetch state; a rollout
         recipe's ``rollout``: rollouts formed, the policy version served, its minibatches
-        pushed of all, steps dropped stale and steps lost (docs/recipes.md, "On-policy")."""
+        pushed of all, steps dropped stale and steps lost (docs/recipes.md, "On-policy");
+        an ``admission`` recipe's ``admission``: the budget and its counters
+        (:func:`orchestrator.delivery.admission.state`) and ``served_staleness`` (batches,
+        mean and max staleness in versions; docs/llm.md, "Admission")."""
         self.flush_lineage()
         names = [name] if name is not None else self.registry.names()
         inserted = self.registry.inserted() if self.store.exists() else 0
@@ -424,6 +465,12 @@ class BatchClient:
             }
             if rec.rollout is not None:
                 out[n]["rollout"] = rollouts.read_state(self.registry, n).describe()
+            if rec.admission is not None:
+                budget = admission.state(self.store)
+                out[n]["admission"] = {
+                    **(budget or {}),
+                    "served_staleness": admission.served_staleness(c),
+                }
         return out
 
     def close(self) -> None:

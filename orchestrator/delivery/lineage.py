@@ -17,10 +17,13 @@ and ``flush_lineage`` send what is left). An entry holds:
 - ``t``: the time.
 
 The log is capped at ``CLAW_LINEAGE_MAXLEN`` entries (``XADD MAXLEN ~``: the oldest go
-first). Queries read it whole, a page at a time: :meth:`LineageLog.trained` answers "which
-data trained policy v", :meth:`LineageLog.policies` "which policies trained on these
-steps" (an episode's steps come from the sampling index, which knows the ids of evicted
-steps whose slots were not reused). Cost per batch: docs/benchmarks.md, "Lineage".
+first). :meth:`LineageLog.trained` answers "which data trained policy v",
+:meth:`LineageLog.policies` "which policies trained on these steps" (an episode's steps
+come from the sampling index, which knows the ids of evicted steps whose slots were not
+reused), from the index the beat keeps (:mod:`orchestrator.delivery.lineage_index`: the
+segments' tables, then only the blocks of the steps asked for or the policy's entries)
+and the tail of the log it has not indexed yet. Cost per batch and per query:
+docs/benchmarks.md, "Lineage".
 """
 
 from __future__ import annotations
@@ -29,43 +32,58 @@ import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import redis
 
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from orchestrator.delivery.lineage_index import (
+    BuildReport,
+    LineageIndex,
+    Segment,
+    decode_ids,
+    encode_ids,
+)
+
+__all__ = [
+    "Entry",
+    "LineageLog",
+    "Served",
+    "Traced",
+    "decode_ids",
+    "digest",
+    "encode_ids",
+    "lineage_key",
+    "record",
+]
 
 PAGE = 1_000
 """Entries read per round trip by a query."""
-_WIDTHS = ((np.dtype("u1"), 2**8), (np.dtype("<u2"), 2**16), (np.dtype("<u4"), 2**32))
-_WIDE = np.dtype("<i8")
 
 
 def lineage_key(store: Store) -> str:
     return f"{store.keys.base}lineage"
 
 
-def encode_ids(ids: np.ndarray) -> bytes:
-    """The ids, sorted: a width byte, the first id (8 bytes), the gaps at that width."""
-    s = np.sort(np.asarray(ids, np.int64))
-    if not len(s):
-        return b""
-    gaps = np.diff(s)
-    top = int(gaps.max()) if len(gaps) else 0
-    width = next((w for w, end in _WIDTHS if top < end), _WIDE)
-    return bytes([width.itemsize]) + s[:1].astype("<i8").tobytes() + gaps.astype(width).tobytes()
+class Traced(Protocol):
+    """What a lineage entry names of a batch: its recipe version and step ids (a
+    :class:`~orchestrator.sampling.batch.Batch`, or a part of one an adapter served)."""
+
+    @property
+    def recipe_version(self) -> int: ...
+
+    @property
+    def ids(self) -> np.ndarray: ...
 
 
-def decode_ids(raw: bytes) -> np.ndarray:
-    """The sorted ids of :func:`encode_ids`."""
-    if not raw:
-        return np.zeros(0, np.int64)
-    width = next((w for w, _ in _WIDTHS if w.itemsize == raw[0]), _WIDE)
-    first = np.frombuffer(raw, "<i8", 1, 1)
-    gaps = np.frombuffer(raw, width, offset=9).astype(np.int64)
-    return np.concatenate([first, first[0] + np.cumsum(gaps)])
+@dataclass(frozen=True)
+class Served:
+    """A :class:`Traced` kept without the batch's arrays (an adapter's served part)."""
+
+    recipe_version: int
+    ids: np.ndarray
 
 
 def digest(ids: np.ndarray) -> str:
@@ -118,15 +136,24 @@ def record(
 
 
 class LineageLog:
-    """A namespace's lineage stream: appends (queued on a caller's pipeline) and queries."""
+    """A namespace's lineage stream: appends (queued on a caller's pipeline), its index
+    (:meth:`build_index`, run by the beat) and queries."""
 
-    def __init__(self, store: Store, maxlen: int | None = None) -> None:
+    def __init__(
+        self, store: Store, maxlen: int | None = None, index: LineageIndex | None = None
+    ) -> None:
         self.store, self.r = store, store.r
         self.key = lineage_key(store)
         self.maxlen = get_settings().lineage_maxlen if maxlen is None else maxlen
+        self.index = LineageIndex(self.r, self.key) if index is None else index
 
     def queue(self, pipe: redis.client.Pipeline, fields: dict[str, bytes | str]) -> None:
         pipe.xadd(self.key, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
+
+    def build_index(self, *, force: bool = False) -> BuildReport:
+        """Index what the log holds past the index (the beat's pass; ``force``: the tail
+        too, however short)."""
+        return self.index.build(force=force)
 
     def entries(self, start: str = "-", end: str = "+") -> Iterator[Entry]:
         """Every entry from ``start`` to ``end`` (stream ids), oldest first."""
@@ -140,16 +167,20 @@ class LineageLog:
             low = "(" + page[-1][0].decode()
 
     def trained(self, policy: Any) -> list[Entry]:
-        """The batches declared as training ``policy``, oldest first."""
-        want = str(policy).encode()
+        """The batches declared as training ``policy``, oldest first: the index's
+        segments that hold it, their entries of it read by stream id, then the tail."""
+        want = str(policy)
+        segments, wm, _ = self.index.state()  # trimmed entries: not found by id
+        having = [(s, c) for s in segments if (c := s.code(want)) is not None]
+        sids = self.index.sids([s for s, _ in having])
         out = []
-        low = "-"
-        while True:  # the policy field is compared before any ids are decoded
-            page = self.r.xrange(self.key, low, "+", count=PAGE)
-            out += [_entry(i, kv) for i, kv in page if kv.get(b"p") == want]
-            if len(page) < PAGE:
-                return out
-            low = "(" + page[-1][0].decode()
+        for (seg, code), ids in zip(having, sids, strict=True):
+            entries = np.flatnonzero(seg.pol == code)
+            out += [_entry(i, kv) for i, kv in self.index.fetch(ids, entries)]
+        raw = want.encode()
+        for page in self.index.tail(wm, PAGE):  # the policy is compared before any decoding
+            out += [_entry(i, kv) for i, kv in page if kv.get(b"p") == raw]
+        return out
 
     def policies(self, ids: np.ndarray) -> dict[int, dict[str, int]]:
         """Per step id: the policies that trained on it, with how many of its rows each."""
@@ -157,17 +188,59 @@ class LineageLog:
         out: dict[int, dict[str, int]] = {int(i): {} for i in ids}
         if not len(ids):
             return out
-        page: list[Entry] = []
-        for e in self.entries():
-            page.append(e)
-            if len(page) == PAGE:
-                _count_page(page, ids, out)
-                page = []
-        _count_page(page, ids, out)
+        segments, wm, head = self.index.state()
+        for seg, rows in zip(segments, self.index.postings(segments, ids), strict=True):
+            kept = _kept(seg, self.index, head)
+            sel = slice(None) if kept is None else kept[rows.entries]
+            _count(out, rows.ids[sel], seg.pol[rows.entries[sel]], seg.policies)
+        for raw in self.index.tail(wm, PAGE):
+            page = [_entry(i, kv) for i, kv in raw]
+            _count_page(page, ids, out)
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Batches per declared policy (``""``: undeclared) in the log."""
+        segments, wm, head = self.index.state()
+        out: dict[str, int] = {}
+        for seg in segments:
+            kept = _kept(seg, self.index, head)
+            batches = (
+                seg.batches
+                if kept is None
+                else np.bincount(seg.pol[kept], minlength=len(seg.policies)).tolist()
+            )
+            for p, n in zip(seg.policies, batches, strict=True):
+                if n:
+                    out[p] = out.get(p, 0) + n
+        for page in self.index.tail(wm, PAGE):
+            for _, kv in page:
+                p = kv.get(b"p", b"").decode(errors="replace")
+                out[p] = out.get(p, 0) + 1
         return out
 
     def length(self) -> int:
         return int(self.r.xlen(self.key))
+
+
+def _kept(seg: Segment, index: LineageIndex, head: tuple[int, int] | None) -> np.ndarray | None:
+    """Which of a segment's entries the log still holds (``head``: its first stream id);
+    None: all of them (only the oldest segment can be partly trimmed)."""
+    if head is None or seg.first >= head:
+        return None
+    sids = index.sids([seg])[0]
+    return (sids["ms"] > head[0]) | ((sids["ms"] == head[0]) & (sids["seq"] >= head[1]))
+
+
+def _count(
+    out: dict[int, dict[str, int]], steps: np.ndarray, codes: np.ndarray, names: list[str]
+) -> None:
+    """Add one row per (step, policy code) pair to ``out``."""
+    if not len(steps):
+        return
+    pairs, n = np.unique(np.stack([steps, codes]), axis=1, return_counts=True)
+    for (step, code), k in zip(pairs.T.tolist(), n.tolist(), strict=True):
+        seen = out[step]
+        seen[names[code]] = seen.get(names[code], 0) + k
 
 
 def _count_page(page: list[Entry], ids: np.ndarray, out: dict[int, dict[str, int]]) -> None:

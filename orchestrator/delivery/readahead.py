@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from orchestrator.delivery.lineage import Traced
 from orchestrator.sampling.batch import Batch
 
 
@@ -106,6 +107,12 @@ class ReadAhead:
             self._bytes -= size
             self._cond.notify_all()
         return batch
+
+    def trained(self, batch: Traced, policy_version: Any) -> None:
+        """Record that ``batch`` (one this read-ahead served, or a part of it) trains
+        ``policy_version``: the entry goes out with the thread's next pop, off the
+        trainer's path (:meth:`BatchClient.trained`)."""
+        self._client.trained(self.name, batch, policy_version)
 
     def resize(self, count: int) -> None:
         """Keep up to ``count`` batches from now on (batches beyond it are served, not

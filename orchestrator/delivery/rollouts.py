@@ -15,7 +15,14 @@ The recipe's live param ``rollout.version_param`` (``policy_version``) is the ta
    step is in exactly one minibatch of each epoch, whichever worker cuts it;
 3. once all are pushed, waits for v to move: one rollout per target.
 
-While it waits for steps, a fill looks for new commits every ``POLL_S`` for up to ``WAIT_S``.
+A fill pushing more than one epoch reads the rollout's steps once (up to
+``READ_ONCE_BYTES``) and pushes its first minibatch alone, the others in one transaction.
+
+While it waits for steps, a fill looks for new commits every ``POLL_S`` for up to ``WAIT_S``;
+only the newest fill of a recipe waits (``waiter`` in the hash): an older one, e.g. a
+pop's refill that ran as ``set_params`` forced another, leaves, so waiting fills never
+hold more than one pool process per recipe (the ingest tasks that bring the rollout's
+steps need the others).
 
 Each sweep also counts *dropped-stale* steps: candidates of versions below the window that
 no rollout took; they are never served.
@@ -25,15 +32,17 @@ State per recipe, in the namespace's keys (``claw:{ns}:``, :meth:`Registry.rollo
 - ``ro:<name>`` hash: ``no`` (rollouts formed so far; the current one's number),
   ``target`` (the v it serves), ``rv`` (the recipe version it is pushed for), ``cursor``
   (its minibatches pushed), ``total``, ``dropped_stale``, ``lost`` (steps of rollouts
-  whose steps were overwritten before they were served), ``waiting_since``;
+  whose steps were overwritten before they were served), ``waiting_since``, ``waiter``
+  (the fill waiting for the rollout's steps);
 - ``ro:<name>:plan``: the current rollout (msgpack: ids in chain order, advantages,
   returns, the behaviour's log-probs and values, versions, seed);
 - ``ro:<name>:seen``: the ids every rollout took or a sweep counted stale (sorted int64;
   pruned to live steps at each formation), so that no step is taken or counted twice.
 
 Formation and the sweep are transactions watching the hash, ``seen`` and the recipe's
-version (a fill still waiting when the version moved forms nothing); a minibatch is
-pushed in a transaction that checks the cursor is still ``k`` and advances it, so workers
+version (a fill still waiting when the version moved forms nothing); minibatches
+``k .. k + m - 1`` are pushed in a transaction that checks the cursor is still ``k`` and
+advances it by ``m``, so workers
 that race, or a worker killed between its read and its push, never skip nor duplicate a
 minibatch. A recipe version change under the same target (``set_params`` of another
 param, or of the same v: how a learner asks for the rollout again) drops the queued
@@ -42,8 +51,10 @@ minibatches (as for every recipe) and serves the rollout again from its first mi
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +69,7 @@ from orchestrator.delivery.collate import collate
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe, Rollout
+from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.rollouts import Chained
 from orchestrator.sampling.sample import read_steps, select_rollout
 from orchestrator.transforms.advantages import Estimate, gae, normalize, vtrace
@@ -70,6 +82,11 @@ state: the rollout is formed within ``POLL_S`` of its last step's
 commit, not at the next fill a pop or the beat asks for (a second or more later). The
 refill lock (30 s) is held meanwhile, so no second fill starts."""
 POLL_S = 0.01
+WAITER_EVERY = 5
+"""Polls between two looks at whether a newer fill took over the wait."""
+READ_ONCE_BYTES = 256 << 20
+"""A fill pushing more than one epoch reads a rollout of at most this many payload bytes
+once and cuts its minibatches from it (a read per minibatch otherwise)."""
 
 Scorer = Callable[[dict[str, np.ndarray], dict[str, Any]], dict[str, np.ndarray]]
 """``scorer(fields, params)`` for V-trace: given a rollout's steps (the recipe's fields,
@@ -89,6 +106,16 @@ def load_scorer(name: str) -> Scorer:
         )
     module, _, func = name.partition(":")
     return getattr(importlib.import_module(module), func)
+
+
+@functools.lru_cache(maxsize=4)
+def permutation(seed: int, no: int, epoch: int, n: int) -> np.ndarray:
+    """Epoch ``epoch`` of rollout ``no`` (of ``n`` steps, seeded ``seed``: the plan's and
+    every minibatch's ``meta["rollout"]``) as positions in the rollout's chain order;
+    minibatch j of that epoch is its j-th slice. Cached while a fill cuts an epoch."""
+    perm = np.random.default_rng([seed, no, epoch]).permutation(n)
+    perm.flags.writeable = False
+    return perm
 
 
 @dataclass(frozen=True)
@@ -118,7 +145,7 @@ class Plan:
     def minibatch(self, k: int) -> np.ndarray:
         """Positions of minibatch ``k``: a slice of its epoch's permutation."""
         epoch, j = divmod(k, self.per_epoch)
-        perm = np.random.default_rng([self.seed, self.no, epoch]).permutation(len(self.ids))
+        perm = permutation(self.seed, self.no, epoch, len(self.ids))
         return perm[j * self.batch_size : (j + 1) * self.batch_size]
 
     _ARRAYS = ("ids", "advantages", "returns", "log_prob", "value", "version")
@@ -320,12 +347,14 @@ def _waiting(recipe: Recipe, target: int, ready: int, waiting: int, st: State, n
     )
 
 
-def _push(reg: Registry, recipe: Recipe, plan: Plan, k: int, item: bytes) -> int | str | None:
-    """Push minibatch ``k`` of ``plan`` if the cursor is still ``k``; returns the queue
-    length, ``"stale"``/``"unregistered"`` (taken back), or None (another fill pushed it,
-    or the rollout moved on)."""
+def _push(
+    reg: Registry, recipe: Recipe, plan: Plan, k: int, items: list[bytes]
+) -> int | str | None:
+    """Push minibatches ``k .. k + len(items) - 1`` of ``plan`` if the cursor is still
+    ``k``, in one transaction; returns the queue length, ``"stale"``/``"unregistered"``
+    (taken back), or None (another fill pushed them, or the rollout moved on)."""
     name, skey = recipe.name, reg.rollout_keys(recipe.name)[0]
-    queue, counters = reg.queue(name), reg.counters(name)
+    queue, counters, m = reg.queue(name), reg.counters(name), len(items)
     with reg.r.pipeline(transaction=True) as pipe:
         try:
             pipe.watch(skey)
@@ -334,69 +363,123 @@ def _push(reg: Registry, recipe: Recipe, plan: Plan, k: int, item: bytes) -> int
                 pipe.unwatch()
                 return None
             pipe.multi()
-            pipe.rpush(queue, item)
+            pipe.rpush(queue, *items)
             pipe.hget(reg.versions_key, name)
             pipe.exists(reg.recipe_key(name))
-            pipe.hincrby(skey, "cursor", 1)
-            pipe.hincrby(counters, "produced", 1)
-            pipe.hincrby(counters, "sampled", recipe.batch_size)
+            pipe.hincrby(skey, "cursor", m)
+            pipe.hincrby(counters, "produced", m)
+            pipe.hincrby(counters, "sampled", recipe.batch_size * m)
             length, version, registered = pipe.execute()[:3]
         except redis.WatchError:
             return None
     if registered and (version is None or int(version) == recipe.version):
         return int(length)
-    reg.r.lrem(queue, -1, item)
-    shm.discard(item)
+    with reg.r.pipeline(transaction=False) as pipe:
+        for item in items:
+            pipe.lrem(queue, -1, item)
+        pipe.execute()
+    for item in items:
+        shm.discard(item)
     return "stale" if registered else "unregistered"
+
+
+def _message(
+    reg: Registry,
+    entry: Entry,
+    augment: AugmentPlan | None,
+    plan: Plan,
+    k: int,
+    whole: Batch | None,
+) -> bytes | None:
+    """Minibatch ``k`` as a queue item (cut from ``whole`` when given, else read); None
+    when one of its steps is no longer stored."""
+    recipe = entry.recipe
+    pos = plan.minibatch(k)
+    batch = whole.take(pos) if whole is not None else read_steps(reg.store, recipe, plan.ids[pos])
+    if batch is None:
+        return None
+    rng = np.random.default_rng([plan.seed, plan.no, k, 1])
+    fields = augment.apply(batch.fields, rng) if augment is not None else batch.fields
+    arrays, meta = collate(fields), dict(batch.meta)
+    arrays.update(
+        advantages=plan.advantages[pos],
+        returns=plan.returns[pos],
+        log_prob=plan.log_prob[pos],
+        value=plan.value[pos],
+        policy_version=plan.version[pos],
+    )
+    epoch, j = divmod(k, plan.per_epoch)
+    meta["rollout"] = {
+        "no": plan.no,
+        "policy_version": plan.target,
+        "epoch": epoch,
+        "minibatch": j,
+        "epochs": plan.epochs,
+        "minibatches": plan.per_epoch,
+        "steps": len(plan.ids),
+        "seed": plan.seed,
+    }
+    wire = to_wire(
+        arrays, batch.ids, sources=batch.sources, recipe_version=recipe.version, meta=meta
+    )
+    return shm.to_message(wire, reader_host=entry.shm_host)
 
 
 def _serve(
     reg: Registry, entry: Entry, augment: AugmentPlan | None, plan: Plan, k: int
 ) -> tuple[int, str]:
-    """Push the plan's minibatches from ``k`` while the queue has room."""
+    """Push the plan's minibatches from ``k`` while the queue has room: the first alone
+    (the learner waits for it), the rest in one transaction (a round trip or three per
+    minibatch would be most of a small rollout's fill)."""
     recipe = entry.recipe
     ro = recipe.rollout
     assert ro is not None
-    name, made = recipe.name, 0
+    name, made, depth = recipe.name, 0, recipe.prefetch.depth
     length = int(reg.r.llen(reg.queue(name)))
-    while k < plan.total and length < recipe.prefetch.depth:
-        pos = plan.minibatch(k)
-        batch = read_steps(reg.store, recipe, plan.ids[pos])
-        if batch is None:
+    whole: Batch | None = None  # the rollout's stored fields, when read once for this fill
+    if _read_once(reg, recipe, plan, k, length):
+        whole = read_steps(reg.store, recipe, plan.ids)
+        if whole is None:
             return made, _lost(reg, recipe, plan)
-        rng = np.random.default_rng([plan.seed, plan.no, k, 1])
-        fields = augment.apply(batch.fields, rng) if augment is not None else batch.fields
-        arrays, meta = collate(fields), dict(batch.meta)
-        arrays.update(
-            advantages=plan.advantages[pos],
-            returns=plan.returns[pos],
-            log_prob=plan.log_prob[pos],
-            value=plan.value[pos],
-            policy_version=plan.version[pos],
-        )
-        epoch, j = divmod(k, plan.per_epoch)
-        meta["rollout"] = {
-            "no": plan.no,
-            "policy_version": plan.target,
-            "epoch": epoch,
-            "minibatch": j,
-            "epochs": plan.epochs,
-            "minibatches": plan.per_epoch,
-            "steps": len(plan.ids),
-        }
-        wire = to_wire(
-            arrays, batch.ids, sources=batch.sources, recipe_version=recipe.version, meta=meta
-        )
-        pushed = _push(reg, recipe, plan, k, shm.to_message(wire, reader_host=entry.shm_host))
+    while k < plan.total and length < depth:
+        group = 1 if made == 0 else min(plan.total - k, depth - length)
+        items = []
+        for i in range(group):
+            item = _message(reg, entry, augment, plan, k + i, whole)
+            if item is None:
+                for done in items:
+                    shm.discard(done)
+                return made, _lost(reg, recipe, plan)
+            items.append(item)
+        pushed = _push(reg, recipe, plan, k, items)
         if pushed is None:
+            for done in items:
+                shm.discard(done)
             break
         if isinstance(pushed, str):
             return made, f"stopped: recipe {pushed}"
-        length, k, made = pushed, k + 1, made + 1
+        length, k, made = pushed, k + group, made + group
     return made, (
         f"rollout {plan.no} of {ro.version_param} {plan.target}: {k} of {plan.total} "
         "minibatches pushed"
     )
+
+
+def _read_once(reg: Registry, recipe: Recipe, plan: Plan, k: int, length: int) -> bool:
+    """Whether this fill reads the whole rollout once and cuts its minibatches from it:
+    when it will push more minibatches than the rollout has (a read per minibatch would
+    read the rollout more than once) and the rollout's payload is at most
+    ``READ_ONCE_BYTES``."""
+    pushes = min(plan.total - k, recipe.prefetch.depth - length)
+    if pushes <= plan.per_epoch:
+        return False
+    schema = reg.store.schema()
+    row = sum(
+        spec.row_bytes
+        for name, spec in (schema.fields.items() if schema is not None else ())
+        if name in recipe.fields or (name == "obs" and "next_obs" in recipe.fields)
+    )
+    return row * len(plan.ids) <= READ_ONCE_BYTES
 
 
 def _lost(reg: Registry, recipe: Recipe, plan: Plan) -> str:
@@ -437,11 +520,17 @@ def run(reg: Registry, entry: Entry, augment: AugmentPlan | None) -> tuple[int, 
         return 0, str(got)
     deadline = time.monotonic() + WAIT_S
     inserted = reg.inserted()
+    skey, me = reg.rollout_keys(name)[0], uuid.uuid4().hex.encode()
+    reg.r.hset(skey, "waiter", me)  # the newest fill waits; an older one leaves
     while isinstance(got := _sweep(reg, recipe, target, form=True), str):
         if got.startswith("stopped"):
             return 0, got
+        polls = 0
         while (now := reg.inserted()) == inserted and time.monotonic() < deadline:
             time.sleep(POLL_S)  # a GET per shard: select again only once steps landed
+            polls += 1
+            if polls % WAITER_EVERY == 0 and reg.r.hget(skey, "waiter") != me:
+                return 0, got  # a newer fill of this recipe waits instead
         if now == inserted:
             return 0, got
         inserted = now

@@ -1,14 +1,19 @@
 """The capture gateway: an OpenAI-compatible HTTP server in front of an inference server.
 Agents set their client's ``base_url`` to ``http://gateway/t/<trajectory>/g/<group>/v1``
 (or send ``X-Claw-Trajectory`` / ``X-Claw-Group`` headers to ``/v1``); each call is
-forwarded, its reply passed back byte for byte, and afterwards recorded as one step.
-docs/llm.md is the reference (routes, auth, limits, the reward rule)."""
+forwarded, its reply passed back byte for byte, and afterwards recorded as one step (n
+steps of n trajectories with n > 1). Before a new trajectory's first call is forwarded, the
+gate (:mod:`orchestrator.gateway.gate`) admits it against the trainer's staleness budget
+and checks a session key. docs/llm.md is the reference (routes, auth, sessions, admission,
+limits, the reward rule and credit)."""
 
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,6 +22,7 @@ from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -29,18 +35,41 @@ from claw_tasks.client import IngestError, Ingestor
 from claw_tasks.format.schema import Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
-from orchestrator.gateway.capture import CHAT, COMPLETION, CaptureError, Retokenizer, upstream_body
+from orchestrator.delivery import admission
+from orchestrator.gateway import credit
+from orchestrator.gateway.capture import (
+    CHAT,
+    COMPLETION,
+    RESPONSES,
+    CaptureError,
+    Retokenizer,
+    upstream_body,
+)
+from orchestrator.gateway.gate import SESSION_PREFIX, Gate, Principal, key_hash
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.recorder import (
     POLICY_VERSION_HEADER,
+    TURN,
     Call,
     Recorder,
     RecorderError,
     TrajectoryError,
+    choice_trajectories,
 )
 from orchestrator.gateway.upstream import Reply, Upstream, UpstreamError
 
+log = logging.getLogger(__name__)
+
 UID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
+"""Trajectory and group ids agents choose."""
+TRAJECTORY = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}(~[0-9]{1,4})?$")
+"""A trajectory id in a path or header: an agent's, or choice i of an n > 1 call (``T~i``)."""
+CALL_ID = re.compile(r"^[0-9a-f]{16}$")
+CALL_ID_HEADER = "x-claw-call-id"
+"""The reply header naming the call (its interaction id, for rewards by call)."""
+TRAJECTORY_HEADER = "x-claw-trajectory"
+MAX_SESSION_BODY = 4096
+_RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete")
 TAG_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
 MAX_TAGS = 8
 NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
@@ -52,7 +81,12 @@ class GatewayConfig:
     (their OpenAI API key); ``reward_token`` the reward endpoint (defaults to ``token``);
     ``metrics_token`` ``/metrics`` (CLAW_METRICS_TOKEN, as for ``claw metrics``; defaults
     to ``token``: the page names trajectories' traffic, so it is never open);
-    ``upstream_key`` is what the gateway sends upstream (agents never see it).
+    ``upstream_key`` is what the gateway sends upstream (agents never see it);
+    ``admin_token`` opens ``POST /sessions`` (defaults to ``reward_token``, then ``token``).
+    ``admission``: admit new trajectories against the staleness budget a trainer declares
+    (waiting up to ``admission_wait`` seconds, then 429 with ``Retry-After:
+    retry_after``); ``session_ttl`` bounds a session's life; ``turn_discount``, when
+    given, is set as the namespace's (every gateway of it applies the same one).
     ``redis_url`` and ``broker_url`` default as every client's do
     (``Settings.broker_for``: the workers' broker, ``CLAW_BROKER_URL``, when it is set).
     The bounds left None come from the settings (``claw_tasks.settings.HttpLimits``): the
@@ -68,11 +102,18 @@ class GatewayConfig:
     reward_token: str | None = None
     metrics_token: str | None = None
     upstream_key: str | None = None
+    admin_token: str | None = None
     tokenizer: str | None = None
     vllm_options: bool = True
     max_body_bytes: int = 8 * 1024 * 1024
     max_turns: int = 256
+    max_n: int = 64
     policy_version: int | None = None
+    admission: bool = True
+    admission_wait: float | None = None
+    retry_after: float = 1.0
+    session_ttl: int = 7 * 86400
+    turn_discount: float | None = None
     queue_size: int = 10_000
     upstream_timeout: float | None = None
     max_reply_bytes: int | None = None
@@ -88,13 +129,24 @@ class GatewayConfig:
             max_reply_bytes=self.max_reply_bytes or d.gateway_reply_bytes,
             queue_bytes=self.queue_bytes or d.gateway_queue_bytes,
             recorder_stall=self.recorder_stall or d.gateway_recorder_stall,
+            admission_wait=(
+                d.gateway_admission_wait if self.admission_wait is None else self.admission_wait
+            ),
         )
 
 
-def error(status: int, message: str, kind: str, code: str | None = None) -> JSONResponse:
+def error(
+    status: int,
+    message: str,
+    kind: str,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """An OpenAI-style error body (what OpenAI clients parse into their exceptions)."""
     return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": code}}, status
+        {"error": {"message": message, "type": kind, "param": None, "code": code}},
+        status,
+        headers=headers,
     )
 
 
@@ -117,6 +169,45 @@ def _bearer(request: Request, expected: str, which: str = "CLAW_GATEWAY_TOKEN") 
                 "invalid_api_key",
             )
         )
+
+
+def _given_token(request: Request) -> bytes | None:
+    given = request.headers.get("authorization", "")  # decoded as latin-1: any bytes
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip().encode("latin-1")
+
+
+def _unauthorized(which: str) -> _Refused:
+    return _Refused(
+        error(
+            401,
+            f"missing or wrong bearer token (Authorization: Bearer ${which}; "
+            "the gateway's token, CLAW_GATEWAY_TOKEN, or a session key is the agents' API key)",
+            "authentication_error",
+            "invalid_api_key",
+        )
+    )
+
+
+def _principal(request: Request, shared: tuple[str, ...], which: str) -> Principal:
+    """The caller: one of the ``shared`` tokens (any trajectory), else a session key
+    (``cs~<trajectory>~<secret>``: checked against Redis by the gate)."""
+    sent = _given_token(request)
+    if sent is None:
+        raise _unauthorized(which)
+    ok = False
+    for token in shared:  # compared as bytes in constant time: a str must be ASCII
+        ok |= hmac.compare_digest(sent, token.encode())
+    if ok:
+        return Principal()
+    key = sent.decode("latin-1")
+    if key.startswith(SESSION_PREFIX):
+        traj, sep, secret = key[len(SESSION_PREFIX) :].rpartition("~")
+        if sep and UID.match(traj) and 16 <= len(secret) <= 128:
+            return Principal(traj, key_hash(key))
+    raise _unauthorized(which)
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -150,9 +241,11 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return obj
 
 
-def _identity(request: Request) -> tuple[str, str | None]:
+def _identity(request: Request, principal: Principal | None = None) -> tuple[str, str | None]:
     traj = request.path_params.get("trajectory") or request.headers.get("x-claw-trajectory")
     group = request.path_params.get("group") or request.headers.get("x-claw-group")
+    if not traj and principal is not None and principal.session is not None:
+        traj = principal.session  # a session key names its trajectory
     if not traj:
         raise _Refused(
             error(
@@ -163,8 +256,8 @@ def _identity(request: Request) -> tuple[str, str | None]:
                 "missing_trajectory",
             )
         )
-    for what, v in (("trajectory", traj), ("group", group)):
-        if v is not None and not UID.match(v):
+    for what, v, rule in (("trajectory", traj, TRAJECTORY), ("group", group, UID)):
+        if v is not None and not rule.match(v):
             raise _Refused(
                 error(
                     400,
@@ -173,7 +266,14 @@ def _identity(request: Request) -> tuple[str, str | None]:
                     f"bad_{what}",
                 )
             )
+    if principal is not None and not principal.allows(traj):
+        scope = principal.session
+        raise _Refused(_forbidden(f"this session key is scoped to trajectory {scope!r}"))
     return traj, group
+
+
+def _forbidden(message: str) -> JSONResponse:
+    return error(403, message, "permission_error", "session_scope")
 
 
 def _tags(request: Request) -> dict[str, Any]:
@@ -201,7 +301,7 @@ def _tags(request: Request) -> dict[str, Any]:
 
 
 class Gateway:
-    """The app's state: config, upstream client, recorder, metrics."""
+    """The app's state: config, upstream client, recorder, gate, metrics."""
 
     def __init__(self, config: GatewayConfig, ingestor: Ingestor | None = None) -> None:
         if not config.token:
@@ -209,8 +309,9 @@ class Gateway:
         config = config.resolved()
         self.config = config
         self.metrics = GatewayMetrics()
+        redis_url = config.redis_url or get_settings().redis_url
         if ingestor is None:
-            store = Store(config.redis_url or get_settings().redis_url, config.namespace)
+            store = Store(redis_url, config.namespace)
             has_schema = store.exists() and store.config(refresh=True).schema is not None
             store.r.close()
             ingestor = Ingestor(
@@ -220,7 +321,22 @@ class Gateway:
                 flush_interval=0.5,
                 schema=None if has_schema else Schema.llm(),
             )
-        ingestor.store.set_episode_index()  # a reward post reads its turns in O(turns)
+        store = ingestor.store
+        store.set_episode_index()  # a reward post reads its turns in O(turns)
+        schema = store.schema() if store.exists() else None
+        if schema is not None:  # a namespace made before these tags: its rewards set them
+            store.ensure_schema(schema.with_tags({"min_version": "num", "max_version": "num"}))
+        if config.turn_discount is not None:
+            credit.set_discount(store, config.turn_discount)
+        self.store = store
+        self.gate = Gate(
+            store,
+            redis_url,
+            self.metrics,
+            enabled=config.admission,
+            wait=config.admission_wait or 0.0,
+            ttl=config.session_ttl,
+        )
         retok = Retokenizer(config.tokenizer) if config.tokenizer else None
         self.recorder = Recorder(
             ingestor,
@@ -231,6 +347,8 @@ class Gateway:
             queue_bytes=config.queue_bytes,
             stall_after=config.recorder_stall,
             policy_version=config.policy_version,
+            trajectory_ttl=config.session_ttl,
+            who=self.gate.who,
         )
         self.metrics.track_backlog(lambda: self.recorder.backlog)
         headers = {"accept-encoding": "identity"}
@@ -245,7 +363,19 @@ class Gateway:
 
     async def close(self) -> None:
         await self.upstream.aclose()
+        await self.gate.aclose()
         await run_in_threadpool(self.recorder.close)
+
+    @property
+    def admin_token(self) -> str:
+        c = self.config
+        return c.admin_token or c.reward_token or c.token
+
+    @property
+    def _scorers(self) -> tuple[str, ...]:
+        """Tokens that may post any trajectory's reward and read any trajectory."""
+        c = self.config
+        return tuple(dict.fromkeys([c.reward_token or c.token, self.admin_token]))
 
     # ---- routes -------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -254,27 +384,96 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         return await self._forward(request, COMPLETION, "/v1/completions")
 
+    async def responses(self, request: Request) -> Response:
+        return await self._forward(request, RESPONSES, "/v1/responses")
+
+    async def _admit(
+        self, principal: Principal, trajectories: tuple[str, ...], group: str | None
+    ) -> str | None:
+        """The gate's verdict as a refusal, or the call's group (a session's by default)."""
+        verdict = await self.gate.enter(principal, trajectories, group)
+        if verdict.status == "ok":
+            if verdict.session is not None and group is None:
+                return verdict.session.group
+            return group
+        if verdict.status == "bad_key":
+            raise _unauthorized("CLAW_GATEWAY_TOKEN or a session key")
+        if verdict.status == "bad_group":
+            want = verdict.session.group if verdict.session else None
+            raise _Refused(_forbidden(f"this session key is scoped to group {want!r}"))
+        retry = self.config.retry_after
+        raise _Refused(
+            error(
+                429,
+                f"the staleness budget is full ({verdict.budget} trajectories: "
+                "(max_staleness + trainer version + 1) x batch); a new trajectory starts once "
+                f"the trainer moves on: retry after {retry:g} s",
+                "rate_limit_error",
+                "admission",
+                headers={
+                    "retry-after": str(max(1, math.ceil(retry))),
+                    "retry-after-ms": str(int(retry * 1000)),
+                },
+            )
+        )
+
     async def _forward(self, request: Request, kind: str, path: str) -> Response:
+        trajectories: tuple[str, ...] = ()
         try:
-            _bearer(request, self.config.token)
-            traj, group = _identity(request)
+            principal = _principal(request, (self.config.token,), "CLAW_GATEWAY_TOKEN")
+            traj, group = _identity(request, principal)
             tags = _tags(request)
             payload = _json_object(await _body(request, self.config.max_body_bytes))
             try:
                 # serialized here: a value orjson cannot write (an int past 64 bits, a
                 # non-string key) is the request's fault
-                body = orjson.dumps(upstream_body(kind, payload, self.config.vllm_options))
+                body = orjson.dumps(
+                    upstream_body(kind, payload, self.config.vllm_options, self.config.max_n)
+                )
             except (CaptureError, TypeError, ValueError, OverflowError) as e:
                 raise _Refused(error(400, str(e), "invalid_request_error")) from None
+            n = int(payload.get("n") or 1)
+            if n > 1 and "~" in traj:
+                raise _Refused(
+                    error(
+                        400,
+                        f"n > 1 starts n trajectories {traj}~0.. of a new call; trajectory "
+                        f"{traj!r} is itself a choice of one",
+                        "invalid_request_error",
+                        "bad_trajectory",
+                    )
+                )
+            trajectories = choice_trajectories(traj, n)
+            if n > 1 and group is None and principal.session is None:
+                group = traj  # n samples of one prompt: one group, named by the call
             try:
-                self.recorder.admit(traj)
+                self.recorder.admit(trajectories)
             except TrajectoryError as e:
                 raise _Refused(error(409, str(e), "invalid_request_error", "trajectory")) from None
+            try:
+                group = await self._admit(principal, trajectories, group)
+            except _Refused:
+                self.recorder.refund(trajectories)
+                raise
+            except (RedisError, OSError, TimeoutError) as e:
+                # The store does not answer. A session key cannot be checked: refused. A
+                # shared-token call goes on unadmitted (counted): its turns wait in the
+                # recorder like every turn then, and what is served is still bounded by
+                # the recipe's where; its next call asks the budget again.
+                if principal.session is not None:
+                    self.recorder.refund(trajectories)
+                    raise _Refused(
+                        error(503, f"session check failed: {type(e).__name__}", "store_unavailable")
+                    ) from None
+                log.warning("admission unchecked (the store does not answer): %s", e)
+                self.metrics.unchecked.inc()
         except _Refused as r:
             self.metrics.requests.labels(kind, r.response.status_code).inc()
             return r.response
         limit = self.config.max_reply_bytes
         assert limit is not None
+        call_id = secrets.token_hex(8)
+        ours = {CALL_ID_HEADER: call_id, TRAJECTORY_HEADER: traj}
         t0 = time.perf_counter()
         try:
             resp = await self.upstream.post(path, body, "application/json")
@@ -285,7 +484,7 @@ class Gateway:
                     content, head = b"".join(head), []
                     await resp.close()
         except UpstreamError as e:
-            self.recorder.refund(traj)
+            self.recorder.refund(trajectories)
             self.metrics.requests.labels(kind, 502).inc()
             return error(502, f"upstream {self.config.upstream} failed: {e}", "upstream_error")
         self.metrics.upstream_seconds.observe(time.perf_counter() - t0)
@@ -293,25 +492,30 @@ class Gateway:
         self.metrics.requests.labels(kind, resp.status).inc()
         if not whole:  # over the bound: the rest passed through as it comes, not recorded
             return StreamingResponse(
-                self._relay_rest(traj, resp, head, resp.status == 200),
+                self._relay_rest(trajectories, resp, head, resp.status == 200),
                 resp.status,
                 media_type=media,
+                headers=ours,
             )
         if resp.status != 200:  # passed through, recorded as nothing
-            self.recorder.refund(traj)
+            self.recorder.refund(trajectories)
             return Response(content, resp.status, media_type=media)
 
         version = resp.headers.get(POLICY_VERSION_HEADER)
 
         def call(reply: bytes, streamed: bool) -> Call:
-            return Call(traj, group, kind, payload, reply, streamed, tags, version)
+            return Call(
+                traj, group, kind, payload, reply, streamed, tags, version, call_id, trajectories
+            )
 
         if not payload.get("stream"):
 
             async def record() -> None:  # after the response is sent
                 self.recorder.submit(call(content, False))
 
-            return Response(content, 200, media_type=media, background=BackgroundTask(record))
+            return Response(
+                content, 200, media_type=media, headers=ours, background=BackgroundTask(record)
+            )
 
         async def relay() -> AsyncIterator[bytes]:
             # Clients close the connection once they read [DONE], which may cancel this
@@ -319,30 +523,32 @@ class Gateway:
             # Past the bound the stream is relayed on and nothing more is kept.
             buf: bytearray | None = bytearray()
             tail = b""  # the stream's last bytes, to see a final [DONE]
-            done = False
+            done = ended = False  # ended: a Responses stream's final event went by
             try:
                 async for chunk in resp.chunks():
                     if buf is not None:
                         buf += chunk
                         if len(buf) > limit:
                             buf = None
+                    if kind == RESPONSES and not ended:
+                        ended = any(e in tail + chunk for e in _RESPONSE_ENDS)
                     tail = (tail + chunk)[-64:]
                     yield chunk
                 done = True
             finally:
-                complete = done or tail.rstrip().endswith(b"data: [DONE]")
+                complete = done or ended or tail.rstrip().endswith(b"data: [DONE]")
                 if complete and buf is not None:
                     self.recorder.submit(call(bytes(buf), True))
                 elif complete:
-                    self.recorder.unrecorded(traj, "too_large")
+                    self.recorder.unrecorded(trajectories, "too_large")
                 else:
-                    self.recorder.refund(traj)
+                    self.recorder.refund(trajectories)
                 await resp.close()
 
-        return StreamingResponse(relay(), 200, media_type=media)
+        return StreamingResponse(relay(), 200, media_type=media, headers=ours)
 
     async def _relay_rest(
-        self, traj: str, resp: Reply, head: list[bytes], ok: bool
+        self, trajectories: tuple[str, ...], resp: Reply, head: list[bytes], ok: bool
     ) -> AsyncIterator[bytes]:
         """A reply over ``--max-reply-bytes``: the pieces read (each let go once sent),
         then the rest as it arrives; counted unrecorded (``too_large``) if it was a 200,
@@ -355,22 +561,44 @@ class Gateway:
                 yield chunk
         finally:
             if ok:
-                self.recorder.unrecorded(traj, "too_large")
+                self.recorder.unrecorded(trajectories, "too_large")
             else:
-                self.recorder.refund(traj)
+                self.recorder.refund(trajectories)
             await resp.close()
+
+    async def _scorer_or_session(self, request: Request, reward: bool) -> Principal:
+        """A reward post's or a read's caller: a scorer token, or a session key (a reward
+        with a key created with ``"reward": false`` is refused)."""
+        principal = _principal(
+            request, self._scorers, "CLAW_GATEWAY_REWARD_TOKEN (or a session key)"
+        )
+        if principal.session is None:
+            return principal
+        try:
+            info = await self.gate.session(principal)
+        except Exception as e:
+            raise _Refused(
+                error(503, f"session check failed: {type(e).__name__}", "store_unavailable")
+            ) from None
+        if info is None:
+            raise _unauthorized("CLAW_GATEWAY_REWARD_TOKEN (or a session key)")
+        if reward and not info.may_reward:
+            raise _Refused(_forbidden("this session key may not post rewards"))
+        return principal
 
     async def reward(self, request: Request) -> Response:
         try:
-            _bearer(request, self.config.reward_token or self.config.token)
-            traj, _ = _identity(request)
+            principal = await self._scorer_or_session(request, reward=True)
+            traj, _ = _identity(request, principal)
             body = _json_object(await _body(request, self.config.max_body_bytes))
-            final, turns, source = _reward_body(body)
+            final, turns, calls, source = _reward_body(body, self.config.max_turns)
         except _Refused as r:
             self.metrics.requests.labels("reward", r.response.status_code).inc()
             return r.response
         try:
-            n = await run_in_threadpool(self.recorder.reward, traj, final, turns, source)
+            n = await run_in_threadpool(
+                self.recorder.reward, traj, final, turns, source, 60.0, calls
+            )
         except TrajectoryError as e:
             return self._count("reward", error(409, str(e), "invalid_request_error", "trajectory"))
         except (KeyError, ValueError) as e:
@@ -381,6 +609,99 @@ class Gateway:
         except RecorderError as e:
             return self._count("reward", error(503, str(e), "recorder_unavailable"))
         return self._count("reward", JSONResponse({"trajectory_uid": traj, "turns": n}))
+
+    async def trajectory(self, request: Request) -> Response:
+        """``GET /t/{trajectory}``: its state in the gateway (turns, finished, the policy
+        versions of its turns, its calls' interaction ids)."""
+        try:
+            principal = await self._scorer_or_session(request, reward=False)
+            traj, _ = _identity(request, principal)
+        except _Refused as r:
+            return self._count("read", r.response)
+        try:
+            raw = await self.gate.r.hgetall(admission.trajectory_key(self.store, traj))
+        except (RedisError, OSError, TimeoutError) as e:
+            return self._count(
+                "read",
+                error(503, f"the store did not answer: {type(e).__name__}", "store_unavailable"),
+            )
+        if not raw:
+            return self._count(
+                "read",
+                error(404, f"no trajectory {traj!r} in the gateway", "invalid_request_error"),
+            )
+        d = {k.decode(): v.decode() for k, v in raw.items()}
+
+        def num(field: str) -> int | None:
+            v = d.get(field)
+            return None if v in (None, "", "-") else int(float(v))
+
+        calls = {k[2:]: int(v) for k, v in d.items() if k.startswith("c:")}
+        return self._count(
+            "read",
+            JSONResponse(
+                {
+                    "trajectory_uid": traj,
+                    "group": d.get("grp") or None,
+                    "turns": num("turns") or 0,
+                    "finished": "done" in d,
+                    "min_version": num("vmin"),
+                    "max_version": num("vmax"),
+                    "admitted_version": num("adm"),
+                    "session": "key" in d,
+                    "calls": dict(sorted(calls.items(), key=lambda kv: kv[1])),
+                }
+            ),
+        )
+
+    async def sessions(self, request: Request) -> Response:
+        """``POST /sessions`` (admin token): a new trajectory and a key scoped to it."""
+        try:
+            sent = _given_token(request)
+            if sent is None or not hmac.compare_digest(sent, self.admin_token.encode()):
+                raise _unauthorized("CLAW_GATEWAY_ADMIN_TOKEN")
+            body = _json_object(await _body(request, MAX_SESSION_BODY))
+            traj, group, may_reward, ttl = _session_body(body, self.config.session_ttl)
+        except _Refused as r:
+            return self._count("sessions", r.response)
+        key = f"{SESSION_PREFIX}{traj}~{secrets.token_urlsafe(32)}"
+        try:
+            made = await self.gate.script(
+                TURN,
+                [admission.trajectory_key(self.store, traj), admission.admission_key(self.store)],
+                ["session", ttl, key_hash(key), group or "", int(may_reward)],
+            )
+        except (RedisError, OSError, TimeoutError) as e:
+            return self._count(
+                "sessions",
+                error(503, f"the store did not answer: {type(e).__name__}", "store_unavailable"),
+            )
+        if not int(made):
+            return self._count(
+                "sessions",
+                error(
+                    409,
+                    f"trajectory {traj!r} exists already: a session starts a new one",
+                    "invalid_request_error",
+                    "trajectory",
+                ),
+            )
+        self.metrics.sessions.inc()
+        base = f"/t/{traj}/g/{group}/v1" if group else f"/t/{traj}/v1"
+        return self._count(
+            "sessions",
+            JSONResponse(
+                {
+                    "trajectory_uid": traj,
+                    "group": group,
+                    "key": key,
+                    "may_reward": may_reward,
+                    "base_path": base,
+                    "expires_in": ttl,
+                },
+                201,
+            ),
+        )
 
     def _count(self, route: str, response: Response) -> Response:
         self.metrics.requests.labels(route, response.status_code).inc()
@@ -412,7 +733,47 @@ class Gateway:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _reward_body(body: dict[str, Any]) -> tuple[float, list[float] | None, str | None]:
+def _session_body(body: dict[str, Any], max_ttl: int) -> tuple[str, str | None, bool, int]:
+    unknown = set(body) - {"trajectory", "group", "reward", "ttl_s"}
+    if unknown:
+        raise _Refused(
+            error(
+                400,
+                'session body: {"group": id (optional), "trajectory": id (optional: one is '
+                'made), "reward": bool (default true: the key may post its reward), "ttl_s": '
+                "seconds (optional)}",
+                "invalid_request_error",
+                "bad_session",
+            )
+        )
+    traj = body.get("trajectory")
+    if traj is None:
+        traj = f"s-{secrets.token_hex(12)}"
+    group = body.get("group")
+    for what, v in (("trajectory", traj), ("group", group)):
+        if v is not None and (not isinstance(v, str) or not UID.match(v)):
+            raise _Refused(
+                error(
+                    400,
+                    f"{what} must be 1-200 characters of A-Z a-z 0-9 . _ : @ + = -",
+                    "invalid_request_error",
+                    f"bad_{what}",
+                )
+            )
+    may_reward = body.get("reward", True)
+    if not isinstance(may_reward, bool):
+        raise _Refused(error(400, "reward must be true or false", "invalid_request_error"))
+    ttl = body.get("ttl_s", max_ttl)
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= max_ttl:
+        raise _Refused(
+            error(400, f"ttl_s must be an integer from 1 to {max_ttl}", "invalid_request_error")
+        )
+    return traj, group, may_reward, ttl
+
+
+def _reward_body(
+    body: dict[str, Any], max_turns: int
+) -> tuple[float, list[float] | None, dict[str, float] | None, str | None]:
     def number(v: Any, what: str) -> float:
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
             raise _Refused(
@@ -420,13 +781,15 @@ def _reward_body(body: dict[str, Any]) -> tuple[float, list[float] | None, str |
             )
         return float(v)
 
-    unknown = set(body) - {"final_reward", "turn_rewards", "reward_source"}
+    unknown = set(body) - {"final_reward", "turn_rewards", "call_rewards", "reward_source"}
     if unknown or "final_reward" not in body:
         raise _Refused(
             error(
                 400,
                 'reward body: {"final_reward": number, "turn_rewards": [numbers] '
-                '(optional, one per recorded turn), "reward_source": string (optional)}',
+                '(optional, one per recorded turn), "call_rewards": {call id: number} '
+                '(optional: by the X-Claw-Call-Id of the calls), "reward_source": string '
+                "(optional)}",
                 "invalid_request_error",
                 "bad_reward",
             )
@@ -434,15 +797,46 @@ def _reward_body(body: dict[str, Any]) -> tuple[float, list[float] | None, str |
     final = number(body["final_reward"], "final_reward")
     turns = body.get("turn_rewards")
     if turns is not None:
-        if not isinstance(turns, list):
-            raise _Refused(error(400, "turn_rewards must be a list", "invalid_request_error"))
+        if not isinstance(turns, list) or len(turns) > max_turns:
+            raise _Refused(
+                error(
+                    400,
+                    f"turn_rewards must be a list of at most {max_turns}",
+                    "invalid_request_error",
+                )
+            )
         turns = [number(v, "each turn reward") for v in turns]
+    calls = body.get("call_rewards")
+    if calls is not None:
+        if turns is not None:
+            raise _Refused(
+                error(400, "give turn_rewards or call_rewards, not both", "invalid_request_error")
+            )
+        if not isinstance(calls, dict) or len(calls) > max_turns:
+            raise _Refused(
+                error(
+                    400,
+                    f"call_rewards must be an object of at most {max_turns} call ids",
+                    "invalid_request_error",
+                )
+            )
+        for k in calls:
+            if not CALL_ID.match(k):
+                raise _Refused(
+                    error(
+                        400,
+                        f"call id {k[:40]!r} is not one the gateway gives ({CALL_ID_HEADER})",
+                        "invalid_request_error",
+                        "bad_reward",
+                    )
+                )
+        calls = {k: number(v, "each call reward") for k, v in calls.items()}
     source = body.get("reward_source")
     if source is not None and (not isinstance(source, str) or not 0 < len(source) <= 64):
         raise _Refused(
             error(400, "reward_source must be a string of 1-64 characters", "invalid_request_error")
         )
-    return final, turns, source
+    return final, turns, calls, source
 
 
 def create_app(config: GatewayConfig, ingestor: Ingestor | None = None) -> Starlette:
@@ -461,9 +855,12 @@ def create_app(config: GatewayConfig, ingestor: Ingestor | None = None) -> Starl
         routes += [
             Route(prefix + "/v1/chat/completions", route("chat"), methods=["POST"]),
             Route(prefix + "/v1/completions", route("completions"), methods=["POST"]),
+            Route(prefix + "/v1/responses", route("responses"), methods=["POST"]),
         ]
     routes += [
         Route("/t/{trajectory}/reward", route("reward"), methods=["POST"]),
+        Route("/t/{trajectory}", route("trajectory"), methods=["GET"]),
+        Route("/sessions", route("sessions"), methods=["POST"]),
         Route("/healthz", route("healthz"), methods=["GET"]),
         Route("/metrics", route("metrics_page"), methods=["GET"]),
     ]

@@ -45,6 +45,47 @@ class GatewayMetrics:
         self.rewarded = Counter(
             "claw_gateway_rewarded_trajectories", "Trajectories given a reward", registry=r
         )
+        self.admitted = Counter(
+            "claw_gateway_admitted_trajectories",
+            "New trajectories this gateway admitted under the namespace's staleness budget",
+            registry=r,
+        )
+        self.waited = Counter(
+            "claw_gateway_admission_waited_calls",
+            "First calls of new trajectories that had to wait for the staleness budget",
+            registry=r,
+        )
+        self.refused = Counter(
+            "claw_gateway_admission_refused_calls",
+            "First calls of new trajectories refused (429) after waiting for the budget",
+            registry=r,
+        )
+        self.released = Counter(
+            "claw_gateway_admission_released_slots",
+            "Budget slots given back: trajectories rewarded too old to be served",
+            registry=r,
+        )
+        self.budget = Gauge(
+            "claw_gateway_admission_budget",
+            "The staleness budget (max_staleness + v + 1) x batch trajectories, as last "
+            "seen (-1: no trainer declared one)",
+            registry=r,
+        )
+        self.budget.set(-1)
+        self.admitted_now = Gauge(
+            "claw_gateway_admission_admitted",
+            "Trajectories running or accepted against the budget, as last seen",
+            registry=r,
+        )
+        self.unchecked = Counter(
+            "claw_gateway_admission_unchecked_calls",
+            "Shared-token calls forwarded without an admission check: the store did not "
+            "answer within 2 s",
+            registry=r,
+        )
+        self.sessions = Counter(
+            "claw_gateway_sessions", "Sessions created (POST /sessions)", registry=r
+        )
         self.backlog = Gauge(
             "claw_gateway_record_backlog", "Calls waiting to be recorded", registry=r
         )

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,17 +21,24 @@ from claw_tasks.format.turns import turn_fields
 from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.store.turns import attach_rewards
 from claw_tasks.worker.lru import LRU
-from orchestrator.gateway.capture import CaptureError, Retokenizer, Turn, capture
+from orchestrator.delivery import admission
+from orchestrator.gateway import credit
+from orchestrator.gateway.capture import CaptureError, Retokenizer, Turn, capture_all
 from orchestrator.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-_TURN = Lua("turn", "orchestrator")
+TURN = Lua("turn", "orchestrator")
+"""The per-trajectory state script (``orchestrator/lua/turn.lua``)."""
 _DRAIN = 256  # calls numbered in one round trip at most
 
 POLICY_VERSION_HEADER = "x-claw-policy-version"
 """A reply header the upstream may set: the policy version that generated the reply (an
 inference server whose weights a trainer updates knows it; the gateway does not)."""
+
+
+def _arg(value: int | None) -> str:
+    return "" if value is None else str(value)
 
 
 class TrajectoryError(ValueError):
@@ -41,9 +49,22 @@ class RecorderError(RuntimeError):
     """The recorder thread is dead or stuck: a reward cannot wait for its turns."""
 
 
+CHOICE_SEPARATOR = "~"
+"""Choice i of a call with n > 1 to trajectory T is trajectory ``T~i`` (``~`` is not in
+the ids agents choose, so these never collide with theirs)."""
+
+
+def choice_trajectories(trajectory_uid: str, n: int) -> tuple[str, ...]:
+    """The trajectories one call records: itself, or with n > 1 ``T~0 .. T~(n-1)``."""
+    if n == 1:
+        return (trajectory_uid,)
+    return tuple(f"{trajectory_uid}{CHOICE_SEPARATOR}{i}" for i in range(n))
+
+
 @dataclass
 class Call:
-    """A successful upstream call, as the handler saw it."""
+    """A successful upstream call, as the handler saw it. ``trajectories``: the one each
+    choice is recorded into (:func:`choice_trajectories`)."""
 
     trajectory_uid: str
     prompt_uid: str | None
@@ -53,6 +74,12 @@ class Call:
     streamed: bool
     tags: dict[str, str]
     policy_version: str | None = None  # the upstream's X-Claw-Policy-Version, unchecked
+    call_id: str = ""
+    trajectories: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.trajectories:
+            self.trajectories = (self.trajectory_uid,)
 
 
 @dataclass
@@ -85,6 +112,7 @@ class Recorder:
         max_trajectories: int = 100_000,
         policy_version: int | None = None,
         trajectory_ttl: int = 7 * 86400,
+        who: str = "",
     ) -> None:
         self.ingestor = ingestor
         self.store = ingestor.store
@@ -93,6 +121,7 @@ class Recorder:
         self.max_turns = max_turns
         self.policy_version = policy_version
         self.ttl = trajectory_ttl
+        self.who = who  # this gateway, in the admission log
         self._queue: queue.Queue[Call | None] = queue.Queue(queue_size)
         self._trajectories: LRU[str, _Trajectory] = LRU(max_trajectories)
         self._lock = threading.Lock()
@@ -104,29 +133,32 @@ class Recorder:
         self._queued_bytes, self.queue_bytes = 0, queue_bytes
         self._busy_since: float | None = None
         self.stall_after = stall_after
-        self.store.r.script_load(_TURN.source)
+        self.store.r.script_load(TURN.source)
         self._thread = threading.Thread(target=self._run, name="claw-gateway-recorder")
         self._thread.start()
 
     def _key(self, trajectory_uid: str) -> str:
-        return f"{self.store.keys.base}gw:{trajectory_uid}"
+        return admission.trajectory_key(self.store, trajectory_uid)
 
     # ---- handler side (event loop; must not block) ------------------------------------
-    def admit(self, trajectory_uid: str) -> None:
-        """Called before forwarding: refuse a finished trajectory or one over budget."""
+    def admit(self, trajectories: Sequence[str]) -> None:
+        """Called before forwarding: refuse a finished trajectory or one over budget (all
+        of a call's trajectories, or none)."""
         with self._lock:
-            t = self._trajectories.get(trajectory_uid, _Trajectory)
-            if t.finished:
-                raise TrajectoryError(
-                    f"trajectory {trajectory_uid!r} is finished (its reward was posted); "
-                    "start a new trajectory id"
-                )
-            if t.calls >= self.max_turns:
-                raise TrajectoryError(
-                    f"trajectory {trajectory_uid!r} reached the limit of {self.max_turns} "
-                    "turns (claw gateway --max-turns)"
-                )
-            t.calls += 1
+            found = [self._trajectories.get(u, _Trajectory) for u in trajectories]
+            for uid, t in zip(trajectories, found, strict=True):
+                if t.finished:
+                    raise TrajectoryError(
+                        f"trajectory {uid!r} is finished (its reward was posted); "
+                        "start a new trajectory id"
+                    )
+                if t.calls >= self.max_turns:
+                    raise TrajectoryError(
+                        f"trajectory {uid!r} reached the limit of {self.max_turns} "
+                        "turns (claw gateway --max-turns)"
+                    )
+            for t in found:
+                t.calls += 1
 
     def submit(self, call: Call) -> None:
         with self._lock:
@@ -142,13 +174,14 @@ class Recorder:
                     self._queued += 1
                     self._queued_bytes += len(call.reply)
         if full:
-            self.unrecorded(call.trajectory_uid, "queue_full")
+            self.unrecorded(call.trajectories, "queue_full")
 
-    def refund(self, trajectory_uid: str) -> None:
+    def refund(self, trajectories: Sequence[str]) -> None:
         """A call admitted but not answered upstream: it does not use the turn budget."""
         with self._lock:
-            t = self._trajectories.get(trajectory_uid, _Trajectory)
-            t.calls = max(0, t.calls - 1)
+            for uid in trajectories:
+                t = self._trajectories.get(uid, _Trajectory)
+                t.calls = max(0, t.calls - 1)
 
     @property
     def backlog(self) -> int:
@@ -185,7 +218,7 @@ class Recorder:
             except Exception:  # a bug: no call may stop the thread; these count as errors
                 log.exception("recording %d calls failed", len(calls))
                 for c in calls:
-                    self.unrecorded(c.trajectory_uid, "error")  # type: ignore[union-attr]
+                    self.unrecorded(c.trajectories, "error")  # type: ignore[union-attr]
             finally:
                 self._busy_since = None
                 with self._progress:
@@ -194,14 +227,14 @@ class Recorder:
                     self._progress.notify_all()
 
     def _record_all(self, calls: list[Call]) -> None:
-        turns: list[Turn | None] = []
+        captured: list[list[Turn] | None] = []
         for call in calls:
             try:
-                turns.append(self._capture(call))
+                captured.append(self._capture(call))
             except CaptureError as e:
                 log.info("call of trajectory %r not recorded: %s", call.trajectory_uid, e)
-                self.unrecorded(call.trajectory_uid, "uncapturable")
-                turns.append(None)
+                self.unrecorded(call.trajectories, "uncapturable")
+                captured.append(None)
             except Exception as e:  # a 200 reply that is not the OpenAI shape
                 log.info(
                     "call of trajectory %r not recorded: malformed reply (%s: %s)",
@@ -209,40 +242,52 @@ class Recorder:
                     type(e).__name__,
                     e,
                 )
-                self.unrecorded(call.trajectory_uid, "malformed")
-                turns.append(None)
-        todo = [(c, t) for c, t in zip(calls, turns, strict=True) if t is not None]
+                self.unrecorded(call.trajectories, "malformed")
+                captured.append(None)
+        todo = [
+            (c, uid, turn)
+            for c, turns in zip(calls, captured, strict=True)
+            if turns is not None
+            for uid, turn in zip(c.trajectories, turns, strict=True)
+        ]
         if not todo:
             return
+        budget = admission.admission_key(self.store)
         try:
-            indices = execute(
+            numbered = execute(
                 self.store.r,
-                [_TURN],
+                [TURN],
                 lambda pipe: [
-                    _TURN.queue(pipe, [self._key(c.trajectory_uid)], ["turn", self.ttl])
-                    for c, _ in todo
+                    TURN.queue(
+                        pipe,
+                        [self._key(uid), budget],
+                        ["turn", self.ttl, _arg(turn.policy_version), c.call_id],
+                    )
+                    for c, uid, turn in todo
                 ],
             )
         except Exception:
-            log.exception("numbering %d recorded calls failed (Redis)", len(todo))
-            for c, _ in todo:
-                self.unrecorded(c.trajectory_uid, "error")
+            log.exception("numbering %d recorded turns failed (Redis)", len(todo))
+            for _, uid, _ in todo:
+                self.unrecorded([uid], "error")
             return
-        for (call, turn), index in zip(todo, indices, strict=True):
+        for (call, uid, turn), (index, version) in zip(todo, numbered, strict=True):
             if int(index) < 0:
-                self.unrecorded(call.trajectory_uid, "finished")
+                self.unrecorded([uid], "finished")
                 continue
+            turn.policy_version = None if int(version) < 0 else int(version)
             try:
-                self._record(call, turn, int(index))
+                self._record(call, uid, turn, int(index))
             except CaptureError as e:
-                log.info("call of trajectory %r not recorded: %s", call.trajectory_uid, e)
-                self.unrecorded(call.trajectory_uid, "uncapturable")
+                log.info("call of trajectory %r not recorded: %s", uid, e)
+                self.unrecorded([uid], "uncapturable")
             except Exception:
-                log.exception("recording a call of trajectory %r failed", call.trajectory_uid)
-                self.unrecorded(call.trajectory_uid, "error")
+                log.exception("recording a call of trajectory %r failed", uid)
+                self.unrecorded([uid], "error")
 
     def _version(self, call: Call) -> int | None:
-        """The upstream's policy version header if it sent one, else ``--policy-version``."""
+        """The upstream's policy version header if it sent one, else ``--policy-version``
+        (else None: the turn script records the trainer's declared version, if any)."""
         raw = call.policy_version
         if raw is None:
             return self.policy_version
@@ -253,38 +298,53 @@ class Recorder:
             )
         return int(raw)
 
-    def _capture(self, call: Call) -> Turn:
-        """The call's turn, checked as ``llm_turn`` will check it, before it is given a
-        turn index (an index handed out and never recorded would be a gap)."""
-        turn = capture(call.kind, call.request, call.reply, call.streamed, self.retokenizer)
-        turn.policy_version = self._version(call)
-        try:
-            turn_fields(
-                turn.prompt_ids,
-                turn.response_ids,
-                turn.response_logprobs,
-                None,
-                False,
-                f"a call of trajectory {call.trajectory_uid!r}",
-            )
-        except SchemaError as e:
-            raise CaptureError(str(e)) from None
-        return turn
+    def _capture(self, call: Call) -> list[Turn]:
+        """The call's turns, checked as ``llm_turn`` will check them, before they are given
+        turn indices (an index handed out and never recorded would be a gap)."""
+        turns = capture_all(
+            call.kind,
+            call.request,
+            call.reply,
+            call.streamed,
+            self.retokenizer,
+            n=len(call.trajectories),
+        )
+        version = self._version(call)
+        for turn in turns:
+            turn.policy_version = version
+            try:
+                turn_fields(
+                    turn.prompt_ids,
+                    turn.response_ids,
+                    turn.response_logprobs,
+                    None,
+                    False,
+                    f"a call of trajectory {call.trajectory_uid!r}",
+                )
+            except SchemaError as e:
+                raise CaptureError(str(e)) from None
+        return turns
 
-    def _record(self, call: Call, turn: Turn, index: int) -> None:
+    def _record(self, call: Call, trajectory_uid: str, turn: Turn, index: int) -> None:
+        info: dict[str, Any] = {"finish_reason": turn.finish_reason, "model": turn.model}
+        if call.call_id:
+            info["call_id"] = call.call_id
+        group = call.prompt_uid
+        if group is None and len(call.trajectories) > 1:
+            group = call.trajectory_uid  # n samples of one prompt: one group
         try:
             self.ingestor.llm_turn(
-                call.trajectory_uid,
+                trajectory_uid,
                 index,
                 turn.prompt_ids,
                 turn.response_ids,
                 turn.response_logprobs,
-                prompt_uid=call.prompt_uid,
+                prompt_uid=group,
                 policy_version=turn.policy_version,
                 messages=turn.messages,
                 tool_calls=turn.tool_calls,
                 retokenized=turn.retokenized,
-                info={"finish_reason": turn.finish_reason, "model": turn.model},
+                info=info,
                 **call.tags,
             )
         except SchemaError as e:  # refused before buffering: not a step (its index is a gap)
@@ -295,10 +355,12 @@ class Recorder:
         if turn.retokenized:
             self.metrics.retokenized.inc()
 
-    def unrecorded(self, trajectory_uid: str, reason: str) -> None:
-        """Count an answered call that is not recorded (per-turn rewards then refuse)."""
+    def unrecorded(self, trajectories: Sequence[str], reason: str) -> None:
+        """Count an answered call (or one choice of it) that is not recorded (per-turn
+        rewards of its trajectories then refuse)."""
         with self._lock:
-            self._trajectories.get(trajectory_uid, _Trajectory).dropped += 1
+            for uid in trajectories:
+                self._trajectories.get(uid, _Trajectory).dropped += 1
         self.metrics.unrecorded.labels(reason).inc()
 
     # ---- rewards (run in a worker thread, off the event loop) ------------------------------
@@ -309,10 +371,14 @@ class Recorder:
         turn_rewards: list[float] | None,
         reward_source: str | None,
         timeout: float = 60.0,
+        call_rewards: Mapping[str, float] | None = None,
     ) -> int:
         """Finish a trajectory: wait until its calls are recorded and committed (this
         process's, then any other gateway's: the turns handed out in Redis), then attach
-        the rewards (``claw_tasks.format.turns.attach_rewards``). Returns its turn count."""
+        the rewards (``claw_tasks.format.turns.attach_rewards``: ``call_rewards`` by the
+        calls' interaction ids become turn rewards; the namespace's turn discount, if set,
+        applies; ``tags.min_version``/``max_version`` from its turns' versions) and give
+        back its admission slots if it is too old to be served. Returns its turn count."""
         with self._lock:
             t = self._trajectories.get(trajectory_uid, _Trajectory)
             if t.finished:
@@ -322,22 +388,29 @@ class Recorder:
         finished = False
         try:
             self._wait_recorded(timeout)  # every call accepted so far is numbered (or dropped)
-            turns = int(_TURN(self.store.r, [key], ["finish", self.ttl]))
+            both = [key, admission.admission_key(self.store)]
+            got = TURN(self.store.r, both, ["finish", self.ttl])
+            turns = int(got[0])
             if turns < 0:
                 raise TrajectoryError(f"trajectory {trajectory_uid!r} already has its reward")
             finished = True
+            vmin, vmax = int(got[1]), int(got[2])
+            group = got[3].decode() if isinstance(got[3], bytes) else str(got[3])
             if turns == 0:
                 raise TrajectoryError(
                     f"trajectory {trajectory_uid!r} has no recorded turns to reward"
                 )
-            if turn_rewards is not None and t.dropped:
+            if (turn_rewards is not None or call_rewards) and t.dropped:
                 raise TrajectoryError(
                     f"trajectory {trajectory_uid!r}: {t.dropped} of its calls could not be "
                     "recorded, so per-turn rewards cannot be matched to turns; post only "
                     "final_reward"
                 )
+            if call_rewards:
+                turn_rewards = self._by_call(trajectory_uid, key, turns, call_rewards)
             self.ingestor.flush(wait=True, timeout=timeout)
             self._committed(trajectory_uid, turns, time.monotonic() + timeout)
+            tags = {} if vmin < 0 else {"min_version": float(vmin), "max_version": float(vmax)}
             attach_rewards(
                 self.store,
                 trajectory_uid,
@@ -345,15 +418,43 @@ class Recorder:
                 turn_rewards,
                 reward_source=reward_source,
                 expect_turns=turns,
+                discount=credit.discount(self.store),
+                tags=tags,
             )
         except Exception:
             with self._lock:
                 t.finished = False  # the reward may be posted again
             if finished:
-                _TURN(self.store.r, [key], ["reopen", self.ttl])
+                TURN(self.store.r, both, ["reopen", self.ttl])
             raise
         self.metrics.rewarded.inc()
+        try:
+            released = admission.release_stale(
+                self.store, trajectory_uid, group, None if vmin < 0 else vmin, self.who
+            )
+        except Exception:  # the reward stands; the slots stay counted
+            log.warning("admission: releasing %r failed", trajectory_uid, exc_info=True)
+        else:
+            if released:
+                self.metrics.released.inc(released)
         return turns
+
+    def _by_call(
+        self, trajectory_uid: str, key: str, turns: int, call_rewards: Mapping[str, float]
+    ) -> list[float]:
+        """Turn rewards from rewards by interaction id (the ``X-Claw-Call-Id`` of a call)."""
+        ids = list(call_rewards)
+        found = self.store.r.hmget(key, [f"c:{c}" for c in ids])
+        missing = [c for c, i in zip(ids, found, strict=True) if i is None]
+        if missing:
+            raise TrajectoryError(
+                f"trajectory {trajectory_uid!r}: call ids {missing[:3]} are not recorded "
+                "turns of it"
+            )
+        out = [0.0] * turns
+        for c, i in zip(ids, found, strict=True):
+            out[int(i)] += call_rewards[c]
+        return out
 
     def _wait_recorded(self, timeout: float) -> None:
         """Until the calls queued so far are done; a RecorderError if the thread is dead

@@ -159,13 +159,16 @@ class Upstream:
 
     async def post(self, path: str, body: bytes, content_type: str) -> Reply:
         """Send ``body`` and wait for the reply's headers. A reused connection the server
-        closed while idle (no byte of a reply read) is retried once on a new one."""
+        closed while idle (no byte of a reply read) is retried once on a new one (never on
+        another idle one: after a lull the server closes them all)."""
         head = (
             f"POST {self.prefix}{path} HTTP/1.1\r\ncontent-type: {content_type}\r\n"
             f"content-length: {len(body)}\r\n"
         ).encode("latin-1")
         for attempt in (0, 1):
-            reused = bool(self._idle)
+            # the retry takes a new connection: after a lull the server's keep-alive
+            # timeout may have closed every idle one at once
+            reused = bool(self._idle) and not attempt
             conn = self._idle.pop() if reused else await self._connect()
             try:
                 conn.writer.write(head + self._fixed + b"\r\n" + body)

@@ -1,21 +1,55 @@
--- The capture gateway's per-trajectory state, shared by every gateway process: a hash with
--- `turns` (turn indices handed out so far) and `done` (the reward was posted).
--- KEYS[1]: the trajectory's hash. ARGV[1]: op ('turn' | 'finish' | 'reopen'), ARGV[2]: TTL s.
--- turn: the next turn index (0, 1, ...), or -1 when the trajectory is finished.
--- finish: the number of turns handed out, marking the trajectory done; -1 if it already was.
--- reopen: clears done (a reward that failed may be posted again); returns 0.
+-- The capture gateway's per-trajectory state, shared by every gateway process: one hash
+-- per trajectory (`claw:{ns}:gw:<trajectory>`) with a TTL refreshed on each turn. Fields:
+--   turns       turn indices handed out so far
+--   done        the reward was posted
+--   vmin, vmax  the lowest and highest policy version of its turns (where one is known)
+--   c:<call>    the turn index the call with that interaction id produced
+--   key, grp, rw, ttl   a session's (POST /sessions): the sha256 of its key, its group,
+--               1 if the key may post the reward, its TTL in seconds
+--   adm, res, rel       admission's (orchestrator/lua/admission.lua)
+-- KEYS[1]: the trajectory's hash; KEYS[2]: the namespace's admission hash (turn only: the
+-- declared policy version stands in for a turn whose version is not known).
+-- ARGV[1] op, ARGV[2] TTL (s); then per op:
+--   turn    ARGV[3] the turn's policy version ('' unknown), ARGV[4] the call id ('' none).
+--           Returns {index, version} (version -1: none known); {-1, -1} when finished.
+--   finish  marks the trajectory done. Returns {turns, vmin, vmax, grp} (vmin/vmax -1 when
+--           no version is known, grp '' without a group); {-1} if it already was done.
+--   reopen  clears done (a reward that failed may be posted again); returns 0.
+--   session ARGV[3] key sha256, ARGV[4] group ('' none), ARGV[5] 1 if the key may reward.
+--           Creates the trajectory with its session; 0 when the trajectory exists already.
 local op, ttl = ARGV[1], tonumber(ARGV[2])
+local key = KEYS[1]
+local own = tonumber(redis.call('HGET', key, 'ttl') or '0')
+if own > 0 and own < ttl then ttl = own end
 if op == 'reopen' then
-  redis.call('HDEL', KEYS[1], 'done')
+  redis.call('HDEL', key, 'done')
   return 0
 end
-if redis.call('HEXISTS', KEYS[1], 'done') == 1 then return -1 end
-local n
-if op == 'turn' then
-  n = redis.call('HINCRBY', KEYS[1], 'turns', 1) - 1
-else
-  redis.call('HSET', KEYS[1], 'done', 1)
-  n = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
+if op == 'session' then
+  if redis.call('EXISTS', key) == 1 then return 0 end
+  redis.call('HSET', key, 'key', ARGV[3], 'grp', ARGV[4], 'rw', ARGV[5], 'ttl', ttl, 'turns', 0)
+  redis.call('EXPIRE', key, ttl)
+  return 1
 end
-redis.call('EXPIRE', KEYS[1], ttl)
-return n
+if redis.call('HEXISTS', key, 'done') == 1 then
+  if op == 'turn' then return {-1, -1} end
+  return {-1}
+end
+if op == 'turn' then
+  local n = redis.call('HINCRBY', key, 'turns', 1) - 1
+  local v = tonumber(ARGV[3])
+  if v == nil then v = tonumber(redis.call('HGET', KEYS[2], 'version') or '') end
+  if v ~= nil then
+    local lo = tonumber(redis.call('HGET', key, 'vmin') or '')
+    local hi = tonumber(redis.call('HGET', key, 'vmax') or '')
+    if lo == nil or v < lo then redis.call('HSET', key, 'vmin', v) end
+    if hi == nil or v > hi then redis.call('HSET', key, 'vmax', v) end
+  end
+  if ARGV[4] ~= '' then redis.call('HSET', key, 'c:' .. ARGV[4], n) end
+  redis.call('EXPIRE', key, ttl)
+  return {n, v or -1}
+end
+redis.call('HSET', key, 'done', 1)
+local f = redis.call('HMGET', key, 'turns', 'vmin', 'vmax', 'grp')
+redis.call('EXPIRE', key, ttl)
+return {tonumber(f[1] or '0'), tonumber(f[2] or '-1'), tonumber(f[3] or '-1'), f[4] or ''}

@@ -8,17 +8,20 @@ demonstrations: any field names, dtypes, action encoding). Its spec
 rules a step must pass. Each tick reads the source's steps past the source's cursor (per
 shard: the last id done), maps them, commits them into the target (with ``tags.source``
 and the spec's tags; the batch id derives from the source ids, so a tick killed before
-its cursor moved replays nothing twice), then quarantines the steps that failed a rule:
-curated ``trainable: false``, ``quality: quarantine`` (never a silent delete: ``not
-trainable`` finds them) and counted by rule (``claw stats``). The steps that passed
-update the target's global normalisation statistics (``claw:{ns}:nstats``: count, mean
-and variance per field, one atomic merge per batch, shared by every worker; their
-``count`` is the version a batch normalised with them names).
+its cursor moved replays nothing twice), then quarantines the steps that failed a rule
+(orchestrator/delivery/quarantine.py: curated ``trainable: false``, ``quality:
+quarantine``, never a silent delete; counted by rule for ``claw stats``), and, with
+``dedup``, the steps whose digest an earlier step of any source had (rule
+``duplicate``). The steps that passed update the target's global normalisation
+statistics (``claw:{ns}:nstats``: count, mean and variance per field, one atomic merge
+per batch, shared by every worker; their ``count`` is the version a batch normalised
+with them names) and the quartile samples its ``iqr`` outlier rules read.
 
 Keys (``claw:{target}:``): ``clean`` (hash: source name -> spec JSON), ``clean:cursor``
 (hash: ``<source>:<shard>`` -> last source id done), ``clean:counts`` (hash:
 ``<source>:steps`` -> steps brought in, ``<source>:<rule>`` -> steps quarantined by it),
-``clean:lock:<source>`` (one tick at a time), ``nstats`` (the statistics, laid out as
+``clean:lock:<source>`` (one tick at a time), ``clean:seen``, ``clean:seen:1`` and
+``clean:seen:2`` (the dedup digests), ``nstats`` (the statistics, laid out as
 :class:`~orchestrator.delivery.augstats.RedisStats` keeps them).
 """
 
@@ -41,20 +44,26 @@ from claw_tasks.store import NamespaceError, Store
 from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.delivery.augstats import namespace_stats
+from orchestrator.delivery.quarantine import (
+    QUARANTINE,
+    batch_keys,
+    clean_key,
+    quarantine,
+    quarantined,
+    seen_before,
+)
 from orchestrator.maintenance.evict import MaintenanceError
 from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
-from orchestrator.transforms.cleaning import CleanSpec, bad_rows, map_fields, violations
+from orchestrator.transforms.cleaning import CleanSpec, map_fields, step_digests, violations
+from orchestrator.transforms.quantiles import QuantileSample
 from orchestrator.transforms.running import RunningStats
 
 log = logging.getLogger(__name__)
 BATCH = 1024
 LOCK_TTL_S = 120
 TICK_BUDGET_S = 5.0
-QUARANTINE = "quarantine"
-
-
-def clean_key(store: Store, part: str = "") -> str:
-    return store.keys.base + ("clean" + (f":{part}" if part else ""))
+DUPLICATE = "duplicate"
+__all__ = ["QUARANTINE", "clean_source", "define_source", "quarantined", "sources"]
 
 
 def define_source(target: Store, name: str, spec: CleanSpec | Mapping[str, Any]) -> CleanSpec:
@@ -67,12 +76,6 @@ def define_source(target: Store, name: str, spec: CleanSpec | Mapping[str, Any])
 def sources(target: Store) -> dict[str, CleanSpec]:
     raw = target.r.hgetall(clean_key(target))
     return {k.decode(): CleanSpec.model_validate(json.loads(v)) for k, v in sorted(raw.items())}
-
-
-def quarantined(target: Store) -> dict[str, int]:
-    """Counts by ``<source>:<rule>`` (and ``<source>:steps`` brought in)."""
-    raw = target.r.hgetall(clean_key(target, "counts"))
-    return {k.decode(): int(v) for k, v in sorted(raw.items())}
 
 
 def clean_source(
@@ -133,16 +136,18 @@ def _bring(
     """Commit one batch of a source's steps, cleaned; returns how many were quarantined."""
     fields = map_fields(spec, {f: steps[f] for f in field_names})
     nstats = namespace_stats(target.r, target.keys.base)
-    stats = {o.field: nstats.get(o.field) for o in spec.outliers}
-    found = violations(spec, fields, stats)
+    z = {o.field: nstats.get(o.field) for o in spec.outliers if o.iqr is None}
+    samples = {o.field: nstats.get_sample(o.field) for o in spec.outliers if o.iqr is not None}
+    found = violations(spec, fields, z, samples)
     n = len(ids)
-    bad = bad_rows(found, n)
     digest = hashlib.sha1(f"{name}:{spec.namespace}:{ids[0]}:{ids[-1]}:{n}".encode()).hexdigest()
+    reward = np.nan_to_num(np.asarray(steps["reward"], np.float32))
+    terminated = np.asarray(steps["terminated"], bool)
     batch = StepBatch(
         episode=StrColumn.of([f"{name}/{e}" for e in steps["episode_id"]]),
         step_index=np.asarray(steps["step_index"], np.int64),
-        reward=np.nan_to_num(np.asarray(steps["reward"], np.float32)),
-        terminated=np.asarray(steps["terminated"], bool),
+        reward=reward,
+        terminated=terminated,
         truncated=np.asarray(steps["truncated"], bool),
         fields=fields,
         batch_id=f"clean-{digest[:32]}",
@@ -153,22 +158,21 @@ def _bring(
     result = target.commit(batch)
     if result.replayed:  # a tick killed after its commit: counted and merged already
         return 0
-    new = result.ids
-    counts = {f"{name}:steps": n}
-    for rule, mask in found.items():
-        if mask.any():
-            counts[f"{name}:{rule}"] = int(mask.sum())
-    if bad.any():
-        target.curate(new[bad & (new > 0)], quality=QUARANTINE, trainable=False, by="clean")
-    with target.r.pipeline(transaction=False) as pipe:
-        for key, value in counts.items():
-            pipe.hincrby(clean_key(target, "counts"), key, value)
-        pipe.execute()
+    if spec.dedup is not None:  # after the commit: a replay never meets its own digests
+        names = spec.dedup.fields or sorted(fields)
+        cfg = target.config()
+        window = spec.dedup.window or cfg.n_shards * cfg.cap
+        digests = step_digests(fields, names, reward, terminated)
+        found[DUPLICATE] = seen_before(target, digests, window)
+    bad = quarantine(target, result.ids, found, name, {f"{name}:steps": n})
     good = ~bad
     if good.any():
         for fname, values in fields.items():
             if np.asarray(values).dtype.kind == "f":
                 nstats.merge(fname, RunningStats.of(np.asarray(values)[good]))
+        keys = batch_keys(ids, n)[good]
+        for fname in sorted(samples):
+            nstats.merge_sample(fname, QuantileSample.of(np.asarray(fields[fname])[good], keys))
     return int(bad.sum())
 
 

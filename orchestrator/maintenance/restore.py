@@ -7,13 +7,16 @@ archived ones. Each batch has an id derived from the file's checksum, so a resto
 again after a failure replays what it had committed instead of storing it twice.
 Compressed fields come back as the frames archived (checked as ingest checks a producer's
 frames, then stored as they are); ``delta`` rows, archived decoded, are encoded again.
+Then the archive's snapshots (``_snapshots/``) come back, laid over the new ids
+(:func:`orchestrator.maintenance.snapshots.restore_snapshots`): which archived id became
+which new one is kept while the files are restored, only when there are snapshots.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,11 @@ from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.layout import row_episode_codes
 from orchestrator.maintenance.archive_files import MANIFEST, Manifest
+from orchestrator.maintenance.snapshots import (
+    RestoredSnapshot,
+    archived_snapshots,
+    restore_snapshots,
+)
 from orchestrator.maintenance.steptable import (
     TAG_PREFIX,
     batch_problem,
@@ -69,9 +77,10 @@ class RestoreResult:
     files: int = 0
     replayed: int = 0  # rows an earlier run of the same restore had committed already
     expired: int = 0  # rows past the namespace's capacity (the ring passed them)
+    snapshots: list[RestoredSnapshot] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        return {**self.__dict__, "snapshots": [s.to_json() for s in self.snapshots]}
 
 
 def restore(
@@ -81,9 +90,11 @@ def restore(
     capacity: int | None = None,
     n_shards: int | None = None,
     progress: Progress | None = None,
+    with_snapshots: bool = True,
 ) -> RestoreResult:
     """Restore every file of an archive into ``store``'s namespace (created when missing:
-    large enough for the archive, with its shard count and spaces)."""
+    large enough for the archive, with its shard count and spaces), then its snapshots
+    (unless not ``with_snapshots``)."""
     ns_dir = find_archive(archive)
     manifest = Manifest.load(ns_dir)
     assert manifest is not None
@@ -98,14 +109,21 @@ def restore(
     if manifest.spaces and not store.config(refresh=True).spaces:
         store.set_spaces(manifest.spaces["observation"], manifest.spaces["action"])
     result = RestoreResult(store.namespace)
+    snapshots = archived_snapshots(ns_dir) if with_snapshots else []
+    ids: list[tuple[np.ndarray, np.ndarray]] | None = [] if snapshots else None
     for entry in sorted(manifest.files, key=lambda f: (f["shard"], f["seq_lo"])):
         table = read_verified(ns_dir, entry)
         step = max(1, min(BATCH_ROWS, BATCH_BYTES * table.num_rows // max(1, table.nbytes)))
         for i, start in enumerate(range(0, table.num_rows, step)):
             part = table.slice(start, step)
-            _restore_part(store, part, f"restore-{entry['sha256'][:24]}-{i}", result)
+            _restore_part(store, part, f"restore-{entry['sha256'][:24]}-{i}", result, ids)
             tell(part.num_rows, part.nbytes)
         result.files += 1
+    if snapshots and ids is not None:
+        cat = np.concatenate
+        old = cat([o for o, _ in ids]) if ids else np.zeros(0, np.int64)
+        new = cat([n for _, n in ids]) if ids else np.zeros(0, np.int64)
+        result.snapshots = restore_snapshots(store, snapshots, old, new)
     return result
 
 
@@ -131,7 +149,13 @@ def read_verified(ns_dir: Path, entry: dict[str, Any]) -> pa.Table:
     return table
 
 
-def _restore_part(store: Store, table: pa.Table, batch_id: str, result: RestoreResult) -> None:
+def _restore_part(
+    store: Store,
+    table: pa.Table,
+    batch_id: str,
+    result: RestoreResult,
+    ids_seen: list[tuple[np.ndarray, np.ndarray]] | None = None,
+) -> None:
     try:
         rows = from_table(table)
     except (KeyError, ValueError, TypeError, pa.ArrowException) as e:
@@ -144,6 +168,8 @@ def _restore_part(store: Store, table: pa.Table, batch_id: str, result: RestoreR
     if problem:
         raise ArchiveError(f"batch {batch_id}: {problem}")
     ids = _commit_in_place(store, batch, rows.timestamp, result)
+    if ids_seen is not None:  # archived id -> new id, for the snapshots
+        ids_seen.append((rows.id.astype(np.int64), ids))
     stored = ids >= 0
     quality = rows.strs["quality"]
     for code, value in enumerate(quality.values):

@@ -1,7 +1,8 @@
 """Snapshots as the read path sees them: the store's (``claw_tasks.store.snapshots``:
 labels, priorities, tags, watermarks, config) plus the registered recipes with their
 params and their augmentation's normalisation statistics, which a rollback puts back too;
-diffs restricted by a where filter; snapshots in the nightly archive.
+diffs restricted by a where filter; snapshots in the nightly archive, and back from it
+with a restore (laid over the restored steps' new ids).
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.store import Store
-from claw_tasks.store.snapshots import Diff, Rollback, SnapshotInfo, diff
+from claw_tasks.store.snapshots import (
+    Diff,
+    Exported,
+    Rollback,
+    SnapshotError,
+    SnapshotInfo,
+    diff,
+    moved,
+)
 from claw_tasks.where import Where
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.registry import Registry
@@ -115,3 +124,58 @@ def archive_snapshots(store: Store, ns_dir: Path) -> list[str]:
             tmp.write_bytes(store.export_snapshot(s.name))
         written.append(path.relative_to(ns_dir).as_posix())
     return written
+
+
+@dataclass(frozen=True)
+class RestoredSnapshot:
+    """What a restore did with one archived snapshot."""
+
+    name: str
+    file: str
+    steps: int  # of the snapshot's steps, restored with its labels
+    missing: int  # not restored: never archived (the ring passed them first) or past the ring
+    skipped: str | None = None  # why it was not brought back (a snapshot of that name exists)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def archived_snapshots(ns_dir: Path) -> list[Path]:
+    """The snapshot files of an archive directory, oldest first (by their name's time)."""
+
+    def created(p: Path) -> tuple[float, str]:
+        stem, _, at = p.stem.rpartition("-")
+        try:
+            return float(at), stem
+        except ValueError:
+            return float("inf"), p.stem
+
+    return sorted((ns_dir / SNAPSHOT_DIR).glob("*.msgpack"), key=created)
+
+
+def restore_snapshots(
+    store: Store, files: list[Path], old_ids: np.ndarray, new_ids: np.ndarray
+) -> list[RestoredSnapshot]:
+    """Bring archived snapshots back into ``store``'s namespace after a restore wrote
+    their steps: ``old_ids`` (the ids the archive names) became ``new_ids`` (-1: not
+    stored). Each keeps its name, time, recipes and statistics; its steps are the ones
+    restored (:func:`claw_tasks.store.snapshots.moved`). A name already there is skipped
+    (a restore run again finds its own)."""
+    out = []
+    now = store.labels()
+    have = {s.name for s in store.snapshots()}
+    for path in files:
+        snap = Exported.from_bytes(path.read_bytes())
+        rel = path.relative_to(path.parent.parent).as_posix()
+        if snap.name in have:
+            out.append(RestoredSnapshot(snap.name, rel, 0, 0, "a snapshot of that name exists"))
+            continue
+        labels, missing = moved(snap.labels, old_ids, new_ids, now)
+        try:
+            store.import_snapshot(snap.name, labels, snap.created, snap.extra)
+        except SnapshotError as e:  # taken meanwhile under that name
+            out.append(RestoredSnapshot(snap.name, rel, 0, 0, str(e)))
+            continue
+        have.add(snap.name)
+        out.append(RestoredSnapshot(snap.name, rel, int(labels.alive.sum()), missing))
+    return out

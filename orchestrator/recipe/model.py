@@ -39,6 +39,7 @@ from orchestrator.recipe.joint import (
     joint_problem,
     joint_schema_problems,
 )
+from orchestrator.transforms.cleaning import RecipeClean
 from orchestrator.transforms.framestack import stacked_shape
 
 STACKED = ("obs", "next_obs")
@@ -265,6 +266,22 @@ class Rollout(_Model):
         return self
 
 
+class Admission(_Model):
+    """Staleness-bounded generation (docs/llm.md, "Admission"): the capture gateway starts
+    a new trajectory only while ``admitted <= (max_staleness + v + 1) * trajectories``,
+    v being ``params[version_param]`` (the trainer's current policy version, moved by
+    ``set_params``); ``params[min_version_param]`` is kept at ``max(0, v - max_staleness)``
+    for the sources' ``where`` (``tags.min_version >= $min_version``: nothing older is
+    served)."""
+
+    max_staleness: NonNegativeInt = 0
+    version_param: Name = "policy_version"
+    min_version_param: Name = "min_version"
+    trajectories: PositiveInt | None = None
+    """Trajectories per batch (default: ``batch_size`` x the group sampler's ``group_size``,
+    or ``batch_size``)."""
+
+
 class Nearest(_Model):
     """Attach each row's ``k`` nearest steps of a vector index (docs/retrieval.md): the
     prefetch workers query the index with the row's ``query`` field (as drawn, before
@@ -300,6 +317,11 @@ class Recipe(_Model):
     joint: Joint | None = None
     rollout: Rollout | None = None
     nearest: Nearest | None = None
+    admission: Admission | None = None
+    clean: RecipeClean | None = None
+    """Mapping, validity rules and outliers checked on every drawn batch in the prefetch
+    workers (docs/retrieval.md, "Cleaning"): a failing step is quarantined, the batch
+    drawn again."""
     seed: int | None = None
     as_of: Name | None = None
     """Sample a snapshot of the namespace (``claw snapshot NS NAME``): only its steps that
@@ -340,6 +362,7 @@ class Recipe(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
+        self._admission_consistent()  # first: it sets a param the sources' where may use
         names = [s.name for s in self.sources]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -359,6 +382,8 @@ class Recipe(_Model):
             raise ValueError(f"nearest.query: {near.query!r} is not one of the recipe's fields")
         if near is not None and (self.sequence_length > 1 or self.grouped or self.frame_stack > 1):
             raise ValueError("nearest: rows of one step each (no sequences, groups, stacks)")
+        if self.clean is not None:
+            self._clean_consistent(self.clean)
         for src, n in zip(self.sources, self.counts, strict=True):
             if n == 0:
                 raise ValueError(
@@ -366,6 +391,15 @@ class Recipe(_Model):
                     f"{src.weight}; raise its weight or the batch size"
                 )
         return self
+
+    def _clean_consistent(self, clean: RecipeClean) -> None:
+        unknown = sorted(clean.names() - set(self.fields))
+        if unknown:
+            raise ValueError(f"clean: {unknown} are not fields of the recipe")
+        if self.sequence_length > 1 or self.grouped or self.frame_stack > 1 or self.tokens:
+            raise ValueError("clean: rows of one step each (no sequences, groups, stacks, tokens)")
+        if self.rollout is not None or self.joint is not None:
+            raise ValueError("clean: not with rollout or joint recipes")
 
     @property
     def grouped(self) -> bool:
@@ -438,6 +472,35 @@ class Recipe(_Model):
         if clash:
             raise ValueError(f"fields: {clash} are added by rollout; leave them out")
 
+    def _admission_consistent(self) -> None:
+        adm = self.admission
+        if adm is None:
+            return
+        if self.rollout is not None:
+            raise ValueError("admission: not with rollout (it serves one policy version)")
+        if adm.version_param == adm.min_version_param:
+            raise ValueError("admission: version_param and min_version_param must differ")
+        v = self.params.get(adm.version_param)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(
+                f"admission: params.{adm.version_param} must be the trainer's current policy "
+                f"version, an int >= 0 (set_params moves it), not {v!r}"
+            )
+        self.params[adm.min_version_param] = max(0, v - adm.max_staleness)
+
+    @property
+    def group_size(self) -> int:
+        """Trajectories per group of a group recipe (1 otherwise)."""
+        return int(getattr(self.sources[0].sampler, "group_size", None) or 1)
+
+    @property
+    def admission_batch(self) -> int:
+        """Trajectories per batch, as admission counts them."""
+        adm = self.admission
+        if adm is not None and adm.trajectories is not None:
+            return adm.trajectories
+        return self.batch_size * (self.group_size if self.grouped else 1)
+
     @property
     def counts(self) -> list[int]:
         """Rows per source in every batch (largest-remainder rounding of the weights)."""
@@ -470,6 +533,9 @@ class Recipe(_Model):
                 f"sources[{i}] ({src.name}).sampler.{p}" for p in src.sampler.problems(schema.tags)
             ]
         problems += self._augment_problems(schema)
+        for name in sorted(self.clean.names()) if self.clean is not None else []:
+            if getattr(schema.fields.get(name), "ragged", False):
+                problems.append(f"clean: {name!r} is ragged; rules read fixed-shape fields")
         if self.rollout is not None:
             missing = [t for t in (LOG_PROB, VALUE) if schema.tags.get(t) != "num"]
             if missing:  # bootstrap_value may not be there yet: no segment ended so far

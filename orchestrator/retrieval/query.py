@@ -4,13 +4,16 @@ Per process and namespace index a session keeps the namespace's sampling index (
 metadata a ``where`` reads; the host's shared one where there is one), the index's
 vectors (:class:`~orchestrator.retrieval.vectors.VectorIndex`) and masks kept current
 incrementally: ``valid`` (alive, trainable, and the stored vector is the one of the step
-in the row now) and one per recent ``where``. A query syncs both indexes, searches the
-rows ``valid & where`` allows for ``k + SLACK`` candidates, and checks them against the
-store (``lua/live.lua``: the slot not allocated again since, the alive bit set) before
-taking the first ``k`` live ones; the fields asked for are then read through the
-sampling fetch, whose script checks the same in the round trip that reads them. A step
-evicted before the query started fails the first check, one evicted during it the
-second (the query then runs again): no evicted step is ever returned.
+in the row now) and one per recent ``where``. A query syncs both indexes (the vectors'
+log is read in the same round trip as the namespace's config: a namespace made again
+starts a new session), searches the rows ``valid & where`` allows for ``k + SLACK``
+candidates and reads the fields of the first ``k`` through the sampling fetch, whose
+script checks in the round trip that reads them that each row still holds its step (the
+slot not allocated again since, the alive bit set). Three round trips in all. When a row
+fails that check (evicted since the sync) the query runs again, now checking the
+candidates first (``lua/live.lua``) and keeping the first ``k`` live ones, whose fetch
+checks them once more. A step evicted before the query started is masked by the sync or
+fails a check, one evicted during it fails the fetch's: no evicted step is ever returned.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from claw_tasks.connection.client import identity
 from claw_tasks.format.stepmeta import UNTRAINABLE
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from claw_tasks.store.config import NamespaceConfig
 from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.where import Where
 from claw_tasks.worker.lru import LRU
@@ -53,6 +57,10 @@ WHERE_CACHE = 8
 
 class RetrievalError(RuntimeError):
     """Every attempt of a query met steps evicted or overwritten before they were read."""
+
+
+class Recreated(Exception):
+    """The namespace's config changed its creation time (or it is gone): start afresh."""
 
 
 @dataclass
@@ -92,9 +100,15 @@ def nearest(
     keys: what a recipe's ``fields`` may name)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    session = _session(namespace_or_store, redis_url, index)
-    with session.lock:
-        return session.query(np.asarray(states), k, where, params or {}, list(fields), projected)
+    states = np.asarray(states)
+    for _ in range(2):
+        session = open_session(namespace_or_store, redis_url, index)
+        with session.lock:
+            try:
+                return session.query(states, k, where, params or {}, list(fields), projected)
+            except Recreated:  # the namespace was made again since the session began
+                sessions.drop(lambda key, gone=session.key: key == gone)
+    raise RetrievalError(f"nearest in {session.store.namespace!r}: the namespace keeps changing")
 
 
 _lock = threading.Lock()
@@ -106,7 +120,10 @@ def forget_namespace(namespace: str) -> None:
     sessions.drop(lambda key: key[-3] == namespace)
 
 
-def _session(target: str | Store, redis_url: str | None, name: str) -> Session:
+def open_session(target: str | Store, redis_url: str | None, name: str) -> Session:
+    """This process's session of index ``name`` (made on first use, kept in ``sessions``:
+    later queries reuse its copy of the index and catch it up from the log; each query
+    checks the namespace's config in the round trip that reads the log)."""
     store = (
         target
         if isinstance(target, Store)
@@ -114,18 +131,14 @@ def _session(target: str | Store, redis_url: str | None, name: str) -> Session:
     )
     key = (*identity(store.r), store.namespace, name, os.getpid())
     with _lock:
-        created = store.config(refresh=True).created
-        s = sessions.get(key, lambda: Session(store, name))
-        if s.created != created:  # the namespace was made again: start cold
-            s = Session(store, name)
-            sessions.put(key, s)
-        return s
+        return sessions.get(key, lambda: Session(store, name, key))
 
 
 class Session:
     """One index of one namespace in this process (see the module docstring)."""
 
-    def __init__(self, store: Store, name: str) -> None:
+    def __init__(self, store: Store, name: str, key: tuple[Any, ...] = ()) -> None:
+        self.key = key  # in ``sessions``
         specs = list_indexes(store)
         if name not in specs:
             known = ", ".join(specs) or "none"
@@ -136,7 +149,7 @@ class Session:
         if cfg.schema is None:
             raise SpecError(f"namespace {store.namespace!r} has no steps yet")
         self.spec: IndexSpec = specs[name]
-        self.created = cfg.created
+        self.created, self.config_raw = cfg.created, cfg.to_bytes()
         self.store, self.lock = store, threading.Lock()
         check_field(self.spec, cfg.schema.fields)
         shape = tuple(cfg.schema.fields[self.spec.field].shape)
@@ -150,6 +163,7 @@ class Session:
         self.compiled: dict[Any, Where] = {}
         self._meta: list[np.ndarray | None] = []
         self.index.subscribe(self._changed)
+        self.recipes: dict[tuple[str, ...], Recipe] = {}  # what _read assembles, by fields
 
     def _changed(self, rows: np.ndarray | None) -> None:
         self.strings.observe(rows)
@@ -235,12 +249,17 @@ class Session:
             raise SpecError(
                 f"query vectors of shape {queries.shape[1:]}, index dim {self.project.dim}"
             )
-        for _ in range(ATTEMPTS):
+        for attempt in range(ATTEMPTS):
+            # The config first: a namespace made again must not reach the old geometry.
+            changed = self.vectors.refresh(watch=(self.store.keys.config, self._check_config))
             self.index.sync()
-            self._update_masks(self.vectors.refresh())
+            self._update_masks(changed)
             mask = self._where_mask(self._compile(where), params)
             dist, rows = self.vectors.search(queries, k + SLACK, mask)
-            picked = self._live(dist, rows, k)
+            if attempt == 0:  # the first k: the fetch checks them (most often all live)
+                picked: tuple[np.ndarray, np.ndarray] | None = (dist[:, :k], rows[:, :k])
+            else:  # some were gone last time: keep the first k that still hold their step
+                picked = self._live(dist, rows, k)
             if picked is None:
                 continue
             dist, rows = picked
@@ -253,6 +272,18 @@ class Session:
             "evicted or overwritten before they were read (an eviction is removing many of "
             "them: try again)"
         )
+
+    def _check_config(self, raw: bytes | None) -> None:
+        """Raise :class:`Recreated` when the config read with the log belongs to another
+        namespace of the same name (or there is none)."""
+        if raw == self.config_raw:
+            return
+        if (
+            raw is None
+            or NamespaceConfig.from_bytes(raw, self.store.namespace).created != self.created
+        ):
+            raise Recreated(self.store.namespace)
+        self.config_raw = raw  # new tags or retention: the sampling index takes them up
 
     def _live(
         self, dist: np.ndarray, rows: np.ndarray, k: int
@@ -314,12 +345,15 @@ class Session:
         ids[found] = cols["id"][uniq][inverse]
         if not len(uniq):
             return ids, {f: np.zeros((m, k)) for f in fields}, {}
-        recipe = Recipe(
-            name="nearest",
-            batch_size=len(uniq),
-            fields=fields or ["id"],
-            sources=[{"name": "nearest"}],  # type: ignore[list-item]
-        )
+        names = tuple(fields) or ("id",)
+        recipe = self.recipes.get(names)
+        if recipe is None:  # validated once per fields: a Recipe costs ~0.3 ms to build
+            recipe = self.recipes[names] = Recipe(
+                name="nearest",
+                batch_size=1,
+                fields=list(names),
+                sources=[{"name": "nearest"}],  # type: ignore[list-item]
+            )
         draw = Draw(uniq, np.ones(len(uniq), np.float32), np.zeros(len(uniq), np.int16))
         batch = Assembly(self, recipe, draw).run()
         if batch is None:

@@ -17,12 +17,28 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    StrictBool,
+    StrictStr,
+    field_validator,
+)
 
 from orchestrator.recipe.model import Name
 
 Feature = Callable[[np.ndarray, dict[str, Any]], np.ndarray]
 METRICS = ("l2", "ip", "cosine")
+TWO_LEVEL_FROM = 8192
+"""From this many IVF lists on, k-means runs in two levels (orchestrator/retrieval/writer.py)."""
+TRAIN_PER_LIST = {1: 39, 2: 10}
+"""k-means samples per IVF list, by levels: faiss's minimum of 39 for one k-means over
+every list (fewer cost recall: 10 per list at 4,096 lists lost 0.03 of recall@10 at
+``nprobe`` 8), 10 for two levels (16,384 lists on 164k vectors, recall 0.99 at 16)."""
+TRAIN_SHARE = 4
+"""The default ``nlist`` trains once at most a quarter of the capacity holds vectors."""
 
 
 class SpecError(ValueError):
@@ -46,8 +62,17 @@ class IndexSpec(BaseModel):
     metric: Literal["l2", "ip", "cosine"] = "l2"
     kind: Literal["auto", "exact", "ivf"] = "auto"
     nlist: PositiveInt | None = None
-    """IVF lists; default ``4 * sqrt(capacity)`` rounded to a power of two, 64..65536."""
-    nprobe: PositiveInt = 16
+    """IVF lists; default ``16 * sqrt(capacity)`` rounded to a power of two, 64..65536."""
+    nprobe: PositiveInt = 12
+    """IVF lists a query scans (divided by the share of rows its ``where`` keeps)."""
+    quantizer: Literal["hnsw", "flat"] = "hnsw"
+    """How a query finds its ``nprobe`` lists: an HNSW graph over the centroids (built by
+    each reader from the stored centroids) or a flat scan of every centroid."""
+    quantizer_ef: PositiveInt = 16
+    """The HNSW quantizer's ``efSearch`` (at least ``nprobe`` is used)."""
+    retrain: StrictBool = True
+    """Train the quantizer again each time the vectors have doubled (within the capacity);
+    each training makes every reading process reload its copy."""
     exact_below: int = Field(20_000, ge=0)
     """A query whose ``where`` leaves at most this many steps scans them exactly."""
     where: StrictStr | dict[str, Any] = {}
@@ -71,15 +96,27 @@ class IndexSpec(BaseModel):
         return value
 
     def lists(self, capacity: int) -> int:
-        """IVF lists for a namespace of ``capacity`` steps."""
+        """IVF lists for a namespace of ``capacity`` steps: ``16 * sqrt(capacity)`` as a
+        power of two in 64..65536, halved until training needs at most a quarter of the
+        capacity. Many short lists (1M steps: 16,384 of ~61), which the HNSW quantizer
+        finds cheaply, make a query scan few vectors (docs/benchmarks.md, "Retrieval")."""
         if self.nlist is not None:
             return self.nlist
-        return int(min(65536, max(64, 2 ** round(math.log2(4 * math.sqrt(max(capacity, 1)))))))
+        n = int(min(65536, max(64, 2 ** round(math.log2(16 * math.sqrt(max(capacity, 1)))))))
+        while n > 64 and per_list(n) * n > capacity / TRAIN_SHARE:
+            n //= 2
+        return n
 
     def train_size(self, capacity: int) -> int:
-        """Vectors the IVF quantizer is trained on (and must exist before it is): 39 per
-        list, faiss's own minimum for k-means (below it an exact scan is used)."""
-        return 39 * self.lists(capacity)
+        """Vectors the IVF quantizer is trained on (and must exist before it is):
+        ``TRAIN_PER_LIST`` per list (below it an exact scan is used)."""
+        n = self.lists(capacity)
+        return per_list(n) * n
+
+
+def per_list(nlist: int) -> int:
+    """k-means samples per list for ``nlist`` lists."""
+    return TRAIN_PER_LIST[2 if nlist >= TWO_LEVEL_FROM else 1]
 
 
 def load_feature(name: str, allowed: tuple[str, ...]) -> Feature:

@@ -2,8 +2,9 @@
 
 Namespace level (``claw:{ns}:``): ``vx`` (hash: index name -> its definition as JSON),
 ``vx:<name>`` (hash: ``dim``; ``created``, the namespace config's creation time the index
-belongs to; ``gen``, 0 until the IVF quantizer is trained, then 1; ``nlist`` and
-``centroids`` as raw float32; ``runs`` and ``pending``, the writer's ticks and the steps
+belongs to; ``gen``, 0 until the IVF quantizer is trained, then 1, one more each time it
+is trained again; ``nlist`` and ``centroids`` as raw float32; ``trained``, the vectors
+there were when it was last trained; ``runs`` and ``pending``, the writer's ticks and the steps
 it had left after the last), ``vx:<name>:log`` (stream: one entry per write, ``rows`` the
 global rows ``shard * cap + slot`` written, as ``<i8``; ``gen`` when the quantizer was
 trained), ``vx:<name>:lock`` (the writer's lock: one maintenance task at a time writes
@@ -13,7 +14,7 @@ Shard level (``claw:{ns:s}:vx:<name>:``), indexed by slot like the store's colum
 chunk sized once when first touched (``lua/vsize.lua``): ``v:<chunk>`` float32 vectors of
 ``dim`` (just under 1 MiB a chunk), ``i:<chunk>`` the ``<i8`` id of the step each vector
 was computed from (0: none; a slot whose id differs holds another step now), ``a:<chunk>``
-``<i4`` IVF list + 1 of each vector under generation ``gen`` (0: not assigned).
+``<i4`` IVF list + 1 of each vector under the latest generation (0: not assigned).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import redis
 
 from claw_tasks.store import Store
 from claw_tasks.store.config import LOG_MAXLEN
@@ -37,6 +39,10 @@ LOCK_TTL_S = 120
 _SIZE = Lua("vsize", "orchestrator")
 _LOG_SINCE = Lua("log_since", "orchestrator")
 LOG_PAGE = 1000
+
+
+def _parsed(entries: list[Any]) -> list[tuple[bytes, dict]]:
+    return [(eid, dict(zip(kv[::2], kv[1::2], strict=True))) for eid, kv in entries]
 
 
 def defs_key(store: Store) -> str:
@@ -129,6 +135,7 @@ class Head:
     gen: int = 0
     nlist: int = 0
     centroids: np.ndarray | None = None
+    trained: int = 0  # vectors there were when the quantizer was last trained
 
 
 @dataclass
@@ -165,7 +172,7 @@ class Storage:
         cent = None
         if gen and h.get(b"centroids"):
             cent = np.frombuffer(h[b"centroids"], "<f4").reshape(nlist, self.dim).copy()
-        return Head(self.dim, self.created, gen, nlist, cent)
+        return Head(self.dim, self.created, gen, nlist, cent, int(h.get(b"trained", 0)))
 
     def reset_head(self) -> None:
         """A fresh head for this namespace: every old vector is stale (ids no longer
@@ -182,21 +189,23 @@ class Storage:
             pipe.execute()
         self.sized.clear()
 
-    def set_trained(self, centroids: np.ndarray) -> None:
-        """Publish the trained quantizer (generation 1) and tell readers (a ``gen`` entry:
-        they reload, the assignments having been written first)."""
-        nlist = len(centroids)
+    def set_trained(self, centroids: np.ndarray, vectors: int) -> int:
+        """Publish a trained quantizer (the next generation; ``vectors`` there were) and
+        tell readers (a ``gen`` entry: they reload, the assignments having been written
+        first). Returns the generation."""
         with self.r.pipeline(transaction=False) as pipe:
+            pipe.hincrby(self.keys.head, "gen", 1)
             pipe.hset(
                 self.keys.head,
                 mapping={
-                    "gen": 1,
-                    "nlist": nlist,
+                    "nlist": len(centroids),
                     "centroids": np.ascontiguousarray(centroids, "<f4").tobytes(),
+                    "trained": vectors,
                 },
             )
-            pipe.execute()
-        self.r.xadd(self.keys.log, {"gen": 1}, maxlen=LOG_MAXLEN, approximate=True)
+            gen = int(pipe.execute()[0])
+        self.r.xadd(self.keys.log, {"gen": gen}, maxlen=LOG_MAXLEN, approximate=True)
+        return gen
 
     def ran(self, done: Mapping[str, Any]) -> None:
         """Count a writer's tick in the head (``runs``, ``pending``: what ``claw stats`` and
@@ -210,6 +219,20 @@ class Storage:
     def lock(self) -> str | None:
         token = uuid.uuid4().hex
         return token if self.r.set(self.keys.lock, token, nx=True, ex=LOCK_TTL_S) else None
+
+    def renew(self, token: str) -> bool:
+        """Extend the lock by ``LOCK_TTL_S`` while it is still ``token``'s."""
+        with self.r.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(self.keys.lock)
+                if pipe.get(self.keys.lock) != token.encode():
+                    return False
+                pipe.multi()
+                pipe.expire(self.keys.lock, LOCK_TTL_S)
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                return False
 
     def unlock(self, token: str) -> None:
         if self.r.get(self.keys.lock) == token.encode():
@@ -300,8 +323,20 @@ class Storage:
     def log_since(self, last: str, seen: int) -> tuple[bool, list[tuple[bytes, dict]]]:
         """Log entries after ``last``; True first when some were lost (trimmed)."""
         lost, entries = _LOG_SINCE(self.r, [self.keys.log], [last, seen, LOG_PAGE])
-        parsed = [(eid, dict(zip(kv[::2], kv[1::2], strict=True))) for eid, kv in entries]
-        return bool(int(lost)), parsed
+        return bool(int(lost)), _parsed(entries)
+
+    def log_and_get(
+        self, last: str, seen: int, key: str
+    ) -> tuple[bool, list[tuple[bytes, dict]], bytes | None]:
+        """:meth:`log_since` and the value of ``key`` (a namespace-level key: the same
+        slot) in one round trip."""
+
+        def queue(pipe: Any) -> None:
+            _LOG_SINCE.queue(pipe, [self.keys.log], [last, seen, LOG_PAGE])
+            pipe.get(key)
+
+        (lost, entries), value = execute(self.r, [_LOG_SINCE], queue)
+        return bool(int(lost)), _parsed(entries), value
 
     # ---- layout ----------------------------------------------------------------------
     def _chunks(self, per: int) -> int:

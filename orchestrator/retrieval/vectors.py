@@ -10,11 +10,16 @@ assignment: the writer stored each vector's list), then kept current from the in
 Search takes a boolean mask over rows (the caller's: alive, trainable, ``vid == id``, its
 ``where``): few candidates (``exact_below``), an untrained or ``exact`` index: an exact
 scan of just those rows' vectors; otherwise the IVF searched with the mask as a Faiss
-``IDSelectorBitmap`` (``nprobe`` lists), falling back to the exact scan for queries whose
-probed lists held fewer than ``k`` candidates.
+``IDSelectorBitmap`` (``nprobe`` lists, divided by the share of rows the mask keeps, found
+by an HNSW graph over the centroids that this copy builds from the stored ones:
+``quantizer: hnsw``), falling back to the exact scan for queries whose probed lists held
+fewer than ``k`` candidates.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -22,7 +27,7 @@ from claw_tasks.store import Store
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import Head, Storage
-from orchestrator.retrieval.writer import assign, quantizer
+from orchestrator.retrieval.writer import HNSW_M, assign, quantizer
 
 
 def exact_search(
@@ -63,6 +68,7 @@ class VectorIndex:
         ivf = 0
         if self.ivf is not None:
             ivf = self.ivf.ntotal * (4 * self.dim + 8) + 16 * self.ivf.ntotal  # + direct map
+            ivf += self.ivf.nlist * (4 * self.dim + 8 * HNSW_M)  # the quantizer (and its graph)
         return self.vectors.nbytes + self.vid.nbytes + self.lists.nbytes + ivf
 
     def load(self) -> None:
@@ -77,7 +83,7 @@ class VectorIndex:
         self.loads += 1
         if self.head is None or self.head.centroids is None:
             return
-        self.q = quantizer(self.head.centroids, self.spec.metric)
+        self.q = quantizer(self.head.centroids, self.spec.metric, self.spec.quantizer)
         metric = faiss.METRIC_L2 if self.spec.metric == "l2" else faiss.METRIC_INNER_PRODUCT
         ivf = faiss.IndexIVFFlat(self.q, self.dim, self.head.nlist, metric)
         ivf.is_trained = True
@@ -99,15 +105,26 @@ class VectorIndex:
         self.ivf.add_core(len(rows), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(at))
         self.lists[rows] = lists
 
-    def refresh(self) -> np.ndarray | None:
+    def refresh(
+        self, watch: tuple[str, Callable[[bytes | None], None]] | None = None
+    ) -> np.ndarray | None:
         """Apply the log since the last look: returns the rows whose vector changed, or
-        None after a cold load (every row may have)."""
+        None after a cold load (every row may have). ``watch``: a namespace-level key read
+        in the same round trip as the log, and what to call with its value before
+        anything is applied (it may raise)."""
         if self.head is None:
+            if watch is not None:
+                watch[1](self.store.r.get(watch[0]))
             self.load()
             return None
         changed = []
         while True:
-            lost, entries = self.storage.log_since(*self.log)
+            if watch is not None:
+                lost, entries, value = self.storage.log_and_get(*self.log, watch[0])
+                watch, check = None, watch[1]  # its first page's round trip
+                check(value)
+            else:
+                lost, entries = self.storage.log_since(*self.log)
             if lost or any(b"gen" in e for _, e in entries):
                 self.load()
                 return None
@@ -142,12 +159,20 @@ class VectorIndex:
         L2 for ``l2``, inner products (larger is nearer) for ``ip`` and ``cosine``."""
         queries = np.ascontiguousarray(queries, np.float32)
         exact = self.ivf is None or self.spec.kind == "exact"
-        if exact or np.count_nonzero(mask) <= self.spec.exact_below:
+        allowed = np.count_nonzero(mask)
+        if exact or allowed <= self.spec.exact_below:
             return self._exact(queries, k, mask)
         assert self.ivf is not None
         bits = np.packbits(mask, bitorder="little")
         sel = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits))
-        params = faiss.SearchParametersIVF(sel=sel, nprobe=min(self.spec.nprobe, self.ivf.nlist))
+        # A mask keeping a share f of the rows probes nprobe / f lists: about as many
+        # allowed candidates as an unrestricted query scans (each masked one costs a bit test).
+        share = min(1.0, allowed / max(self.ivf.ntotal, 1))
+        nprobe = min(self.ivf.nlist, math.ceil(self.spec.nprobe / share))
+        params = faiss.SearchParametersIVF(sel=sel, nprobe=nprobe)
+        if self.spec.quantizer == "hnsw":
+            hnsw = faiss.SearchParametersHNSW(efSearch=max(self.spec.quantizer_ef, nprobe))
+            params.quantizer_params = hnsw
         dist, rows = self.ivf.search(queries, k, params=params)
         short = (rows < 0).any(axis=1)
         if short.any():  # the probed lists held fewer than k candidates: scan exactly
@@ -161,4 +186,6 @@ class VectorIndex:
         """An exact scan of the rows ``mask`` allows."""
         candidates = np.flatnonzero(mask)
         dist, pos = exact_search(queries, self.vectors[candidates], k, self.spec.metric)
+        if not len(candidates):  # every row masked (evicted or filtered out): all -1
+            return dist, pos
         return dist, np.where(pos >= 0, candidates[np.maximum(pos, 0)], -1)

@@ -7,12 +7,16 @@ overwritten meanwhile fails the read and waits for the next tick), projects them
 writes vectors, ids and list assignments as raw arrays, then logs the rows. Once
 ``train_size`` vectors exist (``kind`` ``auto`` or ``ivf``) it trains the IVF quantizer
 (k-means on a sample), assigns every stored vector, and publishes the centroids: readers
-reload once. Evicted steps are not removed here: readers mask rows that are not alive,
-and a reused slot gets its new step's vector on the next tick.
+reload once. It trains again, the same way, each time the vectors have doubled since
+(while the double still fits the capacity): a million-step namespace trains at 164k, 328k
+and 655k vectors, the last time on a sample of most of its steps. Evicted steps are not
+removed here: readers mask rows that are not alive, and a reused slot gets its new step's
+vector on the next tick.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -23,7 +27,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.where import Where
 from orchestrator.retrieval.engine import faiss
-from orchestrator.retrieval.spec import IndexSpec, Projection
+from orchestrator.retrieval.spec import TWO_LEVEL_FROM, IndexSpec, Projection, per_list
 from orchestrator.retrieval.storage import Head, Rows, Storage, check_field
 from orchestrator.sampling.fetch import Fetcher, payload_read
 from orchestrator.sampling.index import SamplingIndex
@@ -31,17 +35,22 @@ from orchestrator.sampling.strings import Strings
 
 BATCH_ROWS = 2048
 """Steps read and projected per fetch."""
+ASSIGN_ROWS = 65536
+"""Vectors assigned per call after training (the lock is renewed between calls)."""
 KMEANS_ITER = 10
 SEED = 1234
+HNSW_M = 32
+RETRAIN_GROWTH = 2
+"""The quantizer is trained again once the vectors have doubled since its last training."""
+"""Links per node of the HNSW quantizer's graph."""
 
 
-def quantizer(centroids: np.ndarray, metric: str) -> faiss.Index:
-    """A flat index over the IVF centroids (L2, or inner product for ip/cosine)."""
-    q = (
-        faiss.IndexFlatL2(centroids.shape[1])
-        if metric == "l2"
-        else faiss.IndexFlatIP(centroids.shape[1])
-    )
+def quantizer(centroids: np.ndarray, metric: str, kind: str = "flat") -> faiss.Index:
+    """An index over the IVF centroids (L2, or inner product for ip/cosine): ``flat``
+    (exact; the writer assigns vectors with it) or ``hnsw`` (a graph: a query finds its
+    ``nprobe`` lists among 16,384 in a fraction of a flat scan's time)."""
+    d, fm = centroids.shape[1], faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+    q = faiss.IndexFlat(d, fm) if kind == "flat" else faiss.IndexHNSWFlat(d, HNSW_M, fm)
     q.add(np.ascontiguousarray(centroids, np.float32))
     return q
 
@@ -52,6 +61,24 @@ def assign(q: faiss.Index | None, vectors: np.ndarray) -> np.ndarray:
         return np.zeros(len(vectors), np.int32)
     _, lists = q.search(np.ascontiguousarray(vectors, np.float32), 1)
     return (lists[:, 0] + 1).astype(np.int32)
+
+
+def train_centroids(sample: np.ndarray, nlist: int, spherical: bool) -> np.ndarray:
+    """k-means centroids of ``sample``. From ``TWO_LEVEL_FROM`` lists on, two levels
+    (``sqrt(nlist)`` clusters, then each split in proportion to its size: faiss's
+    ``two_level_clustering``): at 16,384 lists a seventeenth of one k-means's CPU time over
+    every list, and as good for search (docs/benchmarks.md, "Retrieval")."""
+    # The sample holds TRAIN_PER_LIST vectors per list on purpose: no warning about it.
+    args = {"seed": SEED, "spherical": spherical, "verbose": False, "min_points_per_centroid": 1}
+    if nlist < TWO_LEVEL_FROM:
+        km = faiss.Kmeans(sample.shape[1], nlist, niter=KMEANS_ITER, **args)
+        km.train(sample)
+        return np.asarray(km.centroids, np.float32)
+    from faiss.contrib.clustering import two_level_clustering
+
+    top = round(math.sqrt(nlist))
+    centroids, _ = two_level_clustering(sample, top, nlist, clustering_niter=KMEANS_ITER, **args)
+    return np.ascontiguousarray(centroids, np.float32)
 
 
 def read_rows(
@@ -86,6 +113,7 @@ class Writer:
         self.head: Head | None = None
         self.q: faiss.Index | None = None
         self.log = ("0-0", 0)
+        self.token = ""
 
     def _start(self) -> None:
         """Load what is stored (or start the index afresh for this namespace)."""
@@ -131,12 +159,19 @@ class Writer:
         token = self.storage.lock()
         if token is None:
             return {"written": 0, "locked": True}
+        self.token = token
         try:
             done = self._run(index, strings, budget_s, max_rows)
             self.storage.ran(done)
             return done
         finally:
             self.storage.unlock(token)
+
+    def _renew(self) -> None:
+        """Keep the lock through a long training tick (k-means, then every stored vector
+        assigned): another writer must not train a second quantizer meanwhile."""
+        if not self.storage.renew(self.token):
+            raise RuntimeError("vector index writer: lost its lock while training")
 
     def _run(
         self, index: SamplingIndex, strings: Strings, budget_s: float, max_rows: int | None
@@ -176,36 +211,45 @@ class Writer:
         return {"written": written, "pending": left, "skipped": skipped, "trained": trained}
 
     def _train_if_due(self, index: SamplingIndex) -> bool:
-        """Train the IVF quantizer once enough vectors exist (kind ``auto``/``ivf``)."""
+        """Train the IVF quantizer once enough vectors exist (kind ``auto``/``ivf``), and
+        again each time they have grown ``RETRAIN_GROWTH``-fold since, while that still
+        fits the capacity: the first training sees only the first steps written (a few
+        hundred episodes of a million-step namespace), whose states cover less of the
+        space than the later ones."""
         spec, head = self.spec, self.head
-        if spec.kind == "exact" or head is None or head.gen:
+        if spec.kind == "exact" or head is None:
             return False
         cap = index.n_shards * index.cap
-        nlist, need = spec.lists(cap), spec.train_size(cap)
         cols = index.columns
         assert self.seen is not None
         have = cols["alive"] & (self.seen == cols["id"]) & (self.seen != 0)
-        if int(have.sum()) < need:
+        count = int(have.sum())
+        if head.gen and not spec.retrain:
             return False
+        if head.gen:
+            nlist, need = head.nlist, per_list(head.nlist) * head.nlist
+            again = RETRAIN_GROWTH * head.trained
+            if not head.trained or count < again or again > cap:
+                return False
+        else:
+            nlist, need = spec.lists(cap), spec.train_size(cap)
+            if count < need:
+                return False
         stored = self.storage.read_all(("v", "i"))
         rows = np.flatnonzero(have & (stored["i"] == cols["id"]))
         if len(rows) < need:
             return False
-        rng = np.random.default_rng(SEED)
+        rng = np.random.default_rng(SEED + head.gen)
         sample = stored["v"][np.sort(rng.choice(rows, need, replace=False))]
-        km = faiss.Kmeans(
-            self.project.dim,
-            nlist,
-            niter=KMEANS_ITER,
-            seed=SEED,
-            spherical=spec.metric == "cosine",
-            verbose=False,
-        )
-        km.train(sample)
-        q = quantizer(km.centroids, spec.metric)
+        centroids = train_centroids(sample, nlist, spec.metric == "cosine")
+        self._renew()
+        q = quantizer(centroids, spec.metric)
         every = np.flatnonzero(stored["i"] != 0)
-        self.storage.write_assign(every, assign(q, stored["v"][every]))
-        self.storage.set_trained(km.centroids)
+        for lo in range(0, len(every), ASSIGN_ROWS):
+            part = every[lo : lo + ASSIGN_ROWS]
+            self.storage.write_assign(part, assign(q, stored["v"][part]))
+            self._renew()
+        self.storage.set_trained(centroids, len(rows))
         head = self.storage.head()
         if head is not None:
             self._use(head)

@@ -51,7 +51,10 @@ class Assembly:
     """The reads a draw needs, and how their results become the batch's fields.
     ``stacks``: the recipe sampler's frame predecessors (``frame_stack > 1`` only).
     ``extra``: label -> (payload field, rows): that field at other rows too, read and
-    checked in the same fetch, as the batch's field ``label`` (a joint batch's state)."""
+    checked in the same fetch, as the batch's field ``label`` (a joint batch's state).
+    ``columns``: what the rows were drawn from when not the index's own (a recipe ``as_of``
+    a snapshot: its labels, priorities and tags), so the batch's metadata is what the
+    sampler saw."""
 
     def __init__(
         self,
@@ -60,10 +63,12 @@ class Assembly:
         draw: Draw,
         stacks: Predecessors | None = None,
         extra: Mapping[str, tuple[str, np.ndarray]] | None = None,
+        columns: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.s, self.recipe, self.draw = session, recipe, draw
         self.extra = dict(extra or {})
-        cols, cap = session.index.columns, session.index.cap
+        cols = session.index.columns if columns is None else columns
+        cap = session.index.cap
         self.cols, self.cap = cols, cap
         length = recipe.sequence_length
         b = len(draw.rows)  # a group draw has as many rows as its groups have steps

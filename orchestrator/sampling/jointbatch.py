@@ -16,6 +16,7 @@ Every present agent's record is read like a row of a plain recipe (one
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -31,10 +32,17 @@ from orchestrator.sampling.samplers import Draw
 _STATE, _NEXT = "~state", "~next_state"
 
 
-def assemble_joint(session: Reader, recipe: Recipe, draw: Draw, table: JointTable) -> Batch | None:
+def assemble_joint(
+    session: Reader,
+    recipe: Recipe,
+    draw: Draw,
+    table: JointTable,
+    columns: Mapping[str, np.ndarray] | None = None,
+) -> Batch | None:
     """The joint batch of ``draw`` (its rows are anchors), or None when a record was gone
-    by the time it was read (the caller draws again)."""
-    cols = session.index.columns
+    by the time it was read (the caller draws again). ``columns``: as :class:`Assembly`
+    takes them."""
+    cols = session.index.columns if columns is None else columns
     anchors = draw.rows
     members = table.members(cols, anchors)
     present = members >= 0
@@ -51,7 +59,7 @@ def assemble_joint(session: Reader, recipe: Recipe, draw: Draw, table: JointTabl
         extra[_NEXT] = (STATE_FIELD, nxt[nxt >= 0])
     flat_recipe = recipe.model_copy(update={"fields": per_agent or ["reward"], "joint": None})
     flat_draw = Draw(flat, np.ones(len(flat), np.float32), np.zeros(len(flat), np.int16))
-    got = Assembly(session, flat_recipe, flat_draw, extra=extra).run()
+    got = Assembly(session, flat_recipe, flat_draw, extra=extra, columns=cols).run()
     if got is None:
         return None
     fields: dict[str, Any] = {}

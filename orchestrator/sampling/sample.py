@@ -348,9 +348,9 @@ class _Session:
         )
         draw = b.sampler.sample(columns, b.rng if rng is None else rng, live, claims=claims)
         if b.sampler.joint is not None:
-            batch = assemble_joint(self, recipe, draw, b.sampler.joint)
-        else:
-            batch = Assembly(self, recipe, draw, b.sampler.stacks).run()
+            batch = assemble_joint(self, recipe, draw, b.sampler.joint, columns)
+        else:  # the batch's metadata from what was drawn from (a snapshot's labels)
+            batch = Assembly(self, recipe, draw, b.sampler.stacks, columns=columns).run()
         if batch is None:
             return None
         b.hits = (tuple(s.n for s in b.sampler.sources), self._count_live(columns["alive"]))

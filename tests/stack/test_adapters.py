@@ -16,6 +16,7 @@ from orchestrator.adapters.experience import plan_for
 from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.adapters.torch import ClawIterableDataset
 from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.lineage import LineageLog
 
 
 def _ingest_vectors(url: str, ns: str, episodes: int = 4, steps: int = 40) -> None:
@@ -74,6 +75,12 @@ def test_torch_dataset_in_dataloader_workers(redis_url, namespace, workers):
     items = list(DataLoader(ds, batch_size=None, num_workers=2))
     assert len(items) == 4  # num_batches per worker
     assert all(i["obs"].shape == (8, 8) and i["ids"].shape == (8,) for i in items)
+    # lineage: the k-th batch the loader gave trains version k, whichever worker made it
+    log = LineageLog(Store(redis_url, namespace))
+    assert log.counts() == {"1": 1, "2": 1, "3": 1, "4": 1}
+    for k, item in enumerate(items, 1):
+        (entry,) = log.trained(k)
+        assert np.array_equal(entry.ids, np.sort(item["ids"].numpy())), k
 
 
 # ---- Stable-Baselines3 ---------------------------------------------------------------
@@ -203,7 +210,13 @@ def test_dqn_trains_on_cartpole(redis_url, namespace, workers):
     name = rb.recipe_name(32)
     assert rb.client.stats(name)[name]["popped"] >= (800 - 200) // 4
     rb.close()
-    assert Store(redis_url, namespace).count({}) == 800
+    store = Store(redis_url, namespace)
+    assert store.count({}) == 800
+    # lineage without a line of the user's: sample k trained the model of _n_updates k
+    assert model._n_updates >= (800 - 200) // 4 and rb.updates == model._n_updates
+    log = LineageLog(store)
+    assert log.counts() == {str(v): 1 for v in range(1, model._n_updates + 1)}
+    assert {e.rows for e in log.entries()} == {32}
 
 
 def test_sac_trains_on_pendulum(redis_url, namespace, workers):
@@ -251,12 +264,22 @@ def test_sb3_one_prefetched_batch_serves_several_samples(redis_url, namespace, w
     stored = _all_sb3_rows(ref, None)
     name = claw.recipe_name(8)
     assert claw.client.registry.get(name).recipe.batch_size == 32
+    served = []
     for _ in range(12):
         got = claw.sample(8)
         assert got.observations.shape == (8, 4) and got.rewards.shape == (8, 1)
         rows = _rows(got)
         assert all((stored == row).all(1).any() for row in rows)
+        served.append(got.observations.numpy())
     claw.close()
+    # lineage: each sample (a quarter of a popped batch) is its own update, with its rows
+    store = Store(redis_url, namespace)
+    log = LineageLog(store)
+    assert log.counts() == {str(v): 1 for v in range(1, 13)}
+    for v, obs in enumerate(served, 1):
+        (entry,) = log.trained(v)
+        recorded = store.get(entry.ids, fields=["obs"])["obs"]
+        assert np.array_equal(np.sort(recorded, axis=0), np.sort(obs, axis=0)), v
 
 
 def test_sb3_defaults_size_themselves_from_the_bursts_of_samples(redis_url, namespace, workers):

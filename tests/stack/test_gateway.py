@@ -423,10 +423,11 @@ def test_auth_limits_and_upstream_failures(stack):
             model="sim", messages=[{"role": "user", "content": "x" * 4000}]
         )
     assert e.value.status_code == 413
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client(gw, "b").chat.completions.create(
-            model="sim", n=2, messages=[{"role": "user", "content": "hi"}]
-        )
+    for bad_n in (0, 65, "2"):
+        with pytest.raises(openai.BadRequestError, match="n must be an integer from 1 to 64"):
+            client(gw, "b").chat.completions.create(
+                model="sim", n=bad_n, messages=[{"role": "user", "content": "hi"}]
+            )
     with pytest.raises(openai.BadRequestError, match="no trajectory id"):
         no_identity = openai.OpenAI(base_url=gw.url + "/v1", api_key=TOKEN, max_retries=0)
         no_identity.chat.completions.create(

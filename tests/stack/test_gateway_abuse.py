@@ -29,6 +29,12 @@ from tests.support.llm_upstream import GARBAGE
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 REWARD = {"Authorization": f"Bearer {REWARD_TOKEN}"}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
 HELLO = [{"role": "user", "content": "hello"}]
 MiB = 1 << 20
 
@@ -283,6 +289,26 @@ REWARDS = [
     b'{"final_reward": 1, "reward_source": {"a": 1}}',
     b'{"final_reward": 1, "x": 2}',
     b"[1]",
+    b'{"final_reward": 1, "call_rewards": {"0123": 1}}',
+    b'{"final_reward": 1, "call_rewards": {"0123456789abcdef": "x"}}',
+    b'{"final_reward": 1, "call_rewards": [1]}',
+    b'{"final_reward": 1, "call_rewards": {}, "turn_rewards": []}',
+]
+SESSIONS = [  # bodies of POST /sessions that are not a session
+    b"",
+    b"[1]",
+    b'{"group": 5}',
+    b'{"trajectory": "a~1"}',
+    b'{"trajectory": "' + b"x" * 300 + b'"}',
+    b'{"reward": "no"}',
+    b'{"ttl_s": 1e400}',
+    b'{"ttl_s": -1}',
+    b'{"other": 1}',
+    b"{" * 3000,
+]
+BAD_RESPONSES = [  # bad only for /v1/responses
+    b'{"model": "sim", "input": "hi", "include": 5}',
+    b'{"model": "sim", "input": "hi", "include": "x"}',
 ]
 
 
@@ -368,8 +394,29 @@ def _storm(gw: Proc, rng: random.Random, n: int) -> tuple[list[str], int]:
                 assert r.status_code == 200 and len(r.content) > size
                 unrecordable += 1  # too_large (a stream the upstream ended is a call too)
             elif op == 10:
-                r = h.post(f"{gw.url}/t/{traj}/reward", content=rng.choice(REWARDS), headers=REWARD)
-                assert r.status_code in (400, 409), r.text
+                kind = rng.randrange(4)
+                if kind == 0:
+                    body = rng.choice(REWARDS)
+                    r = h.post(f"{gw.url}/t/{traj}/reward", content=body, headers=REWARD)
+                    assert r.status_code in (400, 409), r.text
+                elif kind == 1:  # the admin token is the reward token here
+                    body = rng.choice(SESSIONS)
+                    r = h.post(f"{gw.url}/sessions", content=body, headers=REWARD)
+                    assert r.status_code == 400, r.text
+                elif kind == 2:  # reads of tricky or missing trajectories
+                    t = rng.choice([*TRICKS, traj])
+                    r = h.get(f"{gw.url}/t/{t}", headers=REWARD)
+                    assert r.status_code in (200, 400, 404), (t, r.text)  # 200: a valid id
+                else:  # forged session keys, and bad Responses bodies
+                    key = f"cs~{rng.choice(['x', traj, 'a~1'])}~{'k' * rng.randrange(0, 200)}"
+                    r = h.post(url, json={"model": "sim", "messages": HELLO}, headers=bearer(key))
+                    assert r.status_code in (401, 403), r.text  # 403: another trajectory's
+                    r = h.post(
+                        f"{gw.url}/t/{traj}/v1/responses",
+                        content=rng.choice(BAD_RESPONSES + BAD_BODIES[:7]),
+                        headers=AUTH,
+                    )
+                    assert r.status_code in (400, 413), r.text
             else:  # methods and routes that do not exist
                 r = h.request(rng.choice(["GET", "PUT", "DELETE", "PATCH"]), url, headers=AUTH)
                 assert r.status_code in (404, 405)

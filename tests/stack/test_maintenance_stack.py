@@ -1,6 +1,6 @@
-"""Maintenance on the running stack: RedBeat beat drives eviction and recomputation on
-short intervals, `claw schedule` shows the entries (nightly archive included), and a
-failing maintenance task is FAILED in Flower's API."""
+"""Maintenance on the running stack: RedBeat beat drives eviction, recomputation, the
+quality and lineage-index passes on short intervals, `claw schedule` shows the entries
+(nightly archive included), and a failing maintenance task is FAILED in Flower's API."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import urllib.request
 from claw_tasks.broker.app import client_app
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
+from orchestrator.delivery.lineage import LineageLog, record
+from orchestrator.delivery.lineage_index import MIN_SEGMENT
 from orchestrator.maintenance.lifecycle import forget
 from orchestrator.maintenance.quality import read_quality
 from tests.support.paths import ROOT
@@ -23,7 +25,7 @@ from tests.support.stepdata import batch, episode
 
 FAST = (
     "{claw-evict: {every: 1}, claw-priorities: {every: 1s}, claw-refill: {every: 1m}, "
-    "claw-quality: {every: 1s}}"
+    "claw-quality: {every: 1s}, claw-lineage: {every: 1s}}"
 )
 
 
@@ -41,6 +43,11 @@ def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker
     store.commit(batch(episode(2, 20)))
     store.set_retention(Retention(max_age=3600))
     store.set_priority_rules({"unsampled_boost": 1.0})
+    lineage = LineageLog(store)
+    with store.r.pipeline(transaction=False) as pipe:  # popped batches: enough to index
+        for k in range(MIN_SEGMENT):
+            lineage.queue(pipe, record("r", 1, f"v{k // 100}", [1 + k % 50]))
+        pipe.execute()
     start_worker("maintenance")
     log = tmp_path / "beat.log"
     beat = celery(
@@ -53,6 +60,8 @@ def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker
         _wait(lambda: (read_quality(store) or {}).get("steps") == 20, "no quality pass", log)
         assert read_quality(store)["fields"]["reward"]["count"] == 20
         assert (store.episode("ep2", fields=[])["priority"] == 1.0).all()  # boosted
+        _wait(lambda: lineage.index.state()[1] is not None, "no lineage index pass", log)
+        assert lineage.counts() == {f"v{k}": min(100, MIN_SEGMENT - 100 * k) for k in range(11)}
         env = {
             **os.environ,
             "CLAW_REDIS_URL": redis_url,

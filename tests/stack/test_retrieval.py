@@ -20,8 +20,10 @@ from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
+from orchestrator.maintenance.lifecycle import drop_namespace
+from orchestrator.maintenance.vectors import update_indexes
 from orchestrator.retrieval import define_index, nearest
-from orchestrator.retrieval.query import forget_namespace
+from orchestrator.retrieval.query import forget_namespace, open_session, sessions
 from orchestrator.retrieval.storage import IndexKeys
 from tests.support.processes import Worker
 
@@ -74,7 +76,7 @@ def built(store: Store, redis_url: str, name: str = "default", trained: bool = T
         while runs(store, name) == before and time.monotonic() < deadline:
             time.sleep(0.05)
         h = store.r.hgetall(head)
-        if h.get(b"pending") == b"0" and (not trained or h.get(b"gen") == b"1"):
+        if h.get(b"pending") == b"0" and (not trained or int(h.get(b"gen", 0)) >= 1):
             return
     raise AssertionError(f"index {name} not built: {store.r.hgetall(head)}")
 
@@ -256,3 +258,67 @@ def test_claw_nearest_answers_from_the_shell(redis_url, expert, worker):
     assert out["ids"][0] == (exact(x, x[[10]], 3) + 1).tolist()[0]
     table = claw("--state", ",".join(map(str, x[10].tolist())), "--k", "2", "--fields", "action")
     assert "state 0" in table and " 11 " in table
+
+
+def test_a_namespace_made_again_is_queried_afresh(redis_url, namespace):
+    """A process's session notices, in the round trip that reads the index's log, that the
+    namespace was dropped and made again (another capacity, other steps)."""
+    x = np.random.default_rng(4).standard_normal((200, DIM)).astype(np.float32)
+    store = Store(redis_url, namespace)
+    store.create(capacity=500)
+    store.commit(steps(x, "a", "expert"))
+    define_index(store, {"kind": "exact"})
+    update_indexes(store)
+    try:
+        assert nearest(store, x[:3], 1).ids[:, 0].tolist() == [1, 2, 3]
+        old = open_session(store, None, "default")
+        drop_namespace(store.r, namespace)  # forgets this process's sessions: keep the old
+        sessions.put(old.key, old)  # one, as a process that did not drop it still has it
+        again = Store(redis_url, namespace)
+        again.create(capacity=300)
+        y = x[:100] + 5
+        again.commit(steps(y, "b", "expert", 1000))
+        define_index(again, {"kind": "exact"})
+        update_indexes(again)
+        got = nearest(again, y[:2], 1, fields=["action"])  # the same session key as before
+        assert got.fields["action"][:, 0].tolist() == [1000, 1001]
+        assert open_session(again, None, "default") is not old
+    finally:
+        forget_namespace(namespace)
+
+
+def test_the_quantizer_is_trained_again_as_the_vectors_double(redis_url, namespace):
+    """Trained on the first 1,000 steps, again at 2,000 (a reader reloads once for it),
+    and no more (the next double, 4,000, exceeds the capacity); answers stay exact with
+    every list probed."""
+    x = np.random.default_rng(7).standard_normal((3000, DIM)).astype(np.float32)
+    store = Store(redis_url, namespace)
+    store.create(capacity=3500)
+    define_index(store, {"nlist": 16, "nprobe": 16, "exact_below": 0})
+    head = IndexKeys(store, "default").head
+    try:
+        gens = []
+        for i in range(3):
+            store.commit(steps(x[i * 1000 : (i + 1) * 1000], f"e{i}", "expert", i * 1000))
+            update_indexes(store)
+            gens.append((int(store.r.hget(head, "gen")), int(store.r.hget(head, "trained"))))
+            got = nearest(store, x[[5, 999, i * 1000 + 7]] + 0.01, 3)
+            assert (
+                got.ids == exact(x[: (i + 1) * 1000], x[[5, 999, i * 1000 + 7]] + 0.01, 3) + 1
+            ).all()
+        assert gens == [(1, 1000), (2, 2000), (2, 2000)]
+        assert open_session(store, None, "default").vectors.loads == 2  # cold, then gen 2
+    finally:
+        forget_namespace(namespace)
+
+
+def test_a_narrow_where_probes_more_lists(redis_url, expert):
+    """``nprobe`` 2 of 16 lists, a where keeping 1/15 of the steps: it probes every list,
+    so the answers are the exact ones among those steps (2 lists would miss some)."""
+    store, x = expert
+    define_index(store, {"nlist": 16, "nprobe": 2, "exact_below": 0})
+    update_indexes(store)
+    kept = np.flatnonzero(np.arange(3000) % 1000 < 67)  # step_index < 67 in each episode
+    q = np.random.default_rng(8).standard_normal((40, DIM)).astype(np.float32)
+    got = nearest(store, q, 5, where="step_index < 67")
+    assert (got.ids == kept[exact(x[kept], q, 5)] + 1).all()

@@ -6,6 +6,8 @@ references of the recorded steps, and the recipe's checks."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 
 import gymnasium as gym
@@ -19,6 +21,9 @@ from claw_tasks.format.schema import Schema, SchemaError
 from claw_tasks.store import Store
 from orchestrator import BatchClient
 from orchestrator.cli.main import app
+from orchestrator.delivery import rollouts
+from orchestrator.delivery.prefetch import run_fill
+from orchestrator.delivery.registry import Registry
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.index import SamplingIndex
 from tests.support.rollout_actors import (
@@ -164,3 +169,44 @@ def test_record_steps_segments_and_versions(redis_url, workers, namespace):
         due = not term and (trunc or (t + 1) % 5 == 0)
         assert boot[t] == v_next if due else np.isnan(boot[t]), t
     assert cols["policy_version"][order].tolist() == [0] * 12 + [1] * 11
+
+
+def test_only_the_newest_fill_waits_and_a_fill_pushes_every_minibatch(
+    redis_url, workers, namespace, monkeypatch
+):
+    """Two fills waiting for one rollout would hold two worker processes (the ingest tasks
+    bringing its steps need one): the older leaves when a newer one waits. The newer forms
+    the rollout and pushes its 12 minibatches (the first alone, the rest together), each
+    exactly once."""
+    monkeypatch.setattr(rollouts, "WAIT_S", 60.0)  # neither fill gives up by itself
+    records: dict = {}
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
+    reg = Registry(Store(redis_url, namespace))
+    reg.put(Recipe.model_validate(recipe()), None)
+    done: dict = {}
+
+    def fill(k: int) -> None:
+        done[k] = run_fill(reg, "ppo")
+
+    older = threading.Thread(target=fill, args=(1,))
+    older.start()
+    skey = reg.rollout_keys("ppo")[0]
+    while reg.r.hget(skey, "waiter") is None:
+        time.sleep(0.01)
+    newer = threading.Thread(target=fill, args=(2,))
+    newer.start()
+    older.join(30)
+    assert not older.is_alive() and done[1]["made"] == 0, done
+    assert done[1]["state"].startswith("waiting for rollout of policy_version 0: 0 of 64")
+    for k in range(4):
+        Actor(ing, k, records, seed=k).segment(16, 0)
+    ing.flush()
+    newer.join(60)
+    assert done[2] == {
+        "made": 12,
+        "state": "rollout 1 of policy_version 0: 12 of 12 minibatches pushed",
+    }
+    client = BatchClient(namespace, redis_url)
+    assert len(pop_rollout(client, records, (0, 0))) == 64
+    client.close()
+    ing.close()

@@ -3,12 +3,14 @@
 committing, nor one the snapshot had labelled untrainable; and lineage: in a training loop
 of 200 updates each popped batch declares the policy it trains, and "which data trained
 policy v" is exactly the trainer's own record of the ids it popped for v, "which policies
-trained on step s / episode e" its inverse; the CLI answers the same; the log is bounded."""
+trained on step s / episode e" its inverse, from the log's index and its tail; the CLI
+answers the same; the log is bounded, and its index answers as a scan of it does."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections import Counter, defaultdict
 
@@ -22,6 +24,7 @@ from orchestrator.cli.exporter import registry_for
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import LineageLog, decode_ids, encode_ids, record
+from orchestrator.delivery.lineage_index import LineageIndex, format_sid
 from orchestrator.maintenance import snapshots as versions
 
 UPDATES = 200
@@ -55,6 +58,9 @@ def test_which_data_trained_policy_v_is_the_trainers_record(redis_url, namespace
                 batch = client.pop("train", timeout=60)
                 client.trained("train", batch, policy)
             mine[policy] += np.asarray(batch.ids).tolist()
+            if update == 120:  # the beat's pass: the queries read its segment and the tail
+                client.flush_lineage()
+                assert LineageLog(client.store).build_index(force=True).entries == 121
         client.flush_lineage()
         log = LineageLog(client.store)
         assert log.length() == UPDATES
@@ -89,9 +95,15 @@ def test_which_data_trained_policy_v_is_the_trainers_record(redis_url, namespace
             expected.update(by_step.get(i, {}))
         assert json.loads(res.output)["policies"] == dict(expected)
         # the fills' sampling figures, as claw metrics exports them
-        scrape = generate_latest(registry_for(redis_url, redis_url)).decode()
+        # A fill counts each batch as it pushes it and its timings when it ends: read both
+        # once no fill is midway (the queue is full, so the counts stop moving).
         labels = f'namespace="{namespace}",recipe="train"'
-        made = client.stats("train")["train"]["produced"]
+        for _ in range(100):
+            made = client.stats("train")["train"]["produced"]
+            scrape = generate_latest(registry_for(redis_url, redis_url)).decode()
+            if f"claw_sample_seconds_count{{{labels}}} {float(made)}" in scrape:
+                break
+            time.sleep(0.1)
         assert f"claw_sample_seconds_count{{{labels}}} {float(made)}" in scrape
         assert f'claw_sample_batch_rows_bucket{{le="32",{labels}}} {float(made)}' in scrape
         assert f'claw_sample_hit_rate{{{labels},source="all"}} 1.0' in scrape
@@ -113,6 +125,59 @@ def test_ids_round_trip_and_the_log_is_bounded(redis_url, namespace):
         pipe.execute()
     assert 100 <= log.length() <= 200  # MAXLEN ~: trimmed by whole stream nodes
     assert [e.policy for e in log.entries()][-1] == "999"
+
+
+def test_the_index_answers_as_the_whole_log_does(redis_url, namespace):
+    """Segments, a tail, trimming (whole segments dropped, the oldest one partly): every
+    query equals a scan of what the log holds."""
+    from claw_tasks.store import Store
+
+    store = Store(redis_url, namespace)
+    rng = np.random.default_rng(4)
+    index = LineageIndex(store.r, f"{store.keys.base}lineage", segment=300, min_segment=150)
+    log = LineageLog(store, maxlen=1500, index=index)
+
+    def append(k0: int, k1: int) -> None:
+        with store.r.pipeline(transaction=False) as pipe:
+            for k in range(k0, k1):  # two trainers' policies interleave; ids spread or recent
+                ids = rng.integers(1, 5000, 16) if k % 3 else rng.integers(k, k + 400, 16)
+                log.queue(pipe, record("r", 1, f"{'ab'[k % 2]}{k // 40}", ids))
+            pipe.execute()
+
+    def check() -> None:
+        held = list(log.entries())  # the reference: a scan of the log
+        by_step: dict[int, Counter] = defaultdict(Counter)
+        by_policy: dict[str, list[str]] = defaultdict(list)
+        for e in held:
+            by_policy[e.policy].append(e.entry_id)
+            for i in e.ids.tolist():
+                by_step[i][e.policy] += 1
+        names = list(by_policy)  # the oldest (maybe partly trimmed), the newest, some between
+        for p in {names[0], names[-1], *names[::6]}:
+            assert [e.entry_id for e in log.trained(p)] == by_policy[p], p
+        assert log.trained("nope") == []
+        some = np.concatenate([rng.choice(sorted(by_step), 40), [0, 10**9]])
+        got = log.policies(some)
+        assert {k: Counter(v) for k, v in got.items()} == {int(k): by_step[k] for k in some}
+        assert log.counts() == {p: len(v) for p, v in by_policy.items()}
+
+    append(0, 1000)
+    assert index.build().segments == 3  # 3 x 300; the 100 left: too few, and young
+    check()
+    append(1000, 2600)  # the log trims its oldest (MAXLEN ~ 1500), unindexed ones too
+    report = index.build(force=True)
+    segs, wm, _ = index.state()
+    assert report.dropped >= 1 and wm == log.r.xrevrange(log.key, count=1)[0][0].decode()
+    check()
+    sids = index.sids(segs[:1])[0]  # trimmed to the middle of the oldest segment
+    log.r.xtrim(log.key, minid=format_sid(*sids[len(sids) // 2].tolist()), approximate=False)
+    check()
+    append(2600, 2700)  # and a tail again
+    check()
+    fields = {**record("r", 1, "bad", [1]), "ids": b"\x07junk"}  # not a client's entry
+    log.r.xadd(log.key, fields)
+    assert index.build(force=True).entries == 101  # indexed with no rows: the pass goes on
+    assert log.policies(np.array([1]))[1].get("bad") is None
 
 
 def test_as_of_serves_only_the_snapshots_steps_while_ingest_runs(redis_url, namespace, workers):

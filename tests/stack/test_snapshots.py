@@ -1,7 +1,8 @@
 """Snapshots and rollback on a real Redis: labels, priorities, tags, recipes and params come
-back bit for bit; steps evicted since are counted, not restored; diffs, the CLI, retention,
-the archive and the web view. (A recipe ``as_of`` a snapshot, served by a prefetch worker:
-tests/stack/test_served_versions.py.)"""
+back bit for bit; steps evicted since are counted, not restored; a batch ``as_of`` a
+snapshot carries its labels; diffs, the CLI, retention, the archive and the web view; a
+restore brings the archived snapshots back over the new ids. (A recipe ``as_of`` a
+snapshot, served by a prefetch worker: tests/stack/test_served_versions.py.)"""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from typer.testing import CliRunner
 
 from claw_tasks.format.stepmeta import UNTRAINABLE
 from claw_tasks.store import Store
+from claw_tasks.store.layout import NUM_TAG_DTYPE, nan_xor
 from claw_tasks.store.retention import Retention
-from claw_tasks.store.snapshots import SnapshotError
+from claw_tasks.store.snapshots import Labels, SnapshotError
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance import snapshots as versions
 from orchestrator.maintenance.archive import archive_namespace
+from orchestrator.maintenance.restore import restore
+from orchestrator.sampling.sample import sample
 from orchestrator.web.views import Inspector
 from tests.support.stepdata import batch
 
@@ -125,6 +129,34 @@ def test_rollback_puts_labels_priorities_recipes_back_bit_for_bit(redis_url, nam
         client.close()
 
 
+def test_as_of_batches_carry_the_snapshots_labels(redis_url, namespace):
+    store, ids = _fill(redis_url, namespace)
+    _label(store, ids, np.random.default_rng(5))
+    versions.take(store, "then")
+    then = store.get(ids, fields=[])  # the metadata as it stood at the snapshot
+    at = {int(i): k for k, i in enumerate(then["id"])}
+    store.curate(ids, trainable=True)  # ... then every label and priority changes
+    _label(store, ids, np.random.default_rng(6))
+    store.update_priorities(ids, np.full(len(ids), 7.0, np.float32))
+    recipe = {
+        "name": "old",
+        "batch_size": 256,
+        "fields": ["reward", "quality", "tags.level", "priority", "trainable"],
+        "sources": [{"name": "s", "sampler": {"kind": "uniform"}}],
+        "as_of": "then",
+    }
+    seen = 0
+    for k in range(4):
+        b = sample(store, recipe, rng=np.random.default_rng(k))
+        rows = [at[int(i)] for i in b.ids]
+        assert b.meta["quality"] == [then["quality"][r] for r in rows]
+        assert b.meta["tags.level"] == [then["tags.level"][r] for r in rows]
+        assert np.array_equal(b["priority"], then["priority"][rows], equal_nan=True)
+        assert b["trainable"].all() and then["trainable"][rows].all()  # drawn as then
+        seen += len(rows)
+    assert seen == 1024 and not np.isin(7.0, then["priority"])  # today's would show
+
+
 def test_snapshot_cli_diff_retention_archive_and_web(redis_url, namespace, tmp_path):
     store, ids = _fill(redis_url, namespace, episodes=10, length=20)
     runner = CliRunner()
@@ -167,3 +199,65 @@ def test_snapshot_cli_diff_retention_archive_and_web(redis_url, namespace, tmp_p
     claw("snapshot", namespace, "s3", "--delete")
     with pytest.raises(SnapshotError):
         store.labels("s3")
+
+
+def _state(labels: Labels, key: np.ndarray | None = None) -> dict[int, tuple]:
+    """Each live step's labels as comparable values (strings for codes, priority bits), by
+    ``key`` (default: its id)."""
+    alive = np.flatnonzero(labels.alive)
+    names = np.asarray(labels.ids if key is None else key)[alive].tolist()
+    quality = labels.strings.get("quality", {})
+    level = labels.strings.get("t:level", {})
+    rows = zip(
+        labels.untrainable[alive].tolist(),
+        labels.quality[alive].tolist(),
+        labels.priority[alive].tolist(),
+        labels.tags["t:level"][alive].tolist(),
+        strict=True,
+    )
+    return {
+        int(k): (u, quality.get(q), p, level.get(t))
+        for k, (u, q, p, t) in zip(names, rows, strict=True)
+    }
+
+
+def test_restore_brings_the_archives_snapshots_back(redis_url, namespace, tmp_path):
+    store, ids = _fill(redis_url, namespace)
+    _label(store, ids, np.random.default_rng(1))
+    s1 = versions.take(store, "s1")
+    want = {"s1": _state(store.labels())}
+    store.curate(ids, trainable=True)
+    _label(store, ids, np.random.default_rng(2))
+    versions.take(store, "s2")
+    want["s2"] = _state(store.labels())
+    gone = ids[::10]  # evicted before the archive: the snapshots' steps that cannot return
+    store.evict(gone)
+    kept = np.setdiff1d(ids, gone)
+    _label(store, kept, np.random.default_rng(3))  # today's labels: others again
+    archive_namespace(store, tmp_path)
+
+    again = Store(redis_url, f"{namespace}-back")
+    result = restore(tmp_path, again, capacity=3000, n_shards=3)  # every row moves
+    assert [(s.name, s.steps, s.missing, s.skipped) for s in result.snapshots] == [
+        ("s1", len(kept), len(gone), None),
+        ("s2", len(kept), len(gone), None),
+    ]
+    listed = again.snapshots()
+    assert [s.name for s in listed] == ["s1", "s2"] and listed[0].created == s1.created
+    assert listed[0].extra == s1.extra
+    for name in ("s2", "s1", "s2"):  # back and forth, each bit for bit
+        again.rollback(name)
+        now = again.labels()
+        orig = np.nan_to_num(nan_xor(now.tags["t:orig_id"].view(NUM_TAG_DTYPE))).astype(np.int64)
+        got = _state(now, orig)  # by the id the step had when archived
+        assert sorted(got) == sorted(kept.tolist())  # the rollback kept orig_id
+        assert got == {k: want[name][k] for k in got}, name
+        assert _state(again.labels(name), orig) == got  # the snapshot as restored
+    d = versions.diff_states(again, "s1", "s2")
+    assert (d.kept, d.added, d.evicted) == (len(kept), 0, 0) and d.priority > 0
+    res = CliRunner().invoke(
+        app, ["--redis-url", redis_url, "restore", str(tmp_path), "-n", again.namespace, "--json"]
+    )  # run again: its steps replay, its snapshots are there already
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output[res.output.index("{") :])
+    assert [s["skipped"] is not None for s in doc["snapshots"]] == [True, True]

@@ -1,7 +1,8 @@
 """TorchRL's ReplayBuffer over ClawStorage and the Claw samplers, against real Redis and
 Celery workers: batches flow as TensorDicts with the keys, dtypes and shapes they were
-extended with, priorities reach Claw and change what is drawn, the state is kept without
-the data, and TorchRL's own samplers are refused with the fix."""
+extended with, each sample is recorded in the lineage log as training its update,
+priorities reach Claw and change what is drawn, the state is kept without the data, and
+TorchRL's own samplers are refused with the fix."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torchrl.data import RandomSampler, ReplayBuffer, TensorDictReplayBuffer
 
 from claw_tasks.store import Store
 from orchestrator.adapters.torchrl import ClawPrioritizedSampler, ClawSampler, ClawStorage
+from orchestrator.delivery.lineage import LineageLog
 from tests.support.paths import ROOT
 
 OBS = 4
@@ -114,6 +116,31 @@ def test_batches_flow_as_tensordicts_with_the_extended_layout(redis_url, namespa
         assert Store(redis_url, namespace).count() == 120
     finally:
         storage.close()
+
+
+def test_each_sample_is_recorded_as_training_its_update(redis_url, namespace, workers):
+    """The default ``policy_version="samples"``: sample k trains version k, the ids the
+    sampler returned; ``"frames"`` and a callable; the counters kept by ``state_dict``."""
+    storage = ClawStorage(1000, namespace, redis_url, timeout=60, batches_per_pop=2)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=16)
+    drawn = []
+    try:
+        rb.extend(_transitions(100))
+        for _ in range(5):
+            drawn.append(np.sort(rb.sample()["index"].numpy()))
+        storage.policy_version = "frames"
+        rb.extend(_transitions(20, seed=1))
+        drawn.append(np.sort(rb.sample()["index"].numpy()))
+        storage.policy_version = lambda k: f"update-{k}"
+        drawn.append(np.sort(rb.sample()["index"].numpy()))
+        assert storage.state_dict()["samples"] == 7 and storage.state_dict()["frames"] == 120
+    finally:
+        storage.close()  # sends what is left of the lineage
+    log = LineageLog(Store(redis_url, namespace))
+    assert log.counts() == {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1, "120": 1, "update-7": 1}
+    for version, ids in zip(["1", "2", "3", "4", "5", "120", "update-7"], drawn, strict=True):
+        (entry,) = log.trained(version)
+        assert np.array_equal(entry.ids, ids), version  # two samples a pop: each its own
 
 
 def test_priorities_reach_claw_and_change_the_sampling_distribution(redis_url, namespace, workers):

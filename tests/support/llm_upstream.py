@@ -7,7 +7,12 @@ Every generation is appended to ``GET /_log`` so tests compare the store with th
 
 Behaviour: a chat whose last message is a tool result answers with it; a chat that offers
 tools calls ``add`` on the two numbers in the last user message; anything else answers
-"ok". ``model="fail"`` answers 500; the hostile models (:func:`hostile`) answer garbage,
+"ok". ``n`` > 1 answers n different choices (choice i: the i-th of :data:`ANSWERS`).
+``POST /v1/responses`` answers like vLLM's Responses API (``enable_response_messages``:
+``input_messages``/``output_messages`` with token ids; ``include:
+message.output_text.logprobs``). ``POST /_version`` sets the policy version every reply
+names in ``X-Claw-Policy-Version`` (as an inference server a trainer updates would).
+``model="fail"`` answers 500; the hostile models (:func:`hostile`) answer garbage,
 huge, endless or never. Run: ``python -m tests.support.llm_upstream PORT TOKENIZER``.
 With a third argument ``model``, chats are answered by a tiny randomly initialised GPT-2
 (``tiny_model``: built from a config, seed 0, no download) sampling 8 tokens, and the
@@ -29,7 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
-from orchestrator.gateway.capture import render_chat
+from orchestrator.gateway.capture import render_chat, response_messages
 
 GARBAGE: list[bytes] = [
     b'{"choices": "garbage"}',
@@ -87,8 +92,21 @@ async def _never() -> Any:
     yield b""
 
 
-def logprob(pos: int, token_id: int) -> float:
-    return -(((token_id * 31 + pos * 17) % 997) / 250.0) - 0.001
+def logprob(pos: int, token_id: int, choice: int = 0) -> float:
+    return -(((token_id * 31 + pos * 17 + choice * 101) % 997) / 250.0) - 0.001
+
+
+ANSWERS = [
+    "ok, done",
+    "the sum is seven",
+    "The answer is 7.",
+    "ok, the answer is 42.",
+    "What is 2 plus 2?",
+    "Please add 5 and 9",
+    "then tell me the answer",
+    "The answer is 42.",
+]
+"""What choice i of a plain chat answers (choice 0: "ok, done", as with n = 1)."""
 
 
 def tiny_model(vocab_size: int) -> Any:
@@ -115,6 +133,7 @@ class Upstream:
         self.log: list[dict[str, Any]] = []
         self.model = tiny_model(self.tok.get_vocab_size()) if model else None
         self.calls = 0
+        self.version: int | None = None
 
     def sample(self, prompt_ids: list[int], n: int = 8) -> tuple[list[int], list[float]]:
         """n tokens sampled from the model, and each one's log-prob under it."""
@@ -157,6 +176,53 @@ class Upstream:
             return raw, None, [call]
         return "ok, done", "ok, done", None
 
+    def headers(self) -> dict[str, str]:
+        return {} if self.version is None else {"x-claw-policy-version": str(self.version)}
+
+    def _log(self, prompt_ids: list[int], ids: list[int], lps: list[float], **more: Any) -> None:
+        self.log.append(
+            {"prompt_ids": prompt_ids, "response_ids": ids, "logprobs": lps, **more}
+            | ({} if self.version is None else {"version": self.version})
+        )
+
+    def _chat_n(self, body: dict[str, Any], prompt_ids: list[int], n: int) -> Response:
+        """n choices of a plain chat, choice i answering ANSWERS[i % 8] (not streamed)."""
+        choices = []
+        want_ids = bool(body.get("return_token_ids"))
+        for c in range(n):
+            text = ANSWERS[c % len(ANSWERS)]
+            ids = self.encode(text)
+            lps = [logprob(i, t, c) for i, t in enumerate(ids)]
+            self._log(prompt_ids, ids, lps, choice=c)
+            tok = [
+                f"token_id:{t}" if body.get("return_tokens_as_token_ids") else self.piece(t)
+                for t in ids
+            ]
+            choice: dict[str, Any] = {
+                "index": c,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": {
+                    "content": [
+                        {"token": tok[i], "logprob": lps[i], "bytes": None, "top_logprobs": []}
+                        for i in range(len(ids))
+                    ]
+                },
+            }
+            if want_ids:
+                choice["token_ids"] = ids
+            choices.append(choice)
+        out: dict[str, Any] = {
+            "id": "chatcmpl-sim",
+            "created": int(time.time()),
+            "model": body["model"],
+            "object": "chat.completion",
+            "choices": choices,
+        }
+        if want_ids:
+            out["prompt_token_ids"] = prompt_ids
+        return JSONResponse(out, headers=self.headers())
+
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         odd = hostile(str(body.get("model")), bool(body.get("stream")))
@@ -176,6 +242,9 @@ class Upstream:
             )
         messages = body["messages"]
         prompt_ids = self.encode(render_chat(messages))
+        n = int(body.get("n") or 1)
+        if n > 1:
+            return self._chat_n(body, prompt_ids, n)
         if self.model is not None:
             ids, lps = self.sample(prompt_ids)
             content, calls = self.tok.decode(ids), None
@@ -183,7 +252,7 @@ class Upstream:
             raw, content, calls = self._reply(messages, body.get("tools"))
             ids = self.encode(raw)
             lps = [logprob(i, t) for i, t in enumerate(ids)]
-        self.log.append({"prompt_ids": prompt_ids, "response_ids": ids, "logprobs": lps})
+        self._log(prompt_ids, ids, lps)
         want_ids = bool(body.get("return_token_ids"))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
 
@@ -215,7 +284,7 @@ class Upstream:
             if want_ids:
                 choice["token_ids"] = ids
                 out["prompt_token_ids"] = prompt_ids
-            return JSONResponse(out)
+            return JSONResponse(out, headers=self.headers())
 
         def events() -> Any:
             for i in range(len(ids)):
@@ -257,23 +326,28 @@ class Upstream:
             yield f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [last]})}\n\n"  # noqa: E501
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers=self.headers())
 
     async def completions(self, request: Request) -> Response:
         body = await request.json()
         prompt_ids = self.encode(body["prompt"])
-        text = " the sum is seven"
-        ids = self.encode(text)
-        lps = [logprob(i, t) for i, t in enumerate(ids)]
-        self.log.append({"prompt_ids": prompt_ids, "response_ids": ids, "logprobs": lps})
+        n = int(body.get("n") or 1)
+        texts = [" the sum is seven"] if n == 1 else [ANSWERS[c % len(ANSWERS)] for c in range(n)]
         want_ids = bool(body.get("return_token_ids"))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
-        toks = [f"token_id:{t}" if as_ids else self.piece(t) for t in ids]
+        gen = []
+        for c, text in enumerate(texts):
+            ids = self.encode(text)
+            lps = [logprob(i, t, c) for i, t in enumerate(ids)]
+            self._log(prompt_ids, ids, lps, **({"choice": c} if n > 1 else {}))
+            toks = [f"token_id:{t}" if as_ids else self.piece(t) for t in ids]
+            gen.append((ids, lps, toks))
         head = {"id": "cmpl-sim", "created": int(time.time()), "model": body["model"]}
 
-        def choice(sl: slice, first: bool, finish: str | None) -> dict[str, Any]:
-            c: dict[str, Any] = {
-                "index": 0,
+        def choice(c: int, sl: slice, first: bool, finish: str | None) -> dict[str, Any]:
+            ids, lps, toks = gen[c]
+            out: dict[str, Any] = {
+                "index": c,
                 "text": "".join(self.piece(t) for t in ids[sl]),
                 "finish_reason": finish,
                 "logprobs": {
@@ -284,32 +358,119 @@ class Upstream:
                 },
             }
             if want_ids:
-                c["token_ids"] = ids[sl]
+                out["token_ids"] = ids[sl]
                 if first:
-                    c["prompt_token_ids"] = prompt_ids
-            return c
+                    out["prompt_token_ids"] = prompt_ids
+            return out
 
         if not body.get("stream"):
             return JSONResponse(
                 {
                     **head,
                     "object": "text_completion",
-                    "choices": [choice(slice(None), True, "stop")],
-                }
+                    "choices": [choice(c, slice(None), True, "stop") for c in range(n)],
+                },
+                headers=self.headers(),
             )
 
         def events() -> Any:
-            for i in range(len(ids)):
-                fin = "stop" if i == len(ids) - 1 else None
-                chunk = {
-                    **head,
-                    "object": "text_completion",
-                    "choices": [choice(slice(i, i + 1), i == 0, fin)],
-                }
-                yield f"data: {json.dumps(chunk)}\n\n"
+            longest = max(len(g[0]) for g in gen)
+            for i in range(longest):  # choices interleaved, as vLLM streams them
+                for c in range(n):
+                    if i >= len(gen[c][0]):
+                        continue
+                    fin = "stop" if i == len(gen[c][0]) - 1 else None
+                    chunk = {
+                        **head,
+                        "object": "text_completion",
+                        "choices": [choice(c, slice(i, i + 1), i == 0, fin)],
+                    }
+                    yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers=self.headers())
+
+    async def responses(self, request: Request) -> Response:
+        """vLLM's Responses API, one generation: the answer "ok, done" (or the tool result
+        of the last input item, as a chat would)."""
+        body = await request.json()
+        messages = response_messages(body)
+        prompt_text = render_chat(messages)
+        prompt_ids = self.encode(prompt_text)
+        raw, content, _ = self._reply(messages or [{"role": "user", "content": ""}], None)
+        ids = self.encode(raw)
+        lps = [logprob(i, t) for i, t in enumerate(ids)]
+        self._log(prompt_ids, ids, lps)
+        with_lps = "message.output_text.logprobs" in (body.get("include") or [])
+
+        def entry(i: int) -> dict[str, Any]:
+            return {"token": self.piece(ids[i]), "logprob": lps[i], "bytes": [], "top_logprobs": []}
+
+        part: dict[str, Any] = {"type": "output_text", "text": content, "annotations": []}
+        if with_lps:
+            part["logprobs"] = [entry(i) for i in range(len(ids))]
+        item = {
+            "type": "message",
+            "id": "msg_sim",
+            "role": "assistant",
+            "status": "completed",
+            "content": [part],
+        }
+        out: dict[str, Any] = {
+            "id": "resp_sim",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": body.get("model"),
+            "status": "completed",
+            "output": [item],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "usage": {
+                "input_tokens": len(prompt_ids),
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": len(ids),
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": len(prompt_ids) + len(ids),
+            },
+        }
+        if body.get("enable_response_messages"):
+            out["input_messages"] = [
+                {"message": prompt_text, "tokens": prompt_ids, "type": "raw_message_tokens"}
+            ]
+            out["output_messages"] = [{"message": raw, "tokens": ids, "type": "raw_message_tokens"}]
+        if not body.get("stream"):
+            return JSONResponse(out, headers=self.headers())
+
+        def events() -> Any:
+            seq = 0
+
+            def event(kind: str, **data: Any) -> str:
+                nonlocal seq
+                seq += 1
+                payload = {"type": kind, "sequence_number": seq, **data}
+                return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+            yield event("response.created", response={**out, "status": "in_progress", "output": []})
+            for i in range(len(ids)):
+                yield event(
+                    "response.output_text.delta",
+                    item_id="msg_sim",
+                    output_index=0,
+                    content_index=0,
+                    delta=self.piece(ids[i]),
+                    logprobs=[entry(i)] if with_lps else [],
+                )
+            yield event("response.completed", response=out)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=self.headers())
+
+    async def set_version(self, request: Request) -> Response:
+        v = (await request.json())["version"]
+        self.version = None if v is None else int(v)
+        return JSONResponse({"version": self.version})
 
     async def get_log(self, request: Request) -> Response:
         return JSONResponse(self.log)
@@ -321,7 +482,9 @@ def app(tokenizer_path: str, model: bool = False) -> Starlette:
         routes=[
             Route("/v1/chat/completions", up.chat, methods=["POST"]),
             Route("/v1/completions", up.completions, methods=["POST"]),
+            Route("/v1/responses", up.responses, methods=["POST"]),
             Route("/_log", up.get_log, methods=["GET"]),
+            Route("/_version", up.set_version, methods=["POST"]),
         ]
     )
 

@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+from claw_tasks.worker.command import worker_argv
 from tests.support.paths import ROOT
 
 
@@ -36,27 +37,9 @@ class Worker:
             "PYTHONUNBUFFERED": "1",
             **env,
         }
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "claw_tasks.worker.app",
-            "worker",
-            "-Q",
-            queues,
-            "-c",
-            str(concurrency),
-            "-P",
-            "prefork",
-            "-l",
-            "INFO",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-n",
-            f"w{uuid.uuid4().hex[:6]}@%h",
-        ]
+        cmd = worker_argv(
+            queues, concurrency, name=f"w{uuid.uuid4().hex[:6]}", lone=True, heartbeat=False
+        )
         self.proc = subprocess.Popen(
             cmd,
             cwd=ROOT,

@@ -4,12 +4,14 @@ serves."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 import uuid
 
+import pytest
 from prometheus_client import generate_latest
 
 from orchestrator.cli.exporter import registry_for
@@ -27,6 +29,11 @@ def blocks(lang: str, text: str = README) -> list[str]:
     return [body for kind, body in BLOCK.findall(text) if kind == lang]
 
 
+def _rllib(body: str) -> bool:
+    """A block that needs the rllib extra: it runs on its own (test_readme_rllib_block)."""
+    return "ray.rllib" in body
+
+
 def test_readme_says_what_to_start_before_the_python_blocks():
     first_python = README.index("```python")
     assert "claw up" in README[README.index("## Quick start") : first_python]
@@ -35,7 +42,7 @@ def test_readme_says_what_to_start_before_the_python_blocks():
 def test_readme_python_blocks_run_as_written(redis_url, workers, tmp_path):
     """Extracted verbatim and run in order, in one interpreter, with the stack up (a worker
     on `ingest` and `prefetch`, as `claw up` runs)."""
-    code = blocks("python")
+    code = [b for b in blocks("python") if not _rllib(b)]
     assert len(code) >= 4
     torchrl = blocks("python", ADAPTERS)
     assert len(torchrl) == 1
@@ -55,6 +62,27 @@ def test_readme_python_blocks_run_as_written(redis_url, workers, tmp_path):
     assert "(4, 4)" in proc.stdout  # orchestrator.sample's obs
     assert "(64, 3, 18) (64, 3) (64, 54)" in proc.stdout  # the joint batch of simple_spread
     assert "(4, 5) (4, 5)" in proc.stdout  # nearest: 5 neighbours of each of 4 states
+    assert "rollouts served: 4" in proc.stdout  # SB3 PPO with ClawRolloutBuffer
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="the rllib extra (ray[rllib]) is not installed"
+)
+def test_readme_rllib_block_runs_as_written(redis_url, workers, tmp_path):
+    """The RLlib block, alone (it needs only its own imports), with the stack up."""
+    (code,) = [b for b in blocks("python") if _rllib(b)]
+    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    env.pop("CLAW_BROKER_URL", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.startswith("32 (4,)"), proc.stdout  # 32 transitions of CartPole obs
 
 
 def test_readme_metric_names_are_served(redis_url):

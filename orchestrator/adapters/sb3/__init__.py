@@ -1,8 +1,11 @@
-"""Stable-Baselines3 replay buffers backed by Claw: :class:`ClawReplayBuffer` (``buffer``)
-and :class:`ClawDictReplayBuffer` for Dict observations (``dict_buffer``); ``state`` is
-what pickling keeps."""
+"""Stable-Baselines3 buffers backed by Claw: the replay buffers :class:`ClawReplayBuffer`
+(``buffer``) and :class:`ClawDictReplayBuffer` for Dict observations (``dict_buffer``),
+the rollout buffers :class:`ClawRolloutBuffer` and :class:`ClawDictRolloutBuffer` for PPO
+and A2C (``rollout``); ``state`` is what pickling a replay buffer keeps, ``packing`` how a
+Dict observation becomes one stored row."""
 
 from orchestrator.adapters.sb3.buffer import ClawReplayBuffer
 from orchestrator.adapters.sb3.dict_buffer import ClawDictReplayBuffer
+from orchestrator.adapters.sb3.rollout import ClawDictRolloutBuffer, ClawRolloutBuffer
 
-__all__ = ["ClawDictReplayBuffer", "ClawReplayBuffer"]
+__all__ = ["ClawDictReplayBuffer", "ClawDictRolloutBuffer", "ClawReplayBuffer", "ClawRolloutBuffer"]

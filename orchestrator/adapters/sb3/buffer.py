@@ -38,11 +38,21 @@ Where it differs from SB3's buffer, and why:
   ``set_random_seed`` sets before it builds the buffer: the algorithm's seed reaches it.
 - Connections and threads are released by ``close()``, or when the buffer is garbage
   collected or the interpreter exits (SB3 never calls ``close``).
+- Lineage: each ``sample()`` is recorded as training a policy version (``claw lineage NS
+  --policy v``), by default ``updates``: the number of ``sample()`` calls so far, this one
+  included. DQN, SAC and TD3 draw one sample per gradient step and add ``gradient_steps``
+  to ``_n_updates`` after them, so the samples of version ``v`` trained the model whose
+  ``_n_updates`` is ``v`` (the count is saved with the buffer; a buffer made for a model
+  loaded mid-run starts at 0: pass ``policy_version`` then). ``timesteps`` records SB3's
+  ``num_timesteps`` at the sample instead (the transitions added, ``n_envs`` per
+  ``add``), so a version is every update between two environment steps. A callable gets
+  the sample's number and returns the version (e.g. ``lambda k: model.num_timesteps``,
+  set as ``buffer.policy_version`` once the model exists; not saved with the buffer);
+  None records nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import uuid
 import weakref
@@ -63,8 +73,11 @@ from claw_tasks.store import Store
 from orchestrator.adapters.experience import (
     Cadence,
     Connection,
+    PolicyVersion,
     Transitions,
+    Versions,
     close_quietly,
+    global_seed,
     ingest_options,
 )
 from orchestrator.adapters.sb3.state import SavedState
@@ -78,14 +91,6 @@ from orchestrator.sampling.sample import sample as sample_here
 log = logging.getLogger(__name__)
 
 FIELDS = ["obs", "action", "reward", "next_obs", "terminated", "truncated"]
-
-
-def _global_seed() -> int:
-    """A seed from numpy's global state without drawing from it: SB3 seeds that state
-    before building the buffer, so the algorithm's seed decides this one."""
-    state = np.random.get_state()
-    digest = hashlib.blake2b(state[1].tobytes() + int(state[2]).to_bytes(4), digest_size=4)
-    return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
 
 
 class ClawReplayBuffer(SavedState, ReplayBuffer):
@@ -108,6 +113,8 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     bursts and re-sizes itself when they change (the first burst runs with one batch per
     call); ``gradient_steps`` fixes the sizes from the start, ``readahead`` and
     ``batches_per_pop`` override them. The deterministic mode draws here: no read-ahead.
+    ``policy_version``: what each sample is recorded as training (the module docstring,
+    "Lineage").
     """
 
     def __init__(
@@ -135,6 +142,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         readahead_bytes: int = 64 << 20,
         batches_per_pop: int | None = None,
         drop_on_reset: bool = False,
+        policy_version: PolicyVersion = "updates",
     ) -> None:
         if isinstance(observation_space, spaces.Dict):
             raise TypeError(
@@ -152,7 +160,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         if namespace is None:
             namespace = f"{settings.namespace}-sb3-{uuid.uuid4().hex[:10]}"
             log.info("ClawReplayBuffer: namespace %r (pass namespace= to choose one)", namespace)
-        self.seed = _global_seed() if seed is None else int(seed)
+        self.seed = global_seed() if seed is None else int(seed)
         self.deterministic = deterministic
         self._cadence = (
             Cadence(1, 1, 0)  # one batch per call, drawn here: nothing read ahead
@@ -182,7 +190,11 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
             "readahead_bytes": readahead_bytes,
             "batches_per_pop": batches_per_pop,
             "drop_on_reset": drop_on_reset,
+            "policy_version": policy_version if isinstance(policy_version, str) else None,
         }
+        self.updates = 0  # sample() calls since the buffer was made (saved; reset() keeps it)
+        self.timesteps = 0  # transitions added (n_envs per add), as SB3's num_timesteps
+        self.policy_version = policy_version
         self.base_namespace = namespace
         self.generation = 0
         self.recipe = {
@@ -196,6 +208,17 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         self.readahead_bytes = readahead_bytes
         self._samples = 0  # sample() calls: the k of the deterministic stream
         self._connect()
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        """What each sample is recorded as training (see the module docstring)."""
+        return self._versions.declare
+
+    @policy_version.setter
+    def policy_version(self, declare: PolicyVersion) -> None:
+        self._versions = Versions(
+            declare, {"updates": lambda: self.updates, "timesteps": lambda: self.timesteps}
+        )
 
     @property
     def batches_per_pop(self) -> int:
@@ -289,6 +312,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
                 truncated=timeout,
             )
         self._unflushed += self.n_envs
+        self.timesteps += self.n_envs
         if self.deterministic and self._unflushed >= self._chunk:
             self.flush()  # in order: concurrent messages may commit in any order
         self.pos += 1
@@ -322,11 +346,16 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         """A batch of ``batch_size`` transitions, as SB3 samples them: prefetched and read
         ahead, or drawn here in the deterministic mode."""
         self._samples += 1
+        self.updates += 1
+        version = self._versions.of(self.updates)
         if (plan := self._cadence.sampled()) is not None:
             self._conn.resize(plan)
         if self.deterministic:
-            return self.to_samples(self._sample_here(batch_size), env)
-        part, ready = self._conn.pop(self.recipe_name(batch_size), self.timeout)
+            batch = self._sample_here(batch_size)
+            if version is not None:
+                self.client.trained(str(self.recipe["name"]), batch, version)
+            return self.to_samples(batch, env)
+        part, ready = self._conn.pop(self.recipe_name(batch_size), self.timeout, version)
         return ready if env is None else self.to_samples(part, env)
 
     def _sample_here(self, batch_size: int) -> Batch:

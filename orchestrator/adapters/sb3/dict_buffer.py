@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch as th
 from gymnasium import spaces
-from stable_baselines3.common.preprocessing import get_obs_shape
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
 from orchestrator.adapters.sb3.buffer import ClawReplayBuffer
+from orchestrator.adapters.sb3.packing import DictLayout
 
 
 class ClawDictReplayBuffer(ClawReplayBuffer):
@@ -41,17 +41,10 @@ class ClawDictReplayBuffer(ClawReplayBuffer):
     ) -> None:
         if not isinstance(observation_space, spaces.Dict):
             raise TypeError("ClawDictReplayBuffer is for Dict observations; use ClawReplayBuffer")
-        self._layout: list[tuple[str, tuple[int, ...], np.dtype, int, int]] = []
-        offset = 0
-        for key, sub in observation_space.spaces.items():
-            shape, dtype = tuple(get_obs_shape(sub)), np.dtype(sub.dtype)
-            size = int(np.prod(shape)) * dtype.itemsize
-            self._layout.append((key, shape, dtype, offset, size))
-            offset += size
-        packed = spaces.Box(0, 255, (offset,), np.uint8)
+        self.layout = DictLayout(observation_space)
         super().__init__(
             buffer_size,
-            packed,
+            self.layout.space,
             action_space,
             device,
             n_envs,
@@ -62,23 +55,6 @@ class ClawDictReplayBuffer(ClawReplayBuffer):
         self.observation_space = observation_space
         self._init_kw["observation_space"] = observation_space  # pickles as it came
 
-    def _pack(self, obs: Mapping[str, Any]) -> np.ndarray:
-        n = self.n_envs
-        parts = [
-            np.ascontiguousarray(np.asarray(obs[key], dtype).reshape(n, *shape))
-            .reshape(n, -1)
-            .view(np.uint8)
-            for key, shape, dtype, _, _ in self._layout
-        ]
-        return np.concatenate(parts, axis=1)
-
-    def _unpack(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        n = len(rows)
-        return {
-            key: np.ascontiguousarray(rows[:, off : off + size]).view(dtype).reshape(n, *shape)
-            for key, shape, dtype, off, size in self._layout
-        }
-
     def add(  # type: ignore[override]
         self,
         obs: Mapping[str, np.ndarray],
@@ -88,8 +64,11 @@ class ClawDictReplayBuffer(ClawReplayBuffer):
         done: np.ndarray,
         infos: list[dict[str, Any]],
     ) -> None:
-        super().add(self._pack(obs), self._pack(next_obs), action, reward, done, infos)
+        n = self.n_envs
+        super().add(
+            self.layout.pack(obs, n), self.layout.pack(next_obs, n), action, reward, done, infos
+        )
 
     def _observations(self, rows: np.ndarray, env: VecNormalize | None) -> dict[str, th.Tensor]:
-        obs = self._normalize_obs(self._unpack(rows), env)
+        obs = self._normalize_obs(self.layout.unpack(rows), env)
         return {k: self.to_torch(v) for k, v in obs.items()}

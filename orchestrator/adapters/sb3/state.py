@@ -23,10 +23,12 @@ class SavedState:
     variant): the constructor's arguments (``_init_kw``) and the counters."""
 
     _init_kw: dict[str, Any]
+    updates: int
+    timesteps: int
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings, namespace, recipe (overrides and seed) and counters; never the data nor
-        a password."""
+        a password (nor a callable ``policy_version``: set it again after loading)."""
         self.flush()  # type: ignore[attr-defined]  # what was added is in the store first
         kw = dict(self._init_kw)
         kw["redis_url"] = without_password(kw["redis_url"])
@@ -37,6 +39,8 @@ class SavedState:
             "pos": self.pos,  # type: ignore[attr-defined]
             "full": self.full,
             "samples": self._samples,
+            "updates": self.updates,
+            "timesteps": self.timesteps,
         }  # type: ignore[attr-defined]
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -52,6 +56,7 @@ class SavedState:
             buf.generation = generation
             buf._connect()
         buf.pos, buf.full, buf._samples = state["pos"], state["full"], state["samples"]
+        buf.updates, buf.timesteps = state.get("updates", 0), state.get("timesteps", 0)
         log.info(
             "%s: reconnected to namespace %r at %s",
             type(self).__name__,

@@ -23,7 +23,9 @@ from claw_tasks.store import Store
 from orchestrator.adapters.experience import (
     Cadence,
     Connection,
+    PolicyVersion,
     Transitions,
+    Versions,
     close_quietly,
     ingest_options,
     with_env_password,
@@ -70,6 +72,14 @@ class ClawStorage(StoreStorage):
     :func:`~orchestrator.adapters.experience.plan_for`). ``timeout`` bounds a pop. Samples are
     put on ``device``.
 
+    ``policy_version``: what each sample is recorded as training in the lineage log
+    (``claw lineage NS --policy v``): ``"samples"`` (the default) the number of samples
+    drawn so far, this one included (TorchRL's loops draw one per optimizer step, so
+    version ``v`` is the policy after ``v`` updates); ``"frames"`` the rows extended so far
+    (a collector's frame count); a callable gets the sample's number and returns the
+    version (not saved by ``state_dict``: set ``storage.policy_version`` again after
+    loading); None records nothing. Both counters are kept by ``state_dict``.
+
     It subclasses TorchRL's Redis-backed ``StoreStorage`` only so that replay buffers pass
     its samples through as they are (no collate); none of that class's code runs.
     """
@@ -94,6 +104,7 @@ class ClawStorage(StoreStorage):
         timeout: float | None = 30.0,
         device: str | torch.device = "cpu",
         drop_on_empty: bool = False,
+        policy_version: PolicyVersion = "samples",
     ) -> None:
         Storage.__init__(self, max_size)  # not StoreStorage's: it opens its own Redis store
         if namespace is None:
@@ -117,8 +128,11 @@ class ClawStorage(StoreStorage):
             "timeout": timeout,
             "device": str(device),
             "drop_on_empty": drop_on_empty,
+            "policy_version": policy_version if isinstance(policy_version, str) else None,
         }
         self._setup(generation=0, added=0)
+        self.samples = self.frames = 0
+        self.policy_version = policy_version
 
     def _setup(self, generation: int, added: int) -> None:
         kw = self._kw
@@ -136,6 +150,17 @@ class ClawStorage(StoreStorage):
         self._conn: Connection | None = None
         self._finalizer: weakref.finalize | None = None
         self._drawn: tuple[torch.Tensor, TensorDict] | None = None
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        """What each sample is recorded as training (see the class docstring)."""
+        return self._versions.declare
+
+    @policy_version.setter
+    def policy_version(self, declare: PolicyVersion) -> None:
+        self._versions = Versions(
+            declare, {"samples": lambda: self.samples, "frames": lambda: self.frames}
+        )
 
     @property
     def namespace(self) -> str:
@@ -212,6 +237,7 @@ class ClawStorage(StoreStorage):
                 priority=None if prio is None else float(prio[i]),
             )
         self._added += len(obs)
+        self.frames += len(obs)
         if set_cursor:
             self._set_last_cursor(cursor)
         self._bump_mutation_revision()
@@ -315,7 +341,8 @@ class ClawStorage(StoreStorage):
             plan.parts,
             convert=self._drawable,
         )
-        ids, weights, td = conn.pop(name, self.timeout)
+        self.samples += 1
+        ids, weights, td = conn.pop(name, self.timeout, self._versions.of(self.samples))
         self._drawn = (ids, td)
         return ids, weights
 
@@ -390,7 +417,13 @@ class ClawStorage(StoreStorage):
             "redis_url": without_password(self._kw["redis_url"]),
             "broker_url": without_password(self._kw["broker_url"]),
         }
-        return {"claw": kw, "generation": self.generation, "added": self._added}
+        return {
+            "claw": kw,
+            "generation": self.generation,
+            "added": self._added,
+            "samples": self.samples,
+            "frames": self.frames,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Reconnect to the namespace (and generation) a :meth:`state_dict` was taken on."""
@@ -402,6 +435,9 @@ class ClawStorage(StoreStorage):
         self._kw = kw
         self.max_size = int(kw["max_size"])
         self._setup(generation=state_dict["generation"], added=state_dict["added"])
+        self.samples = int(state_dict.get("samples", 0))
+        self.frames = int(state_dict.get("frames", 0))
+        self.policy_version = kw.get("policy_version", "samples")
 
     def dumps(self, path: str | Path) -> None:
         """Write :meth:`state_dict` as JSON in directory ``path`` (the data stays in Redis)."""

@@ -33,7 +33,8 @@ def restore(
     namespace: Annotated[str, typer.Option("--namespace", "-n", help="Restore into this")],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
-    """Bring archived steps back, bit-exact, with new ids (tags.orig_id holds the old)."""
+    """Bring archived steps back, bit-exact, with new ids (tags.orig_id holds the old),
+    then the archive's snapshots, laid over the new ids."""
     with redis_client(ctx) as (_, r):
         archive_progress.restore_archive(r, archive_dir, namespace, Console(), as_json)
 

@@ -298,15 +298,51 @@ def gateway(
         ),
     ] = None,
     max_turns: Annotated[int, typer.Option(help="Calls allowed per trajectory")] = 256,
+    max_n: Annotated[
+        int,
+        typer.Option(min=1, max=1024, help="Largest n per call (n > 1: n trajectories)"),
+    ] = 64,
     policy_version: Annotated[
-        int | None, typer.Option(help="Recorded as each turn's policy_version")
+        int | None,
+        typer.Option(
+            help="Recorded as each turn's policy_version when the upstream sends no "
+            "X-Claw-Policy-Version (else the trainer's declared version)"
+        ),
     ] = None,
+    admission: Annotated[
+        bool,
+        typer.Option(help="Admit new trajectories against the trainer's staleness budget"),
+    ] = True,
+    admission_wait: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Seconds a new trajectory waits for the budget before a 429",
+            show_default="CLAW_GATEWAY_ADMISSION_WAIT, 10",
+        ),
+    ] = None,
+    retry_after: Annotated[
+        float, typer.Option(min=0.001, help="Retry-After of a 429 (seconds)")
+    ] = 1.0,
+    turn_discount: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Set the namespace's turn discount gamma (r[t] += gamma * r[t+1] at reward)",
+        ),
+    ] = None,
+    session_ttl: Annotated[
+        int, typer.Option(min=1, help="Seconds a session key lives (and trajectory state)")
+    ] = 7 * 86400,
 ) -> None:
     """OpenAI-compatible capture gateway: agents call it (base_url
     http://HOST:PORT/t/<trajectory>/g/<group>/v1, api_key = CLAW_GATEWAY_TOKEN), it forwards
     to UPSTREAM and records every call as a step; POST /t/<trajectory>/reward (token
-    CLAW_GATEWAY_REWARD_TOKEN, default CLAW_GATEWAY_TOKEN) attaches rewards; /metrics needs
-    CLAW_METRICS_TOKEN (default CLAW_GATEWAY_TOKEN). docs/llm.md."""
+    CLAW_GATEWAY_REWARD_TOKEN, default CLAW_GATEWAY_TOKEN) attaches rewards; POST /sessions
+    (CLAW_GATEWAY_ADMIN_TOKEN) makes per-trajectory keys; /metrics needs CLAW_METRICS_TOKEN
+    (default CLAW_GATEWAY_TOKEN). New trajectories are admitted against the staleness
+    budget a trainer's recipe declares (admission:). docs/llm.md."""
     from orchestrator.gateway import GatewayConfig, serve
 
     settings = get_settings()
@@ -326,6 +362,7 @@ def gateway(
         redis_url=url,
         broker_url=settings.broker_for(url),
         reward_token=settings.gateway_reward_token,
+        admin_token=settings.gateway_admin_token,
         metrics_token=settings.metrics_token,
         upstream_key=settings.upstream_api_key,
         tokenizer=str(tokenizer) if tokenizer else None,
@@ -334,7 +371,13 @@ def gateway(
         max_reply_bytes=max_reply_bytes,
         upstream_timeout=upstream_timeout,
         max_turns=max_turns,
+        max_n=max_n,
         policy_version=policy_version,
+        admission=admission,
+        admission_wait=admission_wait,
+        retry_after=retry_after,
+        turn_discount=turn_discount,
+        session_ttl=session_ttl,
     )
     Console().print(
         f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "

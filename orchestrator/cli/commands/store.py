@@ -247,7 +247,8 @@ def recipes(
     """Registered recipes and their prefetch state, rate limit included.
 
     Queue depth, batches produced and popped, rows sampled against steps inserted, and
-    whether the rate limiter makes prefetch wait (and why)."""
+    whether the rate limiter makes prefetch wait (and why); for a recipe with admission,
+    the staleness budget, its counters and the staleness of the batches served."""
     from orchestrator.delivery.client import BatchClient
 
     url, server = ensure_redis(ctx.obj)  # the URL itself: a client must log in with it
@@ -294,6 +295,23 @@ def recipes(
                 f"dropped stale {ro['dropped_stale']:,} steps, lost {ro['lost']:,}",
                 highlight=False,
             )
+        if (adm := st.get("admission")) is not None:
+            served = adm.get("served_staleness")
+            staleness = (
+                f"served staleness mean {served['mean']:.2f}, max {served['max']} versions "
+                f"over {served['batches']:,} batches"
+                if served
+                else "no batch served yet"
+            )
+            budget = (
+                f"admission: budget {adm['budget']:,} trajectories (version {adm['version']}, "
+                f"max_staleness {adm['max_staleness']}, {adm['batch']} per batch), admitted "
+                f"{adm['admitted']:,}, started {adm['total']:,}, waited {adm['waited']:,}, "
+                f"refused {adm['refused']:,}, released {adm['released']:,}"
+                if "budget" in adm
+                else "admission: not declared"
+            )
+            console.print(f"  {budget}; {staleness}", highlight=False)
 
 
 def _mib(n: int) -> str:

@@ -247,9 +247,7 @@ def lineage(
                 "policies": policies,
             }
         else:
-            counts: dict[str, int] = {}
-            for e in log.entries():
-                counts[e.policy] = counts.get(e.policy, 0) + 1
+            counts = log.counts()
             doc = {"batches": sum(counts.values()), "policies": counts}
     if as_json:
         typer.echo(json.dumps(doc, indent=2))

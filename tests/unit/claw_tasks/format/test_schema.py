@@ -45,6 +45,8 @@ def test_preset_fields_and_tags():
         "prompt_uid": "num",
         "final_reward": "num",
         "retokenized": "num",
+        "min_version": "num",
+        "max_version": "num",
         "dataset": "str",
     }
     assert "response_mask" not in Schema.llm().fields

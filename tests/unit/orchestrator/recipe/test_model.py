@@ -73,6 +73,7 @@ def test_the_reference_documents_every_key_and_augment_op():
     import inspect
 
     from orchestrator.recipe.model import (
+        Admission,
         Nearest,
         Prefetch,
         RateLimit,
@@ -84,7 +85,8 @@ def test_the_reference_documents_every_key_and_augment_op():
     from orchestrator.transforms.augment import OPS
 
     text = DOCS.read_text()
-    for model in (Recipe, Source, Window, SamplerSpec, Prefetch, RateLimit, Tokens, Nearest):
+    models = (Recipe, Source, Window, SamplerSpec, Prefetch, RateLimit, Tokens, Nearest, Admission)
+    for model in models:
         missing = [k for k in model.model_fields if f"`{k}`" not in text]
         assert not missing, f"{model.__name__} keys not in docs/recipes.md: {missing}"
     rows = {line.split("`")[1]: line for line in text.splitlines() if line.startswith("| `")}
@@ -320,3 +322,36 @@ def test_group_by_must_be_a_value_of_the_schema():
     with pytest.raises(RecipeError, match="group_by: terminated is a flag"):
         r.validate_against(schema)
     assert group_recipe().sources[0].sampler.group_by == "tags.prompt_uid"
+
+
+def test_admission_derives_the_min_version_and_its_batch():
+    """``admission`` keeps params.min_version at v - max_staleness (never below 0), so a
+    where with $min_version moves with set_params; its batch counts trajectories."""
+    grouped = group_recipe(k=2, n=4).model_dump()
+    grouped["params"] = {"policy_version": 7}
+    grouped["admission"] = {"max_staleness": 2}
+    grouped["sources"][0]["where"] = "tags.min_version >= $min_version"
+    r = Recipe.model_validate(grouped)
+    assert r.params["min_version"] == 5 and r.admission_batch == 8 and r.group_size == 4
+    grouped["params"]["policy_version"] = 1
+    assert Recipe.model_validate(grouped).params["min_version"] == 0
+    plain = Recipe.model_validate(
+        minimal(params={"v": 3}, admission={"version_param": "v", "min_version_param": "lo"})
+    )
+    assert plain.params == {"v": 3, "lo": 3} and plain.admission_batch == 8
+    assert (
+        Recipe.model_validate(
+            minimal(params={"policy_version": 0}, admission={"trajectories": 5})
+        ).admission_batch
+        == 5
+    )
+    assert "params.policy_version must be the trainer's current policy version" in error(
+        minimal(admission={})
+    )
+    assert "must be the trainer's" in error(minimal(params={"policy_version": -1}, admission={}))
+    assert "must differ" in error(
+        minimal(params={"v": 1}, admission={"version_param": "v", "min_version_param": "v"})
+    )
+    assert "max_staleness" in error(
+        minimal(params={"policy_version": 1}, admission={"max_staleness": -1})
+    )

@@ -90,10 +90,11 @@ def test_the_field_must_be_a_fixed_numeric_field_of_the_namespace():
         check_field(spec_of({"slice": [[0, 1], [0, 1]]}), fields)
 
 
-def test_lists_grow_with_the_square_root_of_capacity():
+def test_lists_grow_with_the_square_root_of_capacity_and_train_within_a_quarter_of_it():
     spec = IndexSpec()
-    assert spec.lists(1_000_000) == 4096 and spec.lists(10_000) == 512 and spec.lists(10) == 64
-    assert spec.train_size(1_000_000) == 39 * 4096
+    assert spec.lists(1_000_000) == 16384 and spec.train_size(1_000_000) == 10 * 16384  # 2 levels
+    assert spec.lists(100_000) == 512 and spec.train_size(100_000) == 39 * 512  # one k-means
+    assert spec.lists(10_000) == 64 and spec.lists(10) == 64
     assert IndexSpec(nlist=100).lists(10**9) == 100
 
 

@@ -1,0 +1,485 @@
+"""``ClawEpisodeReplayBuffer``: RLlib's new-API-stack ``EpisodeReplayBuffer`` whose data lives
+in Claw.
+
+Use it in DQN or SAC as ``config.training(replay_buffer_config={"type":
+"orchestrator.adapters.rllib.ClawEpisodeReplayBuffer", "capacity": ..., "namespace": ...})``
+(a dotted string: RLlib's ``Algorithm`` checks ``"EpisodeReplayBuffer" in type``, which a
+class object fails), or :class:`~orchestrator.adapters.rllib.ClawPrioritizedEpisodeReplayBuffer`
+for prioritized replay. It subclasses RLlib's class, so the algorithm's checks and
+``update_priorities_in_episode_replay_buffer`` treat it as RLlib's own.
+
+``add`` writes the ``SingleAgentEpisode`` chunks the ``EnvRunner``s return through an
+:class:`~claw_tasks.client.Ingestor` (:mod:`orchestrator.adapters.rllib.episodes`).
+``sample(n_step=..., gamma=..., sample_episodes=True)``, what DQN and SAC call, pops a
+prefetched batch of an n-step recipe registered on first use for that batch size, n and
+gamma, and returns RLlib's 1-step episodes, converted in the read-ahead thread.
+
+Where it differs from RLlib's buffer, and why:
+
+- ``capacity`` is the namespace's ring (steps, as RLlib counts): Claw evicts the oldest
+  steps, not whole episodes. A namespace that exists keeps its own capacity.
+- n-step windows are cut at an episode's end and where its stored steps end (an ongoing
+  chunk's last step), as RLlib's uniform buffer cuts them; ``n_step`` in the episode is
+  the m steps the window summed, so ``gamma ** n_step`` is the target's discount exactly
+  (RLlib's uniform buffer reports n for a cut window; its prioritized one draws again
+  instead). ``n_step`` as a range ``(lo, hi)`` splits the rows evenly over lo..hi-1, one
+  recipe per n (RLlib draws each row's n). Sequences (``batch_length_T``, stateful
+  modules), infos and extra model outputs are not supported: they raise.
+- Batches are drawn from what the store has committed, which trails ``add`` by the ingest
+  flush interval and the prefetch and read-ahead queues. ``deterministic=True`` draws the
+  k-th batch in this process from exactly the steps added before the k-th ``sample()``
+  (flushed first), seeded by ``(seed, k)``.
+- The seed is ``seed``, else derived from numpy's global state, which the algorithm's
+  ``debugging(seed=...)`` sets before it builds the buffer (RLlib's own buffer is seeded by
+  the OS).
+- Without ``namespace`` each buffer gets its own (``<CLAW_NAMESPACE>-rllib-<random>``,
+  logged). Give one to keep the data across restarts: a restored algorithm builds its
+  buffer from the config again, on that namespace.
+- ``get_state`` keeps the settings, namespace, recipe overrides, seed and counters; never
+  the data (it stays in Redis) nor a password (it comes from ``CLAW_REDIS_URL`` /
+  ``CLAW_BROKER_URL`` again in ``set_state`` when they name the same server). ``set_state``
+  reconnects to the saved namespace.
+- ``get_num_episodes`` counts the episodes this buffer started (eviction is per step, so
+  an episode may be partly stored); ``get_num_timesteps`` the steps the ring holds.
+- Connections and threads are released by ``close()``, on garbage collection, or at exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import weakref
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import numpy as np
+from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.utils import force_list
+from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+
+from claw_tasks.client import Ingestor
+from claw_tasks.settings import get_settings, redact_url
+from claw_tasks.store import Store
+from orchestrator.adapters.experience import (
+    Cadence,
+    Connection,
+    Transitions,
+    close_quietly,
+    global_seed,
+    ingest_options,
+    with_env_password,
+    without_password,
+)
+from orchestrator.adapters.rllib.episodes import FIELDS, Drawn, EpisodeWriter, to_episodes
+from orchestrator.delivery.client import BatchClient
+from orchestrator.recipe.model import as_recipe
+from orchestrator.sampling.sample import sample as sample_here
+
+log = logging.getLogger(__name__)
+
+
+def n_step_rows(size: int, n: int | tuple[int, int]) -> list[tuple[int, int]]:
+    """``(n, rows)`` of a sample of ``size`` rows: all at one n, or for a range ``(lo,
+    hi)`` (RLlib's: n uniform in lo..hi-1 per row) the rows split evenly over the n's, the
+    first ones taking the remainder. Stratified rather than drawn per row: each n has its
+    own recipe, and a fixed split keeps every recipe's batch size fixed."""
+    if isinstance(n, int):
+        return [(n, size)]
+    ns = range(n[0], n[1])
+    share, extra = divmod(size, len(ns))
+    rows = [(k, share + (i < extra)) for i, k in enumerate(ns)]
+    return [(k, r) for k, r in rows if r]
+
+
+STATE_FORMAT = 1
+"""The layout of :meth:`ClawEpisodeReplayBuffer.get_state`'s ``"claw"`` entry."""
+
+
+class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
+    """RLlib episode replay buffer backed by a Claw namespace (see the module docstring).
+
+    RLlib's arguments: ``capacity`` (steps), ``batch_size_B`` (used when ``sample`` gets
+    no size), ``batch_length_T`` and ``metrics_num_episodes_for_smoothing``. Claw's:
+    ``namespace``, ``redis_url``, ``broker_url``; ``recipe`` overrides keys of the
+    recipe (fields, one source over the namespace); ``ingest`` holds :class:`Ingestor`
+    options (``flush_steps``, ``flush_interval``, ...); ``timeout`` bounds a pop;
+    ``seed``, ``deterministic``; ``gradient_steps`` (the ``sample()`` calls between two
+    ``add()``s, DQN's training intensity), ``readahead``, ``readahead_bytes`` and
+    ``batches_per_pop`` size the read-ahead as for the SB3 buffer (by default it watches
+    the bursts: :class:`~orchestrator.adapters.experience.Cadence`). Other keyword
+    arguments of RLlib's replay buffer config (``alpha``, ``beta`` of a prioritized
+    default) are ignored, as RLlib's own buffer ignores them.
+    """
+
+    def __init__(
+        self,
+        capacity: int = 10000,
+        *,
+        batch_size_B: int = 16,
+        batch_length_T: int = 1,
+        metrics_num_episodes_for_smoothing: int = 100,
+        namespace: str | None = None,
+        redis_url: str | None = None,
+        broker_url: str | None = None,
+        recipe: Mapping[str, Any] | None = None,
+        ingest: Mapping[str, Any] | None = None,
+        timeout: float | None = 30.0,
+        seed: int | None = None,
+        deterministic: bool = False,
+        gradient_steps: int | None = None,
+        readahead: int | None = None,
+        readahead_bytes: int = 64 << 20,
+        batches_per_pop: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        EpisodeReplayBuffer.__init__(  # not the MRO's next: a prioritized one builds trees
+            self,
+            capacity=capacity,
+            batch_size_B=batch_size_B,
+            batch_length_T=batch_length_T,
+            metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing,
+        )
+        if namespace is None:
+            namespace = f"{get_settings().namespace}-rllib-{uuid.uuid4().hex[:10]}"
+            log.info(
+                "%s: namespace %r (pass namespace= to choose one)", type(self).__name__, namespace
+            )
+        self.namespace = namespace
+        self.seed = global_seed() if seed is None else int(seed)
+        self.deterministic = deterministic
+        self.timeout = timeout
+        self.readahead_bytes = readahead_bytes
+        self.overrides = dict(recipe or {})
+        self._init_kw: dict[str, Any] = {
+            "capacity": capacity,
+            "batch_size_B": batch_size_B,
+            "batch_length_T": batch_length_T,
+            "metrics_num_episodes_for_smoothing": metrics_num_episodes_for_smoothing,
+            "namespace": namespace,
+            "redis_url": redis_url,
+            "broker_url": broker_url,
+            "recipe": self.overrides,
+            "ingest": dict(ingest or {}),
+            "timeout": timeout,
+            "seed": self.seed,
+            "deterministic": deterministic,
+            "gradient_steps": gradient_steps,
+            "readahead": readahead,
+            "readahead_bytes": readahead_bytes,
+            "batches_per_pop": batches_per_pop,
+        }
+        self._cadence = (
+            Cadence(1, 1, 0)  # one batch per call, drawn here: nothing read ahead
+            if deterministic
+            else Cadence(gradient_steps, batches_per_pop, readahead)
+        )
+        self._recipe_base = f"rllib-{uuid.uuid4().hex[:8]}"  # own names: closing one buffer
+        self._samples = 0  # sample() calls: the k of the deterministic stream
+        self._num_episodes_added = 0
+        self._last_ids = np.zeros(0, np.int64)
+        self._connect()
+
+    # ---- connection ----------------------------------------------------------------
+    def _connect(self) -> None:
+        kw = self._init_kw
+        redis_url, broker_url = kw["redis_url"], kw["broker_url"]
+        probe = Store(redis_url or get_settings().redis_url, self.namespace)
+        exists = probe.exists()
+        self._num_timesteps = int(probe.info()["steps"]) if exists else 0
+        probe.r.close()
+        ring = None if exists else int(self.capacity)
+        ingest_kw = ingest_options(kw["ingest"], ring or int(self.capacity))
+        if self.deterministic:  # only this buffer flushes, and waits: one commit order
+            ingest_kw.update(flush_steps=1 << 30, flush_interval=None)
+        ingestor = Ingestor(
+            self.namespace, redis_url, broker_url=broker_url, capacity=ring, **ingest_kw
+        )
+        self.ring = ingestor.store.config().capacity
+        client = BatchClient(self.namespace, redis_url, broker_url=broker_url)
+        self._conn = Connection(ingestor, client, Transitions(ingestor))
+        self._writer = EpisodeWriter(ingestor)
+        self._unflushed = 0
+        self._finalizer = weakref.finalize(self, close_quietly, self._conn)
+
+    @property
+    def ingestor(self) -> Ingestor:
+        return self._conn.ingestor
+
+    @property
+    def client(self) -> BatchClient:
+        return self._conn.client
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Write every step added so far and wait until the store has committed them."""
+        self._conn.flush(timeout)
+        self._unflushed = 0
+
+    def close(self) -> None:
+        """Flush, unregister this buffer's recipes, release connections (also done on
+        garbage collection and at exit)."""
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self._conn.close()
+
+    # ---- writing -------------------------------------------------------------------
+    def add(self, episodes: list[SingleAgentEpisode] | SingleAgentEpisode) -> None:
+        """Write the episodes' steps (new episodes, or the next chunks of open ones)."""
+        self._add(episodes, None)
+
+    def _add(
+        self, episodes: list[SingleAgentEpisode] | SingleAgentEpisode, priority: float | None
+    ) -> None:
+        if (plan := self._cadence.added()) is not None:
+            self._conn.resize(plan)
+        steps = new = 0
+        for eps in force_list(episodes):
+            new += eps.id_ not in self._writer.open and eps.t_started == 0
+            steps += self._writer.add(eps, priority)
+        evicted = max(0, self._num_timesteps + steps - self.ring)
+        self._num_timesteps = min(self.ring, self._num_timesteps + steps)
+        self._num_timesteps_added += steps
+        self._num_episodes_added += new
+        self._unflushed += steps
+        if self.deterministic and self._unflushed >= max(1, self.ring // 2):
+            self.flush()  # in order: concurrent messages may commit in any order
+        agent, module = {DEFAULT_AGENT_ID: new}, {DEFAULT_MODULE_ID: new}
+        self._update_add_metrics(
+            num_episodes_added=new,
+            num_env_steps_added=steps,
+            num_episodes_evicted=0,
+            num_env_steps_evicted=evicted,
+            agent_to_num_episodes_added=agent,
+            agent_to_num_steps_added={DEFAULT_AGENT_ID: steps},
+            agent_to_num_episodes_evicted={DEFAULT_AGENT_ID: 0},
+            agent_to_num_steps_evicted={DEFAULT_AGENT_ID: evicted},
+            module_to_num_episodes_added=module,
+            module_to_num_steps_added={DEFAULT_MODULE_ID: steps},
+            module_to_num_episodes_evicted={DEFAULT_MODULE_ID: 0},
+            module_to_num_steps_evicted={DEFAULT_MODULE_ID: evicted},
+        )
+
+    # ---- sampling ------------------------------------------------------------------
+    def sample(
+        self,
+        num_items: int | None = None,
+        *,
+        batch_size_B: int | None = None,
+        batch_length_T: int | None = None,
+        n_step: int | tuple[int, int] | None = None,
+        beta: float | None = 0.0,
+        gamma: float = 0.99,
+        include_infos: bool = False,
+        include_extra_model_outputs: bool = False,
+        sample_episodes: bool | None = True,
+        to_numpy: bool = False,
+        lookback: int = 0,
+        min_batch_length_T: int = 0,
+        **kwargs: Any,
+    ) -> list[SingleAgentEpisode]:
+        """``num_items`` (or ``batch_size_B``) n-step transitions as RLlib's 1-step
+        episodes (see the module docstring for what is not supported)."""
+        if num_items is not None and batch_size_B is not None:
+            raise ValueError("sample(): pass num_items or batch_size_B, not both")
+        size = int(num_items or batch_size_B or self.batch_size_B)
+        n = self._check_request(
+            n_step,
+            batch_length_T,
+            min_batch_length_T,
+            include_infos,
+            include_extra_model_outputs,
+            sample_episodes,
+        )
+        beta = 0.0 if beta is None else float(beta)
+        self._samples += 1
+        if (plan := self._cadence.sampled()) is not None:
+            self._conn.resize(plan)
+        parts = []
+        for k, rows in n_step_rows(size, n):  # one n, or a range: rows per n
+            if self.deterministic:
+                parts.append(self._draw_here(rows, k, gamma, beta))
+            else:
+                name = self._recipe_name(rows, k, gamma, beta)
+                parts.append(self._conn.pop(name, self.timeout))
+        drawn = Drawn.join(parts)
+        self._last_ids = drawn.ids
+        self.sampled_timesteps += size
+        self._log_sample(drawn, size)
+        episodes = drawn.episodes
+        if to_numpy:
+            for eps in episodes:
+                eps.to_numpy()
+        return episodes
+
+    def _check_request(
+        self,
+        n_step: int | tuple[int, int] | None,
+        batch_length_T: int | None,
+        min_batch_length_T: int,
+        include_infos: bool,
+        include_extra_model_outputs: bool,
+        sample_episodes: bool | None,
+    ) -> int | tuple[int, int]:
+        """The n (or range) of an n-step request; raises on what these buffers do not
+        serve."""
+        if sample_episodes is False:
+            raise NotImplementedError(
+                f"{type(self).__name__} returns n-step transitions as episodes "
+                "(sample_episodes=True, as DQN and SAC ask); B x T sequence batches are not served"
+            )
+        if batch_length_T or min_batch_length_T:
+            raise NotImplementedError(
+                f"{type(self).__name__}: sequences (batch_length_T, stateful modules) are not "
+                "served; use RLlib's EpisodeReplayBuffer for them"
+            )
+        if include_infos or include_extra_model_outputs:
+            raise NotImplementedError(
+                f"{type(self).__name__} stores observations, actions, rewards and flags: "
+                "include_infos / include_extra_model_outputs are not served"
+            )
+        if isinstance(n_step, tuple | list):
+            lo, hi = (int(x) for x in n_step)
+            if not 1 <= lo < hi:
+                raise ValueError(f"n_step={tuple(n_step)}: a range (lo, hi), 1 <= lo < hi")
+            return lo, hi
+        n = int(n_step or 1)
+        if n < 1:
+            raise ValueError(f"n_step={n_step}: must be >= 1")
+        return n
+
+    def _source(self, beta: float) -> dict[str, Any]:
+        """The recipe source's sampler (the prioritized buffer's is ``priority``)."""
+        return {"kind": "uniform"}
+
+    def _spec(self, size: int, n: int, gamma: float, beta: float) -> dict[str, Any]:
+        return {
+            "name": self._recipe_base,
+            "fields": FIELDS,
+            "sources": [{"name": "all", "sampler": self._source(beta)}],
+            "seed": self.seed,
+            "n_step": n,
+            "gamma": gamma,
+            **self.overrides,
+            "batch_size": size,
+        }
+
+    def _convert(self, n: int, gamma: float) -> Any:
+        writer = self._writer
+
+        def convert(batch: Any) -> Drawn:
+            spaces = (writer.observation_space, writer.action_space)
+            return to_episodes(batch, n, gamma, spaces)
+
+        return convert
+
+    def _recipe_name(self, size: int, n: int, gamma: float, beta: float) -> str:
+        """The recipe serving these arguments, registered on first use (after a flush, so
+        everything added so far can be drawn), with its read-ahead thread."""
+        conn, plan = self._conn, self._cadence.plan
+        key: Hashable = (size, n, float(gamma), beta)
+        name = self._recipe_base + (f".p{conn.replans}" if conn.replans else "")
+        if conn.names and key not in conn.names:
+            name += f"-{len(conn.names)}"
+        spec = {
+            "prefetch": {"depth": plan.depth},
+            **self._spec(size * plan.parts, n, gamma, beta),
+            "name": name,
+        }
+        return conn.recipe(
+            key,
+            spec,
+            plan.readahead,
+            self.readahead_bytes,
+            plan.parts,
+            convert=self._convert(n, gamma),
+        )
+
+    def _draw_here(self, size: int, n: int, gamma: float, beta: float) -> Drawn:
+        """The k-th batch from the steps added before this k-th call, seeded by (seed, k)
+        (and n, for each n of a range)."""
+        self.flush()
+        rng = np.random.default_rng([self.seed, self._samples, n])
+        spec = self._spec(size, n, gamma, beta)
+        batch = sample_here(self.client.store, as_recipe(spec), rng=rng)
+        return self._convert(n, gamma)(batch)
+
+    def _log_sample(self, drawn: Drawn, size: int) -> None:
+        steps, eps = len(np.unique(drawn.ids)), len(set(drawn.names))
+        mean_n = float(drawn.m.mean()) if len(drawn.m) else 0.0
+        self._update_sample_metrics(
+            num_env_steps_sampled=size,
+            num_episodes_per_sample=eps,
+            num_env_steps_per_sample=steps,
+            sampled_n_step=mean_n,
+            num_resamples=0,
+            agent_to_num_steps_sampled={DEFAULT_AGENT_ID: size},
+            agent_to_num_episodes_per_sample={DEFAULT_AGENT_ID: eps},
+            agent_to_num_steps_per_sample={DEFAULT_AGENT_ID: steps},
+            agent_to_sampled_n_step={DEFAULT_AGENT_ID: mean_n},
+            agent_to_num_resamples={DEFAULT_AGENT_ID: 0},
+            module_to_num_steps_sampled={DEFAULT_MODULE_ID: size},
+            module_to_num_episodes_per_sample={DEFAULT_MODULE_ID: eps},
+            module_to_num_steps_per_sample={DEFAULT_MODULE_ID: steps},
+            module_to_sampled_n_step={DEFAULT_MODULE_ID: mean_n},
+            module_to_num_resamples={DEFAULT_MODULE_ID: 0},
+        )
+
+    # ---- counts --------------------------------------------------------------------
+    def get_num_episodes(self, module_id: str | None = None) -> int:
+        """Episodes this buffer started (see the module docstring)."""
+        return self._num_episodes_added
+
+    def get_num_episodes_evicted(self, module_id: str | None = None) -> int:
+        """Always 0: the ring evicts steps, not episodes."""
+        return 0
+
+    def get_num_timesteps(self, module_id: str | None = None) -> int:
+        """Steps the namespace's ring holds (counted here: this buffer's adds, capped)."""
+        return self._num_timesteps
+
+    # ---- state ---------------------------------------------------------------------
+    def get_state(self) -> dict[str, Any]:
+        """Settings, namespace, recipe overrides, seed and counters; never the data nor a
+        password (plain values: a checkpoint may pickle or msgpack them)."""
+        self.flush()  # what was added is in the store first
+        kw = dict(self._init_kw)
+        kw["redis_url"] = without_password(kw["redis_url"])
+        kw["broker_url"] = without_password(kw["broker_url"])
+        return {
+            "claw": {
+                "format": STATE_FORMAT,
+                "class": type(self).__name__,
+                "init": kw,
+                "timesteps_added": self._num_timesteps_added,
+                "sampled_timesteps": self.sampled_timesteps,
+                "episodes_added": self._num_episodes_added,
+                "samples": self._samples,
+            }
+        }
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Reconnect to the namespace of a :meth:`get_state` (this buffer's current
+        connection is flushed and closed first)."""
+        saved = state.get("claw") if isinstance(state, Mapping) else None
+        if not isinstance(saved, Mapping) or saved.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"{type(self).__name__}.set_state: not a Claw buffer's state (RLlib's own "
+                "buffer saves its episodes; a Claw buffer saves settings and reads its data "
+                "from the namespace)"
+            )
+        kw = dict(saved["init"])
+        settings = get_settings()
+        kw["redis_url"] = with_env_password(kw["redis_url"], settings.redis_url)
+        kw["broker_url"] = with_env_password(kw["broker_url"], settings.broker_url)
+        self.close()
+        self.__init__(**kw)  # type: ignore[misc]
+        self._num_timesteps_added = int(saved["timesteps_added"])
+        self.sampled_timesteps = int(saved["sampled_timesteps"])
+        self._num_episodes_added = int(saved["episodes_added"])
+        self._samples = int(saved["samples"])
+        log.info(
+            "%s: reconnected to namespace %r at %s",
+            type(self).__name__,
+            self.namespace,
+            redact_url(kw["redis_url"] or settings.redis_url),
+        )

@@ -1,0 +1,560 @@
+"""``ClawRolloutBuffer``: a Stable-Baselines3 ``RolloutBuffer`` whose rollouts go through
+Claw, for PPO and A2C (``rollout_buffer_class=ClawRolloutBuffer``; Claw options in
+``rollout_buffer_kwargs``). :class:`ClawDictRolloutBuffer` takes ``spaces.Dict``
+observations (``MultiInputPolicy``).
+
+The algorithm's own loop runs unchanged:
+
+- ``add`` (the collect loop) keeps the step's scalars here and writes its rows through an
+  :class:`~claw_tasks.client.Ingestor` as on-policy steps (``Schema.rollout``: the
+  behaviour's ``log_prob`` and ``value`` as tags, ``policy_version`` the rollout's
+  number), one Claw episode per env episode, continued across rollouts. A row is written
+  once the next ``add`` says whether its episode ended there, in one ``add_batch`` (one
+  message) per ``write_every`` time steps (default: about ``MESSAGE_BYTES`` of payload a
+  message; a small rollout in one), never a round trip per step. The calls to Claw
+  (those messages, ``set_params``) run in a :class:`Writer` thread, in order: the loop
+  does not wait for their round trips.
+- ``compute_returns_and_advantage`` writes each env's last row (terminated if ``dones``,
+  else with ``bootstrap_value`` = SB3's ``last_values``) and computes SB3's numbers here
+  with SB3's own code (``advantages``, ``returns``: what PPO's explained variance and
+  callbacks read). The prefetch workers compute the same GAE over the same chains (a
+  ``rollout`` recipe, docs/recipes.md "On-policy"; equal to 1e-6, tested) and serve the
+  rollout with it.
+- ``get(batch_size)`` (``train()``) yields one epoch of the rollout Claw served: all
+  ``n_steps * n_envs`` steps with the workers' advantages and returns and the
+  behaviour's log-probs and values, in SB3's minibatches (each step in exactly one
+  minibatch per epoch; any ``batch_size``, A2C's ``None`` included). The rollout crosses
+  Redis once, as one message holding its first epoch; epoch e is the same rows in the
+  order the rollout mode serves epoch e (its seeded permutation, ``rollouts.permutation``
+  of the seed and rollout number the message carries), so PPO's ``n_epochs`` (which SB3
+  does not tell its buffer) cost no more transfers, and any number of ``get()`` calls
+  works. The next ``reset()`` (SB3's next collect) moves the recipe's
+  ``policy_version``: each rollout is consumed once.
+
+Where it differs from SB3's buffer, and why:
+
+- SB3 passes its buffer neither the episode ends' kind nor the final observation: it has
+  already added ``gamma * V(final obs)`` to a timeout's reward (its timeout bootstrap,
+  GitHub issue #633). So every episode end is stored ``terminated`` with SB3's reward,
+  which makes the workers' GAE SB3's; the namespace is training data for this run, not
+  a dataset with true terminal flags.
+- Observations and actions are not kept here (they are in Claw): there are no
+  ``observations`` and ``actions`` attributes. ``reset()`` after a rollout cut short (a
+  callback that stops collecting) drops its rows not yet written; the written ones are
+  never served (counted ``dropped_stale`` once the version moves).
+- The epochs' shuffles are the recipe's (``seed``, else from numpy's global state, which
+  SB3 seeds), not ``np.random.permutation``; they are over the rollout's chain order,
+  which follows the run's unique episode ids, so runs do not repeat bit for bit.
+- ``get()`` before ``compute_returns_and_advantage`` (SB3 allows it) first computes with
+  zero last values and no ``dones``: a rollout reaches Claw whole.
+- Without ``namespace`` each buffer gets its own (``<CLAW_NAMESPACE>-sb3-<random>``,
+  logged); its ring holds ``capacity`` steps (default two rollouts: one served while the
+  next is written). ``close()`` (or garbage collection, exit) unregisters the recipe and
+  closes the connections; the steps stay in Redis. PPO's ``save`` leaves the rollout
+  buffer out, as for SB3's own.
+- Lineage: each rollout is recorded once, when it is popped, as training a policy
+  version (``claw lineage NS --policy v``): by default ``rollouts``, the rollouts trained
+  on so far, this one included: the weights this update makes are version v, the ones
+  that collect the next rollout (whose steps carry ``policy_version`` v). ``timesteps``
+  records the transitions added instead (SB3's ``num_timesteps``); a callable gets the
+  rollout's number and returns the version; None records nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import uuid
+import weakref
+from collections.abc import Callable, Generator, Mapping
+from typing import Any
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.buffers import BaseBuffer, RolloutBuffer
+from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
+
+from claw_tasks.client import Ingestor
+from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
+from claw_tasks.settings import get_settings
+from claw_tasks.store import Store
+from orchestrator.adapters.experience import PolicyVersion, Versions, global_seed
+from orchestrator.adapters.sb3.packing import DictLayout
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.rollouts import permutation
+from orchestrator.sampling.batch import Batch
+
+log = logging.getLogger(__name__)
+
+EPISODE_META = frozenset({"task_id", "agent_id", "skill_tag", "reward_source"})
+RUN_TAG = "sb3_buffer"
+"""A string tag naming the buffer that wrote a step: its recipe takes only its own steps
+(a namespace reused by a later run, or shared, holds others of the same versions)."""
+EPISODE_TAGS = frozenset({LOG_PROB, VALUE, BOOTSTRAP_VALUE, RUN_TAG})
+
+
+MESSAGE_BYTES = 4 << 20
+"""Payload bytes per ``add_batch`` message, about: a small rollout (CartPole's 256 steps
+are 6 KB) goes in one message, a large one (Atari's) in several sent while SB3 collects."""
+
+
+class Writer:
+    """Runs a buffer's calls to Claw (``set_params``, ``add_batch``, ``request_fill``) in
+    order in one thread, off SB3's collect loop: each is a publish or a transaction whose
+    round trips the loop would otherwise wait for. :meth:`wait` returns once every call
+    submitted so far is done, raising the first error one of them met (and every later
+    :meth:`submit` raises it too)."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None]
+        self._calls = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="claw-rollout-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, args = call
+            try:
+                if self.error is None:
+                    fn(*args)
+            except BaseException as e:  # raised by the buffer's next call
+                self.error = e
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self.error is not None:
+            raise self.error
+        with self._cond:
+            self._pending += 1
+        self._calls.put((fn, args))
+
+    def wait(self, timeout: float | None = None) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pending == 0, timeout):
+                raise TimeoutError(f"{self._pending} writes to Claw not done within {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self._calls.put(None)
+        self._thread.join(timeout=60)
+
+
+def _numpy(x: Any, n: int) -> np.ndarray:
+    """A tensor or array of ``n`` numbers as float32 (SB3's values and log-probs)."""
+    if isinstance(x, th.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, np.float32).reshape(n)
+
+
+class ClawRolloutBuffer(RolloutBuffer):
+    """SB3 rollout buffer backed by Claw (see the module docstring).
+
+    ``namespace``, ``redis_url``, ``broker_url`` say where; ``capacity`` the ring of a new
+    namespace (steps; default two rollouts);
+    ``episode`` holds keyword arguments of :meth:`Ingestor.episode` (``task_id``,
+    ``agent_id``: on every step); ``ingest`` those of the :class:`Ingestor`;
+    ``write_every`` the time steps per message (default: ``MESSAGE_BYTES`` of payload,
+    at most the rollout);
+    ``recipe`` overrides keys of the rollout recipe; ``timeout`` bounds a pop;
+    ``policy_version`` what each rollout is recorded as training in the lineage log (the
+    module docstring).
+    """
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        device: th.device | str = "auto",
+        gae_lambda: float = 1,
+        gamma: float = 0.99,
+        n_envs: int = 1,
+        *,
+        namespace: str | None = None,
+        redis_url: str | None = None,
+        broker_url: str | None = None,
+        capacity: int | None = None,
+        episode: Mapping[str, Any] | None = None,
+        ingest: Mapping[str, Any] | None = None,
+        write_every: int | None = None,
+        recipe: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        timeout: float | None = 60.0,
+        policy_version: PolicyVersion = "rollouts",
+    ) -> None:
+        if isinstance(self._row_space(observation_space), spaces.Dict):
+            raise TypeError(
+                "ClawRolloutBuffer takes Box/Discrete/... observations; for Dict ones use "
+                "ClawDictRolloutBuffer"
+            )
+        # Not RolloutBuffer.__init__: its reset() allocates the arrays Claw replaces.
+        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs)
+        self.gae_lambda, self.gamma = gae_lambda, gamma
+        self.generator_ready = False
+        self.obs_dtype = np.dtype(self._row_space(observation_space).dtype)
+        self.action_dtype = np.dtype(action_space.dtype)
+        self.timeout = timeout
+        row_bytes = int(np.prod(self._row_shape())) * self.obs_dtype.itemsize + 64
+        per_step = max(1, MESSAGE_BYTES // (n_envs * row_bytes))
+        self.write_every = max(1, min(write_every or per_step, buffer_size))
+        self.steps = buffer_size * n_envs
+        self.episode_kw = dict(episode or {})
+        self._meta = {k: v for k, v in self.episode_kw.items() if k in EPISODE_META}
+        self._tags = {k: v for k, v in self.episode_kw.items() if k not in EPISODE_META}
+        if "policy_version" in self.episode_kw or EPISODE_TAGS & set(self._tags):
+            raise ValueError(
+                f"episode: policy_version, {', '.join(sorted(EPISODE_TAGS))} are the "
+                "buffer's to write"
+            )
+        settings = get_settings()
+        if namespace is None:
+            namespace = f"{settings.namespace}-sb3-{uuid.uuid4().hex[:10]}"
+            log.info("ClawRolloutBuffer: namespace %r (pass namespace= to choose one)", namespace)
+        self.namespace = namespace
+        if capacity is None:  # a new namespace: two rollouts; an existing one keeps its own
+            probe = Store(redis_url or settings.redis_url, namespace)
+            capacity = None if probe.exists() else 2 * self.steps
+            probe.r.close()
+        schema = Schema.rollout(
+            tuple(self._row_shape()),
+            (self.action_dim,),
+            obs_dtype=self.obs_dtype.str,
+            action_dtype=self.action_dtype.str,
+            tags={RUN_TAG: "str"},
+        )
+        ingest_kw = {"flush_steps": max(self.steps, 256), **(ingest or {})}
+        self.ingestor = Ingestor(
+            namespace,
+            redis_url,
+            broker_url=broker_url,
+            capacity=capacity,
+            schema=schema,
+            **ingest_kw,
+        )
+        held = self.ingestor.store.config().capacity
+        if held < self.steps:
+            self.ingestor.close()
+            raise ValueError(
+                f"namespace {namespace!r} holds {held} steps; a rollout is {self.steps} "
+                "(n_steps x n_envs): use another namespace or pass a larger capacity for a new one"
+            )
+        self.client = BatchClient(namespace, redis_url, broker_url=broker_url)
+        self._names: list[str] = []  # the recipe, unregistered on close
+        self.writer = Writer()
+        self._finalizer = weakref.finalize(
+            self, _close, self.writer, self.ingestor, self.client, self._names
+        )
+        self.seed = global_seed() if seed is None else int(seed)
+        self.recipe_name = f"sb3ppo-{uuid.uuid4().hex[:8]}"
+        self._overrides = dict(recipe or {})
+        self._run = uuid.uuid4().hex[:12]  # on every step; episode ids <run>.<env>.<number>
+        self._ep_no = np.zeros(n_envs, np.int64)  # each env's current episode (from 1)
+        self._open = np.zeros(n_envs, bool)  # whether it has one
+        self._ep_step = np.zeros(n_envs, np.int64)  # its next step_index
+        self.version = 0  # the rollout being collected: its steps' policy_version
+        self.rollouts = 0  # rollouts popped (trained on) so far
+        self.timesteps = 0  # transitions added (n_envs per add), as SB3's num_timesteps
+        self._versions = Versions(
+            policy_version, {"rollouts": lambda: self.rollouts, "timesteps": lambda: self.timesteps}
+        )
+        self.client.register(self._spec())
+        self._names.append(self.recipe_name)
+        self._clear()
+
+    # ---- what the subclass for Dict observations changes -------------------------------
+    def _row_space(self, observation_space: spaces.Space) -> spaces.Space:
+        """The space of a stored ``obs`` row."""
+        return observation_space
+
+    def _row_shape(self) -> tuple[int, ...]:
+        return tuple(self.obs_shape)
+
+    def _rows(self, obs: Any) -> np.ndarray:
+        """One time step's observations as the stored rows, ``(n_envs, *row_shape)``."""
+        return np.array(obs, dtype=self.obs_dtype).reshape(self.n_envs, *self._row_shape())
+
+    def _observations(self, rows: np.ndarray) -> Any:
+        return self.to_torch(rows)
+
+    _samples_type: Any = RolloutBufferSamples
+
+    # ---- the recipe --------------------------------------------------------------------
+    def _spec(self) -> dict[str, Any]:
+        return {
+            "name": self.recipe_name,
+            "batch_size": self.steps,  # the whole rollout in one message: its first epoch
+            "fields": ["obs", "action"],
+            "sources": [{"name": "rollouts", "where": {f"tags.{RUN_TAG}": self._run}}],
+            "params": {"policy_version": self.version},
+            "gamma": self.gamma,
+            "seed": self.seed,
+            "prefetch": {"depth": 1},
+            "rollout": {
+                "steps": self.steps,
+                "epochs": 1,  # the others: the same rows, ordered here (see get)
+                "gae_lambda": self.gae_lambda,
+                "normalize": False,  # PPO normalizes per minibatch itself, A2C not at all
+            },
+            **self._overrides,
+        }
+
+    # ---- collecting --------------------------------------------------------------------
+    def _clear(self) -> None:
+        shape = (self.buffer_size, self.n_envs)
+        self.rewards = np.zeros(shape, np.float32)
+        self.returns = np.zeros(shape, np.float32)
+        self.episode_starts = np.zeros(shape, np.float32)
+        self.values = np.zeros(shape, np.float32)
+        self.log_probs = np.zeros(shape, np.float32)
+        self.advantages = np.zeros(shape, np.float32)
+        self._obs: list[np.ndarray | None] = [None] * self.buffer_size  # rows not yet written
+        self._actions: list[np.ndarray | None] = [None] * self.buffer_size
+        self._episode = np.zeros(shape, np.int64)  # each row's episode number
+        self._step = np.zeros(shape, np.int64)  # and step_index
+        self._written = 0  # time steps written to Claw
+        self._finished = False  # the last row written (compute_returns_and_advantage)
+        self._epoch: tuple[tuple[Any, ...], np.ndarray, int, int] | None = None  # popped
+        self._epochs = 0  # get() calls of this rollout
+        self.generator_ready = False
+        self.pos, self.full = 0, False
+
+    def reset(self) -> None:
+        """Start the next rollout (SB3 calls this before collecting): its steps get the next
+        ``policy_version``, which the recipe now serves. A rollout's rows not yet written
+        are dropped (see the module docstring); nothing happens if nothing was added since
+        the last reset."""
+        if self.pos == 0 and not self.full:
+            return
+        if not self._finished:
+            log.info(
+                "ClawRolloutBuffer: rollout %d reset after %d of %d steps: its rows written "
+                "are never served (dropped stale)",
+                self.version,
+                self.pos,
+                self.buffer_size,
+            )
+        self.version += 1
+        move = functools.partial(self.client.set_params, policy_version=self.version)
+        self.writer.submit(move, self.recipe_name)
+        self._clear()
+
+    def add(
+        self,
+        obs: Any,
+        action: np.ndarray,
+        reward: np.ndarray,
+        episode_start: np.ndarray,
+        value: th.Tensor,
+        log_prob: th.Tensor,
+    ) -> None:
+        """One time step of every env (SB3's shapes); the rows it completes go to Claw every
+        ``write_every`` time steps."""
+        if self.full:
+            raise RuntimeError(
+                f"the rollout holds {self.buffer_size} steps per env already: reset() first"
+            )
+        n, t = self.n_envs, self.pos
+        self._obs[t] = self._rows(obs)
+        self._actions[t] = np.array(action).reshape(n, self.action_dim).astype(self.action_dtype)
+        self.rewards[t] = np.asarray(reward, np.float32).reshape(n)
+        starts = np.asarray(episode_start).reshape(n).astype(bool)
+        self.episode_starts[t] = starts
+        self.values[t] = _numpy(value, n)
+        self.log_probs[t] = _numpy(log_prob, n)
+        new = starts | ~self._open
+        self._ep_no[new] += 1
+        self._ep_step[new] = 0
+        self._open[:] = True
+        self._episode[t], self._step[t] = self._ep_no, self._ep_step
+        self._ep_step += 1
+        self.timesteps += n
+        self.pos += 1
+        if self.pos == self.buffer_size:
+            self.full = True
+        if t - self._written >= self.write_every:  # rows before t know how they end
+            self._write(t)
+
+    def _write(
+        self, stop: int, last_values: np.ndarray | None = None, dones: np.ndarray | None = None
+    ) -> None:
+        """Write time steps ``_written .. stop - 1`` in one message; with ``last_values``
+        and ``dones``, ``stop`` is the buffer's end and its last row ends the segment."""
+        start, n = self._written, self.n_envs
+        if stop <= start:
+            return
+        k = stop - start
+        ended = np.zeros((k, n), bool)
+        ended[: k - 1] = self.episode_starts[start + 1 : stop].astype(bool)
+        boot = np.full((k, n), np.nan)
+        if last_values is None:
+            ended[k - 1] = self.episode_starts[stop].astype(bool)
+        else:
+            assert dones is not None
+            ended[k - 1] = dones
+            boot[k - 1] = np.where(dones, np.nan, last_values)
+        episode = self._episode[start:stop].ravel()
+        env = np.tile(np.arange(n), k)
+        ids = [f"{self._run}.{i}.{e}" for i, e in zip(env.tolist(), episode.tolist(), strict=True)]
+        self.writer.submit(
+            self.ingestor.add_batch,
+            {
+                "obs": np.concatenate(self._obs[start:stop]),  # type: ignore[arg-type]
+                "action": np.concatenate(self._actions[start:stop]),  # type: ignore[arg-type]
+                "reward": self.rewards[start:stop].ravel().copy(),
+                "terminated": ended.ravel(),
+                "episode_id": ids,
+                "step_index": self._step[start:stop].ravel().copy(),
+                "policy_version": self.version,
+                "tags": {
+                    **self._tags,
+                    RUN_TAG: self._run,
+                    LOG_PROB: self.log_probs[start:stop].ravel().astype(np.float64),
+                    VALUE: self.values[start:stop].ravel().astype(np.float64),
+                    BOOTSTRAP_VALUE: boot.ravel(),
+                },
+                **self._meta,
+            },
+        )
+        self._obs[start:stop] = [None] * k
+        self._actions[start:stop] = [None] * k
+        self._written = stop
+
+    def compute_returns_and_advantage(self, last_values: th.Tensor, dones: np.ndarray) -> None:
+        """Write the rollout's last rows (each env's segment ends: terminated if ``dones``,
+        else bootstrapping with ``last_values``) and compute SB3's advantages and returns
+        here, with SB3's code; the workers serve the same numbers with each minibatch."""
+        if not self.full:
+            raise RuntimeError(
+                f"compute_returns_and_advantage after {self.pos} of {self.buffer_size} steps "
+                "per env: a rollout is written whole"
+            )
+        if self._finished:
+            raise RuntimeError("this rollout's last rows are written already: reset() first")
+        n = self.n_envs
+        lv = _numpy(last_values, n)
+        done = np.asarray(dones).reshape(n).astype(bool)
+        self._write(self.buffer_size, lv.astype(np.float64), done)
+        self._finished = True
+        self.writer.submit(self.client.request_fill, self.recipe_name)  # if none waits
+        super().compute_returns_and_advantage(th.as_tensor(lv), done)
+
+    # ---- training ----------------------------------------------------------------------
+    def get(self, batch_size: int | None = None) -> Generator[Any, None, None]:
+        """The next epoch, as minibatches of ``batch_size`` (None: the whole rollout, as
+        A2C asks): epoch e of the rollout mode's permutations (see the module
+        docstring)."""
+        assert self.full, ""
+        if not self._finished:  # SB3 allows get() without it: nothing bootstraps then
+            self.compute_returns_and_advantage(th.zeros(self.n_envs), np.zeros(self.n_envs))
+        if self._epoch is None:
+            self.writer.wait(self.timeout)  # the rollout's last rows are sent
+            self._epoch = self._pop_rollout()
+        data, first, seed, no = self._epoch
+        e, self._epochs = self._epochs, self._epochs + 1
+        if e:  # served position of each chain position, then epoch e in that order
+            order = th.as_tensor(first[permutation(seed, no, e, self.steps)], device=self.device)
+            data = tuple(_take(x, order) for x in data)
+        size = self.steps if batch_size is None else batch_size
+        for start in range(0, self.steps, size):
+            yield self._samples_type(*(_take(x, slice(start, start + size)) for x in data))
+
+    def _pop_rollout(self) -> tuple[tuple[Any, ...], np.ndarray, int, int]:
+        """This rollout from Claw, as tensors in its first epoch's order, with where each
+        chain position sits in it and the seed and number of its permutations."""
+        while True:
+            batch = self.client.pop(self.recipe_name, self.timeout)
+            ro = batch.meta.get("rollout", {})
+            if ro.get("policy_version") == self.version and ro.get("steps") == self.steps:
+                break
+            log.debug("ClawRolloutBuffer: dropped a minibatch of another rollout: %s", ro)
+        self.rollouts += 1
+        if (version := self._versions.of(self.rollouts)) is not None:
+            self.client.trained(self.recipe_name, batch, version)
+        seed, no = int(ro["seed"]), int(ro["no"])
+        first = np.empty(self.steps, np.int64)  # served row i holds chain position perm0[i]
+        first[permutation(seed, no, 0, self.steps)] = np.arange(self.steps)
+        return self._samples(batch), first, seed, no
+
+    def _samples(self, batch: Batch) -> tuple[Any, ...]:
+        """An epoch as SB3's tensors (the rows in the workers' order)."""
+        return (
+            self._observations(batch["obs"]),
+            # SB3 casts actions to float32 (backward compatible; MultiBinary log-probs)
+            self.to_torch(batch["action"].astype(np.float32, copy=False)),
+            self.to_torch(batch["value"]),
+            self.to_torch(batch["log_prob"]),
+            self.to_torch(batch["advantages"]),
+            self.to_torch(batch["returns"]),
+        )
+
+    def close(self) -> None:
+        """Write nothing more, unregister the recipe, release the connections (also done on
+        garbage collection and at exit)."""
+        self._finalizer()
+
+
+def _take(x: Any, rows: Any) -> Any:
+    """Rows of a tensor, or of each tensor of a Dict observation."""
+    return {k: v[rows] for k, v in x.items()} if isinstance(x, dict) else x[rows]
+
+
+def _close(writer: Writer, ingestor: Ingestor, client: BatchClient, names: list[str]) -> None:
+    writer.close()
+    try:
+        ingestor.close(timeout=10.0)
+    except Exception as e:  # at exit or in GC: never raise
+        log.warning("closing a ClawRolloutBuffer's ingestor: %s: %s", type(e).__name__, e)
+    finally:
+        for name in names:
+            try:
+                client.unregister(name)
+            except Exception as e:
+                log.warning("unregistering recipe %r: %s: %s", name, type(e).__name__, e)
+        client.close()
+
+
+class ClawDictRolloutBuffer(ClawRolloutBuffer):
+    """SB3's ``DictRolloutBuffer`` on Claw: each observation stored as one uint8 row (the
+    keys' bytes side by side, :class:`~orchestrator.adapters.sb3.packing.DictLayout`) and
+    unpacked per epoch; the same options as :class:`ClawRolloutBuffer`."""
+
+    _samples_type: Any = DictRolloutBufferSamples
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Dict,
+        action_space: spaces.Space,
+        device: th.device | str = "auto",
+        gae_lambda: float = 1,
+        gamma: float = 0.99,
+        n_envs: int = 1,
+        **claw: Any,
+    ) -> None:
+        if not isinstance(observation_space, spaces.Dict):
+            raise TypeError("ClawDictRolloutBuffer is for Dict observations; use ClawRolloutBuffer")
+        self.layout = DictLayout(observation_space)
+        super().__init__(
+            buffer_size, observation_space, action_space, device, gae_lambda, gamma, n_envs, **claw
+        )
+
+    def _row_space(self, observation_space: spaces.Space) -> spaces.Space:
+        return self.layout.space
+
+    def _row_shape(self) -> tuple[int, ...]:
+        return tuple(self.layout.space.shape)
+
+    def _rows(self, obs: Any) -> np.ndarray:
+        return self.layout.pack(obs, self.n_envs)
+
+    def _observations(self, rows: np.ndarray) -> dict[str, th.Tensor]:
+        return {k: self.to_torch(v) for k, v in self.layout.unpack(rows).items()}

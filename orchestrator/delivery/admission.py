@@ -1,0 +1,204 @@
+"""Staleness-bounded admission, the trainer's side: a recipe with an ``admission`` section
+declares the namespace's budget (its current policy version v, its trajectories per batch
+B, its ``max_staleness`` s) each time it is installed (``register``, ``set_params``), and
+every capture gateway of the namespace admits new trajectories against it
+(``orchestrator/lua/admission.lua`` has the rule and the key layout; docs/llm.md,
+"Admission"). Here: the keys, the declaration, the state and the log read back, and the
+served-staleness counters a fill adds to a recipe's counters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.store import Store
+from claw_tasks.store.scripts import Lua
+from orchestrator.recipe.model import Recipe
+
+SCRIPT = Lua("admission", "orchestrator")
+LOG_ENTRIES = 10_000
+"""The admission log keeps about this many entries (a capped stream)."""
+STALE_PREFIX = "stale:"
+"""Counter fields of served staleness: ``stale:n`` batches, ``stale:sum`` the sum of their
+mean staleness, ``stale:max:<k>`` the batches whose oldest turn is k versions old."""
+
+
+class AdmissionError(ValueError):
+    """The namespace's budget is declared by another recipe."""
+
+
+def admission_key(store: Store) -> str:
+    return f"{store.keys.base}admission"
+
+
+def log_key(store: Store) -> str:
+    return f"{store.keys.base}admission:log"
+
+
+def reservation_key(store: Store, group: str) -> str:
+    """A group's reservations (``gwres:``; trajectory hashes are ``gw:<id>``, and ids may
+    hold ``:``, so the two prefixes differ before the first colon)."""
+    return f"{store.keys.base}gwres:{group}"
+
+
+def trajectory_key(store: Store, trajectory_uid: str) -> str:
+    """The gateway's hash of one trajectory (``orchestrator/lua/turn.lua``)."""
+    return f"{store.keys.base}gw:{trajectory_uid}"
+
+
+def owner(store: Store) -> str | None:
+    """The recipe that declares the namespace's budget, if any."""
+    raw = store.r.hget(admission_key(store), "recipe")
+    return None if raw is None else raw.decode()
+
+
+def check_owner(store: Store, recipe: Recipe) -> None:
+    """Refuse a second recipe with ``admission`` in one namespace (one budget each)."""
+    if recipe.admission is None:
+        return
+    cur = owner(store)
+    if cur is not None and cur != recipe.name:
+        raise AdmissionError(
+            f"recipe {recipe.name!r}: namespace {store.namespace!r}'s admission budget is "
+            f"declared by recipe {cur!r}; one recipe per namespace declares it (unregister "
+            "that one first)"
+        )
+
+
+def declare(store: Store, recipe: Recipe, fresh: bool) -> None:
+    """Write ``recipe``'s budget (a no-op without ``admission``). ``fresh``: a new
+    registration (not a live-param change): nothing is counted in flight."""
+    adm = recipe.admission
+    if adm is None:
+        return
+    version = int(recipe.params[adm.version_param])  # type: ignore[arg-type]
+    args = [
+        "declare",
+        recipe.name,
+        recipe.version,
+        version,
+        recipe.admission_batch,
+        adm.max_staleness,
+        recipe.group_size if recipe.grouped else 1,
+        int(fresh),
+    ]
+    keys = [admission_key(store), log_key(store), admission_key(store), admission_key(store)]
+    if int(SCRIPT(store.r, keys, args)) < 0:
+        check_owner(store, recipe)  # raises, naming the owner
+        raise AdmissionError(f"recipe {recipe.name!r}: the admission budget is not its own")
+
+
+def clear(store: Store, recipe_name: str) -> None:
+    """Drop the budget if ``recipe_name`` declared it (the recipe is unregistered): the
+    gateways admit every trajectory again."""
+    if owner(store) == recipe_name:
+        store.r.delete(admission_key(store))
+
+
+def state(store: Store) -> dict[str, Any] | None:
+    """The declared budget and the counters, or None when no recipe declares one:
+    ``recipe``, ``version``, ``batch``, ``max_staleness``, ``group``, ``budget``,
+    ``admitted`` (running + accepted), ``total``, ``waited``, ``refused``, ``released``."""
+    raw = store.r.hgetall(admission_key(store))
+    if not raw or b"batch" not in raw:
+        return None
+    d = {k.decode(): v.decode() for k, v in raw.items()}
+    n = {k: int(float(d.get(k, 0))) for k in ("version", "batch", "staleness", "group")}
+    out: dict[str, Any] = {
+        "recipe": d.get("recipe"),
+        "version": n["version"],
+        "batch": n["batch"],
+        "max_staleness": n["staleness"],
+        "group": n["group"],
+        "budget": (n["staleness"] + n["version"] + 1) * n["batch"],
+    }
+    for k in ("admitted", "total", "waited", "refused", "released"):
+        out[k] = int(float(d.get(k, 0)))
+    return out
+
+
+def read_log(store: Store, count: int | None = None) -> list[dict[str, Any]]:
+    """The admission log, oldest first (the last ``count`` entries): ``op`` (``admit`` or
+    ``release``), ``t`` (the trajectory ids), ``g`` (the group), ``slots``, ``admitted``
+    (after it), ``budget``, ``v`` (the declared version then), ``w`` (the gateway)."""
+    key = log_key(store)
+    rows = store.r.xrevrange(key, count=count) if count else store.r.xrange(key)
+    if count:
+        rows = rows[::-1]
+    out = []
+    for _, fields in rows:
+        e: dict[str, Any] = {k.decode(): v.decode() for k, v in fields.items()}
+        for k in ("slots", "admitted", "budget", "v"):
+            e[k] = int(float(e[k]))
+        e["t"] = e["t"].split(" ")
+        out.append(e)
+    return out
+
+
+def staleness_counts(recipe: Recipe, versions: np.ndarray) -> dict[str, float]:
+    """A batch's served-staleness counter increments: its rows' policy versions against the
+    recipe's current version (empty without ``admission``)."""
+    adm = recipe.admission
+    if adm is None or not len(versions):
+        return {}
+    v = int(recipe.params[adm.version_param])  # type: ignore[arg-type]
+    stale = v - np.asarray(versions, np.float64)
+    worst = max(0, int(stale.max()))
+    return {
+        f"{STALE_PREFIX}n": 1,
+        f"{STALE_PREFIX}sum": float(stale.mean()),
+        f"{STALE_PREFIX}max:{worst}": 1,
+    }
+
+
+def served_staleness(counts: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``{"batches", "mean", "max"}`` of a recipe's counters (None before a batch)."""
+    n = int(float(counts.get(f"{STALE_PREFIX}n", 0)))
+    if n <= 0:
+        return None
+    worst = [
+        int(k[len(STALE_PREFIX) + 4 :])
+        for k, v in counts.items()
+        if k.startswith(f"{STALE_PREFIX}max:") and float(v) > 0
+    ]
+    mean = float(counts.get(f"{STALE_PREFIX}sum", 0.0)) / n
+    return {
+        "batches": n,
+        "mean": round(mean, 6) if math.isfinite(mean) else None,
+        "max": max(worst, default=0),
+    }
+
+
+def give_back(store: Store, slots: int, why: str, who: str = "") -> int:
+    """Give back the slots of trajectories accepted and then never served (the batches a
+    recipe change dropped): they are no longer counted as running or accepted."""
+    if slots <= 0:
+        return 0
+    keys = [admission_key(store), log_key(store), admission_key(store), admission_key(store)]
+    return int(SCRIPT(store.r, keys, ["give", slots, who, LOG_ENTRIES, why]))
+
+
+def trajectories_in(batch: Any) -> int:
+    """The trajectories a popped group batch holds (0 for other batches)."""
+    t = getattr(batch, "fields", {}).get("trajectory_index")
+    return 0 if t is None else len(np.unique(np.asarray(t)))
+
+
+def release_stale(
+    store: Store, trajectory_uid: str, group: str, vmin: int | None, who: str = ""
+) -> int:
+    """After a trajectory's reward: if its oldest turn (``vmin``; None: its admission
+    version) is older than the declared ``v - max_staleness``, no recipe will serve it, so
+    the slots its reservation took (its group's, once) are given back, as AReaL does with a
+    rejected rollout. Returns the slots released."""
+    keys = [
+        admission_key(store),
+        log_key(store),
+        reservation_key(store, group or trajectory_uid),
+        trajectory_key(store, trajectory_uid),
+    ]
+    args = ["finish", "" if vmin is None else vmin, who, LOG_ENTRIES, trajectory_uid]
+    return int(SCRIPT(store.r, keys, args))

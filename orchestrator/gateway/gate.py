@@ -1,0 +1,266 @@
+"""What a call must pass before it is forwarded, on the event loop: its session key (a key
+scoped to one trajectory, ``POST /sessions``) and the staleness budget a new trajectory is
+admitted against (``orchestrator/lua/admission.lua``; the trainer declares it,
+:mod:`orchestrator.delivery.admission`). Both are one script call, made only for what this
+process has not seen yet: a trajectory it admitted and a key it checked in the last
+``KEY_RECHECK_S`` seconds pass without a round trip, so the calls after a trajectory's
+first cost nothing here. A new trajectory over the budget waits up to ``wait`` seconds,
+looking again whenever the script announces a larger budget (a pub/sub channel: the
+trainer declared a new version, slots were given back) and at least every
+``_POLL_S[1]``; then it is refused: the app answers 429 with ``Retry-After``."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from claw_tasks.connection.client import async_redis_client
+from claw_tasks.store import Store
+from claw_tasks.store.scripts import Lua
+from claw_tasks.worker.lru import LRU
+from orchestrator.delivery import admission
+from orchestrator.gateway import resp
+from orchestrator.gateway.metrics import GatewayMetrics
+
+SESSION_PREFIX = "cs~"
+"""Session keys read ``cs~<trajectory>~<secret>``: the trajectory they are scoped to is in
+the key, so a check reads that trajectory's hash and nothing else."""
+KEY_RECHECK_S = 60.0
+"""How long this process trusts a session key it checked (a key outlives its trajectory's
+state by at most this)."""
+STORE_TIMEOUT_S = 2.0
+"""A check the store does not answer within this fails (the app decides what follows)."""
+_POLL_S = (0.05, 1.0)  # waiting for the budget: first and longest pause between looks
+
+
+def key_hash(key: str) -> str:
+    """What is stored of a session key (its sha256: the key itself is never kept)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who calls: the shared agent token (``session`` None: any trajectory), or a session
+    key, scoped to trajectory ``session`` (and the choices ``session~i`` of its n > 1
+    calls)."""
+
+    session: str | None = None
+    keyhash: str = ""
+
+    def allows(self, trajectory_uid: str) -> bool:
+        s = self.session
+        if s is None or trajectory_uid == s:
+            return True
+        head, sep, tail = trajectory_uid.rpartition("~")
+        return bool(sep) and head == s and tail.isdigit()
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    group: str | None
+    may_reward: bool
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``status``: ``ok``, ``refused`` (over budget after waiting), ``bad_key`` or
+    ``bad_group``; ``session`` the key's session (when one was checked)."""
+
+    status: str
+    session: SessionInfo | None = None
+    waited: bool = False
+    budget: int = -1
+
+
+class Gate:
+    """The admission and session checks of one gateway process."""
+
+    def __init__(
+        self,
+        store: Store,
+        redis_url: str,
+        metrics: GatewayMetrics,
+        *,
+        enabled: bool = True,
+        wait: float = 10.0,
+        ttl: int = 7 * 86400,
+        store_timeout: float = STORE_TIMEOUT_S,
+        max_entries: int = 100_000,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.enabled = enabled
+        self.wait = wait
+        self.ttl = ttl
+        self.who = f"{socket.gethostname()}:{os.getpid()}"
+        # Bounded: a store that does not answer must not hold calls (the app decides what
+        # a call does then).
+        self.r = async_redis_client(
+            redis_url, socket_timeout=store_timeout, socket_connect_timeout=store_timeout
+        )
+        self.fast = resp.connect(redis_url, store_timeout)  # the response path's, if it can
+        self._admitted: LRU[str, bool] = LRU(max_entries)
+        self._keys: LRU[tuple[str | None, str], tuple[float, SessionInfo]] = LRU(max_entries)
+        self._fixed = [admission.admission_key(store), admission.log_key(store)]
+        self._url = redis_url
+        self._wake: asyncio.Event | None = None  # set (and replaced) when the budget grows
+        self._listener: asyncio.Task[None] | None = None
+
+    async def aclose(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+        if self.fast is not None:
+            await self.fast.aclose()
+        await self.r.aclose()
+
+    def _wakeup(self) -> asyncio.Event:
+        """The event the next budget announcement sets (listening starts with the first
+        call that waits)."""
+        if self._listener is None:
+            self._wake = asyncio.Event()
+            self._listener = asyncio.create_task(self._listen())
+        assert self._wake is not None
+        return self._wake
+
+    async def _listen(self) -> None:
+        channel = admission.admission_key(self.store) + ":wake"
+        while True:
+            sub = async_redis_client(self._url)  # no read timeout: it waits for messages
+            try:
+                async with sub.pubsub() as ps:
+                    await ps.subscribe(channel)
+                    async for message in ps.listen():
+                        if message.get("type") == "message":
+                            wake, self._wake = self._wake, asyncio.Event()
+                            if wake is not None:
+                                wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the store went away: waiters poll; listen again soon
+                await asyncio.sleep(1.0)
+            finally:
+                await sub.aclose()
+
+    async def script(self, lua: Lua, keys: list[str], args: list[Any]) -> Any:
+        """Run a script by its sha on the event loop's client (loaded on NOSCRIPT)."""
+        if self.fast is not None:
+            try:
+                return await self.fast.call("EVALSHA", lua.sha, len(keys), *keys, *args)
+            except resp.RespError as e:
+                if not str(e).startswith("NOSCRIPT"):
+                    raise
+                await self.fast.call("SCRIPT", "LOAD", lua.source)
+                return await self.fast.call("EVALSHA", lua.sha, len(keys), *keys, *args)
+        try:
+            return await self.r.evalsha(lua.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self.r.script_load(lua.source)
+            return await self.r.evalsha(lua.sha, len(keys), *keys, *args)
+
+    def _known_key(self, principal: Principal) -> SessionInfo | None:
+        got = self._keys.find((principal.session, principal.keyhash))
+        if got is None or time.monotonic() - got[0] > KEY_RECHECK_S:
+            return None
+        return got[1]
+
+    async def session(self, principal: Principal) -> SessionInfo | None:
+        """The session of a key (checked at most every ``KEY_RECHECK_S``), None if the key
+        is not valid (wrong, or its trajectory's state expired)."""
+        assert principal.session is not None
+        known = self._known_key(principal)
+        if known is not None:
+            return known
+        verdict = await self._run(principal, "", (), first=True, last=False)
+        return verdict.session if verdict.status == "ok" else None
+
+    async def enter(
+        self, principal: Principal, trajectories: tuple[str, ...], group: str | None
+    ) -> Verdict:
+        """Pass a call of ``trajectories`` in ``group``: check its key, admit what is new."""
+        known = self._known_key(principal) if principal.session is not None else None
+        if principal.session is not None and known is not None and group is None:
+            group = known.group
+        if principal.session is not None and known is not None and group != known.group:
+            return Verdict("bad_group", known)
+        new = tuple(t for t in trajectories if t not in self._admitted) if self.enabled else ()
+        if (principal.session is None or known is not None) and not new:
+            return Verdict("ok", known)
+        deadline = time.monotonic() + self.wait
+        pause, first = _POLL_S[0], True
+        while True:
+            last = time.monotonic() >= deadline
+            verdict = await self._run(principal, group or "", new, first=first, last=last)
+            if verdict.status != "refused":
+                if verdict.status == "ok" and first is False:
+                    verdict = Verdict("ok", verdict.session, True, verdict.budget)
+                return verdict
+            if first:
+                self.metrics.waited.inc()
+            if last:
+                self.metrics.refused.inc()
+                return Verdict("refused", verdict.session, True, verdict.budget)
+            first = False
+            wake = self._wakeup()
+            left = deadline - time.monotonic()
+            try:  # jittered: waiters woken together do not all ask at once
+                await asyncio.wait_for(wake.wait(), max(0.0, min(pause, left)))
+                await asyncio.sleep(0.01 * random.random())
+            except TimeoutError:
+                pass
+            pause = min(pause * 2, _POLL_S[1])
+
+    async def _run(
+        self,
+        principal: Principal,
+        group: str,
+        trajectories: tuple[str, ...],
+        *,
+        first: bool,
+        last: bool,
+    ) -> Verdict:
+        session_uid = principal.session or (trajectories[0] if trajectories else "-")
+        keys = [
+            *self._fixed,
+            admission.reservation_key(self.store, group or session_uid),
+            admission.trajectory_key(self.store, session_uid),
+            *(admission.trajectory_key(self.store, t) for t in trajectories),
+        ]
+        args: list[Any] = [
+            "enter",
+            principal.keyhash,
+            group,
+            int(first),
+            int(last),
+            self.who,
+            admission.LOG_ENTRIES,
+            self.ttl,
+            *trajectories,
+        ]
+        reply = await self.script(admission.SCRIPT, keys, args)
+        status, budget, admitted_now = int(reply[0]), int(reply[1]), int(reply[2])
+        self.metrics.budget.set(budget)
+        self.metrics.admitted_now.set(admitted_now)
+        info = None
+        if principal.session is not None and status != -2:
+            sgroup = reply[3].decode() if isinstance(reply[3], bytes) else str(reply[3])
+            info = SessionInfo(sgroup or None, bool(int(reply[4])))
+            self._keys.put((principal.session, principal.keyhash), (time.monotonic(), info))
+        if status == -2:
+            return Verdict("bad_key", None, budget=budget)
+        if status == -3:
+            return Verdict("bad_group", info, budget=budget)
+        if status == 0:
+            return Verdict("refused", info, budget=budget)
+        for t in trajectories:
+            self._admitted.put(t, True)
+        if budget >= 0 and int(reply[5]):
+            self.metrics.admitted.inc(int(reply[5]))
+        return Verdict("ok", info, budget=budget)

@@ -1,0 +1,177 @@
+-- Staleness-bounded admission of new trajectories (AReaL's rule), one budget per namespace
+-- shared by every gateway process and declared by the trainer (docs/llm.md, "Admission").
+-- KEYS[1] the namespace's admission hash (`claw:{ns}:admission`):
+--           recipe, rv     the recipe that declared it and that recipe's version
+--           version        v, the trainer's current policy version
+--           batch          B, trajectories per training batch
+--           staleness      s, max_staleness
+--           group          trajectories per group (1: none)
+--           admitted       trajectories admitted and not released (running + accepted)
+--           total, waited, refused, released   counters (calls that waited, calls that got
+--                          429, slots given back)
+-- KEYS[2] the admission log (a stream capped near ARGV's maxlog entries)
+-- Channel KEYS[1] .. ':wake': published when the budget grows (declare, give, finish), so
+-- gateways holding calls over the budget look again at once.
+-- KEYS[3] the group's reservation hash (`claw:{ns}:gwres:<group>`; unused without a group):
+--           round, left    the current reservation's number and slots left in it
+--           size:<r>, rel:<r>   the slots reservation r took, and 1 once they were released
+-- KEYS[4] the session's trajectory hash (orchestrator/lua/turn.lua; its `key` checked)
+-- KEYS[5..] (enter) the hashes of the trajectories the call starts or continues
+--
+-- The rule: with budget = (s + v + 1) * B, a trajectory may start only while
+-- admitted + the slots it takes <= budget. A trajectory of a group takes a slot of the
+-- group's current reservation when one is left; else it reserves a whole group (`group`
+-- slots), so a group once started can always be completed (a trainer waiting for whole
+-- groups never waits for a trajectory the budget keeps out). Everything is one script:
+-- gateways racing for the last slots never admit past the budget.
+--
+-- ARGV[1] op:
+--   declare  ARGV: recipe, rv, version, batch, staleness, group, fresh (1: a new
+--            registration). A declaration of an older rv than the stored one is ignored;
+--            one by another recipe is refused. A fresh registration, or a version lower
+--            than the stored one (a trainer restarted from an earlier version), sets
+--            admitted to version * B: nothing is counted in flight. Returns 1 applied,
+--            0 ignored, -1 owned by another recipe.
+--   enter    ARGV: key sha256 ('' no session), group ('' none), first (1: the call's first
+--            try), last (1: its last: a refusal counts as refused), who, maxlog, ttl, then
+--            the trajectory ids of KEYS[5..]. Returns {status, budget, admitted, session
+--            group, session may-reward, trajectories newly admitted}: status 1 admitted (or already), 0 over budget,
+--            -2 the session key does not match, -3 the call names another group than the
+--            session's (a session's calls default to its group); budget -1 when none is
+--            declared. Without trajectory ids, only the key is checked.
+--   give     ARGV: slots, who, maxlog, why. Gives back slots of trajectories accepted and
+--            then never served (batches dropped when the recipe changed). Returns them.
+--   finish   ARGV: vmin ('' none known), who, maxlog, trajectory id. A trajectory whose
+--            oldest turn is older than v - s will never be served: its reservation (its
+--            group's, once) is released. Returns the slots released.
+local A, LOG, RES = KEYS[1], KEYS[2], KEYS[3]
+local op = ARGV[1]
+local WAKE = A .. ':wake' -- a channel, not a key: waiting gateways look again when told
+
+local function num(key, field)
+  return tonumber(redis.call('HGET', key, field) or '')
+end
+
+if op == 'declare' then
+  local recipe, rv = ARGV[2], tonumber(ARGV[3])
+  local version, batch = tonumber(ARGV[4]), tonumber(ARGV[5])
+  local cur = redis.call('HGET', A, 'recipe')
+  if cur and cur ~= recipe then return -1 end
+  local rv0, v0 = num(A, 'rv'), num(A, 'version')
+  if rv0 and rv < rv0 then return 0 end
+  redis.call('HSET', A, 'recipe', recipe, 'rv', rv, 'version', version, 'batch', batch,
+    'staleness', ARGV[6], 'group', ARGV[7])
+  if ARGV[8] == '1' or v0 == nil or version < v0 then
+    redis.call('HSET', A, 'admitted', version * batch)
+  end
+  redis.call('PUBLISH', WAKE, version)
+  return 1
+end
+
+local budget, admitted = -1, num(A, 'admitted') or 0
+local batch = num(A, 'batch')
+local version, s = num(A, 'version'), num(A, 'staleness')
+if batch then budget = (s + version + 1) * batch end
+
+if op == 'give' then
+  local slots = math.min(tonumber(ARGV[2]), admitted)
+  if batch == nil or slots <= 0 then return 0 end
+  redis.call('HSET', A, 'admitted', admitted - slots)
+  redis.call('HINCRBY', A, 'released', slots)
+  redis.call('XADD', LOG, 'MAXLEN', '~', ARGV[4], '*', 'op', 'release', 't', ARGV[5],
+    'slots', slots, 'admitted', admitted - slots, 'budget', budget, 'v', version, 'w', ARGV[3])
+  redis.call('PUBLISH', WAKE, version)
+  return slots
+end
+
+if op == 'finish' then
+  local T = KEYS[4]
+  local adm = redis.call('HGET', T, 'adm')
+  if batch == nil or adm == false or adm == '-' then return 0 end
+  local vmin = tonumber(ARGV[2]) or tonumber(adm)
+  if vmin >= version - s then return 0 end
+  local res, slots = redis.call('HGET', T, 'res'), 0
+  if res and res ~= '' then
+    if redis.call('HSETNX', RES, 'rel:' .. res, 1) == 1 then
+      slots = tonumber(redis.call('HGET', RES, 'size:' .. res) or '0')
+    end
+  elseif redis.call('HSETNX', T, 'rel', 1) == 1 then
+    slots = 1
+  end
+  if slots > 0 then
+    local left = math.max(0, admitted - slots)
+    redis.call('HSET', A, 'admitted', left)
+    redis.call('HINCRBY', A, 'released', slots)
+    redis.call('XADD', LOG, 'MAXLEN', '~', ARGV[4], '*', 'op', 'release', 't', ARGV[5],
+      'slots', slots, 'admitted', left, 'budget', budget, 'v', version, 'vmin', vmin,
+      'w', ARGV[3])
+    redis.call('PUBLISH', WAKE, version)
+  end
+  return slots
+end
+
+-- enter
+local keyhash, group, first, last = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local who, maxlog, ttl = ARGV[6], ARGV[7], tonumber(ARGV[8])
+local sgroup, srw = '', 0
+if keyhash ~= '' then
+  local f = redis.call('HMGET', KEYS[4], 'key', 'grp', 'rw')
+  if f[1] ~= keyhash then return {-2, budget, admitted, '', 0, 0} end
+  sgroup, srw = f[2] or '', tonumber(f[3] or '0')
+  if group == '' then
+    group = sgroup
+  elseif group ~= sgroup then
+    return {-3, budget, admitted, sgroup, srw, 0}
+  end
+end
+if ARGV[9] == nil then return {1, budget, admitted, sgroup, srw, 0} end -- a key check only
+local need = {}
+for i = 5, #KEYS do
+  if redis.call('HEXISTS', KEYS[i], 'adm') == 0 then need[#need + 1] = i end
+end
+if #need == 0 then return {1, budget, admitted, sgroup, srw, 0} end
+if batch == nil then -- no trainer declared a budget: admitted, not counted
+  for _, i in ipairs(need) do
+    redis.call('HSET', KEYS[i], 'adm', '-', 'grp', group)
+    if redis.call('TTL', KEYS[i]) < 0 then redis.call('EXPIRE', KEYS[i], ttl) end
+  end
+  return {1, budget, admitted, sgroup, srw, #need}
+end
+local size = num(A, 'group') or 1
+local grouped = group ~= '' and size > 1
+local slots, left, round = #need, 0, 0
+if grouped then
+  left, round = num(RES, 'left') or 0, num(RES, 'round') or 0
+  local rest = #need - math.min(left, #need)
+  slots = math.ceil(rest / size) * size
+end
+if admitted + slots > budget then
+  if first == '1' then redis.call('HINCRBY', A, 'waited', 1) end
+  if last == '1' then redis.call('HINCRBY', A, 'refused', 1) end
+  return {0, budget, admitted, sgroup, srw, 0}
+end
+for _, i in ipairs(need) do
+  local res = ''
+  if grouped then
+    if left == 0 then
+      round, left = round + 1, size
+      redis.call('HSET', RES, 'size:' .. round, size)
+    end
+    left = left - 1
+    res = round
+  end
+  redis.call('HSET', KEYS[i], 'adm', version, 'res', res, 'grp', group)
+  if redis.call('TTL', KEYS[i]) < 0 then redis.call('EXPIRE', KEYS[i], ttl) end
+end
+if grouped then
+  redis.call('HSET', RES, 'round', round, 'left', left)
+  redis.call('EXPIRE', RES, ttl)
+end
+admitted = admitted + slots
+redis.call('HSET', A, 'admitted', admitted)
+redis.call('HINCRBY', A, 'total', #need)
+local ids = {}
+for _, i in ipairs(need) do ids[#ids + 1] = ARGV[i + 4] end
+redis.call('XADD', LOG, 'MAXLEN', '~', maxlog, '*', 'op', 'admit', 't', table.concat(ids, ' '),
+  'g', group, 'slots', slots, 'admitted', admitted, 'budget', budget, 'v', version, 'w', who)
+return {1, budget, admitted, sgroup, srw, #need}
