@@ -196,7 +196,7 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             self.namespace, redis_url, broker_url=broker_url, capacity=ring, **ingest_kw
         )
         self.ring = ingestor.store.config().capacity
-        client = BatchClient(self.namespace, redis_url, broker_url=broker_url)
+        client = BatchClient(self.namespace, redis_url, broker_url=broker_url, readahead=0)
         self._conn = Connection(ingestor, client, Transitions(ingestor))
         self._writer = EpisodeWriter(ingestor)
         self._unflushed = 0
