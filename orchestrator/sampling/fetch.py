@@ -6,11 +6,17 @@ GETRANGE. Small rows are read inside ``lua/fetch.lua``, one call per shard: a Lu
 ``redis.call`` costs ~1 µs where a client command costs several. Big rows (and ragged
 ones) are plain pipelined GETRANGE / HGET commands: Lua strings cost ~2 ms per MB.
 
-Every shard's script call first checks that the rows still hold the steps the index
+Checks: a sampling session's fetch (:class:`LogChecked`) reads the shards' change logs
+after every read of the round trip: every write that changes a slot logs an entry before
+or with the change, so entries after the index's positions that touch none of the rows
+prove the reads current (and none at all prove the whole draw current). Without an index
+position (:meth:`Fetcher.__call__`), each shard's script call checks the rows the caller
 expects: the shard's seq has not gone a whole ring past the oldest of them (a slot is
-reused only then) and their alive bits are set (evictions clear them). It runs after the
-plain reads of the same pipeline, so it validates them too: a writer allocates (seq up,
-alive bits cleared) before it writes a slot's payload.
+reused only then) and their alive bits are set (evictions clear them); it runs after the
+plain reads of the same pipeline, so it validates them too.
+
+On a plain TCP or Unix connection the whole fetch is one round trip on the bulk reader's
+own connection (:mod:`orchestrator.sampling.bulk`); otherwise one redis-py pipeline.
 """
 
 from __future__ import annotations
