@@ -523,10 +523,15 @@ class Settings:
     given: frozenset[str] = frozenset()
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
-        """The settings ``env`` (default ``os.environ``) describes; ``ValueError`` names the
-        variable whose text cannot be used."""
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, overrides: Mapping[str, str] | None = None
+    ) -> Settings:
+        """The settings ``env`` (default ``os.environ``) describes, with ``overrides`` (e.g.
+        a command-line flag standing for its variable) taking precedence; ``ValueError``
+        names the variable whose text cannot be used."""
         env = os.environ if env is None else env
+        if overrides:
+            env = {**env, **overrides}
         top: dict[str, Any] = {}
         groups: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
         given = set()

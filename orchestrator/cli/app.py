@@ -6,7 +6,6 @@ this app when that package is imported (orchestrator.cli.main does)."""
 from __future__ import annotations
 
 import functools
-import os
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -69,8 +68,8 @@ def _root(
     """Every command reads this process's settings (claw_tasks/settings.py): the
     environment, with ``--redis-url`` standing for ``CLAW_REDIS_URL`` (so the broker
     and beat defaults follow it). ``ctx.obj`` is the store URL configured, if any."""
-    flag = None if redis_url is None else {**os.environ, "CLAW_REDIS_URL": redis_url}
-    settings = Settings.from_env(flag)
+    flag = None if redis_url is None else {"CLAW_REDIS_URL": redis_url}
+    settings = Settings.from_env(overrides=flag)
     use_settings(settings)
     ctx.obj = settings.redis_url if settings.is_set("CLAW_REDIS_URL") else None
 
