@@ -12,7 +12,6 @@ from __future__ import annotations
 import hmac
 import logging
 import math
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -56,23 +55,29 @@ from orchestrator.gateway.recorder import (
     TrajectoryError,
     choice_trajectories,
 )
+from orchestrator.gateway.requests import (
+    CALL_ID_HEADER,
+    Refused,
+    bearer,
+    caller,
+    error,
+    forbidden,
+    given_token,
+    identity,
+    json_object,
+    read_body,
+    reward_body,
+    session_body,
+    tags_of,
+    unauthorized,
+)
 from orchestrator.gateway.upstream import Reply, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
-UID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
-"""Trajectory and group ids agents choose."""
-TRAJECTORY = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}(~[0-9]{1,4})?$")
-"""A trajectory id in a path or header: an agent's, or choice i of an n > 1 call (``T~i``)."""
-CALL_ID = re.compile(r"^[0-9a-f]{16}$")
-CALL_ID_HEADER = "x-claw-call-id"
-"""The reply header naming the call (its interaction id, for rewards by call)."""
 TRAJECTORY_HEADER = "x-claw-trajectory"
 MAX_SESSION_BODY = 4096
 _RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete")
-TAG_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
-MAX_TAGS = 8
-NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
 
 
 @dataclass
@@ -133,171 +138,6 @@ class GatewayConfig:
                 d.gateway_admission_wait if self.admission_wait is None else self.admission_wait
             ),
         )
-
-
-def error(
-    status: int,
-    message: str,
-    kind: str,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """An OpenAI-style error body (what OpenAI clients parse into their exceptions)."""
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": code}},
-        status,
-        headers=headers,
-    )
-
-
-class _Refused(Exception):
-    def __init__(self, response: JSONResponse) -> None:
-        self.response = response
-
-
-def _bearer(request: Request, expected: str, which: str = "CLAW_GATEWAY_TOKEN") -> None:
-    given = request.headers.get("authorization", "")  # decoded as latin-1: any bytes
-    scheme, _, token = given.partition(" ")
-    sent = token.strip().encode("latin-1")  # compared as bytes: a str must be ASCII
-    if scheme.lower() != "bearer" or not hmac.compare_digest(sent, expected.encode()):
-        raise _Refused(
-            error(
-                401,
-                f"missing or wrong bearer token (Authorization: Bearer ${which}; "
-                "the gateway's token, CLAW_GATEWAY_TOKEN, is the agents' API key)",
-                "authentication_error",
-                "invalid_api_key",
-            )
-        )
-
-
-def _given_token(request: Request) -> bytes | None:
-    given = request.headers.get("authorization", "")  # decoded as latin-1: any bytes
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    return token.strip().encode("latin-1")
-
-
-def _unauthorized(which: str) -> _Refused:
-    return _Refused(
-        error(
-            401,
-            f"missing or wrong bearer token (Authorization: Bearer ${which}; "
-            "the gateway's token, CLAW_GATEWAY_TOKEN, or a session key is the agents' API key)",
-            "authentication_error",
-            "invalid_api_key",
-        )
-    )
-
-
-def _principal(request: Request, shared: tuple[str, ...], which: str) -> Principal:
-    """The caller: one of the ``shared`` tokens (any trajectory), else a session key
-    (``cs~<trajectory>~<secret>``: checked against Redis by the gate)."""
-    sent = _given_token(request)
-    if sent is None:
-        raise _unauthorized(which)
-    ok = False
-    for token in shared:  # compared as bytes in constant time: a str must be ASCII
-        ok |= hmac.compare_digest(sent, token.encode())
-    if ok:
-        return Principal()
-    key = sent.decode("latin-1")
-    if key.startswith(SESSION_PREFIX):
-        traj, sep, secret = key[len(SESSION_PREFIX) :].rpartition("~")
-        if sep and UID.match(traj) and 16 <= len(secret) <= 128:
-            return Principal(traj, key_hash(key))
-    raise _unauthorized(which)
-
-
-async def _body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _Refused(_too_large(limit))
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise _Refused(_too_large(limit))
-    return bytes(buf)
-
-
-def _too_large(limit: int) -> JSONResponse:
-    return error(
-        413,
-        f"request body over {limit} bytes (claw gateway --max-body-bytes)",
-        "invalid_request_error",
-        "body_too_large",
-    )
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise _Refused(error(400, f"body is not JSON: {e}", "invalid_request_error")) from None
-    if not isinstance(obj, dict):
-        raise _Refused(error(400, "body must be a JSON object", "invalid_request_error"))
-    return obj
-
-
-def _identity(request: Request, principal: Principal | None = None) -> tuple[str, str | None]:
-    traj = request.path_params.get("trajectory") or request.headers.get("x-claw-trajectory")
-    group = request.path_params.get("group") or request.headers.get("x-claw-group")
-    if not traj and principal is not None and principal.session is not None:
-        traj = principal.session  # a session key names its trajectory
-    if not traj:
-        raise _Refused(
-            error(
-                400,
-                "no trajectory id: call /t/<trajectory>/g/<group>/v1/... or send an "
-                "X-Claw-Trajectory header",
-                "invalid_request_error",
-                "missing_trajectory",
-            )
-        )
-    for what, v, rule in (("trajectory", traj, TRAJECTORY), ("group", group, UID)):
-        if v is not None and not rule.match(v):
-            raise _Refused(
-                error(
-                    400,
-                    f"{what} id {v[:40]!r} must be 1-200 characters of A-Z a-z 0-9 . _ : @ + = -",
-                    "invalid_request_error",
-                    f"bad_{what}",
-                )
-            )
-    if principal is not None and not principal.allows(traj):
-        scope = principal.session
-        raise _Refused(_forbidden(f"this session key is scoped to trajectory {scope!r}"))
-    return traj, group
-
-
-def _forbidden(message: str) -> JSONResponse:
-    return error(403, message, "permission_error", "session_scope")
-
-
-def _tags(request: Request) -> dict[str, Any]:
-    """Free tags from ``X-Claw-Tags: task=math,difficulty=2`` (numbers are numeric)."""
-    raw = request.headers.get("x-claw-tags")
-    if not raw:
-        return {}
-    tags: dict[str, Any] = {}
-    for part in raw.split(","):
-        name, sep, value = (s.strip() for s in part.partition("="))
-        if not sep or not TAG_NAME.match(name) or not value or len(value) > 200:
-            raise _Refused(
-                error(
-                    400,
-                    f"X-Claw-Tags entry {part[:60]!r}: write name=value, names lower-case "
-                    "a-z0-9_, values up to 200 characters",
-                    "invalid_request_error",
-                    "bad_tags",
-                )
-            )
-        tags[name] = float(value) if NUMBER.match(value) else value
-    if len(tags) > MAX_TAGS:
-        raise _Refused(error(400, f"at most {MAX_TAGS} tags", "invalid_request_error", "bad_tags"))
-    return tags
 
 
 class Gateway:
@@ -397,12 +237,12 @@ class Gateway:
                 return verdict.session.group
             return group
         if verdict.status == "bad_key":
-            raise _unauthorized("CLAW_GATEWAY_TOKEN or a session key")
+            raise unauthorized("CLAW_GATEWAY_TOKEN or a session key")
         if verdict.status == "bad_group":
             want = verdict.session.group if verdict.session else None
-            raise _Refused(_forbidden(f"this session key is scoped to group {want!r}"))
+            raise Refused(forbidden(f"this session key is scoped to group {want!r}"))
         retry = self.config.retry_after
-        raise _Refused(
+        raise Refused(
             error(
                 429,
                 f"the staleness budget is full ({verdict.budget} trajectories: "
@@ -420,10 +260,10 @@ class Gateway:
     async def _forward(self, request: Request, kind: str, path: str) -> Response:
         trajectories: tuple[str, ...] = ()
         try:
-            principal = _principal(request, (self.config.token,), "CLAW_GATEWAY_TOKEN")
-            traj, group = _identity(request, principal)
-            tags = _tags(request)
-            payload = _json_object(await _body(request, self.config.max_body_bytes))
+            principal = caller(request, (self.config.token,), "CLAW_GATEWAY_TOKEN")
+            traj, group = identity(request, principal)
+            tags = tags_of(request)
+            payload = json_object(await read_body(request, self.config.max_body_bytes))
             try:
                 # serialized here: a value orjson cannot write (an int past 64 bits, a
                 # non-string key) is the request's fault
@@ -431,10 +271,10 @@ class Gateway:
                     upstream_body(kind, payload, self.config.vllm_options, self.config.max_n)
                 )
             except (CaptureError, TypeError, ValueError, OverflowError) as e:
-                raise _Refused(error(400, str(e), "invalid_request_error")) from None
+                raise Refused(error(400, str(e), "invalid_request_error")) from None
             n = int(payload.get("n") or 1)
             if n > 1 and "~" in traj:
-                raise _Refused(
+                raise Refused(
                     error(
                         400,
                         f"n > 1 starts n trajectories {traj}~0.. of a new call; trajectory "
@@ -449,10 +289,10 @@ class Gateway:
             try:
                 self.recorder.admit(trajectories)
             except TrajectoryError as e:
-                raise _Refused(error(409, str(e), "invalid_request_error", "trajectory")) from None
+                raise Refused(error(409, str(e), "invalid_request_error", "trajectory")) from None
             try:
                 group = await self._admit(principal, trajectories, group)
-            except _Refused:
+            except Refused:
                 self.recorder.refund(trajectories)
                 raise
             except (RedisError, OSError, TimeoutError) as e:
@@ -462,12 +302,12 @@ class Gateway:
                 # the recipe's where; its next call asks the budget again.
                 if principal.session is not None:
                     self.recorder.refund(trajectories)
-                    raise _Refused(
+                    raise Refused(
                         error(503, f"session check failed: {type(e).__name__}", "store_unavailable")
                     ) from None
                 log.warning("admission unchecked (the store does not answer): %s", e)
                 self.metrics.unchecked.inc()
-        except _Refused as r:
+        except Refused as r:
             self.metrics.requests.labels(kind, r.response.status_code).inc()
             return r.response
         limit = self.config.max_reply_bytes
@@ -569,30 +409,28 @@ class Gateway:
     async def _scorer_or_session(self, request: Request, reward: bool) -> Principal:
         """A reward post's or a read's caller: a scorer token, or a session key (a reward
         with a key created with ``"reward": false`` is refused)."""
-        principal = _principal(
-            request, self._scorers, "CLAW_GATEWAY_REWARD_TOKEN (or a session key)"
-        )
+        principal = caller(request, self._scorers, "CLAW_GATEWAY_REWARD_TOKEN (or a session key)")
         if principal.session is None:
             return principal
         try:
             info = await self.gate.session(principal)
         except Exception as e:
-            raise _Refused(
+            raise Refused(
                 error(503, f"session check failed: {type(e).__name__}", "store_unavailable")
             ) from None
         if info is None:
-            raise _unauthorized("CLAW_GATEWAY_REWARD_TOKEN (or a session key)")
+            raise unauthorized("CLAW_GATEWAY_REWARD_TOKEN (or a session key)")
         if reward and not info.may_reward:
-            raise _Refused(_forbidden("this session key may not post rewards"))
+            raise Refused(forbidden("this session key may not post rewards"))
         return principal
 
     async def reward(self, request: Request) -> Response:
         try:
             principal = await self._scorer_or_session(request, reward=True)
-            traj, _ = _identity(request, principal)
-            body = _json_object(await _body(request, self.config.max_body_bytes))
-            final, turns, calls, source = _reward_body(body, self.config.max_turns)
-        except _Refused as r:
+            traj, _ = identity(request, principal)
+            body = json_object(await read_body(request, self.config.max_body_bytes))
+            final, turns, calls, source = reward_body(body, self.config.max_turns)
+        except Refused as r:
             self.metrics.requests.labels("reward", r.response.status_code).inc()
             return r.response
         try:
@@ -615,8 +453,8 @@ class Gateway:
         versions of its turns, its calls' interaction ids)."""
         try:
             principal = await self._scorer_or_session(request, reward=False)
-            traj, _ = _identity(request, principal)
-        except _Refused as r:
+            traj, _ = identity(request, principal)
+        except Refused as r:
             return self._count("read", r.response)
         try:
             raw = await self.gate.r.hgetall(admission.trajectory_key(self.store, traj))
@@ -657,12 +495,12 @@ class Gateway:
     async def sessions(self, request: Request) -> Response:
         """``POST /sessions`` (admin token): a new trajectory and a key scoped to it."""
         try:
-            sent = _given_token(request)
+            sent = given_token(request)
             if sent is None or not hmac.compare_digest(sent, self.admin_token.encode()):
-                raise _unauthorized("CLAW_GATEWAY_ADMIN_TOKEN")
-            body = _json_object(await _body(request, MAX_SESSION_BODY))
-            traj, group, may_reward, ttl = _session_body(body, self.config.session_ttl)
-        except _Refused as r:
+                raise unauthorized("CLAW_GATEWAY_ADMIN_TOKEN")
+            body = json_object(await read_body(request, MAX_SESSION_BODY))
+            traj, group, may_reward, ttl = session_body(body, self.config.session_ttl)
+        except Refused as r:
             return self._count("sessions", r.response)
         key = f"{SESSION_PREFIX}{traj}~{secrets.token_urlsafe(32)}"
         try:
@@ -723,120 +561,14 @@ class Gateway:
     async def metrics_page(self, request: Request) -> Response:
         token = self.config.metrics_token
         try:
-            _bearer(
+            bearer(
                 request,
                 token or self.config.token,
                 "CLAW_METRICS_TOKEN" if token else "CLAW_GATEWAY_TOKEN",
             )
-        except _Refused as r:
+        except Refused as r:
             return r.response
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def _session_body(body: dict[str, Any], max_ttl: int) -> tuple[str, str | None, bool, int]:
-    unknown = set(body) - {"trajectory", "group", "reward", "ttl_s"}
-    if unknown:
-        raise _Refused(
-            error(
-                400,
-                'session body: {"group": id (optional), "trajectory": id (optional: one is '
-                'made), "reward": bool (default true: the key may post its reward), "ttl_s": '
-                "seconds (optional)}",
-                "invalid_request_error",
-                "bad_session",
-            )
-        )
-    traj = body.get("trajectory")
-    if traj is None:
-        traj = f"s-{secrets.token_hex(12)}"
-    group = body.get("group")
-    for what, v in (("trajectory", traj), ("group", group)):
-        if v is not None and (not isinstance(v, str) or not UID.match(v)):
-            raise _Refused(
-                error(
-                    400,
-                    f"{what} must be 1-200 characters of A-Z a-z 0-9 . _ : @ + = -",
-                    "invalid_request_error",
-                    f"bad_{what}",
-                )
-            )
-    may_reward = body.get("reward", True)
-    if not isinstance(may_reward, bool):
-        raise _Refused(error(400, "reward must be true or false", "invalid_request_error"))
-    ttl = body.get("ttl_s", max_ttl)
-    if isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= max_ttl:
-        raise _Refused(
-            error(400, f"ttl_s must be an integer from 1 to {max_ttl}", "invalid_request_error")
-        )
-    return traj, group, may_reward, ttl
-
-
-def _reward_body(
-    body: dict[str, Any], max_turns: int
-) -> tuple[float, list[float] | None, dict[str, float] | None, str | None]:
-    def number(v: Any, what: str) -> float:
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise _Refused(
-                error(400, f"{what} must be a finite number", "invalid_request_error", "bad_reward")
-            )
-        return float(v)
-
-    unknown = set(body) - {"final_reward", "turn_rewards", "call_rewards", "reward_source"}
-    if unknown or "final_reward" not in body:
-        raise _Refused(
-            error(
-                400,
-                'reward body: {"final_reward": number, "turn_rewards": [numbers] '
-                '(optional, one per recorded turn), "call_rewards": {call id: number} '
-                '(optional: by the X-Claw-Call-Id of the calls), "reward_source": string '
-                "(optional)}",
-                "invalid_request_error",
-                "bad_reward",
-            )
-        )
-    final = number(body["final_reward"], "final_reward")
-    turns = body.get("turn_rewards")
-    if turns is not None:
-        if not isinstance(turns, list) or len(turns) > max_turns:
-            raise _Refused(
-                error(
-                    400,
-                    f"turn_rewards must be a list of at most {max_turns}",
-                    "invalid_request_error",
-                )
-            )
-        turns = [number(v, "each turn reward") for v in turns]
-    calls = body.get("call_rewards")
-    if calls is not None:
-        if turns is not None:
-            raise _Refused(
-                error(400, "give turn_rewards or call_rewards, not both", "invalid_request_error")
-            )
-        if not isinstance(calls, dict) or len(calls) > max_turns:
-            raise _Refused(
-                error(
-                    400,
-                    f"call_rewards must be an object of at most {max_turns} call ids",
-                    "invalid_request_error",
-                )
-            )
-        for k in calls:
-            if not CALL_ID.match(k):
-                raise _Refused(
-                    error(
-                        400,
-                        f"call id {k[:40]!r} is not one the gateway gives ({CALL_ID_HEADER})",
-                        "invalid_request_error",
-                        "bad_reward",
-                    )
-                )
-        calls = {k: number(v, "each call reward") for k, v in calls.items()}
-    source = body.get("reward_source")
-    if source is not None and (not isinstance(source, str) or not 0 < len(source) <= 64):
-        raise _Refused(
-            error(400, "reward_source must be a string of 1-64 characters", "invalid_request_error")
-        )
-    return final, turns, calls, source
 
 
 def create_app(config: GatewayConfig, ingestor: Ingestor | None = None) -> Starlette:
