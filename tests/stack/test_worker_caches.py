@@ -79,6 +79,9 @@ def test_refill_reaches_redis_without_a_made_up_namespace(redis_url, namespace, 
         "CLAW_REDIS_URL": redis_url,
         "CLAW_BROKER_URL": redis_url,
         "PYTHONPATH": str(ROOT),
+        # The shared test Redis holds every other test's namespaces: a cache big enough
+        # that this one is not pushed out by them.
+        "CLAW_NAMESPACE_CACHE_SIZE": "100000",
     }
     before = r.llen("prefetch")
     run = subprocess.run(
