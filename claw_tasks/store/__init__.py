@@ -24,7 +24,8 @@ module         ``Store`` methods
 =============  ==============================================================================
 
 Range reads for archival (``scan``) and stored LLM turns (``turns``) are functions over a
-core. The store's modules import only downward: ``layout``, ``scripts``, ``config``,
+core; ``labels`` is the snapshots' data (a namespace's mutable state, its diff), no Redis.
+The store's modules import only downward: ``layout``, ``scripts``, ``config``,
 ``dicts``, ``core``, the parts, then this package. Its Lua scripts are package data in
 ``claw_tasks/lua/``. Imports ``format``, ``where``, ``connection``, ``codecs``,
 ``settings`` and ``durations``.

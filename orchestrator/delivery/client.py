@@ -229,7 +229,7 @@ class BatchClient:
                 tick = 0.1 if recipe.rollout is not None else 1.0
                 wait = tick if deadline is None else min(tick, deadline - time.monotonic())
                 if wait <= 0:
-                    raise TimeoutError(self._why_empty(name, timeout))
+                    raise TimeoutError(self.why_empty(name, timeout))
                 began = time.monotonic()
                 got = r.blpop([q], timeout=max(wait, 0.01))
                 with self._counting:
@@ -359,7 +359,7 @@ class BatchClient:
             raise
         return True
 
-    def _why_empty(self, name: str, timeout: float | None) -> str:
+    def why_empty(self, name: str, timeout: float | None) -> str:
         """What the fill did: rate limited (its numbers and the rule), failed, short of
         data, or never ran because no worker consumes ``prefetch``."""
         st = self.stats(name)[name]

@@ -101,7 +101,7 @@ class ReadAhead:
                     raise self._error
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(self._client._why_empty(self.name, timeout))
+                    raise TimeoutError(self._client.why_empty(self.name, timeout))
                 self._cond.wait(left)
             batch, size = self._ready.popleft()
             self._bytes -= size

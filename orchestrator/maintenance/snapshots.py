@@ -15,15 +15,8 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.store import Store
-from claw_tasks.store.snapshots import (
-    Diff,
-    Exported,
-    Rollback,
-    SnapshotError,
-    SnapshotInfo,
-    diff,
-    moved,
-)
+from claw_tasks.store.labels import Diff, diff, moved
+from claw_tasks.store.snapshots import Exported, Rollback, SnapshotError, SnapshotInfo
 from claw_tasks.where import Where
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.registry import Registry

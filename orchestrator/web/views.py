@@ -17,8 +17,8 @@ from claw_tasks.format.arrays import unpackb
 from claw_tasks.format.schema import LLM_FIELDS, tag_column, tag_key
 from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE, episode_code
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.labels import diff
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
-from claw_tasks.store.snapshots import diff
 from claw_tasks.where import Where
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery.client import BatchClient
