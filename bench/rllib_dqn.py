@@ -41,6 +41,7 @@ from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
     PrioritizedEpisodeReplayBuffer,
 )
 
+from bench.cpu import group_cpu, redis_cpu
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import get_settings, use_settings
 from orchestrator.adapters.rllib import (
@@ -48,8 +49,6 @@ from orchestrator.adapters.rllib import (
     ClawPrioritizedEpisodeReplayBuffer,
 )
 from tests.support.processes import Worker
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 class Timed:
@@ -113,26 +112,6 @@ def config(buffer: dict, steps: int) -> DQNConfig:
         .reporting(min_sample_timesteps_per_iteration=1000, metrics_num_episodes_for_smoothing=20)
         .debugging(seed=0)
     )
-
-
-def group_cpu(pgid: int) -> float:
-    """CPU seconds (user + system) of the live processes of a process group."""
-    total = 0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / TICK
-
-
-def redis_cpu(r: redis.Redis) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def run(buffer: dict, steps: int) -> dict:

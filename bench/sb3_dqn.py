@@ -33,6 +33,7 @@ from stable_baselines3.common.buffers import ReplayBuffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import group_cpu, redis_cpu
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import get_settings, use_settings
@@ -54,7 +55,6 @@ ZOO = dict(
     exploration_final_eps=0.04,
     policy_kwargs={"net_arch": [256, 256]},
 )
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 class Timed:
@@ -77,26 +77,6 @@ class TimedSB3(Timed, ReplayBuffer):
 
 class TimedClaw(Timed, ClawReplayBuffer):
     pass
-
-
-def group_cpu(pgid: int) -> float:
-    """CPU seconds (user + system) of the live processes of a process group."""
-    total = 0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / TICK
-
-
-def redis_cpu(r: redis.Redis) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def run(cls: type, steps: int, kwargs: dict) -> tuple[float, ReplayBuffer]:

@@ -41,11 +41,10 @@ from stable_baselines3.common.buffers import RolloutBuffer  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
 
+from bench.cpu import group_cpu, redis_cpu  # noqa: E402
 from claw_tasks.settings import get_settings  # noqa: E402
 from orchestrator.adapters.sb3 import ClawRolloutBuffer  # noqa: E402
 from tests.support.processes import Worker  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def linear(start: float):
@@ -95,26 +94,6 @@ class TimedSB3(Timed, RolloutBuffer):
 
 class TimedClaw(Timed, ClawRolloutBuffer):
     pass
-
-
-def group_cpu(pgid: int) -> float:
-    """CPU seconds (user + system) of the live processes of a process group."""
-    total = 0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / TICK
-
-
-def redis_cpu(r: redis.Redis) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 class FixedSchedulePPO(PPO):
