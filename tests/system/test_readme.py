@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -39,6 +40,23 @@ def test_readme_says_what_to_start_before_the_python_blocks():
     assert "claw up" in README[README.index("## Quick start") : first_python]
 
 
+def _run(script: str, redis_url: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """README code in a fresh interpreter against the test stack (the store's Redis as
+    the broker too, as a reader who set only CLAW_REDIS_URL has it); it must succeed."""
+    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    env.pop("CLAW_BROKER_URL", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
 def test_readme_python_blocks_run_as_written(redis_url, workers, tmp_path):
     """Extracted verbatim and run in order, in one interpreter, with the stack up (a worker
     on `ingest` and `prefetch`, as `claw up` runs)."""
@@ -46,18 +64,7 @@ def test_readme_python_blocks_run_as_written(redis_url, workers, tmp_path):
     assert len(code) >= 4
     torchrl = blocks("python", ADAPTERS)
     assert len(torchrl) == 1
-    script = "\n".join(code + torchrl)
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    env.pop("CLAW_BROKER_URL", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _run("\n".join(code + torchrl), redis_url, tmp_path)
     assert "'popped': 5" in proc.stdout  # client.stats after the five pops
     assert "(4, 4)" in proc.stdout  # orchestrator.sample's obs
     assert "(64, 3, 18) (64, 3) (64, 54)" in proc.stdout  # the joint batch of simple_spread
@@ -71,17 +78,7 @@ def test_readme_python_blocks_run_as_written(redis_url, workers, tmp_path):
 def test_readme_rllib_block_runs_as_written(redis_url, workers, tmp_path):
     """The RLlib block, alone (it needs only its own imports), with the stack up."""
     (code,) = [b for b in blocks("python") if _rllib(b)]
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    env.pop("CLAW_BROKER_URL", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _run(code, redis_url, tmp_path)
     assert proc.stdout.startswith("32 (4,)"), proc.stdout  # 32 transitions of CartPole obs
 
 
