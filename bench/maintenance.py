@@ -7,11 +7,14 @@ episodes, 4 task ids), filled with big ``Store.commit`` batches, all committed a
 - evict: a retention policy ``max_age 30m`` and one ``evict_namespace`` call (what one beat
   tick of ``claw.maintenance.evict`` runs): cold index build, the choice, and every
   ``evict.lua`` call (64 steps each). Redis records every command in SLOWLOG
-  (``slowlog-log-slower-than 0``) during it: the script's calls (median, p99, longest)
-  and the longest single call of any kind.
+  (``slowlog-log-slower-than 0``) during it: the script's calls (median, p99, longest,
+  how many over 5 ms) and the longest call of each command. Then the control: as many
+  calls of a Lua loop that only adds numbers (no Redis command, no allocation), as long as
+  the median eviction call: what this machine does to a call that is no work of ours
+  (on a VM, time the hypervisor runs something else shows in any call's duration).
 - recompute: a second namespace of N steps, one whole pass of ``Recompute`` with a
   vectorised scorer over metadata (``|reward| + 0.01``) plus half-life decay, clamp and
-  normalisation; again with the longest single Redis call.
+  normalisation; again with the longest call of each command.
 
 Run: ``.venv/bin/python bench/maintenance.py [--steps 1000000] [--realtime]``.
 """
@@ -34,6 +37,7 @@ from claw_tasks.store.scripts import Lua
 from orchestrator.maintenance.evict import evict_namespace
 from orchestrator.maintenance.lifecycle import forget
 from orchestrator.maintenance.priorities import Recompute, Rules
+from orchestrator.sampling.changelog import LOG_SINCE
 
 TASKS = ["grasp", "reach", "lift", "push"]
 EPISODE = 100
@@ -66,24 +70,58 @@ def fill(url: str, ns: str, n: int, old_until: int, now: float) -> Store:
     return store
 
 
-def calls(r, script: str) -> str:
-    """What SLOWLOG recorded since its reset: the script's calls (median, p99, longest) and
-    the longest call of any kind (with its command)."""
-    entries = [e for e in r.slowlog_get(200_000) if not e["command"].startswith(b"SLOWLOG")]
-    entries.sort(key=lambda e: -e["duration"])
-    if os.environ.get("BENCH_VERBOSE"):
-        for e in entries[:8]:
-            print("  ", e["duration"], e["command"][:150])
-    sha = Lua(script).sha.encode()
-    mine = np.array([e["duration"] for e in entries if sha in e["command"][:60]]) / 1e3
-    top = entries[0]
-    name = " ".join(top["command"].decode(errors="replace").split()[:1])
-    if sha in top["command"][:60]:
-        name = f"{script}.lua"
+CONTROL = "local x = 0; for i = 1, tonumber(ARGV[1]) do x = x + i % 7 end; return x"
+
+
+def calls(r, script: str) -> tuple[str, np.ndarray]:
+    """What SLOWLOG recorded since its reset: the script's calls (median, p99, longest, over
+    5 ms), the longest call of each command (scripts by name); and the script's durations
+    (ms)."""
+    entries = [e for e in r.slowlog_get(2_000_000) if not e["command"].startswith(b"SLOWLOG")]
+    names = {Lua(s).sha.encode(): f"{s}.lua" for s in (script, "evict", "update")}
+    names[LOG_SINCE.sha.encode()] = "log_since.lua"
+    longest: dict[str, float] = {}
+    mine = []
+    for e in entries:
+        words = e["command"].split(b" ", 2)
+        name = words[0].decode(errors="replace")
+        if name == "EVALSHA" and len(words) > 1:
+            name = names.get(words[1], "EVALSHA")
+        longest[name] = max(longest.get(name, 0.0), e["duration"] / 1e3)
+        if name == f"{script}.lua":
+            mine.append(e["duration"] / 1e3)
+    d = np.array(mine)
+    top = sorted(longest.items(), key=lambda kv: -kv[1])[:6]
     return (
-        f"{script}.lua: {len(mine):,} calls, median {np.median(mine):.2f} ms, p99 "
-        f"{np.percentile(mine, 99):.2f} ms, longest {mine.max():.2f} ms; longest of all "
-        f"{len(entries):,} calls {top['duration'] / 1e3:.2f} ms ({name})"
+        f"{script}.lua: {len(d):,} calls, median {np.median(d):.2f} ms, p99 "
+        f"{np.percentile(d, 99):.2f} ms, longest {d.max():.2f} ms, {(d > 5).sum()} over 5 ms; "
+        f"longest of each command ({len(entries):,} calls): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in top)
+    ), d
+
+
+def control(r, like: np.ndarray) -> str:
+    """``len(like)`` calls of :data:`CONTROL` as long as ``like``'s median (ms), SLOWLOG's
+    durations of them."""
+    sha = r.script_load(CONTROL)
+    loops = 20_000
+    for _ in range(4):  # tune the loop to the median
+        r.config_set("slowlog-log-slower-than", 0)
+        r.slowlog_reset()
+        for _ in range(50):
+            r.evalsha(sha, 0, loops)
+        took = np.median([e["duration"] for e in r.slowlog_get(100) if b"EVALSHA" in e["command"]])
+        loops = max(1, int(loops * np.median(like) * 1e3 / took))
+    r.slowlog_reset()
+    for _ in range(len(like)):
+        r.evalsha(sha, 0, loops)
+    got = r.slowlog_get(len(like) + 100)
+    r.config_set("slowlog-log-slower-than", 10000)
+    d = np.array([e["duration"] for e in got if b"EVALSHA" in e["command"]]) / 1e3
+    return (
+        f"control (a Lua loop of {loops:,} additions): {len(d):,} calls, median "
+        f"{np.median(d):.2f} ms, p99 {np.percentile(d, 99):.2f} ms, longest {d.max():.2f} ms, "
+        f"{(d > 5).sum()} over 5 ms"
     )
 
 
@@ -106,7 +144,7 @@ def main() -> None:
     now = time.time()
     old = (n - n // 100) // BATCH * BATCH
     print(f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
-    with RedisServer(options={"slowlog-max-len": "200000"}) as srv:
+    with RedisServer(options={"slowlog-max-len": "2000000"}) as srv:
         r = srv.client()
         if args.realtime:
             pid = int(r.info("server")["process_id"])
@@ -121,12 +159,13 @@ def main() -> None:
         t = time.perf_counter()
         counts = evict_namespace(store, now=now)
         wall = time.perf_counter() - t
-        seen = calls(r, "evict")
+        seen, durations = calls(r, "evict")
         r.config_set("slowlog-log-slower-than", 10000)
         print(
             f"evict: {counts['ttl']:,} steps in {wall:.2f} s "
             f"({counts['ttl'] / wall:,.0f} steps/s); {seen}"
         )
+        print(control(r, durations))
         assert store.count() == n - old
         forget("bench-evict")
 
@@ -145,7 +184,7 @@ def main() -> None:
         t = time.perf_counter()
         out = job.run(budget_s=3600, now=now + 600)
         wall = time.perf_counter() - t
-        seen = calls(r, "reprioritize")
+        seen, _ = calls(r, "reprioritize")
         r.config_set("slowlog-log-slower-than", 10000)
         assert out["finished"]
         print(

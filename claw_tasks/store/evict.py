@@ -25,6 +25,9 @@ from claw_tasks.store.scripts import Lua
 
 EVICT_CHUNK = 64
 """Steps per script call: keeps each call to about a millisecond (a few under heavy load)."""
+NAMES_PER_READ = 1024
+"""Episodes per ``HMGET`` of their newest seqs in a plan (one round trip): one of every
+episode a large eviction empties (9,826 at 1M steps) held Redis 3.4 ms."""
 REASONS = ("ttl", "cap", "manual", "ring")
 PLAN_COLUMNS = ("id", "episode", "step_index", "next", "flags")
 """The metadata columns (plus ``alive``) an eviction plan reads."""
@@ -135,7 +138,11 @@ class _Plan:
         if not len(gone):
             return []
         names = [str(int(code)) for code in gone]
-        newest = self.store.r.hmget(self.store.keys.shard_key(self.shard, "eplast"), names)
+        key = self.store.keys.shard_key(self.shard, "eplast")
+        with self.store.r.pipeline(transaction=False) as pipe:
+            for start in range(0, len(names), NAMES_PER_READ):
+                pipe.hmget(key, names[start : start + NAMES_PER_READ])
+            newest = [v for got in pipe.execute() for v in got]
         return [[k, (v or b"").decode()] for k, v in zip(names, newest, strict=True)]
 
     def chunk(self, slots: np.ndarray, fixed: list[str]) -> tuple[list[str], bytes]:

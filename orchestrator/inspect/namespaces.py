@@ -58,7 +58,7 @@ def scan_keys(r: redis.Redis, namespace: str | None = None) -> Iterator[Namespac
 def memory_by_namespace(
     r: redis.Redis, namespace: str | None = None, among: Collection[str] | None = None
 ) -> dict[str, int]:
-    """Bytes Redis uses for the keys of each namespace (exact: ``key_bytes``); with
+    """Bytes Redis uses for the keys of each namespace (``key_bytes``); with
     ``among``, of those namespaces only (one SCAN, MEMORY USAGE of their keys)."""
     totals: dict[str, int] = defaultdict(int)
     batch: list[NamespaceKey] = []

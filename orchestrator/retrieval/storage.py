@@ -34,15 +34,11 @@ from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.layout import META_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.retrieval.spec import IndexSpec, Projection, SpecError, spec_of
+from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
 
 LOCK_TTL_S = 120
 _SIZE = Lua("vsize", "orchestrator")
-_LOG_SINCE = Lua("log_since", "orchestrator")
 LOG_PAGE = 1000
-
-
-def _parsed(entries: list[Any]) -> list[tuple[bytes, dict]]:
-    return [(eid, dict(zip(kv[::2], kv[1::2], strict=True))) for eid, kv in entries]
 
 
 def defs_key(store: Store) -> str:
@@ -322,8 +318,13 @@ class Storage:
 
     def log_since(self, last: str, seen: int) -> tuple[bool, list[tuple[bytes, dict]]]:
         """Log entries after ``last``; True first when some were lost (trimmed)."""
-        lost, entries = _LOG_SINCE(self.r, [self.keys.log], [last, seen, LOG_PAGE])
-        return bool(int(lost)), _parsed(entries)
+
+        def queue(pipe: Any) -> None:
+            for command in page_commands(self.keys.log, last, seen, LOG_PAGE):
+                pipe.execute_command(*command)
+
+        ((lost, entries),) = page_replies(execute(self.r, [LOG_SINCE], queue))
+        return lost, entries
 
     def log_and_get(
         self, last: str, seen: int, key: str
@@ -332,11 +333,13 @@ class Storage:
         slot) in one round trip."""
 
         def queue(pipe: Any) -> None:
-            _LOG_SINCE.queue(pipe, [self.keys.log], [last, seen, LOG_PAGE])
+            for command in page_commands(self.keys.log, last, seen, LOG_PAGE):
+                pipe.execute_command(*command)
             pipe.get(key)
 
-        (lost, entries), value = execute(self.r, [_LOG_SINCE], queue)
-        return bool(int(lost)), _parsed(entries), value
+        *page, value = execute(self.r, [LOG_SINCE], queue)
+        ((lost, entries),) = page_replies(page)
+        return lost, entries, value
 
     # ---- layout ----------------------------------------------------------------------
     def _chunks(self, per: int) -> int:

@@ -34,6 +34,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.sampling.bulk import BulkReader
+from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
 from orchestrator.sampling.index import LOG_PAGE, SamplingIndex
 
 PLAIN_ROW_BYTES = 2048
@@ -94,7 +95,6 @@ class Fetcher:
     def __init__(self, store: Store, cap: int) -> None:
         self.store, self.cap = store, cap
         self._script = Lua("fetch", "orchestrator")
-        self.log_since = Lua("log_since", "orchestrator")
         self._n_shards = store.config().n_shards
         self._bulk = BulkReader.for_client(store.r)
 
@@ -120,7 +120,8 @@ class Fetcher:
         """Results of ``reads`` and the replies of ``lookups``, as :meth:`__call__` gives
         them, but unchecked; and the replies of the commands ``tail``, run after every read
         in the same round trip (the change-log reads that check them: :class:`LogChecked`;
-        ``EVALSHA`` of :attr:`log_since` is loaded on NOSCRIPT)."""
+        ``EVALSHA`` of :data:`~orchestrator.sampling.changelog.LOG_SINCE` is loaded on
+        NOSCRIPT)."""
         got = self._fetch(np.zeros(0, np.int64), None, reads, lookups, tail)
         assert got is not None
         return got
@@ -202,7 +203,7 @@ class Fetcher:
                 for command in commands:
                     pipe.execute_command(*command)
 
-            replies = execute(self.store.r, [self._script, self.log_since], queue)
+            replies = execute(self.store.r, [self._script, LOG_SINCE], queue)
             fixed, at = [], 0
             for m, (c, runs) in zip(big, ranges, strict=True):
                 fixed.append(_plain_result(m, runs, replies[at : at + len(c)]))
@@ -244,7 +245,7 @@ class Fetcher:
         return out, rest, logs
 
     def _load_scripts(self) -> None:
-        for script in (self._script, self.log_since):
+        for script in (self._script, LOG_SINCE):
             self.store.r.script_load(script.source)
 
     def _plain_commands(self, m: Read) -> tuple[list[tuple[str, tuple[Any, ...]]], np.ndarray]:
@@ -310,8 +311,8 @@ class LogChecked:
         if self.exact:  # the newest entry of each log: the index's own, or the batch is redrawn
             tail = [["XREVRANGE", key, "+", "-", "COUNT", 1] for key in logs]
         else:
-            sha, args = self.fetcher.log_since.sha, zip(logs, ix.log_last, ix.log_seen, strict=True)
-            tail = [["EVALSHA", sha, 1, key, last, seen, LOG_PAGE] for key, last, seen in args]
+            args = zip(logs, ix.log_last, ix.log_seen, strict=True)
+            tail = [c for a in args for c in page_commands(*a, LOG_PAGE)]
         mirrored = [r.kind == "f" and r.base in ix.columns for r in reads]
         rest = [r for r, m in zip(reads, mirrored, strict=True) if not m]
         got, replies, tails = self.fetcher.since(rest, lookups, tail)
@@ -321,8 +322,9 @@ class LogChecked:
             if not self.quiet:
                 return None
         else:
-            self.quiet = all(not int(lost) and not entries for lost, entries in tails)
-            if not (self.quiet or self._untouched(check, tails)):
+            pages = page_replies(tails)
+            self.quiet = all(not lost and not entries for lost, entries in pages)
+            if not (self.quiet or self._untouched(check, pages)):
                 return None
         read = iter(got)
         out = [

@@ -4,7 +4,8 @@
 :mod:`claw_tasks.where`) and ``alive`` to one array over the global rows
 ``shard * cap + slot``, priorities and numeric tags decoded (NaN = unset). Redis stays the
 only source of truth: the index is built cold from the shards' ``m:<col>`` strings and
-``alive`` bitmaps, then kept current from the shards' change logs (``lua/log_since.lua``):
+``alive`` bitmaps, then kept current from the shards' change logs
+(:mod:`orchestrator.sampling.changelog`):
 
 - events with ``seq``/``n`` (``ins``: a committed slot range; ``evict``: slots freed for
   a ring overwrite): the range is read again, every column plus its alive bits, with one
@@ -49,7 +50,8 @@ from claw_tasks.store.layout import (
     STR_TAG_DTYPE,
     payload_chunk_slots,
 )
-from claw_tasks.store.scripts import Lua, execute
+from claw_tasks.store.scripts import execute
+from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
 
 LOG_PAGE = 1_000
 """Change-log entries read per shard and round trip (a page stays a short Redis call even
@@ -103,7 +105,6 @@ class SamplingIndex:
         self.log_seen = [0] * self.n_shards  # entries the log had added up to that one
         self.config_raw: bytes | None = None
         self.log_keys = [store.keys.shard_key(s, "log") for s in range(self.n_shards)]
-        self._log_since = Lua("log_since", "orchestrator")
         self.attached: dict[str, Any] = {}
         """State kept with the index by code that samples from it (lives as long as it)."""
         self._listeners: list[Callable[[np.ndarray | None], None]] = []
@@ -164,15 +165,14 @@ class SamplingIndex:
 
     def touched(self, replies: list[Any]) -> np.ndarray | None:
         """The global rows whose step may have changed (slots reused or freed, steps
-        evicted) by the change-log entries ``replies`` (``log_since.lua``'s, one per shard,
-        read from this index's positions); None when they cannot tell (entries lost, a
-        full page, an event this index does not know)."""
+        evicted) by the change-log pages ``replies`` (``(lost, entries)`` per shard, read
+        from this index's positions: :mod:`~orchestrator.sampling.changelog`); None when
+        they cannot tell (entries lost, a full page, an event this index does not know)."""
         rows = []
         for shard, (lost, entries) in enumerate(replies):
-            if int(lost) or len(entries) >= LOG_PAGE:
+            if lost or len(entries) >= LOG_PAGE:
                 return None
-            for _, kv in entries:
-                event = dict(zip(kv[::2], kv[1::2], strict=True))
+            for _, event in entries:
                 if b"seq" in event and b"n" in event:  # ins, evict: a slot range
                     seq0, n = int(event[b"seq"]), min(int(event[b"n"]), self.cap)
                     rows.append(self._rows(shard, np.arange(seq0, seq0 + n)))
@@ -211,15 +211,15 @@ class SamplingIndex:
 
         def queue(pipe: Any) -> None:
             for key, last, seen in zip(self.log_keys, self.log_last, self.log_seen, strict=True):
-                self._log_since.queue(pipe, [key], [last, seen, LOG_PAGE])
+                for command in page_commands(key, last, seen, LOG_PAGE):
+                    pipe.execute_command(*command)
 
-        replies = execute(self.store.r, [self._log_since], queue)
-        if any(int(lost) for lost, _ in replies):
+        replies = page_replies(execute(self.store.r, [LOG_SINCE], queue))
+        if any(lost for lost, _ in replies):
             raise RebuildNeeded
         inserted: dict[int, list[tuple[int, int]]] = {}
         for shard, (_, entries) in enumerate(replies):
-            for _, kv in entries:
-                event = dict(zip(kv[::2], kv[1::2], strict=True))
+            for _, event in entries:
                 if b"seq" in event and b"n" in event:  # ins, evict: a slot range
                     inserted.setdefault(shard, []).append((int(event[b"seq"]), int(event[b"n"])))
                     changed.append(self._links(shard, event.get(b"links", b"")))

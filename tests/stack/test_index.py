@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from claw_tasks.store import Store
+from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.shared import SharedIndex
 from tests.support.stepdata import batch, episode, interleave
@@ -112,6 +113,37 @@ def test_trimmed_log_rebuilds_cold(store, r, make):
     store.update_priorities(ids[:3], np.full(3, 5.0))
     np.testing.assert_array_equal(ix.sync(), rows_of(ix, ids[:3]))
     assert_cold_equal(ix)
+
+
+def test_a_page_and_its_check_need_no_transaction(store, r):
+    """A page is an XRANGE and then the check: a loss another client makes before the
+    read, or between the two, shows as lost (after it: a rebuild that was not needed)."""
+    store.commit(batch(episode(1, 30, "terminated")))
+    key = store.keys.shard_key(0, "log")
+    r.script_load(LOG_SINCE.source)
+    first = r.xrange(key, count=1)[0][0].decode()
+
+    def page(last: str, seen: int, between: list | None = None) -> tuple[bool, list]:
+        read, check = page_commands(key, last, seen, 1000)
+        with r.pipeline(transaction=False) as pipe:
+            pipe.execute_command(*read)
+            if between:
+                pipe.execute_command(*between)
+            pipe.execute_command(*check)
+            got = pipe.execute()
+        ((lost, entries),) = page_replies([got[0], got[-1]])
+        return lost, entries
+
+    assert page("0-0", 0) == (False, [(e, f) for e, f in r.xrange(key)])
+    assert page(first, 1) == (False, [(e, f) for e, f in r.xrange(key)][1:])
+    assert page(first, 1, ["XADD", key, "*", "op", "x"])[0] is False  # growth is no loss
+    added = r.xadd(key, {"op": "y"})
+    assert page(first, 1, ["XDEL", key, added])[0] is True  # read, then deleted
+    r.xtrim(key, maxlen=0)
+    assert page(first, 1) == (True, [])
+    r.xadd(key, {"op": "z"})
+    assert page(first, 1, ["DEL", key])[0] is True  # the log gone
+    assert page("0-0", 0) == (False, [])  # a reader that applied nothing lost nothing
 
 
 def test_evict_event_and_unknown_events(store, r, make):
