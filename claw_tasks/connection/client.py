@@ -140,3 +140,49 @@ def identity(client: Client) -> tuple[Any, ...]:
         return ("cluster", *sorted(n.name for n in client.get_nodes()))
     kw = client.connection_pool.connection_kwargs
     return (kw.get("host"), kw.get("port"), kw.get("path"), kw.get("db"))
+
+
+def setrange_many(client: Client, writes: list[tuple[str, int, memoryview]]) -> None:
+    """Pipelined ``SETRANGE key offset value`` of large values, sent straight from their
+    memory. redis-py's packer copies each value twice (``bytes(memoryview)``, then into
+    hiredis' packed command): at image rates that is as much CPU as the send itself
+    (docs/benchmarks.md, "Ingest"). Here only each command's header is built; the values
+    go to the socket as they are. A cluster client keeps its pipeline (it routes and
+    follows slot moves)."""
+    if not writes:
+        return
+    if is_cluster(client):
+        with client.pipeline(transaction=False) as pipe:
+            for key, offset, value in writes:
+                pipe.setrange(key, offset, value)
+            pipe.execute()
+        return
+    parts: list[bytes | memoryview] = []
+    tail = b""
+    for key, offset, value in writes:
+        k, o = key.encode(), str(offset).encode()
+        parts.append(
+            tail
+            + b"*4\r\n$8\r\nSETRANGE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n"
+            % (len(k), k, len(o), o, value.nbytes)
+        )
+        parts.append(value)
+        tail = b"\r\n"
+    parts.append(tail)
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command(parts)
+        error = None
+        for _ in writes:  # read every reply, so the connection goes back clean
+            try:
+                conn.read_response()
+            except redis.ResponseError as e:
+                error = error or e
+        if error is not None:
+            raise error
+    except BaseException:
+        conn.disconnect()  # replies may be left unread: never reuse it
+        raise
+    finally:
+        pool.release(conn)
