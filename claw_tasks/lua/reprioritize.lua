@@ -25,8 +25,10 @@ local function is_alive(slot)
 end
 local lo, hi = offs[1], offs[n]
 local idr = redis.call('GETRANGE', KEYS[2], lo * 8, hi * 8 + 7)
-local cur = redis.call('GETRANGE', KEYS[3], lo * 4, hi * 4 + 3)
-local snap = redis.call('GETRANGE', KEYS[4], lo * 4, hi * 4 + 3)
+-- A chunk the commits left missing (every priority unset) reads as zeros, as it is stored.
+local function padded(s, len) return s .. string.rep('\0', len - #s) end
+local cur = padded(redis.call('GETRANGE', KEYS[3], lo * 4, hi * 4 + 3), (hi - lo + 1) * 4)
+local snap = padded(redis.call('GETRANGE', KEYS[4], lo * 4, hi * 4 + 3), (hi - lo + 1) * 4)
 local applied_ids, applied, run, run_at = {}, {}, {}, nil
 local function flush()
   if run_at then redis.call('SETRANGE', KEYS[3], run_at * 4, table.concat(run)) end
