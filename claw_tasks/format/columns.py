@@ -21,7 +21,9 @@ class StrColumn:
     index: np.ndarray
 
     @classmethod
-    def of(cls, items: Sequence[Any]) -> StrColumn:
+    def of(cls, items: Sequence[Any] | np.ndarray) -> StrColumn:
+        if isinstance(items, np.ndarray) and items.dtype.kind in "US" and items.ndim == 1:
+            return cls._of_runs(items)
         vocab: dict[str, int] = {}
         index = np.fromiter(
             (-1 if v is None else vocab.setdefault(str(v), len(vocab)) for v in items),
@@ -29,6 +31,22 @@ class StrColumn:
             count=len(items),
         )
         return cls(list(vocab), index)
+
+    @classmethod
+    def _of_runs(cls, items: np.ndarray) -> StrColumn:
+        """A numpy string column, one Python step per run of equal values, not per row:
+        episode ids come in runs (a million rows of 1,000-step episodes: 1,000 runs)."""
+        n = len(items)
+        if n == 0:
+            return cls([], np.zeros(0, np.int32))
+        heads = np.flatnonzero(np.concatenate([[True], items[1:] != items[:-1]]))
+        vocab: dict[str, int] = {}
+        codes = np.fromiter(
+            (vocab.setdefault(str(v), len(vocab)) for v in items[heads].tolist()),
+            dtype=np.int32,
+            count=len(heads),
+        )
+        return cls(list(vocab), np.repeat(codes, np.diff(np.append(heads, n))))
 
     @classmethod
     def constant(cls, value: Any, n: int) -> StrColumn:
