@@ -66,6 +66,19 @@ class Cpu:
         return " / ".join(f"{now[k] - before[k]:.2f}" for k in self.pids)
 
 
+def families(r: redis.Redis, ns: str, n: int) -> str:
+    """Bytes per step of a namespace by key family (``MEMORY USAGE ... SAMPLES 0`` of each
+    key; ``m:id:0`` and ``m:id:1`` are one family, ``m:id``)."""
+    per: dict[str, int] = {}
+    for key in r.scan_iter(match=f"claw:{{{ns}*", count=1000):
+        name = key.decode().split("}:", 1)[1]
+        head, _, tail = name.rpartition(":")
+        family = head if tail.isdigit() else name
+        per[family] = per.get(family, 0) + int(r.memory_usage(key, samples=0) or 0)
+    top = sorted(per.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v / n:.2f}" for k, v in top if v / n >= 0.01)
+
+
 def plain_setrange(r: redis.Redis, imgs: np.ndarray, batch: int, no_copy: bool) -> float:
     """Seconds to write ``imgs`` as Claw's image chunks lie (slots per ~1 MB key), in
     ``batch``-step pipelines of SETRANGE, nothing else."""
@@ -194,6 +207,7 @@ def main() -> None:
                 rows.append((label, f"{n / dt:,.0f}", cpu.since(c0), f"{n:,} steps"))
                 label = "vector Redis bytes per stored step"
                 rows.append((label, f"{per_vec:,.1f}", "", f"{n:,} steps"))
+                by_family = families(r, "vec", n)
                 r.flushdb()
 
             for rep in range(args.repeats if "image" in parts else 0):
@@ -269,6 +283,8 @@ def main() -> None:
     print("| figure | value | CPU s: producer / worker / redis | size |\n|---|---:|---:|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    if "vector" in parts:
+        print(f"\nvector bytes per step by key family: {by_family}")
 
 
 if __name__ == "__main__":
