@@ -55,7 +55,17 @@ class StrColumn:
         return cls([str(value)], np.zeros(n, np.int32))
 
     def take(self, rows: np.ndarray | slice) -> StrColumn:
-        return StrColumn(self.values, self.index[rows])
+        """The ``rows``, with only the strings they use: a part of a large batch (16,384
+        of a million steps) carries and hashes its own episodes, not all of them."""
+        index = self.index[rows]
+        used = np.zeros(len(self.values) + 1, bool)
+        used[index + 1] = True  # slot 0: missing (-1)
+        keep = np.flatnonzero(used[1:])
+        if len(keep) == len(self.values):
+            return StrColumn(self.values, index)
+        code = np.full(len(self.values) + 1, -1, np.int32)
+        code[keep + 1] = np.arange(len(keep), dtype=np.int32)
+        return StrColumn([self.values[i] for i in keep.tolist()], code[index + 1])
 
     def strings(self) -> list[str | None]:
         return [None if i < 0 else self.values[i] for i in self.index.tolist()]
