@@ -171,18 +171,18 @@ def setrange_many(client: Client, writes: list[tuple[str, int, memoryview]]) -> 
     parts.append(tail)
     pool = client.connection_pool
     conn = pool.get_connection()
+    error: redis.ResponseError | None = None
     try:
         conn.send_packed_command(parts)
-        error = None
-        for _ in writes:  # read every reply, so the connection goes back clean
+        for _ in writes:  # every reply is read, so the connection goes back clean
             try:
                 conn.read_response()
-            except redis.ResponseError as e:
+            except redis.ResponseError as e:  # the other writes still happened
                 error = error or e
-        if error is not None:
-            raise error
     except BaseException:
         conn.disconnect()  # replies may be left unread: never reuse it
         raise
     finally:
         pool.release(conn)
+    if error is not None:
+        raise error
