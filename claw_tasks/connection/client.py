@@ -23,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
 
 from claw_tasks.settings import CLUSTER_SCHEMES, is_cluster_url
 
@@ -147,16 +148,32 @@ def setrange_many(client: Client, writes: list[tuple[str, int, memoryview]]) -> 
     memory. redis-py's packer copies each value twice (``bytes(memoryview)``, then into
     hiredis' packed command): at image rates that is as much CPU as the send itself
     (docs/benchmarks.md, "Ingest"). Here only each command's header is built; the values
-    go to the socket as they are. A cluster client keeps its pipeline (it routes and
-    follows slot moves)."""
+    go to the socket as they are. On a cluster, writes to one slot (a shard's keys) go so
+    to the slot's master; if the slot moved meanwhile (or the node is away), they are
+    written again through redis-py's pipeline, which follows the move (``SETRANGE`` is
+    idempotent)."""
     if not writes:
         return
-    if is_cluster(client):
-        with client.pipeline(transaction=False) as pipe:
-            for key, offset, value in writes:
-                pipe.setrange(key, offset, value)
-            pipe.execute()
+    if not is_cluster(client):
+        _send_setranges(client, writes)
         return
+    if len({client.keyslot(key) for key, _, _ in writes}) == 1:
+        try:
+            node = client.get_node_from_key(writes[0][0])
+            _send_setranges(client.get_redis_connection(node), writes)
+            return
+        except redis.ResponseError as e:
+            if not str(e).startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
+                raise
+        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException):
+            pass
+    with client.pipeline(transaction=False) as pipe:
+        for key, offset, value in writes:
+            pipe.setrange(key, offset, value)
+        pipe.execute()
+
+
+def _send_setranges(client: redis.Redis, writes: list[tuple[str, int, memoryview]]) -> None:
     parts: list[bytes | memoryview] = []
     tail = b""
     for key, offset, value in writes:
