@@ -119,7 +119,7 @@ def str_column(v: Any, n: int, name: str) -> StrColumn:
         return StrColumn.constant(v, n)
     if len(v) != n:
         raise SchemaError(f"column '{name}' has {len(v)} rows, expected {n}")
-    return StrColumn.of(list(v))
+    return StrColumn.of(v if isinstance(v, np.ndarray) else list(v))
 
 
 def add_tag(batch: StepBatch, name: str, v: Any, n: int) -> None:

@@ -21,7 +21,9 @@ class StrColumn:
     index: np.ndarray
 
     @classmethod
-    def of(cls, items: Sequence[Any]) -> StrColumn:
+    def of(cls, items: Sequence[Any] | np.ndarray) -> StrColumn:
+        if isinstance(items, np.ndarray) and items.dtype.kind in "US" and items.ndim == 1:
+            return cls._of_runs(items)
         vocab: dict[str, int] = {}
         index = np.fromiter(
             (-1 if v is None else vocab.setdefault(str(v), len(vocab)) for v in items),
@@ -31,13 +33,39 @@ class StrColumn:
         return cls(list(vocab), index)
 
     @classmethod
+    def _of_runs(cls, items: np.ndarray) -> StrColumn:
+        """A numpy string column, one Python step per run of equal values, not per row:
+        episode ids come in runs (a million rows of 1,000-step episodes: 1,000 runs)."""
+        n = len(items)
+        if n == 0:
+            return cls([], np.zeros(0, np.int32))
+        heads = np.flatnonzero(np.concatenate([[True], items[1:] != items[:-1]]))
+        vocab: dict[str, int] = {}
+        codes = np.fromiter(
+            (vocab.setdefault(str(v), len(vocab)) for v in items[heads].tolist()),
+            dtype=np.int32,
+            count=len(heads),
+        )
+        return cls(list(vocab), np.repeat(codes, np.diff(np.append(heads, n))))
+
+    @classmethod
     def constant(cls, value: Any, n: int) -> StrColumn:
         if value is None:
             return cls([], np.full(n, -1, np.int32))
         return cls([str(value)], np.zeros(n, np.int32))
 
     def take(self, rows: np.ndarray | slice) -> StrColumn:
-        return StrColumn(self.values, self.index[rows])
+        """The ``rows``, with only the strings they use: a part of a large batch (16,384
+        of a million steps) carries and hashes its own episodes, not all of them."""
+        index = self.index[rows]
+        used = np.zeros(len(self.values) + 1, bool)
+        used[index + 1] = True  # slot 0: missing (-1)
+        keep = np.flatnonzero(used[1:])
+        if len(keep) == len(self.values):
+            return StrColumn(self.values, index)
+        code = np.full(len(self.values) + 1, -1, np.int32)
+        code[keep + 1] = np.arange(len(keep), dtype=np.int32)
+        return StrColumn([self.values[i] for i in keep.tolist()], code[index + 1])
 
     def strings(self) -> list[str | None]:
         return [None if i < 0 else self.values[i] for i in self.index.tolist()]

@@ -5,7 +5,9 @@
 --       8 pruning cursors, 9 episode index (code -> (step_index <i4, id <i8) entries)
 -- ARGV: 1 shard prefix, 2 n, 3 cap, 4 marker ttl, 5 seq0, 6 shard, 7 n_shards,
 --       8 meta chunk slots, 9 spec (msgpack), 10.. blobs (columns, then sparse rows)
--- spec = {cols = {{base, itemsize, chunk_slots}...}, sparse = {{base, chunk_slots, rows}...},
+-- spec = {cols = {{base, itemsize, chunk_slots, zero}...} (zero: every byte of the blob is
+--         zero, so a chunk that does not exist stays missing: it reads as zeros),
+--         sparse = {{base, chunk_slots, rows}...},
 --         clear = {{base, chunk_slots}...}, eps = {{code, first_rel, first_idx, last_rel,
 --         last_idx, ended, name, newest_rel[, {step_index, id, ...}]}...} (newest_rel: the
 --         episode's highest row in the part), dead = {rel rows left not alive},
@@ -69,12 +71,13 @@ end
 
 local argi = 10
 for _, c in ipairs(spec.cols) do
-  local base, size, cs = c[1], c[2], c[3]
+  local base, size, cs, zero = c[1], c[2], c[3], c[4]
   local blob = ARGV[argi]
   argi = argi + 1
 
   runs(cs, function(i, slot, chunk, inchunk, len)
     local key = prefix .. base .. ':' .. chunk
+    if zero and redis.call('EXISTS', key) == 0 then return end
     size_chunk(key, chunk, cs, cap, size)
     local piece = blob
     if len ~= n then piece = string.sub(blob, i * size + 1, (i + len) * size) end
@@ -113,6 +116,7 @@ local function link(from_seq, to_seq)
   local chunk, off = math.floor(slot / mc), slot % mc
   local id = redis.call('GETRANGE', prefix .. 'm:id:' .. chunk, off * 8, off * 8 + 7)
   if id ~= struct.pack('<i8', from_seq * n_shards + shard) then return end
+  size_chunk(prefix .. 'm:next:' .. chunk, chunk, mc, cap, 4)  -- missing if all zero so far
   redis.call('SETRANGE', prefix .. 'm:next:' .. chunk, off * 4, struct.pack('<i4', to_seq - from_seq))
   linked[#linked + 1] = from_seq .. ':' .. (to_seq - from_seq)
 end

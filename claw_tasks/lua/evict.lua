@@ -21,7 +21,7 @@
 --    episodes = {{episode code, newest seq as planned ('' = none)}...}}
 --   pred = {} or {slot, id (<i8 bytes), id key, id offset, flags key, flags offset,
 --           next key, next offset, delta, source kind ('f' | 'h'), source key,
---           source offset (bytes, 'f') , row bytes ('f'), nx key}
+--           source offset (bytes, 'f') , row bytes ('f'), nx key, flags chunk bytes}
 -- Returns {evicted, relinked}.
 local reason, loglen = ARGV[1], tonumber(ARGV[2])
 local plan = cmsgpack.unpack(ARGV[3])
@@ -71,8 +71,8 @@ for i, v in ipairs(victims) do
     v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9]
   if bits[i] == 1 and holds(idk, idoff, id) then
     if pred and #pred > 0 then
-      local pslot, pid, pidk, pidoff, pfk, pfoff, pnk, pnoff, delta, kind, srck, srcoff, size, nxk =
-        unpack(pred)
+      local pslot, pid, pidk, pidoff, pfk, pfoff, pnk, pnoff, delta, kind, srck, srcoff, size, nxk,
+        flen = unpack(pred)
       local flags = string.byte(redis.call('GETRANGE', KEYS[pfk], pfoff, pfoff)) or 0
       if redis.call('GETBIT', alive, pslot) == 1 and holds(pidk, pidoff, pid) and
          bit.band(flags, 7) == 0 and
@@ -85,6 +85,9 @@ for i, v in ipairs(victims) do
         end
         redis.call('HSET', KEYS[nxk], pslot, obs)
         flags = string.char(bit.bor(flags, 4))
+        if redis.call('EXISTS', KEYS[pfk]) == 0 then  -- all flags zero so far: sized now
+          redis.call('SETRANGE', KEYS[pfk], flen - 1, '\0')
+        end
         redis.call('SETRANGE', KEYS[pfk], pfoff, flags)
         redis.call('SETRANGE', KEYS[pnk], pnoff, struct.pack('<i4', 0))
         pred_ids[#pred_ids + 1] = pid

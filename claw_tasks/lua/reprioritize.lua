@@ -9,7 +9,8 @@
 --       that m:priority chunk, 5 change log
 -- ARGV: 1 first slot of the chunk, 2 slots (<i4 packed, ascending, in the shard), 3 ids
 --       (<i8), 4 expected priority bytes (4 each, as stored), 5 new priority bytes,
---       6 log length
+--       6 log length, 7 the chunk's bytes (a chunk the commits left missing, every
+--       priority unset, is created at its full size before the first write)
 -- Returns the number of priorities written.
 local base = tonumber(ARGV[1])
 local slots, ids, expect, new = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -25,10 +26,15 @@ local function is_alive(slot)
 end
 local lo, hi = offs[1], offs[n]
 local idr = redis.call('GETRANGE', KEYS[2], lo * 8, hi * 8 + 7)
-local cur = redis.call('GETRANGE', KEYS[3], lo * 4, hi * 4 + 3)
-local snap = redis.call('GETRANGE', KEYS[4], lo * 4, hi * 4 + 3)
+-- A chunk the commits left missing (every priority unset) reads as zeros, as it is stored.
+local function padded(s, len) return s .. string.rep('\0', len - #s) end
+local cur = padded(redis.call('GETRANGE', KEYS[3], lo * 4, hi * 4 + 3), (hi - lo + 1) * 4)
+local snap = padded(redis.call('GETRANGE', KEYS[4], lo * 4, hi * 4 + 3), (hi - lo + 1) * 4)
 local applied_ids, applied, run, run_at = {}, {}, {}, nil
 local function flush()
+  if run_at and redis.call('EXISTS', KEYS[3]) == 0 then
+    redis.call('SETRANGE', KEYS[3], tonumber(ARGV[7]) - 1, '\0')
+  end
   if run_at then redis.call('SETRANGE', KEYS[3], run_at * 4, table.concat(run)) end
   run, run_at = {}, nil
 end

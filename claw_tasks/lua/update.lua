@@ -1,3 +1,4 @@
+--! include ranges
 -- Set one metadata column for a list of step ids, skipping ids whose slot no longer holds
 -- them: the ring came round to the slot (seq counter - seq >= cap; allocation evicts a
 -- slot's old step at once) or the step was evicted otherwise (alive bit clear; checked
@@ -51,6 +52,7 @@ for k = 1, count do
       if mode == 'bits_on' then v = string.char(bit.bor(old, mask))
       else v = string.char(bit.band(old, bit.bnot(mask)) % 256) end
     end
+    size_chunk(key, math.floor(slot / mc), mc, cap, size)  -- a column left all zero so far
     redis.call('SETRANGE', key, off * size, v)
     applied_ids[#applied_ids + 1] = string.sub(ids, k * 8 - 7, k * 8)
     applied_vals[#applied_vals + 1] = v

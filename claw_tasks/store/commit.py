@@ -48,8 +48,12 @@ class Writes:
     dense_blobs: list[Any] = field(default_factory=list)
     sparse_blobs: list[Any] = field(default_factory=list)
 
-    def dense(self, name: str, row_bytes: int, chunk_slots: int, blob: Any) -> None:
-        self.cols.append([name, row_bytes, chunk_slots])
+    def dense(
+        self, name: str, row_bytes: int, chunk_slots: int, blob: Any, zero: bool = False
+    ) -> None:
+        """``zero``: every byte of ``blob`` is zero; a chunk that does not exist yet is then
+        not created (a missing chunk reads as zeros)."""
+        self.cols.append([name, row_bytes, chunk_slots, zero])
         self.dense_blobs.append(blob)
 
     def rows(self, name: str, rows: list[int], blobs: Any) -> None:
@@ -208,8 +212,9 @@ class CommitPart:
         w = Writes()
         for col, arr in meta.items():
             dtype = META.get(col) or (STR_TAG_DTYPE if arr.dtype.kind == "i" else NUM_TAG_DTYPE)
-            blob = np.ascontiguousarray(arr, dtype).data.cast("B")
-            w.dense(f"m:{col}", dtype.itemsize, META_CHUNK_SLOTS, blob)
+            data = np.ascontiguousarray(arr, dtype)
+            zero = not data.view(np.uint8).any()  # an unused column costs no memory
+            w.dense(f"m:{col}", dtype.itemsize, META_CHUNK_SLOTS, data.data.cast("B"), zero)
         for name, spec in self.schema.fields.items():
             v = self.b.fields[name]
             if spec.codec is not None:

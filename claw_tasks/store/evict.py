@@ -203,4 +203,5 @@ class _Plan:
             int(c["next"][p]),
             *source,
             key(k.sparse(shard, "nx", p // SPARSE_CHUNK_SLOTS)),
+            min(mc, self.cap - p // mc * mc),  # flags chunk bytes
         ]

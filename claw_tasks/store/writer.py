@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from claw_tasks.connection.client import setrange_many
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.schema import Schema
 from claw_tasks.store.admin import Admin
@@ -112,17 +113,17 @@ class Writer:
         """Write fixed-shape payload rows into the slots of ``seq0..`` (after ``allocate``):
         one pipelined SETRANGE per chunk run, straight from the arrays' memory."""
         cfg = self.core.config()
-        with self.core.r.pipeline(transaction=False) as pipe:
-            for name, arr in fields.items():
-                arr = np.ascontiguousarray(arr)
-                n, rb = len(arr), arr.nbytes // max(1, len(arr))
-                raw = arr.data.cast("B") if arr.size else memoryview(b"")
-                cs = payload_chunk_slots(rb)
-                i = 0
-                while i < n:
-                    slot = (seq0 - 1 + i) % cfg.cap
-                    run = min(n - i, cs - slot % cs, cfg.cap - slot)
-                    key = self.core.keys.field(shard, name, slot // cs)
-                    pipe.setrange(key, (slot % cs) * rb, raw[i * rb : (i + run) * rb])
-                    i += run
-            pipe.execute()
+        writes = []
+        for name, arr in fields.items():
+            arr = np.ascontiguousarray(arr)
+            n, rb = len(arr), arr.nbytes // max(1, len(arr))
+            raw = arr.data.cast("B") if arr.size else memoryview(b"")
+            cs = payload_chunk_slots(rb)
+            i = 0
+            while i < n:
+                slot = (seq0 - 1 + i) % cfg.cap
+                run = min(n - i, cs - slot % cs, cfg.cap - slot)
+                key = self.core.keys.field(shard, name, slot // cs)
+                writes.append((key, (slot % cs) * rb, raw[i * rb : (i + run) * rb]))
+                i += run
+        setrange_many(self.core.r, writes)

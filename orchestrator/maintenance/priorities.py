@@ -257,6 +257,7 @@ class Recompute:
                 before[part].tobytes(),
                 after[part].tobytes(),
                 LOG_MAXLEN,
+                (stop - first) * 4,  # the chunk's bytes: a missing one is sized first
             ]
             written += int(_SCRIPT(self.store.r, keys, args))
         return written
