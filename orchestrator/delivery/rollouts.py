@@ -264,9 +264,14 @@ def score(reg: Registry, recipe: Recipe, chained: Chained) -> Target | None:
     return got  # type: ignore[return-value]
 
 
+FORMED = "formed by another fill"
+"""What a sweep asked to form returns when the rollout of its target was formed meanwhile."""
+
+
 def _sweep(reg: Registry, recipe: Recipe, target: int, form: bool) -> Plan | str:
     """Count the new stale steps and, when ``form`` and enough are ready, form the rollout
-    of ``target``: one transaction. Returns the plan, or the state of the wait."""
+    of ``target``: one transaction. Returns the plan, :data:`FORMED`, or the state of the
+    wait."""
     ro = recipe.rollout
     assert ro is not None
     name = recipe.name
@@ -280,6 +285,9 @@ def _sweep(reg: Registry, recipe: Recipe, target: int, form: bool) -> Plan | str
                     pipe.unwatch()  # moved on while this fill waited: the next fill forms
                     return "stopped: recipe changed"
                 st = State.of(pipe.hgetall(skey))
+                if form and st.no and st.target == target:
+                    pipe.unwatch()  # formed meanwhile (a commit, another fill): serve it
+                    return FORMED
                 classified = np.frombuffer(pipe.get(seen) or b"", np.int64)
                 sel = select_rollout(reg.store, recipe, classified, window)
                 taken = sel.taken if form else None
@@ -357,22 +365,24 @@ def _push(
     name, skey = recipe.name, reg.rollout_keys(recipe.name)[0]
     queue, counters, m = reg.queue(name), reg.counters(name), len(items)
     with reg.r.pipeline(transaction=True) as pipe:
-        try:
-            pipe.watch(skey)
-            no, cursor = pipe.hmget(skey, ["no", "cursor"])
-            if int(no or 0) != plan.no or int(cursor or 0) != k:
-                pipe.unwatch()
-                return None
-            pipe.multi()
-            pipe.rpush(queue, *items)
-            pipe.hget(reg.versions_key, name)
-            pipe.exists(reg.recipe_key(name))
-            pipe.hincrby(skey, "cursor", m)
-            pipe.hincrby(counters, "produced", m)
-            pipe.hincrby(counters, "sampled", recipe.batch_size * m)
-            length, version, registered = pipe.execute()[:3]
-        except redis.WatchError:
-            return None
+        while True:
+            try:
+                pipe.watch(skey)
+                no, cursor = pipe.hmget(skey, ["no", "cursor"])
+                if int(no or 0) != plan.no or int(cursor or 0) != k:
+                    pipe.unwatch()
+                    return None
+                pipe.multi()
+                pipe.rpush(queue, *items)
+                pipe.hget(reg.versions_key, name)
+                pipe.exists(reg.recipe_key(name))
+                pipe.hincrby(skey, "cursor", m)
+                pipe.hincrby(counters, "produced", m)
+                pipe.hincrby(counters, "sampled", recipe.batch_size * m)
+                length, version, registered = pipe.execute()[:3]
+                break
+            except redis.WatchError:
+                continue  # the hash changed (another field, or the cursor): look again
     if registered and (version is None or int(version) == recipe.version):
         return int(length)
     with reg.r.pipeline(transaction=False) as pipe:
@@ -523,6 +533,8 @@ def run(reg: Registry, entry: Entry, augment: AugmentPlan | None) -> tuple[int, 
     # (prefetch's commit hook), so no fill waits for steps, and none is lost between them.
     reg.r.sadd(reg.rollouts_waiting_key, name)
     got = _sweep(reg, recipe, target, form=True)
+    if got is FORMED:  # by a commit or another fill since this one read the state
+        return run(reg, entry, augment)  # serves it from its cursor
     if isinstance(got, str):
         return 0, got
     return _serve(reg, entry, augment, got, 0)

@@ -94,7 +94,7 @@ class PPOResult:
 
 
 def _update(net: ActorCritic, opt: torch.optim.Optimizer, b: Any) -> None:
-    obs = torch.as_tensor(b["obs"])
+    obs = torch.tensor(b["obs"])
     logp = net.dist(obs).log_prob(torch.as_tensor(b["action"]))
     ratio = torch.exp(logp - torch.as_tensor(b["log_prob"]))
     adv = torch.as_tensor(b["advantages"])
