@@ -95,11 +95,11 @@ class PPOResult:
 
 def _update(net: ActorCritic, opt: torch.optim.Optimizer, b: Any) -> None:
     obs = torch.tensor(b["obs"])
-    logp = net.dist(obs).log_prob(torch.as_tensor(b["action"]))
-    ratio = torch.exp(logp - torch.as_tensor(b["log_prob"]))
-    adv = torch.as_tensor(b["advantages"])
+    logp = net.dist(obs).log_prob(torch.tensor(b["action"]))
+    ratio = torch.exp(logp - torch.tensor(b["log_prob"]))
+    adv = torch.tensor(b["advantages"])
     pg = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv).mean()
-    vf = nn.functional.mse_loss(net.value(obs), torch.as_tensor(b["returns"]))
+    vf = nn.functional.mse_loss(net.value(obs), torch.tensor(b["returns"]))
     opt.zero_grad()
     (pg + 0.5 * vf).backward()
     nn.utils.clip_grad_norm_(net.parameters(), 0.5)
@@ -139,6 +139,7 @@ def run(
         )
         for _ in range(ENVS)
     ]
+    began = time.perf_counter()
     try:
         client.register(recipe())
         obs = np.stack([e.reset(seed=seed * 100 + i)[0] for i, e in enumerate(envs)])
@@ -200,7 +201,8 @@ def run(
         console.print(
             f"{len(result.rollouts)} rollouts, each its version's {STEPS} steps only, "
             f"each step once per epoch: {'yes' if result.exact() else '[red]no[/]'}; "
-            f"dropped stale {result.dropped_stale}, lost {result.lost}",
+            f"dropped stale {result.dropped_stale}, lost {result.lost}; "
+            f"{time.perf_counter() - began:.1f} s",
             highlight=False,
             soft_wrap=True,
         )
