@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from celery import Task
+from celery.utils.dispatch import Signal
 from celery.utils.time import get_exponential_backoff_interval
 
 from claw_tasks.format.message import TASK, IngestOutcome, Rejected
@@ -17,6 +18,12 @@ from claw_tasks.worker.ingest import is_transient, reject, run
 
 BACKOFF_MAX = 60
 log = logging.getLogger(__name__)
+
+committed = Signal(name="claw_committed")
+"""Sent (``namespace=``, ``steps=``) in the worker process after an ingest task committed
+steps, so that what waits for them acts in the same process at once: the prefetch module
+forms a waiting on-policy rollout here (``orchestrator.delivery.prefetch``). A receiver's
+error is logged by Celery, never the task's (the steps are committed)."""
 
 
 @app.task(
@@ -40,6 +47,8 @@ def ingest(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         if not is_transient(e):
             raise
         outcome = _retry_or_give_up(self, args, e)
+    if outcome.committed:
+        committed.send(sender=TASK, namespace=args[1], steps=outcome.committed)
     return {"committed": outcome.committed, "rejected": outcome.rejected}
 
 

@@ -215,19 +215,20 @@ class BatchClient:
         q = self.registry.queue(name)
         deadline = None if timeout is None else time.monotonic() + timeout
         r = self.store.r
+        # A rollout recipe's next rollout is formed by the commit that completes it (its
+        # fill ran at set_params): an empty queue asks for a fill only after a first wait.
+        empty_asks = recipe.rollout is None
         while True:
             with r.pipeline(transaction=False) as pipe:
                 pipe.lpop(q)
                 pipe.llen(q)
                 self._report_pops(pipe)
                 item, left = pipe.execute()[:2]
-            if left < (recipe.prefetch.low_water or 0) + (item is None):
+            if left < (recipe.prefetch.low_water or 0) + (item is None and empty_asks):
                 self._refills.put(name)  # sent off the trainer's path (~1 ms)
             if item is None:
-                # A rollout recipe's fill that found too few steps ends after its own wait
-                # (rollouts.WAIT_S): ask again soon, the rollout forms when its steps land.
-                tick = 0.1 if recipe.rollout is not None else 1.0
-                wait = tick if deadline is None else min(tick, deadline - time.monotonic())
+                empty_asks = True
+                wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
                 if wait <= 0:
                     raise TimeoutError(self.why_empty(name, timeout))
                 began = time.monotonic()

@@ -27,6 +27,7 @@ from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import forget_namespace as forget_store
 from claw_tasks.worker.caches import store_for
 from claw_tasks.worker.lru import LRU
+from claw_tasks.worker.tasks import committed
 from orchestrator.delivery import admission, ratelimit, rollouts, shm
 from orchestrator.delivery.augstats import RedisStats, namespace_stats
 from orchestrator.delivery.collate import collate
@@ -250,6 +251,17 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
             log.exception("prefetch of %s/%s failed", reg.ns, name)
     reg.bump(name, **seen.fields(), state=state)
     return {"made": made, "state": state}
+
+
+@committed.connect
+def form_waiting_rollouts(namespace: str, **_: Any) -> None:
+    """Steps were committed in ``namespace`` by this process: sweep its rollout recipes that
+    wait for steps here and now, forming and serving a rollout the commit completed (no
+    fill waits in a pool process for them, no task is sent: rollouts.py). One ``SMEMBERS``
+    per commit when none waits."""
+    reg = Registry(store_for(namespace))
+    for name in reg.r.smembers(reg.rollouts_waiting_key):
+        run_fill(reg, name.decode())  # its state recorded, an error logged once
 
 
 class FillError(RuntimeError):

@@ -77,6 +77,12 @@ class Registry:
         return [f"{self.base}ro:{name}", f"{self.base}ro:{name}:plan", f"{self.base}ro:{name}:seen"]
 
     @property
+    def rollouts_waiting_key(self) -> str:
+        """Set: the rollout recipes whose current rollout waits for steps. Each ingest commit
+        in the namespace forms theirs if it is complete (:mod:`orchestrator.delivery.rollouts`)."""
+        return f"{self.base}rowaiting"
+
+    @property
     def versions_key(self) -> str:
         """Hash: recipe name -> its current version (read by every push: small and cheap)."""
         return f"{self.base}rversions"
@@ -167,6 +173,7 @@ class Registry:
             pipe.delete(claims_key(self.base, name), *self.rollout_keys(name))
             pipe.hdel(self.versions_key, name)
             pipe.srem(self.names_key, name)
+            pipe.srem(self.rollouts_waiting_key, name)
             return pipe.execute()[0]
 
     def drain(self, name: str) -> list[bytes]:

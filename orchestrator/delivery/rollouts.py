@@ -7,8 +7,7 @@ The recipe's live param ``rollout.version_param`` (``policy_version``) is the ta
    ``v - max_lag .. v`` that no earlier rollout took (:mod:`orchestrator.sampling.rollouts`
    picks them), their advantages and returns computed here (GAE, or V-trace with the
    target policy's numbers from the recipe's scorer) and stored with their ids as the
-   *plan*; while fewer are ready it records why and waits (the next fill, a pop or the
-   beat's, looks again);
+   *plan*; while fewer are ready it records why and ends (the next commit looks again);
 2. pushes the plan's minibatches ``k = 0 .. epochs * n - 1`` (n = steps / batch_size) in
    order: epoch ``k // n`` is a permutation of the rollout drawn from
    ``default_rng([seed, rollout, epoch])``, minibatch ``k % n`` its n-th slice, so every
@@ -18,11 +17,14 @@ The recipe's live param ``rollout.version_param`` (``policy_version``) is the ta
 A fill pushing more than one epoch reads the rollout's steps once (up to
 ``READ_ONCE_BYTES``) and pushes its first minibatch alone, the others in one transaction.
 
-While it waits for steps, a fill looks for new commits every ``POLL_S`` for up to ``WAIT_S``;
-only the newest fill of a recipe waits (``waiter`` in the hash): an older one, e.g. a
-pop's refill that ran as ``set_params`` forced another, leaves, so waiting fills never
-hold more than one pool process per recipe (the ingest tasks that bring the rollout's
-steps need the others).
+No fill waits for steps: one that finds the rollout short records the recipe in the
+namespace's set of waiting rollouts (``rowaiting``, :meth:`Registry.rollouts_waiting_key`)
+and ends. Each ingest commit in the namespace then sweeps the waiting recipes in the
+worker process that committed (``orchestrator.delivery.prefetch``, on the ingest task's
+``committed`` signal), so the commit that completes a rollout forms and serves it at once
+(no poll, no second task), and no pool process is held while the steps are still coming
+(the ingest tasks that bring them need those processes). Forming removes the recipe from
+the set in the same transaction.
 
 Each sweep also counts *dropped-stale* steps: candidates of versions below the window that
 no rollout took; they are never served.
@@ -32,15 +34,14 @@ State per recipe, in the namespace's keys (``claw:{ns}:``, :meth:`Registry.rollo
 - ``ro:<name>`` hash: ``no`` (rollouts formed so far; the current one's number),
   ``target`` (the v it serves), ``rv`` (the recipe version it is pushed for), ``cursor``
   (its minibatches pushed), ``total``, ``dropped_stale``, ``lost`` (steps of rollouts
-  whose steps were overwritten before they were served), ``waiting_since``, ``waiter``
-  (the fill waiting for the rollout's steps);
+  whose steps were overwritten before they were served), ``waiting_since``;
 - ``ro:<name>:plan``: the current rollout (msgpack: ids in chain order, advantages,
   returns, the behaviour's log-probs and values, versions, seed);
 - ``ro:<name>:seen``: the ids every rollout took or a sweep counted stale (sorted int64;
   pruned to live steps at each formation), so that no step is taken or counted twice.
 
 Formation and the sweep are transactions watching the hash, ``seen`` and the recipe's
-version (a fill still waiting when the version moved forms nothing); minibatches
+version (a sweep that began before the version moved forms nothing); minibatches
 ``k .. k + m - 1`` are pushed in a transaction that checks the cursor is still ``k`` and
 advances it by ``m``, so workers
 that race, or a worker killed between its read and its push, never skip nor duplicate a
@@ -54,7 +55,6 @@ from __future__ import annotations
 import functools
 import importlib
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -264,9 +264,14 @@ def score(reg: Registry, recipe: Recipe, chained: Chained) -> Target | None:
     return got  # type: ignore[return-value]
 
 
+FORMED = "formed by another fill"
+"""What a sweep asked to form returns when the rollout of its target was formed meanwhile."""
+
+
 def _sweep(reg: Registry, recipe: Recipe, target: int, form: bool) -> Plan | str:
     """Count the new stale steps and, when ``form`` and enough are ready, form the rollout
-    of ``target``: one transaction. Returns the plan, or the state of the wait."""
+    of ``target``: one transaction. Returns the plan, :data:`FORMED`, or the state of the
+    wait."""
     ro = recipe.rollout
     assert ro is not None
     name = recipe.name
@@ -280,6 +285,9 @@ def _sweep(reg: Registry, recipe: Recipe, target: int, form: bool) -> Plan | str
                     pipe.unwatch()  # moved on while this fill waited: the next fill forms
                     return "stopped: recipe changed"
                 st = State.of(pipe.hgetall(skey))
+                if form and st.no and st.target == target:
+                    pipe.unwatch()  # formed meanwhile (a commit, another fill): serve it
+                    return FORMED
                 classified = np.frombuffer(pipe.get(seen) or b"", np.int64)
                 sel = select_rollout(reg.store, recipe, classified, window)
                 taken = sel.taken if form else None
@@ -322,6 +330,7 @@ def _sweep(reg: Registry, recipe: Recipe, target: int, form: bool) -> Plan | str
                     fields = {"no": plan.no, "target": target, "rv": recipe.version}
                     pipe.hset(skey, mapping={**fields, "cursor": 0, "total": plan.total})
                     pipe.hdel(skey, "waiting_since")
+                    pipe.srem(reg.rollouts_waiting_key, name)
                 pipe.execute()
                 if plan is not None:
                     return plan
@@ -356,22 +365,24 @@ def _push(
     name, skey = recipe.name, reg.rollout_keys(recipe.name)[0]
     queue, counters, m = reg.queue(name), reg.counters(name), len(items)
     with reg.r.pipeline(transaction=True) as pipe:
-        try:
-            pipe.watch(skey)
-            no, cursor = pipe.hmget(skey, ["no", "cursor"])
-            if int(no or 0) != plan.no or int(cursor or 0) != k:
-                pipe.unwatch()
-                return None
-            pipe.multi()
-            pipe.rpush(queue, *items)
-            pipe.hget(reg.versions_key, name)
-            pipe.exists(reg.recipe_key(name))
-            pipe.hincrby(skey, "cursor", m)
-            pipe.hincrby(counters, "produced", m)
-            pipe.hincrby(counters, "sampled", recipe.batch_size * m)
-            length, version, registered = pipe.execute()[:3]
-        except redis.WatchError:
-            return None
+        while True:
+            try:
+                pipe.watch(skey)
+                no, cursor = pipe.hmget(skey, ["no", "cursor"])
+                if int(no or 0) != plan.no or int(cursor or 0) != k:
+                    pipe.unwatch()
+                    return None
+                pipe.multi()
+                pipe.rpush(queue, *items)
+                pipe.hget(reg.versions_key, name)
+                pipe.exists(reg.recipe_key(name))
+                pipe.hincrby(skey, "cursor", m)
+                pipe.hincrby(counters, "produced", m)
+                pipe.hincrby(counters, "sampled", recipe.batch_size * m)
+                length, version, registered = pipe.execute()[:3]
+                break
+            except redis.WatchError:
+                continue  # the hash changed (another field, or the cursor): look again
     if registered and (version is None or int(version) == recipe.version):
         return int(length)
     with reg.r.pipeline(transaction=False) as pipe:
@@ -518,20 +529,12 @@ def run(reg: Registry, entry: Entry, augment: AugmentPlan | None) -> tuple[int, 
                 return _serve(reg, entry, augment, Plan.from_bytes(raw), st.cursor)
         got = _sweep(reg, recipe, target, form=False)
         return 0, str(got)
-    deadline = time.monotonic() + WAIT_S
-    inserted = reg.inserted()
-    skey, me = reg.rollout_keys(name)[0], uuid.uuid4().hex.encode()
-    reg.r.hset(skey, "waiter", me)  # the newest fill waits; an older one leaves
-    while isinstance(got := _sweep(reg, recipe, target, form=True), str):
-        if got.startswith("stopped"):
-            return 0, got
-        polls = 0
-        while (now := reg.inserted()) == inserted and time.monotonic() < deadline:
-            time.sleep(POLL_S)  # a GET per shard: select again only once steps landed
-            polls += 1
-            if polls % WAITER_EVERY == 0 and reg.r.hget(skey, "waiter") != me:
-                return 0, got  # a newer fill of this recipe waits instead
-        if now == inserted:
-            return 0, got
-        inserted = now
+    # Before the sweep: a commit from now on forms the rollout if this sweep finds it short
+    # (prefetch's commit hook), so no fill waits for steps, and none is lost between them.
+    reg.r.sadd(reg.rollouts_waiting_key, name)
+    got = _sweep(reg, recipe, target, form=True)
+    if got is FORMED:  # by a commit or another fill since this one read the state
+        return run(reg, entry, augment)  # serves it from its cursor
+    if isinstance(got, str):
+        return 0, got
     return _serve(reg, entry, augment, got, 0)

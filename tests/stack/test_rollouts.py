@@ -6,7 +6,6 @@ references of the recorded steps, and the recipe's checks."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 
@@ -171,42 +170,63 @@ def test_record_steps_segments_and_versions(redis_url, workers, namespace):
     assert cols["policy_version"][order].tolist() == [0] * 12 + [1] * 11
 
 
-def test_only_the_newest_fill_waits_and_a_fill_pushes_every_minibatch(
-    redis_url, workers, namespace, monkeypatch
-):
-    """Two fills waiting for one rollout would hold two worker processes (the ingest tasks
-    bringing its steps need one): the older leaves when a newer one waits. The newer forms
-    the rollout and pushes its 12 minibatches (the first alone, the rest together), each
-    exactly once."""
-    monkeypatch.setattr(rollouts, "WAIT_S", 60.0)  # neither fill gives up by itself
+def test_a_short_fill_ends_and_the_commit_forms_the_rollout(redis_url, workers, namespace):
+    """A fill that finds the rollout short ends at once (it holds no worker process while
+    the steps come) and leaves the recipe waiting; the ingest commit that completes the
+    rollout forms it and pushes its 12 minibatches (the first alone, the rest together),
+    each exactly once, with no fill asked after the steps were sent."""
     records: dict = {}
     ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
     reg = Registry(Store(redis_url, namespace))
     reg.put(Recipe.model_validate(recipe()), None)
-    done: dict = {}
-
-    def fill(k: int) -> None:
-        done[k] = run_fill(reg, "ppo")
-
-    older = threading.Thread(target=fill, args=(1,))
-    older.start()
-    skey = reg.rollout_keys("ppo")[0]
-    while reg.r.hget(skey, "waiter") is None:
-        time.sleep(0.01)
-    newer = threading.Thread(target=fill, args=(2,))
-    newer.start()
-    older.join(30)
-    assert not older.is_alive() and done[1]["made"] == 0, done
-    assert done[1]["state"].startswith("waiting for rollout of policy_version 0: 0 of 64")
+    got = run_fill(reg, "ppo")
+    assert got["made"] == 0 and got["state"].startswith(
+        "waiting for rollout of policy_version 0: 0 of 64"
+    ), got
+    assert reg.r.smembers(reg.rollouts_waiting_key) == {b"ppo"}
     for k in range(4):
         Actor(ing, k, records, seed=k).segment(16, 0)
-    ing.flush()
-    newer.join(60)
-    assert done[2] == {
-        "made": 12,
-        "state": "rollout 1 of policy_version 0: 12 of 12 minibatches pushed",
+    ing.flush()  # returns once the commits are confirmed
+    queue, deadline = reg.queue("ppo"), time.monotonic() + 60
+    while reg.r.llen(queue) < 12 and time.monotonic() < deadline:
+        time.sleep(0.05)  # no pop: a pop on an empty queue would ask for a fill
+    assert rollouts.read_state(reg, "ppo").describe() == {
+        "rollouts": 1,
+        "policy_version": 0,
+        "minibatches_pushed": 12,
+        "minibatches": 12,
+        "dropped_stale": 0,
+        "lost": 0,
     }
+    assert reg.r.smembers(reg.rollouts_waiting_key) == set()
     client = BatchClient(namespace, redis_url)
+    assert len(pop_rollout(client, records, (0, 0))) == 64
+    client.close()
+    ing.close()
+
+
+def test_ingest_is_not_starved_while_a_rollout_waits(redis_url, start_worker, namespace):
+    """One worker process for ingest and prefetch: the fill forced by registering the
+    rollout recipe finds no steps and ends, so the ingest tasks run while the rollout
+    waits, and their last commit forms it, in that process, with nothing else asked."""
+    start_worker("ingest,prefetch", 1)
+    records: dict = {}
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
+    client = BatchClient(namespace, redis_url)
+    client.register(recipe())  # its forced fill: 0 of 64 steps
+    reg = client.registry
+    wait_state(client, "waiting for rollout of policy_version 0: 0 of 64")
+    deadline = time.monotonic() + 60
+    while reg.r.exists(reg.refill_lock("ppo")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not reg.r.exists(reg.refill_lock("ppo"))  # that fill has ended: nothing waits
+    for k in range(4):
+        Actor(ing, k, records, seed=30 + k).segment(16, 0)
+        ing.flush()  # each segment's ingest task commits while the rollout waits
+    deadline = time.monotonic() + 60
+    while rollouts.read_state(reg, "ppo").no == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rollouts.read_state(reg, "ppo").describe()["minibatches_pushed"] == 12
     assert len(pop_rollout(client, records, (0, 0))) == 64
     client.close()
     ing.close()

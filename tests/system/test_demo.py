@@ -59,7 +59,10 @@ def test_demo_runs_on_its_own_redis_and_writes_the_curve(tmp_path):
     url = re.search(r"Redis (redis://\S+) \(the demo's own", text).group(1)
     assert ":6379/" not in url
     assert "mean return of the last 20 episodes" in text and "stored in 'demo'" in text
-    assert "phase 2" not in text  # --no-images
+    assert "phase 3" not in text and "pixels" not in text  # --no-images
+    # the on-policy phase: 3 rollouts, each its version's 256 steps, once per epoch
+    assert "rollout 3/3: policy_version 2, 256 steps (versions [2])" in text, text
+    assert "each step once per epoch: yes; dropped stale 0, lost 0" in text, text
     assert str(tmp_path / "cache" / "claw" / "demo-redis") in text.replace("\n", "")
     assert not list((tmp_path / "cache" / "claw" / "demo-redis").iterdir())  # its files too
     try:  # stopped with the demo (its port may serve another test's server by now)

@@ -102,9 +102,9 @@ are 6 KB) goes in one message, a large one (Atari's) in several sent while SB3 c
 
 
 class Writer:
-    """Runs a buffer's calls to Claw (``set_params``, ``add_batch``, ``request_fill``) in
-    order in one thread, off SB3's collect loop: each is a publish or a transaction whose
-    round trips the loop would otherwise wait for. :meth:`wait` returns once every call
+    """Runs a buffer's calls to Claw (``set_params``, ``add_batch``) in order in one thread,
+    off SB3's collect loop: each is a publish or a transaction whose round trips the loop
+    would otherwise wait for. :meth:`wait` returns once every call
     submitted so far is done, raising the first error one of them met (and every later
     :meth:`submit` raises it too)."""
 
@@ -443,8 +443,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         lv = _numpy(last_values, n)
         done = np.asarray(dones).reshape(n).astype(bool)
         self._write(self.buffer_size, lv.astype(np.float64), done)
-        self._finished = True
-        self.writer.submit(self.client.request_fill, self.recipe_name)  # if none waits
+        self._finished = True  # the commit of these rows forms the rollout (no fill asked)
         super().compute_returns_and_advantage(th.as_tensor(lv), done)
 
     # ---- training ----------------------------------------------------------------------

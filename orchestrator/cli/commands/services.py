@@ -204,13 +204,14 @@ def demo(
     seed: int = 0,
     log_dir: LogDir = None,
 ) -> None:
-    """Train agents through Claw end to end: Ape-X DQN on CartPole, then pixels.
+    """Train agents through Claw end to end: Ape-X DQN on CartPole, PPO, then pixels.
 
     Actor processes record CartPole-v1 through RecordSteps; the learner pops prioritized
     3-step batches made by prefetch workers, sends priorities back and publishes its
-    weights through Redis. Then pixel observations, augmented by the workers, timed against
-    augmenting in the training loop. Redis: --redis-url / CLAW_REDIS_URL, else the demo's
-    own embedded server."""
+    weights through Redis. Then a few on-policy PPO rollouts, each formed and served once
+    by the workers for its policy version. Then pixel observations, augmented by the
+    workers, timed against augmenting in the training loop. Redis: --redis-url /
+    CLAW_REDIS_URL, else the demo's own embedded server."""
     cfg = demo_run.DemoConfig(
         log_dir=log_dir or default_log_dir(),
         out=out,

@@ -14,6 +14,7 @@ from claw_tasks.settings import redact_url
 from orchestrator.cli.demo.apex import SOLVED_WINDOW, ApexResult
 from orchestrator.cli.demo.offload import CODEC, OffloadResult
 from orchestrator.cli.demo.pixels import SIZE
+from orchestrator.cli.demo.ppo import EPOCHS, PER_EPOCH, STEPS, PPOResult
 
 FRAME_BYTES = SIZE * SIZE * 3  # one raw RGB frame
 
@@ -28,7 +29,11 @@ class Stored:
 
 
 def summary(
-    apex: ApexResult, off: OffloadResult | None, stored: list[Stored], target: float
+    apex: ApexResult,
+    on: PPOResult | None,
+    off: OffloadResult | None,
+    stored: list[Stored],
+    target: float,
 ) -> Table:
     table = Table(title="claw demo: summary", show_header=False)
     table.add_column(style="bold")
@@ -47,9 +52,20 @@ def summary(
         f"{apex.learner_steps:,} steps, {apex.learner_steps_per_s:,.0f}/s; "
         f"{len(apex.episodes):,} episodes, {apex.env_steps:,} env steps",
     )
-    table.add_row("batches served", f"{apex.batches_popped + (off.batches if off else 0):,}")
+    served = apex.batches_popped + (off.batches if off else 0)
+    served += len(on.rollouts) * EPOCHS * PER_EPOCH if on is not None else 0
+    table.add_row("batches served", f"{served:,}")
     if apex.pop_ms:
         table.add_row("pop, CartPole batch", f"median {np.median(apex.pop_ms):.2f} ms")
+    if on is not None and on.rollouts:
+        exact = "[green]each step once per epoch[/]" if on.exact() else "[red]not exact[/]"
+        wait = np.median([r.wait_ms for r in on.rollouts])
+        table.add_row(
+            "PPO rollouts",
+            f"{len(on.rollouts)} of {STEPS} steps x {EPOCHS} epochs, its version only: "
+            f"{exact}; dropped stale {on.dropped_stale}, lost {on.lost}; learner wait "
+            f"median {wait:.0f} ms",
+        )
     if off is not None:
         table.add_row(
             "data time per pixel batch",

@@ -27,6 +27,8 @@ from orchestrator.cli.devstack import DevStack, flower_service, port_open, worke
 from orchestrator.inspect.namespaces import memory_by_namespace
 from orchestrator.maintenance.lifecycle import drop_namespace
 
+PPO_ROLLOUTS = 10  # the on-policy phase's rollouts (3 in a short run: --steps < 20,000)
+
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -44,6 +46,10 @@ class DemoConfig:
     @property
     def pixel_namespace(self) -> str:
         return f"{self.namespace}-pixels"
+
+    @property
+    def ppo_namespace(self) -> str:
+        return f"{self.namespace}-ppo"
 
 
 def demo_redis_dir() -> Path:
@@ -78,7 +84,7 @@ def _start(stack: DevStack, cfg: DemoConfig, console: Console) -> None:
         console.print(f"[bold]Redis[/] {url} (the demo's own, files in {directory})")
     r = redis_client(url)
     try:
-        for ns in (cfg.namespace, cfg.pixel_namespace):
+        for ns in (cfg.namespace, cfg.ppo_namespace, cfg.pixel_namespace):
             if Store(r, ns).exists():
                 raise RuntimeError(
                     f"namespace {ns!r} already exists at {redact_url(url)} (a `claw demo --keep` "
@@ -122,7 +128,8 @@ def _drop(stack: DevStack, namespaces: list[str]) -> None:
 
 def run(cfg: DemoConfig, console: Console) -> None:
     _check_deps()
-    namespaces = [cfg.namespace] + ([cfg.pixel_namespace] if cfg.images else [])
+    namespaces = [cfg.namespace, cfg.ppo_namespace]
+    namespaces += [cfg.pixel_namespace] if cfg.images else []
     started = time.monotonic()
     try:
         with DevStack(cfg.log_dir) as stack:
@@ -144,7 +151,7 @@ def run(cfg: DemoConfig, console: Console) -> None:
 def _phases(
     stack: DevStack, cfg: DemoConfig, console: Console, namespaces: list[str], started: float
 ) -> None:
-    from orchestrator.cli.demo import apex, offload, report
+    from orchestrator.cli.demo import apex, offload, ppo, report
 
     url = stack.redis_url
     console.rule("phase 1: Ape-X DQN on CartPole-v1")
@@ -157,9 +164,17 @@ def _phases(
         target=cfg.target,
         console=console,
     )
+    console.rule("phase 2: on-policy PPO, rollouts by policy version")
+    on = ppo.run(
+        stack,
+        cfg.ppo_namespace,
+        rollouts=PPO_ROLLOUTS if cfg.steps >= 20_000 else 3,
+        seed=cfg.seed,
+        console=console,
+    )
     off = None
     if cfg.images:
-        console.rule("phase 2: pixels, augmented by the prefetch workers")
+        console.rule("phase 3: pixels, augmented by the prefetch workers")
         assert res.net is not None
         off = offload.run(
             stack,
@@ -171,7 +186,7 @@ def _phases(
             console=console,
         )
     console.rule("summary")
-    console.print(report.summary(res, off, _stored(url, namespaces), cfg.target))
+    console.print(report.summary(res, on, off, _stored(url, namespaces), cfg.target))
     png = report.learning_curve(res, cfg.out, cfg.target)
     console.print(f"learning curve: [bold]{png}[/]")
     console.print(f"wall time: {time.monotonic() - started:.0f} s")
