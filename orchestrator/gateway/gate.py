@@ -250,7 +250,7 @@ class Gate:
                 self.metrics.waited.inc()
                 if self.sweep_s > 0 and time.monotonic() - self._swept > 1.0:
                     with contextlib.suppress(Exception):  # full: expired slots may be free
-                        if await self.sweep():
+                        if await asyncio.wait_for(self.sweep(), STORE_TIMEOUT_S):
                             first = False
                             continue
             if last:
