@@ -269,10 +269,11 @@ def test_grpo_toy_learns(redis_url, workers, namespace):
     assert gain >= 30, out
 
 
-def test_once_groups_survive_a_recipe_change(redis_url, workers, namespace):
-    """once + passes: 1 through a real prefetch worker: batches queued (and read ahead)
-    when the recipe changes are dropped and give their groups back, so every one of 12
-    groups is served exactly once across the change, none lost, none twice."""
+@pytest.mark.parametrize("readahead", [0, 2])
+def test_once_groups_survive_a_recipe_change(redis_url, workers, namespace, readahead):
+    """once + passes: 1 through a real prefetch worker: batches queued (and read ahead, with
+    ``readahead``) when the recipe changes are dropped and give their groups back, so every
+    one of 12 groups is served exactly once across the change, none lost, none twice."""
     from orchestrator.delivery.registry import Registry
 
     st = Store(redis_url, namespace)
@@ -289,7 +290,7 @@ def test_once_groups_survive_a_recipe_change(redis_url, workers, namespace):
         keys = b["tags.prompt_uid"]
         served.extend(float(keys[b["group_index"] == g][0]) for g in np.unique(b["group_index"]))
 
-    with BatchClient(namespace, redis_url=redis_url) as client:
+    with BatchClient(namespace, redis_url=redis_url, readahead=readahead) as client:
         client.register(spec)
         pop(client)
         deadline = time.monotonic() + 60
