@@ -4,7 +4,9 @@ admitted against (``orchestrator/lua/admission.lua``; the trainer declares it,
 :mod:`orchestrator.delivery.admission`). Both are one script call, made only for what this
 process has not seen yet: a trajectory it admitted and a key it checked in the last
 ``KEY_RECHECK_S`` seconds pass without a round trip, so the calls after a trajectory's
-first cost nothing here. A new trajectory over the budget waits up to ``wait`` seconds,
+first cost nothing here, and while no trainer declares a budget (the script said so in the
+last ``NO_BUDGET_S``, and no declaration was announced since) neither does a shared-token
+call's first. A new trajectory over the budget waits up to ``wait`` seconds,
 looking again whenever the script announces a larger budget (a pub/sub channel: the
 trainer declared a new version, slots were given back) and at least every
 ``_POLL_S[1]``; then it is refused: the app answers 429 with ``Retry-After``. A trajectory
@@ -46,6 +48,10 @@ state by at most this)."""
 STORE_TIMEOUT_S = 2.0
 """A check the store does not answer within this fails (the app decides what follows)."""
 _POLL_S = (0.05, 1.0)  # waiting for the budget: first and longest pause between looks
+NO_BUDGET_S = 1.0
+"""How long a process trusts that no trainer declares a budget: meanwhile a shared-token
+call of a new trajectory makes no round trip. A declaration's announcement (the wake
+channel) ends it at once; this bounds the miss of one."""
 SWEEP_S = 10.0
 """How often a gateway looks for expired trajectories (at most; at least 4 times per
 ``expiry``). A call that finds the budget full looks at once, at most once a second."""
@@ -132,6 +138,8 @@ class Gate:
         self._listener: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._swept = 0.0  # when the last sweep began (monotonic)
+        self._undeclared = 0.0  # until when no budget is known to be declared (monotonic)
+        self._listening = False  # subscribed to the announcements (so trust can end)
 
     async def aclose(self) -> None:
         for task in (self._listener, self._sweeper):
@@ -140,6 +148,12 @@ class Gate:
         if self.fast is not None:
             await self.fast.aclose()
         await self.r.aclose()
+
+    @property
+    def no_budget_known(self) -> bool:
+        """Whether a shared-token first call passes now without a round trip (no budget
+        declared when last asked, within ``NO_BUDGET_S``, and announcements listened to)."""
+        return self._listening and time.monotonic() < self._undeclared
 
     def _wakeup(self) -> asyncio.Event:
         """The event the next budget announcement sets (listening starts with the first
@@ -158,15 +172,20 @@ class Gate:
                 async with sub.pubsub() as ps:
                     await ps.subscribe(channel)
                     async for message in ps.listen():
+                        if message.get("type") == "subscribe":
+                            self._listening = True  # announcements reach us from here on
                         if message.get("type") == "message":
+                            self._undeclared = 0.0  # a declaration, or slots back: ask
                             wake, self._wake = self._wake, asyncio.Event()
                             if wake is not None:
                                 wake.set()
             except asyncio.CancelledError:
                 raise
             except Exception:  # the store went away: waiters poll; listen again soon
+                self._listening = False
                 await asyncio.sleep(1.0)
             finally:
+                self._listening = False
                 await sub.aclose()
 
     async def script(self, lua: Lua, keys: list[str], args: list[Any]) -> Any:
@@ -235,6 +254,10 @@ class Gate:
         new = tuple(t for t in trajectories if t not in self._admitted) if self.enabled else ()
         if (principal.session is None or known is not None) and not new:
             return Verdict("ok", known)
+        if principal.session is None and self.no_budget_known:
+            for t in new:  # no budget: admitted, not counted (what the script would do)
+                self._admitted.put(t, True)
+            return Verdict("ok", None)
         if self._sweeper is None and self.enabled and self.sweep_s > 0:
             self._sweeper = asyncio.create_task(self._sweep_forever())
         deadline = time.monotonic() + self.wait
@@ -297,6 +320,11 @@ class Gate:
         ]
         reply = await self.script(admission.SCRIPT, keys, args)
         status, budget, admitted_now = int(reply[0]), int(reply[1]), int(reply[2])
+        if budget < 0 and self.enabled:  # none declared: trust it for a moment
+            self._wakeup()  # listening: a declaration ends the trust at once
+            self._undeclared = time.monotonic() + NO_BUDGET_S
+        else:
+            self._undeclared = 0.0
         self.metrics.budget.set(budget)
         self.metrics.admitted_now.set(admitted_now)
         info = None

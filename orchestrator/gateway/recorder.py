@@ -270,6 +270,7 @@ class Recorder:
                             c.call_id,
                             self.expiry,
                             uid,
+                            c.prompt_uid or "",
                         ],
                     )
                     for c, uid, turn in todo

@@ -13,7 +13,9 @@
 -- ARGV[1] op, ARGV[2] TTL (s); then per op:
 --   turn    ARGV[3] the turn's policy version ('' unknown), ARGV[4] the call id ('' none),
 --           with KEYS[3]: ARGV[5] the admission expiry (s), ARGV[6] the trajectory id (an
---           open trajectory expires that long after its last turn).
+--           open trajectory expires that long after its last turn); ARGV[7] the call's
+--           group ('' none), kept as `grp` if the trajectory has none yet (a call the
+--           gate let through without the admission script, no budget being declared).
 --           Returns {index, version} (version -1: none known); {-1, -1} when finished.
 --   finish  marks the trajectory done. Returns {turns, vmin, vmax, grp} (vmin/vmax -1 when
 --           no version is known, grp '' without a group); {-1} if it already was done.
@@ -49,6 +51,7 @@ if op == 'turn' then
     if hi == nil or v > hi then redis.call('HSET', key, 'vmax', v) end
   end
   if ARGV[4] ~= '' then redis.call('HSET', key, 'c:' .. ARGV[4], n) end
+  if ARGV[7] and ARGV[7] ~= '' then redis.call('HSETNX', key, 'grp', ARGV[7]) end
   redis.call('EXPIRE', key, ttl)
   if KEYS[3] and tonumber(ARGV[5]) > 0 then
     local now = redis.call('TIME')

@@ -162,7 +162,8 @@ def test_a_trajectory_never_rewarded_expires(store, redis_url):
             st = admission.state(store)
             # the group's reservation (4 slots) came back once, solo's 1
             assert (st["expired"], st["admitted"], st["open"], st["released"]) == (3, 0, 1, 0)
-            assert gate.metrics.expired._value.get() == 3
+            counted = "claw_gateway_admission_expired_trajectories_total"
+            assert gate.metrics.registry.get_sample_value(counted) == 3
             assert await gate.sweep() == 0
             # a late reward of an expired trajectory gives nothing back a second time
             assert admission.release_stale(store, "a-2", "ga", -5) == 0
@@ -182,3 +183,33 @@ def test_a_trajectory_never_rewarded_expires(store, redis_url):
         assert admission.state(store)["open"] > 0
         client.register({**recipe(staleness=0), "batch_size": 3})  # fresh: none in flight
         assert admission.state(store)["open"] == 0
+
+
+def test_no_budget_declared_skips_the_script_until_one_is(store, redis_url):
+    """While no trainer declares a budget, a process asks once, then lets shared-token
+    first calls through for ``NO_BUDGET_S`` without a round trip; a declaration ends that
+    at once (its announcement), so the next new trajectory is counted."""
+
+    async def run() -> None:
+        gate = Gate(store, redis_url, GatewayMetrics(), wait=0.0)
+        anyone = Principal()
+        for i in range(200):  # asks (none declared) until the announcements are listened to
+            assert (await gate.enter(anyone, (f"u-{i}",), "g")).status == "ok"
+            if gate.no_budget_known:
+                break
+            await asyncio.sleep(0.01)
+        assert store.r.hexists(admission.trajectory_key(store, "u-0"), "adm")
+        assert (await gate.enter(anyone, ("u-x",), "g")).status == "ok"
+        assert not store.r.exists(admission.trajectory_key(store, "u-x"))  # no round trip
+        with BatchClient(store.namespace, redis_url) as client:
+            client.register(recipe(staleness=0))  # budget 8
+            for _ in range(100):
+                if not gate.no_budget_known:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await gate.enter(anyone, ("c-0",), "gc")).status == "ok"
+            assert admission.state(store)["admitted"] == 4  # counted: the group reserved
+            client.unregister("grpo")
+        await gate.aclose()
+
+    asyncio.run(run())
