@@ -12,6 +12,9 @@ time per call (from /proc, recording included) does not depend on the machine's 
 ``--threads`` clients send ``--load-calls`` calls through the gateway; recorded turns/s
 is counted from the first call until the store holds them all (committed by the worker).
 
+Before any budget is declared, ``--calls`` pairs with a new trajectory per call through
+the gateway with admission on (no trainer: what a capture-only setup pays).
+
 With admission and sessions on (a trainer's recipe declares a staleness budget, here one
 no call reaches): ``--calls`` more pairs each for (1) one session's trajectory called with
 its key (the key checked once, then trusted), (2) every call a new trajectory with the
@@ -258,6 +261,15 @@ def main() -> None:
                     time.sleep(0.02)
                 cpu = (cpu_seconds(gw.proc.pid) - cpu0[0], cpu_seconds(upstream.proc.pid) - cpu0[1])
             elapsed, sent, n = load(gw, store, args.load_calls, args.threads)
+            with httpx.Client(timeout=60) as c:  # admission on, before any budget exists
+                before = cpu_seconds(gw.proc.pid)
+                undeclared = latency(
+                    c,
+                    upstream.url + "/v1/chat/completions",
+                    lambda i: f"{gw.url}/t/nb-{i}/g/q{i % 16}/v1/chat/completions",
+                    args.calls,
+                )
+                undeclared_cpu = (cpu_seconds(gw.proc.pid) - before) / args.calls * 1e3
             declare_budget(server.url, ns)
             one = sessions(gw, 1)[0]
             fresh = sessions(gw, args.calls)
@@ -326,6 +338,10 @@ def main() -> None:
     print(
         f"CPU per call: gateway {cpu[0] / args.calls * 1e3:.2f} ms (forwarding and "
         f"recording), upstream {cpu[1] / (2 * args.calls) * 1e3:.2f} ms"
+    )
+    print(
+        f"admission on, no budget declared, a new trajectory per call, {args.calls} calls "
+        f"each (ms): {added(undeclared)}\n  gateway CPU per call {undeclared_cpu:.2f} ms"
     )
     for mode, (got, cpu_ms) in alone.items():
         print(f"{mode}, alone, {args.calls} calls each (ms): {added(got)}")

@@ -60,6 +60,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _seconds_or_never(text: str) -> float:
+    """Seconds >= 0; 0 turns the thing off."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{value}: must be a finite number of seconds >= 0 (0: never)")
+    return value
+
+
 def _compress_at(text: str) -> str:
     if text not in ("producer", "worker"):
         raise ValueError(f"{text!r}: 'producer' or 'worker'")
@@ -355,6 +363,16 @@ VARIABLES: tuple[Variable, ...] = (
         shown="`10`",
     ),
     Variable(
+        "CLAW_GATEWAY_ADMISSION_EXPIRY",
+        "http.gateway_admission_expiry",
+        _seconds_or_never,
+        3600.0,
+        "`claw gateway`: seconds an admitted trajectory may go without a recorded turn or "
+        "its reward before its staleness-budget slots come back (counted `expired`; "
+        "docs/llm.md, Admission); `0`: never",
+        shown="`3600`",
+    ),
+    Variable(
         "CLAW_WEB_LOGIN_BODY_BYTES",
         "http.web_login_body_bytes",
         _count,
@@ -470,6 +488,7 @@ class HttpLimits:
     gateway_upstream_timeout: float = 300.0
     gateway_recorder_stall: float = 120.0
     gateway_admission_wait: float = 10.0
+    gateway_admission_expiry: float = 3600.0
     web_login_body_bytes: int = 4096
     web_body_bytes: int = MIB
     web_form_fields: int = 1000

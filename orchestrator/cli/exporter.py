@@ -177,6 +177,7 @@ class ClawCollector(Collector):
                     ("waited", "first calls of new trajectories that waited for the budget"),
                     ("refused", "first calls refused (429) after waiting"),
                     ("released", "slots given back (stale or dropped trajectories)"),
+                    ("expired", "admitted trajectories expired: no turn nor reward in time"),
                 )
             },
         }
@@ -211,7 +212,15 @@ class ClawCollector(Collector):
             self._prefetch_metrics(Registry(Store(self._r, name)), prefetch)
             st = admission.state(Store(self._r, name))
             if st is not None:
-                for k in ("budget", "admitted", "version", "waited", "refused", "released"):
+                for k in (
+                    "budget",
+                    "admitted",
+                    "version",
+                    "waited",
+                    "refused",
+                    "released",
+                    "expired",
+                ):
                     adm[k].add_metric([name], float(st[k]))
                 adm["started"].add_metric([name], float(st["total"]))
             summary = read_quality(Store(self._r, name))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.store import Store
-from claw_tasks.store.scripts import Lua
+from claw_tasks.store.scripts import Lua, execute
 from orchestrator.recipe.model import Recipe
 
 SCRIPT = Lua("admission", "orchestrator")
@@ -24,6 +24,10 @@ LOG_ENTRIES = 10_000
 STALE_PREFIX = "stale:"
 """Counter fields of served staleness: ``stale:n`` batches, ``stale:sum`` the sum of their
 mean staleness, ``stale:max:<k>`` the batches whose oldest turn is k versions old."""
+
+
+COUNTERS = ("admitted", "total", "waited", "refused", "released", "expired")
+"""The admission hash's counters (``admitted`` is running + accepted, a level)."""
 
 
 class AdmissionError(ValueError):
@@ -36,6 +40,11 @@ def admission_key(store: Store) -> str:
 
 def log_key(store: Store) -> str:
     return f"{store.keys.base}admission:log"
+
+
+def open_key(store: Store) -> str:
+    """The trajectories admitted against the budget and not rewarded, by expiry time."""
+    return f"{store.keys.base}admission:open"
 
 
 def reservation_key(store: Store, group: str) -> str:
@@ -85,23 +94,30 @@ def declare(store: Store, recipe: Recipe, fresh: bool) -> None:
         recipe.group_size if recipe.grouped else 1,
         int(fresh),
     ]
-    keys = [admission_key(store), log_key(store), admission_key(store), admission_key(store)]
-    if int(SCRIPT(store.r, keys, args)) < 0:
+    if int(SCRIPT(store.r, _keys(store), args)) < 0:
         check_owner(store, recipe)  # raises, naming the owner
         raise AdmissionError(f"recipe {recipe.name!r}: the admission budget is not its own")
+
+
+def _keys(store: Store) -> list[str]:
+    """The script's keys for the ops that touch no trajectory (declare, give)."""
+    a = admission_key(store)
+    return [a, log_key(store), a, a, open_key(store)]
 
 
 def clear(store: Store, recipe_name: str) -> None:
     """Drop the budget if ``recipe_name`` declared it (the recipe is unregistered): the
     gateways admit every trajectory again."""
     if owner(store) == recipe_name:
-        store.r.delete(admission_key(store))
+        store.r.delete(admission_key(store), open_key(store))
 
 
 def state(store: Store) -> dict[str, Any] | None:
     """The declared budget and the counters, or None when no recipe declares one:
     ``recipe``, ``version``, ``batch``, ``max_staleness``, ``group``, ``budget``,
-    ``admitted`` (running + accepted), ``total``, ``waited``, ``refused``, ``released``."""
+    ``admitted`` (running + accepted), ``total``, ``waited``, ``refused``, ``released``,
+    ``expired`` (trajectories that went ``expiry`` seconds without a turn or a reward),
+    ``open`` (admitted trajectories not rewarded yet)."""
     raw = store.r.hgetall(admission_key(store))
     if not raw or b"batch" not in raw:
         return None
@@ -115,8 +131,9 @@ def state(store: Store) -> dict[str, Any] | None:
         "group": n["group"],
         "budget": (n["staleness"] + n["version"] + 1) * n["batch"],
     }
-    for k in ("admitted", "total", "waited", "refused", "released"):
+    for k in COUNTERS:
         out[k] = int(float(d.get(k, 0)))
+    out["open"] = int(store.r.zcard(open_key(store)))
     return out
 
 
@@ -177,8 +194,38 @@ def give_back(store: Store, slots: int, why: str, who: str = "") -> int:
     recipe change dropped): they are no longer counted as running or accepted."""
     if slots <= 0:
         return 0
-    keys = [admission_key(store), log_key(store), admission_key(store), admission_key(store)]
-    return int(SCRIPT(store.r, keys, ["give", slots, who, LOG_ENTRIES, why]))
+    return int(SCRIPT(store.r, _keys(store), ["give", slots, who, LOG_ENTRIES, why]))
+
+
+def due(store: Store, now: float, count: int = 256) -> list[str]:
+    """Open trajectories whose expiry is before ``now`` (this clock; :func:`expire` checks
+    the server's), at most ``count``."""
+    raw = store.r.zrangebyscore(open_key(store), "-inf", now, start=0, num=count)
+    return [m.decode() for m in raw]
+
+
+def expire(store: Store, trajectories: list[str], who: str = "") -> tuple[int, int]:
+    """Expire the open trajectories among ``trajectories`` whose expiry has passed: no
+    reward came in time (an agent that died, a rollout abandoned), so their slots (a
+    group's reservation: an incomplete group is never served) come back. Returns
+    (trajectories expired, slots released). Two round trips: their groups, then the
+    script for each (pipelined)."""
+    if not trajectories:
+        return 0, 0
+    with store.r.pipeline(transaction=False) as pipe:
+        for t in trajectories:
+            pipe.hget(trajectory_key(store, t), "grp")
+        groups = pipe.execute()
+    a, lg, op = admission_key(store), log_key(store), open_key(store)
+
+    def queue(pipe: Any) -> None:
+        for t, g in zip(trajectories, groups, strict=True):
+            res = reservation_key(store, g.decode() if g else t)
+            keys = [a, lg, res, trajectory_key(store, t), op]
+            SCRIPT.queue(pipe, keys, ["expire", who, LOG_ENTRIES, t])
+
+    got = execute(store.r, [SCRIPT], queue)
+    return sum(int(e) for e, _ in got), sum(int(n) for _, n in got)
 
 
 def trajectories_in(batch: Any) -> int:
@@ -190,15 +237,17 @@ def trajectories_in(batch: Any) -> int:
 def release_stale(
     store: Store, trajectory_uid: str, group: str, vmin: int | None, who: str = ""
 ) -> int:
-    """After a trajectory's reward: if its oldest turn (``vmin``; None: its admission
-    version) is older than the declared ``v - max_staleness``, no recipe will serve it, so
-    the slots its reservation took (its group's, once) are given back, as AReaL does with a
-    rejected rollout. Returns the slots released."""
+    """After a trajectory's reward (it is no longer open, so it does not expire): if its
+    oldest turn (``vmin``; None: its admission version) is older than the declared ``v -
+    max_staleness``, no recipe will serve it, so the slots its reservation took (its
+    group's, once) are given back, as AReaL does with a rejected rollout. Returns the slots
+    released."""
     keys = [
         admission_key(store),
         log_key(store),
         reservation_key(store, group or trajectory_uid),
         trajectory_key(store, trajectory_uid),
+        open_key(store),
     ]
     args = ["finish", "" if vmin is None else vmin, who, LOG_ENTRIES, trajectory_uid]
     return int(SCRIPT(store.r, keys, args))

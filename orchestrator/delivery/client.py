@@ -24,7 +24,9 @@ from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import WireVersionError
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
 from orchestrator.retrieval import Neighbours, nearest
+from orchestrator.sampling import groups
 from orchestrator.sampling.batch import Batch
+from orchestrator.sampling.groups import Claim
 
 log = logging.getLogger(__name__)
 LINEAGE_PENDING = 256
@@ -181,16 +183,31 @@ class BatchClient:
         self.request_fill(recipe.name, force=True)
 
     def _drop(self, recipe: Recipe, items: list[bytes]) -> None:
-        """Discard queued batches; an admission recipe gives back their trajectories'
-        slots (accepted, never to be served)."""
-        slots = 0
+        """Discard queued batches. A ``once`` batch gives its groups' claims back (they are
+        drawn again in the pass); another of an admission recipe gives back its
+        trajectories' slots (accepted, never to be served)."""
+        slots, claims = 0, []
         for item in items:
-            if recipe.admission is not None:
-                with contextlib.suppress(Exception):  # unreadable: nothing to count
-                    slots += admission.trajectories_in(shm.from_message(item))
+            if recipe.admission is not None or recipe.grouped:
+                with contextlib.suppress(Exception):  # unreadable: nothing to give back
+                    slots += self._unserved(shm.from_message(item), claims)
             shm.discard(item)
-        if slots:
-            admission.give_back(self.store, slots, f"{recipe.name}: batches dropped")
+        self._give_back(recipe, slots, claims, "batches dropped")
+
+    @staticmethod
+    def _unserved(batch: Batch, claims: list[Claim]) -> int:
+        """A batch dropped unserved: its claim is added to ``claims``; else the slots its
+        trajectories took (0 for batches that are not group batches)."""
+        if batch.claim is not None:
+            claims.append(batch.claim)
+            return 0
+        return admission.trajectories_in(batch)
+
+    def _give_back(self, recipe: Recipe, slots: int, claims: list[Claim], why: str) -> None:
+        if claims:
+            groups.release(self.store.r, self.store.keys.base, recipe.name, claims)
+        if slots and recipe.admission is not None:
+            admission.give_back(self.store, slots, f"{recipe.name}: {why}")
 
     def _entry(self, name: str) -> Entry:
         entry = self.registry.get(name)
@@ -253,9 +270,9 @@ class BatchClient:
             if batch.recipe_version != recipe.version:  # changed here or by another client
                 recipe = self._recipes[name] = self._entry(name).recipe
                 if batch.recipe_version < recipe.version:  # stale: drop it (its segment,
-                    if recipe.admission is not None:  # if any, is unlinked already)
-                        n = admission.trajectories_in(batch)
-                        admission.give_back(self.store, n, f"{name}: a stale batch dropped")
+                    claims: list[Claim] = []  # if any, is unlinked already)
+                    n = self._unserved(batch, claims)
+                    self._give_back(recipe, n, claims, "a stale batch dropped")
                     continue
             with self._counting:  # reported with the next pop
                 self._popped[name] = self._popped.get(name, 0) + 1
@@ -277,8 +294,11 @@ class BatchClient:
             version = self._recipes[name].version
             if batch.recipe_version > version:  # changed by another client
                 self._recipes[name] = self._entry(name).recipe
-            elif batch.recipe_version < version:
-                continue  # read ahead before this client changed the recipe: stale
+            elif batch.recipe_version < version:  # read ahead before this client changed
+                claim = getattr(batch, "claim", None)  # the recipe: stale
+                if claim is not None:
+                    self._give_back(self._recipes[name], 0, [claim], "stale")
+                continue
             if policy_version is not None:
                 self.trained(name, batch, policy_version)
                 self._refills.put(_FLUSH)  # sent off the trainer's path: no pop goes out

@@ -38,8 +38,10 @@ from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
 from orchestrator.retrieval.query import neighbour_fields
+from orchestrator.sampling import groups
 from orchestrator.sampling.batch import take_rows
 from orchestrator.sampling.candidates import InsufficientData
+from orchestrator.sampling.groups import Claim
 from orchestrator.sampling.sample import close_shared, hit_rates
 from orchestrator.sampling.sample import forget_namespace as forget_sessions
 from orchestrator.sampling.shared import reap_unused
@@ -114,13 +116,19 @@ def _rng_for(reg: Registry, recipe: Recipe) -> np.random.Generator:
 
 
 def push(
-    reg: Registry, recipe: Recipe, item: bytes, counts: Mapping[str, float] | None = None
+    reg: Registry,
+    recipe: Recipe,
+    item: bytes,
+    counts: Mapping[str, float] | None = None,
+    claim: Claim | None = None,
 ) -> int | str:
     """Append ``item`` and count it (``counts``: more counter increments, e.g. served
     staleness), in one transaction that also reads the recipe's current version; returns
     the queue length, or why the item was taken back: ``"stale"`` (the recipe changed while
-    this batch was made), ``"unregistered"`` or ``"full"`` (a second fill slipped in). No
-    Lua: a script's arguments cost ~2 ms per MB here, RPUSH ~0.1 ms."""
+    this batch was made), ``"unregistered"`` or ``"full"`` (a second fill slipped in). An
+    item taken back gives back the groups it claimed (``claim``, a ``once`` batch's); one a
+    reader popped first is that reader's to give back. No Lua: a script's arguments cost
+    ~2 ms per MB here, RPUSH ~0.1 ms."""
     name, rows = recipe.name, recipe.batch_size
     queue, counters = reg.queue(name), reg.counters(name)
     counts = counts or {}
@@ -138,12 +146,18 @@ def push(
             shm.discard(left)
         return "unregistered"
     if version is not None and int(version) != recipe.version:
-        why, taken = "stale", reg.r.lrem(queue, -1, item)  # ours, wherever it is now
+        why = "stale"
     elif length > recipe.prefetch.depth:
-        why, taken = "full", reg.r.rpop(queue) is not None
+        why = "full"
     else:
         return int(length)
-    shm.discard(item)
+    # ours, wherever it is now (a reader that popped it first drops it as stale, or
+    # serves it: a full queue's one more batch is not wrong)
+    taken = reg.r.lrem(queue, -1, item)
+    if taken:
+        shm.discard(item)
+    if taken and claim is not None:
+        groups.release(reg.r, reg.base, name, [claim])
     if taken:
         with reg.r.pipeline(transaction=False) as pipe:
             pipe.hincrby(counters, "produced", -1)
@@ -231,15 +245,18 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 sources=batch.sources,
                 recipe_version=recipe.version,
                 meta=meta,
+                claim=batch.claim,
             )
             seen.batch(time.perf_counter() - began, len(ids))
             seen.hit_rates(batch.sources, *hit_rates(reg.store, recipe.name))
-            pushed = push(reg, recipe, shm.to_message(wire, reader_host=entry.shm_host), counts)
+            message = shm.to_message(wire, reader_host=entry.shm_host)
+            pushed = push(reg, recipe, message, counts, batch.claim)
             if pushed == "full":
                 break
             if isinstance(pushed, str):  # stale or unregistered: the new fill reports state
-                if pushed == "stale" and recipe.admission is not None and batch.groups:
-                    taken = len(np.unique(batch.groups.trajectory))  # claimed, never served
+                stale = pushed == "stale" and recipe.admission is not None and batch.groups
+                if stale and batch.claim is None:  # (a claim is given back, not its slots)
+                    taken = len(np.unique(batch.groups.trajectory))  # never served
                     admission.give_back(reg.store, taken, f"{recipe.name}: a stale batch")
                 return {"made": made, "state": f"stopped: recipe {pushed}"}
             length, made, sampled, state = pushed, made + 1, sampled + rows, "ok"

@@ -13,13 +13,16 @@ dequeue, and the conversion overlaps the trainer's own GIL-free work (torch kern
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from orchestrator.delivery.lineage import Traced
+from orchestrator.sampling import groups
 from orchestrator.sampling.batch import Batch
+from orchestrator.sampling.groups import Claim
 
 
 def batch_bytes(batch: Batch) -> int:
@@ -54,7 +57,7 @@ class ReadAhead:
         self.count, self.max_bytes, self.poll = count, max_bytes, poll
         self.convert = convert
         self._client = client.detached()
-        self._ready: collections.deque[tuple[Any, int]] = collections.deque()
+        self._ready: collections.deque[tuple[Any, int, Claim | None]] = collections.deque()
         self._bytes = 0
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -86,7 +89,7 @@ class ReadAhead:
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._ready.append((item, size))
+                self._ready.append((item, size, batch.claim))
                 self._bytes += size
                 self._cond.notify_all()
 
@@ -103,7 +106,7 @@ class ReadAhead:
                 if left is not None and left <= 0:
                     raise TimeoutError(self._client.why_empty(self.name, timeout))
                 self._cond.wait(left)
-            batch, size = self._ready.popleft()
+            batch, size, _ = self._ready.popleft()
             self._bytes -= size
             self._cond.notify_all()
         return batch
@@ -128,10 +131,16 @@ class ReadAhead:
 
     def close(self) -> None:
         """Stop the thread and release its connections (batches still held are dropped;
-        their rows stay in the store)."""
+        their rows stay in the store, and the groups ``once`` batches claimed are given
+        back)."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
         self._thread.join(timeout=self.poll + 5)
+        claims = [c for _, _, c in self._ready if c is not None]
         self._ready.clear()
+        if claims:
+            with contextlib.suppress(Exception):  # the store went away: they stay claimed
+                store = self._client.store
+                groups.release(store.r, store.keys.base, self.name, claims)
         self._client.close()

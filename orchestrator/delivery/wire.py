@@ -27,6 +27,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from orchestrator.sampling.batch import Batch
+from orchestrator.sampling.groups import Claim
 
 MAGIC = b"CLAW"
 VERSION = 2
@@ -113,11 +114,13 @@ def to_wire(
     sources: Sequence[str] = ("default",),
     recipe_version: int = 0,
     meta: Mapping[str, Any] | None = None,
+    claim: Claim | None = None,
 ) -> WireBatch:
     """Lay a batch out for the wire. Arrays are referenced, not copied (unless not contiguous).
 
-    ``weights`` default to ones, ``source_index`` to zeros; ``meta`` must be msgpack-able.
-    """
+    ``weights`` default to ones, ``source_index`` to zeros; ``meta`` must be msgpack-able;
+    ``claim`` (a ``once`` batch's) goes in the header (readers that do not know it ignore
+    it)."""
     ids_arr = np.asarray(ids)
     if ids_arr.ndim != 1 or (ids_arr.size and ids_arr.dtype.kind not in "iu"):
         raise ValueError(f"ids: expected a 1-d integer array, got {ids_arr.dtype}{ids_arr.shape}")
@@ -156,6 +159,8 @@ def to_wire(
         "recipe_version": int(recipe_version),
         "meta": dict(meta or {}),
     }
+    if claim is not None:
+        header["claim"] = [claim.pass_no, claim.token, list(claim.ids)]
     try:
         head = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError) as exc:
@@ -204,6 +209,8 @@ def decode_batch(buf: Any) -> Batch:
         return np.frombuffer(mv, dtype=dtype, count=count, offset=off).reshape(shape)
 
     try:
+        c = header.get("claim")
+        claim = None if c is None else Claim(int(c[0]), str(c[1]), tuple(map(str, c[2])))
         return Batch(
             fields={f[0]: view(f[1:]) for f in header["fields"]},
             ids=view(header["ids"]),
@@ -212,6 +219,7 @@ def decode_batch(buf: Any) -> Batch:
             sources=tuple(header["sources"]),
             recipe_version=header["recipe_version"],
             meta=header["meta"],
+            claim=claim,
         )
     except (KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"corrupt batch header: {exc!r}") from exc

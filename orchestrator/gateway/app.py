@@ -90,7 +90,9 @@ class GatewayConfig:
     ``admin_token`` opens ``POST /sessions`` (defaults to ``reward_token``, then ``token``).
     ``admission``: admit new trajectories against the staleness budget a trainer declares
     (waiting up to ``admission_wait`` seconds, then 429 with ``Retry-After:
-    retry_after``); ``session_ttl`` bounds a session's life; ``turn_discount``, when
+    retry_after``), and give an admitted trajectory's slots back once it went
+    ``admission_expiry`` seconds without a turn or its reward (0: never); ``session_ttl``
+    bounds a session's life; ``turn_discount``, when
     given, is set as the namespace's (every gateway of it applies the same one).
     ``redis_url`` and ``broker_url`` default as every client's do
     (``Settings.broker_for``: the workers' broker, ``CLAW_BROKER_URL``, when it is set).
@@ -116,6 +118,7 @@ class GatewayConfig:
     policy_version: int | None = None
     admission: bool = True
     admission_wait: float | None = None
+    admission_expiry: float | None = None
     retry_after: float = 1.0
     session_ttl: int = 7 * 86400
     turn_discount: float | None = None
@@ -136,6 +139,11 @@ class GatewayConfig:
             recorder_stall=self.recorder_stall or d.gateway_recorder_stall,
             admission_wait=(
                 d.gateway_admission_wait if self.admission_wait is None else self.admission_wait
+            ),
+            admission_expiry=(
+                d.gateway_admission_expiry
+                if self.admission_expiry is None
+                else self.admission_expiry
             ),
         )
 
@@ -176,6 +184,7 @@ class Gateway:
             enabled=config.admission,
             wait=config.admission_wait or 0.0,
             ttl=config.session_ttl,
+            expiry=config.admission_expiry or 0.0,
         )
         retok = Retokenizer(config.tokenizer) if config.tokenizer else None
         self.recorder = Recorder(
@@ -188,6 +197,7 @@ class Gateway:
             stall_after=config.recorder_stall,
             policy_version=config.policy_version,
             trajectory_ttl=config.session_ttl,
+            admission_expiry=config.admission_expiry or 0.0,
             who=self.gate.who,
         )
         self.metrics.track_backlog(lambda: self.recorder.backlog)

@@ -4,15 +4,22 @@ admitted against (``orchestrator/lua/admission.lua``; the trainer declares it,
 :mod:`orchestrator.delivery.admission`). Both are one script call, made only for what this
 process has not seen yet: a trajectory it admitted and a key it checked in the last
 ``KEY_RECHECK_S`` seconds pass without a round trip, so the calls after a trajectory's
-first cost nothing here. A new trajectory over the budget waits up to ``wait`` seconds,
+first cost nothing here, and while no trainer declares a budget (the script said so in the
+last ``NO_BUDGET_S``, and no declaration was announced since) neither does a shared-token
+call's first. A new trajectory over the budget waits up to ``wait`` seconds,
 looking again whenever the script announces a larger budget (a pub/sub channel: the
 trainer declared a new version, slots were given back) and at least every
-``_POLL_S[1]``; then it is refused: the app answers 429 with ``Retry-After``."""
+``_POLL_S[1]``; then it is refused: the app answers 429 with ``Retry-After``. A trajectory
+admitted and then neither called again nor rewarded for ``expiry`` seconds gives its slots
+back: every gateway sweeps the namespace's open trajectories every ``sweep_s`` (and at
+once when a call finds the budget full), off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
 import os
 import random
 import socket
@@ -30,6 +37,8 @@ from orchestrator.delivery import admission
 from orchestrator.gateway import resp
 from orchestrator.gateway.metrics import GatewayMetrics
 
+log = logging.getLogger(__name__)
+
 SESSION_PREFIX = "cs~"
 """Session keys read ``cs~<trajectory>~<secret>``: the trajectory they are scoped to is in
 the key, so a check reads that trajectory's hash and nothing else."""
@@ -39,6 +48,13 @@ state by at most this)."""
 STORE_TIMEOUT_S = 2.0
 """A check the store does not answer within this fails (the app decides what follows)."""
 _POLL_S = (0.05, 1.0)  # waiting for the budget: first and longest pause between looks
+NO_BUDGET_S = 1.0
+"""How long a process trusts that no trainer declares a budget: meanwhile a shared-token
+call of a new trajectory makes no round trip. A declaration's announcement (the wake
+channel) ends it at once; this bounds the miss of one."""
+SWEEP_S = 10.0
+"""How often a gateway looks for expired trajectories (at most; at least 4 times per
+``expiry``). A call that finds the budget full looks at once, at most once a second."""
 
 
 def key_hash(key: str) -> str:
@@ -92,6 +108,8 @@ class Gate:
         enabled: bool = True,
         wait: float = 10.0,
         ttl: int = 7 * 86400,
+        expiry: float = 3600.0,
+        sweep_s: float | None = None,
         store_timeout: float = STORE_TIMEOUT_S,
         max_entries: int = 100_000,
     ) -> None:
@@ -100,6 +118,10 @@ class Gate:
         self.enabled = enabled
         self.wait = wait
         self.ttl = ttl
+        self.expiry = expiry
+        if sweep_s is None:
+            sweep_s = min(SWEEP_S, expiry / 4)
+        self.sweep_s = sweep_s if expiry > 0 else 0.0
         self.who = f"{socket.gethostname()}:{os.getpid()}"
         # Bounded: a store that does not answer must not hold calls (the app decides what
         # a call does then).
@@ -110,16 +132,28 @@ class Gate:
         self._admitted: LRU[str, bool] = LRU(max_entries)
         self._keys: LRU[tuple[str | None, str], tuple[float, SessionInfo]] = LRU(max_entries)
         self._fixed = [admission.admission_key(store), admission.log_key(store)]
+        self._open = admission.open_key(store)
         self._url = redis_url
         self._wake: asyncio.Event | None = None  # set (and replaced) when the budget grows
         self._listener: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._swept = 0.0  # when the last sweep began (monotonic)
+        self._undeclared = 0.0  # until when no budget is known to be declared (monotonic)
+        self._listening = False  # subscribed to the announcements (so trust can end)
 
     async def aclose(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
+        for task in (self._listener, self._sweeper):
+            if task is not None:
+                task.cancel()
         if self.fast is not None:
             await self.fast.aclose()
         await self.r.aclose()
+
+    @property
+    def no_budget_known(self) -> bool:
+        """Whether a shared-token first call passes now without a round trip (no budget
+        declared when last asked, within ``NO_BUDGET_S``, and announcements listened to)."""
+        return self._listening and time.monotonic() < self._undeclared
 
     def _wakeup(self) -> asyncio.Event:
         """The event the next budget announcement sets (listening starts with the first
@@ -138,15 +172,20 @@ class Gate:
                 async with sub.pubsub() as ps:
                     await ps.subscribe(channel)
                     async for message in ps.listen():
+                        if message.get("type") == "subscribe":
+                            self._listening = True  # announcements reach us from here on
                         if message.get("type") == "message":
+                            self._undeclared = 0.0  # a declaration, or slots back: ask
                             wake, self._wake = self._wake, asyncio.Event()
                             if wake is not None:
                                 wake.set()
             except asyncio.CancelledError:
                 raise
             except Exception:  # the store went away: waiters poll; listen again soon
+                self._listening = False
                 await asyncio.sleep(1.0)
             finally:
+                self._listening = False
                 await sub.aclose()
 
     async def script(self, lua: Lua, keys: list[str], args: list[Any]) -> Any:
@@ -164,6 +203,28 @@ class Gate:
         except NoScriptError:
             await self.r.script_load(lua.source)
             return await self.r.evalsha(lua.sha, len(keys), *keys, *args)
+
+    async def sweep(self) -> int:
+        """Expire the namespace's trajectories past their expiry; returns how many (in a
+        thread: the store's sync client)."""
+        self._swept = time.monotonic()
+        n, _ = await asyncio.to_thread(self._expire_due)
+        if n:
+            self.metrics.expired.inc(n)
+        return n
+
+    def _expire_due(self) -> tuple[int, int]:
+        return admission.expire(self.store, admission.due(self.store, time.time()), self.who)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the store went away: the next sweep tries again
+                log.warning("admission: expiring open trajectories failed: %s", e)
 
     def _known_key(self, principal: Principal) -> SessionInfo | None:
         got = self._keys.find((principal.session, principal.keyhash))
@@ -193,6 +254,12 @@ class Gate:
         new = tuple(t for t in trajectories if t not in self._admitted) if self.enabled else ()
         if (principal.session is None or known is not None) and not new:
             return Verdict("ok", known)
+        if principal.session is None and self.no_budget_known:
+            for t in new:  # no budget: admitted, not counted (what the script would do)
+                self._admitted.put(t, True)
+            return Verdict("ok", None)
+        if self._sweeper is None and self.enabled and self.sweep_s > 0:
+            self._sweeper = asyncio.create_task(self._sweep_forever())
         deadline = time.monotonic() + self.wait
         pause, first = _POLL_S[0], True
         while True:
@@ -204,6 +271,11 @@ class Gate:
                 return verdict
             if first:
                 self.metrics.waited.inc()
+                if self.sweep_s > 0 and time.monotonic() - self._swept > 1.0:
+                    with contextlib.suppress(Exception):  # full: expired slots may be free
+                        if await asyncio.wait_for(self.sweep(), STORE_TIMEOUT_S):
+                            first = False
+                            continue
             if last:
                 self.metrics.refused.inc()
                 return Verdict("refused", verdict.session, True, verdict.budget)
@@ -231,6 +303,7 @@ class Gate:
             *self._fixed,
             admission.reservation_key(self.store, group or session_uid),
             admission.trajectory_key(self.store, session_uid),
+            self._open,
             *(admission.trajectory_key(self.store, t) for t in trajectories),
         ]
         args: list[Any] = [
@@ -242,10 +315,16 @@ class Gate:
             self.who,
             admission.LOG_ENTRIES,
             self.ttl,
+            self.expiry,
             *trajectories,
         ]
         reply = await self.script(admission.SCRIPT, keys, args)
         status, budget, admitted_now = int(reply[0]), int(reply[1]), int(reply[2])
+        if budget < 0 and self.enabled:  # none declared: trust it for a moment
+            self._wakeup()  # listening: a declaration ends the trust at once
+            self._undeclared = time.monotonic() + NO_BUDGET_S
+        else:
+            self._undeclared = 0.0
         self.metrics.budget.set(budget)
         self.metrics.admitted_now.set(admitted_now)
         info = None

@@ -65,6 +65,12 @@ class GatewayMetrics:
             "Budget slots given back: trajectories rewarded too old to be served",
             registry=r,
         )
+        self.expired = Counter(
+            "claw_gateway_admission_expired_trajectories",
+            "Admitted trajectories this gateway expired: no turn nor reward within "
+            "CLAW_GATEWAY_ADMISSION_EXPIRY seconds (their slots given back)",
+            registry=r,
+        )
         self.budget = Gauge(
             "claw_gateway_admission_budget",
             "The staleness budget (max_staleness + v + 1) x batch trajectories, as last "

@@ -112,6 +112,7 @@ class Recorder:
         max_trajectories: int = 100_000,
         policy_version: int | None = None,
         trajectory_ttl: int = 7 * 86400,
+        admission_expiry: float = 3600.0,
         who: str = "",
     ) -> None:
         self.ingestor = ingestor
@@ -121,6 +122,7 @@ class Recorder:
         self.max_turns = max_turns
         self.policy_version = policy_version
         self.ttl = trajectory_ttl
+        self.expiry = admission_expiry  # an open trajectory's expiry, moved by each turn
         self.who = who  # this gateway, in the admission log
         self._queue: queue.Queue[Call | None] = queue.Queue(queue_size)
         self._trajectories: LRU[str, _Trajectory] = LRU(max_trajectories)
@@ -252,7 +254,7 @@ class Recorder:
         ]
         if not todo:
             return
-        budget = admission.admission_key(self.store)
+        budget, opened = admission.admission_key(self.store), admission.open_key(self.store)
         try:
             numbered = execute(
                 self.store.r,
@@ -260,8 +262,16 @@ class Recorder:
                 lambda pipe: [
                     TURN.queue(
                         pipe,
-                        [self._key(uid), budget],
-                        ["turn", self.ttl, _arg(turn.policy_version), c.call_id],
+                        [self._key(uid), budget, opened],
+                        [
+                            "turn",
+                            self.ttl,
+                            _arg(turn.policy_version),
+                            c.call_id,
+                            self.expiry,
+                            uid,
+                            c.prompt_uid or "",
+                        ],
                     )
                     for c, uid, turn in todo
                 ],

@@ -7,16 +7,20 @@
 --           staleness      s, max_staleness
 --           group          trajectories per group (1: none)
 --           admitted       trajectories admitted and not released (running + accepted)
---           total, waited, refused, released   counters (calls that waited, calls that got
---                          429, slots given back)
+--           total, waited, refused, released, expired   counters (calls that waited,
+--                          calls that got 429, slots given back, trajectories expired)
 -- KEYS[2] the admission log (a stream capped near ARGV's maxlog entries)
 -- Channel KEYS[1] .. ':wake': published when the budget grows (declare, give, finish), so
 -- gateways holding calls over the budget look again at once.
 -- KEYS[3] the group's reservation hash (`claw:{ns}:gwres:<group>`; unused without a group):
 --           round, left    the current reservation's number and slots left in it
 --           size:<r>, rel:<r>   the slots reservation r took, and 1 once they were released
--- KEYS[4] the session's trajectory hash (orchestrator/lua/turn.lua; its `key` checked)
--- KEYS[5..] (enter) the hashes of the trajectories the call starts or continues
+-- KEYS[4] the session's trajectory hash (orchestrator/lua/turn.lua; its `key` checked);
+--         (finish, expire) the trajectory's
+-- KEYS[5] the open trajectories (`claw:{ns}:admission:open`), a sorted set: trajectories
+--         admitted against a declared budget and not rewarded yet, scored by when they
+--         expire (server time; each recorded turn moves it, orchestrator/lua/turn.lua)
+-- KEYS[6..] (enter) the hashes of the trajectories the call starts or continues
 --
 -- The rule: with budget = (s + v + 1) * B, a trajectory may start only while
 -- admitted + the slots it takes <= budget. A trajectory of a group takes a slot of the
@@ -30,21 +34,26 @@
 --            registration). A declaration of an older rv than the stored one is ignored;
 --            one by another recipe is refused. A fresh registration, or a version lower
 --            than the stored one (a trainer restarted from an earlier version), sets
---            admitted to version * B: nothing is counted in flight. Returns 1 applied,
+--            admitted to version * B: nothing is counted in flight (nor open). Returns 1 applied,
 --            0 ignored, -1 owned by another recipe.
 --   enter    ARGV: key sha256 ('' no session), group ('' none), first (1: the call's first
---            try), last (1: its last: a refusal counts as refused), who, maxlog, ttl, then
---            the trajectory ids of KEYS[5..]. Returns {status, budget, admitted, session
+--            try), last (1: its last: a refusal counts as refused), who, maxlog, ttl,
+--            expiry (seconds an admitted trajectory may go without a turn or its reward
+--            before its slots come back; 0 never), then the trajectory ids of KEYS[6..]. Returns {status, budget, admitted, session
 --            group, session may-reward, trajectories newly admitted}: status 1 admitted (or already), 0 over budget,
 --            -2 the session key does not match, -3 the call names another group than the
 --            session's (a session's calls default to its group); budget -1 when none is
 --            declared. Without trajectory ids, only the key is checked.
 --   give     ARGV: slots, who, maxlog, why. Gives back slots of trajectories accepted and
 --            then never served (batches dropped when the recipe changed). Returns them.
---   finish   ARGV: vmin ('' none known), who, maxlog, trajectory id. A trajectory whose
---            oldest turn is older than v - s will never be served: its reservation (its
---            group's, once) is released. Returns the slots released.
-local A, LOG, RES = KEYS[1], KEYS[2], KEYS[3]
+--   finish   ARGV: vmin ('' none known), who, maxlog, trajectory id. The trajectory is no
+--            longer open; one whose oldest turn is older than v - s will never be served:
+--            its reservation (its group's, once) is released. Returns the slots released.
+--   expire   ARGV: who, maxlog, trajectory id. If the trajectory is open past its expiry
+--            (server time), it is no longer open, counted expired, and its reservation
+--            released as by finish (a group's: an incomplete group is never served).
+--            Returns {1 expired / 0 not (finished, or moved by a turn), slots released}.
+local A, LOG, RES, OPEN = KEYS[1], KEYS[2], KEYS[3], KEYS[5]
 local op = ARGV[1]
 local WAKE = A .. ':wake' -- a channel, not a key: waiting gateways look again when told
 
@@ -63,6 +72,7 @@ if op == 'declare' then
     'staleness', ARGV[6], 'group', ARGV[7])
   if ARGV[8] == '1' or v0 == nil or version < v0 then
     redis.call('HSET', A, 'admitted', version * batch)
+    redis.call('DEL', OPEN)
   end
   redis.call('PUBLISH', WAKE, version)
   return 1
@@ -84,16 +94,15 @@ if op == 'give' then
   return slots
 end
 
-if op == 'finish' then
-  local T = KEYS[4]
-  local adm = redis.call('HGET', T, 'adm')
-  if batch == nil or adm == false or adm == '-' then return 0 end
-  local vmin = tonumber(ARGV[2]) or tonumber(adm)
-  if vmin >= version - s then return 0 end
+-- Release trajectory T's reservation (its group's, once); returns the slots released.
+local function release(T, opname, who, maxlog, uid, vmin)
   local res, slots = redis.call('HGET', T, 'res'), 0
   if res and res ~= '' then
     if redis.call('HSETNX', RES, 'rel:' .. res, 1) == 1 then
       slots = tonumber(redis.call('HGET', RES, 'size:' .. res) or '0')
+      if redis.call('HGET', RES, 'round') == res then
+        redis.call('HSET', RES, 'left', 0) -- its unused slots went back with it
+      end
     end
   elseif redis.call('HSETNX', T, 'rel', 1) == 1 then
     slots = 1
@@ -101,18 +110,39 @@ if op == 'finish' then
   if slots > 0 then
     local left = math.max(0, admitted - slots)
     redis.call('HSET', A, 'admitted', left)
-    redis.call('HINCRBY', A, 'released', slots)
-    redis.call('XADD', LOG, 'MAXLEN', '~', ARGV[4], '*', 'op', 'release', 't', ARGV[5],
-      'slots', slots, 'admitted', left, 'budget', budget, 'v', version, 'vmin', vmin,
-      'w', ARGV[3])
+    if opname == 'release' then redis.call('HINCRBY', A, 'released', slots) end
+    redis.call('XADD', LOG, 'MAXLEN', '~', maxlog, '*', 'op', opname, 't', uid,
+      'slots', slots, 'admitted', left, 'budget', budget, 'v', version, 'vmin', vmin, 'w', who)
     redis.call('PUBLISH', WAKE, version)
   end
   return slots
 end
 
+if op == 'finish' then
+  local T = KEYS[4]
+  redis.call('ZREM', OPEN, ARGV[5])
+  local adm = redis.call('HGET', T, 'adm')
+  if batch == nil or adm == false or adm == '-' then return 0 end
+  local vmin = tonumber(ARGV[2]) or tonumber(adm)
+  if vmin >= version - s then return 0 end
+  return release(T, 'release', ARGV[3], ARGV[4], ARGV[5], vmin)
+end
+
+if op == 'expire' then
+  local uid = ARGV[4]
+  local due = tonumber(redis.call('ZSCORE', OPEN, uid) or '')
+  local now = redis.call('TIME')
+  if due == nil or due > tonumber(now[1]) + tonumber(now[2]) / 1e6 then return {0, 0} end
+  redis.call('ZREM', OPEN, uid)
+  redis.call('HINCRBY', A, 'expired', 1)
+  local adm = redis.call('HGET', KEYS[4], 'adm')
+  if batch == nil or adm == false or adm == '-' then return {1, 0} end
+  return {1, release(KEYS[4], 'expire', ARGV[2], ARGV[3], uid, tonumber(adm))}
+end
+
 -- enter
 local keyhash, group, first, last = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local who, maxlog, ttl = ARGV[6], ARGV[7], tonumber(ARGV[8])
+local who, maxlog, ttl, expiry = ARGV[6], ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
 local sgroup, srw = '', 0
 if keyhash ~= '' then
   local f = redis.call('HMGET', KEYS[4], 'key', 'grp', 'rw')
@@ -124,9 +154,9 @@ if keyhash ~= '' then
     return {-3, budget, admitted, sgroup, srw, 0}
   end
 end
-if ARGV[9] == nil then return {1, budget, admitted, sgroup, srw, 0} end -- a key check only
+if ARGV[10] == nil then return {1, budget, admitted, sgroup, srw, 0} end -- a key check only
 local need = {}
-for i = 5, #KEYS do
+for i = 6, #KEYS do
   if redis.call('HEXISTS', KEYS[i], 'adm') == 0 then need[#need + 1] = i end
 end
 if #need == 0 then return {1, budget, admitted, sgroup, srw, 0} end
@@ -163,6 +193,13 @@ for _, i in ipairs(need) do
   redis.call('HSET', KEYS[i], 'adm', version, 'res', res, 'grp', group)
   if redis.call('TTL', KEYS[i]) < 0 then redis.call('EXPIRE', KEYS[i], ttl) end
 end
+local ids = {}
+for _, i in ipairs(need) do ids[#ids + 1] = ARGV[i + 4] end
+if expiry > 0 then
+  local now = redis.call('TIME')
+  local due = tonumber(now[1]) + tonumber(now[2]) / 1e6 + expiry
+  for _, id in ipairs(ids) do redis.call('ZADD', OPEN, due, id) end
+end
 if grouped then
   redis.call('HSET', RES, 'round', round, 'left', left)
   redis.call('EXPIRE', RES, ttl)
@@ -170,8 +207,6 @@ end
 admitted = admitted + slots
 redis.call('HSET', A, 'admitted', admitted)
 redis.call('HINCRBY', A, 'total', #need)
-local ids = {}
-for _, i in ipairs(need) do ids[#ids + 1] = ARGV[i + 4] end
 redis.call('XADD', LOG, 'MAXLEN', '~', maxlog, '*', 'op', 'admit', 't', table.concat(ids, ' '),
   'g', group, 'slots', slots, 'admitted', admitted, 'budget', budget, 'v', version, 'w', who)
 return {1, budget, admitted, sgroup, srw, #need}

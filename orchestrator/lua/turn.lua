@@ -8,9 +8,14 @@
 --               1 if the key may post the reward, its TTL in seconds
 --   adm, res, rel       admission's (orchestrator/lua/admission.lua)
 -- KEYS[1]: the trajectory's hash; KEYS[2]: the namespace's admission hash (turn only: the
--- declared policy version stands in for a turn whose version is not known).
+-- declared policy version stands in for a turn whose version is not known); KEYS[3] (turn,
+-- optional): the open trajectories of admission.lua, whose expiry a turn moves.
 -- ARGV[1] op, ARGV[2] TTL (s); then per op:
---   turn    ARGV[3] the turn's policy version ('' unknown), ARGV[4] the call id ('' none).
+--   turn    ARGV[3] the turn's policy version ('' unknown), ARGV[4] the call id ('' none),
+--           with KEYS[3]: ARGV[5] the admission expiry (s), ARGV[6] the trajectory id (an
+--           open trajectory expires that long after its last turn); ARGV[7] the call's
+--           group ('' none), kept as `grp` if the trajectory has none yet (a call the
+--           gate let through without the admission script, no budget being declared).
 --           Returns {index, version} (version -1: none known); {-1, -1} when finished.
 --   finish  marks the trajectory done. Returns {turns, vmin, vmax, grp} (vmin/vmax -1 when
 --           no version is known, grp '' without a group); {-1} if it already was done.
@@ -46,7 +51,13 @@ if op == 'turn' then
     if hi == nil or v > hi then redis.call('HSET', key, 'vmax', v) end
   end
   if ARGV[4] ~= '' then redis.call('HSET', key, 'c:' .. ARGV[4], n) end
+  if ARGV[7] and ARGV[7] ~= '' then redis.call('HSETNX', key, 'grp', ARGV[7]) end
   redis.call('EXPIRE', key, ttl)
+  if KEYS[3] and tonumber(ARGV[5]) > 0 then
+    local now = redis.call('TIME')
+    local due = tonumber(now[1]) + tonumber(now[2]) / 1e6 + tonumber(ARGV[5])
+    redis.call('ZADD', KEYS[3], 'XX', due, ARGV[6])
+  end
   return {n, v or -1}
 end
 redis.call('HSET', key, 'done', 1)

@@ -11,7 +11,9 @@ points there. Per row: ``ids`` (int64 step ids, for ``update_priorities``), ``we
 (float32 importance weights) and ``source_index`` (int16, into ``sources``).
 ``recipe_version`` is the version of the recipe that made the batch; ``groups`` (group
 recipes, from ``sample`` only: a popped batch has them as ``group_index``, ... arrays) each
-row's group and trajectory.
+row's group and trajectory; ``claim`` (``once`` group recipes, popped batches too) the
+groups the batch claimed, which a batch dropped unserved gives back
+(``orchestrator.sampling.groups.release``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.sampling.groups import Groups
+from orchestrator.sampling.groups import Claim, Groups
 
 Rows = np.ndarray | slice
 
@@ -49,6 +51,7 @@ class Batch:
     module docstring). ``len()`` counts rows; iterating yields the field names."""
 
     __slots__ = (
+        "claim",
         "fields",
         "groups",
         "ids",
@@ -69,6 +72,7 @@ class Batch:
         recipe_version: int,
         meta: dict[str, Any] | None = None,
         groups: Groups | None = None,
+        claim: Claim | None = None,
     ) -> None:
         self.fields = fields
         self.ids = ids
@@ -78,6 +82,7 @@ class Batch:
         self.recipe_version = recipe_version
         self.meta = {} if meta is None else meta
         self.groups = groups
+        self.claim = claim  # a once batch's claims: given back if it is dropped unserved
 
     @classmethod
     def drawn(
@@ -112,6 +117,7 @@ class Batch:
             self.recipe_version,
             {k: take_rows(v, rows) if isinstance(v, list) else v for k, v in self.meta.items()},
             groups,
+            self.claim,
         )
 
     def __len__(self) -> int:

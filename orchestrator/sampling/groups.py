@@ -4,10 +4,12 @@ what delivery (token batches, the recipe registry) uses of it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
+
+from claw_tasks.store.scripts import Lua, execute
 
 PASS_FIELD = "~pass"
 """Field of the claims hash holding the current pass (group ids cannot start with ``~``)."""
@@ -16,6 +18,11 @@ PASS_FIELD = "~pass"
 def claims_key(base: str, recipe: str) -> str:
     """Hash of a ``once`` recipe's claims: group id -> the pass it was delivered in."""
     return f"{base}claims:{recipe}"
+
+
+def _pass_of(mark: bytes) -> int:
+    """The pass of a claim's mark (``<pass>:<batch token>``; a bare ``<pass>`` before)."""
+    return int(mark.split(b":", 1)[0])
 
 
 class Claims(NamedTuple):
@@ -27,8 +34,42 @@ class Claims(NamedTuple):
     @classmethod
     def from_hash(cls, raw: Mapping[bytes, bytes]) -> Claims:
         pass_no = int(raw.get(PASS_FIELD.encode(), 0))
-        done = frozenset(k.decode() for k, v in raw.items() if int(v) == pass_no)
+        done = frozenset(k.decode() for k, v in raw.items() if _pass_of(v) == pass_no)
         return cls(pass_no, done - {PASS_FIELD})
+
+
+class Claim(NamedTuple):
+    """What one ``once`` batch claimed: its pass, its token (the claims' mark is
+    ``<pass>:<token>``) and its group ids. A popped batch carries it
+    (``Batch.claim``), so a batch dropped unserved can give its groups back."""
+
+    pass_no: int
+    token: str
+    ids: tuple[str, ...]
+
+    @property
+    def mark(self) -> str:
+        return f"{self.pass_no}:{self.token}"
+
+
+_UNCLAIM = Lua("unclaim", "orchestrator")
+
+
+def release(r: Any, base: str, recipe: str, claims: Sequence[Claim]) -> int:
+    """Give back the groups of ``once`` batches dropped unserved (one round trip): they are
+    drawn again in the same pass. Only claims still marked by those batches go, so calling
+    it twice for one batch releases nothing the second time. Returns the groups released."""
+    claims = [c for c in claims if c.ids]
+    if not claims:
+        return 0
+    key = claims_key(base, recipe)
+
+    def queue(pipe: Any) -> None:
+        for c in claims:
+            _UNCLAIM.queue(pipe, [key], [c.mark, *c.ids])
+
+    got = execute(r, [_UNCLAIM], queue)
+    return sum(int(n) for n in got)
 
 
 class Groups(NamedTuple):

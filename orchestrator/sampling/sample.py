@@ -37,6 +37,7 @@ per drawn row (a window's first step), the rows priorities apply to.
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ from orchestrator.sampling.assembly import Assembly
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.fetch import Fetcher, LogChecked
-from orchestrator.sampling.groups import Claims, Groups, claims_key
+from orchestrator.sampling.groups import Claim, Claims, Groups, claims_key
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.jointbatch import assemble_joint
 from orchestrator.sampling.rollouts import Selection, select
@@ -356,8 +357,11 @@ class _Session:
         b.hits = (tuple(s.n for s in b.sampler.sources), self._count_live(columns["alive"]))
         if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
             batch = _within_budget(batch, recipe)
-        if once and not self._claim(key, batch.groups):  # type: ignore[arg-type]
-            return None
+        if once:
+            claim = self._claim(key, batch.groups)  # type: ignore[arg-type]
+            if claim is None:
+                return None
+            batch.claim = claim
         return batch
 
     def _count_live(self, alive: np.ndarray) -> int:
@@ -366,12 +370,13 @@ class _Session:
             self._live = (alive, int(np.count_nonzero(alive)))
         return self._live[1]
 
-    def _claim(self, key: str, groups: Groups) -> bool:
-        if not _CLAIM(self.store.r, [key], [groups.pass_no, *groups.ids]):
-            return False
+    def _claim(self, key: str, groups: Groups) -> Claim | None:
+        claim = Claim(groups.pass_no, secrets.token_hex(6), groups.ids)
+        if not _CLAIM(self.store.r, [key], [claim.pass_no, claim.token, *claim.ids]):
+            return None
         if groups.stale:  # groups gone from the candidates: their claims can go too
             self.store.r.hdel(key, *groups.stale)
-        return True
+        return claim
 
 
 _CLAIM = Lua("claim", "orchestrator")

@@ -132,3 +132,84 @@ def test_session_keys_are_checked_against_their_trajectory(store, redis_url):
         await gate.aclose()
 
     asyncio.run(run())
+
+
+def test_a_trajectory_never_rewarded_expires(store, redis_url):
+    """An admitted trajectory that goes ``expiry`` seconds without a turn or its reward
+    gives its slots back (its group's reservation, once), counted expired; a rewarded one
+    is no longer open; a turn moves the expiry; a full budget looks for expired slots at
+    once."""
+    import time
+
+    with BatchClient(store.namespace, redis_url) as client:
+        client.register(recipe(staleness=0))  # budget (0 + 0 + 1) * 8 = 8, groups of 4
+
+        async def run() -> None:
+            # sweeps only when told, or when the budget is full (not in the background)
+            gate = Gate(store, redis_url, GatewayMetrics(), wait=0.0, expiry=0.6, sweep_s=3600)
+            anyone = Principal()
+            for j in range(4):
+                assert (await gate.enter(anyone, (f"a-{j}",), "ga")).status == "ok"
+            assert (await gate.enter(anyone, ("solo",), None)).status == "ok"
+            assert admission.state(store)["admitted"] == 5
+            # a-0 is rewarded (fresh: nothing released), a-1 makes a turn (moved on)
+            assert admission.release_stale(store, "a-0", "ga", 0) == 0
+            T = [admission.trajectory_key(store, "a-1"), admission.admission_key(store)]
+            TURN(store.r, [*T, admission.open_key(store)], ["turn", 60, 0, "", 5.0, "a-1"])
+            assert admission.state(store)["open"] == 4
+            time.sleep(0.8)
+            assert await gate.sweep() == 3  # a-2, a-3 and solo; a-1 not yet
+            st = admission.state(store)
+            # the group's reservation (4 slots) came back once, solo's 1
+            assert (st["expired"], st["admitted"], st["open"], st["released"]) == (3, 0, 1, 0)
+            counted = "claw_gateway_admission_expired_trajectories_total"
+            assert gate.metrics.registry.get_sample_value(counted) == 3
+            assert await gate.sweep() == 0
+            # a late reward of an expired trajectory gives nothing back a second time
+            assert admission.release_stale(store, "a-2", "ga", -5) == 0
+            # fill the budget; once full, a first try sweeps: expired slots let it in
+            for j in range(8):
+                got = await gate.enter(anyone, (f"b-{j}",), "gb" if j < 4 else "gc")
+                assert got.status == "ok"
+            assert (await gate.enter(anyone, ("late",), None)).status == "refused"
+            time.sleep(1.1)  # the b- group expires; a full budget sweeps at most once a second
+            assert (await gate.enter(anyone, ("late2",), None)).status == "ok"
+            await gate.aclose()
+
+        asyncio.run(run())
+        ops = [e["op"] for e in admission.read_log(store)]
+        assert ops.count("expire") >= 3 and "release" not in ops
+        client.set_params("grpo", policy_version=0)  # a live change keeps the open ones
+        assert admission.state(store)["open"] > 0
+        client.register({**recipe(staleness=0), "batch_size": 3})  # fresh: none in flight
+        assert admission.state(store)["open"] == 0
+
+
+def test_no_budget_declared_skips_the_script_until_one_is(store, redis_url):
+    """While no trainer declares a budget, a process asks once, then lets shared-token
+    first calls through for ``NO_BUDGET_S`` without a round trip; a declaration ends that
+    at once (its announcement), so the next new trajectory is counted."""
+
+    async def run() -> None:
+        gate = Gate(store, redis_url, GatewayMetrics(), wait=0.0)
+        anyone = Principal()
+        for i in range(200):  # asks (none declared) until the announcements are listened to
+            assert (await gate.enter(anyone, (f"u-{i}",), "g")).status == "ok"
+            if gate.no_budget_known:
+                break
+            await asyncio.sleep(0.01)
+        assert store.r.hexists(admission.trajectory_key(store, "u-0"), "adm")
+        assert (await gate.enter(anyone, ("u-x",), "g")).status == "ok"
+        assert not store.r.exists(admission.trajectory_key(store, "u-x"))  # no round trip
+        with BatchClient(store.namespace, redis_url) as client:
+            client.register(recipe(staleness=0))  # budget 8
+            for _ in range(100):
+                if not gate.no_budget_known:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await gate.enter(anyone, ("c-0",), "gc")).status == "ok"
+            assert admission.state(store)["admitted"] == 4  # counted: the group reserved
+            client.unregister("grpo")
+        await gate.aclose()
+
+    asyncio.run(run())

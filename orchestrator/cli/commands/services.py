@@ -322,6 +322,15 @@ def gateway(
             show_default="CLAW_GATEWAY_ADMISSION_WAIT, 10",
         ),
     ] = None,
+    admission_expiry: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Seconds an admitted trajectory may go without a turn or its reward before "
+            "its budget slots come back (0: never)",
+            show_default="CLAW_GATEWAY_ADMISSION_EXPIRY, 3600",
+        ),
+    ] = None,
     retry_after: Annotated[
         float, typer.Option(min=0.001, help="Retry-After of a 429 (seconds)")
     ] = 1.0,
@@ -376,6 +385,7 @@ def gateway(
         policy_version=policy_version,
         admission=admission,
         admission_wait=admission_wait,
+        admission_expiry=admission_expiry,
         retry_after=retry_after,
         turn_discount=turn_discount,
         session_ttl=session_ttl,

@@ -307,7 +307,8 @@ def recipes(
                 f"admission: budget {adm['budget']:,} trajectories (version {adm['version']}, "
                 f"max_staleness {adm['max_staleness']}, {adm['batch']} per batch), admitted "
                 f"{adm['admitted']:,}, started {adm['total']:,}, waited {adm['waited']:,}, "
-                f"refused {adm['refused']:,}, released {adm['released']:,}"
+                f"refused {adm['refused']:,}, released {adm['released']:,}, expired "
+                f"{adm['expired']:,} ({adm['open']:,} open)"
                 if "budget" in adm
                 else "admission: not declared"
             )

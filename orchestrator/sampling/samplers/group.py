@@ -27,7 +27,9 @@ GRPO: each rollout trained on once). Claims of groups no longer among the candid
 (evicted, or filtered out by the ``where``) are pruned when they outnumber the groups
 present (the last pass of a ``passes`` recipe never clears them). The claim itself is made
 after the batch is read, all or nothing, by ``lua/claim.lua``, so workers that race never
-deliver a group twice in one pass.
+deliver a group twice in one pass; each claim is marked with the batch's token, and a
+batch dropped unserved (a recipe change, a stale pop, a fill taken back) gives back exactly
+its own claims (``lua/unclaim.lua``), so no group is lost to a recipe change.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from orchestrator.delivery.wire import (
     is_batch,
     to_wire,
 )
+from orchestrator.sampling.groups import Claim
 
 DTYPES = [
     "bool",
@@ -61,6 +62,14 @@ def test_round_trip_dtypes_and_shapes(dtype, shape):
     out = decode_batch(buf)
     assert_bit_exact(arr, out["x"])
     assert np.shares_memory(out["x"], as_bytes_view(buf)) or arr.size == 0
+
+
+def test_a_once_batch_carries_its_claim():
+    """What a dropped batch gives back travels in the header; other batches have none."""
+    claim = Claim(3, "a1b2c3", ("s|1000.0|0", "s|1001.0|0"))
+    out = decode_batch(wire_bytes({"x": np.zeros(2)}, ids=[1, 2], claim=claim))
+    assert out.claim == claim and out.claim.mark == "3:a1b2c3"
+    assert decode_batch(wire_bytes({"x": np.zeros(2)}, ids=[1, 2])).claim is None
 
 
 def test_empty_batch_and_no_fields():
