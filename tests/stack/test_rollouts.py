@@ -224,7 +224,8 @@ def test_ingest_is_not_starved_while_a_rollout_waits(redis_url, start_worker, na
         Actor(ing, k, records, seed=30 + k).segment(16, 0)
         ing.flush()  # each segment's ingest task commits while the rollout waits
     deadline = time.monotonic() + 60
-    while rollouts.read_state(reg, "ppo").no == 0 and time.monotonic() < deadline:
+    # Formed (``no`` set) comes a moment before its minibatches are pushed: wait for those.
+    while rollouts.read_state(reg, "ppo").cursor < 12 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert rollouts.read_state(reg, "ppo").describe()["minibatches_pushed"] == 12
     assert len(pop_rollout(client, records, (0, 0))) == 64
