@@ -129,7 +129,7 @@ class PendingFile:
                 with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
                     digest = hashlib.sha256(view).hexdigest()  # (without the GIL)
                 os.fsync(fd)
-                _drop_cached(fd)
+                drop_cached(fd)
             finally:
                 os.close(fd)
             os.replace(self.tmp, self.path)
@@ -142,11 +142,12 @@ class PendingFile:
         self.tmp.unlink(missing_ok=True)
 
 
-def _drop_cached(fd: int) -> None:
-    """Out of the page cache once durable: an archive is read back rarely and much later,
-    and ~1 GB a night of cached files would push out pages that are read (and each new
-    file would take fresh memory where it could reuse the last one's; on a VM whose
-    memory is backed lazily that alone costs ~4x the CPU of the write)."""
+def drop_cached(fd: int) -> None:
+    """An archive file out of the page cache (once durable, or read by a restore): it is
+    read once, rarely and much later, and ~1 GB a night of cached files would push out
+    pages that are read again (and each new file would take fresh memory where it could
+    reuse the last one's; on a VM whose memory is backed lazily that alone costs ~4x the
+    CPU of the write: docs/benchmarks.md)."""
     if hasattr(os, "posix_fadvise"):  # Linux; elsewhere the cache is the OS's call
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
