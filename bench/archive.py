@@ -9,7 +9,10 @@ fsync, manifest, watermark) and ``claw restore``'s (checksum, Parquet read,
 ``Store.commit`` with the archived timestamps, labels) into a new namespace. MB/s counts
 the steps' payload bytes (fields + 64 bytes of metadata per step), not the file bytes.
 Beside wall time it reports the CPU seconds of this process and of redis-server (a
-figure that does not move with the machine's load) and the 1-minute load average.
+figure that does not move with the machine's load) and the 1-minute load average. The
+peer, measured in the same run: the same number of bytes, in files of the archive's
+sizes, written to the same directory with ``os.write`` and fsynced each (what the disk
+takes, the ceiling for archival).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.maintenance.archive import Archiver
+from orchestrator.maintenance.archive_files import Manifest, drop_cached
 from orchestrator.maintenance.restore import restore
 
 META_BYTES = 64
@@ -84,6 +88,28 @@ class Clock:
         self.cpu = time.process_time() - self.cpu + self._redis_cpu() - self.rcpu
 
 
+def disk_ceiling(root: Path, sizes: list[int]) -> tuple[float, float]:
+    """Wall and CPU seconds to write files of ``sizes`` bytes (random, so the disk cannot
+    dedupe or compress them) into ``root``, each fsynced and dropped from the page cache
+    as archival does."""
+    data = np.random.default_rng(1).integers(0, 256, max(sizes), dtype=np.uint8).data
+    wall, cpu = time.perf_counter(), time.process_time()
+    for i, size in enumerate(sizes):
+        fd = os.open(root / f"ceiling-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            done = 0
+            while done < size:
+                done += os.write(fd, data[done:size])
+            os.fsync(fd)
+            drop_cached(fd)
+        finally:
+            os.close(fd)
+    out = time.perf_counter() - wall, time.process_time() - cpu
+    for i in range(len(sizes)):
+        os.unlink(root / f"ceiling-{i}")
+    return out
+
+
 def run(url: str, label: str, n: int, shape: tuple[int, ...], dtype: str, root: Path) -> None:
     ns = label.split()[0]
     src = Store(url, f"bench-{ns}")
@@ -96,12 +122,21 @@ def run(url: str, label: str, n: int, shape: tuple[int, ...], dtype: str, root: 
         back = restore(root, dst)
     assert back.rows == n, back
     mb = n * row / 1e6
+    size = f"{n:,} steps, {len(res.files)} files, {res.bytes / 1e6:,.0f} MB"
+    load = f"{os.getloadavg()[0]:.1f}"
     for what, c in (("archive", arch), ("restore", rest)):
         print(
             f"| {label} {what} | {n / c.wall:,.0f} | {mb / c.wall:,.0f} | {c.wall:.2f} s | "
-            f"{c.cpu:.2f} s | {mb / c.cpu:,.0f} | {n:,} steps, {len(res.files)} files, "
-            f"{res.bytes / 1e6:,.0f} MB | {os.getloadavg()[0]:.1f} |"
+            f"{c.cpu:.2f} s | {mb / c.cpu:,.0f} | {size} | {load} |"
         )
+    manifest = Manifest.load(next(root.glob("ns=*")))
+    assert manifest is not None
+    wall, cpu = disk_ceiling(root, [f["bytes"] for f in manifest.files])
+    fmb = res.bytes / 1e6
+    print(
+        f"| peer: os.write + fsync of the same file sizes | | {fmb / wall:,.0f} | {wall:.2f} s | "
+        f"{cpu:.2f} s | {fmb / cpu:,.0f} | {size} | {load} |"
+    )
     src.r.flushall()
 
 

@@ -8,7 +8,7 @@ so an archive keeps them bit for bit), but for ``delta``: its frames name other 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,18 +81,41 @@ def read_meta_run(
     return out
 
 
+def fixed_ranges(
+    store: StoreCore, shard: int, seq_lo: int, n: int, name: str
+) -> list[tuple[str, int, int]]:
+    """``(key, start, end)`` of the GETRANGEs that read fixed-shape field ``name`` of the
+    run of ``n`` slots from ``seq_lo``'s, in slot order (inclusive ends, as GETRANGE)."""
+    slot0 = run_slots(store, seq_lo, n)
+    schema = store.config().schema
+    assert schema is not None
+    size = schema.fields[name].row_bytes
+    return [
+        (store.keys.field(shard, name, chunk), inchunk * size, (inchunk + take) * size - 1)
+        for chunk, inchunk, take in _pieces(slot0, n, payload_chunk_slots(size))
+    ]
+
+
 def read_payload_run(
-    store: StoreCore, shard: int, seq_lo: int, n: int, rows: np.ndarray, flags: np.ndarray
+    store: StoreCore,
+    shard: int,
+    seq_lo: int,
+    n: int,
+    rows: np.ndarray,
+    flags: np.ndarray,
+    skip: Collection[str] = (),
 ) -> tuple[dict[str, Any], dict[int, np.ndarray], dict[int, dict[str, Any]]]:
     """Payload of ``rows`` (sorted positions in the run of ``n`` slots from ``seq_lo``'s),
     in one pipelined round trip: fixed fields as arrays, ragged ones as lists of arrays,
     compressed ones as stored (see the module docstring); the explicit ``next_obs`` (a frame
     of a compressed obs) and the ``info`` of the rows that have one, by position in
-    ``rows``. ``flags`` (the run's column) says which steps have an explicit next_obs."""
+    ``rows``. ``flags`` (the run's column) says which steps have an explicit next_obs.
+    Fields in ``skip`` are not read (the caller reads them another way)."""
     slot0 = run_slots(store, seq_lo, n)
     schema = store.config().schema
     if schema is None:
         raise ValueError(f"namespace {store.namespace!r} has no schema yet")
+    wanted = {k: v for k, v in schema.fields.items() if k not in skip}
     rows = np.asarray(rows, np.int64)
     slots = (slot0 + rows).tolist()
     nx_at = np.flatnonzero((flags[rows] & EXPLICIT_NEXT) != 0).tolist()
@@ -103,7 +126,7 @@ def read_payload_run(
     k = store.keys
     with store.r.pipeline(transaction=False) as pipe:
         counts = []
-        for name, spec in schema.fields.items():
+        for name, spec in wanted.items():
             if spec.codec is not None:  # a frame in every slot: the run's, by HMGET
                 for c in sparse_chunks:
                     pipe.hmget(k.compressed(shard, name, c), by_chunk[c])
@@ -114,12 +137,10 @@ def read_payload_run(
                     pipe.hgetall(k.ragged(shard, name, c))
                 counts.append(len(sparse_chunks))
                 continue
-            pieces = _pieces(slot0, n, payload_chunk_slots(spec.row_bytes))
-            for chunk, inchunk, take in pieces:
-                size = spec.row_bytes
-                key = k.field(shard, name, chunk)
-                pipe.getrange(key, inchunk * size, (inchunk + take) * size - 1)
-            counts.append(len(pieces))
+            ranges = fixed_ranges(store, shard, seq_lo, n, name)
+            for key, start, end in ranges:
+                pipe.getrange(key, start, end)
+            counts.append(len(ranges))
         for i in nx_at:
             pipe.hget(k.sparse(shard, "nx", slots[i] // SPARSE_CHUNK_SLOTS), slots[i])
         for c in sparse_chunks:
@@ -127,7 +148,7 @@ def read_payload_run(
         replies = pipe.execute()
     fields: dict[str, Any] = {}
     at = 0
-    for (name, spec), count in zip(schema.fields.items(), counts, strict=True):
+    for (name, spec), count in zip(wanted.items(), counts, strict=True):
         got, at = replies[at : at + count], at + count
         dtype = np.dtype(spec.dtype)
         if spec.codec is not None:

@@ -19,7 +19,7 @@ import datetime as dt
 import secrets
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,14 +33,21 @@ from claw_tasks.format.schema import tag_column
 from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
-from claw_tasks.store.scan import read_meta_run, read_payload_run
+from claw_tasks.store.scan import fixed_ranges, read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
-from orchestrator.maintenance.archive_files import MANIFEST, Manifest, namespace_dir, write_parquet
+from orchestrator.maintenance.archive_files import (
+    MANIFEST,
+    Manifest,
+    PendingFile,
+    namespace_dir,
+    write_parquet,
+)
 from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.maintenance.snapshots import archive_snapshots
 from orchestrator.maintenance.steptable import STRING_COLUMNS, TAG_PREFIX, StepRows
+from orchestrator.sampling.bulk import BulkReader
 
 CHUNK_BYTES = 64 * 1024 * 1024  # payload read and written per file, at most
 MAX_CHUNK_ROWS = 1 << 18
@@ -173,8 +180,15 @@ class Archiver:
             manifest = self._recover(cfg.n_shards, cfg.created)
             manifest.schema, manifest.spaces = cfg.schema.to_dict(), cfg.spaces
             result = ArchiveResult(self.store.namespace)
-            for shard in range(cfg.n_shards):
-                self._shard(shard, manifest, result)
+            # Fixed-shape payloads are received straight into their arrays (None: a
+            # connection BulkReader does not speak, e.g. a Cluster; then through redis-py).
+            self.bulk = BulkReader.for_client(self.store.r)
+            try:
+                for shard in range(cfg.n_shards):
+                    self._shard(shard, manifest, result)
+            finally:
+                if self.bulk is not None:
+                    self.bulk.close()
             result.watermarks = dict(manifest.watermarks)
             result.snapshots = archive_snapshots(self.store, self.dir)
             return result
@@ -234,27 +248,78 @@ class Archiver:
         def run_at(lo: int) -> int:
             return min(seq_now - lo + 1, per_chunk, cfg.cap - (lo - 1) % cfg.cap)
 
-        # One run is read from Redis (a thread) while the one before it is written.
-        with ThreadPoolExecutor(1, thread_name_prefix="claw-archive-read") as pool:
-            ahead = pool.submit(self._read, shard, lo, run_at(lo)) if lo <= seq_now else None
-            while ahead is not None:
-                n, chunk = run_at(lo), ahead.result()
-                nxt = lo + chunk.covered
-                full = chunk.covered == n
-                more = full and nxt <= seq_now
-                ahead = pool.submit(self._read, shard, nxt, run_at(nxt)) if more else None
-                result.overwritten += chunk.lost
-                files = self._write(shard, chunk.rows, chunk.seqs, result) if chunk.rows else []
-                if chunk.covered:
-                    self.lock.extend()
-                    manifest.files += files
-                    manifest.watermarks[shard] = nxt - 1
-                    manifest.save(self.dir)
-                    self.store.r.set(k.archived(shard), nxt - 1)
-                    self.progress(chunk.covered)
-                if not full:
-                    result.blocked[shard] = nxt
-                lo = nxt
+        # A pipeline of three: the next run is read from Redis (a thread) while this one
+        # is encoded to temp files (here) and the files of the one before are checksummed,
+        # fsynced and renamed, then listed in the manifest and the watermark moved past
+        # them (another thread, one run at a time, in order: a run is settled only once
+        # the one before it is).
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix="claw-archive-read") as reads,
+            ThreadPoolExecutor(1, thread_name_prefix="claw-archive-sync") as syncs,
+        ):
+            ahead = reads.submit(self._read, shard, lo, run_at(lo)) if lo <= seq_now else None
+            settling: Future[int] | None = None
+            try:
+                while ahead is not None:
+                    n, chunk = run_at(lo), ahead.result()
+                    nxt = lo + chunk.covered
+                    full = chunk.covered == n
+                    more = full and nxt <= seq_now
+                    ahead = reads.submit(self._read, shard, nxt, run_at(nxt)) if more else None
+                    result.overwritten += chunk.lost
+                    files = self._write(shard, chunk.rows, chunk.seqs) if chunk.rows else []
+                    try:
+                        self._settled(settling)
+                    except BaseException:
+                        for pending in files:
+                            pending.discard()
+                        raise
+                    settling = syncs.submit(
+                        self._settle, shard, files, chunk.covered, nxt - 1, manifest, result
+                    )
+                    if not full:
+                        result.blocked[shard] = nxt
+                    lo = nxt
+            finally:
+                if ahead is not None:
+                    ahead.cancel()
+            self._settled(settling)
+
+    def _settled(self, settling: Future[int] | None) -> None:
+        """Wait for the run being settled (raising what it raised); report its seqs."""
+        if settling is not None:
+            covered = settling.result()
+            if covered:
+                self.progress(covered)
+
+    def _settle(
+        self,
+        shard: int,
+        files: list[PendingFile],
+        covered: int,
+        mark: int,
+        manifest: Manifest,
+        result: ArchiveResult,
+    ) -> int:
+        """Make a run's files durable, then list them and move the watermark to ``mark``
+        (see the module docstring); the seqs it covered."""
+        try:
+            entries = [pending.finish() for pending in files]
+        except BaseException:
+            for pending in files:
+                pending.discard()
+            raise
+        for entry in entries:
+            result.files.append(entry["path"])
+            result.rows += entry["rows"]
+            result.bytes += entry["bytes"]
+        if covered:
+            self.lock.extend()
+            manifest.files += entries
+            manifest.watermarks[shard] = mark
+            manifest.save(self.dir)
+            self.store.r.set(self.store.keys.archived(shard), mark)
+        return covered
 
     def _read(self, shard: int, lo: int, n: int) -> _Run:
         """The settled prefix of the run of ``n`` seqs from ``lo``: how many seqs it
@@ -273,9 +338,24 @@ class Archiver:
         rows = np.flatnonzero(stored[:covered] & meta["alive"][:covered])
         if not len(rows):
             return _Run(covered)
-        fields, next_obs, info = read_payload_run(
-            self.store, shard, lo, covered, rows, meta["flags"]
+        schema = cfg.schema
+        assert schema is not None
+        bulk = self.bulk
+        direct = (
+            []
+            if bulk is None
+            else [k for k, f in schema.fields.items() if not f.ragged and f.codec is None]
         )
+        fields, next_obs, info = read_payload_run(
+            self.store, shard, lo, covered, rows, meta["flags"], skip=direct
+        )
+        for name in direct:
+            assert bulk is not None
+            spec = schema.fields[name]
+            arr = np.empty((covered, *spec.shape), spec.dtype)
+            ranges = fixed_ranges(self.store, shard, lo, covered, name)
+            bulk.getranges(ranges, memoryview(arr.reshape(-1).view(np.uint8)))
+            fields[name] = arr if len(rows) == covered else arr[rows]
         # Steps whose slot was reused while being read are not what we read: drop them.
         again = read_meta_run(self.store, shard, lo, covered, ["id"])
         keep = (again["id"][rows] == expected[rows]) & again["alive"][rows]
@@ -338,18 +418,11 @@ class Archiver:
         names = [f"#{c}" if v is None else v.decode() for c, v in zip(uniq, found, strict=True)]
         return _vocab(names, index)
 
-    def _write(
-        self, shard: int, rows: StepRows, seqs: np.ndarray, result: ArchiveResult
-    ) -> list[dict[str, Any]]:
-        """One file per commit date of the rows."""
+    def _write(self, shard: int, rows: StepRows, seqs: np.ndarray) -> list[PendingFile]:
+        """One file per commit date of the rows, written to a temp name."""
         schema = self.store.config().schema
         assert schema is not None
-        out = write_parquet(self.dir, self.store.namespace, schema, shard, rows, seqs)
-        for entry in out:
-            result.files.append(entry["path"])
-            result.rows += entry["rows"]
-            result.bytes += entry["bytes"]
-        return out
+        return write_parquet(self.dir, self.store.namespace, schema, shard, rows, seqs)
 
 
 def _vocab(names: list[str | None], index: np.ndarray) -> StrColumn:

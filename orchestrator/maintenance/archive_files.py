@@ -1,13 +1,13 @@
 """The archive directory's files: atomic writes (temp name, fsync, rename, fsync the
-directory), the manifest, and the Parquet files with their SHA-256 computed as they are
-written. The layout and the crash-safety argument are in :mod:`orchestrator.maintenance.archive`."""
+directory), the manifest, and the Parquet files with their SHA-256. The layout and the
+crash-safety argument are in :mod:`orchestrator.maintenance.archive`."""
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import io
 import json
+import mmap
 import os
 import secrets
 from collections.abc import Iterator
@@ -107,61 +107,103 @@ def namespace_dir(root: Path, namespace: str) -> Path:
     return Path(root) / f"ns={namespace}"
 
 
-class _Hashing(io.RawIOBase):
-    """A file that hashes what goes through it: the checksum without reading back."""
+@dataclass
+class PendingFile:
+    """A Parquet file written to a hidden temp name beside ``path``, not durable yet:
+    :meth:`finish` (which another thread may run while the next file is encoded) makes it
+    so; :meth:`discard` deletes it. A crash in between leaves only the temp file, which
+    the next archive run deletes."""
 
-    def __init__(self, f: Any) -> None:
-        self.f, self.h, self.size = f, hashlib.sha256(), 0
+    path: Path
+    tmp: Path
+    entry: dict[str, Any] = field(default_factory=dict)  # its manifest entry, but checksum
 
-    def writable(self) -> bool:
-        return True
+    def finish(self) -> dict[str, Any]:
+        """Checksum, fsync, rename onto ``path``, fsync the directory; the manifest entry.
+        The SHA-256 is of the file's bytes as the page cache holds them (mapped, not
+        copied): what a reader will get, not what the writer meant to send."""
+        try:
+            fd = os.open(self.tmp, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
+                    digest = hashlib.sha256(view).hexdigest()  # (without the GIL)
+                os.fsync(fd)
+                drop_cached(fd)
+            finally:
+                os.close(fd)
+            os.replace(self.tmp, self.path)
+        finally:
+            self.tmp.unlink(missing_ok=True)
+        fsync_dir(self.path.parent)
+        return {**self.entry, "bytes": size, "sha256": digest}
 
-    def write(self, data: Any) -> int:
-        self.h.update(data)
-        self.size += len(data)
-        return self.f.write(data)
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
 
-    def tell(self) -> int:
-        return self.size
+
+def drop_cached(fd: int) -> None:
+    """An archive file out of the page cache (once durable, or read by a restore): it is
+    read once, rarely and much later, and ~1 GB a night of cached files would push out
+    pages that are read again (and each new file would take fresh memory where it could
+    reuse the last one's; on a VM whose memory is backed lazily that alone costs ~4x the
+    CPU of the write: docs/benchmarks.md)."""
+    if hasattr(os, "posix_fadvise"):  # Linux; elsewhere the cache is the OS's call
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def write_parquet(
     ns_dir: Path, namespace: str, schema: Schema, shard: int, rows: StepRows, seqs: np.ndarray
-) -> list[dict[str, Any]]:
+) -> list[PendingFile]:
     """Write ``rows`` (of ``shard``, at ``seqs``) as one file per commit date under
-    ``ns_dir``, each atomically and hashed on the way; returns their manifest entries."""
+    ``ns_dir``, to temp names: each is in place once :meth:`PendingFile.finish` ran."""
     days = np.floor(rows.timestamp / 86400).astype(np.int64)
-    out = []
-    for day in np.unique(days).tolist():
-        sel = np.flatnonzero(days == day)
-        part = rows if len(sel) == rows.n else rows.take(sel)
-        date = dt.datetime.fromtimestamp(day * 86400, dt.UTC).date().isoformat()
-        lo, hi = int(seqs[sel[0]]), int(seqs[sel[-1]])
-        rel = f"date={date}/part-{shard}-{lo}-{hi}.parquet"
-        extra = {"namespace": namespace, "shard": shard, "seq_lo": lo, "seq_hi": hi}
-        digest, size = write_table(ns_dir / rel, to_table(part, schema, extra), schema)
-        entry = {
-            "path": rel,
-            "date": date,
-            "shard": shard,
-            "seq_lo": lo,
-            "seq_hi": hi,
-            "rows": part.n,
-            "id_min": int(part.id.min()),
-            "id_max": int(part.id.max()),
-            "bytes": size,
-            "sha256": digest,
-        }
-        out.append(entry)
+    out: list[PendingFile] = []
+    try:
+        for day in np.unique(days).tolist():
+            sel = np.flatnonzero(days == day)
+            part = rows if len(sel) == rows.n else rows.take(sel)
+            date = dt.datetime.fromtimestamp(day * 86400, dt.UTC).date().isoformat()
+            lo, hi = int(seqs[sel[0]]), int(seqs[sel[-1]])
+            rel = f"date={date}/part-{shard}-{lo}-{hi}.parquet"
+            extra = {"namespace": namespace, "shard": shard, "seq_lo": lo, "seq_hi": hi}
+            pending = write_pending(ns_dir / rel, to_table(part, schema, extra), schema)
+            pending.entry = {
+                "path": rel,
+                "date": date,
+                "shard": shard,
+                "seq_lo": lo,
+                "seq_hi": hi,
+                "rows": part.n,
+                "id_min": int(part.id.min()),
+                "id_max": int(part.id.max()),
+            }
+            out.append(pending)
+    except BaseException:
+        for pending in out:
+            pending.discard()
+        raise
     return out
 
 
+def write_pending(path: Path, table: pa.Table, schema: Schema) -> PendingFile:
+    """Write ``table`` to a temp name beside ``path`` (Arrow's own file writer: the
+    encoding and the writes run without the GIL and without a copy through Python)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink:
+            pq.write_table(table, sink, **_parquet_options(schema, table))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return PendingFile(path, tmp)
+
+
 def write_table(path: Path, table: pa.Table, schema: Schema) -> tuple[str, int]:
-    """Write ``table`` to ``path`` atomically; its SHA-256 and size, computed on the way."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        sink = _Hashing(f)
-        pq.write_table(table, pa.PythonFile(sink, mode="w"), **_parquet_options(schema, table))
-        return sink.h.hexdigest(), sink.size
+    """Write ``table`` to ``path`` atomically; its SHA-256 and size."""
+    done = write_pending(path, table, schema).finish()
+    return done["sha256"], done["bytes"]
 
 
 def _parquet_options(schema: Schema, table: pa.Table) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from claw_tasks.format.schema import Schema
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.layout import row_episode_codes
-from orchestrator.maintenance.archive_files import MANIFEST, Manifest
+from orchestrator.maintenance.archive_files import MANIFEST, Manifest, drop_cached
 from orchestrator.maintenance.snapshots import (
     RestoredSnapshot,
     archived_snapshots,
@@ -111,14 +112,26 @@ def restore(
     result = RestoreResult(store.namespace)
     snapshots = archived_snapshots(ns_dir) if with_snapshots else []
     ids: list[tuple[np.ndarray, np.ndarray]] | None = [] if snapshots else None
-    for entry in sorted(manifest.files, key=lambda f: (f["shard"], f["seq_lo"])):
-        table = read_verified(ns_dir, entry)
-        step = max(1, min(BATCH_ROWS, BATCH_BYTES * table.num_rows // max(1, table.nbytes)))
-        for i, start in enumerate(range(0, table.num_rows, step)):
-            part = table.slice(start, step)
-            _restore_part(store, part, f"restore-{entry['sha256'][:24]}-{i}", result, ids)
-            tell(part.num_rows, part.nbytes)
-        result.files += 1
+    entries = sorted(manifest.files, key=lambda f: (f["shard"], f["seq_lo"]))
+    # The next file is read, checksummed and decoded (a thread, without the GIL for the
+    # most part) while this one is written to Redis: two files in memory at most.
+    with ThreadPoolExecutor(1, thread_name_prefix="claw-restore-read") as reads:
+        ahead = reads.submit(read_verified, ns_dir, entries[0]) if entries else None
+        try:
+            for at, entry in enumerate(entries):
+                assert ahead is not None
+                table = ahead.result()
+                more = at + 1 < len(entries)
+                ahead = reads.submit(read_verified, ns_dir, entries[at + 1]) if more else None
+                step = max(1, min(BATCH_ROWS, BATCH_BYTES * table.num_rows // max(1, table.nbytes)))
+                for i, start in enumerate(range(0, table.num_rows, step)):
+                    part = table.slice(start, step)
+                    _restore_part(store, part, f"restore-{entry['sha256'][:24]}-{i}", result, ids)
+                    tell(part.num_rows, part.nbytes)
+                result.files += 1
+        finally:
+            if ahead is not None:
+                ahead.cancel()
     if snapshots and ids is not None:
         cat = np.concatenate
         old = cat([o for o, _ in ids]) if ids else np.zeros(0, np.int64)
@@ -136,7 +149,9 @@ def read_verified(ns_dir: Path, entry: dict[str, Any]) -> pa.Table:
     path = ns_dir / entry["path"]
     if not path.exists():
         raise ArchiveError(f"{path} is in the manifest but missing")
-    data = path.read_bytes()
+    with open(path, "rb") as f:
+        data = f.read()
+        drop_cached(f.fileno())
     digest = hashlib.sha256(data).hexdigest()
     if digest != entry["sha256"]:
         raise ArchiveError(

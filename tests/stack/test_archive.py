@@ -371,3 +371,39 @@ def test_archive_refusals_name_the_cause(redis_url, namespace, tmp_path):
     manifest.save(ns_dir)
     with pytest.raises(ValueError, match="reward is nan"):
         restore(tmp_path / "a", Store(redis_url, namespace + "-r2"))
+
+
+def test_a_file_failing_to_settle_lists_nothing_after_it(
+    redis_url, namespace, tmp_path, monkeypatch
+):
+    """Runs are encoded ahead of the one being settled (checksum, fsync, rename, manifest,
+    watermark): when one fails, neither it nor a later run is listed, no temp file is
+    left, and the next archive run writes the rest once."""
+    from orchestrator.maintenance import archive_files
+
+    store = Store(redis_url, namespace)
+    store.create(1000)
+    for _ in range(40):
+        store.commit(_one_step())
+    finish = archive_files.PendingFile.finish
+    calls = []
+
+    def failing(self):
+        calls.append(self.path.name)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return finish(self)
+
+    monkeypatch.setattr(archive_files.PendingFile, "finish", failing)
+    with pytest.raises(OSError, match="disk full"):
+        archive_namespace(store, tmp_path, chunk_bytes=72 * 8)  # 64 + 8 B a step: runs of 8
+    ns_dir = tmp_path / f"ns={namespace}"
+    manifest = Manifest.load(ns_dir)
+    assert manifest.watermarks == {0: 16} and manifest.rows == 16
+    assert int(store.r.get(store.keys.archived(0))) == 16
+    on_disk = {p.relative_to(ns_dir).as_posix() for p in ns_dir.rglob("*") if p.is_file()}
+    assert on_disk == {f["path"] for f in manifest.files} | {MANIFEST}
+    monkeypatch.setattr(archive_files.PendingFile, "finish", finish)
+    again = archive_namespace(store, tmp_path, chunk_bytes=72 * 8)
+    assert again.rows == 24
+    assert sorted(_check_archive(ns_dir, store)) == list(range(1, 41))
