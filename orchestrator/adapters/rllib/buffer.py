@@ -42,6 +42,15 @@ Where it differs from RLlib's buffer, and why:
 - ``get_num_episodes`` counts the episodes this buffer started (eviction is per step, so
   an episode may be partly stored); ``get_num_timesteps`` the steps the ring holds.
 - Connections and threads are released by ``close()``, on garbage collection, or at exit.
+- Lineage: each ``sample()`` is recorded as training a policy version (``claw lineage NS
+  --policy v``), by default ``updates``: the number of ``sample()`` calls so far, this one
+  included. DQN and SAC run one learner update on each sample, so the samples of version
+  ``v`` trained the ``v``-th update (the count is saved in ``get_state``: a restored run
+  goes on counting). ``timesteps`` records the env steps added at the sample instead; a
+  callable gets the sample's number and returns the version (e.g. ``lambda k:
+  algo.training_iteration``, set as ``buffer.policy_version`` once the algorithm exists;
+  not saved); None records nothing. A sample of an n-step range (or of several modules)
+  is one entry per part, each with the version.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from __future__ import annotations
 import logging
 import uuid
 import weakref
+import zlib
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -64,7 +74,9 @@ from claw_tasks.store import Store
 from orchestrator.adapters.experience import (
     Cadence,
     Connection,
+    PolicyVersion,
     Transitions,
+    Versions,
     close_quietly,
     global_seed,
     ingest_options,
@@ -131,6 +143,7 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         readahead: int | None = None,
         readahead_bytes: int = 64 << 20,
         batches_per_pop: int | None = None,
+        policy_version: PolicyVersion = "updates",
         **kwargs: Any,
     ) -> None:
         EpisodeReplayBuffer.__init__(  # not the MRO's next: a prioritized one builds trees
@@ -168,7 +181,9 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             "readahead": readahead,
             "readahead_bytes": readahead_bytes,
             "batches_per_pop": batches_per_pop,
+            "policy_version": policy_version if isinstance(policy_version, str) else None,
         }
+        self.policy_version = policy_version
         self._cadence = (
             Cadence(1, 1, 0)  # one batch per call, drawn here: nothing read ahead
             if deterministic
@@ -179,6 +194,18 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._num_episodes_added = 0
         self._last_ids = np.zeros(0, np.int64)
         self._connect()
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        """What each sample is recorded as training (see the module docstring)."""
+        return self._versions.declare
+
+    @policy_version.setter
+    def policy_version(self, declare: PolicyVersion) -> None:
+        self._versions = Versions(
+            declare,
+            {"updates": lambda: self._samples, "timesteps": lambda: self._num_timesteps_added},
+        )
 
     # ---- connection ----------------------------------------------------------------
     def _connect(self) -> None:
@@ -292,16 +319,10 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         )
         beta = 0.0 if beta is None else float(beta)
         self._samples += 1
+        version = self._versions.of(self._samples)
         if (plan := self._cadence.sampled()) is not None:
             self._conn.resize(plan)
-        parts = []
-        for k, rows in n_step_rows(size, n):  # one n, or a range: rows per n
-            if self.deterministic:
-                parts.append(self._draw_here(rows, k, gamma, beta))
-            else:
-                name = self._recipe_name(rows, k, gamma, beta)
-                parts.append(self._conn.pop(name, self.timeout))
-        drawn = Drawn.join(parts)
+        drawn = self._draw(size, n, gamma, beta, version)
         self._last_ids = drawn.ids
         self.sampled_timesteps += size
         self._log_sample(drawn, size)
@@ -347,11 +368,34 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             raise ValueError(f"n_step={n_step}: must be >= 1")
         return n
 
+    def _draw(
+        self,
+        size: int,
+        n: int | tuple[int, int],
+        gamma: float,
+        beta: float,
+        version: Any,
+        module: str | None = None,
+    ) -> Drawn:
+        """``size`` rows (of ``module``'s records, for the multi-agent buffer), each part
+        recorded in the lineage log as training ``version`` (None: not recorded)."""
+        parts = []
+        for k, rows in n_step_rows(size, n):  # one n, or a range: rows per n
+            if self.deterministic:
+                parts.append(self._draw_here(rows, k, gamma, beta, version, module))
+            else:
+                name = self._recipe_name(rows, k, gamma, beta, module)
+                parts.append(self._conn.pop(name, self.timeout, version))
+        return Drawn.join(parts)
+
     def _source(self, beta: float) -> dict[str, Any]:
         """The recipe source's sampler (the prioritized buffer's is ``priority``)."""
         return {"kind": "uniform"}
 
-    def _spec(self, size: int, n: int, gamma: float, beta: float) -> dict[str, Any]:
+    def _spec(
+        self, size: int, n: int, gamma: float, beta: float, module: str | None = None
+    ) -> dict[str, Any]:
+        """The recipe of these arguments (``module``: the multi-agent buffer's)."""
         return {
             "name": self._recipe_base,
             "fields": FIELDS,
@@ -363,7 +407,7 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             "batch_size": size,
         }
 
-    def _convert(self, n: int, gamma: float) -> Any:
+    def _convert(self, n: int, gamma: float, module: str | None = None) -> Any:
         writer = self._writer
 
         def convert(batch: Any) -> Drawn:
@@ -372,17 +416,19 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
 
         return convert
 
-    def _recipe_name(self, size: int, n: int, gamma: float, beta: float) -> str:
+    def _recipe_name(
+        self, size: int, n: int, gamma: float, beta: float, module: str | None = None
+    ) -> str:
         """The recipe serving these arguments, registered on first use (after a flush, so
         everything added so far can be drawn), with its read-ahead thread."""
         conn, plan = self._conn, self._cadence.plan
-        key: Hashable = (size, n, float(gamma), beta)
+        key: Hashable = (size, n, float(gamma), beta, module)
         name = self._recipe_base + (f".p{conn.replans}" if conn.replans else "")
         if conn.names and key not in conn.names:
             name += f"-{len(conn.names)}"
         spec = {
             "prefetch": {"depth": plan.depth},
-            **self._spec(size * plan.parts, n, gamma, beta),
+            **self._spec(size * plan.parts, n, gamma, beta, module),
             "name": name,
         }
         return conn.recipe(
@@ -391,17 +437,23 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             plan.readahead,
             self.readahead_bytes,
             plan.parts,
-            convert=self._convert(n, gamma),
+            convert=self._convert(n, gamma, module),
         )
 
-    def _draw_here(self, size: int, n: int, gamma: float, beta: float) -> Drawn:
+    def _draw_here(
+        self, size: int, n: int, gamma: float, beta: float, version: Any, module: str | None
+    ) -> Drawn:
         """The k-th batch from the steps added before this k-th call, seeded by (seed, k)
-        (and n, for each n of a range)."""
+        (and n, for each n of a range, and the module)."""
         self.flush()
-        rng = np.random.default_rng([self.seed, self._samples, n])
-        spec = self._spec(size, n, gamma, beta)
-        batch = sample_here(self.client.store, as_recipe(spec), rng=rng)
-        return self._convert(n, gamma)(batch)
+        seed = [self.seed, self._samples, n]
+        if module is not None:
+            seed.append(zlib.crc32(module.encode()))
+        spec = self._spec(size, n, gamma, beta, module)
+        batch = sample_here(self.client.store, as_recipe(spec), rng=np.random.default_rng(seed))
+        if version is not None:
+            self.client.trained(self._recipe_base, batch, version)
+        return self._convert(n, gamma, module)(batch)
 
     def _log_sample(self, drawn: Drawn, size: int) -> None:
         steps, eps = len(np.unique(drawn.ids)), len(set(drawn.names))
