@@ -119,7 +119,9 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
     ``seed``, ``deterministic``; ``gradient_steps`` (the ``sample()`` calls between two
     ``add()``s, DQN's training intensity), ``readahead``, ``readahead_bytes`` and
     ``batches_per_pop`` size the read-ahead as for the SB3 buffer (by default it watches
-    the bursts: :class:`~orchestrator.adapters.experience.Cadence`). Other keyword
+    the bursts: :class:`~orchestrator.adapters.experience.Cadence`); ``policy_version``
+    what each sample is recorded as training in the lineage log (``"updates"``,
+    ``"timesteps"``, a callable or None: the module docstring). Other keyword
     arguments of RLlib's replay buffer config (``alpha``, ``beta`` of a prioritized
     default) are ignored, as RLlib's own buffer ignores them.
     """
@@ -196,6 +198,11 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._connect()
 
     @property
+    def updates(self) -> int:
+        """``sample()`` calls so far (saved by ``get_state``): the ``updates`` version."""
+        return self._samples
+
+    @property
     def policy_version(self) -> PolicyVersion:
         """What each sample is recorded as training (see the module docstring)."""
         return self._versions.declare
@@ -204,7 +211,7 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
     def policy_version(self, declare: PolicyVersion) -> None:
         self._versions = Versions(
             declare,
-            {"updates": lambda: self._samples, "timesteps": lambda: self._num_timesteps_added},
+            {"updates": lambda: self.updates, "timesteps": lambda: self._num_timesteps_added},
         )
 
     # ---- connection ----------------------------------------------------------------
@@ -491,12 +498,14 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
 
     # ---- state ---------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
-        """Settings, namespace, recipe overrides, seed and counters; never the data nor a
-        password (plain values: a checkpoint may pickle or msgpack them)."""
+        """Settings, namespace, recipe overrides, seed, counters and the lineage declaration
+        (a counter's name; a callable is not saved); never the data nor a password (plain values: a checkpoint may pickle or msgpack them)."""
         self.flush()  # what was added is in the store first
         kw = dict(self._init_kw)
         kw["redis_url"] = without_password(kw["redis_url"])
         kw["broker_url"] = without_password(kw["broker_url"])
+        declared = self.policy_version  # a callable is the caller's to set again
+        kw["policy_version"] = declared if isinstance(declared, str) else None
         return {
             "claw": {
                 "format": STATE_FORMAT,
