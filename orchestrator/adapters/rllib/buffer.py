@@ -499,7 +499,8 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
     # ---- state ---------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
         """Settings, namespace, recipe overrides, seed, counters and the lineage declaration
-        (a counter's name; a callable is not saved); never the data nor a password (plain values: a checkpoint may pickle or msgpack them)."""
+        (a counter's name; a callable is not saved); never the data nor a password (plain
+        values: a checkpoint may pickle or msgpack them)."""
         self.flush()  # what was added is in the store first
         kw = dict(self._init_kw)
         kw["redis_url"] = without_password(kw["redis_url"])
