@@ -310,3 +310,140 @@ def test_what_is_not_served_raises(redis_url, namespace, workers):
     with pytest.raises(TypeError, match="MultiAgentEpisode"):
         claw.add(calls[0][0].agent_episodes[0])
     claw.close()
+
+
+@pytest.mark.slow
+def test_multi_agent_dqn_trains_with_the_claw_buffer(redis_url, namespace, workers):
+    """RLlib's multi-agent DQN (new API stack, two modules) on two-agent CartPole with
+    ClawMultiAgentEpisodeReplayBuffer, 3,000 env steps: it trains both modules from the
+    buffer, and the lineage log holds two entries (one per module) of every update."""
+    import ray
+    import torch
+    from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
+
+    from claw_tasks.store import Store
+    from orchestrator.delivery.lineage import LineageLog
+
+    torch.set_num_threads(1)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        config = (
+            DQNConfig()
+            .environment(MultiAgentCartPole, env_config={"num_agents": 2})
+            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=module_of)
+            .env_runners(num_env_runners=0, rollout_fragment_length=16)
+            .learners(num_learners=0)
+            .training(
+                train_batch_size_per_learner=32,
+                n_step=3,
+                num_steps_sampled_before_learning_starts=500,
+                training_intensity=4,
+                replay_buffer_config={
+                    "type": "orchestrator.adapters.rllib.ClawMultiAgentEpisodeReplayBuffer",
+                    "capacity": 20_000,
+                    "namespace": namespace,
+                    "redis_url": redis_url,
+                    "timeout": 120,
+                },
+            )
+            .rl_module(model_config=DefaultModelConfig(fcnet_hiddens=[32], head_fcnet_hiddens=[32]))
+            .reporting(min_sample_timesteps_per_iteration=500)
+            .debugging(seed=0)
+        )
+        algo = config.build_algo()
+        buffer = algo.local_replay_buffer
+        assert isinstance(buffer, ClawMultiAgentEpisodeReplayBuffer)
+        steps = 0
+        while steps < 3000:
+            res = algo.train()
+            steps = int(res["env_runners"]["num_env_steps_sampled_lifetime"])
+        trained = res["learners"]
+        assert {"p0", "p1"} <= set(trained)
+        assert set(buffer.get_module_ids()) == {"p0", "p1"} and buffer.updates > 0
+        updates = buffer.updates
+        buffer.close()
+        algo.stop()
+    finally:
+        ray.shutdown()
+    log = LineageLog(Store(redis_url, namespace))
+    assert log.counts() == {str(v): 2 for v in range(1, updates + 1)}
+
+
+# ---- RLlib's multi-agent buffer tests, ported (test_multi_agent_episode_buffer.py) -------
+def counting_episode(length: int, id_: str, rng: np.random.Generator) -> MultiAgentEpisode:
+    """RLlib's test episode: two agents on two modules, observation t, action t, reward
+    0.1 (t + 1) after obs t; ending terminated, truncated or neither at random."""
+    agents = ("agent_1", "agent_2")
+    eps = MultiAgentEpisode(
+        id_=id_,
+        observations=[dict.fromkeys(agents, 0.0)],
+        infos=[{a: {} for a in agents}],
+        agent_module_ids={"agent_1": "module_1", "agent_2": "module_2"},
+    )
+    for t in range(length):
+        eps.add_env_step(
+            observations=dict.fromkeys(agents, float(t + 1)),
+            actions=dict.fromkeys(agents, int(t)),
+            rewards=dict.fromkeys(agents, 0.1 * (t + 1)),
+            infos={a: {} for a in agents},
+        )
+    eps.is_terminated = bool(rng.random() > 0.5)
+    eps.is_truncated = False if eps.is_terminated else bool(rng.random() > 0.8)
+    return eps
+
+
+def test_ported_independent_sample_logic(redis_url, namespace, workers):
+    """test_buffer_independent_sample_logic on the prefetched path: 30 episodes of up to 60
+    steps (RLlib's: 200 of up to 200) and 50 samples (1,000): both modules in every sample,
+    16 rows each, the sampled-timestep counters per module, and RLlib's relations (action =
+    obs, next_obs = obs + 1, reward = next_obs / 10, weights 1, n_step 1)."""
+    rng = np.random.default_rng(0)
+    buf = _claw(redis_url, namespace, capacity=10_000, deterministic=False)
+    buf.add([counting_episode(int(rng.integers(1, 60)), f"e{i}", rng) for i in range(30)])
+    for i in range(50):
+        sample = buf.sample(batch_size_B=16, n_step=1)
+        assert buf.get_sampled_timesteps() == 16 * (i + 1)
+        assert Counter(e.module_id for e in sample) == {"module_1": 16, "module_2": 16}
+        assert buf.get_sampled_timesteps("module_1") == 16 * (i + 1)
+        assert buf.get_sampled_timesteps("module_2") == 16 * (i + 1)
+        for eps in sample:
+            obs, nxt = eps.get_observations(0), eps.get_observations(-1)
+            assert not (eps.is_terminated and eps.is_truncated)
+            assert eps.get_actions(-1) == pytest.approx(obs)
+            assert nxt == pytest.approx(obs + 1)
+            assert eps.get_rewards(-1) * 10 == pytest.approx(nxt)
+            assert eps.get_extra_model_outputs("weights", -1) == 1.0
+            assert eps.get_extra_model_outputs("n_step", -1) == 1
+            assert eps.agent_id == {"module_1": "agent_1", "module_2": "agent_2"}[eps.module_id]
+    buf.close()
+
+
+def test_ported_counts_and_state_round_trip(redis_url, namespace, workers):
+    """test_add_and_eviction_logic's counts while nothing is evicted (RLlib evicts whole
+    episodes; Claw's ring evicts records: test_rllib.py covers it for one agent), and
+    test_get_state_and_set_state: a restored buffer has the module counters and the agents'
+    ids, and samples what was added before."""
+    rng = np.random.default_rng(1)
+    buf = _claw(redis_url, namespace, capacity=1000, recipe=RECENT)
+    for id_, length, steps in (("A", 50, 50), ("B", 25, 75), ("C", 25, 100)):
+        buf.add(counting_episode(length, id_, rng))
+        assert buf.get_num_episodes() == "ABC".index(id_) + 1
+        assert buf.get_num_agent_timesteps() == buf.get_added_agent_timesteps() == 2 * steps
+        assert buf.get_added_timesteps() == steps
+        for module in buf.get_module_ids():
+            assert buf.get_num_episodes(module) == "ABC".index(id_) + 1
+            assert buf.get_num_timesteps(module) == buf.get_added_timesteps(module) == steps
+    buf.sample(8)
+    state = buf.get_state()
+    buf.close()
+    fresh = ClawMultiAgentEpisodeReplayBuffer(10)
+    fresh.set_state(state)
+    assert fresh.namespace == namespace and fresh.get_module_ids() == ["module_1", "module_2"]
+    assert fresh.get_sampled_timesteps("module_1") == 8 and fresh.updates == 1
+    assert fresh.get_added_agent_timesteps() == 200
+    rows = fresh.sample(100, modules_to_sample=["module_2"])
+    assert {e.agent_id for e in rows} == {"agent_2"}
+    assert {(e.multi_agent_episode_id, e.t_started) for e in rows} == {
+        (i, t) for i, n in (("A", 50), ("B", 25), ("C", 25)) for t in range(n)
+    }
+    fresh.close()
