@@ -1,7 +1,7 @@
 """``ClawEpisodeReplayBuffer``: RLlib's new-API-stack ``EpisodeReplayBuffer`` whose data lives
 in Claw.
 
-Use it in DQN or SAC as ``config.training(replay_buffer_config={"type":
+Use it in DQN as ``config.training(replay_buffer_config={"type":
 "orchestrator.adapters.rllib.ClawEpisodeReplayBuffer", "capacity": ..., "namespace": ...})``
 (a dotted string: RLlib's ``Algorithm`` checks ``"EpisodeReplayBuffer" in type``, which a
 class object fails), or :class:`~orchestrator.adapters.rllib.ClawPrioritizedEpisodeReplayBuffer`
@@ -44,7 +44,7 @@ Where it differs from RLlib's buffer, and why:
 - Connections and threads are released by ``close()``, on garbage collection, or at exit.
 - Lineage: each ``sample()`` is recorded as training a policy version (``claw lineage NS
   --policy v``), by default ``updates``: the number of ``sample()`` calls so far, this one
-  included. DQN and SAC run one learner update on each sample, so the samples of version
+  included. DQN (and SAC) run one learner update on each sample, so the samples of version
   ``v`` trained the ``v``-th update (the count is saved in ``get_state``: a restored run
   goes on counting). ``timesteps`` records the env steps added at the sample instead; a
   callable gets the sample's number and returns the version (e.g. ``lambda k:

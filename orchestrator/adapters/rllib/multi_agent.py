@@ -2,7 +2,7 @@
 whose data lives in Claw, as the joint-step records of multi-agent data
 (:mod:`claw_tasks.format.joint`, the layout ``RecordParallelSteps`` writes for PettingZoo).
 
-Use it in a multi-agent DQN or SAC as ``replay_buffer_config={"type":
+Use it in a multi-agent DQN as ``replay_buffer_config={"type":
 "orchestrator.adapters.rllib.ClawMultiAgentEpisodeReplayBuffer", ...}`` (the arguments of
 :class:`~orchestrator.adapters.rllib.ClawEpisodeReplayBuffer`).
 
@@ -15,7 +15,7 @@ timestep are a joint step: its first agent (in the order
 agents were first seen) is the anchor, with ``tags.joint_agents``, so joint recipes
 (``joint: {agents: [...]}``, CTDE critics) read what RLlib's learners trained on.
 
-``sample()`` in RLlib's default ``replay_mode="independent"`` (what DQN and SAC use) draws
+``sample()`` in RLlib's default ``replay_mode="independent"`` (what DQN uses) draws
 ``num_items`` n-step transitions per module (``modules_to_sample``, default every module
 added) from that module's records, and returns RLlib's 1-step ``SingleAgentEpisode``s with
 ``agent_id``, ``module_id`` and ``multi_agent_episode_id`` set, module after module, as
