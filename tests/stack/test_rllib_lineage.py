@@ -90,8 +90,9 @@ def test_which_data_trained_update_v_is_what_sample_v_returned(
     assert (doc["batches"], doc["rows"]) == (1, 16)
 
 
-def test_the_multi_agent_buffer_records_each_module_of_a_sample(redis_url, namespace, workers):
-    """One sample of two modules: two entries of its version, each that module's rows."""
+def test_the_multi_agent_buffer_records_each_sample(redis_url, namespace, workers):
+    """One sample of two modules (one batch, both modules' rows): one entry of its
+    version, with the rows of both."""
     calls = ma_samples(MultiAgentCartPole({"num_agents": 2}), seed=5, steps=100, chunk=10)
     buf = ClawMultiAgentEpisodeReplayBuffer(
         5000, namespace=namespace, redis_url=redis_url, timeout=60
@@ -101,22 +102,17 @@ def test_the_multi_agent_buffer_records_each_module_of_a_sample(redis_url, names
     served = []
     for _ in range(12):
         got = buf.sample(8, n_step=2, gamma=0.9)
-        served.append(
-            {
-                m: np.sort([e.get_observations(0)[0] for e in got if e.module_id == m])
-                for m in ("p0", "p1")
-            }
-        )
+        assert [e.module_id for e in got] == ["p0"] * 8 + ["p1"] * 8
+        served.append(np.sort([e.get_observations(0)[0] for e in got]))
     buf.close()
     store = Store(redis_url, namespace)
     log = LineageLog(store)
-    assert log.counts() == {str(v): 2 for v in range(1, 13)}
+    assert log.counts() == {str(v): 1 for v in range(1, 13)}
     for v, want in enumerate(served, 1):
-        entries = log.trained(v)
-        got = sorted(
-            np.sort(store.get(e.ids, fields=["obs"])["obs"][:, 0]).tolist() for e in entries
-        )
-        assert got == sorted(w.tolist() for w in want.values())
+        (entry,) = log.trained(v)
+        assert entry.rows == 16
+        got = np.sort(store.get(entry.ids, fields=["obs"])["obs"][:, 0])
+        np.testing.assert_array_equal(got, want)
 
 
 def test_other_declarations_and_a_restored_buffer(redis_url, namespace, workers):

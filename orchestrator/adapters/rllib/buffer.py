@@ -382,16 +382,16 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         gamma: float,
         beta: float,
         version: Any,
-        module: str | None = None,
+        modules: tuple[str, ...] | None = None,
     ) -> Drawn:
-        """``size`` rows (of ``module``'s records, for the multi-agent buffer), each part
+        """``size`` rows (per module of ``modules``, for the multi-agent buffer), each part
         recorded in the lineage log as training ``version`` (None: not recorded)."""
         parts = []
         for k, rows in n_step_rows(size, n):  # one n, or a range: rows per n
             if self.deterministic:
-                parts.append(self._draw_here(rows, k, gamma, beta, version, module))
+                parts.append(self._draw_here(rows, k, gamma, beta, version, modules))
             else:
-                name = self._recipe_name(rows, k, gamma, beta, module)
+                name = self._recipe_name(rows, k, gamma, beta, modules)
                 parts.append(self._conn.pop(name, self.timeout, version))
         return Drawn.join(parts)
 
@@ -400,9 +400,9 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         return {"kind": "uniform"}
 
     def _spec(
-        self, size: int, n: int, gamma: float, beta: float, module: str | None = None
+        self, size: int, n: int, gamma: float, beta: float, modules: tuple[str, ...] | None = None
     ) -> dict[str, Any]:
-        """The recipe of these arguments (``module``: the multi-agent buffer's)."""
+        """The recipe of these arguments (``modules``: the multi-agent buffer's)."""
         return {
             "name": self._recipe_base,
             "fields": FIELDS,
@@ -414,7 +414,7 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             "batch_size": size,
         }
 
-    def _convert(self, n: int, gamma: float, module: str | None = None) -> Any:
+    def _convert(self, n: int, gamma: float, modules: tuple[str, ...] | None = None) -> Any:
         writer = self._writer
 
         def convert(batch: Any) -> Drawn:
@@ -424,18 +424,18 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         return convert
 
     def _recipe_name(
-        self, size: int, n: int, gamma: float, beta: float, module: str | None = None
+        self, size: int, n: int, gamma: float, beta: float, modules: tuple[str, ...] | None = None
     ) -> str:
         """The recipe serving these arguments, registered on first use (after a flush, so
         everything added so far can be drawn), with its read-ahead thread."""
         conn, plan = self._conn, self._cadence.plan
-        key: Hashable = (size, n, float(gamma), beta, module)
+        key: Hashable = (size, n, float(gamma), beta, modules)
         name = self._recipe_base + (f".p{conn.replans}" if conn.replans else "")
         if conn.names and key not in conn.names:
             name += f"-{len(conn.names)}"
         spec = {
             "prefetch": {"depth": plan.depth},
-            **self._spec(size * plan.parts, n, gamma, beta, module),
+            **self._spec(size * plan.parts, n, gamma, beta, modules),
             "name": name,
         }
         return conn.recipe(
@@ -444,23 +444,29 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             plan.readahead,
             self.readahead_bytes,
             plan.parts,
-            convert=self._convert(n, gamma, module),
+            convert=self._convert(n, gamma, modules),
         )
 
     def _draw_here(
-        self, size: int, n: int, gamma: float, beta: float, version: Any, module: str | None
+        self,
+        size: int,
+        n: int,
+        gamma: float,
+        beta: float,
+        version: Any,
+        modules: tuple[str, ...] | None,
     ) -> Drawn:
         """The k-th batch from the steps added before this k-th call, seeded by (seed, k)
-        (and n, for each n of a range, and the module)."""
+        (and n, for each n of a range, and the modules)."""
         self.flush()
         seed = [self.seed, self._samples, n]
-        if module is not None:
-            seed.append(zlib.crc32(module.encode()))
-        spec = self._spec(size, n, gamma, beta, module)
+        if modules is not None:
+            seed.append(zlib.crc32("\0".join(modules).encode()))
+        spec = self._spec(size, n, gamma, beta, modules)
         batch = sample_here(self.client.store, as_recipe(spec), rng=np.random.default_rng(seed))
         if version is not None:
             self.client.trained(self._recipe_base, batch, version)
-        return self._convert(n, gamma, module)(batch)
+        return self._convert(n, gamma, modules)(batch)
 
     def _log_sample(self, drawn: Drawn, size: int) -> None:
         steps, eps = len(np.unique(drawn.ids)), len(set(drawn.names))

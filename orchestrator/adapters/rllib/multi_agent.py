@@ -17,9 +17,11 @@ agents were first seen) is the anchor, with ``tags.joint_agents``, so joint reci
 
 ``sample()`` in RLlib's default ``replay_mode="independent"`` (what DQN uses) draws
 ``num_items`` n-step transitions per module (``modules_to_sample``, default every module
-added) from that module's records, and returns RLlib's 1-step ``SingleAgentEpisode``s with
-``agent_id``, ``module_id`` and ``multi_agent_episode_id`` set, module after module, as
-RLlib's buffer does; the learner connector batches them per module.
+added) from that module's records (one recipe for the modules of a sample: each source once
+per module, a fixed mixture, so one popped batch serves the sample), and returns RLlib's
+1-step ``SingleAgentEpisode``s with ``agent_id``, ``module_id`` and
+``multi_agent_episode_id`` set, module after module, as RLlib's buffer does; the learner
+connector batches them per module.
 
 Where it differs from RLlib's buffer, and why (beyond the single-agent buffer's list):
 
@@ -298,46 +300,58 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
         version = self._versions.of(self._samples)
         if (plan := self._cadence.sampled()) is not None:
             self._conn.resize(plan)
-        episodes: list[Any] = []
-        metrics = _SampleMetrics()
+        drawn = self._draw(size, n, gamma, beta, version, tuple(modules))
         for module in modules:
-            drawn = self._draw(size, n, gamma, beta, version, module)
-            episodes.extend(drawn.episodes)
             self._module(module)["sampled"] += size
-            metrics.add(module, drawn, size)
         self._last_ids = np.zeros(0, np.int64)
         self.sampled_timesteps += size
-        self._update_sample_metrics(**metrics.fields(size))
+        self._update_sample_metrics(**_sample_metrics(drawn))
+        episodes = drawn.episodes
         if to_numpy:
             for eps in episodes:
                 eps.to_numpy()
         return episodes
 
     def _spec(
-        self, size: int, n: int, gamma: float, beta: float, module: str | None = None
+        self, size: int, n: int, gamma: float, beta: float, modules: tuple[str, ...] | None = None
     ) -> dict[str, Any]:
-        spec = super()._spec(size, n, gamma, beta, module)
+        """One recipe for the modules of a sample: each source once per module (filtered on
+        its records), so a batch holds ``size`` rows per module, one module after another
+        (a fixed mixture: each source's share is exact)."""
+        modules = modules or ()
+        spec = super()._spec(size * len(modules), n, gamma, beta)
         spec["fields"] = [*FIELDS, "agent_id", f"tags.{AGENT_T_TAG}"]
-        if module is not None:  # every source, only this module's records
-            spec["sources"] = [_of_module(s, module) for s in spec["sources"]]
-            spec["params"] = {**spec.get("params", {}), MODULE_TAG: module}
+        spec["sources"] = [
+            _of_module(s, f"{s.get('name', 'source')}.{i}", i)
+            for i in range(len(modules))
+            for s in spec["sources"]
+        ]
+        params = spec.setdefault("params", {})
+        params.update({f"{MODULE_TAG}_{i}": m for i, m in enumerate(modules)})
         return spec
 
-    def _convert(self, n: int, gamma: float, module: str | None = None) -> Any:
+    def _convert(self, n: int, gamma: float, modules: tuple[str, ...] | None = None) -> Any:
         writer = self._ma_writer
+        modules = modules or ()
+        per_module = len(super()._spec(1, 1, 0.5, 0.0)["sources"])  # sources of one module
 
         def convert(batch: Any) -> Drawn:
             agents = batch.meta["agent_id"]
+            module = np.asarray(batch.source_index) // per_module
             ids = [
                 {
                     "agent_id": writer.agents.get(a, a),
-                    "module_id": module,
+                    "module_id": modules[m],
                     "multi_agent_episode_id": name[: -len(a) - 1],
                 }
-                for a, name in zip(agents, batch.meta["episode_id"], strict=True)
+                for a, name, m in zip(
+                    agents, batch.meta["episode_id"], module.tolist(), strict=True
+                )
             ]
-            spaces = writer.spaces.get(module or "", (None, None))
-            return to_episodes(batch, n, gamma, spaces, ids, batch[f"tags.{AGENT_T_TAG}"])
+            out = to_episodes(batch, n, gamma, (None, None), ids, batch[f"tags.{AGENT_T_TAG}"])
+            for e in out.episodes:  # each module's spaces
+                e.observation_space, e.action_space = writer.spaces.get(e.module_id, (None, None))
+            return out
 
         return convert
 
@@ -404,62 +418,42 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
             self._ma_writer.order.setdefault(agent, len(self._ma_writer.order))
 
 
-def _of_module(source: Mapping[str, Any], module: str) -> dict[str, Any]:
-    """``source`` drawing only records of ``module`` (its own ``where`` kept)."""
-    mine = f"tags.{MODULE_TAG} == ${MODULE_TAG}"
+def _of_module(source: Mapping[str, Any], name: str, i: int) -> dict[str, Any]:
+    """``source`` (renamed ``name``) drawing only the records of the ``i``-th module of the
+    recipe (its param ``rllib_module_<i>``), its own ``where`` kept."""
+    mine = f"tags.{MODULE_TAG} == ${MODULE_TAG}_{i}"
     where = source.get("where")
     if where is None:
         combined: Any = mine
     elif isinstance(where, str):
         combined = f"({where}) and {mine}"
     else:
-        combined = {**where, f"tags.{MODULE_TAG}": f"${MODULE_TAG}"}
-    return {**source, "where": combined}
+        combined = {**where, f"tags.{MODULE_TAG}": f"${MODULE_TAG}_{i}"}
+    return {**source, "name": name, "where": combined}
 
 
-class _SampleMetrics:
-    """What RLlib's multi-agent buffer logs per sample, per agent and module."""
-
-    def __init__(self) -> None:
-        self.rows: dict[str, dict[str, Any]] = {"agent": {}, "module": {}}
-        self.steps: set[int] = set()
-        self.episodes: set[str] = set()
-        self.m: list[np.ndarray] = []
-
-    def add(self, module: str, drawn: Drawn, size: int) -> None:
-        self.steps.update(drawn.ids.tolist())
-        self.episodes.update(e.multi_agent_episode_id for e in drawn.episodes)
-        self.m.append(drawn.m)
-        self._count("module", module, drawn.ids, drawn.names, drawn.m)
-        agents = np.array([e.agent_id for e in drawn.episodes], object)
-        for a in dict.fromkeys(agents.tolist()):
-            mine = agents == a
-            names = [x for x, k in zip(drawn.names, mine, strict=True) if k]
-            self._count("agent", a, drawn.ids[mine], names, drawn.m[mine])
-
-    def _count(self, kind: str, key: Any, ids: np.ndarray, names: list, m: np.ndarray) -> None:
-        got = self.rows[kind].setdefault(key, {"rows": 0, "steps": set(), "eps": set(), "m": []})
-        got["rows"] += len(ids)
-        got["steps"].update(ids.tolist())
-        got["eps"].update(names)
-        got["m"].extend(m.tolist())
-
-    def fields(self, size: int) -> dict[str, Any]:
-        m = np.concatenate(self.m) if self.m else np.zeros(0)
-        out: dict[str, Any] = {
-            "num_env_steps_sampled": int(sum(r["rows"] for r in self.rows["module"].values())),
-            "num_episodes_per_sample": len(self.episodes),
-            "num_env_steps_per_sample": len(self.steps),
-            "sampled_n_step": float(m.mean()) if len(m) else 0.0,
-            "num_resamples": 0,
-        }
-        for kind in ("agent", "module"):
-            rows = self.rows[kind]
-            out[f"{kind}_to_num_steps_sampled"] = {k: r["rows"] for k, r in rows.items()}
-            out[f"{kind}_to_num_episodes_per_sample"] = {k: len(r["eps"]) for k, r in rows.items()}
-            out[f"{kind}_to_num_steps_per_sample"] = {k: len(r["steps"]) for k, r in rows.items()}
-            out[f"{kind}_to_sampled_n_step"] = {
-                k: float(np.mean(r["m"])) if r["m"] else 0.0 for k, r in rows.items()
-            }
-            out[f"{kind}_to_num_resamples"] = {k: 0 for k in rows}
-        return out
+def _sample_metrics(drawn: Drawn) -> dict[str, Any]:
+    """What RLlib's multi-agent buffer logs of a sample, per agent and module."""
+    m = drawn.m
+    out: dict[str, Any] = {
+        "num_env_steps_sampled": len(m),
+        "num_episodes_per_sample": len({e.multi_agent_episode_id for e in drawn.episodes}),
+        "num_env_steps_per_sample": len(np.unique(drawn.ids)),
+        "sampled_n_step": float(m.mean()) if len(m) else 0.0,
+        "num_resamples": 0,
+    }
+    for kind in ("agent", "module"):
+        keys = np.array([getattr(e, f"{kind}_id") for e in drawn.episodes], object)
+        rows, eps, steps, mean_n = {}, {}, {}, {}
+        for k in dict.fromkeys(keys.tolist()):
+            mine = keys == k
+            rows[k] = int(mine.sum())
+            eps[k] = len({x for x, y in zip(drawn.names, mine, strict=True) if y})
+            steps[k] = len(np.unique(drawn.ids[mine]))
+            mean_n[k] = float(m[mine].mean())
+        out[f"{kind}_to_num_steps_sampled"] = rows
+        out[f"{kind}_to_num_episodes_per_sample"] = eps
+        out[f"{kind}_to_num_steps_per_sample"] = steps
+        out[f"{kind}_to_sampled_n_step"] = mean_n
+        out[f"{kind}_to_num_resamples"] = dict.fromkeys(rows, 0)
+    return out
