@@ -9,7 +9,8 @@ buffer; then, per fragment of the second half, one ``add`` and a burst of ``--bu
 ``sample(32, n_step=3, gamma=0.99)`` calls (32 rows per module, DQN's training intensity
 over 16 env steps), as multi-agent DQN alternates them. Variants: ``rllib`` (RLlib's
 buffer), ``claw`` (prefetched, read ahead, lineage recorded: ``policy_version="updates"``)
-and ``claw-nolineage`` (``policy_version=None``). Reports the mean time of an ``add`` and
+and ``claw-nolineage`` (``policy_version=None``), the two Claw variants in turn first and
+second (round by round: the first Claw run of a process pays warm-ups). Reports the mean time of an ``add`` and
 of a ``sample()`` in the trainer, the ratio to RLlib's in the same round, and the Celery
 worker's CPU seconds. Starts a private redis-server and one Celery worker (ingest +
 prefetch, 2 processes); never the shared Redis. No Ray start. Prints markdown.
@@ -145,7 +146,8 @@ def main() -> None:
             print("|---|---|---|---|---|---|")
             for k in range(a.rounds):
                 base = None
-                for variant in ("rllib", "claw", "claw-nolineage"):
+                claws = ["claw", "claw-nolineage"][:: 1 if k % 2 == 0 else -1]  # both orders
+                for variant in ["rllib", *claws]:
                     got = run(variant, calls, a.burst, worker)
                     base = base or got["sample_ms"]
                     print(

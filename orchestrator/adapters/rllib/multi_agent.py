@@ -90,7 +90,7 @@ class MultiAgentWriter:
     def add(self, ma: MultiAgentEpisode) -> dict[tuple[str, str], int]:
         """Write the chunk's agent steps; returns steps written per (agent, module)."""
         name = str(ma.id_)
-        rows = []  # (env t, agent, module, k, the agent's steps of the chunk)
+        rows = []  # (env t, agent, module, k, its SingleAgentEpisode, its env timesteps)
         for aid, sa in ma.agent_episodes.items():
             n = len(sa)
             agent = str(aid)
