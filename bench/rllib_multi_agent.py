@@ -11,8 +11,8 @@ over 16 env steps), as multi-agent DQN alternates them. Variants: ``rllib`` (RLl
 buffer), ``claw`` (prefetched, read ahead, lineage recorded: ``policy_version="updates"``)
 and ``claw-nolineage`` (``policy_version=None``), the two Claw variants in turn first and
 second (round by round: the first Claw run of a process pays warm-ups). Reports the mean
-time of an ``add`` and of a ``sample()`` in the trainer, the ratio to RLlib's in the same round, and the Celery
-worker's CPU seconds. Starts a private redis-server and one Celery worker (ingest +
+time of an ``add`` and of a ``sample()`` in the trainer, the ratio to RLlib's in the same
+round, and the Celery worker's CPU seconds. Starts a private redis-server and one Celery worker (ingest +
 prefetch, 2 processes); never the shared Redis. No Ray start. Prints markdown.
 """
 
