@@ -12,8 +12,9 @@ buffer), ``claw`` (prefetched, read ahead, lineage recorded: ``policy_version="u
 and ``claw-nolineage`` (``policy_version=None``), the two Claw variants in turn first and
 second (round by round: the first Claw run of a process pays warm-ups). Reports the mean
 time of an ``add`` and of a ``sample()`` in the trainer, the ratio to RLlib's in the same
-round, and the Celery worker's CPU seconds. Starts a private redis-server and one Celery worker (ingest +
-prefetch, 2 processes); never the shared Redis. No Ray start. Prints markdown.
+round, and the Celery worker's CPU seconds. Starts a private redis-server and one Celery
+worker (ingest + prefetch, 2 processes); never the shared Redis. No Ray start. Prints
+markdown.
 """
 
 from __future__ import annotations
