@@ -49,8 +49,8 @@ Where it differs from RLlib's buffer, and why:
   goes on counting). ``timesteps`` records the env steps added at the sample instead; a
   callable gets the sample's number and returns the version (e.g. ``lambda k:
   algo.training_iteration``, set as ``buffer.policy_version`` once the algorithm exists;
-  not saved); None records nothing. A sample of an n-step range (or of several modules)
-  is one entry per part, each with the version.
+  not saved); None records nothing. A sample of an n-step range is one entry per n, each
+  with the version.
 """
 
 from __future__ import annotations

@@ -296,6 +296,8 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
         unknown = [m for m in modules if m not in self._modules]
         if unknown:
             raise KeyError(f"modules_to_sample: no steps added for {unknown}")
+        if not modules:  # nothing added yet: RLlib's returns no rows either
+            return []
         self._samples += 1
         version = self._versions.of(self._samples)
         if (plan := self._cadence.sampled()) is not None:
@@ -326,8 +328,8 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
             for i in range(len(modules))
             for s in spec["sources"]
         ]
-        params = spec.setdefault("params", {})
-        params.update({f"{MODULE_TAG}_{i}": m for i, m in enumerate(modules)})
+        mine = {f"{MODULE_TAG}_{i}": m for i, m in enumerate(modules)}
+        spec["params"] = {**spec.get("params", {}), **mine}  # the overrides' own stay as given
         return spec
 
     def _convert(self, n: int, gamma: float, modules: tuple[str, ...] | None = None) -> Any:
