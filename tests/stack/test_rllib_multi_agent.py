@@ -2,7 +2,8 @@
 same MultiAgentEpisode chunks: per module, the same n-step transitions (values, ids, n_step,
 weights) and the same train batch keys and shapes out of multi-agent DQN's learner
 connector; the joint-step records a joint recipe reads back aligned with the episodes; a
-turn-based env's 1-step rows; what is not served raising. Over real Redis and Celery
+turn-based env's 1-step rows; recipe overrides per module; RLlib's multi-agent buffer
+tests that apply, ported; what is not served raising. Over real Redis and Celery
 workers; no Ray start. The lineage of RLlib samples: tests/stack/test_rllib_lineage.py."""
 
 from __future__ import annotations
@@ -447,3 +448,27 @@ def test_ported_counts_and_state_round_trip(redis_url, namespace, workers):
         (i, t) for i, n in (("A", 50), ("B", 25), ("C", 25)) for t in range(n)
     }
     fresh.close()
+
+
+def test_recipe_overrides_apply_to_every_module(redis_url, namespace, workers):
+    """A ``recipe`` override's sources (a string where, a mapping where with a param) are
+    repeated per module, each keeping its filter: every row matches, both modules get
+    their rows, and the override's params are left as given."""
+    rng = np.random.default_rng(6)
+    params = {"late": 10}
+    recipe = {
+        "sources": [
+            {"name": "late", "where": "tags.rllib_t >= $late", "weight": 3},
+            {"name": "early", "where": {"tags.rllib_t": {"lt": 5}}, "weight": 1},
+        ],
+        "params": params,
+    }
+    buf = _claw(redis_url, namespace, recipe=recipe)
+    buf.add([counting_episode(30, f"o{i}", rng) for i in range(4)])
+    rows = buf.sample(16, n_step=1)
+    assert Counter(e.module_id for e in rows) == {"module_1": 16, "module_2": 16}
+    for module in ("module_1", "module_2"):
+        mine = [e.t_started for e in rows if e.module_id == module]
+        assert sum(t >= 10 for t in mine) == 12 and sum(t < 5 for t in mine) == 4
+    assert params == {"late": 10}
+    buf.close()
