@@ -33,10 +33,12 @@ from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
 )
 
 from claw_tasks.settings import use_settings
+from claw_tasks.store import Store
 from orchestrator.adapters.rllib import (
     ClawEpisodeReplayBuffer,
     ClawPrioritizedEpisodeReplayBuffer,
 )
+from orchestrator.delivery.lineage import LineageLog
 
 RECENT = {"sources": [{"name": "all", "sampler": {"kind": "recent"}}]}  # every stored row
 
@@ -414,8 +416,13 @@ def test_dqn_learns_cartpole_with_the_claw_buffer(redis_url, namespace, workers)
             best = max(best, float(res.get("episode_return_mean", 0.0)))
         buffer = algo.local_replay_buffer
         assert buffer.namespace == namespace and buffer.sampled_timesteps > 0
+        updates = buffer.updates
         buffer.close()
         algo.stop()
     finally:
         ray.shutdown()
     assert best >= 150, (steps, best)
+    # lineage without a line of the user's: one entry of 64 rows per learner update
+    log = LineageLog(Store(redis_url, namespace))
+    assert log.counts() == {str(v): 1 for v in range(1, updates + 1)}
+    assert {e.rows for e in log.entries()} == {64}

@@ -1,7 +1,7 @@
 """``ClawEpisodeReplayBuffer``: RLlib's new-API-stack ``EpisodeReplayBuffer`` whose data lives
 in Claw.
 
-Use it in DQN or SAC as ``config.training(replay_buffer_config={"type":
+Use it in DQN as ``config.training(replay_buffer_config={"type":
 "orchestrator.adapters.rllib.ClawEpisodeReplayBuffer", "capacity": ..., "namespace": ...})``
 (a dotted string: RLlib's ``Algorithm`` checks ``"EpisodeReplayBuffer" in type``, which a
 class object fails), or :class:`~orchestrator.adapters.rllib.ClawPrioritizedEpisodeReplayBuffer`
@@ -42,6 +42,15 @@ Where it differs from RLlib's buffer, and why:
 - ``get_num_episodes`` counts the episodes this buffer started (eviction is per step, so
   an episode may be partly stored); ``get_num_timesteps`` the steps the ring holds.
 - Connections and threads are released by ``close()``, on garbage collection, or at exit.
+- Lineage: each ``sample()`` is recorded as training a policy version (``claw lineage NS
+  --policy v``), by default ``updates``: the number of ``sample()`` calls so far, this one
+  included. DQN (and SAC) run one learner update on each sample, so the samples of version
+  ``v`` trained the ``v``-th update (the count is saved in ``get_state``: a restored run
+  goes on counting). ``timesteps`` records the env steps added at the sample instead; a
+  callable gets the sample's number and returns the version (e.g. ``lambda k:
+  algo.training_iteration``, set as ``buffer.policy_version`` once the algorithm exists;
+  not saved); None records nothing. A sample of an n-step range is one entry per n, each
+  with the version.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from __future__ import annotations
 import logging
 import uuid
 import weakref
+import zlib
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -64,7 +74,9 @@ from claw_tasks.store import Store
 from orchestrator.adapters.experience import (
     Cadence,
     Connection,
+    PolicyVersion,
     Transitions,
+    Versions,
     close_quietly,
     global_seed,
     ingest_options,
@@ -107,7 +119,9 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
     ``seed``, ``deterministic``; ``gradient_steps`` (the ``sample()`` calls between two
     ``add()``s, DQN's training intensity), ``readahead``, ``readahead_bytes`` and
     ``batches_per_pop`` size the read-ahead as for the SB3 buffer (by default it watches
-    the bursts: :class:`~orchestrator.adapters.experience.Cadence`). Other keyword
+    the bursts: :class:`~orchestrator.adapters.experience.Cadence`); ``policy_version``
+    what each sample is recorded as training in the lineage log (``"updates"``,
+    ``"timesteps"``, a callable or None: the module docstring). Other keyword
     arguments of RLlib's replay buffer config (``alpha``, ``beta`` of a prioritized
     default) are ignored, as RLlib's own buffer ignores them.
     """
@@ -131,6 +145,7 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         readahead: int | None = None,
         readahead_bytes: int = 64 << 20,
         batches_per_pop: int | None = None,
+        policy_version: PolicyVersion = "updates",
         **kwargs: Any,
     ) -> None:
         EpisodeReplayBuffer.__init__(  # not the MRO's next: a prioritized one builds trees
@@ -168,7 +183,9 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             "readahead": readahead,
             "readahead_bytes": readahead_bytes,
             "batches_per_pop": batches_per_pop,
+            "policy_version": policy_version if isinstance(policy_version, str) else None,
         }
+        self.policy_version = policy_version
         self._cadence = (
             Cadence(1, 1, 0)  # one batch per call, drawn here: nothing read ahead
             if deterministic
@@ -179,6 +196,23 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._num_episodes_added = 0
         self._last_ids = np.zeros(0, np.int64)
         self._connect()
+
+    @property
+    def updates(self) -> int:
+        """``sample()`` calls so far (saved by ``get_state``): the ``updates`` version."""
+        return self._samples
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        """What each sample is recorded as training (see the module docstring)."""
+        return self._versions.declare
+
+    @policy_version.setter
+    def policy_version(self, declare: PolicyVersion) -> None:
+        self._versions = Versions(
+            declare,
+            {"updates": lambda: self.updates, "timesteps": lambda: self._num_timesteps_added},
+        )
 
     # ---- connection ----------------------------------------------------------------
     def _connect(self) -> None:
@@ -292,16 +326,10 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         )
         beta = 0.0 if beta is None else float(beta)
         self._samples += 1
+        version = self._versions.of(self._samples)
         if (plan := self._cadence.sampled()) is not None:
             self._conn.resize(plan)
-        parts = []
-        for k, rows in n_step_rows(size, n):  # one n, or a range: rows per n
-            if self.deterministic:
-                parts.append(self._draw_here(rows, k, gamma, beta))
-            else:
-                name = self._recipe_name(rows, k, gamma, beta)
-                parts.append(self._conn.pop(name, self.timeout))
-        drawn = Drawn.join(parts)
+        drawn = self._draw(size, n, gamma, beta, version)
         self._last_ids = drawn.ids
         self.sampled_timesteps += size
         self._log_sample(drawn, size)
@@ -347,11 +375,34 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             raise ValueError(f"n_step={n_step}: must be >= 1")
         return n
 
+    def _draw(
+        self,
+        size: int,
+        n: int | tuple[int, int],
+        gamma: float,
+        beta: float,
+        version: Any,
+        modules: tuple[str, ...] | None = None,
+    ) -> Drawn:
+        """``size`` rows (per module of ``modules``, for the multi-agent buffer), each part
+        recorded in the lineage log as training ``version`` (None: not recorded)."""
+        parts = []
+        for k, rows in n_step_rows(size, n):  # one n, or a range: rows per n
+            if self.deterministic:
+                parts.append(self._draw_here(rows, k, gamma, beta, version, modules))
+            else:
+                name = self._recipe_name(rows, k, gamma, beta, modules)
+                parts.append(self._conn.pop(name, self.timeout, version))
+        return Drawn.join(parts)
+
     def _source(self, beta: float) -> dict[str, Any]:
         """The recipe source's sampler (the prioritized buffer's is ``priority``)."""
         return {"kind": "uniform"}
 
-    def _spec(self, size: int, n: int, gamma: float, beta: float) -> dict[str, Any]:
+    def _spec(
+        self, size: int, n: int, gamma: float, beta: float, modules: tuple[str, ...] | None = None
+    ) -> dict[str, Any]:
+        """The recipe of these arguments (``modules``: the multi-agent buffer's)."""
         return {
             "name": self._recipe_base,
             "fields": FIELDS,
@@ -363,7 +414,7 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             "batch_size": size,
         }
 
-    def _convert(self, n: int, gamma: float) -> Any:
+    def _convert(self, n: int, gamma: float, modules: tuple[str, ...] | None = None) -> Any:
         writer = self._writer
 
         def convert(batch: Any) -> Drawn:
@@ -372,17 +423,19 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
 
         return convert
 
-    def _recipe_name(self, size: int, n: int, gamma: float, beta: float) -> str:
+    def _recipe_name(
+        self, size: int, n: int, gamma: float, beta: float, modules: tuple[str, ...] | None = None
+    ) -> str:
         """The recipe serving these arguments, registered on first use (after a flush, so
         everything added so far can be drawn), with its read-ahead thread."""
         conn, plan = self._conn, self._cadence.plan
-        key: Hashable = (size, n, float(gamma), beta)
+        key: Hashable = (size, n, float(gamma), beta, modules)
         name = self._recipe_base + (f".p{conn.replans}" if conn.replans else "")
         if conn.names and key not in conn.names:
             name += f"-{len(conn.names)}"
         spec = {
             "prefetch": {"depth": plan.depth},
-            **self._spec(size * plan.parts, n, gamma, beta),
+            **self._spec(size * plan.parts, n, gamma, beta, modules),
             "name": name,
         }
         return conn.recipe(
@@ -391,17 +444,29 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             plan.readahead,
             self.readahead_bytes,
             plan.parts,
-            convert=self._convert(n, gamma),
+            convert=self._convert(n, gamma, modules),
         )
 
-    def _draw_here(self, size: int, n: int, gamma: float, beta: float) -> Drawn:
+    def _draw_here(
+        self,
+        size: int,
+        n: int,
+        gamma: float,
+        beta: float,
+        version: Any,
+        modules: tuple[str, ...] | None,
+    ) -> Drawn:
         """The k-th batch from the steps added before this k-th call, seeded by (seed, k)
-        (and n, for each n of a range)."""
+        (and n, for each n of a range, and the modules)."""
         self.flush()
-        rng = np.random.default_rng([self.seed, self._samples, n])
-        spec = self._spec(size, n, gamma, beta)
-        batch = sample_here(self.client.store, as_recipe(spec), rng=rng)
-        return self._convert(n, gamma)(batch)
+        seed = [self.seed, self._samples, n]
+        if modules is not None:
+            seed.append(zlib.crc32("\0".join(modules).encode()))
+        spec = self._spec(size, n, gamma, beta, modules)
+        batch = sample_here(self.client.store, as_recipe(spec), rng=np.random.default_rng(seed))
+        if version is not None:
+            self.client.trained(self._recipe_base, batch, version)
+        return self._convert(n, gamma, modules)(batch)
 
     def _log_sample(self, drawn: Drawn, size: int) -> None:
         steps, eps = len(np.unique(drawn.ids)), len(set(drawn.names))
@@ -439,12 +504,15 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
 
     # ---- state ---------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
-        """Settings, namespace, recipe overrides, seed and counters; never the data nor a
-        password (plain values: a checkpoint may pickle or msgpack them)."""
+        """Settings, namespace, recipe overrides, seed, counters and the lineage declaration
+        (a counter's name; a callable is not saved); never the data nor a password (plain
+        values: a checkpoint may pickle or msgpack them)."""
         self.flush()  # what was added is in the store first
         kw = dict(self._init_kw)
         kw["redis_url"] = without_password(kw["redis_url"])
         kw["broker_url"] = without_password(kw["broker_url"])
+        declared = self.policy_version  # a callable is the caller's to set again
+        kw["policy_version"] = declared if isinstance(declared, str) else None
         return {
             "claw": {
                 "format": STATE_FORMAT,

@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,11 +128,14 @@ def to_episodes(
     n_step: int,
     gamma: float,
     spaces: tuple[gym.Space | None, gym.Space | None] = (None, None),
-    ids: Mapping[str, str] | None = None,
+    ids: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    t_started: np.ndarray | None = None,
 ) -> Drawn:
     """RLlib's 1-step episodes of the rows of ``batch`` (a :class:`~orchestrator.Batch` of a
     recipe reading :data:`FIELDS`; see the module docstring). ``ids`` holds RLlib's
-    ``agent_id``/``module_id`` for every episode, when set.
+    ``agent_id``/``module_id``/``multi_agent_episode_id`` for every episode, or one such
+    mapping per row, when set; ``t_started`` each row's step in its RLlib episode (default
+    its ``step_index``).
 
     ``is_truncated`` is the step's own flag with ``n_step`` 1; with more, it says the window
     ended before n steps without a termination (a truncated episode, or one whose stored
@@ -147,11 +150,11 @@ def to_episodes(
         done = np.asarray(batch["terminated"], bool)
         truncated = np.asarray(batch["truncated"], bool) & ~done
         m = np.ones(len(reward), np.int64)
-    started = np.asarray(batch["step_index"], np.int64)
+    started = np.asarray(batch["step_index"] if t_started is None else t_started, np.int64)
     names = batch.meta["episode_id"]
     weights = np.asarray(batch.weights, np.float64)
     obs_space, act_space = spaces
-    agent = dict(ids or {})
+    per_row = ids if isinstance(ids, Sequence) else [dict(ids or {})] * len(reward)
     out = []
     for i in range(len(reward)):
         out.append(
@@ -167,7 +170,7 @@ def to_episodes(
                 action_space=act_space,
                 t_started=int(started[i]),
                 len_lookback_buffer=0,
-                **agent,
+                **per_row[i],
             )
         )
     return Drawn(np.asarray(batch.ids), out, list(names), m)
