@@ -12,8 +12,8 @@ the ``numpy.random.Generator`` it is given, so a plan is reproducible from a see
 writes into its input: stored data stays untouched.
 
 Both image ops beat albumentations 2.0.8 per-image loops on one core (``bench/augment.py``),
-so neither calls it: ``random_shift`` is one gather from a ``sliding_window_view`` of the
-edge-padded batch (~2.6x), ``color_jitter`` computes all random factors vectorized and
+so neither calls it: ``random_shift`` copies each image once, the part its window overlaps
+edge-replicated by ``cv2.copyMakeBorder`` (no padded batch), ``color_jitter`` computes all random factors vectorized and
 applies fused per-image colour matrices with OpenCV, the library albumentations itself calls
 (~1.8x with hue, 2.5-6x without).
 """
