@@ -34,6 +34,8 @@ class RandomShift(Op):
         self.pad = pad
         self.p = check_number("p", p, 0.0, 1.0)
 
+    writes_out = True
+
     def out_spec(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.dtype, tuple[int, ...]]:
         return dtype, shape
 
@@ -126,7 +128,14 @@ class ColorJitter(Op):
         mats[:, :, c] = (bright * (1 - contrast))[:, None]
         return mats
 
-    def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    writes_out = True
+
+    def out_spec(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.dtype, tuple[int, ...]]:
+        return dtype, shape
+
+    def __call__(
+        self, x: np.ndarray, rng: np.random.Generator, out: np.ndarray | None = None
+    ) -> np.ndarray:
         imgs = np.ascontiguousarray(as_images(x))
         if imgs.dtype != np.uint8 or imgs.shape[-1] not in (1, 3):
             raise ValueError(f"expects uint8 images with 1 or 3 channels, got {x.dtype}{x.shape}")
@@ -149,14 +158,17 @@ class ColorJitter(Op):
         hue_luts = np.mod(np.arange(256) + 180 * factors[3][:, None], 180).astype(np.uint8)
         post_contrast = self.contrast != (1.0, 1.0) and not before[1].all()
 
-        out = np.empty_like(imgs) if apply.all() else imgs.copy()
+        res = np.empty(x.shape, x.dtype) if out is None else out
+        dst = res.reshape(imgs.shape)
+        if not apply.all():
+            dst[~apply] = imgs[~apply]
         for i in np.flatnonzero(apply):
             if not with_hue:
-                cv2.transform(imgs[i], pre[i], dst=out[i])
+                cv2.transform(imgs[i], pre[i], dst=dst[i])
                 continue
             y = cv2.cvtColor(cv2.transform(imgs[i], pre[i]), cv2.COLOR_RGB2HSV)
             y[..., 0] = cv2.LUT(y[..., 0], hue_luts[i])
             y = cv2.cvtColor(y, cv2.COLOR_HSV2RGB)
             post[i, :, c] *= cv2.mean(y)[:c] @ luma if post_contrast else 0.0
-            cv2.transform(y, post[i], dst=out[i])
-        return out.reshape(x.shape)
+            cv2.transform(y, post[i], dst=dst[i])
+        return res

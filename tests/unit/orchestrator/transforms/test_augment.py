@@ -61,7 +61,7 @@ def padded_shift(x: np.ndarray, rng: np.random.Generator, pad: int, p: float) ->
     """The shift as first written: edge-pad the batch, then gather each image's window
     (the same draws, in the same order, as ``RandomShift``)."""
     imgs = x.reshape(-1, *x.shape[-3:])
-    n, h, w, c = imgs.shape
+    n, h, w, _ = imgs.shape
     dy, dx = rng.integers(0, 2 * pad + 1, n), rng.integers(0, 2 * pad + 1, n)
     if p < 1.0:
         skip = rng.random(n) >= p
