@@ -25,6 +25,11 @@ from claw_tasks.codecs.spec import Codec, image_layout
 
 _PIL_FORMAT = {"jpeg": "JPEG", "webp": "WEBP"}
 _RGB = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # the pixels as stored
+# Rows written unfiltered: a reader then only inflates them, ~2x faster than undoing the
+# adaptive filters (mostly Paeth) libpng picks by default, and rendered frames of flat
+# colour (Atari) come out smaller too (Pong 436 vs 564 bytes); smooth natural images come
+# out ~20 % larger (docs/benchmarks.md, "Fill loop with decoding").
+_PNG_NO_FILTER = (cv2.IMWRITE_PNG_FILTER, cv2.IMWRITE_PNG_FILTER_NONE)
 _CHANNELS = {"L": 1, "RGB": 3, "RGBA": 4}
 
 
@@ -109,7 +114,9 @@ class Png(Engine):
             img = img[..., ::-1]
         elif mode == "RGBA":
             img = cv2.cvtColor(img, cv2.COLOR_RGBA2BGRA)
-        ok, out = cv2.imencode(".png", img, [cv2.IMWRITE_PNG_COMPRESSION, self.codec.level])
+        ok, out = cv2.imencode(
+            ".png", img, [*_PNG_NO_FILTER, cv2.IMWRITE_PNG_COMPRESSION, self.codec.level]
+        )
         if not ok:
             raise CodecError("png: OpenCV could not encode the row")
         return out.tobytes()
