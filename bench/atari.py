@@ -1,7 +1,7 @@
 """Real Atari frames through Claw: Redis bytes per step, ingest and prefetch, raw vs compressed.
 
     .venv/bin/python bench/atari.py [--steps 3000] [--games Pong,Breakout,MsPacman]
-        [--parts codecs,store,ingest,prefetch] [--batches 40]
+        [--parts codecs,store,ingest,prefetch] [--batches 40] [--codecs none,png] [--loops drq]
 
 Needs ale-py (the ``bench`` extra: ``pip install -e '.[bench]'``; the ROMs ship in its
 wheel). Plays each game with a random policy (``ALE/<Game>-v5``: frame skip 4, sticky
@@ -355,6 +355,8 @@ def main() -> None:
     ap.add_argument("--games", default=",".join(GAMES))
     ap.add_argument("--parts", default="codecs,store,ingest,prefetch")
     ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--codecs", help="prefetch: these obs codecs only (none,png,...)")
+    ap.add_argument("--loops", default=",".join(LOOPS), help="prefetch: these loops only")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     cv2.setNumThreads(1)
@@ -454,10 +456,13 @@ def main() -> None:
             print(table(head, rows))
         if "prefetch" in parts:
             rows = []
+            codecs = CODECS
+            if args.codecs:
+                codecs = [None if c == "none" else c for c in args.codecs.split(",")]
             for p in plays:
-                for loop in LOOPS:
+                for loop in args.loops.split(","):
                     base = None
-                    for codec in CODECS:
+                    for codec in codecs:
                         cpu, wall = prefetch_rates(srv, p, loop, codec, args.batches)
                         base = base or cpu
                         rows.append(

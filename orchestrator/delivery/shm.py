@@ -20,6 +20,11 @@ into a fresh file, 1.8 ms into a reused one: ``docs/benchmarks.md``). A segment 
 A writer tracks at most :data:`POOL_SIZE` segments; a segment unlinked by anyone (a
 discarded reference, the reaper) simply drops out of its pool.
 
+:func:`deliver` skips the copy into a reused segment: the batch is laid out first and its
+pending fields (the augmented images) are computed straight into the writer's own mapping
+of a free segment of exactly the batch's size, kept mapped across reuses (pages that exist,
+written whole before: a store through a mapping cannot report a full ``/dev/shm``).
+
 Segments are named ``claw-<pid namespace>-<creator pid>-<random>[.taken]`` so
 :func:`reap_orphans` can reclaim the segments of writers that crashed, of readers that
 died before reading, and free ones nobody reused for :data:`ORPHAN_AGE_S`.
