@@ -328,8 +328,10 @@ def prefetch_rates(
     )
     ctx = mp.get_context("spawn")
     got, send = ctx.Pipe(duplex=False)
-    reader = ctx.Process(target=trainer, args=(got,), daemon=True)
+    ready = ctx.Event()
+    reader = ctx.Process(target=trainer, args=(got, ready), daemon=True)
     reader.start()
+    ready.wait()  # its segments are released from the first batch on
     reg = Registry(store)
     fill_loop(reg, recipe, 3, send)  # warm up: index, caches
     wall, cpu = fill_loop(reg, recipe, batches, send)

@@ -63,8 +63,11 @@ def fill_store(store: Store, n: int) -> None:
         )
 
 
-def trainer(items: mp.connection.Connection) -> None:
-    """Decode each queue item as ``BatchClient.pop`` does; hold it until the next one."""
+def trainer(items: mp.connection.Connection, ready: Any) -> None:
+    """Decode each queue item as ``BatchClient.pop`` does; hold it until the next one.
+    ``ready`` (an Event) is set once it reads: until then no segment is released, and a
+    loaded machine spawns a process slower than a short run lasts."""
+    ready.set()
     held = None
     while item := items.recv_bytes():
         held = shm.from_message(item)
@@ -137,8 +140,10 @@ def main() -> None:
     }
     ctx = mp.get_context("spawn")
     got, send = ctx.Pipe(duplex=False)
-    reader = ctx.Process(target=trainer, args=(got,), daemon=True)
+    ready = ctx.Event()
+    reader = ctx.Process(target=trainer, args=(got, ready), daemon=True)
     reader.start()
+    ready.wait()
     with RedisServer() as srv:
         store = Store(srv.client(), "bench")
         store.create(capacity=args.steps)
