@@ -49,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.prefetch import run as fill_loop
 from bench.prefetch import trainer
 from claw_tasks.client import Ingestor
+from claw_tasks.codecs.engines import engine
+from claw_tasks.codecs.spec import Codec
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
@@ -131,6 +133,11 @@ def play(game: str, steps: int, seed: int = 0) -> Play:
 
 
 # ---- the codecs alone -----------------------------------------------------------------
+def _bgr(f: np.ndarray) -> np.ndarray:
+    """RGB <-> BGR as a contiguous copy (gray frames pass)."""
+    return np.ascontiguousarray(f[..., ::-1]) if f.ndim == 3 else f
+
+
 def _per_frame(fn: Callable[[np.ndarray], Any], frames: np.ndarray) -> tuple[list[Any], float]:
     t0 = time.process_time()
     out = [fn(f) for f in frames]
@@ -146,6 +153,7 @@ def codec_table(p: Play, kind: str) -> list[tuple[str, float, float, float]]:
     prev = np.concatenate([np.zeros_like(frames[:1]), frames[:-1]])
     prev[p.step_index == 0] = 0  # a key frame at each episode start
     delta = frames - prev  # uint8, wraps: decoded as prev + delta
+    png = engine(Codec.of("png"))
     rows = []
     for name, enc, dec, src in [
         ("zstd level 3", lambda f: zc.compress(f.tobytes()), zd.decompress, frames),
@@ -156,9 +164,15 @@ def codec_table(p: Play, kind: str) -> list[tuple[str, float, float, float]]:
             frames,
         ),
         (
-            "PNG (OpenCV, level 1)",
-            lambda f: cv2.imencode(".png", f, [cv2.IMWRITE_PNG_COMPRESSION, 1])[1].tobytes(),
-            lambda b: cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_UNCHANGED),
+            "png (the codec: level 6, unfiltered rows, decoded as RGB)",
+            png.encode,
+            lambda b: png.decode(b, size, frames.shape[1:]),
+            frames,
+        ),
+        (
+            "png before: level 6, libpng's adaptive filters, BGR decode flipped to RGB",
+            lambda f: cv2.imencode(".png", _bgr(f), [cv2.IMWRITE_PNG_COMPRESSION, 6])[1].tobytes(),
+            lambda b: _bgr(cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_UNCHANGED)),
             frames,
         ),
         (
