@@ -160,8 +160,8 @@ class ColorJitter(Op):
 
         res = np.empty(x.shape, x.dtype) if out is None else out
         dst = res.reshape(imgs.shape)
-        if not apply.all():
-            dst[~apply] = imgs[~apply]
+        for i in np.flatnonzero(~apply):  # image by image: no gathered temporary
+            dst[i] = imgs[i]
         for i in np.flatnonzero(apply):
             if not with_hue:
                 cv2.transform(imgs[i], pre[i], dst=dst[i])
