@@ -1,7 +1,7 @@
 """Real Atari frames through Claw: Redis bytes per step, ingest and prefetch, raw vs compressed.
 
     .venv/bin/python bench/atari.py [--steps 3000] [--games Pong,Breakout,MsPacman]
-        [--parts codecs,store,ingest,prefetch] [--batches 40]
+        [--parts codecs,store,ingest,prefetch] [--batches 40] [--codecs none,png] [--loops drq]
 
 Needs ale-py (the ``bench`` extra: ``pip install -e '.[bench]'``; the ROMs ship in its
 wheel). Plays each game with a random policy (``ALE/<Game>-v5``: frame skip 4, sticky
@@ -49,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.prefetch import run as fill_loop
 from bench.prefetch import trainer
 from claw_tasks.client import Ingestor
+from claw_tasks.codecs.engines import engine
+from claw_tasks.codecs.spec import Codec
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
@@ -131,6 +133,11 @@ def play(game: str, steps: int, seed: int = 0) -> Play:
 
 
 # ---- the codecs alone -----------------------------------------------------------------
+def _bgr(f: np.ndarray) -> np.ndarray:
+    """RGB <-> BGR as a contiguous copy (gray frames pass)."""
+    return np.ascontiguousarray(f[..., ::-1]) if f.ndim == 3 else f
+
+
 def _per_frame(fn: Callable[[np.ndarray], Any], frames: np.ndarray) -> tuple[list[Any], float]:
     t0 = time.process_time()
     out = [fn(f) for f in frames]
@@ -146,6 +153,7 @@ def codec_table(p: Play, kind: str) -> list[tuple[str, float, float, float]]:
     prev = np.concatenate([np.zeros_like(frames[:1]), frames[:-1]])
     prev[p.step_index == 0] = 0  # a key frame at each episode start
     delta = frames - prev  # uint8, wraps: decoded as prev + delta
+    png = engine(Codec.of("png"))
     rows = []
     for name, enc, dec, src in [
         ("zstd level 3", lambda f: zc.compress(f.tobytes()), zd.decompress, frames),
@@ -156,9 +164,15 @@ def codec_table(p: Play, kind: str) -> list[tuple[str, float, float, float]]:
             frames,
         ),
         (
-            "PNG (OpenCV, level 1)",
-            lambda f: cv2.imencode(".png", f, [cv2.IMWRITE_PNG_COMPRESSION, 1])[1].tobytes(),
-            lambda b: cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_UNCHANGED),
+            "png (the codec: level 6, unfiltered rows, decoded as RGB)",
+            png.encode,
+            lambda b: png.decode(b, size, frames.shape[1:]),
+            frames,
+        ),
+        (
+            "png before: level 6, libpng's adaptive filters, BGR decode flipped to RGB",
+            lambda f: cv2.imencode(".png", _bgr(f), [cv2.IMWRITE_PNG_COMPRESSION, 6])[1].tobytes(),
+            lambda b: _bgr(cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_UNCHANGED)),
             frames,
         ),
         (
@@ -328,8 +342,10 @@ def prefetch_rates(
     )
     ctx = mp.get_context("spawn")
     got, send = ctx.Pipe(duplex=False)
-    reader = ctx.Process(target=trainer, args=(got,), daemon=True)
+    ready = ctx.Event()
+    reader = ctx.Process(target=trainer, args=(got, ready), daemon=True)
     reader.start()
+    ready.wait()  # its segments are released from the first batch on
     reg = Registry(store)
     fill_loop(reg, recipe, 3, send)  # warm up: index, caches
     wall, cpu = fill_loop(reg, recipe, batches, send)
@@ -355,6 +371,8 @@ def main() -> None:
     ap.add_argument("--games", default=",".join(GAMES))
     ap.add_argument("--parts", default="codecs,store,ingest,prefetch")
     ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--codecs", help="prefetch: these obs codecs only (none,png,...)")
+    ap.add_argument("--loops", default=",".join(LOOPS), help="prefetch: these loops only")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     cv2.setNumThreads(1)
@@ -454,10 +472,13 @@ def main() -> None:
             print(table(head, rows))
         if "prefetch" in parts:
             rows = []
+            codecs = CODECS
+            if args.codecs:
+                codecs = [None if c == "none" else c for c in args.codecs.split(",")]
             for p in plays:
-                for loop in LOOPS:
+                for loop in args.loops.split(","):
                     base = None
-                    for codec in CODECS:
+                    for codec in codecs:
                         cpu, wall = prefetch_rates(srv, p, loop, codec, args.batches)
                         base = base or cpu
                         rows.append(

@@ -34,8 +34,9 @@ from claw_tasks.store import Store
 from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
+from orchestrator.delivery.wire import WireBatch
 from orchestrator.recipe.model import Recipe
-from orchestrator.sampling.fetch import Fetcher
+from orchestrator.sampling.fetch import LogChecked
 from orchestrator.transforms.augment import AugmentPlan
 
 
@@ -62,8 +63,11 @@ def fill_store(store: Store, n: int) -> None:
         )
 
 
-def trainer(items: mp.connection.Connection) -> None:
-    """Decode each queue item as ``BatchClient.pop`` does; hold it until the next one."""
+def trainer(items: mp.connection.Connection, ready: Any) -> None:
+    """Decode each queue item as ``BatchClient.pop`` does; hold it until the next one.
+    ``ready`` (an Event) is set once it reads: until then no segment is released, and a
+    loaded machine spawns a process slower than a short run lasts."""
+    ready.set()
     held = None
     while item := items.recv_bytes():
         held = shm.from_message(item)
@@ -99,13 +103,15 @@ def timed(cpu: Counter, label: str, fn: Callable[..., Any]) -> Callable[..., Any
 def stages(reg: Registry, recipe: Recipe, batches: int, to_trainer: Any) -> Counter:
     """CPU seconds per stage of ``batches`` batches (wrappers installed for this run only)."""
     patches = [
-        (prefetch, "sample", "sample (sync, draw, fetch)"),
-        (Fetcher, "__call__", "of which payload fetch"),
+        (prefetch, "sample_clean", "sample (sync, draw, fetch)"),
+        (LogChecked, "__call__", "of which payload fetch"),
         (AugmentPlan, "apply", "augment"),
         (prefetch, "to_wire", "lay out for the wire"),
         (shm, "write_segment", "write into the segment"),
+        (WireBatch, "write_into", "write the rest into a reused segment's mapping"),
         (prefetch, "push", "push"),
     ]
+    patches = [p for p in patches if hasattr(*p[:2])]  # older code (run on its tree)
     cpu: Counter = Counter({label: 0.0 for *_, label in patches})
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, label in patches:
@@ -134,8 +140,10 @@ def main() -> None:
     }
     ctx = mp.get_context("spawn")
     got, send = ctx.Pipe(duplex=False)
-    reader = ctx.Process(target=trainer, args=(got,), daemon=True)
+    ready = ctx.Event()
+    reader = ctx.Process(target=trainer, args=(got, ready), daemon=True)
     reader.start()
+    ready.wait()
     with RedisServer() as srv:
         store = Store(srv.client(), "bench")
         store.create(capacity=args.steps)

@@ -24,6 +24,12 @@ from claw_tasks.codecs.errors import CodecError, lz4_inflate
 from claw_tasks.codecs.spec import Codec, image_layout
 
 _PIL_FORMAT = {"jpeg": "JPEG", "webp": "WEBP"}
+_RGB = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # the pixels as stored
+# Rows written unfiltered: a reader then only inflates them, ~2x faster than undoing the
+# adaptive filters (mostly Paeth) libpng picks by default, and rendered frames of flat
+# colour (Atari) come out smaller too (Pong 436 vs 564 bytes); smooth natural images come
+# out ~20 % larger (docs/benchmarks.md, "Fill loop with decoding").
+_PNG_NO_FILTER = (cv2.IMWRITE_PNG_FILTER, cv2.IMWRITE_PNG_FILTER_NONE)
 _CHANNELS = {"L": 1, "RGB": 3, "RGBA": 4}
 
 
@@ -95,9 +101,9 @@ class Lz4(Engine):
 
 
 class Png(Engine):
-    """Lossless PNG through OpenCV (2-3x faster than Pillow here, and it releases the GIL);
-    the header is read by hand (signature, IHDR), so a frame is sized before any decoder
-    sees it. Colour rows are stored RGB(A), as any PNG reader expects."""
+    """Lossless PNG through OpenCV (faster than Pillow here, and it releases the GIL); the
+    header is read by hand (signature, IHDR), so a frame is sized before any decoder sees
+    it. Colour rows are stored RGB(A), as any PNG reader expects."""
 
     _MODES = {0: "L", 2: "RGB", 6: "RGBA"}  # IHDR colour types this codec writes
 
@@ -108,7 +114,9 @@ class Png(Engine):
             img = img[..., ::-1]
         elif mode == "RGBA":
             img = cv2.cvtColor(img, cv2.COLOR_RGBA2BGRA)
-        ok, out = cv2.imencode(".png", img, [cv2.IMWRITE_PNG_COMPRESSION, self.codec.level])
+        ok, out = cv2.imencode(
+            ".png", img, [*_PNG_NO_FILTER, cv2.IMWRITE_PNG_COMPRESSION, self.codec.level]
+        )
         if not ok:
             raise CodecError("png: OpenCV could not encode the row")
         return out.tobytes()
@@ -139,14 +147,14 @@ class Png(Engine):
                 f"png image is {mode} {size[0]}x{size[1]}, the field holds "
                 f"{want[0]} {want[1][0]}x{want[1][1]}"
             )
-        img = cv2.imdecode(np.frombuffer(frame, np.uint8), cv2.IMREAD_UNCHANGED)
+        # RGB decoded as RGB by libpng itself: flipping BGR afterwards cost as much again.
+        flags = _RGB if mode == "RGB" else cv2.IMREAD_UNCHANGED
+        img = cv2.imdecode(np.frombuffer(frame, np.uint8), flags)
         if img is None or img.size != nbytes or img.dtype != np.uint8:
             raise CodecError("png image does not decode")
-        if mode == "RGB":
-            img = img[..., ::-1]
-        elif mode == "RGBA":
+        if mode == "RGBA":
             img = cv2.cvtColor(img, cv2.COLOR_BGRA2RGBA)
-        return np.ascontiguousarray(img).reshape(-1)
+        return img.reshape(-1)
 
 
 class Picture(Engine):

@@ -1,7 +1,7 @@
 """A batch of one field's rows through a codec: encode, decode, and the trust checks an
 ingest worker makes on frames from a producer before they are stored.
 
-``threads`` > 1 splits the rows over a thread pool: zstd, lz4 and Pillow release the GIL
+``threads`` > 1 splits the rows over a thread pool: zstd, lz4, OpenCV and Pillow release the GIL
 while they work, so decoding (in the prefetch workers) and augmentation stay off the
 trainer and use the worker's cores. Contexts are per thread (zstandard's are not thread
 safe).

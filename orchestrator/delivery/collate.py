@@ -19,14 +19,18 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.delivery.wire import Pending
+
 LENGTHS_SUFFIX = "_lengths"
 
 
-def collate(fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """``fields`` as wire arrays (see the module docstring)."""
-    arrays: dict[str, np.ndarray] = {}
+def collate(fields: Mapping[str, Any]) -> dict[str, np.ndarray | Pending]:
+    """``fields`` as wire arrays (see the module docstring); :class:`Pending` ones pass."""
+    arrays: dict[str, np.ndarray | Pending] = {}
     for name, value in fields.items():
-        if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+        if isinstance(value, Pending) or (
+            isinstance(value, np.ndarray) and not value.dtype.hasobject
+        ):
             arrays[name] = value
             continue
         leaves, shape = ([], ()) if isinstance(value, np.ndarray) else _leaves(value)

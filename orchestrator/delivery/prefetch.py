@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ from orchestrator.delivery.quarantine import sample_clean
 from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.samplestats import Observed
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
-from orchestrator.delivery.wire import to_wire
+from orchestrator.delivery.wire import Pending, to_wire
 from orchestrator.recipe.model import Recipe
 from orchestrator.retrieval.query import neighbour_fields
 from orchestrator.sampling import groups
@@ -168,6 +169,28 @@ def push(
     return why
 
 
+def _stats_field(name: str) -> str:
+    """The field carrying the version of the namespace statistics ``name`` was normalised with."""
+    return f"stats_version.{name}"
+
+
+def _versions(plan: AugmentPlan | None) -> dict[str, int]:
+    return plan.stats_versions() if plan is not None else {}
+
+
+def _augment_into(
+    plan: AugmentPlan,
+    fields: Mapping[str, Any],
+    rng: np.random.Generator,
+    out: dict[str, np.ndarray],
+) -> None:
+    """Augment ``fields`` into ``out`` (views of the laid-out batch), then write the
+    statistics versions the plan used."""
+    plan.apply(fields, rng, out={f: out[f] for f in plan.fields})
+    for f, version in plan.stats_versions().items():
+        out[_stats_field(f)][:] = version
+
+
 def run_fill(reg: Registry, name: str) -> dict[str, Any]:
     """Top up ``name``'s queue; returns what happened (also recorded in its counters as
     ``state``). Any failure ends the fill with ``state`` ``"error: ..."``, logged once."""
@@ -221,11 +244,20 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 near = recipe.nearest
                 got = neighbour_fields(reg.store, near, batch.fields[near.query], batch.ids)
                 batch.fields.update(got)
-            fields = plan.apply(batch.fields, rng) if plan is not None else batch.fields
-            for name, version in (plan.stats_versions() if plan is not None else {}).items():
-                fields[f"stats_version.{name}"] = np.full(len(batch.ids), version, np.int64)
             ids, weights, source_index = batch.ids, batch.weights, batch.source_index
             meta = batch.meta
+            specs = None
+            if plan is not None and recipe.tokens is None:
+                specs = plan.out_specs(batch.fields)
+            if specs is not None:  # laid out first, then augmented in place
+                fields = dict(batch.fields)
+                fields.update({f: Pending(*spec) for f, spec in specs.items()})
+                n = len(ids)
+                fields.update({_stats_field(f): Pending(np.int64, (n,)) for f in _versions(plan)})
+            else:
+                fields = plan.apply(batch.fields, rng) if plan is not None else batch.fields
+                for f, version in _versions(plan).items():
+                    fields[_stats_field(f)] = np.full(len(ids), version, np.int64)
             if recipe.tokens is not None:  # a row per sequence: its last turn's
                 tokens = collate_tokens(fields, ids, batch.groups, recipe.tokens)
                 arrays = collate(tokens.rest)
@@ -247,9 +279,17 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
                 meta=meta,
                 claim=batch.claim,
             )
+            if wire.pending:
+                assert plan is not None
+                message = shm.deliver(
+                    wire,
+                    partial(_augment_into, plan, batch.fields, rng),
+                    reader_host=entry.shm_host,
+                )
+            else:
+                message = shm.to_message(wire, reader_host=entry.shm_host)
             seen.batch(time.perf_counter() - began, len(ids))
             seen.hit_rates(batch.sources, *hit_rates(reg.store, recipe.name))
-            message = shm.to_message(wire, reader_host=entry.shm_host)
             pushed = push(reg, recipe, message, counts, batch.claim)
             if pushed == "full":
                 break

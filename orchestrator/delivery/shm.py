@@ -20,6 +20,11 @@ into a fresh file, 1.8 ms into a reused one: ``docs/benchmarks.md``). A segment 
 A writer tracks at most :data:`POOL_SIZE` segments; a segment unlinked by anyone (a
 discarded reference, the reaper) simply drops out of its pool.
 
+:func:`deliver` skips the copy into a reused segment: the batch is laid out first and its
+pending fields (the augmented images) are computed straight into the writer's own mapping
+of a free segment of exactly the batch's size, kept mapped across reuses (pages that exist,
+written whole before: a store through a mapping cannot report a full ``/dev/shm``).
+
 Segments are named ``claw-<pid namespace>-<creator pid>-<random>[.taken]`` so
 :func:`reap_orphans` can reclaim the segments of writers that crashed, of readers that
 died before reading, and free ones nobody reused for :data:`ORPHAN_AGE_S`.
@@ -41,11 +46,13 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from orchestrator.delivery.wire import (
     VERSION,
@@ -66,6 +73,7 @@ ORPHAN_AGE_S = 600.0
 TAKEN = ".taken"
 POOL_SIZE = 32
 """Segments a writer process tracks for reuse (queued, taken or free)."""
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map all pages in one call
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +122,14 @@ class _Segment:
     fd: int  # the writer's own descriptor: the segment's pages outlive any name
     name: str  # the name it was queued under (``name + TAKEN`` once a reader has it)
     size: int
+    mm: mmap.mmap | None = None  # the writer's mapping (kept while the size stays)
+
+    def unmap(self) -> None:
+        """Drop the writer's mapping (one still exported is left to the garbage collector)."""
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):
+                self.mm.close()
+            self.mm = None
 
 
 class _Pool:
@@ -152,6 +168,7 @@ class _Pool:
 
     def drop(self, seg: _Segment) -> None:
         self.segments.remove(seg)
+        seg.unmap()
         os.close(seg.fd)
 
     def release_free(self) -> None:
@@ -191,6 +208,7 @@ def _my_pool() -> _Pool:
             atexit.register(release_pool)
         elif _pool.pid != os.getpid():
             for seg in _pool.segments:
+                seg.unmap()
                 os.close(seg.fd)
         if _pool is None or _pool.pid != os.getpid():
             _pool = _Pool()
@@ -249,6 +267,7 @@ def _rewrite(pool: _Pool, seg: _Segment, wire: WireBatch) -> str | None:
         return None
     try:
         if seg.size != wire.nbytes:
+            seg.unmap()  # past a shrunk end a mapping's pages fault (SIGBUS)
             os.ftruncate(seg.fd, wire.nbytes)
         os.lseek(seg.fd, 0, os.SEEK_SET)
         _write_all(seg.fd, wire.chunks())
@@ -260,6 +279,63 @@ def _rewrite(pool: _Pool, seg: _Segment, wire: WireBatch) -> str | None:
     seg.name, seg.size = name, wire.nbytes
     fcntl.flock(seg.fd, fcntl.LOCK_UN)  # before the reference is queued
     return name
+
+
+def _fill_in_place(
+    pool: _Pool, wire: WireBatch, fill: Callable[[dict[str, np.ndarray]], None]
+) -> str | None:
+    """Lay ``wire`` out in a free segment of exactly its size (whose pages exist: written
+    whole before) under a fresh name, ``fill`` its pending fields in the mapping, and
+    return the name; None when there is no such segment."""
+    while (seg := pool.take(wire.nbytes)) is not None:
+        if seg.size != wire.nbytes:  # resizing means allocating pages: the write() path
+            fcntl.flock(seg.fd, fcntl.LOCK_UN)
+            return None
+        taken, name = SHM_DIR / f"{seg.name}{TAKEN}", _new_name()
+        try:
+            os.rename(taken, SHM_DIR / name)
+        except FileNotFoundError:
+            pool.drop(seg)
+            continue
+        try:
+            if seg.mm is None:  # mapped once, then reused: no page faults per batch
+                seg.mm = mmap.mmap(seg.fd, seg.size, flags=mmap.MAP_SHARED | _POPULATE)
+            fill(wire.write_into(seg.mm))
+        except BaseException:
+            os.rename(SHM_DIR / name, taken)  # free again
+            fcntl.flock(seg.fd, fcntl.LOCK_UN)
+            raise
+        seg.name = name
+        fcntl.flock(seg.fd, fcntl.LOCK_UN)  # before the reference is queued
+        return name
+    return None
+
+
+def deliver(
+    wire: WireBatch,
+    fill: Callable[[dict[str, np.ndarray]], None],
+    *,
+    reader_host: str | None,
+    threshold: int = DEFAULT_THRESHOLD,
+) -> bytes:
+    """The queue item for a batch with pending fields (:class:`~orchestrator.delivery.wire.
+    Pending`), which ``fill`` writes into the arrays it is given.
+
+    When :func:`to_message` would use a segment and one of this process's free segments has
+    the batch's size, the batch is laid out in its mapping and ``fill`` writes straight into
+    it (no copy of those fields into the segment afterwards); otherwise ``fill`` writes into
+    new arrays and the batch goes as :func:`to_message` sends it.
+    """
+    if reader_host is not None and wire.nbytes >= threshold and reader_host == host_id():
+        pool = _my_pool()
+        with pool.lock:
+            name = _fill_in_place(pool, wire, fill)
+        if name is not None:
+            return reference_message(name, wire.nbytes, reader_host)
+    arrays = {name: np.empty(spec.shape, spec.dtype) for name, (*_, spec) in wire.pending.items()}
+    fill(arrays)
+    wire.place(arrays)
+    return to_message(wire, reader_host=reader_host, threshold=threshold)
 
 
 def read_segment(name: str, size: int) -> Batch:

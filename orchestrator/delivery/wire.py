@@ -18,6 +18,7 @@ writable arrays. Never pickle.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -63,29 +64,84 @@ def check_version(version: int, what: str = "batch") -> None:
     )
 
 
+class Pending:
+    """A field whose array is laid out now and written later (:meth:`WireBatch.write_into`
+    hands out views of the destination), so it can be computed straight into shared memory."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, dtype: Any, shape: Sequence[int]) -> None:
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(int(d) for d in shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
 class WireBatch:
     """A batch laid out for the wire but not yet copied anywhere.
 
     ``nbytes`` is the encoded size; ``chunks()`` yields the buffers whose concatenation is the
     encoding, so a writer can stream them into a socket, a file or shared memory directly.
+    ``pending`` names the :class:`Pending` fields, by their offset in the encoding; their
+    bytes are there once :meth:`place` or :meth:`write_into` filled them.
     """
 
-    __slots__ = ("_chunks", "nbytes")
+    __slots__ = ("_chunks", "_sizes", "nbytes", "pending")
 
-    def __init__(self, chunks: list[memoryview], nbytes: int) -> None:
-        self._chunks = chunks
+    def __init__(
+        self,
+        chunks: list[memoryview | None],
+        nbytes: int,
+        pending: dict[str, tuple[int, int, Pending]] | None = None,
+    ) -> None:
+        self._chunks = chunks  # None: a pending field's body
         self.nbytes = nbytes
+        self.pending = pending or {}  # name -> (chunk index, offset in the encoding, spec)
+        sizes = {index: spec.nbytes for index, _, spec in self.pending.values()}
+        self._sizes = [sizes[i] if c is None else c.nbytes for i, c in enumerate(chunks)]
 
     def chunks(self) -> list[memoryview]:
         """The buffers to concatenate, in order."""
-        return list(self._chunks)
+        if self.pending:
+            raise ValueError(f"pending fields not written yet: {sorted(self.pending)}")
+        return list(self._chunks)  # type: ignore[arg-type]
 
     def tobytes(self) -> bytes:
         """The whole encoding as one ``bytes`` object."""
-        return b"".join(self._chunks)
+        return b"".join(self.chunks())
+
+    def place(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Fill the pending fields with ``arrays`` (of their dtype and shape), by reference."""
+        for name, arr in arrays.items():
+            index, _, spec = self.pending.pop(name)
+            if arr.dtype != spec.dtype or arr.shape != spec.shape:
+                raise ValueError(
+                    f"field {name!r}: {arr.dtype}{arr.shape} laid out as {spec.dtype}{spec.shape}"
+                )
+            self._chunks[index] = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+    def write_into(self, buf: Any) -> dict[str, np.ndarray]:
+        """Copy the encoding into ``buf`` (writable, ``nbytes`` or longer) but for the pending
+        fields, and return those as writable views of ``buf`` to be filled in place."""
+        mv = memoryview(buf).cast("B")
+        pos = 0
+        for chunk, size in zip(self._chunks, self._sizes, strict=True):
+            if chunk is not None:
+                mv[pos : pos + size] = chunk
+            pos += size
+        return {
+            name: np.frombuffer(mv, spec.dtype, math.prod(spec.shape), off).reshape(spec.shape)
+            for name, (_, off, spec) in self.pending.items()
+        }
 
 
-def _check_array(name: str, arr: np.ndarray, n: int) -> None:
+def _check_array(name: str, arr: np.ndarray | Pending, n: int) -> None:
     if arr.dtype.hasobject or arr.dtype.fields is not None:
         raise ValueError(
             f"field {name!r}: dtype {arr.dtype} cannot go on the wire (object/structured)"
@@ -116,7 +172,8 @@ def to_wire(
     meta: Mapping[str, Any] | None = None,
     claim: Claim | None = None,
 ) -> WireBatch:
-    """Lay a batch out for the wire. Arrays are referenced, not copied (unless not contiguous).
+    """Lay a batch out for the wire. Arrays are referenced, not copied (unless not contiguous);
+    a :class:`Pending` field only reserves its place.
 
     ``weights`` default to ones, ``source_index`` to zeros; ``meta`` must be msgpack-able;
     ``claim`` (a ``once`` batch's) goes in the header (readers that do not know it ignore
@@ -137,17 +194,19 @@ def to_wire(
     if n and (si.min() < 0 or si.max() >= len(names)):
         raise ValueError(f"source_index out of range for {len(names)} sources")
 
-    arrays: list[tuple[str, np.ndarray]] = []
+    arrays: list[tuple[str, np.ndarray | Pending]] = []
     for name, value in fields.items():
-        arr = np.asarray(value)
+        arr = value if isinstance(value, Pending) else np.asarray(value)
         _check_array(name, arr, n)
         arrays.append((name, arr))
     arrays += [(k, rows[k]) for k in _RESERVED]
 
     # Offsets are relative to the data start: the first ALIGN boundary after the header.
-    bodies, specs, pos = [], [], 0
+    bodies: list[np.ndarray | Pending] = []
+    specs, pos = [], 0
     for _, arr in arrays:
-        bodies.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+        body = arr if isinstance(arr, Pending) else np.ascontiguousarray(arr).reshape(-1)
+        bodies.append(body if isinstance(body, Pending) else body.view(np.uint8))
         specs.append([arr.dtype.str, list(arr.shape), pos])
         pos += -(-arr.nbytes // ALIGN) * ALIGN
     named = [[name, *spec] for (name, _), spec in zip(arrays, specs, strict=True)]
@@ -166,12 +225,24 @@ def to_wire(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"batch metadata is not msgpack-serializable: {exc}") from exc
     base = -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN
-    chunks = [_PREFIX.pack(MAGIC, VERSION, len(head)), head, bytes(base - _PREFIX.size - len(head))]
-    for body in bodies:
-        chunks.append(body)
+    chunks: list[memoryview | None] = [
+        memoryview(c)
+        for c in (
+            _PREFIX.pack(MAGIC, VERSION, len(head)),
+            head,
+            bytes(base - _PREFIX.size - len(head)),
+        )
+    ]
+    pending = {}
+    for (name, _), body, spec in zip(arrays, bodies, specs, strict=True):
+        if isinstance(body, Pending):
+            pending[name] = (len(chunks), base + spec[2], body)
+            chunks.append(None)
+        else:
+            chunks.append(memoryview(body))
         if body.nbytes % ALIGN:
-            chunks.append(bytes(ALIGN - body.nbytes % ALIGN))
-    return WireBatch([memoryview(c) for c in chunks], base + pos)
+            chunks.append(memoryview(bytes(ALIGN - body.nbytes % ALIGN)))
+    return WireBatch(chunks, base + pos, pending)
 
 
 def is_batch(buf: Any) -> bool:

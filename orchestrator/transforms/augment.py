@@ -12,10 +12,14 @@ the ``numpy.random.Generator`` it is given, so a plan is reproducible from a see
 writes into its input: stored data stays untouched.
 
 Both image ops beat albumentations 2.0.8 per-image loops on one core (``bench/augment.py``),
-so neither calls it: ``random_shift`` is one gather from a ``sliding_window_view`` of the
-edge-padded batch (~2.6x), ``color_jitter`` computes all random factors vectorized and
-applies fused per-image colour matrices with OpenCV, the library albumentations itself calls
-(~1.8x with hue, 2.5-6x without).
+so neither calls it: ``random_shift`` copies each image once, the part its window overlaps
+edge-replicated by ``cv2.copyMakeBorder`` (no padded batch), ``color_jitter`` computes all
+random factors vectorized and applies fused per-image colour matrices with OpenCV, the
+library albumentations itself calls (~1.8x with hue, 2.5-6x without).
+
+:meth:`AugmentPlan.out_specs` tells the augmented fields' dtypes and shapes before the
+plan runs, and :meth:`AugmentPlan.apply` can write them into given arrays (``out``): the
+prefetch worker augments straight into the shared-memory segment a batch goes out in.
 """
 
 from __future__ import annotations
@@ -62,16 +66,41 @@ class Pipeline:
     def __init__(self, ops: list[Op]) -> None:
         self.ops = ops
 
-    def apply(self, x: np.ndarray, rng: np.random.Generator, *, observe: bool) -> np.ndarray:
-        """Transform ``x``; ``observe`` lets stateful ops update from the data first."""
-        for op in self.ops:
+    def apply(
+        self,
+        x: np.ndarray,
+        rng: np.random.Generator,
+        *,
+        observe: bool,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Transform ``x``; ``observe`` lets stateful ops update from the data first. With
+        ``out`` (of :meth:`out_spec`'s dtype and shape) the result is written there: by the
+        last op itself when it ``writes_out``, else copied."""
+        for i, op in enumerate(self.ops):
             try:
                 if observe:
                     op.observe(x)
-                x = op(x, rng)
+                last = out is not None and i == len(self.ops) - 1
+                x = op(x, rng, out=out) if last and op.writes_out else op(x, rng)  # type: ignore[call-arg]
             except ValueError as exc:
                 raise ValueError(f"{op.name}: {exc}") from exc
+        if out is not None and x is not out:
+            if x.dtype != out.dtype or x.shape != out.shape:
+                raise ValueError(f"result {x.dtype}{x.shape} != laid out {out.dtype}{out.shape}")
+            np.copyto(out, x)
+            return out
         return x
+
+    def out_spec(
+        self, dtype: np.dtype, shape: tuple[int, ...]
+    ) -> tuple[np.dtype, tuple[int, ...]] | None:
+        """The result's dtype and shape for an input of ``dtype`` and ``shape``; None when
+        an op does not tell it before running."""
+        spec: tuple[np.dtype, tuple[int, ...]] | None = (np.dtype(dtype), tuple(shape))
+        for op in self.ops:
+            spec = op.out_spec(*spec) if spec is not None else None
+        return spec
 
     def running_ops(self) -> dict[int, RunningNormalize]:
         """The pipeline's stateful ops, by op index."""
@@ -92,24 +121,46 @@ class AugmentPlan:
         return [*self.pipelines, *self.aliases]
 
     def apply(
-        self, batch: Mapping[str, np.ndarray], rng: np.random.Generator
+        self,
+        batch: Mapping[str, np.ndarray],
+        rng: np.random.Generator,
+        out: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """A new dict with the augmented fields; other fields pass through, inputs untouched.
+        ``out`` maps every augmented field to the array its result is written into (laid
+        out from :meth:`out_specs`); the same draws give the same results either way.
 
         Owned fields go first (stateful ops observe them), then aliases, which use the same
         ops and the same, already updated statistics, with their own random draws.
         """
-        out = dict(batch)
+        res = dict(batch)
         owned = [(f, f, True) for f in self.pipelines]
         for field, owner, observe in owned + [(f, o, False) for f, o in self.aliases.items()]:
             if field not in batch:
                 raise ValueError(f"augment: batch has no field {field!r}")
             try:
-                x = np.asarray(batch[field])
-                out[field] = self.pipelines[owner].apply(x, rng, observe=observe)
+                x, dst = np.asarray(batch[field]), None if out is None else out[field]
+                res[field] = self.pipelines[owner].apply(x, rng, observe=observe, out=dst)
             except ValueError as exc:
                 raise ValueError(f"augment {field!r}: {exc}") from exc
-        return out
+        return res
+
+    def out_specs(
+        self, batch: Mapping[str, Any]
+    ) -> dict[str, tuple[np.dtype, tuple[int, ...]]] | None:
+        """The augmented fields' dtypes and shapes for ``batch``, before the plan runs; None
+        when one of them is not a numeric array or an op does not tell."""
+        specs = {}
+        for field in self.fields:
+            x = batch.get(field)
+            owner = self.aliases.get(field, field)
+            if not isinstance(x, np.ndarray) or x.dtype.hasobject:
+                return None
+            spec = self.pipelines[owner].out_spec(x.dtype, x.shape)
+            if spec is None:
+                return None
+            specs[field] = spec
+        return specs
 
     def stats_versions(self) -> dict[str, int]:
         """Per field normalised by the namespace's statistics: their version (count) the

@@ -44,13 +44,25 @@ def as_rows(x: np.ndarray) -> np.ndarray:
 
 
 class Op:
-    """One augmentation step. Subclasses validate their params in ``__init__``."""
+    """One augmentation step. Subclasses validate their params in ``__init__``.
+
+    An op that knows its output's dtype and shape from its input's says so in
+    :meth:`out_spec` (then a batch can be laid out before it runs); one that can write its
+    output into a given array sets ``writes_out`` and takes ``out=``."""
 
     name: ClassVar[str]
+    writes_out: ClassVar[bool] = False
 
     def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Return the transformed copy of ``x``."""
         raise NotImplementedError
+
+    def out_spec(
+        self, dtype: np.dtype, shape: tuple[int, ...]
+    ) -> tuple[np.dtype, tuple[int, ...]] | None:
+        """The output's dtype and shape for an input of ``dtype`` and ``shape``; None when
+        only running the op tells."""
+        return None
 
     def observe(self, x: np.ndarray) -> None:
         """Update state from the data about to be transformed (stateful ops only)."""

@@ -24,6 +24,9 @@ class Normalize(Op):
         self._mul = (1.0 / (scale * self.std)).astype(np.float32)
         self._add = (-self.mean / self.std).astype(np.float32)
 
+    def out_spec(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.dtype, tuple[int, ...]]:
+        return np.dtype(np.float32), shape
+
     def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         for arr in (self._mul, self._add):
             if arr.size > 1 and (x.ndim == 0 or x.shape[-1] != arr.size):
@@ -43,6 +46,9 @@ class GaussianNoise(Op):
     def __init__(self, std: float, p: float = 1.0) -> None:
         self.std = check_number("std", std, 0.0)
         self.p = check_number("p", p, 0.0, 1.0)
+
+    def out_spec(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.dtype, tuple[int, ...]]:
+        return np.dtype(np.float64 if dtype == np.float64 else np.float32), shape
 
     def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         dtype = np.float64 if x.dtype == np.float64 else np.float32

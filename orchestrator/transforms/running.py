@@ -141,6 +141,9 @@ class RunningNormalize(Op):
         else:
             self.stats = self.store.get(self.key)
 
+    def out_spec(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.dtype, tuple[int, ...]]:
+        return np.dtype(np.float32), shape
+
     def __call__(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         st = self.stats
         if st.count and st.mean.shape != as_rows(x).shape[1:]:

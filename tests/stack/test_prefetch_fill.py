@@ -3,6 +3,7 @@ and info, failures recorded in ``state``, stale pushes, the refill lock, shm rea
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import subprocess
@@ -301,3 +302,47 @@ def test_pop_refuses_a_batch_of_an_unknown_wire_version(redis_url, namespace):
         with pytest.raises(WireVersionError, match=f"version {VERSION + 1}, this reader reads"):
             client.pop("r", timeout=5)
         assert len(client.pop("r", timeout=5)) == 8  # the next one reads fine
+
+
+@pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="needs /dev/shm")
+def test_batches_augmented_in_their_segment_equal_those_sent_inline(redis_url, namespace):
+    """Augmenting straight into a reused segment's mapping gives what the inline path
+    gives for the same seed."""
+    n = 64
+    store = Store(redis_url, namespace)
+    store.create(capacity=1000)
+    store.commit(
+        StepBatch(
+            episode=StrColumn.constant("e", n),
+            step_index=np.arange(n),
+            reward=np.arange(n, dtype=np.float32),
+            terminated=np.arange(n) == n - 1,
+            truncated=np.zeros(n, bool),
+            fields={"obs": np.random.default_rng(0).integers(0, 256, (n, 84, 84, 3), np.uint8)},
+        )
+    )
+    reg = Registry(store)
+    augment = {
+        "obs": [{"random_shift": {"pad": 4}}, {"color_jitter": {"brightness": 0.3, "p": 0.5}}],
+        "next_obs": "same",
+    }
+    fields = ["obs", "next_obs", "reward"]
+    reg.put(recipe("here", fields, seed=3, augment=augment), shm.host_id())  # 339 KB batches
+    reg.put(recipe("inline", fields, seed=3, augment=augment), None)
+    shm.release_pool()
+    got: dict[str, list] = {"here": [], "inline": []}
+    inodes = []
+    for _ in range(3):  # each round fills both queues (depth 2), then reads and drops them
+        for name, batches in got.items():
+            assert run_fill(reg, name) == {"made": 2, "state": "ok"}
+            items = reg.drain(name)
+            if name == "here":
+                inodes += [(shm.SHM_DIR / shm.reference_of(i)["name"]).stat().st_ino for i in items]
+            for item in items:  # copied, so the segment is free once read
+                batch = shm.from_message(item)
+                batches.append({"ids": batch.ids.copy(), **{f: batch[f].copy() for f in fields}})
+                del batch
+            gc.collect()
+    assert len(got["here"]) == 6 and len(set(inodes)) == 2  # segments reused: filled in place
+    for a, b in zip(got["here"], got["inline"], strict=True):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -60,6 +60,21 @@ def test_png_is_lossless_for_uint8_images_and_stacks(codec, shape):
 
 
 @pytest.mark.parametrize(
+    ("shape", "mode"), [((9, 7, 3), "RGB"), ((9, 7, 4), "RGBA"), ((9, 7), "L")]
+)
+def test_png_written_by_another_library_decodes_exactly(shape, mode):
+    """A producer's own PNG (Pillow: its filters, its chunks) reads back as its pixels."""
+    rows = _rows("|u1", shape, n=4)
+    frames = []
+    for row in rows:
+        out = io.BytesIO()
+        Image.fromarray(row, mode).save(out, "PNG", optimize=True)
+        frames.append(out.getvalue())
+    got = decode(Codec.of("png"), frames, "|u1", shape)
+    assert got.tobytes() == rows.tobytes()
+
+
+@pytest.mark.parametrize(
     ("codec", "shape"), [("jpeg:95", (32, 32, 3)), ("jpeg:90", (32, 32)), ("webp:90", (32, 32, 3))]
 )
 def test_lossy_codecs_are_close_not_exact(codec, shape):

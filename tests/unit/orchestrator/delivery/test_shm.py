@@ -15,6 +15,7 @@ import pytest
 from orchestrator.delivery import shm
 from orchestrator.delivery.wire import (
     VERSION,
+    Pending,
     WireVersionError,
     decode_batch,
     is_batch,
@@ -278,3 +279,65 @@ def test_segment_that_is_not_a_regular_file_is_refused():
             shm.from_message(shm.reference_message(name, 0, shm.host_id()))
     finally:
         (shm.SHM_DIR / name).unlink(missing_ok=True)
+
+
+def _pending_frame():
+    """A batch whose ``x`` is laid out but not yet written (``Pending``)."""
+    return to_wire({"x": Pending(np.uint8, (64, 4096)), "y": np.arange(64)}, ids=range(64))
+
+
+def _fill(value: int):
+    def fill(out):
+        out["x"][:] = value
+
+    return fill
+
+
+def _deliver(value: int) -> bytes:
+    return shm.deliver(_pending_frame(), _fill(value), reader_host=shm.host_id(), threshold=0)
+
+
+def test_pending_fields_are_written_straight_into_a_reused_segment():
+    shm.release_pool()
+    first = _deliver(1)  # no free segment yet: filled into arrays, written as before
+    ino = _inode(first)
+    batch = shm.from_message(first)
+    assert (batch["x"] == 1).all() and (batch["y"] == np.arange(64)).all()
+    del batch
+    gc.collect()
+    seen = []
+    again = shm.deliver(
+        _pending_frame(),
+        lambda out: (seen.append(out["x"].base is not None), _fill(2)(out)),
+        reader_host=shm.host_id(),
+        threshold=0,
+    )
+    assert _inode(again) == ino and seen == [True]  # filled in the segment's mapping
+    got = shm.from_message(again)
+    want = _pending_frame()
+    want.place({"x": np.full((64, 4096), 2, np.uint8)})
+    assert decode_batch(want.tobytes()).fields.keys() == got.fields.keys()
+    assert (got["x"] == 2).all() and (got["y"] == np.arange(64)).all()
+    assert bytes((shm.SHM_DIR / f"{ref_name(again)}{shm.TAKEN}").read_bytes()) == want.tobytes()
+
+
+def test_a_fill_that_fails_leaves_its_segment_free():
+    shm.release_pool()
+    msg = _deliver(1)
+    ino = _inode(msg)
+    shm.from_message(msg)  # read and dropped
+    gc.collect()
+
+    def broken(out):
+        raise ValueError("augmentation failed")
+
+    with pytest.raises(ValueError, match="augmentation failed"):
+        shm.deliver(_pending_frame(), broken, reader_host=shm.host_id(), threshold=0)
+    again = _deliver(3)
+    assert _inode(again) == ino  # free again, reused
+    assert (shm.from_message(again)["x"] == 3).all()
+
+
+def test_pending_fields_go_inline_to_another_host():
+    msg = shm.deliver(_pending_frame(), _fill(4), reader_host="elsewhere", threshold=0)
+    assert is_batch(msg) and (decode_batch(msg)["x"] == 4).all()

@@ -12,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 from orchestrator.delivery.wire import (
     ALIGN,
     VERSION,
+    Pending,
     WireVersionError,
     decode_batch,
     is_batch,
@@ -140,6 +141,34 @@ def test_wire_chunks_concatenate_to_the_encoding():
     out = decode_batch(blob)
     assert_bit_exact(strided, out["s"])
     assert out.meta == {"k": [1, 2]} and out.weights.tolist() == [1.0] * 6
+
+
+def test_pending_fields_are_laid_out_and_written_later():
+    x = np.arange(6 * 5, dtype=np.float32).reshape(6, 5)
+    y = np.arange(6 * 7, dtype=np.uint8).reshape(6, 7)  # not a multiple of ALIGN: padded
+    want = to_wire({"x": x, "y": y, "z": np.eye(6)}, ids=range(6), meta={"k": 1}).tobytes()
+
+    def laid():
+        return to_wire(
+            {"x": Pending(np.float32, (6, 5)), "y": y, "z": Pending(np.float64, (6, 6))},
+            ids=range(6),
+            meta={"k": 1},
+        )
+
+    wire = laid()
+    with pytest.raises(ValueError, match=r"pending fields not written yet: \['x', 'z'\]"):
+        wire.tobytes()
+    buf = bytearray(wire.nbytes + 64)  # a destination may be longer (a segment)
+    views = wire.write_into(buf)
+    assert sorted(views) == ["x", "z"] and views["x"].shape == (6, 5)
+    views["x"][:] = x
+    views["z"][:] = np.eye(6)
+    assert bytes(buf[: wire.nbytes]) == want
+    wire = laid()
+    wire.place({"x": x, "z": np.eye(6)})
+    assert wire.tobytes() == want
+    with pytest.raises(ValueError, match="laid out as"):
+        laid().place({"x": x.astype(np.float64)})
 
 
 @pytest.mark.parametrize(

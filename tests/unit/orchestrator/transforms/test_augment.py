@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from albumentations.augmentations.pixel import functional as fpixel
 
-from orchestrator.transforms.augment import ColorJitter, build_pipelines
+from orchestrator.transforms.augment import OPS, ColorJitter, build_pipelines
 
 PAD = 4
 
@@ -55,6 +55,50 @@ def test_random_shift_p_zero_is_identity_and_leading_axes_are_batch_axes():
     )["obs"]
     for a, b in zip(seq.reshape(-1, 20, 24, 3), out.reshape(-1, 20, 24, 3), strict=True):
         shift_of(a, b, 2)
+
+
+def padded_shift(x: np.ndarray, rng: np.random.Generator, pad: int, p: float) -> np.ndarray:
+    """The shift as first written: edge-pad the batch, then gather each image's window
+    (the same draws, in the same order, as ``RandomShift``)."""
+    imgs = x.reshape(-1, *x.shape[-3:])
+    n, h, w, _ = imgs.shape
+    dy, dx = rng.integers(0, 2 * pad + 1, n), rng.integers(0, 2 * pad + 1, n)
+    if p < 1.0:
+        skip = rng.random(n) >= p
+        dy[skip] = dx[skip] = pad
+    padded = np.pad(imgs, ((0, 0), (pad, pad), (pad, pad), (0, 0)), mode="edge")
+    return np.stack([padded[i, dy[i] : dy[i] + h, dx[i] : dx[i] + w] for i in range(n)]).reshape(
+        x.shape
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "pad", "p"),
+    [
+        ((40, 84, 84, 3), np.uint8, 4, 1.0),
+        ((3, 4, 9, 7, 1), np.uint8, 2, 0.5),  # leading axes, gray
+        ((9, 10, 12, 4), np.float32, 4, 1.0),  # a stack of 4, float
+        ((5, 4, 4, 3), np.int64, 6, 0.7),  # pad past the image: windows wholly in the pad
+        ((4, 1, 1, 1), np.uint8, 3, 1.0),
+        ((6, 10, 12, 4), np.bool_, 0, 1.0),
+        ((6, 7, 5, 3), np.complex128, 3, 0.0),  # 48-byte pixels
+        ((3, 6, 7, 200), np.uint8, 2, 1.0),  # more channels than OpenCV takes as uint8
+    ],
+)
+def test_random_shift_matches_pad_then_crop_for_the_same_draws(shape, dtype, pad, p):
+    x = (np.random.default_rng(5).random(shape) * 200).astype(dtype)
+    op = OPS["random_shift"](pad=pad, p=p)
+    want = padded_shift(x, np.random.default_rng(1), pad, p)
+    got = op(x, np.random.default_rng(1))
+    assert got.dtype == x.dtype and np.array_equal(got, want)
+    out = np.empty_like(x)
+    assert op(x, np.random.default_rng(1), out=out) is out and np.array_equal(out, want)
+
+
+def test_random_shift_refuses_pixels_too_wide_to_move():
+    x = np.zeros((2, 4, 4, 129), np.uint8)  # 129 bytes: no word divides it within 128
+    with pytest.raises(ValueError, match="too wide"):
+        OPS["random_shift"](pad=1)(x, np.random.default_rng(0))
 
 
 SPEC = {
