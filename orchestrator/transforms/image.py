@@ -50,6 +50,12 @@ class RandomShift(Op):
             skip = rng.random(n) >= self.p
             dy[skip] = dx[skip] = pad
         res = np.empty(x.shape, x.dtype) if out is None else out
+        if _words(imgs) is None:  # pixels wider than OpenCV takes: clamped index gathers
+            rows = np.clip(np.arange(h) + (dy - pad)[:, None], 0, h - 1)
+            cols = np.clip(np.arange(w) + (dx - pad)[:, None], 0, w - 1)
+            at = np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]
+            res.reshape(imgs.shape)[...] = imgs[at]
+            return res
         src, dst = _pixels(np.ascontiguousarray(imgs)), _pixels(res.reshape(imgs.shape))
         y0, y1, top, bottom = _overlap(dy - pad, h)
         x0, x1, left, right = _overlap(dx - pad, w)
@@ -60,16 +66,25 @@ class RandomShift(Op):
         return res
 
 
-def _pixels(imgs: np.ndarray) -> np.ndarray:
-    """NHWC images of any dtype as a view OpenCV takes: each pixel's bytes as channels of
-    the widest element type that divides them (the pixel moves as a whole either way)."""
-    n, h, w, c = imgs.shape
-    size = c * imgs.dtype.itemsize
+def _words(imgs: np.ndarray) -> type | None:
+    """The widest element type that divides a pixel's bytes in at most OpenCV's channel
+    limit; None when none does (e.g. 129 uint8 channels)."""
+    size = imgs.shape[-1] * imgs.dtype.itemsize
     for word in _WORDS:
         k = np.dtype(word).itemsize
         if size % k == 0 and size // k <= _CV_CHANNELS:
-            return imgs.view(np.uint8).reshape(n, h, w, size).view(word)
-    raise ValueError(f"pixels of {c} x {imgs.dtype} are too wide to shift")
+            return word
+    return None
+
+
+def _pixels(imgs: np.ndarray) -> np.ndarray:
+    """NHWC images of any dtype as a view OpenCV takes: each pixel's bytes as channels of
+    :func:`_words`' type (the pixel moves as a whole either way)."""
+    n, h, w, c = imgs.shape
+    word = _words(imgs)
+    assert word is not None
+    size = c * imgs.dtype.itemsize
+    return imgs.view(np.uint8).reshape(n, h, w, size).view(word)
 
 
 def _overlap(shift: np.ndarray, size: int) -> tuple[list[int], list[int], list[int], list[int]]:

@@ -83,6 +83,7 @@ def padded_shift(x: np.ndarray, rng: np.random.Generator, pad: int, p: float) ->
         ((6, 10, 12, 4), np.bool_, 0, 1.0),
         ((6, 7, 5, 3), np.complex128, 3, 0.0),  # 48-byte pixels
         ((3, 6, 7, 200), np.uint8, 2, 1.0),  # more channels than OpenCV takes as uint8
+        ((2, 4, 4, 129), np.uint8, 1, 0.6),  # no word divides 129 bytes within 128: numpy
     ],
 )
 def test_random_shift_matches_pad_then_crop_for_the_same_draws(shape, dtype, pad, p):
@@ -93,12 +94,6 @@ def test_random_shift_matches_pad_then_crop_for_the_same_draws(shape, dtype, pad
     assert got.dtype == x.dtype and np.array_equal(got, want)
     out = np.empty_like(x)
     assert op(x, np.random.default_rng(1), out=out) is out and np.array_equal(out, want)
-
-
-def test_random_shift_refuses_pixels_too_wide_to_move():
-    x = np.zeros((2, 4, 4, 129), np.uint8)  # 129 bytes: no word divides it within 128
-    with pytest.raises(ValueError, match="too wide"):
-        OPS["random_shift"](pad=1)(x, np.random.default_rng(0))
 
 
 SPEC = {
