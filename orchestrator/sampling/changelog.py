@@ -11,6 +11,7 @@ transaction: the counts it compares only grow.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from claw_tasks.store.scripts import Lua
@@ -40,6 +41,41 @@ def page_replies(replies: Sequence[Any]) -> list[tuple[bool, list[Entry]]]:
         (bool(int(replies[i + 1])), [(eid, _fields(kv)) for eid, kv in replies[i]])
         for i in range(0, len(replies), 2)
     ]
+
+
+@dataclass(frozen=True)
+class LogRead:
+    """Change-log pages a reader already read (a fetch's tail), one per shard, from the
+    positions ``last``/``seen``: a sync from the same positions applies them instead of
+    reading them again (one round trip fewer)."""
+
+    last: list[str]
+    seen: list[int]
+    pages: list[tuple[bool, list[Entry]]]
+
+    def at(self, last: Sequence[str], seen: Sequence[int]) -> list[tuple[bool, list[Entry]]] | None:
+        """The pages, if they were read from exactly these positions."""
+        return self.pages if list(last) == self.last and list(seen) == self.seen else None
+
+
+def newest_command(key: str, last: str, page: int) -> list[Any]:
+    """The command reading the entry ``last`` of the log ``key`` and up to ``page``
+    entries after it: the quiet check of :class:`~orchestrator.sampling.fetch.LogChecked`
+    (:func:`newest_page` reads its reply)."""
+    return ["XRANGE", key, last, "+", "COUNT", page + 1]
+
+
+def newest_page(reply: Sequence[Any], last: str) -> tuple[bool, list[Entry] | None]:
+    """Of a :func:`newest_command` reply: whether the log has no entry after ``last``,
+    and the entries after it when they are known to be all of them up to the page
+    (``last`` is still in the log: logs are only trimmed from the head, never deleted
+    from, so no entry after it is gone); None when ``last`` is gone (the sync decides)."""
+    if not reply:
+        return last == "0-0", [] if last == "0-0" else None
+    entries = [(eid, _fields(kv)) for eid, kv in reply]
+    if entries[0][0].decode() != last:
+        return False, None
+    return len(entries) == 1, entries[1:]
 
 
 def _fields(kv: Any) -> dict[bytes, bytes]:
