@@ -329,7 +329,7 @@ def test_a_quiet_store_is_sampled_in_one_round_trip_and_changes_are_seen(store):
     _calls(store)
     b = sample(store, r)
     calls = _calls(store)
-    assert calls == {"xrange": 2}  # each shard's log from the index's last entry: the one round trip
+    assert calls == {"xrange": 2}  # each log from the index's last entry: the one round trip
     want = store.get(b.ids, ["obs", "action", "next_obs"])
     for field in ("obs", "action", "next_obs"):
         np.testing.assert_array_equal(b[field], want[field])
