@@ -6,6 +6,12 @@ position, then ``lua/log_since.lua``, which tells whether any entry after it is 
 page of 1,000 cost Redis ~3.8 ms (the reply converted to Lua tables and back), the plain
 ``XRANGE`` ~0.65 ms (docs/benchmarks.md, Eviction). The check after the read needs no
 transaction: the counts it compares only grow.
+
+A reader that expects nothing new (:class:`~orchestrator.sampling.fetch.LogChecked` on a
+quiet store) reads one command instead: ``XRANGE`` from its last entry, inclusive. On a
+quiet log the reply is that one entry (what ``XREVRANGE + - COUNT 1`` returned before:
+the same cost); otherwise it is a page whose first entry proves that no entry after the
+position is gone, so a sync applies it (:class:`LogRead`) instead of reading it again.
 """
 
 from __future__ import annotations
@@ -58,15 +64,15 @@ class LogRead:
         return self.pages if list(last) == self.last and list(seen) == self.seen else None
 
 
-def newest_command(key: str, last: str, page: int) -> list[Any]:
+def from_last_command(key: str, last: str, page: int) -> list[Any]:
     """The command reading the entry ``last`` of the log ``key`` and up to ``page``
     entries after it: the quiet check of :class:`~orchestrator.sampling.fetch.LogChecked`
-    (:func:`newest_page` reads its reply)."""
+    (:func:`from_last_page` reads its reply)."""
     return ["XRANGE", key, last, "+", "COUNT", page + 1]
 
 
-def newest_page(reply: Sequence[Any], last: str) -> tuple[bool, list[Entry] | None]:
-    """Of a :func:`newest_command` reply: whether the log has no entry after ``last``,
+def from_last_page(reply: Sequence[Any], last: str) -> tuple[bool, list[Entry] | None]:
+    """Of a :func:`from_last_command` reply: whether the log has no entry after ``last``,
     and the entries after it when they are known to be all of them up to the page
     (``last`` is still in the log: logs are only trimmed from the head, never deleted
     from, so no entry after it is gone); None when ``last`` is gone (the sync decides)."""

@@ -37,8 +37,8 @@ from orchestrator.sampling.bulk import BulkReader
 from orchestrator.sampling.changelog import (
     LOG_SINCE,
     LogRead,
-    newest_command,
-    newest_page,
+    from_last_command,
+    from_last_page,
     page_commands,
     page_replies,
 )
@@ -290,10 +290,10 @@ class LogChecked:
     rows were drawn from, instead of per-row seq and alive checks.
 
     With ``exact`` set (a draw from columns held without a sync, :meth:`SamplingIndex.
-    hold`) the batch stands only when no log has an entry after those positions (each
-    log's newest entry is the index's last: entries are only ever trimmed from the head,
-    never deleted): the draw is then one from the store as it is at the fetch, one round
-    trip in all. Otherwise
+    hold`) the batch stands only when no log has an entry after those positions (each log
+    is read from the index's last entry on, which proves that no entry after it is gone:
+    entries are only ever trimmed from the head, never deleted): the draw is then one
+    from the store as it is at the fetch, one round trip in all. Otherwise
     (the columns were synced in this call) it stands unless an entry touched one of the
     checked rows, as the seq and alive checks decided. ``quiet`` tells whether the last
     fetch found the logs without new entries (the caller then tries ``exact`` next).
@@ -320,7 +320,7 @@ class LogChecked:
         last, seen = list(ix.log_last), list(ix.log_seen)
         logs = [self.index.store.keys.shard_key(s, "log") for s in range(ix.n_shards)]
         if self.exact:  # each log from the index's last entry: nothing after it, or redraw
-            tail = [newest_command(key, at, LOG_PAGE) for key, at in zip(logs, last, strict=True)]
+            tail = [from_last_command(k, at, LOG_PAGE) for k, at in zip(logs, last, strict=True)]
         else:
             args = zip(logs, last, seen, strict=True)
             tail = [c for a in args for c in page_commands(*a, LOG_PAGE)]
@@ -328,7 +328,7 @@ class LogChecked:
         rest = [r for r, m in zip(reads, mirrored, strict=True) if not m]
         got, replies, tails = self.fetcher.since(rest, lookups, tail)
         if self.exact:
-            newest = [newest_page(reply, at) for reply, at in zip(tails, last, strict=True)]
+            newest = [from_last_page(reply, at) for reply, at in zip(tails, last, strict=True)]
             self.quiet = all(quiet for quiet, _ in newest)
             if not self.quiet:
                 if all(entries is not None for _, entries in newest):

@@ -8,9 +8,13 @@ index from the change logs, refreshes the samplers with the changed rows, draws 
 and reads their payloads with one pipelined round trip (:mod:`orchestrator.sampling.fetch`),
 checked by the change-log entries read after them: a drawn row whose slot was reused
 since the sync makes the batch be drawn again, and a batch never holds a step that is
-gone. When the last fetch found the logs quiet, the call skips the sync: it draws from
-the index as it is, and the fetch's log read (each log's newest entry) proves the index
-current, one round trip in all; any new entry means a sync and a new draw.
+gone. When the last fetch found the logs quiet (and the last call found nothing logged
+at its start), the call skips the sync: it draws from the index as it is, and the
+fetch's log read (each log from the index's last entry) proves the index current, one
+round trip in all; any new entry means a sync, which applies the entries that fetch read
+instead of reading them again, and a new draw. A store that changes between calls is
+synced first: three round trips (log page, re-read of the committed slots, checked
+fetch) and one draw.
 
 Batch fields, in the recipe's order:
 
