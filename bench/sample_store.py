@@ -9,12 +9,13 @@ and samples 256 rows by priority. Columns (medians over ``--repeats``, p95 in br
   numpy columns (obs and action mirrored: ``CLAW_INDEX_PAYLOAD_BYTES``)
 - batch: ``orchestrator.sample`` with fields obs, action, reward, next_obs on a quiet store
   (nothing committed since the last batch): draw from the index as it is, then one round
-  trip that reads each shard's newest change-log entry; with its CPU per batch, this
+  trip that reads each shard's change log from the index's last entry; with its CPU per batch, this
   process's and redis-server's (``INFO cpu``), which the machine's load skews less
 - unmirrored: the same batch from an index that mirrors no payload field
   (``payload_bytes=0``): the rows read by ``fetch.lua``
-- after commit: a 256-step commit before each batch (a changing store): index sync, draw,
-  fetch with the change log read after it
+- after commit: a 256-step commit before each batch (a changing store): index sync (log
+  page, re-read of the committed slots), draw, fetch with the change log read after it
+  (``bench/changing_batch.py`` counts the round trips and profiles it)
 - draw: the draw alone on a current index (rows and IS weights)
 - sync(256): commit 256 new steps, then time the index sync plus sampler refresh
 - update(256): ``update_priorities`` of 256 random live ids through the store

@@ -6,11 +6,18 @@ position, then ``lua/log_since.lua``, which tells whether any entry after it is 
 page of 1,000 cost Redis ~3.8 ms (the reply converted to Lua tables and back), the plain
 ``XRANGE`` ~0.65 ms (docs/benchmarks.md, Eviction). The check after the read needs no
 transaction: the counts it compares only grow.
+
+A reader that expects nothing new (:class:`~orchestrator.sampling.fetch.LogChecked` on a
+quiet store) reads one command instead: ``XRANGE`` from its last entry, inclusive. On a
+quiet log the reply is that one entry (what ``XREVRANGE + - COUNT 1`` returned before:
+the same cost); otherwise it is a page whose first entry proves that no entry after the
+position is gone, so a sync applies it (:class:`LogRead`) instead of reading it again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from claw_tasks.store.scripts import Lua
@@ -40,6 +47,41 @@ def page_replies(replies: Sequence[Any]) -> list[tuple[bool, list[Entry]]]:
         (bool(int(replies[i + 1])), [(eid, _fields(kv)) for eid, kv in replies[i]])
         for i in range(0, len(replies), 2)
     ]
+
+
+@dataclass(frozen=True)
+class LogRead:
+    """Change-log pages a reader already read (a fetch's tail), one per shard, from the
+    positions ``last``/``seen``: a sync from the same positions applies them instead of
+    reading them again (one round trip fewer)."""
+
+    last: list[str]
+    seen: list[int]
+    pages: list[tuple[bool, list[Entry]]]
+
+    def at(self, last: Sequence[str], seen: Sequence[int]) -> list[tuple[bool, list[Entry]]] | None:
+        """The pages, if they were read from exactly these positions."""
+        return self.pages if list(last) == self.last and list(seen) == self.seen else None
+
+
+def from_last_command(key: str, last: str, page: int) -> list[Any]:
+    """The command reading the entry ``last`` of the log ``key`` and up to ``page``
+    entries after it: the quiet check of :class:`~orchestrator.sampling.fetch.LogChecked`
+    (:func:`from_last_page` reads its reply)."""
+    return ["XRANGE", key, last, "+", "COUNT", page + 1]
+
+
+def from_last_page(reply: Sequence[Any], last: str) -> tuple[bool, list[Entry] | None]:
+    """Of a :func:`from_last_command` reply: whether the log has no entry after ``last``,
+    and the entries after it when they are known to be all of them up to the page
+    (``last`` is still in the log: logs are only trimmed from the head, never deleted
+    from, so no entry after it is gone); None when ``last`` is gone (the sync decides)."""
+    if not reply:
+        return last == "0-0", [] if last == "0-0" else None
+    entries = [(eid, _fields(kv)) for eid, kv in reply]
+    if entries[0][0].decode() != last:
+        return False, None
+    return len(entries) == 1, entries[1:]
 
 
 def _fields(kv: Any) -> dict[bytes, bytes]:

@@ -34,7 +34,14 @@ from claw_tasks.store import Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.sampling.bulk import BulkReader
-from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
+from orchestrator.sampling.changelog import (
+    LOG_SINCE,
+    LogRead,
+    from_last_command,
+    from_last_page,
+    page_commands,
+    page_replies,
+)
 from orchestrator.sampling.index import LOG_PAGE, SamplingIndex
 
 PLAIN_ROW_BYTES = 2048
@@ -283,13 +290,15 @@ class LogChecked:
     rows were drawn from, instead of per-row seq and alive checks.
 
     With ``exact`` set (a draw from columns held without a sync, :meth:`SamplingIndex.
-    hold`) the batch stands only when no log has an entry after those positions (each
-    log's newest entry is the index's last: entries are only ever trimmed from the head,
-    never deleted): the draw is then one from the store as it is at the fetch, one round
-    trip in all. Otherwise
+    hold`) the batch stands only when no log has an entry after those positions (each log
+    is read from the index's last entry on, which proves that no entry after it is gone:
+    entries are only ever trimmed from the head, never deleted): the draw is then one
+    from the store as it is at the fetch, one round trip in all. Otherwise
     (the columns were synced in this call) it stands unless an entry touched one of the
     checked rows, as the seq and alive checks decided. ``quiet`` tells whether the last
     fetch found the logs without new entries (the caller then tries ``exact`` next).
+    ``read``: the entries the last fetch read after the positions, when it refused the
+    batch (None else): the sync that follows applies them instead of reading them again.
 
     Fields the index mirrors (``f:<field>`` columns) come from its columns, as of the same
     positions: a batch of only those reads nothing but the logs."""
@@ -298,6 +307,7 @@ class LogChecked:
         self.fetcher, self.index = fetcher, index
         self.exact = False
         self.quiet = False
+        self.read: LogRead | None = None
 
     def __call__(
         self,
@@ -306,25 +316,29 @@ class LogChecked:
         reads: Sequence[Read],
         lookups: Sequence[Lookup] = (),
     ) -> tuple[list[Any], list[Any]] | None:
-        ix = self.index
+        ix, self.read = self.index, None
+        last, seen = list(ix.log_last), list(ix.log_seen)
         logs = [self.index.store.keys.shard_key(s, "log") for s in range(ix.n_shards)]
-        if self.exact:  # the newest entry of each log: the index's own, or the batch is redrawn
-            tail = [["XREVRANGE", key, "+", "-", "COUNT", 1] for key in logs]
+        if self.exact:  # each log from the index's last entry: nothing after it, or redraw
+            tail = [from_last_command(k, at, LOG_PAGE) for k, at in zip(logs, last, strict=True)]
         else:
-            args = zip(logs, ix.log_last, ix.log_seen, strict=True)
+            args = zip(logs, last, seen, strict=True)
             tail = [c for a in args for c in page_commands(*a, LOG_PAGE)]
         mirrored = [r.kind == "f" and r.base in ix.columns for r in reads]
         rest = [r for r, m in zip(reads, mirrored, strict=True) if not m]
         got, replies, tails = self.fetcher.since(rest, lookups, tail)
         if self.exact:
-            newest = [reply[0][0].decode() if reply else "0-0" for reply in tails]
-            self.quiet = newest == ix.log_last
+            newest = [from_last_page(reply, at) for reply, at in zip(tails, last, strict=True)]
+            self.quiet = all(quiet for quiet, _ in newest)
             if not self.quiet:
+                if all(entries is not None for _, entries in newest):
+                    self.read = LogRead(last, seen, [(False, e or []) for _, e in newest])
                 return None
         else:
             pages = page_replies(tails)
             self.quiet = all(not lost and not entries for lost, entries in pages)
             if not (self.quiet or self._untouched(check, pages)):
+                self.read = LogRead(last, seen, pages)
                 return None
         read = iter(got)
         out = [

@@ -51,7 +51,13 @@ from claw_tasks.store.layout import (
     payload_chunk_slots,
 )
 from claw_tasks.store.scripts import execute
-from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
+from orchestrator.sampling.changelog import (
+    LOG_SINCE,
+    Entry,
+    LogRead,
+    page_commands,
+    page_replies,
+)
 
 LOG_PAGE = 1_000
 """Change-log entries read per shard and round trip (a page stays a short Redis call even
@@ -137,10 +143,13 @@ class SamplingIndex:
         del parts
         release_heap()
 
-    def sync(self) -> np.ndarray | None:
+    def sync(self, read: LogRead | None = None) -> np.ndarray | None:
         """Apply the change logs since the last call. Returns the global rows whose metadata
-        changed (sorted, unique), or None when the index was (re)built from scratch."""
-        rows = self.apply_logs()
+        changed (sorted, unique), or None when the index was (re)built from scratch.
+
+        ``read``: log pages a fetch of this call already read; applied instead of reading
+        them again when they start at the index's positions (:meth:`apply_logs`)."""
+        rows = self.apply_logs(read)
         self.notify(rows)
         return rows
 
@@ -185,18 +194,23 @@ class SamplingIndex:
                     return None
         return np.concatenate(rows) if rows else np.zeros(0, np.int64)
 
-    def apply_logs(self) -> np.ndarray | None:
+    def apply_logs(self, read: LogRead | None = None) -> np.ndarray | None:
         """Apply the change logs to ``columns`` (cold when empty or when the logs cannot be
         applied) without calling the listeners: what :meth:`sync` returns. A failure
-        half-way empties ``columns``: the next call starts cold."""
+        half-way empties ``columns``: the next call starts cold.
+
+        The first page is ``read``'s when it was read from the index's positions (a
+        fetch's tail: the entries a sync would read, read a moment earlier; whatever came
+        after them is read by the fetch that checks the next draw)."""
         self.forgotten = {}
         if not self.columns:
             self.rebuild()
             return None
         changed: list[np.ndarray] = []
+        pages = None if read is None else read.at(self.log_last, self.log_seen)
         try:
-            while self._apply_page(changed):
-                pass
+            while self._apply_page(changed, pages):
+                pages = None
         except RebuildNeeded:
             self.rebuild()
             return None
@@ -206,15 +220,18 @@ class SamplingIndex:
         return np.unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
 
     # ---- change log ----------------------------------------------------------------
-    def _apply_page(self, changed: list[np.ndarray]) -> bool:
-        """Apply up to LOG_PAGE entries per shard; True if a shard may have more."""
+    def _apply_page(
+        self, changed: list[np.ndarray], pages: list[tuple[bool, list[Entry]]] | None = None
+    ) -> bool:
+        """Apply up to LOG_PAGE entries per shard (``pages``, if given: read already);
+        True if a shard may have more."""
 
         def queue(pipe: Any) -> None:
             for key, last, seen in zip(self.log_keys, self.log_last, self.log_seen, strict=True):
                 for command in page_commands(key, last, seen, LOG_PAGE):
                     pipe.execute_command(*command)
 
-        replies = page_replies(execute(self.store.r, [LOG_SINCE], queue))
+        replies = pages or page_replies(execute(self.store.r, [LOG_SINCE], queue))
         if any(lost for lost, _ in replies):
             raise RebuildNeeded
         inserted: dict[int, list[tuple[int, int]]] = {}

@@ -8,9 +8,13 @@ index from the change logs, refreshes the samplers with the changed rows, draws 
 and reads their payloads with one pipelined round trip (:mod:`orchestrator.sampling.fetch`),
 checked by the change-log entries read after them: a drawn row whose slot was reused
 since the sync makes the batch be drawn again, and a batch never holds a step that is
-gone. When the last fetch found the logs quiet, the call skips the sync: it draws from
-the index as it is, and the fetch's log read (each log's newest entry) proves the index
-current, one round trip in all; any new entry means a sync and a new draw.
+gone. When the last fetch found the logs quiet (and the last call found nothing logged
+at its start), the call skips the sync: it draws from the index as it is, and the
+fetch's log read (each log from the index's last entry) proves the index current, one
+round trip in all; any new entry means a sync, which applies the entries that fetch read
+instead of reading them again, and a new draw. A store that changes between calls is
+synced first: three round trips (log page, re-read of the committed slots, checked
+fetch) and one draw.
 
 Batch fields, in the recipe's order:
 
@@ -256,6 +260,7 @@ class _Session:
         self.fetch = LogChecked(Fetcher(self.store, index.cap), index)
         self.bound: dict[str, _Bound] = {}
         self._live: tuple[np.ndarray, int] | None = None  # an alive column and its count
+        self._changing = False  # the last call found entries logged since the one before
         index.subscribe(self._changed)
 
     def _changed(self, rows: np.ndarray | None) -> None:
@@ -295,7 +300,7 @@ class _Session:
         try:
             return self._sample(recipe, rng, live, once, key)
         finally:
-            self.fetch.exact = False
+            self.fetch.exact, self.fetch.read = False, None  # a page read is this call's only
             self.index.release()  # a shared index: other processes may write it again
 
     def _sample(
@@ -307,18 +312,27 @@ class _Session:
         key: str,
     ) -> Batch:
         for attempt in range(_ATTEMPTS):
-            # The logs were quiet at the last fetch: draw from the columns as they are and
-            # let the fetch's log check prove them current (one round trip); else sync.
-            exact = attempt == 0 and self.fetch.quiet and self.index.hold()
+            # The logs were quiet at the last fetch and the last call found nothing new at
+            # its start: draw from the columns as they are and let the fetch's log check
+            # prove them current (one round trip). Else sync first (a store that changes
+            # between calls would make that draw a wasted one), applying the entries a
+            # refused fetch of this call read instead of reading them again.
+            exact = attempt == 0 and self.fetch.quiet and not self._changing and self.index.hold()
             self.fetch.exact = exact
             if not exact:
-                self.index.sync()
+                before = list(self.index.log_last)
+                self.index.sync(self.fetch.read)
+                if attempt == 0:
+                    self._changing = self.index.log_last != before
             try:
                 batch = self._draw(recipe, rng, live, once, key)
             except Exception:
                 if not exact:
                     raise
                 continue  # e.g. too few candidates before the sync: the sync decides
+            finally:
+                if exact:
+                    self._changing = not self.fetch.quiet
             if batch is not None:
                 return batch
         raise StoreChangingError(

@@ -52,6 +52,7 @@ import numpy as np
 from claw_tasks.connection.client import identity, is_cluster
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceConfig, Store
+from orchestrator.sampling.changelog import LogRead
 from orchestrator.sampling.index import RebuildNeeded, SamplingIndex, release_heap
 from orchestrator.sampling.shmfiles import (
     H_DIRTY,
@@ -126,10 +127,12 @@ class SharedIndex(SamplingIndex):
         self._layout: list[Any] = []
 
     # ---- the protocol ----------------------------------------------------------------
-    def sync(self) -> np.ndarray | None:
+    def sync(self, read: LogRead | None = None) -> np.ndarray | None:
         """Bring the shared columns up to date and hold them shared until
         :meth:`release`. Returns the rows changed since this process's last sync (None:
-        refresh whole), and calls the listeners.
+        refresh whole), and calls the listeners. ``read``: as
+        :meth:`SamplingIndex.sync` (used when the shared columns are still at its
+        positions).
 
         This process writes the columns unless another one is reading them and they were
         written less than :data:`MAX_LAG_S` ago: then it reads them as they are (waiting
@@ -147,7 +150,7 @@ class SharedIndex(SamplingIndex):
                 try:
                     hdr = self._attach()
                     if hdr[H_DIRTY] or asked is None or hdr[H_STARTED] <= asked:
-                        self._write()
+                        self._write(read)
                 except BaseException:
                     self.columns = {}
                     fcntl.flock(self._f.lock, fcntl.LOCK_UN)
@@ -262,7 +265,7 @@ class SharedIndex(SamplingIndex):
         return hdr
 
     # ---- writing (under the exclusive lock) --------------------------------------------
-    def _write(self) -> None:
+    def _write(self, read: LogRead | None) -> None:
         hdr = self._hdr
         assert hdr is not None
         hdr[H_STARTED] += 1
@@ -274,7 +277,7 @@ class SharedIndex(SamplingIndex):
             self._load_state(state)
             self.columns = self._writable
             self.log_last, self.log_seen = list(state["last"]), list(state["seen"])
-        rows = self.apply_logs()  # a failure leaves it dirty: the next one rebuilds
+        rows = self.apply_logs(read)  # a failure leaves it dirty: the next one rebuilds
         if rows is None or self.forgotten or len(rows) > len(self._ring):  # type: ignore[arg-type]
             hdr[H_REBUILDS] += 1
         elif len(rows):

@@ -329,7 +329,7 @@ def test_a_quiet_store_is_sampled_in_one_round_trip_and_changes_are_seen(store):
     _calls(store)
     b = sample(store, r)
     calls = _calls(store)
-    assert calls == {"xrevrange": 2}  # each shard's newest log entry: the one round trip
+    assert calls == {"xrange": 2}  # each log from the index's last entry: the one round trip
     want = store.get(b.ids, ["obs", "action", "next_obs"])
     for field in ("obs", "action", "next_obs"):
         np.testing.assert_array_equal(b[field], want[field])
@@ -358,6 +358,85 @@ def test_a_quiet_store_is_sampled_in_one_round_trip_and_changes_are_seen(store):
     sample(store, p)
     update_priorities(store, ids, [1e6])  # all the mass on one step, just before the call
     assert (sample(store, p).ids == ids[0]).mean() > 0.9
+
+
+def _cold_equal(ix: SamplingIndex) -> None:
+    cold = SamplingIndex(ix.store)
+    cold.sync()
+    assert ix.columns.keys() == cold.columns.keys()
+    for name, col in cold.columns.items():
+        np.testing.assert_array_equal(ix.columns[name], col, err_msg=name)
+
+
+@pytest.mark.both_stores
+@pytest.mark.store(capacity=100, n_shards=2)
+def test_a_changing_store_reads_each_log_page_once(store):
+    """A commit before a call after a quiet batch: the fetch from the index as it is reads
+    the entries after its positions, refuses the batch, and the sync applies those entries
+    instead of reading them again (per shard: that XRANGE, then the checked fetch's page:
+    XRANGE and its loss check). A commit before the call after that: the store is
+    changing, so the call syncs first (no draw to throw away). The batches hold the
+    committed steps as stored; the index stays what a cold rebuild gives."""
+    store.commit(batch(interleave(*(episode(e, 10, "terminated", task_id="a") for e in range(4)))))
+    store.commit(batch(episode(4, 10, "terminated", task_id="b")))
+    r = recipe([{"name": "u"}], ["obs", "action", "next_obs"], 64)
+    rb = recipe([{"name": "b", "where": {"task_id": "b"}}], ["obs"])
+    ix = SamplingIndex(store)
+    sample(store, rb, index=ix)
+    sample(store, r, index=ix)  # quiet from here
+    for e, (xrange, evalsha) in [(5, (4, 2)), (6, (4, 4))]:
+        store.commit(batch(episode(e, 10, "terminated", task_id="b")))
+        _calls(store)
+        b = sample(store, rb, index=ix)
+        calls = _calls(store)
+        assert (calls.get("xrange"), calls.get("evalsha"), calls.get("xrevrange")) == (
+            xrange,
+            evalsha,
+            None,
+        )
+        assert set(b["obs"][:, 0]) <= {4, 5, 6} and e in set(b["obs"][:, 0])
+        _cold_equal(ix)
+    sample(store, r, index=ix)  # found nothing new at its start: quiet again
+    _calls(store)
+    b = sample(store, r, index=ix)
+    assert _calls(store) == {"xrange": 2}
+    np.testing.assert_array_equal(b["obs"], store.get(b.ids, ["obs"])["obs"])
+
+
+@pytest.mark.both_stores
+@pytest.mark.store(capacity=40, n_shards=2)
+def test_rows_overwritten_between_sync_and_fetch_are_never_served(store):
+    """Commits that overwrite every slot land after the sync and before the checked fetch
+    (from inside the sync's listener): that fetch refuses the batch, and the next
+    draw's sync applies the entries it read (no second read of that page) and serves only
+    the new steps, as stored."""
+    store.commit(batch(interleave(*(episode(e, 10, "terminated") for e in range(4)))))
+    r = recipe([{"name": "u"}], ["obs", "action", "next_obs"], 32)
+    ix = SamplingIndex(store)
+    sample(store, r, index=ix)
+    old = ix.columns["id"][ix.columns["alive"]].copy()
+    store.commit(batch(episode(7, 2, "terminated")))  # the next call syncs first
+    pending = [episode(e, 10, "terminated") for e in range(10, 22)]  # 3 rings' worth
+
+    def overwrite(rows: object) -> None:
+        while pending:
+            store.commit(batch(pending.pop()))
+
+    sample(store, r, index=ix)  # quiet at its fetch
+    store.commit(batch(episode(8, 2, "terminated")))
+    ix.subscribe(overwrite)
+    _calls(store)
+    b = sample(store, r, index=ix)
+    calls = _calls(store)
+    assert not pending
+    # the call's two syncs: one page read (the second applies the refused fetch's); two
+    # checked fetches; the commit's own commands read no log
+    assert calls["xrange"] == 6
+    assert not np.isin(b.ids, old).any()
+    want = store.get(b.ids, ["obs", "action", "next_obs"])
+    for field in ("obs", "action", "next_obs"):
+        np.testing.assert_array_equal(b[field], want[field])
+    _cold_equal(ix)
 
 
 @pytest.mark.store(capacity=120, n_shards=2)
