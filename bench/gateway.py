@@ -46,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
-from tests.stack.test_gateway import TOKEN, TOOLS, Proc, free_port, train_tokenizer
-from tests.support.processes import Worker
+from tests.stack.test_gateway import TOOLS
+from tests.support.gateway import TOKEN, Proc, gateway_argv, start_upstream, train_tokenizer
+from tests.support.processes import Worker, free_port
 
 ADMIN = "bench-admin-token"
 BODY = {
@@ -209,33 +210,14 @@ def main() -> None:
     train_tokenizer(tokenizer)
     with RedisServer() as server:
         worker = Worker(server.url, "ingest", 2, tmp / "worker.log", {})
-        up_port, gw_port = free_port(), free_port()
-        upstream = Proc(
-            [sys.executable, "-m", "tests.support.llm_upstream", str(up_port), str(tokenizer)],
-            up_port,
-            tmp / "upstream.log",
-            {},
-        )
+        gw_port = free_port()
+        upstream = start_upstream(tokenizer, tmp / "upstream.log")
         ns = "bench-gw"
 
         def gateway(port: int, namespace: str, *extra: str) -> Proc:
-            cmd = [
-                sys.executable,
-                "-m",
-                "orchestrator.cli.main",
-                "--redis-url",
-                server.url,
-                "gateway",
-                "--upstream",
-                upstream.url,
-                "--namespace",
-                namespace,
-                "--port",
-                str(port),
-                "--max-turns",
-                "100000",
-                *extra,
-            ]
+            cmd = gateway_argv(
+                upstream.url, namespace, port, "--max-turns", "100000", *extra, redis_url=server.url
+            )
             env = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_ADMIN_TOKEN": ADMIN}
             return Proc(cmd, port, tmp / f"gateway-{port}.log", env)
 

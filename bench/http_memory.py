@@ -29,7 +29,8 @@ HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
 from claw_tasks.connection.server import RedisServer  # noqa: E402
-from tests.stack.test_gateway import free_port, train_tokenizer  # noqa: E402
+from tests.support.gateway import train_tokenizer  # noqa: E402
+from tests.support.processes import free_port  # noqa: E402
 
 MiB = 1 << 20
 SIZE = 150_000_000

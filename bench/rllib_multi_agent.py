@@ -36,12 +36,11 @@ from ray.rllib.utils.replay_buffers.multi_agent_episode_buffer import (
     MultiAgentEpisodeReplayBuffer,
 )
 
+from bench.cpu import group_cpu
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import get_settings, use_settings
 from orchestrator.adapters.rllib import ClawMultiAgentEpisodeReplayBuffer
 from tests.support.processes import Worker
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def fragments(steps: int, every: int, seed: int = 0) -> list[list[MultiAgentEpisode]]:
@@ -71,21 +70,6 @@ def fragments(steps: int, every: int, seed: int = 0) -> list[list[MultiAgentEpis
             calls.append(out)
             out = []
     return calls
-
-
-def group_cpu(pgid: int) -> float:
-    """CPU seconds (user + system) of the live processes of a process group."""
-    total = 0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / TICK
 
 
 def run(variant: str, calls: list[list], burst: int, worker: Worker) -> dict[str, float]:

@@ -21,24 +21,17 @@ version, and bounds staleness with the live param ``min_version``. Needs the wor
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import secrets
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-import openai
 import torch
+from gateway_agents import CompletionServer, Gateway, rollout
 from torch import nn
 
 from orchestrator import BatchClient
@@ -88,7 +81,7 @@ def success_rate(policy: Policy) -> float:
 
 
 # ---- the inference server ----------------------------------------------------------------
-class Server:
+class Server(CompletionServer):
     """An OpenAI-compatible ``/v1/completions`` endpoint for the policy: ``prompt`` is a list
     of token ids; the reply carries ``prompt_token_ids``, ``token_ids`` and
     ``logprobs.token_logprobs`` per choice (vLLM's fields), and the policy version in the
@@ -97,32 +90,7 @@ class Server:
     def __init__(self, policy: Policy, lock: threading.Lock, seed: int) -> None:
         self.policy, self.lock, self.version = policy, lock, 0
         self.rng = torch.Generator().manual_seed(seed)
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive: the gateway reuses its connections
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                out, version = server.complete(body)
-                reply = json.dumps(out).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.send_header("X-Claw-Policy-Version", str(version))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        class HTTPServer(ThreadingHTTPServer):
-            daemon_threads = True
-            request_queue_size = 1024  # the gateway opens a connection per concurrent call
-
-        self.http = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        super().__init__()
 
     def complete(self, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
         ids = [int(t) for t in body["prompt"]]
@@ -151,75 +119,6 @@ class Server:
         }, version
 
 
-# ---- the gateway ---------------------------------------------------------------------------
-class Gateway:
-    """``claw gateway`` in front of the server, as a subprocess: same Redis
-    (CLAW_REDIS_URL), fresh random tokens for the agents and for the reward endpoint."""
-
-    def __init__(self, upstream: str, namespace: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.token, self.reward_token = secrets.token_hex(16), secrets.token_hex(16)
-        env = {
-            **os.environ,
-            "CLAW_GATEWAY_TOKEN": self.token,
-            "CLAW_GATEWAY_REWARD_TOKEN": self.reward_token,
-        }
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "orchestrator.cli.main",
-                "gateway",
-                "--upstream",
-                upstream,
-                "--namespace",
-                namespace,
-                "--port",
-                str(port),
-                "--max-turns",
-                "4",
-            ],
-            cwd=Path(__file__).resolve().parents[1],
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"{self.url}/healthz", timeout=1).raise_for_status()
-                return
-            except httpx.HTTPError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(
-                        "claw gateway did not start (see its output above)"
-                    ) from None
-                time.sleep(0.2)
-
-    def counts(self) -> dict[str, float]:
-        """Its Prometheus counters (``/metrics`` takes the agents' token when no
-        CLAW_METRICS_TOKEN is set)."""
-        page = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {self.token}"})
-        page.raise_for_status()
-        return {
-            name: float(value)
-            for name, _, value in (ln.partition(" ") for ln in page.text.splitlines())
-            if name.startswith("claw_gateway_") and name.endswith("_total")
-        }
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 # ---- agents ------------------------------------------------------------------------------
 class Pace:
     """Keeps the agents at most ``ahead`` groups ahead of the trainer (fresh rollouts)."""
@@ -241,26 +140,9 @@ class Pace:
             self.cond.notify_all()
 
 
-def rollout(http: httpx.Client, gw: Gateway, group: str, j: int, a: int, b: int) -> float:
-    """One trajectory: a call through the gateway with the OpenAI client, then its reward
-    posted to the gateway (the gateway ends the trajectory and attaches it)."""
-    traj = f"{group}-{j}"
-    client = openai.OpenAI(
-        base_url=f"{gw.url}/t/{traj}/g/{group}/v1",
-        api_key=gw.token,
-        http_client=http,
-        max_retries=0,
-    )
-    out = client.completions.create(model="toy", prompt=prompt_of(a, b), max_tokens=1)
-    reward = float(out.choices[0].text == str(a + b))
-    r = http.post(
-        f"{gw.url}/t/{traj}/reward",
-        json={"final_reward": reward, "reward_source": "exact"},
-        headers={"Authorization": f"Bearer {gw.reward_token}"},
-    )
-    if r.status_code != 200:
-        raise RuntimeError(f"reward of {traj}: {r.status_code} {r.text}")
-    return reward
+def reward_of(a: int, b: int) -> Callable[[str], float]:
+    """1 when the completion is the digit of the sum."""
+    return lambda text: float(text == str(a + b))
 
 
 def agents(
@@ -287,7 +169,17 @@ def agents(
             a, b = PROMPTS[rng.integers(len(PROMPTS))]
             group = uuid.uuid4().hex
             for j in range(group_size):
-                pool.submit(rollout, http, gw, group, j, a, b).add_done_callback(check)
+                pool.submit(
+                    rollout,
+                    http,
+                    gw,
+                    f"{group}-{j}",
+                    group,
+                    prompt_of(a, b),
+                    model="toy",
+                    max_tokens=1,
+                    reward=reward_of(a, b),
+                ).add_done_callback(check)
         pool.shutdown(cancel_futures=True)
 
 

@@ -30,24 +30,19 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experi
 
 import argparse
 import json
-import secrets
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import torch
 from datasets import Dataset
+from gateway_agents import CompletionServer, Gateway, rollout
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     GPT2Config,
@@ -112,7 +107,7 @@ def success_rate(policy: GPT2LMHeadModel, tok: PreTrainedTokenizerFast) -> float
 
 
 # ---- the inference server ----------------------------------------------------------------
-class Server:
+class Server(CompletionServer):
     """An OpenAI-compatible ``/v1/completions`` endpoint for the policy being trained: the
     reply carries vLLM's ``prompt_token_ids`` and ``token_ids`` per choice and
     ``logprobs.token_logprobs`` (tokens spelled ``token_id:<n>`` when asked), and the
@@ -123,32 +118,7 @@ class Server:
         self.policy, self.tok, self.version = policy, tok, 0
         self.lock, self.log = threading.Lock(), []
         self.rng = torch.Generator().manual_seed(seed)
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive: the gateway reuses its connections
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                out, version = server.complete(body)
-                reply = json.dumps(out).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.send_header("X-Claw-Policy-Version", str(version))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        class HTTPServer(ThreadingHTTPServer):
-            daemon_threads = True
-            request_queue_size = 1024  # the gateway opens a connection per concurrent call
-
-        self.http = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        super().__init__()
 
     def complete(self, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
         prompt = body["prompt"]
@@ -197,52 +167,6 @@ class Server:
         return reply, version
 
 
-# ---- the gateway ---------------------------------------------------------------------------
-class Gateway:
-    """``claw gateway`` in front of the server, as a subprocess: same Redis
-    (CLAW_REDIS_URL), fresh random tokens for the agents and for the reward endpoint."""
-
-    def __init__(self, upstream: str, namespace: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.token, self.reward_token = secrets.token_hex(16), secrets.token_hex(16)
-        env = {
-            **os.environ,
-            "CLAW_GATEWAY_TOKEN": self.token,
-            "CLAW_GATEWAY_REWARD_TOKEN": self.reward_token,
-        }
-        cmd = ["gateway", "--upstream", upstream, "--namespace", namespace, "--port", str(port)]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli.main", *cmd, "--max-turns", "4"],
-            cwd=Path(__file__).resolve().parents[1],
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"{self.url}/healthz", timeout=1).raise_for_status()
-                return
-            except httpx.HTTPError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(
-                        "claw gateway did not start (see its output above)"
-                    ) from None
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 # ---- agents --------------------------------------------------------------------------------
 class Agents:
     """Agent threads. ``dispatch`` (ClawRollouts calls it with each generation batch's
@@ -266,20 +190,16 @@ class Agents:
                 f.add_done_callback(self._done)
 
     def rollout(self, traj: str, group: str, prompt: str) -> None:
-        client = openai.OpenAI(
-            base_url=f"{self.gw.url}/t/{traj}/g/{group}/v1",
-            api_key=self.gw.token,
-            http_client=self.http,
-            max_retries=0,
+        rollout(
+            self.http,
+            self.gw,
+            traj,
+            group,
+            prompt,
+            model="tiny-gpt2",
+            max_tokens=2,
+            reward=lambda text: verify(prompt, text),
         )
-        out = client.completions.create(model="tiny-gpt2", prompt=prompt, max_tokens=2)
-        r = self.http.post(
-            f"{self.gw.url}/t/{traj}/reward",
-            json={"final_reward": verify(prompt, out.choices[0].text), "reward_source": "exact"},
-            headers={"Authorization": f"Bearer {self.gw.reward_token}"},
-        )
-        if r.status_code != 200:
-            raise RuntimeError(f"reward of {traj}: {r.status_code} {r.text}")
 
     def _done(self, f: Future) -> None:
         if not f.cancelled() and f.exception() is not None:

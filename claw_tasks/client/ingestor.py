@@ -46,6 +46,26 @@ QUEUED_BATCHES = 16
 fills one more waits for it (the producer outpacing the broker)."""
 
 
+def _step_meta(
+    task_id: str | None,
+    agent_id: str | None,
+    skill_tag: str | None,
+    reward_source: str | None,
+    policy_version: int | None,
+) -> dict[str, Any]:
+    """The metadata an episode or column writer puts on every step (``policy_version``
+    checked: the store keeps it as an int32)."""
+    if policy_version is not None:
+        check_int32(policy_version, "policy_version")
+    return {
+        "task_id": task_id,
+        "agent_id": agent_id,
+        "skill_tag": skill_tag,
+        "reward_source": reward_source,
+        "policy_version": policy_version,
+    }
+
+
 class Ingestor(Sender):
     """Buffers steps and sends them in batches (by count and by time) to ``ingest``.
 
@@ -195,15 +215,7 @@ class Ingestor(Sender):
         """A new episode writer; ``episode_id`` defaults to a fresh unique id."""
         if episode_id is None:
             episode_id = self.new_episode_id()
-        if policy_version is not None:
-            check_int32(policy_version, "policy_version")
-        meta = {
-            "task_id": task_id,
-            "agent_id": agent_id,
-            "skill_tag": skill_tag,
-            "reward_source": reward_source,
-            "policy_version": policy_version,
-        }
+        meta = _step_meta(task_id, agent_id, skill_tag, reward_source, policy_version)
         return Episode(self._check_step, self._buffer, str(episode_id), meta, tags)
 
     def columns(
@@ -228,16 +240,8 @@ class Ingestor(Sender):
                 "Ingestor.columns needs the namespace's schema: pass schema= (or add a "
                 "first step through an episode)"
             )
-        if policy_version is not None:
-            check_int32(policy_version, "policy_version")
+        meta = _step_meta(task_id, agent_id, skill_tag, reward_source, policy_version)
         self.schema = self.schema.with_tags(tag_kinds(tags))
-        meta = {
-            "task_id": task_id,
-            "agent_id": agent_id,
-            "skill_tag": skill_tag,
-            "reward_source": reward_source,
-            "policy_version": policy_version,
-        }
         writer = StepColumns(self.schema, self.flush_steps, self._submit, meta, tags)
         with self._lock:
             self._writers.append(writer)

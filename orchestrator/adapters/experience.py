@@ -437,6 +437,12 @@ def close_quietly(conn: Connection) -> None:
         )
 
 
+def generation_namespace(base: str, generation: int) -> str:
+    """The namespace of a buffer's ``generation``-th reset: ``<base>.r<generation>`` (the
+    first is ``base`` itself), so a reset starts empty without deleting the old data."""
+    return base if not generation else f"{base}.r{generation}"
+
+
 def global_seed() -> int:
     """A seed from numpy's global state without drawing from it: SB3 and RLlib seed that
     state before they build their buffer, so the algorithm's seed decides this one."""

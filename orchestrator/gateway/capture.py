@@ -278,6 +278,17 @@ def capture_all(
     return turns
 
 
+def _required(retokenizer: Retokenizer | None) -> Retokenizer:
+    """The tokenizer a reply without token ids is re-tokenized with; raises when none is
+    configured."""
+    if retokenizer is None:
+        raise CaptureError(
+            "the upstream returned no token ids and no tokenizer is configured "
+            "(claw gateway --tokenizer tokenizer.json)"
+        )
+    return retokenizer
+
+
 def _turn(
     kind: str,
     request: Mapping[str, Any],
@@ -300,11 +311,7 @@ def _turn(
     prompt_ids = choice.prompt_ids if choice.prompt_ids is not None else acc.prompt_ids
     retokenized = response_ids is None or prompt_ids is None
     if retokenized:
-        if retokenizer is None:
-            raise CaptureError(
-                "the upstream returned no token ids and no tokenizer is configured "
-                "(claw gateway --tokenizer tokenizer.json)"
-            )
+        retokenizer = _required(retokenizer)
         if response_ids is None:
             response_ids = retokenizer.response_ids(choice.tokens, text)
         if prompt_ids is None:
@@ -399,11 +406,7 @@ def _response_turn(
     retokenized = prompt_ids is None or response_ids is None
     messages = response_messages(request)
     if retokenized:
-        if retokenizer is None:
-            raise CaptureError(
-                "the upstream returned no token ids and no tokenizer is configured "
-                "(claw gateway --tokenizer tokenizer.json)"
-            )
+        retokenizer = _required(retokenizer)
         if response_ids is None:
             response_ids = retokenizer.response_ids(tokens, "".join(text))
         if prompt_ids is None:

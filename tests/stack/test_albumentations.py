@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from claw_tasks.format.batch import StepBatch
-from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator import sample
 from orchestrator.delivery.client import BatchClient
 from tests.support.albu import DROPOUT, direct, images
+from tests.support.stepdata import one_episode
 
 
 def test_prefetched_batch_matches_albumentations_with_the_recipe_seed(
@@ -21,16 +20,7 @@ def test_prefetched_batch_matches_albumentations_with_the_recipe_seed(
     store = Store(redis_url, namespace)
     store.create(capacity=100)
     frames = images(n)
-    store.commit(
-        StepBatch(
-            episode=StrColumn.constant("e", n),
-            step_index=np.arange(n),
-            reward=np.zeros(n, np.float32),
-            terminated=np.zeros(n, bool),
-            truncated=np.zeros(n, bool),
-            fields={"obs": frames},
-        )
-    )
+    store.commit(one_episode(frames))
     start_worker("prefetch", 1)
     client = BatchClient(namespace, redis_url)
     recipe = client.register(

@@ -5,29 +5,31 @@ subprocess, tests/llm_upstream.py); a real ingest worker commits the turns."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from claw_tasks.format.turns import prompt_key
 from claw_tasks.store import Store
 from claw_tasks.store.turns import turn_infos
 from orchestrator.gateway.capture import CHAT, CaptureError, Retokenizer, capture
-from tests.support.paths import ROOT
+from tests.support.gateway import (
+    REWARD_TOKEN,
+    TOKEN,
+    Proc,
+    gateway_argv,
+    start_gateway,
+    start_upstream,
+    train_tokenizer,
+)
+from tests.support.processes import free_port
 
-TOKEN = "agent-secret-123"
-REWARD_TOKEN = "reward-secret-456"
 FIELDS = ["prompt_ids", "response_ids", "response_logprobs"]
 TOOLS = [
     {
@@ -44,107 +46,18 @@ TOOLS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A server subprocess, ready once its port answers HTTP."""
-
-    def __init__(self, cmd: list[str], port: int, log: Path, env: dict[str, str]) -> None:
-        self.port, self.log = port, log
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-        )
-        # A loaded 2-core machine takes over a minute to import torch in the model server.
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
-                return
-            except httpx.HTTPError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    tail = log.read_text()[-3000:]
-                    raise RuntimeError(f"{cmd[:4]} did not start:\n{tail}") from None
-                time.sleep(0.1)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def train_tokenizer(path: Path) -> None:
-    """A byte-level BPE trained here on a small corpus like the test conversations."""
-    corpus = [
-        "You add numbers with the tool. What is 12 plus 30? The answer is 42.",
-        '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>',
-        "ok, done. the sum is seven. Please add 5 and 9, then tell me the answer.",
-        "system user assistant tool The answer is 7. What is 2 plus 2?",
-    ] * 20
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=["<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer)
-    tok.save(str(path))
-
-
 @pytest.fixture(scope="module")
 def stack(redis_server, ingest_worker, tmp_path_factory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("gateway")
     tokenizer = tmp / "tokenizer.json"
     train_tokenizer(tokenizer)
-    up_port = free_port()
-    upstream = Proc(
-        [sys.executable, "-m", "tests.support.llm_upstream", str(up_port), str(tokenizer)],
-        up_port,
-        tmp / "upstream.log",
-        {},
-    )
-    # the upstream has no /healthz: any HTTP answer (404) means it is up
+    upstream = start_upstream(tokenizer, tmp / "upstream.log")
     procs = [upstream]
 
     def gateway(
         namespace: str, *extra: str, upstream_url: str = upstream.url, env: dict | None = None
     ) -> Proc:
-        port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "orchestrator.cli.main",
-            "--redis-url",
-            redis_server.url,
-            "gateway",
-            "--upstream",
-            upstream_url,
-            "--namespace",
-            namespace,
-            "--port",
-            str(port),
-            *extra,
-        ]
-        tokens = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_REWARD_TOKEN": REWARD_TOKEN}
-        p = Proc(cmd, port, tmp / f"gateway-{port}.log", {**tokens, **(env or {})})
+        p = start_gateway(upstream_url, namespace, tmp, *extra, redis_url=redis_server.url, env=env)
         procs.append(p)
         return p
 
@@ -454,21 +367,9 @@ def test_auth_limits_and_upstream_failures(stack):
     assert len(wait_steps(store, "a", 2)["id"]) == 2
     # An upstream that does not answer: 502 in OpenAI's shape.
     down = free_port()
+    p = free_port()
     gw2 = Proc(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli.main",
-            "--redis-url",
-            stack["redis_url"],
-            "gateway",
-            "--upstream",
-            f"http://127.0.0.1:{down}",
-            "--namespace",
-            namespace,
-            "--port",
-            str(p := free_port()),
-        ],
+        gateway_argv(f"http://127.0.0.1:{down}", namespace, p, redis_url=stack["redis_url"]),
         p,
         stack["tokenizer"].parent / "gw-down.log",
         {"CLAW_GATEWAY_TOKEN": TOKEN},
@@ -533,20 +434,7 @@ def test_recorded_logprobs_are_the_models(stack, tmp_path):
 
     from tests.support.llm_upstream import tiny_model
 
-    port = free_port()
-    model_upstream = Proc(
-        [
-            sys.executable,
-            "-m",
-            "tests.support.llm_upstream",
-            str(port),
-            str(stack["tokenizer"]),
-            "model",
-        ],
-        port,
-        tmp_path / "model.log",
-        {},
-    )
+    model_upstream = start_upstream(stack["tokenizer"], tmp_path / "model.log", "model")
     namespace = f"gw-model-{uuid.uuid4().hex[:8]}"
     try:
         gw = stack["gateway"](namespace, upstream_url=model_upstream.url)

@@ -10,7 +10,6 @@ import os
 import random
 import re
 import signal
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,8 +22,16 @@ import redis
 
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
-from tests.stack.test_gateway import REWARD_TOKEN, TOKEN, Proc, client, free_port, train_tokenizer
+from tests.stack.test_gateway import client
 from tests.stack.test_gateway import wait_steps as _wait_steps
+from tests.support.gateway import (
+    REWARD_TOKEN,
+    TOKEN,
+    Proc,
+    start_gateway,
+    start_upstream,
+    train_tokenizer,
+)
 from tests.support.llm_upstream import GARBAGE
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -44,34 +51,12 @@ def hostile(redis_server, ingest_worker, tmp_path_factory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("gateway-abuse")
     tokenizer = tmp / "tokenizer.json"
     train_tokenizer(tokenizer)
-    up_port = free_port()
-    upstream = Proc(
-        [sys.executable, "-m", "tests.support.llm_upstream", str(up_port), str(tokenizer)],
-        up_port,
-        tmp / "upstream.log",
-        {},
-    )
+    upstream = start_upstream(tokenizer, tmp / "upstream.log")
     procs = [upstream]
 
     def gateway(namespace: str, *extra: str, redis_url: str | None = None, **env: str) -> Proc:
-        port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "orchestrator.cli.main",
-            "--redis-url",
-            redis_url or redis_server.url,
-            "gateway",
-            "--upstream",
-            upstream.url,
-            "--namespace",
-            namespace,
-            "--port",
-            str(port),
-            *extra,
-        ]
-        tokens = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_REWARD_TOKEN": REWARD_TOKEN}
-        p = Proc(cmd, port, tmp / f"gateway-{port}.log", {**tokens, **env})
+        url = redis_url or redis_server.url
+        p = start_gateway(upstream.url, namespace, tmp, *extra, redis_url=url, env=env)
         procs.append(p)
         return p
 

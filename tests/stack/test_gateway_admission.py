@@ -10,7 +10,6 @@ v - max_staleness."""
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -25,7 +24,14 @@ from claw_tasks.store import Store
 from orchestrator import BatchClient
 from orchestrator.cli.main import app
 from orchestrator.delivery import admission
-from tests.stack.test_gateway import REWARD_TOKEN, TOKEN, Proc, free_port, train_tokenizer
+from tests.support.gateway import (
+    REWARD_TOKEN,
+    TOKEN,
+    Proc,
+    start_gateway,
+    start_upstream,
+    train_tokenizer,
+)
 
 THREADS = 64
 UPDATES = 3
@@ -40,36 +46,17 @@ def setup(redis_server, workers, tmp_path_factory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("admission")
     tokenizer = tmp / "tokenizer.json"
     train_tokenizer(tokenizer)
-    port = free_port()
-    cmd = [sys.executable, "-m", "tests.support.llm_upstream", str(port), str(tokenizer)]
-    upstream = Proc(cmd, port, tmp / "upstream.log", {})
+    upstream = start_upstream(tokenizer, tmp / "upstream.log")
     namespace = f"adm-{uuid.uuid4().hex[:8]}"
     procs: list[Proc] = []
 
-    def start(i: int) -> None:
-        p = free_port()
-        gw_cmd = [
-            sys.executable,
-            "-m",
-            "orchestrator.cli.main",
-            "--redis-url",
-            redis_server.url,
-            "gateway",
-            "--upstream",
-            upstream.url,
-            "--namespace",
-            namespace,
-            "--port",
-            str(p),
-            "--admission-wait",
-            "2",
-            "--retry-after",
-            "0.05",
-        ]
-        env = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_REWARD_TOKEN": REWARD_TOKEN}
-        procs.append(Proc(gw_cmd, p, tmp / f"gateway-{i}.log", env))
+    def start() -> None:
+        extra = ("--admission-wait", "2", "--retry-after", "0.05")
+        procs.append(
+            start_gateway(upstream.url, namespace, tmp, *extra, redis_url=redis_server.url)
+        )
 
-    starting = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    starting = [threading.Thread(target=start) for _ in range(2)]
     for t in starting:
         t.start()
     for t in starting:

@@ -5,7 +5,6 @@ subprocesses, the `openai` client and plain HTTP as the agents, a real ingest wo
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,15 +18,13 @@ from claw_tasks.format.turns import prompt_key
 from claw_tasks.store import Store
 from claw_tasks.store.turns import turn_infos
 from orchestrator.inspect.query import Query
-from tests.stack.test_gateway import (
+from tests.stack.test_gateway import assert_recorded, upstream_log, wait_steps
+from tests.support.gateway import (
     REWARD_TOKEN,
     TOKEN,
-    Proc,
-    assert_recorded,
-    free_port,
+    start_gateway,
+    start_upstream,
     train_tokenizer,
-    upstream_log,
-    wait_steps,
 )
 
 ADMIN = "admin-secret-789"
@@ -40,34 +37,18 @@ def stack(redis_server, ingest_worker, tmp_path_factory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("sessions")
     tokenizer = tmp / "tokenizer.json"
     train_tokenizer(tokenizer)
-    port = free_port()
-    cmd = [sys.executable, "-m", "tests.support.llm_upstream", str(port), str(tokenizer)]
-    upstream = Proc(cmd, port, tmp / "upstream.log", {})
+    upstream = start_upstream(tokenizer, tmp / "upstream.log")
     namespace = f"gw-s-{uuid.uuid4().hex[:8]}"
-    gw_port = free_port()
-    gw_cmd = [
-        sys.executable,
-        "-m",
-        "orchestrator.cli.main",
-        "--redis-url",
-        redis_server.url,
-        "gateway",
-        "--upstream",
-        upstream.url,
-        "--namespace",
-        namespace,
-        "--port",
-        str(gw_port),
-        "--turn-discount",
-        "0.9",
-    ]
-    env = {
-        "CLAW_GATEWAY_TOKEN": TOKEN,
-        "CLAW_GATEWAY_REWARD_TOKEN": REWARD_TOKEN,
-        "CLAW_GATEWAY_ADMIN_TOKEN": ADMIN,
-    }
     try:
-        gw = Proc(gw_cmd, gw_port, tmp / "gateway.log", env)
+        gw = start_gateway(
+            upstream.url,
+            namespace,
+            tmp,
+            "--turn-discount",
+            "0.9",
+            redis_url=redis_server.url,
+            env={"CLAW_GATEWAY_ADMIN_TOKEN": ADMIN},
+        )
     except Exception:
         upstream.stop()
         raise

@@ -17,6 +17,7 @@ from orchestrator.sampling import InsufficientData, sample
 from orchestrator.sampling.groups import Claim, claims_key, release
 from orchestrator.sampling.index import SamplingIndex
 from tests.support.llmturns import TOKEN_FIELDS, group_recipe, rollouts, turns_batch
+from tests.support.processes import run_example
 
 
 def check_whole_groups(batch, ended: dict[str, int], n: int = 4, turns: int = 2) -> list[float]:
@@ -204,23 +205,7 @@ def test_pop_returns_token_batches_within_the_staleness_bound(redis_url, workers
 
 
 def run_toy(redis_url: str, namespace: str, *args: str, timeout: float = 300) -> str:
-    import os
-    import subprocess
-    import sys
-
-    from tests.support.paths import ROOT as root
-
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(root)}
-    env.pop("CLAW_BROKER_URL", None)
-    proc = subprocess.run(
-        [sys.executable, str(root / "examples" / "grpo_toy.py"), "--namespace", namespace, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    return proc.stdout
+    return run_example("grpo_toy.py", redis_url, "--namespace", namespace, *args, timeout=timeout)
 
 
 def test_grpo_toy_loop_runs_and_groups_arrive_complete(redis_url, workers, namespace):

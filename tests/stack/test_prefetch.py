@@ -15,6 +15,7 @@ from orchestrator.delivery import shm
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.wire import is_batch as wire_is_batch
 from orchestrator.delivery.wire import to_wire
+from tests.support.stepdata import one_episode
 
 
 def wire_bytes(*args, **kwargs) -> bytes:
@@ -273,21 +274,9 @@ def test_llm_namespace_ragged_and_string_fields_pop(redis_url, broker_url, names
 
 def _images_store(url: str, ns: str, n: int = 64) -> Store:
     """Image steps without Celery: 16 of them make a batch big enough for /dev/shm."""
-    from claw_tasks.format.batch import StepBatch
-    from claw_tasks.format.columns import StrColumn
-
     store = Store(url, ns)
     store.create(capacity=1000)
-    store.commit(
-        StepBatch(
-            episode=StrColumn.constant("e", n),
-            step_index=np.arange(n),
-            reward=np.arange(n, dtype=np.float32),
-            terminated=np.arange(n) == n - 1,
-            truncated=np.zeros(n, bool),
-            fields={"obs": _frames(n)},
-        )
-    )
+    store.commit(one_episode(_frames(n), counted=True))
     return store
 
 

@@ -24,6 +24,7 @@ from orchestrator.delivery.registry import Registry
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
 from tests.support.paths import ROOT
+from tests.support.stepdata import one_episode
 
 
 def wire_bytes(*args, **kwargs) -> bytes:
@@ -149,16 +150,7 @@ def test_augmentation_state_survives_new_versions(redis_url, namespace):
     store = Store(redis_url, namespace)
     store.create(capacity=100)
     n = 50
-    store.commit(
-        StepBatch(
-            episode=StrColumn.constant("e", n),
-            step_index=np.arange(n),
-            reward=np.zeros(n, np.float32),
-            terminated=np.zeros(n, bool),
-            truncated=np.zeros(n, bool),
-            fields={"obs": np.ones((n, 3), np.float32)},
-        )
-    )
+    store.commit(one_episode(np.ones((n, 3), np.float32)))
     reg = Registry(store)
     v1 = recipe("norm", ["obs"], augment={"obs": [{"running_normalize": None}]})
     reg.put(v1, None)
@@ -311,16 +303,8 @@ def test_batches_augmented_in_their_segment_equal_those_sent_inline(redis_url, n
     n = 64
     store = Store(redis_url, namespace)
     store.create(capacity=1000)
-    store.commit(
-        StepBatch(
-            episode=StrColumn.constant("e", n),
-            step_index=np.arange(n),
-            reward=np.arange(n, dtype=np.float32),
-            terminated=np.arange(n) == n - 1,
-            truncated=np.zeros(n, bool),
-            fields={"obs": np.random.default_rng(0).integers(0, 256, (n, 84, 84, 3), np.uint8)},
-        )
-    )
+    frames = np.random.default_rng(0).integers(0, 256, (n, 84, 84, 3), np.uint8)
+    store.commit(one_episode(frames, counted=True))
     reg = Registry(store)
     augment = {
         "obs": [{"random_shift": {"pad": 4}}, {"color_jitter": {"brightness": 0.3, "p": 0.5}}],

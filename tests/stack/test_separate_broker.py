@@ -11,7 +11,6 @@ import http.cookiejar
 import json
 import re
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -36,7 +35,13 @@ from orchestrator.cli.demo import apex
 from orchestrator.cli.devstack import DevStack
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
-from tests.stack.test_gateway import REWARD_TOKEN, TOKEN, Proc, free_port, train_tokenizer
+from tests.support.gateway import (
+    REWARD_TOKEN,
+    TOKEN,
+    start_gateway,
+    start_upstream,
+    train_tokenizer,
+)
 from tests.support.paths import ROOT
 from tests.support.processes import Worker
 from tests.support.webserver import WebServer
@@ -144,19 +149,9 @@ def test_gateway_turns_are_confirmed(env, tmp_path):
     turns reach the workers, so a reward (which waits for them) is answered."""
     tokenizer = tmp_path / "tokenizer.json"
     train_tokenizer(tokenizer)
-    up_port = free_port()
-    upstream = Proc(
-        [sys.executable, "-m", "tests.support.llm_upstream", str(up_port), str(tokenizer)],
-        up_port,
-        tmp_path / "upstream.log",
-        {},
-    )
+    upstream = start_upstream(tokenizer, tmp_path / "upstream.log")
     ns = f"gw-{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    cmd = [sys.executable, "-m", "orchestrator.cli.main", "gateway"]
-    cmd += ["--upstream", upstream.url, "--namespace", ns, "--port", str(port)]
-    tokens = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_REWARD_TOKEN": REWARD_TOKEN}
-    gateway = Proc(cmd, port, tmp_path / "gateway.log", {**env, **tokens})
+    gateway = start_gateway(upstream.url, ns, tmp_path, env=env)  # the deployment's Redis
     try:
         base = f"{gateway.url}/t/traj-1/g/q/v1"
         chat = {"model": "sim", "messages": [{"role": "user", "content": "hello"}]}

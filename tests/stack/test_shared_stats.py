@@ -9,10 +9,9 @@ import time
 
 import numpy as np
 
-from claw_tasks.format.batch import StepBatch
-from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.delivery.client import BatchClient
+from tests.support.stepdata import one_episode
 
 DEPTH = 2
 
@@ -21,16 +20,7 @@ def _store(url: str, ns: str, n: int = 400) -> Store:
     store = Store(url, ns)
     store.create(capacity=1000)
     obs = np.random.default_rng(0).normal([5, -2, 0, 100], [3, 1, 0.1, 20], (n, 4))
-    store.commit(
-        StepBatch(
-            episode=StrColumn.constant("e", n),
-            step_index=np.arange(n),
-            reward=np.zeros(n, np.float32),
-            terminated=np.zeros(n, bool),
-            truncated=np.zeros(n, bool),
-            fields={"obs": obs.astype(np.float32)},
-        )
-    )
+    store.commit(one_episode(obs.astype(np.float32)))
     return store
 
 

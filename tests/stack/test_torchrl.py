@@ -7,11 +7,8 @@ TorchRL's own samplers are refused with the fix."""
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,7 +19,7 @@ from torchrl.data import RandomSampler, ReplayBuffer, TensorDictReplayBuffer
 from claw_tasks.store import Store
 from orchestrator.adapters.torchrl import ClawPrioritizedSampler, ClawSampler, ClawStorage
 from orchestrator.delivery.lineage import LineageLog
-from tests.support.paths import ROOT
+from tests.support.processes import run_example
 
 OBS = 4
 
@@ -246,23 +243,9 @@ def test_torchrls_own_sampler_and_other_data_are_refused_with_the_fix(
 def test_torchrl_dqn_on_cartpole_reaches_a_mean_return_of_150(redis_url, namespace, workers):
     """examples/torchrl_dqn.py at full length (30k frames, seed 0) learns
     CartPole through ClawStorage and ClawPrioritizedSampler."""
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    env.pop("CLAW_BROKER_URL", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "torchrl_dqn.py"),
-            "--namespace",
-            namespace,
-            "--seed",
-            "0",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3000,
+    out = run_example(
+        "torchrl_dqn.py", redis_url, "--namespace", namespace, "--seed", "0", timeout=3000
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    print(proc.stdout)
-    mean = float(re.search(r"greedy mean return over 10 episodes: ([\d.]+)", proc.stdout)[1])
-    assert mean >= 150, proc.stdout
+    print(out)
+    mean = float(re.search(r"greedy mean return over 10 episodes: ([\d.]+)", out)[1])
+    assert mean >= 150, out

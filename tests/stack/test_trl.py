@@ -5,10 +5,7 @@ batches, and reach TRL's loss token for token; as a slow test, the task is learn
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,23 +13,9 @@ import numpy as np
 import pytest
 
 from claw_tasks.store import Store
-from tests.support.paths import ROOT
+from tests.support.processes import run_example
 
 pytest.importorskip("trl", reason="the trl extra: pip install -e '.[trl]'")
-
-
-def run_example(redis_url: str, namespace: str, *args: str, timeout: float = 300) -> str:
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    env.pop("CLAW_BROKER_URL", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "trl_grpo.py"), "--namespace", namespace, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    return proc.stdout
 
 
 def key(row: dict) -> tuple:
@@ -55,7 +38,9 @@ def test_trl_consumes_exactly_the_tokens_and_logprobs_claw_served(
     GRPO advantages of the rewards the agents posted, group by group."""
     record = tmp_path / "record.json"
     out = run_example(
+        "trl_grpo.py",
         redis_url,
+        "--namespace",
         namespace,
         *("--updates", "3", "--groups", "2", "--group-size", "4", "--agents", "8"),
         *("--record", str(record)),
@@ -110,7 +95,9 @@ def test_trl_consumes_exactly_the_tokens_and_logprobs_claw_served(
 def test_trl_grpo_learns(redis_url, workers, namespace):
     """With seed 0, 200 updates raise the exact success rate by at least 15 points
     (measured: +20.9 and +38.3; docs/benchmarks.md, "TRL GRPO")."""
-    out = run_example(redis_url, namespace, "--updates", "200", timeout=2300)
+    out = run_example(
+        "trl_grpo.py", redis_url, "--namespace", namespace, "--updates", "200", timeout=2300
+    )
     print(out)
     gain = float(re.search(r"\(([+-][\d.]+) points\)", out).group(1))
     assert gain >= 15, out

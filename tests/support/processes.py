@@ -99,3 +99,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_example(name: str, redis_url: str, *args: str, timeout: float = 240) -> str:
+    """Run ``examples/<name>`` to the end against ``redis_url`` (the broker is that Redis
+    too, whatever CLAW_BROKER_URL the run has) and return its stdout; a failure shows its
+    output."""
+    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    env.pop("CLAW_BROKER_URL", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout

@@ -81,3 +81,18 @@ def interleave(*episodes: list[dict]) -> list[dict]:
     for i in range(longest):
         out += [e[i] for e in episodes if i < len(e)]
     return out
+
+
+def one_episode(obs: np.ndarray, *, counted: bool = False) -> StepBatch:
+    """One episode ``"e"`` of ``len(obs)`` steps with these observations, for tests that
+    commit steps without Celery: rewards zero and no end, or with ``counted`` rewards
+    0, 1, 2, ... and terminated at the last step."""
+    n = len(obs)
+    return StepBatch(
+        episode=StrColumn.constant("e", n),
+        step_index=np.arange(n),
+        reward=np.arange(n, dtype=np.float32) if counted else np.zeros(n, np.float32),
+        terminated=np.arange(n) == n - 1 if counted else np.zeros(n, bool),
+        truncated=np.zeros(n, bool),
+        fields={"obs": obs},
+    )

@@ -4,10 +4,7 @@ against a real stack."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -16,6 +13,7 @@ from claw_tasks.store import Store
 from orchestrator import Recipe
 from orchestrator.transforms.augment import build_pipelines
 from tests.support.paths import ROOT
+from tests.support.processes import run_example
 
 EXAMPLES = sorted((ROOT / "examples" / "recipes").glob("*.yaml"))
 
@@ -29,22 +27,8 @@ def test_example_recipe_is_valid(path):
     assert sum(recipe.counts) == recipe.batch_size
 
 
-def _run_example(name: str, redis_url: str, *args: str, timeout: float = 240) -> str:
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    env.pop("CLAW_BROKER_URL", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    return proc.stdout
-
-
 def test_dqn_per_learns_from_popped_batches(redis_url, workers, namespace):
-    out = _run_example(
+    out = run_example(
         "dqn_per.py", redis_url, "--namespace", namespace, "--updates", "30", "--warmup", "200"
     )
     assert re.search(r"done: 30 updates in \d+ s, \d+ env steps", out), out
@@ -52,14 +36,14 @@ def test_dqn_per_learns_from_popped_batches(redis_url, workers, namespace):
 
 
 def test_drq_pixels_pops_shifted_images(redis_url, workers, namespace):
-    out = _run_example(
+    out = run_example(
         "drq_pixels.py", redis_url, "--namespace", namespace, "--steps", "300", "--updates", "5"
     )
     assert "recorded 300 steps of 84x84x3 images" in out and "done: 5 updates" in out
 
 
 def test_multi_agent_batches_mix_70_30(redis_url, workers, namespace):
-    out = _run_example(
+    out = run_example(
         "multi_agent.py", redis_url, "--namespace", namespace, "--steps", "300", "--batches", "3"
     )
     lines = [ln for ln in out.splitlines() if ln.startswith("batch of 100")]
@@ -70,7 +54,7 @@ def test_multi_agent_batches_mix_70_30(redis_url, workers, namespace):
 
 
 def test_offline_online_mixes_restored_and_fresh_steps(redis_url, workers, namespace, tmp_path):
-    out = _run_example(
+    out = run_example(
         "offline_online.py",
         redis_url,
         "--namespace",
@@ -91,7 +75,7 @@ def test_offline_online_mixes_restored_and_fresh_steps(redis_url, workers, names
 
 
 def test_dataloader_workers_share_one_queue(redis_url, workers, namespace):
-    out = _run_example(
+    out = run_example(
         "dataloader_workers.py",
         redis_url,
         "--namespace",
@@ -105,7 +89,7 @@ def test_dataloader_workers_share_one_queue(redis_url, workers, namespace):
 
 
 def test_torchrl_dqn_trains_through_claw(redis_url, workers, namespace):
-    out = _run_example(
+    out = run_example(
         "torchrl_dqn.py",
         redis_url,
         "--namespace",
@@ -124,17 +108,7 @@ def test_torchrl_dqn_trains_through_claw(redis_url, workers, namespace):
 
 
 def _run_mappo(redis_url: str, *args: str) -> str:
-    env = {**os.environ, "CLAW_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-    env.pop("CLAW_BROKER_URL", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "mappo_gather.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    return proc.stdout
+    return run_example("mappo_gather.py", redis_url, *args, timeout=1800)
 
 
 def test_the_mappo_example_trains_from_joint_batches(redis_url, workers, namespace):
@@ -170,7 +144,7 @@ def test_ppo_actors_consume_each_rollout_once(redis_url, workers, namespace):
     """Short mode: 2 actors, 3 updates of 2 epochs; every update is the next rollout, of
     the version just published, each step of it once per epoch, nothing dropped."""
     args = ["--actors", "2", "--updates", "3", "--epochs", "2", "--n-steps", "16"]
-    out = _run_example(
+    out = run_example(
         "ppo_actors.py", redis_url, "--namespace", namespace, *args, "--batch-size", "64"
     )
     updates, summary = _updates(out)
@@ -186,7 +160,7 @@ def test_ppo_actors_consume_each_rollout_once(redis_url, workers, namespace):
 def test_ppo_actors_learn_cartpole(redis_url, workers, namespace):
     """In full: 4 actors, rl-zoo's hyperparameters, to a mean evaluation return >= 475."""
     args = ["--namespace", namespace, "--actors", "4"]
-    out = _run_example("ppo_actors.py", redis_url, *args, timeout=3600)
+    out = run_example("ppo_actors.py", redis_url, *args, timeout=3600)
     _, summary = _updates(out)
     assert summary["eval_return"] >= 475, out[-3000:]
 
@@ -207,7 +181,7 @@ def test_imitation_cartpole_short_run_keeps_its_bookkeeping(redis_url, workers, 
     """Short mode (CI): 4 expert and 2 noisy episodes, 20 BC updates, one DAgger round of
     10: the cleaning counted every broken step by rule, no served row was bad, every batch
     was normalised by the same statistics, nearest labels came for each row."""
-    out = _run_example("imitation_cartpole.py", redis_url, "--namespace", namespace, "--short")
+    out = run_example("imitation_cartpole.py", redis_url, "--namespace", namespace, "--short")
     s = _imitation(out)
     assert s["mode"] == "short" and s["expert_steps"] == 2000, s  # 4 episodes of 500 steps
     assert s["bc_batches"] == 20 + 10 and s["dagger_batches"] == 10, s
@@ -219,7 +193,7 @@ def test_imitation_cartpole_short_run_keeps_its_bookkeeping(redis_url, workers, 
 def test_imitation_cartpole_full_run_balances(redis_url, workers, namespace):
     """In full: 20 expert and 10 noisy episodes, 400 BC updates, 4 DAgger rounds of 200
     (~5 minutes under load): BC balances, DAgger keeps it."""
-    out = _run_example("imitation_cartpole.py", redis_url, "--namespace", namespace, timeout=1700)
+    out = run_example("imitation_cartpole.py", redis_url, "--namespace", namespace, timeout=1700)
     s = _imitation(out)
     assert s["bc_return"] >= 450 and s["final_return"] >= 475, out
 
@@ -229,7 +203,7 @@ def test_imitation_cartpole_full_run_balances(redis_url, workers, namespace):
 @pytest.mark.slow
 def test_rllib_actors_record_into_claw_and_the_learner_trains(redis_url, workers, namespace):
     pytest.importorskip("ray", reason="the rllib extra (ray[rllib]) is not installed")
-    out = _run_example(
+    out = run_example(
         "rllib_actors.py", redis_url, "--namespace", namespace, "--short", timeout=900
     )
     rounds = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

@@ -313,10 +313,10 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
     ) -> list[SingleAgentEpisode]:
         """``num_items`` (or ``batch_size_B``) n-step transitions as RLlib's 1-step
         episodes (see the module docstring for what is not supported)."""
-        if num_items is not None and batch_size_B is not None:
-            raise ValueError("sample(): pass num_items or batch_size_B, not both")
-        size = int(num_items or batch_size_B or self.batch_size_B)
-        n = self._check_request(
+        size, n, beta = self._check_request(
+            num_items,
+            batch_size_B,
+            beta,
             n_step,
             batch_length_T,
             min_batch_length_T,
@@ -324,32 +324,39 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             include_extra_model_outputs,
             sample_episodes,
         )
-        beta = 0.0 if beta is None else float(beta)
+        drawn = self._draw(size, n, gamma, beta, self._next_version())
+        self._last_ids = drawn.ids
+        self.sampled_timesteps += size
+        self._log_sample(drawn, size)
+        return drawn.returned(to_numpy)
+
+    def _next_version(self) -> Any:
+        """Counts a ``sample()`` call: its policy version, after re-sizing the read-ahead
+        when the bursts changed."""
         self._samples += 1
         version = self._versions.of(self._samples)
         if (plan := self._cadence.sampled()) is not None:
             self._conn.resize(plan)
-        drawn = self._draw(size, n, gamma, beta, version)
-        self._last_ids = drawn.ids
-        self.sampled_timesteps += size
-        self._log_sample(drawn, size)
-        episodes = drawn.episodes
-        if to_numpy:
-            for eps in episodes:
-                eps.to_numpy()
-        return episodes
+        return version
 
     def _check_request(
         self,
+        num_items: int | None,
+        batch_size_B: int | None,
+        beta: float | None,
         n_step: int | tuple[int, int] | None,
         batch_length_T: int | None,
         min_batch_length_T: int,
         include_infos: bool,
         include_extra_model_outputs: bool,
         sample_episodes: bool | None,
-    ) -> int | tuple[int, int]:
-        """The n (or range) of an n-step request; raises on what these buffers do not
-        serve."""
+    ) -> tuple[int, int | tuple[int, int], float]:
+        """The size, the n (or range) and the beta of a ``sample()`` request; raises on
+        what these buffers do not serve."""
+        if num_items is not None and batch_size_B is not None:
+            raise ValueError("sample(): pass num_items or batch_size_B, not both")
+        size = int(num_items or batch_size_B or self.batch_size_B)
+        beta = 0.0 if beta is None else float(beta)
         if sample_episodes is False:
             raise NotImplementedError(
                 f"{type(self).__name__} returns n-step transitions as episodes "
@@ -369,11 +376,11 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             lo, hi = (int(x) for x in n_step)
             if not 1 <= lo < hi:
                 raise ValueError(f"n_step={tuple(n_step)}: a range (lo, hi), 1 <= lo < hi")
-            return lo, hi
+            return size, (lo, hi), beta
         n = int(n_step or 1)
         if n < 1:
             raise ValueError(f"n_step={n_step}: must be >= 1")
-        return n
+        return size, n, beta
 
     def _draw(
         self,

@@ -113,6 +113,13 @@ class Drawn:
             np.concatenate([p.m for p in parts]),
         )
 
+    def returned(self, to_numpy: bool) -> list[SingleAgentEpisode]:
+        """The episodes as ``sample()`` returns them (numpy arrays when ``to_numpy``)."""
+        if to_numpy:
+            for eps in self.episodes:
+                eps.to_numpy()
+        return self.episodes
+
 
 def steps_taken(discount: np.ndarray, gamma: float, n: int) -> np.ndarray:
     """m, the steps each row's n-step return summed, from its ``discount = gamma^m``

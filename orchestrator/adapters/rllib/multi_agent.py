@@ -280,10 +280,10 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
                 "synchronized joint steps come from a joint recipe over the namespace "
                 "(joint: {agents: [...]}, through BatchClient)"
             )
-        if num_items is not None and batch_size_B is not None:
-            raise ValueError("sample(): pass num_items or batch_size_B, not both")
-        size = int(num_items or batch_size_B or self.batch_size_B)
-        n = self._check_request(
+        size, n, beta = self._check_request(
+            num_items,
+            batch_size_B,
+            beta,
             n_step,
             batch_length_T,
             min_batch_length_T,
@@ -291,28 +291,19 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
             include_extra_model_outputs,
             sample_episodes,
         )
-        beta = 0.0 if beta is None else float(beta)
         modules = [str(m) for m in (modules_to_sample or self._modules)]
         unknown = [m for m in modules if m not in self._modules]
         if unknown:
             raise KeyError(f"modules_to_sample: no steps added for {unknown}")
         if not modules:  # nothing added yet: RLlib's returns no rows either
             return []
-        self._samples += 1
-        version = self._versions.of(self._samples)
-        if (plan := self._cadence.sampled()) is not None:
-            self._conn.resize(plan)
-        drawn = self._draw(size, n, gamma, beta, version, tuple(modules))
+        drawn = self._draw(size, n, gamma, beta, self._next_version(), tuple(modules))
         for module in modules:
             self._module(module)["sampled"] += size
         self._last_ids = np.zeros(0, np.int64)
         self.sampled_timesteps += size
         self._update_sample_metrics(**_sample_metrics(drawn))
-        episodes = drawn.episodes
-        if to_numpy:
-            for eps in episodes:
-                eps.to_numpy()
-        return episodes
+        return drawn.returned(to_numpy)
 
     def _spec(
         self, size: int, n: int, gamma: float, beta: float, modules: tuple[str, ...] | None = None

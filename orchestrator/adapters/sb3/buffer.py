@@ -77,6 +77,7 @@ from orchestrator.adapters.experience import (
     Transitions,
     Versions,
     close_quietly,
+    generation_namespace,
     global_seed,
     ingest_options,
 )
@@ -232,11 +233,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
 
     @property
     def namespace(self) -> str:
-        return (
-            self.base_namespace
-            if not self.generation
-            else (f"{self.base_namespace}.r{self.generation}")
-        )
+        return generation_namespace(self.base_namespace, self.generation)
 
     def _connect(self) -> None:
         kw = self._init_kw

@@ -27,6 +27,7 @@ from orchestrator.adapters.experience import (
     Transitions,
     Versions,
     close_quietly,
+    generation_namespace,
     ingest_options,
     with_env_password,
     without_password,
@@ -164,8 +165,7 @@ class ClawStorage(StoreStorage):
 
     @property
     def namespace(self) -> str:
-        g = self.generation
-        return self.base_namespace if not g else f"{self.base_namespace}.r{g}"
+        return generation_namespace(self.base_namespace, self.generation)
 
     # ---- connection ----------------------------------------------------------------
     def _connect(self, schema: Schema | None) -> Connection:
