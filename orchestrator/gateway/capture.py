@@ -92,6 +92,14 @@ def upstream_body(
     return out
 
 
+def _numbers(values: list[Any]) -> bool:
+    """Log-probs as an upstream must give them: a non-empty list of JSON numbers (a
+    ``true`` is not 1.0)."""
+    return bool(values) and all(
+        not isinstance(v, bool) and isinstance(v, int | float) for v in values
+    )
+
+
 def _choice_logprobs(kind: str, logprobs: Mapping[str, Any] | None) -> tuple[list, list]:
     """(token strings, log-probs) of a choice's ``logprobs`` object."""
     if not logprobs:
@@ -297,7 +305,7 @@ def _turn(
     messages: list[Any] | None,
     retokenizer: Retokenizer | None,
 ) -> Turn:
-    if not choice.logprobs or any(not isinstance(v, int | float) for v in choice.logprobs):
+    if not _numbers(choice.logprobs):
         raise CaptureError("the upstream returned no log-probs for the response")
     logprobs = [max(float(v), -1e30) for v in choice.logprobs]  # vLLM writes -inf as -9999.0
     text = "".join(choice.text)
@@ -388,7 +396,7 @@ def _response_turn(
                     },
                 }
             )
-    if not logprobs or any(isinstance(v, bool) or not isinstance(v, int | float) for v in logprobs):
+    if not _numbers(logprobs):
         raise CaptureError("the upstream returned no log-probs for the response")
 
     def ids_of(what: str) -> list[int] | None:

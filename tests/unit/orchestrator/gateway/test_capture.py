@@ -42,6 +42,15 @@ def test_n_choices_are_n_turns():
         capture_all(CHAT, {"messages": []}, json.dumps(reply).encode(), False, None, n=4)
 
 
+def test_a_log_prob_that_is_not_a_number_is_refused():
+    """JSON ``true`` is a bool, not the log-prob 1.0 (both APIs refuse it)."""
+    choice = chat_choice(0, [10, 20])
+    choice["logprobs"]["content"][1]["logprob"] = True
+    reply = json.dumps({"prompt_token_ids": [1], "choices": [choice]}).encode()
+    with pytest.raises(CaptureError, match="no log-probs"):
+        capture_all(CHAT, {"messages": []}, reply, False, None, n=1)
+
+
 def test_streamed_completion_choices_interleave():
     events = []
     for pos in range(2):
