@@ -29,9 +29,13 @@ def stacked_shape(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
     return (*frame[:-1], frame[-1] * k)
 
 
-def stack_frames(frames: np.ndarray, ndim: int) -> np.ndarray:
+def stack_frames(frames: np.ndarray, ndim: int, index: np.ndarray | None = None) -> np.ndarray:
     """``(..., k, *frame)`` frames (oldest first; ``ndim`` = the frame's own dimensions)
-    as ``(..., *stacked_shape(frame, k))``."""
+    as ``(..., *stacked_shape(frame, k))``. With ``index`` (``(..., k)``), ``frames`` are
+    ``(n, *frame)`` distinct frames, each stack the ones its row of ``index`` names
+    (neighbouring steps' stacks share k - 1 frames, each decoded once)."""
+    if index is not None:
+        frames = np.take(frames, index, axis=0)
     lead = frames.shape[: frames.ndim - ndim - 1]
     k, frame = frames.shape[len(lead)], frames.shape[len(lead) + 1 :]
     shape = _frame_shape(frame)
