@@ -198,7 +198,12 @@ class Assembly:
         if name == "obs" and k > 1:
             if self.frames is not None:
                 chain = self._shared_frames(rows, k)
-                return lambda res: stack_frames(*chain(res), ndim)
+
+                def stacks(res: list[Any]) -> Any:
+                    frames, index = chain(res)
+                    return stack_frames(frames, ndim, index)
+
+                return stacks
             frames = self._plan_frames(fields["obs"], rows, k)
             return lambda res: stack_frames(frames(res), ndim)
         if name == "obs" and self.frames is not None:
