@@ -3,9 +3,9 @@ nothing inflated), and a decode bounded by the size the field allows.
 
 zstd frames are standard zstd frames with the content size written (``zstd -d`` reads
 them); lz4 frames are lz4 blocks behind a little-endian u32 of the decoded size (python-lz4's
-``store_size``); png/jpeg/webp frames are the image files (png through OpenCV, jpeg and
-webp through Pillow). All of them release the GIL while they work, so rows decode in
-threads side by side.
+``store_size``); png/jpeg/webp frames are the image files (png through OpenCV, or
+zlib alone for the unfiltered rows this codec writes; jpeg and webp through Pillow). All of
+them release the GIL while they work, so rows decode in threads side by side.
 """
 
 from __future__ import annotations
