@@ -46,8 +46,8 @@ NO_FRAME = -1
 
 class SharedFrames:
     """A batch's compressed ``obs`` frames, each distinct one decoded once: a step's frame is
-    in the stacks of its k successors, in its predecessor's ``next_obs``, and drawn rows of
-    a small store repeat. Frames are keyed by where they are stored: a global row (its
+    in the stacks of the k steps from it on, in its predecessor's ``next_obs``, and drawn
+    rows repeat. Frames are keyed by where they are stored: a global row (its
     ``obs``), ``-2 - row`` (the explicit ``next_obs`` stored with that row), or
     :data:`NO_FRAME`. Decoding is deterministic, so the result is what decoding every
     position would give."""
