@@ -1,10 +1,13 @@
 """Assembling a drawn batch: the reads its fields need, in one fetch, and how the results
 become a :class:`~orchestrator.sampling.batch.Batch` (what each field holds is in
 :mod:`orchestrator.sampling.sample`'s docstring). Compressed fields are decoded here, in
-the sampling process, before any augmentation."""
+the sampling process, before any augmentation; a compressed fixed-shape ``obs`` frame is
+decoded once per batch however many of its fields and stacks hold it
+(:class:`SharedFrames`)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -34,6 +37,56 @@ from orchestrator.sampling.strings import Strings
 from orchestrator.transforms.framestack import stack_frames
 
 Finish = Callable[[list[Any]], Any]
+Picks = Callable[[list[Any]], tuple[np.ndarray, np.ndarray]]
+"""From the read results: a batch's distinct decoded frames, and which of them each
+position holds."""
+NO_FRAME = -1
+"""A :class:`SharedFrames` key: no frame (zeros)."""
+
+
+class SharedFrames:
+    """A batch's compressed ``obs`` frames, each distinct one decoded once: a step's frame is
+    in the stacks of the k steps from it on, in its predecessor's ``next_obs``, and drawn
+    rows repeat. Frames are keyed by where they are stored: a global row (its
+    ``obs``), ``-2 - row`` (the explicit ``next_obs`` stored with that row), or
+    :data:`NO_FRAME`. Decoding is deterministic, so the result is what decoding every
+    position would give."""
+
+    def __init__(self, store: Store, spec: FieldSpec) -> None:
+        self.store, self.spec = store, spec
+        self.parts: list[tuple[np.ndarray, list[tuple[int, np.ndarray]]]] = []
+        self._done: tuple[np.ndarray, list[np.ndarray]] | None = None
+
+    def add(self, keys: np.ndarray, reads: list[tuple[int, np.ndarray]]) -> Picks:
+        """Positions of frames ``keys``, whose bytes are the results of read ``i`` at
+        ``positions``, for each ``(i, positions)`` of ``reads`` (others: no frame)."""
+        part = len(self.parts)
+        self.parts.append((np.asarray(keys, np.int64), reads))
+        return lambda res: self._picks(res, part)
+
+    def _picks(self, res: list[Any], part: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._done is None:
+            self._done = self._decode(res)
+        rows, index = self._done
+        return rows, index[part]
+
+    def _decode(self, res: list[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+        keys = np.concatenate([k for k, _ in self.parts])
+        _, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+        order = np.argsort(first)  # in order of first use: unshared rows stay in place
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        first, inv = first[order], rank[inv.reshape(-1)]
+        frames: list[Any] = [b""] * len(keys)
+        start = 0
+        for k, reads in self.parts:
+            for i, positions in reads:
+                for p, b in zip((positions + start).tolist(), res[i], strict=True):
+                    frames[p] = b
+            start += len(k)
+        rows = decode_stored(self.store, "obs", self.spec, [frames[j] for j in first.tolist()])
+        bounds = np.cumsum([0, *(len(k) for k, _ in self.parts)]).tolist()
+        return rows, [inv[lo:hi] for lo, hi in itertools.pairwise(bounds)]
 
 
 class Reader(Protocol):
@@ -78,6 +131,10 @@ class Assembly:
         self.check = [self.rows]
         self.lookups: list[tuple[str, list[int], Callable[[Any], None]]] = []
         self.stacks = stacks
+        schema = session.index.schema
+        obs = None if schema is None else schema.fields.get("obs")
+        fixed = obs is not None and obs.codec is not None and not obs.ragged
+        self.frames = SharedFrames(session.store, obs) if fixed else None  # type: ignore[arg-type]
 
     def run(self) -> Batch | None:
         recipe, cols, rows = self.recipe, self.cols, self.rows
@@ -137,13 +194,34 @@ class Assembly:
         cols, rows = self.cols, self.rows
         fields = self.s.index.schema.fields  # type: ignore[union-attr]
         k = self.recipe.frame_stack
+        ndim = len(fields["obs"].shape) if "obs" in fields else 0
         if name == "obs" and k > 1:
+            if self.frames is not None:
+                chain = self._shared_frames(rows, k)
+
+                def stacks(res: list[Any]) -> Any:
+                    frames, index = chain(res)
+                    return stack_frames(frames, ndim, index)
+
+                return stacks
             frames = self._plan_frames(fields["obs"], rows, k)
-            return lambda res: stack_frames(frames(res), len(fields["obs"].shape))
+            return lambda res: stack_frames(frames(res), ndim)
+        if name == "obs" and self.frames is not None:
+            i = self._read(payload_read(name, fields[name], rows))
+            return self._shape_picks(self.frames.add(rows, [(i, np.arange(len(rows)))]))
         if name in fields:
             spec = fields[name]
             i = self._read(payload_read(name, spec, rows))
             return lambda res: self._decode(spec, res[i], stored=name)
+        if name == "next_obs" and k > 1 and self.frames is not None:
+            older = self._shared_frames(boot, k - 1)
+            last = self._shared_next_obs(boot)
+
+            def stacked(res: list[Any]) -> Any:
+                (rows, a), (_, b) = older(res), last(res)
+                return stack_frames(rows, ndim, np.concatenate([a, b[:, None]], axis=1))
+
+            return stacked
         if name == "next_obs" and k > 1:  # boot's newest k - 1 frames, then its next_obs
             older = self._plan_frames(fields["obs"], boot, k - 1)
             last = self._plan_next_obs(fields["obs"], boot)
@@ -151,6 +229,8 @@ class Assembly:
                 np.concatenate([older(res), last(res)[:, None]], axis=1),
                 len(fields["obs"].shape),
             )
+        if name == "next_obs" and self.frames is not None:
+            return self._shape_picks(self._shared_next_obs(boot))
         if name == "next_obs":
             return self._plan_next_obs(fields["obs"], boot)
         if name == "reward":
@@ -188,16 +268,53 @@ class Assembly:
         self.check.append(chain[have])
         at = None if have.all() else np.flatnonzero(have)
         i = self._read(payload_read("obs", spec, chain[have], at, len(chain)))
-        if spec.codec is not None:  # frames of the rows that have one; zeros elsewhere
-
-            def frames(res: list[Any]) -> Any:
-                out: list[Any] = [b""] * len(chain)
-                for p, b in zip(np.flatnonzero(have).tolist(), res[i], strict=True):
-                    out[p] = b
-                return self._decode(spec, out, (len(rows), k))
-
-            return frames
         return lambda res: self._decode(spec, res[i], (len(rows), k))
+
+    def _shared_frames(self, rows: np.ndarray, k: int) -> Picks:
+        """:meth:`_plan_frames` of a compressed ``obs``: which frame each stack position
+        holds, ``(B, k)``."""
+        assert self.stacks is not None and self.frames is not None
+        chain = self.stacks.chain(self.cols, rows, k)
+        have = chain >= 0
+        self.check.append(chain[have])
+        spec = self.frames.spec
+        i = self._read(payload_read("obs", spec, chain[have]))
+        keys = np.where(have, chain, NO_FRAME).ravel()
+        picks = self.frames.add(keys, [(i, np.flatnonzero(have.ravel()))])
+
+        def stacks(res: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+            frames, index = picks(res)
+            return frames, index.reshape(len(rows), k)
+
+        return stacks
+
+    def _shared_next_obs(self, boot: np.ndarray) -> Picks:
+        """:meth:`_plan_next_obs` of a compressed ``obs``: the frame of each row's
+        ``next_obs`` (the successor's obs, the explicit one, or none)."""
+        assert self.frames is not None
+        nxt = follow(self.cols, boot, self.cap)
+        explicit = (self.cols["flags"][boot] & EXPLICIT_NEXT) != 0
+        linked = (nxt >= 0) & ~explicit
+        self.check.append(nxt[linked])
+        spec = self.frames.spec
+        i = self._read(payload_read("obs", spec, nxt[linked]))
+        j = self._read(explicit_next_obs_read(spec, boot[explicit]))
+        keys = np.where(linked, nxt, np.where(explicit, -2 - boot, NO_FRAME))
+        return self.frames.add(keys, [(i, np.flatnonzero(linked)), (j, np.flatnonzero(explicit))])
+
+    def _shape_picks(self, picks: Picks) -> Finish:
+        """One frame per row as the batch's field: ``(*self.shape, *frame)``."""
+
+        def finish(res: list[Any]) -> Any:
+            frames, index = picks(res)
+            lo = int(index[0]) if len(index) else 0
+            if (index == np.arange(lo, lo + len(index))).all():
+                got = frames[lo : lo + len(index)]  # none of them shared: a view
+            else:
+                got = np.take(frames, index, axis=0)
+            return got.reshape(*self.shape, *frames.shape[1:])
+
+        return finish
 
     def _plan_next_obs(self, spec: FieldSpec, boot: np.ndarray) -> Finish:
         nxt = follow(self.cols, boot, self.cap)

@@ -107,6 +107,48 @@ def test_batches_hold_each_steps_newest_frames(redis_url, namespace, color, n, c
     assert {t for _, t in seen} >= {0, 1, 5}  # episode starts are drawn, zero-padded
 
 
+@pytest.mark.parametrize(
+    ("codec", "k", "length"), [("png", 4, 1), ("delta:4", 4, 1), ("png", 1, 1), ("zstd", 1, 3)]
+)
+def test_compressed_frames_decoded_once_give_the_raw_batch(redis_url, namespace, codec, k, length):
+    """A batch's shared frames (stack positions, next_obs, repeated draws, explicit next_obs
+    and zeros) are decoded once each: the batch is byte for byte the raw namespace's."""
+    rng = np.random.default_rng(7)
+    pixels = {key: rng.integers(0, 256, (12, 10), np.uint8) for key in range(400)}
+
+    def noise(ep: int, t: int, explicit: bool = False) -> np.ndarray:
+        return pixels[(20 * ep + t + 100 * explicit) % 400]
+
+    out = []
+    for n, c in enumerate((None, codec)):
+        store = Store(redis_url, f"{namespace}-{n}")
+        obs = FieldSpec("|u1", (12, 10), codec=c)
+        store.create(capacity=1000, n_shards=2, schema=Schema(fields={"obs": obs}))
+        steps = interleave(
+            *(episode(e, LENGTH[e], "terminated" if e == 2 else "truncated") for e in LENGTH)
+        )
+        b = batch(steps)
+        b.fields = {"obs": np.stack([noise(s["ep"], s["step"]) for s in steps])}
+        b.next_obs = np.stack(
+            [noise(steps[i]["ep"], steps[i]["step"] + 1, True) for i in b.next_rows]
+        )
+        store.commit(b)
+        r = {
+            "name": "same",
+            "batch_size": 48,
+            "fields": ["obs", "next_obs", "step_index"],
+            "sources": [{"name": "all"}],
+            "frame_stack": k,
+            "sequence_length": length,
+        }
+        out.append(sample(store, r, rng=np.random.default_rng(3)))
+    raw, got = out
+    assert got["step_index"].tolist() == raw["step_index"].tolist()
+    for name in ("obs", "next_obs"):
+        assert got[name].dtype == raw[name].dtype and got[name].shape == raw[name].shape
+        assert got[name].tobytes() == raw[name].tobytes()
+
+
 def test_a_stack_with_a_gap_is_never_drawn(redis_url, namespace):
     store = Store(redis_url, namespace)
     store.create(capacity=1000, n_shards=1)

@@ -5,7 +5,9 @@ lies about its size or does not decode is named before anything inflates it."""
 from __future__ import annotations
 
 import io
+import zlib
 
+import cv2
 import numpy as np
 import pytest
 import zstandard
@@ -72,6 +74,44 @@ def test_png_written_by_another_library_decodes_exactly(shape, mode):
         frames.append(out.getvalue())
     got = decode(Codec.of("png"), frames, "|u1", shape)
     assert got.tobytes() == rows.tobytes()
+
+
+def _chunks(png: bytes) -> list[tuple[bytes, bytes]]:
+    out, pos = [], 8
+    while pos < len(png):
+        n = int.from_bytes(png[pos : pos + 4], "big")
+        out.append((png[pos + 4 : pos + 8], png[pos + 8 : pos + 8 + n]))
+        pos += 12 + n
+    return out
+
+
+def _png(chunks: list[tuple[bytes, bytes]]) -> bytes:
+    body = b"".join(
+        len(d).to_bytes(4, "big") + k + d + zlib.crc32(k + d).to_bytes(4, "big") for k, d in chunks
+    )
+    return b"\x89PNG\r\n\x1a\n" + body
+
+
+@pytest.mark.parametrize("shape", [(12, 10, 3), (12, 10, 4), (12, 10)])
+def test_unfiltered_png_inflated_by_zlib_is_what_libpng_reads(shape):
+    """Unfiltered rows (what ``encode`` writes) skip libpng; anything else is libpng's:
+    filtered rows, IDAT split in several chunks, extra chunks, a wrong CRC (refused)."""
+    rows = _rows("|u1", shape, n=3)
+    png = Codec.of("png")
+    mine = [bytes(f) for f in encode(png, rows)]
+    assert decode(png, mine, "|u1", shape).tobytes() == rows.tobytes()
+    head, data = _chunks(mine[0])[0], _chunks(mine[0])[1][1]
+    split = _png(
+        [head, (b"tEXt", b"a\0b"), (b"IDAT", data[:5]), (b"IDAT", data[5:]), (b"IEND", b"")]
+    )
+    assert decode(png, [split], "|u1", shape).tobytes() == rows[0].tobytes()
+    bad = bytearray(mine[0])
+    bad[-20] ^= 1  # inside IDAT: its CRC no longer matches
+    with pytest.raises(CodecError):
+        decode(png, [bytes(bad)], "|u1", shape)
+    if len(shape) == 2:  # adaptive filters (OpenCV's default): libpng undoes them
+        ok, f = cv2.imencode(".png", rows[1])
+        assert ok and decode(png, [f.tobytes()], "|u1", shape).tobytes() == rows[1].tobytes()
 
 
 @pytest.mark.parametrize(
