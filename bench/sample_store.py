@@ -20,6 +20,11 @@ and samples 256 rows by priority. Columns (medians over ``--repeats``, p95 in br
 - sync(256): commit 256 new steps, then time the index sync plus sampler refresh
 - update(256): ``update_priorities`` of 256 random live ids through the store
 
+Peers in the same run, per size: cpprb's in-process ``PrioritizedReplayBuffer.sample(256)``
+(alpha 0.6, beta 0.4; the same four fields; when cpprb, the ``bench`` extra, is installed)
+and one Redis round trip (``PING``) on the same server: a batch from Redis cannot beat
+the round trip, and the in-process buffer is what it replaces.
+
 Then, with ``--images N`` (default 20,000): a uniform batch of 256 image transitions
 (obs and next_obs uint8 84x84x3: 10.8 MB) with big rows read by plain pipelined commands
 (the default) and, for comparison, inside the fetch script.
@@ -201,6 +206,33 @@ def bench_images(url: str, n: int, repeats: int) -> dict[str, tuple[float, float
     return out
 
 
+def peers(url: str, n: int, repeats: int) -> dict[str, tuple[float, float] | None]:
+    """The in-process buffer a batch replaces (cpprb, if installed) and one round trip."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    out: dict[str, tuple[float, float] | None] = {"ping": timed(r.ping, repeats), "cpprb": None}
+    try:
+        from cpprb import PrioritizedReplayBuffer
+    except ImportError:
+        return out
+    rng = np.random.default_rng(2)
+    env = {
+        "obs": {"shape": 8},
+        "action": {"dtype": np.int64},
+        "reward": {},
+        "next_obs": {"shape": 8},
+    }
+    rb = PrioritizedReplayBuffer(n, env, alpha=0.6)
+    for start in range(0, n, 100_000):
+        k = min(100_000, n - start)
+        obs = rng.normal(size=(k, 8)).astype(np.float32)
+        rb.add(obs=obs, action=np.zeros(k, np.int64), reward=rng.random(k), next_obs=obs)
+    rb.sample(256, beta=0.4)
+    out["cpprb"] = timed(lambda: rb.sample(256, beta=0.4), repeats)
+    return out
+
+
 def fmt(pair: tuple[float, float]) -> str:
     return f"{pair[0]:.2f} ({pair[1]:.2f})"
 
@@ -231,6 +263,15 @@ def main() -> None:
                 f"{fmt(r['draw'])} | {fmt(r['sync'])} | {fmt(r['update'])} |",
                 flush=True,
             )
+        print(
+            "\n| steps | peer: cpprb PER sample(256), in-process ms "
+            "| one Redis round trip (PING) ms |"
+        )
+        print("|---:|---:|---:|")
+        for n in args.sizes:
+            p = peers(server.url, n, args.repeats)
+            cpprb = "not installed (the bench extra)" if p["cpprb"] is None else fmt(p["cpprb"])
+            print(f"| {n:,} | {cpprb} | {fmt(p['ping'])} |", flush=True)
         if args.images:
             r = bench_images(server.url, args.images, max(10, args.repeats // 10))
             print(
