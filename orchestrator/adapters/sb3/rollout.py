@@ -62,7 +62,6 @@ Where it differs from SB3's buffer, and why:
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -343,8 +342,7 @@ class ClawRolloutBuffer(RolloutBuffer):
                 self.buffer_size,
             )
         self.version += 1
-        move = functools.partial(self.client.set_params, policy_version=self.version)
-        self.writer.submit(move, self.recipe_name)
+        self.writer.submit(self.client.advance, self.recipe_name, self.version)
         self._clear()
 
     def add(
