@@ -38,8 +38,9 @@ Where it differs from SB3's buffer, and why:
   GitHub issue #633). So every episode end is stored ``terminated`` with SB3's reward,
   which makes the workers' GAE SB3's; the namespace is training data for this run, not
   a dataset with true terminal flags.
-- Observations and actions are not kept here (they are in Claw): there are no
-  ``observations`` and ``actions`` attributes. ``reset()`` after a rollout cut short (a
+- Observations and actions are served from Claw, not from here (the rollout's own
+  columns only hold them until they are sent): there are no ``observations`` and
+  ``actions`` attributes. ``reset()`` after a rollout cut short (a
   callback that stops collecting) drops its rows not yet written; the written ones are
   never served (counted ``dropped_stale`` once the version moves).
 - The epochs' shuffles are the recipe's (``seed``, else from numpy's global state, which
@@ -77,6 +78,7 @@ from stable_baselines3.common.buffers import BaseBuffer, RolloutBuffer
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 
 from claw_tasks.client import Ingestor
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
@@ -279,7 +281,7 @@ class ClawRolloutBuffer(RolloutBuffer):
 
     def _rows(self, obs: Any) -> np.ndarray:
         """One time step's observations as the stored rows, ``(n_envs, *row_shape)``."""
-        return np.array(obs, dtype=self.obs_dtype).reshape(self.n_envs, *self._row_shape())
+        return np.asarray(obs).reshape(self.n_envs, *self._row_shape())  # cast when stored
 
     def _observations(self, rows: np.ndarray) -> Any:
         return self.to_torch(rows)
@@ -315,8 +317,10 @@ class ClawRolloutBuffer(RolloutBuffer):
         self.values = np.zeros(shape, np.float32)
         self.log_probs = np.zeros(shape, np.float32)
         self.advantages = np.zeros(shape, np.float32)
-        self._obs: list[np.ndarray | None] = [None] * self.buffer_size  # rows not yet written
-        self._actions: list[np.ndarray | None] = [None] * self.buffer_size
+        # The rows as columns; a message holds a view of its time steps (never written
+        # again: the next rollout gets fresh arrays while the writer may still send these)
+        self._obs = np.empty((*shape, *self._row_shape()), self.obs_dtype)
+        self._actions = np.empty((*shape, self.action_dim), self.action_dtype)
         self._episode = np.zeros(shape, np.int64)  # each row's episode number
         self._step = np.zeros(shape, np.int64)  # and step_index
         self._written = 0  # time steps written to Claw
@@ -362,7 +366,7 @@ class ClawRolloutBuffer(RolloutBuffer):
             )
         n, t = self.n_envs, self.pos
         self._obs[t] = self._rows(obs)
-        self._actions[t] = np.array(action).reshape(n, self.action_dim).astype(self.action_dtype)
+        self._actions[t] = np.asarray(action).reshape(n, self.action_dim)
         self.rewards[t] = np.asarray(reward, np.float32).reshape(n)
         starts = np.asarray(episode_start).reshape(n).astype(bool)
         self.episode_starts[t] = starts
@@ -399,14 +403,15 @@ class ClawRolloutBuffer(RolloutBuffer):
             assert dones is not None
             ended[k - 1] = dones
             boot[k - 1] = np.where(dones, np.nan, last_values)
-        episode = self._episode[start:stop].ravel()
-        env = np.tile(np.arange(n), k)
-        ids = [f"{self._run}.{i}.{e}" for i, e in zip(env.tolist(), episode.tolist(), strict=True)]
+        # Episode ids as a vocabulary and codes: a string per episode, not per row
+        keys, codes = np.unique(self._episode[start:stop] * n + np.arange(n), return_inverse=True)
+        names = [f"{self._run}.{c % n}.{c // n}" for c in keys.tolist()]
+        ids = StrColumn(names, codes.reshape(-1).astype(np.int32))
         self.writer.submit(
             self.ingestor.add_batch,
             {
-                "obs": np.concatenate(self._obs[start:stop]),  # type: ignore[arg-type]
-                "action": np.concatenate(self._actions[start:stop]),  # type: ignore[arg-type]
+                "obs": self._obs[start:stop].reshape(k * n, *self._obs.shape[2:]),
+                "action": self._actions[start:stop].reshape(k * n, self.action_dim),
                 "reward": self.rewards[start:stop].ravel().copy(),
                 "terminated": ended.ravel(),
                 "episode_id": ids,
@@ -422,8 +427,6 @@ class ClawRolloutBuffer(RolloutBuffer):
                 **self._meta,
             },
         )
-        self._obs[start:stop] = [None] * k
-        self._actions[start:stop] = [None] * k
         self._written = stop
 
     def compute_returns_and_advantage(self, last_values: th.Tensor, dones: np.ndarray) -> None:
