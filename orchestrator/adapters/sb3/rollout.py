@@ -12,7 +12,7 @@ The algorithm's own loop runs unchanged:
   once the next ``add`` says whether its episode ended there, in one ``add_batch`` (one
   message) per ``write_every`` time steps (default: about ``MESSAGE_BYTES`` of payload a
   message; a small rollout in one), never a round trip per step. The calls to Claw
-  (those messages, ``set_params``) run in a :class:`Writer` thread, in order: the loop
+  (those messages, ``advance``) run in a :class:`Writer` thread, in order: the loop
   does not wait for their round trips.
 - ``compute_returns_and_advantage`` writes each env's last row (terminated if ``dones``,
   else with ``bootstrap_value`` = SB3's ``last_values``) and computes SB3's numbers here
@@ -103,7 +103,7 @@ are 6 KB) goes in one message, a large one (Atari's) in several sent while SB3 c
 
 
 class Writer:
-    """Runs a buffer's calls to Claw (``set_params``, ``add_batch``) in order in one thread,
+    """Runs a buffer's calls to Claw (``advance``, ``add_batch``) in order in one thread,
     off SB3's collect loop: each is a publish or a transaction whose round trips the loop
     would otherwise wait for. :meth:`wait` returns once every call
     submitted so far is done, raising the first error one of them met (and every later
