@@ -386,10 +386,15 @@ class ClawRolloutBuffer(RolloutBuffer):
             self._write(t)
 
     def _write(
-        self, stop: int, last_values: np.ndarray | None = None, dones: np.ndarray | None = None
+        self,
+        stop: int,
+        last_values: np.ndarray | None = None,
+        dones: np.ndarray | None = None,
+        now: bool = False,
     ) -> None:
-        """Write time steps ``_written .. stop - 1`` in one message; with ``last_values``
-        and ``dones``, ``stop`` is the buffer's end and its last row ends the segment."""
+        """Write time steps ``_written .. stop - 1`` in one message (by the writer thread;
+        ``now``: here); with ``last_values`` and ``dones``, ``stop`` is the buffer's end
+        and its last row ends the segment."""
         start, n = self._written, self.n_envs
         if stop <= start:
             return
@@ -407,32 +412,37 @@ class ClawRolloutBuffer(RolloutBuffer):
         keys, codes = np.unique(self._episode[start:stop] * n + np.arange(n), return_inverse=True)
         names = [f"{self._run}.{c % n}.{c // n}" for c in keys.tolist()]
         ids = StrColumn(names, codes.reshape(-1).astype(np.int32))
-        self.writer.submit(
-            self.ingestor.add_batch,
-            {
-                "obs": self._obs[start:stop].reshape(k * n, *self._obs.shape[2:]),
-                "action": self._actions[start:stop].reshape(k * n, self.action_dim),
-                "reward": self.rewards[start:stop].ravel().copy(),
-                "terminated": ended.ravel(),
-                "episode_id": ids,
-                "step_index": self._step[start:stop].ravel().copy(),
-                "policy_version": self.version,
-                "tags": {
-                    **self._tags,
-                    RUN_TAG: self._run,
-                    LOG_PROB: self.log_probs[start:stop].ravel().astype(np.float64),
-                    VALUE: self.values[start:stop].ravel().astype(np.float64),
-                    BOOTSTRAP_VALUE: boot.ravel(),
-                },
-                **self._meta,
+        columns = {
+            "obs": self._obs[start:stop].reshape(k * n, *self._obs.shape[2:]),
+            "action": self._actions[start:stop].reshape(k * n, self.action_dim),
+            "reward": self.rewards[start:stop].ravel().copy(),
+            "terminated": ended.ravel(),
+            "episode_id": ids,
+            "step_index": self._step[start:stop].ravel().copy(),
+            "policy_version": self.version,
+            "tags": {
+                **self._tags,
+                RUN_TAG: self._run,
+                LOG_PROB: self.log_probs[start:stop].ravel().astype(np.float64),
+                VALUE: self.values[start:stop].ravel().astype(np.float64),
+                BOOTSTRAP_VALUE: boot.ravel(),
             },
-        )
+            **self._meta,
+        }
+        if now:
+            self.ingestor.add_batch(columns)
+        else:
+            self.writer.submit(self.ingestor.add_batch, columns)
         self._written = stop
 
     def compute_returns_and_advantage(self, last_values: th.Tensor, dones: np.ndarray) -> None:
         """Write the rollout's last rows (each env's segment ends: terminated if ``dones``,
         else bootstrapping with ``last_values``) and compute SB3's advantages and returns
-        here, with SB3's code; the workers serve the same numbers with each minibatch."""
+        here, with SB3's code; the workers serve the same numbers with each minibatch.
+
+        The last message is sent here, after SB3's numbers, not by the writer thread:
+        ``get()`` waits for it next, and the two threads would only contend for the GIL
+        meanwhile."""
         if not self.full:
             raise RuntimeError(
                 f"compute_returns_and_advantage after {self.pos} of {self.buffer_size} steps "
@@ -443,9 +453,10 @@ class ClawRolloutBuffer(RolloutBuffer):
         n = self.n_envs
         lv = _numpy(last_values, n)
         done = np.asarray(dones).reshape(n).astype(bool)
-        self._write(self.buffer_size, lv.astype(np.float64), done)
-        self._finished = True  # the commit of these rows forms the rollout (no fill asked)
         super().compute_returns_and_advantage(th.as_tensor(lv), done)
+        self.writer.wait(self.timeout)  # its messages first (they are in order)
+        self._write(self.buffer_size, lv.astype(np.float64), done, now=True)
+        self._finished = True  # the commit of these rows forms the rollout (no fill asked)
 
     # ---- training ----------------------------------------------------------------------
     def get(self, batch_size: int | None = None) -> Generator[Any, None, None]:
