@@ -115,8 +115,15 @@ def opt_column(v: Any, n: int, dtype: Any) -> np.ndarray | None:
 
 
 def str_column(v: Any, n: int, name: str) -> StrColumn:
+    """A column of strings: one value, one per row, or a :class:`StrColumn` as it is (a
+    vocabulary and per-row codes: no Python step per row; its codes are checked with the
+    batch's columns)."""
     if isinstance(v, str | int) or v is None:
         return StrColumn.constant(v, n)
+    if isinstance(v, StrColumn):
+        if len(v.index) != n:
+            raise SchemaError(f"column '{name}' has {len(v.index)} rows, expected {n}")
+        return StrColumn([str(s) for s in v.values], np.asarray(v.index, np.int32))
     if len(v) != n:
         raise SchemaError(f"column '{name}' has {len(v)} rows, expected {n}")
     return StrColumn.of(v if isinstance(v, np.ndarray) else list(v))

@@ -347,10 +347,11 @@ class Ingestor(Sender):
     def add_batch(self, columns: Mapping[str, Any]) -> int:
         """Add many steps at once from columns (vectorized producers).
 
-        Required: ``obs``, ``action``, ``reward``, ``episode_id`` (one id or one per row),
-        ``step_index``. Optional: ``terminated``, ``truncated``, ``priority``,
-        ``policy_version``, ``agent_id``/``task_id``/``skill_tag``/``reward_source`` (one
-        value or one per row), ``tags`` (name -> value or column), further payload arrays
+        Required: ``obs``, ``action``, ``reward``, ``episode_id`` (one id, one per row, or a
+        :class:`~claw_tasks.format.columns.StrColumn` of them), ``step_index``. Optional:
+        ``terminated``, ``truncated``, ``priority``, ``policy_version``,
+        ``agent_id``/``task_id``/``skill_tag``/``reward_source`` (one value or one per
+        row), ``tags`` (name -> value or column), further payload arrays
         under ``fields``. Raises before sending anything if any row is bad.
         """
         cols = dict(columns)

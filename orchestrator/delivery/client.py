@@ -137,6 +137,29 @@ class BatchClient:
         self._installed(recipe, reset=False)
         return recipe
 
+    def advance(self, name: str, version: int) -> Recipe:
+        """``set_params(name, <version_param>=version)`` for a rollout recipe whose steps of
+        ``version`` are not written yet (a learner starting its next rollout, as
+        ``ClawRolloutBuffer.reset`` does): one script call instead of the recipe's
+        transaction, the queue's drain and a fill task, as no fill could find those steps
+        yet (the ingest commit that completes the rollout forms it, docs/recipes.md,
+        "On-policy"). Falls back to :meth:`set_params` when another client changed the
+        recipe since this one read it; ValueError for a recipe without ``rollout``."""
+        current = self._recipes.get(name)
+        if current is None:
+            current = self._recipes[name] = self._entry(name).recipe
+        ro = current.rollout
+        if ro is None:
+            raise ValueError(f"recipe {name!r} has no rollout section: use set_params")
+        params = {**current.params, ro.version_param: version}
+        recipe = current.model_copy(update={"params": params, "version": current.version + 1})
+        dropped = self.registry.advance(recipe)
+        if dropped is None:  # changed by another client: the full transaction
+            return self.set_params(name, **{ro.version_param: version})
+        self._drop(recipe, dropped)
+        self._recipes[name] = recipe
+        return recipe
+
     def restore(self, recipe: Recipe) -> Recipe:
         """Install ``recipe`` (as a snapshot recorded it) as its name's next version,
         whatever is registered now: queued batches are dropped and a fill is forced, as

@@ -24,6 +24,7 @@ from orchestrator.sampling.groups import claims_key
 ACTIVE = "claw:active"
 REFILL_LOCK_S = 30
 _UNLOCK = Lua("unlock", "orchestrator")
+_ADVANCE = Lua("advance", "orchestrator")
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,20 @@ class Registry:
                     return recipe, old
                 except redis.WatchError:
                     continue
+
+    def advance(self, recipe: Recipe) -> list[bytes] | None:
+        """Store ``recipe`` (a rollout recipe's next version, made by the caller from the
+        current one) in one script call, if the stored version is still the one before
+        it; its queue is emptied and it waits for its rollout's steps
+        (:data:`rollouts_waiting_key`). Returns the queued items dropped (to reclaim), or
+        None when another client changed the recipe meanwhile (nothing written)."""
+        name = recipe.name
+        entry = packb({"recipe": recipe.model_dump(mode="json"), "at": time.time()})
+        keys = [self.recipe_key(name), self.versions_key, self.queue(name)]
+        keys.append(self.rollouts_waiting_key)
+        args = [name, recipe.version - 1, recipe.version, entry]
+        items = execute(self.r, [_ADVANCE], lambda p: _ADVANCE.queue(p, keys, args))[0]
+        return None if items is None else list(items)
 
     def _queue_put(self, pipe: redis.client.Pipeline, recipe: Recipe) -> None:
         entry = {"recipe": recipe.model_dump(mode="json"), "at": time.time()}

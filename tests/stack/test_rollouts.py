@@ -231,3 +231,43 @@ def test_ingest_is_not_starved_while_a_rollout_waits(redis_url, start_worker, na
     assert len(pop_rollout(client, records, (0, 0))) == 64
     client.close()
     ing.close()
+
+
+def test_advance_moves_the_version_in_one_call_and_the_commit_forms_the_rollout(
+    redis_url, workers, namespace
+):
+    """``advance`` (a learner's next rollout, before its steps are written) moves the
+    policy version as ``set_params`` does (the next recipe version, queued minibatches of
+    the last one dropped) without a fill: the recipe waits, and the commits of the new
+    version's steps form the rollout. Behind another client's change it falls back to
+    ``set_params`` (the versions stay one apart)."""
+    records: dict = {}
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
+    client = BatchClient(namespace, redis_url)
+    first = client.register(recipe())
+    for k in range(4):
+        Actor(ing, k, records, seed=50 + k).segment(16, 0)
+    ing.flush()
+    client.pop("ppo", timeout=60)  # rollout 0: its 11 other minibatches stay queued
+    reg = client.registry
+    moved = client.advance("ppo", 1)
+    assert (moved.version, moved.params["policy_version"]) == (first.version + 1, 1)
+    assert reg.get("ppo").recipe == moved and reg.version("ppo") == moved.version
+    assert reg.r.llen(reg.queue("ppo")) == 0  # rollout 0's minibatches: dropped
+    assert reg.r.smembers(reg.rollouts_waiting_key) == {b"ppo"}
+    for k in range(4):
+        Actor(ing, k, records, seed=60 + k).segment(16, 1)
+    ing.flush()
+    assert len(pop_rollout(client, records, (1, 1))) == 64
+    other = BatchClient(namespace, redis_url)
+    other.set_params("ppo", policy_version=2)  # this client's recipe is behind now
+    behind = client.advance("ppo", 3)
+    assert (behind.version, behind.params["policy_version"]) == (moved.version + 2, 3)
+    assert reg.version("ppo") == behind.version
+    plain = {"name": "plain", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "all"}]}
+    other.register(plain)
+    with pytest.raises(ValueError, match="no rollout section"):
+        other.advance("plain", 1)
+    other.close()
+    client.close()
+    ing.close()

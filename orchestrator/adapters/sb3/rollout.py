@@ -12,7 +12,7 @@ The algorithm's own loop runs unchanged:
   once the next ``add`` says whether its episode ended there, in one ``add_batch`` (one
   message) per ``write_every`` time steps (default: about ``MESSAGE_BYTES`` of payload a
   message; a small rollout in one), never a round trip per step. The calls to Claw
-  (those messages, ``set_params``) run in a :class:`Writer` thread, in order: the loop
+  (those messages, ``advance``) run in a :class:`Writer` thread, in order: the loop
   does not wait for their round trips.
 - ``compute_returns_and_advantage`` writes each env's last row (terminated if ``dones``,
   else with ``bootstrap_value`` = SB3's ``last_values``) and computes SB3's numbers here
@@ -38,8 +38,9 @@ Where it differs from SB3's buffer, and why:
   GitHub issue #633). So every episode end is stored ``terminated`` with SB3's reward,
   which makes the workers' GAE SB3's; the namespace is training data for this run, not
   a dataset with true terminal flags.
-- Observations and actions are not kept here (they are in Claw): there are no
-  ``observations`` and ``actions`` attributes. ``reset()`` after a rollout cut short (a
+- Observations and actions are served from Claw, not from here (the rollout's own
+  columns only hold them until they are sent): there are no ``observations`` and
+  ``actions`` attributes. ``reset()`` after a rollout cut short (a
   callback that stops collecting) drops its rows not yet written; the written ones are
   never served (counted ``dropped_stale`` once the version moves).
 - The epochs' shuffles are the recipe's (``seed``, else from numpy's global state, which
@@ -62,7 +63,6 @@ Where it differs from SB3's buffer, and why:
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -78,6 +78,7 @@ from stable_baselines3.common.buffers import BaseBuffer, RolloutBuffer
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 
 from claw_tasks.client import Ingestor
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
@@ -102,7 +103,7 @@ are 6 KB) goes in one message, a large one (Atari's) in several sent while SB3 c
 
 
 class Writer:
-    """Runs a buffer's calls to Claw (``set_params``, ``add_batch``) in order in one thread,
+    """Runs a buffer's calls to Claw (``advance``, ``add_batch``) in order in one thread,
     off SB3's collect loop: each is a publish or a transaction whose round trips the loop
     would otherwise wait for. :meth:`wait` returns once every call
     submitted so far is done, raising the first error one of them met (and every later
@@ -280,7 +281,7 @@ class ClawRolloutBuffer(RolloutBuffer):
 
     def _rows(self, obs: Any) -> np.ndarray:
         """One time step's observations as the stored rows, ``(n_envs, *row_shape)``."""
-        return np.array(obs, dtype=self.obs_dtype).reshape(self.n_envs, *self._row_shape())
+        return np.asarray(obs).reshape(self.n_envs, *self._row_shape())  # cast when stored
 
     def _observations(self, rows: np.ndarray) -> Any:
         return self.to_torch(rows)
@@ -316,8 +317,10 @@ class ClawRolloutBuffer(RolloutBuffer):
         self.values = np.zeros(shape, np.float32)
         self.log_probs = np.zeros(shape, np.float32)
         self.advantages = np.zeros(shape, np.float32)
-        self._obs: list[np.ndarray | None] = [None] * self.buffer_size  # rows not yet written
-        self._actions: list[np.ndarray | None] = [None] * self.buffer_size
+        # The rows as columns; a message holds a view of its time steps (never written
+        # again: the next rollout gets fresh arrays while the writer may still send these)
+        self._obs = np.empty((*shape, *self._row_shape()), self.obs_dtype)
+        self._actions = np.empty((*shape, self.action_dim), self.action_dtype)
         self._episode = np.zeros(shape, np.int64)  # each row's episode number
         self._step = np.zeros(shape, np.int64)  # and step_index
         self._written = 0  # time steps written to Claw
@@ -343,8 +346,7 @@ class ClawRolloutBuffer(RolloutBuffer):
                 self.buffer_size,
             )
         self.version += 1
-        move = functools.partial(self.client.set_params, policy_version=self.version)
-        self.writer.submit(move, self.recipe_name)
+        self.writer.submit(self.client.advance, self.recipe_name, self.version)
         self._clear()
 
     def add(
@@ -364,7 +366,7 @@ class ClawRolloutBuffer(RolloutBuffer):
             )
         n, t = self.n_envs, self.pos
         self._obs[t] = self._rows(obs)
-        self._actions[t] = np.array(action).reshape(n, self.action_dim).astype(self.action_dtype)
+        self._actions[t] = np.asarray(action).reshape(n, self.action_dim)
         self.rewards[t] = np.asarray(reward, np.float32).reshape(n)
         starts = np.asarray(episode_start).reshape(n).astype(bool)
         self.episode_starts[t] = starts
@@ -384,10 +386,15 @@ class ClawRolloutBuffer(RolloutBuffer):
             self._write(t)
 
     def _write(
-        self, stop: int, last_values: np.ndarray | None = None, dones: np.ndarray | None = None
+        self,
+        stop: int,
+        last_values: np.ndarray | None = None,
+        dones: np.ndarray | None = None,
+        now: bool = False,
     ) -> None:
-        """Write time steps ``_written .. stop - 1`` in one message; with ``last_values``
-        and ``dones``, ``stop`` is the buffer's end and its last row ends the segment."""
+        """Write time steps ``_written .. stop - 1`` in one message (by the writer thread;
+        ``now``: here); with ``last_values`` and ``dones``, ``stop`` is the buffer's end
+        and its last row ends the segment."""
         start, n = self._written, self.n_envs
         if stop <= start:
             return
@@ -401,37 +408,41 @@ class ClawRolloutBuffer(RolloutBuffer):
             assert dones is not None
             ended[k - 1] = dones
             boot[k - 1] = np.where(dones, np.nan, last_values)
-        episode = self._episode[start:stop].ravel()
-        env = np.tile(np.arange(n), k)
-        ids = [f"{self._run}.{i}.{e}" for i, e in zip(env.tolist(), episode.tolist(), strict=True)]
-        self.writer.submit(
-            self.ingestor.add_batch,
-            {
-                "obs": np.concatenate(self._obs[start:stop]),  # type: ignore[arg-type]
-                "action": np.concatenate(self._actions[start:stop]),  # type: ignore[arg-type]
-                "reward": self.rewards[start:stop].ravel().copy(),
-                "terminated": ended.ravel(),
-                "episode_id": ids,
-                "step_index": self._step[start:stop].ravel().copy(),
-                "policy_version": self.version,
-                "tags": {
-                    **self._tags,
-                    RUN_TAG: self._run,
-                    LOG_PROB: self.log_probs[start:stop].ravel().astype(np.float64),
-                    VALUE: self.values[start:stop].ravel().astype(np.float64),
-                    BOOTSTRAP_VALUE: boot.ravel(),
-                },
-                **self._meta,
+        # Episode ids as a vocabulary and codes: a string per episode, not per row
+        keys, codes = np.unique(self._episode[start:stop] * n + np.arange(n), return_inverse=True)
+        names = [f"{self._run}.{c % n}.{c // n}" for c in keys.tolist()]
+        ids = StrColumn(names, codes.reshape(-1).astype(np.int32))
+        columns = {
+            "obs": self._obs[start:stop].reshape(k * n, *self._obs.shape[2:]),
+            "action": self._actions[start:stop].reshape(k * n, self.action_dim),
+            "reward": self.rewards[start:stop].ravel().copy(),
+            "terminated": ended.ravel(),
+            "episode_id": ids,
+            "step_index": self._step[start:stop].ravel().copy(),
+            "policy_version": self.version,
+            "tags": {
+                **self._tags,
+                RUN_TAG: self._run,
+                LOG_PROB: self.log_probs[start:stop].ravel().astype(np.float64),
+                VALUE: self.values[start:stop].ravel().astype(np.float64),
+                BOOTSTRAP_VALUE: boot.ravel(),
             },
-        )
-        self._obs[start:stop] = [None] * k
-        self._actions[start:stop] = [None] * k
+            **self._meta,
+        }
+        if now:
+            self.ingestor.add_batch(columns)
+        else:
+            self.writer.submit(self.ingestor.add_batch, columns)
         self._written = stop
 
     def compute_returns_and_advantage(self, last_values: th.Tensor, dones: np.ndarray) -> None:
         """Write the rollout's last rows (each env's segment ends: terminated if ``dones``,
         else bootstrapping with ``last_values``) and compute SB3's advantages and returns
-        here, with SB3's code; the workers serve the same numbers with each minibatch."""
+        here, with SB3's code; the workers serve the same numbers with each minibatch.
+
+        The last message is sent here, after SB3's numbers, not by the writer thread:
+        ``get()`` waits for it next, and the two threads would only contend for the GIL
+        meanwhile."""
         if not self.full:
             raise RuntimeError(
                 f"compute_returns_and_advantage after {self.pos} of {self.buffer_size} steps "
@@ -442,9 +453,10 @@ class ClawRolloutBuffer(RolloutBuffer):
         n = self.n_envs
         lv = _numpy(last_values, n)
         done = np.asarray(dones).reshape(n).astype(bool)
-        self._write(self.buffer_size, lv.astype(np.float64), done)
-        self._finished = True  # the commit of these rows forms the rollout (no fill asked)
         super().compute_returns_and_advantage(th.as_tensor(lv), done)
+        self.writer.wait(self.timeout)  # its messages first (they are in order)
+        self._write(self.buffer_size, lv.astype(np.float64), done, now=True)
+        self._finished = True  # the commit of these rows forms the rollout (no fill asked)
 
     # ---- training ----------------------------------------------------------------------
     def get(self, batch_size: int | None = None) -> Generator[Any, None, None]:
