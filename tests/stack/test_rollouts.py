@@ -62,7 +62,9 @@ def test_consume_once_by_version_with_four_actors(redis_url, workers, namespace)
         st = client.stats("ppo")["ppo"]
         assert st["rollout"]["rollouts"] == v + 1
         client.set_params("ppo", policy_version=v + 1)
-    st = wait_state(client, "waiting for rollout")
+    # The state of the fill the version change asked for (the last rollout's fill left a
+    # "waiting" state of 3..4 that the new one replaces).
+    st = wait_state(client, "waiting for rollout of policy_version 4..5")
     assert st["state"].startswith("waiting for rollout of policy_version 4..5: 16 of 64"), st
     assert st["rollout"]["dropped_stale"] == stale == 10
     assert not any(k[0] == STRAGGLER for k in served)
@@ -105,7 +107,7 @@ def test_gae_in_workers_and_a_learner_restart(redis_url, workers, namespace):
     again = [client.pop("ppo", timeout=60) for _ in range(4)]
     assert {key for b in again for key in keys_of(b)} == taken
     client.set_params("ppo", policy_version=1)
-    st = wait_state(client, "waiting for rollout")
+    st = wait_state(client, "waiting for rollout of policy_version 1")
     assert st["rollout"]["dropped_stale"] == 6, st
     client.close()
     ing.close()
