@@ -272,9 +272,9 @@ def decode_batch(buf: Any) -> Batch:
 
     def view(spec: ArraySpec) -> np.ndarray:
         dtype, shape, off = np.dtype(spec[0]), tuple(spec[1]), base + spec[2]
-        if any(d < 0 for d in shape):
-            raise ValueError(f"corrupt batch: negative shape {shape}")
-        count = int(np.prod(shape, dtype=np.int64))
+        if not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"corrupt batch: shape {shape} is not of non-negative integers")
+        count = math.prod(shape)  # exact (np.prod wraps at 2**63): checked against the buffer
         if off + count * dtype.itemsize > len(mv):
             raise ValueError("truncated batch: array body past end of buffer")
         return np.frombuffer(mv, dtype=dtype, count=count, offset=off).reshape(shape)

@@ -204,6 +204,20 @@ def test_decode_rejects_garbage_and_truncation():
         decode_batch(struct.pack("<4sII", b"CLAW", VERSION, 1000) + b"\x80")
 
 
+def test_decode_refuses_shapes_that_are_not_counts():
+    """A header's shapes are untrusted: sizes are counted exactly (2**62 x 4 does not wrap to
+    0 elements) and must be non-negative integers."""
+    buf = wire_bytes({"x": np.arange(4)}, ids=range(4))
+    magic, version, n = struct.unpack_from("<4sII", buf)
+    header = msgpack.unpackb(buf[12 : 12 + n])
+    dtype, _, off = header["ids"]
+    for shape in ([2**62, 4], [2**64 - 1], [1.5], ["4"], [-1], [True]):
+        head = msgpack.packb({**header, "ids": [dtype, shape, off]})
+        raw = struct.pack("<4sII", magic, version, len(head)) + head + bytes(4096)
+        with pytest.raises(ValueError, match=r"corrupt batch|truncated"):
+            decode_batch(raw)
+
+
 def with_version(buf: bytes, version: int) -> bytes:
     """``buf`` with the format version after the magic replaced (layout: magic, u32 version)."""
     return buf[:4] + struct.pack("<I", version) + buf[8:]
