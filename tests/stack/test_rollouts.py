@@ -210,7 +210,7 @@ def test_a_short_fill_ends_and_the_commit_forms_the_rollout(redis_url, workers, 
 def test_ingest_is_not_starved_while_a_rollout_waits(redis_url, start_worker, namespace):
     """One worker process for ingest and prefetch: the fill forced by registering the
     rollout recipe finds no steps and ends, so the ingest tasks run while the rollout
-    waits, and their last commit forms it, in that process, with nothing else asked."""
+    waits (on the old design the waiting fill held the one process: no commit ran)."""
     start_worker("ingest,prefetch", 1)
     records: dict = {}
     ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
@@ -225,11 +225,10 @@ def test_ingest_is_not_starved_while_a_rollout_waits(redis_url, start_worker, na
     for k in range(4):
         Actor(ing, k, records, seed=30 + k).segment(16, 0)
         ing.flush()  # each segment's ingest task commits while the rollout waits
-    deadline = time.monotonic() + 60
-    # Formed (``no`` set) comes a moment before its minibatches are pushed: wait for those.
-    while rollouts.read_state(reg, "ppo").cursor < 12 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert rollouts.read_state(reg, "ppo").describe()["minibatches_pushed"] == 12
+    # The ingest tasks ran (every flush was confirmed) while the rollout waited: the fill
+    # held no pool process. Whether the last commit formed it or the pop's fill request
+    # does, the rollout is served whole (docs/architecture.md, on-policy rollouts; the
+    # commit-formed path alone is test_a_short_fill_ends_and_the_commit_forms_the_rollout).
     assert len(pop_rollout(client, records, (0, 0))) == 64
     client.close()
     ing.close()
@@ -255,7 +254,12 @@ def test_advance_moves_the_version_in_one_call_and_the_commit_forms_the_rollout(
     moved = client.advance("ppo", 1)
     assert (moved.version, moved.params["policy_version"]) == (first.version + 1, 1)
     assert reg.get("ppo").recipe == moved and reg.version("ppo") == moved.version
-    assert reg.r.llen(reg.queue("ppo")) == 0  # rollout 0's minibatches: dropped
+    # Rollout 0's minibatches: dropped (a push of its rest racing the call lands, sees the
+    # newer version and takes its items back: the queue empties either way).
+    deadline = time.monotonic() + 30
+    while reg.r.llen(reg.queue("ppo")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reg.r.llen(reg.queue("ppo")) == 0
     assert reg.r.smembers(reg.rollouts_waiting_key) == {b"ppo"}
     for k in range(4):
         Actor(ing, k, records, seed=60 + k).segment(16, 1)
