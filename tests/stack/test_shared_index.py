@@ -171,6 +171,9 @@ def test_prefetch_pool_of_two_maps_one_index(redis_url, namespace, start_worker)
     inodes = {ino for found in mapped.values() for ino in found}
     assert len(inodes) == 1  # every process that samples maps the same file
     worker.stop()  # SIGTERM: the pool processes detach, the last removes the files
+    deadline = time.monotonic() + 30  # (a pool process may still be exiting)
+    while files_of(store) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert files_of(store) == []
 
 
