@@ -317,18 +317,28 @@ class Connection:
         readahead_bytes: int,
         parts: int = 1,
         convert: Callable[[Batch], Any] | None = None,
+        convert_parts: Callable[[Batch, int], list[Any]] | None = None,
     ) -> str:
         """The recipe serving ``key`` (e.g. a batch size), registered from ``spec`` on first
         use after a flush (everything added so far can be drawn), with ``readahead``
         batches decoded ahead in this process (0: none). Each of its batches serves
         ``parts`` pops (``spec``'s batch size is ``parts`` times a pop's), each part
-        passed through ``convert`` — in the read-ahead thread when there is one."""
+        passed through ``convert`` — in the read-ahead thread when there is one.
+        ``convert_parts`` instead converts a whole batch at once, given it with each part's
+        rows contiguous (:func:`interleaved`) and the number of parts, and returns the
+        parts' items in order: one conversion per batch rather than per part."""
         name = self.names.get(key)
         if name is None:
             self.flush()
             name = self.names[key] = self.client.register(spec).name
 
             def prepare(batch: Batch) -> list[tuple[Served, Any]]:
+                if convert_parts is not None and parts > 1 and len(batch) % parts == 0:
+                    whole = interleaved(batch, parts)
+                    ids = whole.ids.reshape(parts, -1)  # a fresh array: no copy needed
+                    items = convert_parts(whole, parts)
+                    version = whole.recipe_version
+                    return [(Served(version, i), it) for i, it in zip(ids, items, strict=True)]
                 got = split(batch, parts) if parts > 1 else [batch]
                 return [
                     (Served(b.recipe_version, b.ids.copy()), b if convert is None else convert(b))
@@ -412,6 +422,13 @@ def split(batch: Batch, parts: int) -> list[Batch]:
     keeps the mix of sources. Rows are independent draws, so each part is a batch of the
     same recipe; importance weights stay normalized over the whole batch."""
     return [batch.take(slice(j, None, parts)) for j in range(parts)]
+
+
+def interleaved(batch: Batch, parts: int) -> Batch:
+    """``batch`` with the rows of :func:`split`'s part ``j`` (``j::parts``) at
+    ``j*m:(j+1)*m``, ``m = len(batch) // parts``: one gather into fresh arrays, so a
+    conversion of the whole batch cuts into the parts by contiguous views."""
+    return batch.take(np.arange(len(batch)).reshape(-1, parts).T.ravel())
 
 
 def ingest_options(ingest: Mapping[str, Any], capacity: int) -> dict[str, Any]:

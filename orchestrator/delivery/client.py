@@ -78,9 +78,12 @@ class BatchClient:
         self._counting = threading.Lock()  # the counters: a pop, a flush from another thread
         self.lineage = LineageLog(self.store)
         """The namespace's lineage log (:mod:`orchestrator.delivery.lineage`)."""
-        # Entries sent with the next pop; a deque: a read-ahead's trainer declares batches
-        # from its own thread while this client's pops drain it.
-        self._lineage: collections.deque[dict[str, bytes | str]] = collections.deque()
+        # Entries sent with the next pop, as (recipe, recipe version, policy, ids, time):
+        # encoded there, so a read-ahead's trainer, which declares batches from its own
+        # thread while the read-ahead's pops drain the deque, pays only the append.
+        self._lineage: collections.deque[tuple[str, int, Any, np.ndarray, float]] = (
+            collections.deque()
+        )
         self._logged_skip: set[str] = set()
         self._priorities: PriorityWriter | None = None
         self._refills: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -349,8 +352,10 @@ class BatchClient:
         as text): one lineage entry, sent with the next pop (or :meth:`flush_lineage`,
         :meth:`stats`, :meth:`close`; by itself once ``LINEAGE_PENDING`` wait, for a client
         that declares batches another one pops). Record each batch once: here, or with
-        ``pop``'s ``policy_version``. Thread-safe."""
-        self._lineage.append(record(name, batch.recipe_version, policy_version, batch.ids))
+        ``pop``'s ``policy_version``. Thread-safe. The entry is encoded when it is sent (a
+        read-ahead's trainer pays only this append), so ``batch.ids`` must not change
+        meanwhile."""
+        self._lineage.append((name, batch.recipe_version, policy_version, batch.ids, time.time()))
         if len(self._lineage) >= LINEAGE_PENDING:
             self.flush_lineage()
 
@@ -372,10 +377,10 @@ class BatchClient:
             pipe.hincrbyfloat(self.registry.counters(name), "wait_s", seconds)
         while True:  # popleft: entries appended meanwhile wait for the next pop
             try:
-                entry = self._lineage.popleft()
+                name, version, policy, ids, at = self._lineage.popleft()
             except IndexError:
                 return
-            self.lineage.queue(pipe, entry)
+            self.lineage.queue(pipe, record(name, version, policy, ids, at))
 
     def _send_refills(self) -> None:
         while (name := self._refills.get()) is not None:

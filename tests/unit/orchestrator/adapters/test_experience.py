@@ -8,6 +8,7 @@ import numpy as np
 from orchestrator.adapters.experience import (
     Cadence,
     Plan,
+    interleaved,
     plan_for,
     split,
     with_env_password,
@@ -65,3 +66,22 @@ def test_cadence_plans_for_the_longest_recent_burst():
     assert all(fixed.sampled() is None for _ in range(300)) and fixed.added() is None
     assert Cadence(None, 1, 0).plan == Plan(1, 0, 8)  # given sizes win
     assert plan_for(10_000) == plan_for(256) == Plan(16, 16, 32)  # bounded queues
+
+
+def test_interleaved_puts_each_split_part_in_contiguous_rows() -> None:
+    n, parts = 24, 4
+    batch = Batch(
+        {"obs": np.arange(n * 3).reshape(n, 3), "reward": np.arange(n) * 0.5},
+        np.arange(100, 100 + n),
+        np.ones(n, np.float32),
+        np.zeros(n, np.int16),
+        ("all",),
+        7,
+    )
+    whole, m = interleaved(batch, parts), n // parts
+    for j, part in enumerate(split(batch, parts)):
+        rows = slice(j * m, (j + 1) * m)
+        np.testing.assert_array_equal(whole.ids[rows], part.ids)
+        for name in ("obs", "reward"):
+            np.testing.assert_array_equal(whole[name][rows], part[name])
+    assert whole.recipe_version == 7
