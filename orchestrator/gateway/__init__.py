@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from orchestrator.gateway.app import GatewayConfig, create_app
+from orchestrator.gateway.app import create_app
+from orchestrator.gateway.config import GatewayConfig
 
 
 def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8100) -> None:
