@@ -57,7 +57,7 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
         },
         worker_send_task_events=True,
         task_send_sent_event=True,
-        redbeat_redis_url=settings.beat_url,  # never a cluster (settings.py)
+        redbeat_redis_url=settings.beat_url,  # never a cluster (settings/environment.py)
         redbeat_key_prefix="claw:redbeat:",
         beat_scheduler="redbeat.RedBeatScheduler",
         beat_schedule=beat_schedule(settings.schedule),  # claw_tasks/broker/schedule.py

@@ -65,7 +65,7 @@ def _root(
         ),
     ] = None,
 ) -> None:
-    """Every command reads this process's settings (claw_tasks/settings.py): the
+    """Every command reads this process's settings (claw_tasks/settings/): the
     environment, with ``--redis-url`` standing for ``CLAW_REDIS_URL`` (so the broker
     and beat defaults follow it). ``ctx.obj`` is the store URL configured, if any."""
     flag = None if redis_url is None else {"CLAW_REDIS_URL": redis_url}

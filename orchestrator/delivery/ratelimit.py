@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.recipe.model import RateLimit
+from orchestrator.recipe.options import RateLimit
 
 
 @dataclass(frozen=True)

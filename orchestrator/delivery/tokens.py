@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.recipe.model import Tokens
+from orchestrator.recipe.options import Tokens
 from orchestrator.sampling.groups import Groups
 from orchestrator.sampling.turns import segments, sequence_tokens
 

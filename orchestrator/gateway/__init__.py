@@ -1,8 +1,16 @@
-"""The capture gateway (``claw gateway``): OpenAI-compatible calls in, steps out."""
+"""The capture gateway (``claw gateway``): OpenAI-compatible calls in, steps out.
+
+``app`` builds the Starlette app on a ``Gateway`` (``config``: what it is configured
+with); ``forward`` relays agents' calls past the ``gate`` (admission, session keys) to the
+``upstream``; ``trajectories`` serves rewards, reads and sessions; the ``recorder`` turns
+``calls`` into steps off the response path (``capture``: replies into turns; ``rewards``:
+what a reward reads of the store). ``requests``, ``metrics``, ``credit`` and ``resp`` (the
+asyncio Redis client) are what they share."""
 
 from __future__ import annotations
 
-from orchestrator.gateway.app import GatewayConfig, create_app
+from orchestrator.gateway.app import create_app
+from orchestrator.gateway.config import GatewayConfig
 
 
 def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8100) -> None:

@@ -17,14 +17,20 @@ from typing import Any
 
 from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import SchemaError
-from claw_tasks.format.turns import turn_fields
 from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.store.turns import attach_rewards
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import admission
 from orchestrator.gateway import credit
-from orchestrator.gateway.capture import CaptureError, Retokenizer, Turn, capture_all
+from orchestrator.gateway.calls import (
+    Call,
+    RecorderError,
+    TrajectoryError,
+    capture_call,
+)
+from orchestrator.gateway.capture import CaptureError, Retokenizer, Turn
 from orchestrator.gateway.metrics import GatewayMetrics
+from orchestrator.gateway.rewards import turn_rewards_by_call, wait_committed
 
 log = logging.getLogger(__name__)
 
@@ -32,54 +38,9 @@ TURN = Lua("turn", "orchestrator")
 """The per-trajectory state script (``orchestrator/lua/turn.lua``)."""
 _DRAIN = 256  # calls numbered in one round trip at most
 
-POLICY_VERSION_HEADER = "x-claw-policy-version"
-"""A reply header the upstream may set: the policy version that generated the reply (an
-inference server whose weights a trainer updates knows it; the gateway does not)."""
-
 
 def _arg(value: int | None) -> str:
     return "" if value is None else str(value)
-
-
-class TrajectoryError(ValueError):
-    """A call or reward the trajectory's state does not allow (the message says why)."""
-
-
-class RecorderError(RuntimeError):
-    """The recorder thread is dead or stuck: a reward cannot wait for its turns."""
-
-
-CHOICE_SEPARATOR = "~"
-"""Choice i of a call with n > 1 to trajectory T is trajectory ``T~i`` (``~`` is not in
-the ids agents choose, so these never collide with theirs)."""
-
-
-def choice_trajectories(trajectory_uid: str, n: int) -> tuple[str, ...]:
-    """The trajectories one call records: itself, or with n > 1 ``T~0 .. T~(n-1)``."""
-    if n == 1:
-        return (trajectory_uid,)
-    return tuple(f"{trajectory_uid}{CHOICE_SEPARATOR}{i}" for i in range(n))
-
-
-@dataclass
-class Call:
-    """A successful upstream call, as the handler saw it. ``trajectories``: the one each
-    choice is recorded into (:func:`choice_trajectories`)."""
-
-    trajectory_uid: str
-    prompt_uid: str | None
-    kind: str
-    request: dict[str, Any]
-    reply: bytes
-    streamed: bool
-    tags: dict[str, str]
-    policy_version: str | None = None  # the upstream's X-Claw-Policy-Version, unchecked
-    call_id: str = ""
-    trajectories: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.trajectories:
-            self.trajectories = (self.trajectory_uid,)
 
 
 @dataclass
@@ -232,7 +193,7 @@ class Recorder:
         captured: list[list[Turn] | None] = []
         for call in calls:
             try:
-                captured.append(self._capture(call))
+                captured.append(capture_call(call, self.retokenizer, self.policy_version))
             except CaptureError as e:
                 log.info("call of trajectory %r not recorded: %s", call.trajectory_uid, e)
                 self.unrecorded(call.trajectories, "uncapturable")
@@ -294,46 +255,6 @@ class Recorder:
             except Exception:
                 log.exception("recording a call of trajectory %r failed", uid)
                 self.unrecorded([uid], "error")
-
-    def _version(self, call: Call) -> int | None:
-        """The upstream's policy version header if it sent one, else ``--policy-version``
-        (else None: the turn script records the trainer's declared version, if any)."""
-        raw = call.policy_version
-        if raw is None:
-            return self.policy_version
-        if not raw.isdigit() or int(raw) > 2**31 - 1:
-            raise CaptureError(
-                f"the upstream's {POLICY_VERSION_HEADER} header {raw[:20]!r} is not an "
-                "integer in 0..2^31-1"
-            )
-        return int(raw)
-
-    def _capture(self, call: Call) -> list[Turn]:
-        """The call's turns, checked as ``llm_turn`` will check them, before they are given
-        turn indices (an index handed out and never recorded would be a gap)."""
-        turns = capture_all(
-            call.kind,
-            call.request,
-            call.reply,
-            call.streamed,
-            self.retokenizer,
-            n=len(call.trajectories),
-        )
-        version = self._version(call)
-        for turn in turns:
-            turn.policy_version = version
-            try:
-                turn_fields(
-                    turn.prompt_ids,
-                    turn.response_ids,
-                    turn.response_logprobs,
-                    None,
-                    False,
-                    f"a call of trajectory {call.trajectory_uid!r}",
-                )
-            except SchemaError as e:
-                raise CaptureError(str(e)) from None
-        return turns
 
     def _record(self, call: Call, trajectory_uid: str, turn: Turn, index: int) -> None:
         info: dict[str, Any] = {"finish_reason": turn.finish_reason, "model": turn.model}
@@ -417,9 +338,11 @@ class Recorder:
                     "final_reward"
                 )
             if call_rewards:
-                turn_rewards = self._by_call(trajectory_uid, key, turns, call_rewards)
+                turn_rewards = turn_rewards_by_call(
+                    self.store, trajectory_uid, key, turns, call_rewards
+                )
             self.ingestor.flush(wait=True, timeout=timeout)
-            self._committed(trajectory_uid, turns, time.monotonic() + timeout)
+            wait_committed(self.store, trajectory_uid, turns, time.monotonic() + timeout)
             tags = {} if vmin < 0 else {"min_version": float(vmin), "max_version": float(vmax)}
             attach_rewards(
                 self.store,
@@ -449,23 +372,6 @@ class Recorder:
                 self.metrics.released.inc(released)
         return turns
 
-    def _by_call(
-        self, trajectory_uid: str, key: str, turns: int, call_rewards: Mapping[str, float]
-    ) -> list[float]:
-        """Turn rewards from rewards by interaction id (the ``X-Claw-Call-Id`` of a call)."""
-        ids = list(call_rewards)
-        found = self.store.r.hmget(key, [f"c:{c}" for c in ids])
-        missing = [c for c, i in zip(ids, found, strict=True) if i is None]
-        if missing:
-            raise TrajectoryError(
-                f"trajectory {trajectory_uid!r}: call ids {missing[:3]} are not recorded "
-                "turns of it"
-            )
-        out = [0.0] * turns
-        for c, i in zip(ids, found, strict=True):
-            out[int(i)] += call_rewards[c]
-        return out
-
     def _wait_recorded(self, timeout: float) -> None:
         """Until the calls queued so far are done; a RecorderError if the thread is dead
         or does not get there within ``timeout``."""
@@ -482,23 +388,6 @@ class Recorder:
                         f"within {timeout:g} s; post the reward again"
                     )
                 self._progress.wait(min(left, 1.0))
-
-    def _committed(self, trajectory_uid: str, turns: int, deadline: float) -> None:
-        """Wait until the store holds ``turns`` turns of the trajectory (another gateway's
-        Ingestor may still be sending some); a TrajectoryError after the deadline."""
-        delay = 0.002
-        while True:
-            found = self.store.trajectory_ids(trajectory_uid)
-            if found is None or len(found) >= turns:
-                return  # no index: attach_rewards counts (and refuses) on the column
-            if time.monotonic() > deadline:
-                raise TrajectoryError(
-                    f"trajectory {trajectory_uid!r}: {len(found)} of its {turns} turns are "
-                    "stored; the rest were not committed in time (are the ingest workers "
-                    "running?); post the reward again"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
     def close(self, timeout: float = 60.0) -> None:
         self._queue.put(None)

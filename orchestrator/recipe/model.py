@@ -1,46 +1,51 @@
-"""The recipe model: a declarative description of the batches a trainer wants.
+"""The recipe model: a declarative description of the batches a trainer wants, and its
+checks against itself and a namespace schema. Its sections are in ``base``, ``sources``
+and ``options``.
 
 Every key, its default and what it produces is in ``docs/recipes.md``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Protocol, Self
+from typing import Any, Literal, Self
 
 import numpy as np
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    SerializeAsAny,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    StringConstraints,
-    ValidatorFunctionWrapHandler,
-    field_validator,
-    model_validator,
-)
-from pydantic_core import PydanticCustomError
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from claw_tasks.format.schema import LOG_PROB, VALUE, tag_key
-from claw_tasks.where import AGE, FIXED, FilterError, Where
-from orchestrator.recipe.joint import (
-    JOINT_FIELDS,
-    AgentWhere,
-    Joint,
-    joint_problem,
-    joint_schema_problems,
+from claw_tasks.where import FIXED
+from orchestrator.recipe.base import Name, RecipeError, Scalar, SchemaLike, StrictModel, allocate
+from orchestrator.recipe.joint import JOINT_FIELDS, Joint, joint_problem, joint_schema_problems
+from orchestrator.recipe.options import (
+    ROLLOUT_FIELDS,
+    TOKEN_FIELDS,
+    Admission,
+    Nearest,
+    Prefetch,
+    RateLimit,
+    Rollout,
+    Tokens,
 )
+
+# SamplerSpec and register_kind: orchestrator/sampling/samplers/ imports them from here.
+from orchestrator.recipe.sources import DEFAULT_SAMPLER, SamplerSpec, Source, register_kind
 from orchestrator.transforms.cleaning import RecipeClean
 from orchestrator.transforms.framestack import stacked_shape
+
+__all__ = [
+    "RECORD_FIELDS",
+    "STACKED",
+    "Recipe",
+    "RecipeLike",
+    "Rollout",
+    "SamplerSpec",
+    "Source",
+    "as_recipe",
+    "register_kind",
+    "same_recipe",
+]
 
 STACKED = ("obs", "next_obs")
 """The fields ``frame_stack`` stacks."""
@@ -49,256 +54,8 @@ RECORD_FIELDS = frozenset({"reward", "terminated", "truncated", "info"})
 """Fields every step record has, whatever the namespace schema (``obs``, ``action`` and the
 other payload fields come from the schema; ``next_obs`` exists when ``obs`` does)."""
 
-Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)]
-Scalar = StrictStr | StrictInt | StrictFloat | StrictBool
 
-
-def allocate(weights: Sequence[float], total: int) -> list[int]:
-    """Split ``total`` by ``weights``: floors, then +1 by largest remainder (ties: first)."""
-    w = np.asarray(weights, dtype=np.float64)
-    quotas = w / w.sum() * total
-    counts = np.floor(quotas).astype(np.int64)
-    order = np.argsort(-(quotas - counts), kind="stable")
-    counts[order[: total - int(counts.sum())]] += 1
-    return counts.tolist()
-
-
-class RecipeError(ValueError):
-    """A recipe that does not fit the namespace schema; lists every offending key."""
-
-
-class SchemaLike(Protocol):
-    """What :meth:`Recipe.validate_against` needs from a namespace schema."""
-
-    @property
-    def fields(self) -> Mapping[str, Any]: ...  # payload field name -> spec
-
-    @property
-    def tags(self) -> Mapping[str, str]: ...  # free tag name -> 'str' | 'num'
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Window(_Model):
-    """Restrict a source to its newest candidates: exactly one of the two keys."""
-
-    last_steps: PositiveInt | None = None
-    max_age_s: PositiveFloat | None = None
-
-    @model_validator(mode="after")
-    def _one(self) -> Self:
-        if (self.last_steps is None) == (self.max_age_s is None):
-            raise ValueError("window takes exactly one of last_steps, max_age_s")
-        return self
-
-
-DEFAULT_SAMPLER = "uniform"
-"""The ``sampler.kind`` of a source that names none."""
-
-SAMPLER_KINDS: dict[str, type[SamplerSpec]] = {}
-"""The keys of each ``sampler.kind``, in registration order. The recipe names no kind
-itself: each sampler of :mod:`orchestrator.sampling.samplers` registers its spec with its
-class (the ``orchestrator`` package imports every sampler before any recipe is read), so a
-new sampler is one new file there."""
-
-
-class SamplerSpec(_Model):
-    """How a source draws its rows: ``kind`` and that kind's keys. Each kind is a subclass
-    (its ``kind`` a one-value ``Literal``) registered in :data:`SAMPLER_KINDS`; a key left
-    out or null takes the kind's default, a key of another kind is an error."""
-
-    kind: str = DEFAULT_SAMPLER
-    draws_groups: ClassVar[bool] = False
-    """Whether a source's count is in whole groups (its rows: every step of them)."""
-
-    @field_validator("kind")
-    @classmethod
-    def _known(cls, kind: str) -> str:
-        if kind not in SAMPLER_KINDS:
-            names = [repr(k) for k in SAMPLER_KINDS]
-            expected = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
-            raise PydanticCustomError(
-                "literal_error", "Input should be {expected}", {"expected": expected}
-            )
-        return kind
-
-    def problems(self, tags: Mapping[str, str]) -> list[str]:
-        """What is wrong with the keys against a namespace's free ``tags`` (``key: why``)."""
-        return []
-
-
-def parse_sampler(data: Mapping[str, Any]) -> SamplerSpec:
-    """The spec of ``data``'s kind, validated (a null key is an absent one)."""
-    kind = data.get("kind", DEFAULT_SAMPLER)
-    spec = SAMPLER_KINDS.get(kind) if isinstance(kind, str) else None
-    if spec is None:
-        return SamplerSpec.model_validate({"kind": kind})  # raises, naming the kinds
-    given = {k: v for k, v in data.items() if v is not None}
-    for other, keys in SAMPLER_KINDS.items():
-        extra = [k for k in keys.model_fields if k in given and k not in spec.model_fields]
-        if extra:
-            raise ValueError(f"{', '.join(extra)}: only for kind: {other}")
-    return spec.model_validate(given)
-
-
-def register_kind(spec: type[SamplerSpec]) -> str:
-    """Make ``spec`` the keys of its ``kind`` (its ``kind`` field's default); returns it."""
-    kind = spec.model_fields["kind"].default
-    if kind in SAMPLER_KINDS and SAMPLER_KINDS[kind] is not spec:
-        raise ValueError(f"sampler kind {kind!r} is registered twice")
-    SAMPLER_KINDS[kind] = spec
-    return kind
-
-
-def _default_sampler() -> SamplerSpec:
-    return SAMPLER_KINDS[DEFAULT_SAMPLER]()
-
-
-class Source(_Model):
-    """One component of the mixture. ``where`` is either form of the where language."""
-
-    name: Name
-    weight: PositiveFloat = 1.0
-    where: StrictStr | dict[str, Any] = {}
-    window: Window | None = None
-    sampler: SerializeAsAny[SamplerSpec] = Field(default_factory=_default_sampler)
-    any_agent: AgentWhere = None  # joint recipes: some present agent's step matches
-    all_agents: AgentWhere = None  # joint recipes: every present agent's step matches
-
-    @field_validator("where")
-    @classmethod
-    def _where(cls, where: str | dict[str, Any]) -> str | dict[str, Any]:
-        try:
-            keys = Where(where).keys
-        except FilterError as e:
-            raise ValueError(str(e)) from None
-        if AGE.name in keys:  # a sampler keeps its candidates; they must not age by the clock
-            raise ValueError("age: a source filters by age with window: {max_age_s: <seconds>}")
-        return where
-
-    @field_validator("sampler", mode="wrap")
-    @classmethod
-    def _sampler(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> SamplerSpec:
-        return parse_sampler(value) if isinstance(value, Mapping) else handler(value)
-
-    def where_error(self, i: int, tags: Mapping[str, str] | None, params: Mapping) -> str | None:
-        """What is wrong with the where against ``tags`` and ``params``, or None."""
-        try:
-            Where(self.where, tags).key(params)
-        except FilterError as e:
-            sep = ": " if isinstance(self.where, str) else "."
-            return f"sources[{i}] ({self.name}).where{sep}{e}"
-        return None
-
-
-class Prefetch(_Model):
-    """Queue depth, and the level below which a pop asks for a refill (default depth/2)."""
-
-    depth: PositiveInt = 8
-    low_water: NonNegativeInt | None = None
-
-    @model_validator(mode="after")
-    def _low_water(self) -> Self:
-        if self.low_water is None:
-            self.low_water = self.depth // 2
-        elif self.low_water >= self.depth:
-            raise ValueError(f"low_water ({self.low_water}) must be below depth ({self.depth})")
-        return self
-
-
-class RateLimit(_Model):
-    """Samples per inserted step, with slack ``error_buffer``, once ``min_size`` steps exist."""
-
-    samples_per_insert: PositiveFloat
-    error_buffer: NonNegativeFloat = 100.0
-    min_size: PositiveInt = 1
-
-
-TOKEN_FIELDS = ("prompt_ids", "response_ids", "response_logprobs")
-"""The fields a ``tokens`` recipe must ask for (``response_mask`` is used when asked for)."""
-
-
-class Tokens(_Model):
-    """Collation of LLM turns into token batches (docs/recipes.md, "Token batches")."""
-
-    mode: Literal["transition", "trajectory"] = "transition"
-    padding_side: Literal["right", "left"] = "right"
-    pad_multiple: PositiveInt = 1
-    pad_token_id: NonNegativeInt = 0
-    max_tokens: PositiveInt | None = None
-    advantage: Literal["grpo", "dr_grpo", "none"] | None = None
-    eps: NonNegativeFloat = 1e-6
-
-
-ROLLOUT_FIELDS = ("advantages", "returns", "log_prob", "value", "policy_version")
-"""What a rollout recipe's minibatches carry besides its ``fields``."""
-
-
-class Rollout(_Model):
-    """On-policy delivery: the steps of one policy version, consumed once, as ``epochs``
-    passes of shuffled minibatches with advantages (docs/recipes.md, "On-policy")."""
-
-    steps: PositiveInt
-    epochs: PositiveInt = 1
-    version_param: Name = "policy_version"
-    max_lag: NonNegativeInt = 0
-    advantage: Literal["gae", "vtrace"] = "gae"
-    gae_lambda: float = Field(0.95, ge=0.0, le=1.0)
-    normalize: StrictBool = True
-    rho_bar: PositiveFloat = 1.0
-    c_bar: PositiveFloat = 1.0
-    scorer: StrictStr | None = None
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Self:
-        if self.scorer is not None and ":" not in self.scorer:
-            raise ValueError(f"scorer {self.scorer!r}: name it as 'module:function'")
-        if self.advantage == "vtrace" and self.max_lag > 0 and self.scorer is None:
-            raise ValueError(
-                "advantage: vtrace with max_lag > 0 needs the target policy's log-probs and "
-                "values of the older steps: name a scorer (module:function, allowed by the "
-                "workers' CLAW_SCORERS)"
-            )
-        if self.scorer is not None and self.advantage != "vtrace":
-            raise ValueError("scorer: only with advantage: vtrace")
-        return self
-
-
-class Admission(_Model):
-    """Staleness-bounded generation (docs/llm.md, "Admission"): the capture gateway starts
-    a new trajectory only while ``admitted <= (max_staleness + v + 1) * trajectories``,
-    v being ``params[version_param]`` (the trainer's current policy version, moved by
-    ``set_params``); ``params[min_version_param]`` is kept at ``max(0, v - max_staleness)``
-    for the sources' ``where`` (``tags.min_version >= $min_version``: nothing older is
-    served)."""
-
-    max_staleness: NonNegativeInt = 0
-    version_param: Name = "policy_version"
-    min_version_param: Name = "min_version"
-    trajectories: PositiveInt | None = None
-    """Trajectories per batch (default: ``batch_size`` x the group sampler's ``group_size``,
-    or ``batch_size``)."""
-
-
-class Nearest(_Model):
-    """Attach each row's ``k`` nearest steps of a vector index (docs/retrieval.md): the
-    prefetch workers query the index with the row's ``query`` field (as drawn, before
-    augmentation) and add ``nearest.<field>`` (B, k, ...), ``nearest.id`` and
-    ``nearest.distance`` (B, k) to the batch."""
-
-    index: Name = "default"
-    namespace: StrictStr | None = None  # another namespace's index (an expert dataset)
-    k: PositiveInt = 1
-    query: StrictStr = "obs"
-    where: StrictStr | dict[str, Any] = {}
-    fields: list[StrictStr] = ["action"]
-    exclude_self: StrictBool = True
-    """Drop a row's own step from its neighbours (a row drawn from the indexed steps)."""
-
-
-class Recipe(_Model):
+class Recipe(StrictModel):
     """A validated recipe. Build with :meth:`from_yaml` or :meth:`model_validate`."""
 
     name: Name

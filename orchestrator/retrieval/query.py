@@ -35,7 +35,8 @@ from claw_tasks.store.config import NamespaceConfig
 from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.where import Where
 from claw_tasks.worker.lru import LRU
-from orchestrator.recipe.model import Nearest, Recipe
+from orchestrator.recipe.model import Recipe
+from orchestrator.recipe.options import Nearest
 from orchestrator.retrieval.spec import IndexSpec, Projection, SpecError
 from orchestrator.retrieval.storage import check_field, list_indexes
 from orchestrator.retrieval.vectors import VectorIndex

@@ -27,7 +27,7 @@ from pydantic import (
     field_validator,
 )
 
-from orchestrator.recipe.model import Name
+from orchestrator.recipe.base import Name
 
 Feature = Callable[[np.ndarray, dict[str, Any]], np.ndarray]
 METRICS = ("l2", "ip", "cosine")

@@ -15,7 +15,7 @@ import pytest
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
-from orchestrator.recipe.model import RecipeError
+from orchestrator.recipe.base import RecipeError
 from tests.support.stepdata import batch, episode, interleave
 
 # ---- whole batches from Redis --------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua
 from orchestrator import BatchClient
-from orchestrator.recipe.model import Tokens
+from orchestrator.recipe.options import Tokens
 from orchestrator.sampling import InsufficientData, sample
 from orchestrator.sampling.groups import Claim, claims_key, release
 from orchestrator.sampling.index import SamplingIndex

@@ -12,7 +12,8 @@ import orchestrator
 from claw_tasks.client import IngestError, Ingestor
 from claw_tasks.connection.server import RedisServer
 from orchestrator.delivery.client import BatchClient
-from orchestrator.recipe.model import Recipe, RecipeError
+from orchestrator.recipe.base import RecipeError
+from orchestrator.recipe.model import Recipe
 from tests.stack.test_cli import fill
 
 VECTOR = {

@@ -63,13 +63,12 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 import numpy as np
-from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils import force_list
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
 from claw_tasks.client import Ingestor
-from claw_tasks.settings import get_settings, redact_url
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.experience import (
     Cadence,
@@ -80,10 +79,11 @@ from orchestrator.adapters.experience import (
     close_quietly,
     global_seed,
     ingest_options,
-    with_env_password,
-    without_password,
 )
 from orchestrator.adapters.rllib.episodes import FIELDS, Drawn, EpisodeWriter, to_episodes
+from orchestrator.adapters.rllib.metrics import add_metrics, sample_metrics
+from orchestrator.adapters.rllib.sample_args import check_sample_request, n_step_rows
+from orchestrator.adapters.rllib.state import SavedState
 from orchestrator.delivery.client import BatchClient
 from orchestrator.recipe.model import as_recipe
 from orchestrator.sampling.sample import sample as sample_here
@@ -91,24 +91,7 @@ from orchestrator.sampling.sample import sample as sample_here
 log = logging.getLogger(__name__)
 
 
-def n_step_rows(size: int, n: int | tuple[int, int]) -> list[tuple[int, int]]:
-    """``(n, rows)`` of a sample of ``size`` rows: all at one n, or for a range ``(lo,
-    hi)`` (RLlib's: n uniform in lo..hi-1 per row) the rows split evenly over the n's, the
-    first ones taking the remainder. Stratified rather than drawn per row: each n has its
-    own recipe, and a fixed split keeps every recipe's batch size fixed."""
-    if isinstance(n, int):
-        return [(n, size)]
-    ns = range(n[0], n[1])
-    share, extra = divmod(size, len(ns))
-    rows = [(k, share + (i < extra)) for i, k in enumerate(ns)]
-    return [(k, r) for k, r in rows if r]
-
-
-STATE_FORMAT = 1
-"""The layout of :meth:`ClawEpisodeReplayBuffer.get_state`'s ``"claw"`` entry."""
-
-
-class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
+class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
     """RLlib episode replay buffer backed by a Claw namespace (see the module docstring).
 
     RLlib's arguments: ``capacity`` (steps), ``batch_size_B`` (used when ``sample`` gets
@@ -277,21 +260,7 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._unflushed += steps
         if self.deterministic and self._unflushed >= max(1, self.ring // 2):
             self.flush()  # in order: concurrent messages may commit in any order
-        agent, module = {DEFAULT_AGENT_ID: new}, {DEFAULT_MODULE_ID: new}
-        self._update_add_metrics(
-            num_episodes_added=new,
-            num_env_steps_added=steps,
-            num_episodes_evicted=0,
-            num_env_steps_evicted=evicted,
-            agent_to_num_episodes_added=agent,
-            agent_to_num_steps_added={DEFAULT_AGENT_ID: steps},
-            agent_to_num_episodes_evicted={DEFAULT_AGENT_ID: 0},
-            agent_to_num_steps_evicted={DEFAULT_AGENT_ID: evicted},
-            module_to_num_episodes_added=module,
-            module_to_num_steps_added={DEFAULT_MODULE_ID: steps},
-            module_to_num_episodes_evicted={DEFAULT_MODULE_ID: 0},
-            module_to_num_steps_evicted={DEFAULT_MODULE_ID: evicted},
-        )
+        self._update_add_metrics(**add_metrics(new, steps, evicted))
 
     # ---- sampling ------------------------------------------------------------------
     def sample(
@@ -313,7 +282,9 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
     ) -> list[SingleAgentEpisode]:
         """``num_items`` (or ``batch_size_B``) n-step transitions as RLlib's 1-step
         episodes (see the module docstring for what is not supported)."""
-        size, n, beta = self._check_request(
+        size, n, beta = check_sample_request(
+            type(self).__name__,
+            self.batch_size_B,
             num_items,
             batch_size_B,
             beta,
@@ -327,7 +298,7 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         drawn = self._draw(size, n, gamma, beta, self._next_version())
         self._last_ids = drawn.ids
         self.sampled_timesteps += size
-        self._log_sample(drawn, size)
+        self._update_sample_metrics(**sample_metrics(drawn, size))
         return drawn.returned(to_numpy)
 
     def _next_version(self) -> Any:
@@ -338,49 +309,6 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
         if (plan := self._cadence.sampled()) is not None:
             self._conn.resize(plan)
         return version
-
-    def _check_request(
-        self,
-        num_items: int | None,
-        batch_size_B: int | None,
-        beta: float | None,
-        n_step: int | tuple[int, int] | None,
-        batch_length_T: int | None,
-        min_batch_length_T: int,
-        include_infos: bool,
-        include_extra_model_outputs: bool,
-        sample_episodes: bool | None,
-    ) -> tuple[int, int | tuple[int, int], float]:
-        """The size, the n (or range) and the beta of a ``sample()`` request; raises on
-        what these buffers do not serve."""
-        if num_items is not None and batch_size_B is not None:
-            raise ValueError("sample(): pass num_items or batch_size_B, not both")
-        size = int(num_items or batch_size_B or self.batch_size_B)
-        beta = 0.0 if beta is None else float(beta)
-        if sample_episodes is False:
-            raise NotImplementedError(
-                f"{type(self).__name__} returns n-step transitions as episodes "
-                "(sample_episodes=True, as DQN and SAC ask); B x T sequence batches are not served"
-            )
-        if batch_length_T or min_batch_length_T:
-            raise NotImplementedError(
-                f"{type(self).__name__}: sequences (batch_length_T, stateful modules) are not "
-                "served; use RLlib's EpisodeReplayBuffer for them"
-            )
-        if include_infos or include_extra_model_outputs:
-            raise NotImplementedError(
-                f"{type(self).__name__} stores observations, actions, rewards and flags: "
-                "include_infos / include_extra_model_outputs are not served"
-            )
-        if isinstance(n_step, tuple | list):
-            lo, hi = (int(x) for x in n_step)
-            if not 1 <= lo < hi:
-                raise ValueError(f"n_step={tuple(n_step)}: a range (lo, hi), 1 <= lo < hi")
-            return size, (lo, hi), beta
-        n = int(n_step or 1)
-        if n < 1:
-            raise ValueError(f"n_step={n_step}: must be >= 1")
-        return size, n, beta
 
     def _draw(
         self,
@@ -475,27 +403,6 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
             self.client.trained(self._recipe_base, batch, version)
         return self._convert(n, gamma, modules)(batch)
 
-    def _log_sample(self, drawn: Drawn, size: int) -> None:
-        steps, eps = len(np.unique(drawn.ids)), len(set(drawn.names))
-        mean_n = float(drawn.m.mean()) if len(drawn.m) else 0.0
-        self._update_sample_metrics(
-            num_env_steps_sampled=size,
-            num_episodes_per_sample=eps,
-            num_env_steps_per_sample=steps,
-            sampled_n_step=mean_n,
-            num_resamples=0,
-            agent_to_num_steps_sampled={DEFAULT_AGENT_ID: size},
-            agent_to_num_episodes_per_sample={DEFAULT_AGENT_ID: eps},
-            agent_to_num_steps_per_sample={DEFAULT_AGENT_ID: steps},
-            agent_to_sampled_n_step={DEFAULT_AGENT_ID: mean_n},
-            agent_to_num_resamples={DEFAULT_AGENT_ID: 0},
-            module_to_num_steps_sampled={DEFAULT_MODULE_ID: size},
-            module_to_num_episodes_per_sample={DEFAULT_MODULE_ID: eps},
-            module_to_num_steps_per_sample={DEFAULT_MODULE_ID: steps},
-            module_to_sampled_n_step={DEFAULT_MODULE_ID: mean_n},
-            module_to_num_resamples={DEFAULT_MODULE_ID: 0},
-        )
-
     # ---- counts --------------------------------------------------------------------
     def get_num_episodes(self, module_id: str | None = None) -> int:
         """Episodes this buffer started (see the module docstring)."""
@@ -508,53 +415,3 @@ class ClawEpisodeReplayBuffer(EpisodeReplayBuffer):
     def get_num_timesteps(self, module_id: str | None = None) -> int:
         """Steps the namespace's ring holds (counted here: this buffer's adds, capped)."""
         return self._num_timesteps
-
-    # ---- state ---------------------------------------------------------------------
-    def get_state(self) -> dict[str, Any]:
-        """Settings, namespace, recipe overrides, seed, counters and the lineage declaration
-        (a counter's name; a callable is not saved); never the data nor a password (plain
-        values: a checkpoint may pickle or msgpack them)."""
-        self.flush()  # what was added is in the store first
-        kw = dict(self._init_kw)
-        kw["redis_url"] = without_password(kw["redis_url"])
-        kw["broker_url"] = without_password(kw["broker_url"])
-        declared = self.policy_version  # a callable is the caller's to set again
-        kw["policy_version"] = declared if isinstance(declared, str) else None
-        return {
-            "claw": {
-                "format": STATE_FORMAT,
-                "class": type(self).__name__,
-                "init": kw,
-                "timesteps_added": self._num_timesteps_added,
-                "sampled_timesteps": self.sampled_timesteps,
-                "episodes_added": self._num_episodes_added,
-                "samples": self._samples,
-            }
-        }
-
-    def set_state(self, state: Mapping[str, Any]) -> None:
-        """Reconnect to the namespace of a :meth:`get_state` (this buffer's current
-        connection is flushed and closed first)."""
-        saved = state.get("claw") if isinstance(state, Mapping) else None
-        if not isinstance(saved, Mapping) or saved.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"{type(self).__name__}.set_state: not a Claw buffer's state (RLlib's own "
-                "buffer saves its episodes; a Claw buffer saves settings and reads its data "
-                "from the namespace)"
-            )
-        kw = dict(saved["init"])
-        settings = get_settings()
-        kw["redis_url"] = with_env_password(kw["redis_url"], settings.redis_url)
-        kw["broker_url"] = with_env_password(kw["broker_url"], settings.broker_url)
-        self.close()
-        self.__init__(**kw)  # type: ignore[misc]
-        self._num_timesteps_added = int(saved["timesteps_added"])
-        self.sampled_timesteps = int(saved["sampled_timesteps"])
-        self._num_episodes_added = int(saved["episodes_added"])
-        self._samples = int(saved["samples"])
-        log.info(
-            "%s: reconnected to namespace %r at %s",
-            type(self).__name__,
-            self.namespace,
-            redact_url(kw["redis_url"] or settings.redis_url),
-        )

@@ -63,6 +63,8 @@ from claw_tasks.client import Episode, Ingestor
 from claw_tasks.format.joint import AGENTS_TAG, EPISODE_TAG, agent_episode, joint_code
 from orchestrator.adapters.rllib.buffer import ClawEpisodeReplayBuffer
 from orchestrator.adapters.rllib.episodes import FIELDS, Drawn, to_episodes
+from orchestrator.adapters.rllib.metrics import multi_agent_sample_metrics
+from orchestrator.adapters.rllib.sample_args import check_sample_request
 
 MODULE_TAG = "rllib_module"
 """String tag on every record: the RLlib module its agent was mapped to."""
@@ -280,7 +282,9 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
                 "synchronized joint steps come from a joint recipe over the namespace "
                 "(joint: {agents: [...]}, through BatchClient)"
             )
-        size, n, beta = self._check_request(
+        size, n, beta = check_sample_request(
+            type(self).__name__,
+            self.batch_size_B,
             num_items,
             batch_size_B,
             beta,
@@ -302,7 +306,7 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
             self._module(module)["sampled"] += size
         self._last_ids = np.zeros(0, np.int64)
         self.sampled_timesteps += size
-        self._update_sample_metrics(**_sample_metrics(drawn))
+        self._update_sample_metrics(**multi_agent_sample_metrics(drawn))
         return drawn.returned(to_numpy)
 
     def _spec(
@@ -423,30 +427,3 @@ def _of_module(source: Mapping[str, Any], name: str, i: int) -> dict[str, Any]:
     else:
         combined = {**where, f"tags.{MODULE_TAG}": f"${MODULE_TAG}_{i}"}
     return {**source, "name": name, "where": combined}
-
-
-def _sample_metrics(drawn: Drawn) -> dict[str, Any]:
-    """What RLlib's multi-agent buffer logs of a sample, per agent and module."""
-    m = drawn.m
-    out: dict[str, Any] = {
-        "num_env_steps_sampled": len(m),
-        "num_episodes_per_sample": len({e.multi_agent_episode_id for e in drawn.episodes}),
-        "num_env_steps_per_sample": len(np.unique(drawn.ids)),
-        "sampled_n_step": float(m.mean()) if len(m) else 0.0,
-        "num_resamples": 0,
-    }
-    for kind in ("agent", "module"):
-        keys = np.array([getattr(e, f"{kind}_id") for e in drawn.episodes], object)
-        rows, eps, steps, mean_n = {}, {}, {}, {}
-        for k in dict.fromkeys(keys.tolist()):
-            mine = keys == k
-            rows[k] = int(mine.sum())
-            eps[k] = len({x for x, y in zip(drawn.names, mine, strict=True) if y})
-            steps[k] = len(np.unique(drawn.ids[mine]))
-            mean_n[k] = float(m[mine].mean())
-        out[f"{kind}_to_num_steps_sampled"] = rows
-        out[f"{kind}_to_num_episodes_per_sample"] = eps
-        out[f"{kind}_to_num_steps_per_sample"] = steps
-        out[f"{kind}_to_sampled_n_step"] = mean_n
-        out[f"{kind}_to_num_resamples"] = dict.fromkeys(rows, 0)
-    return out

@@ -64,89 +64,41 @@ Where it differs from SB3's buffer, and why:
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import uuid
 import weakref
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import BaseBuffer, RolloutBuffer
-from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
+from stable_baselines3.common.type_aliases import RolloutBufferSamples
 
-from claw_tasks.client import Ingestor
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
-from claw_tasks.store import Store
 from orchestrator.adapters.experience import PolicyVersion, Versions, global_seed
-from orchestrator.adapters.sb3.packing import DictLayout
+from orchestrator.adapters.sb3.epochs import first_positions, minibatches, pop_rollout
+from orchestrator.adapters.sb3.rollout_claw import (
+    RUN_TAG,
+    Writer,
+    close_rollout,
+    open_ingestor,
+    rollout_recipe,
+)
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.rollouts import permutation
 from orchestrator.sampling.batch import Batch
 
 log = logging.getLogger(__name__)
 
 EPISODE_META = frozenset({"task_id", "agent_id", "skill_tag", "reward_source"})
-RUN_TAG = "sb3_buffer"
-"""A string tag naming the buffer that wrote a step: its recipe takes only its own steps
-(a namespace reused by a later run, or shared, holds others of the same versions)."""
 EPISODE_TAGS = frozenset({LOG_PROB, VALUE, BOOTSTRAP_VALUE, RUN_TAG})
 
 
 MESSAGE_BYTES = 4 << 20
 """Payload bytes per ``add_batch`` message, about: a small rollout (CartPole's 256 steps
 are 6 KB) goes in one message, a large one (Atari's) in several sent while SB3 collects."""
-
-
-class Writer:
-    """Runs a buffer's calls to Claw (``advance``, ``add_batch``) in order in one thread,
-    off SB3's collect loop: each is a publish or a transaction whose round trips the loop
-    would otherwise wait for. :meth:`wait` returns once every call
-    submitted so far is done, raising the first error one of them met (and every later
-    :meth:`submit` raises it too)."""
-
-    def __init__(self) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None]
-        self._calls = queue.SimpleQueue()
-        self._cond = threading.Condition()
-        self._pending = 0
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="claw-rollout-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            fn, args = call
-            try:
-                if self.error is None:
-                    fn(*args)
-            except BaseException as e:  # raised by the buffer's next call
-                self.error = e
-            with self._cond:
-                self._pending -= 1
-                self._cond.notify_all()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        if self.error is not None:
-            raise self.error
-        with self._cond:
-            self._pending += 1
-        self._calls.put((fn, args))
-
-    def wait(self, timeout: float | None = None) -> None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._pending == 0, timeout):
-                raise TimeoutError(f"{self._pending} writes to Claw not done within {timeout} s")
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        self._calls.put(None)
-        self._thread.join(timeout=60)
 
 
 def _numpy(x: Any, n: int) -> np.ndarray:
@@ -221,10 +173,6 @@ class ClawRolloutBuffer(RolloutBuffer):
             namespace = f"{settings.namespace}-sb3-{uuid.uuid4().hex[:10]}"
             log.info("ClawRolloutBuffer: namespace %r (pass namespace= to choose one)", namespace)
         self.namespace = namespace
-        if capacity is None:  # a new namespace: two rollouts; an existing one keeps its own
-            probe = Store(redis_url or settings.redis_url, namespace)
-            capacity = None if probe.exists() else 2 * self.steps
-            probe.r.close()
         schema = Schema.rollout(
             tuple(self._row_shape()),
             (self.action_dim,),
@@ -232,27 +180,14 @@ class ClawRolloutBuffer(RolloutBuffer):
             action_dtype=self.action_dtype.str,
             tags={RUN_TAG: "str"},
         )
-        ingest_kw = {"flush_steps": max(self.steps, 256), **(ingest or {})}
-        self.ingestor = Ingestor(
-            namespace,
-            redis_url,
-            broker_url=broker_url,
-            capacity=capacity,
-            schema=schema,
-            **ingest_kw,
+        self.ingestor = open_ingestor(
+            namespace, redis_url, broker_url, capacity, self.steps, schema, ingest
         )
-        held = self.ingestor.store.config().capacity
-        if held < self.steps:
-            self.ingestor.close()
-            raise ValueError(
-                f"namespace {namespace!r} holds {held} steps; a rollout is {self.steps} "
-                "(n_steps x n_envs): use another namespace or pass a larger capacity for a new one"
-            )
         self.client = BatchClient(namespace, redis_url, broker_url=broker_url)
         self._names: list[str] = []  # the recipe, unregistered on close
         self.writer = Writer()
         self._finalizer = weakref.finalize(
-            self, _close, self.writer, self.ingestor, self.client, self._names
+            self, close_rollout, self.writer, self.ingestor, self.client, self._names
         )
         self.seed = global_seed() if seed is None else int(seed)
         self.recipe_name = f"sb3ppo-{uuid.uuid4().hex[:8]}"
@@ -267,7 +202,18 @@ class ClawRolloutBuffer(RolloutBuffer):
         self._versions = Versions(
             policy_version, {"rollouts": lambda: self.rollouts, "timesteps": lambda: self.timesteps}
         )
-        self.client.register(self._spec())
+        self.client.register(
+            rollout_recipe(
+                self.recipe_name,
+                self.steps,
+                self._run,
+                self.version,
+                self.gamma,
+                self.seed,
+                self.gae_lambda,
+                self._overrides,
+            )
+        )
         self._names.append(self.recipe_name)
         self._clear()
 
@@ -287,26 +233,6 @@ class ClawRolloutBuffer(RolloutBuffer):
         return self.to_torch(rows)
 
     _samples_type: Any = RolloutBufferSamples
-
-    # ---- the recipe --------------------------------------------------------------------
-    def _spec(self) -> dict[str, Any]:
-        return {
-            "name": self.recipe_name,
-            "batch_size": self.steps,  # the whole rollout in one message: its first epoch
-            "fields": ["obs", "action"],
-            "sources": [{"name": "rollouts", "where": {f"tags.{RUN_TAG}": self._run}}],
-            "params": {"policy_version": self.version},
-            "gamma": self.gamma,
-            "seed": self.seed,
-            "prefetch": {"depth": 1},
-            "rollout": {
-                "steps": self.steps,
-                "epochs": 1,  # the others: the same rows, ordered here (see get)
-                "gae_lambda": self.gae_lambda,
-                "normalize": False,  # PPO normalizes per minibatch itself, A2C not at all
-            },
-            **self._overrides,
-        }
 
     # ---- collecting --------------------------------------------------------------------
     def _clear(self) -> None:
@@ -471,29 +397,21 @@ class ClawRolloutBuffer(RolloutBuffer):
             self._epoch = self._pop_rollout()
         data, first, seed, no = self._epoch
         e, self._epochs = self._epochs, self._epochs + 1
-        if e:  # served position of each chain position, then epoch e in that order
-            order = th.as_tensor(first[permutation(seed, no, e, self.steps)], device=self.device)
-            data = tuple(_take(x, order) for x in data)
-        size = self.steps if batch_size is None else batch_size
-        for start in range(0, self.steps, size):
-            yield self._samples_type(*(_take(x, slice(start, start + size)) for x in data))
+        yield from minibatches(
+            self._samples_type, data, first, seed, no, e, batch_size, self.device
+        )
 
     def _pop_rollout(self) -> tuple[tuple[Any, ...], np.ndarray, int, int]:
         """This rollout from Claw, as tensors in its first epoch's order, with where each
         chain position sits in it and the seed and number of its permutations."""
-        while True:
-            batch = self.client.pop(self.recipe_name, self.timeout)
-            ro = batch.meta.get("rollout", {})
-            if ro.get("policy_version") == self.version and ro.get("steps") == self.steps:
-                break
-            log.debug("ClawRolloutBuffer: dropped a minibatch of another rollout: %s", ro)
+        batch, ro = pop_rollout(
+            self.client, self.recipe_name, self.timeout, self.version, self.steps
+        )
         self.rollouts += 1
         if (version := self._versions.of(self.rollouts)) is not None:
             self.client.trained(self.recipe_name, batch, version)
         seed, no = int(ro["seed"]), int(ro["no"])
-        first = np.empty(self.steps, np.int64)  # served row i holds chain position perm0[i]
-        first[permutation(seed, no, 0, self.steps)] = np.arange(self.steps)
-        return self._samples(batch), first, seed, no
+        return self._samples(batch), first_positions(seed, no, self.steps), seed, no
 
     def _samples(self, batch: Batch) -> tuple[Any, ...]:
         """An epoch as SB3's tensors (the rows in the workers' order)."""
@@ -511,61 +429,3 @@ class ClawRolloutBuffer(RolloutBuffer):
         """Write nothing more, unregister the recipe, release the connections (also done on
         garbage collection and at exit)."""
         self._finalizer()
-
-
-def _take(x: Any, rows: Any) -> Any:
-    """Rows of a tensor, or of each tensor of a Dict observation."""
-    return {k: v[rows] for k, v in x.items()} if isinstance(x, dict) else x[rows]
-
-
-def _close(writer: Writer, ingestor: Ingestor, client: BatchClient, names: list[str]) -> None:
-    writer.close()
-    try:
-        ingestor.close(timeout=10.0)
-    except Exception as e:  # at exit or in GC: never raise
-        log.warning("closing a ClawRolloutBuffer's ingestor: %s: %s", type(e).__name__, e)
-    finally:
-        for name in names:
-            try:
-                client.unregister(name)
-            except Exception as e:
-                log.warning("unregistering recipe %r: %s: %s", name, type(e).__name__, e)
-        client.close()
-
-
-class ClawDictRolloutBuffer(ClawRolloutBuffer):
-    """SB3's ``DictRolloutBuffer`` on Claw: each observation stored as one uint8 row (the
-    keys' bytes side by side, :class:`~orchestrator.adapters.sb3.packing.DictLayout`) and
-    unpacked per epoch; the same options as :class:`ClawRolloutBuffer`."""
-
-    _samples_type: Any = DictRolloutBufferSamples
-
-    def __init__(
-        self,
-        buffer_size: int,
-        observation_space: spaces.Dict,
-        action_space: spaces.Space,
-        device: th.device | str = "auto",
-        gae_lambda: float = 1,
-        gamma: float = 0.99,
-        n_envs: int = 1,
-        **claw: Any,
-    ) -> None:
-        if not isinstance(observation_space, spaces.Dict):
-            raise TypeError("ClawDictRolloutBuffer is for Dict observations; use ClawRolloutBuffer")
-        self.layout = DictLayout(observation_space)
-        super().__init__(
-            buffer_size, observation_space, action_space, device, gae_lambda, gamma, n_envs, **claw
-        )
-
-    def _row_space(self, observation_space: spaces.Space) -> spaces.Space:
-        return self.layout.space
-
-    def _row_shape(self) -> tuple[int, ...]:
-        return tuple(self.layout.space.shape)
-
-    def _rows(self, obs: Any) -> np.ndarray:
-        return self.layout.pack(obs, self.n_envs)
-
-    def _observations(self, rows: np.ndarray) -> dict[str, th.Tensor]:
-        return {k: self.to_torch(v) for k, v in self.layout.unpack(rows).items()}

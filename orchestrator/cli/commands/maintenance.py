@@ -140,7 +140,7 @@ def show_schedule(
 ) -> None:
     """Beat's entries (maintenance tasks) with their next run (CLAW_SCHEDULE overrides)."""
     with redis_client(ctx) as (_, r):
-        if is_cluster(r):  # RedBeat keeps the schedule on a standalone Redis (settings.py)
+        if is_cluster(r):  # RedBeat keeps the schedule on a standalone Redis (settings)
             beat = redis.Redis.from_url(get_settings().beat_url)
             found = beat_entries(beat)
             beat.close()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from orchestrator.delivery.tokens import collate_tokens
-from orchestrator.recipe.model import Tokens
+from orchestrator.recipe.options import Tokens
 from orchestrator.sampling.groups import Groups
 from tests.support.llmturns import LP, M1, P0, R0, R1, R2, one_group, tool_session
 

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("ray.rllib", reason="ray[rllib] is not installed (pip install -e '.[rllib]')")
 
-from orchestrator.adapters.rllib.buffer import n_step_rows
 from orchestrator.adapters.rllib.episodes import steps_taken
+from orchestrator.adapters.rllib.sample_args import n_step_rows
 
 
 def test_one_n_takes_every_row():

@@ -15,7 +15,7 @@ import pytest
 from orchestrator.adapters.llm_trainers import TRL_ROLLOUT_KEYS, trl_inputs
 from orchestrator.adapters.trl import align, claw_reward
 from orchestrator.delivery.tokens import collate_tokens
-from orchestrator.recipe.model import Tokens
+from orchestrator.recipe.options import Tokens
 from tests.support.llmturns import one_group, tool_session
 
 

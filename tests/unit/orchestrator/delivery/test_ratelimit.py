@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.delivery import ratelimit
-from orchestrator.recipe.model import RateLimit
+from orchestrator.recipe.options import RateLimit
 
 
 def test_rate_limit_rule():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from orchestrator.delivery.tokens import advantages, collate_tokens
-from orchestrator.recipe.model import Tokens
+from orchestrator.recipe.options import Tokens
 from tests.support.llmturns import LP, M1, P0, P1, P2, R0, R1, R2, one_group, tool_session
 
 

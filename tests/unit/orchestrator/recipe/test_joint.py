@@ -7,7 +7,7 @@ import pytest
 
 from claw_tasks.format.schema import FieldSpec, Schema
 from orchestrator import Recipe
-from orchestrator.recipe.model import RecipeError
+from orchestrator.recipe.base import RecipeError
 
 AGENTS = {"agents": ["a", "b"]}
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.recipe.model import Recipe, RecipeError
+from orchestrator.recipe.base import RecipeError
+from orchestrator.recipe.model import Recipe
 from tests.support.llmturns import group_recipe
 from tests.support.paths import ROOT
 
@@ -72,16 +73,8 @@ def test_the_reference_documents_every_key_and_augment_op():
     """docs/recipes.md names every recipe key, every augment op and each op's params."""
     import inspect
 
-    from orchestrator.recipe.model import (
-        Admission,
-        Nearest,
-        Prefetch,
-        RateLimit,
-        SamplerSpec,
-        Source,
-        Tokens,
-        Window,
-    )
+    from orchestrator.recipe.options import Admission, Nearest, Prefetch, RateLimit, Tokens
+    from orchestrator.recipe.sources import SamplerSpec, Source, Window
     from orchestrator.transforms.augment import OPS
 
     text = DOCS.read_text()
@@ -315,7 +308,7 @@ def test_recipe_errors_name_the_cause(change, message):
 
 def test_group_by_must_be_a_value_of_the_schema():
     from claw_tasks.format.schema import FieldSpec, Schema
-    from orchestrator.recipe.model import RecipeError
+    from orchestrator.recipe.base import RecipeError
 
     schema = Schema({"prompt_ids": FieldSpec("<i4", (None,))}, {"prompt_uid": "num"})
     r = group_recipe(group_by="terminated").model_copy(update={"fields": ["prompt_ids"]})

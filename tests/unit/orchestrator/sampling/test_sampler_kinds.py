@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from pydantic import PositiveInt, ValidationError
 
-from orchestrator.recipe.model import SAMPLER_KINDS, Recipe, SamplerSpec
+from orchestrator.recipe.model import Recipe
+from orchestrator.recipe.sources import SAMPLER_KINDS, SamplerSpec
 from orchestrator.sampling.candidates import Columns
 from orchestrator.sampling.samplers import SAMPLERS, Context, Part, RecipeSampler, Sampler, register
 from tests.support.paths import ROOT

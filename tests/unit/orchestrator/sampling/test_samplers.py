@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from orchestrator.recipe.model import Recipe, allocate
+from orchestrator.recipe.base import allocate
+from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.samplers import RecipeSampler
 

@@ -1,0 +1,67 @@
+"""What every page of the inspector reads through: a namespace's store, its query engine
+(index synced; least recently used dropped) under its lock, its ``BatchClient``, and the
+episode names and decoded strings of index rows."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.connection.client import redis_client
+from claw_tasks.store import NamespaceError, Store
+from claw_tasks.worker.lru import LRU
+from orchestrator.delivery.client import BatchClient
+from orchestrator.inspect.query import Query
+
+
+class Access:
+    """Per-namespace indexes (least recently used dropped), thumbnails, and the clients
+    that change recipes. Thread-safe: one lock per namespace around its index."""
+
+    def __init__(self, redis_url: str, broker_url: str, max_namespaces: int = 8) -> None:
+        self.redis_url, self.broker_url = redis_url, broker_url
+        self.r = redis_client(redis_url)
+        self._queries: LRU[str, Query] = LRU(max_namespaces)
+        self._locks: dict[str, threading.Lock] = {}
+        self._clients: dict[str, BatchClient] = {}
+        self._guard = threading.Lock()
+        self.thumbs: LRU[tuple[str, int, str], bytes] = LRU(2048)
+
+    # ---- plumbing --------------------------------------------------------------------
+    def store(self, ns: str) -> Store:
+        store = Store(self.redis_url, ns)
+        if not store.exists():
+            raise NamespaceError(f"namespace {ns!r} does not exist")
+        return store
+
+    def lock(self, ns: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(ns, threading.Lock())
+
+    def query(self, ns: str) -> Query:
+        """The namespace's query engine, its index synced now (call under ``lock(ns)``)."""
+        q = self._queries.get(ns, lambda: Query(self.store(ns)))
+        q.index.sync()
+        return q
+
+    def client(self, ns: str) -> BatchClient:
+        with self._guard:
+            if ns not in self._clients:
+                self._clients[ns] = BatchClient(ns, self.redis_url, broker_url=self.broker_url)
+            return self._clients[ns]
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+
+    def episode_names(self, q: Query, rows: np.ndarray) -> list[str]:
+        cols, cap = q.index.columns, q.index.cap
+        with self.r.pipeline(transaction=False) as pipe:
+            for row in rows.tolist():
+                pipe.hget(q.store.keys.shard_key(row // cap, "epname"), int(cols["episode"][row]))
+            return [(v or b"?").decode(errors="replace") for v in pipe.execute()]
+
+    def decode(self, q: Query, column: str, rows: np.ndarray) -> list[Any]:
+        return q.store.decode_codes(column, q.index.columns[column][rows].tolist())
