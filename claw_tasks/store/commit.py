@@ -51,10 +51,11 @@ class Writes:
     def dense(
         self, name: str, row_bytes: int, chunk_slots: int, blob: Any, zero: bool = False
     ) -> None:
-        """``zero``: every byte of ``blob`` is zero; a chunk that does not exist yet is then
-        not created (a missing chunk reads as zeros)."""
+        """``zero``: every byte of ``blob`` is zero; it is not sent (the script makes the
+        zeros a chunk that exists needs; one that does not is not created: a missing chunk
+        reads as zeros)."""
         self.cols.append([name, row_bytes, chunk_slots, zero])
-        self.dense_blobs.append(blob)
+        self.dense_blobs.append(b"" if zero else blob)
 
     def rows(self, name: str, rows: list[int], blobs: Any) -> None:
         self.sparse.append([name, SPARSE_CHUNK_SLOTS, rows])
