@@ -39,7 +39,7 @@ def _pack_field(v: FieldValue) -> Any:
 def _check_rows(name: str, rows: np.ndarray, n: int) -> None:
     if rows.ndim != 1 or (len(rows) and (rows.min() < 0 or rows.max() >= n)):
         raise SchemaError(f"{name}: row numbers must lie in [0, {n})")
-    if len(np.unique(rows)) != len(rows):
+    if len(rows) > 1 and len(np.unique(rows)) != len(rows):
         raise SchemaError(f"{name}: a row appears twice")
 
 
