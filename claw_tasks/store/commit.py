@@ -261,7 +261,7 @@ class CommitPart:
         """In-part next deltas, and the runs of consecutive steps per episode (for the
         cross-batch links made in Lua; with ``episode_index``, each run's index entries)."""
         n = len(step_index)
-        order = np.lexsort((step_index, self.ep))
+        order = _by_episode(self.ep, step_index)
         ep_s, idx_s = self.ep[order], step_index[order].astype(np.int64)
         consecutive = (ep_s[1:] == ep_s[:-1]) & (idx_s[1:] == idx_s[:-1] + 1)
         consecutive &= ~ended[order][:-1]
@@ -336,6 +336,23 @@ class CommitPart:
                 rows.append(rel)
                 blobs.append(packb(d))
         return rows, blobs
+
+
+def _by_episode(ep: np.ndarray, step_index: np.ndarray) -> np.ndarray:
+    """``np.lexsort((step_index, ep))``: rows by episode code, then step index. When the
+    rows come as a few runs of one episode each, in step order (a vectorised producer's
+    batch), the runs are sorted instead of the rows: ~5x less than ``lexsort`` here."""
+    n = len(ep)
+    change = ep[1:] != ep[:-1]
+    heads = np.flatnonzero(np.concatenate([[True], change]))
+    if n < 2 or 8 * len(heads) > n or not ((step_index[1:] >= step_index[:-1]) | change).all():
+        return np.lexsort((step_index, ep))
+    codes = ep[heads]
+    by_code = np.argsort(codes, kind="stable")
+    if (codes[by_code][1:] == codes[by_code][:-1]).any():  # an episode in several runs
+        return np.lexsort((step_index, ep))
+    ends = np.append(heads[1:], n)
+    return np.concatenate([np.arange(heads[i], ends[i]) for i in by_code.tolist()])
 
 
 def _chunk_runs(blob: Any, row_bytes: int, chunk_slots: int, slot0: int, cap: int) -> list[Any]:
