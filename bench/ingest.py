@@ -5,11 +5,13 @@
 Starts a private redis-server and one ingest worker (prefork, concurrency 2), measures
 committed steps/s from the first ``add_batch`` to the last confirmation, and Redis memory
 per stored step. Each rate comes with the CPU seconds the producer (this process), the
-worker (with its pool) and redis-server spent on it, which the machine's load skews less
-than wall time. Baselines run in the same process for ratios: the image bytes alone,
-pipelined ``SETRANGE``s of the same 512-step batches into fresh 1 MB keys (redis-py's
-pipeline, and ``setrange_many``, which sends the values without copying them), with no
-Claw around them; a hash-per-step store; and batches inside their Celery messages.
+worker and redis-server spent on it, which the machine's load skews less than wall time;
+the worker's are split between its main process (it takes the messages from the broker
+and sends Celery's events) and its pool (which commits). Baselines run in the same
+process for ratios: the image bytes alone, pipelined ``SETRANGE``s of the same 512-step
+batches into fresh 1 MB keys (redis-py's pipeline, and ``setrange_many``, which sends the
+values without copying them), with no Claw around them; a hash-per-step store; and
+batches inside their Celery messages.
 """
 
 from __future__ import annotations
@@ -39,16 +41,14 @@ def used(r: redis.Redis) -> int:
 
 
 class Cpu:
-    """CPU seconds (user + system) of the producer, the worker's process tree and
-    redis-server between ``start`` and ``stop``."""
+    """CPU seconds (user + system) of the producer, the worker's main process, its pool
+    processes and redis-server between two samples."""
 
     def __init__(self, worker_pid: int, redis_pid: int) -> None:
         self.pids = {"producer": os.getpid(), "worker": worker_pid, "redis": redis_pid}
 
     @staticmethod
-    def _seconds(pid: int, tree: bool) -> float:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)] if tree else [root]
+    def _seconds(procs: list[psutil.Process]) -> float:
         total = 0.0
         for p in procs:
             try:
@@ -59,11 +59,14 @@ class Cpu:
         return total
 
     def sample(self) -> dict[str, float]:
-        return {k: self._seconds(pid, k == "worker") for k, pid in self.pids.items()}
+        out = {k: self._seconds([psutil.Process(pid)]) for k, pid in self.pids.items()}
+        out["pool"] = self._seconds(psutil.Process(self.pids["worker"]).children(recursive=True))
+        return out
 
     def since(self, before: dict[str, float]) -> str:
-        now = self.sample()
-        return " / ".join(f"{now[k] - before[k]:.2f}" for k in self.pids)
+        d = {k: v - before[k] for k, v in self.sample().items()}
+        worker = f"{d['worker'] + d['pool']:.2f} ({d['worker']:.2f} + {d['pool']:.2f})"
+        return f"{d['producer']:.2f} / {worker} / {d['redis']:.2f}"
 
 
 def families(r: redis.Redis, ns: str, n: int) -> str:
@@ -280,7 +283,10 @@ def main() -> None:
     py = platform.python_version()
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python {py}")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
-    print("| figure | value | CPU s: producer / worker / redis | size |\n|---|---:|---:|---|")
+    print(
+        "| figure | value | CPU s: producer / worker (main + pool) / redis | size |\n"
+        "|---|---:|---:|---|"
+    )
     for row in rows:
         print("| " + " | ".join(row) + " |")
     if "vector" in parts:

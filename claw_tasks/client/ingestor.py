@@ -100,8 +100,8 @@ class Ingestor(Sender):
       ``flush_steps``, ``flush`` and ``close`` only).
     - ``claim_check_bytes``: above this many fixed-shape payload bytes a batch's payload
       is written in place (``Store.allocate``/``place``) and the message carries only its
-      metadata; a message still above it travels by claim check (a staging key with a
-      TTL, ``CLAW_STAGE_TTL``, named in the message).
+      metadata; a message still above it (such a batch's: above 16 KiB) travels by claim
+      check (a staging key with a TTL, ``CLAW_STAGE_TTL``, named in the message).
     - ``resend_after``: seconds without a confirmation after which a batch is published
       again (its message may have been lost with a worker; commits are idempotent).
     - ``compress_at``: who encodes compressed fields, ``"producer"`` (here: less to send)

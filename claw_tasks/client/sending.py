@@ -21,6 +21,12 @@ from claw_tasks.format.schema import Schema
 from claw_tasks.store import Store
 from claw_tasks.store.layout import row_episode_codes
 
+INLINE_BYTES = 16 * 1024
+"""Above this, the metadata of a batch written in place goes by claim check too (one SET
+here, a GET and a DEL in the worker): a message body inline costs far more on its way,
+kombu base64-encoding it into the broker and Celery carrying it through its task events
+and the pool's pipe (docs/benchmarks.md, "Vector and image steps")."""
+
 
 class IngestError(RuntimeError):
     """Batches were rejected or not confirmed in time; ``result`` says which."""
@@ -129,7 +135,7 @@ class Sender:
             self.store.place(shard, seq0, {k: part.fields[k] for k in fixed})
             for k, v in fixed.items():
                 part.fields[k] = Placed(v.dtype, (part.n, *v.shape[1:]))
-            self._publish_batch(part)
+            self._publish_batch(part, INLINE_BYTES)
 
     def _by_shard(self, batch: StepBatch) -> list[tuple[int, StepBatch]]:
         n_shards = self.store.config().n_shards
@@ -145,9 +151,11 @@ class Sender:
             parts.append((shard, part))
         return parts
 
-    def _publish_batch(self, batch: StepBatch) -> None:
+    def _publish_batch(self, batch: StepBatch, inline_bytes: int | None = None) -> None:
+        """Publish ``batch``'s message; a payload over ``inline_bytes`` (default:
+        ``claim_check_bytes``) goes by claim check."""
         payload = batch.encode()
-        if len(payload) > self.claim_check_bytes:
+        if len(payload) > min(self.claim_check_bytes, inline_bytes or self.claim_check_bytes):
             key = self.store.keys.stage(batch.batch_id)
             self.store.r.set(key, payload, ex=self._ttl)
             args = IngestArgs(self.namespace, batch.batch_id, None, key).to_args()

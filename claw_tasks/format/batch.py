@@ -39,7 +39,7 @@ def _pack_field(v: FieldValue) -> Any:
 def _check_rows(name: str, rows: np.ndarray, n: int) -> None:
     if rows.ndim != 1 or (len(rows) and (rows.min() < 0 or rows.max() >= n)):
         raise SchemaError(f"{name}: row numbers must lie in [0, {n})")
-    if len(np.unique(rows)) != len(rows):
+    if len(rows) > 1 and len(np.unique(rows)) != len(rows):
         raise SchemaError(f"{name}: a row appears twice")
 
 
@@ -206,11 +206,17 @@ class StepBatch:
     def take(self, rows: np.ndarray | slice) -> StepBatch:
         """The sub-batch of ``rows`` (sorted positions, or a slice: then fixed-shape
         columns are views, not copies); explicit next_obs/info follow their rows."""
-        pos = np.arange(self.n)[rows] if isinstance(rows, slice) else np.asarray(rows, np.int64)
-        remap = np.full(self.n, -1, np.int64)
-        remap[pos] = np.arange(len(pos))
-        nx_keep = np.flatnonzero(remap[self.next_rows] >= 0)
-        info_keep = np.flatnonzero(remap[self.info_rows] >= 0)
+        if isinstance(rows, slice):  # the part's positions only: O(part), not O(batch)
+            pos = np.arange(*rows.indices(self.n), dtype=np.int64)
+        else:
+            pos = np.asarray(rows, np.int64)
+        nx_keep = info_keep = np.zeros(0, np.int64)
+        remap = nx_keep
+        if len(self.next_rows) or len(self.info_rows):  # else no remap to build
+            remap = np.full(self.n, -1, np.int64)
+            remap[pos] = np.arange(len(pos))
+            nx_keep = np.flatnonzero(remap[self.next_rows] >= 0)
+            info_keep = np.flatnonzero(remap[self.info_rows] >= 0)
 
         def sel(v: np.ndarray | None) -> np.ndarray | None:
             return None if v is None else v[rows]

@@ -39,9 +39,12 @@ class CommitResult:
 
 @dataclass
 class Writes:
-    """What the commit script writes: dense columns (one blob each, in order), then sparse
-    rows (one blob per row, in spec order), and the sparse chunks to clear first."""
+    """What the commit script writes: dense columns (in order, each cut into its chunk runs
+    from ``slot0``), then sparse rows (one blob per row, in spec order), and the sparse
+    chunks to clear first."""
 
+    slot0: int
+    cap: int
     cols: list[list[Any]] = field(default_factory=list)
     sparse: list[list[Any]] = field(default_factory=list)
     clear: list[list[Any]] = field(default_factory=list)
@@ -51,10 +54,12 @@ class Writes:
     def dense(
         self, name: str, row_bytes: int, chunk_slots: int, blob: Any, zero: bool = False
     ) -> None:
-        """``zero``: every byte of ``blob`` is zero; a chunk that does not exist yet is then
-        not created (a missing chunk reads as zeros)."""
-        self.cols.append([name, row_bytes, chunk_slots, zero])
-        self.dense_blobs.append(blob)
+        """``zero``: every byte of ``blob`` is zero; it is not sent (the script makes the
+        zeros a chunk that exists needs; one that does not is not created: a missing chunk
+        reads as zeros)."""
+        blobs = [] if zero else _chunk_runs(blob, row_bytes, chunk_slots, self.slot0, self.cap)
+        self.cols.append([name, row_bytes, chunk_slots, zero, len(blobs)])
+        self.dense_blobs += blobs
 
     def rows(self, name: str, rows: list[int], blobs: Any) -> None:
         self.sparse.append([name, SPARSE_CHUNK_SLOTS, rows])
@@ -110,7 +115,7 @@ class CommitPart:
                 "were never allocated (or the allocation expired)"
             )
         meta, eps = self._meta(seq0)
-        writes = self._writes(meta)
+        writes = self._writes(meta, (seq0 - 1) % self.cfg.cap)
         spec = {
             "cols": writes.cols,
             "sparse": writes.sparse,
@@ -206,10 +211,10 @@ class CommitPart:
                 out[tc] = nan_xor(vals.astype(np.float64))
         return out
 
-    def _writes(self, meta: dict[str, np.ndarray]) -> Writes:
+    def _writes(self, meta: dict[str, np.ndarray], slot0: int) -> Writes:
         """Metadata and payload fields as dense columns; ragged fields, explicit next_obs
         and info as sparse rows."""
-        w = Writes()
+        w = Writes(slot0, self.cfg.cap)
         for col, arr in meta.items():
             dtype = META.get(col) or (STR_TAG_DTYPE if arr.dtype.kind == "i" else NUM_TAG_DTYPE)
             data = np.ascontiguousarray(arr, dtype)
@@ -256,7 +261,7 @@ class CommitPart:
         """In-part next deltas, and the runs of consecutive steps per episode (for the
         cross-batch links made in Lua; with ``episode_index``, each run's index entries)."""
         n = len(step_index)
-        order = np.lexsort((step_index, self.ep))
+        order = _by_episode(self.ep, step_index)
         ep_s, idx_s = self.ep[order], step_index[order].astype(np.int64)
         consecutive = (ep_s[1:] == ep_s[:-1]) & (idx_s[1:] == idx_s[:-1] + 1)
         consecutive &= ~ended[order][:-1]
@@ -331,6 +336,37 @@ class CommitPart:
                 rows.append(rel)
                 blobs.append(packb(d))
         return rows, blobs
+
+
+def _by_episode(ep: np.ndarray, step_index: np.ndarray) -> np.ndarray:
+    """``np.lexsort((step_index, ep))``: rows by episode code, then step index. When the
+    rows come as a few runs of one episode each, in step order (a vectorised producer's
+    batch), the runs are sorted instead of the rows: ~5x less than ``lexsort`` here."""
+    n = len(ep)
+    change = ep[1:] != ep[:-1]
+    heads = np.flatnonzero(np.concatenate([[True], change]))
+    if n < 2 or 8 * len(heads) > n or not ((step_index[1:] >= step_index[:-1]) | change).all():
+        return np.lexsort((step_index, ep))
+    codes = ep[heads]
+    by_code = np.argsort(codes, kind="stable")
+    if (codes[by_code][1:] == codes[by_code][:-1]).any():  # an episode in several runs
+        return np.lexsort((step_index, ep))
+    ends = np.append(heads[1:], n)
+    return np.concatenate([np.arange(heads[i], ends[i]) for i in by_code.tolist()])
+
+
+def _chunk_runs(blob: Any, row_bytes: int, chunk_slots: int, slot0: int, cap: int) -> list[Any]:
+    """``blob``'s rows cut where their chunks end (views), as ``slot_runs`` in ranges.lua
+    walks them: the script writes each run whole instead of copying it out in Lua."""
+    if not row_bytes:  # nothing to write: the script refuses it, as a chunk of no bytes
+        return [blob]
+    n, out, i = len(blob) // row_bytes, [], 0
+    while i < n:
+        slot = (slot0 + i) % cap
+        run = min(n - i, chunk_slots - slot % chunk_slots, cap - slot)
+        out.append(blob[i * row_bytes : (i + run) * row_bytes])
+        i += run
+    return out
 
 
 def _rows_of(v: Any, rows: np.ndarray) -> Any:

@@ -35,6 +35,7 @@ class StoreCore:
         self.scripts = Scripts(self.r)
         self.dicts = Dictionaries(self.r, self.keys, self.scripts)
         self._config: NamespaceConfig | None = None
+        self._config_raw: bytes | None = None  # the record ``_config`` is, as stored
 
     @property
     def cached_config(self) -> NamespaceConfig | None:
@@ -43,7 +44,7 @@ class StoreCore:
 
     def remember(self, cfg: NamespaceConfig) -> None:
         """Cache ``cfg``: the config record as just read or written."""
-        self._config = cfg
+        self._config, self._config_raw = cfg, cfg.to_bytes()
 
     def config(self, refresh: bool = False) -> NamespaceConfig:
         """The namespace's config: cached after the first read (``refresh``: read again).
@@ -53,6 +54,7 @@ class StoreCore:
             if raw is None:
                 raise NamespaceError(f"namespace {self.namespace!r} does not exist")
             self._config = NamespaceConfig.from_bytes(raw, self.namespace)
+            self._config_raw = raw
         return self._config
 
     def revalidate(self) -> None:
@@ -68,5 +70,6 @@ class StoreCore:
                 f"namespace {self.namespace!r} was dropped; create it again (a new Ingestor "
                 "or Store.create) to write to it"
             )
-        if raw is not None and (self._config is None or raw != self._config.to_bytes()):
+        if raw is not None and raw != self._config_raw:  # changed (or not read yet)
             self._config = NamespaceConfig.from_bytes(raw, self.namespace)
+            self._config_raw = raw

@@ -55,7 +55,7 @@ class Writer:
         str_cols = self._encode_str_columns(batch, schema)
         ep_codes = row_episode_codes(batch.episode.values, batch.episode.index)
         shards = ep_codes % cfg.n_shards
-        for shard in np.unique(shards).tolist():
+        for shard in [0] if cfg.n_shards == 1 else np.unique(shards).tolist():
             rows = np.arange(n) if cfg.n_shards == 1 else np.flatnonzero(shards == shard)
             part = CommitPart(
                 self.core, cfg, schema, batch, rows, int(shard), ep_codes, str_cols, now

@@ -232,9 +232,8 @@ def _placed_at(store: Store, batch: StepBatch) -> tuple[int, int] | None:
     if not any(isinstance(v, Placed) for v in batch.fields.values()):
         return None
     cfg = store.config()
-    codes = row_episode_codes(batch.episode.values, batch.episode.index)
-    shards = np.unique(codes % cfg.n_shards)
-    if len(shards) != 1:
+    shards = row_episode_codes(batch.episode.values, batch.episode.index) % cfg.n_shards
+    if not len(shards) or (shards != shards[0]).any():
         raise _steps(batch, Rejected("placed", "fields written in place: one shard only"))
     shard = int(shards[0])
     marker = store.r.get(store.keys.shard_key(shard, f"b:{batch.batch_id}"))

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from claw_tasks.client import Ingestor
+from claw_tasks.format.batch import StepBatch
+from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator import Recipe, sample
 from orchestrator.cli.doctor import check_namespace
@@ -66,3 +68,33 @@ def test_ring_overwrite_through_ingest(redis_url, namespace, ingest_worker, r):
 
     report = check_namespace(r, namespace)
     assert report.ok, report.problems
+
+
+def test_late_commit_across_a_chunk_keeps_its_rows_in_the_ring(redis_url, namespace):
+    """A commit that lands after newer allocations took its first slots writes only its
+    rows still in the ring, whole, where those rows cross a metadata chunk's end (the
+    script writes a column's chunk runs as sent, cutting only a run that starts among
+    skipped rows) and the payload written in the commit too."""
+    cap, n = 40_000, 20_000  # rows 0..19,999 straddle the first 16,376-slot chunk's end
+    store = Store(redis_url, namespace)
+    store.create(capacity=cap, n_shards=1)
+    rows = np.arange(n)
+    late = StepBatch(
+        episode=StrColumn(["late"], np.zeros(n, np.int32)),
+        step_index=rows,
+        reward=rows.astype(np.float32),
+        terminated=np.zeros(n, bool),
+        truncated=np.zeros(n, bool),
+        fields={"obs": rows[:, None].astype(np.float32), "action": rows},
+        batch_id="late",
+    )
+    store.allocate(0, "late", n)  # seqs 1..20,000
+    store.allocate(0, "newer", 30_000)  # seqs 20,001..50,000: they retake slots 0..9,999
+    res = store.commit(late)
+    assert (res.committed, res.expired) == (n - 10_000, 10_000)
+    kept = res.ids[res.ids >= 0]
+    np.testing.assert_array_equal(kept, np.arange(10_001, n + 1))
+    got = store.get(kept)
+    np.testing.assert_array_equal(got["reward"], np.arange(10_000, n, dtype=np.float32))
+    np.testing.assert_array_equal(got["step_index"], np.arange(10_000, n))
+    np.testing.assert_array_equal(got["obs"][:, 0], np.arange(10_000, n, dtype=np.float32))
