@@ -143,12 +143,14 @@ class SamplingIndex:
         del parts
         release_heap()
 
-    def sync(self, read: LogRead | None = None) -> np.ndarray | None:
+    def sync(self, read: LogRead | None = None, current: bool = False) -> np.ndarray | None:
         """Apply the change logs since the last call. Returns the global rows whose metadata
         changed (sorted, unique), or None when the index was (re)built from scratch.
 
         ``read``: log pages a fetch of this call already read; applied instead of reading
-        them again when they start at the index's positions (:meth:`apply_logs`)."""
+        them again when they start at the index's positions (:meth:`apply_logs`).
+        ``current``: the columns must hold every change logged before the call (a
+        process's own index always does; a shared one may otherwise lag a moment)."""
         rows = self.apply_logs(read)
         self.notify(rows)
         return rows

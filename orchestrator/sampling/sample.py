@@ -117,7 +117,9 @@ def select_rollout(
     session = _session(namespace_or_store, redis_url, None)
     with session.lock:
         try:
-            session.index.sync()
+            # Current, not a shared index's recent columns: the sweep after a commit must
+            # see that commit's steps, or the rollout it completes waits for a pop or beat.
+            session.index.sync(current=True)
             src = session.bind(recipe).sampler.sources[0]
             src.candidates(session.index.columns, recipe.params)
             assert src.cand is not None

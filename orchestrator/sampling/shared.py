@@ -127,7 +127,7 @@ class SharedIndex(SamplingIndex):
         self._layout: list[Any] = []
 
     # ---- the protocol ----------------------------------------------------------------
-    def sync(self, read: LogRead | None = None) -> np.ndarray | None:
+    def sync(self, read: LogRead | None = None, current: bool = False) -> np.ndarray | None:
         """Bring the shared columns up to date and hold them shared until
         :meth:`release`. Returns the rows changed since this process's last sync (None:
         refresh whole), and calls the listeners. ``read``: as
@@ -136,13 +136,16 @@ class SharedIndex(SamplingIndex):
 
         This process writes the columns unless another one is reading them and they were
         written less than :data:`MAX_LAG_S` ago: then it reads them as they are (waiting
-        for the readers would make the pool's processes sample one at a time)."""
+        for the readers would make the pool's processes sample one at a time). With
+        ``current`` it never does: the columns then hold every change logged before the
+        call (its own writes, e.g. the commit whose sweep forms a rollout, included)."""
         self.release()
         while True:
             hdr = self._hdr
             asked = int(hdr[H_STARTED]) if hdr is not None else None
             recent = (
-                hdr is not None
+                not current
+                and hdr is not None
                 and not hdr[H_DIRTY]
                 and time.monotonic_ns() - int(hdr[H_WROTE]) < MAX_LAG_S * 1e9
             )

@@ -210,7 +210,8 @@ def test_a_short_fill_ends_and_the_commit_forms_the_rollout(redis_url, workers, 
 def test_ingest_is_not_starved_while_a_rollout_waits(redis_url, start_worker, namespace):
     """One worker process for ingest and prefetch: the fill forced by registering the
     rollout recipe finds no steps and ends, so the ingest tasks run while the rollout
-    waits (on the old design the waiting fill held the one process: no commit ran)."""
+    waits, and their last commit forms it, in that process (or the module's other
+    worker's), with nothing else asked."""
     start_worker("ingest,prefetch", 1)
     records: dict = {}
     ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
@@ -225,10 +226,14 @@ def test_ingest_is_not_starved_while_a_rollout_waits(redis_url, start_worker, na
     for k in range(4):
         Actor(ing, k, records, seed=30 + k).segment(16, 0)
         ing.flush()  # each segment's ingest task commits while the rollout waits
-    # The ingest tasks ran (every flush was confirmed) while the rollout waited: the fill
-    # held no pool process. Whether the last commit formed it or the pop's fill request
-    # does, the rollout is served whole (docs/architecture.md, on-policy rollouts; the
-    # commit-formed path alone is test_a_short_fill_ends_and_the_commit_forms_the_rollout).
+    deadline = time.monotonic() + 60
+    # Formed (``no`` set) comes a moment before its minibatches are pushed: wait for those.
+    # No pop before: a pop on an empty queue would ask for a fill. (Three pool processes
+    # share the host's index here: the last commit's sweep reads it current, not the
+    # columns another process's sweep holds: orchestrator.sampling.shared.)
+    while rollouts.read_state(reg, "ppo").cursor < 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rollouts.read_state(reg, "ppo").describe()["minibatches_pushed"] == 12
     assert len(pop_rollout(client, records, (0, 0))) == 64
     client.close()
     ing.close()

@@ -267,3 +267,26 @@ def test_a_quiet_draw_from_shared_columns_sees_what_another_process_synced(store
     finally:
         mine.close()
         other.close()
+
+
+def test_a_current_sync_sees_every_commit_while_another_reads_recent_columns(store):
+    """A sync asked ``current`` (a rollout's sweep after its commit) writes the columns
+    even while another holder reads columns written a moment ago: the commit it follows
+    is in them (without it, the commit completing a rollout saw it short)."""
+    store.commit(batch(episode(1, 40, "terminated")))
+    a, b = SharedIndex(store), SharedIndex(store)
+    b.sync()
+    b.release()
+    a.sync()  # a reads (holds the columns shared)
+    store.commit(batch(episode(2, 30, "terminated")))
+    a._hdr[H_WROTE] = time.monotonic_ns() + 60 * 10**9  # as if written just now
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(b.sync(current=True)))
+    waiter.start()
+    waiter.join(0.5)
+    a.release()  # b waited for the reader to write, not read the columns as they were
+    waiter.join(60)
+    assert len(got[0]) == 30 and b.columns["alive"].sum() == 70
+    assert_cold_equal(b)
+    b.close()
+    a.close()
