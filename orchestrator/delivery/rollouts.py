@@ -75,15 +75,6 @@ from orchestrator.sampling.sample import read_steps, select_rollout
 from orchestrator.transforms.advantages import Estimate, gae, normalize, vtrace
 from orchestrator.transforms.augment import AugmentPlan
 
-WAIT_S = 2.0
-"""How long a fill waits for a rollout's steps (reading the shards' sequence counters every
-``POLL_S``, selecting again when steps were committed) before it ends with the waiting
-state: the rollout is formed within ``POLL_S`` of its last step's
-commit, not at the next fill a pop or the beat asks for (a second or more later). The
-refill lock (30 s) is held meanwhile, so no second fill starts."""
-POLL_S = 0.01
-WAITER_EVERY = 5
-"""Polls between two looks at whether a newer fill took over the wait."""
 READ_ONCE_BYTES = 256 << 20
 """A fill pushing more than one epoch reads a rollout of at most this many payload bytes
 once and cuts its minibatches from it (a read per minibatch otherwise)."""
