@@ -105,7 +105,7 @@ def decode(
             f = frames[i]
             if f:
                 body = strip(f) if strip else f
-                out[i] = np.frombuffer(eng.decode(body, nbytes, fixed_shape), np.uint8)
+                eng.decode_into(body, out[i], fixed_shape)
 
     _parallel(n, threads, fixed)
     return out.view(dt).reshape(n, *fixed_shape)

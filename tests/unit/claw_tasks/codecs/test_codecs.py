@@ -109,6 +109,10 @@ def test_unfiltered_png_inflated_by_zlib_is_what_libpng_reads(shape):
     bad[-20] ^= 1  # inside IDAT: its CRC no longer matches
     with pytest.raises(CodecError):
         decode(png, [bytes(bad)], "|u1", shape)
+    # a zlib stream cut short or with its Adler-32 wrong, under valid chunk CRCs: refused
+    for body in (data[:-6], data[:-1] + bytes([data[-1] ^ 1])):
+        with pytest.raises(CodecError):
+            decode(png, [_png([head, (b"IDAT", body), (b"IEND", b"")])], "|u1", shape)
     if len(shape) == 2:  # adaptive filters (OpenCV's default): libpng undoes them
         ok, f = cv2.imencode(".png", rows[1])
         assert ok and decode(png, [f.tobytes()], "|u1", shape).tobytes() == rows[1].tobytes()
