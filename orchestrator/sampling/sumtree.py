@@ -1,6 +1,6 @@
 """Sums (for proportional draws) and maxima over a fixed number of leaves, all vectorized.
 
-:class:`SumTree` keeps prefix sums in blocks (its docstring); :class:`MaxTree` is a B-ary
+:class:`SumTree` keeps prefix sums in blocks of blocks (its docstring); :class:`MaxTree` is a B-ary
 tree: level 0 holds the leaves, each level above the maxima of blocks of ``B`` nodes of
 the level below, up to a single root. Both recompute what an update touches from the
 leaves (no drift).
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-B = 16
+B = 16  # MaxTree's fan-out
+S = 32  # SumTree's block
 
 
 class _Tree:
@@ -52,39 +53,39 @@ class _Tree:
 class SumTree:
     """Sums of non-negative leaves; :meth:`find` maps uniforms to leaves proportionally.
 
-    Leaves sit in blocks of ``block`` (~sqrt(N / 256), a power of two: a 256-leaf update
-    then costs about as much in the blocks it touches as in the block totals), each with
-    its float64 inclusive prefix sums, and the block totals have theirs. A draw is one
-    ``searchsorted`` over the block totals' prefix sums (a few hundred KB, in cache) and,
-    in its block, a count of the prefix sums at or below the rest of its uniform: one
-    gather of ``block`` contiguous values per draw. ~12 numpy calls for any batch, where a
-    16-ary descent took ~6 a level; a ``searchsorted`` over all leaves instead waits for
-    a cache miss at nearly every step of each draw (~0.4 ms for 256 draws at 2M leaves).
-    Updates recompute the touched blocks' sums and the totals' from the leaves (no drift).
+    Blocks of ``S`` nodes keep their float64 inclusive prefix sums; the block totals are the
+    nodes of the level above, up to a top level of at most ``S * S`` nodes, which keeps its
+    prefix sums whole. A draw is one ``searchsorted`` over the top (in cache), then per
+    level a count of the prefix sums at or below the rest of its uniform in the block it
+    reached: one gather of ``S`` contiguous values, no short-axis ``cumsum`` (a 16-ary
+    descent made ~6 numpy calls of which one was a cumsum per level; a ``searchsorted``
+    over all leaves waits for a cache miss at nearly every step of each draw, ~0.4 ms for
+    256 draws at 2M leaves). Updates recompute the touched blocks from their nodes (no
+    drift).
     """
 
     def __init__(self, leaves: np.ndarray) -> None:
         x = np.asarray(leaves, dtype=np.float64)
-        n = max(len(x), 1)
-        self.block = 1 << max(4, round(np.log2(np.sqrt(n / 256))))
-        nb = -(-n // self.block)
-        self.leaves = np.zeros(nb * self.block)
+        blocks, m = [], max(len(x), 1)  # per level below the top: its blocks
+        while m > S * S:
+            m = -(-m // S)
+            blocks.append(m)
+        self.leaves = np.zeros(blocks[0] * S if blocks else m)
         """The leaf values (padded with zeros to whole blocks)."""
         self.leaves[: len(x)] = x
-        self._local = np.empty((nb, self.block))  # inclusive prefix sums within each block
-        self._prefix = np.empty(nb)  # inclusive prefix sums of the block totals
-        self._blocks(np.arange(nb))
-
-    def _blocks(self, b: np.ndarray) -> None:
-        """Recompute the prefix sums of blocks ``b`` (unique), then of the block totals."""
-        local = np.cumsum(self.leaves.reshape(-1, self.block).take(b, axis=0), axis=1)
-        self._local[b] = local
-        np.cumsum(self._local[:, -1], out=self._prefix)
+        # per level: (blocks, S) inclusive prefix sums, rows padded to the next level's blocks
+        self._local = [np.zeros((nxt * S, S)) for nxt in blocks[1:]]
+        self._local += [np.zeros((blocks[-1], S))] if blocks else []
+        nodes = self.leaves
+        for local in self._local:
+            np.cumsum(nodes.reshape(-1, S), axis=1, out=local[: len(nodes) // S])
+            nodes = local[:, -1]  # the block totals: the nodes of the level above
+        self._top = np.cumsum(nodes)
 
     @property
     def total(self) -> float:
         """Sum of all leaves."""
-        return float(self._prefix[-1])
+        return float(self._top[-1])
 
     def update(self, idx: np.ndarray, values: np.ndarray) -> None:
         """Set leaves ``idx`` (sorted, unique) to ``values`` and recompute their blocks."""
@@ -93,24 +94,35 @@ class SumTree:
         if not len(idx):
             return
         self.leaves[idx] = values[changed]
-        b = idx // self.block
-        self._blocks(b[np.concatenate(([True], b[1:] != b[:-1]))])
+        nodes = self.leaves
+        for local in self._local:  # the touched blocks of each level, from their nodes
+            b = idx // S
+            idx = b[np.concatenate(([True], b[1:] != b[:-1]))]
+            # indexing, not take: take copies a strided array (the totals) whole first
+            local[idx] = np.cumsum(nodes.reshape(-1, S)[idx], axis=1)
+            nodes = local[:, -1]
+        np.cumsum(nodes, out=self._top)
 
     def find(self, u: np.ndarray) -> np.ndarray:
         """Leaf index for each ``u`` in ``[0, total)``: leaf i is hit with prob. leaf_i/total.
 
         Needs ``total > 0``; a leaf of value 0 is never returned.
         """
-        prefix = self._prefix
-        u = np.minimum(u, np.nextafter(prefix[-1], 0.0))  # rounding at the top edge
-        b = np.searchsorted(prefix, u, side="right")  # prefix[b-1] <= u < prefix[b]: mass
-        below = prefix.take(b - 1)
-        below[b == 0] = 0.0
+        top = self._top
+        u = np.minimum(u, np.nextafter(top[-1], 0.0))  # rounding at the top edge
+        node = np.searchsorted(top, u, side="right")  # top[node-1] <= u < top[node]: mass
+        below = top.take(node - 1)
+        below[node == 0] = 0.0
         u -= below  # >= 0 (below <= u)
-        local = self._local.take(b, axis=0)
-        np.minimum(u, np.nextafter(local[:, -1], 0.0), out=u)  # < the block's total
-        # the first leaf whose prefix sum exceeds u (a zero leaf repeats its predecessor's)
-        return b * self.block + np.count_nonzero(local <= u[:, None], axis=1)
+        pick = np.arange(len(u))
+        for local in reversed(self._local):
+            sums = local.take(node, axis=0)
+            np.minimum(u, np.nextafter(sums[:, -1], 0.0), out=u)  # < the block's total
+            # the first node whose prefix sum exceeds u (a zero node repeats its predecessor's)
+            j = np.count_nonzero(sums <= u[:, None], axis=1)
+            u -= np.where(j > 0, sums[pick, j - 1], 0.0)
+            node = node * S + j
+        return node
 
 
 class MaxTree(_Tree):
