@@ -50,7 +50,7 @@ from claw_tasks.store.layout import (
     STR_TAG_DTYPE,
     payload_chunk_slots,
 )
-from claw_tasks.store.scripts import execute
+from claw_tasks.store.scripts import Lua, execute
 from orchestrator.sampling.changelog import (
     LOG_SINCE,
     Entry,
@@ -62,6 +62,10 @@ from orchestrator.sampling.changelog import (
 LOG_PAGE = 1_000
 """Change-log entries read per shard and round trip (a page stays a short Redis call even
 after a large eviction)."""
+REREAD = Lua("reread", "orchestrator")
+REREAD_ENTRIES, REREAD_SLOTS = 64, 16_384
+"""Most entries and slots per shard that a page's own round trip re-reads (``reread.lua``);
+past them the slots are read in a round trip of their own."""
 
 
 @functools.cache
@@ -232,8 +236,18 @@ class SamplingIndex:
             for key, last, seen in zip(self.log_keys, self.log_last, self.log_seen, strict=True):
                 for command in page_commands(key, last, seen, LOG_PAGE):
                     pipe.execute_command(*command)
+            pipe.get(self.store.keys.config)
+            for shard in range(self.n_shards):  # after the pages: the slots they name
+                keys = [self.log_keys[shard], self.store.keys.shard_key(shard, "alive")]
+                REREAD.queue(pipe, keys, self._reread_args(shard))
 
-        replies = pages or page_replies(execute(self.store.r, [LOG_SINCE], queue))
+        spans: list[Any] | None = None  # per shard: what reread.lua read
+        config_raw = None
+        if pages is None:
+            got = execute(self.store.r, [LOG_SINCE, REREAD], queue)
+            n = 2 * self.n_shards
+            pages, config_raw, spans = page_replies(got[:n]), got[n], got[n + 1 :]
+        replies = pages
         if any(lost for lost, _ in replies):
             raise RebuildNeeded
         inserted: dict[int, list[tuple[int, int]]] = {}
@@ -252,7 +266,8 @@ class SamplingIndex:
                 else:
                     raise RebuildNeeded
         if inserted:
-            changed.extend(self._reread(inserted))
+            sizes = [len(entries) for _, entries in replies]
+            changed.extend(self._reread(inserted, spans, sizes, config_raw))
         for shard, (_, entries) in enumerate(replies):
             if entries:
                 self.log_last[shard] = entries[-1][0].decode()
@@ -322,9 +337,49 @@ class SamplingIndex:
                 start = end
         return runs
 
-    def _reread(self, inserted: dict[int, list[tuple[int, int]]]) -> list[np.ndarray]:
-        """Read the inserted slot ranges again, every column and the alive bits, in one
-        round trip (with the config, for new tags)."""
+    def _reread_args(self, shard: int) -> list[Any]:
+        """``reread.lua``'s arguments for ``shard``: every column but ``alive``, as stored."""
+        args: list[Any] = [self.store.keys.shard(shard), self.cap, self.log_last[shard]]
+        args += [REREAD_ENTRIES, REREAD_SLOTS]
+        for col in self._reread_columns():
+            size = self.columns[col].itemsize
+            chunk = payload_chunk_slots(size) if col.startswith("f:") else META_CHUNK_SLOTS
+            args += [col if col.startswith("f:") else f"m:{col}", size, chunk]
+        return args
+
+    def _reread_columns(self) -> list[str]:
+        cols = [c for c in self.columns if c != "alive"]
+        return [c for c in cols if not c.startswith("f:")] + [c for c in cols if c.startswith("f:")]
+
+    def _reread(
+        self,
+        inserted: dict[int, list[tuple[int, int]]],
+        spans: list[Any] | None = None,
+        sizes: list[int] | None = None,
+        config_raw: bytes | None = None,
+    ) -> list[np.ndarray]:
+        """Read the inserted slot ranges again, every column and the alive bits: from
+        ``spans`` (``reread.lua``'s replies, read with the pages) for each shard whose
+        reply covers its page's ``sizes`` entries, the others in one round trip (with the
+        config, for new tags)."""
+        changed = []
+        if spans is not None and sizes is not None:
+            cols = self._reread_columns()
+            for shard in list(inserted):
+                reply = spans[shard]
+                if not reply or int(reply[0]) < sizes[shard]:
+                    continue  # past the script's limits: read below
+                del inserted[shard]
+                for at in range(1, len(reply), len(cols) + 3):
+                    start, stop = int(reply[at]), int(reply[at + 1])
+                    for col, raw in zip(cols, reply[at + 2 : at + 2 + len(cols)], strict=True):
+                        self._put(shard, start, stop, col, raw)
+                    self._put_alive(shard, start, stop, reply[at + 2 + len(cols)])
+                    base = shard * self.cap
+                    changed.append(np.arange(base + start, base + stop, dtype=np.int64))
+            if not inserted:
+                self.check_config(config_raw)
+                return changed
         keys = self.store.keys
         cols = [c for c in self.columns if c != "alive" and not c.startswith("f:")]
         plan = [(s, run) for s, ins in inserted.items() for run in self._runs(ins)]
@@ -352,28 +407,41 @@ class SamplingIndex:
         for (shard, col, start, stop), raw in zip(
             payload, replies[len(replies) - len(payload) :], strict=True
         ):
-            base, size = shard * self.cap, self.columns[col].itemsize
-            dest = self.columns[col][base + start : base + stop].view(np.uint8)
-            dest[:] = 0
-            dest[: len(raw)] = np.frombuffer(raw, np.uint8)
-        changed, i = [], 0
+            self._put(shard, start, stop, col, raw)
+        i = 0
         for shard, (start, stop) in plan:
-            n, base = stop - start, shard * self.cap
             for col in cols:
-                dtype = self.column_dtype(col)
-                raw = np.zeros(n, dtype)
-                got = np.frombuffer(replies[i], dtype)
-                raw[: len(got)] = got
-                self.columns[col][base + start : base + stop] = decode_meta(col, raw, self.schema)
+                self._put(shard, start, stop, col, replies[i])
                 i += 1
-            bits = np.unpackbits(np.frombuffer(replies[i], np.uint8))[start % 8 : start % 8 + n]
-            alive = self.columns["alive"][base + start : base + stop]
-            alive[:] = False
-            alive[: len(bits)] = bits.astype(bool)
+            self._put_alive(shard, start, stop, replies[i])
             i += 1
+            base = shard * self.cap
             changed.append(np.arange(base + start, base + stop, dtype=np.int64))
         self.check_config(config_raw)
         return changed
+
+    def _put(self, shard: int, start: int, stop: int, col: str, raw: bytes) -> None:
+        """Column ``col`` of slots [start, stop) of ``shard`` from its stored bytes (short:
+        zeros after them)."""
+        dest = self.columns[col][shard * self.cap + start : shard * self.cap + stop]
+        if col.startswith("f:"):
+            view = dest.view(np.uint8)
+            view[:] = 0
+            view[: len(raw)] = np.frombuffer(raw, np.uint8)
+            return
+        dtype = self.column_dtype(col)
+        values = np.zeros(stop - start, dtype)
+        got = np.frombuffer(raw, dtype)
+        values[: len(got)] = got
+        dest[:] = decode_meta(col, values, self.schema)
+
+    def _put_alive(self, shard: int, start: int, stop: int, raw: bytes) -> None:
+        """The alive flags of slots [start, stop) of ``shard`` from the bitmap's bytes
+        ``start // 8 .. (stop - 1) // 8``."""
+        bits = np.unpackbits(np.frombuffer(raw, np.uint8))[start % 8 : start % 8 + stop - start]
+        alive = self.columns["alive"][shard * self.cap + start : shard * self.cap + stop]
+        alive[:] = False
+        alive[: len(bits)] = bits.astype(bool)
 
     def check_config(self, raw: bytes | None) -> None:
         """Called with the namespace config read by every incremental sync that reread
