@@ -8,9 +8,12 @@ only source of truth: the index is built cold from the shards' ``m:<col>`` strin
 (:mod:`orchestrator.sampling.changelog`):
 
 - events with ``seq``/``n`` (``ins``: a committed slot range; ``evict``: slots freed for
-  a ring overwrite): the range is read again, every column plus its alive bits, with one
-  GETRANGE per column and chunk run, so an overwritten step's row is replaced whole;
-  ``links`` (``next`` distances a commit set on older rows) are applied directly;
+  a ring overwrite): the range is read again, every column plus its alive bits, so an
+  overwritten step's row is replaced whole: by ``lua/reread.lua``, queued after the
+  page's reads in the same round trip (it reads the log again itself and the slots its
+  entries name, atomically), or, past its limits or for pages a fetch read, by one
+  GETRANGE per column and chunk run in a round trip of its own; ``links`` (``next``
+  distances a commit set on older rows) are applied directly;
 - events with ``col``/``ids``/``values`` (``prio``, ``cur``): applied from the payload to
   the rows that still hold those ids; ``evict`` events with ``ids`` (retention, manual
   eviction) clear those rows' alive flags; ``forget`` events (pruned dictionary codes)
@@ -50,22 +53,21 @@ from claw_tasks.store.layout import (
     STR_TAG_DTYPE,
     payload_chunk_slots,
 )
-from claw_tasks.store.scripts import Lua, execute
+from claw_tasks.store.scripts import execute
 from orchestrator.sampling.changelog import (
     LOG_SINCE,
+    REREAD,
     Entry,
     LogRead,
     page_commands,
     page_replies,
+    reread_args,
+    slot_runs,
 )
 
 LOG_PAGE = 1_000
 """Change-log entries read per shard and round trip (a page stays a short Redis call even
 after a large eviction)."""
-REREAD = Lua("reread", "orchestrator")
-REREAD_ENTRIES, REREAD_SLOTS = 64, 16_384
-"""Most entries and slots per shard that a page's own round trip re-reads (``reread.lua``);
-past them the slots are read in a round trip of their own."""
 
 
 @functools.cache
@@ -239,7 +241,8 @@ class SamplingIndex:
             pipe.get(self.store.keys.config)
             for shard in range(self.n_shards):  # after the pages: the slots they name
                 keys = [self.log_keys[shard], self.store.keys.shard_key(shard, "alive")]
-                REREAD.queue(pipe, keys, self._reread_args(shard))
+                args = [self.store.keys.shard(shard), self.cap, self.log_last[shard]]
+                REREAD.queue(pipe, keys, reread_args(args, self._reread_columns(), self.columns))
 
         spans: list[Any] | None = None  # per shard: what reread.lua read
         config_raw = None
@@ -312,41 +315,6 @@ class SamplingIndex:
         return rows[held]
 
     # ---- reading slot ranges -------------------------------------------------------
-    def _runs(
-        self, inserts: list[tuple[int, int]], chunk: int = META_CHUNK_SLOTS
-    ) -> list[tuple[int, int]]:
-        """Slot runs [start, stop) covered by inserts (seq0, n): merged, split at chunks of
-        ``chunk`` slots."""
-        cap, spans = self.cap, []
-        for seq0, n in inserts:
-            start, n = (seq0 - 1) % cap, min(n, cap)
-            spans += (
-                [(start, start + n)] if start + n <= cap else [(start, cap), (0, start + n - cap)]
-            )
-        merged: list[list[int]] = []
-        for start, stop in sorted(spans):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], stop)
-            else:
-                merged.append([start, stop])
-        runs = []
-        for start, stop in merged:
-            while start < stop:
-                end = min(stop, (start // chunk + 1) * chunk)
-                runs.append((start, end))
-                start = end
-        return runs
-
-    def _reread_args(self, shard: int) -> list[Any]:
-        """``reread.lua``'s arguments for ``shard``: every column but ``alive``, as stored."""
-        args: list[Any] = [self.store.keys.shard(shard), self.cap, self.log_last[shard]]
-        args += [REREAD_ENTRIES, REREAD_SLOTS]
-        for col in self._reread_columns():
-            size = self.columns[col].itemsize
-            chunk = payload_chunk_slots(size) if col.startswith("f:") else META_CHUNK_SLOTS
-            args += [col if col.startswith("f:") else f"m:{col}", size, chunk]
-        return args
-
     def _reread_columns(self) -> list[str]:
         cols = [c for c in self.columns if c != "alive"]
         return [c for c in cols if not c.startswith("f:")] + [c for c in cols if c.startswith("f:")]
@@ -382,12 +350,16 @@ class SamplingIndex:
                 return changed
         keys = self.store.keys
         cols = [c for c in self.columns if c != "alive" and not c.startswith("f:")]
-        plan = [(s, run) for s, ins in inserted.items() for run in self._runs(ins)]
+        plan = [
+            (s, run)
+            for s, ins in inserted.items()
+            for run in slot_runs(ins, self.cap, META_CHUNK_SLOTS)
+        ]
         payload = []  # (shard, column, start, stop): runs split at the field's chunks
         for col in [c for c in self.columns if c.startswith("f:")]:
             per_chunk = payload_chunk_slots(self.columns[col].itemsize)
             for shard, ins in inserted.items():
-                payload += [(shard, col, *run) for run in self._runs(ins, per_chunk)]
+                payload += [(shard, col, *run) for run in slot_runs(ins, self.cap, per_chunk)]
         with self.store.r.pipeline(transaction=False) as pipe:
             pipe.get(keys.config)
             for shard, (start, stop) in plan:

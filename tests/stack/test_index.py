@@ -188,10 +188,10 @@ def test_a_sync_rereads_committed_slots_in_its_page_round_trip(store, make, monk
     """The slots a page's entries name are read by ``reread.lua`` in the page's own round
     trip (one pipeline per sync), wrapping ring included; past its entry or slot limits in
     a second one. Either way the index equals a cold rebuild."""
-    import orchestrator.sampling.index as index_module
+    import orchestrator.sampling.changelog as changelog
 
-    monkeypatch.setattr(index_module, "REREAD_ENTRIES", limits[0])
-    monkeypatch.setattr(index_module, "REREAD_SLOTS", limits[1])
+    monkeypatch.setattr(changelog, "REREAD_ENTRIES", limits[0])
+    monkeypatch.setattr(changelog, "REREAD_SLOTS", limits[1])
     store.commit(batch(interleave(episode(1, 40, "terminated"), episode(2, 30))))
     ix = make(store)
     ix.sync()
