@@ -99,6 +99,7 @@ def main() -> None:
             cpu += time.process_time() - c0
             trips += _trips["n"]
             redis_cpu += server_cpu() - s0  # (includes the INFO call itself)
+        drawn = draws["n"]
         prof = cProfile.Profile()
         for i in range(args.repeats if args.profile else 0):
             store.commit(steps(n + 256 * (args.repeats + i), 256, rng))
@@ -113,7 +114,7 @@ def main() -> None:
         )
         print(
             f"{n:,} steps, {args.repeats} batches after a 256-step commit each: "
-            f"{trips / args.repeats:.2f} round trips and {draws['n'] / args.repeats:.2f} draws "
+            f"{trips / args.repeats:.2f} round trips and {drawn / args.repeats:.2f} draws "
             f"a batch; {np.median(times) * 1e3:.2f} ms median "
             f"({np.percentile(times, 95) * 1e3:.2f} p95); CPU a batch "
             f"{cpu / args.repeats * 1e3:.2f} ms here, {redis_cpu / args.repeats * 1e3:.3f} ms "
