@@ -12,6 +12,7 @@ import numpy as np
 
 B = 16  # MaxTree's fan-out
 S = 32  # SumTree's block
+TOP = S**3  # SumTree's top level keeps the prefix sums of at most this many nodes whole
 
 
 class _Tree:
@@ -54,7 +55,7 @@ class SumTree:
     """Sums of non-negative leaves; :meth:`find` maps uniforms to leaves proportionally.
 
     Blocks of ``S`` nodes keep their float64 inclusive prefix sums; the block totals are the
-    nodes of the level above, up to a top level of at most ``S * S`` nodes, which keeps its
+    nodes of the level above, up to a top level of at most ``TOP`` nodes, which keeps its
     prefix sums whole. A draw is one ``searchsorted`` over the top (in cache), then per
     level a count of the prefix sums at or below the rest of its uniform in the block it
     reached: one gather of ``S`` contiguous values, no short-axis ``cumsum`` (a 16-ary
@@ -67,7 +68,7 @@ class SumTree:
     def __init__(self, leaves: np.ndarray) -> None:
         x = np.asarray(leaves, dtype=np.float64)
         blocks, m = [], max(len(x), 1)  # per level below the top: its blocks
-        while m > S * S:
+        while m > TOP:
             m = -(-m // S)
             blocks.append(m)
         self.leaves = np.zeros(blocks[0] * S if blocks else m)
