@@ -12,6 +12,11 @@ quiet store) reads one command instead: ``XRANGE`` from its last entry, inclusiv
 quiet log the reply is that one entry (what ``XREVRANGE + - COUNT 1`` returned before:
 the same cost); otherwise it is a page whose first entry proves that no entry after the
 position is gone, so a sync applies it (:class:`LogRead`) instead of reading it again.
+
+A sync queues ``lua/reread.lua`` per shard after its pages: it reads the log after the
+position again and the slots its ``seq``/``n`` entries name (:func:`reread_args`), so the
+re-read of committed slots needs no round trip of its own (:class:`~orchestrator.
+sampling.index.SamplingIndex`).
 """
 
 from __future__ import annotations
