@@ -21,10 +21,13 @@ from claw_tasks.store.layout import (
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
+    RUN_CHUNK_SLOTS,
+    RUN_COLUMNS,
     SPARSE_CHUNK_SLOTS,
     STR_TAG_DTYPE,
     nan_xor,
     payload_chunk_slots,
+    runs_of,
 )
 
 
@@ -50,6 +53,7 @@ class Writes:
     clear: list[list[Any]] = field(default_factory=list)
     dense_blobs: list[Any] = field(default_factory=list)
     sparse_blobs: list[Any] = field(default_factory=list)
+    runs: list[list[Any]] = field(default_factory=list)
 
     def dense(
         self, name: str, row_bytes: int, chunk_slots: int, blob: Any, zero: bool = False
@@ -60,6 +64,12 @@ class Writes:
         blobs = [] if zero else _chunk_runs(blob, row_bytes, chunk_slots, self.slot0, self.cap)
         self.cols.append([name, row_bytes, chunk_slots, zero, len(blobs)])
         self.dense_blobs += blobs
+
+    def run_table(self, name: str, values: np.ndarray) -> None:
+        """A :data:`RUN_COLUMNS` column: its runs of equal values (one for a commit's one
+        ``now``), which the script splices into the blocks' run tables."""
+        first, vals = runs_of(values)
+        self.runs.append([name, RUN_CHUNK_SLOTS, first.tolist(), vals.astype(float).tolist()])
 
     def rows(self, name: str, rows: list[int], blobs: Any) -> None:
         self.sparse.append([name, SPARSE_CHUNK_SLOTS, rows])
@@ -123,6 +133,7 @@ class CommitPart:
             "eps": eps,
             "dead": dead,
             "loglen": LOG_MAXLEN,
+            "runs": writes.runs,
         }
         keys = [
             k.shard_key(self.shard, name)
@@ -216,6 +227,9 @@ class CommitPart:
         and info as sparse rows."""
         w = Writes(slot0, self.cfg.cap)
         for col, arr in meta.items():
+            if col in RUN_COLUMNS:
+                w.run_table(f"mr:{col}", arr)
+                continue
             dtype = META.get(col) or (STR_TAG_DTYPE if arr.dtype.kind == "i" else NUM_TAG_DTYPE)
             data = np.ascontiguousarray(arr, dtype)
             zero = not data.view(np.uint8).any()  # an unused column costs no memory

@@ -47,8 +47,12 @@ from claw_tasks.store.layout import (
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
+    RUN_CHUNK_SLOTS,
+    RUN_COLUMNS,
     STR_TAG_DTYPE,
+    expand_runs,
     payload_chunk_slots,
+    run_blocks,
 )
 from claw_tasks.store.scripts import execute
 from orchestrator.sampling.changelog import (
@@ -338,6 +342,10 @@ class SamplingIndex:
             for shard, (start, stop) in plan:
                 chunk, off = divmod(start, META_CHUNK_SLOTS)
                 for col in cols:
+                    if col in RUN_COLUMNS:  # the run tables of the blocks the run touches
+                        for block in run_blocks(start, stop):
+                            pipe.get(keys.runs(shard, col, block))
+                        continue
                     size = self.columns[col].itemsize
                     pipe.getrange(
                         keys.meta(shard, col, chunk), off * size, (off + stop - start) * size - 1
@@ -361,6 +369,13 @@ class SamplingIndex:
             n, base = stop - start, shard * self.cap
             for col in cols:
                 dtype = self.column_dtype(col)
+                if col in RUN_COLUMNS:
+                    blocks = run_blocks(start, stop)
+                    at = np.arange(start, stop) - blocks.start * RUN_CHUNK_SLOTS
+                    got = expand_runs(replies[i : i + len(blocks)], at, dtype)
+                    self.columns[col][base + start : base + stop] = got
+                    i += len(blocks)
+                    continue
                 raw = np.zeros(n, dtype)
                 got = np.frombuffer(replies[i], dtype)
                 raw[: len(got)] = got
