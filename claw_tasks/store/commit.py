@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from claw_tasks.format.arrays import packb
@@ -23,6 +24,7 @@ from claw_tasks.store.layout import (
     NUM_TAG_DTYPE,
     RUN_CHUNK_SLOTS,
     RUN_COLUMNS,
+    RUN_ENTRY,
     SPARSE_CHUNK_SLOTS,
     STR_TAG_DTYPE,
     nan_xor,
@@ -67,9 +69,21 @@ class Writes:
 
     def run_table(self, name: str, values: np.ndarray) -> None:
         """A :data:`RUN_COLUMNS` column: its runs of equal values (one for a commit's one
-        ``now``), which the script splices into the blocks' run tables."""
+        ``now``), cut where blocks end and packed as the blocks' tables hold them; the
+        script splices each piece into its block's table."""
         first, vals = runs_of(values)
-        self.runs.append([name, RUN_CHUNK_SLOTS, first.tolist(), vals.astype(float).tolist()])
+        pieces, n, i = [], len(values), 0
+        while i < n:
+            slot = (self.slot0 + i) % self.cap
+            run = min(n - i, RUN_CHUNK_SLOTS - slot % RUN_CHUNK_SLOTS, self.cap - slot)
+            lo = int(np.searchsorted(first, i, "right")) - 1
+            hi = int(np.searchsorted(first, i + run, "left"))
+            rec = np.empty(hi - lo, RUN_ENTRY)
+            rec["slot"] = np.maximum(first[lo:hi], i) - i + slot % RUN_CHUNK_SLOTS
+            rec["value"] = vals[lo:hi]
+            pieces.append([i, rec.tobytes()])
+            i += run
+        self.runs.append([name, RUN_CHUNK_SLOTS, pieces])
 
     def rows(self, name: str, rows: list[int], blobs: Any) -> None:
         self.sparse.append([name, SPARSE_CHUNK_SLOTS, rows])
@@ -158,7 +172,7 @@ class CommitPart:
             self.shard,
             self.cfg.n_shards,
             META_CHUNK_SLOTS,
-            packb(spec),
+            msgpack.packb(spec, use_bin_type=False),  # bytes as Lua strings (cmsgpack)
             *writes.blobs,
         ]
         _, state, skipped = self.s.scripts.commit(keys=keys, args=args)

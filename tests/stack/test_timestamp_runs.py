@@ -56,6 +56,7 @@ def assert_matches(store: Store, model: np.ndarray) -> None:
     assert report.ok, report.problems
 
 
+@pytest.mark.both_stores
 def test_runs_splice_across_commits_block_ends_and_the_ring(store):
     rng = np.random.default_rng(7)
     model = np.zeros(CAP)
@@ -149,15 +150,18 @@ def test_doctor_names_a_broken_run_table(store):
     store.r.delete(store.keys.meta(0, "timestamp", 0))
 
 
-def test_rows_newer_steps_took_keep_the_newer_times(store):
+@pytest.mark.parametrize("every", [0, 7, 10], ids=["one-time", "runs-of-7", "runs-of-10"])
+def test_rows_newer_steps_took_keep_the_newer_times(store, every):
     """A commit landing after newer seqs took the slots of its first rows (they expire)
-    splices only the rows it commits."""
+    splices only the rows it commits: its runs from the first committed row on (one that
+    starts there, or one that began among the skipped rows)."""
     late = batch(episode(1, 1000))
     assert store.allocate(0, late.batch_id, 1000) == (1, "new")
     model = np.zeros(CAP)
     res = store.commit(batch(episode(2, 2000)), now=50.0)  # seqs 1001..3000: wraps over 1..500
     model[(res.ids - 1) % CAP] = 50.0
-    res = store.commit(late, now=40.0)
+    times = 40.0 + (np.arange(1000) // every if every else np.zeros(1000))
+    res = store.commit(late, now=times)
     assert res.expired == 500 and res.committed == 500
-    model[(res.ids[500:] - 1) % CAP] = 40.0
+    model[(res.ids[500:] - 1) % CAP] = times[500:]
     assert_matches(store, model)
