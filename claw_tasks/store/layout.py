@@ -52,21 +52,26 @@ def run_blocks(start: int, stop: int) -> range:
     return range(start // RUN_CHUNK_SLOTS, -(-stop // RUN_CHUNK_SLOTS) if stop > start else 0)
 
 
-def expand_runs(tables: list[bytes | None], at: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Values at positions ``at`` of consecutive blocks' run tables (None or empty: no key):
-    position ``j * RUN_CHUNK_SLOTS + s`` is slot ``s`` of ``tables[j]``'s block. One
-    ``searchsorted`` over all tables (a zero record opens each, for slots before its
-    first)."""
-    firsts, values = [np.zeros(0, np.int64)], [np.zeros(0, dtype)]
-    for j, raw in enumerate(tables):
-        t = np.frombuffer(raw or b"", RUN_ENTRY)
-        firsts += [
-            np.array([j * RUN_CHUNK_SLOTS]),
-            t["slot"].astype(np.int64) + j * RUN_CHUNK_SLOTS,
-        ]
-        values += [np.zeros(1, dtype), t["value"].astype(dtype)]
-    i = np.searchsorted(np.concatenate(firsts), np.asarray(at, np.int64), side="right") - 1
-    return np.concatenate(values)[i]
+def expand_runs(tables: list[bytes | None], at: np.ndarray | slice, dtype: np.dtype) -> np.ndarray:
+    """Values at positions ``at`` (an array, or a slice of them: a range is the runs
+    repeated, no search) of consecutive blocks' run tables (None or empty: no key):
+    position ``j * RUN_CHUNK_SLOTS + s`` is slot ``s`` of ``tables[j]``'s block, zero
+    before its first record."""
+    raws = [raw or b"" for raw in tables]
+    rec = np.frombuffer(b"".join(raws), RUN_ENTRY)
+    counts = np.array([len(raw) // RUN_ENTRY.itemsize for raw in raws], np.int64)
+    nb, cum = len(raws), np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    opens = cum[:-1] + np.arange(nb)  # where each block's zero record goes: before its own
+    mine = np.ones(nb + len(rec), bool)
+    mine[opens] = False
+    starts = np.repeat(np.arange(nb, dtype=np.int64) * RUN_CHUNK_SLOTS, counts + 1)
+    starts[mine] += rec["slot"]
+    values = np.zeros(nb + len(rec), dtype)
+    values[mine] = rec["value"]
+    if isinstance(at, slice):
+        lengths = np.diff(np.append(starts, nb * RUN_CHUNK_SLOTS))
+        return np.repeat(values, lengths)[at]
+    return values[np.searchsorted(starts, np.asarray(at, np.int64), side="right") - 1]
 
 
 def runs_of(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -111,7 +111,7 @@ class Reader:
         for col in cols:
             dtype = self._dtype(col)
             if col in RUN_COLUMNS:
-                out[col] = expand_runs(replies[i : i + len(blocks)], np.arange(cfg.cap), dtype)
+                out[col] = expand_runs(replies[i : i + len(blocks)], slice(0, cfg.cap), dtype)
                 i += len(blocks)
                 continue
             arr = np.zeros(cfg.cap, dtype)

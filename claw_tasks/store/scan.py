@@ -83,7 +83,8 @@ def read_meta_run(
     for col in cols:
         dtype = column_dtype(col, schema)
         if col in RUN_COLUMNS:
-            at = np.arange(n) + slot0 - blocks.start * RUN_CHUNK_SLOTS
+            off = slot0 - blocks.start * RUN_CHUNK_SLOTS
+            at = slice(off, off + n)
             out[col] = expand_runs(replies[i : i + len(blocks)], at, dtype)
             i += len(blocks)
             continue

@@ -371,7 +371,8 @@ class SamplingIndex:
                 dtype = self.column_dtype(col)
                 if col in RUN_COLUMNS:
                     blocks = run_blocks(start, stop)
-                    at = np.arange(start, stop) - blocks.start * RUN_CHUNK_SLOTS
+                    off = blocks.start * RUN_CHUNK_SLOTS
+                    at = slice(start - off, stop - off)
                     got = expand_runs(replies[i : i + len(blocks)], at, dtype)
                     self.columns[col][base + start : base + stop] = got
                     i += len(blocks)

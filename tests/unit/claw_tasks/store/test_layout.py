@@ -34,3 +34,12 @@ def test_expand_runs_over_consecutive_blocks():
     got = expand_runs(tables, at, np.dtype("<f8"))
     assert got.tolist() == [0, 0, 1.5, 1.5, 2.5, 2.5, 0, 0, 7.0, 7.0, 0, 0]
     assert expand_runs([], np.zeros(0, np.int64), np.dtype("<f8")).tolist() == []
+
+
+def test_a_slice_of_positions_reads_as_the_same_positions_listed():
+    tables = [table((3, 1.5), (10, 2.5)), None, table((0, 7.0), (R - 1, 8.0)), b""]
+    for lo, hi in [(0, 4 * R), (2, 11), (R - 2, 2 * R + 3), (3 * R - 1, 3 * R + 1), (5, 5)]:
+        want = expand_runs(tables, np.arange(lo, hi), np.dtype("<f8"))
+        got = expand_runs(tables, slice(lo, hi), np.dtype("<f8"))
+        assert got.tolist() == want.tolist()
+    assert expand_runs([None, None], slice(0, 2 * R), np.dtype("<f8")).tolist() == [0] * 2 * R
