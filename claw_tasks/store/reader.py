@@ -56,14 +56,15 @@ class Reader:
     ) -> dict[str, np.ndarray]:
         """Metadata columns at (shard, slot) pairs, one pipelined round trip."""
         # A run-table column: each (shard, block) table once; a slot's position in them.
-        pairs = np.stack([shards, slots // RUN_CHUNK_SLOTS], 1).astype(np.int64)
-        blocks, pos = np.unique(pairs, axis=0, return_inverse=True)
+        per_shard = len(run_blocks(0, self.core.config().cap))
+        flat = np.asarray(shards, np.int64) * per_shard + slots // RUN_CHUNK_SLOTS
+        blocks, pos = np.unique(flat, return_inverse=True)
         at = pos.reshape(-1) * RUN_CHUNK_SLOTS + slots % RUN_CHUNK_SLOTS
         with self.r.pipeline(transaction=False) as pipe:
             for col in cols:
                 if col in RUN_COLUMNS:
-                    for sh, block in blocks.tolist():
-                        pipe.get(self.keys.runs(sh, col, block))
+                    for b in blocks.tolist():
+                        pipe.get(self.keys.runs(b // per_shard, col, b % per_shard))
                     continue
                 size = self._dtype(col).itemsize
                 for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
