@@ -12,6 +12,9 @@ from claw_tasks.store import Store
 from claw_tasks.store.layout import RUN_CHUNK_SLOTS, RUN_ENTRY, runs_of
 from claw_tasks.store.scan import read_meta_run
 from orchestrator.cli.doctor import check_namespace
+from orchestrator.maintenance.archive import archive_namespace
+from orchestrator.maintenance.lifecycle import drop_namespace
+from orchestrator.maintenance.restore import restore
 from orchestrator.sampling.index import SamplingIndex
 from tests.support.stepdata import batch, episode
 
@@ -165,3 +168,23 @@ def test_rows_newer_steps_took_keep_the_newer_times(store, every):
     assert res.expired == 500 and res.committed == 500
     model[(res.ids[500:] - 1) % CAP] = times[500:]
     assert_matches(store, model)
+
+
+def test_archive_and_restore_keep_every_steps_own_time(store, tmp_path):
+    """The archive keeps each step's time; the restore commits them per row (runs where
+    neighbours share one), so every step reads its own time back."""
+    for k, size in enumerate([700, 1, 1300, 40]):
+        store.commit(batch(episode(k, size)), now=500.0 + k)
+    archive_namespace(store, tmp_path)
+    back = Store(store.r, store.namespace + "-back")
+    assert restore(tmp_path, back).rows == 2041
+
+    def times(s: Store) -> dict[tuple[int, int], float]:
+        cols = s.meta_columns(0, ["episode", "step_index", "timestamp"])
+        alive = cols["alive"]
+        ep, idx, ts = (cols[c][alive].tolist() for c in ("episode", "step_index", "timestamp"))
+        return dict(zip(zip(ep, idx, strict=True), ts, strict=True))
+
+    assert times(back) == times(store)
+    assert {len(t) for t in tables(back).values()} <= {1, 2, 3}  # runs, not one per step
+    drop_namespace(back.r, back.namespace)
