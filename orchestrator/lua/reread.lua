@@ -5,7 +5,8 @@
 -- KEYS[1] the shard's change log, KEYS[2] its alive bitmap
 -- ARGV: 1 shard prefix, 2 slots per shard (cap), 3 the reader's last entry id ('0-0':
 --       none), 4 most entries, 5 most slots, then per column (from 6): key base (e.g.
---       'm:reward', 'f:obs'), row bytes, slots per chunk
+--       'm:reward', 'f:obs'), row bytes, slots per chunk; row bytes 0: a run column
+--       ('mr:timestamp'), whose blocks' run tables come as one list (missing: '')
 -- Returns {} past those limits (the reader re-reads the page's slots itself), else
 -- {entries seen, then per merged slot span [start, stop): start, stop, each column's
 -- rows (zero-padded), the alive bytes (start // 8 .. (stop - 1) // 8)}.
@@ -53,6 +54,13 @@ for _, span in ipairs(merged) do
   for a = 6, #ARGV, 3 do
     local base, size, cs = prefix .. ARGV[a] .. ':', tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
     local parts, slot = {}, start
+    if size == 0 then -- a run column (key base 'mr:<col>'): each block's table, whole
+      for block = math.floor(start / cs), math.floor((stop - 1) / cs) do
+        parts[#parts + 1] = redis.call('GET', base .. block) or ''
+      end
+      out[#out + 1] = parts
+      slot = stop
+    end
     while slot < stop do -- one GETRANGE per chunk the span crosses
       local chunk, inchunk = math.floor(slot / cs), slot % cs
       local len = math.min(stop - slot, cs - inchunk)
@@ -61,7 +69,7 @@ for _, span in ipairs(merged) do
       parts[#parts + 1] = piece
       slot = slot + len
     end
-    out[#out + 1] = table.concat(parts)
+    if size > 0 then out[#out + 1] = table.concat(parts) end
   end
   out[#out + 1] = redis.call('GETRANGE', KEYS[2], math.floor(start / 8), math.floor((stop - 1) / 8))
 end

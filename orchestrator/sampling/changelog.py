@@ -27,7 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.store.layout import META_CHUNK_SLOTS, payload_chunk_slots
+from claw_tasks.store.layout import (
+    META_CHUNK_SLOTS,
+    RUN_CHUNK_SLOTS,
+    RUN_COLUMNS,
+    payload_chunk_slots,
+)
 from claw_tasks.store.scripts import Lua
 
 LOG_SINCE = Lua("log_since", "orchestrator")
@@ -120,9 +125,13 @@ def slot_runs(inserts: list[tuple[int, int]], cap: int, chunk: int) -> list[tupl
 
 def reread_args(head: list[Any], cols: list[str], columns: dict[str, np.ndarray]) -> list[Any]:
     """``reread.lua``'s arguments: ``head`` (shard prefix, cap, last entry id), the limits,
-    then each of ``cols`` as stored (its key base, row bytes and slots per chunk)."""
+    then each of ``cols`` as stored (its key base, row bytes and slots per chunk; a run
+    column's row bytes are 0)."""
     args = [*head, REREAD_ENTRIES, REREAD_SLOTS]
     for col in cols:
+        if col in RUN_COLUMNS:  # row bytes 0: the script returns the blocks' run tables
+            args += [f"mr:{col}", 0, RUN_CHUNK_SLOTS]
+            continue
         size = columns[col].itemsize
         chunk = payload_chunk_slots(size) if col.startswith("f:") else META_CHUNK_SLOTS
         args += [col if col.startswith("f:") else f"m:{col}", size, chunk]

@@ -50,8 +50,12 @@ from claw_tasks.store.layout import (
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
+    RUN_CHUNK_SLOTS,
+    RUN_COLUMNS,
     STR_TAG_DTYPE,
+    expand_runs,
     payload_chunk_slots,
+    run_blocks,
 )
 from claw_tasks.store.scripts import execute
 from orchestrator.sampling.changelog import (
@@ -341,7 +345,10 @@ class SamplingIndex:
                 for at in range(1, len(reply), len(cols) + 3):
                     start, stop = int(reply[at]), int(reply[at + 1])
                     for col, raw in zip(cols, reply[at + 2 : at + 2 + len(cols)], strict=True):
-                        self._put(shard, start, stop, col, raw)
+                        if col in RUN_COLUMNS:  # the script's list of the span's blocks
+                            self._put_runs(shard, start, stop, col, raw)
+                        else:
+                            self._put(shard, start, stop, col, raw)
                     self._put_alive(shard, start, stop, reply[at + 2 + len(cols)])
                     base = shard * self.cap
                     changed.append(np.arange(base + start, base + stop, dtype=np.int64))
@@ -365,6 +372,10 @@ class SamplingIndex:
             for shard, (start, stop) in plan:
                 chunk, off = divmod(start, META_CHUNK_SLOTS)
                 for col in cols:
+                    if col in RUN_COLUMNS:  # the run tables of the blocks the run touches
+                        for block in run_blocks(start, stop):
+                            pipe.get(keys.runs(shard, col, block))
+                        continue
                     size = self.columns[col].itemsize
                     pipe.getrange(
                         keys.meta(shard, col, chunk), off * size, (off + stop - start) * size - 1
@@ -383,6 +394,11 @@ class SamplingIndex:
         i = 0
         for shard, (start, stop) in plan:
             for col in cols:
+                if col in RUN_COLUMNS:  # one reply per block the run touches
+                    blocks = len(run_blocks(start, stop))
+                    self._put_runs(shard, start, stop, col, replies[i : i + blocks])
+                    i += blocks
+                    continue
                 self._put(shard, start, stop, col, replies[i])
                 i += 1
             self._put_alive(shard, start, stop, replies[i])
@@ -406,6 +422,15 @@ class SamplingIndex:
         got = np.frombuffer(raw, dtype)
         values[: len(got)] = got
         dest[:] = decode_meta(col, values, self.schema)
+
+    def _put_runs(
+        self, shard: int, start: int, stop: int, col: str, tables: list[bytes | None]
+    ) -> None:
+        """Run column ``col`` of slots [start, stop) of ``shard`` from the run tables of
+        the blocks those slots fall in (``run_blocks``), in order."""
+        off = run_blocks(start, stop).start * RUN_CHUNK_SLOTS
+        got = expand_runs(list(tables), slice(start - off, stop - off), self.column_dtype(col))
+        self.columns[col][shard * self.cap + start : shard * self.cap + stop] = got
 
     def _put_alive(self, shard: int, start: int, stop: int, raw: bytes) -> None:
         """The alive flags of slots [start, stop) of ``shard`` from the bitmap's bytes
