@@ -1,7 +1,8 @@
 """The client SDK: ``Ingestor`` buffers steps and ships them as Celery ingest tasks.
 
-``ingestor`` holds the producing API and the buffer, ``sending`` the publishing and
-confirmation, ``episode`` the per-episode writer, ``checks`` the value checks run before
+``ingestor`` holds the producing API, ``buffering`` the buffer, the sending thread and
+``flush``/``close``, ``sending`` the publishing and confirmation, ``episode`` the
+per-episode writer, ``columns`` the column writer, ``checks`` the value checks run before
 anything is buffered, ``backpressure`` the wait on a full Redis, ``gym`` the
 ``RecordSteps`` wrapper (import it from ``claw_tasks.client.gym``: gymnasium is loaded only
 then), ``pettingzoo`` the multi-agent ``RecordParallelSteps`` (likewise: pettingzoo).

@@ -1,6 +1,6 @@
 """The value checks the client runs before anything is buffered (a producer's mistake is
-raised at its call, naming the step and field), the column builders of ``add_batch``,
-and the buffered step and its conversion to a ``StepBatch``."""
+raised at its call, naming the step and field), the step metadata, the column builders
+of ``add_batch``, and the buffered step and its conversion to a ``StepBatch``."""
 
 from __future__ import annotations
 
@@ -95,6 +95,42 @@ def check_int32(value: Any, what: str) -> None:
     """Stored as int32: refuse what would wrap instead of storing it wrapped."""
     if not isinstance(value, int | np.integer) or not 0 <= int(value) < STEP_INDEX_LIMIT:
         raise SchemaError(f"{what} {value!r} must be an integer in [0, 2**31)")
+
+
+def step_meta(
+    task_id: str | None,
+    agent_id: str | None,
+    skill_tag: str | None,
+    reward_source: str | None,
+    policy_version: int | None,
+) -> dict[str, Any]:
+    """The metadata an episode or column writer puts on every step (``policy_version``
+    checked: the store keeps it as an int32)."""
+    if policy_version is not None:
+        check_int32(policy_version, "policy_version")
+    return {
+        "task_id": task_id,
+        "agent_id": agent_id,
+        "skill_tag": skill_tag,
+        "reward_source": reward_source,
+        "policy_version": policy_version,
+    }
+
+
+def field_column(
+    name: str, v: Any, n: int, schema: Schema | None, ragged: Sequence[str]
+) -> np.ndarray | Ragged:
+    """``add_batch``'s payload column ``name`` of ``n`` rows: ragged when the schema or
+    the Ingestor's ``ragged`` says so, else one array."""
+    spec = schema.fields.get(name) if schema else None
+    if isinstance(v, Ragged):
+        return v
+    if (spec is not None and spec.ragged) or name in ragged:
+        return Ragged.of(list(v))
+    arr = as_array(v, f"field '{name}'")
+    if arr.ndim == 0 or arr.shape[0] != n:
+        raise SchemaError(f"field '{name}' has {arr.shape[:1]} rows, expected {n}")
+    return arr
 
 
 def column(v: Any, n: int, dtype: Any, name: str) -> np.ndarray:

@@ -1,9 +1,10 @@
-"""``Ingestor``: the producing API (episodes, LLM turns, column batches), its checks and
-its buffer; sending and confirmation are in :mod:`claw_tasks.client.sending`."""
+"""``Ingestor``: the producing API (episodes, LLM turns, column batches) and its checks;
+the buffer, the sending thread, ``flush`` and ``close`` are in
+:mod:`claw_tasks.client.buffering`, publishing and confirmation in
+:mod:`claw_tasks.client.sending`."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
@@ -14,6 +15,7 @@ import numpy as np
 
 from claw_tasks.broker.app import client_app
 from claw_tasks.client.backpressure import MemoryGate
+from claw_tasks.client.buffering import Buffering
 from claw_tasks.client.checks import (
     Step,
     add_tag,
@@ -21,17 +23,17 @@ from claw_tasks.client.checks import (
     check_fields,
     check_int32,
     column,
+    field_column,
     opt_column,
     schema_of_step,
-    steps_to_batch,
+    step_meta,
     str_column,
     tag_kinds,
 )
 from claw_tasks.client.columns import StepColumns
 from claw_tasks.client.episode import Episode
-from claw_tasks.client.sending import FlushResult, Inflight, IngestError, Sender
+from claw_tasks.client.sending import FlushResult, Inflight
 from claw_tasks.format.batch import STR_META, StepBatch, info_problem
-from claw_tasks.format.columns import Ragged
 from claw_tasks.format.schema import MAX_STEP_BYTES, Schema, SchemaError
 from claw_tasks.format.turns import prompt_key, turn_fields, turn_info
 from claw_tasks.settings import get_settings
@@ -39,34 +41,8 @@ from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.retention import Retention
 
-log = logging.getLogger(__name__)
 
-QUEUED_BATCHES = 16
-"""Batches of :class:`StepColumns` waiting for the sending thread before an append that
-fills one more waits for it (the producer outpacing the broker)."""
-
-
-def _step_meta(
-    task_id: str | None,
-    agent_id: str | None,
-    skill_tag: str | None,
-    reward_source: str | None,
-    policy_version: int | None,
-) -> dict[str, Any]:
-    """The metadata an episode or column writer puts on every step (``policy_version``
-    checked: the store keeps it as an int32)."""
-    if policy_version is not None:
-        check_int32(policy_version, "policy_version")
-    return {
-        "task_id": task_id,
-        "agent_id": agent_id,
-        "skill_tag": skill_tag,
-        "reward_source": reward_source,
-        "policy_version": policy_version,
-    }
-
-
-class Ingestor(Sender):
+class Ingestor(Buffering):
     """Buffers steps and sends them in batches (by count and by time) to ``ingest``.
 
     Where the steps go:
@@ -215,7 +191,7 @@ class Ingestor(Sender):
         """A new episode writer; ``episode_id`` defaults to a fresh unique id."""
         if episode_id is None:
             episode_id = self.new_episode_id()
-        meta = _step_meta(task_id, agent_id, skill_tag, reward_source, policy_version)
+        meta = step_meta(task_id, agent_id, skill_tag, reward_source, policy_version)
         return Episode(self._check_step, self._buffer, str(episode_id), meta, tags)
 
     def columns(
@@ -240,44 +216,12 @@ class Ingestor(Sender):
                 "Ingestor.columns needs the namespace's schema: pass schema= (or add a "
                 "first step through an episode)"
             )
-        meta = _step_meta(task_id, agent_id, skill_tag, reward_source, policy_version)
+        meta = step_meta(task_id, agent_id, skill_tag, reward_source, policy_version)
         self.schema = self.schema.with_tags(tag_kinds(tags))
         writer = StepColumns(self.schema, self.flush_steps, self._submit, meta, tags)
         with self._lock:
             self._writers.append(writer)
         return writer
-
-    def _submit(self, batch: StepBatch) -> None:
-        """Queue a writer's batch for the sending thread (started on first use)."""
-        with self._queued:
-            while len(self._queue) >= QUEUED_BATCHES and not self._closed.is_set():
-                self._queued.wait(0.1)
-            self._sending += 1  # a flush waits for it until it is sent
-            self._queue.append(batch)
-            if self._sender is None:
-                self._sender = threading.Thread(
-                    target=self._send_queued, name="claw-ingest-send", daemon=True
-                )
-                self._sender.start()
-            self._queued.notify_all()
-
-    def _send_queued(self) -> None:
-        while True:
-            with self._queued:
-                while not self._queue:
-                    if self._closed.is_set():
-                        self._sender = None
-                        return
-                    self._queued.wait(0.1)
-                batch = self._queue.popleft()
-                self._queued.notify_all()
-            try:
-                self._send_or_keep(batch)
-            except Exception:  # kept in the unsent list: flush sends it again
-                log.warning("sending a batch failed; flush() retries it", exc_info=True)
-            finally:
-                with self._lock:
-                    self._sending -= 1
 
     def llm_turn(
         self,
@@ -369,7 +313,7 @@ class Ingestor(Sender):
             reward=column(cols.pop("reward"), n, np.float32, "reward"),
             terminated=column(cols.pop("terminated", False), n, bool, "terminated"),
             truncated=column(cols.pop("truncated", False), n, bool, "truncated"),
-            fields={k: self._field_column(k, v, n) for k, v in fields.items()},
+            fields={k: field_column(k, v, n, self.schema, self.ragged) for k, v in fields.items()},
             priority=opt_column(cols.pop("priority", None), n, np.float32),
             policy_version=opt_column(cols.pop("policy_version", None), n, np.int64),
         )
@@ -387,17 +331,6 @@ class Ingestor(Sender):
             part.batch_id = f"{batch.batch_id}.{start}"
             self._send_or_keep(part)
         return n
-
-    def _field_column(self, name: str, v: Any, n: int) -> np.ndarray | Ragged:
-        spec = self.schema.fields.get(name) if self.schema else None
-        if isinstance(v, Ragged):
-            return v
-        if (spec is not None and spec.ragged) or name in self.ragged:
-            return Ragged.of(list(v))
-        arr = as_array(v, f"field '{name}'")
-        if arr.ndim == 0 or arr.shape[0] != n:
-            raise SchemaError(f"field '{name}' has {arr.shape[:1]} rows, expected {n}")
-        return arr
 
     # ---- validation ----------------------------------------------------------------
     def _check_step(
@@ -473,94 +406,6 @@ class Ingestor(Sender):
             first = sorted(errors)[:5]
             more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
             raise SchemaError("; ".join(errors[i] for i in first) + more)
-
-    # ---- buffering and sending -----------------------------------------------------
-    def _buffer(self, step: Step) -> None:
-        with self._lock:
-            if not self._steps:
-                self._first_at = time.monotonic()
-            self._steps.append(step)
-            if len(self._steps) >= self.flush_steps:
-                self._send_buffer()
-
-    def _send_buffer(self) -> None:
-        with self._lock:
-            steps, self._steps = self._steps, []
-            if not steps:
-                return
-            self._sending += 1  # a concurrent flush waits for this send too
-        try:
-            assert self.schema is not None
-            self._send_or_keep(steps_to_batch(steps, self.schema))
-        finally:
-            with self._lock:
-                self._sending -= 1
-
-    def _tick(self) -> None:
-        assert self.flush_interval
-        last_poll = time.monotonic()
-        while not self._closed.wait(self.flush_interval / 4):
-            try:
-                with self._lock:
-                    due = self._steps and time.monotonic() - self._first_at >= self.flush_interval
-                if due:
-                    self._send_buffer()
-                now = time.monotonic()
-                for writer in list(self._writers):
-                    if writer.first_at and now - writer.first_at >= self.flush_interval:
-                        writer.flush()
-                if time.monotonic() - last_poll > max(1.0, self.flush_interval):
-                    last_poll = time.monotonic()
-                    self._poll()
-            except Exception:  # kept for the next tick; this thread must not die
-                log.warning("background flush failed; will retry", exc_info=True)
-
-    def flush(self, wait: bool = True, timeout: float = 60.0) -> FlushResult:
-        """Send what is buffered; with ``wait``, block until the store confirms every batch
-        sent so far and return what was committed (and rejected) since the last flush."""
-        self._send_buffer()
-        for writer in list(self._writers):
-            writer.flush()
-        if not wait:
-            return FlushResult()
-        self._retry_unsent()
-        deadline = time.monotonic() + timeout
-        delay = 0.002
-        # Another thread (the timer, a concurrent flush) may hold steps it took from the
-        # buffer and is still publishing: wait for those too, they were "sent so far".
-        while ((left := self._poll()) or self._sending) and time.monotonic() < deadline:
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)  # a confirmation is one cheap MGET away
-        left = left or self._sending
-        with self._lock:
-            result, self._confirmed = self._confirmed, FlushResult()
-        if left:
-            result.pending = left
-            raise IngestError(
-                f"{left} batch(es) not confirmed within {timeout}s: no ingest worker stored "
-                "them. Is the stack running? Start it with `claw up` in another terminal (it "
-                "runs the workers). The batches stay in flight and are re-sent; flush again to "
-                "keep waiting.",
-                result,
-            )
-        return result
-
-    def close(self, timeout: float = 60.0) -> FlushResult:
-        """Flush, wait for confirmation, stop the timer and the sending thread, close the
-        connections."""
-        self._closed.set()
-        if self._timer is not None:
-            self._timer.join()
-        try:
-            return self.flush(wait=True, timeout=timeout)
-        finally:
-            with self._queued:
-                self._queued.notify_all()
-            sender = self._sender
-            if sender is not None:
-                sender.join(timeout)
-            if not self._unsent and not self._inflight:
-                self.store.r.close()
 
     def __enter__(self) -> Ingestor:
         return self
