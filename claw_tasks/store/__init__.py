@@ -3,28 +3,31 @@ scripts, dictionaries, the cached config) whose methods each belong to one part,
 own module. A part holds no state of its own: it is made over the core for the call, and
 uses only the core's API and the few parts it names in its constructor.
 
-=============  ==============================================================================
-module         ``Store`` methods
-=============  ==============================================================================
-``core``       ``config``, ``revalidate``; attributes ``r``, ``keys``, ``namespace``,
-               ``scripts``, ``dicts``
-``admin``      ``exists``, ``create``, ``ensure_schema``, ``schema``, ``set_retention``,
-               ``set_episode_index``, ``set_priority_rules``, ``set_spaces``
-``dicts``      ``encode_strings``, ``lookup_codes``, ``decode_codes``
-``reader``     ``locate``, ``get``, ``episode``, ``trajectory_ids``, ``read_meta``,
-               ``meta_columns``, ``read_fields``, ``read_frames``, ``info``
-``count``      ``count``
-``updates``    ``update_priorities``, ``update_rewards``, ``curate``, ``audit``, ``audit_log``
-``evict``      ``evict``, ``evict_slots``, ``evictions``
-``snapshots``  ``snapshot``, ``snapshots``, ``snapshot_info``, ``drop_snapshot``,
-               ``export_snapshot``, ``import_snapshot``, ``prune_snapshots``,
-               ``labels``, ``rollback``, ``as_of_columns``
-``writer``     ``commit`` (one shard's part of it: ``commit.CommitPart``), ``allocate``,
-               ``place``
-=============  ==============================================================================
+====================  ======================================================================
+module                ``Store`` methods
+====================  ======================================================================
+``core``              ``config``, ``revalidate``; attributes ``r``, ``keys``, ``namespace``,
+                      ``scripts``, ``dicts``
+``admin``             ``exists``, ``create``, ``ensure_schema``, ``schema``,
+                      ``set_retention``, ``set_episode_index``, ``set_priority_rules``,
+                      ``set_spaces``
+``dicts``             ``encode_strings``, ``lookup_codes``, ``decode_codes``
+``reader``            ``locate``, ``get``, ``episode``, ``trajectory_ids``, ``read_meta``,
+                      ``meta_columns``, ``read_fields``, ``read_frames``, ``info``
+``count``             ``count``
+``updates``           ``update_priorities``, ``update_rewards``, ``curate``, ``audit``,
+                      ``audit_log``
+``evict``             ``evict``, ``evict_slots``, ``evictions``
+``snapshots``         ``snapshot``, ``snapshots``, ``snapshot_info``, ``drop_snapshot``,
+                      ``prune_snapshots``, ``labels``, ``rollback``, ``as_of_columns``
+``snapshot_archive``  ``export_snapshot``, ``import_snapshot``
+``writer``            ``commit`` (one shard's part of it: ``commit.CommitPart``), ``allocate``,
+                      ``place``
+====================  ======================================================================
 
 Range reads for archival (``scan``) and stored LLM turns (``turns``) are functions over a
-core; ``labels`` is the snapshots' data (a namespace's mutable state, its diff), no Redis.
+core; ``labels`` is the snapshots' data (a namespace's mutable state, its diff) and
+``snapshot_format`` a snapshot's stored form (name, header, packed columns), no Redis.
 The store's modules import only downward: ``layout``, ``scripts``, ``config``,
 ``dicts``, ``core``, the parts, then this package. Its Lua scripts are package data in
 ``claw_tasks/lua/``. Imports ``format``, ``where``, ``connection``, ``codecs``,
@@ -45,6 +48,7 @@ from claw_tasks.store.count import Counting
 from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.evict import Eviction
 from claw_tasks.store.reader import Reader, decode_meta
+from claw_tasks.store.snapshot_archive import SnapshotArchive
 from claw_tasks.store.snapshots import Snapshots
 from claw_tasks.store.updates import Updates
 from claw_tasks.store.writer import Writer
@@ -113,8 +117,8 @@ class Store(StoreCore):
     snapshots = _on(Snapshots, Snapshots.snapshots)
     snapshot_info = _on(Snapshots, Snapshots.snapshot_info)
     drop_snapshot = _on(Snapshots, Snapshots.drop_snapshot)
-    export_snapshot = _on(Snapshots, Snapshots.export_snapshot)
-    import_snapshot = _on(Snapshots, Snapshots.import_snapshot)
+    export_snapshot = _on(SnapshotArchive, SnapshotArchive.export_snapshot)
+    import_snapshot = _on(SnapshotArchive, SnapshotArchive.import_snapshot)
     prune_snapshots = _on(Snapshots, Snapshots.prune)
     labels = _on(Snapshots, Snapshots.labels)
     rollback = _on(Snapshots, Snapshots.rollback)

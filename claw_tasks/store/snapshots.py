@@ -33,74 +33,40 @@ skipped). Evicted steps cannot come back.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import zstandard
 
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.format.schema import tag_column
 from claw_tasks.format.stepmeta import UNTRAINABLE
-from claw_tasks.store.config import NamespaceConfig, NamespaceError
+from claw_tasks.store.config import NamespaceConfig
 from claw_tasks.store.core import StoreCore
 from claw_tasks.store.evict import Eviction
 from claw_tasks.store.labels import Labels
 from claw_tasks.store.layout import META_CHUNK_SLOTS, NUM_TAG_DTYPE, STR_TAG_DTYPE, nan_xor
+from claw_tasks.store.snapshot_format import (
+    NOW,
+    SnapshotError,
+    SnapshotInfo,
+    check_name,
+    column_dtype,
+    decode_labels,
+    info_of,
+    pack_column,
+)
 from claw_tasks.store.updates import Updates
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-NOW = "now"
-"""Not a snapshot name: the namespace as it is (``claw diff NS A now``)."""
 WRITE_IDS = 65_536
 """Ids per ``update.lua`` call of a rollback (one log entry each)."""
-_DTYPES = {"flags": np.dtype("u1"), "quality": STR_TAG_DTYPE, "priority": np.dtype("<u4")}
-"""The mutable columns as a snapshot reads them: priorities (and numeric tags, ``<u8``) as
-their stored bits, so a rollback compares and writes them back bit for bit."""
-
 
 THREADS = 2
 """Threads a snapshot's shard reads and column compression run on (:meth:`Snapshots.
 _take_shards`; docs/benchmarks.md, "Snapshots")."""
-
-
-ZSTD_LEVEL = 1
-"""Level 3 took 3x the time for the same size: random priorities barely compress, the
-label columns are mostly zeros either way (docs/benchmarks.md, "Snapshots")."""
-
-
-def _pack(col: str, arr: np.ndarray, alive: np.ndarray) -> tuple[bytes, list[int] | None]:
-    """A snapshot column as stored (bits packed for the bool ones, zstd-compressed), and
-    for a string column the codes its live rows hold (a rollback needs their strings)."""
-    raw = np.packbits(arr).tobytes() if arr.dtype == bool else arr.tobytes()
-    codes = None
-    if arr.dtype == STR_TAG_DTYPE:
-        held = arr[alive]
-        top = int(held.max()) if len(held) else 0
-        small = int(held.min(initial=0)) >= 0 and top <= 4 * len(held)
-        codes = np.flatnonzero(np.bincount(held)).tolist() if small else np.unique(held).tolist()
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw), codes
-
-
-class SnapshotError(NamespaceError):
-    """No such snapshot, or a name that cannot be one."""
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    """A snapshot's header: what ``claw snapshots`` lists."""
-
-    name: str
-    created: float
-    seqs: tuple[int, ...]
-    steps: int  # live steps at the snapshot
-    bytes: int  # compressed columns stored
-    config: NamespaceConfig
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -111,75 +77,6 @@ class Rollback:
     evicted: int  # steps of the snapshot gone since: they cannot come back
     added: int  # steps committed since the snapshot (live)
     dropped: int  # of those, evicted by ``drop_new``
-
-
-def check_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME.match(name) or name == NOW:
-        raise SnapshotError(
-            f"snapshot name {name!r}: letters, digits, '_', '.', '-' (up to 128, not {NOW!r})"
-        )
-    return name
-
-
-def _decode(h: Mapping[str, Any], cfg: NamespaceConfig, shards: list[dict[str, bytes]]) -> Labels:
-    """The :class:`Labels` of a snapshot's header and shard hashes (as stored)."""
-    dctx = zstandard.ZstdDecompressor()
-    cols: dict[str, list[np.ndarray]] = {}
-    tags = [tag_column(t) for t in (cfg.schema.tags if cfg.schema else {})]
-    for shard, got in enumerate(shards):
-        n = min(cfg.cap, h["seqs"][shard])
-        for col in ("alive", "untrainable", "quality", "priority", *tags):
-            raw = dctx.decompress(got[col]) if col in got else b""
-            if col in ("alive", "untrainable"):
-                arr = np.unpackbits(np.frombuffer(raw, np.uint8))[:n].astype(bool)
-            else:
-                arr = np.frombuffer(raw, Snapshots.dtype(col, cfg))
-            full = np.zeros(cfg.cap, arr.dtype)
-            full[: len(arr)] = arr
-            cols.setdefault(col, []).append(full)
-    cat = np.concatenate
-    strings = {c: {int(code): s for code, s in pairs} for c, pairs in h["strings"].items()}
-    return Labels(
-        cfg.n_shards,
-        cfg.cap,
-        tuple(h["seqs"]),
-        cat(cols["alive"]),
-        cat(cols["untrainable"]),
-        cat(cols["quality"]),
-        cat(cols["priority"]),
-        {c: cat(cols[c]) for c in tags},
-        strings,
-    )
-
-
-@dataclass(frozen=True)
-class Exported:
-    """A snapshot as the nightly archive keeps it (:meth:`Snapshots.export_snapshot`),
-    read back: its source namespace, name, time, state (over the source's layout and
-    ids) and ``extra``."""
-
-    namespace: str
-    name: str
-    created: float
-    labels: Labels
-    extra: dict[str, Any]
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> Exported:
-        """Parse an exported document (untrusted: a file); raises SnapshotError."""
-        try:
-            doc = unpackb(raw)
-            h = doc["header"]
-            cfg = NamespaceConfig.from_bytes(h["config"], str(doc["namespace"]))
-            shards = [{str(k): v for k, v in part.items()} for part in doc["shards"]]
-            if len(shards) != cfg.n_shards or len(h["seqs"]) != cfg.n_shards:
-                raise ValueError("shard count does not match its config")
-            labels = _decode(h, cfg, shards)
-            return cls(doc["namespace"], check_name(doc["name"]), h["created"], labels, h["extra"])
-        except SnapshotError:
-            raise
-        except Exception as e:  # a damaged or foreign file: say which part, never crash
-            raise SnapshotError(f"not an exported Claw snapshot: {type(e).__name__}: {e}") from None
 
 
 class Snapshots:
@@ -225,49 +122,7 @@ class Snapshots:
         self.prune(cfg.retention.max_snapshots if cfg.retention else None, None, keep=name)
         if cfg.retention is not None and cfg.retention.snapshot_max_age is not None:
             self.prune(None, cfg.retention.snapshot_max_age, keep=name)
-        return self._info(name, header)
-
-    def import_snapshot(
-        self, name: str, labels: Labels, created: float, extra: Mapping[str, Any] | None = None
-    ) -> SnapshotInfo:
-        """Record ``labels`` (over this namespace's layout, its ids: ``labels.moved``) as
-        snapshot ``name`` taken at ``created``: how a restore brings an archived snapshot
-        back. Retention is not applied here (the next eviction pass does)."""
-        check_name(name)
-        core = self.core
-        cfg = core.config(refresh=True)
-        if (labels.n_shards, labels.cap) != (cfg.n_shards, cfg.cap):
-            raise SnapshotError(f"snapshot {name!r}: laid over another layout of the namespace")
-        if core.r.hexists(core.keys.snapshots, name):
-            raise SnapshotError(f"snapshot {name!r} of {core.namespace!r} exists: delete it first")
-        size, steps = 0, int(labels.alive.sum())
-        for shard, seq in enumerate(labels.seqs):
-            n, at = min(cfg.cap, seq), shard * cfg.cap
-            part = slice(at, at + n)
-            cols = {
-                "alive": labels.alive[part],
-                "untrainable": labels.untrainable[part],
-                "quality": labels.quality[part],
-                "priority": labels.priority[part],
-                **{c: v[part] for c, v in labels.tags.items()},
-            }
-            packed = {"seq": str(seq).encode()}
-            packed.update((c, _pack(c, v, cols["alive"])[0]) for c, v in cols.items())
-            size += sum(len(v) for v in packed.values())
-            core.r.hset(core.keys.snapshot(shard, name), mapping=packed)
-        header = {
-            "created": float(created),
-            "seqs": list(labels.seqs),
-            "steps": steps,
-            "bytes": size,
-            "config": cfg.to_bytes(),
-            "strings": {
-                c: [[k, v] for k, v in sorted(t.items())] for c, t in labels.strings.items()
-            },
-            "extra": dict(extra or {}),
-        }
-        core.r.hset(core.keys.snapshots, name, packb(header))  # listed once complete
-        return self._info(name, header)
+        return info_of(name, header, self.core.namespace)
 
     def _take_shards(
         self, name: str, cfg: NamespaceConfig
@@ -293,7 +148,7 @@ class Snapshots:
                 alive = cols.pop("alive")[:n]
                 raw = {"alive": alive, "untrainable": cols.pop("untrainable")[:n]}
                 raw.update((col, arr[:n]) for col, arr in cols.items())
-                jobs = {col: pool.submit(_pack, col, arr, alive) for col, arr in raw.items()}
+                jobs = {col: pool.submit(pack_column, col, arr, alive) for col, arr in raw.items()}
                 packed: dict[str, bytes] = {"seq": str(seq).encode()}
                 found = {}
                 for col, job in jobs.items():
@@ -321,7 +176,7 @@ class Snapshots:
         alive = np.unpackbits(np.frombuffer(bits or b"", np.uint8))[: cfg.cap].astype(bool)
         out["alive"] = np.pad(alive, (0, cfg.cap - len(alive)))
         for i, col in enumerate(cols):
-            dtype = self.dtype(col, cfg)
+            dtype = column_dtype(col, cfg)
             arr = np.zeros(cfg.cap, dtype)
             for c in range(n_chunks):
                 raw = chunks[i * n_chunks + c]
@@ -334,18 +189,10 @@ class Snapshots:
                 out[col] = arr
         return int(seq or 0), out
 
-    @staticmethod
-    def dtype(col: str, cfg: NamespaceConfig) -> np.dtype:
-        """A snapshot column's dtype as stored."""
-        if col in _DTYPES:
-            return _DTYPES[col]
-        kind = cfg.schema.tags[col[2:]] if cfg.schema else "num"
-        return STR_TAG_DTYPE if kind == "str" else np.dtype("<u8")
-
     def snapshots(self) -> list[SnapshotInfo]:
         """Every snapshot of the namespace, oldest first."""
         raw = self.core.r.hgetall(self.core.keys.snapshots)
-        found = [self._info(k.decode(), unpackb(v)) for k, v in raw.items()]
+        found = [info_of(k.decode(), unpackb(v), self.core.namespace) for k, v in raw.items()]
         return sorted(found, key=lambda s: (s.created, s.name))
 
     def snapshot_info(self, name: str) -> SnapshotInfo:
@@ -355,26 +202,7 @@ class Snapshots:
             raise SnapshotError(
                 f"namespace {self.core.namespace!r} has no snapshot {name!r} (snapshots: {known})"
             )
-        return self._info(name, unpackb(raw))
-
-    def _info(self, name: str, h: Mapping[str, Any]) -> SnapshotInfo:
-        cfg = NamespaceConfig.from_bytes(h["config"], self.core.namespace)
-        return SnapshotInfo(
-            name, h["created"], tuple(h["seqs"]), h["steps"], h["bytes"], cfg, h["extra"]
-        )
-
-    def export_snapshot(self, name: str) -> bytes:
-        """The snapshot as one self-contained msgpack document (what the nightly archive
-        keeps): ``namespace``, ``name``, the header and each shard's hash, as stored."""
-        core = self.core
-        info = self.snapshot_info(name)
-        header = unpackb(core.r.hget(core.keys.snapshots, name))
-        shards = [
-            {k.decode(): v for k, v in core.r.hgetall(core.keys.snapshot(s, name)).items()}
-            for s in range(info.config.n_shards)
-        ]
-        doc = {"namespace": core.namespace, "name": name, "header": header, "shards": shards}
-        return packb(doc)
+        return info_of(name, unpackb(raw), self.core.namespace)
 
     def drop_snapshot(self, name: str) -> bool:
         """Delete a snapshot (its header first: it is no longer listed); True if it was."""
@@ -439,7 +267,7 @@ class Snapshots:
             if not got:
                 raise SnapshotError(f"snapshot {name!r}: shard {shard} is missing (deleted?)")
             shards.append({k.decode(): v for k, v in got.items()})
-        return _decode(h, cfg, shards)
+        return decode_labels(h, cfg, shards)
 
     def _strings_of(
         self, cols: Mapping[str, np.ndarray], alive: np.ndarray, cfg: NamespaceConfig

@@ -16,7 +16,9 @@ import numpy as np
 
 from claw_tasks.store import Store
 from claw_tasks.store.labels import Diff, diff, moved
-from claw_tasks.store.snapshots import Exported, Rollback, SnapshotError, SnapshotInfo
+from claw_tasks.store.snapshot_archive import Exported
+from claw_tasks.store.snapshot_format import SnapshotError, SnapshotInfo
+from claw_tasks.store.snapshots import Rollback
 from claw_tasks.where import Where
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.registry import Registry
@@ -152,7 +154,7 @@ def restore_snapshots(
     """Bring archived snapshots back into ``store``'s namespace after a restore wrote
     their steps: ``old_ids`` (the ids the archive names) became ``new_ids`` (-1: not
     stored). Each keeps its name, time, recipes and statistics; its steps are the ones
-    restored (:func:`claw_tasks.store.snapshots.moved`). A name already there is skipped
+    restored (:func:`claw_tasks.store.labels.moved`). A name already there is skipped
     (a restore run again finds its own)."""
     out = []
     now = store.labels()

@@ -18,7 +18,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.labels import Labels
 from claw_tasks.store.layout import NUM_TAG_DTYPE, nan_xor
 from claw_tasks.store.retention import Retention
-from claw_tasks.store.snapshots import SnapshotError
+from claw_tasks.store.snapshot_format import SnapshotError
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance import snapshots as versions
