@@ -28,8 +28,9 @@ from claw_tasks.connection import client as connect
 from claw_tasks.connection.client import redis_client
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
-from orchestrator.delivery import admission, ratelimit, rollouts, samplestats
+from orchestrator.delivery import admission, ratelimit, samplestats
 from orchestrator.delivery.registry import Registry
+from orchestrator.delivery.rollout_state import read_state
 from orchestrator.inspect.namespaces import (
     UnreadableNamespace,
     memory_by_namespace,
@@ -257,7 +258,7 @@ class ClawCollector(Collector):
             fams["produced"].add_metric(labels, float(c.get("produced", 0)))
             fams["popped"].add_metric(labels, float(c.get("popped", 0)))
             if r.rollout is not None:
-                ro = rollouts.read_state(reg, recipe)
+                ro = read_state(reg, recipe)
                 fams["rollouts"].add_metric(labels, float(ro.no))
                 fams["stale"].add_metric(labels, float(ro.dropped_stale))
             fams["wait"].add_metric(labels, float(c.get("wait_s", 0)))

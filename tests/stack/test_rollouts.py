@@ -20,9 +20,9 @@ from claw_tasks.format.schema import Schema, SchemaError
 from claw_tasks.store import Store
 from orchestrator import BatchClient
 from orchestrator.cli.main import app
-from orchestrator.delivery import rollouts
 from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
+from orchestrator.delivery.rollout_state import read_state
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.index import SamplingIndex
 from tests.support.rollout_actors import (
@@ -192,7 +192,7 @@ def test_a_short_fill_ends_and_the_commit_forms_the_rollout(redis_url, workers, 
     queue, deadline = reg.queue("ppo"), time.monotonic() + 60
     while reg.r.llen(queue) < 12 and time.monotonic() < deadline:
         time.sleep(0.05)  # no pop: a pop on an empty queue would ask for a fill
-    assert rollouts.read_state(reg, "ppo").describe() == {
+    assert read_state(reg, "ppo").describe() == {
         "rollouts": 1,
         "policy_version": 0,
         "minibatches_pushed": 12,
@@ -231,9 +231,9 @@ def test_ingest_is_not_starved_while_a_rollout_waits(redis_url, start_worker, na
     # No pop before: a pop on an empty queue would ask for a fill. (Three pool processes
     # share the host's index here: the last commit's sweep reads it current, not the
     # columns another process's sweep holds: orchestrator.sampling.shared.)
-    while rollouts.read_state(reg, "ppo").cursor < 12 and time.monotonic() < deadline:
+    while read_state(reg, "ppo").cursor < 12 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert rollouts.read_state(reg, "ppo").describe()["minibatches_pushed"] == 12
+    assert read_state(reg, "ppo").describe()["minibatches_pushed"] == 12
     assert len(pop_rollout(client, records, (0, 0))) == 64
     client.close()
     ing.close()

@@ -13,7 +13,7 @@ import numpy as np
 import torch as th
 
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.rollouts import permutation
+from orchestrator.delivery.rollout_state import permutation
 from orchestrator.sampling.batch import Batch
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,113 @@
+"""A ``rollout`` recipe's formed rollout (:class:`Plan`, its minibatches' permutations)
+and its state hash ``ro:<name>`` (:class:`State`), as :mod:`orchestrator.delivery.rollouts`
+lays them out."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from claw_tasks.format.arrays import pack_array, packb, unpack_array, unpackb
+from orchestrator.delivery.registry import Registry
+
+
+@functools.lru_cache(maxsize=4)
+def permutation(seed: int, no: int, epoch: int, n: int) -> np.ndarray:
+    """Epoch ``epoch`` of rollout ``no`` (of ``n`` steps, seeded ``seed``: the plan's and
+    every minibatch's ``meta["rollout"]``) as positions in the rollout's chain order;
+    minibatch j of that epoch is its j-th slice. Cached while a fill cuts an epoch."""
+    perm = np.random.default_rng([seed, no, epoch]).permutation(n)
+    perm.flags.writeable = False
+    return perm
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A formed rollout: its steps in chain order and what each minibatch adds to them."""
+
+    no: int
+    target: int
+    seed: int
+    epochs: int
+    batch_size: int
+    ids: np.ndarray  # int64
+    advantages: np.ndarray  # float32
+    returns: np.ndarray  # float32
+    log_prob: np.ndarray  # float32: the behaviour policy's
+    value: np.ndarray  # float32: the behaviour critic's
+    version: np.ndarray  # int32: each step's policy_version
+
+    @property
+    def per_epoch(self) -> int:
+        return len(self.ids) // self.batch_size
+
+    @property
+    def total(self) -> int:
+        return self.epochs * self.per_epoch
+
+    def minibatch(self, k: int) -> np.ndarray:
+        """Positions of minibatch ``k``: a slice of its epoch's permutation."""
+        epoch, j = divmod(k, self.per_epoch)
+        perm = permutation(self.seed, self.no, epoch, len(self.ids))
+        return perm[j * self.batch_size : (j + 1) * self.batch_size]
+
+    _ARRAYS = ("ids", "advantages", "returns", "log_prob", "value", "version")
+
+    def to_bytes(self) -> bytes:
+        head = {k: getattr(self, k) for k in ("no", "target", "seed", "epochs", "batch_size")}
+        return packb({**head, **{k: pack_array(getattr(self, k)) for k in self._ARRAYS}})
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Plan:
+        d = unpackb(raw)
+        return cls(**{k: unpack_array(v) if k in cls._ARRAYS else int(v) for k, v in d.items()})
+
+
+@dataclass(frozen=True)
+class State:
+    """``ro:<name>``, decoded (see the module docstring)."""
+
+    no: int
+    target: int | None
+    rv: int
+    cursor: int
+    total: int
+    dropped_stale: int
+    lost: int
+    waiting_since: float | None
+
+    @classmethod
+    def of(cls, raw: dict[bytes, bytes]) -> State:
+        def num(k: str, default: float | None = 0) -> Any:
+            v = raw.get(k.encode())
+            return default if v is None else float(v)
+
+        target = num("target", None)
+        return cls(
+            int(num("no")),
+            None if target is None else int(target),
+            int(num("rv")),
+            int(num("cursor")),
+            int(num("total")),
+            int(num("dropped_stale")),
+            int(num("lost")),
+            num("waiting_since", None),
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """What ``BatchClient.stats`` and ``claw recipes`` show."""
+        return {
+            "rollouts": self.no,
+            "policy_version": self.target,
+            "minibatches_pushed": self.cursor,
+            "minibatches": self.total,
+            "dropped_stale": self.dropped_stale,
+            "lost": self.lost,
+        }
+
+
+def read_state(reg: Registry, name: str) -> State:
+    return State.of(reg.r.hgetall(reg.rollout_keys(name)[0]))
