@@ -1,9 +1,11 @@
-"""``BatchClient``: the trainer's side. Register recipes, pop ready batches."""
+"""``BatchClient``: the trainer's side. Register recipes, pop ready batches.
+
+What its pops report is held in :mod:`~orchestrator.delivery.popreports`, what a dropped
+batch gives back is :mod:`~orchestrator.delivery.giveback`, its ``stats`` and a timeout's
+explanation are :mod:`~orchestrator.delivery.recipestats`."""
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import logging
 import queue
 import threading
@@ -16,21 +18,20 @@ import numpy as np
 from claw_tasks.broker.app import client_app
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
-from orchestrator.delivery import admission, ratelimit, rollouts, shm
-from orchestrator.delivery.lineage import LineageLog, Traced, record
+from orchestrator.delivery import admission, giveback, shm
+from orchestrator.delivery.lineage import LineageLog, Traced
+from orchestrator.delivery.popreports import PopReports
 from orchestrator.delivery.priorities import PriorityWriter
 from orchestrator.delivery.readahead import ReadAhead
+from orchestrator.delivery.recipestats import prefetch_consumers, recipe_stats, why_empty
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.wire import WireVersionError
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
 from orchestrator.retrieval import Neighbours, nearest
-from orchestrator.sampling import groups
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.groups import Claim
 
 log = logging.getLogger(__name__)
-LINEAGE_PENDING = 256
-"""Lineage entries a client holds before it sends them without waiting for a pop."""
 
 _FLUSH = object()  # asks the sending thread to send the lineage recorded by local pops
 
@@ -72,19 +73,9 @@ class BatchClient:
         self.app = client_app(broker_url or settings.broker_for(redis_url))
         self.host = shm.host_id()
         self._recipes: dict[str, Recipe] = {}
-        self._popped: dict[str, int] = {}
-        self._skipped: dict[str, int] = {}
-        self._waited: dict[str, float] = {}  # seconds pops waited on an empty queue
-        self._counting = threading.Lock()  # the counters: a pop, a flush from another thread
         self.lineage = LineageLog(self.store)
         """The namespace's lineage log (:mod:`orchestrator.delivery.lineage`)."""
-        # Entries sent with the next pop, as (recipe, recipe version, policy, ids, time):
-        # encoded there, so a read-ahead's trainer, which declares batches from its own
-        # thread while the read-ahead's pops drain the deque, pays only the append.
-        self._lineage: collections.deque[tuple[str, int, Any, np.ndarray, float]] = (
-            collections.deque()
-        )
-        self._logged_skip: set[str] = set()
+        self._reports = PopReports(self.registry, self.lineage)  # sent with the next pop
         self._priorities: PriorityWriter | None = None
         self._refills: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._sender = threading.Thread(
@@ -159,7 +150,7 @@ class BatchClient:
         dropped = self.registry.advance(recipe)
         if dropped is None:  # changed by another client: the full transaction
             return self.set_params(name, **{ro.version_param: version})
-        self._drop(recipe, dropped)
+        giveback.drop(self.store, recipe, dropped)
         self._recipes[name] = recipe
         return recipe
 
@@ -198,7 +189,7 @@ class BatchClient:
         """After a new version: drop the queued batches (older versions, and those read
         ahead), reset the counters unless only live params changed, and ask for a fill."""
         self._stop_ahead(recipe.name)
-        self._drop(recipe, self.registry.drain(recipe.name))
+        giveback.drop(self.store, recipe, self.registry.drain(recipe.name))
         if reset:
             self.store.r.delete(self.registry.counters(recipe.name))
         if recipe.admission is not None:
@@ -208,38 +199,8 @@ class BatchClient:
         self._recipes[recipe.name] = recipe
         self.request_fill(recipe.name, force=True)
 
-    def _drop(self, recipe: Recipe, items: list[bytes]) -> None:
-        """Discard queued batches. A ``once`` batch gives its groups' claims back (they are
-        drawn again in the pass); another of an admission recipe gives back its
-        trajectories' slots (accepted, never to be served)."""
-        slots, claims = 0, []
-        for item in items:
-            if recipe.admission is not None or recipe.grouped:
-                with contextlib.suppress(Exception):  # unreadable: nothing to give back
-                    slots += self._unserved(shm.from_message(item), claims)
-            shm.discard(item)
-        self._give_back(recipe, slots, claims, "batches dropped")
-
-    @staticmethod
-    def _unserved(batch: Batch, claims: list[Claim]) -> int:
-        """A batch dropped unserved: its claim is added to ``claims``; else the slots its
-        trajectories took (0 for batches that are not group batches)."""
-        if batch.claim is not None:
-            claims.append(batch.claim)
-            return 0
-        return admission.trajectories_in(batch)
-
-    def _give_back(self, recipe: Recipe, slots: int, claims: list[Claim], why: str) -> None:
-        if claims:
-            groups.release(self.store.r, self.store.keys.base, recipe.name, claims)
-        if slots and recipe.admission is not None:
-            admission.give_back(self.store, slots, f"{recipe.name}: {why}")
-
     def _entry(self, name: str) -> Entry:
-        entry = self.registry.get(name)
-        if entry is None:
-            raise KeyError(f"recipe {name!r} is not registered in namespace {self.namespace!r}")
-        return entry
+        return self.registry.registered(name)
 
     # ---- batches -------------------------------------------------------------------
     def pop(self, name: str, timeout: float | None = 30.0, *, policy_version: Any = None) -> Batch:
@@ -265,7 +226,7 @@ class BatchClient:
             with r.pipeline(transaction=False) as pipe:
                 pipe.lpop(q)
                 pipe.llen(q)
-                self._report_pops(pipe)
+                self._reports.queue(pipe)
                 item, left = pipe.execute()[:2]
             if left < (recipe.prefetch.low_water or 0) + (item is None and empty_asks):
                 self._refills.put(name)  # sent off the trainer's path (~1 ms)
@@ -276,8 +237,7 @@ class BatchClient:
                     raise TimeoutError(self.why_empty(name, timeout))
                 began = time.monotonic()
                 got = r.blpop([q], timeout=max(wait, 0.01))
-                with self._counting:
-                    self._waited[name] = self._waited.get(name, 0.0) + time.monotonic() - began
+                self._reports.waited(name, time.monotonic() - began)
                 if got is None:
                     continue
                 item = got[1]
@@ -297,11 +257,10 @@ class BatchClient:
                 recipe = self._recipes[name] = self._entry(name).recipe
                 if batch.recipe_version < recipe.version:  # stale: drop it (its segment,
                     claims: list[Claim] = []  # if any, is unlinked already)
-                    n = self._unserved(batch, claims)
-                    self._give_back(recipe, n, claims, "a stale batch dropped")
+                    n = giveback.unserved(batch, claims)
+                    giveback.give_back(self.store, recipe, n, claims, "a stale batch dropped")
                     continue
-            with self._counting:  # reported with the next pop
-                self._popped[name] = self._popped.get(name, 0) + 1
+            self._reports.popped(name)  # reported with the next pop
             if policy_version is not None:
                 self.trained(name, batch, policy_version)
             return batch
@@ -323,7 +282,7 @@ class BatchClient:
             elif batch.recipe_version < version:  # read ahead before this client changed
                 claim = getattr(batch, "claim", None)  # the recipe: stale
                 if claim is not None:
-                    self._give_back(self._recipes[name], 0, [claim], "stale")
+                    giveback.give_back(self.store, self._recipes[name], 0, [claim], "stale")
                 continue
             if policy_version is not None:
                 self.trained(name, batch, policy_version)
@@ -333,10 +292,7 @@ class BatchClient:
     def _skip(self, name: str, item: Any, error: Exception) -> None:
         """Drop an unreadable queue item: counted (``skipped`` in :meth:`stats`), logged
         once per recipe per client."""
-        with self._counting:
-            self._skipped[name] = self._skipped.get(name, 0) + 1
-        if name not in self._logged_skip:
-            self._logged_skip.add(name)
+        if self._reports.skipped(name):
             log.warning(
                 "recipe %r: skipped an unreadable queue item (%d bytes): %s: %s (further "
                 "ones are counted in stats()['skipped'], not logged)",
@@ -350,37 +306,21 @@ class BatchClient:
         """Record that ``batch`` of recipe ``name`` (a batch, or a part of one: anything
         with its ``recipe_version`` and ``ids``) trains ``policy_version`` (any value; kept
         as text): one lineage entry, sent with the next pop (or :meth:`flush_lineage`,
-        :meth:`stats`, :meth:`close`; by itself once ``LINEAGE_PENDING`` wait, for a client
+        :meth:`stats`, :meth:`close`; by itself once
+        :data:`~orchestrator.delivery.popreports.LINEAGE_PENDING` wait, for a client
         that declares batches another one pops). Record each batch once: here, or with
         ``pop``'s ``policy_version``. Thread-safe. The entry is encoded when it is sent (a
         read-ahead's trainer pays only this append), so ``batch.ids`` must not change
         meanwhile."""
-        self._lineage.append((name, batch.recipe_version, policy_version, batch.ids, time.time()))
-        if len(self._lineage) >= LINEAGE_PENDING:
+        if self._reports.trained(name, batch, policy_version):
             self.flush_lineage()
 
     def flush_lineage(self) -> None:
         """Send the lineage entries recorded since the last pop."""
-        if self._popped or self._skipped or self._lineage or self._waited:
+        if self._reports.pending():
             with self.store.r.pipeline(transaction=False) as pipe:
-                self._report_pops(pipe)
+                self._reports.queue(pipe)
                 pipe.execute()
-
-    def _report_pops(self, pipe: Any) -> None:
-        with self._counting:
-            popped, skipped, waited = self._popped, self._skipped, self._waited
-            self._popped, self._skipped, self._waited = {}, {}, {}
-        for counts, field in ((popped, "popped"), (skipped, "skipped")):
-            for name, k in counts.items():
-                pipe.hincrby(self.registry.counters(name), field, k)
-        for name, seconds in waited.items():  # claw_prefetch_wait_seconds_total
-            pipe.hincrbyfloat(self.registry.counters(name), "wait_s", seconds)
-        while True:  # popleft: entries appended meanwhile wait for the next pop
-            try:
-                name, version, policy, ids, at = self._lineage.popleft()
-            except IndexError:
-                return
-            self.lineage.queue(pipe, record(name, version, policy, ids, at))
 
     def _send_refills(self) -> None:
         while (name := self._refills.get()) is not None:
@@ -412,38 +352,8 @@ class BatchClient:
         """What the fill did: rate limited (its numbers and the rule), failed, short of
         data, or never ran because no worker consumes ``prefetch``."""
         st = self.stats(name)[name]
-        head = f"no batch of recipe {name!r} within {timeout}s"
-        state = str(st["state"])
         limit = self._entry(name).recipe.rate_limit
-        if st["rate_limited"] and limit is not None:
-            return (
-                f"{head}: the rate limiter holds prefetch back ({st['rate_limit']}). Rule: "
-                "sampling waits while inserted x samples_per_insert - (sampled + batch_size) < "
-                "min_size x samples_per_insert - error_buffer, here samples_per_insert "
-                f"{limit.samples_per_insert:g}, error_buffer {limit.error_buffer:g}, min_size "
-                f"{limit.min_size}: insert more steps, or loosen rate_limit"
-            )
-        if state.startswith("error"):
-            return f"{head}: the last fill failed ({state}); the worker's log has the traceback"
-        if state.startswith("insufficient data"):
-            return f"{head}: {state}"
-        if self._prefetch_consumers() == 0:
-            return (
-                f"{head}: no worker consumes `prefetch`: run `claw up` (or a worker: "
-                "celery -A claw_tasks.worker.app worker -Q prefetch)"
-            )
-        return (
-            f"{head}: the prefetch workers are busy (last fill: "
-            f"{state or 'nothing produced yet'}); pop with a longer timeout or add workers"
-        )
-
-    def _prefetch_consumers(self) -> int:
-        """Workers that answer a broadcast and consume ``prefetch`` (only on a timeout)."""
-        try:
-            replies = self.app.control.inspect(timeout=1.0).active_queues() or {}
-        except Exception:  # the broker itself is unreachable: no worker consumes anything
-            return 0
-        return sum(any(q.get("name") == "prefetch" for q in qs) for qs in replies.values())
+        return why_empty(name, timeout, st, limit, lambda: prefetch_consumers(self.app))
 
     def nearest(
         self,
@@ -490,37 +400,7 @@ class BatchClient:
         mean and max staleness in versions; docs/llm.md, "Admission")."""
         self.flush_lineage()
         names = [name] if name is not None else self.registry.names()
-        inserted = self.registry.inserted() if self.store.exists() else 0
-        out: dict[str, dict[str, Any]] = {}
-        for n in names:
-            entry = self._entry(n)
-            c = self.registry.counts(n)
-            rec = entry.recipe
-            sampled = float(c.get("sampled", 0))
-            verdict = ratelimit.check(rec.rate_limit, inserted, sampled, rec.batch_size)
-            out[n] = {
-                "version": rec.version,
-                "reader_hosts": len(entry.reader_hosts),
-                "depth": int(self.store.r.llen(self.registry.queue(n))),
-                "max_depth": rec.prefetch.depth,
-                "produced": int(c.get("produced", 0)),
-                "popped": int(c.get("popped", 0)),
-                "skipped": int(c.get("skipped", 0)),
-                "sampled_rows": int(sampled),
-                "inserted_steps": inserted,
-                "rate_limited": not verdict,
-                "rate_limit": verdict.reason,
-                "state": c.get("state", ""),
-            }
-            if rec.rollout is not None:
-                out[n]["rollout"] = rollouts.read_state(self.registry, n).describe()
-            if rec.admission is not None:
-                budget = admission.state(self.store)
-                out[n]["admission"] = {
-                    **(budget or {}),
-                    "served_staleness": admission.served_staleness(c),
-                }
-        return out
+        return recipe_stats(self.store, self.registry, names)
 
     def close(self) -> None:
         for name in list(self._ahead):

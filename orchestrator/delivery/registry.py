@@ -163,6 +163,13 @@ class Registry:
             pipe.smembers(self.readers(name))
             return self._entry(*pipe.execute())
 
+    def registered(self, name: str) -> Entry:
+        """:meth:`get`, or KeyError naming the recipe and namespace."""
+        entry = self.get(name)
+        if entry is None:
+            raise KeyError(f"recipe {name!r} is not registered in namespace {self.ns!r}")
+        return entry
+
     @staticmethod
     def _entry(raw: bytes | None, hosts: set[bytes]) -> Entry | None:
         if raw is None:
