@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-import orchestrator.sampling.index as index_module
+import orchestrator.sampling.slotreads as slotreads
 from claw_tasks.store import Store
 from orchestrator.sampling.sample import sample
 from orchestrator.sampling.shared import SharedIndex
@@ -45,7 +45,7 @@ def main() -> None:
     store = Store(url, namespace)
     if mode == "pause":
         ix = SharedIndex(store)
-        real, calls = index_module.decode_meta, []
+        real, calls = slotreads.decode_meta, []
 
         def decode_then_stop(*args):  # the third column of the new rows: half written
             calls.append(1)
@@ -53,7 +53,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             return real(*args)
 
-        index_module.decode_meta = decode_then_stop
+        slotreads.decode_meta = decode_then_stop
         ix.sync()
         print("not stopped", flush=True)
     elif mode == "check":
