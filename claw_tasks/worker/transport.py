@@ -20,6 +20,11 @@ from the envelope before any Celery hook runs, and an envelope it cannot build o
 the worker too. Such an envelope is dead-lettered with its reason instead (it was already
 popped from the queue: the dead letter is its record; see ``claw_tasks.worker.guard``).
 
+And one synchronous client per channel: kombu builds a new ``redis.Redis`` (over the
+channel's pool) for every ack, unacked-index write, publish and task event, ~5 % of the
+worker main process's time under image ingest (docs/benchmarks.md). The channel keeps one
+until its pool changes (kombu replaces the pool after a fork or a reconnect).
+
 The transport is registered under kombu's own ``redis`` and ``rediss`` names
 (``TRANSPORT_ALIASES``, kombu's registry of transports by URL scheme) when the worker app
 is built (``claw_tasks.worker.app``), so URLs, TLS defaults and Flower's broker view stay
@@ -28,6 +33,8 @@ exactly as with the stock transport. Clients only publish: they keep kombu's own
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -39,6 +46,19 @@ from claw_tasks.worker.guard import dead_letter_raw
 
 
 class Channel(kombu_redis.Channel):
+    _sync_client: redis.Redis | None = None
+
+    @contextmanager
+    def conn_or_acquire(self, client: redis.Redis | None = None) -> Iterator[redis.Redis]:
+        if client:
+            yield client
+            return
+        pool = self.pool  # a new one after _disconnect_pools (fork, close, reconnect)
+        cached = self._sync_client
+        if cached is None or cached.connection_pool is not pool:
+            cached = self._sync_client = self._create_client()
+        yield cached
+
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         if self.connection.client is None:  # the kombu Connection was closed under us
             raise redis.ConnectionError(
