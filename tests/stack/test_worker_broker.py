@@ -53,11 +53,12 @@ def test_every_ingest_job_s_events_reach_a_watcher_in_fewer_messages(
     )
     assert ing.close().committed == n
     assert not r.keys("celery-task-meta-*")  # ingest tasks store no result
-    # Each job's three states, as Flower shows them.
+    # Each job's four states, as Flower shows them (sent by the producer in one round trip
+    # with its task).
     seen, messages = _collect(pubsub, n // flush, time.monotonic() + 60)
     received = {u for t, u in seen if t == "task-received"}
     assert len(received) == n // flush
-    for state in ("task-started", "task-succeeded"):
+    for state in ("task-sent", "task-started", "task-succeeded"):
         assert {u for t, u in seen if t == state} == received
     # Held and sent together: Celery alone sends ~2.5 messages per job (one per event),
     # held ~0.25 here; fewer than one per job whatever the machine's load.
