@@ -19,6 +19,8 @@ from the envelope before any Celery hook runs, and an envelope it cannot build o
 (headers that are not a map, an undecodable body) raises out of the event loop and stops
 the worker too. Such an envelope is dead-lettered with its reason instead (it was already
 popped from the queue: the dead letter is its record; see ``claw_tasks.worker.guard``).
+The guard builds the message once and hands it on (kombu's own callback would build it
+again: a second base64 and JSON decode of every envelope).
 
 And one synchronous client per channel: kombu builds a new ``redis.Redis`` (over the
 channel's pool) for every ack, unacked-index write, publish and task event, ~5 % of the
@@ -66,16 +68,21 @@ class Channel(kombu_redis.Channel):
             )
         return super()._connparams(asynchronous=asynchronous)
 
-    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
-        ret = super().basic_consume(queue, *args, **kwargs)
-        deliver = self.connection._callbacks[queue]
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
+        ret = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
 
         def guarded(raw: Any) -> Any:
+            """kombu's delivery callback (``virtual.Channel.basic_consume``), with the
+            message built once and a failure to build it dead-lettered."""
             try:
-                self.Message(raw, channel=self)  # what kombu does first: can it?
+                message = self.Message(raw, channel=self)
             except Exception as e:
                 return self._bad_envelope(queue, raw, e)
-            return deliver(raw)
+            if not no_ack:
+                self.qos.append(message, message.delivery_tag)
+            return callback(message)
 
         self.connection._callbacks[queue] = guarded
         return ret
