@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import time
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from typing import Any
@@ -152,15 +153,19 @@ class GuardedConsumer(Consumer):
     rejections (unknown task, undecodable body) dead-lettered and counted too. Task
     events go out in bursts, ``EVENT_HOLD_S`` apart."""
 
-    _events_held = False
+    _held_since: float | None = None  # when the pending send was scheduled
 
     def on_send_event_buffered(self) -> None:
-        if self.hub and not self._events_held:
-            self._events_held = True
+        if not self.hub:
+            return
+        now = time.monotonic()
+        # A send long overdue (its timer lost to a reset) must not strand the events.
+        if self._held_since is None or now - self._held_since > 20 * EVENT_HOLD_S:
+            self._held_since = now
             self.hub.call_later(EVENT_HOLD_S, self._send_held_events)
 
     def _send_held_events(self) -> None:
-        self._events_held = False
+        self._held_since = None
         self._flush_events()
 
     def shutdown(self) -> None:
