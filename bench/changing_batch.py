@@ -1,9 +1,13 @@
-"""Round trips, draws and time of a batch while the store changes (a 256-step commit
-before each), with a cProfile of those batches.
+"""Round trips, draws, time and CPU of a batch while the store changes (a 256-step commit
+before each), with a cProfile of those batches if asked.
 
 The store, recipe and filters of ``bench/sample_store.py``. Round trips are counted at
 the sockets (a receive after a send), so they include the bulk reader's own connection;
-draws are calls of the recipe's sampler. Then the index is compared with a cold rebuild.
+draws are calls of the recipe's sampler. CPU: this process's (``time.process_time``) and
+redis-server's (``INFO cpu``) over the batches alone (the commits between them excluded),
+which the machine's load skews less than the wall time. With ``--profile N`` a second
+pass of as many batches runs under cProfile (its overhead is not in the times). Then the
+index is compared with a cold rebuild.
 
 Run: ``.venv/bin/python bench/changing_batch.py [--steps 1000000] [--repeats 300]
 [--profile 25]``.
@@ -78,17 +82,30 @@ def main() -> None:
         index.sync()
         for _ in range(5):
             sample(store, RECIPE, rng=rng, index=index)
-        times, trips, prof = [], 0, cProfile.Profile()
+
+        def server_cpu() -> float:
+            info = store.r.info("cpu")
+            return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+        times, trips, cpu, redis_cpu = [], 0, 0.0, 0.0
         draws["n"] = 0
         for i in range(args.repeats):
             store.commit(steps(n + 256 * i, 256, rng))
+            s0 = server_cpu()
             _trips["n"] = 0
-            t = time.perf_counter()
+            c0, t = time.process_time(), time.perf_counter()
+            sample(store, RECIPE, rng=rng, index=index)
+            times.append(time.perf_counter() - t)
+            cpu += time.process_time() - c0
+            trips += _trips["n"]
+            redis_cpu += server_cpu() - s0  # (includes the INFO call itself)
+        drawn = draws["n"]
+        prof = cProfile.Profile()
+        for i in range(args.repeats if args.profile else 0):
+            store.commit(steps(n + 256 * (args.repeats + i), 256, rng))
             prof.enable()
             sample(store, RECIPE, rng=rng, index=index)
             prof.disable()
-            times.append(time.perf_counter() - t)
-            trips += _trips["n"]
         cold = SamplingIndex(store)
         cold.sync()
         same = index.columns.keys() == cold.columns.keys() and all(
@@ -97,9 +114,11 @@ def main() -> None:
         )
         print(
             f"{n:,} steps, {args.repeats} batches after a 256-step commit each: "
-            f"{trips / args.repeats:.2f} round trips and {draws['n'] / args.repeats:.2f} draws "
+            f"{trips / args.repeats:.2f} round trips and {drawn / args.repeats:.2f} draws "
             f"a batch; {np.median(times) * 1e3:.2f} ms median "
-            f"({np.percentile(times, 95) * 1e3:.2f} p95); index == cold rebuild: {same}"
+            f"({np.percentile(times, 95) * 1e3:.2f} p95); CPU a batch "
+            f"{cpu / args.repeats * 1e3:.2f} ms here, {redis_cpu / args.repeats * 1e3:.3f} ms "
+            f"Redis; index == cold rebuild: {same}"
         )
         if args.profile:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(args.profile)

@@ -37,7 +37,7 @@ from claw_tasks.store.scripts import Lua
 from orchestrator.maintenance.evict import evict_namespace
 from orchestrator.maintenance.lifecycle import forget
 from orchestrator.maintenance.priorities import Recompute, Rules
-from orchestrator.sampling.changelog import LOG_SINCE
+from orchestrator.sampling.changelog import LOG_SINCE, REREAD
 
 TASKS = ["grasp", "reach", "lift", "push"]
 EPISODE = 100
@@ -80,6 +80,7 @@ def calls(r, script: str) -> tuple[str, np.ndarray]:
     entries = [e for e in r.slowlog_get(2_000_000) if not e["command"].startswith(b"SLOWLOG")]
     names = {Lua(s).sha.encode(): f"{s}.lua" for s in (script, "evict", "update")}
     names[LOG_SINCE.sha.encode()] = "log_since.lua"
+    names[REREAD.sha.encode()] = "reread.lua"
     longest: dict[str, float] = {}
     mine = []
     for e in entries:

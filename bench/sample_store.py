@@ -14,7 +14,7 @@ and samples 256 rows by priority. Columns (medians over ``--repeats``, p95 in br
 - unmirrored: the same batch from an index that mirrors no payload field
   (``payload_bytes=0``): the rows read by ``fetch.lua``
 - after commit: a 256-step commit before each batch (a changing store): index sync (log
-  page, re-read of the committed slots), draw, fetch with the change log read after it
+  page with the re-read of the committed slots), draw, fetch with the change log read after it
   (``bench/changing_batch.py`` counts the round trips and profiles it)
 - draw: the draw alone on a current index (rows and IS weights)
 - sync(256): commit 256 new steps, then time the index sync plus sampler refresh

@@ -14,7 +14,12 @@
 --         clear = {{base, chunk_slots}...}, eps = {{code, first_rel, first_idx, last_rel,
 --         last_idx, ended, name, newest_rel[, {step_index, id, ...}]}...} (newest_rel: the
 --         episode's highest row in the part), dead = {rel rows left not alive},
---         loglen = n}
+--         loglen = n,
+--         runs = {{base, block_slots, {{first row, records}...}}...} (run-table
+--         columns, layout.py RUN_COLUMNS: the part's rows cut where blocks end from seq0's
+--         slot on, as a column's blobs; each piece's runs as the records a block's table
+--         holds, packed by the client: <u2 slot in the block, 8 value bytes, the first at
+--         the piece's first slot)}
 -- Payload fields the client wrote in place (see alloc.lua) are not in cols.
 -- Returns {seq0, state, skipped}: state "done" (committed now or before) or "expired";
 -- the first `skipped` rows were not committed: newer seqs took their slots in between
@@ -49,6 +54,16 @@ for _, c in ipairs(spec.cols) do
     return redis.error_reply('column ' .. c[1] .. ': ' .. rows .. ' rows sent for ' .. n)
   end
   at = at + c[5]
+end
+
+for _, rc in ipairs(spec.runs or {}) do
+  local ok = #rc[3] > 0 and rc[3][1][1] == 0 and rc[3][#rc[3]][1] < n
+  for k, piece in ipairs(rc[3]) do
+    ok = ok and #piece[2] > 0 and #piece[2] % 10 == 0 and (k == 1 or piece[1] > rc[3][k - 1][1])
+  end
+  if not ok then
+    return redis.error_reply('column ' .. rc[1] .. ': run pieces are not whole records from row 0')
+  end
 end
 
 -- Rows whose slots newer seqs took since allocation are already past capacity.
@@ -104,6 +119,53 @@ for _, c in ipairs(spec.cols) do
       end
     end
     redis.call('SETRANGE', key, inchunk * size, piece)
+  end)
+end
+
+-- Run-table columns: each piece of committed rows inside one block splices the block's
+-- table of records (<u2 first slot in the block, 8 value bytes), sorted by slot, so that
+-- every other slot keeps the value it had; equal neighbours merge.
+local ZERO8 = string.rep('\0', 8)
+local function rec_slot(t, k) return (struct.unpack('<H', t, k * 10 + 1)) end  -- k from 0
+local function first_at(t, m, s)  -- the first record whose slot is >= s (0-based)
+  local lo, hi = 0, m
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if rec_slot(t, mid) < s then lo = mid + 1 else hi = mid end
+  end
+  return lo
+end
+for _, rc in ipairs(spec.runs or {}) do
+  local base, bs, pieces = rc[1], rc[2], rc[3]
+  local p = 1  -- the piece that holds row i
+  runs(bs, function(i, slot, block, inblock, len)
+    while p < #pieces and pieces[p + 1][1] <= i do p = p + 1 end
+    local new = pieces[p][2]
+    if pieces[p][1] < i then  -- its first rows were skipped: its runs from row i on
+      local k = first_at(new, #new / 10, inblock)
+      if k == #new / 10 or rec_slot(new, k) ~= inblock then
+        new = struct.pack('<H', inblock) .. string.sub(new, k * 10 - 7, k * 10) ..
+          string.sub(new, k * 10 + 1)
+      else
+        new = string.sub(new, k * 10 + 1)
+      end
+    end
+    local last = string.sub(new, -8)
+    local key = prefix .. base .. ':' .. block
+    local t = redis.call('GET', key) or ''
+    local m, stop = #t / 10, inblock + len
+    local a, e = first_at(t, m, inblock), first_at(t, m, stop)
+    if string.sub(new, 3, 10) == (a > 0 and string.sub(t, a * 10 - 7, a * 10) or ZERO8) then
+      new = string.sub(new, 11)  -- the run before goes on
+    end
+    local tail = e * 10 + 1  -- records from slot `stop` on stay
+    if e < m and rec_slot(t, e) == stop then
+      if string.sub(t, e * 10 + 3, e * 10 + 10) == last then tail = tail + 10 end
+    elseif stop < math.min(bs, cap - block * bs) then  -- the old value goes on from `stop`
+      local after = e > 0 and string.sub(t, e * 10 - 7, e * 10) or ZERO8
+      if after ~= last then new = new .. struct.pack('<H', stop) .. after end
+    end
+    redis.call('SET', key, string.sub(t, 1, a * 10) .. new .. string.sub(t, tail))
   end)
 end
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from claw_tasks.format.arrays import packb
@@ -21,10 +22,14 @@ from claw_tasks.store.layout import (
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
+    RUN_CHUNK_SLOTS,
+    RUN_COLUMNS,
+    RUN_ENTRY,
     SPARSE_CHUNK_SLOTS,
     STR_TAG_DTYPE,
     nan_xor,
     payload_chunk_slots,
+    runs_of,
 )
 
 
@@ -50,6 +55,7 @@ class Writes:
     clear: list[list[Any]] = field(default_factory=list)
     dense_blobs: list[Any] = field(default_factory=list)
     sparse_blobs: list[Any] = field(default_factory=list)
+    runs: list[list[Any]] = field(default_factory=list)
 
     def dense(
         self, name: str, row_bytes: int, chunk_slots: int, blob: Any, zero: bool = False
@@ -60,6 +66,24 @@ class Writes:
         blobs = [] if zero else _chunk_runs(blob, row_bytes, chunk_slots, self.slot0, self.cap)
         self.cols.append([name, row_bytes, chunk_slots, zero, len(blobs)])
         self.dense_blobs += blobs
+
+    def run_table(self, name: str, values: np.ndarray) -> None:
+        """A :data:`RUN_COLUMNS` column: its runs of equal values (one for a commit's one
+        ``now``), cut where blocks end and packed as the blocks' tables hold them; the
+        script splices each piece into its block's table."""
+        first, vals = runs_of(values)
+        pieces, n, i = [], len(values), 0
+        while i < n:
+            slot = (self.slot0 + i) % self.cap
+            run = min(n - i, RUN_CHUNK_SLOTS - slot % RUN_CHUNK_SLOTS, self.cap - slot)
+            lo = int(np.searchsorted(first, i, "right")) - 1
+            hi = int(np.searchsorted(first, i + run, "left"))
+            rec = np.empty(hi - lo, RUN_ENTRY)
+            rec["slot"] = np.maximum(first[lo:hi], i) - i + slot % RUN_CHUNK_SLOTS
+            rec["value"] = vals[lo:hi]
+            pieces.append([i, rec.tobytes()])
+            i += run
+        self.runs.append([name, RUN_CHUNK_SLOTS, pieces])
 
     def rows(self, name: str, rows: list[int], blobs: Any) -> None:
         self.sparse.append([name, SPARSE_CHUNK_SLOTS, rows])
@@ -123,6 +147,7 @@ class CommitPart:
             "eps": eps,
             "dead": dead,
             "loglen": LOG_MAXLEN,
+            "runs": writes.runs,
         }
         keys = [
             k.shard_key(self.shard, name)
@@ -147,7 +172,7 @@ class CommitPart:
             self.shard,
             self.cfg.n_shards,
             META_CHUNK_SLOTS,
-            packb(spec),
+            msgpack.packb(spec, use_bin_type=False),  # bytes as Lua strings (cmsgpack)
             *writes.blobs,
         ]
         _, state, skipped = self.s.scripts.commit(keys=keys, args=args)
@@ -216,6 +241,9 @@ class CommitPart:
         and info as sparse rows."""
         w = Writes(slot0, self.cfg.cap)
         for col, arr in meta.items():
+            if col in RUN_COLUMNS:
+                w.run_table(f"mr:{col}", arr)
+                continue
             dtype = META.get(col) or (STR_TAG_DTYPE if arr.dtype.kind == "i" else NUM_TAG_DTYPE)
             data = np.ascontiguousarray(arr, dtype)
             zero = not data.view(np.uint8).any()  # an unused column costs no memory

@@ -18,18 +18,20 @@ DEFAULT_CAPACITY = 1_000_000
 
 DROPPED_TTL = 86400
 
-FORMAT = 2
+FORMAT = 3
 """Version of a namespace's stored layout (this record, its keys and columns). A Claw
 reads the formats it knows (:data:`READS`) and refuses any other instead of misreading
 it; bump this with any change to the layout an older Claw would misread. 2: compressed
-fields (a field with a codec, its frames in ``z:`` hashes). A namespace without one is
-still written as 1, so a Claw that reads only 1 reads it."""
-READS = (1, 2)
-
-
-def format_of(schema: Schema | None) -> int:
-    """The format a namespace with ``schema`` is written in: the oldest that holds it."""
-    return 2 if schema is not None and schema.codecs else 1
+fields (a field with a codec, its frames in ``z:`` hashes). 3: ``timestamp`` as run
+tables (``mr:`` keys, ``layout.RUN_COLUMNS``), not a per-slot ``m:`` column."""
+READS = (3,)
+OLDER_FIX = (
+    "it was written by an older Claw: archive it with that Claw (claw archive NS --to DIR), "
+    "then restore the archive with this one (claw restore DIR -n NS), or recreate it "
+    "(claw drop, then ingest)"
+)
+"""What to do with a namespace of a format before :data:`READS` (the archive keeps every
+step's own commit time; its restore writes this format)."""
 
 
 class NamespaceError(LookupError):
@@ -61,10 +63,6 @@ class NamespaceConfig:
     episode_index: bool = False
 
     @property
-    def format(self) -> int:
-        return format_of(self.schema)
-
-    @property
     def cap(self) -> int:
         """Slots per shard."""
         return math.ceil(self.capacity / self.n_shards)
@@ -79,7 +77,7 @@ class NamespaceConfig:
                 "retention": None if self.retention is None else self.retention.to_dict(),
                 "priorities": self.priorities,
                 "spaces": self.spaces,
-                "format": self.format,
+                "format": FORMAT,
                 "episode_index": self.episode_index,
             }
         )
@@ -90,11 +88,6 @@ class NamespaceConfig:
         d = unpackb(data)
         _check_format(d.get("format"), namespace)
         schema = None if d["schema"] is None else Schema.from_dict(d["schema"])
-        if schema is not None and format_of(schema) > d["format"]:
-            raise NamespaceError(
-                f"namespace {namespace!r}: format {d['format']} cannot hold compressed fields "
-                f"({', '.join(schema.codecs)}): recreate it (claw drop, then ingest)"
-            )
         retention = Retention.of(d.get("retention"))
         priorities = d.get("priorities")
         return cls(
@@ -113,8 +106,10 @@ def _check_format(found: Any, namespace: str) -> None:
     if type(found) is int and found in READS:
         return
     ns = f"namespace {namespace!r}" if namespace else "the namespace"
-    if isinstance(found, int) and found > FORMAT:
+    if type(found) is int and found > FORMAT:
         fix = "it was written by a newer Claw: upgrade Claw (pip install -U claw) to read it"
+    elif type(found) is int and 1 <= found < min(READS):
+        fix = OLDER_FIX
     else:
         fix = "it was not written by a released Claw: recreate it (claw drop, then ingest)"
     raise NamespaceError(

@@ -37,6 +37,52 @@ META_CHUNK_SLOTS = 16376
 PAYLOAD_CHUNK_BYTES = 1024 * 1024 - 64  # chunks stay inside one jemalloc size class
 SPARSE_CHUNK_SLOTS = 4096
 
+# Run-table columns: one value per commit (every row of a commit has the same ``timestamp``),
+# stored as runs instead of per slot: per block of ``RUN_CHUNK_SLOTS`` slots, a string of
+# ``RUN_ENTRY`` records sorted by slot; a record's value holds from its slot (relative to
+# the block) to the next record's. Slots before a block's first record (or in a block with
+# no key) read as zero, like a missing metadata chunk. commit.lua splices the runs.
+RUN_COLUMNS = frozenset({"timestamp"})
+RUN_CHUNK_SLOTS = 1024  # a splice rewrites at most 1024 records (10 KiB)
+RUN_ENTRY = np.dtype([("slot", "<u2"), ("value", "<f8")])  # packed: 10 bytes
+
+
+def run_blocks(start: int, stop: int) -> range:
+    """The run-table blocks that slots ``[start, stop)`` of a shard fall in."""
+    return range(start // RUN_CHUNK_SLOTS, -(-stop // RUN_CHUNK_SLOTS) if stop > start else 0)
+
+
+def expand_runs(tables: list[bytes | None], at: np.ndarray | slice, dtype: np.dtype) -> np.ndarray:
+    """Values at positions ``at`` (an array, or a slice of them: a range is the runs
+    repeated, no search) of consecutive blocks' run tables (None or empty: no key):
+    position ``j * RUN_CHUNK_SLOTS + s`` is slot ``s`` of ``tables[j]``'s block, zero
+    before its first record."""
+    raws = [raw or b"" for raw in tables]
+    rec = np.frombuffer(b"".join(raws), RUN_ENTRY)
+    counts = np.array([len(raw) // RUN_ENTRY.itemsize for raw in raws], np.int64)
+    nb, cum = len(raws), np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    opens = cum[:-1] + np.arange(nb)  # where each block's zero record goes: before its own
+    mine = np.ones(nb + len(rec), bool)
+    mine[opens] = False
+    starts = np.repeat(np.arange(nb, dtype=np.int64) * RUN_CHUNK_SLOTS, counts + 1)
+    starts[mine] += rec["slot"]
+    values = np.zeros(nb + len(rec), dtype)
+    values[mine] = rec["value"]
+    if isinstance(at, slice):
+        lengths = np.diff(np.append(starts, nb * RUN_CHUNK_SLOTS))
+        return np.repeat(values, lengths)[at]
+    return values[np.searchsorted(starts, np.asarray(at, np.int64), side="right") - 1]
+
+
+def runs_of(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first row, value) of each run of equal consecutive ``values``."""
+    values = np.asarray(values)
+    if not len(values):
+        return np.zeros(0, np.int64), values
+    first = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+    return first, values[first]
+
+
 _F4_NAN = np.frombuffer(np.float32(np.nan).tobytes(), np.uint32)[0]
 _F8_NAN = np.frombuffer(np.float64(np.nan).tobytes(), np.uint64)[0]
 
@@ -145,6 +191,10 @@ class Keys:
 
     def meta(self, shard: int, col: str, chunk: int) -> str:
         return f"{self.shard(shard)}m:{col}:{chunk}"
+
+    def runs(self, shard: int, col: str, block: int) -> str:
+        """Run table of a :data:`RUN_COLUMNS` column over one block of ``RUN_CHUNK_SLOTS``."""
+        return f"{self.shard(shard)}mr:{col}:{block}"
 
     def field(self, shard: int, name: str, chunk: int) -> str:
         return f"{self.shard(shard)}f:{name}:{chunk}"

@@ -26,10 +26,14 @@ from claw_tasks.store.layout import (
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
+    RUN_CHUNK_SLOTS,
+    RUN_COLUMNS,
     SPARSE_CHUNK_SLOTS,
     column_dtype,
+    expand_runs,
     nan_xor,
     payload_chunk_slots,
+    run_blocks,
 )
 
 
@@ -51,8 +55,17 @@ class Reader:
         self, shards: np.ndarray, slots: np.ndarray, cols: Sequence[str]
     ) -> dict[str, np.ndarray]:
         """Metadata columns at (shard, slot) pairs, one pipelined round trip."""
+        # A run-table column: each (shard, block) table once; a slot's position in them.
+        per_shard = len(run_blocks(0, self.core.config().cap))
+        flat = np.asarray(shards, np.int64) * per_shard + slots // RUN_CHUNK_SLOTS
+        blocks, pos = np.unique(flat, return_inverse=True)
+        at = pos.reshape(-1) * RUN_CHUNK_SLOTS + slots % RUN_CHUNK_SLOTS
         with self.r.pipeline(transaction=False) as pipe:
             for col in cols:
+                if col in RUN_COLUMNS:
+                    for b in blocks.tolist():
+                        pipe.get(self.keys.runs(b // per_shard, col, b % per_shard))
+                    continue
                 size = self._dtype(col).itemsize
                 for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
                     off = (sl % META_CHUNK_SLOTS) * size
@@ -60,11 +73,16 @@ class Reader:
                         self.keys.meta(sh, col, sl // META_CHUNK_SLOTS), off, off + size - 1
                     )
             replies = pipe.execute()
-        out, k = {}, len(slots)
-        for i, col in enumerate(cols):
+        out, k, i = {}, len(slots), 0
+        for col in cols:
             dtype = self._dtype(col)
-            raw = b"".join(r.ljust(dtype.itemsize, b"\0") for r in replies[i * k : (i + 1) * k])
+            if col in RUN_COLUMNS:
+                out[col] = expand_runs(replies[i : i + len(blocks)], at, dtype)
+                i += len(blocks)
+                continue
+            raw = b"".join(r.ljust(dtype.itemsize, b"\0") for r in replies[i : i + k])
             out[col] = np.frombuffer(raw, dtype).copy()
+            i += k
         return out
 
     def _dtype(self, col: str) -> np.dtype:
@@ -80,22 +98,31 @@ class Reader:
             if schema is not None:
                 cols += [tag_column(t) for t in schema.tags]
         n_chunks = math.ceil(cfg.cap / META_CHUNK_SLOTS)
+        blocks = run_blocks(0, cfg.cap)
         with self.r.pipeline(transaction=False) as pipe:
             for col in cols:
-                for c in range(n_chunks):
-                    pipe.get(self.keys.meta(shard, col, c))
+                for c in blocks if col in RUN_COLUMNS else range(n_chunks):
+                    pipe.get(
+                        (self.keys.runs if col in RUN_COLUMNS else self.keys.meta)(shard, col, c)
+                    )
             pipe.get(self.keys.shard_key(shard, "alive"))
             replies = pipe.execute()
         out: dict[str, np.ndarray] = {}
-        for i, col in enumerate(cols):
+        i = 0
+        for col in cols:
             dtype = self._dtype(col)
+            if col in RUN_COLUMNS:
+                out[col] = expand_runs(replies[i : i + len(blocks)], slice(0, cfg.cap), dtype)
+                i += len(blocks)
+                continue
             arr = np.zeros(cfg.cap, dtype)
             for c in range(n_chunks):
-                raw = replies[i * n_chunks + c]
+                raw = replies[i + c]
                 if raw:
                     part = np.frombuffer(raw, dtype)
                     arr[c * META_CHUNK_SLOTS : c * META_CHUNK_SLOTS + len(part)] = part
             out[col] = decode_meta(col, arr, schema)
+            i += n_chunks
         bits = replies[-1] or b""
         alive = np.unpackbits(np.frombuffer(bits, np.uint8))[: cfg.cap].astype(bool)
         out["alive"] = np.pad(alive, (0, cfg.cap - len(alive)))

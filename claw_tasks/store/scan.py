@@ -23,9 +23,13 @@ from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import (
     META,
     META_CHUNK_SLOTS,
+    RUN_CHUNK_SLOTS,
+    RUN_COLUMNS,
     SPARSE_CHUNK_SLOTS,
     column_dtype,
+    expand_runs,
     payload_chunk_slots,
+    run_blocks,
 )
 from claw_tasks.store.reader import decode_meta
 
@@ -60,8 +64,13 @@ def read_meta_run(
     if cols is None:
         cols = [*META, *(tag_column(t) for t in (schema.tags if schema else {}))]
     pieces = _pieces(slot0, n, META_CHUNK_SLOTS)
+    blocks = run_blocks(slot0, slot0 + n)
     with store.r.pipeline(transaction=False) as pipe:
         for col in cols:
+            if col in RUN_COLUMNS:
+                for block in blocks:
+                    pipe.get(store.keys.runs(shard, col, block))
+                continue
             size = column_dtype(col, schema).itemsize
             for chunk, inchunk, take in pieces:
                 key = store.keys.meta(shard, col, chunk)
@@ -70,9 +79,17 @@ def read_meta_run(
         pipe.getrange(store.keys.shard_key(shard, "alive"), b0, b1)
         replies = pipe.execute()
     out: dict[str, np.ndarray] = {}
-    for i, col in enumerate(cols):
+    i = 0
+    for col in cols:
         dtype = column_dtype(col, schema)
-        parts = replies[i * len(pieces) : (i + 1) * len(pieces)]
+        if col in RUN_COLUMNS:
+            off = slot0 - blocks.start * RUN_CHUNK_SLOTS
+            at = slice(off, off + n)
+            out[col] = expand_runs(replies[i : i + len(blocks)], at, dtype)
+            i += len(blocks)
+            continue
+        parts = replies[i : i + len(pieces)]
+        i += len(pieces)
         sizes = [take * dtype.itemsize for _, _, take in pieces]
         raw = b"".join(p.ljust(size, b"\0") for p, size in zip(parts, sizes, strict=True))
         out[col] = decode_meta(col, np.frombuffer(raw, dtype).copy(), schema)

@@ -17,6 +17,9 @@ from claw_tasks.store.layout import (
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
+    RUN_CHUNK_SLOTS,
+    RUN_COLUMNS,
+    RUN_ENTRY,
     SPARSE_CHUNK_SLOTS,
     STR_TAG_DTYPE,
     Keys,
@@ -27,7 +30,7 @@ from orchestrator.inspect.namespaces import NamespaceKey, scan_keys
 CHECKS: dict[str, str] = {
     "config": "the config key exists and parses",
     "keys": "store keys have the layout's type; every shard key is part of the layout",
-    "chunks": "column, payload and bitmap keys have the layout's size",
+    "chunks": "column, payload and bitmap keys have the layout's size; run tables are sorted",
     "expiry": "staging keys and batch markers expire; no processed batch is still staged",
     "ids": "each alive slot holds an id that maps back to that slot",
     "links": "next links point at live steps of the same episode with step_index + 1",
@@ -65,6 +68,7 @@ class Report:
 class _Expect:
     type: str
     size: int | None = None  # STRLEN, for fixed-size strings
+    block: int | None = None  # slots of a run table's block
 
 
 def check_namespace(r: redis.Redis, namespace: str) -> Report:
@@ -114,6 +118,7 @@ def _check_keys(
             pipe.ttl(k.key)
         replies = pipe.execute()
     sized: list[tuple[NamespaceKey, int]] = []
+    tables: list[tuple[NamespaceKey, int]] = []
     for i, k in enumerate(keys):
         kind, ttl = replies[2 * i].decode(), replies[2 * i + 1]
         if ttl == -2:  # expired since the scan
@@ -131,9 +136,12 @@ def _check_keys(
             continue
         if expect.size is not None:
             sized.append((k, expect.size))
+        if expect.block is not None:
+            tables.append((k, expect.block))
         if k.name.startswith(_EXPIRING) and ttl == -1:
             rep.add("expiry", where, "has no TTL: it would never expire")
     _check_sizes(r, sized, rep)
+    _check_run_tables(r, tables, rep)
     _check_staged(r, keys, rep)
 
 
@@ -182,7 +190,13 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
     if not chunk_text.isdigit():
         raise ValueError("unknown shard key")
     chunk = int(chunk_text)
+    if kind == "mr":
+        if base not in RUN_COLUMNS:
+            raise ValueError(f"{base!r} is not a run-table column")
+        return _Expect("string", block=_chunk_slots(chunk, RUN_CHUNK_SLOTS, cap))
     if kind == "m":
+        if base in RUN_COLUMNS:
+            raise ValueError(f"{base!r} is stored as run tables (mr:), not as an m: column")
         itemsize = _column_itemsize(base, cfg)
         return _Expect("string", _chunk_slots(chunk, META_CHUNK_SLOTS, cap) * itemsize)
     spec = schema.fields.get(base) if schema else None
@@ -224,6 +238,23 @@ def _check_sizes(r: redis.Redis, sized: list[tuple[NamespaceKey, int]], rep: Rep
     for (k, want), got in zip(sized, lengths, strict=True):
         if got and got != want:
             rep.add("chunks", _where(k), f"{got} bytes, the layout says {want}")
+
+
+def _check_run_tables(r: redis.Redis, tables: list[tuple[NamespaceKey, int]], rep: Report) -> None:
+    """Each run table is whole records whose first slots increase inside the block."""
+    with r.pipeline(transaction=False) as pipe:
+        for k, _ in tables:
+            pipe.get(k.key)
+        raws = pipe.execute()
+    for (k, block), raw in zip(tables, raws, strict=True):
+        if raw is None:
+            continue
+        if len(raw) % RUN_ENTRY.itemsize:
+            rep.add("chunks", _where(k), f"{len(raw)} bytes: not whole run records")
+            continue
+        first = np.frombuffer(raw, RUN_ENTRY)["slot"].astype(np.int64)
+        if (np.diff(first) <= 0).any() or (len(first) and first[-1] >= block):
+            rep.add("chunks", _where(k), f"run starts not increasing inside {block} slots")
 
 
 def _check_staged(r: redis.Redis, keys: list[NamespaceKey], rep: Report) -> None:

@@ -12,6 +12,11 @@ quiet store) reads one command instead: ``XRANGE`` from its last entry, inclusiv
 quiet log the reply is that one entry (what ``XREVRANGE + - COUNT 1`` returned before:
 the same cost); otherwise it is a page whose first entry proves that no entry after the
 position is gone, so a sync applies it (:class:`LogRead`) instead of reading it again.
+
+A sync queues ``lua/reread.lua`` per shard after its pages: it reads the log after the
+position again and the slots its ``seq``/``n`` entries name (:func:`reread_args`), so the
+re-read of committed slots needs no round trip of its own (:class:`~orchestrator.
+sampling.index.SamplingIndex`).
 """
 
 from __future__ import annotations
@@ -20,9 +25,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from claw_tasks.store.layout import (
+    META_CHUNK_SLOTS,
+    RUN_CHUNK_SLOTS,
+    RUN_COLUMNS,
+    payload_chunk_slots,
+)
 from claw_tasks.store.scripts import Lua
 
 LOG_SINCE = Lua("log_since", "orchestrator")
+REREAD = Lua("reread", "orchestrator")
+REREAD_ENTRIES, REREAD_SLOTS = 64, 16_384
+"""Most entries and slots per shard that a page's own round trip re-reads (``reread.lua``);
+past them the reader reads the slots in a round trip of their own."""
 
 
 def page_commands(key: str, last: str, seen: int, page: int) -> list[list[Any]]:
@@ -82,6 +99,43 @@ def from_last_page(reply: Sequence[Any], last: str) -> tuple[bool, list[Entry] |
     if entries[0][0].decode() != last:
         return False, None
     return len(entries) == 1, entries[1:]
+
+
+def slot_runs(inserts: list[tuple[int, int]], cap: int, chunk: int) -> list[tuple[int, int]]:
+    """Slot runs [start, stop) of a ring of ``cap`` slots covered by inserts (seq0, n):
+    merged, split at chunks of ``chunk`` slots."""
+    spans = []
+    for seq0, n in inserts:
+        start, n = (seq0 - 1) % cap, min(n, cap)
+        spans += [(start, start + n)] if start + n <= cap else [(start, cap), (0, start + n - cap)]
+    merged: list[list[int]] = []
+    for start, stop in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    runs = []
+    for start, stop in merged:
+        while start < stop:
+            end = min(stop, (start // chunk + 1) * chunk)
+            runs.append((start, end))
+            start = end
+    return runs
+
+
+def reread_args(head: list[Any], cols: list[str], columns: dict[str, np.ndarray]) -> list[Any]:
+    """``reread.lua``'s arguments: ``head`` (shard prefix, cap, last entry id), the limits,
+    then each of ``cols`` as stored (its key base, row bytes and slots per chunk; a run
+    column's row bytes are 0)."""
+    args = [*head, REREAD_ENTRIES, REREAD_SLOTS]
+    for col in cols:
+        if col in RUN_COLUMNS:  # row bytes 0: the script returns the blocks' run tables
+            args += [f"mr:{col}", 0, RUN_CHUNK_SLOTS]
+            continue
+        size = columns[col].itemsize
+        chunk = payload_chunk_slots(size) if col.startswith("f:") else META_CHUNK_SLOTS
+        args += [col if col.startswith("f:") else f"m:{col}", size, chunk]
+    return args
 
 
 def _fields(kv: Any) -> dict[bytes, bytes]:

@@ -8,9 +8,12 @@ only source of truth: the index is built cold from the shards' ``m:<col>`` strin
 (:mod:`orchestrator.sampling.changelog`):
 
 - events with ``seq``/``n`` (``ins``: a committed slot range; ``evict``: slots freed for
-  a ring overwrite): the range is read again, every column plus its alive bits, with one
-  GETRANGE per column and chunk run, so an overwritten step's row is replaced whole;
-  ``links`` (``next`` distances a commit set on older rows) are applied directly;
+  a ring overwrite): the range is read again, every column plus its alive bits, so an
+  overwritten step's row is replaced whole: by ``lua/reread.lua``, queued after the
+  page's reads in the same round trip (it reads the log again itself and the slots its
+  entries name, atomically), or, past its limits or for pages a fetch read, by one
+  GETRANGE per column and chunk run in a round trip of its own; ``links`` (``next``
+  distances a commit set on older rows) are applied directly;
 - events with ``col``/``ids``/``values`` (``prio``, ``cur``): applied from the payload to
   the rows that still hold those ids; ``evict`` events with ``ids`` (retention, manual
   eviction) clear those rows' alive flags; ``forget`` events (pruned dictionary codes)
@@ -47,16 +50,23 @@ from claw_tasks.store.layout import (
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
+    RUN_CHUNK_SLOTS,
+    RUN_COLUMNS,
     STR_TAG_DTYPE,
+    expand_runs,
     payload_chunk_slots,
+    run_blocks,
 )
 from claw_tasks.store.scripts import execute
 from orchestrator.sampling.changelog import (
     LOG_SINCE,
+    REREAD,
     Entry,
     LogRead,
     page_commands,
     page_replies,
+    reread_args,
+    slot_runs,
 )
 
 LOG_PAGE = 1_000
@@ -232,8 +242,19 @@ class SamplingIndex:
             for key, last, seen in zip(self.log_keys, self.log_last, self.log_seen, strict=True):
                 for command in page_commands(key, last, seen, LOG_PAGE):
                     pipe.execute_command(*command)
+            pipe.get(self.store.keys.config)
+            for shard in range(self.n_shards):  # after the pages: the slots they name
+                keys = [self.log_keys[shard], self.store.keys.shard_key(shard, "alive")]
+                args = [self.store.keys.shard(shard), self.cap, self.log_last[shard]]
+                REREAD.queue(pipe, keys, reread_args(args, self._reread_columns(), self.columns))
 
-        replies = pages or page_replies(execute(self.store.r, [LOG_SINCE], queue))
+        spans: list[Any] | None = None  # per shard: what reread.lua read
+        config_raw = None
+        if pages is None:
+            got = execute(self.store.r, [LOG_SINCE, REREAD], queue)
+            n = 2 * self.n_shards
+            pages, config_raw, spans = page_replies(got[:n]), got[n], got[n + 1 :]
+        replies = pages
         if any(lost for lost, _ in replies):
             raise RebuildNeeded
         inserted: dict[int, list[tuple[int, int]]] = {}
@@ -252,7 +273,8 @@ class SamplingIndex:
                 else:
                     raise RebuildNeeded
         if inserted:
-            changed.extend(self._reread(inserted))
+            sizes = [len(entries) for _, entries in replies]
+            changed.extend(self._reread(inserted, spans, sizes, config_raw))
         for shard, (_, entries) in enumerate(replies):
             if entries:
                 self.log_last[shard] = entries[-1][0].decode()
@@ -297,47 +319,63 @@ class SamplingIndex:
         return rows[held]
 
     # ---- reading slot ranges -------------------------------------------------------
-    def _runs(
-        self, inserts: list[tuple[int, int]], chunk: int = META_CHUNK_SLOTS
-    ) -> list[tuple[int, int]]:
-        """Slot runs [start, stop) covered by inserts (seq0, n): merged, split at chunks of
-        ``chunk`` slots."""
-        cap, spans = self.cap, []
-        for seq0, n in inserts:
-            start, n = (seq0 - 1) % cap, min(n, cap)
-            spans += (
-                [(start, start + n)] if start + n <= cap else [(start, cap), (0, start + n - cap)]
-            )
-        merged: list[list[int]] = []
-        for start, stop in sorted(spans):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], stop)
-            else:
-                merged.append([start, stop])
-        runs = []
-        for start, stop in merged:
-            while start < stop:
-                end = min(stop, (start // chunk + 1) * chunk)
-                runs.append((start, end))
-                start = end
-        return runs
+    def _reread_columns(self) -> list[str]:
+        cols = [c for c in self.columns if c != "alive"]
+        return [c for c in cols if not c.startswith("f:")] + [c for c in cols if c.startswith("f:")]
 
-    def _reread(self, inserted: dict[int, list[tuple[int, int]]]) -> list[np.ndarray]:
-        """Read the inserted slot ranges again, every column and the alive bits, in one
-        round trip (with the config, for new tags)."""
+    def _reread(
+        self,
+        inserted: dict[int, list[tuple[int, int]]],
+        spans: list[Any] | None = None,
+        sizes: list[int] | None = None,
+        config_raw: bytes | None = None,
+    ) -> list[np.ndarray]:
+        """Read the inserted slot ranges again, every column and the alive bits: from
+        ``spans`` (``reread.lua``'s replies, read with the pages) for each shard whose
+        reply covers its page's ``sizes`` entries, the others in one round trip (with the
+        config, for new tags)."""
+        changed = []
+        if spans is not None and sizes is not None:
+            cols = self._reread_columns()
+            for shard in list(inserted):
+                reply = spans[shard]
+                if not reply or int(reply[0]) < sizes[shard]:
+                    continue  # past the script's limits: read below
+                del inserted[shard]
+                for at in range(1, len(reply), len(cols) + 3):
+                    start, stop = int(reply[at]), int(reply[at + 1])
+                    for col, raw in zip(cols, reply[at + 2 : at + 2 + len(cols)], strict=True):
+                        if col in RUN_COLUMNS:  # the script's list of the span's blocks
+                            self._put_runs(shard, start, stop, col, raw)
+                        else:
+                            self._put(shard, start, stop, col, raw)
+                    self._put_alive(shard, start, stop, reply[at + 2 + len(cols)])
+                    base = shard * self.cap
+                    changed.append(np.arange(base + start, base + stop, dtype=np.int64))
+            if not inserted:
+                self.check_config(config_raw)
+                return changed
         keys = self.store.keys
         cols = [c for c in self.columns if c != "alive" and not c.startswith("f:")]
-        plan = [(s, run) for s, ins in inserted.items() for run in self._runs(ins)]
+        plan = [
+            (s, run)
+            for s, ins in inserted.items()
+            for run in slot_runs(ins, self.cap, META_CHUNK_SLOTS)
+        ]
         payload = []  # (shard, column, start, stop): runs split at the field's chunks
         for col in [c for c in self.columns if c.startswith("f:")]:
             per_chunk = payload_chunk_slots(self.columns[col].itemsize)
             for shard, ins in inserted.items():
-                payload += [(shard, col, *run) for run in self._runs(ins, per_chunk)]
+                payload += [(shard, col, *run) for run in slot_runs(ins, self.cap, per_chunk)]
         with self.store.r.pipeline(transaction=False) as pipe:
             pipe.get(keys.config)
             for shard, (start, stop) in plan:
                 chunk, off = divmod(start, META_CHUNK_SLOTS)
                 for col in cols:
+                    if col in RUN_COLUMNS:  # the run tables of the blocks the run touches
+                        for block in run_blocks(start, stop):
+                            pipe.get(keys.runs(shard, col, block))
+                        continue
                     size = self.columns[col].itemsize
                     pipe.getrange(
                         keys.meta(shard, col, chunk), off * size, (off + stop - start) * size - 1
@@ -352,28 +390,55 @@ class SamplingIndex:
         for (shard, col, start, stop), raw in zip(
             payload, replies[len(replies) - len(payload) :], strict=True
         ):
-            base, size = shard * self.cap, self.columns[col].itemsize
-            dest = self.columns[col][base + start : base + stop].view(np.uint8)
-            dest[:] = 0
-            dest[: len(raw)] = np.frombuffer(raw, np.uint8)
-        changed, i = [], 0
+            self._put(shard, start, stop, col, raw)
+        i = 0
         for shard, (start, stop) in plan:
-            n, base = stop - start, shard * self.cap
             for col in cols:
-                dtype = self.column_dtype(col)
-                raw = np.zeros(n, dtype)
-                got = np.frombuffer(replies[i], dtype)
-                raw[: len(got)] = got
-                self.columns[col][base + start : base + stop] = decode_meta(col, raw, self.schema)
+                if col in RUN_COLUMNS:  # one reply per block the run touches
+                    blocks = len(run_blocks(start, stop))
+                    self._put_runs(shard, start, stop, col, replies[i : i + blocks])
+                    i += blocks
+                    continue
+                self._put(shard, start, stop, col, replies[i])
                 i += 1
-            bits = np.unpackbits(np.frombuffer(replies[i], np.uint8))[start % 8 : start % 8 + n]
-            alive = self.columns["alive"][base + start : base + stop]
-            alive[:] = False
-            alive[: len(bits)] = bits.astype(bool)
+            self._put_alive(shard, start, stop, replies[i])
             i += 1
+            base = shard * self.cap
             changed.append(np.arange(base + start, base + stop, dtype=np.int64))
         self.check_config(config_raw)
         return changed
+
+    def _put(self, shard: int, start: int, stop: int, col: str, raw: bytes) -> None:
+        """Column ``col`` of slots [start, stop) of ``shard`` from its stored bytes (short:
+        zeros after them)."""
+        dest = self.columns[col][shard * self.cap + start : shard * self.cap + stop]
+        if col.startswith("f:"):
+            view = dest.view(np.uint8)
+            view[:] = 0
+            view[: len(raw)] = np.frombuffer(raw, np.uint8)
+            return
+        dtype = self.column_dtype(col)
+        values = np.zeros(stop - start, dtype)
+        got = np.frombuffer(raw, dtype)
+        values[: len(got)] = got
+        dest[:] = decode_meta(col, values, self.schema)
+
+    def _put_runs(
+        self, shard: int, start: int, stop: int, col: str, tables: list[bytes | None]
+    ) -> None:
+        """Run column ``col`` of slots [start, stop) of ``shard`` from the run tables of
+        the blocks those slots fall in (``run_blocks``), in order."""
+        off = run_blocks(start, stop).start * RUN_CHUNK_SLOTS
+        got = expand_runs(list(tables), slice(start - off, stop - off), self.column_dtype(col))
+        self.columns[col][shard * self.cap + start : shard * self.cap + stop] = got
+
+    def _put_alive(self, shard: int, start: int, stop: int, raw: bytes) -> None:
+        """The alive flags of slots [start, stop) of ``shard`` from the bitmap's bytes
+        ``start // 8 .. (stop - 1) // 8``."""
+        bits = np.unpackbits(np.frombuffer(raw, np.uint8))[start % 8 : start % 8 + stop - start]
+        alive = self.columns["alive"][shard * self.cap + start : shard * self.cap + stop]
+        alive[:] = False
+        alive[: len(bits)] = bits.astype(bool)
 
     def check_config(self, raw: bytes | None) -> None:
         """Called with the namespace config read by every incremental sync that reread

@@ -13,8 +13,8 @@ at its start), the call skips the sync: it draws from the index as it is, and th
 fetch's log read (each log from the index's last entry) proves the index current, one
 round trip in all; any new entry means a sync, which applies the entries that fetch read
 instead of reading them again, and a new draw. A store that changes between calls is
-synced first: three round trips (log page, re-read of the committed slots, checked
-fetch) and one draw.
+synced first: two round trips (log page with the re-read of the slots it names,
+checked fetch) and one draw.
 
 Batch fields, in the recipe's order:
 

@@ -16,6 +16,7 @@ from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
+from claw_tasks.store.config import FORMAT
 from orchestrator import Recipe, sample
 
 SHAPE = (12, 10, 3)
@@ -113,7 +114,7 @@ def test_round_trip_through_the_store(redis_url, namespace, codec, n_shards):
     np.testing.assert_array_equal(sb["next_obs"], _want_next(obs, sb["action"]))
     for i, a in enumerate(sb["action"].tolist()):
         np.testing.assert_array_equal(sb["tokens"][i], tokens[a])  # collated by delivery
-    assert unpackb(store.r.get(store.keys.config))["format"] == 2
+    assert unpackb(store.r.get(store.keys.config))["format"] == FORMAT
     assert not any(store.r.exists(store.keys.field(s, "obs", 0)) for s in range(n_shards))
 
 
@@ -199,16 +200,14 @@ def test_eviction_frees_frames_except_deltas_until_the_ring(redis_url, namespace
     assert r.hlen(key) == 40
 
 
-def test_an_older_claw_reads_uncompressed_namespaces_and_the_format_records_it(
-    redis_url, namespace
-):
+def test_every_namespace_records_the_current_format(redis_url, namespace):
     store = Store(redis_url, namespace)
     store.create(capacity=10, schema=_schema("zstd"))
     r = redis.Redis.from_url(redis_url)
-    assert unpackb(r.get(store.keys.config))["format"] == 2
+    assert unpackb(r.get(store.keys.config))["format"] == FORMAT
     plain = Store(redis_url, namespace + "p")
     plain.create(capacity=10, schema=Schema(fields={"obs": FieldSpec("|u1", SHAPE)}))
-    assert unpackb(r.get(plain.keys.config))["format"] == 1
+    assert unpackb(r.get(plain.keys.config))["format"] == FORMAT
     assert store.config(refresh=True).schema.codecs == {"obs": Codec("zstd")}
 
 

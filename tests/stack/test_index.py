@@ -181,3 +181,31 @@ def test_error_half_way_leaves_the_index_cold(store, monkeypatch, make):
     monkeypatch.undo()
     assert ix.sync() is None
     assert_cold_equal(ix)
+
+
+@pytest.mark.parametrize("limits", [(64, 16_384), (1, 16_384), (64, 10)])
+def test_a_sync_rereads_committed_slots_in_its_page_round_trip(store, make, monkeypatch, limits):
+    """The slots a page's entries name are read by ``reread.lua`` in the page's own round
+    trip (one pipeline per sync), wrapping ring included; past its entry or slot limits in
+    a second one. Either way the index equals a cold rebuild."""
+    import orchestrator.sampling.changelog as changelog
+
+    monkeypatch.setattr(changelog, "REREAD_ENTRIES", limits[0])
+    monkeypatch.setattr(changelog, "REREAD_SLOTS", limits[1])
+    store.commit(batch(interleave(episode(1, 40, "terminated"), episode(2, 30))))
+    ix = make(store)
+    ix.sync()
+    pipelines = []
+    real = store.r.pipeline
+    monkeypatch.setattr(store.r, "pipeline", lambda *a, **k: pipelines.append(1) or real(*a, **k))
+    for e in range(3, 12):  # past the ring of 300: evict and ins entries, wrapping slots
+        store.commit(batch(episode(e, 35, "terminated", task_id="a") + episode(e + 20, 20)))
+        store.commit(batch(episode(e + 40, 5)))
+        pipelines.clear()
+        assert len(ix.sync())
+        if isinstance(ix, SharedIndex):
+            continue
+        if e > 3:  # (the first loads the script)
+            assert len(pipelines) == (1 if limits == (64, 16_384) else 2)
+    monkeypatch.setattr(store.r, "pipeline", real)
+    assert_cold_equal(ix)

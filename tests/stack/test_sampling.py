@@ -375,7 +375,9 @@ def test_a_changing_store_reads_each_log_page_once(store):
     the entries after its positions, refuses the batch, and the sync applies those entries
     instead of reading them again (per shard: that XRANGE, then the checked fetch's page:
     XRANGE and its loss check). A commit before the call after that: the store is
-    changing, so the call syncs first (no draw to throw away). The batches hold the
+    changing, so the call syncs first (no draw to throw away), its page's round trip
+    re-reading the committed slots (``reread.lua``: one more EVALSHA per shard, and the
+    XRANGE it runs inside). The batches hold the
     committed steps as stored; the index stays what a cold rebuild gives."""
     store.commit(batch(interleave(*(episode(e, 10, "terminated", task_id="a") for e in range(4)))))
     store.commit(batch(episode(4, 10, "terminated", task_id="b")))
@@ -384,7 +386,7 @@ def test_a_changing_store_reads_each_log_page_once(store):
     ix = SamplingIndex(store)
     sample(store, rb, index=ix)
     sample(store, r, index=ix)  # quiet from here
-    for e, (xrange, evalsha) in [(5, (4, 2)), (6, (4, 4))]:
+    for e, (xrange, evalsha) in [(5, (4, 2)), (6, (6, 6))]:
         store.commit(batch(episode(e, 10, "terminated", task_id="b")))
         _calls(store)
         b = sample(store, rb, index=ix)
@@ -429,9 +431,9 @@ def test_rows_overwritten_between_sync_and_fetch_are_never_served(store):
     b = sample(store, r, index=ix)
     calls = _calls(store)
     assert not pending
-    # the call's two syncs: one page read (the second applies the refused fetch's); two
-    # checked fetches; the commit's own commands read no log
-    assert calls["xrange"] == 6
+    # the call's two syncs: one page read, with reread.lua's XRANGE per shard (the second
+    # applies the refused fetch's); two checked fetches; the commit's own commands read no log
+    assert calls["xrange"] == 8
     assert not np.isin(b.ids, old).any()
     want = store.get(b.ids, ["obs", "action", "next_obs"])
     for field in ("obs", "action", "next_obs"):

@@ -152,12 +152,20 @@ def test_config_records_its_format(redis_url, namespace):
     store = Store(redis_url, namespace)
     store.create(capacity=10)
     r = redis.Redis.from_url(redis_url)
-    assert unpackb(r.get(store.keys.config))["format"] == 1  # no compressed field: still 1
+    assert unpackb(r.get(store.keys.config))["format"] == FORMAT == 3
 
 
 @pytest.mark.parametrize(
     ("found", "fix"),
-    [(FORMAT + 1, "upgrade Claw"), (None, "recreate it"), ("1", "recreate it")],
+    [
+        (FORMAT + 1, "upgrade Claw"),
+        (None, "recreate it"),
+        ("1", "recreate it"),
+        # Formats 1 and 2 kept a per-slot m:timestamp column: an archive of the namespace
+        # (every step's own time) restores into this format.
+        (1, "then restore the archive with this one (claw restore DIR -n NS)"),
+        (2, "archive it with that Claw (claw archive NS --to DIR)"),
+    ],
 )
 def test_an_unknown_format_is_refused_not_misread(redis_url, namespace, found, fix):
     Store(redis_url, namespace).create(capacity=10)

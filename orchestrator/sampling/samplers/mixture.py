@@ -16,7 +16,7 @@ import numpy as np
 
 from claw_tasks.where import Encoder, Where
 from orchestrator.recipe.model import Recipe, Source
-from orchestrator.sampling.candidates import Columns
+from orchestrator.sampling.candidates import Columns, sorted_unique
 from orchestrator.sampling.groups import Claims, Groups
 from orchestrator.sampling.joint import JointTable, JointWhere, joint_acceptor
 from orchestrator.sampling.samplers.base import SAMPLERS, Accept, Context, Part
@@ -78,7 +78,7 @@ class RecipeSampler:
             for s in self.sources:
                 s.invalidate()
             return
-        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        rows = sorted_unique(rows)
         if self._max is not None:
             self._max.update(rows, _max_leaves(columns, rows))
         for s in self.sources:

@@ -69,7 +69,7 @@ class PrioritySampler(WithReplacement):
         p = columns["priority"][rows].astype(np.float64)
         unset = np.isnan(p)
         now_unset = (cand & unset).astype(np.float64)
-        self._unset += int(now_unset.sum() - tree.levels[0][n + rows].sum())
+        self._unset += int(now_unset.sum() - tree.leaves[n + rows].sum())
         mass = np.where(cand & ~unset, p**self.alpha, 0.0)
         tree.update(np.concatenate([rows, n + rows]), np.concatenate([mass, now_unset]))
 

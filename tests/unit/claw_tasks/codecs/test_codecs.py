@@ -118,6 +118,27 @@ def test_unfiltered_png_inflated_by_zlib_is_what_libpng_reads(shape):
         assert ok and decode(png, [f.tobytes()], "|u1", shape).tobytes() == rows[1].tobytes()
 
 
+@pytest.mark.parametrize("codec", ["png", "zstd"])
+def test_empty_frames_read_as_zeros_among_decoded_ones(codec):
+    """A batch's rows are written in place: an empty or None frame's row is zeros."""
+    rows = _rows("|u1", (12, 10, 3), n=4)
+    c = Codec.of(codec)
+    frames: list = [bytes(f) for f in encode(c, rows)]
+    frames[1], frames[3] = b"", None
+    got = decode(c, frames, "|u1", (12, 10, 3))
+    assert not got[1].any() and not got[3].any()
+    assert got[[0, 2]].tobytes() == rows[[0, 2]].tobytes()
+
+
+def test_png_of_another_size_is_refused():
+    """A frame as ``encode`` writes it but of another image size or mode: not the field's."""
+    png = Codec.of("png")
+    for shape in ((10, 12, 3), (12, 10)):
+        frame = bytes(encode(png, _rows("|u1", shape, n=1))[0])
+        with pytest.raises(CodecError, match="the field holds RGB 10x12"):
+            decode(png, [frame], "|u1", (12, 10, 3))
+
+
 @pytest.mark.parametrize(
     ("codec", "shape"), [("jpeg:95", (32, 32, 3)), ("jpeg:90", (32, 32)), ("webp:90", (32, 32, 3))]
 )
