@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import time
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from typing import Any
@@ -43,6 +44,11 @@ _STR_HEADERS = (
     "lang",
 )
 _EMBED = frozenset({"callbacks", "errbacks", "chain", "chord"})
+EVENT_HOLD_S = 0.05
+"""How long the worker holds its task events before one message sends them all. Celery
+sends them on the next loop turn, ~3 PUBLISHes per task (received, started, succeeded);
+held this long, one carries all the tasks of the last 50 ms, which Flower still shows
+(docs/benchmarks.md, "Before/after: per-message costs of image ingest")."""
 
 
 def _number_or_none(v: Any) -> bool:
@@ -144,7 +150,27 @@ def dead_letter_raw(data: bytes, reason: str) -> bool:
 
 class GuardedConsumer(Consumer):
     """Celery's consumer with ``check`` in front of every task message, and Celery's own
-    rejections (unknown task, undecodable body) dead-lettered and counted too."""
+    rejections (unknown task, undecodable body) dead-lettered and counted too. Task
+    events go out in bursts, ``EVENT_HOLD_S`` apart."""
+
+    _held_since: float | None = None  # when the pending send was scheduled
+
+    def on_send_event_buffered(self) -> None:
+        if not self.hub:
+            return
+        now = time.monotonic()
+        # A send long overdue (its timer lost to a reset) must not strand the events.
+        if self._held_since is None or now - self._held_since > 20 * EVENT_HOLD_S:
+            self._held_since = now
+            self.hub.call_later(EVENT_HOLD_S, self._send_held_events)
+
+    def _send_held_events(self) -> None:
+        self._held_since = None
+        self._flush_events()
+
+    def shutdown(self) -> None:
+        self._flush_events()  # what is held goes out before the dispatcher closes
+        super().shutdown()
 
     def check(self, message: Any) -> None:
         if message.content_type != CONTENT_TYPE or message.content_encoding != "binary":

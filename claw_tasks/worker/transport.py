@@ -19,6 +19,13 @@ from the envelope before any Celery hook runs, and an envelope it cannot build o
 (headers that are not a map, an undecodable body) raises out of the event loop and stops
 the worker too. Such an envelope is dead-lettered with its reason instead (it was already
 popped from the queue: the dead letter is its record; see ``claw_tasks.worker.guard``).
+The guard builds the message once and hands it on (kombu's own callback would build it
+again: a second base64 and JSON decode of every envelope).
+
+And one synchronous client per channel: kombu builds a new ``redis.Redis`` (over the
+channel's pool) for every ack, unacked-index write, publish and task event, ~5 % of the
+worker main process's time under image ingest (docs/benchmarks.md). The channel keeps one
+until its pool changes (kombu replaces the pool after a fork or a reconnect).
 
 The transport is registered under kombu's own ``redis`` and ``rediss`` names
 (``TRANSPORT_ALIASES``, kombu's registry of transports by URL scheme) when the worker app
@@ -28,6 +35,8 @@ exactly as with the stock transport. Clients only publish: they keep kombu's own
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -39,6 +48,19 @@ from claw_tasks.worker.guard import dead_letter_raw
 
 
 class Channel(kombu_redis.Channel):
+    _sync_client: redis.Redis | None = None
+
+    @contextmanager
+    def conn_or_acquire(self, client: redis.Redis | None = None) -> Iterator[redis.Redis]:
+        if client:
+            yield client
+            return
+        pool = self.pool  # a new one after _disconnect_pools (fork, close, reconnect)
+        cached = self._sync_client
+        if cached is None or cached.connection_pool is not pool:
+            cached = self._sync_client = self._create_client()
+        yield cached
+
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         if self.connection.client is None:  # the kombu Connection was closed under us
             raise redis.ConnectionError(
@@ -46,16 +68,21 @@ class Channel(kombu_redis.Channel):
             )
         return super()._connparams(asynchronous=asynchronous)
 
-    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
-        ret = super().basic_consume(queue, *args, **kwargs)
-        deliver = self.connection._callbacks[queue]
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
+        ret = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
 
         def guarded(raw: Any) -> Any:
+            """kombu's delivery callback (``virtual.Channel.basic_consume``), with the
+            message built once and a failure to build it dead-lettered."""
             try:
-                self.Message(raw, channel=self)  # what kombu does first: can it?
+                message = self.Message(raw, channel=self)
             except Exception as e:
                 return self._bad_envelope(queue, raw, e)
-            return deliver(raw)
+            if not no_ack:
+                self.qos.append(message, message.delivery_tag)
+            return callback(message)
 
         self.connection._callbacks[queue] = guarded
         return ret
