@@ -91,6 +91,9 @@ def test_broker_outage_with_unacked_messages_does_not_kill_the_worker(
     _produce(ing, range(0, 3), 10)
     assert ing.flush(timeout=60).committed == 30
     b = broker.client()
+    # Committed is not acked (acks_late): a child stopped before its ack would hold a
+    # message too, and with both children's the worker would fetch nothing more.
+    _wait(lambda: b.hlen("unacked") == 0, "the first messages are acked")
     children = _pool_children(worker.proc.pid)
     assert len(children) == 2
     for child in children:  # the next task waits in the pool, unacked
