@@ -371,6 +371,13 @@ class Connection:
                 )
         return name
 
+    def start_readahead(self) -> None:
+        """Start a read-ahead process now, for the first recipe that reads ahead: its ~1 s
+        of imports then overlap the trainer's warm-up (SB3's ``learning_starts``) instead
+        of its first ``sample()``."""
+        if get_settings().readahead_process and not self._spares:
+            self._spares.append(ProcessReadAhead(self.client, None))
+
     def pop(self, name: str, timeout: float | None, policy_version: Any = None) -> Any:
         """The next part (converted) of recipe ``name``'s batches: from the read-ahead when
         it has one. ``policy_version`` (not None): recorded in the lineage log as what this

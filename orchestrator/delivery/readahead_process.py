@@ -132,7 +132,7 @@ class ProcessReadAhead:
     def __init__(
         self,
         client: Any,
-        name: str,
+        name: str | None,
         *,
         count: int = 8,
         convert: Callable[[Batch], Any] | None = None,
@@ -168,7 +168,9 @@ class ProcessReadAhead:
             "redis_url": client.redis_url or settings.redis_url,
             "broker_url": client.broker_url or settings.broker_for(client.redis_url),
         }
-        self._send(_frame(_CONFIG, msgpack.packb(config)) + self._target())
+        # None: started ahead of need (its imports overlap the trainer's start), idle
+        # until :meth:`retarget`
+        self._send(_frame(_CONFIG, msgpack.packb(config)) + (self._target() if name else b""))
 
     @property
     def pid(self) -> int:

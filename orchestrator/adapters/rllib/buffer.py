@@ -218,6 +218,8 @@ class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
         self._writer = EpisodeWriter(ingestor)
         self._unflushed = 0
         self._finalizer = weakref.finalize(self, close_quietly, self._conn)
+        if self._cadence.plan.readahead:
+            self._conn.start_readahead()
 
     @property
     def ingestor(self) -> Ingestor:
