@@ -39,10 +39,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from redis.exceptions import NoScriptError
 
 from claw_tasks.format.schema import Schema, tag_column, tag_name
 from claw_tasks.settings import get_settings
@@ -54,11 +57,13 @@ from claw_tasks.store.layout import (
     payload_chunk_slots,
 )
 from claw_tasks.store.scripts import execute
+from orchestrator.sampling.bulk import BulkReader
 from orchestrator.sampling.changelog import (
     LOG_SINCE,
     REREAD,
     Entry,
     LogRead,
+    PackedSync,
     page_commands,
     page_replies,
     reread_args,
@@ -123,6 +128,9 @@ class SamplingIndex(SlotReads):
         self.forgotten: dict[str, set[int]] = {}
         """Dictionary codes pruned (``forget`` events) during the last :meth:`sync`, by
         column: string caches drop them (a pruned code is never reused)."""
+        self._wire: tuple[int, BulkReader | None] | None = None  # (pid, the sync's reader)
+        self._wire_lock = threading.Lock()
+        self._packed = PackedSync()
 
     def subscribe(self, listener: Callable[[np.ndarray | None], None]) -> None:
         """Call ``listener`` with what every later :meth:`sync` returns (e.g. a sampler's
@@ -233,21 +241,10 @@ class SamplingIndex(SlotReads):
     ) -> bool:
         """Apply up to LOG_PAGE entries per shard (``pages``, if given: read already);
         True if a shard may have more."""
-
-        def queue(pipe: Any) -> None:
-            for key, last, seen in zip(self.log_keys, self.log_last, self.log_seen, strict=True):
-                for command in page_commands(key, last, seen, LOG_PAGE):
-                    pipe.execute_command(*command)
-            pipe.get(self.store.keys.config)
-            for shard in range(self.n_shards):  # after the pages: the slots they name
-                keys = [self.log_keys[shard], self.store.keys.shard_key(shard, "alive")]
-                args = [self.store.keys.shard(shard), self.cap, self.log_last[shard]]
-                REREAD.queue(pipe, keys, reread_args(args, self._reread_columns(), self.columns))
-
         spans: list[Any] | None = None  # per shard: what reread.lua read
         config_raw = None
         if pages is None:
-            got = execute(self.store.r, [LOG_SINCE, REREAD], queue)
+            got = self._page_round_trip()
             n = 2 * self.n_shards
             pages, config_raw, spans = page_replies(got[:n]), got[n], got[n + 1 :]
         replies = pages
@@ -276,6 +273,52 @@ class SamplingIndex(SlotReads):
                 self.log_last[shard] = entries[-1][0].decode()
                 self.log_seen[shard] += len(entries)
         return any(len(entries) >= LOG_PAGE for _, entries in replies)
+
+    def _page_round_trip(self) -> list[Any]:
+        """The replies of a sync's round trip: per shard its page, then the config, then
+        per shard ``reread.lua``. Packed here and sent on a connection of the index's own
+        (:class:`PackedSync`), or, where a :class:`BulkReader` cannot speak to the server
+        (TLS, Cluster) or another thread is syncing, through a redis-py pipeline."""
+        cols, cap = self._reread_columns(), self.cap
+        shard_key, keys = self.store.keys.shard_key, self.store.keys
+        rereads = [
+            ((self.log_keys[s], shard_key(s, "alive")), keys.shard(s), cap, self.log_last[s])
+            for s in range(self.n_shards)
+        ]
+        wire = self._reader()
+        if wire is not None and self._wire_lock.acquire(blocking=False):
+            try:
+                pages = zip(self.log_keys, self.log_last, self.log_seen, strict=True)
+                blob = self._packed.blob(
+                    [(*p, LOG_PAGE) for p in pages], keys.config, rereads, cols, self.columns
+                )
+                n = 3 * self.n_shards + 1
+                try:
+                    return wire.run_packed(blob, n)
+                except NoScriptError:
+                    for script in (LOG_SINCE, REREAD):
+                        self.store.r.script_load(script.source)
+                    return wire.run_packed(blob, n)
+            finally:
+                self._wire_lock.release()
+
+        def queue(pipe: Any) -> None:
+            for key, last, seen in zip(self.log_keys, self.log_last, self.log_seen, strict=True):
+                for command in page_commands(key, last, seen, LOG_PAGE):
+                    pipe.execute_command(*command)
+            pipe.get(keys.config)
+            for shard_keys, prefix, _, last in rereads:
+                args = reread_args([prefix, cap, last], cols, self.columns)
+                REREAD.queue(pipe, shard_keys, args)
+
+        return execute(self.store.r, [LOG_SINCE, REREAD], queue)
+
+    def _reader(self) -> BulkReader | None:
+        """The sync's own connection (made again in a forked child: a socket is not
+        shared across processes)."""
+        if self._wire is None or self._wire[0] != os.getpid():
+            self._wire = (os.getpid(), BulkReader.for_client(self.store.r))
+        return self._wire[1]
 
     def _rows(self, shard: int, seqs: np.ndarray) -> np.ndarray:
         return shard * self.cap + (seqs - 1) % self.cap
