@@ -33,7 +33,7 @@ from claw_tasks.format.schema import FieldSpec
 from claw_tasks.store import Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute
-from orchestrator.sampling.bulk import BulkReader
+from orchestrator.sampling.bulk import BulkReader, pack
 from orchestrator.sampling.changelog import (
     LOG_SINCE,
     LogRead,
@@ -251,6 +251,24 @@ class Fetcher:
                     out[j] = _placed(reads[j], res[k])
         return out, rest, logs
 
+    def run(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """The replies of read-only ``commands`` in one round trip (``EVALSHA`` of
+        :data:`~orchestrator.sampling.changelog.LOG_SINCE` and the fetch script are loaded
+        on NOSCRIPT)."""
+        if self._bulk is not None:
+            blob = b"".join(pack(c) for c in commands)
+            try:
+                return self._bulk.run_packed(blob, len(commands))
+            except NoScriptError:
+                self._load_scripts()
+                return self._bulk.run_packed(blob, len(commands))
+
+        def queue(pipe: Any) -> None:
+            for command in commands:
+                pipe.execute_command(*command)
+
+        return execute(self.store.r, [self._script, LOG_SINCE], queue)
+
     def _load_scripts(self) -> None:
         for script in (self._script, LOG_SINCE):
             self.store.r.script_load(script.source)
@@ -326,7 +344,10 @@ class LogChecked:
             tail = [c for a in args for c in page_commands(*a, LOG_PAGE)]
         mirrored = [r.kind == "f" and r.base in ix.columns for r in reads]
         rest = [r for r, m in zip(reads, mirrored, strict=True) if not m]
-        got, replies, tails = self.fetcher.since(rest, lookups, tail)
+        if lookups or any(len(r.rows) for r in rest):
+            got, replies, tails = self.fetcher.since(rest, lookups, tail)
+        else:  # nothing to read from Redis but the logs (e.g. no explicit next_obs drawn)
+            got, replies, tails = [_nothing(r) for r in rest], [], self.fetcher.run(tail)
         if self.exact:
             newest = [from_last_page(reply, at) for reply, at in zip(tails, last, strict=True)]
             self.quiet = all(quiet for quiet, _ in newest)
@@ -369,6 +390,13 @@ class _Recorder:
 
 def _pack(slots: np.ndarray) -> bytes:
     return msgpack.packb(slots.tolist())
+
+
+def _nothing(read: Read) -> Any:
+    """What :meth:`Fetcher.since` gives for a read of no rows."""
+    if read.kind == "h":
+        return []
+    return _placed(read, np.zeros((0, read.size), np.uint8))
 
 
 def _joined(m: Read, parts: list[Any]) -> Any:
