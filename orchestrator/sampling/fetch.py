@@ -34,6 +34,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.sampling.bulk import BulkReader, pack
+from orchestrator.sampling.candidates import unique
 from orchestrator.sampling.changelog import (
     LOG_SINCE,
     LogRead,
@@ -169,7 +170,7 @@ class Fetcher:
             parts = [check // cap, *(m.rows // cap for m in merged)]
         else:  # only shards with rows read in Lua (the logs check the rows)
             parts = [m.rows // cap for m in in_lua]
-        shards = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        shards = unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
         seqs = None if expect is None else expect // self._n_shards
         for shard in shards.tolist():
             on = check // cap == shard

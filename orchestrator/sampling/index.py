@@ -58,6 +58,7 @@ from claw_tasks.store.layout import (
 )
 from claw_tasks.store.scripts import execute
 from orchestrator.sampling.bulk import BulkReader
+from orchestrator.sampling.candidates import unique
 from orchestrator.sampling.changelog import (
     LOG_SINCE,
     REREAD,
@@ -233,7 +234,7 @@ class SamplingIndex(SlotReads):
         except BaseException:
             self.columns = {}  # half applied: the next sync starts cold
             raise
-        return np.unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
+        return unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
 
     # ---- change log (slot ranges are read again by :class:`SlotReads`) ----------------
     def _apply_page(
