@@ -65,9 +65,9 @@ from orchestrator.sampling.changelog import (
     Entry,
     LogRead,
     PackedSync,
-    page_commands,
-    page_replies,
+    page_xrange,
     reread_args,
+    sync_replies,
 )
 from orchestrator.sampling.slotreads import SlotReads
 
@@ -245,9 +245,7 @@ class SamplingIndex(SlotReads):
         spans: list[Any] | None = None  # per shard: what reread.lua read
         config_raw = None
         if pages is None:
-            got = self._page_round_trip()
-            n = 2 * self.n_shards
-            pages, config_raw, spans = page_replies(got[:n]), got[n], got[n + 1 :]
+            pages, config_raw, spans = sync_replies(self._page_round_trip(), self.n_shards)
         replies = pages
         if any(lost for lost, _ in replies):
             raise RebuildNeeded
@@ -276,24 +274,24 @@ class SamplingIndex(SlotReads):
         return any(len(entries) >= LOG_PAGE for _, entries in replies)
 
     def _page_round_trip(self) -> list[Any]:
-        """The replies of a sync's round trip: per shard its page, then the config, then
-        per shard ``reread.lua``. Packed here and sent on a connection of the index's own
-        (:class:`PackedSync`), or, where a :class:`BulkReader` cannot speak to the server
-        (TLS, Cluster) or another thread is syncing, through a redis-py pipeline."""
+        """The replies of a sync's round trip: per shard its page's ``XRANGE``, then the
+        config, then per shard ``reread.lua`` (which tells whether entries were lost too).
+        Packed here and sent on a connection of the index's own (:class:`PackedSync`), or,
+        where a :class:`BulkReader` cannot speak to the server (TLS, Cluster) or another
+        thread is syncing, through a redis-py pipeline."""
         cols, cap = self._reread_columns(), self.cap
         shard_key, keys = self.store.keys.shard_key, self.store.keys
         rereads = [
-            ((self.log_keys[s], shard_key(s, "alive")), keys.shard(s), cap, self.log_last[s])
-            for s in range(self.n_shards)
+            ((self.log_keys[s], shard_key(s, "alive")), keys.shard(s), cap, last, seen)
+            for s, (last, seen) in enumerate(zip(self.log_last, self.log_seen, strict=True))
         ]
         wire = self._reader()
         if wire is not None and self._wire_lock.acquire(blocking=False):
             try:
-                pages = zip(self.log_keys, self.log_last, self.log_seen, strict=True)
-                blob = self._packed.blob(
-                    [(*p, LOG_PAGE) for p in pages], keys.config, rereads, cols, self.columns
-                )
-                n = 3 * self.n_shards + 1
+                logs = zip(self.log_keys, self.log_last, strict=True)
+                pages = [(key, last, LOG_PAGE) for key, last in logs]
+                blob = self._packed.blob(pages, keys.config, rereads, cols, self.columns)
+                n = 2 * self.n_shards + 1
                 try:
                     return wire.run_packed(blob, n)
                 except NoScriptError:
@@ -304,12 +302,11 @@ class SamplingIndex(SlotReads):
                 self._wire_lock.release()
 
         def queue(pipe: Any) -> None:
-            for key, last, seen in zip(self.log_keys, self.log_last, self.log_seen, strict=True):
-                for command in page_commands(key, last, seen, LOG_PAGE):
-                    pipe.execute_command(*command)
+            for key, last in zip(self.log_keys, self.log_last, strict=True):
+                pipe.execute_command(*page_xrange(key, last, LOG_PAGE))
             pipe.get(keys.config)
-            for shard_keys, prefix, _, last in rereads:
-                args = reread_args([prefix, cap, last], cols, self.columns)
+            for shard_keys, prefix, _, last, seen in rereads:
+                args = reread_args([prefix, cap, last, seen], cols, self.columns)
                 REREAD.queue(pipe, shard_keys, args)
 
         return execute(self.store.r, [LOG_SINCE, REREAD], queue)

@@ -58,11 +58,11 @@ class SlotReads:
         if spans is not None and sizes is not None:
             cols = self._reread_columns()
             for shard in list(inserted):
-                reply = spans[shard]
-                if not reply or int(reply[0]) < sizes[shard]:
+                reply = spans[shard]  # lost, entries seen, then the spans
+                if len(reply) < 2 or int(reply[1]) < sizes[shard]:
                     continue  # past the script's limits: read below
                 del inserted[shard]
-                for at in range(1, len(reply), len(cols) + 3):
+                for at in range(2, len(reply), len(cols) + 3):
                     start, stop = int(reply[at]), int(reply[at + 1])
                     for col, raw in zip(cols, reply[at + 2 : at + 2 + len(cols)], strict=True):
                         if col in RUN_COLUMNS:  # the script's list of the span's blocks

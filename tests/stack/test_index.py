@@ -8,7 +8,14 @@ import pytest
 
 from claw_tasks.store import Store
 from orchestrator.sampling.bulk import BulkReader
-from orchestrator.sampling.changelog import LOG_SINCE, REREAD, page_commands, page_replies
+from orchestrator.sampling.changelog import (
+    LOG_SINCE,
+    REREAD,
+    page_commands,
+    page_replies,
+    page_xrange,
+    reread_args,
+)
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.shared import SharedIndex
 from tests.support.stepdata import batch, episode, interleave
@@ -145,6 +152,39 @@ def test_a_page_and_its_check_need_no_transaction(store, r):
     r.xadd(key, {"op": "z"})
     assert page(first, 1, ["DEL", key])[0] is True  # the log gone
     assert page("0-0", 0) == (False, [])  # a reader that applied nothing lost nothing
+
+
+def test_reread_tells_a_loss_as_the_pages_check_does(store, r):
+    """``reread.lua``, which a sync's round trip queues after its XRANGE instead of
+    ``log_since.lua``, reports the same losses: none for growth, one for an entry deleted
+    or trimmed after the read, or the log gone; and re-reads nothing then."""
+    store.commit(batch(episode(1, 30, "terminated")))
+    ix = SamplingIndex(store)
+    ix.sync()
+    key, alive = store.keys.shard_key(0, "log"), store.keys.shard_key(0, "alive")
+    r.script_load(REREAD.source)
+
+    def lost(between: list | None = None) -> bool:
+        args = reread_args(
+            [store.keys.shard(0), ix.cap, ix.log_last[0], ix.log_seen[0]],
+            ix._reread_columns(),
+            ix.columns,
+        )
+        with r.pipeline(transaction=False) as pipe:
+            pipe.execute_command(*page_xrange(key, ix.log_last[0], 1000))
+            if between:
+                pipe.execute_command(*between)
+            REREAD.queue(pipe, [key, alive], args)
+            reply = pipe.execute()[-1]
+        assert reply[0] in (0, 1) and (reply[0] == 0 or len(reply) == 1)
+        return bool(reply[0])
+
+    store.commit(batch(episode(2, 5, "terminated")))
+    assert not lost()
+    assert not lost(["XADD", key, "*", "op", "x"])  # growth is no loss
+    assert lost(["XDEL", key, r.xrange(key, count=1000)[-1][0]])  # read, then deleted
+    assert lost(["XTRIM", key, "MAXLEN", 0])
+    assert lost(["DEL", key])
 
 
 def test_evict_event_and_unknown_events(store, r, make):
