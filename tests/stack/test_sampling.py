@@ -373,11 +373,12 @@ def _cold_equal(ix: SamplingIndex) -> None:
 def test_a_changing_store_reads_each_log_page_once(store):
     """A commit before a call after a quiet batch: the fetch from the index as it is reads
     the entries after its positions, refuses the batch, and the sync applies those entries
-    instead of reading them again (per shard: that XRANGE, then the checked fetch's page:
-    XRANGE and its loss check). A commit before the call after that: the store is
-    changing, so the call syncs first (no draw to throw away), its page's round trip
-    re-reading the committed slots (``reread.lua``, which runs the loss check and an
-    XRANGE inside: per shard the page's XRANGE and that EVALSHA). The batches hold the
+    instead of reading them again (per shard: that XRANGE, then the checked fetch's, from
+    the index's last entry on: no loss check of its own). A commit before the call after
+    that: the store is changing, so the call syncs first (no draw to throw away), its
+    page's round trip re-reading the committed slots (``reread.lua``, which runs the loss
+    check and an XRANGE inside: per shard the page's XRANGE and that EVALSHA). The
+    batches hold the
     committed steps as stored; the index stays what a cold rebuild gives."""
     store.commit(batch(interleave(*(episode(e, 10, "terminated", task_id="a") for e in range(4)))))
     store.commit(batch(episode(4, 10, "terminated", task_id="b")))
@@ -386,7 +387,7 @@ def test_a_changing_store_reads_each_log_page_once(store):
     ix = SamplingIndex(store)
     sample(store, rb, index=ix)
     sample(store, r, index=ix)  # quiet from here
-    for e, (xrange, evalsha) in [(5, (4, 2)), (6, (6, 4))]:
+    for e, (xrange, evalsha) in [(5, (4, None)), (6, (6, 2))]:
         store.commit(batch(episode(e, 10, "terminated", task_id="b")))
         _calls(store)
         b = sample(store, rb, index=ix)
@@ -403,6 +404,31 @@ def test_a_changing_store_reads_each_log_page_once(store):
     b = sample(store, r, index=ix)
     assert _calls(store) == {"xrange": 2}
     np.testing.assert_array_equal(b["obs"], store.get(b.ids, ["obs"])["obs"])
+
+
+@pytest.mark.store(capacity=100, n_shards=2)
+def test_a_fetch_whose_logs_lost_the_index_position_leaves_it_to_the_sync(store):
+    """The checked fetch reads each log from the index's last entry on (no loss check of
+    its own): when that entry was trimmed away it refuses the batch and the sync decides
+    (here nothing after it is lost: applied, not rebuilt); the batch holds the steps as
+    stored and the index is what a cold rebuild gives."""
+    store.commit(batch(interleave(*(episode(e, 10, "terminated", task_id="a") for e in range(4)))))
+    r = recipe([{"name": "u"}], ["obs", "action", "next_obs"], 32)
+    ix = SamplingIndex(store)
+    sample(store, r, index=ix)
+    sample(store, r, index=ix)  # quiet from here
+    rebuilds, rebuild = [], ix.rebuild
+    ix.rebuild = lambda: rebuilds.append(1) or rebuild()  # type: ignore[method-assign]
+    for e in range(4, 7):
+        store.commit(batch(episode(e, 10, "terminated", task_id="b")))
+        for s in range(ix.n_shards):  # only the newest entry stays: the index's is gone
+            log = store.keys.shard_key(s, "log")
+            store.r.xtrim(log, maxlen=1, approximate=False)
+            assert store.r.xlen(log) == 1
+        b = sample(store, r, index=ix)
+        np.testing.assert_array_equal(b["obs"], store.get(b.ids, ["obs"])["obs"])
+        _cold_equal(ix)
+    assert not rebuilds  # applied, never rebuilt: nothing after the positions was lost
 
 
 @pytest.mark.both_stores
