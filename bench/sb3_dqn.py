@@ -10,7 +10,9 @@ processes). Reports, in one run: wall time of each, the trainer's time inside
 ``sample()``, the worker's and Redis's CPU seconds during the Claw run, and the p50/p99 of a
 read-ahead ``pop`` of 256 x float32[8] when a batch is ready. Prints markdown. Variants:
 ``sb3`` (SB3's ``ReplayBuffer``), ``defaults`` (``ClawReplayBuffer`` with no kwargs but a
-namespace, as a new user writes it), ``gs128`` (hand-tuned: ``gradient_steps=128``); they
+namespace, as a new user writes it), ``gs128`` (hand-tuned: ``gradient_steps=128``), each
+Claw one also with ``-thread`` (``defaults-thread``: the read-ahead in a thread, not a
+child process); they
 run in the order given, ``--rounds`` times over (interleaved A/B under a changing load),
 and the table has one row per run with the load average at its start.
 """
@@ -33,7 +35,7 @@ from stable_baselines3.common.buffers import ReplayBuffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.cpu import group_cpu, redis_cpu
+from bench.cpu import children_cpu, group_cpu, redis_cpu, thread_cpu
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import get_settings, use_settings
@@ -79,7 +81,7 @@ class TimedClaw(Timed, ClawReplayBuffer):
     pass
 
 
-def run(cls: type, steps: int, kwargs: dict) -> tuple[float, ReplayBuffer]:
+def run(cls: type, steps: int, kwargs: dict) -> tuple[float, ReplayBuffer, dict[str, float]]:
     model = DQN(
         "MlpPolicy",
         "CartPole-v1",
@@ -89,9 +91,14 @@ def run(cls: type, steps: int, kwargs: dict) -> tuple[float, ReplayBuffer]:
         replay_buffer_kwargs=kwargs,
         **ZOO,
     )
+    before = thread_cpu()
     t = time.perf_counter()
     model.learn(total_timesteps=steps)
-    return time.perf_counter() - t, model.replay_buffer
+    wall = time.perf_counter() - t
+    after = thread_cpu()  # before the buffer closes: its threads are still alive
+    threads = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    threads["read-ahead process"] = children_cpu("orchestrator.delivery.readahead_process")
+    return wall, model.replay_buffer, threads
 
 
 def pop_latency(url: str, pops: int) -> tuple[float, float]:
@@ -139,6 +146,9 @@ VARIANTS = {
     "defaults": (TimedClaw, {}),
     "gs128": (TimedClaw, {"gradient_steps": 128}),
 }
+THREAD = "-thread"
+"""A variant's suffix: its read-ahead in a thread of the trainer (``CLAW_READAHEAD_PROCESS=0``),
+as before the read-ahead process."""
 
 
 def main() -> None:
@@ -161,18 +171,20 @@ def main() -> None:
             r = redis.Redis.from_url(url)
             for k in range(a.rounds):
                 for name in names:
-                    cls, kw = VARIANTS[name]
+                    cls, kw = VARIANTS[name.removesuffix(THREAD)]
                     if cls is TimedClaw:
                         kw = {"namespace": f"bench-dqn-{name}-{k}", **kw}
+                    os.environ["CLAW_READAHEAD_PROCESS"] = "0" if name.endswith(THREAD) else "1"
+                    use_settings()
                     load = os.getloadavg()[0]
                     w0, r0 = group_cpu(worker.proc.pid), redis_cpu(r)
                     c0 = time.process_time()
-                    wall, rb = run(cls, a.steps, kw)
+                    wall, rb, threads = run(cls, a.steps, kw)
                     cpu = time.process_time() - c0
                     w1, r1 = group_cpu(worker.proc.pid), redis_cpu(r)
                     if cls is TimedClaw:
                         rb.close()
-                    rows.append((k, name, load, wall, cpu, rb, w1 - w0, r1 - r0))
+                    rows.append((k, name, load, wall, cpu, rb, w1 - w0, r1 - r0, threads))
             p50, p99 = pop_latency(url, a.pops)
         finally:
             worker.stop()
@@ -185,7 +197,7 @@ def main() -> None:
         "| in sample() s | per call ms | worker CPU s | Redis CPU s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for k, name, load, wall, cpu, rb, w, rc in rows:
+    for k, name, load, wall, cpu, rb, w, rc, _ in rows:
         base = [x[3] for x in rows if x[0] == k and x[1] == "sb3"]
         ratio = f"{wall / base[0]:.2f}x" if base else "-"
         per = rb.sample_s / max(rb.samples, 1) * 1e3
@@ -193,6 +205,13 @@ def main() -> None:
             f"| {k} | {name} | {load:.1f} | {wall:.1f} | {ratio} | {cpu:.1f} | {rb.samples} "
             f"| {rb.sample_s:.2f} | {per:.3f} | {w:.1f} | {rc:.1f} |"
         )
+    print(
+        "\ntrainer CPU s by thread (threads of one name summed; >= 0.05 s), and its "
+        "read-ahead child process's:\n"
+    )
+    for k, name, *_, threads in rows:
+        busy = sorted(((v, t) for t, v in threads.items() if v >= 0.05), reverse=True)
+        print(f"- {k} {name}: " + ", ".join(f"{t} {v:.2f}" for v, t in busy))
     print(
         f"\nread-ahead pop of 256 x float32[8] (a batch ready): p50 {p50:.4f} ms, "
         f"p99 {p99:.4f} ms over {a.pops} pops"

@@ -42,6 +42,7 @@ class Settings:
     lineage_maxlen: int
     shared_index: bool
     readahead: int
+    readahead_process: bool
     index_payload_bytes: int
     compress_at: str
     codec_threads: int

@@ -39,6 +39,14 @@ RESOURCES: tuple[Variable, ...] = (
         "their own)",
     ),
     Variable(
+        "CLAW_READAHEAD_PROCESS",
+        "readahead_process",
+        flag,
+        True,
+        "the replay-buffer adapters read ahead from a child process (its pops, refill "
+        "requests and lineage writes never take the trainer's GIL; `0`: from a thread)",
+    ),
+    Variable(
         "CLAW_INDEX_PAYLOAD_BYTES",
         "index_payload_bytes",
         count,

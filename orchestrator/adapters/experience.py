@@ -40,9 +40,11 @@ import numpy as np
 
 from claw_tasks.client import Episode, Ingestor
 from claw_tasks.client.columns import StepColumns
+from claw_tasks.settings import get_settings
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import Served
 from orchestrator.delivery.readahead import ReadAhead
+from orchestrator.delivery.readahead_process import ProcessReadAhead
 from orchestrator.sampling.batch import Batch
 
 PolicyVersion = str | Callable[[int], Any] | None
@@ -303,11 +305,12 @@ class Connection:
     client: BatchClient
     transitions: Transitions
     names: dict[Hashable, str] = field(default_factory=dict)  # key -> registered recipe
-    readaheads: dict[str, ReadAhead] = field(default_factory=dict)
+    readaheads: dict[str, ReadAhead | ProcessReadAhead] = field(default_factory=dict)
     _prepare: dict[str, Callable[[Batch], list[tuple[Served, Any]]]] = field(default_factory=dict)
     _left: dict[str, deque[Any]] = field(default_factory=dict)  # parts not served yet
     replans: int = 0  # recipes dropped by resize(): recipe names made after one carry it
     _parts: dict[str, int] = field(default_factory=dict)
+    _spares: list[ProcessReadAhead] = field(default_factory=list)  # of dropped recipes
 
     def recipe(
         self,
@@ -334,7 +337,9 @@ class Connection:
 
             def prepare(batch: Batch) -> list[tuple[Served, Any]]:
                 if convert_parts is not None and parts > 1 and len(batch) % parts == 0:
-                    whole = interleaved(batch, parts)
+                    # one source: its rows are independent draws, so contiguous parts are
+                    # as good as strided ones, and need no gather
+                    whole = batch if len(batch.sources) <= 1 else interleaved(batch, parts)
                     ids = whole.ids.reshape(parts, -1)  # a fresh array: no copy needed
                     items = convert_parts(whole, parts)
                     version = whole.recipe_version
@@ -347,7 +352,16 @@ class Connection:
 
             self._prepare[name] = prepare
             self._parts[name] = parts
-            if readahead:
+            if readahead and get_settings().readahead_process:
+                if self._spares:  # a re-plan's new recipe: the same child reads it
+                    spare = self._spares.pop()
+                    spare.retarget(name, readahead, prepare)
+                    self.readaheads[name] = spare
+                else:
+                    self.readaheads[name] = ProcessReadAhead(
+                        self.client, name, count=readahead, convert=prepare
+                    )
+            elif readahead:
                 self.readaheads[name] = ReadAhead(
                     self.client,
                     name,
@@ -389,7 +403,9 @@ class Connection:
         for key in stale:
             name = self.names.pop(key)
             ra = self.readaheads.pop(name, None)
-            if ra is not None:
+            if isinstance(ra, ProcessReadAhead):
+                self._spares.append(ra)  # its child serves the next recipe made
+            elif ra is not None:
                 ra.close()
             self.client.unregister(name)
             for d in (self._prepare, self._left, self._parts):
@@ -409,7 +425,7 @@ class Connection:
             self.transitions.write_pending()
             self.ingestor.close(timeout=timeout)
         finally:
-            for ra in self.readaheads.values():
+            for ra in [*self.readaheads.values(), *self._spares]:
                 ra.close()
             for name in self.names.values():
                 self.client.unregister(name)

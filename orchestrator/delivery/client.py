@@ -202,6 +202,13 @@ class BatchClient:
     def _entry(self, name: str) -> Entry:
         return self.registry.registered(name)
 
+    def _recipe(self, name: str) -> Recipe:
+        """Recipe ``name`` as this client last knew it (read from the registry once)."""
+        recipe = self._recipes.get(name)
+        if recipe is None:
+            recipe = self._recipes[name] = self._entry(name).recipe
+        return recipe
+
     # ---- batches -------------------------------------------------------------------
     def pop(self, name: str, timeout: float | None = 30.0, *, policy_version: Any = None) -> Batch:
         """The next ready batch of recipe ``name``; raises TimeoutError after ``timeout``
@@ -210,12 +217,28 @@ class BatchClient:
         Batches of a recipe version older than the current one (made while the recipe
         changed) are dropped. ``policy_version``: the update or policy this batch trains,
         recorded in the lineage log (:meth:`trained` records a batch popped earlier)."""
-        recipe = self._recipes.get(name) or self._entry(name).recipe
-        self._recipes[name] = recipe
+        recipe = self._recipe(name)
         # Not for rollout recipes, nor admission ones: read ahead of the trainer's next
         # set_params, a batch would be dropped by it (its data wasted)
         if self.readahead > 0 and recipe.rollout is None and recipe.admission is None:
             return self._pop_ahead(name, timeout, policy_version)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            batch = self.accept(name, self.next_item(name, left))
+            if batch is None:
+                continue
+            self._reports.popped(name)  # reported with the next pop
+            if policy_version is not None:
+                self.trained(name, batch, policy_version)
+            return batch
+
+    def next_item(self, name: str, timeout: float | None = 30.0, *, explain: bool = True) -> bytes:
+        """The next raw item of recipe ``name``'s Redis queue, not decoded (what
+        :meth:`pop` reads, and a read-ahead process hands its trainer): asks for a refill
+        below low water; TimeoutError after ``timeout`` seconds, explaining why (unless
+        not ``explain``: the explanation reads the recipe's stats)."""
+        recipe = self._recipe(name)
         q = self.registry.queue(name)
         deadline = None if timeout is None else time.monotonic() + timeout
         r = self.store.r
@@ -230,40 +253,49 @@ class BatchClient:
                 item, left = pipe.execute()[:2]
             if left < (recipe.prefetch.low_water or 0) + (item is None and empty_asks):
                 self._refills.put(name)  # sent off the trainer's path (~1 ms)
-            if item is None:
-                empty_asks = True
-                wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-                if wait <= 0:
-                    raise TimeoutError(self.why_empty(name, timeout))
-                began = time.monotonic()
-                got = r.blpop([q], timeout=max(wait, 0.01))
-                self._reports.waited(name, time.monotonic() - began)
-                if got is None:
-                    continue
-                item = got[1]
-            try:
-                batch = shm.from_message(item)
-            except shm.SegmentMissing:
-                continue  # reclaimed (its producer died long ago): take the next one
-            except shm.ForeignSegment as e:  # made for a reader on another host
-                log.warning("recipe %r: skipped a batch in another host's /dev/shm: %s", name, e)
-                continue
-            except WireVersionError:
-                raise  # not garbage: this reader or the workers need an upgrade
-            except Exception as e:  # garbage in the queue: skip it, never fail the trainer
-                self._skip(name, item, e)
-                continue
-            if batch.recipe_version != recipe.version:  # changed here or by another client
-                recipe = self._recipes[name] = self._entry(name).recipe
-                if batch.recipe_version < recipe.version:  # stale: drop it (its segment,
-                    claims: list[Claim] = []  # if any, is unlinked already)
-                    n = giveback.unserved(batch, claims)
-                    giveback.give_back(self.store, recipe, n, claims, "a stale batch dropped")
-                    continue
-            self._reports.popped(name)  # reported with the next pop
-            if policy_version is not None:
-                self.trained(name, batch, policy_version)
-            return batch
+            if item is not None:
+                return item
+            empty_asks = True
+            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(self.why_empty(name, timeout) if explain else name)
+            began = time.monotonic()
+            got = r.blpop([q], timeout=max(wait, 0.01))
+            self._reports.waited(name, time.monotonic() - began)
+            if got is not None:
+                return got[1]
+
+    def count_popped(self, name: str) -> None:
+        """Count a batch of recipe ``name`` as popped (reported with the next pop): what a
+        read-ahead process does for each item it hands its trainer."""
+        self._reports.popped(name)
+
+    def accept(self, name: str, item: bytes) -> Batch | None:
+        """Decode queue item ``item`` of recipe ``name``; None when it is not to be served:
+        unreadable (counted, skipped), its segment gone or on another host, or made for an
+        older recipe version than this client knows (dropped, its rows given back; a newer
+        one refreshes what it knows)."""
+        recipe = self._recipe(name)
+        try:
+            batch = shm.from_message(item)
+        except shm.SegmentMissing:
+            return None  # reclaimed (its producer died long ago): take the next one
+        except shm.ForeignSegment as e:  # made for a reader on another host
+            log.warning("recipe %r: skipped a batch in another host's /dev/shm: %s", name, e)
+            return None
+        except WireVersionError:
+            raise  # not garbage: this reader or the workers need an upgrade
+        except Exception as e:  # garbage in the queue: skip it, never fail the trainer
+            self._skip(name, item, e)
+            return None
+        if batch.recipe_version != recipe.version:  # changed here or by another client
+            recipe = self._recipes[name] = self._entry(name).recipe
+            if batch.recipe_version < recipe.version:  # stale: drop it (its segment,
+                claims: list[Claim] = []  # if any, is unlinked already)
+                n = giveback.unserved(batch, claims)
+                giveback.give_back(self.store, recipe, n, claims, "a stale batch dropped")
+                return None
+        return batch
 
     def _pop_ahead(self, name: str, timeout: float | None, policy_version: Any) -> Batch:
         """:meth:`pop` from the recipe's read-ahead (started on first use)."""

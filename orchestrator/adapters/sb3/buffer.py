@@ -109,7 +109,8 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     the read-ahead in this process (``readahead`` batches, bounded by ``readahead_bytes``;
     0 turns it off) and how many ``sample()`` calls one prefetched batch serves
     (``batches_per_pop``, burst // 16 capped at 16: the recipe draws that many times
-    ``batch_size`` rows and each call takes every ``batches_per_pop``-th of them, so the
+    ``batch_size`` rows and each call takes a ``batches_per_pop``-th of them — every
+    ``batches_per_pop``-th row with several sources, to keep their mix — so the
     workers' and the read-ahead's per-batch costs are paid once per that many calls); see
     :func:`~orchestrator.adapters.experience.plan_for`. By default the buffer watches the
     bursts and re-sizes itself when they change (the first burst runs with one batch per

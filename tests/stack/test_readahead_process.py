@@ -1,0 +1,152 @@
+"""ProcessReadAhead: a child process pops a recipe's batches and writes the trainer's
+lineage, over a real Redis and prefetch worker; the child never outlives its trainer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from claw_tasks.client import Ingestor
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.readahead_process import ProcessReadAhead, ReadAheadProcessError
+
+
+def _wait(cond, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _recipe(name: str, batch_size: int) -> dict:
+    return {
+        "name": name,
+        "batch_size": batch_size,
+        "fields": ["obs", "reward"],
+        "sources": [{"name": "all"}],
+        "prefetch": {"depth": 8},
+    }
+
+
+@pytest.fixture
+def client(redis_url, namespace, workers):
+    ing = Ingestor(namespace, redis_url, flush_interval=None)
+    with ing.episode() as ep:
+        for t in range(64):
+            ep.add(
+                np.full(8, t, np.float32),
+                np.int64(0),
+                float(t),
+                terminated=t == 63,
+                next_obs=np.zeros(8, np.float32) if t == 63 else None,
+            )
+    ing.close()
+    c = BatchClient(namespace, redis_url)
+    c.register(_recipe("ra", 16))
+    yield c
+    c.close()
+
+
+def test_the_child_holds_count_batches_and_the_trainer_decodes_them(client):
+    ra = ProcessReadAhead(client, "ra", count=3, convert=lambda b: (len(b), b))
+    _wait(lambda: len(ra) == 3, "three batches read ahead")
+    queue = client.registry.queue("ra")
+    _wait(lambda: client.store.r.llen(queue) > 0, "the worker refilled the Redis queue")
+    assert len(ra) == 3  # no credit left: the child stopped taking from Redis
+    for _ in range(6):  # more than it holds: each pop gives the child a credit back
+        rows, batch = ra.pop(timeout=60)
+        assert rows == 16 and batch["obs"].shape == (16, 8)
+        np.testing.assert_array_equal(batch["obs"][:, 0], batch["reward"])
+    cmdline = Path(f"/proc/{ra.pid}/cmdline").read_bytes()
+    assert b"redis" not in cmdline  # the servers' URLs travel in the pipe, not in argv
+    ra.close()
+    assert not _alive(ra.pid)
+    assert int(client.store.r.hget(client.registry.counters("ra"), "popped") or 0) >= 6
+
+
+def test_the_child_writes_the_lineage_the_trainer_declares(client):
+    ra = ProcessReadAhead(client, "ra", count=2)
+    popped = [ra.pop(timeout=60) for _ in range(3)]
+    for k, batch in enumerate(popped):
+        ra.trained(batch, f"v{k}")
+    ra.flush_lineage()
+    for k, batch in enumerate(popped):
+        (entry,) = client.lineage.trained(f"v{k}")
+        assert entry.recipe == "ra" and entry.rows == 16
+        np.testing.assert_array_equal(entry.ids, np.sort(batch.ids))
+    ra.trained(popped[0], "at-close")
+    ra.close()  # what is declared and not yet sent goes out before the child exits
+    assert len(client.lineage.trained("at-close")) == 1
+
+
+def test_retarget_serves_the_new_recipe_and_drops_what_was_read_for_the_old(client):
+    client.register(_recipe("big", 32))
+    ra = ProcessReadAhead(client, "ra", count=3)
+    _wait(lambda: len(ra) == 3, "three batches of the first recipe read ahead")
+    pid = ra.pid
+    ra.retarget("big", 2, None)
+    for _ in range(4):
+        assert len(ra.pop(timeout=60)) == 32  # never one of the old recipe's 16-row ones
+    assert ra.pid == pid  # one child served both
+    ra.resize(1)
+    assert len(ra.pop(timeout=60)) == 32
+    ra.close()
+
+
+def test_what_the_child_meets_is_raised_by_the_next_pop(client):
+    client.unregister("ra")
+    ra = ProcessReadAhead(client, "ra", count=2)
+    with pytest.raises(ReadAheadProcessError, match="not registered"):
+        ra.pop(timeout=60)
+    ra.close()
+
+
+def test_an_empty_queue_times_out_with_the_explanation(client):
+    recipe = _recipe("none", 16)
+    recipe["sources"] = [{"name": "all", "where": {"task_id": "no-such-task"}}]
+    client.register(recipe)
+    ra = ProcessReadAhead(client, "none", count=2)
+    with pytest.raises(TimeoutError, match="none"):
+        ra.pop(timeout=3)
+    ra.close()
+
+
+def test_the_child_exits_when_its_trainer_is_killed(redis_url, namespace, client):
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from orchestrator.delivery.client import BatchClient\n"
+            "from orchestrator.delivery.readahead_process import ProcessReadAhead\n"
+            f"c = BatchClient({namespace!r}, {redis_url!r})\n"
+            "ra = ProcessReadAhead(c, 'ra', count=2)\n"
+            "ra.pop(timeout=60)\n"
+            "print(ra.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )
+    assert trainer.stdout is not None
+    child = int(trainer.stdout.readline())
+    assert _alive(child)
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    _wait(lambda: not _alive(child), "the orphaned read-ahead process exited", timeout=30)
