@@ -82,8 +82,10 @@ class SumTree:
         for local in reversed(self._local):
             sums = local.take(node, axis=0)
             np.minimum(u, np.nextafter(sums[:, -1], 0.0), out=u)  # < the block's total
-            # the first node whose prefix sum exceeds u (a zero node repeats its predecessor's)
-            j = np.count_nonzero(sums <= u[:, None], axis=1)
+            # the first node whose prefix sum exceeds u (a zero node repeats its predecessor's):
+            # the rows are non-decreasing and their last exceeds u, so an argmax finds it
+            # (a count over the short axis of the compares costs ~6x more)
+            j = np.argmax(sums > u[:, None], axis=1)
             u -= np.where(j > 0, sums[pick, j - 1], 0.0)
             node = node * S + j
         return node
