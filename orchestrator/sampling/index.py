@@ -129,6 +129,12 @@ class SamplingIndex(SlotReads):
         self.forgotten: dict[str, set[int]] = {}
         """Dictionary codes pruned (``forget`` events) during the last :meth:`sync`, by
         column: string caches drop them (a pruned code is never reused)."""
+        self.live_change = 0
+        self.live_delta: int | None = None
+        """While :meth:`sync` calls the listeners: the change in live steps it made
+        (exact; None after a rebuild, and for a subclass whose columns other processes
+        write): a listener's count of live steps stays current without a count of the
+        whole column."""
         self._wire: tuple[int, BulkReader | None] | None = None  # (pid, the sync's reader)
         self._wire_lock = threading.Lock()
         self._packed = PackedSync()
@@ -167,7 +173,11 @@ class SamplingIndex(SlotReads):
         ``current``: the columns must hold every change logged before the call (a
         process's own index always does; a shared one may otherwise lag a moment)."""
         rows = self.apply_logs(read)
-        self.notify(rows)
+        self.live_delta = None if rows is None else self.live_change
+        try:
+            self.notify(rows)
+        finally:
+            self.live_delta = None
         return rows
 
     def notify(self, rows: np.ndarray | None) -> None:
@@ -219,7 +229,7 @@ class SamplingIndex(SlotReads):
         The first page is ``read``'s when it was read from the index's positions (a
         fetch's tail: the entries a sync would read, read a moment earlier; whatever came
         after them is read by the fetch that checks the next draw)."""
-        self.forgotten = {}
+        self.forgotten, self.live_change = {}, 0
         if not self.columns:
             self.rebuild()
             return None
@@ -341,6 +351,7 @@ class SamplingIndex(SlotReads):
         ids = np.frombuffer(packed, "<i8")
         rows = self._rows(shard, ids // self.n_shards)
         rows = rows[self.columns["id"][rows] == ids]
+        self.live_change -= int(np.count_nonzero(self.columns["alive"][unique(rows)]))
         self.columns["alive"][rows] = False
         return rows
 

@@ -32,6 +32,8 @@ class SlotReads:
     cap: int
     schema: Schema | None
     columns: dict[str, np.ndarray]
+    live_change: int
+    """Alive flags set minus cleared by the writes since the last apply (exact)."""
 
     def column_dtype(self, col: str) -> np.dtype:
         raise NotImplementedError
@@ -163,5 +165,7 @@ class SlotReads:
         ``start // 8 .. (stop - 1) // 8``."""
         bits = np.unpackbits(np.frombuffer(raw, np.uint8))[start % 8 : start % 8 + stop - start]
         alive = self.columns["alive"][shard * self.cap + start : shard * self.cap + stop]
+        self.live_change -= int(np.count_nonzero(alive))
         alive[:] = False
         alive[: len(bits)] = bits.astype(bool)
+        self.live_change += int(np.count_nonzero(alive))
