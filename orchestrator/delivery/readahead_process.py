@@ -141,6 +141,7 @@ class ProcessReadAhead:
             raise ValueError(f"read-ahead needs count >= 1, got {count}")
         self.name, self.count, self.convert = name, count, convert
         self._gen = 0  # items of other generations were popped for an earlier target
+        self._taken = 0  # items of this generation taken since the child got credits
         self._closed = False
         self._client = client
         self._lineage: list[list[Any]] = []  # sent with the next item taken
@@ -183,6 +184,7 @@ class ProcessReadAhead:
         self._flush_entries()
         self.name, self.count, self.convert = name, count, convert
         self._gen += 1
+        self._taken = 0
         self._send(self._target())
 
     def _send(self, data: bytes) -> None:
@@ -223,16 +225,24 @@ class ProcessReadAhead:
             if _GEN.unpack_from(payload)[0] != self._gen:
                 shm.discard(payload[_GEN.size :])  # popped for the recipe before retarget
                 continue
-            with self._lock:
-                entries, self._lineage = self._lineage, []
-            data = _frame(_USED, b"")  # the child pops the next one meanwhile
-            if entries:
-                data += _frame(_LINEAGE, msgpack.packb(entries))
-            self._send(data)
+            self._taken += 1
+            if self._taken >= max(1, self.count // 4):  # a write wakes the child (~30 us):
+                self._give_credits()  # one per few items taken, not one per item
             batch = self._client.accept(self.name, payload[_GEN.size :])
             if batch is None:
                 continue
             return batch if self.convert is None else self.convert(batch)
+
+    def _give_credits(self) -> None:
+        """Tell the child it may pop as many items as were taken (it pops them while the
+        trainer trains), with the lineage entries declared since the last time."""
+        with self._lock:
+            entries, self._lineage = self._lineage, []
+        data = _frame(_USED, msgpack.packb(self._taken))
+        if entries:
+            data += _frame(_LINEAGE, msgpack.packb(entries))
+        self._taken = 0
+        self._send(data)
 
     def trained(self, batch: Traced, policy_version: Any) -> None:
         """Record that ``batch`` (or a part of one this read-ahead served) trains
@@ -269,6 +279,8 @@ class ProcessReadAhead:
         """Keep up to ``count`` batches from now on."""
         if count < 1:
             raise ValueError(f"read-ahead needs count >= 1, got {count}")
+        if self._taken:
+            self._give_credits()  # first: the child counts what is in flight against it
         self.count = count
         self._send(self._target())
 
@@ -341,7 +353,7 @@ def _child() -> None:
                 kind, payload = got
                 if kind == _USED:
                     with room:
-                        state["credits"] += 1
+                        state["credits"] += int(msgpack.unpackb(payload))
                         room.notify()
                 elif kind == _LINEAGE:
                     for recipe, version, policy, ids in msgpack.unpackb(payload):
