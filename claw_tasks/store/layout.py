@@ -57,6 +57,8 @@ def expand_runs(tables: list[bytes | None], at: np.ndarray | slice, dtype: np.dt
     repeated, no search) of consecutive blocks' run tables (None or empty: no key):
     position ``j * RUN_CHUNK_SLOTS + s`` is slot ``s`` of ``tables[j]``'s block, zero
     before its first record."""
+    if len(tables) == 1 and isinstance(at, slice):  # one block's slots (a sync's span)
+        return _one_block(tables[0] or b"", at, dtype)
     raws = [raw or b"" for raw in tables]
     rec = np.frombuffer(b"".join(raws), RUN_ENTRY)
     counts = np.array([len(raw) // RUN_ENTRY.itemsize for raw in raws], np.int64)
@@ -72,6 +74,15 @@ def expand_runs(tables: list[bytes | None], at: np.ndarray | slice, dtype: np.dt
         lengths = np.diff(np.append(starts, nb * RUN_CHUNK_SLOTS))
         return np.repeat(values, lengths)[at]
     return values[np.searchsorted(starts, np.asarray(at, np.int64), side="right") - 1]
+
+
+def _one_block(raw: bytes, at: slice, dtype: np.dtype) -> np.ndarray:
+    """:func:`expand_runs` of one table at a slice of its slots: the record at or before
+    each slot (5 numpy calls, where the general case makes ~20)."""
+    slots = np.arange(RUN_CHUNK_SLOTS)[at]
+    rec = np.frombuffer(raw, RUN_ENTRY)
+    i = np.searchsorted(rec["slot"], slots, side="right") - 1
+    return np.where(i >= 0, rec["value"][np.maximum(i, 0)] if len(rec) else 0, 0).astype(dtype)
 
 
 def runs_of(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

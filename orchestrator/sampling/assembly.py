@@ -22,6 +22,7 @@ from claw_tasks.store.compressed import decode_stored
 from claw_tasks.where import lookup
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.batch import Batch
+from orchestrator.sampling.candidates import unique
 from orchestrator.sampling.fetch import (
     Fetcher,
     Read,
@@ -153,7 +154,7 @@ class Assembly:
         finish.update(extra)
         for label, (name, at) in self.extra.items():
             finish[label] = self._plan_payload(name, at)
-        check = np.unique(np.concatenate(self.check))
+        check = unique(np.concatenate(self.check))
         got = self.s.fetch(
             check, cols["id"][check], self.reads, [lookup for *_, lookup in self.lookups]
         )

@@ -75,13 +75,24 @@ class BulkReader:
         as exceptions: NOSCRIPT as redis-py's :class:`NoScriptError`, raised once every
         reply is read). A connection found broken is replaced once, as in
         :meth:`getranges` (reads only: safe to send again)."""
-        blob = _pack_getranges(ranges) + b"".join(_pack(args) for args in tail)
+        blob = _pack_getranges(ranges) + b"".join(pack(args) for args in tail)
         if self.sock is not None:
             try:
                 return self._run_all(blob, ranges, out, len(tail))
             except (OSError, redis.ConnectionError):
                 self.close()
         return self._run_all(blob, ranges, out, len(tail))
+
+    def run_packed(self, blob: bytes, n: int) -> list[Any]:
+        """Commands packed already (:func:`pack`; a caller that sends the same ones often
+        packs their constant parts once), ``n`` of them, in one round trip: their replies as
+        :meth:`run` gives a tail's (reads only: a broken connection is replaced once)."""
+        if self.sock is not None:
+            try:
+                return self._run_all(blob, (), memoryview(b""), n)
+            except (OSError, redis.ConnectionError):
+                self.close()
+        return self._run_all(blob, (), memoryview(b""), n)
 
     def _run_all(
         self, blob: bytes, ranges: Sequence[tuple[str, int, int]], out: memoryview, n: int
@@ -161,7 +172,7 @@ class BulkReader:
         if kw.get("db"):
             setup.append(["SELECT", kw["db"]])
         if setup:
-            sock.sendall(b"".join(_pack(args) for args in setup))
+            sock.sendall(b"".join(pack(args) for args in setup))
             for _ in setup:
                 self._line()
         return sock
@@ -211,8 +222,15 @@ class BulkReader:
         self.start += len(text)
 
 
-def _pack(args: Sequence[Any]) -> bytes:
-    parts = [b"*%d\r\n" % len(args)]
+def pack(args: Sequence[Any]) -> bytes:
+    """One command in RESP (bytes as they are, anything else as its ``str``)."""
+    return b"*%d\r\n" % len(args) + pack_args(args)
+
+
+def pack_args(args: Sequence[Any]) -> bytes:
+    """Arguments of a command in RESP, without the command's header (``*<count>``): a
+    command's constant part, packed once."""
+    parts = []
     for a in args:
         b = a if isinstance(a, bytes) else str(a).encode()
         parts.append(b"$%d\r\n%s\r\n" % (len(b), b))

@@ -27,7 +27,16 @@ def sorted_unique(rows: Any) -> np.ndarray:
     rows = np.asarray(rows, dtype=np.int64)
     if len(rows) < 2 or (rows[1:] > rows[:-1]).all():
         return rows
-    return np.unique(rows)
+    return unique(rows)
+
+
+def unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` of a 1-D array, by a sort: numpy 2's ``np.unique`` hashes, ~8x slower
+    for the few hundred rows of a batch or a sync (31 against 3.8 µs at 512 int64)."""
+    out = np.sort(values)
+    if len(out) > 1:
+        out = out[np.concatenate(([True], out[1:] != out[:-1]))]
+    return out
 
 
 def recheck(

@@ -34,6 +34,7 @@ from claw_tasks.store.layout import (
     payload_chunk_slots,
 )
 from claw_tasks.store.scripts import Lua
+from orchestrator.sampling.bulk import pack, pack_args
 
 LOG_SINCE = Lua("log_since", "orchestrator")
 REREAD = Lua("reread", "orchestrator")
@@ -47,10 +48,13 @@ def page_commands(key: str, last: str, seen: int, page: int) -> list[list[Any]]:
     ``last`` (``'0-0'``: from the start), ``seen`` being the entries the log had added up
     to and including it; queue them in this order, then pair their replies with
     :func:`page_replies`."""
-    return [
-        ["XRANGE", key, f"({last}", "+", "COUNT", page],
-        ["EVALSHA", LOG_SINCE.sha, 1, key, last, seen],
-    ]
+    return [page_xrange(key, last, page), ["EVALSHA", LOG_SINCE.sha, 1, key, last, seen]]
+
+
+def page_xrange(key: str, last: str, page: int) -> list[Any]:
+    """A page's read alone: up to ``page`` entries of the log ``key`` after ``last``
+    (a sync's round trip checks for lost entries in ``reread.lua``)."""
+    return ["XRANGE", key, f"({last}", "+", "COUNT", page]
 
 
 Entry = tuple[bytes, dict[bytes, bytes]]
@@ -124,7 +128,8 @@ def slot_runs(inserts: list[tuple[int, int]], cap: int, chunk: int) -> list[tupl
 
 
 def reread_args(head: list[Any], cols: list[str], columns: dict[str, np.ndarray]) -> list[Any]:
-    """``reread.lua``'s arguments: ``head`` (shard prefix, cap, last entry id), the limits,
+    """``reread.lua``'s arguments: ``head`` (shard prefix, cap, last entry id, entries
+    seen), the limits,
     then each of ``cols`` as stored (its key base, row bytes and slots per chunk; a run
     column's row bytes are 0)."""
     args = [*head, REREAD_ENTRIES, REREAD_SLOTS]
@@ -136,6 +141,55 @@ def reread_args(head: list[Any], cols: list[str], columns: dict[str, np.ndarray]
         chunk = payload_chunk_slots(size) if col.startswith("f:") else META_CHUNK_SLOTS
         args += [col if col.startswith("f:") else f"m:{col}", size, chunk]
     return args
+
+
+def sync_replies(
+    replies: Sequence[Any], n_shards: int
+) -> tuple[list[tuple[bool, list[Entry]]], Any, list[Any]]:
+    """Of a sync's round trip (per shard :func:`page_xrange`, the config ``GET``, per shard
+    ``reread.lua``): ``(lost, entries)`` per shard, the config, ``reread.lua``'s replies."""
+    xranges, config_raw, spans = replies[:n_shards], replies[n_shards], replies[n_shards + 1 :]
+    pages = [
+        (bool(int(span[0])), [(eid, _fields(kv)) for eid, kv in xr])
+        for xr, span in zip(xranges, spans, strict=True)
+    ]
+    return pages, config_raw, list(spans)
+
+
+class PackedSync:
+    """A sync's round trip packed as RESP (sent by a
+    :class:`~orchestrator.sampling.bulk.BulkReader`): per shard its page
+    (:func:`page_xrange`), then the config ``GET``, then per shard ``reread.lua``
+    (:func:`reread_args`), whose column arguments (~50 of them) are packed once per column
+    set: through a redis-py pipeline the round trip's packing and parsing cost this process
+    more than Redis's work on it."""
+
+    def __init__(self) -> None:
+        self._tails: dict[tuple[Any, ...], bytes] = {}
+
+    def blob(
+        self,
+        pages: Sequence[tuple[str, str, int]],
+        config_key: str,
+        rereads: Sequence[tuple[Sequence[str], str, int, str, int]],
+        cols: list[str],
+        columns: dict[str, np.ndarray],
+    ) -> bytes:
+        """``pages``: (log key, last, page size) per shard; ``rereads``: (keys, shard
+        prefix, cap, last, seen) per shard; ``cols``: the columns ``reread.lua`` reads, of
+        ``columns``."""
+        sig = tuple((c, columns[c].itemsize) for c in cols)
+        tail = self._tails.get(sig)
+        if tail is None:
+            tail = pack_args(reread_args([], cols, columns))
+            self._tails = {sig: tail}
+        n_tail = 2 + 3 * len(cols)
+        out = [pack(page_xrange(*page)) for page in pages]
+        out.append(pack(["GET", config_key]))
+        for keys, prefix, cap, last, seen in rereads:
+            args = ["EVALSHA", REREAD.sha, len(keys), *keys, prefix, cap, last, seen]
+            out += [b"*%d\r\n" % (len(args) + n_tail), pack_args(args), tail]
+        return b"".join(out)
 
 
 def _fields(kv: Any) -> dict[bytes, bytes]:

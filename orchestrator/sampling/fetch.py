@@ -33,14 +33,13 @@ from claw_tasks.format.schema import FieldSpec
 from claw_tasks.store import Store
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute
-from orchestrator.sampling.bulk import BulkReader
+from orchestrator.sampling.bulk import BulkReader, pack
+from orchestrator.sampling.candidates import unique
 from orchestrator.sampling.changelog import (
     LOG_SINCE,
     LogRead,
     from_last_command,
     from_last_page,
-    page_commands,
-    page_replies,
 )
 from orchestrator.sampling.index import LOG_PAGE, SamplingIndex
 
@@ -169,7 +168,7 @@ class Fetcher:
             parts = [check // cap, *(m.rows // cap for m in merged)]
         else:  # only shards with rows read in Lua (the logs check the rows)
             parts = [m.rows // cap for m in in_lua]
-        shards = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        shards = unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
         seqs = None if expect is None else expect // self._n_shards
         for shard in shards.tolist():
             on = check // cap == shard
@@ -251,6 +250,24 @@ class Fetcher:
                     out[j] = _placed(reads[j], res[k])
         return out, rest, logs
 
+    def run(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """The replies of read-only ``commands`` in one round trip (``EVALSHA`` of
+        :data:`~orchestrator.sampling.changelog.LOG_SINCE` and the fetch script are loaded
+        on NOSCRIPT)."""
+        if self._bulk is not None:
+            blob = b"".join(pack(c) for c in commands)
+            try:
+                return self._bulk.run_packed(blob, len(commands))
+            except NoScriptError:
+                self._load_scripts()
+                return self._bulk.run_packed(blob, len(commands))
+
+        def queue(pipe: Any) -> None:
+            for command in commands:
+                pipe.execute_command(*command)
+
+        return execute(self.store.r, [self._script, LOG_SINCE], queue)
+
     def _load_scripts(self) -> None:
         for script in (self._script, LOG_SINCE):
             self.store.r.script_load(script.source)
@@ -295,8 +312,10 @@ class LogChecked:
     entries are only ever trimmed from the head, never deleted): the draw is then one
     from the store as it is at the fetch, one round trip in all. Otherwise
     (the columns were synced in this call) it stands unless an entry touched one of the
-    checked rows, as the seq and alive checks decided. ``quiet`` tells whether the last
-    fetch found the logs without new entries (the caller then tries ``exact`` next).
+    checked rows, as the seq and alive checks decided (the logs read the same way; one
+    whose last entry the index applied is gone refuses the batch: the sync decides).
+    ``quiet`` tells whether the last fetch found the logs without new entries (the caller
+    then tries ``exact`` next).
     ``read``: the entries the last fetch read after the positions, when it refused the
     batch (None else): the sync that follows applies them instead of reading them again.
 
@@ -319,25 +338,22 @@ class LogChecked:
         ix, self.read = self.index, None
         last, seen = list(ix.log_last), list(ix.log_seen)
         logs = [self.index.store.keys.shard_key(s, "log") for s in range(ix.n_shards)]
-        if self.exact:  # each log from the index's last entry: nothing after it, or redraw
-            tail = [from_last_command(k, at, LOG_PAGE) for k, at in zip(logs, last, strict=True)]
-        else:
-            args = zip(logs, last, seen, strict=True)
-            tail = [c for a in args for c in page_commands(*a, LOG_PAGE)]
+        # Each log from the index's last entry on: the entries after it, all of them (no
+        # loss check of its own: log_since.lua's call cost Redis ~25-40 us a shard).
+        tail = [from_last_command(k, at, LOG_PAGE) for k, at in zip(logs, last, strict=True)]
         mirrored = [r.kind == "f" and r.base in ix.columns for r in reads]
         rest = [r for r, m in zip(reads, mirrored, strict=True) if not m]
-        got, replies, tails = self.fetcher.since(rest, lookups, tail)
-        if self.exact:
-            newest = [from_last_page(reply, at) for reply, at in zip(tails, last, strict=True)]
-            self.quiet = all(quiet for quiet, _ in newest)
-            if not self.quiet:
-                if all(entries is not None for _, entries in newest):
-                    self.read = LogRead(last, seen, [(False, e or []) for _, e in newest])
-                return None
-        else:
-            pages = page_replies(tails)
-            self.quiet = all(not lost and not entries for lost, entries in pages)
-            if not (self.quiet or self._untouched(check, pages)):
+        if lookups or any(len(r.rows) for r in rest):
+            got, replies, tails = self.fetcher.since(rest, lookups, tail)
+        else:  # nothing to read from Redis but the logs (e.g. no explicit next_obs drawn)
+            got, replies, tails = [_nothing(r) for r in rest], [], self.fetcher.run(tail)
+        newest = [from_last_page(reply, at) for reply, at in zip(tails, last, strict=True)]
+        self.quiet = all(quiet for quiet, _ in newest)
+        if not self.quiet:
+            if any(entries is None for _, entries in newest):
+                return None  # the index's last entry left the log: the sync decides
+            pages = [(False, e or []) for _, e in newest]
+            if self.exact or not self._untouched(check, pages):
                 self.read = LogRead(last, seen, pages)
                 return None
         read = iter(got)
@@ -351,7 +367,13 @@ class LogChecked:
 
     def _untouched(self, check: np.ndarray, logs: list[Any]) -> bool:
         touched = self.index.touched(logs)
-        return touched is not None and not np.isin(check, touched).any()
+        if touched is None:
+            return False
+        if not len(touched) or not len(check):
+            return True
+        touched = np.sort(touched)  # a search of each checked row: np.isin sorts both
+        at = np.minimum(np.searchsorted(touched, check), len(touched) - 1)
+        return not (touched[at] == check).any()
 
 
 class _Recorder:
@@ -369,6 +391,13 @@ class _Recorder:
 
 def _pack(slots: np.ndarray) -> bytes:
     return msgpack.packb(slots.tolist())
+
+
+def _nothing(read: Read) -> Any:
+    """What :meth:`Fetcher.since` gives for a read of no rows."""
+    if read.kind == "h":
+        return []
+    return _placed(read, np.zeros((0, read.size), np.uint8))
 
 
 def _joined(m: Read, parts: list[Any]) -> Any:

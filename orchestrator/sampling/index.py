@@ -39,10 +39,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from redis.exceptions import NoScriptError
 
 from claw_tasks.format.schema import Schema, tag_column, tag_name
 from claw_tasks.settings import get_settings
@@ -54,14 +57,17 @@ from claw_tasks.store.layout import (
     payload_chunk_slots,
 )
 from claw_tasks.store.scripts import execute
+from orchestrator.sampling.bulk import BulkReader
+from orchestrator.sampling.candidates import unique
 from orchestrator.sampling.changelog import (
     LOG_SINCE,
     REREAD,
     Entry,
     LogRead,
-    page_commands,
-    page_replies,
+    PackedSync,
+    page_xrange,
     reread_args,
+    sync_replies,
 )
 from orchestrator.sampling.slotreads import SlotReads
 
@@ -123,6 +129,15 @@ class SamplingIndex(SlotReads):
         self.forgotten: dict[str, set[int]] = {}
         """Dictionary codes pruned (``forget`` events) during the last :meth:`sync`, by
         column: string caches drop them (a pruned code is never reused)."""
+        self.live_change = 0
+        self.live_delta: int | None = None
+        """While :meth:`sync` calls the listeners: the change in live steps it made
+        (exact; None after a rebuild, and for a subclass whose columns other processes
+        write): a listener's count of live steps stays current without a count of the
+        whole column."""
+        self._wire: tuple[int, BulkReader | None] | None = None  # (pid, the sync's reader)
+        self._wire_lock = threading.Lock()
+        self._packed = PackedSync()
 
     def subscribe(self, listener: Callable[[np.ndarray | None], None]) -> None:
         """Call ``listener`` with what every later :meth:`sync` returns (e.g. a sampler's
@@ -158,7 +173,11 @@ class SamplingIndex(SlotReads):
         ``current``: the columns must hold every change logged before the call (a
         process's own index always does; a shared one may otherwise lag a moment)."""
         rows = self.apply_logs(read)
-        self.notify(rows)
+        self.live_delta = None if rows is None else self.live_change
+        try:
+            self.notify(rows)
+        finally:
+            self.live_delta = None
         return rows
 
     def notify(self, rows: np.ndarray | None) -> None:
@@ -210,7 +229,7 @@ class SamplingIndex(SlotReads):
         The first page is ``read``'s when it was read from the index's positions (a
         fetch's tail: the entries a sync would read, read a moment earlier; whatever came
         after them is read by the fetch that checks the next draw)."""
-        self.forgotten = {}
+        self.forgotten, self.live_change = {}, 0
         if not self.columns:
             self.rebuild()
             return None
@@ -225,7 +244,7 @@ class SamplingIndex(SlotReads):
         except BaseException:
             self.columns = {}  # half applied: the next sync starts cold
             raise
-        return np.unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
+        return unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
 
     # ---- change log (slot ranges are read again by :class:`SlotReads`) ----------------
     def _apply_page(
@@ -233,23 +252,10 @@ class SamplingIndex(SlotReads):
     ) -> bool:
         """Apply up to LOG_PAGE entries per shard (``pages``, if given: read already);
         True if a shard may have more."""
-
-        def queue(pipe: Any) -> None:
-            for key, last, seen in zip(self.log_keys, self.log_last, self.log_seen, strict=True):
-                for command in page_commands(key, last, seen, LOG_PAGE):
-                    pipe.execute_command(*command)
-            pipe.get(self.store.keys.config)
-            for shard in range(self.n_shards):  # after the pages: the slots they name
-                keys = [self.log_keys[shard], self.store.keys.shard_key(shard, "alive")]
-                args = [self.store.keys.shard(shard), self.cap, self.log_last[shard]]
-                REREAD.queue(pipe, keys, reread_args(args, self._reread_columns(), self.columns))
-
         spans: list[Any] | None = None  # per shard: what reread.lua read
         config_raw = None
         if pages is None:
-            got = execute(self.store.r, [LOG_SINCE, REREAD], queue)
-            n = 2 * self.n_shards
-            pages, config_raw, spans = page_replies(got[:n]), got[n], got[n + 1 :]
+            pages, config_raw, spans = sync_replies(self._page_round_trip(), self.n_shards)
         replies = pages
         if any(lost for lost, _ in replies):
             raise RebuildNeeded
@@ -277,6 +283,51 @@ class SamplingIndex(SlotReads):
                 self.log_seen[shard] += len(entries)
         return any(len(entries) >= LOG_PAGE for _, entries in replies)
 
+    def _page_round_trip(self) -> list[Any]:
+        """The replies of a sync's round trip: per shard its page's ``XRANGE``, then the
+        config, then per shard ``reread.lua`` (which tells whether entries were lost too).
+        Packed here and sent on a connection of the index's own (:class:`PackedSync`), or,
+        where a :class:`BulkReader` cannot speak to the server (TLS, Cluster) or another
+        thread is syncing, through a redis-py pipeline."""
+        cols, cap = self._reread_columns(), self.cap
+        shard_key, keys = self.store.keys.shard_key, self.store.keys
+        rereads = [
+            ((self.log_keys[s], shard_key(s, "alive")), keys.shard(s), cap, last, seen)
+            for s, (last, seen) in enumerate(zip(self.log_last, self.log_seen, strict=True))
+        ]
+        wire = self._reader()
+        if wire is not None and self._wire_lock.acquire(blocking=False):
+            try:
+                logs = zip(self.log_keys, self.log_last, strict=True)
+                pages = [(key, last, LOG_PAGE) for key, last in logs]
+                blob = self._packed.blob(pages, keys.config, rereads, cols, self.columns)
+                n = 2 * self.n_shards + 1
+                try:
+                    return wire.run_packed(blob, n)
+                except NoScriptError:
+                    for script in (LOG_SINCE, REREAD):
+                        self.store.r.script_load(script.source)
+                    return wire.run_packed(blob, n)
+            finally:
+                self._wire_lock.release()
+
+        def queue(pipe: Any) -> None:
+            for key, last in zip(self.log_keys, self.log_last, strict=True):
+                pipe.execute_command(*page_xrange(key, last, LOG_PAGE))
+            pipe.get(keys.config)
+            for shard_keys, prefix, _, last, seen in rereads:
+                args = reread_args([prefix, cap, last, seen], cols, self.columns)
+                REREAD.queue(pipe, shard_keys, args)
+
+        return execute(self.store.r, [LOG_SINCE, REREAD], queue)
+
+    def _reader(self) -> BulkReader | None:
+        """The sync's own connection (made again in a forked child: a socket is not
+        shared across processes)."""
+        if self._wire is None or self._wire[0] != os.getpid():
+            self._wire = (os.getpid(), BulkReader.for_client(self.store.r))
+        return self._wire[1]
+
     def _rows(self, shard: int, seqs: np.ndarray) -> np.ndarray:
         return shard * self.cap + (seqs - 1) % self.cap
 
@@ -300,6 +351,7 @@ class SamplingIndex(SlotReads):
         ids = np.frombuffer(packed, "<i8")
         rows = self._rows(shard, ids // self.n_shards)
         rows = rows[self.columns["id"][rows] == ids]
+        self.live_change -= int(np.count_nonzero(self.columns["alive"][unique(rows)]))
         self.columns["alive"][rows] = False
         return rows
 

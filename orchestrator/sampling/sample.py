@@ -268,7 +268,13 @@ class _Session:
     def _changed(self, rows: np.ndarray | None) -> None:
         self.strings.observe(rows)
         if rows is None or len(rows):
-            self._live = None
+            live, delta = self._live, self.index.live_delta
+            if rows is None or live is None or delta is None:
+                self._live = None
+            elif live[0] is self.index.columns.get("alive"):  # a 1M count is ~30-50 us
+                self._live = (live[0], live[1] + delta)
+            else:
+                self._live = None
             for b in self.bound.values():
                 b.sampler.refresh(b.columns(self.index.columns, rows), rows)
 

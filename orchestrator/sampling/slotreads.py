@@ -32,6 +32,8 @@ class SlotReads:
     cap: int
     schema: Schema | None
     columns: dict[str, np.ndarray]
+    live_change: int
+    """Alive flags set minus cleared by the writes since the last apply (exact)."""
 
     def column_dtype(self, col: str) -> np.dtype:
         raise NotImplementedError
@@ -58,11 +60,11 @@ class SlotReads:
         if spans is not None and sizes is not None:
             cols = self._reread_columns()
             for shard in list(inserted):
-                reply = spans[shard]
-                if not reply or int(reply[0]) < sizes[shard]:
+                reply = spans[shard]  # lost, entries seen, then the spans
+                if len(reply) < 2 or int(reply[1]) < sizes[shard]:
                     continue  # past the script's limits: read below
                 del inserted[shard]
-                for at in range(1, len(reply), len(cols) + 3):
+                for at in range(2, len(reply), len(cols) + 3):
                     start, stop = int(reply[at]), int(reply[at + 1])
                     for col, raw in zip(cols, reply[at + 2 : at + 2 + len(cols)], strict=True):
                         if col in RUN_COLUMNS:  # the script's list of the span's blocks
@@ -134,10 +136,16 @@ class SlotReads:
         dest = self.columns[col][shard * self.cap + start : shard * self.cap + stop]
         if col.startswith("f:"):
             view = dest.view(np.uint8)
+            if len(raw) == view.nbytes:  # reread.lua pads its rows: no zeros first
+                view[:] = np.frombuffer(raw, np.uint8)
+                return
             view[:] = 0
             view[: len(raw)] = np.frombuffer(raw, np.uint8)
             return
         dtype = self.column_dtype(col)
+        if len(raw) == dest.nbytes and dtype.itemsize == dest.itemsize:
+            dest[:] = decode_meta(col, np.frombuffer(raw, dtype), self.schema)
+            return
         values = np.zeros(stop - start, dtype)
         got = np.frombuffer(raw, dtype)
         values[: len(got)] = got
@@ -157,5 +165,7 @@ class SlotReads:
         ``start // 8 .. (stop - 1) // 8``."""
         bits = np.unpackbits(np.frombuffer(raw, np.uint8))[start % 8 : start % 8 + stop - start]
         alive = self.columns["alive"][shard * self.cap + start : shard * self.cap + stop]
+        self.live_change -= int(np.count_nonzero(alive))
         alive[:] = False
         alive[: len(bits)] = bits.astype(bool)
+        self.live_change += int(np.count_nonzero(alive))

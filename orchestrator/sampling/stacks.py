@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.sampling.candidates import Columns
+from orchestrator.sampling.candidates import Columns, unique
 from orchestrator.sampling.sequences import follow
 
 
@@ -45,7 +45,7 @@ class Predecessors:
             self._prev = np.full(n, -1, np.int64)
             self._pending = [np.arange(n, dtype=np.int64)]
         if self._pending:
-            rows = np.unique(np.concatenate(self._pending))
+            rows = unique(np.concatenate(self._pending))
             self._pending = []
             nxt = follow(columns, rows, self.cap)
             has = nxt >= 0

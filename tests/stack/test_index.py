@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 
 from claw_tasks.store import Store
-from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
+from orchestrator.sampling.bulk import BulkReader
+from orchestrator.sampling.changelog import (
+    LOG_SINCE,
+    REREAD,
+    page_commands,
+    page_replies,
+    page_xrange,
+    reread_args,
+)
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.shared import SharedIndex
 from tests.support.stepdata import batch, episode, interleave
@@ -146,6 +154,39 @@ def test_a_page_and_its_check_need_no_transaction(store, r):
     assert page("0-0", 0) == (False, [])  # a reader that applied nothing lost nothing
 
 
+def test_reread_tells_a_loss_as_the_pages_check_does(store, r):
+    """``reread.lua``, which a sync's round trip queues after its XRANGE instead of
+    ``log_since.lua``, reports the same losses: none for growth, one for an entry deleted
+    or trimmed after the read, or the log gone; and re-reads nothing then."""
+    store.commit(batch(episode(1, 30, "terminated")))
+    ix = SamplingIndex(store)
+    ix.sync()
+    key, alive = store.keys.shard_key(0, "log"), store.keys.shard_key(0, "alive")
+    r.script_load(REREAD.source)
+
+    def lost(between: list | None = None) -> bool:
+        args = reread_args(
+            [store.keys.shard(0), ix.cap, ix.log_last[0], ix.log_seen[0]],
+            ix._reread_columns(),
+            ix.columns,
+        )
+        with r.pipeline(transaction=False) as pipe:
+            pipe.execute_command(*page_xrange(key, ix.log_last[0], 1000))
+            if between:
+                pipe.execute_command(*between)
+            REREAD.queue(pipe, [key, alive], args)
+            reply = pipe.execute()[-1]
+        assert reply[0] in (0, 1) and (reply[0] == 0 or len(reply) == 1)
+        return bool(reply[0])
+
+    store.commit(batch(episode(2, 5, "terminated")))
+    assert not lost()
+    assert not lost(["XADD", key, "*", "op", "x"])  # growth is no loss
+    assert lost(["XDEL", key, r.xrange(key, count=1000)[-1][0]])  # read, then deleted
+    assert lost(["XTRIM", key, "MAXLEN", 0])
+    assert lost(["DEL", key])
+
+
 def test_evict_event_and_unknown_events(store, r, make):
     store.commit(batch(episode(1, 30, "terminated")))
     ix = make(store)
@@ -183,6 +224,31 @@ def test_error_half_way_leaves_the_index_cold(store, monkeypatch, make):
     assert_cold_equal(ix)
 
 
+@pytest.mark.parametrize("wire", ["own connection", "redis-py", "scripts flushed"])
+def test_a_sync_reads_its_page_on_its_own_connection_or_through_redis_py(store, wire, monkeypatch):
+    """A sync's round trip goes packed on the index's own connection; through a redis-py
+    pipeline where that cannot speak to the server (no BulkReader) or is busy; and loads
+    its scripts again after a SCRIPT FLUSH. The index equals a cold rebuild either way."""
+    if wire == "redis-py":
+        monkeypatch.setattr(BulkReader, "for_client", classmethod(lambda cls, client: None))
+    store.commit(batch(interleave(episode(1, 40, "terminated"), episode(2, 30))))
+    ix = SamplingIndex(store)
+    ix.sync()
+    for e in range(3, 12):  # past the ring of 300: evictions, wrapping slots
+        store.commit(batch(episode(e, 35, "terminated", task_id="a") + episode(e + 20, 20)))
+        if wire == "scripts flushed":
+            store.r.script_flush()
+        assert len(ix.sync())
+        assert_cold_equal(ix)
+    assert (ix._wire[1] is None) == (wire == "redis-py")
+    if wire != "redis-py":
+        with ix._wire_lock:  # another thread syncing: a redis-py pipeline
+            store.commit(batch(episode(40, 10)))
+            assert len(ix.sync())
+        assert_cold_equal(ix)
+    assert store.r.script_exists(REREAD.sha, LOG_SINCE.sha) == [True, True]
+
+
 @pytest.mark.parametrize("limits", [(64, 16_384), (1, 16_384), (64, 10)])
 def test_a_sync_rereads_committed_slots_in_its_page_round_trip(store, make, monkeypatch, limits):
     """The slots a page's entries name are read by ``reread.lua`` in the page's own round
@@ -198,6 +264,10 @@ def test_a_sync_rereads_committed_slots_in_its_page_round_trip(store, make, monk
     pipelines = []
     real = store.r.pipeline
     monkeypatch.setattr(store.r, "pipeline", lambda *a, **k: pipelines.append(1) or real(*a, **k))
+    packed = BulkReader.run_packed  # the sync's own connection: a round trip as well
+    monkeypatch.setattr(
+        BulkReader, "run_packed", lambda *a, **k: pipelines.append(1) or packed(*a, **k)
+    )
     for e in range(3, 12):  # past the ring of 300: evict and ins entries, wrapping slots
         store.commit(batch(episode(e, 35, "terminated", task_id="a") + episode(e + 20, 20)))
         store.commit(batch(episode(e + 40, 5)))

@@ -14,13 +14,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from claw_tasks.format.stepmeta import TERMINATED
 from claw_tasks.where import Encoder, Where
 from orchestrator.recipe.model import Recipe, Source
 from orchestrator.sampling.candidates import Columns, sorted_unique
 from orchestrator.sampling.groups import Claims, Groups
 from orchestrator.sampling.joint import JointTable, JointWhere, joint_acceptor
 from orchestrator.sampling.samplers.base import SAMPLERS, Accept, Context, Part
-from orchestrator.sampling.sequences import n_step, windows
+from orchestrator.sampling.sequences import has_next_obs, n_step, windows
 from orchestrator.sampling.stacks import Predecessors
 from orchestrator.sampling.sumtree import MaxTree
 
@@ -147,9 +148,12 @@ def _acceptor(recipe: Recipe, cap: int, stacks: Predecessors | None) -> Accept |
 
     def accept(columns: Columns, rows: np.ndarray) -> np.ndarray:
         if length == 1:
-            ok = np.ones(len(rows), bool)
-            if transitions:
-                ok &= n_step(columns, rows, n, 1.0, cap).ready
+            if transitions and n == 1:  # n_step's ``ready`` of one step, without its sums
+                ok = ((columns["flags"][rows] & TERMINATED) != 0) | has_next_obs(columns, rows, cap)
+            else:
+                ok = np.ones(len(rows), bool)
+                if transitions:
+                    ok &= n_step(columns, rows, n, 1.0, cap).ready
             if stacks is not None:
                 ok &= stacks.complete(columns, rows, k)
             return ok

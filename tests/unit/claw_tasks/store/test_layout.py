@@ -43,3 +43,23 @@ def test_a_slice_of_positions_reads_as_the_same_positions_listed():
         got = expand_runs(tables, slice(lo, hi), np.dtype("<f8"))
         assert got.tolist() == want.tolist()
     assert expand_runs([None, None], slice(0, 2 * R), np.dtype("<f8")).tolist() == [0] * 2 * R
+
+
+def test_one_block_at_a_slice_reads_as_its_positions_listed():
+    """The one-table slice (a sync's span) gives what the general case gives."""
+    rng = np.random.default_rng(0)
+    for n in [0, 1, 3, 40]:
+        slots = np.sort(rng.choice(R, n, replace=False))
+        tables = [table(*zip(slots.tolist(), rng.uniform(1, 9, n).tolist(), strict=True))]
+        for lo, hi in [
+            (0, R),
+            (0, 1),
+            (R - 1, R),
+            (5, 300),
+            (7, 7),
+            (int(slots[0]) if n else 0, R),
+        ]:
+            want = expand_runs([*tables, None], np.arange(lo, hi), np.dtype("<f8"))
+            got = expand_runs(tables, slice(lo, hi), np.dtype("<f8"))
+            assert got.dtype == want.dtype and got.tolist() == want.tolist()
+    assert expand_runs([None], slice(2, 9), np.dtype("<f8")).tolist() == [0] * 7

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from orchestrator.sampling.sumtree import SumTree
+from orchestrator.sampling.sumtree import MaxTree, SumTree
 
 
 def leaves(n: int, seed: int) -> np.ndarray:
@@ -64,3 +64,29 @@ def test_updates_equal_a_rebuild():
     assert tree.total == fresh.total
     u = rng.random(10_000) * fresh.total
     np.testing.assert_array_equal(tree.find(u), fresh.find(u))
+
+
+@pytest.mark.parametrize("n", [1, 1023, 1025, 300_000])
+def test_max_tree_follows_updates(n):
+    """MaxTree's maximum after runs of consecutive and random updates (rises, falls, back
+    to none) is the leaves' maximum."""
+    rng = np.random.default_rng(n)
+    x = np.where(rng.random(n) < 0.3, -np.inf, rng.uniform(0, 1, n)).astype(np.float32)
+    tree = MaxTree(x, np.float32)
+    assert tree.max == x.max()
+    for step in range(30):
+        if step % 3 == 0:  # a commit's consecutive rows
+            start = int(rng.integers(0, n))
+            idx = np.arange(start, min(n, start + 300))
+        else:
+            idx = np.unique(rng.integers(0, n, min(n, 256)))
+        values = rng.uniform(0, 2 if step % 5 == 0 else 0.5, len(idx)).astype(np.float32)
+        values[rng.random(len(idx)) < 0.2] = -np.inf
+        if step == 10:  # the largest leaf leaves: the maximum falls
+            idx = np.array([int(np.argmax(x))])
+            values = np.array([-np.inf], np.float32)
+        x[idx] = values
+        tree.update(idx, values)
+        assert tree.max == x.max()
+    tree.update(np.arange(n), np.full(n, -np.inf, np.float32))
+    assert tree.max == -np.inf
