@@ -38,6 +38,7 @@ import numpy as np
 
 from claw_tasks.settings import get_settings
 from orchestrator.delivery import shm
+from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import Served, Traced
 from orchestrator.sampling.batch import Batch
 
@@ -322,8 +323,6 @@ class ProcessReadAhead:
 
 # ---- the child ------------------------------------------------------------------------
 def _child() -> None:
-    from orchestrator.delivery.client import BatchClient  # not at import: client imports us
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's exit ends us
     out = os.dup(1)
     os.dup2(2, 1)  # a stray print must not corrupt the frames
@@ -341,9 +340,13 @@ def _child() -> None:
             while view:
                 view = view[os.write(out, view) :]
 
-    client = BatchClient(
-        config["namespace"], config["redis_url"], broker_url=config["broker_url"], readahead=0
-    )
+    try:
+        client = BatchClient(
+            config["namespace"], config["redis_url"], broker_url=config["broker_url"], readahead=0
+        )
+    except Exception as e:  # the trainer's first pop raises it
+        write(_ERROR, f"{type(e).__name__}: {e}".encode())
+        return
     room = threading.Condition()
     # the target: its recipe, the items it may still pop (credits) and its generation
     state: dict[str, Any] = {"name": None, "count": 0, "credits": 0, "gen": -1, "stop": False}
