@@ -3,37 +3,17 @@ over a real Redis and prefetch worker."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
-from claw_tasks.client import Ingestor
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.readahead import ReadAhead, batch_bytes
-
-
-def _wait(cond, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never: {what}")
-        time.sleep(0.05)
+from tests.support.readahead import ingest_ramp, wait_until
 
 
 @pytest.fixture
 def client(redis_url, namespace, workers):
-    ing = Ingestor(namespace, redis_url, flush_interval=None)
-    with ing.episode() as ep:
-        for t in range(64):
-            ep.add(
-                np.full(8, t, np.float32),
-                np.int64(0),
-                float(t),
-                terminated=t == 63,
-                next_obs=np.zeros(8, np.float32) if t == 63 else None,
-            )
-    ing.close()
+    ingest_ramp(namespace, redis_url)
     c = BatchClient(namespace, redis_url)
     c.register(
         {
@@ -50,9 +30,9 @@ def client(redis_url, namespace, workers):
 
 def test_readahead_holds_count_batches_and_pops_locally(client, workers):
     ra = ReadAhead(client, "ra", count=3)
-    _wait(lambda: len(ra) == 3, "three batches read ahead")
+    wait_until(lambda: len(ra) == 3, "three batches read ahead")
     queue = client.registry.queue("ra")
-    _wait(lambda: client.store.r.llen(queue) > 0, "the worker refilled the Redis queue")
+    wait_until(lambda: client.store.r.llen(queue) > 0, "the worker refilled the Redis queue")
     assert len(ra) == 3  # full: it stopped taking from Redis
     for _ in range(5):  # more than it holds: the thread keeps up
         batch = ra.pop(timeout=60)
@@ -63,8 +43,8 @@ def test_readahead_holds_count_batches_and_pops_locally(client, workers):
 
 def test_readahead_byte_budget_holds_one_batch(client, workers):
     ra = ReadAhead(client, "ra", count=8, max_bytes=1)
-    _wait(lambda: len(ra) == 1, "one batch read ahead")
-    _wait(lambda: client.store.r.llen(client.registry.queue("ra")) > 0, "a refilled queue")
+    wait_until(lambda: len(ra) == 1, "one batch read ahead")
+    wait_until(lambda: client.store.r.llen(client.registry.queue("ra")) > 0, "a refilled queue")
     assert len(ra) == 1  # over budget after one batch: never a second
     assert batch_bytes(ra.pop(timeout=60)) >= 16 * 8 * 4
     ra.close()
@@ -88,11 +68,11 @@ def test_a_client_with_readahead_pops_locally_and_drops_what_a_new_version_makes
     try:
         first = ahead.pop("ra", timeout=60, policy_version="p1")
         assert first["obs"].shape == (16, 8)
-        _wait(lambda: ahead.held("ra") == 3, "three batches read ahead")
+        wait_until(lambda: ahead.held("ra") == 3, "three batches read ahead")
         for _ in range(4):
             b = ahead.pop("ra", timeout=60, policy_version="p1")
             np.testing.assert_array_equal(b["obs"][:, 0], b["reward"])
-        _wait(lambda: len(ahead.lineage.trained("p1")) == 5, "five lineage entries sent")
+        wait_until(lambda: len(ahead.lineage.trained("p1")) == 5, "five lineage entries sent")
         assert [e.rows for e in ahead.lineage.trained("p1")] == [16] * 5
         v = ahead.set_params("ra", unused=1).version
         assert all(ahead.pop("ra", timeout=60).recipe_version == v for _ in range(4))

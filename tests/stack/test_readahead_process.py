@@ -7,23 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from claw_tasks.client import Ingestor
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.readahead_process import ProcessReadAhead, ReadAheadProcessError
-
-
-def _wait(cond, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never: {what}")
-        time.sleep(0.05)
+from tests.support.readahead import ingest_ramp, wait_until
 
 
 def _alive(pid: int) -> bool:
@@ -46,17 +37,7 @@ def _recipe(name: str, batch_size: int) -> dict:
 
 @pytest.fixture
 def client(redis_url, namespace, workers):
-    ing = Ingestor(namespace, redis_url, flush_interval=None)
-    with ing.episode() as ep:
-        for t in range(64):
-            ep.add(
-                np.full(8, t, np.float32),
-                np.int64(0),
-                float(t),
-                terminated=t == 63,
-                next_obs=np.zeros(8, np.float32) if t == 63 else None,
-            )
-    ing.close()
+    ingest_ramp(namespace, redis_url)
     c = BatchClient(namespace, redis_url)
     c.register(_recipe("ra", 16))
     yield c
@@ -65,9 +46,9 @@ def client(redis_url, namespace, workers):
 
 def test_the_child_holds_count_batches_and_the_trainer_decodes_them(client):
     ra = ProcessReadAhead(client, "ra", count=3, convert=lambda b: (len(b), b))
-    _wait(lambda: len(ra) == 3, "three batches read ahead")
+    wait_until(lambda: len(ra) == 3, "three batches read ahead")
     queue = client.registry.queue("ra")
-    _wait(lambda: client.store.r.llen(queue) > 0, "the worker refilled the Redis queue")
+    wait_until(lambda: client.store.r.llen(queue) > 0, "the worker refilled the Redis queue")
     assert len(ra) == 3  # no credit left: the child stopped taking from Redis
     for _ in range(6):  # more than it holds: each pop gives the child a credit back
         rows, batch = ra.pop(timeout=60)
@@ -98,7 +79,7 @@ def test_the_child_writes_the_lineage_the_trainer_declares(client):
 def test_retarget_serves_the_new_recipe_and_drops_what_was_read_for_the_old(client):
     client.register(_recipe("big", 32))
     ra = ProcessReadAhead(client, "ra", count=3)
-    _wait(lambda: len(ra) == 3, "three batches of the first recipe read ahead")
+    wait_until(lambda: len(ra) == 3, "three batches of the first recipe read ahead")
     pid = ra.pid
     ra.retarget("big", 2, None)
     for _ in range(4):
@@ -149,4 +130,4 @@ def test_the_child_exits_when_its_trainer_is_killed(redis_url, namespace, client
     assert _alive(child)
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
-    _wait(lambda: not _alive(child), "the orphaned read-ahead process exited", timeout=30)
+    wait_until(lambda: not _alive(child), "the orphaned read-ahead process exited", timeout=30)
