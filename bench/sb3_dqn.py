@@ -97,7 +97,7 @@ def run(cls: type, steps: int, kwargs: dict) -> tuple[float, ReplayBuffer, dict[
     wall = time.perf_counter() - t
     after = thread_cpu()  # before the buffer closes: its threads are still alive
     threads = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    threads["read-ahead process"] = children_cpu("orchestrator.delivery.readahead_process")
+    threads["read-ahead process"] = children_cpu("orchestrator.delivery.readahead_child")
     return wall, model.replay_buffer, threads
 
 

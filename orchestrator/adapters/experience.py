@@ -44,7 +44,7 @@ from claw_tasks.settings import get_settings
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import Served
 from orchestrator.delivery.readahead import ReadAhead
-from orchestrator.delivery.readahead_process import ProcessReadAhead
+from orchestrator.delivery.readahead_process import ProcessReadAhead, ReadAheadProcessError
 from orchestrator.sampling.batch import Batch
 
 PolicyVersion = str | Callable[[int], Any] | None
@@ -353,14 +353,9 @@ class Connection:
             self._prepare[name] = prepare
             self._parts[name] = parts
             if readahead and get_settings().readahead_process:
-                if self._spares:  # a re-plan's new recipe: the same child reads it
-                    spare = self._spares.pop()
-                    spare.retarget(name, readahead, prepare)
-                    self.readaheads[name] = spare
-                else:
-                    self.readaheads[name] = ProcessReadAhead(
-                        self.client, name, count=readahead, convert=prepare
-                    )
+                self.readaheads[name] = self._process_readahead(
+                    name, readahead, readahead_bytes, prepare
+                )
             elif readahead:
                 self.readaheads[name] = ReadAhead(
                     self.client,
@@ -370,6 +365,25 @@ class Connection:
                     convert=prepare,
                 )
         return name
+
+    def _process_readahead(
+        self, name: str, count: int, max_bytes: int, convert: Callable[[Batch], Any]
+    ) -> ProcessReadAhead:
+        """A read-ahead process for recipe ``name``: a spare's (a re-plan's new recipe is
+        read by the same child) while one is alive, else a new one."""
+        while self._spares:
+            spare = self._spares.pop()
+            if spare.alive:
+                try:
+                    spare.retarget(name, count, convert, max_bytes)
+                except ReadAheadProcessError:
+                    spare.close()
+                    continue
+                return spare
+            spare.close()
+        return ProcessReadAhead(
+            self.client, name, count=count, max_bytes=max_bytes, convert=convert
+        )
 
     def start_readahead(self) -> None:
         """Start a read-ahead process now, for the first recipe that reads ahead: its ~1 s
@@ -410,8 +424,12 @@ class Connection:
         for key in stale:
             name = self.names.pop(key)
             ra = self.readaheads.pop(name, None)
-            if isinstance(ra, ProcessReadAhead):
-                self._spares.append(ra)  # its child serves the next recipe made
+            if isinstance(ra, ProcessReadAhead) and ra.alive:
+                try:  # idle, with what it held for the recipe written before it goes
+                    ra.park()
+                    self._spares.append(ra)  # its child serves the next recipe made
+                except (ReadAheadProcessError, TimeoutError):
+                    ra.close()
             elif ra is not None:
                 ra.close()
             self.client.unregister(name)

@@ -334,7 +334,9 @@ class BatchClient:
                 error,
             )
 
-    def trained(self, name: str, batch: Batch | Traced, policy_version: Any) -> None:
+    def trained(
+        self, name: str, batch: Batch | Traced, policy_version: Any, *, at: float | None = None
+    ) -> None:
         """Record that ``batch`` of recipe ``name`` (a batch, or a part of one: anything
         with its ``recipe_version`` and ``ids``) trains ``policy_version`` (any value; kept
         as text): one lineage entry, sent with the next pop (or :meth:`flush_lineage`,
@@ -343,8 +345,9 @@ class BatchClient:
         that declares batches another one pops). Record each batch once: here, or with
         ``pop``'s ``policy_version``. Thread-safe. The entry is encoded when it is sent (a
         read-ahead's trainer pays only this append), so ``batch.ids`` must not change
-        meanwhile."""
-        if self._reports.trained(name, batch, policy_version):
+        meanwhile. ``at``: when the batch was declared (default now; a read-ahead process
+        records its trainer's declarations a few batches later)."""
+        if self._reports.trained(name, batch, policy_version, at):
             self.flush_lineage()
 
     def flush_lineage(self) -> None:

@@ -54,9 +54,13 @@ class PopReports:
         self._logged_skip.add(name)
         return first
 
-    def trained(self, name: str, batch: Traced, policy_version: Any) -> bool:
-        """Hold one lineage entry; True once ``LINEAGE_PENDING`` wait (send them now)."""
-        self._lineage.append((name, batch.recipe_version, policy_version, batch.ids, time.time()))
+    def trained(
+        self, name: str, batch: Traced, policy_version: Any, at: float | None = None
+    ) -> bool:
+        """Hold one lineage entry (of time ``at``, default now); True once
+        ``LINEAGE_PENDING`` wait (send them now)."""
+        at = time.time() if at is None else at
+        self._lineage.append((name, batch.recipe_version, policy_version, batch.ids, at))
         return len(self._lineage) >= LINEAGE_PENDING
 
     def pending(self) -> bool:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -131,3 +132,38 @@ def test_the_child_exits_when_its_trainer_is_killed(redis_url, namespace, client
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
     wait_until(lambda: not _alive(child), "the orphaned read-ahead process exited", timeout=30)
+
+
+def test_a_byte_budget_holds_one_batch(client):
+    ra = ProcessReadAhead(client, "ra", count=8, max_bytes=1)
+    wait_until(lambda: len(ra) == 1, "one batch read ahead")
+    wait_until(lambda: client.store.r.llen(client.registry.queue("ra")) > 0, "a refilled queue")
+    assert len(ra) == 1  # over budget after one: never a second until it is taken
+    assert len(ra.pop(timeout=60)) == 16
+    wait_until(lambda: len(ra) == 1, "the next one read ahead")
+    ra.close()
+
+
+def test_park_writes_what_the_child_held_before_the_recipe_goes(client):
+    ra = ProcessReadAhead(client, "ra", count=2)
+    ra.trained(ra.pop(timeout=60), "before-park")
+    ra.park()  # idle, its pops' counters and lineage written
+    assert len(client.lineage.trained("before-park")) == 1
+    client.unregister("ra")
+    counters = client.registry.counters("ra")
+    time.sleep(2 * 0.5 + 0.5)  # longer than the child's longest wait on a queue
+    assert not client.store.r.exists(counters)  # nothing reported for it afterwards
+    client.register(_recipe("next", 16))
+    ra.retarget("next", 2, None)
+    assert len(ra.pop(timeout=60)) == 16
+    ra.close()
+
+
+def test_a_failed_child_fails_every_later_call(client):
+    client.unregister("ra")
+    ra = ProcessReadAhead(client, "ra", count=2)
+    for _ in range(2):
+        with pytest.raises(ReadAheadProcessError, match="not registered"):
+            ra.pop(timeout=60)
+    assert not ra.alive
+    ra.close()

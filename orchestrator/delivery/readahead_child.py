@@ -1,0 +1,170 @@
+"""The read-ahead process (``python -m orchestrator.delivery.readahead_child``): pops its
+trainer's recipe into a pipe and writes the lineage its trainer declares
+(:mod:`orchestrator.delivery.readahead_process` starts it and has the protocol)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import threading
+
+import msgpack
+import numpy as np
+
+from orchestrator.delivery import shm
+from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.lineage import Served
+from orchestrator.delivery.readahead_pipe import (
+    CONFIG,
+    ERROR,
+    FLUSH,
+    FLUSHED,
+    GEN,
+    ITEM,
+    LINEAGE,
+    RECIPE,
+    USED,
+    WAKE,
+    Frames,
+    frame,
+)
+
+
+def _size(item: bytes) -> int:
+    """Bytes a queue item holds the trainer's memory to: its segment's, or its own."""
+    try:
+        ref = shm.reference_of(item)
+    except Exception:  # an unknown version: the trainer's accept reports it
+        ref = None
+    return int(ref["size"]) if ref else len(item)
+
+
+class Target:
+    """The child's target and its accounting: items popped for it and not yet taken by
+    the trainer (their sizes), against its count and byte budget."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.count = self.max_bytes = 0
+        self.gen = -1
+        self.taken = 0
+        self.held: collections.deque[int] = collections.deque()  # sizes of the untaken
+        self.bytes = 0
+        self.stop = self.busy = False
+
+    def room(self) -> bool:
+        return self.name is not None and (
+            not self.held or (len(self.held) < self.count and self.bytes < self.max_bytes)
+        )
+
+    def used(self, gen: int, taken: int) -> None:
+        while gen == self.gen and self.taken < taken and self.held:
+            self.bytes -= self.held.popleft()
+            self.taken += 1
+
+    def retarget(self, name: str | None, count: int, max_bytes: int, gen: int) -> None:
+        if gen != self.gen:  # a new count of the same target keeps what is in flight
+            self.taken, self.bytes = 0, 0
+            self.held.clear()
+        self.name, self.count, self.max_bytes, self.gen = name, count, max_bytes, gen
+
+
+def main() -> None:
+    """The child's life: configured by its first frame, it ends at its input's end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's exit ends us
+    out = os.dup(1)
+    os.dup2(2, 1)  # a stray print must not corrupt the frames
+    frames = Frames(0)
+    got = frames.next(None)
+    if got is None or got[0] != CONFIG:
+        return
+    config = msgpack.unpackb(got[1])
+    writing = threading.Lock()
+
+    def write(kind: int, payload: bytes) -> None:
+        with writing:
+            view = memoryview(frame(kind, payload))
+            while view:
+                view = view[os.write(out, view) :]
+
+    try:
+        client = BatchClient(
+            config["namespace"], config["redis_url"], broker_url=config["broker_url"], readahead=0
+        )
+    except Exception as e:  # the trainer's first pop raises it
+        write(ERROR, f"{type(e).__name__}: {e}".encode())
+        return
+    cond = threading.Condition()
+    target = Target()
+
+    def listen() -> None:
+        """The trainer's frames: credits, lineage, targets, flushes; end of file stops."""
+        try:
+            while (got := frames.next(None)) is not None:
+                kind, payload = got
+                if kind == USED:
+                    with cond:
+                        target.used(*msgpack.unpackb(payload))
+                        cond.notify_all()
+                elif kind == LINEAGE:
+                    for recipe, version, policy, ids, at in msgpack.unpackb(payload):
+                        served = Served(int(version), np.frombuffer(ids, "<i8"))
+                        client.trained(recipe, served, policy, at=at)
+                elif kind == RECIPE:
+                    with cond:
+                        target.retarget(*msgpack.unpackb(payload))
+                        cond.notify_all()
+                elif kind == FLUSH:
+                    with cond:  # a pop under way may still report for the old target
+                        while target.busy:
+                            cond.wait()
+                    client.flush_lineage()
+                    write(FLUSHED, payload)
+        except Exception as e:  # reported to the trainer, then we stop
+            with contextlib.suppress(OSError):
+                write(ERROR, f"{type(e).__name__}: {e}".encode())
+        finally:
+            with cond:
+                target.stop = True
+                cond.notify_all()
+
+    listener = threading.Thread(target=listen, name="claw-readahead-listen", daemon=True)
+    listener.start()
+    try:
+        while True:
+            with cond:
+                while not target.room() and not target.stop:
+                    cond.wait()
+                if target.stop:
+                    break
+                name, gen, target.busy = target.name, target.gen, True
+            try:
+                item = bytes(client.next_item(str(name), timeout=WAKE, explain=False))
+                client.count_popped(str(name))  # before a flush: counted for this target
+            except TimeoutError:
+                item = None  # the trainer's pop explains an empty queue itself
+            finally:
+                with cond:
+                    target.busy = False
+                    cond.notify_all()
+            if item is None:
+                continue
+            with cond:
+                if gen == target.gen:
+                    target.held.append(size := _size(item))
+                    target.bytes += size
+            write(ITEM, GEN.pack(gen) + item)
+    except BrokenPipeError:
+        pass  # the trainer is gone
+    except Exception as e:  # the trainer's next pop raises it
+        with contextlib.suppress(OSError):
+            write(ERROR, f"{type(e).__name__}: {e}".encode())
+    finally:
+        listener.join(timeout=1.0)
+        client.close()  # writes the lineage still held
+
+
+if __name__ == "__main__":
+    main()
