@@ -53,11 +53,8 @@ class SumTree:
 
     def update(self, idx: np.ndarray, values: np.ndarray) -> None:
         """Set leaves ``idx`` (sorted, unique) to ``values`` and recompute their blocks."""
-        changed = self.leaves[idx] != values
-        idx = idx[changed]
-        if not len(idx):
+        if not len(idx := _set_changed(self.leaves, idx, values)):
             return
-        self.leaves[idx] = values[changed]
         nodes = self.leaves
         for local in self._local:  # the touched blocks of each level, from their nodes
             b = idx // S
@@ -113,12 +110,18 @@ class MaxTree:
 
     def update(self, idx: np.ndarray, values: np.ndarray) -> None:
         """Set leaves ``idx`` (sorted, unique) to ``values`` and recompute their blocks."""
-        changed = self.leaves[idx] != values
-        idx = idx[changed]
-        if not len(idx):
+        if not len(idx := _set_changed(self.leaves, idx, values)):
             return
-        self.leaves[idx] = values[changed]
         b = idx // MAX_BLOCK
         b = b[np.concatenate(([True], b[1:] != b[:-1]))]
         self._blocks[b] = self.leaves.reshape(-1, MAX_BLOCK)[b].max(axis=1)
         self.root = self._blocks.max()
+
+
+def _set_changed(leaves: np.ndarray, idx: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Write ``values`` at ``idx`` where they differ; the leaves that changed (their
+    blocks are the ones to recompute)."""
+    changed = leaves[idx] != values
+    hit = idx[changed]
+    leaves[hit] = values[changed]
+    return hit
