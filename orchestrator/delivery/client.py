@@ -225,7 +225,11 @@ class BatchClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            batch = self.accept(name, self.next_item(name, left))
+            try:
+                item = self.next_item(name, left, explain=False)
+            except TimeoutError:  # explained for the whole wait, not what was left of it
+                raise TimeoutError(self.why_empty(name, timeout)) from None
+            batch = self.accept(name, item)
             if batch is None:
                 continue
             self._reports.popped(name)  # reported with the next pop

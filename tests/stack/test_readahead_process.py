@@ -167,3 +167,11 @@ def test_a_failed_child_fails_every_later_call(client):
             ra.pop(timeout=60)
     assert not ra.alive
     ra.close()
+
+
+def test_a_pop_that_times_out_names_the_wait_it_was_given(client):
+    recipe = _recipe("never", 16)
+    recipe["sources"] = [{"name": "all", "where": {"task_id": "no-such-task"}}]
+    client.register(recipe)
+    with pytest.raises(TimeoutError, match=r"within 1\.5s"):
+        client.pop("never", timeout=1.5)  # not the time left after the last wait

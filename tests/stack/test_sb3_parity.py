@@ -13,6 +13,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from stable_baselines3 import SAC
 from stable_baselines3.common.buffers import DictReplayBuffer, ReplayBuffer
 from stable_baselines3.common.logger import Logger
 
+from claw_tasks.settings import use_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.sb3 import ClawDictReplayBuffer, ClawReplayBuffer
 from tests.support.paths import ROOT
@@ -418,3 +420,39 @@ def test_5_dict_observations_match_sb3_dict_replay_buffer(redis_url, namespace, 
         )
     assert pickle.loads(pickle.dumps(claw)).observation_space == obs
     claw.close()
+
+
+def _readahead_children() -> list[int]:
+    """Pids of this process's read-ahead children."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (d / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"orchestrator.delivery.readahead_child" in cmdline:
+            pids.append(int(d.name))
+    return pids
+
+
+@pytest.mark.parametrize("process", ["1", "0"])
+def test_samples_read_ahead_by_a_child_or_a_thread_are_rows_sb3_holds(
+    redis_url, namespace, workers, monkeypatch, process
+):
+    monkeypatch.setenv("CLAW_READAHEAD_PROCESS", process)
+    use_settings()
+    try:
+        ref = ReplayBuffer(100, OBS_SPACES["box"], ACTION_SPACES["discrete"], device="cpu")
+        claw = _buffer(redis_url, namespace, deterministic=False, gradient_steps=32, recipe={})
+        assert bool(_readahead_children()) == (process == "1")  # started with the buffer
+        _add([ref, claw], 80)
+        claw.flush()
+        held = {tuple(r) for r in _sb3_rows(ref)}
+        for _ in range(40):  # 20 popped batches of 2 parts
+            assert {tuple(r) for r in _rows(claw.sample(16))} <= held
+        claw.close()
+        assert not _readahead_children()
+    finally:
+        monkeypatch.delenv("CLAW_READAHEAD_PROCESS")
+        use_settings()
