@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
-from orchestrator.adapters.experience import plan_for
+from orchestrator.adapters.cadence import plan_for
 from orchestrator.adapters.sb3 import ClawReplayBuffer
 from orchestrator.adapters.torch import ClawIterableDataset
 from orchestrator.delivery.client import BatchClient

@@ -70,8 +70,8 @@ from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBu
 from claw_tasks.client import Ingestor
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from orchestrator.adapters.cadence import Cadence
 from orchestrator.adapters.experience import (
-    Cadence,
     Connection,
     PolicyVersion,
     Transitions,
@@ -102,7 +102,7 @@ class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
     ``seed``, ``deterministic``; ``gradient_steps`` (the ``sample()`` calls between two
     ``add()``s, DQN's training intensity), ``readahead``, ``readahead_bytes`` and
     ``batches_per_pop`` size the read-ahead as for the SB3 buffer (by default it watches
-    the bursts: :class:`~orchestrator.adapters.experience.Cadence`); ``policy_version``
+    the bursts: :class:`~orchestrator.adapters.cadence.Cadence`); ``policy_version``
     what each sample is recorded as training in the lineage log (``"updates"``,
     ``"timesteps"``, a callable or None: the module docstring). Other keyword
     arguments of RLlib's replay buffer config (``alpha``, ``beta`` of a prioritized

@@ -71,8 +71,8 @@ from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from orchestrator.adapters.cadence import Cadence
 from orchestrator.adapters.experience import (
-    Cadence,
     Connection,
     PolicyVersion,
     Transitions,
@@ -112,7 +112,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     ``batch_size`` rows and each call takes a ``batches_per_pop``-th of them — every
     ``batches_per_pop``-th row with several sources, to keep their mix — so the
     workers' and the read-ahead's per-batch costs are paid once per that many calls); see
-    :func:`~orchestrator.adapters.experience.plan_for`. By default the buffer watches the
+    :func:`~orchestrator.adapters.cadence.plan_for`. By default the buffer watches the
     bursts and re-sizes itself when they change (the first burst runs with one batch per
     call); ``gradient_steps`` fixes the sizes from the start, ``readahead`` and
     ``batches_per_pop`` override them. The deterministic mode draws here: no read-ahead.

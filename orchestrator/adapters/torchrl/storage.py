@@ -20,8 +20,8 @@ from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from orchestrator.adapters.cadence import Cadence
 from orchestrator.adapters.experience import (
-    Cadence,
     Connection,
     PolicyVersion,
     Transitions,
@@ -70,7 +70,7 @@ class ClawStorage(StoreStorage):
     priorities reaching the draws that much later. Unless either is given, both follow
     the trainer's bursts of samples between extends as SB3's buffer does (one per sample
     at first, 8 for bursts of 128:
-    :func:`~orchestrator.adapters.experience.plan_for`). ``timeout`` bounds a pop. Samples are
+    :func:`~orchestrator.adapters.cadence.plan_for`). ``timeout`` bounds a pop. Samples are
     put on ``device``.
 
     ``policy_version``: what each sample is recorded as training in the lineage log

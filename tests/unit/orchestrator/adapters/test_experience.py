@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from orchestrator.adapters.cadence import Cadence, Plan, plan_for
 from orchestrator.adapters.experience import (
-    Cadence,
-    Plan,
     interleaved,
-    plan_for,
     split,
     with_env_password,
     without_password,
