@@ -298,11 +298,11 @@ class Connection:
             self.client, name, count=count, max_bytes=max_bytes, convert=convert
         )
 
-    def start_readahead(self) -> None:
-        """Start a read-ahead process now, for the first recipe that reads ahead: its ~1 s
-        of imports then overlap the trainer's warm-up (SB3's ``learning_starts``) instead
-        of its first ``sample()``."""
-        if get_settings().readahead_process and not self._spares:
+    def start_readahead(self, plan: Plan) -> None:
+        """Start a read-ahead process now if ``plan`` reads ahead, for its first recipe:
+        its ~1 s of imports then overlap the trainer's warm-up (SB3's ``learning_starts``)
+        instead of its first ``sample()``."""
+        if plan.readahead and get_settings().readahead_process and not self._spares:
             self._spares.append(ProcessReadAhead(self.client, None))
 
     def pop(self, name: str, timeout: float | None, policy_version: Any = None) -> Any:

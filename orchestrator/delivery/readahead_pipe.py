@@ -49,7 +49,7 @@ class Frames:
             raise ReadAheadProcessError(f"a corrupt frame from the read-ahead pipe ({n} bytes)")
         if len(self.buf) < HEAD.size + n:
             return None
-        payload = bytes(self.buf[HEAD.size : HEAD.size + n])
+        payload = bytes(memoryview(self.buf)[HEAD.size : HEAD.size + n])  # one copy
         del self.buf[: HEAD.size + n]
         return kind, payload
 

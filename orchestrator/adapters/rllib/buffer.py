@@ -218,8 +218,7 @@ class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
         self._writer = EpisodeWriter(ingestor)
         self._unflushed = 0
         self._finalizer = weakref.finalize(self, close_quietly, self._conn)
-        if self._cadence.plan.readahead:
-            self._conn.start_readahead()
+        self._conn.start_readahead(self._cadence.plan)
 
     @property
     def ingestor(self) -> Ingestor:

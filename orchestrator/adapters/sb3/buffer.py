@@ -268,8 +268,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         client = BatchClient(namespace, redis_url, broker_url=broker_url, readahead=0)
         self._conn = Connection(ingestor, client, Transitions(ingestor, kw["episode"]))
         self._finalizer = weakref.finalize(self, close_quietly, self._conn)
-        if self._cadence.plan.readahead:
-            self._conn.start_readahead()
+        self._conn.start_readahead(self._cadence.plan)
 
     @property
     def ingestor(self) -> Ingestor:

@@ -189,8 +189,7 @@ class ClawStorage(StoreStorage):
         client = BatchClient(namespace, kw["redis_url"], broker_url=kw["broker_url"], readahead=0)
         self._conn = Connection(ingestor, client, Transitions(ingestor, kw["episode"]))
         self._finalizer = weakref.finalize(self, close_quietly, self._conn)
-        if self._cadence.plan.readahead:
-            self._conn.start_readahead()
+        self._conn.start_readahead(self._cadence.plan)
         return self._conn
 
     def close(self) -> None:
