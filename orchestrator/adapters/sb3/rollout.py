@@ -78,7 +78,7 @@ from stable_baselines3.common.type_aliases import RolloutBufferSamples
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
-from orchestrator.adapters.experience import PolicyVersion, Versions, global_seed
+from orchestrator.adapters.defaults import global_seed
 from orchestrator.adapters.sb3.epochs import first_positions, minibatches, pop_rollout
 from orchestrator.adapters.sb3.rollout_claw import (
     RUN_TAG,
@@ -87,6 +87,7 @@ from orchestrator.adapters.sb3.rollout_claw import (
     open_ingestor,
     rollout_recipe,
 )
+from orchestrator.adapters.versions import PolicyVersion, Versions
 from orchestrator.delivery.client import BatchClient
 from orchestrator.sampling.batch import Batch
 
