@@ -89,6 +89,25 @@ log = logging.getLogger(__name__)
 FIELDS = ["obs", "action", "reward", "next_obs", "terminated", "truncated"]
 
 
+def _new_namespace() -> str:
+    """A namespace of this buffer's own, when none is given."""
+    namespace = f"{get_settings().namespace}-sb3-{uuid.uuid4().hex[:10]}"
+    log.info("ClawReplayBuffer: namespace %r (pass namespace= to choose one)", namespace)
+    return namespace
+
+
+def _own_recipe(overrides: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """The buffer's recipe: ``overrides`` over one uniform source of :data:`FIELDS`, under
+    a name of its own (closing one buffer of a namespace never unregisters another's)."""
+    return {
+        "name": f"sb3-{uuid.uuid4().hex[:8]}",
+        "fields": FIELDS,
+        "sources": [{"name": "all", "sampler": {"kind": "uniform"}}],
+        "seed": seed,
+        **overrides,
+    }
+
+
 class ClawReplayBuffer(SavedState, ReplayBuffer):
     """SB3 replay buffer backed by a Claw namespace (see the module docstring).
 
@@ -141,22 +160,10 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         drop_on_reset: bool = False,
         policy_version: PolicyVersion = "updates",
     ) -> None:
-        if isinstance(observation_space, spaces.Dict):
-            raise TypeError(
-                "ClawReplayBuffer takes Box/Discrete/... observations; for Dict "
-                "ones use ClawDictReplayBuffer"
-            )
-        # Not ReplayBuffer.__init__: it allocates the arrays Claw replaces.
-        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs)
-        self.buffer_size = max(buffer_size // n_envs, 1)
+        self._init_sb3(buffer_size, observation_space, action_space, device, n_envs)
         self.optimize_memory_usage = optimize_memory_usage  # a no-op: next_obs stored once
         self.handle_timeout_termination = handle_timeout_termination
-        self.obs_dtype = np.dtype(observation_space.dtype)
-        self.action_dtype = np.dtype(self._maybe_cast_dtype(action_space.dtype))
-        settings = get_settings()
-        if namespace is None:
-            namespace = f"{settings.namespace}-sb3-{uuid.uuid4().hex[:10]}"
-            log.info("ClawReplayBuffer: namespace %r (pass namespace= to choose one)", namespace)
+        namespace = _new_namespace() if namespace is None else namespace
         self.seed = global_seed() if seed is None else int(seed)
         self.deterministic = deterministic
         self._cadence = (
@@ -194,17 +201,31 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         self.policy_version = policy_version
         self.base_namespace = namespace
         self.generation = 0
-        self.recipe = {
-            "name": f"sb3-{uuid.uuid4().hex[:8]}",  # own recipes: closing one buffer of a
-            "fields": FIELDS,  # namespace never unregisters another's
-            "sources": [{"name": "all", "sampler": {"kind": "uniform"}}],
-            "seed": self.seed,
-            **(recipe or {}),
-        }
+        self.recipe = _own_recipe(recipe or {}, self.seed)
         self.timeout = timeout
         self.readahead_bytes = readahead_bytes
         self._samples = 0  # sample() calls: the k of the deterministic stream
         self._connect()
+
+    def _init_sb3(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        device: th.device | str,
+        n_envs: int,
+    ) -> None:
+        """SB3's side of the buffer: its spaces, device and window, without the arrays
+        ``ReplayBuffer.__init__`` allocates (Claw holds the data)."""
+        if isinstance(observation_space, spaces.Dict):
+            raise TypeError(
+                "ClawReplayBuffer takes Box/Discrete/... observations; for Dict "
+                "ones use ClawDictReplayBuffer"
+            )
+        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs)
+        self.buffer_size = max(buffer_size // n_envs, 1)
+        self.obs_dtype = np.dtype(observation_space.dtype)
+        self.action_dtype = np.dtype(self._maybe_cast_dtype(action_space.dtype))
 
     @property
     def policy_version(self) -> PolicyVersion:
