@@ -14,6 +14,4 @@ checks it; ``orchestrator`` — the read path — sits on top of all of them):
 - ``broker``     the Celery app factory, RabbitMQ options, TLS, the beat schedule
 - ``worker``     the ``-A`` target: tasks, ingest, the message guard, dead letters, caches
 - ``client``     the SDK: ``Ingestor``, episodes, sending, checks, backpressure, gym wrapper
-
-``claw_tasks.app`` and ``claw_tasks.gym`` are old import paths kept as aliases until 0.3.
 """

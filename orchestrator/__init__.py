@@ -46,8 +46,6 @@ from orchestrator.sampling.samplers import SAMPLERS  # noqa: F401  (registers th
 if TYPE_CHECKING:
     from orchestrator.delivery.client import BatchClient
 
-SampledBatch = Batch  # the old name of what sample() returns; goes in 0.3
-
 __all__ = [
     "Batch",
     "BatchClient",

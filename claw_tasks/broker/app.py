@@ -15,9 +15,15 @@ from claw_tasks.broker.tls import broker_options
 from claw_tasks.settings import Settings, get_settings
 
 QUEUES = ("ingest", "prefetch", "maintenance")
-# Task modules by string only: orchestrator imports claw_tasks, never the reverse.
-TASK_MODULES = [
-    "claw_tasks.worker.tasks",
+# What a worker imports at start, so that every task it may be sent is registered. The
+# worker runs the write path's ingest task and the read path's tasks (the prefetch fill and
+# the maintenance beat schedules). orchestrator imports claw_tasks, never the reverse, so
+# the read path's task modules are named here by string: a dependency of the worker on the
+# read path that no import shows. tests/unit/claw_tasks/broker/test_app.py keeps the list
+# exact: a module of orchestrator that defines a task and is missing here fails it (its
+# task would never run), and so does a listed module that defines none.
+WRITE_PATH_TASKS = ("claw_tasks.worker.tasks",)
+READ_PATH_TASKS = (
     "orchestrator.delivery.prefetch",
     "orchestrator.maintenance.refill",
     "orchestrator.maintenance.evict",
@@ -27,13 +33,13 @@ TASK_MODULES = [
     "orchestrator.maintenance.cleaning",
     "orchestrator.maintenance.quality",
     "orchestrator.maintenance.lineage",
-]
+)
 
 
 def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
     """A configured Claw Celery app (workers use ``app``; clients may aim elsewhere)."""
     broker = broker_url or settings.broker_url
-    app = Celery("claw", broker=broker, include=TASK_MODULES)
+    app = Celery("claw", broker=broker, include=[*WRITE_PATH_TASKS, *READ_PATH_TASKS])
     app.conf.update(
         task_serializer="msgpack",
         result_serializer="msgpack",

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from orchestrator.adapters.experience import PolicyVersion, Versions
+from orchestrator.adapters.versions import PolicyVersion, Versions
 from orchestrator.delivery.client import BatchClient
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.batch import Batch

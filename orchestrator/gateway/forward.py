@@ -9,6 +9,8 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from redis.exceptions import RedisError
@@ -45,6 +47,34 @@ log = logging.getLogger(__name__)
 
 TRAJECTORY_HEADER = "x-claw-trajectory"
 _RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete")
+
+
+@dataclass(frozen=True)
+class _Incoming:
+    """A call admitted to go upstream: who sent it, its request and the serialized body."""
+
+    traj: str
+    group: str | None
+    kind: str
+    payload: dict[str, Any]
+    body: bytes
+    tags: dict[str, Any]
+    trajectories: tuple[str, ...]
+
+    def call(self, reply: bytes, streamed: bool, version: str | None, call_id: str) -> Call:
+        """The :class:`Call` the recorder gets once ``reply`` came back whole."""
+        return Call(
+            self.traj,
+            self.group,
+            self.kind,
+            self.payload,
+            reply,
+            streamed,
+            self.tags,
+            version,
+            call_id,
+            self.trajectories,
+        )
 
 
 class Forwarder:
@@ -97,67 +127,21 @@ class Forwarder:
     async def forward(self, request: Request, kind: str, path: str) -> Response:
         """Forward one call of ``kind`` upstream to ``path``, pass its reply back, and hand
         it to the recorder (or refund, or count it unrecorded)."""
-        trajectories: tuple[str, ...] = ()
         try:
-            principal = caller(request, (self.config.token,), "CLAW_GATEWAY_TOKEN")
-            traj, group = identity(request, principal)
-            tags = tags_of(request)
-            payload = json_object(await read_body(request, self.config.max_body_bytes))
-            try:
-                # serialized here: a value orjson cannot write (an int past 64 bits, a
-                # non-string key) is the request's fault
-                body = orjson.dumps(
-                    upstream_body(kind, payload, self.config.vllm_options, self.config.max_n)
-                )
-            except (CaptureError, TypeError, ValueError, OverflowError) as e:
-                raise Refused(error(400, str(e), "invalid_request_error")) from None
-            n = int(payload.get("n") or 1)
-            if n > 1 and "~" in traj:
-                raise Refused(
-                    error(
-                        400,
-                        f"n > 1 starts n trajectories {traj}~0.. of a new call; trajectory "
-                        f"{traj!r} is itself a choice of one",
-                        "invalid_request_error",
-                        "bad_trajectory",
-                    )
-                )
-            trajectories = choice_trajectories(traj, n)
-            if n > 1 and group is None and principal.session is None:
-                group = traj  # n samples of one prompt: one group, named by the call
-            try:
-                self.recorder.admit(trajectories)
-            except TrajectoryError as e:
-                raise Refused(error(409, str(e), "invalid_request_error", "trajectory")) from None
-            try:
-                group = await self._admit(principal, trajectories, group)
-            except Refused:
-                self.recorder.refund(trajectories)
-                raise
-            except (RedisError, OSError, TimeoutError) as e:
-                # The store does not answer. A session key cannot be checked: refused. A
-                # shared-token call goes on unadmitted (counted): its turns wait in the
-                # recorder like every turn then, and what is served is still bounded by
-                # the recipe's where; its next call asks the budget again.
-                if principal.session is not None:
-                    self.recorder.refund(trajectories)
-                    raise Refused(
-                        error(503, f"session check failed: {type(e).__name__}", "store_unavailable")
-                    ) from None
-                log.warning("admission unchecked (the store does not answer): %s", e)
-                self.metrics.unchecked.inc()
+            incoming = await self._incoming(request, kind)
         except Refused as r:
             self.metrics.requests.labels(kind, r.response.status_code).inc()
             return r.response
+        trajectories, stream = incoming.trajectories, bool(incoming.payload.get("stream"))
         limit = self.config.max_reply_bytes
         assert limit is not None
         call_id = secrets.token_hex(8)
-        ours = {CALL_ID_HEADER: call_id, TRAJECTORY_HEADER: traj}
+        ours = {CALL_ID_HEADER: call_id, TRAJECTORY_HEADER: incoming.traj}
         t0 = time.perf_counter()
         try:
-            resp = await self.upstream.post(path, body, "application/json")
+            resp = await self.upstream.post(path, incoming.body, "application/json")
             content, head, whole = b"", [], True
-            if resp.status != 200 or not payload.get("stream"):
+            if resp.status != 200 or not stream:
                 head, whole = await resp.read_upto(limit)
                 if whole:
                     content, head = b"".join(head), []
@@ -179,52 +163,109 @@ class Forwarder:
         if resp.status != 200:  # passed through, recorded as nothing
             self.recorder.refund(trajectories)
             return Response(content, resp.status, media_type=media)
-
         version = resp.headers.get(POLICY_VERSION_HEADER)
-
-        def call(reply: bytes, streamed: bool) -> Call:
-            return Call(
-                traj, group, kind, payload, reply, streamed, tags, version, call_id, trajectories
-            )
-
-        if not payload.get("stream"):
+        if not stream:
+            call = incoming.call(content, False, version, call_id)
 
             async def record() -> None:  # after the response is sent
-                self.recorder.submit(call(content, False))
+                self.recorder.submit(call)
 
             return Response(
                 content, 200, media_type=media, headers=ours, background=BackgroundTask(record)
             )
+        relay = self._relay(incoming, resp, version, call_id, limit)
+        return StreamingResponse(relay, 200, media_type=media, headers=ours)
 
-        async def relay() -> AsyncIterator[bytes]:
-            # Clients close the connection once they read [DONE], which may cancel this
-            # generator at its last yield: a reply whose final event arrived is complete.
-            # Past the bound the stream is relayed on and nothing more is kept.
-            buf: bytearray | None = bytearray()
-            tail = b""  # the stream's last bytes, to see a final [DONE]
-            done = ended = False  # ended: a Responses stream's final event went by
-            try:
-                async for chunk in resp.chunks():
-                    if buf is not None:
-                        buf += chunk
-                        if len(buf) > limit:
-                            buf = None
-                    if kind == RESPONSES and not ended:
-                        ended = any(e in tail + chunk for e in _RESPONSE_ENDS)
-                    tail = (tail + chunk)[-64:]
-                    yield chunk
-                done = True
-            finally:
-                complete = done or ended or tail.rstrip().endswith(b"data: [DONE]")
-                if complete and buf is not None:
-                    self.recorder.submit(call(bytes(buf), True))
-                elif complete:
-                    self.recorder.unrecorded(trajectories, "too_large")
-                else:
-                    self.recorder.refund(trajectories)
-                await resp.close()
+    async def _incoming(self, request: Request, kind: str) -> _Incoming:
+        """The call ``request`` makes, checked and admitted; :class:`Refused` (with the
+        response to send) when it may not go upstream."""
+        principal = caller(request, (self.config.token,), "CLAW_GATEWAY_TOKEN")
+        traj, group = identity(request, principal)
+        tags = tags_of(request)
+        payload = json_object(await read_body(request, self.config.max_body_bytes))
+        try:
+            # serialized here: a value orjson cannot write (an int past 64 bits, a
+            # non-string key) is the request's fault
+            body = orjson.dumps(
+                upstream_body(kind, payload, self.config.vllm_options, self.config.max_n)
+            )
+        except (CaptureError, TypeError, ValueError, OverflowError) as e:
+            raise Refused(error(400, str(e), "invalid_request_error")) from None
+        n = int(payload.get("n") or 1)
+        if n > 1 and "~" in traj:
+            raise Refused(
+                error(
+                    400,
+                    f"n > 1 starts n trajectories {traj}~0.. of a new call; trajectory "
+                    f"{traj!r} is itself a choice of one",
+                    "invalid_request_error",
+                    "bad_trajectory",
+                )
+            )
+        trajectories = choice_trajectories(traj, n)
+        if n > 1 and group is None and principal.session is None:
+            group = traj  # n samples of one prompt: one group, named by the call
+        group = await self._admit_call(principal, trajectories, group)
+        return _Incoming(traj, group, kind, payload, body, tags, trajectories)
 
-        return StreamingResponse(relay(), 200, media_type=media, headers=ours)
+    async def _admit_call(
+        self, principal: Principal, trajectories: tuple[str, ...], group: str | None
+    ) -> str | None:
+        """``trajectories`` admitted by the recorder and the gate (refunded when the gate
+        refuses): the call's group, or :class:`Refused`."""
+        try:
+            self.recorder.admit(trajectories)
+        except TrajectoryError as e:
+            raise Refused(error(409, str(e), "invalid_request_error", "trajectory")) from None
+        try:
+            return await self._admit(principal, trajectories, group)
+        except Refused:
+            self.recorder.refund(trajectories)
+            raise
+        except (RedisError, OSError, TimeoutError) as e:
+            # The store does not answer. A session key cannot be checked: refused. A
+            # shared-token call goes on unadmitted (counted): its turns wait in the
+            # recorder like every turn then, and what is served is still bounded by
+            # the recipe's where; its next call asks the budget again.
+            if principal.session is not None:
+                self.recorder.refund(trajectories)
+                raise Refused(
+                    error(503, f"session check failed: {type(e).__name__}", "store_unavailable")
+                ) from None
+            log.warning("admission unchecked (the store does not answer): %s", e)
+            self.metrics.unchecked.inc()
+            return group
+
+    async def _relay(
+        self, incoming: _Incoming, resp: Reply, version: str | None, call_id: str, limit: int
+    ) -> AsyncIterator[bytes]:
+        """A streamed 200 reply, passed on chunk by chunk and recorded once complete.
+        Clients close the connection once they read [DONE], which may cancel this generator
+        at its last yield: a reply whose final event arrived is complete. Past the bound
+        the stream is relayed on and nothing more is kept."""
+        buf: bytearray | None = bytearray()
+        tail = b""  # the stream's last bytes, to see a final [DONE]
+        done = ended = False  # ended: a Responses stream's final event went by
+        try:
+            async for chunk in resp.chunks():
+                if buf is not None:
+                    buf += chunk
+                    if len(buf) > limit:
+                        buf = None
+                if incoming.kind == RESPONSES and not ended:
+                    ended = any(e in tail + chunk for e in _RESPONSE_ENDS)
+                tail = (tail + chunk)[-64:]
+                yield chunk
+            done = True
+        finally:
+            complete = done or ended or tail.rstrip().endswith(b"data: [DONE]")
+            if complete and buf is not None:
+                self.recorder.submit(incoming.call(bytes(buf), True, version, call_id))
+            elif complete:
+                self.recorder.unrecorded(incoming.trajectories, "too_large")
+            else:
+                self.recorder.refund(incoming.trajectories)
+            await resp.close()
 
     async def _relay_rest(
         self, trajectories: tuple[str, ...], resp: Reply, head: list[bytes], ok: bool

@@ -94,6 +94,12 @@ def test_which_data_trained_policy_v_is_the_trainers_record(redis_url, namespace
         for i in episode_ids:
             expected.update(by_step.get(i, {}))
         assert json.loads(res.output)["policies"] == dict(expected)
+        res = runner.invoke(app, ["--redis-url", redis_url, "lineage", namespace, "--policy", "v3"])
+        assert res.exit_code == 0, res.output
+        assert f"policy 'v3' of {namespace!r}: 10 batches" in " ".join(res.output.split())
+        res = runner.invoke(app, ["--redis-url", redis_url, "lineage", namespace])
+        assert res.exit_code == 0, res.output
+        assert "v3" in res.output and "batches" in res.output  # the table of policies
         # the fills' sampling figures, as claw metrics exports them
         # A fill counts each batch as it pushes it and its timings when it ends: read both
         # once no fill is midway (the queue is full, so the counts stop moving).

@@ -102,7 +102,6 @@ TASK_LAYERS = [
     "client",
     "worker",
 ]
-ALIASES = {"app", "gym"}  # old import paths kept until 0.3; nothing in the repo uses them
 SIBLINGS = {("worker", "client"), ("client", "worker")}
 
 
@@ -116,7 +115,7 @@ def _task_layer(module: str) -> str | None:
 def test_claw_tasks_top_level_is_small() -> None:
     modules = sorted(p.stem for p in (ROOT / "claw_tasks").glob("*.py") if p.stem != "__init__")
     assert len(modules) <= 8, modules
-    assert set(modules) <= set(TASK_LAYERS) | ALIASES, modules
+    assert set(modules) <= set(TASK_LAYERS), modules
     packages = sorted(p.parent.name for p in (ROOT / "claw_tasks").glob("*/__init__.py"))
     assert set(packages) <= set(TASK_LAYERS), packages
     for package in packages:  # each says what it holds and what it may import
@@ -138,22 +137,10 @@ def test_claw_tasks_imports_point_down(layer: str) -> None:
             target = _task_layer(module)
             if target is None or target == layer:
                 continue
-            if target in ALIASES or target not in rank:
-                bad.append(f"{path.relative_to(ROOT)} imports {module} (an alias or no layer)")
+            if target not in rank:
+                bad.append(f"{path.relative_to(ROOT)} imports {module} (no layer)")
             elif rank[target] > rank[layer] or (layer, target) in SIBLINGS:
                 bad.append(f"{path.relative_to(ROOT)} imports {module} (up: {target})")
-    assert bad == []
-
-
-def test_nothing_in_the_repo_uses_the_old_import_paths() -> None:
-    bad = []
-    for top in ("claw_tasks", "orchestrator", "tests", "bench", "examples"):
-        for path in sorted((ROOT / top).rglob("*.py")):
-            if path.parent == ROOT / "claw_tasks" and path.stem in ALIASES:
-                continue
-            for module in _imports(path):
-                if module in {f"claw_tasks.{a}" for a in ALIASES}:
-                    bad.append(f"{path.relative_to(ROOT)}: {module}")
     assert bad == []
 
 

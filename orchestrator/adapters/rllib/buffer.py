@@ -71,19 +71,14 @@ from claw_tasks.client import Ingestor
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.cadence import Cadence
-from orchestrator.adapters.experience import (
-    Connection,
-    PolicyVersion,
-    Transitions,
-    Versions,
-    close_quietly,
-    global_seed,
-    ingest_options,
-)
+from orchestrator.adapters.defaults import global_seed, ingest_options
+from orchestrator.adapters.link import BufferLink, close_quietly
 from orchestrator.adapters.rllib.episodes import FIELDS, Drawn, EpisodeWriter, to_episodes
 from orchestrator.adapters.rllib.metrics import add_metrics, sample_metrics
 from orchestrator.adapters.rllib.sample_args import check_sample_request, n_step_rows
 from orchestrator.adapters.rllib.state import SavedState
+from orchestrator.adapters.transitions import Transitions
+from orchestrator.adapters.versions import PolicyVersion, Versions
 from orchestrator.delivery.client import BatchClient
 from orchestrator.recipe.model import as_recipe
 from orchestrator.sampling.sample import sample as sample_here
@@ -214,23 +209,23 @@ class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
         )
         self.ring = ingestor.store.config().capacity
         client = BatchClient(self.namespace, redis_url, broker_url=broker_url, readahead=0)
-        self._conn = Connection(ingestor, client, Transitions(ingestor))
+        self._link = BufferLink(ingestor, client, Transitions(ingestor))
         self._writer = EpisodeWriter(ingestor)
         self._unflushed = 0
-        self._finalizer = weakref.finalize(self, close_quietly, self._conn)
-        self._conn.start_readahead(self._cadence.plan)
+        self._finalizer = weakref.finalize(self, close_quietly, self._link)
+        self._link.start_readahead(self._cadence.plan)
 
     @property
     def ingestor(self) -> Ingestor:
-        return self._conn.ingestor
+        return self._link.ingestor
 
     @property
     def client(self) -> BatchClient:
-        return self._conn.client
+        return self._link.client
 
     def flush(self, timeout: float = 60.0) -> None:
         """Write every step added so far and wait until the store has committed them."""
-        self._conn.flush(timeout)
+        self._link.flush(timeout)
         self._unflushed = 0
 
     def close(self) -> None:
@@ -238,7 +233,7 @@ class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
         garbage collection and at exit)."""
         if self._finalizer.alive:
             self._finalizer.detach()
-            self._conn.close()
+            self._link.close()
 
     # ---- writing -------------------------------------------------------------------
     def add(self, episodes: list[SingleAgentEpisode] | SingleAgentEpisode) -> None:
@@ -249,7 +244,7 @@ class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
         self, episodes: list[SingleAgentEpisode] | SingleAgentEpisode, priority: float | None
     ) -> None:
         if (plan := self._cadence.added()) is not None:
-            self._conn.resize(plan)
+            self._link.resize(plan)
         steps = new = 0
         for eps in force_list(episodes):
             new += eps.id_ not in self._writer.open and eps.t_started == 0
@@ -308,7 +303,7 @@ class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
         self._samples += 1
         version = self._versions.of(self._samples)
         if (plan := self._cadence.sampled()) is not None:
-            self._conn.resize(plan)
+            self._link.resize(plan)
         return version
 
     def _draw(
@@ -328,7 +323,7 @@ class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
                 parts.append(self._draw_here(rows, k, gamma, beta, version, modules))
             else:
                 name = self._recipe_name(rows, k, gamma, beta, modules)
-                parts.append(self._conn.pop(name, self.timeout, version))
+                parts.append(self._link.pop(name, self.timeout, version))
         return Drawn.join(parts)
 
     def _source(self, beta: float) -> dict[str, Any]:
@@ -364,17 +359,17 @@ class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
     ) -> str:
         """The recipe serving these arguments, registered on first use (after a flush, so
         everything added so far can be drawn), with its read-ahead thread."""
-        conn, plan = self._conn, self._cadence.plan
+        link, plan = self._link, self._cadence.plan
         key: Hashable = (size, n, float(gamma), beta, modules)
-        name = self._recipe_base + (f".p{conn.replans}" if conn.replans else "")
-        if conn.names and key not in conn.names:
-            name += f"-{len(conn.names)}"
+        name = self._recipe_base + (f".p{link.replans}" if link.replans else "")
+        if link.names and key not in link.names:
+            name += f"-{len(link.names)}"
         spec = {
             "prefetch": {"depth": plan.depth},
             **self._spec(size * plan.parts, n, gamma, beta, modules),
             "name": name,
         }
-        return conn.recipe(
+        return link.recipe(
             key,
             spec,
             plan.readahead,

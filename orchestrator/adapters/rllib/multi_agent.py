@@ -204,7 +204,7 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
         """Write the multi-agent episodes' agent steps (new episodes, or the next chunks of
         open ones)."""
         if (plan := self._cadence.added()) is not None:
-            self._conn.resize(plan)
+            self._link.resize(plan)
         writer = self._ma_writer
         env_steps = new = 0
         agents: dict[str, int] = defaultdict(int)

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from claw_tasks.settings import get_settings, redact_url
-from orchestrator.adapters.experience import PolicyVersion, with_env_password, without_password
+from orchestrator.adapters.urls import with_env_password, without_password
+from orchestrator.adapters.versions import PolicyVersion
 
 log = logging.getLogger(__name__)
 

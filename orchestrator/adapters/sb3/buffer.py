@@ -5,7 +5,7 @@ Use it as ``replay_buffer_class=ClawReplayBuffer`` of DQN, SAC or TD3, with Claw
 
 ``add`` ingests transitions through an :class:`~claw_tasks.client.Ingestor` (one episode
 per env index, a new one after each ``done``; next_obs stored once, see
-:mod:`orchestrator.adapters.experience`).
+:mod:`orchestrator.adapters.transitions`).
 ``sample`` pops a prefetched batch of a recipe registered on first use (uniform over the
 namespace unless overridden) and returns SB3's ``ReplayBufferSamples``: ``dones`` are the
 terminations (timeouts bootstrap, as SB3's ``dones * (1 - timeouts)``), ``rewards`` have
@@ -72,17 +72,11 @@ from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.cadence import Cadence
-from orchestrator.adapters.experience import (
-    Connection,
-    PolicyVersion,
-    Transitions,
-    Versions,
-    close_quietly,
-    generation_namespace,
-    global_seed,
-    ingest_options,
-)
+from orchestrator.adapters.defaults import generation_namespace, global_seed, ingest_options
+from orchestrator.adapters.link import BufferLink, close_quietly
 from orchestrator.adapters.sb3.state import SavedState
+from orchestrator.adapters.transitions import Transitions
+from orchestrator.adapters.versions import PolicyVersion, Versions
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.collate import collate
 from orchestrator.maintenance.lifecycle import drop_namespace
@@ -93,6 +87,25 @@ from orchestrator.sampling.sample import sample as sample_here
 log = logging.getLogger(__name__)
 
 FIELDS = ["obs", "action", "reward", "next_obs", "terminated", "truncated"]
+
+
+def _new_namespace() -> str:
+    """A namespace of this buffer's own, when none is given."""
+    namespace = f"{get_settings().namespace}-sb3-{uuid.uuid4().hex[:10]}"
+    log.info("ClawReplayBuffer: namespace %r (pass namespace= to choose one)", namespace)
+    return namespace
+
+
+def _own_recipe(overrides: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """The buffer's recipe: ``overrides`` over one uniform source of :data:`FIELDS`, under
+    a name of its own (closing one buffer of a namespace never unregisters another's)."""
+    return {
+        "name": f"sb3-{uuid.uuid4().hex[:8]}",
+        "fields": FIELDS,
+        "sources": [{"name": "all", "sampler": {"kind": "uniform"}}],
+        "seed": seed,
+        **overrides,
+    }
 
 
 class ClawReplayBuffer(SavedState, ReplayBuffer):
@@ -147,22 +160,10 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         drop_on_reset: bool = False,
         policy_version: PolicyVersion = "updates",
     ) -> None:
-        if isinstance(observation_space, spaces.Dict):
-            raise TypeError(
-                "ClawReplayBuffer takes Box/Discrete/... observations; for Dict "
-                "ones use ClawDictReplayBuffer"
-            )
-        # Not ReplayBuffer.__init__: it allocates the arrays Claw replaces.
-        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs)
-        self.buffer_size = max(buffer_size // n_envs, 1)
+        self._init_sb3(buffer_size, observation_space, action_space, device, n_envs)
         self.optimize_memory_usage = optimize_memory_usage  # a no-op: next_obs stored once
         self.handle_timeout_termination = handle_timeout_termination
-        self.obs_dtype = np.dtype(observation_space.dtype)
-        self.action_dtype = np.dtype(self._maybe_cast_dtype(action_space.dtype))
-        settings = get_settings()
-        if namespace is None:
-            namespace = f"{settings.namespace}-sb3-{uuid.uuid4().hex[:10]}"
-            log.info("ClawReplayBuffer: namespace %r (pass namespace= to choose one)", namespace)
+        namespace = _new_namespace() if namespace is None else namespace
         self.seed = global_seed() if seed is None else int(seed)
         self.deterministic = deterministic
         self._cadence = (
@@ -200,17 +201,31 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         self.policy_version = policy_version
         self.base_namespace = namespace
         self.generation = 0
-        self.recipe = {
-            "name": f"sb3-{uuid.uuid4().hex[:8]}",  # own recipes: closing one buffer of a
-            "fields": FIELDS,  # namespace never unregisters another's
-            "sources": [{"name": "all", "sampler": {"kind": "uniform"}}],
-            "seed": self.seed,
-            **(recipe or {}),
-        }
+        self.recipe = _own_recipe(recipe or {}, self.seed)
         self.timeout = timeout
         self.readahead_bytes = readahead_bytes
         self._samples = 0  # sample() calls: the k of the deterministic stream
         self._connect()
+
+    def _init_sb3(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        device: th.device | str,
+        n_envs: int,
+    ) -> None:
+        """SB3's side of the buffer: its spaces, device and window, without the arrays
+        ``ReplayBuffer.__init__`` allocates (Claw holds the data)."""
+        if isinstance(observation_space, spaces.Dict):
+            raise TypeError(
+                "ClawReplayBuffer takes Box/Discrete/... observations; for Dict "
+                "ones use ClawDictReplayBuffer"
+            )
+        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs)
+        self.buffer_size = max(buffer_size // n_envs, 1)
+        self.obs_dtype = np.dtype(observation_space.dtype)
+        self.action_dtype = np.dtype(self._maybe_cast_dtype(action_space.dtype))
 
     @property
     def policy_version(self) -> PolicyVersion:
@@ -266,17 +281,17 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
             **ingest_kw,
         )
         client = BatchClient(namespace, redis_url, broker_url=broker_url, readahead=0)
-        self._conn = Connection(ingestor, client, Transitions(ingestor, kw["episode"]))
-        self._finalizer = weakref.finalize(self, close_quietly, self._conn)
-        self._conn.start_readahead(self._cadence.plan)
+        self._link = BufferLink(ingestor, client, Transitions(ingestor, kw["episode"]))
+        self._finalizer = weakref.finalize(self, close_quietly, self._link)
+        self._link.start_readahead(self._cadence.plan)
 
     @property
     def ingestor(self) -> Ingestor:
-        return self._conn.ingestor
+        return self._link.ingestor
 
     @property
     def client(self) -> BatchClient:
-        return self._conn.client
+        return self._link.client
 
     # ---- writing -------------------------------------------------------------------
     def add(
@@ -290,8 +305,8 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     ) -> None:
         """Ingest one transition per env (SB3's shapes: obs (n_envs, *obs_shape), ...)."""
         if (plan := self._cadence.added()) is not None:
-            self._conn.resize(plan)
-        conn = self._conn
+            self._link.resize(plan)
+        link = self._link
         shape = (self.n_envs, *self.obs_shape)
         obs = np.array(obs, dtype=self.obs_dtype).reshape(shape)
         next_obs = np.array(next_obs, dtype=self.obs_dtype).reshape(shape)
@@ -299,10 +314,10 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         reward = np.asarray(reward, dtype=np.float32).reshape(self.n_envs)
         done = np.asarray(done).reshape(self.n_envs)
         for i in range(self.n_envs):  # the previous time step first: the ring's order is SB3's
-            conn.transitions.release(i, obs[i])
+            link.transitions.release(i, obs[i])
         for i in range(self.n_envs):
             timeout = bool(done[i] and infos[i].get("TimeLimit.truncated", False))
-            conn.transitions.add(
+            link.transitions.add(
                 i,
                 obs[i],
                 action[i],
@@ -322,7 +337,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     def flush(self, timeout: float = 60.0) -> None:
         """Write every transition added so far (each env's newest with its next_obs) and
         wait until the store has committed them."""
-        self._conn.flush(timeout)
+        self._link.flush(timeout)
         self._unflushed = 0
 
     def reset(self) -> None:
@@ -332,7 +347,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         old = self.namespace
         self._finalizer()
         if self._init_kw["drop_on_reset"]:
-            r = Store(self._conn.ingestor.redis_url, old).r  # the closed ones are gone
+            r = Store(self._link.ingestor.redis_url, old).r  # the closed ones are gone
             drop_namespace(r, old)
             r.close()
         self.generation += 1
@@ -349,13 +364,13 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         self.updates += 1
         version = self._versions.of(self.updates)
         if (plan := self._cadence.sampled()) is not None:
-            self._conn.resize(plan)
+            self._link.resize(plan)
         if self.deterministic:
             batch = self._sample_here(batch_size)
             if version is not None:
                 self.client.trained(str(self.recipe["name"]), batch, version)
             return self.to_samples(batch, env)
-        part, ready = self._conn.pop(self.recipe_name(batch_size), self.timeout, version)
+        part, ready = self._link.pop(self.recipe_name(batch_size), self.timeout, version)
         if env is None:
             return ready
         return self.to_samples(part if isinstance(part, Batch) else part(), env)
@@ -380,16 +395,16 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     def recipe_name(self, batch_size: int) -> str:
         """The recipe serving ``batch_size``, registered on first use (after a flush, so
         everything added so far can be drawn), with its read-ahead thread."""
-        conn, plan = self._conn, self._cadence.plan
-        base = str(self.recipe["name"]) + (f".p{conn.replans}" if conn.replans else "")
-        name = f"{base}-{batch_size}" if conn.names and batch_size not in conn.names else base
+        link, plan = self._link, self._cadence.plan
+        base = str(self.recipe["name"]) + (f".p{link.replans}" if link.replans else "")
+        name = f"{base}-{batch_size}" if link.names and batch_size not in link.names else base
         spec = {
             "prefetch": {"depth": plan.depth},
             **self.recipe,
             "name": name,
             "batch_size": batch_size * plan.parts,
         }
-        return conn.recipe(
+        return link.recipe(
             batch_size,
             spec,
             plan.readahead,
@@ -450,7 +465,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         garbage collection and at exit)."""
         if self._finalizer.alive:
             self._finalizer.detach()
-            self._conn.close()
+            self._link.close()
 
 
 def _cut(value: Any, m: int, parts: int) -> Sequence[Any]:

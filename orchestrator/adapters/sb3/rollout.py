@@ -78,7 +78,7 @@ from stable_baselines3.common.type_aliases import RolloutBufferSamples
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
-from orchestrator.adapters.experience import PolicyVersion, Versions, global_seed
+from orchestrator.adapters.defaults import global_seed
 from orchestrator.adapters.sb3.epochs import first_positions, minibatches, pop_rollout
 from orchestrator.adapters.sb3.rollout_claw import (
     RUN_TAG,
@@ -87,6 +87,7 @@ from orchestrator.adapters.sb3.rollout_claw import (
     open_ingestor,
     rollout_recipe,
 )
+from orchestrator.adapters.versions import PolicyVersion, Versions
 from orchestrator.delivery.client import BatchClient
 from orchestrator.sampling.batch import Batch
 
@@ -144,51 +145,15 @@ class ClawRolloutBuffer(RolloutBuffer):
         timeout: float | None = 60.0,
         policy_version: PolicyVersion = "rollouts",
     ) -> None:
-        if isinstance(self._row_space(observation_space), spaces.Dict):
-            raise TypeError(
-                "ClawRolloutBuffer takes Box/Discrete/... observations; for Dict ones use "
-                "ClawDictRolloutBuffer"
-            )
-        # Not RolloutBuffer.__init__: its reset() allocates the arrays Claw replaces.
-        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs)
+        self._init_sb3(buffer_size, observation_space, action_space, device, n_envs)
         self.gae_lambda, self.gamma = gae_lambda, gamma
-        self.generator_ready = False
-        self.obs_dtype = np.dtype(self._row_space(observation_space).dtype)
-        self.action_dtype = np.dtype(action_space.dtype)
         self.timeout = timeout
         row_bytes = int(np.prod(self._row_shape())) * self.obs_dtype.itemsize + 64
         per_step = max(1, MESSAGE_BYTES // (n_envs * row_bytes))
         self.write_every = max(1, min(write_every or per_step, buffer_size))
         self.steps = buffer_size * n_envs
-        self.episode_kw = dict(episode or {})
-        self._meta = {k: v for k, v in self.episode_kw.items() if k in EPISODE_META}
-        self._tags = {k: v for k, v in self.episode_kw.items() if k not in EPISODE_META}
-        if "policy_version" in self.episode_kw or EPISODE_TAGS & set(self._tags):
-            raise ValueError(
-                f"episode: policy_version, {', '.join(sorted(EPISODE_TAGS))} are the "
-                "buffer's to write"
-            )
-        settings = get_settings()
-        if namespace is None:
-            namespace = f"{settings.namespace}-sb3-{uuid.uuid4().hex[:10]}"
-            log.info("ClawRolloutBuffer: namespace %r (pass namespace= to choose one)", namespace)
-        self.namespace = namespace
-        schema = Schema.rollout(
-            tuple(self._row_shape()),
-            (self.action_dim,),
-            obs_dtype=self.obs_dtype.str,
-            action_dtype=self.action_dtype.str,
-            tags={RUN_TAG: "str"},
-        )
-        self.ingestor = open_ingestor(
-            namespace, redis_url, broker_url, capacity, self.steps, schema, ingest
-        )
-        self.client = BatchClient(namespace, redis_url, broker_url=broker_url)
-        self._names: list[str] = []  # the recipe, unregistered on close
-        self.writer = Writer()
-        self._finalizer = weakref.finalize(
-            self, close_rollout, self.writer, self.ingestor, self.client, self._names
-        )
+        self._split_episode(dict(episode or {}))
+        self._connect(namespace, redis_url, broker_url, capacity, ingest)
         self.seed = global_seed() if seed is None else int(seed)
         self.recipe_name = f"sb3ppo-{uuid.uuid4().hex[:8]}"
         self._overrides = dict(recipe or {})
@@ -216,6 +181,69 @@ class ClawRolloutBuffer(RolloutBuffer):
         )
         self._names.append(self.recipe_name)
         self._clear()
+
+    def _init_sb3(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        device: th.device | str,
+        n_envs: int,
+    ) -> None:
+        """SB3's side of the buffer: its spaces, device and window, without the arrays
+        ``RolloutBuffer.__init__``'s ``reset()`` allocates (Claw holds the rows)."""
+        if isinstance(self._row_space(observation_space), spaces.Dict):
+            raise TypeError(
+                "ClawRolloutBuffer takes Box/Discrete/... observations; for Dict ones use "
+                "ClawDictRolloutBuffer"
+            )
+        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs)
+        self.generator_ready = False
+        self.obs_dtype = np.dtype(self._row_space(observation_space).dtype)
+        self.action_dtype = np.dtype(action_space.dtype)
+
+    def _split_episode(self, episode: dict[str, Any]) -> None:
+        """``episode``'s keywords as the steps' metadata and their tags; the tags the buffer
+        writes itself are refused."""
+        self.episode_kw = episode
+        self._meta = {k: v for k, v in episode.items() if k in EPISODE_META}
+        self._tags = {k: v for k, v in episode.items() if k not in EPISODE_META}
+        if "policy_version" in episode or EPISODE_TAGS & set(self._tags):
+            raise ValueError(
+                f"episode: policy_version, {', '.join(sorted(EPISODE_TAGS))} are the "
+                "buffer's to write"
+            )
+
+    def _connect(
+        self,
+        namespace: str | None,
+        redis_url: str | None,
+        broker_url: str | None,
+        capacity: int | None,
+        ingest: Mapping[str, Any] | None,
+    ) -> None:
+        """The Ingestor, BatchClient and writer thread on ``namespace`` (a new one of the
+        buffer's own when None), closed together on garbage collection or exit."""
+        if namespace is None:
+            namespace = f"{get_settings().namespace}-sb3-{uuid.uuid4().hex[:10]}"
+            log.info("ClawRolloutBuffer: namespace %r (pass namespace= to choose one)", namespace)
+        self.namespace = namespace
+        schema = Schema.rollout(
+            tuple(self._row_shape()),
+            (self.action_dim,),
+            obs_dtype=self.obs_dtype.str,
+            action_dtype=self.action_dtype.str,
+            tags={RUN_TAG: "str"},
+        )
+        self.ingestor = open_ingestor(
+            namespace, redis_url, broker_url, capacity, self.steps, schema, ingest
+        )
+        self.client = BatchClient(namespace, redis_url, broker_url=broker_url)
+        self._names: list[str] = []  # the recipe, unregistered on close
+        self.writer = Writer()
+        self._finalizer = weakref.finalize(
+            self, close_rollout, self.writer, self.ingestor, self.client, self._names
+        )
 
     # ---- what the subclass for Dict observations changes -------------------------------
     def _row_space(self, observation_space: spaces.Space) -> spaces.Space:

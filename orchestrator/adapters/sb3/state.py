@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from claw_tasks.settings import get_settings, redact_url
-from orchestrator.adapters.experience import with_env_password, without_password
+from orchestrator.adapters.urls import with_env_password, without_password
 
 log = logging.getLogger(__name__)
 

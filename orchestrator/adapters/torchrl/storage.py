@@ -21,17 +21,11 @@ from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.cadence import Cadence
-from orchestrator.adapters.experience import (
-    Connection,
-    PolicyVersion,
-    Transitions,
-    Versions,
-    close_quietly,
-    generation_namespace,
-    ingest_options,
-    with_env_password,
-    without_password,
-)
+from orchestrator.adapters.defaults import generation_namespace, ingest_options
+from orchestrator.adapters.link import BufferLink, close_quietly
+from orchestrator.adapters.transitions import Transitions
+from orchestrator.adapters.urls import with_env_password, without_password
+from orchestrator.adapters.versions import PolicyVersion, Versions
 from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance.lifecycle import drop_namespace
 from orchestrator.sampling.batch import Batch
@@ -148,7 +142,7 @@ class ClawStorage(StoreStorage):
         self.recipe_base = f"torchrl-{uuid.uuid4().hex[:8]}"
         # Dtypes and trailing shapes a sample gives back: those the rows were extended with.
         self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        self._conn: Connection | None = None
+        self._link: BufferLink | None = None
         self._finalizer: weakref.finalize | None = None
         self._drawn: tuple[torch.Tensor, TensorDict] | None = None
 
@@ -168,9 +162,9 @@ class ClawStorage(StoreStorage):
         return generation_namespace(self.base_namespace, self.generation)
 
     # ---- connection ----------------------------------------------------------------
-    def _connect(self, schema: Schema | None) -> Connection:
-        if self._conn is not None:
-            return self._conn
+    def _connect(self, schema: Schema | None) -> BufferLink:
+        if self._link is not None:
+            return self._link
         kw, namespace = self._kw, self.namespace
         capacity = kw["capacity"]
         if capacity is None:
@@ -187,26 +181,26 @@ class ClawStorage(StoreStorage):
             **ingest_options(kw["ingest"], capacity or self.max_size),
         )
         client = BatchClient(namespace, kw["redis_url"], broker_url=kw["broker_url"], readahead=0)
-        self._conn = Connection(ingestor, client, Transitions(ingestor, kw["episode"]))
-        self._finalizer = weakref.finalize(self, close_quietly, self._conn)
-        self._conn.start_readahead(self._cadence.plan)
-        return self._conn
+        self._link = BufferLink(ingestor, client, Transitions(ingestor, kw["episode"]))
+        self._finalizer = weakref.finalize(self, close_quietly, self._link)
+        self._link.start_readahead(self._cadence.plan)
+        return self._link
 
     def close(self) -> None:
         """Write what is pending, unregister this storage's recipes, release connections
         (also done on garbage collection and at exit)."""
         if self._finalizer is not None and self._finalizer.alive:
             self._finalizer.detach()
-            assert self._conn is not None
-            self._conn.close()
-        self._conn = self._finalizer = None
+            assert self._link is not None
+            self._link.close()
+        self._link = self._finalizer = None
 
     def flush(self, timeout: float = 60.0) -> None:
         """Write every row extended and every priority submitted so far, and wait until
         the store has them."""
-        if self._conn is not None:
-            self._conn.flush(timeout)
-            self._conn.client.flush_priorities(timeout)
+        if self._link is not None:
+            self._link.flush(timeout)
+            self._link.client.flush_priorities(timeout)
 
     # ---- writing -------------------------------------------------------------------
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
@@ -222,12 +216,12 @@ class ClawStorage(StoreStorage):
             data = data.unsqueeze(0)
         data = data.reshape(-1)
         rows = self._rows(data)
-        conn = self._connect(self._schema(rows))
+        link = self._connect(self._schema(rows))
         if (plan := self._cadence.added()) is not None:
-            conn.resize(plan)
+            link.resize(plan)
         obs, act, rew, nxt, term, trunc, streams, prio = rows
         for i in range(len(obs)):
-            conn.transitions.add(
+            link.transitions.add(
                 streams[i],
                 obs[i],
                 act[i],
@@ -316,14 +310,14 @@ class ClawStorage(StoreStorage):
         """Pop the next prefetched batch of ``batch_size`` rows drawn with ``source``'s
         sampler; returns its step ids and importance weights (the batch waits for
         :meth:`get`)."""
-        conn, kw = self._connect(None), self._kw
+        link, kw = self._connect(None), self._kw
         if (resized := self._cadence.sampled()) is not None:
-            conn.resize(resized)
+            link.resize(resized)
         plan = self._cadence.plan
         key: Hashable = (json.dumps(source, sort_keys=True), batch_size)
         name = (
-            f"{self.recipe_base}-{conn.replans}.{len(conn.names)}"
-            if key not in conn.names
+            f"{self.recipe_base}-{link.replans}.{len(link.names)}"
+            if key not in link.names
             else None
         )
         spec = {
@@ -334,7 +328,7 @@ class ClawStorage(StoreStorage):
             "prefetch": {"depth": plan.depth},
             **kw["recipe"],
         }
-        name = conn.recipe(
+        name = link.recipe(
             key,
             spec,
             plan.readahead,
@@ -343,7 +337,7 @@ class ClawStorage(StoreStorage):
             convert=self._drawable,
         )
         self.samples += 1
-        ids, weights, td = conn.pop(name, self.timeout, self._versions.of(self.samples))
+        ids, weights, td = link.pop(name, self.timeout, self._versions.of(self.samples))
         self._drawn = (ids, td)
         return ids, weights
 
@@ -469,7 +463,7 @@ class ClawStorage(StoreStorage):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         Storage.__init__(self, state["state"]["claw"]["max_size"])
-        self._conn = self._finalizer = None
+        self._link = self._finalizer = None
         self.load_state_dict(state["state"])
 
     def __repr__(self) -> str:

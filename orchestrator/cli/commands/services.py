@@ -7,6 +7,7 @@ import os
 import platform
 import secrets
 import time
+from collections.abc import Callable
 from importlib.metadata import version as dist_version
 from pathlib import Path
 from typing import Annotated
@@ -16,11 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from claw_tasks.broker.app import QUEUES
-from claw_tasks.connection.server import ensure_redis
+from claw_tasks.connection.server import RedisServer, ensure_redis
 from claw_tasks.settings import METRICS_PORT, WEB_PORT, get_settings, redact_url
 from claw_tasks.store.acl import setuser_command
 from orchestrator.cli import demo as demo_run
 from orchestrator.cli import exporter as metrics_server
+from orchestrator.cli import gateway_options as opt
 from orchestrator.cli.app import LogDir, app, friendly, stop_on_sigterm
 from orchestrator.cli.devstack import (
     DevStack,
@@ -144,9 +146,8 @@ def web(
         )
     else:
         console.print(f"user [bold]{credentials.user}[/], password as configured", highlight=False)
-    stop_on_sigterm()
-    try:
-        serve(
+    _until_interrupted(
+        lambda: serve(
             url,
             broker,
             credentials,
@@ -155,7 +156,17 @@ def web(
             read_only=read_only,
             certfile=str(certfile) if certfile else None,
             keyfile=str(keyfile) if keyfile else None,
-        )
+        ),
+        server,
+    )
+
+
+def _until_interrupted(run: Callable[[], object], server: RedisServer | None) -> None:
+    """``run()`` until Ctrl-C or SIGTERM, then the embedded Redis (if one was started)
+    stopped."""
+    stop_on_sigterm()
+    try:
+        run()
     except KeyboardInterrupt:
         pass
     finally:
@@ -273,78 +284,20 @@ def gateway(
     namespace: Annotated[str, typer.Option(help="Namespace the turns are recorded into")],
     port: int = 8100,
     address: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
-    tokenizer: Annotated[
-        Path | None,
-        typer.Option(help="tokenizer.json for upstreams that return no token ids"),
-    ] = None,
-    vllm_options: Annotated[
-        bool, typer.Option(help="Ask for token ids with vLLM's return_token_ids options")
-    ] = True,
+    tokenizer: opt.Tokenizer = None,
+    vllm_options: opt.VllmOptions = True,
     max_body_bytes: int = 8 * 1024 * 1024,
-    max_reply_bytes: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Bytes of one upstream reply kept to record it; a larger one is passed "
-            "through unrecorded",
-            show_default="CLAW_GATEWAY_MAX_REPLY_BYTES, 32 MiB",
-        ),
-    ] = None,
-    upstream_timeout: Annotated[
-        float | None,
-        typer.Option(
-            min=0.001,
-            help="Seconds to wait for the upstream's headers, and between its reads",
-            show_default="CLAW_GATEWAY_UPSTREAM_TIMEOUT, 300",
-        ),
-    ] = None,
-    max_turns: Annotated[int, typer.Option(help="Calls allowed per trajectory")] = 256,
-    max_n: Annotated[
-        int,
-        typer.Option(min=1, max=1024, help="Largest n per call (n > 1: n trajectories)"),
-    ] = 64,
-    policy_version: Annotated[
-        int | None,
-        typer.Option(
-            help="Recorded as each turn's policy_version when the upstream sends no "
-            "X-Claw-Policy-Version (else the trainer's declared version)"
-        ),
-    ] = None,
-    admission: Annotated[
-        bool,
-        typer.Option(help="Admit new trajectories against the trainer's staleness budget"),
-    ] = True,
-    admission_wait: Annotated[
-        float | None,
-        typer.Option(
-            min=0.0,
-            help="Seconds a new trajectory waits for the budget before a 429",
-            show_default="CLAW_GATEWAY_ADMISSION_WAIT, 10",
-        ),
-    ] = None,
-    admission_expiry: Annotated[
-        float | None,
-        typer.Option(
-            min=0.0,
-            help="Seconds an admitted trajectory may go without a turn or its reward before "
-            "its budget slots come back (0: never)",
-            show_default="CLAW_GATEWAY_ADMISSION_EXPIRY, 3600",
-        ),
-    ] = None,
-    retry_after: Annotated[
-        float, typer.Option(min=0.001, help="Retry-After of a 429 (seconds)")
-    ] = 1.0,
-    turn_discount: Annotated[
-        float | None,
-        typer.Option(
-            min=0.0,
-            max=1.0,
-            help="Set the namespace's turn discount gamma (r[t] += gamma * r[t+1] at reward)",
-        ),
-    ] = None,
-    session_ttl: Annotated[
-        int, typer.Option(min=1, help="Seconds a session key lives (and trajectory state)")
-    ] = 7 * 86400,
+    max_reply_bytes: opt.MaxReplyBytes = None,
+    upstream_timeout: opt.UpstreamTimeout = None,
+    max_turns: opt.MaxTurns = 256,
+    max_n: opt.MaxN = 64,
+    policy_version: opt.PolicyVersion = None,
+    admission: opt.Admission = True,
+    admission_wait: opt.AdmissionWait = None,
+    admission_expiry: opt.AdmissionExpiry = None,
+    retry_after: opt.RetryAfter = 1.0,
+    turn_discount: opt.TurnDiscount = None,
+    session_ttl: opt.SessionTtl = 7 * 86400,
 ) -> None:
     """OpenAI-compatible capture gateway: agents call it (base_url
     http://HOST:PORT/t/<trajectory>/g/<group>/v1, api_key = CLAW_GATEWAY_TOKEN), it forwards
@@ -394,14 +347,7 @@ def gateway(
         f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
         f"(store {redact_url(url)}, broker {redact_url(config.broker_url or url)}); Ctrl-C stops"
     )
-    stop_on_sigterm()
-    try:
-        serve(config, address, port)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if server is not None:
-            server.stop()
+    _until_interrupted(lambda: serve(config, address, port), server)
 
 
 @app.command()

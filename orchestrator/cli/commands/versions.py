@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import redis
 import typer
@@ -14,6 +14,9 @@ from rich.table import Table
 from claw_tasks.store import NamespaceError, Store
 from orchestrator.cli.app import app, friendly, redis_client
 from orchestrator.maintenance import snapshots as versions
+
+if TYPE_CHECKING:
+    from orchestrator.delivery.lineage import LineageLog
 
 
 def _store(r: redis.Redis, namespace: str) -> Store:
@@ -201,11 +204,7 @@ def lineage(
 
     Trainers declare what a batch trains: BatchClient.pop(name, policy_version=v). Without
     options: the policies the log holds and how many batches each."""
-    import numpy as np
-
-    from claw_tasks.format.stepmeta import episode_code
     from orchestrator.delivery.lineage import LineageLog
-    from orchestrator.maintenance.lifecycle import synced_index
 
     if sum(x is not None and x != [] for x in (policy, step, episode)) > 1:
         raise typer.BadParameter("give one of --policy, --step, --episode")
@@ -213,45 +212,68 @@ def lineage(
         store = _store(r, namespace)
         log = LineageLog(store)
         if policy is not None:
-            found = log.trained(policy)
-            all_ids = np.sort(np.concatenate([e.ids for e in found])) if found else np.zeros(0)
-            doc = {
-                "policy": policy,
-                "batches": len(found),
-                "rows": len(all_ids),
-                "steps": len(np.unique(all_ids)),
-                "recipes": sorted({f"{e.recipe}@v{e.recipe_version}" for e in found}),
-                "entries": [e.to_json() for e in found],
-            }
-            if ids:
-                doc["ids"] = all_ids.astype(np.int64).tolist()
+            doc = _policy_lineage(log, policy, ids)
         elif step or episode is not None:
-            wanted = np.asarray(step or [], np.int64)
-            if episode is not None:
-                index, _ = synced_index(store)
-                cols = index.columns
-                rows = (cols["episode"] == episode_code(episode)) & (cols["id"] > 0)
-                wanted = cols["id"][rows]
-                if not len(wanted):
-                    raise NamespaceError(
-                        f"episode {episode!r} has no stored steps in {namespace!r}"
-                    )
-            per_step = log.policies(wanted)
-            policies: dict[str, int] = {}
-            for seen in per_step.values():
-                for p, n in seen.items():
-                    policies[p] = policies.get(p, 0) + n
-            doc = {
-                "episode": episode,
-                "steps": {str(k): v for k, v in per_step.items()},
-                "policies": policies,
-            }
+            doc = _steps_lineage(store, log, step or [], episode)
         else:
             counts = log.counts()
             doc = {"batches": sum(counts.values()), "policies": counts}
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
-        return
+    else:
+        _print_lineage(doc, namespace, policy, ids)
+
+
+def _policy_lineage(log: LineageLog, policy: str, ids: bool) -> dict[str, Any]:
+    """What trained ``policy``: its batches, rows, distinct steps and recipes (and the
+    step ids with ``ids``)."""
+    import numpy as np
+
+    found = log.trained(policy)
+    all_ids = np.sort(np.concatenate([e.ids for e in found])) if found else np.zeros(0)
+    doc = {
+        "policy": policy,
+        "batches": len(found),
+        "rows": len(all_ids),
+        "steps": len(np.unique(all_ids)),
+        "recipes": sorted({f"{e.recipe}@v{e.recipe_version}" for e in found}),
+        "entries": [e.to_json() for e in found],
+    }
+    if ids:
+        doc["ids"] = all_ids.astype(np.int64).tolist()
+    return doc
+
+
+def _steps_lineage(
+    store: Store, log: LineageLog, step: list[int], episode: str | None
+) -> dict[str, Any]:
+    """The policies that trained on steps ``step``, or on ``episode``'s stored steps."""
+    import numpy as np
+
+    from claw_tasks.format.stepmeta import episode_code
+    from orchestrator.maintenance.lifecycle import synced_index
+
+    wanted = np.asarray(step, np.int64)
+    if episode is not None:
+        index, _ = synced_index(store)
+        cols = index.columns
+        rows = (cols["episode"] == episode_code(episode)) & (cols["id"] > 0)
+        wanted = cols["id"][rows]
+        if not len(wanted):
+            raise NamespaceError(f"episode {episode!r} has no stored steps in {store.namespace!r}")
+    per_step = log.policies(wanted)
+    policies: dict[str, int] = {}
+    for seen in per_step.values():
+        for p, n in seen.items():
+            policies[p] = policies.get(p, 0) + n
+    return {
+        "episode": episode,
+        "steps": {str(k): v for k, v in per_step.items()},
+        "policies": policies,
+    }
+
+
+def _print_lineage(doc: dict[str, Any], namespace: str, policy: str | None, ids: bool) -> None:
     console = Console()
     if policy is not None:
         console.print(
