@@ -186,11 +186,11 @@ def test_push_of_a_stale_version_is_taken_back(redis_url, namespace):
     counts = reg.counts("r")
     reg.put(v1.model_copy(update={"version": 2}), None)  # set_params while a fill samples
     reg.drain("r")
-    stale = prefetch.to_wire({}, [1], recipe_version=1).tobytes()
+    stale = to_wire({}, [1], recipe_version=1).tobytes()
     assert prefetch.push(reg, v1, stale) == "stale"
     assert reg.r.llen(reg.queue("r")) == 0
     assert reg.counts("r") == counts  # produced and sampled not counted
-    fresh = prefetch.to_wire({}, [1], recipe_version=2).tobytes()
+    fresh = to_wire({}, [1], recipe_version=2).tobytes()
     assert prefetch.push(reg, v1.model_copy(update={"version": 2}), fresh) == 1
 
 
