@@ -23,6 +23,7 @@ from orchestrator.delivery.prefetch import fill, run_fill
 from orchestrator.delivery.registry import Registry
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
+from tests.support.llmturns import rollouts, turns_batch
 from tests.support.paths import ROOT
 from tests.support.stepdata import one_episode
 
@@ -192,6 +193,27 @@ def test_push_of_a_stale_version_is_taken_back(redis_url, namespace):
     assert reg.counts("r") == counts  # produced and sampled not counted
     fresh = to_wire({}, [1], recipe_version=2).tobytes()
     assert prefetch.push(reg, v1.model_copy(update={"version": 2}), fresh) == 1
+
+
+def test_a_token_recipe_under_a_rate_limit_fills_its_depth(redis_url, namespace):
+    """The rate limit counts a token batch as its ``batch_size`` rows drawn, whatever
+    number of sequences the batch was cut into."""
+    store = Store(redis_url, namespace)
+    store.create(capacity=100)
+    store.commit(turns_batch(rollouts(3, 2, 1, seed=0)))
+    reg = Registry(store)
+    tokens = recipe(
+        "tok",
+        ["prompt_ids", "response_ids", "response_logprobs"],
+        batch_size=4,
+        tokens={},
+        rate_limit={"samples_per_insert": 100.0},
+    )
+    reg.put(tokens, None)
+    assert run_fill(reg, "tok") == {"made": 2, "state": "ok"}
+    batches = queued(reg, "tok")
+    assert [b["input_ids"].shape[0] for b in batches] == [4, 4]
+    assert reg.counts("tok")["sampled"] == 8
 
 
 @pytest.fixture
