@@ -20,10 +20,14 @@ from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.store import Store
 from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import fill, run_fill
-from orchestrator.delivery.registry import Registry
+from orchestrator.delivery.registry import Entry, Registry
+from orchestrator.delivery.samplestats import Observed
+from orchestrator.delivery.stages import Pipeline
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
-from tests.support.llmturns import rollouts, turns_batch
+from orchestrator.recipe.options import Tokens
+from orchestrator.transforms.augment import build_pipelines
+from tests.support.llmturns import group_recipe, rollouts, turns_batch
 from tests.support.paths import ROOT
 from tests.support.stepdata import one_episode
 
@@ -214,6 +218,26 @@ def test_a_token_recipe_under_a_rate_limit_fills_its_depth(redis_url, namespace)
     batches = queued(reg, "tok")
     assert [b["input_ids"].shape[0] for b in batches] == [4, 4]
     assert reg.counts("tok")["sampled"] == 8
+
+
+def test_a_recipe_gets_the_stages_its_sections_ask_for(redis_url, namespace):
+    reg = Registry(Store(redis_url, namespace))
+
+    def stages(rec: Recipe) -> list[str]:
+        plan = build_pipelines(rec.augment) if rec.augment else None
+        pipeline = Pipeline.of(reg, Entry(rec, frozenset(), 0.0), plan, Observed())
+        return [type(s).__name__ for s in pipeline.stages]
+
+    ends = ["Deliver", "Observe"]
+    assert stages(recipe("p", ["obs"])) == ["Draw", "Collate", *ends]
+    shift = {"obs": [{"random_shift": {"pad": 4}}]}
+    assert stages(recipe("a", ["obs"], augment=shift)) == ["Draw", "AugmentInto", "Collate", *ends]
+    nearest = recipe("n", ["obs"], nearest={}, params={"policy_version": 0}, admission={})
+    assert stages(nearest) == ["Draw", "Admission", "Nearest", "Collate", *ends]
+    grouped = group_recipe()
+    assert stages(grouped) == ["Draw", "Collate", "GroupArrays", *ends]
+    tokens = grouped.model_copy(update={"tokens": Tokens(advantage="grpo"), "augment": shift})
+    assert stages(tokens) == ["Draw", "Augment", "Tokens", *ends]
 
 
 @pytest.fixture
