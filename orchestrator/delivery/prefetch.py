@@ -180,18 +180,18 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
             made, state = rollouts.run(reg, entry, plan)
             reg.bump(name, state=state)
             return {"made": made, "state": state}
-        room, stages = Room(reg, recipe), Pipeline.of(reg, entry, plan, seen)
+        room, stages = Room(reg, recipe), Pipeline.of(reg.store, entry, plan, seen)
         before = room.last_state
         while (why := room.why_not(made)) is None:
-            d = stages.make(_rng_for(reg, recipe))
-            if d.end is not None:
-                why = d.end
+            draft = stages.make(_rng_for(reg, recipe))
+            if draft.end is not None:
+                why = draft.end
                 break
-            pushed = push(reg, recipe, d.message, d.counts, d.batch.claim)
+            pushed = push(reg, recipe, draft.message, draft.counts, draft.batch.claim)
             if pushed == "full":
                 break
             if isinstance(pushed, str):  # stale or unregistered: the new fill reports state
-                stages.taken_back(d, pushed)
+                stages.taken_back(draft, pushed)
                 return {"made": made, "state": f"stopped: recipe {pushed}"}
             room.pushed(pushed)
             made, state = made + 1, "ok"

@@ -4,8 +4,8 @@ A recipe's :class:`Pipeline` is a list of stages chosen from its sections, each 
 feature and meeting the others only through the :class:`Draft` it is handed (the way
 TorchRL chains transforms):
 
-    Draw -> Admission -> Nearest -> Augment | AugmentInto -> Tokens | Collate [-> GroupArrays]
-         -> Deliver -> Observe
+    Draw -> CountStaleness -> AttachNearest -> Augment | AugmentInto
+         -> CollateTokens | Collate -> AttachGroups -> Deliver -> Observe
 
 A stage the recipe does not ask for is not in its pipeline (no stage checks whether its
 feature is on), so a new recipe feature is a new stage and a line in :meth:`Pipeline.of`.
@@ -21,6 +21,7 @@ the laid-out batch.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -31,13 +32,12 @@ from claw_tasks.store import Store
 from orchestrator.delivery import admission, shm
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.quarantine import sample_clean
-from orchestrator.delivery.registry import Entry, Registry
+from orchestrator.delivery.registry import Entry
 from orchestrator.delivery.samplestats import Observed
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import Pending, to_wire
 from orchestrator.recipe.model import Recipe
-from orchestrator.recipe.options import Nearest as NearestSpec
-from orchestrator.recipe.options import Tokens as TokensSpec
+from orchestrator.recipe.options import Nearest, Tokens
 from orchestrator.retrieval.query import neighbour_fields
 from orchestrator.sampling.batch import Batch, take_rows
 from orchestrator.sampling.candidates import InsufficientData
@@ -81,26 +81,29 @@ class Draft:
     def __init__(self, rng: np.random.Generator, began: float) -> None:
         self.rng, self.began = rng, began
         self.batch: Batch
-        self.fields: dict[str, Any] = {}
-        self.ids = self.weights = self.source_index = np.empty(0)
-        self.meta: dict[str, Any] = {}
-        self.arrays: dict[str, np.ndarray] = {}
+        self.fields: dict[str, Any]
+        self.ids: np.ndarray
+        self.weights: np.ndarray
+        self.source_index: np.ndarray
+        self.meta: dict[str, Any]
+        self.arrays: dict[str, np.ndarray]
         self.fill: Callable[[dict[str, np.ndarray]], None] | None = None
         self.message = b""
         self.counts: dict[str, float] = {}
         self.end: str | None = None
 
 
-class Stage:
+class Stage(ABC):
     """One feature of a fill, applied to every batch in turn."""
 
+    @abstractmethod
     def __call__(self, d: Draft) -> None:
         """Work on ``d``; set ``d.end`` to end the fill here."""
-        raise NotImplementedError
 
     def taken_back(self, d: Draft, why: str) -> None:
         """The push took ``d``'s item back (``why``: ``"stale"`` or ``"unregistered"``):
         give back what this stage took for it. Most stages took nothing."""
+        return None
 
 
 class Draw(Stage):
@@ -120,7 +123,7 @@ class Draw(Stage):
         d.ids, d.weights, d.source_index = batch.ids, batch.weights, batch.source_index
 
 
-class Admission(Stage):
+class CountStaleness(Stage):
     """Served staleness: each batch counts its rows by how far their policy version lags
     (``staleness`` counters, pushed with the batch). ``draw`` is the recipe to draw: with
     ``policy_version`` (metadata, no payload read) when the recipe does not ask for it,
@@ -147,11 +150,11 @@ class Admission(Stage):
             admission.give_back(self.store, taken, f"{self.recipe.name}: a stale batch")
 
 
-class Nearest(Stage):
+class AttachNearest(Stage):
     """Each row's nearest stored neighbours' fields, queried with the states as drawn
     (before augmentation)."""
 
-    def __init__(self, store: Store, spec: NearestSpec) -> None:
+    def __init__(self, store: Store, spec: Nearest) -> None:
         self.store, self.spec = store, spec
 
     def __call__(self, d: Draft) -> None:
@@ -205,11 +208,11 @@ class AugmentInto(Stage):
             out[stats_field(f)][:] = version
 
 
-class Tokens(Stage):
+class CollateTokens(Stage):
     """Token batches: a row per sequence, its last turn's (:mod:`orchestrator.delivery.
     tokens`), collated with the recipe's other fields."""
 
-    def __init__(self, spec: TokensSpec) -> None:
+    def __init__(self, spec: Tokens) -> None:
         self.spec = spec
 
     def __call__(self, d: Draft) -> None:
@@ -228,7 +231,7 @@ class Collate(Stage):
         d.arrays = collate(d.fields)
 
 
-class GroupArrays(Stage):
+class AttachGroups(Stage):
     """A group recipe's rows' groups, trajectories and advantages as arrays."""
 
     def __call__(self, d: Draft) -> None:
@@ -281,21 +284,21 @@ class Pipeline:
         self.stages = stages
 
     @classmethod
-    def of(cls, reg: Registry, entry: Entry, plan: AugmentPlan | None, seen: Observed) -> Pipeline:
-        """The stages ``entry``'s recipe asks for (``plan``: its augmentation); ``seen``
-        gathers what the batches measured."""
-        recipe, store = entry.recipe, reg.store
-        admit = Admission(store, recipe) if recipe.admission is not None else None
+    def of(cls, store: Store, entry: Entry, plan: AugmentPlan | None, seen: Observed) -> Pipeline:
+        """The stages ``entry``'s recipe asks for (``plan``: its augmentation), reading
+        ``store``; ``seen`` gathers what the batches measured."""
+        recipe = entry.recipe
+        admit = CountStaleness(store, recipe) if recipe.admission is not None else None
         stages: list[Stage] = [Draw(store, admit.draw if admit else recipe)]
         stages += [admit] if admit else []
         if recipe.nearest is not None:
-            stages.append(Nearest(store, recipe.nearest))
+            stages.append(AttachNearest(store, recipe.nearest))
         if plan is not None:  # token batches are cut after augmentation: not laid out first
             stages.append(Augment(plan) if recipe.tokens is not None else AugmentInto(plan))
         if recipe.tokens is not None:
-            stages.append(Tokens(recipe.tokens))
+            stages.append(CollateTokens(recipe.tokens))
         else:
-            stages += [Collate(), GroupArrays()] if recipe.grouped else [Collate()]
+            stages += [Collate(), AttachGroups()] if recipe.grouped else [Collate()]
         stages += [Deliver(recipe.version, entry.shm_host), Observe(store, recipe.name, seen)]
         return cls(stages)
 

@@ -221,11 +221,11 @@ def test_a_token_recipe_under_a_rate_limit_fills_its_depth(redis_url, namespace)
 
 
 def test_a_recipe_gets_the_stages_its_sections_ask_for(redis_url, namespace):
-    reg = Registry(Store(redis_url, namespace))
+    store = Store(redis_url, namespace)
 
     def stages(rec: Recipe) -> list[str]:
         plan = build_pipelines(rec.augment) if rec.augment else None
-        pipeline = Pipeline.of(reg, Entry(rec, frozenset(), 0.0), plan, Observed())
+        pipeline = Pipeline.of(store, Entry(rec, frozenset(), 0.0), plan, Observed())
         return [type(s).__name__ for s in pipeline.stages]
 
     ends = ["Deliver", "Observe"]
@@ -233,11 +233,11 @@ def test_a_recipe_gets_the_stages_its_sections_ask_for(redis_url, namespace):
     shift = {"obs": [{"random_shift": {"pad": 4}}]}
     assert stages(recipe("a", ["obs"], augment=shift)) == ["Draw", "AugmentInto", "Collate", *ends]
     nearest = recipe("n", ["obs"], nearest={}, params={"policy_version": 0}, admission={})
-    assert stages(nearest) == ["Draw", "Admission", "Nearest", "Collate", *ends]
+    assert stages(nearest) == ["Draw", "CountStaleness", "AttachNearest", "Collate", *ends]
     grouped = group_recipe()
-    assert stages(grouped) == ["Draw", "Collate", "GroupArrays", *ends]
+    assert stages(grouped) == ["Draw", "Collate", "AttachGroups", *ends]
     tokens = grouped.model_copy(update={"tokens": Tokens(advantage="grpo"), "augment": shift})
-    assert stages(tokens) == ["Draw", "Augment", "Tokens", *ends]
+    assert stages(tokens) == ["Draw", "Augment", "CollateTokens", *ends]
 
 
 @pytest.fixture
