@@ -16,6 +16,7 @@ what the shift itself costs. ``--stages`` adds where the worker's CPU time goes 
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing as mp
 import os
 import platform
@@ -102,11 +103,15 @@ def timed(cpu: Counter, label: str, fn: Callable[..., Any]) -> Callable[..., Any
 
 def stages(reg: Registry, recipe: Recipe, batches: int, to_trainer: Any) -> Counter:
     """CPU seconds per stage of ``batches`` batches (wrappers installed for this run only)."""
+    try:  # where the fill's stages call them (in prefetch itself on older code)
+        made = importlib.import_module("orchestrator.delivery.stages")
+    except ModuleNotFoundError:
+        made = prefetch
     patches = [
-        (prefetch, "sample_clean", "sample (sync, draw, fetch)"),
+        (made, "sample_clean", "sample (sync, draw, fetch)"),
         (LogChecked, "__call__", "of which payload fetch"),
         (AugmentPlan, "apply", "augment"),
-        (prefetch, "to_wire", "lay out for the wire"),
+        (made, "to_wire", "lay out for the wire"),
         (shm, "write_segment", "write into the segment"),
         (WireBatch, "write_into", "write the rest into a reused segment's mapping"),
         (prefetch, "push", "push"),

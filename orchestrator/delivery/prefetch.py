@@ -16,7 +16,6 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -29,21 +28,16 @@ from claw_tasks.worker.caches import forget_namespace as forget_store
 from claw_tasks.worker.caches import store_for
 from claw_tasks.worker.lru import LRU
 from claw_tasks.worker.tasks import committed
-from orchestrator.delivery import admission, ratelimit, rollouts, shm
+from orchestrator.delivery import rollouts, shm
 from orchestrator.delivery.augstats import RedisStats, namespace_stats
-from orchestrator.delivery.collate import collate
-from orchestrator.delivery.quarantine import sample_clean
+from orchestrator.delivery.ratelimit import Room
 from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.delivery.samplestats import Observed
-from orchestrator.delivery.tokens import collate_tokens, group_arrays
-from orchestrator.delivery.wire import Pending, to_wire
+from orchestrator.delivery.stages import Pipeline
 from orchestrator.recipe.model import Recipe
-from orchestrator.retrieval.query import neighbour_fields
 from orchestrator.sampling import groups
-from orchestrator.sampling.batch import take_rows
-from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.groups import Claim
-from orchestrator.sampling.sample import close_shared, hit_rates
+from orchestrator.sampling.sample import close_shared
 from orchestrator.sampling.sample import forget_namespace as forget_sessions
 from orchestrator.sampling.shared import reap_unused
 from orchestrator.transforms.augment import AugmentPlan, build_pipelines
@@ -169,137 +163,39 @@ def push(
     return why
 
 
-def _stats_field(name: str) -> str:
-    """The field carrying the version of the namespace statistics ``name`` was normalised with."""
-    return f"stats_version.{name}"
-
-
-def _versions(plan: AugmentPlan | None) -> dict[str, int]:
-    return plan.stats_versions() if plan is not None else {}
-
-
-def _augment_into(
-    plan: AugmentPlan,
-    fields: Mapping[str, Any],
-    rng: np.random.Generator,
-    out: dict[str, np.ndarray],
-) -> None:
-    """Augment ``fields`` into ``out`` (views of the laid-out batch), then write the
-    statistics versions the plan used."""
-    plan.apply(fields, rng, out={f: out[f] for f in plan.fields})
-    for f, version in plan.stats_versions().items():
-        out[_stats_field(f)][:] = version
-
-
 def run_fill(reg: Registry, name: str) -> dict[str, Any]:
     """Top up ``name``'s queue; returns what happened (also recorded in its counters as
-    ``state``). Any failure ends the fill with ``state`` ``"error: ..."``, logged once."""
+    ``state``). Each batch is made by the recipe's stages (:mod:`orchestrator.delivery.
+    stages`) while the queue has room and the rate limit allows; a rollout recipe's fill
+    forms and serves its rollout instead (:mod:`orchestrator.delivery.rollouts`). Any
+    failure ends the fill with ``state`` ``"error: ..."``, logged once."""
     made, state, before = 0, "full", ""
     seen = Observed()
     try:
         entry = reg.get(name)
         if entry is None:
             return {"made": 0, "state": "unregistered"}
-        recipe = entry.recipe
+        recipe, plan = entry.recipe, _plan(reg, entry.recipe)
         if recipe.rollout is not None:
-            made, state = rollouts.run(reg, entry, _plan(reg, recipe))
+            made, state = rollouts.run(reg, entry, plan)
             reg.bump(name, state=state)
             return {"made": made, "state": state}
-        depth, rows = recipe.prefetch.depth, recipe.batch_size
-        # Read once per fill and tracked here; looked at again only before giving up.
-        length, inserted, sampled, before = reg.fill_state(name)
-        fresh = True
-        plan = _plan(reg, recipe)
-        draw, versions_added = recipe, False
-        if recipe.admission is not None and "policy_version" not in recipe.fields:
-            # served staleness needs each row's version (metadata: no payload read)
-            draw = recipe.model_copy(update={"fields": [*recipe.fields, "policy_version"]})
-            versions_added = True
-        while made < depth and length < depth:
-            verdict = ratelimit.check(recipe.rate_limit, inserted, sampled, rows)
-            if not verdict and not fresh:
-                length, inserted, sampled, _ = reg.fill_state(name)
-                fresh = True
-                continue
-            if not verdict:
-                state = f"rate limited: {verdict.reason}"
+        room, stages = Room(reg, recipe), Pipeline.of(reg.store, entry, plan, seen)
+        before = room.last_state
+        while (why := room.why_not(made)) is None:
+            draft = stages.make(_rng_for(reg, recipe))
+            if draft.end is not None:
+                why = draft.end
                 break
-            fresh = False
-            rng = _rng_for(reg, recipe)
-            began = time.perf_counter()
-            try:
-                batch = sample_clean(reg.store, draw, rng)  # its clean rules passed
-            except InsufficientData as e:
-                state = f"insufficient data: {e}"
-                break
-            counts: dict[str, float] = {}
-            if recipe.admission is not None:
-                versions = (
-                    batch.fields.pop("policy_version")
-                    if versions_added
-                    else batch.fields["policy_version"]
-                )
-                counts = admission.staleness_counts(recipe, np.asarray(versions))
-            if recipe.nearest is not None:  # queried with the states as drawn
-                near = recipe.nearest
-                got = neighbour_fields(reg.store, near, batch.fields[near.query], batch.ids)
-                batch.fields.update(got)
-            ids, weights, source_index = batch.ids, batch.weights, batch.source_index
-            meta = batch.meta
-            specs = None
-            if plan is not None and recipe.tokens is None:
-                specs = plan.out_specs(batch.fields)
-            if specs is not None:  # laid out first, then augmented in place
-                fields = dict(batch.fields)
-                fields.update({f: Pending(*spec) for f, spec in specs.items()})
-                n = len(ids)
-                fields.update({_stats_field(f): Pending(np.int64, (n,)) for f in _versions(plan)})
-            else:
-                fields = plan.apply(batch.fields, rng) if plan is not None else batch.fields
-                for f, version in _versions(plan).items():
-                    fields[_stats_field(f)] = np.full(len(ids), version, np.int64)
-            if recipe.tokens is not None:  # a row per sequence: its last turn's
-                tokens = collate_tokens(fields, ids, batch.groups, recipe.tokens)
-                arrays = collate(tokens.rest)
-                arrays.update(tokens.arrays)
-                rows = tokens.rows
-                ids, weights, source_index = ids[rows], weights[rows], source_index[rows]
-                meta = {k: take_rows(v, rows) for k, v in meta.items()}
-            else:
-                arrays = collate(fields)
-                if batch.groups is not None:
-                    arrays.update(group_arrays(batch.groups))
-            wire = to_wire(
-                arrays,
-                ids,
-                weights=weights,
-                source_index=source_index,
-                sources=batch.sources,
-                recipe_version=recipe.version,
-                meta=meta,
-                claim=batch.claim,
-            )
-            if wire.pending:
-                assert plan is not None
-                message = shm.deliver(
-                    wire,
-                    partial(_augment_into, plan, batch.fields, rng),
-                    reader_host=entry.shm_host,
-                )
-            else:
-                message = shm.to_message(wire, reader_host=entry.shm_host)
-            seen.batch(time.perf_counter() - began, len(ids))
-            seen.hit_rates(batch.sources, *hit_rates(reg.store, recipe.name))
-            pushed = push(reg, recipe, message, counts, batch.claim)
+            pushed = push(reg, recipe, draft.message, draft.counts, draft.batch.claim)
             if pushed == "full":
                 break
             if isinstance(pushed, str):  # stale or unregistered: the new fill reports state
-                stale = pushed == "stale" and recipe.admission is not None and batch.groups
-                if stale and batch.claim is None:  # (a claim is given back, not its slots)
-                    taken = len(np.unique(batch.groups.trajectory))  # never served
-                    admission.give_back(reg.store, taken, f"{recipe.name}: a stale batch")
+                stages.taken_back(draft, pushed)
                 return {"made": made, "state": f"stopped: recipe {pushed}"}
-            length, made, sampled, state = pushed, made + 1, sampled + rows, "ok"
+            room.pushed(pushed)
+            made, state = made + 1, "ok"
+        state = why or state
     except NamespaceError as e:
         state = f"insufficient data: {e}"
     except Exception as e:  # recorded for stats/CLI; the beat will try again

@@ -43,7 +43,7 @@ def _size(item: bytes) -> int:
 
 class Target:
     """The child's target and its accounting: items popped for it and not yet taken by
-    the trainer (their sizes), against its count and byte budget."""
+    the trainer (their sizes), against its count and byte budget; ``cond`` guards it."""
 
     def __init__(self) -> None:
         self.name: str | None = None
@@ -53,6 +53,7 @@ class Target:
         self.held: collections.deque[int] = collections.deque()  # sizes of the untaken
         self.bytes = 0
         self.stop = self.busy = False
+        self.cond = threading.Condition()
 
     def room(self) -> bool:
         return self.name is not None and (
@@ -71,98 +72,116 @@ class Target:
         self.name, self.count, self.max_bytes, self.gen = name, count, max_bytes, gen
 
 
+class FrameWriter:
+    """Frames to the trainer on ``out``, each written whole under a lock (the listener and
+    the popping loop both write)."""
+
+    def __init__(self, out: int) -> None:
+        self.out, self.lock = out, threading.Lock()
+
+    def write(self, kind: int, *payload: bytes) -> None:
+        """One frame of ``payload``'s parts, joined once (an item is not copied twice)."""
+        data = b"".join((HEAD.pack(sum(map(len, payload)), kind), *payload))
+        with self.lock:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.out, view) :]
+
+    def error(self, e: Exception) -> None:
+        """Report ``e`` to the trainer (its next pop raises it), unless the pipe is gone."""
+        with contextlib.suppress(OSError):
+            self.write(ERROR, f"{type(e).__name__}: {e}".encode())
+
+
+def listen(frames: Frames, client: BatchClient, target: Target, out: FrameWriter) -> None:
+    """The trainer's frames: credits, lineage, targets, flushes; end of file stops."""
+    cond = target.cond
+    try:
+        while (got := frames.next(None)) is not None:
+            kind, payload = got
+            if kind == USED:
+                with cond:
+                    target.used(*msgpack.unpackb(payload))
+                    cond.notify_all()
+            elif kind == LINEAGE:
+                for recipe, version, policy, ids, at in msgpack.unpackb(payload):
+                    served = Served(int(version), np.frombuffer(ids, "<i8"))
+                    client.trained(recipe, served, policy, at=at)
+            elif kind == RECIPE:
+                with cond:
+                    target.retarget(*msgpack.unpackb(payload))
+                    cond.notify_all()
+            elif kind == FLUSH:
+                with cond:  # a pop under way may still report for the old target
+                    while target.busy:
+                        cond.wait()
+                client.flush_lineage()
+                out.write(FLUSHED, payload)
+    except Exception as e:  # reported to the trainer, then we stop
+        out.error(e)
+    finally:
+        with cond:
+            target.stop = True
+            cond.notify_all()
+
+
+def read_ahead(client: BatchClient, target: Target, out: FrameWriter) -> None:
+    """Pop the target's items into the pipe while the trainer has room for them, until
+    the listener stops."""
+    cond = target.cond
+    while True:
+        with cond:
+            while not target.room() and not target.stop:
+                cond.wait()
+            if target.stop:
+                return
+            name, gen, target.busy = target.name, target.gen, True
+        try:
+            item = client.next_item(str(name), timeout=WAKE, explain=False)
+            client.count_popped(str(name))  # before a flush: counted for this target
+        except TimeoutError:
+            item = None  # the trainer's pop explains an empty queue itself
+        finally:
+            with cond:
+                target.busy = False
+                cond.notify_all()
+        if item is None:
+            continue
+        with cond:
+            if gen == target.gen:
+                target.held.append(size := _size(item))
+                target.bytes += size
+        out.write(ITEM, GEN.pack(gen), item)
+
+
 def main() -> None:
     """The child's life: configured by its first frame, it ends at its input's end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's exit ends us
-    out = os.dup(1)
+    out = FrameWriter(os.dup(1))
     os.dup2(2, 1)  # a stray print must not corrupt the frames
     frames = Frames(0)
     got = frames.next(None)
     if got is None or got[0] != CONFIG:
         return
     config = msgpack.unpackb(got[1])
-    writing = threading.Lock()
-
-    def write(kind: int, *payload: bytes) -> None:
-        """One frame of ``payload``'s parts, joined once (an item is not copied twice)."""
-        data = b"".join((HEAD.pack(sum(map(len, payload)), kind), *payload))
-        with writing:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(out, view) :]
-
     try:
         client = BatchClient(
             config["namespace"], config["redis_url"], broker_url=config["broker_url"], readahead=0
         )
     except Exception as e:  # the trainer's first pop raises it
-        write(ERROR, f"{type(e).__name__}: {e}".encode())
+        out.write(ERROR, f"{type(e).__name__}: {e}".encode())
         return
-    cond = threading.Condition()
     target = Target()
-
-    def listen() -> None:
-        """The trainer's frames: credits, lineage, targets, flushes; end of file stops."""
-        try:
-            while (got := frames.next(None)) is not None:
-                kind, payload = got
-                if kind == USED:
-                    with cond:
-                        target.used(*msgpack.unpackb(payload))
-                        cond.notify_all()
-                elif kind == LINEAGE:
-                    for recipe, version, policy, ids, at in msgpack.unpackb(payload):
-                        served = Served(int(version), np.frombuffer(ids, "<i8"))
-                        client.trained(recipe, served, policy, at=at)
-                elif kind == RECIPE:
-                    with cond:
-                        target.retarget(*msgpack.unpackb(payload))
-                        cond.notify_all()
-                elif kind == FLUSH:
-                    with cond:  # a pop under way may still report for the old target
-                        while target.busy:
-                            cond.wait()
-                    client.flush_lineage()
-                    write(FLUSHED, payload)
-        except Exception as e:  # reported to the trainer, then we stop
-            with contextlib.suppress(OSError):
-                write(ERROR, f"{type(e).__name__}: {e}".encode())
-        finally:
-            with cond:
-                target.stop = True
-                cond.notify_all()
-
-    listener = threading.Thread(target=listen, name="claw-readahead-listen", daemon=True)
+    listener = threading.Thread(
+        target=listen, args=(frames, client, target, out), name="claw-readahead-listen", daemon=True
+    )
     listener.start()
     try:
-        while True:
-            with cond:
-                while not target.room() and not target.stop:
-                    cond.wait()
-                if target.stop:
-                    break
-                name, gen, target.busy = target.name, target.gen, True
-            try:
-                item = client.next_item(str(name), timeout=WAKE, explain=False)
-                client.count_popped(str(name))  # before a flush: counted for this target
-            except TimeoutError:
-                item = None  # the trainer's pop explains an empty queue itself
-            finally:
-                with cond:
-                    target.busy = False
-                    cond.notify_all()
-            if item is None:
-                continue
-            with cond:
-                if gen == target.gen:
-                    target.held.append(size := _size(item))
-                    target.bytes += size
-            write(ITEM, GEN.pack(gen), item)
+        read_ahead(client, target, out)
     except BrokenPipeError:
         pass  # the trainer is gone
     except Exception as e:  # the trainer's next pop raises it
-        with contextlib.suppress(OSError):
-            write(ERROR, f"{type(e).__name__}: {e}".encode())
+        out.error(e)
     finally:
         listener.join(timeout=1.0)
         client.close()  # writes the lineage still held

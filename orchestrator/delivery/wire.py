@@ -178,37 +178,15 @@ def to_wire(
     ``weights`` default to ones, ``source_index`` to zeros; ``meta`` must be msgpack-able;
     ``claim`` (a ``once`` batch's) goes in the header (readers that do not know it ignore
     it)."""
-    ids_arr = np.asarray(ids)
-    if ids_arr.ndim != 1 or (ids_arr.size and ids_arr.dtype.kind not in "iu"):
-        raise ValueError(f"ids: expected a 1-d integer array, got {ids_arr.dtype}{ids_arr.shape}")
-    if ids_arr.dtype == np.uint64:
-        raise ValueError("ids: uint64 does not fit int64")
-    n = len(ids_arr)
-    rows = {
-        "ids": ids_arr.astype(np.int64, copy=False),
-        "weights": _row_array("weights", weights, np.float32, n, 1),
-        "source_index": _row_array("source_index", source_index, np.int16, n, 0),
-    }
-    names = [str(s) for s in sources]
-    si = rows["source_index"]
-    if n and (si.min() < 0 or si.max() >= len(names)):
-        raise ValueError(f"source_index out of range for {len(names)} sources")
-
+    rows, names = _rows(ids, weights, source_index, sources)
+    n = len(rows["ids"])
     arrays: list[tuple[str, np.ndarray | Pending]] = []
     for name, value in fields.items():
         arr = value if isinstance(value, Pending) else np.asarray(value)
         _check_array(name, arr, n)
         arrays.append((name, arr))
     arrays += [(k, rows[k]) for k in _RESERVED]
-
-    # Offsets are relative to the data start: the first ALIGN boundary after the header.
-    bodies: list[np.ndarray | Pending] = []
-    specs, pos = [], 0
-    for _, arr in arrays:
-        body = arr if isinstance(arr, Pending) else np.ascontiguousarray(arr).reshape(-1)
-        bodies.append(body if isinstance(body, Pending) else body.view(np.uint8))
-        specs.append([arr.dtype.str, list(arr.shape), pos])
-        pos += -(-arr.nbytes // ALIGN) * ALIGN
+    bodies, specs, size = _layout(arrays)
     named = [[name, *spec] for (name, _), spec in zip(arrays, specs, strict=True)]
     n_fields = len(arrays) - len(_RESERVED)
     header = {
@@ -224,6 +202,60 @@ def to_wire(
         head = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"batch metadata is not msgpack-serializable: {exc}") from exc
+    return _assemble(head, [name for name, _ in arrays], bodies, specs, size)
+
+
+def _rows(
+    ids: ArrayLike,
+    weights: ArrayLike | None,
+    source_index: ArrayLike | None,
+    sources: Sequence[str],
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The per-row arrays (``ids``, ``weights``, ``source_index``) in their wire dtypes,
+    checked, and the source names."""
+    ids_arr = np.asarray(ids)
+    if ids_arr.ndim != 1 or (ids_arr.size and ids_arr.dtype.kind not in "iu"):
+        raise ValueError(f"ids: expected a 1-d integer array, got {ids_arr.dtype}{ids_arr.shape}")
+    if ids_arr.dtype == np.uint64:
+        raise ValueError("ids: uint64 does not fit int64")
+    n = len(ids_arr)
+    rows = {
+        "ids": ids_arr.astype(np.int64, copy=False),
+        "weights": _row_array("weights", weights, np.float32, n, 1),
+        "source_index": _row_array("source_index", source_index, np.int16, n, 0),
+    }
+    names = [str(s) for s in sources]
+    si = rows["source_index"]
+    if n and (si.min() < 0 or si.max() >= len(names)):
+        raise ValueError(f"source_index out of range for {len(names)} sources")
+    return rows, names
+
+
+def _layout(
+    arrays: list[tuple[str, np.ndarray | Pending]],
+) -> tuple[list[np.ndarray | Pending], list[ArraySpec], int]:
+    """Each array's body (its bytes, or the :class:`Pending` itself) and spec, and the size
+    of all bodies, each padded to ``ALIGN``. Offsets are relative to the data start: the
+    first ``ALIGN`` boundary after the header."""
+    bodies: list[np.ndarray | Pending] = []
+    specs, pos = [], 0
+    for _, arr in arrays:
+        body = arr if isinstance(arr, Pending) else np.ascontiguousarray(arr).reshape(-1)
+        bodies.append(body if isinstance(body, Pending) else body.view(np.uint8))
+        specs.append([arr.dtype.str, list(arr.shape), pos])
+        pos += -(-arr.nbytes // ALIGN) * ALIGN
+    return bodies, specs, pos
+
+
+def _assemble(
+    head: bytes,
+    names: list[str],
+    bodies: list[np.ndarray | Pending],
+    specs: list[ArraySpec],
+    size: int,
+) -> WireBatch:
+    """The encoding's chunks in order: prefix, header, padding to the data start, then each
+    body (a pending one's place left empty) and its padding."""
     base = -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN
     chunks: list[memoryview | None] = [
         memoryview(c)
@@ -234,7 +266,7 @@ def to_wire(
         )
     ]
     pending = {}
-    for (name, _), body, spec in zip(arrays, bodies, specs, strict=True):
+    for name, body, spec in zip(names, bodies, specs, strict=True):
         if isinstance(body, Pending):
             pending[name] = (len(chunks), base + spec[2], body)
             chunks.append(None)
@@ -242,7 +274,7 @@ def to_wire(
             chunks.append(memoryview(body))
         if body.nbytes % ALIGN:
             chunks.append(memoryview(bytes(ALIGN - body.nbytes % ALIGN)))
-    return WireBatch(chunks, base + pos, pending)
+    return WireBatch(chunks, base + size, pending)
 
 
 def is_batch(buf: Any) -> bool:

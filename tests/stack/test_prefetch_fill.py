@@ -20,9 +20,14 @@ from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.store import Store
 from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import fill, run_fill
-from orchestrator.delivery.registry import Registry
+from orchestrator.delivery.registry import Entry, Registry
+from orchestrator.delivery.samplestats import Observed
+from orchestrator.delivery.stages import Pipeline
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
+from orchestrator.recipe.options import Tokens
+from orchestrator.transforms.augment import build_pipelines
+from tests.support.llmturns import group_recipe, rollouts, turns_batch
 from tests.support.paths import ROOT
 from tests.support.stepdata import one_episode
 
@@ -186,12 +191,53 @@ def test_push_of_a_stale_version_is_taken_back(redis_url, namespace):
     counts = reg.counts("r")
     reg.put(v1.model_copy(update={"version": 2}), None)  # set_params while a fill samples
     reg.drain("r")
-    stale = prefetch.to_wire({}, [1], recipe_version=1).tobytes()
+    stale = to_wire({}, [1], recipe_version=1).tobytes()
     assert prefetch.push(reg, v1, stale) == "stale"
     assert reg.r.llen(reg.queue("r")) == 0
     assert reg.counts("r") == counts  # produced and sampled not counted
-    fresh = prefetch.to_wire({}, [1], recipe_version=2).tobytes()
+    fresh = to_wire({}, [1], recipe_version=2).tobytes()
     assert prefetch.push(reg, v1.model_copy(update={"version": 2}), fresh) == 1
+
+
+def test_a_token_recipe_under_a_rate_limit_fills_its_depth(redis_url, namespace):
+    """The rate limit counts a token batch as its ``batch_size`` rows drawn, whatever
+    number of sequences the batch was cut into."""
+    store = Store(redis_url, namespace)
+    store.create(capacity=100)
+    store.commit(turns_batch(rollouts(3, 2, 1, seed=0)))
+    reg = Registry(store)
+    tokens = recipe(
+        "tok",
+        ["prompt_ids", "response_ids", "response_logprobs"],
+        batch_size=4,
+        tokens={},
+        rate_limit={"samples_per_insert": 100.0},
+    )
+    reg.put(tokens, None)
+    assert run_fill(reg, "tok") == {"made": 2, "state": "ok"}
+    batches = queued(reg, "tok")
+    assert [b["input_ids"].shape[0] for b in batches] == [4, 4]
+    assert reg.counts("tok")["sampled"] == 8
+
+
+def test_a_recipe_gets_the_stages_its_sections_ask_for(redis_url, namespace):
+    store = Store(redis_url, namespace)
+
+    def stages(rec: Recipe) -> list[str]:
+        plan = build_pipelines(rec.augment) if rec.augment else None
+        pipeline = Pipeline.of(store, Entry(rec, frozenset(), 0.0), plan, Observed())
+        return [type(s).__name__ for s in pipeline.stages]
+
+    ends = ["Deliver", "Observe"]
+    assert stages(recipe("p", ["obs"])) == ["Draw", "Collate", *ends]
+    shift = {"obs": [{"random_shift": {"pad": 4}}]}
+    assert stages(recipe("a", ["obs"], augment=shift)) == ["Draw", "AugmentInto", "Collate", *ends]
+    nearest = recipe("n", ["obs"], nearest={}, params={"policy_version": 0}, admission={})
+    assert stages(nearest) == ["Draw", "CountStaleness", "AttachNearest", "Collate", *ends]
+    grouped = group_recipe()
+    assert stages(grouped) == ["Draw", "Collate", "AttachGroups", *ends]
+    tokens = grouped.model_copy(update={"tokens": Tokens(advantage="grpo"), "augment": shift})
+    assert stages(tokens) == ["Draw", "Augment", "CollateTokens", *ends]
 
 
 @pytest.fixture
