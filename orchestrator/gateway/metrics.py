@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class GatewayMetrics:
+    """The gateway's metrics, by responsibility: traffic, recording, admission."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._traffic()
