@@ -9,7 +9,7 @@ Starts a private redis-server and fills a namespace through ``Store.commit`` (no
 and an int64 action. Then, ``--repeat`` times each, MEMORY USAGE of every key of the
 namespace, default and exact: the bytes per step each reports, the round trip's wall time
 and the server's time for it (INFO commandstats), against ``used_memory``. Last, the rest
-of what ``claw stats`` reads (``namespace_stats``), for scale.
+of what ``claw stats`` reads (``Statistics.namespace``), for scale.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
-from orchestrator.inspect.namespaces import namespace_stats, scan_keys
+from orchestrator.inspect.namespaces import scan_keys
+from orchestrator.inspect.stats import Statistics
 
 SHAPE = (84, 84, 3)
 BATCH = 4096
@@ -87,8 +88,9 @@ def main() -> None:
                     f"{wall * 1e3:.0f} ms, server {server:.1f} ms ({per_key:.0f} us a key)"
                 )
         t = time.perf_counter()
-        namespace_stats(store, 0)
-        print(f"namespace_stats (the rest of claw stats): {(time.perf_counter() - t) * 1e3:.0f} ms")
+        Statistics(store.r).namespace(store.namespace, 0)
+        ms = (time.perf_counter() - t) * 1e3
+        print(f"Statistics.namespace (the rest of claw stats): {ms:.0f} ms")
 
 
 if __name__ == "__main__":

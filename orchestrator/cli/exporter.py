@@ -1,4 +1,6 @@
-"""Prometheus metrics of the step store and the Celery queues, computed on each scrape."""
+"""Prometheus metrics of the step store and the Celery queues, computed on each scrape: the
+store's figures from one :meth:`Statistics.collect <orchestrator.inspect.stats.Statistics.
+collect>` (what ``claw stats`` and the web inspector show), one section of families each."""
 
 from __future__ import annotations
 
@@ -24,20 +26,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from claw_tasks.broker.app import QUEUES
-from claw_tasks.connection import client as connect
 from claw_tasks.connection.client import redis_client
 from claw_tasks.settings import redact_url
-from claw_tasks.store import Store
-from orchestrator.delivery import admission, ratelimit, samplestats
-from orchestrator.delivery.registry import Registry
-from orchestrator.delivery.rollout_state import read_state
-from orchestrator.inspect.namespaces import (
-    UnreadableNamespace,
-    memory_by_namespace,
-    namespace_stats,
-)
-from orchestrator.maintenance.lifecycle import list_namespaces
-from orchestrator.maintenance.quality import read_quality
+from orchestrator.inspect.stats import Census, Statistics
 
 log = logging.getLogger(__name__)
 _TIMEOUT = 5.0
@@ -53,7 +44,8 @@ class ClawCollector(Collector):
     def __init__(self, redis_url: str, broker_url: str) -> None:
         self.redis_url = redis_url
         self.broker_url = broker_url
-        self._r = redis_client(redis_url, socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT)
+        r = redis_client(redis_url, socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT)
+        self._stats = Statistics(r)
         self._lock = threading.Lock()  # scrapes may overlap; one Redis walk at a time
 
     def collect(self) -> Iterator[Metric]:
@@ -76,201 +68,12 @@ class ClawCollector(Collector):
         yield up
 
     def _store_metrics(self) -> list[Metric]:
-        used = _gauge("claw_redis_used_memory_bytes", "used_memory of the store's Redis")
-        nodes = connect.memory(self._r)  # every master of a cluster
-        used.add_metric([], float(sum(u for u, _ in nodes)))
-        limit = _gauge("claw_redis_maxmemory_bytes", "maxmemory of the store's Redis (0: none)")
-        limit.add_metric([], float(sum(m for _, m in nodes)))
-        ratio = _gauge(
-            "claw_redis_memory_used_ratio",
-            "used_memory / maxmemory of the fullest master that has a maxmemory",
-        )
-        if any(m for _, m in nodes):
-            ratio.add_metric([], max(u / m for u, m in nodes if m))
-        ns = ["namespace"]
-        fams = {
-            "steps": _gauge("claw_steps", "live steps stored", ns),
-            "capacity": _gauge("claw_capacity_steps", "namespace capacity in steps", ns),
-            "dead": _gauge("claw_dead_letters", "entries in the dead-letter stream", ns),
-            "memory": _gauge("claw_namespace_memory_bytes", "Redis memory of the keys", ns),
-            "episodes": _gauge("claw_episodes", "episodes with live steps", ns),
-            "mean": _gauge("claw_reward_mean", "mean reward of the live steps", ns),
-            "std": _gauge("claw_reward_std", "reward standard deviation", ns),
-            "task": _gauge("claw_steps_by_task", "live steps per task_id", [*ns, "task_id"]),
-            "agent": _gauge("claw_steps_by_agent", "live steps per agent_id", [*ns, "agent_id"]),
-            "payload": _gauge(
-                "claw_payload_bytes_per_step",
-                "mean bytes of a payload field per step, stored (its frame, when compressed) "
-                "and raw (decoded), over up to 512 live steps",
-                [*ns, "field", "kind"],
-            ),
-        }
-        committed = CounterMetricFamily(
-            "claw_steps_committed", "steps committed since the namespace was created", labels=ns
-        )
-        evictions = CounterMetricFamily(
-            "claw_evictions",
-            "steps evicted, by reason (ttl, cap, manual, ring)",
-            labels=[*ns, "reason"],
-        )
-        readable = _gauge("claw_namespace_readable", "0 if the namespace does not decode", ns)
-        rl = [*ns, "recipe"]
-        prefetch = {
-            "depth": _gauge("claw_prefetch_depth", "batches ready in the recipe's queue", rl),
-            "limited": _gauge("claw_prefetch_rate_limited", "1 while prefetch waits", rl),
-            "produced": CounterMetricFamily(
-                "claw_prefetch_batches_produced", "batches made by prefetch", labels=rl
-            ),
-            "popped": CounterMetricFamily(
-                "claw_prefetch_batches_popped", "batches taken by trainers", labels=rl
-            ),
-            "rollouts": CounterMetricFamily(
-                "claw_rollouts_formed", "rollouts formed by an on-policy recipe", labels=rl
-            ),
-            "stale": CounterMetricFamily(
-                "claw_rollout_dropped_stale",
-                "steps of an on-policy recipe older than its max_lag, never served",
-                labels=rl,
-            ),
-            "wait": CounterMetricFamily(
-                "claw_prefetch_wait_seconds",
-                "seconds trainers' pops waited on the recipe's empty queue",
-                labels=rl,
-            ),
-            "hit": _gauge(
-                "claw_sample_hit_rate",
-                "a source's candidates over the namespace's live steps (the last fill's)",
-                [*rl, "source"],
-            ),
-            "lat": HistogramMetricFamily(
-                "claw_sample_seconds",
-                "time to make one batch in a prefetch worker (sample, read, augment, frame)",
-                labels=rl,
-            ),
-            "rows": HistogramMetricFamily(
-                "claw_sample_batch_rows", "rows per batch made", labels=rl
-            ),
-            "stale_mean": _gauge(
-                "claw_served_staleness_mean",
-                "an admission recipe's batches: mean of (version - turn's policy version)",
-                rl,
-            ),
-            "stale_max": _gauge(
-                "claw_served_staleness_max",
-                "an admission recipe's batches: the oldest turn served, in versions",
-                rl,
-            ),
-        }
-        adm = {
-            "budget": _gauge(
-                "claw_admission_budget",
-                "the staleness budget (max_staleness + v + 1) x batch, in trajectories",
-                ns,
-            ),
-            "admitted": _gauge(
-                "claw_admission_admitted", "trajectories running or accepted (counted)", ns
-            ),
-            "version": _gauge("claw_admission_version", "the trainer's declared version", ns),
-            **{
-                k: CounterMetricFamily(f"claw_admission_{k}", doc, labels=ns)
-                for k, doc in (
-                    ("started", "trajectories the gateways admitted"),
-                    ("waited", "first calls of new trajectories that waited for the budget"),
-                    ("refused", "first calls refused (429) after waiting"),
-                    ("released", "slots given back (stale or dropped trajectories)"),
-                    ("expired", "admitted trajectories expired: no turn nor reward in time"),
-                )
-            },
-        }
-        quality = _quality_families()
-        memory = memory_by_namespace(self._r)
-        for name in list_namespaces(self._r):
-            try:
-                s = namespace_stats(Store(self._r, name), memory.get(name, 0))
-            except UnreadableNamespace as e:
-                log.warning("claw metrics: %s", e)
-                readable.add_metric([name], 0)
-                continue
-            readable.add_metric([name], 1)
-            fams["steps"].add_metric([name], s.info["steps"])
-            fams["capacity"].add_metric([name], s.info["capacity"])
-            fams["dead"].add_metric([name], s.info["dead_letters"])
-            fams["memory"].add_metric([name], s.memory_bytes)
-            fams["episodes"].add_metric([name], s.episodes)
-            committed.add_metric([name], s.info["committed_total"])
-            for reason, n in s.evictions.items():
-                evictions.add_metric([name, reason], n)
-            if s.reward_mean is not None and s.reward_std is not None:
-                fams["mean"].add_metric([name], s.reward_mean)
-                fams["std"].add_metric([name], s.reward_std)
-            for task, n in s.by_task_id.items():
-                fams["task"].add_metric([name, task or ""], n)
-            for agent, n in s.by_agent_id.items():
-                fams["agent"].add_metric([name, agent or ""], n)
-            for field, size in s.payload.items():
-                fams["payload"].add_metric([name, field, "stored"], size["stored"])
-                fams["payload"].add_metric([name, field, "raw"], size["raw"])
-            self._prefetch_metrics(Registry(Store(self._r, name)), prefetch)
-            st = admission.state(Store(self._r, name))
-            if st is not None:
-                for k in (
-                    "budget",
-                    "admitted",
-                    "version",
-                    "waited",
-                    "refused",
-                    "released",
-                    "expired",
-                ):
-                    adm[k].add_metric([name], float(st[k]))
-                adm["started"].add_metric([name], float(st["total"]))
-            summary = read_quality(Store(self._r, name))
-            if summary is not None:
-                _quality_metrics(name, summary, quality)
-        return [
-            used,
-            limit,
-            ratio,
-            committed,
-            evictions,
-            readable,
-            *fams.values(),
-            *prefetch.values(),
-            *adm.values(),
-            *quality.values(),
-        ]
-
-    def _prefetch_metrics(self, reg: Registry, fams: dict[str, Metric]) -> None:
-        names = reg.names()
-        inserted = reg.inserted() if names else 0
-        for recipe in names:
-            entry = reg.get(recipe)
-            if entry is None:
-                continue
-            c = reg.counts(recipe)
-            r = entry.recipe
-            labels = [reg.ns, recipe]
-            waits = not ratelimit.check(
-                r.rate_limit, inserted, float(c.get("sampled", 0)), r.batch_size
-            )
-            fams["depth"].add_metric(labels, self._r.llen(reg.queue(recipe)))
-            fams["limited"].add_metric(labels, float(waits))
-            fams["produced"].add_metric(labels, float(c.get("produced", 0)))
-            fams["popped"].add_metric(labels, float(c.get("popped", 0)))
-            if r.rollout is not None:
-                ro = read_state(reg, recipe)
-                fams["rollouts"].add_metric(labels, float(ro.no))
-                fams["stale"].add_metric(labels, float(ro.dropped_stale))
-            fams["wait"].add_metric(labels, float(c.get("wait_s", 0)))
-            served = admission.served_staleness(c) if r.admission is not None else None
-            if served is not None:
-                fams["stale_mean"].add_metric(labels, served["mean"] or 0.0)
-                fams["stale_max"].add_metric(labels, float(served["max"]))
-            for source, rate in samplestats.hit_rates(c).items():
-                fams["hit"].add_metric([*labels, source], rate)
-            for hist in ("lat", "rows"):
-                buckets, total = samplestats.histogram(c, hist)
-                fams[hist].add_metric(labels, buckets, total)
+        """Every figure of the store's namespaces, from one :meth:`Statistics.collect`."""
+        census = self._stats.collect(recipes=True, quality=True)
+        out = _redis_metrics(census)
+        for section in (_namespace_metrics, _recipe_metrics, _admission_metrics, _quality_metrics):
+            out += section(census)
+        return out
 
     def _queue_depths(self) -> Metric:
         """Messages waiting per Celery queue (all priority levels; Redis or RabbitMQ)."""
@@ -285,6 +88,175 @@ class ClawCollector(Collector):
                         waiting = 0
                 depth.add_metric([queue], waiting)
         return depth
+
+
+def _redis_metrics(census: Census) -> list[Metric]:
+    used = _gauge("claw_redis_used_memory_bytes", "used_memory of the store's Redis")
+    used.add_metric([], float(census.used_memory))
+    limit = _gauge("claw_redis_maxmemory_bytes", "maxmemory of the store's Redis (0: none)")
+    limit.add_metric([], float(sum(m for _, m in census.nodes)))
+    ratio = _gauge(
+        "claw_redis_memory_used_ratio",
+        "used_memory / maxmemory of the fullest master that has a maxmemory",
+    )
+    if any(m for _, m in census.nodes):
+        ratio.add_metric([], max(u / m for u, m in census.nodes if m))
+    return [used, limit, ratio]
+
+
+def _namespace_metrics(census: Census) -> list[Metric]:
+    """Steps, memory, episodes, rewards, counts and payload sizes of each namespace."""
+    ns = ["namespace"]
+    fams = {
+        "steps": _gauge("claw_steps", "live steps stored", ns),
+        "capacity": _gauge("claw_capacity_steps", "namespace capacity in steps", ns),
+        "dead": _gauge("claw_dead_letters", "entries in the dead-letter stream", ns),
+        "memory": _gauge("claw_namespace_memory_bytes", "Redis memory of the keys", ns),
+        "episodes": _gauge("claw_episodes", "episodes with live steps", ns),
+        "mean": _gauge("claw_reward_mean", "mean reward of the live steps", ns),
+        "std": _gauge("claw_reward_std", "reward standard deviation", ns),
+        "task": _gauge("claw_steps_by_task", "live steps per task_id", [*ns, "task_id"]),
+        "agent": _gauge("claw_steps_by_agent", "live steps per agent_id", [*ns, "agent_id"]),
+        "payload": _gauge(
+            "claw_payload_bytes_per_step",
+            "mean bytes of a payload field per step, stored (its frame, when compressed) "
+            "and raw (decoded), over up to 512 live steps",
+            [*ns, "field", "kind"],
+        ),
+    }
+    committed = CounterMetricFamily(
+        "claw_steps_committed", "steps committed since the namespace was created", labels=ns
+    )
+    evictions = CounterMetricFamily(
+        "claw_evictions",
+        "steps evicted, by reason (ttl, cap, manual, ring)",
+        labels=[*ns, "reason"],
+    )
+    readable = _gauge("claw_namespace_readable", "0 if the namespace does not decode", ns)
+    for name, why in census.unreadable.items():
+        log.warning("claw metrics: %s", why)
+        readable.add_metric([name], 0)
+    for s in census.namespaces:
+        name = s.namespace
+        readable.add_metric([name], 1)
+        for k, v in (("steps", "steps"), ("capacity", "capacity"), ("dead", "dead_letters")):
+            fams[k].add_metric([name], s.info[v])
+        fams["memory"].add_metric([name], s.memory_bytes)
+        fams["episodes"].add_metric([name], s.episodes)
+        committed.add_metric([name], s.info["committed_total"])
+        for reason, n in s.evictions.items():
+            evictions.add_metric([name, reason], n)
+        if s.reward_mean is not None and s.reward_std is not None:
+            fams["mean"].add_metric([name], s.reward_mean)
+            fams["std"].add_metric([name], s.reward_std)
+        for task, n in s.by_task_id.items():
+            fams["task"].add_metric([name, task or ""], n)
+        for agent, n in s.by_agent_id.items():
+            fams["agent"].add_metric([name, agent or ""], n)
+        for field, size in s.payload.items():
+            fams["payload"].add_metric([name, field, "stored"], size["stored"])
+            fams["payload"].add_metric([name, field, "raw"], size["raw"])
+    return [committed, evictions, readable, *fams.values()]
+
+
+def _recipe_families() -> dict[str, Metric]:
+    rl = ["namespace", "recipe"]
+    counters = {
+        "produced": ("claw_prefetch_batches_produced", "batches made by prefetch"),
+        "popped": ("claw_prefetch_batches_popped", "batches taken by trainers"),
+        "rollouts": ("claw_rollouts_formed", "rollouts formed by an on-policy recipe"),
+        "stale": (
+            "claw_rollout_dropped_stale",
+            "steps of an on-policy recipe older than its max_lag, never served",
+        ),
+        "wait": (
+            "claw_prefetch_wait_seconds",
+            "seconds trainers' pops waited on the recipe's empty queue",
+        ),
+    }
+    return {
+        "depth": _gauge("claw_prefetch_depth", "batches ready in the recipe's queue", rl),
+        "limited": _gauge("claw_prefetch_rate_limited", "1 while prefetch waits", rl),
+        **{k: CounterMetricFamily(n, doc, labels=rl) for k, (n, doc) in counters.items()},
+        "hit": _gauge(
+            "claw_sample_hit_rate",
+            "a source's candidates over the namespace's live steps (the last fill's)",
+            [*rl, "source"],
+        ),
+        "lat": HistogramMetricFamily(
+            "claw_sample_seconds",
+            "time to make one batch in a prefetch worker (sample, read, augment, frame)",
+            labels=rl,
+        ),
+        "rows": HistogramMetricFamily("claw_sample_batch_rows", "rows per batch made", labels=rl),
+        "stale_mean": _gauge(
+            "claw_served_staleness_mean",
+            "an admission recipe's batches: mean of (version - turn's policy version)",
+            rl,
+        ),
+        "stale_max": _gauge(
+            "claw_served_staleness_max",
+            "an admission recipe's batches: the oldest turn served, in versions",
+            rl,
+        ),
+    }
+
+
+def _recipe_metrics(census: Census) -> list[Metric]:
+    """Each recipe's queue, counters, fill measurements (``BatchClient.stats``' figures)."""
+    fams = _recipe_families()
+    for s in census.namespaces:
+        for recipe, st in s.recipes.items():
+            labels = [s.namespace, recipe]
+            fams["depth"].add_metric(labels, st.depth)
+            fams["limited"].add_metric(labels, float(not st.verdict))
+            fams["produced"].add_metric(labels, float(st.produced))
+            fams["popped"].add_metric(labels, float(st.popped))
+            if st.rollout is not None:
+                fams["rollouts"].add_metric(labels, float(st.rollout.no))
+                fams["stale"].add_metric(labels, float(st.rollout.dropped_stale))
+            fams["wait"].add_metric(labels, st.wait_seconds)
+            if st.served_staleness is not None:
+                fams["stale_mean"].add_metric(labels, st.served_staleness["mean"] or 0.0)
+                fams["stale_max"].add_metric(labels, float(st.served_staleness["max"]))
+            for source, rate in st.hit_rates.items():
+                fams["hit"].add_metric([*labels, source], rate)
+            fams["lat"].add_metric(labels, *st.sample_seconds)
+            fams["rows"].add_metric(labels, *st.batch_rows)
+    return list(fams.values())
+
+
+def _admission_metrics(census: Census) -> list[Metric]:
+    """The staleness budget each namespace declares and its counters."""
+    ns = ["namespace"]
+    fams = {
+        "budget": _gauge(
+            "claw_admission_budget",
+            "the staleness budget (max_staleness + v + 1) x batch, in trajectories",
+            ns,
+        ),
+        "admitted": _gauge(
+            "claw_admission_admitted", "trajectories running or accepted (counted)", ns
+        ),
+        "version": _gauge("claw_admission_version", "the trainer's declared version", ns),
+        **{
+            k: CounterMetricFamily(f"claw_admission_{k}", doc, labels=ns)
+            for k, doc in (
+                ("started", "trajectories the gateways admitted"),
+                ("waited", "first calls of new trajectories that waited for the budget"),
+                ("refused", "first calls refused (429) after waiting"),
+                ("released", "slots given back (stale or dropped trajectories)"),
+                ("expired", "admitted trajectories expired: no turn nor reward in time"),
+            )
+        },
+    }
+    for s in census.namespaces:
+        if s.admission is None:
+            continue
+        for k in ("budget", "admitted", "version", "waited", "refused", "released", "expired"):
+            fams[k].add_metric([s.namespace], float(s.admission[k]))
+        fams["started"].add_metric([s.namespace], float(s.admission["total"]))
+    return list(fams.values())
 
 
 def _quality_families() -> dict[str, Metric]:
@@ -326,7 +298,15 @@ def _quality_families() -> dict[str, Metric]:
     }
 
 
-def _quality_metrics(ns: str, summary: dict[str, Any], fams: dict[str, Metric]) -> None:
+def _quality_metrics(census: Census) -> list[Metric]:
+    fams = _quality_families()
+    for s in census.namespaces:
+        if s.quality is not None:
+            _quality_pass(s.namespace, s.quality, fams)
+    return list(fams.values())
+
+
+def _quality_pass(ns: str, summary: dict[str, Any], fams: dict[str, Metric]) -> None:
     """The last quality pass of ``ns`` (``claw.maintenance.quality``) as gauges."""
     fams["at"].add_metric([ns], summary["at"])
     for f, st in summary["fields"].items():

@@ -436,10 +436,13 @@ class BatchClient:
         pushed of all, steps dropped stale and steps lost (docs/recipes.md, "On-policy");
         an ``admission`` recipe's ``admission``: the budget and its counters
         (:func:`orchestrator.delivery.admission.state`) and ``served_staleness`` (batches,
-        mean and max staleness in versions; docs/llm.md, "Admission")."""
+        mean and max staleness in versions; docs/llm.md, "Admission"). The figures are
+        :func:`~orchestrator.delivery.recipestats.recipe_stats`', which ``claw metrics``
+        exports too."""
         self.flush_lineage()
-        names = [name] if name is not None else self.registry.names()
-        return recipe_stats(self.store, self.registry, names)
+        names = None if name is None else [name]
+        found = recipe_stats(self.store, self.registry, names)
+        return {n: st.to_json() for n, st in found.items()}
 
     def close(self) -> None:
         for name in list(self._ahead):

@@ -35,6 +35,7 @@ from orchestrator.gateway.recorder import Recorder
 from orchestrator.gateway.requests import Refused, bearer, error
 from orchestrator.gateway.trajectories import TrajectoryRoutes
 from orchestrator.gateway.upstream import Upstream
+from orchestrator.inspect.stats import Statistics
 
 
 class Gateway:
@@ -67,6 +68,8 @@ class Gateway:
         if config.turn_discount is not None:
             credit.set_discount(store, config.turn_discount)
         self.store = store
+        stats = Statistics(store.r)
+        self.metrics.track_admission(lambda: stats.admission(store.namespace))
         self.gate = Gate(
             store,
             redis_url,
@@ -150,7 +153,8 @@ class Gateway:
             )
         except Refused as r:
             return r.response
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        page = await run_in_threadpool(generate_latest, self.metrics.registry)  # reads Redis
+        return Response(page, media_type=CONTENT_TYPE_LATEST)
 
 
 def create_app(config: GatewayConfig, ingestor: Ingestor | None = None) -> Starlette:

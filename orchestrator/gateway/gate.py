@@ -319,14 +319,12 @@ class Gate:
             *trajectories,
         ]
         reply = await self.script(admission.SCRIPT, keys, args)
-        status, budget, admitted_now = int(reply[0]), int(reply[1]), int(reply[2])
+        status, budget = int(reply[0]), int(reply[1])
         if budget < 0 and self.enabled:  # none declared: trust it for a moment
             self._wakeup()  # listening: a declaration ends the trust at once
             self._undeclared = time.monotonic() + NO_BUDGET_S
         else:
             self._undeclared = 0.0
-        self.metrics.budget.set(budget)
-        self.metrics.admitted_now.set(admitted_now)
         info = None
         if principal.session is not None and status != -2:
             sgroup = reply[3].decode() if isinstance(reply[3], bytes) else str(reply[3])

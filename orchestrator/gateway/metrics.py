@@ -1,16 +1,36 @@
 """The gateway's Prometheus metrics, in a registry of its own (one per app, so tests can
-run several gateways in one process)."""
+run several gateways in one process).
+
+What this process did (calls answered, turns recorded, trajectories admitted here) it counts
+itself; what is the namespace's (the admission budget and what is admitted against it,
+shared by every gateway) it reads at each scrape from the statistics collector
+(:meth:`orchestrator.inspect.stats.Statistics.admission`), so it is the figure ``claw
+metrics`` exports, not the one this gateway saw last."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
 
 
 class GatewayMetrics:
+    """The gateway's metrics, by responsibility: traffic, recording, admission."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._traffic()
+        self._recording()
+        self._admission()
+
+    def _traffic(self) -> None:
         r = self.registry
         self.requests = Counter(
             "claw_gateway_requests",
@@ -24,6 +44,12 @@ class GatewayMetrics:
             registry=r,
             buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60),
         )
+        self.sessions = Counter(
+            "claw_gateway_sessions", "Sessions created (POST /sessions)", registry=r
+        )
+
+    def _recording(self) -> None:
+        r = self.registry
         self.recorded = Counter(
             "claw_gateway_recorded_turns", "Calls recorded as steps", registry=r
         )
@@ -45,6 +71,13 @@ class GatewayMetrics:
         self.rewarded = Counter(
             "claw_gateway_rewarded_trajectories", "Trajectories given a reward", registry=r
         )
+        self.backlog = Gauge(
+            "claw_gateway_record_backlog", "Calls waiting to be recorded", registry=r
+        )
+
+    def _admission(self) -> None:
+        """What this gateway's gate did; the budget itself is :meth:`track_admission`'s."""
+        r = self.registry
         self.admitted = Counter(
             "claw_gateway_admitted_trajectories",
             "New trajectories this gateway admitted under the namespace's staleness budget",
@@ -71,30 +104,44 @@ class GatewayMetrics:
             "CLAW_GATEWAY_ADMISSION_EXPIRY seconds (their slots given back)",
             registry=r,
         )
-        self.budget = Gauge(
-            "claw_gateway_admission_budget",
-            "The staleness budget (max_staleness + v + 1) x batch trajectories, as last "
-            "seen (-1: no trainer declared one)",
-            registry=r,
-        )
-        self.budget.set(-1)
-        self.admitted_now = Gauge(
-            "claw_gateway_admission_admitted",
-            "Trajectories running or accepted against the budget, as last seen",
-            registry=r,
-        )
         self.unchecked = Counter(
             "claw_gateway_admission_unchecked_calls",
             "Shared-token calls forwarded without an admission check: the store did not "
             "answer within 2 s",
             registry=r,
         )
-        self.sessions = Counter(
-            "claw_gateway_sessions", "Sessions created (POST /sessions)", registry=r
-        )
-        self.backlog = Gauge(
-            "claw_gateway_record_backlog", "Calls waiting to be recorded", registry=r
-        )
 
     def track_backlog(self, size: Callable[[], int]) -> None:
         self.backlog.set_function(size)
+
+    def track_admission(self, read: Callable[[], dict[str, Any] | None]) -> None:
+        """Export the namespace's budget as ``read`` (the collector's) returns it."""
+        self.registry.register(AdmissionGauges(read))
+
+
+class AdmissionGauges(Collector):
+    """The namespace's staleness budget and the trajectories admitted against it, read at
+    each scrape (-1 and 0 while no trainer declares one)."""
+
+    def __init__(self, read: Callable[[], dict[str, Any] | None]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            state = self.read()
+        except (redis.RedisError, OSError) as e:  # the page still shows this process's own
+            log.warning("gateway metrics: the admission budget is unreadable: %s", e)
+            return
+        budget = GaugeMetricFamily(
+            "claw_gateway_admission_budget",
+            "The staleness budget (max_staleness + v + 1) x batch trajectories (-1: no "
+            "trainer declared one)",
+        )
+        budget.add_metric([], -1.0 if state is None else float(state["budget"]))
+        admitted = GaugeMetricFamily(
+            "claw_gateway_admission_admitted",
+            "Trajectories running or accepted against the budget",
+        )
+        admitted.add_metric([], 0.0 if state is None else float(state["admitted"]))
+        yield budget
+        yield admitted

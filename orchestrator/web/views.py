@@ -13,9 +13,8 @@ from typing import Any
 from claw_tasks.format.schema import tag_key
 from claw_tasks.store import Store
 from claw_tasks.store.labels import diff
-from orchestrator.inspect.namespaces import memory_by_namespace, namespace_stats
+from orchestrator.inspect.stats import Statistics
 from orchestrator.maintenance.lifecycle import list_namespaces
-from orchestrator.maintenance.quality import read_quality
 from orchestrator.web import charts
 from orchestrator.web.curation import CurationViews
 from orchestrator.web.episode import EpisodeViews
@@ -31,6 +30,7 @@ class NamespacePage:
     pages: int
     total: int  # namespaces with the prefix
     rows: list[dict[str, Any]]
+    unreadable: dict[str, str]  # namespace -> why (`claw doctor` says more)
 
 
 class Inspector(SearchViews, EpisodeViews, CurationViews):
@@ -46,11 +46,11 @@ class Inspector(SearchViews, EpisodeViews, CurationViews):
         pages = max(1, -(-len(names) // NAMESPACE_PAGE))
         page = min(page, pages - 1)
         shown = names[page * NAMESPACE_PAGE : (page + 1) * NAMESPACE_PAGE]
-        memory = memory_by_namespace(self.r, among=set(shown))
         out = []
-        for ns in shown:
-            store = Store(self.redis_url, ns)
-            st = namespace_stats(store, memory.get(ns, 0))
+        census = Statistics(self.r).collect(shown)
+        for st in census.namespaces:
+            ns = st.namespace
+            store = Store(self.r, ns)
             with self.lock(ns):
                 q = self.query(ns)
                 ts = q.index.columns["timestamp"]
@@ -76,13 +76,13 @@ class Inspector(SearchViews, EpisodeViews, CurationViews):
                     "rate": charts.rate(ts, now),
                 }
             )
-        return NamespacePage(prefix, page, pages, len(names), out)
+        return NamespacePage(prefix, page, pages, len(names), out, census.unreadable)
 
     # ---- data quality ------------------------------------------------------------------
     def quality(self, ns: str) -> dict[str, Any] | None:
         """The last quality pass, with its charts: each field's histogram, the share of
         each skill and task per window and the reward mean per window (oldest first)."""
-        q = read_quality(self.store(ns))
+        q = Statistics(self.r).quality(ns)
         if q is None:
             return None
         fields = []

@@ -212,15 +212,15 @@ def test_every_namespace_records_the_current_format(redis_url, namespace):
 
 
 def test_stats_show_each_fields_codec_and_stored_vs_raw_bytes(redis_url, namespace):
-    from orchestrator.inspect.namespaces import memory_by_namespace, namespace_stats
+    from orchestrator.inspect.stats import Statistics
 
     store = Store(redis_url, namespace)
     store.create(capacity=200, schema=_schema("zstd", "lz4"))
     n = 6 * EP_LEN
     tokens = [np.full((i % 4, 2), i, np.int32) for i in range(n)]
     store.commit(_batch(0, 6, _obs(n, 1), tokens))
-    memory = memory_by_namespace(store.r, namespace)[namespace]
-    payload = namespace_stats(store, memory).to_json()["payload"]
+    (found,) = Statistics(store.r).collect([namespace]).namespaces
+    payload = found.to_json()["payload"]
     obs, action, tok = payload["obs"], payload["action"], payload["tokens"]
     assert obs["codec"] == "zstd" and obs["raw"] == np.prod(SHAPE)
     r = redis.Redis.from_url(redis_url)

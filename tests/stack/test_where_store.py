@@ -14,7 +14,7 @@ from claw_tasks.store.config import FORMAT, READS
 from claw_tasks.where import FilterError, parse
 from orchestrator import InsufficientData, Recipe, sample
 from orchestrator.cli.doctor import check_namespace
-from orchestrator.inspect.namespaces import UnreadableNamespace, namespace_stats
+from orchestrator.inspect.stats import Statistics, UnreadableNamespace
 from tests.support.stepdata import batch
 
 TASKS = ["grasp", "reach", None]
@@ -201,6 +201,6 @@ def _refused(redis_url: str, namespace: str, r: redis.Redis, found: object, fix:
         )
     assert sorted(r.scan_iter(match=f"claw:{{{namespace}*")) == before  # nothing written
     with pytest.raises(UnreadableNamespace, match="store format"):  # claw stats/metrics go on
-        namespace_stats(store, 0)
+        Statistics(store.r).namespace(namespace, 0)
     (problem,) = check_namespace(r, namespace).problems  # claw doctor names it too
     assert problem.check == "config" and f"store format {found!r}" in problem.detail

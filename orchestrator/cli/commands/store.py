@@ -10,19 +10,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from claw_tasks.connection import client as connect
 from claw_tasks.connection.server import ensure_redis
 from claw_tasks.format.schema import Schema, tag_key
 from claw_tasks.settings import redact_url
 from claw_tasks.store import NamespaceError, Store
 from orchestrator.cli.app import app, err, friendly, redis_client
 from orchestrator.cli.steplog import dead_letters, newest_ids, parse_ids, step_lines
-from orchestrator.inspect.namespaces import (
-    NamespaceStats,
-    UnreadableNamespace,
-    memory_by_namespace,
-    namespace_stats,
-)
+from orchestrator.inspect.stats import NamespaceStats, Statistics, UnreadableNamespace
 from orchestrator.maintenance.lifecycle import list_namespaces
 
 
@@ -50,25 +44,17 @@ def stats(
         if namespace and not Store(r, namespace).exists():
             raise NamespaceError(f"namespace {namespace!r} does not exist at {url}")
         if quality:
-            from orchestrator.maintenance.quality import read_quality
-
-            found_q = {n: read_quality(Store(r, n)) for n in names}
+            found_q = {n: Statistics(r).quality(n) for n in names}
             if as_json:
                 typer.echo(json.dumps(found_q, indent=2))
             else:
                 for n, summary in found_q.items():
                     _print_quality(Console(), n, summary)
             return
-        memory = memory_by_namespace(r, namespace)
-        found, unreadable = [], {}
-        for n in names:
-            try:
-                found.append(namespace_stats(Store(r, n), memory.get(n, 0), bool(namespace)))
-            except UnreadableNamespace as e:
-                if namespace:
-                    raise
-                unreadable[n] = str(e)
-        used = sum(u for u, _ in connect.memory(r))  # every master of a cluster
+        census = Statistics(r).collect(names, protected=bool(namespace))
+        if namespace and census.unreadable:
+            raise UnreadableNamespace(census.unreadable[namespace])
+        found, unreadable, used = census.namespaces, census.unreadable, census.used_memory
     if as_json:
         doc = {
             "redis": {"url": url, "used_memory": used},

@@ -24,7 +24,7 @@ from claw_tasks.connection.server import embedded_dir
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
 from orchestrator.cli.devstack import DevStack, flower_service, port_open, worker_service
-from orchestrator.inspect.namespaces import memory_by_namespace
+from orchestrator.inspect.stats import Statistics
 from orchestrator.maintenance.lifecycle import drop_namespace
 
 PPO_ROLLOUTS = 10  # the on-policy phase's rollouts (3 in a short run: --steps < 20,000)
@@ -103,12 +103,8 @@ def _stored(url: str, namespaces: list[str]):
 
     r = redis_client(url)
     try:
-        memory = memory_by_namespace(r)
-        return [
-            Stored(ns, Store(r, ns).info()["steps"], memory.get(ns, 0))
-            for ns in namespaces
-            if Store(r, ns).exists()
-        ]
+        found = Statistics(r).collect([ns for ns in namespaces if Store(r, ns).exists()])
+        return [Stored(s.namespace, s.info["steps"], s.memory_bytes) for s in found.namespaces]
     finally:
         r.close()
 
