@@ -36,7 +36,7 @@ from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.scan import fixed_ranges, read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import redis_client, store_for
+from claw_tasks.worker.context import redis_client, store_for
 from orchestrator.maintenance.archive_files import (
     MANIFEST,
     Manifest,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import redis_client, store_for
+from claw_tasks.worker.context import redis_client, store_for
 from orchestrator.delivery import shm
 from orchestrator.delivery.registry import ACTIVE, Registry
 

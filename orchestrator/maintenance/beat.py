@@ -1,0 +1,56 @@
+"""The per-namespace beat loop: :func:`each_namespace`, which every maintenance task that
+works namespace by namespace runs (priorities, evict, clean, vectors, lineage, quality).
+
+One namespace failing must not stop the others, and must still show: each failure is
+logged with its traceback, the namespace's state in this process is forgotten (its next
+pass starts cold, from Redis, not from what the failure left), and once every namespace
+had its turn the task raises :class:`MaintenanceError` naming each failure, so Flower
+lists the run FAILED with them. A namespace dropped during its pass is forgotten and
+skipped: not a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from claw_tasks.store import NamespaceError, Store
+from claw_tasks.worker.context import forget, redis_client, store_for
+from orchestrator.maintenance.lifecycle import list_namespaces
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class MaintenanceError(RuntimeError):
+    """A maintenance pass failed in some namespaces: ``failed`` maps each to its error,
+    ``done`` holds what the others returned."""
+
+    def __init__(self, what: str, failed: dict[str, str], done: dict[str, Any]) -> None:
+        super().__init__(f"{what} failed in {len(failed)} namespace(s): {failed}")
+        self.failed, self.done = failed, done
+
+
+def each_namespace(what: str, work: Callable[[Store], T | None]) -> dict[str, T]:
+    """Run ``work`` on the ``Store`` of every namespace, as the module docstring says;
+    returns what it returned per namespace, None (nothing to do there) left out. ``what``
+    names the pass in the log and the error."""
+    done: dict[str, T] = {}
+    failed: dict[str, str] = {}
+    for ns in list_namespaces(redis_client()):
+        try:
+            out = work(store_for(ns))
+        except NamespaceError:  # dropped meanwhile
+            forget(ns)
+            continue
+        except Exception as e:
+            log.exception("%s in %s failed", what, ns)
+            failed[ns] = f"{type(e).__name__}: {e}"
+            forget(ns)
+            continue
+        if out is not None:
+            done[ns] = out
+    if failed:
+        raise MaintenanceError(what, failed, done)
+    return done
