@@ -43,7 +43,7 @@ from orchestrator.sampling.batch import take_rows
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.groups import Claim
 from orchestrator.sampling.sample import hit_rates
-from orchestrator.sampling.shared import reap_unused
+from orchestrator.sampling.shmfiles import reap_orphans
 from orchestrator.transforms.augment import AugmentPlan, build_pipelines
 
 log = logging.getLogger(__name__)
@@ -338,10 +338,9 @@ def _reap_orphans() -> None:
         return
     _last_reap = now
     try:
-        shm.reap_orphans(shm.ORPHAN_AGE_S)
-        reap_unused()  # shared sampling indexes whose processes were all killed
+        reap_orphans()
     except OSError:
-        log.warning("reaping orphaned shm segments failed", exc_info=True)
+        log.warning("reaping orphaned /dev/shm files failed", exc_info=True)
 
 
 @app.task(name="claw.prefetch.fill", acks_late=False, ignore_result=True)
