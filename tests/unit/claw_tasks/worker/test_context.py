@@ -5,6 +5,7 @@ Building a context makes no Redis traffic."""
 from __future__ import annotations
 
 from claw_tasks.worker import context
+from claw_tasks.worker.lru import LRU
 
 
 class Part:
@@ -35,8 +36,10 @@ def test_forget_closes_every_part_and_close_all_detaches():
     a, b = ctx.part("a", Part), ctx.part("b", Part)
     assert ctx.part("a", Part) is a  # made once
     ctx.part("plain", dict)  # a part without close is simply let go
+    held = ctx.part("by name", lambda: LRU(2))  # a part of parts: each is closed
+    inner = held.get("x", Part)
     context.forget("ctx-parts")
-    assert a.closed == [True] and b.closed == [True]
+    assert a.closed == [True] and b.closed == [True] and inner.closed == [True]
     assert context.context_for("ctx-parts") is not ctx
     c = context.context_for("ctx-parts").part("c", Part)
     context.close_all()
