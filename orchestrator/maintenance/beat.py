@@ -1,5 +1,6 @@
 """The per-namespace beat loop: :func:`each_namespace`, which every maintenance task that
-works namespace by namespace runs (priorities, evict, clean, vectors, lineage, quality).
+works namespace by namespace runs (priorities, evict, clean, vectors, lineage, quality,
+archive).
 
 One namespace failing must not stop the others, and must still show: each failure is
 logged with its traceback, the namespace's state in this process is forgotten (its next
@@ -12,7 +13,7 @@ skipped: not a failure.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from claw_tasks.store import NamespaceError, Store
@@ -32,22 +33,24 @@ class MaintenanceError(RuntimeError):
         self.failed, self.done = failed, done
 
 
-def each_namespace(what: str, work: Callable[[Store], T | None]) -> dict[str, T]:
-    """Run ``work`` on the ``Store`` of every namespace, as the module docstring says;
-    returns what it returned per namespace, None (nothing to do there) left out. ``what``
-    names the pass in the log and the error."""
+def each_namespace(
+    what: str, work: Callable[[Store], T | None], names: Sequence[str] | None = None
+) -> dict[str, T]:
+    """Run ``work`` on the ``Store`` of every namespace (or of ``names``: then one that
+    does not exist is a failure), as the module docstring says; returns what it returned
+    per namespace, None (nothing to do there) left out. ``what`` names the pass in the log
+    and the error."""
     done: dict[str, T] = {}
     failed: dict[str, str] = {}
-    for ns in list_namespaces(redis_client()):
+    for ns in list_namespaces(redis_client()) if names is None else names:
         try:
             out = work(store_for(ns))
-        except NamespaceError:  # dropped meanwhile
-            forget(ns)
-            continue
         except Exception as e:
+            forget(ns)  # its next pass starts cold, from Redis
+            if names is None and isinstance(e, NamespaceError):
+                continue  # dropped meanwhile
             log.exception("%s in %s failed", what, ns)
             failed[ns] = f"{type(e).__name__}: {e}"
-            forget(ns)
             continue
         if out is not None:
             done[ns] = out

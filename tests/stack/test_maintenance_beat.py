@@ -54,5 +54,8 @@ def test_every_namespace_has_its_turn_and_failures_are_raised_together(
         "c-idle": "c",
         "d-dropped": "d",
     }
+    with pytest.raises(MaintenanceError) as err:  # asked for by name, it must exist
+        each_namespace("test pass", lambda store: store.count(), ["b-works", "e-absent"])
+    assert list(err.value.failed) == ["e-absent"] and err.value.done == {"b-works": 0}
     for ns in ("a-fails", "b-works", "c-idle", "d-dropped"):
         context.forget(ns)
