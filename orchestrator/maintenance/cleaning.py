@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import Mapping
@@ -57,7 +56,6 @@ from orchestrator.transforms.cleaning import CleanSpec, map_fields, step_digests
 from orchestrator.transforms.quantiles import QuantileSample
 from orchestrator.transforms.running import RunningStats
 
-log = logging.getLogger(__name__)
 BATCH = 1024
 LOCK_TTL_S = 120
 TICK_BUDGET_S = 5.0

@@ -8,7 +8,6 @@ raises, so Flower shows it FAILED with the error.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from typing import Any
@@ -27,7 +26,6 @@ from orchestrator.maintenance.lifecycle import (
 )
 from orchestrator.sampling.index import SamplingIndex
 
-log = logging.getLogger(__name__)
 PRUNE_EVERY_S = 60.0
 _pruned_at: dict[str, float] = {}
 

@@ -9,15 +9,12 @@ lineage_index`). The trainer's append is untouched: the work is here, off its pa
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from claw_tasks.store import Store
 from claw_tasks.worker.app import app
 from orchestrator.delivery.lineage import LineageLog, lineage_key
 from orchestrator.maintenance.beat import each_namespace
-
-log = logging.getLogger(__name__)
 
 
 @app.task(name="claw.maintenance.lineage", acks_late=False, ignore_result=True)

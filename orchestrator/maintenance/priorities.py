@@ -24,7 +24,6 @@ reprioritize.lua``), so a trainer's update after the pass started wins over the 
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -44,7 +43,6 @@ from orchestrator.maintenance.beat import each_namespace
 from orchestrator.maintenance.lifecycle import synced_index
 from orchestrator.sampling.index import SamplingIndex
 
-log = logging.getLogger(__name__)
 TICK_BUDGET_S = 5.0
 """Work per beat tick and namespace; the cursor carries the rest to the next tick."""
 WRITE_BATCH = 1024

@@ -26,7 +26,6 @@ no Redis read. ``summary`` (msgpack) is what readers use: ``claw stats --quality
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -45,7 +44,6 @@ from orchestrator.maintenance.lifecycle import synced_index
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.strings import Strings
 
-log = logging.getLogger(__name__)
 MAX_ITEMS = 1024
 """Payload fields with more values a row (images) are not tracked."""
 BINS = 32

@@ -9,7 +9,6 @@ raises, so Flower shows it FAILED with the error.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from claw_tasks.settings import get_settings
@@ -24,7 +23,6 @@ from orchestrator.retrieval.query import INDEX_SESSIONS
 from orchestrator.retrieval.storage import defs_key
 from orchestrator.retrieval.writer import Writer
 
-log = logging.getLogger(__name__)
 TICK_BUDGET_S = 5.0
 """Projection work per beat tick and index; the rest waits for the next tick."""
 WRITERS = "vector writers"
