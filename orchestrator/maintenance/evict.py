@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,17 +18,21 @@ import numpy as np
 from claw_tasks.store import Store
 from claw_tasks.store.evict import PLAN_COLUMNS
 from claw_tasks.worker.app import app
+from claw_tasks.worker.context import context_for
 from orchestrator.maintenance.beat import each_namespace
 from orchestrator.maintenance.dictprune import prune_dictionaries
 from orchestrator.maintenance.eviction_choice import Choice, choose, watermarks
-from orchestrator.maintenance.lifecycle import (
-    namespace_bytes,
-    synced_index,
-)
+from orchestrator.maintenance.lifecycle import namespace_bytes, synced_index
 from orchestrator.sampling.index import SamplingIndex
 
 PRUNE_EVERY_S = 60.0
-_pruned_at: dict[str, float] = {}
+PRUNED = "dictionaries pruned"
+"""When this process last pruned the namespace's dictionaries: a part of its context."""
+
+
+@dataclass
+class Pruned:
+    at: float = -math.inf
 
 
 def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
@@ -54,9 +59,10 @@ def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
 def _prune(store: Store, index: SamplingIndex, now: float) -> int:
     """Dictionary pruning, at most every PRUNE_EVERY_S per namespace and process (it scans
     whole dictionaries; its sweep waits GRACE_S anyway)."""
-    if now - _pruned_at.get(store.namespace, -math.inf) < PRUNE_EVERY_S:
+    pruned = context_for(store).part(PRUNED, Pruned)
+    if now - pruned.at < PRUNE_EVERY_S:
         return 0
-    _pruned_at[store.namespace] = now
+    pruned.at = now
     return sum(prune_dictionaries(store, index, now).values())
 
 
