@@ -40,9 +40,8 @@ class NamespaceContext:
     (``dropped``: the namespace's data is gone or was made again, so a part shared with
     other processes, like the host's shared sampling index, makes them rebuild)."""
 
-    def __init__(self, store: Store, key: tuple[Any, ...] = ()) -> None:
-        self.store, self.key = store, key
-        self.namespace = store.namespace
+    def __init__(self, store: Store) -> None:
+        self.store, self.namespace = store, store.namespace
         self.created: float | None = None  # the config creation time the parts were built on
         self._parts: dict[Hashable, Any] = {}
         self._lock = threading.RLock()  # a part's maker may ask for another part
@@ -52,13 +51,13 @@ class NamespaceContext:
         with self._lock:
             if name not in self._parts:
                 self._parts[name] = make()
-            return self._parts[name]  # type: ignore[no-any-return]
+            return self._parts[name]
 
     def check_created(self, created: float) -> bool:
         """Whether the parts were built on the namespace as configured at ``created`` (its
-        config's creation time, just read). A namespace made again since is forgotten in
-        every process cache (:func:`forget`), and False returned: the caller starts afresh
-        from a new context."""
+        config's creation time, just read). A namespace made again since is forgotten in this
+        process (:func:`forget`) and False returned: the caller starts afresh from a new
+        context."""
         with self._lock:
             if self.created is None or self.created == created:
                 self.created = created
@@ -107,10 +106,10 @@ def context_for(target: str | Store, redis_url: str | None = None) -> NamespaceC
     first one given for that server)."""
     if isinstance(target, Store):
         key = (*identity(target.r), target.namespace, os.getpid())
-        return contexts.get(key, lambda: NamespaceContext(target, key))
+        return contexts.get(key, lambda: NamespaceContext(target))
     client, server = _client(redis_url)
     key = (*server, target, os.getpid())
-    return contexts.get(key, lambda: NamespaceContext(Store(client, target), key))
+    return contexts.get(key, lambda: NamespaceContext(Store(client, target)))
 
 
 def store_for(namespace: str) -> Store:
