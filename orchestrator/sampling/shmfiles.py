@@ -43,7 +43,9 @@ def open_file(path: Path, *, create: bool, exclusive: bool = False) -> int:
     ``exclusive``: made now, or FileExistsError).
 
     Raises FileNotFoundError when absent and not ``create``, ValueError when the name is
-    a symlink or not a regular file owned by this user."""
+    a symlink or not a regular file owned by this user. A file made ``exclusive`` cannot
+    be a planted one (no existing name is opened, a link neither), so its other errors
+    stay OSErrors (ENOSPC, EMFILE: the caller's fallback handles them)."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     flags |= (os.O_CREAT if create else 0) | (os.O_EXCL if exclusive else 0)
     try:
@@ -51,6 +53,8 @@ def open_file(path: Path, *, create: bool, exclusive: bool = False) -> int:
     except (FileNotFoundError, FileExistsError):
         raise
     except OSError as e:
+        if exclusive:
+            raise
         raise ValueError(f"{path}: cannot open it safely ({e.strerror})") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
