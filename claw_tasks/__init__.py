@@ -12,6 +12,7 @@ checks it; ``orchestrator`` — the read path — sits on top of all of them):
 - ``connection`` URL → Redis client; private redis-servers and clusters for tests and demos
 - ``store``      the columnar Redis store: layout, Lua commits, reads, updates, eviction
 - ``broker``     the Celery app factory, RabbitMQ options, TLS, the beat schedule
-- ``worker``     the ``-A`` target: tasks, ingest, the message guard, dead letters, caches
+- ``worker``     the ``-A`` target: tasks, ingest, the message guard, dead letters,
+                 namespace contexts
 - ``client``     the SDK: ``Ingestor``, episodes, sending, checks, backpressure, gym wrapper
 """

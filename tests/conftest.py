@@ -22,7 +22,7 @@ from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import use_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import NamespaceError
-from orchestrator.maintenance.lifecycle import forget
+from claw_tasks.worker.context import forget
 from tests.support.processes import Worker
 
 # Property tests draw the same examples on every run (a failure in CI is reproducible and

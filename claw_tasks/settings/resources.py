@@ -11,15 +11,16 @@ RESOURCES: tuple[Variable, ...] = (
         "namespace_cache_size",
         count,
         64,
-        "namespaces a worker keeps a `Store` and sampling session for (least recently used "
-        "go first)",
+        "namespaces a process keeps a context for: its `Store`, sampling session, plans, "
+        "retrieval sessions (least recently used go first)",
     ),
     Variable(
         "CLAW_PLAN_CACHE_SIZE",
         "plan_cache_size",
         count,
         256,
-        "recipes' augmentation plans a prefetch worker keeps (least recently used go first)",
+        "recipes' augmentation plans a prefetch worker keeps per namespace (least recently "
+        "used go first)",
     ),
     Variable(
         "CLAW_SHARED_INDEX",

@@ -13,7 +13,7 @@ from claw_tasks.format.message import TASK, IngestOutcome, Rejected
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceDropped
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import forget_namespace, redis_client, store_for
+from claw_tasks.worker.context import forget, redis_client, store_for
 from claw_tasks.worker.ingest import is_transient, reject, run
 
 BACKOFF_MAX = 60
@@ -40,7 +40,7 @@ def ingest(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     try:
         outcome = run(redis_client(), args, kwargs, get_settings().limits, store_for)
     except NamespaceDropped:
-        forget_namespace(args[1])
+        forget(args[1])
         log.warning("batch %s: namespace %r was dropped; discarded", args[2], args[1])
         return {"committed": 0, "rejected": 0, "dropped": True}
     except Exception as e:

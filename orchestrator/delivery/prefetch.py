@@ -24,8 +24,7 @@ from celery.signals import worker_process_init, worker_process_shutdown
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import forget_namespace as forget_store
-from claw_tasks.worker.caches import store_for
+from claw_tasks.worker.context import close_all, context_for, forget, store_for
 from claw_tasks.worker.lru import LRU
 from claw_tasks.worker.tasks import committed
 from orchestrator.delivery import rollouts, shm
@@ -37,9 +36,7 @@ from orchestrator.delivery.stages import Pipeline
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling import groups
 from orchestrator.sampling.groups import Claim
-from orchestrator.sampling.sample import close_shared
-from orchestrator.sampling.sample import forget_namespace as forget_sessions
-from orchestrator.sampling.shared import reap_unused
+from orchestrator.sampling.shmfiles import reap_orphans
 from orchestrator.transforms.augment import AugmentPlan, build_pipelines
 
 log = logging.getLogger(__name__)
@@ -63,10 +60,12 @@ def _seed_child(**_: Any) -> None:
 def _detach_indexes(**_: Any) -> None:
     """A pool process stopping detaches from the host's shared sampling indexes, so the
     last one removes their files (a process killed outright leaves them to the reaper)."""
-    close_shared()
+    close_all()
 
 
-plans: LRU[tuple[str, str], tuple[str, AugmentPlan | None]] = LRU(get_settings().plan_cache_size)
+PLANS = "augment plans"
+"""The augmentation plans' name in a namespace context: an ``LRU`` of recipe name ->
+(digest of its ``augment`` section, plan), the ``plan_cache_size`` most recently used."""
 REAP_EVERY_S = 60.0
 _last_reap = -math.inf
 
@@ -76,11 +75,14 @@ def _augment_digest(augment: dict[str, Any]) -> str:
 
 
 def _plan(reg: Registry, recipe: Recipe) -> AugmentPlan | None:
-    """The recipe's augmentation pipelines, kept per process (the ``plan_cache_size`` most
-    recently used recipes) while its ``augment`` section stays the same. Their running
-    statistics live in Redis (:mod:`orchestrator.delivery.augstats`): every worker of the
-    recipe, and a restarted one, normalises with the same ones."""
-    key, digest = (reg.ns, recipe.name), _augment_digest(recipe.augment)
+    """The recipe's augmentation pipelines, kept in the namespace's context (the
+    ``plan_cache_size`` most recently used recipes) while its ``augment`` section stays the
+    same. Their running statistics live in Redis (:mod:`orchestrator.delivery.augstats`):
+    every worker of the recipe, and a restarted one, normalises with the same ones."""
+    plans: LRU[str, tuple[str, AugmentPlan | None]] = context_for(reg.store).part(
+        PLANS, lambda: LRU(get_settings().plan_cache_size)
+    )
+    key, digest = recipe.name, _augment_digest(recipe.augment)
     cached = plans.get(key, lambda: ("", None))
     if cached[0] != digest:
         stats = RedisStats(reg.r, reg.augment_stats(recipe.name), digest)
@@ -93,12 +95,6 @@ def _plan(reg: Registry, recipe: Recipe) -> AugmentPlan | None:
         cached = (digest, plan)
         plans.put(key, cached)
     return cached[1]
-
-
-def forget_namespace(namespace: str) -> None:
-    """Drop this process's augmentation plans of ``namespace``'s recipes (call when it is
-    deleted)."""
-    plans.drop(lambda key: key[0] == namespace)
 
 
 def _rng_for(reg: Registry, recipe: Recipe) -> np.random.Generator:
@@ -237,10 +233,9 @@ def _reap_orphans() -> None:
         return
     _last_reap = now
     try:
-        shm.reap_orphans(shm.ORPHAN_AGE_S)
-        reap_unused()  # shared sampling indexes whose processes were all killed
+        reap_orphans()
     except OSError:
-        log.warning("reaping orphaned shm segments failed", exc_info=True)
+        log.warning("reaping orphaned /dev/shm files failed", exc_info=True)
 
 
 @app.task(name="claw.prefetch.fill", acks_late=False, ignore_result=True)
@@ -257,8 +252,7 @@ def fill(namespace: str, name: str, token: str) -> dict[str, Any]:
         _reap_orphans()
     if result["state"] == "unregistered" and not reg.store.exists():  # dropped
         reg.r.srem(ACTIVE, namespace)
-        for forget in (forget_namespace, forget_sessions, forget_store):
-            forget(namespace)
+        forget(namespace)
     if str(result["state"]).startswith("error:"):  # FAILED in Flower, not a quiet success
         raise FillError(f"prefetch of {namespace}/{name} failed: {result['state'][7:]}")
     return result

@@ -25,9 +25,10 @@ pending fields (the augmented images) are computed straight into the writer's ow
 of a free segment of exactly the batch's size, kept mapped across reuses (pages that exist,
 written whole before: a store through a mapping cannot report a full ``/dev/shm``).
 
-Segments are named ``claw-<pid namespace>-<creator pid>-<random>[.taken]`` so
-:func:`reap_orphans` can reclaim the segments of writers that crashed, of readers that
-died before reading, and free ones nobody reused for :data:`ORPHAN_AGE_S`.
+Segments are files of :mod:`orchestrator.sampling.shmfiles`, which creates, opens, maps
+and names them safely, and whose one reaper (``reap_orphans``) reclaims the segments of
+writers that crashed, of readers that died before reading, and free ones nobody reused
+for ``ORPHAN_AGE_S``.
 """
 
 from __future__ import annotations
@@ -40,11 +41,8 @@ import hashlib
 import logging
 import mmap
 import os
-import secrets
-import stat
 import struct
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,18 +60,20 @@ from orchestrator.delivery.wire import (
     is_batch,
 )
 from orchestrator.sampling.batch import Batch
+from orchestrator.sampling.shmfiles import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    map_file,
+    open_file,
+    segment_name,
+)
 
-SHM_DIR = Path("/dev/shm")
-PREFIX = "claw-"
 REF_MAGIC = b"CLSR"
 _REF_PREFIX = struct.Struct("<4sI")  # magic, wire format version
 DEFAULT_THRESHOLD = 256 * 1024
-ORPHAN_AGE_S = 600.0
-"""Segments older than this are reaped whatever their creator (their reader is gone)."""
 TAKEN = ".taken"
 POOL_SIZE = 32
 """Segments a writer process tracks for reuse (queued, taken or free)."""
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map all pages in one call
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,6 @@ def _read(path: str) -> str:
         return Path(path).read_text().strip()
     except OSError:
         return ""
-
-
-@functools.cache
-def _pid_namespace() -> int:
-    return os.stat("/proc/self/ns/pid").st_ino
 
 
 @functools.cache
@@ -224,10 +219,6 @@ def release_pool() -> None:
                 _pool.release_free()
 
 
-def _new_name() -> str:
-    return f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}"
-
-
 def write_segment(wire: WireBatch) -> str:
     """Write an encoded batch into a segment (a free one of this process's, else a new
     one) and return its name.
@@ -241,9 +232,9 @@ def write_segment(wire: WireBatch) -> str:
             name = _rewrite(pool, seg, wire)
             if name is not None:
                 return name
-        name = _new_name()
+        name = segment_name()
         path = SHM_DIR / name
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = open_file(path, create=True, exclusive=True)
         try:
             # write() allocates the pages (ENOSPC here when /dev/shm is full); the reader
             # maps the file only once it is whole, so no access can fault on a missing page.
@@ -259,7 +250,7 @@ def write_segment(wire: WireBatch) -> str:
 def _rewrite(pool: _Pool, seg: _Segment, wire: WireBatch) -> str | None:
     """Overwrite free segment ``seg`` (locked by us) with ``wire`` under a fresh name;
     None when it was reaped meanwhile."""
-    taken, name = SHM_DIR / f"{seg.name}{TAKEN}", _new_name()
+    taken, name = SHM_DIR / f"{seg.name}{TAKEN}", segment_name()
     try:
         os.rename(taken, SHM_DIR / name)
     except FileNotFoundError:
@@ -291,7 +282,7 @@ def _fill_in_place(
         if seg.size != wire.nbytes:  # resizing means allocating pages: the write() path
             fcntl.flock(seg.fd, fcntl.LOCK_UN)
             return None
-        taken, name = SHM_DIR / f"{seg.name}{TAKEN}", _new_name()
+        taken, name = SHM_DIR / f"{seg.name}{TAKEN}", segment_name()
         try:
             os.rename(taken, SHM_DIR / name)
         except FileNotFoundError:
@@ -299,7 +290,7 @@ def _fill_in_place(
             continue
         try:
             if seg.mm is None:  # mapped once, then reused: no page faults per batch
-                seg.mm = mmap.mmap(seg.fd, seg.size, flags=mmap.MAP_SHARED | _POPULATE)
+                seg.mm = map_file(seg.fd, seg.size, populate=True)
             fill(wire.write_into(seg.mm))
         except BaseException:
             os.rename(SHM_DIR / name, taken)  # free again
@@ -341,21 +332,14 @@ def deliver(
 def read_segment(name: str, size: int) -> Batch:
     """Take a segment (lock, rename to ``<name>.taken``), map it and decode the batch
     zero-copy (arrays are writable views); the lock is held until the last array is gone."""
-    if not name.startswith(PREFIX) or "/" in name or name.endswith(TAKEN):
+    if not name.startswith(SEGMENT_PREFIX) or "/" in name or name.endswith(TAKEN):
         raise ValueError(f"not a Claw segment name: {name!r}")
     path = SHM_DIR / name
     try:
-        # O_NOFOLLOW: a `claw-*` symlink planted in /dev/shm must not get a file of ours
-        # mapped read-write; the file must be a regular one this user created.
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_file(path, create=False)  # never a planted symlink or another's file
     except FileNotFoundError:
         raise SegmentMissing(name) from None
-    except OSError as e:
-        raise ValueError(f"segment {name}: cannot open it safely ({e.strerror})") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise ValueError(f"segment {name}: not a regular file owned by this user")
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:  # its writer is rewriting it: the reference is stale
@@ -365,7 +349,7 @@ def read_segment(name: str, size: int) -> Batch:
             os.rename(path, SHM_DIR / f"{name}{TAKEN}")
         if os.fstat(fd).st_size != size:
             raise ValueError(f"segment {name}: size {os.fstat(fd).st_size} != {size}")
-        mm = mmap.mmap(fd, size)  # lazy faults: MAP_POPULATE measured slower overall
+        mm = map_file(fd, size)  # lazy faults: MAP_POPULATE measured slower overall
     except BaseException:
         os.close(fd)
         raise
@@ -439,43 +423,5 @@ def discard(msg: Any) -> None:
     if ref is None:
         return
     name = ref.get("name", "")
-    if name.startswith(PREFIX) and "/" not in name:
+    if name.startswith(SEGMENT_PREFIX) and "/" not in name:
         (SHM_DIR / name).unlink(missing_ok=True)
-
-
-def _creator_alive(name: str) -> bool | None:
-    """Whether a segment's creator runs; None when unknown (another pid namespace)."""
-    try:
-        ns, pid = (int(part) for part in name[len(PREFIX) :].split("-")[:2])
-    except ValueError:
-        return None
-    if ns != _pid_namespace():
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def reap_orphans(max_age_s: float, *, dead_grace_s: float = 5.0) -> list[str]:
-    """Remove Claw segments older than ``max_age_s``, or whose creator is dead and that are
-    older than ``dead_grace_s``. Returns the names removed.
-
-    A segment whose creator exited while its reference still waits in a queue is reaped after
-    ``dead_grace_s`` too; its reader then gets :class:`SegmentMissing` and pops the next batch.
-    """
-    removed = []
-    now = time.time()
-    for path in SHM_DIR.glob(f"{PREFIX}*"):
-        try:
-            age = now - path.lstat().st_mtime
-        except FileNotFoundError:
-            continue
-        if age > max_age_s or (age > dead_grace_s and _creator_alive(path.name) is False):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(path.name)
-    return removed

@@ -36,7 +36,6 @@ from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.scan import fixed_ranges, read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.maintenance.archive_files import (
     MANIFEST,
     Manifest,
@@ -44,7 +43,7 @@ from orchestrator.maintenance.archive_files import (
     namespace_dir,
     write_parquet,
 )
-from orchestrator.maintenance.lifecycle import list_namespaces
+from orchestrator.maintenance.beat import each_namespace
 from orchestrator.maintenance.snapshots import archive_snapshots
 from orchestrator.maintenance.steptable import STRING_COLUMNS, TAG_PREFIX, StepRows
 from orchestrator.sampling.bulk import BulkReader
@@ -446,23 +445,18 @@ def archive(
 ) -> dict[str, Any]:
     """Archive one namespace, or every one, to ``to`` (default ``CLAW_ARCHIVE_DIR``), in
     files of up to ``chunk_bytes`` of payload. A namespace another run is archiving is
-    left to it; any other failure fails the task (after the other namespaces are done),
-    naming the namespace."""
+    left to it; any other failure fails the task (after the other namespaces are done:
+    :func:`~orchestrator.maintenance.beat.each_namespace`), naming the namespace."""
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int, not {chunk_bytes!r}")
     root = to or get_settings().archive_dir
     if not root:
         raise ValueError("no archive directory: set CLAW_ARCHIVE_DIR on the workers, or pass `to`")
-    names = [namespace] if namespace else list_namespaces(redis_client())
-    out: dict[str, Any] = {}
-    failed = []
-    for ns in names:
+
+    def work(store: Store) -> dict[str, Any]:
         try:
-            out[ns] = archive_namespace(store_for(ns), root, chunk_bytes=chunk_bytes).to_json()
+            return archive_namespace(store, root, chunk_bytes=chunk_bytes).to_json()
         except ArchiveBusy as e:
-            out[ns] = {"busy": str(e)}
-        except Exception as e:
-            failed.append(f"{ns}: {type(e).__name__}: {e}")
-    if failed:
-        raise RuntimeError("archive failed for " + "; ".join(failed))
-    return out
+            return {"busy": str(e)}
+
+    return each_namespace("archive", work, [namespace] if namespace else None)

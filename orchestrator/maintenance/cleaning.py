@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import Mapping
@@ -40,9 +39,8 @@ import numpy as np
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import tag_column
-from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store import Store
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.delivery.augstats import namespace_stats
 from orchestrator.delivery.quarantine import (
     QUARANTINE,
@@ -52,13 +50,12 @@ from orchestrator.delivery.quarantine import (
     quarantined,
     seen_before,
 )
-from orchestrator.maintenance.evict import MaintenanceError
-from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
+from orchestrator.maintenance.beat import each_namespace
+from orchestrator.maintenance.lifecycle import synced_index
 from orchestrator.transforms.cleaning import CleanSpec, map_fields, step_digests, violations
 from orchestrator.transforms.quantiles import QuantileSample
 from orchestrator.transforms.running import RunningStats
 
-log = logging.getLogger(__name__)
 BATCH = 1024
 LOCK_TTL_S = 120
 TICK_BUDGET_S = 5.0
@@ -179,19 +176,10 @@ def _bring(
 @app.task(name="claw.maintenance.clean", acks_late=False, ignore_result=True)
 def clean() -> dict[str, Any]:
     """Clean every declared source into its namespace; raise (FAILED in Flower) on failures."""
-    r = redis_client()
-    done, failed = {}, {}
-    for ns in list_namespaces(r):
-        try:
-            target = store_for(ns)
-            if not r.exists(clean_key(target)):
-                continue
-            done[ns] = {name: clean_source(target, name, s) for name, s in sources(target).items()}
-        except NamespaceError:
-            forget(ns)
-        except Exception as e:
-            log.exception("cleaning into %s failed", ns)
-            failed[ns] = f"{type(e).__name__}: {e}"
-    if failed:
-        raise MaintenanceError(f"cleaning failed in {len(failed)} namespace(s): {failed}")
-    return done
+
+    def work(target: Store) -> dict[str, Any] | None:
+        if not target.r.exists(clean_key(target)):
+            return None
+        return {name: clean_source(target, name, s) for name, s in sources(target).items()}
+
+    return each_namespace("cleaning", work)

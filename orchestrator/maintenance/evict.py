@@ -8,34 +8,31 @@ raises, so Flower shows it FAILED with the error.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store import Store
 from claw_tasks.store.evict import PLAN_COLUMNS
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import redis_client, store_for
+from claw_tasks.worker.context import context_for
+from orchestrator.maintenance.beat import each_namespace
 from orchestrator.maintenance.dictprune import prune_dictionaries
 from orchestrator.maintenance.eviction_choice import Choice, choose, watermarks
-from orchestrator.maintenance.lifecycle import (
-    forget,
-    list_namespaces,
-    namespace_bytes,
-    synced_index,
-)
+from orchestrator.maintenance.lifecycle import namespace_bytes, synced_index
 from orchestrator.sampling.index import SamplingIndex
 
-log = logging.getLogger(__name__)
 PRUNE_EVERY_S = 60.0
-_pruned_at: dict[str, float] = {}
+PRUNED = "dictionaries pruned"
+"""When this process last pruned the namespace's dictionaries: a part of its context."""
 
 
-class MaintenanceError(RuntimeError):
-    """A maintenance pass failed for some namespaces (each named with its error)."""
+@dataclass
+class Pruned:
+    at: float = -math.inf
 
 
 def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
@@ -62,9 +59,10 @@ def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
 def _prune(store: Store, index: SamplingIndex, now: float) -> int:
     """Dictionary pruning, at most every PRUNE_EVERY_S per namespace and process (it scans
     whole dictionaries; its sweep waits GRACE_S anyway)."""
-    if now - _pruned_at.get(store.namespace, -math.inf) < PRUNE_EVERY_S:
+    pruned = context_for(store).part(PRUNED, Pruned)
+    if now - pruned.at < PRUNE_EVERY_S:
         return 0
-    _pruned_at[store.namespace] = now
+    pruned.at = now
     return sum(prune_dictionaries(store, index, now).values())
 
 
@@ -85,22 +83,12 @@ def evict_rows(store: Store, index: SamplingIndex, choice: Choice) -> dict[str, 
 
 @app.task(name="claw.maintenance.evict", acks_late=False, ignore_result=True)
 def evict() -> dict[str, Any]:
-    """Apply every namespace's retention policy; raise (FAILED in Flower) if any failed."""
-    r = redis_client()
-    done, failed = {}, {}
-    for ns in list_namespaces(r):
-        try:
-            counts = evict_namespace(store_for(ns))
-        except NamespaceError:  # dropped meanwhile
-            forget(ns)
-            continue
-        except Exception as e:
-            log.exception("eviction in %s failed", ns)
-            failed[ns] = f"{type(e).__name__}: {e}"
-            forget(ns)  # start cold next time
-            continue
-        if any(v for k, v in counts.items() if k not in ("protected", "pruned")):
-            done[ns] = counts
-    if failed:
-        raise MaintenanceError(f"eviction failed in {len(failed)} namespace(s): {failed}")
-    return done
+    """Apply every namespace's retention policy (:func:`~orchestrator.maintenance.beat.
+    each_namespace`); returns the steps evicted where any were."""
+
+    def work(store: Store) -> dict[str, Any] | None:
+        counts = evict_namespace(store)
+        evicted = any(v for k, v in counts.items() if k not in ("protected", "pruned"))
+        return counts if evicted else None
+
+    return each_namespace("eviction", work)

@@ -1,5 +1,5 @@
 """Namespaces as a whole: which exist, the memory they use, dropping one, and the
-sampling indexes the maintenance tasks keep per namespace in each worker process."""
+sampling index the maintenance tasks keep in each namespace's context."""
 
 from __future__ import annotations
 
@@ -8,17 +8,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import redis
 
-from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DROPPED_TTL, dropped_key
 from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
-from claw_tasks.worker.caches import forget_namespace as forget_store
-from claw_tasks.worker.lru import LRU
-from orchestrator.delivery.prefetch import forget_namespace as forget_plans
+from claw_tasks.worker.context import context_for, forget
 from orchestrator.delivery.registry import ACTIVE
-from orchestrator.retrieval.query import forget_namespace as forget_retrieval
 from orchestrator.sampling.index import SamplingIndex
-from orchestrator.sampling.sample import forget_namespace as forget_sessions
 from orchestrator.sampling.strings import Strings
 
 SCAN_COUNT = 1000
@@ -27,9 +22,9 @@ SAMPLED_ENTRIES = SPARSE_CHUNK_SLOTS
 DROP_BATCH = 500
 """Keys per UNLINK: the values are freed in the background, so each call stays short."""
 DROP_SWEEPS = 3
-_indexes: LRU[tuple[str, float], tuple[SamplingIndex, Strings]] = LRU(
-    get_settings().namespace_cache_size
-)  # (namespace, config created) -> index
+MAINTENANCE_INDEX = "maintenance index"
+"""The maintenance tasks' sampling index (and its strings) in a namespace context: their
+own, without payload bytes, apart from the sampling session's."""
 
 
 def list_namespaces(r: redis.Redis) -> list[str]:
@@ -81,29 +76,20 @@ def namespace_bytes(r: redis.Redis, namespace: str) -> int:
     return total + sum(key_bytes(r, batch))
 
 
-def forget(namespace: str) -> None:
-    """Drop every cache this process keeps of ``namespace`` (it was dropped or recreated):
-    the maintenance index, the Store, the sampling session, augmentation plans."""
-    _indexes.drop(lambda key: key[0] == namespace)
-    for forget_cache in (forget_store, forget_sessions, forget_plans, forget_retrieval):
-        forget_cache(namespace)
-
-
 def synced_index(store: Store) -> tuple[SamplingIndex, Strings]:
-    """This process's index of the namespace, synced; rebuilt if the namespace was
-    recreated since (its config's creation time changed)."""
+    """This process's maintenance index of the namespace, synced; rebuilt (with every part
+    of the namespace's context) if the namespace was made again since it was built."""
     created = store.config(refresh=True).created
-    key = (store.namespace, created)
-    if key not in _indexes and any(k[0] == store.namespace for k in _indexes):
-        forget(store.namespace)  # made again since: every cache of it starts cold
+    while not (ctx := context_for(store)).check_created(created):
+        pass  # made again since: the old context is forgotten, the next one starts cold
 
     def make() -> tuple[SamplingIndex, Strings]:
-        index = SamplingIndex(store, payload_bytes=0)
-        strings = Strings(store, index)
+        index = SamplingIndex(ctx.store, payload_bytes=0)
+        strings = Strings(ctx.store, index)
         index.subscribe(strings.observe)
         return index, strings
 
-    index, strings = _indexes.get(key, make)
+    index, strings = ctx.part(MAINTENANCE_INDEX, make)
     index.sync()
     return index, strings
 

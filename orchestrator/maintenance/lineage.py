@@ -9,37 +9,22 @@ lineage_index`). The trainer's append is untouched: the work is here, off its pa
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from claw_tasks.store import NamespaceError
+from claw_tasks.store import Store
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.delivery.lineage import LineageLog, lineage_key
-from orchestrator.maintenance.lifecycle import list_namespaces
-
-log = logging.getLogger(__name__)
+from orchestrator.maintenance.beat import each_namespace
 
 
 @app.task(name="claw.maintenance.lineage", acks_late=False, ignore_result=True)
 def lineage() -> dict[str, Any]:
     """An index pass over every namespace's lineage log; raise (FAILED in Flower) if any
     failed (after the others). Returns the entries indexed per namespace."""
-    r = redis_client()
-    done, failed = {}, {}
-    for ns in list_namespaces(r):
-        try:
-            store = store_for(ns)
-            if not r.exists(lineage_key(store)):
-                continue
-            report = LineageLog(store).build_index()
-        except NamespaceError:
-            continue
-        except Exception as e:
-            log.exception("lineage index pass of %s failed", ns)
-            failed[ns] = f"{type(e).__name__}: {e}"
-            continue
-        done[ns] = report.entries
-    if failed:
-        raise RuntimeError(f"lineage indexing failed in {len(failed)} namespace(s): {failed}")
-    return done
+
+    def work(store: Store) -> int | None:
+        if not store.r.exists(lineage_key(store)):
+            return None
+        return LineageLog(store).build_index().entries
+
+    return each_namespace("lineage indexing", work)

@@ -24,7 +24,6 @@ reprioritize.lua``), so a trainer's update after the pass started wins over the 
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -35,17 +34,15 @@ import numpy as np
 
 from claw_tasks.durations import DurationError, parse_duration
 from claw_tasks.settings import get_settings
-from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store import Store
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.layout import META_CHUNK_SLOTS, nan_xor
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import redis_client, store_for
-from orchestrator.maintenance.evict import MaintenanceError
-from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
+from orchestrator.maintenance.beat import each_namespace
+from orchestrator.maintenance.lifecycle import synced_index
 from orchestrator.sampling.index import SamplingIndex
 
-log = logging.getLogger(__name__)
 TICK_BUDGET_S = 5.0
 """Work per beat tick and namespace; the cursor carries the rest to the next tick."""
 WRITE_BATCH = 1024
@@ -300,23 +297,9 @@ class Recompute:
 @app.task(name="claw.maintenance.priorities", acks_late=False, ignore_result=True)
 def priorities() -> dict[str, Any]:
     """Advance every namespace's recomputation pass; raise (FAILED in Flower) on failures."""
-    r = redis_client()
-    done, failed = {}, {}
-    for ns in list_namespaces(r):
-        try:
-            store = store_for(ns)
-            raw = store.config(refresh=True).priorities
-            if not raw:
-                continue
-            done[ns] = Recompute(store, Rules.of(raw), get_settings().scorers).run()
-        except NamespaceError:
-            forget(ns)
-        except Exception as e:
-            log.exception("priority recomputation in %s failed", ns)
-            failed[ns] = f"{type(e).__name__}: {e}"
-            forget(ns)
-    if failed:
-        raise MaintenanceError(
-            f"priority recomputation failed in {len(failed)} namespace(s): {failed}"
-        )
-    return done
+
+    def work(store: Store) -> Any:
+        raw = store.config(refresh=True).priorities
+        return Recompute(store, Rules.of(raw), get_settings().scorers).run() if raw else None
+
+    return each_namespace("priority recomputation", work)

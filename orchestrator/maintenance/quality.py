@@ -26,7 +26,6 @@ no Redis read. ``summary`` (msgpack) is what readers use: ``claw stats --quality
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,15 +35,15 @@ import numpy as np
 
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.format.schema import FieldSpec, tag_column
-from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store import Store
 from claw_tasks.store.layout import META_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import redis_client, store_for
-from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
+from claw_tasks.worker.context import forget
+from orchestrator.maintenance.beat import each_namespace
+from orchestrator.maintenance.lifecycle import synced_index
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.strings import Strings
 
-log = logging.getLogger(__name__)
 MAX_ITEMS = 1024
 """Payload fields with more values a row (images) are not tracked."""
 BINS = 32
@@ -348,19 +347,4 @@ def reset_edges(store: Store) -> None:
 def quality() -> dict[str, Any]:
     """A quality pass over every namespace with steps; raise (FAILED in Flower) if any
     failed (after the others)."""
-    done, failed = {}, {}
-    for ns in list_namespaces(redis_client()):
-        try:
-            summary = quality_namespace(store_for(ns))
-        except NamespaceError:
-            forget(ns)
-            continue
-        except Exception as e:
-            log.exception("quality pass of %s failed", ns)
-            failed[ns] = f"{type(e).__name__}: {e}"
-            forget(ns)
-            continue
-        done[ns] = summary["steps"]
-    if failed:
-        raise RuntimeError(f"quality failed in {len(failed)} namespace(s): {failed}")
-    return done
+    return each_namespace("quality pass", lambda store: quality_namespace(store)["steps"])

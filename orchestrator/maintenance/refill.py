@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import redis_client, store_for
-from orchestrator.delivery import shm
+from claw_tasks.worker.context import redis_client, store_for
 from orchestrator.delivery.registry import ACTIVE, Registry
-
-ORPHAN_SEGMENT_AGE_S = shm.ORPHAN_AGE_S
+from orchestrator.sampling.shmfiles import reap_orphans
 
 
 @app.task(name="claw.maintenance.refill", acks_late=False, ignore_result=True, expires=5)
@@ -32,5 +30,4 @@ def refill() -> dict[str, Any]:
                 reg.release_refill_lock(name, token)
                 raise
             sent += 1
-    reaped = shm.reap_orphans(ORPHAN_SEGMENT_AGE_S)
-    return {"fills": sent, "reaped_segments": len(reaped)}
+    return {"fills": sent, "reaped_files": len(reap_orphans())}

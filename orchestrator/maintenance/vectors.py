@@ -9,24 +9,25 @@ raises, so Flower shows it FAILED with the error.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from claw_tasks.settings import get_settings
-from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store import Store
 from claw_tasks.worker.app import app
-from claw_tasks.worker.caches import redis_client, store_for
+from claw_tasks.worker.context import context_for
 from claw_tasks.worker.lru import LRU
-from orchestrator.maintenance.evict import MaintenanceError
-from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
+from orchestrator.maintenance.beat import each_namespace
+from orchestrator.maintenance.lifecycle import synced_index
 from orchestrator.retrieval import list_indexes
+from orchestrator.retrieval.query import INDEX_SESSIONS
 from orchestrator.retrieval.storage import defs_key
 from orchestrator.retrieval.writer import Writer
 
-log = logging.getLogger(__name__)
 TICK_BUDGET_S = 5.0
 """Projection work per beat tick and index; the rest waits for the next tick."""
-writers: LRU[tuple[str, float, str, str], Writer] = LRU(get_settings().namespace_cache_size)
+WRITERS = "vector writers"
+"""The writers' name in a namespace context: an ``LRU`` of (index name, its spec) ->
+:class:`~orchestrator.retrieval.writer.Writer`."""
 
 
 def update_indexes(store: Store, budget_s: float = TICK_BUDGET_S) -> dict[str, Any]:
@@ -37,10 +38,13 @@ def update_indexes(store: Store, budget_s: float = TICK_BUDGET_S) -> dict[str, A
     cfg = store.config(refresh=True)
     if cfg.schema is None:
         return {}
-    index, strings = synced_index(store)
+    index, strings = synced_index(store)  # first: a namespace made again starts cold
+    writers: LRU[tuple[str, str], Writer] = context_for(store).part(
+        WRITERS, lambda: LRU(INDEX_SESSIONS)
+    )
     out = {}
     for name, spec in specs.items():
-        key = (store.namespace, cfg.created, name, spec.model_dump_json())
+        key = (name, spec.model_dump_json())
         writer = writers.get(key, lambda s=spec: Writer(store, s, get_settings().features))
         out[name] = writer.run(index, strings, budget_s)
     return out
@@ -49,22 +53,8 @@ def update_indexes(store: Store, budget_s: float = TICK_BUDGET_S) -> dict[str, A
 @app.task(name="claw.maintenance.vectors", acks_late=False, ignore_result=True)
 def vectors() -> dict[str, Any]:
     """Update every namespace's vector indexes; raise (FAILED in Flower) on failures."""
-    r = redis_client()
-    done, failed = {}, {}
-    for ns in list_namespaces(r):
-        try:
-            store = store_for(ns)
-            if not r.exists(defs_key(store)):
-                continue
-            done[ns] = update_indexes(store)
-        except NamespaceError:
-            forget(ns)
-        except Exception as e:
-            log.exception("vector index update in %s failed", ns)
-            failed[ns] = f"{type(e).__name__}: {e}"
-            writers.drop(lambda key, ns=ns: key[0] == ns)
-    if failed:
-        raise MaintenanceError(
-            f"vector index update failed in {len(failed)} namespace(s): {failed}"
-        )
-    return done
+
+    def work(store: Store) -> dict[str, Any] | None:
+        return update_indexes(store) if store.r.exists(defs_key(store)) else None
+
+    return each_namespace("vector index update", work)

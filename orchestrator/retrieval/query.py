@@ -18,7 +18,6 @@ fails a check, one evicted during it fails the fetch's: no evicted step is ever 
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,13 +26,13 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from claw_tasks.connection.client import identity
 from claw_tasks.format.stepmeta import UNTRAINABLE
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import NamespaceConfig
 from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.where import Where
+from claw_tasks.worker.context import context_for, forget
 from claw_tasks.worker.lru import LRU
 from orchestrator.recipe.model import Recipe
 from orchestrator.recipe.options import Nearest
@@ -44,7 +43,7 @@ from orchestrator.sampling.assembly import Assembly
 from orchestrator.sampling.fetch import Fetcher
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import Draw
-from orchestrator.sampling.shared import make_index
+from orchestrator.sampling.shared import SharedIndex, make_index
 from orchestrator.sampling.strings import Strings
 
 ATTEMPTS = 8
@@ -108,38 +107,32 @@ def nearest(
             try:
                 return session.query(states, k, where, params or {}, list(fields), projected)
             except Recreated:  # the namespace was made again since the session began
-                sessions.drop(lambda key, gone=session.key: key == gone)
+                forget(session.store.namespace)
     raise RetrievalError(f"nearest in {session.store.namespace!r}: the namespace keeps changing")
 
 
-_lock = threading.Lock()
-sessions: LRU[tuple[Any, ...], Session] = LRU(get_settings().namespace_cache_size)
-
-
-def forget_namespace(namespace: str) -> None:
-    """Drop this process's retrieval sessions of ``namespace`` (dropped or recreated)."""
-    sessions.drop(lambda key: key[-3] == namespace)
+SESSIONS = "retrieval"
+"""The retrieval sessions' name in a namespace context: an ``LRU`` of index name ->
+:class:`Session`, the ``INDEX_SESSIONS`` most recently used."""
+INDEX_SESSIONS = 8
+"""Vector indexes of one namespace a process keeps a session (or a writer) of: each holds
+the index's vectors."""
 
 
 def open_session(target: str | Store, redis_url: str | None, name: str) -> Session:
-    """This process's session of index ``name`` (made on first use, kept in ``sessions``:
-    later queries reuse its copy of the index and catch it up from the log; each query
-    checks the namespace's config in the round trip that reads the log)."""
-    store = (
-        target
-        if isinstance(target, Store)
-        else Store(redis_url or get_settings().redis_url, target)
-    )
-    key = (*identity(store.r), store.namespace, name, os.getpid())
-    with _lock:
-        return sessions.get(key, lambda: Session(store, name, key))
+    """This process's session of index ``name`` (made on first use, kept in the
+    namespace's context: later queries reuse its copy of the index and catch it up from
+    the log; each query checks the namespace's config in the round trip that reads the
+    log)."""
+    ctx = context_for(target, redis_url)
+    sessions: LRU[str, Session] = ctx.part(SESSIONS, lambda: LRU(INDEX_SESSIONS))
+    return sessions.get(name, lambda: Session(ctx.store, name))
 
 
 class Session:
     """One index of one namespace in this process (see the module docstring)."""
 
-    def __init__(self, store: Store, name: str, key: tuple[Any, ...] = ()) -> None:
-        self.key = key  # in ``sessions``
+    def __init__(self, store: Store, name: str) -> None:
         specs = list_indexes(store)
         if name not in specs:
             known = ", ".join(specs) or "none"
@@ -169,6 +162,11 @@ class Session:
     def _changed(self, rows: np.ndarray | None) -> None:
         self.strings.observe(rows)
         self._meta.append(rows)
+
+    def close(self, dropped: bool) -> None:
+        """Detach from the host's shared index (``dropped``: every process rebuilds it)."""
+        if isinstance(self.index, SharedIndex):
+            self.index.close(invalidate=dropped)
 
     # ---- masks ---------------------------------------------------------------------------
     def _update_masks(self, vec_rows: np.ndarray | None) -> None:

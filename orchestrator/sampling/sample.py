@@ -40,7 +40,6 @@ per drawn row (a window's first step), the rows priorities apply to.
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 from collections.abc import Mapping, Sequence
@@ -48,13 +47,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import redis
 
-from claw_tasks.connection.client import identity, redis_client
-from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua
-from claw_tasks.worker.lru import LRU
+from claw_tasks.worker.context import context_for
 from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
 from orchestrator.sampling.asof import AsOf
 from orchestrator.sampling.assembly import Assembly
@@ -190,42 +186,15 @@ def update_priorities(
 
 
 # ---- sessions ------------------------------------------------------------------------
-# Per process: a client per Redis URL (few), and, for the most recently used
-# ``namespace_cache_size`` namespaces, their ``Store`` and sampling session (the index).
+# Per process and namespace, the sampling session is a part of the namespace's context
+# (claw_tasks.worker.context): bounded with it, forgotten with it.
 _lock = threading.Lock()
-_clients: dict[tuple[str, int], redis.Redis] = {}
-_cache_size = get_settings().namespace_cache_size
-stores: LRU[tuple[Any, ...], Store] = LRU(_cache_size)  # (url, namespace, pid)
-sessions: LRU[tuple[Any, ...], _Session] = LRU(_cache_size)  # (server..., namespace, pid)
-
-
-def forget_namespace(namespace: str) -> None:
-    """Drop this process's store and sampling session (index, samplers, string caches) of
-    ``namespace`` (call when it is deleted: a namespace made again starts cold)."""
-    stores.drop(lambda key: key[1] == namespace)
-    for session in sessions.pop_where(lambda key: key[-2] == namespace):
-        if isinstance(session.index, SharedIndex):  # every process's next sync rebuilds
-            session.index.close(invalidate=True)
-
-
-def close_shared() -> None:
-    """Detach this process from every shared index it uses (a worker process exiting):
-    the last process of a host to detach removes the index's files from /dev/shm."""
-    for session in sessions.pop_where(lambda key: True):
-        if isinstance(session.index, SharedIndex):
-            session.index.close()
+SESSION = "sampling"
+"""The sampling session's name in a namespace context."""
 
 
 def _store(target: str | Store, redis_url: str | None) -> Store:
-    if isinstance(target, Store):
-        return target
-    url = redis_url or get_settings().redis_url
-    pid = os.getpid()
-    with _lock:
-        client = _clients.get((url, pid))
-        if client is None:
-            client = _clients[url, pid] = redis_client(url)
-    return stores.get((url, target, pid), lambda: Store(client, target))
+    return target if isinstance(target, Store) else context_for(target, redis_url).store
 
 
 def _session(target: str | Store, redis_url: str | None, index: SamplingIndex | None) -> _Session:
@@ -234,10 +203,8 @@ def _session(target: str | Store, redis_url: str | None, index: SamplingIndex | 
             if "session" not in index.attached:
                 index.attached["session"] = _Session(index)
             return index.attached["session"]
-    store = _store(target, redis_url)
-    key = (*identity(store.r), store.namespace)
-    key += (os.getpid(),)  # a forked child builds its own (own locks and random streams)
-    return sessions.get(key, lambda: _Session(make_index(store)))
+    ctx = context_for(target, redis_url)
+    return ctx.part(SESSION, lambda: _Session(make_index(ctx.store)))
 
 
 @dataclass
@@ -264,6 +231,12 @@ class _Session:
         self._live: tuple[np.ndarray, int] | None = None  # an alive column and its count
         self._changing = False  # the last call found entries logged since the one before
         index.subscribe(self._changed)
+
+    def close(self, dropped: bool) -> None:
+        """Detach from the host's shared index (``dropped``: every process's next sync
+        rebuilds it); the last process to detach removes its files."""
+        if isinstance(self.index, SharedIndex):
+            self.index.close(invalidate=dropped)
 
     def _changed(self, rows: np.ndarray | None) -> None:
         self.strings.observe(rows)

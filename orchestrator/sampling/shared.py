@@ -71,7 +71,7 @@ from orchestrator.sampling.shmfiles import (
     free_bytes,
     map_file,
     open_file,
-    reap_unused,
+    reap_orphans,
     same_file,
     unlink,
 )
@@ -238,7 +238,7 @@ class SharedIndex(SamplingIndex):
         self._f.lock = fd
         self._f.users = open_file(self._f.base.with_suffix(".users"), create=True)
         fcntl.flock(self._f.users, fcntl.LOCK_SH)
-        reap_unused(self._f.base.parent)  # of other namespaces whose users were killed
+        reap_orphans(directory=self._f.base.parent)  # files whose processes were killed
 
     def _attach(self) -> np.ndarray:
         """The header (under the exclusive lock), mapped on first use and made when new

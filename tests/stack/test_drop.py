@@ -3,7 +3,6 @@ namespaces and writes nothing to the dropped one again; creating it again is exp
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -72,12 +71,11 @@ def test_drop_while_a_worker_runs(redis_url, start_worker, r):
 
 
 def test_drop_forgets_this_process_caches(redis_url, namespace, r):
+    from claw_tasks.worker import context
     from orchestrator import Recipe, sample
     from orchestrator.maintenance.lifecycle import drop_namespace
     from tests.support.stepdata import batch, episode
 
-    sampling = importlib.import_module("orchestrator.sampling.sample")  # (the package's
-    # `sample` attribute is the function)
     st = Store(redis_url, namespace)
     st.create(capacity=100)
     st.commit(batch(episode(1, 10)))
@@ -85,9 +83,9 @@ def test_drop_forgets_this_process_caches(redis_url, namespace, r):
         {"name": "r", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "all"}]}
     )
     sample(namespace, recipe, redis_url=redis_url)
-    assert any(key[-2] == namespace for key in sampling.sessions)
+    assert any(key[-2] == namespace for key in context.contexts)
     assert drop_namespace(r, namespace) > 0
-    assert not any(key[-2] == namespace for key in sampling.sessions)
+    assert not any(key[-2] == namespace for key in context.contexts)
     assert not list(namespace_keys(r, namespace))
     with pytest.raises(NamespaceDropped):
         st.commit(batch(episode(2, 5)))  # the old Store's cached config is not reused

@@ -19,7 +19,8 @@ from claw_tasks.store import Store
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.evict import _FIXED_KEYS, _SCRIPT, PLAN_COLUMNS, _Plan
 from claw_tasks.store.layout import EPISODE_INDEX_ENTRY, row_episode_codes
-from orchestrator.maintenance.lifecycle import drop_namespace, forget
+from claw_tasks.worker.context import forget
+from orchestrator.maintenance.lifecycle import drop_namespace
 from tests.support.stepdata import batch, episode
 
 

@@ -15,9 +15,9 @@ import urllib.request
 from claw_tasks.broker.app import client_app
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
+from claw_tasks.worker.context import forget
 from orchestrator.delivery.lineage import LineageLog, record
 from orchestrator.delivery.lineage_index import MIN_SEGMENT
-from orchestrator.maintenance.lifecycle import forget
 from orchestrator.maintenance.quality import read_quality
 from tests.support.paths import ROOT
 from tests.support.processes import celery, free_port, stop

@@ -18,6 +18,7 @@ from claw_tasks.format.arrays import unpackb
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.store import Store
+from claw_tasks.worker.context import forget
 from orchestrator.delivery import prefetch, shm
 from orchestrator.delivery.prefetch import fill, run_fill
 from orchestrator.delivery.registry import Entry, Registry
@@ -170,7 +171,7 @@ def test_augmentation_state_survives_new_versions(redis_url, namespace):
         reg.drain("norm")
         run_fill(reg, "norm")
     assert seen() == 16 + 32
-    prefetch.plans.drop(lambda key: True)  # a restarted worker: nothing cached ...
+    forget(namespace)  # a restarted worker: nothing cached ...
     reg.drain("norm")
     run_fill(reg, "norm")
     assert seen() == 16 + 32 + 16  # ... carries on from the shared statistics

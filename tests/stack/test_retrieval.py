@@ -18,12 +18,14 @@ from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from claw_tasks.worker.context import context_for, forget
+from claw_tasks.worker.lru import LRU
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance.lifecycle import drop_namespace
 from orchestrator.maintenance.vectors import update_indexes
 from orchestrator.retrieval import define_index, nearest
-from orchestrator.retrieval.query import forget_namespace, open_session, sessions
+from orchestrator.retrieval.query import INDEX_SESSIONS, SESSIONS, open_session
 from orchestrator.retrieval.storage import IndexKeys
 from tests.support.processes import Worker
 
@@ -95,7 +97,7 @@ def expert(redis_url: str, namespace: str) -> tuple[Store, np.ndarray]:
     for i, origin in enumerate(("expert", "expert", "noisy")):
         store.commit(steps(x[i * 1000 : (i + 1) * 1000], f"e{i}", origin, i * 1000))
     yield store, x
-    forget_namespace(namespace)
+    forget(namespace)
 
 
 def test_the_beat_task_builds_indexes_that_answer_exactly(redis_url, expert, worker):
@@ -202,7 +204,7 @@ def test_a_worker_restart_reuses_the_persisted_index(redis_url, expert, start_wo
     assert np.frombuffer(entry[b"rows"], "<i8").tolist() == list(range(3000, 3010))
     second.stop()
 
-    forget_namespace(store.namespace)  # a fresh reader: loads the arrays, no worker needed
+    forget(store.namespace)  # a fresh reader: loads the arrays, no worker needed
     got = nearest(store, new[:2] + 0.001, 1, fields=["action"])
     assert got.fields["action"][:, 0].tolist() == [3000, 3001]
 
@@ -273,7 +275,8 @@ def test_a_namespace_made_again_is_queried_afresh(redis_url, namespace):
         assert nearest(store, x[:3], 1).ids[:, 0].tolist() == [1, 2, 3]
         old = open_session(store, None, "default")
         drop_namespace(store.r, namespace)  # forgets this process's sessions: keep the old
-        sessions.put(old.key, old)  # one, as a process that did not drop it still has it
+        sessions = context_for(store).part(SESSIONS, lambda: LRU(INDEX_SESSIONS))
+        sessions.put("default", old)  # one, as a process that did not drop it still has it
         again = Store(redis_url, namespace)
         again.create(capacity=300)
         y = x[:100] + 5
@@ -284,7 +287,7 @@ def test_a_namespace_made_again_is_queried_afresh(redis_url, namespace):
         assert got.fields["action"][:, 0].tolist() == [1000, 1001]
         assert open_session(again, None, "default") is not old
     finally:
-        forget_namespace(namespace)
+        forget(namespace)
 
 
 def test_the_quantizer_is_trained_again_as_the_vectors_double(redis_url, namespace):
@@ -309,7 +312,7 @@ def test_the_quantizer_is_trained_again_as_the_vectors_double(redis_url, namespa
         assert gens == [(1, 1000), (2, 2000), (2, 2000)]
         assert open_session(store, None, "default").vectors.loads == 2  # cold, then gen 2
     finally:
-        forget_namespace(namespace)
+        forget(namespace)
 
 
 def test_a_narrow_where_probes_more_lists(redis_url, expert):

@@ -20,8 +20,8 @@ from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
 from orchestrator.delivery.client import BatchClient
 from orchestrator.sampling.index import SamplingIndex
-from orchestrator.sampling.shared import H_DIRTY, H_WROTE, SharedIndex, index_key, reap_unused
-from orchestrator.sampling.shmfiles import SHM_DIR
+from orchestrator.sampling.shared import H_DIRTY, H_WROTE, SharedIndex, index_key
+from orchestrator.sampling.shmfiles import SHM_DIR, reap_orphans
 from tests.support.paths import ROOT
 from tests.support.stepdata import batch, episode, interleave
 
@@ -122,11 +122,11 @@ def test_unused_files_are_reaped_and_symlinks_refused(store, tmp_path):
     ix.sync()
     names = files_of(store)
     assert len(names) == 4  # lock, users, ctl, data
-    assert not set(reap_unused()) & set(names)  # in use: kept
+    assert not set(reap_orphans()) & set(names)  # in use: kept
     ix._f.pid = -1  # as if the process had been killed: its files stay
     ix._f.close()
     assert files_of(store) == names
-    assert set(names) <= set(reap_unused())  # nobody uses them any more
+    assert set(names) <= set(reap_orphans())  # nobody uses them any more
     assert files_of(store) == []
 
     other = SharedIndex(store)

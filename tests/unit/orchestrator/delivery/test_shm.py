@@ -21,6 +21,7 @@ from orchestrator.delivery.wire import (
     is_batch,
     to_wire,
 )
+from orchestrator.sampling import shmfiles
 from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="needs /dev/shm")
@@ -135,11 +136,11 @@ def test_reaper_removes_segment_of_sigkilled_creator():
     proc = run_python(writer, stdout=subprocess.PIPE)
     name = proc.stdout.readline().decode().strip()
     assert (shm.SHM_DIR / name).exists()
-    assert name not in shm.reap_orphans(max_age_s=3600, dead_grace_s=0)  # creator alive
+    assert name not in shmfiles.reap_orphans(max_age_s=3600, dead_grace_s=0)  # creator alive
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     proc.stdout.close()
-    assert name in shm.reap_orphans(max_age_s=3600, dead_grace_s=0)
+    assert name in shmfiles.reap_orphans(max_age_s=3600, dead_grace_s=0)
     assert not (shm.SHM_DIR / name).exists()
 
 
@@ -148,10 +149,10 @@ def test_reaper_ttl_and_grace():
     name = shm.write_segment(wire)
     path = shm.SHM_DIR / name
     try:
-        assert name not in shm.reap_orphans(max_age_s=60)  # our own, fresh
+        assert name not in shmfiles.reap_orphans(max_age_s=60)  # our own, fresh
         old = time.time() - 120
         os.utime(path, (old, old))
-        assert name in shm.reap_orphans(max_age_s=60)
+        assert name in shmfiles.reap_orphans(max_age_s=60)
     finally:
         path.unlink(missing_ok=True)
 
@@ -162,7 +163,7 @@ def test_failed_write_leaves_nothing(monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shm, "_write_all", full)
-    mine = f"{shm.PREFIX}*-{os.getpid()}-*"
+    mine = f"{shmfiles.SEGMENT_PREFIX}*-{os.getpid()}-*"
     before = set(shm.SHM_DIR.glob(mine))
     wire = to_wire({"x": np.arange(10)}, ids=range(10))
     msg = shm.to_message(wire, reader_host=shm.host_id(), threshold=0)
@@ -260,7 +261,7 @@ def test_symlinked_segment_is_refused_and_its_target_untouched(tmp_path):
     would map the target read-write)."""
     target = tmp_path / "precious"
     target.write_bytes(b"x" * 64)
-    name = f"{shm.PREFIX}planted-{os.getpid()}"
+    name = f"{shmfiles.SEGMENT_PREFIX}planted-{os.getpid()}"
     link = shm.SHM_DIR / name
     link.symlink_to(target)
     try:
@@ -272,7 +273,7 @@ def test_symlinked_segment_is_refused_and_its_target_untouched(tmp_path):
 
 
 def test_segment_that_is_not_a_regular_file_is_refused():
-    name = f"{shm.PREFIX}fifo-{os.getpid()}"
+    name = f"{shmfiles.SEGMENT_PREFIX}fifo-{os.getpid()}"
     os.mkfifo(shm.SHM_DIR / name)
     try:
         with pytest.raises(ValueError, match="not a regular file"):

@@ -1,5 +1,7 @@
-"""Per-process caches of long-lived workers: bounded (LRU), and a namespace's entries can be
-dropped (``forget_namespace``); the beat's refill needs no namespace to reach Redis."""
+"""A process's namespace contexts hold what the read path builds per namespace (sampling
+session, augmentation plans, retrieval sessions, maintenance index): bounded, and forgotten
+whole in one call; a namespace made again starts cold; the beat's refill needs no
+namespace to reach Redis."""
 
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ import sys
 import numpy as np
 
 from claw_tasks.store import Store
+from claw_tasks.worker import context
+from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import prefetch
 from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
+from orchestrator.maintenance.lifecycle import MAINTENANCE_INDEX, drop_namespace, synced_index
 from orchestrator.recipe.model import Recipe
 from tests.support.paths import ROOT
 from tests.support.stepdata import batch, episode
@@ -35,39 +40,63 @@ def _namespace(url: str, ns: str) -> Store:
     return store
 
 
+def _held() -> set[str]:
+    return {key[-2] for key in context.contexts}
+
+
 def test_sampling_sessions_are_bounded_and_forgotten(redis_url, namespace, monkeypatch):
-    monkeypatch.setattr(sampling.sessions, "maxsize", 2)
-    monkeypatch.setattr(sampling.stores, "maxsize", 2)
+    monkeypatch.setattr(context.contexts, "maxsize", 2)
     names = [f"{namespace}-{i}" for i in range(4)]
     for ns in names:
         _namespace(redis_url, ns)
         sampling.sample(ns, _recipe(), redis_url=redis_url, rng=np.random.default_rng(0))
-    held = {key[-2] for key in sampling.sessions}
-    assert names[-1] in held and names[0] not in held and len(sampling.sessions) <= 2
-    assert len(sampling.stores) <= 2
-    sampling.forget_namespace(names[-1])
-    assert names[-1] not in {key[-2] for key in sampling.sessions}
-    assert names[-1] not in {key[1] for key in sampling.stores}
+    assert names[-1] in _held() and names[0] not in _held() and len(context.contexts) <= 2
+    ctx = context.context_for(names[-1], redis_url)
+    assert ctx.part(sampling.SESSION, dict) is not None
+    context.forget(names[-1])
+    assert names[-1] not in _held()
 
 
-def test_prefetch_plans_are_bounded_and_forgotten(redis_url, namespace, monkeypatch):
-    monkeypatch.setattr(prefetch.plans, "maxsize", 2)
+def test_prefetch_plans_are_bounded_and_forgotten(redis_url, namespace):
     aug = {"obs": [{"gaussian_noise": {"std": 0.1}}]}
     reg = Registry(_namespace(redis_url, namespace))
+    plans = context.context_for(reg.store).part(prefetch.PLANS, lambda: LRU(2))
     for name in ("a", "b", "c"):
         reg.put(_recipe(name, augment=aug), None)
         assert run_fill(reg, name)["made"] > 0
-    assert set(prefetch.plans) == {(namespace, "b"), (namespace, "c")}
-    prefetch.forget_namespace(namespace)
-    assert not any(key[0] == namespace for key in prefetch.plans)
+    assert set(plans) == {"b", "c"}
+    context.forget(namespace)
+    assert namespace not in _held()
+
+
+def test_one_forget_drops_every_part_and_a_namespace_made_again_starts_cold(redis_url, namespace):
+    store = _namespace(redis_url, namespace)
+    sampling.sample(store, _recipe(), rng=np.random.default_rng(0))
+    reg = Registry(store)
+    reg.put(_recipe("aug", augment={"obs": [{"gaussian_noise": {"std": 0.1}}]}), None)
+    assert run_fill(reg, "aug")["made"] > 0
+    index, _ = synced_index(store)
+    ctx = context.context_for(store)
+    for name in (sampling.SESSION, prefetch.PLANS, MAINTENANCE_INDEX):
+        assert ctx.part(name, lambda: None) is not None, name
+    drop_namespace(store.r, namespace)
+    assert namespace not in _held()
+    _namespace(redis_url, namespace)  # made again: a new config creation time
+    again, _ = synced_index(store)
+    assert again is not index and again.columns["alive"].sum() == 10
+    stale = context.context_for(store)
+    stale.created = 0.0  # as if built on an older namespace of the name
+    assert synced_index(store)[0] is not again  # rebuilt, with every other part
+    assert context.context_for(store) is not stale
+    context.forget(namespace)
 
 
 _REFILL = """
 import json
-from claw_tasks.worker import caches
+from claw_tasks.worker import context
 from orchestrator.maintenance.refill import refill
 out = refill()
-print(json.dumps({"out": out, "cached": sorted(caches.stores)}))
+print(json.dumps({"out": out, "cached": sorted(key[-2] for key in context.contexts)}))
 """
 
 

@@ -1,0 +1,132 @@
+"""A process's state of each namespace it serves, in one object: :class:`NamespaceContext`.
+
+A worker (ingest, prefetch, maintenance) or a trainer calling ``sample`` lives for days
+and may serve many namespaces. Per (Redis server, namespace, pid) it keeps one context:
+the namespace's ``Store`` and the parts the read path builds on it — the sampling session
+(its index and samplers), the augmentation plans of its recipes, its retrieval sessions,
+the maintenance index and the vector writers. The orchestrator's layers put their parts
+in the context by name (claw_tasks never imports them), so a namespace's state is
+forgotten in one place, :func:`forget`, whatever made it stale: the namespace was dropped,
+made again (its config's creation time changed, :meth:`NamespaceContext.check_created`)
+or a maintenance pass failed in it. A recipe that changes is caught by the part that
+serves it (its sampler rebound, its plan rebuilt) and leaves the others warm.
+
+Bounded by count: the ``namespace_cache_size`` most recently used contexts are kept (an
+evicted one is rebuilt cold from Redis on next use); a part that grows with recipes or
+indexes bounds itself (an ``LRU``). A forked child builds its own contexts: the pid is in
+the key, so it never shares the parent's locks, random streams or connections.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+from claw_tasks.connection import client as connect
+from claw_tasks.connection.client import Client, identity
+from claw_tasks.settings import get_settings
+from claw_tasks.store import Store
+from claw_tasks.worker.lru import LRU
+
+T = TypeVar("T")
+
+
+class NamespaceContext:
+    """One namespace's ``Store`` and the parts built on it in this process.
+
+    A part with a ``close(dropped: bool)`` method is closed when the context is forgotten
+    (``dropped``: the namespace's data is gone or was made again, so a part shared with
+    other processes, like the host's shared sampling index, makes them rebuild)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.namespace = store, store.namespace
+        self.created: float | None = None  # the config creation time the parts were built on
+        self._parts: dict[Hashable, Any] = {}
+        self._lock = threading.RLock()  # a part's maker may ask for another part
+
+    def part(self, name: Hashable, make: Callable[[], T]) -> T:
+        """The part ``name``, made by ``make()`` on first use."""
+        with self._lock:
+            if name not in self._parts:
+                self._parts[name] = make()
+            return self._parts[name]
+
+    def check_created(self, created: float) -> bool:
+        """Whether the parts were built on the namespace as configured at ``created`` (its
+        config's creation time, just read). A namespace made again since is forgotten in this
+        process (:func:`forget`) and False returned: the caller starts afresh from a new
+        context."""
+        with self._lock:
+            if self.created is None or self.created == created:
+                self.created = created
+                return True
+        forget(self.namespace)
+        return False
+
+    def close(self, dropped: bool) -> None:
+        """Close every part that has a ``close`` and forget them all."""
+        with self._lock:
+            parts, self._parts = list(self._parts.values()), {}
+        for part in parts:
+            close = getattr(part, "close", None)
+            if close is not None:
+                close(dropped)
+
+
+_lock = threading.Lock()
+_clients: dict[tuple[str, int], tuple[Client, tuple[Any, ...]]] = {}
+contexts: LRU[tuple[Any, ...], NamespaceContext] = LRU(get_settings().namespace_cache_size)
+"""This process's contexts by (server identity..., namespace, pid)."""
+
+
+def _client(url: str | None) -> tuple[Client, tuple[Any, ...]]:
+    """This process's client of the data store at ``url`` (default ``CLAW_REDIS_URL``) and
+    the server's identity; one per URL and pid, made lazily (so each prefork child gets its
+    own connection pool)."""
+    key = (url or get_settings().redis_url, os.getpid())
+    with _lock:
+        found = _clients.get(key)
+        if found is None:
+            client = connect.redis_client(key[0])
+            found = _clients[key] = (client, identity(client))
+        return found
+
+
+def redis_client(url: str | None = None) -> Client:
+    """This process's client of the data store (``CLAW_REDIS_URL`` by default): for tasks
+    that need Redis but no namespace, like the beat's refill."""
+    return _client(url)[0]
+
+
+def context_for(target: str | Store, redis_url: str | None = None) -> NamespaceContext:
+    """This process's context of a namespace: ``target`` names it (on ``redis_url``,
+    default ``CLAW_REDIS_URL``) or is a ``Store`` of it (the context's store is then the
+    first one given for that server)."""
+    if isinstance(target, Store):
+        key = (*identity(target.r), target.namespace, os.getpid())
+        return contexts.get(key, lambda: NamespaceContext(target))
+    client, server = _client(redis_url)
+    key = (*server, target, os.getpid())
+    return contexts.get(key, lambda: NamespaceContext(Store(client, target)))
+
+
+def store_for(namespace: str) -> Store:
+    """This process's ``Store`` of ``namespace`` on ``CLAW_REDIS_URL``."""
+    return context_for(namespace).store
+
+
+def forget(namespace: str) -> None:
+    """Forget every part this process keeps of ``namespace``, on every server: it was
+    dropped or made again, or a pass over it failed and it starts cold. A part shared
+    with other processes is invalidated for them too (they rebuild on their next sync)."""
+    for ctx in contexts.pop_where(lambda key: key[-2] == namespace):
+        ctx.close(dropped=True)
+
+
+def close_all() -> None:
+    """Close every context (a worker process exiting): the last process of a host to leave
+    a shared sampling index removes its files from ``/dev/shm``."""
+    for ctx in contexts.pop_where(lambda key: True):
+        ctx.close(dropped=False)

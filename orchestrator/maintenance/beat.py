@@ -1,0 +1,59 @@
+"""The per-namespace beat loop: :func:`each_namespace`, which every maintenance task that
+works namespace by namespace runs (priorities, evict, clean, vectors, lineage, quality,
+archive).
+
+One namespace failing must not stop the others, and must still show: each failure is
+logged with its traceback, the namespace's state in this process is forgotten (its next
+pass starts cold, from Redis, not from what the failure left), and once every namespace
+had its turn the task raises :class:`MaintenanceError` naming each failure, so Flower
+lists the run FAILED with them. A namespace dropped during its pass is forgotten and
+skipped: not a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from claw_tasks.store import NamespaceError, Store
+from claw_tasks.worker.context import forget, redis_client, store_for
+from orchestrator.maintenance.lifecycle import list_namespaces
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class MaintenanceError(RuntimeError):
+    """A maintenance pass failed in some namespaces: ``failed`` maps each to its error,
+    ``done`` holds what the others returned."""
+
+    def __init__(self, what: str, failed: dict[str, str], done: dict[str, Any]) -> None:
+        super().__init__(f"{what} failed in {len(failed)} namespace(s): {failed}")
+        self.failed, self.done = failed, done
+
+
+def each_namespace(
+    what: str, work: Callable[[Store], T | None], names: Sequence[str] | None = None
+) -> dict[str, T]:
+    """Run ``work`` on the ``Store`` of every namespace (or of ``names``: then one that
+    does not exist is a failure), as the module docstring says; returns what it returned
+    per namespace, None (nothing to do there) left out. ``what`` names the pass in the log
+    and the error."""
+    done: dict[str, T] = {}
+    failed: dict[str, str] = {}
+    for ns in list_namespaces(redis_client()) if names is None else names:
+        try:
+            out = work(store_for(ns))
+        except Exception as e:
+            forget(ns)  # its next pass starts cold, from Redis
+            if names is None and isinstance(e, NamespaceError):
+                continue  # dropped meanwhile
+            log.exception("%s in %s failed", what, ns)
+            failed[ns] = f"{type(e).__name__}: {e}"
+            continue
+        if out is not None:
+            done[ns] = out
+    if failed:
+        raise MaintenanceError(what, failed, done)
+    return done

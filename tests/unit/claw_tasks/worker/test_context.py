@@ -1,0 +1,57 @@
+"""A process's namespace contexts (worker.context): bounded, one per (server, namespace),
+forgotten in one call that closes every part; a namespace made again starts afresh.
+Building a context makes no Redis traffic."""
+
+from __future__ import annotations
+
+from claw_tasks.worker import context
+from claw_tasks.worker.lru import LRU
+
+
+class Part:
+    def __init__(self) -> None:
+        self.closed: list[bool] = []
+
+    def close(self, dropped: bool) -> None:
+        self.closed.append(dropped)
+
+
+def _held() -> set[str]:
+    return {key[-2] for key in context.contexts}
+
+
+def test_contexts_are_bounded_and_forgotten(monkeypatch):
+    monkeypatch.setattr(context.contexts, "maxsize", 3)
+    for i in range(5):
+        context.store_for(f"ctx{i}")  # no Redis traffic: a Store connects on first use
+    assert {"ctx2", "ctx3", "ctx4"} <= _held() and not {"ctx0", "ctx1"} & _held()
+    assert context.context_for("ctx3") is context.context_for("ctx3")
+    assert context.context_for(context.store_for("ctx3")) is context.context_for("ctx3")
+    context.forget("ctx3")
+    assert "ctx3" not in _held() and {"ctx2", "ctx4"} <= _held()
+
+
+def test_forget_closes_every_part_and_close_all_detaches():
+    ctx = context.context_for("ctx-parts")
+    a, b = ctx.part("a", Part), ctx.part("b", Part)
+    assert ctx.part("a", Part) is a  # made once
+    ctx.part("plain", dict)  # a part without close is simply let go
+    held = ctx.part("by name", lambda: LRU(2))  # a part of parts: each is closed
+    inner = held.get("x", Part)
+    context.forget("ctx-parts")
+    assert a.closed == [True] and b.closed == [True] and inner.closed == [True]
+    assert context.context_for("ctx-parts") is not ctx
+    c = context.context_for("ctx-parts").part("c", Part)
+    context.close_all()
+    assert c.closed == [False] and "ctx-parts" not in _held()
+
+
+def test_a_namespace_made_again_is_forgotten():
+    ctx = context.context_for("ctx-made-again")
+    part = ctx.part("a", Part)
+    assert ctx.check_created(1.0) and ctx.check_created(1.0)
+    assert not ctx.check_created(2.0)  # made again: every part of it goes
+    assert part.closed == [True]
+    fresh = context.context_for("ctx-made-again")
+    assert fresh is not ctx and fresh.check_created(2.0)
+    context.forget("ctx-made-again")
