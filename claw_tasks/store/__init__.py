@@ -6,8 +6,8 @@ uses only the core's API and the few parts it names in its constructor.
 ====================  ======================================================================
 module                ``Store`` methods
 ====================  ======================================================================
-``core``              ``config``, ``revalidate``; attributes ``r``, ``keys``, ``namespace``,
-                      ``scripts``, ``dicts``
+``core``              ``config``, ``revalidate``, ``owned_key``; attributes ``r``, ``keys``,
+                      ``namespace``, ``scripts``, ``dicts``
 ``admin``             ``exists``, ``create``, ``ensure_schema``, ``schema``,
                       ``set_retention``, ``set_episode_index``, ``set_priority_rules``,
                       ``set_spaces``
@@ -15,6 +15,8 @@ module                ``Store`` methods
 ``reader``            ``locate``, ``get``, ``episode``, ``trajectory_ids``, ``read_meta``,
                       ``meta_columns``, ``read_fields``, ``read_frames``, ``info``
 ``count``             ``count``
+``shards``            ``seqs``, ``queue_seqs``, ``watermarks``, ``set_watermark``,
+                      ``episode_names``, ``holding``, ``dead_letters``
 ``updates``           ``update_priorities``, ``update_rewards``, ``curate``, ``audit``,
                       ``audit_log``
 ``evict``             ``evict``, ``evict_slots``, ``evictions``
@@ -43,11 +45,12 @@ from typing import Concatenate, ParamSpec, TypeVar
 from claw_tasks.store.admin import Admin
 from claw_tasks.store.commit import CommitResult
 from claw_tasks.store.config import NamespaceConfig, NamespaceDropped, NamespaceError
-from claw_tasks.store.core import StoreCore
+from claw_tasks.store.core import StoreCore, owned_key
 from claw_tasks.store.count import Counting
 from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.evict import Eviction
 from claw_tasks.store.reader import Reader, decode_meta
+from claw_tasks.store.shards import Shards
 from claw_tasks.store.snapshot_archive import SnapshotArchive
 from claw_tasks.store.snapshots import Snapshots
 from claw_tasks.store.updates import Updates
@@ -103,6 +106,14 @@ class Store(StoreCore):
 
     count = _on(Counting, Counting.count)
 
+    seqs = _on(Shards, Shards.seqs)
+    queue_seqs = _on(Shards, Shards.queue_seqs)
+    watermarks = _on(Shards, Shards.watermarks)
+    set_watermark = _on(Shards, Shards.set_watermark)
+    episode_names = _on(Shards, Shards.episode_names)
+    holding = _on(Shards, Shards.holding)
+    dead_letters = _on(Shards, Shards.dead_letters)
+
     update_priorities = _on(Updates, Updates.update_priorities)
     update_rewards = _on(Updates, Updates.update_rewards)
     curate = _on(Updates, Updates.curate)
@@ -137,4 +148,5 @@ __all__ = [
     "Store",
     "StoreCore",
     "decode_meta",
+    "owned_key",
 ]

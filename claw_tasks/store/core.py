@@ -19,6 +19,11 @@ from claw_tasks.store.layout import Keys
 from claw_tasks.store.scripts import Scripts
 
 
+def owned_key(namespace: str, name: str) -> str:
+    """:meth:`StoreCore.owned_key` of ``namespace``, for code that holds no ``Store``."""
+    return Keys(namespace).base + name
+
+
 class StoreCore:
     """A namespace's client, keys, scripts and dictionaries, and its config, cached.
 
@@ -36,6 +41,14 @@ class StoreCore:
         self.dicts = Dictionaries(self.r, self.keys, self.scripts)
         self._config: NamespaceConfig | None = None
         self._config_raw: bytes | None = None  # the record ``_config`` is, as stored
+
+    def owned_key(self, name: str) -> str:
+        """The namespace-scoped key of ``name``, a key the orchestrator owns (queues,
+        recipes, admission, lineage, statistics, index definitions): in the namespace's
+        hash slot beside its config, never one of the store's step-data keys, so the
+        orchestrator names its keys without knowing the store's. ``owned_key("")`` is
+        the prefix itself, for code that names a family of keys under it."""
+        return owned_key(self.namespace, name)
 
     @property
     def cached_config(self) -> NamespaceConfig | None:

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import redis
 
-from claw_tasks.connection.client import get_many
 from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.schema import tag_column
 from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE
@@ -77,7 +76,7 @@ class ArchiveLock:
     killed run's lock lapses after ``ttl`` seconds)."""
 
     def __init__(self, store: Store, ttl: float) -> None:
-        self.r, self.key, self.ttl = store.r, store.keys.archive_lock, ttl
+        self.r, self.key, self.ttl = store.r, store.owned_key("archive-lock"), ttl
         self.token = secrets.token_hex(8)
 
     def __enter__(self) -> ArchiveLock:
@@ -132,13 +131,9 @@ class ArchiveResult:
 
 def pending(store: Store) -> int:
     """Seqs above the watermarks: what an archive run would go through."""
-    cfg = store.config(refresh=True)
-    with store.r.pipeline(transaction=False) as pipe:
-        for s in range(cfg.n_shards):
-            pipe.get(store.keys.shard_key(s, "seq"))
-            pipe.get(store.keys.archived(s))
-        got = [int(v or 0) for v in pipe.execute()]
-    return sum(max(0, seq - wm) for seq, wm in zip(got[::2], got[1::2], strict=True))
+    store.config(refresh=True)
+    marks = [w or 0 for w in store.watermarks()]
+    return sum(max(0, seq - wm) for seq, wm in zip(store.seqs(), marks, strict=True))
 
 
 @dataclass
@@ -212,20 +207,19 @@ class Archiver:
                 is_tmp = path.name.startswith(".") and path.name.endswith(".tmp")
                 if path.is_file() and (is_tmp or (path.suffix == ".parquet" and rel not in listed)):
                     path.unlink()
-        k = self.store.keys
-        raw = get_many(self.store.r, [k.archived(s) for s in range(n_shards)])
-        marks = [int(v or 0) for v in raw]
+        marks = [w or 0 for w in self.store.watermarks()]
         for shard, mark in enumerate(marks):
             have = manifest.watermarks.get(shard, 0)
             if mark > have:
                 raise NamespaceError(
                     f"shard {shard} of {self.store.namespace!r} is archived up to seq {mark}, "
                     f"but {self.dir / MANIFEST} only up to {have}: its archive is in another "
-                    "directory (archive there), or delete the key "
-                    f"{k.archived(shard)} to archive again from the oldest stored step"
+                    "directory (archive there), or set its watermark to 0 "
+                    f"(Store.set_watermark({shard}, 0)) to archive again from the oldest "
+                    "stored step"
                 )
             if mark < have:
-                self.store.r.set(k.archived(shard), have)
+                self.store.set_watermark(shard, have)
         return manifest
 
     def _chunk_rows(self) -> int:
@@ -236,9 +230,8 @@ class Archiver:
 
     def _shard(self, shard: int, manifest: Manifest, result: ArchiveResult) -> None:
         cfg = self.store.config()
-        k = self.store.keys
         mark = manifest.watermarks.get(shard, 0)
-        seq_now = int(self.store.r.get(k.shard_key(shard, "seq")) or 0)
+        seq_now = self.store.seqs()[shard]
         lo = max(mark + 1, seq_now - cfg.cap + 1)
         if lo > mark + 1:  # the ring passed these before they were archived
             result.overwritten += lo - mark - 1
@@ -318,7 +311,7 @@ class Archiver:
             manifest.files += entries
             manifest.watermarks[shard] = mark
             manifest.save(self.dir)
-            self.store.r.set(self.store.keys.archived(shard), mark)
+            self.store.set_watermark(shard, mark)
         return covered
 
     def _read(self, shard: int, lo: int, n: int) -> _Run:
@@ -413,9 +406,8 @@ class Archiver:
 
     def _episodes(self, shard: int, codes: np.ndarray) -> StrColumn:
         uniq, index = np.unique(codes, return_inverse=True)
-        key = self.store.keys.shard_key(shard, "epname")
-        found = self.store.r.hmget(key, uniq.tolist()) if len(uniq) else []
-        names = [f"#{c}" if v is None else v.decode() for c, v in zip(uniq, found, strict=True)]
+        found = self.store.episode_names(np.full(len(uniq), shard), uniq)
+        names = [f"#{c}" if v is None else v for c, v in zip(uniq, found, strict=True)]
         return _vocab(names, index)
 
     def _write(self, shard: int, rows: StepRows, seqs: np.ndarray) -> list[PendingFile]:

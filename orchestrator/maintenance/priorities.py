@@ -151,7 +151,7 @@ class Recompute:
     def __init__(self, store: Store, rules: Rules, allowed: tuple[str, ...] = ()) -> None:
         self.store, self.rules = store, rules
         self.scorer = None if rules.scorer is None else load_scorer(rules.scorer, allowed)
-        self.key = store.keys.base + "prio"
+        self.key = store.owned_key("prio")
 
     def run(
         self,

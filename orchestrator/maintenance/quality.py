@@ -58,7 +58,7 @@ UNSET_IS_NAN = ("priority",)  # and numeric tags: NaN there is a missing value
 
 
 def quality_key(store: Store) -> str:
-    return f"{store.keys.base}quality"
+    return store.owned_key("quality")
 
 
 @dataclass

@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from claw_tasks.connection.client import identity
@@ -32,7 +31,6 @@ from claw_tasks.format.stepmeta import UNTRAINABLE
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import NamespaceConfig
-from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.where import Where
 from claw_tasks.worker.lru import LRU
 from orchestrator.recipe.model import Recipe
@@ -51,7 +49,6 @@ ATTEMPTS = 8
 """Queries per call before giving up on steps evicted under it."""
 SLACK = 8
 """Candidates asked for beyond ``k``: a few may turn out evicted since the sync."""
-_LIVE = Lua("live", "orchestrator")
 WHERE_CACHE = 8
 """Masks of this many recent ``where``s are kept (per session)."""
 
@@ -308,30 +305,7 @@ class Session:
     def _alive(self, rows: np.ndarray) -> np.ndarray:
         """Whether each of ``rows`` (sorted) still holds the step the index says."""
         cols, cap, n_shards = self.index.columns, self.index.cap, self.index.n_shards
-        seqs = cols["id"][rows] // n_shards
-        shards = rows // cap
-        keys = self.store.keys
-        parts: list[np.ndarray] = []
-
-        def queue(pipe: Any) -> None:
-            parts.clear()  # run again after a NOSCRIPT
-            for shard in np.unique(shards).tolist():
-                on = shards == shard
-                parts.append(on)
-                args = [
-                    cap,
-                    msgpack.packb((rows[on] % cap).tolist()),
-                    msgpack.packb(seqs[on].tolist()),
-                ]
-                _LIVE.queue(
-                    pipe, [keys.shard_key(shard, "alive"), keys.shard_key(shard, "seq")], args
-                )
-
-        replies = execute(self.store.r, [_LIVE], queue)
-        out = np.zeros(len(rows), bool)
-        for on, reply in zip(parts, replies, strict=True):
-            out[on] = np.frombuffer(reply, np.uint8) == ord("1")
-        return out
+        return self.store.holding(rows // cap, rows % cap, cols["id"][rows] // n_shards)
 
     def _read(
         self, rows: np.ndarray, fields: list[str]

@@ -42,7 +42,7 @@ LOG_PAGE = 1000
 
 
 def defs_key(store: Store) -> str:
-    return store.keys.base + "vx"
+    return store.owned_key("vx")
 
 
 def define_index(

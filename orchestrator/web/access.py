@@ -58,10 +58,8 @@ class Access:
 
     def episode_names(self, q: Query, rows: np.ndarray) -> list[str]:
         cols, cap = q.index.columns, q.index.cap
-        with self.r.pipeline(transaction=False) as pipe:
-            for row in rows.tolist():
-                pipe.hget(q.store.keys.shard_key(row // cap, "epname"), int(cols["episode"][row]))
-            return [(v or b"?").decode(errors="replace") for v in pipe.execute()]
+        names = q.store.episode_names(rows // cap, cols["episode"][rows])
+        return ["?" if v is None else v for v in names]
 
     def decode(self, q: Query, column: str, rows: np.ndarray) -> list[Any]:
         return q.store.decode_codes(column, q.index.columns[column][rows].tolist())

@@ -54,11 +54,7 @@ class Inspector(SearchViews, EpisodeViews, CurationViews):
             with self.lock(ns):
                 q = self.query(ns)
                 ts = q.index.columns["timestamp"]
-            cfg = store.config()
-            with self.r.pipeline(transaction=False) as pipe:
-                for s in range(cfg.n_shards):
-                    pipe.get(store.keys.archived(s))
-                archived = sum(int(v or 0) for v in pipe.execute())
+            archived = sum(w or 0 for w in store.watermarks())
             out.append(
                 {
                     "name": ns,
