@@ -13,7 +13,8 @@ module                ``Store`` methods
                       ``set_spaces``
 ``dicts``             ``encode_strings``, ``lookup_codes``, ``decode_codes``
 ``reader``            ``locate``, ``get``, ``episode``, ``trajectory_ids``, ``read_meta``,
-                      ``meta_columns``, ``read_fields``, ``read_frames``, ``info``
+                      ``meta_columns``, ``read_fields``, ``read_frames``, ``read_info``,
+                      ``info``
 ``count``             ``count``
 ``shards``            ``seqs``, ``queue_seqs``, ``watermarks``, ``set_watermark``,
                       ``episode_names``, ``holding``, ``dead_letters``
@@ -24,7 +25,7 @@ module                ``Store`` methods
                       ``prune_snapshots``, ``labels``, ``rollback``, ``as_of_columns``
 ``snapshot_archive``  ``export_snapshot``, ``import_snapshot``
 ``writer``            ``commit`` (one shard's part of it: ``commit.CommitPart``), ``allocate``,
-                      ``place``
+                      ``place``, ``shards_of``
 ====================  ======================================================================
 
 Range reads for archival (``scan``) and stored LLM turns (``turns``) are functions over a
@@ -102,6 +103,7 @@ class Store(StoreCore):
     meta_columns = _on(Reader, Reader.meta_columns)
     read_fields = _on(Reader, Reader.read_fields)
     read_frames = _on(Reader, Reader.read_frames)
+    read_info = _on(Reader, Reader.read_info)
     info = _on(Reader, Reader.info)
 
     count = _on(Counting, Counting.count)
@@ -138,6 +140,7 @@ class Store(StoreCore):
     commit = _on(Writer, Writer.commit)
     allocate = _on(Writer, Writer.allocate)
     place = _on(Writer, Writer.place)
+    shards_of = _on(Writer, Writer.shards_of)
 
 
 __all__ = [

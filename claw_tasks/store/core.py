@@ -10,6 +10,8 @@ core too, so a ``Store`` passes as one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 
 from claw_tasks.connection.client import redis_client
@@ -49,6 +51,17 @@ class StoreCore:
         orchestrator names its keys without knowing the store's. ``owned_key("")`` is
         the prefix itself, for code that names a family of keys under it."""
         return owned_key(self.namespace, name)
+
+    def queue_config(self, pipe: Any) -> None:
+        """Queue a read of the config record on ``pipe``, for a reader's own round trip:
+        its reply is the record as stored (``NamespaceConfig.from_bytes`` reads it; None:
+        the namespace does not exist)."""
+        pipe.get(self.keys.config)
+
+    def drop_config(self) -> int:
+        """Delete the config record (1: there was one): readers find no namespace from
+        here on; the first step of dropping one, before its other keys."""
+        return int(self.r.unlink(self.keys.config))
 
     @property
     def cached_config(self) -> NamespaceConfig | None:

@@ -218,6 +218,14 @@ class Reader:
                 pipe.hget(key or self.keys.compressed(sh, name, chunk), sl)
             return pipe.execute()
 
+    def read_info(self, shards: np.ndarray, slots: np.ndarray) -> list[bytes | None]:
+        """The ``info`` stored with the steps at (shard, slot) pairs, as stored (msgpack,
+        ``claw_tasks.format.arrays.unpackb`` reads it; None: none), one round trip."""
+        with self.r.pipeline(transaction=False) as pipe:
+            for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
+                pipe.hget(self.keys.sparse(sh, "info", sl // SPARSE_CHUNK_SLOTS), sl)
+            return pipe.execute()
+
     def get(self, ids: Sequence[int] | np.ndarray, fields: Sequence[str] | None = None) -> dict:
         """Steps by id: metadata and payload fields. ``next_obs`` is resolved (the next
         step's obs or the explicit one); ``has_next_obs`` marks rows that have one (zeros

@@ -11,14 +11,11 @@ from typing import Any
 import numpy as np
 import redis
 
-from claw_tasks.codecs import engine_for
-from claw_tasks.codecs.delta import key_body
 from claw_tasks.store import NamespaceError, Store
-from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 from claw_tasks.store.retention import Retention
+from claw_tasks.store.usage import field_sizes, key_bytes
 from orchestrator.maintenance.cleaning import quarantined
 from orchestrator.maintenance.eviction_choice import protected_steps
-from orchestrator.maintenance.lifecycle import key_bytes
 
 # claw:{<ns>}:<rest> (namespace level) or claw:{<ns>:<shard>}:<rest> (shard level)
 _KEY = re.compile(rb"^claw:\{([^{}:]+)(?::(\d+))?\}:(.*)$", re.S)
@@ -202,33 +199,7 @@ def payload_bytes(store: Store, live: list[np.ndarray]) -> dict[str, dict[str, A
         if spec.codec is None and not spec.ragged:
             stored = raw = float(spec.row_bytes)
         else:
-            stored, raw = _sparse_sizes(store, name, spec, shards, slots)
+            stored, raw = field_sizes(store, name, spec, shards, slots)
         ratio = raw / stored if stored else None
         out[name] = {"codec": codec, "stored": stored, "raw": raw, "ratio": ratio}
     return out
-
-
-def _sparse_sizes(
-    store: Store, name: str, spec: Any, shards: np.ndarray, slots: np.ndarray
-) -> tuple[float, float]:
-    """Mean stored and decoded bytes of a hash-stored field at (shard, slot) pairs."""
-    keys = store.keys
-    base = keys.compressed if spec.codec is not None else keys.ragged
-    with store.r.pipeline(transaction=False) as pipe:
-        for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
-            key = base(sh, name, sl // SPARSE_CHUNK_SLOTS)
-            if spec.codec is not None and spec.ragged:
-                pipe.hget(key, sl)
-            else:
-                pipe.hstrlen(key, sl)
-        replies = pipe.execute()
-    if spec.codec is None:  # ragged, raw
-        return float(np.mean(replies)), float(np.mean(replies))
-    if not spec.ragged:
-        return float(np.mean(replies)), float(spec.row_bytes)
-    eng = engine_for(spec.codec)
-    frames = [f or b"" for f in replies]
-    raw = [
-        eng.declared(key_body(f) if spec.codec.name == "delta" else f) if f else 0 for f in frames
-    ]
-    return float(np.mean([len(f) for f in frames])), float(np.mean(raw))

@@ -4,14 +4,14 @@ sampling indexes the maintenance tasks keep per namespace in each worker process
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import redis
 
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DROPPED_TTL, dropped_key
-from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
+from claw_tasks.store.usage import key_bytes
 from claw_tasks.worker.caches import forget_namespace as forget_store
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery.prefetch import forget_namespace as forget_plans
@@ -22,8 +22,6 @@ from orchestrator.sampling.sample import forget_namespace as forget_sessions
 from orchestrator.sampling.strings import Strings
 
 SCAN_COUNT = 1000
-SAMPLED_ENTRIES = SPARSE_CHUNK_SLOTS
-"""Entries of a hash ``MEMORY USAGE`` reads (:func:`key_bytes`): all of a payload hash."""
 DROP_BATCH = 500
 """Keys per UNLINK: the values are freed in the background, so each call stays short."""
 DROP_SWEEPS = 3
@@ -49,25 +47,6 @@ def namespace_keys(r: redis.Redis, namespace: str) -> Iterator[bytes]:
     for key in r.scan_iter(match=pattern, count=SCAN_COUNT):
         if key.startswith(prefixes):
             yield key
-
-
-def key_bytes(r: redis.Redis, keys: Sequence[bytes]) -> list[int]:
-    """Bytes Redis allocates for each key (0: gone meanwhile), one pipelined round trip.
-
-    ``MEMORY USAGE key SAMPLES 4096`` (:data:`SAMPLED_ENTRIES`) reads up to 4,096 entries of
-    a hash and scales up: exact for every hash of at most that many, which holds every
-    payload hash (a frame a step, 4,096 a key). Redis's default samples 5, and a compressed
-    field's frames differ 100-fold in size (a ``delta`` key frame every 16 steps), so it
-    came out 0.25-3x off. Only the episode hashes (name, newest seq, index: an entry per
-    episode of a shard, alike in size) outgrow it: read whole (``SAMPLES 0``), 10,000
-    cost Redis 1.8 ms, so a shard of 100k one-step episodes would hold it ~18 ms. What it
-    leaves out is Redis's own bookkeeping per key and entry: the total stays within 2% of
-    the growth of ``used_memory`` (test_compress_store). Cost: at most ~1.3 ms a call
-    (docs/benchmarks.md)."""
-    with r.pipeline(transaction=False) as pipe:
-        for k in keys:
-            pipe.memory_usage(k, samples=SAMPLED_ENTRIES)
-        return [int(u or 0) for u in pipe.execute()]
 
 
 def namespace_bytes(r: redis.Redis, namespace: str) -> int:
@@ -120,7 +99,7 @@ def drop_namespace(
     just before the tombstone may land during the first sweep)."""
     r.set(dropped_key(namespace), repr(time.time()), ex=DROPPED_TTL)
     r.srem(ACTIVE, namespace)
-    deleted = r.unlink(Store(r, namespace).keys.config)
+    deleted = Store(r, namespace).drop_config()
     for sweep in range(DROP_SWEEPS):
         found = 0
         batch: list[bytes] = []

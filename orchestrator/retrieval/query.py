@@ -249,7 +249,7 @@ class Session:
             )
         for attempt in range(ATTEMPTS):
             # The config first: a namespace made again must not reach the old geometry.
-            changed = self.vectors.refresh(watch=(self.store.keys.config, self._check_config))
+            changed = self.vectors.refresh(watch=(self.store.queue_config, self._check_config))
             self.index.sync()
             self._update_masks(changed)
             mask = self._where_mask(self._compile(where), params)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,15 +327,15 @@ class Storage:
         return lost, entries
 
     def log_and_get(
-        self, last: str, seen: int, key: str
+        self, last: str, seen: int, read: Callable[[Any], None]
     ) -> tuple[bool, list[tuple[bytes, dict]], bytes | None]:
-        """:meth:`log_since` and the value of ``key`` (a namespace-level key: the same
-        slot) in one round trip."""
+        """:meth:`log_since` and the reply of the one read ``read`` queues (of a
+        namespace-level key: the same slot) in one round trip."""
 
         def queue(pipe: Any) -> None:
             for command in page_commands(self.keys.log, last, seen, LOG_PAGE):
                 pipe.execute_command(*command)
-            pipe.get(key)
+            read(pipe)
 
         *page, value = execute(self.r, [LOG_SINCE], queue)
         ((lost, entries),) = page_replies(page)

@@ -336,7 +336,7 @@ def test_the_evict_task_on_a_real_worker(store, start_worker, redis_url):
 
 
 def test_dictionaries_shed_strings_no_live_step_uses(store):
-    from orchestrator.maintenance.dictprune import GRACE_S
+    from claw_tasks.store.dictprune import GRACE_S
 
     def traj(e: int, n: int, first: int = 0) -> list[dict]:
         return episode(e, n, first=first, task_id=f"traj-{e}", tags={"prompt": f"p{e}"})
