@@ -1,4 +1,5 @@
-"""A vector index's Redis keys, and reading and writing them as raw arrays (never pickled).
+"""A vector index in Redis: its namespace-level keys, and its per-slot arrays (the store's
+:class:`~claw_tasks.store.arrays.SlotArrays`) read and written as raw arrays (never pickled).
 
 Namespace level (``claw:{ns}:``): ``vx`` (hash: index name -> its definition as JSON),
 ``vx:<name>`` (hash: ``dim``; ``created``, the namespace config's creation time the index
@@ -10,19 +11,17 @@ global rows ``shard * cap + slot`` written, as ``<i8``; ``gen`` when the quantiz
 trained), ``vx:<name>:lock`` (the writer's lock: one maintenance task at a time writes
 an index).
 
-Shard level (``claw:{ns:s}:vx:<name>:``), indexed by slot like the store's columns, each
-chunk sized once when first touched (``lua/vsize.lua``): ``v:<chunk>`` float32 vectors of
-``dim`` (just under 1 MiB a chunk), ``i:<chunk>`` the ``<i8`` id of the step each vector
-was computed from (0: none; a slot whose id differs holds another step now), ``a:<chunk>``
-``<i4`` IVF list + 1 of each vector under the latest generation (0: not assigned).
+Slot arrays ``vx:<name>``, indexed by slot like the store's columns: ``v`` float32
+vectors of ``dim``, ``i`` the ``<i8`` id of the step each vector was computed from (0:
+none; a slot whose id differs holds another step now), ``a`` the ``<i4`` IVF list + 1 of
+each vector under the latest generation (0: not assigned).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,14 +29,13 @@ import numpy as np
 import redis
 
 from claw_tasks.store import Store
+from claw_tasks.store.arrays import SlotArrays
 from claw_tasks.store.config import LOG_MAXLEN
-from claw_tasks.store.layout import META_CHUNK_SLOTS, payload_chunk_slots
-from claw_tasks.store.scripts import Lua, execute
+from claw_tasks.store.scripts import execute
 from orchestrator.retrieval.spec import IndexSpec, Projection, SpecError, spec_of
 from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
 
 LOCK_TTL_S = 120
-_SIZE = Lua("vsize", "orchestrator")
 LOG_PAGE = 1000
 
 
@@ -94,32 +92,29 @@ def drop_index(store: Store, name: str) -> int:
     cfg = store.config(refresh=True) if store.exists() else None
     head = store.r.hgetall(keys.head)
     doomed = [keys.head, keys.log, keys.lock]
+    store.r.hdel(defs_key(store), name)
     if cfg is not None and head.get(b"dim"):
-        vchunk = payload_chunk_slots(4 * int(head[b"dim"]))
-        for shard in range(cfg.n_shards):
-            doomed += [keys.chunk(shard, "v", c) for c in range(math.ceil(cfg.cap / vchunk))]
-            for kind in ("i", "a"):
-                doomed += [
-                    keys.chunk(shard, kind, c) for c in range(math.ceil(cfg.cap / META_CHUNK_SLOTS))
-                ]
+        return vector_arrays(store, name, int(head[b"dim"])).clear(also=doomed)
     with store.r.pipeline(transaction=False) as pipe:
-        pipe.hdel(defs_key(store), name)
         for key in doomed:  # one DEL per key: a cluster pipeline routes each to its slot
             pipe.delete(key)
-        return sum(int(n) for n in pipe.execute()[1:])
+        return sum(int(n) for n in pipe.execute())
+
+
+def vector_arrays(store: Store, name: str, dim: int) -> SlotArrays:
+    """Index ``name``'s slot arrays: vectors ``v``, ids ``i``, list assignments ``a``."""
+    return SlotArrays(
+        store, f"vx:{name}", {"v": ("<f4", (dim,)), "i": ("<i8", ()), "a": ("<i4", ())}
+    )
 
 
 class IndexKeys:
-    """Key names of one vector index."""
+    """Namespace-level key names of one vector index."""
 
     def __init__(self, store: Store, name: str) -> None:
-        self.keys, self.name = store.keys, name
-        self.head = store.keys.base + f"vx:{name}"
+        self.head = store.owned_key(f"vx:{name}")
         self.log = self.head + ":log"
         self.lock = self.head + ":lock"
-
-    def chunk(self, shard: int, kind: str, chunk: int) -> str:
-        return self.keys.shard_key(shard, f"vx:{self.name}:{kind}:{chunk}")
 
 
 @dataclass
@@ -152,10 +147,7 @@ class Storage:
         self.keys = IndexKeys(store, spec.name)
         self.n_shards, self.cap = cfg.n_shards, cfg.cap
         self.created = cfg.created
-        self.vchunk = payload_chunk_slots(4 * dim)
-        self.sized: set[str] = set()
-        self.widths = {"v": 4 * dim, "i": 8, "a": 4}
-        self.slots = {"v": self.vchunk, "i": META_CHUNK_SLOTS, "a": META_CHUNK_SLOTS}
+        self.arrays = vector_arrays(store, spec.name, dim)
 
     # ---- head ------------------------------------------------------------------------
     def head(self) -> Head | None:
@@ -173,17 +165,8 @@ class Storage:
     def reset_head(self) -> None:
         """A fresh head for this namespace: every old vector is stale (ids no longer
         match, or the index is recreated), so the old keys go first."""
-        drop_keys = [self.keys.log]
-        for shard in range(self.n_shards):
-            for kind, per in self.slots.items():
-                drop_keys += [self.keys.chunk(shard, kind, c) for c in range(self._chunks(per))]
-        with self.r.pipeline(transaction=False) as pipe:
-            for key in drop_keys:
-                pipe.delete(key)
-            pipe.delete(self.keys.head)
-            pipe.hset(self.keys.head, mapping={"dim": self.dim, "created": repr(self.created)})
-            pipe.execute()
-        self.sized.clear()
+        self.arrays.clear(also=[self.keys.log, self.keys.head])
+        self.r.hset(self.keys.head, mapping={"dim": self.dim, "created": repr(self.created)})
 
     def set_trained(self, centroids: np.ndarray, vectors: int) -> int:
         """Publish a trained quantizer (the next generation; ``vectors`` there were) and
@@ -238,14 +221,7 @@ class Storage:
     def write(self, rows: np.ndarray, data: Rows, log: bool = True) -> None:
         """Write ``data`` at global ``rows`` (sorted), then log them (a second round trip:
         a reader that sees the entry finds the bytes, on a cluster too)."""
-        parts = {"v": data.vectors.astype("<f4"), "i": data.ids.astype("<i8")}
-        parts["a"] = data.assign.astype("<i4")
-        self._size(rows)
-        with self.r.pipeline(transaction=False) as pipe:
-            for kind, values in parts.items():
-                for key, off, lo, hi in self._runs(rows, kind):
-                    pipe.setrange(key, off, values[lo:hi].tobytes())
-            pipe.execute()
+        self.arrays.write(rows, {"v": data.vectors, "i": data.ids, "a": data.assign})
         if log:
             self.r.xadd(
                 self.keys.log,
@@ -256,56 +232,17 @@ class Storage:
 
     def write_assign(self, rows: np.ndarray, assign: np.ndarray) -> None:
         """List assignments only (after training), not logged: the ``gen`` entry is."""
-        self._size(rows)
-        values = assign.astype("<i4")
-        with self.r.pipeline(transaction=False) as pipe:
-            for key, off, lo, hi in self._runs(rows, "a"):
-                pipe.setrange(key, off, values[lo:hi].tobytes())
-            pipe.execute()
+        self.arrays.write(rows, {"a": assign})
 
     def read(self, rows: np.ndarray) -> Rows:
-        """Vectors, ids and assignments at global ``rows`` (sorted): one GETRANGE per run
-        of consecutive slots of a chunk, one round trip."""
-        dtypes = {"v": "<f4", "i": "<i8", "a": "<i4"}
-        plan = {kind: list(self._runs(rows, kind)) for kind in dtypes}
-        with self.r.pipeline(transaction=False) as pipe:
-            for kind, runs in plan.items():
-                w = self.widths[kind]
-                for key, off, lo, hi in runs:
-                    pipe.getrange(key, off, off + (hi - lo) * w - 1)
-            replies = iter(pipe.execute())
-        out = {}
-        for kind, runs in plan.items():
-            w = self.widths[kind]
-            buf = b"".join(next(replies).ljust((hi - lo) * w, b"\0") for _, _, lo, hi in runs)
-            out[kind] = np.frombuffer(buf, dtypes[kind]).copy()
-        return Rows(out["v"].reshape(len(rows), self.dim), out["i"], out["a"])
+        """Vectors, ids and assignments at global ``rows`` (sorted), one round trip."""
+        got = self.arrays.read(rows)
+        return Rows(got["v"], got["i"], got["a"])
 
     def read_all(self, kinds: tuple[str, ...] = ("v", "i", "a")) -> dict[str, np.ndarray]:
         """Whole arrays over every row (``shard * cap + slot``): a cold load, chunk by
         chunk (one round trip per shard)."""
-        dtypes = {"v": "<f4", "i": "<i8", "a": "<i4"}
-        n = self.n_shards * self.cap
-        out = {k: np.zeros(n * (self.dim if k == "v" else 1), dtypes[k]) for k in kinds}
-        for shard in range(self.n_shards):
-            with self.r.pipeline(transaction=False) as pipe:
-                for kind in kinds:
-                    for c in range(self._chunks(self.slots[kind])):
-                        pipe.get(self.keys.chunk(shard, kind, c))
-                replies = iter(pipe.execute())
-            for kind in kinds:
-                per, w = self.slots[kind], self.widths[kind] // np.dtype(dtypes[kind]).itemsize
-                for c in range(self._chunks(per)):
-                    raw = next(replies)
-                    if not raw:
-                        continue
-                    part = np.frombuffer(raw, dtypes[kind])
-                    lo = (shard * self.cap + c * per) * w
-                    hi = min(lo + len(part), (shard + 1) * self.cap * w)
-                    out[kind][lo:hi] = part[: hi - lo]
-        if "v" in out:
-            out["v"] = out["v"].reshape(n, self.dim)
-        return out
+        return self.arrays.read_all(kinds)
 
     def log_position(self) -> tuple[str, int]:
         """The log's last entry and its count of entries added (read before a cold load:
@@ -340,43 +277,3 @@ class Storage:
         *page, value = execute(self.r, [LOG_SINCE], queue)
         ((lost, entries),) = page_replies(page)
         return lost, entries, value
-
-    # ---- layout ----------------------------------------------------------------------
-    def _chunks(self, per: int) -> int:
-        return math.ceil(self.cap / per)
-
-    def _runs(self, rows: np.ndarray, kind: str) -> Iterator[tuple[str, int, int, int]]:
-        """(key, byte offset, lo, hi): rows[lo:hi] are consecutive slots of one chunk."""
-        if not len(rows):
-            return
-        per, w = self.slots[kind], self.widths[kind]
-        shard, slot = rows // self.cap, rows % self.cap
-        chunk = slot // per
-        cut = np.flatnonzero((np.diff(rows) != 1) | (np.diff(chunk) != 0) | (np.diff(shard) != 0))
-        starts = np.concatenate([[0], cut + 1]).tolist()
-        ends = [*starts[1:], len(rows)]
-        for lo, hi in zip(starts, ends, strict=True):
-            key = self.keys.chunk(int(shard[lo]), kind, int(chunk[lo]))
-            yield key, int(slot[lo] % per) * w, lo, hi
-
-    def _size(self, rows: np.ndarray) -> None:
-        """Size each chunk key ``rows`` touch once (per process), so a chunk's later
-        SETRANGEs never reallocate it."""
-        shards, slots = rows // self.cap, rows % self.cap
-        want: dict[int, dict[str, int]] = {}
-        for kind, per in self.slots.items():
-            for sh, c in set(zip(shards.tolist(), (slots // per).tolist(), strict=True)):
-                key = self.keys.chunk(sh, kind, c)
-                if key not in self.sized:
-                    n = min(per, self.cap - c * per) * self.widths[kind]
-                    want.setdefault(sh, {})[key] = n
-        if not want:
-            return
-
-        def queue(pipe: Any) -> None:
-            for keys in want.values():  # one call per shard: its keys share one slot
-                _SIZE.queue(pipe, list(keys), list(keys.values()))
-
-        execute(self.r, [_SIZE], queue)
-        for keys in want.values():
-            self.sized.update(keys)
