@@ -152,11 +152,6 @@ class Keys:
         return self.base + "config"
 
     @property
-    def archive_lock(self) -> str:
-        """Held by the one archive run of the namespace at a time."""
-        return self.base + "archive-lock"
-
-    @property
     def dead(self) -> str:
         return self.base + "dead"
 

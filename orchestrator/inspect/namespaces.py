@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,44 +11,11 @@ import numpy as np
 import redis
 
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.keyscan import SCAN_COUNT, NamespaceKey, scan_keys
 from claw_tasks.store.retention import Retention
 from claw_tasks.store.usage import field_sizes, key_bytes
 from orchestrator.maintenance.cleaning import quarantined
 from orchestrator.maintenance.eviction_choice import protected_steps
-
-# claw:{<ns>}:<rest> (namespace level) or claw:{<ns>:<shard>}:<rest> (shard level)
-_KEY = re.compile(rb"^claw:\{([^{}:]+)(?::(\d+))?\}:(.*)$", re.S)
-_SCAN_COUNT = 1000
-
-
-@dataclass(frozen=True)
-class NamespaceKey:
-    namespace: str
-    shard: int | None  # None: a namespace-level key
-    name: str  # the part after the hash tag, e.g. "m:id:0" or "config"
-    key: bytes
-
-
-def parse_key(key: bytes) -> NamespaceKey | None:
-    """The namespace, shard and name of a Claw key; None for other keys."""
-    m = _KEY.match(key)
-    if m is None:
-        return None
-    shard = None if m.group(2) is None else int(m.group(2))
-    return NamespaceKey(m.group(1).decode(), shard, m.group(3).decode(errors="replace"), key)
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-def scan_keys(r: redis.Redis, namespace: str | None = None) -> Iterator[NamespaceKey]:
-    """Keys of `namespace` (all shards), or of every namespace when it is None."""
-    match = "claw:{*" if namespace is None else f"claw:{{{_glob_escape(namespace)}*"
-    for key in r.scan_iter(match=match, count=_SCAN_COUNT):
-        parsed = parse_key(key)
-        if parsed and (namespace is None or parsed.namespace == namespace):
-            yield parsed
 
 
 def memory_by_namespace(
@@ -70,7 +36,7 @@ def memory_by_namespace(
         if among is not None and k.namespace not in among:
             continue
         batch.append(k)
-        if len(batch) >= _SCAN_COUNT:
+        if len(batch) >= SCAN_COUNT:
             flush()
     if batch:
         flush()

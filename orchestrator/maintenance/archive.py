@@ -6,7 +6,7 @@ Layout: ``DIR/ns=<namespace>/date=<YYYY-MM-DD>/part-<shard>-<seq_lo>-<seq_hi>.pa
 ``DIR/ns=<namespace>/_manifest.json`` listing every file with its rows, id range and
 SHA-256, and the per-shard watermark the files reach.
 
-Incremental: a shard is read from its watermark (``Keys.archived``) up, a bounded run of
+Incremental: a shard is read from its watermark (``Store.watermarks``) up, a bounded run of
 slots at a time. Per run: files (temp name, fsync, rename, fsync dir), then the manifest
 (the same way), then the watermark. A crash leaves files the manifest does not list (the
 next run deletes them and writes those steps again) or a manifest ahead of the watermark

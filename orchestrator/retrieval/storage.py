@@ -88,10 +88,10 @@ def list_indexes(store: Store) -> dict[str, IndexSpec]:
 
 def drop_index(store: Store, name: str) -> int:
     """Delete index ``name``'s definition and every key of it; returns keys deleted."""
-    keys = IndexKeys(store, name)
+    names = IndexKeys(store, name)
     cfg = store.config(refresh=True) if store.exists() else None
-    head = store.r.hgetall(keys.head)
-    doomed = [keys.head, keys.log, keys.lock]
+    head = store.r.hgetall(names.head)
+    doomed = [names.head, names.log, names.lock]
     store.r.hdel(defs_key(store), name)
     if cfg is not None and head.get(b"dim"):
         return vector_arrays(store, name, int(head[b"dim"])).clear(also=doomed)
@@ -144,7 +144,7 @@ class Storage:
     def __init__(self, store: Store, spec: IndexSpec, dim: int) -> None:
         cfg = store.config()
         self.store, self.r, self.spec, self.dim = store, store.r, spec, dim
-        self.keys = IndexKeys(store, spec.name)
+        self.names = IndexKeys(store, spec.name)
         self.n_shards, self.cap = cfg.n_shards, cfg.cap
         self.created = cfg.created
         self.arrays = vector_arrays(store, spec.name, dim)
@@ -153,7 +153,7 @@ class Storage:
     def head(self) -> Head | None:
         """The index's head, or None when it was never written or belongs to an older
         namespace of the same name (another config ``created``)."""
-        h = self.r.hgetall(self.keys.head)
+        h = self.r.hgetall(self.names.head)
         if not h or float(h[b"created"]) != self.created or int(h[b"dim"]) != self.dim:
             return None
         gen, nlist = int(h.get(b"gen", 0)), int(h.get(b"nlist", 0))
@@ -165,17 +165,17 @@ class Storage:
     def reset_head(self) -> None:
         """A fresh head for this namespace: every old vector is stale (ids no longer
         match, or the index is recreated), so the old keys go first."""
-        self.arrays.clear(also=[self.keys.log, self.keys.head])
-        self.r.hset(self.keys.head, mapping={"dim": self.dim, "created": repr(self.created)})
+        self.arrays.clear(also=[self.names.log, self.names.head])
+        self.r.hset(self.names.head, mapping={"dim": self.dim, "created": repr(self.created)})
 
     def set_trained(self, centroids: np.ndarray, vectors: int) -> int:
         """Publish a trained quantizer (the next generation; ``vectors`` there were) and
         tell readers (a ``gen`` entry: they reload, the assignments having been written
         first). Returns the generation."""
         with self.r.pipeline(transaction=False) as pipe:
-            pipe.hincrby(self.keys.head, "gen", 1)
+            pipe.hincrby(self.names.head, "gen", 1)
             pipe.hset(
-                self.keys.head,
+                self.names.head,
                 mapping={
                     "nlist": len(centroids),
                     "centroids": np.ascontiguousarray(centroids, "<f4").tobytes(),
@@ -183,39 +183,39 @@ class Storage:
                 },
             )
             gen = int(pipe.execute()[0])
-        self.r.xadd(self.keys.log, {"gen": gen}, maxlen=LOG_MAXLEN, approximate=True)
+        self.r.xadd(self.names.log, {"gen": gen}, maxlen=LOG_MAXLEN, approximate=True)
         return gen
 
     def ran(self, done: Mapping[str, Any]) -> None:
         """Count a writer's tick in the head (``runs``, ``pending``: what ``claw stats`` and
         the tests read)."""
         with self.r.pipeline(transaction=False) as pipe:
-            pipe.hincrby(self.keys.head, "runs", 1)
-            pipe.hset(self.keys.head, "pending", int(done.get("pending", 0)))
+            pipe.hincrby(self.names.head, "runs", 1)
+            pipe.hset(self.names.head, "pending", int(done.get("pending", 0)))
             pipe.execute()
 
     # ---- lock ------------------------------------------------------------------------
     def lock(self) -> str | None:
         token = uuid.uuid4().hex
-        return token if self.r.set(self.keys.lock, token, nx=True, ex=LOCK_TTL_S) else None
+        return token if self.r.set(self.names.lock, token, nx=True, ex=LOCK_TTL_S) else None
 
     def renew(self, token: str) -> bool:
         """Extend the lock by ``LOCK_TTL_S`` while it is still ``token``'s."""
         with self.r.pipeline(transaction=True) as pipe:
             try:
-                pipe.watch(self.keys.lock)
-                if pipe.get(self.keys.lock) != token.encode():
+                pipe.watch(self.names.lock)
+                if pipe.get(self.names.lock) != token.encode():
                     return False
                 pipe.multi()
-                pipe.expire(self.keys.lock, LOCK_TTL_S)
+                pipe.expire(self.names.lock, LOCK_TTL_S)
                 pipe.execute()
                 return True
             except redis.WatchError:
                 return False
 
     def unlock(self, token: str) -> None:
-        if self.r.get(self.keys.lock) == token.encode():
-            self.r.delete(self.keys.lock)
+        if self.r.get(self.names.lock) == token.encode():
+            self.r.delete(self.names.lock)
 
     # ---- rows ------------------------------------------------------------------------
     def write(self, rows: np.ndarray, data: Rows, log: bool = True) -> None:
@@ -224,7 +224,7 @@ class Storage:
         self.arrays.write(rows, {"v": data.vectors, "i": data.ids, "a": data.assign})
         if log:
             self.r.xadd(
-                self.keys.log,
+                self.names.log,
                 {"rows": rows.astype("<i8").tobytes()},
                 maxlen=LOG_MAXLEN,
                 approximate=True,
@@ -248,7 +248,7 @@ class Storage:
         """The log's last entry and its count of entries added (read before a cold load:
         whatever is written after it is replayed)."""
         try:
-            info = self.r.xinfo_stream(self.keys.log)
+            info = self.r.xinfo_stream(self.names.log)
         except Exception:  # no log yet
             return "0-0", 0
         return info["last-generated-id"].decode(), int(info.get("entries-added", 0))
@@ -257,7 +257,7 @@ class Storage:
         """Log entries after ``last``; True first when some were lost (trimmed)."""
 
         def queue(pipe: Any) -> None:
-            for command in page_commands(self.keys.log, last, seen, LOG_PAGE):
+            for command in page_commands(self.names.log, last, seen, LOG_PAGE):
                 pipe.execute_command(*command)
 
         ((lost, entries),) = page_replies(execute(self.r, [LOG_SINCE], queue))
@@ -270,7 +270,7 @@ class Storage:
         namespace-level key: the same slot) in one round trip."""
 
         def queue(pipe: Any) -> None:
-            for command in page_commands(self.keys.log, last, seen, LOG_PAGE):
+            for command in page_commands(self.names.log, last, seen, LOG_PAGE):
                 pipe.execute_command(*command)
             read(pipe)
 

@@ -21,10 +21,10 @@ from claw_tasks.connection.cluster import LocalCluster
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import Settings
 from claw_tasks.store import Store
+from claw_tasks.store.check import check_namespace
 from claw_tasks.store.retention import Retention
 from claw_tasks.worker.deadletter import REJECTS, REJECTS_OUTCOMES
 from orchestrator import Recipe, sample, update_priorities
-from orchestrator.cli.doctor import check_namespace
 from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.maintenance.archive import archive_namespace
 from orchestrator.maintenance.evict import evict_namespace

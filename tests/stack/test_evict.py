@@ -12,9 +12,9 @@ import pytest
 from claw_tasks.durations import DurationError, parse_duration
 from claw_tasks.format.stepmeta import episode_code
 from claw_tasks.store import Store
+from claw_tasks.store.check import check_namespace
 from claw_tasks.store.retention import Retention, RetentionError, parse_bytes
 from orchestrator import Recipe, sample
-from orchestrator.cli.doctor import check_namespace
 from orchestrator.maintenance.evict import evict_namespace
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.sample import StoreChangingError

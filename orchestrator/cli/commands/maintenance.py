@@ -15,8 +15,8 @@ from rich.table import Table
 from claw_tasks.connection.client import is_cluster
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.check import CHECKS, Report, check_namespace
 from orchestrator.cli.app import app, err, friendly, redis_client
-from orchestrator.cli.doctor import CHECKS, Report, check_namespace
 from orchestrator.cli.retention_options import retention_policy
 from orchestrator.cli.schedule import beat_entries
 from orchestrator.cli.steplog import parse_ids
