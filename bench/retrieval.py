@@ -41,7 +41,8 @@ from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
-from orchestrator.maintenance.lifecycle import key_bytes, namespace_keys
+from claw_tasks.store.keyscan import namespace_keys
+from orchestrator.maintenance.lifecycle import key_bytes
 from orchestrator.retrieval import define_index, list_indexes, nearest
 from orchestrator.retrieval.query import Session, open_session
 from orchestrator.retrieval.storage import IndexKeys

@@ -43,3 +43,18 @@ def scan_keys(r: redis.Redis, namespace: str | None = None) -> Iterator[Namespac
         parsed = parse_key(key)
         if parsed and (namespace is None or parsed.namespace == namespace):
             yield parsed
+
+
+def list_namespaces(r: redis.Redis) -> list[str]:
+    """Every namespace with a config key, sorted."""
+    found = set()
+    for key in r.scan_iter(match="claw:{*}:config", count=SCAN_COUNT):
+        parsed = parse_key(key)
+        if parsed is not None and parsed.shard is None and parsed.name == "config":
+            found.add(parsed.namespace)
+    return sorted(found)
+
+
+def namespace_keys(r: redis.Redis, namespace: str) -> Iterator[bytes]:
+    """Every key of ``namespace`` (namespace level and all shards)."""
+    return (k.key for k in scan_keys(r, namespace))

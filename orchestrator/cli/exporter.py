@@ -28,6 +28,7 @@ from claw_tasks.connection import client as connect
 from claw_tasks.connection.client import redis_client
 from claw_tasks.settings import redact_url
 from claw_tasks.store import Store
+from claw_tasks.store.keyscan import list_namespaces
 from orchestrator.delivery import admission, ratelimit, samplestats
 from orchestrator.delivery.registry import Registry
 from orchestrator.delivery.rollout_state import read_state
@@ -36,7 +37,6 @@ from orchestrator.inspect.namespaces import (
     memory_by_namespace,
     namespace_stats,
 )
-from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.maintenance.quality import read_quality
 
 log = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ from claw_tasks.format.schema import tag_column
 from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.store.scan import fixed_ranges, read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.app import app
@@ -43,7 +44,6 @@ from orchestrator.maintenance.archive_files import (
     namespace_dir,
     write_parquet,
 )
-from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.maintenance.snapshots import archive_snapshots
 from orchestrator.maintenance.steptable import STRING_COLUMNS, TAG_PREFIX, StepRows
 from orchestrator.sampling.bulk import BulkReader

@@ -41,6 +41,7 @@ from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import tag_column
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.delivery.augstats import namespace_stats
@@ -53,7 +54,7 @@ from orchestrator.delivery.quarantine import (
     seen_before,
 )
 from orchestrator.maintenance.evict import MaintenanceError
-from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
+from orchestrator.maintenance.lifecycle import forget, synced_index
 from orchestrator.transforms.cleaning import CleanSpec, map_fields, step_digests, violations
 from orchestrator.transforms.quantiles import QuantileSample
 from orchestrator.transforms.running import RunningStats

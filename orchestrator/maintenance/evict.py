@@ -17,16 +17,12 @@ import numpy as np
 
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.evict import PLAN_COLUMNS
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.maintenance.dictprune import prune_dictionaries
-from orchestrator.maintenance.eviction_choice import Choice, choose, watermarks
-from orchestrator.maintenance.lifecycle import (
-    forget,
-    list_namespaces,
-    namespace_bytes,
-    synced_index,
-)
+from orchestrator.maintenance.eviction_choice import Choice, choose
+from orchestrator.maintenance.lifecycle import forget, namespace_bytes, synced_index
 from orchestrator.sampling.index import SamplingIndex
 
 log = logging.getLogger(__name__)
@@ -49,7 +45,7 @@ def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     if retention.empty:
         return {"pruned": _prune(store, index, now)}
-    marks = watermarks(store) if retention.archive_before_evict else None
+    marks = store.watermarks() if retention.archive_before_evict else None
     per_step = None
     if retention.max_bytes is not None:
         live = int(index.columns["alive"].sum())

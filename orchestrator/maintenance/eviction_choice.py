@@ -89,11 +89,6 @@ def choose(
     return out
 
 
-def watermarks(store: Store) -> list[int | None]:
-    """Per shard, the highest archived seq (``claw:{ns:<shard>}:archived``), None if none."""
-    return store.watermarks()
-
-
 def protected_steps(store: Store) -> int | None:
     """Live steps the namespace's policy protects (None: no protect filters)."""
     retention = store.config(refresh=True).retention

@@ -4,13 +4,14 @@ sampling indexes the maintenance tasks keep per namespace in each worker process
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import redis
 
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DROPPED_TTL, dropped_key
+from claw_tasks.store.keyscan import SCAN_COUNT, namespace_keys
 from claw_tasks.store.usage import key_bytes
 from claw_tasks.worker.caches import forget_namespace as forget_store
 from claw_tasks.worker.lru import LRU
@@ -21,32 +22,12 @@ from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.sample import forget_namespace as forget_sessions
 from orchestrator.sampling.strings import Strings
 
-SCAN_COUNT = 1000
 DROP_BATCH = 500
 """Keys per UNLINK: the values are freed in the background, so each call stays short."""
 DROP_SWEEPS = 3
 _indexes: LRU[tuple[str, float], tuple[SamplingIndex, Strings]] = LRU(
     get_settings().namespace_cache_size
 )  # (namespace, config created) -> index
-
-
-def list_namespaces(r: redis.Redis) -> list[str]:
-    """Every namespace with a config key, sorted."""
-    found = set()
-    for key in r.scan_iter(match="claw:{*}:config", count=SCAN_COUNT):
-        name = key.decode(errors="replace")[len("claw:{") : -len("}:config")]
-        if name and not any(c in name for c in "{}:"):
-            found.add(name)
-    return sorted(found)
-
-
-def namespace_keys(r: redis.Redis, namespace: str) -> Iterator[bytes]:
-    """Every key of ``namespace`` (namespace level and all shards)."""
-    prefixes = (f"claw:{{{namespace}}}:".encode(), f"claw:{{{namespace}:".encode())
-    pattern = "claw:{" + "".join(f"\\{c}" if c in "*?[]\\" else c for c in namespace) + "*"
-    for key in r.scan_iter(match=pattern, count=SCAN_COUNT):
-        if key.startswith(prefixes):
-            yield key
 
 
 def namespace_bytes(r: redis.Redis, namespace: str) -> int:

@@ -13,10 +13,10 @@ import logging
 from typing import Any
 
 from claw_tasks.store import NamespaceError
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.delivery.lineage import LineageLog, lineage_key
-from orchestrator.maintenance.lifecycle import list_namespaces
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ import numpy as np
 from claw_tasks.durations import DurationError, parse_duration
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store, meta_spans
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.store.reprioritize import (
     drop_priority_snapshots,
     snapshot_priorities,
@@ -43,7 +44,7 @@ from claw_tasks.store.reprioritize import (
 from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
 from orchestrator.maintenance.evict import MaintenanceError
-from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
+from orchestrator.maintenance.lifecycle import forget, synced_index
 from orchestrator.sampling.index import SamplingIndex
 
 log = logging.getLogger(__name__)

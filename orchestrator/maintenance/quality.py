@@ -37,10 +37,11 @@ import numpy as np
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.format.schema import FieldSpec, tag_column
 from claw_tasks.store import NamespaceError, Store, meta_chunk_of, meta_spans
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.store.scan import read_fixed
 from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
-from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
+from orchestrator.maintenance.lifecycle import forget, synced_index
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.strings import Strings
 

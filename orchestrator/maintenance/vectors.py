@@ -14,11 +14,12 @@ from typing import Any
 
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
 from claw_tasks.worker.lru import LRU
 from orchestrator.maintenance.evict import MaintenanceError
-from orchestrator.maintenance.lifecycle import forget, list_namespaces, synced_index
+from orchestrator.maintenance.lifecycle import forget, synced_index
 from orchestrator.retrieval import list_indexes
 from orchestrator.retrieval.storage import defs_key
 from orchestrator.retrieval.writer import Writer

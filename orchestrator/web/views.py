@@ -12,9 +12,9 @@ from typing import Any
 
 from claw_tasks.format.schema import tag_key
 from claw_tasks.store import Store
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.store.labels import diff
 from orchestrator.inspect.namespaces import memory_by_namespace, namespace_stats
-from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.maintenance.quality import read_quality
 from orchestrator.web import charts
 from orchestrator.web.curation import CurationViews
