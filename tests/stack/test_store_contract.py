@@ -6,14 +6,12 @@ namespace check, the keys it owns — each against what the same steps read thro
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 from redis.crc import key_slot
 
 from claw_tasks.format.stepmeta import episode_code
-from claw_tasks.store import NamespaceConfig, NamespaceError, Store, meta_chunk_of, meta_spans
+from claw_tasks.store import NamespaceConfig, NamespaceError, Store
 from claw_tasks.store import owned_key as namespace_owned_key
 from claw_tasks.store.arrays import SlotArrays
 from claw_tasks.store.check import check_namespace
@@ -132,16 +130,6 @@ def test_payload_spans_and_runs_read_what_get_reads(store: Store) -> None:
         for i in explicit.tolist():
             assert (next_obs[i] == full["next_obs"][mine][order][i]).all()
         assert sorted(info) == np.flatnonzero(full["step_index"][mine][order] == 2).tolist()
-
-
-def test_meta_spans_cover_a_shard() -> None:
-    for cap in (1, 600, 16376, 16377, 50000):
-        spans = meta_spans(cap)
-        assert spans[0][0] == 0 and spans[-1][1] == cap
-        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-        starts = np.array([s for s, _ in spans])
-        assert (meta_chunk_of(starts) == np.arange(len(spans))).all()
-        assert (meta_chunk_of(np.array([e - 1 for _, e in spans])) == np.arange(len(spans))).all()
 
 
 def test_a_priority_pass_writes_only_what_nobody_changed(store: Store) -> None:
