@@ -28,11 +28,16 @@ module                ``Store`` methods
                       ``place``, ``shards_of``
 ====================  ======================================================================
 
-Range reads for archival (``scan``) and stored LLM turns (``turns``) are functions over a
-core; ``labels`` is the snapshots' data (a namespace's mutable state, its diff) and
+Functions over a core, for the code above the store: range reads for archival and
+quality (``scan``), stored LLM turns (``turns``), per-slot arrays a reader keeps beside the
+steps (``arrays``), priority passes (``reprioritize``), dictionary pruning
+(``dictprune``), key memory and field sizes (``usage``); ``keyscan`` lists namespaces and
+parses key names, ``check`` is ``claw doctor``'s check (above this package: it uses
+``Store``). ``labels`` is the snapshots' data (a namespace's mutable state, its diff) and
 ``snapshot_format`` a snapshot's stored form (name, header, packed columns), no Redis.
-The store's modules import only downward: ``layout``, ``scripts``, ``config``,
-``dicts``, ``core``, the parts, then this package. Its Lua scripts are package data in
+Only this package builds keys or reads the layout: the code above it asks for arrays and
+names its own keys with ``owned_key``. The store's modules import only downward:
+``layout``, ``scripts``, ``config``, ``dicts``, ``core``, the parts, then this package. Its Lua scripts are package data in
 ``claw_tasks/lua/``. Imports ``format``, ``where``, ``connection``, ``codecs``,
 ``settings`` and ``durations``.
 """
