@@ -37,8 +37,8 @@ parses key names, ``check`` is ``claw doctor``'s check (above this package: it u
 ``snapshot_format`` a snapshot's stored form (name, header, packed columns), no Redis.
 Only this package builds keys or reads the layout: the code above it asks for arrays and
 names its own keys with ``owned_key``. The store's modules import only downward:
-``layout``, ``scripts``, ``config``, ``dicts``, ``core``, the parts, then this package. Its Lua scripts are package data in
-``claw_tasks/lua/``. Imports ``format``, ``where``, ``connection``, ``codecs``,
+``layout``, ``scripts``, ``config``, ``dicts``, ``core``, the parts, then this package.
+Its Lua scripts are package data in ``claw_tasks/lua/``. Imports ``format``, ``where``, ``connection``, ``codecs``,
 ``settings`` and ``durations``.
 """
 
