@@ -38,8 +38,8 @@ parses key names, ``check`` is ``claw doctor``'s check (above this package: it u
 Only this package builds keys or reads the layout: the code above it asks for arrays and
 names its own keys with ``owned_key``. The store's modules import only downward:
 ``layout``, ``scripts``, ``config``, ``dicts``, ``core``, the parts, then this package.
-Its Lua scripts are package data in ``claw_tasks/lua/``. Imports ``format``, ``where``, ``connection``, ``codecs``,
-``settings`` and ``durations``.
+Its Lua scripts are package data in ``claw_tasks/lua/``. Imports ``format``, ``where``,
+``connection``, ``codecs``, ``settings`` and ``durations``.
 """
 
 from __future__ import annotations
