@@ -185,6 +185,8 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
         return _Expect("string", math.ceil(cap / 8))
     if name.startswith(("b:", "stage:")):  # claim checks may live in shard 0's slot
         return _Expect("string")
+    if name.startswith("vx:"):  # a vector index's slot arrays (arrays.SlotArrays)
+        return _Expect("string")
     if name.startswith("psnap:"):  # a priority pass's snapshot of an m:priority chunk
         return _Expect("string", _chunk_slots(int(name[6:]), META_CHUNK_SLOTS, cap) * 4)
     kind, _, rest = name.partition(":")

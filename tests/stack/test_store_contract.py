@@ -150,7 +150,7 @@ def test_a_priority_pass_writes_only_what_nobody_changed(store: Store) -> None:
 
 def test_slot_arrays_round_trip(store: Store) -> None:
     cap = store.config().cap
-    arrays = SlotArrays(store, "test-arrays", {"v": ("<f4", (3,)), "n": ("<i8", ())})
+    arrays = SlotArrays(store, "vx:test", {"v": ("<f4", (3,)), "n": ("<i8", ())})
     rows = np.array([0, 1, 2, cap - 1, cap, 2 * cap + 5], np.int64)
     v = np.arange(18, dtype=np.float32).reshape(6, 3)
     n = np.arange(6, dtype=np.int64) + 100
@@ -160,6 +160,7 @@ def test_slot_arrays_round_trip(store: Store) -> None:
     assert (arrays.read(np.array([3]))["v"] == 0).all()  # unwritten: zeros
     whole = arrays.read_all(["n"])["n"]
     assert whole.shape == (3 * cap,) and (whole[rows] == n).all()
+    assert check_namespace(store.r, store.namespace).ok  # the check knows slot arrays
     assert arrays.clear() > 0
     assert (arrays.read(rows)["n"] == 0).all()
 
