@@ -116,7 +116,7 @@ STAGES = {
     "refresh": ("vectors", "refresh"),  # the vectors caught up from the index's log
     "masks": (None, "_update_masks"),
     "search": ("vectors", "search"),  # Faiss
-    "live": (None, "_live"),  # lua/live.lua per shard
+    "live": (None, "_live"),  # Store.holding: one script call per shard
     "read": (None, "_read"),  # the fields, through the validated fetch
 }
 

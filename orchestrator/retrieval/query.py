@@ -11,7 +11,7 @@ candidates and reads the fields of the first ``k`` through the sampling fetch, w
 script checks in the round trip that reads them that each row still holds its step (the
 slot not allocated again since, the alive bit set). Three round trips in all. When a row
 fails that check (evicted since the sync) the query runs again, now checking the
-candidates first (``lua/live.lua``) and keeping the first ``k`` live ones, whose fetch
+candidates first (``Store.holding``) and keeping the first ``k`` live ones, whose fetch
 checks them once more. A step evicted before the query started is masked by the sync or
 fails a check, one evicted during it fails the fetch's: no evicted step is ever returned.
 """
@@ -287,7 +287,7 @@ class Session:
         self, dist: np.ndarray, rows: np.ndarray, k: int
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The first ``k`` candidates of each query that still hold their steps (one
-        ``lua/live.lua`` call per shard, after the search); None when some query lost
+        ``Store.holding`` call per shard, after the search); None when some query lost
         more than ``SLACK`` of them and had more: those rows are masked, search again."""
         uniq = np.unique(rows[rows >= 0])
         dead = uniq[~self._alive(uniq)] if len(uniq) else uniq
