@@ -8,7 +8,7 @@ so an archive keeps them bit for bit), but for ``delta``: its frames name other 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,13 +98,23 @@ def read_meta_run(
     return out
 
 
-def fixed_ranges(
-    store: StoreCore, shard: int, seq_lo: int, n: int, name: str
-) -> list[tuple[str, int, int]]:
-    """``(key, start, end)`` of the GETRANGEs that read fixed-shape field ``name`` of the
-    run of ``n`` slots from ``seq_lo``'s, in slot order (inclusive ends, as GETRANGE): for
-    a bulk reader that fills a buffer in place."""
-    return _slot_ranges(store, shard, run_slots(store, seq_lo, n), n, name)
+GetRanges = Callable[[list[tuple[str, int, int]], memoryview], None]
+"""A bulk reader's GETRANGEs: ``(key, start, end)`` each (inclusive ends), their replies
+written back to back into the buffer (a short reply zero-padded)."""
+
+
+def read_fixed_into(
+    store: StoreCore, shard: int, seq_lo: int, n: int, name: str, getranges: GetRanges
+) -> np.ndarray:
+    """Fixed-shape field ``name`` of the run of ``n`` slots from ``seq_lo``'s, read by
+    ``getranges`` (a bulk reader filling the array in place, no copy per reply)."""
+    schema = store.config().schema
+    assert schema is not None
+    spec = schema.fields[name]
+    arr = np.empty((n, *spec.shape), spec.dtype)
+    ranges = _slot_ranges(store, shard, run_slots(store, seq_lo, n), n, name)
+    getranges(ranges, memoryview(arr.reshape(-1).view(np.uint8)))
+    return arr
 
 
 def _slot_ranges(

@@ -33,7 +33,7 @@ from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.keyscan import list_namespaces
-from claw_tasks.store.scan import fixed_ranges, read_meta_run, read_payload_run
+from claw_tasks.store.scan import read_fixed_into, read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.app import app
 from claw_tasks.worker.caches import redis_client, store_for
@@ -344,10 +344,7 @@ class Archiver:
         )
         for name in direct:
             assert bulk is not None
-            spec = schema.fields[name]
-            arr = np.empty((covered, *spec.shape), spec.dtype)
-            ranges = fixed_ranges(self.store, shard, lo, covered, name)
-            bulk.getranges(ranges, memoryview(arr.reshape(-1).view(np.uint8)))
+            arr = read_fixed_into(self.store, shard, lo, covered, name, bulk.getranges)
             fields[name] = arr if len(rows) == covered else arr[rows]
         # Steps whose slot was reused while being read are not what we read: drop them.
         again = read_meta_run(self.store, shard, lo, covered, ["id"])
