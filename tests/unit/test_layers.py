@@ -389,10 +389,23 @@ def _key_builders() -> set[str]:
 
 
 def _layout_uses(tree: ast.AST, layout_names: set[str], builders: set[str]) -> list[str]:
-    """Where ``tree`` imports the store's layout, names one of ``layout_names``, or calls a
-    key builder on something's ``keys`` (``store.keys.meta(...)``, ``k = store.keys``)."""
+    """Where ``tree`` imports the store's layout, names one of ``layout_names``, calls a key
+    builder on something's ``keys`` (``store.keys.meta(...)``, ``k = store.keys``) or
+    spells a store key (``"claw:{ns:0}:seq"``, ``f"claw:{{{ns}}}:config"``)."""
     found = []
+    docstrings = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
     for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith("claw:{")
+            and id(node) not in docstrings
+        ):
+            found.append(f"line {node.lineno}: spells a store key ({node.value!r})")
         modules = (
             [node.module]
             if isinstance(node, ast.ImportFrom)
@@ -432,13 +445,14 @@ store.keys.meta(0, "id", 0)
 k = self.store.keys
 n = SPARSE_CHUNK_SLOTS
 Keys("ns")
+f"claw:{{{ns}}}:config"
 store.owned_key("prio")
 d.keys()
 where.keys
 """
     found = _layout_uses(ast.parse(source), _layout_names(), _key_builders())
     lines = sorted({int(f.split(":")[0].removeprefix("line ")) for f in found})
-    assert lines == [2, 3, 4, 5, 6, 7], found
+    assert lines == [2, 3, 4, 5, 6, 7, 8], found
 
 
 def test_only_the_store_knows_its_layout() -> None:
