@@ -11,10 +11,10 @@ import numpy as np
 
 from claw_tasks.format.arrays import unpackb
 from claw_tasks.format.schema import LLM_FIELDS, Schema, tag_column
-from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE, episode_code
+from claw_tasks.format.stepmeta import episode_code
 from claw_tasks.store import Store
 from orchestrator.web import charts, thumbs, transcript
-from orchestrator.web.access import Access
+from orchestrator.web.access import Access, step_row
 
 EPISODE_PAGE = 200
 INFO_CHARS = 2000
@@ -65,7 +65,9 @@ class EpisodeViews(Access):
             tags[tag] = store.decode_codes(tag_column(tag), col.tolist()) if kind == "str" else col
         steps = [
             {
-                **_step(meta, i, names),
+                **step_row(meta, i),
+                "quality": names["quality"][i],
+                "skill_tag": names["skill_tag"][i],
                 "tags": {k: _plain(v[i]) for k, v in tags.items()},
                 "fields": {f: _values(fields[f][i]) for f in small},
                 "info": _info_text(infos[i]),
@@ -121,22 +123,6 @@ def _field_kinds(schema: Schema) -> tuple[list[str], list[str], list[tuple[str, 
         else:
             other.append((fname, spec.describe()))
     return images, small, other
-
-
-def _step(meta: dict[str, np.ndarray], i: int, names: dict[str, list[Any]]) -> dict[str, Any]:
-    """Row ``i`` of a page's metadata, as the page shows it."""
-    flags = int(meta["flags"][i])
-    return {
-        "id": int(meta["id"][i]),
-        "step_index": int(meta["step_index"][i]),
-        "reward": float(meta["reward"][i]),
-        "priority": float(meta["priority"][i]),
-        "terminated": bool(flags & TERMINATED),
-        "truncated": bool(flags & TRUNCATED),
-        "trainable": not flags & UNTRAINABLE,
-        "quality": names["quality"][i],
-        "skill_tag": names["skill_tag"][i],
-    }
 
 
 def _infos(store: Store, shards: np.ndarray, slots: np.ndarray) -> list[Any]:
