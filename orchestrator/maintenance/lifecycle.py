@@ -1,5 +1,6 @@
-"""Namespaces as a whole: which exist, the memory they use, dropping one, and the
-sampling indexes the maintenance tasks keep per namespace in each worker process."""
+"""Namespaces as a whole: the memory they use, dropping one, and the sampling indexes the
+maintenance tasks keep per namespace in each worker process (which namespaces exist, and
+their keys, the store lists: ``claw_tasks.store.keyscan``)."""
 
 from __future__ import annotations
 
