@@ -56,8 +56,8 @@ from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
+from claw_tasks.store.keyscan import scan_keys
 from orchestrator.delivery.registry import Registry
-from orchestrator.inspect.namespaces import scan_keys
 from orchestrator.recipe.model import Recipe
 from tests.support.processes import Worker
 

@@ -29,8 +29,10 @@ from claw_tasks.client import Ingestor
 from claw_tasks.client.pettingzoo import RecordParallelSteps
 from claw_tasks.connection.client import redis_client
 from claw_tasks.connection.server import RedisServer
+from claw_tasks.store.keyscan import namespace_keys
+from claw_tasks.store.usage import key_bytes
 from claw_tasks.worker.command import worker_argv
-from orchestrator.maintenance.lifecycle import key_bytes, namespace_bytes, namespace_keys
+from orchestrator.maintenance.lifecycle import namespace_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

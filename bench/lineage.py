@@ -28,8 +28,8 @@ import numpy as np
 from claw_tasks.connection.client import redis_client
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
+from claw_tasks.store.usage import key_bytes
 from orchestrator.delivery.lineage import LineageLog, decode_ids, record
-from orchestrator.maintenance.lifecycle import key_bytes
 
 
 def scan_trained(log: LineageLog, policy: str) -> list[str]:

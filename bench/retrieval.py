@@ -41,7 +41,8 @@ from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
-from orchestrator.maintenance.lifecycle import key_bytes, namespace_keys
+from claw_tasks.store.keyscan import namespace_keys
+from claw_tasks.store.usage import key_bytes
 from orchestrator.retrieval import define_index, list_indexes, nearest
 from orchestrator.retrieval.query import Session, open_session
 from orchestrator.retrieval.storage import IndexKeys
@@ -115,7 +116,7 @@ STAGES = {
     "refresh": ("vectors", "refresh"),  # the vectors caught up from the index's log
     "masks": (None, "_update_masks"),
     "search": ("vectors", "search"),  # Faiss
-    "live": (None, "_live"),  # lua/live.lua per shard
+    "live": (None, "_live"),  # Store.holding: one script call per shard
     "read": (None, "_read"),  # the fields, through the validated fetch
 }
 

@@ -31,7 +31,8 @@ from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.format.schema import FieldSpec, Schema, tag_column
 from claw_tasks.store import Store, snapshots
-from orchestrator.maintenance.lifecycle import key_bytes, namespace_keys
+from claw_tasks.store.keyscan import namespace_keys
+from claw_tasks.store.usage import key_bytes
 
 BATCH = 50_000
 

@@ -26,7 +26,7 @@ from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.store import Store
-from orchestrator.inspect.namespaces import scan_keys
+from claw_tasks.store.keyscan import scan_keys
 from orchestrator.inspect.stats import Statistics
 
 SHAPE = (84, 84, 3)

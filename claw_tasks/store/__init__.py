@@ -6,15 +6,18 @@ uses only the core's API and the few parts it names in its constructor.
 ====================  ======================================================================
 module                ``Store`` methods
 ====================  ======================================================================
-``core``              ``config``, ``revalidate``; attributes ``r``, ``keys``, ``namespace``,
-                      ``scripts``, ``dicts``
+``core``              ``config``, ``revalidate``, ``owned_key``; attributes ``r``, ``keys``,
+                      ``namespace``, ``scripts``, ``dicts``
 ``admin``             ``exists``, ``create``, ``ensure_schema``, ``schema``,
                       ``set_retention``, ``set_episode_index``, ``set_priority_rules``,
                       ``set_spaces``
 ``dicts``             ``encode_strings``, ``lookup_codes``, ``decode_codes``
 ``reader``            ``locate``, ``get``, ``episode``, ``trajectory_ids``, ``read_meta``,
-                      ``meta_columns``, ``read_fields``, ``read_frames``, ``info``
+                      ``meta_columns``, ``read_fields``, ``read_frames``, ``read_info``,
+                      ``info``
 ``count``             ``count``
+``shards``            ``seqs``, ``queue_seqs``, ``watermarks``, ``set_watermark``,
+                      ``episode_names``, ``holding``, ``dead_letters``
 ``updates``           ``update_priorities``, ``update_rewards``, ``curate``, ``audit``,
                       ``audit_log``
 ``evict``             ``evict``, ``evict_slots``, ``evictions``
@@ -22,16 +25,21 @@ module                ``Store`` methods
                       ``prune_snapshots``, ``labels``, ``rollback``, ``as_of_columns``
 ``snapshot_archive``  ``export_snapshot``, ``import_snapshot``
 ``writer``            ``commit`` (one shard's part of it: ``commit.CommitPart``), ``allocate``,
-                      ``place``
+                      ``place``, ``shards_of``
 ====================  ======================================================================
 
-Range reads for archival (``scan``) and stored LLM turns (``turns``) are functions over a
-core; ``labels`` is the snapshots' data (a namespace's mutable state, its diff) and
+Functions over a core, for the code above the store: range reads for archival and
+quality (``scan``), stored LLM turns (``turns``), per-slot arrays a reader keeps beside the
+steps (``arrays``), priority passes (``reprioritize``), dictionary pruning
+(``dictprune``), key memory and field sizes (``usage``); ``keyscan`` lists namespaces and
+parses key names, ``check`` is ``claw doctor``'s check (above this package: it uses
+``Store``). ``labels`` is the snapshots' data (a namespace's mutable state, its diff) and
 ``snapshot_format`` a snapshot's stored form (name, header, packed columns), no Redis.
-The store's modules import only downward: ``layout``, ``scripts``, ``config``,
-``dicts``, ``core``, the parts, then this package. Its Lua scripts are package data in
-``claw_tasks/lua/``. Imports ``format``, ``where``, ``connection``, ``codecs``,
-``settings`` and ``durations``.
+Only this package builds keys or reads the layout: the code above it asks for arrays and
+names its own keys with ``owned_key``. The store's modules import only downward:
+``layout``, ``scripts``, ``config``, ``dicts``, ``core``, the parts, then this package.
+Its Lua scripts are package data in ``claw_tasks/lua/``. Imports ``format``, ``where``,
+``connection``, ``codecs``, ``settings`` and ``durations``.
 """
 
 from __future__ import annotations
@@ -43,11 +51,13 @@ from typing import Concatenate, ParamSpec, TypeVar
 from claw_tasks.store.admin import Admin
 from claw_tasks.store.commit import CommitResult
 from claw_tasks.store.config import NamespaceConfig, NamespaceDropped, NamespaceError
-from claw_tasks.store.core import StoreCore
+from claw_tasks.store.core import StoreCore, owned_key
 from claw_tasks.store.count import Counting
 from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.evict import Eviction
+from claw_tasks.store.layout import meta_chunk_of, meta_spans
 from claw_tasks.store.reader import Reader, decode_meta
+from claw_tasks.store.shards import Shards
 from claw_tasks.store.snapshot_archive import SnapshotArchive
 from claw_tasks.store.snapshots import Snapshots
 from claw_tasks.store.updates import Updates
@@ -99,9 +109,18 @@ class Store(StoreCore):
     meta_columns = _on(Reader, Reader.meta_columns)
     read_fields = _on(Reader, Reader.read_fields)
     read_frames = _on(Reader, Reader.read_frames)
+    read_info = _on(Reader, Reader.read_info)
     info = _on(Reader, Reader.info)
 
     count = _on(Counting, Counting.count)
+
+    seqs = _on(Shards, Shards.seqs)
+    queue_seqs = _on(Shards, Shards.queue_seqs)
+    watermarks = _on(Shards, Shards.watermarks)
+    set_watermark = _on(Shards, Shards.set_watermark)
+    episode_names = _on(Shards, Shards.episode_names)
+    holding = _on(Shards, Shards.holding)
+    dead_letters = _on(Shards, Shards.dead_letters)
 
     update_priorities = _on(Updates, Updates.update_priorities)
     update_rewards = _on(Updates, Updates.update_rewards)
@@ -127,6 +146,7 @@ class Store(StoreCore):
     commit = _on(Writer, Writer.commit)
     allocate = _on(Writer, Writer.allocate)
     place = _on(Writer, Writer.place)
+    shards_of = _on(Writer, Writer.shards_of)
 
 
 __all__ = [
@@ -137,4 +157,7 @@ __all__ = [
     "Store",
     "StoreCore",
     "decode_meta",
+    "meta_chunk_of",
+    "meta_spans",
+    "owned_key",
 ]

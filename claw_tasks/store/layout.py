@@ -47,6 +47,17 @@ RUN_CHUNK_SLOTS = 1024  # a splice rewrites at most 1024 records (10 KiB)
 RUN_ENTRY = np.dtype([("slot", "<u2"), ("value", "<f8")])  # packed: 10 bytes
 
 
+def meta_spans(cap: int) -> list[tuple[int, int]]:
+    """Slots ``[start, stop)`` of each metadata chunk of a shard of ``cap`` slots: the
+    unit a pass over a namespace's metadata walks (one key per column)."""
+    return [(c, min(cap, c + META_CHUNK_SLOTS)) for c in range(0, cap, META_CHUNK_SLOTS)]
+
+
+def meta_chunk_of(slots: np.ndarray) -> np.ndarray:
+    """The metadata chunk (an index into :func:`meta_spans`) of each of ``slots``."""
+    return np.asarray(slots) // META_CHUNK_SLOTS
+
+
 def run_blocks(start: int, stop: int) -> range:
     """The run-table blocks that slots ``[start, stop)`` of a shard fall in."""
     return range(start // RUN_CHUNK_SLOTS, -(-stop // RUN_CHUNK_SLOTS) if stop > start else 0)
@@ -139,11 +150,6 @@ class Keys:
     @property
     def config(self) -> str:
         return self.base + "config"
-
-    @property
-    def archive_lock(self) -> str:
-        """Held by the one archive run of the namespace at a time."""
-        return self.base + "archive-lock"
 
     @property
     def dead(self) -> str:

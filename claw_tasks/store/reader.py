@@ -35,6 +35,7 @@ from claw_tasks.store.layout import (
     payload_chunk_slots,
     run_blocks,
 )
+from claw_tasks.store.shards import Shards
 
 
 class Reader:
@@ -217,6 +218,14 @@ class Reader:
                 pipe.hget(key or self.keys.compressed(sh, name, chunk), sl)
             return pipe.execute()
 
+    def read_info(self, shards: np.ndarray, slots: np.ndarray) -> list[bytes | None]:
+        """The ``info`` stored with the steps at (shard, slot) pairs, as stored (msgpack,
+        ``claw_tasks.format.arrays.unpackb`` reads it; None: none), one round trip."""
+        with self.r.pipeline(transaction=False) as pipe:
+            for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
+                pipe.hget(self.keys.sparse(sh, "info", sl // SPARSE_CHUNK_SLOTS), sl)
+            return pipe.execute()
+
     def get(self, ids: Sequence[int] | np.ndarray, fields: Sequence[str] | None = None) -> dict:
         """Steps by id: metadata and payload fields. ``next_obs`` is resolved (the next
         step's obs or the explicit one); ``has_next_obs`` marks rows that have one (zeros
@@ -280,7 +289,9 @@ class Reader:
         }
         for col in DICT_COLUMNS:
             out[col] = self.core.dicts.decode_codes(col, meta[col])
-        out["episode_id"] = self._episode_names(meta["episode"], meta["id"])
+        out["episode_id"] = Shards(self.core).episode_names(
+            meta["id"] % cfg.n_shards, meta["episode"]
+        )
         tags = cfg.schema.tags if cfg.schema else {}
         for name, kind in tags.items():
             col = meta[tag_column(name)]
@@ -290,13 +301,6 @@ class Reader:
                 else nan_xor(col)
             )
         return out
-
-    def _episode_names(self, codes: np.ndarray, ids: np.ndarray) -> list[str | None]:
-        cfg = self.core.config()
-        with self.r.pipeline(transaction=False) as pipe:
-            for code, i in zip(codes.tolist(), ids.tolist(), strict=True):
-                pipe.hget(self.keys.shard_key(i % cfg.n_shards, "epname"), code)
-            return [None if v is None else v.decode() for v in pipe.execute()]
 
     def trajectory_ids(self, episode_id: str) -> np.ndarray | None:
         """The live step ids of an episode, by step_index, from the episode index (what a

@@ -8,7 +8,7 @@ so an archive keeps them bit for bit), but for ``delta``: its frames name other 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,12 +98,28 @@ def read_meta_run(
     return out
 
 
-def fixed_ranges(
-    store: StoreCore, shard: int, seq_lo: int, n: int, name: str
+GetRanges = Callable[[list[tuple[str, int, int]], memoryview], None]
+"""A bulk reader's GETRANGEs: ``(key, start, end)`` each (inclusive ends), their replies
+written back to back into the buffer (a short reply zero-padded)."""
+
+
+def read_fixed_into(
+    store: StoreCore, shard: int, seq_lo: int, n: int, name: str, getranges: GetRanges
+) -> np.ndarray:
+    """Fixed-shape field ``name`` of the run of ``n`` slots from ``seq_lo``'s, read by
+    ``getranges`` (a bulk reader filling the array in place, no copy per reply)."""
+    schema = store.config().schema
+    assert schema is not None
+    spec = schema.fields[name]
+    arr = np.empty((n, *spec.shape), spec.dtype)
+    ranges = _slot_ranges(store, shard, run_slots(store, seq_lo, n), n, name)
+    getranges(ranges, memoryview(arr.reshape(-1).view(np.uint8)))
+    return arr
+
+
+def _slot_ranges(
+    store: StoreCore, shard: int, slot0: int, n: int, name: str
 ) -> list[tuple[str, int, int]]:
-    """``(key, start, end)`` of the GETRANGEs that read fixed-shape field ``name`` of the
-    run of ``n`` slots from ``seq_lo``'s, in slot order (inclusive ends, as GETRANGE)."""
-    slot0 = run_slots(store, seq_lo, n)
     schema = store.config().schema
     assert schema is not None
     size = schema.fields[name].row_bytes
@@ -111,6 +127,38 @@ def fixed_ranges(
         (store.keys.field(shard, name, chunk), inchunk * size, (inchunk + take) * size - 1)
         for chunk, inchunk, take in _pieces(slot0, n, payload_chunk_slots(size))
     ]
+
+
+def _queue_fixed(pipe: Any, ranges: list[tuple[str, int, int]]) -> int:
+    for key, start, end in ranges:
+        pipe.getrange(key, start, end)
+    return len(ranges)
+
+
+def _fixed(got: list[bytes], n: int, spec: FieldSpec) -> np.ndarray:
+    """A fixed-shape field's ``n`` consecutive slots from its GETRANGE replies."""
+    raw = b"".join(got).ljust(n * spec.row_bytes, b"\0")
+    return np.frombuffer(raw, np.dtype(spec.dtype)).reshape(n, *spec.shape)
+
+
+def read_fixed(
+    store: StoreCore, shard: int, start: int, stop: int, names: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """Fixed-shape payload fields ``names`` of slots ``[start, stop)`` of ``shard`` (each
+    an array of ``stop - start`` rows; unwritten slots read as zeros), one round trip."""
+    schema = store.config().schema
+    assert schema is not None
+    with store.r.pipeline(transaction=False) as pipe:
+        counts = [
+            _queue_fixed(pipe, _slot_ranges(store, shard, start, stop - start, name))
+            for name in names
+        ]
+        replies = pipe.execute()
+    out, at = {}, 0
+    for name, count in zip(names, counts, strict=True):
+        out[name] = _fixed(replies[at : at + count], stop - start, schema.fields[name])
+        at += count
+    return out
 
 
 def read_payload_run(
@@ -136,65 +184,59 @@ def read_payload_run(
     rows = np.asarray(rows, np.int64)
     slots = (slot0 + rows).tolist()
     nx_at = np.flatnonzero((flags[rows] & EXPLICIT_NEXT) != 0).tolist()
-    sparse_chunks = sorted({s // SPARSE_CHUNK_SLOTS for s in slots})
-    by_chunk: dict[int, list[int]] = {c: [] for c in sparse_chunks}
+    by_chunk: dict[int, list[int]] = {}
     for s in slots:
-        by_chunk[s // SPARSE_CHUNK_SLOTS].append(s)
+        by_chunk.setdefault(s // SPARSE_CHUNK_SLOTS, []).append(s)
     k = store.keys
     with store.r.pipeline(transaction=False) as pipe:
         counts = []
         for name, spec in wanted.items():
             if spec.codec is not None:  # a frame in every slot: the run's, by HMGET
-                for c in sparse_chunks:
-                    pipe.hmget(k.compressed(shard, name, c), by_chunk[c])
-                counts.append(len(sparse_chunks))
-                continue
-            if spec.ragged:
-                for c in sparse_chunks:
+                for c, at in by_chunk.items():
+                    pipe.hmget(k.compressed(shard, name, c), at)
+            elif spec.ragged:
+                for c in by_chunk:
                     pipe.hgetall(k.ragged(shard, name, c))
-                counts.append(len(sparse_chunks))
+            else:
+                counts.append(_queue_fixed(pipe, _slot_ranges(store, shard, slot0, n, name)))
                 continue
-            ranges = fixed_ranges(store, shard, seq_lo, n, name)
-            for key, start, end in ranges:
-                pipe.getrange(key, start, end)
-            counts.append(len(ranges))
+            counts.append(len(by_chunk))
         for i in nx_at:
             pipe.hget(k.sparse(shard, "nx", slots[i] // SPARSE_CHUNK_SLOTS), slots[i])
-        for c in sparse_chunks:
+        for c in by_chunk:
             pipe.hgetall(k.sparse(shard, "info", c))
         replies = pipe.execute()
     fields: dict[str, Any] = {}
     at = 0
     for (name, spec), count in zip(wanted.items(), counts, strict=True):
         got, at = replies[at : at + count], at + count
-        dtype = np.dtype(spec.dtype)
         if spec.codec is not None:
             frames = [f or b"" for part in got for f in part]  # chunks in order: slots too
             fields[name] = _stored_frames(store, name, spec, frames)
         elif spec.ragged:
-            found = _by_slot(got)
+            found, tail = _by_slot(got), spec.shape[1:]
             fields[name] = [
-                np.frombuffer(found.get(s, b""), dtype).reshape(-1, *spec.shape[1:]) for s in slots
+                np.frombuffer(found.get(s, b""), spec.dtype).reshape(-1, *tail) for s in slots
             ]
         else:
-            raw = b"".join(got).ljust(n * spec.row_bytes, b"\0")
-            arr = np.frombuffer(raw, dtype).reshape(n, *spec.shape)
+            arr = _fixed(got, n, spec)
             fields[name] = arr if len(rows) == n else arr[rows]
     obs = schema.fields.get("obs")
-    next_obs: dict[int, Any] = {}
-    for i in nx_at:
-        raw, at = replies[at] or b"", at + 1
-        if obs is not None and obs.codec is not None:  # a frame of obs's codec
-            got = _stored_frames(store, "obs", obs, [raw])
-            next_obs[i] = bytes(got.frames[0]) if isinstance(got, Encoded) else got[0]
-        elif obs is not None:
-            arr = np.frombuffer(raw, np.dtype(obs.dtype))
-            shape = (-1, *obs.shape[1:]) if obs.ragged else obs.shape
-            next_obs[i] = arr.reshape(shape)
-    found = _by_slot(replies[at:])
+    nx = zip(nx_at, replies[at : at + len(nx_at)], strict=True)
+    next_obs = {} if obs is None else {i: _next_obs(store, obs, r or b"") for i, r in nx}
+    found = _by_slot(replies[at + len(nx_at) :])
     pos = {s: i for i, s in enumerate(slots)}
     info = {pos[s]: unpackb(v) for s, v in found.items() if s in pos}
     return fields, next_obs, info
+
+
+def _next_obs(store: StoreCore, obs: FieldSpec, raw: bytes) -> Any:
+    """An explicit ``next_obs`` as stored: a frame of a compressed obs, else an array."""
+    if obs.codec is not None:
+        got = _stored_frames(store, "obs", obs, [raw])
+        return bytes(got.frames[0]) if isinstance(got, Encoded) else got[0]
+    arr = np.frombuffer(raw, np.dtype(obs.dtype))
+    return arr.reshape((-1, *obs.shape[1:]) if obs.ragged else obs.shape)
 
 
 def _stored_frames(store: StoreCore, name: str, spec: FieldSpec, frames: list[bytes]) -> Any:

@@ -81,6 +81,12 @@ class Writer:
             out[k] = vocab[batch.strs[k].index]  # index -1 picks the trailing 0
         return out
 
+    def shards_of(self, batch: StepBatch) -> np.ndarray:
+        """The shard each row of ``batch`` is committed to: its episode's (a code of its
+        name modulo the shard count), so an episode's steps share a shard."""
+        n_shards = self.core.config().n_shards
+        return row_episode_codes(batch.episode.values, batch.episode.index) % n_shards
+
     def allocate(
         self, shard: int, batch_id: str, n: int, placed: Mapping[str, int] | None = None
     ) -> tuple[int, str]:

@@ -150,8 +150,7 @@ class DeadLetter:
 
 def dead_letters(store: Store, limit: int) -> tuple[int, list[DeadLetter]]:
     """(total dead letters, the newest `limit` of them, newest first)."""
-    total = store.r.xlen(store.keys.dead)
-    entries = store.r.xrevrange(store.keys.dead, count=limit) if limit > 0 else []
+    total, entries = store.dead_letters(limit)
     out = []
     for entry_id, fields in entries:
         payload = fields.get(b"payload")

@@ -35,27 +35,27 @@ class AdmissionError(ValueError):
 
 
 def admission_key(store: Store) -> str:
-    return f"{store.keys.base}admission"
+    return store.owned_key("admission")
 
 
 def log_key(store: Store) -> str:
-    return f"{store.keys.base}admission:log"
+    return store.owned_key("admission:log")
 
 
 def open_key(store: Store) -> str:
     """The trajectories admitted against the budget and not rewarded, by expiry time."""
-    return f"{store.keys.base}admission:open"
+    return store.owned_key("admission:open")
 
 
 def reservation_key(store: Store, group: str) -> str:
     """A group's reservations (``gwres:``; trajectory hashes are ``gw:<id>``, and ids may
     hold ``:``, so the two prefixes differ before the first colon)."""
-    return f"{store.keys.base}gwres:{group}"
+    return store.owned_key(f"gwres:{group}")
 
 
 def trajectory_key(store: Store, trajectory_uid: str) -> str:
     """The gateway's hash of one trajectory (``orchestrator/lua/turn.lua``)."""
-    return f"{store.keys.base}gw:{trajectory_uid}"
+    return store.owned_key(f"gw:{trajectory_uid}")
 
 
 def owner(store: Store) -> str | None:

@@ -64,7 +64,7 @@ PAGE = 1_000
 
 
 def lineage_key(store: Store) -> str:
-    return f"{store.keys.base}lineage"
+    return store.owned_key("lineage")
 
 
 class Traced(Protocol):

@@ -86,7 +86,7 @@ def _plan(reg: Registry, recipe: Recipe) -> AugmentPlan | None:
     cached = plans.get(key, lambda: ("", None))
     if cached[0] != digest:
         stats = RedisStats(reg.r, reg.augment_stats(recipe.name), digest)
-        shared = namespace_stats(reg.r, reg.store.keys.base)
+        shared = namespace_stats(reg.r, reg.store.owned_key(""))
         plan = (
             build_pipelines(recipe.augment, stats=stats, namespace_stats=shared)
             if recipe.augment

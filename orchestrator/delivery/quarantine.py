@@ -46,7 +46,7 @@ _DEDUP = Lua("dedup", "orchestrator")
 
 
 def clean_key(store: Store, part: str = "") -> str:
-    return store.keys.base + ("clean" + (f":{part}" if part else ""))
+    return store.owned_key("clean" + (f":{part}" if part else ""))
 
 
 def quarantined(store: Store) -> dict[str, int]:
@@ -113,7 +113,7 @@ def recipe_stats(store: Store, recipe: Recipe) -> RedisStats:
     """A recipe's outlier statistics (another ``clean`` section starts afresh)."""
     assert recipe.clean is not None
     digest = hashlib.sha1(recipe.clean.model_dump_json().encode()).hexdigest()[:16]
-    return RedisStats(store.r, store.keys.base + f"cstats:{recipe.name}", digest)
+    return RedisStats(store.r, store.owned_key(f"cstats:{recipe.name}"), digest)
 
 
 def clean_batch(store: Store, recipe: Recipe, batch: Batch) -> Batch | None:

@@ -10,7 +10,6 @@ from typing import Any
 
 import redis
 
-from claw_tasks.connection.client import get_many
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua, execute
@@ -50,7 +49,7 @@ class Registry:
         self.store = store
         self.r: redis.Redis = store.r
         self.ns = store.namespace
-        self.base = store.keys.base
+        self.base = store.owned_key("")
 
     def recipe_key(self, name: str) -> str:
         return f"{self.base}recipe:{name}"
@@ -222,20 +221,14 @@ class Registry:
 
     def inserted(self) -> int:
         """Steps ever committed to the namespace (sum of the shards' sequence counters)."""
-        return sum(int(v or 0) for v in get_many(self.r, self._seq_keys()))
-
-    def _seq_keys(self) -> list[str]:
-        cfg = self.store.config()
-        return [self.store.keys.shard_key(s, "seq") for s in range(cfg.n_shards)]
+        return sum(self.store.seqs())
 
     def fill_state(self, name: str) -> tuple[int, int, float, str]:
         """One round trip: queue length, steps inserted, rows sampled, last fill state."""
-        keys = self._seq_keys()
         with self.r.pipeline(transaction=False) as pipe:
             pipe.llen(self.queue(name))
             pipe.hmget(self.counters(name), ["sampled", "state"])
-            for key in keys:  # one GET per shard: a cluster has them apart
-                pipe.get(key)
+            self.store.queue_seqs(pipe)  # one GET per shard: a cluster has them apart
             length, (sampled, state), *seqs = pipe.execute()
         inserted = sum(int(v or 0) for v in seqs)
         return length, inserted, float(sampled or 0), (state or b"").decode()

@@ -11,7 +11,7 @@ from claw_tasks.store import Store
 
 
 def conf_key(store: Store) -> str:
-    return f"{store.keys.base}gwconf"
+    return store.owned_key("gwconf")
 
 
 def set_discount(store: Store, gamma: float | None) -> None:

@@ -22,6 +22,7 @@ import redis
 
 from claw_tasks.connection import client as connect
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.store.retention import Retention
 from orchestrator.delivery import admission
 from orchestrator.delivery.quarantine import quarantined
@@ -29,7 +30,6 @@ from orchestrator.delivery.recipestats import RecipeStats, recipe_stats
 from orchestrator.delivery.registry import Registry
 from orchestrator.inspect.namespaces import memory_by_namespace, payload_bytes
 from orchestrator.maintenance.eviction_choice import protected_steps
-from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.maintenance.quality import read_quality
 
 

@@ -6,7 +6,7 @@ Layout: ``DIR/ns=<namespace>/date=<YYYY-MM-DD>/part-<shard>-<seq_lo>-<seq_hi>.pa
 ``DIR/ns=<namespace>/_manifest.json`` listing every file with its rows, id range and
 SHA-256, and the per-shard watermark the files reach.
 
-Incremental: a shard is read from its watermark (``Keys.archived``) up, a bounded run of
+Incremental: a shard is read from its watermark (``Store.watermarks``) up, a bounded run of
 slots at a time. Per run: files (temp name, fsync, rename, fsync dir), then the manifest
 (the same way), then the watermark. A crash leaves files the manifest does not list (the
 next run deletes them and writes those steps again) or a manifest ahead of the watermark
@@ -27,13 +27,12 @@ from typing import Any
 import numpy as np
 import redis
 
-from claw_tasks.connection.client import get_many
 from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.schema import tag_column
 from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
-from claw_tasks.store.scan import fixed_ranges, read_meta_run, read_payload_run
+from claw_tasks.store.scan import read_fixed_into, read_meta_run, read_payload_run
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.app import app
 from orchestrator.maintenance.archive_files import (
@@ -76,7 +75,7 @@ class ArchiveLock:
     killed run's lock lapses after ``ttl`` seconds)."""
 
     def __init__(self, store: Store, ttl: float) -> None:
-        self.r, self.key, self.ttl = store.r, store.keys.archive_lock, ttl
+        self.r, self.key, self.ttl = store.r, store.owned_key("archive-lock"), ttl
         self.token = secrets.token_hex(8)
 
     def __enter__(self) -> ArchiveLock:
@@ -131,13 +130,9 @@ class ArchiveResult:
 
 def pending(store: Store) -> int:
     """Seqs above the watermarks: what an archive run would go through."""
-    cfg = store.config(refresh=True)
-    with store.r.pipeline(transaction=False) as pipe:
-        for s in range(cfg.n_shards):
-            pipe.get(store.keys.shard_key(s, "seq"))
-            pipe.get(store.keys.archived(s))
-        got = [int(v or 0) for v in pipe.execute()]
-    return sum(max(0, seq - wm) for seq, wm in zip(got[::2], got[1::2], strict=True))
+    store.config(refresh=True)
+    marks = [w or 0 for w in store.watermarks()]
+    return sum(max(0, seq - wm) for seq, wm in zip(store.seqs(), marks, strict=True))
 
 
 @dataclass
@@ -211,20 +206,19 @@ class Archiver:
                 is_tmp = path.name.startswith(".") and path.name.endswith(".tmp")
                 if path.is_file() and (is_tmp or (path.suffix == ".parquet" and rel not in listed)):
                     path.unlink()
-        k = self.store.keys
-        raw = get_many(self.store.r, [k.archived(s) for s in range(n_shards)])
-        marks = [int(v or 0) for v in raw]
+        marks = [w or 0 for w in self.store.watermarks()]
         for shard, mark in enumerate(marks):
             have = manifest.watermarks.get(shard, 0)
             if mark > have:
                 raise NamespaceError(
                     f"shard {shard} of {self.store.namespace!r} is archived up to seq {mark}, "
                     f"but {self.dir / MANIFEST} only up to {have}: its archive is in another "
-                    "directory (archive there), or delete the key "
-                    f"{k.archived(shard)} to archive again from the oldest stored step"
+                    "directory (archive there), or set its watermark to 0 "
+                    f"(Store.set_watermark({shard}, 0)) to archive again from the oldest "
+                    "stored step"
                 )
             if mark < have:
-                self.store.r.set(k.archived(shard), have)
+                self.store.set_watermark(shard, have)
         return manifest
 
     def _chunk_rows(self) -> int:
@@ -235,9 +229,8 @@ class Archiver:
 
     def _shard(self, shard: int, manifest: Manifest, result: ArchiveResult) -> None:
         cfg = self.store.config()
-        k = self.store.keys
         mark = manifest.watermarks.get(shard, 0)
-        seq_now = int(self.store.r.get(k.shard_key(shard, "seq")) or 0)
+        seq_now = self.store.seqs()[shard]
         lo = max(mark + 1, seq_now - cfg.cap + 1)
         if lo > mark + 1:  # the ring passed these before they were archived
             result.overwritten += lo - mark - 1
@@ -317,7 +310,7 @@ class Archiver:
             manifest.files += entries
             manifest.watermarks[shard] = mark
             manifest.save(self.dir)
-            self.store.r.set(self.store.keys.archived(shard), mark)
+            self.store.set_watermark(shard, mark)
         return covered
 
     def _read(self, shard: int, lo: int, n: int) -> _Run:
@@ -350,10 +343,7 @@ class Archiver:
         )
         for name in direct:
             assert bulk is not None
-            spec = schema.fields[name]
-            arr = np.empty((covered, *spec.shape), spec.dtype)
-            ranges = fixed_ranges(self.store, shard, lo, covered, name)
-            bulk.getranges(ranges, memoryview(arr.reshape(-1).view(np.uint8)))
+            arr = read_fixed_into(self.store, shard, lo, covered, name, bulk.getranges)
             fields[name] = arr if len(rows) == covered else arr[rows]
         # Steps whose slot was reused while being read are not what we read: drop them.
         again = read_meta_run(self.store, shard, lo, covered, ["id"])
@@ -412,9 +402,8 @@ class Archiver:
 
     def _episodes(self, shard: int, codes: np.ndarray) -> StrColumn:
         uniq, index = np.unique(codes, return_inverse=True)
-        key = self.store.keys.shard_key(shard, "epname")
-        found = self.store.r.hmget(key, uniq.tolist()) if len(uniq) else []
-        names = [f"#{c}" if v is None else v.decode() for c, v in zip(uniq, found, strict=True)]
+        found = self.store.episode_names(np.full(len(uniq), shard), uniq)
+        names = [f"#{c}" if v is None else v for c, v in zip(uniq, found, strict=True)]
         return _vocab(names, index)
 
     def _write(self, shard: int, rows: StepRows, seqs: np.ndarray) -> list[PendingFile]:

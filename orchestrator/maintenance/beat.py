@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.worker.context import forget, redis_client, store_for
-from orchestrator.maintenance.lifecycle import list_namespaces
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

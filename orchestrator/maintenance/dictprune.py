@@ -1,14 +1,6 @@
-"""Dictionary pruning (part of each eviction pass): strings no live step uses any more
-leave the namespace's dictionaries, so high-cardinality strings (trajectory ids, prompts
-as tags) do not grow them forever.
-
-Two phases (``lua/dictprune.lua``): an unused entry is first *marked* (out of the forward
-map; an encode of the string revives it with the same code), and *swept* on a later pass
-at least ``GRACE_S`` after, if still unused: longer than any encode-to-commit gap of a
-live ingest task, so no committed step ever holds a code without a name. A swept code is
-never reused (codes only grow); readers that cached it hear of it through a ``forget``
-event in every shard's change log (the sampling index hands it to its string caches).
-"""
+"""Dictionary pruning (part of each eviction pass): the string codes the live steps of the
+sampling index hold, handed to the store's pruning (``claw_tasks.store.dictprune``, which
+says how a string is marked, then swept, without a committed step losing its name)."""
 
 from __future__ import annotations
 
@@ -17,14 +9,8 @@ import numpy as np
 from claw_tasks.format.schema import tag_column
 from claw_tasks.format.stepmeta import DICT_COLUMNS
 from claw_tasks.store import Store
-from claw_tasks.store.config import LOG_MAXLEN
-from claw_tasks.store.scripts import Lua
+from claw_tasks.store.dictprune import prune_column
 from orchestrator.sampling.index import SamplingIndex
-
-GRACE_S = 300.0
-BATCH = 500
-"""Entries per script call and per HSCAN page."""
-_SCRIPT = Lua("dictprune")
 
 
 def prune_dictionaries(store: Store, index: SamplingIndex, now: float) -> dict[str, int]:
@@ -32,48 +18,7 @@ def prune_dictionaries(store: Store, index: SamplingIndex, now: float) -> dict[s
     tags = index.schema.tags if index.schema else {}
     columns = [*DICT_COLUMNS, *(tag_column(t) for t, kind in tags.items() if kind == "str")]
     alive = index.columns["alive"]
-    swept = {}
-    for col in columns:
-        used = set(np.unique(index.columns[col][alive]).tolist())
-        keys = [store.keys.dict(col), store.keys.rdict(col), store.keys.dpend(col)]
-        sweep, revive, marked = [], [], set()
-        for s, v in store.r.hscan_iter(keys[2], count=BATCH):
-            code_text, _, at = v.partition(b":")
-            code = int(code_text)
-            marked.add(code)
-            if code in used:
-                revive += [s, code_text]
-            elif now - float(at or 0) >= GRACE_S:
-                sweep += [s, code_text]
-        mark = []
-        for code_text, s in store.r.hscan_iter(keys[1], count=BATCH):
-            code = int(code_text)
-            if code and code not in used and code not in marked:
-                mark += [s, code_text]
-        _run(store, keys, "revive", revive, now)
-        _run(store, keys, "mark", mark, now)
-        if _run(store, keys, "sweep", sweep, now):
-            _announce(store, index, col, [int(c) for c in sweep[1::2]])
-        swept[col] = len(sweep) // 2
-    return swept
-
-
-def _run(store: Store, keys: list[str], mode: str, pairs: list, now: float) -> int:
-    done = 0
-    for i in range(0, len(pairs), 2 * BATCH):
-        done += int(_SCRIPT(store.r, keys, [mode, repr(now), *pairs[i : i + 2 * BATCH]]))
-    return done
-
-
-def _announce(store: Store, index: SamplingIndex, col: str, codes: list[int]) -> None:
-    """A ``forget`` event in every shard's log: cached codes of ``col`` are stale."""
-    packed = np.asarray(codes, "<i4").tobytes()
-    with store.r.pipeline(transaction=False) as pipe:
-        for shard in range(index.n_shards):
-            pipe.xadd(
-                store.keys.shard_key(shard, "log"),
-                {"op": "forget", "col": col, "codes": packed},
-                maxlen=LOG_MAXLEN,
-                approximate=True,
-            )
-        pipe.execute()
+    return {
+        col: prune_column(store, col, set(np.unique(index.columns[col][alive]).tolist()), now)
+        for col in columns
+    }

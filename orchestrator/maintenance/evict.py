@@ -21,7 +21,7 @@ from claw_tasks.worker.app import app
 from claw_tasks.worker.context import context_for
 from orchestrator.maintenance.beat import each_namespace
 from orchestrator.maintenance.dictprune import prune_dictionaries
-from orchestrator.maintenance.eviction_choice import Choice, choose, watermarks
+from orchestrator.maintenance.eviction_choice import Choice, choose
 from orchestrator.maintenance.lifecycle import namespace_bytes, synced_index
 from orchestrator.sampling.index import SamplingIndex
 
@@ -46,7 +46,7 @@ def evict_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     if retention.empty:
         return {"pruned": _prune(store, index, now)}
-    marks = watermarks(store) if retention.archive_before_evict else None
+    marks = store.watermarks() if retention.archive_before_evict else None
     per_step = None
     if retention.max_bytes is not None:
         live = int(index.columns["alive"].sum())

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from claw_tasks.connection.client import get_many
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from claw_tasks.where import Where
@@ -88,13 +87,6 @@ def choose(
                 order = np.lexsort((cols["timestamp"][rows], pr))
             out.rows["cap"] = np.sort(rows[order[:excess]])
     return out
-
-
-def watermarks(store: Store) -> list[int | None]:
-    """Per shard, the highest archived seq (``claw:{ns:<shard>}:archived``), None if none."""
-    n = store.config().n_shards
-    raw = get_many(store.r, [store.keys.archived(s) for s in range(n)])
-    return [None if v is None else int(v) for v in raw]
 
 
 def protected_steps(store: Store) -> int | None:

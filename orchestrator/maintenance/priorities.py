@@ -16,15 +16,14 @@ Rules (``Store.set_priority_rules``, the dict form of :class:`Rules`), applied i
 
 A pass walks the namespace's metadata chunks with a cursor kept in Redis
 (``claw:{ns}:prio``), a few seconds per beat tick, and resumes on the next tick, on any
-worker. When it starts it snapshots each ``m:priority`` chunk (``psnap:<chunk>``, COPY in
-Redis); a write lands only where the priority still equals the snapshot (``lua/
-reprioritize.lua``), so a trainer's update after the pass started wins over the pass.
+worker. When it starts the store snapshots the priorities; a write lands only where the
+priority still equals the snapshot (``claw_tasks.store.reprioritize``), so a trainer's
+update after the pass started wins over the pass.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,10 +33,12 @@ import numpy as np
 
 from claw_tasks.durations import DurationError, parse_duration
 from claw_tasks.settings import get_settings
-from claw_tasks.store import Store
-from claw_tasks.store.config import LOG_MAXLEN
-from claw_tasks.store.layout import META_CHUNK_SLOTS, nan_xor
-from claw_tasks.store.scripts import Lua
+from claw_tasks.store import Store, meta_spans
+from claw_tasks.store.reprioritize import (
+    drop_priority_snapshots,
+    snapshot_priorities,
+    write_priorities,
+)
 from claw_tasks.worker.app import app
 from orchestrator.maintenance.beat import each_namespace
 from orchestrator.maintenance.lifecycle import synced_index
@@ -45,9 +46,6 @@ from orchestrator.sampling.index import SamplingIndex
 
 TICK_BUDGET_S = 5.0
 """Work per beat tick and namespace; the cursor carries the rest to the next tick."""
-WRITE_BATCH = 1024
-"""Steps per script call (a BITFIELD, three short GETRANGEs, a few SETRANGEs)."""
-_SCRIPT = Lua("reprioritize")
 Scorer = Callable[[dict[str, np.ndarray], dict[str, Any]], np.ndarray]
 
 
@@ -148,7 +146,7 @@ class Recompute:
     def __init__(self, store: Store, rules: Rules, allowed: tuple[str, ...] = ()) -> None:
         self.store, self.rules = store, rules
         self.scorer = None if rules.scorer is None else load_scorer(rules.scorer, allowed)
-        self.key = store.keys.base + "prio"
+        self.key = store.owned_key("prio")
 
     def run(
         self,
@@ -163,7 +161,7 @@ class Recompute:
         state = Pass.from_redis(self.store.r.hgetall(self.key))
         if state is None:
             state = self._start(index, now)
-        per_shard = math.ceil(index.cap / META_CHUNK_SLOTS)
+        per_shard = len(meta_spans(index.cap))
         total = per_shard * index.n_shards
         deadline, written, chunks = time.monotonic() + budget_s, 0, 0
         while state.cursor < total and time.monotonic() < deadline:
@@ -176,7 +174,7 @@ class Recompute:
             self.store.r.hset(self.key, "cursor", state.cursor)
         finished = state.cursor >= total
         if finished:
-            self._finish(index, state, per_shard)
+            self._finish(state)
         return {"written": written, "finished": finished}
 
     def _start(self, index: SamplingIndex, now: float) -> Pass:
@@ -189,32 +187,19 @@ class Recompute:
             new = self._rules(index, rows, index.columns["priority"][rows], state, now)
             mean = float(np.nanmean(new)) if np.isfinite(new).any() else 0.0
             state.scale = mean if mean > 0 else 1.0
-        k = self.store.keys
-        with self.store.r.pipeline(transaction=False) as pipe:
-            for shard in range(index.n_shards):
-                for c in range(math.ceil(index.cap / META_CHUNK_SLOTS)):
-                    src, dst = k.meta(shard, "priority", c), k.shard_key(shard, f"psnap:{c}")
-                    pipe.copy(src, dst, replace=True)
-            pipe.hset(self.key, mapping=state.to_redis())
-            pipe.execute()
+        snapshot_priorities(self.store, lambda pipe: pipe.hset(self.key, mapping=state.to_redis()))
         return state
 
-    def _finish(self, index: SamplingIndex, state: Pass, per_shard: int) -> None:
-        k = self.store.keys
-        snaps = [
-            k.shard_key(s, f"psnap:{c}") for s in range(index.n_shards) for c in range(per_shard)
-        ]
-        with self.store.r.pipeline(transaction=False) as pipe:
-            for key in snaps:  # one DEL per key: a cluster pipeline routes each to its shard
-                pipe.delete(key)
+    def _finish(self, state: Pass) -> None:
+        def also(pipe: Any) -> None:
             pipe.delete(self.key)
             pipe.hset(self.key, "last", repr(state.started))
-            pipe.execute()
+
+        drop_priority_snapshots(self.store, also)
 
     def _chunk(self, index: SamplingIndex, state: Pass, shard: int, chunk: int, now: float) -> int:
         cap, cols = index.cap, index.columns
-        first = chunk * META_CHUNK_SLOTS
-        stop = min(cap, first + META_CHUNK_SLOTS)
+        first, stop = meta_spans(cap)[chunk]
         rows = (
             shard * cap
             + first
@@ -231,33 +216,13 @@ class Recompute:
         new = np.where(np.isnan(new), np.nan, np.maximum(new, 0)).astype(np.float32)
         if not np.all(np.isfinite(new) | np.isnan(old)):
             raise ValueError(f"scorer {self.rules.scorer}: returned non-finite priorities")
-        before, after = nan_xor(old), nan_xor(new)
-        changed = before.view(np.uint32) != after.view(np.uint32)
+        changed = old.view(np.uint32) != new.view(np.uint32)  # bit for bit, NaN included
         if not changed.any():
             return 0
-        rows, before, after = rows[changed], before[changed], after[changed]
-        k = self.store.keys
-        keys = [
-            k.shard_key(shard, "alive"),
-            k.meta(shard, "id", chunk),
-            k.meta(shard, "priority", chunk),
-            k.shard_key(shard, f"psnap:{chunk}"),
-            k.shard_key(shard, "log"),
-        ]
-        written = 0
-        for s in range(0, len(rows), WRITE_BATCH):
-            part = slice(s, s + WRITE_BATCH)
-            args = [
-                first,
-                (rows[part] % cap).astype("<i4").tobytes(),
-                cols["id"][rows[part]].astype("<i8").tobytes(),
-                before[part].tobytes(),
-                after[part].tobytes(),
-                LOG_MAXLEN,
-                (stop - first) * 4,  # the chunk's bytes: a missing one is sized first
-            ]
-            written += int(_SCRIPT(self.store.r, keys, args))
-        return written
+        rows = rows[changed]
+        return write_priorities(
+            self.store, shard, chunk, rows % cap, cols["id"][rows], old[changed], new[changed]
+        )
 
     def _score(self, index: SamplingIndex, rows: np.ndarray) -> np.ndarray:
         cols, cap = index.columns, index.cap

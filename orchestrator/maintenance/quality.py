@@ -7,7 +7,7 @@ and every uncompressed, fixed-shape numeric payload field of at most ``MAX_ITEMS
 a row (all its values together); images, ragged and compressed fields are left out (their
 bytes would be read and decoded on every pass).
 
-Incremental: the statistics are kept per metadata chunk (``META_CHUNK_SLOTS`` slots of a
+Incremental: the statistics are kept per metadata chunk (``meta_spans``: slots of a
 shard) in ``claw:{ns}:quality`` (``c:<shard>:<chunk>``, msgpack) and combined (Chan et
 al.'s merge of count, mean and M2; min of mins...). A pass recomputes only the chunks whose
 rows changed since this process's last pass (a listener on the maintenance index collects
@@ -35,8 +35,8 @@ import numpy as np
 
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.format.schema import FieldSpec, tag_column
-from claw_tasks.store import Store
-from claw_tasks.store.layout import META_CHUNK_SLOTS, payload_chunk_slots
+from claw_tasks.store import Store, meta_chunk_of, meta_spans
+from claw_tasks.store.scan import read_fixed
 from claw_tasks.worker.app import app
 from claw_tasks.worker.context import forget
 from orchestrator.maintenance.beat import each_namespace
@@ -57,7 +57,7 @@ UNSET_IS_NAN = ("priority",)  # and numeric tags: NaN there is a missing value
 
 
 def quality_key(store: Store) -> str:
-    return f"{store.keys.base}quality"
+    return store.owned_key("quality")
 
 
 @dataclass
@@ -159,7 +159,7 @@ def _watch(index: SamplingIndex) -> None:
     if _DIRTY in index.attached:
         return
     cap = index.cap
-    per_shard = math.ceil(cap / META_CHUNK_SLOTS)
+    per_shard = len(meta_spans(cap))
     index.attached[_DIRTY] = None
 
     def changed(rows: np.ndarray | None) -> None:
@@ -168,7 +168,7 @@ def _watch(index: SamplingIndex) -> None:
             index.attached[_DIRTY] = None
         elif len(rows):
             shard, slot = rows // cap, rows % cap
-            seen.update(np.unique(shard * per_shard + slot // META_CHUNK_SLOTS).tolist())
+            seen.update(np.unique(shard * per_shard + meta_chunk_of(slot)).tolist())
 
     index.subscribe(changed)
 
@@ -187,7 +187,8 @@ def quality_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
     index.sync()
     now = time.time() if now is None else now
     key = quality_key(store)
-    cap, per_shard = index.cap, math.ceil(index.cap / META_CHUNK_SLOTS)
+    spans = meta_spans(index.cap)
+    cap, per_shard = index.cap, len(spans)
     n_chunks = per_shard * cfg.n_shards
     dirty = index.attached[_DIRTY]
     todo = list(range(n_chunks)) if dirty is None else sorted(dirty)
@@ -207,7 +208,7 @@ def quality_namespace(store: Store, now: float | None = None) -> dict[str, Any]:
     sigs: dict[int, bytes] = {}
     for g, old in zip(todo, before, strict=True):
         shard, c = divmod(g, per_shard)
-        start, stop = c * META_CHUNK_SLOTS, min((c + 1) * META_CHUNK_SLOTS, cap)
+        start, stop = spans[c]
         base = shard * cap
         rows = base + start + np.flatnonzero(alive[base + start : base + stop])
         got = {f: cols[f][rows] for f in meta if f in cols}
@@ -262,29 +263,8 @@ def _payload(
     store: Store, shard: int, start: int, stop: int, rows: np.ndarray, fields: dict[str, FieldSpec]
 ) -> dict[str, np.ndarray]:
     """The live ``rows`` (positions in slots [start, stop)) of each field, flattened."""
-    k = store.keys
-    plan = []
-    with store.r.pipeline(transaction=False) as pipe:
-        for name, spec in fields.items():
-            per = payload_chunk_slots(spec.row_bytes)
-            s, parts = start, 0
-            while s < stop:
-                chunk, inchunk = divmod(s, per)
-                take = min(stop - s, per - inchunk)
-                size = spec.row_bytes
-                pipe.getrange(
-                    k.field(shard, name, chunk), inchunk * size, (inchunk + take) * size - 1
-                )
-                s, parts = s + take, parts + 1
-            plan.append((name, spec, parts))
-        replies = pipe.execute()
-    out, at = {}, 0
-    for name, spec, parts in plan:
-        raw = b"".join(replies[at : at + parts]).ljust((stop - start) * spec.row_bytes, b"\0")
-        at += parts
-        arr = np.frombuffer(raw, np.dtype(spec.dtype)).reshape(stop - start, -1)
-        out[name] = arr[rows].ravel()
-    return out
+    got = read_fixed(store, shard, start, stop, list(fields))
+    return {name: arr.reshape(stop - start, -1)[rows].ravel() for name, arr in got.items()}
 
 
 def _categories(store: Store, index: SamplingIndex, strings: Strings, now: float) -> dict[str, Any]:

@@ -30,7 +30,6 @@ from claw_tasks.format.columns import Placed
 from claw_tasks.format.schema import Schema
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
-from claw_tasks.store.layout import row_episode_codes
 from orchestrator.maintenance.archive_files import MANIFEST, Manifest, drop_cached
 from orchestrator.maintenance.snapshots import (
     RestoredSnapshot,
@@ -207,8 +206,7 @@ def _commit_in_place(
     fixed = {  # compressed fields are frames in hashes: the commit stores them as they are
         k: spec for k, spec in schema.fields.items() if not spec.ragged and spec.codec is None
     }
-    n_shards = store.config().n_shards
-    shards = row_episode_codes(batch.episode.values, batch.episode.index) % n_shards
+    shards = store.shards_of(batch)
     ids = np.full(batch.n, -1, np.int64)
     for shard in np.unique(shards).tolist():
         rows = np.flatnonzero(shards == shard)

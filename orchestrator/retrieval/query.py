@@ -11,7 +11,7 @@ candidates and reads the fields of the first ``k`` through the sampling fetch, w
 script checks in the round trip that reads them that each row still holds its step (the
 slot not allocated again since, the alive bit set). Three round trips in all. When a row
 fails that check (evicted since the sync) the query runs again, now checking the
-candidates first (``lua/live.lua``) and keeping the first ``k`` live ones, whose fetch
+candidates first (``Store.holding``) and keeping the first ``k`` live ones, whose fetch
 checks them once more. A step evicted before the query started is masked by the sync or
 fails a check, one evicted during it fails the fetch's: no evicted step is ever returned.
 """
@@ -23,14 +23,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from claw_tasks.format.stepmeta import UNTRAINABLE
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import NamespaceConfig
-from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.where import Where
 from claw_tasks.worker.context import context_for, forget
 from claw_tasks.worker.lru import LRU
@@ -50,7 +48,6 @@ ATTEMPTS = 8
 """Queries per call before giving up on steps evicted under it."""
 SLACK = 8
 """Candidates asked for beyond ``k``: a few may turn out evicted since the sync."""
-_LIVE = Lua("live", "orchestrator")
 WHERE_CACHE = 8
 """Masks of this many recent ``where``s are kept (per session)."""
 
@@ -250,7 +247,7 @@ class Session:
             )
         for attempt in range(ATTEMPTS):
             # The config first: a namespace made again must not reach the old geometry.
-            changed = self.vectors.refresh(watch=(self.store.keys.config, self._check_config))
+            changed = self.vectors.refresh(watch=(self.store.queue_config, self._check_config))
             self.index.sync()
             self._update_masks(changed)
             mask = self._where_mask(self._compile(where), params)
@@ -288,7 +285,7 @@ class Session:
         self, dist: np.ndarray, rows: np.ndarray, k: int
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The first ``k`` candidates of each query that still hold their steps (one
-        ``lua/live.lua`` call per shard, after the search); None when some query lost
+        ``Store.holding`` call per shard, after the search); None when some query lost
         more than ``SLACK`` of them and had more: those rows are masked, search again."""
         uniq = np.unique(rows[rows >= 0])
         dead = uniq[~self._alive(uniq)] if len(uniq) else uniq
@@ -306,30 +303,7 @@ class Session:
     def _alive(self, rows: np.ndarray) -> np.ndarray:
         """Whether each of ``rows`` (sorted) still holds the step the index says."""
         cols, cap, n_shards = self.index.columns, self.index.cap, self.index.n_shards
-        seqs = cols["id"][rows] // n_shards
-        shards = rows // cap
-        keys = self.store.keys
-        parts: list[np.ndarray] = []
-
-        def queue(pipe: Any) -> None:
-            parts.clear()  # run again after a NOSCRIPT
-            for shard in np.unique(shards).tolist():
-                on = shards == shard
-                parts.append(on)
-                args = [
-                    cap,
-                    msgpack.packb((rows[on] % cap).tolist()),
-                    msgpack.packb(seqs[on].tolist()),
-                ]
-                _LIVE.queue(
-                    pipe, [keys.shard_key(shard, "alive"), keys.shard_key(shard, "seq")], args
-                )
-
-        replies = execute(self.store.r, [_LIVE], queue)
-        out = np.zeros(len(rows), bool)
-        for on, reply in zip(parts, replies, strict=True):
-            out[on] = np.frombuffer(reply, np.uint8) == ord("1")
-        return out
+        return self.store.holding(rows // cap, rows % cap, cols["id"][rows] // n_shards)
 
     def _read(
         self, rows: np.ndarray, fields: list[str]

@@ -1,4 +1,5 @@
-"""A vector index's Redis keys, and reading and writing them as raw arrays (never pickled).
+"""A vector index in Redis: its namespace-level keys, and its per-slot arrays (the store's
+:class:`~claw_tasks.store.arrays.SlotArrays`) read and written as raw arrays (never pickled).
 
 Namespace level (``claw:{ns}:``): ``vx`` (hash: index name -> its definition as JSON),
 ``vx:<name>`` (hash: ``dim``; ``created``, the namespace config's creation time the index
@@ -10,19 +11,17 @@ global rows ``shard * cap + slot`` written, as ``<i8``; ``gen`` when the quantiz
 trained), ``vx:<name>:lock`` (the writer's lock: one maintenance task at a time writes
 an index).
 
-Shard level (``claw:{ns:s}:vx:<name>:``), indexed by slot like the store's columns, each
-chunk sized once when first touched (``lua/vsize.lua``): ``v:<chunk>`` float32 vectors of
-``dim`` (just under 1 MiB a chunk), ``i:<chunk>`` the ``<i8`` id of the step each vector
-was computed from (0: none; a slot whose id differs holds another step now), ``a:<chunk>``
-``<i4`` IVF list + 1 of each vector under the latest generation (0: not assigned).
+Slot arrays ``vx:<name>``, indexed by slot like the store's columns: ``v`` float32
+vectors of ``dim``, ``i`` the ``<i8`` id of the step each vector was computed from (0:
+none; a slot whose id differs holds another step now), ``a`` the ``<i4`` IVF list + 1 of
+each vector under the latest generation (0: not assigned).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,19 +29,18 @@ import numpy as np
 import redis
 
 from claw_tasks.store import Store
+from claw_tasks.store.arrays import SlotArrays
 from claw_tasks.store.config import LOG_MAXLEN
-from claw_tasks.store.layout import META_CHUNK_SLOTS, payload_chunk_slots
-from claw_tasks.store.scripts import Lua, execute
+from claw_tasks.store.scripts import execute
 from orchestrator.retrieval.spec import IndexSpec, Projection, SpecError, spec_of
 from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
 
 LOCK_TTL_S = 120
-_SIZE = Lua("vsize", "orchestrator")
 LOG_PAGE = 1000
 
 
 def defs_key(store: Store) -> str:
-    return store.keys.base + "vx"
+    return store.owned_key("vx")
 
 
 def define_index(
@@ -90,36 +88,33 @@ def list_indexes(store: Store) -> dict[str, IndexSpec]:
 
 def drop_index(store: Store, name: str) -> int:
     """Delete index ``name``'s definition and every key of it; returns keys deleted."""
-    keys = IndexKeys(store, name)
+    names = IndexKeys(store, name)
     cfg = store.config(refresh=True) if store.exists() else None
-    head = store.r.hgetall(keys.head)
-    doomed = [keys.head, keys.log, keys.lock]
+    head = store.r.hgetall(names.head)
+    doomed = [names.head, names.log, names.lock]
+    store.r.hdel(defs_key(store), name)
     if cfg is not None and head.get(b"dim"):
-        vchunk = payload_chunk_slots(4 * int(head[b"dim"]))
-        for shard in range(cfg.n_shards):
-            doomed += [keys.chunk(shard, "v", c) for c in range(math.ceil(cfg.cap / vchunk))]
-            for kind in ("i", "a"):
-                doomed += [
-                    keys.chunk(shard, kind, c) for c in range(math.ceil(cfg.cap / META_CHUNK_SLOTS))
-                ]
+        return vector_arrays(store, name, int(head[b"dim"])).clear(also=doomed)
     with store.r.pipeline(transaction=False) as pipe:
-        pipe.hdel(defs_key(store), name)
         for key in doomed:  # one DEL per key: a cluster pipeline routes each to its slot
             pipe.delete(key)
-        return sum(int(n) for n in pipe.execute()[1:])
+        return sum(int(n) for n in pipe.execute())
+
+
+def vector_arrays(store: Store, name: str, dim: int) -> SlotArrays:
+    """Index ``name``'s slot arrays: vectors ``v``, ids ``i``, list assignments ``a``."""
+    return SlotArrays(
+        store, f"vx:{name}", {"v": ("<f4", (dim,)), "i": ("<i8", ()), "a": ("<i4", ())}
+    )
 
 
 class IndexKeys:
-    """Key names of one vector index."""
+    """Namespace-level key names of one vector index."""
 
     def __init__(self, store: Store, name: str) -> None:
-        self.keys, self.name = store.keys, name
-        self.head = store.keys.base + f"vx:{name}"
+        self.head = store.owned_key(f"vx:{name}")
         self.log = self.head + ":log"
         self.lock = self.head + ":lock"
-
-    def chunk(self, shard: int, kind: str, chunk: int) -> str:
-        return self.keys.shard_key(shard, f"vx:{self.name}:{kind}:{chunk}")
 
 
 @dataclass
@@ -149,19 +144,16 @@ class Storage:
     def __init__(self, store: Store, spec: IndexSpec, dim: int) -> None:
         cfg = store.config()
         self.store, self.r, self.spec, self.dim = store, store.r, spec, dim
-        self.keys = IndexKeys(store, spec.name)
+        self.names = IndexKeys(store, spec.name)
         self.n_shards, self.cap = cfg.n_shards, cfg.cap
         self.created = cfg.created
-        self.vchunk = payload_chunk_slots(4 * dim)
-        self.sized: set[str] = set()
-        self.widths = {"v": 4 * dim, "i": 8, "a": 4}
-        self.slots = {"v": self.vchunk, "i": META_CHUNK_SLOTS, "a": META_CHUNK_SLOTS}
+        self.arrays = vector_arrays(store, spec.name, dim)
 
     # ---- head ------------------------------------------------------------------------
     def head(self) -> Head | None:
         """The index's head, or None when it was never written or belongs to an older
         namespace of the same name (another config ``created``)."""
-        h = self.r.hgetall(self.keys.head)
+        h = self.r.hgetall(self.names.head)
         if not h or float(h[b"created"]) != self.created or int(h[b"dim"]) != self.dim:
             return None
         gen, nlist = int(h.get(b"gen", 0)), int(h.get(b"nlist", 0))
@@ -173,26 +165,17 @@ class Storage:
     def reset_head(self) -> None:
         """A fresh head for this namespace: every old vector is stale (ids no longer
         match, or the index is recreated), so the old keys go first."""
-        drop_keys = [self.keys.log]
-        for shard in range(self.n_shards):
-            for kind, per in self.slots.items():
-                drop_keys += [self.keys.chunk(shard, kind, c) for c in range(self._chunks(per))]
-        with self.r.pipeline(transaction=False) as pipe:
-            for key in drop_keys:
-                pipe.delete(key)
-            pipe.delete(self.keys.head)
-            pipe.hset(self.keys.head, mapping={"dim": self.dim, "created": repr(self.created)})
-            pipe.execute()
-        self.sized.clear()
+        self.arrays.clear(also=[self.names.log, self.names.head])
+        self.r.hset(self.names.head, mapping={"dim": self.dim, "created": repr(self.created)})
 
     def set_trained(self, centroids: np.ndarray, vectors: int) -> int:
         """Publish a trained quantizer (the next generation; ``vectors`` there were) and
         tell readers (a ``gen`` entry: they reload, the assignments having been written
         first). Returns the generation."""
         with self.r.pipeline(transaction=False) as pipe:
-            pipe.hincrby(self.keys.head, "gen", 1)
+            pipe.hincrby(self.names.head, "gen", 1)
             pipe.hset(
-                self.keys.head,
+                self.names.head,
                 mapping={
                     "nlist": len(centroids),
                     "centroids": np.ascontiguousarray(centroids, "<f4").tobytes(),
@@ -200,55 +183,48 @@ class Storage:
                 },
             )
             gen = int(pipe.execute()[0])
-        self.r.xadd(self.keys.log, {"gen": gen}, maxlen=LOG_MAXLEN, approximate=True)
+        self.r.xadd(self.names.log, {"gen": gen}, maxlen=LOG_MAXLEN, approximate=True)
         return gen
 
     def ran(self, done: Mapping[str, Any]) -> None:
         """Count a writer's tick in the head (``runs``, ``pending``: what ``claw stats`` and
         the tests read)."""
         with self.r.pipeline(transaction=False) as pipe:
-            pipe.hincrby(self.keys.head, "runs", 1)
-            pipe.hset(self.keys.head, "pending", int(done.get("pending", 0)))
+            pipe.hincrby(self.names.head, "runs", 1)
+            pipe.hset(self.names.head, "pending", int(done.get("pending", 0)))
             pipe.execute()
 
     # ---- lock ------------------------------------------------------------------------
     def lock(self) -> str | None:
         token = uuid.uuid4().hex
-        return token if self.r.set(self.keys.lock, token, nx=True, ex=LOCK_TTL_S) else None
+        return token if self.r.set(self.names.lock, token, nx=True, ex=LOCK_TTL_S) else None
 
     def renew(self, token: str) -> bool:
         """Extend the lock by ``LOCK_TTL_S`` while it is still ``token``'s."""
         with self.r.pipeline(transaction=True) as pipe:
             try:
-                pipe.watch(self.keys.lock)
-                if pipe.get(self.keys.lock) != token.encode():
+                pipe.watch(self.names.lock)
+                if pipe.get(self.names.lock) != token.encode():
                     return False
                 pipe.multi()
-                pipe.expire(self.keys.lock, LOCK_TTL_S)
+                pipe.expire(self.names.lock, LOCK_TTL_S)
                 pipe.execute()
                 return True
             except redis.WatchError:
                 return False
 
     def unlock(self, token: str) -> None:
-        if self.r.get(self.keys.lock) == token.encode():
-            self.r.delete(self.keys.lock)
+        if self.r.get(self.names.lock) == token.encode():
+            self.r.delete(self.names.lock)
 
     # ---- rows ------------------------------------------------------------------------
     def write(self, rows: np.ndarray, data: Rows, log: bool = True) -> None:
         """Write ``data`` at global ``rows`` (sorted), then log them (a second round trip:
         a reader that sees the entry finds the bytes, on a cluster too)."""
-        parts = {"v": data.vectors.astype("<f4"), "i": data.ids.astype("<i8")}
-        parts["a"] = data.assign.astype("<i4")
-        self._size(rows)
-        with self.r.pipeline(transaction=False) as pipe:
-            for kind, values in parts.items():
-                for key, off, lo, hi in self._runs(rows, kind):
-                    pipe.setrange(key, off, values[lo:hi].tobytes())
-            pipe.execute()
+        self.arrays.write(rows, {"v": data.vectors, "i": data.ids, "a": data.assign})
         if log:
             self.r.xadd(
-                self.keys.log,
+                self.names.log,
                 {"rows": rows.astype("<i8").tobytes()},
                 maxlen=LOG_MAXLEN,
                 approximate=True,
@@ -256,62 +232,23 @@ class Storage:
 
     def write_assign(self, rows: np.ndarray, assign: np.ndarray) -> None:
         """List assignments only (after training), not logged: the ``gen`` entry is."""
-        self._size(rows)
-        values = assign.astype("<i4")
-        with self.r.pipeline(transaction=False) as pipe:
-            for key, off, lo, hi in self._runs(rows, "a"):
-                pipe.setrange(key, off, values[lo:hi].tobytes())
-            pipe.execute()
+        self.arrays.write(rows, {"a": assign})
 
     def read(self, rows: np.ndarray) -> Rows:
-        """Vectors, ids and assignments at global ``rows`` (sorted): one GETRANGE per run
-        of consecutive slots of a chunk, one round trip."""
-        dtypes = {"v": "<f4", "i": "<i8", "a": "<i4"}
-        plan = {kind: list(self._runs(rows, kind)) for kind in dtypes}
-        with self.r.pipeline(transaction=False) as pipe:
-            for kind, runs in plan.items():
-                w = self.widths[kind]
-                for key, off, lo, hi in runs:
-                    pipe.getrange(key, off, off + (hi - lo) * w - 1)
-            replies = iter(pipe.execute())
-        out = {}
-        for kind, runs in plan.items():
-            w = self.widths[kind]
-            buf = b"".join(next(replies).ljust((hi - lo) * w, b"\0") for _, _, lo, hi in runs)
-            out[kind] = np.frombuffer(buf, dtypes[kind]).copy()
-        return Rows(out["v"].reshape(len(rows), self.dim), out["i"], out["a"])
+        """Vectors, ids and assignments at global ``rows`` (sorted), one round trip."""
+        got = self.arrays.read(rows)
+        return Rows(got["v"], got["i"], got["a"])
 
     def read_all(self, kinds: tuple[str, ...] = ("v", "i", "a")) -> dict[str, np.ndarray]:
         """Whole arrays over every row (``shard * cap + slot``): a cold load, chunk by
         chunk (one round trip per shard)."""
-        dtypes = {"v": "<f4", "i": "<i8", "a": "<i4"}
-        n = self.n_shards * self.cap
-        out = {k: np.zeros(n * (self.dim if k == "v" else 1), dtypes[k]) for k in kinds}
-        for shard in range(self.n_shards):
-            with self.r.pipeline(transaction=False) as pipe:
-                for kind in kinds:
-                    for c in range(self._chunks(self.slots[kind])):
-                        pipe.get(self.keys.chunk(shard, kind, c))
-                replies = iter(pipe.execute())
-            for kind in kinds:
-                per, w = self.slots[kind], self.widths[kind] // np.dtype(dtypes[kind]).itemsize
-                for c in range(self._chunks(per)):
-                    raw = next(replies)
-                    if not raw:
-                        continue
-                    part = np.frombuffer(raw, dtypes[kind])
-                    lo = (shard * self.cap + c * per) * w
-                    hi = min(lo + len(part), (shard + 1) * self.cap * w)
-                    out[kind][lo:hi] = part[: hi - lo]
-        if "v" in out:
-            out["v"] = out["v"].reshape(n, self.dim)
-        return out
+        return self.arrays.read_all(kinds)
 
     def log_position(self) -> tuple[str, int]:
         """The log's last entry and its count of entries added (read before a cold load:
         whatever is written after it is replayed)."""
         try:
-            info = self.r.xinfo_stream(self.keys.log)
+            info = self.r.xinfo_stream(self.names.log)
         except Exception:  # no log yet
             return "0-0", 0
         return info["last-generated-id"].decode(), int(info.get("entries-added", 0))
@@ -320,63 +257,23 @@ class Storage:
         """Log entries after ``last``; True first when some were lost (trimmed)."""
 
         def queue(pipe: Any) -> None:
-            for command in page_commands(self.keys.log, last, seen, LOG_PAGE):
+            for command in page_commands(self.names.log, last, seen, LOG_PAGE):
                 pipe.execute_command(*command)
 
         ((lost, entries),) = page_replies(execute(self.r, [LOG_SINCE], queue))
         return lost, entries
 
     def log_and_get(
-        self, last: str, seen: int, key: str
+        self, last: str, seen: int, read: Callable[[Any], None]
     ) -> tuple[bool, list[tuple[bytes, dict]], bytes | None]:
-        """:meth:`log_since` and the value of ``key`` (a namespace-level key: the same
-        slot) in one round trip."""
+        """:meth:`log_since` and the reply of the one read ``read`` queues (of a
+        namespace-level key: the same slot) in one round trip."""
 
         def queue(pipe: Any) -> None:
-            for command in page_commands(self.keys.log, last, seen, LOG_PAGE):
+            for command in page_commands(self.names.log, last, seen, LOG_PAGE):
                 pipe.execute_command(*command)
-            pipe.get(key)
+            read(pipe)
 
         *page, value = execute(self.r, [LOG_SINCE], queue)
         ((lost, entries),) = page_replies(page)
         return lost, entries, value
-
-    # ---- layout ----------------------------------------------------------------------
-    def _chunks(self, per: int) -> int:
-        return math.ceil(self.cap / per)
-
-    def _runs(self, rows: np.ndarray, kind: str) -> Iterator[tuple[str, int, int, int]]:
-        """(key, byte offset, lo, hi): rows[lo:hi] are consecutive slots of one chunk."""
-        if not len(rows):
-            return
-        per, w = self.slots[kind], self.widths[kind]
-        shard, slot = rows // self.cap, rows % self.cap
-        chunk = slot // per
-        cut = np.flatnonzero((np.diff(rows) != 1) | (np.diff(chunk) != 0) | (np.diff(shard) != 0))
-        starts = np.concatenate([[0], cut + 1]).tolist()
-        ends = [*starts[1:], len(rows)]
-        for lo, hi in zip(starts, ends, strict=True):
-            key = self.keys.chunk(int(shard[lo]), kind, int(chunk[lo]))
-            yield key, int(slot[lo] % per) * w, lo, hi
-
-    def _size(self, rows: np.ndarray) -> None:
-        """Size each chunk key ``rows`` touch once (per process), so a chunk's later
-        SETRANGEs never reallocate it."""
-        shards, slots = rows // self.cap, rows % self.cap
-        want: dict[int, dict[str, int]] = {}
-        for kind, per in self.slots.items():
-            for sh, c in set(zip(shards.tolist(), (slots // per).tolist(), strict=True)):
-                key = self.keys.chunk(sh, kind, c)
-                if key not in self.sized:
-                    n = min(per, self.cap - c * per) * self.widths[kind]
-                    want.setdefault(sh, {})[key] = n
-        if not want:
-            return
-
-        def queue(pipe: Any) -> None:
-            for keys in want.values():  # one call per shard: its keys share one slot
-                _SIZE.queue(pipe, list(keys), list(keys.values()))
-
-        execute(self.r, [_SIZE], queue)
-        for keys in want.values():
-            self.sized.update(keys)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -106,15 +107,17 @@ class VectorIndex:
         self.lists[rows] = lists
 
     def refresh(
-        self, watch: tuple[str, Callable[[bytes | None], None]] | None = None
+        self, watch: tuple[Callable[[Any], None], Callable[[bytes | None], None]] | None = None
     ) -> np.ndarray | None:
         """Apply the log since the last look: returns the rows whose vector changed, or
-        None after a cold load (every row may have). ``watch``: a namespace-level key read
-        in the same round trip as the log, and what to call with its value before
-        anything is applied (it may raise)."""
+        None after a cold load (every row may have). ``watch``: what queues one read of a
+        namespace-level key on a pipeline (the same round trip as the log), and what to call
+        with its reply before anything is applied (it may raise)."""
         if self.head is None:
             if watch is not None:
-                watch[1](self.store.r.get(watch[0]))
+                with self.store.r.pipeline(transaction=False) as pipe:
+                    watch[0](pipe)
+                    watch[1](pipe.execute()[0])
             self.load()
             return None
         changed = []

@@ -1,19 +1,36 @@
 """What every page of the inspector reads through: a namespace's store, its query engine
 (index synced; least recently used dropped) under its lock, its ``BatchClient``, and the
-episode names and decoded strings of index rows."""
+episode names and decoded strings of index rows, and a step's row as pages show it."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from claw_tasks.connection.client import redis_client
+from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery.client import BatchClient
 from orchestrator.inspect.query import Query
+
+
+def step_row(cols: Mapping[str, np.ndarray], row: int) -> dict[str, Any]:
+    """Row ``row`` of metadata columns ``cols`` as every page shows a step: its id,
+    step_index, reward, priority and flags."""
+    flags = int(cols["flags"][row])
+    return {
+        "id": int(cols["id"][row]),
+        "step_index": int(cols["step_index"][row]),
+        "reward": float(cols["reward"][row]),
+        "priority": float(cols["priority"][row]),
+        "terminated": bool(flags & TERMINATED),
+        "truncated": bool(flags & TRUNCATED),
+        "trainable": not flags & UNTRAINABLE,
+    }
 
 
 class Access:
@@ -58,10 +75,8 @@ class Access:
 
     def episode_names(self, q: Query, rows: np.ndarray) -> list[str]:
         cols, cap = q.index.columns, q.index.cap
-        with self.r.pipeline(transaction=False) as pipe:
-            for row in rows.tolist():
-                pipe.hget(q.store.keys.shard_key(row // cap, "epname"), int(cols["episode"][row]))
-            return [(v or b"?").decode(errors="replace") for v in pipe.execute()]
+        names = q.store.episode_names(rows // cap, cols["episode"][rows])
+        return ["?" if v is None else v for v in names]
 
     def decode(self, q: Query, column: str, rows: np.ndarray) -> list[Any]:
         return q.store.decode_codes(column, q.index.columns[column][rows].tolist())

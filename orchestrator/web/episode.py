@@ -10,12 +10,11 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.format.arrays import unpackb
-from claw_tasks.format.schema import LLM_FIELDS, tag_column
-from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE, episode_code
+from claw_tasks.format.schema import LLM_FIELDS, Schema, tag_column
+from claw_tasks.format.stepmeta import episode_code
 from claw_tasks.store import Store
-from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS
 from orchestrator.web import charts, thumbs, transcript
-from orchestrator.web.access import Access
+from orchestrator.web.access import Access, step_row
 
 EPISODE_PAGE = 200
 INFO_CHARS = 2000
@@ -54,43 +53,27 @@ class EpisodeViews(Access):
         store = q.store
         schema = store.config().schema
         assert schema is not None
-        images, small, other = [], [], []
-        for fname, spec in schema.fields.items():
-            layout = None if spec.ragged else thumbs.image_layout(spec.dtype, spec.shape)
-            if layout is not None:
-                images.append(fname)
-            elif not spec.ragged and spec.row_items <= SMALL_VECTOR:
-                small.append(fname)
-            else:
-                other.append((fname, spec.describe()))
+        images, small, other = _field_kinds(schema)
         ids = meta["id"]
         shards, slots = page_rows // cap, page_rows % cap
         fields = store.read_fields(shards, slots, small) if small else {}
-        infos = self._infos(store, ids, n_shards, cap)
+        infos = _infos(store, shards, slots)
         names = {c: store.decode_codes(c, meta[c].tolist()) for c in DECODED}
         tags = {}
         for tag, kind in (schema.tags or {}).items():
             col = meta[tag_column(tag)]
             tags[tag] = store.decode_codes(tag_column(tag), col.tolist()) if kind == "str" else col
-        steps = []
-        for i in range(len(ids)):
-            flags = int(meta["flags"][i])
-            steps.append(
-                {
-                    "id": int(ids[i]),
-                    "step_index": int(meta["step_index"][i]),
-                    "reward": float(meta["reward"][i]),
-                    "priority": float(meta["priority"][i]),
-                    "terminated": bool(flags & TERMINATED),
-                    "truncated": bool(flags & TRUNCATED),
-                    "trainable": not flags & UNTRAINABLE,
-                    "quality": names["quality"][i],
-                    "skill_tag": names["skill_tag"][i],
-                    "tags": {k: _plain(v[i]) for k, v in tags.items()},
-                    "fields": {f: _values(fields[f][i]) for f in small},
-                    "info": _info_text(infos[i]),
-                }
-            )
+        steps = [
+            {
+                **step_row(meta, i),
+                "quality": names["quality"][i],
+                "skill_tag": names["skill_tag"][i],
+                "tags": {k: _plain(v[i]) for k, v in tags.items()},
+                "fields": {f: _values(fields[f][i]) for f in small},
+                "info": _info_text(infos[i]),
+            }
+            for i in range(len(ids))
+        ]
         llm_view = None
         if transcript.is_llm(schema.fields):
             ragged = [f for f in (*LLM_FIELDS, "response_mask") if f in schema.fields]
@@ -111,21 +94,6 @@ class EpisodeViews(Access):
             "other": other,
         }
 
-    def _infos(self, store: Store, ids: np.ndarray, n_shards: int, cap: int) -> list[Any]:
-        """Each step's ``info`` (None: none; untrusted: shown escaped, cut short)."""
-        with self.r.pipeline(transaction=False) as pipe:
-            for i in ids.tolist():
-                slot = (i // n_shards - 1) % cap
-                pipe.hget(store.keys.sparse(i % n_shards, "info", slot // SPARSE_CHUNK_SLOTS), slot)
-            raw = pipe.execute()
-        out = []
-        for b in raw:
-            try:
-                out.append(None if b is None else unpackb(b))
-            except Exception as e:  # not ours to fail on: show why
-                out.append(f"(unreadable info: {type(e).__name__})")
-        return out
-
     def thumbnail(self, ns: str, step_id: int, fname: str) -> bytes:
         def make() -> bytes:
             store = self.store(ns)
@@ -141,6 +109,31 @@ class EpisodeViews(Access):
             return thumbs.to_png(arr, layout)
 
         return self.thumbs.get((ns, step_id, fname), make)
+
+
+def _field_kinds(schema: Schema) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """The schema's fields shown as images, as numbers (small vectors), and by shape."""
+    images, small, other = [], [], []
+    for fname, spec in schema.fields.items():
+        layout = None if spec.ragged else thumbs.image_layout(spec.dtype, spec.shape)
+        if layout is not None:
+            images.append(fname)
+        elif not spec.ragged and spec.row_items <= SMALL_VECTOR:
+            small.append(fname)
+        else:
+            other.append((fname, spec.describe()))
+    return images, small, other
+
+
+def _infos(store: Store, shards: np.ndarray, slots: np.ndarray) -> list[Any]:
+    """Each step's ``info`` (None: none; untrusted: shown escaped, cut short)."""
+    out = []
+    for b in store.read_info(shards, slots):
+        try:
+            out.append(None if b is None else unpackb(b))
+        except Exception as e:  # not ours to fail on: show why
+            out.append(f"(unreadable info: {type(e).__name__})")
+    return out
 
 
 def _info_text(info: Any) -> str:

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE
+from claw_tasks.format.stepmeta import UNTRAINABLE
 from orchestrator.inspect.query import Query
 from orchestrator.web import charts
-from orchestrator.web.access import Access
+from orchestrator.web.access import Access, step_row
 
 PAGE = 50
 GROUP_KEYS = ("task_id", "agent_id", "skill_tag")
@@ -68,18 +68,11 @@ class SearchViews(Access):
 
     def _step_meta(self, q: Query, rows: np.ndarray, i: int) -> dict[str, Any]:
         cols, row = q.index.columns, int(rows[i])
-        flags = int(cols["flags"][row])
         return {
-            "id": int(cols["id"][row]),
-            "step_index": int(cols["step_index"][row]),
-            "reward": float(cols["reward"][row]),
-            "priority": float(cols["priority"][row]),
+            **step_row(cols, row),
             "timestamp": float(cols["timestamp"][row]),
             "task_id": q.store.decode_codes("task_id", [int(cols["task_id"][row])])[0],
             "agent_id": q.store.decode_codes("agent_id", [int(cols["agent_id"][row])])[0],
-            "terminated": bool(flags & TERMINATED),
-            "truncated": bool(flags & TRUNCATED),
-            "trainable": not flags & UNTRAINABLE,
         }
 
     def _episode_page(self, q: Query, hit: np.ndarray, page: int) -> tuple[list[dict], int]:

@@ -12,9 +12,9 @@ from typing import Any
 
 from claw_tasks.format.schema import tag_key
 from claw_tasks.store import Store
+from claw_tasks.store.keyscan import list_namespaces
 from claw_tasks.store.labels import diff
 from orchestrator.inspect.stats import Statistics
-from orchestrator.maintenance.lifecycle import list_namespaces
 from orchestrator.web import charts
 from orchestrator.web.curation import CurationViews
 from orchestrator.web.episode import EpisodeViews
@@ -54,11 +54,7 @@ class Inspector(SearchViews, EpisodeViews, CurationViews):
             with self.lock(ns):
                 q = self.query(ns)
                 ts = q.index.columns["timestamp"]
-            cfg = store.config()
-            with self.r.pipeline(transaction=False) as pipe:
-                for s in range(cfg.n_shards):
-                    pipe.get(store.keys.archived(s))
-                archived = sum(int(v or 0) for v in pipe.execute())
+            archived = sum(w or 0 for w in store.watermarks())
             out.append(
                 {
                     "name": ns,

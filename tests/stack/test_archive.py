@@ -255,11 +255,12 @@ def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_pat
     wait_until(lambda: archived() > 0, "the archive to start")
     worker.kill()
     assert archived() < n, "the archive finished before the kill; the test proves nothing"
-    wait_until(lambda: not r.exists(store.keys.archive_lock), "the dead run's lock to lapse")
+    lock = store.owned_key("archive-lock")
+    wait_until(lambda: not r.exists(lock), "the dead run's lock to lapse")
 
     start_worker("maintenance", CLAW_ARCHIVE_LOCK_TTL="2")
     send()
-    wait_until(lambda: archived() == n and not r.exists(store.keys.archive_lock), "the re-run")
+    wait_until(lambda: archived() == n and not r.exists(lock), "the re-run")
     ids = _check_archive(root / f"ns={namespace}", store)
     assert len(ids) == n
     # Episodes span many files: restored file by file, their next_obs links come back.
@@ -333,11 +334,11 @@ def test_archive_refusals_name_the_cause(redis_url, namespace, tmp_path):
     store = Store(redis_url, namespace)
     store.create(100)
     r = store.r
-    r.set(store.keys.archive_lock, "someone")
+    r.set(store.owned_key("archive-lock"), "someone")
     store.commit(_one_step())
     with pytest.raises(ArchiveBusy, match="another archive run"):
         archive_namespace(store, tmp_path)
-    r.delete(store.keys.archive_lock)
+    r.delete(store.owned_key("archive-lock"))
     archive_namespace(store, tmp_path / "a")
     # Archiving elsewhere would split the archive: refused, with the way out.
     with pytest.raises(LookupError, match="another directory"):

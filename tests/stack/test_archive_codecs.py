@@ -114,7 +114,7 @@ def archive_by_worker(redis_url: str, namespace: str, root: Path, store: Store, 
         assert not failed, failed[0]
         assert time.monotonic() < deadline, "the archive task did not finish"
         time.sleep(0.05)
-    while store.r.exists(store.keys.archive_lock):
+    while store.r.exists(store.owned_key("archive-lock")):
         assert time.monotonic() < deadline, "the archive task kept its lock"
         time.sleep(0.05)
 

@@ -21,14 +21,13 @@ from claw_tasks.connection.cluster import LocalCluster
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.settings import Settings
 from claw_tasks.store import Store
+from claw_tasks.store.check import check_namespace
 from claw_tasks.store.retention import Retention
 from claw_tasks.worker.deadletter import REJECTS, REJECTS_OUTCOMES
 from orchestrator import Recipe, sample, update_priorities
-from orchestrator.cli.doctor import check_namespace
 from orchestrator.delivery.registry import ACTIVE, Registry
 from orchestrator.maintenance.archive import archive_namespace
 from orchestrator.maintenance.evict import evict_namespace
-from orchestrator.maintenance.eviction_choice import watermarks
 from orchestrator.maintenance.priorities import Recompute, Rules
 from tests.support.stepdata import batch, episode, interleave
 
@@ -91,7 +90,7 @@ def _run_everything(url: str, namespace: str, archive_dir: Path) -> dict[str, ob
     out["recomputed"] = Recompute(store, Rules.of(rules)).run(now=T0 + 3600)["finished"]
     out["prio_after"] = store.get(ids, fields=[])["priority"].tobytes()
     out["archived"] = archive_namespace(store, archive_dir, chunk_bytes=4096).rows
-    out["marks"] = watermarks(store)
+    out["marks"] = store.watermarks()
     store.set_retention(Retention(max_steps=200, protect=({"quality": "good"},)))
     out["evicted"] = evict_namespace(store, now=T0 + 7200)
     out["left"] = store.count()

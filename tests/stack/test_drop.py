@@ -12,8 +12,8 @@ import pytest
 
 from claw_tasks.client import Ingestor
 from claw_tasks.store import NamespaceDropped, Store
-from orchestrator.cli.doctor import check_namespace
-from orchestrator.maintenance.lifecycle import namespace_keys
+from claw_tasks.store.check import check_namespace
+from claw_tasks.store.keyscan import namespace_keys
 from tests.support.paths import ROOT
 
 

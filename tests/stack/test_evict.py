@@ -12,9 +12,9 @@ import pytest
 from claw_tasks.durations import DurationError, parse_duration
 from claw_tasks.format.stepmeta import episode_code
 from claw_tasks.store import Store
+from claw_tasks.store.check import check_namespace
 from claw_tasks.store.retention import Retention, RetentionError, parse_bytes
 from orchestrator import Recipe, sample
-from orchestrator.cli.doctor import check_namespace
 from orchestrator.maintenance.evict import evict_namespace
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.sample import StoreChangingError
@@ -336,7 +336,7 @@ def test_the_evict_task_on_a_real_worker(store, start_worker, redis_url):
 
 
 def test_dictionaries_shed_strings_no_live_step_uses(store):
-    from orchestrator.maintenance.dictprune import GRACE_S
+    from claw_tasks.store.dictprune import GRACE_S
 
     def traj(e: int, n: int, first: int = 0) -> list[dict]:
         return episode(e, n, first=first, task_id=f"traj-{e}", tags={"prompt": f"p{e}"})

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from claw_tasks.store import Store
+from claw_tasks.store.check import check_namespace
 from orchestrator import Recipe, sample
-from orchestrator.cli.doctor import check_namespace
 from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance.priorities import Recompute, Rules, RulesError
 from tests.support.paths import ROOT

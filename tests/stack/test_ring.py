@@ -10,8 +10,8 @@ from claw_tasks.client import Ingestor
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
+from claw_tasks.store.check import check_namespace
 from orchestrator import Recipe, sample
-from orchestrator.cli.doctor import check_namespace
 
 
 def test_ring_overwrite_through_ingest(redis_url, namespace, ingest_worker, r):

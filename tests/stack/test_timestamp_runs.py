@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from claw_tasks.store import Store
+from claw_tasks.store.check import check_namespace
 from claw_tasks.store.layout import RUN_CHUNK_SLOTS, RUN_ENTRY, runs_of
 from claw_tasks.store.scan import read_meta_run
-from orchestrator.cli.doctor import check_namespace
 from orchestrator.maintenance.archive import archive_namespace
 from orchestrator.maintenance.lifecycle import drop_namespace
 from orchestrator.maintenance.restore import restore

@@ -10,10 +10,10 @@ import redis
 
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.check import check_namespace
 from claw_tasks.store.config import FORMAT, READS
 from claw_tasks.where import FilterError, parse
 from orchestrator import InsufficientData, Recipe, sample
-from orchestrator.cli.doctor import check_namespace
 from orchestrator.inspect.stats import Statistics, UnreadableNamespace
 from tests.support.stepdata import batch
 

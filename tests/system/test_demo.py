@@ -16,11 +16,11 @@ import torch
 from typer.testing import CliRunner
 
 from claw_tasks.store import Store
+from claw_tasks.store.keyscan import scan_keys
 from orchestrator.cli.demo import dqn, weights
 from orchestrator.cli.demo.pixels import SIZE, render
 from orchestrator.cli.demo.report import PNG_NAME
 from orchestrator.cli.main import app
-from orchestrator.inspect.namespaces import scan_keys
 from tests.support.paths import ROOT
 
 CLAW = [sys.executable, "-m", "orchestrator.cli.main"]

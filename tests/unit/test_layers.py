@@ -346,3 +346,116 @@ def test_no_private_name_is_used_across_modules() -> None:
     assert sorted(found - ALLOWED_PRIVATE) == []
     stale = sorted(ALLOWED_PRIVATE - found)
     assert stale == [], f"no longer used: remove them from ALLOWED_PRIVATE: {stale}"
+
+
+# ---- the store's layout stays in the store ----------------------------------------------
+# orchestrator/sampling/ is being moved behind the store's read API; until then it is
+# exempt here.
+LAYOUT_EXEMPT = ("orchestrator/sampling/",)
+
+
+def _layout_names() -> set[str]:
+    """What only the store may name: ``Keys``, the layout's constants and helpers (what
+    ``claw_tasks.store`` exports of the layout, e.g. ``meta_spans``, is its API)."""
+    tree = ast.parse((ROOT / "claw_tasks" / "store" / "layout.py").read_text())
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined |= {t.id for t in targets if isinstance(t, ast.Name)}
+    exported = set(importlib.import_module("claw_tasks.store").__all__)
+    return {n for n in defined if not n.startswith("_")} - exported
+
+
+def _key_builders() -> set[str]:
+    from claw_tasks.store.layout import Keys
+
+    return {name for name in vars(Keys) if not name.startswith("_")} | {"base", "ns"}
+
+
+def _layout_uses(tree: ast.AST, layout_names: set[str], builders: set[str]) -> list[str]:
+    """Where ``tree`` imports the store's layout, names one of ``layout_names``, calls a key
+    builder on something's ``keys`` (``store.keys.meta(...)``, ``k = store.keys``) or
+    spells a store key (``"claw:{ns:0}:seq"``, ``f"claw:{{{ns}}}:config"``)."""
+    found = []
+    docstrings = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith("claw:{")
+            and id(node) not in docstrings
+        ):
+            found.append(f"line {node.lineno}: spells a store key ({node.value!r})")
+        modules = (
+            [node.module]
+            if isinstance(node, ast.ImportFrom)
+            else [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else []
+        )
+        if "claw_tasks.store.layout" in modules:
+            found.append(f"line {node.lineno}: imports claw_tasks.store.layout")
+        elif isinstance(node, ast.Name) and node.id in layout_names:
+            found.append(f"line {node.lineno}: names {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in layout_names:
+            found.append(f"line {node.lineno}: names {node.attr}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "keys"
+            and node.attr in builders
+        ):
+            found.append(f"line {node.lineno}: builds a key (.keys.{node.attr})")
+        elif (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "keys"
+            and isinstance(node.value.value, ast.Name | ast.Attribute)
+            and ast.unparse(node.value.value).split(".")[-1] in {"store", "core", "target"}
+        ):
+            found.append(f"line {node.lineno}: holds a store's key builder")
+    return found
+
+
+def test_the_layout_finder_finds_layout_uses() -> None:
+    source = """
+from claw_tasks.store.layout import META_CHUNK_SLOTS
+import claw_tasks.store.layout
+store.keys.meta(0, "id", 0)
+k = self.store.keys
+n = SPARSE_CHUNK_SLOTS
+Keys("ns")
+f"claw:{{{ns}}}:config"
+store.owned_key("prio")
+d.keys()
+where.keys
+"""
+    found = _layout_uses(ast.parse(source), _layout_names(), _key_builders())
+    lines = sorted({int(f.split(":")[0].removeprefix("line ")) for f in found})
+    assert lines == [2, 3, 4, 5, 6, 7, 8], found
+
+
+def test_only_the_store_knows_its_layout() -> None:
+    """No orchestrator module builds a store key or reads a layout constant: it asks the
+    store (``claw_tasks.store``) for arrays, so a layout change touches one package."""
+    layout_names, builders = _layout_names(), _key_builders()
+    assert {"Keys", "META_CHUNK_SLOTS", "SPARSE_CHUNK_SLOTS", "payload_chunk_slots"} <= (
+        layout_names
+    )
+    bad = []
+    for path in sorted((ROOT / "orchestrator").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(LAYOUT_EXEMPT):
+            continue
+        bad += [
+            f"{rel} {use}"
+            for use in _layout_uses(ast.parse(path.read_text()), layout_names, builders)
+        ]
+    assert bad == []

@@ -15,13 +15,13 @@ from rich.table import Table
 from claw_tasks.connection.client import is_cluster
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.check import CHECKS, Report, check_namespace
+from claw_tasks.store.keyscan import namespace_keys, scan_keys
 from orchestrator.cli.app import app, err, friendly, redis_client
-from orchestrator.cli.doctor import CHECKS, Report, check_namespace
 from orchestrator.cli.retention_options import retention_policy
 from orchestrator.cli.schedule import beat_entries
 from orchestrator.cli.steplog import parse_ids
-from orchestrator.inspect.namespaces import scan_keys
-from orchestrator.maintenance.lifecycle import drop_namespace, namespace_keys
+from orchestrator.maintenance.lifecycle import drop_namespace
 
 _MAX_PROBLEMS = 50
 

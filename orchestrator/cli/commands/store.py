@@ -14,10 +14,10 @@ from claw_tasks.connection.server import ensure_redis
 from claw_tasks.format.schema import Schema, tag_key
 from claw_tasks.settings import redact_url
 from claw_tasks.store import NamespaceError, Store
+from claw_tasks.store.keyscan import list_namespaces
 from orchestrator.cli.app import app, err, friendly, redis_client
 from orchestrator.cli.steplog import dead_letters, newest_ids, parse_ids, step_lines
 from orchestrator.inspect.stats import NamespaceStats, Statistics, UnreadableNamespace
-from orchestrator.maintenance.lifecycle import list_namespaces
 
 
 @app.command()

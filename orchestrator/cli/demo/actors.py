@@ -24,14 +24,14 @@ from claw_tasks.client import Ingestor
 from claw_tasks.client.gym import RecordSteps
 from claw_tasks.connection.client import redis_client
 from claw_tasks.format.arrays import packb
-from claw_tasks.store.layout import Keys
+from claw_tasks.store import owned_key
 from orchestrator.cli.demo import dqn, weights
 
 TASK_ID = "cartpole"
 
 
 def episodes_key(namespace: str) -> str:
-    return f"{Keys(namespace).base}demo:episodes"
+    return owned_key(namespace, "demo:episodes")
 
 
 def epsilon(version: int, anneal_versions: int, floor: float) -> float:

@@ -15,7 +15,7 @@ import redis
 
 from claw_tasks.codecs import CodecError
 from claw_tasks.format.arrays import pack_array, packb, unpack_array, unpackb
-from claw_tasks.store.layout import Keys
+from claw_tasks.store import owned_key
 
 
 class WeightsError(ValueError):
@@ -24,11 +24,11 @@ class WeightsError(ValueError):
 
 def weights_key(namespace: str) -> str:
     """Inside the namespace's keys: removing the namespace removes the weights too."""
-    return f"{Keys(namespace).base}demo:weights"
+    return owned_key(namespace, "demo:weights")
 
 
 def version_key(namespace: str) -> str:
-    return f"{Keys(namespace).base}demo:weights-version"
+    return owned_key(namespace, "demo:weights-version")
 
 
 def publish(r: redis.Redis, namespace: str, version: int, arrays: Mapping[str, np.ndarray]) -> None:

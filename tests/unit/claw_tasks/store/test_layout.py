@@ -1,11 +1,22 @@
 """Run tables (``layout.expand_runs``, ``runs_of``, ``run_blocks``): what commit.lua writes
-reads back per slot, zeros before a block's first record and in a block with no key."""
+reads back per slot, zeros before a block's first record and in a block with no key; the
+metadata chunks a pass walks (``meta_spans``) cover a shard."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
-from claw_tasks.store.layout import RUN_CHUNK_SLOTS, RUN_ENTRY, expand_runs, run_blocks, runs_of
+from claw_tasks.store.layout import (
+    RUN_CHUNK_SLOTS,
+    RUN_ENTRY,
+    expand_runs,
+    meta_chunk_of,
+    meta_spans,
+    run_blocks,
+    runs_of,
+)
 
 R = RUN_CHUNK_SLOTS
 
@@ -63,3 +74,13 @@ def test_one_block_at_a_slice_reads_as_its_positions_listed():
             got = expand_runs(tables, slice(lo, hi), np.dtype("<f8"))
             assert got.dtype == want.dtype and got.tolist() == want.tolist()
     assert expand_runs([None], slice(2, 9), np.dtype("<f8")).tolist() == [0] * 7
+
+
+def test_meta_spans_cover_a_shard() -> None:
+    for cap in (1, 600, 16376, 16377, 50000):
+        spans = meta_spans(cap)
+        assert spans[0][0] == 0 and spans[-1][1] == cap
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        starts = np.array([s for s, _ in spans])
+        assert (meta_chunk_of(starts) == np.arange(len(spans))).all()
+        assert (meta_chunk_of(np.array([e - 1 for _, e in spans])) == np.arange(len(spans))).all()

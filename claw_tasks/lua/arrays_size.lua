@@ -1,4 +1,4 @@
--- Size a vector index's chunk keys once (orchestrator/retrieval/storage.py), so the
+-- Size the chunk keys of slot arrays once (claw_tasks/store/arrays.py), so the
 -- writer's later SETRANGEs into them never reallocate (a string grown piece by piece
 -- ends in a larger allocation than one sized once).
 -- KEYS: chunk keys of one shard (one hash tag: one cluster slot)

@@ -1,5 +1,5 @@
--- Which of some rows of one shard still hold the steps a reader's index says they hold
--- (orchestrator/retrieval/query.py): a step is still there while its slot was not
+-- Which of some slots of one shard still hold the steps a reader expects there
+-- (claw_tasks/store/shards.py, Shards.holding): a step is still there while its slot was not
 -- allocated again (the shard's seq counter has not reached its seq + cap) and its alive
 -- bit is set (evictions clear it; an allocation clears it before reusing the slot).
 -- KEYS[1] the shard's alive bitmap, KEYS[2] its seq counter

@@ -1,4 +1,6 @@
-"""Consistency checks of one namespace's store and indexes (`claw doctor`)."""
+"""Consistency checks of one namespace's store and indexes (``claw doctor``): every key
+has the layout's type and size, ids map back to their slots, links and dictionaries agree.
+Above the store's parts: it reads keys directly, as only the store may."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from claw_tasks.codecs import CodecError
 from claw_tasks.format.schema import SchemaError, tag_column, tag_name
 from claw_tasks.format.stepmeta import DICT_COLUMNS, EXPLICIT_NEXT, TERMINATED, TRUNCATED
 from claw_tasks.store import NamespaceConfig, NamespaceError, Store
+from claw_tasks.store.keyscan import NamespaceKey, scan_keys
 from claw_tasks.store.layout import (
     META,
     META_CHUNK_SLOTS,
@@ -25,7 +28,6 @@ from claw_tasks.store.layout import (
     Keys,
     payload_chunk_slots,
 )
-from orchestrator.inspect.namespaces import NamespaceKey, scan_keys
 
 CHECKS: dict[str, str] = {
     "config": "the config key exists and parses",
@@ -183,6 +185,8 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
         return _Expect("string", math.ceil(cap / 8))
     if name.startswith(("b:", "stage:")):  # claim checks may live in shard 0's slot
         return _Expect("string")
+    if name.startswith("vx:"):  # a vector index's slot arrays (arrays.SlotArrays)
+        return _Expect("string")
     if name.startswith("psnap:"):  # a priority pass's snapshot of an m:priority chunk
         return _Expect("string", _chunk_slots(int(name[6:]), META_CHUNK_SLOTS, cap) * 4)
     kind, _, rest = name.partition(":")
@@ -277,7 +281,7 @@ def _check_shard(
     str_tags = [tag_column(t) for t, kind in tags.items() if kind == "str"]
     dict_cols = [*DICT_COLUMNS, *str_tags]
     cols = store.meta_columns(shard, ["id", "episode", "step_index", "next", "flags", *dict_cols])
-    seq_now = int(store.r.get(store.keys.shard_key(shard, "seq")) or 0)
+    seq_now = store.seqs()[shard]
     slots = np.flatnonzero(cols["alive"])
     ids = cols["id"][slots]
     n = cfg.n_shards
