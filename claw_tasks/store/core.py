@@ -10,6 +10,8 @@ core too, so a ``Store`` passes as one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 
 from claw_tasks.connection.client import redis_client
@@ -17,6 +19,11 @@ from claw_tasks.store.config import NamespaceConfig, NamespaceDropped, Namespace
 from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.layout import Keys
 from claw_tasks.store.scripts import Scripts
+
+
+def owned_key(namespace: str, name: str) -> str:
+    """:meth:`StoreCore.owned_key` of ``namespace``, for code that holds no ``Store``."""
+    return Keys(namespace).base + name
 
 
 class StoreCore:
@@ -36,6 +43,25 @@ class StoreCore:
         self.dicts = Dictionaries(self.r, self.keys, self.scripts)
         self._config: NamespaceConfig | None = None
         self._config_raw: bytes | None = None  # the record ``_config`` is, as stored
+
+    def owned_key(self, name: str) -> str:
+        """The namespace-scoped key of ``name``, a key the orchestrator owns (queues,
+        recipes, admission, lineage, statistics, index definitions): in the namespace's
+        hash slot beside its config, never one of the store's step-data keys, so the
+        orchestrator names its keys without knowing the store's. ``owned_key("")`` is
+        the prefix itself, for code that names a family of keys under it."""
+        return owned_key(self.namespace, name)
+
+    def queue_config(self, pipe: Any) -> None:
+        """Queue a read of the config record on ``pipe``, for a reader's own round trip:
+        its reply is the record as stored (``NamespaceConfig.from_bytes`` reads it; None:
+        the namespace does not exist)."""
+        pipe.get(self.keys.config)
+
+    def drop_config(self) -> int:
+        """Delete the config record (1: there was one): readers find no namespace from
+        here on; the first step of dropping one, before its other keys."""
+        return int(self.r.unlink(self.keys.config))
 
     @property
     def cached_config(self) -> NamespaceConfig | None:

@@ -30,11 +30,11 @@ import numpy as np
 import redis
 
 from claw_tasks.store import Store
+from claw_tasks.store.changes import LOG_SINCE, page_commands, page_replies
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.layout import META_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.retrieval.spec import IndexSpec, Projection, SpecError, spec_of
-from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
 
 LOCK_TTL_S = 120
 _SIZE = Lua("vsize", "orchestrator")

@@ -304,7 +304,7 @@ class _Session:
     ) -> Batch:
         live = {**recipe.params, **(params or {})}
         once = recipe.grouped and any(s.sampler.once for s in recipe.sources)
-        key = claims_key(self.store.keys.base, recipe.name)
+        key = claims_key(self.store.owned_key(""), recipe.name)
         try:
             return self._sample(recipe, rng, live, once, key)
         finally:

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import redis
 
+from claw_tasks.connection.resp import BulkReader
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.recipe.model import Recipe
-from orchestrator.sampling.bulk import BulkReader
 from orchestrator.sampling.sample import sample
 
 
