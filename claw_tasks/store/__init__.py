@@ -26,8 +26,11 @@ module                ``Store`` methods
 ====================  ======================================================================
 
 Range reads for archival (``scan``) and stored LLM turns (``turns``) are functions over a
-core; ``labels`` is the snapshots' data (a namespace's mutable state, its diff) and
-``snapshot_format`` a snapshot's stored form (name, header, packed columns), no Redis.
+core; so are the sampling read path's reads (``slots``: rows, slot spans, names;
+``changes``: the change logs), queued on a batch of ``connection.resp`` with their
+decoders so that a caller's reads of every kind stay one round trip. ``labels`` is the
+snapshots' data (a namespace's mutable state, its diff) and ``snapshot_format`` a
+snapshot's stored form (name, header, packed columns), no Redis.
 The store's modules import only downward: ``layout``, ``scripts``, ``config``,
 ``dicts``, ``core``, the parts, then this package. Its Lua scripts are package data in
 ``claw_tasks/lua/``. Imports ``format``, ``where``, ``connection``, ``codecs``,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from claw_tasks.connection.resp import BulkReader
+from claw_tasks.store import Store
 from claw_tasks.store.changes import LOG_SINCE, REREAD, page_commands, page_replies
 from claw_tasks.store.slots import reread_columns
-
-from claw_tasks.store import Store
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.shared import SharedIndex
 from tests.support.stepdata import batch, episode, interleave

@@ -17,8 +17,8 @@ import signal
 import sys
 
 import numpy as np
-import orchestrator.sampling.index as index
 
+import orchestrator.sampling.index as index
 from claw_tasks.store import Store
 from orchestrator.sampling.sample import sample
 from orchestrator.sampling.shared import SharedIndex
