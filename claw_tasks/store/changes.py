@@ -112,7 +112,7 @@ class SyncReads:
 
     def __init__(self, core: StoreCore, cap: int) -> None:
         self.core, self.cap = core, cap
-        self._tail: tuple[tuple[Any, ...], list[Any], bytes] | None = None
+        self._tail: tuple[dict[str, np.dtype], list[Any], bytes] | None = None
 
     def queue(
         self,
@@ -125,10 +125,9 @@ class SyncReads:
         """Up to ``page`` entries of each shard's log after ``last``/``seen`` (per shard),
         and the slots they name, ``columns`` of them: its reply a :class:`Sync`."""
         keys = self.core.keys
-        sig = tuple(columns.items())
-        if self._tail is None or self._tail[0] != sig:
+        if self._tail is None or self._tail[0] is not columns:  # a caller keeps its dict
             args = [REREAD_ENTRIES, REREAD_SLOTS, *reread_columns(columns)]
-            self._tail = (sig, args, pack_args(args))
+            self._tail = (columns, args, pack_args(args))
         _, tail, packed_tail = self._tail
         commands: list[Any] = []
         for shard, at in enumerate(last):

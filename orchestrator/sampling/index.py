@@ -148,6 +148,7 @@ class SamplingIndex:
         self.transport = Transport(store.r, [LOG_SINCE, REREAD])
         """The sync's round trips (on a connection of the index's own where it can)."""
         self._sync = SyncReads(store, self.cap)
+        self._reread_cache: tuple[tuple[str, ...], Any, dict[str, np.dtype]] | None = None
 
     def subscribe(self, listener: Callable[[np.ndarray | None], None]) -> None:
         """Call ``listener`` with what every later :meth:`sync` returns (e.g. a sampler's
@@ -288,12 +289,17 @@ class SamplingIndex:
         return any(len(entries) >= LOG_PAGE for _, entries in pages)
 
     def _reread_columns(self) -> dict[str, np.dtype]:
-        """The columns a sync reads again for the slots it is told of, as stored."""
-        cols = [c for c in self.columns if c != "alive"]
-        ordered = [c for c in cols if not c.startswith("f:")] + [
-            c for c in cols if c.startswith("f:")
-        ]
-        return {c: self.column_dtype(c) for c in ordered}
+        """The columns a sync reads again for the slots it is told of, as stored (the
+        same dict while the columns and the schema stay: its packed form is reused)."""
+        names = tuple(self.columns)
+        cached = self._reread_cache
+        if cached is not None and cached[0] == names and cached[1] is self.schema:
+            return cached[2]
+        cols = [c for c in names if c != "alive"]
+        payload = [c for c in cols if c.startswith("f:")]
+        dtypes = {c: self.column_dtype(c) for c in [c for c in cols if c not in payload] + payload}
+        self._reread_cache = (names, self.schema, dtypes)
+        return dtypes
 
     def _reread(
         self, inserted: dict[int, list[tuple[int, int]]], sync: Sync | None
