@@ -42,6 +42,53 @@ Page = tuple[bool, list[Entry]]
 """Whether entries after the reader's position were lost, and the entries read."""
 
 
+class Event(NamedTuple):
+    """A step-data change-log entry, decoded. ``kind``:
+
+    - ``'slots'``: slots taken by a commit or freed for a ring overwrite, ``n`` of them
+      from the step ``seq`` on; ``links``: the ``next`` distances the commit set on older
+      steps (seqs, distances);
+    - ``'column'``: column ``col`` set to ``values`` (stored bytes) on the steps ``ids``
+      that still hold their slots (priorities, curation);
+    - ``'evicted'``: the steps ``ids`` evicted (retention, manual);
+    - ``'forgotten'``: dictionary ``codes`` of ``col`` pruned (never reused);
+    - ``'unknown'``: anything else (a reader rebuilds)."""
+
+    kind: str
+    seq: int = 0
+    n: int = 0
+    col: str = ""
+    ids: np.ndarray | None = None
+    values: bytes = b""
+    codes: np.ndarray | None = None
+    links: tuple[np.ndarray, np.ndarray] | None = None
+
+
+_NO_LINKS = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def event(fields: dict[bytes, bytes]) -> Event:
+    """The change-log entry of ``fields`` (an entry's fields, as a page holds them)."""
+    if b"seq" in fields and b"n" in fields:  # ins, evict: a slot range
+        links = fields.get(b"links", b"")
+        if links:  # seq:delta,...
+            pairs = np.array(links.replace(b":", b",").split(b","), np.int64).reshape(-1, 2)
+            return Event(
+                "slots", int(fields[b"seq"]), int(fields[b"n"]), links=(pairs[:, 0], pairs[:, 1])
+            )
+        return Event("slots", int(fields[b"seq"]), int(fields[b"n"]), links=_NO_LINKS)
+    if b"col" in fields and b"ids" in fields and b"values" in fields:
+        ids = np.frombuffer(fields[b"ids"], "<i8")
+        return Event("column", col=fields[b"col"].decode(), ids=ids, values=fields[b"values"])
+    op = fields.get(b"op")
+    if op == b"evict" and b"ids" in fields:
+        return Event("evicted", ids=np.frombuffer(fields[b"ids"], "<i8"))
+    if op == b"forget" and b"codes" in fields:
+        codes = np.frombuffer(fields[b"codes"], "<i4")
+        return Event("forgotten", col=fields[b"col"].decode(), codes=codes)
+    return Event("unknown")
+
+
 def page_commands(key: str, last: str, seen: int, page: int) -> list[list[Any]]:
     """The commands reading up to ``page`` entries of the log ``key`` after the entry
     ``last`` (``'0-0'``: from the start), ``seen`` being the entries the log had added up

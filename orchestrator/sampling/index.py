@@ -51,9 +51,11 @@ from claw_tasks.store import NamespaceConfig, Store, decode_meta
 from claw_tasks.store.changes import (
     LOG_SINCE,
     REREAD,
+    Event,
     Page,
     Sync,
     SyncReads,
+    event,
     positions,
     queue_config,
 )
@@ -213,17 +215,15 @@ class SamplingIndex:
         for shard, (lost, entries) in enumerate(replies):
             if lost or len(entries) >= LOG_PAGE:
                 return None
-            for _, event in entries:
-                if b"seq" in event and b"n" in event:  # ins, evict: a slot range
-                    seq0, n = int(event[b"seq"]), min(int(event[b"n"]), self.cap)
-                    rows.append(self._rows(shard, np.arange(seq0, seq0 + n)))
-                elif event.get(b"op") == b"evict" and b"ids" in event:
-                    ids = np.frombuffer(event[b"ids"], "<i8")
-                    rows.append(self._rows(shard, ids // self.n_shards))
-                elif event.get(b"op") == b"forget" or {b"col", b"ids", b"values"} <= event.keys():
-                    continue  # column updates and pruned codes leave every step in place
-                else:
+            for _, fields in entries:
+                e = event(fields)
+                if e.kind == "slots":
+                    rows.append(self._rows(shard, np.arange(e.seq, e.seq + min(e.n, self.cap))))
+                elif e.kind == "evicted":
+                    rows.append(self._rows(shard, e.ids // self.n_shards))
+                elif e.kind == "unknown":
                     return None
+                # column updates and pruned codes leave every step in place
         return np.concatenate(rows) if rows else np.zeros(0, np.int64)
 
     def apply_logs(self, read: LogRead | None = None) -> np.ndarray | None:
@@ -267,17 +267,17 @@ class SamplingIndex:
             raise RebuildNeeded
         inserted: dict[int, list[tuple[int, int]]] = {}
         for shard, (_, entries) in enumerate(pages):
-            for _, event in entries:
-                if b"seq" in event and b"n" in event:  # ins, evict: a slot range
-                    inserted.setdefault(shard, []).append((int(event[b"seq"]), int(event[b"n"])))
-                    changed.append(self._links(shard, event.get(b"links", b"")))
-                elif {b"col", b"ids", b"values"} <= event.keys():
-                    changed.append(self._set(shard, event))
-                elif event.get(b"op") == b"evict" and b"ids" in event:  # chosen steps
-                    changed.append(self._evicted(shard, event[b"ids"]))
-                elif event.get(b"op") == b"forget" and b"codes" in event:  # dict pruning
-                    codes = np.frombuffer(event[b"codes"], "<i4").tolist()
-                    self.forgotten.setdefault(event[b"col"].decode(), set()).update(codes)
+            for _, fields in entries:
+                e = event(fields)
+                if e.kind == "slots":
+                    inserted.setdefault(shard, []).append((e.seq, e.n))
+                    changed.append(self._links(shard, e))
+                elif e.kind == "column":
+                    changed.append(self._set(shard, e))
+                elif e.kind == "evicted":
+                    changed.append(self._evicted(shard, e))
+                elif e.kind == "forgotten":  # dict pruning
+                    self.forgotten.setdefault(e.col, set()).update(e.codes.tolist())
                 else:
                     raise RebuildNeeded
         if inserted:
@@ -345,36 +345,30 @@ class SamplingIndex:
     def _rows(self, shard: int, seqs: np.ndarray) -> np.ndarray:
         return shard * self.cap + (seqs - 1) % self.cap
 
-    def _set(self, shard: int, event: dict[bytes, bytes]) -> np.ndarray:
+    def _set(self, shard: int, e: Event) -> np.ndarray:
         """A column update (priority, curation) on the rows that still hold its ids."""
-        col = event[b"col"].decode()
-        if col not in self.columns:
+        if e.col not in self.columns:
             raise RebuildNeeded
-        ids = np.frombuffer(event[b"ids"], "<i8")
-        values = decode_meta(
-            col, np.frombuffer(event[b"values"], self.column_dtype(col)), self.schema
-        )
-        rows = self._rows(shard, ids // self.n_shards)
-        held = self.columns["id"][rows] == ids
+        values = decode_meta(e.col, np.frombuffer(e.values, self.column_dtype(e.col)), self.schema)
+        rows = self._rows(shard, e.ids // self.n_shards)
+        held = self.columns["id"][rows] == e.ids
         rows = rows[held]
-        self.columns[col][rows] = values[held]
+        self.columns[e.col][rows] = values[held]
         return rows
 
-    def _evicted(self, shard: int, packed: bytes) -> np.ndarray:
+    def _evicted(self, shard: int, e: Event) -> np.ndarray:
         """Steps evicted by id (retention, manual): their rows are no longer alive."""
-        ids = np.frombuffer(packed, "<i8")
-        rows = self._rows(shard, ids // self.n_shards)
-        rows = rows[self.columns["id"][rows] == ids]
+        rows = self._rows(shard, e.ids // self.n_shards)
+        rows = rows[self.columns["id"][rows] == e.ids]
         self.live_change -= int(np.count_nonzero(self.columns["alive"][unique(rows)]))
         self.columns["alive"][rows] = False
         return rows
 
-    def _links(self, shard: int, links: bytes) -> np.ndarray:
-        """``next`` distances a commit set on older rows (``seq:delta,...``)."""
-        if not links:
+    def _links(self, shard: int, e: Event) -> np.ndarray:
+        """``next`` distances a commit set on older rows."""
+        seqs, delta = e.links
+        if not len(seqs):
             return np.zeros(0, np.int64)
-        pairs = np.array(links.replace(b":", b",").split(b","), np.int64).reshape(-1, 2)
-        seqs, delta = pairs[:, 0], pairs[:, 1]
         rows = self._rows(shard, seqs)
         held = self.columns["id"][rows] == seqs * self.n_shards + shard
         self.columns["next"][rows[held]] = delta[held]
