@@ -182,6 +182,8 @@ class Transport:
         """The own connection (made again in a forked child: a socket is not shared across
         processes); None where it cannot speak to the server."""
         if self._own is None or self._own[0] != os.getpid():
+            if self._own is not None:  # a forked child: the lock may be held by no thread
+                self.lock = threading.Lock()
             self._own = (os.getpid(), BulkReader.for_client(self.client))
         return self._own[1]
 
