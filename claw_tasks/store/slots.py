@@ -36,11 +36,11 @@ from claw_tasks.store.layout import (
     RUN_CHUNK_SLOTS,
     RUN_COLUMNS,
     SPARSE_CHUNK_SLOTS,
+    column_dtype,
     expand_runs,
     payload_chunk_slots,
     run_blocks,
 )
-from claw_tasks.store.layout import column_dtype as stored_dtype
 from claw_tasks.store.scripts import Lua
 
 FETCH = Lua("fetch")
@@ -350,9 +350,9 @@ def metadata_columns(schema: Schema | None) -> list[str]:
     return [*META, *(tag_column(t) for t in (schema.tags if schema else {}))]
 
 
-def column_dtype(col: str, schema: Schema | None) -> np.dtype:
+def stored_dtype(col: str, schema: Schema | None) -> np.dtype:
     """How ``col`` is stored: a metadata column (:func:`~claw_tasks.store.layout.
     column_dtype`), or ``f:<field>``, a payload field's fixed rows (``V<row bytes>``)."""
     if col.startswith("f:") and schema is not None:
         return np.dtype(f"V{schema.fields[col[2:]].row_bytes}")
-    return stored_dtype(col, schema)
+    return column_dtype(col, schema)

@@ -61,10 +61,10 @@ from claw_tasks.store.changes import (
 )
 from claw_tasks.store.slots import (
     Span,
-    column_dtype,
     metadata_columns,
     payload_columns,
     queue_spans,
+    stored_dtype,
 )
 from orchestrator.sampling.candidates import unique
 
@@ -297,7 +297,7 @@ class SamplingIndex:
             return cached[2]
         cols = [c for c in names if c != "alive"]
         payload = [c for c in cols if c.startswith("f:")]
-        dtypes = {c: self.column_dtype(c) for c in [c for c in cols if c not in payload] + payload}
+        dtypes = {c: self.stored_dtype(c) for c in [c for c in cols if c not in payload] + payload}
         self._reread_cache = (names, self.schema, dtypes)
         return dtypes
 
@@ -349,7 +349,7 @@ class SamplingIndex:
         """A column update (priority, curation) on the rows that still hold its ids."""
         if e.col not in self.columns:
             raise RebuildNeeded
-        values = decode_meta(e.col, np.frombuffer(e.values, self.column_dtype(e.col)), self.schema)
+        values = decode_meta(e.col, np.frombuffer(e.values, self.stored_dtype(e.col)), self.schema)
         rows = self._rows(shard, e.ids // self.n_shards)
         held = self.columns["id"][rows] == e.ids
         rows = rows[held]
@@ -408,14 +408,14 @@ class SamplingIndex:
         """Every column the index keeps for the schema it knows (``alive`` aside)."""
         return [*metadata_columns(self.schema), *self.payload_fields()]
 
-    def column_dtype(self, col: str) -> np.dtype:
+    def stored_dtype(self, col: str) -> np.dtype:
         """How ``col`` is stored (a metadata column, or ``f:<field>``: a payload field's
         fixed rows)."""
-        return column_dtype(col, self.schema)
+        return stored_dtype(col, self.schema)
 
     def read_columns(self, shard: int, cols: list[str]) -> dict[str, np.ndarray]:
         """Whole columns of one shard (length ``cap``) from Redis, and ``alive``."""
-        payload = {c: self.column_dtype(c) for c in cols if c.startswith("f:")}
+        payload = {c: self.stored_dtype(c) for c in cols if c.startswith("f:")}
         out = self.store.meta_columns(shard, [c for c in cols if not c.startswith("f:")])
         if payload:
             out.update(payload_columns(self.store, shard, self.cap, payload))

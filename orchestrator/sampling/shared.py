@@ -328,7 +328,7 @@ class SharedIndex(SamplingIndex):
         assert hdr is not None
         rows, layout, at = self.n_shards * self.cap, [], 0
         for col in [c for c in cols if c != "alive"] + ["alive"]:
-            dtype = np.dtype(bool) if col == "alive" else self.column_dtype(col)
+            dtype = np.dtype(bool) if col == "alive" else self.stored_dtype(col)
             layout.append([col, dtype.str, at])
             at += -(-rows * dtype.itemsize // _ALIGN) * _ALIGN
         name = f"{self._f.base.name}.d{int(hdr[H_META]) + 1}"

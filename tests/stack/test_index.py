@@ -159,7 +159,7 @@ def test_reread_tells_a_loss_as_the_pages_check_does(store, r):
     r.script_load(REREAD.source)
 
     def lost(between: list | None = None) -> bool:
-        cols = {c: ix.column_dtype(c) for c in ix.columns if c != "alive"}
+        cols = {c: ix.stored_dtype(c) for c in ix.columns if c != "alive"}
         args = [store.keys.shard(0), ix.cap, ix.log_last[0], ix.log_seen[0], 64, 16_384]
         args += reread_columns(cols)
         with r.pipeline(transaction=False) as pipe:
