@@ -9,7 +9,7 @@ key or a chunk size. Functions over a :class:`~claw_tasks.store.core.StoreCore`.
   a shard's small rows inside ``lua/fetch.lua`` after checking that its slots still hold
   the steps expected;
 - metadata columns, payload columns and alive flags of slot spans (:func:`queue_spans`,
-  :func:`span_of_reread`: what a sync re-reads) and whole payload columns of a shard
+  :func:`spans_of_reread`: what a sync re-reads) and whole payload columns of a shard
   (:func:`payload_columns`);
 - names of dictionary codes (:func:`name_lookups`: episode names live with their shard).
 
