@@ -31,7 +31,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from claw_tasks.client import Ingestor
-from claw_tasks.connection.client import setrange_many
+from claw_tasks.connection.resp import setrange_many
 from claw_tasks.connection.server import RedisServer
 from tests.support.processes import Worker
 

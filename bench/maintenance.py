@@ -32,12 +32,12 @@ from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
+from claw_tasks.store.changes import LOG_SINCE, REREAD
 from claw_tasks.store.retention import Retention
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.context import forget
 from orchestrator.maintenance.evict import evict_namespace
 from orchestrator.maintenance.priorities import Recompute, Rules
-from orchestrator.sampling.changelog import LOG_SINCE, REREAD
 
 TASKS = ["grasp", "reach", "lift", "push"]
 EPISODE = 100

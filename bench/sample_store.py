@@ -45,9 +45,8 @@ import numpy as np
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
-from claw_tasks.store import Store
+from claw_tasks.store import Store, slots
 from orchestrator import Recipe, sample, update_priorities
-from orchestrator.sampling import fetch
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import RecipeSampler
 from orchestrator.sampling.strings import Strings
@@ -195,13 +194,13 @@ def bench_images(url: str, n: int, repeats: int) -> dict[str, tuple[float, float
             "sources": [{"name": "u"}],
         }
     )
-    out, default = {}, fetch.PLAIN_ROW_BYTES
+    out, default = {}, slots.PLAIN_ROW_BYTES
     for label, plain_from in (("plain", default), ("lua", 1 << 40)):
-        fetch.PLAIN_ROW_BYTES = plain_from
+        slots.PLAIN_ROW_BYTES = plain_from
         index = SamplingIndex(store)
         sample(store, recipe, rng=rng, index=index)
         out[label] = timed(lambda i=index: sample(store, recipe, rng=rng, index=i), repeats)
-    fetch.PLAIN_ROW_BYTES = default
+    slots.PLAIN_ROW_BYTES = default
     store.r.flushdb()
     return out
 

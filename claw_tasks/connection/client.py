@@ -23,7 +23,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException
 
 from claw_tasks.settings import CLUSTER_SCHEMES, is_cluster_url
 
@@ -141,65 +140,3 @@ def identity(client: Client) -> tuple[Any, ...]:
         return ("cluster", *sorted(n.name for n in client.get_nodes()))
     kw = client.connection_pool.connection_kwargs
     return (kw.get("host"), kw.get("port"), kw.get("path"), kw.get("db"))
-
-
-def setrange_many(client: Client, writes: list[tuple[str, int, memoryview]]) -> None:
-    """Pipelined ``SETRANGE key offset value`` of large values, sent straight from their
-    memory. redis-py's packer copies each value twice (``bytes(memoryview)``, then into
-    hiredis' packed command): at image rates that is as much CPU as the send itself
-    (docs/benchmarks.md, "Ingest"). Here only each command's header is built; the values
-    go to the socket as they are. On a cluster, writes to one slot (a shard's keys) go so
-    to the slot's master; if the slot moved meanwhile (or the node is away), they are
-    written again through redis-py's pipeline, which follows the move (``SETRANGE`` is
-    idempotent)."""
-    if not writes:
-        return
-    if not is_cluster(client):
-        _send_setranges(client, writes)
-        return
-    if len({client.keyslot(key) for key, _, _ in writes}) == 1:
-        try:
-            node = client.get_node_from_key(writes[0][0])
-            _send_setranges(client.get_redis_connection(node), writes)
-            return
-        except redis.ResponseError as e:
-            if not str(e).startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")):
-                raise
-        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException):
-            pass
-    with client.pipeline(transaction=False) as pipe:
-        for key, offset, value in writes:
-            pipe.setrange(key, offset, value)
-        pipe.execute()
-
-
-def _send_setranges(client: redis.Redis, writes: list[tuple[str, int, memoryview]]) -> None:
-    parts: list[bytes | memoryview] = []
-    tail = b""
-    for key, offset, value in writes:
-        k, o = key.encode(), str(offset).encode()
-        parts.append(
-            tail
-            + b"*4\r\n$8\r\nSETRANGE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n"
-            % (len(k), k, len(o), o, value.nbytes)
-        )
-        parts.append(value)
-        tail = b"\r\n"
-    parts.append(tail)
-    pool = client.connection_pool
-    conn = pool.get_connection()
-    error: redis.ResponseError | None = None
-    try:
-        conn.send_packed_command(parts)
-        for _ in writes:  # every reply is read, so the connection goes back clean
-            try:
-                conn.read_response()
-            except redis.ResponseError as e:  # the other writes still happened
-                error = error or e
-    except BaseException:
-        conn.disconnect()  # replies may be left unread: never reuse it
-        raise
-    finally:
-        pool.release(conn)
-    if error is not None:
-        raise error

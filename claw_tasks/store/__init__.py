@@ -33,8 +33,11 @@ quality (``scan``), stored LLM turns (``turns``), per-slot arrays a reader keeps
 steps (``arrays``), priority passes (``reprioritize``), dictionary pruning
 (``dictprune``), key memory and field sizes (``usage``); ``keyscan`` lists namespaces and
 parses key names, ``check`` is ``claw doctor``'s check (above this package: it uses
-``Store``). ``labels`` is the snapshots' data (a namespace's mutable state, its diff) and
-``snapshot_format`` a snapshot's stored form (name, header, packed columns), no Redis.
+``Store``). The sampling read path's reads (``slots``: rows, slot spans, names;
+``changes``: the change logs) are queued on a batch of ``connection.resp`` with their
+decoders, so that a caller's reads of every kind stay one round trip. ``labels`` is the
+snapshots' data (a namespace's mutable state, its diff) and ``snapshot_format`` a
+snapshot's stored form (name, header, packed columns), no Redis.
 Only this package builds keys or reads the layout: the code above it asks for arrays and
 names its own keys with ``owned_key``. The store's modules import only downward:
 ``layout``, ``scripts``, ``config``, ``dicts``, ``core``, the parts, then this package.

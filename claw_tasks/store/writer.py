@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.connection.client import setrange_many
+from claw_tasks.connection.resp import setrange_many
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.schema import Schema
 from claw_tasks.store.admin import Admin

@@ -4,8 +4,8 @@
 with); ``forward`` relays agents' calls past the ``gate`` (admission, session keys) to the
 ``upstream``; ``trajectories`` serves rewards, reads and sessions; the ``recorder`` turns
 ``calls`` into steps off the response path (``capture``: replies into turns; ``rewards``:
-what a reward reads of the store). ``requests``, ``metrics``, ``credit`` and ``resp`` (the
-asyncio Redis client) are what they share."""
+what a reward reads of the store). ``requests``, ``metrics`` and ``credit`` are what they
+share; the response path's Redis client is ``claw_tasks.connection.resp``'s."""
 
 from __future__ import annotations
 

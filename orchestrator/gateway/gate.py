@@ -29,12 +29,12 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from claw_tasks.connection import resp
 from claw_tasks.connection.client import async_redis_client
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import admission
-from orchestrator.gateway import resp
 from orchestrator.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import redis
 
+from claw_tasks.connection.resp import BulkReader
 from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.schema import tag_column
 from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE
@@ -45,7 +46,6 @@ from orchestrator.maintenance.archive_files import (
 from orchestrator.maintenance.beat import each_namespace
 from orchestrator.maintenance.snapshots import archive_snapshots
 from orchestrator.maintenance.steptable import STRING_COLUMNS, TAG_PREFIX, StepRows
-from orchestrator.sampling.bulk import BulkReader
 
 CHUNK_BYTES = 64 * 1024 * 1024  # payload read and written per file, at most
 MAX_CHUNK_ROWS = 1 << 18

@@ -30,10 +30,10 @@ import redis
 
 from claw_tasks.store import Store
 from claw_tasks.store.arrays import SlotArrays
+from claw_tasks.store.changes import LOG_SINCE, page_commands, page_replies
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.scripts import execute
 from orchestrator.retrieval.spec import IndexSpec, Projection, SpecError, spec_of
-from orchestrator.sampling.changelog import LOG_SINCE, page_commands, page_replies
 
 LOCK_TTL_S = 120
 LOG_PAGE = 1000

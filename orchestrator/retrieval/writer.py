@@ -25,11 +25,12 @@ import numpy as np
 from claw_tasks.format.schema import FieldSpec
 from claw_tasks.store import Store
 from claw_tasks.store.compressed import decode_stored
+from claw_tasks.store.slots import payload_read
 from claw_tasks.where import Where
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import TWO_LEVEL_FROM, IndexSpec, Projection, per_list
 from orchestrator.retrieval.storage import Head, Rows, Storage, check_field
-from orchestrator.sampling.fetch import Fetcher, payload_read
+from orchestrator.sampling.fetch import Fetcher
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.strings import Strings
 

@@ -19,17 +19,18 @@ from claw_tasks.format.schema import FieldSpec
 from claw_tasks.format.stepmeta import EXPLICIT_NEXT
 from claw_tasks.store import Store
 from claw_tasks.store.compressed import decode_stored
+from claw_tasks.store.slots import (
+    Read,
+    explicit_next_obs_read,
+    info_read,
+    name_lookups,
+    payload_read,
+)
 from claw_tasks.where import lookup
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.candidates import unique
-from orchestrator.sampling.fetch import (
-    Fetcher,
-    Read,
-    explicit_next_obs_read,
-    info_read,
-    payload_read,
-)
+from orchestrator.sampling.fetch import Fetcher
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import Draw
 from orchestrator.sampling.sequences import follow, n_step, windows
@@ -130,7 +131,8 @@ class Assembly:
         self.rows = windows(cols, draw.rows, length, cap).ravel() if length > 1 else draw.rows
         self.reads: list[Read] = []
         self.check = [self.rows]
-        self.lookups: list[tuple[str, list[int], Callable[[Any], None]]] = []
+        self.lookups: list[tuple[str, list[int], list[Any]]] = []
+        """Names of codes to look up in the fetch: (column, codes, command)."""
         self.stacks = stacks
         schema = session.index.schema
         obs = None if schema is None else schema.fields.get("obs")
@@ -360,17 +362,8 @@ class Assembly:
         return got.view(dtype).reshape(*(shape or self.shape), *spec.shape)
 
     def _lookup(self, column: str, codes: np.ndarray) -> None:
-        """Queue the names of codes not cached yet on the fetch's pipeline."""
-        keys, n_shards = self.s.store.keys, self.s.index.n_shards
+        """Queue the names of codes not cached yet on the fetch."""
         missing = self.s.strings.missing(column, codes)
-        if not missing:
-            return
-        if column != "episode":
-            key = keys.rdict(column)
-            self.lookups.append((column, missing, lambda p: p.hmget(key, missing)))
-            return
-        for shard in range(n_shards):  # episode names live with their shard
-            part = [c for c in missing if c % n_shards == shard]
-            if part:
-                key = keys.shard_key(shard, "epname")
-                self.lookups.append((column, part, lambda p, k=key, c=part: p.hmget(k, c)))
+        if missing:
+            found = name_lookups(self.s.store, column, missing, self.s.index.n_shards)
+            self.lookups += [(column, part, command) for part, command in found]

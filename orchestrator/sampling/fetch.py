@@ -1,10 +1,11 @@
-"""Read sampled rows' payloads in one pipelined round trip.
+"""Read sampled rows' payloads in one round trip.
 
 Reads of one key family (a field at the drawn rows and at their successors, a window's
-steps) are merged into sorted unique rows, so consecutive slots come back in one
-GETRANGE. Small rows are read inside ``lua/fetch.lua``, one call per shard: a Lua
-``redis.call`` costs ~1 µs where a client command costs several. Big rows (and ragged
-ones) are plain pipelined GETRANGE / HGET commands: Lua strings cost ~2 ms per MB.
+steps) are merged into sorted unique rows, so consecutive slots come back in one read.
+Small rows are read inside ``lua/fetch.lua``, one call per shard; big rows (and ragged
+ones) by plain commands (:mod:`claw_tasks.store.slots`). Each command is queued on one
+:class:`~claw_tasks.connection.resp.Batch` with the decoder of its reply, and the batch
+is one round trip (:class:`~claw_tasks.connection.resp.Transport`).
 
 Checks: a sampling session's fetch (:class:`LogChecked`) reads the shards' change logs
 after every read of the round trip: every write that changes a slot logs an entry before
@@ -13,86 +14,26 @@ prove the reads current (and none at all prove the whole draw current). Without 
 position (:meth:`Fetcher.__call__`), each shard's script call checks the rows the caller
 expects: the shard's seq has not gone a whole ring past the oldest of them (a slot is
 reused only then) and their alive bits are set (evictions clear them); it runs after the
-plain reads of the same pipeline, so it validates them too.
-
-On a plain TCP or Unix connection the whole fetch is one round trip on the bulk reader's
-own connection (:mod:`orchestrator.sampling.bulk`); otherwise one redis-py pipeline.
+plain reads of the same round trip, so it validates them too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
-from redis.exceptions import NoScriptError
 
-from claw_tasks.format.schema import FieldSpec
+from claw_tasks.connection.resp import Batch, Transport
 from claw_tasks.store import Store
-from claw_tasks.store.layout import SPARSE_CHUNK_SLOTS, payload_chunk_slots
-from claw_tasks.store.scripts import Lua, execute
-from orchestrator.sampling.bulk import BulkReader, pack
+from claw_tasks.store.changes import LOG_SINCE, queue_newest
+from claw_tasks.store.slots import FETCH, Read, queue_checked, queue_plain
 from orchestrator.sampling.candidates import unique
-from orchestrator.sampling.changelog import (
-    LOG_SINCE,
-    LogRead,
-    from_last_command,
-    from_last_page,
-)
-from orchestrator.sampling.index import LOG_PAGE, SamplingIndex
+from orchestrator.sampling.index import LOG_PAGE, LogRead, SamplingIndex
 
-PLAIN_ROW_BYTES = 2048
-"""Fixed rows of at least this many bytes are read by plain commands, not in Lua."""
-
-Lookup = Callable[[Any], None]
-"""Queues one command on the pipeline it is given."""
-
-
-@dataclass(frozen=True)
-class Read:
-    """One field at global ``rows``: ``kind`` ``'f'`` reads ``size`` bytes per row from the
-    chunked strings ``<base>:<chunk>``; ``'h'`` one value per row from the hashes
-    ``<base>:<chunk>`` (field = slot). ``plain``: by client commands, not in Lua.
-
-    ``at`` (fixed reads only): row i goes to row ``at[i]`` of a result of ``n_out`` rows,
-    zeros elsewhere (e.g. ``next_obs`` where some episodes ended without one)."""
-
-    kind: str
-    base: str
-    size: int
-    chunk: int
-    rows: np.ndarray
-    plain: bool = False
-    at: np.ndarray | None = None
-    n_out: int = 0
-
-
-def payload_read(
-    name: str, spec: FieldSpec, rows: np.ndarray, at: np.ndarray | None = None, n_out: int = 0
-) -> Read:
-    """The payload field ``name`` at ``rows`` (placed at ``at`` of ``n_out`` rows, if given:
-    fixed fields only)."""
-    if spec.codec is not None:
-        return Read("h", f"z:{name}", 0, SPARSE_CHUNK_SLOTS, rows, plain=True)
-    if spec.ragged:
-        return Read("h", f"r:{name}", 0, SPARSE_CHUNK_SLOTS, rows, plain=True)
-    size = spec.row_bytes
-    chunk, plain = payload_chunk_slots(size), size >= PLAIN_ROW_BYTES
-    return Read("f", f"f:{name}", size, chunk, rows, plain, at, n_out)
-
-
-def explicit_next_obs_read(obs: FieldSpec, rows: np.ndarray) -> Read:
-    """The ``next_obs`` stored with the steps at ``rows`` (raw bytes, or frames of a
-    compressed obs)."""
-    plain = obs.ragged or obs.codec is not None or obs.row_bytes >= PLAIN_ROW_BYTES
-    return Read("h", "nx", 0, SPARSE_CHUNK_SLOTS, rows, plain)
-
-
-def info_read(rows: np.ndarray) -> Read:
-    """The ``info`` dicts at ``rows`` (msgpack; None where empty)."""
-    return Read("h", "info", 0, SPARSE_CHUNK_SLOTS, rows)
+Tail = Callable[[Batch], Any]
+"""Queues commands after every read of a fetch's batch; what it returns (replies) the
+fetch gives back once the batch ran."""
 
 
 class Fetcher:
@@ -100,20 +41,20 @@ class Fetcher:
 
     def __init__(self, store: Store, cap: int) -> None:
         self.store, self.cap = store, cap
-        self._script = Lua("fetch", "orchestrator")
         self._n_shards = store.config().n_shards
-        self._bulk = BulkReader.for_client(store.r)
+        self.transport = Transport(store.r, [FETCH, LOG_SINCE])
 
     def __call__(
         self,
         check: np.ndarray,
         expect: np.ndarray,
         reads: Sequence[Read],
-        lookups: Sequence[Lookup] = (),
+        lookups: Sequence[Sequence[Any]] = (),
     ) -> tuple[list[Any], list[Any]] | None:
         """Results of ``reads`` in row order (a fixed read: uint8 ``(rows, size)``; a hash
-        read: a list of bytes or None) and the replies of ``lookups``; None when a row of
-        ``check`` no longer holds its step id in ``expect``."""
+        read: a list of bytes or None) and the replies of the read-only commands
+        ``lookups``; None when a row of ``check`` no longer holds its step id in
+        ``expect``."""
         got = self._fetch(check, expect, reads, lookups, None)
         if got is None:
             return None
@@ -121,13 +62,11 @@ class Fetcher:
         return out, replies
 
     def since(
-        self, reads: Sequence[Read], lookups: Sequence[Lookup], tail: Sequence[Sequence[Any]]
-    ) -> tuple[list[Any], list[Any], list[Any]]:
+        self, reads: Sequence[Read], lookups: Sequence[Sequence[Any]], tail: Tail
+    ) -> tuple[list[Any], list[Any], Any]:
         """Results of ``reads`` and the replies of ``lookups``, as :meth:`__call__` gives
-        them, but unchecked; and the replies of the commands ``tail``, run after every read
-        in the same round trip (the change-log reads that check them: :class:`LogChecked`;
-        ``EVALSHA`` of :data:`~orchestrator.sampling.changelog.LOG_SINCE` is loaded on
-        NOSCRIPT)."""
+        them, but unchecked; and what ``tail`` queued after every read in the same round
+        trip (the change-log reads that check them: :class:`LogChecked`)."""
         got = self._fetch(np.zeros(0, np.int64), None, reads, lookups, tail)
         assert got is not None
         return got
@@ -137,168 +76,39 @@ class Fetcher:
         check: np.ndarray,
         expect: np.ndarray | None,
         reads: Sequence[Read],
-        lookups: Sequence[Lookup],
-        since: Sequence[Sequence[Any]] | None,
-    ) -> tuple[list[Any], list[Any], list[Any]] | None:
-        cap, keys = self.cap, self.store.keys
-        families: dict[tuple[Any, ...], list[int]] = {}
-        for j, r in enumerate(reads):
-            families.setdefault((r.kind, r.base, r.size, r.chunk, r.plain), []).append(j)
-        merged, inverse = [], []
-        for (kind, base, size, chunk, plain), members in families.items():
-            uniq, inv = np.unique(
-                np.concatenate([reads[j].rows for j in members]), return_inverse=True
-            )
-            merged.append(Read(kind, base, size, chunk, uniq, plain))
-            inverse.append((members, inv))
-        big = [m for m in merged if m.plain and m.kind == "f"]
+        lookups: Sequence[Sequence[Any]],
+        tail: Tail | None,
+    ) -> tuple[list[Any], list[Any], Any] | None:
+        cap, batch = self.cap, Batch()
+        merged, places = _merged(reads)
+        # In order: the plain reads, the scripts per shard (their reads and checks, after
+        # every plain read: a writer frees a slot before it rewrites it), the tail, the
+        # lookups.
+        plain = {i: queue_plain(batch, self.store, cap, m) for i, m in enumerate(merged) if m.plain}
         in_lua = [m for m in merged if not m.plain]
-        # The commands after the big rows, in order: hashes, scripts per shard (their reads
-        # and checks, after every plain read: a writer frees a slot before it rewrites
-        # it), the change logs (since), the lookups.
-        commands: list[list[Any]] = []
-        hashes = []
-        for m in merged:
-            if m.plain and m.kind == "h":
-                got, runs = self._plain_commands(m)
-                commands += [["HMGET", *args[:1], *args[1]] for _, args in got]
-                hashes.append(len(runs))
-        n_hash = len(commands)
-        if since is None:  # every shard holding a row to check or read
+        if tail is None:  # every shard holding a row to check or read
             parts = [check // cap, *(m.rows // cap for m in merged)]
         else:  # only shards with rows read in Lua (the logs check the rows)
             parts = [m.rows // cap for m in in_lua]
-        shards = unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        shards = unique(np.concatenate(parts)).tolist() if parts else []
         seqs = None if expect is None else expect // self._n_shards
-        for shard in shards.tolist():
+        checked = []
+        for shard in shards:
             on = check // cap == shard
             oldest = int(seqs[on].min()) if seqs is not None and on.any() else 1 << 52
-            args: list[Any] = [keys.shard(shard), cap, oldest, _pack(check[on] % cap)]
-            for m in in_lua:
-                lo, hi = np.searchsorted(m.rows, [shard * cap, (shard + 1) * cap])
-                args += [m.kind, m.base, m.size, m.chunk, _pack(m.rows[lo:hi] % cap)]
-            shard_keys = [keys.shard_key(shard, k) for k in ("alive", "seq")]
-            commands.append(["EVALSHA", self._script.sha, 2, *shard_keys, *args])
-        commands += [list(c) for c in since or ()]
-        recorder = _Recorder()
-        for lookup in lookups:
-            lookup(recorder)
-        commands += recorder.commands
-
-        ranges = [self._plain_commands(m) for m in big]
-        if self._bulk is not None:  # big rows straight into one buffer, the rest after them
-            sizes = [len(m.rows) * m.size for m in big]
-            buf = np.empty(sum(sizes), np.uint8)
-            flat = [args for c, _ in ranges for _, args in c]
-            try:
-                replies = self._bulk.run(flat, memoryview(buf), commands)
-            except NoScriptError:
-                self._load_scripts()
-                replies = self._bulk.run(flat, memoryview(buf), commands)
-            bounds = np.cumsum([0, *sizes]).tolist()
-            fixed = [
-                buf[lo:hi].reshape(-1, m.size)
-                for m, lo, hi in zip(big, bounds, bounds[1:], strict=False)
-            ]
-        else:
-
-            def queue(pipe: Any) -> None:
-                for c, _ in ranges:
-                    for _, args in c:
-                        pipe.getrange(*args)
-                for command in commands:
-                    pipe.execute_command(*command)
-
-            replies = execute(self.store.r, [self._script, LOG_SINCE], queue)
-            fixed, at = [], 0
-            for m, (c, runs) in zip(big, ranges, strict=True):
-                fixed.append(_plain_result(m, runs, replies[at : at + len(c)]))
-                at += len(c)
-            replies = replies[at:]
-        per_shard = replies[n_hash : n_hash + len(shards)]
-        if any(reply[0] for reply in per_shard):
+            ask = (oldest, check[on] % cap)
+            checked.append(queue_checked(batch, self.store, cap, shard, ask, in_lua))
+        logs = None if tail is None else tail(batch)
+        looked = [batch.add(command) for command in lookups]
+        self.transport.run(batch)
+        if any(reply.value is None for reply in checked):
             return None
-        rest = replies[n_hash + len(shards) :]
-        logs: list[Any] = []
-        if since is not None:
-            logs, rest = rest[: len(since)], rest[len(since) :]
-        got_of, hash_at, lua_at = iter(fixed), 0, 1
-        runs_of = iter(hashes)
-        results: list[Any] = []
-        for m in merged:
-            if m.plain and m.kind == "f":
-                results.append(next(got_of))
-            elif m.plain:
-                n = next(runs_of)
-                results.append([v for reply in replies[hash_at : hash_at + n] for v in reply])
-                hash_at += n
-            else:
-                parts = [reply[lua_at] for reply in per_shard]  # shards in order: rows in order
-                results.append(_joined(m, parts))
-                lua_at += 1
-        out: list[Any] = [None] * len(reads)
-        for m, res, (members, inv) in zip(merged, results, inverse, strict=True):
-            start = 0
-            for j in members:
-                k = inv[start : start + len(reads[j].rows)]
-                start += len(k)
-                if m.kind == "h":
-                    out[j] = [res[x] for x in k.tolist()]
-                elif isinstance(res, list):  # a view per row
-                    out[j] = _gather_rows(reads[j], res, k)
-                else:
-                    out[j] = _placed(reads[j], res[k])
-        return out, rest, logs
-
-    def run(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """The replies of read-only ``commands`` in one round trip (``EVALSHA`` of
-        :data:`~orchestrator.sampling.changelog.LOG_SINCE` and the fetch script are loaded
-        on NOSCRIPT)."""
-        if self._bulk is not None:
-            blob = b"".join(pack(c) for c in commands)
-            try:
-                return self._bulk.run_packed(blob, len(commands))
-            except NoScriptError:
-                self._load_scripts()
-                return self._bulk.run_packed(blob, len(commands))
-
-        def queue(pipe: Any) -> None:
-            for command in commands:
-                pipe.execute_command(*command)
-
-        return execute(self.store.r, [self._script, LOG_SINCE], queue)
-
-    def _load_scripts(self) -> None:
-        for script in (self._script, LOG_SINCE):
-            self.store.r.script_load(script.source)
-
-    def _plain_commands(self, m: Read) -> tuple[list[tuple[str, tuple[Any, ...]]], np.ndarray]:
-        """``m`` as plain commands: one HMGET per hash (a command per row costs the
-        client ~5 µs to pack and parse: a batch's compressed frames are hundreds), or one
-        GETRANGE per run of consecutive slots in one chunk; and the rows each command
-        reads."""
-        keys, cap = self.store.keys, self.cap
-        shard, slot = m.rows // cap, m.rows % cap
-        chunk = slot // m.chunk
-        same_key = (np.diff(chunk) == 0) & (np.diff(shard) == 0)
-        if m.kind == "h":  # rows are sorted: each hash's rows are one stretch
-            starts = np.concatenate([[0], np.flatnonzero(~same_key) + 1])[: len(m.rows)]
-            runs = np.diff(np.concatenate([starts, [len(m.rows)]])).astype(np.int64)
-            slots = slot.tolist()
-            hmget = [
-                ("hmget", (keys.shard_key(int(shard[s]), f"{m.base}:{chunk[s]}"), slots[s : s + n]))
-                for s, n in zip(starts.tolist(), runs.tolist(), strict=True)
-            ]
-            return hmget, runs
-        cut = np.flatnonzero((np.diff(m.rows) != 1) | ~same_key)
-        starts = np.concatenate([[0], cut + 1]).astype(np.int64)[: len(m.rows)]
-        runs = np.diff(np.concatenate([starts, [len(m.rows)]]))
-        commands = []
-        for s, n in zip(starts.tolist(), runs.tolist(), strict=True):
-            key = keys.shard_key(int(shard[s]), f"{m.base}:{chunk[s]}")
-            off = int(slot[s] % m.chunk) * m.size
-            commands.append(("getrange", (key, off, off + n * m.size - 1)))
-        return commands, runs
+        per_read = iter(zip(*[r.value for r in checked], strict=True) if checked else ())
+        results = [
+            plain[i].value if m.plain else _joined(m, next(per_read, ()))
+            for i, m in enumerate(merged)
+        ]
+        return _placed_all(reads, results, places), [r.value for r in looked], logs
 
 
 class LogChecked:
@@ -333,21 +143,25 @@ class LogChecked:
         check: np.ndarray,
         expect: np.ndarray,
         reads: Sequence[Read],
-        lookups: Sequence[Lookup] = (),
+        lookups: Sequence[Sequence[Any]] = (),
     ) -> tuple[list[Any], list[Any]] | None:
         ix, self.read = self.index, None
         last, seen = list(ix.log_last), list(ix.log_seen)
-        logs = [self.index.store.keys.shard_key(s, "log") for s in range(ix.n_shards)]
-        # Each log from the index's last entry on: the entries after it, all of them (no
-        # loss check of its own: log_since.lua's call cost Redis ~25-40 us a shard).
-        tail = [from_last_command(k, at, LOG_PAGE) for k, at in zip(logs, last, strict=True)]
-        mirrored = [r.kind == "f" and r.base in ix.columns for r in reads]
+
+        def tail(batch: Batch) -> list[Any]:
+            # Each log from the index's last entry on: the entries after it, all of them
+            # (no loss check of its own: log_since.lua's call cost Redis ~25-40 us a shard).
+            store = ix.store
+            return [queue_newest(batch, store, s, at, LOG_PAGE) for s, at in enumerate(last)]
+
+        mirrored = [r.column in ix.columns for r in reads]
         rest = [r for r, m in zip(reads, mirrored, strict=True) if not m]
         if lookups or any(len(r.rows) for r in rest):
-            got, replies, tails = self.fetcher.since(rest, lookups, tail)
+            got, replies, logs = self.fetcher.since(rest, lookups, tail)
         else:  # nothing to read from Redis but the logs (e.g. no explicit next_obs drawn)
-            got, replies, tails = [_nothing(r) for r in rest], [], self.fetcher.run(tail)
-        newest = [from_last_page(reply, at) for reply, at in zip(tails, last, strict=True)]
+            got, replies, logs = [_nothing(r) for r in rest], [], tail(batch := Batch())
+            self.fetcher.transport.run(batch)
+        newest = [reply.value for reply in logs]
         self.quiet = all(quiet for quiet, _ in newest)
         if not self.quiet:
             if any(entries is None for _, entries in newest):
@@ -376,21 +190,35 @@ class LogChecked:
         return not (touched[at] == check).any()
 
 
-class _Recorder:
-    """Stands for a pipeline to the lookups: records the commands they queue."""
+def _merged(reads: Sequence[Read]) -> tuple[list[Read], list[tuple[list[int], np.ndarray]]]:
+    """Reads merged by family (:meth:`Read.family`) into sorted unique rows, and per
+    merged read its members and where each member's rows are in it."""
+    families: dict[tuple[Any, ...], list[int]] = {}
+    for j, r in enumerate(reads):
+        families.setdefault(r.family(), []).append(j)
+    merged, places = [], []
+    for members in families.values():
+        rows = np.concatenate([reads[j].rows for j in members])
+        uniq, inv = np.unique(rows, return_inverse=True)
+        merged.append(reads[members[0]].with_rows(uniq))
+        places.append((members, inv))
+    return merged, places
 
-    def __init__(self) -> None:
-        self.commands: list[list[Any]] = []
 
-    def execute_command(self, *args: Any) -> None:
-        self.commands.append(list(args))
-
-    def hmget(self, key: str, fields: Sequence[Any]) -> None:
-        self.commands.append(["HMGET", key, *fields])
-
-
-def _pack(slots: np.ndarray) -> bytes:
-    return msgpack.packb(slots.tolist())
+def _placed_all(
+    reads: Sequence[Read], results: list[Any], places: list[tuple[list[int], np.ndarray]]
+) -> list[Any]:
+    """Each read's result, in its row order, from its merged read's."""
+    out: list[Any] = [None] * len(reads)
+    for res, (members, inv) in zip(results, places, strict=True):
+        start = 0
+        for j in members:
+            k = inv[start : start + len(reads[j].rows)]
+            start += len(k)
+            out[j] = (
+                [res[x] for x in k.tolist()] if reads[j].kind == "h" else _placed(reads[j], res[k])
+            )
+    return out
 
 
 def _nothing(read: Read) -> Any:
@@ -400,40 +228,10 @@ def _nothing(read: Read) -> Any:
     return _placed(read, np.zeros((0, read.size), np.uint8))
 
 
-def _joined(m: Read, parts: list[Any]) -> Any:
+def _joined(m: Read, parts: Sequence[Any]) -> Any:
     if m.kind == "f":
         return np.frombuffer(b"".join(parts), np.uint8).reshape(-1, m.size)
     return [v for part in parts for v in part]
-
-
-def _plain_result(m: Read, runs: np.ndarray, replies: list[Any]) -> Any:
-    """Hash reads: a value per row (None: none). Fixed reads: one uint8 view per row into
-    the replies (not copied here: :func:`_gather_rows` copies each row once, straight to
-    its place)."""
-    if m.kind == "h":
-        return [value for reply in replies for value in reply]
-    rows: list[np.ndarray] = []
-    for b, n in zip(replies, runs.tolist(), strict=True):
-        if len(b) < n * m.size:  # short (missing key): zeros
-            b = bytes(b) + bytes(n * m.size - len(b))
-        whole = np.frombuffer(b, np.uint8)
-        rows.extend([whole] if n == 1 else whole.reshape(n, m.size))
-    return rows
-
-
-def _gather_rows(read: Read, rows: list[np.ndarray], k: np.ndarray) -> np.ndarray:
-    """``read``'s result from per-row views: the rows ``k`` in order (or placed at
-    ``read.at``), copied once into a new array."""
-    if read.at is None:
-        src = [rows[x] for x in k.tolist()]
-    else:
-        src = [np.zeros(read.size, np.uint8)] * read.n_out
-        for d, x in zip(read.at.tolist(), k.tolist(), strict=True):
-            src[d] = rows[x]
-    out = np.empty((len(src), read.size), np.uint8)
-    if src:
-        np.concatenate(src, out=out.reshape(-1))
-    return out
 
 
 def _placed(read: Read, res: np.ndarray) -> np.ndarray:

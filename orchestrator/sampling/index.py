@@ -3,17 +3,16 @@
 ``columns`` maps every metadata column (``id``, ``episode``, …, ``t:<tag>``, see
 :mod:`claw_tasks.where`) and ``alive`` to one array over the global rows
 ``shard * cap + slot``, priorities and numeric tags decoded (NaN = unset). Redis stays the
-only source of truth: the index is built cold from the shards' ``m:<col>`` strings and
-``alive`` bitmaps, then kept current from the shards' change logs
-(:mod:`orchestrator.sampling.changelog`):
+only source of truth: the index is built cold from the shards' columns and alive flags,
+then kept current from the shards' change logs, read through the store
+(:mod:`claw_tasks.store.changes`, :mod:`claw_tasks.store.slots`):
 
 - events with ``seq``/``n`` (``ins``: a committed slot range; ``evict``: slots freed for
   a ring overwrite): the range is read again, every column plus its alive bits, so an
   overwritten step's row is replaced whole: by ``lua/reread.lua``, queued after the
   page's reads in the same round trip (it reads the log again itself and the slots its
-  entries name, atomically), or, past its limits or for pages a fetch read, by one
-  GETRANGE per column and chunk run in a round trip of its own
-  (:mod:`~orchestrator.sampling.slotreads`); ``links`` (``next``
+  entries name, atomically), or, past its limits or for pages a fetch read, by plain
+  reads in a round trip of their own; ``links`` (``next``
   distances a commit set on older rows) are applied directly;
 - events with ``col``/``ids``/``values`` (``prio``, ``cur``): applied from the payload to
   the rows that still hold those ids; ``evict`` events with ``ids`` (retention, manual
@@ -39,37 +38,35 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from redis.exceptions import NoScriptError
 
-from claw_tasks.format.schema import Schema, tag_column, tag_name
+from claw_tasks.connection.resp import Batch, Transport
+from claw_tasks.format.schema import Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceConfig, Store, decode_meta
-from claw_tasks.store.layout import (
-    META,
-    NUM_TAG_DTYPE,
-    STR_TAG_DTYPE,
-    payload_chunk_slots,
-)
-from claw_tasks.store.scripts import execute
-from orchestrator.sampling.bulk import BulkReader
-from orchestrator.sampling.candidates import unique
-from orchestrator.sampling.changelog import (
+from claw_tasks.store.changes import (
     LOG_SINCE,
     REREAD,
-    Entry,
-    LogRead,
-    PackedSync,
-    page_xrange,
-    reread_args,
-    sync_replies,
+    Event,
+    Page,
+    Sync,
+    SyncReads,
+    event,
+    positions,
+    queue_config,
 )
-from orchestrator.sampling.slotreads import SlotReads
+from claw_tasks.store.slots import (
+    Span,
+    metadata_columns,
+    payload_columns,
+    queue_spans,
+    stored_dtype,
+)
+from orchestrator.sampling.candidates import unique
 
 LOG_PAGE = 1_000
 """Change-log entries read per shard and round trip (a page stays a short Redis call even
@@ -91,13 +88,28 @@ def release_heap() -> None:
         libc.malloc_trim(0)
 
 
+@dataclass(frozen=True)
+class LogRead:
+    """Change-log pages a reader already read (a fetch's tail), one per shard, from the
+    positions ``last``/``seen``: a sync from the same positions applies them instead of
+    reading them again (one round trip fewer)."""
+
+    last: list[str]
+    seen: list[int]
+    pages: list[Page]
+
+    def at(self, last: Sequence[str], seen: Sequence[int]) -> list[Page] | None:
+        """The pages, if they were read from exactly these positions."""
+        return self.pages if list(last) == self.last and list(seen) == self.seen else None
+
+
 class RebuildNeeded(Exception):
     """The change log cannot be applied incrementally: raised while applying it (by the
     index, or by a subclass's :meth:`SamplingIndex.check_config`), :meth:`apply_logs`
     rebuilds the columns cold."""
 
 
-class SamplingIndex(SlotReads):
+class SamplingIndex:
     """The metadata columns of ``store``'s namespace, current as of the last :meth:`sync`.
 
     For subclasses that keep the columns elsewhere (:class:`~orchestrator.sampling.shared.
@@ -122,7 +134,6 @@ class SamplingIndex(SlotReads):
         self.log_last = ["0-0"] * self.n_shards  # last change-log entry applied, per shard
         self.log_seen = [0] * self.n_shards  # entries the log had added up to that one
         self.config_raw: bytes | None = None
-        self.log_keys = [store.keys.shard_key(s, "log") for s in range(self.n_shards)]
         self.attached: dict[str, Any] = {}
         """State kept with the index by code that samples from it (lives as long as it)."""
         self._listeners: list[Callable[[np.ndarray | None], None]] = []
@@ -130,14 +141,16 @@ class SamplingIndex(SlotReads):
         """Dictionary codes pruned (``forget`` events) during the last :meth:`sync`, by
         column: string caches drop them (a pruned code is never reused)."""
         self.live_change = 0
+        """Alive flags set minus cleared by the writes since the last apply (exact)."""
         self.live_delta: int | None = None
         """While :meth:`sync` calls the listeners: the change in live steps it made
         (exact; None after a rebuild, and for a subclass whose columns other processes
         write): a listener's count of live steps stays current without a count of the
         whole column."""
-        self._wire: tuple[int, BulkReader | None] | None = None  # (pid, the sync's reader)
-        self._wire_lock = threading.Lock()
-        self._packed = PackedSync()
+        self.transport = Transport(store.r, [LOG_SINCE, REREAD])
+        """The sync's round trips (on a connection of the index's own where it can)."""
+        self._sync = SyncReads(store, self.cap)
+        self._reread_cache: tuple[tuple[str, ...], Any, dict[str, np.dtype]] | None = None
 
     def subscribe(self, listener: Callable[[np.ndarray | None], None]) -> None:
         """Call ``listener`` with what every later :meth:`sync` returns (e.g. a sampler's
@@ -147,14 +160,8 @@ class SamplingIndex(SlotReads):
     def rebuild(self) -> None:
         """Read every column of every shard from Redis (a cold start)."""
         self.columns = {}
-        with self.store.r.pipeline(transaction=False) as pipe:
-            for key in self.log_keys:
-                pipe.xinfo_stream(key)
-            infos = pipe.execute(raise_on_error=False)
         # The log positions are taken first: whatever commits after them is replayed.
-        tails = [i if isinstance(i, dict) else {} for i in infos]  # an error: no log yet
-        last = [t.get("last-generated-id", b"0-0").decode() for t in tails]
-        seen = [int(t.get("entries-added", 0)) for t in tails]
+        last, seen, _ = positions(self.store, self.n_shards)
         cfg = self.store.config(refresh=True)
         self.schema, self.config_raw = cfg.schema, None
         cols = self.all_columns()
@@ -202,23 +209,21 @@ class SamplingIndex(SlotReads):
     def touched(self, replies: list[Any]) -> np.ndarray | None:
         """The global rows whose step may have changed (slots reused or freed, steps
         evicted) by the change-log pages ``replies`` (``(lost, entries)`` per shard, read
-        from this index's positions: :mod:`~orchestrator.sampling.changelog`); None when
+        from this index's positions: :mod:`~claw_tasks.store.changes`); None when
         they cannot tell (entries lost, a full page, an event this index does not know)."""
         rows = []
         for shard, (lost, entries) in enumerate(replies):
             if lost or len(entries) >= LOG_PAGE:
                 return None
-            for _, event in entries:
-                if b"seq" in event and b"n" in event:  # ins, evict: a slot range
-                    seq0, n = int(event[b"seq"]), min(int(event[b"n"]), self.cap)
-                    rows.append(self._rows(shard, np.arange(seq0, seq0 + n)))
-                elif event.get(b"op") == b"evict" and b"ids" in event:
-                    ids = np.frombuffer(event[b"ids"], "<i8")
-                    rows.append(self._rows(shard, ids // self.n_shards))
-                elif event.get(b"op") == b"forget" or {b"col", b"ids", b"values"} <= event.keys():
-                    continue  # column updates and pruned codes leave every step in place
-                else:
+            for _, fields in entries:
+                e = event(fields)
+                if e.kind == "slots":
+                    rows.append(self._rows(shard, np.arange(e.seq, e.seq + min(e.n, self.cap))))
+                elif e.kind == "evicted":
+                    rows.append(self._rows(shard, e.ids // self.n_shards))
+                elif e.kind == "unknown":
                     return None
+                # column updates and pruned codes leave every step in place
         return np.concatenate(rows) if rows else np.zeros(0, np.int64)
 
     def apply_logs(self, read: LogRead | None = None) -> np.ndarray | None:
@@ -246,121 +251,124 @@ class SamplingIndex(SlotReads):
             raise
         return unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
 
-    # ---- change log (slot ranges are read again by :class:`SlotReads`) ----------------
-    def _apply_page(
-        self, changed: list[np.ndarray], pages: list[tuple[bool, list[Entry]]] | None = None
-    ) -> bool:
+    # ---- change log ---------------------------------------------------------------------
+    def _apply_page(self, changed: list[np.ndarray], pages: list[Page] | None = None) -> bool:
         """Apply up to LOG_PAGE entries per shard (``pages``, if given: read already);
         True if a shard may have more."""
-        spans: list[Any] | None = None  # per shard: what reread.lua read
-        config_raw = None
-        if pages is None:
-            pages, config_raw, spans = sync_replies(self._page_round_trip(), self.n_shards)
-        replies = pages
-        if any(lost for lost, _ in replies):
+        sync: Sync | None = None
+        if pages is None:  # the pages, the config, the slots they name: one round trip
+            batch = Batch()
+            cols = self._reread_columns()
+            read = self._sync.queue(batch, self.log_last, self.log_seen, LOG_PAGE, cols)
+            self.transport.run(batch)
+            sync = read.value
+            pages = sync.pages
+        if any(lost for lost, _ in pages):
             raise RebuildNeeded
         inserted: dict[int, list[tuple[int, int]]] = {}
-        for shard, (_, entries) in enumerate(replies):
-            for _, event in entries:
-                if b"seq" in event and b"n" in event:  # ins, evict: a slot range
-                    inserted.setdefault(shard, []).append((int(event[b"seq"]), int(event[b"n"])))
-                    changed.append(self._links(shard, event.get(b"links", b"")))
-                elif {b"col", b"ids", b"values"} <= event.keys():
-                    changed.append(self._set(shard, event))
-                elif event.get(b"op") == b"evict" and b"ids" in event:  # chosen steps
-                    changed.append(self._evicted(shard, event[b"ids"]))
-                elif event.get(b"op") == b"forget" and b"codes" in event:  # dict pruning
-                    codes = np.frombuffer(event[b"codes"], "<i4").tolist()
-                    self.forgotten.setdefault(event[b"col"].decode(), set()).update(codes)
+        for shard, (_, entries) in enumerate(pages):
+            for _, fields in entries:
+                e = event(fields)
+                if e.kind == "slots":
+                    inserted.setdefault(shard, []).append((e.seq, e.n))
+                    changed.append(self._links(shard, e))
+                elif e.kind == "column":
+                    changed.append(self._set(shard, e))
+                elif e.kind == "evicted":
+                    changed.append(self._evicted(shard, e))
+                elif e.kind == "forgotten":  # dict pruning
+                    self.forgotten.setdefault(e.col, set()).update(e.codes.tolist())
                 else:
                     raise RebuildNeeded
         if inserted:
-            sizes = [len(entries) for _, entries in replies]
-            changed.extend(self._reread(inserted, spans, sizes, config_raw))
-        for shard, (_, entries) in enumerate(replies):
+            changed.extend(self._reread(inserted, sync))
+        for shard, (_, entries) in enumerate(pages):
             if entries:
                 self.log_last[shard] = entries[-1][0].decode()
                 self.log_seen[shard] += len(entries)
-        return any(len(entries) >= LOG_PAGE for _, entries in replies)
+        return any(len(entries) >= LOG_PAGE for _, entries in pages)
 
-    def _page_round_trip(self) -> list[Any]:
-        """The replies of a sync's round trip: per shard its page's ``XRANGE``, then the
-        config, then per shard ``reread.lua`` (which tells whether entries were lost too).
-        Packed here and sent on a connection of the index's own (:class:`PackedSync`), or,
-        where a :class:`BulkReader` cannot speak to the server (TLS, Cluster) or another
-        thread is syncing, through a redis-py pipeline."""
-        cols, cap = self._reread_columns(), self.cap
-        shard_key, keys = self.store.keys.shard_key, self.store.keys
-        rereads = [
-            ((self.log_keys[s], shard_key(s, "alive")), keys.shard(s), cap, last, seen)
-            for s, (last, seen) in enumerate(zip(self.log_last, self.log_seen, strict=True))
-        ]
-        wire = self._reader()
-        if wire is not None and self._wire_lock.acquire(blocking=False):
-            try:
-                logs = zip(self.log_keys, self.log_last, strict=True)
-                pages = [(key, last, LOG_PAGE) for key, last in logs]
-                blob = self._packed.blob(pages, keys.config, rereads, cols, self.columns)
-                n = 2 * self.n_shards + 1
-                try:
-                    return wire.run_packed(blob, n)
-                except NoScriptError:
-                    for script in (LOG_SINCE, REREAD):
-                        self.store.r.script_load(script.source)
-                    return wire.run_packed(blob, n)
-            finally:
-                self._wire_lock.release()
+    def _reread_columns(self) -> dict[str, np.dtype]:
+        """The columns a sync reads again for the slots it is told of, as stored (the
+        same dict while the columns and the schema stay: its packed form is reused)."""
+        names = tuple(self.columns)
+        cached = self._reread_cache
+        if cached is not None and cached[0] == names and cached[1] is self.schema:
+            return cached[2]
+        cols = [c for c in names if c != "alive"]
+        payload = [c for c in cols if c.startswith("f:")]
+        dtypes = {c: self.stored_dtype(c) for c in [c for c in cols if c not in payload] + payload}
+        self._reread_cache = (names, self.schema, dtypes)
+        return dtypes
 
-        def queue(pipe: Any) -> None:
-            for key, last in zip(self.log_keys, self.log_last, strict=True):
-                pipe.execute_command(*page_xrange(key, last, LOG_PAGE))
-            pipe.get(keys.config)
-            for shard_keys, prefix, _, last, seen in rereads:
-                args = reread_args([prefix, cap, last, seen], cols, self.columns)
-                REREAD.queue(pipe, shard_keys, args)
+    def _reread(
+        self, inserted: dict[int, list[tuple[int, int]]], sync: Sync | None
+    ) -> list[np.ndarray]:
+        """Read the slots that inserts took (per shard ``(seq0, n)``) again, every column
+        and the alive flags, so an overwritten step's row is replaced whole: from what
+        ``sync``'s round trip read, for each shard it covered; the others in one round
+        trip (with the config, for new tags). Returns the rows read."""
+        spans: list[Span] = []
+        config = None if sync is None else sync.config
+        for shard in list(inserted):
+            got = None if sync is None else sync.spans[shard]
+            if got is not None:
+                spans += got
+                del inserted[shard]
+        if inserted:  # past reread.lua's limits, or pages a fetch read
+            batch = Batch()
+            read_config = queue_config(batch, self.store)
+            read = queue_spans(batch, self.store, self.cap, inserted, self._reread_columns())
+            self.transport.run(batch)
+            spans, config = spans + read.value, read_config.value
+        changed = []
+        for span in spans:
+            base = span.shard * self.cap
+            for col, values in span.values.items():
+                self._put(base + span.start, base + span.stop, col, values)
+            if "alive" in span.values:
+                changed.append(np.arange(base + span.start, base + span.stop, dtype=np.int64))
+        self.check_config(config)
+        return changed
 
-        return execute(self.store.r, [LOG_SINCE, REREAD], queue)
-
-    def _reader(self) -> BulkReader | None:
-        """The sync's own connection (made again in a forked child: a socket is not
-        shared across processes)."""
-        if self._wire is None or self._wire[0] != os.getpid():
-            self._wire = (os.getpid(), BulkReader.for_client(self.store.r))
-        return self._wire[1]
+    def _put(self, start: int, stop: int, col: str, values: np.ndarray) -> None:
+        """Rows [start, stop) of column ``col`` from their stored values."""
+        dest = self.columns[col][start:stop]
+        if col == "alive":
+            self.live_change += int(np.count_nonzero(values)) - int(np.count_nonzero(dest))
+            dest[:] = values
+        elif col.startswith("f:"):
+            dest[:] = values
+        else:
+            dest[:] = decode_meta(col, values, self.schema)
 
     def _rows(self, shard: int, seqs: np.ndarray) -> np.ndarray:
         return shard * self.cap + (seqs - 1) % self.cap
 
-    def _set(self, shard: int, event: dict[bytes, bytes]) -> np.ndarray:
+    def _set(self, shard: int, e: Event) -> np.ndarray:
         """A column update (priority, curation) on the rows that still hold its ids."""
-        col = event[b"col"].decode()
-        if col not in self.columns:
+        if e.col not in self.columns:
             raise RebuildNeeded
-        ids = np.frombuffer(event[b"ids"], "<i8")
-        values = decode_meta(
-            col, np.frombuffer(event[b"values"], self.column_dtype(col)), self.schema
-        )
-        rows = self._rows(shard, ids // self.n_shards)
-        held = self.columns["id"][rows] == ids
+        values = decode_meta(e.col, np.frombuffer(e.values, self.stored_dtype(e.col)), self.schema)
+        rows = self._rows(shard, e.ids // self.n_shards)
+        held = self.columns["id"][rows] == e.ids
         rows = rows[held]
-        self.columns[col][rows] = values[held]
+        self.columns[e.col][rows] = values[held]
         return rows
 
-    def _evicted(self, shard: int, packed: bytes) -> np.ndarray:
+    def _evicted(self, shard: int, e: Event) -> np.ndarray:
         """Steps evicted by id (retention, manual): their rows are no longer alive."""
-        ids = np.frombuffer(packed, "<i8")
-        rows = self._rows(shard, ids // self.n_shards)
-        rows = rows[self.columns["id"][rows] == ids]
+        rows = self._rows(shard, e.ids // self.n_shards)
+        rows = rows[self.columns["id"][rows] == e.ids]
         self.live_change -= int(np.count_nonzero(self.columns["alive"][unique(rows)]))
         self.columns["alive"][rows] = False
         return rows
 
-    def _links(self, shard: int, links: bytes) -> np.ndarray:
-        """``next`` distances a commit set on older rows (``seq:delta,...``)."""
-        if not links:
+    def _links(self, shard: int, e: Event) -> np.ndarray:
+        """``next`` distances a commit set on older rows."""
+        seqs, delta = e.links
+        if not len(seqs):
             return np.zeros(0, np.int64)
-        pairs = np.array(links.replace(b":", b",").split(b","), np.int64).reshape(-1, 2)
-        seqs, delta = pairs[:, 0], pairs[:, 1]
         rows = self._rows(shard, seqs)
         held = self.columns["id"][rows] == seqs * self.n_shards + shard
         self.columns["next"][rows[held]] = delta[held]
@@ -398,37 +406,17 @@ class SamplingIndex(SlotReads):
 
     def all_columns(self) -> list[str]:
         """Every column the index keeps for the schema it knows (``alive`` aside)."""
-        return [*META, *(tag_column(t) for t in self.free_tags()), *self.payload_fields()]
+        return [*metadata_columns(self.schema), *self.payload_fields()]
 
-    def column_dtype(self, col: str) -> np.dtype:
-        """How ``col`` is stored in Redis (``m:<col>`` strings, ``f:<field>`` chunks)."""
-        if col in META:
-            return META[col]
-        if col.startswith("f:"):
-            return np.dtype(f"V{self.payload_fields()[col]}")
-        return STR_TAG_DTYPE if self.free_tags()[tag_name(col)] == "str" else NUM_TAG_DTYPE
+    def stored_dtype(self, col: str) -> np.dtype:
+        """How ``col`` is stored (a metadata column, or ``f:<field>``: a payload field's
+        fixed rows)."""
+        return stored_dtype(col, self.schema)
 
     def read_columns(self, shard: int, cols: list[str]) -> dict[str, np.ndarray]:
         """Whole columns of one shard (length ``cap``) from Redis, and ``alive``."""
-        payload = [c for c in cols if c.startswith("f:")]
+        payload = {c: self.stored_dtype(c) for c in cols if c.startswith("f:")}
         out = self.store.meta_columns(shard, [c for c in cols if not c.startswith("f:")])
-        if not payload:
-            return out
-        plan = []
-        with self.store.r.pipeline(transaction=False) as pipe:
-            for col in payload:
-                size = self.column_dtype(col).itemsize
-                per_chunk = payload_chunk_slots(size)
-                for chunk in range(-(-self.cap // per_chunk)):
-                    pipe.get(self.store.keys.shard_key(shard, f"{col}:{chunk}"))
-                    plan.append((col, size, chunk * per_chunk))
-            replies = pipe.execute()
-        for col in payload:
-            out[col] = np.zeros(self.cap, self.column_dtype(col))
-        for (col, size, slot0), raw in zip(plan, replies, strict=True):
-            if raw:
-                n = min(len(raw) // size, self.cap - slot0)
-                out[col].view(np.uint8)[slot0 * size : (slot0 + n) * size] = np.frombuffer(
-                    raw, np.uint8, n * size
-                )
+        if payload:
+            out.update(payload_columns(self.store, shard, self.cap, payload))
         return out

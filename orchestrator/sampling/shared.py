@@ -52,8 +52,8 @@ import numpy as np
 from claw_tasks.connection.client import identity, is_cluster
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceConfig, Store
-from orchestrator.sampling.changelog import LogRead
-from orchestrator.sampling.index import RebuildNeeded, SamplingIndex, release_heap
+from claw_tasks.store.changes import positions
+from orchestrator.sampling.index import LogRead, RebuildNeeded, SamplingIndex, release_heap
 from orchestrator.sampling.shmfiles import (
     H_DIRTY,
     H_GEN,
@@ -294,16 +294,9 @@ class SharedIndex(SamplingIndex):
 
     def rebuild(self) -> None:
         """Read every column of every shard from Redis into a new data file."""
-        with self.store.r.pipeline(transaction=False) as pipe:
-            for key in self.log_keys:
-                pipe.xinfo_stream(key)
-            pipe.get(self.store.keys.config)
-            *infos, raw = pipe.execute(raise_on_error=False)
-        tails = [i if isinstance(i, dict) else {} for i in infos]
-        last = [t.get("last-generated-id", b"0-0").decode() for t in tails]
-        seen = [int(t.get("entries-added", 0)) for t in tails]
+        last, seen, raw = positions(self.store, self.n_shards)
         self.store.config(refresh=True)
-        self._take_config(raw if isinstance(raw, bytes) else None)
+        self._take_config(raw)
         self._new_data(self.all_columns(), {})
         self.log_last, self.log_seen = last, seen
         release_heap()
@@ -335,7 +328,7 @@ class SharedIndex(SamplingIndex):
         assert hdr is not None
         rows, layout, at = self.n_shards * self.cap, [], 0
         for col in [c for c in cols if c != "alive"] + ["alive"]:
-            dtype = np.dtype(bool) if col == "alive" else self.column_dtype(col)
+            dtype = np.dtype(bool) if col == "alive" else self.stored_dtype(col)
             layout.append([col, dtype.str, at])
             at += -(-rows * dtype.itemsize // _ALIGN) * _ALIGN
         name = f"{self._f.base.name}.d{int(hdr[H_META]) + 1}"

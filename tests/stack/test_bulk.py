@@ -1,20 +1,22 @@
-"""Bulk GETRANGEs straight into a buffer: the same bytes as redis-py reads, on every kind of
-connection the client may have, and the same batches when the fetch falls back."""
+"""Batched reads (``claw_tasks.connection.resp``): GETRANGEs straight into a buffer, the
+same bytes as redis-py reads, on every kind of connection the client may have; each
+command's decoder given its replies; and the same batches when the fetch falls back."""
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 
 import numpy as np
 import pytest
 import redis
 
+from claw_tasks.connection.resp import Batch, BulkReader, Reply, Transport
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.recipe.model import Recipe
-from orchestrator.sampling.bulk import BulkReader
 from orchestrator.sampling.sample import sample
 
 
@@ -136,3 +138,58 @@ def test_unknown_connections_fall_back_to_redis_py_with_the_same_batches(redis_u
         np.testing.assert_array_equal(bulk["obs"], plain["obs"])
         np.testing.assert_array_equal(bulk["next_obs"], plain["next_obs"])
     np.testing.assert_array_equal(bulk["obs"], store.get(bulk.ids, ["obs"])["obs"])
+
+
+class _Script:
+    """A script as a transport loads it on NOSCRIPT (its ``source``)."""
+
+    source = "return {KEYS[1], ARGV[1]}"
+    sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+def _batch(key: str) -> tuple[Batch, list[Reply]]:
+    batch = Batch()
+    replies = [
+        batch.add(["GET", key]),
+        batch.into([(key, 0, 2), (f"{key}-none", 0, 1), (key, 4, 9)], lambda buf: bytes(buf)),
+        batch.add_all([["HMGET", f"{key}-h", "a", "b"], ["HMGET", f"{key}-h", "c"]], list),
+        batch.add(["EVALSHA", _Script.sha, 1, key, "x"], lambda r: [v.upper() for v in r]),
+        batch.into([], len),
+    ]
+    return batch, replies
+
+
+@pytest.mark.parametrize("path", ["own connection", "redis-py", "own connection busy"])
+def test_a_transport_gives_each_decoder_its_replies_on_either_path(redis_url, path):
+    """Commands queued with their decoders, GETRANGEs into one buffer (zeros past the end
+    and for a missing key) and the rest after them: the same values on the transport's own
+    connection, through redis-py, and when another thread holds the own connection; a
+    script the server does not know is loaded and the batch sent again."""
+    client = redis.Redis.from_url(redis_url)
+    key = f"bulk-{uuid.uuid4().hex}"
+    client.set(key, b"abcdef")
+    client.hset(f"{key}-h", mapping={"a": "1", "c": "3"})
+    client.script_flush()
+    transport = Transport(_fallback_client(redis_url) if path == "redis-py" else client, [_Script])
+    batch, replies = _batch(key)
+    if path == "own connection busy":
+        with transport.lock:
+            transport.run(batch)
+    else:
+        transport.run(batch)
+    assert (transport.reader() is None) == (path == "redis-py")
+    got = [r.value for r in replies]
+    assert got == [
+        b"abcdef",
+        b"abc" + bytes(2) + b"ef" + bytes(4),
+        [[b"1", None], [b"3"]],
+        [key.encode().upper(), b"X"],
+        0,
+    ]
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        bad = Batch()
+        bad.add(["GET", f"{key}-h"])
+        transport.run(bad)
+    again, replies = _batch(key)
+    transport.run(again)  # the connection survived the error
+    assert [r.value for r in replies] == got

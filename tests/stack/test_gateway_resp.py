@@ -11,8 +11,8 @@ import signal
 import pytest
 import redis
 
+from claw_tasks.connection.resp import RespError, connect
 from claw_tasks.connection.server import RedisServer
-from orchestrator.gateway.resp import RespError, connect
 
 
 def test_resp_client_speaks_the_urls_it_can():

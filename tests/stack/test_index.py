@@ -6,16 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from claw_tasks.connection.resp import BulkReader
 from claw_tasks.store import Store
-from orchestrator.sampling.bulk import BulkReader
-from orchestrator.sampling.changelog import (
-    LOG_SINCE,
-    REREAD,
-    page_commands,
-    page_replies,
-    page_xrange,
-    reread_args,
-)
+from claw_tasks.store.changes import LOG_SINCE, REREAD, page_commands, page_replies
+from claw_tasks.store.slots import reread_columns
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.shared import SharedIndex
 from tests.support.stepdata import batch, episode, interleave
@@ -165,13 +159,11 @@ def test_reread_tells_a_loss_as_the_pages_check_does(store, r):
     r.script_load(REREAD.source)
 
     def lost(between: list | None = None) -> bool:
-        args = reread_args(
-            [store.keys.shard(0), ix.cap, ix.log_last[0], ix.log_seen[0]],
-            ix._reread_columns(),
-            ix.columns,
-        )
+        cols = {c: ix.stored_dtype(c) for c in ix.columns if c != "alive"}
+        args = [store.keys.shard(0), ix.cap, ix.log_last[0], ix.log_seen[0], 64, 16_384]
+        args += reread_columns(cols)
         with r.pipeline(transaction=False) as pipe:
-            pipe.execute_command(*page_xrange(key, ix.log_last[0], 1000))
+            pipe.execute_command("XRANGE", key, f"({ix.log_last[0]}", "+", "COUNT", 1000)
             if between:
                 pipe.execute_command(*between)
             REREAD.queue(pipe, [key, alive], args)
@@ -240,9 +232,9 @@ def test_a_sync_reads_its_page_on_its_own_connection_or_through_redis_py(store, 
             store.r.script_flush()
         assert len(ix.sync())
         assert_cold_equal(ix)
-    assert (ix._wire[1] is None) == (wire == "redis-py")
+    assert (ix.transport.reader() is None) == (wire == "redis-py")
     if wire != "redis-py":
-        with ix._wire_lock:  # another thread syncing: a redis-py pipeline
+        with ix.transport.lock:  # another thread syncing: a redis-py pipeline
             store.commit(batch(episode(40, 10)))
             assert len(ix.sync())
         assert_cold_equal(ix)
@@ -254,20 +246,18 @@ def test_a_sync_rereads_committed_slots_in_its_page_round_trip(store, make, monk
     """The slots a page's entries name are read by ``reread.lua`` in the page's own round
     trip (one pipeline per sync), wrapping ring included; past its entry or slot limits in
     a second one. Either way the index equals a cold rebuild."""
-    import orchestrator.sampling.changelog as changelog
+    import claw_tasks.store.changes as changes
 
-    monkeypatch.setattr(changelog, "REREAD_ENTRIES", limits[0])
-    monkeypatch.setattr(changelog, "REREAD_SLOTS", limits[1])
+    monkeypatch.setattr(changes, "REREAD_ENTRIES", limits[0])
+    monkeypatch.setattr(changes, "REREAD_SLOTS", limits[1])
     store.commit(batch(interleave(episode(1, 40, "terminated"), episode(2, 30))))
     ix = make(store)
     ix.sync()
     pipelines = []
     real = store.r.pipeline
     monkeypatch.setattr(store.r, "pipeline", lambda *a, **k: pipelines.append(1) or real(*a, **k))
-    packed = BulkReader.run_packed  # the sync's own connection: a round trip as well
-    monkeypatch.setattr(
-        BulkReader, "run_packed", lambda *a, **k: pipelines.append(1) or packed(*a, **k)
-    )
+    run = BulkReader.run  # the sync's own connection: a round trip as well
+    monkeypatch.setattr(BulkReader, "run", lambda *a, **k: pipelines.append(1) or run(*a, **k))
     for e in range(3, 12):  # past the ring of 300: evict and ins entries, wrapping slots
         store.commit(batch(episode(e, 35, "terminated", task_id="a") + episode(e + 20, 20)))
         store.commit(batch(episode(e + 40, 5)))

@@ -16,9 +16,9 @@ from claw_tasks.client import Ingestor
 from claw_tasks.connection.client import is_cluster
 from claw_tasks.format.columns import Ragged
 from claw_tasks.store import NamespaceError, Store
-from claw_tasks.store.layout import payload_chunk_slots
+from claw_tasks.store.slots import payload_read
 from orchestrator import InsufficientData, Recipe, sample, update_priorities
-from orchestrator.sampling.fetch import Fetcher, Read
+from orchestrator.sampling.fetch import Fetcher
 from orchestrator.sampling.index import SamplingIndex
 from tests.support.stepdata import batch, episode, interleave, obs_of
 
@@ -286,7 +286,7 @@ def test_fetch_rejects_rows_overwritten_since_the_sync(redis_url, namespace):
     rows = np.arange(5)
     ids = ix.columns["id"][rows]
     fetch = Fetcher(st_, ix.cap)
-    read = Read("f", "f:obs", 16, 16384, rows)
+    read = payload_read("obs", st_.config().schema.fields["obs"], rows)
     (got,), _ = fetch(rows, ids, [read])
     np.testing.assert_array_equal(got.view(np.float32), [obs_of(1, t) for t in range(5)])
     st_.commit(batch(episode(2, 3)))  # slots 0-2 now hold other steps
@@ -675,7 +675,8 @@ def test_big_rows_through_plain_commands(store):
     ix = SamplingIndex(store)
     ix.sync()
     rows = np.flatnonzero(ix.columns["alive"])[:4]
-    read = Read("f", "f:obs", 6912, payload_chunk_slots(6912), rows, plain=True)
+    read = payload_read("obs", store.config().schema.fields["obs"], rows)
+    assert read.plain
     (got,), _ = fetch(rows, ix.columns["id"][rows], [read])
     assert got.shape == (4, 6912) and (got == got[:, :1]).all()
     assert (got[:, 0] % 20 == ix.columns["step_index"][rows]).all()

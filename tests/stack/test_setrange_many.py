@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import redis
 
-from claw_tasks.connection.client import Client, setrange_many
+from claw_tasks.connection.client import Client
+from claw_tasks.connection.resp import setrange_many
 
 pytestmark = pytest.mark.both_stores
 

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-import orchestrator.sampling.slotreads as slotreads
+import orchestrator.sampling.index as index
 from claw_tasks.store import Store
 from orchestrator.sampling.sample import sample
 from orchestrator.sampling.shared import SharedIndex
@@ -45,7 +45,7 @@ def main() -> None:
     store = Store(url, namespace)
     if mode == "pause":
         ix = SharedIndex(store)
-        real, calls = slotreads.decode_meta, []
+        real, calls = index.decode_meta, []
 
         def decode_then_stop(*args):  # the third column of the new rows: half written
             calls.append(1)
@@ -53,7 +53,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             return real(*args)
 
-        slotreads.decode_meta = decode_then_stop
+        index.decode_meta = decode_then_stop
         ix.sync()
         print("not stopped", flush=True)
     elif mode == "check":

@@ -349,9 +349,6 @@ def test_no_private_name_is_used_across_modules() -> None:
 
 
 # ---- the store's layout stays in the store ----------------------------------------------
-# orchestrator/sampling/ is being moved behind the store's read API; until then it is
-# exempt here.
-LAYOUT_EXEMPT = ("orchestrator/sampling/",)
 
 
 def _layout_names() -> set[str]:
@@ -452,8 +449,6 @@ def test_only_the_store_knows_its_layout() -> None:
     bad = []
     for path in sorted((ROOT / "orchestrator").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(LAYOUT_EXEMPT):
-            continue
         bad += [
             f"{rel} {use}"
             for use in _layout_uses(ast.parse(path.read_text()), layout_names, builders)

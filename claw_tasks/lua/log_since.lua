@@ -1,7 +1,7 @@
 --! include log_lost
 -- Whether a change-log reader lost entries after the last one it applied (trimmed or
 -- deleted): then it must rebuild from the columns. The entries themselves are read by a
--- plain XRANGE queued just before this check (orchestrator.sampling.changelog): returned
+-- plain XRANGE queued just before this check (claw_tasks/store/changes.py): returned
 -- through Lua, a page of 1,000 cost Redis ~3.8 ms, natively ~0.65 ms. The check needs no
 -- atomicity with that read: the counts it compares only grow, so a loss before the read
 -- still shows here, and one after it only makes the reader rebuild when it need not.

@@ -1,5 +1,5 @@
 --! include log_lost
--- A sync's re-read in the round trip of its change-log page (orchestrator.sampling.index):
+-- A sync's re-read in the round trip of its change-log page (store/changes.py, SyncReads):
 -- whether the reader lost entries (log_since.lua's check, which this replaces in a sync's
 -- round trip: one script call a shard fewer), then the slots that the entries after the
 -- reader's position took or freed (events with seq and n: ins, evict), every column and
