@@ -12,8 +12,10 @@ reward (1 when the digit is the sum) posted to the gateway's ``/t/<trajectory>/r
 which ends the trajectory. The trainer pops group batches from Claw
 (``sampler: {kind: group, once: true}``, ``tokens`` collation, GRPO advantages computed
 by the prefetch workers), takes a clipped policy-gradient step, publishes the new policy
-version, and bounds staleness with the live param ``min_version``. Needs the workers:
+version, and bounds staleness with the live param ``min_version``. Needs torch, the
+agents' clients and the workers:
 
+    pip install -e '.[torch,agents]'
     claw up                                   # in another terminal
     python examples/grpo_toy.py --updates 150
 """

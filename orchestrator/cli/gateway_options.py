@@ -37,7 +37,7 @@ MaxN = Annotated[
     int,
     typer.Option(min=1, max=1024, help="Largest n per call (n > 1: n trajectories)"),
 ]
-PolicyVersion = Annotated[
+DefaultPolicyVersion = Annotated[
     int | None,
     typer.Option(
         help="Recorded as each turn's policy_version when the upstream sends no "

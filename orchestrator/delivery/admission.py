@@ -118,7 +118,16 @@ def state(store: Store) -> dict[str, Any] | None:
     ``admitted`` (running + accepted), ``total``, ``waited``, ``refused``, ``released``,
     ``expired`` (trajectories that went ``expiry`` seconds without a turn or a reward),
     ``open`` (admitted trajectories not rewarded yet)."""
-    raw = store.r.hgetall(admission_key(store))
+    with store.r.pipeline(transaction=False) as p:  # one slot: the keys share its tag
+        p.hgetall(admission_key(store))
+        p.zcard(open_key(store))
+        raw, n_open = p.execute()
+    return state_of(raw, n_open)
+
+
+def state_of(raw: Mapping[bytes, bytes], n_open: int) -> dict[str, Any] | None:
+    """:func:`state` of the admission hash and the open set's size as read (a reader on
+    another client, the gateway's event loop, decodes them here too)."""
     if not raw or b"batch" not in raw:
         return None
     d = {k.decode(): v.decode() for k, v in raw.items()}
@@ -133,7 +142,7 @@ def state(store: Store) -> dict[str, Any] | None:
     }
     for k in COUNTERS:
         out[k] = int(float(d.get(k, 0)))
-    out["open"] = int(store.r.zcard(open_key(store)))
+    out["open"] = int(n_open)
     return out
 
 

@@ -109,7 +109,7 @@ def fold(
         stats.merge_sample(name, QuantileSample.of(np.asarray(fields[name]), keys))
 
 
-def recipe_stats(store: Store, recipe: Recipe) -> RedisStats:
+def outlier_stats(store: Store, recipe: Recipe) -> RedisStats:
     """A recipe's outlier statistics (another ``clean`` section starts afresh)."""
     assert recipe.clean is not None
     digest = hashlib.sha1(recipe.clean.model_dump_json().encode()).hexdigest()[:16]
@@ -122,7 +122,7 @@ def clean_batch(store: Store, recipe: Recipe, batch: Batch) -> Batch | None:
     clean = recipe.clean
     assert clean is not None
     fields = map_fields(clean, {k: np.asarray(v) for k, v in batch.fields.items()})
-    stats = recipe_stats(store, recipe)
+    stats = outlier_stats(store, recipe)
     z = {o.field: stats.get(o.field) for o in clean.outliers if o.iqr is None}
     samples = {o.field: stats.get_sample(o.field) for o in clean.outliers if o.iqr is not None}
     found = violations(clean, fields, z, samples)

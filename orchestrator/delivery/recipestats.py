@@ -67,14 +67,19 @@ class RecipeStats:
 
 
 def recipe_stats(
-    store: Store, registry: Registry, names: Sequence[str] | None = None
+    store: Store,
+    registry: Registry,
+    names: Sequence[str] | None = None,
+    *,
+    budget: dict[str, Any] | None = None,
 ) -> dict[str, RecipeStats]:
     """Per recipe of ``names`` (default: every registered one, skipping any unregistered
-    meanwhile; a name given that is not registered raises)."""
+    meanwhile; a name given that is not registered raises). ``budget``: the namespace's
+    admission state (``{}``: none declared) when the caller read it already; else it is
+    read here, once, if a recipe has ``admission``."""
     given = names is not None
     names = list(names) if given else registry.names()
     inserted = registry.inserted() if names and store.exists() else 0
-    budget: dict[str, Any] | None = None
     out: dict[str, RecipeStats] = {}
     for n in names:
         entry = registry.registered(n) if given else registry.get(n)

@@ -9,8 +9,11 @@ limits, the reward rule and credit)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -29,13 +32,18 @@ from orchestrator.gateway import credit
 from orchestrator.gateway.capture import CHAT, COMPLETION, RESPONSES, Retokenizer
 from orchestrator.gateway.config import GatewayConfig
 from orchestrator.gateway.forward import Forwarder
-from orchestrator.gateway.gate import Gate
+from orchestrator.gateway.gate import STORE_TIMEOUT_S, Gate
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.recorder import Recorder
 from orchestrator.gateway.requests import Refused, bearer, error
 from orchestrator.gateway.trajectories import TrajectoryRoutes
 from orchestrator.gateway.upstream import Upstream
-from orchestrator.inspect.stats import Statistics
+
+log = logging.getLogger(__name__)
+
+BUDGET_FRESH_S = 1.0
+"""Scrapes within this of the last budget read show that read (scrapers that ask at once,
+several Prometheus servers, cost the store one read)."""
 
 
 class Gateway:
@@ -68,8 +76,6 @@ class Gateway:
         if config.turn_discount is not None:
             credit.set_discount(store, config.turn_discount)
         self.store = store
-        stats = Statistics(store.r)
-        self.metrics.track_admission(lambda: stats.admission(store.namespace))
         self.gate = Gate(
             store,
             redis_url,
@@ -105,8 +111,12 @@ class Gateway:
         )
         self.forwarder = Forwarder(config, self.metrics, self.gate, self.recorder, self.upstream)
         self.trajectories = TrajectoryRoutes(config, self.metrics, store, self.gate, self.recorder)
+        self._budget_read: asyncio.Task[None] | None = None  # the one read in flight
+        self._budget_at = -BUDGET_FRESH_S  # when the last read ended (monotonic)
 
     async def close(self) -> None:
+        if self._budget_read is not None:
+            self._budget_read.cancel()
         await self.upstream.aclose()
         await self.gate.aclose()
         await run_in_threadpool(self.recorder.close)
@@ -153,8 +163,30 @@ class Gateway:
             )
         except Refused as r:
             return r.response
-        page = await run_in_threadpool(generate_latest, self.metrics.registry)  # reads Redis
-        return Response(page, media_type=CONTENT_TYPE_LATEST)
+        await self.read_budget()
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def read_budget(self) -> None:
+        """Refresh the admission gauges, waiting at most ``STORE_TIMEOUT_S``: a store that
+        does not answer costs a scrape that, and the page shows this process's own figures
+        without the budget. One read at a time; a slow one goes on after the page is out."""
+        if time.monotonic() - self._budget_at < BUDGET_FRESH_S:
+            return
+        if self._budget_read is None or self._budget_read.done():
+            self._budget_read = asyncio.create_task(self._read_budget())
+        with suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._budget_read), STORE_TIMEOUT_S)
+            return
+        self.metrics.budget.update(None, known=False)
+
+    async def _read_budget(self) -> None:
+        try:
+            self.metrics.budget.update(await self.gate.budget())
+        except Exception as e:  # the store is away or its hash malformed: the page goes on
+            log.warning("gateway metrics: the admission budget is unreadable: %s", e)
+            self.metrics.budget.update(None, known=False)
+        finally:
+            self._budget_at = time.monotonic()
 
 
 def create_app(config: GatewayConfig, ingestor: Ingestor | None = None) -> Starlette:

@@ -204,6 +204,16 @@ class Gate:
             await self.r.script_load(lua.source)
             return await self.r.evalsha(lua.sha, len(keys), *keys, *args)
 
+    async def budget(self) -> dict[str, Any] | None:
+        """The namespace's declared budget and counters (:func:`admission.state
+        <orchestrator.delivery.admission.state>`'s figures), read on the event loop's
+        bounded client: a store that does not answer fails this within the store timeout."""
+        async with self.r.pipeline(transaction=False) as p:
+            p.hgetall(self._fixed[0])
+            p.zcard(self._open)
+            raw, n_open = await p.execute()
+        return admission.state_of(raw, n_open)
+
     async def sweep(self) -> int:
         """Expire the namespace's trajectories past their expiry; returns how many (in a
         thread: the store's sync client)."""

@@ -3,22 +3,18 @@ run several gateways in one process).
 
 What this process did (calls answered, turns recorded, trajectories admitted here) it counts
 itself; what is the namespace's (the admission budget and what is admitted against it,
-shared by every gateway) it reads at each scrape from the statistics collector
-(:meth:`orchestrator.inspect.stats.Statistics.admission`), so it is the figure ``claw
-metrics`` exports, not the one this gateway saw last."""
+shared by every gateway) the app reads from the store at each scrape, decoded by
+:func:`orchestrator.delivery.admission.state_of` as ``claw metrics``' figure is, so the two
+agree, rather than the one this gateway saw last."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-log = logging.getLogger(__name__)
 
 
 class GatewayMetrics:
@@ -29,6 +25,8 @@ class GatewayMetrics:
         self._traffic()
         self._recording()
         self._admission()
+        self.budget = AdmissionGauges()
+        self.registry.register(self.budget)
 
     def _traffic(self) -> None:
         r = self.registry
@@ -76,7 +74,7 @@ class GatewayMetrics:
         )
 
     def _admission(self) -> None:
-        """What this gateway's gate did; the budget itself is :meth:`track_admission`'s."""
+        """What this gateway's gate did; the budget itself is :class:`AdmissionGauges`'."""
         r = self.registry
         self.admitted = Counter(
             "claw_gateway_admitted_trajectories",
@@ -114,24 +112,24 @@ class GatewayMetrics:
     def track_backlog(self, size: Callable[[], int]) -> None:
         self.backlog.set_function(size)
 
-    def track_admission(self, read: Callable[[], dict[str, Any] | None]) -> None:
-        """Export the namespace's budget as ``read`` (the collector's) returns it."""
-        self.registry.register(AdmissionGauges(read))
-
 
 class AdmissionGauges(Collector):
-    """The namespace's staleness budget and the trajectories admitted against it, read at
-    each scrape (-1 and 0 while no trainer declares one)."""
+    """The namespace's staleness budget and the trajectories admitted against it (-1 and 0
+    while no trainer declares one), as last read: the app reads them before it renders a
+    page (:meth:`update`), so rendering never waits on the store. Absent from the page while
+    the store does not answer: a stale figure would pass for a current one."""
 
-    def __init__(self, read: Callable[[], dict[str, Any] | None]) -> None:
-        self.read = read
+    def __init__(self) -> None:
+        self.state: dict[str, Any] | None = None
+        self.known = False
+
+    def update(self, state: dict[str, Any] | None, known: bool = True) -> None:
+        self.state, self.known = state, known
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            state = self.read()
-        except (redis.RedisError, OSError) as e:  # the page still shows this process's own
-            log.warning("gateway metrics: the admission budget is unreadable: %s", e)
+        if not self.known:
             return
+        state = self.state
         budget = GaugeMetricFamily(
             "claw_gateway_admission_budget",
             "The staleness budget (max_staleness + v + 1) x batch trajectories (-1: no "

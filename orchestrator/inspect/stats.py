@@ -8,8 +8,10 @@ the protected steps and the last quality pass (``maintenance``), and the recipes
 (:func:`~orchestrator.delivery.recipestats.recipe_stats`). :meth:`BatchClient.stats
 <orchestrator.delivery.client.BatchClient.stats>` lives below it, in ``delivery``, and
 returns that same ``recipe_stats``: the recipe figures are read by one function, whichever
-door they leave by. What a reader does not show it does not pay for: recipes, quality and
-protected steps are read only when asked."""
+door they leave by. Recipes (with the admission budget, read once for all of them), quality
+and protected steps, the costly or rarely shown parts, are read only when asked; every
+:meth:`Statistics.collect` reads the rest of a namespace's figures, payload sizes and
+cleaning counts among them."""
 
 from __future__ import annotations
 
@@ -132,8 +134,8 @@ class Statistics:
                 unreadable[name] = str(e)
                 continue
             if recipes:
-                st.recipes = self.recipes(name)
                 st.admission = self.admission(name)
+                st.recipes = self.recipes(name, budget=st.admission or {})
             if quality:
                 st.quality = self.quality(name)
             found.append(st)
@@ -152,10 +154,11 @@ class Statistics:
                 f"run `claw doctor {name}`"
             ) from e
 
-    def recipes(self, name: str) -> dict[str, RecipeStats]:
-        """Every registered recipe's figures (what ``BatchClient.stats`` returns)."""
+    def recipes(self, name: str, budget: dict[str, Any] | None = None) -> dict[str, RecipeStats]:
+        """Every registered recipe's figures (what ``BatchClient.stats`` returns);
+        ``budget``: :meth:`admission`'s, when the caller read it already."""
         store = Store(self.r, name)
-        return recipe_stats(store, Registry(store))
+        return recipe_stats(store, Registry(store), budget=budget)
 
     def quality(self, name: str) -> dict[str, Any] | None:
         """The last quality pass's summary (None before the first)."""

@@ -78,6 +78,7 @@ class Inspector(SearchViews, EpisodeViews, CurationViews):
     def quality(self, ns: str) -> dict[str, Any] | None:
         """The last quality pass, with its charts: each field's histogram, the share of
         each skill and task per window and the reward mean per window (oldest first)."""
+        self.store(ns)  # a namespace that does not exist raises: the app's 404
         q = Statistics(self.r).quality(ns)
         if q is None:
             return None

@@ -2,11 +2,14 @@
 metrics``, the inspector's namespaces page, ``BatchClient.stats`` (and ``claw recipes``)
 and a capture gateway's ``/metrics``, all reading one collector
 (``orchestrator/inspect/stats.py``), against the figures computed here from the steps
-written."""
+written; and a gateway's page while the store does not answer."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +21,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
+from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
 from orchestrator.cli.exporter import registry_for
 from orchestrator.cli.main import app
@@ -181,3 +185,34 @@ def test_gateway_without_a_budget_shows_none(redis_url, tmp_path: Path):
     g = scrape(page.text, ns)
     assert g[("claw_gateway_admission_budget", ())] == -1
     assert g[("claw_gateway_admission_admitted", ())] == 0
+
+
+def test_gateway_metrics_answer_while_the_store_does_not(tmp_path: Path):
+    """A store that accepts connections and answers nothing (its redis-server stopped with
+    SIGSTOP): the page still comes, with this process's own figures and without the
+    budget, which it cannot read."""
+    ns = f"agree-{uuid.uuid4().hex[:8]}"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with RedisServer() as server:
+        Store(server.url, ns).create(capacity=100, n_shards=1)
+        env = {"CLAW_BROKER_URL": server.url}
+        gw = start_gateway("http://127.0.0.1:9", ns, tmp_path, redis_url=server.url, env=env)
+        assert server.pid is not None
+        try:
+            page = httpx.get(f"{gw.url}/metrics", headers=headers, timeout=30)
+            assert scrape(page.text, ns)[("claw_gateway_admission_budget", ())] == -1
+            os.kill(server.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 120
+            while True:  # a page read within BUDGET_FRESH_S shows the last budget read
+                page = httpx.get(f"{gw.url}/metrics", headers=headers, timeout=30)
+                assert page.status_code == 200, page.text
+                g = scrape(page.text, ns)
+                if ("claw_gateway_admission_budget", ()) not in g:
+                    break
+                assert time.monotonic() < deadline, "the page kept a budget it cannot read"
+                time.sleep(0.5)
+            assert g[("claw_gateway_sessions_total", ())] == 0
+            assert ("claw_gateway_record_backlog", ()) in g
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+            gw.stop()

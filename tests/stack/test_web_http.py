@@ -231,3 +231,15 @@ def test_episode_table_matches_numpy_on_interleaved_rows(redis_server):
     assert got.keys() == want.keys()
     for name, (steps, total) in want.items():
         assert got[name][0] == steps and got[name][1] == pytest.approx(total, rel=1e-5)
+
+
+def test_pages_of_a_missing_namespace_are_404(web, ns):
+    """A well-formed name no namespace has: each page says so with a 404."""
+    b = Browser(web.url)
+    b.login()
+    missing = f"missing-{uuid.uuid4().hex[:6]}"
+    for route in ("search", "quality", "audit", "recipes"):
+        status, _, html = b.request(f"/ns/{missing}/{route}")
+        assert status == 404 and "does not exist" in html, route
+    status, _, _ = b.request(f"/ns/{ns}/quality")
+    assert status == 200

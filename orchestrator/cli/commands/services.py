@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from claw_tasks.broker.app import QUEUES
-from claw_tasks.connection.server import RedisServer, ensure_redis
+from claw_tasks.connection.server import ensure_redis
 from claw_tasks.settings import METRICS_PORT, WEB_PORT, get_settings, redact_url
 from claw_tasks.store.acl import setuser_command
 from orchestrator.cli import demo as demo_run
@@ -157,21 +157,26 @@ def web(
             certfile=str(certfile) if certfile else None,
             keyfile=str(keyfile) if keyfile else None,
         ),
-        server,
+        None if server is None else server.stop,
     )
 
 
-def _until_interrupted(run: Callable[[], object], server: RedisServer | None) -> None:
-    """``run()`` until Ctrl-C or SIGTERM, then the embedded Redis (if one was started)
-    stopped."""
+def _until_interrupted(run: Callable[[], object], stop: Callable[[], object] | None) -> None:
+    """``run()`` until Ctrl-C or SIGTERM, then ``stop()`` (the embedded Redis, if one was
+    started; the metrics server)."""
     stop_on_sigterm()
     try:
         run()
     except KeyboardInterrupt:
         pass
     finally:
-        if server is not None:
-            server.stop()
+        if stop is not None:
+            stop()
+
+
+def _forever() -> None:
+    while True:
+        time.sleep(3600)
 
 
 def _stack_table(stack: DevStack, metrics_port: int | None) -> Table:
@@ -266,14 +271,7 @@ def metrics(
         f"{'bearer token required' if token else 'no token: set CLAW_METRICS_TOKEN'}); "
         "Ctrl-C stops"
     )
-    stop_on_sigterm()
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.shutdown()
+    _until_interrupted(_forever, server.shutdown)
 
 
 @app.command()
@@ -291,7 +289,7 @@ def gateway(
     upstream_timeout: opt.UpstreamTimeout = None,
     max_turns: opt.MaxTurns = 256,
     max_n: opt.MaxN = 64,
-    policy_version: opt.PolicyVersion = None,
+    policy_version: opt.DefaultPolicyVersion = None,
     admission: opt.Admission = True,
     admission_wait: opt.AdmissionWait = None,
     admission_expiry: opt.AdmissionExpiry = None,
@@ -347,7 +345,8 @@ def gateway(
         f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
         f"(store {redact_url(url)}, broker {redact_url(config.broker_url or url)}); Ctrl-C stops"
     )
-    _until_interrupted(lambda: serve(config, address, port), server)
+    stop = None if server is None else server.stop
+    _until_interrupted(lambda: serve(config, address, port), stop)
 
 
 @app.command()
