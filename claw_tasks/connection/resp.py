@@ -102,7 +102,7 @@ class Commands:
     def __init__(self) -> None:
         self.ranges: list[tuple[str, int, int]] = []
         self.commands: list[Command] = []
-        self._into: list[tuple[int, int, Any, Callable[[np.ndarray], Any], Reply]] = []
+        self._into: list[tuple[int, int, Any, Callable[[np.ndarray], Any], Any, Reply]] = []
         self._add: list[tuple[int, Callable[[Any], Any], Reply]] = []
 
     def into(
@@ -111,14 +111,18 @@ class Commands:
         nbytes: int,
         decode: Callable[[np.ndarray], Any] = _same,
         out: np.ndarray | None = None,
+        each: Callable[[list[bytes]], Any] | None = None,
     ) -> Reply:
         """``GETRANGE key start end`` of each of ``ranges`` (``nbytes`` in all); ``decode``
         gets their bytes concatenated (uint8; a reply shorter than its range, from a key
         not written yet, padded with zeros), received into ``out`` (any C-contiguous
-        array of ``nbytes``) when given."""
-        self._into.append((len(ranges), nbytes, out, decode, Reply()))
+        array of ``nbytes``) when given. ``each``, if given, decodes the replies as
+        redis-py parsed them (a ``bytes`` each, maybe short) when the commands went
+        through redis-py: a caller that copies the rows anyway saves copying them into
+        one buffer first."""
+        self._into.append((len(ranges), nbytes, out, decode, each, Reply()))
         self.ranges += ranges
-        return self._into[-1][4]
+        return self._into[-1][5]
 
     def add(self, command: Command, decode: Callable[[Any], Any] = _same) -> Reply:
         """One command; ``decode`` gets its reply."""
@@ -131,25 +135,40 @@ class Commands:
         self._add.append((len(commands), decode, reply))
         return reply
 
-    def targets(self) -> list[tuple[int, memoryview]]:
+    def targets(self, parsed: bool) -> list[tuple[int, memoryview | None]]:
         """Per :meth:`into` call its count of ranges and the bytes its replies fill (one
-        buffer for those without ``out``)."""
-        own = sum(n for _, n, out, _, _ in self._into if out is None)
+        buffer for those without ``out``); with ``parsed`` (the replies come from
+        redis-py) None for those decoded by ``each``."""
+        keep = [parsed and out is None and each is not None for _, _, out, _, each, _ in self._into]
+        own = sum(e[1] for e, k in zip(self._into, keep, strict=True) if e[2] is None and not k)
         buf = memoryview(np.empty(own, np.uint8)) if own else memoryview(b"")
         at, targets = 0, []
-        for count, n, out, _, _ in self._into:
-            if out is None:
+        for (count, n, out, _, _, _), k in zip(self._into, keep, strict=True):
+            if k:
+                targets.append((count, None))
+            elif out is None:
                 targets.append((count, buf[at : at + n]))
                 at += n
             else:
                 targets.append((count, memoryview(out.reshape(-1).view(np.uint8))))
         return targets
 
-    def decode(self, targets: list[tuple[int, memoryview]], replies: Sequence[Any]) -> None:
+    def decode(
+        self,
+        targets: list[tuple[int, memoryview | None]],
+        parsed: Sequence[Any],
+        replies: Sequence[Any],
+    ) -> None:
         """Hand each decoder its part of the replies: the bytes of ``targets`` for the
-        GETRANGEs, then ``replies`` for the other commands."""
-        for (_, mv), (_, _, _, decode, reply) in zip(targets, self._into, strict=True):
-            reply.value = decode(np.frombuffer(mv, np.uint8))
+        GETRANGEs (or, where a target is None, their ``parsed`` replies), then ``replies``
+        for the other commands."""
+        at = 0
+        for (count, mv), (_, _, _, decode, each, reply) in zip(targets, self._into, strict=True):
+            if mv is None:
+                reply.value = each(list(parsed[at : at + count]))
+            else:
+                reply.value = decode(np.frombuffer(mv, np.uint8))
+            at += count
         at = 0
         for n, decode, reply in self._add:
             reply.value = decode(replies[at : at + n])
@@ -210,9 +229,9 @@ class RoundTrips:
         """Send ``commands`` and set each of their replies (a Redis error raises, after
         every reply was read)."""
         _, reader, lock = self._state()
-        targets = commands.targets()
         if reader is not None and lock.acquire(blocking=False):
             try:
+                targets = commands.targets(parsed=False)
                 cs = commands.commands
                 blob = b"".join(c.blob if isinstance(c, Packed) else pack(c) for c in cs)
                 try:
@@ -222,9 +241,11 @@ class RoundTrips:
                     replies = reader.run(commands.ranges, targets, blob, len(cs))
             finally:
                 lock.release()
+            commands.decode(targets, (), replies)
         else:
-            replies = self._pipeline(commands, targets)
-        commands.decode(targets, replies)
+            targets = commands.targets(parsed=True)
+            ranges, replies = self._pipeline(commands, targets)
+            commands.decode(targets, ranges, replies)
 
     @property
     def lock(self) -> threading.Lock:
@@ -251,7 +272,12 @@ class RoundTrips:
             own = self._own = (os.getpid(), reader, threading.Lock())
         return own
 
-    def _pipeline(self, commands: Commands, targets: list[tuple[int, memoryview]]) -> list[Any]:
+    def _pipeline(
+        self, commands: Commands, targets: list[tuple[int, memoryview | None]]
+    ) -> tuple[list[Any], list[Any]]:
+        """The GETRANGEs' replies (each copied once into its target, if it has one) and the
+        other commands', through a redis-py pipeline."""
+
         def queue(pipe: Any) -> None:
             for key, start, end in commands.ranges:
                 pipe.getrange(key, start, end)
@@ -261,17 +287,20 @@ class RoundTrips:
         replies = execute(self.client, self.scripts, queue)
         at = 0
         for count, mv in targets:  # each reply copied once into its place
+            at += count
+            if mv is None:
+                continue
             pos = 0
             for (_, start, end), raw in zip(
-                commands.ranges[at : at + count], replies[at : at + count], strict=True
+                commands.ranges[at - count : at], replies[at - count : at], strict=True
             ):
                 want, n = end - start + 1, len(raw)
                 mv[pos : pos + n] = raw
                 if n < want:
                     mv[pos + n : pos + want] = bytes(want - n)
                 pos += want
-            at += count
-        return replies[len(commands.ranges) :]
+        n = len(commands.ranges)
+        return replies[:n], replies[n:]
 
 
 class _BulkReader:

@@ -110,7 +110,8 @@ def info_read(rows: np.ndarray) -> Read:
 
 def queue_plain(batch: Commands, core: StoreCore, cap: int, read: Read) -> Reply:
     """``read`` (rows sorted and unique) by client commands: a fixed read as one GETRANGE
-    per run of consecutive slots in one chunk, its reply uint8 ``(rows, size)``; a hash
+    per run of consecutive slots in one chunk, its reply uint8 ``(rows, size)`` (or, when
+    the commands went through redis-py, :class:`Rows` indexed as such); a hash
     read as one HMGET per hash (a command per row costs the client ~5 µs to pack and
     parse: a batch's compressed frames are hundreds), its reply a value (or None) per
     row."""
@@ -137,7 +138,34 @@ def queue_plain(batch: Commands, core: StoreCore, cap: int, read: Read) -> Reply
             key = f"{prefix(int(shard[s]))}{read.base}:{chunk[s]}"
             ranges.append((key, off, off + (e - s) * read.size - 1))
     size = read.size
-    return batch.into(ranges, len(read.rows) * size, lambda buf: buf.reshape(-1, size))
+    return batch.into(
+        ranges,
+        len(read.rows) * size,
+        lambda buf: buf.reshape(-1, size),
+        each=lambda raws: Rows(raws, ranges, size),
+    )
+
+
+class Rows:
+    """Fixed rows of ``size`` bytes as views of redis-py's replies to GETRANGEs of
+    ``ranges`` (a short reply padded with zeros): ``rows[k]`` copies the rows ``k`` once,
+    into a new uint8 ``(len(k), size)`` array."""
+
+    def __init__(self, raws: list[bytes], ranges: list[tuple[str, int, int]], size: int) -> None:
+        self.size, self.rows = size, []
+        for raw, (_, start, end) in zip(raws, ranges, strict=True):
+            if len(raw) < end - start + 1:  # a key not written (yet) that far
+                raw = raw + bytes(end - start + 1 - len(raw))
+            self.rows += list(np.frombuffer(raw, np.uint8).reshape(-1, size))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, k: np.ndarray) -> np.ndarray:
+        out = np.empty((len(k), self.size), np.uint8)
+        for i, j in enumerate(k.tolist()):
+            out[i] = self.rows[j]
+        return out
 
 
 def queue_checked(
