@@ -273,8 +273,9 @@ class SamplingIndex:
                     changed.append(self._set(shard, e))
                 elif e.kind == "evicted":
                     changed.append(self._evicted(shard, e))
-                elif e.kind == "forgotten":  # dict pruning
-                    self.forgotten.setdefault(e.col, set()).update(e.codes.tolist())
+                elif e.kind == "forgotten":  # dict pruning (no codes: nothing pruned)
+                    if len(e.codes):
+                        self.forgotten.setdefault(e.col, set()).update(e.codes.tolist())
                 else:
                     raise RebuildNeeded
         if inserted:
