@@ -7,17 +7,19 @@ costs ~5 µs to queue and pack: for the ~260 GETRANGEs of a 256-step image batch
 that is about half of a fetch's CPU time. Here commands are packed in one pass and every
 GETRANGE reply's body is received into its place in one buffer.
 
-- :class:`Batch` and :class:`Transport`: a read path's round trip. A batch is commands,
-  each queued with its own decoder (GETRANGEs whose replies fill one buffer, then any
-  other command, whose replies hiredis parses); a transport sends it on a connection of
-  its own (:class:`BulkReader`), or through a redis-py pipeline where that cannot speak to
-  the server (TLS, Cluster, a credential provider, RESP3) or another thread is using it.
+- :class:`Commands` and :class:`RoundTrips`: a read path's round trip. Commands are each
+  queued with their own decoder (GETRANGEs whose replies fill one buffer or the caller's,
+  then any other command, whose replies hiredis parses); round trips send them on a
+  connection of their own, or through a redis-py pipeline where that cannot speak to the
+  server (TLS, Cluster, a credential provider, RESP3) or another thread is using it.
+- :func:`execute`: commands on a redis-py pipeline, scripts loaded on NOSCRIPT.
 - :func:`setrange_many`: large SETRANGEs sent straight from their memory (ingest).
 - :class:`RespClient`: commands over asyncio streams (the capture gateway's response path,
   where redis-py's asyncio client spends about four times its CPU on a round trip).
 
 The own connections speak plain TCP and Unix sockets with the client's password, user and
-database; for anything else they are not made and redis-py carries the commands.
+database (:func:`plain_connection`, the one test of what they can speak to); for anything
+else they are not made and redis-py carries the commands.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
-from urllib.parse import unquote, urlsplit
 
 import hiredis
 import numpy as np
@@ -69,17 +70,18 @@ def _pack_getranges(commands: Sequence[tuple[str, int, int]]) -> bytes:
 
 class Packed(NamedTuple):
     """A command packed already (``blob``: a caller that sends the same arguments often
-    packs their constant part once) and its arguments (``args``: for redis-py)."""
+    packs their constant part once) and a function giving its arguments (``args``: for
+    redis-py, called only when the commands go through it)."""
 
     blob: bytes
-    args: Sequence[Any]
+    args: Callable[[], Sequence[Any]]
 
 
 Command = Sequence[Any] | Packed
 
 
 class Reply:
-    """What a queued command's decoder made of its reply, once the batch ran."""
+    """What a queued command's decoder made of its reply, once the commands ran."""
 
     __slots__ = ("value",)
 
@@ -91,27 +93,36 @@ def _same(reply: Any) -> Any:
     return reply
 
 
-class Batch:
+class Commands:
     """Commands for one round trip, each with its decoder: no caller counts reply
     positions. GETRANGEs queued by :meth:`into` go first (their replies land in one
-    buffer), the commands of :meth:`add` and :meth:`add_all` after them, in order."""
+    buffer, or in the caller's), the commands of :meth:`add` and :meth:`add_all` after
+    them, in order."""
 
     def __init__(self) -> None:
         self.ranges: list[tuple[str, int, int]] = []
         self.commands: list[Command] = []
-        self._into: list[tuple[int, Callable[[np.ndarray], Any], Reply]] = []
+        self._into: list[tuple[int, int, Any, Callable[[np.ndarray], Any], Any, Reply]] = []
         self._add: list[tuple[int, Callable[[Any], Any], Reply]] = []
 
     def into(
-        self, ranges: Sequence[tuple[str, int, int]], decode: Callable[[np.ndarray], Any]
+        self,
+        ranges: Sequence[tuple[str, int, int]],
+        nbytes: int,
+        decode: Callable[[np.ndarray], Any] = _same,
+        out: np.ndarray | None = None,
+        each: Callable[[list[bytes]], Any] | None = None,
     ) -> Reply:
-        """``GETRANGE key start end`` of each of ``ranges``; ``decode`` gets their bytes
-        concatenated (uint8; a reply shorter than its range, from a key not written yet,
-        padded with zeros)."""
+        """``GETRANGE key start end`` of each of ``ranges`` (``nbytes`` in all); ``decode``
+        gets their bytes concatenated (uint8; a reply shorter than its range, from a key
+        not written yet, padded with zeros), received into ``out`` (any C-contiguous
+        array of ``nbytes``) when given. ``each``, if given, decodes the replies as
+        redis-py parsed them (a ``bytes`` each, maybe short) when the commands went
+        through redis-py: a caller that copies the rows anyway saves copying them into
+        one buffer first."""
+        self._into.append((len(ranges), nbytes, out, decode, each, Reply()))
         self.ranges += ranges
-        reply = Reply()
-        self._into.append((sum(end - start + 1 for _, start, end in ranges), decode, reply))
-        return reply
+        return self._into[-1][5]
 
     def add(self, command: Command, decode: Callable[[Any], Any] = _same) -> Reply:
         """One command; ``decode`` gets its reply."""
@@ -124,140 +135,215 @@ class Batch:
         self._add.append((len(commands), decode, reply))
         return reply
 
-    def nbytes(self) -> int:
-        """Bytes the GETRANGEs read."""
-        return sum(n for n, _, _ in self._into)
+    def targets(self, parsed: bool) -> list[tuple[int, memoryview | None]]:
+        """Per :meth:`into` call its count of ranges and the bytes its replies fill (one
+        buffer for those without ``out``); with ``parsed`` (the replies come from
+        redis-py) None for those decoded by ``each``."""
+        keep = [parsed and out is None and each is not None for _, _, out, _, each, _ in self._into]
+        own = sum(e[1] for e, k in zip(self._into, keep, strict=True) if e[2] is None and not k)
+        buf = memoryview(np.empty(own, np.uint8)) if own else memoryview(b"")
+        at, targets = 0, []
+        for (count, n, out, _, _, _), k in zip(self._into, keep, strict=True):
+            if k:
+                targets.append((count, None))
+            elif out is None:
+                targets.append((count, buf[at : at + n]))
+                at += n
+            else:
+                targets.append((count, memoryview(out.reshape(-1).view(np.uint8))))
+        return targets
 
-    def decode(self, buf: np.ndarray, replies: Sequence[Any]) -> None:
-        """Hand each decoder its part of the replies: ``buf`` for the GETRANGEs, then
-        ``replies`` for the other commands."""
+    def decode(
+        self,
+        targets: list[tuple[int, memoryview | None]],
+        parsed: Sequence[Any],
+        replies: Sequence[Any],
+    ) -> None:
+        """Hand each decoder its part of the replies: the bytes of ``targets`` for the
+        GETRANGEs (or, where a target is None, their ``parsed`` replies), then ``replies``
+        for the other commands."""
         at = 0
-        for n, decode, reply in self._into:
-            reply.value = decode(buf[at : at + n])
-            at += n
+        for (count, mv), (_, _, _, decode, each, reply) in zip(targets, self._into, strict=True):
+            if mv is None:
+                reply.value = each(list(parsed[at : at + count]))
+            else:
+                reply.value = decode(np.frombuffer(mv, np.uint8))
+            at += count
         at = 0
         for n, decode, reply in self._add:
             reply.value = decode(replies[at : at + n])
             at += n
 
 
-class Transport:
-    """Runs batches of read-only commands on ``client``'s server, each in one round trip;
+def load(client: Client, scripts: Sequence[Any]) -> None:
+    """Load ``scripts`` (objects with the ``source`` of a Lua script) on ``client``."""
+    for script in scripts:
+        client.script_load(script.source)
+
+
+def execute(client: Client, scripts: Sequence[Any], queue: Callable[[Any], None]) -> list[Any]:
+    """Run the commands ``queue`` puts on a redis-py pipeline in one round trip; on
+    NOSCRIPT :func:`load` ``scripts`` and run them again (scripts only read, or are
+    idempotent)."""
+    try:
+        return _execute(client, queue)
+    except NoScriptError:
+        load(client, scripts)
+        return _execute(client, queue)
+
+
+def _execute(client: Client, queue: Callable[[Any], None]) -> list[Any]:
+    with client.pipeline(transaction=False) as pipe:
+        queue(pipe)
+        return pipe.execute()
+
+
+def plain_connection(client: Any) -> dict[str, Any] | None:
+    """The connection arguments of ``client`` when its connections are plain TCP or Unix
+    sockets speaking RESP2 with a password at most (what this module's own connections
+    speak: ``path`` set for a Unix socket); None for the others (TLS, a Cluster, a
+    credential provider, RESP3): redis-py carries their commands."""
+    if not isinstance(client, redis.Redis):
+        return None
+    pool = client.connection_pool
+    kw = pool.connection_kwargs
+    if pool.connection_class not in (Connection, UnixDomainSocketConnection):
+        return None
+    if kw.get("credential_provider") or kw.get("protocol") not in (None, 2, "2"):
+        return None
+    return dict(kw)
+
+
+class RoundTrips:
+    """Runs :class:`Commands` (read-only) on ``client``'s server, each in one round trip;
     ``scripts`` (objects with the ``source`` of a Lua script its commands ``EVALSHA``) are
-    loaded on NOSCRIPT and the batch sent again. Safe to share between threads and across
-    a fork: a thread that finds the own connection busy, or a forked child, uses redis-py
-    or a connection of its own."""
+    loaded on NOSCRIPT and the commands sent again. Safe to share between threads and
+    across a fork: a thread that finds the own connection busy, or a forked child, uses
+    redis-py or a connection of its own."""
 
     def __init__(self, client: Client, scripts: Sequence[Any] = ()) -> None:
         self.client, self.scripts = client, list(scripts)
-        self._own: tuple[int, BulkReader | None] | None = None
-        self.lock = threading.Lock()
-        """Held while a batch is on the own connection."""
+        self._own: tuple[int, _BulkReader | None, threading.Lock] | None = None
 
-    def run(self, batch: Batch) -> None:
-        """Send ``batch`` and set each of its replies (a Redis error raises, after every
-        reply was read)."""
-        reader = self.reader()
-        if reader is not None and self.lock.acquire(blocking=False):
+    def run(self, commands: Commands) -> None:
+        """Send ``commands`` and set each of their replies (a Redis error raises, after
+        every reply was read)."""
+        _, reader, lock = self._state()
+        if reader is not None and lock.acquire(blocking=False):
             try:
-                buf = np.empty(batch.nbytes(), np.uint8)
-                cs = batch.commands
+                targets = commands.targets(parsed=False)
+                cs = commands.commands
                 blob = b"".join(c.blob if isinstance(c, Packed) else pack(c) for c in cs)
                 try:
-                    replies = reader.run(batch.ranges, memoryview(buf), blob, len(cs))
+                    replies = reader.run(commands.ranges, targets, blob, len(cs))
                 except NoScriptError:
-                    self._load()
-                    replies = reader.run(batch.ranges, memoryview(buf), blob, len(cs))
+                    load(self.client, self.scripts)
+                    replies = reader.run(commands.ranges, targets, blob, len(cs))
             finally:
-                self.lock.release()
+                lock.release()
+            commands.decode(targets, (), replies)
         else:
-            try:
-                buf, replies = self._pipeline(batch)
-            except NoScriptError:
-                self._load()
-                buf, replies = self._pipeline(batch)
-        batch.decode(buf, replies)
+            targets = commands.targets(parsed=True)
+            ranges, replies = self._pipeline(commands, targets)
+            commands.decode(targets, ranges, replies)
 
-    def reader(self) -> BulkReader | None:
-        """The own connection (made again in a forked child: a socket is not shared across
-        processes); None where it cannot speak to the server."""
-        if self._own is None or self._own[0] != os.getpid():
-            if self._own is not None:  # a forked child: the lock may be held by no thread
-                self.lock = threading.Lock()
-            self._own = (os.getpid(), BulkReader.for_client(self.client))
-        return self._own[1]
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while commands are on the own connection."""
+        return self._state()[2]
 
-    def _load(self) -> None:
-        for script in self.scripts:
-            self.client.script_load(script.source)
+    def reader(self) -> _BulkReader | None:
+        """The own connection; None where it cannot speak to the server."""
+        return self._state()[1]
 
-    def _pipeline(self, batch: Batch) -> tuple[np.ndarray, list[Any]]:
-        with self.client.pipeline(transaction=False) as pipe:
-            for key, start, end in batch.ranges:
+    def close(self) -> None:
+        """Close the own connection (the next run opens another)."""
+        if self._own is not None and self._own[1] is not None:
+            self._own[1].close()
+
+    def _state(self) -> tuple[int, _BulkReader | None, threading.Lock]:
+        """This process's own connection and its lock, taken together (made again in a
+        forked child: a socket is not shared across processes, and the lock may be held
+        there by no thread)."""
+        own = self._own
+        if own is None or own[0] != os.getpid():
+            kw = plain_connection(self.client)
+            reader = None if kw is None else _BulkReader(kw)
+            own = self._own = (os.getpid(), reader, threading.Lock())
+        return own
+
+    def _pipeline(
+        self, commands: Commands, targets: list[tuple[int, memoryview | None]]
+    ) -> tuple[list[Any], list[Any]]:
+        """The GETRANGEs' replies (each copied once into its target, if it has one) and the
+        other commands', through a redis-py pipeline."""
+
+        def queue(pipe: Any) -> None:
+            for key, start, end in commands.ranges:
                 pipe.getrange(key, start, end)
-            for c in batch.commands:
-                pipe.execute_command(*(c.args if isinstance(c, Packed) else c))
-            replies = pipe.execute()
-        buf = np.zeros(batch.nbytes(), np.uint8)
+            for c in commands.commands:
+                pipe.execute_command(*(c.args() if isinstance(c, Packed) else c))
+
+        replies = execute(self.client, self.scripts, queue)
         at = 0
-        for (_, start, end), raw in zip(batch.ranges, replies, strict=False):
-            buf[at : at + len(raw)] = np.frombuffer(raw, np.uint8)
-            at += end - start + 1
-        return buf, replies[len(batch.ranges) :]
+        for count, mv in targets:  # each reply copied once into its place
+            at += count
+            if mv is None:
+                continue
+            pos = 0
+            for (_, start, end), raw in zip(
+                commands.ranges[at - count : at], replies[at - count : at], strict=True
+            ):
+                want, n = end - start + 1, len(raw)
+                mv[pos : pos + n] = raw
+                if n < want:
+                    mv[pos + n : pos + want] = bytes(want - n)
+                pos += want
+        n = len(commands.ranges)
+        return replies[:n], replies[n:]
 
 
-class BulkReader:
-    """One plain connection; not thread-safe (:class:`Transport` holds it under a lock)."""
+class _BulkReader:
+    """One plain connection; not thread-safe (:class:`RoundTrips` holds it under a lock)."""
 
-    def __init__(self, kwargs: dict[str, Any], unix: bool) -> None:
-        self.kwargs, self.unix = kwargs, unix
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.kwargs, self.unix = kwargs, "path" in kwargs
         self.sock: socket.socket | None = None
         self.buf = bytearray(_CHUNK)
         self.mv = memoryview(self.buf)
         self.start = self.end = 0  # unread bytes: buf[start:end]
 
-    @classmethod
-    def for_client(cls, client: Any) -> BulkReader | None:
-        """A reader for the same server and database as ``client``; None when its
-        connection is not a plain TCP or Unix socket speaking RESP2."""
-        if not isinstance(client, redis.Redis):
-            return None
-        pool = client.connection_pool
-        kw = pool.connection_kwargs
-        if pool.connection_class not in (Connection, UnixDomainSocketConnection):
-            return None
-        if kw.get("credential_provider") or kw.get("protocol") not in (None, 2, "2"):
-            return None
-        return cls(dict(kw), pool.connection_class is UnixDomainSocketConnection)
-
-    def getranges(self, commands: Sequence[tuple[str, int, int]], out: memoryview) -> None:
-        """``GETRANGE key start end`` for each command, in one round trip; the replies fill
-        ``out`` in order (a reply shorter than its range, from a key not written yet, is
-        padded with zeros)."""
-        self.run(commands, out, b"", 0)
-
     def run(
-        self, ranges: Sequence[tuple[str, int, int]], out: memoryview, tail: bytes, n: int
+        self,
+        ranges: Sequence[tuple[str, int, int]],
+        targets: list[tuple[int, memoryview]],
+        tail: bytes,
+        n: int,
     ) -> list[Any]:
-        """In one round trip: the GETRANGEs ``ranges`` into ``out`` (as :meth:`getranges`),
-        then the ``n`` commands packed in ``tail``, whose replies come back as hiredis
-        parses them (errors as exceptions: NOSCRIPT as redis-py's :class:`NoScriptError`,
-        raised once every reply is read). Any error closes the connection (the next call
-        opens another); one found broken (the server restarted since) is replaced once at
-        once (reads only: safe to send again)."""
+        """In one round trip: the GETRANGEs ``ranges`` into ``targets`` (per target its
+        count of ranges and the bytes they fill, in order; a reply shorter than its range
+        padded with zeros), then the ``n`` commands packed in ``tail``, whose replies come
+        back as hiredis parses them (errors as exceptions: NOSCRIPT as redis-py's
+        :class:`NoScriptError`, raised once every reply is read). Any error closes the
+        connection (the next call opens another); one found broken (the server restarted
+        since) is replaced once at once (reads only: safe to send again)."""
         blob = _pack_getranges(ranges) + tail
         if self.sock is not None:
             try:
-                return self._run_all(blob, ranges, out, n)
+                return self._run_all(blob, ranges, targets, n)
             except (OSError, redis.ConnectionError):
                 self.close()
-        return self._run_all(blob, ranges, out, n)
+        return self._run_all(blob, ranges, targets, n)
 
     def _run_all(
-        self, blob: bytes, ranges: Sequence[tuple[str, int, int]], out: memoryview, n: int
+        self,
+        blob: bytes,
+        ranges: Sequence[tuple[str, int, int]],
+        targets: list[tuple[int, memoryview]],
+        n: int,
     ) -> list[Any]:
         try:
-            self._run(blob, ranges, out)
+            self._run(blob, ranges, targets)
             replies = self._tail(n)
         except BaseException:
             self.close()
@@ -288,19 +374,28 @@ class BulkReader:
             raise redis.ResponseError("more replies than commands")
         return replies
 
-    def _run(self, blob: bytes, commands: Sequence[tuple[str, int, int]], out: memoryview) -> None:
+    def _run(
+        self,
+        blob: bytes,
+        ranges: Sequence[tuple[str, int, int]],
+        targets: list[tuple[int, memoryview]],
+    ) -> None:
         sock = self.sock or self._connect()
         sock.sendall(blob)
-        pos = 0
-        for _, start, end in commands:
-            want = end - start + 1
-            n = self._bulk_header()
-            if n > want:
-                raise redis.ResponseError(f"GETRANGE returned {n} bytes, asked {want}")
-            self._body_into(out[pos : pos + n])
-            out[pos + n : pos + want] = bytes(want - n)
-            pos += want
-            self._expect(b"\r\n")
+        at = 0
+        for count, out in targets:
+            pos = 0
+            for _, start, end in ranges[at : at + count]:
+                want = end - start + 1
+                n = self._bulk_header()
+                if n > want:
+                    raise redis.ResponseError(f"GETRANGE returned {n} bytes, asked {want}")
+                self._body_into(out[pos : pos + n])
+                if n < want:
+                    out[pos + n : pos + want] = bytes(want - n)
+                pos += want
+                self._expect(b"\r\n")
+            at += count
 
     def close(self) -> None:
         if self.sock is not None:
@@ -466,26 +561,20 @@ class RespClient:
     (bytes, ints, lists; a Redis error raises :class:`RespError`). A pool of connections,
     each carrying one command at a time; one that failed or timed out is closed."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        password: str | None = None,
-        username: str | None = None,
-        db: int = 0,
-        timeout: float = 2.0,
-        max_idle: int = 64,
-    ) -> None:
-        self.host, self.port = host, port
-        self.username, self.password, self.db = username, password, db
+    def __init__(self, kwargs: dict[str, Any], timeout: float = 2.0, max_idle: int = 64) -> None:
+        self.kwargs = kwargs
+        """The server's connection arguments (:func:`plain_connection`)."""
         self.timeout, self.max_idle = timeout, max_idle
         self._idle: list[_Conn] = []
 
     async def _connect(self) -> _Conn:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
+        kw = self.kwargs
+        if "path" in kw:
+            reader, writer = await asyncio.open_unix_connection(kw["path"])
+        else:
+            reader, writer = await asyncio.open_connection(kw.get("host"), kw.get("port", 6379))
         conn = _Conn(reader, writer)
-        for args in _setup(self.username, self.password, self.db):
+        for args in _setup(kw.get("username"), kw.get("password"), kw.get("db")):
             self._check(await conn.call(pack(args)))
         return conn
 
@@ -520,19 +609,11 @@ class RespClient:
 
 
 def connect(url: str, timeout: float) -> RespClient | None:
-    """An asyncio client of a plain ``redis://host:port[/db]`` URL (credentials in it);
-    None for the others (TLS, a cluster, a socket: the caller keeps redis-py's client)."""
-    u = urlsplit(url)
-    if u.scheme != "redis" or not u.hostname or u.query or "," in u.netloc:
+    """An asyncio client of the server of ``url`` when :func:`plain_connection` can speak
+    to it; None for the others (the caller keeps redis-py's client)."""
+    try:
+        client = redis.Redis.from_url(url)
+    except ValueError:  # not one server's URL (a cluster's)
         return None
-    path = u.path.strip("/")
-    if path and not path.isdigit():
-        return None
-    return RespClient(
-        u.hostname,
-        u.port or 6379,
-        password=unquote(u.password) if u.password is not None else None,
-        username=unquote(u.username) if u.username else None,
-        db=int(path or 0),
-        timeout=timeout,
-    )
+    kw = plain_connection(client)
+    return None if kw is None else RespClient(kw, timeout)

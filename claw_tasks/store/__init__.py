@@ -58,7 +58,7 @@ from claw_tasks.store.core import StoreCore, owned_key
 from claw_tasks.store.count import Counting
 from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.evict import Eviction
-from claw_tasks.store.layout import meta_chunk_of, meta_spans
+from claw_tasks.store.layout import column_dtype, meta_chunk_of, meta_spans
 from claw_tasks.store.reader import Reader, decode_meta
 from claw_tasks.store.shards import Shards
 from claw_tasks.store.snapshot_archive import SnapshotArchive
@@ -159,6 +159,7 @@ __all__ = [
     "NamespaceError",
     "Store",
     "StoreCore",
+    "column_dtype",
     "decode_meta",
     "meta_chunk_of",
     "meta_spans",

@@ -1,5 +1,5 @@
 """Reading the shards' change logs from a reader's position, a page at a time: the
-commands, queued on a :class:`~claw_tasks.connection.resp.Batch` with their decoders, and
+commands, queued on a :class:`~claw_tasks.connection.resp.Commands` with their decoders, and
 what they return (entries, losses, the slots the entries name, read again).
 
 A page is two commands queued together: a plain ``XRANGE`` of the entries after the
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from claw_tasks.connection.resp import Batch, Packed, Reply, pack_args
+from claw_tasks.connection.resp import Commands, Packed, Reply, pack_args
 from claw_tasks.store.core import StoreCore
 from claw_tasks.store.scripts import Lua
 from claw_tasks.store.slots import Span, reread_columns, spans_of_reread
@@ -67,12 +67,16 @@ class Event(NamedTuple):
 _NO_LINKS = (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
-def event(fields: dict[bytes, bytes]) -> Event:
-    """The change-log entry of ``fields`` (an entry's fields, as a page holds them)."""
+def event(fields: dict[bytes, bytes], links: bool = True) -> Event:
+    """The change-log entry of ``fields`` (an entry's fields, as a page holds them);
+    ``links`` False leaves a slot range's ``links`` None (a reader that only asks which
+    slots changed does not parse them)."""
     if b"seq" in fields and b"n" in fields:  # ins, evict: a slot range
-        links = fields.get(b"links", b"")
-        if links:  # seq:delta,...
-            pairs = np.array(links.replace(b":", b",").split(b","), np.int64).reshape(-1, 2)
+        if not links:
+            return Event("slots", int(fields[b"seq"]), int(fields[b"n"]))
+        raw = fields.get(b"links", b"")
+        if raw:  # seq:delta,...
+            pairs = np.array(raw.replace(b":", b",").split(b","), np.int64).reshape(-1, 2)
             return Event(
                 "slots", int(fields[b"seq"]), int(fields[b"n"]), links=(pairs[:, 0], pairs[:, 1])
             )
@@ -83,9 +87,9 @@ def event(fields: dict[bytes, bytes]) -> Event:
     op = fields.get(b"op")
     if op == b"evict" and b"ids" in fields:
         return Event("evicted", ids=np.frombuffer(fields[b"ids"], "<i8"))
-    if op == b"forget" and b"codes" in fields:
-        codes = np.frombuffer(fields[b"codes"], "<i4")
-        return Event("forgotten", col=fields[b"col"].decode(), codes=codes)
+    if op == b"forget":  # codes of a column pruned: none, or of no column, prune nothing
+        codes = np.frombuffer(fields.get(b"codes", b""), "<i4")
+        return Event("forgotten", col=fields.get(b"col", b"").decode(), codes=codes)
     return Event("unknown")
 
 
@@ -122,7 +126,7 @@ def positions(core: StoreCore, n_shards: int) -> tuple[list[str], list[int], byt
     return last, seen, raw if isinstance(raw, bytes) else None
 
 
-def queue_newest(batch: Batch, core: StoreCore, shard: int, last: str, page: int) -> Reply:
+def queue_newest(batch: Commands, core: StoreCore, shard: int, last: str, page: int) -> Reply:
     """The entry ``last`` of ``shard``'s log and up to ``page`` entries after it. Its
     reply: whether the log has no entry after ``last``, and the entries after it when
     they are known to be all of them up to the page (``last`` is still in the log: logs
@@ -159,11 +163,11 @@ class SyncReads:
 
     def __init__(self, core: StoreCore, cap: int) -> None:
         self.core, self.cap = core, cap
-        self._tail: tuple[dict[str, np.dtype], list[Any], bytes] | None = None
+        self._tail: tuple[tuple[tuple[str, int], ...], bytes] | None = None
 
     def queue(
         self,
-        batch: Batch,
+        batch: Commands,
         last: Sequence[str],
         seen: Sequence[int],
         page: int,
@@ -172,19 +176,20 @@ class SyncReads:
         """Up to ``page`` entries of each shard's log after ``last``/``seen`` (per shard),
         and the slots they name, ``columns`` of them: its reply a :class:`Sync`."""
         keys = self.core.keys
-        if self._tail is None or self._tail[0] is not columns:  # a caller keeps its dict
-            args = [REREAD_ENTRIES, REREAD_SLOTS, *reread_columns(columns)]
-            self._tail = (columns, args, pack_args(args))
-        _, tail, packed_tail = self._tail
+        names = tuple((c, d.itemsize) for c, d in columns.items())
+        if self._tail is None or self._tail[0] != names:
+            self._tail = (names, pack_args(self._tail_args(columns)))
+        packed_tail = self._tail[1]
         commands: list[Any] = []
+        n_tail = 2 + 3 * len(columns)
         for shard, at in enumerate(last):
             commands.append(_xrange(keys.shard_key(shard, "log"), at, page))
         commands.append(["GET", keys.config])
         for shard, (at, n) in enumerate(zip(last, seen, strict=True)):
             shard_keys = [keys.shard_key(shard, "log"), keys.shard_key(shard, "alive")]
             head = ["EVALSHA", REREAD.sha, 2, *shard_keys, keys.shard(shard), self.cap, at, n]
-            blob = b"*%d\r\n" % (len(head) + len(tail)) + pack_args(head) + packed_tail
-            commands.append(Packed(blob, [*head, *tail]))
+            blob = b"*%d\r\n" % (len(head) + n_tail) + pack_args(head) + packed_tail
+            commands.append(Packed(blob, lambda head=head: [*head, *self._tail_args(columns)]))
         n_shards = len(last)
 
         def decode(replies: list[Any]) -> Sync:
@@ -207,8 +212,13 @@ class SyncReads:
 
         return batch.add_all(commands, decode)
 
+    @staticmethod
+    def _tail_args(columns: dict[str, np.dtype]) -> list[Any]:
+        """``reread.lua``'s arguments after the shard's own: its limits, the columns."""
+        return [REREAD_ENTRIES, REREAD_SLOTS, *reread_columns(columns)]
 
-def queue_config(batch: Batch, core: StoreCore) -> Reply:
+
+def queue_config(batch: Commands, core: StoreCore) -> Reply:
     """The namespace's config record as stored (None: none)."""
     return batch.add(["GET", core.keys.config])
 

@@ -72,10 +72,14 @@ class StoreCore:
         """Cache ``cfg``: the config record as just read or written."""
         self._config, self._config_raw = cfg, cfg.to_bytes()
 
-    def config(self, refresh: bool = False) -> NamespaceConfig:
-        """The namespace's config: cached after the first read (``refresh``: read again).
-        Raises NamespaceError when the namespace does not exist."""
-        if self._config is None or refresh:
+    def config(self, refresh: bool = False, raw: bytes | None = None) -> NamespaceConfig:
+        """The namespace's config: cached after the first read (``refresh``: read again;
+        ``raw``: the record as stored, read by the caller with its other reads). Raises
+        NamespaceError when the namespace does not exist."""
+        if raw is not None:
+            self._config = NamespaceConfig.from_bytes(raw, self.namespace)
+            self._config_raw = raw
+        elif self._config is None or refresh:
             raw = self.r.get(self.keys.config)
             if raw is None:
                 raise NamespaceError(f"namespace {self.namespace!r} does not exist")

@@ -122,10 +122,13 @@ def payload_chunk_slots(row_bytes: int) -> int:
 
 
 def column_dtype(col: str, schema: Schema | None) -> np.dtype:
-    """The stored dtype of metadata column ``col``: a fixed column of :data:`META`, or a
-    tag column of ``schema`` (string codes or NaN-xor floats). KeyError for any other."""
+    """How column ``col`` is stored: a fixed column of :data:`META`, a tag column of
+    ``schema`` (string codes or NaN-xor floats), or ``f:<field>``, a payload field's fixed
+    rows (``V<row bytes>``). KeyError for any other."""
     if col in META:
         return META[col]
+    if col.startswith("f:") and schema is not None:
+        return np.dtype(f"V{schema.fields[col[2:]].row_bytes}")
     tag = tag_name(col)
     kind = schema.tags.get(tag) if schema and tag is not None else None
     if kind is None:

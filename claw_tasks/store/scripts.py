@@ -2,19 +2,22 @@
 
 No redis-py ``Script`` objects: pipelined, they ask SCRIPT EXISTS first, one more round
 trip on every call. A server that does not know a script (restarted, flushed) answers
-NOSCRIPT; the script is then loaded and the call made again.
+NOSCRIPT; the script is then loaded and the call made again (pipelines:
+:func:`~claw_tasks.connection.resp.execute`, which this module hands on).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import cache
 from importlib.resources import files
 from typing import Any
 
 import redis
 from redis.exceptions import NoScriptError
+
+from claw_tasks.connection.resp import execute as execute
 
 
 @cache
@@ -49,23 +52,6 @@ class Lua:
         except NoScriptError:
             client.script_load(self.source)
             return client.evalsha(self.sha, len(keys), *keys, *args)
-
-
-def execute(client: redis.Redis, scripts: Sequence[Lua], queue: Callable[[Any], None]) -> list[Any]:
-    """Run the commands ``queue`` puts on a pipeline in one round trip; on NOSCRIPT load
-    ``scripts`` and run them again (scripts only read, or are idempotent)."""
-    try:
-        return _run(client, queue)
-    except NoScriptError:
-        for script in scripts:
-            client.script_load(script.source)
-        return _run(client, queue)
-
-
-def _run(client: redis.Redis, queue: Callable[[Any], None]) -> list[Any]:
-    with client.pipeline(transaction=False) as pipe:
-        queue(pipe)
-        return pipe.execute()
 
 
 class _Bound:

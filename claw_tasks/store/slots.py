@@ -1,5 +1,5 @@
 """What the read path reads of slots, as commands queued on a
-:class:`~claw_tasks.connection.resp.Batch`, each with the decoder that turns its replies
+:class:`~claw_tasks.connection.resp.Commands`, each with the decoder that turns its replies
 into arrays: the caller runs its reads of every kind in one round trip and never sees a
 key or a chunk size. Functions over a :class:`~claw_tasks.store.core.StoreCore`.
 
@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from claw_tasks.connection.resp import Batch, Reply
+from claw_tasks.connection.resp import Commands, Reply
 from claw_tasks.format.schema import FieldSpec, Schema, tag_column
 from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import (
@@ -36,7 +36,6 @@ from claw_tasks.store.layout import (
     RUN_CHUNK_SLOTS,
     RUN_COLUMNS,
     SPARSE_CHUNK_SLOTS,
-    column_dtype,
     expand_runs,
     payload_chunk_slots,
     run_blocks,
@@ -109,9 +108,10 @@ def info_read(rows: np.ndarray) -> Read:
     return Read("h", "info", 0, SPARSE_CHUNK_SLOTS, rows)
 
 
-def queue_plain(batch: Batch, core: StoreCore, cap: int, read: Read) -> Reply:
+def queue_plain(batch: Commands, core: StoreCore, cap: int, read: Read) -> Reply:
     """``read`` (rows sorted and unique) by client commands: a fixed read as one GETRANGE
-    per run of consecutive slots in one chunk, its reply uint8 ``(rows, size)``; a hash
+    per run of consecutive slots in one chunk, its reply uint8 ``(rows, size)`` (or, when
+    the commands went through redis-py, :class:`Rows` indexed as such); a hash
     read as one HMGET per hash (a command per row costs the client ~5 µs to pack and
     parse: a batch's compressed frames are hundreds), its reply a value (or None) per
     row."""
@@ -138,11 +138,38 @@ def queue_plain(batch: Batch, core: StoreCore, cap: int, read: Read) -> Reply:
             key = f"{prefix(int(shard[s]))}{read.base}:{chunk[s]}"
             ranges.append((key, off, off + (e - s) * read.size - 1))
     size = read.size
-    return batch.into(ranges, lambda buf: buf.reshape(-1, size))
+    return batch.into(
+        ranges,
+        len(read.rows) * size,
+        lambda buf: buf.reshape(-1, size),
+        each=lambda raws: Rows(raws, ranges, size),
+    )
+
+
+class Rows:
+    """Fixed rows of ``size`` bytes as views of redis-py's replies to GETRANGEs of
+    ``ranges`` (a short reply padded with zeros): ``rows[k]`` copies the rows ``k`` once,
+    into a new uint8 ``(len(k), size)`` array."""
+
+    def __init__(self, raws: list[bytes], ranges: list[tuple[str, int, int]], size: int) -> None:
+        self.size, self.rows = size, []
+        for raw, (_, start, end) in zip(raws, ranges, strict=True):
+            if len(raw) < end - start + 1:  # a key not written (yet) that far
+                raw = raw + bytes(end - start + 1 - len(raw))
+            self.rows += list(np.frombuffer(raw, np.uint8).reshape(-1, size))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, k: np.ndarray) -> np.ndarray:
+        out = np.empty((len(k), self.size), np.uint8)
+        for i, j in enumerate(k.tolist()):
+            out[i] = self.rows[j]
+        return out
 
 
 def queue_checked(
-    batch: Batch,
+    batch: Commands,
     core: StoreCore,
     cap: int,
     shard: int,
@@ -155,10 +182,10 @@ def queue_checked(
     reused or the step evicted), else per read its rows (a fixed read: their bytes; a
     hash read: a value or None each)."""
     oldest, slots = check
-    args: list[Any] = [core.keys.shard(shard), cap, oldest, _packed(slots)]
+    args: list[Any] = [core.keys.shard(shard), cap, oldest, _msgpacked(slots)]
     for r in reads:
         lo, hi = np.searchsorted(r.rows, [shard * cap, (shard + 1) * cap])
-        args += [r.kind, r.base, r.size, r.chunk, _packed(r.rows[lo:hi] % cap)]
+        args += [r.kind, r.base, r.size, r.chunk, _msgpacked(r.rows[lo:hi] % cap)]
     keys = [core.keys.shard_key(shard, "alive"), core.keys.shard_key(shard, "seq")]
     command = ["EVALSHA", FETCH.sha, len(keys), *keys, *args]
     return batch.add(command, lambda reply: None if reply[0] else reply[1:])
@@ -191,7 +218,7 @@ class Span(NamedTuple):
 
 
 def queue_spans(
-    batch: Batch,
+    batch: Commands,
     core: StoreCore,
     cap: int,
     inserted: dict[int, list[tuple[int, int]]],
@@ -235,7 +262,9 @@ def queue_spans(
         i = 0
         for shard, start, stop, col, dtype in parts:
             n = len(run_blocks(start, stop)) if col in RUN_COLUMNS else 1
-            span = spans.setdefault((shard, start, stop), Span(shard, start, stop, {}))
+            span = spans.get((shard, start, stop))
+            if span is None:
+                span = spans[shard, start, stop] = Span(shard, start, stop, {})
             span.values[col] = _values(col, dtype, start, stop, replies[i : i + n])
             i += n
         return list(spans.values())
@@ -267,7 +296,7 @@ def spans_of_reread(reply: Sequence[Any], shard: int, columns: dict[str, np.dtyp
         raws = reply[at + 2 : at + width]
         values = {
             col: _values(col, dtype, start, stop, raw if col in RUN_COLUMNS else [raw])
-            for (col, dtype), raw in zip(columns.items(), raws, strict=False)
+            for (col, dtype), raw in zip(columns.items(), raws[:-1], strict=True)
         }
         values["alive"] = _values("alive", np.dtype(bool), start, stop, [raws[-1]])
         spans.append(Span(shard, start, stop, values))
@@ -340,7 +369,7 @@ def slot_runs(inserts: list[tuple[int, int]], cap: int, chunk: int) -> list[tupl
     return runs
 
 
-def _packed(slots: np.ndarray) -> bytes:
+def _msgpacked(slots: np.ndarray) -> bytes:
     return msgpack.packb(slots.tolist())
 
 
@@ -348,11 +377,3 @@ def metadata_columns(schema: Schema | None) -> list[str]:
     """The metadata columns of a namespace of ``schema`` (None: no step yet): the fixed
     ones, then a column per free tag."""
     return [*META, *(tag_column(t) for t in (schema.tags if schema else {}))]
-
-
-def stored_dtype(col: str, schema: Schema | None) -> np.dtype:
-    """How ``col`` is stored: a metadata column (:func:`~claw_tasks.store.layout.
-    column_dtype`), or ``f:<field>``, a payload field's fixed rows (``V<row bytes>``)."""
-    if col.startswith("f:") and schema is not None:
-        return np.dtype(f"V{schema.fields[col[2:]].row_bytes}")
-    return column_dtype(col, schema)

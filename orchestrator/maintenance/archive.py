@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from claw_tasks.connection.resp import BulkReader
+from claw_tasks.connection.resp import Commands, RoundTrips
 from claw_tasks.format.columns import Ragged, StrColumn
 from claw_tasks.format.schema import tag_column
 from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED, UNTRAINABLE
@@ -174,15 +174,13 @@ class Archiver:
             manifest = self._recover(cfg.n_shards, cfg.created)
             manifest.schema, manifest.spaces = cfg.schema.to_dict(), cfg.spaces
             result = ArchiveResult(self.store.namespace)
-            # Fixed-shape payloads are received straight into their arrays (None: a
-            # connection BulkReader does not speak, e.g. a Cluster; then through redis-py).
-            self.bulk = BulkReader.for_client(self.store.r)
+            # Fixed-shape payloads are received straight into their arrays.
+            self.round_trips = RoundTrips(self.store.r)
             try:
                 for shard in range(cfg.n_shards):
                     self._shard(shard, manifest, result)
             finally:
-                if self.bulk is not None:
-                    self.bulk.close()
+                self.round_trips.close()
             result.watermarks = dict(manifest.watermarks)
             result.snapshots = archive_snapshots(self.store, self.dir)
             return result
@@ -332,18 +330,12 @@ class Archiver:
             return _Run(covered)
         schema = cfg.schema
         assert schema is not None
-        bulk = self.bulk
-        direct = (
-            []
-            if bulk is None
-            else [k for k, f in schema.fields.items() if not f.ragged and f.codec is None]
-        )
+        direct = [k for k, f in schema.fields.items() if not f.ragged and f.codec is None]
         fields, next_obs, info = read_payload_run(
             self.store, shard, lo, covered, rows, meta["flags"], skip=direct
         )
         for name in direct:
-            assert bulk is not None
-            arr = read_fixed_into(self.store, shard, lo, covered, name, bulk.getranges)
+            arr = read_fixed_into(self.store, shard, lo, covered, name, self._getranges)
             fields[name] = arr if len(rows) == covered else arr[rows]
         # Steps whose slot was reused while being read are not what we read: drop them.
         again = read_meta_run(self.store, shard, lo, covered, ["id"])
@@ -352,6 +344,11 @@ class Archiver:
         if not keep.all():
             step_rows = step_rows.take(np.flatnonzero(keep))
         return _Run(covered, step_rows, seqs[rows][keep], int((~keep).sum()))
+
+    def _getranges(self, ranges: list[tuple[str, int, int]], out: memoryview) -> None:
+        commands = Commands()
+        commands.into(ranges, out.nbytes, out=np.frombuffer(out, np.uint8))
+        self.round_trips.run(commands)
 
     def _step_rows(
         self,

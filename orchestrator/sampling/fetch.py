@@ -4,8 +4,8 @@ Reads of one key family (a field at the drawn rows and at their successors, a wi
 steps) are merged into sorted unique rows, so consecutive slots come back in one read.
 Small rows are read inside ``lua/fetch.lua``, one call per shard; big rows (and ragged
 ones) by plain commands (:mod:`claw_tasks.store.slots`). Each command is queued on one
-:class:`~claw_tasks.connection.resp.Batch` with the decoder of its reply, and the batch
-is one round trip (:class:`~claw_tasks.connection.resp.Transport`).
+:class:`~claw_tasks.connection.resp.Commands` with the decoder of its reply, and they
+go in one round trip (:class:`~claw_tasks.connection.resp.RoundTrips`).
 
 Checks: a sampling session's fetch (:class:`LogChecked`) reads the shards' change logs
 after every read of the round trip: every write that changes a slot logs an entry before
@@ -24,15 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.connection.resp import Batch, Transport
+from claw_tasks.connection.resp import Commands, RoundTrips
 from claw_tasks.store import Store
-from claw_tasks.store.changes import LOG_SINCE, queue_newest
+from claw_tasks.store.changes import queue_newest
 from claw_tasks.store.slots import FETCH, Read, queue_checked, queue_plain
 from orchestrator.sampling.candidates import unique
 from orchestrator.sampling.index import LOG_PAGE, LogRead, SamplingIndex
 
-Tail = Callable[[Batch], Any]
-"""Queues commands after every read of a fetch's batch; what it returns (replies) the
+Tail = Callable[[Commands], Any]
+"""Queues commands after every read of a fetch's round trip; what it returns (replies) the
 fetch gives back once the batch ran."""
 
 
@@ -42,7 +42,7 @@ class Fetcher:
     def __init__(self, store: Store, cap: int) -> None:
         self.store, self.cap = store, cap
         self._n_shards = store.config().n_shards
-        self.transport = Transport(store.r, [FETCH, LOG_SINCE])
+        self.round_trips = RoundTrips(store.r, [FETCH])
 
     def __call__(
         self,
@@ -79,7 +79,7 @@ class Fetcher:
         lookups: Sequence[Sequence[Any]],
         tail: Tail | None,
     ) -> tuple[list[Any], list[Any], Any] | None:
-        cap, batch = self.cap, Batch()
+        cap, batch = self.cap, Commands()
         merged, places = _merged(reads)
         # In order: the plain reads, the scripts per shard (their reads and checks, after
         # every plain read: a writer frees a slot before it rewrites it), the tail, the
@@ -100,7 +100,7 @@ class Fetcher:
             checked.append(queue_checked(batch, self.store, cap, shard, ask, in_lua))
         logs = None if tail is None else tail(batch)
         looked = [batch.add(command) for command in lookups]
-        self.transport.run(batch)
+        self.round_trips.run(batch)
         if any(reply.value is None for reply in checked):
             return None
         per_read = iter(zip(*[r.value for r in checked], strict=True) if checked else ())
@@ -148,7 +148,7 @@ class LogChecked:
         ix, self.read = self.index, None
         last, seen = list(ix.log_last), list(ix.log_seen)
 
-        def tail(batch: Batch) -> list[Any]:
+        def tail(batch: Commands) -> list[Any]:
             # Each log from the index's last entry on: the entries after it, all of them
             # (no loss check of its own: log_since.lua's call cost Redis ~25-40 us a shard).
             store = ix.store
@@ -159,8 +159,9 @@ class LogChecked:
         if lookups or any(len(r.rows) for r in rest):
             got, replies, logs = self.fetcher.since(rest, lookups, tail)
         else:  # nothing to read from Redis but the logs (e.g. no explicit next_obs drawn)
-            got, replies, logs = [_nothing(r) for r in rest], [], tail(batch := Batch())
-            self.fetcher.transport.run(batch)
+            batch = Commands()
+            got, replies, logs = [_nothing(r) for r in rest], [], tail(batch)
+            self.fetcher.round_trips.run(batch)
         newest = [reply.value for reply in logs]
         self.quiet = all(quiet for quiet, _ in newest)
         if not self.quiet:

@@ -44,12 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from claw_tasks.connection.resp import Batch, Transport
+from claw_tasks.connection.resp import Commands, RoundTrips
 from claw_tasks.format.schema import Schema
 from claw_tasks.settings import get_settings
-from claw_tasks.store import NamespaceConfig, Store, decode_meta
+from claw_tasks.store import NamespaceConfig, Store, column_dtype, decode_meta
 from claw_tasks.store.changes import (
-    LOG_SINCE,
     REREAD,
     Event,
     Page,
@@ -64,7 +63,6 @@ from claw_tasks.store.slots import (
     metadata_columns,
     payload_columns,
     queue_spans,
-    stored_dtype,
 )
 from orchestrator.sampling.candidates import unique
 
@@ -147,10 +145,9 @@ class SamplingIndex:
         (exact; None after a rebuild, and for a subclass whose columns other processes
         write): a listener's count of live steps stays current without a count of the
         whole column."""
-        self.transport = Transport(store.r, [LOG_SINCE, REREAD])
+        self.round_trips = RoundTrips(store.r, [REREAD])
         """The sync's round trips (on a connection of the index's own where it can)."""
         self._sync = SyncReads(store, self.cap)
-        self._reread_cache: tuple[tuple[str, ...], Any, dict[str, np.dtype]] | None = None
 
     def subscribe(self, listener: Callable[[np.ndarray | None], None]) -> None:
         """Call ``listener`` with what every later :meth:`sync` returns (e.g. a sampler's
@@ -161,8 +158,8 @@ class SamplingIndex:
         """Read every column of every shard from Redis (a cold start)."""
         self.columns = {}
         # The log positions are taken first: whatever commits after them is replayed.
-        last, seen, _ = positions(self.store, self.n_shards)
-        cfg = self.store.config(refresh=True)
+        last, seen, raw = positions(self.store, self.n_shards)
+        cfg = self.store.config(refresh=raw is None, raw=raw)  # None: raises, no namespace
         self.schema, self.config_raw = cfg.schema, None
         cols = self.all_columns()
         parts = [self.read_columns(s, cols) for s in range(self.n_shards)]
@@ -216,7 +213,7 @@ class SamplingIndex:
             if lost or len(entries) >= LOG_PAGE:
                 return None
             for _, fields in entries:
-                e = event(fields)
+                e = event(fields, links=False)
                 if e.kind == "slots":
                     rows.append(self._rows(shard, np.arange(e.seq, e.seq + min(e.n, self.cap))))
                 elif e.kind == "evicted":
@@ -257,10 +254,10 @@ class SamplingIndex:
         True if a shard may have more."""
         sync: Sync | None = None
         if pages is None:  # the pages, the config, the slots they name: one round trip
-            batch = Batch()
+            batch = Commands()
             cols = self._reread_columns()
             read = self._sync.queue(batch, self.log_last, self.log_seen, LOG_PAGE, cols)
-            self.transport.run(batch)
+            self.round_trips.run(batch)
             sync = read.value
             pages = sync.pages
         if any(lost for lost, _ in pages):
@@ -276,8 +273,9 @@ class SamplingIndex:
                     changed.append(self._set(shard, e))
                 elif e.kind == "evicted":
                     changed.append(self._evicted(shard, e))
-                elif e.kind == "forgotten":  # dict pruning
-                    self.forgotten.setdefault(e.col, set()).update(e.codes.tolist())
+                elif e.kind == "forgotten":  # dict pruning (no codes: nothing pruned)
+                    if len(e.codes):
+                        self.forgotten.setdefault(e.col, set()).update(e.codes.tolist())
                 else:
                     raise RebuildNeeded
         if inserted:
@@ -289,17 +287,12 @@ class SamplingIndex:
         return any(len(entries) >= LOG_PAGE for _, entries in pages)
 
     def _reread_columns(self) -> dict[str, np.dtype]:
-        """The columns a sync reads again for the slots it is told of, as stored (the
-        same dict while the columns and the schema stay: its packed form is reused)."""
-        names = tuple(self.columns)
-        cached = self._reread_cache
-        if cached is not None and cached[0] == names and cached[1] is self.schema:
-            return cached[2]
-        cols = [c for c in names if c != "alive"]
+        """The columns a sync reads again for the slots it is told of, as stored: the
+        metadata columns, then the payload ones."""
+        cols = [c for c in self.columns if c != "alive"]
         payload = [c for c in cols if c.startswith("f:")]
-        dtypes = {c: self.stored_dtype(c) for c in [c for c in cols if c not in payload] + payload}
-        self._reread_cache = (names, self.schema, dtypes)
-        return dtypes
+        meta = [c for c in cols if not c.startswith("f:")]
+        return {c: column_dtype(c, self.schema) for c in meta + payload}
 
     def _reread(
         self, inserted: dict[int, list[tuple[int, int]]], sync: Sync | None
@@ -316,10 +309,10 @@ class SamplingIndex:
                 spans += got
                 del inserted[shard]
         if inserted:  # past reread.lua's limits, or pages a fetch read
-            batch = Batch()
+            batch = Commands()
             read_config = queue_config(batch, self.store)
             read = queue_spans(batch, self.store, self.cap, inserted, self._reread_columns())
-            self.transport.run(batch)
+            self.round_trips.run(batch)
             spans, config = spans + read.value, read_config.value
         changed = []
         for span in spans:
@@ -349,7 +342,9 @@ class SamplingIndex:
         """A column update (priority, curation) on the rows that still hold its ids."""
         if e.col not in self.columns:
             raise RebuildNeeded
-        values = decode_meta(e.col, np.frombuffer(e.values, self.stored_dtype(e.col)), self.schema)
+        values = decode_meta(
+            e.col, np.frombuffer(e.values, column_dtype(e.col, self.schema)), self.schema
+        )
         rows = self._rows(shard, e.ids // self.n_shards)
         held = self.columns["id"][rows] == e.ids
         rows = rows[held]
@@ -385,7 +380,7 @@ class SamplingIndex:
         new = [c for c in self.all_columns() if c not in self.columns]
         if not new:
             return
-        self.store.config(refresh=True)
+        self.store.config(raw=raw)
         parts = [self.read_columns(s, new) for s in range(self.n_shards)]
         for col in new:
             self.columns[col] = np.concatenate([p[col] for p in parts])
@@ -408,14 +403,9 @@ class SamplingIndex:
         """Every column the index keeps for the schema it knows (``alive`` aside)."""
         return [*metadata_columns(self.schema), *self.payload_fields()]
 
-    def stored_dtype(self, col: str) -> np.dtype:
-        """How ``col`` is stored (a metadata column, or ``f:<field>``: a payload field's
-        fixed rows)."""
-        return stored_dtype(col, self.schema)
-
     def read_columns(self, shard: int, cols: list[str]) -> dict[str, np.ndarray]:
         """Whole columns of one shard (length ``cap``) from Redis, and ``alive``."""
-        payload = {c: self.stored_dtype(c) for c in cols if c.startswith("f:")}
+        payload = {c: column_dtype(c, self.schema) for c in cols if c.startswith("f:")}
         out = self.store.meta_columns(shard, [c for c in cols if not c.startswith("f:")])
         if payload:
             out.update(payload_columns(self.store, shard, self.cap, payload))

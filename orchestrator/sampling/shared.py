@@ -51,7 +51,7 @@ import numpy as np
 
 from claw_tasks.connection.client import identity, is_cluster
 from claw_tasks.settings import get_settings
-from claw_tasks.store import NamespaceConfig, Store
+from claw_tasks.store import NamespaceConfig, Store, column_dtype
 from claw_tasks.store.changes import positions
 from orchestrator.sampling.index import LogRead, RebuildNeeded, SamplingIndex, release_heap
 from orchestrator.sampling.shmfiles import (
@@ -328,7 +328,7 @@ class SharedIndex(SamplingIndex):
         assert hdr is not None
         rows, layout, at = self.n_shards * self.cap, [], 0
         for col in [c for c in cols if c != "alive"] + ["alive"]:
-            dtype = np.dtype(bool) if col == "alive" else self.stored_dtype(col)
+            dtype = np.dtype(bool) if col == "alive" else column_dtype(col, self.schema)
             layout.append([col, dtype.str, at])
             at += -(-rows * dtype.itemsize // _ALIGN) * _ALIGN
         name = f"{self._f.base.name}.d{int(hdr[H_META]) + 1}"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import redis
 
-from claw_tasks.connection.resp import Batch, BulkReader, Reply, Transport
+from claw_tasks.connection.resp import Commands, Reply, RoundTrips, plain_connection
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.columns import StrColumn
@@ -20,15 +20,21 @@ from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.sample import sample
 
 
+def getranges(trips: RoundTrips, commands: list[tuple[str, int, int]], out: np.ndarray) -> None:
+    batch = Commands()
+    batch.into(commands, out.nbytes, out=out)
+    trips.run(batch)
+
+
 def read(client: redis.Redis, commands: list[tuple[str, int, int]]) -> bytes:
-    reader = BulkReader.for_client(client)
-    assert reader is not None
-    out = bytearray(sum(end - start + 1 for _, start, end in commands))
+    trips = RoundTrips(client)
+    assert trips.reader() is not None
+    out = np.zeros(sum(end - start + 1 for _, start, end in commands), np.uint8)
     try:
-        reader.getranges(commands, memoryview(out))
+        getranges(trips, commands, out)
     finally:
-        reader.close()
-    return bytes(out)
+        trips.close()
+    return out.tobytes()
 
 
 def test_replies_fill_the_buffer_in_order_on_the_clients_database(redis_url):
@@ -55,13 +61,13 @@ def test_an_error_reply_raises_and_the_next_call_reconnects(redis_url):
     key = f"bulk-{uuid.uuid4().hex}"
     client.hset(f"{key}-h", "a", "b")
     client.set(key, b"abcdef")
-    reader = BulkReader.for_client(client)
-    out = bytearray(6)
+    trips = RoundTrips(client)
+    out = np.zeros(6, np.uint8)
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
-        reader.getranges([(f"{key}-h", 0, 5)], memoryview(out))
-    reader.getranges([(key, 0, 5)], memoryview(out))
-    assert bytes(out) == b"abcdef"
-    reader.close()
+        getranges(trips, [(f"{key}-h", 0, 5)], out)
+    getranges(trips, [(key, 0, 5)], out)
+    assert out.tobytes() == b"abcdef"
+    trips.close()
 
 
 def test_password_user_and_unix_socket(tmp_path):
@@ -74,15 +80,15 @@ def test_password_user_and_unix_socket(tmp_path):
         assert read(user, [("k", 2, 4)]) == b"234"
         over_unix = redis.Redis(unix_socket_path=str(sock))
         assert read(over_unix, [("k", 8, 9)]) == b"89"
-        reader = BulkReader.for_client(user)
-        out = bytearray(2)
-        reader.getranges([("k", 0, 1)], memoryview(out))
+        trips = RoundTrips(user)
+        out = np.zeros(2, np.uint8)
+        getranges(trips, [("k", 0, 1)], out)
         srv.restart()  # the reader's connection breaks: replaced on the next call
         admin.set("k", b"ab")
         admin.acl_setuser("claw", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"])
-        reader.getranges([("k", 0, 1)], memoryview(out))
-        assert bytes(out) == b"ab"
-        reader.close()
+        getranges(trips, [("k", 0, 1)], out)
+        assert out.tobytes() == b"ab"
+        trips.close()
         wrong = redis.Redis(host=srv.host, port=srv.port, username="claw", password="no")
         with pytest.raises(redis.ResponseError, match="WRONGPASS"):
             read(wrong, [("k", 0, 1)])
@@ -101,8 +107,8 @@ def _fallback_client(url: str) -> redis.Redis:
 
 
 def test_unknown_connections_fall_back_to_redis_py_with_the_same_batches(redis_url, namespace):
-    assert BulkReader.for_client(_fallback_client(redis_url)) is None
-    assert BulkReader.for_client(redis.Redis.from_url(redis_url, protocol=3)) is None
+    assert plain_connection(_fallback_client(redis_url)) is None
+    assert plain_connection(redis.Redis.from_url(redis_url, protocol=3)) is None
     store = Store(redis_url, namespace)
     store.create(capacity=400)
     rng = np.random.default_rng(0)
@@ -147,14 +153,14 @@ class _Script:
     sha = hashlib.sha1(source.encode()).hexdigest()
 
 
-def _batch(key: str) -> tuple[Batch, list[Reply]]:
-    batch = Batch()
+def _batch(key: str) -> tuple[Commands, list[Reply]]:
+    batch = Commands()
     replies = [
         batch.add(["GET", key]),
-        batch.into([(key, 0, 2), (f"{key}-none", 0, 1), (key, 4, 9)], lambda buf: bytes(buf)),
+        batch.into([(key, 0, 2), (f"{key}-none", 0, 1), (key, 4, 9)], 11, lambda buf: bytes(buf)),
         batch.add_all([["HMGET", f"{key}-h", "a", "b"], ["HMGET", f"{key}-h", "c"]], list),
         batch.add(["EVALSHA", _Script.sha, 1, key, "x"], lambda r: [v.upper() for v in r]),
-        batch.into([], len),
+        batch.into([], 0, len),
     ]
     return batch, replies
 
@@ -170,7 +176,7 @@ def test_a_transport_gives_each_decoder_its_replies_on_either_path(redis_url, pa
     client.set(key, b"abcdef")
     client.hset(f"{key}-h", mapping={"a": "1", "c": "3"})
     client.script_flush()
-    transport = Transport(_fallback_client(redis_url) if path == "redis-py" else client, [_Script])
+    transport = RoundTrips(_fallback_client(redis_url) if path == "redis-py" else client, [_Script])
     batch, replies = _batch(key)
     if path == "own connection busy":
         with transport.lock:
@@ -187,7 +193,7 @@ def test_a_transport_gives_each_decoder_its_replies_on_either_path(redis_url, pa
         0,
     ]
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
-        bad = Batch()
+        bad = Commands()
         bad.add(["GET", f"{key}-h"])
         transport.run(bad)
     again, replies = _batch(key)

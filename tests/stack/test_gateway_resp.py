@@ -1,6 +1,6 @@
 """The gateway's own RESP client against a real redis-server: credentials and database
 from the URL, errors as RespError (NOSCRIPT included), a server that stops answering is a
-timeout, not a hang; URLs it does not speak fall back to redis-py."""
+timeout, not a hang; TCP and Unix sockets; URLs it does not speak fall back to redis-py."""
 
 from __future__ import annotations
 
@@ -47,5 +47,19 @@ def test_resp_client_speaks_the_urls_it_can():
         asyncio.run(run())
         assert redis.Redis.from_url(base + "/3").get("k") == b"v"  # database 3
         redis.Redis.from_url(base).config_set("requirepass", "")  # the server stops as usual
-    for url in ("rediss://h:1", "redis+cluster://h:1", "unix:///tmp/r.sock", "redis://h/x"):
+    for url in ("rediss://h:1", "redis+cluster://h:1", "redis://h:1,h:2"):
         assert connect(url, 1.0) is None
+
+
+def test_resp_client_speaks_over_a_unix_socket(tmp_path):
+    sock = tmp_path / "r.sock"
+    with RedisServer(options={"unixsocket": str(sock), "unixsocketperm": "700"}) as server:
+        server.client().set("k", b"v")
+
+        async def run() -> None:
+            c = connect(f"unix://{sock}", timeout=1.0)
+            assert c is not None
+            assert await c.call("GET", "k") == b"v"
+            await c.aclose()
+
+        asyncio.run(run())

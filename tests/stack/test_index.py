@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from claw_tasks.connection.resp import BulkReader
-from claw_tasks.store import Store
+from claw_tasks.connection import resp
+from claw_tasks.connection.resp import RoundTrips
+from claw_tasks.store import Store, column_dtype
 from claw_tasks.store.changes import LOG_SINCE, REREAD, page_commands, page_replies
 from claw_tasks.store.slots import reread_columns
 from orchestrator.sampling.index import SamplingIndex
@@ -159,7 +160,7 @@ def test_reread_tells_a_loss_as_the_pages_check_does(store, r):
     r.script_load(REREAD.source)
 
     def lost(between: list | None = None) -> bool:
-        cols = {c: ix.stored_dtype(c) for c in ix.columns if c != "alive"}
+        cols = {c: column_dtype(c, ix.schema) for c in ix.columns if c != "alive"}
         args = [store.keys.shard(0), ix.cap, ix.log_last[0], ix.log_seen[0], 64, 16_384]
         args += reread_columns(cols)
         with r.pipeline(transaction=False) as pipe:
@@ -219,10 +220,10 @@ def test_error_half_way_leaves_the_index_cold(store, monkeypatch, make):
 @pytest.mark.parametrize("wire", ["own connection", "redis-py", "scripts flushed"])
 def test_a_sync_reads_its_page_on_its_own_connection_or_through_redis_py(store, wire, monkeypatch):
     """A sync's round trip goes packed on the index's own connection; through a redis-py
-    pipeline where that cannot speak to the server (no BulkReader) or is busy; and loads
+    pipeline where that cannot speak to the server (no own connection) or is busy; and loads
     its scripts again after a SCRIPT FLUSH. The index equals a cold rebuild either way."""
     if wire == "redis-py":
-        monkeypatch.setattr(BulkReader, "for_client", classmethod(lambda cls, client: None))
+        monkeypatch.setattr(resp, "plain_connection", lambda client: None)
     store.commit(batch(interleave(episode(1, 40, "terminated"), episode(2, 30))))
     ix = SamplingIndex(store)
     ix.sync()
@@ -232,13 +233,13 @@ def test_a_sync_reads_its_page_on_its_own_connection_or_through_redis_py(store, 
             store.r.script_flush()
         assert len(ix.sync())
         assert_cold_equal(ix)
-    assert (ix.transport.reader() is None) == (wire == "redis-py")
+    assert (ix.round_trips.reader() is None) == (wire == "redis-py")
     if wire != "redis-py":
-        with ix.transport.lock:  # another thread syncing: a redis-py pipeline
+        with ix.round_trips.lock:  # another thread syncing: a redis-py pipeline
             store.commit(batch(episode(40, 10)))
             assert len(ix.sync())
         assert_cold_equal(ix)
-    assert store.r.script_exists(REREAD.sha, LOG_SINCE.sha) == [True, True]
+    assert store.r.script_exists(REREAD.sha) == [True]
 
 
 @pytest.mark.parametrize("limits", [(64, 16_384), (1, 16_384), (64, 10)])
@@ -256,8 +257,8 @@ def test_a_sync_rereads_committed_slots_in_its_page_round_trip(store, make, monk
     pipelines = []
     real = store.r.pipeline
     monkeypatch.setattr(store.r, "pipeline", lambda *a, **k: pipelines.append(1) or real(*a, **k))
-    run = BulkReader.run  # the sync's own connection: a round trip as well
-    monkeypatch.setattr(BulkReader, "run", lambda *a, **k: pipelines.append(1) or run(*a, **k))
+    run = RoundTrips.run  # the sync's own connection: a round trip as well
+    monkeypatch.setattr(RoundTrips, "run", lambda *a, **k: pipelines.append(1) or run(*a, **k))
     for e in range(3, 12):  # past the ring of 300: evict and ins entries, wrapping slots
         store.commit(batch(episode(e, 35, "terminated", task_id="a") + episode(e + 20, 20)))
         store.commit(batch(episode(e + 40, 5)))
