@@ -6,8 +6,9 @@ uses only the core's API and the few parts it names in its constructor.
 ====================  ======================================================================
 module                ``Store`` methods
 ====================  ======================================================================
-``core``              ``config``, ``revalidate``, ``owned_key``; attributes ``r``, ``keys``,
-                      ``namespace``, ``scripts``, ``dicts``
+``core``              ``config``, ``revalidate``, ``owned_key``, ``queue_config``,
+                      ``mark_dropped``; attributes ``r``, ``keys``, ``namespace``,
+                      ``scripts``, ``dicts``
 ``admin``             ``exists``, ``create``, ``ensure_schema``, ``schema``,
                       ``set_retention``, ``set_episode_index``, ``set_priority_rules``,
                       ``set_spaces``

@@ -63,7 +63,7 @@ class Shards:
             replies = pipe.execute()
         for (_, at), found in zip(groups, replies, strict=True):
             for i, v in zip(at.tolist(), found, strict=True):
-                out[i] = None if v is None else v.decode()
+                out[i] = None if v is None else v.decode(errors="replace")
         return out
 
     def holding(self, shards: np.ndarray, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:

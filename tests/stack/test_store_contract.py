@@ -150,7 +150,7 @@ def test_a_priority_pass_writes_only_what_nobody_changed(store: Store) -> None:
 
 def test_slot_arrays_round_trip(store: Store) -> None:
     cap = store.config().cap
-    arrays = SlotArrays(store, "vx:test", {"v": ("<f4", (3,)), "n": ("<i8", ())})
+    arrays = SlotArrays(store, "test", {"v": ("<f4", (3,)), "n": ("<i8", ())})
     rows = np.array([0, 1, 2, cap - 1, cap, 2 * cap + 5], np.int64)
     v = np.arange(18, dtype=np.float32).reshape(6, 3)
     n = np.arange(6, dtype=np.int64) + 100
@@ -177,6 +177,6 @@ def test_config_dictionaries_memory_and_the_check(store: Store) -> None:
     report = check_namespace(store.r, store.namespace)
     assert report.ok, report.problems
     assert len(store.get(ids, fields=[])["id"]) == len(ids)
-    assert store.drop_config() == 1
+    assert store.mark_dropped() == 1
     with pytest.raises(NamespaceError):
         Store(store.r, store.namespace).config()
