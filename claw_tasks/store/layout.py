@@ -138,6 +138,7 @@ def row_episode_codes(values: list[str], index: np.ndarray) -> np.ndarray:
     shard is its code modulo the namespace's shard count."""
     return np.array([episode_code(v) for v in values], np.int64)[index]
 
+
 STORE_NAMES = frozenset({"config", "dead", "outcomes", "audit", "snapshots"})
 """Namespace-level keys of the store (``Keys``): no owned key takes these names."""
 STORE_PREFIXES = ("dict:", "rdict:", "dpend:", "done:", "stage:", "dl:")

@@ -108,9 +108,7 @@ def drop_index(store: Store, name: str) -> int:
 
 def vector_arrays(store: Store, name: str, dim: int) -> SlotArrays:
     """Index ``name``'s slot arrays: vectors ``v``, ids ``i``, list assignments ``a``."""
-    return SlotArrays(
-        store, name, {"v": ("<f4", (dim,)), "i": ("<i8", ()), "a": ("<i4", ())}
-    )
+    return SlotArrays(store, name, {"v": ("<f4", (dim,)), "i": ("<i8", ()), "a": ("<i4", ())})
 
 
 class IndexKeys:
