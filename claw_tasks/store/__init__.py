@@ -6,8 +6,9 @@ uses only the core's API and the few parts it names in its constructor.
 ====================  ======================================================================
 module                ``Store`` methods
 ====================  ======================================================================
-``core``              ``config``, ``revalidate``, ``owned_key``; attributes ``r``, ``keys``,
-                      ``namespace``, ``scripts``, ``dicts``
+``core``              ``config``, ``revalidate``, ``owned_key``, ``queue_config``,
+                      ``mark_dropped``; attributes ``r``, ``keys``, ``namespace``,
+                      ``scripts``, ``dicts``
 ``admin``             ``exists``, ``create``, ``ensure_schema``, ``schema``,
                       ``set_retention``, ``set_episode_index``, ``set_priority_rules``,
                       ``set_spaces``
@@ -16,7 +17,8 @@ module                ``Store`` methods
                       ``meta_columns``, ``read_fields``, ``read_frames``, ``read_info``,
                       ``info``
 ``count``             ``count``
-``shards``            ``seqs``, ``queue_seqs``, ``watermarks``, ``set_watermark``,
+``shards``            ``seqs``, ``seq``, ``queue_seqs``, ``watermarks``,
+                      ``queue_watermarks``, ``set_watermark``,
                       ``episode_names``, ``holding``, ``dead_letters``
 ``updates``           ``update_priorities``, ``update_rewards``, ``curate``, ``audit``,
                       ``audit_log``
@@ -119,6 +121,8 @@ class Store(StoreCore):
 
     seqs = _on(Shards, Shards.seqs)
     queue_seqs = _on(Shards, Shards.queue_seqs)
+    seq = _on(Shards, Shards.seq)
+    queue_watermarks = _on(Shards, Shards.queue_watermarks)
     watermarks = _on(Shards, Shards.watermarks)
     set_watermark = _on(Shards, Shards.set_watermark)
     episode_names = _on(Shards, Shards.episode_names)

@@ -8,13 +8,13 @@ vectors as the payload columns (just under 1 MiB a chunk). Rows are global:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from claw_tasks.store.core import StoreCore
-from claw_tasks.store.layout import META_CHUNK_SLOTS, payload_chunk_slots
+from claw_tasks.store.layout import ARRAYS_PREFIX, META_CHUNK_SLOTS, payload_chunk_slots
 from claw_tasks.store.scripts import Lua, execute
 
 _SIZE = Lua("arrays_size")
@@ -23,7 +23,7 @@ _SIZE = Lua("arrays_size")
 class SlotArrays:
     """Columns ``kinds`` (name -> (dtype, shape of a row: ``()`` a scalar, ``(n,)`` a
     vector)) of the slot arrays ``name`` of a namespace; the reader chooses a name no other
-    reader uses (e.g. ``vx:<index>``)."""
+    reader uses (a vector index: its name)."""
 
     def __init__(
         self, store: StoreCore, name: str, kinds: Mapping[str, tuple[str, tuple[int, ...]]]
@@ -42,24 +42,28 @@ class SlotArrays:
         self.sized: set[str] = set()
 
     def _key(self, shard: int, kind: str, chunk: int) -> str:
-        return self.store.keys.shard_key(shard, f"{self.name}:{kind}:{chunk}")
+        return self.store.keys.shard_key(shard, f"{ARRAYS_PREFIX}{self.name}:{kind}:{chunk}")
 
     def _chunks(self, kind: str) -> range:
         return range(-(-self.cap // self.slots[kind]))
 
-    def clear(self, also: Sequence[str] = ()) -> int:
+    def clear(self, also: Sequence[str] = (), then: Callable[[Any], None] | None = None) -> int:
         """Delete every chunk (and the namespace-level keys ``also``, e.g. the reader's
-        own head); returns the keys deleted. One round trip."""
+        own head); returns the keys deleted. One round trip, shared with the commands
+        ``then`` queues after the deletes (the reader's own writes)."""
         doomed = [
             self._key(shard, kind, c)
             for shard in range(self.n_shards)
             for kind in self.slots
             for c in self._chunks(kind)
         ]
+        doomed += also
         with self.r.pipeline(transaction=False) as pipe:
-            for key in [*doomed, *also]:  # one DEL per key: a cluster routes each to its slot
+            for key in doomed:  # one DEL per key: a cluster routes each to its slot
                 pipe.delete(key)
-            deleted = sum(int(n) for n in pipe.execute())
+            if then is not None:
+                then(pipe)
+            deleted = sum(int(n) for n in pipe.execute()[: len(doomed)])
         self.sized.clear()
         return deleted
 

@@ -17,6 +17,7 @@ from claw_tasks.format.stepmeta import DICT_COLUMNS, EXPLICIT_NEXT, TERMINATED, 
 from claw_tasks.store import NamespaceConfig, NamespaceError, Store
 from claw_tasks.store.keyscan import NamespaceKey, scan_keys
 from claw_tasks.store.layout import (
+    ARRAYS_PREFIX,
     META,
     META_CHUNK_SLOTS,
     NUM_TAG_DTYPE,
@@ -185,7 +186,7 @@ def _expected(k: NamespaceKey, cfg: NamespaceConfig) -> _Expect | None:
         return _Expect("string", math.ceil(cap / 8))
     if name.startswith(("b:", "stage:")):  # claim checks may live in shard 0's slot
         return _Expect("string")
-    if name.startswith("vx:"):  # a vector index's slot arrays (arrays.SlotArrays)
+    if name.startswith(ARRAYS_PREFIX):  # slot arrays (arrays.SlotArrays)
         return _Expect("string")
     if name.startswith("psnap:"):  # a priority pass's snapshot of an m:priority chunk
         return _Expect("string", _chunk_slots(int(name[6:]), META_CHUNK_SLOTS, cap) * 4)
@@ -281,7 +282,7 @@ def _check_shard(
     str_tags = [tag_column(t) for t, kind in tags.items() if kind == "str"]
     dict_cols = [*DICT_COLUMNS, *str_tags]
     cols = store.meta_columns(shard, ["id", "episode", "step_index", "next", "flags", *dict_cols])
-    seq_now = store.seqs()[shard]
+    seq_now = store.seq(shard)  # after the columns: a step committed since is not past it
     slots = np.flatnonzero(cols["alive"])
     ids = cols["id"][slots]
     n = cfg.n_shards

@@ -10,20 +10,27 @@ core too, so a ``Store`` passes as one.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import redis
 
 from claw_tasks.connection.client import redis_client
-from claw_tasks.store.config import NamespaceConfig, NamespaceDropped, NamespaceError, dropped_key
+from claw_tasks.store.config import (
+    DROPPED_TTL,
+    NamespaceConfig,
+    NamespaceDropped,
+    NamespaceError,
+    dropped_key,
+)
 from claw_tasks.store.dicts import Dictionaries
-from claw_tasks.store.layout import Keys
+from claw_tasks.store.layout import Keys, check_owned_name
 from claw_tasks.store.scripts import Scripts
 
 
 def owned_key(namespace: str, name: str) -> str:
     """:meth:`StoreCore.owned_key` of ``namespace``, for code that holds no ``Store``."""
-    return Keys(namespace).base + name
+    return Keys(namespace).base + check_owned_name(name)
 
 
 class StoreCore:
@@ -48,9 +55,10 @@ class StoreCore:
         """The namespace-scoped key of ``name``, a key the orchestrator owns (queues,
         recipes, admission, lineage, statistics, index definitions): in the namespace's
         hash slot beside its config, never one of the store's step-data keys, so the
-        orchestrator names its keys without knowing the store's. ``owned_key("")`` is
-        the prefix itself, for code that names a family of keys under it."""
-        return owned_key(self.namespace, name)
+        orchestrator names its keys without knowing the store's. ValueError for a name
+        of the store's own (``config``, ``dict:...``) or an empty one: a family of keys
+        is named by a prefix of ``name`` (``owned_key(f"q:{recipe}")``)."""
+        return self.keys.base + check_owned_name(name)
 
     def queue_config(self, pipe: Any) -> None:
         """Queue a read of the config record on ``pipe``, for a reader's own round trip:
@@ -58,10 +66,15 @@ class StoreCore:
         the namespace does not exist)."""
         pipe.get(self.keys.config)
 
-    def drop_config(self) -> int:
-        """Delete the config record (1: there was one): readers find no namespace from
-        here on; the first step of dropping one, before its other keys."""
-        return int(self.r.unlink(self.keys.config))
+    def mark_dropped(self) -> int:
+        """Leave the dropped tombstone (for ``DROPPED_TTL``, read by :meth:`revalidate`)
+        and delete the config record, one round trip (1: there was a record): writers
+        stop and readers find no namespace from here on; the first step of dropping
+        one, before its other keys."""
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.set(dropped_key(self.namespace), repr(time.time()), ex=DROPPED_TTL)
+            pipe.unlink(self.keys.config)
+            return int(pipe.execute()[1])
 
     @property
     def cached_config(self) -> NamespaceConfig | None:

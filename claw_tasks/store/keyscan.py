@@ -24,12 +24,18 @@ class NamespaceKey:
 
 
 def parse_key(key: bytes) -> NamespaceKey | None:
-    """The namespace, shard and name of a Claw key; None for other keys."""
+    """The namespace, shard and name of a Claw key; None for other keys, and for a key
+    whose namespace is not UTF-8 (no namespace is named so: a foreign key, which must not
+    stop the loops over every namespace)."""
     m = _KEY.match(key)
     if m is None:
         return None
+    try:
+        namespace = m.group(1).decode()
+    except UnicodeDecodeError:
+        return None
     shard = None if m.group(2) is None else int(m.group(2))
-    return NamespaceKey(m.group(1).decode(), shard, m.group(3).decode(errors="replace"), key)
+    return NamespaceKey(namespace, shard, m.group(3).decode(errors="replace"), key)
 
 
 def _glob_escape(text: str) -> str:

@@ -142,6 +142,22 @@ def row_episode_codes(values: list[str], index: np.ndarray) -> np.ndarray:
     return np.array([episode_code(v) for v in values], np.int64)[index]
 
 
+STORE_NAMES = frozenset({"config", "dead", "outcomes", "audit", "snapshots"})
+"""Namespace-level keys of the store (``Keys``): no owned key takes these names."""
+STORE_PREFIXES = ("dict:", "rdict:", "dpend:", "done:", "stage:", "dl:")
+"""Families of namespace-level store keys: no owned key starts with these."""
+ARRAYS_PREFIX = "vx:"
+"""Shard-level keys of slot arrays (``arrays.SlotArrays``): ``vx:<name>:<kind>:<chunk>``."""
+
+
+def check_owned_name(name: str) -> str:
+    """``name`` if an owned key may take it; ValueError for the store's own names (or an
+    empty one), so an owned key never reaches the store's keys."""
+    if not name or name in STORE_NAMES or name.startswith(STORE_PREFIXES):
+        raise ValueError(f"{name!r} is the store's key name, not one the orchestrator owns")
+    return name
+
+
 class Keys:
     """Key names of one namespace. Shard keys share the hash tag ``{ns:shard}``."""
 

@@ -39,6 +39,19 @@ class Shards:
             pipe.get(key)
         return len(keys)
 
+    def seq(self, shard: int) -> int:
+        """``shard``'s sequence counter alone, as it is now (a loop over the shards reads
+        each when it comes to it)."""
+        return int(self.r.get(self.keys.shard_key(shard, "seq")) or 0)
+
+    def queue_watermarks(self, pipe: Any) -> int:
+        """Queue a read of each shard's archive watermark on ``pipe`` (for a caller's own
+        round trip); returns how many replies it adds (None: nothing archived yet)."""
+        keys = self._each("archived")
+        for key in keys:
+            pipe.get(key)
+        return len(keys)
+
     def watermarks(self) -> list[int | None]:
         """Each shard's archive watermark: every step of the shard with a seq at or below
         it is archived (None: nothing archived yet)."""
@@ -63,7 +76,7 @@ class Shards:
             replies = pipe.execute()
         for (_, at), found in zip(groups, replies, strict=True):
             for i, v in zip(at.tolist(), found, strict=True):
-                out[i] = None if v is None else v.decode()
+                out[i] = None if v is None else v.decode(errors="replace")
         return out
 
     def holding(self, shards: np.ndarray, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ import numpy as np
 import redis
 
 from claw_tasks.format.arrays import packb, unpackb
+from claw_tasks.store import Store
 from orchestrator.transforms.quantiles import QuantileSample
 from orchestrator.transforms.running import RunningStats
 
@@ -19,10 +20,10 @@ T = TypeVar("T")
 NAMESPACE_DIGEST = "namespace"
 
 
-def namespace_stats(r: redis.Redis, base: str) -> RedisStats:
+def namespace_stats(store: Store) -> RedisStats:
     """A namespace's global normalisation statistics (``claw:{ns}:nstats``, one field per
     payload field), kept by the cleaning pass and read by ``scope: namespace`` ops."""
-    return RedisStats(r, base + "nstats", NAMESPACE_DIGEST)
+    return RedisStats(store.r, store.owned_key("nstats"), NAMESPACE_DIGEST)
 
 
 class RedisStats:

@@ -36,6 +36,6 @@ def unserved(batch: Batch, claims: list[Claim]) -> int:
 
 def give_back(store: Store, recipe: Recipe, slots: int, claims: list[Claim], why: str) -> None:
     if claims:
-        groups.release(store.r, store.owned_key(""), recipe.name, claims)
+        groups.release(store, recipe.name, claims)
     if slots and recipe.admission is not None:
         admission.give_back(store, slots, f"{recipe.name}: {why}")

@@ -86,7 +86,7 @@ def _plan(reg: Registry, recipe: Recipe) -> AugmentPlan | None:
     cached = plans.get(key, lambda: ("", None))
     if cached[0] != digest:
         stats = RedisStats(reg.r, reg.augment_stats(recipe.name), digest)
-        shared = namespace_stats(reg.r, reg.store.owned_key(""))
+        shared = namespace_stats(reg.store)
         plan = (
             build_pipelines(recipe.augment, stats=stats, namespace_stats=shared)
             if recipe.augment
@@ -148,7 +148,7 @@ def push(
     if taken:
         shm.discard(item)
     if taken and claim is not None:
-        groups.release(reg.r, reg.base, name, [claim])
+        groups.release(reg.store, name, [claim])
     if taken:
         with reg.r.pipeline(transaction=False) as pipe:
             pipe.hincrby(counters, "produced", -1)

@@ -142,5 +142,5 @@ class ReadAhead:
         if claims:
             with contextlib.suppress(Exception):  # the store went away: they stay claimed
                 store = self._client.store
-                groups.release(store.r, store.owned_key(""), self.name, claims)
+                groups.release(store, self.name, claims)
         self._client.close()

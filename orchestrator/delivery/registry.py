@@ -49,47 +49,46 @@ class Registry:
         self.store = store
         self.r: redis.Redis = store.r
         self.ns = store.namespace
-        self.base = store.owned_key("")
 
     def recipe_key(self, name: str) -> str:
-        return f"{self.base}recipe:{name}"
+        return self.store.owned_key(f"recipe:{name}")
 
     def queue(self, name: str) -> str:
-        return f"{self.base}q:{name}"
+        return self.store.owned_key(f"q:{name}")
 
     def refill_lock(self, name: str) -> str:
-        return f"{self.base}refill:{name}"
+        return self.store.owned_key(f"refill:{name}")
 
     def augment_stats(self, name: str) -> str:
         """Hash: the running statistics of the recipe's augmentation (``augstats``)."""
-        return f"{self.base}astats:{name}"
+        return self.store.owned_key(f"astats:{name}")
 
     def counters(self, name: str) -> str:
-        return f"{self.base}pstats:{name}"
+        return self.store.owned_key(f"pstats:{name}")
 
     def readers(self, name: str) -> str:
         """Set of the host ids of the trainers that registered ``name``."""
-        return f"{self.base}readers:{name}"
+        return self.store.owned_key(f"readers:{name}")
 
     def rollout_keys(self, name: str) -> list[str]:
         """A rollout recipe's state, plan and the ids its rollouts took or counted stale
         (:mod:`orchestrator.delivery.rollouts`)."""
-        return [f"{self.base}ro:{name}", f"{self.base}ro:{name}:plan", f"{self.base}ro:{name}:seen"]
+        return [self.store.owned_key(f"ro:{name}{part}") for part in ("", ":plan", ":seen")]
 
     @property
     def rollouts_waiting_key(self) -> str:
         """Set: the rollout recipes whose current rollout waits for steps. Each ingest commit
         in the namespace forms theirs if it is complete (:mod:`orchestrator.delivery.rollouts`)."""
-        return f"{self.base}rowaiting"
+        return self.store.owned_key("rowaiting")
 
     @property
     def versions_key(self) -> str:
         """Hash: recipe name -> its current version (read by every push: small and cheap)."""
-        return f"{self.base}rversions"
+        return self.store.owned_key("rversions")
 
     @property
     def names_key(self) -> str:
-        return f"{self.base}recipes"
+        return self.store.owned_key("recipes")
 
     def put(self, recipe: Recipe, reader_host: str | None) -> None:
         """Store ``recipe`` as it is, version included (setting a registry up, as a bench
@@ -191,7 +190,7 @@ class Registry:
             pipe.lrange(self.queue(name), 0, -1)
             pipe.delete(self.recipe_key(name), self.queue(name), self.counters(name))
             pipe.delete(self.refill_lock(name), self.readers(name), self.augment_stats(name))
-            pipe.delete(claims_key(self.base, name), *self.rollout_keys(name))
+            pipe.delete(claims_key(self.store, name), *self.rollout_keys(name))
             pipe.hdel(self.versions_key, name)
             pipe.srem(self.names_key, name)
             pipe.srem(self.rollouts_waiting_key, name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import secrets
+import shlex
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -131,8 +132,11 @@ class ArchiveResult:
 def pending(store: Store) -> int:
     """Seqs above the watermarks: what an archive run would go through."""
     store.config(refresh=True)
-    marks = [w or 0 for w in store.watermarks()]
-    return sum(max(0, seq - wm) for seq, wm in zip(store.seqs(), marks, strict=True))
+    with store.r.pipeline(transaction=False) as pipe:
+        n = store.queue_seqs(pipe)
+        store.queue_watermarks(pipe)
+        got = [int(v or 0) for v in pipe.execute()]
+    return sum(max(0, seq - wm) for seq, wm in zip(got[:n], got[n:], strict=True))
 
 
 @dataclass
@@ -208,12 +212,17 @@ class Archiver:
         for shard, mark in enumerate(marks):
             have = manifest.watermarks.get(shard, 0)
             if mark > have:
+                reset = (
+                    "from claw_tasks.settings import get_settings; from claw_tasks.store "
+                    f"import Store; Store(get_settings().redis_url, {self.store.namespace!r})"
+                    f".set_watermark({shard}, 0)"
+                )
                 raise NamespaceError(
                     f"shard {shard} of {self.store.namespace!r} is archived up to seq {mark}, "
                     f"but {self.dir / MANIFEST} only up to {have}: its archive is in another "
-                    "directory (archive there), or set its watermark to 0 "
-                    f"(Store.set_watermark({shard}, 0)) to archive again from the oldest "
-                    "stored step"
+                    "directory (archive there), or archive again from the oldest stored "
+                    "step after setting its watermark to 0, with the same CLAW_ "
+                    f"environment: python -c {shlex.quote(reset)}"
                 )
             if mark < have:
                 self.store.set_watermark(shard, have)
@@ -228,7 +237,7 @@ class Archiver:
     def _shard(self, shard: int, manifest: Manifest, result: ArchiveResult) -> None:
         cfg = self.store.config()
         mark = manifest.watermarks.get(shard, 0)
-        seq_now = self.store.seqs()[shard]
+        seq_now = self.store.seq(shard)
         lo = max(mark + 1, seq_now - cfg.cap + 1)
         if lo > mark + 1:  # the ring passed these before they were archived
             result.overwritten += lo - mark - 1

@@ -132,7 +132,7 @@ def _bring(
 ) -> int:
     """Commit one batch of a source's steps, cleaned; returns how many were quarantined."""
     fields = map_fields(spec, {f: steps[f] for f in field_names})
-    nstats = namespace_stats(target.r, target.owned_key(""))
+    nstats = namespace_stats(target)
     z = {o.field: nstats.get(o.field) for o in spec.outliers if o.iqr is None}
     samples = {o.field: nstats.get_sample(o.field) for o in spec.outliers if o.iqr is not None}
     found = violations(spec, fields, z, samples)

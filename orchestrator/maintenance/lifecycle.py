@@ -10,7 +10,6 @@ from collections.abc import Callable
 import redis
 
 from claw_tasks.store import Store
-from claw_tasks.store.config import DROPPED_TTL, dropped_key
 from claw_tasks.store.keyscan import SCAN_COUNT, namespace_keys
 from claw_tasks.store.usage import key_bytes
 from claw_tasks.worker.context import context_for, forget
@@ -60,14 +59,13 @@ def drop_namespace(
 ) -> int:
     """Delete every key of ``namespace`` in bounded UNLINK batches; returns how many.
 
-    A tombstone (``claw:dropped:<ns>``, a day) goes first: workers check it before every
-    commit (``Store.revalidate``), so none writes to the namespace again (nor recreates
-    it implicitly) and their cached configs are not reused. The config goes next, then
-    the rest, swept again until a sweep finds nothing (a commit that passed its check
+    The tombstone and the config go first, together (``Store.mark_dropped``): workers
+    check the tombstone before every commit (``Store.revalidate``), so none writes to the
+    namespace again (nor recreates it implicitly) and their cached configs are not
+    reused. Then the rest, swept again until a sweep finds nothing (a commit that passed its check
     just before the tombstone may land during the first sweep)."""
-    r.set(dropped_key(namespace), repr(time.time()), ex=DROPPED_TTL)
+    deleted = Store(r, namespace).mark_dropped()
     r.srem(ACTIVE, namespace)
-    deleted = Store(r, namespace).drop_config()
     for sweep in range(DROP_SWEEPS):
         found = 0
         batch: list[bytes] = []

@@ -92,20 +92,23 @@ def drop_index(store: Store, name: str) -> int:
     cfg = store.config(refresh=True) if store.exists() else None
     head = store.r.hgetall(names.head)
     doomed = [names.head, names.log, names.lock]
-    store.r.hdel(defs_key(store), name)
+
+    def undefine(pipe: Any) -> None:
+        pipe.hdel(defs_key(store), name)
+
     if cfg is not None and head.get(b"dim"):
-        return vector_arrays(store, name, int(head[b"dim"])).clear(also=doomed)
+        arrays = vector_arrays(store, name, int(head[b"dim"]))
+        return arrays.clear(also=doomed, then=undefine)
     with store.r.pipeline(transaction=False) as pipe:
         for key in doomed:  # one DEL per key: a cluster pipeline routes each to its slot
             pipe.delete(key)
-        return sum(int(n) for n in pipe.execute())
+        undefine(pipe)
+        return sum(int(n) for n in pipe.execute()[: len(doomed)])
 
 
 def vector_arrays(store: Store, name: str, dim: int) -> SlotArrays:
     """Index ``name``'s slot arrays: vectors ``v``, ids ``i``, list assignments ``a``."""
-    return SlotArrays(
-        store, f"vx:{name}", {"v": ("<f4", (dim,)), "i": ("<i8", ()), "a": ("<i4", ())}
-    )
+    return SlotArrays(store, name, {"v": ("<f4", (dim,)), "i": ("<i8", ()), "a": ("<i4", ())})
 
 
 class IndexKeys:
@@ -165,8 +168,11 @@ class Storage:
     def reset_head(self) -> None:
         """A fresh head for this namespace: every old vector is stale (ids no longer
         match, or the index is recreated), so the old keys go first."""
-        self.arrays.clear(also=[self.names.log, self.names.head])
-        self.r.hset(self.names.head, mapping={"dim": self.dim, "created": repr(self.created)})
+        fresh = {"dim": self.dim, "created": repr(self.created)}
+        self.arrays.clear(
+            also=[self.names.log, self.names.head],
+            then=lambda pipe: pipe.hset(self.names.head, mapping=fresh),
+        )
 
     def set_trained(self, centroids: np.ndarray, vectors: int) -> int:
         """Publish a trained quantizer (the next generation; ``vectors`` there were) and

@@ -9,15 +9,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua, execute
 
 PASS_FIELD = "~pass"
 """Field of the claims hash holding the current pass (group ids cannot start with ``~``)."""
 
 
-def claims_key(base: str, recipe: str) -> str:
-    """Hash of a ``once`` recipe's claims: group id -> the pass it was delivered in."""
-    return f"{base}claims:{recipe}"
+def claims_key(store: Store, recipe: str) -> str:
+    """Hash of a ``once`` recipe's claims (a key ``store`` owns): group id -> the pass
+    it was delivered in."""
+    return store.owned_key(f"claims:{recipe}")
 
 
 def _pass_of(mark: bytes) -> int:
@@ -55,20 +57,20 @@ class Claim(NamedTuple):
 _UNCLAIM = Lua("unclaim", "orchestrator")
 
 
-def release(r: Any, base: str, recipe: str, claims: Sequence[Claim]) -> int:
+def release(store: Store, recipe: str, claims: Sequence[Claim]) -> int:
     """Give back the groups of ``once`` batches dropped unserved (one round trip): they are
     drawn again in the same pass. Only claims still marked by those batches go, so calling
     it twice for one batch releases nothing the second time. Returns the groups released."""
     claims = [c for c in claims if c.ids]
     if not claims:
         return 0
-    key = claims_key(base, recipe)
+    key = claims_key(store, recipe)
 
     def queue(pipe: Any) -> None:
         for c in claims:
             _UNCLAIM.queue(pipe, [key], [c.mark, *c.ids])
 
-    got = execute(r, [_UNCLAIM], queue)
+    got = execute(store.r, [_UNCLAIM], queue)
     return sum(int(n) for n in got)
 
 

@@ -228,7 +228,6 @@ class _Session:
         self.strings = Strings(self.store, index)
         self.fetch = LogChecked(Fetcher(self.store, index.cap), index)
         self.bound: dict[str, _Bound] = {}
-        self.owned = self.store.owned_key("")  # where the namespace's claims keys go
         self._live: tuple[np.ndarray, int] | None = None  # an alive column and its count
         self._changing = False  # the last call found entries logged since the one before
         index.subscribe(self._changed)
@@ -278,7 +277,7 @@ class _Session:
     ) -> Batch:
         live = {**recipe.params, **(params or {})}
         once = recipe.grouped and any(s.sampler.once for s in recipe.sources)
-        key = claims_key(self.owned, recipe.name)
+        key = claims_key(self.store, recipe.name)
         try:
             return self._sample(recipe, rng, live, once, key)
         finally:
