@@ -252,7 +252,7 @@ def fill(namespace: str, name: str, token: str) -> dict[str, Any]:
         _reap_orphans()
     if result["state"] == "unregistered" and not reg.store.exists():  # dropped
         reg.r.srem(ACTIVE, namespace)
-        forget(namespace)
+        forget(namespace, dropped=True)
     if str(result["state"]).startswith("error:"):  # FAILED in Flower, not a quiet success
         raise FillError(f"prefetch of {namespace}/{name} failed: {result['state'][7:]}")
     return result

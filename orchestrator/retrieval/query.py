@@ -104,7 +104,7 @@ def nearest(
             try:
                 return session.query(states, k, where, params or {}, list(fields), projected)
             except Recreated:  # the namespace was made again since the session began
-                forget(session.store.namespace)
+                forget(session.store.namespace, dropped=True)
     raise RetrievalError(f"nearest in {session.store.namespace!r}: the namespace keeps changing")
 
 
