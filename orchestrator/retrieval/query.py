@@ -112,8 +112,8 @@ SESSIONS = "retrieval"
 """The retrieval sessions' name in a namespace context: an ``LRU`` of index name ->
 :class:`Session`, the ``INDEX_SESSIONS`` most recently used."""
 INDEX_SESSIONS = 8
-"""Vector indexes of one namespace a process keeps a session (or a writer) of: each holds
-the index's vectors."""
+"""Vector indexes of one namespace a process keeps a session of: each holds the index's
+vectors, so a process holds at most ``namespace_cache_size`` x 8 indexes' vectors."""
 
 
 def open_session(target: str | Store, redis_url: str | None, name: str) -> Session:

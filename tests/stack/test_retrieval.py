@@ -23,8 +23,8 @@ from claw_tasks.worker.lru import LRU
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance.lifecycle import drop_namespace
-from orchestrator.maintenance.vectors import update_indexes
-from orchestrator.retrieval import define_index, nearest
+from orchestrator.maintenance.vectors import WRITERS, update_indexes
+from orchestrator.retrieval import define_index, drop_index, nearest
 from orchestrator.retrieval.query import INDEX_SESSIONS, SESSIONS, open_session
 from orchestrator.retrieval.storage import IndexKeys
 from tests.support.processes import Worker
@@ -311,6 +311,31 @@ def test_the_quantizer_is_trained_again_as_the_vectors_double(redis_url, namespa
             ).all()
         assert gens == [(1, 1000), (2, 2000), (2, 2000)]
         assert open_session(store, None, "default").vectors.loads == 2  # cold, then gen 2
+    finally:
+        forget(namespace, dropped=False)
+
+
+def test_a_namespace_keeps_a_writer_per_index_however_many(redis_url, namespace):
+    """More indexes than a process keeps retrieval sessions of: every tick runs each
+    index's writer, kept from the tick before (none made again round robin); the writer of
+    an index dropped goes at the next tick."""
+    x = np.random.default_rng(5).standard_normal((50, DIM)).astype(np.float32)
+    store = Store(redis_url, namespace)
+    store.create(capacity=100)
+    store.commit(steps(x, "a", "expert"))
+    names = [f"i{i}" for i in range(INDEX_SESSIONS + 2)]
+    for name in names:
+        define_index(store, {"name": name, "kind": "exact"})
+    try:
+        update_indexes(store)
+        writers = context_for(store).part(WRITERS, dict)
+        first = dict(writers)
+        assert sorted(key[0] for key in first) == sorted(names)
+        update_indexes(store)
+        assert all(writers[key] is writer for key, writer in first.items())
+        drop_index(store, names[0])
+        update_indexes(store)
+        assert sorted(key[0] for key in writers) == sorted(names[1:])
     finally:
         forget(namespace, dropped=False)
 
