@@ -258,7 +258,7 @@ def test_the_pool_is_bounded_and_released_at_exit(monkeypatch):
 
 
 def test_symlinked_segment_is_refused_and_its_target_untouched(tmp_path):
-    """Finding 9: a `claw-*` symlink planted in /dev/shm must not be followed (the reader
+    """A `claw-*` symlink planted in /dev/shm must not be followed (the reader
     would map the target read-write)."""
     target = tmp_path / "precious"
     target.write_bytes(b"x" * 64)
