@@ -92,7 +92,7 @@ class NamespaceContext:
         return False
 
     def close(self, dropped: bool) -> None:
-        """Close every part (:func:`close_parts`) and forget them all."""
+        """Close every part (each whatever another raised) and forget them all."""
         with self._lock:
             parts, self._parts = list(self._parts.values()), {}
         _close_parts(parts, dropped)
