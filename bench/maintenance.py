@@ -168,7 +168,7 @@ def main() -> None:
         )
         print(control(r, durations))
         assert store.count() == n - old
-        forget("bench-evict")
+        forget("bench-evict", dropped=False)
 
         rstore = fill(srv.url, "bench-prio", n, n, now)
         rules = Rules.of(

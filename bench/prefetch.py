@@ -103,7 +103,12 @@ def timed(cpu: Counter, label: str, fn: Callable[..., Any]) -> Callable[..., Any
 
 def stages(reg: Registry, recipe: Recipe, batches: int, to_trainer: Any) -> Counter:
     """CPU seconds per stage of ``batches`` batches (wrappers installed for this run only)."""
-    try:  # where the fill's stages call them (in prefetch itself on older code)
+    # Where the fill's stages call them. This file also times older trees, which have no
+    # stages module (the fill called them in prefetch itself) and lack some of the names
+    # below: run as ``PYTHONPATH=<that tree> python bench/prefetch.py --stages``, the way
+    # docs/benchmarks.md compares with an earlier commit's figures (bench/versus.py runs
+    # each tree's own copy instead).
+    try:
         made = importlib.import_module("orchestrator.delivery.stages")
     except ModuleNotFoundError:
         made = prefetch
@@ -116,7 +121,7 @@ def stages(reg: Registry, recipe: Recipe, batches: int, to_trainer: Any) -> Coun
         (WireBatch, "write_into", "write the rest into a reused segment's mapping"),
         (prefetch, "push", "push"),
     ]
-    patches = [p for p in patches if hasattr(*p[:2])]  # older code (run on its tree)
+    patches = [p for p in patches if hasattr(*p[:2])]  # an older tree's (above)
     cpu: Counter = Counter({label: 0.0 for *_, label in patches})
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, label in patches:

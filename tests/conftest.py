@@ -155,7 +155,7 @@ def store(request: pytest.FixtureRequest, redis_url: str, namespace: str) -> Ite
             st.set_retention(None)
         if cfg.priorities is not None:
             st.set_priority_rules(None)
-    forget(namespace)
+    forget(namespace, dropped=False)
 
 
 @pytest.fixture

@@ -12,15 +12,16 @@ RESOURCES: tuple[Variable, ...] = (
         count,
         64,
         "namespaces a process keeps a context for: its `Store`, sampling session, plans, "
-        "retrieval sessions (least recently used go first)",
+        "retrieval sessions (up to 8 indexes' vectors each), vector writers (least recently "
+        "used go first)",
     ),
     Variable(
         "CLAW_PLAN_CACHE_SIZE",
         "plan_cache_size",
         count,
         256,
-        "recipes' augmentation plans a prefetch worker keeps per namespace (least recently "
-        "used go first)",
+        "recipes' augmentation plans a prefetch worker keeps per namespace, so up to this x "
+        "`CLAW_NAMESPACE_CACHE_SIZE` in all (least recently used go first)",
     ),
     Variable(
         "CLAW_SHARED_INDEX",

@@ -6,9 +6,12 @@ the namespace's ``Store`` and the parts the read path builds on it — the sampl
 (its index and samplers), the augmentation plans of its recipes, its retrieval sessions,
 the maintenance index and the vector writers. The orchestrator's layers put their parts
 in the context by name (claw_tasks never imports them), so a namespace's state is
-forgotten in one place, :func:`forget`, whatever made it stale: the namespace was dropped,
-made again (its config's creation time changed, :meth:`NamespaceContext.check_created`)
-or a maintenance pass failed in it. A recipe that changes is caught by the part that
+forgotten in one place, :func:`forget`, whatever made it stale: the namespace was dropped
+or made again (``dropped``: a part shared with other processes is invalidated for them
+too), or a maintenance pass failed in it (only this process's parts start cold). Each
+part that reads the config catches a namespace made again itself: the maintenance index
+through :meth:`NamespaceContext.check_created`, the sampling and retrieval sessions by the
+creation time they read with their log. A recipe that changes is caught by the part that
 serves it (its sampler rebound, its plan rebuilt) and leaves the others warm.
 
 Bounded by count: the ``namespace_cache_size`` most recently used contexts are kept (an
@@ -19,10 +22,11 @@ the key, so it never shares the parent's locks, random streams or connections.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from claw_tasks.connection import client as connect
 from claw_tasks.connection.client import Client, identity
@@ -31,14 +35,36 @@ from claw_tasks.store import Store
 from claw_tasks.worker.lru import LRU
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Part(Protocol):
+    """A part of a context that holds something to let go of when it is forgotten."""
+
+    def close(self, dropped: bool) -> None:
+        """Let go of what it holds. ``dropped``: the namespace's data is gone or was made
+        again, so a part shared with other processes (the host's shared sampling index)
+        makes them rebuild; else only this process lets go (they keep theirs warm)."""
+
+
+def _close_parts(parts: list[Any], dropped: bool) -> None:
+    """Close each :class:`Part` of ``parts``, and of an ``LRU`` among them (a part of parts,
+    emptied); others are simply let go. One failing is logged and the rest are still closed
+    (each may hold files or locks of the host)."""
+    for part in parts:
+        if isinstance(part, LRU):
+            _close_parts(part.pop_where(lambda key: True), dropped)
+        elif isinstance(part, Part):
+            try:
+                part.close(dropped)
+            except Exception:
+                log.exception("closing %r failed", part)
 
 
 class NamespaceContext:
-    """One namespace's ``Store`` and the parts built on it in this process.
-
-    A part with a ``close(dropped: bool)`` method is closed when the context is forgotten
-    (``dropped``: the namespace's data is gone or was made again, so a part shared with
-    other processes, like the host's shared sampling index, makes them rebuild)."""
+    """One namespace's ``Store`` and the parts built on it in this process; a :class:`Part`
+    is closed when the context is forgotten."""
 
     def __init__(self, store: Store) -> None:
         self.store, self.namespace = store, store.namespace
@@ -56,23 +82,20 @@ class NamespaceContext:
     def check_created(self, created: float) -> bool:
         """Whether the parts were built on the namespace as configured at ``created`` (its
         config's creation time, just read). A namespace made again since is forgotten in this
-        process (:func:`forget`) and False returned: the caller starts afresh from a new
-        context."""
+        process (:func:`forget`, ``dropped``) and False returned: the caller starts afresh
+        from a new context."""
         with self._lock:
             if self.created is None or self.created == created:
                 self.created = created
                 return True
-        forget(self.namespace)
+        forget(self.namespace, dropped=True)
         return False
 
     def close(self, dropped: bool) -> None:
-        """Close every part that has a ``close`` and forget them all."""
+        """Close every part (each whatever another raised) and forget them all."""
         with self._lock:
             parts, self._parts = list(self._parts.values()), {}
-        for part in parts:
-            close = getattr(part, "close", None)
-            if close is not None:
-                close(dropped)
+        _close_parts(parts, dropped)
 
 
 _lock = threading.Lock()
@@ -117,12 +140,14 @@ def store_for(namespace: str) -> Store:
     return context_for(namespace).store
 
 
-def forget(namespace: str) -> None:
-    """Forget every part this process keeps of ``namespace``, on every server: it was
-    dropped or made again, or a pass over it failed and it starts cold. A part shared
-    with other processes is invalidated for them too (they rebuild on their next sync)."""
+def forget(namespace: str, *, dropped: bool) -> None:
+    """Forget every part this process keeps of ``namespace``, on every server. ``dropped``:
+    it was dropped or made again, so a part shared with other processes is invalidated for
+    them too (they rebuild on their next sync); else (a pass over it failed) only this
+    process starts cold, and a shared index stays valid for the others: a lasting error
+    must not make every process of the host rebuild on every beat tick."""
     for ctx in contexts.pop_where(lambda key: key[-2] == namespace):
-        ctx.close(dropped=True)
+        ctx.close(dropped)
 
 
 def close_all() -> None:

@@ -59,14 +59,6 @@ class LRU(Generic[K, V]):
         with self._lock:
             return [self._items.pop(k) for k in [k for k in self._items if match(k)]]
 
-    def close(self, dropped: bool) -> None:
-        """Empty it, closing each value that has a ``close(dropped)``: an LRU held as a
-        part of a namespace context (:mod:`claw_tasks.worker.context`) closes its parts."""
-        for value in self.pop_where(lambda key: True):
-            close = getattr(value, "close", None)
-            if close is not None:
-                close(dropped)
-
     def __iter__(self) -> Iterator[K]:
         """The keys (a snapshot), least recently used first."""
         with self._lock:

@@ -40,7 +40,7 @@ def ingest(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     try:
         outcome = run(redis_client(), args, kwargs, get_settings().limits, store_for)
     except NamespaceDropped:
-        forget(args[1])
+        forget(args[1], dropped=True)
         log.warning("batch %s: namespace %r was dropped; discarded", args[2], args[1])
         return {"committed": 0, "rejected": 0, "dropped": True}
     except Exception as e:

@@ -171,13 +171,14 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
         entry = reg.get(name)
         if entry is None:
             return {"made": 0, "state": "unregistered"}
-        recipe, plan = entry.recipe, _plan(reg, entry.recipe)
+        recipe = entry.recipe
         if recipe.rollout is not None:
-            made, state = rollouts.run(reg, entry, plan)
+            made, state = rollouts.run(reg, entry, _plan(reg, recipe))
             reg.bump(name, state=state)
             return {"made": made, "state": state}
-        room, stages = Room(reg, recipe), Pipeline.of(reg.store, entry, plan, seen)
+        room = Room(reg, recipe)  # first: its state is what a failure below is compared to
         before = room.last_state
+        stages = Pipeline.of(reg.store, entry, _plan(reg, recipe), seen)
         while (why := room.why_not(made)) is None:
             draft = stages.make(_rng_for(reg, recipe))
             if draft.end is not None:
@@ -252,7 +253,7 @@ def fill(namespace: str, name: str, token: str) -> dict[str, Any]:
         _reap_orphans()
     if result["state"] == "unregistered" and not reg.store.exists():  # dropped
         reg.r.srem(ACTIVE, namespace)
-        forget(namespace)
+        forget(namespace, dropped=True)
     if str(result["state"]).startswith("error:"):  # FAILED in Flower, not a quiet success
         raise FillError(f"prefetch of {namespace}/{name} failed: {result['state'][7:]}")
     return result

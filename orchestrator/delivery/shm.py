@@ -267,7 +267,7 @@ def _rewrite(pool: _Pool, seg: _Segment, wire: WireBatch) -> str | None:
         seg.size = os.fstat(seg.fd).st_size
         fcntl.flock(seg.fd, fcntl.LOCK_UN)
         raise
-    seg.name, seg.size = name, wire.nbytes
+    seg.name, seg.size = name, wire.nbytes  # write() set the mtime the reaper ages it by
     fcntl.flock(seg.fd, fcntl.LOCK_UN)  # before the reference is queued
     return name
 
@@ -296,6 +296,9 @@ def _fill_in_place(
             os.rename(SHM_DIR / name, taken)  # free again
             fcntl.flock(seg.fd, fcntl.LOCK_UN)
             raise
+        # queued now: stores through a mapping leave the mtime, by which the reaper
+        # judges a segment's age, as the first write() set it
+        os.utime(seg.fd)
         seg.name = name
         fcntl.flock(seg.fd, fcntl.LOCK_UN)  # before the reference is queued
         return name

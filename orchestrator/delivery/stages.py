@@ -232,11 +232,11 @@ class Collate(Stage):
 
 
 class AttachGroups(Stage):
-    """A group recipe's rows' groups, trajectories and advantages as arrays."""
+    """A group recipe's rows' groups, trajectories and advantages as arrays (its draw
+    always has its groups)."""
 
     def __call__(self, d: Draft) -> None:
-        if d.batch.groups is not None:
-            d.arrays.update(group_arrays(d.batch.groups))
+        d.arrays.update(group_arrays(d.batch.groups))  # type: ignore[arg-type]
 
 
 class Deliver(Stage):

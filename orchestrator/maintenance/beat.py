@@ -4,9 +4,11 @@ archive).
 
 One namespace failing must not stop the others, and must still show: each failure is
 logged with its traceback, the namespace's state in this process is forgotten (its next
-pass starts cold, from Redis, not from what the failure left), and once every namespace
-had its turn the task raises :class:`MaintenanceError` naming each failure, so Flower
-lists the run FAILED with them. A namespace dropped during its pass is forgotten and
+pass starts cold, from Redis, not from what the failure left; the other processes keep
+theirs: a lasting error does not make every process rebuild the host's shared sampling
+index on every tick), and once every namespace had its turn the task raises
+:class:`MaintenanceError` naming each failure, so Flower lists the run FAILED with them. A
+namespace dropped during its pass is forgotten (for every process of the host) and
 skipped: not a failure.
 """
 
@@ -26,11 +28,23 @@ log = logging.getLogger(__name__)
 
 class MaintenanceError(RuntimeError):
     """A maintenance pass failed in some namespaces: ``failed`` maps each to its error,
-    ``done`` holds what the others returned."""
+    ``done`` holds what the others returned.
 
-    def __init__(self, what: str, failed: dict[str, str], done: dict[str, Any]) -> None:
-        super().__init__(f"{what} failed in {len(failed)} namespace(s): {failed}")
-        self.failed, self.done = failed, done
+    Its ``args`` are the pass and its failures, so Celery rebuilds it (by pickle between
+    a pool process and its parent, or from ``args`` for a JSON result) as itself, not as
+    a stand-in; ``done`` (any values) stays in the process that ran the pass."""
+
+    def __init__(
+        self, what: str, failed: dict[str, str], done: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(what, failed)
+        self.what, self.failed, self.done = what, failed, done or {}
+
+    def __str__(self) -> str:
+        return f"{self.what} failed in {len(self.failed)} namespace(s): {self.failed}"
+
+    def __reduce__(self) -> tuple[type[MaintenanceError], tuple[str, dict[str, str]]]:
+        return type(self), (self.what, self.failed)
 
 
 def each_namespace(
@@ -46,9 +60,10 @@ def each_namespace(
         try:
             out = work(store_for(ns))
         except Exception as e:
-            forget(ns)  # its next pass starts cold, from Redis
-            if names is None and isinstance(e, NamespaceError):
-                continue  # dropped meanwhile
+            dropped = names is None and isinstance(e, NamespaceError)  # dropped meanwhile
+            forget(ns, dropped=dropped)  # its next pass starts cold, from Redis
+            if dropped:
+                continue
             log.exception("%s in %s failed", what, ns)
             failed[ns] = f"{type(e).__name__}: {e}"
             continue

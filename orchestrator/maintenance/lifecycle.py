@@ -78,7 +78,7 @@ def drop_namespace(
         if not found and sweep:
             break
         time.sleep(0.2 * (sweep + 1))
-    forget(namespace)
+    forget(namespace, dropped=True)
     return deleted
 
 

@@ -320,7 +320,9 @@ def reset_edges(store: Store) -> None:
     """Forget every chunk's statistics and the histogram edges: the next pass starts over
     (edges from the data's range then)."""
     store.r.delete(quality_key(store))
-    forget(store.namespace)  # this process's index: the next pass reads every chunk
+    # this process's maintenance index: the next pass reads every chunk (the data stays,
+    # so a shared sampling index stays valid for the other processes)
+    forget(store.namespace, dropped=False)
 
 
 @app.task(name="claw.maintenance.quality", acks_late=False, ignore_result=True)

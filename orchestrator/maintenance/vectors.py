@@ -15,19 +15,18 @@ from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.worker.app import app
 from claw_tasks.worker.context import context_for
-from claw_tasks.worker.lru import LRU
 from orchestrator.maintenance.beat import each_namespace
 from orchestrator.maintenance.lifecycle import synced_index
 from orchestrator.retrieval import list_indexes
-from orchestrator.retrieval.query import INDEX_SESSIONS
 from orchestrator.retrieval.storage import defs_key
 from orchestrator.retrieval.writer import Writer
 
 TICK_BUDGET_S = 5.0
 """Projection work per beat tick and index; the rest waits for the next tick."""
 WRITERS = "vector writers"
-"""The writers' name in a namespace context: an ``LRU`` of (index name, its spec) ->
-:class:`~orchestrator.retrieval.writer.Writer`."""
+"""The writers' name in a namespace context: a dict of (index name, its spec) ->
+:class:`~orchestrator.retrieval.writer.Writer`, one per index the namespace defines now
+(every tick runs them all: a bound below their number would rebuild them round robin)."""
 
 
 def update_indexes(store: Store, budget_s: float = TICK_BUDGET_S) -> dict[str, Any]:
@@ -39,13 +38,14 @@ def update_indexes(store: Store, budget_s: float = TICK_BUDGET_S) -> dict[str, A
     if cfg.schema is None:
         return {}
     index, strings = synced_index(store)  # first: a namespace made again starts cold
-    writers: LRU[tuple[str, str], Writer] = context_for(store).part(
-        WRITERS, lambda: LRU(INDEX_SESSIONS)
-    )
+    writers: dict[tuple[str, str], Writer] = context_for(store).part(WRITERS, dict)
+    keys = {name: (name, spec.model_dump_json()) for name, spec in specs.items()}
+    for gone in set(writers) - set(keys.values()):  # an index removed or redefined
+        del writers[gone]
     out = {}
     for name, spec in specs.items():
-        key = (name, spec.model_dump_json())
-        writer = writers.get(key, lambda s=spec: Writer(store, s, get_settings().features))
+        if (writer := writers.get(keys[name])) is None:
+            writer = writers[keys[name]] = Writer(store, spec, get_settings().features)
         out[name] = writer.run(index, strings, budget_s)
     return out
 

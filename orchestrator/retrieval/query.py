@@ -104,7 +104,7 @@ def nearest(
             try:
                 return session.query(states, k, where, params or {}, list(fields), projected)
             except Recreated:  # the namespace was made again since the session began
-                forget(session.store.namespace)
+                forget(session.store.namespace, dropped=True)
     raise RetrievalError(f"nearest in {session.store.namespace!r}: the namespace keeps changing")
 
 
@@ -112,8 +112,8 @@ SESSIONS = "retrieval"
 """The retrieval sessions' name in a namespace context: an ``LRU`` of index name ->
 :class:`Session`, the ``INDEX_SESSIONS`` most recently used."""
 INDEX_SESSIONS = 8
-"""Vector indexes of one namespace a process keeps a session (or a writer) of: each holds
-the index's vectors."""
+"""Vector indexes of one namespace a process keeps a session of: each holds the index's
+vectors, so a process holds at most ``namespace_cache_size`` x 8 indexes' vectors."""
 
 
 def open_session(target: str | Store, redis_url: str | None, name: str) -> Session:

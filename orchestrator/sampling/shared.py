@@ -68,6 +68,7 @@ from orchestrator.sampling.shmfiles import (
     INDEX_PREFIX,
     SHM_DIR,
     IndexFiles,
+    Kind,
     free_bytes,
     map_file,
     open_file,
@@ -238,7 +239,8 @@ class SharedIndex(SamplingIndex):
         self._f.lock = fd
         self._f.users = open_file(self._f.base.with_suffix(".users"), create=True)
         fcntl.flock(self._f.users, fcntl.LOCK_SH)
-        reap_orphans(directory=self._f.base.parent)  # files whose processes were killed
+        # indexes whose processes were killed (segments are the fill's and beat's to reap)
+        reap_orphans(directory=self._f.base.parent, kinds=Kind.INDEX)
 
     def _attach(self) -> np.ndarray:
         """The header (under the exclusive lock), mapped on first use and made when new

@@ -13,6 +13,7 @@ knows every kind of Claw file and what makes one an orphan.
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import functools
 import mmap
@@ -150,10 +151,23 @@ class IndexFiles:
         self.lock = self.users = -1
 
 
+class Kind(enum.Flag):
+    """The kinds of Claw files :func:`reap_orphans` reaps."""
+
+    INDEX = enum.auto()  # a shared sampling index's files
+    SEGMENT = enum.auto()  # a batch segment
+
+
 def reap_orphans(
-    max_age_s: float = ORPHAN_AGE_S, *, dead_grace_s: float = 5.0, directory: Path = SHM_DIR
+    max_age_s: float = ORPHAN_AGE_S,
+    *,
+    dead_grace_s: float = 5.0,
+    directory: Path = SHM_DIR,
+    kinds: Kind = Kind.INDEX | Kind.SEGMENT,
 ) -> list[str]:
-    """Remove Claw's orphaned files in ``directory``; returns the names removed.
+    """Remove Claw's orphaned files of ``kinds`` in ``directory``; returns the names
+    removed (a caller holding an index's lock asks for indexes only: no segment's creator
+    is looked up meanwhile).
 
     - a shared index's files, when no process uses them (their last user was killed
       before it could remove them): nobody holds ``.users`` or ``.lock``;
@@ -162,11 +176,12 @@ def reap_orphans(
       its reference still waits in a queue goes too, and its reader gets
       ``SegmentMissing`` and pops the next batch."""
     removed: list[str] = []
-    now = time.time()
-    for path in directory.glob("claw*"):
-        if path.name.startswith(INDEX_PREFIX) and path.suffix == ".users":
+    if Kind.INDEX in kinds:
+        for path in directory.glob(f"{INDEX_PREFIX}*.users"):
             removed += _unused_index(path)
-        elif path.name.startswith(SEGMENT_PREFIX):
+    if Kind.SEGMENT in kinds:
+        now = time.time()
+        for path in directory.glob(f"{SEGMENT_PREFIX}*"):
             try:
                 age = now - path.lstat().st_mtime
             except FileNotFoundError:

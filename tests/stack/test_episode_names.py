@@ -148,7 +148,7 @@ def test_a_name_lives_while_any_step_lives(redis_url, cap, n_shards, episode_ind
         check(store, ring, seen, episode_index)
     finally:
         drop_namespace(store.r, store.namespace)
-        forget(store.namespace)
+        forget(store.namespace, dropped=True)
 
 
 def test_an_eviction_planned_before_a_late_commit_keeps_the_name(redis_url, namespace):

@@ -86,7 +86,7 @@ def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker
         stop(beat)
         store.set_retention(None)
         store.set_priority_rules(None)
-        forget(namespace)
+        forget(namespace, dropped=False)
 
 
 def test_a_failing_maintenance_task_is_failed_in_flower(
@@ -138,4 +138,4 @@ def test_a_failing_maintenance_task_is_failed_in_flower(
     finally:
         stop(flower)
         store.set_priority_rules(None)
-        forget(namespace)
+        forget(namespace, dropped=False)

@@ -53,7 +53,7 @@ def test_sampling_sessions_are_bounded_and_forgotten(redis_url, namespace, monke
     assert names[-1] in _held() and names[0] not in _held() and len(context.contexts) <= 2
     ctx = context.context_for(names[-1], redis_url)
     assert ctx.part(sampling.SESSION, dict) is not None
-    context.forget(names[-1])
+    context.forget(names[-1], dropped=False)
     assert names[-1] not in _held()
 
 
@@ -65,7 +65,7 @@ def test_prefetch_plans_are_bounded_and_forgotten(redis_url, namespace):
         reg.put(_recipe(name, augment=aug), None)
         assert run_fill(reg, name)["made"] > 0
     assert set(plans) == {"b", "c"}
-    context.forget(namespace)
+    context.forget(namespace, dropped=False)
     assert namespace not in _held()
 
 
@@ -88,7 +88,7 @@ def test_one_forget_drops_every_part_and_a_namespace_made_again_starts_cold(redi
     stale.created = 0.0  # as if built on an older namespace of the name
     assert synced_index(store)[0] is not again  # rebuilt, with every other part
     assert context.context_for(store) is not stale
-    context.forget(namespace)
+    context.forget(namespace, dropped=False)
 
 
 _REFILL = """

@@ -171,7 +171,7 @@ def test_augmentation_state_survives_new_versions(redis_url, namespace):
         reg.drain("norm")
         run_fill(reg, "norm")
     assert seen() == 16 + 32
-    forget(namespace)  # a restarted worker: nothing cached ...
+    forget(namespace, dropped=False)  # a restarted worker: nothing cached ...
     reg.drain("norm")
     run_fill(reg, "norm")
     assert seen() == 16 + 32 + 16  # ... carries on from the shared statistics

@@ -23,8 +23,8 @@ from claw_tasks.worker.lru import LRU
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance.lifecycle import drop_namespace
-from orchestrator.maintenance.vectors import update_indexes
-from orchestrator.retrieval import define_index, nearest
+from orchestrator.maintenance.vectors import WRITERS, update_indexes
+from orchestrator.retrieval import define_index, drop_index, nearest
 from orchestrator.retrieval.query import INDEX_SESSIONS, SESSIONS, open_session
 from orchestrator.retrieval.storage import IndexKeys
 from tests.support.processes import Worker
@@ -97,7 +97,7 @@ def expert(redis_url: str, namespace: str) -> tuple[Store, np.ndarray]:
     for i, origin in enumerate(("expert", "expert", "noisy")):
         store.commit(steps(x[i * 1000 : (i + 1) * 1000], f"e{i}", origin, i * 1000))
     yield store, x
-    forget(namespace)
+    forget(namespace, dropped=False)
 
 
 def test_the_beat_task_builds_indexes_that_answer_exactly(redis_url, expert, worker):
@@ -204,7 +204,7 @@ def test_a_worker_restart_reuses_the_persisted_index(redis_url, expert, start_wo
     assert np.frombuffer(entry[b"rows"], "<i8").tolist() == list(range(3000, 3010))
     second.stop()
 
-    forget(store.namespace)  # a fresh reader: loads the arrays, no worker needed
+    forget(store.namespace, dropped=False)  # a fresh reader: loads the arrays, no worker needed
     got = nearest(store, new[:2] + 0.001, 1, fields=["action"])
     assert got.fields["action"][:, 0].tolist() == [3000, 3001]
 
@@ -287,7 +287,7 @@ def test_a_namespace_made_again_is_queried_afresh(redis_url, namespace):
         assert got.fields["action"][:, 0].tolist() == [1000, 1001]
         assert open_session(again, None, "default") is not old
     finally:
-        forget(namespace)
+        forget(namespace, dropped=False)
 
 
 def test_the_quantizer_is_trained_again_as_the_vectors_double(redis_url, namespace):
@@ -312,7 +312,32 @@ def test_the_quantizer_is_trained_again_as_the_vectors_double(redis_url, namespa
         assert gens == [(1, 1000), (2, 2000), (2, 2000)]
         assert open_session(store, None, "default").vectors.loads == 2  # cold, then gen 2
     finally:
-        forget(namespace)
+        forget(namespace, dropped=False)
+
+
+def test_a_namespace_keeps_a_writer_per_index_however_many(redis_url, namespace):
+    """More indexes than a process keeps retrieval sessions of: every tick runs each
+    index's writer, kept from the tick before (none made again round robin); the writer of
+    an index dropped goes at the next tick."""
+    x = np.random.default_rng(5).standard_normal((50, DIM)).astype(np.float32)
+    store = Store(redis_url, namespace)
+    store.create(capacity=100)
+    store.commit(steps(x, "a", "expert"))
+    names = [f"i{i}" for i in range(INDEX_SESSIONS + 2)]
+    for name in names:
+        define_index(store, {"name": name, "kind": "exact"})
+    try:
+        update_indexes(store)
+        writers = context_for(store).part(WRITERS, dict)
+        first = dict(writers)
+        assert sorted(key[0] for key in first) == sorted(names)
+        update_indexes(store)
+        assert all(writers[key] is writer for key, writer in first.items())
+        drop_index(store, names[0])
+        update_indexes(store)
+        assert sorted(key[0] for key in writers) == sorted(names[1:])
+    finally:
+        forget(namespace, dropped=False)
 
 
 def test_a_narrow_where_probes_more_lists(redis_url, expert):

@@ -1,5 +1,6 @@
 """A process's namespace contexts (worker.context): bounded, one per (server, namespace),
-forgotten in one call that closes every part; a namespace made again starts afresh.
+forgotten in one call that closes every part (each, whatever another's close raised),
+telling them whether the namespace was dropped; a namespace made again starts afresh.
 Building a context makes no Redis traffic."""
 
 from __future__ import annotations
@@ -27,23 +28,33 @@ def test_contexts_are_bounded_and_forgotten(monkeypatch):
     assert {"ctx2", "ctx3", "ctx4"} <= _held() and not {"ctx0", "ctx1"} & _held()
     assert context.context_for("ctx3") is context.context_for("ctx3")
     assert context.context_for(context.store_for("ctx3")) is context.context_for("ctx3")
-    context.forget("ctx3")
+    context.forget("ctx3", dropped=False)
     assert "ctx3" not in _held() and {"ctx2", "ctx4"} <= _held()
 
 
-def test_forget_closes_every_part_and_close_all_detaches():
+class Broken(Part):
+    def close(self, dropped: bool) -> None:
+        super().close(dropped)
+        raise OSError("cannot close")
+
+
+def test_forget_closes_every_part_and_close_all_detaches(caplog):
     ctx = context.context_for("ctx-parts")
-    a, b = ctx.part("a", Part), ctx.part("b", Part)
+    a, broken, b = ctx.part("a", Part), ctx.part("broken", Broken), ctx.part("b", Part)
     assert ctx.part("a", Part) is a  # made once
     ctx.part("plain", dict)  # a part without close is simply let go
     held = ctx.part("by name", lambda: LRU(2))  # a part of parts: each is closed
     inner = held.get("x", Part)
-    context.forget("ctx-parts")
-    assert a.closed == [True] and b.closed == [True] and inner.closed == [True]
+    context.forget("ctx-parts", dropped=True)
+    assert a.closed == broken.closed == b.closed == inner.closed == [True]
+    assert "cannot close" in caplog.text and len(held) == 0
     assert context.context_for("ctx-parts") is not ctx
     c = context.context_for("ctx-parts").part("c", Part)
-    context.close_all()
+    context.forget("ctx-parts", dropped=False)  # a pass failed: only this process lets go
     assert c.closed == [False] and "ctx-parts" not in _held()
+    d = context.context_for("ctx-parts").part("d", Part)
+    context.close_all()
+    assert d.closed == [False] and "ctx-parts" not in _held()
 
 
 def test_a_namespace_made_again_is_forgotten():
@@ -54,4 +65,4 @@ def test_a_namespace_made_again_is_forgotten():
     assert part.closed == [True]
     fresh = context.context_for("ctx-made-again")
     assert fresh is not ctx and fresh.check_created(2.0)
-    context.forget("ctx-made-again")
+    context.forget("ctx-made-again", dropped=False)

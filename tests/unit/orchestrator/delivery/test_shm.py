@@ -1,4 +1,5 @@
-"""Same-host shared-memory path: cross-process round trip, reclamation, orphan reaping."""
+"""Same-host shared-memory path: cross-process round trip, reclamation, orphan reaping
+(never of a segment reused long after it was made)."""
 
 import gc
 import os
@@ -257,7 +258,7 @@ def test_the_pool_is_bounded_and_released_at_exit(monkeypatch):
 
 
 def test_symlinked_segment_is_refused_and_its_target_untouched(tmp_path):
-    """Finding 9: a `claw-*` symlink planted in /dev/shm must not be followed (the reader
+    """A `claw-*` symlink planted in /dev/shm must not be followed (the reader
     would map the target read-write)."""
     target = tmp_path / "precious"
     target.write_bytes(b"x" * 64)
@@ -342,3 +343,18 @@ def test_a_fill_that_fails_leaves_its_segment_free():
 def test_pending_fields_go_inline_to_another_host():
     msg = shm.deliver(_pending_frame(), _fill(4), reader_host="elsewhere", threshold=0)
     assert is_batch(msg) and (decode_batch(msg)["x"] == 4).all()
+
+
+@pytest.mark.parametrize("send", [_write, _deliver], ids=["written", "filled in place"])
+def test_a_segment_reused_long_after_it_was_made_is_not_reaped(send):
+    shm.release_pool()
+    first = send(1)
+    ino = _inode(first)
+    shm.from_message(first)  # read and dropped: free
+    gc.collect()
+    old = time.time() - 3600
+    os.utime(_taken(first), (old, old))  # made an hour ago
+    again = send(2)
+    assert _inode(again) == ino  # the same segment
+    assert ref_name(again) not in shmfiles.reap_orphans(max_age_s=600)  # queued just now
+    assert (shm.from_message(again)["x"] == 2).all()

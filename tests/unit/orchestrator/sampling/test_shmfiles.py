@@ -1,5 +1,6 @@
 """Claw's files in /dev/shm (sampling.shmfiles): one safe open and map for every kind, and
-one reaper that knows what makes each kind an orphan (here on a temporary directory)."""
+one reaper that knows what makes each kind an orphan, and reaps the kinds asked for (here
+on a temporary directory)."""
 
 from __future__ import annotations
 
@@ -45,12 +46,17 @@ def test_one_reaper_takes_every_kind_of_orphan_and_nothing_in_use(tmp_path):
     os.utime(old, (then, then))
     os.utime(orphan, (then, then))
     try:
+        indexes = shmfiles.reap_orphans(0, directory=tmp_path, kinds=shmfiles.Kind.INDEX)
+        assert sorted(indexes) == sorted(p.name for p in unused)  # no segment looked at
+        assert all(p.exists() for p in (fresh, old, orphan))
+        unused = _index(tmp_path, "unused")
         removed = shmfiles.reap_orphans(3600, directory=tmp_path)
         assert sorted(removed) == sorted([p.name for p in unused] + [orphan.name])
         assert shmfiles.reap_orphans(30, directory=tmp_path) == [old.name]  # past its age
         assert all(p.exists() for p in used) and fresh.exists()
     finally:
         os.close(holder)
+    assert shmfiles.reap_orphans(0, directory=tmp_path, kinds=shmfiles.Kind.SEGMENT) == [fresh.name]
     assert sorted(shmfiles.reap_orphans(3600, directory=tmp_path)) == sorted(p.name for p in used)
 
 
