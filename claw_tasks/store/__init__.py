@@ -6,7 +6,7 @@ uses only the core's API and the few parts it names in its constructor.
 ====================  ======================================================================
 module                ``Store`` methods
 ====================  ======================================================================
-``core``              ``config``, ``revalidate``, ``owned_key``; attributes ``r``, ``keys``,
+``core``              ``config``, ``revalidate``, ``owned_key``; attributes ``r``, ``layout_keys``,
                       ``namespace``, ``scripts``, ``dicts``
 ``admin``             ``exists``, ``create``, ``ensure_schema``, ``schema``,
                       ``set_retention``, ``set_episode_index``, ``set_priority_rules``,

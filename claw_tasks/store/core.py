@@ -29,7 +29,7 @@ def owned_key(namespace: str, name: str) -> str:
 class StoreCore:
     """A namespace's client, keys, scripts and dictionaries, and its config, cached.
 
-    ``r``: the Redis client (a URL is connected); ``keys``: the namespace's key names;
+    ``r``: the Redis client (a URL is connected); ``layout_keys``: the namespace's key names;
     ``scripts``: the store's Lua scripts bound to ``r``; ``dicts``: its string
     dictionaries. ``config()`` reads the config record once and then answers from the
     cache; a part that writes the record hands the new one to :meth:`remember`.
@@ -37,10 +37,10 @@ class StoreCore:
 
     def __init__(self, client: redis.Redis | str, namespace: str) -> None:
         self.r = redis_client(client) if isinstance(client, str) else client
-        self.keys = Keys(namespace)
+        self.layout_keys = Keys(namespace)
         self.namespace = namespace
         self.scripts = Scripts(self.r)
-        self.dicts = Dictionaries(self.r, self.keys, self.scripts)
+        self.dicts = Dictionaries(self.r, self.layout_keys, self.scripts)
         self._config: NamespaceConfig | None = None
         self._config_raw: bytes | None = None  # the record ``_config`` is, as stored
 
@@ -56,12 +56,12 @@ class StoreCore:
         """Queue a read of the config record on ``pipe``, for a reader's own round trip:
         its reply is the record as stored (``NamespaceConfig.from_bytes`` reads it; None:
         the namespace does not exist)."""
-        pipe.get(self.keys.config)
+        pipe.get(self.layout_keys.config)
 
     def drop_config(self) -> int:
         """Delete the config record (1: there was one): readers find no namespace from
         here on; the first step of dropping one, before its other keys."""
-        return int(self.r.unlink(self.keys.config))
+        return int(self.r.unlink(self.layout_keys.config))
 
     @property
     def cached_config(self) -> NamespaceConfig | None:
@@ -76,7 +76,7 @@ class StoreCore:
         """The namespace's config: cached after the first read (``refresh``: read again).
         Raises NamespaceError when the namespace does not exist."""
         if self._config is None or refresh:
-            raw = self.r.get(self.keys.config)
+            raw = self.r.get(self.layout_keys.config)
             if raw is None:
                 raise NamespaceError(f"namespace {self.namespace!r} does not exist")
             self._config = NamespaceConfig.from_bytes(raw, self.namespace)
@@ -89,7 +89,7 @@ class StoreCore:
         or retention), so a long-lived worker never writes with a stale one."""
         with self.r.pipeline(transaction=False) as pipe:
             pipe.exists(dropped_key(self.namespace))
-            pipe.get(self.keys.config)
+            pipe.get(self.layout_keys.config)
             dropped, raw = pipe.execute()
         if dropped:
             raise NamespaceDropped(

@@ -99,7 +99,7 @@ def test_a_noisy_source_is_cleaned_quarantined_and_normalised_alike(
         "augment": {"obs": [{"running_normalize": {"scope": "namespace"}}]},
         "prefetch": {"depth": 4},
     }
-    stats = namespace_stats(target.r, target.keys.base).get("obs")
+    stats = namespace_stats(target.r, target.layout_keys.base).get("obs")
     assert stats.count == N - bad  # only steps that passed every rule
     client = BatchClient(namespace, redis_url)
     try:

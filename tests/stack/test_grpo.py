@@ -99,7 +99,7 @@ def test_passes_1_delivers_each_group_once_then_waits(store):
     store.commit(turns_batch(more))
     got = check_whole_groups(sample(store, r, rng=np.random.default_rng(11)), ended)
     assert sorted(got) == [1008.0, 1009.0]
-    key = claims_key(store.keys.base, "grpo")
+    key = claims_key(store.layout_keys.base, "grpo")
     store.r.hset(key, mapping={f"s|{k}.0|0": 0 for k in range(5000, 7100)})  # gone groups
     with pytest.raises(InsufficientData):
         sample(store, r, rng=np.random.default_rng(12))  # no claim made: nothing pruned yet
@@ -111,7 +111,7 @@ def test_passes_1_delivers_each_group_once_then_waits(store):
 
 
 def test_a_claim_is_all_or_nothing(store):
-    key = claims_key(store.keys.base, "r")
+    key = claims_key(store.layout_keys.base, "r")
     claim = Lua("claim", "orchestrator")
     assert claim(store.r, [key], [0, "t1", "a", "b"]) == 1
     assert claim(store.r, [key], [0, "t2", "c", "b"]) == 0  # b is taken: c is not either
@@ -119,14 +119,14 @@ def test_a_claim_is_all_or_nothing(store):
     assert claim(store.r, [key], [2, "t4", "e"]) == 0  # not the current pass nor the next
     # a dropped batch gives back exactly its own claims, once
     t3 = Claim(0, "t3", ("c", "d"))
-    assert release(store.r, store.keys.base, "r", [t3, Claim(0, "t1", ("c",))]) == 2
-    assert release(store.r, store.keys.base, "r", [t3]) == 0
+    assert release(store.r, store.layout_keys.base, "r", [t3, Claim(0, "t1", ("c",))]) == 2
+    assert release(store.r, store.layout_keys.base, "r", [t3]) == 0
     assert claim(store.r, [key], [0, "t5", "c"]) == 1  # drawn again in the pass
-    assert release(store.r, store.keys.base, "r", [t3]) == 0  # t5's claim of c stays
+    assert release(store.r, store.layout_keys.base, "r", [t3]) == 0  # t5's claim of c stays
     assert claim(store.r, [key], [1, "t6", "a", "b"]) == 1  # the next pass clears the last's
     assert claim(store.r, [key], [0, "t7", "e"]) == 0  # the old pass is over
     assert store.r.hgetall(key) == {b"~pass": b"1", b"a": b"1:t6", b"b": b"1:t6"}
-    assert release(store.r, store.keys.base, "r", [Claim(0, "t1", ("a", "b"))]) == 0
+    assert release(store.r, store.layout_keys.base, "r", [Claim(0, "t1", ("a", "b"))]) == 0
 
 
 def test_partial_groups_after_max_wait(store):
@@ -279,7 +279,7 @@ def test_once_groups_survive_a_recipe_change(redis_url, workers, namespace, read
         client.register(spec)
         pop(client)
         deadline = time.monotonic() + 60
-        key = claims_key(st.keys.base, "grpo")
+        key = claims_key(st.layout_keys.base, "grpo")
         # 2 served; the batches queued (depth 3: a refill waits for the low water) and
         # read ahead by this client hold at least 4 claimed groups more
         while st.r.llen(queue) + client.held("grpo") < 2:

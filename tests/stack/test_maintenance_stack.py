@@ -55,7 +55,11 @@ def test_beat_runs_eviction_and_recomputation(redis_url, namespace, start_worker
     )
     try:
         _wait(lambda: store.evictions()["ttl"] == 30, "beat did not run eviction", log)
-        _wait(lambda: store.r.hexists(store.keys.base + "prio", "last"), "no recomputation", log)
+        _wait(
+            lambda: store.r.hexists(store.layout_keys.base + "prio", "last"),
+            "no recomputation",
+            log,
+        )
         assert store.count() == 20
         _wait(lambda: (read_quality(store) or {}).get("steps") == 20, "no quality pass", log)
         assert read_quality(store)["fields"]["reward"]["count"] == 20

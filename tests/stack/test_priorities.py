@@ -76,7 +76,7 @@ def test_a_custom_scorer_changes_the_sampling_distribution(store, start_worker, 
     start_worker("maintenance", CLAW_SCORERS="tests.support.scorers:by_obs", PYTHONPATH=str(ROOT))
     sender(redis_url).send_task("claw.maintenance.priorities", queue="maintenance")
     deadline = time.monotonic() + 60
-    while not store.r.hexists(store.keys.base + "prio", "last"):
+    while not store.r.hexists(store.layout_keys.base + "prio", "last"):
         assert time.monotonic() < deadline, "the pass did not finish"
         time.sleep(0.1)
     recipe = Recipe.model_validate(

@@ -140,7 +140,7 @@ def test_the_index_answers_as_the_whole_log_does(redis_url, namespace):
 
     store = Store(redis_url, namespace)
     rng = np.random.default_rng(4)
-    index = LineageIndex(store.r, f"{store.keys.base}lineage", segment=300, min_segment=150)
+    index = LineageIndex(store.r, f"{store.layout_keys.base}lineage", segment=300, min_segment=150)
     log = LineageLog(store, maxlen=1500, index=index)
 
     def append(k0: int, k1: int) -> None:
