@@ -206,7 +206,7 @@ def main() -> None:
     for name, spec in sources(target).items():
         clean_source(target, name, spec, budget_s=60)
     # Distances in standard deviations: x and its velocity would drown the pole's angle.
-    stats = namespace_stats(target.r, target.keys.base).get("obs")
+    stats = namespace_stats(target.r, target.owned_key("")).get("obs")
     weights = (1 / np.sqrt(stats.var + 1e-8)).tolist()
     define_index(target, {"field": "obs", "kind": "exact", "weights": weights}, replace=True)
     update_indexes(target, budget_s=60)

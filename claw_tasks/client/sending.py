@@ -18,9 +18,8 @@ from claw_tasks.format.columns import Placed
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.message import TASK, IngestArgs, IngestOutcome
 from claw_tasks.format.schema import Schema
-from claw_tasks.store import Store
+from claw_tasks.store import Store, row_episode_codes
 from claw_tasks.store.batches import done_key, staging_key
-from claw_tasks.store.layout import row_episode_codes
 
 INLINE_BYTES = 16 * 1024
 """Above this, the metadata of a batch written in place goes by claim check too (one SET

@@ -26,9 +26,8 @@ from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.message import IngestArgs, IngestOutcome, Rejected, parse_args
 from claw_tasks.format.schema import Schema, SchemaError
 from claw_tasks.settings import IngestLimits
-from claw_tasks.store import NamespaceDropped, NamespaceError, Store
+from claw_tasks.store import NamespaceDropped, NamespaceError, Store, row_episode_codes
 from claw_tasks.store.batches import done_key, namespace_exists, placed_marker, staging_key
-from claw_tasks.store.layout import row_episode_codes
 from claw_tasks.worker.deadletter import Letter, Target, finish
 
 log = logging.getLogger(__name__)
