@@ -695,9 +695,9 @@ def o_args(c: Case) -> None:
         c.args[4] = c.rng.choice(
             [
                 *c.m.other_keys,
-                c.m.layout_keys.config,
-                c.m.layout_keys.stage("c0"),
-                c.m.layout_keys.dead,
+                c.m.keys.config,
+                c.m.keys.stage("c0"),
+                c.m.keys.dead,
                 "ingest",
                 "unacked",
                 7,
