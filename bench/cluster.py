@@ -42,6 +42,7 @@ from claw_tasks.connection.client import is_cluster
 from claw_tasks.connection.cluster import LocalCluster
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
+from claw_tasks.store.batches import shard_home_key
 from orchestrator import sample
 from orchestrator.sampling.index import SamplingIndex
 from tests.support.processes import Worker
@@ -102,7 +103,7 @@ def measure(url: str, broker: str, args: argparse.Namespace, tmp: Path) -> dict[
     if is_cluster(store.r):
         held: dict[str, int] = {}
         for s in range(args.shards):
-            node = store.r.get_node_from_key(store.keys.shard_key(s, "seq")).name
+            node = store.r.get_node_from_key(shard_home_key(store.namespace, s)).name
             held[node] = held.get(node, 0) + 1
         out["shards per master"] = "/".join(str(v) for v in sorted(held.values(), reverse=True))
     else:

@@ -300,7 +300,7 @@ def main() -> None:
                 (cpu_seconds(gw.proc.pid) - cpu0[1]) / (4 * args.calls) * 1e3,
             )
             gate = gate_cost(server.url, ns, args.calls)
-            budget = store.r.hgetall(f"claw:{{{ns}}}:admission")
+            budget = store.r.hgetall(store.owned_key("admission"))
         finally:
             for p in (off, gw):
                 p.stop()

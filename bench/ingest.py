@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.resp import setrange_many
 from claw_tasks.connection.server import RedisServer
+from claw_tasks.store.keyscan import scan_keys
 from tests.support.processes import Worker
 
 
@@ -73,11 +74,10 @@ def families(r: redis.Redis, ns: str, n: int) -> str:
     """Bytes per step of a namespace by key family (``MEMORY USAGE ... SAMPLES 0`` of each
     key; ``m:id:0`` and ``m:id:1`` are one family, ``m:id``)."""
     per: dict[str, int] = {}
-    for key in r.scan_iter(match=f"claw:{{{ns}*", count=1000):
-        name = key.decode().split("}:", 1)[1]
-        head, _, tail = name.rpartition(":")
-        family = head if tail.isdigit() else name
-        per[family] = per.get(family, 0) + int(r.memory_usage(key, samples=0) or 0)
+    for key in scan_keys(r, ns):
+        head, _, tail = key.name.rpartition(":")
+        family = head if tail.isdigit() else key.name
+        per[family] = per.get(family, 0) + int(r.memory_usage(key.key, samples=0) or 0)
     top = sorted(per.items(), key=lambda kv: -kv[1])
     return ", ".join(f"{k} {v / n:.2f}" for k, v in top if v / n >= 0.01)
 

@@ -96,12 +96,7 @@ def train(url: str, start: Any, duration: float) -> dict[str, Any]:
 def check_ring(store: Store, produced: int) -> list[str]:
     """Exactness of the ring after the run: what is wrong (empty when all is right)."""
     errors = []
-    inserted = sum(
-        int(v or 0)
-        for v in store.r.mget(
-            [store.keys.shard_key(s, "seq") for s in range(store.config().n_shards)]
-        )
-    )
+    inserted = sum(store.seqs())
     if inserted != produced:
         errors.append(f"{inserted} steps inserted, {produced} produced")
     cols = store.meta_columns(0, ["episode", "step_index"])

@@ -31,6 +31,7 @@ from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch, StrColumn
 from claw_tasks.format.schema import FieldSpec, Schema, tag_column
 from claw_tasks.store import Store, snapshots
+from claw_tasks.store.batches import snapshot_keys
 from claw_tasks.store.keyscan import namespace_keys
 from claw_tasks.store.usage import key_bytes
 
@@ -102,8 +103,8 @@ def main() -> None:
                 cpus[n].append(cpu() - c)
                 if (k, n) != (0, settings[0]):
                     store.drop_snapshot(f"s{k}-{n}")
-        snap_keys = [store.keys.snapshots.encode()] + [
-            store.keys.snapshot(s, f"s0-{settings[0]}").encode() for s in range(args.shards)
+        snap_keys = [
+            k.encode() for k in snapshot_keys(store.namespace, f"s0-{settings[0]}", args.shards)
         ]
         snap = sum(key_bytes(r, snap_keys))
         for n, runs in times.items():

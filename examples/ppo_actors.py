@@ -46,8 +46,7 @@ from claw_tasks.connection.client import redis_client
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.format.schema import Schema
 from claw_tasks.settings import get_settings
-from claw_tasks.store import Store
-from claw_tasks.store.layout import Keys
+from claw_tasks.store import Store, owned_key
 from orchestrator import BatchClient
 from orchestrator.cli.demo import weights
 
@@ -90,12 +89,12 @@ class ActorCritic(nn.Module):
 
 
 def returns_key(namespace: str) -> str:
-    return f"{Keys(namespace).base}ppo:returns"
+    return owned_key(namespace, "ppo:returns")
 
 
 def sent_key(namespace: str) -> str:
     """Hash: actor -> when it sent its last segment (unix time, this host's clock)."""
-    return f"{Keys(namespace).base}ppo:sent"
+    return owned_key(namespace, "ppo:sent")
 
 
 # ---- actors ------------------------------------------------------------------------------

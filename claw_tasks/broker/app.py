@@ -13,6 +13,7 @@ from claw_tasks.broker import rabbitmq as amqp
 from claw_tasks.broker.schedule import beat_schedule
 from claw_tasks.broker.tls import broker_options
 from claw_tasks.settings import Settings, get_settings
+from claw_tasks.store.batches import SCHEDULE_PREFIX
 
 QUEUES = ("ingest", "prefetch", "maintenance")
 # What a worker imports at start, so that every task it may be sent is registered. The
@@ -64,7 +65,7 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
         worker_send_task_events=True,
         task_send_sent_event=True,
         redbeat_redis_url=settings.beat_url,  # never a cluster (settings/environment.py)
-        redbeat_key_prefix="claw:redbeat:",
+        redbeat_key_prefix=SCHEDULE_PREFIX,
         beat_scheduler="redbeat.RedBeatScheduler",
         beat_schedule=beat_schedule(settings.schedule),  # claw_tasks/broker/schedule.py
         timezone="UTC",

@@ -18,8 +18,8 @@ from claw_tasks.format.columns import Placed
 from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.message import TASK, IngestArgs, IngestOutcome
 from claw_tasks.format.schema import Schema
-from claw_tasks.store import Store
-from claw_tasks.store.layout import row_episode_codes
+from claw_tasks.store import Store, row_episode_codes
+from claw_tasks.store.batches import done_key, staging_key
 
 INLINE_BYTES = 16 * 1024
 """Above this, the metadata of a batch written in place goes by claim check too (one SET
@@ -156,7 +156,7 @@ class Sender:
         ``claim_check_bytes``) goes by claim check."""
         payload = batch.encode()
         if len(payload) > min(self.claim_check_bytes, inline_bytes or self.claim_check_bytes):
-            key = self.store.keys.stage(batch.batch_id)
+            key = staging_key(self.namespace, batch.batch_id)
             self.store.r.set(key, payload, ex=self._ttl)
             args = IngestArgs(self.namespace, batch.batch_id, None, key).to_args()
         else:
@@ -181,7 +181,7 @@ class Sender:
             pending = list(self._inflight)
         if not pending:
             return 0
-        replies = self.store.r.mget([self.store.keys.done(b) for b in pending])
+        replies = self.store.r.mget([done_key(self.namespace, b) for b in pending])
         now = time.monotonic()
         for batch_id, raw in zip(pending, replies, strict=True):
             with self._lock:

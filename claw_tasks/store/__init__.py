@@ -7,7 +7,7 @@ uses only the core's API and the few parts it names in its constructor.
 module                ``Store`` methods
 ====================  ======================================================================
 ``core``              ``config``, ``revalidate``, ``owned_key``, ``queue_config``,
-                      ``mark_dropped``; attributes ``r``, ``keys``, ``namespace``,
+                      ``mark_dropped``; attributes ``r``, ``layout_keys``, ``namespace``,
                       ``scripts``, ``dicts``
 ``admin``             ``exists``, ``create``, ``ensure_schema``, ``schema``,
                       ``set_retention``, ``set_episode_index``, ``set_priority_rules``,
@@ -40,6 +40,10 @@ parses key names, ``check`` is ``claw doctor``'s check (above this package: it u
 decoders, so that a caller's reads of every kind stay one round trip. ``labels`` is the
 snapshots' data (a namespace's mutable state, its diff) and ``snapshot_format`` a
 snapshot's stored form (name, header, packed columns), no Redis.
+``batches`` names what a batch leaves outside the step data (its claim-check staging key,
+its done record, a placed batch's marker, dead letters) and the names outside every
+namespace, for the sender, the ingest worker and the beat. ``row_episode_codes`` is the
+shard of each row (a row's episode decides it), for a sender splitting a batch by shard.
 Only this package builds keys or reads the layout: the code above it asks for arrays and
 names its own keys with ``owned_key``. The store's modules import only downward:
 ``layout``, ``scripts``, ``config``, ``dicts``, ``core``, the parts, then this package.
@@ -60,7 +64,7 @@ from claw_tasks.store.core import StoreCore, owned_key
 from claw_tasks.store.count import Counting
 from claw_tasks.store.dicts import Dictionaries
 from claw_tasks.store.evict import Eviction
-from claw_tasks.store.layout import column_dtype, meta_chunk_of, meta_spans
+from claw_tasks.store.layout import column_dtype, meta_chunk_of, meta_spans, row_episode_codes
 from claw_tasks.store.reader import Reader, decode_meta
 from claw_tasks.store.shards import Shards
 from claw_tasks.store.snapshot_archive import SnapshotArchive
@@ -168,4 +172,5 @@ __all__ = [
     "meta_chunk_of",
     "meta_spans",
     "owned_key",
+    "row_episode_codes",
 ]

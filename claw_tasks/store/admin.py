@@ -28,7 +28,7 @@ class Admin:
         self.core = core
 
     def exists(self) -> bool:
-        return bool(self.core.r.exists(self.core.keys.config))
+        return bool(self.core.r.exists(self.core.layout_keys.config))
 
     def create(
         self,
@@ -44,7 +44,7 @@ class Admin:
         core = self.core
         cfg = NamespaceConfig(capacity, n_shards, schema, time.time(), retention)
         core.r.delete(dropped_key(core.namespace))  # created again on purpose
-        if not core.r.set(core.keys.config, cfg.to_bytes(), nx=True):
+        if not core.r.set(core.layout_keys.config, cfg.to_bytes(), nx=True):
             cfg = core.config(refresh=True)
             if (cfg.capacity, cfg.n_shards) != (capacity, n_shards):
                 raise NamespaceError(
@@ -69,8 +69,8 @@ class Admin:
         with core.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(core.keys.config)
-                    raw = pipe.get(core.keys.config)
+                    pipe.watch(core.layout_keys.config)
+                    raw = pipe.get(core.layout_keys.config)
                     if raw is None:
                         raise NamespaceError(f"namespace {core.namespace!r} does not exist")
                     cfg = NamespaceConfig.from_bytes(raw, core.namespace)
@@ -78,7 +78,7 @@ class Admin:
                     if cfg.schema is None or new.tags != cfg.schema.tags:
                         cfg = replace(cfg, schema=new)
                         pipe.multi()
-                        pipe.set(core.keys.config, cfg.to_bytes())
+                        pipe.set(core.layout_keys.config, cfg.to_bytes())
                         pipe.execute()
                     else:
                         pipe.unwatch()
@@ -116,13 +116,13 @@ class Admin:
         with core.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(core.keys.config)
-                    raw = pipe.get(core.keys.config)
+                    pipe.watch(core.layout_keys.config)
+                    raw = pipe.get(core.layout_keys.config)
                     if raw is None:
                         raise NamespaceError(f"namespace {core.namespace!r} does not exist")
                     cfg = replace(NamespaceConfig.from_bytes(raw, core.namespace), **changes)
                     pipe.multi()
-                    pipe.set(core.keys.config, cfg.to_bytes())
+                    pipe.set(core.layout_keys.config, cfg.to_bytes())
                     pipe.execute()
                     core.remember(cfg)
                     return cfg

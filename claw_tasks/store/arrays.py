@@ -42,7 +42,7 @@ class SlotArrays:
         self.sized: set[str] = set()
 
     def _key(self, shard: int, kind: str, chunk: int) -> str:
-        return self.store.keys.shard_key(shard, f"{ARRAYS_PREFIX}{self.name}:{kind}:{chunk}")
+        return self.store.layout_keys.shard_key(shard, f"{ARRAYS_PREFIX}{self.name}:{kind}:{chunk}")
 
     def _chunks(self, kind: str) -> range:
         return range(-(-self.cap // self.slots[kind]))

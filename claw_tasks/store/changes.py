@@ -117,8 +117,8 @@ def positions(core: StoreCore, n_shards: int) -> tuple[list[str], list[int], byt
     (None: none)."""
     with core.r.pipeline(transaction=False) as pipe:
         for shard in range(n_shards):
-            pipe.xinfo_stream(core.keys.shard_key(shard, "log"))
-        pipe.get(core.keys.config)
+            pipe.xinfo_stream(core.layout_keys.shard_key(shard, "log"))
+        pipe.get(core.layout_keys.config)
         *infos, raw = pipe.execute(raise_on_error=False)
     tails = [i if isinstance(i, dict) else {} for i in infos]  # an error: no log yet
     last = [t.get("last-generated-id", b"0-0").decode() for t in tails]
@@ -132,7 +132,7 @@ def queue_newest(batch: Commands, core: StoreCore, shard: int, last: str, page: 
     they are known to be all of them up to the page (``last`` is still in the log: logs
     are only trimmed from the head, never deleted from, so no entry after it is gone);
     None when ``last`` is gone (the reader's sync decides)."""
-    key = core.keys.shard_key(shard, "log")
+    key = core.layout_keys.shard_key(shard, "log")
     return batch.add(["XRANGE", key, last, "+", "COUNT", page + 1], lambda r: _newest(r, last))
 
 
@@ -175,7 +175,7 @@ class SyncReads:
     ) -> Reply:
         """Up to ``page`` entries of each shard's log after ``last``/``seen`` (per shard),
         and the slots they name, ``columns`` of them: its reply a :class:`Sync`."""
-        keys = self.core.keys
+        keys = self.core.layout_keys
         names = tuple((c, d.itemsize) for c, d in columns.items())
         if self._tail is None or self._tail[0] != names:
             self._tail = (names, pack_args(self._tail_args(columns)))
@@ -220,7 +220,7 @@ class SyncReads:
 
 def queue_config(batch: Commands, core: StoreCore) -> Reply:
     """The namespace's config record as stored (None: none)."""
-    return batch.add(["GET", core.keys.config])
+    return batch.add(["GET", core.layout_keys.config])
 
 
 def _xrange(key: str, last: str, page: int) -> list[Any]:

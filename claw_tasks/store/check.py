@@ -352,7 +352,7 @@ def _check_explicit_next(
     flagged = slots[(cols["flags"][slots] & EXPLICIT_NEXT) != 0].tolist()
     with store.r.pipeline(transaction=False) as pipe:
         for slot in flagged:
-            pipe.hexists(store.keys.sparse(shard, "nx", slot // SPARSE_CHUNK_SLOTS), slot)
+            pipe.hexists(store.layout_keys.sparse(shard, "nx", slot // SPARSE_CHUNK_SLOTS), slot)
         found = pipe.execute()
     for slot, ok in zip(flagged, found, strict=True):
         if not ok:
@@ -360,7 +360,7 @@ def _check_explicit_next(
 
 
 def _check_episode_names(store: Store, shard: int, codes: np.ndarray, rep: Report) -> None:
-    names = store.r.hkeys(store.keys.shard_key(shard, "epname"))
+    names = store.r.hkeys(store.layout_keys.shard_key(shard, "epname"))
     missing = np.setdiff1d(codes, np.array([int(c) for c in names], np.int64)).tolist()
     if missing:
         rep.add("dicts", f"shard {shard} epname", f"no name for episode code(s) {_few(missing)}")
@@ -369,10 +369,10 @@ def _check_episode_names(store: Store, shard: int, codes: np.ndarray, rep: Repor
 # ---- dictionaries ---------------------------------------------------------------------
 def _check_dicts(store: Store, in_use: dict[str, set[int]], rep: Report) -> None:
     for col, codes in in_use.items():
-        forward = store.r.hgetall(store.keys.dict(col))
-        for text, marked in store.r.hgetall(store.keys.dpend(col)).items():  # being pruned
+        forward = store.r.hgetall(store.layout_keys.dict(col))
+        for text, marked in store.r.hgetall(store.layout_keys.dpend(col)).items():  # being pruned
             forward.setdefault(text, marked.split(b":")[0])
-        reverse = store.r.hgetall(store.keys.rdict(col))
+        reverse = store.r.hgetall(store.layout_keys.rdict(col))
         counter = int(reverse.pop(b"0", 0))
         for text, code in forward.items():
             if reverse.get(code) != text:

@@ -123,7 +123,7 @@ class CommitPart:
     def run(self, seq0: int, state: str, dead: list[int], result: CommitResult) -> None:
         """Commit into the slots from ``seq0`` (``state``: what the allocation found, as
         ``Writer.allocate`` returns it) and count the outcome in ``result``."""
-        k = self.s.keys
+        k = self.s.layout_keys
         n = len(self.rows)
         placed = any(isinstance(v, Placed) for v in self.b.fields.values())
         if state == "expired":

@@ -95,7 +95,9 @@ def decode_stored(store: StoreCore, name: str, spec: FieldSpec, frames: list[Any
         with store.r.pipeline(transaction=False) as pipe:
             for i in need:
                 slot = (i // cfg.n_shards - 1) % cfg.cap
-                key = store.keys.compressed(i % cfg.n_shards, name, slot // SPARSE_CHUNK_SLOTS)
+                key = store.layout_keys.compressed(
+                    i % cfg.n_shards, name, slot // SPARSE_CHUNK_SLOTS
+                )
                 pipe.hget(key, slot)
             keys = dict(zip(need, pipe.execute(), strict=True))
     shape = tuple(int(d) for d in spec.shape)  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ def owned_key(namespace: str, name: str) -> str:
 class StoreCore:
     """A namespace's client, keys, scripts and dictionaries, and its config, cached.
 
-    ``r``: the Redis client (a URL is connected); ``keys``: the namespace's key names;
+    ``r``: the Redis client (a URL is connected); ``layout_keys``: the namespace's key names;
     ``scripts``: the store's Lua scripts bound to ``r``; ``dicts``: its string
     dictionaries. ``config()`` reads the config record once and then answers from the
     cache; a part that writes the record hands the new one to :meth:`remember`.
@@ -44,10 +44,10 @@ class StoreCore:
 
     def __init__(self, client: redis.Redis | str, namespace: str) -> None:
         self.r = redis_client(client) if isinstance(client, str) else client
-        self.keys = Keys(namespace)
+        self.layout_keys = Keys(namespace)
         self.namespace = namespace
         self.scripts = Scripts(self.r)
-        self.dicts = Dictionaries(self.r, self.keys, self.scripts)
+        self.dicts = Dictionaries(self.r, self.layout_keys, self.scripts)
         self._config: NamespaceConfig | None = None
         self._config_raw: bytes | None = None  # the record ``_config`` is, as stored
 
@@ -58,13 +58,13 @@ class StoreCore:
         orchestrator names its keys without knowing the store's. ValueError for a name
         of the store's own (``config``, ``dict:...``) or an empty one: a family of keys
         is named by a prefix of ``name`` (``owned_key(f"q:{recipe}")``)."""
-        return self.keys.base + check_owned_name(name)
+        return self.layout_keys.base + check_owned_name(name)
 
     def queue_config(self, pipe: Any) -> None:
         """Queue a read of the config record on ``pipe``, for a reader's own round trip:
         its reply is the record as stored (``NamespaceConfig.from_bytes`` reads it; None:
         the namespace does not exist)."""
-        pipe.get(self.keys.config)
+        pipe.get(self.layout_keys.config)
 
     def mark_dropped(self) -> int:
         """Leave the dropped tombstone (for ``DROPPED_TTL``, read by :meth:`revalidate`)
@@ -73,7 +73,7 @@ class StoreCore:
         one, before its other keys."""
         with self.r.pipeline(transaction=False) as pipe:
             pipe.set(dropped_key(self.namespace), repr(time.time()), ex=DROPPED_TTL)
-            pipe.unlink(self.keys.config)
+            pipe.unlink(self.layout_keys.config)
             return int(pipe.execute()[1])
 
     @property
@@ -93,7 +93,7 @@ class StoreCore:
             self._config = NamespaceConfig.from_bytes(raw, self.namespace)
             self._config_raw = raw
         elif self._config is None or refresh:
-            raw = self.r.get(self.keys.config)
+            raw = self.r.get(self.layout_keys.config)
             if raw is None:
                 raise NamespaceError(f"namespace {self.namespace!r} does not exist")
             self._config = NamespaceConfig.from_bytes(raw, self.namespace)
@@ -106,7 +106,7 @@ class StoreCore:
         or retention), so a long-lived worker never writes with a stale one."""
         with self.r.pipeline(transaction=False) as pipe:
             pipe.exists(dropped_key(self.namespace))
-            pipe.get(self.keys.config)
+            pipe.get(self.layout_keys.config)
             dropped, raw = pipe.execute()
         if dropped:
             raise NamespaceDropped(

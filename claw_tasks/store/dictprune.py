@@ -30,7 +30,7 @@ def prune_column(store: StoreCore, col: str, used: Collection[int], now: float) 
     """One pruning step of string column ``col``, whose codes in ``used`` live steps
     hold: revive marked entries in use, mark unused ones, sweep those marked ``GRACE_S``
     ago (announced as a ``forget`` event). Returns the entries swept."""
-    k = store.keys
+    k = store.layout_keys
     keys = [k.dict(col), k.rdict(col), k.dpend(col)]
     sweep, revive, marked = [], [], set()
     for s, v in store.r.hscan_iter(keys[2], count=BATCH):
@@ -66,7 +66,7 @@ def _announce(store: StoreCore, col: str, codes: list[int]) -> None:
     with store.r.pipeline(transaction=False) as pipe:
         for shard in range(store.config().n_shards):
             pipe.xadd(
-                store.keys.shard_key(shard, "log"),
+                store.layout_keys.shard_key(shard, "log"),
                 {"op": "forget", "col": col, "codes": packed},
                 maxlen=LOG_MAXLEN,
                 approximate=True,

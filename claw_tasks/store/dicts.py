@@ -18,13 +18,17 @@ class Dictionaries:
     adds strings; lookups are plain hash reads."""
 
     def __init__(self, client: redis.Redis, keys: Keys, scripts: Scripts) -> None:
-        self.r, self.keys, self.scripts = client, keys, scripts
+        self.r, self.layout_keys, self.scripts = client, keys, scripts
 
     def encode_strings(self, column: str, values: Sequence[str]) -> np.ndarray:
         """Codes of ``values`` in the column's dictionary, adding unknown strings."""
         if not values:
             return np.zeros(0, np.int32)
-        keys = [self.keys.dict(column), self.keys.rdict(column), self.keys.dpend(column)]
+        keys = [
+            self.layout_keys.dict(column),
+            self.layout_keys.rdict(column),
+            self.layout_keys.dpend(column),
+        ]
         codes = self.scripts.dict(keys=keys, args=list(values))
         return np.asarray(codes, np.int32)
 
@@ -34,8 +38,8 @@ class Dictionaries:
             return np.zeros(0, np.int32)
         strings = [str(v) for v in values]
         with self.r.pipeline(transaction=False) as pipe:
-            pipe.hmget(self.keys.dict(column), strings)
-            pipe.hmget(self.keys.dpend(column), strings)  # marked for pruning: still valid
+            pipe.hmget(self.layout_keys.dict(column), strings)
+            pipe.hmget(self.layout_keys.dpend(column), strings)  # marked for pruning: still valid
             found, marked = pipe.execute()
         codes = [f or (m and m.split(b":")[0]) for f, m in zip(found, marked, strict=True)]
         return np.array([-1 if c is None else int(c) for c in codes], np.int32)
@@ -43,6 +47,6 @@ class Dictionaries:
     def decode_codes(self, column: str, codes: Iterable[int]) -> list[str | None]:
         codes = [int(c) for c in codes]
         uniq = sorted({c for c in codes if c > 0})
-        found = self.r.hmget(self.keys.rdict(column), uniq) if uniq else []
+        found = self.r.hmget(self.layout_keys.rdict(column), uniq) if uniq else []
         names = dict(zip(uniq, found, strict=True))
         return [None if c <= 0 or names[c] is None else names[c].decode() for c in codes]

@@ -71,7 +71,7 @@ class Eviction:
         if not len(slots):
             return 0
         plan = _Plan(self.core, shard, cols, slots)
-        fixed = [self.core.keys.shard_key(shard, k) for k in _FIXED_KEYS]
+        fixed = [self.core.layout_keys.shard_key(shard, k) for k in _FIXED_KEYS]
         done = 0
         for start in range(0, len(slots), EVICT_CHUNK):
             keys, spec = plan.chunk(slots[start : start + EVICT_CHUNK], fixed)
@@ -138,7 +138,7 @@ class _Plan:
         if not len(gone):
             return []
         names = [str(int(code)) for code in gone]
-        key = self.store.keys.shard_key(self.shard, "eplast")
+        key = self.store.layout_keys.shard_key(self.shard, "eplast")
         with self.store.r.pipeline(transaction=False) as pipe:
             for start in range(0, len(names), NAMES_PER_READ):
                 pipe.hmget(key, names[start : start + NAMES_PER_READ])
@@ -156,7 +156,7 @@ class _Plan:
                 index[name] = len(keys)
             return index[name]
 
-        k, c, shard, mc = self.store.keys, self.cols, self.shard, META_CHUNK_SLOTS
+        k, c, shard, mc = self.store.layout_keys, self.cols, self.shard, META_CHUNK_SLOTS
         victims = []
         for slot in slots.tolist():
             sc = slot // SPARSE_CHUNK_SLOTS
@@ -180,7 +180,7 @@ class _Plan:
         p = -1 if self.pred is None else int(self.pred[slot])
         if p < 0 or self.obs is None:
             return []
-        k, c, shard, mc = self.store.keys, self.cols, self.shard, META_CHUNK_SLOTS
+        k, c, shard, mc = self.store.layout_keys, self.cols, self.shard, META_CHUNK_SLOTS
         pid = int(c["id"][p])
         obs = self.obs
         if obs.codec is not None:  # the frame as stored (a delta's key outlives it)

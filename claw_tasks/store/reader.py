@@ -43,7 +43,7 @@ class Reader:
 
     def __init__(self, core: StoreCore) -> None:
         self.core = core
-        self.r, self.keys = core.r, core.keys  # the core's, for brevity
+        self.r, self.layout_keys = core.r, core.layout_keys  # the core's, for brevity
 
     def locate(self, ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(shard, slot) of each id, whether or not the slot still holds it."""
@@ -65,13 +65,13 @@ class Reader:
             for col in cols:
                 if col in RUN_COLUMNS:
                     for b in blocks.tolist():
-                        pipe.get(self.keys.runs(b // per_shard, col, b % per_shard))
+                        pipe.get(self.layout_keys.runs(b // per_shard, col, b % per_shard))
                     continue
                 size = self._dtype(col).itemsize
                 for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
                     off = (sl % META_CHUNK_SLOTS) * size
                     pipe.getrange(
-                        self.keys.meta(sh, col, sl // META_CHUNK_SLOTS), off, off + size - 1
+                        self.layout_keys.meta(sh, col, sl // META_CHUNK_SLOTS), off, off + size - 1
                     )
             replies = pipe.execute()
         out, k, i = {}, len(slots), 0
@@ -104,9 +104,11 @@ class Reader:
             for col in cols:
                 for c in blocks if col in RUN_COLUMNS else range(n_chunks):
                     pipe.get(
-                        (self.keys.runs if col in RUN_COLUMNS else self.keys.meta)(shard, col, c)
+                        (self.layout_keys.runs if col in RUN_COLUMNS else self.layout_keys.meta)(
+                            shard, col, c
+                        )
                     )
-            pipe.get(self.keys.shard_key(shard, "alive"))
+            pipe.get(self.layout_keys.shard_key(shard, "alive"))
             replies = pipe.execute()
         out: dict[str, np.ndarray] = {}
         i = 0
@@ -193,17 +195,17 @@ class Reader:
         cs = payload_chunk_slots(size)
         for j, (sh, sl) in enumerate(zip(shards.tolist(), at.tolist(), strict=True)):
             if sl == -2:  # no next_obs known: an empty reply reads as zeros
-                pipe.getrange(self.keys.field(sh, name, 0), 1, 0)
+                pipe.getrange(self.layout_keys.field(sh, name, 0), 1, 0)
             elif sl == -1:  # explicit next_obs, stored with the step itself
                 slot = int(own[j])  # type: ignore[index]
-                pipe.hget(self.keys.sparse(sh, "nx", slot // SPARSE_CHUNK_SLOTS), slot)
+                pipe.hget(self.layout_keys.sparse(sh, "nx", slot // SPARSE_CHUNK_SLOTS), slot)
             elif spec.codec is not None:
-                pipe.hget(self.keys.compressed(sh, name, sl // SPARSE_CHUNK_SLOTS), sl)
+                pipe.hget(self.layout_keys.compressed(sh, name, sl // SPARSE_CHUNK_SLOTS), sl)
             elif spec.ragged:
-                pipe.hget(self.keys.ragged(sh, name, sl // SPARSE_CHUNK_SLOTS), sl)
+                pipe.hget(self.layout_keys.ragged(sh, name, sl // SPARSE_CHUNK_SLOTS), sl)
             else:
                 off = (sl % cs) * size
-                pipe.getrange(self.keys.field(sh, name, sl // cs), off, off + size - 1)
+                pipe.getrange(self.layout_keys.field(sh, name, sl // cs), off, off + size - 1)
 
     def read_frames(
         self, shards: np.ndarray, slots: np.ndarray, name: str, explicit: bool = False
@@ -214,8 +216,8 @@ class Reader:
         with self.r.pipeline(transaction=False) as pipe:
             for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
                 chunk = sl // SPARSE_CHUNK_SLOTS
-                key = self.keys.sparse(sh, "nx", chunk) if explicit else None
-                pipe.hget(key or self.keys.compressed(sh, name, chunk), sl)
+                key = self.layout_keys.sparse(sh, "nx", chunk) if explicit else None
+                pipe.hget(key or self.layout_keys.compressed(sh, name, chunk), sl)
             return pipe.execute()
 
     def read_info(self, shards: np.ndarray, slots: np.ndarray) -> list[bytes | None]:
@@ -223,7 +225,7 @@ class Reader:
         ``claw_tasks.format.arrays.unpackb`` reads it; None: none), one round trip."""
         with self.r.pipeline(transaction=False) as pipe:
             for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
-                pipe.hget(self.keys.sparse(sh, "info", sl // SPARSE_CHUNK_SLOTS), sl)
+                pipe.hget(self.layout_keys.sparse(sh, "info", sl // SPARSE_CHUNK_SLOTS), sl)
             return pipe.execute()
 
     def get(self, ids: Sequence[int] | np.ndarray, fields: Sequence[str] | None = None) -> dict:
@@ -255,7 +257,7 @@ class Reader:
     def _alive_at(self, shards: np.ndarray, slots: np.ndarray) -> np.ndarray:
         with self.r.pipeline(transaction=False) as pipe:
             for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
-                pipe.getbit(self.keys.shard_key(sh, "alive"), sl)
+                pipe.getbit(self.layout_keys.shard_key(sh, "alive"), sl)
             return np.array(pipe.execute(), bool)
 
     def _next_slots(
@@ -312,7 +314,7 @@ class Reader:
             return None
         code = episode_code(str(episode_id))
         shard = code % cfg.n_shards
-        raw = self.r.hget(self.keys.shard_key(shard, "eptraj"), str(code))
+        raw = self.r.hget(self.layout_keys.shard_key(shard, "eptraj"), str(code))
         entries = np.frombuffer(raw or b"", EPISODE_INDEX_ENTRY)
         ids = np.unique(entries["id"])
         if len(ids):
@@ -327,8 +329,8 @@ class Reader:
         with self.r.pipeline(transaction=False) as pipe:
             for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):
                 off = (sl % META_CHUNK_SLOTS) * 8
-                pipe.getrange(self.keys.meta(sh, "id", sl // META_CHUNK_SLOTS), off, off + 7)
-                pipe.getbit(self.keys.shard_key(sh, "alive"), sl)
+                pipe.getrange(self.layout_keys.meta(sh, "id", sl // META_CHUNK_SLOTS), off, off + 7)
+                pipe.getbit(self.layout_keys.shard_key(sh, "alive"), sl)
             replies = pipe.execute()
         held = np.frombuffer(b"".join(r.ljust(8, b"\0") for r in replies[0::2]), "<i8")
         return (held == ids) & np.asarray(replies[1::2], bool)
@@ -350,10 +352,10 @@ class Reader:
         cfg = self.core.config(refresh=True)
         with self.r.pipeline(transaction=False) as pipe:
             for s in range(cfg.n_shards):
-                pipe.get(self.keys.shard_key(s, "seq"))
-                pipe.bitcount(self.keys.shard_key(s, "alive"))
-                pipe.hgetall(self.keys.shard_key(s, "evictions"))
-            pipe.xlen(self.keys.dead)
+                pipe.get(self.layout_keys.shard_key(s, "seq"))
+                pipe.bitcount(self.layout_keys.shard_key(s, "alive"))
+                pipe.hgetall(self.layout_keys.shard_key(s, "evictions"))
+            pipe.xlen(self.layout_keys.dead)
             replies = pipe.execute()
         seqs = [int(v or 0) for v in replies[0:-1:3]]
         evictions = dict.fromkeys(("ttl", "cap", "manual", "ring"), 0)

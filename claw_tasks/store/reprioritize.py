@@ -30,7 +30,7 @@ def _snapshots(store: StoreCore) -> list[tuple[int, int]]:
 def snapshot_priorities(store: StoreCore, also: Queue | None = None) -> None:
     """Snapshot every priority chunk for a new pass (and run what ``also`` queues in the
     same round trip)."""
-    k = store.keys
+    k = store.layout_keys
     with store.r.pipeline(transaction=False) as pipe:
         for shard, c in _snapshots(store):
             pipe.copy(k.meta(shard, "priority", c), k.shard_key(shard, f"psnap:{c}"), replace=True)
@@ -43,7 +43,7 @@ def drop_priority_snapshots(store: StoreCore, also: Queue | None = None) -> None
     """Delete a finished pass's snapshots (and run what ``also`` queues, same round trip)."""
     with store.r.pipeline(transaction=False) as pipe:
         for shard, c in _snapshots(store):  # one DEL per key: a cluster routes each
-            pipe.delete(store.keys.shard_key(shard, f"psnap:{c}"))
+            pipe.delete(store.layout_keys.shard_key(shard, f"psnap:{c}"))
         if also is not None:
             also(pipe)
         pipe.execute()
@@ -61,7 +61,7 @@ def write_priorities(
     """Write priorities ``new`` (float32, NaN: unset) at ascending ``slots`` of metadata
     chunk ``chunk`` of ``shard``, each only where the step is still ``ids``' and its
     priority still ``old`` and the pass's snapshot. Returns the priorities written."""
-    k = store.keys
+    k = store.layout_keys
     first, stop = meta_spans(store.config().cap)[chunk]
     keys = [
         k.shard_key(shard, "alive"),

@@ -69,14 +69,14 @@ def read_meta_run(
         for col in cols:
             if col in RUN_COLUMNS:
                 for block in blocks:
-                    pipe.get(store.keys.runs(shard, col, block))
+                    pipe.get(store.layout_keys.runs(shard, col, block))
                 continue
             size = column_dtype(col, schema).itemsize
             for chunk, inchunk, take in pieces:
-                key = store.keys.meta(shard, col, chunk)
+                key = store.layout_keys.meta(shard, col, chunk)
                 pipe.getrange(key, inchunk * size, (inchunk + take) * size - 1)
         b0, b1 = slot0 // 8, (slot0 + n - 1) // 8 if n else slot0 // 8
-        pipe.getrange(store.keys.shard_key(shard, "alive"), b0, b1)
+        pipe.getrange(store.layout_keys.shard_key(shard, "alive"), b0, b1)
         replies = pipe.execute()
     out: dict[str, np.ndarray] = {}
     i = 0
@@ -124,7 +124,7 @@ def _slot_ranges(
     assert schema is not None
     size = schema.fields[name].row_bytes
     return [
-        (store.keys.field(shard, name, chunk), inchunk * size, (inchunk + take) * size - 1)
+        (store.layout_keys.field(shard, name, chunk), inchunk * size, (inchunk + take) * size - 1)
         for chunk, inchunk, take in _pieces(slot0, n, payload_chunk_slots(size))
     ]
 
@@ -187,7 +187,7 @@ def read_payload_run(
     by_chunk: dict[int, list[int]] = {}
     for s in slots:
         by_chunk.setdefault(s // SPARSE_CHUNK_SLOTS, []).append(s)
-    k = store.keys
+    k = store.layout_keys
     with store.r.pipeline(transaction=False) as pipe:
         counts = []
         for name, spec in wanted.items():

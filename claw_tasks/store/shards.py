@@ -21,10 +21,10 @@ class Shards:
 
     def __init__(self, core: StoreCore) -> None:
         self.core = core
-        self.r, self.keys = core.r, core.keys
+        self.r, self.layout_keys = core.r, core.layout_keys
 
     def _each(self, name: str) -> list[str]:
-        return [self.keys.shard_key(s, name) for s in range(self.core.config().n_shards)]
+        return [self.layout_keys.shard_key(s, name) for s in range(self.core.config().n_shards)]
 
     def seqs(self) -> list[int]:
         """Each shard's sequence counter: the steps ever committed to it (one round trip,
@@ -42,7 +42,7 @@ class Shards:
     def seq(self, shard: int) -> int:
         """``shard``'s sequence counter alone, as it is now (a loop over the shards reads
         each when it comes to it)."""
-        return int(self.r.get(self.keys.shard_key(shard, "seq")) or 0)
+        return int(self.r.get(self.layout_keys.shard_key(shard, "seq")) or 0)
 
     def queue_watermarks(self, pipe: Any) -> int:
         """Queue a read of each shard's archive watermark on ``pipe`` (for a caller's own
@@ -60,7 +60,7 @@ class Shards:
     def set_watermark(self, shard: int, seq: int) -> None:
         """Move ``shard``'s archive watermark to ``seq``: only once the archive files
         holding its steps up to ``seq`` are durable (eviction trusts it)."""
-        self.r.set(self.keys.archived(shard), seq)
+        self.r.set(self.layout_keys.archived(shard), seq)
 
     def episode_names(self, shards: np.ndarray, codes: np.ndarray) -> list[str | None]:
         """The names of episode ``codes`` of steps of ``shards`` (None: unknown), one
@@ -72,7 +72,7 @@ class Shards:
         groups = [(s, np.flatnonzero(shards == s)) for s in np.unique(shards).tolist()]
         with self.r.pipeline(transaction=False) as pipe:
             for s, at in groups:
-                pipe.hmget(self.keys.shard_key(s, "epname"), codes[at].tolist())
+                pipe.hmget(self.layout_keys.shard_key(s, "epname"), codes[at].tolist())
             replies = pipe.execute()
         for (_, at), found in zip(groups, replies, strict=True):
             for i, v in zip(at.tolist(), found, strict=True):
@@ -93,7 +93,10 @@ class Shards:
                 on = shards == shard
                 parts.append(on)
                 args = [cap, msgpack.packb(slots[on].tolist()), msgpack.packb(seqs[on].tolist())]
-                keys = [self.keys.shard_key(shard, "alive"), self.keys.shard_key(shard, "seq")]
+                keys = [
+                    self.layout_keys.shard_key(shard, "alive"),
+                    self.layout_keys.shard_key(shard, "seq"),
+                ]
                 _HOLDING.queue(pipe, keys, args)
 
         replies = execute(self.r, [_HOLDING], queue)
@@ -105,6 +108,6 @@ class Shards:
     def dead_letters(self, limit: int) -> tuple[int, list[tuple[bytes, dict[bytes, bytes]]]]:
         """(how many dead letters there are, the newest ``limit`` entries, newest first:
         (stream id, fields))."""
-        total = self.r.xlen(self.keys.dead)
-        entries = self.r.xrevrange(self.keys.dead, count=limit) if limit > 0 else []
+        total = self.r.xlen(self.layout_keys.dead)
+        entries = self.r.xrevrange(self.layout_keys.dead, count=limit) if limit > 0 else []
         return total, entries

@@ -118,7 +118,7 @@ def queue_plain(batch: Commands, core: StoreCore, cap: int, read: Read) -> Reply
     shard, slot = read.rows // cap, read.rows % cap
     chunk = slot // read.chunk
     same_key = (np.diff(chunk) == 0) & (np.diff(shard) == 0)
-    prefix = core.keys.shard
+    prefix = core.layout_keys.shard
     if read.kind == "h":  # rows are sorted: each hash's rows are one stretch
         cut = np.flatnonzero(~same_key) + 1
         starts, stops = np.concatenate([[0], cut]).tolist(), [*cut.tolist(), len(read.rows)]
@@ -182,11 +182,11 @@ def queue_checked(
     reused or the step evicted), else per read its rows (a fixed read: their bytes; a
     hash read: a value or None each)."""
     oldest, slots = check
-    args: list[Any] = [core.keys.shard(shard), cap, oldest, _msgpacked(slots)]
+    args: list[Any] = [core.layout_keys.shard(shard), cap, oldest, _msgpacked(slots)]
     for r in reads:
         lo, hi = np.searchsorted(r.rows, [shard * cap, (shard + 1) * cap])
         args += [r.kind, r.base, r.size, r.chunk, _msgpacked(r.rows[lo:hi] % cap)]
-    keys = [core.keys.shard_key(shard, "alive"), core.keys.shard_key(shard, "seq")]
+    keys = [core.layout_keys.shard_key(shard, "alive"), core.layout_keys.shard_key(shard, "seq")]
     command = ["EVALSHA", FETCH.sha, len(keys), *keys, *args]
     return batch.add(command, lambda reply: None if reply[0] else reply[1:])
 
@@ -198,12 +198,12 @@ def name_lookups(
     HMGET) pairs, each command's reply a name (or None) per code. An episode's name lives
     with its shard (code modulo ``n_shards``), any other column's in its dictionary."""
     if column != "episode":
-        return [(list(codes), ["HMGET", core.keys.rdict(column), *codes])]
+        return [(list(codes), ["HMGET", core.layout_keys.rdict(column), *codes])]
     out = []
     for shard in range(n_shards):
         part = [c for c in codes if c % n_shards == shard]
         if part:
-            out.append((part, ["HMGET", core.keys.shard_key(shard, "epname"), *part]))
+            out.append((part, ["HMGET", core.layout_keys.shard_key(shard, "epname"), *part]))
     return out
 
 
@@ -228,7 +228,7 @@ def queue_spans(
     and the alive flags, by plain commands: one GETRANGE per column and chunk run (a run
     column: its blocks' run tables). Its reply: the :class:`Span` list (metadata and
     alive split at metadata chunks, each payload column at its own)."""
-    keys = core.keys
+    keys = core.layout_keys
     meta = {c: d for c, d in columns.items() if not c.startswith("f:")}
     parts: list[tuple[int, int, int, str, np.dtype]] = []  # shard, start, stop, column
     commands: list[list[Any]] = []
@@ -334,7 +334,7 @@ def payload_columns(
         for col, dtype in columns.items():
             per_chunk = payload_chunk_slots(dtype.itemsize)
             for chunk in range(-(-cap // per_chunk)):
-                pipe.get(core.keys.shard_key(shard, f"{col}:{chunk}"))
+                pipe.get(core.layout_keys.shard_key(shard, f"{col}:{chunk}"))
                 plan.append((col, dtype.itemsize, chunk * per_chunk))
         replies = pipe.execute()
     out = {col: np.zeros(cap, dtype) for col, dtype in columns.items()}

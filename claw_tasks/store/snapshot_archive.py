@@ -66,9 +66,9 @@ class SnapshotArchive:
         keeps): ``namespace``, ``name``, the header and each shard's hash, as stored."""
         core = self.core
         info = Snapshots(core).snapshot_info(name)
-        header = unpackb(core.r.hget(core.keys.snapshots, name))
+        header = unpackb(core.r.hget(core.layout_keys.snapshots, name))
         shards = [
-            {k.decode(): v for k, v in core.r.hgetall(core.keys.snapshot(s, name)).items()}
+            {k.decode(): v for k, v in core.r.hgetall(core.layout_keys.snapshot(s, name)).items()}
             for s in range(info.config.n_shards)
         ]
         doc = {"namespace": core.namespace, "name": name, "header": header, "shards": shards}
@@ -85,7 +85,7 @@ class SnapshotArchive:
         cfg = core.config(refresh=True)
         if (labels.n_shards, labels.cap) != (cfg.n_shards, cfg.cap):
             raise SnapshotError(f"snapshot {name!r}: laid over another layout of the namespace")
-        if core.r.hexists(core.keys.snapshots, name):
+        if core.r.hexists(core.layout_keys.snapshots, name):
             raise SnapshotError(f"snapshot {name!r} of {core.namespace!r} exists: delete it first")
         size, steps = 0, int(labels.alive.sum())
         for shard, seq in enumerate(labels.seqs):
@@ -101,7 +101,7 @@ class SnapshotArchive:
             packed = {"seq": str(seq).encode()}
             packed.update((c, pack_column(c, v, cols["alive"])[0]) for c, v in cols.items())
             size += sum(len(v) for v in packed.values())
-            core.r.hset(core.keys.snapshot(shard, name), mapping=packed)
+            core.r.hset(core.layout_keys.snapshot(shard, name), mapping=packed)
         header = {
             "created": float(created),
             "seqs": list(labels.seqs),
@@ -113,5 +113,5 @@ class SnapshotArchive:
             },
             "extra": dict(extra or {}),
         }
-        core.r.hset(core.keys.snapshots, name, packb(header))  # listed once complete
+        core.r.hset(core.layout_keys.snapshots, name, packb(header))  # listed once complete
         return info_of(name, header, core.namespace)

@@ -94,7 +94,7 @@ class Snapshots:
         check_name(name)
         core = self.core
         cfg = core.config(refresh=True)
-        if core.r.hexists(core.keys.snapshots, name):
+        if core.r.hexists(core.layout_keys.snapshots, name):
             raise SnapshotError(f"snapshot {name!r} of {core.namespace!r} exists: delete it first")
         created = time.time()
         seqs, steps, size, strings = [], 0, 0, {}
@@ -118,7 +118,7 @@ class Snapshots:
             "strings": strings,
             "extra": dict(extra or {}),
         }
-        core.r.hset(core.keys.snapshots, name, packb(header))  # listed once complete
+        core.r.hset(core.layout_keys.snapshots, name, packb(header))  # listed once complete
         self.prune(cfg.retention.max_snapshots if cfg.retention else None, None, keep=name)
         if cfg.retention is not None and cfg.retention.snapshot_max_age is not None:
             self.prune(None, cfg.retention.snapshot_max_age, keep=name)
@@ -156,12 +156,12 @@ class Snapshots:
                     if held is not None:
                         found[col] = held
                 out.append((seq, int(alive.sum()), packed, found))
-                self.core.r.hset(self.core.keys.snapshot(shard, name), mapping=packed)
+                self.core.r.hset(self.core.layout_keys.snapshot(shard, name), mapping=packed)
             return out
 
     def _read_shard(self, shard: int, cfg: NamespaceConfig) -> tuple[int, dict[str, np.ndarray]]:
         """The shard's seq, alive bits and mutable columns, in one MULTI/EXEC."""
-        keys = self.core.keys
+        keys = self.core.layout_keys
         tags = [tag_column(t) for t in (cfg.schema.tags if cfg.schema else {})]
         cols = ["flags", "quality", "priority", *tags]
         n_chunks = math.ceil(cfg.cap / META_CHUNK_SLOTS)
@@ -191,12 +191,12 @@ class Snapshots:
 
     def snapshots(self) -> list[SnapshotInfo]:
         """Every snapshot of the namespace, oldest first."""
-        raw = self.core.r.hgetall(self.core.keys.snapshots)
+        raw = self.core.r.hgetall(self.core.layout_keys.snapshots)
         found = [info_of(k.decode(), unpackb(v), self.core.namespace) for k, v in raw.items()]
         return sorted(found, key=lambda s: (s.created, s.name))
 
     def snapshot_info(self, name: str) -> SnapshotInfo:
-        raw = self.core.r.hget(self.core.keys.snapshots, check_name(name))
+        raw = self.core.r.hget(self.core.layout_keys.snapshots, check_name(name))
         if raw is None:
             known = ", ".join(s.name for s in self.snapshots()) or "none"
             raise SnapshotError(
@@ -211,9 +211,9 @@ class Snapshots:
             info = self.snapshot_info(name)
         except SnapshotError:
             return False
-        core.r.hdel(core.keys.snapshots, name)
+        core.r.hdel(core.layout_keys.snapshots, name)
         for shard in range(info.config.n_shards):
-            core.r.unlink(core.keys.snapshot(shard, name))
+            core.r.unlink(core.layout_keys.snapshot(shard, name))
         return True
 
     def prune(
@@ -257,13 +257,13 @@ class Snapshots:
                 {c: cat([p[c] for _, p in parts]) for c in tags},
                 strings,
             )
-        h = unpackb(core.r.hget(core.keys.snapshots, check_name(name)) or packb(None))
+        h = unpackb(core.r.hget(core.layout_keys.snapshots, check_name(name)) or packb(None))
         if h is None:
             self.snapshot_info(name)  # the SnapshotError naming the snapshots there are
         cfg = NamespaceConfig.from_bytes(h["config"], core.namespace)
         shards = []
         for shard in range(cfg.n_shards):
-            got = core.r.hgetall(core.keys.snapshot(shard, name))
+            got = core.r.hgetall(core.layout_keys.snapshot(shard, name))
             if not got:
                 raise SnapshotError(f"snapshot {name!r}: shard {shard} is missing (deleted?)")
             shards.append({k.decode(): v for k, v in got.items()})

@@ -67,5 +67,5 @@ def turn_infos(store: Store, ids: Sequence[int] | np.ndarray) -> list[dict[str, 
     shards, slots = store.locate(ids)
     with store.r.pipeline(transaction=False) as pipe:
         for shard, slot in zip(shards.tolist(), slots.tolist(), strict=True):
-            pipe.hget(store.keys.sparse(shard, "info", slot // SPARSE_CHUNK_SLOTS), slot)
+            pipe.hget(store.layout_keys.sparse(shard, "info", slot // SPARSE_CHUNK_SLOTS), slot)
         return [None if raw is None else unpackb(raw) for raw in pipe.execute()]

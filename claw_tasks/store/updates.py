@@ -165,7 +165,7 @@ class Updates:
         """Record a person's write (curation, a recipe edit) in the namespace's audit
         stream: who, when, what (JSON)."""
         self.core.r.xadd(
-            self.core.keys.audit,
+            self.core.layout_keys.audit,
             {
                 "who": who,
                 "at": f"{time.time():.3f}",
@@ -179,7 +179,7 @@ class Updates:
     def audit_log(self, count: int = 50) -> list[dict[str, Any]]:
         """The newest ``count`` audit entries, newest first."""
         out = []
-        for entry_id, kv in self.core.r.xrevrange(self.core.keys.audit, count=count):
+        for entry_id, kv in self.core.r.xrevrange(self.core.layout_keys.audit, count=count):
             d = {k.decode(): v.decode() for k, v in kv.items()}
             out.append({"id": entry_id.decode(), **d, "what": json.loads(d.get("what", "{}"))})
         return out
@@ -194,9 +194,12 @@ class Updates:
         for shard in np.unique(shards).tolist():
             sel = np.flatnonzero(shards == shard)
             part_vals = vals if mode != "set" else vals.reshape(-1, size)[sel]
-            keys = [self.core.keys.shard_key(shard, k) for k in ("log", "seq", "alive", "evicted")]
+            keys = [
+                self.core.layout_keys.shard_key(shard, k)
+                for k in ("log", "seq", "alive", "evicted")
+            ]
             args = [
-                self.core.keys.shard(shard),
+                self.core.layout_keys.shard(shard),
                 cfg.cap,
                 cfg.n_shards,
                 shard,

@@ -43,7 +43,7 @@ def field_sizes(
 ) -> tuple[float, float]:
     """Mean stored and decoded bytes of hash-stored (ragged or compressed) field ``name``
     at (shard, slot) pairs, one round trip."""
-    keys = store.keys
+    keys = store.layout_keys
     base = keys.compressed if spec.codec is not None else keys.ragged
     with store.r.pipeline(transaction=False) as pipe:
         for sh, sl in zip(shards.tolist(), slots.tolist(), strict=True):

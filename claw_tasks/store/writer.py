@@ -71,7 +71,11 @@ class Writer:
 
         def queue(pipe: Any) -> None:
             for k in names:
-                keys = [self.core.keys.dict(k), self.core.keys.rdict(k), self.core.keys.dpend(k)]
+                keys = [
+                    self.core.layout_keys.dict(k),
+                    self.core.layout_keys.rdict(k),
+                    self.core.layout_keys.dpend(k),
+                ]
                 script.queue(pipe, keys, batch.strs[k].values)
 
         replies = execute(self.core.r, [script], queue) if names else []
@@ -99,7 +103,7 @@ class Writer:
                 f"batch {batch_id!r}: {n} slots > the {cfg.cap} a shard of "
                 f"{self.core.namespace!r} holds: allocate at most {cfg.cap} per batch"
             )
-        k = self.core.keys
+        k = self.core.layout_keys
         args: list[Any] = [n, MARKER_TTL, k.shard(shard), cfg.cap, LOG_MAXLEN]
         for name, row_bytes in (placed or {}).items():
             args += [f"f:{name}", row_bytes, payload_chunk_slots(row_bytes)]
@@ -129,7 +133,7 @@ class Writer:
             while i < n:
                 slot = (seq0 - 1 + i) % cfg.cap
                 run = min(n - i, cs - slot % cs, cfg.cap - slot)
-                key = self.core.keys.field(shard, name, slot // cs)
+                key = self.core.layout_keys.field(shard, name, slot // cs)
                 writes.append((key, (slot % cs) * rb, raw[i * rb : (i + run) * rb]))
                 i += run
         setrange_many(self.core.r, writes)

@@ -16,13 +16,10 @@ import redis
 
 from claw_tasks.format.arrays import packb
 from claw_tasks.settings import IngestLimits
-from claw_tasks.store.layout import Keys
+from claw_tasks.store.batches import REJECTS, REJECTS_OUTCOMES, dead_letter_keys, done_key
 from claw_tasks.store.scripts import Lua
 
 DONE_TTL = 86400
-REJECTS = "claw:rejects"  # dead letters of messages that name no existing namespace
-# In claw:rejects's slot (hash tag of the whole name): deadletter.lua updates both at once.
-REJECTS_OUTCOMES = "{claw:rejects}:outcomes"
 MAX_REASON = 4096
 _SCRIPT = Lua("deadletter")
 _ENTRY_OVERHEAD = 160  # stream node, radix tree and listpack headers of one entry
@@ -83,13 +80,12 @@ class Target:
     def of(cls, namespace: str | None) -> Target:
         if namespace is None:
             return cls(REJECTS_OUTCOMES, REJECTS, None)
-        keys = Keys(namespace)
-        return cls(keys.outcomes, keys.dead, namespace)
+        return cls(*dead_letter_keys(namespace), namespace)
 
     def done_key(self, batch_id: str | None) -> str | None:
         if self.namespace is None or batch_id is None:
             return None
-        return Keys(self.namespace).done(batch_id)
+        return done_key(self.namespace, batch_id)
 
 
 def finish(

@@ -26,8 +26,8 @@ from claw_tasks.format.encoded import Encoded
 from claw_tasks.format.message import IngestArgs, IngestOutcome, Rejected, parse_args
 from claw_tasks.format.schema import Schema, SchemaError
 from claw_tasks.settings import IngestLimits
-from claw_tasks.store import NamespaceDropped, NamespaceError, Store
-from claw_tasks.store.layout import Keys, row_episode_codes
+from claw_tasks.store import NamespaceDropped, NamespaceError, Store, row_episode_codes
+from claw_tasks.store.batches import done_key, namespace_exists, placed_marker, staging_key
 from claw_tasks.worker.deadletter import Letter, Target, finish
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def parse_message(args: Any, kwargs: Any, limits: IngestLimits) -> IngestArgs:
     """:func:`~claw_tasks.format.message.parse_args`, and a claim check must be this
     batch's own staging key (a message may not read another batch's or namespace's)."""
     a = parse_args(args, kwargs, limits)
-    expected = Keys(a.namespace).stage(a.batch_id)
+    expected = staging_key(a.namespace, a.batch_id)
     if a.stage_key is not None and a.stage_key != expected:
         raise Rejected(
             "claim-check",
@@ -76,7 +76,7 @@ def reject(r: redis.Redis, e: Rejected, limits: IngestLimits, **extra: Any) -> b
     done key when the batch id is valid, so the sender learns why), else in ``claw:rejects``."""
     namespace = e.namespace
     try:
-        if namespace is not None and not r.exists(Keys(namespace).config):
+        if namespace is not None and not namespace_exists(r, namespace):
             namespace = None
     except ValueError:  # not a namespace name at all
         namespace = None
@@ -91,7 +91,7 @@ def reject(r: redis.Redis, e: Rejected, limits: IngestLimits, **extra: Any) -> b
     letter = Letter(e.code, e.reason, payload, None, e.batch_id, extra)
     written = finish(r, target, "rejected", limits, done, letter)
     if done is not None and e.batch_id is not None:  # its own claim check is moot now
-        r.delete(Keys(target.namespace).stage(e.batch_id))
+        r.delete(staging_key(target.namespace, e.batch_id))
     return written
 
 
@@ -122,7 +122,7 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
     except NamespaceDropped as e:  # nothing written to it: counted in claw:rejects
         reject(r, Rejected("dropped", str(e)), limits)
         raise
-    prior = r.get(store.keys.done(a.batch_id))
+    prior = r.get(done_key(a.namespace, a.batch_id))
     if prior is not None:
         finish(r, target, "duplicate", limits)
         return IngestOutcome.from_bytes(prior)
@@ -146,7 +146,7 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
         e.namespace, e.batch_id = a.namespace, a.batch_id
         outcome = IngestOutcome(a.batch_id, rejected=e.steps, errors=[e.reason])
         if not reject(r, e, limits, payload=raw):  # another delivery finished it first
-            outcome = _recorded(r, store.keys.done(a.batch_id), outcome)
+            outcome = _recorded(r, done_key(a.namespace, a.batch_id), outcome)
     except Exception as e:
         if is_transient(e):
             raise  # the task retries with backoff (the commit is idempotent)
@@ -236,7 +236,7 @@ def _placed_at(store: Store, batch: StepBatch) -> tuple[int, int] | None:
     if not len(shards) or (shards != shards[0]).any():
         raise _steps(batch, Rejected("placed", "fields written in place: one shard only"))
     shard = int(shards[0])
-    marker = store.r.get(store.keys.shard_key(shard, f"b:{batch.batch_id}"))
+    marker = placed_marker(store.r, store.namespace, shard, batch.batch_id)
     parts = marker.decode().split(":") if marker else []
     if len(parts) < 2:
         raise _steps(
@@ -298,7 +298,7 @@ def _commit(store: Store, batch: StepBatch, batch_id: str, limits: IngestLimits)
         outcome.committed, outcome.replayed = res.committed, res.replayed
         outcome.expired = res.expired
     kind = "committed" if not bad else "rejected" if len(bad) == batch.n else "partial"
-    done = store.keys.done(batch_id)
+    done = done_key(store.namespace, batch_id)
     if not finish(
         store.r, Target.of(store.namespace), kind, limits, (done, outcome.to_bytes()), letter
     ):

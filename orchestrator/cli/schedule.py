@@ -10,8 +10,9 @@ import redis
 from redbeat.schedulers import RedBeatSchedulerEntry
 
 from claw_tasks.broker.schedule import entries, when
+from claw_tasks.store.batches import SCHEDULE_PREFIX
 
-PREFIX = "claw:redbeat:"  # redbeat_key_prefix in claw_tasks/broker/app.py
+PREFIX = SCHEDULE_PREFIX  # redbeat_key_prefix in claw_tasks/broker/app.py
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,15 @@ import redis
 
 from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.store import Store
+from claw_tasks.store.batches import ACTIVE
 from claw_tasks.store.scripts import Lua, execute
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.groups import claims_key
 
-# Namespaces that have had recipes, for the beat refill (`claw drop` removes one). Written
-# by the workers (a fill adds its namespace) and by :meth:`Registry.put` (setup with full
-# access), never by a client: it writes only its namespace's keys, so a Redis ACL can
+# ACTIVE: namespaces that have had recipes, for the beat refill (`claw drop` removes one).
+# Written by the workers (a fill adds its namespace) and by :meth:`Registry.put` (setup with
+# full access), never by a client: it writes only its namespace's keys, so a Redis ACL can
 # confine it to them.
-ACTIVE = "claw:active"
 REFILL_LOCK_S = 30
 _UNLOCK = Lua("unlock", "orchestrator")
 _ADVANCE = Lua("advance", "orchestrator")

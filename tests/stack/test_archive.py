@@ -137,9 +137,9 @@ def _check_archive(ns_dir: Path, store: Store) -> list[int]:
     for shard in range(cfg.n_shards):
         cols = store.meta_columns(shard, ["id"])
         live += cols["id"][cols["alive"]].tolist()
-        seq = int(store.r.get(store.keys.shard_key(shard, "seq")))
+        seq = int(store.r.get(store.layout_keys.shard_key(shard, "seq")))
         assert manifest.watermarks[shard] == seq
-        assert int(store.r.get(store.keys.archived(shard))) == seq
+        assert int(store.r.get(store.layout_keys.archived(shard))) == seq
     assert sorted(ids) == sorted(live), "archive and store hold different steps"
     assert manifest.rows == len(ids)
     return ids
@@ -245,7 +245,7 @@ def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_pat
             queue="maintenance",
         )
 
-    keys = [store.keys.archived(s) for s in range(2)]
+    keys = [store.layout_keys.archived(s) for s in range(2)]
 
     def archived() -> int:
         return sum(int(v or 0) for v in r.mget(keys))
@@ -401,7 +401,7 @@ def test_a_file_failing_to_settle_lists_nothing_after_it(
     ns_dir = tmp_path / f"ns={namespace}"
     manifest = Manifest.load(ns_dir)
     assert manifest.watermarks == {0: 16} and manifest.rows == 16
-    assert int(store.r.get(store.keys.archived(0))) == 16
+    assert int(store.r.get(store.layout_keys.archived(0))) == 16
     on_disk = {p.relative_to(ns_dir).as_posix() for p in ns_dir.rglob("*") if p.is_file()}
     assert on_disk == {f["path"] for f in manifest.files} | {MANIFEST}
     monkeypatch.setattr(archive_files.PendingFile, "finish", finish)

@@ -106,8 +106,8 @@ def archive_by_worker(redis_url: str, namespace: str, root: Path, store: Store, 
     client_app(redis_url).send_task(
         "claw.maintenance.archive", args=[namespace, str(root)], queue="maintenance"
     )
-    keys = [store.keys.archived(s) for s in range(2)]
-    last = {s: int(store.r.get(store.keys.shard_key(s, "seq")) or 0) for s in range(2)}
+    keys = [store.layout_keys.archived(s) for s in range(2)]
+    last = {s: int(store.r.get(store.layout_keys.shard_key(s, "seq")) or 0) for s in range(2)}
     deadline = time.monotonic() + 60
     while [int(v or 0) for v in store.r.mget(keys)] != [last[0], last[1]]:
         failed = [line for line in log.read_text().splitlines() if "raised unexpected" in line]

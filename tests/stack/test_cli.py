@@ -139,10 +139,10 @@ def test_doctor_clean_then_corrupt_link(claw, redis_url, r):
     ids = store.episode("e1", fields=[])["id"]
     shard, slot = (int(v[0]) for v in store.locate(ids[2:3]))
     chunk, off = divmod(slot, META_CHUNK_SLOTS)
-    key = store.keys.meta(shard, "next", chunk)
+    key = store.layout_keys.meta(shard, "next", chunk)
     r.setrange(key, off * 4, np.int32(-2).tobytes())  # points back two steps
-    r.append(store.keys.meta(shard, "reward", chunk), b"xx")
-    r.set(store.keys.stage("orphan"), b"payload")  # no TTL
+    r.append(store.layout_keys.meta(shard, "reward", chunk), b"xx")
+    r.set(store.layout_keys.stage("orphan"), b"payload")  # no TTL
     try:
         out = claw("doctor", ns, code=1).stdout
         assert "step_index 0, expected 3" in out

@@ -43,7 +43,9 @@ def _wait(cond: Callable[[], object], what: str, timeout: float = 120.0) -> None
 
 
 def _masters_of(store: Store) -> set[str]:
-    return {store.r.get_node_from_key(store.keys.shard_key(s, "seq")).name for s in range(SHARDS)}
+    return {
+        store.r.get_node_from_key(store.layout_keys.shard_key(s, "seq")).name for s in range(SHARDS)
+    }
 
 
 def _run_everything(url: str, namespace: str, archive_dir: Path) -> dict[str, object]:
@@ -196,7 +198,7 @@ def test_a_master_sigkilled_mid_ingest_restarts_from_its_aof_losing_nothing(
             resend_after=10,
         )
         store = Store(cluster.url, namespace)
-        victim = cluster.node_of(store.keys.shard_key(0, "seq"))
+        victim = cluster.node_of(store.layout_keys.shard_key(0, "seq"))
         _produce(ing, range(0, 8), n_steps)
         made = 8
         _wait(lambda: store.count() >= 4 * n_steps, "steps are being stored")
@@ -215,7 +217,11 @@ def test_a_master_sigkilled_mid_ingest_restarts_from_its_aof_losing_nothing(
         for e, ids in acknowledged.items():
             np.testing.assert_array_equal(store.episode(f"e{e}", fields=[])["id"], ids)
         counts = {e: len(_stored(store, e)) for e in range(made)}
-        assert store.count() == made * n_steps, (counts, res, store.r.xrange(store.keys.dead))
+        assert store.count() == made * n_steps, (
+            counts,
+            res,
+            store.r.xrange(store.layout_keys.dead),
+        )
         for e in range(made):
             got = store.episode(f"e{e}")
             np.testing.assert_array_equal(got["step_index"], np.arange(n_steps))
@@ -257,7 +263,7 @@ def test_replica_failover_mid_ingest_keeps_the_store_consistent(
             resend_after=10,
         )
         store = Store(cluster.url, namespace)
-        victim = cluster.node_of(store.keys.shard_key(0, "seq"))
+        victim = cluster.node_of(store.layout_keys.shard_key(0, "seq"))
         _produce(ing, range(0, 8), n_steps)
         _wait(lambda: store.count() >= 4 * n_steps, "steps are being stored")
         victim.kill()
@@ -265,9 +271,10 @@ def test_replica_failover_mid_ingest_keeps_the_store_consistent(
         def promoted() -> bool:
             client = redis_client(cluster.url)
             try:
-                port = client.get_node_from_key(store.keys.shard_key(0, "seq")).port
+                port = client.get_node_from_key(store.layout_keys.shard_key(0, "seq")).port
                 return (
-                    port != victim.port and client.get(store.keys.shard_key(0, "seq")) is not None
+                    port != victim.port
+                    and client.get(store.layout_keys.shard_key(0, "seq")) is not None
                 )
             except Exception:  # topology still moving
                 return False

@@ -88,7 +88,7 @@ def test_ingest_through_a_real_worker(redis_url, namespace, workers, codec, wher
     store = Store(redis_url, namespace)
     assert store.schema().codecs == {"obs": Codec.of(codec)}
     _check_stored(store, frames, episodes=3)
-    assert not store.r.exists(store.keys.field(0, "obs", 0))
+    assert not store.r.exists(store.layout_keys.field(0, "obs", 0))
 
 
 def test_the_producer_sends_frames_the_worker_sends_raw_rows(redis_url, namespace):
@@ -141,7 +141,7 @@ def test_hostile_frames_are_dead_lettered_before_they_are_stored(redis_url, name
     text = " ".join(out.errors)
     assert "declares 67108864 decoded bytes" in text and "without its content size" in text
     assert "does not decode" in text
-    dead = store.r.xrange(store.keys.dead)
+    dead = store.r.xrange(store.layout_keys.dead)
     assert dead and b"declares 67108864" in dead[-1][1][b"reason"]
     got = store.episode("h")
     assert sorted(got["action"].tolist()) == [0, 4, 6, 7]

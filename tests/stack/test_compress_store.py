@@ -114,8 +114,8 @@ def test_round_trip_through_the_store(redis_url, namespace, codec, n_shards):
     np.testing.assert_array_equal(sb["next_obs"], _want_next(obs, sb["action"]))
     for i, a in enumerate(sb["action"].tolist()):
         np.testing.assert_array_equal(sb["tokens"][i], tokens[a])  # collated by delivery
-    assert unpackb(store.r.get(store.keys.config))["format"] == FORMAT
-    assert not any(store.r.exists(store.keys.field(s, "obs", 0)) for s in range(n_shards))
+    assert unpackb(store.r.get(store.layout_keys.config))["format"] == FORMAT
+    assert not any(store.r.exists(store.layout_keys.field(s, "obs", 0)) for s in range(n_shards))
 
 
 @pytest.mark.parametrize("codec", ["zstd", "png", "delta:4"])
@@ -192,7 +192,7 @@ def test_eviction_frees_frames_except_deltas_until_the_ring(redis_url, namespace
     store.create(capacity=40, schema=_schema(codec))
     res = store.commit(_batch(0, 2, _obs(20, 5)))
     r = redis.Redis.from_url(redis_url)
-    key = store.keys.compressed(0, "obs", 0)
+    key = store.layout_keys.compressed(0, "obs", 0)
     assert r.hlen(key) == 20
     store.evict(res.ids[:5])
     assert r.hlen(key) == (20 if codec.startswith("delta") else 15)
@@ -204,10 +204,10 @@ def test_every_namespace_records_the_current_format(redis_url, namespace):
     store = Store(redis_url, namespace)
     store.create(capacity=10, schema=_schema("zstd"))
     r = redis.Redis.from_url(redis_url)
-    assert unpackb(r.get(store.keys.config))["format"] == FORMAT
+    assert unpackb(r.get(store.layout_keys.config))["format"] == FORMAT
     plain = Store(redis_url, namespace + "p")
     plain.create(capacity=10, schema=Schema(fields={"obs": FieldSpec("|u1", SHAPE)}))
-    assert unpackb(r.get(plain.keys.config))["format"] == FORMAT
+    assert unpackb(r.get(plain.layout_keys.config))["format"] == FORMAT
     assert store.config(refresh=True).schema.codecs == {"obs": Codec("zstd")}
 
 
@@ -224,7 +224,7 @@ def test_stats_show_each_fields_codec_and_stored_vs_raw_bytes(redis_url, namespa
     obs, action, tok = payload["obs"], payload["action"], payload["tokens"]
     assert obs["codec"] == "zstd" and obs["raw"] == np.prod(SHAPE)
     r = redis.Redis.from_url(redis_url)
-    frames = r.hgetall(store.keys.compressed(0, "obs", 0))
+    frames = r.hgetall(store.layout_keys.compressed(0, "obs", 0))
     assert obs["stored"] == pytest.approx(np.mean([len(v) for v in frames.values()]))
     assert obs["ratio"] == pytest.approx(obs["raw"] / obs["stored"]) and obs["ratio"] > 1.5
     assert action == {"codec": None, "stored": 8.0, "raw": 8.0, "ratio": 1.0}

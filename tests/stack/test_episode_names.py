@@ -162,7 +162,7 @@ def test_an_eviction_planned_before_a_late_commit_keeps_the_name(redis_url, name
     assert store.commit(newer).ids.tolist() == [3, 4]
     cols = store.meta_columns(0, PLAN_COLUMNS)
     plan = _Plan(store, 0, cols, np.array([2, 3]))
-    fixed = [store.keys.shard_key(0, k) for k in _FIXED_KEYS]
+    fixed = [store.layout_keys.shard_key(0, k) for k in _FIXED_KEYS]
     keys, victims = plan.chunk(np.array([2, 3]), fixed)
     assert _SCRIPT(store.r, keys, ["manual", LOG_MAXLEN, victims])[0] == 2
     assert store.commit(older).ids.tolist() == [1, 2]  # lands between the plan's two calls
@@ -181,6 +181,6 @@ def test_the_index_of_an_endless_episode_stays_bounded(redis_url, namespace):
     ids = []
     for k in range(30):
         ids += store.commit(batch(episode(0, 5 * k + 5, first=5 * k))).ids.tolist()
-    raw = store.r.hget(store.keys.shard_key(0, "eptraj"), str(episode_code("ep0")))
+    raw = store.r.hget(store.layout_keys.shard_key(0, "eptraj"), str(episode_code("ep0")))
     assert len(raw) // EPISODE_INDEX_ENTRY.itemsize <= 20
     assert store.trajectory_ids("ep0").tolist() == ids[-20:]

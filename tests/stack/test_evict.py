@@ -98,7 +98,7 @@ def test_archive_before_evict_keeps_steps_above_the_watermark(store):
     for shard in range(2):
         ids = sorted(i for i in live(store) if i % 2 == shard)
         marks[shard] = ids[len(ids) // 2] // 2 if ids else 0  # half of each shard archived
-        store.r.set(store.keys.archived(shard), marks[shard])
+        store.r.set(store.layout_keys.archived(shard), marks[shard])
     before = set(live(store))
     evicted = evict_namespace(store, now=T0 + 3600)["ttl"]
     gone = before - set(live(store))
@@ -352,24 +352,24 @@ def test_dictionaries_shed_strings_no_live_step_uses(store):
         }
     )
     assert (sample(store, recipe, rng=np.random.default_rng(0))["obs"][:, 0] == 3).all()
-    size = store.r.hlen(store.keys.rdict("task_id"))
+    size = store.r.hlen(store.layout_keys.rdict("task_id"))
     store.set_retention(Retention(max_age=1800))
     first = evict_namespace(store, now=T0 + 3600)  # evicts 100 steps, marks 20 strings
     assert first["ttl"] == 100 and first["pruned"] == 0
-    assert store.r.hlen(store.keys.dpend("task_id")) == 20
+    assert store.r.hlen(store.layout_keys.dpend("task_id")) == 20
     assert check_namespace(store.r, store.namespace).ok
     # traj-4 comes back before the sweep: revived with its old code, never swept.
-    code4 = int(store.r.hget(store.keys.dpend("task_id"), "traj-4").split(b":")[0])
+    code4 = int(store.r.hget(store.layout_keys.dpend("task_id"), "traj-4").split(b":")[0])
     store.commit(batch(traj(4, 8, first=5)), now=T0 + 3600)
-    assert int(store.r.hget(store.keys.dict("task_id"), "traj-4")) == code4
+    assert int(store.r.hget(store.layout_keys.dict("task_id"), "traj-4")) == code4
     swept = evict_namespace(store, now=T0 + 3600 + GRACE_S + 1)["pruned"]
     assert swept == 2 * 19  # task_id and tags.prompt of the 19 gone trajectories
-    assert store.r.hlen(store.keys.rdict("task_id")) == size - 19
-    assert store.r.hlen(store.keys.dpend("task_id")) == 0
+    assert store.r.hlen(store.layout_keys.rdict("task_id")) == size - 19
+    assert store.r.hlen(store.layout_keys.dpend("task_id")) == 0
     assert check_namespace(store.r, store.namespace).ok
     # traj-3 comes back: a new code, and the sampler's cached code for it is forgotten.
     store.commit(batch(traj(3, 14, first=10)), now=T0 + 3600)
-    assert int(store.r.hget(store.keys.dict("task_id"), "traj-3")) > size - 1  # (+ counter)
+    assert int(store.r.hget(store.layout_keys.dict("task_id"), "traj-3")) > size - 1  # (+ counter)
     drawn = sample(store, recipe, rng=np.random.default_rng(1))
     assert (drawn["obs"][:, 0] == 3).all() and (drawn["obs"][:, 1] >= 10).all()
     assert check_namespace(store.r, store.namespace).ok

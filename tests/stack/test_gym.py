@@ -36,7 +36,7 @@ def test_record_steps_cartpole(redis_url, namespace, ingest_worker):
     # Each recorded episode's obs/next_obs chain is exactly what the env produced.
     first_obs = {}
     for code in episodes:
-        name = store.r.hget(store.keys.shard_key(0, "epname"), code).decode()
+        name = store.r.hget(store.layout_keys.shard_key(0, "epname"), code).decode()
         got = store.episode(name)
         first_obs[got["obs"][0].tobytes()] = got
     for traj in seen:

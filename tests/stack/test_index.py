@@ -101,7 +101,7 @@ def test_trimmed_log_rebuilds_cold(store, r, make):
     store.commit(batch(episode(1, 30, "terminated")))
     ix = make(store)
     ix.sync()
-    logs = [store.keys.shard_key(s, "log") for s in range(ix.n_shards)]
+    logs = [store.layout_keys.shard_key(s, "log") for s in range(ix.n_shards)]
     ids = live_ids(ix)
     store.update_priorities(ids, np.full(len(ids), 2.0))
     for key in logs:  # the priority events go before the index read them
@@ -122,7 +122,7 @@ def test_a_page_and_its_check_need_no_transaction(store, r):
     """A page is an XRANGE and then the check: a loss another client makes before the
     read, or between the two, shows as lost (after it: a rebuild that was not needed)."""
     store.commit(batch(episode(1, 30, "terminated")))
-    key = store.keys.shard_key(0, "log")
+    key = store.layout_keys.shard_key(0, "log")
     r.script_load(LOG_SINCE.source)
     first = r.xrange(key, count=1)[0][0].decode()
 
@@ -156,12 +156,12 @@ def test_reread_tells_a_loss_as_the_pages_check_does(store, r):
     store.commit(batch(episode(1, 30, "terminated")))
     ix = SamplingIndex(store)
     ix.sync()
-    key, alive = store.keys.shard_key(0, "log"), store.keys.shard_key(0, "alive")
+    key, alive = store.layout_keys.shard_key(0, "log"), store.layout_keys.shard_key(0, "alive")
     r.script_load(REREAD.source)
 
     def lost(between: list | None = None) -> bool:
         cols = {c: column_dtype(c, ix.schema) for c in ix.columns if c != "alive"}
-        args = [store.keys.shard(0), ix.cap, ix.log_last[0], ix.log_seen[0], 64, 16_384]
+        args = [store.layout_keys.shard(0), ix.cap, ix.log_last[0], ix.log_seen[0], 64, 16_384]
         args += reread_columns(cols)
         with r.pipeline(transaction=False) as pipe:
             pipe.execute_command("XRANGE", key, f"({ix.log_last[0]}", "+", "COUNT", 1000)
@@ -187,9 +187,9 @@ def test_evict_event_and_unknown_events(store, r, make):
     victim = int(live_ids(ix)[0])
     shard, seq = victim % ix.n_shards, victim // ix.n_shards
     slot = (seq - 1) % ix.cap
-    log = store.keys.shard_key(shard, "log")
+    log = store.layout_keys.shard_key(shard, "log")
     # What an allocation that takes back ring slots does: clear alive bits, log the range.
-    r.setbit(store.keys.shard_key(shard, "alive"), slot, 0)
+    r.setbit(store.layout_keys.shard_key(shard, "alive"), slot, 0)
     r.xadd(log, {"op": "evict", "seq": seq, "n": 1})
     np.testing.assert_array_equal(ix.sync(), [shard * ix.cap + slot])
     assert not ix.columns["alive"][shard * ix.cap + slot]

@@ -278,7 +278,7 @@ def test_a_batch_over_capacity_is_sent_in_parts(
     res = ing.close()
     assert (res.committed + res.expired, res.rejected, res.errors) == (n, 0, [])
     store = Store(redis_url, namespace)
-    assert r.xlen(store.keys.dead) == 0
+    assert r.xlen(store.layout_keys.dead) == 0
     assert store.count() == capacity
     kept = []
     for e in sorted(set(episodes)):
@@ -320,7 +320,7 @@ def test_the_worker_refuses_a_batch_over_capacity_with_a_dead_letter(
     got = outcome(store, batch.batch_id)
     assert (got.committed, got.rejected) == (0, n)
     assert "250 steps > the 100 a shard" in got.errors[0]
-    ((_, letter),) = r.xrevrange(store.keys.dead, count=1)
+    ((_, letter),) = r.xrevrange(store.layout_keys.dead, count=1)
     assert letter[b"batch_id"].decode() == batch.batch_id
     reason = letter[b"reason"].decode()
     assert "overwrite each other in the ring" in reason and "at most 100 steps" in reason

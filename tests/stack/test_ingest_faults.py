@@ -150,7 +150,7 @@ def test_worker_dead_letters_bad_rows_and_commits_the_rest(ing, redis_url, names
     np.testing.assert_array_equal(got["obs"], np.delete(obs, [2, 7], axis=0))
     assert "step 2 (episode 'raw', step_index 2): reward is nan" in res.errors[0]
     assert store.count() == 5 + n - 2
-    dead = r.xrange(store.keys.dead)
+    dead = r.xrange(store.layout_keys.dead)
     assert len(dead) == 1
     entry = dead[0][1]
     assert unpackb(entry[b"rows"]) == [2, 7]
@@ -170,7 +170,7 @@ def test_worker_dead_letters_schema_mismatch_whole_batch(ing, redis_url, namespa
     assert "field 'obs' is float32[3], schema says float32[8]" in res[0].errors[0]
     assert "field 'obs' is float64[8], schema says float32[8]" in res[1].errors[0]
     assert store.count() == 5
-    assert r.xlen(store.keys.dead) == 2
+    assert r.xlen(store.layout_keys.dead) == 2
 
 
 def test_worker_dead_letters_undecodable_payload(ing, redis_url, namespace, r):

@@ -141,7 +141,7 @@ def test_joint_rows_are_the_recorded_steps(redis_url, workers, namespace):
     assert batch.meta["joint"] == {"complete": n, "partial": 0}
     # Stored once: one state entry per joint step, none on the other agents' records.
     store = Store(redis_url, namespace)
-    keys = store.r.keys(f"{store.keys.shard(0)}r:{STATE_FIELD}:*")
+    keys = store.r.keys(f"{store.layout_keys.shard(0)}r:{STATE_FIELD}:*")
     assert sum(store.r.hlen(k) for k in keys) == n
     assert store.count() == sum(counts)
 

@@ -127,7 +127,7 @@ def test_episode_index_finds_turns_without_the_column(own_redis_url, namespace, 
     assert store.trajectory_ids("b").tolist() == [got["b"][0], got["b"][2]]
     store.evict(got["c"])
     assert store.trajectory_ids("c").tolist() == []
-    key = store.keys.shard_key(0, "eptraj")
+    key = store.layout_keys.shard_key(0, "eptraj")
     assert not store.r.hexists(key, str(episode_code("c"))) and store.r.hexists(
         key, str(episode_code("a"))
     )

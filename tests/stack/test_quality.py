@@ -73,7 +73,7 @@ def _whole(store: Store, name: str) -> np.ndarray:
     spec = store.config().schema.fields[name]
     per = payload_chunk_slots(spec.row_bytes)
     cap = store.config().cap
-    keys = [store.keys.field(0, name, c) for c in range(-(-cap // per))]
+    keys = [store.layout_keys.field(0, name, c) for c in range(-(-cap // per))]
     raw = b"".join((v or b"").ljust(per * spec.row_bytes, b"\0") for v in store.r.mget(keys))
     return np.frombuffer(raw, np.dtype(spec.dtype)).reshape(-1, *spec.shape)[:cap]
 

@@ -67,7 +67,7 @@ def test_a_fetch_whose_logs_lost_the_index_position_leaves_it_to_the_sync(store)
     for e in range(4, 7):
         store.commit(batch(episode(e, 10, "terminated", task_id="b")))
         for s in range(ix.n_shards):  # only the newest entry stays: the index's is gone
-            log = store.keys.shard_key(s, "log")
+            log = store.layout_keys.shard_key(s, "log")
             store.r.xtrim(log, maxlen=1, approximate=False)
             assert store.r.xlen(log) == 1
         b = sample(store, r, index=ix)

@@ -27,7 +27,7 @@ def tables(store: Store) -> dict[int, np.ndarray]:
     """The shard's run tables by block."""
     out = {}
     for block in range(-(-CAP // RUN_CHUNK_SLOTS)):
-        raw = store.r.get(store.keys.runs(0, "timestamp", block))
+        raw = store.r.get(store.layout_keys.runs(0, "timestamp", block))
         if raw is not None:
             out[block] = np.frombuffer(raw, RUN_ENTRY)
     return out
@@ -46,7 +46,7 @@ def assert_matches(store: Store, model: np.ndarray) -> None:
         table = got.get(block, np.zeros(0, RUN_ENTRY))
         assert table["slot"].tolist() == first[keep].tolist(), block
         assert table["value"].tolist() == values[keep].tolist(), block
-    seq = int(store.r.get(store.keys.shard_key(0, "seq")))
+    seq = int(store.r.get(store.layout_keys.shard_key(0, "seq")))
     lo = max(1, seq - CAP + 1)
     slot0 = (lo - 1) % CAP
     n = min(CAP - slot0, seq - lo + 1)  # the run up to the ring's end
@@ -139,7 +139,7 @@ def test_sampling_index_rereads_times_as_a_cold_build(store):
 
 def test_doctor_names_a_broken_run_table(store):
     store.commit(batch(episode(1, 100)), now=5.0)
-    key = store.keys.runs(0, "timestamp", 0)
+    key = store.layout_keys.runs(0, "timestamp", 0)
     good = store.r.get(key)
     bad = np.array([(10, 1.0), (3, 2.0)], RUN_ENTRY).tobytes()
     for raw, says in ((good + b"x", "not whole run records"), (bad, "not increasing")):
@@ -147,10 +147,10 @@ def test_doctor_names_a_broken_run_table(store):
         (problem,) = check_namespace(store.r, store.namespace).problems
         assert problem.check == "chunks" and says in problem.detail
     store.r.set(key, good)
-    store.r.set(store.keys.meta(0, "timestamp", 0), b"\0" * 8)  # a format 2 column
+    store.r.set(store.layout_keys.meta(0, "timestamp", 0), b"\0" * 8)  # a format 2 column
     (problem,) = check_namespace(store.r, store.namespace).problems
     assert problem.check == "keys" and "run tables" in problem.detail
-    store.r.delete(store.keys.meta(0, "timestamp", 0))
+    store.r.delete(store.layout_keys.meta(0, "timestamp", 0))
 
 
 @pytest.mark.parametrize("every", [0, 7, 10], ids=["one-time", "runs-of-7", "runs-of-10"])

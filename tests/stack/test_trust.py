@@ -147,8 +147,8 @@ def test_small_message_cannot_allocate_or_evict(redis_url, namespace, r, ingest_
     assert wait_for(r, start + 1, namespace) == start + 1
     assert store.count() == 900
     np.testing.assert_array_equal(store.episode("live")["obs"][:, 0], before)
-    assert r.get(store.keys.shard_key(0, "seq")) == b"900"  # no slot was taken
-    (letter,) = _letters(r, store.keys.dead)
+    assert r.get(store.layout_keys.shard_key(0, "seq")) == b"900"  # no slot was taken
+    (letter,) = _letters(r, store.layout_keys.dead)
     assert letter[b"code"] in (b"placed", b"size")
     ing.close()
 
@@ -207,8 +207,8 @@ def test_redis_data_error_is_dead_lettered_not_retried_forever(
 ):
     ing = _fill(redis_url, namespace, 1)
     store = Store(redis_url, namespace)
-    r.delete(store.keys.shard_key(0, "links"))
-    r.set(store.keys.shard_key(0, "links"), "not a hash")  # the commit's HSET is refused
+    r.delete(store.layout_keys.shard_key(0, "links"))
+    r.set(store.layout_keys.shard_key(0, "links"), "not a hash")  # the commit's HSET is refused
     from tests.support.producer import outcome, send_unchecked
 
     out = outcome(store, send_unchecked(redis_url, store, raw_batch(3))[2])

@@ -152,7 +152,7 @@ def test_config_records_its_format(redis_url, namespace):
     store = Store(redis_url, namespace)
     store.create(capacity=10)
     r = redis.Redis.from_url(redis_url)
-    assert unpackb(r.get(store.keys.config))["format"] == FORMAT == 3
+    assert unpackb(r.get(store.layout_keys.config))["format"] == FORMAT == 3
 
 
 @pytest.mark.parametrize(
@@ -170,7 +170,7 @@ def test_config_records_its_format(redis_url, namespace):
 def test_an_unknown_format_is_refused_not_misread(redis_url, namespace, found, fix):
     Store(redis_url, namespace).create(capacity=10)
     r = redis.Redis.from_url(redis_url)
-    key = Store(redis_url, namespace).keys.config
+    key = Store(redis_url, namespace).layout_keys.config
     good = r.get(key)
     d = unpackb(good)
     d["format"] = found

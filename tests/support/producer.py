@@ -50,7 +50,7 @@ def send_unchecked(
 def outcome(store: Store, batch_id: str, timeout: float = 60.0) -> IngestOutcome:
     """What the worker made of a batch (waits for its ``done`` record)."""
     deadline = time.monotonic() + timeout
-    while (raw := store.r.get(store.keys.done(batch_id))) is None:
+    while (raw := store.r.get(store.layout_keys.done(batch_id))) is None:
         assert time.monotonic() < deadline, f"batch {batch_id} not processed within {timeout}s"
         time.sleep(0.02)
     return IngestOutcome.from_bytes(raw)

@@ -350,20 +350,46 @@ def test_no_private_name_is_used_across_modules() -> None:
 
 # ---- the store's layout stays in the store ----------------------------------------------
 
+# Everything but the store itself: the orchestrator, the rest of claw_tasks, benches and
+# examples (tests may build keys to check what the store wrote).
+OUTSIDE_THE_STORE = ("orchestrator", "claw_tasks", "bench", "examples")
+LAYOUT_MODULE = "claw_tasks.store.layout"
+KEY_BUILDER = "layout_keys"  # StoreCore's attribute: a name nothing else uses
+
+
+def _top_level_names(module: str) -> dict[str, ast.AST]:
+    path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+    names: dict[str, ast.AST] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names[node.name] = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id: node for t in targets if isinstance(t, ast.Name)}
+    return {n: node for n, node in names.items() if not n.startswith("_")}
+
+
+def _spells_a_key(node: ast.AST) -> bool:
+    return any(
+        isinstance(c, ast.Constant) and isinstance(c.value, str) and _is_key(c.value)
+        for c in ast.walk(node)
+    )
+
+
+def _is_key(text: str) -> bool:
+    return text.startswith(("claw:", "{claw:"))
+
 
 def _layout_names() -> set[str]:
     """What only the store may name: ``Keys``, the layout's constants and helpers (what
-    ``claw_tasks.store`` exports of the layout, e.g. ``meta_spans``, is its API)."""
-    tree = ast.parse((ROOT / "claw_tasks" / "store" / "layout.py").read_text())
-    defined = set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.ClassDef):
-            defined.add(node.name)
-        elif isinstance(node, ast.Assign | ast.AnnAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            defined |= {t.id for t in targets if isinstance(t, ast.Name)}
+    ``claw_tasks.store`` exports of the layout, e.g. ``meta_spans``, is its API), and the
+    config record's key builders (``dropped_key``) with their TTLs."""
     exported = set(importlib.import_module("claw_tasks.store").__all__)
-    return {n for n in defined if not n.startswith("_")} - exported
+    layout = set(_top_level_names(LAYOUT_MODULE)) - exported
+    config = _top_level_names("claw_tasks.store.config")
+    builders = {n for n, node in config.items() if isinstance(node, ast.FunctionDef)}
+    builders = {n for n in builders if _spells_a_key(config[n])}
+    return layout | builders | {n for n in config if n.endswith("_TTL") and "DROPPED" in n}
 
 
 def _key_builders() -> set[str]:
@@ -372,85 +398,161 @@ def _key_builders() -> set[str]:
     return {name for name in vars(Keys) if not name.startswith("_")} | {"base", "ns"}
 
 
-def _layout_uses(tree: ast.AST, layout_names: set[str], builders: set[str]) -> list[str]:
-    """Where ``tree`` imports the store's layout, names one of ``layout_names``, calls a key
-    builder on something's ``keys`` (``store.keys.meta(...)``, ``k = store.keys``) or
-    spells a store key (``"claw:{ns:0}:seq"``, ``f"claw:{{{ns}}}:config"``)."""
-    found = []
+def _store_names() -> set[str]:
+    """The first part of every namespace-level key the store names (``config``, ``done``,
+    ...): an ``owned_key`` of one of them would reach the store's data."""
+    import inspect
+
+    from claw_tasks.store.layout import Keys
+
+    keys, names = Keys("n"), set()
+    for name, member in vars(Keys).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(member, property):
+            key = getattr(keys, name)
+        elif inspect.isfunction(member):
+            params = list(inspect.signature(member).parameters.values())[1:]
+            args = [0 if p.annotation in (int, "int") else "x" for p in params]
+            key = getattr(keys, name)(*args)
+        else:
+            continue
+        if isinstance(key, str) and key.startswith(keys.base):
+            names.add(key[len(keys.base) :].split(":")[0])
+    return names
+
+
+def _imported_names(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return []
+
+
+def _layout_uses(
+    tree: ast.AST, layout_names: set[str], builders: set[str], store_names: set[str]
+) -> list[tuple[int, str]]:
+    """(line, what) wherever ``tree`` imports the store's layout (in any form), names one of
+    ``layout_names``, reaches a store's key builder (``.layout_keys`` by attribute or by
+    ``getattr``, or a key builder on any ``.keys``), asks ``owned_key`` for a store name or
+    the bare prefix, or spells a store key (a ``str`` starting ``claw:``, docstrings aside;
+    f-strings and concatenations included)."""
+    found: list[tuple[int, str]] = []
     docstrings = {
         id(node.value)
         for node in ast.walk(tree)
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
     }
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Constant)
-            and isinstance(node.value, str)
-            and node.value.startswith("claw:{")
-            and id(node) not in docstrings
-        ):
-            found.append(f"line {node.lineno}: spells a store key ({node.value!r})")
-        modules = (
-            [node.module]
-            if isinstance(node, ast.ImportFrom)
-            else [a.name for a in node.names]
-            if isinstance(node, ast.Import)
-            else []
-        )
-        if "claw_tasks.store.layout" in modules:
-            found.append(f"line {node.lineno}: imports claw_tasks.store.layout")
+        line = getattr(node, "lineno", 0)
+        for name in _imported_names(node):
+            last = name.rpartition(".")[2]
+            if name == LAYOUT_MODULE or name.startswith(LAYOUT_MODULE + "."):
+                found.append((line, f"imports {LAYOUT_MODULE}"))
+            elif name.startswith("claw_tasks.store.") and last in layout_names:
+                found.append((line, f"imports {name}"))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) in docstrings:
+                continue
+            if _is_key(node.value):
+                found.append((line, f"spells a store key ({node.value!r})"))
+            elif node.value == KEY_BUILDER or node.value.startswith(LAYOUT_MODULE):
+                found.append((line, f"names {node.value}"))
         elif isinstance(node, ast.Name) and node.id in layout_names:
-            found.append(f"line {node.lineno}: names {node.id}")
-        elif isinstance(node, ast.Attribute) and node.attr in layout_names:
-            found.append(f"line {node.lineno}: names {node.attr}")
-        elif (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Attribute)
-            and node.value.attr == "keys"
-            and node.attr in builders
-        ):
-            found.append(f"line {node.lineno}: builds a key (.keys.{node.attr})")
-        elif (
-            isinstance(node, ast.Assign)
-            and isinstance(node.value, ast.Attribute)
-            and node.value.attr == "keys"
-            and isinstance(node.value.value, ast.Name | ast.Attribute)
-            and ast.unparse(node.value.value).split(".")[-1] in {"store", "core", "target"}
-        ):
-            found.append(f"line {node.lineno}: holds a store's key builder")
+            found.append((line, f"names {node.id}"))
+        elif isinstance(node, ast.Attribute):
+            if node.attr in layout_names or node.attr == KEY_BUILDER:
+                found.append((line, f"names {node.attr}"))
+            elif node.attr in builders and _is_keys(node.value):
+                found.append((line, f"builds a key (.keys.{node.attr})"))
+        elif isinstance(node, ast.Call):
+            found += [(line, what) for what in _call_uses(node, builders, store_names)]
+        elif isinstance(node, ast.Subscript) and _is_owned_key(node.value):
+            found.append((line, "cuts an owned_key"))
     return found
+
+
+def _is_keys(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr in ("keys", KEY_BUILDER)
+
+
+def _is_owned_key(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Name) and func.id == "owned_key") or (
+        isinstance(func, ast.Attribute) and func.attr == "owned_key"
+    )
+
+
+def _call_uses(node: ast.Call, builders: set[str], store_names: set[str]) -> list[str]:
+    """``getattr(x.keys, "meta")``; ``owned_key("")`` or ``owned_key("config")``."""
+    func = node.func
+    if isinstance(func, ast.Name) and func.id == "getattr" and len(node.args) >= 2:
+        target, name = node.args[0], node.args[1]
+        if _is_keys(target) or (isinstance(name, ast.Constant) and name.value == "keys"):
+            return ["reaches a key builder by getattr"]
+        return []
+    if _is_owned_key(node) and node.args:
+        name = node.args[-1]
+        value = name.value if isinstance(name, ast.Constant) else None
+        if isinstance(value, str) and value.split(":")[0] in store_names | {""}:
+            return [f"asks owned_key for a store name ({value!r})"]
+    return []
 
 
 def test_the_layout_finder_finds_layout_uses() -> None:
     source = """
 from claw_tasks.store.layout import META_CHUNK_SLOTS
 import claw_tasks.store.layout
-store.keys.meta(0, "id", 0)
-k = self.store.keys
+store.layout_keys.meta(0, "id", 0)
+k = self.store.layout_keys
 n = SPARSE_CHUNK_SLOTS
 Keys("ns")
 f"claw:{{{ns}}}:config"
+from claw_tasks.store import layout
+ks = st.layout_keys; ks.shard_key(0, "seq")
+Store(r, ns).layout_keys.meta(0, "id", 0)
+"claw:" + "{" + ns + "}:config"
+store.owned_key("config")
+store.owned_key("")[:-2] + ":0}:seq"
+getattr(store.layout_keys, "meta")
+from claw_tasks.store.config import dropped_key
+r.set(dropped_key(ns), 1)
+getattr(store, "layout_keys")
+store.keys.meta(0, "id", 0)
+owned_key(ns, "done:b1")
+REJECTS = "{claw:rejects}:outcomes"
+importlib.import_module("claw_tasks.store.layout")
 store.owned_key("prio")
 d.keys()
 where.keys
+"The store's keys start with claw:"
 """
-    found = _layout_uses(ast.parse(source), _layout_names(), _key_builders())
-    lines = sorted({int(f.split(":")[0].removeprefix("line ")) for f in found})
-    assert lines == [2, 3, 4, 5, 6, 7, 8], found
+    uses = _layout_uses(ast.parse(source), _layout_names(), _key_builders(), _store_names())
+    lines = sorted({line for line, _ in uses})
+    assert lines == list(range(2, 23)), uses
 
 
 def test_only_the_store_knows_its_layout() -> None:
-    """No orchestrator module builds a store key or reads a layout constant: it asks the
-    store (``claw_tasks.store``) for arrays, so a layout change touches one package."""
-    layout_names, builders = _layout_names(), _key_builders()
+    """No module outside the store builds a store key, reads a layout constant or reaches
+    a store's key names: it asks the store (``claw_tasks.store``) for what it needs, so a
+    layout change touches one package."""
+    layout_names = _layout_names()
     assert {"Keys", "META_CHUNK_SLOTS", "SPARSE_CHUNK_SLOTS", "payload_chunk_slots"} <= (
         layout_names
     )
-    bad = []
-    for path in sorted((ROOT / "orchestrator").rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        bad += [
-            f"{rel} {use}"
-            for use in _layout_uses(ast.parse(path.read_text()), layout_names, builders)
-        ]
-    assert bad == []
+    assert "dropped_key" in layout_names
+    assert {"config", "dead", "done", "dict", "rdict", "dpend"} <= _store_names()
+    store = ROOT / "claw_tasks" / "store"
+    found = set()
+    for top in OUTSIDE_THE_STORE:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if store in path.parents:
+                continue
+            rel = path.relative_to(ROOT).as_posix()
+            tree = ast.parse(path.read_text())
+            uses = _layout_uses(tree, layout_names, _key_builders(), _store_names())
+            found |= {(rel, what) for _, what in uses}
+    assert sorted(found) == []
