@@ -270,7 +270,7 @@ def main() -> None:
                 rows.append((label, f"{m / dt:,.0f}", cpu.since(c0), f"{m:,} steps"))
                 r.flushdb()
 
-            if "naive" in parts:
+            if "naive" in parts and args.naive_steps > 0:
                 m = args.naive_steps
                 c0 = cpu.sample()
                 rate, per = hash_per_step(r, obs[:m])
