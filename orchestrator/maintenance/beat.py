@@ -9,7 +9,8 @@ theirs: a lasting error does not make every process rebuild the host's shared sa
 index on every tick), and once every namespace had its turn the task raises
 :class:`MaintenanceError` naming each failure, so Flower lists the run FAILED with them. A
 namespace dropped during its pass is forgotten (for every process of the host) and
-skipped: not a failure.
+skipped: not a failure (a ``NamespaceError`` of a namespace that still exists, a missing
+snapshot say, is one).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def each_namespace(
         try:
             out = work(store_for(ns))
         except Exception as e:
-            dropped = names is None and isinstance(e, NamespaceError)  # dropped meanwhile
+            # dropped meanwhile: a NamespaceError of a namespace that is gone (one more
+            # round trip, on failure only); any other (a missing snapshot, say) is a failure
+            dropped = names is None and isinstance(e, NamespaceError) and not _exists(ns)
             forget(ns, dropped=dropped)  # its next pass starts cold, from Redis
             if dropped:
                 continue
@@ -72,3 +75,10 @@ def each_namespace(
     if failed:
         raise MaintenanceError(what, failed, done)
     return done
+
+
+def _exists(namespace: str) -> bool:
+    try:
+        return store_for(namespace).exists()
+    except Exception:  # the store is unreachable: report the failure, do not skip it
+        return True

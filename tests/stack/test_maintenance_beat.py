@@ -16,6 +16,7 @@ from celery.utils.serialization import get_pickleable_exception
 
 from claw_tasks.settings import use_settings
 from claw_tasks.store import NamespaceDropped, Store
+from claw_tasks.store.snapshot_format import SnapshotError
 from claw_tasks.worker import context
 from orchestrator.maintenance.beat import MaintenanceError, each_namespace
 from orchestrator.recipe.model import Recipe
@@ -40,7 +41,7 @@ def test_every_namespace_has_its_turn_and_failures_are_raised_together(
 ):
     monkeypatch.setenv("CLAW_REDIS_URL", own_redis_url)
     use_settings()
-    for ns in ("a-fails", "b-works", "c-idle", "d-dropped"):
+    for ns in ("a-fails", "b-works", "c-idle", "d-dropped", "e-no-snapshot"):
         Store(own_redis_url, ns).create(capacity=10)
     parts = {ns: context.context_for(ns).part("test", Part) for ns in ("a-fails", "d-dropped")}
     seen = []
@@ -50,15 +51,21 @@ def test_every_namespace_has_its_turn_and_failures_are_raised_together(
         if store.namespace == "a-fails":
             raise ValueError("broken")
         if store.namespace == "d-dropped":
+            store.mark_dropped()  # by another process, during the pass
             raise NamespaceDropped(store.namespace)
+        if store.namespace == "e-no-snapshot":  # a NamespaceError of a namespace that exists
+            raise SnapshotError("no snapshot 'x'")
         return 7 if store.namespace == "b-works" else None
 
     with caplog.at_level(logging.ERROR), pytest.raises(MaintenanceError) as err:
         each_namespace("test pass", work)
-    assert seen == ["a-fails", "b-works", "c-idle", "d-dropped"]
-    assert err.value.failed == {"a-fails": "ValueError: broken"}
+    assert seen == ["a-fails", "b-works", "c-idle", "d-dropped", "e-no-snapshot"]
+    assert err.value.failed == {
+        "a-fails": "ValueError: broken",
+        "e-no-snapshot": "SnapshotError: no snapshot 'x'",
+    }
     assert err.value.done == {"b-works": 7}
-    assert "test pass failed in 1 namespace(s)" in str(err.value) and "a-fails" in str(err.value)
+    assert "test pass failed in 2 namespace(s)" in str(err.value) and "a-fails" in str(err.value)
     assert "test pass in a-fails failed" in caplog.text and "ValueError: broken" in caplog.text
     assert parts["a-fails"].closed == [False]  # starts cold here, the others keep theirs
     assert parts["d-dropped"].closed == [True]  # gone for every process
@@ -66,12 +73,12 @@ def test_every_namespace_has_its_turn_and_failures_are_raised_together(
         "a-fails": "a",
         "b-works": "b",
         "c-idle": "c",
-        "d-dropped": "d",
+        "e-no-snapshot": "e",
     }
     with pytest.raises(MaintenanceError) as err:  # asked for by name, it must exist
         each_namespace("test pass", lambda store: store.count(), ["b-works", "e-absent"])
     assert list(err.value.failed) == ["e-absent"] and err.value.done == {"b-works": 0}
-    for ns in ("a-fails", "b-works", "c-idle", "d-dropped"):
+    for ns in ("a-fails", "b-works", "c-idle", "d-dropped", "e-no-snapshot"):
         context.forget(ns, dropped=False)
 
 
@@ -113,6 +120,7 @@ def test_a_failing_pass_leaves_the_shared_index_valid(own_redis_url, monkeypatch
     assert np.fromfile(ctl, np.int64, 16)[H_DIRTY] == 0  # the others: still valid
 
     def dropped(store: Store) -> None:
+        store.mark_dropped()  # by another process, during the pass
         raise NamespaceDropped(store.namespace)
 
     sampling.sample("shared", recipe, redis_url=own_redis_url, rng=np.random.default_rng(0))
