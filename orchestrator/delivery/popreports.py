@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.delivery.lineage import LineageLog, Traced, record
-from orchestrator.delivery.registry import Registry
+from orchestrator.delivery.registry import POPPED, SKIPPED, WAIT_S, Registry
 
 LINEAGE_PENDING = 256
 """Lineage entries a client holds before it sends them without waiting for a pop."""
@@ -71,11 +71,11 @@ class PopReports:
         with self._counting:
             popped, skipped, waited = self._popped, self._skipped, self._waited
             self._popped, self._skipped, self._waited = {}, {}, {}
-        for counts, field in ((popped, "popped"), (skipped, "skipped")):
+        for counts, field in ((popped, POPPED), (skipped, SKIPPED)):
             for name, k in counts.items():
                 pipe.hincrby(self.registry.counters(name), field, k)
         for name, seconds in waited.items():  # claw_prefetch_wait_seconds_total
-            pipe.hincrbyfloat(self.registry.counters(name), "wait_s", seconds)
+            pipe.hincrbyfloat(self.registry.counters(name), WAIT_S, seconds)
         while True:  # popleft: entries appended meanwhile wait for the next pop
             try:
                 name, version, policy, ids, at = self._lineage.popleft()

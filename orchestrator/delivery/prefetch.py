@@ -30,7 +30,7 @@ from claw_tasks.worker.tasks import committed
 from orchestrator.delivery import rollouts, shm
 from orchestrator.delivery.augstats import RedisStats, namespace_stats
 from orchestrator.delivery.ratelimit import Room
-from orchestrator.delivery.registry import ACTIVE, Registry
+from orchestrator.delivery.registry import ACTIVE, PRODUCED, SAMPLED, Registry
 from orchestrator.delivery.samplestats import Observed
 from orchestrator.delivery.stages import Pipeline
 from orchestrator.recipe.model import Recipe
@@ -127,8 +127,8 @@ def push(
         pipe.rpush(queue, item)
         pipe.hget(reg.versions_key, name)
         pipe.exists(reg.recipe_key(name))
-        pipe.hincrby(counters, "produced", 1)
-        pipe.hincrby(counters, "sampled", rows)
+        pipe.hincrby(counters, PRODUCED, 1)
+        pipe.hincrby(counters, SAMPLED, rows)
         for k, v in counts.items():
             pipe.hincrbyfloat(counters, k, v)
         length, version, registered = pipe.execute()[:3]
@@ -151,8 +151,8 @@ def push(
         groups.release(reg.store, name, [claim])
     if taken:
         with reg.r.pipeline(transaction=False) as pipe:
-            pipe.hincrby(counters, "produced", -1)
-            pipe.hincrby(counters, "sampled", -rows)
+            pipe.hincrby(counters, PRODUCED, -1)
+            pipe.hincrby(counters, SAMPLED, -rows)
             for k, v in counts.items():
                 pipe.hincrbyfloat(counters, k, -v)
             pipe.execute()

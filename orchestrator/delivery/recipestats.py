@@ -12,7 +12,7 @@ from typing import Any
 
 from claw_tasks.store import Store
 from orchestrator.delivery import admission, ratelimit, samplestats
-from orchestrator.delivery.registry import Registry
+from orchestrator.delivery.registry import POPPED, PRODUCED, SAMPLED, SKIPPED, WAIT_S, Registry
 from orchestrator.delivery.rollout_state import State, read_state
 from orchestrator.recipe.options import RateLimit
 
@@ -86,7 +86,7 @@ def recipe_stats(
         if entry is None:
             continue
         rec, c = entry.recipe, registry.counts(n)
-        sampled = float(c.get("sampled", 0))
+        sampled = float(c.get(SAMPLED, 0))
         if rec.admission is not None and budget is None:
             budget = admission.state(store) or {}
         out[n] = RecipeStats(
@@ -94,14 +94,14 @@ def recipe_stats(
             reader_hosts=len(entry.reader_hosts),
             depth=int(store.r.llen(registry.queue(n))),
             max_depth=rec.prefetch.depth,
-            produced=int(c.get("produced", 0)),
-            popped=int(c.get("popped", 0)),
-            skipped=int(c.get("skipped", 0)),
+            produced=int(c.get(PRODUCED, 0)),
+            popped=int(c.get(POPPED, 0)),
+            skipped=int(c.get(SKIPPED, 0)),
             sampled_rows=int(sampled),
             inserted_steps=inserted,
             verdict=ratelimit.check(rec.rate_limit, inserted, sampled, rec.batch_size),
             state=str(c.get("state", "")),
-            wait_seconds=float(c.get("wait_s", 0)),
+            wait_seconds=float(c.get(WAIT_S, 0)),
             hit_rates=samplestats.hit_rates(c),
             sample_seconds=samplestats.histogram(c, "lat"),
             batch_rows=samplestats.histogram(c, "rows"),

@@ -42,6 +42,11 @@ class Entry:
         return next(iter(self.reader_hosts)) if len(self.reader_hosts) == 1 else None
 
 
+# Fields of a recipe's counters hash (Registry.counters): batches the fill made and the
+# rows they drew, batches trainers popped and skipped (stale), seconds trainers waited.
+PRODUCED, SAMPLED, POPPED, SKIPPED, WAIT_S = "produced", "sampled", "popped", "skipped", "wait_s"
+
+
 class Registry:
     """Recipe entries, queues, refill locks and prefetch counters of one namespace."""
 
@@ -64,6 +69,7 @@ class Registry:
         return self.store.owned_key(f"astats:{name}")
 
     def counters(self, name: str) -> str:
+        """Hash of a recipe's counters (the fields ``PRODUCED`` ... ``WAIT_S`` and ``state``)."""
         return self.store.owned_key(f"pstats:{name}")
 
     def readers(self, name: str) -> str:
@@ -226,7 +232,7 @@ class Registry:
         """One round trip: queue length, steps inserted, rows sampled, last fill state."""
         with self.r.pipeline(transaction=False) as pipe:
             pipe.llen(self.queue(name))
-            pipe.hmget(self.counters(name), ["sampled", "state"])
+            pipe.hmget(self.counters(name), [SAMPLED, "state"])
             self.store.queue_seqs(pipe)  # one GET per shard: a cluster has them apart
             length, (sampled, state), *seqs = pipe.execute()
         inserted = sum(int(v or 0) for v in seqs)

@@ -9,7 +9,7 @@ import redis
 
 from orchestrator.delivery import shm
 from orchestrator.delivery.collate import collate
-from orchestrator.delivery.registry import Entry, Registry
+from orchestrator.delivery.registry import PRODUCED, SAMPLED, Entry, Registry
 from orchestrator.delivery.rollout_state import Plan
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
@@ -43,8 +43,8 @@ def _push(
                 pipe.hget(reg.versions_key, name)
                 pipe.exists(reg.recipe_key(name))
                 pipe.hincrby(skey, "cursor", m)
-                pipe.hincrby(counters, "produced", m)
-                pipe.hincrby(counters, "sampled", recipe.batch_size * m)
+                pipe.hincrby(counters, PRODUCED, m)
+                pipe.hincrby(counters, SAMPLED, recipe.batch_size * m)
                 length, version, registered = pipe.execute()[:3]
                 break
             except redis.WatchError:
