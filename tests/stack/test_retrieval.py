@@ -185,6 +185,11 @@ def test_a_worker_restart_reuses_the_persisted_index(redis_url, expert, start_wo
     built(store, redis_url)
     keys = IndexKeys(store, "default")
     log_len, centroids = store.r.xlen(keys.log), store.r.hget(keys.head, "centroids")
+    # A run counts itself before it unlocks: killed in between, its lock would hold the
+    # second worker off for the lock's TTL. Kill it idle.
+    deadline = time.monotonic() + 60
+    while store.r.exists(keys.lock) and time.monotonic() < deadline:
+        time.sleep(0.05)
     first.kill()  # SIGKILL: nothing is flushed on the way out
 
     second = start_worker("maintenance")
