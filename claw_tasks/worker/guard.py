@@ -48,7 +48,7 @@ EVENT_HOLD_S = 0.05
 """How long the worker holds its task events before one message sends them all. Celery
 sends them on the next loop turn, ~3 PUBLISHes per task (received, started, succeeded);
 held this long, one carries all the tasks of the last 50 ms, which Flower still shows
-(docs/benchmarks.md, "Before/after: per-message costs of image ingest")."""
+(docs/benchmarks.md, "Per-message costs of image ingest")."""
 
 
 def _number_or_none(v: Any) -> bool:

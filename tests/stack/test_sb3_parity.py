@@ -1,5 +1,5 @@
 """ClawReplayBuffer against SB3's own ReplayBuffer: what SB3's buffer tests check (every
-space's dtypes, device, a full buffer) and one test per difference of issue 11 (reset,
+space's dtypes, device, a full buffer) and one test per difference between the two (reset,
 default namespace, pickling, seed and the deterministic mode, optimize_memory_usage,
 close on GC/exit), over real Redis and Celery workers."""
 

@@ -3,7 +3,7 @@ layout (store on Redis db 0, broker on db 1 of the same server) and RabbitMQ. Ea
 component is configured the way an operator configures it — ``CLAW_REDIS_URL`` and
 ``CLAW_BROKER_URL`` in its environment, or the store URL alone in code — and the test
 asserts its work arrives: steps committed, batches served. A component that sends to the
-store's server instead (the gateway did: issue 19) sends to a broker no worker reads."""
+store's server instead sends to a broker no worker reads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ingest trust boundary, one test per finding of issue 8: hostile messages published
+"""The ingest trust boundary, one test per kind of finding: hostile messages published
 straight to the queue, and bad values through the public client."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ingest trust boundary, round two (issue 20, items 1-5): values that overflow when
+"""The ingest trust boundary, round two: values that overflow when
 stored, refused messages that still changed the schema, concurrent deliveries that lost
 their outcome, float or bool format versions (the decompression budget, which needs a
 worker of its own, is in ``test_trust_limits``).
