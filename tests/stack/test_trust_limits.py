@@ -1,5 +1,6 @@
 """Ingest limits that need a worker of their own (its settings differ): decompression
-bombs stop at the frame header, and the budget holds for a whole message; dead letters are capped in bytes."""
+bombs stop at the frame header, and the budget holds for a whole message; dead letters
+are capped in bytes."""
 
 from __future__ import annotations
 
