@@ -385,10 +385,6 @@ class SamplingIndex:
         for col in new:
             self.columns[col] = np.concatenate([p[col] for p in parts])
 
-    def free_tags(self) -> dict[str, str]:
-        """The schema's free tags (name -> 'str' | 'num'); none before the first step."""
-        return dict(self.schema.tags) if self.schema else {}
-
     def payload_fields(self) -> dict[str, int]:
         """The mirrored payload columns (``f:<field>``) and their row bytes."""
         if self.schema is None or self.payload_bytes <= 0:
