@@ -262,3 +262,16 @@ def test_restore_brings_the_archives_snapshots_back(redis_url, namespace, tmp_pa
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output[res.output.index("{") :])
     assert [s["skipped"] is not None for s in doc["snapshots"]] == [True, True]
+
+
+def test_a_snapshot_name_with_a_final_newline_is_refused(redis_url, namespace):
+    """The attack: ``claw snapshot NS $'x\\n'`` passed a ``^...$`` check and was stored
+    as a snapshot named ``x\\n``. It is a one-line error, nothing stored."""
+    store, _ = _fill(redis_url, namespace, episodes=2, length=5)
+    for name in ("x\n", "x\r\n", "\nx"):
+        res = CliRunner().invoke(app, ["--redis-url", redis_url, "snapshot", namespace, name])
+        assert res.exit_code == 1, res.output
+        assert "snapshot name" in res.output and "Traceback" not in res.output
+        with pytest.raises(SnapshotError, match="snapshot name"):
+            store.snapshot(name)
+    assert store.snapshots() == []
