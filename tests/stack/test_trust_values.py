@@ -181,3 +181,30 @@ def test_a_ragged_field_of_empty_rows_commits(redis_url, namespace, r, ingest_wo
     assert stats.get("committed") == 1 and not stats.get("dead"), stats
     got = Store(redis_url, namespace).episode("empty")
     assert [row.shape for row in got["obs"]] == [(0, 4), (0, 4)]
+
+
+def test_rollout_tags_are_checked_in_float32_where_they_are_used(
+    redis_url, namespace, r, ingest_worker, pub
+):
+    """The attack: ``value=1e300`` is finite in float64 (numeric tags' stored type), but
+    a rollout's GAE runs in float32: the served minibatch had returns/value inf, log_prob
+    -inf and every advantage 0. Rollout tags are refused unless NaN or finite in float32,
+    other numeric tags as float64."""
+    _fill(redis_url, namespace, 1)
+    b = raw_batch(5, episode="ro")
+    b.nums = {
+        "t:value": np.array([1e300, 0.5, 0.5, 0.5, 0.5]),
+        "t:log_prob": np.array([-0.5, -1e39, -0.5, -0.5, -0.5]),
+        "t:bootstrap_value": np.array([np.nan, np.nan, np.inf, np.nan, 1.0]),
+        "t:score": np.array([1e300, 1e300, 1e300, 1e300, 1e300]),  # float64: fine
+    }
+    before = outcomes(r, namespace)
+    stats = _send(pub, r, namespace, (b.batch_id, b.encode()))
+    assert stats.get("partial", 0) == before.get("partial", 0) + 1
+    got = Store(redis_url, namespace).episode("ro")
+    assert got["step_index"].tolist() == [3, 4]
+    assert got["tags.value"].tolist() == [0.5, 0.5] and got["tags.score"][0] == 1e300
+    reason = _letters(r, Keys(namespace).dead)[-1][b"reason"].decode()
+    for tag in ("value", "log_prob", "bootstrap_value"):
+        assert f"tag '{tag}'" in reason, reason
+    assert "float32" in reason
