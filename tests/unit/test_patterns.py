@@ -7,6 +7,7 @@ values."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,48 @@ def test_validators_take_their_names() -> None:
     assert NUMBER.fullmatch("-1.5") and not NUMBER.fullmatch("1\n")
     assert duration("30s") == 30 and duration("30s\n") is None
     assert parse_key(b"claw:{abc:3}:m:id:0") is not None
+
+
+SECRET = re.compile(r"\b(csrf|password|passwd|secret|api_key|token)\b", re.I)
+AUTH_CODE = ("orchestrator/web", "orchestrator/gateway", "orchestrator/cli/exporter.py")
+
+
+def _secret_comparisons(path: Path, root: Path = ROOT) -> list[str]:
+    """``==`` / ``!=`` whose operands name a secret (a token, password, CSRF value): such a
+    comparison takes longer the more leading characters match."""
+    text = path.read_text()
+    found = []
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.Compare) and any(
+            isinstance(op, ast.Eq | ast.NotEq) for op in node.ops
+        ):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Constant) and o.value is None for o in operands):
+                continue  # "is it given at all" is not a comparison of its value
+            src = ast.get_source_segment(text, node) or ""
+            if SECRET.search(src):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {src}")
+    return found
+
+
+def test_secrets_are_compared_in_constant_time() -> None:
+    paths = sorted(
+        p
+        for part in AUTH_CODE
+        for p in ((ROOT / part).rglob("*.py") if (ROOT / part).is_dir() else [ROOT / part])
+    )
+    offenders = [hit for p in paths for hit in _secret_comparisons(p)]
+    assert offenders == [], "compare secrets with hmac.compare_digest (as bytes):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_secret_scan_finds_an_equality(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def f(form, session, token, expected):\n"
+        '    if form.get("csrf") != session.csrf:\n'
+        "        return token == expected\n"
+        "    return token is None or len(tokens) == 3\n"
+    )
+    assert len(_secret_comparisons(probe, tmp_path)) == 2
