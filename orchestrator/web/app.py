@@ -397,10 +397,12 @@ class WebApp:
     async def snapshots(self, request: Request, session: Session) -> Response:
         ns = request.path_params["ns"]
         try:
-            rows = await _run(self.inspector.snapshots, ns)
+            compare = request.query_params.get("compare") or None
+            rows = await _run(self.inspector.snapshots, ns, compare)
         except NamespaceError as e:
             return self.error(request, session, 404, str(e))
-        return self.render(request, session, "snapshots.html", {"ns": ns, "rows": rows})
+        context = {"ns": ns, "rows": rows, "compare": compare}
+        return self.render(request, session, "snapshots.html", context)
 
 
 async def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
