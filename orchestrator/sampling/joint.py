@@ -10,10 +10,11 @@ joint row's priority is its anchor's (``update_priorities(batch.ids, ...)`` sets
 other agents' records keep their own, for per-agent views).
 
 An anchor is a candidate only while its joint step is *complete*: every record it counted
-(``joint_agents``) is alive, each of a different agent. A record evicted (retention, the
-ring, by hand), or two records naming one agent, make a joint step *partial*, and a
-partial joint step is never served (not masked): a joint row's agents are all that were
-there. :attr:`JointTable.partial` counts them (``batch.meta["joint"]``).
+(``joint_agents``) is alive, each of a different agent, and it is the step's one anchor. A
+record evicted (retention, the ring, by hand), two records naming one agent, or two
+anchors make a joint step *partial*, and a partial joint step is never served (not
+masked): a joint row's agents are all that were there. :attr:`JointTable.partial` counts
+them (``batch.meta["joint"]``).
 The fetch checks every member record along with the anchor, so one evicted between the
 draw and the read makes the batch be drawn again.
 
@@ -167,7 +168,8 @@ class JointTable:
         anchor[g[is_anchor][::-1]] = rows[is_anchor][::-1]  # the first, should there be two
         counted = np.full(n_steps, np.nan)
         counted[g[is_anchor]] = need[is_anchor]
-        complete = (anchor >= 0) & (count == counted) & ~_repeats_agent(columns, rows, g, n_steps)
+        one_anchor = np.bincount(g[is_anchor], minlength=n_steps) == 1
+        complete = one_anchor & (count == counted) & ~_repeats_agent(columns, rows, g, n_steps)
         flags = columns["flags"][rows]
         trainable = (
             np.logical_and.reduceat((flags & UNTRAINABLE) == 0, start) if n_steps else complete
