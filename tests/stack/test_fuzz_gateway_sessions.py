@@ -243,6 +243,7 @@ def test_fuzz_session_routes(gw):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_fuzz_session_routes_long(gw):
     counts = _storm(gw, 400)
     print(f"session fuzz: {counts}")
