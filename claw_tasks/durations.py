@@ -13,7 +13,7 @@ UNITS: dict[str, int] = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 """Seconds per unit."""
 
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
-_TOKEN = re.compile(rf"^(-?{_NUMBER})([smhdw])$")
+_TOKEN = re.compile(rf"(-?{_NUMBER})([smhdw])")
 _PART = re.compile(rf"({_NUMBER})\s*([smhdw]?)")
 HINT = "use e.g. 90s, 15m, 12h, 7d, 2w"
 
@@ -25,7 +25,7 @@ class DurationError(ValueError):
 def duration(text: str) -> int | float | None:
     """Seconds of one duration token like ``30s``, ``1.5h`` or ``-7d`` (the where
     language's values); None if ``text`` is not one."""
-    m = _TOKEN.match(text)
+    m = _TOKEN.fullmatch(text)
     if m is None:
         return None
     seconds = float(m.group(1)) * UNITS[m.group(2)]

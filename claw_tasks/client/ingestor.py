@@ -33,7 +33,7 @@ from claw_tasks.client.checks import (
 from claw_tasks.client.columns import StepColumns
 from claw_tasks.client.episode import Episode
 from claw_tasks.client.sending import FlushResult, Inflight
-from claw_tasks.format.batch import STR_META, StepBatch, info_problem
+from claw_tasks.format.batch import STR_META, StepBatch, as_stored, info_problem, tag_value_problem
 from claw_tasks.format.schema import MAX_STEP_BYTES, Schema, SchemaError
 from claw_tasks.format.turns import prompt_key, turn_fields, turn_info
 from claw_tasks.settings import get_settings
@@ -356,13 +356,21 @@ class Ingestor(Buffering):
                 schema = self.store.ensure_schema(schema.with_codecs(self.codecs))
             self.schema = schema
         check_fields(schema, fields, where)
-        r = float(reward)
-        if not np.isfinite(r):
-            raise SchemaError(f"{where}: reward is {r} (must be finite)")
+        # Each value is checked in the type it is stored and used in (float32 for the
+        # reward, the priority and the rollout tags), before anything is buffered.
+        r = _float(reward, f"{where}: reward")
+        if not np.isfinite(as_stored(np.array([r]), np.float32))[0]:
+            raise SchemaError(f"{where}: reward is {r} (must be finite as float32)")
         if priority is not None:
-            priority = float(priority)
-            if not (np.isfinite(priority) and priority >= 0):
-                raise SchemaError(f"{where}: priority is {priority} (must be finite and >= 0)")
+            priority = _float(priority, f"{where}: priority")
+            p32 = as_stored(np.array([priority]), np.float32)[0]
+            if not (np.isfinite(p32) and priority >= 0):
+                raise SchemaError(
+                    f"{where}: priority is {priority} (must be finite and >= 0 as float32)"
+                )
+        for name, v in tags.items():
+            if not isinstance(v, str) and (problem := tag_value_problem(name, v)) is not None:
+                raise SchemaError(f"{where}: {problem}")
         check_int32(step_index, f"{where}: step_index")
         nbytes = sum(a.nbytes for a in fields.values())
         if nbytes > self.max_step_bytes:
@@ -412,3 +420,12 @@ class Ingestor(Buffering):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _float(value: Any, what: str) -> float:
+    """``value`` as a float; a one-line SchemaError naming ``what`` when it is not a number
+    (or an int past float64)."""
+    try:
+        return float(value)
+    except (OverflowError, TypeError, ValueError):
+        raise SchemaError(f"{what} is {str(value)[:40]!r} (must be a finite number)") from None

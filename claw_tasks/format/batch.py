@@ -22,7 +22,14 @@ from claw_tasks.format.arrays import (
 )
 from claw_tasks.format.columns import FieldValue, Placed, Ragged, StrColumn
 from claw_tasks.format.encoded import Encoded
-from claw_tasks.format.schema import MAX_STEP_BYTES, FieldSpec, Schema, SchemaError, tag_name
+from claw_tasks.format.schema import (
+    MAX_STEP_BYTES,
+    ROLLOUT_TAGS,
+    FieldSpec,
+    Schema,
+    SchemaError,
+    tag_name,
+)
 
 STR_META = ("agent_id", "task_id", "skill_tag", "reward_source")
 FORMAT_VERSION = 1
@@ -144,9 +151,11 @@ class StepBatch:
             bad = ~np.isnan(p) & ~(np.isfinite(p) & (p >= 0))
             add(bad, lambda i: f"priority is {sent_p[i]} (must be finite and >= 0 as float32)")
         for col, v in self.nums.items():
-            bad = ~np.isnan(v) & ~np.isfinite(as_stored(v, np.float64))
-            tag = tag_name(col)
-            add(bad, lambda i, v=v, t=tag: f"tag '{t}' is {v[i]} (NaN or finite as float64)")
+            tag = tag_name(col) or col
+            dtype = tag_dtype(tag)
+            bad = ~np.isnan(v) & ~np.isfinite(as_stored(v, dtype))
+            kind = np.dtype(dtype).name
+            add(bad, lambda i, v=v, t=tag, k=kind: f"tag '{t}' is {v[i]} (NaN or finite as {k})")
         for name, col in (("step_index", self.step_index), ("policy_version", self.policy_version)):
             if col is not None:
                 bad = (col < 0) | (col >= STEP_INDEX_LIMIT)
@@ -320,6 +329,26 @@ def as_stored(col: np.ndarray, dtype: type[np.floating]) -> np.ndarray:
     """A float column cast to the type it is stored as (overflow becomes inf, checked after)."""
     with np.errstate(over="ignore"):
         return col.astype(dtype)
+
+
+def tag_dtype(tag: str) -> type[np.floating]:
+    """The type a numeric tag's values are used in, so the type they are checked in:
+    float32 for the rollout tags (GAE and V-trace run in float32), float64 (as stored) for
+    the others."""
+    return np.float32 if tag in ROLLOUT_TAGS else np.float64
+
+
+def tag_value_problem(tag: str, value: Any) -> str | None:
+    """Why a numeric tag's value cannot be stored and used (NaN or finite in
+    :func:`tag_dtype`), or None."""
+    dtype = tag_dtype(tag)
+    try:
+        x = float(value)
+    except (OverflowError, TypeError, ValueError):
+        x = float("inf")
+    if np.isnan(x) or np.isfinite(as_stored(np.array([x]), dtype))[0]:
+        return None
+    return f"tag '{tag}' is {str(value)[:40]} (NaN or finite as {np.dtype(dtype).name})"
 
 
 def check_batch_id(batch_id: Any) -> str:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import redis
 
-_KEY = re.compile(rb"^claw:\{([^{}:]+)(?::(\d+))?\}:(.*)$", re.S)
+from claw_tasks.format.names import NAMESPACE
+
+_KEY = re.compile(rb"claw:\{([^{}:]+)(?::(\d+))?\}:(.*)", re.S)
 SCAN_COUNT = 1000
 
 
@@ -25,14 +27,16 @@ class NamespaceKey:
 
 def parse_key(key: bytes) -> NamespaceKey | None:
     """The namespace, shard and name of a Claw key; None for other keys, and for a key
-    whose namespace is not UTF-8 (no namespace is named so: a foreign key, which must not
-    stop the loops over every namespace)."""
-    m = _KEY.match(key)
+    whose namespace is not UTF-8 or not a namespace name (no namespace is named so: a
+    foreign key, which must not stop the loops over every namespace)."""
+    m = _KEY.fullmatch(key)
     if m is None:
         return None
     try:
         namespace = m.group(1).decode()
     except UnicodeDecodeError:
+        return None
+    if not NAMESPACE.fullmatch(namespace):
         return None
     shard = None if m.group(2) is None else int(m.group(2))
     return NamespaceKey(namespace, shard, m.group(3).decode(errors="replace"), key)

@@ -18,7 +18,8 @@ from claw_tasks.store.config import NamespaceConfig, NamespaceError
 from claw_tasks.store.labels import Labels
 from claw_tasks.store.layout import STR_TAG_DTYPE
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+"""A snapshot name (used with ``fullmatch``: ``$`` would pass a final newline)."""
 NOW = "now"
 """Not a snapshot name: the namespace as it is (``claw diff NS A now``)."""
 COLUMN_DTYPES = {"flags": np.dtype("u1"), "quality": STR_TAG_DTYPE, "priority": np.dtype("<u4")}
@@ -47,7 +48,7 @@ class SnapshotInfo:
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME.match(name) or name == NOW:
+    if not isinstance(name, str) or not NAME.fullmatch(name) or name == NOW:
         raise SnapshotError(
             f"snapshot name {name!r}: letters, digits, '_', '.', '-' (up to 128, not {NOW!r})"
         )

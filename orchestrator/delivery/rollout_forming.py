@@ -134,6 +134,12 @@ def sweep(reg: Registry, recipe: Recipe, target: int, form: bool) -> Plan | str:
                 plan = None
                 if taken is not None:
                     est = estimate(taken, ro, recipe.gamma, score(reg, recipe, taken))
+                if taken is not None and not _finite32(est.advantages, est.returns):
+                    # each input is finite in float32; their sums overflowed it: never
+                    # served, counted with the stale steps
+                    sel = sel._replace(stale=np.concatenate([sel.stale, taken.ids]))
+                    taken = None
+                if taken is not None:
                     seed = (
                         recipe.seed
                         if recipe.seed is not None
@@ -188,3 +194,9 @@ def _waiting(recipe: Recipe, target: int, ready: int, waiting: int, st: State, n
         f"waiting for rollout of {ro.version_param} {versions}: {ready} of {ro.steps} steps "
         f"ready{more}{since}"
     )
+
+
+def _finite32(*arrays: np.ndarray) -> bool:
+    """Whether every value is finite once cast to float32 (what a minibatch carries)."""
+    with np.errstate(over="ignore"):
+        return all(bool(np.isfinite(a.astype(np.float32)).all()) for a in arrays)

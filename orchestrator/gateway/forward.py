@@ -95,16 +95,34 @@ class Forwarder:
         self.upstream = upstream
 
     async def _admit(
-        self, principal: Principal, trajectories: tuple[str, ...], group: str | None
+        self, principal: Principal, trajectories: tuple[str, ...], group: str | None, split: int
     ) -> str | None:
         """The gate's verdict as a refusal, or the call's group (a session's by default)."""
-        verdict = await self.gate.enter(principal, trajectories, group)
+        verdict = await self.gate.enter(principal, trajectories, group, split)
         if verdict.status == "ok":
             if verdict.session is not None and group is None:
                 return verdict.session.group
             return group
         if verdict.status == "bad_key":
             raise unauthorized("CLAW_GATEWAY_TOKEN or a session key")
+        if verdict.status == "ended":
+            raise Refused(
+                error(
+                    409,
+                    f"trajectory {principal.session!r} has its reward: its session key "
+                    "opens nothing more",
+                    "invalid_request_error",
+                    "session_ended",
+                )
+            )
+        if verdict.status == "not_choice":
+            made = verdict.session.choices if verdict.session else 0
+            raise Refused(
+                forbidden(
+                    f"trajectory {trajectories[0]!r} is not a choice of this session's "
+                    f"n > 1 calls (they made {made})"
+                )
+            )
         if verdict.status == "bad_group":
             want = verdict.session.group if verdict.session else None
             raise Refused(forbidden(f"this session key is scoped to group {want!r}"))
@@ -205,11 +223,12 @@ class Forwarder:
         trajectories = choice_trajectories(traj, n)
         if n > 1 and group is None and principal.session is None:
             group = traj  # n samples of one prompt: one group, named by the call
-        group = await self._admit_call(principal, trajectories, group)
+        split = n if n > 1 and principal.session is not None else 0
+        group = await self._admit_call(principal, trajectories, group, split)
         return _Incoming(traj, group, kind, payload, body, tags, trajectories)
 
     async def _admit_call(
-        self, principal: Principal, trajectories: tuple[str, ...], group: str | None
+        self, principal: Principal, trajectories: tuple[str, ...], group: str | None, split: int
     ) -> str | None:
         """``trajectories`` admitted by the recorder and the gate (refunded when the gate
         refuses): the call's group, or :class:`Refused`."""
@@ -218,7 +237,7 @@ class Forwarder:
         except TrajectoryError as e:
             raise Refused(error(409, str(e), "invalid_request_error", "trajectory")) from None
         try:
-            return await self._admit(principal, trajectories, group)
+            return await self._admit(principal, trajectories, group, split)
         except Refused:
             self.recorder.refund(trajectories)
             raise

@@ -24,7 +24,7 @@ import os
 import random
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from redis.exceptions import NoScriptError
@@ -65,30 +65,48 @@ def key_hash(key: str) -> str:
 @dataclass(frozen=True)
 class Principal:
     """Who calls: the shared agent token (``session`` None: any trajectory), or a session
-    key, scoped to trajectory ``session`` (and the choices ``session~i`` of its n > 1
-    calls)."""
+    key, scoped to trajectory ``session`` and the choices ``session~i`` of its own n > 1
+    calls (which ones the gate checks: :attr:`SessionInfo.choices`)."""
 
     session: str | None = None
     keyhash: str = ""
 
     def allows(self, trajectory_uid: str) -> bool:
+        """Whether the id may be this key's at all: its trajectory, or a choice of it."""
         s = self.session
-        if s is None or trajectory_uid == s:
-            return True
+        return s is None or trajectory_uid == s or self.choice(trajectory_uid) is not None
+
+    def choice(self, trajectory_uid: str) -> int | None:
+        """i when ``trajectory_uid`` is ``session~i`` (i as a split writes it), else None."""
         head, sep, tail = trajectory_uid.rpartition("~")
-        return bool(sep) and head == s and tail.isdigit()
+        if not sep or head != self.session or not tail.isdigit() or tail != str(int(tail)):
+            return None
+        return int(tail)
+
+    def choices_needed(self, trajectories: tuple[str, ...]) -> int:
+        """How many choices of the session a call of ``trajectories`` needs granted (the
+        highest choice index + 1; 0 when it names only the session's own trajectory)."""
+        return max((i + 1 for t in trajectories if (i := self.choice(t)) is not None), default=0)
 
 
 @dataclass(frozen=True)
 class SessionInfo:
+    """A session as its trajectory's hash says: its group, whether the key may post the
+    reward, how many choices its n > 1 calls made (``S~0 .. S~(choices-1)`` are its), and
+    whether the trajectory's reward was posted (``ended``: the key opens nothing more)."""
+
     group: str | None
     may_reward: bool
+    choices: int = 0
+    ended: bool = False
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """``status``: ``ok``, ``refused`` (over budget after waiting), ``bad_key`` or
-    ``bad_group``; ``session`` the key's session (when one was checked)."""
+    """``status``: ``ok``, ``refused`` (over budget after waiting), ``bad_key``,
+    ``bad_group``, ``ended`` (the session's trajectory was rewarded) or ``not_choice`` (a
+    choice no n > 1 call of the session made); ``session`` the key's session (when one
+    was checked)."""
 
     status: str
     session: SessionInfo | None = None
@@ -130,7 +148,8 @@ class Gate:
         )
         self.fast = resp.connect(redis_url, store_timeout)  # the response path's, if it can
         self._admitted: LRU[str, bool] = LRU(max_entries)
-        self._keys: LRU[tuple[str | None, str], tuple[float, SessionInfo]] = LRU(max_entries)
+        # a session's trajectory -> (its key's hash, when checked, what the check said)
+        self._keys: LRU[str, tuple[str, float, SessionInfo]] = LRU(max_entries)
         self._fixed = [admission.admission_key(store), admission.log_key(store)]
         self._open = admission.open_key(store)
         self._url = redis_url
@@ -237,44 +256,70 @@ class Gate:
                 log.warning("admission: expiring open trajectories failed: %s", e)
 
     def _known_key(self, principal: Principal) -> SessionInfo | None:
-        got = self._keys.find((principal.session, principal.keyhash))
-        if got is None or time.monotonic() - got[0] > KEY_RECHECK_S:
+        assert principal.session is not None
+        got = self._keys.find(principal.session)
+        if got is None or got[0] != principal.keyhash or time.monotonic() - got[1] > KEY_RECHECK_S:
             return None
-        return got[1]
+        return got[2]
 
-    async def session(self, principal: Principal) -> SessionInfo | None:
-        """The session of a key (checked at most every ``KEY_RECHECK_S``), None if the key
+    def ended(self, trajectory_uid: str) -> None:
+        """The reward of ``trajectory_uid`` was posted here: a key of its session that this
+        process trusts opens nothing more from now on (other processes learn it when they
+        check the key again, within ``KEY_RECHECK_S``)."""
+        got = self._keys.find(trajectory_uid)
+        if got is not None:
+            self._keys.put(trajectory_uid, (got[0], got[1], replace(got[2], ended=True)))
+
+    async def session(self, principal: Principal, choices: int = 0) -> SessionInfo | None:
+        """The session of a key (checked at most every ``KEY_RECHECK_S``, and again when
+        the check this process trusts does not grant ``choices`` choices), None if the key
         is not valid (wrong, or its trajectory's state expired)."""
         assert principal.session is not None
         known = self._known_key(principal)
-        if known is not None:
+        if known is not None and known.choices >= choices:
             return known
         verdict = await self._run(principal, "", (), first=True, last=False)
-        return verdict.session if verdict.status == "ok" else None
+        return verdict.session if verdict.status in ("ok", "ended") else None
 
     async def enter(
-        self, principal: Principal, trajectories: tuple[str, ...], group: str | None
+        self,
+        principal: Principal,
+        trajectories: tuple[str, ...],
+        group: str | None,
+        split: int = 0,
     ) -> Verdict:
-        """Pass a call of ``trajectories`` in ``group``: check its key, admit what is new."""
-        known = self._known_key(principal) if principal.session is not None else None
-        if principal.session is not None and known is not None and group is None:
+        """Pass a call of ``trajectories`` in ``group``: check its key, admit what is new.
+        ``split``: n when the call is an n > 1 call of the session's trajectory (it makes
+        choices ``0 .. n-1`` the key's)."""
+        session = principal.session is not None
+        known = self._known_key(principal) if session else None
+        if known is not None and (
+            known.ended or known.choices < max(split, principal.choices_needed(trajectories))
+        ):
+            known = None  # what the key may do here is the script's to say
+        if session and known is not None and group is None:
             group = known.group
-        if principal.session is not None and known is not None and group != known.group:
+        if session and known is not None and group != known.group:
             return Verdict("bad_group", known)
         new = tuple(t for t in trajectories if t not in self._admitted) if self.enabled else ()
-        if (principal.session is None or known is not None) and not new:
+        if (not session or known is not None) and not new:
             return Verdict("ok", known)
-        if principal.session is None and self.no_budget_known:
+        if not session and self.no_budget_known:
             for t in new:  # no budget: admitted, not counted (what the script would do)
                 self._admitted.put(t, True)
             return Verdict("ok", None)
         if self._sweeper is None and self.enabled and self.sweep_s > 0:
             self._sweeper = asyncio.create_task(self._sweep_forever())
+        need = principal.choices_needed(trajectories)
+        if session and not new:
+            new = trajectories[:0]  # a key check only, with the choices the call needs
         deadline = time.monotonic() + self.wait
         pause, first = _POLL_S[0], True
         while True:
             last = time.monotonic() >= deadline
-            verdict = await self._run(principal, group or "", new, first=first, last=last)
+            verdict = await self._run(
+                principal, group or "", new, first=first, last=last, split=split, need=need
+            )
             if verdict.status != "refused":
                 if verdict.status == "ok" and first is False:
                     verdict = Verdict("ok", verdict.session, True, verdict.budget)
@@ -307,6 +352,8 @@ class Gate:
         *,
         first: bool,
         last: bool,
+        split: int = 0,
+        need: int = 0,
     ) -> Verdict:
         session_uid = principal.session or (trajectories[0] if trajectories else "-")
         keys = [
@@ -326,6 +373,8 @@ class Gate:
             admission.LOG_ENTRIES,
             self.ttl,
             self.expiry,
+            split,
+            need,
             *trajectories,
         ]
         reply = await self.script(admission.SCRIPT, keys, args)
@@ -338,14 +387,11 @@ class Gate:
         info = None
         if principal.session is not None and status != -2:
             sgroup = reply[3].decode() if isinstance(reply[3], bytes) else str(reply[3])
-            info = SessionInfo(sgroup or None, bool(int(reply[4])))
-            self._keys.put((principal.session, principal.keyhash), (time.monotonic(), info))
-        if status == -2:
-            return Verdict("bad_key", None, budget=budget)
-        if status == -3:
-            return Verdict("bad_group", info, budget=budget)
-        if status == 0:
-            return Verdict("refused", info, budget=budget)
+            info = SessionInfo(sgroup or None, bool(int(reply[4])), int(reply[6]), status == -4)
+            self._keys.put(principal.session, (principal.keyhash, time.monotonic(), info))
+        refusal = {-2: "bad_key", -3: "bad_group", -4: "ended", -5: "not_choice", 0: "refused"}
+        if status in refusal:
+            return Verdict(refusal[status], None if status == -2 else info, budget=budget)
         for t in trajectories:
             self._admitted.put(t, True)
         if budget >= 0 and int(reply[5]):

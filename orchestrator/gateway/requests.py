@@ -17,16 +17,18 @@ from starlette.responses import JSONResponse
 
 from orchestrator.gateway.gate import SESSION_PREFIX, Principal, key_hash
 
-UID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
+# Every pattern is used with ``fullmatch``: ``$`` would also match before a final newline.
+UID = re.compile(r"[A-Za-z0-9._:@+=-]{1,200}")
 """Trajectory and group ids agents choose."""
-TRAJECTORY = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}(~[0-9]{1,4})?$")
-"""A trajectory id in a path or header: an agent's, or choice i of an n > 1 call (``T~i``)."""
-CALL_ID = re.compile(r"^[0-9a-f]{16}$")
+TRAJECTORY = re.compile(r"[A-Za-z0-9._:@+=-]{1,200}(~(0|[1-9][0-9]{0,3}))?")
+"""A trajectory id in a path or header: an agent's, or choice i of an n > 1 call (``T~i``,
+i written as :func:`~orchestrator.gateway.calls.choice_trajectories` writes it)."""
+CALL_ID = re.compile(r"[0-9a-f]{16}")
 CALL_ID_HEADER = "x-claw-call-id"
 """The reply header naming the call (its interaction id, for rewards by call)."""
-TAG_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
+TAG_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 MAX_TAGS = 8
-NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
+NUMBER = re.compile(r"-?\d+(\.\d+)?")
 
 
 def error(
@@ -99,7 +101,7 @@ def caller(request: Request, shared: tuple[str, ...], which: str) -> Principal:
     key = sent.decode("latin-1")
     if key.startswith(SESSION_PREFIX):
         traj, sep, secret = key[len(SESSION_PREFIX) :].rpartition("~")
-        if sep and UID.match(traj) and 16 <= len(secret) <= 128:
+        if sep and UID.fullmatch(traj) and 16 <= len(secret) <= 128:
             return Principal(traj, key_hash(key))
     raise unauthorized(which)
 
@@ -151,7 +153,7 @@ def identity(request: Request, principal: Principal | None = None) -> tuple[str,
             )
         )
     for what, v, rule in (("trajectory", traj, TRAJECTORY), ("group", group, UID)):
-        if v is not None and not rule.match(v):
+        if v is not None and not rule.fullmatch(v):
             raise Refused(
                 error(
                     400,
@@ -178,7 +180,7 @@ def tags_of(request: Request) -> dict[str, Any]:
     tags: dict[str, Any] = {}
     for part in raw.split(","):
         name, sep, value = (s.strip() for s in part.partition("="))
-        if not sep or not TAG_NAME.match(name) or not value or len(value) > 200:
+        if not sep or not TAG_NAME.fullmatch(name) or not value or len(value) > 200:
             raise Refused(
                 error(
                     400,
@@ -188,7 +190,7 @@ def tags_of(request: Request) -> dict[str, Any]:
                     "bad_tags",
                 )
             )
-        tags[name] = float(value) if NUMBER.match(value) else value
+        tags[name] = float(value) if NUMBER.fullmatch(value) else value
     if len(tags) > MAX_TAGS:
         raise Refused(error(400, f"at most {MAX_TAGS} tags", "invalid_request_error", "bad_tags"))
     return tags
@@ -212,7 +214,7 @@ def session_body(body: dict[str, Any], max_ttl: int) -> tuple[str, str | None, b
         traj = f"s-{secrets.token_hex(12)}"
     group = body.get("group")
     for what, v in (("trajectory", traj), ("group", group)):
-        if v is not None and (not isinstance(v, str) or not UID.match(v)):
+        if v is not None and (not isinstance(v, str) or not UID.fullmatch(v)):
             raise Refused(
                 error(
                     400,
@@ -282,7 +284,7 @@ def reward_body(
                 )
             )
         for k in calls:
-            if not CALL_ID.match(k):
+            if not CALL_ID.fullmatch(k):
                 raise Refused(
                     error(
                         400,

@@ -65,33 +65,50 @@ class TrajectoryRoutes:
         c = self.config
         return tuple(dict.fromkeys([c.reward_token or c.token, self.admin_token]))
 
-    async def _scorer_or_session(self, request: Request, reward: bool) -> Principal:
-        """A reward post's or a read's caller: a scorer token, or a session key (a reward
-        with a key created with ``"reward": false`` is refused)."""
+    async def _scorer_or_session(self, request: Request, reward: bool) -> tuple[str, Principal]:
+        """A reward post's or a read's trajectory and caller: a scorer token, or a session
+        key for its trajectory or one of its choices (a reward with a key created with
+        ``"reward": false``, or of a choice once the session's trajectory has its reward, is
+        refused)."""
         principal = caller(request, self._scorers, "CLAW_GATEWAY_REWARD_TOKEN (or a session key)")
+        traj, _ = identity(request, principal)
         if principal.session is None:
-            return principal
+            return traj, principal
+        choice = principal.choice(traj)
         try:
-            info = await self.gate.session(principal)
+            info = await self.gate.session(principal, 0 if choice is None else choice + 1)
         except Exception as e:
             raise Refused(
                 error(503, f"session check failed: {type(e).__name__}", "store_unavailable")
             ) from None
         if info is None:
             raise unauthorized("CLAW_GATEWAY_REWARD_TOKEN (or a session key)")
+        if choice is not None and choice >= info.choices:
+            raise Refused(
+                forbidden(
+                    f"trajectory {traj!r} is not a choice of this session's n > 1 calls "
+                    f"(they made {info.choices})"
+                )
+            )
         if reward and not info.may_reward:
             raise Refused(forbidden("this session key may not post rewards"))
-        return principal
+        if reward and info.ended and choice is not None:
+            raise TrajectoryError(
+                f"trajectory {principal.session!r} has its reward: its session key opens "
+                "nothing more"
+            )
+        return traj, principal
 
     async def reward(self, request: Request) -> Response:
         try:
-            principal = await self._scorer_or_session(request, reward=True)
-            traj, _ = identity(request, principal)
+            traj, _ = await self._scorer_or_session(request, reward=True)
             body = json_object(await read_body(request, self.config.max_body_bytes))
             final, turns, calls, source = reward_body(body, self.config.max_turns)
         except Refused as r:
             self.metrics.requests.labels("reward", r.response.status_code).inc()
             return r.response
+        except TrajectoryError as e:
+            return self._count("reward", error(409, str(e), "invalid_request_error", "trajectory"))
         try:
             n = await run_in_threadpool(
                 self.recorder.reward, traj, final, turns, source, 60.0, calls
@@ -105,14 +122,14 @@ class TrajectoryRoutes:
             return self._count("reward", error(503, str(e), "store_unavailable"))
         except RecorderError as e:
             return self._count("reward", error(503, str(e), "recorder_unavailable"))
+        self.gate.ended(traj)  # a key of its session, trusted here, opens nothing more
         return self._count("reward", JSONResponse({"trajectory_uid": traj, "turns": n}))
 
     async def trajectory(self, request: Request) -> Response:
         """``GET /t/{trajectory}``: its state in the gateway (turns, finished, the policy
         versions of its turns, its calls' interaction ids)."""
         try:
-            principal = await self._scorer_or_session(request, reward=False)
-            traj, _ = identity(request, principal)
+            traj, _ = await self._scorer_or_session(request, reward=False)
         except Refused as r:
             return self._count("read", r.response)
         try:

@@ -26,7 +26,7 @@ from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.joint import JointTable, JointWhere
 from orchestrator.sampling.strings import Strings
 
-_AGG = re.compile(r"^(count|mean|sum|min|max|std|p(\d{1,2}(?:\.\d+)?|100))(?:\(([^()]+)\))?$")
+_AGG = re.compile(r"(count|mean|sum|min|max|std|p(\d{1,2}(?:\.\d+)?|100))(?:\(([^()]+)\))?")
 _GROUPABLE = ("code", "num", "flag")
 
 
@@ -46,7 +46,7 @@ def parse_aggs(text: str) -> list[Agg]:
     """``count,mean(reward),p95(reward)`` → aggregates (keys are checked later)."""
     out = []
     for part in (p.strip() for p in text.split(",")):
-        m = _AGG.match(part)
+        m = _AGG.fullmatch(part)
         if m is None:
             raise QueryError(
                 f"--agg {part!r}: write count, or mean/sum/min/max/std/pNN of a numeric key, "

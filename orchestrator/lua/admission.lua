@@ -39,11 +39,17 @@
 --   enter    ARGV: key sha256 ('' no session), group ('' none), first (1: the call's first
 --            try), last (1: its last: a refusal counts as refused), who, maxlog, ttl,
 --            expiry (seconds an admitted trajectory may go without a turn or its reward
---            before its slots come back; 0 never), then the trajectory ids of KEYS[6..]. Returns {status, budget, admitted, session
---            group, session may-reward, trajectories newly admitted}: status 1 admitted (or already), 0 over budget,
---            -2 the session key does not match, -3 the call names another group than the
---            session's (a session's calls default to its group); budget -1 when none is
---            declared. Without trajectory ids, only the key is checked.
+--            before its slots come back; 0 never), split (n of a session's n > 1 call of
+--            its own trajectory: choices 0..n-1 become the key's, field `ch` of KEYS[4];
+--            else 0), need (the choices the call names: its highest choice index + 1, 0
+--            none), then the trajectory ids of KEYS[6..]. Returns {status, budget,
+--            admitted, session group, session may-reward, trajectories newly admitted,
+--            session choices}: status 1 admitted (or already), 0 over budget, -2 the
+--            session key does not match, -3 the call names another group than the
+--            session's (a session's calls default to its group), -4 the session's
+--            trajectory has its reward (the key opens nothing more), -5 the call names a
+--            choice no n > 1 call of the session made; budget -1 when none is declared.
+--            Without trajectory ids, only the key is checked (and a split recorded).
 --   give     ARGV: slots, who, maxlog, why. Gives back slots of trajectories accepted and
 --            then never served (batches dropped when the recipe changed). Returns them.
 --   finish   ARGV: vmin ('' none known), who, maxlog, trajectory id. The trajectory is no
@@ -143,29 +149,46 @@ end
 -- enter
 local keyhash, group, first, last = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local who, maxlog, ttl, expiry = ARGV[6], ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
-local sgroup, srw = '', 0
+local split, wanted = tonumber(ARGV[10]), tonumber(ARGV[11])
+local sgroup, srw, ch = '', 0, 0
 if keyhash ~= '' then
-  local f = redis.call('HMGET', KEYS[4], 'key', 'grp', 'rw')
-  if f[1] ~= keyhash then return {-2, budget, admitted, '', 0, 0} end
-  sgroup, srw = f[2] or '', tonumber(f[3] or '0')
+  local f = redis.call('HMGET', KEYS[4], 'key', 'grp', 'rw', 'done', 'ch')
+  if f[1] ~= keyhash then return {-2, budget, admitted, '', 0, 0, 0} end
+  sgroup, srw, ch = f[2] or '', tonumber(f[3] or '0'), tonumber(f[5] or '0')
+  if f[4] then return {-4, budget, admitted, sgroup, srw, 0, ch} end
   if group == '' then
     group = sgroup
   elseif group ~= sgroup then
-    return {-3, budget, admitted, sgroup, srw, 0}
+    return {-3, budget, admitted, sgroup, srw, 0, ch}
+  end
+  if split == 0 and wanted > ch then return {-5, budget, admitted, sgroup, srw, 0, ch} end
+end
+-- The call passes: a session's split makes its choices the key's.
+local function granted()
+  if keyhash ~= '' and split > ch then
+    redis.call('HSET', KEYS[4], 'ch', split)
+    ch = split
   end
 end
-if ARGV[10] == nil then return {1, budget, admitted, sgroup, srw, 0} end -- a key check only
+if ARGV[12] == nil then -- a key check only
+  granted()
+  return {1, budget, admitted, sgroup, srw, 0, ch}
+end
 local need = {}
 for i = 6, #KEYS do
   if redis.call('HEXISTS', KEYS[i], 'adm') == 0 then need[#need + 1] = i end
 end
-if #need == 0 then return {1, budget, admitted, sgroup, srw, 0} end
+if #need == 0 then
+  granted()
+  return {1, budget, admitted, sgroup, srw, 0, ch}
+end
 if batch == nil then -- no trainer declared a budget: admitted, not counted
   for _, i in ipairs(need) do
     redis.call('HSET', KEYS[i], 'adm', '-', 'grp', group)
     if redis.call('TTL', KEYS[i]) < 0 then redis.call('EXPIRE', KEYS[i], ttl) end
   end
-  return {1, budget, admitted, sgroup, srw, #need}
+  granted()
+  return {1, budget, admitted, sgroup, srw, #need, ch}
 end
 local size = num(A, 'group') or 1
 local grouped = group ~= '' and size > 1
@@ -178,7 +201,7 @@ end
 if admitted + slots > budget then
   if first == '1' then redis.call('HINCRBY', A, 'waited', 1) end
   if last == '1' then redis.call('HINCRBY', A, 'refused', 1) end
-  return {0, budget, admitted, sgroup, srw, 0}
+  return {0, budget, admitted, sgroup, srw, 0, ch}
 end
 for _, i in ipairs(need) do
   local res = ''
@@ -194,7 +217,7 @@ for _, i in ipairs(need) do
   if redis.call('TTL', KEYS[i]) < 0 then redis.call('EXPIRE', KEYS[i], ttl) end
 end
 local ids = {}
-for _, i in ipairs(need) do ids[#ids + 1] = ARGV[i + 4] end
+for _, i in ipairs(need) do ids[#ids + 1] = ARGV[i + 6] end
 if expiry > 0 then
   local now = redis.call('TIME')
   local due = tonumber(now[1]) + tonumber(now[2]) / 1e6 + expiry
@@ -209,4 +232,5 @@ redis.call('HSET', A, 'admitted', admitted)
 redis.call('HINCRBY', A, 'total', #need)
 redis.call('XADD', LOG, 'MAXLEN', '~', maxlog, '*', 'op', 'admit', 't', table.concat(ids, ' '),
   'g', group, 'slots', slots, 'admitted', admitted, 'budget', budget, 'v', version, 'w', who)
-return {1, budget, admitted, sgroup, srw, #need}
+granted()
+return {1, budget, admitted, sgroup, srw, #need, ch}

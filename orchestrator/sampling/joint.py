@@ -10,9 +10,11 @@ joint row's priority is its anchor's (``update_priorities(batch.ids, ...)`` sets
 other agents' records keep their own, for per-agent views).
 
 An anchor is a candidate only while its joint step is *complete*: every record it counted
-(``joint_agents``) is alive. A record evicted (retention, the ring, by hand) makes its joint
-step *partial*, and a partial joint step is never served (not masked): a joint row's agents
-are all that were there. :attr:`JointTable.partial` counts them (``batch.meta["joint"]``).
+(``joint_agents``) is alive, each of a different agent, and it is the step's one anchor. A
+record evicted (retention, the ring, by hand), two records naming one agent, or two
+anchors make a joint step *partial*, and a partial joint step is never served (not
+masked): a joint row's agents are all that were there. :attr:`JointTable.partial` counts
+them (``batch.meta["joint"]``).
 The fetch checks every member record along with the anchor, so one evicted between the
 draw and the read makes the batch be drawn again.
 
@@ -166,7 +168,8 @@ class JointTable:
         anchor[g[is_anchor][::-1]] = rows[is_anchor][::-1]  # the first, should there be two
         counted = np.full(n_steps, np.nan)
         counted[g[is_anchor]] = need[is_anchor]
-        complete = (anchor >= 0) & (count == counted)
+        one_anchor = np.bincount(g[is_anchor], minlength=n_steps) == 1
+        complete = one_anchor & (count == counted) & ~_repeats_agent(columns, rows, g, n_steps)
         flags = columns["flags"][rows]
         trainable = (
             np.logical_and.reduceat((flags & UNTRAINABLE) == 0, start) if n_steps else complete
@@ -188,6 +191,24 @@ class JointTable:
             drawable &= (members >= 0).any(axis=1)
         of_anchor[anchor[drawable]] = np.flatnonzero(drawable)
         return _Table(rows, start, anchor, complete, drawable, ended, nxt, members, of_anchor)
+
+
+def _repeats_agent(columns: Columns, rows: np.ndarray, g: np.ndarray, n_steps: int) -> np.ndarray:
+    """Per joint step: whether two of its records name the same agent. Such a step counts
+    ``joint_agents`` records without having that many agents (a row holds one record per
+    agent: the other would be dropped), so it is partial: never served, counted."""
+    agent = columns.get("agent_id")
+    out = np.zeros(n_steps, bool)
+    if agent is None or not len(rows):
+        return out
+    code = agent[rows]
+    named = code > 0  # a record without an agent id repeats none
+    gs, cs = g[named], code[named]
+    order = np.lexsort((cs, gs))
+    gs, cs = gs[order], cs[order]
+    same = (gs[1:] == gs[:-1]) & (cs[1:] == cs[:-1])
+    out[gs[1:][same]] = True
+    return out
 
 
 class JointWhere:

@@ -58,8 +58,15 @@ class Selection(NamedTuple):
 
 
 def _tag(columns: Columns, name: str, rows: np.ndarray) -> np.ndarray:
+    """A rollout tag's values at ``rows``, NaN where unset or not finite as float32 (the
+    type the advantages are computed in: such a value, stored before ingest checked it
+    so, counts as missing and its step is never served)."""
     col = columns.get(tag_column(name))
-    return np.full(len(rows), np.nan) if col is None else col[rows]
+    if col is None:
+        return np.full(len(rows), np.nan)
+    x = np.asarray(col[rows], np.float64)
+    with np.errstate(over="ignore"):
+        return np.where(np.isfinite(x.astype(np.float32)), x, np.nan)
 
 
 def select(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hmac
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -205,7 +206,8 @@ class WebApp:
                 return self.error(request, session, 404, problem)
             if request.method == "POST":
                 form = await self.form(request, session)
-                if form.get("csrf") != session.csrf:
+                sent = str(form.get("csrf", "")).encode()
+                if not hmac.compare_digest(sent, session.csrf.encode()):
                     return self.error(request, session, 403, "missing or wrong CSRF token")
                 if self.read_only and handler != self.logout:
                     return self.error(request, session, 403, "the inspector runs read-only")
@@ -395,10 +397,12 @@ class WebApp:
     async def snapshots(self, request: Request, session: Session) -> Response:
         ns = request.path_params["ns"]
         try:
-            rows = await _run(self.inspector.snapshots, ns)
+            compare = request.query_params.get("compare") or None
+            rows = await _run(self.inspector.snapshots, ns, compare)
         except NamespaceError as e:
             return self.error(request, session, 404, str(e))
-        return self.render(request, session, "snapshots.html", {"ns": ns, "rows": rows})
+        context = {"ns": ns, "rows": rows, "compare": compare}
+        return self.render(request, session, "snapshots.html", context)
 
 
 async def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

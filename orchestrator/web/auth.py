@@ -77,12 +77,17 @@ class Session:
 
 
 class Sessions:
-    """Live sessions by cookie token (in memory: a restart logs everyone out)."""
+    """Live sessions by cookie token (in memory: a restart logs everyone out). Kept by the
+    token's sha256, so finding one compares digests, never the secret itself."""
 
     def __init__(self, ttl: float = SESSION_TTL_S) -> None:
         self.ttl = ttl
-        self._items: dict[str, Session] = {}
+        self._items: dict[bytes, Session] = {}
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(token: str) -> bytes:
+        return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
 
     def new(self, user: str) -> tuple[str, Session]:
         token = secrets.token_urlsafe(32)
@@ -91,19 +96,20 @@ class Sessions:
             now = time.time()
             for t in [t for t, s in self._items.items() if s.expires < now]:
                 del self._items[t]
-            self._items[token] = session
+            self._items[self._key(token)] = session
         return token, session
 
     def get(self, token: str | None) -> Session | None:
         if not token:
             return None
+        key = self._key(token)
         with self._lock:
-            session = self._items.get(token)
+            session = self._items.get(key)
             if session is None or session.expires < time.time():
-                self._items.pop(token, None)
+                self._items.pop(key, None)
                 return None
             return session
 
     def end(self, token: str | None) -> None:
         with self._lock:
-            self._items.pop(token or "", None)
+            self._items.pop(self._key(token or ""), None)

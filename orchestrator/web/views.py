@@ -111,24 +111,26 @@ class Inspector(SearchViews, EpisodeViews, CurationViews):
         return {**q, "field_rows": fields, "shares": shares, "reward_chart": charts.lines(rewards)}
 
     # ---- snapshots ---------------------------------------------------------------------
-    def snapshots(self, ns: str) -> list[dict[str, Any]]:
-        """Each snapshot with what changed since (against the namespace now)."""
+    def snapshots(self, ns: str, compare: str | None = None) -> list[dict[str, Any]]:
+        """Each snapshot from its header alone (the listing reads no snapshot's columns:
+        its cost does not grow with capacity), and for snapshot ``compare`` (if it is
+        one) what changed since, against the namespace now (``diff``: that snapshot's
+        and the namespace's labels read whole, one snapshot per request)."""
         store = self.store(ns)
-        found = store.snapshots()
-        now = store.labels() if found else None
         out = []
-        for s in found:
-            assert now is not None
-            d = diff(store.labels(s.name), now)
-            out.append(
-                {
-                    "name": s.name,
-                    "created": s.created,
-                    "steps": s.steps,
-                    "bytes": s.bytes,
-                    "recipes": sorted(s.extra.get("recipes", {})),
-                    "diff": d,
-                    "labels": d.untrainable + d.trainable + d.quality + sum(d.tags.values()),
-                }
-            )
+        for s in store.snapshots():
+            row: dict[str, Any] = {
+                "name": s.name,
+                "created": s.created,
+                "steps": s.steps,
+                "bytes": s.bytes,
+                "recipes": sorted(s.extra.get("recipes", {})),
+                "diff": None,
+                "labels": None,
+            }
+            if s.name == compare:
+                d = diff(store.labels(s.name), store.labels())
+                row["diff"] = d
+                row["labels"] = d.untrainable + d.trainable + d.quality + sum(d.tags.values())
+            out.append(row)
         return out

@@ -291,3 +291,72 @@ def test_responses_api_is_recorded_like_chat(stack, gw):
     a = store.episode("resp-plain", fields=["response_ids"])["response_ids"][0]
     b = store.episode("resp-stream", fields=["response_ids"])["response_ids"][0]
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_session_key_reaches_only_the_choices_of_its_own_calls(stack, gw):
+    """The attack: a key for trajectory S names ``S~7`` (or ``S~07``) in the path with n=1,
+    to open trajectories (and admission slots) no call of its own split into, and goes on
+    after S's reward. A key reaches S and the ``S~i`` choices of its own n > 1 calls (i < n);
+    once S's reward is posted it opens nothing more."""
+    store = Store(stack["redis_url"], gw.namespace)
+    s = new_session(gw, group="qn")
+    traj, key = s["trajectory_uid"], s["key"]
+
+    def call(path_traj: str, n: int = 1):
+        c = openai.OpenAI(base_url=f"{gw.url}/t/{path_traj}/v1", api_key=key, max_retries=0)
+        return c.chat.completions.create(model="sim", messages=ASK, n=n)
+
+    def state(t: str) -> httpx.Response:
+        return httpx.get(f"{gw.url}/t/{t}", headers=bearer(REWARD_TOKEN))
+
+    # no call of its own split yet: no choice is its
+    for forged in (f"{traj}~7", f"{traj}~0", f"{traj}~9999"):
+        with pytest.raises(openai.PermissionDeniedError, match="not a choice"):
+            call(forged)
+        assert state(forged).status_code == 404, forged  # nothing opened
+    with pytest.raises(openai.BadRequestError):  # not a choice's spelling at all
+        call(f"{traj}~07")
+    # its own n=3 call: S~0..S~2 are its, S~3 is not
+    assert len(call(traj, n=3).choices) == 3
+    for i in range(3):
+        wait_steps(store, f"{traj}~{i}", 1)
+    assert len(call(f"{traj}~1").choices) == 1
+    wait_steps(store, f"{traj}~1", 2)
+    with pytest.raises(openai.PermissionDeniedError, match="not a choice"):
+        call(f"{traj}~3")
+    assert state(f"{traj}~3").status_code == 404
+    assert httpx.get(f"{gw.url}/t/{traj}~2", headers=bearer(key)).json()["turns"] == 1
+    assert httpx.get(f"{gw.url}/t/{traj}~3", headers=bearer(key)).status_code == 403
+    r = httpx.post(f"{gw.url}/t/{traj}~3/reward", json={"final_reward": 1}, headers=bearer(key))
+    assert r.status_code == 403, r.text
+    r = httpx.post(f"{gw.url}/t/{traj}~0/reward", json={"final_reward": 1}, headers=bearer(key))
+    assert r.status_code == 200, r.text
+
+    # S's own turn and its reward end the key: no call of S, a choice, or a new one
+    call(traj)
+    wait_steps(store, traj, 1)
+    r = httpx.post(f"{gw.url}/t/{traj}/reward", json={"final_reward": 1}, headers=bearer(key))
+    assert r.status_code == 200, r.text
+    for t, n in ((traj, 1), (f"{traj}~2", 1), (f"{traj}~7", 1), (traj, 2)):
+        with pytest.raises((openai.ConflictError, openai.PermissionDeniedError)):
+            call(t, n)
+    assert state(f"{traj}~7").status_code == 404
+    assert state(f"{traj}~2").json()["turns"] == 1  # nothing recorded after the reward
+    r = httpx.post(f"{gw.url}/t/{traj}~2/reward", json={"final_reward": 1}, headers=bearer(key))
+    assert r.status_code == 409, r.text
+    assert httpx.get(f"{gw.url}/t/{traj}", headers=bearer(key)).json()["finished"] is True
+
+
+def test_an_id_with_a_trailing_newline_is_refused_and_not_forwarded(stack, gw):
+    """The attack: ``/t/abc%0A/...`` passes a ``^...$`` check (``$`` matches before a final
+    newline), goes upstream, and the reply's ``X-Claw-Trajectory`` header cannot be sent."""
+    before = len(upstream_log(stack))
+    body = {"model": "sim", "messages": ASK}
+    for path in ("/t/abc%0A/v1/chat/completions", "/t/abc/g/q%0A/v1/chat/completions"):
+        r = httpx.post(gw.url + path, json=body, headers=bearer(TOKEN))
+        assert r.status_code == 400, (path, r.text)
+    r = httpx.post(
+        f"{gw.url}/t/abc%0A/reward", json={"final_reward": 1}, headers=bearer(REWARD_TOKEN)
+    )
+    assert r.status_code == 400, r.text
+    assert len(upstream_log(stack)) == before  # nothing went upstream

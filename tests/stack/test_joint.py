@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from claw_tasks.client import Ingestor
 from claw_tasks.client.pettingzoo import RecordParallelSteps
-from claw_tasks.format.joint import STATE_FIELD, agent_episode
+from claw_tasks.format.joint import AGENTS_TAG, EPISODE_TAG, STATE_FIELD, agent_episode, joint_code
 from claw_tasks.store import Store
 from orchestrator import BatchClient, sample, update_priorities
 from orchestrator.cli.main import app
@@ -315,3 +315,26 @@ def test_a_joint_step_missing_a_record_is_not_served_and_is_counted(redis_url, w
     check_aligned(full, log)
     result = Query(Store(redis_url, namespace)).run("", joint=JointFilter())
     assert result.joint == {"complete": n - 3, "partial": 3, "matched": n - 3}
+
+
+def test_a_joint_step_with_a_repeated_agent_is_partial_and_counted(redis_url, workers, namespace):
+    """The attack: an anchor for a0 says 2 agents were present; a second record also says
+    ``agent_id="a0"``. Counted by records the step looked complete and was served masked
+    ``[True, False, ...]`` with one of the two records dropped. Counted by distinct agents
+    it is partial: never served, counted."""
+    log = record(namespace, redis_url, episodes=4, seed=5)
+    n = len(log.order)
+    code = {EPISODE_TAG: joint_code("forged")}
+    obs, state = np.zeros(4, np.float32), np.zeros((1, 6), np.float32)
+    with Ingestor(namespace, redis_url, flush_interval=None) as ing:
+        anchor = ing.episode(agent_episode("forged", "a0"), agent_id="a0", **code)
+        anchor.add(obs, np.int64(0), 1.0, state=state, terminated=True, **{AGENTS_TAG: 2.0})
+        twin = ing.episode(agent_episode("forged", "twin"), agent_id="a0", **code)
+        twin.add(obs + 1, np.int64(1), 2.0, state=state[:0], terminated=True)
+        assert ing.flush().committed == 2
+    fields = [*PER_AGENT, "state", "team_reward", "step_ids"]
+    batch = sample(namespace, joint_recipe(n, name="all", fields=fields), redis_url=redis_url)
+    assert sorted(joint_keys(batch)) == sorted(log.order)  # the forged step is not a row
+    assert batch.meta["joint"] == {"complete": n, "partial": 1}
+    with pytest.raises(InsufficientData):
+        sample(namespace, joint_recipe(n + 1, name="more", fields=fields), redis_url=redis_url)

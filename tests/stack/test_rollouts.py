@@ -282,3 +282,32 @@ def test_advance_moves_the_version_in_one_call_and_the_commit_forms_the_rollout(
     other.close()
     client.close()
     ing.close()
+
+
+def test_episode_add_refuses_values_that_overflow_where_they_are_used(
+    redis_url, workers, namespace
+):
+    """The client checks before buffering, in the type each value is used in: rollout tags
+    and the reward in float32, other numeric tags in float64; a one-line error names the
+    value, and nothing of the refused step is buffered."""
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
+    ep = ing.episode()
+    obs = np.zeros(3, np.float32)
+    ok = {"log_prob": -0.5, "value": 0.1}
+    for bad, name in (
+        ({"value": 1e300}, "tag 'value'"),
+        ({"log_prob": -1e39}, "tag 'log_prob'"),
+        ({"bootstrap_value": float("inf")}, "tag 'bootstrap_value'"),
+        ({"score": 10**400}, "tag 'score'"),
+        ({"score": float("inf")}, "tag 'score'"),
+    ):
+        with pytest.raises(SchemaError, match=name) as e:
+            ep.add(obs, np.int64(0), 1.0, **{**ok, **bad})
+        assert "\n" not in str(e.value)
+    with pytest.raises(SchemaError, match="reward"):
+        ep.add(obs, np.int64(0), 1e300, **ok)
+    with pytest.raises(SchemaError, match="priority"):
+        ep.add(obs, np.int64(0), 1.0, priority=1e39, **ok)
+    ep.add(obs, np.int64(0), 1.0, score=1e300, **ok)  # a plain tag is float64: kept
+    ep.add(obs, np.int64(0), 1.0, terminated=True, **ok)
+    assert ing.close().committed == 2

@@ -12,11 +12,14 @@ import threading
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from claw_tasks.client import Ingestor
 from claw_tasks.format.arrays import packb
 from claw_tasks.format.batch import Ragged
 from claw_tasks.format.message import IngestArgs
-from claw_tasks.format.schema import FieldSpec, Schema
+from claw_tasks.format.schema import FieldSpec, Schema, SchemaError
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
@@ -181,3 +184,119 @@ def test_a_ragged_field_of_empty_rows_commits(redis_url, namespace, r, ingest_wo
     assert stats.get("committed") == 1 and not stats.get("dead"), stats
     got = Store(redis_url, namespace).episode("empty")
     assert [row.shape for row in got["obs"]] == [(0, 4), (0, 4)]
+
+
+def test_rollout_tags_are_checked_in_float32_where_they_are_used(
+    redis_url, namespace, r, ingest_worker, pub
+):
+    """The attack: ``value=1e300`` is finite in float64 (numeric tags' stored type), but
+    a rollout's GAE runs in float32: the served minibatch had returns/value inf, log_prob
+    -inf and every advantage 0. Rollout tags are refused unless NaN or finite in float32,
+    other numeric tags as float64."""
+    _fill(redis_url, namespace, 1)
+    b = raw_batch(5, episode="ro")
+    b.nums = {
+        "t:value": np.array([1e300, 0.5, 0.5, 0.5, 0.5]),
+        "t:log_prob": np.array([-0.5, -1e39, -0.5, -0.5, -0.5]),
+        "t:bootstrap_value": np.array([np.nan, np.nan, np.inf, np.nan, 1.0]),
+        "t:score": np.array([1e300, 1e300, 1e300, 1e300, 1e300]),  # float64: fine
+    }
+    before = outcomes(r, namespace)
+    stats = _send(pub, r, namespace, (b.batch_id, b.encode()))
+    assert stats.get("partial", 0) == before.get("partial", 0) + 1
+    got = Store(redis_url, namespace).episode("ro")
+    assert got["step_index"].tolist() == [3, 4]
+    assert got["tags.value"].tolist() == [0.5, 0.5] and got["tags.score"][0] == 1e300
+    reason = _letters(r, Keys(namespace).dead)[-1][b"reason"].decode()
+    for tag in ("value", "log_prob", "bootstrap_value"):
+        assert f"tag '{tag}'" in reason, reason
+    assert "float32" in reason
+
+
+FLOATS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(-4e38, 4e38),
+    st.sampled_from([3.4028235e38, 3.4028236e38, -3.5e38, 1e300, -1e39, 0.0, -0.0]),
+)
+TAG_VALUE = st.one_of(FLOATS, st.integers(-(10**400), 10**400), st.booleans())
+
+
+def _ok32(v) -> bool:
+    try:
+        x = float(v)
+    except OverflowError:
+        return False
+    with np.errstate(over="ignore"):
+        return bool(np.isnan(x) or np.isfinite(np.float32(x)))
+
+
+def _fuzz_rollout_tags(redis_url, namespace, r, pub, n: int) -> dict[str, int]:
+    """Hostile rollout tags through ``Episode.add`` (refused at once iff not NaN or finite
+    in float32, nothing buffered) and straight to the queue (each bad row dead-lettered);
+    whatever was stored is NaN or finite in float32."""
+    _fill(redis_url, namespace, 1)
+    ing = Ingestor(namespace, redis_url, flush_interval=None)
+    ep = ing.episode(episode_id="fz-client")
+    counts = {"added": 0, "refused": 0, "rows": 0}
+    sent: list[tuple[str, bytes]] = []
+    expect: list[int] = []  # rows of each raw batch that must be stored
+
+    @settings(max_examples=n, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        tags=st.fixed_dictionaries(
+            {}, optional={"log_prob": TAG_VALUE, "value": TAG_VALUE, "bootstrap_value": TAG_VALUE}
+        ),
+        reward=FLOATS,
+        rows=st.lists(st.tuples(FLOATS, FLOATS, FLOATS), min_size=1, max_size=6),
+    )
+    def storm(tags: dict, reward: float, rows: list[tuple]) -> None:
+        good = all(_ok32(v) for v in tags.values()) and _ok32(reward) and not np.isnan(reward)
+        try:
+            ep.add(np.zeros(8, np.float32), np.int64(0), reward, **tags)
+        except SchemaError as e:
+            assert not good, (tags, reward, e)
+            assert "\n" not in str(e)
+            counts["refused"] += 1
+        else:
+            assert good, (tags, reward)
+            counts["added"] += 1
+        b = raw_batch(len(rows), episode=f"fz-raw-{len(sent)}")
+        cols = np.array(rows, np.float64).T
+        b.nums = {"t:log_prob": cols[0], "t:value": cols[1], "t:bootstrap_value": cols[2]}
+        sent.append((b.batch_id, b.encode()))
+        expect.append(sum(all(_ok32(v) for v in row) for row in rows))
+        counts["rows"] += len(rows)
+
+    storm()
+    assert ing.close().committed == counts["added"]
+    for i in range(0, len(sent), 50):
+        _send(pub, r, namespace, *sent[i : i + 50])
+    store = Store(redis_url, namespace)
+    stored = 0
+    for e, want in [*((f"fz-raw-{i}", k) for i, k in enumerate(expect)), ("fz-client", None)]:
+        try:
+            got = store.episode(e, fields=[])
+        except KeyError:
+            assert want == 0, e  # every row refused: nothing stored
+            continue
+        assert want is None or len(got["id"]) == want, (e, want, len(got["id"]))
+        for tag in ("log_prob", "value", "bootstrap_value"):
+            col = got.get(f"tags.{tag}")
+            if col is not None:
+                assert all(_ok32(v) for v in col.tolist()), (e, tag, col)
+        stored += len(got["id"])
+    counts["stored"] = stored
+    return counts
+
+
+def test_fuzz_rollout_tags(redis_url, namespace, r, ingest_worker, pub):
+    counts = _fuzz_rollout_tags(redis_url, namespace, r, pub, 60)
+    assert counts["added"] > 0 and counts["refused"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_fuzz_rollout_tags_long(redis_url, namespace, r, ingest_worker, pub):
+    counts = _fuzz_rollout_tags(redis_url, namespace, r, pub, 1000)
+    print(f"rollout tag fuzz: {counts}")
+    assert counts["added"] > 0 and counts["refused"] > 0

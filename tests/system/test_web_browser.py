@@ -308,5 +308,7 @@ def test_data_quality_page_and_snapshots(page, web, redis_server):
     page.goto(f"{web.url}/ns/{ns}/snapshots")
     row = page.locator("#snapshot-before-labels")
     assert row.locator("td.name").inner_text() == "before-labels"
+    row.locator("td.compare a").click()  # the listing reads headers; compare reads it whole
+    page.wait_for_selector("#snapshot-before-labels td.labels")
     assert row.locator("td.labels").inner_text() == "100"  # changed since
     shot(page, "snapshots")
