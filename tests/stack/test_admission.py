@@ -213,3 +213,77 @@ def test_no_budget_declared_skips_the_script_until_one_is(store, redis_url):
         await gate.aclose()
 
     asyncio.run(run())
+
+
+def test_rewarded_unserved_trajectories_lapse_exactly_once(store, redis_url):
+    """A trajectory rewarded while fresh and never served holds its slot only until the
+    version moves past its bound: then its slots (its group's reservation, once) come back
+    exactly once, whichever of two racing gateways or the trainer gets there first; a
+    served one keeps its slot (the trainer consumed it). Rewarded and stale trajectories
+    are counted by turns."""
+    with BatchClient(store.namespace, redis_url) as client:
+        client.register(recipe(staleness=1))  # budget (1 + 0 + 1) * 8 = 16, groups of 4
+        turn_keys = [admission.admission_key(store), admission.open_key(store)]
+
+        async def run() -> None:
+            a = Gate(store, redis_url, GatewayMetrics(), wait=0.0, sweep_s=3600)
+            b = Gate(store, redis_url, GatewayMetrics(), wait=0.0, sweep_s=3600)
+            anyone = Principal()
+            for g, gate in (("g1", a), ("g2", b)):
+                for j in range(4):
+                    assert (await gate.enter(anyone, (f"{g}-{j}",), g)).status == "ok"
+            assert (await a.enter(anyone, ("solo",), None)).status == "ok"
+            assert admission.state(store)["admitted"] == 9
+            for t in [f"g1-{j}" for j in range(4)]:  # g1's trajectories make 3 turns each
+                for _ in range(3):
+                    TURN(
+                        store.r,
+                        [admission.trajectory_key(store, t), *turn_keys],
+                        ["turn", 60, 0, "", 0, t],
+                    )
+            for t in [*(f"g{i}-{j}" for i in (1, 2) for j in range(4)), "solo"]:
+                assert admission.release_stale(store, t, t[:2] if t != "solo" else "", 0) == 0
+            st = admission.state(store)
+            assert (st["waiting"], st["released"], st["admitted"]) == (9, 0, 9)
+            with store.r.pipeline(transaction=True) as pipe:  # a fill serves g2
+                admission.serve(pipe, store, [f"g2-{j}" for j in range(4)])
+                pipe.execute()
+            # the version moves past them (a trainer whose own sweep did not run: the
+            # gateways' sweeps race for the slots)
+            store.r.hset(admission.admission_key(store), "version", 2)  # bound 1 > 0
+            got = await asyncio.gather(a.sweep(), b.sweep(), a.sweep(), b.sweep())
+            assert sum(got) == 5  # g1's 4 and solo
+            assert await a.sweep() == 0 and await b.sweep() == 0
+            released = "claw_gateway_admission_released_slots_total"
+            by = [g.metrics.registry.get_sample_value(released) or 0 for g in (a, b)]
+            assert sum(by) == 5  # g1's reservation once (4 slots), solo's 1
+            for g in (a, b):
+                await g.aclose()
+
+        asyncio.run(run())
+        st = admission.state(store)
+        # what is left counted is g2, served: 4 slots the trainer consumed
+        assert (st["admitted"], st["released"], st["lapsed"], st["waiting"]) == (4, 5, 5, 0)
+        assert st["rewarded_by_turns"]["4"] == 4 and st["rewarded_by_turns"]["1"] == 5
+        assert st["stale_by_turns"]["4"] == 4 and st["stale_by_turns"]["1"] == 1
+        assert sum(e["slots"] for e in admission.read_log(store) if e["op"] == "release") == 5
+
+        # the trainer's declaration releases at once, no gateway needed
+        client.set_params("grpo", policy_version=2)  # budget 32, min_version 1
+        assert admission.state(store)["admitted"] == 4
+        store.r.hset(admission.admission_key(store), "admitted", 20)  # in flight elsewhere
+
+        async def more() -> None:
+            gate = Gate(store, redis_url, GatewayMetrics(), wait=0.0, sweep_s=3600)
+            for j in range(4):
+                assert (await gate.enter(Principal(), (f"g3-{j}",), "g3")).status == "ok"
+            await gate.aclose()
+
+        asyncio.run(more())
+        for j in range(4):
+            assert admission.release_stale(store, f"g3-{j}", "g3", 2) == 0
+        assert admission.state(store)["admitted"] == 24
+        client.set_params("grpo", policy_version=4)  # bound 3: g3 (version 2) lapses
+        st = admission.state(store)
+        assert (st["admitted"], st["lapsed"], st["waiting"]) == (20, 9, 0)
+        assert admission.lapse(store) == (0, 0)

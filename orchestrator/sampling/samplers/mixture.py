@@ -62,7 +62,7 @@ class RecipeSampler:
         self._max: MaxTree | None = None
 
     def _where(self, s: Source, tags: Mapping[str, str], encode: Encoder) -> Any:
-        where = Where(s.where, tags, encode)
+        where = Where(bounded(self.recipe, s.where, tags), tags, encode)
         if self.joint is None:
             return where
         agent = [None if w is None else Where(w, tags, encode) for w in (s.any_agent, s.all_agents)]
@@ -113,6 +113,22 @@ class RecipeSampler:
         return Draw(
             cat([p.rows for p in parts]), cat([p.weights for p in parts]), cat(source), groups
         )
+
+
+def bounded(recipe: Recipe, where: Any, tags: Mapping[str, str]) -> Any:
+    """``where`` within an ``admission`` recipe's staleness bound: and'ed with
+    ``tags.min_version >= $min_version`` (a trajectory's oldest turn, where the namespace
+    has that tag, as the capture gateway's namespaces do; a multi-turn trajectory is then
+    served whole or not at all), else ``policy_version >= $min_version``; the recipe keeps
+    ``min_version`` at v - max_staleness. The declaration alone bounds what is served, with
+    or without a ``where`` of the source's own."""
+    adm = recipe.admission
+    if adm is None:
+        return where
+    key = "tags.min_version" if tags.get("min_version") == "num" else "policy_version"
+    bound = {key: {"ge": f"${adm.min_version_param}"}}
+    own = Where(where, tags).mapping()
+    return {"and": [own, bound]} if own else bound
 
 
 def _numbered(parts: list[Part]) -> Groups:
