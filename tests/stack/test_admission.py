@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
+from claw_tasks.format.schema import tag_column
 from orchestrator import BatchClient
-from orchestrator.delivery import admission
+from orchestrator.delivery import admission, prefetch, shm
+from orchestrator.delivery.prefetch import run_fill
+from orchestrator.delivery.registry import Registry
 from orchestrator.delivery.admission import AdmissionError
 from orchestrator.gateway.gate import Gate, Principal, key_hash
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.recorder import TURN
+from orchestrator.recipe.model import Recipe
+from tests.support.llmturns import turns_batch
 
 
 def recipe(name: str = "grpo", staleness: int = 1, version: int = 0) -> dict:
@@ -287,3 +293,74 @@ def test_rewarded_unserved_trajectories_lapse_exactly_once(store, redis_url):
         st = admission.state(store)
         assert (st["admitted"], st["lapsed"], st["waiting"]) == (20, 9, 0)
         assert admission.lapse(store) == (0, 0)
+
+
+def llm_groups(store, groups: range, size: int = 4) -> None:
+    """Group g: ``size`` one-turn trajectories ``g<g>-<j>`` at policy version g (and
+    ``tags.min_version`` g), key 1000 + g, one commit per group (the older first)."""
+    for g in groups:
+        turns = [
+            {"traj": f"g{g}-{j}", "turn": 0, "prompt": [1, g], "response": [5, j]}
+            | {"last": True, "key": 1000 + g, "version": g, "reward": float(j)}
+            for j in range(size)
+        ]
+        b = turns_batch(turns)
+        b.nums[tag_column("min_version")] = np.full(size, float(g))
+        store.commit(b)
+
+
+def test_a_fill_serves_within_the_declared_bound_oldest_first_and_served_never_lapse(
+    store, redis_url
+):
+    """An admission recipe without a ``where`` serves nothing older than v - s (the
+    gateway released those at their reward), ready groups oldest first; what a fill
+    serves never lapses, and what a push takes back returns to the waiting set and lapses
+    once the version moves past it."""
+    llm_groups(store, range(4))
+    reg = Registry(store)
+    rec = Recipe.model_validate(
+        {
+            "name": "grpo",
+            "batch_size": 1,
+            "fields": ["response_ids", "policy_version"],
+            "params": {"policy_version": 3},
+            "admission": {"max_staleness": 1, "trajectories": 8},  # min_version 2
+            "prefetch": {"depth": 2},
+            "sources": [{"name": "s", "sampler": {"kind": "group", "group_size": 4, "once": True}}],
+        }
+    )
+    reg.put(rec, None)
+    admission.declare(store, rec, fresh=True)  # budget (1 + 3 + 1) * 8 = 40, 24 consumed
+
+    async def enter(groups: range) -> None:
+        gate = Gate(store, redis_url, GatewayMetrics(), wait=0.0, sweep_s=3600)
+        for g in groups:
+            for j in range(4):
+                assert (await gate.enter(Principal(), (f"g{g}-{j}",), f"g{g}")).status == "ok"
+        await gate.aclose()
+
+    asyncio.run(enter(range(4)))
+    released = [
+        admission.release_stale(store, f"g{g}-{j}", f"g{g}", g) for g in range(4) for j in range(4)
+    ]
+    assert sum(released) == 8  # g0 and g1 (versions 0, 1 < 2): stale at their reward
+    assert admission.state(store)["waiting"] == 8
+    assert run_fill(reg, "grpo")["made"] == 2
+    items = reg.drain("grpo")
+    batches = [shm.from_message(i) for i in items]
+    assert [set(b["policy_version"].tolist()) for b in batches] == [{2}, {3}]  # oldest first
+    st = admission.state(store)
+    assert (st["waiting"], st["admitted"]) == (0, 40 - 8)
+    # a push taken back (the recipe changed while it was made) puts back the trajectories
+    # it took, and only those (g3 was served by the batch before)
+    asyncio.run(enter(range(4, 5)))
+    assert sum(admission.release_stale(store, f"g4-{j}", "g4", 3) for j in range(4)) == 0
+    reg.r.hset(reg.versions_key, "grpo", rec.version + 1)
+    served = [f"g{g}-{j}" for g in (3, 4) for j in range(4)]
+    assert prefetch.push(reg, rec, items[1], served=served) == "stale"
+    assert admission.state(store)["waiting"] == 4
+    reg.r.hset(reg.versions_key, "grpo", rec.version)
+    # the version moves past every group: only g4, taken back unserved, lapses
+    admission.declare(store, rec.model_copy(update={"params": {"policy_version": 5}}), False)
+    st = admission.state(store)
+    assert (st["lapsed"], st["waiting"], st["admitted"]) == (4, 0, 40 - 8)
