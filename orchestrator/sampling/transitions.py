@@ -61,6 +61,10 @@ class Transitions:
         assert self.members is not None
         return self.members
 
+    def changes(self, columns: Columns) -> int:
+        """The A→B changes stored now (one window each; :meth:`mask` first)."""
+        return len(self._starts(columns, np.flatnonzero(columns["alive"])))
+
     def update(self, columns: Columns, rows: np.ndarray) -> np.ndarray:
         """Account for the changed ``rows`` (sorted, unique); returns the rows, beyond them,
         whose member flag may have changed (sorted, unique)."""

@@ -113,7 +113,7 @@ class World:
         c, out = self.cols, np.zeros(self.cap, bool)
         for e, slots in enumerate(self.episodes):
             run: list[int] = []
-            for i, s in enumerate([*slots[: self.stored[e]], -1]):
+            for s in [*slots[: self.stored[e]], -1]:
                 linked = (
                     s >= 0
                     and c["alive"][s]
