@@ -294,7 +294,8 @@ def recipes(
                 f"max_staleness {adm['max_staleness']}, {adm['batch']} per batch), admitted "
                 f"{adm['admitted']:,}, started {adm['total']:,}, waited {adm['waited']:,}, "
                 f"refused {adm['refused']:,}, released {adm['released']:,}, expired "
-                f"{adm['expired']:,} ({adm['open']:,} open)"
+                f"{adm['expired']:,}, lapsed {adm['lapsed']:,} ({adm['open']:,} open, "
+                f"{adm['waiting']:,} rewarded waiting)"
                 if "budget" in adm
                 else "admission: not declared"
             )
