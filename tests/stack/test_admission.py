@@ -13,9 +13,9 @@ import pytest
 from claw_tasks.format.schema import tag_column
 from orchestrator import BatchClient
 from orchestrator.delivery import admission, prefetch, shm
+from orchestrator.delivery.admission import AdmissionError
 from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
-from orchestrator.delivery.admission import AdmissionError
 from orchestrator.gateway.gate import Gate, Principal, key_hash
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.recorder import TURN
