@@ -1,7 +1,8 @@
 """The admission budget on a real Redis, without HTTP: what a trainer's recipe declares
 (register, set_params, a restart from an earlier version, unregister), how the gate of a
 gateway admits against it (group reservations, n trajectories at once, a full budget, two
-gates sharing it), and how slots come back (a stale trajectory's group, dropped batches)."""
+gates sharing it), and how slots come back (a stale trajectory's group, rewarded ones the
+version moved past before a fill served them, dropped batches), exactly once."""
 
 from __future__ import annotations
 
