@@ -8,6 +8,7 @@ served-staleness counters a fill adds to a recipe's counters."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -318,20 +319,54 @@ def lapse(store: Store, who: str = "", count: int = 1024) -> tuple[int, int]:
     return sum(int(n) for n, _ in got), sum(int(k) for _, k in got)
 
 
-def serve(pipe: Any, store: Store, trajectories: list[str]) -> None:
+CLAIM_TTL_S = 86_400
+"""How long a ``once`` batch's record of the trajectories it took lives: a batch dropped
+unserved within it puts them back (a queued batch is dropped within its recipe's life, a
+step or a restart later)."""
+
+_SERVE = Lua("serve", "orchestrator")
+
+
+def claim_key(store: Store, token: str) -> str:
+    """The trajectories a ``once`` batch (its claim's token) took from the done set."""
+    return store.owned_key(f"admission:claim:{token}")
+
+
+def serve(pipe: Any, store: Store, trajectories: list[str], token: str | None = None) -> None:
     """Queue on ``pipe`` (a fill's push transaction) the removal of ``trajectories`` from
-    the done set: served, they no longer hold a slot that may lapse. Two replies: their
-    scores before (None: not there) and the count removed; :func:`unserve` undoes it."""
-    pipe.zmscore(done_key(store), trajectories)
-    pipe.zrem(done_key(store), *trajectories)
+    the done set: served, they no longer hold a slot that may lapse (``lua/serve.lua``,
+    sent whole: a transaction cannot load a script). ``token``: a ``once`` batch's claim,
+    under which the removed ones are recorded for :func:`unclaimed`. One reply: the
+    removed ones with their scores, for :func:`unserve`."""
+    keys = [done_key(store)] + ([claim_key(store, token)] if token else [])
+    pipe.execute_command("EVAL", _SERVE.source, len(keys), *keys, CLAIM_TTL_S, *trajectories)
 
 
-def unserve(store: Store, trajectories: list[str], scores: list[Any]) -> int:
-    """Put back the trajectories a push removed (``scores`` as :func:`serve` read them) when
-    its batch was taken back unserved, then :func:`lapse` the ones now too old. Returns the
-    slots released."""
-    back = {t: float(x) for t, x in zip(trajectories, scores, strict=True) if x is not None}
+def unserve(store: Store, removed: list[Any]) -> int:
+    """Put back the trajectories a push removed (``removed`` as :func:`serve` replied: id,
+    score, ...) when its batch was taken back unserved, then :func:`lapse` the ones now
+    too old. Returns the slots released."""
+    back = {_text(t): float(x) for t, x in zip(removed[::2], removed[1::2], strict=True)}
     if not back:
         return 0
     store.r.zadd(done_key(store), back)
     return lapse(store, "fill")[1]
+
+
+def unclaimed(store: Store, tokens: list[str]) -> int:
+    """``once`` batches dropped unserved after their push (their groups go back to the
+    pool): the trajectories each took go back to the done set, once (the record is read
+    and deleted in one command), and lapse if they are now too old. Returns the slots
+    released."""
+    if not tokens:
+        return 0
+    with store.r.pipeline(transaction=False) as pipe:
+        for t in tokens:
+            pipe.getdel(claim_key(store, t))
+        records = pipe.execute()
+    removed = [x for raw in records if raw for x in json.loads(raw)]
+    return unserve(store, removed)
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -135,10 +135,10 @@ def push(
         for k, v in counts.items():
             pipe.hincrbyfloat(counters, k, v)
         if served:
-            admission.serve(pipe, reg.store, served)
+            admission.serve(pipe, reg.store, served, None if claim is None else claim.token)
         got = pipe.execute()
         length, version, registered = got[:3]
-        scores = got[-2] if served else []
+        removed = got[-1] if served else []
     if not registered:  # unregistered while we sampled: take back what is there
         for left in reg.drain(name):
             shm.discard(left)
@@ -156,8 +156,10 @@ def push(
         shm.discard(item)
     if taken and claim is not None:
         groups.release(reg.store, name, [claim])
-    if taken and served:
-        admission.unserve(reg.store, served, scores)
+    if taken and served and claim is None:
+        admission.unserve(reg.store, removed)
+    elif taken and served:  # the claim's record: read once, by whoever gets it first
+        admission.unclaimed(reg.store, [claim.token])
     if taken:
         with reg.r.pipeline(transaction=False) as pipe:
             pipe.hincrby(counters, PRODUCED, -1)

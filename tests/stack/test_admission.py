@@ -13,7 +13,7 @@ import pytest
 
 from claw_tasks.format.schema import tag_column
 from orchestrator import BatchClient
-from orchestrator.delivery import admission, prefetch, shm
+from orchestrator.delivery import admission, giveback, prefetch, shm
 from orchestrator.delivery.admission import AdmissionError
 from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
@@ -361,7 +361,12 @@ def test_a_fill_serves_within_the_declared_bound_oldest_first_and_served_never_l
     assert prefetch.push(reg, rec, items[1], served=served) == "stale"
     assert admission.state(store)["waiting"] == 4
     reg.r.hset(reg.versions_key, "grpo", rec.version)
-    # the version moves past every group: only g4, taken back unserved, lapses
+    # a queued once-batch dropped unserved (g2's): its claims and its trajectories go back
+    giveback.drop(store, rec, [items[0]])
+    assert admission.state(store)["waiting"] == 8
+    giveback.give_back(store, rec, 0, [batches[0].claim], "dropped again")  # nothing twice
+    assert admission.state(store)["waiting"] == 8
+    # the version moves past every group: g2 and g4, put back unserved, lapse; g3 stays
     admission.declare(store, rec.model_copy(update={"params": {"policy_version": 5}}), False)
     st = admission.state(store)
-    assert (st["lapsed"], st["waiting"], st["admitted"]) == (4, 0, 40 - 8)
+    assert (st["lapsed"], st["waiting"], st["admitted"]) == (8, 0, 40 - 8 + 4 - 8)
