@@ -222,6 +222,7 @@ def test_no_budget_declared_skips_the_script_until_one_is(store, redis_url):
     asyncio.run(run())
 
 
+@pytest.mark.both_stores
 def test_rewarded_unserved_trajectories_lapse_exactly_once(store, redis_url):
     """A trajectory rewarded while fresh and never served holds its slot only until the
     version moves past its bound: then its slots (its group's reservation, once) come back
@@ -310,6 +311,7 @@ def llm_groups(store, groups: range, size: int = 4) -> None:
         store.commit(b)
 
 
+@pytest.mark.both_stores
 def test_a_fill_serves_within_the_declared_bound_oldest_first_and_served_never_lapse(
     store, redis_url
 ):
