@@ -168,12 +168,12 @@ def main() -> None:
             f"{r['last']:.2f} (ratio {r['last'] / r['first']:.2f}); mean turns generated "
             f"{np.mean(r['gen']):.2f}, trained {np.mean(r['trained']):.2f}; admitted "
             f"{adm['admitted']} of budget {adm['budget']}, open {adm['open']}, waiting "
-            f"{adm['waiting']}, released {adm['released']} slots, lapsed {adm['lapsed']}, "
+            f"{adm.get('waiting')}, released {adm['released']} slots, lapsed {adm.get('lapsed')}, "
             f"expired {adm['expired']}; served staleness mean {served.get('mean')}, max "
             f"{served.get('max')}"
         )
-        print(f"  rewarded by turns {adm['rewarded_by_turns']}")
-        print(f"  stale by turns    {adm['stale_by_turns']}")
+        print(f"  rewarded by turns {adm.get('rewarded_by_turns')}")
+        print(f"  stale by turns    {adm.get('stale_by_turns')}")
 
 
 if __name__ == "__main__":
