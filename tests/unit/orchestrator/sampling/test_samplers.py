@@ -526,3 +526,29 @@ def test_an_admission_recipe_serves_within_its_bound_without_a_where(tag):
             assert (v - cols["policy_version"][d.rows] <= 1).all()
         ok = np.flatnonzero(cols["alive"] & (cols["flags"] & 8 == 0) & (oldest >= v - 1))
         assert set(np.unique(d.rows)) <= set(ok.tolist())
+
+
+def test_group_sources_draw_the_oldest_ready_groups_first():
+    """``order: oldest`` (the default with ``once``) takes the ready groups with the
+    earliest first commit; ``uniform`` (the default without) spreads over all of them."""
+    rows = make_rows(400, seed=3, episode_len=4)
+    for i, r in enumerate(rows):
+        r["alive"], r["trainable"], r["terminated"] = True, True, i % 4 == 3
+    cols = columns(rows, episode_len=4)
+    cols["timestamp"] = cols["timestamp"][::-1].copy()  # the last episodes are the oldest
+    spec = {"kind": "group", "group_by": "episode_id", "group_size": 1}
+    assert recipe([{"name": "g", "sampler": {**spec, "once": True}}]).sources[0].sampler.order == (
+        "oldest"
+    )
+    oldest = recipe([{"name": "g", "sampler": {**spec, "order": "oldest"}}], batch_size=3)
+    uniform = recipe([{"name": "g", "sampler": spec}], batch_size=3)
+    assert uniform.sources[0].sampler.order == "uniform"
+    episodes = cols["episode"]
+    for seed in range(3):
+        d = sampler(oldest, len(rows)).sample(cols, np.random.default_rng(seed))
+        assert set(episodes[d.rows].tolist()) == {100, 99, 98}
+    seen = set()
+    for seed in range(30):
+        d = sampler(uniform, len(rows)).sample(cols, np.random.default_rng(seed))
+        seen |= set(episodes[d.rows].tolist())
+    assert len(seen) > 30
