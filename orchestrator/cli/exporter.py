@@ -247,15 +247,30 @@ def _admission_metrics(census: Census) -> list[Metric]:
                 ("refused", "first calls refused (429) after waiting"),
                 ("released", "slots given back (stale or dropped trajectories)"),
                 ("expired", "admitted trajectories expired: no turn nor reward in time"),
+                ("lapsed", "rewarded trajectories the version moved past before one was served"),
+            )
+        },
+        "waiting": _gauge(
+            "claw_admission_waiting", "rewarded trajectories not served yet (holding slots)", ns
+        ),
+        **{
+            k: CounterMetricFamily(f"claw_admission_{k}_trajectories", doc, labels=[*ns, "turns"])
+            for k, doc in (
+                ("rewarded", "trajectories rewarded, by turn count (bucket: at most)"),
+                ("stale", "rewarded trajectories released unserved, by turn count (bucket)"),
             )
         },
     }
+    plain = ("budget", "admitted", "version", "waited", "refused", "released", "expired")
     for s in census.namespaces:
         if s.admission is None:
             continue
-        for k in ("budget", "admitted", "version", "waited", "refused", "released", "expired"):
+        for k in (*plain, "lapsed", "waiting"):
             fams[k].add_metric([s.namespace], float(s.admission[k]))
         fams["started"].add_metric([s.namespace], float(s.admission["total"]))
+        for k in ("rewarded", "stale"):
+            for b, n in s.admission[f"{k}_by_turns"].items():
+                fams[k].add_metric([s.namespace, b], float(n))
     return list(fams.values())
 
 

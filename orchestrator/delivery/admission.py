@@ -8,6 +8,7 @@ served-staleness counters a fill adds to a recipe's counters."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -26,8 +27,12 @@ STALE_PREFIX = "stale:"
 mean staleness, ``stale:max:<k>`` the batches whose oldest turn is k versions old."""
 
 
-COUNTERS = ("admitted", "total", "waited", "refused", "released", "expired")
+COUNTERS = ("admitted", "total", "waited", "refused", "released", "expired", "lapsed")
 """The admission hash's counters (``admitted`` is running + accepted, a level)."""
+
+LENGTHS = ("1", "2", "4", "8", "16", "32", "64", "65+")
+"""The turn-count buckets of ``rewarded`` and ``stale`` (a trajectory of n turns counts in
+the first bucket >= n)."""
 
 
 class AdmissionError(ValueError):
@@ -45,6 +50,12 @@ def log_key(store: Store) -> str:
 def open_key(store: Store) -> str:
     """The trajectories admitted against the budget and not rewarded, by expiry time."""
     return store.owned_key("admission:open")
+
+
+def done_key(store: Store) -> str:
+    """The rewarded trajectories no fill has served yet, scored by their oldest turn's
+    version: each holds its slot until a fill serves it or the version moves past it."""
+    return store.owned_key("admission:done")
 
 
 def reservation_key(store: Store, group: str) -> str:
@@ -97,19 +108,20 @@ def declare(store: Store, recipe: Recipe, fresh: bool) -> None:
     if int(SCRIPT(store.r, _keys(store), args)) < 0:
         check_owner(store, recipe)  # raises, naming the owner
         raise AdmissionError(f"recipe {recipe.name!r}: the admission budget is not its own")
+    lapse(store, "trainer")  # the version may have moved past rewarded, unserved ones
 
 
 def _keys(store: Store) -> list[str]:
     """The script's keys for the ops that touch no trajectory (declare, give)."""
     a = admission_key(store)
-    return [a, log_key(store), a, a, open_key(store)]
+    return [a, log_key(store), a, a, open_key(store), done_key(store)]
 
 
 def clear(store: Store, recipe_name: str) -> None:
     """Drop the budget if ``recipe_name`` declared it (the recipe is unregistered): the
     gateways admit every trajectory again."""
     if owner(store) == recipe_name:
-        store.r.delete(admission_key(store), open_key(store))
+        store.r.delete(admission_key(store), open_key(store), done_key(store))
 
 
 def state(store: Store) -> dict[str, Any] | None:
@@ -117,17 +129,22 @@ def state(store: Store) -> dict[str, Any] | None:
     ``recipe``, ``version``, ``batch``, ``max_staleness``, ``group``, ``budget``,
     ``admitted`` (running + accepted), ``total``, ``waited``, ``refused``, ``released``,
     ``expired`` (trajectories that went ``expiry`` seconds without a turn or a reward),
-    ``open`` (admitted trajectories not rewarded yet)."""
+    ``lapsed`` (rewarded trajectories the version moved past before a fill served them),
+    ``open`` (admitted trajectories not rewarded yet), ``waiting`` (rewarded, not served
+    yet), ``rewarded_by_turns`` and ``stale_by_turns`` (trajectories rewarded, and rewarded
+    then released unserved, by turn-count bucket, :data:`LENGTHS`: a length bias of what
+    goes stale shows as a rising ratio)."""
     with store.r.pipeline(transaction=False) as p:  # one slot: the keys share its tag
         p.hgetall(admission_key(store))
         p.zcard(open_key(store))
-        raw, n_open = p.execute()
-    return state_of(raw, n_open)
+        p.zcard(done_key(store))
+        raw, n_open, n_done = p.execute()
+    return state_of(raw, n_open, n_done)
 
 
-def state_of(raw: Mapping[bytes, bytes], n_open: int) -> dict[str, Any] | None:
-    """:func:`state` of the admission hash and the open set's size as read (a reader on
-    another client, the gateway's event loop, decodes them here too)."""
+def state_of(raw: Mapping[bytes, bytes], n_open: int, n_done: int = 0) -> dict[str, Any] | None:
+    """:func:`state` of the admission hash and the open and done sets' sizes as read (a
+    reader on another client, the gateway's event loop, decodes them here too)."""
     if not raw or b"batch" not in raw:
         return None
     d = {k.decode(): v.decode() for k, v in raw.items()}
@@ -143,6 +160,9 @@ def state_of(raw: Mapping[bytes, bytes], n_open: int) -> dict[str, Any] | None:
     for k in COUNTERS:
         out[k] = int(float(d.get(k, 0)))
     out["open"] = int(n_open)
+    out["waiting"] = int(n_done)
+    for k in ("rewarded", "stale"):
+        out[f"{k}_by_turns"] = {b: int(d.get(f"{k}:{b}", 0)) for b in LENGTHS}
     return out
 
 
@@ -257,6 +277,96 @@ def release_stale(
         reservation_key(store, group or trajectory_uid),
         trajectory_key(store, trajectory_uid),
         open_key(store),
+        done_key(store),
     ]
     args = ["finish", "" if vmin is None else vmin, who, LOG_ENTRIES, trajectory_uid]
     return int(SCRIPT(store.r, keys, args))
+
+
+def lapse(store: Store, who: str = "", count: int = 1024) -> tuple[int, int]:
+    """Release the rewarded trajectories no fill served before the declared version moved
+    past them (oldest turn < v - max_staleness): no recipe may serve them any more. Run by
+    the trainer after each declaration and by every gateway's sweep; each trajectory is
+    released by exactly one caller (the script that removes it from the done set).
+    Returns (trajectories, slots) released. At most ``count`` per call; one round trip
+    when none is due, four when some are."""
+    a, done = admission_key(store), done_key(store)
+    with store.r.pipeline(transaction=False) as pipe:
+        pipe.hmget(a, "version", "staleness")
+        pipe.zrange(done, 0, 0, withscores=True)  # the oldest
+        (v, s), oldest = pipe.execute()
+    if v is None or s is None or not oldest:
+        return 0, 0
+    bound = int(float(v)) - int(float(s))
+    if oldest[0][1] >= bound:  # nothing past it: one round trip
+        return 0, 0
+    due = [m.decode() for m in store.r.zrangebyscore(done, "-inf", f"({bound}", 0, count)]
+    if not due:
+        return 0, 0
+    with store.r.pipeline(transaction=False) as pipe:
+        for t in due:
+            pipe.hget(trajectory_key(store, t), "grp")
+        groups = pipe.execute()
+    lg, op = log_key(store), open_key(store)
+
+    def queue(pipe: Any) -> None:
+        for t, g in zip(due, groups, strict=True):
+            res = reservation_key(store, g.decode() if g else t)
+            keys = [a, lg, res, trajectory_key(store, t), op, done]
+            SCRIPT.queue(pipe, keys, ["lapse", who, LOG_ENTRIES, t])
+
+    got = execute(store.r, [SCRIPT], queue)
+    return sum(int(n) for n, _ in got), sum(int(k) for _, k in got)
+
+
+CLAIM_TTL_S = 86_400
+"""How long a ``once`` batch's record of the trajectories it took lives: a batch dropped
+unserved within it puts them back (a queued batch is dropped within its recipe's life, a
+step or a restart later)."""
+
+_SERVE = Lua("serve", "orchestrator")
+
+
+def claim_key(store: Store, token: str) -> str:
+    """The trajectories a ``once`` batch (its claim's token) took from the done set."""
+    return store.owned_key(f"admission:claim:{token}")
+
+
+def serve(pipe: Any, store: Store, trajectories: list[str], token: str | None = None) -> None:
+    """Queue on ``pipe`` (a fill's push transaction) the removal of ``trajectories`` from
+    the done set: served, they no longer hold a slot that may lapse (``lua/serve.lua``,
+    sent whole: a transaction cannot load a script). ``token``: a ``once`` batch's claim,
+    under which the removed ones are recorded for :func:`unclaimed`. One reply: the
+    removed ones with their scores, for :func:`unserve`."""
+    keys = [done_key(store)] + ([claim_key(store, token)] if token else [])
+    pipe.execute_command("EVAL", _SERVE.source, len(keys), *keys, CLAIM_TTL_S, *trajectories)
+
+
+def unserve(store: Store, removed: list[Any]) -> int:
+    """Put back the trajectories a push removed (``removed`` as :func:`serve` replied: id,
+    score, ...) when its batch was taken back unserved, then :func:`lapse` the ones now
+    too old. Returns the slots released."""
+    back = {_text(t): float(x) for t, x in zip(removed[::2], removed[1::2], strict=True)}
+    if not back:
+        return 0
+    store.r.zadd(done_key(store), back)
+    return lapse(store, "fill")[1]
+
+
+def unclaimed(store: Store, tokens: list[str]) -> int:
+    """``once`` batches dropped unserved after their push (their groups go back to the
+    pool): the trajectories each took go back to the done set, once (the record is read
+    and deleted in one command), and lapse if they are now too old. Returns the slots
+    released."""
+    if not tokens:
+        return 0
+    with store.r.pipeline(transaction=False) as pipe:
+        for t in tokens:
+            pipe.getdel(claim_key(store, t))
+        records = pipe.execute()
+    removed = [x for raw in records if raw for x in json.loads(raw)]
+    return unserve(store, removed)
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,6 +1,7 @@
 """What a batch dropped unserved (a recipe's new version drained it, or a pop found it
-stale) gives back: a ``once`` batch its groups' claims, drawn again in the pass; a batch of
-an ``admission`` recipe the slots its trajectories took (accepted, never to be served)."""
+stale) gives back: a ``once`` batch its groups' claims, drawn again in the pass (with
+``admission``, its trajectories back among the rewarded, unserved ones, to be served or
+to lapse); another batch of an ``admission`` recipe the slots its trajectories took."""
 
 from __future__ import annotations
 
@@ -37,5 +38,7 @@ def unserved(batch: Batch, claims: list[Claim]) -> int:
 def give_back(store: Store, recipe: Recipe, slots: int, claims: list[Claim], why: str) -> None:
     if claims:
         groups.release(store, recipe.name, claims)
+        if recipe.admission is not None:  # their trajectories wait to be served again
+            admission.unclaimed(store, [c.token for c in claims])
     if slots and recipe.admission is not None:
         admission.give_back(store, slots, f"{recipe.name}: {why}")

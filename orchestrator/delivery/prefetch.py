@@ -27,7 +27,7 @@ from claw_tasks.worker.app import app
 from claw_tasks.worker.context import close_all, context_for, forget, store_for
 from claw_tasks.worker.lru import LRU
 from claw_tasks.worker.tasks import committed
-from orchestrator.delivery import rollouts, shm
+from orchestrator.delivery import admission, rollouts, shm
 from orchestrator.delivery.augstats import RedisStats, namespace_stats
 from orchestrator.delivery.ratelimit import Room
 from orchestrator.delivery.registry import ACTIVE, PRODUCED, SAMPLED, Registry
@@ -112,13 +112,16 @@ def push(
     item: bytes,
     counts: Mapping[str, float] | None = None,
     claim: Claim | None = None,
+    served: list[str] | None = None,
 ) -> int | str:
     """Append ``item`` and count it (``counts``: more counter increments, e.g. served
     staleness), in one transaction that also reads the recipe's current version; returns
     the queue length, or why the item was taken back: ``"stale"`` (the recipe changed while
-    this batch was made), ``"unregistered"`` or ``"full"`` (a second fill slipped in). An
-    item taken back gives back the groups it claimed (``claim``, a ``once`` batch's); one a
-    reader popped first is that reader's to give back. No Lua: a script's arguments cost
+    this batch was made), ``"unregistered"`` or ``"full"`` (a second fill slipped in).
+    ``served``: the trajectories the batch serves (an ``admission`` recipe's), taken out of
+    admission's done set in the same transaction. An item taken back gives back the groups
+    it claimed (``claim``, a ``once`` batch's) and puts back the trajectories it took; one
+    a reader popped first is that reader's to give back. No Lua: a script's arguments cost
     ~2 ms per MB here, RPUSH ~0.1 ms."""
     name, rows = recipe.name, recipe.batch_size
     queue, counters = reg.queue(name), reg.counters(name)
@@ -131,7 +134,11 @@ def push(
         pipe.hincrby(counters, SAMPLED, rows)
         for k, v in counts.items():
             pipe.hincrbyfloat(counters, k, v)
-        length, version, registered = pipe.execute()[:3]
+        if served:
+            admission.serve(pipe, reg.store, served, None if claim is None else claim.token)
+        got = pipe.execute()
+        length, version, registered = got[:3]
+        removed = got[-1] if served else []
     if not registered:  # unregistered while we sampled: take back what is there
         for left in reg.drain(name):
             shm.discard(left)
@@ -149,6 +156,10 @@ def push(
         shm.discard(item)
     if taken and claim is not None:
         groups.release(reg.store, name, [claim])
+    if taken and served and claim is None:
+        admission.unserve(reg.store, removed)
+    elif taken and served:  # the claim's record: read once, by whoever gets it first
+        admission.unclaimed(reg.store, [claim.token])
     if taken:
         with reg.r.pipeline(transaction=False) as pipe:
             pipe.hincrby(counters, PRODUCED, -1)
@@ -184,7 +195,7 @@ def run_fill(reg: Registry, name: str) -> dict[str, Any]:
             if draft.end is not None:
                 why = draft.end
                 break
-            pushed = push(reg, recipe, draft.message, draft.counts, draft.batch.claim)
+            pushed = push(reg, recipe, draft.message, draft.counts, draft.batch.claim, draft.served)
             if pushed == "full":
                 break
             if isinstance(pushed, str):  # stale or unregistered: the new fill reports state

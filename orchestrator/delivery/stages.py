@@ -57,8 +57,9 @@ class Draft:
     batch takes); :class:`Draw` sets ``batch`` (as drawn) and starts ``fields``, ``ids``,
     ``weights``, ``source_index`` and ``meta`` from it, which later stages replace;
     ``arrays`` are the collated fields, ``fill`` writes the fields laid out as
-    :class:`~orchestrator.delivery.wire.Pending`, ``message`` is the queue item and
-    ``counts`` the counter increments pushed with it. ``end`` set ends the fill with that
+    :class:`~orchestrator.delivery.wire.Pending`, ``message`` is the queue item,
+    ``counts`` the counter increments pushed with it and ``served`` the trajectories it
+    serves (admission recipes). ``end`` set ends the fill with that
     state (``""``: the fill's own).
     """
 
@@ -74,6 +75,7 @@ class Draft:
         "message",
         "meta",
         "rng",
+        "served",
         "source_index",
         "weights",
     )
@@ -90,6 +92,7 @@ class Draft:
         self.fill: Callable[[dict[str, np.ndarray]], None] | None = None
         self.message = b""
         self.counts: dict[str, float] = {}
+        self.served: list[str] = []
         self.end: str | None = None
 
 
@@ -125,29 +128,30 @@ class Draw(Stage):
 
 class CountStaleness(Stage):
     """Served staleness: each batch counts its rows by how far their policy version lags
-    (``staleness`` counters, pushed with the batch). ``draw`` is the recipe to draw: with
-    ``policy_version`` (metadata, no payload read) when the recipe does not ask for it,
-    which this stage then takes out again. A stale batch of trajectories that claimed no
-    groups gives their admission slots back (a claim is given back by the push instead)."""
+    (``staleness`` counters, pushed with the batch), and names the trajectories it serves
+    (``served``: the push takes them out of admission's done set, so their slots never
+    lapse). ``draw`` is the recipe to draw: with ``policy_version`` and ``episode_id``
+    (metadata, no payload read) when the recipe does not ask for them, which this stage
+    then takes out again. A batch the push takes back puts its trajectories back (the
+    push does it: it knows which it took)."""
 
     def __init__(self, store: Store, recipe: Recipe) -> None:
         self.store, self.recipe = store, recipe
-        self.added = "policy_version" not in recipe.fields
+        self.added = [f for f in ("policy_version", "episode_id") if f not in recipe.fields]
         self.draw = (
-            recipe.model_copy(update={"fields": [*recipe.fields, "policy_version"]})
+            recipe.model_copy(update={"fields": [*recipe.fields, *self.added]})
             if self.added
             else recipe
         )
 
     def __call__(self, d: Draft) -> None:
-        get = d.fields.pop if self.added else d.fields.__getitem__
-        d.counts = admission.staleness_counts(self.recipe, np.asarray(get("policy_version")))
-
-    def taken_back(self, d: Draft, why: str) -> None:
-        groups = d.batch.groups
-        if why == "stale" and groups and d.batch.claim is None:  # never served
-            taken = len(np.unique(groups.trajectory))
-            admission.give_back(self.store, taken, f"{self.recipe.name}: a stale batch")
+        version = d.fields["policy_version"]
+        episodes = d.meta["episode_id"]
+        for f in self.added:
+            (d.meta if f == "episode_id" else d.fields).pop(f)
+        d.counts = admission.staleness_counts(self.recipe, np.asarray(version))
+        flat = [e for x in episodes for e in (x if isinstance(x, list) else [x])]
+        d.served = sorted({e for e in flat if e is not None})
 
 
 class AttachNearest(Stage):

@@ -234,16 +234,22 @@ class Gate:
         return admission.state_of(raw, n_open)
 
     async def sweep(self) -> int:
-        """Expire the namespace's trajectories past their expiry; returns how many (in a
-        thread: the store's sync client)."""
+        """Expire the namespace's trajectories past their expiry and release the rewarded
+        ones the version moved past unserved; returns how many did (in a thread: the
+        store's sync client)."""
         self._swept = time.monotonic()
-        n, _ = await asyncio.to_thread(self._expire_due)
+        n, lapsed, released = await asyncio.to_thread(self._expire_due)
         if n:
             self.metrics.expired.inc(n)
-        return n
+        if released:
+            self.metrics.released.inc(released)
+        return n + lapsed
 
-    def _expire_due(self) -> tuple[int, int]:
-        return admission.expire(self.store, admission.due(self.store, time.time()), self.who)
+    def _expire_due(self) -> tuple[int, int, int]:
+        """Trajectories expired, and trajectories and slots lapsed (rewarded ones the
+        version moved past unserved)."""
+        n, _ = admission.expire(self.store, admission.due(self.store, time.time()), self.who)
+        return n, *admission.lapse(self.store, self.who)
 
     async def _sweep_forever(self) -> None:
         while True:

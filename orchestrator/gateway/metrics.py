@@ -93,7 +93,8 @@ class GatewayMetrics:
         )
         self.released = Counter(
             "claw_gateway_admission_released_slots",
-            "Budget slots given back: trajectories rewarded too old to be served",
+            "Budget slots given back: trajectories rewarded too old to be served, or that the "
+            "version moved past before a fill served them",
             registry=r,
         )
         self.expired = Counter(

@@ -25,6 +25,7 @@ from claw_tasks.where import Key, Where, duration, lookup
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.joint import JointTable, JointWhere
 from orchestrator.sampling.strings import Strings
+from orchestrator.sampling.transitions import Transitions
 
 _AGG = re.compile(r"(count|mean|sum|min|max|std|p(\d{1,2}(?:\.\d+)?|100))(?:\(([^()]+)\))?")
 _GROUPABLE = ("code", "num", "flag")
@@ -77,6 +78,7 @@ class QueryResult:
     values: dict[str, np.ndarray] = field(default_factory=dict)  # key -> matched rows' values
     group_index: np.ndarray | None = None  # matched row -> group number
     joint: dict[str, int] | None = None  # joint queries: complete, partial, matched joint steps
+    transition: dict[str, Any] | None = None  # transition queries: from, to, window, windows
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -87,7 +89,20 @@ class QueryResult:
             "group_by": self.group_by,
             "groups": self.groups,
         }
+        if self.transition is not None:
+            out["transition"] = self.transition
         return out if self.joint is None else {**out, "joint": self.joint}
+
+
+@dataclass(frozen=True)
+class TransitionFilter:
+    """A transition query: only the steps within ``window`` steps of a change of
+    ``skill_tag`` from ``from_skill`` to ``to_skill`` inside an episode (a recipe source's
+    ``transition``), and the number of such changes (``windows``)."""
+
+    from_skill: str
+    to_skill: str
+    window: int = 1
 
 
 @dataclass(frozen=True)
@@ -126,15 +141,21 @@ class Query:
         keep: Sequence[str] = (),
         now: float | None = None,
         joint: JointFilter | None = None,
+        transition: TransitionFilter | None = None,
     ) -> QueryResult:
         """Match, group and aggregate; ``keep`` names keys whose matched values to return
-        (for a histogram); ``joint``: match joint steps, aggregate their agents' records."""
+        (for a histogram); ``joint``: match joint steps, aggregate their agents' records;
+        ``transition``: match only steps in its windows, and count the windows."""
         now = time.time() if now is None else now
-        counts = None
+        counts, moved = None, None
         if joint is None:
             live, hit = self.match(expression, since=since, now=now)
         else:
             live, hit, counts = self.match_joint(expression, joint, since=since, now=now)
+        if transition is not None:
+            if joint is not None:
+                raise QueryError("--from-skill/--to-skill: not with a joint query")
+            hit, moved = self._in_windows(transition, hit)
         groups, inverse = self._groups(list(group_by), hit)
         for a in aggs:
             if a.key is not None:
@@ -158,7 +179,16 @@ class Query:
             values,
             inverse,
             counts,
+            moved,
         )
+
+    def _in_windows(self, f: TransitionFilter, hit: np.ndarray) -> tuple[np.ndarray, dict]:
+        if not 1 <= f.window <= 64:
+            raise QueryError(f"--transition-window {f.window}: 1 to 64 steps")
+        t = Transitions(f.from_skill, f.to_skill, f.window, self.strings.encode, self.index.cap)
+        members = t.mask(self.index.columns)
+        counted = {"from": f.from_skill, "to": f.to_skill, "window": f.window}
+        return hit[members[hit]], {**counted, "windows": t.changes(self.index.columns)}
 
     def match(
         self, expression: str, *, since: str | None = None, now: float | None = None

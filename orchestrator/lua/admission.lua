@@ -7,8 +7,12 @@
 --           staleness      s, max_staleness
 --           group          trajectories per group (1: none)
 --           admitted       trajectories admitted and not released (running + accepted)
---           total, waited, refused, released, expired   counters (calls that waited,
---                          calls that got 429, slots given back, trajectories expired)
+--           total, waited, refused, released, expired, lapsed   counters (calls that
+--                          waited, calls that got 429, slots given back, trajectories
+--                          expired, rewarded trajectories released unserved)
+--           rewarded:<b>, stale:<b>   trajectories rewarded, and rewarded ones released
+--                          unserved (too old at their reward, or lapsed later), by turns
+--                          (b: the power of two at or above the turn count, 1..64; 65+)
 -- KEYS[2] the admission log (a stream capped near ARGV's maxlog entries)
 -- Channel KEYS[1] .. ':wake': published when the budget grows (declare, give, finish), so
 -- gateways holding calls over the budget look again at once.
@@ -20,6 +24,10 @@
 -- KEYS[5] the open trajectories (`claw:{ns}:admission:open`), a sorted set: trajectories
 --         admitted against a declared budget and not rewarded yet, scored by when they
 --         expire (server time; each recorded turn moves it, orchestrator/lua/turn.lua)
+-- KEYS[6] (declare, finish, lapse) the rewarded trajectories not served yet
+--         (`claw:{ns}:admission:done`), a sorted set scored by each one's oldest turn's
+--         version: a fill that serves one removes it (orchestrator/delivery/prefetch.py),
+--         so a member is rewarded, unserved and holds its slot.
 -- KEYS[6..] (enter) the hashes of the trajectories the call starts or continues
 --
 -- The rule: with budget = (s + v + 1) * B, a trajectory may start only while
@@ -34,7 +42,8 @@
 --            registration). A declaration of an older rv than the stored one is ignored;
 --            one by another recipe is refused. A fresh registration, or a version lower
 --            than the stored one (a trainer restarted from an earlier version), sets
---            admitted to version * B: nothing is counted in flight (nor open). Returns 1 applied,
+--            admitted to version * B: nothing is counted in flight (nor open, nor
+--            rewarded unserved). Returns 1 applied,
 --            0 ignored, -1 owned by another recipe.
 --   enter    ARGV: key sha256 ('' no session), group ('' none), first (1: the call's first
 --            try), last (1: its last: a refusal counts as refused), who, maxlog, ttl,
@@ -54,12 +63,18 @@
 --            then never served (batches dropped when the recipe changed). Returns them.
 --   finish   ARGV: vmin ('' none known), who, maxlog, trajectory id. The trajectory is no
 --            longer open; one whose oldest turn is older than v - s will never be served:
---            its reservation (its group's, once) is released. Returns the slots released.
+--            its reservation (its group's, once) is released; else it joins KEYS[6].
+--            Returns the slots released.
+--   lapse    ARGV: who, maxlog, trajectory id. If the trajectory is in KEYS[6] and its
+--            oldest turn is now older than v - s (the version moved past it before a fill
+--            served it), it leaves KEYS[6] and its reservation is released as by finish.
+--            Exactly once: only the call that removes it from KEYS[6] releases. Returns
+--            {1 lapsed / 0 not (served, fresh, or lapsed already), slots released}.
 --   expire   ARGV: who, maxlog, trajectory id. If the trajectory is open past its expiry
 --            (server time), it is no longer open, counted expired, and its reservation
 --            released as by finish (a group's: an incomplete group is never served).
 --            Returns {1 expired / 0 not (finished, or moved by a turn), slots released}.
-local A, LOG, RES, OPEN = KEYS[1], KEYS[2], KEYS[3], KEYS[5]
+local A, LOG, RES, OPEN, DONE = KEYS[1], KEYS[2], KEYS[3], KEYS[5], KEYS[6]
 local op = ARGV[1]
 local WAKE = A .. ':wake' -- a channel, not a key: waiting gateways look again when told
 
@@ -78,7 +93,7 @@ if op == 'declare' then
     'staleness', ARGV[6], 'group', ARGV[7])
   if ARGV[8] == '1' or v0 == nil or version < v0 then
     redis.call('HSET', A, 'admitted', version * batch)
-    redis.call('DEL', OPEN)
+    redis.call('DEL', OPEN, DONE)
   end
   redis.call('PUBLISH', WAKE, version)
   return 1
@@ -98,6 +113,14 @@ if op == 'give' then
     'slots', slots, 'admitted', admitted - slots, 'budget', budget, 'v', version, 'w', ARGV[3])
   redis.call('PUBLISH', WAKE, version)
   return slots
+end
+
+-- The length bucket of trajectory T: the power of two at or above its turns (65+ past 64).
+local function bucket(T)
+  local n, b = tonumber(redis.call('HGET', T, 'turns') or '0'), 1
+  while b < n and b < 128 do b = b * 2 end
+  if b > 64 then return '65+' end
+  return tostring(b)
 end
 
 -- Release trajectory T's reservation (its group's, once); returns the slots released.
@@ -130,8 +153,25 @@ if op == 'finish' then
   local adm = redis.call('HGET', T, 'adm')
   if batch == nil or adm == false or adm == '-' then return 0 end
   local vmin = tonumber(ARGV[2]) or tonumber(adm)
-  if vmin >= version - s then return 0 end
+  local b = bucket(T)
+  redis.call('HINCRBY', A, 'rewarded:' .. b, 1)
+  if vmin >= version - s then
+    redis.call('ZADD', DONE, vmin, ARGV[5])
+    return 0
+  end
+  redis.call('ZREM', DONE, ARGV[5])
+  redis.call('HINCRBY', A, 'stale:' .. b, 1)
   return release(T, 'release', ARGV[3], ARGV[4], ARGV[5], vmin)
+end
+
+if op == 'lapse' then
+  local T, uid = KEYS[4], ARGV[4]
+  local vmin = tonumber(redis.call('ZSCORE', DONE, uid) or '')
+  if batch == nil or vmin == nil or vmin >= version - s then return {0, 0} end
+  redis.call('ZREM', DONE, uid)
+  redis.call('HINCRBY', A, 'lapsed', 1)
+  redis.call('HINCRBY', A, 'stale:' .. bucket(T), 1)
+  return {1, release(T, 'release', ARGV[2], ARGV[3], uid, vmin)}
 end
 
 if op == 'expire' then

@@ -131,6 +131,12 @@ class Recipe(StrictModel):
             if problem := src.where_error(i, None, self.params):
                 raise ValueError(problem)
         self._groups_consistent()
+        moved = [s.name for s in self.sources if s.transition is not None]
+        if moved and (self.grouped or self.joint is not None or self.rollout is not None):
+            raise ValueError(
+                f"sources {moved}: transition selects steps; not with group sources, joint "
+                "or rollout recipes"
+            )
         if problem := joint_problem(self):
             raise ValueError(problem)
         self._rollout_consistent()

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
 from pydantic import (
+    ConfigDict,
     Field,
     PositiveFloat,
     PositiveInt,
@@ -33,6 +34,28 @@ class Window(StrictModel):
     def _one(self) -> Self:
         if (self.last_steps is None) == (self.max_age_s is None):
             raise ValueError("window takes exactly one of last_steps, max_age_s")
+        return self
+
+
+class Transition(StrictModel):
+    """``transition: {from: A, to: B, window: k}``: only the steps within ``k`` steps of a
+    change of ``skill_tag`` from A to B inside an episode (the k up to it and the k from
+    it; :mod:`orchestrator.sampling.transitions`)."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
+
+    from_skill: StrictStr = Field(alias="from", min_length=1, max_length=1024)
+    to_skill: StrictStr = Field(alias="to", min_length=1, max_length=1024)
+    window: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _differ(self) -> Self:
+        if self.from_skill == self.to_skill:
+            raise ValueError(f"transition: from and to are both {self.from_skill!r}")
+        if self.window > 64:
+            raise ValueError(f"transition.window: at most 64 steps, not {self.window}")
         return self
 
 
@@ -106,6 +129,7 @@ class Source(StrictModel):
     weight: PositiveFloat = 1.0
     where: StrictStr | dict[str, Any] = {}
     window: Window | None = None
+    transition: Transition | None = None
     sampler: SerializeAsAny[SamplerSpec] = Field(default_factory=default_sampler)
     any_agent: AgentWhere = None  # joint recipes: some present agent's step matches
     all_agents: AgentWhere = None  # joint recipes: every present agent's step matches

@@ -1,20 +1,27 @@
 """The admission budget on a real Redis, without HTTP: what a trainer's recipe declares
 (register, set_params, a restart from an earlier version, unregister), how the gate of a
 gateway admits against it (group reservations, n trajectories at once, a full budget, two
-gates sharing it), and how slots come back (a stale trajectory's group, dropped batches)."""
+gates sharing it), and how slots come back (a stale trajectory's group, rewarded ones the
+version moved past before a fill served them, dropped batches), exactly once."""
 
 from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
+from claw_tasks.format.schema import tag_column
 from orchestrator import BatchClient
-from orchestrator.delivery import admission
+from orchestrator.delivery import admission, giveback, prefetch, shm
 from orchestrator.delivery.admission import AdmissionError
+from orchestrator.delivery.prefetch import run_fill
+from orchestrator.delivery.registry import Registry
 from orchestrator.gateway.gate import Gate, Principal, key_hash
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.recorder import TURN
+from orchestrator.recipe.model import Recipe
+from tests.support.llmturns import turns_batch
 
 
 def recipe(name: str = "grpo", staleness: int = 1, version: int = 0) -> dict:
@@ -213,3 +220,155 @@ def test_no_budget_declared_skips_the_script_until_one_is(store, redis_url):
         await gate.aclose()
 
     asyncio.run(run())
+
+
+@pytest.mark.both_stores
+def test_rewarded_unserved_trajectories_lapse_exactly_once(store, redis_url):
+    """A trajectory rewarded while fresh and never served holds its slot only until the
+    version moves past its bound: then its slots (its group's reservation, once) come back
+    exactly once, whichever of two racing gateways or the trainer gets there first; a
+    served one keeps its slot (the trainer consumed it). Rewarded and stale trajectories
+    are counted by turns."""
+    with BatchClient(store.namespace, redis_url) as client:
+        client.register(recipe(staleness=1))  # budget (1 + 0 + 1) * 8 = 16, groups of 4
+        turn_keys = [admission.admission_key(store), admission.open_key(store)]
+
+        async def run() -> None:
+            a = Gate(store, redis_url, GatewayMetrics(), wait=0.0, sweep_s=3600)
+            b = Gate(store, redis_url, GatewayMetrics(), wait=0.0, sweep_s=3600)
+            anyone = Principal()
+            for g, gate in (("g1", a), ("g2", b)):
+                for j in range(4):
+                    assert (await gate.enter(anyone, (f"{g}-{j}",), g)).status == "ok"
+            assert (await a.enter(anyone, ("solo",), None)).status == "ok"
+            assert admission.state(store)["admitted"] == 9
+            for t in [f"g1-{j}" for j in range(4)]:  # g1's trajectories make 3 turns each
+                for _ in range(3):
+                    TURN(
+                        store.r,
+                        [admission.trajectory_key(store, t), *turn_keys],
+                        ["turn", 60, 0, "", 0, t],
+                    )
+            for t in [*(f"g{i}-{j}" for i in (1, 2) for j in range(4)), "solo"]:
+                assert admission.release_stale(store, t, t[:2] if t != "solo" else "", 0) == 0
+            st = admission.state(store)
+            assert (st["waiting"], st["released"], st["admitted"]) == (9, 0, 9)
+            with store.r.pipeline(transaction=True) as pipe:  # a fill serves g2
+                admission.serve(pipe, store, [f"g2-{j}" for j in range(4)])
+                pipe.execute()
+            # the version moves past them (a trainer whose own sweep did not run: the
+            # gateways' sweeps race for the slots)
+            store.r.hset(admission.admission_key(store), "version", 2)  # bound 1 > 0
+            got = await asyncio.gather(a.sweep(), b.sweep(), a.sweep(), b.sweep())
+            assert sum(got) == 5  # g1's 4 and solo
+            assert await a.sweep() == 0 and await b.sweep() == 0
+            released = "claw_gateway_admission_released_slots_total"
+            by = [g.metrics.registry.get_sample_value(released) or 0 for g in (a, b)]
+            assert sum(by) == 5  # g1's reservation once (4 slots), solo's 1
+            for g in (a, b):
+                await g.aclose()
+
+        asyncio.run(run())
+        st = admission.state(store)
+        # what is left counted is g2, served: 4 slots the trainer consumed
+        assert (st["admitted"], st["released"], st["lapsed"], st["waiting"]) == (4, 5, 5, 0)
+        assert st["rewarded_by_turns"]["4"] == 4 and st["rewarded_by_turns"]["1"] == 5
+        assert st["stale_by_turns"]["4"] == 4 and st["stale_by_turns"]["1"] == 1
+        assert sum(e["slots"] for e in admission.read_log(store) if e["op"] == "release") == 5
+
+        # the trainer's declaration releases at once, no gateway needed
+        client.set_params("grpo", policy_version=2)  # budget 32, min_version 1
+        assert admission.state(store)["admitted"] == 4
+        store.r.hset(admission.admission_key(store), "admitted", 20)  # in flight elsewhere
+
+        async def more() -> None:
+            gate = Gate(store, redis_url, GatewayMetrics(), wait=0.0, sweep_s=3600)
+            for j in range(4):
+                assert (await gate.enter(Principal(), (f"g3-{j}",), "g3")).status == "ok"
+            await gate.aclose()
+
+        asyncio.run(more())
+        for j in range(4):
+            assert admission.release_stale(store, f"g3-{j}", "g3", 2) == 0
+        assert admission.state(store)["admitted"] == 24
+        client.set_params("grpo", policy_version=4)  # bound 3: g3 (version 2) lapses
+        st = admission.state(store)
+        assert (st["admitted"], st["lapsed"], st["waiting"]) == (20, 9, 0)
+        assert admission.lapse(store) == (0, 0)
+
+
+def llm_groups(store, groups: range, size: int = 4) -> None:
+    """Group g: ``size`` one-turn trajectories ``g<g>-<j>`` at policy version g (and
+    ``tags.min_version`` g), key 1000 + g, one commit per group (the older first)."""
+    for g in groups:
+        turns = [
+            {"traj": f"g{g}-{j}", "turn": 0, "prompt": [1, g], "response": [5, j]}
+            | {"last": True, "key": 1000 + g, "version": g, "reward": float(j)}
+            for j in range(size)
+        ]
+        b = turns_batch(turns)
+        b.nums[tag_column("min_version")] = np.full(size, float(g))
+        store.commit(b)
+
+
+@pytest.mark.both_stores
+def test_a_fill_serves_within_the_declared_bound_oldest_first_and_served_never_lapse(
+    store, redis_url
+):
+    """An admission recipe without a ``where`` serves nothing older than v - s (the
+    gateway released those at their reward), ready groups oldest first; what a fill
+    serves never lapses, and what a push takes back returns to the waiting set and lapses
+    once the version moves past it."""
+    llm_groups(store, range(4))
+    reg = Registry(store)
+    rec = Recipe.model_validate(
+        {
+            "name": "grpo",
+            "batch_size": 1,
+            "fields": ["response_ids", "policy_version"],
+            "params": {"policy_version": 3},
+            "admission": {"max_staleness": 1, "trajectories": 8},  # min_version 2
+            "prefetch": {"depth": 2},
+            "sources": [{"name": "s", "sampler": {"kind": "group", "group_size": 4, "once": True}}],
+        }
+    )
+    reg.put(rec, None)
+    admission.declare(store, rec, fresh=True)  # budget (1 + 3 + 1) * 8 = 40, 24 consumed
+
+    async def enter(groups: range) -> None:
+        gate = Gate(store, redis_url, GatewayMetrics(), wait=0.0, sweep_s=3600)
+        for g in groups:
+            for j in range(4):
+                assert (await gate.enter(Principal(), (f"g{g}-{j}",), f"g{g}")).status == "ok"
+        await gate.aclose()
+
+    asyncio.run(enter(range(4)))
+    released = [
+        admission.release_stale(store, f"g{g}-{j}", f"g{g}", g) for g in range(4) for j in range(4)
+    ]
+    assert sum(released) == 8  # g0 and g1 (versions 0, 1 < 2): stale at their reward
+    assert admission.state(store)["waiting"] == 8
+    assert run_fill(reg, "grpo")["made"] == 2
+    items = reg.drain("grpo")
+    batches = [shm.from_message(i) for i in items]
+    assert [set(b["policy_version"].tolist()) for b in batches] == [{2}, {3}]  # oldest first
+    st = admission.state(store)
+    assert (st["waiting"], st["admitted"]) == (0, 40 - 8)
+    # a push taken back (the recipe changed while it was made) puts back the trajectories
+    # it took, and only those (g3 was served by the batch before)
+    asyncio.run(enter(range(4, 5)))
+    assert sum(admission.release_stale(store, f"g4-{j}", "g4", 3) for j in range(4)) == 0
+    reg.r.hset(reg.versions_key, "grpo", rec.version + 1)
+    served = [f"g{g}-{j}" for g in (3, 4) for j in range(4)]
+    assert prefetch.push(reg, rec, items[1], served=served) == "stale"
+    assert admission.state(store)["waiting"] == 4
+    reg.r.hset(reg.versions_key, "grpo", rec.version)
+    # a queued once-batch dropped unserved (g2's): its claims and its trajectories go back
+    giveback.drop(store, rec, [items[0]])
+    assert admission.state(store)["waiting"] == 8
+    giveback.give_back(store, rec, 0, [batches[0].claim], "dropped again")  # nothing twice
+    assert admission.state(store)["waiting"] == 8
+    # the version moves past every group: g2 and g4, put back unserved, lapse; g3 stays
+    admission.declare(store, rec.model_copy(update={"params": {"policy_version": 5}}), False)
+    st = admission.state(store)
+    assert (st["lapsed"], st["waiting"], st["admitted"]) == (8, 0, 40 - 8 + 4 - 8)

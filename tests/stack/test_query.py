@@ -177,3 +177,55 @@ def test_bad_queries_exit_1_naming_the_fix(claw, data, args, message):
 
 def test_unknown_namespace_exits_1(claw):
     assert "does not exist" in claw("query", "no-such-ns", code=1).output
+
+
+def test_transition_windows_are_counted(claw, redis_server):
+    """``--from-skill/--to-skill``: the A→B changes inside episodes and the steps within
+    the window of one, against the same count by hand; the expression still applies."""
+    ns = f"skills-{uuid.uuid4().hex[:8]}"
+    store = Store(redis_server.url, ns)
+    store.create(capacity=1_000, n_shards=2)
+    episodes = {
+        "e0": ["reach"] * 4 + ["grasp"] * 4,  # one change: 3 + 3 steps with window 3
+        "e1": ["reach", "grasp", "reach", "grasp", "lift"],  # two changes, windows overlap
+        "e2": ["grasp"] * 3 + ["reach"] * 3,  # grasp -> reach: not counted
+        "e3": ["reach"] * 3,  # its grasp steps arrive later
+    }
+    for ep, skills in episodes.items():
+        n = len(skills)
+        store.commit(
+            StepBatch(
+                episode=StrColumn.constant(ep, n),
+                step_index=np.arange(n),
+                reward=np.arange(n, dtype=np.float32),
+                terminated=np.zeros(n, bool),
+                truncated=np.zeros(n, bool),
+                fields={"obs": np.zeros((n, 3), np.float32), "action": np.zeros(n, np.int64)},
+                strs={"skill_tag": StrColumn.of(skills)},
+            )
+        )
+
+    def counted(*extra: str) -> dict:
+        args = ["query", ns, *extra, "--from-skill", "reach", "--to-skill", "grasp"]
+        return json.loads(claw(*args, "--transition-window", "3", "--json").output)
+
+    got = counted()
+    assert (got["transition"]["windows"], got["matched"]) == (3, 6 + 5)
+    assert counted("reward >= 1")["matched"] == 6 + 5 - 1  # e1 starts inside a window
+    later = ["grasp"] * 2
+    store.commit(
+        StepBatch(
+            episode=StrColumn.constant("e3", 2),
+            step_index=np.arange(3, 5),
+            reward=np.zeros(2, np.float32),
+            terminated=np.zeros(2, bool),
+            truncated=np.zeros(2, bool),
+            fields={"obs": np.zeros((2, 3), np.float32), "action": np.zeros(2, np.int64)},
+            strs={"skill_tag": StrColumn.of(later)},
+        )
+    )
+    got = counted()
+    assert (got["transition"]["windows"], got["matched"]) == (4, 6 + 5 + 5)
+    out = claw("query", ns, "--from-skill", "reach", "--to-skill", "grasp").output
+    assert "4 reach -> grasp changes; 8 matching steps within 1 steps of one" in out
+    assert "give both" in claw("query", ns, "--from-skill", "reach", code=1).output

@@ -294,7 +294,8 @@ def recipes(
                 f"max_staleness {adm['max_staleness']}, {adm['batch']} per batch), admitted "
                 f"{adm['admitted']:,}, started {adm['total']:,}, waited {adm['waited']:,}, "
                 f"refused {adm['refused']:,}, released {adm['released']:,}, expired "
-                f"{adm['expired']:,} ({adm['open']:,} open)"
+                f"{adm['expired']:,}, lapsed {adm['lapsed']:,} ({adm['open']:,} open, "
+                f"{adm['waiting']:,} rewarded waiting)"
                 if "budget" in adm
                 else "admission: not declared"
             )
@@ -375,6 +376,15 @@ def query(
     all_agents: Annotated[
         str | None, typer.Option(help="Joint steps where every agent's step matches (--joint)")
     ] = None,
+    from_skill: Annotated[
+        str | None, typer.Option(help="Only steps around a change from this skill_tag")
+    ] = None,
+    to_skill: Annotated[
+        str | None, typer.Option(help="... to this skill_tag (with --from-skill)")
+    ] = None,
+    transition_window: Annotated[
+        int, typer.Option(help="Steps each side of a change (with --from-skill)")
+    ] = 1,
 ) -> None:
     """Ask questions of step metadata, answered from the sampling index.
 
@@ -382,11 +392,18 @@ def query(
     --agg 'count,mean(reward),p95(reward)' --since 1h (quote the aggregates: the shell
     reads parentheses). Multi-agent: claw query spread "tags.covered >= 2" --any-agent
     "reward > 0" --group-by agent_id (the expression selects joint steps by their global
-    state's tags, the aggregates are over their agents' steps)"""
+    state's tags, the aggregates are over their agents' steps). Skill transitions: claw
+    query arm --from-skill reach --to-skill grasp --transition-window 3 counts the
+    reach-to-grasp changes and the steps within 3 steps of one"""
     from orchestrator.inspect import query as q
 
     keys = [k.strip() for k in group_by.split(",") if k.strip()] if group_by else []
     jf = q.JointFilter(any_agent, all_agents) if joint or any_agent or all_agents else None
+    tf = None
+    if (from_skill is None) != (to_skill is None):
+        raise q.QueryError("--from-skill and --to-skill: give both")
+    if from_skill is not None and to_skill is not None:
+        tf = q.TransitionFilter(from_skill, to_skill, transition_window)
     with redis_client(ctx) as (_, r):
         result = q.Query(Store(r, namespace)).run(
             expression,
@@ -395,6 +412,7 @@ def query(
             since=since,
             keep=[hist] if hist else [],
             joint=jf,
+            transition=tf,
         )
     if hist:
         path = q.histogram(result, hist, png or Path(f"{namespace}-{hist}.png"))
@@ -411,6 +429,12 @@ def query(
         console.print(
             f"{j['matched']:,} of {j['complete']:,} complete joint steps matched; "
             f"{j['partial']:,} partial (a record evicted) not counted"
+        )
+    if result.transition is not None:
+        t = result.transition
+        console.print(
+            f"{t['windows']:,} {t['from']} -> {t['to']} changes; {result.matched:,} matching "
+            f"steps within {t['window']} steps of one"
         )
     if hist:
         console.print(f"histogram of {hist} over {result.matched:,} steps: [bold]{path}[/]")

@@ -17,8 +17,10 @@ candidates (alive, trainable, matching its ``where``: a filter such as
   group not complete within it is never drawn; with ``partial: use`` a group still
   incomplete after it is drawn with the trajectories that have ended (at least one).
 
-A draw takes the source's count of distinct ready groups, uniformly at random; its rows are
-the groups' trajectories in order, each one's steps in order. With ``once: true`` each
+A draw takes the source's count of distinct ready groups, the oldest first (by their first
+step's commit time; ``order: oldest``, the default with ``once``) or uniformly at random
+(``order: uniform``, the default without); its rows are the groups' trajectories in
+order, each one's steps in order. With ``once: true`` each
 group is delivered once per *pass*: the draw skips the groups claimed in the current pass
 (:class:`Claims`, read from Redis), and when fewer are left than a batch needs, the next
 pass starts (claims cleared), the groups left unclaimed first; with ``passes: p`` no pass
@@ -71,11 +73,18 @@ class GroupSpec(SamplerSpec):
     partial: Literal["drop", "use"] = "drop"
     once: StrictBool = False
     passes: PositiveInt | None = None
+    order: Literal["oldest", "uniform"] | None = None
+    """Which ready groups a draw takes: ``oldest`` (by first commit) or ``uniform``; the
+    default is ``oldest`` with ``once`` (a group waits for no newer one, so none goes stale
+    waiting: AReaL's and tinker's rule) and ``uniform`` without (oldest-first would draw
+    the same groups every batch)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
         if self.group_size is None:
             raise ValueError("group_size: required for kind: group")
+        if self.order is None:
+            self.order = "oldest" if self.once else "uniform"
         self.group_by = group_key(self.group_by)
         if self.passes is not None and not self.once:
             raise ValueError("passes: only with once: true")
@@ -135,22 +144,33 @@ class GroupSampler(Sampler):
             raise InsufficientData(name, len(ready), k, "complete groups")
         ids = [self._id(t, g) for g in ready.tolist()]
         pass_no, stale = 0, ()
-        if claims is None:
+        oldest = self.group.order == "oldest"
+
+        def order(pos: np.ndarray) -> np.ndarray:  # by first commit (ties: table order)
+            return (
+                pos[np.argsort(t.g_t0[ready[pos]], kind="stable")]
+                if oldest
+                else rng.permutation(pos)
+            )
+
+        if claims is None and not oldest:
             pick = rng.choice(len(ready), size=k, replace=False)
+        elif claims is None:
+            pick = order(np.arange(len(ready)))[:k]
         else:
             fresh = np.array([i not in claims.claimed for i in ids], dtype=bool)
             pass_no = claims.pass_no
             left, done = np.flatnonzero(fresh), np.flatnonzero(~fresh)
             passes = self.group.passes
             if len(left) >= k:
-                pick = rng.permutation(left)[:k]
+                pick = order(left)[:k]
             elif passes is not None and pass_no + 1 >= passes:
                 raise InsufficientData(
                     name, len(left), k, f"complete groups not delivered yet (passes: {passes})"
                 )
             else:  # the pass is used up: the next starts with the groups left over
                 pass_no += 1
-                pick = np.concatenate([rng.permutation(left), rng.permutation(done)])[:k]
+                pick = np.concatenate([order(left), order(done)])[:k]
             if len(claims.claimed) > 2 * len(t.g_start) + 1024:
                 stale = tuple(claims.claimed - {self._id(t, g) for g in range(len(t.g_start))})
         rows, groups = self._rows(columns, t, ready[pick], [ids[i] for i in pick.tolist()], pass_no)

@@ -17,13 +17,14 @@ import numpy as np
 from claw_tasks.format.stepmeta import TERMINATED
 from claw_tasks.where import Encoder, Where
 from orchestrator.recipe.model import Recipe, Source
-from orchestrator.sampling.candidates import Columns, sorted_unique
+from orchestrator.sampling.candidates import Columns, sorted_unique, unique
 from orchestrator.sampling.groups import Claims, Groups
 from orchestrator.sampling.joint import JointTable, JointWhere, joint_acceptor
 from orchestrator.sampling.samplers.base import SAMPLERS, Accept, Context, Part
 from orchestrator.sampling.sequences import has_next_obs, n_step, windows
 from orchestrator.sampling.stacks import Predecessors
 from orchestrator.sampling.sumtree import MaxTree
+from orchestrator.sampling.transitions import Transitions
 
 
 class Draw(NamedTuple):
@@ -48,8 +49,18 @@ class RecipeSampler:
         agents = recipe.joint.agents if recipe.joint is not None else None
         self.joint = JointTable(agents, encode, cap) if agents is not None else None
         """Joint recipes: the joint steps; the sources draw their anchors."""
+        self.transitions: list[Transitions | None] = [
+            None
+            if s.transition is None
+            else Transitions(
+                s.transition.from_skill, s.transition.to_skill, s.transition.window, encode, cap
+            )
+            for s in recipe.sources
+        ]
+        """Per source: the members of its ``transition`` windows, if it has one."""
         self.sources = [
-            SAMPLERS[s.sampler.kind](s, self._where(s, tags, encode), tags) for s in recipe.sources
+            SAMPLERS[s.sampler.kind](s, self._where(s, tags, encode, t), tags)
+            for s, t in zip(recipe.sources, self.transitions, strict=True)
         ]
         self.counts = recipe.counts
         self.stacks = Predecessors(cap) if recipe.frame_stack > 1 else None
@@ -61,8 +72,12 @@ class RecipeSampler:
         self._needs_max = any(s.needs_max_priority for s in self.sources)
         self._max: MaxTree | None = None
 
-    def _where(self, s: Source, tags: Mapping[str, str], encode: Encoder) -> Any:
-        where = Where(s.where, tags, encode)
+    def _where(
+        self, s: Source, tags: Mapping[str, str], encode: Encoder, t: Transitions | None
+    ) -> Any:
+        where = Where(bounded(self.recipe, s.where, tags), tags, encode)
+        if t is not None:
+            return TransitionWhere(where, t)
         if self.joint is None:
             return where
         agent = [None if w is None else Where(w, tags, encode) for w in (s.any_agent, s.all_agents)]
@@ -76,14 +91,19 @@ class RecipeSampler:
             self.joint.refresh(rows)
         if rows is None:
             self._max = None
-            for s in self.sources:
+            for s, t in zip(self.sources, self.transitions, strict=True):
                 s.invalidate()
+                if t is not None:
+                    t.invalidate()
             return
         rows = sorted_unique(rows)
         if self._max is not None:
             self._max.update(rows, _max_leaves(columns, rows))
-        for s in self.sources:
-            s.refresh(columns, rows)
+        for s, t in zip(self.sources, self.transitions, strict=True):
+            if t is not None and t.members is not None:  # and the rows near those
+                s.refresh(columns, unique(np.concatenate([rows, t.update(columns, rows)])))
+            else:
+                s.refresh(columns, rows)
 
     def max_priority(self, columns: Columns) -> float:
         """Largest priority set on a live step (1.0 when none is): what unset steps count as."""
@@ -113,6 +133,50 @@ class RecipeSampler:
         return Draw(
             cat([p.rows for p in parts]), cat([p.weights for p in parts]), cat(source), groups
         )
+
+
+class TransitionWhere:
+    """A ``transition`` source's filter, as the samplers see it (``key`` and ``mask``, as
+    :class:`~claw_tasks.where.Where`): its ``where`` and membership in the A→B windows.
+    The key changes when a skill's code appears (nothing was a member before)."""
+
+    def __init__(self, where: Where, transitions: Transitions) -> None:
+        self.where, self.transitions = where, transitions
+
+    @property
+    def columns(self) -> frozenset[str]:
+        return self.where.columns | {"skill_tag", "next", "id", "alive"}
+
+    def key(self, params: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
+        return (self.transitions.current_codes(), *self.where.key(params))
+
+    def mask(
+        self,
+        columns: Columns,
+        params: Mapping[str, Any] | None = None,
+        rows: np.ndarray | None = None,
+        now: float | None = None,
+    ) -> np.ndarray:
+        members = self.transitions.mask(columns)
+        return self.where.mask(columns, params, rows, now) & (
+            members if rows is None else members[rows]
+        )
+
+
+def bounded(recipe: Recipe, where: Any, tags: Mapping[str, str]) -> Any:
+    """``where`` within an ``admission`` recipe's staleness bound: and'ed with
+    ``tags.min_version >= $min_version`` (a trajectory's oldest turn, where the namespace
+    has that tag, as the capture gateway's namespaces do; a multi-turn trajectory is then
+    served whole or not at all), else ``policy_version >= $min_version``; the recipe keeps
+    ``min_version`` at v - max_staleness. The declaration alone bounds what is served, with
+    or without a ``where`` of the source's own."""
+    adm = recipe.admission
+    if adm is None:
+        return where
+    key = "tags.min_version" if tags.get("min_version") == "num" else "policy_version"
+    bound = {key: {"ge": f"${adm.min_version_param}"}}
+    own = Where(where, tags).mapping()
+    return {"and": [own, bound]} if own else bound
 
 
 def _numbered(parts: list[Part]) -> Groups:

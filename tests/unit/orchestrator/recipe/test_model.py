@@ -74,13 +74,14 @@ def test_the_reference_documents_every_key_and_augment_op():
     import inspect
 
     from orchestrator.recipe.options import Admission, Nearest, Prefetch, RateLimit, Tokens
-    from orchestrator.recipe.sources import SamplerSpec, Source, Window
+    from orchestrator.recipe.sources import SamplerSpec, Source, Transition, Window
     from orchestrator.transforms.augment import OPS
 
     text = DOCS.read_text()
     models = (Recipe, Source, Window, SamplerSpec, Prefetch, RateLimit, Tokens, Nearest, Admission)
-    for model in models:
-        missing = [k for k in model.model_fields if f"`{k}`" not in text]
+    for model in (*models, Transition):
+        keys = [f.alias or k for k, f in model.model_fields.items()]
+        missing = [k for k in keys if f"`{k}`" not in text]
         assert not missing, f"{model.__name__} keys not in docs/recipes.md: {missing}"
     rows = {line.split("`")[1]: line for line in text.splitlines() if line.startswith("| `")}
     for name, op in OPS.items():

@@ -498,3 +498,57 @@ def test_sampled_rows_satisfy_their_where(r, seed):
                     if j > row and x["alive"] and x["trainable"] and holds(x, src.where, r.params)
                 ]
                 assert len(newer) < src.window.last_steps
+
+
+@pytest.mark.parametrize("tag", [False, True])
+def test_an_admission_recipe_serves_within_its_bound_without_a_where(tag):
+    """``admission`` alone bounds every source: ``policy_version >= $min_version``, or
+    ``tags.min_version >= $min_version`` where the namespace has that tag (a multi-turn
+    trajectory's oldest turn), and the bound follows the live version."""
+    rows = make_rows(2000, seed=7)
+    cols = columns(rows)
+    tags = dict(TAGS)
+    if tag:
+        tags["min_version"] = "num"
+        cols["t:min_version"] = np.maximum(cols["policy_version"] - 1, 0).astype(np.float64)
+    r = recipe(
+        [{"name": "a"}, {"name": "b", "where": {"task_id": "grasp"}}],
+        params={"policy_version": 3},
+        admission={"max_staleness": 1},
+    )
+    s = RecipeSampler(r, encode, tags, len(rows))
+    rng = np.random.default_rng(0)
+    oldest = cols["t:min_version"] if tag else cols["policy_version"]
+    for v in (3, 2, 3):
+        for _ in range(20):
+            d = s.sample(cols, rng, params={"policy_version": v, "min_version": v - 1})
+            assert (oldest[d.rows] >= v - 1).all()
+            assert (v - cols["policy_version"][d.rows] <= 1).all()
+        ok = np.flatnonzero(cols["alive"] & (cols["flags"] & 8 == 0) & (oldest >= v - 1))
+        assert set(np.unique(d.rows)) <= set(ok.tolist())
+
+
+def test_group_sources_draw_the_oldest_ready_groups_first():
+    """``order: oldest`` (the default with ``once``) takes the ready groups with the
+    earliest first commit; ``uniform`` (the default without) spreads over all of them."""
+    rows = make_rows(400, seed=3, episode_len=4)
+    for i, r in enumerate(rows):
+        r["alive"], r["trainable"], r["terminated"] = True, True, i % 4 == 3
+    cols = columns(rows, episode_len=4)
+    cols["timestamp"] = cols["timestamp"][::-1].copy()  # the last episodes are the oldest
+    spec = {"kind": "group", "group_by": "episode_id", "group_size": 1}
+    assert recipe([{"name": "g", "sampler": {**spec, "once": True}}]).sources[0].sampler.order == (
+        "oldest"
+    )
+    oldest = recipe([{"name": "g", "sampler": {**spec, "order": "oldest"}}], batch_size=3)
+    uniform = recipe([{"name": "g", "sampler": spec}], batch_size=3)
+    assert uniform.sources[0].sampler.order == "uniform"
+    episodes = cols["episode"]
+    for seed in range(3):
+        d = sampler(oldest, len(rows)).sample(cols, np.random.default_rng(seed))
+        assert set(episodes[d.rows].tolist()) == {100, 99, 98}
+    seen = set()
+    for seed in range(30):
+        d = sampler(uniform, len(rows)).sample(cols, np.random.default_rng(seed))
+        seen |= set(episodes[d.rows].tolist())
+    assert len(seen) > 30
