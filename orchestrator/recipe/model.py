@@ -6,6 +6,8 @@ Every key, its default and what it produces is in ``docs/recipes.md``."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
@@ -43,6 +45,7 @@ __all__ = [
     "SamplerSpec",
     "Source",
     "as_recipe",
+    "recipe_digest",
     "register_kind",
     "same_recipe",
 ]
@@ -358,6 +361,15 @@ def same_recipe(a: Recipe, b: Recipe, ignore: Iterable[str] = ("version",)) -> b
     ``version``, or ``params``, which are live)."""
     skip = set(ignore)
     return a.model_dump(exclude=skip) == b.model_dump(exclude=skip)
+
+
+def recipe_digest(recipe: Recipe) -> str:
+    """The content address of one recipe version (its JSON form, version included,
+    blake2b, 8 bytes as hex): what a lineage entry names the recipe that made a batch by,
+    so a recipe dropped and registered again (its versions start over) is never mistaken
+    for the one before."""
+    text = json.dumps(recipe.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 RecipeLike = Recipe | Mapping[str, Any] | str | Path
