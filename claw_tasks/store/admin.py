@@ -27,6 +27,11 @@ class Admin:
     def __init__(self, core: StoreCore) -> None:
         self.core = core
 
+    def clear_tombstone(self) -> None:
+        """Delete the dropped tombstone a drop left (a scratch namespace no writer knows:
+        nobody to stop, so nothing to keep for ``DROPPED_TTL``)."""
+        self.core.r.delete(dropped_key(self.core.namespace))
+
     def exists(self) -> bool:
         return bool(self.core.r.exists(self.core.layout_keys.config))
 

@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.store import Store
-from claw_tasks.store.config import dropped_key
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.lineage import Entry, LineageLog
 from orchestrator.delivery.registry import Registry
@@ -127,9 +126,8 @@ class Replayer:
     def close(self) -> None:
         """Drop the scratch namespace, if one was made."""
         if self.scratch is not None:
-            name = self.scratch.namespace
-            drop_namespace(self.store.r, name)
-            self.store.r.delete(dropped_key(name))  # no writer to stop: no tombstone
+            drop_namespace(self.store.r, self.scratch.namespace)
+            self.scratch.clear_tombstone()
             self.scratch = None
 
     def replay(self, entry: Entry) -> Replayed:
