@@ -27,8 +27,8 @@ EPISODES, LENGTH = 6, 20
 
 
 def episodes(first: int, count: int, task: str) -> StepBatch:
-    """``count`` episodes of ``LENGTH`` steps, 16x16 grey frames of seeded noise (stacks of three: 3 channels), the last
-    step terminated, rewards naming the step."""
+    """``count`` episodes of ``LENGTH`` steps, 16x16 grey frames of seeded noise (a stack
+    of three has three channels), the last step terminated, rewards naming the step."""
     rng = np.random.default_rng(first)
     n = count * LENGTH
     ep = np.repeat(np.arange(first, first + count), LENGTH)
