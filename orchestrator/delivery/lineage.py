@@ -67,6 +67,7 @@ __all__ = [
     "digest",
     "encode_ids",
     "lineage_key",
+    "read_entry",
     "record",
 ]
 
@@ -253,7 +254,7 @@ class LineageLog:
         while True:
             page = self.r.xrange(self.key, low, end, count=PAGE)
             for entry_id, kv in page:
-                yield _entry(entry_id, kv)
+                yield read_entry(entry_id, kv)
             if len(page) < PAGE:
                 return
             low = "(" + page[-1][0].decode()
@@ -268,10 +269,10 @@ class LineageLog:
         out = []
         for (seg, code), ids in zip(having, sids, strict=True):
             entries = np.flatnonzero(seg.pol == code)
-            out += [_entry(i, kv) for i, kv in self.index.fetch(ids, entries)]
+            out += [read_entry(i, kv) for i, kv in self.index.fetch(ids, entries)]
         raw = want.encode()
         for page in self.index.tail(wm, PAGE):  # the policy is compared before any decoding
-            out += [_entry(i, kv) for i, kv in page if kv.get(b"p") == raw]
+            out += [read_entry(i, kv) for i, kv in page if kv.get(b"p") == raw]
         return out
 
     def policies(self, ids: np.ndarray) -> dict[int, dict[str, int]]:
@@ -286,7 +287,7 @@ class LineageLog:
             sel = slice(None) if kept is None else kept[rows.entries]
             _count(out, rows.ids[sel], seg.pol[rows.entries[sel]], seg.policies)
         for raw in self.index.tail(wm, PAGE):
-            page = [_entry(i, kv) for i, kv in raw]
+            page = [read_entry(i, kv) for i, kv in raw]
             _count_page(page, ids, out)
         return out
 
@@ -361,7 +362,8 @@ def _count_page(page: list[Entry], ids: np.ndarray, out: dict[int, dict[str, int
         seen[page[k].policy] = seen.get(page[k].policy, 0) + 1
 
 
-def _entry(entry_id: bytes, kv: dict[bytes, bytes]) -> Entry:
+def read_entry(entry_id: bytes, kv: dict[bytes, bytes]) -> Entry:
+    """One entry as ``XRANGE`` gives it back (the fields of :func:`record`)."""
     n = int(kv[b"n"])
     width = narrowest(max(n - 1, 0))
     order = None if b"o" not in kv else np.frombuffer(kv[b"o"], width).astype(np.int64)
