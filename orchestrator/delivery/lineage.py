@@ -54,6 +54,7 @@ from orchestrator.delivery.lineage_index import (
     Segment,
     decode_ids,
     encode_ids,
+    encode_sorted,
     narrowest,
 )
 
@@ -178,21 +179,23 @@ def record(
 ) -> dict[str, bytes | str]:
     """The fields of one entry (what ``XADD`` sends); ``replay``: what replays the batch."""
     ids = np.asarray(ids, np.int64)
+    n = len(ids)
+    perm = None if replay is None or n < 2 else np.argsort(ids)  # any order of repeats
     fields: dict[str, bytes | str] = {
         "r": recipe,
         "rv": str(int(recipe_version)),
         "p": "" if policy is None else str(policy),
-        "n": str(len(ids)),
+        "n": str(n),
         "d": digest(ids),
-        "ids": encode_ids(ids),
+        "ids": encode_ids(ids) if perm is None else encode_sorted(ids[perm]),
         "t": f"{time.time() if now is None else now:.3f}",
     }
     if replay is None:
         return fields
-    if len(ids) > 1 and (np.diff(ids) < 0).any():
-        rank = np.empty(len(ids), np.int64)
-        rank[np.argsort(ids, kind="stable")] = np.arange(len(ids))
-        fields["o"] = rank.astype(narrowest(len(ids) - 1)).tobytes()
+    if perm is not None and (perm[1:] < perm[:-1]).any():  # not in id order already
+        rank = np.empty(n, narrowest(n - 1))
+        rank[perm] = np.arange(n, dtype=rank.dtype)
+        fields["o"] = rank.tobytes()
     if replay.weights is not None and len(ids):
         fields["w"] = encode_weights(replay.weights)
     if replay.source_index is not None and len(ids) and np.any(replay.source_index):
@@ -214,7 +217,7 @@ def encode_weights(weights: np.ndarray) -> bytes:
     four byte planes under zstd (the exponent bytes compress; the mantissas do not: 256
     prioritized weights take ~860 bytes of 1,024)."""
     w = np.ascontiguousarray(weights, "<f4")
-    if (w == w[0]).all() and not np.isnan(w[0]):
+    if w.min() == w.max():  # all equal (NaN compares unequal: coded below)
         return b"c" + w[:1].tobytes()
     planes = w.view(np.uint8).reshape(-1, 4).T.tobytes()
     return b"z" + _ZSTD.compress(planes)

@@ -61,7 +61,11 @@ _SID = np.dtype([("ms", "<u8"), ("seq", "<u8")])
 def encode_ids(ids: np.ndarray) -> bytes:
     """Step ids, sorted (repeats kept): a width byte, the first id (8 bytes), the gaps at
     the narrowest width that holds the largest (an entry's ``ids``)."""
-    s = np.sort(np.asarray(ids, np.int64))
+    return encode_sorted(np.sort(np.asarray(ids, np.int64)))
+
+
+def encode_sorted(s: np.ndarray) -> bytes:
+    """:func:`encode_ids` of ids already sorted (int64)."""
     if not len(s):
         return b""
     gaps = np.diff(s)
