@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.lineage import Entry, LineageLog
@@ -88,15 +89,20 @@ class Replayed:
 
 
 def replay(
-    store: Store,
+    namespace_or_store: str | Store,
     *,
     policy: Any = None,
     start: str = "-",
     end: str = "+",
     archive: Path | str | None = None,
+    redis_url: str | None = None,
 ) -> Iterator[Replayed]:
     """The batches declared as training ``policy`` (or every entry from ``start`` to
-    ``end``, stream ids), oldest first, made again from Redis or ``archive``."""
+    ``end``, stream ids), oldest first, made again from Redis or ``archive``
+    (``redis_url`` defaults to ``CLAW_REDIS_URL``)."""
+    store = namespace_or_store
+    if not isinstance(store, Store):
+        store = Store(redis_url or get_settings().redis_url, store)
     entries = LineageLog(store).replayable(policy, start, end)
     with Replayer(store, archive) as replayer:
         for entry in entries:

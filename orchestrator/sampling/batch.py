@@ -126,6 +126,7 @@ class Batch:
             {k: take_rows(v, rows) if isinstance(v, list) else v for k, v in self.meta.items()},
             groups,
             self.claim,
+            recipe_digest=self.recipe_digest,  # no seed: its augmentation was the batch's
         )
 
     def __len__(self) -> int:
