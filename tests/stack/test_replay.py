@@ -3,7 +3,7 @@ n-step, frame-stacked, augmented batches from real prefetch workers and sets pri
 between pops, as a DQN does; the lineage log then gives every batch back bit for bit, in
 order (fields, augmented pixels, ids, weights, meta) while its steps are in Redis and,
 once they are evicted, from the Parquet archive; steps evicted and never archived are
-reported by row, never made up."""
+reported by row, never made up; recipe versions are kept while the log names them."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.lineage import LineageLog
+from orchestrator.delivery.lineage import LineageLog, Replayable, record
 from orchestrator.delivery.registry import Registry
 from orchestrator.inspect.replay import replay
 from orchestrator.maintenance.archive import archive_namespace
+from orchestrator.recipe.model import Recipe, recipe_digest
 from orchestrator.sampling.batch import Batch
 
 EPISODES, LENGTH = 6, 20
@@ -209,3 +210,31 @@ def test_replay_names_rows_evicted_and_never_archived(redis_url, namespace, star
 
     out = CliRunner().invoke(app, ["--redis-url", redis_url, "replay", namespace])
     assert out.exit_code == 1 and "2 not replayed exactly" in out.output
+
+
+def test_recipe_versions_are_kept_while_the_log_names_them(redis_url, namespace):
+    store = Store(redis_url, namespace)
+    store.create(capacity=100)
+    reg, log = Registry(store), LineageLog(store)
+    base = {"name": "r", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "all"}]}
+    versions = [Recipe.model_validate({**base, "version": v, "params": {"k": v}}) for v in (1, 2)]
+    versions.append(Recipe.model_validate({**base, "version": 3, "params": {"k": 3}}))
+    for recipe in versions:
+        reg.put(recipe, None)
+    d1, d2, d3 = (recipe_digest(r) for r in versions)
+    with store.r.pipeline(transaction=False) as pipe:  # a batch of version 1 was trained on
+        log.queue(pipe, record("r", 1, 7, np.arange(1, 5), None, Replayable(recipe_digest=d1)))
+        pipe.execute()
+    log.build_index(force=True)  # the entry is in a segment: its table names d1
+    assert log.recipe_digests() == {d1}
+    # Within the grace nothing goes; past it, version 2 (neither named nor current).
+    assert reg.prune_definitions(log.recipe_digests()) == 0
+    assert reg.prune_definitions(log.recipe_digests(), grace=0) == 1
+    assert reg.definition(d2) is None
+    assert reg.definition(d1) == versions[0] and reg.definition(d3) == versions[2]
+    # The log trims the entry (CLAW_LINEAGE_MAXLEN): version 1 goes with it.
+    store.r.xtrim(log.key, maxlen=0)
+    log.build_index()
+    assert log.recipe_digests() == set()
+    assert reg.prune_definitions(log.recipe_digests(), grace=0) == 1
+    assert reg.definition(d1) is None and reg.definition(d3) == versions[2]
