@@ -217,8 +217,9 @@ def test_recipe_versions_are_kept_while_the_log_names_them(redis_url, namespace)
     store.create(capacity=100)
     reg, log = Registry(store), LineageLog(store)
     base = {"name": "r", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "all"}]}
-    versions = [Recipe.model_validate({**base, "version": v, "params": {"k": v}}) for v in (1, 2)]
-    versions.append(Recipe.model_validate({**base, "version": 3, "params": {"k": 3}}))
+    versions = [
+        Recipe.model_validate({**base, "version": v, "params": {"k": v}}) for v in (1, 2, 3)
+    ]
     for recipe in versions:
         reg.put(recipe, None)
     d1, d2, d3 = (recipe_digest(r) for r in versions)
