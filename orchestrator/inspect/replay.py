@@ -118,7 +118,9 @@ class Replayer:
         self.ns_dir = None if archive is None else find_archive(archive)
         self.manifest = None if self.ns_dir is None else Manifest.load(self.ns_dir)
         self.scratch: Store | None = None
-        self.restored: set[str] = set()  # archive files in the scratch namespace
+        self.capacity = 0  # the scratch namespace's, in steps
+        self.rows = 0  # steps restored into it
+        self.restored: dict[str, dict[str, Any]] = {}  # its archive files, by path
         self.old = np.zeros(0, np.int64)  # archived ids restored, sorted ...
         self.new = np.zeros(0, np.int64)  # ... and their ids in the scratch namespace
         self.recipes: dict[str, tuple[Recipe | None, AugmentPlan | None]] = {}
@@ -239,11 +241,21 @@ class Replayer:
                     want[files[j]["path"]] = files[j]
         if not want:
             return
+        rows = sum(int(f["rows"]) for f in want.values())
+        if self.scratch is not None and self.rows + rows > self.capacity:
+            # Its ring would overwrite steps restored before: restore them all again, into
+            # a scratch namespace twice the size.
+            want.update(self.restored)
+            rows = sum(int(f["rows"]) for f in want.values())
+            self.close()
         if self.scratch is None:
             name = f"{self.store.namespace}.replay-{secrets.token_hex(4)}"
-            self.scratch = Store(self.store.r, name)
-        old, new = restore_files(self.ns_dir, self.scratch, list(want.values()))
+            self.scratch, self.capacity = Store(self.store.r, name), 2 * rows
+            self.restored, self.rows = {}, 0
+            self.old, self.new = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        old, new = restore_files(self.ns_dir, self.scratch, list(want.values()), self.capacity)
         self.restored.update(want)
+        self.rows += rows
         keep = new >= 0
         old = np.concatenate([self.old, old[keep]])
         new = np.concatenate([self.new, new[keep]])

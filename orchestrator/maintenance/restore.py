@@ -140,18 +140,18 @@ def restore(
 
 
 def restore_files(
-    ns_dir: Path, store: Store, files: list[dict[str, Any]]
+    ns_dir: Path, store: Store, files: list[dict[str, Any]], capacity: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Restore some files of an archive (``ns_dir``: its namespace directory; ``files``:
-    manifest entries) into ``store``'s namespace, created when missing (one shard, room for
-    them all) without the snapshots; returns each row's archived id and its new id (-1: not
-    stored)."""
+    manifest entries) into ``store``'s namespace, created when missing (one shard of
+    ``capacity`` slots, default room for these files), without the snapshots; returns each
+    row's archived id and its new id (-1: not stored)."""
     manifest = Manifest.load(ns_dir)
     if manifest is None:
         raise ArchiveError(f"no Claw archive in {ns_dir} (no {MANIFEST})")
     if not store.exists():
         schema = None if manifest.schema is None else _with_orig_id(manifest.schema)
-        store.create(max(1, sum(int(f["rows"]) for f in files)), 1, schema)
+        store.create(capacity or max(1, sum(int(f["rows"]) for f in files)), 1, schema)
     result, ids = RestoreResult(store.namespace), []
     for entry in sorted(files, key=lambda f: (f["shard"], f["seq_lo"])):
         table = read_verified(ns_dir, entry)

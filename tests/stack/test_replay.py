@@ -17,9 +17,9 @@ from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.lineage import LineageLog, Replayable, record
+from orchestrator.delivery.lineage import Entry, LineageLog, Replayable, record
 from orchestrator.delivery.registry import Registry
-from orchestrator.inspect.replay import replay
+from orchestrator.inspect.replay import Replayer, replay
 from orchestrator.maintenance.archive import archive_namespace
 from orchestrator.recipe.model import Recipe, recipe_digest
 from orchestrator.sampling.batch import Batch
@@ -239,3 +239,44 @@ def test_recipe_versions_are_kept_while_the_log_names_them(redis_url, namespace)
     assert log.recipe_digests() == set()
     assert reg.prune_definitions(log.recipe_digests(), grace=0) == 1
     assert reg.definition(d1) is None and reg.definition(d3) == versions[2]
+
+
+def test_replay_restores_more_archive_files_as_later_batches_need_them(
+    redis_url, namespace, tmp_path
+):
+    """Batches from the archive's first files, then its last (the scratch namespace grows:
+    restored again, nothing overwritten), then the first again."""
+    store = Store(redis_url, namespace)
+    store.create(capacity=1000)
+    store.commit(episodes(0, 10, "play"))
+    recipe = Recipe.model_validate(
+        {"name": "plain", "batch_size": 4, "fields": ["obs", "reward"], "sources": [{"name": "a"}]}
+    )
+    Registry(store).put(recipe, None)
+    ids = np.arange(1, 10 * LENGTH + 1)
+    stored = store.get(ids, fields=["obs"])["obs"]
+    archive_namespace(store, tmp_path / "arch", chunk_bytes=16 * 16 * 10)  # files of ~10 steps
+    assert store.evict(ids) == len(ids)
+
+    def entry(rows: list[int]) -> Entry:
+        got = np.array(rows, np.int64)
+        return Entry(
+            "1-0",
+            "plain",
+            1,
+            "",
+            len(got),
+            "",
+            0.0,
+            np.sort(got),
+            np.argsort(np.argsort(got)),
+            recipe_digest=recipe_digest(recipe),
+        )
+
+    with Replayer(store, tmp_path / "arch") as replayer:
+        for rows in ([3, 1, 2, 2], [199, 200, 150, 198], [1, 2, 3, 4]):
+            got = replayer.replay(entry(rows))
+            assert got.source == "archive" and got.batch is not None, got.missing
+            assert got.batch.ids.tolist() == rows
+            assert got.batch["obs"].tobytes() == stored[np.array(rows) - 1].tobytes()
+        assert replayer.capacity > 2 * 30  # grown past its first files
