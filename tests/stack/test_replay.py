@@ -190,12 +190,14 @@ def test_replay_names_rows_evicted_and_never_archived(redis_url, namespace, star
     assert evicted.rows.tolist() == np.flatnonzero(gone).tolist()
     assert evicted.ids.tolist() == seen[0].ids[gone].tolist()
     # Rows whose n-step return or frame stack runs through an evicted step: named apart.
-    chained = missing.get("a step its assembly follows was evicted from Redis and never archived")
-    if chained is not None:
-        assert not np.isin(chained.rows, evicted.rows).any()
-    if not np.isin(seen[1].ids, seen[0].ids[:5]).any():  # the second one is whole
-        assert second.batch is not None
+    chain = "a step its assembly follows was evicted from Redis and never archived"
+    if chain in missing:
+        assert not np.isin(missing[chain].rows, evicted.rows).any()
+    assert set(missing) <= {evicted.reason, chain}
+    if second.batch is not None:  # none of its rows reads an evicted step
         assert_same(second.batch, seen[1])
+    else:
+        assert {m.reason for m in second.missing} <= {evicted.reason, chain}
 
     # Without an archive: said so.
     (alone,) = [r for r in replay(store, policy=1)]
@@ -210,6 +212,8 @@ def test_replay_names_rows_evicted_and_never_archived(redis_url, namespace, star
 
     out = CliRunner().invoke(app, ["--redis-url", redis_url, "replay", namespace])
     assert out.exit_code == 1 and "2 not replayed exactly" in out.output
+    bad = CliRunner().invoke(app, ["--redis-url", redis_url, "replay", namespace, "--from", "x"])
+    assert bad.exit_code == 2 and "--from: a lineage entry id" in bad.output
 
 
 def test_recipe_versions_are_kept_while_the_log_names_them(redis_url, namespace):
