@@ -1,9 +1,10 @@
 """Replay (``claw replay``, :mod:`orchestrator.inspect.replay`): a trainer pops prioritized,
-n-step, frame-stacked, augmented batches from real prefetch workers and sets priorities
-between pops, as a DQN does; the lineage log then gives every batch back bit for bit, in
-order (fields, augmented pixels, ids, weights, meta) while its steps are in Redis and,
-once they are evicted, from the Parquet archive; steps evicted and never archived are
-reported by row, never made up; recipe versions are kept while the log names them."""
+n-step, frame-stacked, augmented batches (and sequence windows) from real prefetch workers
+and sets priorities between pops, as a DQN does; the lineage log then gives every batch
+back bit for bit, in order (fields, augmented pixels, ids, weights, meta) while its steps
+are in Redis and, once they are evicted, from the Parquet archive; steps evicted and never
+archived are reported by row, never made up; recipe versions are kept while the log names
+them."""
 
 from __future__ import annotations
 
@@ -284,3 +285,36 @@ def test_replay_restores_more_archive_files_as_later_batches_need_them(
             assert got.batch.ids.tolist() == rows
             assert got.batch["obs"].tobytes() == stored[np.array(rows) - 1].tobytes()
         assert replayer.capacity > 2 * 30  # grown past its first files
+
+
+def test_sequence_batches_replay_from_redis_and_the_archive(
+    redis_url, namespace, start_worker, tmp_path
+):
+    """Windows of 5 steps (a window stops at its episode's end), shifted as one."""
+    store = Store(redis_url, namespace)
+    store.create(capacity=1000)
+    store.commit(episodes(0, 4, "play"))
+    start_worker("prefetch", 1)
+    client = BatchClient(namespace, redis_url)
+    client.register(
+        {
+            "name": "seq",
+            "batch_size": 8,
+            "fields": ["obs", "action", "reward"],
+            "sources": [{"name": "all"}],
+            "sequence_length": 5,
+            "prefetch": {"depth": 1},
+            "augment": {"obs": [{"random_shift": {"pad": 2}}]},
+        }
+    )
+    seen = [kept(client.pop("seq", timeout=60, policy_version=v)) for v in range(3)]
+    client.close()
+    assert seen[0]["obs"].shape == (8, 5, 16, 16, 1)
+    for r, want in zip(replay(store), seen, strict=True):
+        assert r.source == "redis" and r.batch is not None, r.missing
+        assert_same(r.batch, want)
+    archive_namespace(store, tmp_path / "arch")
+    store.evict(np.arange(1, 4 * LENGTH + 1))
+    for r, want in zip(replay(store, archive=tmp_path / "arch"), seen, strict=True):
+        assert r.source == "archive" and r.batch is not None, r.missing
+        assert_same(r.batch, want)
