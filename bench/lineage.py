@@ -8,7 +8,7 @@ Starts a private redis-server and appends ``--entries`` entries (as ``BatchClien
 ``--steps`` ids (the worst case for the index's blocks: every batch spreads over the whole
 namespace), in draw order, a new policy every 100 batches. The trainer's encoding and the
 memory per entry are measured in the same run for three entries of the same batches: the
-ids alone (what the log held before replay), and with what replays the batch (order,
+ids alone (an entry without the replay fields), and with what replays the batch (order,
 weights, seed, recipe digest: :mod:`orchestrator.inspect.replay`) with equal weights
 (uniform sampling) and with prioritized ones (PER's ``(N P)^-beta / max``, priorities
 ``|N(0,1)| + 0.001``, alpha 0.6, beta 0.4); the log of the index and query figures holds
