@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from claw_tasks.format.batch import StepBatch
@@ -217,6 +218,7 @@ def test_replay_names_rows_evicted_and_never_archived(redis_url, namespace, star
     assert bad.exit_code == 2 and "--from: a lineage entry id" in bad.output
 
 
+@pytest.mark.both_stores
 def test_recipe_versions_are_kept_while_the_log_names_them(redis_url, namespace):
     store = Store(redis_url, namespace)
     store.create(capacity=100)
