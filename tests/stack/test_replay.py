@@ -289,6 +289,7 @@ def test_replay_restores_more_archive_files_as_later_batches_need_them(
         assert replayer.capacity > 2 * 30  # grown past its first files
 
 
+@pytest.mark.both_stores
 def test_sequence_batches_replay_from_redis_and_the_archive(
     redis_url, namespace, start_worker, tmp_path
 ):
