@@ -36,19 +36,22 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.settings import get_settings
-from claw_tasks.store import Store
+from claw_tasks.store import NamespaceError, Store
 from orchestrator.delivery.collate import collate
 from orchestrator.delivery.lineage import Entry, LineageLog
 from orchestrator.delivery.registry import Registry
 from orchestrator.maintenance.archive_files import Manifest
 from orchestrator.maintenance.lifecycle import drop_namespace
-from orchestrator.maintenance.restore import find_archive, restore_files
+from orchestrator.maintenance.restore import create_scratch, find_archive, restore_files
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.sample import Unassembled, read_drawn
 from orchestrator.transforms.augment import AugmentPlan, augment_rng, build_pipelines
 
-__all__ = ["Missing", "Replayed", "Replayer", "replay"]
+__all__ = ["Missing", "Replayed", "Replayer", "replay", "scratch_name"]
+
+SCRATCH_TRIES = 4
+"""Names tried for a scratch namespace before giving up (each taken only if it is new)."""
 
 
 @dataclass(frozen=True)
@@ -249,11 +252,10 @@ class Replayer:
             rows = sum(int(f["rows"]) for f in want.values())
             self.close()
         if self.scratch is None:
-            name = f"{self.store.namespace}.replay-{secrets.token_hex(4)}"
-            self.scratch, self.capacity = Store(self.store.r, name), 2 * rows
+            self.scratch, self.capacity = self._new_scratch(2 * rows), 2 * rows
             self.restored, self.rows = {}, 0
             self.old, self.new = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        old, new = restore_files(self.ns_dir, self.scratch, list(want.values()), self.capacity)
+        old, new = restore_files(self.ns_dir, self.scratch, list(want.values()))
         self.restored.update(want)
         self.rows += rows
         keep = new >= 0
@@ -261,6 +263,19 @@ class Replayer:
         new = np.concatenate([self.new, new[keep]])
         order = np.argsort(old, kind="stable")
         self.old, self.new = old[order], new[order]
+
+    def _new_scratch(self, capacity: int) -> Store:
+        """A namespace of its own, created here (never one that exists: its name is random
+        and its creation exclusive), which :meth:`close` drops."""
+        assert self.ns_dir is not None
+        for _ in range(SCRATCH_TRIES):
+            scratch = Store(self.store.r, scratch_name(self.store.namespace))
+            try:
+                create_scratch(self.ns_dir, scratch, capacity)
+            except NamespaceError:
+                continue
+            return scratch
+        raise NamespaceError(f"no free scratch namespace for {self.store.namespace!r}")
 
     def _finish(
         self, entry: Entry, recipe: Recipe, plan: AugmentPlan | None, drawn: Batch
@@ -286,6 +301,12 @@ class Replayer:
             seed=entry.seed,
             recipe_digest=entry.recipe_digest,
         )
+
+
+def scratch_name(namespace: str) -> str:
+    """A name for a scratch namespace of ``namespace``'s replay: ``<ns>.replay-<64 random
+    bits>``."""
+    return f"{namespace}.replay-{secrets.token_hex(8)}"
 
 
 def _missing(ids: np.ndarray, rows: Unassembled, gone: str, incomplete: str) -> list[Missing]:

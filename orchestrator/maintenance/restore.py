@@ -139,19 +139,24 @@ def restore(
     return result
 
 
-def restore_files(
-    ns_dir: Path, store: Store, files: list[dict[str, Any]], capacity: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Restore some files of an archive (``ns_dir``: its namespace directory; ``files``:
-    manifest entries) into ``store``'s namespace, created when missing (one shard of
-    ``capacity`` slots, default room for these files), without the snapshots; returns each
-    row's archived id and its new id (-1: not stored)."""
+def create_scratch(ns_dir: Path, store: Store, capacity: int) -> None:
+    """Create ``store``'s namespace to restore files of the archive ``ns_dir`` into (one
+    shard of ``capacity`` slots, the archive's schema): a new namespace only
+    (NamespaceError when it exists or was just dropped), so dropping it afterwards never
+    touches another's data."""
     manifest = Manifest.load(ns_dir)
     if manifest is None:
         raise ArchiveError(f"no Claw archive in {ns_dir} (no {MANIFEST})")
-    if not store.exists():
-        schema = None if manifest.schema is None else _with_orig_id(manifest.schema)
-        store.create(capacity or max(1, sum(int(f["rows"]) for f in files)), 1, schema)
+    schema = None if manifest.schema is None else _with_orig_id(manifest.schema)
+    store.create(capacity, 1, schema, new=True)
+
+
+def restore_files(
+    ns_dir: Path, store: Store, files: list[dict[str, Any]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Restore some files of an archive (``ns_dir``: its namespace directory; ``files``:
+    manifest entries) into ``store``'s namespace (made by :func:`create_scratch`), without
+    the snapshots; returns each row's archived id and its new id (-1: not stored)."""
     result, ids = RestoreResult(store.namespace), []
     for entry in sorted(files, key=lambda f: (f["shard"], f["seq_lo"])):
         table = read_verified(ns_dir, entry)

@@ -321,3 +321,35 @@ def test_sequence_batches_replay_from_redis_and_the_archive(
     for r, want in zip(replay(store, archive=tmp_path / "arch"), seen, strict=True):
         assert r.source == "archive" and r.batch is not None, r.missing
         assert_same(r.batch, want)
+
+
+def test_the_scratch_namespace_is_never_one_that_exists(
+    redis_url, namespace, tmp_path, monkeypatch
+):
+    """A scratch name that a namespace already has (here forced) is passed over: that
+    namespace keeps its steps, the replay takes another name and drops only that one."""
+    store = Store(redis_url, namespace)
+    store.create(capacity=1000)
+    store.commit(episodes(0, 2, "play"))
+    recipe = Recipe.model_validate(
+        {"name": "plain", "batch_size": 2, "fields": ["obs"], "sources": [{"name": "a"}]}
+    )
+    Registry(store).put(recipe, None)
+    archive_namespace(store, tmp_path / "arch")
+    assert store.evict(np.arange(1, 2 * LENGTH + 1)) == 2 * LENGTH
+    theirs = Store(redis_url, f"{namespace}.replay-taken")
+    theirs.create(capacity=2 * 2 * LENGTH)  # the size a scratch namespace would take
+    theirs.commit(episodes(50, 1, "theirs"))
+    names = iter([theirs.namespace, f"{namespace}.replay-free"])
+    monkeypatch.setattr("orchestrator.inspect.replay.scratch_name", lambda ns: next(names))
+
+    entry = Entry(
+        "1-0", "plain", 1, "", 2, "", 0.0, np.array([1, 2]), recipe_digest=recipe_digest(recipe)
+    )
+    with Replayer(store, tmp_path / "arch") as replayer:
+        got = replayer.replay(entry)
+        assert got.source == "archive" and got.batch is not None, got.missing
+        assert replayer.scratch is not None
+        assert replayer.scratch.namespace == f"{namespace}.replay-free"
+    assert theirs.exists() and theirs.count() == LENGTH
+    assert not Store(redis_url, f"{namespace}.replay-free").exists()
