@@ -208,14 +208,14 @@ def record(
     return fields
 
 
-_ZSTD = zstandard.ZstdCompressor(level=1)
+_ZSTD = zstandard.ZstdCompressor(level=-1)  # the size of level 1 (measured), faster
 _UNZSTD = zstandard.ZstdDecompressor()
 
 
 def encode_weights(weights: np.ndarray) -> bytes:
     """float32 weights: ``c`` and the one value when all are equal, else ``z`` and their
     four byte planes under zstd (the exponent bytes compress; the mantissas do not: 256
-    prioritized weights take ~860 bytes of 1,024)."""
+    prioritized weights take ~850 bytes of 1,024; docs/replay.md, "Cost")."""
     w = np.ascontiguousarray(weights, "<f4")
     if w.min() == w.max():  # all equal (NaN compares unequal: coded below)
         return b"c" + w[:1].tobytes()
