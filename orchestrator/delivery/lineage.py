@@ -217,7 +217,8 @@ def encode_weights(weights: np.ndarray) -> bytes:
     four byte planes under zstd (the exponent bytes compress; the mantissas do not: 256
     prioritized weights take ~850 bytes of 1,024; docs/replay.md, "Cost")."""
     w = np.ascontiguousarray(weights, "<f4")
-    if w.min() == w.max():  # all equal (NaN compares unequal: coded below)
+    bits = w.view("<u4")
+    if (bits == bits[0]).all():  # all equal, bit for bit (0.0 and -0.0 differ)
         return b"c" + w[:1].tobytes()
     planes = w.view(np.uint8).reshape(-1, 4).T.tobytes()
     return b"z" + _ZSTD.compress(planes)

@@ -67,6 +67,8 @@ def test_an_entry_without_replay_fields_reads_as_before():
 def test_weights_round_trip_bit_for_bit_nan_and_subnormals_too():
     w = np.array([1.0, np.nan, 1e-45, 0.5, -0.0, np.inf], np.float32)
     assert decode_weights(encode_weights(w), len(w)).tobytes() == w.tobytes()
+    zeros = np.array([0.0, -0.0, 0.0], np.float32)  # equal as numbers, not as bits
+    assert decode_weights(encode_weights(zeros), 3).tobytes() == zeros.tobytes()
     nan = np.full(4, np.nan, np.float32)
     assert decode_weights(encode_weights(nan), 4).tobytes() == nan.tobytes()
 
