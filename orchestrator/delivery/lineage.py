@@ -116,9 +116,13 @@ class Replayable:
 
     @classmethod
     def of(cls, batch: Traced) -> Replayable:
+        """What ``batch`` has of it, its arrays copied: the entry is encoded later (with
+        the next pop), and a trainer may scale a batch's weights in place meanwhile."""
+        weights = getattr(batch, "weights", None)
+        source_index = getattr(batch, "source_index", None)
         return cls(
-            getattr(batch, "weights", None),
-            getattr(batch, "source_index", None),
+            None if weights is None else np.array(weights),
+            None if source_index is None else np.array(source_index),
             getattr(batch, "seed", None),
             getattr(batch, "recipe_digest", None),
         )

@@ -85,3 +85,13 @@ def test_the_wire_carries_the_seed_and_the_recipe_digest():
     assert (b.seed, b.recipe_digest) == (2**63 - 1, "ff00")
     plain = decode_batch(to_wire({"x": np.zeros(2)}, [1, 2]).tobytes())
     assert (plain.seed, plain.recipe_digest) == (None, None)
+
+
+def test_what_replays_a_batch_is_taken_when_declared():
+    """The entry is encoded with the next pop: weights scaled in place meanwhile (a
+    trainer's normalisation) do not reach it."""
+    batch = Served(1, np.array([4, 2]), np.array([0.5, 1.0], np.float32), 9, "ab")
+    held = Replayable.of(batch)
+    batch.weights[:] *= 2  # in place
+    e = _read(record("r", 1, 1, batch.ids, 1.0, held))
+    assert e.weights.tolist() == [0.5, 1.0]
