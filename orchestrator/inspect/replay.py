@@ -18,10 +18,12 @@ the replay ends. A row neither holds, or a batch whose recipe version is no long
 or whose entry records no seed, is reported (:class:`Missing`: which rows and why): a
 batch is given back whole or not at all, never with a row made up.
 
-Replayed as drawn, not as of the draw: a step's data never changes, but an n-step return
-or a window that stopped at a step not yet stored when it was drawn (a producer that
-stores ``next_obs`` with each step) is assembled from what is stored now, and a
-``running_normalize`` op's statistics are not recorded per batch; such recipes are
+Replayed as stored, not as of the draw: a step's payload never changes, but what can
+change on a stored step (its priority, a reward or ``terminated`` set later by
+``update_rewards``, reward tags, its curation label) is read as it is now, and an n-step
+return that stopped at a step not yet stored when it was drawn (a producer that stores
+``next_obs`` with each step) is assembled from what is stored now; neither is detected.
+A ``running_normalize`` op's statistics are not recorded per batch: such recipes are
 reported, not replayed.
 """
 
