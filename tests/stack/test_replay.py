@@ -353,3 +353,15 @@ def test_the_scratch_namespace_is_never_one_that_exists(
         assert replayer.scratch.namespace == f"{namespace}.replay-free"
     assert theirs.exists() and theirs.count() == LENGTH
     assert not Store(redis_url, f"{namespace}.replay-free").exists()
+
+
+def test_the_cli_refuses_bad_entry_ids_and_two_selections(redis_url, namespace):
+    Store(redis_url, namespace).create(capacity=10)
+    for args, message in (
+        (["--from", "1-x"], "--from: a lineage entry id"),
+        (["--to", "18446744073709551616-0"], "--to: a lineage entry id"),  # 2**64
+        (["--policy", "3", "--from", "1-0"], "--policy: or --from/--to, not both"),
+    ):
+        out = CliRunner().invoke(app, ["--redis-url", redis_url, "replay", namespace, *args])
+        assert out.exit_code == 2 and message in out.output, out.output
+        assert "Traceback" not in out.output

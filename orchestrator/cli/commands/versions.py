@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from typing import TYPE_CHECKING, Annotated, Any
 
 import redis
@@ -292,7 +293,16 @@ def _print_lineage(doc: dict[str, Any], namespace: str, policy: str | None, ids:
     console.print(table)
 
 
-_STREAM_ID = r"\d{1,20}(-\d{1,20})?"
+_STREAM_ID = r"(\d{1,20})(?:-(\d{1,20}))?"
+
+
+def _entry_id(option: str, value: str) -> str:
+    """``value`` as a lineage entry id (``ms-seq``, each part below 2**64; ``-``/``+``: the
+    log's ends), or a one-line error naming ``option``."""
+    m = None if value in ("-", "+") else re.fullmatch(_STREAM_ID, value)
+    if value not in ("-", "+") and (m is None or any(int(g) >= 2**64 for g in m.groups("0"))):
+        raise typer.BadParameter(f"{option}: a lineage entry id (ms-seq), not {value!r}")
+    return value
 
 
 @app.command()
@@ -319,16 +329,15 @@ def replay(
     rows in the order the trainer got them, weights, assembly and augmentation; steps from
     Redis, or from --archive once evicted. Rows that cannot be replayed exactly are
     listed with the reason; exits 1 if any."""
-    import re
     from pathlib import Path
 
     import numpy as np
 
     from orchestrator.inspect.replay import replay as run
 
-    for name, value in (("--from", start), ("--to", end)):
-        if value not in ("-", "+") and not re.fullmatch(_STREAM_ID, value):
-            raise typer.BadParameter(f"{name}: a lineage entry id (ms-seq), not {value!r}")
+    start, end = _entry_id("--from", start), _entry_id("--to", end)
+    if policy is not None and (start, end) != ("-", "+"):
+        raise typer.BadParameter("--policy: or --from/--to, not both")
     target = None if out is None else Path(out)
     if target is not None:
         target.mkdir(parents=True, exist_ok=True)
