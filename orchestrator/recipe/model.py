@@ -364,11 +364,15 @@ def same_recipe(a: Recipe, b: Recipe, ignore: Iterable[str] = ("version",)) -> b
 
 
 def recipe_digest(recipe: Recipe) -> str:
-    """The content address of one recipe version (its JSON form, version included,
-    blake2b, 8 bytes as hex): what a lineage entry names the recipe that made a batch by,
-    so a recipe dropped and registered again (its versions start over) is never mistaken
-    for the one before."""
-    text = json.dumps(recipe.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """The content address of what a recipe version makes of the steps it draws: its JSON
+    form without ``version`` and the live ``params`` (blake2b, 8 bytes as hex). A lineage
+    entry names the recipe that made its batch by it (with the version apart). The params
+    only choose what is drawn (the entry records the ids drawn), so a trainer that sets
+    them every update (an admission's ``policy_version``) adds no definition to keep; a
+    recipe dropped and registered again with other content is never mistaken for the one
+    before."""
+    data = recipe.model_dump(mode="json", exclude={"version", "params"})
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
