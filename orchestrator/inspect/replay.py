@@ -40,7 +40,7 @@ import numpy as np
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
 from orchestrator.delivery.collate import collate
-from orchestrator.delivery.lineage import Entry, LineageLog
+from orchestrator.delivery.lineage import Entry, LineageLog, digest
 from orchestrator.delivery.registry import Registry
 from orchestrator.maintenance.archive_files import Manifest
 from orchestrator.maintenance.lifecycle import drop_namespace
@@ -153,6 +153,8 @@ class Replayer:
 
         if entry.recipe_digest is None:
             return refused("the entry records no recipe version (written without one)")
+        if digest(ids) != entry.digest:  # the order recorded gives the ids as popped
+            return refused("the entry's row order does not match its digest of the ids")
         recipe, plan = self._recipe(entry.recipe_digest)
         if recipe is None:
             return refused(
@@ -298,7 +300,7 @@ class Replayer:
             weights,
             source_index.astype(np.int16),
             tuple(s.name for s in recipe.sources),
-            recipe.version,
+            entry.recipe_version,
             drawn.meta,
             seed=entry.seed,
             recipe_digest=entry.recipe_digest,

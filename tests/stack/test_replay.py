@@ -9,6 +9,7 @@ them."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from claw_tasks.format.columns import StrColumn
 from claw_tasks.store import Store
 from orchestrator.cli.main import app
 from orchestrator.delivery.client import BatchClient
-from orchestrator.delivery.lineage import Entry, LineageLog, Replayable, record
+from orchestrator.delivery.lineage import Entry, LineageLog, Replayable, digest, record
 from orchestrator.delivery.registry import Registry
 from orchestrator.inspect.replay import Replayer, replay
 from orchestrator.maintenance.archive import archive_namespace
@@ -224,12 +225,14 @@ def test_recipe_versions_are_kept_while_the_log_names_them(redis_url, namespace)
     store.create(capacity=100)
     reg, log = Registry(store), LineageLog(store)
     base = {"name": "r", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "all"}]}
-    versions = [
-        Recipe.model_validate({**base, "version": v, "params": {"k": v}}) for v in (1, 2, 3)
-    ]
+    versions = [Recipe.model_validate({**base, "version": v, "gamma": v / 10}) for v in (1, 2, 3)]
     for recipe in versions:
         reg.put(recipe, None)
     d1, d2, d3 = (recipe_digest(r) for r in versions)
+    # Live params set every update make no definition to keep: they only choose the draw.
+    for v in (4, 5):
+        reg.put(versions[2].model_copy(update={"version": v, "params": {"k": v}}), None)
+    assert store.r.hlen(reg.definitions_key) == 3
     with store.r.pipeline(transaction=False) as pipe:  # a batch of version 1 was trained on
         log.queue(pipe, record("r", 1, 7, np.arange(1, 5), None, Replayable(recipe_digest=d1)))
         pipe.execute()
@@ -239,13 +242,13 @@ def test_recipe_versions_are_kept_while_the_log_names_them(redis_url, namespace)
     assert reg.prune_definitions(log.recipe_digests()) == 0
     assert reg.prune_definitions(log.recipe_digests(), grace=0) == 1
     assert reg.definition(d2) is None
-    assert reg.definition(d1) == versions[0] and reg.definition(d3) == versions[2]
+    assert reg.definition(d1) == versions[0] and recipe_digest(reg.definition(d3)) == d3
     # The log trims the entry (CLAW_LINEAGE_MAXLEN): version 1 goes with it.
     store.r.xtrim(log.key, maxlen=0)
     log.build_index()
     assert log.recipe_digests() == set()
     assert reg.prune_definitions(log.recipe_digests(), grace=0) == 1
-    assert reg.definition(d1) is None and reg.definition(d3) == versions[2]
+    assert reg.definition(d1) is None and recipe_digest(reg.definition(d3)) == d3
 
 
 def test_replay_restores_more_archive_files_as_later_batches_need_them(
@@ -273,7 +276,7 @@ def test_replay_restores_more_archive_files_as_later_batches_need_them(
             1,
             "",
             len(got),
-            "",
+            digest(got),
             0.0,
             np.sort(got),
             np.argsort(np.argsort(got)),
@@ -344,13 +347,24 @@ def test_the_scratch_namespace_is_never_one_that_exists(
     monkeypatch.setattr("orchestrator.inspect.replay.scratch_name", lambda ns: next(names))
 
     entry = Entry(
-        "1-0", "plain", 1, "", 2, "", 0.0, np.array([1, 2]), recipe_digest=recipe_digest(recipe)
+        "1-0",
+        "plain",
+        1,
+        "",
+        2,
+        digest(np.array([1, 2])),
+        0.0,
+        np.array([1, 2]),
+        recipe_digest=recipe_digest(recipe),
     )
     with Replayer(store, tmp_path / "arch") as replayer:
         got = replayer.replay(entry)
         assert got.source == "archive" and got.batch is not None, got.missing
         assert replayer.scratch is not None
         assert replayer.scratch.namespace == f"{namespace}.replay-free"
+        # An entry whose recorded order does not give back its ids' digest: refused.
+        swapped = replayer.replay(replace(entry, digest=digest(np.array([2, 1]))))
+        assert swapped.batch is None and "does not match" in swapped.missing[0].reason
     assert theirs.exists() and theirs.count() == LENGTH
     assert not Store(redis_url, f"{namespace}.replay-free").exists()
 
