@@ -328,10 +328,11 @@ class LineageLog:
             out.update(kv[b"rd"].decode() for _, kv in page if b"rd" in kv)
         return out
 
-    def replayable(self, policy: Any = None, start: str = "-", end: str = "+") -> list[Entry]:
+    def replayable(self, policy: Any = None, start: str = "-", end: str = "+") -> Iterator[Entry]:
         """The entries to replay: those declared as training ``policy`` (oldest first), or
-        every entry from ``start`` to ``end`` (stream ids) when no policy is named."""
-        return self.trained(policy) if policy is not None else list(self.entries(start, end))
+        every entry from ``start`` to ``end`` (stream ids) when no policy is named, read a
+        page at a time (a range may be the whole log)."""
+        return iter(self.trained(policy)) if policy is not None else self.entries(start, end)
 
     def length(self) -> int:
         return int(self.r.xlen(self.key))
