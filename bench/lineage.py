@@ -6,7 +6,13 @@ the beat builds), and the queries with the index against a scan of the whole log
 Starts a private redis-server and appends ``--entries`` entries (as ``BatchClient`` does:
 ``XADD MAXLEN ~`` queued on a pipeline) of ``--batch`` ids drawn uniformly from
 ``--steps`` ids (the worst case for the index's blocks: every batch spreads over the whole
-namespace), a new policy every 100 batches. Then one index pass over the whole log (what
+namespace), in draw order, a new policy every 100 batches. The trainer's encoding and the
+memory per entry are measured in the same run for three entries of the same batches: the
+ids alone (an entry without the replay fields), and with what replays the batch (order,
+weights, seed, recipe digest: :mod:`orchestrator.inspect.replay`) with equal weights
+(uniform sampling) and with prioritized ones (PER's ``(N P)^-beta / max``, priorities
+``|N(0,1)| + 0.001``, alpha 0.6, beta 0.4); the log of the index and query figures holds
+the prioritized ones. Then one index pass over the whole log (what
 the beat does every 30 s, here all at once), timed, with the index's ``MEMORY USAGE``.
 Then each query, best of ``--repeat``, with the index and as a scan of the whole log (the
 code before the index, kept here as the reference): "which data trained policy v", "which
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +36,7 @@ from claw_tasks.connection.client import redis_client
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
 from claw_tasks.store.usage import key_bytes
-from orchestrator.delivery.lineage import LineageLog, decode_ids, record
+from orchestrator.delivery.lineage import LineageLog, Replayable, decode_ids, record
 
 
 def scan_trained(log: LineageLog, policy: str) -> list[str]:
@@ -110,19 +117,51 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     batches = [rng.integers(1, args.steps + 1, args.batch) for _ in range(1000)]
-    t = time.perf_counter()
-    for k, ids in enumerate(batches):
-        record("r", 1, k // 100, ids)
-    per_batch = (time.perf_counter() - t) / len(batches)
+    prio = (np.abs(rng.standard_normal(args.steps)) + 1e-3) ** 0.6
+    total = prio.sum()
+    variants: dict[str, list[Replayable | None]] = {"ids only": [None] * len(batches)}
+    variants["replayable, equal weights"] = [
+        Replayable(np.ones(args.batch, np.float32), None, int(rng.integers(2**63)), "0" * 16)
+        for _ in batches
+    ]
+    weighted = []
+    for ids in batches:
+        w = (args.steps * prio[ids - 1] / total) ** -0.4
+        seed = int(rng.integers(2**63))
+        weighted.append(Replayable((w / w.max()).astype(np.float32), None, seed, "0" * 16))
+    variants["replayable, prioritized weights"] = weighted
     with RedisServer() as server:
         r = redis_client(server.url)
+        # Each call timed alone, the variants interleaved call by call, the median kept:
+        # a loaded machine preempts some calls, and a loop's mean carries them.
+        times: dict[str, list[int]] = {what: [] for what in variants}
+        for _ in range(args.repeat):
+            for k, ids in enumerate(batches):
+                for what, extra in variants.items():
+                    t = time.perf_counter_ns()
+                    record("r", 1, k // 100, ids, None, extra[k])
+                    times[what].append(time.perf_counter_ns() - t)
+        for what, extra in variants.items():
+            cost = statistics.median(times[what]) / 1e9
+            side = LineageLog(Store(r, f"side-{len(what)}"), maxlen=len(batches))
+            with r.pipeline(transaction=False) as pipe:
+                for k, ids in enumerate(batches):
+                    side.queue(pipe, record("r", 1, k // 100, ids, None, extra[k]))
+                pipe.execute()
+            size = int(r.memory_usage(side.key, samples=0) or 0) / side.length()
+            r.delete(side.key)
+            print(
+                f"{what}: trainer {cost * 1e6:.1f} µs to encode a batch's entry (median of "
+                f"{len(times[what]):,} calls), Redis {size:,.0f} B per entry"
+            )
         store = Store(r, "bench")
         log = LineageLog(store, maxlen=args.entries)
         t = time.time()
         for at in range(0, args.entries, 1000):
             with r.pipeline(transaction=False) as pipe:
                 for k in range(at, min(at + 1000, args.entries)):
-                    log.queue(pipe, record("r", 1, k // 100, batches[k % len(batches)]))
+                    j = k % len(batches)
+                    log.queue(pipe, record("r", 1, k // 100, batches[j], None, weighted[j]))
                 pipe.execute()
         filled = time.time() - t
         used = int(r.memory_usage(log.key, samples=0) or 0)
@@ -136,7 +175,6 @@ def main() -> None:
             f"{n:,} entries of {args.batch} ids from {args.steps:,} steps "
             f"(appended in {filled:.0f} s); load {os.getloadavg()[0]:.1f}"
         )
-        print(f"trainer: {per_batch * 1e6:.0f} µs to encode a batch's entry")
         print(
             f"Redis: {used / n:,.0f} B per entry ({used / n / args.batch:.2f} B per row), "
             f"{used / 2**20:,.1f} MiB in all"

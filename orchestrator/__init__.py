@@ -21,7 +21,8 @@ checks both):
 - ``adapters``    other libraries' interfaces: PyTorch, Stable-Baselines3, TorchRL, Minari,
                   LLM trainers' tensors, TRL's GRPOTrainer rollouts (each imported on its
                   own: torch, TorchRL and TRL are extras)
-- ``inspect``     read-only views for people: namespace statistics and the query engine
+- ``inspect``     read-only views for people: namespace statistics, the query engine
+                  and the replay of the batches a policy trained on
 - ``web``         the web inspector (``claw web``)
 - ``gateway``     the OpenAI-compatible capture gateway (``claw gateway``)
 - ``cli``         the ``claw`` command, its dev tools (dev stack, doctor, the Prometheus

@@ -76,6 +76,7 @@ DELIVERY: tuple[Variable, ...] = (
         count,
         100_000,
         "popped batches a namespace's lineage log keeps (the oldest trimmed first; "
-        "docs/architecture.md, Lineage)",
+        "docs/architecture.md, Lineage), and with them the recipe versions they name, "
+        "so each can be replayed (docs/replay.md)",
     ),
 )

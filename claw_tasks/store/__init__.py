@@ -99,6 +99,7 @@ class Store(StoreCore):
 
     exists = _on(Admin, Admin.exists)
     create = _on(Admin, Admin.create)
+    clear_tombstone = _on(Admin, Admin.clear_tombstone)
     ensure_schema = _on(Admin, Admin.ensure_schema)
     schema = _on(Admin, Admin.schema)
     set_retention = _on(Admin, Admin.set_retention)

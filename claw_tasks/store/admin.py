@@ -27,6 +27,11 @@ class Admin:
     def __init__(self, core: StoreCore) -> None:
         self.core = core
 
+    def clear_tombstone(self) -> None:
+        """Delete the dropped tombstone a drop left (a scratch namespace no writer knows:
+        nobody to stop, so nothing to keep for ``DROPPED_TTL``)."""
+        self.core.r.delete(dropped_key(self.core.namespace))
+
     def exists(self) -> bool:
         return bool(self.core.r.exists(self.core.layout_keys.config))
 
@@ -36,15 +41,24 @@ class Admin:
         n_shards: int = 1,
         schema: Schema | None = None,
         retention: Retention | None = None,
+        *,
+        new: bool = False,
     ) -> NamespaceConfig:
         """Create the namespace, or return it when it exists with the same capacity/shards
-        (a ``retention`` given then replaces the stored one)."""
+        (a ``retention`` given then replaces the stored one). ``new``: only a namespace
+        that does not exist and was not just dropped (NamespaceError otherwise), for a
+        namespace its creator alone writes and later drops (``claw replay``'s scratch)."""
         if capacity < 1 or n_shards < 1:
             raise ValueError("capacity and n_shards must be >= 1")
         core = self.core
         cfg = NamespaceConfig(capacity, n_shards, schema, time.time(), retention)
-        core.r.delete(dropped_key(core.namespace))  # created again on purpose
+        if new and core.r.exists(dropped_key(core.namespace)):
+            raise NamespaceError(f"namespace {core.namespace!r} was just dropped")
+        if not new:
+            core.r.delete(dropped_key(core.namespace))  # created again on purpose
         if not core.r.set(core.layout_keys.config, cfg.to_bytes(), nx=True):
+            if new:
+                raise NamespaceError(f"namespace {core.namespace!r} exists")
             cfg = core.config(refresh=True)
             if (cfg.capacity, cfg.n_shards) != (capacity, n_shards):
                 raise NamespaceError(

@@ -19,6 +19,8 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from claw_tasks.client import Ingestor
 from claw_tasks.settings import get_settings
 from orchestrator.adapters.cadence import Plan
@@ -77,14 +79,16 @@ class BufferLink:
                     # as good as strided ones, and need no gather
                     whole = batch if len(batch.sources) <= 1 else interleaved(batch, parts)
                     ids = whole.ids.reshape(parts, -1)  # a fresh array: no copy needed
+                    weights = np.array(whole.weights).reshape(parts, -1)
+                    sources = np.array(whole.source_index).reshape(parts, -1)
                     items = convert_parts(whole, parts)
-                    version = whole.recipe_version
-                    return [(Served(version, i), it) for i, it in zip(ids, items, strict=True)]
+                    version, digest = whole.recipe_version, whole.recipe_digest
+                    return [
+                        (Served(version, i, w, None, digest, s), it)
+                        for i, w, s, it in zip(ids, weights, sources, items, strict=True)
+                    ]
                 got = split(batch, parts) if parts > 1 else [batch]
-                return [
-                    (Served(b.recipe_version, b.ids.copy()), b if convert is None else convert(b))
-                    for b in got
-                ]
+                return [(served(b), b if convert is None else convert(b)) for b in got]
 
             self._prepare[name] = prepare
             self._parts[name] = parts
@@ -191,6 +195,20 @@ class BufferLink:
             for name in self.names.values():
                 self.client.unregister(name)
             self.client.close()
+
+
+def served(batch: Batch) -> Served:
+    """What the lineage records of a batch (or a part of one) an adapter serves: its ids,
+    weights and sources copied off the popped batch, its recipe version's digest and, for
+    a whole batch, its augmentation seed (a part has none: ``Batch.take``)."""
+    return Served(
+        batch.recipe_version,
+        np.array(batch.ids),
+        np.array(batch.weights),
+        batch.seed,
+        batch.recipe_digest,
+        np.array(batch.source_index),
+    )
 
 
 def close_quietly(link: BufferLink) -> None:

@@ -349,8 +349,9 @@ class BatchClient:
         that declares batches another one pops). Record each batch once: here, or with
         ``pop``'s ``policy_version``. Thread-safe. The entry is encoded when it is sent (a
         read-ahead's trainer pays only this append), so ``batch.ids`` must not change
-        meanwhile. ``at``: when the batch was declared (default now; a read-ahead process
-        records its trainer's declarations a few batches later)."""
+        meanwhile (its weights and source indexes are copied here). ``at``: when the
+        batch was declared (default now; a read-ahead process records its trainer's
+        declarations a few batches later)."""
         if self._reports.trained(name, batch, policy_version, at):
             self.flush_lineage()
 

@@ -7,8 +7,9 @@ delivery.lineage`): nothing is added to its path. A pass (the beat task
 index's watermark in *segments* of up to ``SEGMENT`` entries, each one hash
 ``claw:{ns}:lineage:seg:<first stream id>``:
 
-- ``m``: msgpack: the first and last stream ids, the entry count, the block ``bits``, and the
-  policy table (``[text, batches]`` in code order);
+- ``m``: msgpack: the first and last stream ids, the entry count, the block ``bits``, the
+  policy table (``[text, batches]`` in code order) and the recipe versions its entries
+  name (``recipes``: their digests, which the registry keeps while a segment names them);
 - ``pol``: each entry's policy code (u1/u2/u4 by the table's size);
 - ``sid``: each entry's stream id (two u8: ms, seq), so a query reads just its entries;
 - ``b:<block>``: every row of the segment's entries whose step id lies in ``[block << bits,
@@ -60,7 +61,11 @@ _SID = np.dtype([("ms", "<u8"), ("seq", "<u8")])
 def encode_ids(ids: np.ndarray) -> bytes:
     """Step ids, sorted (repeats kept): a width byte, the first id (8 bytes), the gaps at
     the narrowest width that holds the largest (an entry's ``ids``)."""
-    s = np.sort(np.asarray(ids, np.int64))
+    return encode_sorted(np.sort(np.asarray(ids, np.int64)))
+
+
+def encode_sorted(s: np.ndarray) -> bytes:
+    """:func:`encode_ids` of ids already sorted (int64)."""
     if not len(s):
         return b""
     gaps = np.diff(s)
@@ -106,6 +111,7 @@ class Segment:
     policies: list[str]
     batches: list[int]
     pol: np.ndarray  # entry -> policy code
+    recipes: tuple[str, ...] = ()  # the recipe versions (digests) its entries name
 
     def code(self, policy: str) -> int | None:
         try:
@@ -212,6 +218,7 @@ class LineageIndex:
         table: dict[bytes, int] = {}
         pol = np.empty(n, np.int64)
         parts = []
+        recipes = {kv[b"rd"] for _, kv in page if b"rd" in kv}
         for k, (_, kv) in enumerate(page):
             pol[k] = table.setdefault(kv.get(b"p", b""), len(table))
             try:
@@ -240,6 +247,7 @@ class LineageIndex:
             "bits": bits,
             "policies": [p.decode(errors="replace") for p in table],
             "batches": batches,
+            "recipes": sorted(r.decode(errors="replace") for r in recipes),
         }
         fields["m"] = packb(meta)
         fields["pol"] = pol.astype(narrowest(max(len(table) - 1, 0))).tobytes()
@@ -310,6 +318,7 @@ class LineageIndex:
                     meta["policies"],
                     meta["batches"],
                     np.frombuffer(pol or b"", width).astype(np.int64),
+                    tuple(meta.get("recipes", ())),
                 )
             )
         out.sort(key=lambda s: s.first)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.delivery.lineage import LineageLog, Traced, record
+from orchestrator.delivery.lineage import LineageLog, Replayable, Traced, record
 from orchestrator.delivery.registry import POPPED, SKIPPED, WAIT_S, Registry
 
 LINEAGE_PENDING = 256
@@ -32,7 +32,7 @@ class PopReports:
         # Entries sent with the next pop, as (recipe, recipe version, policy, ids, time):
         # encoded there, so a read-ahead's trainer, which declares batches from its own
         # thread while the read-ahead's pops drain the deque, pays only the append.
-        self._lineage: collections.deque[tuple[str, int, Any, np.ndarray, float]] = (
+        self._lineage: collections.deque[tuple[str, int, Any, np.ndarray, float, Replayable]] = (
             collections.deque()
         )
         self._logged_skip: set[str] = set()
@@ -60,7 +60,8 @@ class PopReports:
         """Hold one lineage entry (of time ``at``, default now); True once
         ``LINEAGE_PENDING`` wait (send them now)."""
         at = time.time() if at is None else at
-        self._lineage.append((name, batch.recipe_version, policy_version, batch.ids, at))
+        replay = Replayable.of(batch)
+        self._lineage.append((name, batch.recipe_version, policy_version, batch.ids, at, replay))
         return len(self._lineage) >= LINEAGE_PENDING
 
     def pending(self) -> bool:
@@ -78,7 +79,7 @@ class PopReports:
             pipe.hincrbyfloat(self.registry.counters(name), WAIT_S, seconds)
         while True:  # popleft: entries appended meanwhile wait for the next pop
             try:
-                name, version, policy, ids, at = self._lineage.popleft()
+                name, version, policy, ids, at, replay = self._lineage.popleft()
             except IndexError:
                 return
-            self.lineage.queue(pipe, record(name, version, policy, ids, at))
+            self.lineage.queue(pipe, record(name, version, policy, ids, at, replay))

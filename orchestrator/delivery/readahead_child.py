@@ -104,8 +104,16 @@ def listen(frames: Frames, client: BatchClient, target: Target, out: FrameWriter
                     target.used(*msgpack.unpackb(payload))
                     cond.notify_all()
             elif kind == LINEAGE:
-                for recipe, version, policy, ids, at in msgpack.unpackb(payload):
-                    served = Served(int(version), np.frombuffer(ids, "<i8"))
+                for recipe, version, policy, ids, at, *more in msgpack.unpackb(payload):
+                    weights, seed, digest, source = (more + [None] * 4)[:4]
+                    served = Served(
+                        int(version),
+                        np.frombuffer(ids, "<i8"),
+                        None if weights is None else np.frombuffer(weights, "<f4"),
+                        seed,
+                        digest,
+                        None if source is None else np.frombuffer(source, "<i2"),
+                    )
                     client.trained(recipe, served, policy, at=at)
             elif kind == RECIPE:
                 with cond:

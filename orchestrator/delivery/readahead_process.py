@@ -254,6 +254,14 @@ class ProcessReadAhead:
         ``count // 4`` batches taken) or :meth:`flush_lineage`."""
         ids = np.ascontiguousarray(batch.ids, "<i8").tobytes()
         entry = [self.name, int(batch.recipe_version), str(policy_version), ids, time.time()]
+        weights = getattr(batch, "weights", None)  # what replays it (claw replay)
+        source = getattr(batch, "source_index", None)
+        entry += [
+            None if weights is None else np.ascontiguousarray(weights, "<f4").tobytes(),
+            getattr(batch, "seed", None),
+            getattr(batch, "recipe_digest", None),
+            None if source is None else np.ascontiguousarray(source, "<i2").tobytes(),
+        ]
         with self._lock:
             self._lineage.append(entry)
 

@@ -14,7 +14,7 @@ from claw_tasks.format.arrays import packb, unpackb
 from claw_tasks.store import Store
 from claw_tasks.store.batches import ACTIVE
 from claw_tasks.store.scripts import Lua, execute
-from orchestrator.recipe.model import Recipe
+from orchestrator.recipe.model import Recipe, recipe_digest
 from orchestrator.sampling.groups import claims_key
 
 # ACTIVE: namespaces that have had recipes, for the beat refill (`claw drop` removes one).
@@ -22,6 +22,9 @@ from orchestrator.sampling.groups import claims_key
 # full access), never by a client: it writes only its namespace's keys, so a Redis ACL can
 # confine it to them.
 REFILL_LOCK_S = 30
+DEFINITION_GRACE_S = 3600.0
+"""A recipe version no lineage entry names yet is kept this long after it was stored: a
+trainer may declare a batch it popped (a read-ahead's) well after the recipe changed."""
 _UNLOCK = Lua("unlock", "orchestrator")
 _ADVANCE = Lua("advance", "orchestrator")
 
@@ -96,6 +99,38 @@ class Registry:
     def names_key(self) -> str:
         return self.store.owned_key("recipes")
 
+    @property
+    def definitions_key(self) -> str:
+        """Hash: recipe digest (:func:`~orchestrator.recipe.model.recipe_digest`) -> that
+        version's definition and when it was stored: every version a lineage entry may name,
+        kept while the log names it (:meth:`prune_definitions`)."""
+        return self.store.owned_key("rdefs")
+
+    def definition(self, digest: str) -> Recipe | None:
+        """The recipe version of ``digest``; None when it is no longer kept."""
+        raw = self.r.hget(self.definitions_key, digest)
+        return None if raw is None else Recipe.model_validate(unpackb(raw)["recipe"])
+
+    def prune_definitions(self, named: set[str], grace: float = DEFINITION_GRACE_S) -> int:
+        """Drop the kept recipe versions no lineage entry names (``named``) that are not a
+        recipe's current version and were stored more than ``grace`` seconds ago (a batch
+        popped but not yet declared may still name them); returns how many."""
+        current = set()
+        for name in self.names():
+            entry = self.get(name)
+            if entry is not None:
+                current.add(recipe_digest(entry.recipe))
+        now, stale = time.time(), []
+        for digest, raw in self.r.hscan_iter(self.definitions_key):
+            d = digest.decode()
+            if d in named or d in current:
+                continue
+            if now - float(unpackb(raw)["at"]) > grace:
+                stale.append(d)
+        if stale:
+            self.r.hdel(self.definitions_key, *stale)
+        return len(stale)
+
     def put(self, recipe: Recipe, reader_host: str | None) -> None:
         """Store ``recipe`` as it is, version included (setting a registry up, as a bench
         does); a client changing a recipe goes through :meth:`install`."""
@@ -152,12 +187,19 @@ class Registry:
         keys = [self.recipe_key(name), self.versions_key, self.queue(name)]
         keys.append(self.rollouts_waiting_key)
         args = [name, recipe.version - 1, recipe.version, entry]
-        items = execute(self.r, [_ADVANCE], lambda p: _ADVANCE.queue(p, keys, args))[0]
+        defs, digest = self.definitions_key, recipe_digest(recipe)
+
+        def queue(p: redis.client.Pipeline) -> None:
+            _ADVANCE.queue(p, keys, args)
+            p.hset(defs, digest, entry)  # kept for replay: harmless if the advance lost
+
+        items = execute(self.r, [_ADVANCE], queue)[0]
         return None if items is None else list(items)
 
     def _queue_put(self, pipe: redis.client.Pipeline, recipe: Recipe) -> None:
         entry = {"recipe": recipe.model_dump(mode="json"), "at": time.time()}
         pipe.set(self.recipe_key(recipe.name), packb(entry))
+        pipe.hset(self.definitions_key, recipe_digest(recipe), packb(entry))
         pipe.hset(self.versions_key, recipe.name, recipe.version)
         pipe.sadd(self.names_key, recipe.name)
 

@@ -36,13 +36,13 @@ from orchestrator.delivery.registry import Entry
 from orchestrator.delivery.samplestats import Observed
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import Pending, to_wire
-from orchestrator.recipe.model import Recipe
+from orchestrator.recipe.model import Recipe, recipe_digest
 from orchestrator.recipe.options import Nearest, Tokens
 from orchestrator.retrieval.query import neighbour_fields
 from orchestrator.sampling.batch import Batch, take_rows
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.sample import hit_rates
-from orchestrator.transforms.augment import AugmentPlan
+from orchestrator.transforms.augment import AugmentPlan, augment_rng
 
 
 def stats_field(name: str) -> str:
@@ -53,9 +53,12 @@ def stats_field(name: str) -> str:
 class Draft:
     """One batch on its way through the stages.
 
-    ``rng`` is the batch's random stream and ``began`` when it was started (for the time a
-    batch takes); :class:`Draw` sets ``batch`` (as drawn) and starts ``fields``, ``ids``,
-    ``weights``, ``source_index`` and ``meta`` from it, which later stages replace;
+    ``rng`` is the batch's random stream (its draw), ``seed`` the seed of its augmentation
+    (drawn from ``rng`` first, delivered with the batch and recorded in its lineage entry,
+    so ``claw replay`` augments it again bit for bit) and ``began`` when it was started
+    (for the time a batch takes); :class:`Draw` sets ``batch`` (as drawn) and starts
+    ``fields``, ``ids``, ``weights``, ``source_index`` and ``meta`` from it, which later
+    stages replace;
     ``arrays`` are the collated fields, ``fill`` writes the fields laid out as
     :class:`~orchestrator.delivery.wire.Pending`, ``message`` is the queue item,
     ``counts`` the counter increments pushed with it and ``served`` the trajectories it
@@ -75,6 +78,7 @@ class Draft:
         "message",
         "meta",
         "rng",
+        "seed",
         "served",
         "source_index",
         "weights",
@@ -82,6 +86,7 @@ class Draft:
 
     def __init__(self, rng: np.random.Generator, began: float) -> None:
         self.rng, self.began = rng, began
+        self.seed = int(rng.integers(2**63))
         self.batch: Batch
         self.fields: dict[str, Any]
         self.ids: np.ndarray
@@ -174,7 +179,7 @@ class Augment(Stage):
         self.plan = plan
 
     def __call__(self, d: Draft) -> None:
-        d.fields = self.plan.apply(d.fields, d.rng)
+        d.fields = self.plan.apply(d.fields, augment_rng(d.seed))
         for f, version in self.plan.stats_versions().items():
             d.fields[stats_field(f)] = np.full(len(d.ids), version, np.int64)
 
@@ -200,7 +205,7 @@ class AugmentInto(Stage):
         d.fields.update({f: Pending(*spec) for f, spec in specs.items()})
         stats = self.plan.stats_versions()
         d.fields.update({stats_field(f): Pending(np.int64, (n,)) for f in stats})
-        d.fill = partial(self.write, drawn, d.rng)
+        d.fill = partial(self.write, drawn, augment_rng(d.seed))
 
     def write(
         self, fields: Mapping[str, Any], rng: np.random.Generator, out: dict[str, np.ndarray]
@@ -248,8 +253,9 @@ class Deliver(Stage):
     its reader shares this host (:mod:`orchestrator.delivery.shm`), else inline; pending
     fields are written by the draft's ``fill`` where the batch goes."""
 
-    def __init__(self, recipe_version: int, reader_host: str | None) -> None:
-        self.recipe_version, self.reader_host = recipe_version, reader_host
+    def __init__(self, recipe: Recipe, reader_host: str | None) -> None:
+        self.recipe_version, self.reader_host = recipe.version, reader_host
+        self.digest = recipe_digest(recipe)
 
     def __call__(self, d: Draft) -> None:
         wire = to_wire(
@@ -261,6 +267,8 @@ class Deliver(Stage):
             recipe_version=self.recipe_version,
             meta=d.meta,
             claim=d.batch.claim,
+            seed=d.seed,
+            recipe_digest=self.digest,
         )
         if wire.pending:
             assert d.fill is not None
@@ -303,7 +311,7 @@ class Pipeline:
             stages.append(CollateTokens(recipe.tokens))
         else:
             stages += [Collate(), AttachGroups()] if recipe.grouped else [Collate()]
-        stages += [Deliver(recipe.version, entry.shm_host), Observe(store, recipe.name, seen)]
+        stages += [Deliver(recipe, entry.shm_host), Observe(store, recipe.name, seen)]
         return cls(stages)
 
     def make(self, rng: np.random.Generator) -> Draft:

@@ -171,13 +171,15 @@ def to_wire(
     recipe_version: int = 0,
     meta: Mapping[str, Any] | None = None,
     claim: Claim | None = None,
+    seed: int | None = None,
+    recipe_digest: str | None = None,
 ) -> WireBatch:
     """Lay a batch out for the wire. Arrays are referenced, not copied (unless not contiguous);
     a :class:`Pending` field only reserves its place.
 
     ``weights`` default to ones, ``source_index`` to zeros; ``meta`` must be msgpack-able;
-    ``claim`` (a ``once`` batch's) goes in the header (readers that do not know it ignore
-    it)."""
+    ``claim`` (a ``once`` batch's), ``seed`` and ``recipe_digest`` (what replays it) go in
+    the header (readers that do not know them ignore them)."""
     rows, names = _rows(ids, weights, source_index, sources)
     n = len(rows["ids"])
     arrays: list[tuple[str, np.ndarray | Pending]] = []
@@ -198,6 +200,10 @@ def to_wire(
     }
     if claim is not None:
         header["claim"] = [claim.pass_no, claim.token, list(claim.ids)]
+    if seed is not None:
+        header["seed"] = int(seed)
+    if recipe_digest is not None:
+        header["recipe_digest"] = str(recipe_digest)
     try:
         head = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError) as exc:
@@ -323,6 +329,8 @@ def decode_batch(buf: Any) -> Batch:
             recipe_version=header["recipe_version"],
             meta=header["meta"],
             claim=claim,
+            seed=header.get("seed"),
+            recipe_digest=header.get("recipe_digest"),
         )
     except (KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"corrupt batch header: {exc!r}") from exc

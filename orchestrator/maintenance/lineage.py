@@ -4,7 +4,10 @@ A pass per namespace with a lineage stream (:meth:`~orchestrator.delivery.lineag
 LineageLog.build_index`): the entries popped since the last pass become segments of the
 index, and segments the log has trimmed whole are dropped, so ``claw lineage`` reads the
 index and a short tail instead of the whole log (:mod:`orchestrator.delivery.
-lineage_index`). The trainer's append is untouched: the work is here, off its path.
+lineage_index`). Then the recipe versions no entry of the log names any more are dropped
+(:meth:`~orchestrator.delivery.registry.Registry.prune_definitions`): the log's length
+(``CLAW_LINEAGE_MAXLEN``) is the one setting that keeps both. The trainer's append is
+untouched: the work is here, off its path.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 from claw_tasks.store import Store
 from claw_tasks.worker.app import app
 from orchestrator.delivery.lineage import LineageLog, lineage_key
+from orchestrator.delivery.registry import Registry
 from orchestrator.maintenance.beat import each_namespace
 
 
@@ -25,6 +29,9 @@ def lineage() -> dict[str, Any]:
     def work(store: Store) -> int | None:
         if not store.r.exists(lineage_key(store)):
             return None
-        return LineageLog(store).build_index().entries
+        log = LineageLog(store)
+        built = log.build_index().entries
+        Registry(store).prune_definitions(log.recipe_digests())
+        return built
 
     return each_namespace("lineage indexing", work)

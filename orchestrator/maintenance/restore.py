@@ -139,6 +139,37 @@ def restore(
     return result
 
 
+def create_scratch(ns_dir: Path, store: Store, capacity: int) -> None:
+    """Create ``store``'s namespace to restore files of the archive ``ns_dir`` into (one
+    shard of ``capacity`` slots, the archive's schema): a new namespace only
+    (NamespaceError when it exists or was just dropped), so dropping it afterwards never
+    touches another's data."""
+    manifest = Manifest.load(ns_dir)
+    if manifest is None:
+        raise ArchiveError(f"no Claw archive in {ns_dir} (no {MANIFEST})")
+    schema = None if manifest.schema is None else _with_orig_id(manifest.schema)
+    store.create(capacity, 1, schema, new=True)
+
+
+def restore_files(
+    ns_dir: Path, store: Store, files: list[dict[str, Any]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Restore some files of an archive (``ns_dir``: its namespace directory; ``files``:
+    manifest entries) into ``store``'s namespace (made by :func:`create_scratch`), without
+    the snapshots; returns each row's archived id and its new id (-1: not stored)."""
+    result, ids = RestoreResult(store.namespace), []
+    for entry in sorted(files, key=lambda f: (f["shard"], f["seq_lo"])):
+        table = read_verified(ns_dir, entry)
+        step = max(1, min(BATCH_ROWS, BATCH_BYTES * table.num_rows // max(1, table.nbytes)))
+        for i, start in enumerate(range(0, table.num_rows, step)):
+            batch_id = f"restore-{entry['sha256'][:24]}-{i}"
+            _restore_part(store, table.slice(start, step), batch_id, result, ids)
+    cat = np.concatenate
+    old = cat([o for o, _ in ids]) if ids else np.zeros(0, np.int64)
+    new = cat([n for _, n in ids]) if ids else np.zeros(0, np.int64)
+    return old, new
+
+
 def _with_orig_id(schema: dict[str, Any]) -> Schema:
     s = Schema.from_dict(schema)
     return s if ORIG_ID in s.tags else Schema(fields=s.fields, tags={**s.tags, ORIG_ID: "num"})

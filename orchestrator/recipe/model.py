@@ -6,6 +6,8 @@ Every key, its default and what it produces is in ``docs/recipes.md``."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
@@ -43,6 +45,7 @@ __all__ = [
     "SamplerSpec",
     "Source",
     "as_recipe",
+    "recipe_digest",
     "register_kind",
     "same_recipe",
 ]
@@ -364,6 +367,19 @@ def same_recipe(a: Recipe, b: Recipe, ignore: Iterable[str] = ("version",)) -> b
     ``version``, or ``params``, which are live)."""
     skip = set(ignore)
     return a.model_dump(exclude=skip) == b.model_dump(exclude=skip)
+
+
+def recipe_digest(recipe: Recipe) -> str:
+    """The content address of what a recipe version makes of the steps it draws: its JSON
+    form without ``version`` and the live ``params`` (blake2b, 8 bytes as hex). A lineage
+    entry names the recipe that made its batch by it (with the version apart). The params
+    only choose what is drawn (the entry records the ids drawn), so a trainer that sets
+    them every update (an admission's ``policy_version``) adds no definition to keep; a
+    recipe dropped and registered again with other content is never mistaken for the one
+    before."""
+    data = recipe.model_dump(mode="json", exclude={"version", "params"})
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 RecipeLike = Recipe | Mapping[str, Any] | str | Path

@@ -13,7 +13,9 @@ points there. Per row: ``ids`` (int64 step ids, for ``update_priorities``), ``we
 recipes, from ``sample`` only: a popped batch has them as ``group_index``, ... arrays) each
 row's group and trajectory; ``claim`` (``once`` group recipes, popped batches too) the
 groups the batch claimed, which a batch dropped unserved gives back
-(``orchestrator.sampling.groups.release``).
+(``orchestrator.sampling.groups.release``). A popped batch also names what replays it
+(``claw replay``): ``seed``, the seed its augmentation drew from, and ``recipe_digest``,
+the content address of the recipe version that made it (None on a drawn batch).
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ class Batch:
         "groups",
         "ids",
         "meta",
+        "recipe_digest",
         "recipe_version",
+        "seed",
         "source_index",
         "sources",
         "weights",
@@ -73,6 +77,8 @@ class Batch:
         meta: dict[str, Any] | None = None,
         groups: Groups | None = None,
         claim: Claim | None = None,
+        seed: int | None = None,
+        recipe_digest: str | None = None,
     ) -> None:
         self.fields = fields
         self.ids = ids
@@ -83,6 +89,8 @@ class Batch:
         self.meta = {} if meta is None else meta
         self.groups = groups
         self.claim = claim  # a once batch's claims: given back if it is dropped unserved
+        self.seed = seed  # what its augmentation drew from
+        self.recipe_digest = recipe_digest  # its recipe version's content address
 
     @classmethod
     def drawn(
@@ -118,6 +126,7 @@ class Batch:
             {k: take_rows(v, rows) if isinstance(v, list) else v for k, v in self.meta.items()},
             groups,
             self.claim,
+            recipe_digest=self.recipe_digest,  # no seed: its augmentation was the batch's
         )
 
     def __len__(self) -> int:

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from claw_tasks.format.stepmeta import TERMINATED, TRUNCATED
 from claw_tasks.store import Store
 from claw_tasks.store.scripts import Lua
 from claw_tasks.worker.context import context_for
@@ -62,7 +63,9 @@ from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.jointbatch import assemble_joint
 from orchestrator.sampling.rollouts import Selection, select
 from orchestrator.sampling.samplers import Draw, RecipeSampler
+from orchestrator.sampling.sequences import follow, n_step, windows
 from orchestrator.sampling.shared import SharedIndex, make_index
+from orchestrator.sampling.stacks import Predecessors
 from orchestrator.sampling.strings import Strings
 from orchestrator.sampling.turns import segments, sequence_tokens
 
@@ -162,6 +165,87 @@ def read_steps(
             return Assembly(session, recipe, draw).run()
         finally:
             session.index.release()
+
+
+@dataclass(frozen=True)
+class Unassembled:
+    """Rows :func:`read_drawn` cannot assemble (positions): their step is not stored
+    (``gone``), or a step their n-step return, window, stack or ``next_obs`` follows is not
+    (``incomplete``)."""
+
+    gone: np.ndarray
+    incomplete: np.ndarray
+
+
+def read_drawn(
+    namespace_or_store: str | Store,
+    recipe: Recipe,
+    ids: np.ndarray,
+    *,
+    redis_url: str | None = None,
+) -> Batch | Unassembled:
+    """The batch of ``recipe`` whose drawn rows are the steps ``ids``, in that order,
+    assembled as a draw of them is (n-step returns, sequence windows, frame stacks, weights
+    of 1); or the rows that cannot be (:class:`Unassembled`)."""
+    session = _session(namespace_or_store, redis_url, None)
+    ids = np.asarray(ids, np.int64)
+    with session.lock:
+        try:
+            index = session.index
+            index.sync()
+            cols, cap = index.columns, index.cap
+            rows = (ids % index.n_shards) * cap + (ids // index.n_shards - 1) % cap
+            stored = cols["alive"][rows] & (cols["id"][rows] == ids)
+            stacks = Predecessors(cap) if recipe.frame_stack > 1 else None
+            whole = complete(cols, np.where(stored, rows, 0), recipe, cap, stacks)
+            if not (stored & whole).all():
+                return Unassembled(np.flatnonzero(~stored), np.flatnonzero(stored & ~whole))
+            ones = np.ones(len(ids), np.float32)
+            draw = Draw(rows, ones, np.zeros(len(ids), np.int16))
+            batch = Assembly(session, recipe, draw, stacks).run()
+            if batch is None:  # a slot reused while it was read
+                return Unassembled(np.arange(len(ids)), np.zeros(0, np.int64))
+            return batch
+        finally:
+            session.index.release()
+
+
+def complete(
+    cols: Mapping[str, np.ndarray],
+    rows: np.ndarray,
+    recipe: Recipe,
+    cap: int,
+    stacks: Predecessors | None,
+) -> np.ndarray:
+    """Whether each row's assembly finds every step it follows stored: its n-step chain
+    up to ``n_step`` steps or its episode's end, the bootstrap row's ``next_obs`` (or the
+    end), its window's steps up to the episode's end, its frame stack."""
+    ok = np.ones(len(rows), bool)
+    starts = rows
+    if recipe.sequence_length > 1:
+        win = windows(cols, rows, recipe.sequence_length, cap)
+        for j in range(1, win.shape[1]):
+            prev = win[:, j - 1]
+            ended = (cols["flags"][np.maximum(prev, 0)] & (TERMINATED | TRUNCATED)) != 0
+            ok &= (prev < 0) | ended | (win[:, j] >= 0)
+        starts = win[win >= 0]
+        ok_of = np.repeat(np.arange(len(rows)), (win >= 0).sum(axis=1))
+    else:
+        ok_of = np.arange(len(rows))
+    cur, active = starts, np.ones(len(starts), bool)
+    chain = np.ones(len(starts), bool)
+    for _ in range(recipe.n_step - 1):
+        active &= (cols["flags"][cur] & (TERMINATED | TRUNCATED)) == 0
+        nxt = follow(cols, cur, cap)
+        chain &= ~active | (nxt >= 0)
+        active &= nxt >= 0
+        cur = np.where(active, nxt, cur)
+    if "next_obs" in recipe.fields:
+        chain &= n_step(cols, starts, recipe.n_step, recipe.gamma, cap).ready
+    ok &= np.bincount(ok_of, ~chain, minlength=len(rows)) == 0
+    if stacks is not None:
+        ok &= stacks.complete(cols, rows, recipe.frame_stack)
+    return ok
 
 
 def hit_rates(namespace_or_store: str | Store, recipe: str) -> tuple[tuple[int, ...], int]:

@@ -50,6 +50,7 @@ __all__ = [
     "RunningNormalize",
     "RunningStats",
     "StatsStore",
+    "augment_rng",
     "build_pipelines",
 ]
 
@@ -58,6 +59,13 @@ SAME = "same"
 OPS: dict[str, type[Op]] = {
     op.name: op for op in (RandomShift, ColorJitter, Normalize, GaussianNoise, RunningNormalize)
 }
+
+
+def augment_rng(seed: int) -> np.random.Generator:
+    """The random stream one batch's augmentation draws from: every op (albumentations
+    too, seeded from it) draws from this one, so the seed alone gives the batch's
+    augmentation again (``claw replay``)."""
+    return np.random.default_rng(seed)
 
 
 class Pipeline:

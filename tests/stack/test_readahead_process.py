@@ -1,5 +1,6 @@
 """ProcessReadAhead: a child process pops a recipe's batches and writes the trainer's
-lineage, over a real Redis and prefetch worker; the child never outlives its trainer."""
+lineage (replayable: ``claw replay`` gives a declared batch back), over a real Redis and
+prefetch worker; the child never outlives its trainer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.readahead_process import ProcessReadAhead, ReadAheadProcessError
+from orchestrator.inspect.replay import replay
 from tests.support.readahead import ingest_ramp, wait_until
 
 
@@ -72,6 +74,14 @@ def test_the_child_writes_the_lineage_the_trainer_declares(client):
         (entry,) = client.lineage.trained(f"v{k}")
         assert entry.recipe == "ra" and entry.rows == 16
         np.testing.assert_array_equal(entry.ids, np.sort(batch.ids))
+        # What replays it came through the pipe too: the batch, again, in its order.
+        assert entry.batch_ids.tolist() == batch.ids.tolist()
+        assert (entry.seed, entry.recipe_digest) == (batch.seed, batch.recipe_digest)
+        (again,) = replay(client.store, policy=f"v{k}")
+        assert again.batch is not None, again.missing
+        for name in ("obs", "reward"):
+            assert again.batch[name].tobytes() == batch[name].tobytes()
+        assert again.batch.weights.tobytes() == batch.weights.tobytes()
     ra.trained(popped[0], "at-close")
     ra.close()  # what is declared and not yet sent goes out before the child exits
     assert len(client.lineage.trained("at-close")) == 1

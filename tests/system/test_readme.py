@@ -1,6 +1,6 @@
 """README.md as written: its Python blocks, then docs/adapters.md's (the TorchRL example moved
 there), run against a real stack, and the metric names it lists are the ones /metrics
-serves."""
+serves; docs/replay.md's worked example, run the same way."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from tests.support.paths import ROOT
 
 README = (ROOT / "README.md").read_text()
 ADAPTERS = (ROOT / "docs" / "adapters.md").read_text()
+REPLAY = (ROOT / "docs" / "replay.md").read_text()
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
 
@@ -70,6 +71,14 @@ def test_readme_python_blocks_run_as_written(redis_url, workers, tmp_path):
     assert "(64, 3, 18) (64, 3) (64, 54)" in proc.stdout  # the joint batch of simple_spread
     assert "(4, 5) (4, 5)" in proc.stdout  # nearest: 5 neighbours of each of 4 states
     assert "rollouts served: 4" in proc.stdout  # SB3 PPO with ClawRolloutBuffer
+
+
+def test_replay_doc_example_runs_as_written(redis_url, workers, tmp_path):
+    """The debugging example: twelve updates, the worst and a median one replayed, each
+    giving back its loss to the last bit (the example asserts it)."""
+    (code,) = blocks("python", REPLAY)
+    proc = _run(code, redis_url, tmp_path)
+    assert proc.stdout.count("update ") == 2, proc.stdout
 
 
 @pytest.mark.skipif(

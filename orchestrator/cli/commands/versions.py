@@ -1,9 +1,10 @@
-"""Commands over a namespace's versions: snapshots, rollback and diffs."""
+"""Commands over a namespace's versions: snapshots, rollback, diffs, lineage and replay."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from typing import TYPE_CHECKING, Annotated, Any
 
 import redis
@@ -290,3 +291,86 @@ def _print_lineage(doc: dict[str, Any], namespace: str, policy: str | None, ids:
     for p, n in sorted(doc["policies"].items()):
         table.add_row(p or "(undeclared)", f"{n:,}")
     console.print(table)
+
+
+_STREAM_ID = r"(\d{1,20})(?:-(\d{1,20}))?"
+
+
+def _entry_id(option: str, value: str) -> str:
+    """``value`` as a lineage entry id (``ms-seq``, each part below 2**64; ``-``/``+``: the
+    log's ends), or a one-line error naming ``option``."""
+    m = None if value in ("-", "+") else re.fullmatch(_STREAM_ID, value)
+    if value not in ("-", "+") and (m is None or any(int(g) >= 2**64 for g in m.groups("0"))):
+        raise typer.BadParameter(f"{option}: a lineage entry id (ms-seq), not {value!r}")
+    return value
+
+
+@app.command()
+@friendly
+def replay(
+    ctx: typer.Context,
+    namespace: str,
+    policy: Annotated[
+        str | None, typer.Option(help="The batches declared as training this policy version")
+    ] = None,
+    start: Annotated[
+        str, typer.Option("--from", help="Or the entries from this lineage entry id on")
+    ] = "-",
+    end: Annotated[str, typer.Option("--to", help="... up to this lineage entry id")] = "+",
+    archive: Annotated[
+        str | None, typer.Option(help="The archive directory (claw archive) for evicted steps")
+    ] = None,
+    out: Annotated[
+        str | None, typer.Option(help="Write each batch to DIR/<entry>.npz (fields, ids, ...)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Make the batches that trained a policy again, bit for bit, from the lineage log:
+    rows in the order the trainer got them, weights, assembly and augmentation; steps from
+    Redis, or from --archive once evicted. Rows that cannot be replayed exactly are
+    listed with the reason; exits 1 if any."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from orchestrator.inspect.replay import replay as run
+
+    start, end = _entry_id("--from", start), _entry_id("--to", end)
+    if policy is not None and (start, end) != ("-", "+"):
+        raise typer.BadParameter("--policy: or --from/--to, not both")
+    target = None if out is None else Path(out)
+    if target is not None:
+        target.mkdir(parents=True, exist_ok=True)
+    docs, inexact = [], 0
+    with redis_client(ctx) as (_, r):
+        store = _store(r, namespace)
+        for got in run(store, policy=policy, start=start, end=end, archive=archive):
+            docs.append(got.to_json())
+            inexact += not got.exact
+            if got.batch is not None and target is not None:
+                b = got.batch
+                arrays = {f"field.{k}": np.asarray(v) for k, v in b.fields.items()}
+                np.savez(
+                    target / f"{got.entry.entry_id}.npz",
+                    ids=b.ids,
+                    weights=b.weights,
+                    source_index=b.source_index,
+                    **arrays,
+                )
+    if as_json:
+        typer.echo(json.dumps({"batches": docs, "inexact": inexact}, indent=2))
+    else:
+        console = Console()
+        for d in docs:
+            where = d["source"] or "-"
+            console.print(
+                f"{d['entry']}  {d['recipe']}@v{d['recipe_version']}  policy {d['policy']!r}  "
+                f"{d['rows']} rows  {'exact from ' + where if d['exact'] else 'NOT replayed'}",
+                highlight=False,
+            )
+            for m in d["missing"]:
+                rows = f"  rows {m['rows']} (ids {m['ids']})"
+                console.print(f"{rows}: {m['reason']}", highlight=False)
+        console.print(f"{len(docs)} batches, {inexact} not replayed exactly", highlight=False)
+    if inexact:
+        raise typer.Exit(1)
