@@ -436,14 +436,13 @@ class BatchClient:
 
         ``wait=True``: write every earlier update and this one before returning (a round
         trip) and return how many steps this one updated."""
-        writer = self._priorities
-        if writer is None:
-            writer = self._priorities = PriorityWriter(self.namespace, self._url)
-        if not wait:
-            writer.submit(ids, priorities)
-            return None
-        writer.flush()  # the earlier ones first: submission order
-        return self.store.update_priorities(ids, priorities)
+        if wait:
+            self.flush_priorities()  # the earlier ones first: submission order
+            return self.store.update_priorities(ids, priorities)
+        if self._priorities is None:
+            self._priorities = PriorityWriter(self.namespace, self._url)
+        self._priorities.submit(ids, priorities)
+        return None
 
     def flush_priorities(self, timeout: float | None = 30.0) -> int:
         """Wait until every priority update submitted so far is written; returns how many
