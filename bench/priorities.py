@@ -6,10 +6,10 @@ A private redis-server holds N vector steps (``bench/sample_store.py``'s: obs fl
 100-step episodes, 95 % of priorities set). Each repeat times, interleaved, the same kind
 of update (256 distinct random live ids, uniform priorities):
 
-- Claw, waiting: ``BatchClient.update_priorities`` (= ``orchestrator.update_priorities``:
-  the store's update script, one round trip);
-- Claw, submitted: ``BatchClient.submit_priorities`` (checked and queued; a background
-  thread writes, later submits winning); the trainer's time only;
+- Claw, default: ``BatchClient.update_priorities`` (checked and queued; a background
+  thread writes behind, in order, later updates winning); the trainer's time only;
+- Claw, waiting: ``BatchClient.update_priorities(..., wait=True)`` (the store's update
+  script, one round trip, as ``orchestrator.update_priorities``);
 - cpprb 11.0.0 ``PrioritizedReplayBuffer.update_priorities`` on a buffer of N (in-process
   C++ sum and min trees), when cpprb is installed (the ``bench`` extra);
 - numpy: ``orchestrator.sampling.sumtree.SumTree.update`` of N leaves (the sum-tree the
@@ -63,27 +63,27 @@ def main() -> None:
         index = SamplingIndex(store)
         index.sync()
         live = rng.permutation(index.columns["id"][index.columns["alive"]])
-        waited, submitted = live[: len(live) // 2], live[len(live) // 2 :]  # disjoint
+        waited, behind = live[: len(live) // 2], live[len(live) // 2 :]  # disjoint
         client = BatchClient("bench-prio", server.url)
         tree = SumTree(rng.uniform(0.01, 1.0, n))
         cpp = None
         if PrioritizedReplayBuffer is not None:
             cpp = PrioritizedReplayBuffer(n, {"obs": {"shape": 8}, "act": {"shape": 1}})
             cpp.add(obs=np.zeros((n, 8), np.float32), act=np.zeros((n, 1)))
-        times: dict[str, list[float]] = {"wait": [], "submit": [], "cpprb": [], "numpy": []}
+        times: dict[str, list[float]] = {"default": [], "wait": [], "cpprb": [], "numpy": []}
         last: dict[int, float] = {}
         for _ in range(a.repeats):
             ids = rng.choice(waited, 256, replace=False)
             pr = rng.uniform(0.01, 1.0, 256).astype(np.float32)
             idx = np.sort(rng.choice(n, 256, replace=False))
             t = time.perf_counter()
-            client.update_priorities(ids, pr)
+            client.update_priorities(ids, pr, wait=True)
             times["wait"].append(time.perf_counter() - t)
             time.sleep(a.gap_ms / 1e3)
-            ids = rng.choice(submitted, 256, replace=False)
+            ids = rng.choice(behind, 256, replace=False)
             t = time.perf_counter()
-            client.submit_priorities(ids, pr)
-            times["submit"].append(time.perf_counter() - t)
+            client.update_priorities(ids, pr)
+            times["default"].append(time.perf_counter() - t)
             last.update(zip(ids.tolist(), pr.tolist(), strict=True))
             time.sleep(a.gap_ms / 1e3)
             if cpp is not None:
@@ -112,8 +112,8 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     ref = float(np.median(times["cpprb"])) if times["cpprb"] else None
     labels = {
-        "wait": "Claw, waiting for the store (`update_priorities`)",
-        "submit": "Claw, submitted (`submit_priorities`, trainer's time)",
+        "default": "Claw, `update_priorities` (written behind; trainer's time)",
+        "wait": "Claw, `update_priorities(..., wait=True)` (waits for the store)",
         "cpprb": "cpprb 11.0.0 `PrioritizedReplayBuffer` (in-process)",
         "numpy": "numpy `SumTree.update` (in-process)",
     }

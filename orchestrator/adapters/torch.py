@@ -124,15 +124,24 @@ class ClawIterableDataset(IterableDataset):
         finally:
             client.close()
 
-    def update_priorities(self, ids: Any, priorities: Any) -> int:
-        """Send new priorities (tensors or arrays) for the steps ``ids``; returns how many
+    def update_priorities(self, ids: Any, priorities: Any, *, wait: bool = False) -> int | None:
+        """Send new priorities (tensors or arrays) for the steps ``ids``: written behind,
+        in order, by this process's client (``BatchClient.update_priorities``; written by
+        :meth:`close` at the latest). ``wait=True`` writes them now and returns how many
         steps were updated."""
         if self._own is None or self._own[0] != os.getpid():
             self._own = (os.getpid(), self._client())
-        return self._own[1].update_priorities(_numpy(ids), _numpy(priorities))
+        return self._own[1].update_priorities(_numpy(ids), _numpy(priorities), wait=wait)
+
+    def flush_priorities(self, timeout: float | None = 30.0) -> int:
+        """Wait until this process's priority updates are written (steps updated)."""
+        if self._own is None or self._own[0] != os.getpid():
+            return 0
+        return self._own[1].flush_priorities(timeout)
 
     def close(self) -> None:
-        """Close this process's priority client (iterators close their own)."""
+        """Write this process's pending priority updates and close its client (iterators
+        close their own)."""
         if self._own is not None and self._own[0] == os.getpid():
             self._own[1].close()
         self._own = None

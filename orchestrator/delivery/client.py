@@ -105,6 +105,7 @@ class BatchClient:
         stored, old = self.registry.install(recipe.name, change, self.host)
         if old is not None and stored is old.recipe:  # identical: this host is a reader now
             self._recipes[recipe.name] = stored
+            self.flush_priorities()  # what the fill draws sees them
             self.request_fill(recipe.name)
             return stored
         live_only = old is not None and same_recipe(old.recipe, stored, ("version", "params"))
@@ -147,6 +148,7 @@ class BatchClient:
             raise ValueError(f"recipe {name!r} has no rollout section: use set_params")
         params = {**current.params, ro.version_param: version}
         recipe = current.model_copy(update={"params": params, "version": current.version + 1})
+        self.flush_priorities()  # the new version's batches are drawn after them
         dropped = self.registry.advance(recipe)
         if dropped is None:  # changed by another client: the full transaction
             return self.set_params(name, **{ro.version_param: version})
@@ -187,8 +189,11 @@ class BatchClient:
 
     def _installed(self, recipe: Recipe, reset: bool) -> None:
         """After a new version: drop the queued batches (older versions, and those read
-        ahead), reset the counters unless only live params changed, and ask for a fill."""
+        ahead), reset the counters unless only live params changed, and ask for a fill
+        (after the priority updates submitted so far are written: the new version's
+        batches are drawn with them)."""
         self._stop_ahead(recipe.name)
+        self.flush_priorities()
         giveback.drop(self.store, recipe, self.registry.drain(recipe.name))
         if reset:
             self.store.r.delete(self.registry.counters(recipe.name))
@@ -412,23 +417,45 @@ class BatchClient:
         store = self.store if namespace is None else Store(self.store.r, namespace)
         return nearest(store, states, k, index=index, where=where, params=params, fields=fields)
 
-    def update_priorities(self, ids: Sequence[int] | np.ndarray, priorities: Any) -> int:
+    def update_priorities(
+        self, ids: Sequence[int] | np.ndarray, priorities: Any, *, wait: bool = False
+    ) -> int | None:
         """Set step priorities (e.g. |TD error|); ids evicted or overwritten are skipped.
-        Waits for the store (a round trip); :meth:`submit_priorities` does not."""
-        return self.store.update_priorities(ids, priorities)
 
-    def submit_priorities(self, ids: Sequence[int] | np.ndarray, priorities: Any) -> None:
-        """Set step priorities off this thread: checked now, written by a background
-        :class:`~orchestrator.delivery.priorities.PriorityWriter` in submission order
-        (later submits win); :meth:`flush_priorities` waits for them."""
+        Written behind by default: the arrays are checked and copied here and a background
+        :class:`~orchestrator.delivery.priorities.PriorityWriter` writes them in
+        submission order (for an id updated twice, the later one wins); returns None.
+        :meth:`flush_priorities` and :meth:`close` wait for every update submitted
+        before them. A failed write is counted (:attr:`priority_errors`) and raised
+        (``PriorityWriteError``) by the next call of this, ``flush_priorities`` or
+        ``close``. A :meth:`pop` does not wait for them: the batch it returns was drawn
+        before (prefetched), so waiting would delay the trainer and change no batch. A
+        new recipe version (:meth:`register`, :meth:`set_params`, :meth:`advance`,
+        :meth:`restore`) does: its batches are all drawn after it, and a trainer that
+        changes the recipe to drop batches drawn before an update expects them to see
+        it.
+
+        ``wait=True``: write every earlier update and this one before returning (a round
+        trip) and return how many steps this one updated."""
+        if wait:
+            self.flush_priorities()  # the earlier ones first: submission order
+            return self.store.update_priorities(ids, priorities)
         if self._priorities is None:
             self._priorities = PriorityWriter(self.namespace, self._url)
         self._priorities.submit(ids, priorities)
+        return None
 
     def flush_priorities(self, timeout: float | None = 30.0) -> int:
-        """Wait until every submitted priority is written; steps updated since the last
-        flush (raises the writer's error, if any)."""
+        """Wait until every priority update submitted so far is written; returns how many
+        steps they updated since the last flush (raises ``PriorityWriteError`` if a write
+        failed since the last such raise)."""
         return 0 if self._priorities is None else self._priorities.flush(timeout)
+
+    @property
+    def priority_errors(self) -> int:
+        """Priority writes that failed behind the trainer's calls (each also raised once,
+        see :meth:`update_priorities`)."""
+        return 0 if self._priorities is None else self._priorities.errors
 
     def stats(self, name: str | None = None) -> dict[str, dict[str, Any]]:
         """Per recipe: queue depth and bound, batches produced and popped, rows sampled,
@@ -446,14 +473,20 @@ class BatchClient:
         return {n: st.to_json() for n, st in found.items()}
 
     def close(self) -> None:
+        """Stop the read-aheads, write the pending priority updates and lineage, release
+        the connections (raises a failed priority write's error last)."""
         for name in list(self._ahead):
             self._stop_ahead(name)
-        if self._priorities is not None:
-            self._priorities.close()
-        self._refills.put(None)
-        self._sender.join(timeout=5)
-        self.flush_lineage()
-        self.store.r.close()
+        try:  # the priorities written first; their error raised once all is released
+            if self._priorities is not None:
+                self._priorities.close()
+        finally:
+            self._refills.put(None)
+            self._sender.join(timeout=5)
+            try:
+                self.flush_lineage()
+            finally:
+                self.store.r.close()
 
     def __enter__(self) -> BatchClient:
         return self

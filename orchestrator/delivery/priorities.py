@@ -1,14 +1,18 @@
-"""``PriorityWriter``: priority updates written off the trainer's thread, in order.
+"""``PriorityWriter``: priority updates written behind the trainer's call, in order.
 
-A trainer's ``update_priorities`` waits ~0.6 ms at 1M steps for the store's script (one
-round trip plus a ``SETRANGE`` per id, ``docs/benchmarks.md``, Priorities). Here the
-call checks and copies the arrays and returns; a background thread with its own
-connection takes everything submitted since its last write, keeps each id's newest
-priority (later writes win, as if each call had been written in turn) and writes it with
-one script call per shard. Batches already prefetched keep the priorities they were drawn
-with either way; :meth:`flush` waits until every submitted update is in the store (and
-raises the writer's error, if any). Ids evicted or overwritten meanwhile are skipped, as
-by ``Store.update_priorities``.
+A trainer's update would wait ~0.6 ms at 1M steps for the store's script (one round trip
+plus a ``SETRANGE`` per id, ``docs/benchmarks.md``, Priorities). Here the call checks and
+copies the arrays and returns; a background thread with its own connection takes
+everything submitted since its last write, keeps each id's newest priority (later writes
+win, as if each call had been written in turn) and writes it with one script call per
+shard. Batches already prefetched keep the priorities they were drawn with either way;
+:meth:`flush` waits until every submitted update is in the store. Ids evicted or
+overwritten meanwhile are skipped, as by ``Store.update_priorities``.
+
+A write that fails (the store unreachable, a script error) loses that write's updates:
+the error is counted (:attr:`errors`, :attr:`lost`) and raised by the trainer's next
+:meth:`submit`, :meth:`flush` or :meth:`close`, once; the writer keeps writing what is
+submitted after it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,19 @@ def newest(ids: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndar
     return ids[last], priorities[last]
 
 
+class PriorityWriteError(RuntimeError):
+    """Priority updates written behind the trainer's calls failed: ``errors`` writes,
+    ``lost`` ids not written (each id of a failed write counted once per write). The
+    first failure is the ``__cause__``."""
+
+    def __init__(self, errors: int, lost: int, first: BaseException) -> None:
+        super().__init__(
+            f"{errors} priority write(s) failed, {lost} id update(s) not written: "
+            f"{type(first).__name__}: {first}"
+        )
+        self.errors, self.lost = errors, lost
+
+
 class PriorityWriter:
     """Writes submitted priority updates to namespace ``namespace`` in a background thread
     (see the module docstring). ``max_pending`` ids may wait; a submit beyond it blocks
@@ -52,14 +69,19 @@ class PriorityWriter:
         self._count = 0  # ids pending
         self._submitted = self._written = 0  # calls
         self._updated = 0  # steps updated since the last flush
-        self._error: BaseException | None = None
+        self.errors = 0
+        """Writes that failed since the writer started (each raised once, see above)."""
+        self.lost = 0
+        """Id updates those writes did not write."""
+        self._failed: tuple[int, int, BaseException] | None = None  # not raised yet
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="claw-priorities", daemon=True)
         self._thread.start()
 
     def submit(self, ids: Sequence[int] | np.ndarray, priorities: Any) -> None:
-        """Queue an update (checked now, written soon; later submits win)."""
+        """Queue an update (checked now, written soon; later submits win). Raises
+        :class:`PriorityWriteError` first if a write failed since the last raise."""
         ids, pr = checked(ids, priorities)
         with self._cond:
             self._raise()
@@ -74,9 +96,9 @@ class PriorityWriter:
             self._cond.notify_all()
 
     def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        if self._failed is not None:
+            (errors, lost, first), self._failed = self._failed, None
+            raise PriorityWriteError(errors, lost, first) from first
 
     def _run(self) -> None:
         while True:
@@ -88,38 +110,46 @@ class PriorityWriter:
                 taken, self._pending, self._count = self._pending, [], 0
                 upto = self._submitted
                 self._cond.notify_all()
-            ids, pr = newest(
-                np.concatenate([i for i, _ in taken]), np.concatenate([p for _, p in taken])
-            )
+            if len(taken) == 1:
+                ids, pr = newest(*taken[0])
+            else:
+                ids, pr = newest(
+                    np.concatenate([i for i, _ in taken]), np.concatenate([p for _, p in taken])
+                )
             try:
                 done = self.store.update_priorities(ids, pr)
-            except BaseException as e:  # raised by the trainer's next submit or flush
+            except BaseException as e:  # raised by the trainer's next submit, flush, close
                 done, error = 0, e
             else:
                 error = None
             with self._cond:
                 self._written, self._updated = upto, self._updated + done
                 if error is not None:
-                    self._error = error
+                    self.errors += 1
+                    self.lost += len(ids)
+                    errors, lost, first = self._failed or (0, 0, error)
+                    self._failed = (errors + 1, lost + len(ids), first)
                 self._cond.notify_all()
 
     def flush(self, timeout: float | None = 30.0) -> int:
         """Wait until every update submitted so far is written; returns how many steps
-        were updated since the last flush (evicted ids are not counted)."""
+        were updated since the last flush (evicted ids are not counted). Raises
+        :class:`PriorityWriteError` if a write failed since the last raise."""
         with self._cond:
             target = self._submitted
-            if not self._cond.wait_for(
-                lambda: self._written >= target or self._error is not None, timeout
-            ):
+            if not self._cond.wait_for(lambda: self._written >= target, timeout):
                 raise TimeoutError(f"priority updates not written within {timeout}s")
             self._raise()
             updated, self._updated = self._updated, 0
             return updated
 
     def close(self) -> None:
-        """Write what is pending, stop the thread, release the connection."""
+        """Write what is pending, stop the thread, release the connection; then raise
+        :class:`PriorityWriteError` if a write failed since the last raise."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
         self.store.r.close()
+        with self._cond:
+            self._raise()

@@ -27,6 +27,7 @@ DEFINITION_GRACE_S = 3600.0
 trainer may declare a batch it popped (a read-ahead's) well after the recipe changed."""
 _UNLOCK = Lua("unlock", "orchestrator")
 _ADVANCE = Lua("advance", "orchestrator")
+_ROLLOUT_PUSH = Lua("rollout_push", "orchestrator")
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,24 @@ class Registry:
 
         items = execute(self.r, [_ADVANCE], queue)[0]
         return None if items is None else list(items)
+
+    def push_rollout(
+        self, name: str, no: int, cursor: int, rows: int, items: list[bytes]
+    ) -> tuple[int, int | None, bool] | None:
+        """Append minibatch ``items`` of rollout ``no`` of recipe ``name`` to its queue
+        in one script call, if its state is still at ``cursor`` of that rollout, advancing
+        the cursor and the produced and sampled (``rows`` a minibatch) counters with them.
+        Returns the queue's length, the recipe's stored version (None: gone) and whether
+        its entry exists; None when the state differs (nothing written)."""
+        skey = self.rollout_keys(name)[0]
+        keys = [skey, self.queue(name), self.counters(name), self.versions_key]
+        keys.append(self.recipe_key(name))
+        args = [name, no, cursor, rows, PRODUCED, SAMPLED, *items]
+        got = execute(self.r, [_ROLLOUT_PUSH], lambda p: _ROLLOUT_PUSH.queue(p, keys, args))[0]
+        if got is None:
+            return None
+        length, version, registered = got
+        return int(length), int(version) if version else None, bool(registered)
 
     def _queue_put(self, pipe: redis.client.Pipeline, recipe: Recipe) -> None:
         entry = {"recipe": recipe.model_dump(mode="json"), "at": time.time()}

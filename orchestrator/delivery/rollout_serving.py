@@ -1,15 +1,14 @@
 """Serving a formed rollout (:mod:`orchestrator.delivery.rollouts`): its minibatches cut,
-augmented and pushed in order, each push a transaction that checks and advances the
+augmented and pushed in order, each push one script call that checks and advances the
 cursor."""
 
 from __future__ import annotations
 
 import numpy as np
-import redis
 
 from orchestrator.delivery import shm
 from orchestrator.delivery.collate import collate
-from orchestrator.delivery.registry import PRODUCED, SAMPLED, Entry, Registry
+from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.rollout_state import Plan
 from orchestrator.delivery.wire import to_wire
 from orchestrator.recipe.model import Recipe
@@ -26,31 +25,16 @@ def _push(
     reg: Registry, recipe: Recipe, plan: Plan, k: int, items: list[bytes]
 ) -> int | str | None:
     """Push minibatches ``k .. k + len(items) - 1`` of ``plan`` if the cursor is still
-    ``k``, in one transaction; returns the queue length, ``"stale"``/``"unregistered"``
-    (taken back), or None (another fill pushed them, or the rollout moved on)."""
-    name, skey = recipe.name, reg.rollout_keys(recipe.name)[0]
-    queue, counters, m = reg.queue(name), reg.counters(name), len(items)
-    with reg.r.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(skey)
-                no, cursor = pipe.hmget(skey, ["no", "cursor"])
-                if int(no or 0) != plan.no or int(cursor or 0) != k:
-                    pipe.unwatch()
-                    return None
-                pipe.multi()
-                pipe.rpush(queue, *items)
-                pipe.hget(reg.versions_key, name)
-                pipe.exists(reg.recipe_key(name))
-                pipe.hincrby(skey, "cursor", m)
-                pipe.hincrby(counters, PRODUCED, m)
-                pipe.hincrby(counters, SAMPLED, recipe.batch_size * m)
-                length, version, registered = pipe.execute()[:3]
-                break
-            except redis.WatchError:
-                continue  # the hash changed (another field, or the cursor): look again
-    if registered and (version is None or int(version) == recipe.version):
-        return int(length)
+    ``k``, in one script call (:meth:`Registry.push_rollout`); returns the queue length,
+    ``"stale"``/``"unregistered"`` (taken back), or None (another fill pushed them, or
+    the rollout moved on)."""
+    name, queue = recipe.name, reg.queue(recipe.name)
+    got = reg.push_rollout(name, plan.no, k, recipe.batch_size, items)
+    if got is None:
+        return None
+    length, version, registered = got
+    if registered and (version is None or version == recipe.version):
+        return length
     with reg.r.pipeline(transaction=False) as pipe:
         for item in items:
             pipe.lrem(queue, -1, item)

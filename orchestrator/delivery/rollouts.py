@@ -9,9 +9,10 @@ The recipe's live param ``rollout.version_param`` (``policy_version``) is the ta
    target policy's numbers from the recipe's scorer) and stored with their ids as the
    *plan*; while fewer are ready it records why and ends (the next commit looks again);
 2. pushes the plan's minibatches ``k = 0 .. epochs * n - 1`` (n = steps / batch_size) in
-   order: epoch ``k // n`` is a permutation of the rollout drawn from
-   ``default_rng([seed, rollout, epoch])``, minibatch ``k % n`` its n-th slice, so every
-   step is in exactly one minibatch of each epoch, whichever worker cuts it;
+   order: epoch ``k // n`` is the (``k // n`` + 1)-th permutation of the rollout drawn
+   from ``default_rng([seed, rollout])`` (``rollout_state.EpochOrders``), minibatch
+   ``k % n`` its n-th slice, so every step is in exactly one minibatch of each epoch,
+   whichever worker cuts it;
 3. once all are pushed, waits for v to move: one rollout per target.
 
 A fill pushing more than one epoch reads the rollout's steps once (up to

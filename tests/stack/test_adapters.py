@@ -56,7 +56,7 @@ def test_torch_dataset_yields_tensor_batches(redis_url, namespace, workers):
         stored = store.get(item["ids"].numpy())
         np.testing.assert_array_equal(item["obs"].numpy(), stored["obs"])
         np.testing.assert_array_equal(item["reward"].numpy(), stored["reward"])
-    assert ds.update_priorities(items[0]["ids"], torch.full((16,), 5.0)) > 0
+    assert ds.update_priorities(items[0]["ids"], torch.full((16,), 5.0), wait=True) > 0
     ds.close()
 
 

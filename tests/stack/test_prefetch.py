@@ -135,7 +135,7 @@ def test_update_priorities_changes_what_is_sampled(redis_url, broker_url, namesp
     favoured = ids[:10]
     pr = np.full(len(ids), 1e-6, np.float32)
     pr[:10] = 1.0
-    assert client.update_priorities(ids, pr) == 200
+    assert client.update_priorities(ids, pr, wait=True) == 200
     version = client.set_params("prio").version  # drop batches sampled before the update
     rows = []
     while len(rows) < 10:

@@ -4,14 +4,17 @@ a custom scorer run by a real worker changes the sampling distribution as predic
 from __future__ import annotations
 
 import time
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
+import redis
 
 from claw_tasks.store import Store
 from claw_tasks.store.check import check_namespace
 from orchestrator import Recipe, sample
 from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.priorities import PriorityWriteError
 from orchestrator.maintenance.priorities import Recompute, Rules, RulesError
 from tests.support.paths import ROOT
 from tests.support.producer import sender
@@ -98,10 +101,12 @@ def test_a_custom_scorer_changes_the_sampling_distribution(store, start_worker, 
     assert abs(odd / draws - p) < 5 * sd  # uniform would give 0.5
 
 
-def test_submitted_priorities_are_written_in_order_later_ones_winning(store, redis_url, namespace):
-    """``submit_priorities`` returns before the store has them; after ``flush_priorities``
-    each id holds its last submitted priority (over two shards, ids repeated across and
-    within calls), evicted ids are skipped, and bad input is refused at the call."""
+def test_priorities_written_behind_in_order_later_ones_winning(store, redis_url, namespace):
+    """``update_priorities`` returns before the store has them (None); after
+    ``flush_priorities`` each id holds its last submitted priority (over two shards, ids
+    repeated across and within calls), evicted ids are skipped, and bad input is refused
+    at the call. ``wait=True`` writes the earlier ones, then its own, and counts its own; a
+    new recipe version is made after every update submitted before it."""
     store.commit(batch(episode(1, 30)), now=T0)
     store.commit(batch(episode(2, 30)), now=T0)
     ids = np.concatenate([store.episode(f"ep{e}", fields=[])["id"] for e in (1, 2)])
@@ -111,15 +116,80 @@ def test_submitted_priorities_are_written_in_order_later_ones_winning(store, red
     for _ in range(40):
         some = rng.choice(ids, 25)  # repeats within a call: its last one wins
         pr = rng.uniform(0, 10, 25).astype(np.float32)
-        client.submit_priorities(some, pr)
+        assert client.update_priorities(some, pr) is None
         want.update(zip(some.tolist(), pr.tolist(), strict=True))
     with pytest.raises(ValueError, match="finite"):
-        client.submit_priorities(ids[:2], [1.0, np.nan])
+        client.update_priorities(ids[:2], [1.0, np.nan])
     with pytest.raises(ValueError, match="ids but"):
-        client.submit_priorities(ids[:2], [1.0])
+        client.update_priorities(ids[:2], [1.0])
     gone = int(ids.max()) + 1000 * 2  # never stored: skipped, not an error
-    client.submit_priorities([gone], [5.0])
+    client.update_priorities([gone], [5.0])
     assert client.flush_priorities() > 0
     set_ids = np.array([i for i, p in want.items() if p is not None])
     np.testing.assert_allclose(prio(store, set_ids), [want[i] for i in set_ids.tolist()])
+    client.update_priorities(ids[:4], np.full(4, 0.5))  # behind ...
+    assert client.update_priorities(ids[2:4], [7.0, 8.0], wait=True) == 2  # ... then this
+    np.testing.assert_allclose(prio(store, ids[:4]), [0.5, 0.5, 7.0, 8.0])
+    assert client.priority_errors == 0
+    client.register({"name": "p", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "a"}]})
+    client.update_priorities(ids, np.full(len(ids), 9.0))
+    client.set_params("p", cutoff=1)  # a new version's batches are drawn after them
+    np.testing.assert_allclose(prio(store, ids), 9.0)
     client.close()
+
+
+def test_priorities_submitted_before_close_are_all_written(store, redis_url, namespace):
+    """``close()`` writes every update submitted before it: nothing flushed by hand, the
+    store read by a fresh connection afterwards."""
+    store.commit(batch(interleave(*(episode(e, 50) for e in range(8)))), now=T0)
+    ids = np.concatenate([store.episode(f"ep{e}", fields=[])["id"] for e in range(8)])
+    rng = np.random.default_rng(1)
+    want: dict[int, float] = {}
+    client = BatchClient(namespace, redis_url)
+    for _ in range(300):
+        some = rng.choice(ids, 32, replace=False)
+        pr = rng.uniform(0, 10, 32).astype(np.float32)
+        client.update_priorities(some, pr)
+        want.update(zip(some.tolist(), pr.tolist(), strict=True))
+    client.close()
+    fresh = Store(redis_url, namespace)
+    keys = np.array(sorted(want))
+    np.testing.assert_allclose(prio(fresh, keys), [want[i] for i in keys.tolist()])
+    fresh.r.close()
+
+
+def test_a_failed_priority_write_surfaces_and_is_counted(store, r, redis_url, namespace):
+    """A write behind the call that fails (the writer's Redis user loses the right to run
+    scripts meanwhile) is counted and raised by the next call, then by
+    ``flush_priorities`` and by ``close()``, each failure once; writes after it go on."""
+    store.commit(batch(episode(1, 20)), now=T0)
+    ids = store.episode("ep1", fields=[])["id"]
+    user = f"prio-{namespace}"
+    r.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all")
+    url = urlsplit(redis_url)
+    client = BatchClient(namespace, url._replace(netloc=f"{user}:pw@{url.netloc}").geturl())
+    try:
+        client.update_priorities(ids, np.ones(len(ids)))
+        assert client.flush_priorities() == len(ids)
+        r.execute_command("ACL", "SETUSER", user, "-@scripting")
+        client.update_priorities(ids[:3], [1.0, 2.0, 3.0])
+        writer = client._priorities
+        assert writer is not None
+        with writer._cond:  # the failed write is in
+            assert writer._cond.wait_for(lambda: writer.errors == 1, 30)
+        with pytest.raises(PriorityWriteError, match=r"1 priority write.*3 id update") as e:
+            client.update_priorities(ids[:1], [4.0])  # the next call raises it (not queued)
+        assert isinstance(e.value.__cause__, redis.exceptions.NoPermissionError)
+        assert client.priority_errors == 1
+        client.update_priorities(ids[:1], [4.0])
+        with pytest.raises(PriorityWriteError):
+            client.flush_priorities()
+        assert client.priority_errors == 2
+        assert client.flush_priorities() == 0  # raised once: nothing new
+        client.update_priorities(ids[:1], [5.0])
+        with pytest.raises(PriorityWriteError):
+            client.close()
+        assert client.priority_errors == 3
+        np.testing.assert_allclose(prio(store, ids[:3]), 1.0)  # none of them written
+    finally:
+        r.execute_command("ACL", "DELUSER", user)

@@ -158,7 +158,7 @@ def test_prefetch_register_pop_update_priorities(redis_url, namespace, amqp_url,
     ids = Store(redis_url, namespace).episode("v", fields=[])["id"]
     pr = np.full(len(ids), 1e-6, np.float32)
     pr[:10] = 1.0
-    assert client.update_priorities(ids, pr) == 200
+    assert client.update_priorities(ids, pr, wait=True) == 200
     version = client.set_params("prio").version
     rows = []
     while len(rows) < 5:  # each pop below low water sends a fill request over amqp

@@ -83,3 +83,31 @@ def test_concurrent_set_params_keep_every_change(redis_url, namespace):
         clients[0].unregister("race")  # the fills asked for find nothing to do
         for c in clients:
             c.close()
+
+
+def test_a_rollout_push_lands_once_at_its_cursor(redis_url, namespace):
+    """``push_rollout`` appends a formed rollout's minibatches only at the cursor it was
+    given, advancing the cursor and counters with them in one call: a second push at the
+    same cursor (another fill) or of another rollout writes nothing; the recipe's version
+    and whether it is registered come back with the push."""
+    client = BatchClient(namespace, redis_url)
+    spec = {**_spec(8), "params": {"policy_version": 0}, "rollout": {"steps": 16, "epochs": 2}}
+    version = client.register(spec).version
+    reg, name = client.registry, "race"
+    skey = reg.rollout_keys(name)[0]
+    reg.r.delete(reg.queue(name))
+    reg.r.hset(skey, mapping={"no": 3, "cursor": 0})
+    before = reg.counts(name)
+    assert reg.push_rollout(name, 3, 0, 8, [b"a", b"b"]) == (2, version, True)
+    assert reg.push_rollout(name, 3, 0, 8, [b"c"]) is None  # pushed already
+    assert reg.push_rollout(name, 2, 2, 8, [b"c"]) is None  # another rollout
+    assert reg.push_rollout(name, 3, 2, 8, [b"c"]) == (3, version, True)
+    assert reg.r.lrange(reg.queue(name), 0, -1) == [b"a", b"b", b"c"]
+    assert int(reg.r.hget(skey, "cursor")) == 3
+    after = reg.counts(name)
+    assert int(after["produced"]) - int(before.get("produced", 0)) == 3
+    assert int(after["sampled"]) - int(before.get("sampled", 0)) == 24
+    client.unregister(name)
+    reg.r.hset(skey, mapping={"no": 3, "cursor": 3})
+    assert reg.push_rollout(name, 3, 3, 8, [b"d"]) == (1, None, False)  # taken back by the caller
+    client.close()

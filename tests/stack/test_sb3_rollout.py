@@ -96,15 +96,23 @@ def _served(buf: ClawRolloutBuffer, batch_size: int) -> dict[str, np.ndarray]:
     return out
 
 
+@pytest.mark.parametrize("write_every", [None, 5])  # one message a rollout, or four
 def test_gae_and_returns_equal_sb3_with_terminated_truncated_and_running_episodes(
-    redis_url, namespace, workers
+    redis_url, namespace, workers, write_every
 ):
     n_steps, n_envs, gamma, lam = 16, 4, 0.97, 0.9
     space = spaces.Box(-np.inf, np.inf, (4,), np.float32)
     act = spaces.Discrete(2)
     ref = RolloutBuffer(n_steps, space, act, "cpu", gae_lambda=lam, gamma=gamma, n_envs=n_envs)
     claw = ClawRolloutBuffer(
-        n_steps, space, act, "cpu", lam, gamma, n_envs, **_kw(redis_url, namespace)
+        n_steps,
+        space,
+        act,
+        "cpu",
+        lam,
+        gamma,
+        n_envs,
+        **_kw(redis_url, namespace, write_every=write_every),
     )
     collect = Collect(n_envs, gamma)
     running = 0

@@ -72,7 +72,7 @@ def test_namespace_users_produce_and_train_and_see_nothing_else(server, start_wo
     )
     batch = trainer.pop("r", timeout=60)
     assert len(batch.ids) == 8 and batch["obs"].shape == (8, 4)
-    assert trainer.update_priorities(batch.ids, np.full(8, 5.0)) == 8
+    assert trainer.update_priorities(batch.ids, np.full(8, 5.0), wait=True) == 8
     assert trainer.stats("r")["r"]["popped"] == 1
     trainer.close()
     assert admin.sismember(ACTIVE, "a")  # written by the worker's fill, not by the trainer

@@ -3,8 +3,8 @@ Claw namespace, with Claw's ``priority`` sampler.
 
 Rows are drawn with P(i) = p_i^alpha / sum_j p_j^alpha and weighted (N P(i))^-beta, as
 RLlib's; ``update_priorities`` sends ``max(|td_error|, 1e-12)`` of the rows of the last
-``sample()`` to Claw off the trainer's thread (``BatchClient.submit_priorities``), and a
-step no update reached counts at the largest priority set on a live step (1.0 before any),
+``sample()`` to Claw, written behind the trainer's call (``BatchClient.update_priorities``),
+and a step no update reached counts at the largest priority set on a live step (1.0 before any),
 as RLlib's running maximum. Where it differs from RLlib's:
 
 - The weights are normalised by the largest weight among the batch's rows (RLlib divides
@@ -78,7 +78,7 @@ class ClawPrioritizedEpisodeReplayBuffer(ClawEpisodeReplayBuffer, PrioritizedEpi
                 f"update_priorities: {len(p)} priorities for the {len(ids)} rows of the last "
                 "sample(); sampling and updating must alternate"
             )
-        self.client.submit_priorities(ids, np.maximum(p, 1e-12))
+        self.client.update_priorities(ids, np.maximum(p, 1e-12))
         self._last_ids = np.zeros(0, np.int64)
         self._last_sampled_indices = []
 

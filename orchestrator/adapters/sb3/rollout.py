@@ -275,8 +275,6 @@ class ClawRolloutBuffer(RolloutBuffer):
         # again: the next rollout gets fresh arrays while the writer may still send these)
         self._obs = np.empty((*shape, *self._row_shape()), self.obs_dtype)
         self._actions = np.empty((*shape, self.action_dim), self.action_dtype)
-        self._episode = np.zeros(shape, np.int64)  # each row's episode number
-        self._step = np.zeros(shape, np.int64)  # and step_index
         self._written = 0  # time steps written to Claw
         self._finished = False  # the last row written (compute_returns_and_advantage)
         self._epoch: tuple[tuple[Any, ...], np.ndarray, int, int] | None = None  # popped
@@ -299,6 +297,8 @@ class ClawRolloutBuffer(RolloutBuffer):
                 self.pos,
                 self.buffer_size,
             )
+            if self.pos > self._written:  # episodes carried on past the dropped rows
+                self._episodes(self._written, self.pos)
         self.version += 1
         self.writer.submit(self.client.advance, self.recipe_name, self.version)
         self._clear()
@@ -322,22 +322,29 @@ class ClawRolloutBuffer(RolloutBuffer):
         self._obs[t] = self._rows(obs)
         self._actions[t] = np.asarray(action).reshape(n, self.action_dim)
         self.rewards[t] = np.asarray(reward, np.float32).reshape(n)
-        starts = np.asarray(episode_start).reshape(n).astype(bool)
-        self.episode_starts[t] = starts
+        self.episode_starts[t] = np.asarray(episode_start).reshape(n) != 0
         self.values[t] = _numpy(value, n)
         self.log_probs[t] = _numpy(log_prob, n)
-        new = starts | ~self._open
-        self._ep_no[new] += 1
-        self._ep_step[new] = 0
-        self._open[:] = True
-        self._episode[t], self._step[t] = self._ep_no, self._ep_step
-        self._ep_step += 1
         self.timesteps += n
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full = True
         if t - self._written >= self.write_every:  # rows before t know how they end
             self._write(t)
+
+    def _episodes(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's episode number and ``step_index`` for time steps ``start .. stop -
+        1`` (``(k, n_envs)`` each), from the episode starts, with each env's episode
+        carried on from the rows before: computed once per message, not per ``add``."""
+        k, tpos = stop - start, np.arange(stop - start)[:, None]
+        new = self.episode_starts[start:stop] != 0
+        new[0] |= ~self._open  # an env's first row starts its first episode
+        episode = self._ep_no + np.cumsum(new, axis=0)
+        began = np.maximum.accumulate(np.where(new, tpos, -1), axis=0)  # last start so far
+        step = np.where(began >= 0, tpos - began, self._ep_step + tpos)
+        self._ep_no, self._ep_step = episode[k - 1].copy(), step[k - 1] + 1
+        self._open[:] = True
+        return episode, step
 
     def _write(
         self,
@@ -362,8 +369,9 @@ class ClawRolloutBuffer(RolloutBuffer):
             assert dones is not None
             ended[k - 1] = dones
             boot[k - 1] = np.where(dones, np.nan, last_values)
+        episode, step = self._episodes(start, stop)
         # Episode ids as a vocabulary and codes: a string per episode, not per row
-        keys, codes = np.unique(self._episode[start:stop] * n + np.arange(n), return_inverse=True)
+        keys, codes = np.unique(episode * n + np.arange(n), return_inverse=True)
         names = [f"{self._run}.{c % n}.{c // n}" for c in keys.tolist()]
         ids = StrColumn(names, codes.reshape(-1).astype(np.int32))
         columns = {
@@ -372,7 +380,7 @@ class ClawRolloutBuffer(RolloutBuffer):
             "reward": self.rewards[start:stop].ravel().copy(),
             "terminated": ended.ravel(),
             "episode_id": ids,
-            "step_index": self._step[start:stop].ravel().copy(),
+            "step_index": step.ravel(),
             "policy_version": self.version,
             "tags": {
                 **self._tags,

@@ -69,7 +69,7 @@ class ClawPrioritizedSampler(PrioritizedSampler):
     """Prioritized draws, P(i) = p_i^alpha / sum_j p_j^alpha, with importance weights
     (``priority_weight``) for ``beta``; a step with no priority yet counts at the running
     maximum. ``update_priority`` sends ``|priority| + eps`` of the sampled steps to Claw
-    off the trainer's thread (``BatchClient.submit_priorities``: later updates win;
+    written behind the trainer's call (``BatchClient.update_priorities``: later updates win;
     ``storage.flush()`` waits for them); batches already prefetched keep the priorities
     they were drawn with. ``memory`` batches of step ids are remembered to tell sampled
     indices from others (extend's slot positions, an initial fill), which are skipped.
@@ -168,7 +168,7 @@ class ClawPrioritizedSampler(PrioritizedSampler):
                 )
         target = storage if isinstance(storage, ClawStorage) else self._storage
         if len(ids) and target is not None:
-            target.submit_priorities(ids, pr + self._eps)
+            target.update_priorities(ids, pr + self._eps)
         return None
 
     def _sampled(self, ids: np.ndarray) -> np.ndarray:

@@ -386,14 +386,13 @@ class ClawStorage(StoreStorage):
             "TorchRL's own samplers or rb[index]"
         )
 
-    def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int:
-        """Set Claw priorities of steps ``ids`` (skipped when evicted); returns how many."""
-        return self._connect(None).client.update_priorities(ids, priorities)
-
-    def submit_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> None:
-        """Set Claw priorities of steps ``ids`` off the trainer's thread, later ones winning
-        (``BatchClient.submit_priorities``; :meth:`flush` waits for them)."""
-        self._connect(None).client.submit_priorities(ids, priorities)
+    def update_priorities(
+        self, ids: np.ndarray, priorities: np.ndarray, *, wait: bool = False
+    ) -> int | None:
+        """Set Claw priorities of steps ``ids`` (skipped when evicted), written behind in
+        order, later ones winning (``BatchClient.update_priorities``; :meth:`flush` waits
+        for them). ``wait=True`` writes them now and returns how many steps were updated."""
+        return self._connect(None).client.update_priorities(ids, priorities, wait=wait)
 
     def contains(self, item: Any) -> bool:
         raise NotImplementedError(
