@@ -63,8 +63,12 @@ class IndexSpec(BaseModel):
     kind: Literal["auto", "exact", "ivf"] = "auto"
     nlist: PositiveInt | None = None
     """IVF lists; default ``16 * sqrt(capacity)`` rounded to a power of two, 64..65536."""
-    nprobe: PositiveInt = 12
-    """IVF lists a query scans (divided by the share of rows its ``where`` keeps)."""
+    nprobe: PositiveInt | None = None
+    """IVF lists a query scans (divided by the share of rows its ``where`` keeps); None:
+    the writer calibrates it to ``recall`` against an exact search of a sample."""
+    recall: float = Field(0.95, gt=0, le=1)
+    """The recall@10 the calibrated ``nprobe`` reaches on the stored vectors (checked as
+    a lower confidence bound, orchestrator/retrieval/calibrate.py)."""
     quantizer: Literal["hnsw", "flat"] = "hnsw"
     """How a query finds its ``nprobe`` lists: an HNSW graph over the centroids (built by
     each reader from the stored centroids) or a flat scan of every centroid."""

@@ -6,13 +6,15 @@ ring gave to another step), reads their field through the validated fetch (a row
 overwritten meanwhile fails the read and waits for the next tick), projects them, and
 writes vectors, ids and list assignments as raw arrays, then logs the rows. Once
 ``train_size`` vectors exist (``kind`` ``auto`` or ``ivf``) it trains the IVF quantizer
-(k-means on a sample), assigns every stored vector, and publishes the centroids: readers
-reload once. It trains again, the same way, each time the vectors have doubled since
-(while the double still fits the capacity): a million-step namespace trains at 164k, 328k
-and 655k vectors, the last time on a sample of most of its steps. Evicted steps are not
-removed here: readers mask rows that are not alive, and a reused slot gets its new step's
-vector on the next tick.
-"""
+(k-means on a sample), assigns every stored vector, calibrates ``nprobe`` to the index's
+recall target (orchestrator/retrieval/calibrate.py) and publishes the centroids with it:
+readers reload once. It calibrates again, without training, whenever the vectors have
+grown by half since the last calibration (readers take the new ``nprobe`` from the log).
+It trains again, the same way, each time the vectors have doubled since (while the double
+still fits the capacity): a million-step namespace trains at 164k, 328k and 655k vectors,
+the last time on a sample of most of its steps. Evicted steps are not removed here:
+readers mask rows that are not alive, and a reused slot gets its new step's vector on the
+next tick."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.slots import payload_read
 from claw_tasks.where import Where
+from orchestrator.retrieval.calibrate import Calibration, calibrate
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import TWO_LEVEL_FROM, IndexSpec, Projection, per_list
 from orchestrator.retrieval.storage import Head, Rows, Storage, check_field
@@ -41,9 +44,12 @@ ASSIGN_ROWS = 65536
 KMEANS_ITER = 10
 SEED = 1234
 HNSW_M = 32
+"""Links per node of the HNSW quantizer's graph."""
 RETRAIN_GROWTH = 2
 """The quantizer is trained again once the vectors have doubled since its last training."""
-"""Links per node of the HNSW quantizer's graph."""
+RECALIBRATE_GROWTH = 1.5
+"""``nprobe`` is calibrated again once the vectors have grown by half since the last time
+(and at every training)."""
 
 
 def quantizer(centroids: np.ndarray, metric: str, kind: str = "flat") -> faiss.Index:
@@ -146,7 +152,7 @@ class Writer:
                     rows = np.frombuffer(event[b"rows"], "<i8")
                     assert self.seen is not None
                     self.seen[rows] = self.storage.read(rows).ids
-                elif b"gen" in event:
+                elif b"gen" in event or b"nprobe" in event:
                     head = self.storage.head()
                     if head is not None:
                         self._use(head)
@@ -216,7 +222,7 @@ class Writer:
         again each time they have grown ``RETRAIN_GROWTH``-fold since, while that still
         fits the capacity: the first training sees only the first steps written (a few
         hundred episodes of a million-step namespace), whose states cover less of the
-        space than the later ones."""
+        space than the later ones. Otherwise calibrate ``nprobe`` again when due."""
         spec, head = self.spec, self.head
         if spec.kind == "exact" or head is None:
             return False
@@ -225,17 +231,17 @@ class Writer:
         assert self.seen is not None
         have = cols["alive"] & (self.seen == cols["id"]) & (self.seen != 0)
         count = int(have.sum())
-        if head.gen and not spec.retrain:
-            return False
         if head.gen:
             nlist, need = head.nlist, per_list(head.nlist) * head.nlist
             again = RETRAIN_GROWTH * head.trained
-            if not head.trained or count < again or again > cap:
-                return False
+            due = spec.retrain and head.trained and count >= again and again <= cap
         else:
             nlist, need = spec.lists(cap), spec.train_size(cap)
-            if count < need:
-                return False
+            due = count >= need
+        if not due:
+            if head.gen and spec.nprobe is None and count >= RECALIBRATE_GROWTH * head.calibrated:
+                self._calibrate(index, have)
+            return False
         stored = self.storage.read_all(("v", "i"))
         rows = np.flatnonzero(have & (stored["i"] == cols["id"]))
         if len(rows) < need:
@@ -246,12 +252,47 @@ class Writer:
         self._renew()
         q = quantizer(centroids, spec.metric)
         every = np.flatnonzero(stored["i"] != 0)
+        lists = np.zeros(len(stored["i"]), np.int32)
         for lo in range(0, len(every), ASSIGN_ROWS):
             part = every[lo : lo + ASSIGN_ROWS]
-            self.storage.write_assign(part, assign(q, stored["v"][part]))
+            lists[part] = assign(q, stored["v"][part])
+            self.storage.write_assign(part, lists[part])
             self._renew()
-        self.storage.set_trained(centroids, len(rows))
+        cal = None
+        if spec.nprobe is None:
+            cal = self._calibration(index, rows, stored["v"][rows], lists[rows] - 1, centroids)
+        self.storage.set_trained(centroids, len(rows), cal)
         head = self.storage.head()
         if head is not None:
             self._use(head)
         return True
+
+    def _calibration(
+        self,
+        index: SamplingIndex,
+        rows: np.ndarray,
+        vectors: np.ndarray,
+        lists: np.ndarray,
+        centroids: np.ndarray,
+    ) -> Calibration:
+        """``nprobe`` for ``spec.recall`` on the vectors of ``rows``, holding out whole
+        episodes as queries (orchestrator/retrieval/calibrate.py)."""
+        readers = quantizer(centroids, self.spec.metric, self.spec.quantizer)
+        episodes = index.columns["episode"][rows].astype(np.int64) * index.n_shards
+        episodes += rows // index.cap  # codes are per shard
+        cal = calibrate(vectors, lists, centroids, self.spec, readers, episodes, SEED + len(rows))
+        self._renew()
+        return cal
+
+    def _calibrate(self, index: SamplingIndex, have: np.ndarray) -> None:
+        """Calibrate the current quantizer again on every stored vector (the vectors have
+        grown ``RECALIBRATE_GROWTH``-fold since the last time) and publish it."""
+        assert self.head is not None and self.head.centroids is not None
+        stored = self.storage.read_all(("v", "i", "a"))
+        rows = np.flatnonzero(have & (stored["i"] == index.columns["id"]) & (stored["a"] > 0))
+        if not len(rows):
+            return
+        lists = stored["a"][rows] - 1
+        cal = self._calibration(index, rows, stored["v"][rows], lists, self.head.centroids)
+        self.storage.set_calibrated(cal, len(rows))
+        self.head.nprobe, self.head.calibrated = cal.nprobe, len(rows)

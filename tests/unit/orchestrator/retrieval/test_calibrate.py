@@ -1,0 +1,70 @@
+"""``nprobe`` calibrated to a recall target: held-out states reach it where a fixed
+``nprobe`` does not, a higher target probes more, and the queries are whole episodes the
+exact search leaves out."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import pytest
+
+from orchestrator.retrieval.calibrate import MIN_GROUPS, SAMPLE, calibrate, held_out
+from orchestrator.retrieval.spec import IndexSpec
+from orchestrator.retrieval.writer import assign, quantizer, train_centroids
+
+DIM, N, NLIST = 16, 30_000, 256
+
+
+@pytest.fixture(scope="module")
+def built():
+    """30,000 i.i.d. Gaussian states in episodes of 100, 256 lists, as the writer builds
+    them; 500 held-out states; their exact 10 nearest."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N, DIM), dtype=np.float32)
+    centroids = train_centroids(x[rng.choice(N, 39 * NLIST, replace=False)], NLIST, False)
+    lists = assign(quantizer(centroids, "l2"), x) - 1
+    ivf = faiss.IndexIVFFlat(quantizer(centroids, "l2", "hnsw"), DIM, NLIST)
+    ivf.is_trained = True
+    ivf.add(x)
+    q = rng.standard_normal((500, DIM), dtype=np.float32)
+    _, truth = faiss.knn(q, x, 10)
+    return x, centroids, lists, ivf, q, truth
+
+
+def held_out_recall(ivf, q, truth, nprobe: int) -> float:
+    params = faiss.SearchParametersIVF(nprobe=nprobe)
+    params.quantizer_params = faiss.SearchParametersHNSW(efSearch=max(16, nprobe))
+    _, found = ivf.search(q, 10, params=params)
+    return float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(found, truth, strict=True)]))
+
+
+def test_the_calibrated_nprobe_reaches_the_target_where_a_fixed_one_misses(built):
+    x, centroids, lists, ivf, q, truth = built
+    spec = IndexSpec()
+    readers = quantizer(centroids, "l2", "hnsw")
+    cal = calibrate(x, lists, centroids, spec, readers, np.arange(N) // 100)
+    assert cal.bound >= spec.recall and cal.recall >= cal.bound
+    assert held_out_recall(ivf, q, truth, cal.nprobe) >= spec.recall
+    assert held_out_recall(ivf, q, truth, 12) < spec.recall  # the former fixed default
+
+
+def test_a_higher_target_probes_more_lists(built):
+    x, centroids, lists, _, _, _ = built
+    readers = quantizer(centroids, "l2", "hnsw")
+    got = [
+        calibrate(x, lists, centroids, IndexSpec(recall=r), readers).nprobe
+        for r in (0.8, 0.95, 0.99)
+    ]
+    assert got[0] < got[1] < got[2] <= NLIST
+
+
+def test_queries_are_whole_episodes_left_out_of_the_exact_search():
+    groups = np.repeat(np.arange(1000), 50)  # 1,000 episodes of 50 steps
+    out = held_out(groups, np.random.default_rng(0))
+    whole = np.unique(groups[out])
+    assert np.isin(groups, whole).sum() == out.sum()  # every step of a held-out episode
+    assert len(whole) >= MIN_GROUPS and out.sum() >= SAMPLE
+    few = held_out(np.repeat(np.arange(8), 50), np.random.default_rng(0))
+    assert 0 < few.sum() <= 100  # at most a quarter of the vectors
+    alone = held_out(np.zeros(400, np.int64), np.random.default_rng(0))  # one episode
+    assert alone.sum() == 100  # single vectors: a quarter of them
