@@ -6,9 +6,11 @@ same states: recall and latency side by side, what chose retrieval's index
         [--only claw,faiss-hnsw,usearch,hnswlib] [--queries 1024] [--threads 1]
 
 Needs ``faiss-cpu`` (the ``retrieval`` extra) and, for the other candidates and data sets,
-the ``bench`` extra (``usearch``, ``mujoco``, ``psutil``; ``hnswlib`` only if installed).
+the ``bench`` extra (``usearch``, ``mujoco``; ``hnswlib`` only if installed).
 Per data set (bench/statesets.py; ``halfcheetah`` records MuJoCo states first, ~2 minutes
-of one core at 1M): ``n`` stored states and 1,024 held-out queries of the same process;
+of one core at 1M): ``n`` stored states and 1,024 held-out queries of the same process
+(sets of episodes: 8 states of each of 128 episodes never stored; recall varies by
+episode, and a few episodes' states would measure those few);
 then 10,000 states added and the first 10,000 removed (each library's own way: Claw and
 Faiss HNSW mask them, usearch removes them), and per candidate and setting:
 
@@ -36,16 +38,18 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 from statesets import EP_LEN, SETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 K = 10
+QUERY_EPISODES = 128
 
 
 def rss() -> int:
-    return psutil.Process().memory_info().rss
+    """This process's resident memory in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def timed(fn, batches) -> dict[str, float]:
@@ -77,12 +81,18 @@ class Run:
         import faiss
 
         make, self.data = SETS[data], data
+        ep = EP_LEN.get(data)
+        held = queries if ep is None else QUERY_EPISODES * ep
         t = time.perf_counter()
-        both = make(n + queries + 10_000, seed=0)
+        made = make(n + held + 10_000, seed=0)
         self.make_s = round(time.perf_counter() - t, 1)
-        # Held-out queries and the adds from other episodes of the same process: the last
-        # states made (whole episodes, never stored).
-        self.x, self.q, self.extra = both[:n], both[n : n + queries], both[n + queries :]
+        self.x, self.extra, q = made[:n], made[n + held :], made[n : n + held]
+        if ep is not None:  # 8 states of each of QUERY_EPISODES episodes never stored
+            eps = q.reshape(QUERY_EPISODES, ep, -1)
+            per = -(-queries // QUERY_EPISODES)
+            pick = np.random.default_rng(5).choice(ep, (QUERY_EPISODES, per))
+            q = np.take_along_axis(eps, pick[:, :, None], axis=1).reshape(-1, q.shape[1])
+        self.q = np.ascontiguousarray(q[:queries])
         self.n, self.removed = n, np.arange(10_000, dtype=np.int64)
         self.live = np.ones(n + 10_000, bool)
         self.live[self.removed] = False
