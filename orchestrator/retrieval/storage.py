@@ -59,7 +59,7 @@ def define_index(
         check_field(spec, schema.fields)
     old = store.r.hget(defs_key(store), spec.name)
     if old is not None:
-        if spec_of(json.loads(old)) == spec:
+        if stored_spec(old) == spec:
             return spec
         if not replace:
             raise SpecError(
@@ -86,7 +86,16 @@ def check_field(spec: IndexSpec, fields: Mapping[str, Any]) -> Projection:
 def list_indexes(store: Store) -> dict[str, IndexSpec]:
     """The namespace's vector indexes by name."""
     raw = store.r.hgetall(defs_key(store))
-    return {k.decode(): spec_of(json.loads(v)) for k, v in sorted(raw.items())}
+    return {k.decode(): stored_spec(v) for k, v in sorted(raw.items())}
+
+
+def stored_spec(raw: bytes) -> IndexSpec:
+    """A definition as stored (JSON). One without ``recall`` holds the fixed ``nprobe``
+    12 that was the default when it was written: it is read as unset (calibrated)."""
+    data = json.loads(raw)
+    if "recall" not in data and data.get("nprobe") == 12:
+        data["nprobe"] = None
+    return spec_of(data)
 
 
 def drop_index(store: Store, name: str) -> int:

@@ -1,8 +1,10 @@
 """``nprobe`` calibrated to a recall target: held-out states reach it where a fixed
 ``nprobe`` does not, a higher target probes more, and the queries are whole episodes the
-exact search leaves out."""
+exact search leaves out; a definition stored with the fixed default is read as calibrated."""
 
 from __future__ import annotations
+
+import json
 
 import faiss
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 
 from orchestrator.retrieval.calibrate import MIN_GROUPS, SAMPLE, calibrate, held_out
 from orchestrator.retrieval.spec import IndexSpec
+from orchestrator.retrieval.storage import stored_spec
 from orchestrator.retrieval.writer import assign, quantizer, train_centroids
 
 DIM, N, NLIST = 16, 30_000, 256
@@ -68,3 +71,11 @@ def test_queries_are_whole_episodes_left_out_of_the_exact_search():
     assert 0 < few.sum() <= 100  # at most a quarter of the vectors
     alone = held_out(np.zeros(400, np.int64), np.random.default_rng(0))  # one episode
     assert alone.sum() == 100  # single vectors: a quarter of them
+
+
+def test_a_stored_definition_with_the_fixed_default_is_calibrated_one_naming_recall_kept():
+    fixed_default = IndexSpec(nprobe=12).model_dump(exclude={"recall"})
+    assert stored_spec(json.dumps(fixed_default).encode()).nprobe is None
+    pinned = IndexSpec(nprobe=12).model_dump_json().encode()  # written with ``recall``
+    assert stored_spec(pinned).nprobe == 12
+    assert stored_spec(IndexSpec().model_dump_json().encode()) == IndexSpec()
