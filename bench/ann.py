@@ -126,7 +126,7 @@ class Run:
 def claw(run: Run, fixed: list[int]) -> None:
     import faiss
 
-    from orchestrator.retrieval.calibrate import calibrate
+    from orchestrator.retrieval.calibrate import calibrate, held_out
     from orchestrator.retrieval.spec import IndexSpec
     from orchestrator.retrieval.vectors import ivf_search
     from orchestrator.retrieval.writer import assign, quantizer, train_centroids
@@ -134,13 +134,16 @@ def claw(run: Run, fixed: list[int]) -> None:
     spec, n, dim = IndexSpec(), run.n, run.x.shape[1]
     nlist, need = spec.lists(n), spec.train_size(n)
     m0, t0 = rss(), time.perf_counter()
-    sample = run.x[np.sort(np.random.default_rng(1).choice(n, need, replace=False))]
+    episodes = np.arange(n) // EP_LEN.get(run.data, 1)  # as they would be committed
+    rng = np.random.default_rng(1)
+    out = held_out(episodes, rng)  # the writer's: held-out episodes are not trained on
+    pool = np.flatnonzero(~out)
+    sample = run.x[np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
     centroids = train_centroids(sample, nlist, False)
     flat = quantizer(centroids, "l2")  # the writer's: every vector's list, exactly
     lists = np.concatenate([assign(flat, run.x[i : i + 65536]) for i in range(0, n, 65536)])
-    episodes = np.arange(n) // EP_LEN.get(run.data, 500)  # as they would be committed
     readers = quantizer(centroids, "l2", "hnsw")
-    cal = calibrate(run.x, lists - 1, centroids, spec, readers, episodes)
+    cal = calibrate(run.x, lists - 1, centroids, spec, readers, episodes, out)
     calibrate_s = time.perf_counter() - t0
     ivf = faiss.IndexIVFFlat(quantizer(centroids, "l2", "hnsw"), dim, nlist)
     ivf.is_trained = True

@@ -3,8 +3,10 @@
 IVF-Flat computes the exact distance to every vector of the lists a query probes, so a
 query finds one of its true neighbours exactly when that neighbour's list is among the
 probed ones. The writer holds out whole episodes of the stored vectors (at least
-``MIN_GROUPS``, at most a quarter of the vectors) and takes ``SAMPLE`` of their vectors
-as queries: a learner's states come from episodes the index does not hold, and a stored
+``MIN_GROUPS``, at most an eighth of the vectors) from the k-means sample and takes
+``SAMPLE`` of their vectors as queries: a learner's states come from episodes the
+index was not trained on and does not hold (a state a training saw sits nearer its
+centroid than a learner's state does), and a stored
 state's own episode holds its nearest neighbours (the steps beside it), which a query
 from elsewhere would not find so easily: on 200k states of a smooth process, queries
 from stored episodes gave recall 0.99 at ``nprobe`` 2, held-out episodes 0.78. Each
@@ -37,6 +39,9 @@ SAMPLE = 512
 most of the cost: ~3 s of one core at 1M x 32)."""
 MIN_GROUPS = 64
 """Episodes the queries are drawn from, at least (their recall varies by episode)."""
+HOLD_SHARE = 8
+"""At most one vector in this many is held out (out of the k-means sample and of the
+exact search: the first training has only just enough vectors)."""
 K = 10
 """The recall is recall@K (queries asking for more neighbours find a little fewer)."""
 Z = 2.0
@@ -68,20 +73,27 @@ def _bound(found: np.ndarray, groups: np.ndarray) -> tuple[float, float]:
     return mean, mean - Z * float(per_group.std(ddof=1)) / math.sqrt(len(per_group))
 
 
-def held_out(groups: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Which vectors are held out as queries: whole episodes (``groups``), drawn at random
-    until they hold ``SAMPLE`` vectors and ``MIN_GROUPS`` episodes, or a quarter of the
-    vectors; with one episode only, single vectors."""
-    uniq, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
+def held_out(
+    groups: np.ndarray, rng: np.random.Generator, fresh: np.ndarray | None = None
+) -> np.ndarray:
+    """Which vectors are held out: whole episodes (``groups``) with a ``fresh`` vector
+    (default: all are), drawn at random until their fresh vectors number ``SAMPLE`` and
+    they are ``MIN_GROUPS`` episodes, or they hold ``1 / HOLD_SHARE`` of the vectors; with
+    one episode only, single vectors."""
+    fresh = np.ones(len(groups), bool) if fresh is None else fresh
+    uniq, inverse = np.unique(groups, return_inverse=True)
     if len(uniq) < 2:
-        inverse, counts = np.arange(len(groups)), np.ones(len(groups), np.int64)
-    order = rng.permutation(len(counts))
-    total = np.cumsum(counts[order])
-    enough = np.flatnonzero((total >= SAMPLE) & (np.arange(1, len(order) + 1) >= MIN_GROUPS))
+        inverse = np.arange(len(groups))
+    counts = np.bincount(inverse)
+    usable = np.bincount(inverse, fresh).astype(np.int64)
+    order = rng.permutation(np.flatnonzero(usable))
+    got = np.cumsum(usable[order])
+    enough = np.flatnonzero((got >= SAMPLE) & (np.arange(1, len(order) + 1) >= MIN_GROUPS))
     take = int(enough[0]) + 1 if len(enough) else len(order)
-    take = max(1, min(take, int(np.searchsorted(total, len(groups) // 4, side="right"))))
+    share = len(groups) // HOLD_SHARE
+    most = int(np.searchsorted(np.cumsum(counts[order]), share, side="right"))
     out = np.zeros(len(counts), bool)
-    out[order[:take]] = True
+    out[order[: max(1, min(take, most))]] = True
     return out[inverse]
 
 
@@ -91,20 +103,22 @@ def calibrate(
     centroids: np.ndarray,
     spec: IndexSpec,
     q: faiss.Index,
-    groups: np.ndarray | None = None,
+    groups: np.ndarray,
+    out: np.ndarray,
+    fresh: np.ndarray | None = None,
     seed: int = 0,
 ) -> Calibration:
     """The smallest ``nprobe`` reaching ``spec.recall`` on ``vectors`` (every stored
     vector a query may find), whose IVF lists (0-based) are ``lists`` under
-    ``centroids``; ``q`` is the quantizer readers search over them; ``groups`` the
-    episode of each vector (None: each its own)."""
+    ``centroids``; ``q`` is the quantizer readers search over them. ``out``: the vectors
+    held out (:func:`held_out`: whole episodes, none of them in the k-means sample);
+    the queries are ``SAMPLE`` of those that are also ``fresh``; ``groups`` is each
+    vector's episode."""
     nlist, n = len(centroids), len(vectors)
-    if n < 2 * K or nlist <= 1:
-        return Calibration(1, 1.0, 1.0)
+    pool = np.flatnonzero(out if fresh is None else out & fresh)
+    if n - len(np.flatnonzero(out)) < K or not len(pool) or nlist <= 1:
+        return Calibration(nlist, 1.0, 1.0)
     rng = np.random.default_rng(seed)
-    groups = np.arange(n) if groups is None else np.asarray(groups)
-    out = held_out(groups, rng)
-    pool = np.flatnonzero(out)
     at = np.sort(rng.choice(pool, min(SAMPLE, len(pool)), replace=False))
     base = np.flatnonzero(~out)
     queries = np.ascontiguousarray(vectors[at], np.float32)
@@ -112,7 +126,7 @@ def calibrate(
     fm = faiss.METRIC_INNER_PRODUCT if ip else faiss.METRIC_L2
     _, nb = faiss.knn(queries, np.ascontiguousarray(vectors[base], np.float32), K, metric=fm)
     truth = lists[base[nb]].astype(np.int64)  # (m, K): the list of each true neighbour
-    groups = groups[at]
+    groups = np.asarray(groups)[at]
 
     c = np.ascontiguousarray(centroids, np.float32)
     scores = -(queries @ c.T) if ip else (c * c).sum(axis=1)[None, :] - 2 * (queries @ c.T)

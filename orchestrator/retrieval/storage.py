@@ -1,17 +1,19 @@
 """A vector index in Redis: its namespace-level keys, and its per-slot arrays (the store's
-:class:`~claw_tasks.store.arrays.SlotArrays`) read and written as raw arrays (never pickled).
+:class:`~claw_tasks.store.arrays.SlotArrays`) read and written as raw arrays (never
+pickled).
 
 Namespace level (``claw:{ns}:``): ``vx`` (hash: index name -> its definition as JSON),
 ``vx:<name>`` (hash: ``dim``; ``created``, the namespace config's creation time the index
 belongs to; ``gen``, 0 until the IVF quantizer is trained, then 1, one more each time it
 is trained again; ``nlist`` and ``centroids`` as raw float32; ``trained``, the vectors
-there were when it was last trained; ``nprobe``, ``recall``, ``recall_bound`` and
-``calibrated``, the calibrated search breadth, its sample's recall@10 and lower bound, and
-the vectors there were then; ``runs`` and ``pending``, the writer's ticks and the steps it
-had left after the last), ``vx:<name>:log`` (stream: one entry per write, ``rows`` the
-global rows ``shard * cap + slot`` written, as ``<i8``; ``gen`` when the quantizer was
-trained; ``nprobe`` when it was calibrated again), ``vx:<name>:lock`` (the writer's lock:
-one maintenance task at a time writes an index).
+there were when it was last trained, and ``trained_id`` the newest step id then;
+``nprobe``, ``recall``, ``recall_bound`` and ``calibrated``, the calibrated search
+breadth, its sample's recall@10 and lower bound, and the vectors there were then; ``runs``
+and ``pending``, the writer's ticks and the steps it had left after the last),
+``vx:<name>:log`` (stream: one entry per write, ``rows`` the global rows ``shard * cap +
+slot`` written, as ``<i8``; ``gen`` when the quantizer was trained; ``nprobe`` when it was
+calibrated again), ``vx:<name>:lock`` (the writer's lock: one maintenance task at a time
+writes an index).
 
 Slot arrays ``vx:<name>``, indexed by slot like the store's columns: ``v`` float32
 vectors of ``dim``, ``i`` the ``<i8`` id of the step each vector was computed from (0:
@@ -144,6 +146,7 @@ class Head:
     trained: int = 0  # vectors there were when the quantizer was last trained
     nprobe: int = 0  # the calibrated nprobe (0: not calibrated)
     calibrated: int = 0  # vectors there were when it was calibrated
+    trained_id: int = 0  # the newest step id the last training could have sampled
 
 
 @dataclass
@@ -186,6 +189,7 @@ class Storage:
             int(h.get(b"trained", 0)),
             int(h.get(b"nprobe", 0)),
             int(h.get(b"calibrated", 0)),
+            int(h.get(b"trained_id", 0)),
         )
 
     def reset_head(self) -> None:
@@ -198,7 +202,11 @@ class Storage:
         )
 
     def set_trained(
-        self, centroids: np.ndarray, vectors: int, calibration: Calibration | None = None
+        self,
+        centroids: np.ndarray,
+        vectors: int,
+        calibration: Calibration | None = None,
+        newest: int = 0,
     ) -> int:
         """Publish a trained quantizer (the next generation; ``vectors`` there were; its
         calibrated ``nprobe``) and tell readers (a ``gen`` entry: they reload, the
@@ -207,6 +215,7 @@ class Storage:
             "nlist": len(centroids),
             "centroids": np.ascontiguousarray(centroids, "<f4").tobytes(),
             "trained": vectors,
+            "trained_id": newest,
         }
         if calibration is not None:
             mapping.update(self._calibration(calibration, vectors))

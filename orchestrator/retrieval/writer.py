@@ -29,7 +29,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.slots import payload_read
 from claw_tasks.where import Where
-from orchestrator.retrieval.calibrate import Calibration, calibrate
+from orchestrator.retrieval.calibrate import Calibration, calibrate, held_out
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import TWO_LEVEL_FROM, IndexSpec, Projection, per_list
 from orchestrator.retrieval.storage import Head, Rows, Storage, check_field
@@ -247,7 +247,14 @@ class Writer:
         if len(rows) < need:
             return False
         rng = np.random.default_rng(SEED + head.gen)
-        sample = stored["v"][np.sort(rng.choice(rows, need, replace=False))]
+        # Episodes held out for the calibration stay out of the k-means sample: states a
+        # training has seen sit nearer their centroids than a learner's states do.
+        episodes = self._episodes(index, rows)
+        out = np.zeros(len(rows), bool)
+        if spec.nprobe is None:
+            out = held_out(episodes, rng)
+        pool = rows[~out]
+        sample = stored["v"][np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
         centroids = train_centroids(sample, nlist, spec.metric == "cosine")
         self._renew()
         q = quantizer(centroids, spec.metric)
@@ -260,39 +267,60 @@ class Writer:
             self._renew()
         cal = None
         if spec.nprobe is None:
-            cal = self._calibration(index, rows, stored["v"][rows], lists[rows] - 1, centroids)
-        self.storage.set_trained(centroids, len(rows), cal)
+            vectors, at = stored["v"][rows], lists[rows] - 1
+            cal = self._calibration(vectors, at, centroids, episodes, out, None, len(rows))
+        newest = int(cols["id"][rows].max())
+        self.storage.set_trained(centroids, len(rows), cal, newest)
         head = self.storage.head()
         if head is not None:
             self._use(head)
         return True
 
+    @staticmethod
+    def _episodes(index: SamplingIndex, rows: np.ndarray) -> np.ndarray:
+        """The episode of each of ``rows`` as one integer (codes are per shard)."""
+        codes = index.columns["episode"][rows].astype(np.int64) * index.n_shards
+        return codes + rows // index.cap
+
     def _calibration(
         self,
-        index: SamplingIndex,
-        rows: np.ndarray,
         vectors: np.ndarray,
         lists: np.ndarray,
         centroids: np.ndarray,
+        episodes: np.ndarray,
+        out: np.ndarray,
+        fresh: np.ndarray | None,
+        seed: int,
     ) -> Calibration:
-        """``nprobe`` for ``spec.recall`` on the vectors of ``rows``, holding out whole
-        episodes as queries (orchestrator/retrieval/calibrate.py)."""
+        """``nprobe`` for ``spec.recall`` on ``vectors``, queried from the held-out
+        episodes ``out`` (orchestrator/retrieval/calibrate.py)."""
         readers = quantizer(centroids, self.spec.metric, self.spec.quantizer)
-        episodes = index.columns["episode"][rows].astype(np.int64) * index.n_shards
-        episodes += rows // index.cap  # codes are per shard
-        cal = calibrate(vectors, lists, centroids, self.spec, readers, episodes, SEED + len(rows))
+        cal = calibrate(
+            vectors, lists, centroids, self.spec, readers, episodes, out, fresh, SEED + seed
+        )
         self._renew()
         return cal
 
     def _calibrate(self, index: SamplingIndex, have: np.ndarray) -> None:
-        """Calibrate the current quantizer again on every stored vector (the vectors have
-        grown ``RECALIBRATE_GROWTH``-fold since the last time) and publish it."""
+        """Calibrate the current quantizer again on every stored vector (they have grown
+        ``RECALIBRATE_GROWTH``-fold since the last time) and publish it. The queries are
+        steps written since the last training (none of them in its k-means sample), or any
+        when there are none."""
         assert self.head is not None and self.head.centroids is not None
         stored = self.storage.read_all(("v", "i", "a"))
-        rows = np.flatnonzero(have & (stored["i"] == index.columns["id"]) & (stored["a"] > 0))
+        ids = index.columns["id"]
+        rows = np.flatnonzero(have & (stored["i"] == ids) & (stored["a"] > 0))
         if not len(rows):
             return
-        lists = stored["a"][rows] - 1
-        cal = self._calibration(index, rows, stored["v"][rows], lists, self.head.centroids)
+        fresh = ids[rows] > self.head.trained_id
+        if not fresh.any():  # nothing written since (evictions shrank it): any step
+            fresh[:] = True
+        episodes = self._episodes(index, rows)
+        rng = np.random.default_rng(SEED + len(rows))
+        out = held_out(episodes, rng, fresh)
+        vectors, lists = stored["v"][rows], stored["a"][rows] - 1
+        cal = self._calibration(
+            vectors, lists, self.head.centroids, episodes, out, fresh, len(rows)
+        )
         self.storage.set_calibrated(cal, len(rows))
         self.head.nprobe, self.head.calibrated = cal.nprobe, len(rows)

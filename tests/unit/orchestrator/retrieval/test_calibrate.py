@@ -16,6 +16,7 @@ from orchestrator.retrieval.storage import stored_spec
 from orchestrator.retrieval.writer import assign, quantizer, train_centroids
 
 DIM, N, NLIST = 16, 30_000, 256
+EPISODES = np.arange(N) // 100
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +25,16 @@ def built():
     them; 500 held-out states; their exact 10 nearest."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((N, DIM), dtype=np.float32)
-    centroids = train_centroids(x[rng.choice(N, 39 * NLIST, replace=False)], NLIST, False)
+    out = held_out(EPISODES, rng)  # as the writer: held-out episodes are not trained on
+    pool = np.flatnonzero(~out)
+    centroids = train_centroids(x[rng.choice(pool, 39 * NLIST, replace=False)], NLIST, False)
     lists = assign(quantizer(centroids, "l2"), x) - 1
     ivf = faiss.IndexIVFFlat(quantizer(centroids, "l2", "hnsw"), DIM, NLIST)
     ivf.is_trained = True
     ivf.add(x)
     q = rng.standard_normal((500, DIM), dtype=np.float32)
     _, truth = faiss.knn(q, x, 10)
-    return x, centroids, lists, ivf, q, truth
+    return x, centroids, lists, ivf, q, truth, out
 
 
 def held_out_recall(ivf, q, truth, nprobe: int) -> float:
@@ -42,20 +45,20 @@ def held_out_recall(ivf, q, truth, nprobe: int) -> float:
 
 
 def test_the_calibrated_nprobe_reaches_the_target_where_a_fixed_one_misses(built):
-    x, centroids, lists, ivf, q, truth = built
+    x, centroids, lists, ivf, q, truth, out = built
     spec = IndexSpec()
     readers = quantizer(centroids, "l2", "hnsw")
-    cal = calibrate(x, lists, centroids, spec, readers, np.arange(N) // 100)
+    cal = calibrate(x, lists, centroids, spec, readers, EPISODES, out)
     assert cal.bound >= spec.recall and cal.recall >= cal.bound
     assert held_out_recall(ivf, q, truth, cal.nprobe) >= spec.recall
     assert held_out_recall(ivf, q, truth, 12) < spec.recall  # the former fixed default
 
 
 def test_a_higher_target_probes_more_lists(built):
-    x, centroids, lists, _, _, _ = built
+    x, centroids, lists, _, _, _, out = built
     readers = quantizer(centroids, "l2", "hnsw")
     got = [
-        calibrate(x, lists, centroids, IndexSpec(recall=r), readers).nprobe
+        calibrate(x, lists, centroids, IndexSpec(recall=r), readers, EPISODES, out).nprobe
         for r in (0.8, 0.95, 0.99)
     ]
     assert got[0] < got[1] < got[2] <= NLIST
@@ -68,9 +71,11 @@ def test_queries_are_whole_episodes_left_out_of_the_exact_search():
     assert np.isin(groups, whole).sum() == out.sum()  # every step of a held-out episode
     assert len(whole) >= MIN_GROUPS and out.sum() >= SAMPLE
     few = held_out(np.repeat(np.arange(8), 50), np.random.default_rng(0))
-    assert 0 < few.sum() <= 100  # at most a quarter of the vectors
+    assert few.sum() == 50  # one episode: at most an eighth of the vectors, at least one
     alone = held_out(np.zeros(400, np.int64), np.random.default_rng(0))  # one episode
-    assert alone.sum() == 100  # single vectors: a quarter of them
+    assert alone.sum() == 50  # single vectors: an eighth of them
+    fresh = groups >= 900  # written since the last training: only their episodes
+    assert (groups[held_out(groups, np.random.default_rng(0), fresh)] >= 900).all()
 
 
 def test_a_stored_definition_with_the_fixed_default_is_calibrated_one_naming_recall_kept():
