@@ -66,6 +66,9 @@ def test_a_feature_function_runs_only_if_the_allowlist_names_it():
         ({"feature": "nocolon"}, "module:function"),
         ({"wieght": 1}, "wieght"),
         ({"exact_below": -1}, "exact_below"),
+        ({"recall": 1.5}, "recall"),
+        ({"recall": 0}, "recall"),
+        ({"nprobe": 0}, "nprobe"),
     ],
 )
 def test_bad_definitions_name_the_key(raw, match):
