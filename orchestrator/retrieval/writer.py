@@ -72,20 +72,39 @@ def assign(q: faiss.Index | None, vectors: np.ndarray) -> np.ndarray:
 
 def train_centroids(sample: np.ndarray, nlist: int, spherical: bool) -> np.ndarray:
     """k-means centroids of ``sample``. From ``TWO_LEVEL_FROM`` lists on, two levels
-    (``sqrt(nlist)`` clusters, then each split in proportion to its size: faiss's
+    (``sqrt(nlist)`` clusters, then each split in proportion to its size, as faiss's
     ``two_level_clustering``): at 16,384 lists a seventeenth of one k-means's CPU time over
-    every list, and as good for search (docs/benchmarks.md, "Retrieval")."""
+    every list, and as good for search (docs/benchmarks.md, "Retrieval"). A first-level
+    cluster too small for a list of its own (a few states far from every other) gets none,
+    where faiss's function fails on it: then there are fewer than ``nlist`` centroids."""
     # The sample holds TRAIN_PER_LIST vectors per list on purpose: no warning about it.
     args = {"seed": SEED, "spherical": spherical, "verbose": False, "min_points_per_centroid": 1}
+    d = sample.shape[1]
     if nlist < TWO_LEVEL_FROM:
-        km = faiss.Kmeans(sample.shape[1], nlist, niter=KMEANS_ITER, **args)
+        km = faiss.Kmeans(d, nlist, niter=KMEANS_ITER, **args)
         km.train(sample)
         return np.asarray(km.centroids, np.float32)
-    from faiss.contrib.clustering import two_level_clustering
-
-    top = round(math.sqrt(nlist))
-    centroids, _ = two_level_clustering(sample, top, nlist, clustering_niter=KMEANS_ITER, **args)
-    return np.ascontiguousarray(centroids, np.float32)
+    top = faiss.Kmeans(
+        d, round(math.sqrt(nlist)), niter=KMEANS_ITER, max_points_per_centroid=2000, **args
+    )
+    top.train(sample)
+    _, first = top.index.search(sample, 1)
+    first = first[:, 0]
+    sizes = np.bincount(first, minlength=top.k)
+    ends = np.cumsum(sizes) * nlist // len(sample)  # lists per cluster, nlist in all
+    lists = np.minimum(np.diff(ends, prepend=0), sizes)
+    order = np.argsort(first, kind="stable")
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    parts = []
+    for c in np.flatnonzero(lists):
+        sub = np.ascontiguousarray(sample[order[bounds[c] : bounds[c + 1]]])
+        if lists[c] == len(sub):
+            parts.append(sub)
+            continue
+        km = faiss.Kmeans(d, int(lists[c]), **args)  # faiss's iterations at the second level
+        km.train(sub)
+        parts.append(km.centroids)
+    return np.ascontiguousarray(np.vstack(parts), np.float32)
 
 
 def read_rows(

@@ -84,3 +84,17 @@ def test_a_stored_definition_with_the_fixed_default_is_calibrated_one_naming_rec
     pinned = IndexSpec(nprobe=12).model_dump_json().encode()  # written with ``recall``
     assert stored_spec(pinned).nprobe == 12
     assert stored_spec(IndexSpec().model_dump_json().encode()) == IndexSpec()
+
+
+def test_two_level_training_gives_no_list_to_a_few_far_states():
+    """A first-level cluster of three states far from every other is too small for a list
+    of its own (faiss's two_level_clustering fails on it): its share goes elsewhere."""
+    from faiss.contrib.clustering import two_level_clustering
+
+    x = np.random.default_rng(0).standard_normal((4 * 8192, 4)).astype(np.float32)
+    x[:3] += 1000
+    with pytest.raises(RuntimeError):  # what the writer met on a Gaussian mixture at 1M
+        args = {"clustering_niter": 10, "min_points_per_centroid": 1, "seed": 1234}
+        two_level_clustering(x, 91, 8192, verbose=False, **args)
+    centroids = train_centroids(x, 8192, False)
+    assert centroids.shape == (8192, 4) and np.isfinite(centroids).all()
