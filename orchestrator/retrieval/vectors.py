@@ -31,8 +31,8 @@ from orchestrator.retrieval.storage import Head, Storage
 from orchestrator.retrieval.writer import HNSW_M, assign, quantizer
 
 FALLBACK_NPROBE = 12
-"""``nprobe`` of an index whose writer has not calibrated it yet (trained by an older
-writer): readers take the calibrated one from the head or the log as soon as it is."""
+"""``nprobe`` of a trained index with no calibration yet (the writer calibrates it at its
+next tick): readers take the calibrated one from the head or the log as soon as it is."""
 
 
 def exact_search(
