@@ -4,23 +4,23 @@ IVF-Flat computes the exact distance to every vector of the lists a query probes
 query finds one of its true neighbours exactly when that neighbour's list is among the
 probed ones. The writer holds out whole episodes of the stored vectors (at least
 ``MIN_GROUPS``, at most an eighth of the vectors) from the k-means sample and takes
-``SAMPLE`` of their vectors as queries: a learner's states come from episodes the
-index was not trained on and does not hold (a state a training saw sits nearer its
-centroid than a learner's state does), and a stored
-state's own episode holds its nearest neighbours (the steps beside it), which a query
-from elsewhere would not find so easily: on 200k states of a smooth process, queries
-from stored episodes gave recall 0.99 at ``nprobe`` 2, held-out episodes 0.78. Each
-query's ``K`` true neighbours come from an exact search of the rest, and each
-neighbour's list is ranked among the query's centroids: a neighbour whose list ranks
-``r`` is found from ``nprobe = r`` on. That gives the recall at every ``nprobe`` at once,
-with no IVF built. The smallest ``nprobe`` whose recall is at least the target with a
-margin (the mean recall minus ``Z`` standard errors of it, counted over episodes) is
-then checked with the quantizer readers search (an HNSW graph finds almost, not always,
-the nearest lists) and raised by a quarter until that check passes too.
+``SAMPLE`` of their vectors as queries: a learner's states come from episodes the index
+was not trained on and does not hold (a state a training saw sits nearer its centroid
+than a learner's state does), and a stored state's own episode holds its nearest
+neighbours (the steps beside it), which a query from elsewhere would not find so easily:
+on 200k states of a smooth process, queries from stored episodes gave recall 0.99 at
+``nprobe`` 2, held-out episodes 0.78. Each query's ``K`` true neighbours come from an
+exact search of the rest, and each neighbour's list is ranked among the query's
+centroids: a neighbour whose list ranks ``r`` is found from ``nprobe = r`` on. That gives
+the recall at every ``nprobe`` at once, with no IVF built. The smallest ``nprobe`` whose
+recall is at least the target with a margin (the mean recall minus ``Z`` standard errors
+of it, counted over episodes) is then checked with the quantizer readers search (an HNSW
+graph finds almost, not always, the nearest lists) and raised by a quarter until that
+check passes too.
 
-A flat ``nprobe`` cannot be right for every data set: on 1M 32-d states of a smooth
-process 12 lists of 16,384 give recall@10 0.98, on i.i.d. Gaussian vectors of the same
-size it takes hundreds (docs/retrieval.md, "Recall and latency"). The writer calibrates
+A fixed ``nprobe`` cannot be right for every data set: 12 lists of 16,384 give recall@10
+0.976 on 1M 32-d states of a smooth process, 0.487 on a Gaussian mixture of the same
+size, which needs 132 (docs/retrieval.md, "Recall and latency"). The writer calibrates
 after each training and whenever the vectors have grown by half since the last time.
 """
 
