@@ -78,19 +78,21 @@ def held_out(
 ) -> np.ndarray:
     """Which vectors are held out: whole episodes (``groups``) with a ``fresh`` vector
     (default: all are), drawn at random until their fresh vectors number ``SAMPLE`` and
-    they are ``MIN_GROUPS`` episodes, or they hold ``1 / HOLD_SHARE`` of the vectors; with
-    one episode only, single vectors."""
+    they are ``MIN_GROUPS`` episodes, or they hold ``1 / HOLD_SHARE`` of the vectors. An
+    episode holding more than that share is never held out whole; when every episode with
+    a fresh vector does (one episode only, or a few endless ones), single vectors are."""
     fresh = np.ones(len(groups), bool) if fresh is None else fresh
-    uniq, inverse = np.unique(groups, return_inverse=True)
-    if len(uniq) < 2:
-        inverse = np.arange(len(groups))
+    share = len(groups) // HOLD_SHARE
+    _, inverse = np.unique(groups, return_inverse=True)
     counts = np.bincount(inverse)
     usable = np.bincount(inverse, fresh).astype(np.int64)
-    order = rng.permutation(np.flatnonzero(usable))
+    if not ((usable > 0) & (counts <= share)).any():
+        inverse = np.arange(len(groups))
+        counts, usable = np.ones(len(groups), np.int64), fresh.astype(np.int64)
+    order = rng.permutation(np.flatnonzero((usable > 0) & (counts <= max(share, 1))))
     got = np.cumsum(usable[order])
     enough = np.flatnonzero((got >= SAMPLE) & (np.arange(1, len(order) + 1) >= MIN_GROUPS))
     take = int(enough[0]) + 1 if len(enough) else len(order)
-    share = len(groups) // HOLD_SHARE
     most = int(np.searchsorted(np.cumsum(counts[order]), share, side="right"))
     out = np.zeros(len(counts), bool)
     out[order[: max(1, min(take, most))]] = True

@@ -51,7 +51,7 @@ def test_the_calibrated_nprobe_reaches_the_target_where_a_fixed_one_misses(built
     cal = calibrate(x, lists, centroids, spec, readers, EPISODES, out)
     assert cal.bound >= spec.recall and cal.recall >= cal.bound
     assert held_out_recall(ivf, q, truth, cal.nprobe) >= spec.recall
-    assert held_out_recall(ivf, q, truth, 12) < spec.recall  # the former fixed default
+    assert held_out_recall(ivf, q, truth, 12) < spec.recall  # a fixed nprobe of 12
 
 
 def test_a_higher_target_probes_more_lists(built):
@@ -76,6 +76,8 @@ def test_queries_are_whole_episodes_left_out_of_the_exact_search():
     assert alone.sum() == 50  # single vectors: an eighth of them
     fresh = groups >= 900  # written since the last training: only their episodes
     assert (groups[held_out(groups, np.random.default_rng(0), fresh)] >= 900).all()
+    endless = held_out(np.repeat([0, 1], 400), np.random.default_rng(0))  # two episodes
+    assert endless.sum() == 100  # neither whole (each is half): single vectors, an eighth
 
 
 def test_a_stored_definition_with_the_fixed_default_is_calibrated_one_naming_recall_kept():
@@ -98,3 +100,9 @@ def test_two_level_training_gives_no_list_to_a_few_far_states():
         two_level_clustering(x, 91, 8192, verbose=False, **args)
     centroids = train_centroids(x, 8192, False)
     assert centroids.shape == (8192, 4) and np.isfinite(centroids).all()
+    # The far states join the list of their nearest centroid and are found there.
+    ivf = faiss.IndexIVFFlat(quantizer(centroids, "l2"), 4, 8192)
+    ivf.is_trained = True
+    ivf.add(x)
+    _, found = ivf.search(x[:3], 3, params=faiss.SearchParametersIVF(nprobe=1))
+    assert (np.sort(found, axis=1) == [0, 1, 2]).all()
