@@ -112,8 +112,8 @@ class VectorIndex:
         self.lists = np.zeros(len(self.vid), np.int32)
         self.ivf, self.q = None, None
         self.loads += 1
-        if self.head is not None and self.head.nprobe and self.spec.nprobe is None:
-            self.nprobe = self.head.nprobe
+        calibrated = 0 if self.head is None else self.head.nprobe
+        self.nprobe = self.spec.nprobe or calibrated or FALLBACK_NPROBE
         if self.head is None or self.head.centroids is None:
             return
         self.q = quantizer(self.head.centroids, self.spec.metric, self.spec.quantizer)

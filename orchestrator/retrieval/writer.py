@@ -76,7 +76,9 @@ def train_centroids(sample: np.ndarray, nlist: int, spherical: bool) -> np.ndarr
     ``two_level_clustering``): at 16,384 lists a seventeenth of one k-means's CPU time over
     every list, and as good for search (docs/benchmarks.md, "Retrieval"). A first-level
     cluster too small for a list of its own (a few states far from every other) gets none,
-    where faiss's function fails on it: then there are fewer than ``nlist`` centroids."""
+    where faiss's function fails on it: its share goes to the clusters after it (``nlist``
+    in all while the sample holds at least ``nlist`` vectors), and its states join the
+    lists of their nearest centroids when every vector is assigned."""
     # The sample holds TRAIN_PER_LIST vectors per list on purpose: no warning about it.
     args = {"seed": SEED, "spherical": spherical, "verbose": False, "min_points_per_centroid": 1}
     d = sample.shape[1]
@@ -258,7 +260,8 @@ class Writer:
             nlist, need = spec.lists(cap), spec.train_size(cap)
             due = count >= need
         if not due:
-            if head.gen and spec.nprobe is None and count >= RECALIBRATE_GROWTH * head.calibrated:
+            grown = count and count >= RECALIBRATE_GROWTH * head.calibrated
+            if head.gen and spec.nprobe is None and grown:
                 self._calibrate(index, have)
             return False
         stored = self.storage.read_all(("v", "i"))
