@@ -1,14 +1,31 @@
-"""Faiss (IVF-Flat, HNSW) against hnswlib and usearch on the same states: what chose
-retrieval's index (docs/retrieval.md, "Why Faiss IVF").
+"""Retrieval's index (Faiss IVF, calibrated ``nprobe``) beside Faiss HNSW and usearch on the
+same states: recall and latency side by side, what chose retrieval's index
+(docs/retrieval.md, "Recall and latency").
 
-    python bench/ann.py [--n 1000000] [--data states|gaussian] [--queries 1024] [--threads 1]
+    python bench/ann.py [--n 1000000] [--data states,gaussian,mixture,halfcheetah]
+        [--only claw,faiss-hnsw,usearch,hnswlib] [--queries 1024] [--threads 1]
 
-Needs ``faiss-cpu``, ``hnswlib`` and ``usearch`` (``pip install faiss-cpu==1.15.1 hnswlib
-usearch psutil``; the last two only here). Per library and setting: build time, recall@10
-against an exact scan, latency of a 256-state batch at k=10 (p50/p99 over the query
-batches, wall and this process's CPU time: on a loaded machine wall time is mostly
-waiting for a core), resident memory the index added, the cost of 10,000 incremental
-adds and of removing 10,000 vectors (or that it cannot), and the bytes it persists to.
+Needs ``faiss-cpu`` (the ``retrieval`` extra) and, for the other candidates and data sets,
+the ``bench`` extra (``usearch``, ``mujoco``; ``hnswlib`` only if installed).
+Per data set (bench/statesets.py; ``halfcheetah`` records MuJoCo states first, ~2 minutes
+of one core at 1M): ``n`` stored states and 1,024 held-out queries of the same process
+(sets of episodes: 8 states of each of 128 episodes never stored; recall varies by
+episode, and a few episodes' states would measure those few);
+then 10,000 states added and the first 10,000 removed (each library's own way: Claw and
+Faiss HNSW mask them, usearch removes them), and per candidate and setting:
+
+- recall@10 of the held-out queries against an exact scan of the live states (after the
+  adds and removals), and how many removed ids were returned (must be 0);
+- latency of a 256-state batch at k=10: p50/p99 over 40 batches, wall and this process's
+  CPU time (on a loaded machine the wall time is mostly waiting for a core);
+- build time, resident memory added per vector, 10,000 adds.
+
+``claw`` is retrieval's own index built the way the maintenance writer builds it (the
+default ``IndexSpec`` for a capacity of ``n``: its lists, training sample and k-means, list
+assignment by a flat scan of the centroids, ``nprobe`` calibrated to recall 0.95 on the
+stored vectors) and searched through ``ivf_search``, what ``nearest()`` runs, with the
+live rows as its mask; ``setting`` names the calibrated ``nprobe`` and the sample's
+recall there. ``--nprobe 8,16`` adds fixed settings beside it.
 """
 
 from __future__ import annotations
@@ -16,19 +33,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
-import psutil
-from statesets import gaussian, states
+from statesets import EP_LEN, SETS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+K = 10
+QUERY_EPISODES = 128
 
 
 def rss() -> int:
-    return psutil.Process().memory_info().rss
+    """This process's resident memory in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def timed(fn, batches):
+def timed(fn, batches) -> dict[str, float]:
     wall, cpu = [], []
     for q in batches:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -44,202 +68,216 @@ def timed(fn, batches):
 
 
 def recall(found: np.ndarray, truth: np.ndarray) -> float:
-    return float(
-        np.mean([len(set(a) & set(b)) / truth.shape[1] for a, b in zip(found, truth, strict=True)])
+    hits = [
+        len(set(a[a >= 0]) & set(b)) / truth.shape[1] for a, b in zip(found, truth, strict=True)
+    ]
+    return round(float(np.mean(hits)), 4)
+
+
+class Run:
+    """One data set: stored states, held-out queries, the adds and removals, the truth."""
+
+    def __init__(self, data: str, n: int, queries: int) -> None:
+        import faiss
+
+        make, self.data = SETS[data], data
+        ep = EP_LEN.get(data)
+        held = queries if ep is None else QUERY_EPISODES * ep
+        t = time.perf_counter()
+        made = make(n + held + 10_000, seed=0)
+        self.make_s = round(time.perf_counter() - t, 1)
+        self.x, self.extra, q = made[:n], made[n + held :], made[n : n + held]
+        if ep is not None:  # 8 states of each of QUERY_EPISODES episodes never stored
+            eps = q.reshape(QUERY_EPISODES, ep, -1)
+            per = -(-queries // QUERY_EPISODES)
+            pick = np.random.default_rng(5).choice(ep, (QUERY_EPISODES, per))
+            q = np.take_along_axis(eps, pick[:, :, None], axis=1).reshape(-1, q.shape[1])
+        self.q = np.ascontiguousarray(q[:queries])
+        self.n, self.removed = n, np.arange(10_000, dtype=np.int64)
+        self.live = np.ones(n + 10_000, bool)
+        self.live[self.removed] = False
+        base = np.concatenate([self.x, self.extra])
+        ids = np.flatnonzero(self.live)
+        t = time.perf_counter()
+        _, pos = faiss.knn(self.q, base[ids], K)
+        self.exact_s_per_256 = round((time.perf_counter() - t) / (queries / 256), 2)
+        self.truth = ids[pos]
+        self.batches = [self.q[i : i + 256] for i in range(0, len(self.q), 256)]
+        self.rows: list[dict] = []
+
+    def report(self, name, build_s, mem, search, settings, add) -> None:
+        for label, setup in settings:
+            label = setup() or label
+            found = np.concatenate([search(b) for b in self.batches])
+            row = {
+                "index": name,
+                "setting": label,
+                "build_s": round(build_s, 1),
+                "mem_bytes_per_vector": round(mem / self.n, 1),
+                "recall@10": recall(found, self.truth),
+                "removed_returned": int(np.isin(found, self.removed).sum()),
+                **timed(search, (self.batches * 40)[:40]),
+                "add_10k_s": add,
+            }
+            print(json.dumps(row), flush=True)
+            self.rows.append(row)
+
+
+def claw(run: Run, fixed: list[int]) -> None:
+    import faiss
+
+    from orchestrator.retrieval.calibrate import calibrate, held_out
+    from orchestrator.retrieval.spec import IndexSpec
+    from orchestrator.retrieval.vectors import ivf_search
+    from orchestrator.retrieval.writer import assign, quantizer, train_centroids
+
+    spec, n, dim = IndexSpec(), run.n, run.x.shape[1]
+    nlist, need = spec.lists(n), spec.train_size(n)
+    m0, t0 = rss(), time.perf_counter()
+    episodes = np.arange(n) // EP_LEN.get(run.data, 1)  # as they would be committed
+    rng = np.random.default_rng(1)
+    out = held_out(episodes, rng)  # the writer's: held-out episodes are not trained on
+    pool = np.flatnonzero(~out)
+    sample = run.x[np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
+    centroids = train_centroids(sample, nlist, False)
+    flat = quantizer(centroids, "l2")  # the writer's: every vector's list, exactly
+    lists = np.concatenate([assign(flat, run.x[i : i + 65536]) for i in range(0, n, 65536)])
+    readers = quantizer(centroids, "l2", "hnsw")
+    cal = calibrate(run.x, lists - 1, centroids, spec, readers, episodes, out)
+    calibrate_s = time.perf_counter() - t0
+    ivf = faiss.IndexIVFFlat(quantizer(centroids, "l2", "hnsw"), dim, nlist)
+    ivf.is_trained = True
+    ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+
+    def add(x: np.ndarray, at: np.ndarray, to: np.ndarray) -> None:
+        x, ids = np.ascontiguousarray(x), np.ascontiguousarray(at, np.int64)
+        lists0 = np.ascontiguousarray(to.astype(np.int64) - 1)
+        ivf.add_core(len(x), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists0))
+
+    add(run.x, np.arange(n), lists)  # what a reader's cold load does
+    build, mem = time.perf_counter() - t0, rss() - m0
+    t = time.perf_counter()
+    add(run.extra, np.arange(n, n + 10_000), assign(flat, run.extra))
+    add_s = round(time.perf_counter() - t, 3)
+    calibrated = (
+        f"nprobe {cal.nprobe} (calibrated: sample recall {cal.recall}, bound {cal.bound}; "
+        f"training and calibration {calibrate_s:.0f} s)"
+    )
+    nprobe = [cal.nprobe]
+
+    def search(b):
+        return ivf_search(ivf, spec, b, K, run.live, nprobe[0])[1]
+
+    def at(p):
+        return lambda: nprobe.__setitem__(0, p)
+
+    settings = [(calibrated, at(cal.nprobe))] + [(f"nprobe {p}", at(p)) for p in fixed]
+    run.report(f"claw IVF{nlist},Flat (HNSW quantizer, mask)", build, mem, search, settings, add_s)
+
+
+def faiss_hnsw(run: Run) -> None:
+    import faiss
+
+    m0, t0 = rss(), time.perf_counter()
+    h = faiss.IndexHNSWFlat(run.x.shape[1], 32)
+    h.hnsw.efConstruction = 40
+    h.add(run.x)
+    build, mem = time.perf_counter() - t0, rss() - m0
+    t = time.perf_counter()
+    h.add(run.extra)
+    add_s = round(time.perf_counter() - t, 3)
+    bits = np.packbits(run.live, bitorder="little")
+    sel = faiss.IDSelectorBitmap(len(run.live), faiss.swig_ptr(bits))
+    ef = [16]
+
+    def search(b):
+        return h.search(b, K, params=faiss.SearchParametersHNSW(sel=sel, efSearch=ef[0]))[1]
+
+    def at(e):
+        return lambda: ef.__setitem__(0, e)
+
+    settings = [(f"efSearch {e}", at(e)) for e in (16, 32, 64, 128)]
+    run.report("faiss HNSW32,Flat (mask)", build, mem, search, settings, add_s)
+
+
+def usearch(run: Run, threads: int) -> None:
+    from usearch.index import Index
+
+    m0, t0 = rss(), time.perf_counter()
+    u = Index(ndim=run.x.shape[1], metric="l2sq", connectivity=16, expansion_add=128)
+    u.add(np.arange(run.n), run.x, threads=threads)
+    build, mem = time.perf_counter() - t0, rss() - m0
+    t = time.perf_counter()
+    u.add(np.arange(run.n, run.n + 10_000), run.extra, threads=threads)
+    add_s = round(time.perf_counter() - t, 3)
+    u.remove(run.removed)
+
+    def search(b):
+        return u.search(b, K, threads=threads).keys.astype(np.int64)
+
+    def at(e):
+        return lambda: setattr(u, "expansion_search", e)
+
+    settings = [(f"expansion {e}", at(e)) for e in (32, 64, 128)]
+    run.report("usearch M16 (remove)", build, mem, search, settings, add_s)
+
+
+def hnswlib_index(run: Run, threads: int) -> None:
+    import hnswlib
+
+    m0, t0 = rss(), time.perf_counter()
+    h = hnswlib.Index("l2", run.x.shape[1])
+    h.init_index(run.n + 10_000, M=16, ef_construction=100)
+    h.set_num_threads(threads)
+    h.add_items(run.x, np.arange(run.n))
+    build, mem = time.perf_counter() - t0, rss() - m0
+    t = time.perf_counter()
+    h.add_items(run.extra, np.arange(run.n, run.n + 10_000))
+    add_s = round(time.perf_counter() - t, 3)
+    for i in run.removed:
+        h.mark_deleted(int(i))
+
+    def at(e):
+        return lambda: h.set_ef(e)
+
+    settings = [(f"ef {e}", at(e)) for e in (32, 64, 128)]
+    run.report(
+        "hnswlib M16 (mark_deleted)",
+        build,
+        mem,
+        lambda b: h.knn_query(b, K)[0].astype(np.int64),
+        settings,
+        add_s,
     )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=1_000_000)
-    ap.add_argument("--data", default="states", choices=["states", "gaussian"])
+    ap.add_argument("--data", default="states,gaussian,mixture,halfcheetah")
     ap.add_argument("--queries", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", default="faiss-ivf,faiss-hnsw,hnswlib,usearch")
+    ap.add_argument("--only", default="claw")
+    ap.add_argument("--nprobe", default="", help="fixed nprobe settings beside the calibrated")
     args = ap.parse_args()
     import faiss
 
     faiss.omp_set_num_threads(args.threads)
-    make = states if args.data == "states" else gaussian
-    x = make(args.n, seed=0)
-    q = make(args.queries, seed=99)
-    extra = make(10_000, seed=7)
-    batches = [q[i : i + 256] for i in range(0, len(q), 256)] * 10
-    t0 = time.perf_counter()
-    _, truth = faiss.knn(q, x, 10)
-    out = {
-        "n": args.n,
-        "data": args.data,
-        "threads": args.threads,
-        "load_before": os.getloadavg()[0],
-        "exact_s_per_256": round((time.perf_counter() - t0) / (len(q) / 256), 2),
-        "results": [],
-    }
     only = set(args.only.split(","))
-    ids = np.arange(args.n, dtype=np.int64)
-
-    def report(name, build_s, mem, search, settings, add, remove, persist):
-        for label, setup in settings:
-            setup()
-            found = np.concatenate([search(b) for b in batches[: len(q) // 256]])
-            row = {
-                "index": name,
-                "setting": label,
-                "build_s": round(build_s, 1),
-                "mem_bytes_per_vector": round(mem / args.n, 1),
-                "recall@10": round(recall(found, truth), 4),
-                **timed(search, batches),
-                "add_10k_s": add,
-                "remove_10k": remove,
-                "persist": persist,
-            }
-            print(json.dumps(row), flush=True)
-            out["results"].append(row)
-
-    if "faiss-ivf" in only:
-        nlist = 4096
-        m0, t0 = rss(), time.perf_counter()
-        quant = faiss.IndexFlatL2(x.shape[1])
-        ivf = faiss.IndexIVFFlat(quant, x.shape[1], nlist)
-        sample = x[np.random.default_rng(1).choice(args.n, 39 * nlist, replace=False)]
-        km = faiss.Kmeans(x.shape[1], nlist, niter=10, seed=1234)
-        km.train(sample)
-        quant.add(km.centroids)
-        ivf.is_trained = True
-        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
-        ivf.add_with_ids(x, ids)
-        build = time.perf_counter() - t0
-        mem = rss() - m0
-        t = time.perf_counter()
-        ivf.add_with_ids(extra, np.arange(args.n, args.n + 10_000, dtype=np.int64))
-        add = round(time.perf_counter() - t, 3)
-        t = time.perf_counter()
-        ivf.remove_ids(
-            faiss.IDSelectorArray(10_000, faiss.swig_ptr(np.ascontiguousarray(ids[:10_000])))
-        )
-        remove = f"{time.perf_counter() - t:.3f} s (remove_ids, direct map)"
-        with tempfile.TemporaryDirectory() as d:
-            t = time.perf_counter()
-            faiss.write_index(ivf, f"{d}/i")
-            size = os.path.getsize(f"{d}/i") / args.n
-            persist = f"{size:.0f} B/vector, {time.perf_counter() - t:.1f} s"
-        sel_bits = np.packbits(np.ones(args.n + 10_000, bool), bitorder="little")
-
-        def search(b):
-            return ivf.search(b, 10)[1]
-
-        def with_mask(b):  # what retrieval runs: a row mask as an IDSelectorBitmap
-            sel = faiss.IDSelectorBitmap(args.n + 10_000, faiss.swig_ptr(sel_bits))
-            return ivf.search(b, 10, params=faiss.SearchParametersIVF(sel=sel, nprobe=ivf.nprobe))[
-                1
-            ]
-
-        def probe(n):
-            return lambda: setattr(ivf, "nprobe", n)
-
-        report(
-            "faiss IVF4096,Flat",
-            build,
-            mem,
-            search,
-            [(f"nprobe {n}", probe(n)) for n in (4, 8, 16, 32)],
-            add,
-            remove,
-            persist,
-        )
-        report(
-            "faiss IVF4096,Flat + IDSelectorBitmap",
-            build,
-            mem,
-            with_mask,
-            [(f"nprobe {n}", probe(n)) for n in (8, 16)],
-            add,
-            remove,
-            persist,
-        )
-        del ivf, quant
-    if "faiss-hnsw" in only:
-        m0, t0 = rss(), time.perf_counter()
-        h = faiss.IndexHNSWFlat(x.shape[1], 32)
-        h.hnsw.efConstruction = 80
-        h.add(x)
-        build, mem = time.perf_counter() - t0, rss() - m0
-        t = time.perf_counter()
-        h.add(extra)
-        add = round(time.perf_counter() - t, 3)
-
-        def ef(n):
-            return lambda: setattr(h.hnsw, "efSearch", n)
-
-        report(
-            "faiss HNSW32,Flat",
-            build,
-            mem,
-            lambda b: h.search(b, 10)[1],
-            [(f"efSearch {n}", ef(n)) for n in (16, 32, 64)],
-            add,
-            "not supported (mask only)",
-            "write_index",
-        )
-        del h
-    if "hnswlib" in only:
-        import hnswlib
-
-        m0, t0 = rss(), time.perf_counter()
-        h = hnswlib.Index("l2", x.shape[1])
-        h.init_index(args.n + 10_000, M=16, ef_construction=100, allow_replace_deleted=True)
-        h.set_num_threads(args.threads)
-        h.add_items(x, ids)
-        build, mem = time.perf_counter() - t0, rss() - m0
-        t = time.perf_counter()
-        h.add_items(extra, np.arange(args.n, args.n + 10_000))
-        add = round(time.perf_counter() - t, 3)
-        t = time.perf_counter()
-        for i in range(10_000):
-            h.mark_deleted(i)
-        remove = f"{time.perf_counter() - t:.3f} s (mark_deleted: masked, slot reusable)"
-
-        def ef(n):
-            return lambda: h.set_ef(n)
-
-        report(
-            "hnswlib M16",
-            build,
-            mem,
-            lambda b: h.knn_query(b, 10)[0],
-            [(f"ef {n}", ef(n)) for n in (16, 32, 64)],
-            add,
-            remove,
-            "save_index (own format)",
-        )
-        del h
-    if "usearch" in only:
-        from usearch.index import Index
-
-        m0, t0 = rss(), time.perf_counter()
-        u = Index(ndim=x.shape[1], metric="l2sq", connectivity=16, expansion_add=128)
-        u.add(ids, x, threads=args.threads)
-        build, mem = time.perf_counter() - t0, rss() - m0
-        t = time.perf_counter()
-        u.add(np.arange(args.n, args.n + 10_000), extra, threads=args.threads)
-        add = round(time.perf_counter() - t, 3)
-        t = time.perf_counter()
-        u.remove(ids[:10_000])
-        remove = f"{time.perf_counter() - t:.3f} s (remove)"
-
-        def ex(n):
-            return lambda: setattr(u, "expansion_search", n)
-
-        report(
-            "usearch M16",
-            build,
-            mem,
-            lambda b: u.search(b, 10, threads=args.threads).keys,
-            [(f"expansion {n}", ex(n)) for n in (16, 32, 64)],
-            add,
-            remove,
-            "save/view (own format, mmap)",
-        )
+    fixed = [int(p) for p in args.nprobe.split(",") if p]
+    out = {"n": args.n, "threads": args.threads, "load_before": os.getloadavg()[0], "sets": {}}
+    for data in args.data.split(","):
+        run = Run(data, args.n, args.queries)
+        print(json.dumps({"data": data, "made_s": run.make_s, "dim": run.x.shape[1]}), flush=True)
+        if "claw" in only:
+            claw(run, fixed)
+        if "faiss-hnsw" in only:
+            faiss_hnsw(run)
+        if "usearch" in only:
+            usearch(run, args.threads)
+        if "hnswlib" in only:
+            hnswlib_index(run, args.threads)
+        out["sets"][data] = {"exact_s_per_256": run.exact_s_per_256, "results": run.rows}
     out["load_after"] = os.getloadavg()[0]
     print(json.dumps(out))
 

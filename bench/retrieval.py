@@ -1,6 +1,6 @@
 """Retrieval end to end on Claw's own code paths: build, memory, restart, recall, latency.
 
-    .venv/bin/python bench/retrieval.py [--steps 1000000] [--dim 32] [--threads 1]
+    .venv/bin/python bench/retrieval.py [--steps 1000000] [--data states] [--threads 1]
 
 Defines two vector indexes in a private redis-server's namespace and fills it with N steps
 whose ``obs`` are float32[dim] states (bench/statesets.py: episodes on a low-dimensional
@@ -21,9 +21,9 @@ arrives over time, as in a live namespace), then measures:
   process's CPU time (on a loaded machine the wall time is mostly waiting for a core; the
   CPU time is what a quiet core would take);
 
-for two definitions in one run: ``before`` (the previous default: 4,096 lists found by a
-flat scan of the centroids, ``nprobe`` 16, trained once) and ``default`` (now); the
-``where`` query for ``default`` only.
+for two definitions in one run: ``fixed`` (``nprobe`` 12 whatever the data) and
+``default`` (``nprobe`` calibrated to the recall target by the writer); the ``where``
+query for ``default`` only. ``--data`` names a set of bench/statesets.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 
 import faiss
 import numpy as np
-from statesets import states
+from statesets import SETS
 
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.batch import StepBatch
@@ -96,18 +96,10 @@ def recall(found: np.ndarray, truth: np.ndarray) -> float:
 
 
 CONFIGS = {
-    # what the default index was before: 4,096 lists (39 vectors each to train on), found
-    # by a flat scan of their centroids, trained once
-    "before": {
-        "name": "before",
-        "kind": "auto",
-        "nlist": 4096,
-        "nprobe": 16,
-        "quantizer": "flat",
-        "retrain": False,
-    },
-    # the default now: 16 * sqrt(capacity) lists (16,384, two-level k-means on 10 each),
-    # found by an HNSW graph, nprobe 12, trained again as the vectors double
+    # a fixed nprobe: 16 * sqrt(capacity) lists (16,384, two-level k-means on 10 each),
+    # found by an HNSW graph, nprobe 12 whatever the data, trained again as they double
+    "fixed": {"name": "fixed", "kind": "auto", "nprobe": 12},
+    # the default: the same lists, nprobe calibrated by the writer to recall@10 0.95
     "default": {"name": "default", "kind": "auto"},
 }
 STAGES = {
@@ -204,17 +196,21 @@ def staged(session: Session, fn, batches) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=1_000_000)
-    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=32, help="of states, gaussian, mixture")
+    ap.add_argument("--data", default="states", choices=sorted(SETS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--queries", type=int, default=1024)
     ap.add_argument("--batches", type=int, default=100)
     ap.add_argument("--parts", type=int, default=5, help="the fill arrives in this many parts")
     args = ap.parse_args()
     faiss.omp_set_num_threads(args.threads)
-    out: dict = {"steps": args.steps, "dim": args.dim, "threads": args.threads}
+    out: dict = {"steps": args.steps, "data": args.data, "threads": args.threads}
     out["load_before"] = round(os.getloadavg()[0], 1)
-    x = states(args.steps, args.dim, seed=0)
-    q = states(args.queries, args.dim, seed=99)
+    make = SETS[args.data]
+    sized = {} if args.data == "halfcheetah" else {"dim": args.dim}
+    x = make(args.steps, seed=0, **sized)
+    q = make(args.queries, seed=99, **sized)
+    args.dim = x.shape[1]
     batches = [q[i : i + 256] for i in range(0, len(q), 256)]
     repeat = (batches * (args.batches // len(batches) + 1))[: args.batches]
     with RedisServer(options={"maxmemory": "8gb"}) as server:
@@ -229,7 +225,9 @@ def main() -> None:
         for label in CONFIGS:
             spec = list_indexes(store)[CONFIGS[label]["name"]]
             row: dict = {"nlist": spec.lists(args.steps), "quantizer": spec.quantizer}
-            row["nprobe"] = spec.nprobe
+            head = IndexKeys(store, spec.name).head
+            row["nprobe"] = spec.nprobe or int(store.r.hget(head, "nprobe") or 0)
+            row["calibrated_recall"] = (store.r.hget(head, "recall") or b"").decode()
             row.update(built[label])
             name = spec.name
             keys = [k for k in namespace_keys(store.r, "bench") if f":vx:{name}:".encode() in k]
@@ -252,8 +250,8 @@ def main() -> None:
                 truth_half = kept[pos]
             valid = reader.vid != 0
             row["search"] = []
-            for nprobe in (4, 8, 12, 16, 24):
-                reader.spec = spec.model_copy(update={"nprobe": nprobe})
+            for nprobe in sorted({row["nprobe"], 4, 8, 12, 16, 24} - {0}):
+                reader.nprobe = nprobe
                 found = np.concatenate([reader.search(b, 10, valid)[1] for b in batches])
                 r = {"nprobe": nprobe, "recall@10": recall(found, truth)}
                 r.update(timed(lambda b, rd=reader, v=valid: rd.search(b, 10, v), repeat))

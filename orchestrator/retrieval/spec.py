@@ -24,6 +24,7 @@ from pydantic import (
     PositiveInt,
     StrictBool,
     StrictStr,
+    ValidationError,
     field_validator,
 )
 
@@ -63,8 +64,12 @@ class IndexSpec(BaseModel):
     kind: Literal["auto", "exact", "ivf"] = "auto"
     nlist: PositiveInt | None = None
     """IVF lists; default ``16 * sqrt(capacity)`` rounded to a power of two, 64..65536."""
-    nprobe: PositiveInt = 12
-    """IVF lists a query scans (divided by the share of rows its ``where`` keeps)."""
+    nprobe: PositiveInt | None = None
+    """IVF lists a query scans (divided by the share of rows its ``where`` keeps); None:
+    the writer calibrates it to ``recall`` against an exact search of a sample."""
+    recall: float = Field(0.95, gt=0, le=1, strict=True)
+    """The recall@10 the calibrated ``nprobe`` reaches on the stored vectors (checked as
+    a lower confidence bound, orchestrator/retrieval/calibrate.py)."""
     quantizer: Literal["hnsw", "flat"] = "hnsw"
     """How a query finds its ``nprobe`` lists: an HNSW graph over the centroids (built by
     each reader from the stored centroids) or a flat scan of every centroid."""
@@ -181,5 +186,18 @@ def spec_of(raw: Mapping[str, Any] | IndexSpec) -> IndexSpec:
         return raw
     try:
         return IndexSpec.model_validate(dict(raw))
+    except ValidationError as e:
+        raise SpecError(f"vector index: {one_line(e)}") from None
     except ValueError as e:
         raise SpecError(f"vector index: {e}") from None
+
+
+def one_line(e: ValidationError) -> str:
+    """Each problem of ``e`` as ``key: message (got value)``, on one line."""
+    problems = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "definition"
+        got = repr(err.get("input"))
+        got = got if len(got) <= 40 else got[:37] + "..."
+        problems.append(f"{key}: {err['msg']} (got {got})")
+    return "; ".join(problems)

@@ -1,15 +1,19 @@
 """A vector index in Redis: its namespace-level keys, and its per-slot arrays (the store's
-:class:`~claw_tasks.store.arrays.SlotArrays`) read and written as raw arrays (never pickled).
+:class:`~claw_tasks.store.arrays.SlotArrays`) read and written as raw arrays (never
+pickled).
 
 Namespace level (``claw:{ns}:``): ``vx`` (hash: index name -> its definition as JSON),
 ``vx:<name>`` (hash: ``dim``; ``created``, the namespace config's creation time the index
 belongs to; ``gen``, 0 until the IVF quantizer is trained, then 1, one more each time it
 is trained again; ``nlist`` and ``centroids`` as raw float32; ``trained``, the vectors
-there were when it was last trained; ``runs`` and ``pending``, the writer's ticks and the steps
-it had left after the last), ``vx:<name>:log`` (stream: one entry per write, ``rows`` the
-global rows ``shard * cap + slot`` written, as ``<i8``; ``gen`` when the quantizer was
-trained), ``vx:<name>:lock`` (the writer's lock: one maintenance task at a time writes
-an index).
+there were when it was last trained, and ``trained_id`` the newest step id then;
+``nprobe``, ``recall``, ``recall_bound`` and ``calibrated``, the calibrated search
+breadth, its sample's recall@10 and lower bound, and the vectors there were then; ``runs``
+and ``pending``, the writer's ticks and the steps it had left after the last),
+``vx:<name>:log`` (stream: one entry per write, ``rows`` the global rows ``shard * cap +
+slot`` written, as ``<i8``; ``gen`` when the quantizer was trained; ``nprobe`` when it was
+calibrated again), ``vx:<name>:lock`` (the writer's lock: one maintenance task at a time
+writes an index).
 
 Slot arrays ``vx:<name>``, indexed by slot like the store's columns: ``v`` float32
 vectors of ``dim``, ``i`` the ``<i8`` id of the step each vector was computed from (0:
@@ -33,6 +37,7 @@ from claw_tasks.store.arrays import SlotArrays
 from claw_tasks.store.changes import LOG_SINCE, page_commands, page_replies
 from claw_tasks.store.config import LOG_MAXLEN
 from claw_tasks.store.scripts import execute
+from orchestrator.retrieval.calibrate import Calibration
 from orchestrator.retrieval.spec import IndexSpec, Projection, SpecError, spec_of
 
 LOCK_TTL_S = 120
@@ -56,7 +61,7 @@ def define_index(
         check_field(spec, schema.fields)
     old = store.r.hget(defs_key(store), spec.name)
     if old is not None:
-        if spec_of(json.loads(old)) == spec:
+        if stored_spec(old) == spec:
             return spec
         if not replace:
             raise SpecError(
@@ -83,7 +88,16 @@ def check_field(spec: IndexSpec, fields: Mapping[str, Any]) -> Projection:
 def list_indexes(store: Store) -> dict[str, IndexSpec]:
     """The namespace's vector indexes by name."""
     raw = store.r.hgetall(defs_key(store))
-    return {k.decode(): spec_of(json.loads(v)) for k, v in sorted(raw.items())}
+    return {k.decode(): stored_spec(v) for k, v in sorted(raw.items())}
+
+
+def stored_spec(raw: bytes) -> IndexSpec:
+    """A definition as stored (JSON). One without ``recall`` holds the fixed ``nprobe``
+    12 that was the default when it was written: it is read as unset (calibrated)."""
+    data = json.loads(raw)
+    if "recall" not in data and data.get("nprobe") == 12:
+        data["nprobe"] = None
+    return spec_of(data)
 
 
 def drop_index(store: Store, name: str) -> int:
@@ -130,6 +144,9 @@ class Head:
     nlist: int = 0
     centroids: np.ndarray | None = None
     trained: int = 0  # vectors there were when the quantizer was last trained
+    nprobe: int = 0  # the calibrated nprobe (0: not calibrated)
+    calibrated: int = 0  # vectors there were when it was calibrated
+    trained_id: int = 0  # the newest step id the last training could have sampled
 
 
 @dataclass
@@ -163,7 +180,17 @@ class Storage:
         cent = None
         if gen and h.get(b"centroids"):
             cent = np.frombuffer(h[b"centroids"], "<f4").reshape(nlist, self.dim).copy()
-        return Head(self.dim, self.created, gen, nlist, cent, int(h.get(b"trained", 0)))
+        return Head(
+            self.dim,
+            self.created,
+            gen,
+            nlist,
+            cent,
+            int(h.get(b"trained", 0)),
+            int(h.get(b"nprobe", 0)),
+            int(h.get(b"calibrated", 0)),
+            int(h.get(b"trained_id", 0)),
+        )
 
     def reset_head(self) -> None:
         """A fresh head for this namespace: every old vector is stale (ids no longer
@@ -174,23 +201,50 @@ class Storage:
             then=lambda pipe: pipe.hset(self.names.head, mapping=fresh),
         )
 
-    def set_trained(self, centroids: np.ndarray, vectors: int) -> int:
-        """Publish a trained quantizer (the next generation; ``vectors`` there were) and
-        tell readers (a ``gen`` entry: they reload, the assignments having been written
-        first). Returns the generation."""
+    def set_trained(
+        self,
+        centroids: np.ndarray,
+        vectors: int,
+        calibration: Calibration | None = None,
+        newest: int = 0,
+    ) -> int:
+        """Publish a trained quantizer (the next generation; ``vectors`` there were; its
+        calibrated ``nprobe``) and tell readers (a ``gen`` entry: they reload, the
+        assignments having been written first). Returns the generation."""
+        mapping: dict[str, Any] = {
+            "nlist": len(centroids),
+            "centroids": np.ascontiguousarray(centroids, "<f4").tobytes(),
+            "trained": vectors,
+            "trained_id": newest,
+        }
+        if calibration is not None:
+            mapping.update(self._calibration(calibration, vectors))
         with self.r.pipeline(transaction=False) as pipe:
             pipe.hincrby(self.names.head, "gen", 1)
-            pipe.hset(
-                self.names.head,
-                mapping={
-                    "nlist": len(centroids),
-                    "centroids": np.ascontiguousarray(centroids, "<f4").tobytes(),
-                    "trained": vectors,
-                },
-            )
+            pipe.hset(self.names.head, mapping=mapping)
             gen = int(pipe.execute()[0])
         self.r.xadd(self.names.log, {"gen": gen}, maxlen=LOG_MAXLEN, approximate=True)
         return gen
+
+    @staticmethod
+    def _calibration(calibration: Calibration, vectors: int) -> dict[str, Any]:
+        return {
+            "nprobe": calibration.nprobe,
+            "recall": repr(calibration.recall),
+            "recall_bound": repr(calibration.bound),
+            "calibrated": vectors,
+        }
+
+    def set_calibrated(self, calibration: Calibration, vectors: int) -> None:
+        """Publish a new calibrated ``nprobe`` for the current quantizer (``vectors``
+        there were) and tell readers (an ``nprobe`` entry: they take it, no reload)."""
+        self.r.hset(self.names.head, mapping=self._calibration(calibration, vectors))
+        self.r.xadd(
+            self.names.log,
+            {"nprobe": calibration.nprobe},
+            maxlen=LOG_MAXLEN,
+            approximate=True,
+        )
 
     def ran(self, done: Mapping[str, Any]) -> None:
         """Count a writer's tick in the head (``runs``, ``pending``: what ``claw stats`` and

@@ -10,11 +10,11 @@ assignment: the writer stored each vector's list), then kept current from the in
 Search takes a boolean mask over rows (the caller's: alive, trainable, ``vid == id``, its
 ``where``): few candidates (``exact_below``), an untrained or ``exact`` index: an exact
 scan of just those rows' vectors; otherwise the IVF searched with the mask as a Faiss
-``IDSelectorBitmap`` (``nprobe`` lists, divided by the share of rows the mask keeps, found
-by an HNSW graph over the centroids that this copy builds from the stored ones:
-``quantizer: hnsw``), falling back to the exact scan for queries whose probed lists held
-fewer than ``k`` candidates.
-"""
+``IDSelectorBitmap`` (``nprobe`` lists: the definition's, or else the one the writer
+calibrated to its recall target and published in the head and the log; divided by the
+share of rows the mask keeps; found by an HNSW graph over the centroids that this copy
+builds from the stored ones: ``quantizer: hnsw``), falling back to the exact scan for
+queries whose probed lists held fewer than ``k`` candidates."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import Head, Storage
 from orchestrator.retrieval.writer import HNSW_M, assign, quantizer
+
+FALLBACK_NPROBE = 12
+"""``nprobe`` of a trained index with no calibration yet (the writer calibrates it at its
+next tick): readers take the calibrated one from the head or the log as soon as it is."""
 
 
 def exact_search(
@@ -47,6 +51,31 @@ def exact_search(
     return dist, pos
 
 
+def ivf_search(
+    ivf: faiss.IndexIVFFlat,
+    spec: IndexSpec,
+    queries: np.ndarray,
+    k: int,
+    mask: np.ndarray,
+    nprobe: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``ivf`` searched for the ``k`` nearest of ``queries`` (float32, contiguous) among the
+    ids ``mask`` allows (an ``IDSelectorBitmap`` evaluated inside the scan), ``nprobe``
+    lists divided by the share of the indexed vectors the mask keeps: about as many
+    allowed candidates as an unrestricted query scans (each masked one costs a bit test).
+    Faiss's answer: ids -1 where the probed lists held fewer than ``k``."""
+    bits = np.packbits(mask, bitorder="little")
+    sel = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits))
+    share = min(1.0, np.count_nonzero(mask) / max(ivf.ntotal, 1))
+    probes = min(ivf.nlist, math.ceil(nprobe / max(share, 1e-9)))
+    params = faiss.SearchParametersIVF(sel=sel, nprobe=probes)
+    if spec.quantizer == "hnsw":
+        params.quantizer_params = faiss.SearchParametersHNSW(
+            efSearch=max(spec.quantizer_ef, probes)
+        )
+    return ivf.search(queries, k, params=params)
+
+
 class VectorIndex:
     """The vectors of index ``spec`` of ``store``'s namespace, as of the last :meth:`refresh`."""
 
@@ -60,6 +89,7 @@ class VectorIndex:
         self.ivf: faiss.IndexIVFFlat | None = None
         self.q: faiss.Index | None = None
         self.head: Head | None = None
+        self.nprobe = spec.nprobe or FALLBACK_NPROBE
         self.log = ("0-0", 0)
         self.loads = 0  # cold loads so far (tests, stats)
 
@@ -82,6 +112,8 @@ class VectorIndex:
         self.lists = np.zeros(len(self.vid), np.int32)
         self.ivf, self.q = None, None
         self.loads += 1
+        calibrated = 0 if self.head is None else self.head.nprobe
+        self.nprobe = self.spec.nprobe or calibrated or FALLBACK_NPROBE
         if self.head is None or self.head.centroids is None:
             return
         self.q = quantizer(self.head.centroids, self.spec.metric, self.spec.quantizer)
@@ -133,9 +165,14 @@ class VectorIndex:
                 return None
             if not entries:
                 break
-            rows = np.unique(np.concatenate([np.frombuffer(e[b"rows"], "<i8") for _, e in entries]))
-            self._apply(rows)
-            changed.append(rows)
+            for _, e in entries:
+                if b"nprobe" in e and self.spec.nprobe is None:
+                    self.nprobe = int(e[b"nprobe"])
+            written = [np.frombuffer(e[b"rows"], "<i8") for _, e in entries if b"rows" in e]
+            rows = np.unique(np.concatenate(written)) if written else np.zeros(0, np.int64)
+            if len(rows):
+                self._apply(rows)
+                changed.append(rows)
             self.log = (entries[-1][0].decode(), self.log[1] + len(entries))
         return np.unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
 
@@ -166,17 +203,7 @@ class VectorIndex:
         if exact or allowed <= self.spec.exact_below:
             return self._exact(queries, k, mask)
         assert self.ivf is not None
-        bits = np.packbits(mask, bitorder="little")
-        sel = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits))
-        # A mask keeping a share f of the rows probes nprobe / f lists: about as many
-        # allowed candidates as an unrestricted query scans (each masked one costs a bit test).
-        share = min(1.0, allowed / max(self.ivf.ntotal, 1))
-        nprobe = min(self.ivf.nlist, math.ceil(self.spec.nprobe / share))
-        params = faiss.SearchParametersIVF(sel=sel, nprobe=nprobe)
-        if self.spec.quantizer == "hnsw":
-            hnsw = faiss.SearchParametersHNSW(efSearch=max(self.spec.quantizer_ef, nprobe))
-            params.quantizer_params = hnsw
-        dist, rows = self.ivf.search(queries, k, params=params)
+        dist, rows = ivf_search(self.ivf, self.spec, queries, k, mask, self.nprobe)
         short = (rows < 0).any(axis=1)
         if short.any():  # the probed lists held fewer than k candidates: scan exactly
             dist[short], rows[short] = self._exact(queries[short], k, mask)

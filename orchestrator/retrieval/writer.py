@@ -6,13 +6,15 @@ ring gave to another step), reads their field through the validated fetch (a row
 overwritten meanwhile fails the read and waits for the next tick), projects them, and
 writes vectors, ids and list assignments as raw arrays, then logs the rows. Once
 ``train_size`` vectors exist (``kind`` ``auto`` or ``ivf``) it trains the IVF quantizer
-(k-means on a sample), assigns every stored vector, and publishes the centroids: readers
-reload once. It trains again, the same way, each time the vectors have doubled since
-(while the double still fits the capacity): a million-step namespace trains at 164k, 328k
-and 655k vectors, the last time on a sample of most of its steps. Evicted steps are not
-removed here: readers mask rows that are not alive, and a reused slot gets its new step's
-vector on the next tick.
-"""
+(k-means on a sample), assigns every stored vector, calibrates ``nprobe`` to the index's
+recall target (orchestrator/retrieval/calibrate.py) and publishes the centroids with it:
+readers reload once. It calibrates again, without training, whenever the vectors have
+grown by half since the last calibration (readers take the new ``nprobe`` from the log).
+It trains again, the same way, each time the vectors have doubled since (while the double
+still fits the capacity): a million-step namespace trains at 164k, 328k and 655k vectors,
+the last time on a sample of most of its steps. Evicted steps are not removed here:
+readers mask rows that are not alive, and a reused slot gets its new step's vector on the
+next tick."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.slots import payload_read
 from claw_tasks.where import Where
+from orchestrator.retrieval.calibrate import Calibration, calibrate, held_out
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import TWO_LEVEL_FROM, IndexSpec, Projection, per_list
 from orchestrator.retrieval.storage import Head, Rows, Storage, check_field
@@ -41,9 +44,12 @@ ASSIGN_ROWS = 65536
 KMEANS_ITER = 10
 SEED = 1234
 HNSW_M = 32
+"""Links per node of the HNSW quantizer's graph."""
 RETRAIN_GROWTH = 2
 """The quantizer is trained again once the vectors have doubled since its last training."""
-"""Links per node of the HNSW quantizer's graph."""
+RECALIBRATE_GROWTH = 1.5
+"""``nprobe`` is calibrated again once the vectors have grown by half since the last time
+(and at every training)."""
 
 
 def quantizer(centroids: np.ndarray, metric: str, kind: str = "flat") -> faiss.Index:
@@ -66,20 +72,41 @@ def assign(q: faiss.Index | None, vectors: np.ndarray) -> np.ndarray:
 
 def train_centroids(sample: np.ndarray, nlist: int, spherical: bool) -> np.ndarray:
     """k-means centroids of ``sample``. From ``TWO_LEVEL_FROM`` lists on, two levels
-    (``sqrt(nlist)`` clusters, then each split in proportion to its size: faiss's
+    (``sqrt(nlist)`` clusters, then each split in proportion to its size, as faiss's
     ``two_level_clustering``): at 16,384 lists a seventeenth of one k-means's CPU time over
-    every list, and as good for search (docs/benchmarks.md, "Retrieval")."""
+    every list, and as good for search (docs/benchmarks.md, "Retrieval"). A first-level
+    cluster too small for a list of its own (a few states far from every other) gets none,
+    where faiss's function fails on it: its share goes to the clusters after it (``nlist``
+    in all while the sample holds at least ``nlist`` vectors), and its states join the
+    lists of their nearest centroids when every vector is assigned."""
     # The sample holds TRAIN_PER_LIST vectors per list on purpose: no warning about it.
     args = {"seed": SEED, "spherical": spherical, "verbose": False, "min_points_per_centroid": 1}
+    d = sample.shape[1]
     if nlist < TWO_LEVEL_FROM:
-        km = faiss.Kmeans(sample.shape[1], nlist, niter=KMEANS_ITER, **args)
+        km = faiss.Kmeans(d, nlist, niter=KMEANS_ITER, **args)
         km.train(sample)
         return np.asarray(km.centroids, np.float32)
-    from faiss.contrib.clustering import two_level_clustering
-
-    top = round(math.sqrt(nlist))
-    centroids, _ = two_level_clustering(sample, top, nlist, clustering_niter=KMEANS_ITER, **args)
-    return np.ascontiguousarray(centroids, np.float32)
+    top = faiss.Kmeans(
+        d, round(math.sqrt(nlist)), niter=KMEANS_ITER, max_points_per_centroid=2000, **args
+    )
+    top.train(sample)
+    _, first = top.index.search(sample, 1)
+    first = first[:, 0]
+    sizes = np.bincount(first, minlength=top.k)
+    ends = np.cumsum(sizes) * nlist // len(sample)  # lists per cluster, nlist in all
+    lists = np.minimum(np.diff(ends, prepend=0), sizes)
+    order = np.argsort(first, kind="stable")
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    parts = []
+    for c in np.flatnonzero(lists):
+        sub = np.ascontiguousarray(sample[order[bounds[c] : bounds[c + 1]]])
+        if lists[c] == len(sub):
+            parts.append(sub)
+            continue
+        km = faiss.Kmeans(d, int(lists[c]), **args)  # faiss's iterations at the second level
+        km.train(sub)
+        parts.append(km.centroids)
+    return np.ascontiguousarray(np.vstack(parts), np.float32)
 
 
 def read_rows(
@@ -146,7 +173,7 @@ class Writer:
                     rows = np.frombuffer(event[b"rows"], "<i8")
                     assert self.seen is not None
                     self.seen[rows] = self.storage.read(rows).ids
-                elif b"gen" in event:
+                elif b"gen" in event or b"nprobe" in event:
                     head = self.storage.head()
                     if head is not None:
                         self._use(head)
@@ -216,7 +243,7 @@ class Writer:
         again each time they have grown ``RETRAIN_GROWTH``-fold since, while that still
         fits the capacity: the first training sees only the first steps written (a few
         hundred episodes of a million-step namespace), whose states cover less of the
-        space than the later ones."""
+        space than the later ones. Otherwise calibrate ``nprobe`` again when due."""
         spec, head = self.spec, self.head
         if spec.kind == "exact" or head is None:
             return False
@@ -225,33 +252,97 @@ class Writer:
         assert self.seen is not None
         have = cols["alive"] & (self.seen == cols["id"]) & (self.seen != 0)
         count = int(have.sum())
-        if head.gen and not spec.retrain:
-            return False
         if head.gen:
             nlist, need = head.nlist, per_list(head.nlist) * head.nlist
             again = RETRAIN_GROWTH * head.trained
-            if not head.trained or count < again or again > cap:
-                return False
+            due = spec.retrain and head.trained and count >= again and again <= cap
         else:
             nlist, need = spec.lists(cap), spec.train_size(cap)
-            if count < need:
-                return False
+            due = count >= need
+        if not due:
+            grown = count and count >= RECALIBRATE_GROWTH * head.calibrated
+            if head.gen and spec.nprobe is None and grown:
+                self._calibrate(index, have)
+            return False
         stored = self.storage.read_all(("v", "i"))
         rows = np.flatnonzero(have & (stored["i"] == cols["id"]))
         if len(rows) < need:
             return False
         rng = np.random.default_rng(SEED + head.gen)
-        sample = stored["v"][np.sort(rng.choice(rows, need, replace=False))]
+        # Episodes held out for the calibration stay out of the k-means sample: states a
+        # training has seen sit nearer their centroids than a learner's states do.
+        episodes = self._episodes(index, rows)
+        out = np.zeros(len(rows), bool)
+        if spec.nprobe is None:
+            out = held_out(episodes, rng)
+        pool = rows[~out]
+        sample = stored["v"][np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
         centroids = train_centroids(sample, nlist, spec.metric == "cosine")
         self._renew()
         q = quantizer(centroids, spec.metric)
         every = np.flatnonzero(stored["i"] != 0)
+        lists = np.zeros(len(stored["i"]), np.int32)
         for lo in range(0, len(every), ASSIGN_ROWS):
             part = every[lo : lo + ASSIGN_ROWS]
-            self.storage.write_assign(part, assign(q, stored["v"][part]))
+            lists[part] = assign(q, stored["v"][part])
+            self.storage.write_assign(part, lists[part])
             self._renew()
-        self.storage.set_trained(centroids, len(rows))
+        cal = None
+        if spec.nprobe is None:
+            vectors, at = stored["v"][rows], lists[rows] - 1
+            cal = self._calibration(vectors, at, centroids, episodes, out, None, len(rows))
+        newest = int(cols["id"][rows].max())
+        self.storage.set_trained(centroids, len(rows), cal, newest)
         head = self.storage.head()
         if head is not None:
             self._use(head)
         return True
+
+    @staticmethod
+    def _episodes(index: SamplingIndex, rows: np.ndarray) -> np.ndarray:
+        """The episode of each of ``rows`` as one integer (codes are per shard)."""
+        codes = index.columns["episode"][rows].astype(np.int64) * index.n_shards
+        return codes + rows // index.cap
+
+    def _calibration(
+        self,
+        vectors: np.ndarray,
+        lists: np.ndarray,
+        centroids: np.ndarray,
+        episodes: np.ndarray,
+        out: np.ndarray,
+        fresh: np.ndarray | None,
+        seed: int,
+    ) -> Calibration:
+        """``nprobe`` for ``spec.recall`` on ``vectors``, queried from the held-out
+        episodes ``out`` (orchestrator/retrieval/calibrate.py)."""
+        readers = quantizer(centroids, self.spec.metric, self.spec.quantizer)
+        cal = calibrate(
+            vectors, lists, centroids, self.spec, readers, episodes, out, fresh, SEED + seed
+        )
+        self._renew()
+        return cal
+
+    def _calibrate(self, index: SamplingIndex, have: np.ndarray) -> None:
+        """Calibrate the current quantizer again on every stored vector (they have grown
+        ``RECALIBRATE_GROWTH``-fold since the last time) and publish it. The queries are
+        steps written since the last training (none of them in its k-means sample), or any
+        when there are none."""
+        assert self.head is not None and self.head.centroids is not None
+        stored = self.storage.read_all(("v", "i", "a"))
+        ids = index.columns["id"]
+        rows = np.flatnonzero(have & (stored["i"] == ids) & (stored["a"] > 0))
+        if not len(rows):
+            return
+        fresh = ids[rows] > self.head.trained_id
+        if not fresh.any():  # nothing written since (evictions shrank it): any step
+            fresh[:] = True
+        episodes = self._episodes(index, rows)
+        rng = np.random.default_rng(SEED + len(rows))
+        out = held_out(episodes, rng, fresh)
+        vectors, lists = stored["v"][rows], stored["a"][rows] - 1
+        cal = self._calibration(
+            vectors, lists, self.head.centroids, episodes, out, fresh, len(rows)
+        )
+        self.storage.set_calibrated(cal, len(rows))
+        self.head.nprobe, self.head.calibrated = cal.nprobe, len(rows)

@@ -25,6 +25,7 @@ from orchestrator.delivery.client import BatchClient
 from orchestrator.maintenance.lifecycle import drop_namespace
 from orchestrator.maintenance.vectors import WRITERS, update_indexes
 from orchestrator.retrieval import define_index, drop_index, nearest
+from orchestrator.retrieval.calibrate import Calibration
 from orchestrator.retrieval.query import INDEX_SESSIONS, SESSIONS, open_session
 from orchestrator.retrieval.storage import IndexKeys
 from tests.support.processes import Worker
@@ -355,3 +356,51 @@ def test_a_narrow_where_probes_more_lists(redis_url, expert):
     q = np.random.default_rng(8).standard_normal((40, DIM)).astype(np.float32)
     got = nearest(store, q, 5, where="step_index < 67")
     assert (got.ids == kept[exact(x[kept], q, 5)] + 1).all()
+
+
+def test_the_writer_calibrates_nprobe_and_readers_take_it(redis_url, namespace):
+    """Without an ``nprobe`` in the definition the writer calibrates one to the recall
+    target when it trains, and again once the vectors have grown by half (a reader takes
+    the new one from the log, without reloading); held-out states reach the target. An
+    ``nprobe`` in the definition is kept as it is."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5000, DIM)).astype(np.float32)
+    store = Store(redis_url, namespace)
+    store.create(capacity=8000)
+    define_index(store, {"nlist": 64, "exact_below": 0})
+    define_index(store, {"name": "pinned", "nlist": 64, "nprobe": 3, "exact_below": 0})
+    head = IndexKeys(store, "default").head
+    try:
+        for e in range(30):  # episodes of 100 steps; training takes 39 per list: 2,496
+            store.commit(steps(x[e * 100 : (e + 1) * 100], f"e{e}", "expert", e * 100))
+        update_indexes(store)
+        h = store.r.hgetall(head)
+        first = int(h[b"nprobe"])
+        assert int(h[b"gen"]) == 1 and int(h[b"calibrated"]) == 3000
+        assert float(h[b"recall_bound"]) >= 0.95 and 1 < first < 64
+        q = rng.standard_normal((200, DIM)).astype(np.float32)  # states of no stored episode
+        got = nearest(store, q, 10)
+        want = exact(x[:3000], q, 10) + 1
+        hits = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got.ids, want, strict=True)])
+        assert hits >= 0.95
+        session = open_session(store, None, "default")
+        assert session.vectors.nprobe == first and session.vectors.loads == 1
+
+        for e in range(30, 50):  # 5,000 vectors: grown by half, not doubled
+            store.commit(steps(x[e * 100 : (e + 1) * 100], f"e{e}", "expert", e * 100))
+        update_indexes(store)
+        h = store.r.hgetall(head)
+        assert int(h[b"gen"]) == 1 and int(h[b"calibrated"]) == 5000
+        nearest(store, q, 10)
+        assert session.vectors.nprobe == int(h[b"nprobe"]) and session.vectors.loads == 1
+        # Whatever the value, a new calibration reaches a live reader through the log.
+        other = first + 5 if first + 5 != int(h[b"nprobe"]) else first + 6
+        session.vectors.storage.set_calibrated(Calibration(other, 0.97, 0.96), 5000)
+        nearest(store, q, 10)
+        assert session.vectors.nprobe == other and session.vectors.loads == 1
+
+        nearest(store, q, 10, index="pinned")
+        assert open_session(store, None, "pinned").vectors.nprobe == 3
+        assert store.r.hget(IndexKeys(store, "pinned").head, "nprobe") is None
+    finally:
+        forget(namespace, dropped=False)

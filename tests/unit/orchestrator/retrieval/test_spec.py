@@ -66,11 +66,18 @@ def test_a_feature_function_runs_only_if_the_allowlist_names_it():
         ({"feature": "nocolon"}, "module:function"),
         ({"wieght": 1}, "wieght"),
         ({"exact_below": -1}, "exact_below"),
+        ({"recall": 1.5}, "recall"),
+        ({"recall": 0}, "recall"),
+        ({"recall": True}, "recall"),
+        ({"recall": "0.9"}, "recall"),
+        ({"recall": float("nan")}, "recall"),
+        ({"nprobe": 0}, "nprobe"),
     ],
 )
 def test_bad_definitions_name_the_key(raw, match):
-    with pytest.raises(SpecError, match=match):
+    with pytest.raises(SpecError, match=match) as got:
         spec_of(raw)
+    assert "\n" not in str(got.value)
 
 
 def test_the_field_must_be_a_fixed_numeric_field_of_the_namespace():
