@@ -30,7 +30,7 @@ from claw_tasks.where import lookup
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.candidates import unique
-from orchestrator.sampling.fetch import Fetcher
+from orchestrator.sampling.fetch import Fetcher, LogChecked
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import Draw
 from orchestrator.sampling.sequences import follow, n_step, windows
@@ -96,10 +96,15 @@ class Reader(Protocol):
     current until the batch is read), its store, string cache and payload fetcher (the
     sampling session of :mod:`orchestrator.sampling.sample`)."""
 
-    index: SamplingIndex
-    store: Store
-    strings: Strings
-    fetch: Fetcher
+    # Read-only (properties): a reader's attributes may be narrower than these types.
+    @property
+    def index(self) -> SamplingIndex: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def strings(self) -> Strings: ...
+    @property
+    def fetch(self) -> Fetcher | LogChecked: ...  # LogChecked: also checks the change log
 
 
 class Assembly:
