@@ -249,3 +249,41 @@ def test_torchrl_dqn_on_cartpole_reaches_a_mean_return_of_150(redis_url, namespa
     print(out)
     mean = float(re.search(r"greedy mean return over 10 episodes: ([\d.]+)", out)[1])
     assert mean >= 150, out
+
+
+def test_sampling_an_empty_storage_raises_at_once_as_torchrl_does(redis_url, namespace, workers):
+    """TorchRL's storages raise ``RuntimeError("Cannot sample from an empty storage")``;
+    so does ClawStorage, new or emptied, without waiting for a pop's timeout (an hour
+    here: the test would time out first)."""
+    storage = ClawStorage(100, namespace, redis_url, timeout=3600)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=4)
+    try:
+        with pytest.raises(RuntimeError, match="Cannot sample from an empty storage"):
+            rb.sample()
+        rb.extend(_transitions(20))
+        assert len(rb.sample()) == 4
+        rb.empty()
+        with pytest.raises(RuntimeError, match="Cannot sample from an empty storage"):
+            rb.sample()
+    finally:
+        storage.close()
+
+
+def test_a_full_storage_samples_only_the_rows_torchrl_would_keep(redis_url, namespace, workers):
+    """Five rows into ``ClawStorage(3)``: TorchRL's ring keeps the newest three, and so
+    does the namespace's ring (``capacity`` defaults to ``max_size``): no sample draws
+    the two overwritten rows."""
+    data = _transitions(5, trajs=1)
+    storage = ClawStorage(3, namespace, redis_url, timeout=60)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=64)
+    try:
+        rb.extend(data)
+        storage.flush()
+        assert len(rb) == 3
+        assert Store(redis_url, namespace).config().capacity == 3
+        drawn: set[tuple] = set()
+        for _ in range(4):
+            drawn |= _row_keys(rb.sample())
+        assert drawn == _row_keys(data[2:])
+    finally:
+        storage.close()

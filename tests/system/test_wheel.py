@@ -12,6 +12,7 @@ the build and ``claw up``'s worker start."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -109,14 +110,16 @@ def _venv(wheel: Path) -> Path:
     key = hashlib.sha256("\n".join([sys.version, *_requirements(wheel)]).encode()).hexdigest()[:16]
     venv = Path(tempfile.gettempdir()) / f"claw-wheel-venv-{key}"
     py = venv / "bin" / "python"
-    if not (venv / ".complete").exists():
-        shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        _pip(py, "install", "-q", str(wheel), timeout=1800)
-        (venv / ".complete").touch()
-    else:
-        _pip(py, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
-    _pip(py, "check")
+    with open(f"{venv}.lock", "w") as lock:  # one test run makes or updates it at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / ".complete").exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            _pip(py, "install", "-q", str(wheel), timeout=1800)
+            (venv / ".complete").touch()
+        else:
+            _pip(py, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
+        _pip(py, "check")
     return venv
 
 

@@ -54,8 +54,10 @@ class ClawStorage(StoreStorage):
     ``obs_key`` and ``action_key`` name the observation and action entries (``("next",
     obs_key)`` is the next observation); ``priority_key`` is read at extend time, when
     present, as each row's initial priority. ``recipe`` overrides keys of the recipes the
-    samplers register (e.g. ``where``, ``rate_limit``); ``capacity`` defaults to
-    ``max_size`` plus a spare row per trajectory when the namespace is new. ``episode`` holds
+    samplers register (e.g. ``where``, ``rate_limit``); ``capacity`` (the namespace's ring)
+    defaults to ``max_size`` when the namespace is new, so that samples draw only the rows
+    TorchRL's own storage would still hold. Sampling an empty storage raises
+    ``RuntimeError`` at once, as TorchRL's storages do. ``episode`` holds
     keyword arguments of :meth:`Ingestor.episode` (``task_id``, tags), ``ingest`` those of
     the :class:`Ingestor`. ``readahead`` batches (at most ``readahead_bytes``) wait decoded
     in this process, each drawn ``batches_per_pop`` times as large as a sample and split
@@ -169,8 +171,8 @@ class ClawStorage(StoreStorage):
         capacity = kw["capacity"]
         if capacity is None:
             probe = Store(kw["redis_url"] or get_settings().redis_url, namespace)
-            if not probe.exists():  # spare rows: a ring's oldest rows may be incomplete
-                capacity = self.max_size + 64
+            if not probe.exists():  # TorchRL's ring: the newest max_size rows, no more
+                capacity = self.max_size
             probe.r.close()
         ingestor = Ingestor(
             namespace,
@@ -310,6 +312,8 @@ class ClawStorage(StoreStorage):
         """Pop the next prefetched batch of ``batch_size`` rows drawn with ``source``'s
         sampler; returns its step ids and importance weights (the batch waits for
         :meth:`get`)."""
+        if not len(self):  # as TorchRL's storages: at once, not after a pop's timeout
+            raise RuntimeError("Cannot sample from an empty storage")
         link, kw = self._connect(None), self._kw
         if (resized := self._cadence.sampled()) is not None:
             link.resize(resized)

@@ -60,9 +60,7 @@ def test_the_version_is_one_number() -> None:
     """pyproject.toml reads it from ``claw_tasks.__version__``; ``claw version`` prints it."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" in project["project"]["dynamic"]
-    assert project["tool"]["setuptools"]["dynamic"]["version"] == {
-        "attr": "claw_tasks.__version__"
-    }
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "claw_tasks.__version__"}
     assert claw_tasks.__version__ == "0.2.0"
     from typer.testing import CliRunner
 
