@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 from pettingzoo.utils.env import ParallelEnv
 
-from claw_tasks.client import Episode, Ingestor
+from claw_tasks.client.episode import Episode
+from claw_tasks.client.ingestor import Ingestor
 from claw_tasks.format.joint import AGENTS_TAG, EPISODE_TAG, STATE_FIELD, agent_episode, joint_code
 
 StateTags = Callable[[np.ndarray], Mapping[str, float | str]]

@@ -152,10 +152,11 @@ class Assembly:
             ns = n_step(cols, rows, recipe.n_step, recipe.gamma, self.cap)
             reward, boot = ns.returns, ns.bootstrap
             self.check.append(boot)
-            discount, done = ns.discount.astype(np.float32), ns.done
+            discount, done, cut = ns.discount.astype(np.float32), ns.done, ns.end_truncated
             extra = {
                 "discount": lambda _: self._shaped(discount),
                 "done": lambda _: self._shaped(done),
+                "end_truncated": lambda _: self._shaped(cut),
             }
         finish = {name: self._plan(name, reward, boot) for name in recipe.fields}
         finish.update(extra)
