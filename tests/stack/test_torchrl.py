@@ -116,8 +116,9 @@ def test_batches_flow_as_tensordicts_with_the_extended_layout(redis_url, namespa
 
 
 def test_each_sample_is_recorded_as_training_its_update(redis_url, namespace, workers):
-    """The default ``policy_version="samples"``: sample k trains version k, the ids the
-    sampler returned; ``"frames"`` and a callable; the counters kept by ``state_dict``."""
+    """The default ``policy_version="updates"``: sample k trains version k, the ids the
+    sampler returned; ``"timesteps"`` and a callable; the counters kept by ``state_dict``;
+    the old counter names and ``drop_on_empty`` are refused with the new ones."""
     storage = ClawStorage(1000, namespace, redis_url, timeout=60, batches_per_pop=2)
     rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=16)
     drawn = []
@@ -125,7 +126,9 @@ def test_each_sample_is_recorded_as_training_its_update(redis_url, namespace, wo
         rb.extend(_transitions(100))
         for _ in range(5):
             drawn.append(np.sort(rb.sample()["index"].numpy()))
-        storage.policy_version = "frames"
+        with pytest.raises(ValueError, match="policy_version='frames' is now 'timesteps'"):
+            storage.policy_version = "frames"
+        storage.policy_version = "timesteps"
         rb.extend(_transitions(20, seed=1))
         drawn.append(np.sort(rb.sample()["index"].numpy()))
         storage.policy_version = lambda k: f"update-{k}"
@@ -133,6 +136,10 @@ def test_each_sample_is_recorded_as_training_its_update(redis_url, namespace, wo
         assert storage.state_dict()["samples"] == 7 and storage.state_dict()["frames"] == 120
     finally:
         storage.close()  # sends what is left of the lineage
+    with pytest.raises(TypeError, match="drop_on_empty= is now drop_on_reset="):
+        ClawStorage(10, namespace, redis_url, drop_on_empty=True)
+    with pytest.raises(ValueError, match="policy_version='samples' is now 'updates'"):
+        ClawStorage(10, namespace, redis_url, policy_version="samples")
     log = LineageLog(Store(redis_url, namespace))
     assert log.counts() == {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1, "120": 1, "update-7": 1}
     for version, ids in zip(["1", "2", "3", "4", "5", "120", "update-7"], drawn, strict=True):

@@ -23,6 +23,7 @@ from claw_tasks.store import Store
 from orchestrator.adapters.cadence import Cadence
 from orchestrator.adapters.defaults import generation_namespace, ingest_options
 from orchestrator.adapters.link import BufferLink, close_quietly
+from orchestrator.adapters.options import refuse_renamed
 from orchestrator.adapters.transitions import Transitions
 from orchestrator.adapters.urls import with_env_password, without_password
 from orchestrator.adapters.versions import PolicyVersion, Versions
@@ -70,10 +71,10 @@ class ClawStorage(StoreStorage):
     put on ``device``.
 
     ``policy_version``: what each sample is recorded as training in the lineage log
-    (``claw lineage NS --policy v``): ``"samples"`` (the default) the number of samples
+    (``claw lineage NS --policy v``): ``"updates"`` (the default) the number of samples
     drawn so far, this one included (TorchRL's loops draw one per optimizer step, so
-    version ``v`` is the policy after ``v`` updates); ``"frames"`` the rows extended so far
-    (a collector's frame count); a callable gets the sample's number and returns the
+    version ``v`` is the policy after ``v`` updates); ``"timesteps"`` the rows extended so
+    far (a collector's frame count); a callable gets the sample's number and returns the
     version (not saved by ``state_dict``: set ``storage.policy_version`` again after
     loading); None records nothing. Both counters are kept by ``state_dict``.
 
@@ -81,6 +82,7 @@ class ClawStorage(StoreStorage):
     its samples through as they are (no collate); none of that class's code runs.
     """
 
+    @refuse_renamed
     def __init__(
         self,
         max_size: int,
@@ -100,8 +102,8 @@ class ClawStorage(StoreStorage):
         batches_per_pop: int | None = None,
         timeout: float | None = 30.0,
         device: str | torch.device = "cpu",
-        drop_on_empty: bool = False,
-        policy_version: PolicyVersion = "samples",
+        drop_on_reset: bool = False,
+        policy_version: PolicyVersion = "updates",
     ) -> None:
         Storage.__init__(self, max_size)  # not StoreStorage's: it opens its own Redis store
         if namespace is None:
@@ -124,7 +126,7 @@ class ClawStorage(StoreStorage):
             "batches_per_pop": batches_per_pop,
             "timeout": timeout,
             "device": str(device),
-            "drop_on_empty": drop_on_empty,
+            "drop_on_reset": drop_on_reset,
             "policy_version": policy_version if isinstance(policy_version, str) else None,
         }
         self._setup(generation=0, added=0)
@@ -156,7 +158,7 @@ class ClawStorage(StoreStorage):
     @policy_version.setter
     def policy_version(self, declare: PolicyVersion) -> None:
         self._versions = Versions(
-            declare, {"samples": lambda: self.samples, "frames": lambda: self.frames}
+            declare, {"updates": lambda: self.samples, "timesteps": lambda: self.frames}
         )
 
     @property
@@ -436,7 +438,7 @@ class ClawStorage(StoreStorage):
         self._setup(generation=state_dict["generation"], added=state_dict["added"])
         self.samples = int(state_dict.get("samples", 0))
         self.frames = int(state_dict.get("frames", 0))
-        self.policy_version = kw.get("policy_version", "samples")
+        self.policy_version = kw.get("policy_version", "updates")
 
     def dumps(self, path: str | Path) -> None:
         """Write :meth:`state_dict` as JSON in directory ``path`` (the data stays in Redis)."""
@@ -450,10 +452,10 @@ class ClawStorage(StoreStorage):
 
     def _empty(self) -> None:
         """Start empty (``ReplayBuffer.empty``): move to a new namespace generation; the old
-        one is dropped only with ``drop_on_empty``."""
+        one is dropped only with ``drop_on_reset``."""
         old, url = self.namespace, self._kw["redis_url"] or get_settings().redis_url
         self.close()
-        if self._kw["drop_on_empty"]:
+        if self._kw["drop_on_reset"]:
             r = Store(url, old).r
             drop_namespace(r, old)
             r.close()
