@@ -50,7 +50,8 @@ def _route_scripts_by_their_keys() -> None:
     commands, they are routed as ``execute_command`` routes them. A sampled batch on a
     cluster then costs one round trip per node, not one more per script call. From 8.1 the
     table is a deprecated copy nothing reads (reading it warns), and the pipeline routes
-    EVAL/EVALSHA by their keys itself: nothing is registered then."""
+    EVAL/EVALSHA by their keys itself (8.2's ``ClusterPipeline``: keyed unless flagged):
+    nothing is registered then."""
     try:
         from redis.commands import policies
     except ImportError:  # redis-py < 8: its pipeline routes scripts by their keys
