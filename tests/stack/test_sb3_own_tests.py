@@ -19,7 +19,8 @@ from tests.support.paths import ROOT
 
 NOT_APPLICABLE = {
     "test_buffer_dtypes": "reads SB3's in-memory arrays (buffer.observations) and samples a "
-    "buffer of size 1 marked full with nothing added; Claw's rows live in Redis",
+    "buffer of size 1 marked full with nothing added; Claw's rows live in Redis "
+    "(test_sb3_rollout.py::test_buffer_dtypes adapts it)",
 }
 
 
