@@ -120,7 +120,7 @@ class Sender:
         self._gate.wait()
         codecs = self.schema.codecs if self.schema is not None else {}
         if codecs and self.compress_at == "producer":
-            batch = encode_batch(batch, self.schema, self.codec_threads)  # type: ignore[arg-type]
+            batch = encode_batch(batch, self.schema, self.codec_threads)  # type: ignore[arg-type]  # codecs come from a schema: it is set
         fixed = {
             k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray) and k not in codecs
         }  # a compressed field travels in the message (encoded here or by the worker)

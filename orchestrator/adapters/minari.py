@@ -71,7 +71,7 @@ def _space_of(spec: FieldSpec) -> gym.Space:
     dtype = np.dtype(spec.dtype)
     bound = np.inf if dtype.kind == "f" else np.iinfo(dtype).max if dtype.kind in "iu" else 1
     low = -bound if dtype.kind in "fi" else 0
-    return gym.spaces.Box(low, bound, tuple(spec.shape), dtype)  # type: ignore[arg-type]
+    return gym.spaces.Box(low, bound, tuple(spec.shape), dtype)  # type: ignore[arg-type]  # a fixed shape (no None)
 
 
 def namespace_spaces(store: Store) -> tuple[gym.Space, gym.Space]:

@@ -144,7 +144,7 @@ class Session:
         self.store, self.lock = store, threading.Lock()
         check_field(self.spec, cfg.schema.fields)
         shape = tuple(cfg.schema.fields[self.spec.field].shape)
-        self.project = Projection(self.spec, shape, get_settings().features)  # type: ignore[arg-type]
+        self.project = Projection(self.spec, shape, get_settings().features)  # type: ignore[arg-type]  # an indexed field has a fixed shape (no None)
         self.index: SamplingIndex = make_index(store)
         self.strings = Strings(store, self.index)
         self.fetch = Fetcher(store, cfg.cap)

@@ -355,7 +355,7 @@ class _Session:
         if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
             batch = _within_budget(batch, recipe)
         if once:
-            claim = self._claim(key, batch.groups)  # type: ignore[arg-type]
+            claim = self._claim(key, batch.groups)  # type: ignore[arg-type]  # a once recipe is a group recipe: its batch has groups
             if claim is None:
                 return None
             batch.claim = claim

@@ -58,7 +58,7 @@ class ClawDictReplayBuffer(ClawReplayBuffer):
         self.observation_space = observation_space
         self._init_kw["observation_space"] = observation_space  # pickles as it came
 
-    def add(  # type: ignore[override]
+    def add(  # type: ignore[override]  # SB3's DictReplayBuffer.add takes dict observations
         self,
         obs: Mapping[str, np.ndarray],
         next_obs: Mapping[str, np.ndarray],
