@@ -17,4 +17,6 @@ checks it; ``orchestrator`` — the read path — sits on top of all of them):
 - ``client``     the SDK: ``Ingestor``, episodes, sending, checks, backpressure, gym wrapper
 """
 
+__all__ = ["__version__"]
+
 __version__ = "0.2.0"

@@ -12,6 +12,8 @@ from claw_tasks.client.episode import Episode
 from claw_tasks.client.ingestor import Ingestor
 from claw_tasks.format.schema import BOOTSTRAP_VALUE
 
+__all__ = ["RecordSteps"]
+
 
 class RecordSteps(gym.Wrapper):
     """Records each transition through ``ingestor``; the user's loop stays unchanged.

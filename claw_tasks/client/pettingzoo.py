@@ -22,6 +22,8 @@ from claw_tasks.client.episode import Episode
 from claw_tasks.client.ingestor import Ingestor
 from claw_tasks.format.joint import AGENTS_TAG, EPISODE_TAG, STATE_FIELD, agent_episode, joint_code
 
+__all__ = ["RecordParallelSteps"]
+
 StateTags = Callable[[np.ndarray], Mapping[str, float | str]]
 """Scalar features of the global state, stored as tags of the joint step's anchor (so a
 joint recipe filters on them: ``tags.<name>``)."""

@@ -14,6 +14,8 @@ from claw_tasks.codecs import CodecError
 from claw_tasks.codecs.spec import Codec
 from claw_tasks.format.arrays import check_dtype
 
+__all__ = ["FieldSpec", "Schema", "SchemaError", "key_tag", "tag_column", "tag_key", "tag_name"]
+
 TagKind = Literal["str", "num"]
 
 # Metadata that is not a payload field; names a user may not reuse for fields or tags.

@@ -30,6 +30,18 @@ from claw_tasks.format.stepmeta import EXPLICIT_NEXT
 from claw_tasks.store import Store
 from orchestrator.maintenance.steptable import batch_problem
 
+__all__ = [
+    "ExportResult",
+    "ImportResult",
+    "MinariError",
+    "datasets_root",
+    "export_minari",
+    "import_minari",
+    "load",
+    "namespace_spaces",
+    "serialize_spaces",
+]
+
 ORIGIN_TAG = "origin"
 GROUP_STEPS = 1 << 16  # steps read or committed at a time
 _SUPPORTED = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)

@@ -14,6 +14,16 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+__all__ = [
+    "DEFAULTS_DIFFER",
+    "POLICY_VERSIONS",
+    "RENAMED",
+    "RENAMED_VERSIONS",
+    "SHARED",
+    "check_policy_version",
+    "refuse_renamed",
+]
+
 SHARED: dict[str, tuple[Any, str]] = {
     "namespace": (None, "the Claw namespace the rows live in (None: a new unique one, logged)"),
     "redis_url": (None, "the data store (None: CLAW_REDIS_URL)"),

@@ -31,6 +31,8 @@ from orchestrator.delivery.client import BatchClient
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.batch import Batch
 
+__all__ = ["ClawIterableDataset", "batch_to_tensors", "to_tensor"]
+
 Item = dict[str, Any]
 
 

@@ -31,6 +31,8 @@ from orchestrator.retrieval import Neighbours, nearest
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.groups import Claim
 
+__all__ = ["BatchClient"]
+
 log = logging.getLogger(__name__)
 
 _FLUSH = object()  # asks the sending thread to send the lineage recorded by local pops

@@ -66,6 +66,15 @@ from orchestrator.sampling.shared import SharedIndex, make_index
 from orchestrator.sampling.strings import Strings
 from orchestrator.sampling.turns import segments, sequence_tokens
 
+__all__ = [
+    "StoreChangingError",
+    "hit_rates",
+    "read_steps",
+    "sample",
+    "select_rollout",
+    "update_priorities",
+]
+
 _ATTEMPTS = 8  # draws per call before giving up on rows overwritten under us
 
 

@@ -68,3 +68,29 @@ def test_the_version_is_one_number() -> None:
 
     out = CliRunner().invoke(app, ["version"]).output
     assert out.startswith(f"claw {claw_tasks.__version__} ("), out
+
+
+PUBLIC = [
+    "claw_tasks",
+    "claw_tasks.client",
+    "claw_tasks.client.gym",
+    "claw_tasks.format.schema",
+    "claw_tasks.store",
+    "claw_tasks.settings",
+    "claw_tasks.where",
+    "claw_tasks.codecs",
+    "orchestrator",
+    "orchestrator.recipe",
+    "orchestrator.sampling.batch",
+    "orchestrator.sampling.sample",
+    "orchestrator.delivery.client",
+    "orchestrator.retrieval",
+    "orchestrator.adapters.options",
+]
+
+
+@pytest.mark.parametrize("module", PUBLIC)
+def test_public_modules_say_what_they_export(module: str) -> None:
+    mod = importlib.import_module(module)
+    assert mod.__all__, module
+    assert [n for n in mod.__all__ if not hasattr(mod, n)] == []
