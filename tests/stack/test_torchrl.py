@@ -294,3 +294,26 @@ def test_a_full_storage_samples_only_the_rows_torchrl_would_keep(redis_url, name
         assert drawn == _row_keys(data[2:])
     finally:
         storage.close()
+
+
+def test_deterministic_storages_with_one_seed_sample_alike(redis_url, namespace, workers):
+    """``seed`` and ``deterministic``, as SB3's and RLlib's buffers take them: two storages
+    given the same extends and the same seed draw the same rows, sample after sample; a
+    third with another seed does not."""
+    data = _transitions(200, seed=3)
+
+    def run(ns: str, seed: int) -> list[list[tuple]]:
+        storage = ClawStorage(1000, ns, redis_url, timeout=60, seed=seed, deterministic=True)
+        rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=16)
+        try:
+            rb.extend(data[:120])
+            got = [rb.sample() for _ in range(3)]
+            rb.extend(data[120:])
+            got += [rb.sample() for _ in range(3)]
+            return [sorted(_row_keys(g)) for g in got]  # the rows, not their ids
+        finally:
+            storage.close()
+
+    a, b, c = run(f"{namespace}-a", 7), run(f"{namespace}-b", 7), run(f"{namespace}-c", 8)
+    assert a == b
+    assert a != c
