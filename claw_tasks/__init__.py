@@ -16,3 +16,7 @@ checks it; ``orchestrator`` — the read path — sits on top of all of them):
                  namespace contexts
 - ``client``     the SDK: ``Ingestor``, episodes, sending, checks, backpressure, gym wrapper
 """
+
+__all__ = ["__version__"]
+
+__version__ = "0.2.0"

@@ -30,8 +30,9 @@ checks both):
 
 ``orchestrator/lua/`` holds the read path's Redis scripts (package data). This module sits
 on top of every stage, and no stage imports it: it is the public facade (``Recipe``,
-``sample``, ``update_priorities``, ``Batch``, ``InsufficientData``, and
-``BatchClient``, imported lazily so that ``import orchestrator`` builds no Celery app).
+``sample``, ``update_priorities``, ``Batch``, ``InsufficientData``; ``BatchClient``,
+``nearest``, ``define_index``, ``update_indexes`` and ``define_source``, imported on first
+use so that ``import orchestrator`` builds no Celery app and loads no retrieval code).
 Importing it also registers the sampler kinds (``sampling.samplers``) whose names and keys
 the recipe accepts: Python runs it before any ``orchestrator.recipe`` import.
 """
@@ -46,21 +47,37 @@ from orchestrator.sampling.samplers import SAMPLERS  # noqa: F401  (registers th
 
 if TYPE_CHECKING:
     from orchestrator.delivery.client import BatchClient
+    from orchestrator.maintenance.cleaning import define_source
+    from orchestrator.maintenance.vectors import update_indexes
+    from orchestrator.retrieval import define_index, nearest
 
 __all__ = [
     "Batch",
     "BatchClient",
     "InsufficientData",
     "Recipe",
+    "define_index",
+    "define_source",
+    "nearest",
     "sample",
+    "update_indexes",
     "update_priorities",
 ]
 
+_LAZY = {
+    "BatchClient": "orchestrator.delivery.client",
+    "define_index": "orchestrator.retrieval",
+    "define_source": "orchestrator.maintenance.cleaning",
+    "nearest": "orchestrator.retrieval",
+    "update_indexes": "orchestrator.maintenance.vectors",
+}
+
 
 def __getattr__(name: str) -> Any:
-    # BatchClient pulls in the Celery app; import it only when asked for.
-    if name == "BatchClient":
-        from orchestrator.delivery.client import BatchClient
+    # BatchClient pulls in the Celery app, the others the retrieval and maintenance code:
+    # imported only when asked for.
+    if name in _LAZY:
+        import importlib
 
-        return BatchClient
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import time
 
-import redis
-
-from claw_tasks.connection.client import memory
+from claw_tasks.connection.client import Client, memory
 
 ON_FULL = ("block", "raise")
 CHECK_EVERY_S = 0.5  # INFO memory is read at most this often while under the mark
@@ -26,7 +24,7 @@ class MemoryGate:
 
     def __init__(
         self,
-        r: redis.Redis,
+        r: Client,
         high_water: float = 0.95,
         on_full: str = "block",
         timeout: float = 300.0,

@@ -184,7 +184,7 @@ def steps_to_batch(steps: Sequence[Step], schema: Schema) -> StepBatch:
     next_obs: np.ndarray | Ragged | None = None
     if nx_vals:
         ragged = schema.fields["obs"].ragged
-        next_obs = Ragged.of(nx_vals) if ragged else np.stack(nx_vals)  # type: ignore[arg-type]
+        next_obs = Ragged.of(nx_vals) if ragged else np.stack(nx_vals)  # type: ignore[arg-type]  # the values are arrays of one shape when not ragged
     info_rows = [i for i, s in enumerate(steps) if s.info]
     batch = StepBatch(
         episode=StrColumn.of([s.episode_id for s in steps]),
@@ -200,7 +200,7 @@ def steps_to_batch(steps: Sequence[Step], schema: Schema) -> StepBatch:
         next_rows=np.array(nx_rows, np.int32),
         next_obs=next_obs,
         info_rows=np.array(info_rows, np.int32),
-        info=[steps[i].info for i in info_rows],  # type: ignore[misc]
+        info=[steps[i].info for i in info_rows],  # type: ignore[misc]  # info_rows are the steps whose info is set
     )
     for k in STR_META:
         if any(s.meta.get(k) is not None for s in steps):

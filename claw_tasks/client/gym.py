@@ -8,8 +8,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from claw_tasks.client import Episode, Ingestor
+from claw_tasks.client.episode import Episode
+from claw_tasks.client.ingestor import Ingestor
 from claw_tasks.format.schema import BOOTSTRAP_VALUE
+
+__all__ = ["RecordSteps"]
 
 
 class RecordSteps(gym.Wrapper):

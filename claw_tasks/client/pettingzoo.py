@@ -18,8 +18,11 @@ from typing import Any
 import numpy as np
 from pettingzoo.utils.env import ParallelEnv
 
-from claw_tasks.client import Episode, Ingestor
+from claw_tasks.client.episode import Episode
+from claw_tasks.client.ingestor import Ingestor
 from claw_tasks.format.joint import AGENTS_TAG, EPISODE_TAG, STATE_FIELD, agent_episode, joint_code
+
+__all__ = ["RecordParallelSteps"]
 
 StateTags = Callable[[np.ndarray], Mapping[str, float | str]]
 """Scalar features of the global state, stored as tags of the joint step's anchor (so a
@@ -64,7 +67,7 @@ class RecordParallelSteps:
         self.state_tags = state_tags
         self.record_info = record_info
         self.policy_version = policy_version
-        self._meta = {"task_id": task_id, "origin": "online", **tags}
+        self._meta: dict[str, Any] = {"task_id": task_id, "origin": "online", **tags}
         if self.state and STATE_FIELD not in ingestor.ragged:  # (k, *shape): k = 0, 1 or 2
             ingestor.ragged = (*ingestor.ragged, STATE_FIELD)
         self._episodes: dict[str, Episode] = {}
@@ -146,12 +149,12 @@ class RecordParallelSteps:
     def _episode(self, agent: str) -> Episode:
         ep = self._episodes.get(agent)
         if ep is None:
+            tags: dict[str, Any] = {EPISODE_TAG: self._code, **self._meta}
             ep = self._episodes[agent] = self.ingestor.episode(
                 agent_episode(self._id, agent),
                 agent_id=agent,
                 policy_version=self.policy_version,
-                **{EPISODE_TAG: self._code},
-                **self._meta,
+                **tags,
             )
         return ep
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -120,7 +120,7 @@ class Sender:
         self._gate.wait()
         codecs = self.schema.codecs if self.schema is not None else {}
         if codecs and self.compress_at == "producer":
-            batch = encode_batch(batch, self.schema, self.codec_threads)  # type: ignore[arg-type]
+            batch = encode_batch(batch, self.schema, self.codec_threads)  # type: ignore[arg-type]  # codecs come from a schema: it is set
         fixed = {
             k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray) and k not in codecs
         }  # a compressed field travels in the message (encoded here or by the worker)
@@ -132,7 +132,7 @@ class Sender:
         for shard, part in self._by_shard(batch):
             row_bytes = {k: self.schema.fields[k].row_bytes for k in fixed}
             seq0, _ = self.store.allocate(shard, part.batch_id, part.n, row_bytes)
-            self.store.place(shard, seq0, {k: part.fields[k] for k in fixed})
+            self.store.place(shard, seq0, {k: cast(np.ndarray, part.fields[k]) for k in fixed})
             for k, v in fixed.items():
                 part.fields[k] = Placed(v.dtype, (part.n, *v.shape[1:]))
             self._publish_batch(part, INLINE_BYTES)
@@ -190,7 +190,7 @@ class Sender:
                     continue
                 if raw is not None:
                     del self._inflight[batch_id]
-                    out = IngestOutcome.from_bytes(raw)
+                    out = IngestOutcome.from_bytes(cast(bytes, raw))
                     res = self._confirmed
                     res.committed += out.committed + out.replayed
                     res.rejected += out.rejected
@@ -224,7 +224,7 @@ def encode_batch(batch: StepBatch, schema: Schema, threads: int = 1) -> StepBatc
             codec, np.dtype(spec.dtype), (len(v), *spec.shape), encode(codec, rows, threads)
         )
     nx = batch.next_obs
-    if "obs" in codecs and nx is not None and not isinstance(nx, Encoded):
+    if "obs" in codecs and nx is not None and not isinstance(nx, Encoded | Placed):
         spec = schema.fields["obs"]
         rows = nx if isinstance(nx, np.ndarray) else [nx.row(i) for i in range(len(nx))]
         frames = encode(codecs["obs"], rows, threads)

@@ -118,7 +118,7 @@ def decode_with_keys(
     for j, f in enumerate(frames):
         if heads[j] is None:
             continue
-        k, i = heads[j]  # type: ignore[misc]
+        k, i = heads[j]  # type: ignore[misc]  # None skipped above (a list item is not narrowed)
         if k == KEY and i > 0:  # a step's own key frame: maybe another row's key too
             out[j] = key_row(i, f)
         elif k == KEY:  # a self-contained copy (explicit next_obs): id 0

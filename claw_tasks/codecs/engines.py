@@ -28,7 +28,7 @@ from claw_tasks.codecs.spec import Codec, image_layout
 try:  # zlib-ng inflates these frames ~2x faster than zlib; the same API and checks
     from zlib_ng import zlib_ng as _zlib
 except ImportError:  # pragma: no cover
-    _zlib = zlib  # type: ignore[assignment]
+    _zlib = zlib  # type: ignore[assignment]  # zlib stands in for zlib_ng: the same API
 
 _PIL_FORMAT = {"jpeg": "JPEG", "webp": "WEBP"}
 _RGB = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # the pixels as stored

@@ -94,7 +94,7 @@ def decode(
             return out
 
         return [a for part in _parallel(n, threads, ragged) for a in part]
-    fixed_shape = tuple(int(d) for d in shape)  # type: ignore[arg-type]
+    fixed_shape = tuple(int(d) for d in shape)  # type: ignore[arg-type]  # not ragged here: a fixed shape (no None)
     nbytes = dt.itemsize * math.prod(fixed_shape)
     out = np.empty((n, nbytes), np.uint8)  # every row written below (zeros: no fresh pages)
 
@@ -135,7 +135,7 @@ def frame_problem(
     a prefetch worker or a thumbnail."""
     dt = np.dtype(dtype)
     ragged = bool(shape) and shape[0] is None
-    dims = tuple(int(d) for d in (shape[1:] if ragged else shape))  # type: ignore[arg-type]
+    dims = tuple(int(d) for d in (shape[1:] if ragged else shape))  # type: ignore[arg-type]  # the ragged dimension is dropped: no None left
     item = dt.itemsize * math.prod(dims)
     eng = engine_for(codec)
     try:

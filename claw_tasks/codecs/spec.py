@@ -105,7 +105,7 @@ class Codec:
                 )
             if ragged or not shape:
                 raise CodecError(f"{what}: codec {self} needs a fixed shape; use zstd or lz4")
-            mode, _ = image_layout(tuple(shape))  # type: ignore[arg-type]
+            mode, _ = image_layout(tuple(shape))  # type: ignore[arg-type]  # checked above: a fixed shape (no None)
             if self.name == "jpeg" and mode == "RGBA":
                 raise CodecError(f"{what}: jpeg has no alpha channel; use png or webp")
             if self.name == "webp" and mode == "L":

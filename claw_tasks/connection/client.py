@@ -44,24 +44,27 @@ def plain_url(url: str) -> str:
 
 
 def _route_scripts_by_their_keys() -> None:
-    """redis-py 8's cluster pipeline asks a node ``COMMAND GETKEYS`` for every EVAL/EVALSHA
+    """redis-py 8.0's cluster pipeline asks a node ``COMMAND GETKEYS`` for every EVAL/EVALSHA
     it queues, one more round trip each (its static command policies lack them), where its
     plain ``execute_command`` reads a script's keys from its arguments; registered as keyed
     commands, they are routed as ``execute_command`` routes them. A sampled batch on a
-    cluster then costs one round trip per node, not one more per script call."""
+    cluster then costs one round trip per node, not one more per script call. From 8.1 the
+    table is a deprecated copy nothing reads (reading it warns), and the pipeline routes
+    EVAL/EVALSHA by their keys itself (8.2's ``ClusterPipeline``: keyed unless flagged):
+    nothing is registered then."""
     try:
-        from redis.commands.policies import (
-            STATIC_POLICIES,
-            CommandPolicies,
-            RequestPolicy,
-            ResponsePolicy,
-        )
+        from redis.commands import policies
     except ImportError:  # redis-py < 8: its pipeline routes scripts by their keys
         return
-    keyed = CommandPolicies(
-        request_policy=RequestPolicy.DEFAULT_KEYED, response_policy=ResponsePolicy.DEFAULT_KEYED
+    # vars(), not getattr: a table served by the module's __getattr__ is the deprecated one
+    table = vars(policies).get("STATIC_POLICIES")
+    if table is None:
+        return
+    keyed = policies.CommandPolicies(
+        request_policy=policies.RequestPolicy.DEFAULT_KEYED,
+        response_policy=policies.ResponsePolicy.DEFAULT_KEYED,
     )
-    core = STATIC_POLICIES.setdefault("core", {})
+    core = table.setdefault("core", {})
     for name in ("eval", "evalsha", "eval_ro", "evalsha_ro"):
         core.setdefault(name, keyed)
 

@@ -364,7 +364,7 @@ class _BulkReader:
         while len(replies) < n:
             reply = reader.gets()
             if reply is False:
-                got = self.sock.recv_into(self.mv)  # type: ignore[union-attr]
+                got = self.sock.recv_into(self.mv)  # type: ignore[union-attr]  # the socket is open while replies are read
                 if not got:
                     raise redis.ConnectionError("connection closed by the server")
                 reader.feed(bytes(self.mv[:got]))
@@ -428,7 +428,7 @@ class _BulkReader:
             rest = self.end - self.start
             self.buf[:rest] = self.buf[self.start : self.end]
             self.start, self.end = 0, rest
-        got = self.sock.recv_into(self.mv[self.end :])  # type: ignore[union-attr]
+        got = self.sock.recv_into(self.mv[self.end :])  # type: ignore[union-attr]  # the socket is open while replies are read
         if not got:
             raise redis.ConnectionError("connection closed by the server")
         self.end += got
@@ -454,7 +454,7 @@ class _BulkReader:
         dest[:have] = self.mv[self.start : self.start + have]
         self.start += have
         while have < len(dest):  # the rest straight from the socket
-            got = self.sock.recv_into(dest[have:])  # type: ignore[union-attr]
+            got = self.sock.recv_into(dest[have:])  # type: ignore[union-attr]  # the socket is open while replies are read
             if not got:
                 raise redis.ConnectionError("connection closed by the server")
             have += got

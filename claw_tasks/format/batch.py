@@ -98,7 +98,7 @@ class StepBatch:
                 fields[name] = v.spec
             else:
                 fields[name] = FieldSpec(v.dtype.str, tuple(v.shape[1:]))
-        schema = Schema(fields=fields, tags=self.tag_kinds())  # type: ignore[arg-type]
+        schema = Schema(fields=fields, tags=self.tag_kinds())  # type: ignore[arg-type]  # tag_kinds' str values are the Literal kinds
         schema.check_self()
         return schema
 

@@ -67,8 +67,8 @@ class Encoded:
             problem = frame_problem(spec.codec, f, self.dtype, spec.shape, max_step_bytes, not keep)
             if problem is None and keep:
                 try:
-                    row = eng.decode(key_body(f), spec.row_bytes, spec.shape)  # type: ignore[arg-type]
-                    self.decoded[i] = np.frombuffer(row, np.uint8)  # type: ignore[index]
+                    row = eng.decode(key_body(f), spec.row_bytes, spec.shape)  # type: ignore[arg-type]  # a compressed field's shape is fixed (no None)
+                    self.decoded[i] = np.frombuffer(row, np.uint8)  # type: ignore[index]  # decoded is a list once a frame is decoded
                 except CodecError as e:
                     problem = f"{self.codec} frame: {e}"
             if problem is not None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from claw_tasks.codecs import CodecError
 from claw_tasks.codecs.spec import Codec
 from claw_tasks.format.arrays import check_dtype
+
+__all__ = ["FieldSpec", "Schema", "SchemaError", "key_tag", "tag_column", "tag_key", "tag_name"]
 
 TagKind = Literal["str", "num"]
 
@@ -103,7 +106,7 @@ class SchemaError(ValueError):
     """A batch does not match the namespace schema, or a schema is malformed."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class FieldSpec:
     """One payload field. ``shape[0] is None`` marks a ragged (variable-length) field.
 
@@ -116,14 +119,21 @@ class FieldSpec:
     shape: tuple[int | None, ...]
     codec: Codec | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(self.shape))
+    def __init__(
+        self,
+        dtype: DTypeLike,
+        shape: Sequence[int | None],
+        codec: Codec | str | None = None,
+    ) -> None:
+        # Written out (not the dataclass's): it takes what it normalizes, a dtype's or a
+        # codec's name among them, and keeps the normal form.
+        object.__setattr__(self, "shape", tuple(shape))
         try:  # one spelling per dtype ("uint8" is "|u1"): specs compare as written
-            object.__setattr__(self, "dtype", np.dtype(self.dtype).str)
+            object.__setattr__(self, "dtype", np.dtype(dtype).str)
         except TypeError as e:
-            raise SchemaError(f"dtype {self.dtype!r}: {e}") from None
+            raise SchemaError(f"dtype {dtype!r}: {e}") from None
         try:
-            object.__setattr__(self, "codec", Codec.of(self.codec))  # type: ignore[arg-type]
+            object.__setattr__(self, "codec", Codec.of(codec))
         except CodecError as e:
             raise SchemaError(str(e)) from None
 
@@ -135,7 +145,7 @@ class FieldSpec:
     def row_items(self) -> int:
         """Items per row (fixed) or per element of the ragged dimension."""
         dims = self.shape[1:] if self.ragged else self.shape
-        return int(np.prod(dims, dtype=np.int64)) if dims else 1
+        return int(np.prod(cast(tuple[int, ...], dims), dtype=np.int64)) if dims else 1
 
     @property
     def row_bytes(self) -> int:

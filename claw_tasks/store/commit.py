@@ -256,7 +256,7 @@ class CommitPart:
                 w.rows(f"z:{name}", list(range(len(self.rows))), frames)
                 w.clear.append([f"z:{name}", SPARSE_CHUNK_SLOTS])
             elif spec.ragged:
-                self._ragged_rows(w, name, spec.row_bytes, v)  # type: ignore[arg-type]
+                self._ragged_rows(w, name, spec.row_bytes, v)  # type: ignore[arg-type]  # a ragged field's value is Ragged
             elif not isinstance(v, Placed):  # Placed: already written in place by the client
                 arr = np.ascontiguousarray(self._sel(v))
                 blob = arr.data.cast("B") if arr.size else b""
@@ -343,12 +343,12 @@ class CommitPart:
         obs = self.schema.fields["obs"]
         if obs.codec is not None or isinstance(b.next_obs, Encoded):
             pos = np.array([idx[int(r)] for r in src_rows.tolist()], np.int64)
-            return explicit_frames(obs, _rows_of(b.next_obs, pos))  # type: ignore[arg-type]
+            return explicit_frames(obs, _rows_of(b.next_obs, pos))  # type: ignore[arg-type]  # next_obs is set when explicit rows exist
         out = []
         for r in src_rows.tolist():
             v = b.next_obs
             j = idx[int(r)]
-            row = v.row(j) if isinstance(v, Ragged) else v[j]  # type: ignore[union-attr]
+            row = v.row(j) if isinstance(v, Ragged) else v[j]  # type: ignore[union-attr]  # a payload field is Ragged or an array here
             out.append(np.ascontiguousarray(row).tobytes())
         return out
 

@@ -58,7 +58,7 @@ def frames_of(
     codec = spec.codec
     assert codec is not None
     if codec.name == "delta":
-        return encode_groups(codec, raw_rows(spec, v), ids, runs)  # type: ignore[arg-type]
+        return encode_groups(codec, raw_rows(spec, v), ids, runs)  # type: ignore[arg-type]  # a delta field is fixed-shape: rows are arrays
     if isinstance(v, Encoded):
         return list(v.frames)  # stored as sent: no decode/encode round trip
     return list(encode(codec, raw_rows(spec, v), codec_threads()))
@@ -100,5 +100,5 @@ def decode_stored(store: StoreCore, name: str, spec: FieldSpec, frames: list[Any
                 )
                 pipe.hget(key, slot)
             keys = dict(zip(need, pipe.execute(), strict=True))
-    shape = tuple(int(d) for d in spec.shape)  # type: ignore[arg-type]
+    shape = tuple(int(d) for d in spec.shape)  # type: ignore[arg-type]  # a compressed fixed field: no None in its shape
     return decode_with_keys(codec, frames, keys, spec.dtype, shape)

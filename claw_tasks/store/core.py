@@ -13,9 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import redis
-
-from claw_tasks.connection.client import redis_client
+from claw_tasks.connection.client import Client, redis_client
 from claw_tasks.store.config import (
     DROPPED_TTL,
     NamespaceConfig,
@@ -42,7 +40,7 @@ class StoreCore:
     cache; a part that writes the record hands the new one to :meth:`remember`.
     """
 
-    def __init__(self, client: redis.Redis | str, namespace: str) -> None:
+    def __init__(self, client: Client | str, namespace: str) -> None:
         self.r = redis_client(client) if isinstance(client, str) else client
         self.layout_keys = Keys(namespace)
         self.namespace = namespace

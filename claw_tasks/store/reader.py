@@ -197,7 +197,7 @@ class Reader:
             if sl == -2:  # no next_obs known: an empty reply reads as zeros
                 pipe.getrange(self.layout_keys.field(sh, name, 0), 1, 0)
             elif sl == -1:  # explicit next_obs, stored with the step itself
-                slot = int(own[j])  # type: ignore[index]
+                slot = int(own[j])  # type: ignore[index]  # own is read whenever a row stores its next_obs
                 pipe.hget(self.layout_keys.sparse(sh, "nx", slot // SPARSE_CHUNK_SLOTS), slot)
             elif spec.codec is not None:
                 pipe.hget(self.layout_keys.compressed(sh, name, sl // SPARSE_CHUNK_SLOTS), sl)

@@ -14,9 +14,9 @@ from functools import cache
 from importlib.resources import files
 from typing import Any
 
-import redis
 from redis.exceptions import NoScriptError
 
+from claw_tasks.connection.client import Client
 from claw_tasks.connection.resp import execute as execute
 
 
@@ -46,7 +46,7 @@ class Lua:
         # method, but routes the command by its keys (all in one slot: the caller's rule).
         pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
-    def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    def __call__(self, client: Client, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -57,7 +57,7 @@ class Lua:
 class _Bound:
     """A script bound to a client: ``script(keys=..., args=...)``."""
 
-    def __init__(self, script: Lua, client: redis.Redis) -> None:
+    def __init__(self, script: Lua, client: Client) -> None:
         self.script, self.client = script, client
 
     def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -69,7 +69,7 @@ class Scripts:
 
     ALL = {name: Lua(name) for name in ("alloc", "commit", "update", "dict")}
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: Client) -> None:
         self.alloc = _Bound(self.ALL["alloc"], client)
         self.commit = _Bound(self.ALL["commit"], client)
         self.update = _Bound(self.ALL["update"], client)

@@ -18,8 +18,8 @@ TRANSPORT = transport.Transport  # registered for redis:// and rediss:// by the 
 
 @signals.celeryd_after_setup.connect
 def _declare_amqp_queues(sender: str, instance: object, conf: object, **_: object) -> None:
-    if amqp.is_amqp(instance.app.conf.broker_url):  # type: ignore[attr-defined]
-        amqp.declare_all(instance.app)  # type: ignore[attr-defined]
+    if amqp.is_amqp(instance.app.conf.broker_url):  # type: ignore[attr-defined]  # Celery's signal sender is typed object
+        amqp.declare_all(instance.app)  # type: ignore[attr-defined]  # Celery's signal sender is typed object
 
 
 app = make_app(get_settings())

@@ -15,6 +15,8 @@ import torch
 
 from orchestrator.sampling.batch import Batch
 
+__all__ = ["split", "token_tensors", "trl_inputs", "trl_rollout", "verl_fields", "verl_non_tensor"]
+
 _LONG = ("input_ids", "attention_mask", "position_ids")
 _FLOAT = ("loss_mask", "old_logprobs", "advantages", "rewards")
 TRL_ROLLOUT_KEYS = (

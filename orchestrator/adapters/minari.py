@@ -30,6 +30,18 @@ from claw_tasks.format.stepmeta import EXPLICIT_NEXT
 from claw_tasks.store import Store
 from orchestrator.maintenance.steptable import batch_problem
 
+__all__ = [
+    "ExportResult",
+    "ImportResult",
+    "MinariError",
+    "datasets_root",
+    "export_minari",
+    "import_minari",
+    "load",
+    "namespace_spaces",
+    "serialize_spaces",
+]
+
 ORIGIN_TAG = "origin"
 GROUP_STEPS = 1 << 16  # steps read or committed at a time
 _SUPPORTED = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)
@@ -71,7 +83,7 @@ def _space_of(spec: FieldSpec) -> gym.Space:
     dtype = np.dtype(spec.dtype)
     bound = np.inf if dtype.kind == "f" else np.iinfo(dtype).max if dtype.kind in "iu" else 1
     low = -bound if dtype.kind in "fi" else 0
-    return gym.spaces.Box(low, bound, tuple(spec.shape), dtype)  # type: ignore[arg-type]
+    return gym.spaces.Box(low, bound, tuple(spec.shape), dtype)  # type: ignore[arg-type]  # a fixed shape (no None)
 
 
 def namespace_spaces(store: Store) -> tuple[gym.Space, gym.Space]:

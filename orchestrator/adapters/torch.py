@@ -5,7 +5,7 @@ Each item is one whole batch, a dict of tensors (the recipe's fields plus ``ids`
 augmentation and collation already happened in the prefetch workers; the trainer only pops.
 
 Lineage: each batch is recorded as training a policy version (``claw lineage NS --policy
-v``), by default ``"batches"``: its place in the ``DataLoader``'s order, 1, 2, ... (one
+v``), by default ``"updates"``: its place in the ``DataLoader``'s order, 1, 2, ... (one
 optimizer step a batch: the policy after ``v`` steps). With ``num_workers=W`` the loader
 takes batches from the workers in turn, so worker ``w``'s ``k``-th batch is number
 ``k * W + w + 1``; that holds while every worker yields as many (``num_batches``, or
@@ -25,10 +25,13 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from orchestrator.adapters.options import refuse_renamed
 from orchestrator.adapters.versions import PolicyVersion, Versions
 from orchestrator.delivery.client import BatchClient
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.batch import Batch
+
+__all__ = ["ClawIterableDataset", "batch_to_tensors", "to_tensor"]
 
 Item = dict[str, Any]
 
@@ -70,6 +73,7 @@ class ClawIterableDataset(IterableDataset):
     ``policy_version``: what each batch is recorded as training (the module docstring).
     """
 
+    @refuse_renamed
     def __init__(
         self,
         recipe: str | Recipe | Mapping[str, Any],
@@ -81,10 +85,10 @@ class ClawIterableDataset(IterableDataset):
         pin_memory: bool = False,
         device: str | torch.device | None = None,
         num_batches: int | None = None,
-        policy_version: PolicyVersion = "batches",
+        policy_version: PolicyVersion = "updates",
     ) -> None:
         super().__init__()
-        Versions(policy_version, {"batches": int})  # checked here, not in the workers
+        Versions(policy_version, {"updates": int})  # checked here, not in the workers
         self.policy_version = policy_version
         self.namespace, self.redis_url, self.broker_url = namespace, redis_url, broker_url
         if isinstance(recipe, str):
@@ -112,7 +116,7 @@ class ClawIterableDataset(IterableDataset):
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         number = 0
-        versions = Versions(self.policy_version, {"batches": lambda: number})
+        versions = Versions(self.policy_version, {"updates": lambda: number})
         try:
             n = 0
             while self.num_batches is None or n < self.num_batches:

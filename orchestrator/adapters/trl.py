@@ -25,6 +25,8 @@ import numpy as np
 from orchestrator.adapters.llm_trainers import trl_rollout
 from orchestrator.sampling.batch import Batch
 
+__all__ = ["ClawRollouts", "align", "claw_reward"]
+
 Dispatch = Callable[[list[Any], Any], None]
 """``dispatch(prompts, trainer)``: start rollouts of these prompts (one group each)."""
 

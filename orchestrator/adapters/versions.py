@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from orchestrator.adapters.options import check_policy_version
+
 PolicyVersion = str | Callable[[int], Any] | None
 """How an adapter declares what each sample trains: the name of one of its counters (e.g.
 ``"updates"``), a callable given the sample's number (1, 2, ...) returning the version
@@ -22,11 +24,7 @@ class Versions:
     picks one, or is a callable of the sample's number, or None."""
 
     def __init__(self, declare: PolicyVersion, counters: Mapping[str, Callable[[], int]]) -> None:
-        if isinstance(declare, str) and declare not in counters:
-            raise ValueError(
-                f"policy_version={declare!r}: one of {', '.join(map(repr, counters))}, a "
-                "callable of the sample's number, or None"
-            )
+        check_policy_version(declare, counters)
         if declare is not None and not isinstance(declare, str) and not callable(declare):
             raise TypeError(
                 f"policy_version: a counter's name, a callable or None, not {declare!r}"

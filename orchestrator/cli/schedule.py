@@ -51,7 +51,7 @@ def beat_entries(r: redis.Redis, now: datetime | None = None) -> list[Entry]:
         if last is not None and last.year < 2000:  # RedBeat's "never ran"
             last = None
         sched = when(spec)
-        every = None if "cron" in spec else sched.run_every.total_seconds()  # type: ignore[union-attr]
+        every = None if "cron" in spec else sched.run_every.total_seconds()  # type: ignore[union-attr]  # not cron: an interval schedule with run_every
         text = f"cron {spec['cron']}" if every is None else f"every {every:g}s"
         scheduled = key in due
         if scheduled and every is not None:

@@ -94,7 +94,7 @@ def declare(store: Store, recipe: Recipe, fresh: bool) -> None:
     adm = recipe.admission
     if adm is None:
         return
-    version = int(recipe.params[adm.version_param])  # type: ignore[arg-type]
+    version = int(recipe.params[adm.version_param])  # type: ignore[arg-type]  # the recipe validates the version param as an int
     args = [
         "declare",
         recipe.name,
@@ -190,7 +190,7 @@ def staleness_counts(recipe: Recipe, versions: np.ndarray) -> dict[str, float]:
     adm = recipe.admission
     if adm is None or not len(versions):
         return {}
-    v = int(recipe.params[adm.version_param])  # type: ignore[arg-type]
+    v = int(recipe.params[adm.version_param])  # type: ignore[arg-type]  # the recipe validates the version param as an int
     stale = v - np.asarray(versions, np.float64)
     worst = max(0, int(stale.max()))
     return {

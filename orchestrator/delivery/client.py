@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -30,6 +30,8 @@ from orchestrator.recipe.model import Recipe, RecipeLike, as_recipe, same_recipe
 from orchestrator.retrieval import Neighbours, nearest
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.groups import Claim
+
+__all__ = ["BatchClient"]
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +274,7 @@ class BatchClient:
             got = r.blpop([q], timeout=max(wait, 0.01))
             self._reports.waited(name, time.monotonic() - began)
             if got is not None:
-                return got[1]
+                return cast(bytes, got[1])
 
     def count_popped(self, name: str) -> None:
         """Count a batch of recipe ``name`` as popped (reported with the next pop): what a

@@ -249,7 +249,7 @@ class LineageLog:
         self.index = LineageIndex(self.r, self.key) if index is None else index
 
     def queue(self, pipe: redis.client.Pipeline, fields: dict[str, bytes | str]) -> None:
-        pipe.xadd(self.key, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
+        pipe.xadd(self.key, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]  # redis-py's stubs want str keys; bytes are sent as they are
 
     def build_index(self, *, force: bool = False) -> BuildReport:
         """Index what the log holds past the index (the beat's pass; ``force``: the tail

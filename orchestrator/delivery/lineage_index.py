@@ -259,7 +259,7 @@ class LineageIndex:
                 if pipe.get(self.wm) != wm:
                     return None
                 pipe.multi()
-                pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
+                pipe.hset(key, mapping=fields)  # type: ignore[arg-type]  # redis-py's stubs want str keys; bytes are sent as they are
                 pipe.zadd(self.segs, {first: parse_sid(last)[0]})
                 pipe.set(self.wm, last)
                 pipe.execute()

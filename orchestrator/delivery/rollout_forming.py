@@ -95,7 +95,7 @@ def score(reg: Registry, recipe: Recipe, chained: Chained) -> Target | None:
         ) from None
     if not all(np.isfinite(a).all() for a in got):
         raise ValueError(f"scorer {ro.scorer}: returned non-finite numbers")
-    return got  # type: ignore[return-value]
+    return got  # type: ignore[return-value]  # three float64 arrays (a tuple of a generator)
 
 
 FORMED = "formed by another fill"

@@ -245,7 +245,7 @@ class AttachGroups(Stage):
     always has its groups)."""
 
     def __call__(self, d: Draft) -> None:
-        d.arrays.update(group_arrays(d.batch.groups))  # type: ignore[arg-type]
+        d.arrays.update(group_arrays(d.batch.groups))  # type: ignore[arg-type]  # a group recipe's batch has groups
 
 
 class Deliver(Stage):

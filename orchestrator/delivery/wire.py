@@ -110,7 +110,7 @@ class WireBatch:
         """The buffers to concatenate, in order."""
         if self.pending:
             raise ValueError(f"pending fields not written yet: {sorted(self.pending)}")
-        return list(self._chunks)  # type: ignore[arg-type]
+        return list(self._chunks)  # type: ignore[arg-type]  # no pending field left (checked above): every chunk is a buffer
 
     def tobytes(self) -> bytes:
         """The whole encoding as one ``bytes`` object."""

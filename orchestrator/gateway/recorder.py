@@ -177,16 +177,16 @@ class Recorder:
                 calls.pop()
             self._busy_since = time.monotonic()
             try:
-                self._record_all(calls)  # type: ignore[arg-type]
+                self._record_all(calls)  # type: ignore[arg-type]  # the stop marker (None) was popped above
             except Exception:  # a bug: no call may stop the thread; these count as errors
                 log.exception("recording %d calls failed", len(calls))
                 for c in calls:
-                    self.unrecorded(c.trajectories, "error")  # type: ignore[union-attr]
+                    self.unrecorded(c.trajectories, "error")  # type: ignore[union-attr]  # the stop marker (None) was popped above
             finally:
                 self._busy_since = None
                 with self._progress:
                     self._done += len(calls)
-                    self._queued_bytes -= sum(len(c.reply) for c in calls)  # type: ignore[union-attr]
+                    self._queued_bytes -= sum(len(c.reply) for c in calls)  # type: ignore[union-attr]  # the stop marker (None) was popped above
                     self._progress.notify_all()
 
     def _record_all(self, calls: list[Call]) -> None:

@@ -60,7 +60,7 @@ class Reply:
 
     def __init__(self, pool: Upstream, conn: _Conn, state: _Parser, parser: object) -> None:
         self._pool, self._conn, self._state, self._parser = pool, conn, state, parser
-        self.status: int = parser.get_status_code()  # type: ignore[attr-defined]
+        self.status: int = parser.get_status_code()  # type: ignore[attr-defined]  # httptools' parser has no stubs
         self.headers = state.headers
         self._keep = state.keep_alive
 
@@ -83,7 +83,7 @@ class Reply:
             self._keep = False
             return False
         try:
-            self._parser.feed_data(data)  # type: ignore[attr-defined]
+            self._parser.feed_data(data)  # type: ignore[attr-defined]  # httptools' parser has no stubs
         except httptools.HttpParserError as e:
             raise UpstreamError(f"the upstream's reply is not HTTP: {e}") from None
         return True

@@ -424,7 +424,7 @@ def _vocab(names: list[str | None], index: np.ndarray) -> StrColumn:
     keep = [i for i, v in enumerate(names) if v is not None]
     remap = np.full(len(names) + 1, -1, np.int32)
     remap[keep] = np.arange(len(keep), dtype=np.int32)
-    return StrColumn([names[i] for i in keep], remap[index.reshape(-1)])  # type: ignore[misc]
+    return StrColumn([names[i] for i in keep], remap[index.reshape(-1)])  # type: ignore[misc]  # a dataclass of these two fields
 
 
 def archive_namespace(

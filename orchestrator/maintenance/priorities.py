@@ -230,7 +230,7 @@ class Recompute:
         if self.rules.fields:
             shards, slots = rows // cap, rows % cap
             chunk.update(self.store.read_fields(shards, slots, list(self.rules.fields)))
-        scores = np.asarray(self.scorer(chunk, dict(self.rules.params)), np.float64)  # type: ignore[misc]
+        scores = np.asarray(self.scorer(chunk, dict(self.rules.params)), np.float64)  # type: ignore[misc]  # the scorer registry is typed loosely; it returns arrays
         if scores.shape != (len(rows),):
             raise ValueError(
                 f"scorer {self.rules.scorer}: returned shape {scores.shape} for {len(rows)} steps"

@@ -162,9 +162,9 @@ def field_values(spec: FieldSpec, arr: pa.Array) -> np.ndarray | Ragged | Encode
     if spec.ragged:
         off = np.asarray(arr.offsets, np.int64)
         child = arr.values.slice(int(off[0]), int(off[-1] - off[0]))
-        values = _unflat(child, dtype, tuple(spec.shape[1:]))  # type: ignore[arg-type]
+        values = _unflat(child, dtype, tuple(spec.shape[1:]))  # type: ignore[arg-type]  # the ragged dimension is dropped: no None left
         return Ragged(values, np.diff(off).astype(np.int32))
-    return _unflat(arr, dtype, tuple(spec.shape))  # type: ignore[arg-type]
+    return _unflat(arr, dtype, tuple(spec.shape))  # type: ignore[arg-type]  # not ragged: a fixed shape (no None)
 
 
 def next_obs_array(obs: FieldSpec, n: int, rows: dict[int, Any]) -> pa.Array:
@@ -199,7 +199,7 @@ def next_obs_rows(obs: FieldSpec, arr: pa.Array) -> dict[int, Any]:
     out = {}
     for r in valid.tolist():
         child = arr.values.slice(int(off[r]), int(off[r + 1] - off[r]))
-        row = _unflat(child, dtype, per_item)  # type: ignore[arg-type]
+        row = _unflat(child, dtype, per_item)  # type: ignore[arg-type]  # per-item shape of a ragged field: no None
         out[r] = row if obs.ragged else row.reshape(obs.shape)
     return out
 

@@ -10,7 +10,7 @@ step matches."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Protocol
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, StringConstraints
@@ -53,14 +53,23 @@ class Joint(BaseModel):
 class JointRecipe(Protocol):
     """What the checks read of a recipe (:class:`orchestrator.recipe.model.Recipe`)."""
 
-    joint: Joint | None
-    sources: Any
-    fields: list[str]
-    params: Mapping[str, Any]
-    n_step: int
-    sequence_length: int
-    frame_stack: int
-    tokens: Any
+    # Read-only (properties): a recipe's attributes may be narrower than these types.
+    @property
+    def joint(self) -> Joint | None: ...
+    @property
+    def sources(self) -> Any: ...
+    @property
+    def fields(self) -> Sequence[str]: ...
+    @property
+    def params(self) -> Mapping[str, Any]: ...
+    @property
+    def n_step(self) -> int: ...
+    @property
+    def sequence_length(self) -> int: ...
+    @property
+    def frame_stack(self) -> int: ...
+    @property
+    def tokens(self) -> Any: ...
 
 
 def joint_problem(recipe: JointRecipe) -> str | None:

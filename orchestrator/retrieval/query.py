@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -144,7 +144,7 @@ class Session:
         self.store, self.lock = store, threading.Lock()
         check_field(self.spec, cfg.schema.fields)
         shape = tuple(cfg.schema.fields[self.spec.field].shape)
-        self.project = Projection(self.spec, shape, get_settings().features)  # type: ignore[arg-type]
+        self.project = Projection(self.spec, shape, get_settings().features)  # type: ignore[arg-type]  # an indexed field has a fixed shape (no None)
         self.index: SamplingIndex = make_index(store)
         self.strings = Strings(store, self.index)
         self.fetch = Fetcher(store, cfg.cap)
@@ -174,7 +174,7 @@ class Session:
             self.valid = self._valid(None)
             self.masks.clear()
             return
-        rows = np.unique(np.concatenate(changed))  # type: ignore[arg-type]
+        rows: np.ndarray = np.unique(np.concatenate(cast(list[np.ndarray], changed)))
         if not len(rows):
             return
         self.valid[rows] = self._valid(rows)
@@ -325,7 +325,7 @@ class Session:
                 name="nearest",
                 batch_size=1,
                 fields=list(names),
-                sources=[{"name": "nearest"}],  # type: ignore[list-item]
+                sources=[{"name": "nearest"}],
             )
         draw = Draw(uniq, np.ones(len(uniq), np.float32), np.zeros(len(uniq), np.int16))
         batch = Assembly(self, recipe, draw).run()

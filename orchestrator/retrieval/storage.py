@@ -27,7 +27,7 @@ import json
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import redis
@@ -87,7 +87,7 @@ def check_field(spec: IndexSpec, fields: Mapping[str, Any]) -> Projection:
 
 def list_indexes(store: Store) -> dict[str, IndexSpec]:
     """The namespace's vector indexes by name."""
-    raw = store.r.hgetall(defs_key(store))
+    raw = cast(dict[bytes, bytes], store.r.hgetall(defs_key(store)))
     return {k.decode(): stored_spec(v) for k, v in sorted(raw.items())}
 
 
@@ -173,7 +173,7 @@ class Storage:
     def head(self) -> Head | None:
         """The index's head, or None when it was never written or belongs to an older
         namespace of the same name (another config ``created``)."""
-        h = self.r.hgetall(self.names.head)
+        h = cast(dict[bytes, bytes], self.r.hgetall(self.names.head))
         if not h or float(h[b"created"]) != self.created or int(h[b"dim"]) != self.dim:
             return None
         gen, nlist = int(h.get(b"gen", 0)), int(h.get(b"nlist", 0))

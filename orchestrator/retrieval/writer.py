@@ -133,7 +133,7 @@ class Writer:
         check_field(spec, schema.fields)
         self.store, self.spec = store, spec
         self.field = schema.fields[spec.field]
-        self.project = Projection(spec, tuple(self.field.shape), allowed)  # type: ignore[arg-type]
+        self.project = Projection(spec, tuple(self.field.shape), allowed)  # type: ignore[arg-type]  # an indexed field has a fixed shape (no None)
         self.storage = Storage(store, spec, self.project.dim)
         self.fetch = Fetcher(store, cfg.cap)
         self.where = Where(spec.where or None, schema.tags)

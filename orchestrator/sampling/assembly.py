@@ -30,7 +30,7 @@ from claw_tasks.where import lookup
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.candidates import unique
-from orchestrator.sampling.fetch import Fetcher
+from orchestrator.sampling.fetch import Fetcher, LogChecked
 from orchestrator.sampling.index import SamplingIndex
 from orchestrator.sampling.samplers import Draw
 from orchestrator.sampling.sequences import follow, n_step, windows
@@ -96,10 +96,15 @@ class Reader(Protocol):
     current until the batch is read), its store, string cache and payload fetcher (the
     sampling session of :mod:`orchestrator.sampling.sample`)."""
 
-    index: SamplingIndex
-    store: Store
-    strings: Strings
-    fetch: Fetcher
+    # Read-only (properties): a reader's attributes may be narrower than these types.
+    @property
+    def index(self) -> SamplingIndex: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def strings(self) -> Strings: ...
+    @property
+    def fetch(self) -> Fetcher | LogChecked: ...  # LogChecked: also checks the change log
 
 
 class Assembly:
@@ -137,7 +142,7 @@ class Assembly:
         schema = session.index.schema
         obs = None if schema is None else schema.fields.get("obs")
         fixed = obs is not None and obs.codec is not None and not obs.ragged
-        self.frames = SharedFrames(session.store, obs) if fixed else None  # type: ignore[arg-type]
+        self.frames = SharedFrames(session.store, obs) if fixed else None  # type: ignore[arg-type]  # fixed: obs is set
 
     def run(self) -> Batch | None:
         recipe, cols, rows = self.recipe, self.cols, self.rows
@@ -147,10 +152,11 @@ class Assembly:
             ns = n_step(cols, rows, recipe.n_step, recipe.gamma, self.cap)
             reward, boot = ns.returns, ns.bootstrap
             self.check.append(boot)
-            discount, done = ns.discount.astype(np.float32), ns.done
+            discount, done, cut = ns.discount.astype(np.float32), ns.done, ns.end_truncated
             extra = {
                 "discount": lambda _: self._shaped(discount),
                 "done": lambda _: self._shaped(done),
+                "end_truncated": lambda _: self._shaped(cut),
             }
         finish = {name: self._plan(name, reward, boot) for name in recipe.fields}
         finish.update(extra)
@@ -195,7 +201,7 @@ class Assembly:
     def _plan(self, name: str, reward: np.ndarray, boot: np.ndarray) -> Finish:
         """Queue what field ``name`` needs; return how to build it from the read results."""
         cols, rows = self.cols, self.rows
-        fields = self.s.index.schema.fields  # type: ignore[union-attr]
+        fields = self.s.index.schema.fields  # type: ignore[union-attr]  # rows were drawn: the namespace has a schema
         k = self.recipe.frame_stack
         ndim = len(fields["obs"].shape) if "obs" in fields else 0
         if name == "obs" and k > 1:
@@ -241,7 +247,7 @@ class Assembly:
         if name == "info":
             i = self._read(info_read(rows))
             return lambda res: self._nested([unpackb(b) if b else {} for b in res[i]])
-        key = lookup(name, self.s.index.schema.tags)  # type: ignore[union-attr]
+        key = lookup(name, self.s.index.schema.tags)  # type: ignore[union-attr]  # rows were drawn: the namespace has a schema
         values = cols[key.column][rows]
         if key.kind == "flag":
             return lambda _: self._shaped(((values & key.bit) != 0) == key.when_set)
@@ -252,7 +258,7 @@ class Assembly:
 
     def _plan_payload(self, name: str, rows: np.ndarray) -> Finish:
         """Payload field ``name`` at ``rows`` (checked with the batch's rows)."""
-        spec = self.s.index.schema.fields[name]  # type: ignore[union-attr]
+        spec = self.s.index.schema.fields[name]  # type: ignore[union-attr]  # rows were drawn: the namespace has a schema
         self.check.append(rows)
         i = self._read(payload_read(name, spec, rows))
         if spec.ragged:

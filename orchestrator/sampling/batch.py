@@ -27,6 +27,8 @@ import numpy as np
 
 from orchestrator.sampling.groups import Claim, Groups
 
+__all__ = ["Batch", "take_rows"]
+
 Rows = np.ndarray | slice
 
 

@@ -73,8 +73,8 @@ def assemble_joint(
     fields["mask"] = present
     if STATE_FIELD in recipe.fields or want_next:
         states = values[_STATE]
-        shape = session.index.schema.fields[STATE_FIELD].shape[1:]  # type: ignore[union-attr]
-        dtype = np.dtype(session.index.schema.fields[STATE_FIELD].dtype)  # type: ignore[union-attr]
+        shape = session.index.schema.fields[STATE_FIELD].shape[1:]  # type: ignore[union-attr]  # a joint namespace has a schema
+        dtype = np.dtype(session.index.schema.fields[STATE_FIELD].dtype)  # type: ignore[union-attr]  # a joint namespace has a schema
         if STATE_FIELD in recipe.fields:
             fields[STATE_FIELD] = _items(states, 0, shape, dtype)
         if want_next:

@@ -44,7 +44,7 @@ import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -68,6 +68,15 @@ from orchestrator.sampling.shared import SharedIndex, make_index
 from orchestrator.sampling.stacks import Predecessors
 from orchestrator.sampling.strings import Strings
 from orchestrator.sampling.turns import segments, sequence_tokens
+
+__all__ = [
+    "StoreChangingError",
+    "hit_rates",
+    "read_steps",
+    "sample",
+    "select_rollout",
+    "update_priorities",
+]
 
 _ATTEMPTS = 8  # draws per call before giving up on rows overwritten under us
 
@@ -360,7 +369,7 @@ class _Session:
         params: Mapping[str, Any] | None,
     ) -> Batch:
         live = {**recipe.params, **(params or {})}
-        once = recipe.grouped and any(s.sampler.once for s in recipe.sources)
+        once = recipe.grouped and any(getattr(s.sampler, "once", False) for s in recipe.sources)
         key = claims_key(self.store, recipe.name)
         try:
             return self._sample(recipe, rng, live, once, key)
@@ -418,7 +427,9 @@ class _Session:
     ) -> Batch | None:
         """One draw and its fetch from the index's columns as they are; None: draw again."""
         b = self.bind(recipe)
-        claims = Claims.from_hash(self.store.r.hgetall(key)) if once else None
+        claims = (
+            Claims.from_hash(cast(dict[bytes, bytes], self.store.r.hgetall(key))) if once else None
+        )
         if b.as_of is not None:
             b.as_of.check(recipe.sources[0].name, recipe.counts[0])
         columns = (
@@ -437,7 +448,7 @@ class _Session:
         if recipe.tokens is not None and recipe.tokens.max_tokens and batch.groups:
             batch = _within_budget(batch, recipe)
         if once:
-            claim = self._claim(key, batch.groups)  # type: ignore[arg-type]
+            claim = self._claim(key, batch.groups)  # type: ignore[arg-type]  # a once recipe is a group recipe: its batch has groups
             if claim is None:
                 return None
             batch.claim = claim
@@ -470,7 +481,9 @@ def _within_budget(batch: Batch, recipe: Recipe) -> Batch:
     segs = segments(prompts, responses, g.trajectory, recipe.tokens.mode)
     tokens = sequence_tokens(prompts, responses, segs)
     per_group = np.bincount(g.group[[s[0] for s in segs]], tokens, minlength=len(g.ids))
-    keep = max(1, int(np.searchsorted(np.cumsum(per_group), recipe.tokens.max_tokens, "right")))
+    limit = recipe.tokens.max_tokens
+    assert limit is not None  # a tokens section sets it
+    keep = max(1, int(np.searchsorted(np.cumsum(per_group), limit, "right")))
     if keep == len(g.ids):
         return batch
     rows = np.flatnonzero(g.group < keep)

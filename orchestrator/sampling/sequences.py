@@ -32,6 +32,7 @@ class NStep(NamedTuple):
     discount: np.ndarray  # float64: gamma^m
     done: np.ndarray  # bool: terminated within the m steps
     ready: np.ndarray  # bool: done, or the bootstrap row's next_obs exists
+    end_truncated: np.ndarray  # bool: the bootstrap row is a truncated step (not done)
 
 
 def follow(columns: Mapping[str, np.ndarray], rows: np.ndarray, cap: int) -> np.ndarray:
@@ -82,7 +83,8 @@ def n_step(
             active &= nxt >= 0
             cur = np.where(active, nxt, cur)
     ready = done | has_next_obs(columns, bootstrap, cap)
-    return NStep(returns, bootstrap, discount, done, ready)
+    end_truncated = ~done & ((flags[bootstrap] & TRUNCATED) != 0)
+    return NStep(returns, bootstrap, discount, done, ready, end_truncated)
 
 
 def windows(

@@ -162,7 +162,7 @@ class SharedIndex(SamplingIndex):
                 self.columns = self._readonly()
             self._lock(fcntl.LOCK_SH)  # a writer may slip in between: checked below
             self._holding = True
-            if not self._hdr[H_DIRTY]:  # type: ignore[index]
+            if not self._hdr[H_DIRTY]:  # type: ignore[index]  # the header is mapped while the index is held
                 break
             self.release()  # that writer died half-way: rebuild
         try:
@@ -283,12 +283,12 @@ class SharedIndex(SamplingIndex):
             self.columns = self._writable
             self.log_last, self.log_seen = list(state["last"]), list(state["seen"])
         rows = self.apply_logs(read)  # a failure leaves it dirty: the next one rebuilds
-        if rows is None or self.forgotten or len(rows) > len(self._ring):  # type: ignore[arg-type]
+        if rows is None or self.forgotten or len(rows) > len(self._ring):  # type: ignore[arg-type]  # the ring is mapped while the index is held
             hdr[H_REBUILDS] += 1
         elif len(rows):
             head = int(hdr[H_HEAD])
-            at = np.arange(head, head + len(rows)) % len(self._ring)  # type: ignore[arg-type]
-            self._ring[at] = rows  # type: ignore[index]
+            at = np.arange(head, head + len(rows)) % len(self._ring)  # type: ignore[arg-type]  # the ring is mapped while the index is held
+            self._ring[at] = rows  # type: ignore[index]  # the ring is mapped while the index is held
             hdr[H_HEAD] = head + len(rows)
         self._save_state()
         hdr[H_GEN] += 1

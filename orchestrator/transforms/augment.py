@@ -90,7 +90,7 @@ class Pipeline:
                 if observe:
                     op.observe(x)
                 last = out is not None and i == len(self.ops) - 1
-                x = op(x, rng, out=out) if last and op.writes_out else op(x, rng)  # type: ignore[call-arg]
+                x = op(x, rng, out=out) if last and op.writes_out else op(x, rng)  # type: ignore[call-arg]  # out= only when the op says it writes_out
             except ValueError as exc:
                 raise ValueError(f"{op.name}: {exc}") from exc
         if out is not None and x is not out:

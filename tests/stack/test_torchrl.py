@@ -116,8 +116,9 @@ def test_batches_flow_as_tensordicts_with_the_extended_layout(redis_url, namespa
 
 
 def test_each_sample_is_recorded_as_training_its_update(redis_url, namespace, workers):
-    """The default ``policy_version="samples"``: sample k trains version k, the ids the
-    sampler returned; ``"frames"`` and a callable; the counters kept by ``state_dict``."""
+    """The default ``policy_version="updates"``: sample k trains version k, the ids the
+    sampler returned; ``"timesteps"`` and a callable; the counters kept by ``state_dict``;
+    the old counter names and ``drop_on_empty`` are refused with the new ones."""
     storage = ClawStorage(1000, namespace, redis_url, timeout=60, batches_per_pop=2)
     rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=16)
     drawn = []
@@ -125,7 +126,9 @@ def test_each_sample_is_recorded_as_training_its_update(redis_url, namespace, wo
         rb.extend(_transitions(100))
         for _ in range(5):
             drawn.append(np.sort(rb.sample()["index"].numpy()))
-        storage.policy_version = "frames"
+        with pytest.raises(ValueError, match="policy_version='frames' is now 'timesteps'"):
+            storage.policy_version = "frames"
+        storage.policy_version = "timesteps"
         rb.extend(_transitions(20, seed=1))
         drawn.append(np.sort(rb.sample()["index"].numpy()))
         storage.policy_version = lambda k: f"update-{k}"
@@ -133,6 +136,10 @@ def test_each_sample_is_recorded_as_training_its_update(redis_url, namespace, wo
         assert storage.state_dict()["samples"] == 7 and storage.state_dict()["frames"] == 120
     finally:
         storage.close()  # sends what is left of the lineage
+    with pytest.raises(TypeError, match="drop_on_empty= is now drop_on_reset="):
+        ClawStorage(10, namespace, redis_url, drop_on_empty=True)
+    with pytest.raises(ValueError, match="policy_version='samples' is now 'updates'"):
+        ClawStorage(10, namespace, redis_url, policy_version="samples")
     log = LineageLog(Store(redis_url, namespace))
     assert log.counts() == {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1, "120": 1, "update-7": 1}
     for version, ids in zip(["1", "2", "3", "4", "5", "120", "update-7"], drawn, strict=True):
@@ -249,3 +256,64 @@ def test_torchrl_dqn_on_cartpole_reaches_a_mean_return_of_150(redis_url, namespa
     print(out)
     mean = float(re.search(r"greedy mean return over 10 episodes: ([\d.]+)", out)[1])
     assert mean >= 150, out
+
+
+def test_sampling_an_empty_storage_raises_at_once_as_torchrl_does(redis_url, namespace, workers):
+    """TorchRL's storages raise ``RuntimeError("Cannot sample from an empty storage")``;
+    so does ClawStorage, new or emptied, without waiting for a pop's timeout (an hour
+    here: the test would time out first)."""
+    storage = ClawStorage(100, namespace, redis_url, timeout=3600)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=4)
+    try:
+        with pytest.raises(RuntimeError, match="Cannot sample from an empty storage"):
+            rb.sample()
+        rb.extend(_transitions(20))
+        assert len(rb.sample()) == 4
+        rb.empty()
+        with pytest.raises(RuntimeError, match="Cannot sample from an empty storage"):
+            rb.sample()
+    finally:
+        storage.close()
+
+
+def test_a_full_storage_samples_only_the_rows_torchrl_would_keep(redis_url, namespace, workers):
+    """Five rows into ``ClawStorage(3)``: TorchRL's ring keeps the newest three, and so
+    does the namespace's ring (``capacity`` defaults to ``max_size``): no sample draws
+    the two overwritten rows."""
+    data = _transitions(5, trajs=1)
+    storage = ClawStorage(3, namespace, redis_url, timeout=60)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=64)
+    try:
+        rb.extend(data)
+        storage.flush()
+        assert len(rb) == 3
+        assert Store(redis_url, namespace).config().capacity == 3
+        drawn: set[tuple] = set()
+        for _ in range(4):
+            drawn |= _row_keys(rb.sample())
+        assert drawn == _row_keys(data[2:])
+    finally:
+        storage.close()
+
+
+def test_deterministic_storages_with_one_seed_sample_alike(redis_url, namespace, workers):
+    """``seed`` and ``deterministic``, as SB3's and RLlib's buffers take them: two storages
+    given the same extends and the same seed draw the same rows, sample after sample; a
+    third with another seed does not."""
+    data = _transitions(200, seed=3)
+
+    def run(ns: str, seed: int) -> list[list[tuple]]:
+        storage = ClawStorage(1000, ns, redis_url, timeout=60, seed=seed, deterministic=True)
+        rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=16)
+        try:
+            rb.extend(data[:120])
+            got = [rb.sample() for _ in range(3)]
+            rb.extend(data[120:])
+            got += [rb.sample() for _ in range(3)]
+            return [sorted(_row_keys(g)) for g in got]  # the rows, not their ids
+        finally:
+            storage.close()
+
+    a, b, c = run(f"{namespace}-a", 7), run(f"{namespace}-b", 7), run(f"{namespace}-c", 8)
+    assert a == b
+    assert a != c

@@ -73,6 +73,7 @@ from claw_tasks.store import Store
 from orchestrator.adapters.cadence import Cadence
 from orchestrator.adapters.defaults import global_seed, ingest_options
 from orchestrator.adapters.link import BufferLink, close_quietly
+from orchestrator.adapters.options import refuse_renamed
 from orchestrator.adapters.rllib.episodes import FIELDS, Drawn, EpisodeWriter, to_episodes
 from orchestrator.adapters.rllib.metrics import add_metrics, sample_metrics
 from orchestrator.adapters.rllib.sample_args import check_sample_request, n_step_rows
@@ -104,6 +105,7 @@ class ClawEpisodeReplayBuffer(SavedState, EpisodeReplayBuffer):
     default) are ignored, as RLlib's own buffer ignores them.
     """
 
+    @refuse_renamed
     def __init__(
         self,
         capacity: int = 10000,

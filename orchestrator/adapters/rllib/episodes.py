@@ -144,15 +144,16 @@ def to_episodes(
     mapping per row, when set; ``t_started`` each row's step in its RLlib episode (default
     its ``step_index``).
 
-    ``is_truncated`` is the step's own flag with ``n_step`` 1; with more, it says the window
-    ended before n steps without a termination (a truncated episode, or one whose stored
-    steps end there); DQN's and SAC's losses never read it."""
+    ``is_truncated`` is the step's own flag with ``n_step`` 1; with more, that of the
+    window's last step (``end_truncated``), as RLlib's ``episode.slice`` keeps the flags of
+    a slice that reaches a truncated episode's end: the last stored steps of a running
+    episode are not truncated. DQN's and SAC's losses never read it."""
     obs, nxt, act = batch["obs"], batch["next_obs"], batch["action"]
     reward = batch["reward"].astype(np.float64)
     if n_step > 1:
         done = np.asarray(batch["done"], bool)
         m = steps_taken(np.asarray(batch["discount"], np.float64), gamma, n_step)
-        truncated = ~done & (m < n_step)
+        truncated = np.asarray(batch["end_truncated"], bool) & ~done
     else:
         done = np.asarray(batch["terminated"], bool)
         truncated = np.asarray(batch["truncated"], bool) & ~done

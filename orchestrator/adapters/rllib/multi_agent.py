@@ -200,7 +200,7 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
         return self._modules.setdefault(module, {"added": 0, "episodes": 0, "sampled": 0})
 
     # ---- writing -------------------------------------------------------------------
-    def add(self, episodes: list[MultiAgentEpisode] | MultiAgentEpisode) -> None:  # type: ignore[override]
+    def add(self, episodes: list[MultiAgentEpisode] | MultiAgentEpisode) -> None:  # type: ignore[override]  # RLlib's add takes a batch: ours episodes, as RLlib's episode buffers
         """Write the multi-agent episodes' agent steps (new episodes, or the next chunks of
         open ones)."""
         if (plan := self._cadence.added()) is not None:
@@ -255,7 +255,7 @@ class ClawMultiAgentEpisodeReplayBuffer(ClawEpisodeReplayBuffer, MultiAgentEpiso
         )
 
     # ---- sampling ------------------------------------------------------------------
-    def sample(  # type: ignore[override]
+    def sample(  # type: ignore[override]  # RLlib's multi-agent sample signature, which its base class lacks
         self,
         num_items: int | None = None,
         *,

@@ -70,7 +70,7 @@ class SavedState:
         kw["redis_url"] = with_env_password(kw["redis_url"], settings.redis_url)
         kw["broker_url"] = with_env_password(kw["broker_url"], settings.broker_url)
         self.close()
-        self.__init__(**kw)  # type: ignore[misc]
+        self.__init__(**kw)  # type: ignore[misc]  # re-initialised in place from the saved settings
         self._num_timesteps_added = int(saved["timesteps_added"])
         self.sampled_timesteps = int(saved["sampled_timesteps"])
         self._num_episodes_added = int(saved["episodes_added"])

@@ -74,6 +74,7 @@ from claw_tasks.store import Store
 from orchestrator.adapters.cadence import Cadence
 from orchestrator.adapters.defaults import generation_namespace, global_seed, ingest_options
 from orchestrator.adapters.link import BufferLink, close_quietly
+from orchestrator.adapters.options import refuse_renamed
 from orchestrator.adapters.sb3.state import SavedState
 from orchestrator.adapters.transitions import Transitions
 from orchestrator.adapters.versions import PolicyVersion, Versions
@@ -133,6 +134,7 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
     "Lineage").
     """
 
+    @refuse_renamed
     def __init__(
         self,
         buffer_size: int,

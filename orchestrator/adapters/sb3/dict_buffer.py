@@ -19,7 +19,7 @@ from stable_baselines3.common.type_aliases import DictReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
 from orchestrator.adapters.sb3.buffer import ClawReplayBuffer
-from orchestrator.adapters.sb3.packing import DictLayout
+from orchestrator.adapters.sb3.packing import DictLayout, NotDictSpace
 
 
 class ClawDictReplayBuffer(ClawReplayBuffer):
@@ -40,7 +40,10 @@ class ClawDictReplayBuffer(ClawReplayBuffer):
         **claw: Any,
     ) -> None:
         if not isinstance(observation_space, spaces.Dict):
-            raise TypeError("ClawDictReplayBuffer is for Dict observations; use ClawReplayBuffer")
+            raise NotDictSpace(
+                "ClawDictReplayBuffer is for Dict observations (DictReplayBuffer must be used "
+                "with Dict obs space only); use ClawReplayBuffer"
+            )
         self.layout = DictLayout(observation_space)
         super().__init__(
             buffer_size,
@@ -55,7 +58,7 @@ class ClawDictReplayBuffer(ClawReplayBuffer):
         self.observation_space = observation_space
         self._init_kw["observation_space"] = observation_space  # pickles as it came
 
-    def add(  # type: ignore[override]
+    def add(  # type: ignore[override]  # SB3's DictReplayBuffer.add takes dict observations
         self,
         obs: Mapping[str, np.ndarray],
         next_obs: Mapping[str, np.ndarray],

@@ -10,7 +10,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples
 
-from orchestrator.adapters.sb3.packing import DictLayout
+from orchestrator.adapters.sb3.packing import DictLayout, NotDictSpace
 from orchestrator.adapters.sb3.rollout import ClawRolloutBuffer
 
 
@@ -33,7 +33,10 @@ class ClawDictRolloutBuffer(ClawRolloutBuffer):
         **claw: Any,
     ) -> None:
         if not isinstance(observation_space, spaces.Dict):
-            raise TypeError("ClawDictRolloutBuffer is for Dict observations; use ClawRolloutBuffer")
+            raise NotDictSpace(
+                "ClawDictRolloutBuffer is for Dict observations (DictRolloutBuffer must be used "
+                "with Dict obs space only); use ClawRolloutBuffer"
+            )
         self.layout = DictLayout(observation_space)
         super().__init__(
             buffer_size, observation_space, action_space, device, gae_lambda, gamma, n_envs, **claw

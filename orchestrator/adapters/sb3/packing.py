@@ -44,3 +44,8 @@ class DictLayout:
             part[:] = rows[:, off : off + size]
             out[key] = part.view(dtype).reshape(n, *shape)
         return out
+
+
+class NotDictSpace(TypeError, AssertionError):
+    """A Dict buffer given another observation space: a ``TypeError``, and the
+    ``AssertionError`` SB3's own Dict buffers raise (its tests expect that)."""

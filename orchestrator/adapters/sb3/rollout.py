@@ -79,6 +79,7 @@ from claw_tasks.format.columns import StrColumn
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
 from orchestrator.adapters.defaults import global_seed
+from orchestrator.adapters.options import refuse_renamed
 from orchestrator.adapters.sb3.epochs import first_positions, minibatches, pop_rollout
 from orchestrator.adapters.sb3.rollout_claw import (
     RUN_TAG,
@@ -123,6 +124,7 @@ class ClawRolloutBuffer(RolloutBuffer):
     module docstring).
     """
 
+    @refuse_renamed
     def __init__(
         self,
         buffer_size: int,

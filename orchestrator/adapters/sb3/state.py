@@ -36,12 +36,12 @@ class SavedState:
         return {
             "init": kw,
             "generation": self.generation,
-            "pos": self.pos,  # type: ignore[attr-defined]
+            "pos": self.pos,  # type: ignore[attr-defined]  # a mixin of SB3's buffers: they define pos
             "full": self.full,
             "samples": self._samples,
             "updates": self.updates,
             "timesteps": self.timesteps,
-        }  # type: ignore[attr-defined]
+        }  # type: ignore[attr-defined]  # a mixin of SB3's buffers: they define pos
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         kw = dict(state["init"])

@@ -32,7 +32,7 @@ How TorchRL's parts map onto Claw, and why:
 - ``len`` counts the rows this storage extended (capped at ``max_size``), as TorchRL's
   storages do; ``state_dict``/``dumps`` keep the namespace, settings and counters, never
   the data (it stays in Redis) nor a password; ``empty()`` moves to a new namespace
-  generation (the old data stays unless ``drop_on_empty``).
+  generation (the old data stays unless ``drop_on_reset``).
 - TorchRL's own ``PrioritizedSampler`` needs its C++ extension built for the exact torch
   version; Claw's sampler draws in the prefetch workers and has no such dependency.
 """

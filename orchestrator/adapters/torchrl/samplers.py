@@ -192,10 +192,10 @@ class ClawPrioritizedSampler(PrioritizedSampler):
         self._extended = None
 
     def dumps(self, path: str | Path) -> None:
-        ClawSampler.dumps(self, path)  # type: ignore[arg-type]
+        ClawSampler.dumps(self, path)  # type: ignore[arg-type]  # the same JSON state methods on another sampler class
 
     def loads(self, path: str | Path) -> None:
-        ClawSampler.loads(self, path)  # type: ignore[arg-type]
+        ClawSampler.loads(self, path)  # type: ignore[arg-type]  # the same JSON state methods on another sampler class
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_storage": None, "_extended": None}

@@ -21,14 +21,18 @@ from claw_tasks.format.schema import FieldSpec, Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from orchestrator.adapters.cadence import Cadence
-from orchestrator.adapters.defaults import generation_namespace, ingest_options
+from orchestrator.adapters.defaults import generation_namespace, global_seed, ingest_options
 from orchestrator.adapters.link import BufferLink, close_quietly
+from orchestrator.adapters.options import refuse_renamed
 from orchestrator.adapters.transitions import Transitions
 from orchestrator.adapters.urls import with_env_password, without_password
 from orchestrator.adapters.versions import PolicyVersion, Versions
 from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.collate import collate
 from orchestrator.maintenance.lifecycle import drop_namespace
+from orchestrator.recipe.model import as_recipe
 from orchestrator.sampling.batch import Batch
+from orchestrator.sampling.sample import sample as sample_here
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +58,10 @@ class ClawStorage(StoreStorage):
     ``obs_key`` and ``action_key`` name the observation and action entries (``("next",
     obs_key)`` is the next observation); ``priority_key`` is read at extend time, when
     present, as each row's initial priority. ``recipe`` overrides keys of the recipes the
-    samplers register (e.g. ``where``, ``rate_limit``); ``capacity`` defaults to
-    ``max_size`` plus a spare row per trajectory when the namespace is new. ``episode`` holds
+    samplers register (e.g. ``where``, ``rate_limit``); ``capacity`` (the namespace's ring)
+    defaults to ``max_size`` when the namespace is new, so that samples draw only the rows
+    TorchRL's own storage would still hold. Sampling an empty storage raises
+    ``RuntimeError`` at once, as TorchRL's storages do. ``episode`` holds
     keyword arguments of :meth:`Ingestor.episode` (``task_id``, tags), ``ingest`` those of
     the :class:`Ingestor`. ``readahead`` batches (at most ``readahead_bytes``) wait decoded
     in this process, each drawn ``batches_per_pop`` times as large as a sample and split
@@ -65,13 +71,16 @@ class ClawStorage(StoreStorage):
     the trainer's bursts of samples between extends as SB3's buffer does (one per sample
     at first, 8 for bursts of 128:
     :func:`~orchestrator.adapters.cadence.plan_for`). ``timeout`` bounds a pop. Samples are
-    put on ``device``.
+    put on ``device``. ``seed`` seeds the draws (None: from numpy's global state);
+    ``deterministic=True`` draws each sample here, when it is asked for, from every row
+    extended before it, with a stream seeded by ``(seed, k)``: the same extends and samples
+    give the same batches (no read-ahead, one commit order).
 
     ``policy_version``: what each sample is recorded as training in the lineage log
-    (``claw lineage NS --policy v``): ``"samples"`` (the default) the number of samples
+    (``claw lineage NS --policy v``): ``"updates"`` (the default) the number of samples
     drawn so far, this one included (TorchRL's loops draw one per optimizer step, so
-    version ``v`` is the policy after ``v`` updates); ``"frames"`` the rows extended so far
-    (a collector's frame count); a callable gets the sample's number and returns the
+    version ``v`` is the policy after ``v`` updates); ``"timesteps"`` the rows extended so
+    far (a collector's frame count); a callable gets the sample's number and returns the
     version (not saved by ``state_dict``: set ``storage.policy_version`` again after
     loading); None records nothing. Both counters are kept by ``state_dict``.
 
@@ -79,6 +88,7 @@ class ClawStorage(StoreStorage):
     its samples through as they are (no collate); none of that class's code runs.
     """
 
+    @refuse_renamed
     def __init__(
         self,
         max_size: int,
@@ -97,9 +107,11 @@ class ClawStorage(StoreStorage):
         readahead_bytes: int = 64 << 20,
         batches_per_pop: int | None = None,
         timeout: float | None = 30.0,
+        seed: int | None = None,
+        deterministic: bool = False,
         device: str | torch.device = "cpu",
-        drop_on_empty: bool = False,
-        policy_version: PolicyVersion = "samples",
+        drop_on_reset: bool = False,
+        policy_version: PolicyVersion = "updates",
     ) -> None:
         Storage.__init__(self, max_size)  # not StoreStorage's: it opens its own Redis store
         if namespace is None:
@@ -121,8 +133,10 @@ class ClawStorage(StoreStorage):
             "readahead_bytes": readahead_bytes,
             "batches_per_pop": batches_per_pop,
             "timeout": timeout,
+            "seed": global_seed() if seed is None else int(seed),
+            "deterministic": deterministic,
             "device": str(device),
-            "drop_on_empty": drop_on_empty,
+            "drop_on_reset": drop_on_reset,
             "policy_version": policy_version if isinstance(policy_version, str) else None,
         }
         self._setup(generation=0, added=0)
@@ -137,7 +151,13 @@ class ClawStorage(StoreStorage):
         self.obs_key, self.action_key = kw["obs_key"], kw["action_key"]
         self.priority_key = kw["priority_key"]
         self.timeout = kw["timeout"]
-        self._cadence = Cadence(None, kw["batches_per_pop"], kw["readahead"])
+        self.seed: int = kw.get("seed") or 0
+        self.deterministic: bool = kw.get("deterministic", False)
+        self._cadence = (
+            Cadence(1, 1, 0)  # one batch per call, drawn here: nothing read ahead
+            if self.deterministic
+            else Cadence(None, kw["batches_per_pop"], kw["readahead"])
+        )
         # Own recipe names: closing this storage never unregisters another's.
         self.recipe_base = f"torchrl-{uuid.uuid4().hex[:8]}"
         # Dtypes and trailing shapes a sample gives back: those the rows were extended with.
@@ -154,7 +174,7 @@ class ClawStorage(StoreStorage):
     @policy_version.setter
     def policy_version(self, declare: PolicyVersion) -> None:
         self._versions = Versions(
-            declare, {"samples": lambda: self.samples, "frames": lambda: self.frames}
+            declare, {"updates": lambda: self.samples, "timesteps": lambda: self.frames}
         )
 
     @property
@@ -169,16 +189,19 @@ class ClawStorage(StoreStorage):
         capacity = kw["capacity"]
         if capacity is None:
             probe = Store(kw["redis_url"] or get_settings().redis_url, namespace)
-            if not probe.exists():  # spare rows: a ring's oldest rows may be incomplete
-                capacity = self.max_size + 64
+            if not probe.exists():  # TorchRL's ring: the newest max_size rows, no more
+                capacity = self.max_size
             probe.r.close()
+        ingest_kw = ingest_options(kw["ingest"], capacity or self.max_size)
+        if self.deterministic:  # written at each draw and waited for: one commit order
+            ingest_kw.update(flush_steps=1 << 30, flush_interval=None)
         ingestor = Ingestor(
             namespace,
             kw["redis_url"],
             broker_url=kw["broker_url"],
             capacity=capacity,
             schema=schema,
-            **ingest_options(kw["ingest"], capacity or self.max_size),
+            **ingest_kw,
         )
         client = BatchClient(namespace, kw["redis_url"], broker_url=kw["broker_url"], readahead=0)
         self._link = BufferLink(ingestor, client, Transitions(ingestor, kw["episode"]))
@@ -233,6 +256,8 @@ class ClawStorage(StoreStorage):
             )
         self._added += len(obs)
         self.frames += len(obs)
+        if self.deterministic:  # each extend committed before the next: one commit order
+            link.flush()
         if set_cursor:
             self._set_last_cursor(cursor)
         self._bump_mutation_revision()
@@ -310,6 +335,10 @@ class ClawStorage(StoreStorage):
         """Pop the next prefetched batch of ``batch_size`` rows drawn with ``source``'s
         sampler; returns its step ids and importance weights (the batch waits for
         :meth:`get`)."""
+        if not len(self):  # as TorchRL's storages: at once, not after a pop's timeout
+            raise RuntimeError("Cannot sample from an empty storage")
+        if self.deterministic:
+            return self._draw_here(source, batch_size)
         link, kw = self._connect(None), self._kw
         if (resized := self._cadence.sampled()) is not None:
             link.resize(resized)
@@ -326,6 +355,7 @@ class ClawStorage(StoreStorage):
             "fields": FIELDS,
             "sources": [{"name": "all", "sampler": dict(source)}],
             "prefetch": {"depth": plan.depth},
+            "seed": self.seed,
             **kw["recipe"],
         }
         name = link.recipe(
@@ -338,6 +368,38 @@ class ClawStorage(StoreStorage):
         )
         self.samples += 1
         ids, weights, td = link.pop(name, self.timeout, self._versions.of(self.samples))
+        self._drawn = (ids, td)
+        return ids, weights
+
+    def _draw_here(
+        self, source: Mapping[str, Any], batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k-th sample drawn here from every row extended before it, seeded by
+        ``(seed, k)``: the same extends and samples give the same batches."""
+        link = self._connect(None)
+        link.flush()
+        self.samples += 1
+        spec = {
+            "name": f"{self.recipe_base}-here",
+            "batch_size": batch_size,
+            "fields": FIELDS,
+            "sources": [{"name": "all", "sampler": dict(source)}],
+            **self._kw["recipe"],
+        }
+        rng = np.random.default_rng([self.seed, self.samples])
+        got = sample_here(link.client.store, as_recipe(spec), rng=rng)
+        batch = Batch(
+            collate(got.fields),
+            got.ids,
+            got.weights,
+            got.source_index,
+            got.sources,
+            got.recipe_version,
+            got.meta,
+        )
+        if (version := self._versions.of(self.samples)) is not None:
+            link.client.trained(spec["name"], batch, version)
+        ids, weights, td = self._drawable(batch)
         self._drawn = (ids, td)
         return ids, weights
 
@@ -431,7 +493,7 @@ class ClawStorage(StoreStorage):
         self._setup(generation=state_dict["generation"], added=state_dict["added"])
         self.samples = int(state_dict.get("samples", 0))
         self.frames = int(state_dict.get("frames", 0))
-        self.policy_version = kw.get("policy_version", "samples")
+        self.policy_version = kw.get("policy_version", "updates")
 
     def dumps(self, path: str | Path) -> None:
         """Write :meth:`state_dict` as JSON in directory ``path`` (the data stays in Redis)."""
@@ -445,10 +507,10 @@ class ClawStorage(StoreStorage):
 
     def _empty(self) -> None:
         """Start empty (``ReplayBuffer.empty``): move to a new namespace generation; the old
-        one is dropped only with ``drop_on_empty``."""
+        one is dropped only with ``drop_on_reset``."""
         old, url = self.namespace, self._kw["redis_url"] or get_settings().redis_url
         self.close()
-        if self._kw["drop_on_empty"]:
+        if self._kw["drop_on_reset"]:
             r = Store(url, old).r
             drop_namespace(r, old)
             r.close()

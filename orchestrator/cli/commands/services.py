@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from claw_tasks import __version__ as claw_version
 from claw_tasks.broker.app import QUEUES
 from claw_tasks.connection.server import ensure_redis
 from claw_tasks.settings import METRICS_PORT, WEB_PORT, get_settings, redact_url
@@ -364,6 +365,4 @@ def acl(
 def version() -> None:
     """Print the versions of Claw and what it runs on."""
     parts = [f"{name} {dist_version(name)}" for name in ("celery", "redis", "numpy")]
-    typer.echo(
-        f"claw {dist_version('claw')} ({', '.join(parts)}, python {platform.python_version()})"
-    )
+    typer.echo(f"claw {claw_version} ({', '.join(parts)}, python {platform.python_version()})")

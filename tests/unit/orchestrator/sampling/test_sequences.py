@@ -117,6 +117,8 @@ def test_n_step_three(cols):
     # B is truncated with an explicit next_obs; C's newest step has no next_obs yet;
     # E's link is stale (its next slot was reused), so its data ends without a next_obs.
     assert ns.ready.tolist() == [True, True, True, True, True, False, False, True, False]
+    # the windows ending on B's truncated step, not C's newest step nor E's stale link
+    assert ns.end_truncated.tolist() == [False, False, False, True, True] + [False] * 4
 
 
 def test_n_step_one_is_the_plain_transition(cols):
