@@ -177,14 +177,14 @@ def recipe_keys(model: Any = None, prefix: str = "") -> Iterator[tuple[str, str,
 
 def recipe_keys_page() -> str:
     rows = ["| key | type | default |", "|---|---|---|"]
-    rows += [f"| `{k}` | {t.replace('|', '/')} | {d.replace('|', '/')} |" for k, t, d in recipe_keys()]
+    rows += [
+        f"| `{k}` | {t.replace('|', '/')} | {d.replace('|', '/')} |" for k, t, d in recipe_keys()
+    ]
     return (
         "# Recipe keys\n\n"
         "Every key a recipe accepts, with its type and default, generated from the recipe\n"
         "model (`orchestrator.recipe`). What each one does, with examples:\n"
-        "[Recipes](../recipes.md). A key not in this table is refused.\n\n"
-        + "\n".join(rows)
-        + "\n"
+        "[Recipes](../recipes.md). A key not in this table is refused.\n\n" + "\n".join(rows) + "\n"
     )
 
 
@@ -200,7 +200,7 @@ def schedule_page() -> str:
         "What beat (RedBeat) runs, generated from `claw_tasks.broker.schedule`; `claw schedule`\n"
         "shows each entry's next run. `CLAW_SCHEDULE` overrides an entry's period, adds an\n"
         "entry (with its `task`) or removes one (`null`), e.g.\n"
-        "`{claw-evict: {every: 10s}, claw-archive: {cron: \"30 1 * * *\"}}`.\n\n"
+        '`{claw-evict: {every: 10s}, claw-archive: {cron: "30 1 * * *"}}`.\n\n'
         + "\n".join(rows)
         + "\n"
     )
