@@ -18,9 +18,9 @@ checks both):
 - ``maintenance`` what beat runs: refill, retention and eviction, priority recomputation,
                   dictionary pruning, vector indexes, archive and restore;
                   namespace drop
-- ``adapters``    other libraries' interfaces: PyTorch, Stable-Baselines3, TorchRL, Minari,
-                  LLM trainers' tensors, TRL's GRPOTrainer rollouts (each imported on its
-                  own: torch, TorchRL and TRL are extras)
+- ``adapters``    other libraries' interfaces: PyTorch, Stable-Baselines3, TorchRL, Ray
+                  RLlib, Minari, LLM trainers' tensors, TRL's GRPOTrainer rollouts (each
+                  imported on its own: torch, TorchRL, RLlib and TRL are extras)
 - ``inspect``     read-only views for people: namespace statistics and the query engine
 - ``web``         the web inspector (``claw web``)
 - ``gateway``     the OpenAI-compatible capture gateway (``claw gateway``)
