@@ -141,8 +141,9 @@ def test_home_page_loads_and_search_answers(browser, served: str) -> None:
 def test_generated_api_page_loads(browser, served: str) -> None:
     context, page, problems = _open(browser, served + "/reference/api/orchestrator/", served)
     try:
-        page.wait_for_selector("text=BatchClient")
-        assert page.locator(".doc-object, .doc").count() > 0
+        page.wait_for_selector("article .doc-heading")
+        article = page.locator("article").inner_text()
+        assert "BatchClient" in article and "sample" in article
         assert not problems, problems
     finally:
         context.close()
