@@ -27,7 +27,8 @@ def _commands() -> list[str]:
 
 
 def _render(*args: str) -> str:
-    result = CliRunner().invoke(app, [*args, "--help"], terminal_width=COLUMNS)
+    runner = CliRunner(env={"COLUMNS": str(COLUMNS)})
+    result = runner.invoke(app, [*args, "--help"], prog_name="claw", terminal_width=COLUMNS)
     assert result.exit_code == 0, result.output
     return result.output
 
