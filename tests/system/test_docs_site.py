@@ -74,6 +74,28 @@ def test_a_page_outside_the_nav_fails_the_build(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "stray.md" in proc.stderr
 
 
+def test_a_broken_anchor_fails_the_build(tmp_path: Path) -> None:
+    """The site's own validation settings: a link to a heading that does not exist fails."""
+    validation = (ROOT / "mkdocs.yml").read_text().split("validation:", 1)[1].split("\n\n")[0]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text("# Home\n\n[there](other.md#nowhere)\n")
+    (docs / "other.md").write_text("# Other\n\n## Somewhere\n")
+    (tmp_path / "mkdocs.yml").write_text(
+        "site_name: t\nstrict: true\n"
+        "nav:\n  - index.md\n  - other.md\nvalidation:" + validation + "\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert proc.returncode != 0 and "#nowhere" in proc.stderr
+
+
 @pytest.fixture(scope="module")
 def served(site: Path) -> Iterator[str]:
     """The built site over HTTP (search fetches its index, which a file:// page cannot)."""
