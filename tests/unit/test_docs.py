@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.paths import ROOT
 
-HISTORY = re.compile(r"\b([Ii]ssue|[Ss]ession) [0-9]+|Before/after")
+HISTORY = re.compile(r"\b([Ii]ssue|[Ss]ession|[Ff]inding) [0-9]+|Before/after")
 PRODUCT = ("README.md", "docs", "claw_tasks", "orchestrator", "tests", "tools", "bench")
 SUFFIXES = (".md", ".py", ".lua", ".html", ".yml", ".yaml", ".toml")
 
@@ -42,6 +42,7 @@ def test_the_history_check_finds_history() -> None:
     assert HISTORY.search("as measured in session 3")
     assert HISTORY.search("Issue 21's goals")
     assert HISTORY.search("## Before/after")
+    assert HISTORY.search("Finding 9: the lock used to stay held")
     assert not HISTORY.search("a session key per trajectory; issue the token")
 
 
