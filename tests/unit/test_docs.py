@@ -149,3 +149,29 @@ def test_every_module_path_the_docs_name_exists(doc: str) -> None:
         and (why := resolve_dotted(m.group(1).rstrip("."))) is not None
     }
     assert not missing, "\n".join(sorted(missing))
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MkDocs make it (lowercase, punctuation dropped,
+    spaces to hyphens)."""
+    text = re.sub(r"[^\w\s-]", "", heading.strip().lower())
+    return re.sub(r"\s+", "-", text)
+
+
+def test_the_readme_links_resolve() -> None:
+    """The README is read on GitHub, outside the site's strict build: its links to files
+    and their headings are checked here."""
+    readme = (ROOT / "README.md").read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme):
+        if target.startswith(("http://", "https://", "#")):
+            continue
+        path, _, anchor = target.partition("#")
+        file = ROOT / path
+        if not file.exists():
+            broken.append(target)
+        elif anchor:
+            headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(target)
+    assert not broken, broken
