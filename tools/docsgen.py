@@ -173,6 +173,21 @@ def recipe_keys(model: Any = None, prefix: str = "") -> Iterator[tuple[str, str,
                 typing.get_origin(a) is list for a in typing.get_args(ann)
             )
             yield from recipe_keys(nested, f"{key}[]." if list_of else f"{key}.")
+            yield from _kind_keys(nested, f"{key}[]." if list_of else f"{key}.")
+
+
+def _kind_keys(model: Any, prefix: str) -> Iterator[tuple[str, str, str]]:
+    """A section whose keys depend on its `kind` (a source's sampler): each kind's own keys,
+    from the registry of kinds."""
+    import orchestrator  # noqa: F401  (registers the sampler kinds)
+    from orchestrator.recipe.sources import SAMPLER_KINDS, SamplerSpec
+
+    if model is not SamplerSpec:
+        return
+    for kind, spec in SAMPLER_KINDS.items():
+        for key, kind_type, default in recipe_keys(spec, prefix):
+            if key != f"{prefix}kind":
+                yield key, f"{kind_type} (kind `{kind}`)", default
 
 
 def recipe_keys_page() -> str:
