@@ -175,3 +175,30 @@ def test_the_readme_links_resolve() -> None:
             if anchor not in {_slug(h) for h in headings}:
                 broken.append(target)
     assert not broken, broken
+
+
+LIST_ITEM = re.compile(r"^\s*([-*+] |\d+[.)] )")
+LONGEST = 2000  # characters of one paragraph or list item: about 25 lines of 80
+
+
+def test_no_paragraph_is_a_wall() -> None:
+    """Every paragraph and list item of the README and the docs reads in one go: split
+    a longer one into paragraphs or sections (tables and code blocks are exempt)."""
+    walls = []
+    for doc in DOCS:
+        text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)
+        for block in re.split(r"\n\s*\n", text):
+            lines = block.strip("\n").split("\n")
+            if lines[0].startswith(("|", "#", "<", "!")):
+                continue
+            items: list[list[str]] = [[]]
+            for line in lines:
+                if LIST_ITEM.match(line) and items[-1]:
+                    items.append([])
+                items[-1].append(line)
+            walls += [
+                f"{doc.relative_to(ROOT)}: {len(chars)} characters from {item[0][:60]!r}"
+                for item in items
+                if len(chars := "\n".join(item)) > LONGEST
+            ]
+    assert not walls, "\n".join(walls)
