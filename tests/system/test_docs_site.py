@@ -151,7 +151,16 @@ def test_home_page_loads_and_search_answers(browser, served: str) -> None:
         assert "Claw" in page.title()
         page.wait_for_selector("text=Getting started")
         page.click("label.md-search__icon, .md-search__input")
-        page.fill("input.md-search__input", "recipe")
+        # The search index is built by a web worker after the page loads; a query typed
+        # before it is ready is not run again, so wait for it (slow on a loaded machine).
+        meta = page.locator(".md-search-result__meta")
+        page.wait_for_function(
+            "() => !document.querySelector('.md-search-result__meta')"
+            "?.textContent.includes('Initializing')",
+            timeout=120_000,
+        )
+        assert "Initializing" not in meta.inner_text()
+        page.type("input.md-search__input", "recipe")  # key by key: search runs on keyup
         page.wait_for_selector(".md-search-result__item")
         assert page.locator(".md-search-result__item").count() > 0
         page.wait_for_load_state("networkidle")
