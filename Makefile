@@ -6,7 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.claw-installed
 DEMO_STAMP := $(VENV)/.claw-demo-installed
 
-.PHONY: setup test test-fast demo lint browser promtool
+.PHONY: setup test test-fast demo lint docs bench browser promtool
 
 setup: $(STAMP)
 
@@ -59,6 +59,19 @@ demo: $(DEMO_STAMP)
 	@echo "== Running 'claw demo' (a minute or two). To use 'claw' yourself afterwards:"
 	@echo "==   source $(VENV)/bin/activate   (or run $(VENV)/bin/claw)"
 	$(VENV)/bin/claw demo
+
+# The documentation site in site/: its reference pages (settings, commands, metrics, recipe
+# keys, schedule) are generated from the code at build time (tools/docsgen.py, a MkDocs
+# hook); --strict fails on a broken link or anchor, a missing reference or a page left out
+# of the nav.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The benches behind docs/benchmarks.md's goals table, one after the other (each starts its
+# own redis-server and workers); outputs and a summary with the load under tmp/bench-<time>/.
+# Run on a quiet machine. BENCH="sb3_dqn adds" runs those alone.
+bench: $(STAMP)
+	$(VENV)/bin/python bench/run.py $(if $(BENCH),--only $(BENCH))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -18,9 +18,9 @@ checks both):
 - ``maintenance`` what beat runs: refill, retention and eviction, priority recomputation,
                   dictionary pruning, vector indexes, archive and restore;
                   namespace drop
-- ``adapters``    other libraries' interfaces: PyTorch, Stable-Baselines3, TorchRL, Minari,
-                  LLM trainers' tensors, TRL's GRPOTrainer rollouts (each imported on its
-                  own: torch, TorchRL and TRL are extras)
+- ``adapters``    other libraries' interfaces: PyTorch, Stable-Baselines3, TorchRL, Ray
+                  RLlib, Minari, LLM trainers' tensors, TRL's GRPOTrainer rollouts (each
+                  imported on its own: torch, TorchRL, RLlib and TRL are extras)
 - ``inspect``     read-only views for people: namespace statistics, the query engine
                   and the replay of the batches a policy trained on
 - ``web``         the web inspector (``claw web``)

@@ -13,7 +13,7 @@ Rebuilding: ``Settings.from_env(mapping)`` reads any mapping (tests, a CLI flag 
 the environment); ``use_settings(settings)`` installs one as the process's settings, and
 ``use_settings()`` makes the next ``get_settings()`` read ``os.environ`` again (tests call
 it after changing the environment). ``python -m claw_tasks.settings`` prints the table
-the README's "Configuration" section holds.
+the documentation's settings reference is generated from.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m claw_tasks.settings``: the README's configuration table."""
+"""``python -m claw_tasks.settings``: the settings reference's table."""
 
 import sys
 

@@ -1,5 +1,5 @@
-"""The table of every ``CLAW_*`` variable, in the order the README's configuration
-section lists them: the sections of this package, concatenated."""
+"""The table of every ``CLAW_*`` variable, in the order the settings reference
+(docs: Reference, Settings) lists them: the sections of this package, concatenated."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ GROUPS: dict[str, type] = {"limits": IngestLimits, "http": HttpLimits}
 
 
 def markdown_table() -> str:
-    """The README's configuration table, one row per variable in ``VARIABLES``' order."""
+    """The settings reference's table, one row per variable in ``VARIABLES``' order."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     rows += [f"| `{v.name}` | {v.default_text} | {v.doc} |" for v in VARIABLES]
     return "\n".join(rows) + "\n"

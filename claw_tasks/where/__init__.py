@@ -4,7 +4,7 @@ A ``where`` is either a mapping (recipes in YAML/JSON) or a string
 (``task_id == 'grasp' and (reward > 0.5 or tags.difficulty >= 3) and not terminated``).
 Both become the same tree (:mod:`.tree`), evaluated by one vectorized evaluator
 (:mod:`.mask`) over numpy metadata columns. The string grammar is in :mod:`.grammar`, the
-keys in :mod:`.keys`; docs/architecture.md ("The where language") is the reference.
+keys in :mod:`.keys`; docs/reference/where.md is the reference.
 
 Entry points: :func:`parse` (string → mapping form), :func:`compile_where` (either form →
 :class:`Where`, checked), :func:`mask` (either form + columns → boolean mask).

@@ -27,6 +27,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
+    # Click's own help layout: it re-flows every docstring paragraph to the terminal and
+    # never truncates an option's name, where rich's table cut `--no-vllm-options` to
+    # `--no-vllm-optio…` at 80 columns and kept later paragraphs' hard line breaks.
+    rich_markup_mode=None,
 )
 err = Console(stderr=True)
 P = ParamSpec("P")

@@ -67,7 +67,7 @@ class Neighbours:
     ``ids`` int64 (m, k), -1 where fewer than k steps matched; ``distances`` float32
     (m, k), NaN there (squared L2 for ``l2``, inner products for ``ip``/``cosine``);
     ``fields`` the fields asked for, each (m, k, ...) (zeros where -1); ``meta`` string
-    fields, nested lists [m][k] (None where -1)."""
+    fields, nested lists ``[m][k]`` (None where -1)."""
 
     ids: np.ndarray
     distances: np.ndarray

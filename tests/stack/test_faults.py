@@ -76,7 +76,7 @@ def _pool_children(pid: int) -> list[int]:
 def test_broker_outage_with_unacked_messages_does_not_kill_the_worker(
     servers, namespace, start_worker
 ):
-    """Finding 4: the broker dies while the worker holds an unacknowledged message and
+    """The broker dies while the worker holds an unacknowledged message and
     waits on BRPOP. Stock kombu then dies in ``restore_unacked`` ('NoneType' object has no
     attribute 'hostname'); the worker must ride the outage out and lose nothing."""
     data, broker = servers
@@ -244,8 +244,8 @@ def test_pop_skips_garbage_queue_items_counts_them_and_logs_once(redis_url, name
 
 
 def test_refill_lock_released_when_the_request_cannot_be_sent(redis_url, namespace, r):
-    """Finding 9: with the broker down, a refill request used to leave the lock held for
-    30 s, so pops after the broker came back waited for nothing."""
+    """With the broker down, a refill request that cannot be sent gives its lock back:
+    held for its 30 s, pops after the broker came back would wait for nothing."""
     offline = BatchClient(namespace, redis_url, broker_url=DEAD_BROKER)
     offline.registry.put(_recipe("l"), None)
     with pytest.raises(kombu.exceptions.OperationalError):

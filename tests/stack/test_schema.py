@@ -13,8 +13,8 @@ FIELDS = {"obs": FieldSpec("<f4", (4,)), "action": FieldSpec("<i8", ())}
 
 
 def test_ingestor_new_tag_reaches_redis(redis_url, namespace):
-    """The Ingestor used to add a step's new tag to the Store's cached schema in place, so
-    ``ensure_schema`` thought Redis had it and skipped the write."""
+    """A step's new tag reaches Redis: were the Ingestor to add it to the Store's cached
+    schema in place, ``ensure_schema`` would think Redis had it and skip the write."""
     Store(redis_url, namespace).create(schema=Schema(fields=dict(FIELDS)))
     broker = redis_url.rsplit("/", 1)[0] + "/1"  # no worker: keep the message off "ingest"
     # claim_check_bytes=0: the payload is written in place, after Store.ensure_schema

@@ -20,7 +20,12 @@ def archive(
     to: Annotated[Path, typer.Option("--to", help="Archive directory (ns=<name>/ goes in it)")],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
-    """Archive the steps not archived yet to Parquet (what the nightly task does)."""
+    """Archive the steps not archived yet to Parquet (what the nightly task does).
+
+    \b
+    Examples:
+      claw archive cartpole --to /data/claw-archive
+    """
     with redis_client(ctx) as (_, r):
         archive_progress.archive(r, namespace, to, Console(), as_json)
 
@@ -34,7 +39,12 @@ def restore(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
     """Bring archived steps back, bit-exact, with new ids (tags.orig_id holds the old),
-    then the archive's snapshots, laid over the new ids."""
+    then the archive's snapshots, laid over the new ids.
+
+    \b
+    Examples:
+      claw restore /data/claw-archive --namespace cartpole-restored
+    """
     with redis_client(ctx) as (_, r):
         archive_progress.restore_archive(r, archive_dir, namespace, Console(), as_json)
 

@@ -41,9 +41,13 @@ def nearest_command(
 ) -> None:
     """The nearest stored steps of some states, by a vector index (docs/retrieval.md).
 
-    Example: claw nearest cartpole --of 1234 --k 5 --where "tags.origin == 'expert'"
-    --fields action. --define makes an index (the maintenance beat builds it); --list
-    shows them."""
+    --define makes an index (the maintenance beat builds it); --list shows them.
+
+    \b
+    Examples:
+      claw nearest cartpole --of 1234 --k 5 --fields action
+      claw nearest cartpole --define '{"field": "obs", "metric": "l2"}'
+    """
     with redis_client(ctx) as (_, r):
         store = Store(r, namespace)
         if define is not None:

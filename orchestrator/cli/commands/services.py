@@ -53,7 +53,13 @@ def up(
     log_dir: LogDir = None,
 ) -> None:
     """Run the dev stack: Redis, Celery workers, beat, Flower, metrics, the web inspector.
-    Ctrl-C stops it."""
+    Ctrl-C stops it.
+
+    \b
+    Examples:
+      claw up
+      claw up --per-queue --concurrency 2 --no-flower
+    """
     logs = log_dir or default_log_dir()
     console = Console()
     settings = get_settings()
@@ -228,7 +234,13 @@ def demo(
     weights through Redis. Then a few on-policy PPO rollouts, each formed and served once
     by the workers for its policy version. Then pixel observations, augmented by the
     workers, timed against augmenting in the training loop. Redis: --redis-url /
-    CLAW_REDIS_URL, else the demo's own embedded server."""
+    CLAW_REDIS_URL, else the demo's own embedded server.
+
+    \b
+    Examples:
+      claw demo
+      claw demo --keep --out results/
+    """
     cfg = demo_run.DemoConfig(
         log_dir=log_dir or default_log_dir(),
         out=out,
@@ -304,7 +316,12 @@ def gateway(
     CLAW_GATEWAY_REWARD_TOKEN, default CLAW_GATEWAY_TOKEN) attaches rewards; POST /sessions
     (CLAW_GATEWAY_ADMIN_TOKEN) makes per-trajectory keys; /metrics needs CLAW_METRICS_TOKEN
     (default CLAW_GATEWAY_TOKEN). New trajectories are admitted against the staleness
-    budget a trainer's recipe declares (admission:). docs/llm.md."""
+    budget a trainer's recipe declares (admission:). docs/llm.md.
+
+    \b
+    Examples:
+      claw gateway --upstream http://127.0.0.1:8000 --namespace agents
+    """
     from orchestrator.gateway import GatewayConfig, serve
 
     settings = get_settings()

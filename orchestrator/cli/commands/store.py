@@ -38,7 +38,13 @@ def stats(
         ),
     ] = False,
 ) -> None:
-    """Steps, capacity, memory, dead letters, schema and counts per namespace."""
+    """Steps, capacity, memory, dead letters, schema and counts per namespace.
+
+    \b
+    Examples:
+      claw stats
+      claw stats --namespace cartpole --quality
+    """
     with redis_client(ctx) as (url, r):
         names = [namespace] if namespace else list_namespaces(r)
         if namespace and not Store(r, namespace).exists():
@@ -318,7 +324,13 @@ def inspect_steps(
         typer.Option(min=1, help="Steps to show (default: the newest 20, or a whole episode)"),
     ] = None,
 ) -> None:
-    """Steps as log lines: metadata, field shapes and dtypes, small previews."""
+    """Steps as log lines: metadata, field shapes and dtypes, small previews.
+
+    \b
+    Examples:
+      claw inspect cartpole --limit 5
+      claw inspect cartpole --episode ep-17
+    """
     if episode is not None and ids is not None:
         raise typer.BadParameter("give --episode or --ids, not both")
     with redis_client(ctx) as (_, r):
@@ -388,13 +400,18 @@ def query(
 ) -> None:
     """Ask questions of step metadata, answered from the sampling index.
 
-    Example: claw query grasp "task_id == 'grasp' and reward > 0.5" --group-by agent_id
-    --agg 'count,mean(reward),p95(reward)' --since 1h (quote the aggregates: the shell
-    reads parentheses). Multi-agent: claw query spread "tags.covered >= 2" --any-agent
-    "reward > 0" --group-by agent_id (the expression selects joint steps by their global
-    state's tags, the aggregates are over their agents' steps). Skill transitions: claw
-    query arm --from-skill reach --to-skill grasp --transition-window 3 counts the
-    reach-to-grasp changes and the steps within 3 steps of one"""
+    Quote the aggregates: the shell reads parentheses. With --any-agent or --all-agents
+    (multi-agent data) the expression selects joint steps by their global state's tags,
+    and the aggregates are over their agents' steps. With --from-skill, --to-skill and
+    --transition-window it counts the changes from one skill to the other inside an
+    episode and the steps within that many steps of one.
+
+    \b
+    Examples:
+      claw query grasp "reward > 0.5" --group-by agent_id --agg 'mean(reward)'
+      claw query spread "tags.covered >= 2" --any-agent "reward > 0"
+      claw query arm --from-skill reach --to-skill grasp --transition-window 3
+    """
     from orchestrator.inspect import query as q
 
     keys = [k.strip() for k in group_by.split(",") if k.strip()] if group_by else []
