@@ -1,0 +1,181 @@
+"""The processes of the chaos soak (tests/soak/soak.py) that are not Claw's own: producers
+and a trainer that log what they saw, and the check that compares those logs with the
+store at the end. Each runs on a simulated host: ``python -m tests.soak.roles ROLE ...``.
+
+Every line a role logs is a JSON object, written and flushed before the role goes on, so
+a log holds everything the role saw even if it is killed."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+
+def _log(out: IO[str], **fields: Any) -> None:
+    out.write(json.dumps({"t": time.time(), **fields}) + "\n")
+    out.flush()
+
+
+def actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int) -> None:
+    """CartPole episodes with a random policy, each flushed until the store confirms it;
+    logs ``confirmed`` per episode (its id and length) only once it is."""
+    import gymnasium as gym
+
+    from claw_tasks.client import Ingestor
+
+    env = gym.make("CartPole-v1")
+    rng = np.random.default_rng(seed)
+    with log.open("a") as out:
+        ing = Ingestor(ns, url, flush_interval=None, flush_steps=10**9, resend_after=10)
+        k = 0
+        while not stop.exists():
+            episode = f"{name}-{k}"
+            obs, _ = env.reset(seed=int(rng.integers(2**31)))
+            n = 0
+            with ing.episode(episode_id=episode) as ep:
+                done = False
+                while not done:
+                    action = int(rng.integers(2))
+                    nxt, reward, term, trunc, _ = env.step(action)
+                    ep.add(np.asarray(obs, np.float32), np.int64(action), float(reward))
+                    obs, n, done = nxt, n + 1, term or trunc
+            while True:  # until confirmed: the batch stays in flight and is re-sent
+                try:
+                    ing.flush(timeout=20)
+                    break
+                except Exception as e:  # an outage under test
+                    _log(out, event="unconfirmed", episode=episode, error=repr(e)[:200])
+                    if stop.exists() and (stop.stat().st_mtime + 120 < time.time()):
+                        return
+            _log(out, event="confirmed", episode=episode, steps=n)
+            k += 1
+        ing.close(timeout=120)
+
+
+DQN = {
+    "name": "dqn",
+    "batch_size": 64,
+    "fields": ["obs", "action", "reward", "next_obs"],
+    "sources": [{"name": "all"}],
+    "prefetch": {"depth": 4},
+}
+
+
+def trainer(url: str, ns: str, log: Path, stop: Path) -> None:
+    """Pops the replay recipe in a loop; logs each batch (rows) or error."""
+    from orchestrator import BatchClient
+
+    with log.open("a") as out:
+        client = None
+        while not stop.exists():
+            try:
+                if client is None:
+                    client = BatchClient(ns, url)
+                    client.register(DQN)
+                b = client.pop("dqn", timeout=10)
+                obs = np.asarray(b["obs"])
+                if obs.shape != (64, 4) or not np.isfinite(obs).all():
+                    _log(out, event="bad-batch", shape=list(obs.shape))
+                _log(out, event="batch", rows=int(obs.shape[0]))
+            except Exception as e:  # an outage under test: a new client next time
+                _log(out, event="error", error=repr(e)[:200])
+                if client is not None:
+                    with contextlib.suppress(Exception):
+                        client.close()
+                    client = None
+                time.sleep(1)
+        if client is not None:
+            client.close()
+
+
+def check(url: str, ns: str, logs: list[Path], archive: Path, out: Path) -> None:
+    """Every episode an actor saw confirmed is stored once, whole; nothing stored twice;
+    the archive holds no step twice and nothing the store does not."""
+    from claw_tasks.store import Store
+
+    store = Store(url, ns)
+    confirmed: dict[str, int] = {}
+    for path in logs:
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["event"] == "confirmed":
+                confirmed[rec["episode"]] = rec["steps"]
+    missing, partial, doubled = [], [], []
+    stored = 0
+    for episode, n in confirmed.items():
+        steps = store.episode(episode)["step_index"]
+        stored += len(steps)
+        if not len(steps):
+            missing.append(episode)
+        elif len(steps) != len(set(steps.tolist())):
+            doubled.append(episode)
+        elif sorted(steps.tolist()) != list(range(n)):
+            partial.append(episode)
+    total = store.count()
+    archived, archive_doubles = 0, 0
+    if archive.is_dir() and any(archive.rglob("*.parquet")):
+        import pyarrow.dataset as ds
+
+        table = ds.dataset(archive, format="parquet", partitioning="hive").to_table(
+            columns=["episode", "step_index"]
+        )
+        archived = table.num_rows
+        pairs = set(zip(table["episode"].to_pylist(), table["step_index"].to_pylist(), strict=True))
+        archive_doubles = archived - len(pairs)
+    result = {
+        "confirmed_episodes": len(confirmed),
+        "confirmed_steps": sum(confirmed.values()),
+        "stored_steps_of_confirmed": stored,
+        "stored_steps": total,
+        "missing": missing[:20],
+        "n_missing": len(missing),
+        "partial": partial[:20],
+        "n_partial": len(partial),
+        "doubled": doubled[:20],
+        "n_doubled": len(doubled),
+        "archived_rows": archived,
+        "archive_doubles": archive_doubles,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tests.soak.roles")
+    sub = p.add_subparsers(dest="role", required=True)
+    a = sub.add_parser("actor")
+    a.add_argument("url")
+    a.add_argument("ns")
+    a.add_argument("name")
+    a.add_argument("log", type=Path)
+    a.add_argument("stop", type=Path)
+    a.add_argument("seed", type=int)
+    t = sub.add_parser("trainer")
+    t.add_argument("url")
+    t.add_argument("ns")
+    t.add_argument("log", type=Path)
+    t.add_argument("stop", type=Path)
+    c = sub.add_parser("check")
+    c.add_argument("url")
+    c.add_argument("ns")
+    c.add_argument("archive", type=Path)
+    c.add_argument("out", type=Path)
+    c.add_argument("logs", type=Path, nargs="+")
+    args = p.parse_args(argv)
+    if args.role == "actor":
+        actor(args.url, args.ns, args.name, args.log, args.stop, args.seed)
+    elif args.role == "trainer":
+        trainer(args.url, args.ns, args.log, args.stop)
+    else:
+        check(args.url, args.ns, args.logs, args.archive, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
