@@ -37,7 +37,7 @@ def claw(redis_url: str, *args: str) -> str:
     return result.output
 
 
-def wait_until(cond, what: str | Callable[[], str], timeout: float = 60.0) -> None:
+def wait_until(cond, what: str | Callable[[], str], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
