@@ -130,9 +130,14 @@ class Host:
         )
 
     def check_output(self, argv: Sequence[str], timeout: float = 60.0) -> str:
-        return subprocess.run(
-            self.argv(argv), capture_output=True, text=True, timeout=timeout, check=True
-        ).stdout
+        """``argv``'s output on this host; a failure raises with its stderr's tail."""
+        done = subprocess.run(self.argv(argv), capture_output=True, text=True, timeout=timeout)
+        if done.returncode:
+            raise RuntimeError(
+                f"on host {self.name}, {' '.join(argv)[:300]} exited {done.returncode}:\n"
+                f"{done.stderr[-3000:]}"
+            )
+        return done.stdout
 
     def partition(self) -> None:
         """Cut this host off the bridge (its own processes keep running)."""

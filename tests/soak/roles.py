@@ -96,8 +96,9 @@ def trainer(url: str, ns: str, log: Path, stop: Path) -> None:
 
 
 def check(url: str, ns: str, logs: list[Path], archive: Path, out: Path) -> None:
-    """Every episode an actor saw confirmed is stored once, whole; nothing stored twice;
-    the archive holds no step twice and nothing the store does not."""
+    """Every episode an actor saw confirmed is whole in the store and the archive together,
+    no step of it stored twice; the archive holds no step twice."""
+    from claw_tasks.format.stepmeta import episode_code
     from claw_tasks.store import Store
 
     store = Store(url, ns)
@@ -107,28 +108,46 @@ def check(url: str, ns: str, logs: list[Path], archive: Path, out: Path) -> None
             rec = json.loads(line)
             if rec["event"] == "confirmed":
                 confirmed[rec["episode"]] = rec["steps"]
+    # Every shard's metadata columns once (not a read per episode): per episode code, the
+    # step indexes of its live steps; then the archive's (a step the ring evicted must have
+    # been archived first: archival runs every minute, the ring holds many more).
+    in_store: dict[int, list[int]] = {}
+    for shard in range(store.config().n_shards):
+        cols = store.meta_columns(shard, ["episode", "step_index"])
+        live = cols["alive"]
+        for code, step in zip(
+            cols["episode"][live].tolist(), cols["step_index"][live].tolist(), strict=True
+        ):
+            in_store.setdefault(code, []).append(step)
+    in_archive: dict[int, set[int]] = {}
+    archived, archive_doubles = 0, 0
+    files = sorted(archive.rglob("*.parquet")) if archive.is_dir() else []
+    if files:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        names = ["id", "episode_id", "step_index"]
+        table = pa.concat_tables([pq.read_table(f, columns=names) for f in files])
+        archived = table.num_rows
+        archive_doubles = archived - len(np.unique(table["id"].to_numpy()))
+        for name, step in zip(
+            table["episode_id"].to_pylist(), table["step_index"].to_pylist(), strict=True
+        ):
+            in_archive.setdefault(episode_code(name), set()).add(step)
     missing, partial, doubled = [], [], []
     stored = 0
     for episode, n in confirmed.items():
-        steps = store.episode(episode)["step_index"]
+        code = episode_code(episode)
+        steps = in_store.get(code, [])
         stored += len(steps)
-        if not len(steps):
-            missing.append(episode)
-        elif len(steps) != len(set(steps.tolist())):
+        if len(steps) != len(set(steps)):
             doubled.append(episode)
-        elif sorted(steps.tolist()) != list(range(n)):
+        have = set(steps) | in_archive.get(code, set())
+        if not have:
+            missing.append(episode)
+        elif have != set(range(n)):
             partial.append(episode)
     total = store.count()
-    archived, archive_doubles = 0, 0
-    if archive.is_dir() and any(archive.rglob("*.parquet")):
-        import pyarrow.dataset as ds
-
-        table = ds.dataset(archive, format="parquet", partitioning="hive").to_table(
-            columns=["episode", "step_index"]
-        )
-        archived = table.num_rows
-        pairs = set(zip(table["episode"].to_pylist(), table["step_index"].to_pylist(), strict=True))
-        archive_doubles = archived - len(pairs)
     result = {
         "confirmed_episodes": len(confirmed),
         "confirmed_steps": sum(confirmed.values()),

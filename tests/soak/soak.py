@@ -240,7 +240,7 @@ class Soak:
             return host.check_output(
                 ["redis-cli", "-h", addr, "-p", str(port), *cmd], timeout=10
             ).strip()
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        except (RuntimeError, subprocess.TimeoutExpired):
             return ""
 
     def _cluster_ok(self, skip: Proc | None = None) -> bool:
@@ -396,6 +396,8 @@ class Soak:
         for key in ("n_missing", "n_partial", "n_doubled", "archive_doubles"):
             if result[key]:
                 self.violations.append(f"{key}: {result[key]}")
+        if not result["archived_rows"]:  # beat's archival every 60 s never ran
+            self.violations.append("nothing archived: beat's maintenance did not run")
         doctor = subprocess.run(
             f.argv([PY, "-m", "orchestrator.cli.main", "doctor", self.ns]),
             capture_output=True,
@@ -455,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, help="write the result as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = p.parse_args(argv)
+    # A SIGTERM (a CI timeout, ^C's cousin) still removes the hosts and their processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     why = unavailable()
     if why is not None:
         print(f"soak: cannot run: {why}", file=sys.stderr)

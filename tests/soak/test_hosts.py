@@ -103,7 +103,7 @@ def test_hosts_are_apart_and_a_partition_cuts_one_off(net: Network, tmp_path: Pa
         def answers() -> bool:
             try:
                 return net["trainer"].check_output(ping, timeout=5).strip() == "PONG"
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            except (RuntimeError, subprocess.TimeoutExpired):
                 return False
 
         wait_for(answers, "the store answers across the bridge")
