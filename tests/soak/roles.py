@@ -95,6 +95,133 @@ def trainer(url: str, ns: str, log: Path, stop: Path) -> None:
             client.close()
 
 
+PPO = {
+    "name": "ppo",
+    "batch_size": 16,
+    "fields": ["obs", "action"],
+    "sources": [{"name": "actors"}],
+    "params": {"policy_version": 0},
+    "prefetch": {"depth": 8},
+    "rollout": {"steps": 64, "epochs": 2, "max_lag": 1},
+}
+
+
+def rollout_actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int) -> None:
+    """Segments of 32 on-policy steps at the recipe's current policy version (each step's
+    obs names it: actor, episode, step index, version), flushed until confirmed."""
+    from claw_tasks.client import Ingestor
+    from orchestrator.delivery.registry import Registry
+
+    rng = np.random.default_rng(seed)
+    me = int(seed)
+    with log.open("a") as out:
+        ing = Ingestor(ns, url, flush_interval=None, flush_steps=10**9, resend_after=10)
+        reg = Registry(ing.store)
+        version, ep, ep_no, t = 0, None, 0, 0
+        while not stop.exists():
+            try:
+                entry = reg.get("ppo")
+                if entry is not None:
+                    version = int(entry.recipe.params["policy_version"])
+            except Exception as e:  # an outage under test: the last version known
+                _log(out, event="version-unknown", error=repr(e)[:200])
+            for i in range(32):
+                if ep is None:
+                    ep_no, t = ep_no + 1, 0
+                    ep = ing.episode(episode_id=f"{name}-rollout-{ep_no}")
+                term = bool(rng.random() < 0.05)
+                tags = {"log_prob": float(-rng.random()), "value": float(rng.normal())}
+                if i == 31 and not term:
+                    tags["bootstrap_value"] = float(rng.normal())
+                key = np.array([me, ep_no, t, version], np.float32)
+                ep.add(key, np.int64(i % 2), float(rng.normal()), terminated=term,
+                       policy_version=version, **tags)  # fmt: skip
+                t += 1
+                if term:
+                    ep.end()
+                    ep = None
+            while True:
+                try:
+                    ing.flush(timeout=20)
+                    break
+                except Exception as e:  # an outage under test
+                    _log(out, event="unconfirmed", error=repr(e)[:200])
+                    if stop.exists() and (stop.stat().st_mtime + 120 < time.time()):
+                        return
+            _log(out, event="confirmed", steps=32, version=version)
+        ing.close(timeout=120)
+
+
+def ppo_trainer(url: str, ns: str, log: Path, stop: Path) -> None:
+    """Pops the rollout recipe's minibatches; after a rollout's last one moves the policy
+    version on. Logs each minibatch's place and the steps it holds."""
+    from orchestrator import BatchClient
+
+    with log.open("a") as out:
+        client = None
+        while not stop.exists():
+            try:
+                if client is None:
+                    client = BatchClient(ns, url)
+                    client.register(PPO)  # identical: keeps the version and what is queued
+                b = client.pop("ppo", timeout=10)
+                ro = b.meta["rollout"]
+                keys = np.asarray(b["obs"]).astype(np.int64).tolist()
+                _log(out, event="minibatch", no=ro["no"], target=ro["policy_version"],
+                     epoch=ro["epoch"], minibatch=ro["minibatch"], keys=keys)  # fmt: skip
+                last = (ro["epochs"] - 1, ro["minibatches"] - 1)
+                if (ro["epoch"], ro["minibatch"]) == last:
+                    client.advance("ppo", ro["policy_version"] + 1)
+                    _log(out, event="advanced", to=ro["policy_version"] + 1)
+            except Exception as e:  # an outage under test: a new client next time
+                _log(out, event="error", error=repr(e)[:200])
+                if client is not None:
+                    with contextlib.suppress(Exception):
+                        client.close()
+                    client = None
+                time.sleep(1)
+        if client is not None:
+            client.close()
+
+
+def check_rollouts(log: Path) -> dict[str, Any]:
+    """No minibatch served twice, no step in two rollouts, every step of a rollout within
+    its version window, and every rollout's epochs the same steps."""
+    seen: set[tuple[int, int, int]] = set()
+    rollout_of: dict[tuple[int, ...], int] = {}
+    epochs: dict[tuple[int, int], set[tuple[int, ...]]] = {}
+    problems: list[str] = []
+    minibatches = 0
+    for line in log.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["event"] != "minibatch":
+            continue
+        minibatches += 1
+        place = (rec["no"], rec["epoch"], rec["minibatch"])
+        if place in seen:
+            problems.append(f"minibatch {place} served twice")
+        seen.add(place)
+        lo, hi = rec["target"] - PPO["rollout"]["max_lag"], rec["target"]
+        for key in map(tuple, rec["keys"]):
+            if not lo <= key[3] <= hi:
+                problems.append(f"step {key} of version {key[3]} in rollout {rec['no']} of {hi}")
+            step = key[:3]
+            if rollout_of.setdefault(step, rec["no"]) != rec["no"]:
+                problems.append(f"step {step} in rollouts {rollout_of[step]} and {rec['no']}")
+            epochs.setdefault((rec["no"], rec["epoch"]), set()).add(step)
+    for (no, epoch), steps in epochs.items():
+        first = epochs.get((no, 0))
+        complete = len(steps) == PPO["rollout"]["steps"] and first is not None
+        if complete and len(first) == len(steps) and first != steps:
+            problems.append(f"rollout {no}: epoch {epoch} holds other steps than epoch 0")
+    return {
+        "rollouts": len({no for no, _ in epochs}),
+        "minibatches": minibatches,
+        "problems": problems[:20],
+        "n_problems": len(problems),
+    }
+
+
 def check(url: str, ns: str, logs: list[Path], archive: Path, out: Path) -> None:
     """Every episode an actor saw confirmed is whole in the store and the archive together,
     no step of it stored twice; the archive holds no step twice."""
@@ -121,7 +248,8 @@ def check(url: str, ns: str, logs: list[Path], archive: Path, out: Path) -> None
             in_store.setdefault(code, []).append(step)
     in_archive: dict[int, set[int]] = {}
     archived, archive_doubles = 0, 0
-    files = sorted(archive.rglob("*.parquet")) if archive.is_dir() else []
+    ns_dir = archive / f"ns={ns}"  # the archive holds every namespace, each in its own
+    files = sorted(ns_dir.rglob("*.parquet")) if ns_dir.is_dir() else []
     if files:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -181,6 +309,19 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("ns")
     t.add_argument("log", type=Path)
     t.add_argument("stop", type=Path)
+    for role in ("rollout-actor",):
+        ra = sub.add_parser(role)
+        ra.add_argument("url")
+        ra.add_argument("ns")
+        ra.add_argument("name")
+        ra.add_argument("log", type=Path)
+        ra.add_argument("stop", type=Path)
+        ra.add_argument("seed", type=int)
+    pt = sub.add_parser("ppo-trainer")
+    pt.add_argument("url")
+    pt.add_argument("ns")
+    pt.add_argument("log", type=Path)
+    pt.add_argument("stop", type=Path)
     c = sub.add_parser("check")
     c.add_argument("url")
     c.add_argument("ns")
@@ -190,6 +331,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.role == "actor":
         actor(args.url, args.ns, args.name, args.log, args.stop, args.seed)
+    elif args.role == "rollout-actor":
+        rollout_actor(args.url, args.ns, args.name, args.log, args.stop, args.seed)
+    elif args.role == "ppo-trainer":
+        ppo_trainer(args.url, args.ns, args.log, args.stop)
     elif args.role == "trainer":
         trainer(args.url, args.ns, args.log, args.stop)
     else:

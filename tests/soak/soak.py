@@ -45,6 +45,7 @@ from pathlib import Path
 
 from claw_tasks.worker.command import celery_argv, worker_argv
 from tests.soak.hosts import Host, Network, unavailable, wait_for
+from tests.soak.roles import check_rollouts
 from tests.support.paths import ROOT
 
 RECOVERY_S = 120.0
@@ -98,6 +99,16 @@ class Proc:
                     int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
                 ]
         return out
+
+
+CREATE = """
+import sys
+from claw_tasks.format.schema import Schema
+from claw_tasks.store import Store
+url, offpolicy, onpolicy = sys.argv[1:4]
+Store(url, offpolicy).create(capacity=400_000, n_shards=3)
+Store(url, onpolicy).create(capacity=200_000, n_shards=3, schema=Schema.rollout((4,)))
+"""
 
 
 def redis_argv(addr: str, port: int, directory: Path, *extra: str) -> list[str]:
@@ -172,65 +183,32 @@ class Soak:
             "PYTHONUNBUFFERED": "1",
         }
         f = net["f"]
-        f.check_output(
-            [
-                PY,
-                "-c",
-                "import sys; from claw_tasks.store import Store; "
-                "Store(sys.argv[1], sys.argv[2]).create(capacity=400_000, n_shards=3)",
-                self.url,
-                self.ns,
-            ],
-        )
+        f.check_output([PY, "-c", CREATE, self.url, self.ns, self.ns + "-ppo"])
         for host in (b, c):
-            self._add(
-                f"worker-{host.name}",
-                host,
-                worker_argv(
-                    "ingest,prefetch,maintenance",
-                    2,
-                    name=f"soak-{host.name}",
-                    lone=True,
-                    heartbeat=False,
-                ),
-            )
+            queues = "ingest,prefetch,maintenance"
+            argv = worker_argv(queues, 2, name=f"soak-{host.name}", lone=True, heartbeat=False)
+            self._add(f"worker-{host.name}", host, argv)
             wait_for(
                 lambda h=host: b"ready." in self.procs[f"worker-{h.name}"].log.read_bytes(),
                 "a worker starts",
                 timeout=180,
             )
         self._add("beat", c, celery_argv("beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"))
+        stop, ppo = str(self.stop_file), self.ns + "-ppo"
         for i, host in enumerate((net["d"], net["e"])):
-            self._add(
-                f"actor-{host.name}",
-                host,
-                [
-                    PY,
-                    "-m",
-                    "tests.soak.roles",
-                    "actor",
-                    self.url,
-                    self.ns,
-                    host.name,
-                    str(self.work / f"actor-{host.name}.jsonl"),
-                    str(self.stop_file),
-                    str(self.seed * 10 + i),
-                ],
-            )
-        self._add(
-            "trainer",
-            f,
-            [
-                PY,
-                "-m",
-                "tests.soak.roles",
-                "trainer",
-                self.url,
-                self.ns,
-                str(self.work / "trainer.jsonl"),
-                str(self.stop_file),
-            ],
-        )
+            log = str(self.work / f"actor-{host.name}.jsonl")
+            seed = str(self.seed * 10 + i)
+            self._role(f"actor-{host.name}", host, "actor", self.ns, host.name, log, stop, seed)
+            log = str(self.work / f"rollout-actor-{host.name}.jsonl")
+            role = f"rollout-actor-{host.name}"
+            self._role(role, host, "rollout-actor", ppo, host.name, log, stop, str(i + 1))
+        self._role("trainer", f, "trainer", self.ns, str(self.work / "trainer.jsonl"), stop)
+        log = str(self.work / "ppo-trainer.jsonl")
+        self._role("ppo-trainer", f, "ppo-trainer", ppo, log, stop)
+
+    def _role(self, role: str, host: Host, name: str, ns: str, *args: str) -> None:
+        """A role of tests/soak/roles.py on ``host``."""
+        self._add(role, host, [PY, "-m", "tests.soak.roles", name, self.url, ns, *args])
 
     def _add(self, role: str, host: Host, argv: list[str]) -> None:
         self.procs[role] = Proc(role, host, argv, self.work / f"{role}.log", dict(self.env)).start()
@@ -261,6 +239,8 @@ class Soak:
             fault: dict = {"at": round(at, 1), "kind": kind}
             if kind == "kill-worker":
                 fault["host"] = self.rng.choice("bc")
+            elif kind == "kill-trainer":
+                fault["trainer"] = self.rng.choice(["trainer", "ppo-trainer"])
             elif kind == "partition":
                 fault["host"] = self.rng.choice("abdef")
                 fault["seconds"] = round(self.rng.uniform(5, 20), 1)
@@ -271,7 +251,7 @@ class Soak:
     def inject(self, fault: dict) -> None:
         kind = fault["kind"]
         if kind in ("kill-worker", "kill-beat", "kill-trainer"):
-            role = {"kill-beat": "beat", "kill-trainer": "trainer"}.get(
+            role = {"kill-beat": "beat", "kill-trainer": fault.get("trainer")}.get(
                 kind, f"worker-{fault.get('host')}"
             )
             proc = self.procs[role]
@@ -302,8 +282,12 @@ class Soak:
     def recovered(self, since: float) -> float | None:
         """Seconds until the trainer got a batch and each actor a confirmation after
         ``since``; None past ``RECOVERY_S``."""
-        logs = [self.work / "trainer.jsonl"] + [self.work / f"actor-{h}.jsonl" for h in "de"]
-        events = ["batch", "confirmed", "confirmed"]
+        logs = [
+            self.work / "trainer.jsonl",
+            self.work / "ppo-trainer.jsonl",
+            *(self.work / f"{role}-{h}.jsonl" for role in ("actor", "rollout-actor") for h in "de"),
+        ]
+        events = ["batch", "minibatch", *["confirmed"] * 4]
 
         def first_after(path: Path, event: str) -> float | None:
             if not path.exists():
@@ -368,7 +352,9 @@ class Soak:
 
     def finish(self) -> dict:
         self.stop_file.touch()
-        for role in ("actor-d", "actor-e", "trainer"):
+        roles = ["trainer", "ppo-trainer"]
+        roles += [f"{r}-{h}" for r in ("actor", "rollout-actor") for h in "de"]
+        for role in roles:
             popen = self.procs[role].popen
             assert popen is not None
             try:
@@ -407,6 +393,10 @@ class Soak:
         )
         if doctor.returncode:
             self.violations.append(f"claw doctor: {doctor.stdout[-2000:]}{doctor.stderr[-2000:]}")
+        onpolicy = check_rollouts(self.work / "ppo-trainer.jsonl")
+        self.violations += onpolicy["problems"]
+        if not onpolicy["rollouts"]:
+            self.violations.append("no rollout was served")
         trainer = [json.loads(x) for x in (self.work / "trainer.jsonl").read_text().splitlines()]
         for role, rss in self.rss.items():
             if rss > RSS_BOUND:
@@ -416,6 +406,7 @@ class Soak:
             "seed": self.seed,
             "faults": self.faults,
             "store": result,
+            "onpolicy": onpolicy,
             "batches": sum(1 for r in trainer if r["event"] == "batch"),
             "trainer_errors": sum(1 for r in trainer if r["event"] == "error"),
             "max_rss_mib": {k: round(v / 2**20) for k, v in sorted(self.rss.items())},
@@ -440,6 +431,9 @@ def report(result: dict) -> str:
         f"confirmed; missing {s['n_missing']}, partial {s['n_partial']}, doubled "
         f"{s['n_doubled']}; {s['stored_steps']} steps stored",
         f"archive: {s['archived_rows']} rows, {s['archive_doubles']} doubled",
+        f"on-policy: {result['onpolicy']['rollouts']} rollouts, "
+        f"{result['onpolicy']['minibatches']} minibatches, "
+        f"{result['onpolicy']['n_problems']} problems",
         f"trainer: {result['batches']} batches, {result['trainer_errors']} errors",
         "max RSS (MiB): " + ", ".join(f"{k} {v}" for k, v in result["max_rss_mib"].items()),
         f"violations: {len(result['violations'])}",
