@@ -276,6 +276,7 @@ def check(url: str, ns: str, logs: list[Path], archive: Path, out: Path) -> None
         elif have != set(range(n)):
             partial.append(episode)
     total = store.count()
+    dead, letters = store.dead_letters(5)
     result = {
         "confirmed_episodes": len(confirmed),
         "confirmed_steps": sum(confirmed.values()),
@@ -289,6 +290,10 @@ def check(url: str, ns: str, logs: list[Path], archive: Path, out: Path) -> None
         "n_doubled": len(doubled),
         "archived_rows": archived,
         "archive_doubles": archive_doubles,
+        "dead_letters": dead,
+        "dead_letter_reasons": sorted(
+            {str(fields.get(b"reason", b"?"), "utf-8", "replace") for _, fields in letters}
+        ),
     }
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result))

@@ -430,7 +430,8 @@ def report(result: dict) -> str:
         f"off-policy: {s['confirmed_episodes']} episodes ({s['confirmed_steps']} steps) "
         f"confirmed; missing {s['n_missing']}, partial {s['n_partial']}, doubled "
         f"{s['n_doubled']}; {s['stored_steps']} steps stored",
-        f"archive: {s['archived_rows']} rows, {s['archive_doubles']} doubled",
+        f"archive: {s['archived_rows']} rows, {s['archive_doubles']} doubled; "
+        f"dead letters: {s['dead_letters']} {s['dead_letter_reasons'] or ''}",
         f"on-policy: {result['onpolicy']['rollouts']} rollouts, "
         f"{result['onpolicy']['minibatches']} minibatches, "
         f"{result['onpolicy']['n_problems']} problems",
