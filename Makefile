@@ -6,7 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.claw-installed
 DEMO_STAMP := $(VENV)/.claw-demo-installed
 
-.PHONY: setup test test-fast demo lint docs bench browser promtool
+.PHONY: setup test test-fast test-slow soak demo lint docs bench browser promtool
 
 setup: $(STAMP)
 
@@ -54,6 +54,17 @@ test: $(STAMP) browser promtool
 # network; tests/unit/conftest.py refuses them), well under a minute.
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit
+
+# The opt-in long variants (`slow`: soak, fuzz and learning runs at full size).
+test-slow: $(STAMP) browser promtool
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m slow
+
+# The chaos soak over simulated hosts (tests/soak/soak.py; needs root): SOAK_MINUTES of
+# seeded faults, a one-page report, exit 1 on any violation.
+SOAK_MINUTES ?= 30
+SOAK_SEED ?= 1
+soak: $(STAMP)
+	$(VENV)/bin/python -m tests.soak.soak --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED)
 
 demo: $(DEMO_STAMP)
 	@echo "== Running 'claw demo' (a minute or two). To use 'claw' yourself afterwards:"

@@ -36,6 +36,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def sb3_logs_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Stable-Baselines3 makes a log folder per ``learn()`` (``/tmp/SB3-<time>`` unless
+    ``SB3_LOGDIR`` names one): the tests' go under pytest's own temporary directory, which
+    it prunes, and to the workers the tests start (they inherit the environment)."""
+    os.environ["SB3_LOGDIR"] = str(tmp_path_factory.mktemp("sb3-logs"))
+
+
 @pytest.fixture(autouse=True)
 def fresh_settings() -> Iterator[None]:
     """Each test reads the settings from its own environment (``get_settings()`` keeps

@@ -37,6 +37,10 @@ READ_PATH_TASKS = (
 )
 
 
+BEAT_LOOP_S = 5
+BEAT_LOCK_S = 30
+
+
 def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
     """A configured Claw Celery app (workers use ``app``; clients may aim elsewhere)."""
     broker = broker_url or settings.broker_url
@@ -67,6 +71,11 @@ def make_app(settings: Settings, broker_url: str | None = None) -> Celery:
         redbeat_redis_url=settings.beat_url,  # never a cluster (settings/environment.py)
         redbeat_key_prefix=SCHEDULE_PREFIX,
         beat_scheduler="redbeat.RedBeatScheduler",
+        # Beat wakes at least every BEAT_LOOP_S and extends its lock to BEAT_LOCK_S each
+        # time, so a beat SIGKILLed with the lock is replaced within BEAT_LOCK_S (RedBeat's
+        # default, 5 x 300 s, stopped every maintenance task for 25 minutes).
+        beat_max_loop_interval=BEAT_LOOP_S,
+        redbeat_lock_timeout=BEAT_LOCK_S,
         beat_schedule=beat_schedule(settings.schedule),  # claw_tasks/broker/schedule.py
         timezone="UTC",
     )

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError
@@ -36,7 +36,7 @@ from orchestrator.delivery.stages import Pipeline
 from orchestrator.recipe.model import Recipe
 from orchestrator.sampling import groups
 from orchestrator.sampling.groups import Claim
-from orchestrator.sampling.shmfiles import reap_orphans
+from orchestrator.sampling.shmfiles import Kind, reap_orphans
 from orchestrator.transforms.augment import AugmentPlan, build_pipelines
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,19 @@ def _detach_indexes(**_: Any) -> None:
     """A pool process stopping detaches from the host's shared sampling indexes, so the
     last one removes their files (a process killed outright leaves them to the reaper)."""
     close_all()
+
+
+@worker_shutdown.connect
+def _reap_left_indexes(**_: Any) -> None:
+    """The pool has stopped (the main process, after it joined its pool processes): remove
+    this host's index files that no process holds any more. A pool process whose exit was
+    cut short (a second SIGTERM while it detached: systemd's and ``kill -- -PGID``'s
+    signal reaches every process of the group, then the main process terminates its pool)
+    could not remove them itself."""
+    try:
+        reap_orphans(kinds=Kind.INDEX)
+    except OSError:
+        log.warning("reaping unused index files at shutdown failed", exc_info=True)
 
 
 PLANS = "augment plans"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,11 +37,11 @@ def claw(redis_url: str, *args: str) -> str:
     return result.output
 
 
-def wait_until(cond, what: str, timeout: float = 60.0) -> None:
+def wait_until(cond, what: str | Callable[[], str], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
         time.sleep(0.02)
 
 
@@ -253,14 +254,23 @@ def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_pat
     worker = start_worker("maintenance", CLAW_ARCHIVE_LOCK_TTL="2")
     send()
     wait_until(lambda: archived() > 0, "the archive to start")
-    worker.kill()
-    assert archived() < n, "the archive finished before the kill; the test proves nothing"
+    # Writes held (reads go on) until the worker is dead: it cannot finish the archive
+    # between the check above and the kill, however late this process is scheduled.
+    r.client_pause(60_000, all=False)
+    try:
+        assert archived() < n, "the archive finished before the kill; the test proves nothing"
+        worker.kill()
+    finally:
+        r.client_unpause()
     lock = store.owned_key("archive-lock")
     wait_until(lambda: not r.exists(lock), "the dead run's lock to lapse")
 
     start_worker("maintenance", CLAW_ARCHIVE_LOCK_TTL="2")
     send()
-    wait_until(lambda: archived() == n and not r.exists(lock), "the re-run")
+    wait_until(
+        lambda: archived() == n and not r.exists(lock),
+        lambda: f"the re-run: {archived()} of {n} archived, lock {r.get(lock)!r}",
+    )
     ids = _check_archive(root / f"ns={namespace}", store)
     assert len(ids) == n
     # Episodes span many files: restored file by file, their next_obs links come back.

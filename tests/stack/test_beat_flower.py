@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
+import subprocess
 import time
 import urllib.request
 
@@ -64,6 +67,33 @@ def test_beat_refills_queues_without_any_trainer(redis_url, namespace, stack_wor
         stop(beat)
     assert r.llen(reg.queue("beat")) == 4
     assert r.exists("claw:redbeat:claw-refill")  # the schedule lives in Redis (RedBeat)
+
+
+def test_a_beat_killed_holding_its_lock_is_replaced_within_a_minute(redis_url, tmp_path):
+    """Beat SIGKILLed: its lock in Redis outlives it. The next beat takes the lock once it
+    lapses (30 s; RedBeat's default, 25 minutes, stopped all maintenance that long)."""
+
+    def start(log: str) -> subprocess.Popen:
+        beat = ["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"]
+        return celery(beat, redis_url, tmp_path / log)
+
+    first = start("first.log")
+    try:
+        deadline = time.monotonic() + 60
+        while b"Acquired lock" not in (tmp_path / "first.log").read_bytes():
+            assert time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+            time.sleep(0.1)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    second = start("second.log")
+    try:
+        deadline = time.monotonic() + 90
+        while b"Acquired lock" not in (tmp_path / "second.log").read_bytes():
+            assert time.monotonic() < deadline, (tmp_path / "second.log").read_text()[-2000:]
+            time.sleep(0.2)
+    finally:
+        stop(second)
 
 
 def test_flower_sees_ingest_tasks(redis_url, namespace, stack_worker, tmp_path):

@@ -177,6 +177,40 @@ def test_prefetch_pool_of_two_maps_one_index(redis_url, namespace, start_worker)
     assert files_of(store) == []
 
 
+def test_a_pool_process_killed_mid_exit_leaves_no_files_after_the_worker_stops(
+    redis_url, namespace, start_worker
+):
+    """A pool process that could not detach (SIGKILLed: as a second SIGTERM cuts its exit
+    short) leaves the index's files held by nobody; the worker's main process removes them
+    once its pool has stopped (alone on the host, nothing else would)."""
+    worker = start_worker("ingest,prefetch", concurrency=1)
+    with Ingestor(namespace, redis_url, flush_steps=100) as ing, ing.episode("e") as ep:
+        for t in range(100):
+            ep.add(np.full(4, t, np.float32), np.int64(0), float(t))
+    client = BatchClient(namespace, redis_url)
+    client.register({"name": "a", "batch_size": 8, "fields": ["obs"], "sources": [{"name": "all"}]})
+    client.pop("a", timeout=60)
+    reg = client.registry
+    deadline = time.monotonic() + 60  # the fill that pop asked for ends; no other comes
+    while reg.r.exists(reg.refill_lock("a")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not reg.r.exists(reg.refill_lock("a")) and reg.r.llen(reg.queue("a"))
+    client.close()
+    store = Store(redis_url, namespace)
+    assert files_of(store)
+    (child,) = _children(worker.proc.pid)
+    os.kill(child, signal.SIGKILL)
+    # The pool replaces it. Its files stay until a process reaps them: the main process at
+    # its shutdown, or any process on this host opening a shared index (another test's
+    # here), so only the end state is asserted.
+    deadline = time.monotonic() + 60
+    while _children(worker.proc.pid) in ([], [child]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker.stop()
+    assert worker.proc.returncode is not None
+    assert files_of(store) == []
+
+
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 

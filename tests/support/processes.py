@@ -64,8 +64,8 @@ class Worker:
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
+            try:  # a warm shutdown waits for running tasks: slow on a loaded machine
+                self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.kill()
 
