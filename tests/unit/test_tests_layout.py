@@ -1,5 +1,5 @@
-"""The tests' own layout: every test module in unit/, stack/ or system/ (what it needs
-decides which), helpers in support/, unit/ mirroring the packages, and a package marker in
+"""The tests' own layout: every test module in unit/, stack/, system/ or soak/ (what it
+needs decides which; soak/ runs Claw over simulated hosts), helpers in support/, unit/ mirroring the packages, and a package marker in
 every directory so two test modules may share a name."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from tests.support.paths import ROOT
 
 TESTS = ROOT / "tests"
-KINDS = ("unit", "stack", "system")
+KINDS = ("unit", "stack", "system", "soak")
 
 
 def _python_files() -> list[Path]:
@@ -25,7 +25,7 @@ def test_nothing_flat_in_tests() -> None:
     )
 
 
-def test_every_test_module_is_unit_stack_or_system() -> None:
+def test_every_test_module_is_in_a_kind() -> None:
     tests = [p.relative_to(TESTS) for p in _python_files() if p.name.startswith("test_")]
     assert tests, "no test modules found"
     assert [str(p) for p in tests if p.parts[0] not in KINDS] == []
