@@ -49,6 +49,8 @@ Z = 2.0
 confidence for queries like the sample."""
 RAISE = 1.25
 """Factor ``nprobe`` grows by while the check with the readers' quantizer falls short."""
+EXACT_ROWS = 65536
+"""Stored vectors per call of the exact search (no copy of all of them at once)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,22 @@ def _bound(found: np.ndarray, groups: np.ndarray) -> tuple[float, float]:
     if len(per_group) < 2:
         return mean, mean
     return mean, mean - Z * float(per_group.std(ddof=1)) / math.sqrt(len(per_group))
+
+
+def exact_neighbours(
+    queries: np.ndarray, vectors: np.ndarray, base: np.ndarray, ip: bool
+) -> np.ndarray:
+    """The ``K`` nearest of ``queries`` among ``vectors[base]`` (``K <= len(base)``), as
+    indices into ``vectors``: an exact search of ``EXACT_ROWS`` of them at a time."""
+    heap = faiss.ResultHeap(len(queries), K, keep_max=ip)
+    fm = faiss.METRIC_INNER_PRODUCT if ip else faiss.METRIC_L2
+    for lo in range(0, len(base), EXACT_ROWS):
+        part = base[lo : lo + EXACT_ROWS]
+        x = np.ascontiguousarray(vectors[part], np.float32)
+        dist, pos = faiss.knn(queries, x, min(K, len(part)), metric=fm)
+        heap.add_result(dist, part[pos])
+    heap.finalize()
+    return heap.I
 
 
 def held_out(
@@ -125,9 +143,8 @@ def calibrate(
     base = np.flatnonzero(~out)
     queries = np.ascontiguousarray(vectors[at], np.float32)
     ip = spec.metric != "l2"
-    fm = faiss.METRIC_INNER_PRODUCT if ip else faiss.METRIC_L2
-    _, nb = faiss.knn(queries, np.ascontiguousarray(vectors[base], np.float32), K, metric=fm)
-    truth = lists[base[nb]].astype(np.int64)  # (m, K): the list of each true neighbour
+    nb = exact_neighbours(queries, vectors, base, ip)
+    truth = lists[nb].astype(np.int64)  # (m, K): the list of each true neighbour
     groups = np.asarray(groups)[at]
 
     c = np.ascontiguousarray(centroids, np.float32)

@@ -138,6 +138,7 @@ class Writer:
         self.fetch = Fetcher(store, cfg.cap)
         self.where = Where(spec.where or None, schema.tags)
         self.seen: np.ndarray | None = None  # per row: the id last projected (or skipped)
+        self.skipped: np.ndarray | None = None  # per row: its ``seen`` step was skipped
         self.head: Head | None = None
         self.q: faiss.Index | None = None
         self.log = ("0-0", 0)
@@ -152,6 +153,7 @@ class Writer:
         assert head is not None
         self.log = self.storage.log_position()
         self.seen = self.storage.read_all(("i",))["i"]
+        self.skipped = np.zeros(len(self.seen), bool)
         self._use(head)
 
     def _use(self, head: Head) -> None:
@@ -171,8 +173,9 @@ class Writer:
             for eid, event in entries:
                 if b"rows" in event:
                     rows = np.frombuffer(event[b"rows"], "<i8")
-                    assert self.seen is not None
+                    assert self.seen is not None and self.skipped is not None
                     self.seen[rows] = self.storage.read(rows).ids
+                    self.skipped[rows] = False
                 elif b"gen" in event or b"nprobe" in event:
                     head = self.storage.head()
                     if head is not None:
@@ -215,6 +218,8 @@ class Writer:
             self.where.encode = strings.encode
             keep = self.where.mask(cols, rows=todo)
             self.seen[todo[~keep]] = cols["id"][todo[~keep]]  # never indexed, never read
+            assert self.skipped is not None
+            self.skipped[todo] = ~keep
             todo = todo[keep]
         if max_rows is not None:
             todo = todo[:max_rows]
@@ -249,8 +254,10 @@ class Writer:
             return False
         cap = index.n_shards * index.cap
         cols = index.columns
-        assert self.seen is not None
-        have = cols["alive"] & (self.seen == cols["id"]) & (self.seen != 0)
+        assert self.seen is not None and self.skipped is not None
+        # The steps with a vector (those the index's ``where`` skipped have none): what the
+        # growth that trains and calibrates again is counted in.
+        have = cols["alive"] & (self.seen == cols["id"]) & (self.seen != 0) & ~self.skipped
         count = int(have.sum())
         if head.gen:
             nlist, need = head.nlist, per_list(head.nlist) * head.nlist

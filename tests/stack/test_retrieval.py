@@ -404,3 +404,30 @@ def test_the_writer_calibrates_nprobe_and_readers_take_it(redis_url, namespace):
         assert store.r.hget(IndexKeys(store, "pinned").head, "nprobe") is None
     finally:
         forget(namespace, dropped=False)
+
+
+def test_steps_an_index_skips_do_not_count_as_growth(redis_url, namespace):
+    """An index whose ``where`` keeps half the steps counts only the steps it holds: the
+    writer's next ticks neither calibrate nor train it again for the skipped half."""
+    x = np.random.default_rng(12).standard_normal((6000, DIM)).astype(np.float32)
+    store = Store(redis_url, namespace)
+    store.create(capacity=8000)
+    define_index(store, {"nlist": 64, "where": "tags.origin == 'expert'"})
+    names = IndexKeys(store, "default")
+    try:
+        for e in range(60):  # 3,000 expert steps, 3,000 others
+            origin = "expert" if e % 2 else "other"
+            store.commit(steps(x[e * 100 : (e + 1) * 100], f"e{e}", origin, e * 100))
+        for _ in range(10):
+            if not update_indexes(store)["default"]["pending"]:
+                break
+        h = store.r.hgetall(names.head)
+        assert int(h[b"gen"]) == 1 and int(h[b"calibrated"]) == 3000
+        log = len(store.r.xrange(names.log))
+        update_indexes(store)
+        update_indexes(store)
+        entries = store.r.xrange(names.log)
+        assert len(entries) == log and not any(b"nprobe" in e for _, e in entries)
+        assert int(store.r.hget(names.head, "gen")) == 1
+    finally:
+        forget(namespace, dropped=False)

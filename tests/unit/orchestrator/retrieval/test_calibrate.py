@@ -10,6 +10,7 @@ import faiss
 import numpy as np
 import pytest
 
+from orchestrator.retrieval import calibrate as calibrate_module
 from orchestrator.retrieval.calibrate import MIN_GROUPS, SAMPLE, calibrate, held_out
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import stored_spec
@@ -106,3 +107,14 @@ def test_two_level_training_gives_no_list_to_a_few_far_states():
     ivf.add(x)
     _, found = ivf.search(x[:3], 3, params=faiss.SearchParametersIVF(nprobe=1))
     assert (np.sort(found, axis=1) == [0, 1, 2]).all()
+
+
+@pytest.mark.parametrize("ip", [False, True])
+def test_the_exact_search_by_parts_finds_what_one_search_does(built, monkeypatch, ip):
+    x, _, _, _, q, _, out = built
+    monkeypatch.setattr(calibrate_module, "EXACT_ROWS", 1000)
+    base = np.flatnonzero(~out)
+    got = calibrate_module.exact_neighbours(q, x, base, ip)
+    fm = faiss.METRIC_INNER_PRODUCT if ip else faiss.METRIC_L2
+    _, want = faiss.knn(q, x[base], 10, metric=fm)
+    assert (np.sort(got, axis=1) == np.sort(base[want], axis=1)).all()
