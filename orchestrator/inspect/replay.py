@@ -183,12 +183,12 @@ class Replayer:
         if plan is not None and entry.seed is None:
             return refused("the entry records no augmentation seed (a part of a batch)")
         got = read_drawn(self.store, recipe, ids)
-        source = "redis"
-        if not isinstance(got, Batch):
-            got, source = self._from_archive(recipe, ids, got)
-            if not isinstance(got, Batch):
-                return Replayed(entry, None, missing=got)
-        return Replayed(entry, self._finish(entry, recipe, plan, got), source)
+        if isinstance(got, Batch):
+            return Replayed(entry, self._finish(entry, recipe, plan, got), "redis")
+        kept, source = self._from_archive(recipe, ids, got)
+        if not isinstance(kept, Batch):
+            return Replayed(entry, None, missing=kept)
+        return Replayed(entry, self._finish(entry, recipe, plan, kept), source)
 
     def _recipe(self, digest: str) -> tuple[Recipe | None, AugmentPlan | None]:
         if digest not in self.recipes:
