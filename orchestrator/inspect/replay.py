@@ -50,8 +50,12 @@ from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.sample import Unassembled, read_drawn
 from orchestrator.transforms.augment import AugmentPlan, augment_rng, build_pipelines
 
-__all__ = ["Missing", "Replayed", "Replayer", "replay", "scratch_name"]
+__all__ = ["MAX_RESTORE", "Missing", "Replayed", "Replayer", "replay", "scratch_name"]
 
+MAX_RESTORE = 1 << 30
+"""Archive bytes (Parquet, as the manifest counts them) a replay restores into Redis at
+most at once: a batch drawn across a large archive needs most of its files, and the
+scratch namespace lives beside the data in the same Redis."""
 SCRATCH_TRIES = 4
 """Names tried for a scratch namespace before giving up (each taken only if it is new)."""
 
@@ -101,15 +105,17 @@ def replay(
     end: str = "+",
     archive: Path | str | None = None,
     redis_url: str | None = None,
+    max_restore: int = MAX_RESTORE,
 ) -> Iterator[Replayed]:
     """The batches declared as training ``policy`` (or every entry from ``start`` to
-    ``end``, stream ids), oldest first, made again from Redis or ``archive``
-    (``redis_url`` defaults to ``CLAW_REDIS_URL``)."""
+    ``end``, stream ids), oldest first, made again from Redis or ``archive``, restoring at
+    most ``max_restore`` bytes of its files at once (``redis_url`` defaults to
+    ``CLAW_REDIS_URL``)."""
     store = namespace_or_store
     if not isinstance(store, Store):
         store = Store(redis_url or get_settings().redis_url, store)
     entries = LineageLog(store).replayable(policy, start, end)
-    with Replayer(store, archive) as replayer:
+    with Replayer(store, archive, max_restore) as replayer:
         for entry in entries:
             yield replayer.replay(entry)
 
@@ -118,8 +124,16 @@ class Replayer:
     """Replays entries of one namespace; holds the scratch namespace the archive's files
     are restored into (dropped by :meth:`close`)."""
 
-    def __init__(self, store: Store, archive: Path | str | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        archive: Path | str | None = None,
+        max_restore: int = MAX_RESTORE,
+    ) -> None:
+        if max_restore < 1:
+            raise ValueError(f"max_restore must be >= 1 byte, not {max_restore}")
         self.store, self.registry = store, Registry(store)
+        self.max_restore = max_restore
         self.ns_dir = None if archive is None else find_archive(archive)
         self.manifest = None if self.ns_dir is None else Manifest.load(self.ns_dir)
         self.scratch: Store | None = None
@@ -142,6 +156,8 @@ class Replayer:
             drop_namespace(self.store.r, self.scratch.namespace)
             self.scratch.clear_tombstone()
             self.scratch = None
+        self.restored, self.rows = {}, 0
+        self.old, self.new = np.zeros(0, np.int64), np.zeros(0, np.int64)
 
     def replay(self, entry: Entry) -> Replayed:
         """One entry's batch, or what keeps it from being replayed exactly."""
@@ -167,12 +183,12 @@ class Replayer:
         if plan is not None and entry.seed is None:
             return refused("the entry records no augmentation seed (a part of a batch)")
         got = read_drawn(self.store, recipe, ids)
-        source = "redis"
-        if not isinstance(got, Batch):
-            got, source = self._from_archive(recipe, ids, got)
-            if not isinstance(got, Batch):
-                return Replayed(entry, None, missing=got)
-        return Replayed(entry, self._finish(entry, recipe, plan, got), source)
+        if isinstance(got, Batch):
+            return Replayed(entry, self._finish(entry, recipe, plan, got), "redis")
+        kept, source = self._from_archive(recipe, ids, got)
+        if not isinstance(kept, Batch):
+            return Replayed(entry, None, missing=kept)
+        return Replayed(entry, self._finish(entry, recipe, plan, kept), source)
 
     def _recipe(self, digest: str) -> tuple[Recipe | None, AugmentPlan | None]:
         if digest not in self.recipes:
@@ -195,7 +211,9 @@ class Replayer:
                 "no longer stored in Redis (evicted), and no archive was given",
                 "a step its assembly follows was evicted, and no archive was given",
             ), ""
-        self._restore(ids)
+        over = self._restore(ids)
+        if over:
+            return [Missing(np.arange(len(ids)), ids, over)], ""
         at = np.searchsorted(self.old, ids)
         at = np.minimum(at, max(len(self.old) - 1, 0))
         found = (self.old[at] == ids) if len(self.old) else np.zeros(len(ids), bool)
@@ -225,15 +243,17 @@ class Replayer:
         got.ids = ids
         return got, "archive"
 
-    def _restore(self, ids: np.ndarray) -> None:
+    def _restore(self, ids: np.ndarray) -> str:
         """Restore the archive files holding ``ids``, and the files before and after each
-        in its shard, into the scratch namespace (each file once)."""
+        in its shard, into the scratch namespace (each file once); the files restored for
+        earlier batches are dropped first when keeping them would pass ``max_restore``.
+        Returns why the batch's files are not restored ("" when they are)."""
         assert self.manifest is not None and self.ns_dir is not None
         n = self.manifest.n_shards
         by_shard: dict[int, list[dict[str, Any]]] = {}
         for f in self.manifest.files:
             by_shard.setdefault(int(f["shard"]), []).append(f)
-        want: dict[str, dict[str, Any]] = {}
+        need: dict[str, dict[str, Any]] = {}
         for shard, files in by_shard.items():
             files.sort(key=lambda f: int(f["seq_lo"]))
             seqs = ids[ids % n == shard] // n
@@ -244,10 +264,20 @@ class Replayer:
             k = np.searchsorted(lo, seqs, side="right") - 1
             hit = np.unique(k[(k >= 0) & (seqs <= hi[np.maximum(k, 0)])])
             for j in np.unique(np.concatenate([hit - 1, hit, hit + 1])).tolist():
-                if 0 <= j < len(files) and files[j]["path"] not in self.restored:
-                    want[files[j]["path"]] = files[j]
+                if 0 <= j < len(files):
+                    need[files[j]["path"]] = files[j]
+        size = sum(int(f["bytes"]) for f in need.values())
+        if size > self.max_restore:
+            return (
+                f"its archive files take {size:,} bytes, more than max_restore "
+                f"({self.max_restore:,}) allows restoring into Redis"
+            )
+        held = sum(int(f["bytes"]) for p, f in self.restored.items() if p not in need)
+        if held + size > self.max_restore:
+            self.close()  # the earlier batches' files make room for this one's
+        want = {p: f for p, f in need.items() if p not in self.restored}
         if not want:
-            return
+            return ""
         rows = sum(int(f["rows"]) for f in want.values())
         if self.scratch is not None and self.rows + rows > self.capacity:
             # Its ring would overwrite steps restored before: restore them all again, into
@@ -267,6 +297,7 @@ class Replayer:
         new = np.concatenate([self.new, new[keep]])
         order = np.argsort(old, kind="stable")
         self.old, self.new = old[order], new[order]
+        return ""
 
     def _new_scratch(self, capacity: int) -> Store:
         """A namespace of its own, created here (never one that exists: its name is random

@@ -24,6 +24,8 @@ from orchestrator.delivery.lineage import Entry, LineageLog, Replayable, digest,
 from orchestrator.delivery.registry import Registry
 from orchestrator.inspect.replay import Replayer, replay
 from orchestrator.maintenance.archive import archive_namespace
+from orchestrator.maintenance.archive_files import Manifest
+from orchestrator.maintenance.restore import find_archive
 from orchestrator.recipe.model import Recipe, recipe_digest
 from orchestrator.sampling.batch import Batch
 
@@ -290,6 +292,20 @@ def test_replay_restores_more_archive_files_as_later_batches_need_them(
             assert got.batch.ids.tolist() == rows
             assert got.batch["obs"].tobytes() == stored[np.array(rows) - 1].tobytes()
         assert replayer.capacity > 2 * 30  # grown past its first files
+
+    # Bounded: the files of one batch at most (earlier batches' dropped to make room); a
+    # batch whose files alone pass the bound is reported, nothing restored for it.
+    files = Manifest.load(find_archive(tmp_path / "arch")).files
+    bound = 5 * max(int(f["bytes"]) for f in files)
+    with Replayer(store, tmp_path / "arch", max_restore=bound) as replayer:
+        for rows in ([3, 1, 2, 2], [199, 200, 150, 198], [1, 2, 3, 4]):
+            got = replayer.replay(entry(rows))
+            assert got.batch is not None, got.missing
+            assert got.batch["obs"].tobytes() == stored[np.array(rows) - 1].tobytes()
+            assert sum(int(f["bytes"]) for f in replayer.restored.values()) <= bound
+        wide = replayer.replay(entry([1, 50, 100, 150, 200]))
+        assert wide.batch is None and "max_restore" in wide.missing[0].reason
+        assert wide.missing[0].rows.tolist() == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.both_stores

@@ -323,6 +323,15 @@ def replay(
     out: Annotated[
         str | None, typer.Option(help="Write each batch to DIR/<entry>.npz (fields, ids, ...)")
     ] = None,
+    max_restore_mb: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=1 << 20,
+            help="Archive MiB restored into Redis at most at once (a batch needing more "
+            "is listed as not replayed)",
+        ),
+    ] = 1024,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
     """Make the batches that trained a policy again, bit for bit, from the lineage log:
@@ -344,7 +353,15 @@ def replay(
     docs, inexact = [], 0
     with redis_client(ctx) as (_, r):
         store = _store(r, namespace)
-        for got in run(store, policy=policy, start=start, end=end, archive=archive):
+        batches = run(
+            store,
+            policy=policy,
+            start=start,
+            end=end,
+            archive=archive,
+            max_restore=max_restore_mb << 20,
+        )
+        for got in batches:
             docs.append(got.to_json())
             inexact += not got.exact
             if got.batch is not None and target is not None:
