@@ -21,6 +21,8 @@ from claw_tasks.connection import client as connect
 from claw_tasks.connection.server import ensure_redis
 from claw_tasks.settings import DEFAULT_REDIS_URL, Settings, redact_url, use_settings
 
+SUMMARY_CHARS = 1_000  # no cut: tests/unit/orchestrator/cli/test_help.py bounds the lines
+
 
 class ClawGroup(typer.core.TyperGroup):
     """`claw --help` lists each command with its first sentence whole, wrapped to the
@@ -37,8 +39,6 @@ class ClawGroup(typer.core.TyperGroup):
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
 
-
-SUMMARY_CHARS = 1_000  # no cut: tests/unit/orchestrator/cli/test_help.py bounds the lines
 
 app = typer.Typer(
     name="claw",
