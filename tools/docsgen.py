@@ -16,7 +16,12 @@ import types
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mkdocs.config.defaults import MkDocsConfig
+    from mkdocs.structure.files import Files
+    from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # mkdocs loads this file by path: import the tree it sits in
@@ -93,6 +98,7 @@ def metric_families() -> list[tuple[str, str, tuple[str, ...], str]]:
     out = []
     for f in families:
         name = f"{f.name}_total" if f.type == "counter" else f.name
+        # prometheus_client keeps a family's declared labels only as `_labelnames`
         labels = tuple(getattr(f, "_labelnames", ()))
         if not labels:  # a family built without labelnames: its samples carry them
             labels = tuple(dict.fromkeys(k for s in f.samples for k in s.labels if k != "le"))
@@ -137,7 +143,7 @@ def _type_name(annotation: Any) -> str:
     )
 
 
-def _nested_model(annotation: Any) -> Any:
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
     """The pydantic model a field holds (directly, optionally or as a list), if any."""
     from pydantic import BaseModel
 
@@ -150,20 +156,20 @@ def _nested_model(annotation: Any) -> Any:
     return None
 
 
-def recipe_keys(model: Any = None, prefix: str = "") -> Iterator[tuple[str, str, str]]:
+def recipe_keys(
+    model: type[BaseModel] | None = None, prefix: str = ""
+) -> Iterator[tuple[str, str, str]]:
     """(dotted key, type, default) of every recipe key, nested sections depth first."""
-    from pydantic_core import PydanticUndefined
-
     from orchestrator.recipe.model import Recipe
 
     model = model or Recipe
     for name, field in model.model_fields.items():
         key = f"{prefix}{field.alias or name}"
         ann = field.annotation
-        if field.default is PydanticUndefined and field.default_factory is None:
+        if field.is_required():
             default = "required"
         else:
-            value = field.default if field.default_factory is None else field.default_factory()
+            value = field.get_default(call_default_factory=True, validated_data={})
             value = value.model_dump() if hasattr(value, "model_dump") else value
             default = f"`{value!r}`"
         yield key, _type_name(ann), default
@@ -176,7 +182,7 @@ def recipe_keys(model: Any = None, prefix: str = "") -> Iterator[tuple[str, str,
             yield from _kind_keys(nested, f"{key}[]." if list_of else f"{key}.")
 
 
-def _kind_keys(model: Any, prefix: str) -> Iterator[tuple[str, str, str]]:
+def _kind_keys(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, str, str]]:
     """A section whose keys depend on its `kind` (a source's sampler): each kind's own keys,
     from the registry of kinds."""
     import orchestrator  # noqa: F401  (registers the sampler kinds)
@@ -235,7 +241,7 @@ PAGES: dict[str, Callable[[], str]] = {
 }
 
 
-def on_files(files: Any, config: Any) -> Any:
+def on_files(files: Files, config: MkDocsConfig) -> Files:
     """MkDocs hook: add the generated pages to the build."""
     from mkdocs.structure.files import File
 
@@ -245,7 +251,7 @@ def on_files(files: Any, config: Any) -> Any:
 
 
 def main(argv: list[str]) -> None:
-    out = Path(argv[0]) if argv else ROOT / "site-generated"
+    out = Path(argv[0]) if argv else ROOT / "tmp" / "docsgen"  # tmp/ is git-ignored
     for path, make in PAGES.items():
         target = out / path
         target.parent.mkdir(parents=True, exist_ok=True)

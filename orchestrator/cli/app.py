@@ -21,6 +21,25 @@ from claw_tasks.connection import client as connect
 from claw_tasks.connection.server import ensure_redis
 from claw_tasks.settings import DEFAULT_REDIS_URL, Settings, redact_url, use_settings
 
+SUMMARY_CHARS = 1_000  # no cut: tests/unit/orchestrator/cli/test_help.py bounds the lines
+
+
+class ClawGroup(typer.core.TyperGroup):
+    """`claw --help` lists each command with its first sentence whole, wrapped to the
+    terminal: Click's own list cuts a summary to what fits on one line and ends it with
+    "...". A command whose first sentence is long gives a `short_help` instead."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=SUMMARY_CHARS)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
 app = typer.Typer(
     name="claw",
     help="Claw: step-level RL experience middleware on Redis and Celery.",
@@ -31,6 +50,7 @@ app = typer.Typer(
     # never truncates an option's name, where rich's table cut `--no-vllm-options` to
     # `--no-vllm-optio…` at 80 columns and kept later paragraphs' hard line breaks.
     rich_markup_mode=None,
+    cls=ClawGroup,
 )
 err = Console(stderr=True)
 P = ParamSpec("P")

@@ -33,7 +33,7 @@ def site(tmp_path_factory) -> Path:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=240,  # inside pytest's own 300 s, so a hung build reports its output
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out
@@ -126,12 +126,13 @@ def browser() -> Iterator:
 
 def _open(browser, url: str, base: str):
     """A page at `url`, recording every request that failed, answered >= 400, or went to
-    another host."""
+    another host, and every uncaught script error."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
     page.set_default_timeout(30_000)
     problems: list[str] = []
     page.on("requestfailed", lambda r: problems.append(f"failed: {r.url}"))
+    page.on("pageerror", lambda e: problems.append(f"script error: {e}"))
     page.on(
         "response", lambda r: problems.append(f"{r.status}: {r.url}") if r.status >= 400 else None
     )

@@ -30,7 +30,7 @@ def archive(
         archive_progress.archive(r, namespace, to, Console(), as_json)
 
 
-@app.command()
+@app.command(short_help="Bring archived steps back, bit-exact, with new ids, and their snapshots.")
 @friendly
 def restore(
     ctx: typer.Context,
@@ -67,7 +67,9 @@ def _only_minari(fmt: str) -> None:
         )
 
 
-@app.command()
+@app.command(
+    short_help="Export a namespace's episodes as a Minari dataset, or its archive as Parquet."
+)
 @friendly
 def export(
     ctx: typer.Context,

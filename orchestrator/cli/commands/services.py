@@ -287,7 +287,10 @@ def metrics(
     _until_interrupted(_forever, server.shutdown)
 
 
-@app.command()
+@app.command(
+    short_help="OpenAI-compatible capture gateway: forwards agents' LLM calls to an "
+    "inference server and records each call as a step."
+)
 @friendly
 def gateway(
     ctx: typer.Context,
@@ -367,7 +370,7 @@ def gateway(
     _until_interrupted(lambda: serve(config, address, port), stop)
 
 
-@app.command()
+@app.command(short_help="Print the Redis ACL SETUSER line that confines a user to a namespace.")
 def acl(
     namespace: str,
     user: str,

@@ -17,6 +17,7 @@ from orchestrator.cli.app import app
 
 COLUMNS = 80
 WRAP = COLUMNS - 2  # click wraps help to the terminal width less its right margin
+CUT = re.compile(r"[^\]\s]\.\.\.$")  # a summary cut short, not `[ARGS]...`
 MAIN = ("up", "demo", "query", "inspect", "stats", "archive", "restore", "gateway", "nearest")
 
 
@@ -72,7 +73,27 @@ def test_help_reads_at_80_columns(command: str | None) -> None:
     too_long = [line for line in text.splitlines() if len(line) > COLUMNS]
     assert not too_long, too_long
     assert "…" not in text, text
+    cut = [line for line in text.splitlines() if CUT.search(line)]  # Click's "..." cut
+    assert not cut, cut
     assert not hard_breaks(text), hard_breaks(text)
+
+
+def test_claw_help_lists_each_command_with_its_whole_summary() -> None:
+    """`claw --help` gives every command a summary of one sentence, at most two lines."""
+    text = _render()
+    listing = text.split("\nCommands:\n", 1)[1].splitlines()
+    rows: dict[str, list[str]] = {}
+    for line in listing:
+        if line.startswith("  ") and not line.startswith("   "):
+            name, summary = line.split(maxsplit=1)
+            rows[name] = [summary]
+        else:
+            rows[list(rows)[-1]].append(line.strip())
+    assert set(rows) == set(_commands())
+    for name, lines in rows.items():
+        assert len(lines) <= 2, (name, lines)
+        summary = " ".join(lines)
+        assert summary.endswith(".") and not summary.endswith("..."), (name, lines)
 
 
 @pytest.mark.parametrize("command", MAIN)
