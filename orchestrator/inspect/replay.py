@@ -326,7 +326,7 @@ class Replayer:
             fields = plan.apply(fields, augment_rng(entry.seed))
         arrays = collate(fields)
         return Batch(
-            arrays,  # type: ignore[arg-type]
+            arrays,  # type: ignore[arg-type]  # collate's arrays: the fields as numpy arrays
             drawn.ids,
             weights,
             source_index.astype(np.int16),

@@ -31,6 +31,7 @@ from typing import Any, cast
 
 import numpy as np
 import redis
+from redis.typing import EncodableT
 
 from claw_tasks.store import Store
 from claw_tasks.store.arrays import SlotArrays
@@ -91,7 +92,7 @@ def list_indexes(store: Store) -> dict[str, IndexSpec]:
     return {k.decode(): stored_spec(v) for k, v in sorted(raw.items())}
 
 
-def stored_spec(raw: bytes) -> IndexSpec:
+def stored_spec(raw: bytes | str) -> IndexSpec:
     """A definition as stored (JSON). One without ``recall`` holds the fixed ``nprobe``
     12 that was the default when it was written: it is read as unset (calibrated)."""
     data = json.loads(raw)
@@ -211,7 +212,7 @@ class Storage:
         """Publish a trained quantizer (the next generation; ``vectors`` there were; its
         calibrated ``nprobe``) and tell readers (a ``gen`` entry: they reload, the
         assignments having been written first). Returns the generation."""
-        mapping: dict[str, Any] = {
+        mapping: dict[EncodableT, EncodableT] = {
             "nlist": len(centroids),
             "centroids": np.ascontiguousarray(centroids, "<f4").tobytes(),
             "trained": vectors,
@@ -227,7 +228,7 @@ class Storage:
         return gen
 
     @staticmethod
-    def _calibration(calibration: Calibration, vectors: int) -> dict[str, Any]:
+    def _calibration(calibration: Calibration, vectors: int) -> dict[EncodableT, EncodableT]:
         return {
             "nprobe": calibration.nprobe,
             "recall": repr(calibration.recall),

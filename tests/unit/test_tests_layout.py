@@ -1,6 +1,7 @@
 """The tests' own layout: every test module in unit/, stack/, system/ or soak/ (what it
-needs decides which; soak/ runs Claw over simulated hosts), helpers in support/, unit/ mirroring the packages, and a package marker in
-every directory so two test modules may share a name."""
+needs decides which; soak/ runs Claw over simulated hosts), helpers in support/, unit/
+mirroring the packages, and a package marker in every directory so two test modules may
+share a name."""
 
 from __future__ import annotations
 
