@@ -11,7 +11,7 @@ keeps no silent aliases."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "SHARED",
     "check_policy_version",
     "refuse_renamed",
+    "refuse_renamed_state",
 ]
 
 SHARED: dict[str, tuple[Any, str]] = {
@@ -97,6 +98,14 @@ def refuse_renamed(init: F) -> F:
         return init(self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]  # same signature: functools.wraps
+
+
+def refuse_renamed_state(saved: Mapping[str, Any], what: str) -> None:
+    """Raise a ``ValueError`` naming the new spelling for saved constructor arguments (a
+    ``state_dict``'s) that use an old one: loading them would fail later, on first use."""
+    for old, new in RENAMED.items():
+        if old in saved:
+            raise ValueError(f"{what}: the saved state has {old}=, which is now {new}=")
 
 
 def check_policy_version(declare: Any, counters: Any) -> None:

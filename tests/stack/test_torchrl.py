@@ -118,7 +118,8 @@ def test_batches_flow_as_tensordicts_with_the_extended_layout(redis_url, namespa
 def test_each_sample_is_recorded_as_training_its_update(redis_url, namespace, workers):
     """The default ``policy_version="updates"``: sample k trains version k, the ids the
     sampler returned; ``"timesteps"`` and a callable; the counters kept by ``state_dict``;
-    the old counter names and ``drop_on_empty`` are refused with the new ones."""
+    the old counter names and ``drop_on_empty`` (an argument, or in a saved state) are
+    refused with the new ones."""
     storage = ClawStorage(1000, namespace, redis_url, timeout=60, batches_per_pop=2)
     rb = TensorDictReplayBuffer(storage=storage, sampler=ClawSampler(), batch_size=16)
     drawn = []
@@ -133,7 +134,12 @@ def test_each_sample_is_recorded_as_training_its_update(redis_url, namespace, wo
         drawn.append(np.sort(rb.sample()["index"].numpy()))
         storage.policy_version = lambda k: f"update-{k}"
         drawn.append(np.sort(rb.sample()["index"].numpy()))
-        assert storage.state_dict()["samples"] == 7 and storage.state_dict()["frames"] == 120
+        state = storage.state_dict()
+        assert state["samples"] == 7 and state["frames"] == 120
+        kw = {k: v for k, v in state["claw"].items() if k != "drop_on_reset"}
+        old = {**state, "claw": {**kw, "drop_on_empty": False}}
+        with pytest.raises(ValueError, match="has drop_on_empty=, which is now drop_on_reset="):
+            storage.load_state_dict(old)
     finally:
         storage.close()  # sends what is left of the lineage
     with pytest.raises(TypeError, match="drop_on_empty= is now drop_on_reset="):

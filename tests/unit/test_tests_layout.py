@@ -44,3 +44,11 @@ def test_unit_mirrors_the_packages() -> None:
     assert dirs
     strays = [d.relative_to(unit) for d in dirs if not (ROOT / d.relative_to(unit)).is_dir()]
     assert [str(d) for d in strays] == []
+
+
+def test_no_conftest_among_the_helpers() -> None:
+    """pytest loads every ``conftest.py`` of the tree it collects, in every test process: a
+    plugin among the helpers (one that swaps a library's classes, say) would act on the
+    whole suite. A helper plugin is a module loaded with ``-p`` where it is meant to run."""
+    found = sorted((TESTS / "support").rglob("conftest.py"))
+    assert [str(p.relative_to(ROOT)) for p in found] == []

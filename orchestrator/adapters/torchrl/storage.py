@@ -23,7 +23,7 @@ from claw_tasks.store import Store
 from orchestrator.adapters.cadence import Cadence
 from orchestrator.adapters.defaults import generation_namespace, global_seed, ingest_options
 from orchestrator.adapters.link import BufferLink, close_quietly
-from orchestrator.adapters.options import refuse_renamed
+from orchestrator.adapters.options import refuse_renamed, refuse_renamed_state
 from orchestrator.adapters.transitions import Transitions
 from orchestrator.adapters.urls import with_env_password, without_password
 from orchestrator.adapters.versions import PolicyVersion, Versions
@@ -484,6 +484,7 @@ class ClawStorage(StoreStorage):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Reconnect to the namespace (and generation) a :meth:`state_dict` was taken on."""
         kw = dict(state_dict["claw"])
+        refuse_renamed_state(kw, "ClawStorage.load_state_dict")
         settings = get_settings()
         kw["redis_url"] = with_env_password(kw["redis_url"], settings.redis_url)
         kw["broker_url"] = with_env_password(kw["broker_url"], settings.broker_url)
