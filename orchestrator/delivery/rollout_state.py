@@ -23,23 +23,41 @@ class EpochOrders:
     turn as they are first asked for (~5 us each for 256 steps; a generator made per
     epoch cost ~50 us, 20 a rollout in PPO's ``n_epochs``): an epoch's order does not
     depend on how many follow it, so a fill that cuts epoch 3 and a trainer that reorders
-    20 agree. Thread-safe."""
+    20 agree.
+
+    Held: the generator's state before each epoch drawn (a few hundred bytes each) and the
+    last :data:`KEEP` orders asked for (a trainer's first epoch and its current one; a
+    fill crossing an epoch's end), so memory does not grow with ``epochs`` x ``n``; an
+    older epoch asked again is drawn again from its state. Thread-safe."""
+
+    KEEP = 2
 
     def __init__(self, seed: int, no: int, n: int) -> None:
         self._rng = np.random.default_rng([seed, no])
         self._n = n
-        self._drawn: list[np.ndarray] = []
+        self._states: list[dict[str, Any]] = []  # the generator before epoch e
+        self._kept: dict[int, np.ndarray] = {}  # the last KEEP asked for, oldest first
         self._lock = threading.Lock()
 
     def __getitem__(self, epoch: int) -> np.ndarray:
         if epoch < 0:
             raise IndexError(f"epoch {epoch}")
         with self._lock:
-            while len(self._drawn) <= epoch:
-                perm = self._rng.permutation(self._n)
+            perm = self._kept.pop(epoch, None)
+            if perm is None:
+                if epoch < len(self._states):
+                    rng = np.random.Generator(type(self._rng.bit_generator)())
+                    rng.bit_generator.state = self._states[epoch]
+                    perm = rng.permutation(self._n)
+                while len(self._states) <= epoch:
+                    self._states.append(self._rng.bit_generator.state)
+                    perm = self._rng.permutation(self._n)
+                assert perm is not None
                 perm.flags.writeable = False
-                self._drawn.append(perm)
-            return self._drawn[epoch]
+            self._kept[epoch] = perm
+            while len(self._kept) > self.KEEP:
+                del self._kept[next(iter(self._kept))]
+            return perm
 
 
 @functools.lru_cache(maxsize=4)
