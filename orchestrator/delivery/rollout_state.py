@@ -25,17 +25,18 @@ class EpochOrders:
     depend on how many follow it, so a fill that cuts epoch 3 and a trainer that reorders
     20 agree.
 
-    Held: the generator's state before each epoch drawn (a few hundred bytes each) and the
-    last :data:`KEEP` orders asked for (a trainer's first epoch and its current one; a
-    fill crossing an epoch's end), so memory does not grow with ``epochs`` x ``n``; an
-    older epoch asked again is drawn again from its state. Thread-safe."""
+    Held: the generator and the last :data:`KEEP` orders asked for (a trainer's first
+    epoch and its current one; a fill crossing an epoch's end), so memory does not grow
+    with ``epochs`` x ``n``. An older epoch asked again (rare: fills and trainers go
+    forward) is drawn again by a fresh generator. Thread-safe."""
 
     KEEP = 2
 
     def __init__(self, seed: int, no: int, n: int) -> None:
-        self._rng = np.random.default_rng([seed, no])
+        self._seed = [seed, no]
+        self._rng = np.random.default_rng(self._seed)
         self._n = n
-        self._states: list[dict[str, Any]] = []  # the generator before epoch e
+        self._next = 0  # the epoch the generator draws next
         self._kept: dict[int, np.ndarray] = {}  # the last KEEP asked for, oldest first
         self._lock = threading.Lock()
 
@@ -45,13 +46,10 @@ class EpochOrders:
         with self._lock:
             perm = self._kept.pop(epoch, None)
             if perm is None:
-                if epoch < len(self._states):
-                    rng = np.random.Generator(type(self._rng.bit_generator)())
-                    rng.bit_generator.state = self._states[epoch]
-                    perm = rng.permutation(self._n)
-                while len(self._states) <= epoch:
-                    self._states.append(self._rng.bit_generator.state)
-                    perm = self._rng.permutation(self._n)
+                if epoch < self._next:  # drawn and dropped: a generator from the start
+                    self._rng, self._next = np.random.default_rng(self._seed), 0
+                while self._next <= epoch:
+                    perm, self._next = self._rng.permutation(self._n), self._next + 1
                 assert perm is not None
                 perm.flags.writeable = False
             self._kept[epoch] = perm
