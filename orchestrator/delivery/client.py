@@ -104,10 +104,10 @@ class BatchClient:
         def change(old: Entry | None) -> Recipe | None:
             return None if old is not None and _same(old.recipe, recipe) else recipe
 
+        self._priorities_written()
         stored, old = self.registry.install(recipe.name, change, self.host)
         if old is not None and stored is old.recipe:  # identical: this host is a reader now
             self._recipes[recipe.name] = stored
-            self.flush_priorities()  # what the fill draws sees them
             self.request_fill(recipe.name)
             return stored
         live_only = old is not None and same_recipe(old.recipe, stored, ("version", "params"))
@@ -130,6 +130,7 @@ class BatchClient:
             return Recipe.model_validate(data)
 
         # No reader host: a curriculum process reads nothing.
+        self._priorities_written()
         recipe, _ = self.registry.install(name, change, None)
         self._installed(recipe, reset=False)
         return recipe
@@ -150,7 +151,7 @@ class BatchClient:
             raise ValueError(f"recipe {name!r} has no rollout section: use set_params")
         params = {**current.params, ro.version_param: version}
         recipe = current.model_copy(update={"params": params, "version": current.version + 1})
-        self.flush_priorities()  # the new version's batches are drawn after them
+        self._priorities_written()
         dropped = self.registry.advance(recipe)
         if dropped is None:  # changed by another client: the full transaction
             return self.set_params(name, **{ro.version_param: version})
@@ -162,6 +163,7 @@ class BatchClient:
         """Install ``recipe`` (as a snapshot recorded it) as its name's next version,
         whatever is registered now: queued batches are dropped and a fill is forced, as
         for any change. Adds no reader host (a rollback runs anywhere)."""
+        self._priorities_written()
         stored, old = self.registry.install(recipe.name, lambda _: recipe, None)
         live_only = old is not None and same_recipe(old.recipe, stored, ("version", "params"))
         self._installed(stored, reset=not live_only)
@@ -191,11 +193,8 @@ class BatchClient:
 
     def _installed(self, recipe: Recipe, reset: bool) -> None:
         """After a new version: drop the queued batches (older versions, and those read
-        ahead), reset the counters unless only live params changed, and ask for a fill
-        (after the priority updates submitted so far are written: the new version's
-        batches are drawn with them)."""
+        ahead), reset the counters unless only live params changed, and ask for a fill."""
         self._stop_ahead(recipe.name)
-        self.flush_priorities()
         giveback.drop(self.store, recipe, self.registry.drain(recipe.name))
         if reset:
             self.store.r.delete(self.registry.counters(recipe.name))
@@ -208,6 +207,14 @@ class BatchClient:
 
     def _entry(self, name: str) -> Entry:
         return self.registry.registered(name)
+
+    def _priorities_written(self) -> None:
+        """Wait for the priority updates submitted so far, before a recipe change is
+        stored: any fill of the new version (this client's, the beat's, another
+        trainer's) draws with them. A failed write is left to be raised by the priority
+        calls (:meth:`update_priorities`), not by the recipe change."""
+        if self._priorities is not None:
+            self._priorities.wait()
 
     def _recipe(self, name: str) -> Recipe:
         """Recipe ``name`` as this client last knew it (read from the registry once)."""
@@ -430,12 +437,13 @@ class BatchClient:
         :meth:`flush_priorities` and :meth:`close` wait for every update submitted
         before them. A failed write is counted (:attr:`priority_errors`) and raised
         (``PriorityWriteError``) by the next call of this, ``flush_priorities`` or
-        ``close``. A :meth:`pop` does not wait for them: the batch it returns was drawn
-        before (prefetched), so waiting would delay the trainer and change no batch. A
-        new recipe version (:meth:`register`, :meth:`set_params`, :meth:`advance`,
-        :meth:`restore`) does: its batches are all drawn after it, and a trainer that
-        changes the recipe to drop batches drawn before an update expects them to see
-        it.
+        ``close`` (that call's own update is then not queued). A :meth:`pop` does not
+        wait for them: the batch it returns was drawn before (prefetched), so waiting
+        would delay the trainer and change no batch. A new recipe version
+        (:meth:`register`, :meth:`set_params`, :meth:`advance`, :meth:`restore`) waits
+        for them before it is stored (without raising their error): its batches are all
+        drawn after it, and a trainer that changes the recipe to drop batches drawn
+        before an update expects them to see it.
 
         ``wait=True``: write every earlier update and this one before returning (a round
         trip) and return how many steps this one updated."""

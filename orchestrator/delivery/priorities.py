@@ -131,14 +131,21 @@ class PriorityWriter:
                     self._failed = (errors + 1, lost + len(ids), first)
                 self._cond.notify_all()
 
+    def wait(self, timeout: float | None = 30.0) -> None:
+        """Wait until every update submitted so far is written (TimeoutError after
+        ``timeout`` seconds); a failed write stays to be raised by :meth:`submit`,
+        :meth:`flush` or :meth:`close`."""
+        with self._cond:
+            target = self._submitted
+            if not self._cond.wait_for(lambda: self._written >= target, timeout):
+                raise TimeoutError(f"priority updates not written within {timeout}s")
+
     def flush(self, timeout: float | None = 30.0) -> int:
         """Wait until every update submitted so far is written; returns how many steps
         were updated since the last flush (evicted ids are not counted). Raises
         :class:`PriorityWriteError` if a write failed since the last raise."""
         with self._cond:
-            target = self._submitted
-            if not self._cond.wait_for(lambda: self._written >= target, timeout):
-                raise TimeoutError(f"priority updates not written within {timeout}s")
+            self.wait(timeout)
             self._raise()
             updated, self._updated = self._updated, 0
             return updated

@@ -23,23 +23,39 @@ class EpochOrders:
     turn as they are first asked for (~5 us each for 256 steps; a generator made per
     epoch cost ~50 us, 20 a rollout in PPO's ``n_epochs``): an epoch's order does not
     depend on how many follow it, so a fill that cuts epoch 3 and a trainer that reorders
-    20 agree. Thread-safe."""
+    20 agree.
+
+    Held: the generator and the last :data:`KEEP` orders asked for (a trainer's first
+    epoch and its current one; a fill crossing an epoch's end), so memory does not grow
+    with ``epochs`` x ``n``. An older epoch asked again (rare: fills and trainers go
+    forward) is drawn again by a fresh generator. Thread-safe."""
+
+    KEEP = 2
 
     def __init__(self, seed: int, no: int, n: int) -> None:
-        self._rng = np.random.default_rng([seed, no])
+        self._seed = [seed, no]
+        self._rng = np.random.default_rng(self._seed)
         self._n = n
-        self._drawn: list[np.ndarray] = []
+        self._next = 0  # the epoch the generator draws next
+        self._kept: dict[int, np.ndarray] = {}  # the last KEEP asked for, oldest first
         self._lock = threading.Lock()
 
     def __getitem__(self, epoch: int) -> np.ndarray:
         if epoch < 0:
             raise IndexError(f"epoch {epoch}")
         with self._lock:
-            while len(self._drawn) <= epoch:
-                perm = self._rng.permutation(self._n)
+            perm = self._kept.pop(epoch, None)
+            if perm is None:
+                if epoch < self._next:  # drawn and dropped: a generator from the start
+                    self._rng, self._next = np.random.default_rng(self._seed), 0
+                while self._next <= epoch:
+                    perm, self._next = self._rng.permutation(self._n), self._next + 1
+                assert perm is not None
                 perm.flags.writeable = False
-                self._drawn.append(perm)
-            return self._drawn[epoch]
+            self._kept[epoch] = perm
+            while len(self._kept) > self.KEEP:
+                del self._kept[next(iter(self._kept))]
+            return perm
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,5 +1,5 @@
--- Push minibatches of a formed rollout in one call (Registry.push_rollout), in place of a
--- WATCH/HMGET/MULTI transaction (three round trips on the learner's path).
+-- Push minibatches of a formed rollout in one call (Registry.push_rollout): one round trip
+-- on the learner's path where a WATCH/HMGET/MULTI transaction takes three.
 -- KEYS[1] the rollout's state hash (fields no, cursor), KEYS[2] the recipe's queue,
 -- KEYS[3] its counters hash, KEYS[4] the namespace's versions hash (name -> version),
 -- KEYS[5] the recipe's entry key. ARGV[1] the recipe's name, ARGV[2] the plan's number,
@@ -10,7 +10,8 @@
 -- them, the rollout did not move on): the items are appended to the queue, the cursor and
 -- the produced/sampled counters advanced, all at once. Returns false when the state
 -- differs (nothing written), else {queue length, the recipe's stored version ('' when
--- none: a nil would end the reply), whether its entry exists} (the caller takes the items back when the recipe changed).
+-- none: a nil would end the reply), whether its entry exists} (the caller takes the
+-- items back when the recipe changed). All keys are the namespace's own (one hash slot).
 local no = redis.call('HGET', KEYS[1], 'no')
 local cursor = redis.call('HGET', KEYS[1], 'cursor')
 if (tonumber(no) or 0) ~= tonumber(ARGV[2]) or (tonumber(cursor) or 0) ~= tonumber(ARGV[3]) then

@@ -161,7 +161,8 @@ def test_priorities_submitted_before_close_are_all_written(store, redis_url, nam
 def test_a_failed_priority_write_surfaces_and_is_counted(store, r, redis_url, namespace):
     """A write behind the call that fails (the writer's Redis user loses the right to run
     scripts meanwhile) is counted and raised by the next call, then by
-    ``flush_priorities`` and by ``close()``, each failure once; writes after it go on."""
+    ``flush_priorities`` and by ``close()``, each failure once; writes after it go on. A
+    recipe change waits for the writes but leaves their error to the priority calls."""
     store.commit(batch(episode(1, 20)), now=T0)
     ids = store.episode("ep1", fields=[])["id"]
     user = f"prio-{namespace}"
@@ -169,6 +170,9 @@ def test_a_failed_priority_write_surfaces_and_is_counted(store, r, redis_url, na
     url = urlsplit(redis_url)
     client = BatchClient(namespace, url._replace(netloc=f"{user}:pw@{url.netloc}").geturl())
     try:
+        client.register(
+            {"name": "p", "batch_size": 4, "fields": ["obs"], "sources": [{"name": "a"}]}
+        )
         client.update_priorities(ids, np.ones(len(ids)))
         assert client.flush_priorities() == len(ids)
         r.execute_command("ACL", "SETUSER", user, "-@scripting")
@@ -177,8 +181,9 @@ def test_a_failed_priority_write_surfaces_and_is_counted(store, r, redis_url, na
         assert writer is not None
         with writer._cond:  # the failed write is in
             assert writer._cond.wait_for(lambda: writer.errors == 1, 30)
+        assert client.set_params("p", cutoff=1).version == 2  # not raised here ...
         with pytest.raises(PriorityWriteError, match=r"1 priority write.*3 id update") as e:
-            client.update_priorities(ids[:1], [4.0])  # the next call raises it (not queued)
+            client.update_priorities(ids[:1], [4.0])  # ... but by the next call (not queued)
         assert isinstance(e.value.__cause__, redis.exceptions.NoPermissionError)
         assert client.priority_errors == 1
         client.update_priorities(ids[:1], [4.0])
