@@ -18,7 +18,6 @@ from pydantic import (
 )
 
 from claw_tasks.settings import get_settings
-
 from orchestrator.recipe.base import Name, StrictModel
 
 

@@ -270,7 +270,7 @@ def test_claw_nearest_answers_from_the_shell(redis_url, expert, worker):
 def test_claw_nearest_bounds_k_and_prints_json_without_nan(redis_url, expert, worker):
     """`--k 1000000000` asked Faiss for a (1, 10**9 + 8) result (MemoryError, a traceback);
     `--json` with fewer matches than k printed NaN, which no JSON parser reads."""
-    store, x = expert
+    store, _ = expert
     runner, env = CliRunner(), {"CLAW_REDIS_URL": redis_url, "COLUMNS": "200"}
     base = ["nearest", store.namespace, "--of", "11"]
     assert runner.invoke(app, [*base, "--define", '{"kind": "exact"}'], env=env).exit_code == 0
