@@ -10,12 +10,13 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, ParamSpec, TypeVar
+from typing import Annotated, NoReturn, ParamSpec, TypeVar
 
 import click
 import redis
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from claw_tasks.connection import client as connect
 from claw_tasks.connection.server import ensure_redis
@@ -38,7 +39,13 @@ LogDir = Annotated[
 
 
 def friendly(func: Callable[P, R]) -> Callable[P, R]:
-    """Expected failures (Redis down, unknown namespace, bad input) exit 1 with one line."""
+    """Expected failures (Redis down, unknown namespace, bad input) exit 1 with one line.
+
+    A number too large for the type it is used in (``OverflowError``) or a size no process
+    can hold (``MemoryError``) is the argument's fault too: one line, exit 1. Each command
+    checks its arguments first and names the bad one (``typer.BadParameter``, exit 2); this
+    is the net under a check that is missing. Any other exception is a bug in Claw and keeps
+    its traceback (the line that fails is what a report needs)."""
 
     @functools.wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -48,10 +55,29 @@ def friendly(func: Callable[P, R]) -> Callable[P, R]:
             raise
         except (redis.RedisError, OSError, LookupError, ValueError, RuntimeError) as e:
             message = e.args[0] if isinstance(e, KeyError) and e.args else e
-            err.print(f"[bold red]error:[/] {message}", highlight=False)
-            raise typer.Exit(1) from None
+            fail(str(message))
+        except OverflowError as e:
+            fail(f"a number given is too large: {e}")
+        except MemoryError:
+            fail("an argument asks for more memory than this process can hold")
 
     return wrapper
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``message`` as the one error line (newlines and control characters of user
+    input shown escaped, so the line stays one) and exit 1."""
+    err.print(f"[bold red]error:[/] {one_line(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def one_line(text: str, limit: int = 2000) -> str:
+    """``text`` on one line: control characters escaped, rich markup escaped, at most
+    ``limit`` characters (a 1 MiB argument quoted back is not an error message)."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text):,} characters)"
+    return escape(text)
 
 
 @app.callback()
