@@ -246,3 +246,34 @@ def test_every_command_is_covered():
     """The enumeration sees the whole app (a command registered elsewhere would show)."""
     assert {"nearest", "lineage", "snapshot", "inspect", "up"} <= set(COMMANDS)
     assert SERVING <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("step", ["100000000000000000000", "-1", "0", str(2**63)])
+def test_lineage_names_a_step_id_out_of_range(hostile_store, step):
+    """`claw lineage NS --step 100000000000000000000` raised OverflowError converting the
+    ids to int64: a traceback."""
+    url, _ = hostile_store
+    out = run_in_process(["lineage", NAMESPACE, "--step", step], url)
+    assert out.code == 2 and "--step" in out.output and "1..2**63-1" in out.output
+    check("lineage", ["lineage"], out)
+
+
+def test_an_overflow_is_one_line_naming_the_number():
+    """The net under a missing check: OverflowError and MemoryError are one line, exit 1."""
+    from orchestrator.cli.app import friendly
+
+    @friendly
+    def boom(exc: BaseException) -> None:
+        raise exc
+
+    for exc, text in [
+        (OverflowError("int too large to convert"), "a number given is too large"),
+        (MemoryError(), "more memory than this process can hold"),
+        (ValueError("bad\nvalue [/] " + "x" * MIB), "bad\\nvalue [/] xxx"),
+    ]:
+        cmd = typer.Typer()
+        cmd.command()(lambda: boom(exc))
+        done = CliRunner().invoke(cmd, [])
+        assert done.exit_code == 1 and text in done.output, done.output
+        assert "Traceback" not in done.output and done.output.count("\n") == 1
+        assert len(done.output) < 3000

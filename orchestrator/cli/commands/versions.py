@@ -208,6 +208,9 @@ def lineage(
 
     if sum(x is not None and x != [] for x in (policy, step, episode)) > 1:
         raise typer.BadParameter("give one of --policy, --step, --episode")
+    for s in step or []:
+        if not 1 <= s < 2**63:  # step ids are int64 > 0
+            raise typer.BadParameter(f"a step id is in 1..2**63-1, got {s}", param_hint="--step")
     with redis_client(ctx) as (_, r):
         store = _store(r, namespace)
         log = LineageLog(store)
