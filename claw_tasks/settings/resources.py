@@ -19,11 +19,11 @@ RESOURCES: tuple[Variable, ...] = (
         "CLAW_WORKER_CACHE_BYTES",
         "worker_cache_bytes",
         count,
-        1 << 30,
+        768 << 20,
         "bytes of namespace contexts (indexes, vectors, plans) a process keeps; past it the "
         "least recently used contexts are let go, the one in use always kept "
         "(docs/reliability.md, Worker memory)",
-        shown="`1073741824` (1 GiB)",
+        shown="`805306368` (768 MiB)",
     ),
     Variable(
         "CLAW_NEAREST_MAX_K",

@@ -59,6 +59,11 @@ class LRU(Generic[K, V]):
         with self._lock:
             return [self._items.pop(k) for k in [k for k in self._items if match(k)]]
 
+    def values(self) -> list[V]:
+        """The values (a snapshot), least recently used first."""
+        with self._lock:
+            return list(self._items.values())
+
     def __iter__(self) -> Iterator[K]:
         """The keys (a snapshot), least recently used first."""
         with self._lock:
