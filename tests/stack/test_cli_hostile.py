@@ -272,7 +272,7 @@ def test_an_overflow_is_one_line_naming_the_number():
         (ValueError("bad\nvalue [/] " + "x" * MIB), "bad\\nvalue [/] xxx"),
     ]:
         cmd = typer.Typer()
-        cmd.command()(lambda: boom(exc))
+        cmd.command()(lambda exc=exc: boom(exc))
         done = CliRunner().invoke(cmd, [])
         assert done.exit_code == 1 and text in done.output, done.output
         assert "Traceback" not in done.output and done.output.count("\n") == 1
