@@ -262,9 +262,12 @@ def test_an_overflow_is_one_line_naming_the_number():
     """The net under a missing check: OverflowError and MemoryError are one line, exit 1."""
     from orchestrator.cli.app import friendly
 
-    @friendly
-    def boom(exc: BaseException) -> None:
-        raise exc
+    def raising(exc: BaseException):
+        @friendly
+        def boom() -> None:
+            raise exc
+
+        return boom
 
     for exc, text in [
         (OverflowError("int too large to convert"), "a number given is too large"),
@@ -272,7 +275,7 @@ def test_an_overflow_is_one_line_naming_the_number():
         (ValueError("bad\nvalue [/] " + "x" * MIB), "bad\\nvalue [/] xxx"),
     ]:
         cmd = typer.Typer()
-        cmd.command()(lambda exc=exc: boom(exc))
+        cmd.command()(raising(exc))
         done = CliRunner().invoke(cmd, [])
         assert done.exit_code == 1 and text in done.output, done.output
         assert "Traceback" not in done.output and done.output.count("\n") == 1
