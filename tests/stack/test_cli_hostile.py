@@ -280,3 +280,23 @@ def test_an_overflow_is_one_line_naming_the_number():
         assert done.exit_code == 1 and text in done.output, done.output
         assert "Traceback" not in done.output and done.output.count("\n") == 1
         assert len(done.output) < 3000
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["nearest", "--define", "[1]", "--", NAMESPACE], "--define"),  # was a TypeError
+        (["nearest", "--of", str(10**20), "--", NAMESPACE], "--of"),  # was OverflowError
+        (["inspect", "--ids", str(10**20), "--", NAMESPACE], "--ids"),
+        (["evict", "--ids", str(2**63), "--", NAMESPACE], "--ids"),
+        (["acl", "--db", "-1", "--", "ns", "u"], "--db"),  # printed an ACL for db -1
+        (["acl", "--db", str(10**20), "--", "ns", "u"], "--db"),
+        (["dead", "--limit", str(10**20), "--", NAMESPACE], "--limit"),  # a Redis error
+        (["retention", "--max-steps", str(10**20), "--", NAMESPACE], "--max-steps"),
+    ],
+)
+def test_found_by_the_fuzz_each_refusal_names_its_argument(hostile_store, argv, names):
+    url, _ = hostile_store
+    out = run_in_process(argv, url)
+    check(argv[0], argv, out)
+    assert out.code in (1, 2) and names in out.output, out.output

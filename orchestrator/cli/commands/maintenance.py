@@ -35,7 +35,7 @@ def retention(
         str | None, typer.Option(help="Evict steps committed longer ago, e.g. 12h, 7d")
     ] = None,
     max_steps: Annotated[
-        int | None, typer.Option(min=0, help="Soft step cap below capacity")
+        int | None, typer.Option(min=0, max=2**63 - 1, help="Soft step cap below capacity")
     ] = None,
     max_bytes: Annotated[
         str | None, typer.Option(help="Redis memory budget of the namespace, e.g. 2GiB")
@@ -51,7 +51,7 @@ def retention(
         bool | None, typer.Option(help="Evict only steps that are archived already")
     ] = None,
     max_snapshots: Annotated[
-        int | None, typer.Option(min=0, help="Snapshots kept (the oldest go first)")
+        int | None, typer.Option(min=0, max=2**31, help="Snapshots kept (the oldest go first)")
     ] = None,
     snapshot_max_age: Annotated[
         str | None, typer.Option(help="Delete snapshots older than this, e.g. 30d")

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from claw_tasks.store import Store
 from orchestrator.cli.app import app, friendly, redis_client
+from orchestrator.cli.steplog import parse_ids
 from orchestrator.retrieval import define_index, list_indexes, nearest
 from orchestrator.retrieval.query import check_k
 
@@ -62,7 +63,12 @@ def nearest_command(
     with redis_client(ctx) as (_, r):
         store = Store(r, namespace)
         if define is not None:
-            spec = define_index(store, {"name": index, **json.loads(define)}, replace=replace)
+            given = json.loads(define)
+            if not isinstance(given, dict):
+                raise typer.BadParameter(
+                    'a JSON object, e.g. \'{"field": "obs"}\'', param_hint="--define"
+                )
+            spec = define_index(store, {"name": index, **given}, replace=replace)
             typer.echo(f"vector index {spec.name!r} of {namespace!r}: {spec.model_dump_json()}")
             return
         if show:
@@ -74,7 +80,7 @@ def nearest_command(
             known = ", ".join(specs) or "none"
             raise ValueError(f"{namespace!r} has no vector index {index!r} (defined: {known})")
         if of:
-            ids = [int(x) for x in of.split(",") if x.strip()]
+            ids = parse_ids(of, "--of")
             states = store.get(ids, fields=[specs[index].field])[specs[index].field]
         elif state:
             states = np.array([[float(x) for x in s.split(",")] for s in state], np.float32)

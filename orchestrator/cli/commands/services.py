@@ -353,7 +353,7 @@ def gateway(
 def acl(
     namespace: str,
     user: str,
-    db: Annotated[int, typer.Option(help="The broker's database number")] = 0,
+    db: Annotated[int, typer.Option(min=0, max=2**31 - 1, help="The broker's database number")] = 0,
 ) -> None:
     """Print the Redis ACL SETUSER line that confines USER (a producer or trainer) to
     NAMESPACE; give it a password with `ACL SETUSER USER >password` (never printed here)."""
