@@ -38,6 +38,18 @@ LogDir = Annotated[
 ]
 
 
+PASS_THROUGH: tuple[type[BaseException], ...] = (
+    click.ClickException,
+    click.exceptions.Exit,
+    click.Abort,
+    typer.TyperException,  # typer's own click: its usage errors (BadParameter ...)
+    typer.Exit,
+    typer.Abort,
+)
+"""What the CLI framework prints and exits on itself (an ``Exit`` or ``Abort`` is a
+``RuntimeError``: caught below, it would print an empty error line)."""
+
+
 def friendly(func: Callable[P, R]) -> Callable[P, R]:
     """Expected failures (Redis down, unknown namespace, bad input) exit 1 with one line.
 
@@ -51,7 +63,7 @@ def friendly(func: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return func(*args, **kwargs)
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
+        except PASS_THROUGH:
             raise
         except (redis.RedisError, OSError, LookupError, ValueError, RuntimeError) as e:
             message = e.args[0] if isinstance(e, KeyError) and e.args else e
@@ -67,7 +79,9 @@ def friendly(func: Callable[P, R]) -> Callable[P, R]:
 def fail(message: str) -> NoReturn:
     """Print ``message`` as the one error line (newlines and control characters of user
     input shown escaped, so the line stays one) and exit 1."""
-    err.print(f"[bold red]error:[/] {one_line(message)}", highlight=False, soft_wrap=True)
+    err.print(
+        f"[bold red]error:[/] {one_line(message)}", highlight=False, soft_wrap=True, emoji=False
+    )
     raise typer.Exit(1)
 
 

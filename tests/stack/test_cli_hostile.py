@@ -115,9 +115,7 @@ def check(command: str, argv: list[str], out: Outcome) -> None:
 def params(command: str) -> list[click.Parameter]:
     """What can carry a value: arguments and non-flag options."""
     return [
-        p
-        for p in COMMANDS[command].params
-        if not (isinstance(p, click.Option) and p.is_flag) and p.expose_value
+        p for p in COMMANDS[command].params if not getattr(p, "is_flag", False) and p.expose_value
     ]
 
 
@@ -128,7 +126,7 @@ def argv_for(command: str, target: click.Parameter, value: str, tmp: Path) -> li
     options: list[str] = []
     arguments: list[str] = []
     for p in COMMANDS[command].params:
-        if isinstance(p, click.Option) and p.is_flag:
+        if getattr(p, "is_flag", False):
             continue
         given = value if p is target else None
         if given is None and (p.required or command in SERVING):
@@ -293,6 +291,10 @@ def test_an_overflow_is_one_line_naming_the_number():
         (["acl", "--db", str(10**20), "--", "ns", "u"], "--db"),
         (["dead", "--limit", str(10**20), "--", NAMESPACE], "--limit"),  # a Redis error
         (["retention", "--max-steps", str(10**20), "--", NAMESPACE], "--max-steps"),
+        (["acl", "--", "a\nb", "u"], "namespace 'a\\nb'"),  # was a ValueError traceback
+        (["acl", "--", "ns", "u +@all"], "user 'u +@all'"),  # a second word was a rule
+        (["import", "--namespace", NAMESPACE, "--", "[/]"], "[/]"),  # was a MarkupError
+        (["evict", "--ids", "1", "--", "x:" * MIB], "namespace 'x:x:x:"),  # asked first
     ],
 )
 def test_found_by_the_fuzz_each_refusal_names_its_argument(hostile_store, argv, names):
@@ -300,3 +302,12 @@ def test_found_by_the_fuzz_each_refusal_names_its_argument(hostile_store, argv, 
     out = run_in_process(argv, url)
     check(argv[0], argv, out)
     assert out.code in (1, 2) and names in out.output, out.output
+
+
+def test_a_declined_confirmation_and_an_exit_print_no_empty_error(hostile_store):
+    """typer's ``Abort`` and ``Exit`` are ``RuntimeError``s: the one-line net printed an
+    empty ``error:`` line for each (a declined `claw evict`, `claw doctor` finding
+    problems)."""
+    url, _ = hostile_store
+    out = run_in_process(["evict", "--ids", "1", "--", NAMESPACE], url)  # answers n
+    assert out.code == 1 and "Aborted" in out.output and "error:" not in out.output

@@ -13,6 +13,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from claw_tasks.connection.client import is_cluster
+from claw_tasks.format import names
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.check import CHECKS, Report, check_namespace
@@ -94,6 +95,7 @@ def evict_steps(
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask")] = False,
 ) -> None:
     """Evict steps by id now (counted as 'manual')."""
+    names.check_namespace(namespace)  # before asking about it
     wanted = parse_ids(ids)
     if not yes:
         typer.confirm(f"evict {len(wanted)} step(s) of {namespace!r}?", abort=True)

@@ -350,6 +350,7 @@ def gateway(
 
 
 @app.command()
+@friendly
 def acl(
     namespace: str,
     user: str,
