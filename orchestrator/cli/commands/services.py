@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from claw_tasks.broker.app import QUEUES
@@ -33,6 +34,9 @@ from orchestrator.cli.devstack import (
     worker_service,
 )
 
+Port = Annotated[int, typer.Option(min=0, max=65535)]
+"""A TCP port (0: any free one)."""
+
 
 @app.command()
 @friendly
@@ -44,11 +48,11 @@ def up(
     ] = False,
     beat: Annotated[bool, typer.Option(help="Run Celery beat (RedBeat)")] = True,
     flower: Annotated[bool, typer.Option(help="Run Flower")] = True,
-    flower_port: int = 5555,
+    flower_port: Port = 5555,
     metrics: Annotated[bool, typer.Option(help="Serve Prometheus metrics")] = True,
-    metrics_port: int = METRICS_PORT,
+    metrics_port: Port = METRICS_PORT,
     web: Annotated[bool, typer.Option(help="Run the web inspector (claw web)")] = True,
-    web_port: int = WEB_PORT,
+    web_port: Port = WEB_PORT,
     log_dir: LogDir = None,
 ) -> None:
     """Run the dev stack: Redis, Celery workers, beat, Flower, metrics, the web inspector.
@@ -113,7 +117,7 @@ def up(
 @friendly
 def web(
     ctx: typer.Context,
-    port: Annotated[int, typer.Option(help="Port to serve on")] = WEB_PORT,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to serve on")] = WEB_PORT,
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface)")] = (
         "127.0.0.1"
     ),
@@ -247,7 +251,7 @@ def demo(
 @friendly
 def metrics(
     ctx: typer.Context,
-    port: int = METRICS_PORT,
+    port: Port = METRICS_PORT,
     address: Annotated[
         str,
         typer.Option(
@@ -280,7 +284,7 @@ def gateway(
     ctx: typer.Context,
     upstream: Annotated[str, typer.Option(help="The inference server's base URL (no /v1)")],
     namespace: Annotated[str, typer.Option(help="Namespace the turns are recorded into")],
-    port: int = 8100,
+    port: Port = 8100,
     address: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
     tokenizer: opt.Tokenizer = None,
     vllm_options: opt.VllmOptions = True,
@@ -305,7 +309,12 @@ def gateway(
     (default CLAW_GATEWAY_TOKEN). New trajectories are admitted against the staleness
     budget a trainer's recipe declares (admission:). docs/llm.md."""
     from orchestrator.gateway import GatewayConfig, serve
+    from orchestrator.gateway.upstream import check_base_url
 
+    try:
+        check_base_url(upstream)  # here, not in the server's startup (a traceback there)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--upstream") from None
     settings = get_settings()
     token = settings.gateway_token
     if not token:
@@ -342,8 +351,12 @@ def gateway(
         session_ttl=session_ttl,
     )
     Console().print(
-        f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
-        f"(store {redact_url(url)}, broker {redact_url(config.broker_url or url)}); Ctrl-C stops"
+        escape(
+            f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
+            f"(store {redact_url(url)}, broker {redact_url(config.broker_url or url)}); "
+            "Ctrl-C stops"
+        ),
+        highlight=False,
     )
     stop = None if server is None else server.stop
     _until_interrupted(lambda: serve(config, address, port), stop)
