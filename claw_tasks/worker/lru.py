@@ -15,10 +15,12 @@ class LRU(Generic[K, V]):
     """At most ``maxsize`` entries; the least recently used goes first. A worker serving
     many namespaces (or recipes) over days keeps only the ones it uses. Thread-safe."""
 
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, on_evict: Callable[[V], None] | None = None) -> None:
         if maxsize < 1:
             raise ValueError(f"an LRU cache needs maxsize >= 1, got {maxsize}")
         self.maxsize = maxsize
+        self.on_evict = on_evict
+        """Called with each entry pushed out by the bound (say, to close a client)."""
         self._items: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -48,7 +50,9 @@ class LRU(Generic[K, V]):
 
     def _trim(self) -> None:
         while len(self._items) > self.maxsize:
-            self._items.popitem(last=False)
+            _, value = self._items.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(value)
 
     def drop(self, match: Callable[[K], bool]) -> int:
         """Remove the entries whose key matches; returns how many."""

@@ -233,7 +233,7 @@ def test_hostile_arguments_of_serving_commands(hostile_store, command, data):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", QUICK)
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_hostile_arguments_many(hostile_store, command, data):
     hostile_run(command, data, hostile_store)

@@ -16,3 +16,13 @@ def test_lru_keeps_the_most_recently_used():
     assert lru.drop(lambda k: k in "ac") == 2 and len(lru) == 0
     with pytest.raises(ValueError, match="maxsize >= 1"):
         LRU(0)
+
+
+def test_an_entry_pushed_out_by_the_bound_is_handed_to_on_evict():
+    gone: list[int] = []
+    lru: LRU[str, int] = LRU(2, on_evict=gone.append)
+    for i, k in enumerate("abc"):
+        lru.put(k, i)
+    assert gone == [0] and "a" not in lru
+    lru.drop(lambda k: True)  # removed on purpose: the caller has them, not on_evict
+    assert gone == [0]
