@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,8 +159,17 @@ def hostile_store(tmp_path_factory) -> Iterator[tuple[str, Path]]:
 
 
 def run_in_process(argv: list[str], url: str) -> Outcome:
+    """``claw argv`` in this process, in an empty directory of its own (a hostile value
+    may be a path: what a command writes there is removed with it), answering "n" to a
+    confirmation."""
     env = {"CLAW_REDIS_URL": url, "COLUMNS": "120", "CLAW_BROKER_URL": url}
-    done = CliRunner().invoke(app, argv, env=env, input="n\n")
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as cwd:
+        os.chdir(cwd)
+        try:
+            done = CliRunner().invoke(app, argv, env=env, input="n\n")
+        finally:
+            os.chdir(here)
     return Outcome(done.exit_code, done.output, done.exception)
 
 
@@ -318,3 +328,18 @@ def test_a_declined_confirmation_and_an_exit_print_no_empty_error(hostile_store)
     url, _ = hostile_store
     out = run_in_process(["evict", "--ids", "1", "--", NAMESPACE], url)  # answers n
     assert out.code == 1 and "Aborted" in out.output and "error:" not in out.output
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["lineage", "--policy", "[/]", "--", NAMESPACE],  # was a MarkupError
+        ["diff", "--where", "[/]", "--", NAMESPACE, "snap"],
+        ["evict", "--ids", "1", "--", "x" * MIB],  # the prompt quoted 1 MiB back
+    ],
+)
+def test_user_text_is_shown_as_text_and_short(hostile_store, argv):
+    url, _ = hostile_store
+    out = run_in_process(argv, url)
+    check(argv[0], argv, out)
+    assert "[/]" in out.output or "x" * 100 in out.output

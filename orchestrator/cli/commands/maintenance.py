@@ -98,7 +98,7 @@ def evict_steps(
     names.check_namespace(namespace)  # before asking about it
     wanted = parse_ids(ids)
     if not yes:
-        typer.confirm(f"evict {len(wanted)} step(s) of {namespace!r}?", abort=True)
+        typer.confirm(f"evict {len(wanted)} step(s) of {namespace[:200]!r}?", abort=True)
     with redis_client(ctx) as (_, r):
         done = Store(r, namespace).evict(wanted, "manual")
     Console().print(f"evicted {done} of {len(wanted)} step(s) (the others were gone already)")
