@@ -251,7 +251,7 @@ def test_hostile_arguments_many(hostile_store, command, data):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(SERVING & set(COMMANDS)))
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_hostile_arguments_of_serving_commands_many(hostile_store, command, data):
     hostile_run(command, data, hostile_store)
