@@ -17,6 +17,9 @@ from claw_tasks.worker.lru import LRU
 from orchestrator.delivery.client import BatchClient
 from orchestrator.inspect.query import Query
 
+THUMB_BYTES = 32 << 20
+"""PNG thumbnails the inspector keeps (2,048 at most), least recently shown let go."""
+
 
 def step_row(cols: Mapping[str, np.ndarray], row: int) -> dict[str, Any]:
     """Row ``row`` of metadata columns ``cols`` as every page shows a step: its id,
@@ -48,7 +51,7 @@ class Access:
         self._locks: LRU[str, threading.Lock] = LRU(4 * max_namespaces)
         self._clients: LRU[str, BatchClient] = LRU(4 * max_namespaces, on_evict=BatchClient.close)
         self._guard = threading.Lock()
-        self.thumbs: LRU[tuple[str, int, str], bytes] = LRU(2048)
+        self.thumbs: LRU[tuple[str, int, str], bytes] = LRU(2048, weigh=len, max_bytes=THUMB_BYTES)
 
     # ---- plumbing --------------------------------------------------------------------
     def store(self, ns: str) -> Store:
