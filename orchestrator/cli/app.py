@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -126,6 +127,22 @@ def redis_client(ctx: typer.Context) -> Iterator[tuple[str, redis.Redis]]:
         client.close()
         if server is not None:
             server.stop()
+
+
+def check_bind(host: str, port: int, option: str = "--host") -> None:
+    """Refuse, naming ``option``, an address this process cannot listen on (a name that
+    does not resolve, a label too long, a port in use): here in one line rather than
+    from inside the server's startup. The test socket is closed at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, where = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(where)
+    except (OSError, UnicodeError, ValueError) as e:
+        raise typer.BadParameter(
+            f"cannot listen on {host[:200]!r} port {port}: {e}", param_hint=option
+        ) from None
 
 
 def stop_on_sigterm() -> None:

@@ -191,7 +191,8 @@ def run_serving(argv: list[str], url: str, tmp: Path) -> Outcome:
     if argv[0] in ("up", "demo"):
         argv = [*argv, "--log-dir", str(tmp / "logs")] if "--log-dir" not in argv else argv
     # Linux refuses one argv string over 128 KiB (MAX_ARG_STRLEN): the longest it passes.
-    argv = [a[:ARG_MAX] for a in argv]
+    # and no NUL byte (C strings end there).
+    argv = [a[:ARG_MAX].replace("\x00", "") for a in argv]
     args = [sys.executable, "-m", "orchestrator.cli.main", *argv]
     with subprocess.Popen(
         args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp
@@ -349,3 +350,30 @@ def test_user_text_is_shown_as_text_and_short(hostile_store, argv):
     out = run_in_process(argv, url)
     check(argv[0], argv, out)
     assert "[/]" in out.output or "x" * 100 in out.output or "name-vN" in out.output
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["web", "--host", "23415834080"], "--host"),  # uvicorn: exit 3 after its banner
+        (["web", "--host", "x" * 300], "--host"),  # idna: label too long, a traceback
+        (["metrics", "--address", "no.such.host.invalid"], "--host"),  # its first name
+        (
+            [
+                "gateway",
+                "--address",
+                "x" * 300,
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--namespace",
+                "n",
+            ],
+            "--address",
+        ),
+    ],
+)
+def test_an_address_that_cannot_be_bound_is_refused_before_serving(hostile_store, argv, option):
+    url, tmp = hostile_store
+    out = run_serving([*argv, "--"], url, tmp)
+    check(argv[0], argv, out)
+    assert out.code == 2 and option in out.output, out.output[-2000:]

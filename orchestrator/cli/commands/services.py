@@ -24,7 +24,7 @@ from claw_tasks.store.acl import setuser_command
 from orchestrator.cli import demo as demo_run
 from orchestrator.cli import exporter as metrics_server
 from orchestrator.cli import gateway_options as opt
-from orchestrator.cli.app import LogDir, app, friendly, stop_on_sigterm
+from orchestrator.cli.app import LogDir, app, check_bind, friendly, stop_on_sigterm
 from orchestrator.cli.devstack import (
     DevStack,
     beat_service,
@@ -136,12 +136,16 @@ def web(
     from orchestrator.web.auth import load_credentials
     from orchestrator.web.server import serve
 
+    check_bind(host, port)
     credentials, generated = load_credentials(password_file)
     url, server = ensure_redis(ctx.obj)
     broker = get_settings().broker_for(url)
     scheme = "https" if certfile else "http"
     console = Console()
-    console.print(f"Claw inspector on {scheme}://{host}:{port}/ (store {redact_url(url)})")
+    console.print(
+        escape(f"Claw inspector on {scheme}://{host}:{port}/ (store {redact_url(url)})"),
+        highlight=False,
+    )
     if generated:
         console.print(
             f"user [bold]{credentials.user}[/], password [bold]{generated}[/] "
@@ -268,6 +272,7 @@ def metrics(
     url = ctx.obj or settings.redis_url
     broker = settings.broker_for(url)
     token = settings.metrics_token
+    check_bind(address, port)
     server = metrics_server.serve(port, url, broker, address, token)
     Console().print(
         f"serving http://{address}:{port}/metrics (store {redact_url(url)}, "
@@ -315,6 +320,7 @@ def gateway(
         check_base_url(upstream)  # here, not in the server's startup (a traceback there)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--upstream") from None
+    check_bind(address, port, "--address")
     settings = get_settings()
     token = settings.gateway_token
     if not token:
