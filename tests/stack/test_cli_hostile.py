@@ -358,6 +358,8 @@ def test_user_text_is_shown_as_text_and_short(hostile_store, argv):
         (["web", "--host", "23415834080"], "--host"),  # uvicorn: exit 3 after its banner
         (["web", "--host", "x" * 300], "--host"),  # idna: label too long, a traceback
         (["metrics", "--address", "no.such.host.invalid"], "--host"),  # its first name
+        (["web", "--keyfile", "k.pem"], "--keyfile"),  # uvicorn asserted a certfile
+        (["web", "--certfile", "nope.pem"], "--certfile"),
         (
             [
                 "gateway",
@@ -372,7 +374,9 @@ def test_user_text_is_shown_as_text_and_short(hostile_store, argv):
         ),
     ],
 )
-def test_an_address_that_cannot_be_bound_is_refused_before_serving(hostile_store, argv, option):
+def test_an_address_or_tls_file_that_cannot_serve_is_refused_before_serving(
+    hostile_store, argv, option
+):
     url, tmp = hostile_store
     out = run_serving([*argv, "--"], url, tmp)
     check(argv[0], argv, out)

@@ -136,6 +136,11 @@ def web(
     from orchestrator.web.auth import load_credentials
     from orchestrator.web.server import serve
 
+    if keyfile is not None and certfile is None:
+        raise typer.BadParameter("a key needs its certificate (--certfile)", param_hint="--keyfile")
+    for option, path in (("--certfile", certfile), ("--keyfile", keyfile)):
+        if path is not None and not path.is_file():
+            raise typer.BadParameter(f"{str(path)[:200]!r}: no such file", param_hint=option)
     check_bind(host, port)
     credentials, generated = load_credentials(password_file)
     url, server = ensure_redis(ctx.obj)
