@@ -38,6 +38,8 @@ class Settings:
     features: tuple[str, ...]
     albumentations: tuple[str, ...]
     namespace_cache_size: int
+    worker_cache_bytes: int
+    nearest_max_k: int
     plan_cache_size: int
     lineage_maxlen: int
     shared_index: bool

@@ -13,7 +13,25 @@ RESOURCES: tuple[Variable, ...] = (
         64,
         "namespaces a process keeps a context for: its `Store`, sampling session, plans, "
         "retrieval sessions (up to 8 indexes' vectors each), vector writers (least recently "
-        "used go first)",
+        "used go first; `CLAW_WORKER_CACHE_BYTES` bounds their bytes)",
+    ),
+    Variable(
+        "CLAW_WORKER_CACHE_BYTES",
+        "worker_cache_bytes",
+        count,
+        768 << 20,
+        "bytes of namespace contexts (indexes, vectors, plans) a process keeps; past it the "
+        "least recently used contexts are let go, the one in use always kept "
+        "(docs/reliability.md, Worker memory)",
+        shown="`805306368` (768 MiB)",
+    ),
+    Variable(
+        "CLAW_NEAREST_MAX_K",
+        "nearest_max_k",
+        at_least_one,
+        1024,
+        "neighbours a `nearest` query may ask for per state (`k` of the API, `claw nearest "
+        "--k` and a recipe's `nearest.k`); a larger `k` is refused",
     ),
     Variable(
         "CLAW_PLAN_CACHE_SIZE",

@@ -47,7 +47,13 @@ def namespace_rules(namespace: str, *, db: int = 0) -> list[str]:
     ]
 
 
+USER = re.compile(r"[A-Za-z0-9_.@-]{1,128}")
+"""A user name ``setuser_command`` puts in a line of rules."""
+
+
 def setuser_command(namespace: str, user: str, *, db: int = 0) -> str:
     """The ``ACL SETUSER`` line for ``user`` (the password is set separately: it is never
-    printed)."""
+    printed). ``user`` is one word: a space or newline in it would add rules to the line."""
+    if not USER.fullmatch(user):
+        raise ValueError(f"user {user[:60]!r}: use 1-128 letters, digits, '-', '_', '.' or '@'")
     return " ".join(["ACL SETUSER", user, "reset", "on", *namespace_rules(namespace, db=db)])

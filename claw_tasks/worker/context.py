@@ -14,19 +14,27 @@ through :meth:`NamespaceContext.check_created`, the sampling and retrieval sessi
 creation time they read with their log. A recipe that changes is caught by the part that
 serves it (its sampler rebound, its plan rebuilt) and leaves the others warm.
 
-Bounded by count: the ``namespace_cache_size`` most recently used contexts are kept (an
-evicted one is rebuilt cold from Redis on next use); a part that grows with recipes or
-indexes bounds itself (an ``LRU``). A forked child builds its own contexts: the pid is in
+Bounded by count and by bytes: the ``namespace_cache_size`` most recently used contexts
+are kept, and of those only as many, least recently used let go first, as fit
+``worker_cache_bytes`` together (an evicted one is rebuilt cold from Redis on next use); a
+part that grows with recipes or indexes bounds itself (an ``LRU``). A context's bytes are
+weighed (:func:`weigh`) when the process turns from it to another namespace: only the
+context in use grows, so the others' weights stay exact, and the one in use is never let
+go (a single namespace larger than the budget still works). The process then holds at most
+the budget plus the context in use. A forked child builds its own contexts: the pid is in
 the key, so it never shares the parent's locks, random streams or connections.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
 
 from claw_tasks.connection import client as connect
 from claw_tasks.connection.client import Client, identity
@@ -129,10 +137,91 @@ def context_for(target: str | Store, redis_url: str | None = None) -> NamespaceC
     first one given for that server)."""
     if isinstance(target, Store):
         key = (*identity(target.r), target.namespace, os.getpid())
-        return contexts.get(key, lambda: NamespaceContext(target))
-    client, server = _client(redis_url)
-    key = (*server, target, os.getpid())
-    return contexts.get(key, lambda: NamespaceContext(Store(client, target)))
+        ctx = contexts.get(key, lambda: NamespaceContext(target))
+    else:
+        client, server = _client(redis_url)
+        key = (*server, target, os.getpid())
+        ctx = contexts.get(key, lambda: NamespaceContext(Store(client, target)))
+    _budget.use(key, ctx)
+    return ctx
+
+
+WEIGH_DEPTH = 6
+"""How deep :func:`weigh` follows attributes and containers from a part."""
+
+
+def weigh(obj: Any) -> int:
+    """Bytes ``obj`` holds in arrays: an object's own ``nbytes`` when it states one (numpy
+    arrays, a vector index with its Faiss lists), else the sum over its items and, for
+    Claw's own classes, its attributes, each array counted once. An array mapped from a
+    file (the host's shared sampling index in ``/dev/shm``) counts whole: its pages are in
+    this process's RSS once touched, and a sampler touches all of them."""
+    seen: set[int] = set()
+
+    def walk(o: Any, depth: int) -> int:
+        if id(o) in seen or depth > WEIGH_DEPTH or o is None:
+            return 0
+        seen.add(id(o))
+        if isinstance(o, np.ndarray):
+            base = o.base
+            if isinstance(base, np.ndarray):  # a view: its base counts (once)
+                return walk(base, depth)
+            return o.nbytes
+        if isinstance(o, (str, bytes, bytearray, int, float, bool)):
+            return 0
+        if isinstance(o, LRU):
+            return sum(walk(v, depth + 1) for v in o.values())
+        if isinstance(o, dict):
+            return sum(walk(v, depth + 1) for v in o.values())
+        if isinstance(o, (list, tuple, set, frozenset)):
+            return sum(walk(v, depth + 1) for v in o)
+        stated = getattr(type(o), "nbytes", None)
+        if isinstance(stated, property):
+            return int(o.nbytes)
+        if type(o).__module__.startswith(("orchestrator.", "claw_tasks.")):
+            return sum(walk(v, depth + 1) for v in getattr(o, "__dict__", {}).values())
+        return 0
+
+    return walk(obj, 0)
+
+
+class _Budget:
+    """Let contexts go, least recently used first, while their weights exceed
+    ``worker_cache_bytes`` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.weights: dict[tuple[Any, ...], int] = {}
+        self.last: tuple[tuple[Any, ...], NamespaceContext] | None = None
+        self.evicted = 0  # contexts let go for bytes (tests, stats)
+
+    def use(self, key: tuple[Any, ...], ctx: NamespaceContext) -> None:
+        if self.last is not None and self.last[0] == key:
+            return
+        with self.lock:
+            if self.last is not None and self.last[0] in contexts:
+                self.weights[self.last[0]] = weigh(self.last[1])
+            self.last = (key, ctx)
+            held = list(contexts)  # least recently used first
+            for gone in set(self.weights) - set(held):
+                del self.weights[gone]
+            total, budget = sum(self.weights.values()), get_settings().worker_cache_bytes
+            if total <= budget:
+                return
+            drop = []
+            for k in held:
+                if total <= budget:
+                    break
+                if k != key and k in self.weights:
+                    total -= self.weights.pop(k)
+                    drop.append(k)
+        for old in contexts.pop_where(lambda k: k in drop):
+            old.close(dropped=False)
+            self.evicted += 1
+        gc.collect()  # parts refer to each other (an index and its subscribers): free now
+
+
+_budget = _Budget()
 
 
 def store_for(namespace: str) -> Store:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,6 +49,10 @@ _SUPPORTED = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym
 _KINDS = ", ".join(t.__name__ for t in _SUPPORTED)
 
 Progress = Callable[[int], None]  # steps done since the last call
+
+
+DATASET_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+-v\d{1,9}", re.ASCII)
+"""A Minari dataset id as ``export_minari`` writes one: [namespace/]name-vN."""
 
 
 class MinariError(ValueError):
@@ -139,6 +144,10 @@ def export_minari(
     import minari
     from minari.data_collector.episode_buffer import EpisodeBuffer
 
+    if not DATASET_ID.fullmatch(dataset_id):  # Minari's own parse fails on a missing -vN
+        raise MinariError(
+            f"dataset id {dataset_id[:200]!r}: write it as [namespace/]name-vN, e.g. cartpole-v0"
+        )
     tell = progress or (lambda n: None)
     obs_space, act_space = namespace_spaces(store)
     for space in (obs_space, act_space):

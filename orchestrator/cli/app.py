@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import functools
 import signal
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, ParamSpec, TypeVar
+from typing import Annotated, NoReturn, ParamSpec, TypeVar
 
 import click
 import redis
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from claw_tasks.connection import client as connect
 from claw_tasks.connection.server import ensure_redis
@@ -61,21 +63,60 @@ LogDir = Annotated[
 ]
 
 
+PASS_THROUGH: tuple[type[BaseException], ...] = (
+    click.ClickException,
+    click.exceptions.Exit,
+    click.Abort,
+    typer.TyperException,  # typer's own click: its usage errors (BadParameter ...)
+    typer.Exit,
+    typer.Abort,
+)
+"""What the CLI framework prints and exits on itself (an ``Exit`` or ``Abort`` is a
+``RuntimeError``: caught below, it would print an empty error line)."""
+
+
 def friendly(func: Callable[P, R]) -> Callable[P, R]:
-    """Expected failures (Redis down, unknown namespace, bad input) exit 1 with one line."""
+    """Expected failures (Redis down, unknown namespace, bad input) exit 1 with one line.
+
+    A number too large for the type it is used in (``OverflowError``) or a size no process
+    can hold (``MemoryError``) is the argument's fault too: one line, exit 1. Each command
+    checks its arguments first and names the bad one (``typer.BadParameter``, exit 2); this
+    is the net under a check that is missing. Any other exception is a bug in Claw and keeps
+    its traceback (the line that fails is what a report needs)."""
 
     @functools.wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return func(*args, **kwargs)
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
+        except PASS_THROUGH:
             raise
         except (redis.RedisError, OSError, LookupError, ValueError, RuntimeError) as e:
             message = e.args[0] if isinstance(e, KeyError) and e.args else e
-            err.print(f"[bold red]error:[/] {message}", highlight=False)
-            raise typer.Exit(1) from None
+            fail(str(message))
+        except OverflowError as e:
+            fail(f"a number given is too large: {e}")
+        except MemoryError:
+            fail("an argument asks for more memory than this process can hold")
 
     return wrapper
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``message`` as the one error line (newlines and control characters of user
+    input shown escaped, so the line stays one) and exit 1."""
+    err.print(
+        f"[bold red]error:[/] {one_line(message)}", highlight=False, soft_wrap=True, emoji=False
+    )
+    raise typer.Exit(1)
+
+
+def one_line(text: str, limit: int = 2000) -> str:
+    """``text`` on one line: control characters escaped, rich markup escaped, at most
+    ``limit`` characters (a 1 MiB argument quoted back is not an error message)."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text):,} characters)"
+    return escape(text)
 
 
 @app.callback()
@@ -110,6 +151,22 @@ def redis_client(ctx: typer.Context) -> Iterator[tuple[str, redis.Redis]]:
         client.close()
         if server is not None:
             server.stop()
+
+
+def check_bind(host: str, port: int, option: str = "--host") -> None:
+    """Refuse, naming ``option``, an address this process cannot listen on (a name that
+    does not resolve, a label too long, a port in use): here in one line rather than
+    from inside the server's startup. The test socket is closed at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, where = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(where)
+    except (OSError, UnicodeError, ValueError) as e:
+        raise typer.BadParameter(
+            f"cannot listen on {host[:200]!r} port {port}: {e}", param_hint=option
+        ) from None
 
 
 def stop_on_sigterm() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import redis
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -27,7 +28,8 @@ from claw_tasks.store import NamespaceError, Store
 
 @contextmanager
 def _bar(console: Console, what: str, total: int | None) -> Iterator[Any]:
-    """A progress bar; yields ``advance(n)``."""
+    """A progress bar; yields ``advance(n)``. ``what`` is shown as given (a name with
+    ``[/]`` in it is text, not markup)."""
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -36,7 +38,7 @@ def _bar(console: Console, what: str, total: int | None) -> Iterator[Any]:
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(what, total=total)
+        task = progress.add_task(escape(what), total=total)
         yield lambda n, *_: progress.advance(task, n)
 
 

@@ -34,14 +34,18 @@ def newest_ids(store: Store, limit: int) -> np.ndarray:
     return all_ids[order[-limit:]] if limit > 0 else all_ids[:0]
 
 
-def parse_ids(text: str) -> list[int]:
-    """`"1,2, 3"` -> [1, 2, 3]; a clear ValueError otherwise."""
+def parse_ids(text: str, option: str = "--ids") -> list[int]:
+    """`"1,2, 3"` -> [1, 2, 3]; a clear ValueError naming ``option`` otherwise (step ids
+    are int64: a larger number is refused here, not where it is converted)."""
+    shown = text if len(text) <= 60 else f"{text[:60]}..."
     try:
         ids = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"--ids {text!r}: give comma-separated integers, e.g. 1,2,3") from None
+        raise ValueError(f"{option} {shown!r}: give comma-separated integers, e.g. 1,2,3") from None
     if not ids:
-        raise ValueError("--ids: give at least one step id")
+        raise ValueError(f"{option}: give at least one step id")
+    if any(not -(2**63) <= i < 2**63 for i in ids):
+        raise ValueError(f"{option} {shown!r}: a step id is an int64 (below 2**63)")
     return ids
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httptools
 
@@ -120,6 +120,18 @@ class Reply:
         self._pool._release(self._conn, self._state.done and self._keep)
 
 
+def check_base_url(base_url: str) -> SplitResult:
+    """``base_url`` split, when it is an ``http(s)://host[:port]`` URL; else ``ValueError``."""
+    try:
+        u = urlsplit(base_url.rstrip("/"))
+        u.port  # noqa: B018 (a port out of range or not a number raises here)
+    except ValueError as e:
+        raise ValueError(f"upstream {base_url[:200]!r}: {e}") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"upstream {base_url[:200]!r}: give an http:// or https:// URL")
+    return u
+
+
 class Upstream:
     """A pool of keep-alive connections to one ``http(s)://host:port`` base URL."""
 
@@ -131,9 +143,7 @@ class Upstream:
         connect_timeout: float = 10.0,
         max_idle: int = 200,
     ) -> None:
-        u = urlsplit(base_url.rstrip("/"))
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"upstream {base_url!r}: give an http:// or https:// URL")
+        u = check_base_url(base_url)
         self.host, self.prefix = u.hostname, u.path
         self.port = u.port or (443 if u.scheme == "https" else 80)
         self.ssl = ssl.create_default_context() if u.scheme == "https" else None

@@ -13,9 +13,11 @@ from pydantic import (
     PositiveInt,
     StrictBool,
     StrictStr,
+    field_validator,
     model_validator,
 )
 
+from claw_tasks.settings import get_settings
 from orchestrator.recipe.base import Name, StrictModel
 
 
@@ -122,3 +124,11 @@ class Nearest(StrictModel):
     fields: list[StrictStr] = ["action"]
     exclude_self: StrictBool = True
     """Drop a row's own step from its neighbours (a row drawn from the indexed steps)."""
+
+    @field_validator("k")
+    @classmethod
+    def _k_bounded(cls, k: int) -> int:
+        bound = get_settings().nearest_max_k
+        if k > bound:  # each row's k neighbours are held in the prefetch worker
+            raise ValueError(f"nearest.k must be at most {bound} (CLAW_NEAREST_MAX_K), got {k}")
+        return k

@@ -95,8 +95,7 @@ def nearest(
     ``index``, among the steps ``where`` selects (the where language, ``$params`` from
     ``params``), with ``fields`` read for each (payload fields, ``next_obs``, metadata
     keys: what a recipe's ``fields`` may name)."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+    k = check_k(k)
     states = np.asarray(states)
     for _ in range(2):
         session = open_session(namespace_or_store, redis_url, index)
@@ -106,6 +105,19 @@ def nearest(
             except Recreated:  # the namespace was made again since the session began
                 forget(session.store.namespace, dropped=True)
     raise RetrievalError(f"nearest in {session.store.namespace!r}: the namespace keeps changing")
+
+
+def check_k(k: Any, name: str = "k") -> int:
+    """``k`` as an int in ``1..CLAW_NEAREST_MAX_K``; else ``ValueError`` naming ``name`` and
+    the bound. A query holds (states x (k + SLACK)) candidates and (states x k) rows of every
+    field asked for: an unbounded ``k`` is an allocation of the caller's choosing in a
+    process (a prefetch worker) that serves other namespaces too."""
+    bound = get_settings().nearest_max_k
+    if isinstance(k, bool) or not isinstance(k, int | np.integer):
+        raise ValueError(f"{name} must be an integer in 1..{bound}, got {k!r:.40}")
+    if not 1 <= k <= bound:
+        raise ValueError(f"{name} must be in 1..{bound} (CLAW_NEAREST_MAX_K), got {k}")
+    return int(k)
 
 
 SESSIONS = "retrieval"

@@ -17,6 +17,9 @@ from claw_tasks.worker.lru import LRU
 from orchestrator.delivery.client import BatchClient
 from orchestrator.inspect.query import Query
 
+THUMB_BYTES = 32 << 20
+"""PNG thumbnails the inspector keeps (2,048 at most), least recently shown let go."""
+
 
 def step_row(cols: Mapping[str, np.ndarray], row: int) -> dict[str, Any]:
     """Row ``row`` of metadata columns ``cols`` as every page shows a step: its id,
@@ -41,10 +44,14 @@ class Access:
         self.redis_url, self.broker_url = redis_url, broker_url
         self.r = redis_client(redis_url)
         self._queries: LRU[str, Query] = LRU(max_namespaces)
-        self._locks: dict[str, threading.Lock] = {}
-        self._clients: dict[str, BatchClient] = {}
+        # Keyed by the namespace a request names: bounded like the indexes. A lock let go
+        # while a request holds it only lets a later request of that namespace run beside
+        # it on a fresh index (its Query was let go before: the locks outlive them 4:1).
+        # A client let go is closed (its connections; a request using it reconnects).
+        self._locks: LRU[str, threading.Lock] = LRU(4 * max_namespaces)
+        self._clients: LRU[str, BatchClient] = LRU(4 * max_namespaces, on_evict=BatchClient.close)
         self._guard = threading.Lock()
-        self.thumbs: LRU[tuple[str, int, str], bytes] = LRU(2048)
+        self.thumbs: LRU[tuple[str, int, str], bytes] = LRU(2048, weigh=len, max_bytes=THUMB_BYTES)
 
     # ---- plumbing --------------------------------------------------------------------
     def store(self, ns: str) -> Store:
@@ -55,7 +62,7 @@ class Access:
 
     def lock(self, ns: str) -> threading.Lock:
         with self._guard:
-            return self._locks.setdefault(ns, threading.Lock())
+            return self._locks.get(ns, threading.Lock)
 
     def query(self, ns: str) -> Query:
         """The namespace's query engine, its index synced now (call under ``lock(ns)``)."""
@@ -65,12 +72,12 @@ class Access:
 
     def client(self, ns: str) -> BatchClient:
         with self._guard:
-            if ns not in self._clients:
-                self._clients[ns] = BatchClient(ns, self.redis_url, broker_url=self.broker_url)
-            return self._clients[ns]
+            return self._clients.get(
+                ns, lambda: BatchClient(ns, self.redis_url, broker_url=self.broker_url)
+            )
 
     def close(self) -> None:
-        for c in self._clients.values():
+        for c in self._clients.pop_where(lambda ns: True):
             c.close()
 
     def episode_names(self, q: Query, rows: np.ndarray) -> list[str]:

@@ -268,6 +268,31 @@ def test_claw_nearest_answers_from_the_shell(redis_url, expert, worker):
     assert "state 0" in table and " 11 " in table
 
 
+def test_claw_nearest_bounds_k_and_prints_json_without_nan(redis_url, expert, worker):
+    """`--k 1000000000` asked Faiss for a (1, 10**9 + 8) result (MemoryError, a traceback);
+    `--json` with fewer matches than k printed NaN, which no JSON parser reads."""
+    store, _ = expert
+    runner, env = CliRunner(), {"CLAW_REDIS_URL": redis_url, "COLUMNS": "200"}
+    base = ["nearest", store.namespace, "--of", "11"]
+    assert runner.invoke(app, [*base, "--define", '{"kind": "exact"}'], env=env).exit_code == 0
+    built(store, redis_url, trained=False)
+    for k in ("1000000000", "0", "-5", "100000000000000000000"):
+        done = runner.invoke(app, [*base, "--k", k], env=env)
+        assert done.exit_code == 2, done.output
+        assert "--k" in done.output and "1..1024" in done.output, done.output
+        assert "Traceback" not in done.output and done.exception.__class__ is SystemExit
+    # Three steps match: the other 97 neighbours are id -1 with null distance and fields.
+    done = runner.invoke(
+        app, [*base, "--k", "100", "--json", "--fields", "action", "--where", "id <= 3"], env=env
+    )
+    assert done.exit_code == 0, done.output
+    out = json.loads(done.output, parse_constant=lambda c: pytest.fail(f"{c} in --json"))
+    assert sorted(out["ids"][0][:3]) == [1, 2, 3]
+    assert out["ids"][0][3:] == [-1] * 97
+    assert out["distances"][0][3:] == [None] * 97 and None not in out["distances"][0][:3]
+    assert out["action"][0][3:] == [None] * 97 and sorted(out["action"][0][:3]) == [0, 1, 2]
+
+
 def test_a_namespace_made_again_is_queried_afresh(redis_url, namespace):
     """A process's session notices, in the round trip that reads the index's log, that the
     namespace was dropped and made again (another capacity, other steps)."""

@@ -13,6 +13,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from claw_tasks.connection.client import is_cluster
+from claw_tasks.format import names
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
 from claw_tasks.store.check import CHECKS, Report, check_namespace
@@ -35,7 +36,7 @@ def retention(
         str | None, typer.Option(help="Evict steps committed longer ago, e.g. 12h, 7d")
     ] = None,
     max_steps: Annotated[
-        int | None, typer.Option(min=0, help="Soft step cap below capacity")
+        int | None, typer.Option(min=0, max=2**63 - 1, help="Soft step cap below capacity")
     ] = None,
     max_bytes: Annotated[
         str | None, typer.Option(help="Redis memory budget of the namespace, e.g. 2GiB")
@@ -51,7 +52,7 @@ def retention(
         bool | None, typer.Option(help="Evict only steps that are archived already")
     ] = None,
     max_snapshots: Annotated[
-        int | None, typer.Option(min=0, help="Snapshots kept (the oldest go first)")
+        int | None, typer.Option(min=0, max=2**31, help="Snapshots kept (the oldest go first)")
     ] = None,
     snapshot_max_age: Annotated[
         str | None, typer.Option(help="Delete snapshots older than this, e.g. 30d")
@@ -94,9 +95,10 @@ def evict_steps(
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask")] = False,
 ) -> None:
     """Evict steps by id now (counted as 'manual')."""
+    names.check_namespace(namespace)  # before asking about it
     wanted = parse_ids(ids)
     if not yes:
-        typer.confirm(f"evict {len(wanted)} step(s) of {namespace!r}?", abort=True)
+        typer.confirm(f"evict {len(wanted)} step(s) of {namespace[:200]!r}?", abort=True)
     with redis_client(ctx) as (_, r):
         done = Store(r, namespace).evict(wanted, "manual")
     Console().print(f"evicted {done} of {len(wanted)} step(s) (the others were gone already)")

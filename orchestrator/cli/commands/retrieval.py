@@ -12,7 +12,19 @@ from rich.table import Table
 
 from claw_tasks.store import Store
 from orchestrator.cli.app import app, friendly, redis_client
+from orchestrator.cli.steplog import parse_ids
 from orchestrator.retrieval import define_index, list_indexes, nearest
+from orchestrator.retrieval.query import check_k
+
+
+def _jsonable(values: np.ndarray, missing: np.ndarray) -> list[Any]:
+    """``values`` (m, k, ...) as nested lists, null where ``missing`` (m, k) and for NaN
+    and infinities (JSON has neither)."""
+    out = values.astype(object)
+    if values.dtype.kind == "f":
+        out[~np.isfinite(values)] = None
+    out[missing] = None
+    return out.tolist()
 
 
 @app.command("nearest")
@@ -48,10 +60,19 @@ def nearest_command(
       claw nearest cartpole --of 1234 --k 5 --fields action
       claw nearest cartpole --define '{"field": "obs", "metric": "l2"}'
     """
+    try:
+        k = check_k(k, "--k")
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--k") from None
     with redis_client(ctx) as (_, r):
         store = Store(r, namespace)
         if define is not None:
-            spec = define_index(store, {"name": index, **json.loads(define)}, replace=replace)
+            given = json.loads(define)
+            if not isinstance(given, dict):
+                raise typer.BadParameter(
+                    'a JSON object, e.g. \'{"field": "obs"}\'', param_hint="--define"
+                )
+            spec = define_index(store, {"name": index, **given}, replace=replace)
             typer.echo(f"vector index {spec.name!r} of {namespace!r}: {spec.model_dump_json()}")
             return
         if show:
@@ -63,7 +84,7 @@ def nearest_command(
             known = ", ".join(specs) or "none"
             raise ValueError(f"{namespace!r} has no vector index {index!r} (defined: {known})")
         if of:
-            ids = [int(x) for x in of.split(",") if x.strip()]
+            ids = parse_ids(of, "--of")
             states = store.get(ids, fields=[specs[index].field])[specs[index].field]
         elif state:
             states = np.array([[float(x) for x in s.split(",")] for s in state], np.float32)
@@ -72,10 +93,15 @@ def nearest_command(
         names = [f.strip() for f in fields.split(",") if f.strip()]
         got = nearest(store, np.asarray(states), k, index=index, where=where or None, fields=names)
     if as_json:
-        out: dict[str, Any] = {"ids": got.ids.tolist(), "distances": got.distances.tolist()}
-        out.update({n: v.tolist() for n, v in got.fields.items()})
+        # A state with fewer than k matches: id -1, distance and fields null, meta null.
+        missing = got.ids < 0
+        out: dict[str, Any] = {
+            "ids": got.ids.tolist(),
+            "distances": _jsonable(got.distances, missing),
+        }
+        out.update({n: _jsonable(v, missing) for n, v in got.fields.items()})
         out.update(got.meta)
-        typer.echo(json.dumps(out, default=str))
+        typer.echo(json.dumps(out, default=str, allow_nan=False))
         return
     console = Console()
     for i in range(len(got.ids)):

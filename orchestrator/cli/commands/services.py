@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from claw_tasks import __version__ as claw_version
@@ -24,7 +25,7 @@ from claw_tasks.store.acl import setuser_command
 from orchestrator.cli import demo as demo_run
 from orchestrator.cli import exporter as metrics_server
 from orchestrator.cli import gateway_options as opt
-from orchestrator.cli.app import LogDir, app, friendly, stop_on_sigterm
+from orchestrator.cli.app import LogDir, app, check_bind, friendly, stop_on_sigterm
 from orchestrator.cli.devstack import (
     DevStack,
     beat_service,
@@ -33,6 +34,9 @@ from orchestrator.cli.devstack import (
     web_service,
     worker_service,
 )
+
+Port = Annotated[int, typer.Option(min=0, max=65535)]
+"""A TCP port (0: any free one)."""
 
 
 @app.command()
@@ -45,11 +49,11 @@ def up(
     ] = False,
     beat: Annotated[bool, typer.Option(help="Run Celery beat (RedBeat)")] = True,
     flower: Annotated[bool, typer.Option(help="Run Flower")] = True,
-    flower_port: int = 5555,
+    flower_port: Port = 5555,
     metrics: Annotated[bool, typer.Option(help="Serve Prometheus metrics")] = True,
-    metrics_port: int = METRICS_PORT,
+    metrics_port: Port = METRICS_PORT,
     web: Annotated[bool, typer.Option(help="Run the web inspector (claw web)")] = True,
-    web_port: int = WEB_PORT,
+    web_port: Port = WEB_PORT,
     log_dir: LogDir = None,
 ) -> None:
     """Run the dev stack: Redis, Celery workers, beat, Flower, metrics, the web inspector.
@@ -120,7 +124,7 @@ def up(
 @friendly
 def web(
     ctx: typer.Context,
-    port: Annotated[int, typer.Option(help="Port to serve on")] = WEB_PORT,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to serve on")] = WEB_PORT,
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface)")] = (
         "127.0.0.1"
     ),
@@ -139,12 +143,21 @@ def web(
     from orchestrator.web.auth import load_credentials
     from orchestrator.web.server import serve
 
+    if keyfile is not None and certfile is None:
+        raise typer.BadParameter("a key needs its certificate (--certfile)", param_hint="--keyfile")
+    for option, path in (("--certfile", certfile), ("--keyfile", keyfile)):
+        if path is not None and not path.is_file():
+            raise typer.BadParameter(f"{str(path)[:200]!r}: no such file", param_hint=option)
+    check_bind(host, port)
     credentials, generated = load_credentials(password_file)
     url, server = ensure_redis(ctx.obj)
     broker = get_settings().broker_for(url)
     scheme = "https" if certfile else "http"
     console = Console()
-    console.print(f"Claw inspector on {scheme}://{host}:{port}/ (store {redact_url(url)})")
+    console.print(
+        escape(f"Claw inspector on {scheme}://{host}:{port}/ (store {redact_url(url)})"),
+        highlight=False,
+    )
     if generated:
         console.print(
             f"user [bold]{credentials.user}[/], password [bold]{generated}[/] "
@@ -260,7 +273,7 @@ def demo(
 @friendly
 def metrics(
     ctx: typer.Context,
-    port: int = METRICS_PORT,
+    port: Port = METRICS_PORT,
     address: Annotated[
         str,
         typer.Option(
@@ -277,6 +290,7 @@ def metrics(
     url = ctx.obj or settings.redis_url
     broker = settings.broker_for(url)
     token = settings.metrics_token
+    check_bind(address, port)
     server = metrics_server.serve(port, url, broker, address, token)
     Console().print(
         f"serving http://{address}:{port}/metrics (store {redact_url(url)}, "
@@ -296,7 +310,7 @@ def gateway(
     ctx: typer.Context,
     upstream: Annotated[str, typer.Option(help="The inference server's base URL (no /v1)")],
     namespace: Annotated[str, typer.Option(help="Namespace the turns are recorded into")],
-    port: int = 8100,
+    port: Port = 8100,
     address: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
     tokenizer: opt.Tokenizer = None,
     vllm_options: opt.VllmOptions = True,
@@ -326,7 +340,13 @@ def gateway(
       claw gateway --upstream http://127.0.0.1:8000 --namespace agents
     """
     from orchestrator.gateway import GatewayConfig, serve
+    from orchestrator.gateway.upstream import check_base_url
 
+    try:
+        check_base_url(upstream)  # here, not in the server's startup (a traceback there)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--upstream") from None
+    check_bind(address, port, "--address")
     settings = get_settings()
     token = settings.gateway_token
     if not token:
@@ -363,18 +383,23 @@ def gateway(
         session_ttl=session_ttl,
     )
     Console().print(
-        f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
-        f"(store {redact_url(url)}, broker {redact_url(config.broker_url or url)}); Ctrl-C stops"
+        escape(
+            f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
+            f"(store {redact_url(url)}, broker {redact_url(config.broker_url or url)}); "
+            "Ctrl-C stops"
+        ),
+        highlight=False,
     )
     stop = None if server is None else server.stop
     _until_interrupted(lambda: serve(config, address, port), stop)
 
 
 @app.command(short_help="Print the Redis ACL SETUSER line that confines a user to a namespace.")
+@friendly
 def acl(
     namespace: str,
     user: str,
-    db: Annotated[int, typer.Option(help="The broker's database number")] = 0,
+    db: Annotated[int, typer.Option(min=0, max=2**31 - 1, help="The broker's database number")] = 0,
 ) -> None:
     """Print the Redis ACL SETUSER line that confines USER (a producer or trainer) to
     NAMESPACE; give it a password with `ACL SETUSER USER >password` (never printed here)."""

@@ -462,7 +462,7 @@ def query(
 def dead(
     ctx: typer.Context,
     namespace: str,
-    limit: Annotated[int, typer.Option(min=1, help="Newest entries to show")] = 20,
+    limit: Annotated[int, typer.Option(min=1, max=2**31, help="Newest entries to show")] = 20,
 ) -> None:
     """Dead letters: rejected batches and steps, with the reason."""
     with redis_client(ctx) as (_, r):

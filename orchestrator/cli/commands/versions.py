@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import redis
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from claw_tasks.store import NamespaceError, Store
@@ -48,12 +49,13 @@ def snapshot(
         if delete:
             gone = store.drop_snapshot(name)
             Console().print(
-                f"snapshot {name!r} {'deleted' if gone else 'did not exist'}", highlight=False
+                escape(f"snapshot {name!r} {'deleted' if gone else 'did not exist'}"),
+                highlight=False,
             )
             return
         info = versions.take(store, name)
     Console().print(
-        f"snapshot [bold]{name}[/] of {namespace!r}: {info.steps:,} steps, "
+        f"snapshot [bold]{escape(name)}[/] of {namespace!r}: {info.steps:,} steps, "
         f"{len(info.extra.get('recipes', {}))} recipe(s), {info.bytes:,} bytes",
         highlight=False,
     )
@@ -91,7 +93,7 @@ def snapshots(
         table.add_column(h, justify="right" if h in ("steps", "bytes") else "left")
     for row in rows:
         table.add_row(
-            row["name"],
+            escape(row["name"]),
             _when(row["created"]),
             f"{row['steps']:,}",
             f"{row['bytes']:,}",
@@ -130,7 +132,7 @@ def rollback(
     lab = report.labels
     console = Console()
     written = ", ".join(f"{k} {v:,}" for k, v in lab.changed.items() if v) or "nothing differed"
-    console.print(f"rolled {namespace!r} back to [bold]{to}[/]: {written}", highlight=False)
+    console.print(f"rolled {namespace!r} back to [bold]{escape(to)}[/]: {written}", highlight=False)
     for n, v in report.restored.items():
         console.print(f"recipe {n}: the snapshot's, now version {v}", highlight=False)
     for n, v in report.bumped.items():
@@ -166,7 +168,8 @@ def diff(
     if as_json:
         typer.echo(json.dumps(d.to_json(), indent=2))
         return
-    table = Table(title=f"{namespace!r}: {a} → {b}" + (f" where {where}" if where else ""))
+    title = f"{namespace!r}: {a} → {b}" + (f" where {where}" if where else "")
+    table = Table(title=escape(title))
     table.add_column("what")
     table.add_column("steps", justify="right")
     rows = [
@@ -209,6 +212,9 @@ def lineage(
 
     if sum(x is not None and x != [] for x in (policy, step, episode)) > 1:
         raise typer.BadParameter("give one of --policy, --step, --episode")
+    for s in step or []:
+        if not 1 <= s < 2**63:  # step ids are int64 > 0
+            raise typer.BadParameter(f"a step id is in 1..2**63-1, got {s}", param_hint="--step")
     with redis_client(ctx) as (_, r):
         store = _store(r, namespace)
         log = LineageLog(store)
@@ -278,8 +284,9 @@ def _print_lineage(doc: dict[str, Any], namespace: str, policy: str | None, ids:
     console = Console()
     if policy is not None:
         console.print(
-            f"policy {policy!r} of {namespace!r}: {doc['batches']:,} batches, {doc['rows']:,} "
-            f"rows, {doc['steps']:,} distinct steps ({', '.join(doc['recipes']) or '-'})",
+            f"policy {escape(repr(policy))} of {namespace!r}: {doc['batches']:,} batches, "
+            f"{doc['rows']:,} rows, {doc['steps']:,} distinct steps "
+            f"({escape(', '.join(doc['recipes'])) or '-'})",
             highlight=False,
         )
         if ids:
@@ -289,7 +296,7 @@ def _print_lineage(doc: dict[str, Any], namespace: str, policy: str | None, ids:
     table.add_column("policy")
     table.add_column("batches" if "batches" in doc else "rows", justify="right")
     for p, n in sorted(doc["policies"].items()):
-        table.add_row(p or "(undeclared)", f"{n:,}")
+        table.add_row(escape(p) or "(undeclared)", f"{n:,}")
     console.print(table)
 
 

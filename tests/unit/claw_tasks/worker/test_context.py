@@ -66,3 +66,56 @@ def test_a_namespace_made_again_is_forgotten():
     fresh = context.context_for("ctx-made-again")
     assert fresh is not ctx and fresh.check_created(2.0)
     context.forget("ctx-made-again", dropped=False)
+
+
+class Columns:
+    """A part holding arrays, as a sampling index holds its columns."""
+
+    def __init__(self, nbytes: int) -> None:
+        import numpy as np
+
+        self.columns = {"a": np.zeros(nbytes // 2, np.uint8), "b": np.zeros(nbytes // 2, np.uint8)}
+        self.view = self.columns["a"][:10]  # a view of an array counted already
+        self.closed: list[bool] = []
+
+    def close(self, dropped: bool) -> None:
+        self.closed.append(dropped)
+
+
+Columns.__module__ = "claw_tasks.tests"  # weigh follows Claw's own classes' attributes
+
+
+def test_weigh_counts_each_array_once_through_parts_and_views():
+    ctx = context.context_for("ctx-weigh")
+    ctx.part("cols", lambda: Columns(1000))
+    ctx.part("lru", lambda: LRU(4)).get("x", lambda: Columns(500))
+    ctx.part("plain", lambda: {"k": [Columns(100)]})
+    assert context.weigh(ctx) == 1600
+    context.forget("ctx-weigh", dropped=False)
+
+
+def test_contexts_past_the_byte_budget_are_let_go_least_recently_used_first(monkeypatch):
+    """A worker serving many namespaces of large capacity held every context (64, of
+    ~93 MiB each at capacity 1M): now only what fits ``CLAW_WORKER_CACHE_BYTES``, plus
+    the context in use, which is never let go."""
+    monkeypatch.setenv("CLAW_WORKER_CACHE_BYTES", "2500")
+    from claw_tasks.settings import use_settings
+
+    use_settings()
+    parts = []
+    for i in range(5):
+        ctx = context.context_for(f"ctx-bytes{i}")
+        parts.append(ctx.part("cols", lambda: Columns(1000)))
+    context.context_for("ctx-other")  # turning away from ctx-bytes4 weighs it
+    held = _held()
+    # 2 x 1000 fit 2500 (a third does not): the newest two stay, the rest were closed.
+    assert {"ctx-bytes3", "ctx-bytes4", "ctx-other"} <= held
+    assert not {"ctx-bytes0", "ctx-bytes1", "ctx-bytes2"} & held
+    assert [p.closed for p in parts] == [[False]] * 3 + [[]] * 2
+    big = context.context_for("ctx-big").part("cols", lambda: Columns(10_000))
+    context.context_for("ctx-big")  # the one in use stays, however large
+    assert "ctx-big" in _held() and big.closed == []
+    context.context_for("ctx-other")  # turning away: ctx-big alone is over the budget
+    assert "ctx-big" not in _held() and big.closed == [False]
+    for ns in list(_held()):
+        context.forget(ns, dropped=False)

@@ -185,6 +185,9 @@ def test_yaml_must_be_a_mapping(tmp_path):
             "sources.0.where",
             "CLAW_WHERE_MAX_DEPTH=32",
         ),
+        # Each row's k neighbours are held in a prefetch worker serving other namespaces.
+        (minimal(nearest={"k": 10**9}), "nearest.k", "at most 1024 (CLAW_NEAREST_MAX_K)"),
+        (minimal(nearest={"k": 0}), "nearest.k", "greater than 0"),
     ],
 )
 def test_errors_name_the_key(data, where, message):
