@@ -311,3 +311,26 @@ def test_episode_add_refuses_values_that_overflow_where_they_are_used(
     ep.add(obs, np.int64(0), 1.0, score=1e300, **ok)  # a plain tag is float64: kept
     ep.add(obs, np.int64(0), 1.0, terminated=True, **ok)
     assert ing.close().committed == 2
+
+
+def test_a_rollout_whose_float32_advantages_overflow_is_dropped_and_counted(
+    redis_url, workers, namespace
+):
+    """The attack: every value sent is finite in float32 (reward and value 3e38), but GAE
+    sums them: the advantages and returns of the rollout are past float32's range, and a
+    minibatch would carry inf. Such a rollout is not formed: its steps are counted stale,
+    nothing is pushed."""
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
+    reg = Registry(Store(redis_url, namespace))
+    reg.put(Recipe.model_validate(recipe()), None)
+    obs = np.zeros(3, np.float32)
+    big = 3e38  # finite as float32 (max 3.4028e38)
+    with ing.episode(policy_version=0) as ep:
+        for t in range(64):
+            ep.add(obs, np.int64(0), big, terminated=t == 63, log_prob=-0.5, value=big)
+    assert ing.flush().committed == 64
+    run_fill(reg, "ppo")  # whether the commit's own sweep got to it first or not
+    st = read_state(reg, "ppo").describe()
+    assert st["rollouts"] == 0 and st["dropped_stale"] == 64, st
+    assert reg.r.llen(reg.queue("ppo")) == 0
+    ing.close()
