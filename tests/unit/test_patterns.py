@@ -1,8 +1,8 @@
 """Names and ids are validated with ``fullmatch``: a pattern anchored with ``$`` and used
 with ``match`` passes a value with a final newline (``$`` matches before it), which then
-reaches a Redis key, an HTTP header or a file name. The scan reads product code as source
-(every ``re`` call with a literal pattern); the validators are then tried with such
-values."""
+reaches a Redis key, an HTTP header or a file name. The scans read product code as source
+(every ``re`` call with a literal pattern, and every ``.match`` of a compiled pattern,
+followed by its name across modules); the validators are then tried with such values."""
 
 from __future__ import annotations
 
