@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from claw_tasks.format.batch import tag_dtype
 from claw_tasks.format.schema import tag_column
 from claw_tasks.format.stepmeta import TERMINATED, UNTRAINABLE
 from claw_tasks.store.config import LOG_MAXLEN
@@ -65,9 +66,7 @@ class Updates:
             codes = np.repeat(code, len(ids)).astype("<i4")
             self._update(ids, "reward_source", codes.tobytes(), 4, "set", "cur")
         for name, value in (tags or {}).items():
-            if not np.isfinite(value):
-                raise ValueError(f"tag '{name}' must be finite, not {value}")
-            vals = nan_xor(np.full(len(ids), value, np.float64))
+            vals = nan_xor(np.full(len(ids), _finite_tag(name, value), np.float64))
             self._update(ids, tag_column(name), vals.tobytes(), 8, "set", "cur")
         term = np.asarray(terminated, np.int64).reshape(-1)
         if len(term):
@@ -152,12 +151,7 @@ class Updates:
                     raise ValueError(f"tag {name!r} holds strings: give a non-empty string")
                 out[col] = (self.core.dicts.encode_strings(col, [value]).astype("<i4").tobytes(), 4)
             else:
-                try:
-                    num = float(value)
-                except (TypeError, ValueError):
-                    raise ValueError(f"tag {name!r} holds numbers: got {value!r}") from None
-                if not np.isfinite(num):
-                    raise ValueError(f"tag {name!r}: {num} is not a finite number")
+                num = _finite_tag(name, value)
                 out[col] = (nan_xor(np.array([num], np.float64)).tobytes(), 8)
         return out
 
@@ -220,3 +214,20 @@ class Updates:
             self.core.r, [script], lambda p: [script.queue(p, k, a) for k, a in calls]
         )
         return sum(int(v) for v in replies)
+
+
+def _finite_tag(name: str, value: Any) -> float:
+    """A numeric tag's value, finite in the type it is used in (float32 for the rollout
+    tags, :func:`~claw_tasks.format.batch.tag_dtype`): what ingest takes, on the paths
+    that write tags of stored steps."""
+    dtype = tag_dtype(name)
+    try:
+        num = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"tag {name!r} holds numbers: got {str(value)[:40]!r}") from None
+    with np.errstate(over="ignore"):
+        ok = bool(np.isfinite(np.asarray(num, dtype)))
+    if not ok:
+        kind = np.dtype(dtype).name
+        raise ValueError(f"tag {name!r}: {num} is not a finite number as {kind}")
+    return num

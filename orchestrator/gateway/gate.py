@@ -79,9 +79,9 @@ class Principal:
     def choice(self, trajectory_uid: str) -> int | None:
         """i when ``trajectory_uid`` is ``session~i`` (i as a split writes it), else None."""
         head, sep, tail = trajectory_uid.rpartition("~")
-        if not sep or head != self.session or not tail.isdigit() or tail != str(int(tail)):
-            return None
-        return int(tail)
+        if not sep or head != self.session or not (tail.isascii() and tail.isdigit()):
+            return None  # isdigit alone takes '²', which int() refuses
+        return int(tail) if tail == str(int(tail)) else None
 
     def choices_needed(self, trajectories: tuple[str, ...]) -> int:
         """How many choices of the session a call of ``trajectories`` needs granted (the

@@ -59,8 +59,8 @@ class Selection(NamedTuple):
 
 def _tag(columns: Columns, name: str, rows: np.ndarray) -> np.ndarray:
     """A rollout tag's values at ``rows``, NaN where unset or not finite as float32 (the
-    type the advantages are computed in: such a value, stored before ingest checked it
-    so, counts as missing and its step is never served)."""
+    type the advantages are computed in: such a value, stored by a path that did not
+    check it so, counts as missing and its step is never served)."""
     col = columns.get(tag_column(name))
     if col is None:
         return np.full(len(rows), np.nan)

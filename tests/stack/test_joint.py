@@ -319,9 +319,9 @@ def test_a_joint_step_missing_a_record_is_not_served_and_is_counted(redis_url, w
 
 def test_a_joint_step_with_a_repeated_agent_is_partial_and_counted(redis_url, workers, namespace):
     """The attack: an anchor for a0 says 2 agents were present; a second record also says
-    ``agent_id="a0"``. Counted by records the step looked complete and was served masked
-    ``[True, False, ...]`` with one of the two records dropped. Counted by distinct agents
-    it is partial: never served, counted."""
+    ``agent_id="a0"``. Counted by records the step looks complete, and its row (one
+    record per agent) would be served masked ``[True, False, ...]`` with one of the two
+    records dropped. Counted by distinct agents it is partial: never served, counted."""
     log = record(namespace, redis_url, episodes=4, seed=5)
     n = len(log.order)
     code = {EPISODE_TAG: joint_code("forged")}

@@ -311,3 +311,47 @@ def test_episode_add_refuses_values_that_overflow_where_they_are_used(
     ep.add(obs, np.int64(0), 1.0, score=1e300, **ok)  # a plain tag is float64: kept
     ep.add(obs, np.int64(0), 1.0, terminated=True, **ok)
     assert ing.close().committed == 2
+
+
+def test_a_rollout_whose_float32_advantages_overflow_is_dropped_and_counted(
+    redis_url, workers, namespace
+):
+    """The attack: every value sent is finite in float32 (reward and value 3e38), but GAE
+    sums them: the advantages and returns of the rollout are past float32's range, and a
+    minibatch would carry inf. Such a rollout is not formed: its steps are counted stale,
+    nothing is pushed."""
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
+    reg = Registry(Store(redis_url, namespace))
+    reg.put(Recipe.model_validate(recipe()), None)
+    obs = np.zeros(3, np.float32)
+    big = 3e38  # finite as float32 (max 3.4028e38)
+    with ing.episode(policy_version=0) as ep:
+        for t in range(64):
+            ep.add(obs, np.int64(0), big, terminated=t == 63, log_prob=-0.5, value=big)
+    assert ing.flush().committed == 64
+    run_fill(reg, "ppo")  # whether the commit's own sweep got to it first or not
+    st = read_state(reg, "ppo").describe()
+    assert st["rollouts"] == 0 and st["dropped_stale"] == 64, st
+    assert reg.r.llen(reg.queue("ppo")) == 0
+    ing.close()
+
+
+def test_labels_and_late_rewards_check_rollout_tags_in_float32(redis_url, workers, namespace):
+    """The attack: ingest refuses ``value=1e300``, but a curation label (web, CLI) or a
+    late reward's tags write a stored step's tags directly. They check each value in the
+    type it is used in too: a rollout tag finite as float32, another tag as float64."""
+    ing = Ingestor(namespace, redis_url, schema=Schema.rollout((3,)), flush_interval=None)
+    with ing.episode(episode_id="lab") as ep:
+        ep.add(np.zeros(3, np.float32), np.int64(0), 1.0, log_prob=-0.5, value=0.1, score=1.0)
+    assert ing.flush().committed == 1
+    store = Store(redis_url, namespace)
+    ids = store.episode("lab", fields=[])["id"]
+    for bad in ({"value": 1e300}, {"log_prob": -1e39}, {"value": float("inf")}):
+        with pytest.raises(ValueError, match="float32"):
+            store.curate(ids, tags=bad)
+        with pytest.raises(ValueError, match="float32"):
+            store.update_rewards(ids, [1.0], tags=bad)
+    assert store.curate(ids, tags={"value": 0.25, "score": 1e300}) == 1
+    got = store.episode("lab", fields=[])
+    assert got["tags.value"].tolist() == [0.25] and got["tags.score"].tolist() == [1e300]
+    ing.close()

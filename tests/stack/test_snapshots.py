@@ -274,8 +274,9 @@ def test_restore_brings_the_archives_snapshots_back(redis_url, namespace, tmp_pa
 
 
 def test_a_snapshot_name_with_a_final_newline_is_refused(redis_url, namespace):
-    """The attack: ``claw snapshot NS $'x\\n'`` passed a ``^...$`` check and was stored
-    as a snapshot named ``x\\n``. It is a one-line error, nothing stored."""
+    """The attack: ``claw snapshot NS $'x\\n'`` passes a ``^...$`` check (``$`` matches
+    before a final newline) and would store a snapshot named ``x\\n``. It is a one-line
+    error, nothing stored."""
     store, _ = _fill(redis_url, namespace, episodes=2, length=5)
     for name in ("x\n", "x\r\n", "\nx"):
         res = CliRunner().invoke(app, ["--redis-url", redis_url, "snapshot", namespace, name])
@@ -291,8 +292,8 @@ def _sent_bytes(r) -> int:
 
 
 def test_listing_snapshots_reads_headers_whatever_their_size(redis_url, namespace):
-    """The snapshots page listed each snapshot with a diff against now, so each GET read
-    every snapshot whole: cost snapshots x capacity (0.7-0.9 s for 20 snapshots of a 1M
+    """A listing that compares each snapshot with now reads every snapshot whole: its
+    cost grows with snapshots x capacity (0.7-0.9 s a GET for 20 snapshots of a 1M
     namespace). Listing reads the headers: the bytes Redis sends for it do not grow with
     the snapshots' size (measured in bytes the server sent, not time)."""
     inspector = Inspector(redis_url, redis_url)

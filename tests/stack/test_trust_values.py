@@ -190,8 +190,8 @@ def test_rollout_tags_are_checked_in_float32_where_they_are_used(
     redis_url, namespace, r, ingest_worker, pub
 ):
     """The attack: ``value=1e300`` is finite in float64 (numeric tags' stored type), but
-    a rollout's GAE runs in float32: the served minibatch had returns/value inf, log_prob
-    -inf and every advantage 0. Rollout tags are refused unless NaN or finite in float32,
+    a rollout's GAE runs in float32: the served minibatch would carry returns/value inf,
+    log_prob -inf and every advantage 0. Rollout tags are refused unless NaN or finite in float32,
     other numeric tags as float64."""
     _fill(redis_url, namespace, 1)
     b = raw_batch(5, episode="ro")

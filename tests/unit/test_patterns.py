@@ -1,12 +1,13 @@
 """Names and ids are validated with ``fullmatch``: a pattern anchored with ``$`` and used
 with ``match`` passes a value with a final newline (``$`` matches before it), which then
-reaches a Redis key, an HTTP header or a file name. The scan reads product code as source
-(every ``re`` call with a literal pattern); the validators are then tried with such
-values."""
+reaches a Redis key, an HTTP header or a file name. The scans read product code as source
+(every ``re`` call with a literal pattern, and every ``.match`` of a compiled pattern,
+followed by its name across modules); the validators are then tried with such values."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -23,6 +24,11 @@ PACKAGES = ("claw_tasks", "orchestrator")
 RE_CALLS = {"compile", "match", "search", "fullmatch"}
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
 def _dollar_anchored(pattern: str | bytes) -> bool:
     text = pattern.decode("latin-1") if isinstance(pattern, bytes) else pattern
     stripped = text.rstrip(")")
@@ -31,7 +37,7 @@ def _dollar_anchored(pattern: str | bytes) -> bool:
 
 def _anchored_patterns(path: Path, root: Path = ROOT) -> list[str]:
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_tree(path)):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         if node.func.attr not in RE_CALLS or not isinstance(node.func.value, ast.Name):
@@ -47,6 +53,77 @@ def _anchored_patterns(path: Path, root: Path = ROOT) -> list[str]:
             if isinstance(tail, ast.Constant) and _dollar_anchored(str(tail.value)):
                 found.append(f"{path.relative_to(root)}:{node.lineno}: f-string ending '$'")
     return found
+
+
+def _compiled_names(paths: list[Path]) -> set[str]:
+    """Names bound to ``re.compile(...)`` anywhere in ``paths`` (module constants, class
+    attributes), so their use can be followed into other modules."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(_tree(path)):
+            if not (isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None):
+                continue
+            v = node.value
+            if not (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute)):
+                continue
+            if v.func.attr != "compile" or getattr(v.func.value, "id", None) != "re":
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                name = t.id if isinstance(t, ast.Name) else getattr(t, "attr", None)
+                if name:
+                    names.add(name)
+    return names
+
+
+def _prefix_matches(path: Path, compiled: set[str], root: Path = ROOT) -> list[str]:
+    """``re.match(...)`` and ``P.match(...)`` of a compiled pattern ``P``: a match of a
+    prefix, whatever the pattern's anchors (a stored pattern is followed by its name), and
+    ``^...$`` strings kept for a later ``re`` call."""
+    found = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            v = node.value.value
+            if isinstance(v, str | bytes) and v[:1] in ("^", b"^") and _dollar_anchored(v):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {v!r} kept for re")
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr != "match":
+            continue
+        owner = node.func.value
+        name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+        if name == "re" or name in compiled:
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {name}.match")
+    return found
+
+
+def _product_files() -> list[Path]:
+    return [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
+
+
+def test_no_compiled_pattern_is_used_with_match() -> None:
+    paths = _product_files()
+    compiled = _compiled_names(paths)
+    assert {"UID", "TRAJECTORY", "NAMESPACE"} <= compiled  # the scan sees the validators
+    offenders = [hit for p in paths for hit in _prefix_matches(p, compiled)]
+    assert offenders == [], "validate with pattern.fullmatch(...):\n" + "\n".join(offenders)
+
+
+def test_the_scan_follows_a_stored_pattern(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text('import re\nNAME = re.compile(r"[a-z]+")\nRAW = r"^x+$"\n')
+    (tmp_path / "b.py").write_text(
+        "import re\n"
+        "from a import NAME\n"
+        "import a\n"
+        "ok = NAME.fullmatch(v) and a.NAME.fullmatch(v)\n"
+        "bad = NAME.match(v) or a.NAME.match(v) or re.match(a.RAW, v)\n"
+        "fine = query.match(expression)\n"  # not a pattern: another object's method
+    )
+    paths = sorted(tmp_path.glob("*.py"))
+    compiled = _compiled_names(paths)
+    assert compiled == {"NAME"}
+    hits = [h for p in paths for h in _prefix_matches(p, compiled, tmp_path)]
+    assert len(hits) == 4, hits
 
 
 def test_no_product_pattern_is_anchored_with_a_dollar() -> None:

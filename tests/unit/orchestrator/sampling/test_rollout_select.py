@@ -1,5 +1,5 @@
 """``rollouts.select`` over columns holding rollout tags that are finite in float64 but
-not in float32 (stored before ingest checked them so): such a step counts as missing its
+not in float32 (stored by a path that did not check them): such a step counts as missing its
 tag, so it is never taken, and a step whose successor's value overflows float32 is not
 ready (its bootstrap would be inf)."""
 
