@@ -104,7 +104,7 @@ def test_the_gate_admits_groups_within_the_budget(store, redis_url):
 
         # rewarded too old to be served (vmin < v - s): its group's reservation comes back
         client.set_params("grpo", policy_version=3)  # min_version 2
-        assert admission.release_stale(store, "g1-0", "g1", 2) == 0  # fresh enough
+        assert admission.release_stale(store, "g1-2", "g1", 2) == 0  # fresh enough: it waits
         assert admission.release_stale(store, "g1-0", "g1", 1) == 4
         assert admission.release_stale(store, "g1-1", "g1", 1) == 0  # the same group: once
         assert admission.release_stale(store, "g1-4", "g1", 0) == 4  # its second group
@@ -335,6 +335,11 @@ def test_a_trajectory_served_as_its_reward_lands_never_lapses(store, redis_url, 
         finally:
             rec.close()
         assert admission.state(store)["waiting"] == 0
+        # a reward posted again (the first failed after admission learnt of it) counts
+        # once and does not put the served trajectory back
+        assert admission.release_stale(store, "t", "", 0) == 0
+        st = admission.state(store)
+        assert (st["waiting"], st["rewarded_by_turns"]["1"]) == (0, 1)
         client.set_params("grpo", policy_version=3)  # bound 2: t (version 0) is past it
         st = admission.state(store)
         assert (st["lapsed"], st["released"], st["admitted"]) == (0, 0, 1)
