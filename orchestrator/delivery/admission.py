@@ -266,11 +266,14 @@ def trajectories_in(batch: Any) -> int:
 def release_stale(
     store: Store, trajectory_uid: str, group: str, vmin: int | None, who: str = ""
 ) -> int:
-    """After a trajectory's reward (it is no longer open, so it does not expire): if its
-    oldest turn (``vmin``; None: its admission version) is older than the declared ``v -
-    max_staleness``, no recipe will serve it, so the slots its reservation took (its
-    group's, once) are given back, as AReaL does with a rejected rollout. Returns the slots
-    released."""
+    """At a trajectory's reward, before the rewards make its steps servable (it is no
+    longer open, so it does not expire): if its oldest turn (``vmin``; None: its
+    admission version) is older than the declared ``v - max_staleness``, no recipe will
+    serve it, so the slots its reservation took (its group's, once) are given back, as
+    AReaL does with a rejected rollout; else it joins the rewarded, unserved ones
+    (:func:`done_key`) until a fill serves it or it lapses (:func:`lapse`). Called after
+    the rewards, a fill could serve it first and it would then lapse, releasing consumed
+    slots. Returns the slots released."""
     keys = [
         admission_key(store),
         log_key(store),

@@ -308,8 +308,12 @@ class Recorder:
         process's, then any other gateway's: the turns handed out in Redis), then attach
         the rewards (``claw_tasks.format.turns.attach_rewards``: ``call_rewards`` by the
         calls' interaction ids become turn rewards; the namespace's turn discount, if set,
-        applies; ``tags.min_version``/``max_version`` from its turns' versions) and give
-        back its admission slots if it is too old to be served. Returns its turn count."""
+        applies; ``tags.min_version``/``max_version`` from its turns' versions). Admission
+        learns of the reward first, before the rewards make its steps servable: a
+        trajectory too old to be served gives back its slots, a fresh one joins the
+        rewarded, unserved ones, so a fill that serves it the moment its steps land takes
+        it out of them (done the other way round, it would join them after being served
+        and lapse later, releasing slots a trainer consumed). Returns its turn count."""
         with self._lock:
             t = self._trajectories.get(trajectory_uid, _Trajectory)
             if t.finished:
@@ -343,6 +347,7 @@ class Recorder:
                 )
             self.ingestor.flush(wait=True, timeout=timeout)
             wait_committed(self.store, trajectory_uid, turns, time.monotonic() + timeout)
+            self._finish_admission(trajectory_uid, group, vmin)
             tags = {} if vmin < 0 else {"min_version": float(vmin), "max_version": float(vmax)}
             attach_rewards(
                 self.store,
@@ -361,16 +366,20 @@ class Recorder:
                 TURN(self.store.r, both, ["reopen", self.ttl])
             raise
         self.metrics.rewarded.inc()
+        return turns
+
+    def _finish_admission(self, trajectory_uid: str, group: str, vmin: int) -> None:
+        """The trajectory's end, told to admission (a failure is logged: the reward goes
+        on, the slots stay counted)."""
         try:
             released = admission.release_stale(
                 self.store, trajectory_uid, group, None if vmin < 0 else vmin, self.who
             )
-        except Exception:  # the reward stands; the slots stay counted
-            log.warning("admission: releasing %r failed", trajectory_uid, exc_info=True)
-        else:
-            if released:
-                self.metrics.released.inc(released)
-        return turns
+        except Exception:
+            log.warning("admission: finishing %r failed", trajectory_uid, exc_info=True)
+            return
+        if released:
+            self.metrics.released.inc(released)
 
     def _wait_recorded(self, timeout: float) -> None:
         """Until the calls queued so far are done; a RecorderError if the thread is dead

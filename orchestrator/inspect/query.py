@@ -104,6 +104,17 @@ class TransitionFilter:
     to_skill: str
     window: int = 1
 
+    def __post_init__(self) -> None:
+        for arg, name in (("--from-skill", self.from_skill), ("--to-skill", self.to_skill)):
+            if not isinstance(name, str) or not 1 <= len(name) <= 1024:
+                raise QueryError(f"{arg}: a skill_tag of 1 to 1024 characters")
+        if self.from_skill == self.to_skill:
+            raise QueryError(f"--from-skill and --to-skill: both are {self.from_skill!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int):
+            raise QueryError(f"--transition-window {self.window!r}: an int, 1 to 64 steps")
+        if not 1 <= self.window <= 64:
+            raise QueryError(f"--transition-window {self.window}: 1 to 64 steps")
+
 
 @dataclass(frozen=True)
 class JointFilter:
@@ -183,8 +194,6 @@ class Query:
         )
 
     def _in_windows(self, f: TransitionFilter, hit: np.ndarray) -> tuple[np.ndarray, dict]:
-        if not 1 <= f.window <= 64:
-            raise QueryError(f"--transition-window {f.window}: 1 to 64 steps")
         t = Transitions(f.from_skill, f.to_skill, f.window, self.strings.encode, self.index.cap)
         members = t.mask(self.index.columns)
         counted = {"from": f.from_skill, "to": f.to_skill, "window": f.window}

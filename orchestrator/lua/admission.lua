@@ -64,7 +64,9 @@
 --   finish   ARGV: vmin ('' none known), who, maxlog, trajectory id. The trajectory is no
 --            longer open; one whose oldest turn is older than v - s will never be served:
 --            its reservation (its group's, once) is released; else it joins KEYS[6].
---            Returns the slots released.
+--            Once per trajectory (field `fin`): a reward posted again (the first failed
+--            after this ran) neither counts it again nor puts it back in KEYS[6] after a
+--            fill served it. Returns the slots released.
 --   lapse    ARGV: who, maxlog, trajectory id. If the trajectory is in KEYS[6] and its
 --            oldest turn is now older than v - s (the version moved past it before a fill
 --            served it), it leaves KEYS[6] and its reservation is released as by finish.
@@ -152,6 +154,7 @@ if op == 'finish' then
   redis.call('ZREM', OPEN, ARGV[5])
   local adm = redis.call('HGET', T, 'adm')
   if batch == nil or adm == false or adm == '-' then return 0 end
+  if redis.call('HSETNX', T, 'fin', 1) == 0 then return 0 end
   local vmin = tonumber(ARGV[2]) or tonumber(adm)
   local b = bucket(T)
   redis.call('HINCRBY', A, 'rewarded:' .. b, 1)

@@ -6,7 +6,7 @@
 --   c:<call>    the turn index the call with that interaction id produced
 --   key, grp, rw, ttl   a session's (POST /sessions): the sha256 of its key, its group,
 --               1 if the key may post the reward, its TTL in seconds
---   adm, res, rel       admission's (orchestrator/lua/admission.lua); a session's `ch`:
+--   adm, res, rel, fin  admission's (orchestrator/lua/admission.lua); a session's `ch`:
 --               how many choices (`~0`..) its n > 1 calls made the key's
 -- KEYS[1]: the trajectory's hash; KEYS[2]: the namespace's admission hash (turn only: the
 -- declared policy version stands in for a turn whose version is not known); KEYS[3] (turn,

@@ -11,15 +11,17 @@ import asyncio
 import numpy as np
 import pytest
 
+from claw_tasks.client import Ingestor
 from claw_tasks.format.schema import tag_column
 from orchestrator import BatchClient
 from orchestrator.delivery import admission, giveback, prefetch, shm
 from orchestrator.delivery.admission import AdmissionError
 from orchestrator.delivery.prefetch import run_fill
 from orchestrator.delivery.registry import Registry
+from orchestrator.gateway import recorder
 from orchestrator.gateway.gate import Gate, Principal, key_hash
 from orchestrator.gateway.metrics import GatewayMetrics
-from orchestrator.gateway.recorder import TURN
+from orchestrator.gateway.recorder import TURN, Recorder
 from orchestrator.recipe.model import Recipe
 from tests.support.llmturns import turns_batch
 
@@ -102,7 +104,7 @@ def test_the_gate_admits_groups_within_the_budget(store, redis_url):
 
         # rewarded too old to be served (vmin < v - s): its group's reservation comes back
         client.set_params("grpo", policy_version=3)  # min_version 2
-        assert admission.release_stale(store, "g1-0", "g1", 2) == 0  # fresh enough
+        assert admission.release_stale(store, "g1-2", "g1", 2) == 0  # fresh enough: it waits
         assert admission.release_stale(store, "g1-0", "g1", 1) == 4
         assert admission.release_stale(store, "g1-1", "g1", 1) == 0  # the same group: once
         assert admission.release_stale(store, "g1-4", "g1", 0) == 4  # its second group
@@ -295,6 +297,52 @@ def test_rewarded_unserved_trajectories_lapse_exactly_once(store, redis_url):
         st = admission.state(store)
         assert (st["admitted"], st["lapsed"], st["waiting"]) == (20, 9, 0)
         assert admission.lapse(store) == (0, 0)
+
+
+def test_a_trajectory_served_as_its_reward_lands_never_lapses(store, redis_url, monkeypatch):
+    """The reward makes a trajectory's steps servable, so a fill may serve it before the
+    reward call returns (here: a push in the instant after the rewards are written).
+    Admission learns of the reward first, so the served trajectory, its slot consumed by
+    the trainer, is not left among the rewarded, unserved ones to lapse later."""
+    with BatchClient(store.namespace, redis_url) as client:
+        client.register(recipe(staleness=1))
+
+        async def enter() -> None:
+            gate = Gate(store, redis_url, GatewayMetrics(), wait=0.0, sweep_s=3600)
+            assert (await gate.enter(Principal(), ("t",), None)).status == "ok"
+            await gate.aclose()
+
+        asyncio.run(enter())
+        keys = [admission.trajectory_key(store, "t"), admission.admission_key(store)]
+        keys.append(admission.open_key(store))
+        TURN(store.r, keys, ["turn", 60, 0, "", 0, "t"])
+        store.commit(
+            turns_batch([{"traj": "t", "turn": 0, "prompt": [1], "response": [2], "key": 1}])
+        )
+        attach = recorder.attach_rewards
+
+        def attach_then_serve(*args, **kwargs):
+            n = attach(*args, **kwargs)
+            with store.r.pipeline(transaction=True) as pipe:  # a fill's push, right then
+                admission.serve(pipe, store, ["t"])
+                pipe.execute()
+            return n
+
+        monkeypatch.setattr(recorder, "attach_rewards", attach_then_serve)
+        rec = Recorder(Ingestor(store.namespace, redis_url, flush_interval=None), GatewayMetrics())
+        try:
+            assert rec.reward("t", 1.0, None, None, timeout=30) == 1
+        finally:
+            rec.close()
+        assert admission.state(store)["waiting"] == 0
+        # a reward posted again (the first failed after admission learnt of it) counts
+        # once and does not put the served trajectory back
+        assert admission.release_stale(store, "t", "", 0) == 0
+        st = admission.state(store)
+        assert (st["waiting"], st["rewarded_by_turns"]["1"]) == (0, 1)
+        client.set_params("grpo", policy_version=3)  # bound 2: t (version 0) is past it
+        st = admission.state(store)
+        assert (st["lapsed"], st["released"], st["admitted"]) == (0, 0, 1)
 
 
 def llm_groups(store, groups: range, size: int = 4) -> None:

@@ -229,3 +229,18 @@ def test_transition_windows_are_counted(claw, redis_server):
     out = claw("query", ns, "--from-skill", "reach", "--to-skill", "grasp").output
     assert "4 reach -> grasp changes; 8 matching steps within 1 steps of one" in out
     assert "give both" in claw("query", ns, "--from-skill", "reach", code=1).output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--from-skill", "reach", "--to-skill", "grasp", "--transition-window", "0"], "1 to 64"),
+        (["--from-skill", "reach", "--to-skill", "grasp", "--transition-window", "65"], "1 to 64"),
+        (["--transition-window", "3"], "only with --from-skill and --to-skill"),
+        (["--from-skill", "reach", "--to-skill", "reach"], "both are 'reach'"),
+        (["--from-skill", "", "--to-skill", "grasp"], "--from-skill: a skill_tag of 1 to 1024"),
+    ],
+)
+def test_bad_transition_options_exit_1_naming_the_argument(claw, args, message):
+    out = claw("query", "no-such-ns", *args, code=1).output
+    assert message in out and len(out.strip().splitlines()) == 1

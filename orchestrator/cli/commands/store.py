@@ -395,8 +395,8 @@ def query(
         str | None, typer.Option(help="... to this skill_tag (with --from-skill)")
     ] = None,
     transition_window: Annotated[
-        int, typer.Option(help="Steps each side of a change (with --from-skill)")
-    ] = 1,
+        int | None, typer.Option(help="Steps each side of a change, 1 to 64 (default 1)")
+    ] = None,
 ) -> None:
     """Ask questions of step metadata, answered from the sampling index.
 
@@ -420,7 +420,10 @@ def query(
     if (from_skill is None) != (to_skill is None):
         raise q.QueryError("--from-skill and --to-skill: give both")
     if from_skill is not None and to_skill is not None:
-        tf = q.TransitionFilter(from_skill, to_skill, transition_window)
+        window = 1 if transition_window is None else transition_window
+        tf = q.TransitionFilter(from_skill, to_skill, window)
+    elif transition_window is not None:
+        raise q.QueryError("--transition-window: only with --from-skill and --to-skill")
     with redis_client(ctx) as (_, r):
         result = q.Query(Store(r, namespace)).run(
             expression,
