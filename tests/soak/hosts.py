@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -162,8 +163,8 @@ class Network:
     """Simulated hosts joined by one bridge; a context manager that removes them all."""
 
     def __init__(self, names: Iterable[str], *, shm_size: str = "512m") -> None:
-        self.net = os.getpid() % 250 + 1  # one /24 per test process
-        self.prefix = f"cw{os.getpid() % 100000}"
+        self.net = os.getpid() % 250 + 1  # the /24 (each network is apart: overlaps are fine)
+        self.prefix = f"cw{secrets.token_hex(3)}"  # names no other run uses
         self.switch = f"{self.prefix}-sw"
         self.shm_size = shm_size
         self.hosts = {name: Host(self, name, i) for i, name in enumerate(names)}

@@ -164,7 +164,16 @@ def ppo_trainer(url: str, ns: str, log: Path, stop: Path) -> None:
                 if client is None:
                     client = BatchClient(ns, url)
                     client.register(PPO)  # identical: keeps the version and what is queued
-                b = client.pop("ppo", timeout=10)
+                try:
+                    b = client.pop("ppo", timeout=10)
+                except TimeoutError:  # a learner killed after its rollout's last pop and
+                    # before its advance: the rollout is served whole, so move on from it
+                    ro_state = client.stats("ppo")["ppo"].get("rollout") or {}
+                    total = ro_state.get("minibatches")
+                    if total and ro_state.get("minibatches_pushed") == total:
+                        client.advance("ppo", int(ro_state["policy_version"]) + 1)
+                        _log(out, event="advanced", to=int(ro_state["policy_version"]) + 1)
+                    continue
                 ro = b.meta["rollout"]
                 keys = np.asarray(b["obs"]).astype(np.int64).tolist()
                 _log(out, event="minibatch", no=ro["no"], target=ro["policy_version"],

@@ -50,6 +50,9 @@ from tests.support.paths import ROOT
 
 RECOVERY_S = 120.0
 """How soon after a fault heals the trainer must get a batch and each actor a confirmation."""
+BEAT_TAKEOVER_S = 90.0
+"""How soon a restarted beat must take the lock a SIGKILLed one held (its lock lapses in
+30 s: claw_tasks.broker.app.BEAT_LOCK_S)."""
 FAILOVER_WINDOW_S = 10.0
 """A confirmed episode the store lacks counts as lost to a failover (not a violation) when
 it was confirmed at most this long before a master was SIGKILLed."""
@@ -253,7 +256,7 @@ class Soak:
         return out
 
     def inject(self, fault: dict) -> None:
-        kind = fault["kind"]
+        kind, t0 = fault["kind"], time.time()
         if kind in ("kill-worker", "kill-beat", "kill-trainer"):
             role = {"kill-beat": "beat", "kill-trainer": fault.get("trainer")}.get(
                 kind, f"worker-{fault.get('host')}"
@@ -261,7 +264,18 @@ class Soak:
             proc = self.procs[role]
             proc.kill()
             time.sleep(2)
+            offset = proc.log.stat().st_size if proc.log.exists() else 0
             proc.start()
+            if kind == "kill-beat":  # the new beat takes the lock the dead one held
+                try:
+                    wait_for(
+                        lambda: b"Acquired lock" in proc.log.read_bytes()[offset:],
+                        "the restarted beat takes the lock",
+                        timeout=BEAT_TAKEOVER_S,
+                    )
+                    fault["lock_s"] = round(time.time() - t0, 1)
+                except AssertionError as e:
+                    self.violations.append(f"beat: {e}")
         elif kind == "partition":
             host = self.net[fault["host"]]
             host.partition()
