@@ -102,6 +102,8 @@ class BatchClient:
         admission.check_owner(self.store, recipe)
 
         def change(old: Entry | None) -> Recipe | None:
+            if old is not None:
+                _check_rollout_version(old.recipe, recipe)
             return None if old is not None and _same(old.recipe, recipe) else recipe
 
         self._priorities_written()
@@ -127,7 +129,9 @@ class BatchClient:
                 raise KeyError(f"recipe {name!r} is not registered in namespace {self.namespace!r}")
             data = old.recipe.model_dump()
             data["params"] = {**data["params"], **params}
-            return Recipe.model_validate(data)
+            new = Recipe.model_validate(data)
+            _check_rollout_version(old.recipe, new)
+            return new
 
         # No reader host: a curriculum process reads nothing.
         self._priorities_written()
@@ -508,3 +512,20 @@ class BatchClient:
 def _same(a: Recipe, b: Recipe) -> bool:
     """Equal but for the version (params count: changing them makes a new version)."""
     return same_recipe(a, b, ignore=("version",))
+
+
+def _check_rollout_version(old: Recipe, new: Recipe) -> None:
+    """A rollout recipe's policy version only grows (its rollouts are formed per version):
+    refuse a registration or a param change that would move it back, before anything is
+    stored. A learner restarting from a checkpoint registers with the version it resumes
+    at (``recipe.params``), or unregisters the recipe to start over."""
+    if old.rollout is None or new.rollout is None:
+        return
+    vp = new.rollout.version_param
+    was, now = int(old.params.get(vp, 0)), int(new.params.get(vp, 0))
+    if now < was:
+        raise ValueError(
+            f"recipe {new.name!r}: {vp} {now} is behind the registered {was} (a rollout "
+            f"recipe's version only grows): register it with {vp}={was} or later to resume, "
+            "or unregister it to start over"
+        )

@@ -161,9 +161,11 @@ def ppo_trainer(url: str, ns: str, log: Path, stop: Path) -> None:
         client = None
         while not stop.exists():
             try:
-                if client is None:
+                if client is None:  # a learner resumes at the registered version
                     client = BatchClient(ns, url)
-                    client.register(PPO)  # identical: keeps the version and what is queued
+                    entry = client.registry.get("ppo")
+                    version = 0 if entry is None else entry.recipe.params["policy_version"]
+                    client.register({**PPO, "params": {"policy_version": version}})
                 try:
                     b = client.pop("ppo", timeout=10)
                 except TimeoutError:  # a learner killed after its rollout's last pop and

@@ -355,3 +355,27 @@ def test_labels_and_late_rewards_check_rollout_tags_in_float32(redis_url, worker
     got = store.episode("lab", fields=[])
     assert got["tags.value"].tolist() == [0.25] and got["tags.score"].tolist() == [1e300]
     ing.close()
+
+
+def test_a_learner_registering_an_older_version_is_refused_and_nothing_changes(
+    redis_url, namespace
+):
+    """A learner restarting with its recipe's initial params (policy_version 0) while the
+    registered one is at 3 would move a rollout recipe's version back, which no fill can
+    serve: the registration, and a set_params doing the same, are refused with the way
+    out named, and the registered recipe stays as it was."""
+    Store(redis_url, namespace).create(1000, schema=Schema.rollout((3,)))
+    client = BatchClient(namespace, redis_url)
+    client.register(recipe())
+    at3 = client.set_params("ppo", policy_version=3)
+    restarted = BatchClient(namespace, redis_url)
+    with pytest.raises(ValueError, match="policy_version 0 is behind the registered 3"):
+        restarted.register(recipe())
+    with pytest.raises(ValueError, match="policy_version 1 is behind the registered 3"):
+        restarted.set_params("ppo", policy_version=1)
+    stored = client.registry.get("ppo").recipe
+    assert (stored.version, stored.params["policy_version"]) == (at3.version, 3)
+    resumed = restarted.register({**recipe(), "params": {"policy_version": 3}})
+    assert resumed.version == at3.version  # the same recipe: kept, nothing dropped
+    restarted.close()
+    client.close()
