@@ -236,6 +236,8 @@ class _Budget:
                 if k not in in_use and k in self.weights:
                     total -= self.weights.pop(k)
                     drop.append(k)
+        if not drop:  # only contexts in use are over the budget: nothing to let go
+            return
         for old in contexts.pop_where(lambda k: k in drop):
             old.close(dropped=False)
             self.evicted += 1
