@@ -363,9 +363,13 @@ def test_user_text_is_shown_as_text_and_short(hostile_store, argv):
 @pytest.mark.parametrize(
     ("argv", "option"),
     [
-        (["web", "--host", "23415834080"], "--host"),  # uvicorn: exit 3 after its banner
+        # Each case is a process (~3-7 s under load): the two that take check_bind's
+        # path again with another value run in the slow variant.
+        pytest.param(["web", "--host", "23415834080"], "--host", marks=pytest.mark.slow),
         (["web", "--host", "x" * 300], "--host"),  # idna: label too long, a traceback
-        (["metrics", "--address", "no.such.host.invalid"], "--host"),  # its first name
+        pytest.param(
+            ["metrics", "--address", "no.such.host.invalid"], "--host", marks=pytest.mark.slow
+        ),
         (["web", "--keyfile", "k.pem"], "--keyfile"),  # uvicorn asserted a certfile
         (["web", "--certfile", "nope.pem"], "--certfile"),
         (
