@@ -108,8 +108,20 @@ class NamespaceContext:
 
 _lock = threading.Lock()
 _clients: dict[tuple[str, int], tuple[Client, tuple[Any, ...]]] = {}
-contexts: LRU[tuple[Any, ...], NamespaceContext] = LRU(get_settings().namespace_cache_size)
-"""This process's contexts by (server identity..., namespace, pid)."""
+
+
+def _let_go(ctx: NamespaceContext) -> None:
+    """Close a context pushed out by the count, unless a thread is using it (then it is
+    simply dropped, as a part in use must not be closed under it)."""
+    if not any(c is ctx for _, c in list(_budget.using.values())):
+        ctx.close(dropped=False)
+
+
+contexts: LRU[tuple[Any, ...], NamespaceContext] = LRU(
+    get_settings().namespace_cache_size, on_evict=_let_go
+)
+"""This process's contexts by (server identity..., namespace, pid); one pushed out by the
+count is closed (its shared-memory mappings and files released now, not at a collection)."""
 
 
 def _client(url: str | None) -> tuple[Client, tuple[Any, ...]]:
@@ -187,21 +199,30 @@ def weigh(obj: Any) -> int:
 
 class _Budget:
     """Let contexts go, least recently used first, while their weights exceed
-    ``worker_cache_bytes`` (see the module docstring)."""
+    ``worker_cache_bytes`` (see the module docstring). "In use" is per thread: the
+    context each live thread asked for last is never weighed or let go (a process whose
+    threads serve different namespaces, say a trainer's ``nearest`` calls)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.weights: dict[tuple[Any, ...], int] = {}
-        self.last: tuple[tuple[Any, ...], NamespaceContext] | None = None
+        self.using: dict[int, tuple[tuple[Any, ...], NamespaceContext]] = {}
+        """Thread ident -> the context that thread asked for last."""
         self.evicted = 0  # contexts let go for bytes (tests, stats)
 
     def use(self, key: tuple[Any, ...], ctx: NamespaceContext) -> None:
-        if self.last is not None and self.last[0] == key:
+        me = threading.get_ident()
+        last = self.using.get(me)
+        if last is not None and last[0] == key:
             return
         with self.lock:
-            if self.last is not None and self.last[0] in contexts:
-                self.weights[self.last[0]] = weigh(self.last[1])
-            self.last = (key, ctx)
+            self.using[me] = (key, ctx)
+            alive = {t.ident for t in threading.enumerate()}
+            for gone in set(self.using) - alive:
+                del self.using[gone]
+            in_use = {k for k, _ in self.using.values()}
+            if last is not None and last[0] in contexts and last[0] not in in_use:
+                self.weights[last[0]] = weigh(last[1])
             held = list(contexts)  # least recently used first
             for gone in set(self.weights) - set(held):
                 del self.weights[gone]
@@ -212,9 +233,11 @@ class _Budget:
             for k in held:
                 if total <= budget:
                     break
-                if k != key and k in self.weights:
+                if k not in in_use and k in self.weights:
                     total -= self.weights.pop(k)
                     drop.append(k)
+        if not drop:  # only contexts in use are over the budget: nothing to let go
+            return
         for old in contexts.pop_where(lambda k: k in drop):
             old.close(dropped=False)
             self.evicted += 1

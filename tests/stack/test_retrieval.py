@@ -283,7 +283,9 @@ def test_claw_nearest_bounds_k_and_prints_json_without_nan(redis_url, expert, wo
         assert "Traceback" not in done.output and done.exception.__class__ is SystemExit
     # Three steps match: the other 97 neighbours are id -1 with null distance and fields.
     done = runner.invoke(
-        app, [*base, "--k", "100", "--json", "--fields", "action", "--where", "id <= 3"], env=env
+        app,
+        [*base, "--k", "100", "--json", "--fields", "action,obs", "--where", "id <= 3"],
+        env=env,
     )
     assert done.exit_code == 0, done.output
     out = json.loads(done.output, parse_constant=lambda c: pytest.fail(f"{c} in --json"))
@@ -291,6 +293,8 @@ def test_claw_nearest_bounds_k_and_prints_json_without_nan(redis_url, expert, wo
     assert out["ids"][0][3:] == [-1] * 97
     assert out["distances"][0][3:] == [None] * 97 and None not in out["distances"][0][:3]
     assert out["action"][0][3:] == [None] * 97 and sorted(out["action"][0][:3]) == [0, 1, 2]
+    # A vector field's missing neighbour is one null, not a list of nulls.
+    assert out["obs"][0][3:] == [None] * 97 and all(len(o) == DIM for o in out["obs"][0][:3])
 
 
 def test_a_namespace_made_again_is_queried_afresh(redis_url, namespace):

@@ -18,13 +18,15 @@ from orchestrator.retrieval.query import check_k
 
 
 def _jsonable(values: np.ndarray, missing: np.ndarray) -> list[Any]:
-    """``values`` (m, k, ...) as nested lists, null where ``missing`` (m, k) and for NaN
-    and infinities (JSON has neither)."""
+    """``values`` (m, k, ...) as nested lists: a missing neighbour (``missing``, (m, k))
+    is one null, whatever its field's shape; a NaN or infinity is null (JSON has neither)."""
     out = values.astype(object)
     if values.dtype.kind == "f":
         out[~np.isfinite(values)] = None
-    out[missing] = None
-    return out.tolist()
+    rows = out.tolist()
+    for i, j in np.argwhere(missing):
+        rows[i][j] = None
+    return rows
 
 
 @app.command("nearest")

@@ -119,3 +119,46 @@ def test_contexts_past_the_byte_budget_are_let_go_least_recently_used_first(monk
     assert "ctx-big" not in _held() and big.closed == [False]
     for ns in list(_held()):
         context.forget(ns, dropped=False)
+
+
+def test_a_context_pushed_out_by_the_count_is_closed(monkeypatch):
+    """Its shared-memory mappings and files are released at once, not at a collection."""
+    monkeypatch.setattr(context.contexts, "maxsize", 2)
+    parts = [
+        context.context_for(f"ctx-count{i}").part("cols", lambda: Columns(10)) for i in range(3)
+    ]
+    assert "ctx-count0" not in _held() and [p.closed for p in parts] == [[False], [], []]
+    for ns in list(_held()):
+        context.forget(ns, dropped=False)
+
+
+def test_a_context_another_thread_uses_is_never_let_go(monkeypatch):
+    """The context in use is per thread: a thread serving one namespace keeps its parts
+    while another turns through namespaces far past the budget."""
+    import threading
+
+    monkeypatch.setenv("CLAW_WORKER_CACHE_BYTES", "1500")
+    from claw_tasks.settings import use_settings
+
+    use_settings()
+    holding, done = threading.Event(), threading.Event()
+    kept: list[Columns] = []
+
+    def serve() -> None:
+        kept.append(context.context_for("ctx-thread").part("cols", lambda: Columns(1000)))
+        holding.set()
+        done.wait(30)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    assert holding.wait(30)
+    others = [
+        context.context_for(f"ctx-turn{i}").part("cols", lambda: Columns(1000)) for i in range(4)
+    ]
+    context.context_for("ctx-turn0")
+    assert kept[0].closed == [] and "ctx-thread" in _held()
+    assert any(p.closed for p in others)  # the budget still holds for the rest
+    done.set()
+    t.join()
+    for ns in list(_held()):
+        context.forget(ns, dropped=False)
