@@ -237,8 +237,8 @@ def test_unknown_message_version_is_dead_lettered_not_misread(
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"priority": float("inf")}, r"priority is inf \(must be finite and >= 0\)"),
-        ({"priority": -3.0}, r"priority is -3.0 \(must be finite and >= 0\)"),
+        ({"priority": float("inf")}, r"priority is inf \(must be finite and >= 0 as float32\)"),
+        ({"priority": -3.0}, r"priority is -3.0 \(must be finite and >= 0 as float32\)"),
         ({"priority": float("nan")}, "priority is nan"),
         ({"info": {1: "x"}}, "info key 1 is int; info keys must be strings"),
     ],

@@ -312,7 +312,7 @@ def _entry_id(option: str, value: str) -> str:
     return value
 
 
-@app.command()
+@app.command(short_help="Make the batches that trained a policy again, bit for bit.")
 @friendly
 def replay(
     ctx: typer.Context,
