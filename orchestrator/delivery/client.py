@@ -522,10 +522,15 @@ def _check_rollout_version(old: Recipe, new: Recipe) -> None:
     if old.rollout is None or new.rollout is None:
         return
     vp = new.rollout.version_param
-    was, now = int(old.params.get(vp, 0)), int(new.params.get(vp, 0))
+    was, now = _version(old.params.get(vp, 0)), _version(new.params.get(vp, 0))
     if now < was:
         raise ValueError(
             f"recipe {new.name!r}: {vp} {now} is behind the registered {was} (a rollout "
             f"recipe's version only grows): register it with {vp}={was} or later to resume, "
             "or unregister it to start over"
         )
+
+
+def _version(value: object) -> int:
+    """A policy version param as an int (the recipe's validation made it a number)."""
+    return int(value) if isinstance(value, int | float | str) else 0

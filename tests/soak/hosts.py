@@ -106,10 +106,12 @@ class Host:
             err = self.anchor.stderr.read() if self.anchor.stderr else ""
             raise RuntimeError(f"host {self.name}: its /dev/shm could not be mounted: {err}")
 
-    def argv(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on this host (its network and mounts)."""
+    def argv(self, argv: Sequence[str], cwd: str | Path | None = None) -> list[str]:
+        """``argv`` run on this host (its network and mounts), in ``cwd`` (default: this
+        process's; entering a mount namespace would otherwise start it in ``/``)."""
         assert self.anchor is not None, "the network is not up"
-        return ["nsenter", "-t", str(self.anchor.pid), "--net", "--mount", "--", *argv]
+        wd = f"--wd={cwd if cwd is not None else os.getcwd()}"
+        return ["nsenter", "-t", str(self.anchor.pid), "--net", "--mount", wd, "--", *argv]
 
     def run(
         self,
@@ -122,7 +124,7 @@ class Host:
         """Start ``argv`` on this host in its own process group (output to ``log``)."""
         out: IO[bytes] | int = log.open("ab") if log is not None else subprocess.DEVNULL
         return subprocess.Popen(
-            self.argv(argv),
+            self.argv(argv, cwd),
             env={**os.environ, **(env or {})},
             cwd=cwd,
             stdout=out,

@@ -137,8 +137,11 @@ def _rss(pid: int) -> int:
 
 
 class Soak:
-    def __init__(self, minutes: float, seed: int, work: Path) -> None:
-        self.minutes, self.seed, self.work = minutes, seed, work
+    def __init__(
+        self, minutes: float, seed: int, work: Path, gaps: tuple[float, float] = (20.0, 40.0)
+    ) -> None:
+        """``gaps``: the seconds between one fault's end and the next, drawn uniformly."""
+        self.minutes, self.seed, self.work, self.gaps = minutes, seed, work, gaps
         self.rng = random.Random(seed)
         self.ns = f"soak-{uuid.uuid4().hex[:6]}"
         self.stop_file = work / "stop"
@@ -252,7 +255,7 @@ class Soak:
                 fault["host"] = self.rng.choice("abdef")
                 fault["seconds"] = round(self.rng.uniform(5, 20), 1)
             out.append(fault)
-            at += self.rng.uniform(20, 40) + fault.get("seconds", 0)
+            at += self.rng.uniform(*self.gaps) + fault.get("seconds", 0)
         return out
 
     def inject(self, fault: dict) -> None:
