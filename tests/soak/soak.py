@@ -138,10 +138,17 @@ def _rss(pid: int) -> int:
 
 class Soak:
     def __init__(
-        self, minutes: float, seed: int, work: Path, gaps: tuple[float, float] = (20.0, 40.0)
+        self,
+        minutes: float,
+        seed: int,
+        work: Path,
+        gaps: tuple[float, float] = (20.0, 40.0),
+        archive_every: str = "60s",
     ) -> None:
-        """``gaps``: the seconds between one fault's end and the next, drawn uniformly."""
+        """``gaps``: the seconds between one fault's end and the next, drawn uniformly;
+        ``archive_every``: beat's archival interval."""
         self.minutes, self.seed, self.work, self.gaps = minutes, seed, work, gaps
+        self.archive_every = archive_every
         self.rng = random.Random(seed)
         self.ns = f"soak-{uuid.uuid4().hex[:6]}"
         self.stop_file = work / "stop"
@@ -187,7 +194,7 @@ class Soak:
             "CLAW_BEAT_REDIS_URL": f"redis://{c.addr}:7010/1",
             "CLAW_ARCHIVE_DIR": str(self.work / "archive"),
             "CLAW_SCHEDULE": json.dumps(
-                {"claw-archive": {"every": "60s"}, "claw-evict": {"every": "10s"}}
+                {"claw-archive": {"every": self.archive_every}, "claw-evict": {"every": "10s"}}
             ),
             "CLAW_VISIBILITY_TIMEOUT": "30",
             "PYTHONUNBUFFERED": "1",
