@@ -17,6 +17,7 @@ import pytest
 
 from claw_tasks.worker.command import worker_argv
 from tests.soak.hosts import Network, unavailable, wait_for
+from tests.soak.soak import redis_argv
 from tests.support.paths import ROOT
 
 WHY = unavailable()
@@ -81,22 +82,7 @@ def test_hosts_are_apart_and_a_partition_cuts_one_off(net: Network, tmp_path: Pa
     }
     assert len(set(ids.values())) == 3, ids
     store = net["store"]
-    server = store.run(
-        [
-            "redis-server",
-            "--bind",
-            store.addr,
-            "--port",
-            str(PORT),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--protected-mode",
-            "no",
-        ],
-        log=tmp_path / "redis.log",
-    )
+    server = store.run(redis_argv(store.addr, PORT, tmp_path), log=tmp_path / "redis.log")
     try:
         ping = ["redis-cli", "-h", store.addr, "-p", str(PORT), "ping"]
 
@@ -120,24 +106,7 @@ def test_steps_cross_three_hosts_and_trainers_get_them_inline_or_by_shm(
     net: Network, tmp_path: Path
 ) -> None:
     store, worker_host, trainer = net["store"], net["worker"], net["trainer"]
-    redis = store.run(
-        [
-            "redis-server",
-            "--bind",
-            store.addr,
-            "--port",
-            str(PORT),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--protected-mode",
-            "no",
-            "--maxmemory-policy",
-            "noeviction",
-        ],
-        log=tmp_path / "redis.log",
-    )
+    redis = store.run(redis_argv(store.addr, PORT, tmp_path), log=tmp_path / "redis.log")
     url = f"redis://{store.addr}:{PORT}/0"
     env = {"CLAW_REDIS_URL": url, "CLAW_BROKER_URL": url, "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "worker.log"
