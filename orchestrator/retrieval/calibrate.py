@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.retrieval.coarse import Coarse
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import IndexSpec
 
@@ -122,7 +123,7 @@ def calibrate(
     lists: np.ndarray,
     centroids: np.ndarray,
     spec: IndexSpec,
-    q: faiss.Index,
+    coarse: Coarse,
     groups: np.ndarray,
     out: np.ndarray,
     fresh: np.ndarray | None = None,
@@ -130,7 +131,7 @@ def calibrate(
 ) -> Calibration:
     """The smallest ``nprobe`` reaching ``spec.recall`` on ``vectors`` (every stored
     vector a query may find), whose IVF lists (0-based) are ``lists`` under
-    ``centroids``; ``q`` is the quantizer readers search over them. ``out``: the vectors
+    ``centroids``; ``coarse`` is how readers find a query's lists among them. ``out``: the vectors
     held out (:func:`held_out`: whole episodes, none of them in the k-means sample);
     the queries are ``SAMPLE`` of those that are also ``fresh``; ``groups`` is each
     vector's episode."""
@@ -164,12 +165,7 @@ def calibrate(
             lo = mid + 1
     nprobe = lo
     while True:
-        if spec.quantizer == "hnsw":
-            ef = max(spec.quantizer_ef, nprobe)
-            params = faiss.SearchParametersHNSW(efSearch=ef)
-            _, probed = q.search(queries, nprobe, params=params)
-        else:
-            _, probed = q.search(queries, nprobe)
+        _, probed = coarse.search(queries, nprobe)
         found = np.stack([np.isin(t, p) for t, p in zip(truth, probed, strict=True)])
         mean, bound = _bound(found, groups)
         if bound >= spec.recall or nprobe >= nlist:

@@ -30,6 +30,7 @@ from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.slots import payload_read
 from claw_tasks.where import Where
 from orchestrator.retrieval.calibrate import Calibration, calibrate, held_out
+from orchestrator.retrieval.coarse import Coarse, quantizer
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import TWO_LEVEL_FROM, IndexSpec, Projection, per_list
 from orchestrator.retrieval.storage import Head, Rows, Storage, check_field
@@ -43,23 +44,11 @@ ASSIGN_ROWS = 65536
 """Vectors assigned per call after training (the lock is renewed between calls)."""
 KMEANS_ITER = 10
 SEED = 1234
-HNSW_M = 32
-"""Links per node of the HNSW quantizer's graph."""
 RETRAIN_GROWTH = 2
 """The quantizer is trained again once the vectors have doubled since its last training."""
 RECALIBRATE_GROWTH = 1.5
 """``nprobe`` is calibrated again once the vectors have grown by half since the last time
 (and at every training)."""
-
-
-def quantizer(centroids: np.ndarray, metric: str, kind: str = "flat") -> faiss.Index:
-    """An index over the IVF centroids (L2, or inner product for ip/cosine): ``flat``
-    (exact; the writer assigns vectors with it) or ``hnsw`` (a graph: a query finds its
-    ``nprobe`` lists among 16,384 in a fraction of a flat scan's time)."""
-    d, fm = centroids.shape[1], faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
-    q = faiss.IndexFlat(d, fm) if kind == "flat" else faiss.IndexHNSWFlat(d, HNSW_M, fm)
-    q.add(np.ascontiguousarray(centroids, np.float32))
-    return q
 
 
 def assign(q: faiss.Index | None, vectors: np.ndarray) -> np.ndarray:
@@ -323,7 +312,8 @@ class Writer:
     ) -> Calibration:
         """``nprobe`` for ``spec.recall`` on ``vectors``, queried from the held-out
         episodes ``out`` (orchestrator/retrieval/calibrate.py)."""
-        readers = quantizer(centroids, self.spec.metric, self.spec.quantizer)
+        spec = self.spec
+        readers = Coarse(centroids, spec.metric, spec.quantizer, spec.quantizer_ef)
         cal = calibrate(
             vectors, lists, centroids, self.spec, readers, episodes, out, fresh, SEED + seed
         )

@@ -12,6 +12,7 @@ import pytest
 
 from orchestrator.retrieval import calibrate as calibrate_module
 from orchestrator.retrieval.calibrate import MIN_GROUPS, SAMPLE, calibrate, held_out
+from orchestrator.retrieval.coarse import Coarse
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import stored_spec
 from orchestrator.retrieval.writer import assign, quantizer, train_centroids
@@ -48,7 +49,7 @@ def held_out_recall(ivf, q, truth, nprobe: int) -> float:
 def test_the_calibrated_nprobe_reaches_the_target_where_a_fixed_one_misses(built):
     x, centroids, lists, ivf, q, truth, out = built
     spec = IndexSpec()
-    readers = quantizer(centroids, "l2", "hnsw")
+    readers = Coarse(centroids, "l2")
     cal = calibrate(x, lists, centroids, spec, readers, EPISODES, out)
     assert cal.bound >= spec.recall and cal.recall >= cal.bound
     assert held_out_recall(ivf, q, truth, cal.nprobe) >= spec.recall
@@ -57,7 +58,7 @@ def test_the_calibrated_nprobe_reaches_the_target_where_a_fixed_one_misses(built
 
 def test_a_higher_target_probes_more_lists(built):
     x, centroids, lists, _, _, _, out = built
-    readers = quantizer(centroids, "l2", "hnsw")
+    readers = Coarse(centroids, "l2")
     got = [
         calibrate(x, lists, centroids, IndexSpec(recall=r), readers, EPISODES, out).nprobe
         for r in (0.8, 0.95, 0.99)
