@@ -4,10 +4,12 @@ Two indexes over the same centroids. The flat one computes every centroid's dist
 a batch of queries one BLAS product, then a heap per query): its cost grows with the
 number of lists, not with ``nprobe``; the writer assigns every vector's list with it. The
 HNSW graph (``quantizer: hnsw``) visits a few hundred centroids per query at a small
-``efSearch``, but its cost grows with ``efSearch``, which must be at least ``nprobe``. A
-batch is searched by the graph while ``nprobe`` is below ``nlist / FLAT_SHARE``, by the
-flat scan from there on (``FLAT_SHARE`` measured in docs/retrieval.md, "Where the time
-goes"); both find the same lists, the graph almost always.
+``efSearch``, but its cost has a floor (~1.2 ms of CPU per 256 queries, what a flat scan
+of ~1,000 centroids costs) and grows with ``efSearch``, which must be at least ``nprobe``.
+A batch is searched by the graph when there are at least ``GRAPH_FROM`` lists and
+``nprobe`` is below ``nlist / FLAT_SHARE``, by the flat scan otherwise (both measured in
+docs/retrieval.md, "Where the time goes"); both find the same lists, the graph almost
+always.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from orchestrator.retrieval.engine import faiss
 
 HNSW_M = 32
 """Links per node of the HNSW quantizer's graph."""
+GRAPH_FROM = 2048
+"""Below this many lists the flat scan of the centroids is always the cheaper."""
 FLAT_SHARE = 64
-"""The flat scan of the centroids is used from ``nprobe >= nlist / FLAT_SHARE`` on."""
+"""From ``nprobe >= nlist / FLAT_SHARE`` on the flat scan of the centroids is cheaper than
+the graph at ``efSearch = nprobe`` (at 16,384 lists: from ~200)."""
 
 
 def quantizer(centroids: np.ndarray, metric: str, kind: str = "flat") -> faiss.Index:
@@ -47,7 +52,8 @@ class Coarse:
         return one if self.graph is None else 2 * one + self.nlist * 8 * HNSW_M
 
     def uses_graph(self, nprobe: int) -> bool:
-        return self.graph is not None and nprobe * FLAT_SHARE < self.nlist
+        graph = self.graph is not None and self.nlist >= GRAPH_FROM
+        return graph and nprobe * FLAT_SHARE < self.nlist
 
     def search(self, queries: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         """Distances to, and numbers of, the ``nprobe`` lists of each query, nearest first."""

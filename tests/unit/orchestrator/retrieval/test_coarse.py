@@ -1,7 +1,7 @@
-"""How a query finds its lists: the HNSW graph at a small ``nprobe``, the flat scan of every
-centroid from ``nlist / FLAT_SHARE`` on (the exact nearest lists); ``ivf_search`` answers
-each query as Faiss's own IVF search does with those lists, in the caller's order, and
-never returns a masked row."""
+"""How a query finds its lists: the HNSW graph at a small ``nprobe`` over many lists, the
+flat scan of every centroid from ``nlist / FLAT_SHARE`` on or over few lists (the exact
+nearest lists); ``ivf_search`` answers each query with the nearest allowed rows of its
+lists, in the caller's order, and never returns a masked row."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import faiss
 import numpy as np
 import pytest
 
-from orchestrator.retrieval.coarse import FLAT_SHARE, Coarse
+from orchestrator.retrieval.coarse import FLAT_SHARE, GRAPH_FROM, Coarse
 from orchestrator.retrieval.vectors import ivf_search
 
-DIM, N, NLIST = 16, 20_000, 512
+DIM, N, NLIST = 16, 20_000, 2048
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,7 @@ def test_from_a_share_of_the_lists_on_the_flat_scan_finds_the_exact_nearest_list
     _, found = coarse.search(q, large)
     assert np.array_equal(found, exact)
     assert not Coarse(centroids, "l2", "flat").uses_graph(1)
+    assert not Coarse(centroids[: GRAPH_FROM - 1], "l2", "hnsw").uses_graph(1)
 
 
 def test_a_vectors_list_is_its_nearest_centroid(built):
@@ -57,5 +58,6 @@ def test_ivf_search_scans_each_querys_lists_in_the_callers_order_under_the_mask(
         rows_i = np.flatnonzero(mask & np.isin(of, lists[i]))
         d = ((x[rows_i] - q[i]) ** 2).sum(axis=1)
         best = np.argsort(d)[:10]
-        assert np.array_equal(rows[i], rows_i[best])
-        np.testing.assert_allclose(dist[i], d[best], rtol=1e-4)
+        found = len(best)  # -1 past the candidates of the probed lists
+        assert np.array_equal(rows[i, :found], rows_i[best]) and (rows[i, found:] == -1).all()
+        np.testing.assert_allclose(dist[i, :found], d[best], rtol=1e-4)
