@@ -14,9 +14,9 @@ exact search of the rest, and each neighbour's list is ranked among the query's
 centroids: a neighbour whose list ranks ``r`` is found from ``nprobe = r`` on. That gives
 the recall at every ``nprobe`` at once, with no IVF built. The smallest ``nprobe`` whose
 recall is at least the target with a margin (the mean recall minus ``Z`` standard errors
-of it, counted over episodes) is then checked with the quantizer readers search (an HNSW
-graph finds almost, not always, the nearest lists) and raised by a quarter until that
-check passes too.
+of it, counted over episodes) is then checked with the lists readers find at it
+(:class:`~orchestrator.retrieval.coarse.Coarse`: its HNSW graph finds almost, not always,
+the nearest lists) and raised by a quarter until that check passes too.
 
 A fixed ``nprobe`` cannot be right for every data set: 12 lists of 16,384 give recall@10
 0.976 on 1M 32-d states of a smooth process, 0.487 on a Gaussian mixture of the same
