@@ -131,10 +131,10 @@ def calibrate(
 ) -> Calibration:
     """The smallest ``nprobe`` reaching ``spec.recall`` on ``vectors`` (every stored
     vector a query may find), whose IVF lists (0-based) are ``lists`` under
-    ``centroids``; ``coarse`` is how readers find a query's lists among them. ``out``: the vectors
-    held out (:func:`held_out`: whole episodes, none of them in the k-means sample);
-    the queries are ``SAMPLE`` of those that are also ``fresh``; ``groups`` is each
-    vector's episode."""
+    ``centroids``; ``coarse`` is how readers find a query's lists among them. ``out``:
+    the vectors held out (:func:`held_out`: whole episodes, none of them in the k-means
+    sample); the queries are ``SAMPLE`` of those that are also ``fresh``; ``groups`` is
+    each vector's episode."""
     nlist, n = len(centroids), len(vectors)
     pool = np.flatnonzero(out if fresh is None else out & fresh)
     if n - len(np.flatnonzero(out)) < K or not len(pool) or nlist <= 1:
