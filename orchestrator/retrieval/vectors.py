@@ -69,7 +69,7 @@ def ivf_search(
     lists follow each other while the lists are in cache (docs/retrieval.md, "Where the
     time goes"). Faiss's answer: ids -1 where the probed lists held fewer than ``k``."""
     bits = np.packbits(mask, bitorder="little")
-    sel = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits))
+    sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))  # its size in bytes
     share = min(1.0, np.count_nonzero(mask) / max(ivf.ntotal, 1))
     probes = min(ivf.nlist, math.ceil(nprobe / max(share, 1e-9)))
     near, lists = coarse.search(queries, probes)
