@@ -127,10 +127,10 @@ def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
     import faiss
 
     from orchestrator.retrieval.calibrate import calibrate, held_out
-    from orchestrator.retrieval.coarse import Coarse
+    from orchestrator.retrieval.coarse import Coarse, quantizer
     from orchestrator.retrieval.spec import IndexSpec
     from orchestrator.retrieval.vectors import ivf_search
-    from orchestrator.retrieval.writer import assign, quantizer, train_centroids
+    from orchestrator.retrieval.writer import train_centroids
 
     spec, n, dim = IndexSpec(), run.n, run.x.shape[1]
     nlist, need = spec.lists(n), spec.train_size(n)
@@ -141,9 +141,9 @@ def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
     pool = np.flatnonzero(~out)
     sample = run.x[np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
     centroids = train_centroids(sample, nlist, False)
-    flat = quantizer(centroids, "l2")  # the writer's: every vector's list, exactly
-    lists = np.concatenate([assign(flat, run.x[i : i + 65536]) for i in range(0, n, 65536)])
     readers = Coarse(centroids, "l2", spec.quantizer, spec.quantizer_ef)
+    at_n = range(0, n, 65536)  # the writer's assignment: every vector's list, exactly
+    lists = np.concatenate([readers.assign(run.x[i : i + 65536]) for i in at_n])
     cal = calibrate(run.x, lists - 1, centroids, spec, readers, episodes, out)
     calibrate_s = time.perf_counter() - t0
     ivf = faiss.IndexIVFFlat(readers.flat, dim, nlist)
@@ -158,7 +158,7 @@ def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
     add(run.x, np.arange(n), lists)  # what a reader's cold load does
     build, mem = time.perf_counter() - t0, rss() - m0
     t = time.perf_counter()
-    add(run.extra, np.arange(n, n + 10_000), assign(flat, run.extra))
+    add(run.extra, np.arange(n, n + 10_000), readers.assign(run.extra))
     add_s = round(time.perf_counter() - t, 3)
     calibrated = (
         f"nprobe {cal.nprobe} (calibrated: sample recall {cal.recall}, bound {cal.bound}; "
@@ -176,13 +176,14 @@ def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
     run.report(f"claw IVF{nlist},Flat (mask)", build, mem, search, settings, add_s)
     if graph:  # beside it: the HNSW graph finding the lists at every nprobe, queries in order
         bits = np.packbits(run.live, bitorder="little")
-        sel = faiss.IDSelectorBitmap(len(run.live), faiss.swig_ptr(bits))
+        sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))
+        hnsw = readers.graph or quantizer(centroids, "l2", "hnsw")  # below 2,048 lists: its own
 
         def graph_search(b):
             share = min(1.0, np.count_nonzero(run.live) / ivf.ntotal)
             probes = min(nlist, int(np.ceil(nprobe[0] / share)))
             hp = faiss.SearchParametersHNSW(efSearch=max(spec.quantizer_ef, probes))
-            near, lists = readers.graph.search(b, probes, params=hp)
+            near, lists = hnsw.search(b, probes, params=hp)
             d, i = np.empty((len(b), K), np.float32), np.empty((len(b), K), np.int64)
             params = faiss.SearchParametersIVF(sel=sel, nprobe=probes)
             ivf.search_preassigned_c(
@@ -209,7 +210,7 @@ def faiss_hnsw(run: Run) -> None:
     h.add(run.extra)
     add_s = round(time.perf_counter() - t, 3)
     bits = np.packbits(run.live, bitorder="little")
-    sel = faiss.IDSelectorBitmap(len(run.live), faiss.swig_ptr(bits))
+    sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))
     ef = [16]
 
     def search(b):

@@ -60,7 +60,7 @@ def main() -> None:
     import faiss
 
     from orchestrator.retrieval.calibrate import calibrate, held_out
-    from orchestrator.retrieval.coarse import Coarse
+    from orchestrator.retrieval.coarse import Coarse, quantizer
     from orchestrator.retrieval.spec import IndexSpec
     from orchestrator.retrieval.writer import train_centroids
 
@@ -90,6 +90,7 @@ def main() -> None:
     sample = x[np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
     centroids = train_centroids(sample, nlist, False)
     coarse = Coarse(centroids, "l2", "hnsw", spec.quantizer_ef)
+    graph = coarse.graph or quantizer(centroids, "l2", "hnsw")  # below 2,048 lists: its own
     lists = np.concatenate([coarse.assign(x[i : i + 65536]) for i in range(0, n, 65536)]) - 1
     cal = calibrate(x, lists, centroids, spec, coarse, episodes, out)
     at, ids = np.ascontiguousarray(lists.astype(np.int64)), np.arange(n, dtype=np.int64)
@@ -106,7 +107,7 @@ def main() -> None:
     live = np.ones(n, bool)
     live[:10_000] = False
     bits = np.packbits(live, bitorder="little")
-    sel = faiss.IDSelectorBitmap(n, faiss.swig_ptr(bits))
+    sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))
     _, truth = faiss.knn(q, x[10_000:], K)
     truth += 10_000
     exact = cpu_ms(lambda: faiss.knn(q, x[10_000:], K), reps=3)
@@ -115,7 +116,7 @@ def main() -> None:
     print(json.dumps(head | {"load": os.getloadavg()[0]}), flush=True)
     probes = [int(p) for p in args.nprobe.split(",") if p] or [cal.nprobe]
     for p in probes:
-        row = profile(p, x, q, truth, coarse, ivfs, sel, spec.quantizer_ef)
+        row = profile(p, x, q, truth, coarse, graph, ivfs, sel, spec.quantizer_ef)
         print(json.dumps(row | {"load": os.getloadavg()[0]}), flush=True)
 
 
@@ -124,7 +125,7 @@ def recall(found: np.ndarray, truth: np.ndarray) -> float:
     return round(float(np.mean(hits)), 4)
 
 
-def profile(p, x, q, truth, coarse, ivfs, sel, ef) -> dict:
+def profile(p, x, q, truth, coarse, graph, ivfs, sel, ef) -> dict:
     """One ``nprobe``'s parts (module docstring)."""
     import faiss
 
@@ -133,7 +134,7 @@ def profile(p, x, q, truth, coarse, ivfs, sel, ef) -> dict:
     o = np.argsort(found[:, 0], kind="stable")
     qs, fs, ns = (np.ascontiguousarray(a[o]) for a in (q, found, near))
     ivf = ivfs["flat"]
-    row = {"nprobe": p, "coarse_graph": cpu_ms(lambda: coarse.graph.search(q, p, params=hp))}
+    row = {"nprobe": p, "coarse_graph": cpu_ms(lambda: graph.search(q, p, params=hp))}
     row["coarse_flat"] = cpu_ms(lambda: coarse.flat.search(q, p))
     row["scan"] = cpu_ms(lambda: scan(ivf, q, found, near, None))
     row["scan_mask"] = cpu_ms(lambda: scan(ivf, q, found, near, sel))

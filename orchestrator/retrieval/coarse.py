@@ -40,10 +40,13 @@ class Coarse:
     """The lists of a batch of queries, by the graph or the flat scan (module docstring).
     ``flat`` is also the IVF's own quantizer and what assigns a vector its list."""
 
-    def __init__(self, centroids: np.ndarray, metric: str, kind: str = "hnsw", ef: int = 16):
+    def __init__(
+        self, centroids: np.ndarray, metric: str, kind: str = "hnsw", ef: int = 16
+    ) -> None:
         self.nlist, self.ef = len(centroids), ef
         self.flat = quantizer(centroids, metric, "flat")
-        self.graph = quantizer(centroids, metric, "hnsw") if kind == "hnsw" else None
+        graph = kind == "hnsw" and self.nlist >= GRAPH_FROM  # below: never searched
+        self.graph = quantizer(centroids, metric, "hnsw") if graph else None
 
     @property
     def nbytes(self) -> int:
@@ -52,8 +55,8 @@ class Coarse:
         return one if self.graph is None else 2 * one + self.nlist * 8 * HNSW_M
 
     def uses_graph(self, nprobe: int) -> bool:
-        graph = self.graph is not None and self.nlist >= GRAPH_FROM
-        return graph and nprobe * FLAT_SHARE < self.nlist
+        """Whether a search for ``nprobe`` lists goes through the graph."""
+        return self.graph is not None and nprobe * FLAT_SHARE < self.nlist
 
     def search(self, queries: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         """Distances to, and numbers of, the ``nprobe`` lists of each query, nearest first."""
