@@ -30,7 +30,7 @@ from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.slots import payload_read
 from claw_tasks.where import Where
 from orchestrator.retrieval.calibrate import Calibration, calibrate, held_out
-from orchestrator.retrieval.coarse import Coarse, quantizer
+from orchestrator.retrieval.coarse import Coarse
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import TWO_LEVEL_FROM, IndexSpec, Projection, per_list
 from orchestrator.retrieval.storage import Head, Rows, Storage, check_field
@@ -49,14 +49,6 @@ RETRAIN_GROWTH = 2
 RECALIBRATE_GROWTH = 1.5
 """``nprobe`` is calibrated again once the vectors have grown by half since the last time
 (and at every training)."""
-
-
-def assign(q: faiss.Index | None, vectors: np.ndarray) -> np.ndarray:
-    """Each vector's list + 1 under quantizer ``q`` (0 for all without one)."""
-    if q is None or not len(vectors):
-        return np.zeros(len(vectors), np.int32)
-    _, lists = q.search(np.ascontiguousarray(vectors, np.float32), 1)
-    return (lists[:, 0] + 1).astype(np.int32)
 
 
 def train_centroids(sample: np.ndarray, nlist: int, spherical: bool) -> np.ndarray:
@@ -129,7 +121,7 @@ class Writer:
         self.seen: np.ndarray | None = None  # per row: the id last projected (or skipped)
         self.skipped: np.ndarray | None = None  # per row: its ``seen`` step was skipped
         self.head: Head | None = None
-        self.q: faiss.Index | None = None
+        self.lists: Coarse | None = None  # assigns new vectors their lists once trained
         self.log = ("0-0", 0)
         self.token = ""
 
@@ -147,7 +139,8 @@ class Writer:
 
     def _use(self, head: Head) -> None:
         self.head = head
-        self.q = None if head.centroids is None else quantizer(head.centroids, self.spec.metric)
+        centroids, metric = head.centroids, self.spec.metric
+        self.lists = None if centroids is None else Coarse(centroids, metric, "flat")
 
     def _catch_up(self) -> None:
         """Rows another writer wrote since this one last looked (a worker's copy of
@@ -223,8 +216,9 @@ class Writer:
                 skipped += len(rows)
                 break
             vectors = self.project(x)
-            data = Rows(vectors, ids, assign(self.q, vectors))
-            self.storage.write(rows, data)
+            none = np.zeros(len(rows), np.int32)  # not trained yet: no list
+            lists = none if self.lists is None else self.lists.assign(vectors)
+            self.storage.write(rows, Rows(vectors, ids, lists))
             self.seen[rows] = ids
             written += len(rows)
         trained = self._train_if_due(index)
@@ -275,12 +269,12 @@ class Writer:
         sample = stored["v"][np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
         centroids = train_centroids(sample, nlist, spec.metric == "cosine")
         self._renew()
-        q = quantizer(centroids, spec.metric)
+        flat = Coarse(centroids, spec.metric, "flat")
         every = np.flatnonzero(stored["i"] != 0)
         lists = np.zeros(len(stored["i"]), np.int32)
         for lo in range(0, len(every), ASSIGN_ROWS):
             part = every[lo : lo + ASSIGN_ROWS]
-            lists[part] = assign(q, stored["v"][part])
+            lists[part] = flat.assign(stored["v"][part])
             self.storage.write_assign(part, lists[part])
             self._renew()
         cal = None
