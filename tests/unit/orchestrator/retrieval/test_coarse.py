@@ -45,13 +45,19 @@ def test_a_vectors_list_is_its_nearest_centroid(built):
     assert np.array_equal(coarse.assign(x[:1000]), nearest[:, 0] + 1)
 
 
-@pytest.mark.parametrize("nprobe", [2, 64])
-def test_ivf_search_scans_each_querys_lists_in_the_callers_order_under_the_mask(built, nprobe):
+@pytest.mark.parametrize(
+    ("nprobe", "graph", "sorted_"),
+    [(2, True, False), (7, True, True), (64, False, True)],  # 3, 10 and 92 lists probed
+)
+def test_ivf_search_scans_each_querys_lists_in_the_callers_order_under_the_mask(
+    built, nprobe, graph, sorted_
+):
     x, _, coarse, ivf, q = built
     mask = np.random.default_rng(4).random(N) < 0.7
     dist, rows = ivf_search(ivf, coarse, q, 10, mask, nprobe)
     assert not (~mask[rows[rows >= 0]]).any()  # no masked row
     probes = int(np.ceil(nprobe / (mask.sum() / N)))  # divided by the share kept
+    assert coarse.uses_graph(probes) == graph and (len(q) * probes >= NLIST) == sorted_
     _, lists = coarse.search(q, probes)
     of = coarse.assign(x) - 1
     for i in range(len(q)):  # each query: an exact search of its lists' allowed rows
