@@ -121,7 +121,7 @@ class Writer:
         self.seen: np.ndarray | None = None  # per row: the id last projected (or skipped)
         self.skipped: np.ndarray | None = None  # per row: its ``seen`` step was skipped
         self.head: Head | None = None
-        self.lists: Coarse | None = None  # assigns new vectors their lists once trained
+        self.coarse: Coarse | None = None  # assigns new vectors their lists once trained
         self.log = ("0-0", 0)
         self.token = ""
 
@@ -140,7 +140,7 @@ class Writer:
     def _use(self, head: Head) -> None:
         self.head = head
         centroids, metric = head.centroids, self.spec.metric
-        self.lists = None if centroids is None else Coarse(centroids, metric, "flat")
+        self.coarse = None if centroids is None else Coarse(centroids, metric, "flat")
 
     def _catch_up(self) -> None:
         """Rows another writer wrote since this one last looked (a worker's copy of
@@ -217,7 +217,7 @@ class Writer:
                 break
             vectors = self.project(x)
             none = np.zeros(len(rows), np.int32)  # not trained yet: no list
-            lists = none if self.lists is None else self.lists.assign(vectors)
+            lists = none if self.coarse is None else self.coarse.assign(vectors)
             self.storage.write(rows, Rows(vectors, ids, lists))
             self.seen[rows] = ids
             written += len(rows)
