@@ -123,13 +123,14 @@ class Run:
             self.rows.append(row)
 
 
-def claw(run: Run, fixed: list[int]) -> None:
+def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
     import faiss
 
     from orchestrator.retrieval.calibrate import calibrate, held_out
+    from orchestrator.retrieval.coarse import Coarse, quantizer
     from orchestrator.retrieval.spec import IndexSpec
     from orchestrator.retrieval.vectors import ivf_search
-    from orchestrator.retrieval.writer import assign, quantizer, train_centroids
+    from orchestrator.retrieval.writer import train_centroids
 
     spec, n, dim = IndexSpec(), run.n, run.x.shape[1]
     nlist, need = spec.lists(n), spec.train_size(n)
@@ -140,12 +141,12 @@ def claw(run: Run, fixed: list[int]) -> None:
     pool = np.flatnonzero(~out)
     sample = run.x[np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
     centroids = train_centroids(sample, nlist, False)
-    flat = quantizer(centroids, "l2")  # the writer's: every vector's list, exactly
-    lists = np.concatenate([assign(flat, run.x[i : i + 65536]) for i in range(0, n, 65536)])
-    readers = quantizer(centroids, "l2", "hnsw")
+    readers = Coarse(centroids, "l2", spec.quantizer, spec.quantizer_ef)
+    at_n = range(0, n, 65536)  # the writer's assignment: every vector's list, exactly
+    lists = np.concatenate([readers.assign(run.x[i : i + 65536]) for i in at_n])
     cal = calibrate(run.x, lists - 1, centroids, spec, readers, episodes, out)
     calibrate_s = time.perf_counter() - t0
-    ivf = faiss.IndexIVFFlat(quantizer(centroids, "l2", "hnsw"), dim, nlist)
+    ivf = faiss.IndexIVFFlat(readers.flat, dim, nlist)
     ivf.is_trained = True
     ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
 
@@ -157,7 +158,7 @@ def claw(run: Run, fixed: list[int]) -> None:
     add(run.x, np.arange(n), lists)  # what a reader's cold load does
     build, mem = time.perf_counter() - t0, rss() - m0
     t = time.perf_counter()
-    add(run.extra, np.arange(n, n + 10_000), assign(flat, run.extra))
+    add(run.extra, np.arange(n, n + 10_000), readers.assign(run.extra))
     add_s = round(time.perf_counter() - t, 3)
     calibrated = (
         f"nprobe {cal.nprobe} (calibrated: sample recall {cal.recall}, bound {cal.bound}; "
@@ -166,13 +167,35 @@ def claw(run: Run, fixed: list[int]) -> None:
     nprobe = [cal.nprobe]
 
     def search(b):
-        return ivf_search(ivf, spec, b, K, run.live, nprobe[0])[1]
+        return ivf_search(ivf, readers, b, K, run.live, nprobe[0])[1]
 
     def at(p):
         return lambda: nprobe.__setitem__(0, p)
 
     settings = [(calibrated, at(cal.nprobe))] + [(f"nprobe {p}", at(p)) for p in fixed]
-    run.report(f"claw IVF{nlist},Flat (HNSW quantizer, mask)", build, mem, search, settings, add_s)
+    run.report(f"claw IVF{nlist},Flat (mask)", build, mem, search, settings, add_s)
+    if graph:  # beside it: the HNSW graph finding the lists at every nprobe, queries in order
+        bits = np.packbits(run.live, bitorder="little")
+        sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))
+        hnsw = readers.graph or quantizer(centroids, "l2", "hnsw")  # below 2,048 lists: its own
+
+        def graph_search(b):
+            share = min(1.0, np.count_nonzero(run.live) / ivf.ntotal)
+            probes = min(nlist, int(np.ceil(nprobe[0] / share)))
+            hp = faiss.SearchParametersHNSW(efSearch=max(spec.quantizer_ef, probes))
+            near, lists = hnsw.search(b, probes, params=hp)
+            d, i = np.empty((len(b), K), np.float32), np.empty((len(b), K), np.int64)
+            params = faiss.SearchParametersIVF(sel=sel, nprobe=probes)
+            ivf.search_preassigned_c(
+                len(b), faiss.swig_ptr(np.ascontiguousarray(b)), K, faiss.swig_ptr(lists),
+                faiss.swig_ptr(near), faiss.swig_ptr(d), faiss.swig_ptr(i), False, params,
+            )  # fmt: skip
+            return i
+
+        run.report(
+            f"claw IVF{nlist},Flat (graph at every nprobe, mask)",
+            build, mem, graph_search, settings, add_s,
+        )  # fmt: skip
 
 
 def faiss_hnsw(run: Run) -> None:
@@ -187,7 +210,7 @@ def faiss_hnsw(run: Run) -> None:
     h.add(run.extra)
     add_s = round(time.perf_counter() - t, 3)
     bits = np.packbits(run.live, bitorder="little")
-    sel = faiss.IDSelectorBitmap(len(run.live), faiss.swig_ptr(bits))
+    sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))
     ef = [16]
 
     def search(b):
@@ -259,6 +282,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default="claw")
     ap.add_argument("--nprobe", default="", help="fixed nprobe settings beside the calibrated")
+    ap.add_argument(
+        "--graph", action="store_true", help="also: the HNSW graph finds the lists at any nprobe"
+    )
     args = ap.parse_args()
     import faiss
 
@@ -270,7 +296,7 @@ def main() -> None:
         run = Run(data, args.n, args.queries)
         print(json.dumps({"data": data, "made_s": run.make_s, "dim": run.x.shape[1]}), flush=True)
         if "claw" in only:
-            claw(run, fixed)
+            claw(run, fixed, args.graph)
         if "faiss-hnsw" in only:
             faiss_hnsw(run)
         if "usearch" in only:

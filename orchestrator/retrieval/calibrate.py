@@ -14,9 +14,9 @@ exact search of the rest, and each neighbour's list is ranked among the query's
 centroids: a neighbour whose list ranks ``r`` is found from ``nprobe = r`` on. That gives
 the recall at every ``nprobe`` at once, with no IVF built. The smallest ``nprobe`` whose
 recall is at least the target with a margin (the mean recall minus ``Z`` standard errors
-of it, counted over episodes) is then checked with the quantizer readers search (an HNSW
-graph finds almost, not always, the nearest lists) and raised by a quarter until that
-check passes too.
+of it, counted over episodes) is then checked with the lists readers find at it
+(:class:`~orchestrator.retrieval.coarse.Coarse`: its HNSW graph finds almost, not always,
+the nearest lists) and raised by a quarter until that check passes too.
 
 A fixed ``nprobe`` cannot be right for every data set: 12 lists of 16,384 give recall@10
 0.976 on 1M 32-d states of a smooth process, 0.487 on a Gaussian mixture of the same
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.retrieval.coarse import Coarse
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import IndexSpec
 
@@ -122,7 +123,7 @@ def calibrate(
     lists: np.ndarray,
     centroids: np.ndarray,
     spec: IndexSpec,
-    q: faiss.Index,
+    coarse: Coarse,
     groups: np.ndarray,
     out: np.ndarray,
     fresh: np.ndarray | None = None,
@@ -130,10 +131,10 @@ def calibrate(
 ) -> Calibration:
     """The smallest ``nprobe`` reaching ``spec.recall`` on ``vectors`` (every stored
     vector a query may find), whose IVF lists (0-based) are ``lists`` under
-    ``centroids``; ``q`` is the quantizer readers search over them. ``out``: the vectors
-    held out (:func:`held_out`: whole episodes, none of them in the k-means sample);
-    the queries are ``SAMPLE`` of those that are also ``fresh``; ``groups`` is each
-    vector's episode."""
+    ``centroids``; ``coarse`` is how readers find a query's lists among them. ``out``:
+    the vectors held out (:func:`held_out`: whole episodes, none of them in the k-means
+    sample); the queries are ``SAMPLE`` of those that are also ``fresh``; ``groups`` is
+    each vector's episode."""
     nlist, n = len(centroids), len(vectors)
     pool = np.flatnonzero(out if fresh is None else out & fresh)
     if n - len(np.flatnonzero(out)) < K or not len(pool) or nlist <= 1:
@@ -164,12 +165,7 @@ def calibrate(
             lo = mid + 1
     nprobe = lo
     while True:
-        if spec.quantizer == "hnsw":
-            ef = max(spec.quantizer_ef, nprobe)
-            params = faiss.SearchParametersHNSW(efSearch=ef)
-            _, probed = q.search(queries, nprobe, params=params)
-        else:
-            _, probed = q.search(queries, nprobe)
+        _, probed = coarse.search(queries, nprobe)
         found = np.stack([np.isin(t, p) for t, p in zip(truth, probed, strict=True)])
         mean, bound = _bound(found, groups)
         if bound >= spec.recall or nprobe >= nlist:

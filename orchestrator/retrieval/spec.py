@@ -71,8 +71,10 @@ class IndexSpec(BaseModel):
     """The recall@10 the calibrated ``nprobe`` reaches on the stored vectors (checked as
     a lower confidence bound, orchestrator/retrieval/calibrate.py)."""
     quantizer: Literal["hnsw", "flat"] = "hnsw"
-    """How a query finds its ``nprobe`` lists: an HNSW graph over the centroids (built by
-    each reader from the stored centroids) or a flat scan of every centroid."""
+    """How a query finds its ``nprobe`` lists: ``hnsw``, an HNSW graph over the centroids
+    (built by each reader from the stored centroids) from 2,048 lists on while ``nprobe``
+    is below ``nlist / 64``, else a flat scan of every centroid
+    (orchestrator/retrieval/coarse.py); ``flat``, the flat scan always."""
     quantizer_ef: PositiveInt = 16
     """The HNSW quantizer's ``efSearch`` (at least ``nprobe`` is used)."""
     retrain: StrictBool = True

@@ -12,8 +12,8 @@ Search takes a boolean mask over rows (the caller's: alive, trainable, ``vid == 
 scan of just those rows' vectors; otherwise the IVF searched with the mask as a Faiss
 ``IDSelectorBitmap`` (``nprobe`` lists: the definition's, or else the one the writer
 calibrated to its recall target and published in the head and the log; divided by the
-share of rows the mask keeps; found by an HNSW graph over the centroids that this copy
-builds from the stored ones: ``quantizer: hnsw``), falling back to the exact scan for
+share of rows the mask keeps; found by :class:`~orchestrator.retrieval.coarse.Coarse`,
+which this copy builds from the stored centroids), falling back to the exact scan for
 queries whose probed lists held fewer than ``k`` candidates."""
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from claw_tasks.store import Store
+from orchestrator.retrieval.coarse import Coarse
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import Head, Storage
-from orchestrator.retrieval.writer import HNSW_M, assign, quantizer
 
 FALLBACK_NPROBE = 12
 """``nprobe`` of a trained index with no calibration yet (the writer calibrates it at its
@@ -53,7 +53,7 @@ def exact_search(
 
 def ivf_search(
     ivf: faiss.IndexIVFFlat,
-    spec: IndexSpec,
+    coarse: Coarse,
     queries: np.ndarray,
     k: int,
     mask: np.ndarray,
@@ -63,17 +63,41 @@ def ivf_search(
     ids ``mask`` allows (an ``IDSelectorBitmap`` evaluated inside the scan), ``nprobe``
     lists divided by the share of the indexed vectors the mask keeps: about as many
     allowed candidates as an unrestricted query scans (each masked one costs a bit test).
-    Faiss's answer: ids -1 where the probed lists held fewer than ``k``."""
+    ``coarse`` finds each query's lists. When the batch probes more lists than there are
+    (``len(queries) * nprobe >= nlist``: each list is scanned for several queries), the
+    queries are scanned in the order of their nearest list, so that those probing the same
+    lists follow each other while the lists are in cache (docs/retrieval.md, "Where the
+    time goes"). Faiss's answer: ids -1 where the probed lists held fewer than ``k``."""
     bits = np.packbits(mask, bitorder="little")
-    sel = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits))
+    sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))  # its size in bytes
     share = min(1.0, np.count_nonzero(mask) / max(ivf.ntotal, 1))
     probes = min(ivf.nlist, math.ceil(nprobe / max(share, 1e-9)))
+    near, lists = coarse.search(queries, probes)
+    m = len(queries)
+    order = None
+    if m * probes >= ivf.nlist:
+        order = np.argsort(lists[:, 0], kind="stable")
+        queries, near, lists = queries[order], near[order], lists[order]
+    q = np.ascontiguousarray(queries)
+    near, lists = np.ascontiguousarray(near), np.ascontiguousarray(lists)
+    dist, rows = np.empty((m, k), np.float32), np.empty((m, k), np.int64)
     params = faiss.SearchParametersIVF(sel=sel, nprobe=probes)
-    if spec.quantizer == "hnsw":
-        params.quantizer_params = faiss.SearchParametersHNSW(
-            efSearch=max(spec.quantizer_ef, probes)
-        )
-    return ivf.search(queries, k, params=params)
+    ivf.search_preassigned_c(
+        m,
+        faiss.swig_ptr(q),
+        k,
+        faiss.swig_ptr(lists),
+        faiss.swig_ptr(near),
+        faiss.swig_ptr(dist),
+        faiss.swig_ptr(rows),
+        False,
+        params,
+    )
+    if order is None:
+        return dist, rows
+    back = np.empty_like(order)
+    back[order] = np.arange(m)
+    return dist[back], rows[back]
 
 
 class VectorIndex:
@@ -87,7 +111,7 @@ class VectorIndex:
         self.vid = np.zeros(n, np.int64)
         self.lists = np.zeros(n, np.int32)  # list + 1 of the row's IVF entry (0: none)
         self.ivf: faiss.IndexIVFFlat | None = None
-        self.q: faiss.Index | None = None
+        self.coarse: Coarse | None = None
         self.head: Head | None = None
         self.nprobe = spec.nprobe or FALLBACK_NPROBE
         self.log = ("0-0", 0)
@@ -99,7 +123,8 @@ class VectorIndex:
         ivf = 0
         if self.ivf is not None:
             ivf = self.ivf.ntotal * (4 * self.dim + 8) + 16 * self.ivf.ntotal  # + direct map
-            ivf += self.ivf.nlist * (4 * self.dim + 8 * HNSW_M)  # the quantizer (and its graph)
+        if self.coarse is not None:
+            ivf += self.coarse.nbytes
         return self.vectors.nbytes + self.vid.nbytes + self.lists.nbytes + ivf
 
     def load(self) -> None:
@@ -110,22 +135,23 @@ class VectorIndex:
         got = self.storage.read_all()
         self.vectors, self.vid = got["v"], got["i"]
         self.lists = np.zeros(len(self.vid), np.int32)
-        self.ivf, self.q = None, None
+        self.ivf, self.coarse = None, None
         self.loads += 1
         calibrated = 0 if self.head is None else self.head.nprobe
         self.nprobe = self.spec.nprobe or calibrated or FALLBACK_NPROBE
         if self.head is None or self.head.centroids is None:
             return
-        self.q = quantizer(self.head.centroids, self.spec.metric, self.spec.quantizer)
-        metric = faiss.METRIC_L2 if self.spec.metric == "l2" else faiss.METRIC_INNER_PRODUCT
-        ivf = faiss.IndexIVFFlat(self.q, self.dim, self.head.nlist, metric)
+        spec = self.spec
+        self.coarse = Coarse(self.head.centroids, spec.metric, spec.quantizer, spec.quantizer_ef)
+        metric = faiss.METRIC_L2 if spec.metric == "l2" else faiss.METRIC_INNER_PRODUCT
+        ivf = faiss.IndexIVFFlat(self.coarse.flat, self.dim, self.head.nlist, metric)
         ivf.is_trained = True
         ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
         self.ivf = ivf
         rows = np.flatnonzero(self.vid != 0)
         stored = got["a"][rows]
         missing = stored == 0  # written before the training finished: assign here
-        stored[missing] = assign(self.q, self.vectors[rows[missing]])
+        stored[missing] = self.coarse.assign(self.vectors[rows[missing]])
         self._add(rows, stored)
 
     def _add(self, rows: np.ndarray, lists: np.ndarray) -> None:
@@ -187,7 +213,8 @@ class VectorIndex:
             self.lists[present] = 0
         lists = got.assign.copy()
         missing = (lists == 0) & (got.ids != 0)
-        lists[missing] = assign(self.q, got.vectors[missing])
+        assert self.coarse is not None
+        lists[missing] = self.coarse.assign(got.vectors[missing])
         keep = got.ids != 0
         self._add(rows[keep], lists[keep])
 
@@ -202,8 +229,8 @@ class VectorIndex:
         allowed = np.count_nonzero(mask)
         if exact or allowed <= self.spec.exact_below:
             return self._exact(queries, k, mask)
-        assert self.ivf is not None
-        dist, rows = ivf_search(self.ivf, self.spec, queries, k, mask, self.nprobe)
+        assert self.ivf is not None and self.coarse is not None
+        dist, rows = ivf_search(self.ivf, self.coarse, queries, k, mask, self.nprobe)
         short = (rows < 0).any(axis=1)
         if short.any():  # the probed lists held fewer than k candidates: scan exactly
             dist[short], rows[short] = self._exact(queries[short], k, mask)

@@ -30,6 +30,7 @@ from claw_tasks.store.compressed import decode_stored
 from claw_tasks.store.slots import payload_read
 from claw_tasks.where import Where
 from orchestrator.retrieval.calibrate import Calibration, calibrate, held_out
+from orchestrator.retrieval.coarse import Coarse
 from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import TWO_LEVEL_FROM, IndexSpec, Projection, per_list
 from orchestrator.retrieval.storage import Head, Rows, Storage, check_field
@@ -43,31 +44,11 @@ ASSIGN_ROWS = 65536
 """Vectors assigned per call after training (the lock is renewed between calls)."""
 KMEANS_ITER = 10
 SEED = 1234
-HNSW_M = 32
-"""Links per node of the HNSW quantizer's graph."""
 RETRAIN_GROWTH = 2
 """The quantizer is trained again once the vectors have doubled since its last training."""
 RECALIBRATE_GROWTH = 1.5
 """``nprobe`` is calibrated again once the vectors have grown by half since the last time
 (and at every training)."""
-
-
-def quantizer(centroids: np.ndarray, metric: str, kind: str = "flat") -> faiss.Index:
-    """An index over the IVF centroids (L2, or inner product for ip/cosine): ``flat``
-    (exact; the writer assigns vectors with it) or ``hnsw`` (a graph: a query finds its
-    ``nprobe`` lists among 16,384 in a fraction of a flat scan's time)."""
-    d, fm = centroids.shape[1], faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
-    q = faiss.IndexFlat(d, fm) if kind == "flat" else faiss.IndexHNSWFlat(d, HNSW_M, fm)
-    q.add(np.ascontiguousarray(centroids, np.float32))
-    return q
-
-
-def assign(q: faiss.Index | None, vectors: np.ndarray) -> np.ndarray:
-    """Each vector's list + 1 under quantizer ``q`` (0 for all without one)."""
-    if q is None or not len(vectors):
-        return np.zeros(len(vectors), np.int32)
-    _, lists = q.search(np.ascontiguousarray(vectors, np.float32), 1)
-    return (lists[:, 0] + 1).astype(np.int32)
 
 
 def train_centroids(sample: np.ndarray, nlist: int, spherical: bool) -> np.ndarray:
@@ -140,7 +121,7 @@ class Writer:
         self.seen: np.ndarray | None = None  # per row: the id last projected (or skipped)
         self.skipped: np.ndarray | None = None  # per row: its ``seen`` step was skipped
         self.head: Head | None = None
-        self.q: faiss.Index | None = None
+        self.coarse: Coarse | None = None  # assigns new vectors their lists once trained
         self.log = ("0-0", 0)
         self.token = ""
 
@@ -158,7 +139,8 @@ class Writer:
 
     def _use(self, head: Head) -> None:
         self.head = head
-        self.q = None if head.centroids is None else quantizer(head.centroids, self.spec.metric)
+        centroids, metric = head.centroids, self.spec.metric
+        self.coarse = None if centroids is None else Coarse(centroids, metric, "flat")
 
     def _catch_up(self) -> None:
         """Rows another writer wrote since this one last looked (a worker's copy of
@@ -234,8 +216,9 @@ class Writer:
                 skipped += len(rows)
                 break
             vectors = self.project(x)
-            data = Rows(vectors, ids, assign(self.q, vectors))
-            self.storage.write(rows, data)
+            none = np.zeros(len(rows), np.int32)  # not trained yet: no list
+            lists = none if self.coarse is None else self.coarse.assign(vectors)
+            self.storage.write(rows, Rows(vectors, ids, lists))
             self.seen[rows] = ids
             written += len(rows)
         trained = self._train_if_due(index)
@@ -286,12 +269,12 @@ class Writer:
         sample = stored["v"][np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
         centroids = train_centroids(sample, nlist, spec.metric == "cosine")
         self._renew()
-        q = quantizer(centroids, spec.metric)
+        flat = Coarse(centroids, spec.metric, "flat")
         every = np.flatnonzero(stored["i"] != 0)
         lists = np.zeros(len(stored["i"]), np.int32)
         for lo in range(0, len(every), ASSIGN_ROWS):
             part = every[lo : lo + ASSIGN_ROWS]
-            lists[part] = assign(q, stored["v"][part])
+            lists[part] = flat.assign(stored["v"][part])
             self.storage.write_assign(part, lists[part])
             self._renew()
         cal = None
@@ -323,7 +306,8 @@ class Writer:
     ) -> Calibration:
         """``nprobe`` for ``spec.recall`` on ``vectors``, queried from the held-out
         episodes ``out`` (orchestrator/retrieval/calibrate.py)."""
-        readers = quantizer(centroids, self.spec.metric, self.spec.quantizer)
+        spec = self.spec
+        readers = Coarse(centroids, spec.metric, spec.quantizer, spec.quantizer_ef)
         cal = calibrate(
             vectors, lists, centroids, self.spec, readers, episodes, out, fresh, SEED + seed
         )

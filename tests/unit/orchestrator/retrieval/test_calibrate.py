@@ -12,9 +12,11 @@ import pytest
 
 from orchestrator.retrieval import calibrate as calibrate_module
 from orchestrator.retrieval.calibrate import MIN_GROUPS, SAMPLE, calibrate, held_out
+from orchestrator.retrieval.coarse import Coarse, quantizer
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import stored_spec
-from orchestrator.retrieval.writer import assign, quantizer, train_centroids
+from orchestrator.retrieval.vectors import ivf_search
+from orchestrator.retrieval.writer import train_centroids
 
 DIM, N, NLIST = 16, 30_000, 256
 EPISODES = np.arange(N) // 100
@@ -29,27 +31,27 @@ def built():
     out = held_out(EPISODES, rng)  # as the writer: held-out episodes are not trained on
     pool = np.flatnonzero(~out)
     centroids = train_centroids(x[rng.choice(pool, 39 * NLIST, replace=False)], NLIST, False)
-    lists = assign(quantizer(centroids, "l2"), x) - 1
-    ivf = faiss.IndexIVFFlat(quantizer(centroids, "l2", "hnsw"), DIM, NLIST)
+    readers = Coarse(centroids, "l2")
+    lists = readers.assign(x) - 1
+    ivf = faiss.IndexIVFFlat(readers.flat, DIM, NLIST)
     ivf.is_trained = True
     ivf.add(x)
     q = rng.standard_normal((500, DIM), dtype=np.float32)
     _, truth = faiss.knn(q, x, 10)
-    return x, centroids, lists, ivf, q, truth, out
+    return x, centroids, lists, (ivf, readers), q, truth, out
 
 
 def held_out_recall(ivf, q, truth, nprobe: int) -> float:
-    params = faiss.SearchParametersIVF(nprobe=nprobe)
-    params.quantizer_params = faiss.SearchParametersHNSW(efSearch=max(16, nprobe))
-    _, found = ivf.search(q, 10, params=params)
+    """Recall@10 of ``q`` as readers search (``ivf_search``, no row masked)."""
+    index, readers = ivf
+    _, found = ivf_search(index, readers, q, 10, np.ones(N, bool), nprobe)
     return float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(found, truth, strict=True)]))
 
 
 def test_the_calibrated_nprobe_reaches_the_target_where_a_fixed_one_misses(built):
     x, centroids, lists, ivf, q, truth, out = built
     spec = IndexSpec()
-    readers = quantizer(centroids, "l2", "hnsw")
-    cal = calibrate(x, lists, centroids, spec, readers, EPISODES, out)
+    cal = calibrate(x, lists, centroids, spec, ivf[1], EPISODES, out)
     assert cal.bound >= spec.recall and cal.recall >= cal.bound
     assert held_out_recall(ivf, q, truth, cal.nprobe) >= spec.recall
     assert held_out_recall(ivf, q, truth, 12) < spec.recall  # a fixed nprobe of 12
@@ -57,7 +59,7 @@ def test_the_calibrated_nprobe_reaches_the_target_where_a_fixed_one_misses(built
 
 def test_a_higher_target_probes_more_lists(built):
     x, centroids, lists, _, _, _, out = built
-    readers = quantizer(centroids, "l2", "hnsw")
+    readers = Coarse(centroids, "l2")
     got = [
         calibrate(x, lists, centroids, IndexSpec(recall=r), readers, EPISODES, out).nprobe
         for r in (0.8, 0.95, 0.99)

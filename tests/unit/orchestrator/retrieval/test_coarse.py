@@ -1,0 +1,69 @@
+"""How a query finds its lists: the HNSW graph at a small ``nprobe`` over many lists, the
+flat scan of every centroid from ``nlist / FLAT_SHARE`` on or over few lists (the exact
+nearest lists); ``ivf_search`` answers each query with the nearest allowed rows of its
+lists, in the caller's order, and never returns a masked row."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import pytest
+
+from orchestrator.retrieval.coarse import FLAT_SHARE, GRAPH_FROM, Coarse
+from orchestrator.retrieval.vectors import ivf_search
+
+DIM, N, NLIST = 16, 20_000, 2048
+
+
+@pytest.fixture(scope="module")
+def built():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((N, DIM), dtype=np.float32)
+    centroids = x[rng.choice(N, NLIST, replace=False)].copy()
+    coarse = Coarse(centroids, "l2", "hnsw", ef=16)
+    ivf = faiss.IndexIVFFlat(coarse.flat, DIM, NLIST)
+    ivf.is_trained = True
+    ivf.add(x)
+    q = rng.standard_normal((300, DIM), dtype=np.float32)
+    return x, centroids, coarse, ivf, q
+
+
+def test_from_a_share_of_the_lists_on_the_flat_scan_finds_the_exact_nearest_lists(built):
+    _, centroids, coarse, _, q = built
+    large = NLIST // FLAT_SHARE
+    assert coarse.uses_graph(large - 1) and not coarse.uses_graph(large)
+    _, exact = faiss.knn(q, centroids, large)
+    _, found = coarse.search(q, large)
+    assert np.array_equal(found, exact)
+    assert not Coarse(centroids, "l2", "flat").uses_graph(1)
+    assert not Coarse(centroids[: GRAPH_FROM - 1], "l2", "hnsw").uses_graph(1)
+
+
+def test_a_vectors_list_is_its_nearest_centroid(built):
+    x, centroids, coarse, _, _ = built
+    _, nearest = faiss.knn(x[:1000], centroids, 1)
+    assert np.array_equal(coarse.assign(x[:1000]), nearest[:, 0] + 1)
+
+
+@pytest.mark.parametrize(
+    ("nprobe", "graph", "sorted_"),
+    [(2, True, False), (7, True, True), (64, False, True)],  # 3, 10 and 92 lists probed
+)
+def test_ivf_search_scans_each_querys_lists_in_the_callers_order_under_the_mask(
+    built, nprobe, graph, sorted_
+):
+    x, _, coarse, ivf, q = built
+    mask = np.random.default_rng(4).random(N) < 0.7
+    dist, rows = ivf_search(ivf, coarse, q, 10, mask, nprobe)
+    assert not (~mask[rows[rows >= 0]]).any()  # no masked row
+    probes = int(np.ceil(nprobe / (mask.sum() / N)))  # divided by the share kept
+    assert coarse.uses_graph(probes) == graph and (len(q) * probes >= NLIST) == sorted_
+    _, lists = coarse.search(q, probes)
+    of = coarse.assign(x) - 1
+    for i in range(len(q)):  # each query: an exact search of its lists' allowed rows
+        rows_i = np.flatnonzero(mask & np.isin(of, lists[i]))
+        d = ((x[rows_i] - q[i]) ** 2).sum(axis=1)
+        best = np.argsort(d)[:10]
+        found = len(best)  # -1 past the candidates of the probed lists
+        assert np.array_equal(rows[i, :found], rows_i[best]) and (rows[i, found:] == -1).all()
+        np.testing.assert_allclose(dist[i, :found], d[best], rtol=1e-4)
