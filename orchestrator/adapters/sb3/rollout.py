@@ -17,9 +17,16 @@ The algorithm's own loop runs unchanged:
 - ``compute_returns_and_advantage`` writes each env's last row (terminated if ``dones``,
   else with ``bootstrap_value`` = SB3's ``last_values``) and computes SB3's numbers here
   with SB3's own code (``advantages``, ``returns``: what PPO's explained variance and
-  callbacks read). The prefetch workers compute the same GAE over the same chains (a
-  ``rollout`` recipe, docs/recipes.md "On-policy"; equal to 1e-6, tested) and serve the
-  rollout with it.
+  callbacks read). Claw forms the rollout from the stored steps with the same GAE over
+  the same chains (a ``rollout`` recipe, docs/recipes.md "On-policy"; equal to 1e-6,
+  tested) and serves it with it. By default (``form_here``) that last message is
+  committed, and the rollout formed and served, in this process, with the ingest task's
+  and the prefetch workers' own code (:class:`~orchestrator.adapters.sb3.rollout_claw.
+  CommitHere`, :func:`orchestrator.delivery.rollouts.form`): the same checks, commit,
+  done record, version checks and lineage, without the broker hop and the worker task
+  between SB3's last step and its rollout (most of the rollout path's time: docs/
+  benchmarks.md). ``form_here=False`` sends it through the workers like the others; so
+  does a transient Redis error, and a recipe that augments its steps is formed by them.
 - ``get(batch_size)`` (``train()``) yields one epoch of the rollout Claw served: all
   ``n_steps * n_envs`` steps with the workers' advantages and returns and the
   behaviour's log-probs and values, in SB3's minibatches (each step in exactly one
@@ -76,6 +83,7 @@ from stable_baselines3.common.buffers import BaseBuffer, RolloutBuffer
 from stable_baselines3.common.type_aliases import RolloutBufferSamples
 
 from claw_tasks.format.columns import StrColumn
+from claw_tasks.format.message import IngestOutcome
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
 from orchestrator.adapters.defaults import global_seed
@@ -83,12 +91,14 @@ from orchestrator.adapters.options import refuse_renamed
 from orchestrator.adapters.sb3.epochs import first_positions, minibatches, pop_rollout
 from orchestrator.adapters.sb3.rollout_claw import (
     RUN_TAG,
+    CommitHere,
     Writer,
     close_rollout,
     open_ingestor,
     rollout_recipe,
 )
 from orchestrator.adapters.versions import PolicyVersion, Versions
+from orchestrator.delivery import rollouts
 from orchestrator.delivery.client import BatchClient
 from orchestrator.sampling.batch import Batch
 
@@ -121,7 +131,8 @@ class ClawRolloutBuffer(RolloutBuffer):
     at most the rollout);
     ``recipe`` overrides keys of the rollout recipe; ``timeout`` bounds a pop;
     ``policy_version`` what each rollout is recorded as training in the lineage log (the
-    module docstring).
+    module docstring); ``form_here`` whether the rollout's last message is committed and
+    the rollout formed here (the module docstring) or by the workers.
     """
 
     @refuse_renamed
@@ -146,6 +157,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         seed: int | None = None,
         timeout: float | None = 60.0,
         policy_version: PolicyVersion = "rollouts",
+        form_here: bool = True,
     ) -> None:
         self._init_sb3(buffer_size, observation_space, action_space, device, n_envs)
         self.gae_lambda, self.gamma = gae_lambda, gamma
@@ -156,6 +168,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         self.steps = buffer_size * n_envs
         self._split_episode(dict(episode or {}))
         self._connect(namespace, redis_url, broker_url, capacity, ingest)
+        self._here = CommitHere(self.ingestor.store) if form_here else None
         self.seed = global_seed() if seed is None else int(seed)
         self.recipe_name = f"sb3ppo-{uuid.uuid4().hex[:8]}"
         self._overrides = dict(recipe or {})
@@ -394,7 +407,7 @@ class ClawRolloutBuffer(RolloutBuffer):
             **self._meta,
         }
         if now:
-            self.ingestor.add_batch(columns)
+            self.ingestor.add_batch(columns, deliver=self._here)
         else:
             self.writer.submit(self.ingestor.add_batch, columns)
         self._written = stop
@@ -419,8 +432,29 @@ class ClawRolloutBuffer(RolloutBuffer):
         done = np.asarray(dones).reshape(n).astype(bool)
         super().compute_returns_and_advantage(th.as_tensor(lv), done)
         self.writer.wait(self.timeout)  # its messages first (they are in order)
+        if self._here is not None:
+            self._here.outcomes.clear()
         self._write(self.buffer_size, lv.astype(np.float64), done, now=True)
         self._finished = True  # the commit of these rows forms the rollout (no fill asked)
+        if self._here is not None and self._here.outcomes:
+            self._form_here(self._here.outcomes)
+
+    def _form_here(self, outcomes: list[IngestOutcome]) -> None:
+        """After the rollout's last message was committed here: what the ingest worker's
+        commit hook would do next, here (form and serve the rollout once its steps are
+        all committed; the fill's state recorded off this thread)."""
+        refused = [o for o in outcomes if o.rejected or o.errors]
+        if refused:
+            raise RuntimeError(
+                f"the store refused {sum(o.rejected for o in refused)} of the rollout's last "
+                "steps: " + "; ".join(e for o in refused for e in o.errors)[:2000]
+            )
+        got = rollouts.form(self.client.registry, self.recipe_name)
+        if got is not None:
+            self.writer.submit(self._record_state, got[1])
+
+    def _record_state(self, state: str) -> None:
+        self.client.registry.bump(self.recipe_name, state=state)
 
     # ---- training ----------------------------------------------------------------------
     def get(self, batch_size: int | None = None) -> Generator[Any, None, None]:
@@ -430,8 +464,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         assert self.full, ""
         if not self._finished:  # SB3 allows get() without it: nothing bootstraps then
             self.compute_returns_and_advantage(th.zeros(self.n_envs), np.zeros(self.n_envs))
-        if self._epoch is None:
-            self.writer.wait(self.timeout)  # the rollout's last rows are sent
+        if self._epoch is None:  # its last rows were sent by compute_returns_and_advantage
             self._epoch = self._pop_rollout()
         data, first, seed, no = self._epoch
         e, self._epochs = self._epochs, self._epochs + 1
