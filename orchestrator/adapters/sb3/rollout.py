@@ -26,7 +26,8 @@ The algorithm's own loop runs unchanged:
   done record, version checks and lineage, without the broker hop and the worker task
   between SB3's last step and its rollout (most of the rollout path's time: docs/
   benchmarks.md). ``form_here=False`` sends it through the workers like the others; so
-  does a transient Redis error, and a recipe that augments its steps is formed by them.
+  does a transient Redis error, and a recipe that augments its steps (``recipe``'s
+  ``augment``) is formed by them.
 - ``get(batch_size)`` (``train()``) yields one epoch of the rollout Claw served: all
   ``n_steps * n_envs`` steps with the workers' advantages and returns and the
   behaviour's log-probs and values, in SB3's minibatches (each step in exactly one
@@ -168,10 +169,12 @@ class ClawRolloutBuffer(RolloutBuffer):
         self.steps = buffer_size * n_envs
         self._split_episode(dict(episode or {}))
         self._connect(namespace, redis_url, broker_url, capacity, ingest)
-        self._here = CommitHere(self.ingestor.store) if form_here else None
         self.seed = global_seed() if seed is None else int(seed)
         self.recipe_name = f"sb3ppo-{uuid.uuid4().hex[:8]}"
         self._overrides = dict(recipe or {})
+        # An augmenting recipe is formed by the workers: its augmentation plans live there
+        here = form_here and not self._overrides.get("augment")
+        self._here = CommitHere(self.ingestor.store) if here else None
         self._run = uuid.uuid4().hex[:12]  # on every step; episode ids <run>.<env>.<number>
         self._ep_no = np.zeros(n_envs, np.int64)  # each env's current episode (from 1)
         self._open = np.zeros(n_envs, bool)  # whether it has one
