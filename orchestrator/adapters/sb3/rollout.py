@@ -29,7 +29,7 @@ The algorithm's own loop runs unchanged:
   does a transient Redis error, and a recipe that augments its steps (``recipe``'s
   ``augment``) is formed by them.
 - ``get(batch_size)`` (``train()``) yields one epoch of the rollout Claw served: all
-  ``n_steps * n_envs`` steps with the workers' advantages and returns and the
+  ``n_steps * n_envs`` steps with the advantages and returns Claw formed and the
   behaviour's log-probs and values, in SB3's minibatches (each step in exactly one
   minibatch per epoch; any ``batch_size``, A2C's ``None`` included). The rollout crosses
   Redis once, as one message holding its first epoch; epoch e is the same rows in the
