@@ -69,7 +69,8 @@ from orchestrator.delivery.rollout_serving import serve
 from orchestrator.delivery.rollout_state import Plan, permutation, read_state
 from orchestrator.transforms.augment import AugmentPlan
 
-__all__ = ["form", "permutation", "run"]  # permutation: the epochs' order's documented path
+# permutation: the documented path of the epochs' order
+__all__ = ["form", "permutation", "run", "waiting"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,11 @@ def run(reg: Registry, entry: Entry, augment: AugmentPlan | None) -> tuple[int, 
     if isinstance(got, str):
         return 0, got
     return serve(reg, entry, augment, got, 0)
+
+
+def waiting(reg: Registry) -> list[str]:
+    """The namespace's rollout recipes waiting for steps (what a commit hook sweeps)."""
+    return sorted(n.decode() for n in reg.r.smembers(reg.rollouts_waiting_key))
 
 
 def form(reg: Registry, name: str) -> tuple[int, str] | None:

@@ -453,11 +453,18 @@ class ClawRolloutBuffer(RolloutBuffer):
                 "steps: " + "; ".join(e for o in refused for e in o.errors)[:2000]
             )
         got = rollouts.form(self.client.registry, self.recipe_name)
-        if got is not None:
-            self.writer.submit(self._record_state, got[1])
+        self.writer.submit(self._after_forming, None if got is None else got[1])
 
-    def _record_state(self, state: str) -> None:
-        self.client.registry.bump(self.recipe_name, state=state)
+    def _after_forming(self, state: str | None) -> None:
+        """Off SB3's thread: record this recipe's fill state, and form the namespace's
+        other waiting rollout recipes, as the commit hook forms every one (another
+        learner's recipe over these steps)."""
+        reg = self.client.registry
+        if state is not None:
+            reg.bump(self.recipe_name, state=state)
+        for name in rollouts.waiting(reg):
+            if name != self.recipe_name and (got := rollouts.form(reg, name)) is not None:
+                reg.bump(name, state=got[1])
 
     # ---- training ----------------------------------------------------------------------
     def get(self, batch_size: int | None = None) -> Generator[Any, None, None]:
