@@ -143,7 +143,7 @@ def test_gae_and_returns_equal_sb3_with_terminated_truncated_and_running_episode
 
 
 def test_a_rollout_of_one_message_is_formed_in_the_learners_process(redis_url, namespace):
-    """With ``form_here`` (the default) the rollout's last message is committed and the
+    """With ``form_here=True`` (an opt-in) the rollout's last message is committed and the
     rollout formed and served in the learner's process with the workers' own code: no
     worker runs here, yet each rollout is served with SB3's advantages, recorded in the
     lineage log once, counted as a worker's fill counts it."""
@@ -151,7 +151,14 @@ def test_a_rollout_of_one_message_is_formed_in_the_learners_process(redis_url, n
     space, act = spaces.Box(-np.inf, np.inf, (4,), np.float32), spaces.Discrete(2)
     ref = RolloutBuffer(n_steps, space, act, "cpu", gae_lambda=lam, gamma=gamma, n_envs=n_envs)
     claw = ClawRolloutBuffer(
-        n_steps, space, act, "cpu", lam, gamma, n_envs, **_kw(redis_url, namespace, timeout=5)
+        n_steps,
+        space,
+        act,
+        "cpu",
+        lam,
+        gamma,
+        n_envs,
+        **_kw(redis_url, namespace, timeout=5, form_here=True),
     )
     collect = Collect(n_envs, gamma)
     for k in range(2):

@@ -19,15 +19,20 @@ The algorithm's own loop runs unchanged:
   with SB3's own code (``advantages``, ``returns``: what PPO's explained variance and
   callbacks read). Claw forms the rollout from the stored steps with the same GAE over
   the same chains (a ``rollout`` recipe, docs/recipes.md "On-policy"; equal to 1e-6,
-  tested) and serves it with it. By default (``form_here``) that last message is
+  tested) and serves it with it: by default the ingest and prefetch workers, as every
+  Claw write (a Celery task: Flower sees it, the workers' settings and limits apply).
+  ``form_here=True`` is a trade-off the learner opts into: the rollout's last message is
   committed, and the rollout formed and served, in this process, with the ingest task's
-  and the prefetch workers' own code (:class:`~orchestrator.adapters.sb3.rollout_claw.
-  CommitHere`, :func:`orchestrator.delivery.rollouts.form`): the same checks, commit,
-  done record, version checks and lineage, without the broker hop and the worker task
-  between SB3's last step and its rollout (most of the rollout path's time: docs/
-  benchmarks.md). ``form_here=False`` sends it through the workers like the others; so
-  does a transient Redis error, and a recipe that augments its steps (``recipe``'s
-  ``augment``) is formed by them.
+  and the prefetch fill's own functions (:class:`~orchestrator.adapters.sb3.rollout_claw.
+  CommitHere`, :func:`orchestrator.delivery.rollouts.form`: the same checks, commit, done
+  record, version checks and lineage), without the broker hop and the worker task
+  between SB3's last step and its rollout (most of the rollout path's time: 1.03-1.08x
+  SB3's wall against 1.22x through the workers, docs/benchmarks.md). It gives up the
+  Celery task (no task events, Flower does not see those messages), reads the ingest
+  limits from the learner's environment, and spends the learner's CPU on the commit
+  and the forming (the namespace's sampling index attached in this process, let go on
+  ``close()``). A transient Redis error sends the message through the workers after
+  all, and a recipe that augments its steps (``recipe``'s ``augment``) is formed by them.
 - ``get(batch_size)`` (``train()``) yields one epoch of the rollout Claw served: all
   ``n_steps * n_envs`` steps with the advantages and returns Claw formed and the
   behaviour's log-probs and values, in SB3's minibatches (each step in exactly one
@@ -132,8 +137,9 @@ class ClawRolloutBuffer(RolloutBuffer):
     at most the rollout);
     ``recipe`` overrides keys of the rollout recipe; ``timeout`` bounds a pop;
     ``policy_version`` what each rollout is recorded as training in the lineage log (the
-    module docstring); ``form_here`` whether the rollout's last message is committed and
-    the rollout formed here (the module docstring) or by the workers.
+    module docstring); ``form_here`` (opt-in) commits the rollout's last message and forms the
+    rollout in this process instead of the workers (the module docstring: what it gains
+    and gives up).
     """
 
     @refuse_renamed
@@ -158,7 +164,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         seed: int | None = None,
         timeout: float | None = 60.0,
         policy_version: PolicyVersion = "rollouts",
-        form_here: bool = True,
+        form_here: bool = False,
     ) -> None:
         self._init_sb3(buffer_size, observation_space, action_space, device, n_envs)
         self.gae_lambda, self.gamma = gae_lambda, gamma
