@@ -22,6 +22,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.utils import get_device
 
 from claw_tasks.store import Store
+from claw_tasks.worker import context
 from orchestrator.adapters.sb3 import ClawDictRolloutBuffer, ClawRolloutBuffer
 from orchestrator.delivery.lineage import LineageLog
 
@@ -175,7 +176,10 @@ def test_a_rollout_of_one_message_is_formed_in_the_learners_process(redis_url, n
     assert st["state"].startswith("rollout 2 of policy_version 1")
     log = LineageLog(Store(redis_url, namespace))
     assert log.counts() == {"1": 1, "2": 1} and {e.rows for e in log.entries()} == {64}
+    held = lambda: {key[-2] for key in context.contexts}  # noqa: E731
+    assert namespace in held()  # forming here attached the namespace's index in this process
     claw.close()
+    assert namespace not in held()  # and close() lets it go
 
 
 def test_a_reused_namespace_serves_each_buffer_its_own_steps(redis_url, namespace, workers):
