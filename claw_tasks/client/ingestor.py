@@ -301,8 +301,8 @@ class Ingestor(Buffering):
         ``deliver``: called with each message's task args instead of publishing it
         (:data:`~claw_tasks.client.sending.Deliver`), by a caller that commits the
         batch itself with the ingest worker's code and waits for it (an on-policy learner
-        committing a rollout's last steps: ``ClawRolloutBuffer``); a message it returns
-        False for is published.
+        committing a rollout's last steps: ``ClawRolloutBuffer(form_here=True)``); a
+        message it returns False for is published.
         """
         cols = dict(columns)
         missing = [

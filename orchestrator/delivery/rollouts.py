@@ -31,8 +31,9 @@ worker process that committed (``orchestrator.delivery.prefetch``, on the ingest
 (no poll, no second task), and no pool process is held while the steps are still coming
 (the ingest tasks that bring them need those processes). Forming removes the recipe from
 the set in the same transaction. A learner that commits a rollout's last steps in its own
-process (with the ingest task's code: ``ClawRolloutBuffer``) runs the same sweep there
-next, :func:`form`: no broker hop nor worker task between its last steps and its rollout.
+process (with the ingest task's code: ``ClawRolloutBuffer(form_here=True)``, an opt-in)
+runs the same sweep there next, :func:`form`: no broker hop nor worker task between its
+last steps and its rollout.
 
 Each sweep also counts *dropped-stale* steps: candidates of versions below the window that
 no rollout took; they are never served.
