@@ -1,7 +1,7 @@
 """SB3 PPO on CartPole-v1 with SB3's own RolloutBuffer vs ClawRolloutBuffer, in one run.
 
     .venv/bin/python bench/sb3_ppo.py [--steps 100000] [--chunk 2560]
-        [--variants "sb3;claw"] [--eval-episodes 20]
+        [--variants "sb3;claw;claw:form_here=1"] [--eval-episodes 20]
 
 rl-zoo hyperparameters (8 envs x 32 steps, minibatch 256, 20 epochs, gamma 0.98, GAE
 lambda 0.8, linear lr 1e-3 and clip 0.2 over the whole run, no entropy bonus), seed 0,
@@ -14,7 +14,9 @@ the trainer's CPU (the process's, its threads included), the time in ``get()`` (
 for and converting the rollout Claw serves) and in ``compute_returns_and_advantage``,
 the worker's and Redis's CPU seconds, and the final deterministic evaluation (mean
 return of ``--eval-episodes`` episodes). ``claw:write_every=32`` passes integer kwargs to
-the buffer; variants are separated by ``;``. Prints markdown.
+the buffer; variants are separated by ``;``. By default SB3's buffer, Claw's through the
+workers (``claw``) and Claw's ``form_here=True`` opt-in (``claw:form_here=1``: the
+rollout committed and formed in the learner's process). Prints markdown.
 """
 
 from __future__ import annotations
@@ -151,7 +153,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--chunk", type=int, default=2560, help="steps per turn of each variant")
-    ap.add_argument("--variants", default="sb3;claw", help="sb3, claw or claw:KEY=INT (kwargs)")
+    ap.add_argument(
+        "--variants", default="sb3;claw;claw:form_here=1", help="sb3, claw or claw:KEY=INT (kwargs)"
+    )
     ap.add_argument("--eval-episodes", type=int, default=20)
     a = ap.parse_args()
     torch.set_num_threads(1)

@@ -32,7 +32,7 @@ from claw_tasks.client.checks import (
 )
 from claw_tasks.client.columns import StepColumns
 from claw_tasks.client.episode import Episode
-from claw_tasks.client.sending import FlushResult, Inflight
+from claw_tasks.client.sending import Deliver, FlushResult, Inflight
 from claw_tasks.format.batch import STR_META, StepBatch, as_stored, info_problem, tag_value_problem
 from claw_tasks.format.schema import MAX_STEP_BYTES, Schema, SchemaError
 from claw_tasks.format.turns import prompt_key, turn_fields, turn_info
@@ -288,7 +288,7 @@ class Ingestor(Buffering):
         )
         self._buffer(step)
 
-    def add_batch(self, columns: Mapping[str, Any]) -> int:
+    def add_batch(self, columns: Mapping[str, Any], *, deliver: Deliver | None = None) -> int:
         """Add many steps at once from columns (vectorized producers).
 
         Required: ``obs``, ``action``, ``reward``, ``episode_id`` (one id, one per row, or a
@@ -297,6 +297,12 @@ class Ingestor(Buffering):
         ``agent_id``/``task_id``/``skill_tag``/``reward_source`` (one value or one per
         row), ``tags`` (name -> value or column), further payload arrays
         under ``fields``. Raises before sending anything if any row is bad.
+
+        ``deliver``: called with each message's task args instead of publishing it
+        (:data:`~claw_tasks.client.sending.Deliver`), by a caller that commits the
+        batch itself with the ingest worker's code and waits for it (an on-policy learner
+        committing a rollout's last steps: ``ClawRolloutBuffer(form_here=True)``); a
+        message it returns False for is published.
         """
         cols = dict(columns)
         missing = [
@@ -329,7 +335,7 @@ class Ingestor(Buffering):
             stop = min(n, start + self.flush_steps)
             part = batch if stop - start == n else batch.take(slice(start, stop))  # views
             part.batch_id = f"{batch.batch_id}.{start}"
-            self._send_or_keep(part)
+            self._send_or_keep(part, deliver)
         return n
 
     # ---- validation ----------------------------------------------------------------

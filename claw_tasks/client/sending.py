@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -48,6 +49,12 @@ class FlushResult:
     errors: list[str] = field(default_factory=list)
 
 
+Deliver = Callable[[list[Any]], bool]
+"""What :meth:`Ingestor.add_batch`'s ``deliver`` is: called with a message's task args (as
+the ingest task receives them) instead of publishing them; True once the batch is
+delivered (committed: its done record is written), False to have it published after all."""
+
+
 @dataclass
 class Inflight:
     args: list[Any]
@@ -75,10 +82,11 @@ class Sender:
     _unsent: list[StepBatch]
     _sending: int
 
-    def _send_or_keep(self, batch: StepBatch) -> None:
-        """Send; if that fails (broker or Redis down), keep the batch for the next try."""
+    def _send_or_keep(self, batch: StepBatch, deliver: Deliver | None = None) -> None:
+        """Send (``deliver``: see :data:`Deliver`); if that fails (broker or Redis down),
+        keep the batch for the next try (published then)."""
         try:
-            self._send(batch)
+            self._send(batch, deliver)
         except Exception:
             with self._lock:
                 self._unsent.append(batch)
@@ -97,7 +105,7 @@ class Sender:
                 with self._lock:
                     self._sending -= 1
 
-    def _send(self, batch: StepBatch) -> None:
+    def _send(self, batch: StepBatch, deliver: Deliver | None = None) -> None:
         """Publish a batch, in messages of at most a shard's capacity (``cap`` steps): a
         message of more would take every slot of its shard's ring and overwrite its own
         steps, so the ingest worker refuses one whole (dead letter ``size``). Split here,
@@ -105,14 +113,14 @@ class Sender:
         parts' ids derive from the batch's, so a re-send stays idempotent."""
         cap = self.store.config().cap
         if batch.n <= cap:
-            self._send_message(batch)
+            self._send_message(batch, deliver)
             return
         for start in range(0, batch.n, cap):
             part = batch.take(slice(start, min(batch.n, start + cap)))  # views
             part.batch_id = f"{batch.batch_id}.c{start}"
-            self._send_message(part)
+            self._send_message(part, deliver)
 
-    def _send_message(self, batch: StepBatch) -> None:
+    def _send_message(self, batch: StepBatch, deliver: Deliver | None = None) -> None:
         """Publish a batch that fits a shard. Large fixed-shape payloads skip the message
         entirely: they are written in place into freshly allocated slots (one SETRANGE per
         chunk run), and the task carries only metadata, which the commit makes visible
@@ -125,7 +133,7 @@ class Sender:
             k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray) and k not in codecs
         }  # a compressed field travels in the message (encoded here or by the worker)
         if sum(v.nbytes for v in fixed.values()) <= self.claim_check_bytes:
-            self._publish_batch(batch)
+            self._publish_batch(batch, None, deliver)
             return
         self.store.revalidate()  # never write in place into a dropped namespace
         self.schema = self.store.ensure_schema(batch.schema())
@@ -135,7 +143,7 @@ class Sender:
             self.store.place(shard, seq0, {k: cast(np.ndarray, part.fields[k]) for k in fixed})
             for k, v in fixed.items():
                 part.fields[k] = Placed(v.dtype, (part.n, *v.shape[1:]))
-            self._publish_batch(part, INLINE_BYTES)
+            self._publish_batch(part, INLINE_BYTES, deliver)
 
     def _by_shard(self, batch: StepBatch) -> list[tuple[int, StepBatch]]:
         n_shards = self.store.config().n_shards
@@ -151,9 +159,12 @@ class Sender:
             parts.append((shard, part))
         return parts
 
-    def _publish_batch(self, batch: StepBatch, inline_bytes: int | None = None) -> None:
-        """Publish ``batch``'s message; a payload over ``inline_bytes`` (default:
-        ``claim_check_bytes``) goes by claim check."""
+    def _publish_batch(
+        self, batch: StepBatch, inline_bytes: int | None = None, deliver: Deliver | None = None
+    ) -> None:
+        """Publish ``batch``'s message (or hand it to ``deliver``); a payload over
+        ``inline_bytes`` (default: ``claim_check_bytes``) goes by claim check. A delivered
+        batch is tracked as a published one: its done record confirms it."""
         payload = batch.encode()
         if len(payload) > min(self.claim_check_bytes, inline_bytes or self.claim_check_bytes):
             key = staging_key(self.namespace, batch.batch_id)
@@ -161,7 +172,8 @@ class Sender:
             args = IngestArgs(self.namespace, batch.batch_id, None, key).to_args()
         else:
             args = IngestArgs(self.namespace, batch.batch_id, payload, None).to_args()
-        self._publish(args)
+        if deliver is None or not deliver(args):
+            self._publish(args)
         with self._lock:
             self._inflight[batch.batch_id] = Inflight(args, time.monotonic())
 

@@ -58,8 +58,8 @@ POLICY_VERSIONS: dict[str, str] = {
 """The counters ``policy_version`` may name, one meaning each across adapters."""
 
 DEFAULTS_DIFFER: dict[tuple[str, str], str] = {
-    ("ClawRolloutBuffer", "timeout"): "60.0: a pop waits for the workers to form the whole "
-    "rollout just written (n_steps x n_envs steps), not for a prefetched batch",
+    ("ClawRolloutBuffer", "timeout"): "60.0: a pop waits for the whole rollout just written "
+    "(n_steps x n_envs steps) to be formed, not for a prefetched batch",
     ("ClawDictRolloutBuffer", "timeout"): "as ClawRolloutBuffer",
     ("ClawRollouts", "timeout"): "300.0: a pop waits for LLM agents to finish whole groups",
     **{

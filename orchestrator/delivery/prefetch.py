@@ -234,8 +234,8 @@ def form_waiting_rollouts(namespace: str, **_: Any) -> None:
     fill waits in a pool process for them, no task is sent: rollouts.py). One ``SMEMBERS``
     per commit when none waits."""
     reg = Registry(store_for(namespace))
-    for name in reg.r.smembers(reg.rollouts_waiting_key):
-        run_fill(reg, name.decode())  # its state recorded, an error logged once
+    for name in rollouts.waiting(reg):
+        run_fill(reg, name)  # its state recorded, an error logged once
 
 
 class FillError(RuntimeError):

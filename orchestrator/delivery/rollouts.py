@@ -30,7 +30,10 @@ worker process that committed (``orchestrator.delivery.prefetch``, on the ingest
 ``committed`` signal), so the commit that completes a rollout forms and serves it at once
 (no poll, no second task), and no pool process is held while the steps are still coming
 (the ingest tasks that bring them need those processes). Forming removes the recipe from
-the set in the same transaction.
+the set in the same transaction. A learner that commits a rollout's last steps in its own
+process (with the ingest task's code: ``ClawRolloutBuffer(form_here=True)``, an opt-in)
+runs the same sweep there next, :func:`form`: no broker hop nor worker task between its
+last steps and its rollout.
 
 Each sweep also counts *dropped-stale* steps: candidates of versions below the window that
 no rollout took; they are never served.
@@ -58,13 +61,19 @@ minibatches (as for every recipe) and serves the rollout again from its first mi
 
 from __future__ import annotations
 
+import logging
+
+from claw_tasks.store import NamespaceError
 from orchestrator.delivery.registry import Entry, Registry
 from orchestrator.delivery.rollout_forming import FORMED, sweep
 from orchestrator.delivery.rollout_serving import serve
 from orchestrator.delivery.rollout_state import Plan, permutation, read_state
 from orchestrator.transforms.augment import AugmentPlan
 
-__all__ = ["permutation", "run"]  # permutation: the documented path of the epochs' order
+# permutation: the documented path of the epochs' order
+__all__ = ["form", "permutation", "run", "waiting"]
+
+log = logging.getLogger(__name__)
 
 
 def run(reg: Registry, entry: Entry, augment: AugmentPlan | None) -> tuple[int, str]:
@@ -99,3 +108,31 @@ def run(reg: Registry, entry: Entry, augment: AugmentPlan | None) -> tuple[int, 
     if isinstance(got, str):
         return 0, got
     return serve(reg, entry, augment, got, 0)
+
+
+def waiting(reg: Registry) -> list[str]:
+    """The namespace's rollout recipes waiting for steps (what a commit hook sweeps)."""
+    return sorted(n.decode() for n in reg.r.smembers(reg.rollouts_waiting_key))
+
+
+def form(reg: Registry, name: str) -> tuple[int, str] | None:
+    """What an ingest worker's commit hook does for rollout recipe ``name``, in this
+    process: one fill (:func:`run`), which forms and serves the rollout if the steps
+    committed so far complete it. For a learner that committed its rollout's last steps
+    itself. Returns (minibatches pushed, state), the state to be recorded as a fill's
+    (``reg.bump(name, state=state)``); None for a recipe that is not a rollout recipe or
+    augments its steps (the workers' fill builds the augmentation: left to them). A
+    failure is the state (``error: ...``), logged, never raised: the rollout then waits
+    for the workers' next fill, as after a failed commit hook."""
+    entry = reg.get(name)
+    if entry is None:
+        return 0, "unregistered"
+    if entry.recipe.rollout is None or entry.recipe.augment:
+        return None
+    try:
+        return run(reg, entry, None)
+    except NamespaceError as e:
+        return 0, f"insufficient data: {e}"
+    except Exception as e:  # recorded as a fill's state; the workers' next fill tries again
+        log.exception("forming rollout %s/%s failed", reg.ns, name)
+        return 0, f"error: {type(e).__name__}: {e}"

@@ -12,7 +12,9 @@ import pytest
 from claw_tasks.broker.app import client_app
 from claw_tasks.client import Ingestor
 from claw_tasks.format.stepmeta import episode_code
+from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from claw_tasks.worker import ingest
 from tests.support.hostile import outcomes
 from tests.support.producer import outcome, send_unchecked
 
@@ -178,6 +180,44 @@ def test_add_batch_vectorized_and_claim_check(redis_url, broker_url, namespace, 
     got = store.episode("3")
     np.testing.assert_array_equal(got["obs"], obs[1500:2000])
     np.testing.assert_array_equal(got["next_obs"][:-1], obs[1501:2000])
+
+
+def test_add_batch_deliver_commits_in_the_caller_or_publishes(
+    redis_url, broker_url, namespace, ingest_worker
+):
+    """``deliver`` gets each message's task args: one it commits itself (here with the
+    ingest task's own code) is stored before ``add_batch`` returns and never published;
+    one it declines (False) is published and a worker commits it. ``close`` confirms both
+    by their done records."""
+    store = Store(redis_url, namespace)
+    ing = _ingestor(redis_url, broker_url, namespace)
+    committed, declined = [], []
+
+    def commit(args):
+        limits = get_settings().limits
+        committed.append(ingest.run(store.r, args, {}, limits, lambda _ns: store))
+        return True
+
+    def decline(args):
+        declined.append(args)
+        return False
+
+    def columns(episode: str) -> dict:
+        n = 10
+        return {
+            "obs": np.full((n, 4), float(len(committed)), np.float32),
+            "action": np.zeros(n, np.int64),
+            "reward": np.ones(n),
+            "episode_id": episode,
+            "step_index": np.arange(n),
+        }
+
+    ing.add_batch(columns("a"), deliver=commit)
+    assert [o.committed for o in committed] == [10]
+    assert len(store.episode("a")["reward"]) == 10  # stored already: no worker involved
+    ing.add_batch(columns("b"), deliver=decline)
+    assert len(declined) == 1 and len(committed) == 1
+    assert ing.close().committed == 20
 
 
 @pytest.mark.both_stores

@@ -22,6 +22,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.utils import get_device
 
 from claw_tasks.store import Store
+from claw_tasks.worker import context
 from orchestrator.adapters.sb3 import ClawDictRolloutBuffer, ClawRolloutBuffer
 from orchestrator.delivery.lineage import LineageLog
 
@@ -97,8 +98,9 @@ def _served(buf: ClawRolloutBuffer, batch_size: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("write_every", [None, 5])  # one message a rollout, or four
+@pytest.mark.parametrize("form_here", [True, False], ids=["formed-here", "by-workers"])
 def test_gae_and_returns_equal_sb3_with_terminated_truncated_and_running_episodes(
-    redis_url, namespace, workers, write_every
+    redis_url, namespace, workers, write_every, form_here
 ):
     n_steps, n_envs, gamma, lam = 16, 4, 0.97, 0.9
     space = spaces.Box(-np.inf, np.inf, (4,), np.float32)
@@ -112,7 +114,7 @@ def test_gae_and_returns_equal_sb3_with_terminated_truncated_and_running_episode
         lam,
         gamma,
         n_envs,
-        **_kw(redis_url, namespace, write_every=write_every),
+        **_kw(redis_url, namespace, write_every=write_every, form_here=form_here),
     )
     collect = Collect(n_envs, gamma)
     running = 0
@@ -139,6 +141,45 @@ def test_gae_and_returns_equal_sb3_with_terminated_truncated_and_running_episode
     st = claw.client.stats(claw.recipe_name)[claw.recipe_name]["rollout"]
     assert (st["rollouts"], st["dropped_stale"], st["lost"]) == (3, 0, 0)
     claw.close()
+
+
+def test_a_rollout_of_one_message_is_formed_in_the_learners_process(redis_url, namespace):
+    """With ``form_here=True`` (an opt-in) the rollout's last message is committed and the
+    rollout formed and served in the learner's process with the workers' own code: no
+    worker runs here, yet each rollout is served with SB3's advantages, recorded in the
+    lineage log once, counted as a worker's fill counts it."""
+    n_steps, n_envs, gamma, lam = 16, 4, 0.97, 0.9
+    space, act = spaces.Box(-np.inf, np.inf, (4,), np.float32), spaces.Discrete(2)
+    ref = RolloutBuffer(n_steps, space, act, "cpu", gae_lambda=lam, gamma=gamma, n_envs=n_envs)
+    claw = ClawRolloutBuffer(
+        n_steps,
+        space,
+        act,
+        "cpu",
+        lam,
+        gamma,
+        n_envs,
+        **_kw(redis_url, namespace, timeout=5, form_here=True),
+    )
+    collect = Collect(n_envs, gamma)
+    for k in range(2):
+        collect.rollout([ref, claw], n_steps, k)
+        got = _served(claw, batch_size=32)
+        t, e = got["t"], got["env"]
+        assert sorted(t * n_envs + e) == list(range(n_steps * n_envs))
+        assert (got["observations"][:, 2] == k).all()
+        np.testing.assert_allclose(got["advantages"], ref.advantages[t, e], **TOL)
+        np.testing.assert_allclose(got["returns"], ref.returns[t, e], **TOL)
+    claw.writer.wait(10)  # the fill's state is recorded by the writer thread
+    st = claw.client.stats(claw.recipe_name)[claw.recipe_name]
+    assert (st["rollout"]["rollouts"], st["rollout"]["lost"]) == (2, 0)
+    assert st["state"].startswith("rollout 2 of policy_version 1")
+    log = LineageLog(Store(redis_url, namespace))
+    assert log.counts() == {"1": 1, "2": 1} and {e.rows for e in log.entries()} == {64}
+    held = lambda: {key[-2] for key in context.contexts}  # noqa: E731
+    assert namespace in held()  # forming here attached the namespace's index in this process
+    claw.close()
+    assert namespace not in held()  # and close() lets it go
 
 
 def test_a_reused_namespace_serves_each_buffer_its_own_steps(redis_url, namespace, workers):

@@ -17,11 +17,24 @@ The algorithm's own loop runs unchanged:
 - ``compute_returns_and_advantage`` writes each env's last row (terminated if ``dones``,
   else with ``bootstrap_value`` = SB3's ``last_values``) and computes SB3's numbers here
   with SB3's own code (``advantages``, ``returns``: what PPO's explained variance and
-  callbacks read). The prefetch workers compute the same GAE over the same chains (a
-  ``rollout`` recipe, docs/recipes.md "On-policy"; equal to 1e-6, tested) and serve the
-  rollout with it.
+  callbacks read). Claw forms the rollout from the stored steps with the same GAE over
+  the same chains (a ``rollout`` recipe, docs/recipes.md "On-policy"; equal to 1e-6,
+  tested) and serves it with it: by default the ingest and prefetch workers, as every
+  Claw write (a Celery task: Flower sees it, the workers' settings and limits apply).
+  ``form_here=True`` is a trade-off the learner opts into: the rollout's last message is
+  committed, and the rollout formed and served, in this process, with the ingest task's
+  and the prefetch fill's own functions (:class:`~orchestrator.adapters.sb3.rollout_claw.
+  CommitHere`, :func:`orchestrator.delivery.rollouts.form`: the same checks, commit, done
+  record, version checks and lineage), without the broker hop and the worker task
+  between SB3's last step and its rollout (most of the rollout path's time: 1.03-1.08x
+  SB3's wall against 1.22x through the workers, docs/benchmarks.md). It gives up the
+  Celery task (no task events, Flower does not see those messages), reads the ingest
+  limits from the learner's environment, and spends the learner's CPU on the commit
+  and the forming (the namespace's sampling index attached in this process, let go on
+  ``close()``). A transient Redis error sends the message through the workers after
+  all, and a recipe that augments its steps (``recipe``'s ``augment``) is formed by them.
 - ``get(batch_size)`` (``train()``) yields one epoch of the rollout Claw served: all
-  ``n_steps * n_envs`` steps with the workers' advantages and returns and the
+  ``n_steps * n_envs`` steps with the advantages and returns Claw formed and the
   behaviour's log-probs and values, in SB3's minibatches (each step in exactly one
   minibatch per epoch; any ``batch_size``, A2C's ``None`` included). The rollout crosses
   Redis once, as one message holding its first epoch; epoch e is the same rows in the
@@ -76,6 +89,7 @@ from stable_baselines3.common.buffers import BaseBuffer, RolloutBuffer
 from stable_baselines3.common.type_aliases import RolloutBufferSamples
 
 from claw_tasks.format.columns import StrColumn
+from claw_tasks.format.message import IngestOutcome
 from claw_tasks.format.schema import BOOTSTRAP_VALUE, LOG_PROB, VALUE, Schema
 from claw_tasks.settings import get_settings
 from orchestrator.adapters.defaults import global_seed
@@ -83,12 +97,14 @@ from orchestrator.adapters.options import refuse_renamed
 from orchestrator.adapters.sb3.epochs import first_positions, minibatches, pop_rollout
 from orchestrator.adapters.sb3.rollout_claw import (
     RUN_TAG,
+    CommitHere,
     Writer,
     close_rollout,
     open_ingestor,
     rollout_recipe,
 )
 from orchestrator.adapters.versions import PolicyVersion, Versions
+from orchestrator.delivery import rollouts
 from orchestrator.delivery.client import BatchClient
 from orchestrator.sampling.batch import Batch
 
@@ -121,7 +137,9 @@ class ClawRolloutBuffer(RolloutBuffer):
     at most the rollout);
     ``recipe`` overrides keys of the rollout recipe; ``timeout`` bounds a pop;
     ``policy_version`` what each rollout is recorded as training in the lineage log (the
-    module docstring).
+    module docstring); ``form_here`` (opt-in) commits the rollout's last message and forms the
+    rollout in this process instead of the workers (the module docstring: what it gains
+    and gives up).
     """
 
     @refuse_renamed
@@ -146,6 +164,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         seed: int | None = None,
         timeout: float | None = 60.0,
         policy_version: PolicyVersion = "rollouts",
+        form_here: bool = False,
     ) -> None:
         self._init_sb3(buffer_size, observation_space, action_space, device, n_envs)
         self.gae_lambda, self.gamma = gae_lambda, gamma
@@ -159,6 +178,9 @@ class ClawRolloutBuffer(RolloutBuffer):
         self.seed = global_seed() if seed is None else int(seed)
         self.recipe_name = f"sb3ppo-{uuid.uuid4().hex[:8]}"
         self._overrides = dict(recipe or {})
+        # An augmenting recipe is formed by the workers: its augmentation plans live there
+        here = form_here and not self._overrides.get("augment")
+        self._here = CommitHere(self.ingestor.store) if here else None
         self._run = uuid.uuid4().hex[:12]  # on every step; episode ids <run>.<env>.<number>
         self._ep_no = np.zeros(n_envs, np.int64)  # each env's current episode (from 1)
         self._open = np.zeros(n_envs, bool)  # whether it has one
@@ -394,7 +416,7 @@ class ClawRolloutBuffer(RolloutBuffer):
             **self._meta,
         }
         if now:
-            self.ingestor.add_batch(columns)
+            self.ingestor.add_batch(columns, deliver=self._here)
         else:
             self.writer.submit(self.ingestor.add_batch, columns)
         self._written = stop
@@ -419,8 +441,36 @@ class ClawRolloutBuffer(RolloutBuffer):
         done = np.asarray(dones).reshape(n).astype(bool)
         super().compute_returns_and_advantage(th.as_tensor(lv), done)
         self.writer.wait(self.timeout)  # its messages first (they are in order)
+        if self._here is not None:
+            self._here.outcomes.clear()
         self._write(self.buffer_size, lv.astype(np.float64), done, now=True)
         self._finished = True  # the commit of these rows forms the rollout (no fill asked)
+        if self._here is not None and self._here.outcomes:
+            self._form_here(self._here.outcomes)
+
+    def _form_here(self, outcomes: list[IngestOutcome]) -> None:
+        """After the rollout's last message was committed here: what the ingest worker's
+        commit hook would do next, here (form and serve the rollout once its steps are
+        all committed; the fill's state recorded off this thread)."""
+        refused = [o for o in outcomes if o.rejected or o.errors]
+        if refused:
+            raise RuntimeError(
+                f"the store refused {sum(o.rejected for o in refused)} of the rollout's last "
+                "steps: " + "; ".join(e for o in refused for e in o.errors)[:2000]
+            )
+        got = rollouts.form(self.client.registry, self.recipe_name)
+        self.writer.submit(self._after_forming, None if got is None else got[1])
+
+    def _after_forming(self, state: str | None) -> None:
+        """Off SB3's thread: record this recipe's fill state, and form the namespace's
+        other waiting rollout recipes, as the commit hook forms every one (another
+        learner's recipe over these steps)."""
+        reg = self.client.registry
+        if state is not None:
+            reg.bump(self.recipe_name, state=state)
+        for name in rollouts.waiting(reg):
+            if name != self.recipe_name and (got := rollouts.form(reg, name)) is not None:
+                reg.bump(name, state=got[1])
 
     # ---- training ----------------------------------------------------------------------
     def get(self, batch_size: int | None = None) -> Generator[Any, None, None]:
@@ -430,8 +480,7 @@ class ClawRolloutBuffer(RolloutBuffer):
         assert self.full, ""
         if not self._finished:  # SB3 allows get() without it: nothing bootstraps then
             self.compute_returns_and_advantage(th.zeros(self.n_envs), np.zeros(self.n_envs))
-        if self._epoch is None:
-            self.writer.wait(self.timeout)  # the rollout's last rows are sent
+        if self._epoch is None:  # its last rows were sent by compute_returns_and_advantage
             self._epoch = self._pop_rollout()
         data, first, seed, no = self._epoch
         e, self._epochs = self._epochs, self._epochs + 1

@@ -1,6 +1,7 @@
 """What a :class:`~orchestrator.adapters.sb3.rollout.ClawRolloutBuffer` holds in Claw: its
 namespace's Ingestor, its ``rollout`` recipe, the :class:`Writer` thread its calls to
-Claw run in, and their closing (on ``close()``, garbage collection or exit)."""
+Claw run in, the in-process commit of a rollout's last steps (:class:`CommitHere`), and
+their closing (on ``close()``, garbage collection or exit)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from claw_tasks.client import Ingestor
+from claw_tasks.format.message import IngestOutcome
 from claw_tasks.format.schema import Schema
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
+from claw_tasks.worker import context, ingest
 from orchestrator.delivery.client import BatchClient
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,32 @@ class Writer:
     def close(self) -> None:
         self._calls.put(None)
         self._thread.join(timeout=60)
+
+
+class CommitHere:
+    """An ``Ingestor.add_batch`` ``deliver``: commits a message in this process with the
+    ingest task's own code (:func:`claw_tasks.worker.ingest.run`: the same checks, the
+    same idempotent commit, done record and dead letters as a worker's), for a learner
+    that waits for the commit next. A transient Redis error leaves the message to be
+    published (a worker retries it, as it would its own). ``outcomes``: those of the
+    messages committed here since the caller last emptied it."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.outcomes: list[IngestOutcome] = []
+
+    def __call__(self, args: list[Any]) -> bool:
+        try:
+            outcome = ingest.run(
+                self.store.r, args, {}, get_settings().limits, lambda _ns: self.store
+            )
+        except Exception as e:
+            if not ingest.is_transient(e):
+                raise
+            log.warning("committing a rollout's last steps here failed (%s): published", e)
+            return False
+        self.outcomes.append(outcome)
+        return True
 
 
 def open_ingestor(
@@ -140,8 +169,13 @@ def rollout_recipe(
 def close_rollout(
     writer: Writer, ingestor: Ingestor, client: BatchClient, names: list[str]
 ) -> None:
-    """Stop the writer, close the Ingestor, unregister the recipes; never raises."""
+    """Stop the writer, close the Ingestor, unregister the recipes, let go of what forming
+    rollouts here held (the namespace's sampling index in this process); never raises."""
     writer.close()
+    try:
+        context.forget(ingestor.namespace, dropped=False)
+    except Exception as e:
+        log.warning("closing a ClawRolloutBuffer's sampling index: %s: %s", type(e).__name__, e)
     try:
         ingestor.close(timeout=10.0)
     except Exception as e:  # at exit or in GC: never raise
