@@ -254,7 +254,9 @@ def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_pat
     lock = store.owned_key("archive-lock")
     wait_until(lambda: not r.exists(lock), "the dead run's lock to lapse")
 
-    start_worker("maintenance", CLAW_ARCHIVE_LOCK_TTL="2")
+    # The default TTL (60 s) for the re-run: at 2 s its own lock lapsed between two
+    # files' extends on a loaded machine, and the run stopped ("the run stalled").
+    start_worker("maintenance")
     send(store, root)
     wait_until(
         lambda: archived(store) == n and not r.exists(lock),
