@@ -274,7 +274,9 @@ class SharedIndex(SamplingIndex):
     def _write(self, read: LogRead | None) -> None:
         hdr = self._hdr
         assert hdr is not None
-        hdr[H_WROTE] = time.monotonic_ns()  # the columns are as of the logs read after this
+        # The columns are as of the logs read after this (or of the pages a fetch read a
+        # moment before, when this write applies them).
+        hdr[H_WROTE] = time.monotonic_ns()
         state = self._read_state() if not hdr[H_DIRTY] else {}
         hdr[H_DIRTY] = 1
         self.columns = {}
