@@ -32,6 +32,7 @@ import redis
 import torch
 from stable_baselines3 import DQN
 from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.logger import Logger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -91,6 +92,7 @@ def run(cls: type, steps: int, kwargs: dict) -> tuple[float, ReplayBuffer, dict[
         replay_buffer_kwargs=kwargs,
         **ZOO,
     )
+    model.set_logger(Logger(None, []))  # SB3's default makes a SB3-<time> folder in /tmp
     before = thread_cpu()
     t = time.perf_counter()
     model.learn(total_timesteps=steps)

@@ -42,6 +42,7 @@ from stable_baselines3 import PPO  # noqa: E402
 from stable_baselines3.common.buffers import RolloutBuffer  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
+from stable_baselines3.common.logger import Logger  # noqa: E402
 
 from bench.cpu import group_cpu, redis_cpu  # noqa: E402
 from claw_tasks.settings import get_settings  # noqa: E402
@@ -143,6 +144,7 @@ def make(name: str, total: int, k: int) -> Run:
         **ZOO,
     )
     model.total = total
+    model.set_logger(Logger(None, []))  # SB3's default: a SB3-<time> folder in /tmp per learn()
     return Run(name, model)
 
 

@@ -11,9 +11,10 @@ every process of that host serving the namespace maps them:
   row half written. The writer of a sync is whichever process asks first (no standing
   leader): it applies the change logs exactly as a private index does, into the shared
   columns. A process that asked while another one wrote skips its own sync if that one
-  started after it asked (it would read the same log entries); one that finds others
-  reading columns written less than ``MAX_LAG_S`` ago reads them too instead of waiting
-  to write (else the pool's processes would sample one at a time).
+  started reading the logs after it asked (it would read the same log entries; a write
+  applying pages its caller read before, a fetch's tail, does not count); one that
+  finds others reading columns written less than ``MAX_LAG_S`` ago reads them too
+  instead of waiting to write (else the pool's processes would sample one at a time).
 - ``clawidx-<key>.ctl``: a header of counters, the writer's state (the log positions, the
   namespace config, the columns' layout: JSON) and a ring of the rows each sync changed,
   from which every process refreshes its own samplers (one that fell a ring behind, or
@@ -273,8 +274,9 @@ class SharedIndex(SamplingIndex):
     def _write(self, read: LogRead | None) -> None:
         hdr = self._hdr
         assert hdr is not None
-        hdr[H_STARTED] += 1
-        hdr[H_WROTE] = time.monotonic_ns()  # the columns are as of the logs read after this
+        # The columns are as of the logs read after this (or of the pages a fetch read a
+        # moment before, when this write applies them).
+        hdr[H_WROTE] = time.monotonic_ns()
         state = self._read_state() if not hdr[H_DIRTY] else {}
         hdr[H_DIRTY] = 1
         self.columns = {}
@@ -282,6 +284,12 @@ class SharedIndex(SamplingIndex):
             self._load_state(state)
             self.columns = self._writable
             self.log_last, self.log_seen = list(state["last"]), list(state["seen"])
+        if not self.columns or read is None or read.at(self.log_last, self.log_seen) is None:
+            # This write reads the logs from here on: a process that asked before now
+            # may take its columns for its own sync. One that applies pages its caller
+            # read earlier (a fetch's tail) must not count: a commit between that read
+            # and now is not in them.
+            hdr[H_STARTED] += 1
         rows = self.apply_logs(read)  # a failure leaves it dirty: the next one rebuilds
         if rows is None or self.forgotten or len(rows) > len(self._ring):  # type: ignore[arg-type]  # the ring is mapped while the index is held
             hdr[H_REBUILDS] += 1

@@ -217,9 +217,68 @@ def test_archive_restore_every_field_label_and_tag(redis_url, namespace, tmp_pat
 
 
 def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_path, start_worker, r):
+    n = 10_000
+    app = sender(redis_url)
+
+    def send(store: Store, root: Path) -> None:
+        # Small files: many runs, so the kill lands in the middle of the archive.
+        app.send_task(
+            "claw.maintenance.archive",
+            args=[store.namespace, str(root)],
+            kwargs={"chunk_bytes": 8192},
+            queue="maintenance",
+        )
+
+    def archived(store: Store) -> int:
+        return sum(int(v or 0) for v in r.mget(store.layout_keys.archived(s) for s in range(2)))
+
+    worker = start_worker("maintenance", CLAW_ARCHIVE_LOCK_TTL="2")
+    # The kill must land mid-archive. Writes are held (reads go on) from the check until
+    # the worker is dead, so it cannot finish between the two; but this process may be
+    # descheduled for as long as the whole archive takes (seconds) before its check: a
+    # run found finished proves nothing and is done again on a new namespace.
+    for attempt in range(3):
+        store = _steps_in_two_shards(redis_url, f"{namespace}-{attempt}", n)
+        root = tmp_path / str(attempt)
+        send(store, root)
+        wait_until(lambda store=store: archived(store) > 0, "the archive to start")
+        r.client_pause(60_000, all=False)
+        try:
+            done = archived(store)
+            if done < n:
+                worker.kill()
+                break
+            assert done == n  # a run found finished still archived every step once
+        finally:
+            r.client_unpause()
+    else:
+        pytest.fail("the archive finished before the kill three times: the test proves nothing")
+    lock = store.owned_key("archive-lock")
+    wait_until(lambda: not r.exists(lock), "the dead run's lock to lapse")
+
+    # The default TTL (60 s) for the re-run: at 2 s its own lock lapsed between two
+    # files' extends on a loaded machine, and the run stopped ("the run stalled").
+    start_worker("maintenance")
+    send(store, root)
+    wait_until(
+        lambda: archived(store) == n and not r.exists(lock),
+        lambda: f"the re-run: {archived(store)} of {n} archived, lock {r.get(lock)!r}",
+    )
+    ids = _check_archive(root / f"ns={store.namespace}", store)
+    assert len(ids) == n
+    # Episodes span many files: restored file by file, their next_obs links come back.
+    back = Store(redis_url, namespace + "-back")
+    assert restore(root, back).rows == n
+    for e in range(0, n // 50, 20):
+        a, b = store.episode(f"ep{e}"), back.episode(f"ep{e}")
+        for col in ("obs", "next_obs", "has_next_obs", "action", "step_index"):
+            assert _same(a[col], b[col]), (e, col)
+
+
+def _steps_in_two_shards(redis_url: str, namespace: str, n: int) -> Store:
+    """A namespace of 2 shards holding ``n`` steps of 50-step episodes."""
     store = Store(redis_url, namespace)
     store.create(100_000, n_shards=2)
-    n = 10_000
     rng = np.random.default_rng(1)
     store.commit(
         StepBatch(
@@ -234,52 +293,7 @@ def test_archive_after_sigkill_has_every_step_once(redis_url, namespace, tmp_pat
             },
         )
     )
-    root = tmp_path / "arch"
-    app = sender(redis_url)
-
-    def send() -> None:
-        # Small files: many runs, so the kill lands in the middle of the archive.
-        app.send_task(
-            "claw.maintenance.archive",
-            args=[namespace, str(root)],
-            kwargs={"chunk_bytes": 8192},
-            queue="maintenance",
-        )
-
-    keys = [store.layout_keys.archived(s) for s in range(2)]
-
-    def archived() -> int:
-        return sum(int(v or 0) for v in r.mget(keys))
-
-    worker = start_worker("maintenance", CLAW_ARCHIVE_LOCK_TTL="2")
-    send()
-    wait_until(lambda: archived() > 0, "the archive to start")
-    # Writes held (reads go on) until the worker is dead: it cannot finish the archive
-    # between the check above and the kill, however late this process is scheduled.
-    r.client_pause(60_000, all=False)
-    try:
-        assert archived() < n, "the archive finished before the kill; the test proves nothing"
-        worker.kill()
-    finally:
-        r.client_unpause()
-    lock = store.owned_key("archive-lock")
-    wait_until(lambda: not r.exists(lock), "the dead run's lock to lapse")
-
-    start_worker("maintenance", CLAW_ARCHIVE_LOCK_TTL="2")
-    send()
-    wait_until(
-        lambda: archived() == n and not r.exists(lock),
-        lambda: f"the re-run: {archived()} of {n} archived, lock {r.get(lock)!r}",
-    )
-    ids = _check_archive(root / f"ns={namespace}", store)
-    assert len(ids) == n
-    # Episodes span many files: restored file by file, their next_obs links come back.
-    back = Store(redis_url, namespace + "-back")
-    assert restore(root, back).rows == n
-    for e in range(0, n // 50, 20):
-        a, b = store.episode(f"ep{e}"), back.episode(f"ep{e}")
-        for col in ("obs", "next_obs", "has_next_obs", "action", "step_index"):
-            assert _same(a[col], b[col]), (e, col)
+    return store
 
 
 def _one_step() -> StepBatch:

@@ -19,7 +19,7 @@ import pytest
 from claw_tasks.client import Ingestor
 from claw_tasks.store import Store
 from orchestrator.delivery.client import BatchClient
-from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.index import LogRead, SamplingIndex
 from orchestrator.sampling.shared import H_DIRTY, H_WROTE, SharedIndex, index_key
 from orchestrator.sampling.shmfiles import SHM_DIR, reap_orphans
 from tests.support.paths import ROOT
@@ -324,3 +324,37 @@ def test_a_current_sync_sees_every_commit_while_another_reads_recent_columns(sto
     assert_cold_equal(b)
     b.close()
     a.close()
+
+
+def test_a_current_sync_does_not_take_a_write_of_pages_read_before_for_its_own(store):
+    """A sync asked ``current`` skips its own write when another process's write started
+    after it asked, unless that write applied log pages its caller had read before (a
+    fetch's tail): the commit the current sync follows may be after those pages. Here
+    b asks after the second commit; a, synced from pages read before it, writes in
+    between; b must still see the commit."""
+    store.commit(batch(episode(1, 40, "terminated")))
+    a, b = SharedIndex(store), SharedIndex(store)
+    b.sync()
+    b.release()
+    a.sync()
+    a.release()
+    earlier = LogRead(list(a.log_last), list(a.log_seen), [(False, [])] * a.n_shards)
+    store.commit(batch(episode(2, 30, "terminated")))
+
+    seen_by_a: list[int] = []
+
+    def then_lock(wait: bool) -> bool:  # b has asked: a writes before b takes the lock
+        a.sync(earlier)
+        seen_by_a.append(int(a.columns["alive"].sum()))
+        a.release()
+        return SharedIndex._exclusive(b, wait)
+
+    b._exclusive = then_lock  # type: ignore[method-assign]  # the interleaving under test
+    try:
+        b.sync(current=True)
+        assert seen_by_a == [40]  # a wrote, from the earlier pages alone
+        assert b.columns["alive"].sum() == 70
+        assert_cold_equal(b)
+    finally:
+        b.close()
+        a.close()

@@ -60,8 +60,10 @@ class ClawStorage(StoreStorage):
     present, as each row's initial priority. ``recipe`` overrides keys of the recipes the
     samplers register (e.g. ``where``, ``rate_limit``); ``capacity`` (the namespace's ring)
     defaults to ``max_size`` when the namespace is new, so that samples draw only the rows
-    TorchRL's own storage would still hold. Sampling an empty storage raises
-    ``RuntimeError`` at once, as TorchRL's storages do. ``episode`` holds
+    TorchRL's own storage would still hold (the ring keeps the newest rows committed:
+    rows sent in separate messages, as a small ring's are, may commit out of order
+    across ingest processes; ``deterministic=True`` keeps one order). Sampling an empty
+    storage raises ``RuntimeError`` at once, as TorchRL's storages do. ``episode`` holds
     keyword arguments of :meth:`Ingestor.episode` (``task_id``, tags), ``ingest`` those of
     the :class:`Ingestor`. ``readahead`` batches (at most ``readahead_bytes``) wait decoded
     in this process, each drawn ``batches_per_pop`` times as large as a sample and split
