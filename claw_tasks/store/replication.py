@@ -1,0 +1,109 @@
+"""Acknowledged means replicated: ``WAIT`` after a write, on the connection that made it.
+
+Redis replicates asynchronously: a master answers a write before any replica has it, and
+a replica promoted after the master died lacks what it had not received. ``WAIT n ms``
+answers how many replicas acknowledged everything the calling connection wrote so far,
+blocking until ``n`` did or ``ms`` passed; it counts the connection's own writes only
+(the replication offset of its last write), so it must follow the write on the same
+connection, which a pipeline guarantees: the write and its ``WAIT`` go in one round trip.
+
+On a Redis Cluster ``WAIT`` must reach the master that served the write. redis-py's
+cluster client routes a keyless command by its own policy (all nodes, replies summed) and,
+retrying a failed command, sends it anew where that policy says: a ``WAIT`` answered by
+other nodes would count their replicas. So the write and its ``WAIT`` are sent on the
+client of the master that serves the key's slot (``node_client``), outside the cluster
+client's redirections; a ``MOVED``, ``ASK`` or connection error there raises (the caller
+retries: the cluster client learns the new owner of the slot on its next command).
+
+A command that changes nothing is not replicated and leaves the connection's offset where
+its last write left it. A caller that must know that an earlier write, maybe another
+connection's, reached the replicas queues a write that always replicates before the
+``WAIT`` (a replayed commit renews its batch marker's expiry; the dictionary pass adds 0
+to its counter): the offset is the master's, and a replica that has it has everything the
+master wrote before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError, RedisError
+
+from claw_tasks.connection.client import Client, is_cluster
+from claw_tasks.connection.resp import load
+
+
+@dataclass(frozen=True)
+class Replication:
+    """How many replicas must hold a write before it counts as done, and how long to wait
+    for them (``timeout_ms`` > 0: ``WAIT`` with 0 would block until they do)."""
+
+    replicas: int
+    timeout_ms: int
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0 or self.timeout_ms <= 0:
+            raise ValueError(
+                f"replicas {self.replicas} must be >= 0 and timeout {self.timeout_ms} ms > 0"
+            )
+
+
+class NotReplicated(RedisError):
+    """A write reached fewer replicas than required within the timeout (or its master
+    could not tell: it is a replica now). Transient: the write is idempotent and is made
+    again, and nothing that depends on it was confirmed."""
+
+
+def node_client(client: Client, key: str) -> redis.Redis:
+    """The client of the master serving ``key``'s slot: ``client`` itself on a standalone
+    Redis."""
+    if not is_cluster(client):
+        return client  # type: ignore[return-value]  # not a cluster: a redis.Redis
+    return client.get_redis_connection(client.get_node_from_key(key))
+
+
+def replicated(
+    client: Client,
+    key: str,
+    replication: Replication,
+    queue: Callable[[Any], None],
+    scripts: Sequence[Any] = (),
+    what: str = "write",
+) -> list[Any]:
+    """Run the commands ``queue`` puts on a pipeline, then ``WAIT``, in one round trip on
+    the master of ``key``'s slot; their replies. An error of a command raises it (NOSCRIPT:
+    ``scripts`` are loaded and the round trip made again); fewer replicas than
+    ``replication.replicas`` raises :class:`NotReplicated` naming ``what``."""
+    node = node_client(client, key)
+    replies = _run(node, queue, replication)
+    if any(isinstance(r, NoScriptError) for r in replies[:-1]):
+        load(node, scripts)
+        replies = _run(node, queue, replication)
+    for reply in replies[:-1]:
+        if isinstance(reply, Exception):
+            raise reply
+    acked = replies[-1]
+    where = _address(node)
+    if isinstance(acked, Exception):  # e.g. a master turned replica: cannot tell
+        raise NotReplicated(f"{what} on {where}: WAIT failed: {acked}") from acked
+    if int(acked) < replication.replicas:
+        raise NotReplicated(
+            f"{what} on {where} reached {acked} of the {replication.replicas} replica(s) "
+            f"required (CLAW_INGEST_REPLICAS) within {replication.timeout_ms} ms"
+        )
+    return replies[:-1]
+
+
+def _run(node: redis.Redis, queue: Callable[[Any], None], replication: Replication) -> list[Any]:
+    with node.pipeline(transaction=False) as pipe:
+        queue(pipe)
+        pipe.execute_command("WAIT", replication.replicas, replication.timeout_ms)
+        return pipe.execute(raise_on_error=False)
+
+
+def _address(node: redis.Redis) -> str:
+    kw = node.connection_pool.connection_kwargs
+    return str(kw.get("path") or f"{kw.get('host')}:{kw.get('port')}")
