@@ -1,6 +1,8 @@
 """The data store on a real 3-master Redis Cluster (claw_tasks/connection/client.py): a
 namespace with more shards than masters gives the same results as on one Redis, step for
-step; a master SIGKILLed mid-ingest and restarted from its AOF loses no acknowledged step.
+step; a master SIGKILLed mid-ingest and restarted from its AOF loses no acknowledged step,
+nor does a replica failover when a commit counts only once a replica has it
+(``CLAW_INGEST_REPLICAS``; ``-m slow``).
 (Most of the store's tests also run on the cluster: the ``both_stores`` marker,
 tests/conftest.py.)"""
 

@@ -1,0 +1,123 @@
+"""What confirming a commit only once a replica has it costs (``CLAW_INGEST_REPLICAS``).
+
+    .venv/bin/python bench/replicas.py [--steps 200000] [--sizes 64 1024 16384]
+                                       [--shards 4] [--rounds 3]
+
+On a standalone redis-server with one replica (loopback), and on a 3-master Redis Cluster
+with a replica per master:
+
+- commit: ``Store.commit`` in this process (no Celery) of vector steps (obs float32[8],
+  string tags, so the dictionaries' round trip waits too) in batches of each ``--sizes``,
+  over ``--shards`` shards, without and with a replica required; steps/s, the median of
+  ``--rounds`` alternating runs of each;
+- ingest (standalone only): ``--steps`` vector steps through a real Celery worker
+  (prefork, concurrency 2) in messages of 1,024 steps, with ``CLAW_INGEST_REPLICAS`` 0
+  and 1, alternating, ``--rounds`` workers each; committed steps/s from the first
+  ``add_batch`` to the last confirmation.
+
+The cost is one ``WAIT`` per shard part of a batch, in the round trip of its commit: the
+time the replica takes to acknowledge, a loopback round trip here, a network one between
+hosts. Ratios within one run only; the machine's load is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cluster import ingest
+from sample_store import steps
+
+from claw_tasks.connection.cluster import LocalCluster
+from claw_tasks.connection.server import RedisServer
+from claw_tasks.store import Store
+from claw_tasks.store.replication import Replication
+from tests.support.processes import Worker
+
+FAST_SYNC = {"repl-diskless-sync-delay": "0"}
+REPLICA = Replication(1, 1000)
+
+
+def commit_rate(url: str, n: int, size: int, shards: int, wait: Replication | None) -> float:
+    store = Store(url, f"c-{time.monotonic_ns()}")
+    store.create(capacity=3 * n, n_shards=shards)
+    rng = np.random.default_rng(0)
+    batches = [steps(start, min(size, n - start), rng) for start in range(0, n, size)]
+    t = time.perf_counter()
+    for b in batches:
+        store.commit(b, replication=wait)
+    return n / (time.perf_counter() - t)
+
+
+def commits(url: str, args: argparse.Namespace) -> None:
+    for size in args.sizes:
+        n = max(size * 8, min(args.steps, size * 200))
+        runs: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(args.rounds):
+            runs["off"].append(commit_rate(url, n, size, args.shards, None))
+            runs["on"].append(commit_rate(url, n, size, args.shards, REPLICA))
+        off, on = (float(np.median(runs[k])) for k in ("off", "on"))
+        print(
+            f"  commit, batches of {size:>6,} ({n:,} steps): {off:>10,.0f} steps/s without, "
+            f"{on:>10,.0f} with a replica required: x{on / off:.2f}"
+        )
+
+
+def ingests(master: RedisServer, broker: str, args: argparse.Namespace, tmp: Path) -> None:
+    rng = np.random.default_rng(0)
+    runs: dict[str, list[float]] = {"0": [], "1": []}
+    for i in range(args.rounds):
+        for replicas in runs:
+            env = {"CLAW_INGEST_REPLICAS": replicas}
+            worker = Worker(master.url, "ingest", 2, tmp / f"w{i}-{replicas}.log", env, broker)
+            try:
+                b = steps(0, args.steps, rng)
+                runs[replicas].append(
+                    ingest(master.url, broker, f"i{i}-{replicas}", b, args.shards, 1024)
+                )
+            finally:
+                worker.stop()
+    off, on = (float(np.median(runs[k])) for k in ("0", "1"))
+    print(
+        f"  ingest through a worker ({args.steps:,} steps, messages of 1,024): {off:,.0f} "
+        f"steps/s with CLAW_INGEST_REPLICAS=0, {on:,.0f} with 1: x{on / off:.2f}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=200_000)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 1024, 16384])
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    print(f"load before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    with tempfile.TemporaryDirectory() as d:
+        with (
+            RedisServer(options=FAST_SYNC) as master,
+            RedisServer() as replica,
+            RedisServer() as broker,
+        ):
+            replica.client().replicaof("127.0.0.1", master.port)
+            while replica.client().info("replication").get("master_link_status") != "up":
+                time.sleep(0.05)
+            print("standalone redis-server with one replica:")
+            commits(master.url, args)
+            ingests(master, broker.url, args, Path(d))
+        with LocalCluster(3, options=FAST_SYNC, replicas=1) as cluster:
+            print("3-master cluster, a replica per master:")
+            commits(cluster.url, args)
+    print(f"load after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
