@@ -8,8 +8,8 @@ with a replica per master:
 
 - commit: ``Store.commit`` in this process (no Celery) of vector steps (obs float32[8],
   string tags, so the dictionaries' round trip waits too) in batches of each ``--sizes``,
-  over ``--shards`` shards, without and with a replica required; steps/s, the median of
-  ``--rounds`` alternating runs of each;
+  over ``--shards`` shards, alternately without and with a replica required (up to 200
+  batches of each); the median milliseconds per batch;
 - ingest (standalone only): ``--steps`` vector steps through a real Celery worker
   (prefork, concurrency 2) in messages of 1,024 steps, with ``CLAW_INGEST_REPLICAS`` 0
   and 1, alternating, ``--rounds`` workers each; committed steps/s from the first
@@ -47,28 +47,29 @@ FAST_SYNC = {"repl-diskless-sync-delay": "0"}
 REPLICA = Replication(1, 1000)
 
 
-def commit_rate(url: str, n: int, size: int, shards: int, wait: Replication | None) -> float:
-    store = Store(url, f"c-{time.monotonic_ns()}")
-    store.create(capacity=3 * n, n_shards=shards)
-    rng = np.random.default_rng(0)
-    batches = [steps(start, min(size, n - start), rng) for start in range(0, n, size)]
-    t = time.perf_counter()
-    for b in batches:
-        store.commit(b, replication=wait)
-    return n / (time.perf_counter() - t)
-
-
 def commits(url: str, args: argparse.Namespace) -> None:
+    """Batches committed in turn into two namespaces, one waiting for a replica and one
+    not (so the machine's load weighs on both alike): the median time per batch of each."""
     for size in args.sizes:
         n = max(size * 8, min(args.steps, size * 200))
-        runs: dict[str, list[float]] = {"off": [], "on": []}
-        for _ in range(args.rounds):
-            runs["off"].append(commit_rate(url, n, size, args.shards, None))
-            runs["on"].append(commit_rate(url, n, size, args.shards, REPLICA))
-        off, on = (float(np.median(runs[k])) for k in ("off", "on"))
+        rng = np.random.default_rng(0)
+        stores = {}
+        for mode in ("off", "on"):
+            stores[mode] = Store(url, f"c-{mode}-{time.monotonic_ns()}")
+            stores[mode].create(capacity=3 * n, n_shards=args.shards)
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for start in range(0, n, size):
+            b = steps(start, min(size, n - start), rng)
+            for mode, wait in (("off", None), ("on", REPLICA)):
+                b.batch_id = f"{mode}-{start}"
+                t = time.perf_counter()
+                stores[mode].commit(b, replication=wait)
+                times[mode].append(time.perf_counter() - t)
+        off, on = (float(np.median(times[k])) * 1e3 for k in ("off", "on"))
         print(
-            f"  commit, batches of {size:>6,} ({n:,} steps): {off:>10,.0f} steps/s without, "
-            f"{on:>10,.0f} with a replica required: x{on / off:.2f}"
+            f"  commit, batches of {size:>6,} ({n // size} each): median {off:7.2f} ms "
+            f"without, {on:7.2f} ms with a replica required "
+            f"({size / off * 1e3:>9,.0f} / {size / on * 1e3:>9,.0f} steps/s): x{off / on:.2f}"
         )
 
 
