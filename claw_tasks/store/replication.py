@@ -107,3 +107,35 @@ def _run(node: redis.Redis, queue: Callable[[Any], None], replication: Replicati
 def _address(node: redis.Redis) -> str:
     kw = node.connection_pool.connection_kwargs
     return str(kw.get("path") or f"{kw.get('host')}:{kw.get('port')}")
+
+
+def replica_counts(client: Client) -> dict[str, int]:
+    """Replicas connected to each master of the store (address -> count), one ``INFO
+    replication`` per master."""
+    if is_cluster(client):
+        masters = [(n.name, client.get_redis_connection(n)) for n in client.get_primaries()]
+    else:
+        masters = [(_address(client), client)]  # type: ignore[arg-type]  # not a cluster
+    return {name: int(r.info("replication").get("connected_slaves", 0)) for name, r in masters}
+
+
+def replicas_advice(client: Client, required: int) -> str | None:
+    """What an ingest worker says at start about ``CLAW_INGEST_REPLICAS`` against the
+    store's replicas (None: nothing to say): a master with fewer than ``required``
+    confirms none of its commits until enough connect; with 0 required, masters that all
+    have a replica could keep acknowledged steps through a failover."""
+    counts = replica_counts(client)
+    short = sorted(name for name, n in counts.items() if n < required)
+    if required and short:
+        return (
+            f"CLAW_INGEST_REPLICAS={required}, but master(s) {', '.join(short)} have fewer "
+            "replicas connected: batches written to them are retried, not confirmed, until "
+            "enough replicas connect"
+        )
+    if not required and counts and all(counts.values()):
+        return (
+            "every master of the store has a replica, and CLAW_INGEST_REPLICAS=0: a batch is "
+            "confirmed before a replica has it, and a failover can lose it; set "
+            "CLAW_INGEST_REPLICAS=1 (docs/reliability.md)"
+        )
+    return None

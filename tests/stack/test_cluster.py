@@ -319,7 +319,7 @@ def test_replica_failover_mid_ingest_keeps_the_store_consistent(
             CLAW_BROKER_URL=broker_url,
             CLAW_VISIBILITY_TIMEOUT="5",
             CLAW_INGEST_REPLICAS=str(replicas),
-            CLAW_INGEST_REPLICA_TIMEOUT_MS="200",
+            CLAW_INGEST_REPLICA_TIMEOUT_MS="1000",
         )
         ing = Ingestor(
             namespace,

@@ -19,11 +19,17 @@ from claw_tasks.connection.cluster import LocalCluster
 from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
 from claw_tasks.store.layout import Keys
-from claw_tasks.store.replication import NotReplicated, Replication
+from claw_tasks.store.replication import (
+    NotReplicated,
+    Replication,
+    replica_counts,
+    replicas_advice,
+)
 from tests.support.hostile import outcomes
 from tests.support.stepdata import batch, episode
 
-WAIT = Replication(1, 100)
+WAIT = Replication(1, 30_000)  # met: WAIT returns once the replica acknowledges
+SHORT = Replication(1, 100)  # for a replica that is stopped: WAIT gives up
 FAST_SYNC = {"repl-diskless-sync-delay": "0"}  # a replica's first sync starts at once
 
 
@@ -63,6 +69,11 @@ def test_a_commit_counts_once_a_replica_has_it():
     it is stopped, the commit (and the string codes it adds) raise NotReplicated, and so
     does its replay until the replica has it. With no requirement nothing waits."""
     with master_and_replica() as (master, replica):
+        r = master.client()
+        assert replica_counts(r) == {f"127.0.0.1:{master.port}": 1}
+        assert "set CLAW_INGEST_REPLICAS=1" in (replicas_advice(r, 0) or "")
+        assert replicas_advice(r, 1) is None
+        assert "fewer replicas connected" in (replicas_advice(r, 2) or "")
         store = Store(master.url, "ns")
         store.create(capacity=1000, n_shards=2)
         first = batch(episode(0, 10, "terminated", task_id="a"))
@@ -71,12 +82,12 @@ def test_a_commit_counts_once_a_replica_has_it():
         held = batch(episode(1, 10, "terminated", task_id="b"))
         with stopped(replica):
             with pytest.raises(NotReplicated, match="string codes"):
-                store.commit(held, replication=WAIT)  # its new task_id: the dictionary
+                store.commit(held, replication=SHORT)  # its new task_id: the dictionary
             held.strs.pop("task_id")
             with pytest.raises(NotReplicated, match=r"reached 0 of the 1 replica"):
-                store.commit(held, replication=WAIT)
+                store.commit(held, replication=SHORT)
             with pytest.raises(NotReplicated):  # a redelivery: committed, not replicated
-                store.commit(held, replication=WAIT)
+                store.commit(held, replication=SHORT)
             assert store.commit(held).replayed == 10  # nothing asked: nothing waited for
         res = store.commit(held, replication=WAIT)
         assert (res.committed, res.replayed) == (0, 10)
@@ -86,11 +97,13 @@ def test_a_commit_counts_once_a_replica_has_it():
 def test_without_a_replica_a_commit_that_needs_one_never_counts(redis_server):
     """A Redis with no replica: CLAW_INGEST_REPLICAS=1 refuses every commit (WAIT answers
     0 after its timeout); 0 commits as before."""
+    assert replicas_advice(redis_server.client(), 0) is None
+    assert "fewer replicas connected" in (replicas_advice(redis_server.client(), 1) or "")
     store = Store(redis_server.url, f"t-{os.getpid()}-{time.monotonic_ns()}")
     store.create(capacity=100, n_shards=1)
     steps = batch(episode(0, 5))
     with pytest.raises(NotReplicated):
-        store.commit(steps, replication=WAIT)
+        store.commit(steps, replication=SHORT)
     assert store.commit(steps, replication=Replication(0, 100)).replayed == 5
 
 
@@ -112,9 +125,10 @@ def test_on_a_cluster_the_wait_reaches_the_master_of_the_shard():
         eps = {int(store.shards_of(batch(episode(e, 1)))[0]): e for e in range(200)}
         on_victim, elsewhere = eps[0], eps[others[0]]
         held = batch(episode(on_victim, 5))
+        assert sorted(replica_counts(store.r).values()) == [1, 1]
         with stopped(replica):
             with pytest.raises(NotReplicated, match=f"shard 0's commit.*:{victim.port}"):
-                store.commit(held, replication=WAIT)
+                store.commit(held, replication=SHORT)
             assert store.commit(batch(episode(elsewhere, 5)), replication=WAIT).committed == 5
         assert store.commit(held, replication=WAIT).replayed == 5
 
@@ -128,13 +142,13 @@ def test_the_ingest_worker_confirms_a_batch_only_once_a_replica_has_it(
     confirmed, every step stored once, and the replica holds them all."""
     n_steps, episodes = 10, range(4)
     with master_and_replica() as (master, replica):
-        start_worker(
+        worker = start_worker(
             "ingest",
             1,
             CLAW_REDIS_URL=master.url,
             CLAW_BROKER_URL=broker_url,
             CLAW_INGEST_REPLICAS="1",
-            CLAW_INGEST_REPLICA_TIMEOUT_MS="100",
+            CLAW_INGEST_REPLICA_TIMEOUT_MS="1000",
         )
         ing = Ingestor(
             namespace, master.url, broker_url=broker_url, n_shards=2, flush_interval=None
@@ -156,6 +170,7 @@ def test_the_ingest_worker_confirms_a_batch_only_once_a_replica_has_it(
             assert not list(r.scan_iter(Keys(namespace).done("*")))
         res = ing.flush(timeout=120)
         assert (res.committed, res.rejected) == (len(episodes) * n_steps, 0), res
+        assert "fewer replicas connected" not in worker.log.read_text()  # it has one
         for url in (master.url, replica.url):
             store = Store(url, namespace)
             assert store.count() == len(episodes) * n_steps
