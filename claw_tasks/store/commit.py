@@ -143,17 +143,19 @@ class CommitPart:
             return
         result.ids[self.rows] = self._ids(seq0)
         marker = k.shard_key(self.shard, f"b:{self.b.batch_id}")
+        wait = replication if replication is not None and replication.replicas > 0 else None
+        what = f"shard {self.shard}'s commit of batch {self.b.batch_id}"
+
+        def renew(pipe: Any) -> None:
+            # A commit made by another delivery (before this one, or between its allocation
+            # and its commit, where the script finds the marker done and writes nothing)
+            # may not be on the replicas yet: renewing the marker's expiry is a write that
+            # replicates, so the WAIT after it covers that commit too.
+            pipe.expire(marker, MARKER_TTL)
+
         if state == "done":
-            if replication is not None and replication.replicas:
-                # The delivery that committed it may have seen too few replicas: renewing
-                # the marker's expiry replicates, so WAIT covers the commit made before it.
-                replicated(
-                    self.s.r,
-                    marker,
-                    replication,
-                    lambda pipe: pipe.expire(marker, MARKER_TTL),
-                    what=f"shard {self.shard}'s commit of batch {self.b.batch_id}",
-                )
+            if wait is not None:
+                replicated(self.s.r, marker, wait, renew, what=what)
             result.replayed += n
             return
         if placed and state == "new":
@@ -197,17 +199,22 @@ class CommitPart:
             msgpack.packb(spec, use_bin_type=False),  # bytes as Lua strings (cmsgpack)
             *writes.blobs,
         ]
-        if replication is None or not replication.replicas:
+        if wait is None:
             _, state, skipped = self.s.scripts.commit(keys=keys, args=args)
         else:
             script = Scripts.ALL["commit"]
-            ((_, state, skipped),) = replicated(
+
+            def queue(pipe: Any) -> None:
+                script.queue(pipe, keys, args)
+                renew(pipe)
+
+            (_, state, skipped), _ = replicated(
                 self.s.r,
                 marker,
-                replication,
-                lambda pipe: script.queue(pipe, keys, args),
+                wait,
+                queue,
                 [script],
-                what=f"shard {self.shard}'s commit of batch {self.b.batch_id}",
+                what=what,
             )
         result.ids[self.rows[:skipped]] = -1
         dead_kept = sum(r >= skipped for r in dead)

@@ -4,8 +4,9 @@ Redis replicates asynchronously: a master answers a write before any replica has
 a replica promoted after the master died lacks what it had not received. ``WAIT n ms``
 answers how many replicas acknowledged everything the calling connection wrote so far,
 blocking until ``n`` did or ``ms`` passed; it counts the connection's own writes only
-(the replication offset of its last write), so it must follow the write on the same
-connection, which a pipeline guarantees: the write and its ``WAIT`` go in one round trip.
+(the replication offset of its last write; before Redis 7.2 of its last command), so it
+must follow the write on the same connection, which a pipeline guarantees: the write and
+its ``WAIT`` go in one round trip.
 
 On a Redis Cluster ``WAIT`` must reach the master that served the write. redis-py's
 cluster client routes a keyless command by its own policy (all nodes, replies summed) and,
@@ -18,8 +19,9 @@ retries: the cluster client learns the new owner of the slot on its next command
 A command that changes nothing is not replicated and leaves the connection's offset where
 its last write left it. A caller that must know that an earlier write, maybe another
 connection's, reached the replicas queues a write that always replicates before the
-``WAIT`` (a replayed commit renews its batch marker's expiry; the dictionary pass adds 0
-to its counter): the offset is the master's, and a replica that has it has everything the
+``WAIT`` (every commit renews its batch marker's expiry after the script, which writes
+nothing when another delivery committed the part first; the dictionary pass adds 0 to
+its counter): the offset is the master's, and a replica that has it has everything the
 master wrote before.
 """
 

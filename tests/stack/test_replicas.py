@@ -25,6 +25,7 @@ from claw_tasks.store.replication import (
     replica_counts,
     replicas_advice,
 )
+from claw_tasks.store.writer import Writer
 from tests.support.hostile import outcomes
 from tests.support.stepdata import batch, episode
 
@@ -92,6 +93,33 @@ def test_a_commit_counts_once_a_replica_has_it():
         res = store.commit(held, replication=WAIT)
         assert (res.committed, res.replayed) == (0, 10)
         assert Store(replica.url, "ns").count() == 20
+
+
+def test_a_commit_another_delivery_made_meanwhile_is_waited_for(monkeypatch):
+    """Two deliveries of a batch: one commits it between the other's allocation (which
+    found it not committed) and its commit, whose script then writes nothing. That
+    commit is not on the replica (its delivery saw too few); the second delivery, on a
+    connection of its own, must not confirm it either. (On Redis before 7.2 ``WAIT``
+    counts from a connection's last command, read or write, and this holds anyway; from
+    7.2 on it counts from its last write only.)"""
+    with master_and_replica() as (master, replica):
+        Store(master.url, "ns").create(capacity=1000, n_shards=1)
+        held = batch(episode(0, 10))
+        allocate = Writer.allocate
+
+        def before_the_other_commit(self: Writer, *args: object, **kw: object) -> tuple:
+            seq0, state = allocate(self, *args, **kw)  # type: ignore[arg-type]
+            return seq0, "alloc" if state == "done" else state
+
+        with stopped(replica):
+            with pytest.raises(NotReplicated):
+                Store(master.url, "ns").commit(held, replication=SHORT)
+            monkeypatch.setattr(Writer, "allocate", before_the_other_commit)
+            with pytest.raises(NotReplicated, match=r"reached 0 of the 1 replica"):
+                Store(master.url, "ns").commit(held, replication=SHORT)
+        monkeypatch.undo()
+        assert Store(master.url, "ns").commit(held, replication=WAIT).replayed == 10
+        assert Store(replica.url, "ns").count() == 10
 
 
 def test_without_a_replica_a_commit_that_needs_one_never_counts(redis_server):
