@@ -90,11 +90,16 @@ def replicated(
     acked = replies[-1]
     where = _address(node)
     if isinstance(acked, Exception):  # e.g. a master turned replica: cannot tell
-        raise NotReplicated(f"{what} on {where}: WAIT failed: {acked}") from acked
+        raise NotReplicated(
+            f"{what} on {where}: WAIT failed ({acked}): not confirmed, retried; the master "
+            "may be failing over"
+        ) from acked
     if int(acked) < replication.replicas:
         raise NotReplicated(
             f"{what} on {where} reached {acked} of the {replication.replicas} replica(s) "
-            f"required (CLAW_INGEST_REPLICAS) within {replication.timeout_ms} ms"
+            f"required (CLAW_INGEST_REPLICAS) within {replication.timeout_ms} ms: not "
+            "confirmed, retried; bring the master's replicas up, or lower "
+            "CLAW_INGEST_REPLICAS (docs/reliability.md)"
         )
     return replies[:-1]
 
