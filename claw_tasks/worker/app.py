@@ -30,7 +30,9 @@ def _declare_amqp_queues(sender: str, instance: object, conf: object, **_: objec
 @signals.celeryd_after_setup.connect
 def _check_replicas(sender: str, instance: object, conf: object, **_: object) -> None:
     """Say at start when ``CLAW_INGEST_REPLICAS`` and the store's replicas disagree (a
-    store not up yet: nothing said)."""
+    store not up yet, or a worker that does not consume the ingest queue: nothing said)."""
+    if "ingest" not in instance.app.amqp.queues.consume_from:  # type: ignore[attr-defined]  # Celery's signal sender is typed object
+        return
     settings = get_settings()
     try:
         client = redis_client(settings.redis_url, socket_timeout=5)

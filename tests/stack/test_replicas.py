@@ -206,3 +206,12 @@ def test_the_ingest_worker_confirms_a_batch_only_once_a_replica_has_it(
                 got = store.episode(f"e{e}", fields=[])
                 np.testing.assert_array_equal(got["step_index"], np.arange(n_steps))
         ing.close()
+
+
+def test_an_ingest_worker_says_at_start_when_no_replica_can_meet_the_setting(start_worker):
+    """CLAW_INGEST_REPLICAS=1 on a Redis without a replica: an ingest worker's log says so
+    at start (every batch would be retried); a worker on another queue says nothing."""
+    ingest = start_worker("ingest", 1, CLAW_INGEST_REPLICAS="1")
+    assert "fewer replicas connected" in ingest.log.read_text()
+    other = start_worker("maintenance", 1, CLAW_INGEST_REPLICAS="1")
+    assert "CLAW_INGEST_REPLICAS" not in other.log.read_text()
