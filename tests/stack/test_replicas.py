@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from claw_tasks.client import IngestError, Ingestor
 from claw_tasks.connection.cluster import LocalCluster
@@ -26,6 +28,7 @@ from claw_tasks.store.replication import (
     replicas_advice,
 )
 from claw_tasks.store.writer import Writer
+from orchestrator.cli.exporter import registry_for
 from tests.support.hostile import outcomes
 from tests.support.stepdata import batch, episode
 
@@ -192,6 +195,15 @@ def test_the_ingest_worker_confirms_a_batch_only_once_a_replica_has_it(
                 lambda: outcomes(r, namespace).get("unreplicated", 0) >= 2,
                 "deliveries are refused for want of a replica",
             )
+            metrics = generate_latest(registry_for(master.url, broker_url)).decode()
+            counted = [
+                s.value
+                for f in text_string_to_metric_families(metrics)
+                for s in f.samples
+                if s.name == "claw_ingest_unreplicated_total"
+                and s.labels.get("namespace") == namespace
+            ]
+            assert counted and counted[0] >= 2, counted  # claw metrics
             with pytest.raises(IngestError) as e:
                 ing.flush(timeout=0.5)
             assert e.value.result.committed == 0
