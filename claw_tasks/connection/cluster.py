@@ -152,6 +152,19 @@ class LocalCluster:
         client.close()
         return next(n for n in self.nodes if n.port == port)
 
+    def replica_of(self, master: RedisServer) -> RedisServer:
+        """A node that replicates ``master`` now (``replicas`` > 0)."""
+        for node in self.nodes:
+            if node is master or not node.running:
+                continue
+            client = node.client()
+            try:
+                if client.info("replication").get("master_port") == master.port:
+                    return node
+            finally:
+                client.close()
+        raise LookupError(f"no node replicates the one on port {master.port}")
+
     def close(self) -> None:
         for node in self.nodes:
             node.close()

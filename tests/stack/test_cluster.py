@@ -274,14 +274,6 @@ class _Producer(threading.Thread):
         assert not self.is_alive()
 
 
-def _replica_of(cluster: LocalCluster, master: RedisServer) -> RedisServer:
-    return next(
-        n
-        for n in cluster.nodes[cluster.masters :]
-        if n.client().info("replication").get("master_port") == master.port
-    )
-
-
 def _unsent_to_replicas(master: RedisServer) -> int:
     """Bytes of the replication stream ``master`` holds, not yet sent to its replicas."""
     return sum(int(c["omem"]) for c in master.client().client_list(_type="replica"))
@@ -333,7 +325,7 @@ def test_replica_failover_mid_ingest_keeps_the_store_consistent(
         store = Store(cluster.url, namespace)
         seq = store.layout_keys.shard_key(0, "seq")
         victim = cluster.node_of(seq)
-        replica = _replica_of(cluster, victim)
+        replica = cluster.replica_of(victim)
         producer = _Producer(ing, n_steps, obs_floats)
         producer.start()
         _wait(lambda: len(producer.confirmed) >= 4, "episodes are confirmed")

@@ -148,11 +148,7 @@ def test_on_a_cluster_the_wait_reaches_the_master_of_the_shard():
         shard_key = store.layout_keys.shard_key
         victim = cluster.node_of(shard_key(0, "seq"))
         others = [s for s in range(12) if cluster.node_of(shard_key(s, "seq")) is not victim]
-        replica = next(
-            n
-            for n in cluster.nodes[cluster.masters :]
-            if n.client().info("replication").get("master_port") == victim.port
-        )
+        replica = cluster.replica_of(victim)
         eps = {int(store.shards_of(batch(episode(e, 1)))[0]): e for e in range(200)}
         on_victim, elsewhere = eps[0], eps[others[0]]
         held = batch(episode(on_victim, 5))
