@@ -2,8 +2,9 @@
 
 Each node is a :class:`~claw_tasks.connection.server.RedisServer` with ``cluster-enabled yes``
 and an even share of the 16384 slots (as ``redis-cli --cluster create`` gives, but for
-any number of masters). No replicas: what a failover does to acknowledged writes is
-described in docs/reliability.md. Nodes can be
+any number of masters), and on request a replica per master (``replicas``): what a
+failover does to acknowledged writes, and ``CLAW_INGEST_REPLICAS``, are in
+docs/reliability.md. Nodes can be
 SIGKILLed and restarted on the same port and directory (with AOF, ``appendfsync always``,
 they come back with every acknowledged write). ops/redis-cluster.sh does the same for a
 long-lived cluster on fixed ports.
@@ -150,6 +151,19 @@ class LocalCluster:
         port = client.get_node_from_key(key).port
         client.close()
         return next(n for n in self.nodes if n.port == port)
+
+    def replica_of(self, master: RedisServer) -> RedisServer:
+        """A node that replicates ``master`` now (``replicas`` > 0)."""
+        for node in self.nodes:
+            if node is master or not node.running:
+                continue
+            client = node.client()
+            try:
+                if client.info("replication").get("master_port") == master.port:
+                    return node
+            finally:
+                client.close()
+        raise LookupError(f"no node replicates the one on port {master.port}")
 
     def close(self) -> None:
         for node in self.nodes:

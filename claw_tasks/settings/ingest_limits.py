@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .variable import MIB, Variable, count, flag
+from .variable import MIB, Variable, at_least_one, count, flag
 
 INGEST: tuple[Variable, ...] = (
     Variable(
@@ -56,6 +56,23 @@ INGEST: tuple[Variable, ...] = (
         shown="1 MiB",
     ),
     Variable(
+        "CLAW_INGEST_REPLICAS",
+        "limits.replicas",
+        count,
+        0,
+        "replicas that must hold each shard's commit of a batch (`WAIT` on its master) "
+        "before the batch is confirmed; 1 on a Redis with replicas makes an acknowledged "
+        "step survive a failover; with too few replicas up the batch is retried, never "
+        "confirmed (docs/reliability.md)",
+    ),
+    Variable(
+        "CLAW_INGEST_REPLICA_TIMEOUT_MS",
+        "limits.replica_timeout_ms",
+        at_least_one,
+        1000,
+        "how long one commit waits for `CLAW_INGEST_REPLICAS` replicas before the batch is retried",
+    ),
+    Variable(
         "CLAW_INGEST_RETRIES",
         "limits.retries",
         count,
@@ -78,3 +95,5 @@ class IngestLimits:
     dead_letter_prefix: int
     retries: int
     verify_frames: bool = True
+    replicas: int = 0
+    replica_timeout_ms: int = 1000

@@ -40,13 +40,16 @@ parses key names, ``check`` is ``claw doctor``'s check (above this package: it u
 decoders, so that a caller's reads of every kind stay one round trip. ``labels`` is the
 snapshots' data (a namespace's mutable state, its diff) and ``snapshot_format`` a
 snapshot's stored form (name, header, packed columns), no Redis.
-``batches`` names what a batch leaves outside the step data (its claim-check staging key,
-its done record, a placed batch's marker, dead letters) and the names outside every
-namespace, for the sender, the ingest worker and the beat. ``row_episode_codes`` is the
-shard of each row (a row's episode decides it), for a sender splitting a batch by shard.
+``replication`` runs a write and its ``WAIT`` on the master of a key's slot (a commit
+confirmed only once replicas have it). ``batches`` names what a batch leaves outside the
+step data (its claim-check staging key, its done record, a placed batch's marker, dead
+letters) and the names outside every namespace, for the sender, the ingest worker and
+the beat. ``row_episode_codes`` is the shard of each row (a row's episode decides it), for
+a sender splitting a batch by shard.
 Only this package builds keys or reads the layout: the code above it asks for arrays and
 names its own keys with ``owned_key``. The store's modules import only downward:
-``layout``, ``scripts``, ``config``, ``dicts``, ``core``, the parts, then this package.
+``layout``, ``scripts``, ``replication``, ``config``, ``dicts``, ``core``, the parts, then
+this package.
 Its Lua scripts are package data in ``claw_tasks/lua/``. Imports ``format``, ``where``,
 ``connection``, ``codecs``, ``settings`` and ``durations``.
 """

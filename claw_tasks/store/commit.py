@@ -31,6 +31,8 @@ from claw_tasks.store.layout import (
     payload_chunk_slots,
     runs_of,
 )
+from claw_tasks.store.replication import Replication, replicated
+from claw_tasks.store.scripts import Scripts
 
 
 @dataclass
@@ -120,9 +122,19 @@ class CommitPart:
     def _sel(self, arr: np.ndarray) -> np.ndarray:
         return arr if self.whole else arr[self.rows]
 
-    def run(self, seq0: int, state: str, dead: list[int], result: CommitResult) -> None:
+    def run(
+        self,
+        seq0: int,
+        state: str,
+        dead: list[int],
+        result: CommitResult,
+        replication: Replication | None = None,
+    ) -> None:
         """Commit into the slots from ``seq0`` (``state``: what the allocation found, as
-        ``Writer.allocate`` returns it) and count the outcome in ``result``."""
+        ``Writer.allocate`` returns it) and count the outcome in ``result``. With
+        ``replication``, the commit is followed by ``WAIT`` in its round trip, and a part
+        committed before (a redelivery) is waited for too: NotReplicated if too few
+        replicas have it."""
         k = self.s.layout_keys
         n = len(self.rows)
         placed = any(isinstance(v, Placed) for v in self.b.fields.values())
@@ -130,7 +142,20 @@ class CommitPart:
             result.expired += n
             return
         result.ids[self.rows] = self._ids(seq0)
+        marker = k.shard_key(self.shard, f"b:{self.b.batch_id}")
+        wait = replication if replication is not None and replication.replicas > 0 else None
+        what = f"shard {self.shard}'s commit of batch {self.b.batch_id}"
+
+        def renew(pipe: Any) -> None:
+            # A commit made by another delivery (before this one, or between its allocation
+            # and its commit, where the script finds the marker done and writes nothing)
+            # may not be on the replicas yet: renewing the marker's expiry is a write that
+            # replicates, so the WAIT after it covers that commit too.
+            pipe.expire(marker, MARKER_TTL)
+
         if state == "done":
+            if wait is not None:
+                replicated(self.s.r, marker, wait, renew, what=what)
             result.replayed += n
             return
         if placed and state == "new":
@@ -149,10 +174,9 @@ class CommitPart:
             "loglen": LOG_MAXLEN,
             "runs": writes.runs,
         }
-        keys = [
+        keys = [marker] + [
             k.shard_key(self.shard, name)
             for name in (
-                f"b:{self.b.batch_id}",
                 "seq",
                 "log",
                 "links",
@@ -175,7 +199,23 @@ class CommitPart:
             msgpack.packb(spec, use_bin_type=False),  # bytes as Lua strings (cmsgpack)
             *writes.blobs,
         ]
-        _, state, skipped = self.s.scripts.commit(keys=keys, args=args)
+        if wait is None:
+            _, state, skipped = self.s.scripts.commit(keys=keys, args=args)
+        else:
+            script = Scripts.ALL["commit"]
+
+            def queue(pipe: Any) -> None:
+                script.queue(pipe, keys, args)
+                renew(pipe)
+
+            (_, state, skipped), _ = replicated(
+                self.s.r,
+                marker,
+                wait,
+                queue,
+                [script],
+                what=what,
+            )
         result.ids[self.rows[:skipped]] = -1
         dead_kept = sum(r >= skipped for r in dead)
         result.committed += n - skipped - dead_kept

@@ -356,20 +356,22 @@ class Reader:
                 pipe.bitcount(self.layout_keys.shard_key(s, "alive"))
                 pipe.hgetall(self.layout_keys.shard_key(s, "evictions"))
             pipe.xlen(self.layout_keys.dead)
-            replies = pipe.execute()
-        seqs = [int(v or 0) for v in replies[0:-1:3]]
+            pipe.hget(self.layout_keys.outcomes, "unreplicated")
+            *replies, dead, unreplicated = pipe.execute()
+        seqs = [int(v or 0) for v in replies[0::3]]
         evictions = dict.fromkeys(("ttl", "cap", "manual", "ring"), 0)
-        for by_reason in replies[2:-1:3]:
+        for by_reason in replies[2::3]:
             for k, v in by_reason.items():
                 evictions[k.decode()] = evictions.get(k.decode(), 0) + int(v)
         return {
             "namespace": self.core.namespace,
             "capacity": cfg.capacity,
             "n_shards": cfg.n_shards,
-            "steps": sum(replies[1:-1:3]),
+            "steps": sum(replies[1::3]),
             "committed_total": sum(seqs),
             "evictions": evictions,
-            "dead_letters": replies[-1],
+            "dead_letters": dead,
+            "unreplicated_total": int(unreplicated or 0),
             "schema": None if cfg.schema is None else cfg.schema.to_dict(),
             "created": cfg.created,
         }

@@ -17,6 +17,7 @@ from claw_tasks.store.commit import CommitPart, CommitResult
 from claw_tasks.store.config import LOG_MAXLEN, MARKER_TTL, NamespaceError
 from claw_tasks.store.core import StoreCore
 from claw_tasks.store.layout import payload_chunk_slots, row_episode_codes
+from claw_tasks.store.replication import Replication, replicated
 from claw_tasks.store.scripts import Scripts, execute
 
 
@@ -32,6 +33,7 @@ class Writer:
         batch: StepBatch,
         now: float | np.ndarray | None = None,
         dead_rows: Sequence[int] = (),
+        replication: Replication | None = None,
     ) -> CommitResult:
         """Commit a validated batch: one atomic, idempotent Lua commit per shard part.
 
@@ -39,7 +41,12 @@ class Writer:
         original ones). A batch with ``Placed`` fields (written in place after
         ``allocate``) lies in one shard; its ``dead_rows`` (rejected) are committed but
         never made alive. The result has the id of every row. A dropped namespace raises
-        NamespaceDropped (it is not created again implicitly)."""
+        NamespaceDropped (it is not created again implicitly).
+
+        ``replication``: each shard's part returns only once that many replicas of its
+        master have it (``WAIT`` in the part's round trip), and so do the string codes the
+        batch uses (in the dictionaries' round trip); NotReplicated otherwise, a transient
+        error: the commit is idempotent, a redelivery waits again."""
         self.core.revalidate()
         try:
             schema = self.admin.ensure_schema(batch.schema())  # no round trip once cached
@@ -52,7 +59,7 @@ class Writer:
         if n == 0:
             return result
         now = time.time() if now is None else now
-        str_cols = self._encode_str_columns(batch, schema)
+        str_cols = self._encode_str_columns(batch, schema, replication)
         ep_codes = row_episode_codes(batch.episode.values, batch.episode.index)
         shards = ep_codes % cfg.n_shards
         for shard in [0] if cfg.n_shards == 1 else np.unique(shards).tolist():
@@ -61,13 +68,19 @@ class Writer:
                 self.core, cfg, schema, batch, rows, int(shard), ep_codes, str_cols, now
             )
             seq0, state = self.allocate(int(shard), batch.batch_id, len(rows))
-            part.run(seq0, state, list(dead_rows), result)
+            part.run(seq0, state, list(dead_rows), result, replication)
         return result
 
-    def _encode_str_columns(self, batch: StepBatch, schema: Schema) -> dict[str, np.ndarray]:
-        """Per-row int32 codes of every string column (0 = missing)."""
+    def _encode_str_columns(
+        self, batch: StepBatch, schema: Schema, replication: Replication | None = None
+    ) -> dict[str, np.ndarray]:
+        """Per-row int32 codes of every string column (0 = missing); with
+        ``replication``, known to be on that many replicas (the codes may have been added by
+        another batch not yet replicated: adding 0 to a dictionary's counter replicates,
+        so the WAIT after it covers them)."""
         names = [k for k, v in batch.strs.items() if v.values]
         script = Scripts.ALL["dict"]
+        wait = replication is not None and replication.replicas > 0 and bool(names)
 
         def queue(pipe: Any) -> None:
             for k in names:
@@ -77,8 +90,20 @@ class Writer:
                     self.core.layout_keys.dpend(k),
                 ]
                 script.queue(pipe, keys, batch.strs[k].values)
+            if wait:
+                pipe.hincrby(self.core.layout_keys.rdict(names[0]), "0", 0)
 
-        replies = execute(self.core.r, [script], queue) if names else []
+        if wait:
+            replies = replicated(
+                self.core.r,
+                self.core.layout_keys.dict(names[0]),
+                replication,  # type: ignore[arg-type]  # wait: not None
+                queue,
+                [script],
+                what=f"string codes of batch {batch.batch_id}",
+            )[:-1]
+        else:
+            replies = execute(self.core.r, [script], queue) if names else []
         out: dict[str, np.ndarray] = {}
         for k, codes in zip(names, replies, strict=True):
             vocab = np.concatenate([np.asarray(codes, np.int32), np.zeros(1, np.int32)])

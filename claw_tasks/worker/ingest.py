@@ -4,6 +4,7 @@ depends on is checked, and every message ends committed, dead-lettered or retrie
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import redis
 from redis.exceptions import (
+    AskError,
     ClusterError,
     RedisClusterException,
     SlotNotCoveredError,
@@ -28,6 +30,7 @@ from claw_tasks.format.schema import Schema, SchemaError
 from claw_tasks.settings import IngestLimits
 from claw_tasks.store import NamespaceDropped, NamespaceError, Store, row_episode_codes
 from claw_tasks.store.batches import done_key, namespace_exists, placed_marker, staging_key
+from claw_tasks.store.replication import NotReplicated, Replication
 from claw_tasks.worker.deadletter import Letter, Target, finish
 
 log = logging.getLogger(__name__)
@@ -35,8 +38,10 @@ MAX_ERRORS = 20  # step errors kept in a done record and a dead letter's reason
 DONE_REASON = 512  # characters of a rejection's reason in its done record (the letter has all)
 
 # Worth retrying: the server is away, busy loading, or out of memory for now; on a Redis
-# Cluster also a master down or its slots not served yet (a restart, a failover). Any other
-# Redis error is about this message (a size or type the server refuses): dead-lettered.
+# Cluster also a master down or its slots not served yet (a restart, a failover), or a
+# slot moved (MOVED/ASK reach here from a commit sent to a master directly, to WAIT on it);
+# a commit that too few replicas acknowledged (CLAW_INGEST_REPLICAS). Any other Redis
+# error is about this message (a size or type the server refuses): dead-lettered.
 TRANSIENT = (
     redis.ConnectionError,
     redis.TimeoutError,
@@ -44,6 +49,8 @@ TRANSIENT = (
     ClusterError,
     TryAgainError,
     SlotNotCoveredError,
+    AskError,
+    NotReplicated,
 )
 
 
@@ -148,6 +155,8 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
         if not reject(r, e, limits, payload=raw):  # another delivery finished it first
             outcome = _recorded(r, done_key(a.namespace, a.batch_id), outcome)
     except Exception as e:
+        if isinstance(e, NotReplicated):
+            _count_unreplicated(store, target, a.batch_id, e, limits)
         if is_transient(e):
             raise  # the task retries with backoff (the commit is idempotent)
         log.exception("ingest of batch %s failed", a.batch_id)
@@ -163,6 +172,17 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
     if a.stage_key is not None:
         r.delete(a.stage_key)
     return outcome
+
+
+def _count_unreplicated(
+    store: Store, target: Target, batch_id: str, e: NotReplicated, limits: IngestLimits
+) -> None:
+    """Count a commit too few replicas acknowledged (outcome ``unreplicated``); it is not
+    confirmed, and the task retries it. Best effort: the master that counts may be the
+    one failing over."""
+    log.warning("batch %s not confirmed, retried: %s", batch_id, e)
+    with contextlib.suppress(redis.RedisError):
+        finish(store.r, target, "unreplicated", limits)
 
 
 def _checked(store: Store, a: IngestArgs, raw: bytes, limits: IngestLimits) -> StepBatch:
@@ -292,7 +312,7 @@ def _commit(store: Store, batch: StepBatch, batch_id: str, limits: IngestLimits)
         letter = Letter("rows", reason, rejected.encode(), bad, batch_id)
     if good is not None:
         try:
-            res = store.commit(good, dead_rows=dead)
+            res = store.commit(good, dead_rows=dead, replication=_replication(limits))
         except SchemaError as e:  # another message set the schema since: nothing written
             raise _steps(batch, Rejected("schema", f"schema mismatch: {e}")) from None
         outcome.committed, outcome.replayed = res.committed, res.replayed
@@ -304,6 +324,12 @@ def _commit(store: Store, batch: StepBatch, batch_id: str, limits: IngestLimits)
     ):
         return _recorded(store.r, done, outcome)
     return outcome
+
+
+def _replication(limits: IngestLimits) -> Replication | None:
+    if not limits.replicas:
+        return None
+    return Replication(limits.replicas, limits.replica_timeout_ms)
 
 
 def _recorded(r: redis.Redis, done_key: str, fallback: IngestOutcome) -> IngestOutcome:

@@ -127,6 +127,12 @@ def _namespace_metrics(census: Census) -> list[Metric]:
     committed = CounterMetricFamily(
         "claw_steps_committed", "steps committed since the namespace was created", labels=ns
     )
+    unreplicated = CounterMetricFamily(
+        "claw_ingest_unreplicated",
+        "ingest deliveries not confirmed because a commit reached fewer replicas than "
+        "CLAW_INGEST_REPLICAS in time (each retried)",
+        labels=ns,
+    )
     evictions = CounterMetricFamily(
         "claw_evictions",
         "steps evicted, by reason (ttl, cap, manual, ring)",
@@ -144,6 +150,7 @@ def _namespace_metrics(census: Census) -> list[Metric]:
         fams["memory"].add_metric([name], s.memory_bytes)
         fams["episodes"].add_metric([name], s.episodes)
         committed.add_metric([name], s.info["committed_total"])
+        unreplicated.add_metric([name], s.info["unreplicated_total"])
         for reason, n in s.evictions.items():
             evictions.add_metric([name, reason], n)
         if s.reward_mean is not None and s.reward_std is not None:
@@ -156,7 +163,7 @@ def _namespace_metrics(census: Census) -> list[Metric]:
         for field, size in s.payload.items():
             fams["payload"].add_metric([name, field, "stored"], size["stored"])
             fams["payload"].add_metric([name, field, "raw"], size["raw"])
-    return [committed, evictions, readable, *fams.values()]
+    return [committed, unreplicated, evictions, readable, *fams.values()]
 
 
 def _recipe_families() -> dict[str, Metric]:

@@ -1,11 +1,17 @@
 """The data store on a real 3-master Redis Cluster (claw_tasks/connection/client.py): a
 namespace with more shards than masters gives the same results as on one Redis, step for
-step; a master SIGKILLed mid-ingest and restarted from its AOF loses no acknowledged step.
+step; a master SIGKILLed mid-ingest and restarted from its AOF loses no acknowledged step,
+nor does a replica failover when a commit counts only once a replica has it
+(``CLAW_INGEST_REPLICAS``; ``-m slow``).
 (Most of the store's tests also run on the cluster: the ``both_stores`` marker,
 tests/conftest.py.)"""
 
 from __future__ import annotations
 
+import itertools
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,8 +20,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from redis.exceptions import RedisClusterException, RedisError
 
-from claw_tasks.client import Ingestor
+from claw_tasks.client import IngestError, Ingestor
 from claw_tasks.connection.client import is_cluster, redis_client
 from claw_tasks.connection.cluster import LocalCluster
 from claw_tasks.connection.server import RedisServer
@@ -233,18 +240,69 @@ def test_a_redis_server_is_not_a_cluster(redis_server: RedisServer):
     assert not is_cluster(redis_client(redis_server.url))
 
 
+class _Producer(threading.Thread):
+    """Records episodes of ``n_steps`` steps one after another, each flushed until the store
+    confirms it (as an actor does); ``confirmed`` lists the episodes it saw confirmed."""
+
+    def __init__(self, ing: Ingestor, n_steps: int, obs_floats: int) -> None:
+        super().__init__(daemon=True)
+        self.ing, self.n_steps, self.obs_floats = ing, n_steps, obs_floats
+        self.made: list[int] = []
+        self.confirmed: list[int] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        for e in itertools.count():
+            if self.halt.is_set():
+                return
+            with self.ing.episode(episode_id=f"e{e}") as ep:
+                for t in range(self.n_steps):
+                    obs = np.full(self.obs_floats, e * 10_000 + t, np.float32)
+                    ep.add(obs, np.int64(t), float(t), terminated=t == self.n_steps - 1)
+            self.made.append(e)
+            while True:  # until confirmed: the batch stays in flight and is re-sent
+                try:
+                    self.ing.flush(timeout=30)
+                    break
+                except (IngestError, RedisError, RedisClusterException):
+                    time.sleep(0.1)  # the cluster is failing over
+            self.confirmed.append(e)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(120)
+        assert not self.is_alive()
+
+
+def _unsent_to_replicas(master: RedisServer) -> int:
+    """Bytes of the replication stream ``master`` holds, not yet sent to its replicas."""
+    return sum(int(c["omem"]) for c in master.client().client_list(_type="replica"))
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("replicas", [0, 1], ids=["replicas=0", "replicas=1"])
 def test_replica_failover_mid_ingest_keeps_the_store_consistent(
-    namespace, broker_url, start_worker
+    namespace, broker_url, start_worker, replicas
 ):
-    """Opt-in (``-m slow``). 3 masters with a replica each; the master of shard 0 is
-    SIGKILLed while a real worker ingests, and its replica takes over. Replication is
-    asynchronous, so steps acknowledged just before the kill may be gone
-    (docs/reliability.md); what must hold: ingest goes on, every batch sent after the
-    failover is stored whole, no step is stored twice, and the namespace passes
-    ``claw doctor``'s checks."""
-    n_steps = 20
-    options = {"cluster-node-timeout": "1000", "appendonly": "yes", "appendfsync": "always"}
+    """Opt-in (``-m slow``). 3 masters with a replica each; a producer records episodes
+    one at a time, each flushed until confirmed, through a real worker. The replica of the
+    shard's master is stopped (SIGSTOP), the master SIGKILLed while commits go on, then the
+    replica resumed: it takes over, and the old master rejoins as its replica. Every
+    episode the producer saw confirmed is stored whole, ingest goes on after the failover,
+    no step is stored twice, and the namespace passes ``claw doctor``'s checks.
+
+    With ``CLAW_INGEST_REPLICAS=1`` nothing is confirmed while the replica is stopped.
+    With 0 (the control) the master confirms what its replica has not received: the kill
+    comes once the master holds several episodes of replication stream it could not send
+    (the replica's socket buffers are full), so the failover loses confirmed episodes,
+    every time: that run asserts the loss."""
+    n_steps, obs_floats = 20, 1024  # 80 KiB of obs per episode: one message, inline
+    options = {
+        "cluster-node-timeout": "1000",
+        "appendonly": "yes",
+        "appendfsync": "always",
+        "repl-diskless-sync-delay": "0",
+    }
     with LocalCluster(3, options=options, replicas=1) as cluster:
         start_worker(
             "ingest",
@@ -252,47 +310,85 @@ def test_replica_failover_mid_ingest_keeps_the_store_consistent(
             CLAW_REDIS_URL=cluster.url,
             CLAW_BROKER_URL=broker_url,
             CLAW_VISIBILITY_TIMEOUT="5",
+            CLAW_INGEST_REPLICAS=str(replicas),
+            CLAW_INGEST_REPLICA_TIMEOUT_MS="1000",
         )
         ing = Ingestor(
             namespace,
             cluster.url,
             broker_url=broker_url,
-            n_shards=SHARDS,
+            n_shards=1,
             flush_interval=None,
             flush_steps=10**9,
             resend_after=10,
         )
         store = Store(cluster.url, namespace)
-        victim = cluster.node_of(store.layout_keys.shard_key(0, "seq"))
-        _produce(ing, range(0, 8), n_steps)
-        _wait(lambda: store.count() >= 4 * n_steps, "steps are being stored")
-        victim.kill()
+        seq = store.layout_keys.shard_key(0, "seq")
+        victim = cluster.node_of(seq)
+        replica = cluster.replica_of(victim)
+        producer = _Producer(ing, n_steps, obs_floats)
+        producer.start()
+        _wait(lambda: len(producer.confirmed) >= 4, "episodes are confirmed")
+        assert replica.pid is not None
+        os.kill(replica.pid, signal.SIGSTOP)
+        try:
+            if replicas:
+                r = redis_client(cluster.url)
+                _wait(
+                    lambda: int(r.hget(store.layout_keys.outcomes, "unreplicated") or 0) >= 1,
+                    "a commit is refused for want of a replica",
+                )
+                r.close()
+            else:
+                episode_bytes = n_steps * obs_floats * 4
+                _wait(
+                    lambda: _unsent_to_replicas(victim) > 3 * episode_bytes,
+                    "the master holds episodes its replica has not received",
+                )
+            confirmed = list(producer.confirmed)
+            victim.kill()
+        finally:
+            os.kill(replica.pid, signal.SIGCONT)
 
         def promoted() -> bool:
             client = redis_client(cluster.url)
             try:
-                port = client.get_node_from_key(store.layout_keys.shard_key(0, "seq")).port
-                return (
-                    port != victim.port
-                    and client.get(store.layout_keys.shard_key(0, "seq")) is not None
-                )
+                port = client.get_node_from_key(seq).port
+                return port != victim.port and client.get(seq) is not None
             except Exception:  # topology still moving
                 return False
             finally:
                 client.close()
 
-        _wait(promoted, "a replica serves shard 0")
-        _produce(ing, range(8, 16), n_steps)
-        res = ing.flush(timeout=180)
-        assert res.rejected == 0 and res.pending == 0, res
+        _wait(promoted, "the replica serves the shard")
+        victim.start()  # same port and dir: rejoins as the new master's replica
+        _wait(
+            lambda: victim.client().info("replication").get("master_link_status") == "up",
+            "the old master replicates the new one",
+        )
+        after = len(producer.confirmed)
+        _wait(lambda: len(producer.confirmed) >= after + 4, "ingest goes on after the failover")
+        producer.stop()
         store = Store(redis_client(cluster.url), namespace)
-        for e in range(8, 16):
-            got = store.episode(f"e{e}")
-            np.testing.assert_array_equal(got["step_index"], np.arange(n_steps))
-        stored = [len(_stored(store, e)) for e in range(16)]
-        assert all(n <= n_steps for n in stored), stored
-        for e in range(8):
+        lost = [
+            e for e in confirmed if not np.array_equal(_stored_steps(store, e), np.arange(n_steps))
+        ]
+        if not replicas:  # the control: acknowledged, and lost
+            assert lost, f"none of {len(confirmed)} confirmed episodes lost without WAIT"
+            return
+        assert not lost, f"{len(lost)} of {len(confirmed)} confirmed episode(s) lost: {lost}"
+        for e in producer.confirmed:
+            np.testing.assert_array_equal(_stored_steps(store, e), np.arange(n_steps))
+        for e in producer.made:
             idx = _stored(store, e)
-            assert len(np.unique(idx)) == len(idx)
+            assert len(idx) <= n_steps and len(np.unique(idx)) == len(idx)
         assert check_namespace(store.r, namespace).ok
         ing.close()
+
+
+def _stored_steps(store: Store, e: int) -> np.ndarray:
+    """The step indexes stored of episode ``e``, in order (none: empty)."""
+    try:
+        return store.episode(f"e{e}", fields=[])["step_index"]
+    except KeyError:
+        return np.zeros(0, np.int64)

@@ -175,7 +175,13 @@ def test_add_batch_vectorized_and_claim_check(redis_url, broker_url, namespace, 
         }
     )
     assert ing.close().committed == n
-    assert not list(r.scan_iter(f"claw:{{{namespace}:0}}:stage:*"))  # claim checks cleaned up
+    # Claim checks cleaned up: a worker deletes one after writing the batch's done record
+    # (the other way round, a redelivery after a crash between the two would find the
+    # claim check gone and reject a committed batch), so after the confirmation.
+    deadline = time.monotonic() + 30
+    while stages := list(r.scan_iter(f"claw:{{{namespace}:0}}:stage:*")):
+        assert time.monotonic() < deadline, f"claim checks left: {stages}"
+        time.sleep(0.02)
     store = Store(redis_url, namespace)
     got = store.episode("3")
     np.testing.assert_array_equal(got["obs"], obs[1500:2000])
