@@ -45,7 +45,13 @@ from pathlib import Path
 
 from claw_tasks.worker.command import celery_argv, worker_argv
 from tests.soak.hosts import Host, Network, unavailable, wait_for
-from tests.soak.roles import check_rollouts
+from tests.soak.roles import (
+    check_grpo,
+    check_joint,
+    check_nearest,
+    check_rollouts,
+)
+from tests.support.gateway import TOKENS, train_tokenizer
 from tests.support.paths import ROOT
 
 RECOVERY_S = 120.0
@@ -115,6 +121,32 @@ url, offpolicy, onpolicy = sys.argv[1:4]
 Store(url, offpolicy).create(capacity=400_000, n_shards=3)
 Store(url, onpolicy).create(capacity=200_000, n_shards=3, schema=Schema.rollout((4,)))
 """
+
+
+PARADIGMS = """
+import sys
+from claw_tasks.format.schema import Schema
+from claw_tasks.store import Store
+from orchestrator import define_index
+url, offpolicy, marl, llm = sys.argv[1:5]
+Store(url, marl).create(capacity=200_000, n_shards=3)
+Store(url, llm).create(capacity=200_000, n_shards=3, schema=Schema.llm())
+define_index(Store(url, offpolicy), {"name": "default", "field": "obs"})
+"""
+GATEWAY_PORT, UPSTREAM_PORT = 8100, 8101
+ADMISSION_EXPIRY_S = 30
+"""The gateway's ``--admission-expiry``: a trajectory whose turn a killed gateway lost
+(its reward is refused) gives its group's slots back this long after its last turn."""
+PARADIGMS_LOGS = {
+    # paradigm: (trainer log, its serving event, the producers' logs, their event)
+    "off-policy": ("trainer", "batch", "actor", "confirmed"),
+    "on-policy": ("ppo-trainer", "minibatch", "rollout-actor", "confirmed"),
+    "joint": ("joint-trainer", "batch", "marl-actor", "confirmed"),
+    "llm": ("grpo-trainer", "batch", "llm-actor", "rewarded"),
+    "nearest": ("nearest", "answer", None, None),
+}
+"""What shows each paradigm serving again after a fault: the trainer's (or querier's)
+event and each actor host's producer event, logged after the heal."""
 
 
 def redis_argv(addr: str, port: int, directory: Path, *extra: str) -> list[str]:
@@ -201,6 +233,7 @@ class Soak:
         }
         f = net["f"]
         f.check_output([PY, "-c", CREATE, self.url, self.ns, self.ns + "-ppo"])
+        self.begin_paradigms(net)
         for host in (b, c):
             queues = "ingest,prefetch,maintenance"
             argv = worker_argv(queues, 2, name=f"soak-{host.name}", lone=True, heartbeat=False)
@@ -222,13 +255,72 @@ class Soak:
         self._role("trainer", f, "trainer", self.ns, str(self.work / "trainer.jsonl"), stop)
         log = str(self.work / "ppo-trainer.jsonl")
         self._role("ppo-trainer", f, "ppo-trainer", ppo, log, stop)
+        self.up_paradigms(net)
+
+    def begin_paradigms(self, net: Network) -> None:
+        """Start what the joint, LLM and retrieval parts need first, while the workers
+        start: their namespaces and the replay namespace's vector index, and the
+        inference server on D."""
+        d, f = net["d"], net["f"]
+        argv = [PY, "-c", PARADIGMS, self.url, self.ns, self.ns + "-marl", self.ns + "-llm"]
+        self._add("paradigms", f, argv)
+        tokenizer = self.work / "tokenizer.json"
+        train_tokenizer(tokenizer)
+        up = [PY, "-m", "tests.support.llm_upstream", str(UPSTREAM_PORT), str(tokenizer)]
+        self._add("upstream", d, up)
+
+    def up_paradigms(self, net: Network) -> None:
+        """Joint steps, LLM turns and retrieval: Crowd actors and gateway agents on D and E,
+        the gateway with its inference server on D, the joint and GRPO learners and the
+        nearest() querier on F."""
+        d, f, stop = net["d"], net["f"], str(self.stop_file)
+        marl, llm = self.ns + "-marl", self.ns + "-llm"
+        made = self.procs.pop("paradigms").popen
+        assert made is not None
+        if made.wait(240):
+            raise RuntimeError(f"the namespaces were not made: {self.work / 'paradigms.log'}")
+        self._add("gateway", d, [
+            PY, "-m", "orchestrator.cli.main", "gateway", "--namespace", llm,
+            "--upstream", f"http://127.0.0.1:{UPSTREAM_PORT}", "--address", d.addr,
+            "--port", str(GATEWAY_PORT), "--admission-expiry", str(ADMISSION_EXPIRY_S),
+        ], TOKENS)  # fmt: skip
+        gateway = f"http://{d.addr}:{GATEWAY_PORT}"
+        for i, host in enumerate((d, net["e"])):
+            seed = str(self.seed * 10 + i)
+            log = str(self.work / f"marl-actor-{host.name}.jsonl")
+            self._role(f"marl-actor-{host.name}", host, "marl-actor", marl, host.name, log,
+                       stop, seed)  # fmt: skip
+            log = str(self.work / f"llm-actor-{host.name}.jsonl")
+            self._role(f"llm-actor-{host.name}", host, "llm-actor", llm, host.name, log, stop,
+                       seed, gateway)  # fmt: skip
+        for role, ns in (("joint-trainer", marl), ("grpo-trainer", llm)):
+            self._role(role, f, role, ns, str(self.work / f"{role}.jsonl"), stop)
+        log = str(self.work / "nearest.jsonl")
+        self._role("nearest", f, "nearest", self.ns, log, stop, str(self.seed))
+        self._listening(d, UPSTREAM_PORT, "the inference server")
+        self._listening(d, GATEWAY_PORT, "the gateway", d.addr)
+
+    def _listening(self, host: Host, port: int, what: str, addr: str = "127.0.0.1") -> None:
+        probe = ["bash", "-c", f"exec 3<>/dev/tcp/{addr}/{port}"]
+
+        def up() -> bool:
+            try:
+                host.check_output(probe, timeout=10)
+                return True
+            except (RuntimeError, subprocess.TimeoutExpired):
+                return False
+
+        wait_for(up, f"{what} listens", timeout=240)
 
     def _role(self, role: str, host: Host, name: str, ns: str, *args: str) -> None:
         """A role of tests/soak/roles.py on ``host``."""
         self._add(role, host, [PY, "-m", "tests.soak.roles", name, self.url, ns, *args])
 
-    def _add(self, role: str, host: Host, argv: list[str]) -> None:
-        self.procs[role] = Proc(role, host, argv, self.work / f"{role}.log", dict(self.env)).start()
+    def _add(
+        self, role: str, host: Host, argv: list[str], env: dict[str, str] | None = None
+    ) -> None:
+        env = {**self.env, **(env or {})}
+        self.procs[role] = Proc(role, host, argv, self.work / f"{role}.log", env).start()
 
     def _cli(self, host: Host, addr: str, port: int, *cmd: str) -> str:
         try:
@@ -250,6 +342,7 @@ class Soak:
     # ---- the faults ------------------------------------------------------------------
     def schedule(self) -> list[dict]:
         kinds = ["kill-worker", "kill-beat", "kill-trainer", "kill-master", "partition"]
+        kinds.append("kill-gateway")
         out, at, end = [], 20.0, self.minutes * 60 - 30
         while at < end:
             kind = self.rng.choice(kinds)
@@ -267,10 +360,12 @@ class Soak:
 
     def inject(self, fault: dict) -> None:
         kind, t0 = fault["kind"], time.time()
-        if kind in ("kill-worker", "kill-beat", "kill-trainer"):
-            role = {"kill-beat": "beat", "kill-trainer": fault.get("trainer")}.get(
-                kind, f"worker-{fault.get('host')}"
-            )
+        if kind in ("kill-worker", "kill-beat", "kill-trainer", "kill-gateway"):
+            role = {
+                "kill-beat": "beat",
+                "kill-trainer": fault.get("trainer"),
+                "kill-gateway": "gateway",
+            }.get(kind, f"worker-{fault.get('host')}")
             proc = self.procs[role]
             proc.kill()
             time.sleep(2)
@@ -307,32 +402,45 @@ class Soak:
             victim.start()  # back as a replica of the node that took over
             wait_for(self._cluster_ok, "the node rejoins", 120)
 
-    def recovered(self, since: float) -> float | None:
-        """Seconds until the trainer got a batch and each actor a confirmation after
-        ``since``; None past ``RECOVERY_S``."""
-        logs = [
-            self.work / "trainer.jsonl",
-            self.work / "ppo-trainer.jsonl",
-            *(self.work / f"{role}-{h}.jsonl" for role in ("actor", "rollout-actor") for h in "de"),
-        ]
-        events = ["batch", "minibatch", *["confirmed"] * 4]
+    def recovered(self, since: float) -> dict[str, float | None]:
+        """Per paradigm (:data:`PARADIGMS_LOGS`), the seconds after ``since`` until its
+        trainer served again and each actor host's producer was confirmed; None past
+        ``RECOVERY_S``."""
+        # byte offsets already read, per log: each poll reads only what was added
+        offsets: dict[Path, int] = {}
+        first: dict[tuple[Path, str], float] = {}
 
         def first_after(path: Path, event: str) -> float | None:
+            if (path, event) in first:
+                return first[(path, event)]
             if not path.exists():
                 return None
-            for line in path.read_text().splitlines():
+            with path.open("rb") as fh:
+                fh.seek(offsets.get(path, 0))
+                data = fh.read()
+            whole = data[: data.rfind(b"\n") + 1]
+            offsets[path] = offsets.get(path, 0) + len(whole)
+            for line in whole.splitlines():
                 rec = json.loads(line)
-                if rec["event"] == event and rec["t"] > since:
-                    return rec["t"]
-            return None
+                if rec["t"] > since:
+                    first.setdefault((path, rec["event"]), rec["t"])
+            return first.get((path, event))
 
+        waits = {}
+        for paradigm, (trainer, served, producer, made) in PARADIGMS_LOGS.items():
+            waits[paradigm] = [(self.work / f"{trainer}.jsonl", served)]
+            if producer is not None:
+                waits[paradigm] += [(self.work / f"{producer}-{h}.jsonl", made) for h in "de"]
+        took: dict[str, float | None] = dict.fromkeys(waits)
         deadline = since + RECOVERY_S
-        while time.time() < deadline:
-            got = [first_after(p, e) for p, e in zip(logs, events, strict=True)]
-            if all(t is not None for t in got):
-                return max(got) - since  # type: ignore[type-var,operator]
+        while time.time() < deadline and any(t is None for t in took.values()):
+            for paradigm, wanted in waits.items():
+                if took[paradigm] is None:
+                    got = [first_after(p, e) for p, e in wanted]
+                    if all(t is not None for t in got):
+                        took[paradigm] = round(max(got) - since, 1)  # type: ignore[type-var,operator]
             time.sleep(0.5)
-        return None
+        return took
 
     def lost_to_failover(self, episodes: list[str]) -> tuple[list[str], list[str]]:
         """Split the confirmed episodes the store and archive lack into those confirmed
@@ -351,6 +459,48 @@ class Soak:
             near = any(0 <= kill - t <= FAILOVER_WINDOW_S for kill in self.master_kills)
             (lost if near else unexplained).append(episode)
         return lost, unexplained
+
+    def begin_llm_check(self) -> tuple[subprocess.Popen, dict]:
+        """Start the LLM check on F (it runs beside the off-policy one) once the learners
+        have stopped; the GRPO learner's verdicts with it."""
+        w = self.work
+        grpo = check_grpo(w / "grpo-trainer.jsonl")
+        argv = [PY, "-m", "tests.soak.roles", "check-llm", self.url, self.ns + "-llm",
+                str(grpo["batches"]), str(w / "check-llm.json"),
+                *(str(w / f"llm-actor-{h}.jsonl") for h in "de")]  # fmt: skip
+        log = w / "check-llm.log"
+        return self.net["f"].run(argv, log=log, env=self.env, cwd=ROOT), grpo
+
+    def check_paradigms(self, llm_check: tuple[subprocess.Popen, dict]) -> dict:
+        """The joint, LLM/GRPO and retrieval verdicts (tests/soak/roles.py)."""
+        w = self.work
+        joint = check_joint([w / f"marl-actor-{h}.jsonl" for h in "de"], w / "joint-trainer.jsonl")
+        near = check_nearest(w / "nearest.jsonl")
+        popen, grpo = llm_check
+        if popen.wait(600):
+            raise RuntimeError(f"the LLM check failed: {(w / 'check-llm.log').read_text()[-3000:]}")
+        llm = json.loads((w / "check-llm.json").read_text())
+        lost = [t for t, at in llm.pop("missing_at").items() if near_kill(at, self.master_kills)]
+        llm["lost_to_failover"] = lost
+        for name, got in (("joint", joint), ("grpo", grpo), ("llm", llm), ("nearest", near)):
+            self.violations += [f"{name}: {p}" for p in got["problems"]]
+        unexplained = sorted(set(llm["missing"]) - set(lost))
+        if unexplained:
+            self.violations.append(f"llm: rewarded turns not stored: {unexplained[:20]}")
+        adm = llm["admission"]
+        if adm["open"] or adm["waiting"]:
+            self.violations.append(f"llm: admission still in flight at the end: {adm}")
+        if adm["admitted"] > llm["trained_slots"]:
+            self.violations.append(
+                f"llm: {adm['admitted'] - llm['trained_slots']} admission slots leaked "
+                f"(admitted {adm['admitted']}, trained {llm['trained_slots']})"
+            )
+        served = {"joint": joint["batches"], "grpo": grpo["batches"]}
+        served.update(nearest=near["answers"], llm=llm["rewarded_trajectories"])
+        for name, n in served.items():
+            if not n:
+                self.violations.append(f"{name}: nothing served")
+        return {"joint": joint, "grpo": grpo, "llm": llm, "nearest": near}
 
     def sample_rss(self) -> None:
         while self._sampling:
@@ -381,12 +531,17 @@ class Soak:
                     self.inject(fault)
                     healed = time.time()
                     took = self.recovered(healed)
+                    late = [p for p, t in took.items() if t is None]
                     fault.update(
-                        duration_s=round(healed - t0, 1), recovery_s=took and round(took, 1)
+                        duration_s=round(healed - t0, 1),
+                        recovery_s=None if late else max(took.values()),  # type: ignore[type-var]
+                        recovery=took,
                     )
                     self.faults.append(fault)
-                    if took is None:
-                        self.violations.append(f"no recovery within {RECOVERY_S:g} s: {fault}")
+                    if late:
+                        self.violations.append(
+                            f"{', '.join(late)}: no recovery within {RECOVERY_S:g} s: {fault}"
+                        )
                     print(f"  done {json.dumps(fault)}")
                     sys.stdout.flush()
                 rest = start + self.minutes * 60 - time.time()
@@ -400,8 +555,9 @@ class Soak:
 
     def finish(self) -> dict:
         self.stop_file.touch()
-        roles = ["trainer", "ppo-trainer"]
-        roles += [f"{r}-{h}" for r in ("actor", "rollout-actor") for h in "de"]
+        roles = ["trainer", "ppo-trainer", "joint-trainer", "grpo-trainer", "nearest"]
+        producers = ("actor", "rollout-actor", "marl-actor", "llm-actor")
+        roles += [f"{r}-{h}" for r in producers for h in "de"]
         for role in roles:
             popen = self.procs[role].popen
             assert popen is not None
@@ -409,6 +565,7 @@ class Soak:
                 popen.wait(300)
             except subprocess.TimeoutExpired:
                 self.violations.append(f"{role} did not stop within 300 s")
+        llm_check = self.begin_llm_check()
         logs = [str(self.work / f"actor-{h}.jsonl") for h in "de"]
         out = self.work / "check.json"
         f = self.net["f"]
@@ -449,6 +606,7 @@ class Soak:
         self.violations += onpolicy["problems"]
         if not onpolicy["rollouts"]:
             self.violations.append("no rollout was served")
+        paradigms = self.check_paradigms(llm_check)
         trainer = [json.loads(x) for x in (self.work / "trainer.jsonl").read_text().splitlines()]
         for role, rss in self.rss.items():
             if rss > RSS_BOUND:
@@ -459,11 +617,32 @@ class Soak:
             "faults": self.faults,
             "store": result,
             "onpolicy": onpolicy,
+            **paradigms,
             "batches": sum(1 for r in trainer if r["event"] == "batch"),
             "trainer_errors": sum(1 for r in trainer if r["event"] == "error"),
             "max_rss_mib": {k: round(v / 2**20) for k, v in sorted(self.rss.items())},
             "violations": self.violations,
         }
+
+
+def near_kill(t: float, kills: list[float]) -> bool:
+    """Whether a write confirmed at ``t`` may have been lost to a master's failover:
+    confirmed at most ``FAILOVER_WINDOW_S`` before a master was SIGKILLed."""
+    return any(0 <= kill - t <= FAILOVER_WINDOW_S for kill in kills)
+
+
+def recovery_line(faults: list[dict]) -> str:
+    """Per paradigm, the worst and median seconds to serve again after a heal."""
+    parts = []
+    for paradigm in PARADIGMS_LOGS:
+        got = sorted(
+            f["recovery"][paradigm]
+            for f in faults
+            if f.get("recovery", {}).get(paradigm) is not None
+        )
+        if got:
+            parts.append(f"{paradigm} max {got[-1]:.1f} s, median {got[len(got) // 2]:.1f} s")
+    return "recovery per paradigm: " + "; ".join(parts)
 
 
 def report(result: dict) -> str:
@@ -489,11 +668,31 @@ def report(result: dict) -> str:
         f"{result['onpolicy']['minibatches']} minibatches, "
         f"{result['onpolicy']['n_problems']} problems",
         f"trainer: {result['batches']} batches, {result['trainer_errors']} errors",
+        *paradigm_lines(result),
+        recovery_line(result["faults"]),
         "max RSS (MiB): " + ", ".join(f"{k} {v}" for k, v in result["max_rss_mib"].items()),
         f"violations: {len(result['violations'])}",
         *(f"  {v}" for v in result["violations"]),
     ]
     return "\n".join(lines)
+
+
+def paradigm_lines(result: dict) -> list[str]:
+    j, g, n, llm = result["joint"], result["grpo"], result["nearest"], result["llm"]
+    adm = llm["admission"]
+    return [
+        f"joint: {j['confirmed_episodes']} episodes confirmed, {j['batches']} batches, "
+        f"{j['rows']} rows, {j['n_problems']} problems",
+        f"llm: {llm['answered_calls']} calls answered, {llm['rewarded_trajectories']} "
+        f"trajectories rewarded ({llm['turns_of_rewarded']} turns), {llm['refused_rewards']} "
+        f"rewards refused, {llm['unanswered_turns']} turns recorded unanswered, "
+        f"{len(llm['missing'])} rewarded with a turn missing, {llm['n_problems']} problems",
+        f"grpo: {g['batches']} batches to v {g['version']}, {g['n_problems']} stale; "
+        f"admission at the end: admitted {adm['admitted']} (trained {llm['trained_slots']}), "
+        f"open {adm['open']}, waiting {adm['waiting']}, released {adm['released']}, "
+        f"expired {adm['expired']}, lapsed {adm['lapsed']}",
+        f"nearest: {n['answers']} answers, {n['n_problems']} problems",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 @pytest.mark.timeout(900)
 def test_a_short_soak_of_faults_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     tmp_path.chmod(0o755)
-    result = Soak(1.25, seed=1, work=tmp_path, gaps=(6.0, 12.0), archive_every="10s").run()
+    result = Soak(1.25, seed=9, work=tmp_path, gaps=(6.0, 12.0), archive_every="10s").run()
     assert len(result["faults"]) >= 3, report(result)
     assert result["store"]["confirmed_episodes"] > 0, report(result)
     assert not result["violations"], report(result)
