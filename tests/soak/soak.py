@@ -8,20 +8,27 @@ Topology (one network namespace per host, each with its own ``/dev/shm``):
 - ``c``: the broker (a standalone Redis, which also keeps beat's schedule) and beat, its
   schedule shortened (eviction every 10 s, archival every 60 s);
 - ``b``, ``c``: a worker each (ingest, prefetch, maintenance);
-- ``d``, ``e``: actors recording CartPole episodes;
-- ``f``: a trainer popping a replay recipe (inline over TCP: no shared memory across hosts).
+- ``d``, ``e``: actors recording CartPole episodes, on-policy segments and PettingZoo
+  joint steps, and agents calling the capture gateway with the ``openai`` client; ``d``
+  also runs the gateway and the inference server behind it (tests/support/llm_upstream.py);
+- ``f``: trainers popping a replay, a rollout, a joint and a GRPO group recipe with
+  admission (inline over TCP: no shared memory across hosts), and ``nearest()`` queries
+  against a vector index of the replay namespace.
 
 Faults, drawn from ``--seed`` and printed before they run: SIGKILL of a worker, of beat,
-of the trainer (each restarted), of a cluster master (its replica takes over; the node
-comes back as a replica), and partitions of an actor's, a worker's, the trainer's or a
-store host's link, 5-20 s each.
+of a trainer, of the gateway (each restarted), of a cluster master (its replica takes
+over; the node comes back as a replica), and partitions of an actor's, a worker's, the
+trainer's or a store host's link, 5-20 s each.
 
-Verdicts (tests/soak/roles.py ``check``): every episode an actor saw confirmed is stored
-once and whole; no step stored twice; the archive holds no step twice; after each fault
-heals, the trainer gets a batch and every actor a confirmation within ``RECOVERY_S``;
-every long-lived process stays under ``RSS_BOUND``; ``claw doctor`` is clean. The report
-(one page, and JSON with ``--report``) lists the faults, counts, recovery times and the
-largest RSS; the exit status is 1 on any violation.
+Verdicts (tests/soak/roles.py): every episode an actor saw confirmed is stored once and
+whole; no step stored twice; the archive holds no step twice; no rollout served twice or
+with another version's steps; every joint row aligned and whole; every turn of a rewarded
+trajectory stored once with its reward; no GRPO row older than the staleness bound; no
+admission slot leaked; every ``nearest()`` answer a stored step at the distance given;
+after each fault heals, every paradigm serves again within ``RECOVERY_S``; every
+long-lived process stays under ``RSS_BOUND``; ``claw doctor`` is clean. The report (one
+page, and JSON with ``--report``) lists the faults, per-paradigm counts and recovery
+times and the largest RSS; the exit status is 1 on any violation.
 
     python -m tests.soak.soak --minutes 30 --seed 7 --report soak.json
 """
@@ -55,7 +62,8 @@ from tests.support.gateway import TOKENS, train_tokenizer
 from tests.support.paths import ROOT
 
 RECOVERY_S = 120.0
-"""How soon after a fault heals the trainer must get a batch and each actor a confirmation."""
+"""How soon after a fault heals every paradigm must serve again: its trainer (or the
+querier) a batch (an answer) and its producer on each actor host a confirmation."""
 BEAT_TAKEOVER_S = 90.0
 """How soon a restarted beat must take the lock a SIGKILLed one held (its lock lapses in
 30 s: claw_tasks.broker.app.BEAT_LOCK_S)."""

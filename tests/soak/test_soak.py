@@ -1,6 +1,7 @@
 """The chaos soak's short variant (tests/soak/soak.py): 75 seconds of seeded faults, one
-every 6-12 s, over simulated hosts, no violation. ``make soak`` runs the long one (30
-minutes by default, a fault every 20-40 s)."""
+every 6-12 s, over simulated hosts, no violation. Seed 9 draws a master's SIGKILL, a
+trainer's, the gateway's and an actor host's partition. ``make soak`` runs the long one
+(30 minutes by default, a fault every 20-40 s)."""
 
 from __future__ import annotations
 
