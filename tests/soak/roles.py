@@ -538,14 +538,20 @@ def check_llm(url: str, ns: str, logs: list[Path], batches: int, out: Path) -> N
 
     store = Store(url, ns)
     rewarded: dict[str, tuple[list[str], float]] = {}
-    answered = refused = 0
+    answered = 0
+    last_answer: dict[str, float] = {}
+    refused: dict[str, dict[str, Any]] = {}
     for path in logs:
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             if rec["event"] == "rewarded":
                 rewarded[rec["trajectory"]] = (rec["calls"], rec["t"])
-            answered += rec["event"] == "answered"
-            refused += rec["event"] == "reward-refused"
+            if rec["event"] == "answered":
+                answered += 1
+                last_answer[rec["trajectory"]] = rec["t"]
+            elif rec["event"] == "reward-refused":  # when its last turn was answered
+                at = last_answer.get(rec["trajectory"], rec["t"])
+                refused[rec["trajectory"]] = {"answered_at": at, "error": rec["error"]}
     ids_of: dict[int, list[int]] = {}
     cfg = store.config()
     for shard in range(cfg.n_shards):

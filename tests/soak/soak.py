@@ -142,6 +142,12 @@ Store(url, llm).create(capacity=200_000, n_shards=3, schema=Schema.llm())
 define_index(Store(url, offpolicy), {"name": "default", "field": "obs"})
 """
 GATEWAY_PORT, UPSTREAM_PORT = 8100, 8101
+GATEWAY_WINDOW_S = 10.0
+"""A trajectory whose reward the gateway refuses because a turn it answered is not stored
+counts as lost to the gateway's SIGKILL (not a violation) when that turn was answered at
+most this long before the gateway was killed: the gateway answers first and hands the
+turn to its Ingestor after (sent to the broker within 0.5 s), so a SIGKILL loses what it
+held."""
 ADMISSION_EXPIRY_S = 30
 """The gateway's ``--admission-expiry``: a trajectory whose turn a killed gateway lost
 (its reward is refused) gives its group's slots back this long after its last turn."""
@@ -199,6 +205,7 @@ class Soak:
         self.rss: dict[str, int] = {}
         self._sampling = True
         self.master_kills: list[float] = []
+        self.gateway_kills: list[float] = []
 
     # ---- the deployment --------------------------------------------------------------
     def up(self, net: Network) -> None:
@@ -493,6 +500,14 @@ class Soak:
         for name, got in (("joint", joint), ("grpo", grpo), ("llm", llm), ("nearest", near)):
             self.violations += [f"{name}: {p}" for p in got["problems"]]
         unexplained = sorted(set(llm["missing"]) - set(lost))
+        dropped = []
+        for traj, why in llm["refused_rewards"].items():
+            t, taken = why["answered_at"], "already has its reward" in why["error"]
+            if not taken and any(0 <= k - t <= GATEWAY_WINDOW_S for k in self.gateway_kills):
+                dropped.append(traj)
+            else:
+                self.violations.append(f"llm: the reward of {traj} refused: {why['error']}")
+        llm["lost_to_gateway_kill"] = dropped
         if unexplained:
             self.violations.append(f"llm: rewarded turns not stored: {unexplained[:20]}")
         adm = llm["admission"]
@@ -536,6 +551,8 @@ class Soak:
                     t0 = time.time()
                     if fault["kind"] == "kill-master":
                         self.master_kills.append(t0)
+                    if fault["kind"] == "kill-gateway":
+                        self.gateway_kills.append(t0)
                     self.inject(fault)
                     healed = time.time()
                     took = self.recovered(healed)
@@ -692,8 +709,10 @@ def paradigm_lines(result: dict) -> list[str]:
         f"joint: {j['confirmed_episodes']} episodes confirmed, {j['batches']} batches, "
         f"{j['rows']} rows, {j['n_problems']} problems",
         f"llm: {llm['answered_calls']} calls answered, {llm['rewarded_trajectories']} "
-        f"trajectories rewarded ({llm['turns_of_rewarded']} turns), {llm['refused_rewards']} "
-        f"rewards refused, {llm['unanswered_turns']} turns recorded unanswered, "
+        f"trajectories rewarded ({llm['turns_of_rewarded']} turns), "
+        f"{len(llm['refused_rewards'])} rewards refused (a turn lost to the gateway's "
+        f"SIGKILL: {len(llm['lost_to_gateway_kill'])}), {llm['unanswered_turns']} turns "
+        "recorded unanswered, "
         f"{len(llm['missing'])} rewarded with a turn missing, {llm['n_problems']} problems",
         f"grpo: {g['batches']} batches to v {g['version']}, {g['n_problems']} stale; "
         f"admission at the end: admitted {adm['admitted']} (trained {llm['trained_slots']}), "
