@@ -713,7 +713,8 @@ def paradigm_lines(result: dict) -> list[str]:
         f"{len(llm['refused_rewards'])} rewards refused (a turn lost to the gateway's "
         f"SIGKILL: {len(llm['lost_to_gateway_kill'])}), {llm['unanswered_turns']} turns "
         "recorded unanswered, "
-        f"{len(llm['missing'])} rewarded with a turn missing, {llm['n_problems']} problems",
+        f"{len(llm['missing'])} rewarded with a turn missing ({len(llm['lost_to_failover'])} "
+        f"lost to a master's failover), {llm['n_problems']} problems",
         f"grpo: {g['batches']} batches to v {g['version']}, {g['n_problems']} stale; "
         f"admission at the end: admitted {adm['admitted']} (trained {llm['trained_slots']}), "
         f"open {adm['open']}, waiting {adm['waiting']}, released {adm['released']}, "
