@@ -381,12 +381,13 @@ class Recorder:
                 discount=credit.discount(self.store),
                 tags=tags,
             )
-            TURN(self.store.r, both, ["attached", self.ttl])
+            if int(TURN(self.store.r, both, ["attached", self.ttl, digest])) < 0:
+                raise TrajectoryError(f"trajectory {trajectory_uid!r} already has its reward")
         except Exception:
             with self._lock:
                 t.finished = ""  # the reward may be posted again
             if finished:
-                TURN(self.store.r, both, ["reopen", self.ttl])
+                TURN(self.store.r, both, ["reopen", self.ttl, digest])
             raise
         self.metrics.rewarded.inc()
         return turns

@@ -26,8 +26,12 @@
 --           attached (its poster died midway, or is still at it: attaching it again writes
 --           the same values); 2 this same reward is attached already; -1 done by another
 --           reward (then only {-1}).
---   attached  marks the reward attached (`rwd`); returns 0.
---   reopen  clears done (a reward that failed may be posted again); returns 0.
+--   attached  ARGV[3] the reward's digest. Marks it attached (`rwd`), putting its `done`
+--           back if a failed post of the same reward cleared it meanwhile; returns 1, or -1
+--           (nothing written) when `done` holds another reward.
+--   reopen  ARGV[3] the reward's digest. Clears done (a reward that failed may be posted
+--           again) unless it holds another reward or the reward is attached (a retry of
+--           the same reward, on another gateway process, got there); returns 0.
 --   session ARGV[3] key sha256, ARGV[4] group ('' none), ARGV[5] 1 if the key may reward.
 --           Creates the trajectory with its session; 0 when the trajectory exists already.
 local op, ttl = ARGV[1], tonumber(ARGV[2])
@@ -35,13 +39,17 @@ local key = KEYS[1]
 local own = tonumber(redis.call('HGET', key, 'ttl') or '0')
 if own > 0 and own < ttl then ttl = own end
 if op == 'reopen' then
-  redis.call('HDEL', key, 'done', 'rwd')
+  if redis.call('HGET', key, 'done') == ARGV[3] and redis.call('HEXISTS', key, 'rwd') == 0 then
+    redis.call('HDEL', key, 'done')
+  end
   return 0
 end
 if op == 'attached' then
-  redis.call('HSET', key, 'rwd', 1)
+  local done = redis.call('HGET', key, 'done')
+  if done and done ~= ARGV[3] then return -1 end
+  redis.call('HSET', key, 'done', ARGV[3], 'rwd', 1)
   redis.call('EXPIRE', key, ttl)
-  return 0
+  return 1
 end
 if op == 'session' then
   if redis.call('EXISTS', key) == 1 then return 0 end

@@ -23,6 +23,7 @@ from claw_tasks.store import Store
 from claw_tasks.store.turns import turn_infos
 from orchestrator.delivery import admission
 from orchestrator.gateway.capture import CHAT, CaptureError, Retokenizer, capture
+from orchestrator.gateway.recorder import TURN, reward_digest
 from tests.support.gateway import (
     REWARD_TOKEN,
     TOKEN,
@@ -368,6 +369,26 @@ def test_a_reward_posted_again_after_its_gateway_died_midway_is_taken(stack, ing
         assert got["terminated"].tolist() == [False, True]
     other = httpx.post(url, json={"final_reward": 0.0}, headers=auth)
     assert other.status_code == 409 and "already has its reward" in other.text
+
+
+def test_a_failed_post_leaves_the_reward_a_retry_of_it_attached(stack):
+    """Two posts of the same reward at once (a client retried on another gateway process):
+    the first one failing does not reopen what the retry attached, so no other reward is
+    taken after a 200; and when it fails before the retry attaches, the attach puts the
+    mark back. Another reward never marks a trajectory attached."""
+    store = Store(stack["redis_url"], stack["namespace"])
+    same, other = reward_digest(1.0, None, None, None), reward_digest(0.0, None, None, None)
+    for uid, reopen_first in (("raced-late", False), ("raced-early", True)):
+        both = [admission.trajectory_key(store, uid), admission.admission_key(store)]
+        assert TURN(store.r, both, ["finish", 60, same])[0] == 1  # the first post
+        assert TURN(store.r, both, ["finish", 60, same])[0] == 0  # the retry carries on
+        if reopen_first:
+            TURN(store.r, both, ["reopen", 60, same])  # the first post fails
+        assert TURN(store.r, both, ["attached", 60, same]) == 1  # the retry is done
+        TURN(store.r, both, ["reopen", 60, same])  # (again) the first post fails
+        assert TURN(store.r, both, ["finish", 60, other]) == [-1]
+        assert TURN(store.r, both, ["attached", 60, other]) == -1
+        assert TURN(store.r, both, ["finish", 60, same])[0] == 2
 
 
 def _post_ignoring_errors(url: str, body: dict, headers: dict, out: list) -> None:
