@@ -405,6 +405,8 @@ GRPO = {
         }
     ],
 }
+FINAL_REWARD, CALL_REWARD = 1.0, 0.25
+"""What every agent posts: the final reward and a reward per call (by its call id)."""
 TRAJECTORIES = GRPO["batch_size"] * GROUP_SIZE
 """Trajectories per GRPO batch (B of the admission budget)."""
 
@@ -446,7 +448,10 @@ def llm_actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int, gw
                         if stopped_long_ago():
                             return
                         time.sleep(0.5)
-                body = {"final_reward": 1.0, "call_rewards": {c: 0.25 for c in calls}}
+                body = {
+                    "final_reward": FINAL_REWARD,
+                    "call_rewards": dict.fromkeys(calls, CALL_REWARD),
+                }
                 for _ in range(60):
                     try:
                         r = scorer.post(f"{gw}/t/{traj}/reward", json=body)
@@ -578,8 +583,15 @@ def check_llm(url: str, ns: str, logs: list[Path], batches: int, out: Path) -> N
         lost = [c for c in calls if c not in stored]
         if lost:
             missing[traj] = t
-        if np.isnan(np.asarray(got["tags.final_reward"], float)).any():
+        final = np.asarray(got["tags.final_reward"], float)
+        if np.isnan(final).any():
             problems.append(f"{traj}: a turn without its reward")
+        elif (final != FINAL_REWARD).any():
+            problems.append(f"{traj}: a turn with another reward {sorted(set(final.tolist()))}")
+        elif not lost and not np.isclose(
+            float(np.sum(got["reward"])), CALL_REWARD * len(calls) + FINAL_REWARD
+        ):
+            problems.append(f"{traj}: turn rewards {got['reward'].tolist()} are not the posted")
     # No leaked admission slots: with every agent stopped, the version moved past every
     # rewarded, unserved trajectory (they lapse) and the queued batch dropped (given back),
     # what stays admitted is what was trained on.

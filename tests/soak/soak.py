@@ -471,8 +471,7 @@ class Soak:
         lost, unexplained = [], []
         for episode in episodes:
             t = confirmed_at.get(episode, -1.0)
-            near = any(0 <= kill - t <= FAILOVER_WINDOW_S for kill in self.master_kills)
-            (lost if near else unexplained).append(episode)
+            (lost if near_kill(t, self.master_kills) else unexplained).append(episode)
         return lost, unexplained
 
     def begin_llm_check(self) -> tuple[subprocess.Popen, dict]:
@@ -495,29 +494,9 @@ class Soak:
         if popen.wait(600):
             raise RuntimeError(f"the LLM check failed: {(w / 'check-llm.log').read_text()[-3000:]}")
         llm = json.loads((w / "check-llm.json").read_text())
-        lost = [t for t, at in llm.pop("missing_at").items() if near_kill(at, self.master_kills)]
-        llm["lost_to_failover"] = lost
-        for name, got in (("joint", joint), ("grpo", grpo), ("llm", llm), ("nearest", near)):
+        for name, got in (("joint", joint), ("grpo", grpo), ("nearest", near)):
             self.violations += [f"{name}: {p}" for p in got["problems"]]
-        unexplained = sorted(set(llm["missing"]) - set(lost))
-        dropped = []
-        for traj, why in llm["refused_rewards"].items():
-            t, taken = why["answered_at"], "already has its reward" in why["error"]
-            if not taken and any(0 <= k - t <= GATEWAY_WINDOW_S for k in self.gateway_kills):
-                dropped.append(traj)
-            else:
-                self.violations.append(f"llm: the reward of {traj} refused: {why['error']}")
-        llm["lost_to_gateway_kill"] = dropped
-        if unexplained:
-            self.violations.append(f"llm: rewarded turns not stored: {unexplained[:20]}")
-        adm = llm["admission"]
-        if adm["open"] or adm["waiting"]:
-            self.violations.append(f"llm: admission still in flight at the end: {adm}")
-        if adm["admitted"] > llm["trained_slots"]:
-            self.violations.append(
-                f"llm: {adm['admitted'] - llm['trained_slots']} admission slots leaked "
-                f"(admitted {adm['admitted']}, trained {llm['trained_slots']})"
-            )
+        self.violations += llm_verdicts(llm, self.master_kills, self.gateway_kills)
         served = {"joint": joint["batches"], "grpo": grpo["batches"]}
         served.update(nearest=near["answers"], llm=llm["rewarded_trajectories"])
         for name, n in served.items():
@@ -654,6 +633,37 @@ def near_kill(t: float, kills: list[float]) -> bool:
     """Whether a write confirmed at ``t`` may have been lost to a master's failover:
     confirmed at most ``FAILOVER_WINDOW_S`` before a master was SIGKILLed."""
     return any(0 <= kill - t <= FAILOVER_WINDOW_S for kill in kills)
+
+
+def llm_verdicts(llm: dict, master_kills: list[float], gateway_kills: list[float]) -> list[str]:
+    """The violations in the LLM check's result (``check-llm`` of tests/soak/roles.py), which
+    it completes with what the faults explain: a rewarded trajectory missing a turn is lost
+    to a master's failover when confirmed at most ``FAILOVER_WINDOW_S`` before one; a
+    refused reward is lost to the gateway's SIGKILL when its last turn was answered at most
+    ``GATEWAY_WINDOW_S`` before one. A reward refused as already taken always is one."""
+    lost = [t for t, at in llm.pop("missing_at").items() if near_kill(at, master_kills)]
+    llm["lost_to_failover"] = lost
+    out = [f"llm: {p}" for p in llm["problems"]]
+    dropped = []
+    for traj, why in llm["refused_rewards"].items():
+        t, taken = why["answered_at"], "already has its reward" in why["error"]
+        if not taken and any(0 <= k - t <= GATEWAY_WINDOW_S for k in gateway_kills):
+            dropped.append(traj)
+        else:
+            out.append(f"llm: the reward of {traj} refused: {why['error']}")
+    llm["lost_to_gateway_kill"] = dropped
+    unexplained = sorted(set(llm["missing"]) - set(lost))
+    if unexplained:
+        out.append(f"llm: rewarded turns not stored: {unexplained[:20]}")
+    adm = llm["admission"]
+    if adm["open"] or adm["waiting"]:
+        out.append(f"llm: admission still in flight at the end: {adm}")
+    if adm["admitted"] > llm["trained_slots"]:
+        out.append(
+            f"llm: {adm['admitted'] - llm['trained_slots']} admission slots leaked "
+            f"(admitted {adm['admitted']}, trained {llm['trained_slots']})"
+        )
+    return out
 
 
 def recovery_line(faults: list[dict]) -> str:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from tests.soak.roles import check_grpo, check_joint, check_nearest, joint_rows
+from tests.soak.soak import llm_verdicts
 
 
 def write(path: Path, *records: dict) -> Path:
@@ -82,3 +83,36 @@ def test_check_nearest_counts_answers_and_their_problems(tmp_path):
     )
     got = check_nearest(log)
     assert (got["answers"], got["n_problems"]) == (2, 1)
+
+
+def llm_result(**changes) -> dict:
+    """The LLM check's result (tests/soak/roles.py ``check_llm``) with nothing wrong."""
+    adm = {"admitted": 8, "budget": 8, "open": 0, "waiting": 0, "total": 8, "released": 0}
+    result = {
+        "problems": [],
+        "refused_rewards": {},
+        "missing": [],
+        "missing_at": {},
+        "admission": adm,
+        "trained_slots": 8,
+    }
+    return {**result, **changes}
+
+
+def test_llm_verdicts_excuse_only_what_a_fault_explains():
+    assert llm_verdicts(llm_result(), [], []) == []
+    lost_turn = {"answered_at": 100.0, "error": "1 of its 2 turns are stored"}
+    taken = {"answered_at": 100.0, "error": "trajectory 't' already has its reward"}
+    got = llm_result(refused_rewards={"t1": lost_turn, "t2": taken})
+    violations = llm_verdicts(got, [], [105.0])  # the gateway SIGKILLed 5 s after
+    assert got["lost_to_gateway_kill"] == ["t1"]
+    assert violations == ["llm: the reward of t2 refused: " + taken["error"]]
+    got = llm_result(refused_rewards={"t1": lost_turn})
+    assert len(llm_verdicts(got, [], [130.0])) == 1  # killed 30 s after: not its doing
+    got = llm_result(missing=["t3", "t4"], missing_at={"t3": 100.0, "t4": 50.0})
+    assert llm_verdicts(got, [104.0], []) == ["llm: rewarded turns not stored: ['t4']"]
+    assert got["lost_to_failover"] == ["t3"]
+    leaked = llm_result(admission={"admitted": 10, "open": 1, "waiting": 0})
+    assert len(llm_verdicts(leaked, [], [])) == 2  # one still open, two slots leaked
+    wrong = llm_result(problems=["t5: a turn with another reward [0.0]"])
+    assert llm_verdicts(wrong, [], []) == ["llm: t5: a turn with another reward [0.0]"]
