@@ -125,8 +125,10 @@ CREATE = """
 import sys
 from claw_tasks.format.schema import Schema
 from claw_tasks.store import Store
+from orchestrator import define_index
 url, offpolicy, onpolicy = sys.argv[1:4]
 Store(url, offpolicy).create(capacity=400_000, n_shards=3)
+define_index(Store(url, offpolicy), {"name": "default", "field": "obs"})  # for nearest()
 Store(url, onpolicy).create(capacity=200_000, n_shards=3, schema=Schema.rollout((4,)))
 """
 
@@ -135,11 +137,9 @@ PARADIGMS = """
 import sys
 from claw_tasks.format.schema import Schema
 from claw_tasks.store import Store
-from orchestrator import define_index
-url, offpolicy, marl, llm = sys.argv[1:5]
+url, marl, llm = sys.argv[1:4]
 Store(url, marl).create(capacity=200_000, n_shards=3)
 Store(url, llm).create(capacity=200_000, n_shards=3, schema=Schema.llm())
-define_index(Store(url, offpolicy), {"name": "default", "field": "obs"})
 """
 GATEWAY_PORT, UPSTREAM_PORT = 8100, 8101
 GATEWAY_WINDOW_S = 10.0
@@ -246,18 +246,21 @@ class Soak:
             "CLAW_VISIBILITY_TIMEOUT": "30",
             "PYTHONUNBUFFERED": "1",
         }
-        f = net["f"]
-        f.check_output([PY, "-c", CREATE, self.url, self.ns, self.ns + "-ppo"])
-        self.begin_paradigms(net)
+        # The workers, the namespaces and what the other paradigms need start together
+        # (each waited for below): on a loaded machine the start-up is most of a short run.
         for host in (b, c):
             queues = "ingest,prefetch,maintenance"
             argv = worker_argv(queues, 2, name=f"soak-{host.name}", lone=True, heartbeat=False)
             self._add(f"worker-{host.name}", host, argv)
+        self._add("create", net["f"], [PY, "-c", CREATE, self.url, self.ns, self.ns + "-ppo"])
+        self.begin_paradigms(net)
+        for host in (b, c):
             wait_for(
                 lambda h=host: b"ready." in self.procs[f"worker-{h.name}"].log.read_bytes(),
                 "a worker starts",
                 timeout=180,
             )
+        self._made("create", "the replay (with its vector index) and rollout namespaces")
         self._add("beat", c, celery_argv("beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"))
         stop, ppo = str(self.stop_file), self.ns + "-ppo"
         for i, host in enumerate((net["d"], net["e"])):
@@ -267,17 +270,17 @@ class Soak:
             log = str(self.work / f"rollout-actor-{host.name}.jsonl")
             role = f"rollout-actor-{host.name}"
             self._role(role, host, "rollout-actor", ppo, host.name, log, stop, str(i + 1))
+        f = net["f"]
         self._role("trainer", f, "trainer", self.ns, str(self.work / "trainer.jsonl"), stop)
         log = str(self.work / "ppo-trainer.jsonl")
         self._role("ppo-trainer", f, "ppo-trainer", ppo, log, stop)
         self.up_paradigms(net)
 
     def begin_paradigms(self, net: Network) -> None:
-        """Start what the joint, LLM and retrieval parts need first, while the workers
-        start: their namespaces and the replay namespace's vector index, and the
-        inference server on D."""
+        """Start what the joint and LLM parts need first, while the workers start (waited
+        for by :meth:`up_paradigms`): their namespaces, and the inference server on D."""
         d, f = net["d"], net["f"]
-        argv = [PY, "-c", PARADIGMS, self.url, self.ns, self.ns + "-marl", self.ns + "-llm"]
+        argv = [PY, "-c", PARADIGMS, self.url, self.ns + "-marl", self.ns + "-llm"]
         self._add("paradigms", f, argv)
         tokenizer = self.work / "tokenizer.json"
         train_tokenizer(tokenizer)
@@ -290,10 +293,7 @@ class Soak:
         nearest() querier on F."""
         d, f, stop = net["d"], net["f"], str(self.stop_file)
         marl, llm = self.ns + "-marl", self.ns + "-llm"
-        made = self.procs.pop("paradigms").popen
-        assert made is not None
-        if made.wait(240):
-            raise RuntimeError(f"the namespaces were not made: {self.work / 'paradigms.log'}")
+        self._made("paradigms", "the joint and LLM namespaces")
         self._add("gateway", d, [
             PY, "-m", "orchestrator.cli.main", "gateway", "--namespace", llm,
             "--upstream", f"http://127.0.0.1:{UPSTREAM_PORT}", "--address", d.addr,
@@ -314,6 +314,15 @@ class Soak:
         self._role("nearest", f, "nearest", self.ns, log, stop, str(self.seed))
         self._listening(d, UPSTREAM_PORT, "the inference server")
         self._listening(d, GATEWAY_PORT, "the gateway", d.addr)
+
+    def _made(self, role: str, what: str) -> None:
+        """Wait for the one-shot process ``role`` to exit 0 (it stays among the processes
+        killed at the end until it has)."""
+        popen = self.procs[role].popen
+        assert popen is not None
+        if popen.wait(240):
+            raise RuntimeError(f"{what} were not made: {self.work / f'{role}.log'}")
+        del self.procs[role]
 
     def _listening(self, host: Host, port: int, what: str, addr: str = "127.0.0.1") -> None:
         probe = ["bash", "-c", f"exec 3<>/dev/tcp/{addr}/{port}"]
