@@ -46,14 +46,8 @@ def actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int) -> Non
                     nxt, reward, term, trunc, _ = env.step(action)
                     ep.add(np.asarray(obs, np.float32), np.int64(action), float(reward))
                     obs, n, done = nxt, n + 1, term or trunc
-            while True:  # until confirmed: the batch stays in flight and is re-sent
-                try:
-                    ing.flush(timeout=20)
-                    break
-                except Exception as e:  # an outage under test
-                    _log(out, event="unconfirmed", episode=episode, error=repr(e)[:200])
-                    if stop.exists() and (stop.stat().st_mtime + 120 < time.time()):
-                        return
+            if not _until_confirmed(ing, out, stop, episode=episode):
+                return
             _log(out, event="confirmed", episode=episode, steps=n)
             k += 1
         ing.close(timeout=120)
@@ -69,30 +63,15 @@ DQN = {
 
 
 def trainer(url: str, ns: str, log: Path, stop: Path) -> None:
-    """Pops the replay recipe in a loop; logs each batch (rows) or error."""
-    from orchestrator import BatchClient
+    """Pops the replay recipe in a loop; logs each batch (rows, and whether its obs are
+    the recipe's shape and finite) or error."""
+    _pop_loop(url, ns, log, stop, DQN, _dqn_batch, pause=0.0)
 
-    with log.open("a") as out:
-        client = None
-        while not stop.exists():
-            try:
-                if client is None:
-                    client = BatchClient(ns, url)
-                    client.register(DQN)
-                b = client.pop("dqn", timeout=10)
-                obs = np.asarray(b["obs"])
-                if obs.shape != (64, 4) or not np.isfinite(obs).all():
-                    _log(out, event="bad-batch", shape=list(obs.shape))
-                _log(out, event="batch", rows=int(obs.shape[0]))
-            except Exception as e:  # an outage under test: a new client next time
-                _log(out, event="error", error=repr(e)[:200])
-                if client is not None:
-                    with contextlib.suppress(Exception):
-                        client.close()
-                    client = None
-                time.sleep(1)
-        if client is not None:
-            client.close()
+
+def _dqn_batch(b: Any) -> dict[str, Any]:
+    obs = np.asarray(b["obs"])
+    whole = obs.shape == (DQN["batch_size"], 4) and bool(np.isfinite(obs).all())
+    return {"rows": int(obs.shape[0]), "whole": whole}
 
 
 PPO = {
@@ -140,14 +119,8 @@ def rollout_actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int
                 if term:
                     ep.end()
                     ep = None
-            while True:
-                try:
-                    ing.flush(timeout=20)
-                    break
-                except Exception as e:  # an outage under test
-                    _log(out, event="unconfirmed", error=repr(e)[:200])
-                    if stop.exists() and (stop.stat().st_mtime + 120 < time.time()):
-                        return
+            if not _until_confirmed(ing, out, stop):
+                return
             _log(out, event="confirmed", steps=32, version=version)
         ing.close(timeout=120)
 
@@ -242,8 +215,13 @@ def _until_confirmed(ing: Any, out: IO[str], stop: Path, **fields: Any) -> bool:
             return True
         except Exception as e:  # an outage under test
             _log(out, event="unconfirmed", error=repr(e)[:200], **fields)
-            if stop.exists() and (stop.stat().st_mtime + 120 < time.time()):
+            if _stopped_long_ago(stop):
                 return False
+
+
+def _stopped_long_ago(stop: Path) -> bool:
+    """The stop file is two minutes old: a producer still failing gives up."""
+    return stop.exists() and stop.stat().st_mtime + 120 < time.time()
 
 
 def marl_actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int) -> None:
@@ -415,8 +393,8 @@ def llm_actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int, gw
     """Groups of ``GROUP_SIZE`` trajectories of ``TURNS`` chat calls each through the
     capture gateway at ``gw`` with the ``openai`` client, then each trajectory's reward by
     the call ids it was answered with. Logs ``answered`` per call (its id) and ``rewarded``
-    once a reward is taken (``reward-refused`` when the gateway refuses it: a turn it
-    answered and lost)."""
+    once a reward is taken (``reward-refused`` when the gateway refuses it, e.g. a turn it
+    answered and lost, or when 60 posts got no answer)."""
     import httpx
     import openai
 
@@ -424,9 +402,6 @@ def llm_actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int, gw
 
     llm = openai.OpenAI(base_url=f"{gw}/v1", api_key=TOKEN, max_retries=0, timeout=30)
     scorer = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {REWARD_TOKEN}"})
-
-    def stopped_long_ago() -> bool:
-        return stop.exists() and stop.stat().st_mtime + 120 < time.time()
 
     with log.open("a") as out:
         g = 0
@@ -445,7 +420,7 @@ def llm_actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int, gw
                         _log(out, event="answered", trajectory=traj, call=calls[-1])
                     except Exception as e:  # a 429 over the budget, or an outage under test
                         _log(out, event="call-failed", trajectory=traj, error=repr(e)[:200])
-                        if stopped_long_ago():
+                        if _stopped_long_ago(stop):
                             return
                         time.sleep(0.5)
                 body = {
@@ -469,6 +444,9 @@ def llm_actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int, gw
                         time.sleep(1)
                         continue
                     break
+                else:  # never answered: counted with the refusals
+                    _log(out, event="reward-refused", trajectory=traj, status=0,
+                         error="no answer to 60 posts")  # fmt: skip
             g += 1
             time.sleep(0.2)
 

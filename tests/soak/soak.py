@@ -621,6 +621,9 @@ class Soak:
             self.violations.append("no rollout was served")
         paradigms = self.check_paradigms(llm_check)
         trainer = [json.loads(x) for x in (self.work / "trainer.jsonl").read_text().splitlines()]
+        broken = sum(1 for r in trainer if r["event"] == "batch" and not r["whole"])
+        if broken:
+            self.violations.append(f"off-policy: {broken} batches not of 64 finite obs rows")
         for role, rss in self.rss.items():
             if rss > RSS_BOUND:
                 self.violations.append(f"{role}: RSS {rss / 2**20:.0f} MiB > bound")
