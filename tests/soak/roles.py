@@ -401,7 +401,9 @@ def llm_actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int, gw
     from tests.support.gateway import REWARD_TOKEN, TOKEN
 
     llm = openai.OpenAI(base_url=f"{gw}/v1", api_key=TOKEN, max_retries=0, timeout=30)
-    scorer = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {REWARD_TOKEN}"})
+    # Longer than a reward's own waits in the gateway (its calls recorded, flushed and
+    # committed: 60 s each at most), so a refusal arrives rather than a client timeout.
+    scorer = httpx.Client(timeout=200, headers={"Authorization": f"Bearer {REWARD_TOKEN}"})
 
     with log.open("a") as out:
         g = 0
