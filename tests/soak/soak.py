@@ -206,6 +206,7 @@ class Soak:
         self._sampling = True
         self.master_kills: list[float] = []
         self.gateway_kills: list[float] = []
+        self.times: dict[str, float] = {}  # the deployment's and the final checks' seconds
 
     # ---- the deployment --------------------------------------------------------------
     def up(self, net: Network) -> None:
@@ -529,7 +530,10 @@ class Soak:
         sys.stdout.flush()
         with Network(HOSTS, shm_size="256m") as net:
             try:
+                began = time.time()
                 self.up(net)
+                self.times["deployment_s"] = round(time.time() - began, 1)
+                print(f"  deployed in {self.times['deployment_s']:g} s")
                 threading.Thread(target=self.sample_rss, daemon=True).start()
                 start = time.time()
                 for fault in plan:
@@ -560,7 +564,10 @@ class Soak:
                 rest = start + self.minutes * 60 - time.time()
                 if rest > 0:
                     time.sleep(rest)
-                return self.finish()
+                began = time.time()
+                result = self.finish()
+                self.times["checks_s"] = round(time.time() - began, 1)
+                return {**result, "times": self.times}
             finally:
                 self._sampling = False
                 for proc in [*self.procs.values(), *self.nodes]:
@@ -698,6 +705,9 @@ def report(result: dict) -> str:
         f"chaos soak: {result['minutes']:g} min, seed {result['seed']}",
         f"faults: {len(result['faults'])}",
     ]
+    if "times" in result:
+        t = result["times"]
+        lines.append(f"deployed in {t['deployment_s']:g} s, checked in {t['checks_s']:g} s")
     for f in result["faults"]:
         what = " ".join(f"{k}={v}" for k, v in f.items() if k not in ("at", "kind"))
         lines.append(f"  {f['at']:7.1f} s  {f['kind']:<13} {what}")
