@@ -340,7 +340,7 @@ class Recorder:
                 raise TrajectoryError(f"trajectory {trajectory_uid!r} already has its reward")
             t.finished = digest  # no new calls from here on
         key = self._key(trajectory_uid)
-        finished = False
+        finished, status = False, -1
         try:
             self._wait_recorded(timeout)  # every call accepted so far is numbered (or dropped)
             both = [key, admission.admission_key(self.store)]
@@ -384,8 +384,9 @@ class Recorder:
             if int(TURN(self.store.r, both, ["attached", self.ttl, digest])) < 0:
                 raise TrajectoryError(f"trajectory {trajectory_uid!r} already has its reward")
         except Exception:
-            with self._lock:
-                t.finished = ""  # the reward may be posted again
+            if status != 0:  # else another post of it holds the mark: it stays here too
+                with self._lock:
+                    t.finished = ""  # the reward may be posted again
             if finished:
                 TURN(self.store.r, both, ["reopen", self.ttl, digest])
             raise
