@@ -248,7 +248,8 @@ class Soak:
             "PYTHONUNBUFFERED": "1",
         }
         # The workers, the namespaces and what the other paradigms need start together
-        # (each waited for below): on a loaded machine the start-up is most of a short run.
+        # (each waited for below): the deployment is a fixed cost of every run, the CI
+        # variant's included (the report gives its seconds).
         for host in (b, c):
             queues = "ingest,prefetch,maintenance"
             argv = worker_argv(queues, 2, name=f"soak-{host.name}", lone=True, heartbeat=False)
