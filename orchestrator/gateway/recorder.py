@@ -7,6 +7,8 @@ recorded; ``health()`` says when the thread is dead or stuck (``/healthz``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import queue
 import threading
@@ -43,11 +45,23 @@ def _arg(value: int | None) -> str:
     return "" if value is None else str(value)
 
 
+def reward_digest(
+    final_reward: float,
+    turn_rewards: Sequence[float] | None,
+    call_rewards: Mapping[str, float] | None,
+    reward_source: str | None,
+) -> str:
+    """What tells a reward posted again (its reply lost) from another reward: the sha256
+    of its values, the same in every gateway process."""
+    body = [final_reward, turn_rewards, dict(sorted((call_rewards or {}).items())), reward_source]
+    return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:32]
+
+
 @dataclass
 class _Trajectory:
     calls: int = 0  # accepted by this process's handlers (the turn budget counts these)
     dropped: int = 0  # accepted but not recordable (no log-probs, queue full, ...)
-    finished: bool = False
+    finished: str = ""  # the digest of the reward posted ("" none)
 
 
 class Recorder:
@@ -313,24 +327,32 @@ class Recorder:
         trajectory too old to be served gives back its slots, a fresh one joins the
         rewarded, unserved ones, so a fill that serves it the moment its steps land takes
         it out of them (done the other way round, it would join them after being served
-        and lapse later, releasing slots a trainer consumed). Returns its turn count."""
+        and lapse later, releasing slots a trainer consumed). Returns its turn count.
+
+        The same reward posted again (its reply was lost) is taken again: answered at once
+        once it is attached, else carried on from where its first post stopped (the
+        gateway that took it died midway): every step after the mark is idempotent. Only
+        another reward is refused."""
+        digest = reward_digest(final_reward, turn_rewards, call_rewards, reward_source)
         with self._lock:
             t = self._trajectories.get(trajectory_uid, _Trajectory)
-            if t.finished:
+            if t.finished and t.finished != digest:
                 raise TrajectoryError(f"trajectory {trajectory_uid!r} already has its reward")
-            t.finished = True  # no new calls from here on
+            t.finished = digest  # no new calls from here on
         key = self._key(trajectory_uid)
-        finished = False
+        finished, status = False, -1
         try:
             self._wait_recorded(timeout)  # every call accepted so far is numbered (or dropped)
             both = [key, admission.admission_key(self.store)]
-            got = TURN(self.store.r, both, ["finish", self.ttl])
-            turns = int(got[0])
-            if turns < 0:
+            got = TURN(self.store.r, both, ["finish", self.ttl, digest])
+            status = int(got[0])
+            if status < 0:
                 raise TrajectoryError(f"trajectory {trajectory_uid!r} already has its reward")
-            finished = True
-            vmin, vmax = int(got[1]), int(got[2])
-            group = got[3].decode() if isinstance(got[3], bytes) else str(got[3])
+            finished = status == 1  # a failure below reopens only what this post closed
+            turns, vmin, vmax = int(got[1]), int(got[2]), int(got[3])
+            if status == 2:  # attached already: the same answer as the first time
+                return turns
+            group = got[4].decode() if isinstance(got[4], bytes) else str(got[4])
             if turns == 0:
                 raise TrajectoryError(
                     f"trajectory {trajectory_uid!r} has no recorded turns to reward"
@@ -359,11 +381,14 @@ class Recorder:
                 discount=credit.discount(self.store),
                 tags=tags,
             )
+            if int(TURN(self.store.r, both, ["attached", self.ttl, digest])) < 0:
+                raise TrajectoryError(f"trajectory {trajectory_uid!r} already has its reward")
         except Exception:
-            with self._lock:
-                t.finished = False  # the reward may be posted again
+            if status != 0:  # else another post of it holds the mark: it stays here too
+                with self._lock:
+                    t.finished = ""  # the reward may be posted again
             if finished:
-                TURN(self.store.r, both, ["reopen", self.ttl])
+                TURN(self.store.r, both, ["reopen", self.ttl, digest])
             raise
         self.metrics.rewarded.inc()
         return turns

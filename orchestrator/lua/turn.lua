@@ -1,7 +1,9 @@
 -- The capture gateway's per-trajectory state, shared by every gateway process: one hash
 -- per trajectory (`claw:{ns}:gw:<trajectory>`) with a TTL refreshed on each turn. Fields:
 --   turns       turn indices handed out so far
---   done        the reward was posted
+--   done        the reward was posted: its digest (a retry of the same reward is told
+--               apart from another reward)
+--   rwd         1 once the reward is attached to the stored turns
 --   vmin, vmax  the lowest and highest policy version of its turns (where one is known)
 --   c:<call>    the turn index the call with that interaction id produced
 --   key, grp, rw, ttl   a session's (POST /sessions): the sha256 of its key, its group,
@@ -18,9 +20,18 @@
 --           group ('' none), kept as `grp` if the trajectory has none yet (a call the
 --           gate let through without the admission script, no budget being declared).
 --           Returns {index, version} (version -1: none known); {-1, -1} when finished.
---   finish  marks the trajectory done. Returns {turns, vmin, vmax, grp} (vmin/vmax -1 when
---           no version is known, grp '' without a group); {-1} if it already was done.
---   reopen  clears done (a reward that failed may be posted again); returns 0.
+--   finish  ARGV[3] the reward's digest. Marks the trajectory done with it. Returns
+--           {status, turns, vmin, vmax, grp} (vmin/vmax -1 when no version is known, grp ''
+--           without a group): status 1 done now; 0 done earlier by this same reward and not
+--           attached (its poster died midway, or is still at it: attaching it again writes
+--           the same values); 2 this same reward is attached already; -1 done by another
+--           reward (then only {-1}).
+--   attached  ARGV[3] the reward's digest. Marks it attached (`rwd`), putting its `done`
+--           back if a failed post of the same reward cleared it meanwhile; returns 1, or -1
+--           (nothing written) when `done` holds another reward.
+--   reopen  ARGV[3] the reward's digest. Clears done (a reward that failed may be posted
+--           again) unless it holds another reward or the reward is attached (a retry of
+--           the same reward, on another gateway process, got there); returns 0.
 --   session ARGV[3] key sha256, ARGV[4] group ('' none), ARGV[5] 1 if the key may reward.
 --           Creates the trajectory with its session; 0 when the trajectory exists already.
 local op, ttl = ARGV[1], tonumber(ARGV[2])
@@ -28,8 +39,17 @@ local key = KEYS[1]
 local own = tonumber(redis.call('HGET', key, 'ttl') or '0')
 if own > 0 and own < ttl then ttl = own end
 if op == 'reopen' then
-  redis.call('HDEL', key, 'done')
+  if redis.call('HGET', key, 'done') == ARGV[3] and redis.call('HEXISTS', key, 'rwd') == 0 then
+    redis.call('HDEL', key, 'done')
+  end
   return 0
+end
+if op == 'attached' then
+  local done = redis.call('HGET', key, 'done')
+  if done and done ~= ARGV[3] then return -1 end
+  redis.call('HSET', key, 'done', ARGV[3], 'rwd', 1)
+  redis.call('EXPIRE', key, ttl)
+  return 1
 end
 if op == 'session' then
   if redis.call('EXISTS', key) == 1 then return 0 end
@@ -37,9 +57,13 @@ if op == 'session' then
   redis.call('EXPIRE', key, ttl)
   return 1
 end
-if redis.call('HEXISTS', key, 'done') == 1 then
+local done = redis.call('HGET', key, 'done')
+local status = 1
+if done then
   if op == 'turn' then return {-1, -1} end
-  return {-1}
+  if done ~= ARGV[3] then return {-1} end
+  status = 0
+  if redis.call('HEXISTS', key, 'rwd') == 1 then status = 2 end
 end
 if op == 'turn' then
   local n = redis.call('HINCRBY', key, 'turns', 1) - 1
@@ -61,7 +85,7 @@ if op == 'turn' then
   end
   return {n, v or -1}
 end
-redis.call('HSET', key, 'done', 1)
+redis.call('HSET', key, 'done', ARGV[3])
 local f = redis.call('HMGET', key, 'turns', 'vmin', 'vmax', 'grp')
 redis.call('EXPIRE', key, ttl)
-return {tonumber(f[1] or '0'), tonumber(f[2] or '-1'), tonumber(f[3] or '-1'), f[4] or ''}
+return {status, tonumber(f[1] or '0'), tonumber(f[2] or '-1'), tonumber(f[3] or '-1'), f[4] or ''}

@@ -115,8 +115,10 @@ def _expect(s: Session, t: str, group_ok: bool, route: str, n) -> set[int]:
     if route == "reward":
         if choice is not None and choice >= s.granted:
             return {403}
+        if s.ended and choice is not None:
+            return {409}  # the session's reward ends what its key opens
         if s.ended or (choice is not None and t in s.rewarded):
-            return {409}
+            return {200}  # the same reward posted again (every post here is final_reward 1)
         if choice is None and s.own_turns == 0:
             return {409}  # nothing recorded to reward
         return {200}

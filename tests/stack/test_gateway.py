@@ -5,6 +5,9 @@ subprocess, tests/llm_upstream.py); a real ingest worker commits the turns."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,7 +21,9 @@ from tokenizers import Tokenizer
 from claw_tasks.format.turns import prompt_key
 from claw_tasks.store import Store
 from claw_tasks.store.turns import turn_infos
+from orchestrator.delivery import admission
 from orchestrator.gateway.capture import CHAT, CaptureError, Retokenizer, capture
+from orchestrator.gateway.recorder import TURN, reward_digest
 from tests.support.gateway import (
     REWARD_TOKEN,
     TOKEN,
@@ -322,6 +327,76 @@ def test_reward_after_the_fact_reaches_the_right_steps(stack):
     assert store.episode("r0", fields=[])["reward"].tolist() == [0.0, 0.0]
     bad = httpx.post(gw.url + "/t/r0/reward", json={"final_reward": "1"}, headers=auth)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_reward"
+
+
+def test_a_reward_posted_again_after_its_gateway_died_midway_is_taken(stack, ingest_worker):
+    """A gateway SIGKILLed while it attaches a reward (the trajectory marked done, its turns
+    waiting for the ingest worker): the same reward posted again to another gateway is
+    taken (200, the rewards on the turns), and again after that; another reward is
+    refused."""
+    store = Store(stack["redis_url"], stack["namespace"])
+    doomed = stack["gateway"](stack["namespace"])
+    auth = {"Authorization": f"Bearer {REWARD_TOKEN}"}
+    body = {"final_reward": 1.0, "turn_rewards": [0.5, 0.0]}
+    posted: list = []
+    os.killpg(ingest_worker.proc.pid, signal.SIGSTOP)  # the turns wait in the broker
+    try:
+        agent(client(doomed, "died", "q"), "What is 2 plus 2?", stream=False)
+        post = threading.Thread(
+            target=_post_ignoring_errors,
+            args=(doomed.url + "/t/died/reward", body, auth, posted),
+            daemon=True,
+        )
+        post.start()
+        key = admission.trajectory_key(store, "died")
+        deadline = time.monotonic() + 60
+        while not (store.r.hexists(key, "done") and store.r.llen("ingest")):
+            assert time.monotonic() < deadline, "the reward never got past its mark"
+            time.sleep(0.02)
+        doomed.proc.kill()  # SIGKILL: between the mark and the rewards
+        doomed.proc.wait()
+    finally:
+        os.killpg(ingest_worker.proc.pid, signal.SIGCONT)
+    wait_steps(store, "died", 2)
+    url = stack["main"].url + "/t/died/reward"
+    for _ in range(2):  # carried on from the mark, then answered as taken
+        r = httpx.post(url, json=body, headers=auth, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"trajectory_uid": "died", "turns": 2}
+        got = store.episode("died", fields=[])
+        assert got["reward"].tolist() == [0.5, 1.0]
+        assert got["tags.final_reward"].tolist() == [1.0, 1.0]
+        assert got["terminated"].tolist() == [False, True]
+    other = httpx.post(url, json={"final_reward": 0.0}, headers=auth)
+    assert other.status_code == 409 and "already has its reward" in other.text
+
+
+def test_a_failed_post_leaves_the_reward_a_retry_of_it_attached(stack):
+    """Two posts of the same reward at once (a client retried on another gateway process):
+    the first one failing does not reopen what the retry attached, so no other reward is
+    taken after a 200; and when it fails before the retry attaches, the attach puts the
+    mark back. Another reward never marks a trajectory attached."""
+    store = Store(stack["redis_url"], stack["namespace"])
+    same, other = reward_digest(1.0, None, None, None), reward_digest(0.0, None, None, None)
+    for uid, reopen_first in (("raced-late", False), ("raced-early", True)):
+        both = [admission.trajectory_key(store, uid), admission.admission_key(store)]
+        assert TURN(store.r, both, ["finish", 60, same])[0] == 1  # the first post
+        assert TURN(store.r, both, ["finish", 60, same])[0] == 0  # the retry carries on
+        if reopen_first:
+            TURN(store.r, both, ["reopen", 60, same])  # the first post fails
+        assert TURN(store.r, both, ["attached", 60, same]) == 1  # the retry is done
+        TURN(store.r, both, ["reopen", 60, same])  # (again) the first post fails
+        assert TURN(store.r, both, ["finish", 60, other]) == [-1]
+        assert TURN(store.r, both, ["attached", 60, other]) == -1
+        assert TURN(store.r, both, ["finish", 60, same])[0] == 2
+
+
+def _post_ignoring_errors(url: str, body: dict, headers: dict, out: list) -> None:
+    """POST whose connection may die with its server."""
+    try:
+        out.append(httpx.post(url, json=body, headers=headers, timeout=120))
+    except httpx.HTTPError as e:
+        out.append(e)
 
 
 def test_auth_limits_and_upstream_failures(stack):

@@ -337,6 +337,10 @@ def test_a_session_key_reaches_only_the_choices_of_its_own_calls(stack, gw):
     wait_steps(store, traj, 1)
     r = httpx.post(f"{gw.url}/t/{traj}/reward", json={"final_reward": 1}, headers=bearer(key))
     assert r.status_code == 200, r.text
+    r = httpx.post(f"{gw.url}/t/{traj}/reward", json={"final_reward": 1}, headers=bearer(key))
+    assert r.status_code == 200, r.text  # the same reward posted again (its reply lost)
+    r = httpx.post(f"{gw.url}/t/{traj}/reward", json={"final_reward": 0}, headers=bearer(key))
+    assert r.status_code == 409 and "already has its reward" in r.text, r.text
     for t, n in ((traj, 1), (f"{traj}~2", 1), (f"{traj}~7", 1), (traj, 2)):
         with pytest.raises((openai.ConflictError, openai.PermissionDeniedError)):
             call(t, n)
