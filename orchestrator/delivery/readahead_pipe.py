@@ -41,7 +41,7 @@ class Frames:
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
 
-    def _parse(self) -> tuple[int, bytes] | None:
+    def _parse(self) -> tuple[int, bytearray] | None:
         if len(self.buf) < HEAD.size:
             return None
         n, kind = HEAD.unpack_from(self.buf)
@@ -49,7 +49,9 @@ class Frames:
             raise ReadAheadProcessError(f"a corrupt frame from the read-ahead pipe ({n} bytes)")
         if len(self.buf) < HEAD.size + n:
             return None
-        payload = bytes(memoryview(self.buf)[HEAD.size : HEAD.size + n])  # one copy
+        # one copy, writable: a batch decoded from it gives writable views (a trainer's
+        # tensors wrap them without another copy)
+        payload = bytearray(memoryview(self.buf)[HEAD.size : HEAD.size + n])
         del self.buf[: HEAD.size + n]
         return kind, payload
 
@@ -67,7 +69,7 @@ class Frames:
         self.buf += chunk
         return True
 
-    def next(self, timeout: float | None) -> tuple[int, bytes] | None:
+    def next(self, timeout: float | None) -> tuple[int, bytearray] | None:
         """The next frame; None after ``timeout`` seconds (or at end of file)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while (got := self._parse()) is None:

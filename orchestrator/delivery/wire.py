@@ -1,26 +1,33 @@
-"""Batch wire format: a msgpack header that describes raw, aligned array bytes.
+"""Batch wire format: a msgpack layout that describes raw, aligned array bytes.
 
 Layout of an encoded batch::
 
-    b"CLAW" | u32 format version | u32 header length | msgpack header | pad | array bytes ...
+    b"CLAW" | u32 format version | u32 layout length | u32 tail length
+    | msgpack layout | pad | array bytes ... | msgpack tail
 
 (integers little endian). The magic and the version come first in every version of the
 format, so a reader checks the version before it interprets anything else and refuses a
 version it does not know (:class:`WireVersionError`) instead of misreading it. Bump
 :data:`VERSION` on any change a reader of the previous version would misread.
 
-The header names each array as ``[dtype.str, shape, offset]``; every array body starts at an
-offset that is a multiple of ``ALIGN`` from the start of the buffer, so :func:`decode_batch`
-returns ``np.frombuffer`` views of the input buffer: no array byte is copied. Arrays decoded
-from ``bytes`` are read-only; decode a writable buffer (``bytearray``, ``mmap``) to get
-writable arrays. Never pickle.
+The layout names each array as ``[dtype.str, shape, offset]`` and holds what every batch of
+one recipe version shares (its sources, version and digest); the tail holds what changes
+from batch to batch (``meta``, ``seed``, a ``once`` batch's ``claim``; empty when there is
+none). A reader parses a layout once and keeps it (:class:`Layouts`, bounded), keyed by its
+bytes: a batch of a layout seen before costs a dictionary lookup and one ``np.frombuffer``
+per array. Every array body starts at an offset that is a multiple of ``ALIGN`` from the
+start of the buffer, so :func:`decode_batch` returns views of the input buffer: no array
+byte is copied. Arrays decoded from ``bytes`` are read-only; decode a writable buffer
+(``bytearray``, ``mmap``) to get writable arrays. Never pickle.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -31,10 +38,14 @@ from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.groups import Claim
 
 MAGIC = b"CLAW"
-VERSION = 2
+VERSION = 3
 """Version of the queue item format: encoded batches and shared-memory references."""
 ALIGN = 64
-_PREFIX = struct.Struct("<4sII")  # magic, version, header length
+_VERSIONED = struct.Struct("<4sI")  # magic, version: what every version starts with
+_PREFIX = struct.Struct("<4sIII")  # magic, version, layout length, tail length
+LAYOUTS_KEPT = 64
+"""Layouts a reader keeps parsed (:class:`Layouts`): a recipe version's batches share one,
+a token recipe's batches one per padded length."""
 _RESERVED = ("ids", "weights", "source_index")
 
 ArraySpec = list[Any]  # [dtype str, shape list, offset]
@@ -178,8 +189,8 @@ def to_wire(
     a :class:`Pending` field only reserves its place.
 
     ``weights`` default to ones, ``source_index`` to zeros; ``meta`` must be msgpack-able;
-    ``claim`` (a ``once`` batch's), ``seed`` and ``recipe_digest`` (what replays it) go in
-    the header (readers that do not know them ignore them)."""
+    ``recipe_digest`` (what replays it) goes in the layout, ``meta``, ``claim`` (a ``once``
+    batch's) and ``seed`` in the tail."""
     rows, names = _rows(ids, weights, source_index, sources)
     n = len(rows["ids"])
     arrays: list[tuple[str, np.ndarray | Pending]] = []
@@ -191,24 +202,27 @@ def to_wire(
     bodies, specs, size = _layout(arrays)
     named = [[name, *spec] for (name, _), spec in zip(arrays, specs, strict=True)]
     n_fields = len(arrays) - len(_RESERVED)
-    header = {
+    layout = {
         "fields": named[:n_fields],
         **{row[0]: row[1:] for row in named[n_fields:]},
         "sources": names,
         "recipe_version": int(recipe_version),
-        "meta": dict(meta or {}),
+        "recipe_digest": None if recipe_digest is None else str(recipe_digest),
+        "size": size,
     }
+    tail: dict[str, Any] = {}
+    if meta:
+        tail["meta"] = dict(meta)
     if claim is not None:
-        header["claim"] = [claim.pass_no, claim.token, list(claim.ids)]
+        tail["claim"] = [claim.pass_no, claim.token, list(claim.ids)]
     if seed is not None:
-        header["seed"] = int(seed)
-    if recipe_digest is not None:
-        header["recipe_digest"] = str(recipe_digest)
+        tail["seed"] = int(seed)
     try:
-        head = msgpack.packb(header, use_bin_type=True)
+        head = msgpack.packb(layout, use_bin_type=True)
+        end = msgpack.packb(tail, use_bin_type=True) if tail else b""
     except (TypeError, ValueError) as exc:
         raise ValueError(f"batch metadata is not msgpack-serializable: {exc}") from exc
-    return _assemble(head, [name for name, _ in arrays], bodies, specs, size)
+    return _assemble(head, end, [name for name, _ in arrays], bodies, specs, size)
 
 
 def _rows(
@@ -242,7 +256,7 @@ def _layout(
 ) -> tuple[list[np.ndarray | Pending], list[ArraySpec], int]:
     """Each array's body (its bytes, or the :class:`Pending` itself) and spec, and the size
     of all bodies, each padded to ``ALIGN``. Offsets are relative to the data start: the
-    first ``ALIGN`` boundary after the header."""
+    first ``ALIGN`` boundary after the layout."""
     bodies: list[np.ndarray | Pending] = []
     specs, pos = [], 0
     for _, arr in arrays:
@@ -255,18 +269,19 @@ def _layout(
 
 def _assemble(
     head: bytes,
+    tail: bytes,
     names: list[str],
     bodies: list[np.ndarray | Pending],
     specs: list[ArraySpec],
     size: int,
 ) -> WireBatch:
-    """The encoding's chunks in order: prefix, header, padding to the data start, then each
-    body (a pending one's place left empty) and its padding."""
-    base = -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN
+    """The encoding's chunks in order: prefix, layout, padding to the data start, then each
+    body (a pending one's place left empty) and its padding, then the tail."""
+    base = _data_start(len(head))
     chunks: list[memoryview | None] = [
         memoryview(c)
         for c in (
-            _PREFIX.pack(MAGIC, VERSION, len(head)),
+            _PREFIX.pack(MAGIC, VERSION, len(head), len(tail)),
             head,
             bytes(base - _PREFIX.size - len(head)),
         )
@@ -280,7 +295,14 @@ def _assemble(
             chunks.append(memoryview(body))
         if body.nbytes % ALIGN:
             chunks.append(memoryview(bytes(ALIGN - body.nbytes % ALIGN)))
-    return WireBatch(chunks, base + size, pending)
+    if tail:
+        chunks.append(memoryview(tail))
+    return WireBatch(chunks, base + size + len(tail), pending)
+
+
+def _data_start(layout_len: int) -> int:
+    """Where the first array body starts: the first ``ALIGN`` boundary after the layout."""
+    return -(-(_PREFIX.size + layout_len) // ALIGN) * ALIGN
 
 
 def is_batch(buf: Any) -> bool:
@@ -288,49 +310,130 @@ def is_batch(buf: Any) -> bool:
     return bytes(memoryview(buf)[:4]) == MAGIC
 
 
-def decode_batch(buf: Any) -> Batch:
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A parsed layout: each array as ``(name, dtype, count, offset from the buffer's
+    start, shape)`` (shape None: one dimension, ``count`` long), the fields first, then
+    ``ids``, ``weights`` and ``source_index``; ``end`` is where the tail starts."""
+
+    arrays: tuple[tuple[str, np.dtype, int, int, tuple[int, ...] | None], ...]
+    sources: tuple[str, ...]
+    recipe_version: int
+    recipe_digest: str | None
+    end: int
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Layout:
+        """The layout of msgpack bytes ``raw`` (checked: every array within ``end``)."""
+        header = msgpack.unpackb(raw, raw=False)
+        if not isinstance(header, dict):
+            raise ValueError(f"corrupt batch layout: {type(header).__name__}, not a map")
+        base = _data_start(len(raw))
+        try:
+            size = header["size"]
+            if type(size) is not int or size < 0:
+                raise ValueError(f"corrupt batch layout: size {size!r}")
+            specs = [*header["fields"], *([k, *header[k]] for k in _RESERVED)]
+            arrays = tuple(_array(str(name), spec, base, base + size) for name, *spec in specs)
+            digest = header["recipe_digest"]
+            return cls(
+                arrays,
+                tuple(header["sources"]),
+                int(header["recipe_version"]),
+                None if digest is None else str(digest),
+                base + size,
+            )
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"corrupt batch layout: {exc!r}") from exc
+
+
+def _array(
+    name: str, spec: ArraySpec, base: int, end: int
+) -> tuple[str, np.dtype, int, int, tuple[int, ...] | None]:
+    dtype, shape, off = np.dtype(spec[0]), tuple(spec[1]), base + spec[2]
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"corrupt batch: shape {shape} is not of non-negative integers")
+    count = math.prod(shape)  # exact (np.prod wraps at 2**63): checked against the size
+    if type(spec[2]) is not int or spec[2] < 0 or off + count * dtype.itemsize > end:
+        raise ValueError(f"corrupt batch: array {name!r} past the end of its layout")
+    return name, dtype, count, off, shape if len(shape) != 1 else None
+
+
+class Layouts:
+    """Parsed layouts by their bytes, the ``kept`` most recently parsed (thread-safe)."""
+
+    def __init__(self, kept: int = LAYOUTS_KEPT) -> None:
+        self.kept = kept
+        self._parsed: dict[bytes, Layout] = {}
+        self._lock = threading.Lock()
+
+    def get(self, raw: bytes) -> Layout:
+        """The layout of ``raw``, parsed on first sight."""
+        found = self._parsed.get(raw)
+        if found is not None:
+            return found
+        layout = Layout.parse(raw)
+        with self._lock:
+            self._parsed[raw] = layout
+            while len(self._parsed) > self.kept:
+                del self._parsed[next(iter(self._parsed))]  # the oldest first
+        return layout
+
+    def __len__(self) -> int:
+        return len(self._parsed)
+
+
+LAYOUTS = Layouts()
+"""This process's parsed layouts (:func:`decode_batch`'s default)."""
+
+
+def decode_batch(buf: Any, layouts: Layouts | None = LAYOUTS) -> Batch:
     """Decode a batch from any buffer (bytes, bytearray, memoryview, mmap) without copying arrays.
 
-    The returned arrays are views of ``buf`` and keep it alive.
-    """
+    The returned arrays are views of ``buf`` and keep it alive. ``layouts``: where parsed
+    layouts are kept (None: parse this one's)."""
     mv = memoryview(buf).cast("B")
-    if len(mv) < _PREFIX.size:
+    if len(mv) < _VERSIONED.size:
         raise ValueError("not a Claw batch: too short")
-    magic, version, head_len = _PREFIX.unpack_from(mv)
+    magic, version = _VERSIONED.unpack_from(mv)
     if magic != MAGIC:
         raise ValueError(f"not a Claw batch: bad magic {magic!r}")
-    check_version(version)
-    end = _PREFIX.size + head_len
-    if end > len(mv):
-        raise ValueError("truncated batch: header past end of buffer")
-    header = msgpack.unpackb(mv[_PREFIX.size : end], raw=False)
-    if not isinstance(header, dict):
-        raise ValueError(f"corrupt batch header: {type(header).__name__}, not a map")
-    base = -(-end // ALIGN) * ALIGN
-
-    def view(spec: ArraySpec) -> np.ndarray:
-        dtype, shape, off = np.dtype(spec[0]), tuple(spec[1]), base + spec[2]
-        if not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError(f"corrupt batch: shape {shape} is not of non-negative integers")
-        count = math.prod(shape)  # exact (np.prod wraps at 2**63): checked against the buffer
-        if off + count * dtype.itemsize > len(mv):
-            raise ValueError("truncated batch: array body past end of buffer")
-        return np.frombuffer(mv, dtype=dtype, count=count, offset=off).reshape(shape)
-
+    if version != VERSION:
+        check_version(version)
+    if len(mv) < _PREFIX.size:
+        raise ValueError("truncated batch: prefix past end of buffer")
+    _, _, head_len, tail_len = _PREFIX.unpack_from(mv)
+    if _PREFIX.size + head_len > len(mv):
+        raise ValueError("truncated batch: layout past end of buffer")
+    raw = mv[_PREFIX.size : _PREFIX.size + head_len].tobytes()
+    layout = Layout.parse(raw) if layouts is None else layouts.get(raw)
+    end = layout.end
+    if end + tail_len > len(mv):
+        raise ValueError("truncated batch: array body past end of buffer")
+    views = [
+        np.frombuffer(mv, dtype, count, off).reshape(shape)
+        if shape is not None
+        else np.frombuffer(mv, dtype, count, off)
+        for _, dtype, count, off, shape in layout.arrays
+    ]
+    tail = msgpack.unpackb(mv[end : end + tail_len], raw=False) if tail_len else {}
+    if not isinstance(tail, dict):
+        raise ValueError(f"corrupt batch tail: {type(tail).__name__}, not a map")
+    n_fields = len(views) - len(_RESERVED)
     try:
-        c = header.get("claim")
+        c = tail.get("claim")
         claim = None if c is None else Claim(int(c[0]), str(c[1]), tuple(map(str, c[2])))
         return Batch(
-            fields={f[0]: view(f[1:]) for f in header["fields"]},
-            ids=view(header["ids"]),
-            weights=view(header["weights"]),
-            source_index=view(header["source_index"]),
-            sources=tuple(header["sources"]),
-            recipe_version=header["recipe_version"],
-            meta=header["meta"],
+            fields={a[0]: v for a, v in zip(layout.arrays[:n_fields], views, strict=False)},
+            ids=views[-3],
+            weights=views[-2],
+            source_index=views[-1],
+            sources=layout.sources,
+            recipe_version=layout.recipe_version,
+            meta=tail.get("meta", {}),
             claim=claim,
-            seed=header.get("seed"),
-            recipe_digest=header.get("recipe_digest"),
+            seed=tail.get("seed"),
+            recipe_digest=layout.recipe_digest,
         )
     except (KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"corrupt batch header: {exc!r}") from exc
+        raise ValueError(f"corrupt batch tail: {exc!r}") from exc

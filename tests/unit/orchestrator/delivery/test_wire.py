@@ -12,6 +12,8 @@ from hypothesis.extra import numpy as hnp
 from orchestrator.delivery.wire import (
     ALIGN,
     VERSION,
+    Layout,
+    Layouts,
     Pending,
     WireVersionError,
     decode_batch,
@@ -196,26 +198,67 @@ def test_decode_rejects_garbage_and_truncation():
         decode_batch(buf[:-64])
     with pytest.raises(ValueError, match="short"):
         decode_batch(b"CL")
-    for header in (7, [1, 2], "x"):
+    for header in (7, [1, 2], "x", {"size": 0}):
         head = msgpack.packb(header)
         with pytest.raises(ValueError, match="corrupt"):
-            decode_batch(struct.pack("<4sII", b"CLAW", VERSION, len(head)) + head)
+            decode_batch(struct.pack("<4sIII", b"CLAW", VERSION, len(head), 0) + head)
     with pytest.raises(ValueError, match="truncated"):
-        decode_batch(struct.pack("<4sII", b"CLAW", VERSION, 1000) + b"\x80")
+        decode_batch(struct.pack("<4sIII", b"CLAW", VERSION, 1000, 0) + b"\x80")
+    with pytest.raises(ValueError, match="truncated"):
+        decode_batch(buf[:10])
+    _, _, n, tail = struct.unpack_from("<4sIII", buf)
+    with pytest.raises(ValueError, match="truncated"):  # the tail's length past the end
+        decode_batch(struct.pack("<4sIII", b"CLAW", VERSION, n, tail + 1) + buf[16:])
 
 
 def test_decode_refuses_shapes_that_are_not_counts():
     """A header's shapes are untrusted: sizes are counted exactly (2**62 x 4 does not wrap to
     0 elements) and must be non-negative integers."""
     buf = wire_bytes({"x": np.arange(4)}, ids=range(4))
-    magic, version, n = struct.unpack_from("<4sII", buf)
-    header = msgpack.unpackb(buf[12 : 12 + n])
+    magic, version, n, _ = struct.unpack_from("<4sIII", buf)
+    header = msgpack.unpackb(buf[16 : 16 + n])
     dtype, _, off = header["ids"]
     for shape in ([2**62, 4], [2**64 - 1], [1.5], ["4"], [-1], [True]):
         head = msgpack.packb({**header, "ids": [dtype, shape, off]})
-        raw = struct.pack("<4sII", magic, version, len(head)) + head + bytes(4096)
+        raw = struct.pack("<4sIII", magic, version, len(head), 0) + head + bytes(4096)
         with pytest.raises(ValueError, match=r"corrupt batch|truncated"):
             decode_batch(raw)
+    for size in (-1, 1.5, 8):  # every array must lie within the layout's size
+        head = msgpack.packb({**header, "size": size})
+        raw = struct.pack("<4sIII", magic, version, len(head), 0) + head + bytes(4096)
+        with pytest.raises(ValueError, match=r"corrupt batch"):
+            decode_batch(raw)
+
+
+def test_a_layout_is_parsed_once_and_the_parsed_ones_are_bounded(monkeypatch):
+    """Batches of one recipe version share their layout: a reader parses it on first sight
+    and keeps at most ``kept`` (the most recently parsed); what changes per batch (seed,
+    meta, claim) travels in the tail."""
+    parsed = []
+    parse = Layout.parse.__func__
+
+    def counting(cls, raw):
+        parsed.append(raw)
+        return parse(cls, raw)
+
+    monkeypatch.setattr(Layout, "parse", classmethod(counting))
+    layouts = Layouts(kept=2)
+    x = np.arange(8, dtype=np.float32)
+    for k in range(3):
+        out = decode_batch(
+            wire_bytes({"x": x + k}, ids=np.arange(8), seed=k, meta={"k": [k] * 8}), layouts
+        )
+        assert out["x"][0] == k and out.seed == k and out.meta == {"k": [k] * 8}
+    assert len(parsed) == 1 and len(layouts) == 1
+    for v in (2, 3, 1):  # recipe versions: three layouts, two kept
+        decode_batch(wire_bytes({"x": x}, ids=np.arange(8), recipe_version=v), layouts)
+    assert len(parsed) == 4 and len(layouts) == 2
+    decode_batch(wire_bytes({"x": x}, ids=np.arange(8), recipe_version=1), layouts)
+    assert len(parsed) == 4  # kept
+    decode_batch(wire_bytes({"x": x}, ids=np.arange(8), recipe_version=2), layouts)
+    assert len(parsed) == 5  # the oldest went first
+    decode_batch(wire_bytes({"x": x}, ids=np.arange(8)), None)  # none kept: parsed
+    assert len(parsed) == 6
 
 
 def with_version(buf: bytes, version: int) -> bytes:
