@@ -260,6 +260,13 @@ def test_a_recipe_gets_the_stages_its_sections_ask_for(redis_url, namespace):
     assert stages(grouped) == ["Draw", "Collate", "AttachGroups", *ends]
     tokens = grouped.model_copy(update={"tokens": Tokens(advantage="grpo"), "augment": shift})
     assert stages(tokens) == ["Draw", "Augment", "CollateTokens", *ends]
+    two = [{"name": "a"}, {"name": "b"}]
+    laid = recipe("l", ["obs"], sources=two, augment=shift, layout={"parts": 2})
+    assert stages(laid) == ["Draw", "PartOrder", "AugmentInto", "Collate", *ends]
+    one = recipe("o", ["obs"], augment=shift, layout={"parts": 2})  # one source: any order
+    assert stages(one) == ["Draw", "AugmentInto", "Collate", *ends]
+    cast = recipe("c", ["obs"], augment=shift, layout={"dtypes": {"obs": "float32"}})
+    assert stages(cast) == ["Draw", "Augment", "Collate", "Cast", *ends]  # cast after it
 
 
 @pytest.fixture
