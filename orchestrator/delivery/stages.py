@@ -13,9 +13,11 @@ The fill (:func:`orchestrator.delivery.prefetch.run_fill`) gates each batch on t
 room and the rate limit, makes it here and pushes it; a stage that took something for a
 batch the push refused gives it back in :meth:`Stage.taken_back`.
 
-Stages add no Redis round trip and copy no array: the fields flow as the draw returned
-them until :class:`Deliver` lays them out, and :class:`AugmentInto` augments straight into
-the laid-out batch.
+Stages add no Redis round trip and copy no array but what the recipe's ``layout`` asks
+for (:class:`PartOrder`'s gather, :class:`Cast`'s casts: work done here so that the
+trainer only wraps the delivered bytes): the fields flow as the draw returned them until
+:class:`Deliver` lays them out, and :class:`AugmentInto` augments straight into the
+laid-out batch.
 """
 
 from __future__ import annotations
