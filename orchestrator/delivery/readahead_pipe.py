@@ -25,7 +25,7 @@ class ReadAheadProcessError(RuntimeError):
     """The read-ahead process failed (its error is in the message) or exited."""
 
 
-def frame(kind: int, payload: bytes) -> bytes:
+def frame(kind: int, payload: bytes | bytearray) -> bytes:
     """One frame of ``kind``."""
     return HEAD.pack(len(payload), kind) + payload
 

@@ -344,7 +344,7 @@ class Pipeline:
             stages.append(CollateTokens(recipe.tokens))
         else:
             stages += [Collate(), AttachGroups()] if recipe.grouped else [Collate()]
-        stages += [Cast(layout)] if cast else []
+        stages += [Cast(layout)] if layout is not None and cast else []
         stages += [Deliver(recipe, entry.shm_host), Observe(store, recipe.name, seen)]
         return cls(stages)
 
