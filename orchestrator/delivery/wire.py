@@ -13,17 +13,19 @@ version it does not know (:class:`WireVersionError`) instead of misreading it. B
 The layout names each array as ``[dtype.str, shape, offset]`` and holds what every batch of
 one recipe version shares (its sources, version and digest); the tail holds what changes
 from batch to batch (``meta``, ``seed``, a ``once`` batch's ``claim``; empty when there is
-none). A reader parses a layout once and keeps it (:class:`Layouts`, bounded), keyed by its
-bytes: a batch of a layout seen before costs a dictionary lookup and one ``np.frombuffer``
-per array. Every array body starts at an offset that is a multiple of ``ALIGN`` from the
-start of the buffer, so :func:`decode_batch` returns views of the input buffer: no array
-byte is copied. Arrays decoded from ``bytes`` are read-only; decode a writable buffer
+none). A reader parses a layout once, checking it as untrusted (:meth:`Layout.parse`), and
+keeps it (:class:`Layouts`, bounded by count and bytes), keyed by its whole bytes: a batch
+of a layout seen before costs a dictionary lookup and one ``np.frombuffer`` per array.
+Every array body starts at an offset that is a multiple of ``ALIGN`` from the start of the
+buffer, so :func:`decode_batch` returns views of the input buffer: no array byte is
+copied. Arrays decoded from ``bytes`` are read-only; decode a writable buffer
 (``bytearray``, ``mmap``) to get writable arrays. Never pickle.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import struct
 import threading
 from collections.abc import Mapping, Sequence
@@ -46,6 +48,9 @@ _PREFIX = struct.Struct("<4sIII")  # magic, version, layout length, tail length
 LAYOUTS_KEPT = 64
 """Layouts a reader keeps parsed (:class:`Layouts`): a recipe version's batches share one,
 a token recipe's batches one per padded length."""
+LAYOUTS_BYTES = 1 << 20
+"""Bytes the kept layouts may hold together (:class:`Layouts`): a layout of ten arrays
+takes ~3.5 KB (64 of them ~0.2 MB), one of 3,000 arrays is more than this alone."""
 _RESERVED = ("ids", "weights", "source_index")
 
 ArraySpec = list[Any]  # [dtype str, shape list, offset]
@@ -324,59 +329,123 @@ class Layout:
 
     @classmethod
     def parse(cls, raw: bytes) -> Layout:
-        """The layout of msgpack bytes ``raw`` (checked: every array within ``end``)."""
+        """The layout of msgpack bytes ``raw``, checked as untrusted: dtypes of
+        :data:`DTYPE`'s grammar, every array a run of rows in order within the bodies'
+        size (none overlapping another, each at an ``ALIGN`` boundary), the row arrays
+        in their dtypes, every field as many rows as ``ids``. ValueError names what is
+        wrong."""
         header = msgpack.unpackb(raw, raw=False)
         if not isinstance(header, dict):
             raise ValueError(f"corrupt batch layout: {type(header).__name__}, not a map")
         base = _data_start(len(raw))
-        try:
-            size = header["size"]
-            if type(size) is not int or size < 0:
-                raise ValueError(f"corrupt batch layout: size {size!r}")
-            specs = [*header["fields"], *([k, *header[k]] for k in _RESERVED)]
-            arrays = tuple(_array(str(name), spec, base, base + size) for name, *spec in specs)
-            digest = header["recipe_digest"]
-            return cls(
-                arrays,
-                tuple(header["sources"]),
-                int(header["recipe_version"]),
-                None if digest is None else str(digest),
-                base + size,
-            )
-        except (KeyError, IndexError, TypeError) as exc:
-            raise ValueError(f"corrupt batch layout: {exc!r}") from exc
+        size, fields = header.get("size"), header.get("fields")
+        if type(size) is not int or size < 0:
+            raise ValueError(f"corrupt batch layout: size {size!r}")
+        if not isinstance(fields, list) or not all(isinstance(f, list) for f in fields):
+            raise ValueError("corrupt batch layout: fields are not a list of arrays")
+        specs = [*fields, *([k, *_spec(header.get(k))] for k in _RESERVED)]
+        arrays, pos = [], 0
+        for spec in specs:
+            arrays.append(_array(spec, base, pos, size))
+            pos = arrays[-1][3] - base + arrays[-1][2] * arrays[-1][1].itemsize
+        if len({a[0] for a in arrays}) != len(arrays):
+            raise ValueError("corrupt batch layout: an array named twice")
+        rows = arrays[-3][2]
+        for (name, dtype, _, _, shape), want in zip(arrays[-3:], _ROW_DTYPES, strict=True):
+            if dtype != want or shape is not None:
+                raise ValueError(f"corrupt batch layout: {name} is {dtype}, not one {want} a row")
+        for name, _, count, _, shape in arrays:
+            if (count if shape is None else shape[0]) != rows:
+                raise ValueError(f"corrupt batch layout: {name!r} is not {rows} rows")
+        sources, version = header.get("sources"), header.get("recipe_version")
+        digest = header.get("recipe_digest")
+        if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+            raise ValueError(f"corrupt batch layout: sources {sources!r}")
+        if type(version) is not int or not isinstance(digest, str | None):
+            raise ValueError(f"corrupt batch layout: recipe version {version!r}, digest {digest!r}")
+        return cls(tuple(arrays), tuple(sources), version, digest, base + size)
+
+
+DTYPE = re.compile(
+    r"[<>|](b1|[iu][1248]|f(2|4|8|12|16)|c(8|16|24|32)|[SU][1-9]\d{0,8}"
+    r"|[mM]8(\[([1-9]\d{0,8})?(Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?)"
+)
+"""The dtypes an array may have on the wire, as ``dtype.str`` writes them: booleans,
+numbers, fixed-width bytes and text, datetimes. A layout's dtype is matched against it
+before numpy reads it (``np.dtype`` of an untrusted string may build an object,
+structured or subarray dtype, or evaluate the string as a literal)."""
+_ROW_DTYPES = (np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.int16))
+
+
+def _spec(value: Any) -> list[Any]:
+    """A row array's ``[dtype, shape, offset]``, or a ValueError."""
+    if not isinstance(value, list):
+        raise ValueError(f"corrupt batch layout: a row array is {value!r}")
+    return value
 
 
 def _array(
-    name: str, spec: ArraySpec, base: int, end: int
+    spec: list[Any], base: int, pos: int, size: int
 ) -> tuple[str, np.dtype, int, int, tuple[int, ...] | None]:
-    dtype, shape, off = np.dtype(spec[0]), tuple(spec[1]), base + spec[2]
+    """An array's ``(name, dtype, count, offset, shape)`` of ``spec`` (``[name, dtype,
+    shape, offset]``), checked: at or past ``pos`` (the previous array's end) and within
+    ``size`` bytes of ``base``."""
+    if len(spec) != 4:
+        raise ValueError(
+            f"corrupt batch layout: array {spec!r} is not [name, dtype, shape, offset]"
+        )
+    name, dtype_str, shape, off = spec
+    if not isinstance(name, str):
+        raise ValueError(f"corrupt batch layout: array name {name!r}")
+    if not isinstance(dtype_str, str) or DTYPE.fullmatch(dtype_str) is None:
+        raise ValueError(f"corrupt batch layout: array {name!r} has dtype {dtype_str!r}")
+    if not isinstance(shape, list) or not shape:
+        raise ValueError(f"corrupt batch layout: array {name!r} has shape {shape!r}")
     if not all(type(d) is int and d >= 0 for d in shape):
         raise ValueError(f"corrupt batch: shape {shape} is not of non-negative integers")
+    try:
+        dtype = np.dtype(dtype_str)
+    except TypeError:  # of the grammar but not of this platform (e.g. f12)
+        raise ValueError(f"corrupt batch layout: array {name!r} has dtype {dtype_str!r}") from None
     count = math.prod(shape)  # exact (np.prod wraps at 2**63): checked against the size
-    if type(spec[2]) is not int or spec[2] < 0 or off + count * dtype.itemsize > end:
-        raise ValueError(f"corrupt batch: array {name!r} past the end of its layout")
-    return name, dtype, count, off, shape if len(shape) != 1 else None
+    if type(off) is not int or off < pos or off % ALIGN or off + count * dtype.itemsize > size:
+        raise ValueError(f"corrupt batch: array {name!r} past the end of its layout or overlapping")
+    return name, dtype, count, base + off, tuple(shape) if len(shape) != 1 else None
+
+
+LAYOUT_COST = 320
+"""Bytes a parsed layout holds per array, beyond its raw bytes (its tuples, names and
+shapes: ~310 bytes an array with one field, ~235 with thirty, by ``sys.getsizeof``)."""
 
 
 class Layouts:
-    """Parsed layouts by their bytes, the ``kept`` most recently parsed (thread-safe)."""
+    """Parsed layouts by their bytes (thread-safe): the ``kept`` most recently parsed, as
+    long as they hold at most ``max_bytes`` together (each its raw bytes and
+    :data:`LAYOUT_COST` an array); a layout bigger than that is parsed for every batch.
+    Keyed by the whole layout, so a batch is read with the layout its own bytes give,
+    whatever recipe or digest it names."""
 
-    def __init__(self, kept: int = LAYOUTS_KEPT) -> None:
-        self.kept = kept
-        self._parsed: dict[bytes, Layout] = {}
+    def __init__(self, kept: int = LAYOUTS_KEPT, max_bytes: int = LAYOUTS_BYTES) -> None:
+        self.kept, self.max_bytes = kept, max_bytes
+        self.nbytes = 0
+        self._parsed: dict[bytes, tuple[Layout, int]] = {}
         self._lock = threading.Lock()
 
     def get(self, raw: bytes) -> Layout:
         """The layout of ``raw``, parsed on first sight."""
         found = self._parsed.get(raw)
         if found is not None:
-            return found
+            return found[0]
         layout = Layout.parse(raw)
+        cost = len(raw) + LAYOUT_COST * len(layout.arrays)
+        if cost > self.max_bytes:
+            return layout
         with self._lock:
-            self._parsed[raw] = layout
-            while len(self._parsed) > self.kept:
-                del self._parsed[next(iter(self._parsed))]  # the oldest first
+            if raw not in self._parsed:
+                self._parsed[raw] = (layout, cost)
+                self.nbytes += cost
+            while len(self._parsed) > self.kept or self.nbytes > self.max_bytes:
+                self.nbytes -= self._parsed.pop(next(iter(self._parsed)))[1]  # oldest first
         return layout
 
     def __len__(self) -> int:
@@ -419,21 +488,35 @@ def decode_batch(buf: Any, layouts: Layouts | None = LAYOUTS) -> Batch:
     tail = msgpack.unpackb(mv[end : end + tail_len], raw=False) if tail_len else {}
     if not isinstance(tail, dict):
         raise ValueError(f"corrupt batch tail: {type(tail).__name__}, not a map")
+    meta, seed = tail.get("meta", {}), tail.get("seed")
+    if not isinstance(meta, dict) or not (seed is None or type(seed) is int):
+        raise ValueError(f"corrupt batch tail: meta of {type(meta).__name__}, seed {seed!r}")
     n_fields = len(views) - len(_RESERVED)
-    try:
-        c = tail.get("claim")
-        claim = None if c is None else Claim(int(c[0]), str(c[1]), tuple(map(str, c[2])))
-        return Batch(
-            fields={a[0]: v for a, v in zip(layout.arrays[:n_fields], views, strict=False)},
-            ids=views[-3],
-            weights=views[-2],
-            source_index=views[-1],
-            sources=layout.sources,
-            recipe_version=layout.recipe_version,
-            meta=tail.get("meta", {}),
-            claim=claim,
-            seed=tail.get("seed"),
-            recipe_digest=layout.recipe_digest,
-        )
-    except (KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"corrupt batch tail: {exc!r}") from exc
+    return Batch(
+        fields={a[0]: v for a, v in zip(layout.arrays[:n_fields], views, strict=False)},
+        ids=views[-3],
+        weights=views[-2],
+        source_index=views[-1],
+        sources=layout.sources,
+        recipe_version=layout.recipe_version,
+        meta=meta,
+        claim=_claim(tail.get("claim")),
+        seed=seed,
+        recipe_digest=layout.recipe_digest,
+    )
+
+
+def _claim(c: Any) -> Claim | None:
+    """A tail's ``claim`` (``[pass, token, ids]``), checked."""
+    if c is None:
+        return None
+    if not (
+        isinstance(c, list)
+        and len(c) == 3
+        and type(c[0]) is int
+        and isinstance(c[1], str)
+        and isinstance(c[2], list)
+        and all(isinstance(i, str) for i in c[2])
+    ):
+        raise ValueError(f"corrupt batch tail: claim {c!r}"[:200])
+    return Claim(c[0], c[1], tuple(c[2]))
