@@ -170,13 +170,19 @@ class Recipe(StrictModel):
         made = set(self.fields) | (set(N_STEP_FIELDS) if self.n_step > 1 else set())
         unknown = sorted(set(layout.dtypes) - made)
         if unknown:
-            raise ValueError(f"layout.dtypes: {unknown} are not fields of the recipe")
+            raise ValueError(
+                f"layout.dtypes: {unknown} are not fields of the recipe: name fields of "
+                f"{sorted(made)}, or add them to `fields`"
+            )
         if self.batch_size % layout.parts:
             raise ValueError(
                 f"layout.parts ({layout.parts}) must divide batch_size ({self.batch_size})"
             )
         if layout.parts > 1 and (self.grouped or self.tokens is not None or self.rollout):
-            raise ValueError("layout.parts: rows of independent draws (no groups, tokens, rollout)")
+            raise ValueError(
+                "layout.parts: rows of independent draws only: drop `layout.parts`, or the "
+                "group sources, `tokens` or `rollout`"
+            )
 
     def _clean_consistent(self, clean: RecipeClean) -> None:
         unknown = sorted(clean.names() - set(self.fields))

@@ -150,11 +150,19 @@ class Layout(StrictModel):
     @field_validator("dtypes")
     @classmethod
     def _numeric(cls, dtypes: dict[str, str]) -> dict[str, str]:
-        for name, dtype in dtypes.items():
+        out = {}
+        for name, given in dtypes.items():
+            fix = "name a numeric dtype such as float32 or int64"
             try:
-                kind = np.dtype(dtype).kind
-            except TypeError:
-                raise ValueError(f"layout.dtypes.{name}: {dtype!r} is not a dtype") from None
-            if kind not in "biuf":
-                raise ValueError(f"layout.dtypes.{name}: {dtype!r} is not a numeric dtype")
-        return {name: np.dtype(dtype).str for name, dtype in dtypes.items()}
+                dtype = np.dtype(given)
+            except (TypeError, ValueError, SyntaxError):  # numpy parses some as literals
+                raise ValueError(f"layout.dtypes.{name}: {given!r} is not a dtype: {fix}") from None
+            if dtype.kind not in "biuf":
+                raise ValueError(f"layout.dtypes.{name}: {given!r} is not a numeric dtype: {fix}")
+            if not dtype.isnative:  # a trainer's framework wraps native arrays only
+                raise ValueError(
+                    f"layout.dtypes.{name}: {given!r} is not in this machine's byte order: "
+                    f"name it without one ({dtype.name!r})"
+                )
+            out[name] = dtype.str
+        return out

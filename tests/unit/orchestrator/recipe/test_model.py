@@ -200,6 +200,8 @@ def test_yaml_must_be_a_mapping(tmp_path):
         (minimal(nearest={"k": 0}), "nearest.k", "greater than 0"),
         (minimal(layout={"dtypes": {"obs": "U3"}}), "layout.dtypes", "not a numeric dtype"),
         (minimal(layout={"dtypes": {"obs": "f99"}}), "layout.dtypes", "is not a dtype"),
+        (minimal(layout={"dtypes": {"obs": ",4"}}), "layout.dtypes", "such as float32"),
+        (minimal(layout={"dtypes": {"obs": ">f4"}}), "layout.dtypes", "without one ('float32')"),
         (minimal(layout={"dtypes": {"done": "f4"}}), "", "['done'] are not fields"),
         (minimal(layout={"parts": 3}), "", "must divide batch_size (8)"),
         (minimal(layout={"parts": 0}), "layout.parts", "greater than 0"),
