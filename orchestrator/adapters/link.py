@@ -81,12 +81,13 @@ class BufferLink:
                     # each part's rows are contiguous: one source's rows are independent
                     # draws (contiguous parts are as good as strided ones); several
                     # sources' rows the workers laid out by parts
-                    whole = batch
-                    ids = whole.ids.reshape(parts, -1)  # a fresh array: no copy needed
-                    weights = np.array(whole.weights).reshape(parts, -1)
-                    sources = np.array(whole.source_index).reshape(parts, -1)
-                    items = convert_parts(whole, parts)
-                    version, digest = whole.recipe_version, whole.recipe_digest
+                    # copied (as :func:`served` does): the lineage keeps no view of the
+                    # delivered buffer (a shared-memory segment stays taken while one lives)
+                    ids = np.array(batch.ids).reshape(parts, -1)
+                    weights = np.array(batch.weights).reshape(parts, -1)
+                    sources = np.array(batch.source_index).reshape(parts, -1)
+                    items = convert_parts(batch, parts)
+                    version, digest = batch.recipe_version, batch.recipe_digest
                     return [
                         (Served(version, i, w, None, digest, s), it)
                         for i, w, s, it in zip(ids, weights, sources, items, strict=True)
