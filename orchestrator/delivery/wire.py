@@ -13,8 +13,8 @@ version it does not know (:class:`WireVersionError`) instead of misreading it. B
 The layout names each array as ``[dtype.str, shape, offset]`` and holds what every batch of
 one recipe version shares (its sources, version and digest); the tail holds what changes
 from batch to batch (``meta``, ``seed``, a ``once`` batch's ``claim``; empty when there is
-none). A reader parses a layout once, checking it as untrusted (:meth:`Layout.parse`), and
-keeps it (:class:`Layouts`, bounded by count and bytes), keyed by its whole bytes: a batch
+none). A reader parses a layout once, checking it as untrusted (:meth:`WireLayout.parse`), and
+keeps it (:class:`WireLayouts`, bounded by count and bytes), keyed by its whole bytes: a batch
 of a layout seen before costs a dictionary lookup and one ``np.frombuffer`` per array.
 Every array body starts at an offset that is a multiple of ``ALIGN`` from the start of the
 buffer, so :func:`decode_batch` returns views of the input buffer: no array byte is
@@ -46,10 +46,10 @@ ALIGN = 64
 _VERSIONED = struct.Struct("<4sI")  # magic, version: what every version starts with
 _PREFIX = struct.Struct("<4sIII")  # magic, version, layout length, tail length
 LAYOUTS_KEPT = 64
-"""Layouts a reader keeps parsed (:class:`Layouts`): a recipe version's batches share one,
+"""Layouts a reader keeps parsed (:class:`WireLayouts`): a recipe version's batches share one,
 a token recipe's batches one per padded length."""
 LAYOUTS_BYTES = 1 << 20
-"""Bytes the kept layouts may hold together (:class:`Layouts`): a layout of ten arrays
+"""Bytes the kept layouts may hold together (:class:`WireLayouts`): a layout of ten arrays
 takes ~3.5 KB (64 of them ~0.2 MB), one of 3,000 arrays is more than this alone."""
 _RESERVED = ("ids", "weights", "source_index")
 
@@ -316,7 +316,7 @@ def is_batch(buf: Any) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class WireLayout:
     """A parsed layout: each array as ``(name, dtype, count, offset from the buffer's
     start, shape)`` (shape None: one dimension, ``count`` long), the fields first, then
     ``ids``, ``weights`` and ``source_index``; ``end`` is where the tail starts."""
@@ -328,7 +328,7 @@ class Layout:
     end: int
 
     @classmethod
-    def parse(cls, raw: bytes) -> Layout:
+    def parse(cls, raw: bytes) -> WireLayout:
         """The layout of msgpack bytes ``raw``, checked as untrusted: dtypes of
         :data:`DTYPE`'s grammar, every array a run of rows in order within the bodies'
         size (none overlapping another, each at an ``ALIGN`` boundary), the row arrays
@@ -418,7 +418,7 @@ LAYOUT_COST = 320
 shapes: ~310 bytes an array with one field, ~235 with thirty, by ``sys.getsizeof``)."""
 
 
-class Layouts:
+class WireLayouts:
     """Parsed layouts by their bytes (thread-safe): the ``kept`` most recently parsed, as
     long as they hold at most ``max_bytes`` together (each its raw bytes and
     :data:`LAYOUT_COST` an array); a layout bigger than that is parsed for every batch.
@@ -428,15 +428,15 @@ class Layouts:
     def __init__(self, kept: int = LAYOUTS_KEPT, max_bytes: int = LAYOUTS_BYTES) -> None:
         self.kept, self.max_bytes = kept, max_bytes
         self.nbytes = 0
-        self._parsed: dict[bytes, tuple[Layout, int]] = {}
+        self._parsed: dict[bytes, tuple[WireLayout, int]] = {}
         self._lock = threading.Lock()
 
-    def get(self, raw: bytes) -> Layout:
+    def get(self, raw: bytes) -> WireLayout:
         """The layout of ``raw``, parsed on first sight."""
         found = self._parsed.get(raw)
         if found is not None:
             return found[0]
-        layout = Layout.parse(raw)
+        layout = WireLayout.parse(raw)
         cost = len(raw) + LAYOUT_COST * len(layout.arrays)
         if cost > self.max_bytes:
             return layout
@@ -452,11 +452,11 @@ class Layouts:
         return len(self._parsed)
 
 
-LAYOUTS = Layouts()
+LAYOUTS = WireLayouts()
 """This process's parsed layouts (:func:`decode_batch`'s default)."""
 
 
-def decode_batch(buf: Any, layouts: Layouts | None = LAYOUTS) -> Batch:
+def decode_batch(buf: Any, layouts: WireLayouts | None = LAYOUTS) -> Batch:
     """Decode a batch from any buffer (bytes, bytearray, memoryview, mmap) without copying arrays.
 
     The returned arrays are views of ``buf`` and keep it alive. ``layouts``: where parsed
@@ -475,7 +475,7 @@ def decode_batch(buf: Any, layouts: Layouts | None = LAYOUTS) -> Batch:
     if _PREFIX.size + head_len > len(mv):
         raise ValueError("truncated batch: layout past end of buffer")
     raw = mv[_PREFIX.size : _PREFIX.size + head_len].tobytes()
-    layout = Layout.parse(raw) if layouts is None else layouts.get(raw)
+    layout = WireLayout.parse(raw) if layouts is None else layouts.get(raw)
     end = layout.end
     if end + tail_len > len(mv):
         raise ValueError("truncated batch: array body past end of buffer")

@@ -13,9 +13,9 @@ from hypothesis.extra import numpy as hnp
 from orchestrator.delivery.wire import (
     ALIGN,
     VERSION,
-    Layout,
-    Layouts,
     Pending,
+    WireLayout,
+    WireLayouts,
     WireVersionError,
     decode_batch,
     is_batch,
@@ -236,14 +236,14 @@ def test_a_layout_is_parsed_once_and_the_parsed_ones_are_bounded(monkeypatch):
     and keeps at most ``kept`` (the most recently parsed); what changes per batch (seed,
     meta, claim) travels in the tail."""
     parsed = []
-    parse = Layout.parse.__func__
+    parse = WireLayout.parse.__func__
 
     def counting(cls, raw):
         parsed.append(raw)
         return parse(cls, raw)
 
-    monkeypatch.setattr(Layout, "parse", classmethod(counting))
-    layouts = Layouts(kept=2)
+    monkeypatch.setattr(WireLayout, "parse", classmethod(counting))
+    layouts = WireLayouts(kept=2)
     x = np.arange(8, dtype=np.float32)
     for k in range(3):
         out = decode_batch(
@@ -321,7 +321,7 @@ def test_kept_layouts_are_bounded_by_bytes_and_keyed_by_the_whole_layout():
     """The kept layouts hold at most ``max_bytes`` (the oldest go first; one bigger than
     that alone is never kept), and a batch naming another's recipe version and digest is
     read with the layout of its own bytes."""
-    layouts = Layouts(kept=64, max_bytes=3000)
+    layouts = WireLayouts(kept=64, max_bytes=3000)
     x = np.arange(8, dtype=np.float32)
     for v in range(10):
         decode_batch(wire_bytes({"x": x}, ids=np.arange(8), recipe_version=v), layouts)
