@@ -17,7 +17,18 @@ vector steps (float32[8]), and measures in one run:
   between pops; on a small machine the worker and Redis then compete with the trainer);
   then the same refilling loop with a read-ahead client (``BatchClient(readahead=8)``:
   a thread keeps 8 batches popped and decoded in the trainer's process), where a pop is
-  timed when one is held locally.
+  timed when one is held locally;
+- trainer CPU per popped batch: the thread CPU time of ``ClawReplayBuffer.sample(256)``
+  (SB3's adapter, one popped batch a call: its read-ahead process's item read from the
+  pipe, decoded, made SB3's tensors, its lineage entry declared), median of
+  ``--cpu-pops`` calls with ``--vector-train-ms`` between them, steps of obs float32[8],
+  a discrete action, reward, next_obs and the done flags. Wrapped (the adapter's
+  default): the layout parsed once and kept, the flags delivered as float32 (the recipe's
+  ``layout``), each tensor a view of the delivered bytes. Beside it in the same run,
+  alternated ``--cpu-rounds`` times, the conversion field by field: the layout parsed per
+  batch, the flags cast in the trainer, each array copied into its tensor. Then each
+  side's per-batch work alone, in memory: one queue item copied (as out of the pipe),
+  decoded and converted, back to back.
 
 Prints markdown tables.
 """
@@ -39,11 +50,15 @@ import albumentations as A
 import cv2
 import numpy as np
 import redis
+import torch as th
+from gymnasium import spaces
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from claw_tasks.client import Ingestor
 from claw_tasks.connection.server import RedisServer
+from orchestrator.adapters.sb3.buffer import ClawReplayBuffer
+from orchestrator.delivery import wire
 from orchestrator.delivery.client import BatchClient
 from orchestrator.sampling.batch import Batch
 from tests.support.processes import Worker
@@ -120,8 +135,74 @@ def wait_full(client: BatchClient, name: str, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+class FieldByFieldBuffer(ClawReplayBuffer):
+    """SB3's adapter converting field by field: every array copied into its tensor (its
+    recipe, given ``layout: None``, leaves the done flags bool: cast in the trainer)."""
+
+    def tensor(self, array: np.ndarray) -> th.Tensor:
+        return th.tensor(array, device=self.device)
+
+
+def trainer_cpu(url: str, pops: int, rounds: int, train_s: float) -> dict[str, list[float]]:
+    """Thread CPU seconds of each ``sample(256)`` (one popped batch a call), wrapped and
+    field by field, alternated ``rounds`` times in this run."""
+    obs_space, n = spaces.Box(-10, 10, (8,), np.float32), 20_000
+    kw: dict[str, Any] = {"device": "cpu", "namespace": "sb3", "redis_url": url}
+    wrapped = ClawReplayBuffer(100_000, obs_space, spaces.Discrete(2), gradient_steps=1, **kw)
+    obs = np.random.default_rng(1).standard_normal((n + 1, 8)).astype(np.float32)
+    for i in range(n):
+        done = np.array([i % 500 == 499])
+        wrapped.add(obs[i : i + 1], obs[i + 1 : i + 2], np.array([i % 2]), np.ones(1), done, [{}])
+    wrapped.flush()
+    by_field = FieldByFieldBuffer(
+        100_000, obs_space, spaces.Discrete(2), gradient_steps=1, recipe={"layout": None}, **kw
+    )
+    times: dict[str, list[float]] = {
+        k: [] for k in ("by field", "wrapped", "by field, in memory", "wrapped, in memory")
+    }
+    try:
+        for _ in range(rounds):
+            for label, buffer, kept in (
+                ("by field", by_field, 0),  # 0: every layout parsed again
+                ("wrapped", wrapped, wire.LAYOUTS_KEPT),
+            ):
+                wire.LAYOUTS.kept = kept
+                for _ in range(20):  # the read-ahead process started, its queue filled
+                    buffer.sample(256)
+                for _ in range(pops):
+                    time.sleep(train_s)
+                    t0 = time.thread_time()
+                    buffer.sample(256)
+                    times[label].append(time.thread_time() - t0)
+                times[f"{label}, in memory"] += in_memory(buffer, pops)
+    finally:
+        wire.LAYOUTS.kept = wire.LAYOUTS_KEPT
+        by_field.close()
+        wrapped.close()
+    return times
+
+
+def in_memory(buffer: ClawReplayBuffer, n: int) -> list[float]:
+    """Thread CPU seconds of the per-batch work alone, back to back on one queue item held
+    in memory: the copy out of the pipe, the decode and the adapter's conversion (no pipe,
+    no Redis, no lineage)."""
+    client, name = buffer.client, buffer.recipe_name(256)
+    item, times = client.next_item(name, timeout=60), []
+    for _ in range(n):
+        t0 = time.thread_time()
+        batch = client.accept(name, memoryview(bytearray(item)))
+        assert batch is not None
+        buffer.to_samples(batch)
+        times.append(time.thread_time() - t0)
+    return times
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
+
+
+def us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us"
 
 
 def main() -> None:
@@ -132,6 +213,8 @@ def main() -> None:
     ap.add_argument("--train-ms", type=float, default=60.0, help="simulated step, images")
     ap.add_argument("--vector-train-ms", type=float, default=2.0)
     ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--cpu-pops", type=int, default=1000, help="samples per side and round")
+    ap.add_argument("--cpu-rounds", type=int, default=2)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the worker on the way out
     rng = np.random.default_rng(0)
@@ -195,6 +278,7 @@ def main() -> None:
                 ahead, r, "v8", args.pops, args.vector_train_ms / 1e3
             )
             ahead.close()
+            cpu = trainer_cpu(srv.url, args.cpu_pops, args.cpu_rounds, args.vector_train_ms / 1e3)
             produced = img.stats("drq")["drq"]["produced"]
             img.unregister("drq")  # reclaims the queued shared-memory segments
             img.close()
@@ -223,6 +307,14 @@ def main() -> None:
         size = f"256 x float32[8], {len(times)} pops"
         rows.append((f"pop latency p50, {label}", ms(p50), size, "<= 0.5 ms"))
         rows.append((f"pop latency p99, {label}", ms(p99), size, ""))
+    size = f"256 x (obs float32[8], action, reward, next_obs, flags), {len(cpu['wrapped'])} pops"
+    for where in ("", ", in memory"):
+        by_field, wrapped = (statistics.median(cpu[k + where]) for k in ("by field", "wrapped"))
+        rows += [
+            (f"trainer CPU per popped batch{where}, field by field", us(by_field), size, ""),
+            (f"trainer CPU per popped batch{where}, wrapped", us(wrapped), size, "<= 50 us"),
+            (f"wrapped / field by field{where}", f"{wrapped / by_field:.2f}x", "same run", ""),
+        ]
     for row in rows:
         print("| " + " | ".join(row) + " |")
     waits = (

@@ -24,7 +24,7 @@ import numpy as np
 from claw_tasks.client import Ingestor
 from claw_tasks.settings import get_settings
 from orchestrator.adapters.cadence import Plan
-from orchestrator.adapters.parts import interleaved, split
+from orchestrator.adapters.parts import split
 from orchestrator.adapters.transitions import Transitions
 from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import Served
@@ -66,28 +66,33 @@ class BufferLink:
         ``parts`` pops (``spec``'s batch size is ``parts`` times a pop's), each part
         passed through ``convert`` — in the read-ahead thread when there is one.
         ``convert_parts`` instead converts a whole batch at once, given it with each part's
-        rows contiguous (:func:`interleaved`) and the number of parts, and returns the
+        rows contiguous (the recipe's ``layout.parts``) and the number of parts, and returns the
         parts' items in order: one conversion per batch rather than per part."""
         name = self.names.get(key)
         if name is None:
             self.flush()
+            laid_out = parts > 1 and len(spec.get("sources") or ()) > 1
+            if laid_out:  # the workers put each part's rows together, keeping the mix
+                spec = {**spec, "layout": {**(spec.get("layout") or {}), "parts": parts}}
             name = self.names[key] = self.client.register(spec).name
 
             def prepare(batch: Batch) -> list[tuple[Served, Any]]:
                 if convert_parts is not None and parts > 1 and len(batch) % parts == 0:
-                    # one source: its rows are independent draws, so contiguous parts are
-                    # as good as strided ones, and need no gather
-                    whole = batch if len(batch.sources) <= 1 else interleaved(batch, parts)
-                    ids = whole.ids.reshape(parts, -1)  # a fresh array: no copy needed
-                    weights = np.array(whole.weights).reshape(parts, -1)
-                    sources = np.array(whole.source_index).reshape(parts, -1)
-                    items = convert_parts(whole, parts)
-                    version, digest = whole.recipe_version, whole.recipe_digest
+                    # each part's rows are contiguous: one source's rows are independent
+                    # draws (contiguous parts are as good as strided ones); several
+                    # sources' rows the workers laid out by parts
+                    # copied (as :func:`served` does): the lineage keeps no view of the
+                    # delivered buffer (a shared-memory segment stays taken while one lives)
+                    ids = np.array(batch.ids).reshape(parts, -1)
+                    weights = np.array(batch.weights).reshape(parts, -1)
+                    sources = np.array(batch.source_index).reshape(parts, -1)
+                    items = convert_parts(batch, parts)
+                    version, digest = batch.recipe_version, batch.recipe_digest
                     return [
                         (Served(version, i, w, None, digest, s), it)
                         for i, w, s, it in zip(ids, weights, sources, items, strict=True)
                     ]
-                got = split(batch, parts) if parts > 1 else [batch]
+                got = split(batch, parts, contiguous=laid_out) if parts > 1 else [batch]
                 return [(served(b), b if convert is None else convert(b)) for b in got]
 
             self._prepare[name] = prepare

@@ -10,6 +10,9 @@ so prefetch collates:
   ``x`` of shape ``(B, maxlen, ...)`` (``(B, L, maxlen, ...)`` with ``sequence_length`` L),
   ``maxlen`` the longest row of the batch, plus ``x_lengths``, int32 ``(B,)`` (``(B, L)``),
   each row's true length: ``x[i, :x_lengths[i]]`` is row i.
+
+A recipe's ``layout.dtypes`` then casts fields to the dtypes its trainer takes
+(:func:`cast`), so the trainer wraps the delivered bytes as they are.
 """
 
 from __future__ import annotations
@@ -65,3 +68,14 @@ def _pad(name: str, rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out, lengths
+
+
+def cast(arrays: dict[str, Any], dtypes: Mapping[str, Any]) -> dict[str, Any]:
+    """``arrays`` with each one named in ``dtypes`` cast to its dtype (numeric arrays; a
+    :class:`Pending` one stays as laid out)."""
+    out = dict(arrays)
+    for name, dtype in dtypes.items():
+        arr = out.get(name)
+        if isinstance(arr, np.ndarray) and arr.dtype != dtype:
+            out[name] = arr.astype(dtype)
+    return out

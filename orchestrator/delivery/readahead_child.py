@@ -79,7 +79,7 @@ class FrameWriter:
     def __init__(self, out: int) -> None:
         self.out, self.lock = out, threading.Lock()
 
-    def write(self, kind: int, *payload: bytes) -> None:
+    def write(self, kind: int, *payload: bytes | bytearray) -> None:
         """One frame of ``payload``'s parts, joined once (an item is not copied twice)."""
         data = b"".join((HEAD.pack(sum(map(len, payload)), kind), *payload))
         with self.lock:

@@ -185,7 +185,7 @@ class ProcessReadAhead:
             + " (its error is on the trainer's stderr)"
         )
 
-    def _frame_of(self, got: tuple[int, bytes] | None) -> tuple[int, bytes] | None:
+    def _frame_of(self, got: tuple[int, bytearray] | None) -> tuple[int, bytearray] | None:
         """``got``, after what an end of file or an error frame means (raised)."""
         if got is None:
             if self._frames.eof:

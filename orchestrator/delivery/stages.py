@@ -4,8 +4,8 @@ A recipe's :class:`Pipeline` is a list of stages chosen from its sections, each 
 feature and meeting the others only through the :class:`Draft` it is handed (the way
 TorchRL chains transforms):
 
-    Draw -> CountStaleness -> AttachNearest -> Augment | AugmentInto
-         -> CollateTokens | Collate -> AttachGroups -> Deliver -> Observe
+    Draw -> CountStaleness -> PartOrder -> AttachNearest -> Augment | AugmentInto
+         -> CollateTokens | Collate -> AttachGroups -> Cast -> Deliver -> Observe
 
 A stage the recipe does not ask for is not in its pipeline (no stage checks whether its
 feature is on), so a new recipe feature is a new stage and a line in :meth:`Pipeline.of`.
@@ -13,9 +13,11 @@ The fill (:func:`orchestrator.delivery.prefetch.run_fill`) gates each batch on t
 room and the rate limit, makes it here and pushes it; a stage that took something for a
 batch the push refused gives it back in :meth:`Stage.taken_back`.
 
-Stages add no Redis round trip and copy no array: the fields flow as the draw returned
-them until :class:`Deliver` lays them out, and :class:`AugmentInto` augments straight into
-the laid-out batch.
+Stages add no Redis round trip and copy no array but what the recipe's ``layout`` asks
+for (:class:`PartOrder`'s gather, :class:`Cast`'s casts: work done here so that the
+trainer only wraps the delivered bytes): the fields flow as the draw returned them until
+:class:`Deliver` lays them out, and :class:`AugmentInto` augments straight into the
+laid-out batch.
 """
 
 from __future__ import annotations
@@ -30,16 +32,16 @@ import numpy as np
 
 from claw_tasks.store import Store
 from orchestrator.delivery import admission, shm
-from orchestrator.delivery.collate import collate
+from orchestrator.delivery.collate import cast, collate
 from orchestrator.delivery.quarantine import sample_clean
 from orchestrator.delivery.registry import Entry
 from orchestrator.delivery.samplestats import Observed
 from orchestrator.delivery.tokens import collate_tokens, group_arrays
 from orchestrator.delivery.wire import Pending, to_wire
 from orchestrator.recipe.model import Recipe, recipe_digest
-from orchestrator.recipe.options import Nearest, Tokens
+from orchestrator.recipe.options import Layout, Nearest, Tokens
 from orchestrator.retrieval.query import neighbour_fields
-from orchestrator.sampling.batch import Batch, take_rows
+from orchestrator.sampling.batch import Batch, part_order, take_rows
 from orchestrator.sampling.candidates import InsufficientData
 from orchestrator.sampling.sample import hit_rates
 from orchestrator.transforms.augment import AugmentPlan, augment_rng
@@ -159,6 +161,22 @@ class CountStaleness(Stage):
         d.served = sorted({e for e in flat if e is not None})
 
 
+class PartOrder(Stage):
+    """The rows in the order of the recipe's ``layout.parts``: each part contiguous
+    (:func:`~orchestrator.sampling.batch.part_order`), before anything is computed from
+    them, so augmentation and ``claw replay`` (which draws the recorded ids in this
+    order) see the rows alike."""
+
+    def __init__(self, parts: int) -> None:
+        self.parts = parts
+
+    def __call__(self, d: Draft) -> None:
+        rows = part_order(len(d.ids), self.parts)
+        d.fields = {k: take_rows(v, rows) for k, v in d.fields.items()}
+        d.meta = {k: take_rows(v, rows) for k, v in d.meta.items()}
+        d.ids, d.weights, d.source_index = d.ids[rows], d.weights[rows], d.source_index[rows]
+
+
 class AttachNearest(Stage):
     """Each row's nearest stored neighbours' fields, queried with the states as drawn
     (before augmentation)."""
@@ -248,6 +266,16 @@ class AttachGroups(Stage):
         d.arrays.update(group_arrays(d.batch.groups))  # type: ignore[arg-type]  # a group recipe's batch has groups
 
 
+class Cast(Stage):
+    """Fields cast to the dtypes of the recipe's ``layout`` (what its trainer takes)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.dtypes = {k: np.dtype(v) for k, v in layout.dtypes.items()}
+
+    def __call__(self, d: Draft) -> None:
+        d.arrays = cast(d.arrays, self.dtypes)
+
+
 class Deliver(Stage):
     """The queue item: the batch laid out for the wire, in a shared-memory segment when
     its reader shares this host (:mod:`orchestrator.delivery.shm`), else inline; pending
@@ -299,18 +327,24 @@ class Pipeline:
     def of(cls, store: Store, entry: Entry, plan: AugmentPlan | None, seen: Observed) -> Pipeline:
         """The stages ``entry``'s recipe asks for (``plan``: its augmentation), reading
         ``store``; ``seen`` gathers what the batches measured."""
-        recipe = entry.recipe
+        recipe, layout = entry.recipe, entry.recipe.layout
         admit = CountStaleness(store, recipe) if recipe.admission is not None else None
         stages: list[Stage] = [Draw(store, admit.draw if admit else recipe)]
         stages += [admit] if admit else []
+        if layout is not None and layout.parts > 1 and len(recipe.sources) > 1:
+            stages.append(PartOrder(layout.parts))  # one source: its rows are in any order
         if recipe.nearest is not None:
             stages.append(AttachNearest(store, recipe.nearest))
-        if plan is not None:  # token batches are cut after augmentation: not laid out first
-            stages.append(Augment(plan) if recipe.tokens is not None else AugmentInto(plan))
+        cast = {} if layout is None else layout.dtypes
+        if plan is not None:
+            # laid out first unless token batches cut its rows or a cast changes its fields
+            into = recipe.tokens is None and not set(cast) & set(recipe.augment)
+            stages.append(AugmentInto(plan) if into else Augment(plan))
         if recipe.tokens is not None:
             stages.append(CollateTokens(recipe.tokens))
         else:
             stages += [Collate(), AttachGroups()] if recipe.grouped else [Collate()]
+        stages += [Cast(layout)] if layout is not None and cast else []
         stages += [Deliver(recipe, entry.shm_host), Observe(store, recipe.name, seen)]
         return cls(stages)
 

@@ -1,26 +1,35 @@
-"""Batch wire format: a msgpack header that describes raw, aligned array bytes.
+"""Batch wire format: a msgpack layout that describes raw, aligned array bytes.
 
 Layout of an encoded batch::
 
-    b"CLAW" | u32 format version | u32 header length | msgpack header | pad | array bytes ...
+    b"CLAW" | u32 format version | u32 layout length | u32 tail length
+    | msgpack layout | pad | array bytes ... | msgpack tail
 
 (integers little endian). The magic and the version come first in every version of the
 format, so a reader checks the version before it interprets anything else and refuses a
 version it does not know (:class:`WireVersionError`) instead of misreading it. Bump
 :data:`VERSION` on any change a reader of the previous version would misread.
 
-The header names each array as ``[dtype.str, shape, offset]``; every array body starts at an
-offset that is a multiple of ``ALIGN`` from the start of the buffer, so :func:`decode_batch`
-returns ``np.frombuffer`` views of the input buffer: no array byte is copied. Arrays decoded
-from ``bytes`` are read-only; decode a writable buffer (``bytearray``, ``mmap``) to get
-writable arrays. Never pickle.
+The layout names each array as ``[dtype.str, shape, offset]`` and holds what every batch of
+one recipe version shares (its sources, version and digest); the tail holds what changes
+from batch to batch (``meta``, ``seed``, a ``once`` batch's ``claim``; empty when there is
+none). A reader parses a layout once, checking it as untrusted (:meth:`WireLayout.parse`), and
+keeps it (:class:`WireLayouts`, bounded by count and bytes), keyed by its whole bytes: a batch
+of a layout seen before costs a dictionary lookup and one ``np.frombuffer`` per array.
+Every array body starts at an offset that is a multiple of ``ALIGN`` from the start of the
+buffer, so :func:`decode_batch` returns views of the input buffer: no array byte is
+copied. Arrays decoded from ``bytes`` are read-only; decode a writable buffer
+(``bytearray``, ``mmap``) to get writable arrays. Never pickle.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import struct
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -31,10 +40,17 @@ from orchestrator.sampling.batch import Batch
 from orchestrator.sampling.groups import Claim
 
 MAGIC = b"CLAW"
-VERSION = 2
+VERSION = 3
 """Version of the queue item format: encoded batches and shared-memory references."""
 ALIGN = 64
-_PREFIX = struct.Struct("<4sII")  # magic, version, header length
+_VERSIONED = struct.Struct("<4sI")  # magic, version: what every version starts with
+_PREFIX = struct.Struct("<4sIII")  # magic, version, layout length, tail length
+LAYOUTS_KEPT = 64
+"""Layouts a reader keeps parsed (:class:`WireLayouts`): a recipe version's batches share one,
+a token recipe's batches one per padded length."""
+LAYOUTS_BYTES = 1 << 20
+"""Bytes the kept layouts may hold together (:class:`WireLayouts`): a layout of ten arrays
+takes ~3.5 KB (64 of them ~0.2 MB), one of 3,000 arrays is more than this alone."""
 _RESERVED = ("ids", "weights", "source_index")
 
 ArraySpec = list[Any]  # [dtype str, shape list, offset]
@@ -178,8 +194,8 @@ def to_wire(
     a :class:`Pending` field only reserves its place.
 
     ``weights`` default to ones, ``source_index`` to zeros; ``meta`` must be msgpack-able;
-    ``claim`` (a ``once`` batch's), ``seed`` and ``recipe_digest`` (what replays it) go in
-    the header (readers that do not know them ignore them)."""
+    ``recipe_digest`` (what replays it) goes in the layout, ``meta``, ``claim`` (a ``once``
+    batch's) and ``seed`` in the tail."""
     rows, names = _rows(ids, weights, source_index, sources)
     n = len(rows["ids"])
     arrays: list[tuple[str, np.ndarray | Pending]] = []
@@ -191,24 +207,27 @@ def to_wire(
     bodies, specs, size = _layout(arrays)
     named = [[name, *spec] for (name, _), spec in zip(arrays, specs, strict=True)]
     n_fields = len(arrays) - len(_RESERVED)
-    header = {
+    layout = {
         "fields": named[:n_fields],
         **{row[0]: row[1:] for row in named[n_fields:]},
         "sources": names,
         "recipe_version": int(recipe_version),
-        "meta": dict(meta or {}),
+        "recipe_digest": None if recipe_digest is None else str(recipe_digest),
+        "size": size,
     }
+    tail: dict[str, Any] = {}
+    if meta:
+        tail["meta"] = dict(meta)
     if claim is not None:
-        header["claim"] = [claim.pass_no, claim.token, list(claim.ids)]
+        tail["claim"] = [claim.pass_no, claim.token, list(claim.ids)]
     if seed is not None:
-        header["seed"] = int(seed)
-    if recipe_digest is not None:
-        header["recipe_digest"] = str(recipe_digest)
+        tail["seed"] = int(seed)
     try:
-        head = msgpack.packb(header, use_bin_type=True)
+        head = msgpack.packb(layout, use_bin_type=True)
+        end = msgpack.packb(tail, use_bin_type=True) if tail else b""
     except (TypeError, ValueError) as exc:
         raise ValueError(f"batch metadata is not msgpack-serializable: {exc}") from exc
-    return _assemble(head, [name for name, _ in arrays], bodies, specs, size)
+    return _assemble(head, end, [name for name, _ in arrays], bodies, specs, size)
 
 
 def _rows(
@@ -242,7 +261,7 @@ def _layout(
 ) -> tuple[list[np.ndarray | Pending], list[ArraySpec], int]:
     """Each array's body (its bytes, or the :class:`Pending` itself) and spec, and the size
     of all bodies, each padded to ``ALIGN``. Offsets are relative to the data start: the
-    first ``ALIGN`` boundary after the header."""
+    first ``ALIGN`` boundary after the layout."""
     bodies: list[np.ndarray | Pending] = []
     specs, pos = [], 0
     for _, arr in arrays:
@@ -255,18 +274,19 @@ def _layout(
 
 def _assemble(
     head: bytes,
+    tail: bytes,
     names: list[str],
     bodies: list[np.ndarray | Pending],
     specs: list[ArraySpec],
     size: int,
 ) -> WireBatch:
-    """The encoding's chunks in order: prefix, header, padding to the data start, then each
-    body (a pending one's place left empty) and its padding."""
-    base = -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN
+    """The encoding's chunks in order: prefix, layout, padding to the data start, then each
+    body (a pending one's place left empty) and its padding, then the tail."""
+    base = _data_start(len(head))
     chunks: list[memoryview | None] = [
         memoryview(c)
         for c in (
-            _PREFIX.pack(MAGIC, VERSION, len(head)),
+            _PREFIX.pack(MAGIC, VERSION, len(head), len(tail)),
             head,
             bytes(base - _PREFIX.size - len(head)),
         )
@@ -280,7 +300,14 @@ def _assemble(
             chunks.append(memoryview(body))
         if body.nbytes % ALIGN:
             chunks.append(memoryview(bytes(ALIGN - body.nbytes % ALIGN)))
-    return WireBatch(chunks, base + size, pending)
+    if tail:
+        chunks.append(memoryview(tail))
+    return WireBatch(chunks, base + size + len(tail), pending)
+
+
+def _data_start(layout_len: int) -> int:
+    """Where the first array body starts: the first ``ALIGN`` boundary after the layout."""
+    return -(-(_PREFIX.size + layout_len) // ALIGN) * ALIGN
 
 
 def is_batch(buf: Any) -> bool:
@@ -288,49 +315,208 @@ def is_batch(buf: Any) -> bool:
     return bytes(memoryview(buf)[:4]) == MAGIC
 
 
-def decode_batch(buf: Any) -> Batch:
+@dataclass(frozen=True, slots=True)
+class WireLayout:
+    """A parsed layout: each array as ``(name, dtype, count, offset from the buffer's
+    start, shape)`` (shape None: one dimension, ``count`` long), the fields first, then
+    ``ids``, ``weights`` and ``source_index``; ``end`` is where the tail starts."""
+
+    arrays: tuple[tuple[str, np.dtype, int, int, tuple[int, ...] | None], ...]
+    sources: tuple[str, ...]
+    recipe_version: int
+    recipe_digest: str | None
+    end: int
+
+    @classmethod
+    def parse(cls, raw: bytes) -> WireLayout:
+        """The layout of msgpack bytes ``raw``, checked as untrusted: dtypes of
+        :data:`DTYPE`'s grammar, every array a run of rows in order within the bodies'
+        size (none overlapping another, each at an ``ALIGN`` boundary), the row arrays
+        in their dtypes, every field as many rows as ``ids``. ValueError names what is
+        wrong."""
+        header = msgpack.unpackb(raw, raw=False)
+        if not isinstance(header, dict):
+            raise ValueError(f"corrupt batch layout: {type(header).__name__}, not a map")
+        base = _data_start(len(raw))
+        size, fields = header.get("size"), header.get("fields")
+        if type(size) is not int or size < 0:
+            raise ValueError(f"corrupt batch layout: size {size!r}")
+        if not isinstance(fields, list) or not all(isinstance(f, list) for f in fields):
+            raise ValueError("corrupt batch layout: fields are not a list of arrays")
+        specs = [*fields, *([k, *_spec(header.get(k))] for k in _RESERVED)]
+        arrays, pos = [], 0
+        for spec in specs:
+            arrays.append(_array(spec, base, pos, size))
+            pos = arrays[-1][3] - base + arrays[-1][2] * arrays[-1][1].itemsize
+        if len({a[0] for a in arrays}) != len(arrays):
+            raise ValueError("corrupt batch layout: an array named twice")
+        rows = arrays[-3][2]
+        for (name, dtype, _, _, shape), want in zip(arrays[-3:], _ROW_DTYPES, strict=True):
+            if dtype != want or shape is not None:
+                raise ValueError(f"corrupt batch layout: {name} is {dtype}, not one {want} a row")
+        for name, _, count, _, shape in arrays:
+            if (count if shape is None else shape[0]) != rows:
+                raise ValueError(f"corrupt batch layout: {name!r} is not {rows} rows")
+        sources, version = header.get("sources"), header.get("recipe_version")
+        digest = header.get("recipe_digest")
+        if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+            raise ValueError(f"corrupt batch layout: sources {sources!r}")
+        if type(version) is not int or not isinstance(digest, str | None):
+            raise ValueError(f"corrupt batch layout: recipe version {version!r}, digest {digest!r}")
+        return cls(tuple(arrays), tuple(sources), version, digest, base + size)
+
+
+DTYPE = re.compile(
+    r"[<>|](b1|[iu][1248]|f(2|4|8|12|16)|c(8|16|24|32)|[SU][1-9]\d{0,8}"
+    r"|[mM]8(\[([1-9]\d{0,8})?(Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?)"
+)
+"""The dtypes an array may have on the wire, as ``dtype.str`` writes them: booleans,
+numbers, fixed-width bytes and text, datetimes. A layout's dtype is matched against it
+before numpy reads it (``np.dtype`` of an untrusted string may build an object,
+structured or subarray dtype, or evaluate the string as a literal)."""
+_ROW_DTYPES = (np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.int16))
+
+
+def _spec(value: Any) -> list[Any]:
+    """A row array's ``[dtype, shape, offset]``, or a ValueError."""
+    if not isinstance(value, list):
+        raise ValueError(f"corrupt batch layout: a row array is {value!r}")
+    return value
+
+
+def _array(
+    spec: list[Any], base: int, pos: int, size: int
+) -> tuple[str, np.dtype, int, int, tuple[int, ...] | None]:
+    """An array's ``(name, dtype, count, offset, shape)`` of ``spec`` (``[name, dtype,
+    shape, offset]``), checked: at or past ``pos`` (the previous array's end) and within
+    ``size`` bytes of ``base``."""
+    if len(spec) != 4:
+        raise ValueError(
+            f"corrupt batch layout: array {spec!r} is not [name, dtype, shape, offset]"
+        )
+    name, dtype_str, shape, off = spec
+    if not isinstance(name, str):
+        raise ValueError(f"corrupt batch layout: array name {name!r}")
+    if not isinstance(dtype_str, str) or DTYPE.fullmatch(dtype_str) is None:
+        raise ValueError(f"corrupt batch layout: array {name!r} has dtype {dtype_str!r}")
+    if not isinstance(shape, list) or not shape:
+        raise ValueError(f"corrupt batch layout: array {name!r} has shape {shape!r}")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"corrupt batch: shape {shape} is not of non-negative integers")
+    try:
+        dtype = np.dtype(dtype_str)
+    except TypeError:  # of the grammar but not of this platform (e.g. f12)
+        raise ValueError(f"corrupt batch layout: array {name!r} has dtype {dtype_str!r}") from None
+    count = math.prod(shape)  # exact (np.prod wraps at 2**63): checked against the size
+    if type(off) is not int or off < pos or off % ALIGN or off + count * dtype.itemsize > size:
+        raise ValueError(f"corrupt batch: array {name!r} past the end of its layout or overlapping")
+    return name, dtype, count, base + off, tuple(shape) if len(shape) != 1 else None
+
+
+LAYOUT_COST = 320
+"""Bytes a parsed layout holds per array, beyond its raw bytes (its tuples, names and
+shapes: ~310 bytes an array with one field, ~235 with thirty, by ``sys.getsizeof``)."""
+
+
+class WireLayouts:
+    """Parsed layouts by their bytes (thread-safe): the ``kept`` most recently parsed, as
+    long as they hold at most ``max_bytes`` together (each its raw bytes and
+    :data:`LAYOUT_COST` an array); a layout bigger than that is parsed for every batch.
+    Keyed by the whole layout, so a batch is read with the layout its own bytes give,
+    whatever recipe or digest it names."""
+
+    def __init__(self, kept: int = LAYOUTS_KEPT, max_bytes: int = LAYOUTS_BYTES) -> None:
+        self.kept, self.max_bytes = kept, max_bytes
+        self.nbytes = 0
+        self._parsed: dict[bytes, tuple[WireLayout, int]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, raw: bytes) -> WireLayout:
+        """The layout of ``raw``, parsed on first sight."""
+        found = self._parsed.get(raw)
+        if found is not None:
+            return found[0]
+        layout = WireLayout.parse(raw)
+        cost = len(raw) + LAYOUT_COST * len(layout.arrays)
+        if cost > self.max_bytes:
+            return layout
+        with self._lock:
+            if raw not in self._parsed:
+                self._parsed[raw] = (layout, cost)
+                self.nbytes += cost
+            while len(self._parsed) > self.kept or self.nbytes > self.max_bytes:
+                self.nbytes -= self._parsed.pop(next(iter(self._parsed)))[1]  # oldest first
+        return layout
+
+    def __len__(self) -> int:
+        return len(self._parsed)
+
+
+LAYOUTS = WireLayouts()
+"""This process's parsed layouts (:func:`decode_batch`'s default)."""
+
+
+def decode_batch(buf: Any, layouts: WireLayouts | None = LAYOUTS) -> Batch:
     """Decode a batch from any buffer (bytes, bytearray, memoryview, mmap) without copying arrays.
 
-    The returned arrays are views of ``buf`` and keep it alive.
-    """
+    The returned arrays are views of ``buf`` and keep it alive. ``layouts``: where parsed
+    layouts are kept (None: parse this one's)."""
     mv = memoryview(buf).cast("B")
-    if len(mv) < _PREFIX.size:
+    if len(mv) < _VERSIONED.size:
         raise ValueError("not a Claw batch: too short")
-    magic, version, head_len = _PREFIX.unpack_from(mv)
+    magic, version = _VERSIONED.unpack_from(mv)
     if magic != MAGIC:
         raise ValueError(f"not a Claw batch: bad magic {magic!r}")
-    check_version(version)
-    end = _PREFIX.size + head_len
-    if end > len(mv):
-        raise ValueError("truncated batch: header past end of buffer")
-    header = msgpack.unpackb(mv[_PREFIX.size : end], raw=False)
-    if not isinstance(header, dict):
-        raise ValueError(f"corrupt batch header: {type(header).__name__}, not a map")
-    base = -(-end // ALIGN) * ALIGN
+    if version != VERSION:
+        check_version(version)
+    if len(mv) < _PREFIX.size:
+        raise ValueError("truncated batch: prefix past end of buffer")
+    _, _, head_len, tail_len = _PREFIX.unpack_from(mv)
+    if _PREFIX.size + head_len > len(mv):
+        raise ValueError("truncated batch: layout past end of buffer")
+    raw = mv[_PREFIX.size : _PREFIX.size + head_len].tobytes()
+    layout = WireLayout.parse(raw) if layouts is None else layouts.get(raw)
+    end = layout.end
+    if end + tail_len > len(mv):
+        raise ValueError("truncated batch: array body past end of buffer")
+    views = [
+        np.frombuffer(mv, dtype, count, off).reshape(shape)
+        if shape is not None
+        else np.frombuffer(mv, dtype, count, off)
+        for _, dtype, count, off, shape in layout.arrays
+    ]
+    tail = msgpack.unpackb(mv[end : end + tail_len], raw=False) if tail_len else {}
+    if not isinstance(tail, dict):
+        raise ValueError(f"corrupt batch tail: {type(tail).__name__}, not a map")
+    meta, seed = tail.get("meta", {}), tail.get("seed")
+    if not isinstance(meta, dict) or not (seed is None or type(seed) is int):
+        raise ValueError(f"corrupt batch tail: meta of {type(meta).__name__}, seed {seed!r}")
+    n_fields = len(views) - len(_RESERVED)
+    return Batch(
+        fields={a[0]: v for a, v in zip(layout.arrays[:n_fields], views, strict=False)},
+        ids=views[-3],
+        weights=views[-2],
+        source_index=views[-1],
+        sources=layout.sources,
+        recipe_version=layout.recipe_version,
+        meta=meta,
+        claim=_claim(tail.get("claim")),
+        seed=seed,
+        recipe_digest=layout.recipe_digest,
+    )
 
-    def view(spec: ArraySpec) -> np.ndarray:
-        dtype, shape, off = np.dtype(spec[0]), tuple(spec[1]), base + spec[2]
-        if not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError(f"corrupt batch: shape {shape} is not of non-negative integers")
-        count = math.prod(shape)  # exact (np.prod wraps at 2**63): checked against the buffer
-        if off + count * dtype.itemsize > len(mv):
-            raise ValueError("truncated batch: array body past end of buffer")
-        return np.frombuffer(mv, dtype=dtype, count=count, offset=off).reshape(shape)
 
-    try:
-        c = header.get("claim")
-        claim = None if c is None else Claim(int(c[0]), str(c[1]), tuple(map(str, c[2])))
-        return Batch(
-            fields={f[0]: view(f[1:]) for f in header["fields"]},
-            ids=view(header["ids"]),
-            weights=view(header["weights"]),
-            source_index=view(header["source_index"]),
-            sources=tuple(header["sources"]),
-            recipe_version=header["recipe_version"],
-            meta=header["meta"],
-            claim=claim,
-            seed=header.get("seed"),
-            recipe_digest=header.get("recipe_digest"),
-        )
-    except (KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"corrupt batch header: {exc!r}") from exc
+def _claim(c: Any) -> Claim | None:
+    """A tail's ``claim`` (``[pass, token, ids]``), checked."""
+    if c is None:
+        return None
+    if not (
+        isinstance(c, list)
+        and len(c) == 3
+        and type(c[0]) is int
+        and isinstance(c[1], str)
+        and isinstance(c[2], list)
+        and all(isinstance(i, str) for i in c[2])
+    ):
+        raise ValueError(f"corrupt batch tail: claim {c!r}"[:200])
+    return Claim(c[0], c[1], tuple(c[2]))

@@ -39,7 +39,7 @@ import numpy as np
 
 from claw_tasks.settings import get_settings
 from claw_tasks.store import NamespaceError, Store
-from orchestrator.delivery.collate import collate
+from orchestrator.delivery.collate import cast, collate
 from orchestrator.delivery.lineage import Entry, LineageLog, digest
 from orchestrator.delivery.registry import Registry
 from orchestrator.maintenance.archive_files import Manifest
@@ -325,6 +325,8 @@ class Replayer:
             assert entry.seed is not None
             fields = plan.apply(fields, augment_rng(entry.seed))
         arrays = collate(fields)
+        if recipe.layout is not None:
+            arrays = cast(arrays, recipe.layout.dtypes)
         return Batch(
             arrays,  # type: ignore[arg-type]  # collate's arrays: the fields as numpy arrays
             drawn.ids,

@@ -24,6 +24,7 @@ from orchestrator.recipe.options import (
     ROLLOUT_FIELDS,
     TOKEN_FIELDS,
     Admission,
+    Layout,
     Nearest,
     Prefetch,
     RateLimit,
@@ -53,6 +54,9 @@ __all__ = [
 STACKED = ("obs", "next_obs")
 """The fields ``frame_stack`` stacks."""
 
+N_STEP_FIELDS = ("discount", "done", "end_truncated")
+"""The fields ``n_step`` > 1 adds to a recipe's."""
+
 RECORD_FIELDS = frozenset({"reward", "terminated", "truncated", "info"})
 """Fields every step record has, whatever the namespace schema (``obs``, ``action`` and the
 other payload fields come from the schema; ``next_obs`` exists when ``obs`` does)."""
@@ -78,6 +82,8 @@ class Recipe(StrictModel):
     rollout: Rollout | None = None
     nearest: Nearest | None = None
     admission: Admission | None = None
+    layout: Layout | None = None
+    """Dtypes and row order of the delivered batch (what an adapter's trainer wraps)."""
     clean: RecipeClean | None = None
     """Mapping, validity rules and outliers checked on every drawn batch in the prefetch
     workers (docs/retrieval.md, "Cleaning"): a failing step is quarantined, the batch
@@ -150,6 +156,8 @@ class Recipe(StrictModel):
             raise ValueError("nearest: rows of one step each (no sequences, groups, stacks)")
         if self.clean is not None:
             self._clean_consistent(self.clean)
+        if self.layout is not None:
+            self._layout_consistent(self.layout)
         for src, n in zip(self.sources, self.counts, strict=True):
             if n == 0:
                 raise ValueError(
@@ -157,6 +165,24 @@ class Recipe(StrictModel):
                     f"{src.weight}; raise its weight or the batch size"
                 )
         return self
+
+    def _layout_consistent(self, layout: Layout) -> None:
+        made = set(self.fields) | (set(N_STEP_FIELDS) if self.n_step > 1 else set())
+        unknown = sorted(set(layout.dtypes) - made)
+        if unknown:
+            raise ValueError(
+                f"layout.dtypes: {unknown} are not fields of the recipe: name fields of "
+                f"{sorted(made)}, or add them to `fields`"
+            )
+        if self.batch_size % layout.parts:
+            raise ValueError(
+                f"layout.parts ({layout.parts}) must divide batch_size ({self.batch_size})"
+            )
+        if layout.parts > 1 and (self.grouped or self.tokens is not None or self.rollout):
+            raise ValueError(
+                "layout.parts: rows of independent draws only: drop `layout.parts`, or the "
+                "group sources, `tokens` or `rollout`"
+            )
 
     def _clean_consistent(self, clean: RecipeClean) -> None:
         unknown = sorted(clean.names() - set(self.fields))

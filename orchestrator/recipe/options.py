@@ -1,10 +1,12 @@
 """The recipe's optional sections, each its own model: prefetch depth, rate limit, token
-collation, on-policy rollouts, admission and nearest neighbours (docs/recipes.md)."""
+collation, on-policy rollouts, admission, nearest neighbours and the delivered layout
+(docs/recipes.md)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Self
 
+import numpy as np
 from pydantic import (
     Field,
     NonNegativeFloat,
@@ -132,3 +134,35 @@ class Nearest(StrictModel):
         if k > bound:  # each row's k neighbours are held in the prefetch worker
             raise ValueError(f"nearest.k must be at most {bound} (CLAW_NEAREST_MAX_K), got {k}")
         return k
+
+
+class Layout(StrictModel):
+    """How the prefetch workers lay a batch out for its trainer, so that the trainer only
+    wraps the bytes (docs/recipes.md, "Layout"): ``dtypes`` casts fields to the dtype the
+    trainer's framework takes (e.g. ``terminated: float32`` for SB3's ``dones``), ``parts``
+    orders the rows so each of the batch's ``parts`` equal parts (what an adapter serves a
+    ``sample()`` call from) is contiguous and keeps the sources' mix: part ``j`` is rows
+    ``j::parts`` of the drawn batch."""
+
+    dtypes: dict[StrictStr, StrictStr] = {}
+    parts: PositiveInt = 1
+
+    @field_validator("dtypes")
+    @classmethod
+    def _numeric(cls, dtypes: dict[str, str]) -> dict[str, str]:
+        out = {}
+        for name, given in dtypes.items():
+            fix = "name a numeric dtype such as float32 or int64"
+            try:
+                dtype = np.dtype(given)
+            except (TypeError, ValueError, SyntaxError):  # numpy parses some as literals
+                raise ValueError(f"layout.dtypes.{name}: {given!r} is not a dtype: {fix}") from None
+            if dtype.kind not in "biuf":
+                raise ValueError(f"layout.dtypes.{name}: {given!r} is not a numeric dtype: {fix}")
+            if not dtype.isnative:  # a trainer's framework wraps native arrays only
+                raise ValueError(
+                    f"layout.dtypes.{name}: {given!r} is not in this machine's byte order: "
+                    f"name it without one ({dtype.name!r})"
+                )
+            out[name] = dtype.str
+        return out

@@ -27,7 +27,7 @@ import numpy as np
 
 from orchestrator.sampling.groups import Claim, Groups
 
-__all__ = ["Batch", "take_rows"]
+__all__ = ["Batch", "part_order", "take_rows"]
 
 Rows = np.ndarray | slice
 
@@ -37,6 +37,13 @@ def take_rows(value: Any, rows: Rows) -> Any:
     if isinstance(value, np.ndarray) or isinstance(rows, slice):
         return value[rows]
     return [value[i] for i in np.asarray(rows).tolist()]
+
+
+def part_order(n: int, parts: int) -> np.ndarray:
+    """The rows of an ``n``-row batch with those of part ``j`` (rows ``j::parts``) at
+    ``j*m:(j+1)*m``, ``m = n // parts``: each part contiguous, with the mix of sources a
+    recipe's row order gives every stride."""
+    return np.arange(n).reshape(-1, parts).T.ravel()
 
 
 def _is_meta(value: Any) -> bool:

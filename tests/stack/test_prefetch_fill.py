@@ -82,6 +82,27 @@ def queued(reg: Registry, name: str) -> list:
     return [shm.from_message(item) for item in reg.drain(name)]
 
 
+def test_a_layout_casts_fields_and_puts_each_parts_rows_together(redis_url, namespace):
+    """The recipe's ``layout``: fields arrive in the dtypes it names, and part j (rows
+    j::parts as drawn, the sources' mix) is rows j*m:(j+1)*m of the delivered batch."""
+    from orchestrator.sampling.batch import part_order
+
+    reg = Registry(llm_store(redis_url, namespace))
+    sources = [{"name": "a", "weight": 3}, {"name": "b", "weight": 1}]
+    layout = {"dtypes": {"terminated": "float32", "reward": "int64"}, "parts": 4}
+    reg.put(
+        recipe("laid", ["reward", "terminated", "task_id"], sources=sources, layout=layout), None
+    )
+    assert run_fill(reg, "laid") == {"made": 2, "state": "ok"}
+    for batch in queued(reg, "laid"):
+        assert batch["terminated"].dtype == np.float32 and batch["reward"].dtype == np.int64
+        e, t = np.divmod(batch["reward"], 100)
+        assert batch["terminated"].tolist() == (t == 4).astype(np.float32).tolist()
+        assert batch.meta["task_id"] == [f"task{i}" for i in e]  # meta in the same order
+        drawn = np.repeat(np.arange(2, dtype=np.int16), [6, 2])  # sources one after another
+        np.testing.assert_array_equal(batch.source_index, drawn[part_order(8, 4)])
+
+
 def test_ragged_fields_strings_and_info_are_collated(redis_url, namespace):
     reg = Registry(llm_store(redis_url, namespace))
     fields = ["prompt_ids", "reward", "task_id", "episode_id", "tags.lang", "info"]
@@ -239,6 +260,13 @@ def test_a_recipe_gets_the_stages_its_sections_ask_for(redis_url, namespace):
     assert stages(grouped) == ["Draw", "Collate", "AttachGroups", *ends]
     tokens = grouped.model_copy(update={"tokens": Tokens(advantage="grpo"), "augment": shift})
     assert stages(tokens) == ["Draw", "Augment", "CollateTokens", *ends]
+    two = [{"name": "a"}, {"name": "b"}]
+    laid = recipe("l", ["obs"], sources=two, augment=shift, layout={"parts": 2})
+    assert stages(laid) == ["Draw", "PartOrder", "AugmentInto", "Collate", *ends]
+    one = recipe("o", ["obs"], augment=shift, layout={"parts": 2})  # one source: any order
+    assert stages(one) == ["Draw", "AugmentInto", "Collate", *ends]
+    cast = recipe("c", ["obs"], augment=shift, layout={"dtypes": {"obs": "float32"}})
+    assert stages(cast) == ["Draw", "Augment", "Collate", "Cast", *ends]  # cast after it
 
 
 @pytest.fixture

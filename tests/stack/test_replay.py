@@ -342,6 +342,34 @@ def test_sequence_batches_replay_from_redis_and_the_archive(
         assert_same(r.batch, want)
 
 
+def test_laid_out_batches_replay_bit_for_bit(redis_url, namespace, start_worker):
+    """A recipe's layout (rows in part order, a field cast) is replayed as delivered: the
+    rows are drawn and augmented in the order the trainer got them, the field cast."""
+    store = Store(redis_url, namespace)
+    store.create(capacity=1000)
+    store.commit(episodes(0, 4, "play"))
+    start_worker("prefetch", 1)
+    client = BatchClient(namespace, redis_url)
+    client.register(
+        {
+            "name": "laid",
+            "batch_size": 8,
+            "fields": ["obs", "action", "reward"],
+            "sources": [{"name": "a", "weight": 3}, {"name": "b"}],
+            "prefetch": {"depth": 1},
+            "augment": {"obs": [{"random_shift": {"pad": 2}}]},
+            "layout": {"dtypes": {"reward": "float64"}, "parts": 2},
+        }
+    )
+    seen = [kept(client.pop("laid", timeout=60, policy_version=v)) for v in range(3)]
+    client.close()
+    assert seen[0]["reward"].dtype == np.float64
+    assert seen[0].source_index.tolist() == [0, 0, 0, 1, 0, 0, 0, 1]  # each part: 3 a, 1 b
+    for r, want in zip(replay(store), seen, strict=True):
+        assert r.source == "redis" and r.batch is not None, r.missing
+        assert_same(r.batch, want)
+
+
 def test_the_scratch_namespace_is_never_one_that_exists(
     redis_url, namespace, tmp_path, monkeypatch
 ):

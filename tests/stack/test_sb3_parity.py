@@ -456,3 +456,65 @@ def test_samples_read_ahead_by_a_child_or_a_thread_are_rows_sb3_holds(
     finally:
         monkeypatch.delenv("CLAW_READAHEAD_PROCESS")
         use_settings()
+
+
+def _buffer_of(array: np.ndarray) -> np.ndarray:
+    """The whole buffer a decoded array views (the popped item, or the segment's mapping),
+    as bytes."""
+    base = array
+    while not isinstance(base, memoryview):
+        base = base.base
+    return np.frombuffer(base, np.uint8)
+
+
+@pytest.mark.parametrize(("dim", "path"), [(8, "inline"), (2048, "shared memory")])
+def test_samples_are_views_of_the_popped_batch_bit_equal_to_the_rows_drawn(
+    redis_url, namespace, workers, monkeypatch, dim, path
+):
+    """The trainer only wraps bytes: every tensor of a sample lies in the buffer its batch
+    was popped in (the read-ahead's item, or the shared-memory segment: no copy), holds
+    the drawn rows bit for bit, and the done flags arrive as float32 (the recipe's
+    layout)."""
+    from orchestrator.delivery import shm
+    from orchestrator.delivery.client import BatchClient
+
+    accepted = []
+    accept = BatchClient.accept
+
+    def recording(self, name, item):
+        batch = accept(self, name, item)
+        accepted.append((bytes(item[:4]), batch))
+        return batch
+
+    monkeypatch.setattr(BatchClient, "accept", recording)
+    steps = 64
+    space = spaces.Box(-1, 1, (dim,), np.float32)
+    obs = np.random.default_rng(dim).standard_normal((steps + 1, dim)).astype(np.float32)
+    claw = ClawReplayBuffer(
+        200, space, ACTION_SPACES["discrete"], device="cpu", namespace=namespace,
+        redis_url=redis_url, timeout=60, gradient_steps=1,
+    )  # fmt: skip
+    assert claw.recipe["layout"] == {"dtypes": {"terminated": "float32", "truncated": "float32"}}
+    for t in range(steps):
+        done = np.array([t % 7 == 6])
+        claw.add(obs[t : t + 1], obs[t + 1 : t + 2], np.array([t % 3]), np.array([t]), done, [{}])
+    claw.flush()
+    for _ in range(3):
+        got = claw.sample(32)
+        magic, batch = accepted[-1]  # the batch this sample was converted from
+        assert (magic == shm.REF_MAGIC) == (path == "shared memory")
+        assert batch["terminated"].dtype == np.float32
+        whole = _buffer_of(batch["obs"])
+        lo, hi = whole.ctypes.data, whole.ctypes.data + whole.nbytes
+        tensors = [
+            got.observations, got.actions, got.next_observations, got.dones, got.rewards
+        ]  # fmt: skip
+        for t in tensors:
+            assert lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi  # a view: no copy
+        step = got.rewards.numpy()[:, 0].astype(int)
+        assert got.observations.numpy().tobytes() == obs[step].tobytes()
+        assert got.next_observations.numpy().tobytes() == obs[step + 1].tobytes()
+        assert got.actions.numpy()[:, 0].tolist() == (step % 3).tolist()
+        assert got.dones.dtype == torch.float32
+        assert got.dones.numpy()[:, 0].tolist() == (step % 7 == 6).astype(float).tolist()
+    claw.close()

@@ -100,13 +100,24 @@ def _new_namespace() -> str:
 def _own_recipe(overrides: Mapping[str, Any], seed: int) -> dict[str, Any]:
     """The buffer's recipe: ``overrides`` over one uniform source of :data:`FIELDS`, under
     a name of its own (closing one buffer of a namespace never unregisters another's)."""
-    return {
+    recipe = {
         "name": f"sb3-{uuid.uuid4().hex[:8]}",
         "fields": FIELDS,
         "sources": [{"name": "all", "sampler": {"kind": "uniform"}}],
         "seed": seed,
         **overrides,
     }
+    recipe.setdefault("layout", samples_layout(recipe))
+    return recipe
+
+
+def samples_layout(recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """The recipe's ``layout`` for SB3's samples: the done flags delivered as float32 (the
+    observations, actions and rewards are stored in the dtypes SB3 returns), so
+    :meth:`ClawReplayBuffer.to_samples` wraps every array as it arrives."""
+    flags = [f for f in ("terminated", "truncated") if f in recipe.get("fields", ())]
+    flags += ["done"] if int(recipe.get("n_step", 1)) > 1 else []
+    return {"dtypes": {f: "float32" for f in flags}}
 
 
 class ClawReplayBuffer(SavedState, ReplayBuffer):
@@ -372,7 +383,8 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
             if version is not None:
                 self.client.trained(str(self.recipe["name"]), batch, version)
             return self.to_samples(batch, env)
-        part, ready = self._link.pop(self.recipe_name(batch_size), self.timeout, version)
+        name = self._link.names.get(batch_size) or self.recipe_name(batch_size)
+        part, ready = self._link.pop(name, self.timeout, version)
         if env is None:
             return ready
         return self.to_samples(part if isinstance(part, Batch) else part(), env)
@@ -438,29 +450,40 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
 
     def to_samples(self, batch: Batch, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """SB3's view of a Claw batch (:class:`ClawDictReplayBuffer` changes only how
-        observations are turned into tensors)."""
+        observations are turned into tensors): on the CPU, tensors over the delivered
+        bytes (:meth:`tensor`), which the recipe's layout (:func:`samples_layout`) made
+        SB3's dtypes; a batch in other dtypes is cast here."""
         if "done" in batch:  # n-step: termination within the m steps, discount gamma^m
-            dones = batch["done"]
-            discounts = self.to_torch(batch["discount"].reshape(-1, 1))
+            dones = _float32(batch["done"])
+            discounts = self.tensor(batch["discount"].reshape(-1, 1))
         else:
-            dones = batch["terminated"]
+            dones = _float32(batch["terminated"])
             if not self.handle_timeout_termination:
-                dones = dones | batch["truncated"]
+                dones = np.maximum(dones, _float32(batch["truncated"]))
             discounts = None
         return self._samples_type(
             self._observations(batch["obs"], env),
-            self.to_torch(batch["action"]),
+            self.tensor(batch["action"]),
             self._observations(batch["next_obs"], env),
-            self.to_torch(dones.astype(np.float32).reshape(-1, 1)),
-            self.to_torch(self._normalize_reward(batch["reward"].reshape(-1, 1), env)),
+            self.tensor(dones.reshape(-1, 1)),
+            self.tensor(self._normalize_reward(batch["reward"].reshape(-1, 1), env)),
             discounts=discounts,
         )
+
+    def tensor(self, array: np.ndarray) -> th.Tensor:
+        """A batch's array as a tensor on the buffer's device: on the CPU a view of it when
+        it is writable (a delivered batch's own bytes, or an array made for this batch),
+        a copy of a read-only one."""
+        if not array.flags.writeable:
+            return th.tensor(array, device=self.device)
+        t = th.from_numpy(array)
+        return t if self.device.type == "cpu" else t.to(self.device)
 
     _samples_type: Any = ReplayBufferSamples
 
     def _observations(self, rows: np.ndarray, env: VecNormalize | None) -> Any:
         """A batch's observation rows as SB3 returns them (normalized, on the device)."""
-        return self.to_torch(self._normalize_obs(rows, env))
+        return self.tensor(self._normalize_obs(rows, env))
 
     def close(self) -> None:
         """Flush, unregister this buffer's recipes, release connections (also done on
@@ -468,6 +491,11 @@ class ClawReplayBuffer(SavedState, ReplayBuffer):
         if self._finalizer.alive:
             self._finalizer.detach()
             self._link.close()
+
+
+def _float32(flags: np.ndarray) -> np.ndarray:
+    """Done flags as float32 (as delivered by the recipe's layout, or cast here)."""
+    return flags if flags.dtype == np.float32 else flags.astype(np.float32)
 
 
 def _cut(value: Any, m: int, parts: int) -> Sequence[Any]:

@@ -74,4 +74,4 @@ class ClawDictReplayBuffer(ClawReplayBuffer):
 
     def _observations(self, rows: np.ndarray, env: VecNormalize | None) -> dict[str, th.Tensor]:
         obs = self._normalize_obs(self.layout.unpack(rows), env)
-        return {k: self.to_torch(v) for k, v in obs.items()}
+        return {k: self.tensor(v) for k, v in obs.items()}

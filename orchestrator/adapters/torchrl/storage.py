@@ -46,8 +46,10 @@ def numpy_of(t: Any) -> np.ndarray:
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
-    """A tensor owning a copy of ``a`` (Claw's batch arrays are read-only views)."""
-    return torch.from_numpy(np.array(a, copy=True))
+    """A tensor of ``a``: a view when it is writable (a batch's own bytes, delivered
+    through a read-ahead process or shared memory), else a copy (bytes popped inline are
+    read-only)."""
+    return torch.from_numpy(a if a.flags.writeable else np.array(a, copy=True))
 
 
 class ClawStorage(StoreStorage):

@@ -1,12 +1,13 @@
-"""A batch as parts: each keeps its sources' mix, and the interleaved whole cuts into the
+"""A batch as parts: each keeps its sources' mix, and the batch in part order cuts into the
 same parts by contiguous rows."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.adapters.parts import interleaved, split
+from orchestrator.adapters.parts import split
 from orchestrator.delivery.wire import Batch
+from orchestrator.sampling.batch import part_order
 
 
 def test_split_parts_keep_each_sources_share_and_every_row_once():
@@ -29,7 +30,7 @@ def test_split_parts_keep_each_sources_share_and_every_row_once():
     assert sorted(np.concatenate([p.ids for p in parts]).tolist()) == list(range(n))
 
 
-def test_interleaved_puts_each_split_part_in_contiguous_rows() -> None:
+def test_part_order_puts_each_split_part_in_contiguous_rows() -> None:
     n, parts = 24, 4
     batch = Batch(
         {"obs": np.arange(n * 3).reshape(n, 3), "reward": np.arange(n) * 0.5},
@@ -39,8 +40,10 @@ def test_interleaved_puts_each_split_part_in_contiguous_rows() -> None:
         ("all",),
         7,
     )
-    whole, m = interleaved(batch, parts), n // parts
+    whole, m = batch.take(part_order(n, parts)), n // parts
+    cut = split(whole, parts, contiguous=True)
     for j, part in enumerate(split(batch, parts)):
+        np.testing.assert_array_equal(cut[j].ids, part.ids)
         rows = slice(j * m, (j + 1) * m)
         np.testing.assert_array_equal(whole.ids[rows], part.ids)
         for name in ("obs", "reward"):

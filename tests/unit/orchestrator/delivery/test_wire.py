@@ -1,5 +1,6 @@
 """Batch wire format: bit-exact round trips and zero-copy decoding."""
 
+import contextlib
 import struct
 
 import msgpack
@@ -13,6 +14,8 @@ from orchestrator.delivery.wire import (
     ALIGN,
     VERSION,
     Pending,
+    WireLayout,
+    WireLayouts,
     WireVersionError,
     decode_batch,
     is_batch,
@@ -196,26 +199,144 @@ def test_decode_rejects_garbage_and_truncation():
         decode_batch(buf[:-64])
     with pytest.raises(ValueError, match="short"):
         decode_batch(b"CL")
-    for header in (7, [1, 2], "x"):
+    for header in (7, [1, 2], "x", {"size": 0}):
         head = msgpack.packb(header)
         with pytest.raises(ValueError, match="corrupt"):
-            decode_batch(struct.pack("<4sII", b"CLAW", VERSION, len(head)) + head)
+            decode_batch(struct.pack("<4sIII", b"CLAW", VERSION, len(head), 0) + head)
     with pytest.raises(ValueError, match="truncated"):
-        decode_batch(struct.pack("<4sII", b"CLAW", VERSION, 1000) + b"\x80")
+        decode_batch(struct.pack("<4sIII", b"CLAW", VERSION, 1000, 0) + b"\x80")
+    with pytest.raises(ValueError, match="truncated"):
+        decode_batch(buf[:10])
+    _, _, n, tail = struct.unpack_from("<4sIII", buf)
+    with pytest.raises(ValueError, match="truncated"):  # the tail's length past the end
+        decode_batch(struct.pack("<4sIII", b"CLAW", VERSION, n, tail + 1) + buf[16:])
 
 
 def test_decode_refuses_shapes_that_are_not_counts():
     """A header's shapes are untrusted: sizes are counted exactly (2**62 x 4 does not wrap to
     0 elements) and must be non-negative integers."""
     buf = wire_bytes({"x": np.arange(4)}, ids=range(4))
-    magic, version, n = struct.unpack_from("<4sII", buf)
-    header = msgpack.unpackb(buf[12 : 12 + n])
+    magic, version, n, _ = struct.unpack_from("<4sIII", buf)
+    header = msgpack.unpackb(buf[16 : 16 + n])
     dtype, _, off = header["ids"]
     for shape in ([2**62, 4], [2**64 - 1], [1.5], ["4"], [-1], [True]):
         head = msgpack.packb({**header, "ids": [dtype, shape, off]})
-        raw = struct.pack("<4sII", magic, version, len(head)) + head + bytes(4096)
+        raw = struct.pack("<4sIII", magic, version, len(head), 0) + head + bytes(4096)
         with pytest.raises(ValueError, match=r"corrupt batch|truncated"):
             decode_batch(raw)
+    for size in (-1, 1.5, 8):  # every array must lie within the layout's size
+        head = msgpack.packb({**header, "size": size})
+        raw = struct.pack("<4sIII", magic, version, len(head), 0) + head + bytes(4096)
+        with pytest.raises(ValueError, match=r"corrupt batch"):
+            decode_batch(raw)
+
+
+def test_a_layout_is_parsed_once_and_the_parsed_ones_are_bounded(monkeypatch):
+    """Batches of one recipe version share their layout: a reader parses it on first sight
+    and keeps at most ``kept`` (the most recently parsed); what changes per batch (seed,
+    meta, claim) travels in the tail."""
+    parsed = []
+    parse = WireLayout.parse.__func__
+
+    def counting(cls, raw):
+        parsed.append(raw)
+        return parse(cls, raw)
+
+    monkeypatch.setattr(WireLayout, "parse", classmethod(counting))
+    layouts = WireLayouts(kept=2)
+    x = np.arange(8, dtype=np.float32)
+    for k in range(3):
+        out = decode_batch(
+            wire_bytes({"x": x + k}, ids=np.arange(8), seed=k, meta={"k": [k] * 8}), layouts
+        )
+        assert out["x"][0] == k and out.seed == k and out.meta == {"k": [k] * 8}
+    assert len(parsed) == 1 and len(layouts) == 1
+    for v in (2, 3, 1):  # recipe versions: three layouts, two kept
+        decode_batch(wire_bytes({"x": x}, ids=np.arange(8), recipe_version=v), layouts)
+    assert len(parsed) == 4 and len(layouts) == 2
+    decode_batch(wire_bytes({"x": x}, ids=np.arange(8), recipe_version=1), layouts)
+    assert len(parsed) == 4  # kept
+    decode_batch(wire_bytes({"x": x}, ids=np.arange(8), recipe_version=2), layouts)
+    assert len(parsed) == 5  # the oldest went first
+    decode_batch(wire_bytes({"x": x}, ids=np.arange(8)), None)  # none kept: parsed
+    assert len(parsed) == 6
+
+
+def relaid(buf: bytes, tail: object = None, **changes: object) -> bytes:
+    """``buf`` with its layout's keys ``changes`` replaced (and its tail ``tail``), the
+    array bodies kept at the same offsets from the data start."""
+    _, _, n, t = struct.unpack_from("<4sIII", buf)
+    header = {**msgpack.unpackb(buf[16 : 16 + n]), **changes}
+    head = msgpack.packb(header)
+    end = msgpack.packb(tail) if tail is not None else b""
+    bodies = buf[-(-(16 + n) // ALIGN) * ALIGN : len(buf) - t]
+    pad = bytes(-(-(16 + len(head)) // ALIGN) * ALIGN - 16 - len(head))
+    return struct.pack("<4sIII", b"CLAW", VERSION, len(head), len(end)) + head + pad + bodies + end
+
+
+def test_decode_checks_every_layout_and_tail_it_reads():
+    """A queue item is untrusted: dtypes outside the wire's grammar (object, structured,
+    subarray, literals numpy would evaluate), arrays out of order, overlapping, misaligned
+    or not one row a step, row arrays in other dtypes, and a tail of the wrong types are
+    each one ValueError naming what is wrong; nothing else is raised."""
+    buf = wire_bytes({"x": np.zeros((8, 2), np.float32), "r": np.arange(8)}, ids=np.arange(8))
+    assert decode_batch(relaid(buf), None)["x"].shape == (8, 2)
+    bad = {  # the offsets are those of wire_bytes' layout of these fields
+        "|O": {"fields": [["x", "|O", [8], 0]]},
+        "(2,)<f4": {"fields": [["x", "(2,)<f4", [8], 0]]},
+        "[['a', '<f4']]": {"fields": [["x", [["a", "<f4"]], [8], 0]]},
+        "',4'": {"fields": [["x", ",4", [8], 0]]},
+        "overlapping": {"fields": [["x", "<f4", [8, 2], 0], ["r", "<i8", [8], 0]]},
+        "overlapping ": {"ids": ["<i8", [8], 0]},
+        "overlapping  ": {"fields": [["x", "<f4", [8, 2], 1]]},  # misaligned
+        "'x' is not 8 rows": {"fields": [["x", "<f4", [3], 0]]},
+        "shape []": {"fields": [["x", "<f4", [], 0]]},
+        "'weights' is not 8 rows": {"weights": ["<f4", [4], 192]},
+        "ids is float64": {"ids": ["<f8", [8], 128]},
+        "named twice": {"fields": [["ids", "<f4", [8, 2], 0]]},
+        "sources 'abc'": {"sources": "abc"},
+        "recipe version '1'": {"recipe_version": "1"},
+        "digest [1]": {"recipe_digest": [1]},
+        "not a list of arrays": {"fields": {"x": 1}},
+        "a row array is None": {"ids": None},
+    }
+    for message, changes in bad.items():
+        with pytest.raises(ValueError, match=r"corrupt batch") as got:
+            decode_batch(relaid(buf, **changes), None)
+        assert message.strip() in str(got.value) and "\n" not in str(got.value)
+    tails = {"meta of list": {"meta": [1]}, "seed 'x'": {"seed": "x"}, "claim [1]": {"claim": [1]}}
+    for message, tail in {**tails, "claim [1, 't', [2]]": {"claim": [1, "t", [2]]}}.items():
+        with pytest.raises(ValueError, match="corrupt batch tail") as got:
+            decode_batch(relaid(buf, tail), None)
+        assert message in str(got.value)
+    rnd = np.random.default_rng(0)  # random damage: a ValueError or a batch, never a crash
+    for _ in range(2000):
+        b = np.frombuffer(buf, np.uint8).copy()
+        b[rnd.integers(len(b), size=3)] = rnd.integers(256, size=3)
+        with contextlib.suppress(ValueError):
+            decode_batch(b[: rnd.integers(len(b) + 1)].tobytes(), None)
+
+
+def test_kept_layouts_are_bounded_by_bytes_and_keyed_by_the_whole_layout():
+    """The kept layouts hold at most ``max_bytes`` (the oldest go first; one bigger than
+    that alone is never kept), and a batch naming another's recipe version and digest is
+    read with the layout of its own bytes."""
+    layouts = WireLayouts(kept=64, max_bytes=3000)
+    x = np.arange(8, dtype=np.float32)
+    for v in range(10):
+        decode_batch(wire_bytes({"x": x}, ids=np.arange(8), recipe_version=v), layouts)
+        assert layouts.nbytes <= 3000
+    assert 0 < len(layouts) < 10
+    wide = {f"f{i}": x for i in range(20)}
+    decode_batch(wire_bytes(wide, ids=np.arange(8)), layouts)
+    assert layouts.nbytes <= 3000 and len(layouts) > 0  # too big to keep: parsed alone
+    one = wire_bytes({"x": x}, ids=np.arange(8), recipe_version=3, recipe_digest="d")
+    other = wire_bytes(
+        {"x": np.ones((8, 4), np.uint8)}, ids=np.arange(8), recipe_version=3, recipe_digest="d"
+    )
+    assert decode_batch(one, layouts)["x"].dtype == np.float32
+    got = decode_batch(other, layouts)["x"]
+    assert got.dtype == np.uint8 and got.shape == (8, 4) and got.tolist() == [[1] * 4] * 8
 
 
 def with_version(buf: bytes, version: int) -> bytes:

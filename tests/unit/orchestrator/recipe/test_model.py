@@ -73,12 +73,22 @@ def test_the_reference_documents_every_key_and_augment_op():
     """docs/recipes.md names every recipe key, every augment op and each op's params."""
     import inspect
 
-    from orchestrator.recipe.options import Admission, Nearest, Prefetch, RateLimit, Tokens
+    from orchestrator.recipe.options import (
+        Admission,
+        Layout,
+        Nearest,
+        Prefetch,
+        RateLimit,
+        Tokens,
+    )
     from orchestrator.recipe.sources import SamplerSpec, Source, Transition, Window
     from orchestrator.transforms.augment import OPS
 
     text = DOCS.read_text()
-    models = (Recipe, Source, Window, SamplerSpec, Prefetch, RateLimit, Tokens, Nearest, Admission)
+    models = (
+        *(Recipe, Source, Window, SamplerSpec, Prefetch, RateLimit, Tokens, Nearest, Admission),
+        Layout,
+    )
     for model in (*models, Transition):
         keys = [f.alias or k for k, f in model.model_fields.items()]
         missing = [k for k in keys if f"`{k}`" not in text]
@@ -188,12 +198,28 @@ def test_yaml_must_be_a_mapping(tmp_path):
         # Each row's k neighbours are held in a prefetch worker serving other namespaces.
         (minimal(nearest={"k": 10**9}), "nearest.k", "at most 1024 (CLAW_NEAREST_MAX_K)"),
         (minimal(nearest={"k": 0}), "nearest.k", "greater than 0"),
+        (minimal(layout={"dtypes": {"obs": "U3"}}), "layout.dtypes", "not a numeric dtype"),
+        (minimal(layout={"dtypes": {"obs": "f99"}}), "layout.dtypes", "is not a dtype"),
+        (minimal(layout={"dtypes": {"obs": ",4"}}), "layout.dtypes", "such as float32"),
+        (minimal(layout={"dtypes": {"obs": ">f4"}}), "layout.dtypes", "without one ('float32')"),
+        (minimal(layout={"dtypes": {"done": "f4"}}), "", "['done'] are not fields"),
+        (minimal(layout={"parts": 3}), "", "must divide batch_size (8)"),
+        (minimal(layout={"parts": 0}), "layout.parts", "greater than 0"),
     ],
 )
 def test_errors_name_the_key(data, where, message):
     text = error(data)
     assert message in text
     assert where in text
+
+
+def test_layout_names_dtypes_of_the_fields_the_recipe_makes():
+    r = Recipe.model_validate(
+        minimal(n_step=3, layout={"dtypes": {"done": "float32", "obs": "<f8"}, "parts": 4})
+    )
+    assert r.layout.dtypes == {"done": "<f4", "obs": "<f8"} and r.layout.parts == 4
+    grouped = minimal(sources=[{"name": "a", "sampler": {"kind": "group", "group_size": 2}}])
+    assert "rows of independent draws" in error({**grouped, "layout": {"parts": 2}})
 
 
 def test_validate_against_schema():
