@@ -308,7 +308,8 @@ def _entry_id(option: str, value: str) -> str:
     log's ends), or a one-line error naming ``option``."""
     m = None if value in ("-", "+") else re.fullmatch(_STREAM_ID, value)
     if value not in ("-", "+") and (m is None or any(int(g) >= 2**64 for g in m.groups("0"))):
-        raise typer.BadParameter(f"{option}: a lineage entry id (ms-seq), not {value!r}")
+        shown = value if len(value) <= 60 else f"{value[:60]}..."  # not 1 MiB back
+        raise typer.BadParameter(f"{option}: a lineage entry id (ms-seq), not {shown!r}")
     return value
 
 
