@@ -642,6 +642,7 @@ class Case:
         self.headers: Any = headers()
         self.content_type, self.encoding = MSGPACK, "binary"
         self.data: bytes | None = None  # the body bytes, when set directly
+        self.refused = False  # every step refused (m_refused): no later op may undo it
 
     def build(self) -> tuple[bytes, Any, str, str]:
         if self.data is not None:
@@ -666,7 +667,12 @@ def _encode_payload(c: Case) -> None:
 
 def o_payload(c: Case) -> None:
     if isinstance(c.payload, dict):  # not once it is bytes
-        c.rng.choice(PAYLOAD_OPS)(c.payload, c.rng, c.m)
+        op = c.rng.choice(PAYLOAD_OPS)
+        # Nor after m_refused: a later op (m_overflow's reward, m_huge_n's columns) would
+        # make steps valid again, committed with the refused message's tags.
+        if not c.refused:
+            op(c.payload, c.rng, c.m)
+            c.refused = op is m_refused
 
 
 def o_fresh(c: Case) -> None:
