@@ -110,6 +110,13 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(1)
 
 
+def clipped(value: str, limit: int = 60) -> str:
+    """``value``, or its first ``limit`` characters and ``...``: how an argument check
+    quotes a refused value (``{clipped(value)!r}``; a 1 MiB argument quoted back is not
+    an error message)."""
+    return value if len(value) <= limit else f"{value[:limit]}..."
+
+
 def one_line(text: str, limit: int = 2000) -> str:
     """``text`` on one line: control characters escaped, rich markup escaped, at most
     ``limit`` characters (a 1 MiB argument quoted back is not an error message)."""

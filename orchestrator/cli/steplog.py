@@ -17,6 +17,7 @@ from claw_tasks.format.batch import StepBatch
 from claw_tasks.format.schema import SchemaError, key_tag
 from claw_tasks.format.stepmeta import DICT_COLUMNS
 from claw_tasks.store import Store
+from orchestrator.cli.app import clipped
 
 _PREVIEW_ITEMS = 6
 
@@ -37,7 +38,7 @@ def newest_ids(store: Store, limit: int) -> np.ndarray:
 def parse_ids(text: str, option: str = "--ids") -> list[int]:
     """`"1,2, 3"` -> [1, 2, 3]; a clear ValueError naming ``option`` otherwise (step ids
     are int64: a larger number is refused here, not where it is converted)."""
-    shown = text if len(text) <= 60 else f"{text[:60]}..."
+    shown = clipped(text)
     try:
         ids = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:

@@ -248,6 +248,19 @@ def _bad_frames(codec: Codec, row: tuple[int | None, ...], m: Material) -> list[
     return out
 
 
+def _mapping(d: dict, key: str) -> dict:
+    """``d[key]`` where an earlier mutation of the same case left it a mapping, else empty
+    (a case may mutate its payload twice: the first may have replaced the map)."""
+    value = d.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _sub(d: dict, key: str) -> dict:
+    """``d[key]`` as a mapping to write into: a new one where it is missing or not a map."""
+    d[key] = _mapping(d, key)
+    return d[key]
+
+
 def m_codec(d: dict, rng: random.Random, m: Material) -> None:
     """Hostile frames of a compressed field: bombs, lying or missing sizes, garbage,
     offsets that do not cover the data, another codec, a malformed map."""
@@ -281,7 +294,7 @@ def m_codec(d: dict, rng: random.Random, m: Material) -> None:
     elif what == 7:  # offsets lz4-compressed: they must travel plain
         dtype, shape, data, _ = enc["offsets"]
         enc["offsets"] = [dtype, shape, lz4.block.compress(data), True]
-    d.setdefault("fields", {})[name] = enc
+    _sub(d, "fields")[name] = enc
 
 
 def _bomb(declared: int) -> list[Any]:
@@ -499,7 +512,7 @@ def m_overflow(d: dict, rng: random.Random, m: Material) -> None:
     arr = np.full(n, 0.5, dtype)
     arr[rows] = big
     if col == "nums":
-        d["nums"] = {**(d.get("nums") or {}), "t:wide": pack_array(arr)}
+        d["nums"] = {**_mapping(d, "nums"), "t:wide": pack_array(arr)}
     else:
         d[col] = pack_array(arr)
 
@@ -510,13 +523,13 @@ def m_refused(d: dict, rng: random.Random, m: Material) -> None:
     n = _n(d)
     d["reward"] = pack_array(np.full(n, np.nan, np.float32))
     tags = {f"t:{REFUSED_TAG}{i}": pack_array(np.zeros(n)) for i in range(rng.choice([1, 63]))}
-    d["nums"] = {**(d.get("nums") or {}), **tags}
+    d["nums"] = {**_mapping(d, "nums"), **tags}
     d["strs"] = {f"t:{REFUSED_TAG}s": [["x"], pack_array(np.zeros(n, np.int32))]}
 
 
 def m_split(d: dict, rng: random.Random, m: Material) -> None:
     """lz4 frames that fit the budget one by one, not together."""
-    d["fields"] = {**(d.get("fields") or {}), **{f"big{i}": m.split for i in range(3)}}
+    d["fields"] = {**_mapping(d, "fields"), **{f"big{i}": m.split for i in range(3)}}
 
 
 def m_rows(d: dict, rng: random.Random, m: Material) -> None:
@@ -527,7 +540,7 @@ def m_rows(d: dict, rng: random.Random, m: Material) -> None:
 
 def m_ragged(d: dict, rng: random.Random, m: Material) -> None:
     lengths = rng.choice([[-1, 5], [1000], [0], [1, 1, 1, 1, 1, 1, 1, 1, 1]])
-    d.setdefault("fields", {})["obs"] = {
+    _sub(d, "fields")["obs"] = {
         "values": pack_array(np.zeros((2, OBS), np.float32)),
         "lengths": pack_array(np.array(lengths, np.int32)),
     }
@@ -573,7 +586,7 @@ def m_huge_n(d: dict, rng: random.Random, m: Material) -> None:
 
 def m_schema(d: dict, rng: random.Random, m: Material) -> None:
     n = _n(d)
-    f = d.setdefault("fields", {})
+    f = _sub(d, "fields")
     choice = rng.randrange(3)
     if choice == 0:
         f["obs"] = pack_array(np.zeros((n, OBS + 1), np.float32))
@@ -629,6 +642,7 @@ class Case:
         self.headers: Any = headers()
         self.content_type, self.encoding = MSGPACK, "binary"
         self.data: bytes | None = None  # the body bytes, when set directly
+        self.refused = False  # every step refused (m_refused): no later op may undo it
 
     def build(self) -> tuple[bytes, Any, str, str]:
         if self.data is not None:
@@ -653,7 +667,12 @@ def _encode_payload(c: Case) -> None:
 
 def o_payload(c: Case) -> None:
     if isinstance(c.payload, dict):  # not once it is bytes
-        c.rng.choice(PAYLOAD_OPS)(c.payload, c.rng, c.m)
+        op = c.rng.choice(PAYLOAD_OPS)
+        # Nor after m_refused: a later op (m_overflow's reward, m_huge_n's columns) would
+        # make steps valid again, committed with the refused message's tags.
+        if not c.refused:
+            op(c.payload, c.rng, c.m)
+            c.refused = op is m_refused
 
 
 def o_fresh(c: Case) -> None:

@@ -85,9 +85,13 @@ def unrecorded(gw: Proc, reason: str) -> float:
     return counters(gw).get(f'claw_gateway_unrecorded_calls_total{{reason="{reason}"}}', 0.0)
 
 
-def chat(gw: Proc, traj: str, model: str, stream: bool = False, **kw) -> httpx.Response:
+def chat(
+    gw: Proc, traj: str, model: str, stream: bool = False, http: httpx.Client | None = None, **kw
+) -> httpx.Response:
+    """A chat call; on ``http``'s connections when given (a client per call reads the CA
+    bundle each time: most of a storm's client CPU)."""
     body = {"model": model, "messages": HELLO, "stream": stream}
-    return httpx.post(
+    return (http or httpx).post(
         f"{gw.url}/t/{traj}/g/q/v1/chat/completions", json=body, headers=AUTH, timeout=60, **kw
     )
 
@@ -308,7 +312,7 @@ def _storm(gw: Proc, rng: random.Random, n: int) -> tuple[list[str], int]:
             traj = f"f{i}"
             url = f"{gw.url}/t/{traj}/g/q/v1/chat/completions"
             if op == 0:
-                r = chat(gw, traj, "sim", stream=rng.random() < 0.5)
+                r = chat(gw, traj, "sim", stream=rng.random() < 0.5, http=h)
                 valid.append(traj)
             elif op == 1:  # oversized: declared, or streamed without a length
                 big = b"x" * (70_000 + rng.randrange(200_000))
@@ -363,7 +367,7 @@ def _storm(gw: Proc, rng: random.Random, n: int) -> tuple[list[str], int]:
                     valid.append(headers["x-claw-trajectory"].decode("latin-1"))
             elif op in (6, 7):  # a garbage 200 from the upstream
                 k = rng.randrange(len(GARBAGE))
-                r = chat(gw, traj, f"garbage:{k}", stream=rng.random() < 0.5)
+                r = chat(gw, traj, f"garbage:{k}", stream=rng.random() < 0.5, http=h)
                 assert r.status_code == 200 and r.content == GARBAGE[k]
                 unrecordable += 1
             elif op == 8:  # an endless stream the agent walks away from
@@ -375,7 +379,7 @@ def _storm(gw: Proc, rng: random.Random, n: int) -> tuple[list[str], int]:
                             break
             elif op == 9:  # a reply over the bound, read whole
                 size = rng.randrange(4 * MiB + 1, 6 * MiB)
-                r = chat(gw, traj, f"huge:{size}", stream=rng.random() < 0.5)
+                r = chat(gw, traj, f"huge:{size}", stream=rng.random() < 0.5, http=h)
                 assert r.status_code == 200 and len(r.content) > size
                 unrecordable += 1  # too_large (a stream the upstream ended is a call too)
             elif op == 10:

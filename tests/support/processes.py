@@ -114,5 +114,8 @@ def run_example(name: str, redis_url: str, *args: str, timeout: float = 240) -> 
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    err = proc.stderr
+    if len(err) > 8000:  # a chained traceback's root cause is at its start
+        err = f"{err[:4000]}\n[...]\n{err[-4000:]}"
+    assert proc.returncode == 0, proc.stdout + err
     return proc.stdout

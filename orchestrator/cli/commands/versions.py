@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from claw_tasks.store import NamespaceError, Store
-from orchestrator.cli.app import app, friendly, redis_client
+from orchestrator.cli.app import app, clipped, friendly, redis_client
 from orchestrator.maintenance import snapshots as versions
 
 if TYPE_CHECKING:
@@ -308,7 +308,7 @@ def _entry_id(option: str, value: str) -> str:
     log's ends), or a one-line error naming ``option``."""
     m = None if value in ("-", "+") else re.fullmatch(_STREAM_ID, value)
     if value not in ("-", "+") and (m is None or any(int(g) >= 2**64 for g in m.groups("0"))):
-        raise typer.BadParameter(f"{option}: a lineage entry id (ms-seq), not {value!r}")
+        raise typer.BadParameter(f"{option}: a lineage entry id (ms-seq), not {clipped(value)!r}")
     return value
 
 
