@@ -23,6 +23,16 @@ def _log(out: IO[str], **fields: Any) -> None:
     out.flush()
 
 
+def dropped(out: IO[str], client: Any, error: Exception) -> None:
+    """Log a trainer's error, close its client and pause a second: the loop makes a new
+    client on its next turn (an outage under test)."""
+    _log(out, event="error", error=repr(error)[:200])
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.close()
+    time.sleep(1)
+
+
 def actor(url: str, ns: str, name: str, log: Path, stop: Path, seed: int) -> None:
     """CartPole episodes with a random policy, each flushed until the store confirms it;
     logs ``confirmed`` per episode (its id and length) only once it is."""
@@ -158,12 +168,7 @@ def ppo_trainer(url: str, ns: str, log: Path, stop: Path) -> None:
                     client.advance("ppo", ro["policy_version"] + 1)
                     _log(out, event="advanced", to=ro["policy_version"] + 1)
             except Exception as e:  # an outage under test: a new client next time
-                _log(out, event="error", error=repr(e)[:200])
-                if client is not None:
-                    with contextlib.suppress(Exception):
-                        client.close()
-                    client = None
-                time.sleep(1)
+                client = dropped(out, client, e)
         if client is not None:
             client.close()
 
@@ -319,12 +324,7 @@ def _pop_loop(
                 _log(out, event="batch", **seen(b))
                 time.sleep(pause)
             except Exception as e:  # an outage under test: a new client next time
-                _log(out, event="error", error=repr(e)[:200])
-                if client is not None:
-                    with contextlib.suppress(Exception):
-                        client.close()
-                    client = None
-                time.sleep(1)
+                client = dropped(out, client, e)
         if client is not None:
             client.close()
 
@@ -483,12 +483,7 @@ def grpo_trainer(url: str, ns: str, log: Path, stop: Path) -> None:
             except TimeoutError:
                 continue
             except Exception as e:  # an outage under test: a new client next time
-                _log(out, event="error", error=repr(e)[:200])
-                if client is not None:
-                    with contextlib.suppress(Exception):
-                        client.close()
-                    client = None
-                time.sleep(1)
+                client = dropped(out, client, e)
         if client is not None:
             client.close()
 
