@@ -226,7 +226,7 @@ def test_pop_skips_garbage_queue_items_counts_them_and_logs_once(redis_url, name
     garbage = [
         b"",
         b"junk",
-        wire._PREFIX.pack(wire.MAGIC, wire.VERSION, 10**6) + b"\x00" * 40,  # truncated batch
+        struct.pack("<4sIII", wire.MAGIC, wire.VERSION, 10**6, 0) + b"\x00" * 40,  # truncated
         shm.reference_message("claw-x", 10, shm.host_id())[:-3],  # truncated reference
         ref + msgpack.packb({"size": 1}),  # KeyError
         ref + msgpack.packb({"name": 7, "size": 1, "host": shm.host_id()}),  # TypeError
