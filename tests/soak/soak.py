@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,6 +150,9 @@ counts as lost to the gateway's SIGKILL (not a violation) when that turn was ans
 most this long before the gateway was killed: the gateway answers first and hands the
 turn to its Ingestor after (sent to the broker within 0.5 s), so a SIGKILL loses what it
 held."""
+HELD_S = 60.0
+"""How long after a master's SIGKILL a gateway's recorder may still hold turns the store
+has not confirmed (each waits for the promoted shard's replica)."""
 ADMISSION_EXPIRY_S = 30
 """The gateway's ``--admission-expiry``: a trajectory whose turn a killed gateway lost
 (its reward is refused) gives its group's slots back this long after its last turn."""
@@ -514,7 +518,7 @@ class Soak:
             self.violations += [f"{name}: {p}" for p in got["problems"]]
         # with replicas confirming each commit, a master's failover excuses no lost turn
         excused = [] if self.replicas else self.master_kills
-        self.violations += llm_verdicts(llm, excused, self.gateway_kills)
+        self.violations += llm_verdicts(llm, excused, self.gateway_kills, self.master_kills)
         served = {"joint": joint["batches"], "grpo": grpo["batches"]}
         served.update(nearest=near["answers"], llm=llm["rewarded_trajectories"])
         for name, n in served.items():
@@ -664,19 +668,28 @@ def near_kill(t: float, kills: list[float]) -> bool:
     return any(0 <= kill - t <= FAILOVER_WINDOW_S for kill in kills)
 
 
-def llm_verdicts(llm: dict, master_kills: list[float], gateway_kills: list[float]) -> list[str]:
+def llm_verdicts(
+    llm: dict,
+    master_kills: list[float],
+    gateway_kills: list[float],
+    failovers: Sequence[float] = (),
+) -> list[str]:
     """The violations in the LLM check's result (``check-llm`` of tests/soak/roles.py), which
     it completes with what the faults explain: a rewarded trajectory missing a turn is lost
     to a master's failover when confirmed at most ``FAILOVER_WINDOW_S`` before one; a
     refused reward is lost to the gateway's SIGKILL when its last turn was answered at most
-    ``GATEWAY_WINDOW_S`` before one. A reward refused as already taken always is one."""
+    ``GATEWAY_WINDOW_S`` before one, or after a master's kill (``failovers``) at most
+    ``HELD_S`` before it: the gateway's recorder holds a turn until the store confirms it,
+    which waits for the promoted shard's replica. A reward refused as already taken always
+    is one."""
     lost = [t for t, at in llm.pop("missing_at").items() if near_kill(at, master_kills)]
     llm["lost_to_failover"] = lost
     out = [f"llm: {p}" for p in llm["problems"]]
     dropped = []
     for traj, why in llm["refused_rewards"].items():
         t, taken = why["answered_at"], "already has its reward" in why["error"]
-        if not taken and any(0 <= k - t <= GATEWAY_WINDOW_S for k in gateway_kills):
+        held = any(m <= t <= k and k - m <= HELD_S for k in gateway_kills for m in failovers)
+        if not taken and (held or any(0 <= k - t <= GATEWAY_WINDOW_S for k in gateway_kills)):
             dropped.append(traj)
         else:
             out.append(f"llm: the reward of {traj} refused: {why['error']}")

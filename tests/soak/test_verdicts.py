@@ -109,6 +109,11 @@ def test_llm_verdicts_excuse_only_what_a_fault_explains():
     assert violations == ["llm: the reward of t2 refused: " + taken["error"]]
     got = llm_result(refused_rewards={"t1": lost_turn})
     assert len(llm_verdicts(got, [], [130.0])) == 1  # killed 30 s after: not its doing
+    # answered after a master's kill, its turns held unconfirmed until the gateway died
+    got = llm_result(refused_rewards={"t1": lost_turn})
+    assert llm_verdicts(got, [], [130.0], failovers=[95.0]) == []
+    got = llm_result(refused_rewards={"t1": lost_turn})
+    assert len(llm_verdicts(got, [], [130.0], failovers=[140.0])) == 1  # killed after it
     got = llm_result(missing=["t3", "t4"], missing_at={"t3": 100.0, "t4": 50.0})
     assert llm_verdicts(got, [104.0], []) == ["llm: rewarded turns not stored: ['t4']"]
     assert got["lost_to_failover"] == ["t3"]
