@@ -217,7 +217,12 @@ def run(
                 f"rollout {v + 1}/{rollouts}: policy_version {v}, {r.steps} steps "
                 f"(versions {r.versions}), each once in each of {EPOCHS} epochs: "
                 f"{'yes' if r.once_per_epoch else '[red]no[/]'}; waited {r.wait_ms:.0f} ms "
-                f"for it; mean return {r.mean_return:.1f}",
+                f"for it; "
+                + (
+                    f"mean return {r.mean_return:.1f}"
+                    if np.isfinite(r.mean_return)
+                    else "no episode ended in it"
+                ),
                 highlight=False,
                 soft_wrap=True,  # one line each (the tests read them)
             )
