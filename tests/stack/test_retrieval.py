@@ -206,9 +206,20 @@ def test_a_worker_restart_reuses_the_persisted_index(redis_url, expert, start_wo
     new = np.random.default_rng(9).standard_normal((10, DIM)).astype(np.float32)
     store.commit(steps(new, "late", "expert", 3000))
     built(store, redis_url)
-    # the newest rows entry (a calibration may log an ``nprobe`` entry after it)
-    entry = next(e for _, e in store.r.xrevrange(keys.log) if b"rows" in e)
-    assert np.frombuffer(entry[b"rows"], "<i8").tolist() == list(range(3000, 3010))
+    late = list(range(3000, 3010))
+
+    def logged() -> list[list[int]]:  # the rows entries (the log also has nprobe entries)
+        return [
+            np.frombuffer(e[b"rows"], "<i8").tolist()
+            for _, e in store.r.xrevrange(keys.log, count=50)
+            if b"rows" in e
+        ]
+
+    deadline = time.monotonic() + 60  # the second worker projects the late rows, once
+    while late not in logged() and time.monotonic() < deadline:
+        tick(redis_url)
+        time.sleep(0.2)
+    assert logged()[0] == late
     second.stop()
 
     forget(store.namespace, dropped=False)  # a fresh reader: loads the arrays, no worker needed
