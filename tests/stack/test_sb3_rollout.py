@@ -97,25 +97,22 @@ def _served(buf: ClawRolloutBuffer, batch_size: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _pair(n_steps: int, n_envs: int, gamma: float, **kw):
+    """SB3's RolloutBuffer and a ClawRolloutBuffer (``kw``) of the same shape, 4-d Box
+    observations and 2 discrete actions, GAE lambda 0.9."""
+    space, act = spaces.Box(-np.inf, np.inf, (4,), np.float32), spaces.Discrete(2)
+    ref = RolloutBuffer(n_steps, space, act, "cpu", gae_lambda=0.9, gamma=gamma, n_envs=n_envs)
+    return ref, ClawRolloutBuffer(n_steps, space, act, "cpu", 0.9, gamma, n_envs, **kw)
+
+
 @pytest.mark.parametrize("write_every", [None, 5])  # one message a rollout, or four
 @pytest.mark.parametrize("form_here", [True, False], ids=["formed-here", "by-workers"])
 def test_gae_and_returns_equal_sb3_with_terminated_truncated_and_running_episodes(
     redis_url, namespace, workers, write_every, form_here
 ):
-    n_steps, n_envs, gamma, lam = 16, 4, 0.97, 0.9
-    space = spaces.Box(-np.inf, np.inf, (4,), np.float32)
-    act = spaces.Discrete(2)
-    ref = RolloutBuffer(n_steps, space, act, "cpu", gae_lambda=lam, gamma=gamma, n_envs=n_envs)
-    claw = ClawRolloutBuffer(
-        n_steps,
-        space,
-        act,
-        "cpu",
-        lam,
-        gamma,
-        n_envs,
-        **_kw(redis_url, namespace, write_every=write_every, form_here=form_here),
-    )
+    n_steps, n_envs, gamma = 16, 4, 0.97
+    ref, claw = _pair(n_steps, n_envs, gamma, write_every=write_every, form_here=form_here,
+                      **_kw(redis_url, namespace))  # fmt: skip
     collect = Collect(n_envs, gamma)
     running = 0
     for k in range(3):  # episodes run across rollouts: segments cut inside them
@@ -148,19 +145,9 @@ def test_a_rollout_of_one_message_is_formed_in_the_learners_process(redis_url, n
     rollout formed and served in the learner's process with the workers' own code: no
     worker runs here, yet each rollout is served with SB3's advantages, recorded in the
     lineage log once, counted as a worker's fill counts it."""
-    n_steps, n_envs, gamma, lam = 16, 4, 0.97, 0.9
-    space, act = spaces.Box(-np.inf, np.inf, (4,), np.float32), spaces.Discrete(2)
-    ref = RolloutBuffer(n_steps, space, act, "cpu", gae_lambda=lam, gamma=gamma, n_envs=n_envs)
-    claw = ClawRolloutBuffer(
-        n_steps,
-        space,
-        act,
-        "cpu",
-        lam,
-        gamma,
-        n_envs,
-        **_kw(redis_url, namespace, timeout=5, form_here=True),
-    )
+    n_steps, n_envs, gamma = 16, 4, 0.97
+    ref, claw = _pair(n_steps, n_envs, gamma, **_kw(redis_url, namespace, timeout=5),
+                      form_here=True)  # fmt: skip
     collect = Collect(n_envs, gamma)
     for k in range(2):
         collect.rollout([ref, claw], n_steps, k)
