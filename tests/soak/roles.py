@@ -519,7 +519,7 @@ def check_llm(url: str, ns: str, logs: list[Path], batches: int, out: Path) -> N
     store = Store(url, ns)
     rewarded: dict[str, tuple[list[str], float]] = {}
     answered = 0
-    last_answer: dict[str, float] = {}
+    answers: dict[str, list[float]] = {}
     refused: dict[str, dict[str, Any]] = {}
     for path in logs:
         for line in path.read_text().splitlines():
@@ -528,9 +528,9 @@ def check_llm(url: str, ns: str, logs: list[Path], batches: int, out: Path) -> N
                 rewarded[rec["trajectory"]] = (rec["calls"], rec["t"])
             if rec["event"] == "answered":
                 answered += 1
-                last_answer[rec["trajectory"]] = rec["t"]
-            elif rec["event"] == "reward-refused":  # when its last turn was answered
-                at = last_answer.get(rec["trajectory"], rec["t"])
+                answers.setdefault(rec["trajectory"], []).append(rec["t"])
+            elif rec["event"] == "reward-refused":  # with when each of its turns was answered
+                at = answers.get(rec["trajectory"], [rec["t"]])
                 refused[rec["trajectory"]] = {"answered_at": at, "error": rec["error"]}
     ids_of: dict[int, list[int]] = {}
     cfg = store.config()

@@ -146,8 +146,8 @@ Store(url, llm).create(capacity=200_000, n_shards=3, schema=Schema.llm())
 GATEWAY_PORT, UPSTREAM_PORT = 8100, 8101
 GATEWAY_WINDOW_S = 10.0
 """A trajectory whose reward the gateway refuses because a turn it answered is not stored
-counts as lost to the gateway's SIGKILL (not a violation) when that turn was answered at
-most this long before the gateway was killed: the gateway answers first and hands the
+counts as lost to the gateway's SIGKILL (not a violation) when one of its turns was
+answered at most this long before the gateway was killed: the gateway answers first and hands the
 turn to its Ingestor after (sent to the broker within 0.5 s), so a SIGKILL loses what it
 held."""
 HELD_S = 60.0
@@ -677,8 +677,9 @@ def llm_verdicts(
     """The violations in the LLM check's result (``check-llm`` of tests/soak/roles.py), which
     it completes with what the faults explain: a rewarded trajectory missing a turn is lost
     to a master's failover when confirmed at most ``FAILOVER_WINDOW_S`` before one; a
-    refused reward is lost to the gateway's SIGKILL when its last turn was answered at most
-    ``GATEWAY_WINDOW_S`` before one, or after a master's kill (``failovers``) at most
+    refused reward is lost to the gateway's SIGKILL when one of its turns was answered at
+    most ``GATEWAY_WINDOW_S`` before one (the lost turn need not be the last: a restarted
+    gateway answers the next), or after a master's kill (``failovers``) at most
     ``HELD_S`` before it: the gateway's recorder holds a turn until the store confirms it,
     which waits for the promoted shard's replica. A reward refused as already taken always
     is one."""
@@ -687,9 +688,17 @@ def llm_verdicts(
     out = [f"llm: {p}" for p in llm["problems"]]
     dropped = []
     for traj, why in llm["refused_rewards"].items():
-        t, taken = why["answered_at"], "already has its reward" in why["error"]
-        held = any(m <= t <= k and k - m <= HELD_S for k in gateway_kills for m in failovers)
-        if not taken and (held or any(0 <= k - t <= GATEWAY_WINDOW_S for k in gateway_kills)):
+        taken = "already has its reward" in why["error"]
+        held = any(
+            m <= t <= k and k - m <= HELD_S
+            for t in why["answered_at"]
+            for k in gateway_kills
+            for m in failovers
+        )
+        near = any(
+            0 <= k - t <= GATEWAY_WINDOW_S for t in why["answered_at"] for k in gateway_kills
+        )
+        if not taken and (held or near):
             dropped.append(traj)
         else:
             out.append(f"llm: the reward of {traj} refused: {why['error']}")

@@ -101,8 +101,8 @@ def llm_result(**changes) -> dict:
 
 def test_llm_verdicts_excuse_only_what_a_fault_explains():
     assert llm_verdicts(llm_result(), [], []) == []
-    lost_turn = {"answered_at": 100.0, "error": "1 of its 2 turns are stored"}
-    taken = {"answered_at": 100.0, "error": "trajectory 't' already has its reward"}
+    lost_turn = {"answered_at": [98.0, 100.0], "error": "1 of its 2 turns are stored"}
+    taken = {"answered_at": [100.0], "error": "trajectory 't' already has its reward"}
     got = llm_result(refused_rewards={"t1": lost_turn, "t2": taken})
     violations = llm_verdicts(got, [], [105.0])  # the gateway SIGKILLed 5 s after
     assert got["lost_to_gateway_kill"] == ["t1"]
@@ -114,6 +114,10 @@ def test_llm_verdicts_excuse_only_what_a_fault_explains():
     assert llm_verdicts(got, [], [130.0], failovers=[95.0]) == []
     got = llm_result(refused_rewards={"t1": lost_turn})
     assert len(llm_verdicts(got, [], [130.0], failovers=[140.0])) == 1  # killed after it
+    # its first turn lost to the kill, its second answered by the restarted gateway
+    first_lost = {"answered_at": [104.0, 112.0], "error": "1 of its 2 turns are stored"}
+    got = llm_result(refused_rewards={"t1": first_lost})
+    assert llm_verdicts(got, [], [105.0]) == []
     got = llm_result(missing=["t3", "t4"], missing_at={"t3": 100.0, "t4": 50.0})
     assert llm_verdicts(got, [104.0], []) == ["llm: rewarded turns not stored: ['t4']"]
     assert got["lost_to_failover"] == ["t3"]
