@@ -9,15 +9,25 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from claw_tasks.client import Ingestor
+from claw_tasks.connection.server import RedisServer
 from orchestrator.delivery import shm
 from orchestrator.delivery.registry import Registry
 from orchestrator.recipe.model import Recipe
 from tests.support.processes import Worker, celery, free_port, stop
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """This file's own redis-server: beat's passes and the worker's warm shutdown go over
+    every namespace on the server, and the session's holds every earlier test's."""
+    with RedisServer() as server:
+        yield server
 
 
 @pytest.fixture
@@ -55,7 +65,10 @@ def test_beat_refills_queues_without_any_trainer(redis_url, namespace, stack_wor
     )
     reg.put(recipe, shm.host_id())  # registered, but nobody asks for a refill
     beat = celery(
-        ["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"], redis_url, tmp_path / "beat.log"
+        ["beat", "-S", "redbeat.RedBeatScheduler", "-l", "INFO"],
+        redis_url,
+        tmp_path / "beat.log",
+        CLAW_SCHEDULE="{claw-refill: {every: 1s}}",
     )
     try:
         deadline = time.monotonic() + 60

@@ -11,8 +11,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+
+import pytest
 
 from claw_tasks.broker.app import client_app
+from claw_tasks.connection.server import RedisServer
 from claw_tasks.store import Store
 from claw_tasks.store.retention import Retention
 from claw_tasks.worker.context import forget
@@ -22,6 +26,15 @@ from orchestrator.maintenance.quality import read_quality
 from tests.support.paths import ROOT
 from tests.support.processes import celery, free_port, stop
 from tests.support.stepdata import batch, episode
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """This file's own redis-server: beat's passes and the worker's warm shutdown go over
+    every namespace on the server, and the session's holds every earlier test's."""
+    with RedisServer() as server:
+        yield server
+
 
 FAST = (
     "{claw-evict: {every: 1}, claw-priorities: {every: 1s}, claw-refill: {every: 1m}, "
