@@ -90,30 +90,28 @@ def metric(gw: Proc, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-@pytest.mark.parametrize("numbered", [False, True], ids=["at-once", "numbered-and-sent"])
+@pytest.mark.parametrize("numbered", [False, True], ids=["at-once", "numbered-unsent"])
 def test_no_answered_turn_is_lost_to_a_gateway_sigkill(
     numbered, gateways, redis_url, start_worker, tmp_path
 ):
-    """SIGKILLed at once after its last answer (calls still queued, gathered or numbered),
-    or once every call is numbered and its batch published to the broker: the restarted
-    gateway records every call, each stored once (the batch sent before the kill and its
-    replay share a batch id) at the index it was numbered with."""
+    """SIGKILLed at once after its last answer (calls still queued or gathered), or once
+    every call is numbered while its batch cannot be published (the broker unreachable:
+    the Ingestor holds it to re-send): the restarted gateway records every call, each
+    stored once, at the index it was numbered with."""
     namespace, port, spool = f"sp-{uuid.uuid4().hex[:8]}", free_port(), tmp_path / "spool"
     store = Store(redis_url, namespace)
-    gw = gateways(namespace, port, spool)
+    env = {"CLAW_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0"} if numbered else {}
+    gw = gateways(namespace, port, spool, **env)
     calls = {f"t{k}": [answer(gw, f"t{k}", i) for i in range(TURNS)] for k in range(TRAJECTORIES)}
     numbered_as: dict[str, dict[str, int]] = {}
     if numbered:
         deadline = time.monotonic() + 60
         for traj, ids in calls.items():
             key = admission.trajectory_key(store, traj)
-            while len(got := store.r.hmget(key, [f"c:{c}" for c in ids])) and None in got:
+            while None in (got := store.r.hmget(key, [f"c:{c}" for c in ids])):
                 assert time.monotonic() < deadline, "the calls were never numbered"
                 time.sleep(0.02)
             numbered_as[traj] = {c: int(i) for c, i in zip(ids, got, strict=True)}
-        while store.r.llen("ingest") < 1:  # the batch is published (no worker takes it)
-            assert time.monotonic() < deadline, "no batch was published"
-            time.sleep(0.02)
     gw.proc.kill()  # SIGKILL
     gw.proc.wait()
     assert list(spool.glob("*.spool"))
