@@ -108,7 +108,7 @@ class Gateway:
         )
         self.metrics.track_backlog(lambda: self.recorder.backlog)
         if spool is not None:
-            self.metrics.track_spool(lambda: spool.bytes)
+            self.metrics.track_spool(lambda: spool.size)
             self.recorder.replay(spool.found)  # before the app serves: rewards wait for them
             spool.found = []
         headers = {"accept-encoding": "identity"}

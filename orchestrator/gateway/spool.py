@@ -108,7 +108,7 @@ class Spool:
 
     # ---- writing ----------------------------------------------------------------------
     @property
-    def bytes(self) -> int:
+    def size(self) -> int:
         """The segments' bytes together."""
         return sum(s.size for s in self._segments)
 
@@ -116,7 +116,7 @@ class Spool:
         """Spool an answered call; False (nothing written) when the spool is full."""
         record = _record(CALL, meta, body)
         with self._mutex:
-            if self.bytes + len(record) > self.max_bytes:
+            if self.size + len(record) > self.max_bytes:
                 return False
             seg = self._write(record)
             seg.pending.add(call_id)

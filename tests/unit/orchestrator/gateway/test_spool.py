@@ -59,7 +59,7 @@ def test_settled_segments_are_deleted_oldest_first(tmp_path):
     assert len(list(tmp_path.glob("*.spool"))) >= 5
     s.settle(["c0"])
     assert len(list(tmp_path.glob("*.spool"))) == 1  # the active one
-    assert s.bytes < 200
+    assert s.size < 200
 
 
 def test_a_full_spool_refuses_a_call_until_space_is_settled(tmp_path):
