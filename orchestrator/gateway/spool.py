@@ -160,9 +160,16 @@ class Spool:
                     self.dir.rmdir()
 
     def _note(self, kind: int, what: dict) -> None:
+        """Append a group or ack record (bookkeeping: past the cap if it must be). A
+        failed write is logged, not raised: the recording goes on; what the note would have
+        said is then lost to a kill (an ack: the calls are recorded again, under the same
+        batch id; a group: again under a new one)."""
         record = _record(kind, json.dumps(what, separators=(",", ":")).encode(), b"")
         with self._mutex:
-            self._write(record)  # bookkeeping: over the cap if it must be
+            try:
+                self._write(record)
+            except OSError as e:
+                log.warning("spool %s: a note could not be written: %s", self.dir, e)
 
     def _write(self, record: bytes) -> _Segment:
         """Append ``record`` to the active segment (the caller holds the mutex)."""
