@@ -177,7 +177,13 @@ class Spool:
         if seg.size and seg.size + len(record) > self.segment_bytes:
             os.close(self._active_fd)
             seg = self._active = self._open(seg.number + 1)
-        os.write(self._active_fd, record)
+        try:
+            written = os.write(self._active_fd, record)
+        except OSError:
+            written = -1
+        if written != len(record):  # a disk full: no torn record before the next one
+            os.ftruncate(self._active_fd, seg.size)
+            raise OSError(f"spool {self.dir}: a record could not be written whole")
         if self.fsync:
             os.fsync(self._active_fd)
         seg.size += len(record)
