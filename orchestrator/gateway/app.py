@@ -59,7 +59,12 @@ class Gateway:
         config = config.resolved()
         if spool is None and config.spool:
             assert config.spool_bytes is not None
-            spool = Spool(config.spool, config.spool_bytes, fsync=bool(config.spool_fsync))
+            spool = Spool(
+                config.spool,
+                config.spool_bytes,
+                fsync=bool(config.spool_fsync),
+                owner=config.namespace,
+            )
         self.config = config
         self.metrics = GatewayMetrics()
         redis_url = config.redis_url or get_settings().redis_url

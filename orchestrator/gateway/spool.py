@@ -14,10 +14,11 @@ losing power before the kernel wrote the page out: ``fsync=True`` covers that, a
 flush per call.
 
 Layout: ``DIR/lock`` (an exclusive ``flock`` held for the process's life: one gateway per
-spool) and segments ``DIR/<n>.spool``, appended to in order. A segment is a run of
-records, each ``<kind u8><meta u32><body u32><crc32 u32>`` then ``meta`` (JSON) and
-``body`` (raw bytes: a call's reply); a record cut short (the process died in its write)
-or failing its crc ends its segment's reading. The active segment is rotated at
+spool), ``DIR/owner`` (the namespace whose calls it holds: a gateway of another one is
+refused while any are left) and segments ``DIR/<n>.spool``, appended to in order. A
+segment is a run of records, each ``<kind u8><meta u32><body u32><crc32 u32>`` then
+``meta`` (JSON) and ``body`` (raw bytes: a call's reply); a record cut short (the process
+died in its write) or failing its crc ends its segment's reading. The active segment is rotated at
 ``segment_bytes``; segments are deleted oldest first once every call in them is settled
 (acks may name calls of older segments, so a newer one is never deleted first). The
 segments together stay under ``max_bytes``: a call that does not fit is not spooled
@@ -50,7 +51,7 @@ _ROTATE_SETTLED = 1024 * 1024
 
 
 class SpoolLocked(RuntimeError):
-    """Another process holds the spool."""
+    """Another process holds the spool, or it holds another namespace's calls."""
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Spool:
         *,
         segment_bytes: int = SEGMENT_BYTES,
         fsync: bool = False,
+        owner: str = "",
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -98,6 +100,15 @@ class Spool:
                 f"the spool {self.dir} is held by another gateway process (give each its "
                 "own: --spool DIR)"
             ) from None
+        mark = self.dir / "owner"  # whose calls these are (the namespace)
+        held = mark.read_text() if mark.exists() else ""
+        if held and held != owner and any(self.dir.glob("*.spool")):
+            os.close(self._lock_fd)
+            raise SpoolLocked(
+                f"the spool {self.dir} holds calls of {held!r}, not {owner!r}: give this "
+                "gateway its own (--spool DIR)"
+            )
+        mark.write_text(owner)
         self._mutex = threading.Lock()
         self._segments: list[_Segment] = []
         self._where: dict[str, _Segment] = {}  # unsettled call id -> its segment
@@ -155,6 +166,7 @@ class Spool:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             if not self._segments:
+                (self.dir / "owner").unlink(missing_ok=True)
                 (self.dir / "lock").unlink(missing_ok=True)
                 with contextlib.suppress(OSError):  # something else is in it
                     self.dir.rmdir()

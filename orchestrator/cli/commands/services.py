@@ -397,7 +397,9 @@ def gateway(
     held = None
     if config.spool:
         assert config.spool_bytes is not None
-        held = Spool(config.spool, config.spool_bytes, fsync=bool(config.spool_fsync))
+        held = Spool(
+            config.spool, config.spool_bytes, fsync=bool(config.spool_fsync), owner=namespace
+        )
     Console().print(
         escape(
             f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "

@@ -83,12 +83,18 @@ def test_a_record_cut_short_ends_its_segment(tmp_path):
     assert [f.call_id for f in Spool(tmp_path, 1 << 20).found] == ["a"]
 
 
-def test_one_process_holds_a_spool(tmp_path):
-    held = Spool(tmp_path, 1 << 20)
+def test_one_process_holds_a_spool_of_one_namespace(tmp_path):
+    held = Spool(tmp_path, 1 << 20, owner="ns")
     with pytest.raises(SpoolLocked, match="held by another gateway process"):
-        Spool(tmp_path, 1 << 20)
-    held.close()
-    Spool(tmp_path, 1 << 20).close()
+        Spool(tmp_path, 1 << 20, owner="ns")
+    held.append_call("a", meta("a"), b"")
+    held.close()  # "a" is left in it
+    with pytest.raises(SpoolLocked, match="holds calls of 'ns', not 'other'"):
+        Spool(tmp_path, 1 << 20, owner="other")
+    again = Spool(tmp_path, 1 << 20, owner="ns")
+    again.settle(["a"])
+    again.close()
+    Spool(tmp_path, 1 << 20, owner="other").close()  # empty: anyone's
 
 
 def test_a_call_comes_back_from_its_record_as_it_was():
