@@ -5,6 +5,7 @@ the buffer, the sending thread, ``flush`` and ``close`` are in
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -48,6 +49,8 @@ from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.retention import Retention
+
+log = logging.getLogger(__name__)
 
 
 class Ingestor(Buffering):
@@ -345,22 +348,29 @@ class Ingestor(Buffering):
         )
         return step
 
-    def send_steps(self, steps: Sequence[Step], batch_id: str) -> None:
+    def send_steps(self, steps: Sequence[Step], batch_id: str) -> list[str]:
         """Publish checked steps (:meth:`llm_step`) now as one batch named ``batch_id``,
         past the buffer, tracked like every batch (re-sent until confirmed; ``flush``
         waits for it). A producer that may send the same steps again after a restart
-        names the batch so: the ingest worker commits a batch id once. Raises if the
-        publish fails (the batch is kept and re-sent)."""
-        assert self.schema is not None
+        names the batch so: the ingest worker commits a batch id once. Returns the ids of
+        the messages it goes in (``batch_id``, or its parts' past a shard's capacity): it is
+        stored once each has its done record. A publish that fails (broker or Redis
+        unreachable) is logged, and the batch kept and re-sent under the same ids."""
+        if self.schema is None:
+            raise SchemaError("send_steps takes steps made by llm_step (no schema yet)")
         batch = steps_to_batch(steps, self.schema)
         batch.batch_id = check_batch_id(batch_id)
+        ids = self.message_ids(batch)
         with self._lock:
             self._sending += 1
         try:
             self._send_or_keep(batch)
+        except Exception as e:
+            log.warning("publishing batch %s failed (kept and re-sent): %s", batch_id, e)
         finally:
             with self._lock:
                 self._sending -= 1
+        return ids
 
     def add_batch(self, columns: Mapping[str, Any], *, deliver: Deliver | None = None) -> int:
         """Add many steps at once from columns (vectorized producers).

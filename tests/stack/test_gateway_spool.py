@@ -3,8 +3,8 @@ client's calls while no ingest worker runs (nothing can commit), is SIGKILLed, a
 gateway restarted on the same spool records what it left: every reward is taken with all
 its turns, each stored once, numbered 0..n-1 in the order they were answered, a call
 numbered before the kill keeping its index. Also: the turn script numbers a call id once,
-a batch id is committed once, a full spool is counted and the call still recorded, and
-two gateways cannot share a spool."""
+a batch id is committed once, a call stored in parts is settled, a full spool is counted
+and the call still recorded, and two gateways cannot share a spool."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from claw_tasks.client import Ingestor
+from claw_tasks.format.schema import Schema
 from claw_tasks.store import Store
 from claw_tasks.store.turns import turn_infos
 from orchestrator.delivery import admission
@@ -193,3 +194,28 @@ def test_a_full_spool_is_counted_and_the_call_still_recorded(
     )
     assert second.returncode != 0
     assert "is held by another gateway process" in second.stderr + second.stdout
+
+
+def test_a_call_past_a_shards_capacity_is_settled_once_all_its_parts_are(
+    gateways, redis_url, start_worker, tmp_path
+):
+    """A call of more choices than a shard holds goes in parts (the Ingestor splits its
+    batch); once the store has every part the spool settles it, so a gateway stopped then
+    leaves an empty spool behind."""
+    namespace, spool = f"sp-{uuid.uuid4().hex[:8]}", tmp_path / "spool"
+    store = Store(redis_url, namespace)
+    store.create(capacity=4, n_shards=1, schema=Schema.llm())
+    start_worker("ingest")
+    with Ingestor(namespace, redis_url, flush_interval=None) as ing:
+        steps = [ing.llm_step("e", i, [1, 2], [3], [-0.5]) for i in range(6)]
+        assert ing.send_steps(steps, "wide") == ["wide.c0", "wide.c4"]
+    gw = gateways(namespace, free_port(), spool)
+    c = openai.OpenAI(base_url=f"{gw.url}/t/wide/g/q/v1", api_key=TOKEN, max_retries=0)
+    ask = [{"role": "user", "content": "What is 1 plus 2?"}]
+    assert len(c.chat.completions.create(model="sim", n=8, messages=ask).choices) == 8
+    deadline = time.monotonic() + 60
+    while metric(gw, "claw_gateway_recorded_turns_total") < 8:
+        assert time.monotonic() < deadline, "the call's turns were never recorded"
+        time.sleep(0.1)
+    gw.stop()  # SIGTERM: the recorder flushes, settles what the store confirmed
+    assert not list(spool.glob("*.spool")), "a call stored in parts was never settled"
