@@ -284,10 +284,11 @@ class Forwarder:
             done = True
         finally:
             complete = done or ended or tail.rstrip().endswith(b"data: [DONE]")
-            if complete and buf is not None:
+            if kept is not None:  # recorded as spooled (bytes past the final event aside)
+                self.recorder.submit(kept)
+            elif complete and buf is not None:  # a stream that ended without its final event
                 call = incoming.call(bytes(buf), True, version, call_id)
-                if kept is None:  # a stream that ended without its final event
-                    self.recorder.keep(call)
+                self.recorder.keep(call)
                 self.recorder.submit(call)
             elif complete:
                 self.recorder.unrecorded(incoming.trajectories, "too_large")

@@ -24,6 +24,7 @@ from claw_tasks.format.schema import SchemaError
 from claw_tasks.store.batches import done_key
 from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.store.turns import attach_rewards
+from claw_tasks.worker.ingest import is_transient
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import admission
 from orchestrator.gateway import credit
@@ -48,6 +49,9 @@ _DRAIN = 256  # calls numbered in one round trip (and sent in one batch) at most
 GATHER_S = 0.05
 """How long the recorder thread gathers calls after the first before it numbers and sends
 them, one batch (a burst's calls go in one message, not one each)."""
+RETRY_S, RETRY_MAX_S = 0.5, 5.0
+"""The first and the longest wait before the store is asked again to number turns it
+could not (unreachable)."""
 CONFIRM_S = 0.5
 """How often the recorder asks the store which of its batches are committed (one MGET),
 to settle their calls in the spool."""
@@ -122,7 +126,9 @@ class Recorder:
         self.expiry = admission_expiry  # an open trajectory's expiry, moved by each turn
         self.who = who  # this gateway, in the admission log
         self.spool = spool
-        self._sent: dict[str, list[str]] = {}  # batch id -> its calls, until committed
+        # batch id -> its calls and the ids of the messages it went in, until committed
+        self._sent: dict[str, tuple[list[str], list[str]]] = {}
+        self._closing = threading.Event()
         self._queue: queue.Queue[Call | _Replay | None] = queue.Queue(queue_size)
         self._trajectories: LRU[str, _Trajectory] = LRU(max_trajectories)
         self._lock = threading.Lock()
@@ -181,7 +187,14 @@ class Recorder:
         batches: dict[str, _Replay] = {}
         items: list[Call | _Replay] = []
         for s in found:
-            call = call_of_record(s.meta, s.body)
+            try:
+                call = call_of_record(s.meta, s.body)
+            except (ValueError, KeyError, TypeError) as e:  # whole, yet not a call of ours
+                log.warning("a spooled call that cannot be read dropped: %r", e)
+                self.unrecorded([], "malformed")
+                if self.spool is not None:
+                    self.spool.settle([s.call_id])
+                continue
             if not s.batch_id:
                 items.append(call)
             elif s.batch_id in batches:
@@ -286,20 +299,23 @@ class Recorder:
                     self._progress.notify_all()
 
     def _confirm(self) -> None:
-        """Settle in the spool the calls of the batches the store committed (their done
-        records; one MGET). A failure is retried on the next round."""
+        """Settle in the spool the calls of the batches the store committed (the done
+        records of all the messages each went in; one MGET). A failure is retried on the
+        next round."""
         if not self._sent:
             return
-        ids = list(self._sent)
+        batches = list(self._sent.items())
         ns = self.store.namespace
+        keys = [done_key(ns, m) for _, (_, messages) in batches for m in messages]
         try:
-            done = self.store.r.mget([done_key(ns, b) for b in ids])
+            done = iter(self.store.r.mget(keys))
         except Exception as e:
             log.warning("asking the store which batches are committed failed: %s", e)
             return
-        for batch_id, raw in zip(ids, done, strict=True):
-            if raw is not None and self.spool is not None:
-                self.spool.settle(self._sent.pop(batch_id))
+        for batch_id, (calls, messages) in batches:
+            if all([next(done) is not None for _ in messages]) and self.spool is not None:
+                self.spool.settle(calls)
+                del self._sent[batch_id]
 
     def _settle(self, calls: Sequence[Call]) -> None:
         if self.spool is not None:
@@ -309,24 +325,27 @@ class Recorder:
         """Number the calls' turns (one round trip) and send them as one batch:
         ``batch_id`` the one a previous process grouped them under, else a new one, noted
         in the spool before it is published. A call none of whose turns is sent is
-        settled at once; the others once the store confirms the batch."""
+        settled at once; the others once the store confirms the batch. Calls the store
+        could not number before the recorder closed stay unsettled, for the next process."""
         steps: list[Step] = []
         sent: dict[str, Call] = {}
+        numbered = True
         try:
-            self._number_all(calls, steps, sent)
+            numbered = self._number_all(calls, steps, sent)
             if steps:
                 batch_id = batch_id or f"gw-{uuid.uuid4().hex}"
                 if self.spool is not None:
                     self.spool.group(batch_id, sent)
-                    self._sent[batch_id] = list(sent)
-                try:
-                    self.ingestor.send_steps(steps, batch_id)
-                except Exception:  # kept by the Ingestor and re-sent
-                    log.warning("sending recorded turns failed; kept and re-sent", exc_info=True)
+                messages = self.ingestor.send_steps(steps, batch_id)  # kept if it fails
+                if self.spool is not None:
+                    self._sent[batch_id] = (list(sent), messages)
         finally:
-            self._settle([c for c in calls if c.call_id not in sent])
+            if numbered:
+                self._settle([c for c in calls if c.call_id not in sent])
 
-    def _number_all(self, calls: list[Call], steps: list[Step], sent: dict[str, Call]) -> None:
+    def _number_all(self, calls: list[Call], steps: list[Step], sent: dict[str, Call]) -> bool:
+        """The calls' steps, numbered, into ``steps`` (their calls into ``sent``); False if
+        the recorder closed while the store could not number them."""
         captured: list[list[Turn] | None] = []
         for call in calls:
             try:
@@ -351,34 +370,16 @@ class Recorder:
             for uid, turn in zip(c.trajectories, turns, strict=True)
         ]
         if not todo:
-            return
-        budget, opened = admission.admission_key(self.store), admission.open_key(self.store)
+            return True
         try:
-            numbered = execute(
-                self.store.r,
-                [TURN],
-                lambda pipe: [
-                    TURN.queue(
-                        pipe,
-                        [self._key(uid), budget, opened],
-                        [
-                            "turn",
-                            self.ttl,
-                            _arg(turn.policy_version),
-                            c.call_id,
-                            self.expiry,
-                            uid,
-                            c.prompt_uid or "",
-                        ],
-                    )
-                    for c, uid, turn in todo
-                ],
-            )
+            numbered = self._number(todo)
         except Exception:
             log.exception("numbering %d recorded turns failed (Redis)", len(todo))
+            numbered = []
+        if not numbered:
             for _, uid, _ in todo:
                 self.unrecorded([uid], "error")
-            return
+            return numbered is not None
         for (call, uid, turn), (index, version) in zip(todo, numbered, strict=True):
             if int(index) < 0:
                 self.unrecorded([uid], "finished")
@@ -393,6 +394,50 @@ class Recorder:
             except Exception:
                 log.exception("recording a call of trajectory %r failed", uid)
                 self.unrecorded([uid], "error")
+
+    def _number(self, todo: list[tuple[Call, str, Turn]]) -> list[Any] | None:
+        """The turns' ``{index, version}`` (one round trip), asked again while the store is
+        unreachable (a failover, a partition: the turn script hands a call id its index
+        once, so a try whose reply was lost costs nothing) until it answers or the recorder
+        closes (None). Another error is raised."""
+        budget, opened = admission.admission_key(self.store), admission.open_key(self.store)
+        wait = RETRY_S
+        while True:
+            try:
+                return execute(
+                    self.store.r,
+                    [TURN],
+                    lambda pipe: [
+                        TURN.queue(
+                            pipe,
+                            [self._key(uid), budget, opened],
+                            [
+                                "turn",
+                                self.ttl,
+                                _arg(turn.policy_version),
+                                c.call_id,
+                                self.expiry,
+                                uid,
+                                c.prompt_uid or "",
+                            ],
+                        )
+                        for c, uid, turn in todo
+                    ],
+                )
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                if self._closing.is_set():
+                    log.warning("numbering %d recorded turns failed at close: %s", len(todo), e)
+                    return None
+                log.warning(
+                    "numbering %d recorded turns failed (%s); asked again in %g s",
+                    len(todo),
+                    e,
+                    wait,
+                )
+            self._closing.wait(wait)
+            wait = min(2 * wait, RETRY_MAX_S)
 
     def _step(self, call: Call, trajectory_uid: str, turn: Turn, index: int) -> Step:
         info: dict[str, Any] = {"finish_reason": turn.finish_reason, "model": turn.model}
@@ -550,6 +595,7 @@ class Recorder:
         """Record what is queued, flush the Ingestor (waiting up to ``timeout`` for the
         store), settle what it committed and release the spool (what is still unsettled
         stays in it for the next process)."""
+        self._closing.set()
         self._queue.put(None)
         self._thread.join()
         try:
