@@ -3,27 +3,29 @@
 A handler appends its call's record here before the reply goes back to the agent (one
 ``write()`` of a few KB to the page cache, no fsync unless asked); the recorder thread
 appends, before it publishes a batch, which calls that batch holds and under which batch
-id (``group``), and, once the store confirms the batch (its done record) or the call is
-counted unrecorded, that the calls are settled (``ack``). A process SIGKILLed at any point
-leaves in its spool every answered call the store may not have: the next gateway on the
-spool re-records them, a grouped call in its batch again under the same id (the ingest
-worker commits a batch id once: the message sent before the kill and the one sent after
-cannot both land), a call numbered before the kill keeping its turn index (the turn
-script hands out one index per call id). What a write() does not survive is the machine
-losing power before the kernel wrote the page out: ``fsync=True`` covers that, at a disk
-flush per call.
+id (``group``), and, once the store confirms the batch (the done records of its
+messages) or the call is counted unrecorded, that the calls are settled (``ack``). A
+process SIGKILLed at any point leaves in its spool every answered call the store may not
+have: the next gateway on the spool re-records them, a grouped call in its batch again
+under the same id (the ingest worker commits a batch id once: the message sent before
+the kill and the one sent after cannot both land), a call numbered before the kill
+keeping its turn index (the turn script hands out one index per call id). What a write()
+does not survive is the machine losing power before the kernel wrote the page out:
+``fsync=True`` covers that, at a disk flush per call.
 
-Layout: ``DIR/lock`` (an exclusive ``flock`` held for the process's life: one gateway per
-spool), ``DIR/owner`` (the namespace whose calls it holds: a gateway of another one is
-refused while any are left) and segments ``DIR/<n>.spool``, appended to in order. A
-segment is a run of records, each ``<kind u8><meta u32><body u32><crc32 u32>`` then
-``meta`` (JSON) and ``body`` (raw bytes: a call's reply); a record cut short (the process
-died in its write) or failing its crc ends its segment's reading. The active segment is rotated at
-``segment_bytes``; segments are deleted oldest first once every call in them is settled
-(acks may name calls of older segments, so a newer one is never deleted first). The
-segments together stay under ``max_bytes``: a call that does not fit is not spooled
-(:meth:`Spool.append_call` returns False: the caller counts it, and records it from
-memory only). No pickle: JSON and raw bytes."""
+The directory must be the gateway's user's and closed to others (its records become
+stored turns). Layout: ``DIR/lock`` (an exclusive ``flock`` held for the process's life:
+one gateway per spool), ``DIR/owner`` (the namespace whose calls it holds: a gateway of
+another one is refused while any are left) and segments ``DIR/<n>.spool``, appended to
+in order. A segment is a run of records, each
+``<kind u8><meta u32><body u32><crc32 u32>`` then ``meta`` (JSON) and ``body`` (raw
+bytes: a call's reply); a record cut short (the process died in its write) or failing
+its crc ends its segment's reading, one whose JSON is not a record's is skipped. The
+active segment is rotated at ``segment_bytes``; segments are deleted oldest first once
+every call in them is settled (acks may name calls of older segments, so a newer one is
+never deleted first). The segments together stay under ``max_bytes``: a call that does
+not fit is not spooled (:meth:`Spool.append_call` returns False: the caller counts it,
+and records it from memory only). No pickle: JSON and raw bytes."""
 
 from __future__ import annotations
 
@@ -89,7 +91,8 @@ class Spool:
         owner: str = "",
     ) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_private(self.dir)
         self.max_bytes, self.segment_bytes, self.fsync = max_bytes, segment_bytes, fsync
         self._lock_fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -151,9 +154,6 @@ class Spool:
                 if seg is not None:
                     seg.pending.discard(c)
             self._delete_settled()
-
-    def unsettled(self, call_id: str) -> bool:
-        return call_id in self._where
 
     def close(self) -> None:
         """Release the spool; a spool with nothing unsettled is removed."""
@@ -230,23 +230,44 @@ class Spool:
             seg = _Segment(number, path, path.stat().st_size)
             self._segments.append(seg)
             for kind, meta, body in _records(path):
-                if kind == CALL:
-                    call_id = json.loads(meta)["call_id"]
-                    calls[call_id] = Spooled(call_id, meta, body)
-                    seg.pending.add(call_id)
-                    self._where[call_id] = seg
-                elif kind == GROUP:
-                    g = json.loads(meta)
-                    for c in g["c"]:
-                        if c in calls:
-                            calls[c].batch_id = g["b"]
-                elif kind == ACK:
-                    for c in json.loads(meta)["c"]:
-                        calls.pop(c, None)
-                        old = self._where.pop(c, None)
-                        if old is not None:
-                            old.pending.discard(c)
+                try:
+                    what = json.loads(meta)
+                    if kind == CALL:
+                        call_id = str(what["call_id"])
+                        calls[call_id] = Spooled(call_id, meta, body)
+                        seg.pending.add(call_id)
+                        self._where[call_id] = seg
+                    elif kind == GROUP:
+                        for c in what["c"]:
+                            if c in calls:
+                                calls[c].batch_id = str(what["b"])
+                    else:
+                        for c in what["c"]:
+                            calls.pop(c, None)
+                            old = self._where.pop(c, None)
+                            if old is not None:
+                                old.pending.discard(c)
+                except (ValueError, KeyError, TypeError) as e:  # whole, yet not a record of ours
+                    log.warning("spool %s: a record that cannot be read skipped: %r", path, e)
         return list(calls.values())
+
+
+def _check_private(directory: Path) -> None:
+    """Refuse a spool another user could write to (its records become stored turns): the
+    directory must be this user's and closed to others, its parent this user's or root's
+    (a shared temporary directory's subdirectory made by someone else is not)."""
+    uid = os.getuid()
+    st = os.stat(directory)
+    if st.st_uid != uid or st.st_mode & 0o022:
+        raise PermissionError(
+            f"the spool {directory} is another user's or writable by others: give this "
+            "gateway a directory of its own (--spool DIR)"
+        )
+    if os.stat(directory.parent).st_uid not in (uid, 0):
+        raise PermissionError(
+            f"the spool's parent {directory.parent} is another user's: give this gateway a "
+            "directory of its own (--spool DIR)"
+        )
 
 
 def _record(kind: int, meta: bytes, body: bytes) -> bytes:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 from collections.abc import Callable
 
 import pytest
@@ -111,3 +113,33 @@ def test_a_call_comes_back_from_its_record_as_it_was():
         ("t1~0", "t1~1"),
     )
     assert call_of_record(call_record(call), call.reply) == call
+
+
+def test_a_whole_record_that_is_not_ours_is_skipped(tmp_path):
+    """A record whose crc holds but whose JSON is not a spool's (a foreign or damaged
+    file) is skipped with a warning; the records around it are read."""
+
+    def work() -> None:
+        s = Spool(tmp_path, 1 << 20)
+        s.append_call("a", meta("a"), b"one")
+        s.append_call("bad", b"[1, 2", b"")
+        s.append_call("nameless", b"{}", b"")
+        s.append_call("c", meta("c"), b"two")
+        s.group("batch-1", ["a"])
+
+    died(work)
+    seg = max(tmp_path.glob("*.spool"))
+    ack = b'{"c": 5}'  # an ack naming no list of calls, in the documented framing
+    seg.write_bytes(seg.read_bytes() + struct.pack("<BIII", 3, len(ack), 0, zlib.crc32(ack)) + ack)
+    found = Spool(tmp_path, 1 << 20).found
+    assert [(f.call_id, f.batch_id) for f in found] == [("a", "batch-1"), ("c", "")]
+
+
+def test_a_spool_others_may_write_to_is_refused(tmp_path):
+    """Its records become stored turns: a directory open to other users is refused."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by others"):
+        Spool(shared, 1 << 20)
+    Spool(tmp_path / "own", 1 << 20).close()  # made by the spool: this user's, 0700
