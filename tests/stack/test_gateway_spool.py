@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from claw_tasks.client import Ingestor
+from claw_tasks.connection.server import RedisServer
 from claw_tasks.format.schema import Schema
 from claw_tasks.store import Store
 from claw_tasks.store.turns import turn_infos
@@ -219,3 +220,30 @@ def test_a_call_past_a_shards_capacity_is_settled_once_all_its_parts_are(
         time.sleep(0.1)
     gw.stop()  # SIGTERM: the recorder flushes, settles what the store confirmed
     assert not list(spool.glob("*.spool")), "a call stored in parts was never settled"
+
+
+def test_turns_answered_while_the_store_is_away_are_numbered_once_it_is_back(upstream, tmp_path):
+    """The store unreachable (a failover, a partition) while calls are answered: the
+    recorder asks it again until it answers, rather than counting the calls unrecorded."""
+    with RedisServer() as server:
+        namespace, port = f"sp-{uuid.uuid4().hex[:8]}", free_port()
+        argv = gateway_argv(upstream.url, namespace, port, "--spool", str(tmp_path / "spool"))
+        env = {**TOKENS, "CLAW_BROKER_URL": server.url}
+        gw = Proc([*argv[:3], "--redis-url", server.url, *argv[3:]], port, tmp_path / "gw.log", env)
+        try:
+            answer(gw, "away", 0)
+            server.stop()
+            second = answer(gw, "away", 1)  # admission unchecked: the call goes through
+            time.sleep(2)  # the recorder tries and waits
+            server.start()
+            key = admission.trajectory_key(Store(server.url, namespace), "away")
+            deadline = time.monotonic() + 60
+            while server.client().hget(key, f"c:{second}") is None:
+                assert time.monotonic() < deadline, "the call was never numbered"
+                time.sleep(0.1)
+            assert metric(gw, "claw_gateway_recorded_turns_total") == 2
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            page = httpx.get(f"{gw.url}/metrics", headers=auth).text
+            assert 'reason="error"' not in page  # none counted unrecorded
+        finally:
+            gw.stop()
