@@ -94,28 +94,32 @@ class Spool:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         _check_private(self.dir)
         self.max_bytes, self.segment_bytes, self.fsync = max_bytes, segment_bytes, fsync
-        self._lock_fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        lock = self.dir / "lock"
+        self._lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            # a lock file its holder removed (closing) between our open and our flock
+            if os.fstat(self._lock_fd).st_ino != os.stat(lock).st_ino:
+                raise BlockingIOError
+        except (BlockingIOError, FileNotFoundError):
             os.close(self._lock_fd)
             raise SpoolLocked(
                 f"the spool {self.dir} is held by another gateway process (give each its "
                 "own: --spool DIR)"
             ) from None
+        self._mutex = threading.Lock()
+        self._segments: list[_Segment] = []
+        self._where: dict[str, _Segment] = {}  # unsettled call id -> its segment
+        self.found = self._read()
         mark = self.dir / "owner"  # whose calls these are (the namespace)
         held = mark.read_text() if mark.exists() else ""
-        if held and held != owner and any(self.dir.glob("*.spool")):
+        if held and held != owner and self.found:
             os.close(self._lock_fd)
             raise SpoolLocked(
                 f"the spool {self.dir} holds calls of {held!r}, not {owner!r}: give this "
                 "gateway its own (--spool DIR)"
             )
         mark.write_text(owner)
-        self._mutex = threading.Lock()
-        self._segments: list[_Segment] = []
-        self._where: dict[str, _Segment] = {}  # unsettled call id -> its segment
-        self.found = self._read()
         number = self._segments[-1].number + 1 if self._segments else 0
         self._active = self._open(number)
         self._delete_settled()
@@ -163,13 +167,13 @@ class Spool:
                 for s in self._segments:
                     s.path.unlink(missing_ok=True)
                 self._segments.clear()
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            if not self._segments:
+            if not self._segments:  # removed while held: a newcomer locks a new file
                 (self.dir / "owner").unlink(missing_ok=True)
                 (self.dir / "lock").unlink(missing_ok=True)
                 with contextlib.suppress(OSError):  # something else is in it
                     self.dir.rmdir()
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
 
     def _note(self, kind: int, what: dict) -> None:
         """Append a group or ack record (bookkeeping: past the cap if it must be). A
@@ -222,11 +226,11 @@ class Spool:
     # ---- reading what a previous process left ------------------------------------------
     def _read(self) -> list[Spooled]:
         calls: dict[str, Spooled] = {}
-        for path in sorted(self.dir.glob("*.spool")):
-            try:
-                number = int(path.stem)
-            except ValueError:
-                continue
+        numbered = []
+        for path in self.dir.glob("*.spool"):
+            with contextlib.suppress(ValueError):  # not a segment's name
+                numbered.append((int(path.stem), path))
+        for number, path in sorted(numbered):
             seg = _Segment(number, path, path.stat().st_size)
             self._segments.append(seg)
             for kind, meta, body in _records(path):
