@@ -25,6 +25,12 @@ compare with (2), every call a new trajectory through a second gateway started w
 shared token); every round one call of each, the order rotated, so that they see the same
 load. Each admission-on mode is also measured alone first, pairs with the direct call as for
 the first figure. Then the gate's check alone, in this process.
+
+The spool's cost: ``--calls`` rounds, interleaved, of the direct call and one call through
+each of two more gateways, one with its spool (the default: every answered call written
+to local disk before its reply) and one with ``--spool off``, one trajectory each, and
+each one's CPU per call. ``--only-spool`` runs this part alone. (The gateways above run
+with their default spool.)
 """
 
 from __future__ import annotations
@@ -198,11 +204,53 @@ def load(gw: Proc, store: Store, calls: int, threads: int) -> tuple[float, float
     return time.perf_counter() - t0, sent, per * threads
 
 
+def spool_cost(
+    gateway: Callable[..., Proc], upstream: Proc, ns: str, n: int
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """Latency of the call through a gateway with its spool and one with ``--spool off``
+    (interleaved with the direct call), and each gateway's CPU ms per call."""
+    on, off = (
+        gateway(free_port(), ns + "-spool"),
+        gateway(free_port(), ns + "-nospool", "--spool", "off"),
+    )
+    chat = "/v1/chat/completions"
+    procs = {"spool on": on, "spool off": off}
+    targets: dict[str, tuple[Callable[[int], str], Callable[[int], str | None]]] = {
+        "direct": (lambda i: upstream.url + chat, lambda i: None),
+        "spool on": (lambda i: f"{on.url}/t/one/g/q{chat}", lambda i: TOKEN),
+        "spool off": (lambda i: f"{off.url}/t/one/g/q{chat}", lambda i: TOKEN),
+    }
+    try:
+        with httpx.Client(timeout=60) as c:
+            interleaved(c, targets, 50)  # warm
+            cpu0 = {k: cpu_seconds(p.proc.pid) for k, p in procs.items()}
+            got = interleaved(c, targets, n)
+        cpu = {k: (cpu_seconds(p.proc.pid) - cpu0[k]) / n * 1e3 for k, p in procs.items()}
+    finally:
+        on.stop()
+        off.stop()
+    return got, cpu
+
+
+def print_spool_cost(got: dict[str, np.ndarray], cpu: dict[str, float], n: int) -> None:
+    d = got["direct"]
+    print(f"spool, interleaved, {n} calls each (ms): direct p50 {np.median(d):.3f}")
+    for mode in ("spool on", "spool off"):
+        g = got[mode]
+        print(
+            f"  {mode}: p50 {np.median(g):.3f} p99 {np.percentile(g, 99):.2f}, added p50 "
+            f"{np.median(g) - np.median(d):.3f}; gateway CPU per call {cpu[mode]:.3f} ms"
+        )
+    extra = np.median(got["spool on"]) - np.median(got["spool off"])
+    print(f"  the spool's added p50: {extra:.3f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--load-calls", type=int, default=4000)
     ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--only-spool", action="store_true", help="only the spool's cost")
     args = ap.parse_args()
     tmp = Path(f"/tmp/claw-bench-gateway-{uuid.uuid4().hex[:6]}")
     tmp.mkdir()
@@ -221,6 +269,18 @@ def main() -> None:
             env = {"CLAW_GATEWAY_TOKEN": TOKEN, "CLAW_GATEWAY_ADMIN_TOKEN": ADMIN}
             return Proc(cmd, port, tmp / f"gateway-{port}.log", env)
 
+        if args.only_spool:
+            try:
+                got, spool_cpu = spool_cost(gateway, upstream, ns, args.calls)
+            finally:
+                upstream.stop()
+                worker.stop()
+            print(
+                f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} "
+                f"cores, load {os.getloadavg()[0]:.1f}; python {platform.python_version()}"
+            )
+            print_spool_cost(got, spool_cpu, args.calls)
+            return
         gw = gateway(gw_port, ns)
         off = gateway(free_port(), ns + "-off", "--no-admission")
         try:
@@ -300,6 +360,7 @@ def main() -> None:
                 (cpu_seconds(gw.proc.pid) - cpu0[1]) / (4 * args.calls) * 1e3,
             )
             gate = gate_cost(server.url, ns, args.calls)
+            spool_lat, spool_cpu = spool_cost(gateway, upstream, ns, args.calls)
             budget = store.r.hgetall(store.owned_key("admission"))
         finally:
             for p in (off, gw):
@@ -347,6 +408,7 @@ def main() -> None:
             f"gate check of a new trajectory, {client_kind}: {wall:.0f} us wall, "
             f"{cpu_us:.0f} us CPU"
         )
+    print_spool_cost(spool_lat, spool_cpu, args.calls)
     refused = int(budget.get(b"refused", 0))
     print(f"admission counters: total {int(budget[b'total'])}, refused {refused}")
     print(

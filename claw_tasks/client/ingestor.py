@@ -5,6 +5,7 @@ the buffer, the sending thread, ``flush`` and ``close`` are in
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -27,19 +28,29 @@ from claw_tasks.client.checks import (
     opt_column,
     schema_of_step,
     step_meta,
+    steps_to_batch,
     str_column,
     tag_kinds,
 )
 from claw_tasks.client.columns import StepColumns
 from claw_tasks.client.episode import Episode
 from claw_tasks.client.sending import Deliver, FlushResult, Inflight
-from claw_tasks.format.batch import STR_META, StepBatch, as_stored, info_problem, tag_value_problem
+from claw_tasks.format.batch import (
+    STR_META,
+    StepBatch,
+    as_stored,
+    check_batch_id,
+    info_problem,
+    tag_value_problem,
+)
 from claw_tasks.format.schema import MAX_STEP_BYTES, Schema, SchemaError
 from claw_tasks.format.turns import prompt_key, turn_fields, turn_info
 from claw_tasks.settings import get_settings
 from claw_tasks.store import Store
 from claw_tasks.store.config import DEFAULT_CAPACITY
 from claw_tasks.store.retention import Retention
+
+log = logging.getLogger(__name__)
 
 
 class Ingestor(Buffering):
@@ -252,6 +263,55 @@ class Ingestor(Buffering):
         the terminated flag. Rewards known only later go through ``attach_rewards``.
         Extra keywords are free tags (task, dataset, difficulty). Raises before buffering
         on bad input; a namespace without a schema gets ``Schema.llm``."""
+        self._buffer(
+            self.llm_step(
+                trajectory_uid,
+                turn,
+                prompt_ids,
+                response_ids,
+                response_logprobs,
+                prompt_uid=prompt_uid,
+                response_mask=response_mask,
+                reward=reward,
+                is_last=is_last,
+                truncated=truncated,
+                policy_version=policy_version,
+                reward_source=reward_source,
+                task_id=task_id,
+                agent_id=agent_id,
+                messages=messages,
+                tool_calls=tool_calls,
+                retokenized=retokenized,
+                info=info,
+                **tags,
+            )
+        )
+
+    def llm_step(
+        self,
+        trajectory_uid: str,
+        turn: int,
+        prompt_ids: Any,
+        response_ids: Any,
+        response_logprobs: Any,
+        *,
+        prompt_uid: str | None = None,
+        response_mask: Any = None,
+        reward: float = 0.0,
+        is_last: bool = False,
+        truncated: bool = False,
+        policy_version: int | None = None,
+        reward_source: str | None = None,
+        task_id: str | None = None,
+        agent_id: str | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tool_calls: Sequence[Mapping[str, Any]] | None = None,
+        retokenized: bool = False,
+        info: Mapping[str, Any] | None = None,
+        **tags: str | float,
+    ) -> Step:
+        """The checked step :meth:`llm_turn` buffers (SchemaError on bad input), for
+        :meth:`send_steps`."""
         if self.schema is None:
             self.schema = Schema.llm(response_mask=response_mask is not None)
         where = f"turn {turn} of trajectory {trajectory_uid!r}"
@@ -286,7 +346,31 @@ class Ingestor(Buffering):
             is_last,
             truncated,
         )
-        self._buffer(step)
+        return step
+
+    def send_steps(self, steps: Sequence[Step], batch_id: str) -> list[str]:
+        """Publish checked steps (:meth:`llm_step`) now as one batch named ``batch_id``,
+        past the buffer, tracked like every batch (re-sent until confirmed; ``flush``
+        waits for it). A producer that may send the same steps again after a restart
+        names the batch so: the ingest worker commits a batch id once. Returns the ids of
+        the messages it goes in (``batch_id``, or its parts' past a shard's capacity): it is
+        stored once each has its done record. A publish that fails (broker or Redis
+        unreachable) is logged, and the batch kept and re-sent under the same ids."""
+        if self.schema is None:
+            raise SchemaError("send_steps takes steps made by llm_step (no schema yet)")
+        batch = steps_to_batch(steps, self.schema)
+        batch.batch_id = check_batch_id(batch_id)
+        ids = self.message_ids(batch)
+        with self._lock:
+            self._sending += 1
+        try:
+            self._send_or_keep(batch)
+        except Exception as e:
+            log.warning("publishing batch %s failed (kept and re-sent): %s", batch_id, e)
+        finally:
+            with self._lock:
+                self._sending -= 1
+        return ids
 
     def add_batch(self, columns: Mapping[str, Any], *, deliver: Deliver | None = None) -> int:
         """Add many steps at once from columns (vectorized producers).

@@ -117,8 +117,35 @@ class Sender:
             return
         for start in range(0, batch.n, cap):
             part = batch.take(slice(start, min(batch.n, start + cap)))  # views
-            part.batch_id = f"{batch.batch_id}.c{start}"
+            part.batch_id = _chunk_id(batch.batch_id, start)
             self._send_message(part, deliver)
+
+    def message_ids(self, batch: StepBatch) -> list[str]:
+        """The batch ids of the messages :meth:`_send` publishes ``batch`` in (itself, or
+        its parts): the batch is stored once the store holds a done record for each."""
+        cap = self.store.config().cap
+        if batch.n <= cap:
+            return self._message_ids(batch)
+        out = []
+        for start in range(0, batch.n, cap):
+            part = batch.take(slice(start, min(batch.n, start + cap)))
+            part.batch_id = _chunk_id(batch.batch_id, start)
+            out += self._message_ids(part)
+        return out
+
+    def _message_ids(self, batch: StepBatch) -> list[str]:
+        """The ids :meth:`_send_message` publishes a batch that fits a shard under."""
+        if sum(v.nbytes for v in self._fixed(batch).values()) <= self.claim_check_bytes:
+            return [batch.batch_id]
+        return [part.batch_id for _, part in self._by_shard(batch)]
+
+    def _fixed(self, batch: StepBatch) -> dict[str, np.ndarray]:
+        """The batch's fixed-shape payloads that may be written in place (a compressed
+        field travels in the message, encoded here or by the worker)."""
+        codecs = self.schema.codecs if self.schema is not None else {}
+        return {
+            k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray) and k not in codecs
+        }
 
     def _send_message(self, batch: StepBatch, deliver: Deliver | None = None) -> None:
         """Publish a batch that fits a shard. Large fixed-shape payloads skip the message
@@ -129,9 +156,7 @@ class Sender:
         codecs = self.schema.codecs if self.schema is not None else {}
         if codecs and self.compress_at == "producer":
             batch = encode_batch(batch, self.schema, self.codec_threads)  # type: ignore[arg-type]  # codecs come from a schema: it is set
-        fixed = {
-            k: v for k, v in batch.fields.items() if isinstance(v, np.ndarray) and k not in codecs
-        }  # a compressed field travels in the message (encoded here or by the worker)
+        fixed = self._fixed(batch)
         if sum(v.nbytes for v in fixed.values()) <= self.claim_check_bytes:
             self._publish_batch(batch, None, deliver)
             return
@@ -218,6 +243,12 @@ class Sender:
                 self._publish(entry.args)
         with self._lock:
             return len(self._inflight) + len(self._unsent)
+
+
+def _chunk_id(batch_id: str, start: int) -> str:
+    """The id of the part of batch ``batch_id`` from its step ``start`` (over a shard's
+    capacity): derived, so a re-send of the batch sends the same parts."""
+    return f"{batch_id}.c{start}"
 
 
 def encode_batch(batch: StepBatch, schema: Schema, threads: int = 1) -> StepBatch:

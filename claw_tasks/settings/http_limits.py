@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .variable import MIB, Variable, at_least_one, count, seconds, seconds_or_never
+from .variable import MIB, Variable, at_least_one, count, flag, seconds, seconds_or_never
 
 HTTP: tuple[Variable, ...] = (
     Variable(
@@ -65,6 +65,34 @@ HTTP: tuple[Variable, ...] = (
         shown="`3600`",
     ),
     Variable(
+        "CLAW_GATEWAY_SPOOL",
+        "http.gateway_spool",
+        str,
+        "",
+        "`claw gateway`: the directory of its spool, where every answered call waits on "
+        "local disk until the store has it, so a SIGKILLed gateway loses none (docs/llm.md, "
+        "Spool); one per process (`--spool` overrides); `off`: no spool",
+        shown="`$TMPDIR/claw-gateway-<uid>/<namespace>-<port>`",
+    ),
+    Variable(
+        "CLAW_GATEWAY_SPOOL_BYTES",
+        "http.gateway_spool_bytes",
+        count,
+        1024 * MIB,
+        "`claw gateway`: bytes the spool may hold; a call past them is recorded from memory "
+        "only (counted `claw_gateway_spool_dropped_calls`)",
+        shown="1 GiB",
+    ),
+    Variable(
+        "CLAW_GATEWAY_SPOOL_FSYNC",
+        "http.gateway_spool_fsync",
+        flag,
+        False,
+        "`claw gateway`: fsync the spool after each call (survives power loss too, at a "
+        "disk flush per call); off, a call survives the process's SIGKILL, not the machine's",
+        shown="`0`",
+    ),
+    Variable(
         "CLAW_WEB_LOGIN_BODY_BYTES",
         "http.web_login_body_bytes",
         count,
@@ -110,6 +138,9 @@ class HttpLimits:
     gateway_recorder_stall: float = 120.0
     gateway_admission_wait: float = 10.0
     gateway_admission_expiry: float = 3600.0
+    gateway_spool: str = ""
+    gateway_spool_bytes: int = 1024 * MIB
+    gateway_spool_fsync: bool = False
     web_login_body_bytes: int = 4096
     web_body_bytes: int = MIB
     web_form_fields: int = 1000

@@ -36,6 +36,7 @@ from orchestrator.gateway.gate import STORE_TIMEOUT_S, Gate
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.recorder import Recorder
 from orchestrator.gateway.requests import Refused, bearer, error
+from orchestrator.gateway.spool import Spool
 from orchestrator.gateway.trajectories import TrajectoryRoutes
 from orchestrator.gateway.upstream import Upstream
 
@@ -50,10 +51,20 @@ class Gateway:
     """The app's state: config, upstream client, recorder, gate, metrics, and the two
     groups of routes (agents' calls, and what is about a trajectory) that share them."""
 
-    def __init__(self, config: GatewayConfig, ingestor: Ingestor | None = None) -> None:
+    def __init__(
+        self, config: GatewayConfig, ingestor: Ingestor | None = None, spool: Spool | None = None
+    ) -> None:
         if not config.token:
             raise ValueError("the gateway needs a token (CLAW_GATEWAY_TOKEN)")
         config = config.resolved()
+        if spool is None and config.spool:
+            assert config.spool_bytes is not None
+            spool = Spool(
+                config.spool,
+                config.spool_bytes,
+                fsync=bool(config.spool_fsync),
+                owner=config.namespace,
+            )
         self.config = config
         self.metrics = GatewayMetrics()
         redis_url = config.redis_url or get_settings().redis_url
@@ -98,8 +109,13 @@ class Gateway:
             trajectory_ttl=config.session_ttl,
             admission_expiry=config.admission_expiry or 0.0,
             who=self.gate.who,
+            spool=spool,
         )
         self.metrics.track_backlog(lambda: self.recorder.backlog)
+        if spool is not None:
+            self.metrics.track_spool(lambda: spool.size)
+            self.recorder.replay(spool.found)  # before the app serves: rewards wait for them
+            spool.found = []
         headers = {"accept-encoding": "identity"}
         if config.upstream_key:
             headers["authorization"] = f"Bearer {config.upstream_key}"
@@ -189,9 +205,12 @@ class Gateway:
             self._budget_at = time.monotonic()
 
 
-def create_app(config: GatewayConfig, ingestor: Ingestor | None = None) -> Starlette:
+def create_app(
+    config: GatewayConfig, ingestor: Ingestor | None = None, spool: Spool | None = None
+) -> Starlette:
     """The Starlette app; the gateway (Redis connection, recorder thread, upstream
-    client) starts with the app's lifespan and is closed, flushed, with it."""
+    client) starts with the app's lifespan and is closed, flushed, with it. ``spool``: an
+    open spool (else ``config.spool`` is opened, if set)."""
     holder: dict[str, Gateway] = {}
 
     def route(name: str) -> Any:
@@ -217,7 +236,7 @@ def create_app(config: GatewayConfig, ingestor: Ingestor | None = None) -> Starl
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        holder["gw"] = await run_in_threadpool(Gateway, config, ingestor)
+        holder["gw"] = await run_in_threadpool(Gateway, config, ingestor, spool)
         try:
             yield
         finally:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from claw_tasks.format.schema import SchemaError
 from claw_tasks.format.turns import turn_fields
 from orchestrator.gateway.capture import CaptureError, Retokenizer, Turn, capture_all
@@ -55,6 +57,41 @@ class Call:
     def __post_init__(self) -> None:
         if not self.trajectories:
             self.trajectories = (self.trajectory_uid,)
+
+
+def call_record(call: Call) -> bytes:
+    """The call's fields but its reply, as the spool keeps them (JSON; the reply is the
+    record's body, raw)."""
+    return orjson.dumps(
+        {
+            "call_id": call.call_id,
+            "trajectory_uid": call.trajectory_uid,
+            "prompt_uid": call.prompt_uid,
+            "kind": call.kind,
+            "request": call.request,
+            "streamed": call.streamed,
+            "tags": call.tags,
+            "policy_version": call.policy_version,
+            "trajectories": list(call.trajectories),
+        }
+    )
+
+
+def call_of_record(meta: bytes, reply: bytes) -> Call:
+    """The :class:`Call` a spool record holds (:func:`call_record`)."""
+    d = orjson.loads(meta)
+    return Call(
+        d["trajectory_uid"],
+        d["prompt_uid"],
+        d["kind"],
+        d["request"],
+        reply,
+        bool(d["streamed"]),
+        dict(d["tags"]),
+        d["policy_version"],
+        d["call_id"],
+        tuple(d["trajectories"]),
+    )
 
 
 def policy_version_of(call: Call, default: int | None) -> int | None:

@@ -3,9 +3,29 @@ unset taken from the settings."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from claw_tasks.settings import get_settings
+
+SPOOL_OFF = "off"
+"""The spool setting (``--spool``, CLAW_GATEWAY_SPOOL) that turns the spool off."""
+
+
+def spool_dir(setting: str | None, namespace: str, port: int) -> str | None:
+    """The spool directory ``claw gateway`` uses: ``setting`` (``--spool``, else
+    CLAW_GATEWAY_SPOOL) if given, None if it is ``off``, else one per namespace and port
+    under the temporary directory (a gateway restarted on its port takes its
+    predecessor's spool over)."""
+    setting = setting or get_settings().http.gateway_spool
+    if setting == SPOOL_OFF:
+        return None
+    if setting:
+        return setting
+    base = Path(tempfile.gettempdir()) / f"claw-gateway-{os.getuid()}"
+    return str(base / f"{namespace}-{port}")
 
 
 @dataclass
@@ -27,7 +47,9 @@ class GatewayConfig:
     The bounds left None come from the settings (``claw_tasks.settings.HttpLimits``): the
     upstream timeout, the reply bytes kept to record one call, the bytes of replies
     waiting for the recorder, and how long the recorder may spend on one batch before
-    /healthz fails."""
+    /healthz fails. ``spool``: the directory of this process's spool (docs/llm.md,
+    Spool; None: no spool), holding at most ``spool_bytes``, fsynced per call with
+    ``spool_fsync``."""
 
     upstream: str
     namespace: str
@@ -55,6 +77,9 @@ class GatewayConfig:
     max_reply_bytes: int | None = None
     queue_bytes: int | None = None
     recorder_stall: float | None = None
+    spool: str | None = None
+    spool_bytes: int | None = None
+    spool_fsync: bool | None = None
 
     def resolved(self) -> GatewayConfig:
         """This config with every bound left None taken from the settings."""
@@ -65,6 +90,8 @@ class GatewayConfig:
             max_reply_bytes=self.max_reply_bytes or d.gateway_reply_bytes,
             queue_bytes=self.queue_bytes or d.gateway_queue_bytes,
             recorder_stall=self.recorder_stall or d.gateway_recorder_stall,
+            spool_bytes=self.spool_bytes or d.gateway_spool_bytes,
+            spool_fsync=d.gateway_spool_fsync if self.spool_fsync is None else self.spool_fsync,
             admission_wait=(
                 d.gateway_admission_wait if self.admission_wait is None else self.admission_wait
             ),

@@ -184,6 +184,7 @@ class Forwarder:
         version = resp.headers.get(POLICY_VERSION_HEADER)
         if not stream:
             call = incoming.call(content, False, version, call_id)
+            self.recorder.keep(call)  # spooled before the agent has the reply
 
             async def record() -> None:  # after the response is sent
                 self.recorder.submit(call)
@@ -265,6 +266,7 @@ class Forwarder:
         buf: bytearray | None = bytearray()
         tail = b""  # the stream's last bytes, to see a final [DONE]
         done = ended = False  # ended: a Responses stream's final event went by
+        kept = None  # the call, spooled once its final event is in (before that goes out)
         try:
             async for chunk in resp.chunks():
                 if buf is not None:
@@ -274,12 +276,20 @@ class Forwarder:
                 if incoming.kind == RESPONSES and not ended:
                     ended = any(e in tail + chunk for e in _RESPONSE_ENDS)
                 tail = (tail + chunk)[-64:]
+                final = ended or tail.rstrip().endswith(b"data: [DONE]")
+                if final and kept is None and buf is not None:
+                    kept = incoming.call(bytes(buf), True, version, call_id)
+                    self.recorder.keep(kept)
                 yield chunk
             done = True
         finally:
             complete = done or ended or tail.rstrip().endswith(b"data: [DONE]")
-            if complete and buf is not None:
-                self.recorder.submit(incoming.call(bytes(buf), True, version, call_id))
+            if kept is not None:  # recorded as spooled (bytes past the final event aside)
+                self.recorder.submit(kept)
+            elif complete and buf is not None:  # a stream that ended without its final event
+                call = incoming.call(bytes(buf), True, version, call_id)
+                self.recorder.keep(call)
+                self.recorder.submit(call)
             elif complete:
                 self.recorder.unrecorded(incoming.trajectories, "too_large")
             else:

@@ -72,6 +72,23 @@ class GatewayMetrics:
         self.backlog = Gauge(
             "claw_gateway_record_backlog", "Calls waiting to be recorded", registry=r
         )
+        self.spooled_bytes = Gauge(
+            "claw_gateway_spool_bytes",
+            "Bytes in the spool: answered calls the store may not have yet (0 with no spool)",
+            registry=r,
+        )
+        self.replayed = Counter(
+            "claw_gateway_spool_replayed_calls",
+            "Answered calls found unsettled in the spool at start and recorded again",
+            registry=r,
+        )
+        self.spool_dropped = Counter(
+            "claw_gateway_spool_dropped_calls",
+            "Answered calls not spooled: the spool was full (CLAW_GATEWAY_SPOOL_BYTES) or "
+            "unwritable; recorded from memory only, so lost to a SIGKILL before the store "
+            "has them",
+            registry=r,
+        )
 
     def _admission(self) -> None:
         """What this gateway's gate did; the budget itself is :class:`AdmissionGauges`'."""
@@ -112,6 +129,9 @@ class GatewayMetrics:
 
     def track_backlog(self, size: Callable[[], int]) -> None:
         self.backlog.set_function(size)
+
+    def track_spool(self, size: Callable[[], int]) -> None:
+        self.spooled_bytes.set_function(size)
 
 
 class AdmissionGauges(Collector):

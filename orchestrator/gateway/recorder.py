@@ -13,14 +13,18 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from claw_tasks.client import Ingestor
+from claw_tasks.client.checks import Step
 from claw_tasks.format.schema import SchemaError
+from claw_tasks.store.batches import done_key
 from claw_tasks.store.scripts import Lua, execute
 from claw_tasks.store.turns import attach_rewards
+from claw_tasks.worker.ingest import is_transient
 from claw_tasks.worker.lru import LRU
 from orchestrator.delivery import admission
 from orchestrator.gateway import credit
@@ -28,17 +32,29 @@ from orchestrator.gateway.calls import (
     Call,
     RecorderError,
     TrajectoryError,
+    call_of_record,
+    call_record,
     capture_call,
 )
 from orchestrator.gateway.capture import CaptureError, Retokenizer, Turn
 from orchestrator.gateway.metrics import GatewayMetrics
 from orchestrator.gateway.rewards import turn_rewards_by_call, wait_committed
+from orchestrator.gateway.spool import Spool, Spooled
 
 log = logging.getLogger(__name__)
 
 TURN = Lua("turn", "orchestrator")
 """The per-trajectory state script (``orchestrator/lua/turn.lua``)."""
-_DRAIN = 256  # calls numbered in one round trip at most
+_DRAIN = 256  # calls numbered in one round trip (and sent in one batch) at most
+GATHER_S = 0.05
+"""How long the recorder thread gathers calls after the first before it numbers and sends
+them, one batch (a burst's calls go in one message, not one each)."""
+RETRY_S, RETRY_MAX_S = 0.5, 5.0
+"""The first and the longest wait before the store is asked again to number turns it
+could not (unreachable)."""
+CONFIRM_S = 0.5
+"""How often the recorder asks the store which of its batches are committed (one MGET),
+to settle their calls in the spool."""
 
 
 def _arg(value: int | None) -> str:
@@ -55,6 +71,15 @@ def reward_digest(
     of its values, the same in every gateway process."""
     body = [final_reward, turn_rewards, dict(sorted((call_rewards or {}).items())), reward_source]
     return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:32]
+
+
+@dataclass
+class _Replay:
+    """Calls a previous process on the spool grouped under ``batch_id`` before it died:
+    recorded again as that one batch (the ingest worker commits a batch id once)."""
+
+    batch_id: str
+    calls: list[Call] = field(default_factory=list)
 
 
 @dataclass
@@ -89,6 +114,7 @@ class Recorder:
         trajectory_ttl: int = 7 * 86400,
         admission_expiry: float = 3600.0,
         who: str = "",
+        spool: Spool | None = None,
     ) -> None:
         self.ingestor = ingestor
         self.store = ingestor.store
@@ -99,7 +125,11 @@ class Recorder:
         self.ttl = trajectory_ttl
         self.expiry = admission_expiry  # an open trajectory's expiry, moved by each turn
         self.who = who  # this gateway, in the admission log
-        self._queue: queue.Queue[Call | None] = queue.Queue(queue_size)
+        self.spool = spool
+        # batch id -> its calls and the ids of the messages it went in, until committed
+        self._sent: dict[str, tuple[list[str], list[str]]] = {}
+        self._closing = threading.Event()
+        self._queue: queue.Queue[Call | _Replay | None] = queue.Queue(queue_size)
         self._trajectories: LRU[str, _Trajectory] = LRU(max_trajectories)
         self._lock = threading.Lock()
         # Progress, for rewards and /healthz: calls queued and calls done (recorded or
@@ -137,6 +167,50 @@ class Recorder:
             for t in found:
                 t.calls += 1
 
+    def keep(self, call: Call) -> None:
+        """Spool the answered call (before its reply goes back); one counted as
+        ``claw_gateway_spool_dropped_calls`` when the spool is full or unwritable (it is
+        recorded all the same, from memory)."""
+        if self.spool is None:
+            return
+        try:
+            kept = self.spool.append_call(call.call_id, call_record(call), call.reply)
+        except (OSError, TypeError) as e:
+            log.warning("spooling a call failed: %s", e)
+            kept = False
+        if not kept:
+            self.metrics.spool_dropped.inc()
+
+    def replay(self, found: Sequence[Spooled]) -> None:
+        """Queue the calls a previous process left unsettled in the spool (at start,
+        before the app serves: a reward waits for them), a grouped call in its batch."""
+        batches: dict[str, _Replay] = {}
+        items: list[Call | _Replay] = []
+        for s in found:
+            try:
+                call = call_of_record(s.meta, s.body)
+            except (ValueError, KeyError, TypeError) as e:  # whole, yet not a call of ours
+                log.warning("a spooled call that cannot be read dropped: %r", e)
+                self.unrecorded([], "malformed")
+                if self.spool is not None:
+                    self.spool.settle([s.call_id])
+                continue
+            if not s.batch_id:
+                items.append(call)
+            elif s.batch_id in batches:
+                batches[s.batch_id].calls.append(call)
+            else:
+                batches[s.batch_id] = _Replay(s.batch_id, [call])
+                items.append(batches[s.batch_id])
+        for item in items:
+            n = len(item.calls) if isinstance(item, _Replay) else 1
+            with self._lock:
+                self._queued += n
+            self._queue.put(item)  # blocks while full: the thread is draining it
+        self.metrics.replayed.inc(len(found))
+        if found:
+            log.warning("re-recording %d answered calls found in the spool", len(found))
+
     def submit(self, call: Call) -> None:
         with self._lock:
             if self._queued_bytes + len(call.reply) > self.queue_bytes:
@@ -152,6 +226,7 @@ class Recorder:
                     self._queued_bytes += len(call.reply)
         if full:
             self.unrecorded(call.trajectories, "queue_full")
+            self._settle([call])
 
     def refund(self, trajectories: Sequence[str]) -> None:
         """A call admitted but not answered upstream: it does not use the turn budget."""
@@ -178,32 +253,99 @@ class Recorder:
 
     # ---- recorder thread ------------------------------------------------------------
     def _run(self) -> None:
-        stop = False
+        stop, checked = False, time.monotonic()
+        carry: list[Call | _Replay | None] = []  # taken from the queue, for the next round
         while not stop:
-            calls = [self._queue.get()]
-            while len(calls) < _DRAIN:  # what queued up meanwhile, in the same round trip
-                try:
-                    calls.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            if calls[-1] is None:
+            if time.monotonic() - checked >= CONFIRM_S:
+                checked = time.monotonic()
+                self._confirm()
+            try:
+                first = carry.pop() if carry else self._queue.get(timeout=CONFIRM_S)
+            except queue.Empty:
+                continue
+            replay = None
+            calls: list[Call] = []
+            if isinstance(first, _Replay):
+                replay, calls = first, first.calls
+            elif first is None:
                 stop = True
-                calls.pop()
+            else:
+                calls.append(first)
+                until = time.monotonic() + GATHER_S
+                while len(calls) < _DRAIN:  # what queues up meanwhile, in the same batch
+                    try:
+                        item = self._queue.get(timeout=max(0.0, until - time.monotonic()))
+                    except queue.Empty:
+                        break
+                    if not isinstance(item, Call):  # the stop marker, or a replayed batch
+                        carry.append(item)
+                        break
+                    calls.append(item)
             self._busy_since = time.monotonic()
             try:
-                self._record_all(calls)  # type: ignore[arg-type]  # the stop marker (None) was popped above
+                if calls:
+                    self._record_all(calls, replay.batch_id if replay else None)
             except Exception:  # a bug: no call may stop the thread; these count as errors
                 log.exception("recording %d calls failed", len(calls))
                 for c in calls:
-                    self.unrecorded(c.trajectories, "error")  # type: ignore[union-attr]  # the stop marker (None) was popped above
+                    self.unrecorded(c.trajectories, "error")
+                self._settle(calls)
             finally:
                 self._busy_since = None
                 with self._progress:
                     self._done += len(calls)
-                    self._queued_bytes -= sum(len(c.reply) for c in calls)  # type: ignore[union-attr]  # the stop marker (None) was popped above
+                    if replay is None:
+                        self._queued_bytes -= sum(len(c.reply) for c in calls)
                     self._progress.notify_all()
 
-    def _record_all(self, calls: list[Call]) -> None:
+    def _confirm(self) -> None:
+        """Settle in the spool the calls of the batches the store committed (the done
+        records of all the messages each went in; one MGET). A failure is retried on the
+        next round."""
+        if not self._sent:
+            return
+        batches = list(self._sent.items())
+        ns = self.store.namespace
+        keys = [done_key(ns, m) for _, (_, messages) in batches for m in messages]
+        try:
+            done = iter(self.store.r.mget(keys))
+        except Exception as e:
+            log.warning("asking the store which batches are committed failed: %s", e)
+            return
+        for batch_id, (calls, messages) in batches:
+            if all([next(done) is not None for _ in messages]) and self.spool is not None:
+                self.spool.settle(calls)
+                del self._sent[batch_id]
+
+    def _settle(self, calls: Sequence[Call]) -> None:
+        if self.spool is not None:
+            self.spool.settle(c.call_id for c in calls)
+
+    def _record_all(self, calls: list[Call], batch_id: str | None = None) -> None:
+        """Number the calls' turns (one round trip) and send them as one batch:
+        ``batch_id`` the one a previous process grouped them under, else a new one, noted
+        in the spool before it is published. A call none of whose turns is sent is
+        settled at once; the others once the store confirms the batch. Calls the store
+        could not number before the recorder closed stay unsettled, for the next process."""
+        steps: list[Step] = []
+        sent: dict[str, Call] = {}
+        numbered = True
+        try:
+            numbered = self._number_all(calls, steps, sent)
+            if steps:
+                batch_id = batch_id or f"gw-{uuid.uuid4().hex}"
+                if self.spool is not None:
+                    self.spool.group(batch_id, sent)
+                messages = self.ingestor.send_steps(steps, batch_id)  # kept if it fails
+                if self.spool is not None:
+                    self._sent[batch_id] = (list(sent), messages)
+        finally:
+            if numbered:
+                self._settle([c for c in calls if c.call_id not in sent])
+
+    def _number_all(self, calls: list[Call], steps: list[Step], sent: dict[str, Call]) -> bool:
+        """The calls' steps, numbered, into ``steps`` (their calls into ``sent``); False if
+        the recorder closed while the store could not number them."""
         captured: list[list[Turn] | None] = []
         for call in calls:
             try:
@@ -228,41 +370,24 @@ class Recorder:
             for uid, turn in zip(c.trajectories, turns, strict=True)
         ]
         if not todo:
-            return
-        budget, opened = admission.admission_key(self.store), admission.open_key(self.store)
+            return True
         try:
-            numbered = execute(
-                self.store.r,
-                [TURN],
-                lambda pipe: [
-                    TURN.queue(
-                        pipe,
-                        [self._key(uid), budget, opened],
-                        [
-                            "turn",
-                            self.ttl,
-                            _arg(turn.policy_version),
-                            c.call_id,
-                            self.expiry,
-                            uid,
-                            c.prompt_uid or "",
-                        ],
-                    )
-                    for c, uid, turn in todo
-                ],
-            )
+            numbered = self._number(todo)
         except Exception:
             log.exception("numbering %d recorded turns failed (Redis)", len(todo))
+            numbered = []
+        if not numbered:
             for _, uid, _ in todo:
                 self.unrecorded([uid], "error")
-            return
+            return numbered is not None
         for (call, uid, turn), (index, version) in zip(todo, numbered, strict=True):
             if int(index) < 0:
                 self.unrecorded([uid], "finished")
                 continue
             turn.policy_version = None if int(version) < 0 else int(version)
             try:
-                self._record(call, uid, turn, int(index))
+                steps.append(self._step(call, uid, turn, int(index)))
+                sent[call.call_id] = call
             except CaptureError as e:
                 log.info("call of trajectory %r not recorded: %s", uid, e)
                 self.unrecorded([uid], "uncapturable")
@@ -270,7 +395,51 @@ class Recorder:
                 log.exception("recording a call of trajectory %r failed", uid)
                 self.unrecorded([uid], "error")
 
-    def _record(self, call: Call, trajectory_uid: str, turn: Turn, index: int) -> None:
+    def _number(self, todo: list[tuple[Call, str, Turn]]) -> list[Any] | None:
+        """The turns' ``{index, version}`` (one round trip), asked again while the store is
+        unreachable (a failover, a partition: the turn script hands a call id its index
+        once, so a try whose reply was lost costs nothing) until it answers or the recorder
+        closes (None). Another error is raised."""
+        budget, opened = admission.admission_key(self.store), admission.open_key(self.store)
+        wait = RETRY_S
+        while True:
+            try:
+                return execute(
+                    self.store.r,
+                    [TURN],
+                    lambda pipe: [
+                        TURN.queue(
+                            pipe,
+                            [self._key(uid), budget, opened],
+                            [
+                                "turn",
+                                self.ttl,
+                                _arg(turn.policy_version),
+                                c.call_id,
+                                self.expiry,
+                                uid,
+                                c.prompt_uid or "",
+                            ],
+                        )
+                        for c, uid, turn in todo
+                    ],
+                )
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                if self._closing.is_set():
+                    log.warning("numbering %d recorded turns failed at close: %s", len(todo), e)
+                    return None
+                log.warning(
+                    "numbering %d recorded turns failed (%s); asked again in %g s",
+                    len(todo),
+                    e,
+                    wait,
+                )
+            self._closing.wait(wait)
+            wait = min(2 * wait, RETRY_MAX_S)
+
+    def _step(self, call: Call, trajectory_uid: str, turn: Turn, index: int) -> Step:
         info: dict[str, Any] = {"finish_reason": turn.finish_reason, "model": turn.model}
         if call.call_id:
             info["call_id"] = call.call_id
@@ -278,7 +447,7 @@ class Recorder:
         if group is None and len(call.trajectories) > 1:
             group = call.trajectory_uid  # n samples of one prompt: one group
         try:
-            self.ingestor.llm_turn(
+            step = self.ingestor.llm_step(
                 trajectory_uid,
                 index,
                 turn.prompt_ids,
@@ -292,13 +461,12 @@ class Recorder:
                 info=info,
                 **call.tags,
             )
-        except SchemaError as e:  # refused before buffering: not a step (its index is a gap)
+        except SchemaError as e:  # refused: not a step (its index is a gap)
             raise CaptureError(str(e)) from None
-        except Exception:  # buffered, but the send it started failed: kept and re-sent
-            log.warning("sending recorded turns failed; they are kept and re-sent", exc_info=True)
         self.metrics.recorded.inc()
         if turn.retokenized:
             self.metrics.retokenized.inc()
+        return step
 
     def unrecorded(self, trajectories: Sequence[str], reason: str) -> None:
         """Count an answered call (or one choice of it) that is not recorded (per-turn
@@ -424,6 +592,15 @@ class Recorder:
                 self._progress.wait(min(left, 1.0))
 
     def close(self, timeout: float = 60.0) -> None:
+        """Record what is queued, flush the Ingestor (waiting up to ``timeout`` for the
+        store), settle what it committed and release the spool (what is still unsettled
+        stays in it for the next process)."""
+        self._closing.set()
         self._queue.put(None)
         self._thread.join()
-        self.ingestor.close(timeout=timeout)
+        try:
+            self.ingestor.close(timeout=timeout)
+        finally:
+            self._confirm()
+            if self.spool is not None:
+                self.spool.close()

@@ -20,6 +20,9 @@
 --           group ('' none), kept as `grp` if the trajectory has none yet (a call the
 --           gate let through without the admission script, no budget being declared).
 --           Returns {index, version} (version -1: none known); {-1, -1} when finished.
+--           Idempotent per call id: a call numbered already (`c:<call>` is set: a call
+--           the gateway spooled, numbered, and re-records after a restart) gets its index
+--           back, finished or not, and nothing is written.
 --   finish  ARGV[3] the reward's digest. Marks the trajectory done with it. Returns
 --           {status, turns, vmin, vmax, grp} (vmin/vmax -1 when no version is known, grp ''
 --           without a group): status 1 done now; 0 done earlier by this same reward and not
@@ -56,6 +59,14 @@ if op == 'session' then
   redis.call('HSET', key, 'key', ARGV[3], 'grp', ARGV[4], 'rw', ARGV[5], 'ttl', ttl, 'turns', 0)
   redis.call('EXPIRE', key, ttl)
   return 1
+end
+if op == 'turn' and ARGV[4] ~= '' then
+  local had = redis.call('HGET', key, 'c:' .. ARGV[4])
+  if had then
+    local v = tonumber(ARGV[3])
+    if v == nil then v = tonumber(redis.call('HGET', KEYS[2], 'version') or '') end
+    return {tonumber(had), v or -1}
+  end
 end
 local done = redis.call('HGET', key, 'done')
 local status = 1

@@ -48,7 +48,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,18 +143,9 @@ Store(url, marl).create(capacity=200_000, n_shards=3)
 Store(url, llm).create(capacity=200_000, n_shards=3, schema=Schema.llm())
 """
 GATEWAY_PORT, UPSTREAM_PORT = 8100, 8101
-GATEWAY_WINDOW_S = 10.0
-"""A trajectory whose reward the gateway refuses because a turn it answered is not stored
-counts as lost to the gateway's SIGKILL (not a violation) when one of its turns was
-answered at most this long before the gateway was killed: the gateway answers first and hands the
-turn to its Ingestor after (sent to the broker within 0.5 s), so a SIGKILL loses what it
-held."""
-HELD_S = 60.0
-"""How long after a master's SIGKILL a gateway's recorder may still hold turns the store
-has not confirmed (each waits for the promoted shard's replica)."""
 ADMISSION_EXPIRY_S = 30
-"""The gateway's ``--admission-expiry``: a trajectory whose turn a killed gateway lost
-(its reward is refused) gives its group's slots back this long after its last turn."""
+"""The gateway's ``--admission-expiry``: a trajectory whose reward never comes (its agent
+stopped) gives its group's slots back this long after its last turn."""
 PARADIGMS_LOGS = {
     # paradigm: (trainer log, its serving event, the producers' logs, their event)
     "off-policy": ("trainer", "batch", "actor", "confirmed"),
@@ -213,7 +203,6 @@ class Soak:
         self.rss: dict[str, int] = {}
         self._sampling = True
         self.master_kills: list[float] = []
-        self.gateway_kills: list[float] = []
         self.times: dict[str, float] = {}  # the deployment's and the final checks' seconds
 
     # ---- the deployment --------------------------------------------------------------
@@ -309,6 +298,7 @@ class Soak:
             PY, "-m", "orchestrator.cli.main", "gateway", "--namespace", llm,
             "--upstream", f"http://127.0.0.1:{UPSTREAM_PORT}", "--address", d.addr,
             "--port", str(GATEWAY_PORT), "--admission-expiry", str(ADMISSION_EXPIRY_S),
+            "--spool", str(self.work / "gateway-spool"),  # the restarted one takes it over
         ], TOKENS)  # fmt: skip
         gateway = f"http://{d.addr}:{GATEWAY_PORT}"
         for i, host in enumerate((d, net["e"])):
@@ -518,7 +508,7 @@ class Soak:
             self.violations += [f"{name}: {p}" for p in got["problems"]]
         # with replicas confirming each commit, a master's failover excuses no lost turn
         excused = [] if self.replicas else self.master_kills
-        self.violations += llm_verdicts(llm, excused, self.gateway_kills, self.master_kills)
+        self.violations += llm_verdicts(llm, excused)
         served = {"joint": joint["batches"], "grpo": grpo["batches"]}
         served.update(nearest=near["answers"], llm=llm["rewarded_trajectories"])
         for name, n in served.items():
@@ -555,8 +545,6 @@ class Soak:
                     t0 = time.time()
                     if fault["kind"] == "kill-master":
                         self.master_kills.append(t0)
-                    if fault["kind"] == "kill-gateway":
-                        self.gateway_kills.append(t0)
                     self.inject(fault)
                     healed = time.time()
                     took = self.recovered(healed)
@@ -668,41 +656,18 @@ def near_kill(t: float, kills: list[float]) -> bool:
     return any(0 <= kill - t <= FAILOVER_WINDOW_S for kill in kills)
 
 
-def llm_verdicts(
-    llm: dict,
-    master_kills: list[float],
-    gateway_kills: list[float],
-    failovers: Sequence[float] = (),
-) -> list[str]:
+def llm_verdicts(llm: dict, master_kills: list[float]) -> list[str]:
     """The violations in the LLM check's result (``check-llm`` of tests/soak/roles.py), which
     it completes with what the faults explain: a rewarded trajectory missing a turn is lost
-    to a master's failover when confirmed at most ``FAILOVER_WINDOW_S`` before one; a
-    refused reward is lost to the gateway's SIGKILL when one of its turns was answered at
-    most ``GATEWAY_WINDOW_S`` before one (the lost turn need not be the last: a restarted
-    gateway answers the next), or after a master's kill (``failovers``) at most
-    ``HELD_S`` before it: the gateway's recorder holds a turn until the store confirms it,
-    which waits for the promoted shard's replica. A reward refused as already taken always
-    is one."""
+    to a master's failover when confirmed at most ``FAILOVER_WINDOW_S`` before one. A
+    refused reward always is one: the gateway spools every call it answers before the reply
+    goes back, and a gateway restarted on its spool records what a SIGKILLed one left (also
+    the turns it held unconfirmed while a promoted shard had no replica)."""
     lost = [t for t, at in llm.pop("missing_at").items() if near_kill(at, master_kills)]
     llm["lost_to_failover"] = lost
     out = [f"llm: {p}" for p in llm["problems"]]
-    dropped = []
     for traj, why in llm["refused_rewards"].items():
-        taken = "already has its reward" in why["error"]
-        held = any(
-            m <= t <= k and k - m <= HELD_S
-            for t in why["answered_at"]
-            for k in gateway_kills
-            for m in failovers
-        )
-        near = any(
-            0 <= k - t <= GATEWAY_WINDOW_S for t in why["answered_at"] for k in gateway_kills
-        )
-        if not taken and (held or near):
-            dropped.append(traj)
-        else:
-            out.append(f"llm: the reward of {traj} refused: {why['error']}")
-    llm["lost_to_gateway_kill"] = dropped
+        out.append(f"llm: the reward of {traj} refused: {why['error']}")
     unexplained = sorted(set(llm["missing"]) - set(lost))
     if unexplained:
         out.append(f"llm: rewarded turns not stored: {unexplained[:20]}")
@@ -774,8 +739,7 @@ def paradigm_lines(result: dict) -> list[str]:
         f"{j['rows']} rows, {j['n_problems']} problems",
         f"llm: {llm['answered_calls']} calls answered, {llm['rewarded_trajectories']} "
         f"trajectories rewarded ({llm['turns_of_rewarded']} turns), "
-        f"{len(llm['refused_rewards'])} rewards refused (a turn lost to the gateway's "
-        f"SIGKILL: {len(llm['lost_to_gateway_kill'])}), {llm['unanswered_turns']} turns "
+        f"{len(llm['refused_rewards'])} rewards refused, {llm['unanswered_turns']} turns "
         "recorded unanswered, "
         f"{len(llm['missing'])} rewarded with a turn missing ({len(llm['lost_to_failover'])} "
         f"lost to a master's failover), {llm['n_problems']} problems",

@@ -110,7 +110,10 @@ def start_gateway(
     env: dict[str, str] | None = None,
 ) -> Proc:
     """``claw gateway`` on a free port with :data:`TOKENS` (and ``env`` over them), its
-    output in ``logs/gateway-<port>.log``."""
+    output in ``logs/gateway-<port>.log``, its spool ``logs/spool-<port>`` unless ``extra``
+    names one."""
     port = free_port()
+    if "--spool" not in extra:
+        extra = (*extra, "--spool", str(logs / f"spool-{port}"))
     cmd = gateway_argv(upstream, namespace, port, *extra, redis_url=redis_url)
     return Proc(cmd, port, logs / f"gateway-{port}.log", {**TOKENS, **(env or {})})

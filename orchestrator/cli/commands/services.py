@@ -326,6 +326,15 @@ def gateway(
     retry_after: opt.RetryAfter = 1.0,
     turn_discount: opt.TurnDiscount = None,
     session_ttl: opt.SessionTtl = 7 * 86400,
+    spool: Annotated[
+        str | None,
+        typer.Option(
+            help="Directory of the gateway's spool: answered calls wait there on local disk "
+            "until the store has them, and a gateway started on it records what its "
+            "predecessor left (default CLAW_GATEWAY_SPOOL, else one per namespace and port "
+            "under the temporary directory); 'off': no spool"
+        ),
+    ] = None,
 ) -> None:
     """OpenAI-compatible capture gateway: agents call it (base_url
     http://HOST:PORT/t/<trajectory>/g/<group>/v1, api_key = CLAW_GATEWAY_TOKEN), it forwards
@@ -340,6 +349,8 @@ def gateway(
       claw gateway --upstream http://127.0.0.1:8000 --namespace agents
     """
     from orchestrator.gateway import GatewayConfig, serve
+    from orchestrator.gateway.config import spool_dir
+    from orchestrator.gateway.spool import Spool
     from orchestrator.gateway.upstream import check_base_url
 
     try:
@@ -381,17 +392,24 @@ def gateway(
         retry_after=retry_after,
         turn_discount=turn_discount,
         session_ttl=session_ttl,
-    )
+        spool=spool_dir(spool, namespace, port),
+    ).resolved()
+    held = None
+    if config.spool:
+        assert config.spool_bytes is not None
+        held = Spool(
+            config.spool, config.spool_bytes, fsync=bool(config.spool_fsync), owner=namespace
+        )
     Console().print(
         escape(
             f"gateway on http://{address}:{port} -> {upstream}, recording into {namespace!r} "
-            f"(store {redact_url(url)}, broker {redact_url(config.broker_url or url)}); "
-            "Ctrl-C stops"
+            f"(store {redact_url(url)}, broker {redact_url(config.broker_url or url)}, "
+            f"spool {config.spool or 'off'}); Ctrl-C stops"
         ),
         highlight=False,
     )
     stop = None if server is None else server.stop
-    _until_interrupted(lambda: serve(config, address, port), stop)
+    _until_interrupted(lambda: serve(config, address, port, held), stop)
 
 
 @app.command(short_help="Print the Redis ACL SETUSER line that confines a user to a namespace.")
