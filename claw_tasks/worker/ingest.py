@@ -124,12 +124,11 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
     """Validate and commit one batch. Idempotent: a redelivery writes nothing twice. Raises
     NamespaceDropped, writing nothing to the namespace, if it was dropped."""
     r, target = store.r, Target.of(a.namespace)
-    try:
-        store.revalidate()
+    try:  # the batch's done record read in the same round trip
+        (prior,) = store.revalidate(also=[done_key(a.namespace, a.batch_id)])
     except NamespaceDropped as e:  # nothing written to it: counted in claw:rejects
         reject(r, Rejected("dropped", str(e)), limits)
         raise
-    prior = r.get(done_key(a.namespace, a.batch_id))
     if prior is not None:
         finish(r, target, "duplicate", limits)
         return IngestOutcome.from_bytes(prior)
@@ -312,7 +311,9 @@ def _commit(store: Store, batch: StepBatch, batch_id: str, limits: IngestLimits)
         letter = Letter("rows", reason, rejected.encode(), bad, batch_id)
     if good is not None:
         try:
-            res = store.commit(good, dead_rows=dead, replication=_replication(limits))
+            res = store.commit(
+                good, dead_rows=dead, replication=_replication(limits), revalidated=True
+            )
         except SchemaError as e:  # another message set the schema since: nothing written
             raise _steps(batch, Rejected("schema", f"schema mismatch: {e}")) from None
         outcome.committed, outcome.replayed = res.committed, res.replayed

@@ -4,6 +4,9 @@ raised); any other error is the caller's."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 import redis
 
@@ -14,7 +17,7 @@ from orchestrator.adapters.sb3.rollout_claw import CommitHere
 
 def _failing(error: Exception) -> Store:
     class Failing(Store):
-        def revalidate(self) -> None:  # the first thing a commit asks of the store
+        def revalidate(self, also: Sequence[str] = ()) -> list[Any]:  # a commit's first call
             raise error
 
     return Failing("redis://127.0.0.1:1/0", "ns")  # never connected
