@@ -34,7 +34,6 @@ class Writer:
         now: float | np.ndarray | None = None,
         dead_rows: Sequence[int] = (),
         replication: Replication | None = None,
-        revalidated: bool = False,
     ) -> CommitResult:
         """Commit a validated batch: one atomic, idempotent Lua commit per shard part.
 
@@ -47,13 +46,12 @@ class Writer:
         ``replication``: each shard's part returns only once that many replicas of its
         master have it (``WAIT`` in the part's round trip), and so do the string codes the
         batch uses (in the dictionaries' round trip); NotReplicated otherwise, a transient
-        error: the commit is idempotent, a redelivery waits again.
-
-        ``revalidated``: the caller revalidated the store (:meth:`StoreCore.revalidate`)
-        for this batch just before (the ingest worker, in the round trip that reads the
-        batch's done record): not again here."""
-        if not revalidated:
-            self.core.revalidate()
+        error: the commit is idempotent, a redelivery waits again."""
+        # Checked here, a few round trips before the scripts, whatever the caller checked
+        # earlier: no script reads the tombstone (another hash slot), and a drop sweeps the
+        # namespace's keys again only for a moment after leaving it
+        # (orchestrator.maintenance.lifecycle.drop_namespace).
+        self.core.revalidate()
         try:
             schema = self.admin.ensure_schema(batch.schema())  # no round trip once cached
         except NamespaceError:

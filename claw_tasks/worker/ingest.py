@@ -148,6 +148,9 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
             if len(raw) > limits.message_bytes:
                 raise Rejected("size", f"batch of {len(raw)} bytes > limit {limits.message_bytes}")
         outcome = _commit(store, _checked(store, a, raw, limits), a.batch_id, limits)
+    except NamespaceDropped as e:  # since the first check: the commit wrote nothing
+        reject(r, Rejected("dropped", str(e)), limits)
+        raise
     except Rejected as e:
         e.namespace, e.batch_id = a.namespace, a.batch_id
         outcome = IngestOutcome(a.batch_id, rejected=e.steps, errors=[e.reason])
@@ -311,9 +314,7 @@ def _commit(store: Store, batch: StepBatch, batch_id: str, limits: IngestLimits)
         letter = Letter("rows", reason, rejected.encode(), bad, batch_id)
     if good is not None:
         try:
-            res = store.commit(
-                good, dead_rows=dead, replication=_replication(limits), revalidated=True
-            )
+            res = store.commit(good, dead_rows=dead, replication=_replication(limits))
         except SchemaError as e:  # another message set the schema since: nothing written
             raise _steps(batch, Rejected("schema", f"schema mismatch: {e}")) from None
         outcome.committed, outcome.replayed = res.committed, res.replayed
