@@ -81,15 +81,19 @@ def test_a_fetch_whose_logs_lost_the_index_position_leaves_it_to_the_sync(store)
 @pytest.mark.store(capacity=60, n_shards=1)
 def test_a_held_read_after_commits_reads_the_steps_as_stored(store):
     """``read_steps(held=True)`` reads from the columns of the last sync and lets the
-    fetch's log check prove them current: after a commit since (logged after the index's
+    fetch's log check prove them current (nothing logged since: the log read is its only
+    command, obs mirrored in the index); after a commit since (logged after the index's
     position) it syncs and reads again, so the steps come back as stored, and a step the
     ring overwrote meanwhile gives None, as an unheld read does."""
     r = recipe([{"name": "u"}], ["obs", "reward"], 10)
     ids = store.commit(batch(episode(0, 30, "terminated"))).ids
     want = read_steps(store, r, ids[:10])  # syncs, then reads
     assert want is not None
+    store.r.config_resetstat()
     again = read_steps(store, r, ids[:10], held=True)  # nothing logged since
     assert again is not None
+    calls = {k.removeprefix("cmdstat_") for k in store.r.info("commandstats")}
+    assert calls - {"config|resetstat", "info"} == {"xrange"}  # the log check: no sync
     np.testing.assert_array_equal(again["obs"], want["obs"])
     store.commit(batch(episode(1, 20, "terminated")))  # 50 of 60 slots: nothing overwritten
     got = read_steps(store, r, ids[:10], held=True)
