@@ -99,11 +99,12 @@ class StoreCore:
             self._config_raw = raw
         return self._config
 
-    def revalidate(self, also: Sequence[str] = ()) -> list[Any]:
+    def revalidate(self, also: Sequence[str] = ()) -> list[bytes | None]:
         """One round trip before writing with a cached config: raise NamespaceDropped if
         the namespace was dropped; re-read the config if it changed (recreated, new tags
         or retention), so a long-lived worker never writes with a stale one. ``also``:
-        keys read (GET) in the same round trip; returns their values."""
+        keys the caller reads before its write (GET), in the same round trip; returns
+        their values."""
         with self.r.pipeline(transaction=False) as pipe:
             pipe.exists(dropped_key(self.namespace))
             pipe.get(self.layout_keys.config)
