@@ -11,6 +11,7 @@ core too, so a ``Store`` passes as one.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from claw_tasks.connection.client import Client, redis_client
@@ -98,14 +99,18 @@ class StoreCore:
             self._config_raw = raw
         return self._config
 
-    def revalidate(self) -> None:
+    def revalidate(self, also: Sequence[str] = ()) -> list[bytes | None]:
         """One round trip before writing with a cached config: raise NamespaceDropped if
         the namespace was dropped; re-read the config if it changed (recreated, new tags
-        or retention), so a long-lived worker never writes with a stale one."""
+        or retention), so a long-lived worker never writes with a stale one. ``also``:
+        keys the caller reads before its write (GET), in the same round trip; returns
+        their values."""
         with self.r.pipeline(transaction=False) as pipe:
             pipe.exists(dropped_key(self.namespace))
             pipe.get(self.layout_keys.config)
-            dropped, raw = pipe.execute()
+            for key in also:
+                pipe.get(key)
+            dropped, raw, *values = pipe.execute()
         if dropped:
             raise NamespaceDropped(
                 f"namespace {self.namespace!r} was dropped; create it again (a new Ingestor "
@@ -114,3 +119,4 @@ class StoreCore:
         if raw is not None and raw != self._config_raw:  # changed (or not read yet)
             self._config = NamespaceConfig.from_bytes(raw, self.namespace)
             self._config_raw = raw
+        return values

@@ -47,6 +47,10 @@ class Writer:
         master have it (``WAIT`` in the part's round trip), and so do the string codes the
         batch uses (in the dictionaries' round trip); NotReplicated otherwise, a transient
         error: the commit is idempotent, a redelivery waits again."""
+        # Checked here, a few round trips before the scripts, whatever the caller checked
+        # earlier: no script reads the tombstone (another hash slot), and a drop sweeps the
+        # namespace's keys again only for a moment after leaving it
+        # (orchestrator.maintenance.lifecycle.drop_namespace).
         self.core.revalidate()
         try:
             schema = self.admin.ensure_schema(batch.schema())  # no round trip once cached

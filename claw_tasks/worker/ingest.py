@@ -124,12 +124,11 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
     """Validate and commit one batch. Idempotent: a redelivery writes nothing twice. Raises
     NamespaceDropped, writing nothing to the namespace, if it was dropped."""
     r, target = store.r, Target.of(a.namespace)
-    try:
-        store.revalidate()
+    try:  # the batch's done record read in the same round trip
+        (prior,) = store.revalidate(also=[done_key(a.namespace, a.batch_id)])
     except NamespaceDropped as e:  # nothing written to it: counted in claw:rejects
         reject(r, Rejected("dropped", str(e)), limits)
         raise
-    prior = r.get(done_key(a.namespace, a.batch_id))
     if prior is not None:
         finish(r, target, "duplicate", limits)
         return IngestOutcome.from_bytes(prior)
@@ -149,6 +148,9 @@ def process(store: Store, a: IngestArgs, limits: IngestLimits) -> IngestOutcome:
             if len(raw) > limits.message_bytes:
                 raise Rejected("size", f"batch of {len(raw)} bytes > limit {limits.message_bytes}")
         outcome = _commit(store, _checked(store, a, raw, limits), a.batch_id, limits)
+    except NamespaceDropped as e:  # since the first check: the commit wrote nothing
+        reject(r, Rejected("dropped", str(e)), limits)
+        raise
     except Rejected as e:
         e.namespace, e.batch_id = a.namespace, a.batch_id
         outcome = IngestOutcome(a.batch_id, rejected=e.steps, errors=[e.reason])

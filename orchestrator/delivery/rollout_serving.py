@@ -51,12 +51,18 @@ def _message(
     plan: Plan,
     k: int,
     whole: Batch | None,
+    held: bool = False,
 ) -> bytes | None:
-    """Minibatch ``k`` as a queue item (cut from ``whole`` when given, else read); None
-    when one of its steps is no longer stored."""
+    """Minibatch ``k`` as a queue item (cut from ``whole`` when given, else read:
+    ``held`` as :func:`read_steps` takes it); None when one of its steps is no longer
+    stored."""
     recipe = entry.recipe
     pos = plan.minibatch(k)
-    batch = whole.take(pos) if whole is not None else read_steps(reg.store, recipe, plan.ids[pos])
+    batch = (
+        whole.take(pos)
+        if whole is not None
+        else read_steps(reg.store, recipe, plan.ids[pos], held=held)
+    )
     if batch is None:
         return None
     rng = np.random.default_rng([plan.seed, plan.no, k, 1])
@@ -87,11 +93,18 @@ def _message(
 
 
 def serve(
-    reg: Registry, entry: Entry, augment: AugmentPlan | None, plan: Plan, k: int
+    reg: Registry,
+    entry: Entry,
+    augment: AugmentPlan | None,
+    plan: Plan,
+    k: int,
+    formed: bool = False,
 ) -> tuple[int, str]:
     """Push the plan's minibatches from ``k`` while the queue has room: the first alone
     (the learner waits for it), the rest in one transaction (a round trip or three per
-    minibatch would be most of a small rollout's fill)."""
+    minibatch would be most of a small rollout's fill). ``formed``: this fill has just
+    formed the plan (its sweep synced the index): the first read needs no sync of its
+    own (:func:`read_steps`' ``held``)."""
     recipe = entry.recipe
     ro = recipe.rollout
     assert ro is not None
@@ -99,14 +112,14 @@ def serve(
     length = int(reg.r.llen(reg.queue(name)))
     whole: Batch | None = None  # the rollout's stored fields, when read once for this fill
     if _read_once(reg, recipe, plan, k, length):
-        whole = read_steps(reg.store, recipe, plan.ids)
+        whole = read_steps(reg.store, recipe, plan.ids, held=formed)
         if whole is None:
             return made, _lost(reg, recipe, plan)
     while k < plan.total and length < depth:
         group = 1 if made == 0 else min(plan.total - k, depth - length)
         items = []
         for i in range(group):
-            item = _message(reg, entry, augment, plan, k + i, whole)
+            item = _message(reg, entry, augment, plan, k + i, whole, formed and not made)
             if item is None:
                 for done in items:
                     shm.discard(done)

@@ -107,7 +107,7 @@ def run(reg: Registry, entry: Entry, augment: AugmentPlan | None) -> tuple[int, 
         return run(reg, entry, augment)  # serves it from its cursor
     if isinstance(got, str):
         return 0, got
-    return serve(reg, entry, augment, got, 0)
+    return serve(reg, entry, augment, got, 0, formed=True)
 
 
 def waiting(reg: Registry) -> list[str]:

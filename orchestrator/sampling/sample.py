@@ -151,29 +151,46 @@ def read_steps(
     ids: np.ndarray,
     fields: Sequence[str] | None = None,
     *,
+    held: bool = False,
     redis_url: str | None = None,
 ) -> Batch | None:
     """The ``fields`` (default: the recipe's) of the steps ``ids``, in that order, read as
     a batch of ``recipe`` is (decoded, ``next_obs`` followed); None when one of them is no
-    longer stored (evicted, or its slot reused)."""
+    longer stored (evicted, or its slot reused).
+
+    ``held``: the caller synced this process's index of the namespace a moment ago (a
+    fill serving the rollout it has just formed): the steps are read from the columns as
+    they are and the fetch's log check proves them current, one round trip in all; only
+    when something was logged since does a sync (applying the entries that fetch read)
+    and a second read follow."""
     session = _session(namespace_or_store, redis_url, None)
     if fields is not None:
         recipe = recipe.model_copy(update={"fields": list(fields)})
     ids = np.asarray(ids, np.int64)
     with session.lock:
+        index, fetch = session.index, session.fetch
+        fetch.read = None
         try:
-            index = session.index
-            index.sync()
-            seq = ids // index.n_shards
-            rows = (ids % index.n_shards) * index.cap + (seq - 1) % index.cap
-            cols = index.columns
-            if not (cols["alive"][rows] & (cols["id"][rows] == ids)).all():
-                return None
-            ones = np.ones(len(ids), np.float32)
-            draw = Draw(rows, ones, np.zeros(len(ids), np.int16))
-            return Assembly(session, recipe, draw).run()
+            for exact in (True, False) if held and index.hold() else (False,):
+                fetch.exact = exact
+                if not exact:
+                    index.sync(fetch.read)
+                seq = ids // index.n_shards
+                rows = (ids % index.n_shards) * index.cap + (seq - 1) % index.cap
+                cols = index.columns
+                if not (cols["alive"][rows] & (cols["id"][rows] == ids)).all():
+                    if exact:
+                        continue  # the sync decides
+                    return None
+                ones = np.ones(len(ids), np.float32)
+                draw = Draw(rows, ones, np.zeros(len(ids), np.int16))
+                batch = Assembly(session, recipe, draw).run()
+                if batch is not None or not exact:
+                    return batch
+            return None
         finally:
-            session.index.release()
+            fetch.exact, fetch.read = False, None
+            index.release()
 
 
 @dataclass(frozen=True)

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 from claw_tasks.broker.app import client_app
 from claw_tasks.client import Ingestor
+from claw_tasks.format.message import IngestArgs
 from claw_tasks.format.stepmeta import episode_code
 from claw_tasks.settings import get_settings
-from claw_tasks.store import Store
+from claw_tasks.store import NamespaceDropped, Store
+from claw_tasks.store.commit import CommitResult
 from claw_tasks.worker import ingest
 from tests.support.hostile import outcomes
 from tests.support.producer import outcome, send_unchecked
+from tests.support.stepdata import batch, episode
 
 # Every test here runs with the broker on Redis and on RabbitMQ.
 pytestmark = pytest.mark.both_brokers
@@ -373,3 +377,24 @@ def test_the_worker_refuses_a_batch_over_capacity_with_a_dead_letter(
     assert store.count() == 10 and store.count({"episode_id": "kept"}) == 10
     with pytest.raises(ValueError, match="250 slots > the 100 a shard"):  # nor in place
         store.allocate(0, "too-big", n, {"obs": 32})
+
+
+@pytest.mark.both_stores
+def test_a_namespace_dropped_while_a_batch_is_checked_gets_none_of_it(store):
+    """The ingest task checks the tombstone as it starts (with the batch's done record)
+    and the commit checks it again just before its scripts: a namespace dropped between
+    the two (while the task reads, decodes and checks the batch: a window that grows with
+    the batch) gets none of it, no slot taken nor logged; the task discards the batch."""
+
+    class DroppedMeanwhile(Store):
+        def commit(self, *args: Any, **kwargs: Any) -> CommitResult:
+            self.mark_dropped()  # a drop's first step, after the task's first check
+            return super().commit(*args, **kwargs)
+
+    b = batch(episode(0, 10, "terminated"))
+    args = IngestArgs(store.namespace, b.batch_id, b.encode(), None)
+    with pytest.raises(NamespaceDropped):
+        ingest.process(DroppedMeanwhile(store.r, store.namespace), args, get_settings().limits)
+    keys = store.layout_keys
+    for shard in range(store.config().n_shards):
+        assert not store.r.exists(keys.shard_key(shard, "seq"), keys.shard_key(shard, "log"))

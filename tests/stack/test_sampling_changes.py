@@ -1,5 +1,6 @@
 """A changing store's sync and checked fetch: what the session keeps from each sync (the
-live-step count) and what a fetch does when a log lost the index's position."""
+live-step count), what a fetch does when a log lost the index's position, and a read
+from the columns of the last sync (``read_steps(held=True)``) after commits."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from orchestrator import Recipe, sample
 from orchestrator.sampling.index import SamplingIndex
+from orchestrator.sampling.sample import read_steps
 from tests.support.stepdata import batch, episode, interleave
 
 
@@ -74,3 +76,33 @@ def test_a_fetch_whose_logs_lost_the_index_position_leaves_it_to_the_sync(store)
         np.testing.assert_array_equal(b["obs"], store.get(b.ids, ["obs"])["obs"])
         cold_equal(ix)
     assert not rebuilds  # applied, never rebuilt: nothing after the positions was lost
+
+
+@pytest.mark.store(capacity=60, n_shards=1)
+def test_a_held_read_after_commits_reads_the_steps_as_stored(store):
+    """``read_steps(held=True)`` reads from the columns of the last sync and lets the
+    fetch's log check prove them current (nothing logged since: the log read is its only
+    command, obs mirrored in the index); after a commit since (logged after the index's
+    position) it syncs and reads again, so the steps come back as stored, and a step the
+    ring overwrote meanwhile gives None, as an unheld read does."""
+    r = recipe([{"name": "u"}], ["obs", "reward"], 10)
+    ids = store.commit(batch(episode(0, 30, "terminated"))).ids
+    want = read_steps(store, r, ids[:10])  # syncs, then reads
+    assert want is not None
+    store.r.config_resetstat()
+    again = read_steps(store, r, ids[:10], held=True)  # nothing logged since
+    assert again is not None
+    calls = {k.removeprefix("cmdstat_") for k in store.r.info("commandstats")}
+    assert calls - {"config|resetstat", "info"} == {"xrange"}  # the log check: no sync
+    np.testing.assert_array_equal(again["obs"], want["obs"])
+    store.commit(batch(episode(1, 20, "terminated")))  # 50 of 60 slots: nothing overwritten
+    got = read_steps(store, r, ids[:10], held=True)
+    assert got is not None
+    np.testing.assert_array_equal(got["obs"], want["obs"])
+    np.testing.assert_array_equal(got["reward"], want["reward"])
+    store.commit(batch(episode(2, 20, "terminated")))  # the ring overwrites ids[:10]
+    assert read_steps(store, r, ids[:10], held=True) is None
+    assert read_steps(store, r, ids[:10]) is None
+    tail = read_steps(store, r, ids[20:30], held=True)
+    assert tail is not None
+    np.testing.assert_allclose(tail["reward"], 0 + np.arange(20, 30) / 100, rtol=1e-6)

@@ -4,6 +4,8 @@ raised); any other error is the caller's."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import redis
 
@@ -14,8 +16,8 @@ from orchestrator.adapters.sb3.rollout_claw import CommitHere
 
 def _failing(error: Exception) -> Store:
     class Failing(Store):
-        def revalidate(self) -> None:  # the first thing a commit asks of the store
-            raise error
+        def revalidate(self, also: Sequence[str] = ()) -> list[bytes | None]:
+            raise error  # the ingest task's first call to the store
 
     return Failing("redis://127.0.0.1:1/0", "ns")  # never connected
 
