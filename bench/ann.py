@@ -123,13 +123,13 @@ class Run:
             self.rows.append(row)
 
 
-def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
+def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False) -> None:
     import faiss
 
     from orchestrator.retrieval.calibrate import calibrate, held_out
     from orchestrator.retrieval.coarse import Coarse, quantizer
     from orchestrator.retrieval.spec import IndexSpec
-    from orchestrator.retrieval.vectors import ivf_search
+    from orchestrator.retrieval.vectors import RERANK, ivf_search, new_ivf, rerank
     from orchestrator.retrieval.writer import train_centroids
 
     spec, n, dim = IndexSpec(), run.n, run.x.shape[1]
@@ -146,9 +146,8 @@ def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
     lists = np.concatenate([readers.assign(run.x[i : i + 65536]) for i in at_n])
     cal = calibrate(run.x, lists - 1, centroids, spec, readers, episodes, out)
     calibrate_s = time.perf_counter() - t0
-    ivf = faiss.IndexIVFFlat(readers.flat, dim, nlist)
-    ivf.is_trained = True
-    ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+    ivf = new_ivf(readers, dim, "l2")  # a reader's: fp16 residual codes
+    rows = np.concatenate([run.x, run.extra])  # a reader's vectors by row (the re-rank's)
 
     def add(x: np.ndarray, at: np.ndarray, to: np.ndarray) -> None:
         x, ids = np.ascontiguousarray(x), np.ascontiguousarray(at, np.int64)
@@ -167,13 +166,36 @@ def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
     nprobe = [cal.nprobe]
 
     def search(b):
-        return ivf_search(ivf, readers, b, K, run.live, nprobe[0])[1]
+        return ivf_search(ivf, readers, b, K, run.live, nprobe[0], rows)[1]
 
     def at(p):
         return lambda: nprobe.__setitem__(0, p)
 
     settings = [(calibrated, at(cal.nprobe))] + [(f"nprobe {p}", at(p)) for p in fixed]
-    run.report(f"claw IVF{nlist},Flat (mask)", build, mem, search, settings, add_s)
+    run.report(
+        f"claw IVF{nlist},SQfp16 residual (mask, re-rank)", build, mem, search, settings, add_s
+    )
+    if baseline:  # beside it: float32 codes and a graph of 32 links, same lists and nprobe
+        flat_ivf = new_ivf(readers, dim, "l2", fp16=False)
+        at = np.ascontiguousarray(np.concatenate([lists, readers.assign(run.extra)]) - 1, np.int64)
+        ids = np.arange(len(rows), dtype=np.int64)
+        flat_ivf.add_core(len(rows), faiss.swig_ptr(rows), faiss.swig_ptr(ids), faiss.swig_ptr(at))
+        m32 = Coarse(centroids, "l2", spec.quantizer, spec.quantizer_ef)
+        if m32.graph is not None:
+            m32.graph = faiss.IndexHNSWFlat(dim, 32)
+            m32.graph.add(centroids)
+
+        def base_search(b):
+            return ivf_search(flat_ivf, m32, b, K, run.live, nprobe[0], rows)[1]
+
+        run.report(
+            f"claw IVF{nlist},Flat, HNSW32 quantizer (mask)",
+            build,
+            mem,
+            base_search,
+            settings,
+            add_s,
+        )
     if graph:  # beside it: the HNSW graph finding the lists at every nprobe, queries in order
         bits = np.packbits(run.live, bitorder="little")
         sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))
@@ -184,16 +206,17 @@ def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
             probes = min(nlist, int(np.ceil(nprobe[0] / share)))
             hp = faiss.SearchParametersHNSW(efSearch=max(spec.quantizer_ef, probes))
             near, lists = hnsw.search(b, probes, params=hp)
-            d, i = np.empty((len(b), K), np.float32), np.empty((len(b), K), np.int64)
+            kc, b = K + RERANK, np.ascontiguousarray(b)
+            d, i = np.empty((len(b), kc), np.float32), np.empty((len(b), kc), np.int64)
             params = faiss.SearchParametersIVF(sel=sel, nprobe=probes)
             ivf.search_preassigned_c(
-                len(b), faiss.swig_ptr(np.ascontiguousarray(b)), K, faiss.swig_ptr(lists),
+                len(b), faiss.swig_ptr(b), kc, faiss.swig_ptr(lists),
                 faiss.swig_ptr(near), faiss.swig_ptr(d), faiss.swig_ptr(i), False, params,
             )  # fmt: skip
-            return i
+            return rerank(b, rows, i, K, False)[1]
 
         run.report(
-            f"claw IVF{nlist},Flat (graph at every nprobe, mask)",
+            f"claw IVF{nlist},SQfp16 residual (graph at every nprobe, mask, re-rank)",
             build, mem, graph_search, settings, add_s,
         )  # fmt: skip
 
@@ -285,6 +308,11 @@ def main() -> None:
     ap.add_argument(
         "--graph", action="store_true", help="also: the HNSW graph finds the lists at any nprobe"
     )
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also: float32 codes and a quantizer graph of 32 links, the same lists and nprobe",
+    )
     args = ap.parse_args()
     import faiss
 
@@ -296,7 +324,7 @@ def main() -> None:
         run = Run(data, args.n, args.queries)
         print(json.dumps({"data": data, "made_s": run.make_s, "dim": run.x.shape[1]}), flush=True)
         if "claw" in only:
-            claw(run, fixed, args.graph)
+            claw(run, fixed, args.graph, args.baseline)
         if "faiss-hnsw" in only:
             faiss_hnsw(run)
         if "usearch" in only:

@@ -2,8 +2,11 @@
 
 The copy holds, per global row ``shard * cap + slot``, the stored vector and the id of the
 step it was computed from (``vid``; 0: none), and, once the quantizer is trained, a Faiss
-``IndexIVFFlat`` whose ids are those rows (a direct map makes replacing a row's entry
-O(1)). It is loaded from the index's raw arrays (no projection, no k-means, no list
+IVF whose ids are those rows (a direct map makes replacing a row's entry O(1)). Its lists
+hold each vector's residual to its list's centroid as fp16 codes (:func:`new_ivf`: half
+the bytes a scan reads, and the scan's cost is mostly reading them); a search re-ranks
+its candidates exactly from the stored vectors, so distances and order are exact. The
+copy is loaded from the index's raw arrays (no projection, no k-means, no list
 assignment: the writer stored each vector's list), then kept current from the index's log
 (:meth:`refresh`); a log trimmed past this copy, or a newly trained quantizer, reloads it.
 
@@ -30,6 +33,13 @@ from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import Head, Storage
 
+RERANK = 8
+"""Candidates a scan keeps beyond ``k`` for the exact re-rank: an fp16 residual's distance
+is within ~1e-3 of the exact one (relative), so a true neighbour is never ranked below
+these by the codes' rounding."""
+FP16_SAFE = 2.0**14
+"""Vectors whose every component is below this in magnitude have residuals within fp16's
+range (65,504); an index holding a larger one keeps float32 codes (``IndexIVFFlat``)."""
 FALLBACK_NPROBE = 12
 """``nprobe`` of a trained index with no calibration yet (the writer calibrates it at its
 next tick): readers take the calibrated one from the head or the log as soon as it is."""
@@ -51,13 +61,64 @@ def exact_search(
     return dist, pos
 
 
+def fits_fp16(vectors: np.ndarray) -> bool:
+    """Whether fp16 residual codes hold ``vectors`` (every component finite, below
+    ``FP16_SAFE``)."""
+    if not vectors.size:
+        return True
+    return bool(max(vectors.max(), -vectors.min()) < FP16_SAFE)  # NaN: False
+
+
+def new_ivf(coarse: Coarse, dim: int, metric: str, fp16: bool = True) -> faiss.IndexIVF:
+    """An empty IVF over ``coarse``'s centroids (filled with ``add_core`` at the stored
+    lists), its ids the rows, with a direct map: fp16 codes of each vector's residual to its
+    centroid (``IndexIVFScalarQuantizer``, nothing to train), or float32 vectors
+    (``IndexIVFFlat``) when ``fp16`` is false."""
+    fm = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+    nlist = coarse.flat.ntotal
+    if fp16:
+        qt = faiss.ScalarQuantizer.QT_fp16
+        ivf = faiss.IndexIVFScalarQuantizer(coarse.flat, dim, nlist, qt, fm, True)
+    else:
+        ivf = faiss.IndexIVFFlat(coarse.flat, dim, nlist, fm)
+    ivf.is_trained = True
+    ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+    return ivf
+
+
+def rerank(
+    queries: np.ndarray, vectors: np.ndarray, rows: np.ndarray, k: int, metric_ip: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` nearest of each query's candidate ``rows`` (-1: none, after the others) by
+    exact distances to ``vectors[rows]`` (Faiss's ``knn_*_by_idx``: no copy)."""
+    assert vectors.dtype == np.float32 and vectors.flags.c_contiguous
+    m, c = rows.shape
+    dist, out = np.empty((m, k), np.float32), np.empty((m, k), np.int64)
+    fn = faiss.knn_inner_products_by_idx if metric_ip else faiss.knn_L2sqr_by_idx
+    fn(
+        faiss.swig_ptr(queries),
+        faiss.swig_ptr(vectors),
+        faiss.swig_ptr(rows),
+        vectors.shape[1],
+        m,
+        len(vectors),
+        c,
+        k,
+        faiss.swig_ptr(dist),
+        faiss.swig_ptr(out),
+        c,
+    )
+    return dist, out
+
+
 def ivf_search(
-    ivf: faiss.IndexIVFFlat,
+    ivf: faiss.IndexIVF,
     coarse: Coarse,
     queries: np.ndarray,
     k: int,
     mask: np.ndarray,
     nprobe: int,
+    vectors: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``ivf`` searched for the ``k`` nearest of ``queries`` (float32, contiguous) among the
     ids ``mask`` allows (an ``IDSelectorBitmap`` evaluated inside the scan), ``nprobe``
@@ -67,7 +128,9 @@ def ivf_search(
     (``len(queries) * nprobe >= nlist``: each list is scanned for several queries), the
     queries are scanned in the order of their nearest list, so that those probing the same
     lists follow each other while the lists are in cache (docs/retrieval.md, "Where the
-    time goes"). Faiss's answer: ids -1 where the probed lists held fewer than ``k``."""
+    time goes"). The scan keeps ``k + RERANK`` candidates by the codes' distances, ranked
+    again exactly against ``vectors`` (the rows' vectors, float32, contiguous). Ids -1
+    where the probed lists held fewer than ``k``."""
     bits = np.packbits(mask, bitorder="little")
     sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))  # its size in bytes
     share = min(1.0, np.count_nonzero(mask) / max(ivf.ntotal, 1))
@@ -80,12 +143,13 @@ def ivf_search(
         queries, near, lists = queries[order], near[order], lists[order]
     q = np.ascontiguousarray(queries)
     near, lists = np.ascontiguousarray(near), np.ascontiguousarray(lists)
-    dist, rows = np.empty((m, k), np.float32), np.empty((m, k), np.int64)
+    kc = k + RERANK
+    dist, rows = np.empty((m, kc), np.float32), np.empty((m, kc), np.int64)
     params = faiss.SearchParametersIVF(sel=sel, nprobe=probes)
     ivf.search_preassigned_c(
         m,
         faiss.swig_ptr(q),
-        k,
+        kc,
         faiss.swig_ptr(lists),
         faiss.swig_ptr(near),
         faiss.swig_ptr(dist),
@@ -93,6 +157,7 @@ def ivf_search(
         False,
         params,
     )
+    dist, rows = rerank(q, vectors, rows, k, ivf.metric_type != faiss.METRIC_L2)
     if order is None:
         return dist, rows
     back = np.empty_like(order)
@@ -110,7 +175,7 @@ class VectorIndex:
         self.vectors = np.zeros((n, dim), np.float32)
         self.vid = np.zeros(n, np.int64)
         self.lists = np.zeros(n, np.int32)  # list + 1 of the row's IVF entry (0: none)
-        self.ivf: faiss.IndexIVFFlat | None = None
+        self.ivf: faiss.IndexIVF | None = None
         self.coarse: Coarse | None = None
         self.head: Head | None = None
         self.nprobe = spec.nprobe or FALLBACK_NPROBE
@@ -122,7 +187,8 @@ class VectorIndex:
         """Memory this copy holds (arrays and IVF lists, not Faiss's small overheads)."""
         ivf = 0
         if self.ivf is not None:
-            ivf = self.ivf.ntotal * (4 * self.dim + 8) + 16 * self.ivf.ntotal  # + direct map
+            code = self.ivf.code_size  # 2 B a feature (fp16) or 4 (float32)
+            ivf = self.ivf.ntotal * (code + 8) + 16 * self.ivf.ntotal  # + direct map
         if self.coarse is not None:
             ivf += self.coarse.nbytes
         return self.vectors.nbytes + self.vid.nbytes + self.lists.nbytes + ivf
@@ -143,22 +209,26 @@ class VectorIndex:
             return
         spec = self.spec
         self.coarse = Coarse(self.head.centroids, spec.metric, spec.quantizer, spec.quantizer_ef)
-        metric = faiss.METRIC_L2 if spec.metric == "l2" else faiss.METRIC_INNER_PRODUCT
-        ivf = faiss.IndexIVFFlat(self.coarse.flat, self.dim, self.head.nlist, metric)
-        ivf.is_trained = True
-        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
-        self.ivf = ivf
         rows = np.flatnonzero(self.vid != 0)
         stored = got["a"][rows]
         missing = stored == 0  # written before the training finished: assign here
         stored[missing] = self.coarse.assign(self.vectors[rows[missing]])
+        fp16 = fits_fp16(self.vectors) and fits_fp16(self.head.centroids)
+        self.ivf = new_ivf(self.coarse, self.dim, spec.metric, fp16)
         self._add(rows, stored)
 
     def _add(self, rows: np.ndarray, lists: np.ndarray) -> None:
-        assert self.ivf is not None
+        assert self.ivf is not None and self.coarse is not None
         if not len(rows):
             return
         x = np.ascontiguousarray(self.vectors[rows])
+        if self.ivf.code_size < 4 * self.dim and not fits_fp16(x):
+            # a vector beyond fp16's range: every entry again, as float32 codes
+            self.ivf = new_ivf(self.coarse, self.dim, self.spec.metric, fp16=False)
+            held = np.flatnonzero(self.lists != 0)  # entries of the old IVF (not ``rows``)
+            rows = np.concatenate([held, rows])
+            lists = np.concatenate([self.lists[held], lists])
+            x = np.ascontiguousarray(self.vectors[rows])
         ids = np.ascontiguousarray(rows, np.int64)
         at = np.ascontiguousarray(lists.astype(np.int64) - 1)
         self.ivf.add_core(len(rows), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(at))
@@ -230,7 +300,7 @@ class VectorIndex:
         if exact or allowed <= self.spec.exact_below:
             return self._exact(queries, k, mask)
         assert self.ivf is not None and self.coarse is not None
-        dist, rows = ivf_search(self.ivf, self.coarse, queries, k, mask, self.nprobe)
+        dist, rows = ivf_search(self.ivf, self.coarse, queries, k, mask, self.nprobe, self.vectors)
         short = (rows < 0).any(axis=1)
         if short.any():  # the probed lists held fewer than k candidates: scan exactly
             dist[short], rows[short] = self._exact(queries[short], k, mask)
