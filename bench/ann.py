@@ -21,7 +21,8 @@ Faiss HNSW mask them, usearch removes them), and per candidate and setting:
 - build time, resident memory added per vector, 10,000 adds.
 
 ``claw`` is retrieval's own index built the way the maintenance writer builds it (the
-default ``IndexSpec`` for a capacity of ``n``: its lists, training sample and k-means, list
+default ``IndexSpec`` for a capacity of ``n``, at its last training, on ``n`` vectors:
+its lists, training sample and k-means, list
 assignment by a flat scan of the centroids, ``nprobe`` calibrated to recall 0.95 on the
 stored vectors) and searched through ``ivf_search``, what ``nearest()`` runs, with the
 live rows as its mask; ``setting`` names the calibrated ``nprobe`` and the sample's
@@ -128,12 +129,13 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
 
     from orchestrator.retrieval.calibrate import calibrate, held_out
     from orchestrator.retrieval.coarse import Coarse, quantizer
-    from orchestrator.retrieval.spec import IndexSpec
+    from orchestrator.retrieval.spec import IndexSpec, per_list
     from orchestrator.retrieval.vectors import RERANK, ivf_search, new_ivf, rerank
     from orchestrator.retrieval.writer import train_centroids
 
     spec, n, dim = IndexSpec(), run.n, run.x.shape[1]
-    nlist, need = spec.lists(n), spec.train_size(n)
+    nlist = spec.lists(n, n)  # the writer's last training, on n vectors
+    need = per_list(nlist) * nlist
     m0, t0 = rss(), time.perf_counter()
     episodes = np.arange(n) // EP_LEN.get(run.data, 1)  # as they would be committed
     rng = np.random.default_rng(1)

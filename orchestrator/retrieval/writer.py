@@ -243,7 +243,8 @@ class Writer:
         have = cols["alive"] & (self.seen == cols["id"]) & (self.seen != 0) & ~self.skipped
         count = int(have.sum())
         if head.gen:
-            nlist, need = head.nlist, per_list(head.nlist) * head.nlist
+            nlist = max(head.nlist, spec.lists(cap, count))  # more lists once they train
+            need = per_list(nlist) * nlist
             again = RETRAIN_GROWTH * head.trained
             due = spec.retrain and head.trained and count >= again and again <= cap
         else:
