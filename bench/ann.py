@@ -26,7 +26,9 @@ its lists, training sample and k-means, list
 assignment by a flat scan of the centroids, ``nprobe`` calibrated to recall 0.95 on the
 stored vectors) and searched through ``ivf_search``, what ``nearest()`` runs, with the
 live rows as its mask; ``setting`` names the calibrated ``nprobe`` and the sample's
-recall there. ``--nprobe 8,16`` adds fixed settings beside it.
+recall there. ``--nprobe 8,16`` adds fixed settings beside it. ``--baseline`` adds, in
+the same run, the index with the lists of the writer's first training (``nlist`` for the
+capacity), float32 codes and a quantizer graph of 32 links, calibrated on its own.
 """
 
 from __future__ import annotations
@@ -124,17 +126,19 @@ class Run:
             self.rows.append(row)
 
 
-def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False) -> None:
+def build(run: Run, nlist: int, fp16: bool, links: int | None = None) -> dict:
+    """Retrieval's index over ``run`` as the writer trains, assigns and calibrates it and a
+    reader loads it (fp16 residual codes or float32), and ``links`` per node of the
+    quantizer's graph (default: retrieval's)."""
     import faiss
 
+    from orchestrator.retrieval import coarse as coarse_module
     from orchestrator.retrieval.calibrate import calibrate, held_out
-    from orchestrator.retrieval.coarse import Coarse, quantizer
     from orchestrator.retrieval.spec import IndexSpec, per_list
-    from orchestrator.retrieval.vectors import RERANK, ivf_search, new_ivf, rerank
+    from orchestrator.retrieval.vectors import new_ivf
     from orchestrator.retrieval.writer import train_centroids
 
     spec, n, dim = IndexSpec(), run.n, run.x.shape[1]
-    nlist = spec.lists(n, n)  # the writer's last training, on n vectors
     need = per_list(nlist) * nlist
     m0, t0 = rss(), time.perf_counter()
     episodes = np.arange(n) // EP_LEN.get(run.data, 1)  # as they would be committed
@@ -143,13 +147,17 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
     pool = np.flatnonzero(~out)
     sample = run.x[np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
     centroids = train_centroids(sample, nlist, False)
-    readers = Coarse(centroids, "l2", spec.quantizer, spec.quantizer_ef)
+    default = coarse_module.HNSW_M
+    coarse_module.HNSW_M = links or default  # the graph readers (and the check) would build
+    try:
+        readers = coarse_module.Coarse(centroids, "l2", spec.quantizer, spec.quantizer_ef)
+    finally:
+        coarse_module.HNSW_M = default
     at_n = range(0, n, 65536)  # the writer's assignment: every vector's list, exactly
     lists = np.concatenate([readers.assign(run.x[i : i + 65536]) for i in at_n])
     cal = calibrate(run.x, lists - 1, centroids, spec, readers, episodes, out)
     calibrate_s = time.perf_counter() - t0
-    ivf = new_ivf(readers, dim, "l2")  # a reader's: fp16 residual codes
-    rows = np.concatenate([run.x, run.extra])  # a reader's vectors by row (the re-rank's)
+    ivf = new_ivf(readers, dim, "l2", fp16)
 
     def add(x: np.ndarray, at: np.ndarray, to: np.ndarray) -> None:
         x, ids = np.ascontiguousarray(x), np.ascontiguousarray(at, np.int64)
@@ -157,14 +165,31 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
         ivf.add_core(len(x), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists0))
 
     add(run.x, np.arange(n), lists)  # what a reader's cold load does
-    build, mem = time.perf_counter() - t0, rss() - m0
+    built_s, mem = time.perf_counter() - t0, rss() - m0
     t = time.perf_counter()
     add(run.extra, np.arange(n, n + 10_000), readers.assign(run.extra))
     add_s = round(time.perf_counter() - t, 3)
-    calibrated = (
+    label = (
         f"nprobe {cal.nprobe} (calibrated: sample recall {cal.recall}, bound {cal.bound}; "
         f"training and calibration {calibrate_s:.0f} s)"
     )
+    return {"ivf": ivf, "readers": readers, "centroids": centroids, "cal": cal, "label": label,
+            "build_s": built_s, "mem": mem, "add_s": add_s}  # fmt: skip
+
+
+def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False) -> None:
+    import faiss
+
+    from orchestrator.retrieval.coarse import quantizer
+    from orchestrator.retrieval.spec import IndexSpec
+    from orchestrator.retrieval.vectors import RERANK, ivf_search, rerank
+
+    spec, n = IndexSpec(), run.n
+    nlist = spec.lists(n, n)  # the writer's last training, on n vectors
+    got = build(run, nlist, True)
+    ivf, readers, centroids, cal = got["ivf"], got["readers"], got["centroids"], got["cal"]
+    build_s, mem, add_s = got["build_s"], got["mem"], got["add_s"]
+    rows = np.concatenate([run.x, run.extra])  # a reader's vectors by row (the re-rank's)
     nprobe = [cal.nprobe]
 
     def search(b):
@@ -173,31 +198,20 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
     def at(p):
         return lambda: nprobe.__setitem__(0, p)
 
-    settings = [(calibrated, at(cal.nprobe))] + [(f"nprobe {p}", at(p)) for p in fixed]
-    run.report(
-        f"claw IVF{nlist},SQfp16 residual (mask, re-rank)", build, mem, search, settings, add_s
-    )
-    if baseline:  # beside it: float32 codes and a graph of 32 links, same lists and nprobe
-        flat_ivf = new_ivf(readers, dim, "l2", fp16=False)
-        at = np.ascontiguousarray(np.concatenate([lists, readers.assign(run.extra)]) - 1, np.int64)
-        ids = np.arange(len(rows), dtype=np.int64)
-        flat_ivf.add_core(len(rows), faiss.swig_ptr(rows), faiss.swig_ptr(ids), faiss.swig_ptr(at))
-        m32 = Coarse(centroids, "l2", spec.quantizer, spec.quantizer_ef)
-        if m32.graph is not None:
-            m32.graph = faiss.IndexHNSWFlat(dim, 32)
-            m32.graph.add(centroids)
+    settings = [(got["label"], at(cal.nprobe))] + [(f"nprobe {p}", at(p)) for p in fixed]
+    name = f"claw IVF{nlist},SQfp16 residual (mask, re-rank)"
+    run.report(name, build_s, mem, search, settings, add_s)
+    if baseline:  # beside it: the first training's lists, float32 codes, a graph of 32 links
+        nlist0 = spec.lists(n)
+        base = build(run, nlist0, False, links=32)
+        p0 = [base["cal"].nprobe]
 
         def base_search(b):
-            return ivf_search(flat_ivf, m32, b, K, run.live, nprobe[0], rows)[1]
+            return ivf_search(base["ivf"], base["readers"], b, K, run.live, p0[0], rows)[1]
 
-        run.report(
-            f"claw IVF{nlist},Flat, HNSW32 quantizer (mask)",
-            build,
-            mem,
-            base_search,
-            settings,
-            add_s,
-        )
+        name = f"claw IVF{nlist0},Flat, HNSW32 quantizer (mask)"
+        run.report(name, base["build_s"], base["mem"], base_search,
+                   [(base["label"], lambda: None)], base["add_s"])  # fmt: skip
     if graph:  # beside it: the HNSW graph finding the lists at every nprobe, queries in order
         bits = np.packbits(run.live, bitorder="little")
         sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))
@@ -219,7 +233,7 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
 
         run.report(
             f"claw IVF{nlist},SQfp16 residual (graph at every nprobe, mask, re-rank)",
-            build, mem, graph_search, settings, add_s,
+            build_s, mem, graph_search, settings, add_s,
         )  # fmt: skip
 
 
@@ -313,7 +327,7 @@ def main() -> None:
     ap.add_argument(
         "--baseline",
         action="store_true",
-        help="also: float32 codes and a quantizer graph of 32 links, the same lists and nprobe",
+        help="also: the first training's lists, float32 codes, a quantizer graph of 32 links",
     )
     args = ap.parse_args()
     import faiss
