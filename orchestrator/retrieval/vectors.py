@@ -40,6 +40,10 @@ these by the codes' rounding."""
 FP16_SAFE = 2.0**14
 """Vectors whose every component is below this in magnitude have residuals within fp16's
 range (65,504); an index holding a larger one keeps float32 codes (``IndexIVFFlat``)."""
+FP16_DIM = 8
+"""fp16 codes only for a dimension that is a multiple of this: Faiss decodes them 8 (or
+16) features at a time with SIMD and falls back to one feature at a time otherwise, which
+costs more than scanning float32 vectors (17-d HalfCheetah states)."""
 FALLBACK_NPROBE = 12
 """``nprobe`` of a trained index with no calibration yet (the writer calibrates it at its
 next tick): readers take the calibrated one from the head or the log as soon as it is."""
@@ -73,10 +77,11 @@ def new_ivf(coarse: Coarse, dim: int, metric: str, fp16: bool = True) -> faiss.I
     """An empty IVF over ``coarse``'s centroids (filled with ``add_core`` at the stored
     lists), its ids the rows, with a direct map: fp16 codes of each vector's residual to its
     centroid (``IndexIVFScalarQuantizer``, nothing to train), or float32 vectors
-    (``IndexIVFFlat``) when ``fp16`` is false."""
+    (``IndexIVFFlat``) when ``fp16`` is false or ``dim`` is not a multiple of
+    ``FP16_DIM``."""
     fm = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
     nlist = coarse.flat.ntotal
-    if fp16:
+    if fp16 and dim % FP16_DIM == 0:
         qt = faiss.ScalarQuantizer.QT_fp16
         ivf = faiss.IndexIVFScalarQuantizer(coarse.flat, dim, nlist, qt, fm, True)
     else:

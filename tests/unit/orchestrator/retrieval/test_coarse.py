@@ -73,3 +73,10 @@ def test_vectors_beyond_fp16s_range_are_not_given_fp16_codes():
     assert fits_fp16(np.full((2, 3), FP16_SAFE / 2, np.float32))
     assert not fits_fp16(np.array([[0, -FP16_SAFE]], np.float32))
     assert not fits_fp16(np.array([[np.nan, 0]], np.float32))
+
+
+def test_fp16_codes_for_dimensions_faiss_decodes_with_simd():
+    centroids = np.random.default_rng(0).standard_normal((64, 24), dtype=np.float32)
+    assert new_ivf(Coarse(centroids, "l2", "flat"), 24, "l2").code_size == 2 * 24
+    odd = Coarse(centroids[:, :17].copy(), "l2", "flat")
+    assert new_ivf(odd, 17, "l2").code_size == 4 * 17  # float32
