@@ -3,8 +3,9 @@
 The copy holds, per global row ``shard * cap + slot``, the stored vector and the id of the
 step it was computed from (``vid``; 0: none), and, once the quantizer is trained, a Faiss
 IVF whose ids are those rows (a direct map makes replacing a row's entry O(1)). Its lists
-hold each vector's residual to its list's centroid as fp16 codes (:func:`new_ivf`: half
-the bytes a scan reads, and the scan's cost is mostly reading them); a search re-ranks
+hold each vector's residual to its list's centroid as fp16 codes at a dimension that is
+a multiple of 8 (:func:`new_ivf`: half the bytes a scan reads, and the scan's cost is
+mostly reading them; float32 otherwise); a search re-ranks
 its candidates exactly from the stored vectors, so distances and order are exact. The
 copy is loaded from the index's raw arrays (no projection, no k-means, no list
 assignment: the writer stored each vector's list), then kept current from the index's log
