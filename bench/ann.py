@@ -21,14 +21,13 @@ Faiss HNSW mask them, usearch removes them), and per candidate and setting:
 - build time, resident memory added per vector, 10,000 adds.
 
 ``claw`` is retrieval's own index built the way the maintenance writer builds it (the
-default ``IndexSpec`` for a capacity of ``n``, at its last training, on ``n`` vectors:
-its lists, training sample and k-means, list
+default ``IndexSpec`` for a capacity of ``n``: its lists, training sample and k-means, list
 assignment by a flat scan of the centroids, ``nprobe`` calibrated to recall 0.95 on the
 stored vectors) and searched through ``ivf_search``, what ``nearest()`` runs, with the
 live rows as its mask; ``setting`` names the calibrated ``nprobe`` and the sample's
 recall there. ``--nprobe 8,16`` adds fixed settings beside it. ``--baseline`` adds, in
-the same run, the index with the lists of the writer's first training (``nlist`` for the
-capacity), float32 codes and a quantizer graph of 32 links, calibrated on its own.
+the same run, the index with the same lists, float32 codes and a quantizer graph of 32
+links, calibrated on its own.
 """
 
 from __future__ import annotations
@@ -185,7 +184,7 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
     from orchestrator.retrieval.vectors import RERANK, ivf_search, rerank
 
     spec, n = IndexSpec(), run.n
-    nlist = spec.lists(n, n)  # the writer's last training, on n vectors
+    nlist = spec.lists(n)
     got = build(run, nlist, True)
     ivf, readers, centroids, cal = got["ivf"], got["readers"], got["centroids"], got["cal"]
     build_s, mem, add_s = got["build_s"], got["mem"], got["add_s"]
@@ -199,10 +198,11 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
         return lambda: nprobe.__setitem__(0, p)
 
     settings = [(got["label"], at(cal.nprobe))] + [(f"nprobe {p}", at(p)) for p in fixed]
-    name = f"claw IVF{nlist},SQfp16 residual (mask, re-rank)"
+    codes = "SQfp16 residual" if ivf.code_size < 4 * run.x.shape[1] else "Flat"
+    name = f"claw IVF{nlist},{codes} (mask, re-rank)"
     run.report(name, build_s, mem, search, settings, add_s)
-    if baseline:  # beside it: the first training's lists, float32 codes, a graph of 32 links
-        nlist0 = spec.lists(n)
+    if baseline:  # beside it: the same lists, float32 codes, a graph of 32 links
+        nlist0 = nlist
         base = build(run, nlist0, False, links=32)
         p0 = [base["cal"].nprobe]
 
@@ -232,7 +232,7 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
             return rerank(b, rows, i, K, False)[1]
 
         run.report(
-            f"claw IVF{nlist},SQfp16 residual (graph at every nprobe, mask, re-rank)",
+            f"claw IVF{nlist},{codes} (graph at every nprobe, mask, re-rank)",
             build_s, mem, graph_search, settings, add_s,
         )  # fmt: skip
 
@@ -327,7 +327,7 @@ def main() -> None:
     ap.add_argument(
         "--baseline",
         action="store_true",
-        help="also: the first training's lists, float32 codes, a quantizer graph of 32 links",
+        help="also: the same lists with float32 codes and a quantizer graph of 32 links",
     )
     args = ap.parse_args()
     import faiss

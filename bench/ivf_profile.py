@@ -10,8 +10,7 @@ docs/retrieval.md, "Where the time goes".
         [--nprobe 8,32,132] [--sq]
 
 One data set of bench/statesets.py, the writer's k-means and list assignment for ``nlist``
-lists (default: those of retrieval's last training on ``n`` vectors for a capacity of
-``n``), ``nprobe`` calibrated as the writer
+lists (default: retrieval's for a capacity of ``n``), ``nprobe`` calibrated as the writer
 does, 10,000 rows masked as removed; queries: 256 states drawn i.i.d. from those held out
 (8 of each of 32 episodes for sets made of episodes). Per ``nprobe``: the median CPU ms of
 each part over 7 repetitions, and recall@10 of the scan (lists found exactly).
@@ -85,7 +84,7 @@ def main() -> None:
         held = np.take_along_axis(eps, pick[:, :, None], axis=1).reshape(256, -1)
     q = np.ascontiguousarray(held[:256])
     spec = IndexSpec(nlist=args.nlist or None)
-    nlist, d = spec.lists(n, n), x.shape[1]  # the writer's last training, on n vectors
+    nlist, d = spec.lists(n), x.shape[1]
     need = per_list(nlist) * nlist
     episodes = np.arange(n) // ep
     rng = np.random.default_rng(1)

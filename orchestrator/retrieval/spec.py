@@ -40,11 +40,6 @@ every list (fewer cost recall: 10 per list at 4,096 lists lost 0.03 of recall@10
 ``nprobe`` 8), 10 for two levels (16,384 lists on 164k vectors, recall 0.99 at 16)."""
 TRAIN_SHARE = 4
 """The default ``nlist`` trains once at most a quarter of the capacity holds vectors."""
-GROW_SHARE = 2
-"""A training again doubles the default ``nlist`` once the k-means sample for twice the
-lists is at most half the vectors (at 1M vectors, 32,768 lists: recall@10 0.974 at
-``nprobe`` 12 for 3.0 ms of CPU per 256 states, where 16,384 lists reach 0.959 at 10 for
-4.7 ms: docs/retrieval.md, "Where the time goes")."""
 
 
 class SpecError(ValueError):
@@ -107,22 +102,16 @@ class IndexSpec(BaseModel):
             raise ValueError(f"feature {value!r}: name it as 'module:function'")
         return value
 
-    def lists(self, capacity: int, vectors: int = 0) -> int:
-        """IVF lists for a namespace of ``capacity`` steps holding ``vectors``: at the first
-        training ``16 * sqrt(capacity)`` as a power of two in 64..65536, halved until
-        training needs at most a quarter of the capacity; at a training again, twice that
-        once the k-means sample of twice as many lists is at most ``1 / GROW_SHARE`` of
-        the vectors (1M steps: 16,384 lists of ~61 at the first training, 164k vectors;
-        32,768 of ~31 from the one at 655k). Many short lists, which the HNSW quantizer
-        finds cheaply, make a query scan few vectors (docs/retrieval.md, "Where the time
-        goes")."""
+    def lists(self, capacity: int) -> int:
+        """IVF lists for a namespace of ``capacity`` steps: ``16 * sqrt(capacity)`` as a
+        power of two in 64..65536, halved until training needs at most a quarter of the
+        capacity. Many short lists (1M steps: 16,384 of ~61), which the HNSW quantizer
+        finds cheaply, make a query scan few vectors (docs/benchmarks.md, "Retrieval")."""
         if self.nlist is not None:
             return self.nlist
         n = int(min(65536, max(64, 2 ** round(math.log2(16 * math.sqrt(max(capacity, 1)))))))
         while n > 64 and per_list(n) * n > capacity / TRAIN_SHARE:
             n //= 2
-        if n < 65536 and per_list(2 * n) * 2 * n <= vectors / GROW_SHARE:
-            n *= 2
         return n
 
     def train_size(self, capacity: int) -> int:

@@ -243,8 +243,7 @@ class Writer:
         have = cols["alive"] & (self.seen == cols["id"]) & (self.seen != 0) & ~self.skipped
         count = int(have.sum())
         if head.gen:
-            nlist = max(head.nlist, spec.lists(cap, count))  # more lists once they train
-            need = per_list(nlist) * nlist
+            nlist, need = head.nlist, per_list(head.nlist) * head.nlist
             again = RETRAIN_GROWTH * head.trained
             due = spec.retrain and head.trained and count >= again and again <= cap
         else:

@@ -103,10 +103,6 @@ def test_lists_grow_with_the_square_root_of_capacity_and_train_within_a_quarter_
     assert spec.lists(100_000) == 512 and spec.train_size(100_000) == 39 * 512  # one k-means
     assert spec.lists(10_000) == 64 and spec.lists(10) == 64
     assert IndexSpec(nlist=100).lists(10**9) == 100
-    # a training again: twice the lists once their sample is at most half the vectors
-    assert spec.lists(1_000_000, 655_359) == 16384 and spec.lists(1_000_000, 655_360) == 32768
-    assert spec.lists(1_000_000, 10**6) == 32768 and spec.lists(200_000, 200_000) == 2048
-    assert IndexSpec(nlist=100).lists(10**9, 10**9) == 100
 
 
 def test_exact_search_pads_past_the_candidates():
