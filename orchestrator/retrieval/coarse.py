@@ -19,9 +19,10 @@ import numpy as np
 from orchestrator.retrieval.engine import faiss
 
 HNSW_M = 16
-"""Links per node of the HNSW quantizer's graph: at 16,384 lists and ``efSearch`` 16, 16
-links find the same lists as 32 (recall@10 of the search alike) for about half the CPU
-(docs/retrieval.md, "Where the time goes")."""
+"""Links per node of the HNSW quantizer's graph: 0.68-0.74x the CPU of 32 links at the
+same ``efSearch``. It misses a near list a little more often, which the calibration's
+check with it answers by a larger ``nprobe`` where it matters (1M HalfCheetah states: 20
+instead of 16; docs/retrieval.md, "Where the time goes")."""
 GRAPH_FROM = 2048
 """Below this many lists the flat scan of the centroids is always the cheaper."""
 FLAT_SHARE = 64

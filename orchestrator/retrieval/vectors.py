@@ -36,8 +36,8 @@ from orchestrator.retrieval.storage import Head, Storage
 
 RERANK = 8
 """Candidates a scan keeps beyond ``k`` for the exact re-rank: an fp16 residual's distance
-is within ~1e-3 of the exact one (relative), so a true neighbour is never ranked below
-these by the codes' rounding."""
+is within ~1e-3 of the exact one (relative), so the codes' rounding would have to put 8
+other candidates between a true neighbour and the ``k``-th to lose it."""
 FP16_SAFE = 2.0**14
 """Vectors whose every component is below this in magnitude have residuals within fp16's
 range (65,504); an index holding a larger one keeps float32 codes (``IndexIVFFlat``)."""
