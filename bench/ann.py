@@ -127,12 +127,12 @@ class Run:
 
 def build(run: Run, nlist: int, fp16: bool, links: int | None = None) -> dict:
     """Retrieval's index over ``run`` as the writer trains, assigns and calibrates it and a
-    reader loads it (fp16 residual codes or float32), and ``links`` per node of the
-    quantizer's graph (default: retrieval's)."""
+    reader loads it (fp16 residual codes or float32), with ``links`` per node of the
+    quantizer's graph (None: retrieval's ``HNSW_M``)."""
     import faiss
 
-    from orchestrator.retrieval import coarse as coarse_module
     from orchestrator.retrieval.calibrate import calibrate, held_out
+    from orchestrator.retrieval.coarse import HNSW_M, Coarse
     from orchestrator.retrieval.spec import IndexSpec, per_list
     from orchestrator.retrieval.vectors import new_ivf
     from orchestrator.retrieval.writer import train_centroids
@@ -146,12 +146,8 @@ def build(run: Run, nlist: int, fp16: bool, links: int | None = None) -> dict:
     pool = np.flatnonzero(~out)
     sample = run.x[np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
     centroids = train_centroids(sample, nlist, False)
-    default = coarse_module.HNSW_M
-    coarse_module.HNSW_M = links or default  # the graph readers (and the check) would build
-    try:
-        readers = coarse_module.Coarse(centroids, "l2", spec.quantizer, spec.quantizer_ef)
-    finally:
-        coarse_module.HNSW_M = default
+    m = links or HNSW_M  # the graph readers (and the calibration's check) search
+    readers = Coarse(centroids, "l2", spec.quantizer, spec.quantizer_ef, m)
     at_n = range(0, n, 65536)  # the writer's assignment: every vector's list, exactly
     lists = np.concatenate([readers.assign(run.x[i : i + 65536]) for i in at_n])
     cal = calibrate(run.x, lists - 1, centroids, spec, readers, episodes, out)
@@ -181,7 +177,7 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
 
     from orchestrator.retrieval.coarse import quantizer
     from orchestrator.retrieval.spec import IndexSpec
-    from orchestrator.retrieval.vectors import RERANK, ivf_search, rerank
+    from orchestrator.retrieval.vectors import RERANK, fp16_codes, ivf_search, rerank
 
     spec, n = IndexSpec(), run.n
     nlist = spec.lists(n)
@@ -198,18 +194,17 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
         return lambda: nprobe.__setitem__(0, p)
 
     settings = [(got["label"], at(cal.nprobe))] + [(f"nprobe {p}", at(p)) for p in fixed]
-    codes = "SQfp16 residual" if ivf.code_size < 4 * run.x.shape[1] else "Flat"
-    name = f"claw IVF{nlist},{codes} (mask, re-rank)"
+    codes = "SQfp16 residual" if fp16_codes(ivf) else "Flat"
+    name = f"claw IVF{nlist},{codes} (mask{', re-rank' if fp16_codes(ivf) else ''})"
     run.report(name, build_s, mem, search, settings, add_s)
     if baseline:  # beside it: the same lists, float32 codes, a graph of 32 links
-        nlist0 = nlist
-        base = build(run, nlist0, False, links=32)
+        base = build(run, nlist, False, links=32)
         p0 = [base["cal"].nprobe]
 
         def base_search(b):
             return ivf_search(base["ivf"], base["readers"], b, K, run.live, p0[0], rows)[1]
 
-        name = f"claw IVF{nlist0},Flat, HNSW32 quantizer (mask)"
+        name = f"claw IVF{nlist},Flat, HNSW32 quantizer (mask)"
         run.report(name, base["build_s"], base["mem"], base_search,
                    [(base["label"], lambda: None)], base["add_s"])  # fmt: skip
     if graph:  # beside it: the HNSW graph finding the lists at every nprobe, queries in order
@@ -222,17 +217,17 @@ def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False
             probes = min(nlist, int(np.ceil(nprobe[0] / share)))
             hp = faiss.SearchParametersHNSW(efSearch=max(spec.quantizer_ef, probes))
             near, lists = hnsw.search(b, probes, params=hp)
-            kc, b = K + RERANK, np.ascontiguousarray(b)
+            kc, b = K + RERANK if fp16_codes(ivf) else K, np.ascontiguousarray(b)
             d, i = np.empty((len(b), kc), np.float32), np.empty((len(b), kc), np.int64)
             params = faiss.SearchParametersIVF(sel=sel, nprobe=probes)
             ivf.search_preassigned_c(
                 len(b), faiss.swig_ptr(b), kc, faiss.swig_ptr(lists),
                 faiss.swig_ptr(near), faiss.swig_ptr(d), faiss.swig_ptr(i), False, params,
             )  # fmt: skip
-            return rerank(b, rows, i, K, False)[1]
+            return rerank(b, rows, i, K, False)[1] if kc > K else i
 
         run.report(
-            f"claw IVF{nlist},{codes} (graph at every nprobe, mask, re-rank)",
+            f"claw IVF{nlist},{codes} (graph at every nprobe, mask)",
             build_s, mem, graph_search, settings, add_s,
         )  # fmt: skip
 

@@ -95,8 +95,7 @@ def main() -> None:
     centroids = train_centroids(sample, nlist, False)
     coarse = Coarse(centroids, "l2", "hnsw", spec.quantizer_ef)
     graph = coarse.graph or quantizer(centroids, "l2", "hnsw")  # below 2,048 lists: its own
-    graph32 = faiss.IndexHNSWFlat(d, 32)  # the graph with twice the links, beside it
-    graph32.add(centroids)
+    graph32 = quantizer(centroids, "l2", "hnsw", m=32)  # twice the links, beside it
     lists = np.concatenate([coarse.assign(x[i : i + 65536]) for i in range(0, n, 65536)]) - 1
     cal = calibrate(x, lists, centroids, spec, coarse, episodes, out)
     at, ids = np.ascontiguousarray(lists.astype(np.int64)), np.arange(n, dtype=np.int64)

@@ -92,6 +92,12 @@ def new_ivf(coarse: Coarse, dim: int, metric: str, fp16: bool = True) -> faiss.I
     return ivf
 
 
+def fp16_codes(ivf: faiss.IndexIVF) -> bool:
+    """Whether ``ivf`` holds fp16 codes (its distances approximate) rather than float32
+    vectors (exact)."""
+    return ivf.code_size < 4 * ivf.d
+
+
 def rerank(
     queries: np.ndarray, vectors: np.ndarray, rows: np.ndarray, k: int, metric_ip: bool
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -134,9 +140,10 @@ def ivf_search(
     (``len(queries) * nprobe >= nlist``: each list is scanned for several queries), the
     queries are scanned in the order of their nearest list, so that those probing the same
     lists follow each other while the lists are in cache (docs/retrieval.md, "Where the
-    time goes"). The scan keeps ``k + RERANK`` candidates by the codes' distances, ranked
-    again exactly against ``vectors`` (the rows' vectors, float32, contiguous). Ids -1
-    where the probed lists held fewer than ``k``."""
+    time goes"). Over fp16 codes the scan keeps ``k + RERANK`` candidates by the codes'
+    distances, ranked again exactly against ``vectors`` (the rows' vectors, float32,
+    contiguous); float32 codes give exact distances already. Ids -1 where the probed lists
+    held fewer than ``k``."""
     bits = np.packbits(mask, bitorder="little")
     sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))  # its size in bytes
     share = min(1.0, np.count_nonzero(mask) / max(ivf.ntotal, 1))
@@ -149,7 +156,8 @@ def ivf_search(
         queries, near, lists = queries[order], near[order], lists[order]
     q = np.ascontiguousarray(queries)
     near, lists = np.ascontiguousarray(near), np.ascontiguousarray(lists)
-    kc = k + RERANK
+    approximate = fp16_codes(ivf)
+    kc = k + RERANK if approximate else k
     dist, rows = np.empty((m, kc), np.float32), np.empty((m, kc), np.int64)
     params = faiss.SearchParametersIVF(sel=sel, nprobe=probes)
     ivf.search_preassigned_c(
@@ -163,7 +171,8 @@ def ivf_search(
         False,
         params,
     )
-    dist, rows = rerank(q, vectors, rows, k, ivf.metric_type != faiss.METRIC_L2)
+    if approximate:
+        dist, rows = rerank(q, vectors, rows, k, ivf.metric_type != faiss.METRIC_L2)
     if order is None:
         return dist, rows
     back = np.empty_like(order)
@@ -228,7 +237,7 @@ class VectorIndex:
         if not len(rows):
             return
         x = np.ascontiguousarray(self.vectors[rows])
-        if self.ivf.code_size < 4 * self.dim and not fits_fp16(x):
+        if fp16_codes(self.ivf) and not fits_fp16(x):
             # a vector beyond fp16's range: every entry again, as float32 codes
             self.ivf = new_ivf(self.coarse, self.dim, self.spec.metric, fp16=False)
             held = np.flatnonzero(self.lists != 0)  # entries of the old IVF (not ``rows``)

@@ -80,3 +80,19 @@ def test_fp16_codes_for_dimensions_faiss_decodes_with_simd():
     assert new_ivf(Coarse(centroids, "l2", "flat"), 24, "l2").code_size == 2 * 24
     odd = Coarse(centroids[:, :17].copy(), "l2", "flat")
     assert new_ivf(odd, 17, "l2").code_size == 4 * 17  # float32
+
+
+def test_inner_product_answers_are_the_exact_ones_with_every_list_probed():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4000, DIM), dtype=np.float32)
+    coarse = Coarse(x[:64].copy(), "ip", "flat")
+    ivf = new_ivf(coarse, DIM, "ip")
+    ivf.add(x)
+    assert ivf.code_size == 2 * DIM  # fp16 residual codes, re-ranked by inner product
+    q = rng.standard_normal((50, DIM), dtype=np.float32)
+    mask = rng.random(len(x)) < 0.8
+    dist, rows = ivf_search(ivf, coarse, q, 10, mask, 64, x)
+    allowed = np.flatnonzero(mask)
+    want = allowed[np.argsort(-(q @ x[allowed].T), axis=1, kind="stable")[:, :10]]
+    assert (rows == want).all()  # largest inner product first
+    np.testing.assert_allclose(dist, np.take_along_axis(q @ x.T, want, axis=1), rtol=1e-5)
