@@ -1,15 +1,16 @@
 """A process's copy of one vector index, and search under a row mask.
 
-The copy holds, per global row ``shard * cap + slot``, the stored vector and the id of the
-step it was computed from (``vid``; 0: none), and, once the quantizer is trained, a Faiss
-IVF whose ids are those rows (a direct map makes replacing a row's entry O(1)). Its lists
-hold each vector's residual to its list's centroid as fp16 codes at a dimension that is
-a multiple of 8 (:func:`new_ivf`: half the bytes a scan reads, and the scan's cost is
-mostly reading them; float32 otherwise); a search re-ranks
-its candidates exactly from the stored vectors, so distances and order are exact. The
-copy is loaded from the index's raw arrays (no projection, no k-means, no list
-assignment: the writer stored each vector's list), then kept current from the index's log
-(:meth:`refresh`); a log trimmed past this copy, or a newly trained quantizer, reloads it.
+The copy holds, per global row ``shard * cap + slot``, the stored vector and the id of
+the step it was computed from (``vid``; 0: none), and, once the quantizer is trained, a
+Faiss IVF whose ids are those rows (a direct map makes replacing a row's entry O(1)).
+Its lists hold each vector's residual to its list's centroid as fp16 codes at a
+dimension that is a multiple of 8 (:func:`new_ivf`: half the bytes a scan reads, and the
+scan's cost is mostly reading them; float32 otherwise, or with ``codes: float32``); a
+search re-ranks its best ``k + RERANK`` candidates exactly from the stored vectors, so
+the distances it returns, and their order, are exact. The copy is loaded from the
+index's raw arrays (no projection, no k-means, no list assignment: the writer stored
+each vector's list), then kept current from the index's log (:meth:`refresh`); a log
+trimmed past this copy, or a newly trained quantizer, reloads it.
 
 Search takes a boolean mask over rows (the caller's: alive, trainable, ``vid == id``, its
 ``where``): few candidates (``exact_below``), an untrained or ``exact`` index: an exact
@@ -35,9 +36,12 @@ from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import Head, Storage
 
 RERANK = 8
-"""Candidates a scan keeps beyond ``k`` for the exact re-rank: an fp16 residual's distance
-is within ~1e-3 of the exact one (relative), so the codes' rounding would have to put 8
-other candidates between a true neighbour and the ``k``-th to lose it."""
+"""Candidates a scan of fp16 codes keeps beyond ``k`` for the exact re-rank. A code's
+distance is off by at most ~``2 * 2**-11 * |q - x| * |r|`` (``r``: the vector's residual
+to its centroid), far below the gaps between neighbours unless they sit much nearer each
+other than their centroid: a clump of near-duplicates far from it is ranked almost at
+random, and 8 more candidates find only some of its ``k`` nearest (bench/fp16_clumps.py;
+``codes: float32`` keeps exact distances in the scan)."""
 FP16_SAFE = 2.0**14
 """Vectors whose every component is below this in magnitude have residuals within fp16's
 range (65,504); an index holding a larger one keeps float32 codes (``IndexIVFFlat``)."""
@@ -228,7 +232,8 @@ class VectorIndex:
         stored = got["a"][rows]
         missing = stored == 0  # written before the training finished: assign here
         stored[missing] = self.coarse.assign(self.vectors[rows[missing]])
-        fp16 = fits_fp16(self.vectors) and fits_fp16(self.head.centroids)
+        fp16 = spec.codes == "fp16" and fits_fp16(self.vectors)
+        fp16 = fp16 and fits_fp16(self.head.centroids)
         self.ivf = new_ivf(self.coarse, self.dim, spec.metric, fp16)
         self._add(rows, stored)
 

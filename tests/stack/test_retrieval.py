@@ -403,14 +403,19 @@ def test_a_narrow_where_probes_more_lists(redis_url, expert):
 def test_a_vector_beyond_fp16s_range_gives_a_reader_float32_codes(redis_url, expert):
     """A reader holding fp16 codes catches up, from the log, on a step with a component
     past ``FP16_SAFE``: its IVF holds every row's vector again, as float32, and answers
-    stay exact with every list probed, none of them an evicted step."""
+    stay exact with every list probed, none of them an evicted step. ``codes: float32``
+    gives float32 codes from the start."""
     store, x = expert
     define_index(store, {"nlist": 16, "nprobe": 16, "exact_below": 0})
+    f32 = {"name": "f32", "codes": "float32", "nlist": 16, "nprobe": 16, "exact_below": 0}
+    define_index(store, f32)
     update_indexes(store)
     q = x[[5, 1500, 2999]] + 0.01
     assert (nearest(store, q, 5).ids == exact(x, q, 5) + 1).all()
     vectors = open_session(store, None, "default").vectors
     assert vectors.ivf is not None and vectors.ivf.code_size == 2 * DIM  # fp16
+    assert (nearest(store, q, 5, index="f32").ids == exact(x, q, 5) + 1).all()
+    assert open_session(store, None, "f32").vectors.ivf.code_size == 4 * DIM  # as defined
     gone = np.unique(exact(x, q, 2).ravel())  # each query's two nearest rows
     store.evict((gone + 1).tolist())
     far = np.zeros(DIM, np.float32)
