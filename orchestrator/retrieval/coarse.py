@@ -22,7 +22,7 @@ HNSW_M = 16
 """Links per node of the HNSW quantizer's graph: 0.68-0.74x the CPU of 32 links at the
 same ``efSearch``. It misses a near list a little more often, which the calibration's
 check with it answers by a larger ``nprobe`` where it matters (1M HalfCheetah states: 20
-instead of 16; docs/retrieval.md, "Where the time goes")."""
+where 32 links need 16; docs/retrieval.md, "Recall and latency")."""
 GRAPH_FROM = 2048
 """Below this many lists the flat scan of the centroids is always the cheaper."""
 FLAT_SHARE = 64
