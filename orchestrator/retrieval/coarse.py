@@ -19,7 +19,7 @@ import numpy as np
 from orchestrator.retrieval.engine import faiss
 
 HNSW_M = 16
-"""Links per node of the HNSW quantizer's graph: 0.68-0.74x the CPU of 32 links at the
+"""Links per node of the HNSW quantizer's graph: 0.64-0.74x the CPU of 32 links at the
 same ``efSearch``. It misses a near list a little more often, which the calibration's
 check with it answers by a larger ``nprobe`` where it matters (1M HalfCheetah states: 20
 where 32 links need 16; docs/retrieval.md, "Recall and latency")."""
