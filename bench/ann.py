@@ -25,7 +25,9 @@ default ``IndexSpec`` for a capacity of ``n``: its lists, training sample and k-
 assignment by a flat scan of the centroids, ``nprobe`` calibrated to recall 0.95 on the
 stored vectors) and searched through ``ivf_search``, what ``nearest()`` runs, with the
 live rows as its mask; ``setting`` names the calibrated ``nprobe`` and the sample's
-recall there. ``--nprobe 8,16`` adds fixed settings beside it.
+recall there. ``--nprobe 8,16`` adds fixed settings beside it. ``--baseline`` adds, in
+the same run, the index with the same lists, float32 codes and a quantizer graph of 32
+links, calibrated on its own.
 """
 
 from __future__ import annotations
@@ -123,17 +125,20 @@ class Run:
             self.rows.append(row)
 
 
-def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
+def build(run: Run, nlist: int, fp16: bool, links: int | None = None) -> dict:
+    """Retrieval's index over ``run`` as the writer trains, assigns and calibrates it and a
+    reader loads it (fp16 residual codes or float32), with ``links`` per node of the
+    quantizer's graph (None: retrieval's ``HNSW_M``)."""
     import faiss
 
     from orchestrator.retrieval.calibrate import calibrate, held_out
-    from orchestrator.retrieval.coarse import Coarse, quantizer
-    from orchestrator.retrieval.spec import IndexSpec
-    from orchestrator.retrieval.vectors import ivf_search
+    from orchestrator.retrieval.coarse import HNSW_M, Coarse
+    from orchestrator.retrieval.spec import IndexSpec, per_list
+    from orchestrator.retrieval.vectors import new_ivf
     from orchestrator.retrieval.writer import train_centroids
 
     spec, n, dim = IndexSpec(), run.n, run.x.shape[1]
-    nlist, need = spec.lists(n), spec.train_size(n)
+    need = per_list(nlist) * nlist
     m0, t0 = rss(), time.perf_counter()
     episodes = np.arange(n) // EP_LEN.get(run.data, 1)  # as they would be committed
     rng = np.random.default_rng(1)
@@ -141,14 +146,13 @@ def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
     pool = np.flatnonzero(~out)
     sample = run.x[np.sort(rng.choice(pool, min(need, len(pool)), replace=False))]
     centroids = train_centroids(sample, nlist, False)
-    readers = Coarse(centroids, "l2", spec.quantizer, spec.quantizer_ef)
+    m = links or HNSW_M  # the graph readers (and the calibration's check) search
+    readers = Coarse(centroids, "l2", spec.quantizer, spec.quantizer_ef, m)
     at_n = range(0, n, 65536)  # the writer's assignment: every vector's list, exactly
     lists = np.concatenate([readers.assign(run.x[i : i + 65536]) for i in at_n])
     cal = calibrate(run.x, lists - 1, centroids, spec, readers, episodes, out)
     calibrate_s = time.perf_counter() - t0
-    ivf = faiss.IndexIVFFlat(readers.flat, dim, nlist)
-    ivf.is_trained = True
-    ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+    ivf = new_ivf(readers, dim, "l2", fp16)
 
     def add(x: np.ndarray, at: np.ndarray, to: np.ndarray) -> None:
         x, ids = np.ascontiguousarray(x), np.ascontiguousarray(at, np.int64)
@@ -156,24 +160,53 @@ def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
         ivf.add_core(len(x), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists0))
 
     add(run.x, np.arange(n), lists)  # what a reader's cold load does
-    build, mem = time.perf_counter() - t0, rss() - m0
+    built_s, mem = time.perf_counter() - t0, rss() - m0
     t = time.perf_counter()
     add(run.extra, np.arange(n, n + 10_000), readers.assign(run.extra))
     add_s = round(time.perf_counter() - t, 3)
-    calibrated = (
+    label = (
         f"nprobe {cal.nprobe} (calibrated: sample recall {cal.recall}, bound {cal.bound}; "
         f"training and calibration {calibrate_s:.0f} s)"
     )
+    return {"ivf": ivf, "readers": readers, "centroids": centroids, "cal": cal, "label": label,
+            "build_s": built_s, "mem": mem, "add_s": add_s}  # fmt: skip
+
+
+def claw(run: Run, fixed: list[int], graph: bool = False, baseline: bool = False) -> None:
+    import faiss
+
+    from orchestrator.retrieval.coarse import quantizer
+    from orchestrator.retrieval.spec import IndexSpec
+    from orchestrator.retrieval.vectors import RERANK, fp16_codes, ivf_search, rerank
+
+    spec, n = IndexSpec(), run.n
+    nlist = spec.lists(n)
+    got = build(run, nlist, True)
+    ivf, readers, centroids, cal = got["ivf"], got["readers"], got["centroids"], got["cal"]
+    build_s, mem, add_s = got["build_s"], got["mem"], got["add_s"]
+    rows = np.concatenate([run.x, run.extra])  # a reader's vectors by row (the re-rank's)
     nprobe = [cal.nprobe]
 
     def search(b):
-        return ivf_search(ivf, readers, b, K, run.live, nprobe[0])[1]
+        return ivf_search(ivf, readers, b, K, run.live, nprobe[0], rows)[1]
 
     def at(p):
         return lambda: nprobe.__setitem__(0, p)
 
-    settings = [(calibrated, at(cal.nprobe))] + [(f"nprobe {p}", at(p)) for p in fixed]
-    run.report(f"claw IVF{nlist},Flat (mask)", build, mem, search, settings, add_s)
+    settings = [(got["label"], at(cal.nprobe))] + [(f"nprobe {p}", at(p)) for p in fixed]
+    codes = "SQfp16 residual" if fp16_codes(ivf) else "Flat"
+    name = f"claw IVF{nlist},{codes} (mask{', re-rank' if fp16_codes(ivf) else ''})"
+    run.report(name, build_s, mem, search, settings, add_s)
+    if baseline:  # beside it: the same lists, float32 codes, a graph of 32 links
+        base = build(run, nlist, False, links=32)
+        p0 = [base["cal"].nprobe]
+
+        def base_search(b):
+            return ivf_search(base["ivf"], base["readers"], b, K, run.live, p0[0], rows)[1]
+
+        name = f"claw IVF{nlist},Flat, HNSW32 quantizer (mask)"
+        run.report(name, base["build_s"], base["mem"], base_search,
+                   [(base["label"], lambda: None)], base["add_s"])  # fmt: skip
     if graph:  # beside it: the HNSW graph finding the lists at every nprobe, queries in order
         bits = np.packbits(run.live, bitorder="little")
         sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))
@@ -184,17 +217,18 @@ def claw(run: Run, fixed: list[int], graph: bool = False) -> None:
             probes = min(nlist, int(np.ceil(nprobe[0] / share)))
             hp = faiss.SearchParametersHNSW(efSearch=max(spec.quantizer_ef, probes))
             near, lists = hnsw.search(b, probes, params=hp)
-            d, i = np.empty((len(b), K), np.float32), np.empty((len(b), K), np.int64)
+            kc, b = K + RERANK if fp16_codes(ivf) else K, np.ascontiguousarray(b)
+            d, i = np.empty((len(b), kc), np.float32), np.empty((len(b), kc), np.int64)
             params = faiss.SearchParametersIVF(sel=sel, nprobe=probes)
             ivf.search_preassigned_c(
-                len(b), faiss.swig_ptr(np.ascontiguousarray(b)), K, faiss.swig_ptr(lists),
+                len(b), faiss.swig_ptr(b), kc, faiss.swig_ptr(lists),
                 faiss.swig_ptr(near), faiss.swig_ptr(d), faiss.swig_ptr(i), False, params,
             )  # fmt: skip
-            return i
+            return rerank(b, rows, i, K, False)[1] if kc > K else i
 
         run.report(
-            f"claw IVF{nlist},Flat (graph at every nprobe, mask)",
-            build, mem, graph_search, settings, add_s,
+            f"claw IVF{nlist},{codes} (graph at every nprobe, mask)",
+            build_s, mem, graph_search, settings, add_s,
         )  # fmt: skip
 
 
@@ -285,6 +319,11 @@ def main() -> None:
     ap.add_argument(
         "--graph", action="store_true", help="also: the HNSW graph finds the lists at any nprobe"
     )
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also: the same lists with float32 codes and a quantizer graph of 32 links",
+    )
     args = ap.parse_args()
     import faiss
 
@@ -296,7 +335,7 @@ def main() -> None:
         run = Run(data, args.n, args.queries)
         print(json.dumps({"data": data, "made_s": run.make_s, "dim": run.x.shape[1]}), flush=True)
         if "claw" in only:
-            claw(run, fixed, args.graph)
+            claw(run, fixed, args.graph, args.baseline)
         if "faiss-hnsw" in only:
             faiss_hnsw(run)
         if "usearch" in only:

@@ -1,8 +1,10 @@
-"""Where an IVF search of 256 states spends its CPU: finding the lists (HNSW graph or flat
-scan of the centroids), scanning them (with and without the removal mask, queries in
-their own order or sorted by nearest list, one Faiss thread or two), and the same lists
-scanned as 8-bit scalar-quantized codes (``--sq``, with an exact re-rank of 40
-candidates). docs/retrieval.md, "Where the time goes".
+"""Where an IVF search of 256 states spends its CPU: finding the lists (HNSW graph of 16
+links, as readers build it, or of 32, or flat scan of the centroids), scanning them as
+float32 vectors (with and without the removal mask, queries in their own order or sorted
+by nearest list, one Faiss thread or two), as readers scan them (fp16 residual codes
+under the mask, ``k + RERANK`` candidates re-ranked exactly), and as 8-bit
+scalar-quantized codes (``--sq``, with an exact re-rank of 40 candidates).
+docs/retrieval.md, "Where the time goes".
 
     python bench/ivf_profile.py --data mixture --n 1000000 [--nlist 16384]
         [--nprobe 8,32,132] [--sq]
@@ -61,7 +63,8 @@ def main() -> None:
 
     from orchestrator.retrieval.calibrate import calibrate, held_out
     from orchestrator.retrieval.coarse import Coarse, quantizer
-    from orchestrator.retrieval.spec import IndexSpec
+    from orchestrator.retrieval.spec import IndexSpec, per_list
+    from orchestrator.retrieval.vectors import new_ivf
     from orchestrator.retrieval.writer import train_centroids
 
     ap = argparse.ArgumentParser()
@@ -81,7 +84,8 @@ def main() -> None:
         held = np.take_along_axis(eps, pick[:, :, None], axis=1).reshape(256, -1)
     q = np.ascontiguousarray(held[:256])
     spec = IndexSpec(nlist=args.nlist or None)
-    nlist, need, d = spec.lists(n), spec.train_size(n), x.shape[1]
+    nlist, d = spec.lists(n), x.shape[1]
+    need = per_list(nlist) * nlist
     episodes = np.arange(n) // ep
     rng = np.random.default_rng(1)
     out = held_out(episodes, rng)
@@ -91,10 +95,11 @@ def main() -> None:
     centroids = train_centroids(sample, nlist, False)
     coarse = Coarse(centroids, "l2", "hnsw", spec.quantizer_ef)
     graph = coarse.graph or quantizer(centroids, "l2", "hnsw")  # below 2,048 lists: its own
+    graph32 = quantizer(centroids, "l2", "hnsw", m=32)  # twice the links, beside it
     lists = np.concatenate([coarse.assign(x[i : i + 65536]) for i in range(0, n, 65536)]) - 1
     cal = calibrate(x, lists, centroids, spec, coarse, episodes, out)
     at, ids = np.ascontiguousarray(lists.astype(np.int64)), np.arange(n, dtype=np.int64)
-    ivfs = {"flat": faiss.IndexIVFFlat(coarse.flat, d, nlist)}
+    ivfs = {"flat": new_ivf(coarse, d, "l2", fp16=False), "fp16": new_ivf(coarse, d, "l2")}
     if args.sq:
         qt = faiss.ScalarQuantizer.QT_8bit
         ivfs["sq8"] = faiss.IndexIVFScalarQuantizer(
@@ -116,7 +121,7 @@ def main() -> None:
     print(json.dumps(head | {"load": os.getloadavg()[0]}), flush=True)
     probes = [int(p) for p in args.nprobe.split(",") if p] or [cal.nprobe]
     for p in probes:
-        row = profile(p, x, q, truth, coarse, graph, ivfs, sel, spec.quantizer_ef)
+        row = profile(p, x, q, truth, coarse, (graph, graph32), ivfs, sel, spec.quantizer_ef)
         print(json.dumps(row | {"load": os.getloadavg()[0]}), flush=True)
 
 
@@ -129,12 +134,15 @@ def profile(p, x, q, truth, coarse, graph, ivfs, sel, ef) -> dict:
     """One ``nprobe``'s parts (module docstring)."""
     import faiss
 
+    from orchestrator.retrieval.vectors import RERANK, rerank
+
     hp = faiss.SearchParametersHNSW(efSearch=max(ef, p))
     near, found = coarse.flat.search(q, p)
     o = np.argsort(found[:, 0], kind="stable")
     qs, fs, ns = (np.ascontiguousarray(a[o]) for a in (q, found, near))
     ivf = ivfs["flat"]
-    row = {"nprobe": p, "coarse_graph": cpu_ms(lambda: graph.search(q, p, params=hp))}
+    row = {"nprobe": p, "coarse_graph": cpu_ms(lambda: graph[0].search(q, p, params=hp))}
+    row["coarse_graph_m32"] = cpu_ms(lambda: graph[1].search(q, p, params=hp))
     row["coarse_flat"] = cpu_ms(lambda: coarse.flat.search(q, p))
     row["scan"] = cpu_ms(lambda: scan(ivf, q, found, near, None))
     row["scan_mask"] = cpu_ms(lambda: scan(ivf, q, found, near, sel))
@@ -144,6 +152,13 @@ def profile(p, x, q, truth, coarse, graph, ivfs, sel, ef) -> dict:
     row["coarse_flat_2_threads"] = cpu_ms(lambda: coarse.flat.search(q, p))
     faiss.omp_set_num_threads(1)
     row["recall"] = recall(scan(ivf, q, found, near, sel), truth)
+
+    def fp16():  # what readers scan: fp16 residual codes, k + RERANK re-ranked exactly
+        cand = scan(ivfs["fp16"], q, found, near, sel, K + RERANK)
+        return rerank(q, x, cand, K, False)[1]
+
+    row["fp16_rerank"] = cpu_ms(fp16)
+    row["fp16_recall"] = recall(fp16(), truth)
     if "sq8" in ivfs:
 
         def reranked():

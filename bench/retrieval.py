@@ -224,8 +224,9 @@ def main() -> None:
         truth = None
         for label in CONFIGS:
             spec = list_indexes(store)[CONFIGS[label]["name"]]
-            row: dict = {"nlist": spec.lists(args.steps), "quantizer": spec.quantizer}
             head = IndexKeys(store, spec.name).head
+            row: dict = {"nlist": int(store.r.hget(head, "nlist") or 0)}  # its last training's
+            row["quantizer"] = spec.quantizer
             row["nprobe"] = spec.nprobe or int(store.r.hget(head, "nprobe") or 0)
             row["calibrated_recall"] = (store.r.hget(head, "recall") or b"").decode()
             row.update(built[label])

@@ -1,22 +1,27 @@
 """An IVF index's search breadth (``nprobe``) calibrated to a recall target.
 
-IVF-Flat computes the exact distance to every vector of the lists a query probes, so a
-query finds one of its true neighbours exactly when that neighbour's list is among the
-probed ones. The writer holds out whole episodes of the stored vectors (at least
-``MIN_GROUPS``, at most an eighth of the vectors) from the k-means sample and takes
-``SAMPLE`` of their vectors as queries: a learner's states come from episodes the index
-was not trained on and does not hold (a state a training saw sits nearer its centroid
-than a learner's state does), and a stored state's own episode holds its nearest
-neighbours (the steps beside it), which a query from elsewhere would not find so easily:
-on 200k states of a smooth process, queries from stored episodes gave recall 0.99 at
-``nprobe`` 2, held-out episodes 0.78. Each query's ``K`` true neighbours come from an
-exact search of the rest, and each neighbour's list is ranked among the query's
-centroids: a neighbour whose list ranks ``r`` is found from ``nprobe = r`` on. That gives
-the recall at every ``nprobe`` at once, with no IVF built. The smallest ``nprobe`` whose
-recall is at least the target with a margin (the mean recall minus ``Z`` standard errors
-of it, counted over episodes) is then checked with the lists readers find at it
-(:class:`~orchestrator.retrieval.coarse.Coarse`: its HNSW graph finds almost, not always,
-the nearest lists) and raised by a quarter until that check passes too.
+A reader ranks every vector of the lists a query probes (by its fp16 residual code or
+its float32 vector) and the best ``k + RERANK`` again exactly, so a query finds one of
+its true neighbours when that neighbour's list is among the probed ones, unless fp16
+rounding puts more than ``RERANK`` others ahead of it (near-duplicates far from their
+centroid, :data:`~orchestrator.retrieval.vectors.RERANK`: the recall measured here does
+not count that; on the benchmark's sets the fp16 scan's recall@10 was within 0.001 of
+float32 vectors' at the same lists and ``nprobe``). The writer holds out whole episodes
+of the stored vectors (at least ``MIN_GROUPS``, at most an eighth of the vectors) from
+the k-means sample and takes ``SAMPLE`` of their vectors as queries: a learner's states
+come from episodes the index was not trained on and does not hold (a state a training
+saw sits nearer its centroid than a learner's state does), and a stored state's own
+episode holds its nearest neighbours (the steps beside it), which a query from elsewhere
+would not find so easily: on 200k states of a smooth process, queries from stored
+episodes gave recall 0.99 at ``nprobe`` 2, held-out episodes 0.78. Each query's ``K``
+true neighbours come from an exact search of the rest, and each neighbour's list is
+ranked among the query's centroids: a neighbour whose list ranks ``r`` is found from
+``nprobe = r`` on. That gives the recall at every ``nprobe`` at once, with no IVF built.
+The smallest ``nprobe`` whose recall is at least the target with a margin (the mean
+recall minus ``Z`` standard errors of it, counted over episodes) is then checked with
+the lists readers find at it (:class:`~orchestrator.retrieval.coarse.Coarse`: its HNSW
+graph finds almost, not always, the nearest lists) and raised by a quarter until that
+check passes too.
 
 A fixed ``nprobe`` cannot be right for every data set: 12 lists of 16,384 give recall@10
 0.976 on 1M 32-d states of a smooth process, 0.487 on a Gaussian mixture of the same

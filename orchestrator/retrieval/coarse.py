@@ -18,8 +18,11 @@ import numpy as np
 
 from orchestrator.retrieval.engine import faiss
 
-HNSW_M = 32
-"""Links per node of the HNSW quantizer's graph."""
+HNSW_M = 16
+"""Links per node of the HNSW quantizer's graph: 0.64-0.74x the CPU of 32 links at the
+same ``efSearch``. It misses a near list a little more often, which the calibration's
+check with it answers by a larger ``nprobe`` where it matters (1M HalfCheetah states: 20
+where 32 links need 16; docs/retrieval.md, "Recall and latency")."""
 GRAPH_FROM = 2048
 """Below this many lists the flat scan of the centroids is always the cheaper."""
 FLAT_SHARE = 64
@@ -27,32 +30,40 @@ FLAT_SHARE = 64
 the graph at ``efSearch = nprobe`` (at 16,384 lists they cross between 132 and 256)."""
 
 
-def quantizer(centroids: np.ndarray, metric: str, kind: str = "flat") -> faiss.Index:
+def quantizer(
+    centroids: np.ndarray, metric: str, kind: str = "flat", m: int = HNSW_M
+) -> faiss.Index:
     """An index over the IVF centroids (L2, or inner product for ip/cosine): ``flat``
-    (exact) or ``hnsw`` (a graph)."""
+    (exact) or ``hnsw`` (a graph of ``m`` links per node)."""
     d, fm = centroids.shape[1], faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
-    q = faiss.IndexFlat(d, fm) if kind == "flat" else faiss.IndexHNSWFlat(d, HNSW_M, fm)
+    q = faiss.IndexFlat(d, fm) if kind == "flat" else faiss.IndexHNSWFlat(d, m, fm)
     q.add(np.ascontiguousarray(centroids, np.float32))
     return q
 
 
 class Coarse:
-    """The lists of a batch of queries, by the graph or the flat scan (module docstring).
-    ``flat`` is also the IVF's own quantizer and what assigns a vector its list."""
+    """The lists of a batch of queries, by the graph (``m`` links per node) or the flat
+    scan (module docstring). ``flat`` is also the IVF's own quantizer and what assigns a
+    vector its list."""
 
     def __init__(
-        self, centroids: np.ndarray, metric: str, kind: str = "hnsw", ef: int = 16
+        self,
+        centroids: np.ndarray,
+        metric: str,
+        kind: str = "hnsw",
+        ef: int = 16,
+        m: int = HNSW_M,
     ) -> None:
-        self.nlist, self.ef = len(centroids), ef
+        self.nlist, self.ef, self.m = len(centroids), ef, m
         self.flat = quantizer(centroids, metric, "flat")
         graph = kind == "hnsw" and self.nlist >= GRAPH_FROM  # below: never searched
-        self.graph = quantizer(centroids, metric, "hnsw") if graph else None
+        self.graph = quantizer(centroids, metric, "hnsw", m) if graph else None
 
     @property
     def nbytes(self) -> int:
         """Memory of the centroids (twice with the graph) and the graph's links."""
         one = self.flat.ntotal * self.flat.d * 4
-        return one if self.graph is None else 2 * one + self.nlist * 8 * HNSW_M
+        return one if self.graph is None else 2 * one + self.nlist * 8 * self.m
 
     def uses_graph(self, nprobe: int) -> bool:
         """Whether a search for ``nprobe`` lists goes through the graph."""

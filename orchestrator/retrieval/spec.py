@@ -77,6 +77,12 @@ class IndexSpec(BaseModel):
     (orchestrator/retrieval/coarse.py); ``flat``, the flat scan always."""
     quantizer_ef: PositiveInt = 16
     """The HNSW quantizer's ``efSearch`` (at least ``nprobe`` is used)."""
+    codes: Literal["fp16", "float32"] = "fp16"
+    """How a reader's IVF lists hold the vectors: ``fp16`` residual codes at a dimension
+    that is a multiple of 8 (half the bytes a scan reads, ``k + 8`` candidates re-ranked
+    exactly; float32 otherwise), or ``float32`` always (exact distances in the scan: a
+    clump of near-duplicates far from its list's centroid is ranked by fp16 codes almost
+    at random, docs/retrieval.md, "Limits")."""
     retrain: StrictBool = True
     """Train the quantizer again each time the vectors have doubled (within the capacity);
     each training makes every reading process reload its copy."""

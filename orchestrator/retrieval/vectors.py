@@ -1,11 +1,16 @@
 """A process's copy of one vector index, and search under a row mask.
 
-The copy holds, per global row ``shard * cap + slot``, the stored vector and the id of the
-step it was computed from (``vid``; 0: none), and, once the quantizer is trained, a Faiss
-``IndexIVFFlat`` whose ids are those rows (a direct map makes replacing a row's entry
-O(1)). It is loaded from the index's raw arrays (no projection, no k-means, no list
-assignment: the writer stored each vector's list), then kept current from the index's log
-(:meth:`refresh`); a log trimmed past this copy, or a newly trained quantizer, reloads it.
+The copy holds, per global row ``shard * cap + slot``, the stored vector and the id of
+the step it was computed from (``vid``; 0: none), and, once the quantizer is trained, a
+Faiss IVF whose ids are those rows (a direct map makes replacing a row's entry O(1)).
+Its lists hold each vector's residual to its list's centroid as fp16 codes at a
+dimension that is a multiple of 8 (:func:`new_ivf`: half the bytes a scan reads, and the
+scan's cost is mostly reading them; float32 otherwise, or with ``codes: float32``); a
+search re-ranks its best ``k + RERANK`` candidates exactly from the stored vectors, so
+the distances it returns, and their order, are exact. The copy is loaded from the
+index's raw arrays (no projection, no k-means, no list assignment: the writer stored
+each vector's list), then kept current from the index's log (:meth:`refresh`); a log
+trimmed past this copy, or a newly trained quantizer, reloads it.
 
 Search takes a boolean mask over rows (the caller's: alive, trainable, ``vid == id``, its
 ``where``): few candidates (``exact_below``), an untrained or ``exact`` index: an exact
@@ -30,6 +35,20 @@ from orchestrator.retrieval.engine import faiss
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import Head, Storage
 
+RERANK = 8
+"""Candidates a scan of fp16 codes keeps beyond ``k`` for the exact re-rank. A code's
+distance is off by at most ~``2 * 2**-11 * |q - x| * |r|`` (``r``: the vector's residual
+to its centroid), far below the gaps between neighbours unless they sit much nearer each
+other than their centroid: a clump of near-duplicates far from it is ranked almost at
+random, and 8 more candidates find only some of its ``k`` nearest (bench/fp16_clumps.py;
+``codes: float32`` keeps exact distances in the scan)."""
+FP16_SAFE = 2.0**14
+"""Vectors whose every component is below this in magnitude have residuals within fp16's
+range (65,504); an index holding a larger one keeps float32 codes (``IndexIVFFlat``)."""
+FP16_DIM = 8
+"""fp16 codes only for a dimension that is a multiple of this: Faiss decodes them 8 (or
+16) features at a time with SIMD and falls back to one feature at a time otherwise, which
+costs more than scanning float32 vectors (17-d HalfCheetah states)."""
 FALLBACK_NPROBE = 12
 """``nprobe`` of a trained index with no calibration yet (the writer calibrates it at its
 next tick): readers take the calibrated one from the head or the log as soon as it is."""
@@ -51,13 +70,71 @@ def exact_search(
     return dist, pos
 
 
+def fits_fp16(vectors: np.ndarray) -> bool:
+    """Whether fp16 residual codes hold ``vectors`` (every component finite, below
+    ``FP16_SAFE``)."""
+    if not vectors.size:
+        return True
+    return bool(max(vectors.max(), -vectors.min()) < FP16_SAFE)  # NaN: False
+
+
+def new_ivf(coarse: Coarse, dim: int, metric: str, fp16: bool = True) -> faiss.IndexIVF:
+    """An empty IVF over ``coarse``'s centroids (filled with ``add_core`` at the stored
+    lists), its ids the rows, with a direct map: fp16 codes of each vector's residual to its
+    centroid (``IndexIVFScalarQuantizer``, nothing to train), or float32 vectors
+    (``IndexIVFFlat``) when ``fp16`` is false or ``dim`` is not a multiple of
+    ``FP16_DIM``."""
+    fm = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+    nlist = coarse.flat.ntotal
+    if fp16 and dim % FP16_DIM == 0:
+        qt = faiss.ScalarQuantizer.QT_fp16
+        ivf = faiss.IndexIVFScalarQuantizer(coarse.flat, dim, nlist, qt, fm, True)
+    else:
+        ivf = faiss.IndexIVFFlat(coarse.flat, dim, nlist, fm)
+    ivf.is_trained = True
+    ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+    return ivf
+
+
+def fp16_codes(ivf: faiss.IndexIVF) -> bool:
+    """Whether ``ivf`` holds fp16 codes (its distances approximate) rather than float32
+    vectors (exact)."""
+    return ivf.code_size < 4 * ivf.d
+
+
+def rerank(
+    queries: np.ndarray, vectors: np.ndarray, rows: np.ndarray, k: int, metric_ip: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` nearest of each query's candidate ``rows`` (-1: none, after the others) by
+    exact distances to ``vectors[rows]`` (Faiss's ``knn_*_by_idx``: no copy)."""
+    assert vectors.dtype == np.float32 and vectors.flags.c_contiguous
+    m, c = rows.shape
+    dist, out = np.empty((m, k), np.float32), np.empty((m, k), np.int64)
+    fn = faiss.knn_inner_products_by_idx if metric_ip else faiss.knn_L2sqr_by_idx
+    fn(
+        faiss.swig_ptr(queries),
+        faiss.swig_ptr(vectors),
+        faiss.swig_ptr(rows),
+        vectors.shape[1],
+        m,
+        len(vectors),
+        c,
+        k,
+        faiss.swig_ptr(dist),
+        faiss.swig_ptr(out),
+        c,
+    )
+    return dist, out
+
+
 def ivf_search(
-    ivf: faiss.IndexIVFFlat,
+    ivf: faiss.IndexIVF,
     coarse: Coarse,
     queries: np.ndarray,
     k: int,
     mask: np.ndarray,
     nprobe: int,
+    vectors: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``ivf`` searched for the ``k`` nearest of ``queries`` (float32, contiguous) among the
     ids ``mask`` allows (an ``IDSelectorBitmap`` evaluated inside the scan), ``nprobe``
@@ -67,7 +144,10 @@ def ivf_search(
     (``len(queries) * nprobe >= nlist``: each list is scanned for several queries), the
     queries are scanned in the order of their nearest list, so that those probing the same
     lists follow each other while the lists are in cache (docs/retrieval.md, "Where the
-    time goes"). Faiss's answer: ids -1 where the probed lists held fewer than ``k``."""
+    time goes"). Over fp16 codes the scan keeps ``k + RERANK`` candidates by the codes'
+    distances, ranked again exactly against ``vectors`` (the rows' vectors, float32,
+    contiguous); float32 codes give exact distances already. Ids -1 where the probed lists
+    held fewer than ``k``."""
     bits = np.packbits(mask, bitorder="little")
     sel = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))  # its size in bytes
     share = min(1.0, np.count_nonzero(mask) / max(ivf.ntotal, 1))
@@ -80,12 +160,14 @@ def ivf_search(
         queries, near, lists = queries[order], near[order], lists[order]
     q = np.ascontiguousarray(queries)
     near, lists = np.ascontiguousarray(near), np.ascontiguousarray(lists)
-    dist, rows = np.empty((m, k), np.float32), np.empty((m, k), np.int64)
+    approximate = fp16_codes(ivf)
+    kc = k + RERANK if approximate else k
+    dist, rows = np.empty((m, kc), np.float32), np.empty((m, kc), np.int64)
     params = faiss.SearchParametersIVF(sel=sel, nprobe=probes)
     ivf.search_preassigned_c(
         m,
         faiss.swig_ptr(q),
-        k,
+        kc,
         faiss.swig_ptr(lists),
         faiss.swig_ptr(near),
         faiss.swig_ptr(dist),
@@ -93,6 +175,8 @@ def ivf_search(
         False,
         params,
     )
+    if approximate:
+        dist, rows = rerank(q, vectors, rows, k, ivf.metric_type != faiss.METRIC_L2)
     if order is None:
         return dist, rows
     back = np.empty_like(order)
@@ -110,7 +194,7 @@ class VectorIndex:
         self.vectors = np.zeros((n, dim), np.float32)
         self.vid = np.zeros(n, np.int64)
         self.lists = np.zeros(n, np.int32)  # list + 1 of the row's IVF entry (0: none)
-        self.ivf: faiss.IndexIVFFlat | None = None
+        self.ivf: faiss.IndexIVF | None = None
         self.coarse: Coarse | None = None
         self.head: Head | None = None
         self.nprobe = spec.nprobe or FALLBACK_NPROBE
@@ -122,7 +206,8 @@ class VectorIndex:
         """Memory this copy holds (arrays and IVF lists, not Faiss's small overheads)."""
         ivf = 0
         if self.ivf is not None:
-            ivf = self.ivf.ntotal * (4 * self.dim + 8) + 16 * self.ivf.ntotal  # + direct map
+            code = self.ivf.code_size  # 2 B a feature (fp16) or 4 (float32)
+            ivf = self.ivf.ntotal * (code + 8) + 16 * self.ivf.ntotal  # + direct map
         if self.coarse is not None:
             ivf += self.coarse.nbytes
         return self.vectors.nbytes + self.vid.nbytes + self.lists.nbytes + ivf
@@ -143,22 +228,27 @@ class VectorIndex:
             return
         spec = self.spec
         self.coarse = Coarse(self.head.centroids, spec.metric, spec.quantizer, spec.quantizer_ef)
-        metric = faiss.METRIC_L2 if spec.metric == "l2" else faiss.METRIC_INNER_PRODUCT
-        ivf = faiss.IndexIVFFlat(self.coarse.flat, self.dim, self.head.nlist, metric)
-        ivf.is_trained = True
-        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
-        self.ivf = ivf
         rows = np.flatnonzero(self.vid != 0)
         stored = got["a"][rows]
         missing = stored == 0  # written before the training finished: assign here
         stored[missing] = self.coarse.assign(self.vectors[rows[missing]])
+        fp16 = spec.codes == "fp16" and fits_fp16(self.vectors)
+        fp16 = fp16 and fits_fp16(self.head.centroids)
+        self.ivf = new_ivf(self.coarse, self.dim, spec.metric, fp16)
         self._add(rows, stored)
 
     def _add(self, rows: np.ndarray, lists: np.ndarray) -> None:
-        assert self.ivf is not None
+        assert self.ivf is not None and self.coarse is not None
         if not len(rows):
             return
         x = np.ascontiguousarray(self.vectors[rows])
+        if fp16_codes(self.ivf) and not fits_fp16(x):
+            # a vector beyond fp16's range: every entry again, as float32 codes
+            self.ivf = new_ivf(self.coarse, self.dim, self.spec.metric, fp16=False)
+            held = np.flatnonzero(self.lists != 0)  # entries of the old IVF (not ``rows``)
+            rows = np.concatenate([held, rows])
+            lists = np.concatenate([self.lists[held], lists])
+            x = np.ascontiguousarray(self.vectors[rows])
         ids = np.ascontiguousarray(rows, np.int64)
         at = np.ascontiguousarray(lists.astype(np.int64) - 1)
         self.ivf.add_core(len(rows), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(at))
@@ -230,7 +320,7 @@ class VectorIndex:
         if exact or allowed <= self.spec.exact_below:
             return self._exact(queries, k, mask)
         assert self.ivf is not None and self.coarse is not None
-        dist, rows = ivf_search(self.ivf, self.coarse, queries, k, mask, self.nprobe)
+        dist, rows = ivf_search(self.ivf, self.coarse, queries, k, mask, self.nprobe, self.vectors)
         short = (rows < 0).any(axis=1)
         if short.any():  # the probed lists held fewer than k candidates: scan exactly
             dist[short], rows[short] = self._exact(queries[short], k, mask)

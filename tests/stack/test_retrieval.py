@@ -28,6 +28,7 @@ from orchestrator.retrieval import define_index, drop_index, nearest
 from orchestrator.retrieval.calibrate import Calibration
 from orchestrator.retrieval.query import INDEX_SESSIONS, SESSIONS, open_session
 from orchestrator.retrieval.storage import IndexKeys
+from orchestrator.retrieval.vectors import FP16_SAFE, ivf_search
 from tests.support.processes import Worker
 
 DIM = 8
@@ -397,6 +398,44 @@ def test_a_narrow_where_probes_more_lists(redis_url, expert):
     q = np.random.default_rng(8).standard_normal((40, DIM)).astype(np.float32)
     got = nearest(store, q, 5, where="step_index < 67")
     assert (got.ids == kept[exact(x[kept], q, 5)] + 1).all()
+
+
+def test_a_vector_beyond_fp16s_range_gives_a_reader_float32_codes(redis_url, expert):
+    """A reader holding fp16 codes catches up, from the log, on a step with a component
+    past ``FP16_SAFE``: its IVF holds every row's vector again, as float32, and answers
+    stay exact with every list probed, none of them an evicted step. ``codes: float32``
+    gives float32 codes from the start."""
+    store, x = expert
+    define_index(store, {"nlist": 16, "nprobe": 16, "exact_below": 0})
+    f32 = {"name": "f32", "codes": "float32", "nlist": 16, "nprobe": 16, "exact_below": 0}
+    define_index(store, f32)
+    update_indexes(store)
+    q = x[[5, 1500, 2999]] + 0.01
+    assert (nearest(store, q, 5).ids == exact(x, q, 5) + 1).all()
+    vectors = open_session(store, None, "default").vectors
+    assert vectors.ivf is not None and vectors.ivf.code_size == 2 * DIM  # fp16
+    assert (nearest(store, q, 5, index="f32").ids == exact(x, q, 5) + 1).all()
+    assert open_session(store, None, "f32").vectors.ivf.code_size == 4 * DIM  # as defined
+    gone = np.unique(exact(x, q, 2).ravel())  # each query's two nearest rows
+    store.evict((gone + 1).tolist())
+    far = np.zeros(DIM, np.float32)
+    far[0] = 4 * FP16_SAFE
+    new = np.stack([x[5] + 0.002, far, x[1500] - 0.003])  # rows 3000-3002
+    store.commit(steps(new, "far", "expert", 3000))
+    update_indexes(store)
+
+    got = nearest(store, q, 5)
+    every = np.concatenate([x, new])
+    live = np.setdiff1d(np.arange(len(every)), gone)
+    want = live[exact(every[live], q, 5)]
+    assert (got.ids == want + 1).all() and not np.isin(got.ids - 1, gone).any()
+    d = ((q[:, None, :] - every[want]) ** 2).sum(-1)
+    np.testing.assert_allclose(got.distances, d, rtol=1e-5)
+    assert vectors.loads == 1 and vectors.ivf.code_size == 4 * DIM  # float32, no reload
+    assert vectors.ivf.ntotal == len(every) == np.count_nonzero(vectors.vid)  # every row
+    unmasked = np.ones(len(vectors.vid), bool)  # the IVF's own answers: exact over every row
+    _, rows = ivf_search(vectors.ivf, vectors.coarse, q, 8, unmasked, 16, vectors.vectors)
+    assert (rows == exact(every, q, 8)).all()
 
 
 def test_the_writer_calibrates_nprobe_and_readers_take_it(redis_url, namespace):

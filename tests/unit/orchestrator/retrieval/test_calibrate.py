@@ -15,7 +15,7 @@ from orchestrator.retrieval.calibrate import MIN_GROUPS, SAMPLE, calibrate, held
 from orchestrator.retrieval.coarse import Coarse, quantizer
 from orchestrator.retrieval.spec import IndexSpec
 from orchestrator.retrieval.storage import stored_spec
-from orchestrator.retrieval.vectors import ivf_search
+from orchestrator.retrieval.vectors import ivf_search, new_ivf
 from orchestrator.retrieval.writer import train_centroids
 
 DIM, N, NLIST = 16, 30_000, 256
@@ -33,18 +33,17 @@ def built():
     centroids = train_centroids(x[rng.choice(pool, 39 * NLIST, replace=False)], NLIST, False)
     readers = Coarse(centroids, "l2")
     lists = readers.assign(x) - 1
-    ivf = faiss.IndexIVFFlat(readers.flat, DIM, NLIST)
-    ivf.is_trained = True
+    ivf = new_ivf(readers, DIM, "l2")
     ivf.add(x)
     q = rng.standard_normal((500, DIM), dtype=np.float32)
     _, truth = faiss.knn(q, x, 10)
-    return x, centroids, lists, (ivf, readers), q, truth, out
+    return x, centroids, lists, (ivf, readers, x), q, truth, out
 
 
 def held_out_recall(ivf, q, truth, nprobe: int) -> float:
     """Recall@10 of ``q`` as readers search (``ivf_search``, no row masked)."""
-    index, readers = ivf
-    _, found = ivf_search(index, readers, q, 10, np.ones(N, bool), nprobe)
+    index, readers, x = ivf
+    _, found = ivf_search(index, readers, q, 10, np.ones(N, bool), nprobe, x)
     return float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(found, truth, strict=True)]))
 
 
