@@ -18,12 +18,13 @@ from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import Served
 from orchestrator.delivery.readahead_pipe import (
     CONFIG,
+    CREDIT_EVERY,
     ERROR,
     FLUSH,
     FLUSHED,
-    GEN,
     HEAD,
     ITEM,
+    ITEM_HEAD,
     LINEAGE,
     RECIPE,
     USED,
@@ -42,8 +43,10 @@ def _size(item: bytes) -> int:
 
 
 class Target:
-    """The child's target and its accounting: items popped for it and not yet taken by
-    the trainer (their sizes), against its count and byte budget; ``cond`` guards it."""
+    """The child's target and its accounting: items popped for it and not yet reported
+    taken by the trainer (their sizes), against its count (plus the ``CREDIT_EVERY - 1``
+    the trainer may have taken and not reported yet) and byte budget; ``cond`` guards
+    it."""
 
     def __init__(self) -> None:
         self.name: str | None = None
@@ -57,7 +60,8 @@ class Target:
 
     def room(self) -> bool:
         return self.name is not None and (
-            not self.held or (len(self.held) < self.count and self.bytes < self.max_bytes)
+            not self.held
+            or (len(self.held) < self.count + CREDIT_EVERY - 1 and self.bytes < self.max_bytes)
         )
 
     def used(self, gen: int, taken: int) -> None:
@@ -159,7 +163,8 @@ def read_ahead(client: BatchClient, target: Target, out: FrameWriter) -> None:
             if gen == target.gen:
                 target.held.append(size := _size(item))
                 target.bytes += size
-        out.write(ITEM, GEN.pack(gen), item)
+            full = not target.room()
+        out.write(ITEM, ITEM_HEAD.pack(gen, full), item)
 
 
 def main() -> None:

@@ -40,11 +40,12 @@ from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import Traced
 from orchestrator.delivery.readahead_pipe import (
     CONFIG,
+    CREDIT_EVERY,
     ERROR,
     FLUSH,
     FLUSHED,
-    GEN,
     ITEM,
+    ITEM_HEAD,
     LINEAGE,
     PIPE_BYTES,
     RECIPE,
@@ -206,30 +207,48 @@ class ProcessReadAhead:
         if self._error is not None:
             raise self._error
         deadline = None if timeout is None else time.monotonic() + timeout
+        frames = self._frames
         while True:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            got = self._frame_of(self._frames.next(left))
+            got = frames.next(0)  # read already, or in the pipe: no wait, no poll
+            if got is None and not frames.eof:
+                if self._taken > self._reported:  # the child may wait for these
+                    self._report()
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                got = frames.next(left)
+            got = self._frame_of(got)
             if got is None:
                 raise TimeoutError(self._client.why_empty(str(self.name), timeout))
             kind, payload = got
             if kind != ITEM:
                 continue  # a late flush's acknowledgement
-            item = memoryview(payload)[GEN.size :]
-            if GEN.unpack_from(payload)[0] != self._gen:
+            item = memoryview(payload)[ITEM_HEAD.size :]
+            if ITEM_HEAD.unpack_from(payload)[0] != self._gen:
                 shm.discard(item)  # popped for the recipe before a retarget
                 continue
             self._taken += 1
             batch = self._client.accept(str(self.name), item)
             owed = self._taken - self._reported
-            if owed >= max(1, self.count // 4) or (owed and not self._frames.has_frame()):
-                # one write a few items (a write wakes the child, ~30 us), or now when
-                # nothing else waits (the child may be held by its byte budget); a failed
-                # one is raised by the next call, this batch is served
-                with contextlib.suppress(ReadAheadProcessError):
-                    self._give_credits()
+            if owed >= CREDIT_EVERY or (owed and self._child_waits(payload)):
+                self._report()
             if batch is None:
                 continue
             return batch if self.convert is None else self.convert(batch)
+
+    def _child_waits(self, taken: bytearray) -> bool:
+        """Whether the child waits for a report while this process holds fewer than
+        ``count`` items (held back by its byte budget): the newest item read (``taken``
+        when none is left) says whether the child had room after it."""
+        parsed = self._frames.parsed
+        if len(parsed) >= self.count:
+            return False
+        kind, newest = parsed[-1] if parsed else (ITEM, taken)
+        return kind != ITEM or bool(ITEM_HEAD.unpack_from(newest)[1])
+
+    def _report(self) -> None:
+        """:meth:`_give_credits`, a failure left to be raised by the next call (the batch
+        in hand is served)."""
+        with contextlib.suppress(ReadAheadProcessError):
+            self._give_credits()
 
     def _give_credits(self) -> None:
         """Tell the child how many items of this generation were taken so far (it pops as
@@ -251,7 +270,8 @@ class ProcessReadAhead:
     def trained(self, batch: Traced, policy_version: Any) -> None:
         """Record that ``batch`` (or a part of one this read-ahead served) trains
         ``policy_version``: written by the child, sent to it with the next credits (every
-        ``count // 4`` batches taken) or :meth:`flush_lineage`."""
+        :data:`~orchestrator.delivery.readahead_pipe.CREDIT_EVERY` batches taken, or
+        when the trainer finds none to take) or :meth:`flush_lineage`."""
         ids = np.ascontiguousarray(batch.ids, "<i8").tobytes()
         entry = [self.name, int(batch.recipe_version), str(policy_version), ids, time.time()]
         weights = getattr(batch, "weights", None)  # what replays it (claw replay)
@@ -299,7 +319,7 @@ class ProcessReadAhead:
                 if got[0] == ITEM:
                     held.append(got)
         finally:  # items read meanwhile are served next, in order
-            self._frames.buf[:0] = b"".join(frame(k, p) for k, p in held)
+            self._frames.unread(held)
 
     def resize(self, count: int) -> None:
         """Keep up to ``count`` batches from now on."""
@@ -359,7 +379,7 @@ class ProcessReadAhead:
         except ReadAheadProcessError:
             return False
         if got is not None and got[0] == ITEM:
-            shm.discard(memoryview(got[1])[GEN.size :])
+            shm.discard(memoryview(got[1])[ITEM_HEAD.size :])
         elif got is not None and got[0] == ERROR:
             self._failed(ReadAheadProcessError(got[1].decode(errors="replace")))
         return got is not None
