@@ -61,6 +61,10 @@ __all__ = ["ProcessReadAhead", "ReadAheadProcessError"]
 
 log = logging.getLogger(__name__)
 
+_UNREPORTED_WAIT = 0.05
+"""Seconds a pop that finds no item waits before it reports takes the child did not
+wait for (the last item said it had room: it is popping, or waiting on Redis)."""
+
 
 class ProcessReadAhead:
     """Keeps up to ``count`` batches (and ``max_bytes``; always at least one) of recipe
@@ -92,6 +96,7 @@ class ProcessReadAhead:
         self.name, self.count, self.max_bytes, self.convert = name, count, max_bytes, convert
         self._gen = 0  # items of other generations were popped for an earlier target
         self._taken = self._reported = 0  # items of this generation taken; told the child
+        self._full = False  # whether the child had no room after the last item taken
         self._flushes = 0
         self._error: ReadAheadProcessError | None = None  # raised by every later call
         self._closed = False
@@ -210,9 +215,18 @@ class ProcessReadAhead:
         frames = self._frames
         while True:
             got = frames.next(0)  # read already, or in the pipe: no wait, no poll
-            if got is None and not frames.eof:
-                if self._taken > self._reported:  # the child may wait for these
+            if got is None and not frames.eof and self._taken > self._reported:
+                # the child waits for a report if the last item it sent filled it (else
+                # it waits on Redis: a report would only wake it); a short wait first
+                # then, in case it filled up otherwise (a smaller count)
+                if not self._full:
+                    left = _UNREPORTED_WAIT
+                    if deadline is not None:
+                        left = max(min(left, deadline - time.monotonic()), 0.0)
+                    got = frames.next(left)
+                if got is None and not frames.eof:
                     self._report()
+            if got is None and not frames.eof:
                 left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                 got = frames.next(left)
             got = self._frame_of(got)
@@ -226,6 +240,7 @@ class ProcessReadAhead:
                 shm.discard(item)  # popped for the recipe before a retarget
                 continue
             self._taken += 1
+            self._full = bool(ITEM_HEAD.unpack_from(payload)[1])
             batch = self._client.accept(str(self.name), item)
             owed = self._taken - self._reported
             if owed >= CREDIT_EVERY or (owed and self._child_waits(payload)):
