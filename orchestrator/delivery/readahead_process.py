@@ -6,11 +6,20 @@ entries' encoding and ``XADD``s) runs under the trainer's GIL: in a one-core Pyt
 trainer such as SB3's DQN every CPU second of it is a second of wall time, and the GIL
 hand-offs it causes cost the trainer's thread more again (docs/benchmarks.md, "SB3 DQN").
 Here a child process (``python -m orchestrator.delivery.readahead_child``) does all the
-Redis work: it keeps ``count`` raw queue items (a few bytes each when the batch waits in
-``/dev/shm``) in a pipe, and takes the lineage entries the trainer declares from another
-pipe and writes them. The trainer's :meth:`pop` reads one item, maps and decodes it
+Redis work: it keeps ``count`` raw queue items (to ``count + CREDIT_EVERY - 1``, below;
+a few bytes each when the batch waits in ``/dev/shm``) in a pipe, and takes the lineage
+entries the trainer declares from another pipe and writes them. The trainer's
+:meth:`pop` reads one item, maps and decodes it
 (:meth:`BatchClient.accept`: zero-copy for a shared-memory batch) and converts it;
 :meth:`trained` appends a tuple. No thread of the trainer's process is involved.
+
+The trainer tells the child how many items it took every
+:data:`~orchestrator.delivery.readahead_pipe.CREDIT_EVERY` items, with the lineage
+declared since (a write wakes the child: ~30 us of the trainer's CPU, so not one a pop),
+and sooner when the child waits for it: each item says whether the child had room left
+after it, so a pop that finds no item behind a full child, or a trainer left with fewer
+than ``count`` by a byte budget, reports at once (a pop that finds none behind a child
+with room waits 50 ms first: the child is popping, or waiting on Redis).
 
 The pipes carry frames ``<u32 length><u8 kind><payload>``; payloads are msgpack or the
 queue item's own bytes, never pickle. The child exits when its input pipe closes (the
