@@ -62,9 +62,11 @@ class Frames:
         the rest. Each payload is one copy, writable: a batch decoded from it gives
         writable views (a trainer's tensors wrap them without another copy), never
         overwritten by later reads."""
-        if self._partial:
-            self._partial += data
-            data = memoryview(self._partial)
+        partial = self._partial
+        joined = bool(partial)
+        if joined:
+            partial += data
+            data = memoryview(partial)
         at, end = 0, len(data)
         while end - at >= HEAD.size:
             n, kind = HEAD.unpack_from(data, at)
@@ -74,9 +76,11 @@ class Frames:
                 break
             self.parsed.append((kind, bytearray(data[at + HEAD.size : at + HEAD.size + n])))
             at += HEAD.size + n
-        rest = bytes(data[at:])
-        data.release()
-        self._partial[:] = rest
+        if joined:  # a frame longer than a read is appended to, never copied whole again
+            data.release()
+            del partial[:at]
+        else:
+            partial[:] = data[at:]
 
     def _fill(self, timeout: float | None) -> bool:
         """Read what the pipe holds (waiting up to ``timeout`` for something when it holds

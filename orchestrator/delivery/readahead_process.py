@@ -7,19 +7,24 @@ trainer such as SB3's DQN every CPU second of it is a second of wall time, and t
 hand-offs it causes cost the trainer's thread more again (docs/benchmarks.md, "SB3 DQN").
 Here a child process (``python -m orchestrator.delivery.readahead_child``) does all the
 Redis work: it keeps ``count`` raw queue items (to ``count + CREDIT_EVERY - 1``, below;
-a few bytes each when the batch waits in ``/dev/shm``) in a pipe, and takes the lineage
-entries the trainer declares from another pipe and writes them. The trainer's
-:meth:`pop` reads one item, maps and decodes it
-(:meth:`BatchClient.accept`: zero-copy for a shared-memory batch) and converts it;
-:meth:`trained` appends a tuple. No thread of the trainer's process is involved.
+a few bytes each when the batch waits in ``/dev/shm``) in a pipe, and writes the lineage
+entries the trainer declares. The trainer's :meth:`pop` reads one item, maps and decodes
+it (:meth:`BatchClient.accept`: zero-copy for a shared-memory batch) and converts it;
+:meth:`trained` encodes an entry and writes it to a pipe. No thread of the trainer's
+process is involved.
 
 The trainer tells the child how many items it took every
-:data:`~orchestrator.delivery.readahead_pipe.CREDIT_EVERY` items, with the lineage
-declared since (a write wakes the child: ~30 us of the trainer's CPU, so not one a pop),
-and sooner when the child waits for it: each item says whether the child had room left
-after it, so a pop that finds no item behind a full child, or a trainer left with fewer
-than ``count`` by a byte budget, reports at once (a pop that finds none behind a child
-with room waits 50 ms first: the child is popping, or waiting on Redis).
+:data:`~orchestrator.delivery.readahead_pipe.CREDIT_EVERY` items (a write wakes the
+child: ~30 us of the trainer's CPU, so not one a pop), and sooner when the child waits
+for it: each item says whether the child had room left after it, so a pop that finds no
+item behind a full child, or a trainer left with fewer than ``count`` by a byte budget,
+reports at once (a pop that finds none behind a child with room waits 50 ms first: the
+child is popping, or waiting on Redis, and a report would not give it an item sooner).
+
+The lineage entries go into a pipe of their own that the child reads only when a
+report, a flush or the end of its input wakes it: a write to it costs the trainer a
+system call and wakes no one, and what a killed trainer declared is still in it when
+the child sees its input end.
 
 The pipes carry frames ``<u32 length><u8 kind><payload>``; payloads are msgpack or the
 queue item's own bytes, never pickle. The child exits when its input pipe closes (the
@@ -33,10 +38,12 @@ import contextlib
 import fcntl
 import logging
 import os
+import select
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -116,14 +123,29 @@ class ProcessReadAhead:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the trainer's imports
         settings = get_settings()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.delivery.readahead_child"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-            start_new_session=True,  # a Ctrl-C (or Jupyter's interrupt) is the trainer's
-        )
+        # the lineage pipe: entries wait in it, unread until the child's next report, flush
+        # or end of input (no write to it wakes the child); a killed trainer's are in it
+        lineage_in, self._lineage_out = os.pipe()
+        os.set_blocking(self._lineage_out, False)  # full: the entry goes with the report
+        with contextlib.suppress(OSError, AttributeError):
+            fcntl.fcntl(self._lineage_out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.delivery.readahead_child"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                close_fds=True,
+                pass_fds=(lineage_in,),
+                start_new_session=True,  # a Ctrl-C (or Jupyter's interrupt) is the trainer's
+            )
+        except BaseException:
+            os.close(self._lineage_out)
+            raise
+        finally:
+            os.close(lineage_in)
+        # at most once: by close(), or when this object goes without one
+        self._close_lineage = weakref.finalize(self, os.close, self._lineage_out)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._out = self._proc.stdin.fileno()
         with contextlib.suppress(OSError, AttributeError):  # a larger pipe: Linux only
@@ -135,6 +157,7 @@ class ProcessReadAhead:
             # (the URLs, passwords included, travel in the pipe, never in argv)
             "redis_url": client.redis_url or settings.redis_url,
             "broker_url": client.broker_url or settings.broker_for(client.redis_url),
+            "lineage_fd": lineage_in,
         }
         self._send(frame(CONFIG, msgpack.packb(config)) + self._target())
 
@@ -252,7 +275,11 @@ class ProcessReadAhead:
             self._full = bool(ITEM_HEAD.unpack_from(payload)[1])
             batch = self._client.accept(str(self.name), item)
             owed = self._taken - self._reported
-            if owed >= CREDIT_EVERY or (owed and self._child_waits(payload)):
+            if (
+                owed >= CREDIT_EVERY
+                or (owed and self._child_waits(payload))
+                or len(self._lineage) >= max(1, self.count // 4)
+            ):
                 self._report()
             if batch is None:
                 continue
@@ -293,9 +320,12 @@ class ProcessReadAhead:
 
     def trained(self, batch: Traced, policy_version: Any) -> None:
         """Record that ``batch`` (or a part of one this read-ahead served) trains
-        ``policy_version``: written by the child, sent to it with the next credits (every
-        :data:`~orchestrator.delivery.readahead_pipe.CREDIT_EVERY` batches taken, or
-        when the trainer finds none to take) or :meth:`flush_lineage`."""
+        ``policy_version``, written by the child. The entry goes into the lineage pipe at
+        once (a write that wakes no one; the child reads the pipe at its next report,
+        flush or end of input, so a killed trainer's entries are written too); one the
+        pipe cannot take whole (full, or past ``PIPE_BUF`` bytes: a batch of more than
+        ~280 rows) goes with the next pop's report, at most ``max(1, count // 4)``
+        entries later."""
         ids = np.ascontiguousarray(batch.ids, "<i8").tobytes()
         entry = [self.name, int(batch.recipe_version), str(policy_version), ids, time.time()]
         weights = getattr(batch, "weights", None)  # what replays it (claw replay)
@@ -306,7 +336,16 @@ class ProcessReadAhead:
             getattr(batch, "recipe_digest", None),
             None if source is None else np.ascontiguousarray(source, "<i2").tobytes(),
         ]
+        data = frame(LINEAGE, msgpack.packb([entry]))
         with self._lock:
+            # atomic up to PIPE_BUF bytes (a larger entry could be written in part), and
+            # in order: behind entries waiting for the report, it waits too
+            if not self._lineage and not self._closed and len(data) <= select.PIPE_BUF:
+                try:
+                    os.write(self._lineage_out, data)
+                    return
+                except OSError:  # full, or the child is gone: the report carries it
+                    pass
             self._lineage.append(entry)
 
     def _flush_entries(self) -> None:
@@ -366,6 +405,8 @@ class ProcessReadAhead:
             for f in (self._proc.stdin, self._proc.stdout):
                 with contextlib.suppress(OSError):
                     f.close()
+            with self._lock:
+                self._close_lineage()
             return
         unsent = 0
         if self._proc.poll() is None:
@@ -387,6 +428,8 @@ class ProcessReadAhead:
         while self._discard(0):
             pass
         self._proc.stdout.close()
+        with self._lock:
+            self._close_lineage()
         if self._proc.returncode or unsent or self._error is not None:
             log.warning(
                 "read-ahead of %r: its process ended with code %s%s%s",

@@ -90,7 +90,7 @@ def test_the_child_writes_the_lineage_the_trainer_declares(client):
     assert len(client.lineage.trained("at-close")) == 1
 
 
-def test_takes_reported_in_fives_lose_no_credit(client):
+def test_a_take_not_reported_yet_loses_no_credit(client):
     ra = ProcessReadAhead(client, "ra", count=2)
     bound = 2 + CREDIT_EVERY - 1
     wait_until(lambda: len(ra) == bound, f"{bound} batches read ahead")
@@ -173,6 +173,34 @@ def test_the_child_exits_when_its_trainer_is_killed(redis_url, namespace, client
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
     wait_until(lambda: not _alive(child), "the orphaned read-ahead process exited", timeout=30)
+
+
+def test_what_a_killed_trainer_declared_is_in_the_log(redis_url, namespace, client):
+    declared = 2 * CREDIT_EVERY + 1  # not a whole number of reports
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\n"
+            "from orchestrator.delivery.client import BatchClient\n"
+            "from orchestrator.delivery.readahead_process import ProcessReadAhead\n"
+            f"c = BatchClient({namespace!r}, {redis_url!r})\n"
+            "ra = ProcessReadAhead(c, 'ra', count=2)\n"
+            f"for k in range({declared}):\n"
+            "    ra.trained(ra.pop(timeout=60), f'killed-{k}')\n"
+            "print(ra.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )
+    assert trainer.stdout is not None
+    child = int(trainer.stdout.readline())
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    wait_until(lambda: not _alive(child), "the orphaned read-ahead process exited", timeout=30)
+    for k in range(declared):
+        assert len(client.lineage.trained(f"killed-{k}")) == 1
 
 
 def test_a_byte_budget_holds_one_batch(client):
