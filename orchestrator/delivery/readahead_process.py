@@ -82,6 +82,12 @@ _UNREPORTED_WAIT = 0.05
 wait for (the last item said it had room: it is popping, or waiting on Redis)."""
 
 
+def _close_end(end: list[int]) -> None:
+    """Close the pipe end ``end`` holds and mark it closed."""
+    fd, end[0] = end[0], -1
+    os.close(fd)
+
+
 class ProcessReadAhead:
     """Keeps up to ``count`` batches (and ``max_bytes``; always at least one) of recipe
     ``name`` popped by a child process.
@@ -125,10 +131,10 @@ class ProcessReadAhead:
         settings = get_settings()
         # the lineage pipe: entries wait in it, unread until the child's next report, flush
         # or end of input (no write to it wakes the child); a killed trainer's are in it
-        lineage_in, self._lineage_out = os.pipe()
-        os.set_blocking(self._lineage_out, False)  # full: the entry goes with the report
+        lineage_in, lineage_out = os.pipe()
+        os.set_blocking(lineage_out, False)  # full: the entry goes with the report
         with contextlib.suppress(OSError, AttributeError):
-            fcntl.fcntl(self._lineage_out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+            fcntl.fcntl(lineage_out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.delivery.readahead_child"],
@@ -140,12 +146,13 @@ class ProcessReadAhead:
                 start_new_session=True,  # a Ctrl-C (or Jupyter's interrupt) is the trainer's
             )
         except BaseException:
-            os.close(self._lineage_out)
+            os.close(lineage_out)
             raise
         finally:
             os.close(lineage_in)
         # at most once: by close(), or when this object goes without one
-        self._close_lineage = weakref.finalize(self, os.close, self._lineage_out)
+        self._lineage_out = [lineage_out]  # -1 once closed: its number may be reused
+        self._close_lineage = weakref.finalize(self, _close_end, self._lineage_out)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._out = self._proc.stdin.fileno()
         with contextlib.suppress(OSError, AttributeError):  # a larger pipe: Linux only
@@ -340,9 +347,10 @@ class ProcessReadAhead:
         with self._lock:
             # atomic up to PIPE_BUF bytes (a larger entry could be written in part), and
             # in order: behind entries waiting for the report, it waits too
-            if not self._lineage and not self._closed and len(data) <= select.PIPE_BUF:
+            fd = self._lineage_out[0]
+            if not self._lineage and fd >= 0 and len(data) <= select.PIPE_BUF:
                 try:
-                    os.write(self._lineage_out, data)
+                    os.write(fd, data)
                     return
                 except OSError:  # full, or the child is gone: the report carries it
                     pass
