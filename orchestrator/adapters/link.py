@@ -76,16 +76,21 @@ class BufferLink:
                 spec = {**spec, "layout": {**(spec.get("layout") or {}), "parts": parts}}
             name = self.names[key] = self.client.register(spec).name
 
+            process = bool(readahead) and get_settings().readahead_process
+            # The lineage entry of a part is encoded when it is declared in a read-ahead
+            # process's trainer (views will do), later on the other paths: copied, so it
+            # keeps no view of the delivered buffer (a shared-memory segment stays taken
+            # while one lives)
+            own = np.asarray if process else np.array
+
             def prepare(batch: Batch) -> list[tuple[Served, Any]]:
                 if convert_parts is not None and parts > 1 and len(batch) % parts == 0:
                     # each part's rows are contiguous: one source's rows are independent
                     # draws (contiguous parts are as good as strided ones); several
                     # sources' rows the workers laid out by parts
-                    # copied (as :func:`served` does): the lineage keeps no view of the
-                    # delivered buffer (a shared-memory segment stays taken while one lives)
-                    ids = np.array(batch.ids).reshape(parts, -1)
-                    weights = np.array(batch.weights).reshape(parts, -1)
-                    sources = np.array(batch.source_index).reshape(parts, -1)
+                    ids = own(batch.ids).reshape(parts, -1)
+                    weights = own(batch.weights).reshape(parts, -1)
+                    sources = own(batch.source_index).reshape(parts, -1)
                     items = convert_parts(batch, parts)
                     version, digest = batch.recipe_version, batch.recipe_digest
                     return [
@@ -93,11 +98,11 @@ class BufferLink:
                         for i, w, s, it in zip(ids, weights, sources, items, strict=True)
                     ]
                 got = split(batch, parts, contiguous=laid_out) if parts > 1 else [batch]
-                return [(served(b), b if convert is None else convert(b)) for b in got]
+                return [(served(b, own), b if convert is None else convert(b)) for b in got]
 
             self._prepare[name] = prepare
             self._parts[name] = parts
-            if readahead and get_settings().readahead_process:
+            if process:
                 self.readaheads[name] = self._process_readahead(
                     name, readahead, readahead_bytes, prepare
                 )
@@ -202,17 +207,18 @@ class BufferLink:
             self.client.close()
 
 
-def served(batch: Batch) -> Served:
+def served(batch: Batch, own: Callable[[Any], np.ndarray] = np.array) -> Served:
     """What the lineage records of a batch (or a part of one) an adapter serves: its ids,
-    weights and sources copied off the popped batch, its recipe version's digest and, for
-    a whole batch, its augmentation seed (a part has none: ``Batch.take``)."""
+    weights and sources (``own`` of them: copied off the popped batch by default), its
+    recipe version's digest and, for a whole batch, its augmentation seed (a part has
+    none: ``Batch.take``)."""
     return Served(
         batch.recipe_version,
-        np.array(batch.ids),
-        np.array(batch.weights),
+        own(batch.ids),
+        own(batch.weights),
         batch.seed,
         batch.recipe_digest,
-        np.array(batch.source_index),
+        own(batch.source_index),
     )
 
 

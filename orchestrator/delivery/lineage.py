@@ -40,7 +40,7 @@ import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import redis
@@ -93,9 +93,9 @@ class Traced(Protocol):
     def ids(self) -> np.ndarray: ...
 
 
-@dataclass(frozen=True)
-class Served:
-    """A :class:`Traced` kept without the batch's arrays (an adapter's served part)."""
+class Served(NamedTuple):
+    """A :class:`Traced` kept without the batch's arrays (an adapter's served part; a
+    named tuple: made for every part served, at a third of a frozen dataclass's cost)."""
 
     recipe_version: int
     ids: np.ndarray

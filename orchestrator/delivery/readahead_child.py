@@ -18,12 +18,13 @@ from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import Served
 from orchestrator.delivery.readahead_pipe import (
     CONFIG,
+    CREDIT_EVERY,
     ERROR,
     FLUSH,
     FLUSHED,
-    GEN,
     HEAD,
     ITEM,
+    ITEM_HEAD,
     LINEAGE,
     RECIPE,
     USED,
@@ -42,8 +43,10 @@ def _size(item: bytes) -> int:
 
 
 class Target:
-    """The child's target and its accounting: items popped for it and not yet taken by
-    the trainer (their sizes), against its count and byte budget; ``cond`` guards it."""
+    """The child's target and its accounting: items popped for it and not yet reported
+    taken by the trainer (their sizes), against its count (plus the ``CREDIT_EVERY - 1``
+    the trainer may have taken and not reported yet) and byte budget; ``cond`` guards
+    it."""
 
     def __init__(self) -> None:
         self.name: str | None = None
@@ -57,7 +60,8 @@ class Target:
 
     def room(self) -> bool:
         return self.name is not None and (
-            not self.held or (len(self.held) < self.count and self.bytes < self.max_bytes)
+            not self.held
+            or (len(self.held) < self.count + CREDIT_EVERY - 1 and self.bytes < self.max_bytes)
         )
 
     def used(self, gen: int, taken: int) -> None:
@@ -93,38 +97,62 @@ class FrameWriter:
             self.write(ERROR, f"{type(e).__name__}: {e}".encode())
 
 
-def listen(frames: Frames, client: BatchClient, target: Target, out: FrameWriter) -> None:
-    """The trainer's frames: credits, lineage, targets, flushes; end of file stops."""
+def write_lineage(client: BatchClient, payload: bytes | bytearray) -> None:
+    """Have ``client`` write the lineage entries of a ``LINEAGE`` frame."""
+    for recipe, version, policy, ids, at, *more in msgpack.unpackb(payload):
+        weights, seed, digest, source = (more + [None] * 4)[:4]
+        served = Served(
+            int(version),
+            np.frombuffer(ids, "<i8"),
+            None if weights is None else np.frombuffer(weights, "<f4"),
+            seed,
+            digest,
+            None if source is None else np.frombuffer(source, "<i2"),
+        )
+        client.trained(recipe, served, policy, at=at)
+
+
+def drain(lineage: Frames | None, client: BatchClient) -> None:
+    """Write the entries waiting in the lineage pipe (read without waiting: the trainer's
+    writes to it wake no one)."""
+    while lineage is not None and (got := lineage.next(0)) is not None:
+        if got[0] == LINEAGE:
+            write_lineage(client, got[1])
+
+
+def listen(
+    frames: Frames,
+    lineage: Frames | None,
+    client: BatchClient,
+    target: Target,
+    out: FrameWriter,
+) -> None:
+    """The trainer's frames: credits, lineage, targets, flushes; end of file stops. The
+    lineage pipe is read at each credit, flush and at the end (what a killed trainer
+    declared is in it)."""
     cond = target.cond
     try:
         while (got := frames.next(None)) is not None:
             kind, payload = got
             if kind == USED:
+                drain(lineage, client)
                 with cond:
                     target.used(*msgpack.unpackb(payload))
                     cond.notify_all()
             elif kind == LINEAGE:
-                for recipe, version, policy, ids, at, *more in msgpack.unpackb(payload):
-                    weights, seed, digest, source = (more + [None] * 4)[:4]
-                    served = Served(
-                        int(version),
-                        np.frombuffer(ids, "<i8"),
-                        None if weights is None else np.frombuffer(weights, "<f4"),
-                        seed,
-                        digest,
-                        None if source is None else np.frombuffer(source, "<i2"),
-                    )
-                    client.trained(recipe, served, policy, at=at)
+                write_lineage(client, payload)
             elif kind == RECIPE:
                 with cond:
                     target.retarget(*msgpack.unpackb(payload))
                     cond.notify_all()
             elif kind == FLUSH:
+                drain(lineage, client)
                 with cond:  # a pop under way may still report for the old target
                     while target.busy:
                         cond.wait()
                 client.flush_lineage()
                 out.write(FLUSHED, payload)
+        drain(lineage, client)
     except Exception as e:  # reported to the trainer, then we stop
         out.error(e)
     finally:
@@ -159,7 +187,8 @@ def read_ahead(client: BatchClient, target: Target, out: FrameWriter) -> None:
             if gen == target.gen:
                 target.held.append(size := _size(item))
                 target.bytes += size
-        out.write(ITEM, GEN.pack(gen), item)
+            full = not target.room()
+        out.write(ITEM, ITEM_HEAD.pack(gen, full), item)
 
 
 def main() -> None:
@@ -180,8 +209,13 @@ def main() -> None:
         out.write(ERROR, f"{type(e).__name__}: {e}".encode())
         return
     target = Target()
+    fd = config.get("lineage_fd")
+    lineage = None if fd is None else Frames(fd)
     listener = threading.Thread(
-        target=listen, args=(frames, client, target, out), name="claw-readahead-listen", daemon=True
+        target=listen,
+        args=(frames, lineage, client, target, out),
+        name="claw-readahead-listen",
+        daemon=True,
     )
     listener.start()
     try:

@@ -5,6 +5,7 @@ the protocol)."""
 
 from __future__ import annotations
 
+import collections
 import os
 import select
 import struct
@@ -15,10 +16,18 @@ HEAD = struct.Struct("<IB")
 ITEM, ERROR, FLUSHED = 0, 1, 2
 # trainer -> child
 CONFIG, USED, LINEAGE, RECIPE, FLUSH = 10, 11, 12, 13, 14
-GEN = struct.Struct("<I")  # an item's generation: the recipe target it was popped for
+ITEM_HEAD = struct.Struct("<I?3x")
+"""An item's head: its generation (the recipe target it was popped for) and whether the
+child, once it held this item, had no room for another (it then waits for the trainer's
+report of what it took); 8 bytes, so the item's arrays keep their alignment."""
 MAX_FRAME = 1 << 31  # a frame's length field: a batch is far smaller
 PIPE_BYTES = 1 << 20  # asked for the item pipe (Linux caps it at pipe-max-size)
 WAKE = 0.5  # the child's longest wait on an empty queue before it looks for a stop
+CREDIT_EVERY = 4
+"""Items the trainer takes between two reports of its count to the child (sooner when it
+finds none to take): each report is a write that wakes the child (~30 us of the
+trainer's CPU), so the child may hold ``CREDIT_EVERY - 1`` items past its ``count``, the
+ones taken and not yet reported: the trainer still holds ``count`` when the child stops."""
 
 
 class ReadAheadProcessError(RuntimeError):
@@ -31,12 +40,16 @@ def frame(kind: int, payload: bytes | bytearray) -> bytes:
 
 
 class Frames:
-    """Frames read from a pipe, with a timeout and a non-blocking drain (``poll``, not
-    ``select``: a trainer's descriptors may be past 1,024)."""
+    """Frames read from a pipe, with a timeout and a non-blocking drain. The descriptor is
+    made non-blocking: a read is tried first and the pipe polled (``poll``, not
+    ``select``: a trainer's descriptors may be past 1,024) only when it holds nothing, so
+    taking a frame the pipe already holds is one system call, and one buffered none."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.buf = bytearray()
+        os.set_blocking(fd, False)
+        self.parsed: collections.deque[tuple[int, bytearray]] = collections.deque()
+        self._partial = bytearray()  # the start of a frame not yet read whole
         # read into: a read of up to PIPE_BYTES into a new bytes object costs ~25 us more
         # (the allocation of PIPE_BYTES and its release), whatever the pipe holds
         self._chunk = bytearray(PIPE_BYTES)
@@ -44,57 +57,68 @@ class Frames:
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
 
-    def _parse(self) -> tuple[int, bytearray] | None:
-        if len(self.buf) < HEAD.size:
-            return None
-        n, kind = HEAD.unpack_from(self.buf)
-        if n >= MAX_FRAME:
-            raise ReadAheadProcessError(f"a corrupt frame from the read-ahead pipe ({n} bytes)")
-        if len(self.buf) < HEAD.size + n:
-            return None
-        # one copy, writable: a batch decoded from it gives writable views (a trainer's
-        # tensors wrap them without another copy)
-        payload = bytearray(memoryview(self.buf)[HEAD.size : HEAD.size + n])
-        del self.buf[: HEAD.size + n]
-        return kind, payload
+    def _split(self, data: memoryview) -> None:
+        """Queue the whole frames of ``data`` (the partial frame before it first); keep
+        the rest. Each payload is one copy, writable: a batch decoded from it gives
+        writable views (a trainer's tensors wrap them without another copy), never
+        overwritten by later reads."""
+        partial = self._partial
+        joined = bool(partial)
+        if joined:
+            partial += data
+            data = memoryview(partial)
+        at, end = 0, len(data)
+        while end - at >= HEAD.size:
+            n, kind = HEAD.unpack_from(data, at)
+            if n >= MAX_FRAME:
+                raise ReadAheadProcessError(f"a corrupt frame from the read-ahead pipe ({n} bytes)")
+            if end - at - HEAD.size < n:
+                break
+            self.parsed.append((kind, bytearray(data[at + HEAD.size : at + HEAD.size + n])))
+            at += HEAD.size + n
+        if joined:  # a frame longer than a read is appended to, never copied whole again
+            data.release()
+            del partial[:at]
+        else:
+            partial[:] = data[at:]
 
     def _fill(self, timeout: float | None) -> bool:
-        """Read what the pipe holds (waiting up to ``timeout`` for something); False on a
-        timeout or at end of file."""
+        """Read what the pipe holds (waiting up to ``timeout`` for something when it holds
+        nothing); False on a timeout or at end of file."""
         if self.eof:
             return False
-        if not self._poll.poll(None if timeout is None else int(timeout * 1000)):
-            return False
-        n = os.readv(self.fd, [self._chunk])
+        try:
+            n = os.readv(self.fd, [self._chunk])
+        except BlockingIOError:
+            if timeout == 0 or not self._poll.poll(
+                None if timeout is None else int(timeout * 1000)
+            ):
+                return False
+            try:
+                n = os.readv(self.fd, [self._chunk])
+            except BlockingIOError:  # woken for nothing: the caller's loop waits again
+                return True
         if not n:
             self.eof = True
             return False
-        self.buf += memoryview(self._chunk)[:n]
+        self._split(memoryview(self._chunk)[:n])
         return True
 
     def next(self, timeout: float | None) -> tuple[int, bytearray] | None:
         """The next frame; None after ``timeout`` seconds (or at end of file)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while (got := self._parse()) is None:
+        while not self.parsed:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             if not self._fill(left) and (self.eof or left == 0.0):
                 return None
-        return got
+        return self.parsed.popleft()
 
-    def has_frame(self) -> bool:
-        """Whether a complete frame is buffered already (no read)."""
-        if len(self.buf) < HEAD.size:
-            return False
-        return len(self.buf) >= HEAD.size + HEAD.unpack_from(self.buf)[0]
+    def unread(self, frames: list[tuple[int, bytearray]]) -> None:
+        """Put ``frames`` back in front, in their order (read again first)."""
+        self.parsed.extendleft(reversed(frames))
 
     def ready(self) -> int:
         """Complete frames readable now (reads what the pipe holds without waiting)."""
         while self._fill(0):
             pass
-        count, at = 0, 0
-        while at + HEAD.size <= len(self.buf):
-            n, _ = HEAD.unpack_from(self.buf, at)
-            if at + HEAD.size + n > len(self.buf):
-                break
-            count, at = count + 1, at + HEAD.size + n
-        return count
+        return len(self.parsed)

@@ -6,11 +6,25 @@ entries' encoding and ``XADD``s) runs under the trainer's GIL: in a one-core Pyt
 trainer such as SB3's DQN every CPU second of it is a second of wall time, and the GIL
 hand-offs it causes cost the trainer's thread more again (docs/benchmarks.md, "SB3 DQN").
 Here a child process (``python -m orchestrator.delivery.readahead_child``) does all the
-Redis work: it keeps ``count`` raw queue items (a few bytes each when the batch waits in
-``/dev/shm``) in a pipe, and takes the lineage entries the trainer declares from another
-pipe and writes them. The trainer's :meth:`pop` reads one item, maps and decodes it
-(:meth:`BatchClient.accept`: zero-copy for a shared-memory batch) and converts it;
-:meth:`trained` appends a tuple. No thread of the trainer's process is involved.
+Redis work: it keeps ``count`` raw queue items (to ``count + CREDIT_EVERY - 1``, below;
+a few bytes each when the batch waits in ``/dev/shm``) in a pipe, and writes the lineage
+entries the trainer declares. The trainer's :meth:`pop` reads one item, maps and decodes
+it (:meth:`BatchClient.accept`: zero-copy for a shared-memory batch) and converts it;
+:meth:`trained` encodes an entry and writes it to a pipe. No thread of the trainer's
+process is involved.
+
+The trainer tells the child how many items it took every
+:data:`~orchestrator.delivery.readahead_pipe.CREDIT_EVERY` items (a write wakes the
+child: ~30 us of the trainer's CPU, so not one a pop), and sooner when the child waits
+for it: each item says whether the child had room left after it, so a pop that finds no
+item behind a full child, or a trainer left with fewer than ``count`` by a byte budget,
+reports at once (a pop that finds none behind a child with room waits 50 ms first: the
+child is popping, or waiting on Redis, and a report would not give it an item sooner).
+
+The lineage entries go into a pipe of their own that the child reads only when a
+report, a flush or the end of its input wakes it: a write to it costs the trainer a
+system call and wakes no one, and what a killed trainer declared is still in it when
+the child sees its input end.
 
 The pipes carry frames ``<u32 length><u8 kind><payload>``; payloads are msgpack or the
 queue item's own bytes, never pickle. The child exits when its input pipe closes (the
@@ -24,10 +38,12 @@ import contextlib
 import fcntl
 import logging
 import os
+import select
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,11 +56,12 @@ from orchestrator.delivery.client import BatchClient
 from orchestrator.delivery.lineage import Traced
 from orchestrator.delivery.readahead_pipe import (
     CONFIG,
+    CREDIT_EVERY,
     ERROR,
     FLUSH,
     FLUSHED,
-    GEN,
     ITEM,
+    ITEM_HEAD,
     LINEAGE,
     PIPE_BYTES,
     RECIPE,
@@ -59,6 +76,16 @@ from orchestrator.sampling.batch import Batch
 __all__ = ["ProcessReadAhead", "ReadAheadProcessError"]
 
 log = logging.getLogger(__name__)
+
+_UNREPORTED_WAIT = 0.05
+"""Seconds a pop that finds no item waits before it reports takes the child did not
+wait for (the last item said it had room: it is popping, or waiting on Redis)."""
+
+
+def _close_end(end: list[int]) -> None:
+    """Close the pipe end ``end`` holds and mark it closed."""
+    fd, end[0] = end[0], -1
+    os.close(fd)
 
 
 class ProcessReadAhead:
@@ -91,6 +118,7 @@ class ProcessReadAhead:
         self.name, self.count, self.max_bytes, self.convert = name, count, max_bytes, convert
         self._gen = 0  # items of other generations were popped for an earlier target
         self._taken = self._reported = 0  # items of this generation taken; told the child
+        self._full = False  # whether the child had no room after the last item taken
         self._flushes = 0
         self._error: ReadAheadProcessError | None = None  # raised by every later call
         self._closed = False
@@ -101,14 +129,30 @@ class ProcessReadAhead:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the trainer's imports
         settings = get_settings()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.delivery.readahead_child"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-            start_new_session=True,  # a Ctrl-C (or Jupyter's interrupt) is the trainer's
-        )
+        # the lineage pipe: entries wait in it, unread until the child's next report, flush
+        # or end of input (no write to it wakes the child); a killed trainer's are in it
+        lineage_in, lineage_out = os.pipe()
+        os.set_blocking(lineage_out, False)  # full: the entry goes with the report
+        with contextlib.suppress(OSError, AttributeError):
+            fcntl.fcntl(lineage_out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.delivery.readahead_child"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                close_fds=True,
+                pass_fds=(lineage_in,),
+                start_new_session=True,  # a Ctrl-C (or Jupyter's interrupt) is the trainer's
+            )
+        except BaseException:
+            os.close(lineage_out)
+            raise
+        finally:
+            os.close(lineage_in)
+        # at most once: by close(), or when this object goes without one
+        self._lineage_out = [lineage_out]  # -1 once closed: its number may be reused
+        self._close_lineage = weakref.finalize(self, _close_end, self._lineage_out)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._out = self._proc.stdin.fileno()
         with contextlib.suppress(OSError, AttributeError):  # a larger pipe: Linux only
@@ -120,6 +164,7 @@ class ProcessReadAhead:
             # (the URLs, passwords included, travel in the pipe, never in argv)
             "redis_url": client.redis_url or settings.redis_url,
             "broker_url": client.broker_url or settings.broker_for(client.redis_url),
+            "lineage_fd": lineage_in,
         }
         self._send(frame(CONFIG, msgpack.packb(config)) + self._target())
 
@@ -206,30 +251,62 @@ class ProcessReadAhead:
         if self._error is not None:
             raise self._error
         deadline = None if timeout is None else time.monotonic() + timeout
+        frames = self._frames
         while True:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            got = self._frame_of(self._frames.next(left))
+            got = frames.next(0)  # read already, or in the pipe: no wait, no poll
+            if got is None and not frames.eof and self._taken > self._reported:
+                # the child waits for a report if the last item it sent filled it (else
+                # it waits on Redis: a report would only wake it); a short wait first
+                # then, in case it filled up otherwise (a smaller count)
+                if not self._full:
+                    left = _UNREPORTED_WAIT
+                    if deadline is not None:
+                        left = max(min(left, deadline - time.monotonic()), 0.0)
+                    got = frames.next(left)
+                if got is None and not frames.eof:
+                    self._report()
+            if got is None and not frames.eof:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                got = frames.next(left)
+            got = self._frame_of(got)
             if got is None:
                 raise TimeoutError(self._client.why_empty(str(self.name), timeout))
             kind, payload = got
             if kind != ITEM:
                 continue  # a late flush's acknowledgement
-            item = memoryview(payload)[GEN.size :]
-            if GEN.unpack_from(payload)[0] != self._gen:
+            item = memoryview(payload)[ITEM_HEAD.size :]
+            if ITEM_HEAD.unpack_from(payload)[0] != self._gen:
                 shm.discard(item)  # popped for the recipe before a retarget
                 continue
             self._taken += 1
+            self._full = bool(ITEM_HEAD.unpack_from(payload)[1])
             batch = self._client.accept(str(self.name), item)
             owed = self._taken - self._reported
-            if owed >= max(1, self.count // 4) or (owed and not self._frames.has_frame()):
-                # one write a few items (a write wakes the child, ~30 us), or now when
-                # nothing else waits (the child may be held by its byte budget); a failed
-                # one is raised by the next call, this batch is served
-                with contextlib.suppress(ReadAheadProcessError):
-                    self._give_credits()
+            if (
+                owed >= CREDIT_EVERY
+                or (owed and self._child_waits(payload))
+                or len(self._lineage) >= max(1, self.count // 4)
+            ):
+                self._report()
             if batch is None:
                 continue
             return batch if self.convert is None else self.convert(batch)
+
+    def _child_waits(self, taken: bytearray) -> bool:
+        """Whether the child waits for a report while this process holds fewer than
+        ``count`` items (held back by its byte budget): the newest item read (``taken``
+        when none is left) says whether the child had room after it."""
+        parsed = self._frames.parsed
+        if len(parsed) >= self.count:
+            return False
+        kind, newest = parsed[-1] if parsed else (ITEM, taken)
+        return kind != ITEM or bool(ITEM_HEAD.unpack_from(newest)[1])
+
+    def _report(self) -> None:
+        """:meth:`_give_credits`, a failure left to be raised by the next call (the batch
+        in hand is served)."""
+        with contextlib.suppress(ReadAheadProcessError):
+            self._give_credits()
 
     def _give_credits(self) -> None:
         """Tell the child how many items of this generation were taken so far (it pops as
@@ -250,8 +327,12 @@ class ProcessReadAhead:
 
     def trained(self, batch: Traced, policy_version: Any) -> None:
         """Record that ``batch`` (or a part of one this read-ahead served) trains
-        ``policy_version``: written by the child, sent to it with the next credits (every
-        ``count // 4`` batches taken) or :meth:`flush_lineage`."""
+        ``policy_version``, written by the child. The entry goes into the lineage pipe at
+        once (a write that wakes no one; the child reads the pipe at its next report,
+        flush or end of input, so a killed trainer's entries are written too); one the
+        pipe cannot take whole (full, or past ``PIPE_BUF`` bytes: a batch of more than
+        ~280 rows) goes with the next pop's report, at most ``max(1, count // 4)``
+        entries later."""
         ids = np.ascontiguousarray(batch.ids, "<i8").tobytes()
         entry = [self.name, int(batch.recipe_version), str(policy_version), ids, time.time()]
         weights = getattr(batch, "weights", None)  # what replays it (claw replay)
@@ -262,7 +343,17 @@ class ProcessReadAhead:
             getattr(batch, "recipe_digest", None),
             None if source is None else np.ascontiguousarray(source, "<i2").tobytes(),
         ]
+        data = frame(LINEAGE, msgpack.packb([entry]))
         with self._lock:
+            # atomic up to PIPE_BUF bytes (a larger entry could be written in part), and
+            # in order: behind entries waiting for the report, it waits too
+            fd = self._lineage_out[0]
+            if not self._lineage and fd >= 0 and len(data) <= select.PIPE_BUF:
+                try:
+                    os.write(fd, data)
+                    return
+                except OSError:  # full, or the child is gone: the report carries it
+                    pass
             self._lineage.append(entry)
 
     def _flush_entries(self) -> None:
@@ -299,7 +390,7 @@ class ProcessReadAhead:
                 if got[0] == ITEM:
                     held.append(got)
         finally:  # items read meanwhile are served next, in order
-            self._frames.buf[:0] = b"".join(frame(k, p) for k, p in held)
+            self._frames.unread(held)
 
     def resize(self, count: int) -> None:
         """Keep up to ``count`` batches from now on."""
@@ -322,6 +413,8 @@ class ProcessReadAhead:
             for f in (self._proc.stdin, self._proc.stdout):
                 with contextlib.suppress(OSError):
                     f.close()
+            with self._lock:
+                self._close_lineage()
             return
         unsent = 0
         if self._proc.poll() is None:
@@ -343,6 +436,8 @@ class ProcessReadAhead:
         while self._discard(0):
             pass
         self._proc.stdout.close()
+        with self._lock:
+            self._close_lineage()
         if self._proc.returncode or unsent or self._error is not None:
             log.warning(
                 "read-ahead of %r: its process ended with code %s%s%s",
@@ -359,7 +454,7 @@ class ProcessReadAhead:
         except ReadAheadProcessError:
             return False
         if got is not None and got[0] == ITEM:
-            shm.discard(memoryview(got[1])[GEN.size :])
+            shm.discard(memoryview(got[1])[ITEM_HEAD.size :])
         elif got is not None and got[0] == ERROR:
             self._failed(ReadAheadProcessError(got[1].decode(errors="replace")))
         return got is not None

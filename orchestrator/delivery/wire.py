@@ -479,10 +479,10 @@ def decode_batch(buf: Any, layouts: WireLayouts | None = LAYOUTS) -> Batch:
     end = layout.end
     if end + tail_len > len(mv):
         raise ValueError("truncated batch: array body past end of buffer")
+    # one constructor call an array, its shape given (a frombuffer and a reshape cost
+    # twice as much); the layout's checks keep every array within ``mv``
     views = [
-        np.frombuffer(mv, dtype, count, off).reshape(shape)
-        if shape is not None
-        else np.frombuffer(mv, dtype, count, off)
+        np.ndarray(shape or (count,), dtype, mv, off)
         for _, dtype, count, off, shape in layout.arrays
     ]
     tail = msgpack.unpackb(mv[end : end + tail_len], raw=False) if tail_len else {}

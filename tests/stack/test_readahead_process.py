@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from orchestrator.delivery.client import BatchClient
+from orchestrator.delivery.readahead_pipe import CREDIT_EVERY
 from orchestrator.delivery.readahead_process import ProcessReadAhead, ReadAheadProcessError
 from orchestrator.inspect.replay import replay
 from tests.support.readahead import ingest_ramp, wait_until
@@ -49,10 +50,12 @@ def client(redis_url, namespace, workers):
 
 def test_the_child_holds_count_batches_and_the_trainer_decodes_them(client):
     ra = ProcessReadAhead(client, "ra", count=3, convert=lambda b: (len(b), b))
-    wait_until(lambda: len(ra) == 3, "three batches read ahead")
+    # count, and the ones the trainer may have taken and not reported yet
+    bound = 3 + CREDIT_EVERY - 1
+    wait_until(lambda: len(ra) == bound, f"{bound} batches read ahead")
     queue = client.registry.queue("ra")
     wait_until(lambda: client.store.r.llen(queue) > 0, "the worker refilled the Redis queue")
-    assert len(ra) == 3  # no credit left: the child stopped taking from Redis
+    assert len(ra) == bound  # no credit left: the child stopped taking from Redis
     for _ in range(6):  # more than it holds: each pop gives the child a credit back
         rows, batch = ra.pop(timeout=60)
         assert rows == 16 and batch["obs"].shape == (16, 8)
@@ -87,10 +90,38 @@ def test_the_child_writes_the_lineage_the_trainer_declares(client):
     assert len(client.lineage.trained("at-close")) == 1
 
 
+def test_a_take_not_reported_yet_loses_no_credit(client):
+    ra = ProcessReadAhead(client, "ra", count=2)
+    bound = 2 + CREDIT_EVERY - 1
+    wait_until(lambda: len(ra) == bound, f"{bound} batches read ahead")
+    for _ in range(CREDIT_EVERY + 1):  # one report, then one take not reported yet
+        ra.pop(timeout=60)
+    # the child refilled what was reported (the last take too, if the trainer reported
+    # it), never more than its bound
+    wait_until(lambda: len(ra) >= bound - 1, f"{bound - 1} batches read ahead")
+    time.sleep(1.0)
+    assert bound - 1 <= len(ra) <= bound
+    ra.close()
+
+
+def test_every_declared_batch_is_in_the_log_after_close(client):
+    ra = ProcessReadAhead(client, "ra", count=2)
+    declared = 2 * CREDIT_EVERY + 1  # not a whole number of reports: some go at close
+    ids = []
+    for k in range(declared):
+        batch = ra.pop(timeout=60)
+        ra.trained(batch, f"close-{k}")
+        ids.append(batch.ids.tolist())
+    ra.close()
+    for k in range(declared):
+        (entry,) = client.lineage.trained(f"close-{k}")
+        assert entry.batch_ids.tolist() == ids[k]
+
+
 def test_retarget_serves_the_new_recipe_and_drops_what_was_read_for_the_old(client):
     client.register(_recipe("big", 32))
     ra = ProcessReadAhead(client, "ra", count=3)
-    wait_until(lambda: len(ra) == 3, "three batches of the first recipe read ahead")
+    wait_until(lambda: len(ra) >= 3, "three batches of the first recipe read ahead")
     pid = ra.pid
     ra.retarget("big", 2, None)
     for _ in range(4):
@@ -142,6 +173,34 @@ def test_the_child_exits_when_its_trainer_is_killed(redis_url, namespace, client
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
     wait_until(lambda: not _alive(child), "the orphaned read-ahead process exited", timeout=30)
+
+
+def test_what_a_killed_trainer_declared_is_in_the_log(redis_url, namespace, client):
+    declared = 2 * CREDIT_EVERY + 1  # not a whole number of reports
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\n"
+            "from orchestrator.delivery.client import BatchClient\n"
+            "from orchestrator.delivery.readahead_process import ProcessReadAhead\n"
+            f"c = BatchClient({namespace!r}, {redis_url!r})\n"
+            "ra = ProcessReadAhead(c, 'ra', count=2)\n"
+            f"for k in range({declared}):\n"
+            "    ra.trained(ra.pop(timeout=60), f'killed-{k}')\n"
+            "print(ra.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )
+    assert trainer.stdout is not None
+    child = int(trainer.stdout.readline())
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    wait_until(lambda: not _alive(child), "the orphaned read-ahead process exited", timeout=30)
+    for k in range(declared):
+        assert len(client.lineage.trained(f"killed-{k}")) == 1
 
 
 def test_a_byte_budget_holds_one_batch(client):

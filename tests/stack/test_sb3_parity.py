@@ -462,7 +462,7 @@ def _buffer_of(array: np.ndarray) -> np.ndarray:
     """The whole buffer a decoded array views (the popped item, or the segment's mapping),
     as bytes."""
     base = array
-    while not isinstance(base, memoryview):
+    while isinstance(base, np.ndarray):
         base = base.base
     return np.frombuffer(base, np.uint8)
 

@@ -5,11 +5,12 @@ items read after it into the same read buffer."""
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import torch
 
-from orchestrator.delivery.readahead_pipe import ITEM, Frames, frame
+from orchestrator.delivery.readahead_pipe import ITEM, PIPE_BYTES, Frames, frame
 from orchestrator.delivery.wire import decode_batch, to_wire
 
 
@@ -36,3 +37,19 @@ def test_an_item_read_out_of_the_pipe_outlives_the_reads_after_it():
     assert not any(np.shares_memory(a, b) for i, a in enumerate(views) for b in views[i + 1 :])
     assert (tensor == 0).all() and batch.ids.tolist() == list(range(64))
     assert [bytes(p) for p in got] == items
+
+
+def test_frames_longer_than_a_read_and_many_in_one_read_come_whole():
+    r, w = os.pipe()
+    frames = Frames(r)
+    big = bytes(range(256)) * (3 * PIPE_BYTES // 256 + 7)  # spans several reads
+    small = [bytes([k]) * (k + 1) for k in range(5)]
+    data = b"".join(frame(ITEM, p) for p in [*small, big])
+    writer = threading.Thread(target=lambda: os.write(w, data))
+    writer.start()
+    got = [frames.next(timeout=30) for _ in range(len(small) + 1)]
+    writer.join()
+    os.close(w)
+    assert [p for _, p in got] == [*small, big]
+    assert frames.next(timeout=1) is None and frames.eof
+    os.close(r)
