@@ -46,9 +46,6 @@ log = logging.getLogger(__name__)
 TURN = Lua("turn", "orchestrator")
 """The per-trajectory state script (``orchestrator/lua/turn.lua``)."""
 _DRAIN = 256  # calls numbered in one round trip (and sent in one batch) at most
-GATHER_S = 0.05
-"""How long the recorder thread gathers calls after the first before it numbers and sends
-them, one batch (a burst's calls go in one message, not one each)."""
 RETRY_S, RETRY_MAX_S = 0.5, 5.0
 """The first and the longest wait before the store is asked again to number turns it
 could not (unreachable)."""
@@ -270,11 +267,13 @@ class Recorder:
             elif first is None:
                 stop = True
             else:
+                # Numbered at once with what queued up meanwhile (one round trip, one
+                # batch): a turn numbered later than it was answered could miss a reward
+                # posted to another gateway right after the answer.
                 calls.append(first)
-                until = time.monotonic() + GATHER_S
-                while len(calls) < _DRAIN:  # what queues up meanwhile, in the same batch
+                while len(calls) < _DRAIN:
                     try:
-                        item = self._queue.get(timeout=max(0.0, until - time.monotonic()))
+                        item = self._queue.get_nowait()
                     except queue.Empty:
                         break
                     if not isinstance(item, Call):  # the stop marker, or a replayed batch
